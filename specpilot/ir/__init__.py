@@ -1,0 +1,12 @@
+"""The graph IR: step graph and model graphs, printer/parser, structural hash, verifier, lowering."""
+
+from .graph import LEVELS, Graph, Program
+from .lower import lower
+from .node import MATMUL_OPS, OPS, Node
+from .text import parse_program, print_program
+from .verify import IRError, program_problems, verify_program
+
+__all__ = [
+    "LEVELS", "MATMUL_OPS", "OPS", "Graph", "IRError", "Node", "Program", "lower", "parse_program",
+    "print_program", "program_problems", "verify_program",
+]

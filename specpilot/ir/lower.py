@@ -1,0 +1,188 @@
+"""Lowering: HF config dicts of a target and a parallel drafter -> a verified `Program`.
+
+Supported: Llama and Qwen3 targets (Qwen3 adds per-head q/k RMSNorm); DFlash-style drafters
+(config keys `target_layer_ids`, `block_size`, `mask_token_id`; embedding and lm_head shared
+with the target) and PARD-style drafters (a causal LM whose config names its `pard_token`).
+Weight names are the checkpoint's own, so a backend can find every tensor a node reads.
+Weights the drafter borrows from the target are named `target/<name>`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..errors import CheckpointError
+from .graph import Graph, Program
+from .node import Node
+from .verify import expected_verify_length, verify_program
+
+FAMILIES = ("llama", "qwen3")
+SHARED = "target/"
+
+
+@dataclass(frozen=True)
+class Shapes:
+    """The few numbers of an HF config that fix a decoder's graph."""
+
+    family: str
+    vocab: int
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    eps: float
+    theta: float
+    tied: bool
+
+    @staticmethod
+    def from_hf(cfg: dict, source: str, family: str | None = None) -> "Shapes":
+        family = family or cfg.get("model_type")
+        if family not in FAMILIES:
+            raise CheckpointError(f"{source}: model_type={family!r} is not supported (expected one of {', '.join(FAMILIES)})")
+
+        def need(key):
+            if key not in cfg:
+                raise CheckpointError(f"{source}: missing field {key!r}")
+            return cfg[key]
+
+        hidden, heads = int(need("hidden_size")), int(need("num_attention_heads"))
+        theta = cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta") or 10000.0
+        return Shapes(
+            family=family,
+            vocab=int(need("vocab_size")),
+            hidden=hidden,
+            intermediate=int(need("intermediate_size")),
+            layers=int(need("num_hidden_layers")),
+            heads=heads,
+            kv_heads=int(cfg.get("num_key_value_heads") or heads),
+            head_dim=int(cfg.get("head_dim") or hidden // heads),
+            eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            theta=float(theta),
+            tied=bool(cfg.get("tie_word_embeddings", False)),
+        )
+
+
+def _matmul(op: str, inp: int, out: int, weight: str, dtype: str, **extra) -> Node:
+    return Node.make(op, in_features=inp, out_features=out, weight=weight, dtype=dtype,
+                     format=dtype, kernel="torch", **extra)
+
+
+def _decoder_layers(g: Graph, s: Shapes, x: str, prefix: str, dtype: str, *, mask: str,
+                    context: str | None = None) -> str:
+    """Append s.layers pre-norm attention+MLP blocks after node x; return the last node's name."""
+    q_out, kv_out = s.heads * s.head_dim, s.kv_heads * s.head_dim
+    for i in range(s.layers):
+        p, w = f"layers.{i}", f"{prefix}layers.{i}"
+        norm = g.add(f"{p}.input_norm", Node.make("rmsnorm", dim=s.hidden, eps=s.eps, weight=f"{w}.input_layernorm.weight"), [x])
+        kv_in = [norm] if context is None else [context, norm]
+        q = g.add(f"{p}.q_proj", _matmul("linear", s.hidden, q_out, f"{w}.self_attn.q_proj.weight", dtype), [norm])
+        k = g.add(f"{p}.k_proj", _matmul("linear", s.hidden, kv_out, f"{w}.self_attn.k_proj.weight", dtype), kv_in)
+        v = g.add(f"{p}.v_proj", _matmul("linear", s.hidden, kv_out, f"{w}.self_attn.v_proj.weight", dtype), kv_in)
+        rope = g.add(f"{p}.rope", Node.make("rope", head_dim=s.head_dim, theta=s.theta), [q, k])
+        attn = g.add(
+            f"{p}.attention",
+            Node.make("attention", heads=s.heads, kv_heads=s.kv_heads, head_dim=s.head_dim, mask=mask,
+                      kernel="sdpa", qk_norm=s.family == "qwen3",
+                      context="self" if context is None else "target-hidden"),
+            [rope, v],
+        )
+        o = g.add(f"{p}.o_proj", _matmul("linear", q_out, s.hidden, f"{w}.self_attn.o_proj.weight", dtype), [attn])
+        res = g.add(f"{p}.attn_residual", Node.make("add"), [x, o])
+        norm2 = g.add(f"{p}.post_norm", Node.make("rmsnorm", dim=s.hidden, eps=s.eps, weight=f"{w}.post_attention_layernorm.weight"), [res])
+        gate = g.add(f"{p}.gate_proj", _matmul("linear", s.hidden, s.intermediate, f"{w}.mlp.gate_proj.weight", dtype), [norm2])
+        up = g.add(f"{p}.up_proj", _matmul("linear", s.hidden, s.intermediate, f"{w}.mlp.up_proj.weight", dtype), [norm2])
+        act = g.add(f"{p}.mlp", Node.make("mlp", act="silu", dim=s.intermediate), [gate, up])
+        down = g.add(f"{p}.down_proj", _matmul("linear", s.intermediate, s.hidden, f"{w}.mlp.down_proj.weight", dtype), [act])
+        x = g.add(f"{p}.mlp_residual", Node.make("add"), [res, down])
+    return x
+
+
+def _head(g: Graph, s: Shapes, x: str, norm_weight: str, head_weight: str, tied: bool, dtype: str) -> None:
+    norm = g.add("norm", Node.make("rmsnorm", dim=s.hidden, eps=s.eps, weight=norm_weight), [x])
+    head = g.add("lm_head", _matmul("lm_head", s.hidden, s.vocab, head_weight, dtype, tied=tied), [norm])
+    g.add("argmax", Node.make("argmax", vocab=s.vocab), [head])
+
+
+def lower_causal_lm(name: str, s: Shapes, dtype: str) -> Graph:
+    """A Llama/Qwen3 causal LM (the target, or a PARD drafter) as a model graph."""
+    g = Graph(name)
+    tokens = g.add("tokens", Node.make("input", what="tokens"))
+    emb = g.add("embed", Node.make("embed", vocab=s.vocab, dim=s.hidden, dtype=dtype, weight="model.embed_tokens.weight"), [tokens])
+    x = _decoder_layers(g, s, emb, "model.", dtype, mask="causal")
+    head_weight = "model.embed_tokens.weight" if s.tied else "lm_head.weight"
+    _head(g, s, x, "model.norm.weight", head_weight, s.tied, dtype)
+    return g
+
+
+def lower_dflash(s: Shapes, target: Shapes, layer_ids: tuple[int, ...], dtype: str) -> Graph:
+    """A DFlash-style drafter: target hidden states -> context projection -> non-causal block layers."""
+    g = Graph("drafter")
+    tokens = g.add("tokens", Node.make("input", what="tokens"))
+    feat_dim = len(layer_ids) * target.hidden
+    hidden = g.add("target_hidden", Node.make("input", what="target_hidden", layers=layer_ids, dim=feat_dim))
+    fc = g.add("context_fc", _matmul("linear", feat_dim, s.hidden, "encoder.fc.weight", dtype), [hidden])
+    ctx = g.add("context_norm", Node.make("rmsnorm", dim=s.hidden, eps=s.eps, weight="encoder.output_norm_enc.weight"), [fc])
+    emb = g.add("embed", Node.make("embed", vocab=target.vocab, dim=target.hidden, dtype=dtype, weight=SHARED + "model.embed_tokens.weight"), [tokens])
+    x = _decoder_layers(g, s, emb, "", dtype, mask="block-noncausal", context=ctx)
+    head_weight = SHARED + ("model.embed_tokens.weight" if target.tied else "lm_head.weight")
+    _head(g, target, x, "norm.weight", head_weight, target.tied, dtype)
+    return g
+
+
+def _step_graph(kind: str, block_size: int, drafter: str) -> Graph:
+    g = Graph("step")
+    draft_node = Node.make("draft", kind=kind, block_size=block_size, drafter=drafter)
+    budget = block_size - 1 if kind == "dflash" else block_size
+    propose_node = Node.make("propose", shape="chain", budget=budget)
+    d = g.add("draft", draft_node)
+    p = g.add("propose", propose_node, [d])
+    v = g.add("verify", Node.make("verify", mode="chain", q=expected_verify_length(draft_node, propose_node)), [p])
+    a = g.add("accept", Node.make("accept", rule="greedy-prefix", on="host"), [v])
+    c = g.add("commit", Node.make("commit", kv="rollback"), [a])
+    g.add("schedule", Node.make("schedule", policy="static", batch=1), [c])
+    return g
+
+
+def drafter_kind(cfg: dict) -> str:
+    if "target_layer_ids" in cfg:
+        return "dflash"
+    if "pard_token" in cfg:
+        return "pard"
+    return "unknown"
+
+
+def lower(target_cfg: dict, drafter_cfg: dict, *, dtype: str = "float32", block_size: int | None = None,
+          target_source: str = "target/config.json", drafter_source: str = "drafter/config.json") -> Program:
+    """Lower a target and a drafter (HF config dicts) to a verified Program.
+
+    `block_size` overrides the drafter config's own (DFlash: block incl. the anchor; PARD: k)."""
+    t = Shapes.from_hf(target_cfg, target_source)
+    kind = drafter_kind(drafter_cfg)
+    if kind == "dflash":
+        d = Shapes.from_hf({**target_cfg, **drafter_cfg}, drafter_source, family=t.family)
+        if d.hidden != t.hidden:
+            raise CheckpointError(f"{drafter_source}: hidden_size={d.hidden} must equal the target's {t.hidden} (shared embedding)")
+        layer_ids = tuple(int(i) for i in drafter_cfg["target_layer_ids"])
+        bad = [i for i in layer_ids if not 0 <= i < t.layers]
+        if bad:
+            raise CheckpointError(f"{drafter_source}: target_layer_ids {bad} outside the target's {t.layers} layers")
+        drafter = lower_dflash(d, t, layer_ids, dtype)
+        block = int(block_size or drafter_cfg.get("block_size", 16))
+    elif kind == "pard":
+        d = Shapes.from_hf(drafter_cfg, drafter_source)
+        drafter = lower_causal_lm("drafter", d, dtype)
+        block = int(block_size or drafter_cfg.get("pard_k", 8))
+    else:
+        raise CheckpointError(
+            f"{drafter_source}: not a parallel drafter (expected 'target_layer_ids' for DFlash or 'pard_token' for PARD)")
+    if d.vocab != t.vocab:
+        raise CheckpointError(f"{drafter_source}: vocab_size={d.vocab} does not match the target's {t.vocab}")
+    program = Program(
+        step=_step_graph(kind, block, kind),
+        target=lower_causal_lm("target", t, dtype),
+        drafter=drafter,
+        attrs=(("dtype", dtype), ("family", t.family)),
+    )
+    return verify_program(program, after="lowering")

@@ -1,0 +1,119 @@
+"""IR node payloads: one small frozen node type, and the op schemas that give it meaning.
+
+A node is an op name plus sorted attributes. Attribute values are plain literals (int, float, str,
+bool, or a tuple of them) so that a node prints, parses and hashes the same everywhere. What each
+op requires lives in `OPS`, as data; the verifier checks graphs against it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+Literal = int | float | str | bool | tuple
+
+
+def _check_literal(key: str, value: Any) -> Literal:
+    if isinstance(value, list):
+        value = tuple(value)
+    if isinstance(value, tuple):
+        for item in value:
+            _check_literal(key, item)
+        return value
+    if isinstance(value, (bool, int, float, str)):
+        return value
+    raise TypeError(f"attribute {key!r}: {type(value).__name__} is not an IR literal (int, float, str, bool, tuple)")
+
+
+@dataclass(frozen=True)
+class Node:
+    """One IR operation: `op` and its attributes, sorted by name."""
+
+    op: str
+    attrs: tuple[tuple[str, Literal], ...] = ()
+
+    @staticmethod
+    def make(op: str, **attrs: Any) -> "Node":
+        return Node(op, tuple(sorted((k, _check_literal(k, v)) for k, v in attrs.items())))
+
+    def get(self, key: str, default: Any = None) -> Any:
+        for k, v in self.attrs:
+            if k == key:
+                return v
+        return default
+
+    def __getitem__(self, key: str) -> Literal:
+        for k, v in self.attrs:
+            if k == key:
+                return v
+        raise KeyError(f"{self.op} has no attribute {key!r}")
+
+    def __contains__(self, key: str) -> bool:
+        return any(k == key for k, _ in self.attrs)
+
+    def items(self) -> Iterator[tuple[str, Literal]]:
+        return iter(self.attrs)
+
+    def replace(self, **changes: Any) -> "Node":
+        merged = dict(self.attrs)
+        merged.update(changes)
+        return Node.make(self.op, **merged)
+
+
+@dataclass(frozen=True)
+class OpSchema:
+    """What an op needs: `required` attribute names with their allowed values (a type or a set)."""
+
+    level: str  # "step" or "model"
+    required: dict
+    optional: dict = None
+
+    def allowed(self, key: str):
+        if key in self.required:
+            return self.required[key]
+        return (self.optional or {}).get(key)
+
+
+WEIGHT_FORMATS = {"float32", "bfloat16", "float16", "u12"}
+DTYPES = {"float32", "bfloat16", "float16"}
+MATMUL_OPS = {"linear", "lm_head"}  # ops that read a weight matrix: what weight passes rewrite
+
+_matmul = {
+    "in_features": int,
+    "out_features": int,
+    "dtype": DTYPES,
+    "format": WEIGHT_FORMATS,
+    "kernel": {"torch", "triton-u12"},
+    "weight": str,
+}
+
+OPS: dict[str, OpSchema] = {
+    # step graph: one decode step of the deployment
+    "draft": OpSchema("step", {"kind": {"dflash", "pard"}, "block_size": int, "drafter": str}),
+    "propose": OpSchema("step", {"shape": {"chain", "tree"}, "budget": int}, {"topk": int}),
+    "verify": OpSchema("step", {"mode": {"chain", "tree", "two-level"}, "q": int}),
+    "accept": OpSchema("step", {"rule": {"greedy-prefix", "tree-path"}, "on": {"host", "device"}}),
+    "commit": OpSchema("step", {"kv": {"rollback", "compact"}}),
+    "schedule": OpSchema("step", {"policy": {"static"}, "batch": int}),
+    # model graphs: target and drafter as ops with shapes and dtypes
+    "input": OpSchema("model", {"what": {"tokens", "target_hidden"}}, {"layers": tuple, "dim": int}),
+    "embed": OpSchema("model", {"vocab": int, "dim": int, "dtype": DTYPES, "weight": str}),
+    "rmsnorm": OpSchema("model", {"dim": int, "eps": float, "weight": str}),
+    "linear": OpSchema("model", _matmul),
+    "rope": OpSchema("model", {"head_dim": int, "theta": float}),
+    "attention": OpSchema(
+        "model",
+        {
+            "heads": int,
+            "kv_heads": int,
+            "head_dim": int,
+            "mask": {"causal", "block-noncausal", "tree"},
+            "kernel": {"sdpa", "triton-split-kv"},
+        },
+        {"qk_norm": bool, "context": {"self", "target-hidden"}},
+    ),
+    "mlp": OpSchema("model", {"act": {"silu"}, "dim": int}),
+    "add": OpSchema("model", {}),
+    "lm_head": OpSchema("model", {**_matmul, "tied": bool}),
+    "argmax": OpSchema("model", {"vocab": int}),
+}
