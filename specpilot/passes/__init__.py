@@ -1,0 +1,10 @@
+"""Rewrite passes over the IR: one pass per file, registered by name (see base.py)."""
+
+from .base import REGISTRY, Pass, PassResult, lookup, register
+from .manager import PassRecord, all_lossless, pipeline_string, run_passes
+from . import block_size  # noqa: F401  (registers draft-block-size)
+
+__all__ = [
+    "REGISTRY", "Pass", "PassRecord", "PassResult", "all_lossless", "lookup", "pipeline_string",
+    "register", "run_passes",
+]
