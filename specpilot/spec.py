@@ -1,0 +1,200 @@
+"""pipeline.yaml: the deployment a user asks specpilot to compile, validated on load.
+
+    name: demo
+    target: tiny-qwen3              # a built-in model name, or a local HF model directory
+    drafter:
+      kind: dflash                  # dflash | pard
+      path: tiny-qwen3/dflash       # built-in drafter or local directory (default: the built-in pair's)
+      block_size: 8                 # optional: overrides the drafter config's own
+    gpu: h200                       # a name from the GPU database (`--gpu` overrides it)
+    serving:
+      batch_sizes: [1]
+      max_new_tokens: 64
+      greedy: true                  # only greedy decoding is supported
+    benchmark:
+      prompts: code-smoke           # a prompt-set name, or a .jsonl file ({"prompt": ...} per line)
+      num_prompts: 4
+    passes: "draft-block-size{size=8}"   # optional pass pipeline
+    rules: [rules/mine.rules]       # optional DSL files defining custom passes
+
+Every error names the file, the field and what was expected. Relative paths are taken relative
+to the directory of the YAML file.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from .errors import SpecError
+
+DRAFTER_KINDS = ("dflash", "pard")
+BUILTIN_PREFIX = "builtin:"
+
+
+@dataclass(frozen=True)
+class DrafterSpec:
+    kind: str
+    path: str | None = None
+    block_size: int | None = None
+
+
+@dataclass(frozen=True)
+class ServingSpec:
+    batch_sizes: tuple[int, ...] = (1,)
+    max_new_tokens: int = 64
+    greedy: bool = True
+
+
+@dataclass(frozen=True)
+class BenchmarkSpec:
+    prompts: str = "code-smoke"
+    num_prompts: int = 4
+
+
+@dataclass(frozen=True)
+class PipelineSpec:
+    source: str
+    name: str
+    target: str
+    drafter: DrafterSpec
+    gpu: str
+    serving: ServingSpec = field(default_factory=ServingSpec)
+    benchmark: BenchmarkSpec = field(default_factory=BenchmarkSpec)
+    passes: str = ""
+    rules: tuple[str, ...] = ()
+
+    def with_gpu(self, gpu: str | None) -> "PipelineSpec":
+        return self if gpu is None else replace(self, gpu=gpu)
+
+    def to_dict(self) -> dict:
+        return {
+            "name": self.name,
+            "target": self.target,
+            "drafter": {k: v for k, v in vars(self.drafter).items() if v is not None},
+            "gpu": self.gpu,
+            "serving": {"batch_sizes": list(self.serving.batch_sizes), "max_new_tokens": self.serving.max_new_tokens,
+                        "greedy": self.serving.greedy},
+            "benchmark": vars(self.benchmark).copy(),
+            "passes": self.passes,
+            "rules": list(self.rules),
+        }
+
+
+class _Reader:
+    """Reads one mapping of the YAML document, naming `file: field` in every error."""
+
+    def __init__(self, source: str, data: Any, prefix: str = ""):
+        self.source, self.prefix = source, prefix
+        if not isinstance(data, dict):
+            where = f"field '{prefix[:-1]}'" if prefix else "the document"
+            raise SpecError(f"{source}: {where}: expected a mapping, got {_show(data)}")
+        self.data = data
+        self.seen: set[str] = set()
+
+    def fail(self, key: str, expected: str, got: Any) -> SpecError:
+        return SpecError(f"{self.source}: field '{self.prefix}{key}': expected {expected}, got {_show(got)}")
+
+    def get(self, key: str, kind: type | tuple, expected: str, default: Any = ..., check=None) -> Any:
+        self.seen.add(key)
+        if key not in self.data or self.data[key] is None:
+            if default is ...:
+                raise SpecError(f"{self.source}: missing field '{self.prefix}{key}' ({expected})")
+            return default
+        value = self.data[key]
+        if isinstance(value, bool) and kind in (int, str):
+            raise self.fail(key, expected, value)
+        if not isinstance(value, kind) or (check is not None and not check(value)):
+            raise self.fail(key, expected, value)
+        return value
+
+    def sub(self, key: str) -> "_Reader":
+        self.seen.add(key)
+        return _Reader(self.source, self.data.get(key) or {}, f"{self.prefix}{key}.")
+
+    def finish(self) -> None:
+        unknown = sorted(set(self.data) - self.seen)
+        if unknown:
+            known = ", ".join(sorted(self.seen))
+            raise SpecError(f"{self.source}: unknown field '{self.prefix}{unknown[0]}' (known fields here: {known})")
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, (dict, list)):
+        return type(value).__name__
+    return repr(value)
+
+
+def _positive(v) -> bool:
+    return v >= 1
+
+
+def parse_spec(data: Any, source: str) -> PipelineSpec:
+    r = _Reader(source, data)
+    name = r.get("name", str, "a string", default=Path(source).stem)
+    target = r.get("target", str, "a built-in model name or a local model directory")
+    d = r.sub("drafter")
+    drafter = DrafterSpec(
+        kind=d.get("kind", str, f"one of {', '.join(DRAFTER_KINDS)}", check=lambda v: v in DRAFTER_KINDS),
+        path=d.get("path", str, "a built-in drafter name or a local model directory", default=None),
+        block_size=d.get("block_size", int, "an integer >= 1", default=None, check=_positive),
+    )
+    d.finish()
+    gpu = r.get("gpu", str, "a GPU name such as h200", default="h200")
+    s = r.sub("serving")
+    batch = s.get("batch_sizes", list, "a list of integers >= 1", default=[1],
+                  check=lambda v: bool(v) and all(isinstance(b, int) and not isinstance(b, bool) and b >= 1 for b in v))
+    serving = ServingSpec(
+        batch_sizes=tuple(batch),
+        max_new_tokens=s.get("max_new_tokens", int, "an integer >= 1", default=64, check=_positive),
+        greedy=s.get("greedy", bool, "true (only greedy decoding is supported)", default=True, check=lambda v: v is True),
+    )
+    s.finish()
+    b = r.sub("benchmark")
+    bench = BenchmarkSpec(
+        prompts=b.get("prompts", str, "a prompt-set name or a .jsonl path", default="code-smoke"),
+        num_prompts=b.get("num_prompts", int, "an integer >= 1", default=4, check=_positive),
+    )
+    b.finish()
+    passes = r.get("passes", str, "a pass pipeline string", default="")
+    rules = r.get("rules", list, "a list of rule file paths", default=[],
+                  check=lambda v: all(isinstance(x, str) for x in v))
+    r.finish()
+    base = Path(source).parent
+    return PipelineSpec(
+        source=source,
+        name=name,
+        target=_resolve(target, base),
+        drafter=replace(drafter, path=_resolve(drafter.path, base) if drafter.path else None),
+        gpu=gpu,
+        serving=serving,
+        benchmark=replace(bench, prompts=_resolve(bench.prompts, base) if bench.prompts.endswith(".jsonl") else bench.prompts),
+        passes=passes,
+        rules=tuple(_resolve(x, base) for x in rules),
+    )
+
+
+def _resolve(value: str, base: Path) -> str:
+    """Paths that exist relative to the spec's folder become absolute; names stay names."""
+    candidate = base / value
+    if not Path(value).is_absolute() and candidate.exists():
+        return str(candidate.resolve())
+    return value
+
+
+def load_spec(path: str | Path) -> PipelineSpec:
+    path = Path(path)
+    source = str(path)
+    if not path.is_file():
+        raise SpecError(f"{source}: no such file")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f":{mark.line + 1}:{mark.column + 1}" if mark else ""
+        problem = getattr(e, "problem", None) or "not valid YAML"
+        raise SpecError(f"{source}{where}: {problem}") from None
+    return parse_spec(data, source)
