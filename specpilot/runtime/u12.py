@@ -1,0 +1,211 @@
+"""The lossless 12-bit weight format ("u12").
+
+A bf16 weight is sign (1 bit), exponent (8) and mantissa (7). The exponent carries little
+information in trained (or normally distributed) weights: 15 consecutive exponent values cover
+nearly all of them. u12 stores each weight as
+
+* ``sm``: one byte, ``sign << 7 | mantissa``;
+* a 4-bit ``code``: ``c`` in 1..15 means exponent field ``base + c - 1``; ``c = 0`` is an escape;
+  two codes per byte, the even column in the low nibble;
+
+and every weight whose exponent falls outside the window ``[base, base + 14]`` goes to an exact
+side table (flat index, bf16 bit pattern). The base is per tensor, chosen to cover the most
+weights, so the side table is as small as the data allows. Every bf16 bit pattern (±0,
+subnormals, ±inf, NaN payloads) round-trips bit-exactly.
+
+Files are safetensors; the metadata holds each tensor's shape, base and a sha256 over its
+planes, checked on load.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+WINDOW = 15  # exponent values a 4-bit code can name; code 0 is the escape
+MAX_BASE = 255 - (WINDOW - 1)
+FORMAT_VERSION = "1"
+_PLANES = ("sm", "codes", "esc_idx", "esc_val")
+
+
+@dataclass(frozen=True, eq=False)
+class U12Tensor:
+    """A 2-D bf16 tensor in u12 form.
+
+    ``esc_idx`` holds the flat (row-major) indices of the escaped weights in ascending order
+    (int32 when the tensor has fewer than 2**31 elements, else int64); ``esc_val`` their bf16
+    bit patterns as int16. At escaped positions ``codes`` holds 0 and ``sm`` the true sign and
+    mantissa.
+    """
+
+    shape: tuple[int, int]
+    base: int
+    sm: torch.Tensor  # uint8 [N, K]
+    codes: torch.Tensor  # uint8 [N, ceil(K / 2)]
+    esc_idx: torch.Tensor  # int32 or int64 [E]
+    esc_val: torch.Tensor  # int16 [E]
+
+    def __post_init__(self) -> None:
+        n, k = self.shape
+        expected = {
+            "sm": (torch.uint8, (n, k)),
+            "codes": (torch.uint8, (n, (k + 1) // 2)),
+            "esc_val": (torch.int16, tuple(self.esc_idx.shape)),
+        }
+        for field, (dtype, shape) in expected.items():
+            plane = getattr(self, field)
+            if plane.dtype != dtype or tuple(plane.shape) != shape:
+                raise ValueError(
+                    f"U12Tensor.{field}: expected {dtype} {list(shape)}, "
+                    f"got {plane.dtype} {list(plane.shape)}"
+                )
+        if self.esc_idx.dtype not in (torch.int32, torch.int64) or self.esc_idx.dim() != 1:
+            raise ValueError(f"U12Tensor.esc_idx: expected 1-D int32/int64, got {self.esc_idx.dtype}")
+        if not 0 <= self.base <= MAX_BASE:
+            raise ValueError(f"U12Tensor.base: expected 0..{MAX_BASE}, got {self.base}")
+
+    @property
+    def device(self) -> torch.device:
+        return self.sm.device
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the planes and the side table (what the weight costs to read and store)."""
+        return sum(p.numel() * p.element_size() for p in (self.sm, self.codes, self.esc_idx, self.esc_val))
+
+    @functools.cached_property
+    def esc_row_ptr(self) -> torch.Tensor:
+        """int32 [N + 1]: escapes of row n are ``esc_idx[ptr[n]:ptr[n + 1]]`` (CSR, derived, not stored).
+
+        Kernels use it to find a row block's escapes without searching; computed once per tensor.
+        """
+        n, k = self.shape
+        row_starts = torch.arange(n + 1, device=self.device, dtype=torch.int64) * k
+        return torch.searchsorted(self.esc_idx.to(torch.int64), row_starts).to(torch.int32)
+
+    def to(self, device: torch.device | str) -> U12Tensor:
+        return dataclasses.replace(self, **{p: getattr(self, p).to(device) for p in _PLANES})
+
+
+def _bf16_bits(w: torch.Tensor) -> torch.Tensor:
+    """The bf16 bit patterns of ``w`` as int32 in 0..65535."""
+    return w.contiguous().view(torch.int16).to(torch.int32) & 0xFFFF
+
+
+def best_base(exponents: torch.Tensor) -> int:
+    """The base of the 15-exponent window holding the most of ``exponents`` (ties: the lowest)."""
+    hist = torch.bincount(exponents.flatten().to(torch.int64), minlength=256)
+    return int(hist.unfold(0, WINDOW, 1).sum(1).argmax())
+
+
+def pack_u12(w: torch.Tensor, base: int | None = None) -> U12Tensor:
+    """Pack a 2-D bf16 tensor; ``base`` defaults to the window covering the most weights."""
+    if w.dtype != torch.bfloat16 or w.dim() != 2:
+        raise ValueError(f"pack_u12: expected a 2-D bfloat16 tensor, got {w.dtype} {list(w.shape)}")
+    n, k = w.shape
+    bits = _bf16_bits(w)
+    exponent = (bits >> 7) & 0xFF
+    if base is None:
+        base = best_base(exponent)
+    code = exponent - (base - 1)
+    in_window = (code >= 1) & (code <= WINDOW)
+    code = torch.where(in_window, code, 0)
+
+    sm = (((bits >> 8) & 0x80) | (bits & 0x7F)).to(torch.uint8)
+    if k % 2:
+        code = torch.nn.functional.pad(code, (0, 1))
+    codes = (code[:, 0::2] | (code[:, 1::2] << 4)).to(torch.uint8)
+
+    index_dtype = torch.int32 if n * k < 2**31 else torch.int64
+    esc_idx = torch.nonzero(~in_window.flatten()).flatten()
+    esc_val = w.contiguous().view(torch.int16).flatten()[esc_idx]
+    return U12Tensor((n, k), base, sm, codes, esc_idx.to(index_dtype), esc_val)
+
+
+def unpack_u12(t: U12Tensor) -> torch.Tensor:
+    """The exact bf16 tensor that was packed."""
+    n, k = t.shape
+    sm = t.sm.to(torch.int32)
+    codes = t.codes.to(torch.int32)
+    code = torch.stack((codes & 0xF, codes >> 4), dim=-1).reshape(n, -1)[:, :k]
+    bits = ((sm & 0x80) << 8) | ((code + (t.base - 1)) << 7) | (sm & 0x7F)
+    bits = torch.where(bits >= 0x8000, bits - 0x10000, bits).to(torch.int16).flatten()
+    bits[t.esc_idx.to(torch.int64)] = t.esc_val
+    return bits.view(torch.bfloat16).reshape(n, k)
+
+
+def u12_stats(w: torch.Tensor) -> dict[str, float | int]:
+    """Cost and exponent statistics of ``w`` (2-D bf16) in u12 form.
+
+    bits_per_weight counts the real bytes of both planes and the side table.
+    """
+    t = pack_u12(w)
+    exponent = (_bf16_bits(w) >> 7) & 0xFF
+    hist = torch.bincount(exponent.flatten().to(torch.int64), minlength=256).double()
+    p = hist[hist > 0] / hist.sum().clamp(min=1)
+    numel = max(w.numel(), 1)
+    return {
+        "bits_per_weight": 8 * t.nbytes / numel,
+        "escape_rate": t.esc_idx.numel() / numel,
+        "escapes": t.esc_idx.numel(),
+        "base": t.base,
+        "distinct_exponents": int((hist > 0).sum()),
+        "exponent_entropy_bits": float(-(p * p.log2()).sum()),
+    }
+
+
+def _checksum(t: U12Tensor) -> str:
+    """sha256 over shape, base and every plane's dtype and bytes."""
+    h = hashlib.sha256(json.dumps({"shape": list(t.shape), "base": t.base}).encode())
+    for name in _PLANES:
+        plane = getattr(t, name).detach().contiguous().cpu()
+        h.update(f"{name}:{plane.dtype}:{plane.numel()}".encode())
+        h.update(plane.view(torch.uint8).numpy().tobytes() if plane.numel() else b"")
+    return h.hexdigest()
+
+
+def save_u12(tensors: dict[str, U12Tensor], path: str | os.PathLike) -> None:
+    """Write u12 tensors to one safetensors file, with shape, base and checksum in its metadata."""
+    planes: dict[str, torch.Tensor] = {}
+    meta: dict[str, dict] = {}
+    for name, t in tensors.items():
+        for plane in _PLANES:
+            planes[f"{name}.{plane}"] = getattr(t, plane).detach().contiguous().cpu()
+        meta[name] = {"shape": list(t.shape), "base": t.base, "sha256": _checksum(t)}
+    save_file(planes, os.fspath(path), metadata={"format": "u12", "version": FORMAT_VERSION, "u12": json.dumps(meta)})
+
+
+def load_u12(path: str | os.PathLike, device: torch.device | str = "cpu") -> dict[str, U12Tensor]:
+    """Read a file written by ``save_u12``; raises ValueError naming file and tensor on any mismatch."""
+    path = os.fspath(path)
+    with safe_open(path, framework="pt") as f:
+        header = f.metadata() or {}
+        if header.get("format") != "u12" or header.get("version") != FORMAT_VERSION:
+            raise ValueError(
+                f"{path}: not a u12 file of version {FORMAT_VERSION} "
+                f"(format={header.get('format')!r}, version={header.get('version')!r})"
+            )
+        meta = json.loads(header["u12"])
+        out = {}
+        for name, m in meta.items():
+            try:
+                planes = {p: f.get_tensor(f"{name}.{p}") for p in _PLANES}
+                t = U12Tensor(tuple(m["shape"]), int(m["base"]), **planes)
+            except (KeyError, ValueError, TypeError) as e:
+                raise ValueError(f"{path}: tensor {name!r}: malformed u12 entry: {e}") from e
+            digest = _checksum(t)
+            if digest != m["sha256"]:
+                raise ValueError(
+                    f"{path}: tensor {name!r}: checksum mismatch (stored {m['sha256'][:16]}…, "
+                    f"computed {digest[:16]}…); the file is corrupt"
+                )
+            out[name] = t.to(device)
+    return out

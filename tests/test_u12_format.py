@@ -1,0 +1,251 @@
+"""The u12 format: bit-exact round trips on adversarial bf16 tensors, the window choice, files."""
+
+import json
+import math
+import struct
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from specpilot.runtime.u12 import (
+    MAX_BASE,
+    WINDOW,
+    U12Tensor,
+    load_u12,
+    pack_u12,
+    save_u12,
+    u12_stats,
+    unpack_u12,
+)
+
+SPECIAL_BITS = [
+    0x0000, 0x8000,  # ±0
+    0x0001, 0x007F, 0x8001, 0x807F,  # smallest and largest subnormals, both signs
+    0x0080, 0x7F7F, 0xFF7F,  # smallest normal, ±largest finite
+    0x7F80, 0xFF80,  # ±inf
+    0x7FC0, 0xFFC0, 0x7F81, 0x7FFF, 0xFF81, 0xFFFF,  # quiet and signalling NaNs with payloads
+    0x3F80, 0xBF80,  # ±1
+]
+
+
+def as_bf16(bits: list[int], n: int, k: int) -> torch.Tensor:
+    """bf16 tensor [n, k] from bit patterns in 0..65535."""
+    b = torch.tensor(bits, dtype=torch.int32)
+    return torch.where(b >= 0x8000, b - 0x10000, b).to(torch.int16).view(torch.bfloat16).reshape(n, k)
+
+
+def bits_of(w: torch.Tensor) -> torch.Tensor:
+    return w.view(torch.int16)
+
+
+def assert_round_trip(w: torch.Tensor, base: int | None = None) -> U12Tensor:
+    t = pack_u12(w, base=base)
+    out = unpack_u12(t)
+    assert out.dtype == torch.bfloat16 and out.shape == w.shape
+    assert torch.equal(bits_of(out), bits_of(w))
+    return t
+
+
+def exponents(w: torch.Tensor) -> torch.Tensor:
+    return (bits_of(w).to(torch.int32) >> 7) & 0xFF
+
+
+shapes = st.tuples(st.integers(1, 9), st.integers(1, 40))
+any_bits = st.one_of(st.integers(0, 0xFFFF), st.sampled_from(SPECIAL_BITS))
+
+
+@st.composite
+def adversarial_tensors(draw):
+    """Arbitrary bit patterns, weighted towards the special values."""
+    n, k = draw(shapes)
+    return as_bf16(draw(st.lists(any_bits, min_size=n * k, max_size=n * k)), n, k)
+
+
+@st.composite
+def weight_like_tensors(draw):
+    """Normal weights of some scale, with special values planted at drawn positions."""
+    n, k = draw(shapes)
+    sigma = draw(st.sampled_from([1e-30, 1e-3, 0.02, 1.0, 1e30]))
+    g = torch.Generator().manual_seed(draw(st.integers(0, 2**31)))
+    w = (torch.randn(n, k, generator=g) * sigma).to(torch.bfloat16)
+    plants = draw(st.lists(st.tuples(st.integers(0, n * k - 1), st.sampled_from(SPECIAL_BITS)), max_size=8))
+    flat = bits_of(w).view(-1)
+    for pos, b in plants:
+        flat[pos] = b - 0x10000 if b >= 0x8000 else b
+    return w
+
+
+@st.composite
+def spread_exponent_tensors(draw):
+    """Exponents 16 apart, so no window holds two of them: most weights must escape."""
+    n, k = draw(shapes)
+    triples = st.tuples(st.integers(0, 1), st.sampled_from(range(0, 256, 16)), st.integers(0, 127))
+    parts = draw(st.lists(triples, min_size=n * k, max_size=n * k))
+    return as_bf16([s << 15 | e << 7 | m for s, e, m in parts], n, k)
+
+
+tensors = st.one_of(adversarial_tensors(), weight_like_tensors(), spread_exponent_tensors())
+
+
+@settings(max_examples=200, deadline=None)
+@given(tensors)
+def test_round_trip_is_bit_exact(w):
+    assert_round_trip(w)
+
+
+@settings(max_examples=200, deadline=None)
+@given(tensors)
+def test_window_covers_the_most_weights(w):
+    t = pack_u12(w)
+    e = exponents(w)
+    best = max(int(((e >= b) & (e < b + WINDOW)).sum()) for b in range(MAX_BASE + 1))
+    assert w.numel() - t.esc_idx.numel() == best
+    in_window = (e >= t.base) & (e < t.base + WINDOW)
+    assert int(in_window.sum()) == best
+
+
+@settings(max_examples=200, deadline=None)
+@given(tensors)
+def test_planes_and_escape_table_are_consistent(w):
+    t = pack_u12(w)
+    n, k = t.shape
+    codes = torch.stack((t.codes & 0xF, t.codes >> 4), dim=-1).reshape(n, -1)
+    if k % 2:
+        assert not codes[:, k:].any(), "padding nibble must be zero"
+    escaped = (codes[:, :k] == 0).view(-1)
+    idx = t.esc_idx.to(torch.int64)
+    assert torch.equal(torch.nonzero(escaped).view(-1), idx), "escapes are exactly the code-0 positions, in order"
+    assert torch.equal(t.esc_val, bits_of(w).view(-1)[idx])
+    assert t.esc_idx.dtype == torch.int32
+    ptr = t.esc_row_ptr
+    assert ptr.shape == (n + 1,) and int(ptr[-1]) == idx.numel()
+    assert torch.equal(ptr[1:] - ptr[:-1], escaped.view(n, k).sum(1).to(torch.int32))
+
+
+@settings(max_examples=100, deadline=None)
+@given(tensors, st.integers(0, MAX_BASE))
+def test_any_base_round_trips(w, base):
+    t = assert_round_trip(w, base=base)
+    e = exponents(w)
+    assert t.esc_idx.numel() == int(((e < base) | (e >= base + WINDOW)).sum())
+
+
+@pytest.mark.parametrize("n,k", [(1, 1), (3, 5), (7, 33), (256, 256), (7, 9363)])
+def test_every_bit_pattern_round_trips(n, k):
+    patterns = torch.arange(n * k, dtype=torch.int32) % 0x10000  # all 65536 patterns once n·k >= 65536
+    assert_round_trip(as_bf16(patterns.tolist(), n, k))
+
+
+def test_no_escapes():
+    w = as_bf16([(0x3F80 + i) ^ (0x8000 * (i % 2)) for i in range(3 * 5)], 3, 5)  # one exponent
+    t = assert_round_trip(w)
+    assert t.esc_idx.numel() == 0 and t.esc_val.numel() == 0
+
+
+def test_all_escapes():
+    w = (torch.randn(7, 33) * 0.02).to(torch.bfloat16)
+    t = assert_round_trip(w, base=MAX_BASE)  # window 241..255: inf/NaN only
+    assert t.esc_idx.numel() == w.numel()
+    assert not t.codes.any()
+
+
+def test_pack_rejects_other_inputs():
+    with pytest.raises(ValueError, match="2-D bfloat16"):
+        pack_u12(torch.zeros(4, 4))
+    with pytest.raises(ValueError, match="2-D bfloat16"):
+        pack_u12(torch.zeros(4, dtype=torch.bfloat16))
+
+
+def test_stats_of_normal_weights():
+    g = torch.Generator().manual_seed(0)
+    w = (torch.randn(1024, 1024, generator=g) * 0.02).to(torch.bfloat16)
+    s = u12_stats(w)
+    # The window is exponents 109..123, |w| in [2^-18, 2^-3); escapes are almost all |w| < 2^-18:
+    # P(|z| < 2^-18 / 0.02) ≈ 1.52e-4, i.e. about 160 of 2^20 weights (seed 0 gives 156; ±4σ below).
+    assert s["base"] == 109
+    assert 1.0e-4 < s["escape_rate"] < 2.0e-4
+    # 12 bits, plus 6 bytes (int32 index, int16 value) per escape.
+    assert s["bits_per_weight"] == pytest.approx(12 + 48 * s["escape_rate"])
+    assert 12.0 < s["bits_per_weight"] < 12.01
+    assert 20 <= s["distinct_exponents"] <= 30
+    assert s["exponent_entropy_bits"] == pytest.approx(2.55, abs=0.02)
+
+
+# --- files --------------------------------------------------------------------------------
+
+def sample_tensors() -> dict[str, U12Tensor]:
+    g = torch.Generator().manual_seed(1)
+    w = (torch.randn(7, 33, generator=g) * 0.02).to(torch.bfloat16)
+    w.view(torch.int16)[0, :4] = torch.tensor([0x7F80, 0x7FC1, 0x0001, 0x0000], dtype=torch.int32).to(torch.int16)
+    return {
+        "model.layers.0.mlp.down_proj.weight": pack_u12(w),
+        "all_escapes": pack_u12(w, base=MAX_BASE),
+        "no_escapes": pack_u12(as_bf16([0x3F80] * 6, 2, 3)),
+    }
+
+
+def test_save_load_round_trip(tmp_path):
+    tensors = sample_tensors()
+    path = tmp_path / "weights.u12.safetensors"
+    save_u12(tensors, path)
+    loaded = load_u12(path)
+    assert loaded.keys() == tensors.keys()
+    for name, t in tensors.items():
+        assert loaded[name].shape == t.shape and loaded[name].base == t.base
+        assert torch.equal(bits_of(unpack_u12(loaded[name])), bits_of(unpack_u12(t)))
+
+
+def _plane_range(path, key: str) -> tuple[int, int]:
+    """Byte range of one tensor's data in a safetensors file."""
+    raw = path.read_bytes()
+    (header_len,) = struct.unpack("<Q", raw[:8])
+    start, end = json.loads(raw[8 : 8 + header_len])[key]["data_offsets"]
+    return 8 + header_len + start, 8 + header_len + end
+
+
+@pytest.mark.parametrize("plane", ["sm", "codes", "esc_idx", "esc_val"])
+def test_corrupted_plane_fails_checksum(tmp_path, plane):
+    path = tmp_path / "weights.u12.safetensors"
+    name = "model.layers.0.mlp.down_proj.weight"
+    save_u12(sample_tensors(), path)
+    start, end = _plane_range(path, f"{name}.{plane}")
+    raw = bytearray(path.read_bytes())
+    raw[(start + end) // 2] ^= 0x10
+    path.write_bytes(bytes(raw))
+    with pytest.raises(ValueError, match=rf"{path.name}.*{name}.*checksum mismatch"):
+        load_u12(path)
+
+
+def test_tampered_base_fails_checksum(tmp_path):
+    path = tmp_path / "weights.u12.safetensors"
+    tensors = sample_tensors()
+    # Write the file by hand with a wrong base in the metadata, checksum kept.
+    save_u12(tensors, path)
+    raw = path.read_bytes()
+    (header_len,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8 : 8 + header_len])
+    meta = json.loads(header["__metadata__"]["u12"])
+    meta["no_escapes"]["base"] += 1
+    header["__metadata__"]["u12"] = json.dumps(meta)
+    new_header = json.dumps(header).encode()
+    new_header += b" " * (-len(new_header) % 8)
+    path.write_bytes(struct.pack("<Q", len(new_header)) + new_header + raw[8 + header_len :])
+    with pytest.raises(ValueError, match="no_escapes.*checksum mismatch"):
+        load_u12(path)
+
+
+def test_load_rejects_other_safetensors(tmp_path):
+    from safetensors.torch import save_file
+
+    path = tmp_path / "plain.safetensors"
+    save_file({"w": torch.zeros(2, 2)}, str(path))
+    with pytest.raises(ValueError, match="not a u12 file"):
+        load_u12(path)
+
+
+def test_bits_per_weight_is_three_quarters_of_bf16():
+    w = (torch.randn(64, 64) * 0.02).to(torch.bfloat16)
+    t = pack_u12(w)
+    assert math.isclose(t.nbytes / (2 * w.numel()), 0.75, rel_tol=0.01)
