@@ -1,0 +1,243 @@
+"""Model and drafter shapes, read from (and written back to) Hugging Face config.json dicts.
+
+`ModelConfig` describes one llama/qwen3 decoder stack; `DrafterConfig` wraps the drafter's own
+`ModelConfig` with what the decode loop needs (kind, block size, mask token, target layers).
+Every parse error is a `CheckpointError` naming the config.json path and the field.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from specpilot.errors import CheckpointError
+
+FAMILIES = ("llama", "qwen3")
+# DFlash drafters saved by HF transformers carry their own model_type; their layers are qwen3-like.
+DFLASH_MODEL_TYPES = ("muse_glimmer_assistant", "dflash")
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Llama-3 style frequency scaling (rope_type "llama3"), as in Llama 3.1 / 3.2 checkpoints."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    family: str  # "llama" | "qwen3"
+    vocab_size: int  # 0 only for a DFlash drafter whose config does not state it (it shares the target's)
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    qk_norm: bool  # per-head RMSNorm on q and k (qwen3, DFlash drafters)
+    max_position_embeddings: int
+    bos_token_id: int | None
+    eos_token_id: int | None
+    rope_scaling: RopeScaling | None = None
+
+    def __post_init__(self) -> None:
+        if self.family not in FAMILIES:
+            raise ValueError(f"family must be one of {FAMILIES}, got {self.family!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
+
+    @classmethod
+    def from_hf(cls, cfg: dict[str, Any], source: str) -> ModelConfig:
+        """Parse an HF config.json dict; `source` is its path, quoted in every error."""
+        model_type = cfg.get("model_type")
+        if model_type not in FAMILIES:
+            raise CheckpointError(
+                f"{source}: field 'model_type' is {model_type!r}; expected one of {list(FAMILIES)}"
+            )
+        return _parse_layers(cfg, source, family=model_type, qk_norm=model_type == "qwen3", vocab_required=True)
+
+    def to_hf(self) -> dict[str, Any]:
+        """The HF config.json dict for this model (inverse of `from_hf`)."""
+        rope: dict[str, Any] = {"rope_type": "default", "rope_theta": self.rope_theta}
+        if self.rope_scaling is not None:
+            s = self.rope_scaling
+            rope = {
+                "rope_type": "llama3",
+                "rope_theta": self.rope_theta,
+                "factor": s.factor,
+                "low_freq_factor": s.low_freq_factor,
+                "high_freq_factor": s.high_freq_factor,
+                "original_max_position_embeddings": s.original_max_position_embeddings,
+            }
+        arch = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}[self.family]
+        return {
+            "architectures": [arch],
+            "model_type": self.family,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "rope_parameters": rope,
+            "rms_norm_eps": self.rms_norm_eps,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "max_position_embeddings": self.max_position_embeddings,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": self.eos_token_id,
+            "attention_bias": False,
+            "mlp_bias": False,
+        }
+
+
+@dataclass(frozen=True)
+class DrafterConfig:
+    kind: str  # "dflash" | "pard"
+    block_size: int  # dflash: block incl. the anchor token; pard: k drafts per step
+    mask_token_id: int
+    model: ModelConfig  # the drafter's own layer shapes
+    target_layer_ids: tuple[int, ...] = field(default=())  # dflash: outputs of these target layers (0-based)
+
+    @classmethod
+    def from_hf(cls, cfg: dict[str, Any], source: str) -> DrafterConfig:
+        """A DFlash config has target_layer_ids/block_size/mask_token_id (top level, or nested under
+        "dflash_config"); a PARD config is a llama/qwen3 causal LM config with `pard_token` (and `pard_k`)."""
+        dflash = {**cfg, **cfg.get("dflash_config", {})}
+        if "target_layer_ids" in dflash:
+            return _parse_dflash(dflash, source)
+        if "pard_token" in cfg:
+            model = ModelConfig.from_hf(cfg, source)
+            k = _get(cfg, "pard_k", source, int, default=8)
+            mask = _get(cfg, "pard_token", source, int)
+            if k < 1:
+                raise CheckpointError(f"{source}: field 'pard_k' is {k}; expected an integer >= 1")
+            return cls(kind="pard", block_size=k, mask_token_id=mask, model=model)
+        raise CheckpointError(
+            f"{source}: not a drafter config: expected 'target_layer_ids' (DFlash) or 'pard_token' (PARD)"
+        )
+
+    def to_hf(self) -> dict[str, Any]:
+        out = self.model.to_hf()
+        if self.kind == "pard":
+            out.update(pard_token=self.mask_token_id, pard_k=self.block_size)
+        else:
+            out.update(
+                architectures=["MuseGlimmerAssistantModel"],
+                model_type="muse_glimmer_assistant",
+                block_size=self.block_size,
+                mask_token_id=self.mask_token_id,
+                target_layer_ids=list(self.target_layer_ids),
+                layer_types=["full_attention"] * self.model.num_layers,
+            )
+        return out
+
+
+def _parse_dflash(cfg: dict[str, Any], source: str) -> DrafterConfig:
+    model_type = cfg.get("model_type")
+    if model_type not in FAMILIES + DFLASH_MODEL_TYPES:
+        raise CheckpointError(
+            f"{source}: field 'model_type' is {model_type!r}; expected one of {list(FAMILIES + DFLASH_MODEL_TYPES)}"
+        )
+    family = model_type if model_type in FAMILIES else "qwen3"
+    # DFlash layers always normalise q and k per head, whatever family the config names.
+    model = _parse_layers(cfg, source, family=family, qk_norm=True, vocab_required=False)
+    ids = cfg["target_layer_ids"]
+    if not isinstance(ids, (list, tuple)) or not ids or not all(isinstance(i, int) and i >= 0 for i in ids):
+        raise CheckpointError(f"{source}: field 'target_layer_ids' is {ids!r}; expected a non-empty list of layer indices >= 0")
+    block = _get(cfg, "block_size", source, int)
+    if block < 2:
+        raise CheckpointError(f"{source}: field 'block_size' is {block}; expected an integer >= 2 (anchor + drafts)")
+    mask = _get(cfg, "mask_token_id", source, int)
+    return DrafterConfig(kind="dflash", block_size=block, mask_token_id=mask, model=model, target_layer_ids=tuple(ids))
+
+
+_MISSING = object()
+
+
+def _get(cfg: dict[str, Any], key: str, source: str, kind: type, default: Any = _MISSING) -> Any:
+    if key not in cfg or cfg[key] is None:
+        if default is _MISSING:
+            raise CheckpointError(f"{source}: missing field '{key}' ({kind.__name__})")
+        return default
+    value = cfg[key]
+    accepted = (int, float) if kind is float else (kind,)
+    if isinstance(value, bool) or not isinstance(value, accepted):
+        raise CheckpointError(f"{source}: field '{key}' is {value!r}; expected {kind.__name__}")
+    return kind(value)
+
+
+def _token_id(cfg: dict[str, Any], key: str, source: str) -> int | None:
+    value = cfg.get(key)
+    if isinstance(value, list):  # some configs list several EOS ids; the loops stop on the first
+        value = value[0] if value else None
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+        raise CheckpointError(f"{source}: field '{key}' is {value!r}; expected an integer or null")
+    return value
+
+
+def _parse_rope(cfg: dict[str, Any], source: str) -> tuple[float, RopeScaling | None]:
+    params = cfg.get("rope_parameters") or {}
+    scaling = cfg.get("rope_scaling") or {}
+    theta = cfg.get("rope_theta", params.get("rope_theta"))
+    if theta is None:
+        raise CheckpointError(f"{source}: missing field 'rope_theta' (or 'rope_parameters.rope_theta')")
+    if params.get("partial_rotary_factor", 1.0) != 1.0:
+        raise CheckpointError(f"{source}: field 'partial_rotary_factor' is {params['partial_rotary_factor']}; expected 1.0")
+    rope_type = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
+    if rope_type == "default":
+        return float(theta), None
+    if rope_type == "llama3":
+        p = {**scaling, **params}
+        try:
+            return float(theta), RopeScaling(
+                factor=float(p["factor"]),
+                low_freq_factor=float(p["low_freq_factor"]),
+                high_freq_factor=float(p["high_freq_factor"]),
+                original_max_position_embeddings=int(p["original_max_position_embeddings"]),
+            )
+        except KeyError as e:
+            raise CheckpointError(f"{source}: rope_type 'llama3' needs field {e.args[0]!r}") from None
+    raise CheckpointError(f"{source}: field 'rope_type' is {rope_type!r}; expected 'default' or 'llama3'")
+
+
+def _parse_layers(cfg: dict[str, Any], source: str, *, family: str, qk_norm: bool, vocab_required: bool) -> ModelConfig:
+    act = cfg.get("hidden_act", "silu")
+    if act != "silu":
+        raise CheckpointError(f"{source}: field 'hidden_act' is {act!r}; expected 'silu'")
+    for key in ("attention_bias", "mlp_bias"):
+        if cfg.get(key):
+            raise CheckpointError(f"{source}: field '{key}' is true; biases are not supported")
+    hidden = _get(cfg, "hidden_size", source, int)
+    heads = _get(cfg, "num_attention_heads", source, int)
+    kv_heads = _get(cfg, "num_key_value_heads", source, int, default=heads)
+    if heads % kv_heads:
+        raise CheckpointError(
+            f"{source}: field 'num_key_value_heads' is {kv_heads}; expected a divisor of num_attention_heads={heads}"
+        )
+    theta, scaling = _parse_rope(cfg, source)
+    return ModelConfig(
+        family=family,
+        vocab_size=_get(cfg, "vocab_size", source, int) if vocab_required else _get(cfg, "vocab_size", source, int, default=0),
+        hidden_size=hidden,
+        intermediate_size=_get(cfg, "intermediate_size", source, int),
+        num_layers=_get(cfg, "num_hidden_layers", source, int),
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=_get(cfg, "head_dim", source, int, default=hidden // heads),
+        rope_theta=theta,
+        rms_norm_eps=_get(cfg, "rms_norm_eps", source, float, default=1e-6),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        qk_norm=qk_norm,
+        max_position_embeddings=_get(cfg, "max_position_embeddings", source, int, default=4096),
+        bos_token_id=_token_id(cfg, "bos_token_id", source),
+        eos_token_id=_token_id(cfg, "eos_token_id", source),
+        rope_scaling=scaling,
+    )

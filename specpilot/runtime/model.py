@@ -1,0 +1,299 @@
+"""Our own llama/qwen3 forward over a static KV cache (no HF modules at run time).
+
+Parameters live under the HF weight names ("model.layers.0.self_attn.q_proj.weight", ...), so an
+HF safetensors state dict loads directly. The numerics follow HF transformers op for op (RMSNorm in
+float32, RoPE tables in float32 cast to the model dtype, SwiGLU), which the tests check against
+LlamaForCausalLM / Qwen3ForCausalLM.
+
+Split of the output path: `forward` = `head(final_norm(layers(embed(ids))))`; drafters that share
+the target's vocabulary call `embed` and `head` and bring their own final norm.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specpilot.runtime.cache import KVCache
+from specpilot.runtime.config import ModelConfig
+
+ATTENTION_PROJ = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP_PROJ = ("gate_proj", "up_proj", "down_proj")
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_inv_freq(cfg: ModelConfig, device: torch.device | str) -> torch.Tensor:
+    """Inverse frequencies [head_dim/2] in float32 (default or llama3-scaled, as HF computes them)."""
+    dim = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).to(device, torch.float) / dim))
+    s = cfg.rope_scaling
+    if s is None:
+        return inv_freq
+    low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
+    high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / s.factor, inv_freq)
+    smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [B, 1, T, head_dim] for positions [B, T], computed in float32 then cast to `dtype`."""
+    freqs = positions.float()[..., None] * inv_freq
+    emb = torch.cat((freqs, freqs), dim=-1)[:, None]
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """Attention: q [B, H, T, D] over k, v [B, Hkv, S, D] (grouped heads) -> [B, H, T, D].
+
+    `mask` is boolean [B or 1, 1, T, S], True where the key is visible; None means all visible.
+    The seam where a Triton kernel (short queries over long caches) slots in.
+    """
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=q.shape[-1] ** -0.5, enable_gqa=True)
+
+
+def build_mask(mask: str | torch.Tensor, past: int, t: int, device: torch.device) -> torch.Tensor | None:
+    """Boolean [B or 1, 1, T, past+T] for T new tokens after `past` cached ones (all of which are visible).
+
+    "causal": new token i sees new tokens <= i. "full": the new tokens see each other (block
+    non-causal). A bool tensor [T, T] or [B, T, T] gives the visibility among the new tokens (a tree).
+    """
+    if isinstance(mask, str):
+        if mask == "full":
+            return None
+        if mask != "causal":
+            raise ValueError(f"mask must be 'causal', 'full' or a bool tensor, got {mask!r}")
+        keys = torch.arange(past + t, device=device)
+        queries = torch.arange(past, past + t, device=device)
+        return (keys[None, :] <= queries[:, None])[None, None]
+    new = mask.to(device=device, dtype=torch.bool)
+    if new.dim() == 2:
+        new = new[None]
+    if new.shape[-2:] != (t, t):
+        raise ValueError(f"mask tensor must be [T, T] or [B, T, T] with T={t}, got {tuple(mask.shape)}")
+    seen = torch.ones(new.shape[0], t, past, dtype=torch.bool, device=device)
+    return torch.cat((seen, new), dim=-1)[:, None]
+
+
+class Attention(nn.Module):
+    """Projections of one attention layer; the Transformer and the DFlash drafter wire them differently."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        h, q_out, kv_out = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.q_proj = nn.Linear(h, q_out, bias=False)
+        self.k_proj = nn.Linear(h, kv_out, bias=False)
+        self.v_proj = nn.Linear(h, kv_out, bias=False)
+        self.o_proj = nn.Linear(q_out, h, bias=False)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+
+    def queries(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [B, T, hidden] -> roped q [B, H, T, D]."""
+        q = self.q_proj(x).view(*x.shape[:2], self.num_heads, self.head_dim)
+        if self.q_norm is not None:
+            q = self.q_norm(q)
+        return apply_rope(q.transpose(1, 2), cos, sin)
+
+    def keys_values(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [B, T, hidden] -> roped k and v, each [B, Hkv, T, D]."""
+        k = self.k_proj(x).view(*x.shape[:2], self.num_kv_heads, self.head_dim)
+        if self.k_norm is not None:
+            k = self.k_norm(k)
+        v = self.v_proj(x).view(*x.shape[:2], self.num_kv_heads, self.head_dim)
+        return apply_rope(k.transpose(1, 2), cos, sin), v.transpose(1, 2)
+
+    def output(self, o: torch.Tensor) -> torch.Tensor:
+        """o [B, H, T, D] -> [B, T, hidden]."""
+        return self.o_proj(o.transpose(1, 2).reshape(o.shape[0], o.shape[2], -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, index: int, mask: torch.Tensor | None
+    ) -> torch.Tensor:
+        """Causal-LM layer: writes the new tokens' K/V at slots [cache.length, +T) (length moves later)."""
+        attn = self.self_attn
+        h = self.input_layernorm(x)
+        k, v = attn.keys_values(h, cos, sin)
+        start = cache.length
+        cache.write(index, start, k, v)
+        k_all, v_all = cache.view(index, start + x.shape[1])
+        x = x + attn.output(attend(attn.queries(h, cos, sin), k_all, v_all, mask))
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Backbone(nn.Module):
+    """The `model.` prefix of HF weight names."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+@dataclass
+class ModelOutput:
+    logits: torch.Tensor  # [B, T, V] float32 (T = 1 with only_last)
+    hidden: torch.Tensor | None  # [B, T, len(hidden_layers) * hidden], model dtype; None if none asked
+
+
+class Transformer(nn.Module):
+    """llama / qwen3 causal LM: RMSNorm, RoPE, GQA attention (+ qk-norm for qwen3), SwiGLU MLP."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.model = Backbone(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+            self.register_load_state_dict_pre_hook(_fill_tied_head)
+        self._inv_freq: dict[torch.device, torch.Tensor] = {}
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.embed_tokens.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.embed_tokens.weight.device
+
+    def new_cache(self, batch: int, max_len: int) -> KVCache:
+        return KVCache.for_model(self.cfg, batch, max_len, self.dtype, self.device)
+
+    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [B, 1, T, D] for positions [B, T]."""
+        device = positions.device
+        if device not in self._inv_freq:
+            self._inv_freq[device] = rope_inv_freq(self.cfg, device)
+        return rope_cos_sin(self._inv_freq[device], positions, self.dtype)
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(ids)
+
+    def final_norm(self, h: torch.Tensor) -> torch.Tensor:
+        return self.model.norm(h)
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        """Already-normalised hidden states [..., hidden] -> float32 logits [..., V] (no final norm here)."""
+        return self.lm_head(h).float()
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        cache: KVCache,
+        *,
+        mask: str | torch.Tensor = "causal",
+        hidden_layers: tuple[int, ...] = (),
+        positions: torch.Tensor | None = None,
+        only_last: bool = False,
+    ) -> ModelOutput:
+        """Run T new tokens [B, T] after the cache's `length` tokens, then advance the cache by T.
+
+        positions default to cache.length + arange(T) (pass [B, T] ones for trees). hidden_layers
+        selects the outputs of those decoder layers (0-based, before the final norm), concatenated.
+        only_last computes logits for the last position only (prefill).
+        """
+        b, t = input_ids.shape
+        bad = [i for i in hidden_layers if not 0 <= i < len(self.model.layers)]
+        if bad:
+            raise ValueError(f"hidden_layers {bad} out of range for {len(self.model.layers)} layers")
+        if positions is None:
+            positions = torch.arange(cache.length, cache.length + t, device=input_ids.device).expand(b, t)
+        cos, sin = self.rope(positions)
+        attn_mask = build_mask(mask, cache.length, t, input_ids.device)
+        x = self.embed(input_ids)
+        picked: dict[int, torch.Tensor] = {}
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, cos, sin, cache, i, attn_mask)
+            if i in hidden_layers:
+                picked[i] = x
+        cache.advance(t)
+        hidden = torch.cat([picked[i] for i in hidden_layers], dim=-1) if hidden_layers else None
+        if only_last:
+            x = x[:, -1:]
+        return ModelOutput(logits=self.head(self.final_norm(x)), hidden=hidden)
+
+    def linear_modules(self) -> dict[str, nn.Module]:
+        """Every projection by its weight name ("model.layers.0.mlp.down_proj.weight", "lm_head.weight")."""
+        out: dict[str, nn.Module] = {}
+        for i, layer in enumerate(self.model.layers):
+            for name in ATTENTION_PROJ:
+                out[f"model.layers.{i}.self_attn.{name}.weight"] = getattr(layer.self_attn, name)
+            for name in MLP_PROJ:
+                out[f"model.layers.{i}.mlp.{name}.weight"] = getattr(layer.mlp, name)
+        out["lm_head.weight"] = self.lm_head
+        return out
+
+    def set_linear(self, weight_name: str, module: nn.Module) -> None:
+        """Replace the projection owning `weight_name` by any module with forward(x) (same in/out features).
+
+        Replacing lm_head of a tied model leaves the embedding as it is.
+        """
+        if weight_name not in self.linear_modules():
+            raise KeyError(f"{weight_name!r} is not a projection weight of this model")
+        parent_name, _, attr = weight_name.removesuffix(".weight").rpartition(".")
+        parent = self.get_submodule(parent_name) if parent_name else self
+        setattr(parent, attr, module)
+
+
+def _fill_tied_head(module: Transformer, state_dict: dict, prefix: str, *args) -> None:
+    """HF files of tied models omit lm_head.weight: take the embedding's."""
+    head, embed = prefix + "lm_head.weight", prefix + "model.embed_tokens.weight"
+    if head not in state_dict and embed in state_dict:
+        state_dict[head] = state_dict[embed]
+
+
+@dataclass
+class PardDrafter:
+    """A causal LM used as a PARD drafter: one forward over [new tokens, mask x (k-1)] drafts k tokens."""
+
+    model: Transformer
+    mask_token_id: int
+    k: int
