@@ -1,0 +1,45 @@
+"""Shared fixtures: tiny random llama and qwen3 models (target, DFlash and PARD drafters), built once."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+from specpilot.runtime.config import ModelConfig
+from specpilot.runtime.dflash import DFlashDrafter
+from specpilot.runtime.load import load_drafter, load_target
+from specpilot.runtime.model import PardDrafter, Transformer
+from specpilot.runtime.tiny import build_tiny_models
+
+FAMILIES = ("llama", "qwen3")
+
+
+@dataclass
+class TinyModels:
+    dirs: dict[str, Path]  # "target", "dflash", "pard" -> model directory
+    target: Transformer
+    cfg: ModelConfig
+    dflash: DFlashDrafter
+    pard: PardDrafter
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Path]]:
+    """family -> {"target"|"dflash"|"pard": HF model dir}; treat the files as read-only."""
+    root = tmp_path_factory.mktemp("tiny")
+    return {family: build_tiny_models(root / family, family=family) for family in FAMILIES}
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tiny_model_dirs: dict[str, dict[str, Path]]) -> dict[str, TinyModels]:
+    """family -> the tiny models loaded in float32 on the CPU."""
+    out = {}
+    for family, dirs in tiny_model_dirs.items():
+        target, cfg = load_target(dirs["target"], dtype=torch.float32, device="cpu")
+        dflash = load_drafter(dirs["dflash"], target, cfg, dtype=torch.float32, device="cpu")
+        pard = load_drafter(dirs["pard"], target, cfg, dtype=torch.float32, device="cpu")
+        out[family] = TinyModels(dirs=dirs, target=target, cfg=cfg, dflash=dflash, pard=pard)
+    return out
