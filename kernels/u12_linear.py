@@ -2,8 +2,9 @@
 
 Each program owns a block of BLOCK_N output features and all M (≤ 64 per program) rows of x:
 it walks K once, decodes each weight once from the two planes and uses it for every row, and
-accumulates in fp32. Small M (≤ 4) multiplies and sums on the CUDA cores; larger M feeds the
-decoded tiles to ``tl.dot`` (bf16 operands on the GPU: the decoded weights are exact bf16).
+accumulates in fp32. Small M (≤ 4) multiplies on the CUDA cores into a [BM, BN, BP] accumulator
+reduced once after the loop; larger M feeds the decoded tiles to ``tl.dot`` (bf16 operands on the
+GPU: the decoded weights are exact bf16).
 
 Columns are processed as (even, odd) pairs: one code byte holds both codes, and the sign/mantissa
 plane is read as little-endian int16 pairs when K is even, so both planes load contiguously.
@@ -105,7 +106,10 @@ def _u12_linear_kernel(
     mask_n = offs_n < N
     x_rows = x_ptr + offs_m[:, None] * stride_xm
 
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if USE_DOT:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_P), dtype=tl.float32)  # reduced once, after the loop
     for p0 in range(0, tl.cdiv(K, 2), BLOCK_P):
         offs_p = p0 + tl.arange(0, BLOCK_P)  # column pairs (2p, 2p + 1)
         k_even = 2 * offs_p
@@ -132,9 +136,10 @@ def _u12_linear_kernel(
                 acc = tl.dot(x_even.to(tl.float32), tl.trans(w_even), acc, input_precision="ieee")
                 acc = tl.dot(x_odd.to(tl.float32), tl.trans(w_odd), acc, input_precision="ieee")
         else:
-            prod = x_even.to(tl.float32)[:, None, :] * w_even[None, :, :]
-            prod += x_odd.to(tl.float32)[:, None, :] * w_odd[None, :, :]
-            acc += tl.sum(prod, axis=2)
+            acc += x_even.to(tl.float32)[:, None, :] * w_even[None, :, :]
+            acc += x_odd.to(tl.float32)[:, None, :] * w_odd[None, :, :]
+    if not USE_DOT:
+        acc = tl.sum(acc, axis=2)
 
     acc = _apply_escapes(
         acc, x_ptr, esc_idx_ptr, esc_val_ptr, esc_row_ptr, offs_m, mask_m, offs_n, n0, N, K,
@@ -151,8 +156,9 @@ def _config(block_n: int, block_p: int, warps: int, stages: int) -> triton.Confi
 # Untuned starting points for the H200 (BLOCK_P counts column pairs, so a tile spans 2·BLOCK_P
 # columns); the autotuner picks per (BLOCK_M, N, K).
 _CONFIGS_SUM = [
-    _config(16, 128, 4, 3), _config(16, 256, 4, 3), _config(32, 64, 4, 3),
-    _config(32, 128, 4, 3), _config(64, 64, 4, 3), _config(32, 256, 8, 3), _config(64, 128, 8, 3),
+    _config(16, 64, 4, 3), _config(16, 128, 4, 3), _config(16, 256, 4, 3), _config(32, 64, 4, 3),
+    _config(32, 128, 4, 3), _config(64, 64, 4, 3), _config(32, 64, 8, 3), _config(32, 256, 8, 3),
+    _config(64, 128, 8, 3),
 ]
 _CONFIGS_DOT = [
     _config(32, 32, 4, 4), _config(32, 64, 4, 4), _config(64, 32, 4, 4),
@@ -161,11 +167,12 @@ _CONFIGS_DOT = [
 
 
 def _prune_configs(configs, named_args, **kwargs):
-    """Keep the configs of the kernel's path; cap the [BM, BN, BP] product tile of the sum path."""
+    """Keep the configs of the kernel's path; the sum path's [BM, BN, BP] fp32 accumulator stays
+    within 32 registers a thread."""
     if kwargs["USE_DOT"]:
         return [c for c in configs if c in _CONFIGS_DOT]
     size = lambda c: kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] * c.kwargs["BLOCK_P"]
-    kept = [c for c in configs if c in _CONFIGS_SUM and size(c) <= 2048 * c.num_warps]
+    kept = [c for c in configs if c in _CONFIGS_SUM and size(c) <= 32 * 32 * c.num_warps]
     return kept or [min(_CONFIGS_SUM, key=size)]
 
 
