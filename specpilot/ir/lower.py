@@ -146,7 +146,7 @@ def _step_graph(kind: str, block_size: int, drafter: str) -> Graph:
 
 
 def drafter_kind(cfg: dict) -> str:
-    if "target_layer_ids" in cfg:
+    if "target_layer_ids" in cfg or "target_layer_ids" in cfg.get("dflash_config", {}):
         return "dflash"
     if "pard_token" in cfg:
         return "pard"
@@ -160,6 +160,7 @@ def lower(target_cfg: dict, drafter_cfg: dict, *, dtype: str = "float32", block_
     `block_size` overrides the drafter config's own (DFlash: block incl. the anchor; PARD: k)."""
     t = Shapes.from_hf(target_cfg, target_source)
     kind = drafter_kind(drafter_cfg)
+    drafter_cfg = {**drafter_cfg, **drafter_cfg.get("dflash_config", {})}
     if kind == "dflash":
         d = Shapes.from_hf({**target_cfg, **drafter_cfg}, drafter_source, family=t.family)
         if d.hidden != t.hidden:
