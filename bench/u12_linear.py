@@ -7,7 +7,7 @@ achieved bandwidth (bytes read and written / time) and speedup; writes
 bench/results/u12_linear_<gpu>.json and prints a short table last. About a minute on an H200,
 most of it the autotuner's first calls.
 
-    python bench/u12_linear.py [--out FILE]
+    python bench/u12_linear.py [--out FILE]     (GIT_COMMIT=... where the tree has no .git)
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import platform
 import re
 import subprocess
@@ -37,10 +38,21 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def git_commit() -> str:
     """HEAD, marked dirty when the files behind these numbers differ from it."""
+    if os.environ.get("GIT_COMMIT"):  # set where the tree was copied without .git
+        return os.environ["GIT_COMMIT"]
     run = lambda *a: subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     commit = run("rev-parse", "HEAD") or "unknown"
     files = ["bench/u12_linear.py", "kernels/u12_linear.py", "specpilot/runtime/u12.py"]
     return commit + ("-dirty" if run("status", "--porcelain", "--", *files) else "")
+
+
+def check_close(y: torch.Tensor, ref: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
+    """y and ref (bf16) may differ by one bf16 step (2^-7 relative) after fp32 sums of different
+    order, whose error grows with K: allow 2^-16 of sum |x| |w| (typical is sqrt(K) 2^-24 of it)."""
+    scale = x.abs().float() @ w.abs().float().T
+    bad = (y.float() - ref.float()).abs() > 2**-7 * ref.float().abs() + 2**-16 * scale
+    if bad.any() or not torch.isfinite(y).all():
+        raise AssertionError(f"u12_linear differs from its reference at {int(bad.sum())} of {y.numel()} outputs")
 
 
 def main() -> None:
@@ -53,12 +65,10 @@ def main() -> None:
     import triton
     from triton.testing import do_bench
 
-    from specpilot.kernels.registry import KERNELS
     from specpilot.kernels.u12_linear import _u12_linear_tuned, u12_linear, u12_linear_reference
     from specpilot.runtime.u12 import pack_u12
 
     gpu = torch.cuda.get_device_name()
-    atol, rtol = KERNELS["u12_linear"].tolerance[torch.bfloat16]
     g = torch.Generator(device="cuda").manual_seed(0)
     rows = []
     for name, (n, k) in SHAPES.items():
@@ -69,7 +79,7 @@ def main() -> None:
             y = u12_linear(x, t)  # first call autotunes
             ref = u12_linear_reference(x, t)
             err = float((y.float() - ref.float()).norm() / ref.float().norm())
-            torch.testing.assert_close(y, ref, atol=atol, rtol=rtol)
+            check_close(y, ref, x, w)
             t_cublas = do_bench(lambda: x @ w.T, warmup=25, rep=100, return_mode="median") * 1e3
             t_u12 = do_bench(lambda: u12_linear(x, t), warmup=25, rep=100, return_mode="median") * 1e3
             io = 2 * m * k + 2 * m * n  # x read, y written

@@ -309,8 +309,9 @@ register(KernelSpec(
         _case(64, 65, 300, torch.bfloat16, "special"),
     ],
     # fp32: summation order only. bf16: the fp32 sums differ in order, so the final rounding may land
-    # one bf16 step apart: up to 2^-7 relative (the measured worst case on these cases is 0.97 of 8e-3).
-    tolerance={torch.float32: (1e-5, 1e-5), torch.bfloat16: (1e-5, 8e-3)},
+    # one bf16 step apart: up to 2^-7 relative (worst case measured on these cases under the
+    # interpreter: 0.97 of 8e-3); atol covers the fp32 order error near zero at K <= 300.
+    tolerance={torch.float32: (1e-5, 1e-5), torch.bfloat16: (1e-4, 8e-3)},
     corrupt=_plant_wrong_weight,
     description="y = x @ W.T, W in u12 planes decoded in registers, escapes added exactly",
 ))
