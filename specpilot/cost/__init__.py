@@ -1,0 +1,26 @@
+"""The cost model: GPU database, per-node roofline step model, acceptance model, gap ranking,
+calibration from benchmark results. See docs/COST-MODEL.md."""
+
+from .acceptance import AcceptanceModel, alpha_for_tau, tau_for_alpha
+from .gaps import Gap, pipeline_string
+from .gpu import GPU, gpu_names, load_gpu
+from .model import (
+    AcceptanceRecord, Ceiling, CostModel, Estimate, Figure, SpecStep, StepRecord, Workload, explain, parse_records,
+    shape_name,
+)
+from .roofline import NodeCost, StepEstimate, matmul_weight_bytes, step_time, weight_footprint
+
+__all__ = [
+    "AcceptanceModel", "AcceptanceRecord", "Ceiling", "CostModel", "Estimate", "Figure", "GPU", "Gap", "NodeCost",
+    "SpecStep", "StepEstimate", "StepRecord", "Workload", "alpha_for_tau", "explain", "gpu_names", "load_gpu",
+    "matmul_weight_bytes", "parse_records", "pipeline_string", "render_table", "plot_gaps", "shape_name",
+    "step_time", "tau_for_alpha", "weight_footprint",
+]
+
+
+def __getattr__(name):  # report.py imports rich; load it on first use
+    if name in ("render_table", "plot_gaps"):
+        from . import report
+
+        return getattr(report, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,128 @@
+"""The GPU database: datasheet figures and, where we have them, measured ones (gpus.yaml).
+
+`load_gpu("h200")` returns a `GPU` whose every figure comes with where it came from: the model
+uses the measured value when the card was measured and the published one otherwise, and
+`GPU.source_of(field)` says which: "measured", "published", or "default" (the database's
+estimate for a figure nobody published or measured for this card).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, Mapping
+
+import yaml
+
+from ..errors import SpecError
+
+DATABASE = Path(__file__).with_name("gpus.yaml")
+
+# Figures every GPU has; `defaults` in gpus.yaml supplies those an entry leaves out.
+_FIELDS = (
+    "bandwidth", "bf16_rate", "fp32_rate", "sms", "l2_bytes", "memory_bytes",
+    "launch_s", "kernel_latency_s", "host_sync_s", "bw_efficiency", "mm_efficiency", "overlap",
+)
+_ALIASES = {"h200-sxm": "h200", "h100": "h100-sxm", "a100": "a100-80gb", "4090": "rtx-4090"}
+
+
+@dataclass(frozen=True)
+class GPU:
+    """One card as the cost model sees it. Rates in bytes/s and FLOP/s, times in seconds."""
+
+    name: str
+    full_name: str
+    bandwidth: float  # the floor's bandwidth: measured read bandwidth if measured, else datasheet peak
+    bf16_rate: float  # dense bf16 tensor-core rate (measured if measured)
+    fp32_rate: float  # plain fp32 rate, for elementwise work
+    sms: int
+    l2_bytes: float
+    memory_bytes: float
+    launch_s: float = 0.0  # per kernel launched outside a CUDA graph
+    kernel_latency_s: float = 0.0  # per kernel, also inside a CUDA graph
+    host_sync_s: float = 0.0  # one device -> host -> device round trip
+    bw_efficiency: float = 1.0
+    mm_efficiency: float = 1.0
+    overlap: float = math.inf  # p-norm exponent joining memory and compute time; inf = max
+    kernel_efficiency: Mapping[str, Any] = field(default_factory=dict)  # kernel -> float | {rows: float}
+    sources: Mapping[str, str] = field(default_factory=dict)  # field -> "measured" | "published" | "default"
+    note: str = ""
+
+    def source_of(self, name: str) -> str:
+        return self.sources.get(name, "published")
+
+    def efficiency_of_kernel(self, kernel: str, rows: int = 1) -> float:
+        """Bandwidth efficiency of a named kernel relative to the stock path (1.0 when not measured).
+
+        An entry is one number, or a mapping {rows: efficiency} read piecewise-linearly in
+        log(rows) and held constant outside the measured rows."""
+        entry = self.kernel_efficiency.get(kernel)
+        if entry is None:
+            return 1.0
+        if not isinstance(entry, Mapping):
+            return float(entry)
+        points = sorted((int(m), float(e)) for m, e in entry.items())
+        if rows <= points[0][0]:
+            return points[0][1]
+        for (m0, e0), (m1, e1) in zip(points, points[1:]):
+            if rows <= m1:
+                w = math.log(rows / m0) / math.log(m1 / m0)
+                return e0 + w * (e1 - e0)
+        return points[-1][1]
+
+    def with_(self, **changes: Any) -> "GPU":
+        return replace(self, **changes)
+
+    @staticmethod
+    def from_entry(name: str, entry: Mapping[str, Any], defaults: Mapping[str, Any]) -> "GPU":
+        published = dict(entry.get("published") or {})
+        measured = dict(entry.get("measured") or {})
+        values: dict[str, Any] = {}
+        sources: dict[str, str] = {}
+        for key in _FIELDS:
+            if key in measured:
+                values[key], sources[key] = measured[key], "measured"
+            elif key in published:
+                values[key], sources[key] = published[key], "published"
+            elif key in defaults:
+                values[key], sources[key] = defaults[key], "default"
+            else:
+                raise SpecError(f"{DATABASE.name}: gpus.{name} has no {key!r} (nor does defaults)")
+        notes = [published.get("source", ""), measured.get("source", "")]
+        return GPU(
+            name=name,
+            full_name=str(entry.get("name", name)),
+            **{k: (int(v) if k == "sms" else float(v)) for k, v in values.items()},
+            kernel_efficiency={str(k): (dict(v) if isinstance(v, Mapping) else float(v))
+                               for k, v in (measured.get("kernel_efficiency") or {}).items()},
+            sources=sources,
+            note="; ".join(n for n in notes if n),
+        )
+
+
+@lru_cache(maxsize=4)
+def _database(path: str) -> dict:
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except (OSError, yaml.YAMLError) as e:
+        raise SpecError(f"{path}: cannot read the GPU database ({e})") from None
+    if not isinstance(data, dict) or not isinstance(data.get("gpus"), dict):
+        raise SpecError(f"{path}: expected a mapping with a 'gpus' section")
+    return data
+
+
+def gpu_names(path: str | Path = DATABASE) -> list[str]:
+    """The names `load_gpu` knows, in database order."""
+    return list(_database(str(path))["gpus"])
+
+
+def load_gpu(name: str, path: str | Path = DATABASE) -> GPU:
+    """The GPU called `name` (case-insensitive; a few aliases such as "h100"); SpecError if unknown."""
+    data = _database(str(path))
+    key = name.strip().lower()
+    key = _ALIASES.get(key, key)
+    if key not in data["gpus"]:
+        raise SpecError(f"unknown GPU {name!r}; known GPUs: {', '.join(data['gpus'])}")
+    return GPU.from_entry(key, data["gpus"][key], data.get("defaults") or {})

@@ -1,0 +1,364 @@
+"""The per-node step model: bytes, FLOPs and time of every op of a model graph.
+
+One evaluation of a model graph (an AR step, a verify of q tokens, a draft of a block) is costed
+node by node at a `batch`, a query length `q` and a KV-cache length `cache_len`:
+
+    t_mem   = bytes / (bandwidth · bw_efficiency · kernel_efficiency · occupancy)
+    t_comp  = tensor FLOPs / (bf16_rate · mm_efficiency) + other FLOPs / fp32_rate
+    time    = combine(t_mem, t_comp) + kernels · kernel_latency + [kernels · launch, unless CUDA graphs]
+    floor   = max(bytes / bandwidth, tensor FLOPs / bf16_rate + other FLOPs / fp32_rate)
+
+`combine` is the roofline max, or the p-norm (t_mem^p + t_comp^p)^(1/p) where the GPU's
+`overlap` was fitted to measurements (p = inf is the max). With unit efficiencies and no
+latencies, time = floor. Bytes count what a kernel must move: weights in their storage format
+(u12: 12 bits a weight plus its escapes), activations read and written in the program's dtype,
+and the KV cache read and appended. Weights a DFlash drafter borrows from the target
+(`target/...`) are read again on each draft step, so they count there too; `weight_footprint`
+counts each weight once.
+
+Row counts: every node of a target or PARD graph sees batch·q rows. In a DFlash drafter the
+target's hidden features enter as `context` rows per request (default q: about τ tokens are
+accepted a step, and q bounds it); the k/v projections read both context and block rows, and
+attention appends both to the drafter's cache.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from functools import cached_property
+from ..ir import MATMUL_OPS, Graph, Node, Program
+from .gpu import GPU
+
+ACT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+WEIGHT_BITS = {"float32": 32, "bfloat16": 16, "float16": 16, "u12": 12}
+
+# u12 (specpilot/runtime/u12.py): a sign/mantissa byte plane, a 4-bit exponent-code plane, and a
+# side table of escapes (int32 flat index + int16 bit pattern) with int32 CSR row pointers.
+U12_ESCAPE_BYTES = 6
+# Measured on N(0, 0.02) bf16 weights (GPU-FACTS.md: the best 15-exponent window covers 99.985%).
+U12_ESCAPE_RATE = 1.5e-4
+
+# Kernels a node launches in a plain implementation (a fusing backend launches fewer).
+KERNELS = {"input": 0, "embed": 1, "rmsnorm": 1, "linear": 1, "lm_head": 1, "rope": 1,
+           "attention": 2, "mlp": 1, "add": 1, "argmax": 1}
+
+# Attention occupancy (an assumption, not a measurement): a flash kernel without split-KV runs one
+# program per (request, head, 128-query tile); split-KV adds one per 128-token chunk of the cache.
+# Fewer programs than SMs leave bandwidth unused in proportion.
+ATTN_Q_TILE = 128
+SPLIT_KV_CHUNK = 128
+
+# FLOPs per element of the elementwise ops (on the fp32 units).
+_ELEMENT_FLOPS = {"rmsnorm": 4, "rope": 6, "mlp": 5, "add": 1, "argmax": 1}
+
+
+@dataclass(frozen=True)
+class NodeCost:
+    """One node at one shape: what it moves and computes, its floor and its predicted time."""
+
+    name: str
+    op: str
+    rows: int
+    weight_bytes: float = 0.0  # weight planes in the storage format
+    escape_bytes: float = 0.0  # u12 side table
+    act_bytes: float = 0.0  # activations read and written
+    kv_bytes: float = 0.0  # KV cache read and appended
+    tensor_flops: float = 0.0  # matmul work, on the tensor cores
+    other_flops: float = 0.0  # elementwise work
+    kernels: int = 0
+    t_memory: float = 0.0  # floor: bytes / bandwidth
+    t_compute: float = 0.0  # floor: FLOPs / rate
+    efficiency: float = 1.0  # achieved fraction of the bandwidth (efficiencies x occupancy)
+    t_latency: float = 0.0  # kernels · kernel_latency (part of t_kernel)
+    t_kernel: float = 0.0  # predicted time on the GPU, kernel latency included
+    t_launch: float = 0.0  # predicted CPU launch cost (0 under CUDA graphs)
+
+    @property
+    def bytes(self) -> float:
+        return self.weight_bytes + self.escape_bytes + self.act_bytes + self.kv_bytes
+
+    @property
+    def flops(self) -> float:
+        return self.tensor_flops + self.other_flops
+
+    @property
+    def t_floor(self) -> float:
+        return max(self.t_memory, self.t_compute)
+
+    @property
+    def time(self) -> float:
+        return self.t_kernel + self.t_launch
+
+    @property
+    def bound(self) -> str:
+        return "compute" if self.t_compute > self.t_memory else "memory"
+
+
+@dataclass(frozen=True)
+class StepEstimate:
+    """One evaluation of a model graph: per-node rows and their totals (seconds, bytes, FLOPs).
+
+    Nodes that cost the same (same op and attributes but the weight name, same shapes: the layers
+    of a decoder) are costed once: `costs[i]` stands for `counts[i]` nodes; `rows` lists every
+    node by name, in topological order. `scale` is a calibration factor (measured / predicted,
+    see `CostModel.update`) applied to `time`; the rows and the floor stay uncalibrated."""
+
+    what: str  # "ar", "verify", "draft" or a caller's label
+    graph: str
+    batch: int
+    q: int
+    cache_len: int
+    cuda_graphs: bool
+    costs: tuple[NodeCost, ...] = field(default=(), repr=False)
+    counts: tuple[int, ...] = field(default=(), repr=False)
+    layout: tuple[tuple[str, int], ...] = field(default=(), repr=False)  # (node name, index into costs)
+    scale: float = 1.0
+
+    @cached_property
+    def rows(self) -> tuple[NodeCost, ...]:
+        return tuple(self.costs[i] if self.costs[i].name == name else replace(self.costs[i], name=name)
+                     for name, i in self.layout)
+
+    def _sum(self, fn) -> float:
+        return sum(fn(c) * k for c, k in zip(self.costs, self.counts))
+
+    @property
+    def raw_time(self) -> float:
+        return self._sum(lambda r: r.time)
+
+    @property
+    def time(self) -> float:
+        return self.raw_time * self.scale
+
+    @property
+    def floor(self) -> float:
+        return self._sum(lambda r: r.t_floor)
+
+    @property
+    def launch(self) -> float:
+        return self._sum(lambda r: r.t_launch)
+
+    @property
+    def latency(self) -> float:
+        """Kernel latency inside the step (kernels · kernel_latency)."""
+        return self._sum(lambda r: r.t_latency)
+
+    @property
+    def bytes(self) -> float:
+        return self._sum(lambda r: r.bytes)
+
+    @property
+    def weight_bytes(self) -> float:
+        return self._sum(lambda r: r.weight_bytes + r.escape_bytes)
+
+    @property
+    def flops(self) -> float:
+        return self._sum(lambda r: r.flops)
+
+    @property
+    def kernels(self) -> int:
+        return int(self._sum(lambda r: r.kernels))
+
+    def by_op(self) -> dict[str, dict[str, float]]:
+        """Totals per op: time, floor, bytes, flops, count."""
+        out: dict[str, dict[str, float]] = {}
+        for r, k in zip(self.costs, self.counts):
+            t = out.setdefault(r.op, {"time": 0.0, "floor": 0.0, "bytes": 0.0, "flops": 0.0, "count": 0})
+            t["time"] += r.time * k
+            t["floor"] += r.t_floor * k
+            t["bytes"] += r.bytes * k
+            t["flops"] += r.flops * k
+            t["count"] += k
+        return out
+
+    def scaled(self, factor: float) -> "StepEstimate":
+        return replace(self, scale=factor)
+
+
+def combine(t_mem: float, t_comp: float, p: float) -> float:
+    """Roofline max (p = inf) or the p-norm of memory and compute time."""
+    if math.isinf(p):
+        return max(t_mem, t_comp)
+    hi = max(t_mem, t_comp)
+    if hi <= 0.0:
+        return 0.0
+    return hi * ((t_mem / hi) ** p + (t_comp / hi) ** p) ** (1.0 / p)
+
+
+def weight_bits(fmt: str) -> int:
+    if fmt not in WEIGHT_BITS:
+        raise ValueError(f"unknown weight format {fmt!r} (expected one of {', '.join(WEIGHT_BITS)})")
+    return WEIGHT_BITS[fmt]
+
+
+def matmul_weight_bytes(node: Node, escape_rate: float = U12_ESCAPE_RATE) -> tuple[float, float]:
+    """(planes, escapes) bytes of a linear / lm_head weight in its format."""
+    n, k = node["out_features"], node["in_features"]
+    fmt = node["format"]
+    if fmt != "u12":
+        return n * k * weight_bits(fmt) / 8, 0.0
+    planes = n * k + n * ((k + 1) // 2)  # sign/mantissa bytes + two 4-bit codes a byte
+    escapes = n * k * escape_rate * U12_ESCAPE_BYTES + 4 * (n + 1)
+    return float(planes), escapes
+
+
+@dataclass(frozen=True)
+class GraphPlan:
+    """A model graph flattened once for repeated costing: (name, node, input names) in topological order."""
+
+    name: str
+    entries: tuple[tuple[str, Node, tuple[str, ...]], ...]
+    keys: tuple[Node, ...] = ()  # each node without its weight name: what its cost depends on
+
+    @staticmethod
+    def of(graph: "Graph | GraphPlan") -> "GraphPlan":
+        if isinstance(graph, GraphPlan):
+            return graph
+        entries = tuple((n, node, tuple(graph.inputs(n))) for n, node in graph.items())
+        keys = tuple(Node(node.op, tuple(kv for kv in node.attrs if kv[0] != "weight")) for _, node, _ in entries)
+        return GraphPlan(graph.name, entries, keys)
+
+
+def _shapes(plan: GraphPlan, batch: int, q: int, context: int) -> dict[str, tuple[int, int]]:
+    """(rows, width) of every node's output, in elements."""
+    shapes: dict[str, tuple[int, int]] = {}
+    for name, node, inputs in plan.entries:
+        ins = [shapes[i] for i in inputs]
+        op = node.op
+        if op == "input":
+            shapes[name] = (batch * context, node.get("dim", 0)) if node["what"] == "target_hidden" else (batch * q, 0)
+        elif op in MATMUL_OPS:
+            shapes[name] = (sum(r for r, _ in ins), node["out_features"])
+        elif op in ("embed", "rmsnorm", "mlp"):
+            shapes[name] = (ins[0][0], node["dim"])
+        elif op == "attention":
+            shapes[name] = (batch * q, node["heads"] * node["head_dim"])
+        elif op == "argmax":
+            shapes[name] = (ins[0][0], 1)
+        else:  # rope (a q, k pair), add: shape of the first input
+            shapes[name] = ins[0] if ins else (batch * q, 0)
+    return shapes
+
+
+def _attention_occupancy(node: Node, gpu: GPU, batch: int, q: int, kv_len: int) -> float:
+    programs = batch * node["heads"] * math.ceil(q / ATTN_Q_TILE)
+    if node["kernel"] == "triton-split-kv":
+        programs *= max(1, math.ceil(kv_len / SPLIT_KV_CHUNK))
+    return min(1.0, programs / max(gpu.sms, 1))
+
+
+def node_cost(name: str, node: Node, out: tuple[int, int], ins: list[tuple[int, int]], gpu: GPU, *,
+              batch: int, q: int, cache_len: int, dtype: str, cuda_graphs: bool,
+              escape_rate: float = U12_ESCAPE_RATE) -> NodeCost:
+    """Cost of one node whose output is `out` = (rows, width) and whose inputs are `ins`."""
+    a = ACT_BYTES[dtype]
+    op = node.op
+    rows, width = out
+    read = sum(r * w for r, w in ins) * a
+    written = rows * width * a
+    c = dict(name=name, op=op, rows=rows, kernels=KERNELS.get(op, 1))
+    occupancy, kernel_eff = 1.0, 1.0
+
+    if op == "input":
+        c["kernels"] = 0
+    elif op == "embed":
+        c["weight_bytes"] = rows * node["dim"] * ACT_BYTES[node["dtype"]]  # a gather: only the rows used
+        c["act_bytes"] = written
+    elif op in MATMUL_OPS:
+        c["weight_bytes"], c["escape_bytes"] = matmul_weight_bytes(node, escape_rate)
+        c["act_bytes"] = rows * node["in_features"] * a + written
+        c["tensor_flops"] = 2.0 * rows * node["in_features"] * node["out_features"]
+        if node["format"] == "u12":
+            kernel_eff = gpu.efficiency_of_kernel(node["kernel"], rows)
+    elif op == "attention":
+        hd, kvh = node["head_dim"], node["kv_heads"]
+        new_kv_rows = ins[-1][0] if ins else rows  # the v projection's rows
+        kv_len = cache_len + new_kv_rows // max(batch, 1)
+        c["act_bytes"] = read + written
+        # read the cache, append the new K and V
+        c["kv_bytes"] = (batch * cache_len + new_kv_rows) * kvh * hd * 2 * a
+        c["tensor_flops"] = 4.0 * rows * kv_len * node["heads"] * hd
+        occupancy = _attention_occupancy(node, gpu, batch, q, kv_len)
+    elif op == "rmsnorm":
+        c["weight_bytes"] = node["dim"] * a
+        c["act_bytes"] = read + written
+        c["other_flops"] = _ELEMENT_FLOPS[op] * rows * width
+    elif op == "rope":
+        moved = read  # q and k, rotated in place: read and written
+        c["act_bytes"] = 2 * moved
+        c["other_flops"] = _ELEMENT_FLOPS[op] * moved / a
+    elif op == "argmax":
+        c["act_bytes"] = read + rows * 8
+        c["other_flops"] = _ELEMENT_FLOPS[op] * read / a
+    else:  # mlp, add: elementwise over their inputs
+        c["act_bytes"] = read + written
+        c["other_flops"] = _ELEMENT_FLOPS.get(op, 1) * rows * width
+
+    weight = c.get("weight_bytes", 0.0) + c.get("escape_bytes", 0.0)
+    moved = weight + c.get("act_bytes", 0.0) + c.get("kv_bytes", 0.0)
+    tensor, other = c.get("tensor_flops", 0.0), c.get("other_flops", 0.0)
+    t_memory = moved / gpu.bandwidth
+    eff = gpu.bw_efficiency * kernel_eff * occupancy
+    t_mem = t_memory / eff if moved else 0.0
+    t_comp = tensor / (gpu.bf16_rate * gpu.mm_efficiency) + other / gpu.fp32_rate
+    latency = c["kernels"] * gpu.kernel_latency_s
+    return NodeCost(
+        **c, t_memory=t_memory, t_compute=tensor / gpu.bf16_rate + other / gpu.fp32_rate, efficiency=eff,
+        t_latency=latency, t_kernel=combine(t_mem, t_comp, gpu.overlap) + latency,
+        t_launch=0.0 if cuda_graphs else c["kernels"] * gpu.launch_s,
+    )
+
+
+def step_time(graph: "Graph | GraphPlan", gpu: GPU, batch: int = 1, q: int = 1, cache_len: int = 0, *,
+              dtype: str = "bfloat16", cuda_graphs: bool = False, context: int | None = None,
+              escape_rate: float = U12_ESCAPE_RATE, what: str = "") -> StepEstimate:
+    """Cost one evaluation of `graph` (a target or drafter model graph) at this shape.
+
+    Pass a `GraphPlan.of(graph)` instead of the graph to cost one graph at many shapes quickly."""
+    if batch < 1 or q < 1 or cache_len < 0:
+        raise ValueError(f"step_time: need batch >= 1, q >= 1, cache_len >= 0 (got {batch}, {q}, {cache_len})")
+    plan = GraphPlan.of(graph)
+    shapes = _shapes(plan, batch, q, q if context is None else context)
+    index: dict[tuple, int] = {}
+    costs: list[NodeCost] = []
+    counts: list[int] = []
+    layout: list[tuple[str, int]] = []
+    for (name, node, inputs), key in zip(plan.entries, plan.keys):
+        ins = tuple(shapes[i] for i in inputs)
+        k = (key, shapes[name], ins)
+        i = index.get(k)
+        if i is None:
+            i = index[k] = len(costs)
+            costs.append(node_cost(name, node, shapes[name], list(ins), gpu, batch=batch, q=q, cache_len=cache_len,
+                                   dtype=dtype, cuda_graphs=cuda_graphs, escape_rate=escape_rate))
+            counts.append(0)
+        counts[i] += 1
+        layout.append((name, i))
+    return StepEstimate(what=what or plan.name, graph=plan.name, batch=batch, q=q, cache_len=cache_len,
+                        cuda_graphs=cuda_graphs, costs=tuple(costs), counts=tuple(counts), layout=tuple(layout))
+
+
+def at_floor(step: StepEstimate) -> StepEstimate:
+    """The same step with every node at its floor (no efficiency loss, latency or launch)."""
+    costs = tuple(replace(r, t_kernel=r.t_floor, t_latency=0.0, t_launch=0.0, efficiency=1.0) for r in step.costs)
+    return replace(step, costs=costs, scale=1.0)
+
+
+def weight_footprint(program: Program, escape_rate: float = U12_ESCAPE_RATE) -> float:
+    """Bytes of every weight the deployment stores, each once (borrowed `target/` weights excluded)."""
+    total = 0.0
+    for graph in (program.target, program.drafter):
+        for _, node in graph.items():
+            weight = node.get("weight", "")
+            if graph is program.drafter and str(weight).startswith("target/"):
+                continue
+            if node.op in MATMUL_OPS:
+                if node.op == "lm_head" and node.get("tied", False):
+                    continue  # the embedding's bytes, counted there
+                total += sum(matmul_weight_bytes(node, escape_rate))
+            elif node.op == "embed":
+                total += node["vocab"] * node["dim"] * ACT_BYTES[node["dtype"]]
+            elif node.op == "rmsnorm":
+                total += node["dim"] * ACT_BYTES.get(program.attr("dtype", "bfloat16"), 2)
+    return total

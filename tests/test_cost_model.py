@@ -1,0 +1,345 @@
+"""The cost model: arithmetic on cases computable by hand, the acceptance model, gap ranking,
+calibration records, the GPU database, and the report (table, PNG). No timed tests."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from specpilot.cost import (
+    GPU, AcceptanceModel, CostModel, Estimate, Figure, NodeCost, SpecStep, StepEstimate, Workload, alpha_for_tau,
+    explain, gpu_names, load_gpu, matmul_weight_bytes, plot_gaps, render_table, step_time, tau_for_alpha,
+    weight_footprint,
+)
+from specpilot.cost.gaps import with_block_size, with_tree
+from specpilot.cost.roofline import U12_ESCAPE_BYTES
+from specpilot.errors import SpecError
+from specpilot.ir import MATMUL_OPS, Graph, Node, Program, lower
+
+LLAMA_8B = dict(model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=False)
+DFLASH_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=5, num_attention_heads=32,
+                 num_key_value_heads=8, head_dim=128, target_layer_ids=[1, 9, 17, 25, 31], block_size=16,
+                 mask_token_id=128002)
+# Small enough to cost quickly, large enough that weights-u12 (min-numel 2^20) applies.
+SMALL = dict(model_type="llama", vocab_size=4096, hidden_size=1024, intermediate_size=2048, num_hidden_layers=2,
+             num_attention_heads=8, num_key_value_heads=4, head_dim=128, rms_norm_eps=1e-5, rope_theta=10000.0)
+SMALL_DFLASH = dict(hidden_size=1024, intermediate_size=2048, num_hidden_layers=1, num_attention_heads=8,
+                    num_key_value_heads=4, head_dim=128, target_layer_ids=[0, 1], block_size=8, mask_token_id=4095)
+SMALL_SHAPE = "llama-2x1024-v4096"
+
+# A card with round numbers: 1 TB/s, 100 TFLOP/s bf16, 10 TFLOP/s fp32, perfect kernels, no latencies;
+# one SM, so that attention always fills the card.
+ROUND = GPU(name="round", full_name="round numbers", bandwidth=1e12, bf16_rate=1e14, fp32_rate=1e13, sms=1,
+            l2_bytes=0.0, memory_bytes=80e9)
+
+
+@pytest.fixture(scope="module")
+def llama8b() -> Program:
+    return lower(LLAMA_8B, DFLASH_8B, dtype="bfloat16")
+
+
+@pytest.fixture(scope="module")
+def small() -> Program:
+    return lower(SMALL, SMALL_DFLASH, dtype="bfloat16")
+
+
+def one_linear(n=4096, k=4096, fmt="bfloat16", kernel="torch") -> Graph:
+    g = Graph("target")
+    x = g.add("x", Node.make("input", what="tokens"))
+    g.add("proj", Node.make("linear", in_features=k, out_features=n, dtype="bfloat16", format=fmt, kernel=kernel,
+                            weight="w"), [x])
+    return g
+
+
+def to_u12(program: Program, kernel: str | None = None) -> Program:
+    """What a weight pass does: every matmul's format -> u12 (via Graph.map_nodes)."""
+    def fn(_, node):
+        if node.op in MATMUL_OPS:
+            return node.replace(format="u12", **({"kernel": kernel} if kernel else {}))
+        return None
+
+    for level in ("target", "drafter"):
+        program = program.with_graph(level, program.graph(level).map_nodes(fn)[0])
+    return program
+
+
+# -- the GPU database
+
+def test_every_gpu_loads_with_sources():
+    names = gpu_names()
+    for want in ("a100-40gb", "a100-80gb", "h100-sxm", "h100-pcie", "h200", "l40s", "rtx-4090", "b200"):
+        assert want in names
+    for name in names:
+        gpu = load_gpu(name)
+        assert gpu.bandwidth > 0 and gpu.bf16_rate > 0 and gpu.sms > 0 and gpu.note
+        assert gpu.source_of("bandwidth") in ("measured", "published")
+
+
+def test_h200_uses_measured_figures():
+    gpu = load_gpu("H200")
+    assert gpu.bandwidth == 4.06e12 and gpu.source_of("bandwidth") == "measured"
+    assert gpu.bf16_rate == 790e12 and gpu.source_of("bf16_rate") == "measured"
+    assert load_gpu("h100-sxm").source_of("bandwidth") == "published"
+
+
+def test_unknown_gpu_lists_the_known_ones():
+    with pytest.raises(SpecError) as err:
+        load_gpu("v100")
+    assert "v100" in str(err.value) and "h200" in str(err.value) and "rtx-4090" in str(err.value)
+
+
+# -- the roofline step model, by hand
+
+def test_one_linear_by_hand():
+    bf16_weight = 2 * 4096 * 4096
+    activations = 2 * (4096 + 4096)  # one row in, one row out
+    est = step_time(one_linear(), ROUND, batch=1, q=1, cache_len=0, cuda_graphs=True)
+    assert est.bytes == bf16_weight + activations
+    assert est.flops == 2 * 4096 * 4096
+    assert est.time == pytest.approx((bf16_weight + activations) / 1e12)
+    assert est.floor == pytest.approx(est.time)
+
+    half = ROUND.with_(bw_efficiency=0.5)
+    assert step_time(one_linear(), half, q=1).time == pytest.approx(2 * (bf16_weight + activations) / 1e12)
+
+
+def test_compute_bound_linear_and_launch_overhead():
+    q = 4096
+    est = step_time(one_linear(), ROUND, batch=1, q=q, cuda_graphs=True)
+    assert est.time == pytest.approx(2 * 4096 ** 3 / 1e14)  # FLOPs / rate > bytes / bandwidth
+    assert est.rows[1].bound == "compute"
+    launching = ROUND.with_(launch_s=5e-6)
+    eager = step_time(one_linear(), launching, q=1, cuda_graphs=False)
+    graphed = step_time(one_linear(), launching, q=1, cuda_graphs=True)
+    assert eager.time - graphed.time == pytest.approx(5e-6)  # one kernel, no launch under CUDA graphs
+    assert graphed.launch == 0.0
+
+
+def test_u12_weights_are_twelve_bits_plus_escapes():
+    bf16 = Node.make("linear", in_features=4096, out_features=6144, dtype="bfloat16", format="bfloat16",
+                     kernel="torch", weight="w")
+    u12 = bf16.replace(format="u12")
+    planes, escapes = matmul_weight_bytes(u12, escape_rate=0.0)
+    assert planes == pytest.approx(matmul_weight_bytes(bf16)[0] * 12 / 16)
+    assert escapes == 4 * (6144 + 1)  # CSR row pointers only
+    _, escapes = matmul_weight_bytes(u12, escape_rate=1e-3)
+    assert escapes == pytest.approx(4096 * 6144 * 1e-3 * U12_ESCAPE_BYTES + 4 * 6145)
+
+
+def test_u12_program_reads_three_quarters_of_the_weight_bytes(llama8b):
+    u12 = to_u12(llama8b)
+    for graph, q in (("target", 16), ("drafter", 16)):
+        a = step_time(llama8b.graph(graph), ROUND, q=q, escape_rate=0.0)
+        b = step_time(u12.graph(graph), ROUND, q=q, escape_rate=0.0)
+        mm_a = sum(r.weight_bytes for r in a.rows if r.op in MATMUL_OPS)
+        mm_b = sum(r.weight_bytes for r in b.rows if r.op in MATMUL_OPS)
+        assert mm_b == pytest.approx(mm_a * 12 / 16)
+
+
+def test_llama8b_weight_bytes_match_the_checkpoint(llama8b):
+    est = step_time(llama8b.target, load_gpu("h200"), q=1, cache_len=512)
+    matmul = sum(r.weight_bytes for r in est.rows if r.op in MATMUL_OPS)
+    assert matmul == pytest.approx(15.01e9, rel=1e-3)  # GPU-FACTS: 15.0 GB of linears + lm_head
+    # The drafter reads the target's lm_head again every draft step; the footprint counts it once.
+    draft = step_time(llama8b.drafter, load_gpu("h200"), q=16)
+    head = [r for r in draft.rows if r.op == "lm_head"][0]
+    assert head.weight_bytes == 128256 * 4096 * 2
+    drafter_own = sum(r.weight_bytes for r in draft.rows if r.op in MATMUL_OPS) - head.weight_bytes
+    assert weight_footprint(llama8b) == pytest.approx(16.06e9 + drafter_own + 4096 * 2 * (65 + 11), rel=1e-3)
+
+
+def test_attention_reads_the_cache_and_split_kv_helps_long_caches(small):
+    gpu = load_gpu("h200")
+    short = step_time(small.target, gpu, q=1, cache_len=0)
+    long = step_time(small.target, gpu, q=1, cache_len=8192)
+    attn_short = sum(r.kv_bytes for r in short.rows if r.op == "attention")
+    attn_long = sum(r.kv_bytes for r in long.rows if r.op == "attention")
+    assert attn_long - attn_short == 2 * 8192 * 4 * 128 * 2 * 2  # layers x tokens x kv_heads x head_dim x (K,V) x bf16
+    split = small.target.map_nodes(lambda _, n: n.replace(kernel="triton-split-kv") if n.op == "attention" else None)[0]
+    t_sdpa = sum(r.time for r in long.rows if r.op == "attention")
+    t_split = sum(r.time for r in step_time(split, gpu, q=1, cache_len=8192).rows if r.op == "attention")
+    assert t_split < t_sdpa
+
+
+# -- a pass that cuts bytes lowers the prediction
+
+def test_u12_lowers_the_prediction(llama8b):
+    model = CostModel("h100-sxm")  # no measured u12 kernel: the format's bytes alone count
+    w = Workload(tau=5.0, search=False)
+    before, after = model.predict(llama8b, w), model.predict(to_u12(llama8b), w)
+    assert after.t_verify.value < before.t_verify.value
+    assert after.t_draft.value < before.t_draft.value
+    assert after.t_token.value < before.t_token.value
+    assert after.speedup.value > before.speedup.value
+    assert after.t_ar.value == pytest.approx(before.t_ar.value)  # the AR baseline keeps bf16 weights
+
+
+def test_a_slow_kernel_can_cost_more_than_its_bytes_save(small):
+    slow = ROUND.with_(kernel_efficiency={"triton-u12": 0.5})
+    base = step_time(small.target, slow, q=1)
+    u12 = step_time(to_u12(small, kernel="triton-u12").target, slow, q=1)
+    assert u12.time > base.time  # 0.75x the bytes at 0.5x the bandwidth
+    assert u12.floor < base.floor
+
+
+# -- speedup
+
+def _step(what: str, seconds: float) -> StepEstimate:
+    row = NodeCost(name="n", op="linear", rows=1, t_kernel=seconds)
+    return StepEstimate(what, "g", 1, 1, 0, True, costs=(row,), counts=(1,), layout=(("n", 0),))
+
+
+def test_speedup_formula_by_hand():
+    accept = NodeCost(name="accept", op="accept", rows=1, t_kernel=0.5e-3)
+    s = SpecStep(ar=_step("ar", 4e-3), draft=_step("draft", 1e-3), verify=_step("verify", 4.5e-3),
+                 overhead_rows=(accept,), tau=3.0)
+    assert s.t_spec == pytest.approx(6e-3)
+    assert s.speedup == pytest.approx(3.0 * 4e-3 / 6e-3)  # = 2.0
+    assert s.t_token == pytest.approx(2e-3)
+
+
+def test_predicted_speedup_is_the_formula(small):
+    e = CostModel(ROUND).predict(small, Workload(tau=4.0, search=False))
+    assert e.tau.value == pytest.approx(4.0)
+    t_spec = e.t_draft.value + e.t_verify.value + e.overhead.value
+    assert e.speedup.value == pytest.approx(e.tau.value * e.t_ar.value / t_spec)
+    assert {f.source for _, f in e.figures()} <= {"predicted", "measured"}
+
+
+# -- the acceptance model
+
+@settings(max_examples=60, deadline=None)
+@given(k=st.integers(1, 24), frac=st.floats(0.0, 1.0))
+def test_tau_alpha_round_trip(k, frac):
+    tau = 1.0 + frac * k
+    alpha = alpha_for_tau(tau, k)
+    assert 0.0 <= alpha <= 1.0
+    assert tau_for_alpha(alpha, k) == pytest.approx(tau, abs=1e-9)
+    assert AcceptanceModel.from_tau(tau, k).tau_chain(k) == pytest.approx(tau, abs=1e-9)
+
+
+def test_impossible_tau_is_an_error():
+    with pytest.raises(SpecError):
+        alpha_for_tau(17.5, 15)
+
+
+def test_histogram_expectation_by_hand():
+    m = AcceptanceModel.from_histogram([10, 20, 30, 40])  # steps that accepted 0, 1, 2, 3 drafted tokens
+    assert m.alphas == pytest.approx((0.9, 0.7 / 0.9, 0.4 / 0.7))
+    assert m.tau_chain(3) == pytest.approx(1 + (20 + 60 + 120) / 100)  # E[A] = 2
+    assert m.tau_chain(1) == pytest.approx(1.9)
+    assert m.tau_chain(10) == pytest.approx(3.0)  # unmeasured positions earn nothing
+    assert m.source == "measured"
+
+
+def test_best_first_tree_by_hand():
+    m = AcceptanceModel.geometric(0.5, 4)  # rank r caught with 0.5 * 0.5^(r-1): 0.5, 0.25, ...
+    assert m.expected_accepted_tree(1, 4) == pytest.approx(0.5)
+    assert m.expected_accepted_tree(2, 4) == pytest.approx(0.75)  # (1) 0.5, then (2) or (1,1) at 0.25
+    assert m.expected_accepted_tree(3, 4) == pytest.approx(1.0)
+    assert m.expected_accepted_tree(4, 4, width=1) == pytest.approx(m.expected_accepted(4))  # width 1 = chain
+    assert m.tau_tree(15, 4) > m.tau_chain(4)
+    paths = [ranks for _, ranks in m.best_tree(20, 4)]
+    assert all(p[:-1] in paths or len(p) == 1 for p in paths)  # every parent is in the tree
+
+
+def test_tree_verify_raises_tau_in_the_model(small):
+    model = CostModel(ROUND)
+    chain = model.predict(small, Workload(tau=4.0, search=False))
+    tree = model.predict(with_tree(small, 32), Workload(tau=4.0, search=False))
+    assert tree.tau.value > chain.tau.value
+    assert tree.t_verify.value > chain.t_verify.value  # 33 tokens verified instead of 8
+
+
+# -- gaps
+
+def test_gaps_are_ranked_and_add_up_to_the_ceiling(llama8b):
+    e = CostModel("h200").predict(llama8b, Workload(tau=6.0))
+    savings = [g.saving for g in e.gaps]
+    assert savings == sorted(savings, reverse=True) and all(s > 0 for s in savings)
+    assert sum(savings) == pytest.approx(e.t_token.value - e.ceiling.t_token, rel=1e-6)
+    passes = {g.pass_name for g in e.gaps}
+    assert {"cuda-graphs", "tree-verify", "fused-accept"} <= passes
+    assert e.ceiling.speedup > e.speedup.value and e.ceiling.tau >= e.tau.value
+
+
+def test_gap_order_follows_the_costs(small):
+    w = Workload(tau=4.0, search=False)
+    launches = CostModel(ROUND.with_(launch_s=1e-3, host_sync_s=1e-6)).predict(small, w)
+    assert launches.gaps[0].pass_name == "cuda-graphs"
+    syncs = CostModel(ROUND.with_(launch_s=1e-6, host_sync_s=1.0)).predict(small, w)
+    assert syncs.gaps[0].pass_name == "fused-accept"
+    heavy = ROUND.with_(bandwidth=1e9)  # weight bytes dominate everything
+    assert CostModel(heavy).predict(small, w).gaps[0].pass_name == "weights-u12"
+
+
+def test_block_size_gap_when_the_block_is_too_long(small):
+    # acceptance collapses after 2 positions: a block of 8 drafts 5 tokens for nothing, and a block of
+    # 2 leaves a likely second token undrafted
+    acc = AcceptanceModel((0.9, 0.9, 0.0, 0.0, 0.0, 0.0, 0.0))
+    e = CostModel(ROUND).predict(small, Workload(acceptance=acc))
+    blocks = [g.pipeline for g in e.gaps if g.pass_name == "draft-block-size"]
+    assert blocks == ["draft-block-size{block-size=3}"]
+    assert with_block_size(small, 3).step.one("verify")[1]["q"] == 3
+
+
+# -- calibration
+
+def test_update_scales_each_step_kind(small):
+    model = CostModel(ROUND)
+    w = Workload(tau=4.0, search=False)
+    raw = model.predict(small, w)
+    n = model.update([{"kind": "step", "what": "ar", "q": 1, "ms": raw.t_ar.value * 2e3, "gpu": "round",
+                       "shape": SMALL_SHAPE},
+                      {"kind": "step", "what": "verify", "q": 64, "ms": 1.0, "gpu": "h200", "shape": "x"}])
+    assert n == 1  # the h200 record is for another card
+    cal = model.predict(small, w)
+    assert cal.calibration["ar"] == pytest.approx(2.0)
+    assert cal.calibration["verify"] == pytest.approx(2.0)  # no verify record: borrows the pooled mean
+    assert cal.t_ar.source == "measured" and cal.t_ar.value == pytest.approx(2 * raw.t_ar.value)
+    assert cal.t_verify.source == "predicted" and cal.t_verify.value == pytest.approx(2 * raw.t_verify.value)
+    assert cal.t_verify.floor == pytest.approx(raw.t_verify.floor)  # floors are never calibrated
+
+
+def test_update_from_results_files(small, tmp_path):
+    results = tmp_path / "results"
+    results.mkdir()
+    (results / "steps.json").write_text(json.dumps({
+        "gpu": "h200", "shape": SMALL_SHAPE, "commit": "abc",
+        "records": [{"kind": "step", "what": "draft", "q": 8, "ms": 0.25},
+                    {"kind": "acceptance", "drafter": "dflash", "histogram": [0, 0, 0, 1, 1, 1, 1, 1]},
+                    {"kind": "kernel", "name": "ignored"}]}))
+    model = CostModel("h200")
+    assert model.update_from_results([results]) == 2
+    e = model.predict(small, Workload(search=False, cuda_graphs=True))
+    assert e.t_draft.source == "measured" and e.t_draft.value == pytest.approx(0.25e-3)
+    assert e.tau.source == "measured" and e.tau.value == pytest.approx(1 + (3 + 4 + 5 + 6 + 7) / 5)
+    assert explain(small, "h200", Workload(cuda_graphs=True), results=[results]).t_draft.source == "measured"
+
+
+def test_bad_records_name_the_file_and_field(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps([{"kind": "step", "what": "verify", "ms": 1.0, "gpu": "h200", "shape": "x"}]))
+    with pytest.raises(SpecError, match=r"bad\.json\[0\].*'q'"):
+        CostModel("h200").update_from_results([bad])
+
+
+# -- the report
+
+def test_table_and_png(small, tmp_path):
+    e = CostModel("h200").predict(small, Workload(tau=4.0))
+    assert isinstance(e, Estimate) and isinstance(e.t_ar, Figure)
+    table = render_table(e)
+    assert table.row_count >= 8
+    sources = {cell for cell in table.columns[2].cells if cell}
+    assert sources <= {"predicted", "measured"}
+    png = plot_gaps(e, tmp_path / "gaps.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert json.dumps(e.to_dict())  # JSON-ready
+    assert not math.isnan(e.speedup.value)
