@@ -1,0 +1,263 @@
+"""Greedy decode loops: autoregressive, PARD-style and DFlash-style speculative decoding.
+
+Every loop is lossless: its output equals AR greedy token for token (the tests check it). One
+speculative step is draft -> verify -> accept -> commit:
+
+  draft    the drafter proposes k tokens in one forward;
+  verify   the target runs [last committed token, d1..dk] in one forward (q = k+1);
+  accept   `accept_greedy`: d_i is kept while it equals the target's argmax at the position before
+           it; the target's argmax at the first mismatch (or after dk) is the bonus token;
+  commit   accepted drafts + bonus are appended; caches roll back to the accepted path.
+
+Cache invariant between steps: the target's KV cache holds every committed token except the last
+one, which is the next verify's first input.
+
+Accounting (`Generation`): tokens[0] comes from the prefill logits; speculative step i then emits
+accepted[i] drafts + 1 bonus. When EOS or max_new_tokens cuts a step short, accepted[i] counts only
+the tokens that reached the output, minus one (the last token emitted plays the bonus's role). So,
+exactly: len(tokens) == 1 + steps + sum(accepted) whenever tokens is non-empty, with steps ==
+len(accepted) for speculative loops (AR: accepted == [], steps == len(tokens) - 1).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from specpilot.runtime.cache import KVCache
+from specpilot.runtime.dflash import DFlashDrafter
+from specpilot.runtime.model import PardDrafter, Transformer
+
+
+@dataclass
+class Generation:
+    tokens: list[int]  # output tokens only (prompt excluded)
+    accepted: list[int] = field(default_factory=list)  # per speculative step: drafts accepted (bonus not counted)
+    steps: int = 0  # decode steps after the prefill (target forwards)
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+
+    @property
+    def tau(self) -> float:
+        """Mean tokens per speculative step, bonus included (1.0 for AR)."""
+        return 1.0 + sum(self.accepted) / len(self.accepted) if self.accepted else 1.0
+
+
+def accept_greedy(draft_tokens: Sequence[int], target_argmax: Sequence[int]) -> int:
+    """Number of leading drafts the target agrees with.
+
+    target_argmax[i] is the target's argmax at verify position i, i.e. its choice for the token where
+    draft i sits (position 0 holds the last committed token). The bonus is target_argmax[n].
+    """
+    n = 0
+    for draft, target in zip(draft_tokens, target_argmax):
+        if draft != target:
+            break
+        n += 1
+    return n
+
+
+class OutputTokens:
+    """The output so far; stops right after the first EOS or at exactly max_new_tokens."""
+
+    def __init__(self, max_new_tokens: int, eos_token_id: int | None) -> None:
+        self.tokens: list[int] = []
+        self.max_new_tokens = max_new_tokens
+        self.eos_token_id = eos_token_id
+        self.done = max_new_tokens <= 0
+
+    def extend(self, span: Sequence[int]) -> int:
+        """Append tokens in order until done; returns how many were kept."""
+        kept = 0
+        for token in span:
+            if self.done:
+                break
+            self.tokens.append(token)
+            kept += 1
+            self.done = token == self.eos_token_id or len(self.tokens) >= self.max_new_tokens
+        return kept
+
+
+class _Clock:
+    """perf_counter, synchronising the device first so queued GPU work is counted."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def __call__(self) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+
+def _prompt_tensor(prompt_ids: Sequence[int] | torch.Tensor, device: torch.device) -> torch.Tensor:
+    ids = torch.as_tensor(prompt_ids, dtype=torch.long, device=device)
+    ids = ids[None] if ids.dim() == 1 else ids
+    if ids.dim() != 2 or ids.shape[0] != 1 or ids.shape[1] == 0:
+        raise ValueError(f"prompt_ids must be a non-empty sequence (batch size 1), got shape {tuple(ids.shape)}")
+    return ids
+
+
+def _check_max_new(max_new_tokens: int) -> None:
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+
+
+def generate_ar(
+    target: Transformer, prompt_ids: Sequence[int] | torch.Tensor, *, max_new_tokens: int, eos_token_id: int | None
+) -> Generation:
+    """Greedy autoregressive decoding with the static KV cache: prefill, then one token per step."""
+    _check_max_new(max_new_tokens)
+    target.eval()
+    clock = _Clock(target.device)
+    out = OutputTokens(max_new_tokens, eos_token_id)
+    if out.done:
+        return Generation(tokens=[])
+    with torch.inference_mode():
+        prompt = _prompt_tensor(prompt_ids, target.device)
+        cache = target.new_cache(1, prompt.shape[1] + max_new_tokens)
+        t0 = clock()
+        token = target(prompt, cache, only_last=True).logits[:, -1].argmax(-1, keepdim=True)
+        out.extend(token[0].tolist())
+        t1 = clock()
+        steps = 0
+        while not out.done:
+            token = target(token, cache).logits[:, -1].argmax(-1, keepdim=True)
+            out.extend(token[0].tolist())
+            steps += 1
+        t2 = clock()
+    return Generation(tokens=out.tokens, accepted=[], steps=steps, prefill_s=t1 - t0, decode_s=t2 - t1)
+
+
+def verify_chain(
+    target: Transformer, cache: KVCache, last_token: int, drafts: torch.Tensor, hidden_layers: tuple[int, ...] = ()
+) -> tuple[list[int], torch.Tensor | None]:
+    """Target forward over [last_token, d1..dk]: (argmax at each of the k+1 positions, hidden states)."""
+    ids = torch.cat([drafts.new_tensor([last_token]), drafts])[None]
+    out = target(ids, cache, hidden_layers=hidden_layers)
+    return out.logits[0].argmax(-1).tolist(), out.hidden
+
+
+def _commit(
+    out: OutputTokens, accepted: list[int], drafts: list[int], target_argmax: list[int]
+) -> tuple[int, list[int]]:
+    """Greedy acceptance + bonus; appends to `out` and `accepted`. Returns (n accepted, committed span)."""
+    n = accept_greedy(drafts, target_argmax)
+    span = drafts[:n] + [target_argmax[n]]
+    accepted.append(out.extend(span) - 1)
+    return n, span
+
+
+def generate_pard(
+    target: Transformer,
+    drafter: Transformer | PardDrafter,
+    prompt_ids: Sequence[int] | torch.Tensor,
+    *,
+    k: int,
+    mask_token_id: int,
+    max_new_tokens: int,
+    eos_token_id: int | None,
+) -> Generation:
+    """PARD-style speculative decoding (greedy, lossless).
+
+    The drafter is a causal LM with its own KV cache of committed tokens. Each step it runs
+    [committed tokens not yet in its cache] + [mask x (k-1)] in one forward: the logits at the last
+    real token give draft 1, at mask i draft i+1; then its cache is rolled back past the masks.
+    """
+    _check_max_new(max_new_tokens)
+    if k < 1:
+        raise ValueError(f"k must be >= 1, got {k}")
+    draft_model = drafter.model if isinstance(drafter, PardDrafter) else drafter
+    target.eval()
+    draft_model.eval()
+    clock = _Clock(target.device)
+    out = OutputTokens(max_new_tokens, eos_token_id)
+    if out.done:
+        return Generation(tokens=[])
+    accepted: list[int] = []
+    with torch.inference_mode():
+        prompt = _prompt_tensor(prompt_ids, target.device)
+        capacity = prompt.shape[1] + max_new_tokens + k + 1
+        t_cache = target.new_cache(1, capacity)
+        d_cache = draft_model.new_cache(1, capacity)
+        t0 = clock()
+        first = target(prompt, t_cache, only_last=True).logits[0, -1].argmax()
+        draft_model(prompt.to(draft_model.device), d_cache, only_last=True)
+        seq = prompt[0].tolist()
+        out.extend([int(first)])
+        seq.append(int(first))
+        t1 = clock()
+        masks = [mask_token_id] * (k - 1)
+        while not out.done:
+            # draft: the committed tokens the drafter has not seen, then k-1 masks, in one forward
+            fresh = seq[d_cache.length :]
+            ids = torch.tensor([fresh + masks], dtype=torch.long, device=draft_model.device)
+            logits = draft_model(ids, d_cache).logits[0, len(fresh) - 1 :]
+            drafts = logits.argmax(-1).to(target.device)
+            d_cache.rollback(len(seq))
+            # verify, accept, commit
+            start = t_cache.length
+            target_argmax, _ = verify_chain(target, t_cache, seq[-1], drafts)
+            n, span = _commit(out, accepted, drafts.tolist(), target_argmax)
+            t_cache.rollback(start + 1 + n)
+            seq.extend(span)
+        t2 = clock()
+    return Generation(tokens=out.tokens, accepted=accepted, steps=len(accepted), prefill_s=t1 - t0, decode_s=t2 - t1)
+
+
+def generate_dflash(
+    target: Transformer,
+    drafter: DFlashDrafter,
+    prompt_ids: Sequence[int] | torch.Tensor,
+    *,
+    block_size: int,
+    mask_token_id: int,
+    max_new_tokens: int,
+    eos_token_id: int | None,
+) -> Generation:
+    """DFlash-style speculative decoding (greedy, lossless).
+
+    The target's prefill and every verify also return hidden states at drafter.target_layer_ids.
+    The drafter keeps the accepted positions' features as context (context-only KV) and drafts
+    block_size-1 tokens in one non-causal pass over [last token, mask x (block_size-1)].
+    """
+    _check_max_new(max_new_tokens)
+    if block_size < 2:
+        raise ValueError(f"block_size must be >= 2 (anchor + drafts), got {block_size}")
+    target.eval()
+    drafter.eval()
+    layers = tuple(drafter.target_layer_ids)
+    clock = _Clock(target.device)
+    out = OutputTokens(max_new_tokens, eos_token_id)
+    if out.done:
+        return Generation(tokens=[])
+    accepted: list[int] = []
+    with torch.inference_mode():
+        prompt = _prompt_tensor(prompt_ids, target.device)
+        capacity = prompt.shape[1] + max_new_tokens + block_size + 1
+        t_cache = target.new_cache(1, capacity)
+        d_cache = drafter.new_cache(1, capacity)
+        t0 = clock()
+        pre = target(prompt, t_cache, hidden_layers=layers, only_last=True)
+        first = int(pre.logits[0, -1].argmax())
+        drafter.add_context(pre.hidden, d_cache)
+        new_context = pre.hidden[:, :0]
+        seq = prompt[0].tolist()
+        out.extend([first])
+        seq.append(first)
+        t1 = clock()
+        masks = [mask_token_id] * (block_size - 1)
+        while not out.done:
+            block = torch.tensor([[seq[-1]] + masks], dtype=torch.long, device=target.device)
+            drafts = drafter(block, new_context, d_cache)[0].argmax(-1)
+            start = t_cache.length
+            target_argmax, hidden = verify_chain(target, t_cache, seq[-1], drafts, layers)
+            n, span = _commit(out, accepted, drafts.tolist(), target_argmax)
+            t_cache.rollback(start + 1 + n)
+            new_context = hidden[:, : n + 1]  # the last committed token and the accepted drafts
+            seq.extend(span)
+        t2 = clock()
+    return Generation(tokens=out.tokens, accepted=accepted, steps=len(accepted), prefill_s=t1 - t0, decode_s=t2 - t1)
