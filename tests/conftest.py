@@ -43,3 +43,13 @@ def tiny_models(tiny_model_dirs: dict[str, dict[str, Path]]) -> dict[str, TinyMo
         pard = load_drafter(dirs["pard"], target, cfg, dtype=torch.float32, device="cpu")
         out[family] = TinyModels(dirs=dirs, target=target, cfg=cfg, dflash=dflash, pard=pard)
     return out
+
+
+@pytest.fixture(scope="module")
+def torch_single_thread():
+    """One intra-op thread: the tiny models gain nothing from more, and on a shared 2-core machine
+    two threads spinning against other processes made a decode loop up to 50x slower (measured)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

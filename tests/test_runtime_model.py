@@ -21,6 +21,8 @@ from specpilot.runtime.tiny import MASK_TOKEN_ID, build_tiny_models
 from specpilot.runtime.tokenizer import build_byte_tokenizer, load_tokenizer
 
 ATOL = 1e-4  # fp32 on CPU: ours and HF's differ only by kernel reduction order
+pytestmark = pytest.mark.usefixtures("torch_single_thread")
+
 FAMILIES = ("llama", "qwen3")
 
 
