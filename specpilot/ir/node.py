@@ -78,6 +78,11 @@ WEIGHT_FORMATS = {"float32", "bfloat16", "float16", "u12"}
 DTYPES = {"float32", "bfloat16", "float16"}
 MATMUL_OPS = {"linear", "lm_head"}  # ops that read a weight matrix: what weight passes rewrite
 
+
+def register_weight_format(name: str) -> None:
+    """Admit a new weight format in the IR (a backend must also say how to run it)."""
+    WEIGHT_FORMATS.add(name)
+
 _matmul = {
     "in_features": int,
     "out_features": int,

@@ -1,0 +1,146 @@
+"""The torch backend: an optimized Program plus checkpoints -> a runnable `Engine` (CPU or GPU).
+
+It loads the target and drafter with the runtime, then makes every matmul node of the IR real:
+each `linear`/`lm_head` node names its weight, and its `format` and `kernel` attributes choose
+the module that serves it (`WEIGHT_FORMATS`). The step graph chooses the decode loop.
+This is the reference backend: plain PyTorch everywhere, the yardstick for faster backends.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+from torch import nn
+
+from ..errors import EngineError
+from ..ir import MATMUL_OPS, Node, Program
+from ..ir import node as ir_node
+from ..ir.lower import SHARED
+from ..runtime import decode
+from ..runtime.load import load_drafter, load_target
+
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class CastLinear(nn.Module):
+    """y = x·Wᵀ with W stored in another float format (upcast to the activations' dtype)."""
+
+    def __init__(self, weight: torch.Tensor, storage: torch.dtype):
+        super().__init__()
+        self.weight = nn.Parameter(weight.to(storage), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.weight.to(x.dtype).T
+
+
+def _cast(node: Node, weight: torch.Tensor, compute: torch.dtype) -> nn.Module:
+    storage = TORCH_DTYPES[node["format"]]
+    if storage == compute:
+        linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=weight.device, dtype=compute)
+        linear.weight.data.copy_(weight)
+        return linear
+    return CastLinear(weight, storage)
+
+
+# format -> builder(node, current weight, compute dtype) -> module serving y = x·Wᵀ.
+# Passes choose formats in the IR; this table is where a format becomes code.
+WEIGHT_FORMATS: dict[str, Callable[[Node, torch.Tensor, torch.dtype], nn.Module]] = {
+    "float32": _cast,
+    "bfloat16": _cast,
+    "float16": _cast,
+}
+
+
+def register_weight_format(name: str, builder: Callable[[Node, torch.Tensor, torch.dtype], nn.Module]) -> None:
+    """Plug in a weight format: the IR admits it, and this backend runs it with `builder`."""
+    ir_node.register_weight_format(name)
+    WEIGHT_FORMATS[name] = builder
+
+
+def _module_path(weight_name: str) -> str:
+    return weight_name.removesuffix(".weight")
+
+
+def materialize_weights(graph_nodes, root: nn.Module, compute: torch.dtype) -> int:
+    """Swap in the module each matmul node's format asks for; return how many were swapped."""
+    swapped = 0
+    for _, node in graph_nodes:
+        if node.op not in MATMUL_OPS or node["weight"].startswith(SHARED):
+            continue
+        if node["format"] == node["dtype"] and node["kernel"] == "torch":
+            continue
+        if node["format"] not in WEIGHT_FORMATS:
+            raise EngineError(f"the torch backend has no weight format {node['format']!r} (node weight {node['weight']})")
+        path = "lm_head" if node.op == "lm_head" else _module_path(node["weight"])
+        try:
+            old = root.get_submodule(path)
+        except AttributeError:
+            raise EngineError(f"no module {path!r} serves weight {node['weight']!r}") from None
+        root.set_submodule(path, WEIGHT_FORMATS[node["format"]](node, old.weight.detach(), compute))
+        swapped += 1
+    return swapped
+
+
+def drafter_root(drafter) -> nn.Module:
+    """The module whose submodule paths match the drafter graph's weight names."""
+    return getattr(drafter, "model", drafter)
+
+
+@dataclass
+class Engine:
+    """A compiled deployment, ready to generate."""
+
+    program: Program
+    target: nn.Module
+    target_cfg: object
+    drafter: object
+    device: torch.device
+    dtype: str
+    eos_token_id: int | None
+
+    @property
+    def kind(self) -> str:
+        return self.program.step.one("draft")[1]["kind"]
+
+    @property
+    def block_size(self) -> int:
+        return self.program.step.one("draft")[1]["block_size"]
+
+    def generate(self, prompt_ids: list[int], max_new_tokens: int) -> decode.Generation:
+        """Speculative decoding as the step graph says."""
+        verify = self.program.step.one("verify")[1]
+        if verify["mode"] != "chain":
+            raise EngineError(f"the torch backend cannot run verify mode {verify['mode']!r} yet")
+        common = dict(max_new_tokens=max_new_tokens, eos_token_id=self.eos_token_id,
+                      mask_token_id=self.drafter.mask_token_id)
+        if self.kind == "pard":
+            return decode.generate_pard(self.target, self.drafter, prompt_ids, k=self.block_size, **common)
+        return decode.generate_dflash(self.target, self.drafter, prompt_ids, block_size=self.block_size, **common)
+
+    def generate_ar(self, prompt_ids: list[int], max_new_tokens: int) -> decode.Generation:
+        return decode.generate_ar(self.target, prompt_ids, max_new_tokens=max_new_tokens,
+                                  eos_token_id=self.eos_token_id)
+
+
+def pick_device(device: str | None = None) -> torch.device:
+    if device in (None, "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def default_dtype(device: torch.device) -> str:
+    """bf16 where the GPU runs it natively; fp32 on CPU (bf16 matmuls there are slow and rare)."""
+    return "bfloat16" if device.type == "cuda" else "float32"
+
+
+def build_engine(program: Program, target_dir: Path, drafter_dir: Path, device: torch.device) -> Engine:
+    dtype = program.attr("dtype")
+    compute = TORCH_DTYPES[dtype]
+    target, target_cfg = load_target(target_dir, dtype=compute, device=device)
+    drafter = load_drafter(drafter_dir, target, target_cfg, dtype=compute, device=device)
+    materialize_weights(program.target.items(), target, compute)
+    materialize_weights(program.drafter.items(), drafter_root(drafter), compute)
+    return Engine(program, target, target_cfg, drafter, device, dtype, target_cfg.eos_token_id)

@@ -1,0 +1,165 @@
+"""The `specpilot` command line. Commands only parse arguments and print; the work is elsewhere."""
+
+from __future__ import annotations
+
+import functools
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+
+import click
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from .errors import SpecpilotError
+
+console = Console()
+err_console = Console(stderr=True)
+
+
+def user_errors(fn):
+    """Turn a SpecpilotError into one line on stderr and exit status 2 (no traceback)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except SpecpilotError as e:
+            err_console.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
+            sys.exit(2)
+
+    return wrapper
+
+
+@contextmanager
+def progress_bar(label: str, total: int):
+    with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=err_console, transient=True) as bar:
+        task = bar.add_task(label, total=total)
+        yield lambda: bar.advance(task)
+
+
+@click.group()
+@click.version_option(package_name="specpilot")
+def main():
+    """specpilot: compile speculative-decoding deployments into validated engines."""
+
+
+@main.command("compile")
+@click.argument("pipeline", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--gpu", help="GPU name from the database (overrides the spec's `gpu`).")
+@click.option("-o", "--output", type=click.Path(file_okay=False, path_type=Path), help="Engine directory to write.")
+@click.option("--passes", "passes", help="Pass pipeline string (overrides the spec's `passes`).")
+@click.option("--device", default="auto", show_default=True, help="cpu, cuda or auto.")
+@user_errors
+def compile_cmd(pipeline, gpu, output, passes, device):
+    """Compile PIPELINE (a pipeline.yaml) into a validated engine directory."""
+    from .compiler import compile_pipeline
+    from .spec import load_spec
+
+    spec = load_spec(pipeline).with_gpu(gpu)
+    _check_gpu(spec.gpu, "--gpu" if gpu else f"{spec.source}: field 'gpu'")
+    out = output or Path("engines") / spec.name
+    with progress_bar("compiling: AR baseline + engine per prompt", spec.benchmark.num_prompts) as tick:
+        result = compile_pipeline(spec, out_dir=out, passes=passes, device=device, progress=tick)
+    _print_report(result.report, result.records)
+    if not result.validation.passed:
+        _print_failures(result.validation)
+        err_console.print("[bold red]engine rejected:[/] token forcing found hard failures; nothing written")
+        sys.exit(1)
+    console.print(f"engine written to [bold]{result.out_dir}[/]")
+
+
+def _check_gpu(name: str, where: str) -> None:
+    from .cost import gpu_names
+
+    if name not in gpu_names():
+        raise SpecpilotError(f"{where}: unknown GPU {name!r} (known: {', '.join(gpu_names())})")
+
+
+def _print_report(report: dict, records) -> None:
+    table = Table(title=f"specpilot compile: {report['name']}", show_header=False)
+    table.add_column(style="bold")
+    table.add_column()
+    for r in records:
+        table.add_row(f"pass {r.spec}", ("changed" if r.changed else "no change") + (f": {r.summary}" if r.summary else ""))
+    table.add_row("IR hash", report["ir_hash"])
+    table.add_row("drafter", f"{report['drafter']['kind']}, block {report['drafter']['block_size']}")
+    table.add_row("τ (incl. bonus)", f"{report['tau']:.3f}")
+    table.add_row("acceptance histogram", str(report["acceptance_histogram"]))
+    table.add_row("AR ms/token", f"{report['ar_ms_per_token']:.2f}")
+    table.add_row("engine ms/token", f"{report['engine_ms_per_token']:.2f}")
+    table.add_row("speedup over AR (measured here)", f"{report['speedup_over_ar']:.2f}×")
+    table.add_row("outputs equal to AR greedy", report["outputs_equal_ar"])
+    table.add_row("token forcing", report["token_forcing"])
+    table.add_row("device", report["environment"]["device"])
+    console.print(table)
+
+
+def _print_failures(validation) -> None:
+    for p in validation.prompts:
+        for m in p.hard_failures[:3]:
+            err_console.print(f"  prompt {p.prompt} token {m.position}: engine {m.candidate}, reference {m.reference}, "
+                              f"margin {m.margin:.4g} > tolerance {m.tolerance:.3g}")
+
+
+@main.command("passes")
+def passes_cmd():
+    """List the registered passes with their parameters and contracts."""
+    from .passes import REGISTRY
+
+    table = Table(title="passes")
+    for col in ("name", "parameters", "contract", "what it does"):
+        table.add_column(col)
+    for name, cls in sorted(REGISTRY.items()):
+        params = ", ".join(f"{f.name.replace('_', '-')}: {f.type} = {f.default!r}" for f in cls.params()) or "-"
+        table.add_row(name, params, "lossless" if cls.lossless else "lossy", _first_line(cls))
+    console.print(table)
+
+
+def _first_line(cls) -> str:
+    """A pass's own docstring, else its module's (dataclasses invent a signature docstring)."""
+    doc = cls.__doc__ or ""
+    if not doc or doc.startswith(cls.__name__ + "("):
+        doc = getattr(sys.modules.get(cls.__module__), "__doc__", "") or ""
+    return next((line.strip() for line in doc.splitlines() if line.strip()), "")
+
+
+@main.command("run")
+@click.argument("engine", type=click.Path(file_okay=False, path_type=Path))
+@click.option("--prompt", required=True, help="Prompt text.")
+@click.option("--max-new-tokens", type=int, default=None, help="Default: the engine spec's serving.max_new_tokens.")
+@click.option("--device", default="auto", show_default=True)
+@user_errors
+def run_cmd(engine, prompt, max_new_tokens, device):
+    """Generate from PROMPT with a compiled ENGINE."""
+    from .compiler import load_engine
+
+    loaded = load_engine(engine, device=device)
+    ids = loaded.tokenizer.encode(prompt).ids
+    n = max_new_tokens or loaded.spec.serving.max_new_tokens
+    gen = loaded.engine.generate(ids, n)
+    click.echo(prompt + loaded.tokenizer.decode(gen.tokens))
+    err_console.print(f"{len(gen.tokens)} tokens, {gen.steps} steps, τ {gen.tau:.2f}", highlight=False)
+
+
+@main.command("verify")
+@click.argument("engine", type=click.Path(file_okay=False, path_type=Path))
+@click.option("--device", default="auto", show_default=True)
+@user_errors
+def verify_cmd(engine, device):
+    """Re-run ENGINE on its benchmark prompts and token-force every output token."""
+    from .compiler import load_engine, verify_engine
+
+    loaded = load_engine(engine, device=device)
+    with progress_bar("verifying", loaded.spec.benchmark.num_prompts) as tick:
+        report = verify_engine(loaded, progress=tick)
+    console.print(report.summary())
+    if not report.passed:
+        _print_failures(report)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

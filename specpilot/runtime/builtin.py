@@ -1,0 +1,38 @@
+"""Built-in model names: small pairs that specpilot can build locally, with no download.
+
+`tiny-qwen3` and `tiny-llama` are randomly initialised pairs (target + DFlash + PARD drafters)
+built from configs in `tiny.py`: enough to run and check every mechanism, meaningless for τ.
+They are built once into the cache folder ($SPECPILOT_CACHE, default ~/.cache/specpilot).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from ..errors import CheckpointError
+from .tiny import build_tiny_models
+
+BUILTIN_PAIRS = {"tiny-qwen3": "qwen3", "tiny-llama": "llama"}
+TINY_VERSION = "v1"  # bump when tiny.py changes what it builds
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("SPECPILOT_CACHE", Path.home() / ".cache" / "specpilot"))
+
+
+def is_builtin(name: str) -> bool:
+    return name.split("/")[0] in BUILTIN_PAIRS
+
+
+def resolve_builtin(name: str) -> Path:
+    """`tiny-qwen3` -> its target dir; `tiny-qwen3/dflash` or `tiny-qwen3/pard` -> that drafter's dir."""
+    pair, _, part = name.partition("/")
+    part = part or "target"
+    if pair not in BUILTIN_PAIRS or part not in ("target", "dflash", "pard"):
+        known = ", ".join(f"{p}, {p}/dflash, {p}/pard" for p in BUILTIN_PAIRS)
+        raise CheckpointError(f"unknown built-in model {name!r} (built-ins: {known})")
+    root = cache_root() / "models" / f"{pair}-{TINY_VERSION}"
+    if not (root / part / "config.json").is_file():
+        build_tiny_models(root, family=BUILTIN_PAIRS[pair], seed=0)
+    return root / part

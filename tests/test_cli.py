@@ -1,0 +1,185 @@
+"""The command line end to end: compile, run, verify, and clear errors for user mistakes."""
+
+import json
+import textwrap
+from dataclasses import dataclass
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from specpilot.backends import torch_backend
+from specpilot.cli import main
+from specpilot.ir import node as ir_node
+from specpilot.passes import REGISTRY, Pass, PassResult, register
+
+SPEC = """\
+name: t
+target: tiny-qwen3
+drafter:
+  kind: {kind}
+  block_size: 4
+gpu: h200
+serving:
+  max_new_tokens: 12
+benchmark:
+  prompts: code-smoke
+  num_prompts: 2
+{extra}"""
+
+
+@pytest.fixture(autouse=True)
+def model_cache(tmp_path_factory, monkeypatch):
+    monkeypatch.setenv("SPECPILOT_CACHE", str(tmp_path_factory.getbasetemp() / "specpilot-cache"))
+
+
+def write_spec(tmp_path, kind="pard", extra="", text=None):
+    path = tmp_path / "pipeline.yaml"
+    path.write_text(text if text is not None else SPEC.format(kind=kind, extra=extra))
+    return path
+
+
+def invoke(*args):
+    return CliRunner().invoke(main, [str(a) for a in args])
+
+
+def assert_user_error(result, *fragments):
+    assert result.exit_code == 2, result.output
+    assert "Traceback" not in result.output
+    assert isinstance(result.exception, SystemExit)
+    for f in fragments:
+        assert f in result.output, result.output
+
+
+@pytest.mark.parametrize("kind", ["pard", "dflash"])
+def test_compile_run_verify(tmp_path, kind):
+    out = tmp_path / "engine"
+    r = invoke("compile", write_spec(tmp_path, kind=kind, extra='passes: "draft-block-size{size=3}"'),
+               "--gpu", "h200", "-o", out, "--device", "cpu")
+    assert r.exit_code == 0, r.output
+    for name in ("engine.json", "spec.yaml", "pipeline.txt", "ir.txt", "validation.json", "report.json",
+                 "report.md", "target/config.json", "drafter/config.json"):
+        assert (out / name).is_file(), name
+    report = json.loads((out / "report.json").read_text())
+    assert report["pipeline"] == "draft-block-size{size=3}"
+    assert report["drafter"] == {"kind": kind, "block_size": 3}
+    assert report["outputs_equal_ar"] == "2/2"
+    assert report["tokens_checked"] == 24  # 2 prompts x 12 tokens, every one checked
+    assert report["tau"] >= 1.0
+    validation = json.loads((out / "validation.json").read_text())
+    assert validation["passed"] and validation["hard_failures"] == 0
+    assert not list(tmp_path.glob(".engine.*"))  # no temporary folder left behind
+
+    r = invoke("run", out, "--prompt", "def f(x):", "--max-new-tokens", "5", "--device", "cpu")
+    assert r.exit_code == 0, r.output
+    assert r.output.startswith("def f(x):")
+    r = invoke("verify", out, "--device", "cpu")
+    assert r.exit_code == 0 and "PASS" in r.output and "24 tokens checked" in r.output
+
+    # tampering with a file is caught by the manifest's checksums
+    (out / "ir.txt").write_text((out / "ir.txt").read_text() + "\n")
+    assert_user_error(invoke("verify", out, "--device", "cpu"), "ir.txt does not match its checksum")
+
+
+def test_rules_file_from_the_spec(tmp_path):
+    rules = tmp_path / "mine.rules"
+    rules.write_text(textwrap.dedent("""\
+        pass accept-on-device-test (lossless) {
+          rule device:
+            on step
+            match accept where on == "host"
+            set on = "device"
+        }
+        """))
+    spec = write_spec(tmp_path, extra='rules: [mine.rules]\npasses: "accept-on-device-test"')
+    try:
+        r = invoke("compile", spec, "-o", tmp_path / "e", "--device", "cpu")
+        assert r.exit_code == 0, r.output
+        assert 'on="device"' in (tmp_path / "e" / "ir.txt").read_text()
+    finally:
+        REGISTRY.pop("accept-on-device-test", None)
+
+
+def test_bad_yaml_syntax(tmp_path):
+    spec = write_spec(tmp_path, text="name: t\ntarget: [unclosed\n")
+    r = invoke("compile", spec, "-o", tmp_path / "e")
+    assert_user_error(r, "pipeline.yaml:3:1")
+    assert not (tmp_path / "e").exists()
+
+
+@pytest.mark.parametrize("extra, fragments", [
+    ("serving:\n  max_new_tokens: -3\n", ["field 'serving.max_new_tokens'", "integer >= 1", "-3"]),
+    ("typo: 1\n", ["unknown field 'typo'"]),
+])
+def test_bad_fields_name_the_field(tmp_path, extra, fragments):
+    text = SPEC.format(kind="pard", extra="").replace("serving:\n  max_new_tokens: 12\n", "") + extra
+    r = invoke("compile", write_spec(tmp_path, text=text), "-o", tmp_path / "e")
+    assert_user_error(r, "pipeline.yaml", *fragments)
+    assert not (tmp_path / "e").exists()
+
+
+def test_bad_drafter_kind(tmp_path):
+    r = invoke("compile", write_spec(tmp_path, kind="medusa"), "-o", tmp_path / "e")
+    assert_user_error(r, "field 'drafter.kind'", "one of dflash, pard", "'medusa'")
+
+
+@pytest.mark.parametrize("passes, fragments", [
+    ("no-such-pass", ["unknown pass 'no-such-pass'"]),
+    ("draft-block-size{size=\"big\"}", ["parameter 'size' expects int"]),
+    ("draft-block-size{size=4", ["--passes:1:"]),
+])
+def test_bad_passes_exit_2_and_write_nothing(tmp_path, passes, fragments):
+    r = invoke("compile", write_spec(tmp_path), "--passes", passes, "-o", tmp_path / "e")
+    assert_user_error(r, *fragments)
+    assert not (tmp_path / "e").exists()
+    assert len(r.output.strip().splitlines()) == 1
+
+
+def test_unknown_gpu(tmp_path):
+    assert_user_error(invoke("compile", write_spec(tmp_path), "--gpu", "tpu9", "-o", tmp_path / "e"),
+                      "unknown GPU 'tpu9'")
+
+
+def test_missing_model_dir(tmp_path):
+    text = SPEC.format(kind="pard", extra="").replace("target: tiny-qwen3", "target: ./nowhere")
+    text = text.replace("  kind: pard", "  kind: pard\n  path: ./nowhere-either")
+    assert_user_error(invoke("compile", write_spec(tmp_path, text=text), "-o", tmp_path / "e"), "field 'target'")
+
+
+class NegatedLinear(torch.nn.Module):
+    def __init__(self, weight):
+        super().__init__()
+        self.weight = torch.nn.Parameter(-weight, requires_grad=False)
+
+    def forward(self, x):
+        return x @ self.weight.T
+
+
+@pytest.fixture
+def planted_pass():
+    """A buggy pass claiming losslessness: it moves lm_head to a format that negates the weight."""
+
+    @register
+    @dataclass(frozen=True)
+    class PlantedNegateHead(Pass):
+        name = "planted-negate-head"
+        lossless = True
+
+        def apply(self, program):
+            name, node = program.target.one("lm_head")
+            g = program.target.with_node(name, node.replace(format="planted-negated"))
+            return PassResult(program.with_graph("target", g), True)
+
+    torch_backend.register_weight_format("planted-negated", lambda node, w, dtype: NegatedLinear(w))
+    yield
+    REGISTRY.pop("planted-negate-head")
+    torch_backend.WEIGHT_FORMATS.pop("planted-negated")
+    ir_node.WEIGHT_FORMATS.discard("planted-negated")
+
+
+def test_token_forcing_rejects_a_pass_that_changes_a_weight(tmp_path, planted_pass):
+    r = invoke("compile", write_spec(tmp_path), "--passes", "planted-negate-head", "-o", tmp_path / "e",
+               "--device", "cpu")
+    assert r.exit_code == 1, r.output
+    assert "token forcing FAIL" in r.output and "engine rejected" in r.output
+    assert not (tmp_path / "e").exists()
