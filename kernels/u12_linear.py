@@ -2,12 +2,13 @@
 
 Each program owns a block of BLOCK_N output features and all M (≤ 64 per program) rows of x:
 it walks K once, decodes each weight once from the two planes and uses it for every row, and
-accumulates in fp32. Small M (≤ 4) multiplies on the CUDA cores into a [BM, BN, BP] accumulator
-reduced once after the loop; larger M feeds the decoded tiles to ``tl.dot`` (bf16 operands on the
-GPU: the decoded weights are exact bf16).
+accumulates in fp32. Small M (≤ 4) multiplies on the CUDA cores into a [BM, BN, BK] accumulator
+reduced once after the loop; larger M computes yᵀ = W·xᵀ with ``tl.dot``, the decoded tile as the
+wide (BLOCK_N) side, bf16 operands on the GPU (the decoded weights are exact bf16).
 
-Columns are processed as (even, odd) pairs: one code byte holds both codes, and the sign/mantissa
-plane is read as little-endian int16 pairs when K is even, so both planes load contiguously.
+Columns are decoded as (even, odd) pairs: one code byte holds both codes, and the sign/mantissa
+plane is read as little-endian int16 pairs when K is even, so both planes load contiguously; the
+two halves are interleaved back (join + reshape) to meet a contiguous tile of x.
 
 Escapes: the planes hold code 0 at escaped positions, which decodes to 0.0. After the K loop the
 program adds the exact contributions ``x[:, k] * w[n, k]`` of its rows' escapes to the fp32
@@ -107,38 +108,36 @@ def _u12_linear_kernel(
     x_rows = x_ptr + offs_m[:, None] * stride_xm
 
     if USE_DOT:
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # yᵀ: W is the dot's wide side
     else:
-        acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_P), dtype=tl.float32)  # reduced once, after the loop
+        acc = tl.zeros((BLOCK_M, BLOCK_N, 2 * BLOCK_P), dtype=tl.float32)  # reduced once, after the loop
     for p0 in range(0, tl.cdiv(K, 2), BLOCK_P):
         offs_p = p0 + tl.arange(0, BLOCK_P)  # column pairs (2p, 2p + 1)
-        k_even = 2 * offs_p
-        k_odd = k_even + 1
-        w_mask = mask_n[:, None] & (k_even < K)[None, :]
+        w_mask = mask_n[:, None] & (2 * offs_p < K)[None, :]
         code_byte = tl.load(codes_ptr + offs_n[:, None] * stride_codes + offs_p[None, :], mask=w_mask, other=0)
         if SM_PAIRS:
             pair = tl.load(sm_ptr + offs_n[:, None] * stride_sm + offs_p[None, :], mask=w_mask, other=0)
             sm_even = pair & 0xFF
             sm_odd = (pair >> 8) & 0xFF
         else:
-            sm_row = sm_ptr + offs_n[:, None] * stride_sm
-            sm_even = tl.load(sm_row + k_even[None, :], mask=w_mask, other=0)
-            sm_odd = tl.load(sm_row + k_odd[None, :], mask=mask_n[:, None] & (k_odd < K)[None, :], other=0)
+            sm_row = sm_ptr + offs_n[:, None] * stride_sm + 2 * offs_p[None, :]
+            sm_even = tl.load(sm_row, mask=w_mask, other=0)
+            sm_odd = tl.load(sm_row + 1, mask=mask_n[:, None] & (2 * offs_p + 1 < K)[None, :], other=0)
         w_even = _decode(sm_even, code_byte & 0xF, base, DOT_BF16)  # [BN, BP]
         w_odd = _decode(sm_odd, code_byte >> 4, base, DOT_BF16)
-        x_even = tl.load(x_rows + k_even[None, :] * stride_xk, mask=mask_m[:, None] & (k_even < K)[None, :], other=0.0)
-        x_odd = tl.load(x_rows + k_odd[None, :] * stride_xk, mask=mask_m[:, None] & (k_odd < K)[None, :], other=0.0)
+        w = tl.reshape(tl.join(w_even, w_odd), (BLOCK_N, 2 * BLOCK_P))  # columns 2p, 2p + 1 interleaved
+        offs_k = 2 * p0 + tl.arange(0, 2 * BLOCK_P)
+        x = tl.load(x_rows + offs_k[None, :] * stride_xk, mask=mask_m[:, None] & (offs_k < K)[None, :], other=0.0)
         if USE_DOT:
             if DOT_BF16:
-                acc = tl.dot(x_even.to(tl.bfloat16), tl.trans(w_even), acc)
-                acc = tl.dot(x_odd.to(tl.bfloat16), tl.trans(w_odd), acc)
+                acc = tl.dot(w, tl.trans(x.to(tl.bfloat16)), acc)
             else:
-                acc = tl.dot(x_even.to(tl.float32), tl.trans(w_even), acc, input_precision="ieee")
-                acc = tl.dot(x_odd.to(tl.float32), tl.trans(w_odd), acc, input_precision="ieee")
+                acc = tl.dot(w, tl.trans(x.to(tl.float32)), acc, input_precision="ieee")
         else:
-            acc += x_even.to(tl.float32)[:, None, :] * w_even[None, :, :]
-            acc += x_odd.to(tl.float32)[:, None, :] * w_odd[None, :, :]
-    if not USE_DOT:
+            acc += x.to(tl.float32)[:, None, :] * w[None, :, :]
+    if USE_DOT:
+        acc = tl.trans(acc)
+    else:
         acc = tl.sum(acc, axis=2)
 
     acc = _apply_escapes(
@@ -156,23 +155,22 @@ def _config(block_n: int, block_p: int, warps: int, stages: int) -> triton.Confi
 # Untuned starting points for the H200 (BLOCK_P counts column pairs, so a tile spans 2·BLOCK_P
 # columns); the autotuner picks per (BLOCK_M, N, K).
 _CONFIGS_SUM = [
-    _config(16, 64, 4, 3), _config(16, 128, 4, 3), _config(16, 256, 4, 3), _config(32, 64, 4, 3),
-    _config(32, 128, 4, 3), _config(64, 64, 4, 3), _config(32, 64, 8, 3), _config(32, 256, 8, 3),
-    _config(64, 128, 8, 3),
+    _config(16, 32, 4, 3), _config(16, 64, 4, 3), _config(16, 128, 4, 3), _config(32, 64, 4, 3),
+    _config(64, 32, 4, 3), _config(16, 256, 8, 3), _config(32, 128, 8, 3), _config(64, 64, 8, 3),
 ]
 _CONFIGS_DOT = [
-    _config(32, 32, 4, 4), _config(32, 64, 4, 4), _config(64, 32, 4, 4),
-    _config(64, 64, 4, 3), _config(128, 32, 8, 3), _config(128, 64, 8, 3),
+    _config(64, 32, 4, 4), _config(64, 64, 4, 3), _config(128, 32, 4, 3),
+    _config(128, 32, 8, 3), _config(128, 64, 8, 3), _config(64, 64, 8, 4),
 ]
 
 
 def _prune_configs(configs, named_args, **kwargs):
-    """Keep the configs of the kernel's path; the sum path's [BM, BN, BP] fp32 accumulator stays
-    within 32 registers a thread."""
+    """Keep the configs of the kernel's path; the sum path's [BM, BN, 2 BP] fp32 accumulator stays
+    within 64 registers a thread."""
     if kwargs["USE_DOT"]:
         return [c for c in configs if c in _CONFIGS_DOT]
-    size = lambda c: kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] * c.kwargs["BLOCK_P"]
-    kept = [c for c in configs if c in _CONFIGS_SUM and size(c) <= 32 * 32 * c.num_warps]
+    size = lambda c: kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] * 2 * c.kwargs["BLOCK_P"]
+    kept = [c for c in configs if c in _CONFIGS_SUM and size(c) <= 64 * 32 * c.num_warps]
     return kept or [min(_CONFIGS_SUM, key=size)]
 
 
