@@ -25,6 +25,12 @@ _FIELDS = (
     "bandwidth", "bf16_rate", "fp32_rate", "sms", "l2_bytes", "memory_bytes",
     "launch_s", "kernel_latency_s", "host_sync_s", "bw_efficiency", "mm_efficiency", "overlap",
 )
+# Figures whose default is derived from others when neither measured nor published.
+_DERIVED = {
+    # an attention program streams about a quarter of one SM's share of the bandwidth (H200: 7.8e9
+    # measured against 4.06e12 / 132 = 3.1e10)
+    "attention_program_bw": lambda v: 0.25 * v["bandwidth"] / v["sms"],
+}
 _ALIASES = {"h200-sxm": "h200", "h100": "h100-sxm", "a100": "a100-80gb", "4090": "rtx-4090"}
 
 
@@ -46,6 +52,7 @@ class GPU:
     bw_efficiency: float = 1.0
     mm_efficiency: float = 1.0
     overlap: float = math.inf  # p-norm exponent joining memory and compute time; inf = max
+    attention_program_bw: float = math.inf  # bytes/s one attention program (CTA) streams
     kernel_efficiency: Mapping[str, Any] = field(default_factory=dict)  # kernel -> float | {rows: float}
     sources: Mapping[str, str] = field(default_factory=dict)  # field -> "measured" | "published" | "default"
     note: str = ""
@@ -90,11 +97,19 @@ class GPU:
                 values[key], sources[key] = defaults[key], "default"
             else:
                 raise SpecError(f"{DATABASE.name}: gpus.{name} has no {key!r} (nor does defaults)")
+        values = {k: (int(v) if k == "sms" else float(v)) for k, v in values.items()}
+        for key, derive in _DERIVED.items():
+            if key in measured:
+                values[key], sources[key] = float(measured[key]), "measured"
+            elif key in published:
+                values[key], sources[key] = float(published[key]), "published"
+            else:
+                values[key], sources[key] = derive(values), "default"
         notes = [published.get("source", ""), measured.get("source", "")]
         return GPU(
             name=name,
             full_name=str(entry.get("name", name)),
-            **{k: (int(v) if k == "sms" else float(v)) for k, v in values.items()},
+            **values,
             kernel_efficiency={str(k): (dict(v) if isinstance(v, Mapping) else float(v))
                                for k, v in (measured.get("kernel_efficiency") or {}).items()},
             sources=sources,

@@ -39,13 +39,16 @@ U12_ESCAPE_BYTES = 6
 # Measured on N(0, 0.02) bf16 weights (GPU-FACTS.md: the best 15-exponent window covers 99.985%).
 U12_ESCAPE_RATE = 1.5e-4
 
-# Kernels a node launches in a plain implementation (a fusing backend launches fewer).
-KERNELS = {"input": 0, "embed": 1, "rmsnorm": 1, "linear": 1, "lm_head": 1, "rope": 1,
-           "attention": 2, "mlp": 1, "add": 1, "argmax": 1}
+# Kernels a node launches in a plain torch implementation (HF-style rope and norms, SDPA, cache writes
+# by copy): counted with torch.profiler on the H200, 1221 kernels in a Llama-3.1-8B AR step =
+# 32 layers x 38 + 5 (.cache/costbench/step_bench.py, 2026-12-02). A fusing backend launches fewer.
+KERNELS = {"input": 0, "embed": 1, "rmsnorm": 3, "linear": 1, "lm_head": 1, "rope": 16,
+           "attention": 5, "mlp": 2, "add": 1, "argmax": 1}
 
-# Attention occupancy (an assumption, not a measurement): a flash kernel without split-KV runs one
-# program per (request, head, 128-query tile); split-KV adds one per 128-token chunk of the cache.
-# Fewer programs than SMs leave bandwidth unused in proportion.
+# Attention parallelism. SDPA at q = 1 is flash-decoding (the cache split over programs: the card
+# fills). For q > 1 it runs one program per (request, head, 128-query tile), whatever the cache
+# length; a split-KV kernel adds one per 128-token chunk. Each program streams the cache at about
+# `attention_program_bw` (a GPU figure), so few programs leave most of the bandwidth unused.
 ATTN_Q_TILE = 128
 SPLIT_KV_CHUNK = 128
 
@@ -241,11 +244,12 @@ def _shapes(plan: GraphPlan, batch: int, q: int, context: int) -> dict[str, tupl
     return shapes
 
 
-def _attention_occupancy(node: Node, gpu: GPU, batch: int, q: int, kv_len: int) -> float:
+def attention_occupancy(node: Node, gpu: GPU, batch: int, q: int, kv_len: int) -> float:
+    """Fraction of the card's bandwidth an attention kernel can draw (see ATTN_Q_TILE)."""
     programs = batch * node["heads"] * math.ceil(q / ATTN_Q_TILE)
-    if node["kernel"] == "triton-split-kv":
+    if node["kernel"] == "triton-split-kv" or q == 1:
         programs *= max(1, math.ceil(kv_len / SPLIT_KV_CHUNK))
-    return min(1.0, programs / max(gpu.sms, 1))
+    return min(1.0, programs * gpu.attention_program_bw / (gpu.bandwidth * gpu.bw_efficiency))
 
 
 def node_cost(name: str, node: Node, out: tuple[int, int], ins: list[tuple[int, int]], gpu: GPU, *,
@@ -279,7 +283,7 @@ def node_cost(name: str, node: Node, out: tuple[int, int], ins: list[tuple[int, 
         # read the cache, append the new K and V
         c["kv_bytes"] = (batch * cache_len + new_kv_rows) * kvh * hd * 2 * a
         c["tensor_flops"] = 4.0 * rows * kv_len * node["heads"] * hd
-        occupancy = _attention_occupancy(node, gpu, batch, q, kv_len)
+        occupancy = attention_occupancy(node, gpu, batch, q, kv_len)
     elif op == "rmsnorm":
         c["weight_bytes"] = node["dim"] * a
         c["act_bytes"] = read + written
