@@ -1,0 +1,93 @@
+"""Regenerate the README's result tables from bench/results/*.json (never typed by hand).
+
+    python bench/readme_tables.py          # rewrites the marked sections of README.md in place
+
+A section is `<!-- results:NAME -->` ... `<!-- /results:NAME -->`; NAME picks the renderer below.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results"
+
+
+def _load(name: str) -> dict | None:
+    path = RESULTS / name
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def step_times() -> str:
+    d = _load("step_times_h200.json")
+    if d is None:
+        return "_no results file yet: run `python bench/step_times.py` on a GPU_"
+    lines = [
+        f"{d['gpu']}, torch {d['torch']}, commit {d['commit'].split()[0]}; read bandwidth measured in the same run: "
+        f"{d['read_bandwidth_Bps'] / 1e12:.2f} TB/s. Source: `bench/results/step_times_h200.json`.",
+        "",
+        "| shape | step | q | ms | weight-read floor ms | × floor |",
+        "|---|---|---:|---:|---:|---:|",
+    ]
+    for r in d["rows"]:
+        lines.append(f"| {r['shape']} | {r['what']} | {r['q']} | {r['ms']:.2f} | {r['floor_ms']:.2f} | "
+                     f"{r['ms'] / r['floor_ms']:.2f} |")
+    return "\n".join(lines)
+
+
+def u12_stats() -> str:
+    d = _load("u12_stats.json")
+    if d is None:
+        return "_no results file yet: run `python bench/u12_stats.py`_"
+    lines = [
+        f"N(0, {d['sigma']}) bf16 weights at Llama-3.1-8B shapes ({d['device']}). Source: `bench/results/u12_stats.json`.",
+        "",
+        "| tensor | shape | bits/weight | escape rate | window coverage |",
+        "|---|---|---:|---:|---:|",
+    ]
+    for t in d["tensors"]:
+        lines.append(f"| {t['name']} | {t['shape'][0]}×{t['shape'][1]} | {t['bits_per_weight']:.3f} | "
+                     f"{t['escape_rate']:.2e} | {100 * t['window_coverage']:.3f}% |")
+    return "\n".join(lines)
+
+
+def u12_linear() -> str:
+    d = _load("u12_linear_nvidia_h200.json")
+    if d is None:
+        return "_no results file yet: run `python bench/u12_linear.py` on a GPU_"
+    rows = d.get("rows") or d.get("results") or []
+    lines = [
+        f"{d.get('gpu', '?')}, torch {d.get('torch', '?')}, triton {d.get('triton', '?')}. "
+        "Source: `bench/results/u12_linear_nvidia_h200.json`.",
+        "",
+        "| shape | M | cuBLAS bf16 µs | u12 µs | speedup |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        lines.append(f"| {r['name']} | {r['M']} | {r['cublas_us']:.1f} | {r['u12_us']:.1f} | {r['speedup']:.2f}× |")
+    return "\n".join(lines)
+
+
+RENDERERS = {"step_times": step_times, "u12_stats": u12_stats, "u12_linear": u12_linear}
+
+
+def render(text: str) -> str:
+    def replace(m: re.Match) -> str:
+        name = m.group(1)
+        body = RENDERERS[name]() if name in RENDERERS else f"_unknown results section {name!r}_"
+        return f"<!-- results:{name} -->\n{body}\n<!-- /results:{name} -->"
+
+    return re.sub(r"<!-- results:(\w+) -->.*?<!-- /results:\1 -->", replace, text, flags=re.S)
+
+
+def main() -> int:
+    readme = ROOT / "README.md"
+    readme.write_text(render(readme.read_text()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
