@@ -88,6 +88,8 @@ def build_mask(mask: str | torch.Tensor, past: int, t: int, device: torch.device
             return None
         if mask != "causal":
             raise ValueError(f"mask must be 'causal', 'full' or a bool tensor, got {mask!r}")
+        if t == 1:  # one new token sees everything: no mask lets SDPA pick its fastest kernel
+            return None
         keys = torch.arange(past + t, device=device)
         queries = torch.arange(past, past + t, device=device)
         return (keys[None, :] <= queries[:, None])[None, None]
