@@ -19,7 +19,8 @@ import yaml
 
 from . import __version__
 from .backends.engine_dir import atomic_dir, copy_checkpoint, write_manifest
-from .backends.torch_backend import Engine, build_engine, default_dtype, pick_device
+from .backends.torch_backend import (U12_FILE, Engine, build_engine, default_dtype, drafter_root, packed_weights,
+                                     pick_device)
 from .bench.prompts import load_prompts
 from .dsl import load_rules, parse_pipeline
 from .errors import CheckpointError
@@ -29,6 +30,7 @@ from .passes.base import Pass
 from .runtime.builtin import is_builtin, resolve_builtin
 from .runtime.load import load_target
 from .runtime.tokenizer import load_tokenizer
+from .runtime.u12 import save_u12
 from .spec import PipelineSpec
 from .validate.forcing import TokenForcingReport, force_tokens
 
@@ -164,6 +166,15 @@ def environment(device: torch.device) -> dict:
     return env
 
 
+def save_packed_weights(engine: Engine, root: Path) -> None:
+    """Store the u12 planes the passes asked for beside each checkpoint (checksummed safetensors)."""
+    for part, model, graph in (("target", engine.target, engine.program.target),
+                               ("drafter", drafter_root(engine.drafter), engine.program.drafter)):
+        packed = packed_weights(model, graph.items())
+        if packed:
+            save_u12({k: v.to("cpu") for k, v in packed.items()}, root / part / U12_FILE)
+
+
 @dataclass
 class CompileResult:
     spec: PipelineSpec
@@ -222,7 +233,7 @@ def compile_pipeline(spec: PipelineSpec, *, out_dir: Path | None, passes: str | 
     """Compile and validate; write the engine directory only if token forcing passes."""
     dirs = resolve_models(spec)
     dev = pick_device(device)
-    program = lower_spec(spec, dirs, default_dtype(dev))
+    program = lower_spec(spec, dirs, default_dtype(dev) if spec.dtype == "auto" else spec.dtype)
     pass_list = resolve_passes(spec, passes)
     program, records = run_passes(program, pass_list)
     pipeline = pipeline_string(pass_list)
@@ -244,6 +255,7 @@ def compile_pipeline(spec: PipelineSpec, *, out_dir: Path | None, passes: str | 
             (tmp / "ir.txt").write_text(print_program(program))
             copy_checkpoint(dirs.target, tmp / "target")
             copy_checkpoint(dirs.drafter, tmp / "drafter")
+            save_packed_weights(engine, tmp)
             (tmp / "validation.json").write_text(json.dumps(validation.to_dict(), indent=2) + "\n")
             (tmp / "report.json").write_text(json.dumps(report, indent=2) + "\n")
             (tmp / "report.md").write_text(report_markdown(report))

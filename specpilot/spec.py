@@ -16,6 +16,7 @@
       num_prompts: 4
     passes: "draft-block-size{size=8}"   # optional pass pipeline
     rules: [rules/mine.rules]       # optional DSL files defining custom passes
+    dtype: auto                     # auto (bf16 on a GPU, fp32 on CPU) | float32 | bfloat16
 
 Every error names the file, the field and what was expected. Relative paths are taken relative
 to the directory of the YAML file.
@@ -32,6 +33,7 @@ import yaml
 from .errors import SpecError
 
 DRAFTER_KINDS = ("dflash", "pard")
+DTYPES = ("auto", "float32", "bfloat16")  # auto: bf16 on a GPU, fp32 on CPU
 BUILTIN_PREFIX = "builtin:"
 
 
@@ -66,6 +68,7 @@ class PipelineSpec:
     benchmark: BenchmarkSpec = field(default_factory=BenchmarkSpec)
     passes: str = ""
     rules: tuple[str, ...] = ()
+    dtype: str = "auto"
 
     def with_gpu(self, gpu: str | None) -> "PipelineSpec":
         return self if gpu is None else replace(self, gpu=gpu)
@@ -81,6 +84,7 @@ class PipelineSpec:
             "benchmark": vars(self.benchmark).copy(),
             "passes": self.passes,
             "rules": list(self.rules),
+            "dtype": self.dtype,
         }
 
 
@@ -162,6 +166,7 @@ def parse_spec(data: Any, source: str) -> PipelineSpec:
     passes = r.get("passes", str, "a pass pipeline string", default="")
     rules = r.get("rules", list, "a list of rule file paths", default=[],
                   check=lambda v: all(isinstance(x, str) for x in v))
+    dtype = r.get("dtype", str, f"one of {', '.join(DTYPES)}", default="auto", check=lambda v: v in DTYPES)
     r.finish()
     base = Path(source).parent
     return PipelineSpec(
@@ -174,6 +179,7 @@ def parse_spec(data: Any, source: str) -> PipelineSpec:
         benchmark=replace(bench, prompts=_resolve(bench.prompts, base) if bench.prompts.endswith(".jsonl") else bench.prompts),
         passes=passes,
         rules=tuple(_resolve(x, base) for x in rules),
+        dtype=dtype,
     )
 
 

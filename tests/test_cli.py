@@ -183,3 +183,14 @@ def test_token_forcing_rejects_a_pass_that_changes_a_weight(tmp_path, planted_pa
     assert r.exit_code == 1, r.output
     assert "token forcing FAIL" in r.output and "engine rejected" in r.output
     assert not (tmp_path / "e").exists()
+
+
+def test_u12_engine_stores_packed_weights(tmp_path):
+    out = tmp_path / "e"
+    spec = write_spec(tmp_path, extra='dtype: bfloat16\npasses: "weights-u12{min-numel=1000, kernel=torch}"')
+    r = invoke("compile", spec, "-o", out, "--device", "cpu")
+    assert r.exit_code == 0, r.output
+    assert 'format="u12"' in (out / "ir.txt").read_text()
+    assert (out / "target" / "u12.safetensors").is_file()
+    r = invoke("verify", out, "--device", "cpu")
+    assert r.exit_code == 0 and "PASS" in r.output

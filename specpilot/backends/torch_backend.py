@@ -8,6 +8,7 @@ This is the reference backend: plain PyTorch everywhere, the yardstick for faste
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -21,6 +22,7 @@ from ..ir import node as ir_node
 from ..ir.lower import SHARED
 from ..runtime import decode
 from ..runtime.load import load_drafter, load_target
+from ..runtime.u12 import U12Tensor, load_u12, pack_u12
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -47,11 +49,36 @@ def _cast(node: Node, weight: torch.Tensor, compute: torch.dtype) -> nn.Module:
 
 # format -> builder(node, current weight, compute dtype) -> module serving y = x·Wᵀ.
 # Passes choose formats in the IR; this table is where a format becomes code.
+class U12Linear(nn.Module):
+    """y = x·Wᵀ with W in the lossless 12-bit format; `kernel` picks fused Triton or unpack+matmul."""
+
+    def __init__(self, packed: U12Tensor, kernel: str):
+        super().__init__()
+        self.packed, self.kernel = packed, kernel
+        if kernel == "triton-u12" and packed.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise EngineError("kernel 'triton-u12' needs a CUDA GPU (or TRITON_INTERPRET=1); "
+                              "use weights-u12{kernel=torch} on CPU")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from ..kernels.u12_linear import u12_linear, u12_linear_reference
+
+        fn = u12_linear if self.kernel == "triton-u12" else u12_linear_reference
+        return fn(x.reshape(-1, x.shape[-1]), self.packed).reshape(*x.shape[:-1], -1)
+
+
+def _u12(node: Node, weight: torch.Tensor, compute: torch.dtype) -> nn.Module:
+    if weight.dtype != torch.bfloat16:
+        raise EngineError(f"u12 encodes bf16 weights; {node['weight']} is {weight.dtype}")
+    return U12Linear(pack_u12(weight), node["kernel"])
+
+
 WEIGHT_FORMATS: dict[str, Callable[[Node, torch.Tensor, torch.dtype], nn.Module]] = {
     "float32": _cast,
     "bfloat16": _cast,
     "float16": _cast,
+    "u12": _u12,
 }
+U12_FILE = "u12.safetensors"
 
 
 def register_weight_format(name: str, builder: Callable[[Node, torch.Tensor, torch.dtype], nn.Module]) -> None:
@@ -64,8 +91,12 @@ def _module_path(weight_name: str) -> str:
     return weight_name.removesuffix(".weight")
 
 
-def materialize_weights(graph_nodes, root: nn.Module, compute: torch.dtype) -> int:
-    """Swap in the module each matmul node's format asks for; return how many were swapped."""
+def materialize_weights(graph_nodes, root: nn.Module, compute: torch.dtype,
+                        stored_u12: dict[str, U12Tensor] | None = None) -> int:
+    """Swap in the module each matmul node's format asks for; return how many were swapped.
+
+    `stored_u12` holds planes packed at compile time (checksums verified on load): they are
+    used as they are rather than packed again."""
     swapped = 0
     for _, node in graph_nodes:
         if node.op not in MATMUL_OPS or node["weight"].startswith(SHARED):
@@ -79,9 +110,33 @@ def materialize_weights(graph_nodes, root: nn.Module, compute: torch.dtype) -> i
             old = root.get_submodule(path)
         except AttributeError:
             raise EngineError(f"no module {path!r} serves weight {node['weight']!r}") from None
-        root.set_submodule(path, WEIGHT_FORMATS[node["format"]](node, old.weight.detach(), compute))
+        if node["format"] == "u12" and stored_u12 and node["weight"] in stored_u12:
+            new = U12Linear(stored_u12[node["weight"]], node["kernel"])
+        else:
+            new = WEIGHT_FORMATS[node["format"]](node, old.weight.detach(), compute)
+        root.set_submodule(path, new)
         swapped += 1
     return swapped
+
+
+def packed_weights(root: nn.Module, graph_nodes) -> dict[str, U12Tensor]:
+    """The u12 planes serving this graph's matmuls, by weight name (what an engine stores)."""
+    out = {}
+    for _, node in graph_nodes:
+        if node.op in MATMUL_OPS and node["format"] == "u12" and not node["weight"].startswith(SHARED):
+            path = "lm_head" if node.op == "lm_head" else _module_path(node["weight"])
+            out[node["weight"]] = root.get_submodule(path).packed
+    return out
+
+
+def _stored_u12(model_dir: Path, device: torch.device) -> dict[str, U12Tensor] | None:
+    path = Path(model_dir) / U12_FILE
+    if not path.is_file():
+        return None
+    try:
+        return load_u12(path, device=device)
+    except ValueError as e:
+        raise EngineError(str(e)) from None
 
 
 def drafter_root(drafter) -> nn.Module:
@@ -141,6 +196,6 @@ def build_engine(program: Program, target_dir: Path, drafter_dir: Path, device: 
     compute = TORCH_DTYPES[dtype]
     target, target_cfg = load_target(target_dir, dtype=compute, device=device)
     drafter = load_drafter(drafter_dir, target, target_cfg, dtype=compute, device=device)
-    materialize_weights(program.target.items(), target, compute)
-    materialize_weights(program.drafter.items(), drafter_root(drafter), compute)
+    materialize_weights(program.target.items(), target, compute, _stored_u12(target_dir, device))
+    materialize_weights(program.drafter.items(), drafter_root(drafter), compute, _stored_u12(drafter_dir, device))
     return Engine(program, target, target_cfg, drafter, device, dtype, target_cfg.eos_token_id)

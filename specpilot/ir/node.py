@@ -88,7 +88,7 @@ _matmul = {
     "out_features": int,
     "dtype": DTYPES,
     "format": WEIGHT_FORMATS,
-    "kernel": {"torch", "triton-u12"},
+    "kernel": {"torch", "triton-u12"},  # how a matmul runs; "torch" also serves u12 by unpacking
     "weight": str,
 }
 

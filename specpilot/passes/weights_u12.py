@@ -1,0 +1,56 @@
+"""`weights-u12{min-numel=N, kernel=K}`: store large bf16 matmul weights in the 12-bit format.
+
+Changes the `format` (to "u12") and `kernel` of every `linear`/`lm_head` node of the target and
+drafter graphs whose weight is bf16 and has at least `min-numel` elements; weights the drafter
+borrows from the target follow the target's node. Lossless: u12 is a bit-exact re-encoding of
+bf16 (sign and mantissa byte, 4-bit exponent code, exact escape table), so every weight is
+unchanged bit for bit. Logits can still move by rounding, because another kernel sums in another
+order; token forcing is the judge of the output tokens.
+
+Kernels: "triton-u12" (fused decode-GEMV/GEMM, GPU) or "torch" (unpack then matmul: the
+reference, runs anywhere). Applies only to bfloat16 deployments (u12 encodes bf16 values).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..ir import MATMUL_OPS, Node, Program
+from ..ir.lower import SHARED
+from .base import Pass, PassResult, register
+
+KERNELS = ("triton-u12", "torch")
+
+
+@register
+@dataclass(frozen=True)
+class WeightsU12(Pass):
+    name = "weights-u12"
+    lossless = True
+    min_numel: int = 1 << 20
+    kernel: str = "triton-u12"
+
+    def __post_init__(self):
+        if self.min_numel < 1:
+            raise ValueError(f"min-numel must be >= 1, got {self.min_numel}")
+        if self.kernel not in KERNELS:
+            raise ValueError(f"kernel must be one of {', '.join(KERNELS)}, got {self.kernel!r}")
+
+    def _eligible(self, node: Node) -> bool:
+        return (node.op in MATMUL_OPS and not node["weight"].startswith(SHARED) and node["format"] == "bfloat16"
+                and node["in_features"] * node["out_features"] >= self.min_numel)
+
+    def apply(self, program: Program) -> PassResult:
+        if program.attr("dtype") != "bfloat16":
+            return PassResult(program, False, f"no change: u12 encodes bf16 weights, deployment is {program.attr('dtype')}")
+        total = 0
+        for level in ("target", "drafter"):
+            graph, n = program.graph(level).map_nodes(
+                lambda _, node: node.replace(format="u12", kernel=self.kernel) if self._eligible(node) else None)
+            program, total = program.with_graph(level, graph), total + n
+        return PassResult(program, total > 0, f"{total} matmul weights in u12")
+
+    @classmethod
+    def schedule_space(cls, program: Program) -> list[Pass]:
+        candidates = [cls(min_numel=1 << 20), cls(min_numel=1 << 24)]
+        return [c for c in candidates if c.apply(program).changed]

@@ -1,0 +1,66 @@
+"""The weights-u12 pass: what it changes, and that the engine's weights stay bit-identical."""
+
+import pytest
+import torch
+
+from specpilot.backends.torch_backend import U12Linear, build_engine, packed_weights
+from specpilot.errors import PipelineError
+from specpilot.ir import MATMUL_OPS, lower
+from specpilot.passes import lookup, run_passes
+from specpilot.passes.weights_u12 import WeightsU12
+from specpilot.runtime.builtin import resolve_builtin
+from specpilot.runtime.load import load_target
+from specpilot.runtime.u12 import unpack_u12
+
+from test_ir import DFLASH, TARGET
+
+
+def test_changes_exactly_the_large_bf16_matmuls():
+    p = lower(TARGET, DFLASH, dtype="bfloat16")
+    q, [rec] = run_passes(p, [WeightsU12(min_numel=8192, kernel="torch")])
+    assert rec.changed and rec.lossless
+    for level in ("target", "drafter"):
+        before, after = p.graph(level), q.graph(level)
+        for name, node in before.items():
+            new = after.node(name)
+            big = node.op in MATMUL_OPS and node["in_features"] * node["out_features"] >= 8192
+            if big and not node["weight"].startswith("target/"):
+                assert (new["format"], new["kernel"]) == ("u12", "torch"), name
+                assert new.replace(format=node["format"], kernel=node["kernel"]) == node  # nothing else moved
+            else:
+                assert new == node, name
+    assert q.step == p.step
+
+
+def test_no_change_outside_bf16():
+    p = lower(TARGET, DFLASH, dtype="float32")
+    q, [rec] = run_passes(p, [WeightsU12(min_numel=1)])
+    assert not rec.changed and q == p and "float32" in rec.summary
+    assert WeightsU12.schedule_space(p) == []
+
+
+def test_parameters_are_checked():
+    with pytest.raises(PipelineError, match="kernel must be one of"):
+        lookup("weights-u12").from_params({"kernel": "cuda"})
+    assert WeightsU12(min_numel=5, kernel="torch").spec() == 'weights-u12{min-numel=5, kernel="torch"}'
+
+
+def test_engine_weights_are_bit_identical(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECPILOT_CACHE", str(tmp_path))
+    target_dir, drafter_dir = resolve_builtin("tiny-qwen3"), resolve_builtin("tiny-qwen3/dflash")
+    import json
+    p = lower(json.loads((target_dir / "config.json").read_text()),
+              json.loads((drafter_dir / "config.json").read_text()), dtype="bfloat16")
+    p, _ = run_passes(p, [WeightsU12(min_numel=1, kernel="torch")])
+    engine = build_engine(p, target_dir, drafter_dir, torch.device("cpu"))
+    reference, _ = load_target(target_dir, dtype=torch.bfloat16, device="cpu")
+    packed = packed_weights(engine.target, p.target.items())
+    assert len(packed) == sum(1 for _, n in p.target.items() if n.op in MATMUL_OPS)
+    ref = dict(reference.named_parameters())
+    for name, t in packed.items():
+        w = ref["lm_head.weight" if name == "model.embed_tokens.weight" else name]
+        assert torch.equal(unpack_u12(t).view(torch.int16), w.detach().view(torch.int16)), name
+    assert isinstance(engine.target.lm_head, U12Linear)
+    # the engine generates exactly what AR greedy on the reference generates
+    prompt = list(range(60, 80))
+    assert engine.generate(prompt, 16).tokens == engine.generate_ar(prompt, 16).tokens
