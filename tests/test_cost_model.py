@@ -289,7 +289,7 @@ def test_block_size_gap_when_the_block_is_too_long(small):
     acc = AcceptanceModel((0.9, 0.9, 0.0, 0.0, 0.0, 0.0, 0.0))
     e = CostModel(ROUND).predict(small, Workload(acceptance=acc))
     blocks = [g.pipeline for g in e.gaps if g.pass_name == "draft-block-size"]
-    assert blocks == ["draft-block-size{block-size=3}"]
+    assert blocks == ["draft-block-size{size=3}"]
     assert with_block_size(small, 3).step.one("verify")[1]["q"] == 3
 
 

@@ -13,7 +13,7 @@ pass closes yet. The savings therefore add up to current - ceiling per output to
 | linear/lm_head bf16 weights -> u12 | weight bytes | `weights-u12` |
 | CUDA graphs on | launch overhead | `cuda-graphs` |
 | chain -> best-first tree of the best budget | τ below what the candidates allow | `tree-verify{budget=N}` |
-| block size -> the best one | block size off the optimum | `draft-block-size{block-size=N}` |
+| block size -> the best one | block size off the optimum | `draft-block-size{size=N}` |
 | accept on the device | host round trips | `fused-accept` |
 | attention kernel -> split-KV | attention over long caches | `attention-split-kv` |
 """
@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterable
 
 from ..ir import MATMUL_OPS, Graph, Node, Program
+from ..ir.lower import SHARED
 from ..ir.verify import expected_verify_length
 
 U12_MIN_NUMEL = 1 << 20  # weights-u12's default: smaller matrices stay bf16
@@ -73,8 +74,13 @@ def _map(program: Program, level: str, fn: Callable[[str, Node], Node | None]) -
 
 
 def with_u12(program: Program, min_numel: int = U12_MIN_NUMEL) -> Program | None:
+    """As `weights-u12`: bf16 matmul weights of min_numel or more -> u12; borrowed `target/` weights
+    keep their drafter node (they follow the target's)."""
+    if program.attr("dtype") != "bfloat16":
+        return None
+
     def fn(_, node: Node):
-        if (node.op in MATMUL_OPS and node["dtype"] == "bfloat16" and node["format"] != "u12"
+        if (node.op in MATMUL_OPS and node["format"] == "bfloat16" and not node["weight"].startswith(SHARED)
                 and node["in_features"] * node["out_features"] >= min_numel):
             return node.replace(format="u12", kernel="triton-u12")
         return None
@@ -177,8 +183,7 @@ def what_ifs(program: Program, *, max_positions: int, search: bool = True) -> li
                 out.append(WhatIf("τ below what the candidates allow", "tree-verify", f"tree-verify{{budget={budget}}}", p))
         for block in block_sizes(program, max_positions):
             if (p := with_block_size(program, block)) is not None:
-                out.append(WhatIf("block size off the optimum", "draft-block-size",
-                                  f"draft-block-size{{block-size={block}}}", p))
+                out.append(WhatIf("block size off the optimum", "draft-block-size", f"draft-block-size{{size={block}}}", p))
     return out
 
 

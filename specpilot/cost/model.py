@@ -18,8 +18,10 @@ against the same predicted t_AR. Every figure of an `Estimate` says whether it i
 benchmark record of exactly this step, or acceptance measured on this shape) or "predicted".
 
 Calibration records (JSON). A results file is a list of records, or an object whose "records" list
-holds them; the object's other keys ("gpu", "shape", "commit", "versions", ...) are defaults for
-its records. Keys a record may have:
+holds them ("rows" is read the same way, as bench/step_times.py writes it); the object's keys
+"gpu", "shape", "ir_hash", "drafter" and "cuda_graphs" are defaults for its records, the others
+("commit", "versions", "method", ...) are provenance. "gpu" may be a device name as torch reports
+it ("NVIDIA H200"). Keys a record may have:
 
     step:        {"kind": "step", "what": "ar" | "verify" | "draft", "ms": 4.61, "gpu": "h200",
                   "shape": "llama-3.1-8b", "q": 16, "batch": 1, "cache_len": 512,
@@ -247,7 +249,7 @@ def parse_records(data: Any, origin: str = "") -> list[StepRecord | AcceptanceRe
     defaults: dict = {}
     if isinstance(data, Mapping):
         defaults = {k: v for k, v in data.items() if k in ("gpu", "shape", "ir_hash", "drafter", "cuda_graphs")}
-        data = data.get("records", [])
+        data = data.get("records", data.get("rows", []))
     if not isinstance(data, list):
         raise SpecError(f"{origin or 'records'}: expected a list of records or an object with 'records'")
     out = []
@@ -292,15 +294,16 @@ class _Evaluator:
                  baseline: Graph):
         self.gpu, self.workload, self.acceptance, self.factors = gpu, workload, acceptance, factors
         self.baseline = baseline  # the AR baseline's target graph, fixed for every variant costed
-        self._plans: dict[int, tuple[Graph, GraphPlan]] = {}
+        self._plans: dict[tuple, tuple[Graph, Graph | None, GraphPlan]] = {}
         self._steps: dict[tuple, StepEstimate] = {}
         self._info: dict[int, tuple[Graph, tuple[int, int]]] = {}
 
-    def plan(self, graph: Graph) -> GraphPlan:
-        hit = self._plans.get(id(graph))
-        if hit is None or hit[0] is not graph:
-            hit = self._plans[id(graph)] = (graph, GraphPlan.of(graph))
-        return hit[1]
+    def plan(self, graph: Graph, shared: Graph | None = None) -> GraphPlan:
+        key = (id(graph), id(shared))
+        hit = self._plans.get(key)
+        if hit is None or hit[0] is not graph or hit[1] is not shared:
+            hit = self._plans[key] = (graph, shared, GraphPlan.of(graph, shared))
+        return hit[2]
 
     def info(self, target: Graph) -> tuple[int, int]:
         hit = self._info.get(id(target))
@@ -309,12 +312,12 @@ class _Evaluator:
         return hit[1]
 
     def step(self, graph: Graph, what: str, *, q: int, batch: int, cuda_graphs: bool, dtype: str,
-             cache_len: int | None = None, floor: bool = False) -> StepEstimate:
+             cache_len: int | None = None, floor: bool = False, shared: Graph | None = None) -> StepEstimate:
         cache_len = self.workload.cache_len if cache_len is None else cache_len
-        key = (id(graph), what, q, batch, cache_len, cuda_graphs, dtype, floor)
+        key = (id(graph), id(shared), what, q, batch, cache_len, cuda_graphs, dtype, floor)
         hit = self._steps.get(key)
         if hit is None:
-            est = step_time(self.plan(graph), self.gpu, batch, q, cache_len, dtype=dtype, cuda_graphs=cuda_graphs,
+            est = step_time(self.plan(graph, shared), self.gpu, batch, q, cache_len, dtype=dtype, cuda_graphs=cuda_graphs,
                             escape_rate=self.workload.escape_rate, what=what)
             hit = at_floor(est) if floor else est.scaled(self.factors.get(what, 1.0))
             self._steps[key] = hit
@@ -344,7 +347,7 @@ class _Evaluator:
         draft, verify = ops["draft"], ops["verify"]
         ar = self.step(self.baseline, "ar", q=1, batch=batch, cuda_graphs=True, dtype=dtype, floor=floor)
         d = self.step(program.drafter, "draft", q=draft["block_size"], batch=batch, cuda_graphs=graphs, dtype=dtype,
-                      floor=floor)
+                      floor=floor, shared=program.target)
         v = self.step(program.target, "verify", q=verify["q"], batch=batch, cuda_graphs=graphs, dtype=dtype,
                       floor=floor)
         tau = self.tau(program)
@@ -420,7 +423,7 @@ class CostModel:
                 self.acceptance_records.append(rec)
                 taken += 1
                 continue
-            if _gpu_key(rec.gpu) != self.gpu.name:
+            if gpu_key(rec.gpu) != self.gpu.name:
                 continue
             self.step_records.append(rec)
             taken += 1
@@ -446,8 +449,8 @@ class CostModel:
         """The uncalibrated prediction of a record's step on `program`."""
         dtype = str(program.attr("dtype", "bfloat16"))
         graph = {"ar": stock_target(program.target), "verify": program.target, "draft": program.drafter}[rec.what]
-        return step_time(graph, self.gpu, rec.batch, rec.q, rec.cache_len, dtype=dtype,
-                         cuda_graphs=rec.cuda_graphs).raw_time
+        return step_time(graph, self.gpu, rec.batch, rec.q, rec.cache_len, dtype=dtype, cuda_graphs=rec.cuda_graphs,
+                         shared=program.target if rec.what == "draft" else None).raw_time
 
     def _matching(self, program: Program, program_hash: str) -> list[StepRecord]:
         bound = {id(r) for r, _ in self._bound}
@@ -552,9 +555,24 @@ class CostModel:
                        block_size=block, proposal=label)
 
 
-def _gpu_key(name: str) -> str:
+def gpu_key(name: str) -> str:
+    """The database name of a GPU as a record names it ("h200", "NVIDIA H200", "NVIDIA A100-SXM4-40GB")."""
     try:
         return load_gpu(name).name
+    except SpecError:
+        pass
+    words = name.lower().replace("nvidia", " ").replace("geforce", " ").replace("-", " ").replace("_", " ").split()
+    if not words:
+        return name.lower()
+    head = words[0]
+    if head == "a100":
+        return "a100-40gb" if "40gb" in words else "a100-80gb"
+    if head == "h100":
+        return "h100-pcie" if "pcie" in words else "h100-sxm"
+    if head == "rtx" and len(words) > 1:
+        head = f"rtx-{words[1]}"
+    try:
+        return load_gpu(head).name
     except SpecError:
         return name.lower()
 

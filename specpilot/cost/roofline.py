@@ -28,6 +28,7 @@ import math
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 from ..ir import MATMUL_OPS, Graph, Node, Program
+from ..ir.lower import SHARED
 from .gpu import GPU
 
 ACT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -215,10 +216,23 @@ class GraphPlan:
     keys: tuple[Node, ...] = ()  # each node without its weight name: what its cost depends on
 
     @staticmethod
-    def of(graph: "Graph | GraphPlan") -> "GraphPlan":
+    def of(graph: "Graph | GraphPlan", shared: Graph | None = None) -> "GraphPlan":
+        """`shared`: the target graph, whose nodes decide the format and kernel of the weights a
+        drafter borrows (`target/<name>`), as the weight passes leave the borrowing node as it was."""
         if isinstance(graph, GraphPlan):
             return graph
-        entries = tuple((n, node, tuple(graph.inputs(n))) for n, node in graph.items())
+        owners = {}
+        if shared is not None:
+            owners = {node["weight"]: node for _, node in shared.items() if node.op in MATMUL_OPS}
+
+        def resolve(node: Node) -> Node:
+            weight = node.get("weight", "")
+            if node.op in MATMUL_OPS and weight.startswith(SHARED) and weight[len(SHARED):] in owners:
+                owner = owners[weight[len(SHARED):]]
+                return node.replace(format=owner["format"], kernel=owner["kernel"])
+            return node
+
+        entries = tuple((n, resolve(node), tuple(graph.inputs(n))) for n, node in graph.items())
         keys = tuple(Node(node.op, tuple(kv for kv in node.attrs if kv[0] != "weight")) for _, node, _ in entries)
         return GraphPlan(graph.name, entries, keys)
 
@@ -316,13 +330,14 @@ def node_cost(name: str, node: Node, out: tuple[int, int], ins: list[tuple[int, 
 
 def step_time(graph: "Graph | GraphPlan", gpu: GPU, batch: int = 1, q: int = 1, cache_len: int = 0, *,
               dtype: str = "bfloat16", cuda_graphs: bool = False, context: int | None = None,
-              escape_rate: float = U12_ESCAPE_RATE, what: str = "") -> StepEstimate:
+              escape_rate: float = U12_ESCAPE_RATE, what: str = "", shared: Graph | None = None) -> StepEstimate:
     """Cost one evaluation of `graph` (a target or drafter model graph) at this shape.
 
-    Pass a `GraphPlan.of(graph)` instead of the graph to cost one graph at many shapes quickly."""
+    `shared` is the target graph when `graph` is a drafter that borrows target weights. Pass a
+    `GraphPlan.of(graph, shared)` instead of the graph to cost one graph at many shapes quickly."""
     if batch < 1 or q < 1 or cache_len < 0:
         raise ValueError(f"step_time: need batch >= 1, q >= 1, cache_len >= 0 (got {batch}, {q}, {cache_len})")
-    plan = GraphPlan.of(graph)
+    plan = GraphPlan.of(graph, shared)
     shapes = _shapes(plan, batch, q, q if context is None else context)
     index: dict[tuple, int] = {}
     costs: list[NodeCost] = []
@@ -355,7 +370,7 @@ def weight_footprint(program: Program, escape_rate: float = U12_ESCAPE_RATE) -> 
     for graph in (program.target, program.drafter):
         for _, node in graph.items():
             weight = node.get("weight", "")
-            if graph is program.drafter and str(weight).startswith("target/"):
+            if graph is program.drafter and str(weight).startswith(SHARED):
                 continue
             if node.op in MATMUL_OPS:
                 if node.op == "lm_head" and node.get("tied", False):
