@@ -104,6 +104,32 @@ def _print_failures(validation) -> None:
                               f"margin {m.margin:.4g} > tolerance {m.tolerance:.3g}")
 
 
+@main.command("explain")
+@click.argument("pipeline", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--gpu", help="GPU name from the database (overrides the spec's `gpu`).")
+@click.option("--passes", "passes", help="Pass pipeline string (overrides the spec's `passes`).")
+@click.option("--tau", type=float, help="Acceptance length (incl. bonus) to assume; default: measured records.")
+@click.option("--results", "results", multiple=True, type=click.Path(path_type=Path),
+              help="Results files or folders to calibrate with (default: ./bench/results if present).")
+@click.option("--png", type=click.Path(dir_okay=False, path_type=Path), help="Write the roofline/gap chart here.")
+@user_errors
+def explain_cmd(pipeline, gpu, passes, tau, results, png):
+    """Where PIPELINE's step time goes on a GPU, per the roofline cost model, and the ranked gaps."""
+    from .compiler import explain_pipeline
+    from .spec import load_spec
+
+    spec = load_spec(pipeline).with_gpu(gpu)
+    _check_gpu(spec.gpu, "--gpu" if gpu else f"{spec.source}: field 'gpu'")
+    if not results and Path("bench/results").is_dir():
+        results = (Path("bench/results"),)
+    estimate = explain_pipeline(spec, passes=passes, tau=tau, results=results)
+    from .cost import plot_gaps, render_table
+
+    console.print(render_table(estimate))
+    if png:
+        console.print(f"chart written to {plot_gaps(estimate, png)}")
+
+
 @main.command("passes")
 def passes_cmd():
     """List the registered passes with their parameters and contracts."""

@@ -305,3 +305,14 @@ def verify_engine(loaded: LoadedEngine, progress=None) -> TokenForcingReport:
     ref_dir = source if (source / "config.json").is_file() else loaded.root / "target"
     m = Measurement(prompts=prompts, spec_tokens=outputs)
     return validate_outputs(ModelDirs(ref_dir, loaded.root / "drafter"), loaded.engine, m)
+
+
+def explain_pipeline(spec: PipelineSpec, *, passes: str | None = None, tau: float | None = None,
+                     results=()):
+    """The cost model's estimate for the spec's deployment on its GPU (bf16 unless the spec says)."""
+    from .cost import Workload, explain
+
+    dirs = resolve_models(spec)
+    program = lower_spec(spec, dirs, "bfloat16" if spec.dtype == "auto" else spec.dtype)
+    program, _ = run_passes(program, resolve_passes(spec, passes))
+    return explain(program, spec.gpu, Workload(tau=tau), results=[str(r) for r in results])

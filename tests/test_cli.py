@@ -194,3 +194,11 @@ def test_u12_engine_stores_packed_weights(tmp_path):
     assert (out / "target" / "u12.safetensors").is_file()
     r = invoke("verify", out, "--device", "cpu")
     assert r.exit_code == 0 and "PASS" in r.output
+
+
+def test_explain_prints_the_cost_table_and_chart(tmp_path):
+    png = tmp_path / "gaps.png"
+    r = invoke("explain", write_spec(tmp_path, kind="dflash"), "--gpu", "h100-sxm", "--tau", "3", "--png", png)
+    assert r.exit_code == 0, r.output
+    assert "AR step" in r.output and "predicted" in r.output and "gaps" in r.output
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
