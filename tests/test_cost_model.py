@@ -295,7 +295,21 @@ def test_block_size_gap_when_the_block_is_too_long(small):
 
 # -- calibration
 
-H200_STEPS = Path(__file__).resolve().parents[1] / "bench" / "results" / "h200_steps_2026-12-02.json"
+RESULTS = Path(__file__).resolve().parents[1] / "bench" / "results"
+H200_STEPS = RESULTS / "h200_steps_2026-12-02.json"  # an IR-shaped plain torch step (cost-model calibration)
+RUNTIME_STEPS = RESULTS / "step_times_h200.json"  # the project runtime's forward (bench/step_times.py)
+
+
+@pytest.mark.skipif(not RUNTIME_STEPS.exists(), reason="bench/results/step_times_h200.json not present")
+def test_h200_calibrated_by_the_runtime_step_times(llama8b):
+    """Calibrated by the runtime's results file, AR, verify(16) and draft(16) at 8B shapes within 15%."""
+    model = CostModel("h200")
+    assert model.update_from_results([RUNTIME_STEPS]) > 0
+    rows = {(r["what"], r["q"]): r["ms"] * 1e-3 for r in json.loads(RUNTIME_STEPS.read_text())["rows"]
+            if r["shape"] == "llama-3.1-8b" and r["cache_len"] == 512}
+    for what, q in (("ar", 1), ("verify", 16), ("draft", 16)):
+        predicted = model.step(llama8b, what, q, cache_len=512).time
+        assert predicted == pytest.approx(rows[(what, q)], rel=0.15), (what, q)
 
 
 @pytest.mark.skipif(not H200_STEPS.exists(), reason="bench/results/h200_steps_2026-12-02.json not present")

@@ -445,12 +445,22 @@ class CostModel:
                 taken += self.update(parse_records(data, str(f)), program)
         return taken
 
+    def step(self, program: Program, what: str, q: int = 1, *, batch: int = 1, cache_len: int = DEFAULT_CACHE_LEN,
+             cuda_graphs: bool = True, calibrated: bool = True) -> StepEstimate:
+        """One step of `program` ("ar": the baseline target, "verify": the target, "draft": the drafter),
+        scaled by this GPU's calibration factor for that kind unless `calibrated` is False."""
+        if what not in WHATS:
+            raise ValueError(f"what={what!r}; expected one of {', '.join(WHATS)}")
+        dtype = str(program.attr("dtype", "bfloat16"))
+        graph = {"ar": stock_target(program.target), "verify": program.target, "draft": program.drafter}[what]
+        est = step_time(graph, self.gpu, batch, q, cache_len, dtype=dtype, cuda_graphs=cuda_graphs, what=what,
+                        shared=program.target if what == "draft" else None)
+        return est.scaled(self.calibration(program)[what]) if calibrated else est
+
     def _raw(self, program: Program, rec: StepRecord) -> float:
         """The uncalibrated prediction of a record's step on `program`."""
-        dtype = str(program.attr("dtype", "bfloat16"))
-        graph = {"ar": stock_target(program.target), "verify": program.target, "draft": program.drafter}[rec.what]
-        return step_time(graph, self.gpu, rec.batch, rec.q, rec.cache_len, dtype=dtype, cuda_graphs=rec.cuda_graphs,
-                         shared=program.target if rec.what == "draft" else None).raw_time
+        return self.step(program, rec.what, rec.q, batch=rec.batch, cache_len=rec.cache_len,
+                         cuda_graphs=rec.cuda_graphs, calibrated=False).raw_time
 
     def _matching(self, program: Program, program_hash: str) -> list[StepRecord]:
         bound = {id(r) for r, _ in self._bound}
