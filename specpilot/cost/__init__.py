@@ -8,6 +8,7 @@ from .model import (
     AcceptanceRecord, Ceiling, CostModel, Estimate, Figure, SpecStep, StepRecord, Workload, explain, parse_records,
     shape_name,
 )
+from .report import plot_gaps, render_table
 from .roofline import NodeCost, StepEstimate, matmul_weight_bytes, step_time, weight_footprint
 
 __all__ = [
@@ -17,10 +18,3 @@ __all__ = [
     "step_time", "tau_for_alpha", "weight_footprint",
 ]
 
-
-def __getattr__(name):  # report.py imports rich; load it on first use
-    if name in ("render_table", "plot_gaps"):
-        from . import report
-
-        return getattr(report, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

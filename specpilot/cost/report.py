@@ -72,13 +72,16 @@ def plot_gaps(estimate: Estimate, path: str | Path) -> Path:
         bw, rate = gpu.bandwidth, gpu.bf16_rate
     except Exception:  # an estimate for a GPU built by hand
         bw = rate = None
-    markers = {"ar": "o", "draft": "s", "verify": "^"}
+    colors = {"ar": "tab:blue", "draft": "tab:green", "verify": "tab:orange"}
     for what, step in (("ar", e.steps.ar), ("draft", e.steps.draft), ("verify", e.steps.verify)):
         for op, t in step.by_op().items():
             if t["bytes"] <= 0 or t["flops"] <= 0 or t["time"] <= 0:
                 continue
-            ax_roof.scatter(t["flops"] / t["bytes"], t["flops"] / t["time"], marker=markers[what], s=40)
-            ax_roof.annotate(f"{what}:{op}", (t["flops"] / t["bytes"], t["flops"] / t["time"]), fontsize=7)
+            x, y = t["flops"] / t["bytes"], t["flops"] / t["time"]
+            ax_roof.scatter(x, y, color=colors[what], s=12 + 300 * t["time"] / max(step.raw_time, 1e-12),
+                            label=what if op in ("linear",) else None, alpha=0.7)
+            if op in ("linear", "lm_head", "attention"):
+                ax_roof.annotate(op, (x, y), fontsize=7, xytext=(4, -3), textcoords="offset points")
     if bw and rate:
         import numpy as np
 
@@ -90,7 +93,7 @@ def plot_gaps(estimate: Estimate, path: str | Path) -> Path:
     ax_roof.set_yscale("log")
     ax_roof.set_xlabel("arithmetic intensity (FLOP/byte)")
     ax_roof.set_ylabel("FLOP/s (predicted)")
-    ax_roof.set_title("roofline per op (predicted)", fontsize=10)
+    ax_roof.set_title("roofline per op kind (predicted; marker area = share of the step)", fontsize=10)
 
     # 2. step times: current (stacked by op kind) beside floor and ceiling
     groups = {"weights (linear, lm_head)": ("linear", "lm_head", "embed"), "attention": ("attention",),
@@ -114,9 +117,10 @@ def plot_gaps(estimate: Estimate, path: str | Path) -> Path:
         ax_steps.annotate(f"{f.value * 1e3:.2f} ms\n{f.source}", (i, bottom[i] + overhead[i]), ha="center",
                           va="bottom", fontsize=8)
     ax_steps.set_ylabel("ms per step")
+    ax_steps.set_ylim(0, max(b + o for b, o in zip(bottom, overhead)) * 1.2 or 1.0)
     ax_steps.set_title(f"step times: τ {e.tau.value:.2f} ({e.tau.source}), speedup {e.speedup.value:.2f}x "
                        f"({e.speedup.source})", fontsize=10)
-    ax_steps.legend(fontsize=7)
+    ax_steps.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.07), ncol=2)
 
     # 3. gaps, ranked, each with the pass that closes it
     names = [f"{g.pipeline or '(no pass yet)'}\n{g.what}" for g in e.gaps][::-1]
@@ -125,6 +129,8 @@ def plot_gaps(estimate: Estimate, path: str | Path) -> Path:
     for y, g in enumerate(e.gaps[::-1]):
         ax_gaps.annotate(f" {g.saving * 1e3:.3f} ms ({g.fraction:.0%})", (g.saving * 1e3, y), va="center", fontsize=7)
     ax_gaps.tick_params(axis="y", labelsize=7)
+    if savings:
+        ax_gaps.set_xlim(0, max(savings) * 1.35)
     ax_gaps.set_xlabel("ms per output token (predicted)")
     ax_gaps.set_title(f"gaps to the ceiling ({e.ceiling.speedup:.2f}x, predicted)", fontsize=10)
 
