@@ -33,16 +33,27 @@ from .registry import KernelSpec, register
 
 
 @triton.jit
-def _decode(sm, code, base, TO_BF16: tl.constexpr):
-    """Weights from sign/mantissa bytes and 4-bit codes; code 0 (escape) decodes to +0.0."""
-    s = sm.to(tl.int32) & 0xFF
-    c = code.to(tl.int32)
-    bits = ((s & 0x80) << 8) | ((c + (base - 1)) << 7) | (s & 0x7F)  # the bf16 bit pattern
-    bits = tl.where(c == 0, 0, bits)
+def _decode_pairs(pair, code_byte, base, TO_BF16: tl.constexpr):
+    """Two weights per 32-bit word, from ``pair = sm_even | sm_odd << 8`` and ``code_byte``.
+
+    Both bf16 patterns are assembled in one int32 (even in the low half), so the integer work is
+    shared; the naive one-weight-per-int32 decode was bound by integer work (GPU-FACTS.md).
+    Code 0 gets exponent field 0 instead of base - 1 (the multiply by min(c, 1)), and pack_u12
+    stores sign/mantissa 0 at escapes, so an escape decodes to +0.0 without a select.
+    """
+    p = pair.to(tl.int32) & 0xFFFF
+    c = code_byte.to(tl.int32)
+    c_even = c & 0xF
+    c_odd = c >> 4
+    exponents = ((c_even + (base - 1) * tl.minimum(c_even, 1)) << 7) | ((c_odd + (base - 1) * tl.minimum(c_odd, 1)) << 23)
+    bits = (p & 0x7F) | ((p & 0x7F80) << 8) | ((p & 0x8000) << 16) | exponents
     if TO_BF16:
-        return bits.to(tl.int16).to(tl.bfloat16, bitcast=True)
+        w_even = bits.to(tl.int16).to(tl.bfloat16, bitcast=True)
+        w_odd = (bits >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
     else:
-        return (bits << 16).to(tl.float32, bitcast=True)
+        w_even = (bits << 16).to(tl.float32, bitcast=True)
+        w_odd = (bits & -0x10000).to(tl.float32, bitcast=True)
+    return w_even, w_odd
 
 
 @triton.jit
@@ -117,14 +128,12 @@ def _u12_linear_kernel(
         code_byte = tl.load(codes_ptr + offs_n[:, None] * stride_codes + offs_p[None, :], mask=w_mask, other=0)
         if SM_PAIRS:
             pair = tl.load(sm_ptr + offs_n[:, None] * stride_sm + offs_p[None, :], mask=w_mask, other=0)
-            sm_even = pair & 0xFF
-            sm_odd = (pair >> 8) & 0xFF
         else:
             sm_row = sm_ptr + offs_n[:, None] * stride_sm + 2 * offs_p[None, :]
-            sm_even = tl.load(sm_row, mask=w_mask, other=0)
-            sm_odd = tl.load(sm_row + 1, mask=mask_n[:, None] & (2 * offs_p + 1 < K)[None, :], other=0)
-        w_even = _decode(sm_even, code_byte & 0xF, base, DOT_BF16)  # [BN, BP]
-        w_odd = _decode(sm_odd, code_byte >> 4, base, DOT_BF16)
+            sm_even = tl.load(sm_row, mask=w_mask, other=0).to(tl.int32)
+            sm_odd = tl.load(sm_row + 1, mask=mask_n[:, None] & (2 * offs_p + 1 < K)[None, :], other=0).to(tl.int32)
+            pair = sm_even | (sm_odd << 8)
+        w_even, w_odd = _decode_pairs(pair, code_byte, base, DOT_BF16)  # [BN, BP] each
         w = tl.reshape(tl.join(w_even, w_odd), (BLOCK_N, 2 * BLOCK_P))  # columns 2p, 2p + 1 interleaved
         offs_k = 2 * p0 + tl.arange(0, 2 * BLOCK_P)
         x = tl.load(x_rows + offs_k[None, :] * stride_xk, mask=mask_m[:, None] & (offs_k < K)[None, :], other=0.0)

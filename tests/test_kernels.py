@@ -60,3 +60,22 @@ def test_tolerance_catches_planted_error(param):
 def test_every_kernel_has_odd_cases():
     for spec in KERNELS.values():
         assert any(any(v % 2 for v in case.values() if isinstance(v, int)) for case in spec.cases), spec.name
+
+
+@pytest.mark.parametrize("k,base", [(33, None), (64, None), (64, 0), (40, 241)])
+def test_u12_linear_decodes_bit_exactly(k, base):
+    """With x = I (fp32) each output is one weight times 1 plus zeros: the decode must be exact."""
+    from specpilot.kernels.u12_linear import u12_linear
+    from specpilot.runtime.u12 import pack_u12, unpack_u12
+
+    g = torch.Generator().manual_seed(k)
+    w = (torch.randn(37, k, generator=g) * 0.02).to(torch.bfloat16)
+    flat = w.view(torch.int16).view(-1)
+    flat[::7] = torch.randint(-0x8000, 0x8000, (len(flat[::7]),), generator=g, dtype=torch.int16)  # any pattern
+    t = pack_u12(w, base=base).to(DEVICE)
+    x = torch.eye(k, device=DEVICE)
+    y = u12_linear(x, t)
+    ref = x @ unpack_u12(t).float().T  # same 0·inf = NaN as the kernel where a weight is inf or NaN
+    finite = torch.isfinite(ref)
+    assert torch.equal(y[finite].view(torch.int32), ref[finite].view(torch.int32))
+    assert torch.equal(y.isnan(), ref.isnan()) and torch.equal(y[ref.isinf()], ref[ref.isinf()])

@@ -118,6 +118,7 @@ def test_planes_and_escape_table_are_consistent(w):
     idx = t.esc_idx.to(torch.int64)
     assert torch.equal(torch.nonzero(escaped).view(-1), idx), "escapes are exactly the code-0 positions, in order"
     assert torch.equal(t.esc_val, bits_of(w).view(-1)[idx])
+    assert not t.sm.view(-1)[idx].any(), "sign/mantissa bytes are 0 at escapes"
     assert t.esc_idx.dtype == torch.int32
     ptr = t.esc_row_ptr
     assert ptr.shape == (n + 1,) and int(ptr[-1]) == idx.numel()

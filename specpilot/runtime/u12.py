@@ -9,7 +9,7 @@ nearly all of them. u12 stores each weight as
   two codes per byte, the even column in the low nibble;
 
 and every weight whose exponent falls outside the window ``[base, base + 14]`` goes to an exact
-side table (flat index, bf16 bit pattern). The base is per tensor, chosen to cover the most
+side table (flat index, bf16 bit pattern), its code and sign/mantissa byte set to 0. The base is per tensor, chosen to cover the most
 weights, so the side table is as small as the data allows. Every bf16 bit pattern (±0,
 subnormals, ±inf, NaN payloads) round-trips bit-exactly.
 
@@ -42,8 +42,7 @@ class U12Tensor:
 
     ``esc_idx`` holds the flat (row-major) indices of the escaped weights in ascending order
     (int32 when the tensor has fewer than 2**31 elements, else int64); ``esc_val`` their bf16
-    bit patterns as int16. At escaped positions ``codes`` holds 0 and ``sm`` the true sign and
-    mantissa.
+    bit patterns as int16. At escaped positions both ``codes`` and ``sm`` hold 0.
     """
 
     shape: tuple[int, int]
@@ -119,7 +118,8 @@ def pack_u12(w: torch.Tensor, base: int | None = None) -> U12Tensor:
     in_window = (code >= 1) & (code <= WINDOW)
     code = torch.where(in_window, code, 0)
 
-    sm = (((bits >> 8) & 0x80) | (bits & 0x7F)).to(torch.uint8)
+    # Escapes keep sign/mantissa 0 in the plane: with code 0 that decodes to +0.0 in the kernels.
+    sm = torch.where(in_window, ((bits >> 8) & 0x80) | (bits & 0x7F), 0).to(torch.uint8)
     if k % 2:
         code = torch.nn.functional.pad(code, (0, 1))
     codes = (code[:, 0::2] | (code[:, 1::2] << 4)).to(torch.uint8)
