@@ -351,13 +351,28 @@ def test_update_from_results_files(small, tmp_path):
         "gpu": "h200", "shape": SMALL_SHAPE, "commit": "abc",
         "records": [{"kind": "step", "what": "draft", "q": 8, "ms": 0.25},
                     {"kind": "acceptance", "drafter": "dflash", "histogram": [0, 0, 0, 1, 1, 1, 1, 1]},
-                    {"kind": "kernel", "name": "ignored"}]}))
+                    {"kind": "speedup", "value": 3.0}, {"note": "provenance"}]}))
     model = CostModel("h200")
     assert model.update_from_results([results]) == 2
     e = model.predict(small, Workload(search=False, cuda_graphs=True))
     assert e.t_draft.source == "measured" and e.t_draft.value == pytest.approx(0.25e-3)
     assert e.tau.source == "measured" and e.tau.value == pytest.approx(1 + (3 + 4 + 5 + 6 + 7) / 5)
     assert explain(small, "h200", Workload(cuda_graphs=True), results=[results]).t_draft.source == "measured"
+
+
+def test_kernel_rows_replace_the_u12_efficiency(small, tmp_path):
+    # two rows as bench/u12_linear.py writes them: u12 as fast as cuBLAS at M=1 on 0.75x the bytes
+    rows = [{"name": "o", "N": 1024, "K": 1024, "M": 1, "cublas_us": 10.0, "u12_us": 10.0,
+             "u12_bytes": 750, "bf16_bytes": 1000},
+            {"name": "o", "N": 1024, "K": 1024, "M": 16, "cublas_us": 10.0, "u12_us": 7.5,
+             "u12_bytes": 750, "bf16_bytes": 1000}]
+    (tmp_path / "u12_linear_h200.json").write_text(json.dumps({"gpu": "NVIDIA H200", "rows": rows}))
+    model = CostModel("h200")
+    assert model.gpu.efficiency_of_kernel("triton-u12", 1) == pytest.approx(0.70)  # the database's
+    assert model.update_from_results([tmp_path]) == 2
+    assert model.gpu.efficiency_of_kernel("triton-u12", 1) == pytest.approx(0.75)
+    assert model.gpu.efficiency_of_kernel("triton-u12", 16) == pytest.approx(1.0)
+    assert model.gpu.source_of("kernel_efficiency") == "measured"
 
 
 def test_bad_records_name_the_file_and_field(tmp_path):

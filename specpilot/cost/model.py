@@ -23,6 +23,8 @@ holds them ("rows" is read the same way, as bench/step_times.py writes it); the 
 ("commit", "versions", "method", ...) are provenance. "gpu" may be a device name as torch reports
 it ("NVIDIA H200"). Keys a record may have:
 
+    kernel:      {"kind": "kernel", "kernel": "triton-u12", "gpu": "h200", "M": 16, "efficiency": 0.57}
+                 (bandwidth relative to the stock bf16 path; rows of bench/u12_linear.py are read as such)
     step:        {"kind": "step", "what": "ar" | "verify" | "draft", "ms": 4.61, "gpu": "h200",
                   "shape": "llama-3.1-8b", "q": 16, "batch": 1, "cache_len": 512,
                   "cuda_graphs": true, "ir_hash": "<Program.structural_hash()>"}
@@ -31,6 +33,8 @@ it ("NVIDIA H200"). Keys a record may have:
                   | "tau": 6.2, "k": 15,               # or a τ over chains of k drafted tokens
                   "topk": [[p11, p12, ...], ...]}       # optional per-position rank probabilities
 
+A record without "kind" is recognized by its keys (a step by "what" and "ms", a u12_linear row by
+"u12_us", an acceptance record by "histogram"); anything else is provenance and skipped.
 `q` defaults to 1 for "ar" and is required otherwise; batch 1, cache_len 512, cuda_graphs true.
 "ms" is the median step time. A step record with "ir_hash" calibrates only the program with that
 structural hash; one with a "shape" alone is taken to describe whatever program of that shape is
@@ -211,9 +215,33 @@ class AcceptanceRecord:
     origin: str = ""
 
 
-def _record(d: Mapping[str, Any], origin: str, index: int) -> StepRecord | AcceptanceRecord | None:
+@dataclass(frozen=True)
+class KernelRecord:
+    """A kernel's bandwidth efficiency relative to the stock bf16 path at M rows."""
+
+    kernel: str
+    gpu: str
+    m: int
+    efficiency: float
+    origin: str = ""
+
+
+def _kind(d: Mapping[str, Any]) -> str | None:
+    """A record's kind: given, or recognized by its keys (rows of bench/ scripts carry none)."""
+    if "kind" in d:
+        return str(d["kind"])
+    if "u12_us" in d and "cublas_us" in d:
+        return "u12-linear"  # a row of bench/u12_linear.py
+    if "what" in d and "ms" in d:
+        return "step"
+    if "histogram" in d:
+        return "acceptance"
+    return None
+
+
+def _record(d: Mapping[str, Any], origin: str, index: int) -> StepRecord | AcceptanceRecord | KernelRecord | None:
     where = f"{origin or 'records'}[{index}]"
-    kind = d.get("kind", "step")
+    kind = _kind(d)
 
     def need(key):
         if key not in d:
@@ -241,14 +269,21 @@ def _record(d: Mapping[str, Any], origin: str, index: int) -> StepRecord | Accep
         else:
             raise SpecError(f"{where}: an acceptance record needs 'histogram' or 'tau' (with 'k')")
         return AcceptanceRecord(shape, model, str(d.get("drafter", "")), origin)
-    return None  # other kinds (speedup, kernel timings, ...) are not calibration input
+    if kind == "kernel":
+        return KernelRecord(str(need("kernel")), str(need("gpu")), int(need("M")), float(need("efficiency")), origin)
+    if kind == "u12-linear":  # achieved bandwidth of u12_linear over that of cuBLAS on the bf16 weight
+        eff = float(d["cublas_us"]) / float(d["u12_us"]) * float(need("u12_bytes")) / float(need("bf16_bytes"))
+        return KernelRecord("triton-u12", str(need("gpu")), int(need("M")), eff, origin)
+    return None  # other kinds (speedups, statistics, ...) are not calibration input
 
 
-def parse_records(data: Any, origin: str = "") -> list[StepRecord | AcceptanceRecord]:
+def parse_records(data: Any, origin: str = "") -> list[StepRecord | AcceptanceRecord | KernelRecord]:
     """Records from the JSON of one results file (a list, or an object with "records")."""
     defaults: dict = {}
     if isinstance(data, Mapping):
         defaults = {k: v for k, v in data.items() if k in ("gpu", "shape", "ir_hash", "drafter", "cuda_graphs")}
+        if "gpu" not in defaults and isinstance(data.get("device"), str):
+            defaults["gpu"] = data["device"]
         data = data.get("records", data.get("rows", []))
     if not isinstance(data, list):
         raise SpecError(f"{origin or 'records'}: expected a list of records or an object with 'records'")
@@ -408,12 +443,15 @@ class CostModel:
         self._bound: list[tuple[StepRecord, float]] = []  # (record, measured / predicted) fixed at update
 
     # -- calibration
-    def update(self, records: Iterable[StepRecord | AcceptanceRecord | Mapping], program: Program | None = None) -> int:
+    def update(self, records: Iterable[StepRecord | AcceptanceRecord | KernelRecord | Mapping],
+               program: Program | None = None) -> int:
         """Take benchmark records (objects or dicts); returns how many concern this GPU.
 
         With `program`, step records that name no "ir_hash" are taken to measure that program,
-        and their ratio to the prediction is fixed now (it then calibrates every program)."""
+        and their ratio to the prediction is fixed now (it then calibrates every program).
+        Kernel records replace the database's efficiency of that kernel (mean per M)."""
         taken = 0
+        kernels: dict[str, dict[int, list[float]]] = {}
         for i, rec in enumerate(records):
             if isinstance(rec, Mapping):
                 rec = _record(rec, "", i)
@@ -423,12 +461,21 @@ class CostModel:
                 self.acceptance_records.append(rec)
                 taken += 1
                 continue
+            if isinstance(rec, KernelRecord):
+                if gpu_key(rec.gpu) == self.gpu.name:
+                    kernels.setdefault(rec.kernel, {}).setdefault(rec.m, []).append(rec.efficiency)
+                    taken += 1
+                continue
             if gpu_key(rec.gpu) != self.gpu.name:
                 continue
             self.step_records.append(rec)
             taken += 1
             if program is not None and (not rec.ir_hash or rec.ir_hash == program.structural_hash()):
                 self._bound.append((rec, rec.ms * 1e-3 / self._raw(program, rec)))
+        if kernels:
+            table = dict(self.gpu.kernel_efficiency)
+            table.update({k: {m: sum(v) / len(v) for m, v in per_m.items()} for k, per_m in kernels.items()})
+            self.gpu = self.gpu.with_(kernel_efficiency=table, sources={**self.gpu.sources, "kernel_efficiency": "measured"})
         return taken
 
     def update_from_results(self, paths: Iterable[str | Path], program: Program | None = None) -> int:
