@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
-from ..ir import MATMUL_OPS, Graph, Node, Program
+from ..ir import MATMUL_OPS, Node, Program
 from ..ir.lower import SHARED
 from ..ir.verify import expected_verify_length
 
@@ -47,7 +47,7 @@ class Gap:
 
 @dataclass(frozen=True)
 class WhatIf:
-    """A pass's effect, restated: `apply(program)` returns the rewritten program or None (no change)."""
+    """A pass's effect, restated: the pass as a pipeline element and the program it would produce."""
 
     what: str
     pass_name: str
