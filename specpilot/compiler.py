@@ -166,6 +166,16 @@ def environment(device: torch.device) -> dict:
     return env
 
 
+def write_cost_view(program: Program, gpu: str, tau: float, report: dict, root: Path) -> None:
+    """The cost model's view of the engine on its target GPU (τ as measured here): into the
+    report, and as a roofline/gap chart beside it."""
+    from .cost import Workload, explain, plot_gaps
+
+    estimate = explain(program, gpu, Workload(tau=tau))
+    report["cost_model"] = estimate.to_dict()
+    plot_gaps(estimate, root / "explain.png")
+
+
 def save_packed_weights(engine: Engine, root: Path) -> None:
     """Store the u12 planes the passes asked for beside each checkpoint (checksummed safetensors)."""
     for part, model, graph in (("target", engine.target, engine.program.target),
@@ -256,6 +266,7 @@ def compile_pipeline(spec: PipelineSpec, *, out_dir: Path | None, passes: str | 
             copy_checkpoint(dirs.target, tmp / "target")
             copy_checkpoint(dirs.drafter, tmp / "drafter")
             save_packed_weights(engine, tmp)
+            write_cost_view(program, spec.gpu, m.tau, report, tmp)
             (tmp / "validation.json").write_text(json.dumps(validation.to_dict(), indent=2) + "\n")
             (tmp / "report.json").write_text(json.dumps(report, indent=2) + "\n")
             (tmp / "report.md").write_text(report_markdown(report))

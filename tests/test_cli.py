@@ -68,6 +68,7 @@ def test_compile_run_verify(tmp_path, kind):
     assert report["tau"] >= 1.0
     validation = json.loads((out / "validation.json").read_text())
     assert validation["passed"] and validation["hard_failures"] == 0
+    assert (out / "explain.png").read_bytes()[:4] == b"\x89PNG" and "gaps" in report["cost_model"]
     assert not list(tmp_path.glob(".engine.*"))  # no temporary folder left behind
 
     r = invoke("run", out, "--prompt", "def f(x):", "--max-new-tokens", "5", "--device", "cpu")
