@@ -19,6 +19,13 @@ A chunk whose contributions are not all finite (inf/NaN weights) takes a one-esc
 path, since a one-hot product would spread inf·0 = NaN across the block.
 
 Activations are assumed finite: an inf in x meets escaped weights as 0 in the main loop.
+
+Speed (H200, triton 3.6, bench/results/u12_linear_nvidia_h200.json): 0.47-0.55x cuBLAS at M = 1,
+0.13-0.35x at M = 16..64, so not yet worth using for speed. Measured along the way: making W the
+dot's wide side and reading x contiguously took M = 64 from 0.06-0.10x to 0.13-0.29x; halving
+the integer work per weight (two weights per 32-bit word) left M = 1 unchanged, so this kernel is
+not bound by decode arithmetic. Untried: split-K (the naive kernel of GPU-FACTS.md had it and
+reached 0.9x at M = 1), more bytes in flight per program, a layout that avoids the join.
 """
 
 from __future__ import annotations
@@ -161,8 +168,8 @@ def _config(block_n: int, block_p: int, warps: int, stages: int) -> triton.Confi
     return triton.Config({"BLOCK_N": block_n, "BLOCK_P": block_p}, num_warps=warps, num_stages=stages)
 
 
-# Untuned starting points for the H200 (BLOCK_P counts column pairs, so a tile spans 2·BLOCK_P
-# columns); the autotuner picks per (BLOCK_M, N, K).
+# A small space for the H200 (BLOCK_P counts column pairs, so a tile spans 2·BLOCK_P columns); the
+# autotuner picks per (BLOCK_M, N, K). Its picks are recorded in the benchmark's result file.
 _CONFIGS_SUM = [
     _config(16, 32, 4, 3), _config(16, 64, 4, 3), _config(16, 128, 4, 3), _config(32, 64, 4, 3),
     _config(64, 32, 4, 3), _config(16, 256, 8, 3), _config(32, 128, 8, 3), _config(64, 64, 8, 3),
