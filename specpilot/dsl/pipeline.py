@@ -7,7 +7,6 @@ with the entry points `pipeline` and `rules`), and the one place lark errors bec
 
 from __future__ import annotations
 
-import json
 from functools import lru_cache
 
 import lark
@@ -16,6 +15,7 @@ from lark.lexer import PatternStr
 from ..errors import DSLSyntaxError, PipelineError
 from ..grammar import grammar_text
 from ..passes.base import Pass, lookup
+from ..ir.text import Literals as IRLiterals
 
 # How the grammar's named terminals read in an error message (string terminals read as themselves).
 _READABLE = {
@@ -87,31 +87,13 @@ def where(source: str, token: lark.Token) -> str:
     return f"{source}:{token.line}:{token.column}: "
 
 
-class Literals(lark.Transformer):
-    """The IR's literals (and the pipeline's bare words) as Python values."""
-
-    def int(self, items):
-        return int(items[0])
-
-    def float(self, items):
-        return float(items[0])
-
-    def string(self, items):
-        return json.loads(items[0])
+class Literals(IRLiterals):
+    """The IR's literals plus the pipeline's bare words (strings) and lists (tuples)."""
 
     def word(self, items):
         return str(items[0])
 
-    def true(self, _):
-        return True
-
-    def false(self, _):
-        return False
-
-    def tuple(self, items):
-        return tuple(i for i in items if i is not None)
-
-    list = tuple
+    list = IRLiterals.tuple
 
 
 class _ToPipeline(Literals):

@@ -51,7 +51,9 @@ def print_program(program: Program) -> str:
     return "\n".join([head] + [print_graph(g) for g in program.graphs()]) + "\n"
 
 
-class _ToIR(lark.Transformer):
+class Literals(lark.Transformer):
+    """IR literals as Python values: shared by the IR parser and the DSL (same literal syntax)."""
+
     def int(self, items):
         return int(items[0])
 
@@ -70,6 +72,8 @@ class _ToIR(lark.Transformer):
     def tuple(self, items):
         return tuple(i for i in items if i is not None)
 
+
+class _ToIR(Literals):
     def attr(self, items):
         return (str(items[0]), items[1])
 
