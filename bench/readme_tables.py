@@ -71,7 +71,23 @@ def u12_linear() -> str:
     return "\n".join(lines)
 
 
-RENDERERS = {"step_times": step_times, "u12_stats": u12_stats, "u12_linear": u12_linear}
+def cost_vs_measured() -> str:
+    d = _load("cost_vs_measured_h200.json")
+    if d is None:
+        return "_no results file yet: run `python bench/cost_vs_measured.py`_"
+    lines = [
+        "Llama-3.1-8B shapes, batch 1, 512-token cache, CUDA graphs. Source: `bench/results/cost_vs_measured_h200.json`.",
+        "",
+        "| measured in | model | step | q | measured ms | predicted ms | error |",
+        "|---|---|---|---:|---:|---:|---:|",
+    ]
+    for r in d["rows"]:
+        lines.append(f"| {r['source']} | {r['model']} | {r['what']} | {r['q']} | {r['measured_ms']:.2f} | "
+                     f"{r['predicted_ms']:.2f} | {100 * r['error']:+.1f}% |")
+    return "\n".join(lines)
+
+
+RENDERERS = {"cost_vs_measured": cost_vs_measured, "step_times": step_times, "u12_stats": u12_stats, "u12_linear": u12_linear}
 
 
 def render(text: str) -> str:

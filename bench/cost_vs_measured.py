@@ -1,0 +1,70 @@
+"""The cost model's predictions beside the H200 step times measured at Llama-3.1-8B shapes.
+
+    python bench/cost_vs_measured.py      # writes bench/results/cost_vs_measured_h200.json, prints a table
+
+Two measured sources: `h200_steps_2026-12-02.json` (steps shaped as the IR lowers them,
+bench/step_bench.py) is compared with the UNcalibrated model; `step_times_h200.json` (the
+runtime's own forward, bench/step_times.py) both uncalibrated and after `update_from_results`
+on that same file (which only shows the calibration mechanism, not predictive power).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from specpilot.cost import CostModel, load_gpu, step_time
+from specpilot.ir import lower
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results"
+LLAMA_8B = dict(model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=False)
+DFLASH_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=5, num_attention_heads=32,
+                 num_key_value_heads=8, head_dim=128, target_layer_ids=[1, 9, 17, 25, 31], block_size=16,
+                 mask_token_id=128002)
+STEPS = (("ar", 1), ("verify", 16), ("draft", 16))
+
+
+def main() -> int:
+    program = lower(LLAMA_8B, DFLASH_8B, dtype="bfloat16")
+    gpu = load_gpu("h200")
+    rows = []
+
+    ir_steps = json.loads((RESULTS / "h200_steps_2026-12-02.json").read_text())["records"]
+    for what, q in STEPS:
+        r = next(r for r in ir_steps if r["what"] == what and r["q"] == q and r["batch"] == 1
+                 and r["cache_len"] == 512 and r["cuda_graphs"])
+        graph = program.drafter if what == "draft" else program.target
+        predicted = step_time(graph, gpu, 1, q, 512, cuda_graphs=True).time * 1e3
+        rows.append(dict(source="h200_steps_2026-12-02.json", model="uncalibrated", what=what, q=q,
+                         measured_ms=r["ms"], predicted_ms=predicted))
+
+    runtime = {(r["what"], r["q"]): r["ms"] for r in json.loads((RESULTS / "step_times_h200.json").read_text())["rows"]
+               if r["shape"] == "llama-3.1-8b"}
+    raw, calibrated = CostModel("h200"), CostModel("h200")
+    calibrated.update_from_results([RESULTS / "step_times_h200.json"])
+    for name, model in (("uncalibrated", raw), ("calibrated on this file", calibrated)):
+        for what, q in STEPS:
+            predicted = model.step(program, what, q, cache_len=512).time * 1e3
+            rows.append(dict(source="step_times_h200.json", model=name, what=what, q=q,
+                             measured_ms=runtime[(what, q)], predicted_ms=predicted))
+    for r in rows:
+        r["error"] = r["predicted_ms"] / r["measured_ms"] - 1
+
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout
+    out = RESULTS / "cost_vs_measured_h200.json"
+    out.write_text(json.dumps({"gpu": "NVIDIA H200 (measured files)", "shape": "llama-3.1-8b", "cache_len": 512,
+                               "commit": commit.strip() or "unknown", "rows": rows}, indent=2) + "\n")
+    print(f"{'source':28} {'model':24} {'step':7} {'q':>3} {'measured':>9} {'predicted':>9} {'error':>7}")
+    for r in rows:
+        print(f"{r['source']:28} {r['model']:24} {r['what']:7} {r['q']:>3} {r['measured_ms']:9.3f} "
+              f"{r['predicted_ms']:9.3f} {100 * r['error']:+6.1f}%")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
