@@ -1,0 +1,181 @@
+"""Greedy tree-verification decode loops for parallel drafters (DFlash- and PARD-style).
+
+One step is draft -> propose -> verify -> accept -> commit, as for chains (decode.py), except:
+
+  propose  top-k of the drafter's per-position distributions -> a candidate tree of `budget`
+           nodes (best-first by default, see tree.py), padded to budget + 1 with the anchor;
+  verify   one target forward over the tree's tokens at positions prefix + depth under the
+           ancestor-only mask (`verify_tree`);
+  accept   `accept_tree`: the longest root path whose tokens each equal the target's argmax at
+           their parent, plus the bonus (the target's argmax at the path's last node);
+  commit   accepted tokens + bonus are appended; `compact_kv` leaves the target's cache holding
+           exactly the root path (the anchor and the accepted drafts).
+
+Lossless: every accepted token is the target's greedy choice given the committed prefix, since a
+node's logits see exactly its ancestors at their sequence positions (the tests check the output
+against AR greedy in fp32 and, for DFlash, the context features against a linear forward).
+Accounting is decode.py's: Generation.accepted[i] = drafts accepted in step i (bonus excluded,
+cut at EOS / max_new_tokens), so τ compares directly with the chain loops.
+The DFlash drafter's next context is the target's hidden states at the accepted path's nodes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from specpilot.runtime.cache import KVCache
+from specpilot.runtime.decode import Generation, OutputTokens, _check_max_new, _Clock, _prompt_tensor
+from specpilot.runtime.dflash import DFlashDrafter
+from specpilot.runtime.model import PardDrafter, Transformer
+from specpilot.runtime.tree import TREE_SHAPES, Tree, accept_tree, ancestor_mask, compact_kv, draft_topk
+
+
+def verify_tree(
+    target: Transformer, cache: KVCache, tree: Tree, hidden_layers: tuple[int, ...] = ()
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """Target forward over the tree's nodes after the cache's prefix: (argmax [n], hidden
+    [1, n, ...] or None, ancestor mask [n, n]). The nodes' K/V land in slots [length, +n)."""
+    mask = ancestor_mask(tree)
+    positions = (cache.length + tree.depth)[None]
+    out = target(tree.token[None], cache, mask=mask, positions=positions, hidden_layers=hidden_layers)
+    return out.logits[0].argmax(-1), out.hidden, mask
+
+
+def propose_tree(draft_logits: torch.Tensor, anchor: int, *, budget: int, topk: int, shape: str,
+                 device: torch.device) -> Tree:
+    """Drafter logits [D, V] -> the candidate tree, padded to budget + 1 nodes, on `device`."""
+    if shape not in TREE_SHAPES:
+        raise ValueError(f"tree shape must be one of {', '.join(TREE_SHAPES)}, got {shape!r}")
+    logp, ids = draft_topk(draft_logits, topk)
+    tree = TREE_SHAPES[shape](logp.cpu(), ids.cpu(), anchor, budget=budget)
+    return tree.padded(budget + 1).to(device)
+
+
+class _TreeStep:
+    """verify -> accept -> commit on the target, shared by both drafter kinds."""
+
+    def __init__(self, target: Transformer, cache: KVCache, out: OutputTokens, layers: tuple[int, ...] = ()):
+        self.target, self.cache, self.out, self.layers = target, cache, out, layers
+        self.accepted: list[int] = []
+
+    def __call__(self, tree: Tree) -> tuple[list[int], torch.Tensor | None]:
+        """Returns (committed span: accepted drafts + bonus, hidden states of the path's nodes)."""
+        start = self.cache.length
+        argmax, hidden, mask = verify_tree(self.target, self.cache, tree, self.layers)
+        path, bonus = accept_tree(tree, argmax, mask)
+        tokens = tree.token[path].tolist()
+        span = tokens[1:] + [bonus]
+        self.accepted.append(self.out.extend(span) - 1)
+        compact_kv(self.cache, start, [start + i for i in path])
+        path_hidden = hidden[:, path] if hidden is not None else None
+        return span, path_hidden
+
+
+def _check_tree_args(budget: int, topk: int) -> None:
+    if budget < 1:
+        raise ValueError(f"budget must be >= 1, got {budget}")
+    if topk < 1:
+        raise ValueError(f"topk must be >= 1, got {topk}")
+
+
+def generate_dflash_tree(
+    target: Transformer,
+    drafter: DFlashDrafter,
+    prompt_ids: Sequence[int] | torch.Tensor,
+    *,
+    block_size: int,
+    budget: int,
+    topk: int,
+    mask_token_id: int,
+    max_new_tokens: int,
+    eos_token_id: int | None,
+    shape: str = "best-first",
+) -> Generation:
+    """DFlash-style drafting (block_size-1 positions per block) verified as a tree of `budget` nodes."""
+    _check_max_new(max_new_tokens)
+    _check_tree_args(budget, topk)
+    if block_size < 2:
+        raise ValueError(f"block_size must be >= 2 (anchor + drafts), got {block_size}")
+    target.eval()
+    drafter.eval()
+    layers = tuple(drafter.target_layer_ids)
+    clock = _Clock(target.device)
+    out = OutputTokens(max_new_tokens, eos_token_id)
+    if out.done:
+        return Generation(tokens=[])
+    with torch.inference_mode():
+        prompt = _prompt_tensor(prompt_ids, target.device)
+        t_cache = target.new_cache(1, prompt.shape[1] + max_new_tokens + budget + 1)
+        d_cache = drafter.new_cache(1, prompt.shape[1] + max_new_tokens + block_size + 1)
+        step = _TreeStep(target, t_cache, out, layers)
+        t0 = clock()
+        pre = target(prompt, t_cache, hidden_layers=layers, only_last=True)
+        first = int(pre.logits[0, -1].argmax())
+        drafter.add_context(pre.hidden, d_cache)
+        new_context = pre.hidden[:, :0]
+        last = first
+        out.extend([first])
+        t1 = clock()
+        masks = [mask_token_id] * (block_size - 1)
+        while not out.done:
+            block = torch.tensor([[last] + masks], dtype=torch.long, device=target.device)
+            logits = drafter(block, new_context, d_cache)[0]
+            tree = propose_tree(logits, last, budget=budget, topk=topk, shape=shape, device=target.device)
+            span, new_context = step(tree)  # the anchor and the accepted drafts become context
+            last = span[-1]
+        t2 = clock()
+    return Generation(tokens=out.tokens, accepted=step.accepted, steps=len(step.accepted),
+                      prefill_s=t1 - t0, decode_s=t2 - t1)
+
+
+def generate_pard_tree(
+    target: Transformer,
+    drafter: Transformer | PardDrafter,
+    prompt_ids: Sequence[int] | torch.Tensor,
+    *,
+    k: int,
+    budget: int,
+    topk: int,
+    mask_token_id: int,
+    max_new_tokens: int,
+    eos_token_id: int | None,
+    shape: str = "best-first",
+) -> Generation:
+    """PARD-style drafting (k positions per forward, see decode.generate_pard) verified as a tree."""
+    _check_max_new(max_new_tokens)
+    _check_tree_args(budget, topk)
+    if k < 1:
+        raise ValueError(f"k must be >= 1, got {k}")
+    draft_model = drafter.model if isinstance(drafter, PardDrafter) else drafter
+    target.eval()
+    draft_model.eval()
+    clock = _Clock(target.device)
+    out = OutputTokens(max_new_tokens, eos_token_id)
+    if out.done:
+        return Generation(tokens=[])
+    with torch.inference_mode():
+        prompt = _prompt_tensor(prompt_ids, target.device)
+        t_cache = target.new_cache(1, prompt.shape[1] + max_new_tokens + budget + 1)
+        d_cache = draft_model.new_cache(1, prompt.shape[1] + max_new_tokens + k + 1)
+        step = _TreeStep(target, t_cache, out)
+        t0 = clock()
+        first = int(target(prompt, t_cache, only_last=True).logits[0, -1].argmax())
+        draft_model(prompt.to(draft_model.device), d_cache, only_last=True)
+        seq = prompt[0].tolist()
+        out.extend([first])
+        seq.append(first)
+        t1 = clock()
+        masks = [mask_token_id] * (k - 1)
+        while not out.done:
+            fresh = seq[d_cache.length :]
+            ids = torch.tensor([fresh + masks], dtype=torch.long, device=draft_model.device)
+            logits = draft_model(ids, d_cache).logits[0, len(fresh) - 1 :]
+            d_cache.rollback(len(seq))
+            tree = propose_tree(logits, seq[-1], budget=budget, topk=topk, shape=shape, device=target.device)
+            span, _ = step(tree)
+            seq.extend(span)
+        t2 = clock()
+    return Generation(tokens=out.tokens, accepted=step.accepted, steps=len(step.accepted),
+                      prefill_s=t1 - t0, decode_s=t2 - t1)
