@@ -1,0 +1,63 @@
+"""`tree-verify{budget=N, topk=K}`: verify a best-first tree of candidates instead of the chain.
+
+Changes the step graph only, four nodes together: propose -> shape "tree" with `budget` nodes
+built from the top-`topk` tokens of each draft position; verify -> mode "tree" (a "two-level"
+verify stays two-level) with q = budget + 1 (the anchor and every node); accept -> rule
+"tree-path"; commit -> kv "compact". The draft node is untouched: the drafter still proposes one
+block (its positions bound the tree's depth). The model graphs are untouched too: the target's
+attention runs under the ancestor mask only in verify, which the verify node already says.
+
+Lossless: a node is accepted only when its token is the target's argmax given its ancestors at
+their sequence positions, so the output equals AR greedy; budget and top-k move only τ and the
+verify cost. Runtime: specpilot.runtime.tree_decode (torch backend, CPU and GPU).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..ir import Node, Program
+from .base import Pass, PassResult, register
+
+CANDIDATE_BUDGETS = (16, 32, 64, 128)
+CANDIDATE_TOPK = (2, 4, 8)
+
+
+@register
+@dataclass(frozen=True)
+class TreeVerify(Pass):
+    name = "tree-verify"
+    lossless = True
+    budget: int = 64
+    topk: int = 4
+
+    def __post_init__(self):
+        if self.budget < 1:
+            raise ValueError(f"budget must be >= 1, got {self.budget}")
+        if self.topk < 1:
+            raise ValueError(f"topk must be >= 1, got {self.topk}")
+
+    def _rewrite(self, _: str, node: Node) -> Node | None:
+        if node.op == "propose":
+            return node.replace(shape="tree", budget=self.budget, topk=self.topk)
+        if node.op == "verify":
+            return node.replace(mode=node["mode"] if node["mode"] != "chain" else "tree", q=self.budget + 1)
+        if node.op == "accept":
+            return node.replace(rule="tree-path")
+        if node.op == "commit":
+            return node.replace(kv="compact")
+        return None
+
+    def apply(self, program: Program) -> PassResult:
+        propose = program.step.one("propose")[1]
+        step, n = program.step.map_nodes(self._rewrite)
+        if n == 0:
+            return PassResult(program, False, "tree already set")
+        was = " ".join(f"{k}={v}" for k, v in propose.items())
+        return PassResult(program.with_graph("step", step), True,
+                          f"propose {was} -> tree budget={self.budget} topk={self.topk}")
+
+    @classmethod
+    def schedule_space(cls, program: Program) -> list[Pass]:
+        candidates = [cls(budget=b, topk=k) for b in CANDIDATE_BUDGETS for k in CANDIDATE_TOPK]
+        return [c for c in candidates if c.apply(program).changed]
