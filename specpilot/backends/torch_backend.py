@@ -166,11 +166,21 @@ class Engine:
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int) -> decode.Generation:
         """Speculative decoding as the step graph says."""
+        from ..runtime import tree_decode
+
         verify = self.program.step.one("verify")[1]
-        if verify["mode"] != "chain":
+        if verify["mode"] not in ("chain", "tree"):
             raise EngineError(f"the torch backend cannot run verify mode {verify['mode']!r} yet")
         common = dict(max_new_tokens=max_new_tokens, eos_token_id=self.eos_token_id,
                       mask_token_id=self.drafter.mask_token_id)
+        if verify["mode"] == "tree":
+            propose = self.program.step.one("propose")[1]
+            common.update(budget=propose["budget"], topk=propose.get("topk", 4))
+            if self.kind == "pard":
+                return tree_decode.generate_pard_tree(self.target, self.drafter, prompt_ids, k=self.block_size,
+                                                      **common)
+            return tree_decode.generate_dflash_tree(self.target, self.drafter, prompt_ids,
+                                                    block_size=self.block_size, **common)
         if self.kind == "pard":
             return decode.generate_pard(self.target, self.drafter, prompt_ids, k=self.block_size, **common)
         return decode.generate_dflash(self.target, self.drafter, prompt_ids, block_size=self.block_size, **common)
