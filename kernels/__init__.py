@@ -1,6 +1,6 @@
 """Triton kernels, one per file, each registered with its torch reference."""
 
-from . import u12_linear
+from . import attention_split_kv, u12_linear
 from .registry import KERNELS, KernelSpec, register
 
-__all__ = ["KERNELS", "KernelSpec", "register", "u12_linear"]
+__all__ = ["KERNELS", "KernelSpec", "attention_split_kv", "register", "u12_linear"]
