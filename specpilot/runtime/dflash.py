@@ -22,7 +22,7 @@ from torch import nn
 
 from specpilot.runtime.cache import KVCache
 from specpilot.runtime.config import DrafterConfig
-from specpilot.runtime.model import DecoderLayer, RMSNorm, attend, rope_cos_sin, rope_inv_freq
+from specpilot.runtime.model import DecoderLayer, RMSNorm, Visibility, rope_cos_sin, rope_inv_freq
 
 
 class ContextProjection(nn.Module):
@@ -118,12 +118,13 @@ class DFlashDrafter(nn.Module):
         ctx_len = cache.length
         cos, sin = self._rope(ctx_len, s, b)
         x = self.embed(block_ids).to(self.dtype)
+        vis = Visibility("full", ctx_len, s, x.device)  # the block sees itself and all context
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
             h = layer.input_layernorm(x)
             k, v = attn.keys_values(h, cos, sin)
             cache.write(i, ctx_len, k, v)  # scratch slots past `length`: overwritten by later context
             k_all, v_all = cache.view(i, ctx_len + s)
-            x = x + attn.output(attend(attn.queries(h, cos, sin), k_all, v_all, None))
+            x = x + attn.output(attn.attention(attn.queries(h, cos, sin), k_all, v_all, vis))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return self.head(self.norm(x[:, 1:]))

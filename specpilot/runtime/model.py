@@ -12,7 +12,9 @@ the target's vocabulary call `embed` and `head` and bring their own final norm.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 import torch.nn.functional as F
@@ -72,7 +74,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     """Attention: q [B, H, T, D] over k, v [B, Hkv, S, D] (grouped heads) -> [B, H, T, D].
 
     `mask` is boolean [B or 1, 1, T, S], True where the key is visible; None means all visible.
-    The seam where a Triton kernel (short queries over long caches) slots in.
+    The default of every `Attention.attention`, which is where another kernel slots in.
     """
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=q.shape[-1] ** -0.5, enable_gqa=True)
 
@@ -102,11 +104,40 @@ def build_mask(mask: str | torch.Tensor, past: int, t: int, device: torch.device
     return torch.cat((seen, new), dim=-1)[:, None]
 
 
+@dataclass(frozen=True, eq=False)
+class Visibility:
+    """What T new tokens at key slots past..past+T-1 see: every cached slot < past, and among
+    themselves `new` ("causal", "full", or a bool tensor [T, T] / [B, T, T]: a tree). Kernels take
+    this form; `dense` is build_mask's (what `attend` takes), built on first use, once a forward."""
+
+    new: str | torch.Tensor
+    past: int
+    t: int
+    device: torch.device
+
+    @cached_property
+    def dense(self) -> torch.Tensor | None:
+        return build_mask(self.new, self.past, self.t, self.device)
+
+
+AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Visibility], torch.Tensor]
+
+
+def attend_visible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vis: Visibility) -> torch.Tensor:
+    """`attend` under `vis` as a dense mask: the default attention of every layer."""
+    return attend(q, k, v, vis.dense)
+
+
 class Attention(nn.Module):
-    """Projections of one attention layer; the Transformer and the DFlash drafter wire them differently."""
+    """Projections of one attention layer; the Transformer and the DFlash drafter wire them differently.
+
+    `attention(q, k, v, vis)` is how its queries attend over the cache: `attend_visible` unless a
+    backend installs another implementation on this module (a kernel that takes `Visibility`).
+    """
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
+        self.attention: AttentionFn = attend_visible
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         h, q_out, kv_out = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         self.q_proj = nn.Linear(h, q_out, bias=False)
@@ -156,7 +187,7 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, index: int, mask: torch.Tensor | None
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, index: int, vis: Visibility
     ) -> torch.Tensor:
         """Causal-LM layer: writes the new tokens' K/V at slots [cache.length, +T) (length moves later)."""
         attn = self.self_attn
@@ -165,7 +196,7 @@ class DecoderLayer(nn.Module):
         start = cache.length
         cache.write(index, start, k, v)
         k_all, v_all = cache.view(index, start + x.shape[1])
-        x = x + attn.output(attend(attn.queries(h, cos, sin), k_all, v_all, mask))
+        x = x + attn.output(attn.attention(attn.queries(h, cos, sin), k_all, v_all, vis))
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -249,11 +280,11 @@ class Transformer(nn.Module):
         if positions is None:
             positions = torch.arange(cache.length, cache.length + t, device=input_ids.device).expand(b, t)
         cos, sin = self.rope(positions)
-        attn_mask = build_mask(mask, cache.length, t, input_ids.device)
+        vis = Visibility(mask, cache.length, t, input_ids.device)
         x = self.embed(input_ids)
         picked: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, cache, i, attn_mask)
+            x = layer(x, cos, sin, cache, i, vis)
             if i in hidden_layers:
                 picked[i] = x
         cache.advance(t)
