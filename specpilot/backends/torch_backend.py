@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from ..errors import EngineError
-from ..ir import MATMUL_OPS, Node, Program
+from ..ir import MATMUL_OPS, Graph, Node, Program
 from ..ir import node as ir_node
 from ..ir.lower import SHARED
 from ..runtime import decode
@@ -139,6 +139,41 @@ def _stored_u12(model_dir: Path, device: torch.device) -> dict[str, U12Tensor] |
         raise EngineError(str(e)) from None
 
 
+SHORT_QUERIES = 128  # longer query blocks (prefill) stay with SDPA; a tree verify of budget <= 127 fits
+
+
+def install_attention_kernels(graph: Graph, root: nn.Module, device: torch.device) -> int:
+    """Serve each attention node with kernel="triton-split-kv" by the split-KV Triton kernel, on the
+    layer whose o_proj the node feeds; return how many layers got it."""
+    chosen = graph.find("attention", lambda node: node["kernel"] == "triton-split-kv")
+    if not chosen:
+        return 0
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise EngineError("attention kernel 'triton-split-kv' needs a CUDA GPU (or TRITON_INTERPRET=1); "
+                          "leave out the attention-split-kv pass on CPU")
+    from ..kernels.attention_split_kv import attention_split_kv
+    from ..runtime.model import Attention, attend_visible
+
+    def split_kv(q, k, v, vis):
+        if q.shape[2] > SHORT_QUERIES:
+            return attend_visible(q, k, v, vis)
+        return attention_split_kv(q, k, v, past=vis.past, mask=vis.new, scale=q.shape[-1] ** -0.5)
+
+    for name in chosen:
+        o_proj = [graph.node(u)["weight"] for u in graph.users(name) if graph.node(u).op == "linear"]
+        if len(o_proj) != 1:
+            raise EngineError(f"{graph.name}/{name}: expected one o_proj after an attention node, found {len(o_proj)}")
+        path = _module_path(o_proj[0]).rpartition(".")[0]  # "model.layers.3.self_attn"
+        try:
+            module = root.get_submodule(path)
+        except AttributeError:
+            module = None
+        if not isinstance(module, Attention):
+            raise EngineError(f"no attention module {path!r} serves {graph.name}/{name}")
+        module.attention = split_kv
+    return len(chosen)
+
+
 def drafter_root(drafter) -> nn.Module:
     """The module whose submodule paths match the drafter graph's weight names."""
     return getattr(drafter, "model", drafter)
@@ -208,4 +243,6 @@ def build_engine(program: Program, target_dir: Path, drafter_dir: Path, device: 
     drafter = load_drafter(drafter_dir, target, target_cfg, dtype=compute, device=device)
     materialize_weights(program.target.items(), target, compute, _stored_u12(target_dir, device))
     materialize_weights(program.drafter.items(), drafter_root(drafter), compute, _stored_u12(drafter_dir, device))
+    install_attention_kernels(program.target, target, device)
+    install_attention_kernels(program.drafter, drafter_root(drafter), device)
     return Engine(program, target, target_cfg, drafter, device, dtype, target_cfg.eos_token_id)

@@ -1,0 +1,173 @@
+"""The split-KV attention kernel in the compiler: the pass, the runtime seam, the backend, a compile.
+
+The kernel against its reference on odd shapes is tests/test_kernels.py's (the registry). Without
+CUDA the kernel runs in Triton's interpreter (TRITON_INTERPRET=1, set before kernels are imported).
+"""
+
+import json
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+from specpilot.backends.torch_backend import install_attention_kernels  # noqa: E402
+from specpilot.dsl import parse_pipeline  # noqa: E402
+from specpilot.errors import EngineError  # noqa: E402
+from specpilot.ir import lower, verify_program  # noqa: E402
+from specpilot.kernels.attention_split_kv import (  # noqa: E402
+    BLOCK_N, attention_split_kv, attention_split_kv_reference, plan, split_count)
+from specpilot.passes import all_lossless, run_passes  # noqa: E402
+from specpilot.passes.attention_split_kv import AttentionSplitKV  # noqa: E402
+from specpilot.runtime import decode  # noqa: E402
+from specpilot.runtime.builtin import resolve_builtin  # noqa: E402
+from specpilot.runtime.load import load_drafter, load_target  # noqa: E402
+from specpilot.runtime.model import attend, attend_visible, build_mask  # noqa: E402
+
+from test_ir import DFLASH, PARD, TARGET  # noqa: E402
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+# --- the pass ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("drafter", [DFLASH, PARD], ids=["dflash", "pard"])
+def test_pass_sets_the_kernel_of_every_attention_node_and_nothing_else(drafter):
+    p = lower(TARGET, drafter)
+    q, [rec] = run_passes(p, parse_pipeline("attention-split-kv"))
+    assert rec.changed and rec.lossless and all_lossless([rec])
+    verify_program(q)
+    assert rec.summary == f"{len(p.target.find('attention')) + len(p.drafter.find('attention'))} attention nodes on triton-split-kv"
+    for level in ("target", "drafter"):
+        before, after = p.graph(level), q.graph(level)
+        for name, node in before.items():
+            if node.op == "attention":
+                assert after.node(name) == node.replace(kernel="triton-split-kv"), name
+            else:
+                assert after.node(name) == node, name
+    assert q.step == p.step
+    assert AttentionSplitKV.schedule_space(p) == [AttentionSplitKV()]
+    assert AttentionSplitKV.schedule_space(q) == []
+    again, [rec2] = run_passes(q, [AttentionSplitKV()])
+    assert not rec2.changed and again == q
+
+
+# --- the kernel's API -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("mask", ["causal", "full", "tree"])
+def test_reference_equals_the_runtime_attend(mask):
+    """The kernel's reference and the runtime's `attend` (SDPA under build_mask) agree in fp32."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(2, 8, 5, 32, generator=g), torch.randn(2, 2, 12, 32, generator=g), torch.randn(2, 2, 12, 32, generator=g)
+    if mask == "tree":
+        mask = torch.eye(5, dtype=torch.bool)
+        mask[1:, 0] = True
+        mask[3, 1] = mask[4, 3] = mask[4, 1] = True
+    ref = attention_split_kv_reference(q, k, v, past=7, mask=mask)
+    torch.testing.assert_close(ref, attend(q, k, v, build_mask(mask, 7, 5, q.device)), atol=1e-6, rtol=1e-5)
+
+
+def test_split_rule():
+    # Llama-3.1-8B on an H200 (132 SMs), batch 1, 8 kv heads of group 4
+    assert split_count(32768, rows=4, programs=8, sms=132) == 33  # 2 programs a SM
+    assert split_count(512, rows=4, programs=8, sms=132) == 8  # one tile each
+    assert split_count(512, rows=256, programs=32, sms=132) == 1  # partials would outweigh the cache
+    assert split_count(32768, rows=256, programs=32, sms=132) == 8
+    assert split_count(1, rows=1, programs=1, sms=132) == 1
+    for s in (1, 7, 300, 5000):
+        for rows in (1, 4, 64, 256):
+            n = split_count(s, rows, programs=4, sms=132)
+            assert 1 <= n <= -(-s // BLOCK_N) and (n == 1 or n <= s // (16 * rows))
+    # whole tiles a split, and the rule leaves no split empty (33 splits of 993 keys become 32 of 1024)
+    assert plan(1, 32, 8, 1, 32768, sms=132) == (16, 1, 32, 1024)
+    assert plan(1, 32, 8, 64, 300, sms=132) == (64, 4, 1, 320)
+    for s in (1, 7, 300, 5000, 32768):
+        p = plan(2, 8, 2, 3, s, sms=132)
+        assert p.split_len % BLOCK_N == 0 and (p.splits - 1) * p.split_len < s <= p.splits * p.split_len
+    assert plan(1, 4, 2, 3, 7, sms=132, splits=3).splits == 3  # as asked, even where splits hold no key
+
+
+def test_arguments_are_checked():
+    q, k = torch.zeros(1, 4, 3, 16), torch.zeros(1, 2, 8, 16)
+    with pytest.raises(ValueError, match="past \\+ T"):
+        attention_split_kv(q, k, k, past=4, mask="causal")
+    with pytest.raises(ValueError, match="mask must be"):
+        attention_split_kv(q, k, k, past=5, mask="tree")
+    with pytest.raises(ValueError, match="\\[T, T\\] or \\[B, T, T\\]"):
+        attention_split_kv(q, k, k, past=5, mask=torch.ones(4, 4, dtype=torch.bool))
+    with pytest.raises(ValueError, match="multiple of kv heads"):
+        attention_split_kv(torch.zeros(1, 3, 3, 16), k, k, past=5)
+
+
+# --- the runtime seam and the backend ---------------------------------------------------------
+
+@pytest.fixture
+def tiny_llama(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECPILOT_CACHE", str(tmp_path))
+    dirs = {part: resolve_builtin(f"tiny-llama{part}") for part in ("", "/dflash")}
+    configs = [json.loads((d / "config.json").read_text()) for d in dirs.values()]
+    return dirs[""], dirs["/dflash"], lower(*configs, dtype="float32")
+
+
+def test_kernel_installed_in_the_runtime_gives_the_default_tokens(tiny_llama):
+    target_dir, dflash_dir, program = tiny_llama
+    target, cfg = load_target(target_dir, dtype=torch.float32, device=DEVICE)
+    drafter = load_drafter(dflash_dir, target, cfg, dtype=torch.float32, device=DEVICE)
+    prompt = list(range(60, 71))
+    kw = dict(max_new_tokens=8, eos_token_id=None)
+    ar = decode.generate_ar(target, prompt, **kw)
+    sp = decode.generate_dflash(target, drafter, prompt, block_size=4, mask_token_id=drafter.mask_token_id, **kw)
+    # one verify-sized forward after the prompt under each kind of mask
+    cache = target.new_cache(1, 32)
+    target(torch.tensor([prompt], device=DEVICE), cache)
+    ids = torch.tensor([[5, 6, 7, 8]], device=DEVICE)
+    tree = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool, device=DEVICE)
+    masks = ("causal", "full", tree)
+
+    def step_logits():
+        out = []
+        for mask in masks:
+            cache.rollback(len(prompt))
+            out.append(target(ids, cache, mask=mask).logits)
+        return out
+
+    before = step_logits()
+
+    program, _ = run_passes(program, [AttentionSplitKV()])
+    n = install_attention_kernels(program.target, target, DEVICE) + install_attention_kernels(program.drafter, drafter, DEVICE)
+    assert n == cfg.num_layers + len(drafter.layers)
+    assert all(layer.self_attn.attention is not attend_visible for layer in [*target.model.layers, *drafter.layers])
+
+    for after, ref in zip(step_logits(), before):
+        torch.testing.assert_close(after, ref, atol=1e-5, rtol=1e-5)
+    assert decode.generate_ar(target, prompt, **kw).tokens == ar.tokens
+    assert decode.generate_dflash(target, drafter, prompt, block_size=4, mask_token_id=drafter.mask_token_id,
+                                  **kw).tokens == sp.tokens
+
+
+def test_backend_refuses_the_kernel_where_it_cannot_run(tiny_llama, monkeypatch):
+    target_dir, _, program = tiny_llama
+    target, _ = load_target(target_dir, dtype=torch.float32, device="cpu")
+    assert install_attention_kernels(program.target, target, torch.device("cpu")) == 0  # sdpa: nothing to do
+    program, _ = run_passes(program, [AttentionSplitKV()])
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(EngineError, match="triton-split-kv.*CUDA"):
+        install_attention_kernels(program.target, target, torch.device("cpu"))
+
+
+def test_compile_with_the_pass_passes_token_forcing(tmp_path, monkeypatch):
+    from specpilot.compiler import compile_pipeline
+    from specpilot.spec import parse_spec
+
+    monkeypatch.setenv("SPECPILOT_CACHE", str(tmp_path))
+    spec = parse_spec({"name": "t", "target": "tiny-llama", "drafter": {"kind": "dflash", "block_size": 4},
+                       "gpu": "h200", "serving": {"max_new_tokens": 4},
+                       "benchmark": {"prompts": "code-smoke", "num_prompts": 1}}, "test")
+    result = compile_pipeline(spec, out_dir=None, passes="attention-split-kv", device=str(DEVICE))
+    assert result.pipeline == "attention-split-kv"
+    assert result.validation.passed and result.validation.tokens_checked == 4
+    assert result.measurement.spec_tokens == result.measurement.ar_tokens
+    layer = result.program.target.node("layers.0.attention")
+    assert layer["kernel"] == "triton-split-kv"
