@@ -1,0 +1,1 @@
+"""Scripts that build the model zoo: corpus, tokenizer, held-out prompts, training (see train/README.md)."""
