@@ -3,9 +3,11 @@ against the runtime's inference forwards, prompt sets, and a --smoke run of trai
 
 from __future__ import annotations
 
+import io
 import json
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -188,7 +190,7 @@ def test_train_zoo_smoke_run_writes_loadable_models(small_data: Path, tmp_path: 
     out = tmp_path / "zoo"
     cmd = [sys.executable, "-m", "train.train_zoo", "--smoke", "--data", str(small_data), "--out", str(out),
            "--target-steps", "6", "--distill-batches", "2", "--dflash-steps", "3", "--pard-steps", "3",
-           "--eval-prompts", "1", "--eval-new-tokens", "8"]
+           "--eval-prompts", "1", "--eval-new-tokens", "8", "--pack", str(tmp_path / "pack")]
     cmd += [f"--{phase}-seconds=120" for phase in ("target", "distill", "dflash", "pard", "eval")]  # the steps bind
     run = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout + run.stderr
@@ -212,3 +214,10 @@ def test_train_zoo_smoke_run_writes_loadable_models(small_data: Path, tmp_path: 
         assert {f.get_slice(n).get_dtype() for n in f.keys()} == {"BF16"}
     summary = log["phases"]["eval"]["summary"]
     assert summary["dflash"]["prompts"] == summary["pard"]["prompts"] == 1
+    # --pack: what the device tool can bring back (at most 8 files of 16 MiB), and it unpacks to OUT
+    packed = sorted((tmp_path / "pack").iterdir())
+    assert [p.name for p in packed] == ["train_log.json", "zoo.tar.part-00"]
+    with tarfile.open(fileobj=io.BytesIO(b"".join(p.read_bytes() for p in packed[1:]))) as tar:
+        names = set(tar.getnames())
+        assert tar.extractfile("zoo/target/model.safetensors").read() == (out / "target" / "model.safetensors").read_bytes()
+    assert {f"zoo/{kind}/MODEL_CARD.md" for kind in ("target", "dflash", "pard")} <= names

@@ -82,7 +82,7 @@ class Shapes:
     target_batch: int = 32
     target_lr: float = 2e-3
     # distillation: prompts of each length, every one continued greedily by gen_len tokens
-    prompt_lens: tuple[int, ...] = (16, 48, 128, 256)
+    prompt_lens: tuple[int, ...] = (16, 64, 160, 384)  # eval prompts run 10..450 tokens
     gen_len: int = 128
     gen_batch: int = 2048
     val_per_batch: int = 16  # rows of every generated batch kept for validation
