@@ -751,6 +751,11 @@ def pack(out: Path, pack_dir: Path) -> list[Path]:
     return parts
 
 
+# Seconds per phase on the GPU (a tenth with --smoke), and the step caps --smoke sets.
+PHASE_SECONDS = {"target": 150, "distill": 30, "dflash": 70, "pard": 60, "eval": 20}
+SMOKE_CAPS = {"target_steps": 30, "distill_batches": 4, "dflash_steps": 12, "pard_steps": 12}
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--data", type=Path, default=Path(".cache/zoo"), help="corpus and tokenizer folder")
@@ -758,25 +763,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, a few steps per phase, on the CPU")
     ap.add_argument("--device", default=None, help="default: cuda if available (cpu with --smoke)")
     ap.add_argument("--seed", type=int, default=0)
-    for phase, seconds in (("target", 150), ("distill", 30), ("dflash", 70), ("pard", 60), ("eval", 20)):
+    for phase, seconds in PHASE_SECONDS.items():
         ap.add_argument(f"--{phase}-seconds", type=float, default=None, help=f"default {seconds} ({seconds // 10} with --smoke)")
-    for phase, smoke in (("target", 30), ("dflash", 12), ("pard", 12)):
-        ap.add_argument(f"--{phase}-steps", type=int, default=None, help=f"optional cap (default: none; {smoke} with --smoke)")
-    ap.add_argument("--distill-batches", type=int, default=None, help="optional cap (default: none; 4 with --smoke)")
+    for name, cap in SMOKE_CAPS.items():
+        ap.add_argument(f"--{name.replace('_', '-')}", type=int, default=None, help=f"optional cap ({cap} with --smoke)")
     ap.add_argument("--eval-prompts", type=int, default=None)
     ap.add_argument("--eval-new-tokens", type=int, default=None)
     ap.add_argument("--pack", type=Path, default=None,
                     help="after every phase, also write OUT as zoo.tar.part-NN files of 15 MiB (and train_log.json) here")
     args = ap.parse_args(argv)
     args.argv = list(argv if argv is not None else sys.argv[1:])
-    defaults = {"target": 150, "distill": 30, "dflash": 70, "pard": 60, "eval": 20}
-    for phase, seconds in defaults.items():
+    for phase, seconds in PHASE_SECONDS.items():
         if getattr(args, f"{phase}_seconds") is None:
             setattr(args, f"{phase}_seconds", seconds // 10 if args.smoke else seconds)
-    if args.smoke:
-        for name, cap in (("target_steps", 30), ("dflash_steps", 12), ("pard_steps", 12), ("distill_batches", 4)):
-            if getattr(args, name) is None:
-                setattr(args, name, cap)
+    for name, cap in SMOKE_CAPS.items():
+        if args.smoke and getattr(args, name) is None:
+            setattr(args, name, cap)
     args.device = torch.device(args.device or ("cuda" if torch.cuda.is_available() and not args.smoke else "cpu"))
     return args
 
