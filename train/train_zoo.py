@@ -713,6 +713,9 @@ def environment(device: torch.device) -> dict:
 
 
 def git_commit() -> str:
+    """HEAD, or $GIT_COMMIT where the tree was copied without .git (the GPU machine)."""
+    if os.environ.get("GIT_COMMIT"):
+        return os.environ["GIT_COMMIT"]
     try:
         root = Path(__file__).resolve().parents[1]
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
