@@ -87,7 +87,47 @@ def cost_vs_measured() -> str:
     return "\n".join(lines)
 
 
-RENDERERS = {"cost_vs_measured": cost_vs_measured, "step_times": step_times, "u12_stats": u12_stats, "u12_linear": u12_linear}
+def zoo_tau() -> str:
+    d = _load("zoo_tau_cpu.json")
+    if d is None:
+        return "_no results file yet: run `python bench/zoo_tau.py`_"
+    env = d["environment"]
+    lines = [
+        f"Pair `{d['pair']}`, chain verification at the drafter's trained block, greedy, fp32 on {env['device']} "
+        f"(torch {env['torch']}, commit {env['commit']}). Source: `bench/results/zoo_tau_cpu.json`.",
+        "",
+        "| drafter | block | prompts | τ | steps by accepted drafts (0, 1, 2, …) | outputs = AR | token forcing |",
+        "|---|---:|---|---:|---|---|---|",
+    ]
+    for r in d["rows"]:
+        hist = r["acceptance_histogram"]
+        while len(hist) > 1 and hist[-1] == 0:
+            hist = hist[:-1]
+        lines.append(f"| {r['drafter']} | {r['block_size']} | {r['prompts']} ({r['num_prompts']}) | {r['tau']:.2f} | "
+                     f"{', '.join(map(str, hist))} | {r['outputs_equal_ar']} | {r['token_forcing'].split(':')[0]} |")
+    return "\n".join(lines)
+
+
+def tree_tau() -> str:
+    d = _load("tree_tau_cpu.json")
+    if d is None:
+        return "_no results file yet: run `python bench/tree_tau.py`_"
+    lines = [
+        f"{d['device']}, {d['threads']} thread, torch {d['torch']}, commit {d['git_commit'][:12]}. "
+        "Source: `bench/results/tree_tau_cpu.json`. ms/token on a CPU says little about a GPU, where "
+        "verifying 64 tokens costs about one AR step.",
+        "",
+        "| target | drafter | verify | τ | ms/token | AR ms/token | outputs = AR |",
+        "|---|---|---|---:|---:|---:|---|",
+    ]
+    for r in d["rows"]:
+        verify = "chain" if r["verify"] == "chain" else f"tree {r['budget']} (top-{r['topk']})"
+        lines.append(f"| {r['target']} | {r['drafter']['kind']} b{r['drafter']['block_size']} | {verify} | "
+                     f"{r['tau']:.2f} | {r['ms_per_token']:.2f} | {r['ar_ms_per_token']:.2f} | {r['outputs_equal_ar']} |")
+    return "\n".join(lines)
+
+
+RENDERERS = {"zoo_tau": zoo_tau, "tree_tau": tree_tau, "cost_vs_measured": cost_vs_measured, "step_times": step_times, "u12_stats": u12_stats, "u12_linear": u12_linear}
 
 
 def render(text: str) -> str:

@@ -81,7 +81,7 @@ def bench_pipeline(path: Path, budgets: list[int], topk: int, repeats: int, devi
     rows = []
     for pipeline, tree, program in configs:
         eng = dataclasses.replace(engine, program=program)
-        runs = [measure(eng, prompts, n_new) for _ in range(repeats)]
+        runs = [measure(eng, eng, prompts, n_new) for _ in range(repeats)]  # tree-verify leaves the target stock
         m = runs[0]
         ar_ms = statistics.median(r.ar_ms_per_token for r in runs)
         spec_ms = statistics.median(r.spec_ms_per_token for r in runs)
