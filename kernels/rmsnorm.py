@@ -1,0 +1,171 @@
+"""RMSNorm of rows, optionally fused with the residual add before it, one program per row.
+
+`rmsnorm(x, weight, eps)` is model.RMSNorm: y = weight · (x.float() · rsqrt(mean(x.float()²) + eps))
+cast to x.dtype, the product weight · that rounded once to the promoted dtype (a bf16 multiply for
+bf16 weights). With `residual` it is the decoder's `x = x + attn_out; h = post_norm(x)`:
+h = x + residual rounded to the dtype (a torch add), returns (rmsnorm(h), h) from one kernel.
+
+Numerics: the add, the cast of the normalised row and the weight product round where torch does.
+The sum of squares is a tree reduction in fp32 (torch's order differs) and rsqrt is PTX's
+rsqrt.approx (torch's CUDA rsqrtf may differ in the last ulp), so the fp32 normalised row can differ from torch's by a few ulp; in bf16 that rounds to the
+same value except where it sits on a rounding boundary, where it lands one bf16 step away
+(not bit-exact, though no element differed in the interpreter cases; h is bit-exact). fp fusion
+is off so that sum · (1/H) + eps rounds twice, as torch's mean and add do.
+
+Launch: BLOCK = next power of two >= H (the row is held in registers; H <= 16384), num_warps
+4/8/16 for BLOCK <= 1024/4096/more. Untuned: no GPU measurement yet.
+CUDA graphs: no host sync; the grid is the row count.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from .attention_split_kv import _round_bf16
+from .registry import KernelSpec, register
+
+MAX_H = 16384
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@triton.jit
+def _rmsnorm_kernel(
+    x_ptr, r_ptr, w_ptr, y_ptr, h_ptr,
+    H, inv_h, eps, stride_x, stride_r, stride_y, stride_h,
+    BLOCK: tl.constexpr, RESIDUAL: tl.constexpr,
+    ROUND_X: tl.constexpr, ROUND_Y: tl.constexpr,  # bf16 under the interpreter: round before casting
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    ok = cols < H
+    x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0)
+    if RESIDUAL:
+        r = tl.load(r_ptr + row * stride_r + cols, mask=ok, other=0.0)
+        h = x.to(tl.float32) + r.to(tl.float32)
+        if ROUND_X:
+            h = _round_bf16(h)
+        x = h.to(x_ptr.dtype.element_ty)
+        tl.store(h_ptr + row * stride_h + cols, x, mask=ok)
+    xf = x.to(tl.float32)
+    inv = tl.math.rsqrt(tl.sum(xf * xf, 0) * inv_h + eps)  # CUDA torch's mean: sum · fp32(1/H)
+    n = xf * inv
+    if ROUND_X:
+        n = _round_bf16(n)
+    n = n.to(x_ptr.dtype.element_ty).to(tl.float32)
+    y = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32) * n
+    if ROUND_Y:
+        y = _round_bf16(y)
+    tl.store(y_ptr + row * stride_y + cols, y.to(y_ptr.dtype.element_ty), mask=ok)
+
+
+def _rows(t: torch.Tensor, h: int) -> torch.Tensor:
+    return t.reshape(-1, h) if t.stride(-1) == 1 else t.contiguous().view(-1, h)
+
+
+def rmsnorm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """x [..., H], weight [H] -> y [..., H] in promote(weight, x) dtype; with `residual` (x's shape
+    and dtype) -> (y of h, h = x + residual in x.dtype). Leading dims that do not flatten to rows
+    without a copy are copied."""
+    hdim = x.shape[-1]
+    if weight.shape != (hdim,):
+        raise ValueError(f"rmsnorm: weight must be [{hdim}] for x {list(x.shape)}, got {list(weight.shape)}")
+    if x.dtype not in _DTYPES or weight.dtype not in _DTYPES:
+        raise ValueError(f"rmsnorm: x and weight must be float32/bfloat16/float16, got {x.dtype}, {weight.dtype}")
+    if not 0 < hdim <= MAX_H:
+        raise ValueError(f"rmsnorm: H must be in 1..{MAX_H}, got {hdim}")
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
+        raise ValueError(f"rmsnorm: residual must match x {list(x.shape)} {x.dtype}, got "
+                         f"{list(residual.shape)} {residual.dtype}")
+    out_dtype = torch.promote_types(weight.dtype, x.dtype)
+    x2 = _rows(x, hdim)
+    y = torch.empty(x.shape, dtype=out_dtype, device=x.device)
+    h = torch.empty_like(x) if residual is not None else None
+    rows = x2.shape[0]
+    if rows:
+        r2 = _rows(residual, hdim) if residual is not None else x2
+        y2, h2 = y.view(-1, hdim), (h.view(-1, hdim) if h is not None else y.view(-1, hdim))
+        native = x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1"
+        block = triton.next_power_of_2(hdim)
+        warps = 4 if block <= 1024 else 8 if block <= 4096 else 16
+        launch = dict(num_warps=warps, enable_fp_fusion=False) if native else {}  # torch: no fma in sum·(1/H) + eps
+        _rmsnorm_kernel[(rows,)](
+            x2, r2, weight, y2, h2, hdim, 1.0 / hdim, eps, x2.stride(0), r2.stride(0), y2.stride(0), h2.stride(0),
+            BLOCK=block, RESIDUAL=residual is not None,
+            ROUND_X=not native and x.dtype == torch.bfloat16, ROUND_Y=not native and out_dtype == torch.bfloat16,
+            **launch,
+        )
+    return y if residual is None else (y, h)
+
+
+def rmsnorm_reference(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """model.RMSNorm op for op (after the torch add x + residual, if given)."""
+    h = x if residual is None else x + residual
+    hf = h.float()
+    y = weight * (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)).to(h.dtype)
+    return y if residual is None else (y, h)
+
+
+# --- registry entry -------------------------------------------------------------------------
+
+def _make_inputs(case, device, seed):
+    """x ~ N(0, 1) (a few rows scaled by 30, as hidden states are), weight ~ 1 + N(0, 0.1), and a
+    residual ~ N(0, 1) if the case asks for one."""
+    g = torch.Generator().manual_seed(seed)
+    rows, hdim, dtype = case["rows"], case["H"], case["dtype"]
+    x = torch.randn(rows, hdim, generator=g)
+    x[::3] *= 30
+    w = 1 + 0.1 * torch.randn(hdim, generator=g)
+    r = torch.randn(rows, hdim, generator=g).to(dtype).to(device) if case["residual"] else None
+    return x.to(dtype).to(device), w.to(dtype).to(device), 1e-6, r
+
+
+def _both(y_h):
+    """The registry compares one tensor: y and h side by side."""
+    return torch.cat(y_h, -1) if isinstance(y_h, tuple) else y_h
+
+
+def _run(x, w, eps, r):
+    return _both(rmsnorm(x, w, eps, r))
+
+
+def _reference(x, w, eps, r):
+    return _both(rmsnorm_reference(x, w, eps, r))
+
+
+def _plant(inputs):
+    """One weight element 10% off: every row's output there moves by 10%."""
+    x, w, eps, r = inputs
+    w = w.clone()
+    w[len(w) // 2] *= 1.1
+    return x, w, eps, r
+
+
+F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
+
+register(KernelSpec(
+    name="rmsnorm",
+    run=_run,
+    reference=_reference,
+    make_inputs=_make_inputs,
+    cases=[
+        {"rows": 3, "H": 200, "dtype": F32, "residual": 0},
+        {"rows": 5, "H": 384, "dtype": BF16, "residual": 0},
+        {"rows": 5, "H": 384, "dtype": BF16, "residual": 1},
+        {"rows": 2, "H": 4096, "dtype": BF16, "residual": 1},
+        {"rows": 1, "H": 8192, "dtype": F32, "residual": 1},
+        {"rows": 7, "H": 33, "dtype": F16, "residual": 1},
+    ],
+    # the normalised row one step of the dtype off where it sits on a rounding boundary (module
+    # docstring), times the weight and rounded again: up to 1.5 steps; fp32: reduction order, rsqrt.
+    tolerance={F32: (1e-5, 1e-5), BF16: (0.0, 2 ** -6), F16: (0.0, 2 ** -9)},
+    corrupt=_plant,
+    description="weight · rmsnorm(x [+ residual]) per row, with the sum h when fused with the residual add",
+))

@@ -1,0 +1,111 @@
+"""SwiGLU's elementwise middle: silu(gate) · up from the fused gate|up projection output.
+
+`silu_mul(gate_up)`: gate_up [..., 2·I] (gate the first half of the last dim, up the second)
+-> [..., I], as model.MLP computes F.silu(gate) * up: silu in fp32 (x / (1 + exp(-x))) rounded
+to the dtype, then the product in fp32 rounded to the dtype.
+
+Numerics: both rounding points are torch's and the division is IEEE (div_rn), but exp is Triton's
+(exp2-based) rather than CUDA's expf, so silu(x) in fp32 can differ from torch's by an ulp or two;
+in bf16 that moves the output one step only where silu(x) sits on a rounding boundary (not
+bit-exact; 0 elements differed in the interpreter cases). fp32: within 1e-6 relative.
+
+Launch: 1-D over the I output columns in BLOCK = 1024 tiles (grid rows × cdiv(I, 1024)),
+4 warps. Untuned: no GPU measurement yet. CUDA graphs: no host sync; the grid is shape-only.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from .attention_split_kv import _round_bf16
+from .registry import KernelSpec, register
+
+BLOCK = 1024
+
+
+@triton.jit
+def _silu_mul_kernel(
+    gu_ptr, out_ptr, I, stride_gu, stride_out,
+    BLOCK: tl.constexpr, ROUND_BF16: tl.constexpr,  # bf16 under the interpreter: round before casting
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < I
+    gate = tl.load(gu_ptr + row * stride_gu + cols, mask=ok, other=0.0)
+    up = tl.load(gu_ptr + row * stride_gu + I + cols, mask=ok, other=0.0)
+    g = gate.to(tl.float32)
+    s = tl.math.div_rn(g, 1.0 + tl.exp(-g))
+    if ROUND_BF16:
+        s = _round_bf16(s)
+    y = s.to(gate.dtype).to(tl.float32) * up.to(tl.float32)
+    if ROUND_BF16:
+        y = _round_bf16(y)
+    tl.store(out_ptr + row * stride_out + cols, y.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up [..., 2·I] -> silu(gate_up[..., :I]) · gate_up[..., I:], [..., I] in the same dtype."""
+    two_i = gate_up.shape[-1]
+    if two_i % 2:
+        raise ValueError(f"silu_mul: the last dim must be 2·I (gate then up), got {two_i}")
+    if gate_up.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"silu_mul: gate_up must be float32/bfloat16/float16, got {gate_up.dtype}")
+    i = two_i // 2
+    out = torch.empty((*gate_up.shape[:-1], i), dtype=gate_up.dtype, device=gate_up.device)
+    if out.numel() == 0:
+        return out
+    gu = gate_up.reshape(-1, two_i) if gate_up.stride(-1) == 1 else gate_up.contiguous().view(-1, two_i)
+    out2 = out.view(-1, i)
+    native = gate_up.is_cuda and os.environ.get("TRITON_INTERPRET") != "1"
+    _silu_mul_kernel[(gu.shape[0], triton.cdiv(i, BLOCK))](
+        gu, out2, i, gu.stride(0), out2.stride(0),
+        BLOCK=BLOCK, ROUND_BF16=not native and gate_up.dtype == torch.bfloat16,
+        **(dict(num_warps=4, enable_fp_fusion=False) if native else {}),
+    )
+    return out
+
+
+def silu_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
+    """model.MLP's F.silu(gate) * up."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+# --- registry entry -------------------------------------------------------------------------
+
+def _make_inputs(case, device, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = 3 * torch.randn(case["rows"], 2 * case["I"], generator=g)
+    return (x.to(case["dtype"]).to(device),)
+
+
+def _plant(inputs):
+    """One up element with its sign flipped."""
+    (x,) = inputs
+    x = x.clone()
+    x[0, -1] = -x[0, -1] if x[0, -1] != 0 else 1.0
+    return (x,)
+
+
+F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
+
+register(KernelSpec(
+    name="silu_mul",
+    run=silu_mul,
+    reference=silu_mul_reference,
+    make_inputs=_make_inputs,
+    cases=[
+        {"rows": 3, "I": 200, "dtype": F32},
+        {"rows": 5, "I": 1031, "dtype": BF16},  # two column tiles, the second ragged
+        {"rows": 1, "I": 7, "dtype": F16},
+    ],
+    # silu one ulp off (module docstring), one rounding step of the dtype after the product.
+    tolerance={F32: (1e-6, 1e-6), BF16: (0.0, 2 ** -7), F16: (0.0, 2 ** -10)},
+    corrupt=_plant,
+    description="silu(gate) · up from the fused gate|up projection output",
+))
