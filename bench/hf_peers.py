@@ -1,0 +1,357 @@
+"""AR tokens/s of specpilot against HF transformers (eager, and static cache + torch.compile) on the same weights.
+
+    python bench/hf_peers.py [--shape llama-3.1-8b] [--prompt-len 128] [--max-new-tokens 128] [--repeats 2] [--out PATH]
+    python bench/hf_peers.py --smoke          # tiny llama on the CPU, fp32: what the tests run
+
+One HF `LlamaForCausalLM` built from a config (no hub), random weights N(0, 0.02) (never zeros; bf16 on
+a GPU, fp32 on the CPU); our runtime's `Transformer` is loaded from its state dict with storage shared,
+so every path reads the same tensors. Batch 1, one prompt of random tokens, greedy. Paths:
+
+  hf-eager-generate   HF `generate`, default dynamic cache;
+  hf-eager-forward    a plain loop of HF forwards over a DynamicCache (what generate's overhead hides);
+  hf-static-compile   HF `generate(cache_implementation="static")`: HF compiles the decode forward itself
+                      on a GPU (the first call, compile included, is timed apart as compile_s); on the CPU
+                      HF does not compile, the row says so;
+  specpilot-*         `AR_IMPLS` (our eager loop; the CUDA-graph loop when `graph_decode` exists).
+
+Times exclude prefill (DESIGN.md): each path is timed from the moment its first output token (the
+prefill's) is on the host to the end, with the device synchronised; HF paths are timed through a
+streamer whose put() marks each step. ms_per_token = decode time / (new tokens - 1), the first token
+being the prefill's. Every path runs once as warm-up, then `--repeats` timed runs; medians are kept.
+Agreement is the common prefix with specpilot-eager's tokens (bf16 near-ties may flip a token late).
+The weight-read floor is the bytes of all linears and lm_head over a read bandwidth measured in the run.
+Writes bench/results/hf_peers_<gpu>.json (or _cpu) with versions and commit; a table is printed last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import transformers
+from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig, LlamaForCausalLM
+
+from specpilot.runtime import decode
+from specpilot.runtime.config import ModelConfig
+from specpilot.runtime.model import Transformer
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# The CUDA-graph decode loops are being written beside this script; use them when they exist.
+try:
+    from specpilot.runtime import graph_decode
+except ImportError:
+    graph_decode = None
+
+SHAPES = {
+    "llama-3.1-8b": dict(model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                         num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                         rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=False,
+                         max_position_embeddings=131072),
+    "smoke": dict(model_type="llama", vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-5, rope_theta=10000.0,
+                  tie_word_embeddings=False, max_position_embeddings=512),
+}
+
+# (target, prompt_ids, *, max_new_tokens, eos_token_id) -> decode.Generation
+AR_IMPLS: dict[str, Callable[..., decode.Generation]] = {"specpilot-eager": decode.generate_ar}
+if graph_decode is not None:
+    AR_IMPLS["specpilot-graphed"] = graph_decode.generate_ar_graphed
+
+
+# --- shared with bench/zoo_e2e.py ------------------------------------------------------------
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@dataclass
+class StepClock:
+    """A `generate` streamer that timestamps every put with the device synchronised.
+
+    generate puts the prompt first, then the prefill's token, then each decode step's new tokens
+    (one for AR, accepted drafts + bonus for assisted generation), and calls end() last.
+    """
+
+    device: torch.device
+    start: float = 0.0
+    puts: list[float] = field(default_factory=list)
+    counts: list[int] = field(default_factory=list)
+    stop: float = 0.0
+
+    def begin(self) -> StepClock:
+        sync(self.device)
+        self.start, self.puts, self.counts, self.stop = time.perf_counter(), [], [], 0.0
+        return self
+
+    def put(self, value: torch.Tensor) -> None:
+        sync(self.device)
+        self.puts.append(time.perf_counter())
+        self.counts.append(value.numel())
+
+    def end(self) -> None:
+        sync(self.device)
+        self.stop = time.perf_counter()
+
+    @property
+    def prefill_s(self) -> float:
+        return self.puts[1] - self.start
+
+    @property
+    def decode_s(self) -> float:
+        return self.stop - self.puts[1]
+
+    @property
+    def step_tokens(self) -> list[int]:
+        """New tokens of each decode step (the prompt's and the prefill's puts left out)."""
+        return self.counts[2:]
+
+
+@dataclass
+class Run:
+    """One timed generation, whichever stack produced it."""
+
+    tokens: list[int]
+    prefill_s: float
+    decode_s: float
+    step_tokens: list[int] = field(default_factory=list)  # tokens per decode step; empty when unknown
+
+    @property
+    def decode_tokens(self) -> int:
+        return max(0, len(self.tokens) - 1)
+
+
+def hf_generate(model, prompt: torch.Tensor, max_new_tokens: int, **kwargs) -> Run:
+    """Greedy HF `generate` timed through a StepClock (prefill apart from decode)."""
+    clock = StepClock(prompt.device).begin()
+    out = model.generate(prompt, max_new_tokens=max_new_tokens, do_sample=False, use_cache=True, streamer=clock,
+                         **kwargs)
+    if not clock.stop:
+        clock.end()
+    tokens = out[0, prompt.shape[1]:].tolist()
+    return Run(tokens=tokens, prefill_s=clock.prefill_s, decode_s=clock.decode_s, step_tokens=clock.step_tokens)
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def commit_id() -> str:
+    for var in ("SPECPILOT_COMMIT", "GIT_COMMIT"):
+        if os.environ.get(var):
+            return os.environ[var]
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT,
+                             timeout=5)
+        return out.stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def versions() -> dict:
+    try:
+        import triton
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    return {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
+            "triton": triton_version}
+
+
+def device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+def result_slug(name: str) -> str:
+    return "h200" if "H200" in name else name.lower().replace(" ", "-")
+
+
+def read_bandwidth(device: torch.device, gib: float, repeats: int = 20) -> float:
+    """Bytes/s of a full read (a sum) over a `gib` GiB tensor: CUDA events on a GPU, perf_counter elsewhere."""
+    x = torch.randn(int(gib * 2**30) // 2, device=device, dtype=torch.bfloat16 if device.type == "cuda" else torch.float16)
+    for _ in range(3):
+        x.sum()
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            x.sum()
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            x.sum()
+            times.append(time.perf_counter() - t0)
+    return x.numel() * x.element_size() / statistics.median(times)
+
+
+# --- the models -------------------------------------------------------------------------------
+
+
+def build_models(shape: dict, device: torch.device, dtype: torch.dtype, seed: int) -> tuple[LlamaForCausalLM, Transformer]:
+    """HF LlamaForCausalLM with random N(0, 0.02) weights, and our Transformer over the same tensors."""
+    cfg = ModelConfig.from_hf(shape, "hf_peers")
+    torch.manual_seed(seed)
+    with torch.device(device):
+        hf = AutoModelForCausalLM.from_config(LlamaConfig(**cfg.to_hf()), dtype=dtype)
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.normal_(0.0, 0.02)
+    hf.eval().requires_grad_(False)
+    with torch.device("meta"):
+        ours = Transformer(cfg)
+    ours.load_state_dict(hf.state_dict(), strict=True, assign=True)  # HF's names are ours: storage is shared
+    return hf, ours.eval().requires_grad_(False)
+
+
+def hf_forward_loop(model: LlamaForCausalLM, prompt: torch.Tensor, max_new_tokens: int) -> Run:
+    """HF forwards one token at a time over a DynamicCache, host-side argmax (as our eager loop)."""
+    device = prompt.device
+    with torch.inference_mode():
+        cache = DynamicCache(config=model.config)
+        sync(device)
+        t0 = time.perf_counter()
+        token = model(prompt, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1].argmax(-1, keepdim=True)
+        tokens = token[0].tolist()
+        t1 = time.perf_counter()
+        while len(tokens) < max_new_tokens:
+            token = model(token, past_key_values=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
+            tokens += token[0].tolist()
+        sync(device)
+        t2 = time.perf_counter()
+    return Run(tokens=tokens, prefill_s=t1 - t0, decode_s=t2 - t1)
+
+
+def specpilot_run(impl: Callable[..., decode.Generation]) -> Callable[..., Run]:
+    def run(model: Transformer, prompt: torch.Tensor, max_new_tokens: int) -> Run:
+        g = impl(model, prompt, max_new_tokens=max_new_tokens, eos_token_id=None)
+        return Run(tokens=g.tokens, prefill_s=g.prefill_s, decode_s=g.decode_s)
+    return run
+
+
+def timed(name: str, run: Callable[[int], Run], n: int, warm_n: int, repeats: int) -> tuple[dict, list[int]]:
+    """A warm-up of `warm_n` new tokens (timed apart: it holds any compile or graph capture), then
+    `repeats` timed runs of `n`; medians."""
+    t0 = time.perf_counter()
+    run(warm_n)
+    warm_s = time.perf_counter() - t0
+    runs = [run(n) for _ in range(repeats)]
+    per_token = statistics.median(r.decode_s / max(1, r.decode_tokens) for r in runs)
+    row = {"impl": name, "ms_per_token": per_token * 1e3, "tokens_per_s": 1.0 / per_token if per_token else 0.0,
+           "prefill_ms": statistics.median(r.prefill_s for r in runs) * 1e3, "first_call_s": warm_s,
+           "new_tokens": len(runs[-1].tokens), "repeats": repeats,
+           "warmup_new_tokens": warm_n, "stable_across_runs": all(r.tokens == runs[0].tokens for r in runs)}
+    return row, runs[-1].tokens
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", default="llama-3.1-8b", choices=list(SHAPES))
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--device", default="auto", help="auto (cuda when available), cuda or cpu")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--no-compile", action="store_true", help="static cache without HF's auto-compile")
+    ap.add_argument("--smoke", action="store_true", help="tiny llama, CPU, fp32, 16 prompt + 12 new tokens, 1 repeat")
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args(argv)
+    if args.smoke:
+        args.shape, args.device, args.prompt_len, args.max_new_tokens, args.repeats = "smoke", "cpu", 16, 12, 1
+        torch.set_num_threads(1)  # tiny models on a shared CPU: more threads made decode loops far slower (tests/conftest.py)
+    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
+                          "cpu" if args.device == "auto" else args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    transformers.logging.set_verbosity_error()
+
+    hf, ours = build_models(SHAPES[args.shape], device, dtype, args.seed)
+    vocab = ours.cfg.vocab_size
+    prompt = torch.randint(0, vocab, (1, args.prompt_len), generator=torch.Generator().manual_seed(args.seed)).to(device)
+    weight_bytes = sum(p.numel() * p.element_size() for n, p in ours.named_parameters()
+                       if not n.startswith("model.embed_tokens"))  # a step reads q embedding rows only
+    bw = read_bandwidth(device, gib=4 if device.type == "cuda" else 0.0625)
+    n = args.max_new_tokens
+
+    # name -> (run(new tokens), warm-up tokens): the static cache (and HF's compile) and our graphs are
+    # sized by the call, so those warm up at full length; the slow eager HF loops keep state in no cache
+    paths: dict[str, tuple[Callable[[int], Run], int]] = {
+        name: ((lambda m, run=specpilot_run(impl): run(ours, prompt, m)), n) for name, impl in AR_IMPLS.items()}
+    paths["hf-eager-generate"] = (lambda m: hf_generate(hf, prompt, m), min(n, 8))
+    paths["hf-eager-forward"] = (lambda m: hf_forward_loop(hf, prompt, m), min(n, 8))
+    paths["hf-static-compile"] = (lambda m: hf_generate(hf, prompt, m, cache_implementation="static",
+                                                        disable_compile=args.no_compile), n)
+    rows, tokens = [], {}
+    for name, (run, warm_n) in paths.items():
+        try:
+            row, tokens[name] = timed(name, run, n, warm_n, args.repeats)
+        except Exception as e:  # one broken peer must not lose the others' numbers: recorded, run goes on
+            traceback.print_exc()
+            rows.append({"impl": name, "error": f"{type(e).__name__}: {e}"})
+            continue
+        if name == "hf-static-compile":
+            compiled = hasattr(hf, "_compiled_call")  # set by HF's get_compiled_call
+            row["compiled"] = compiled
+            row["compile_s"] = row["first_call_s"] if compiled else None
+            if not compiled:
+                row["note"] = "not compiled (HF auto-compiles on a GPU only; --no-compile turns it off): static cache, eager forward"
+        rows.append(row)
+        print(f"{name:18} {row['ms_per_token']:9.3f} ms/token", flush=True)
+    reference_name = "specpilot-eager" if "specpilot-eager" in tokens else next(iter(tokens))
+    reference = tokens[reference_name]
+    floor_ms = weight_bytes / bw * 1e3
+    for row in rows:
+        if "error" in row:
+            continue
+        row["agree_prefix"] = common_prefix(tokens[row["impl"]], reference)
+        row["tokens_equal"] = tokens[row["impl"]] == reference
+        row["x_floor"] = row["ms_per_token"] / floor_ms
+
+    gpu = device_name(device)
+    result = {
+        "benchmark": "hf_peers", "shape": args.shape, "gpu": gpu, "dtype": str(dtype).removeprefix("torch."),
+        **versions(), "commit": commit_id(),
+        "method": "batch 1, greedy, random N(0,0.02) weights shared by HF and specpilot; decode only (prefill apart), "
+                  "ms_per_token = decode time / (new tokens - 1); warm-up run then median of repeats; "
+                  f"agree_prefix against {reference_name}",
+        "reference": reference_name, "prompt_len": args.prompt_len, "max_new_tokens": n, "repeats": args.repeats,
+        "read_bandwidth_Bps": bw, "weight_bytes": weight_bytes, "floor_ms_per_token": floor_ms,
+        "floor_tokens_per_s": 1e3 / floor_ms, "rows": rows,
+    }
+    out = args.out or ROOT / "bench" / "results" / f"hf_peers_{result_slug(gpu)}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"\n{gpu} {args.shape} {dtype}: read bandwidth {bw / 1e9:.1f} GB/s, weight-read floor {floor_ms:.3f} ms/token "
+          f"-> {out}")
+    print(f"{'impl':18} {'ms/token':>9} {'tok/s':>8} {'x floor':>8} {'prefill ms':>10} {'compile s':>9} {'agree':>7}")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['impl']:18} failed: {r['error'][:90]}")
+            continue
+        compile_s = f"{r['compile_s']:.1f}" if r.get("compile_s") is not None else "-"
+        print(f"{r['impl']:18} {r['ms_per_token']:9.3f} {r['tokens_per_s']:8.1f} {r['x_floor']:8.2f} "
+              f"{r['prefill_ms']:10.2f} {compile_s:>9} {r['agree_prefix']:>3}/{r['new_tokens']:<3}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
