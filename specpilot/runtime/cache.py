@@ -1,4 +1,11 @@
-"""Static key/value cache: preallocated once, rolled back by moving a length pointer."""
+"""Static key/value caches: preallocated once, rolled back by moving a length pointer.
+
+`KVCache` keeps the length on the host (a Python int): attention sees exactly the valid slots.
+`DeviceKVCache` keeps it on the device (a 0-dim int64 tensor), so one captured CUDA graph serves
+every step: writes land at device-computed slots, attention gets the whole capacity and a
+visibility that hides slots at or beyond the length. Both answer the same calls, so the model's
+forward is written once.
+"""
 
 from __future__ import annotations
 
@@ -51,3 +58,41 @@ class KVCache:
         if not 0 <= n <= self.length:
             raise ValueError(f"cannot roll back a KV cache of length {self.length} to {n}")
         self.length = n
+
+    def key_slots(self, t: int) -> int:
+        """How many key slots attention gets for `t` new tokens: exactly the valid ones."""
+        return self.length + t
+
+
+class DeviceKVCache(KVCache):
+    """A KVCache whose `length` is a 0-dim int64 tensor on the cache's device.
+
+    Nothing here reads the length on the host, so a forward over it can be captured in a CUDA
+    graph and replayed at any length. The price: no overflow checks (callers size the capacity),
+    and attention is handed all `max_len` slots with the stale ones masked (`key_slots`).
+    """
+
+    def __init__(self, k: list[torch.Tensor], v: list[torch.Tensor], max_len: int) -> None:
+        super().__init__(k, v, max_len)
+        self.length = torch.zeros((), dtype=torch.long, device=k[0].device)
+
+    def write(self, layer: int, start: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        slots = start + torch.arange(k.shape[2], device=k.device)
+        self.k[layer].index_copy_(2, slots, k)
+        self.v[layer].index_copy_(2, slots, v)
+
+    def view(self, layer: int, end: object = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every slot: which ones a query sees is the visibility's business."""
+        return self.k[layer], self.v[layer]
+
+    def advance(self, n: int | torch.Tensor) -> None:
+        self.length += n
+
+    def rollback(self, n: int | torch.Tensor) -> None:
+        self.length.copy_(torch.as_tensor(n))
+
+    def reset(self) -> None:
+        self.length.zero_()
+
+    def key_slots(self, t: int) -> int:
+        return self.max_len

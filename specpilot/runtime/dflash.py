@@ -20,7 +20,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from specpilot.runtime.cache import KVCache
+from specpilot.runtime.cache import DeviceKVCache, KVCache
 from specpilot.runtime.config import DrafterConfig
 from specpilot.runtime.model import DecoderLayer, RMSNorm, Visibility, rope_cos_sin, rope_inv_freq
 
@@ -83,20 +83,25 @@ class DFlashDrafter(nn.Module):
     def device(self) -> torch.device:
         return self.norm.weight.device
 
-    def new_cache(self, batch: int, max_len: int) -> KVCache:
-        """`max_len` slots: the context plus one block of scratch must fit."""
-        return KVCache.for_model(self.cfg.model, batch, max_len, self.dtype, self.device)
+    def new_cache(self, batch: int, max_len: int, *, device_length: bool = False) -> KVCache:
+        """`max_len` slots: the context plus one block of scratch must fit (see Transformer.new_cache)."""
+        kind = DeviceKVCache if device_length else KVCache
+        return kind.for_model(self.cfg.model, batch, max_len, self.dtype, self.device)
 
-    def _rope(self, start: int, t: int, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _rope(self, start: int | torch.Tensor, t: int, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
         device = self.device
         if device not in self._inv_freq:
             self._inv_freq[device] = rope_inv_freq(self.cfg.model, device)
-        positions = torch.arange(start, start + t, device=device).expand(batch, t)
+        positions = (torch.arange(t, device=device) + start).expand(batch, t)
         return rope_cos_sin(self._inv_freq[device], positions, self.dtype)
 
-    def add_context(self, new_context_hidden: torch.Tensor, cache: KVCache) -> None:
+    def add_context(self, new_context_hidden: torch.Tensor, cache: KVCache, count: torch.Tensor | None = None) -> None:
         """Append K/V of n_new context tokens [B, n_new, len(target_layer_ids) * H] at positions
-        cache.length.. in every layer, permanently (cache.length grows by n_new)."""
+        cache.length.. in every layer, permanently (cache.length grows by n_new).
+
+        With `count` (a device tensor, for a DeviceKVCache under a CUDA graph) all n_new rows are
+        written but only the first `count` are kept: the rest are scratch for the next write.
+        """
         b, n, _ = new_context_hidden.shape
         if n == 0:
             return
@@ -105,20 +110,23 @@ class DFlashDrafter(nn.Module):
         for i, layer in enumerate(self.layers):
             k, v = layer.self_attn.keys_values(ctx, cos, sin)
             cache.write(i, cache.length, k, v)
-        cache.advance(n)
+        cache.advance(n if count is None else count)
 
-    def forward(self, block_ids: torch.Tensor, new_context_hidden: torch.Tensor, cache: KVCache) -> torch.Tensor:
+    def forward(
+        self, block_ids: torch.Tensor, new_context_hidden: torch.Tensor, cache: KVCache, count: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """block_ids [B, block_size] = [anchor, mask x (block_size-1)] -> logits [B, block_size-1, V].
 
-        The new context is kept (see add_context); the block sits at the positions right after the
-        context, is not kept, and position j (1..block_size-1) predicts the token AT position j.
+        The new context is kept (see add_context, and `count` there); the block sits at the
+        positions right after the context, is not kept, and position j (1..block_size-1) predicts
+        the token AT position j.
         """
-        self.add_context(new_context_hidden, cache)
+        self.add_context(new_context_hidden, cache, count)
         b, s = block_ids.shape
         ctx_len = cache.length
         cos, sin = self._rope(ctx_len, s, b)
         x = self.embed(block_ids).to(self.dtype)
-        vis = Visibility("full", ctx_len, s, x.device)  # the block sees itself and all context
+        vis = Visibility("full", ctx_len, s, x.device, cache.key_slots(s))  # the block sees itself and all context
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
             h = layer.input_layernorm(x)

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specpilot.runtime.cache import KVCache
+from specpilot.runtime.cache import DeviceKVCache, KVCache
 from specpilot.runtime.config import ModelConfig
 
 ATTENTION_PROJ = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -104,19 +104,52 @@ def build_mask(mask: str | torch.Tensor, past: int, t: int, device: torch.device
     return torch.cat((seen, new), dim=-1)[:, None]
 
 
+def build_mask_device(mask: str | torch.Tensor, past: torch.Tensor, t: int, keys: int, device: torch.device) -> torch.Tensor:
+    """build_mask with `past` a device tensor, over `keys` slots (a static cache's capacity).
+
+    Slots < past are visible, slots past..past+T-1 follow `mask` as in build_mask, and slots at
+    or beyond past+T (stale) are hidden. No host sync: fit for CUDA-graph capture.
+    """
+    rel = torch.arange(keys, device=device) - past  # [S]: key slot relative to the first new token
+    in_new = (rel >= 0) & (rel < t)
+    if isinstance(mask, str):
+        if mask == "full":
+            new = in_new[None]
+        elif mask == "causal":
+            new = in_new & (rel[None] <= torch.arange(t, device=device)[:, None])
+        else:
+            raise ValueError(f"mask must be 'causal', 'full' or a bool tensor, got {mask!r}")
+    else:
+        tree = mask.to(device=device, dtype=torch.bool)
+        if tree.shape[-2:] != (t, t):
+            raise ValueError(f"mask tensor must be [T, T] or [B, T, T] with T={t}, got {tuple(mask.shape)}")
+        new = tree[..., rel.clamp(0, t - 1)] & in_new  # [T, S] or [B, T, S]
+    visible = (rel < 0) | new
+    if visible.dim() == 2:
+        visible = visible[None]
+    return visible.expand(visible.shape[0], t, keys)[:, None]
+
+
 @dataclass(frozen=True, eq=False)
 class Visibility:
     """What T new tokens at key slots past..past+T-1 see: every cached slot < past, and among
     themselves `new` ("causal", "full", or a bool tensor [T, T] / [B, T, T]: a tree). Kernels take
-    this form; `dense` is build_mask's (what `attend` takes), built on first use, once a forward."""
+    this form; `dense` is the boolean mask `attend` takes, built on first use, once a forward.
+
+    `past` is an int for a host-length cache, or a 0-dim device tensor for a DeviceKVCache; then
+    attention is handed `keys` slots (the capacity) and slots at or beyond past+T are hidden.
+    """
 
     new: str | torch.Tensor
-    past: int
+    past: int | torch.Tensor
     t: int
     device: torch.device
+    keys: int | None = None  # key slots handed to attention; None: past + t
 
     @cached_property
     def dense(self) -> torch.Tensor | None:
+        if isinstance(self.past, torch.Tensor):
+            return build_mask_device(self.new, self.past, self.t, self.keys, self.device)
         return build_mask(self.new, self.past, self.t, self.device)
 
 
@@ -237,8 +270,10 @@ class Transformer(nn.Module):
     def device(self) -> torch.device:
         return self.model.embed_tokens.weight.device
 
-    def new_cache(self, batch: int, max_len: int) -> KVCache:
-        return KVCache.for_model(self.cfg, batch, max_len, self.dtype, self.device)
+    def new_cache(self, batch: int, max_len: int, *, device_length: bool = False) -> KVCache:
+        """A static cache; `device_length` keeps its length on the device (for CUDA graphs)."""
+        kind = DeviceKVCache if device_length else KVCache
+        return kind.for_model(self.cfg, batch, max_len, self.dtype, self.device)
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [B, 1, T, D] for positions [B, T]."""
@@ -278,9 +313,9 @@ class Transformer(nn.Module):
         if bad:
             raise ValueError(f"hidden_layers {bad} out of range for {len(self.model.layers)} layers")
         if positions is None:
-            positions = torch.arange(cache.length, cache.length + t, device=input_ids.device).expand(b, t)
+            positions = (torch.arange(t, device=input_ids.device) + cache.length).expand(b, t)
         cos, sin = self.rope(positions)
-        vis = Visibility(mask, cache.length, t, input_ids.device)
+        vis = Visibility(mask, cache.length, t, input_ids.device, cache.key_slots(t))
         x = self.embed(input_ids)
         picked: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.model.layers):

@@ -1,0 +1,314 @@
+"""Decode loops whose every step is one CUDA graph, with acceptance on the device.
+
+The eager loops of `decode` keep the cache length and the committed tokens on the host and read
+the target's argmax back every step. Here the whole step lives on the device:
+
+  state     DeviceKVCaches (length as a device tensor), the last committed token, the drafter's
+            pending context, and an output buffer with its length: all preallocated tensors;
+  step      draft -> verify -> accept (argmax, prefix match, bonus) -> commit (cache lengths,
+            output buffer, next step's inputs), written once as tensor ops with static shapes;
+  graphs    on CUDA each step is captured once per runner (the runner is reused across prompts of
+            the same capacity: `runner_for`) and replayed; elsewhere it simply runs, which is how
+            the CPU tests check these loops against AR greedy;
+  host      per step it reads one small status tensor: [accepted drafts, EOS seen]. The tokens
+            cross once, at the end.
+
+The prefill is eager (its length varies) on the same caches. Token accounting matches `decode`
+(`Generation`), reconstructed at the end from the per-step accepted counts.
+
+Invariant between steps, as in `decode`: the target's cache holds every committed token except
+the last one (`last`), which is the next verify's first input.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Sequence
+
+import torch
+
+from specpilot.runtime.cache import DeviceKVCache
+from specpilot.runtime.decode import Generation, OutputTokens, _check_max_new, _Clock, _prompt_tensor
+from specpilot.runtime.dflash import DFlashDrafter
+from specpilot.runtime.model import PardDrafter, Transformer
+
+# Capacity buckets: a runner (and its graphs) serves every request that fits.
+MIN_CAPACITY = 256
+
+
+def accept_on_device(drafts: torch.Tensor, target_argmax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy acceptance without leaving the device: drafts [k], target_argmax [k+1].
+
+    Returns (n, span): n (0-dim) leading drafts equal the target's argmax before them; span [k+1]
+    holds drafts[:n] then the bonus target_argmax[n] at index n (entries after n are don't-care).
+    """
+    n = torch.cumprod((drafts == target_argmax[:-1]).long(), 0).sum()
+    at_n = n.view(1)  # index with a 1-element tensor: a 0-dim one would be read on the host
+    span = torch.cat([drafts, drafts[:1]]).index_copy_(0, at_n, target_argmax.index_select(0, at_n))
+    return n, span
+
+
+class GraphedStep:
+    """`fn` (no arguments, reads and writes preallocated tensors) captured once as a CUDA graph and
+    replayed; called directly on other devices. Warm-up runs touch the state: callers reset it."""
+
+    def __init__(self, fn: Callable[[], None], device: torch.device, pool=None) -> None:
+        self.fn = fn
+        self.graph = None
+        if device.type != "cuda":
+            return
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # warm-up: lazy inits, cuBLAS handles, Triton compiles
+                fn()
+        torch.cuda.current_stream(device).wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=pool):
+            fn()
+
+    def __call__(self) -> None:
+        if self.graph is None:
+            self.fn()
+        else:
+            self.graph.replay()
+
+
+class _Runner:
+    """What every graphed loop shares: the target cache, the output buffer, status and graphs."""
+
+    def __init__(self, target: Transformer, capacity: int, block: int, eos_token_id: int | None) -> None:
+        self.target = target
+        self.device = target.device
+        self.capacity = capacity
+        self.block = block  # tokens a step may commit, at most
+        self.eos = -1 if eos_token_id is None else eos_token_id
+        self.t_cache = target.new_cache(1, capacity + 2 * block, device_length=True)
+        dev = self.device
+        self.last = torch.zeros(1, dtype=torch.long, device=dev)
+        self.out = torch.zeros(capacity + 2 * block, dtype=torch.long, device=dev)
+        self.out_len = torch.zeros((), dtype=torch.long, device=dev)
+        self.status = torch.zeros(2, dtype=torch.long, device=dev)  # [accepted drafts, EOS in span]
+        self.arange = torch.arange(block, device=dev)
+        self.zero = torch.zeros((), dtype=torch.long, device=dev)
+        self.step: GraphedStep | None = None
+
+    def _emit(self, n: torch.Tensor, span: torch.Tensor) -> None:
+        """Commit span[:n+1] to the output buffer and the status (inside the graph)."""
+        self.out.index_copy_(0, self.out_len + self.arange[: span.shape[0]], span)
+        self.out_len += n + 1
+        self.last.copy_(span.index_select(0, n.view(1)))
+        self.status[0] = n
+        self.status[1] = ((span == self.eos) & (self.arange[: span.shape[0]] <= n)).any()
+
+    def _caches(self) -> list[DeviceKVCache]:
+        return [self.t_cache]
+
+    def _capture(self) -> None:
+        if self.step is None:
+            with torch.inference_mode():
+                self.step = GraphedStep(self._step, self.device)
+
+    def _reset(self) -> None:
+        for cache in self._caches():
+            cache.reset()
+        self.out_len.zero_()
+        self.status.zero_()
+
+    def generate(self, prompt_ids, *, max_new_tokens: int, eos_token_id: int | None) -> Generation:
+        _check_max_new(max_new_tokens)
+        if (-1 if eos_token_id is None else eos_token_id) != self.eos:
+            raise ValueError(f"this runner was built for eos_token_id={self.eos}, got {eos_token_id}")
+        if max_new_tokens == 0:
+            return Generation(tokens=[])
+        prompt = _prompt_tensor(prompt_ids, self.device)
+        if prompt.shape[1] + max_new_tokens > self.capacity:
+            raise ValueError(f"prompt {prompt.shape[1]} + {max_new_tokens} new tokens exceed the capacity {self.capacity}")
+        self.target.eval()
+        self._capture()
+        clock = _Clock(self.device)
+        with torch.inference_mode():
+            self._reset()
+            t0 = clock()
+            first = self._prefill(prompt)
+            self.out[0] = first
+            self.out_len.fill_(1)
+            self.last.fill_(first)
+            t1 = clock()
+            steps: list[int] = []
+            produced = 1
+            done = first == eos_token_id or max_new_tokens <= 1
+            while not done:
+                self.step()
+                n, eos_seen = self.status.tolist()  # the one sync a step
+                steps.append(n)
+                produced += n + 1
+                done = bool(eos_seen) or produced >= max_new_tokens
+            t2 = clock()
+            tokens = self.out[:produced].tolist()
+        return self._account(tokens, steps, max_new_tokens, eos_token_id, t1 - t0, t2 - t1)
+
+    def _account(self, tokens: list[int], steps: list[int], max_new: int, eos: int | None,
+                 prefill_s: float, decode_s: float) -> Generation:
+        out = OutputTokens(max_new, eos)
+        out.extend(tokens[:1])
+        accepted, pos = [], 1
+        for n in steps:
+            accepted.append(out.extend(tokens[pos : pos + n + 1]) - 1)
+            pos += n + 1
+        if self.block == 1:  # AR: no drafts
+            return Generation(tokens=out.tokens, accepted=[], steps=len(steps), prefill_s=prefill_s, decode_s=decode_s)
+        return Generation(tokens=out.tokens, accepted=accepted, steps=len(steps), prefill_s=prefill_s, decode_s=decode_s)
+
+
+class GraphedAR(_Runner):
+    """Greedy AR: one q=1 target forward, argmax and commit per graph replay."""
+
+    def __init__(self, target: Transformer, capacity: int, eos_token_id: int | None) -> None:
+        super().__init__(target, capacity, 1, eos_token_id)
+
+    def _prefill(self, prompt: torch.Tensor) -> int:
+        return int(self.target(prompt, self.t_cache, only_last=True).logits[0, -1].argmax())
+
+    def _step(self) -> None:
+        token = self.target(self.last[None], self.t_cache).logits[0, -1].argmax(-1, keepdim=True)
+        self._emit(self.zero, token)
+
+
+class GraphedDFlash(_Runner):
+    """DFlash-style: drafter block (its pending context added first) -> verify -> accept -> commit."""
+
+    def __init__(self, target: Transformer, drafter: DFlashDrafter, capacity: int, block_size: int,
+                 mask_token_id: int, eos_token_id: int | None) -> None:
+        if block_size < 2:
+            raise ValueError(f"block_size must be >= 2 (anchor + drafts), got {block_size}")
+        super().__init__(target, capacity, block_size, eos_token_id)
+        self.drafter = drafter
+        self.layers = tuple(drafter.target_layer_ids)
+        self.d_cache = drafter.new_cache(1, capacity + 3 * block_size, device_length=True)
+        width = len(self.layers) * target.cfg.hidden_size
+        self.context = torch.zeros(1, block_size, width, dtype=target.dtype, device=self.device)
+        self.context_count = torch.zeros((), dtype=torch.long, device=self.device)
+        self.masks = torch.full((block_size - 1,), mask_token_id, dtype=torch.long, device=self.device)
+        self.no_context = self.context[:, :0]
+
+    def _caches(self) -> list[DeviceKVCache]:
+        return [self.t_cache, self.d_cache]
+
+    def _reset(self) -> None:
+        super()._reset()
+        self.context_count.zero_()
+
+    def _prefill(self, prompt: torch.Tensor) -> int:
+        pre = self.target(prompt, self.t_cache, hidden_layers=self.layers, only_last=True)
+        self.drafter.add_context(pre.hidden, self.d_cache)
+        return int(pre.logits[0, -1].argmax())
+
+    def _step(self) -> None:
+        self.drafter.eval()
+        self.drafter.add_context(self.context, self.d_cache, self.context_count)
+        block = torch.cat([self.last, self.masks])[None]
+        drafts = self.drafter(block, self.no_context, self.d_cache)[0].argmax(-1)
+        start = self.t_cache.length.clone()
+        out = self.target(torch.cat([self.last, drafts])[None], self.t_cache, hidden_layers=self.layers)
+        n, span = accept_on_device(drafts, out.logits[0].argmax(-1))
+        self.t_cache.rollback(start + 1 + n)
+        self.context.copy_(out.hidden)
+        self.context_count.copy_(n + 1)  # the last committed token and the accepted drafts
+        self._emit(n, span)
+
+
+class GraphedPard(_Runner):
+    """PARD-style: the drafter reads the tokens it has not seen (padded to k+1 with masks) and k-1
+    masks in one causal forward; draft j sits at row fresh-1+j. Padding with masks changes nothing
+    before them (causal), so the drafts equal the eager loop's."""
+
+    def __init__(self, target: Transformer, drafter: Transformer, capacity: int, k: int,
+                 mask_token_id: int, eos_token_id: int | None) -> None:
+        if k < 1:
+            raise ValueError(f"k must be >= 1, got {k}")
+        super().__init__(target, capacity, k + 1, eos_token_id)
+        self.drafter = drafter
+        self.k = k
+        self.d_cache = drafter.new_cache(1, capacity + 4 * (k + 1), device_length=True)
+        self.fresh = torch.zeros(k + 1, dtype=torch.long, device=self.device)
+        self.fresh_count = torch.zeros((), dtype=torch.long, device=self.device)
+        self.mask_token = torch.tensor(mask_token_id, device=self.device)
+        self.masks = torch.full((k - 1,), mask_token_id, dtype=torch.long, device=self.device)
+
+    def _caches(self) -> list[DeviceKVCache]:
+        return [self.t_cache, self.d_cache]
+
+    def _reset(self) -> None:
+        super()._reset()
+        self.fresh_count.zero_()
+
+    def _prefill(self, prompt: torch.Tensor) -> int:
+        first = int(self.target(prompt, self.t_cache, only_last=True).logits[0, -1].argmax())
+        self.drafter(prompt, self.d_cache, only_last=True)
+        self.fresh[0] = first
+        self.fresh_count.fill_(1)
+        return first
+
+    def _step(self) -> None:
+        self.drafter.eval()
+        seen = self.arange < self.fresh_count
+        ids = torch.cat([torch.where(seen, self.fresh, self.mask_token), self.masks])[None]
+        d_start = self.d_cache.length.clone()
+        logits = self.drafter(ids, self.d_cache).logits[0]
+        drafts = logits.index_select(0, self.fresh_count - 1 + self.arange[: self.k]).argmax(-1)
+        self.d_cache.rollback(d_start + self.fresh_count)
+        start = self.t_cache.length.clone()
+        verify = self.target(torch.cat([self.last, drafts])[None], self.t_cache)
+        n, span = accept_on_device(drafts, verify.logits[0].argmax(-1))
+        self.t_cache.rollback(start + 1 + n)
+        self.fresh.copy_(span)
+        self.fresh_count.copy_(n + 1)
+        self._emit(n, span)
+
+
+_RUNNERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _capacity(needed: int) -> int:
+    return max(MIN_CAPACITY, 1 << (needed - 1).bit_length())
+
+
+def runner_for(target: Transformer, key: tuple, make: Callable[[int], _Runner], needed: int) -> _Runner:
+    """The runner (caches + captured graphs) for `key` on `target` whose capacity fits `needed`
+    tokens; built on first use, kept as long as the target lives."""
+    runners = _RUNNERS.setdefault(target, {})
+    cap = _capacity(needed)
+    if (key, cap) not in runners:
+        runners[(key, cap)] = make(cap)
+    return runners[(key, cap)]
+
+
+def _length(prompt_ids: Sequence[int] | torch.Tensor) -> int:
+    return torch.as_tensor(prompt_ids).shape[-1]
+
+
+def generate_ar_graphed(target: Transformer, prompt_ids, *, max_new_tokens: int, eos_token_id: int | None) -> Generation:
+    """`decode.generate_ar`, one CUDA graph a step."""
+    runner = runner_for(target, ("ar", eos_token_id), lambda cap: GraphedAR(target, cap, eos_token_id),
+                        _length(prompt_ids) + max_new_tokens)
+    return runner.generate(prompt_ids, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id)
+
+
+def generate_dflash_graphed(target: Transformer, drafter: DFlashDrafter, prompt_ids, *, block_size: int,
+                            mask_token_id: int, max_new_tokens: int, eos_token_id: int | None) -> Generation:
+    """`decode.generate_dflash`, one CUDA graph a speculative step."""
+    key = ("dflash", id(drafter), block_size, mask_token_id, eos_token_id)
+    runner = runner_for(target, key, lambda cap: GraphedDFlash(target, drafter, cap, block_size, mask_token_id, eos_token_id),
+                        _length(prompt_ids) + max_new_tokens)
+    return runner.generate(prompt_ids, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id)
+
+
+def generate_pard_graphed(target: Transformer, drafter: Transformer | PardDrafter, prompt_ids, *, k: int,
+                          mask_token_id: int, max_new_tokens: int, eos_token_id: int | None) -> Generation:
+    """`decode.generate_pard`, one CUDA graph a speculative step."""
+    model = drafter.model if isinstance(drafter, PardDrafter) else drafter
+    key = ("pard", id(model), k, mask_token_id, eos_token_id)
+    runner = runner_for(target, key, lambda cap: GraphedPard(target, model, cap, k, mask_token_id, eos_token_id),
+                        _length(prompt_ids) + max_new_tokens)
+    return runner.generate(prompt_ids, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id)

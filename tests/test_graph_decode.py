@@ -1,0 +1,128 @@
+"""The graphed decode loops (device-side state and acceptance) against the eager loops.
+
+On the CPU the step functions run without capture, so these tests check exactly the code that a
+CUDA graph records: device-length caches, masks from a device length, acceptance by tensor ops,
+and the output accounting reconstructed from per-step counts. The zoo pair (trained) gives real
+partial acceptance; the tiny random pairs cover both families.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from specpilot.runtime import decode
+from specpilot.runtime import graph_decode as gd
+from specpilot.runtime.load import load_drafter, load_target
+from specpilot.runtime.model import build_mask, build_mask_device
+
+from conftest import FAMILIES
+
+pytestmark = pytest.mark.usefixtures("torch_single_thread")
+ZOO = "zoo/code-qwen3"
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 3), min_size=1, max_size=9), st.lists(st.integers(0, 3), min_size=10, max_size=10))
+def test_accept_on_device_matches_accept_greedy(drafts, target):
+    target = target[: len(drafts) + 1]
+    n, span = gd.accept_on_device(torch.tensor(drafts), torch.tensor(target))
+    expect = decode.accept_greedy(drafts, target)
+    assert int(n) == expect
+    assert span[: expect + 1].tolist() == drafts[:expect] + [target[expect]]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 20), st.integers(1, 6), st.integers(0, 10), st.sampled_from(["causal", "full", "tree"]))
+def test_device_mask_is_the_host_mask_plus_hidden_stale_slots(past, t, slack, kind):
+    keys = past + t + slack
+    if kind == "tree":
+        g = torch.Generator().manual_seed(past * 31 + t)
+        mask = torch.rand(t, t, generator=g) < 0.5
+        mask |= torch.eye(t, dtype=torch.bool)
+    else:
+        mask = kind
+    dev = build_mask_device(mask, torch.tensor(past), t, keys, torch.device("cpu"))
+    host = build_mask(mask, past, t, torch.device("cpu"))
+    host = torch.ones(1, 1, t, past + t, dtype=torch.bool) if host is None else host
+    assert torch.equal(dev[..., : past + t], host)
+    assert not dev[..., past + t :].any()
+
+
+@pytest.fixture(scope="module")
+def zoo():
+    target, cfg = load_target(f"{ZOO}/target", dtype=torch.float32, device="cpu")
+    dflash = load_drafter(f"{ZOO}/dflash", target, cfg, dtype=torch.float32, device="cpu")
+    pard = load_drafter(f"{ZOO}/pard", target, cfg, dtype=torch.float32, device="cpu")
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(f"{ZOO}/target/tokenizer.json")
+    prompt = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"
+    return target, cfg, dflash, pard, tok.encode(prompt).ids
+
+
+def _loops(target, dflash, pard):
+    d = dict(block_size=dflash.block_size, mask_token_id=dflash.mask_token_id)
+    p = dict(k=pard.k, mask_token_id=pard.mask_token_id)
+    return {
+        "ar": (lambda ids, **kw: decode.generate_ar(target, ids, **kw),
+               lambda ids, **kw: gd.generate_ar_graphed(target, ids, **kw)),
+        "dflash": (lambda ids, **kw: decode.generate_dflash(target, dflash, ids, **d, **kw),
+                   lambda ids, **kw: gd.generate_dflash_graphed(target, dflash, ids, **d, **kw)),
+        "pard": (lambda ids, **kw: decode.generate_pard(target, pard, ids, **p, **kw),
+                 lambda ids, **kw: gd.generate_pard_graphed(target, pard, ids, **p, **kw)),
+    }
+
+
+def _same(eager, graphed):
+    assert graphed.tokens == eager.tokens
+    assert graphed.accepted == eager.accepted
+    assert graphed.steps == eager.steps
+
+
+def test_zoo_pair_graphed_equals_eager(zoo):
+    target, cfg, dflash, pard, ids = zoo
+    ar = decode.generate_ar(target, ids, max_new_tokens=32, eos_token_id=cfg.eos_token_id)
+    for name, (eager, graphed) in _loops(target, dflash, pard).items():
+        e = eager(ids, max_new_tokens=32, eos_token_id=cfg.eos_token_id)
+        g = graphed(ids, max_new_tokens=32, eos_token_id=cfg.eos_token_id)
+        _same(e, g)
+        assert g.tokens == ar.tokens, name
+        if name != "ar":
+            assert sum(g.accepted) > 0  # the trained drafters do get tokens accepted
+
+
+def test_zoo_pair_cut_by_eos_and_max_new_tokens(zoo):
+    """EOS inside an accepted span and max_new_tokens mid-span: same output and accounting."""
+    target, cfg, dflash, pard, ids = zoo
+    ar = decode.generate_ar(target, ids, max_new_tokens=30, eos_token_id=None)
+    eos = ar.tokens[17]  # the id of an output token acts as EOS (its first occurrence ends the output)
+    loops = _loops(target, dflash, pard)
+    for name, (eager, graphed) in loops.items():
+        for kw in (dict(max_new_tokens=30, eos_token_id=eos), dict(max_new_tokens=23, eos_token_id=None)):
+            _same(eager(ids, **kw), graphed(ids, **kw))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_tiny_pairs_graphed_equal_ar(family, tiny_models):
+    m = tiny_models[family]
+    loops = _loops(m.target, m.dflash, m.pard)
+    for ids in ([3, 1, 4, 1, 5], list(range(40, 71))):
+        ar = decode.generate_ar(m.target, ids, max_new_tokens=30, eos_token_id=None)
+        for name, (eager, graphed) in loops.items():
+            g = graphed(ids, max_new_tokens=30, eos_token_id=None)
+            _same(eager(ids, max_new_tokens=30, eos_token_id=None), g)
+            assert g.tokens == ar.tokens, name
+
+
+def test_runner_is_reused_and_capacity_is_checked(tiny_models):
+    m = tiny_models["qwen3"]
+    gd.generate_ar_graphed(m.target, [1, 2, 3], max_new_tokens=5, eos_token_id=None)
+    runners = dict(gd._RUNNERS[m.target])
+    gd.generate_ar_graphed(m.target, [4, 5], max_new_tokens=9, eos_token_id=None)
+    assert dict(gd._RUNNERS[m.target]) == runners  # same capacity bucket: same runner, same graphs
+    runner = next(iter(runners.values()))
+    with pytest.raises(ValueError, match="capacity"):
+        runner.generate(list(range(10)), max_new_tokens=runner.capacity, eos_token_id=None)
