@@ -1,7 +1,8 @@
 """Model and drafter shapes, read from (and written back to) Hugging Face config.json dicts.
 
 `ModelConfig` describes one llama/qwen3 decoder stack; `DrafterConfig` wraps the drafter's own
-`ModelConfig` with what the decode loop needs (kind, block size, mask token, target layers).
+`ModelConfig` with what the decode loop needs (kind, block size, mask token, target layers);
+`HybridConfig` describes a Qwen3-Next stack (Gated DeltaNet and gated full-attention layers).
 Every parse error is a `CheckpointError` naming the config.json path and the field.
 """
 
@@ -241,3 +242,168 @@ def _parse_layers(cfg: dict[str, Any], source: str, *, family: str, qk_norm: boo
         eos_token_id=_token_id(cfg, "eos_token_id", source),
         rope_scaling=scaling,
     )
+
+
+HYBRID_FAMILIES = ("qwen3_next",)
+LAYER_TYPES = ("linear_attention", "full_attention")
+
+
+@dataclass(frozen=True)
+class HybridConfig:
+    """A Qwen3-Next-family causal LM: `layer_types[i]` says whether layer i mixes tokens with a
+    Gated DeltaNet ("linear_attention") or with gated full attention ("full_attention").
+
+    Dense MLPs only: the mixture-of-experts blocks of released Qwen3-Next checkpoints are not
+    modelled (`from_hf` rejects a config with MoE layers, naming the fields)."""
+
+    family: str  # "qwen3_next"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    layer_types: tuple[str, ...]
+    num_heads: int  # full attention
+    num_kv_heads: int
+    head_dim: int
+    rotary_dim: int  # the leading dims of each head that RoPE rotates (partial rotary)
+    rope_theta: float
+    linear_num_key_heads: int  # Gated DeltaNet
+    linear_num_value_heads: int
+    linear_key_head_dim: int
+    linear_value_head_dim: int
+    linear_conv_kernel_dim: int
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    max_position_embeddings: int
+    bos_token_id: int | None
+    eos_token_id: int | None
+
+    def __post_init__(self) -> None:
+        if self.family not in HYBRID_FAMILIES:
+            raise ValueError(f"family must be one of {HYBRID_FAMILIES}, got {self.family!r}")
+        if len(self.layer_types) != self.num_layers or set(self.layer_types) - set(LAYER_TYPES):
+            raise ValueError(f"layer_types must list {self.num_layers} of {LAYER_TYPES}, got {self.layer_types}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
+        if self.linear_num_value_heads % self.linear_num_key_heads:
+            raise ValueError(f"linear_num_value_heads={self.linear_num_value_heads} is not a multiple of "
+                             f"linear_num_key_heads={self.linear_num_key_heads}")
+
+    @property
+    def attention_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, t in enumerate(self.layer_types) if t == "full_attention")
+
+    @property
+    def linear_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, t in enumerate(self.layer_types) if t == "linear_attention")
+
+    @classmethod
+    def from_hf(cls, cfg: dict[str, Any], source: str) -> HybridConfig:
+        """Parse an HF qwen3_next config.json dict; `source` is its path, quoted in every error."""
+        model_type = cfg.get("model_type")
+        if model_type not in HYBRID_FAMILIES:
+            raise CheckpointError(f"{source}: field 'model_type' is {model_type!r}; expected one of {list(HYBRID_FAMILIES)}")
+        act = cfg.get("hidden_act", "silu")
+        if act != "silu":
+            raise CheckpointError(f"{source}: field 'hidden_act' is {act!r}; expected 'silu'")
+        if cfg.get("attention_bias"):
+            raise CheckpointError(f"{source}: field 'attention_bias' is true; biases are not supported")
+        layers = _get(cfg, "num_hidden_layers", source, int)
+        types = cfg.get("layer_types")
+        if types is None:  # HF's default: every `full_attention_interval`-th layer is full attention
+            interval = _get(cfg, "full_attention_interval", source, int, default=4)
+            types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(layers)]
+        types = [{"attention": "full_attention", "mamba": "linear_attention"}.get(t, t) for t in types]
+        if len(types) != layers or set(types) - set(LAYER_TYPES):
+            raise CheckpointError(f"{source}: field 'layer_types' is {cfg.get('layer_types')!r}; expected "
+                                  f"{layers} entries, each one of {list(LAYER_TYPES)}")
+        mlp_only = cfg.get("mlp_only_layers") or []
+        experts = _get(cfg, "num_experts", source, int, default=0)
+        step = _get(cfg, "decoder_sparse_step", source, int, default=1)
+        moe = [i for i in range(layers) if i not in mlp_only and experts > 0 and (i + 1) % step == 0]
+        if moe:
+            raise CheckpointError(
+                f"{source}: layers {moe} are mixture-of-experts (field 'num_experts' is {experts}, "
+                f"'decoder_sparse_step' {step}, 'mlp_only_layers' {mlp_only}); only dense MLPs are supported "
+                f"(num_experts 0, or every layer in mlp_only_layers)"
+            )
+        hidden = _get(cfg, "hidden_size", source, int)
+        heads = _get(cfg, "num_attention_heads", source, int)
+        kv_heads = _get(cfg, "num_key_value_heads", source, int, default=heads)
+        if heads % kv_heads:
+            raise CheckpointError(
+                f"{source}: field 'num_key_value_heads' is {kv_heads}; expected a divisor of num_attention_heads={heads}"
+            )
+        k_heads = _get(cfg, "linear_num_key_heads", source, int)
+        v_heads = _get(cfg, "linear_num_value_heads", source, int)
+        if v_heads % k_heads:
+            raise CheckpointError(f"{source}: field 'linear_num_value_heads' is {v_heads}; expected a multiple of "
+                                  f"linear_num_key_heads={k_heads}")
+        head_dim = _get(cfg, "head_dim", source, int, default=hidden // heads)
+        params = cfg.get("rope_parameters") or {}
+        rope_type = params.get("rope_type") or (cfg.get("rope_scaling") or {}).get("rope_type") or "default"
+        if rope_type != "default":
+            raise CheckpointError(f"{source}: field 'rope_type' is {rope_type!r}; expected 'default'")
+        theta = cfg.get("rope_theta", params.get("rope_theta"))
+        if theta is None:
+            raise CheckpointError(f"{source}: missing field 'rope_theta' (or 'rope_parameters.rope_theta')")
+        # HF reads the factor from rope_parameters; older files state it at the top level (default 0.25).
+        factor = params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 0.25))
+        rotary = int(head_dim * factor)
+        if not 0 < rotary <= head_dim or rotary % 2:
+            raise CheckpointError(f"{source}: field 'partial_rotary_factor' is {factor}; expected a fraction of "
+                                  f"head_dim={head_dim} giving an even number of rotary dims")
+        return cls(
+            family=model_type,
+            vocab_size=_get(cfg, "vocab_size", source, int),
+            hidden_size=hidden,
+            intermediate_size=_get(cfg, "intermediate_size", source, int),
+            num_layers=layers,
+            layer_types=tuple(types),
+            num_heads=heads,
+            num_kv_heads=kv_heads,
+            head_dim=head_dim,
+            rotary_dim=rotary,
+            rope_theta=float(theta),
+            linear_num_key_heads=k_heads,
+            linear_num_value_heads=v_heads,
+            linear_key_head_dim=_get(cfg, "linear_key_head_dim", source, int),
+            linear_value_head_dim=_get(cfg, "linear_value_head_dim", source, int),
+            linear_conv_kernel_dim=_get(cfg, "linear_conv_kernel_dim", source, int, default=4),
+            rms_norm_eps=_get(cfg, "rms_norm_eps", source, float, default=1e-6),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            max_position_embeddings=_get(cfg, "max_position_embeddings", source, int, default=4096),
+            bos_token_id=_token_id(cfg, "bos_token_id", source),
+            eos_token_id=_token_id(cfg, "eos_token_id", source),
+        )
+
+    def to_hf(self) -> dict[str, Any]:
+        """The HF config.json dict for this model (inverse of `from_hf`)."""
+        return {
+            "architectures": ["Qwen3NextForCausalLM"],
+            "model_type": self.family,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "layer_types": list(self.layer_types),
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta,
+                                "partial_rotary_factor": self.rotary_dim / self.head_dim},
+            "linear_num_key_heads": self.linear_num_key_heads,
+            "linear_num_value_heads": self.linear_num_value_heads,
+            "linear_key_head_dim": self.linear_key_head_dim,
+            "linear_value_head_dim": self.linear_value_head_dim,
+            "linear_conv_kernel_dim": self.linear_conv_kernel_dim,
+            "num_experts": 0,
+            "mlp_only_layers": [],
+            "rms_norm_eps": self.rms_norm_eps,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "max_position_embeddings": self.max_position_embeddings,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": self.eos_token_id,
+            "attention_bias": False,
+        }

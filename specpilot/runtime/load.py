@@ -16,28 +16,41 @@ from safetensors import safe_open
 from torch import nn
 
 from specpilot.errors import CheckpointError
-from specpilot.runtime.config import DrafterConfig, ModelConfig
+from specpilot.runtime.config import HYBRID_FAMILIES, DrafterConfig, HybridConfig, ModelConfig
 from specpilot.runtime.dflash import DFlashDrafter
+from specpilot.runtime.hybrid import HybridTransformer
 from specpilot.runtime.model import PardDrafter, Transformer
 
 Drafter = Union[PardDrafter, DFlashDrafter]
+Target = Union[Transformer, HybridTransformer]
+TargetConfig = Union[ModelConfig, HybridConfig]
 
 # Tensors some HF checkpoints carry that are not weights (recomputed at run time).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# Qwen3-Next checkpoints carry a multi-token-prediction head that HF also skips.
+_IGNORED_PREFIXES = ("mtp.",)
 
 
-def load_target(path: str | Path, *, dtype: torch.dtype, device: torch.device | str) -> tuple[Transformer, ModelConfig]:
+def load_target(path: str | Path, *, dtype: torch.dtype, device: torch.device | str) -> tuple[Target, TargetConfig]:
+    """A llama/qwen3 `Transformer`, or a `HybridTransformer` for a qwen3_next directory, with its config."""
     model_dir = _model_dir(path)
-    cfg = ModelConfig.from_hf(*_read_config(model_dir))
-    with torch.device("meta"):
-        model = Transformer(cfg)
+    raw, source = _read_config(model_dir)
+    cfg: TargetConfig
+    if raw.get("model_type") in HYBRID_FAMILIES:
+        cfg = HybridConfig.from_hf(raw, source)
+        with torch.device("meta"):
+            model = HybridTransformer(cfg)
+    else:
+        cfg = ModelConfig.from_hf(raw, source)
+        with torch.device("meta"):
+            model = Transformer(cfg)
     optional = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
     _load_weights(model, model_dir, dtype=dtype, device=device, optional=optional)
     return model.eval().requires_grad_(False), cfg
 
 
 def load_drafter(
-    path: str | Path, target: Transformer, target_cfg: ModelConfig, *, dtype: torch.dtype, device: torch.device | str
+    path: str | Path, target: Target, target_cfg: TargetConfig, *, dtype: torch.dtype, device: torch.device | str
 ) -> Drafter:
     """A PardDrafter (its own causal LM) or a DFlashDrafter bound to the target's embed/head."""
     model_dir = _model_dir(path)
@@ -56,7 +69,7 @@ def load_drafter(
     return drafter.eval().requires_grad_(False)
 
 
-def _check_fits_target(dcfg: DrafterConfig, target_cfg: ModelConfig, source: str) -> None:
+def _check_fits_target(dcfg: DrafterConfig, target_cfg: TargetConfig, source: str) -> None:
     vocab = target_cfg.vocab_size
     if dcfg.kind == "pard" and dcfg.model.vocab_size != vocab:
         raise CheckpointError(
@@ -131,7 +144,8 @@ def _load_weights(
     module: nn.Module, model_dir: Path, *, dtype: torch.dtype, device: torch.device | str, optional: set[str]
 ) -> None:
     """Fill a module built on the meta device from the directory's safetensors, checking names and shapes."""
-    files = {n: f for n, f in _weight_files(model_dir).items() if not n.endswith(_IGNORED_SUFFIXES)}
+    files = {n: f for n, f in _weight_files(model_dir).items()
+             if not n.endswith(_IGNORED_SUFFIXES) and not n.startswith(_IGNORED_PREFIXES)}
     expected = {name: p.shape for name, p in module.state_dict().items()}
     missing = set(expected) - set(files) - optional
     if missing:

@@ -15,7 +15,6 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from ..runtime.cache import KVCache
 
 # Near-tie tolerance relative to max(1, |top logit|): a few units in the last place of the
 # dtype's logits after a long reduction. fp32 paths that differ only in reduction order land
@@ -105,7 +104,7 @@ def check_prompt(reference, ref_cfg, prompt_ids: list[int], output_ids: list[int
         return check
     device = next(reference.parameters()).device
     seq = torch.tensor([list(prompt_ids) + list(output_ids)], device=device)
-    cache = KVCache.for_model(ref_cfg, 1, seq.shape[1], next(reference.parameters()).dtype, device)
+    cache = reference.new_cache(1, seq.shape[1])  # a hybrid target brings its own cache
     logits = reference(seq, cache).logits[0].float()
     # logits at position i predict token i+1: output token j sits at len(prompt)+j
     pred = logits[len(prompt_ids) - 1 : seq.shape[1] - 1]

@@ -1,0 +1,469 @@
+"""Qwen3-Next-family hybrid causal LM over our own cache: Gated DeltaNet and gated full attention.
+
+Follows HF transformers' `modeling_qwen3_next` op for op (the tests compare logits in fp32):
+zero-centred RMSNorm (x̂ · (1 + w)), full-attention layers whose q_proj also yields a sigmoid output
+gate, per-head q/k norms and partial RoPE; linear-attention layers (Gated DeltaNet): in_proj_qkvz /
+in_proj_ba, a depthwise causal conv1d + SiLU over [q, k, v], l2-normalised q/k, the gated delta rule
+over a [dk, dv] state per value head, a SiLU-gated RMSNorm and out_proj. Dense MLPs only.
+Parameters live under HF's weight names, so an HF safetensors state dict loads directly.
+
+Speculative rollback through the decode loops' interface (`cache.length`, `cache.rollback(n)`):
+a recurrence cannot drop tokens by moving a pointer, so every forward of at most `RECORD_LIMIT`
+tokens (decode, verify) runs the recurrent form and keeps the state after each of its positions;
+`rollback(n)` to any n inside the last forward selects the state after position n. Longer forwards
+(prefill) run the chunked form and keep only their final state. Causal masks only: block
+non-causal or tree masks have no meaning for a left-to-right recurrence.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specpilot.runtime.cache import KVCache
+from specpilot.runtime.config import HybridConfig
+from specpilot.runtime.model import (
+    MLP,
+    MLP_PROJ,
+    ModelOutput,
+    Visibility,
+    _fill_tied_head,
+    apply_rope,
+    attend_visible,
+    rope_cos_sin,
+)
+
+ATTENTION_PROJ = ("q_proj", "k_proj", "v_proj", "o_proj")
+DELTANET_PROJ = ("in_proj_qkvz", "in_proj_ba", "out_proj")
+# Forwards of at most this many tokens keep the recurrent state after every position (rollback
+# targets); a verify is block_size + 1 tokens. Longer ones (prefill) keep only the final state.
+RECORD_LIMIT = 64
+CHUNK = 64  # chunk length of the chunked delta rule (HF's default)
+
+
+class CenteredRMSNorm(nn.Module):
+    """Qwen3-Next RMSNorm: weight stored zero-centred, y = x̂ · (1 + w), all in float32."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (h * (1.0 + self.weight.float())).type_as(x)
+
+
+class GatedRMSNorm(nn.Module):
+    """RMSNorm of the DeltaNet output per value head (plain weight), then times SiLU(z)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        h = self.weight * h.to(dtype)
+        return (h * F.silu(gate.float())).to(dtype)
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+def delta_rule_recurrent(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gated delta rule token by token, in float32.
+
+    q, k [B, H, T, dk] and v [B, H, T, dv] (q and k not yet normalised), g (log decay, <= 0) and
+    beta [B, H, T], state [B, H, dk, dv]. Returns the output [B, H, T, dv] and the states
+    [T + 1, B, H, dk, dv]: index 0 is the input state, index t the state after token t.
+    """
+    q = l2norm(q)
+    k = l2norm(k)
+    q = q / (q.shape[-1] ** 0.5)
+    states = [state]
+    out = []
+    for t in range(q.shape[2]):
+        s = states[-1] * g[:, :, t].exp()[..., None, None]
+        k_t = k[:, :, t].unsqueeze(-1)
+        remembered = (s * k_t).sum(dim=-2)
+        delta = (v[:, :, t] - remembered) * beta[:, :, t].unsqueeze(-1)
+        s = s + k_t * delta.unsqueeze(-2)
+        out.append((s * q[:, :, t].unsqueeze(-1)).sum(dim=-2))
+        states.append(s)
+    return torch.stack(out, dim=2), torch.stack(states)
+
+
+def delta_rule_chunked(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor,
+    chunk: int = CHUNK,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same rule over chunks of `chunk` tokens (a UT transform inside each chunk, a scan over
+    chunks), as HF's torch_chunk_gated_delta_rule. Returns the output and the final state only."""
+    b, h, t, dk = k.shape
+    dv = v.shape[-1]
+    q = l2norm(q)
+    k = l2norm(k)
+    q = q * dk**-0.5
+    pad = (chunk - t % chunk) % chunk
+    q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
+    beta, g = (F.pad(x, (0, pad)) for x in (beta, g))
+    n = (t + pad) // chunk
+    v_beta = v * beta.unsqueeze(-1)
+    k_beta = k * beta.unsqueeze(-1)
+    q, k, k_beta, v_beta = (x.reshape(b, h, n, chunk, x.shape[-1]) for x in (q, k, k_beta, v_beta))
+    g = g.reshape(b, h, n, chunk)
+    upper = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).triu(1)
+    cum = g.cumsum(dim=3)
+    decay = (cum.unsqueeze(4) - cum.unsqueeze(3)).masked_fill(upper, float("-inf")).exp()
+    system = (k_beta @ k.transpose(-1, -2)) * decay
+    intra = (q @ k.transpose(-1, -2)) * decay
+    new_values = torch.linalg.solve_triangular(system, v_beta, upper=False, unitriangular=True)
+    k_cumdecay = torch.linalg.solve_triangular(
+        system, k_beta * cum.exp().unsqueeze(-1), upper=False, unitriangular=True
+    )
+    q = q * cum.exp().unsqueeze(-1)
+    k = k * (cum[..., -1:] - cum).exp().unsqueeze(-1)
+    chunk_decay = cum[..., -1].exp()[..., None, None]
+    s = state
+    out = []
+    for i in range(n):
+        v_new = new_values[:, :, i] - k_cumdecay[:, :, i] @ s
+        out.append(q[:, :, i] @ s + intra[:, :, i] @ v_new)
+        s = s * chunk_decay[:, :, i] + k[:, :, i].transpose(-1, -2) @ v_new
+    return torch.stack(out, dim=2).reshape(b, h, -1, dv)[:, :, :t], s
+
+
+class GatedDeltaNet(nn.Module):
+    """The linear-attention token mixer of one layer (HF: `linear_attn`)."""
+
+    def __init__(self, cfg: HybridConfig) -> None:
+        super().__init__()
+        self.k_heads, self.v_heads = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        self.dk, self.dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        self.key_dim, self.value_dim = self.k_heads * self.dk, self.v_heads * self.dv
+        self.conv_dim = 2 * self.key_dim + self.value_dim
+        self.kernel = cfg.linear_conv_kernel_dim
+        h = cfg.hidden_size
+        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, self.kernel, groups=self.conv_dim, bias=False,
+                                padding=self.kernel - 1)
+        self.in_proj_qkvz = nn.Linear(h, 2 * self.key_dim + 2 * self.value_dim, bias=False)
+        self.in_proj_ba = nn.Linear(h, 2 * self.v_heads, bias=False)
+        self.dt_bias = nn.Parameter(torch.ones(self.v_heads))
+        self.A_log = nn.Parameter(torch.zeros(self.v_heads))
+        self.norm = GatedRMSNorm(self.dv, cfg.rms_norm_eps)
+        self.out_proj = nn.Linear(self.value_dim, h, bias=False)
+
+    def _split(self, qkvz: torch.Tensor, ba: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """HF's grouped layout: per key head [q, k, v x r, z x r] and [b x r, a x r], r = v_heads / k_heads."""
+        b, t, _ = qkvz.shape
+        r = self.v_heads // self.k_heads
+        q, k, v, z = torch.split(qkvz.view(b, t, self.k_heads, -1), [self.dk, self.dk, r * self.dv, r * self.dv], dim=3)
+        beta, a = torch.split(ba.view(b, t, self.k_heads, 2 * r), [r, r], dim=3)
+        return (q.reshape(b, t, -1), k.reshape(b, t, -1), v.reshape(b, t, -1), z.reshape(b, t, self.v_heads, self.dv),
+                beta.reshape(b, t, self.v_heads), a.reshape(b, t, self.v_heads))
+
+    def forward(
+        self, x: torch.Tensor, conv_state: torch.Tensor, state: torch.Tensor, *, record: bool
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [B, T, hidden] after the conv inputs `conv_state` [B, conv_dim, kernel-1] and the state
+        [B, v_heads, dk, dv] -> (output [B, T, hidden], conv inputs [B, conv_dim, kernel-1+T],
+        states [T+1, B, ...] if `record` else the final state [B, ...])."""
+        b, t, _ = x.shape
+        q, k, v, z, beta, a = self._split(self.in_proj_qkvz(x), self.in_proj_ba(x))
+        window = torch.cat([conv_state, torch.cat([q, k, v], dim=-1).transpose(1, 2)], dim=-1)
+        weight = self.conv1d.weight
+        mixed = F.silu(F.conv1d(window.to(weight.dtype), weight, groups=self.conv_dim)).to(x.dtype).transpose(1, 2)
+        q, k, v = torch.split(mixed, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        q, k = q.reshape(b, t, -1, self.dk), k.reshape(b, t, -1, self.dk)
+        v = v.reshape(b, t, -1, self.dv)
+        beta = beta.sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+        if self.v_heads > self.k_heads:
+            q = q.repeat_interleave(self.v_heads // self.k_heads, dim=2)
+            k = k.repeat_interleave(self.v_heads // self.k_heads, dim=2)
+        q, k, v, beta, g = (y.transpose(1, 2).float() for y in (q, k, v, beta, g))
+        if record:
+            out, states = delta_rule_recurrent(q, k, v, g, beta, state)
+        else:
+            out, states = delta_rule_chunked(q, k, v, g, beta, state)
+        out = out.transpose(1, 2).to(x.dtype)
+        out = self.norm(out.reshape(-1, self.dv), z.reshape(-1, self.dv)).reshape(b, t, -1)
+        return self.out_proj(out), window, states
+
+
+def apply_partial_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on the leading cos.shape[-1] dims of each head; the rest pass through."""
+    r = cos.shape[-1]
+    return torch.cat([apply_rope(x[..., :r], cos, sin), x[..., r:]], dim=-1)
+
+
+class GatedAttention(nn.Module):
+    """Full attention with an output gate (HF: `self_attn`): q_proj yields [query, gate] per head,
+    the attention output is multiplied by sigmoid(gate) before o_proj. `attention(q, k, v, vis)` is
+    the slot a backend may fill with another kernel, as on `model.Attention`."""
+
+    def __init__(self, cfg: HybridConfig) -> None:
+        super().__init__()
+        self.attention = attend_visible
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        h, q_out, kv_out = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.q_proj = nn.Linear(h, 2 * q_out, bias=False)
+        self.k_proj = nn.Linear(h, kv_out, bias=False)
+        self.v_proj = nn.Linear(h, kv_out, bias=False)
+        self.o_proj = nn.Linear(q_out, h, bias=False)
+        self.q_norm = CenteredRMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        self.k_norm = CenteredRMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, index: int, vis: Visibility
+    ) -> torch.Tensor:
+        """Writes the new K/V at slots [cache.length, +T) of attention layer `index` (length moves later)."""
+        b, t, _ = x.shape
+        q, gate = torch.chunk(self.q_proj(x).view(b, t, self.num_heads, 2 * self.head_dim), 2, dim=-1)
+        q = apply_partial_rope(self.q_norm(q).transpose(1, 2), cos, sin)
+        k = self.k_norm(self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim)).transpose(1, 2)
+        k = apply_partial_rope(k, cos, sin)
+        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        start = cache.length
+        cache.write(index, start, k, v)
+        k_all, v_all = cache.view(index, start + t)
+        o = self.attention(q, k_all, v_all, vis).transpose(1, 2).reshape(b, t, -1)
+        return self.o_proj(o * torch.sigmoid(gate.reshape(b, t, -1)))
+
+
+class HybridCache:
+    """The attention layers' `KVCache` plus, per linear-attention layer, the recurrent state
+    [B, v_heads, dk, dv] (float32) and the conv inputs of the last kernel-1 tokens.
+
+    `length` and `rollback(n)` behave as KVCache's for any n from the start of the last forward
+    to `length`; earlier targets raise ValueError (the states before the last forward are gone).
+    """
+
+    def __init__(self, kv: KVCache, conv: list[torch.Tensor], state: list[torch.Tensor], kernel: int) -> None:
+        self.kv = kv
+        self.conv = conv
+        self.state = state
+        self.kernel = kernel
+        self._start = 0  # where the last forward began
+        self._windows: list[torch.Tensor | None] = [None] * len(state)  # conv inputs seen by the last forward
+        self._states: list[torch.Tensor | None] = [None] * len(state)  # [T+1, ...] after each position, or None
+
+    @classmethod
+    def for_model(
+        cls, cfg: HybridConfig, batch: int, max_len: int, dtype: torch.dtype, device: torch.device | str
+    ) -> HybridCache:
+        shape = (batch, cfg.num_kv_heads, max_len, cfg.head_dim)
+        n_attn, n_linear = len(cfg.attention_layers), len(cfg.linear_layers)
+        kv = KVCache([torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_attn)],
+                     [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_attn)], max_len)
+        conv_dim = 2 * cfg.linear_num_key_heads * cfg.linear_key_head_dim + cfg.linear_num_value_heads * cfg.linear_value_head_dim
+        k = cfg.linear_conv_kernel_dim
+        conv = [torch.zeros(batch, conv_dim, k - 1, dtype=dtype, device=device) for _ in range(n_linear)]
+        state_shape = (batch, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim)
+        state = [torch.zeros(state_shape, dtype=torch.float32, device=device) for _ in range(n_linear)]
+        return cls(kv, conv, state, k)
+
+    @property
+    def length(self) -> int:
+        return self.kv.length
+
+    @property
+    def max_len(self) -> int:
+        return self.kv.max_len
+
+    def begin(self, t: int) -> None:
+        """A forward of t tokens starts: check capacity before any layer's state changes."""
+        if self.length + t > self.max_len:
+            raise ValueError(f"KV cache overflow: length {self.length} + {t} > capacity {self.max_len}")
+        self._start = self.length
+        self._windows = [None] * len(self.state)
+        self._states = [None] * len(self.state)
+
+    def update_linear(self, layer: int, window: torch.Tensor, states: torch.Tensor, recorded: bool) -> None:
+        """Linear layer `layer` ran the current forward: its conv inputs and states (see GatedDeltaNet)."""
+        self._windows[layer] = window
+        self._states[layer] = states if recorded else None
+        self.conv[layer] = window[:, :, window.shape[-1] - (self.kernel - 1):]
+        self.state[layer] = states[-1] if recorded else states
+
+    def advance(self, n: int) -> None:
+        self.kv.advance(n)
+
+    def rollback(self, n: int) -> None:
+        """Keep the first `n` tokens: select the linear layers' states after position n of the last forward."""
+        if not 0 <= n <= self.length:
+            raise ValueError(f"cannot roll back a hybrid cache of length {self.length} to {n}")
+        if n == self.length:
+            return
+        if n < self._start:
+            raise ValueError(
+                f"cannot roll back a hybrid cache of length {self.length} to {n}: the linear-attention layers "
+                f"keep their recurrent state only for positions {self._start}..{self.length} (the last forward)"
+            )
+        if any(s is None for s in self._states):
+            raise ValueError(
+                f"cannot roll back a hybrid cache of length {self.length} to {n}: the last forward ran "
+                f"{self.length - self._start} tokens, more than the {RECORD_LIMIT} whose per-position states are kept"
+            )
+        i = n - self._start
+        for j, (window, states) in enumerate(zip(self._windows, self._states)):
+            self.state[j] = states[i]
+            self.conv[j] = window[:, :, i : i + self.kernel - 1]
+        self.kv.rollback(n)
+
+
+class HybridLayer(nn.Module):
+    """One decoder layer: a Gated DeltaNet (`linear_attn`) or gated attention (`self_attn`), then the MLP."""
+
+    def __init__(self, cfg: HybridConfig, layer_type: str) -> None:
+        super().__init__()
+        self.layer_type = layer_type
+        self.input_layernorm = CenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        if layer_type == "linear_attention":
+            self.linear_attn = GatedDeltaNet(cfg)
+        else:
+            self.self_attn = GatedAttention(cfg)
+        self.post_attention_layernorm = CenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)  # reads only hidden_size and intermediate_size
+
+
+class HybridBackbone(nn.Module):
+    """The `model.` prefix of HF weight names."""
+
+    def __init__(self, cfg: HybridConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(HybridLayer(cfg, t) for t in cfg.layer_types)
+        self.norm = CenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class HybridTransformer(nn.Module):
+    """A Qwen3-Next-family causal LM with the interface of `model.Transformer` (forward, new_cache,
+    embed / final_norm / head, linear_modules / set_linear)."""
+
+    def __init__(self, cfg: HybridConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.model = HybridBackbone(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+            self.register_load_state_dict_pre_hook(_fill_tied_head)
+        # layer index -> its index among the attention layers (KV slots) or the linear layers (states)
+        self._slot = {i: cfg.attention_layers.index(i) if t == "full_attention" else cfg.linear_layers.index(i)
+                      for i, t in enumerate(cfg.layer_types)}
+        self._inv_freq: dict[torch.device, torch.Tensor] = {}
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.embed_tokens.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.embed_tokens.weight.device
+
+    def new_cache(self, batch: int, max_len: int, *, device_length: bool = False) -> HybridCache:
+        if device_length:
+            raise ValueError("a hybrid target's cache keeps its length on the host: rollback selects "
+                             "recorded recurrent states by position, which a device-side length cannot drive")
+        return HybridCache.for_model(self.cfg, batch, max_len, self.dtype, self.device)
+
+    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [B, 1, T, rotary_dim] for positions [B, T]."""
+        device = positions.device
+        if device not in self._inv_freq:
+            dim = self.cfg.rotary_dim
+            exponents = torch.arange(0, dim, 2, dtype=torch.int64).to(device, torch.float) / dim
+            self._inv_freq[device] = 1.0 / (self.cfg.rope_theta**exponents)
+        return rope_cos_sin(self._inv_freq[device], positions, self.dtype)
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(ids)
+
+    def final_norm(self, h: torch.Tensor) -> torch.Tensor:
+        return self.model.norm(h)
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        """Already-normalised hidden states [..., hidden] -> float32 logits [..., V] (no final norm here)."""
+        return self.lm_head(h).float()
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        cache: HybridCache,
+        *,
+        mask: str | torch.Tensor = "causal",
+        hidden_layers: tuple[int, ...] = (),
+        positions: torch.Tensor | None = None,
+        only_last: bool = False,
+    ) -> ModelOutput:
+        """Run T new tokens [B, T] after the cache's `length` tokens, then advance the cache by T
+        (the arguments and output of `Transformer.forward`; `mask` must be "causal")."""
+        if not (isinstance(mask, str) and mask == "causal"):
+            shown = mask if isinstance(mask, str) else f"a {tuple(mask.shape)} tensor"
+            raise ValueError(
+                f"a hybrid (Gated DeltaNet) target runs causal masks only, got mask={shown!r}: its linear-attention "
+                "layers are a left-to-right recurrence, so block non-causal or tree visibility has no meaning there"
+            )
+        if not isinstance(cache, HybridCache):
+            raise TypeError(f"a hybrid target needs its own cache (target.new_cache), got {type(cache).__name__}")
+        b, t = input_ids.shape
+        bad = [i for i in hidden_layers if not 0 <= i < len(self.model.layers)]
+        if bad:
+            raise ValueError(f"hidden_layers {bad} out of range for {len(self.model.layers)} layers")
+        cache.begin(t)
+        if positions is None:
+            positions = torch.arange(cache.length, cache.length + t, device=input_ids.device).expand(b, t)
+        cos, sin = self.rope(positions)
+        vis = Visibility("causal", cache.length, t, input_ids.device)
+        record = t <= RECORD_LIMIT
+        x = self.embed(input_ids)
+        picked: dict[int, torch.Tensor] = {}
+        for i, layer in enumerate(self.model.layers):
+            h = layer.input_layernorm(x)
+            slot = self._slot[i]
+            if layer.layer_type == "linear_attention":
+                y, window, states = layer.linear_attn(h, cache.conv[slot], cache.state[slot], record=record)
+                cache.update_linear(slot, window, states, record)
+            else:
+                y = layer.self_attn(h, cos, sin, cache.kv, slot, vis)
+            x = x + y
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            if i in hidden_layers:
+                picked[i] = x
+        cache.advance(t)
+        hidden = torch.cat([picked[i] for i in hidden_layers], dim=-1) if hidden_layers else None
+        if only_last:
+            x = x[:, -1:]
+        return ModelOutput(logits=self.head(self.final_norm(x)), hidden=hidden)
+
+    def linear_modules(self) -> dict[str, nn.Module]:
+        """Every projection by its weight name ("model.layers.0.linear_attn.in_proj_qkvz.weight", ...)."""
+        out: dict[str, nn.Module] = {}
+        for i, layer in enumerate(self.model.layers):
+            if layer.layer_type == "linear_attention":
+                for name in DELTANET_PROJ:
+                    out[f"model.layers.{i}.linear_attn.{name}.weight"] = getattr(layer.linear_attn, name)
+            else:
+                for name in ATTENTION_PROJ:
+                    out[f"model.layers.{i}.self_attn.{name}.weight"] = getattr(layer.self_attn, name)
+            for name in MLP_PROJ:
+                out[f"model.layers.{i}.mlp.{name}.weight"] = getattr(layer.mlp, name)
+        out["lm_head.weight"] = self.lm_head
+        return out
+
+    def set_linear(self, weight_name: str, module: nn.Module) -> None:
+        """Replace the projection owning `weight_name` by any module with forward(x) (same in/out features)."""
+        if weight_name not in self.linear_modules():
+            raise KeyError(f"{weight_name!r} is not a projection weight of this model")
+        parent_name, _, attr = weight_name.removesuffix(".weight").rpartition(".")
+        parent = self.get_submodule(parent_name) if parent_name else self
+        setattr(parent, attr, module)
