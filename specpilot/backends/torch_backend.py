@@ -21,6 +21,7 @@ from ..ir import MATMUL_OPS, Graph, Node, Program
 from ..ir import node as ir_node
 from ..ir.lower import SHARED
 from ..runtime import decode
+from ..runtime.hybrid import GatedAttention, HybridTransformer
 from ..runtime.load import load_drafter, load_target
 from ..runtime.u12 import U12Tensor, load_u12, pack_u12
 
@@ -168,7 +169,7 @@ def install_attention_kernels(graph: Graph, root: nn.Module, device: torch.devic
             module = root.get_submodule(path)
         except AttributeError:
             module = None
-        if not isinstance(module, Attention):
+        if not isinstance(module, (Attention, GatedAttention)):
             raise EngineError(f"no attention module {path!r} serves {graph.name}/{name}")
         module.attention = split_kv
     return len(chosen)
@@ -209,6 +210,10 @@ class Engine:
         common = dict(max_new_tokens=max_new_tokens, eos_token_id=self.eos_token_id,
                       mask_token_id=self.drafter.mask_token_id)
         if verify["mode"] == "tree":
+            if isinstance(self.target, HybridTransformer):
+                raise EngineError("tree verification needs a target whose layers all attend; this hybrid target's "
+                                  "Gated DeltaNet layers are a recurrence over one chain of tokens: leave out the "
+                                  "tree-verify pass (chain verification)")
             propose = self.program.step.one("propose")[1]
             common.update(budget=propose["budget"], topk=propose.get("topk", 4))
             if self.kind == "pard":

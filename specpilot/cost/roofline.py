@@ -44,7 +44,10 @@ U12_ESCAPE_RATE = 1.5e-4
 # by copy): counted with torch.profiler on the H200, 1221 kernels in a Llama-3.1-8B AR step =
 # 32 layers x 38 + 5 (.cache/costbench/step_bench.py, 2026-12-02). A fusing backend launches fewer.
 KERNELS = {"input": 0, "embed": 1, "rmsnorm": 3, "linear": 1, "lm_head": 1, "rope": 16,
-           "attention": 5, "mlp": 2, "add": 1, "argmax": 1}
+           "attention": 5, "mlp": 2, "add": 1, "argmax": 1,
+           # counted from runtime/hybrid.py's ops at q = 1 (not profiled); its recurrent form adds
+           # about 10 a token. A fused kernel (conv + delta rule + gated norm) launches a few.
+           "gated_deltanet": 45}
 
 # Attention parallelism. SDPA at q = 1 is flash-decoding (the cache split over programs: the card
 # fills). For q > 1 it runs one program per (request, head, 128-query tile), whatever the cache
@@ -251,6 +254,8 @@ def _shapes(plan: GraphPlan, batch: int, q: int, context: int) -> dict[str, tupl
             shapes[name] = (ins[0][0], node["dim"])
         elif op == "attention":
             shapes[name] = (batch * q, node["heads"] * node["head_dim"])
+        elif op == "gated_deltanet":
+            shapes[name] = (batch * q, node["v_heads"] * node["v_head_dim"])
         elif op == "argmax":
             shapes[name] = (ins[0][0], 1)
         else:  # rope (a q, k pair), add: shape of the first input
@@ -298,6 +303,16 @@ def node_cost(name: str, node: Node, out: tuple[int, int], ins: list[tuple[int, 
         c["kv_bytes"] = (batch * cache_len + new_kv_rows) * kvh * hd * 2 * a
         c["tensor_flops"] = 4.0 * rows * kv_len * node["heads"] * hd
         occupancy = attention_occupancy(node, gpu, batch, q, kv_len)
+    elif op == "gated_deltanet":
+        # The float32 state [v_heads, dk, dv] a request is read once and written after every one of
+        # the q positions (speculative rollback selects among them); the conv keeps kernel-1 inputs.
+        hv, dk, dv, taps = node["v_heads"], node["k_head_dim"], node["v_head_dim"], node["conv_kernel"]
+        conv_dim = 2 * node["k_heads"] * dk + hv * dv
+        c["weight_bytes"] = conv_dim * taps * a
+        c["act_bytes"] = read + written
+        c["kv_bytes"] = batch * hv * dk * dv * 4 * (1 + q) + 2 * batch * conv_dim * (taps - 1) * a
+        # per token: the conv, then per value head decay, read, delta, update and output (~7 dk·dv)
+        c["other_flops"] = rows * (2 * conv_dim * taps + hv * 7 * dk * dv)
     elif op == "rmsnorm":
         c["weight_bytes"] = node["dim"] * a
         c["act_bytes"] = read + written
@@ -380,4 +395,7 @@ def weight_footprint(program: Program, escape_rate: float = U12_ESCAPE_RATE) -> 
                 total += node["vocab"] * node["dim"] * ACT_BYTES[node["dtype"]]
             elif node.op == "rmsnorm":
                 total += node["dim"] * ACT_BYTES.get(program.attr("dtype", "bfloat16"), 2)
+            elif node.op == "gated_deltanet":  # the conv taps (A_log, dt_bias, the gated norm: a few vectors)
+                conv_dim = 2 * node["k_heads"] * node["k_head_dim"] + node["v_heads"] * node["v_head_dim"]
+                total += conv_dim * node["conv_kernel"] * ACT_BYTES.get(program.attr("dtype", "bfloat16"), 2)
     return total

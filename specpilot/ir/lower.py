@@ -1,6 +1,7 @@
 """Lowering: HF config dicts of a target and a parallel drafter -> a verified `Program`.
 
-Supported: Llama and Qwen3 targets (Qwen3 adds per-head q/k RMSNorm); DFlash-style drafters
+Supported: Llama and Qwen3 targets (Qwen3 adds per-head q/k RMSNorm), Qwen3-Next hybrid targets
+(Gated DeltaNet `gated_deltanet` mixers between gated full-attention layers; dense MLPs); DFlash-style drafters
 (config keys `target_layer_ids`, `block_size`, `mask_token_id`; embedding and lm_head shared
 with the target) and PARD-style drafters (a causal LM whose config names its `pard_token`).
 Weight names are the checkpoint's own, so a backend can find every tensor a node reads.
@@ -12,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..errors import CheckpointError
+from ..runtime.config import HYBRID_FAMILIES, HybridConfig
 from .graph import Graph, Program
 from .node import Node
 from .verify import expected_verify_length, verify_program
@@ -89,18 +91,25 @@ def _decoder_layers(g: Graph, s: Shapes, x: str, prefix: str, dtype: str, *, mas
             [rope, v],
         )
         o = g.add(f"{p}.o_proj", _matmul("linear", q_out, s.hidden, f"{w}.self_attn.o_proj.weight", dtype), [attn])
-        res = g.add(f"{p}.attn_residual", Node.make("add"), [x, o])
-        norm2 = g.add(f"{p}.post_norm", Node.make("rmsnorm", dim=s.hidden, eps=s.eps, weight=f"{w}.post_attention_layernorm.weight"), [res])
-        gate = g.add(f"{p}.gate_proj", _matmul("linear", s.hidden, s.intermediate, f"{w}.mlp.gate_proj.weight", dtype), [norm2])
-        up = g.add(f"{p}.up_proj", _matmul("linear", s.hidden, s.intermediate, f"{w}.mlp.up_proj.weight", dtype), [norm2])
-        act = g.add(f"{p}.mlp", Node.make("mlp", act="silu", dim=s.intermediate), [gate, up])
-        down = g.add(f"{p}.down_proj", _matmul("linear", s.intermediate, s.hidden, f"{w}.mlp.down_proj.weight", dtype), [act])
-        x = g.add(f"{p}.mlp_residual", Node.make("add"), [res, down])
+        x = _mlp_block(g, s, x, o, p, w, dtype)
     return x
 
 
-def _head(g: Graph, s: Shapes, x: str, norm_weight: str, head_weight: str, tied: bool, dtype: str) -> None:
-    norm = g.add("norm", Node.make("rmsnorm", dim=s.hidden, eps=s.eps, weight=norm_weight), [x])
+def _mlp_block(g: Graph, s: Shapes, x: str, mixed: str, p: str, w: str, dtype: str, **norm_attrs) -> str:
+    """The residual add after a token mixer's output `mixed`, then the pre-norm SwiGLU MLP block."""
+    res = g.add(f"{p}.attn_residual", Node.make("add"), [x, mixed])
+    norm2 = g.add(f"{p}.post_norm", Node.make("rmsnorm", dim=s.hidden, eps=s.eps, weight=f"{w}.post_attention_layernorm.weight",
+                                              **norm_attrs), [res])
+    gate = g.add(f"{p}.gate_proj", _matmul("linear", s.hidden, s.intermediate, f"{w}.mlp.gate_proj.weight", dtype), [norm2])
+    up = g.add(f"{p}.up_proj", _matmul("linear", s.hidden, s.intermediate, f"{w}.mlp.up_proj.weight", dtype), [norm2])
+    act = g.add(f"{p}.mlp", Node.make("mlp", act="silu", dim=s.intermediate), [gate, up])
+    down = g.add(f"{p}.down_proj", _matmul("linear", s.intermediate, s.hidden, f"{w}.mlp.down_proj.weight", dtype), [act])
+    return g.add(f"{p}.mlp_residual", Node.make("add"), [res, down])
+
+
+def _head(g: Graph, s: Shapes, x: str, norm_weight: str, head_weight: str, tied: bool, dtype: str,
+          **norm_attrs) -> None:
+    norm = g.add("norm", Node.make("rmsnorm", dim=s.hidden, eps=s.eps, weight=norm_weight, **norm_attrs), [x])
     head = g.add("lm_head", _matmul("lm_head", s.hidden, s.vocab, head_weight, dtype, tied=tied), [norm])
     g.add("argmax", Node.make("argmax", vocab=s.vocab), [head])
 
@@ -113,6 +122,51 @@ def lower_causal_lm(name: str, s: Shapes, dtype: str) -> Graph:
     x = _decoder_layers(g, s, emb, "model.", dtype, mask="causal")
     head_weight = "model.embed_tokens.weight" if s.tied else "lm_head.weight"
     _head(g, s, x, "model.norm.weight", head_weight, s.tied, dtype)
+    return g
+
+
+def hybrid_shapes(h: HybridConfig) -> Shapes:
+    """The attention/MLP numbers of a hybrid config (its full-attention layers' heads)."""
+    return Shapes(family=h.family, vocab=h.vocab_size, hidden=h.hidden_size, intermediate=h.intermediate_size,
+                  layers=h.num_layers, heads=h.num_heads, kv_heads=h.num_kv_heads, head_dim=h.head_dim,
+                  eps=h.rms_norm_eps, theta=h.rope_theta, tied=h.tie_word_embeddings)
+
+
+def lower_hybrid_lm(name: str, h: HybridConfig, dtype: str) -> Graph:
+    """A Qwen3-Next hybrid causal LM: per `layer_types`, a Gated DeltaNet (its projections as
+    ordinary `linear` nodes) or gated full attention, each followed by the dense MLP block."""
+    s = hybrid_shapes(h)
+    centred = {"weight_offset": 1.0}  # every Qwen3-Next RMSNorm is y = x̂ · (1 + w)
+    g = Graph(name)
+    tokens = g.add("tokens", Node.make("input", what="tokens"))
+    x = g.add("embed", Node.make("embed", vocab=s.vocab, dim=s.hidden, dtype=dtype, weight="model.embed_tokens.weight"), [tokens])
+    q_out, kv_out = s.heads * s.head_dim, s.kv_heads * s.head_dim
+    key_dim, value_dim = h.linear_num_key_heads * h.linear_key_head_dim, h.linear_num_value_heads * h.linear_value_head_dim
+    for i, kind in enumerate(h.layer_types):
+        p, w = f"layers.{i}", f"model.layers.{i}"
+        norm = g.add(f"{p}.input_norm", Node.make("rmsnorm", dim=s.hidden, eps=s.eps, weight=f"{w}.input_layernorm.weight",
+                                                  **centred), [x])
+        if kind == "linear_attention":
+            a = f"{w}.linear_attn"
+            qkvz = g.add(f"{p}.in_proj_qkvz", _matmul("linear", s.hidden, 2 * key_dim + 2 * value_dim, f"{a}.in_proj_qkvz.weight", dtype), [norm])
+            ba = g.add(f"{p}.in_proj_ba", _matmul("linear", s.hidden, 2 * h.linear_num_value_heads, f"{a}.in_proj_ba.weight", dtype), [norm])
+            mix = g.add(f"{p}.deltanet", Node.make("gated_deltanet", k_heads=h.linear_num_key_heads, v_heads=h.linear_num_value_heads,
+                                                   k_head_dim=h.linear_key_head_dim, v_head_dim=h.linear_value_head_dim,
+                                                   conv_kernel=h.linear_conv_kernel_dim), [qkvz, ba])
+            out = g.add(f"{p}.out_proj", _matmul("linear", value_dim, s.hidden, f"{a}.out_proj.weight", dtype), [mix])
+        else:
+            a = f"{w}.self_attn"
+            q = g.add(f"{p}.q_proj", _matmul("linear", s.hidden, 2 * q_out, f"{a}.q_proj.weight", dtype), [norm])  # query + gate
+            k = g.add(f"{p}.k_proj", _matmul("linear", s.hidden, kv_out, f"{a}.k_proj.weight", dtype), [norm])
+            v = g.add(f"{p}.v_proj", _matmul("linear", s.hidden, kv_out, f"{a}.v_proj.weight", dtype), [norm])
+            rope = g.add(f"{p}.rope", Node.make("rope", head_dim=h.rotary_dim, theta=s.theta), [q, k])
+            attn = g.add(f"{p}.attention", Node.make("attention", heads=s.heads, kv_heads=s.kv_heads, head_dim=s.head_dim,
+                                                     mask="causal", kernel="sdpa", qk_norm=True, context="self",
+                                                     output_gate=True), [rope, v])
+            out = g.add(f"{p}.o_proj", _matmul("linear", q_out, s.hidden, f"{a}.o_proj.weight", dtype), [attn])
+        x = _mlp_block(g, s, x, out, p, w, dtype, **centred)
+    head_weight = "model.embed_tokens.weight" if s.tied else "lm_head.weight"
+    _head(g, s, x, "model.norm.weight", head_weight, s.tied, dtype, **centred)
     return g
 
 
@@ -158,11 +212,18 @@ def lower(target_cfg: dict, drafter_cfg: dict, *, dtype: str = "float32", block_
     """Lower a target and a drafter (HF config dicts) to a verified Program.
 
     `block_size` overrides the drafter config's own (DFlash: block incl. the anchor; PARD: k)."""
-    t = Shapes.from_hf(target_cfg, target_source)
+    if target_cfg.get("model_type") in HYBRID_FAMILIES:
+        hybrid = HybridConfig.from_hf(target_cfg, target_source)
+        t, target = hybrid_shapes(hybrid), lower_hybrid_lm("target", hybrid, dtype)
+    else:
+        t = Shapes.from_hf(target_cfg, target_source)
+        target = lower_causal_lm("target", t, dtype)
     kind = drafter_kind(drafter_cfg)
     drafter_cfg = {**drafter_cfg, **drafter_cfg.get("dflash_config", {})}
     if kind == "dflash":
-        d = Shapes.from_hf({**target_cfg, **drafter_cfg}, drafter_source, family=t.family)
+        # DFlash layers are qwen3-like whatever the target (a hybrid target's drafter has no recurrence)
+        family = t.family if t.family in FAMILIES else "qwen3"
+        d = Shapes.from_hf({**target_cfg, **drafter_cfg}, drafter_source, family=family)
         if d.hidden != t.hidden:
             raise CheckpointError(f"{drafter_source}: hidden_size={d.hidden} must equal the target's {t.hidden} (shared embedding)")
         layer_ids = tuple(int(i) for i in drafter_cfg["target_layer_ids"])
@@ -182,7 +243,7 @@ def lower(target_cfg: dict, drafter_cfg: dict, *, dtype: str = "float32", block_
         raise CheckpointError(f"{drafter_source}: vocab_size={d.vocab} does not match the target's {t.vocab}")
     program = Program(
         step=_step_graph(kind, block, kind),
-        target=lower_causal_lm("target", t, dtype),
+        target=target,
         drafter=drafter,
         attrs=(("dtype", dtype), ("family", t.family)),
     )

@@ -103,7 +103,8 @@ OPS: dict[str, OpSchema] = {
     # model graphs: target and drafter as ops with shapes and dtypes
     "input": OpSchema("model", {"what": {"tokens", "target_hidden"}}, {"layers": tuple, "dim": int}),
     "embed": OpSchema("model", {"vocab": int, "dim": int, "dtype": DTYPES, "weight": str}),
-    "rmsnorm": OpSchema("model", {"dim": int, "eps": float, "weight": str}),
+    # weight_offset 1.0: y = x̂ · (1 + w), the zero-centred norm of Qwen3-Next
+    "rmsnorm": OpSchema("model", {"dim": int, "eps": float, "weight": str}, {"weight_offset": float}),
     "linear": OpSchema("model", _matmul),
     "rope": OpSchema("model", {"head_dim": int, "theta": float}),
     "attention": OpSchema(
@@ -115,7 +116,14 @@ OPS: dict[str, OpSchema] = {
             "mask": {"causal", "block-noncausal", "tree"},
             "kernel": {"sdpa", "triton-split-kv"},
         },
-        {"qk_norm": bool, "context": {"self", "target-hidden"}},
+        # output_gate: q_proj also yields a gate; the output is multiplied by sigmoid(gate) (Qwen3-Next)
+        {"qk_norm": bool, "context": {"self", "target-hidden"}, "output_gate": bool},
+    ),
+    # Gated DeltaNet token mixer (Qwen3-Next linear attention): inputs in_proj_qkvz and in_proj_ba,
+    # a causal depthwise conv of `conv_kernel` taps, the gated delta rule over a float32 state
+    # [v_heads, k_head_dim, v_head_dim] per request, a gated RMSNorm; output v_heads * v_head_dim.
+    "gated_deltanet": OpSchema(
+        "model", {"k_heads": int, "v_heads": int, "k_head_dim": int, "v_head_dim": int, "conv_kernel": int}
     ),
     "mlp": OpSchema("model", {"act": {"silu"}, "dim": int}),
     "add": OpSchema("model", {}),
