@@ -1,66 +1,84 @@
 """y = x · Wᵀ with W in the u12 format, decoded in registers.
 
-Each program owns a block of BLOCK_N output features and all M (≤ 64 per program) rows of x:
-it walks K once, decodes each weight once from the two planes and uses it for every row, and
-accumulates in fp32. Small M (≤ 4) multiplies on the CUDA cores into a [BM, BN, BK] accumulator
-reduced once after the loop; larger M computes yᵀ = W·xᵀ with ``tl.dot``, the decoded tile as the
-wide (BLOCK_N) side, bf16 operands on the GPU (the decoded weights are exact bf16).
+One kernel, two ways to multiply (a constexpr): M ≤ 4 rows of x multiply on the CUDA cores (GEMV),
+M ≥ 5 feeds decoded [BLOCK_N, BLOCK_K] tiles to ``tl.dot`` (bf16 operands on the GPU, fp32 under
+the interpreter) with up to 64 rows of x per program, so each weight is decoded once per program.
 
-Columns are decoded as (even, odd) pairs: one code byte holds both codes, and the sign/mantissa
-plane is read as little-endian int16 pairs when K is even, so both planes load contiguously; the
-two halves are interleaved back (join + reshape) to meet a contiguous tile of x.
+Loads. The sign/mantissa plane is read as int32 words (4 weights) and the code plane as int16
+words (their 4 codes) when K % 4 == 0, so both planes load contiguously and one thread's code
+nibbles line up with its bytes without a layout change; the 4 weights of a word are decoded side by
+side ([BN, BW, 4], shifts by a constant arange) and reshaped to k order. Other K read bytes.
 
-Escapes: the planes hold code 0 at escaped positions, which decodes to 0.0. After the K loop the
-program adds the exact contributions ``x[:, k] * w[n, k]`` of its rows' escapes to the fp32
-accumulator, in chunks gathered from the CSR row pointers (``U12Tensor.esc_row_ptr``) and
-scattered by a one-hot product. Doing it in the same program costs no extra launch and no fp32
-output round trip; escapes are rare (about 0.015% of N(0, 0.02) weights, bench/results/u12_stats.json).
-A chunk whose contributions are not all finite (inf/NaN weights) takes a one-escape-at-a-time
-path, since a one-hot product would spread inf·0 = NaN across the block.
+Decode. Where the base's window holds only normal finite exponents (1 ≤ base ≤ 240: every tensor
+of trained or N(0, σ) weights), a weight decodes with the exponent field equal to its code, so
+``bits = sign << 31 | code << 23 | mantissa << 16`` with no per-weight add or select: code 0 (an
+escape, whose sign/mantissa byte is 0) is +0.0, and code c is the weight times 2^-(base-1). x is
+scaled by 2^64 once per element and the fp32 sum by 2^(base-65) once per output: exact (powers of
+two) while |x| < 2^64 and the scaled products stay normal (|x| ≳ 2^-59 · 2^-c), which holds for any
+activation worth the name. Other bases (0: a window reaching subnormals; 241: reaching inf/NaN) use
+the exact exponent ``code + (base - 1)`` with code 0 mapped to 0 and unit scales.
 
-Activations are assumed finite: an inf in x meets escaped weights as 0 in the main loop.
+Split-K. The grid is (N blocks, SPLIT_K, M blocks). With SPLIT_K > 1 each program stores its fp32
+partial, and the last program of an N block to arrive (an acq_rel counter per block, the serial
+split-K semaphore of CUTLASS: barrier, then one release by one thread) sums the partials in split
+order, adds the escapes, casts and stores, and resets the counter to 0. One launch, no memset, no
+host sync, deterministic; counters live with the weight (per U12Tensor), so two streams must not
+run the same weight at the same time.
 
-Speed (H200, triton 3.6, bench/results/u12_linear_nvidia_h200.json): 0.47-0.55x cuBLAS at M = 1,
-0.13-0.35x at M = 16..64, so not yet worth using for speed. Measured along the way: making W the
-dot's wide side and reading x contiguously took M = 64 from 0.06-0.10x to 0.13-0.29x; halving
-the integer work per weight (two weights per 32-bit word) left M = 1 unchanged, so this kernel is
-not bound by decode arithmetic. Untried: split-K (the naive kernel of GPU-FACTS.md had it and
-reached 0.9x at M = 1), more bytes in flight per program, a layout that avoids the join.
+Escapes: after the sum, the program that writes an output block adds the exact contributions
+``x[:, k] * w[n, k]`` of its rows' escapes, gathered from the CSR row pointers
+(``U12Tensor.esc_row_ptr``) and scattered by a one-hot product (one escape at a time when a chunk
+holds inf/NaN contributions). Escapes are about 0.015% of N(0, 0.02) weights.
+
+Configs are data (``U12Config``: block_n, block_w words = 4 weights each, split_k, warps, stages);
+``default_config`` picks one per (M, N, K) and bench/u12_linear.py sweeps ``SWEEP_GEMV`` and
+``SWEEP_DOT`` against cuBLAS.
+
+Speed. The previous kernel (one program per N block walking all of K, no split-K, pair decode
+with a per-weight base add) measured 0.47-0.55x cuBLAS at M = 1 and 0.13-0.43x at M = 4..64 on
+the H200. This design is correct under the interpreter (tests/test_kernels.py, tests/test_u12_format.py);
+it is UNTESTED ON THE GPU as written: expected from GPU-FACTS.md (a split-K kernel with a costlier
+decode reached 0.88-0.97x at M = 1) is ≥ 1x at M = 1 where the decode (≈ 4 integer ops a weight)
+keeps up with the bytes; the M = 16 dot path and the word-split layouts Triton picks are the risks.
+Not tried: PTX prmt/lop3 decode by inline asm (the interpreter cannot run it), a pre-interleaved
+plane layout.
 """
 
 from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from specpilot.runtime.u12 import U12Tensor, pack_u12, unpack_u12
+from specpilot.runtime.u12 import MAX_BASE, U12Tensor, pack_u12, unpack_u12
 
 from .registry import KernelSpec, register
 
+X_SCALE_LOG2 = 64  # x is scaled by 2^64 on the scaled-decode path (see the module docstring)
+
 
 @triton.jit
-def _decode_pairs(pair, code_byte, base, TO_BF16: tl.constexpr):
-    """Two weights per 32-bit word, from ``pair = sm_even | sm_odd << 8`` and ``code_byte``.
+def _decode_words(s, c, base, SCALED: tl.constexpr, TO_BF16: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr):
+    """[BN, BW] int32 words of 4 sign/mantissa bytes and their 4 codes -> [BN, 4 BW] weights in k order.
 
-    Both bf16 patterns are assembled in one int32 (even in the low half), so the integer work is
-    shared; the naive one-weight-per-int32 decode was bound by integer work (GPU-FACTS.md).
-    Code 0 gets exponent field 0 instead of base - 1 (the multiply by min(c, 1)), and pack_u12
-    stores sign/mantissa 0 at escapes, so an escape decodes to +0.0 without a select.
+    SCALED: exponent field = code (weight · 2^-(base-1); escapes, code 0 and byte 0, are +0.0).
+    Else the exact exponent code + base - 1, 0 for code 0.
     """
-    p = pair.to(tl.int32) & 0xFFFF
-    c = code_byte.to(tl.int32)
-    c_even = c & 0xF
-    c_odd = c >> 4
-    exponents = ((c_even + (base - 1) * tl.minimum(c_even, 1)) << 7) | ((c_odd + (base - 1) * tl.minimum(c_odd, 1)) << 23)
-    bits = (p & 0x7F) | ((p & 0x7F80) << 8) | ((p & 0x8000) << 16) | exponents
-    if TO_BF16:
-        w_even = bits.to(tl.int16).to(tl.bfloat16, bitcast=True)
-        w_odd = (bits >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
+    j = tl.arange(0, 4)
+    b = (s[:, :, None] >> (8 * j)[None, None, :]) & 0xFF
+    code = (c[:, :, None] >> (4 * j)[None, None, :]) & 0xF
+    if SCALED:
+        e = code
     else:
-        w_even = (bits << 16).to(tl.float32, bitcast=True)
-        w_odd = (bits & -0x10000).to(tl.float32, bitcast=True)
-    return w_even, w_odd
+        e = code + (base - 1) * tl.minimum(code, 1)
+    if TO_BF16:
+        w = (((b & 0x80) << 8) | (e << 7) | (b & 0x7F)).to(tl.int16).to(tl.bfloat16, bitcast=True)
+    else:
+        w = (((b & 0x80) << 24) | (e << 23) | ((b & 0x7F) << 16)).to(tl.float32, bitcast=True)
+    return tl.reshape(w, (BLOCK_N, 4 * BLOCK_W))
 
 
 @triton.jit
@@ -106,18 +124,20 @@ def _apply_escapes(
     return acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["split_k"])  # one compile serves split_k = 1 and > 1
 def _u12_linear_kernel(
-    x_ptr, sm_ptr, codes_ptr, esc_idx_ptr, esc_val_ptr, esc_row_ptr, y_ptr,
-    M, N, K, base,
+    x_ptr, sm_ptr, codes_ptr, esc_idx_ptr, esc_val_ptr, esc_row_ptr, y_ptr, part_ptr, count_ptr,
+    M, N, K, n_words, base, x_scale, y_scale_lo, y_scale_hi, split_k, words_per_split,
     stride_xm, stride_xk, stride_sm, stride_codes, stride_ym,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_P: tl.constexpr, ESC_BLOCK: tl.constexpr,
-    SM_PAIRS: tl.constexpr,  # sm_ptr is the sign/mantissa plane viewed as int16 pairs (K even)
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, ESC_BLOCK: tl.constexpr,
+    WORDS: tl.constexpr,  # sm viewed as int32 [N, K/4], codes as int16 [N, K/4] (K % 4 == 0); else bytes
+    SCALED: tl.constexpr,  # exponent field = code, x scaled by x_scale, sums by y_scale_lo · y_scale_hi
     USE_DOT: tl.constexpr,  # tl.dot on decoded tiles (BLOCK_M >= 16), else multiply-and-sum
-    DOT_BF16: tl.constexpr,  # decode to bf16 for a bf16 dot (GPU, bf16 x); else fp32 tiles
+    DOT_BF16: tl.constexpr,  # bf16 tiles for a bf16 dot (GPU, bf16 x); else fp32 tiles
 ):
     pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
+    pid_k = tl.program_id(1)
+    pid_m = tl.program_id(2)
     n0 = pid_n * BLOCK_N
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = n0 + tl.arange(0, BLOCK_N)
@@ -125,79 +145,102 @@ def _u12_linear_kernel(
     mask_n = offs_n < N
     x_rows = x_ptr + offs_m[:, None] * stride_xm
 
+    w_begin = pid_k * words_per_split
+    w_end = tl.minimum(w_begin + words_per_split, n_words)  # arguments, so the compiler sees their divisibility
     if USE_DOT:
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # yᵀ: W is the dot's wide side
     else:
-        acc = tl.zeros((BLOCK_M, BLOCK_N, 2 * BLOCK_P), dtype=tl.float32)  # reduced once, after the loop
-    for p0 in range(0, tl.cdiv(K, 2), BLOCK_P):
-        offs_p = p0 + tl.arange(0, BLOCK_P)  # column pairs (2p, 2p + 1)
-        w_mask = mask_n[:, None] & (2 * offs_p < K)[None, :]
-        code_byte = tl.load(codes_ptr + offs_n[:, None] * stride_codes + offs_p[None, :], mask=w_mask, other=0)
-        if SM_PAIRS:
-            pair = tl.load(sm_ptr + offs_n[:, None] * stride_sm + offs_p[None, :], mask=w_mask, other=0)
-        else:
-            sm_row = sm_ptr + offs_n[:, None] * stride_sm + 2 * offs_p[None, :]
-            sm_even = tl.load(sm_row, mask=w_mask, other=0).to(tl.int32)
-            sm_odd = tl.load(sm_row + 1, mask=mask_n[:, None] & (2 * offs_p + 1 < K)[None, :], other=0).to(tl.int32)
-            pair = sm_even | (sm_odd << 8)
-        w_even, w_odd = _decode_pairs(pair, code_byte, base, DOT_BF16)  # [BN, BP] each
-        w = tl.reshape(tl.join(w_even, w_odd), (BLOCK_N, 2 * BLOCK_P))  # columns 2p, 2p + 1 interleaved
-        offs_k = 2 * p0 + tl.arange(0, 2 * BLOCK_P)
+        acc = tl.zeros((BLOCK_M, BLOCK_N, 4 * BLOCK_W), dtype=tl.float32)  # reduced once, after the loop
+    for w0 in range(w_begin, w_end, BLOCK_W):
+        offs_w = w0 + tl.arange(0, BLOCK_W)
+        w_mask = mask_n[:, None] & (offs_w < w_end)[None, :]
+        if WORDS:
+            s = tl.load(sm_ptr + offs_n[:, None] * stride_sm + offs_w[None, :], mask=w_mask, other=0)
+            c = tl.load(codes_ptr + offs_n[:, None] * stride_codes + offs_w[None, :], mask=w_mask, other=0).to(tl.int32)
+        else:  # bytes beyond K (and the padding nibble) read as 0, which decodes to +0.0
+            sm_row = sm_ptr + offs_n[:, None] * stride_sm + 4 * offs_w[None, :]
+            s = tl.zeros((BLOCK_N, BLOCK_W), dtype=tl.int32)
+            for j in tl.static_range(4):
+                in_k = w_mask & (4 * offs_w + j < K)[None, :]
+                s |= tl.load(sm_row + j, mask=in_k, other=0).to(tl.int32) << (8 * j)
+            code_row = codes_ptr + offs_n[:, None] * stride_codes + 2 * offs_w[None, :]
+            c = tl.load(code_row, mask=w_mask, other=0).to(tl.int32)
+            c |= tl.load(code_row + 1, mask=w_mask & (4 * offs_w + 2 < K)[None, :], other=0).to(tl.int32) << 8
+        w = _decode_words(s, c, base, SCALED, DOT_BF16, BLOCK_N, BLOCK_W)  # [BN, 4 BW]
+        offs_k = 4 * w0 + tl.arange(0, 4 * BLOCK_W)
         x = tl.load(x_rows + offs_k[None, :] * stride_xk, mask=mask_m[:, None] & (offs_k < K)[None, :], other=0.0)
+        x = x.to(tl.float32) * x_scale  # exact: a power of two
         if USE_DOT:
             if DOT_BF16:
                 acc = tl.dot(w, tl.trans(x.to(tl.bfloat16)), acc)
             else:
-                acc = tl.dot(w, tl.trans(x.to(tl.float32)), acc, input_precision="ieee")
+                acc = tl.dot(w, tl.trans(x), acc, input_precision="ieee")
         else:
-            acc += x.to(tl.float32)[:, None, :] * w[None, :, :]
+            acc += x[:, None, :] * w[None, :, :]
     if USE_DOT:
-        acc = tl.trans(acc)
+        out = tl.trans(acc)
     else:
-        acc = tl.sum(acc, axis=2)
+        out = tl.sum(acc, axis=2)
+    out = out * y_scale_lo * y_scale_hi  # exact: powers of two
 
-    acc = _apply_escapes(
-        acc, x_ptr, esc_idx_ptr, esc_val_ptr, esc_row_ptr, offs_m, mask_m, offs_n, n0, N, K,
-        stride_xm, stride_xk, BLOCK_N, ESC_BLOCK, USE_DOT,
-    )
+    mask_out = mask_m[:, None] & mask_n[None, :]
     y = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
-    tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+    if split_k == 1:
+        out = _apply_escapes(
+            out, x_ptr, esc_idx_ptr, esc_val_ptr, esc_row_ptr, offs_m, mask_m, offs_n, n0, N, K,
+            stride_xm, stride_xk, BLOCK_N, ESC_BLOCK, USE_DOT,
+        )
+        tl.store(y, out.to(y_ptr.dtype.element_ty), mask=mask_out)
+    else:
+        part = part_ptr + offs_m[:, None] * N + offs_n[None, :]  # [split_k, M, N] fp32
+        tl.store(part + pid_k * M * N, out, mask=mask_out)
+        tl.debug_barrier()  # every thread's partial is written before the release below
+        counter = count_ptr + pid_m * tl.num_programs(0) + pid_n
+        arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+        if arrived == split_k - 1:  # the last program of this block sums, in split order
+            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for ks in range(0, split_k):
+                total += tl.load(part + ks * M * N, mask=mask_out, other=0.0, cache_modifier=".cg")
+            total = _apply_escapes(
+                total, x_ptr, esc_idx_ptr, esc_val_ptr, esc_row_ptr, offs_m, mask_m, offs_n, n0, N, K,
+                stride_xm, stride_xk, BLOCK_N, ESC_BLOCK, USE_DOT,
+            )
+            tl.store(y, total.to(y_ptr.dtype.element_ty), mask=mask_out)
+            tl.atomic_xchg(counter, 0)  # ready for the next launch (and CUDA graph replays)
 
 
-def _config(block_n: int, block_p: int, warps: int, stages: int) -> triton.Config:
-    return triton.Config({"BLOCK_N": block_n, "BLOCK_P": block_p}, num_warps=warps, num_stages=stages)
+@dataclass(frozen=True)
+class U12Config:
+    """One launch configuration; block_w counts 32-bit words of the byte plane (4 weights each)."""
+
+    block_n: int
+    block_w: int
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def __str__(self) -> str:
+        return f"bn{self.block_n}-bw{self.block_w}-sk{self.split_k}-w{self.num_warps}-s{self.num_stages}"
 
 
-# A small space for the H200 (BLOCK_P counts column pairs, so a tile spans 2·BLOCK_P columns); the
-# autotuner picks per (BLOCK_M, N, K). Its picks are recorded in the benchmark's result file.
-_CONFIGS_SUM = [
-    _config(16, 32, 4, 3), _config(16, 64, 4, 3), _config(16, 128, 4, 3), _config(32, 64, 4, 3),
-    _config(64, 32, 4, 3), _config(16, 256, 8, 3), _config(32, 128, 8, 3), _config(64, 64, 8, 3),
+SM_COUNT_H200 = 132
+
+# The benchmark's sweep (bench/u12_linear.py crosses each tile with split_k in SPLIT_KS); the GEMV
+# tiles keep the [BM, BN, 4 BW] fp32 accumulator within 64 registers a thread at BM = 4 (16 at BM = 1).
+SWEEP_GEMV = [
+    U12Config(8, 64, num_warps=4), U12Config(16, 32, num_warps=4), U12Config(16, 64, num_warps=8),
+    U12Config(4, 128, num_warps=4), U12Config(32, 32, num_warps=8), U12Config(8, 64, num_warps=4, num_stages=3),
 ]
-_CONFIGS_DOT = [
-    _config(64, 32, 4, 4), _config(64, 64, 4, 3), _config(128, 32, 4, 3),
-    _config(128, 32, 8, 3), _config(128, 64, 8, 3), _config(64, 64, 8, 4),
+SWEEP_DOT = [
+    U12Config(64, 16, num_warps=4), U12Config(64, 32, num_warps=4), U12Config(128, 16, num_warps=8),
+    U12Config(128, 32, num_warps=8), U12Config(64, 32, num_warps=4, num_stages=3),
 ]
+SPLIT_KS = (1, 2, 4, 8)
 
+# Best configs measured by bench/u12_linear.py, keyed (BLOCK_M, N, K); empty until a GPU sweep fills it.
+TUNED: dict[tuple[int, int, int], U12Config] = {}
 
-def _prune_configs(configs, named_args, **kwargs):
-    """Keep the configs of the kernel's path; the sum path's [BM, BN, 2 BP] fp32 accumulator stays
-    within 64 registers a thread."""
-    if kwargs["USE_DOT"]:
-        return [c for c in configs if c in _CONFIGS_DOT]
-    size = lambda c: kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] * 2 * c.kwargs["BLOCK_P"]
-    kept = [c for c in configs if c in _CONFIGS_SUM and size(c) <= 64 * 32 * c.num_warps]
-    return kept or [min(_CONFIGS_SUM, key=size)]
-
-
-_u12_linear_tuned = triton.autotune(
-    configs=_CONFIGS_SUM + _CONFIGS_DOT,
-    key=["BLOCK_M", "N", "K"],
-    prune_configs_by={"early_config_prune": _prune_configs},
-)(_u12_linear_kernel)
-
-# The interpreter (CPU) runs one small fixed config.
-_INTERPRETER_CONFIG = {"BLOCK_N": 16, "BLOCK_P": 16}
+_INTERPRETER_CONFIG = U12Config(16, 8, split_k=2)  # small tiles; split-K exercised on the CPU too
 _ESC_BLOCK = 16
 
 
@@ -208,12 +251,51 @@ def _block_m(m: int) -> int:
     return min(64, max(16, triton.next_power_of_2(m)))
 
 
+def default_config(m: int, n: int, k: int, on_gpu: bool = True) -> U12Config:
+    """TUNED where measured, else a heuristic: enough programs for ~8 (GEMV) or ~2 (dot) a SM."""
+    if not on_gpu:
+        return _INTERPRETER_CONFIG
+    block_m = _block_m(m)
+    if (block_m, n, k) in TUNED:
+        return TUNED[(block_m, n, k)]
+    if block_m <= 4:  # 32 (BM = 1, 2) or 64 (BM = 4) accumulator registers a thread
+        tile, per_sm = U12Config(16 if block_m <= 2 else 8, 64, num_warps=4), 8
+    else:
+        tile, per_sm = U12Config(64, 32, num_warps=4), 2
+    n_blocks = triton.cdiv(n, tile.block_n) * triton.cdiv(m, block_m)
+    split = max(1, min(8, SM_COUNT_H200 * per_sm // n_blocks, triton.cdiv(k, 4 * tile.block_w * 4)))
+    return U12Config(tile.block_n, tile.block_w, split, tile.num_warps, tile.num_stages)
+
+
 def _nonempty(t: torch.Tensor) -> torch.Tensor:
     """Kernels take a pointer even when the escape table is empty."""
     return t if t.numel() else torch.zeros(1, dtype=t.dtype, device=t.device)
 
 
-def u12_linear(x: torch.Tensor, t: U12Tensor) -> torch.Tensor:
+_COUNTERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _split_counters(t: U12Tensor, size: int) -> torch.Tensor:
+    """Zeroed int32 counters of the split-K fixup, kept with the weight; the kernel leaves them 0.
+
+    A larger request allocates a new buffer and keeps the old ones alive (a captured CUDA graph may
+    still point at them)."""
+    bufs = _COUNTERS.setdefault(t, [])
+    if not bufs or bufs[-1].numel() < size:
+        bufs.append(torch.zeros(max(size, triton.cdiv(t.shape[0], 4)), dtype=torch.int32, device=t.device))
+    return bufs[-1]
+
+
+def _scales(base: int) -> tuple[bool, float, float, float]:
+    """(scaled, x scale, y scale lo, y scale hi): y = (x 2^64 · w 2^-(base-1)) 2^(base-65)."""
+    if not 1 <= base <= MAX_BASE - 1:
+        return False, 1.0, 1.0, 1.0
+    q = base - 1 - X_SCALE_LOG2  # in -64 .. 175: two factors keep each within fp32
+    lo = min(q, 100)
+    return True, 2.0**X_SCALE_LOG2, 2.0**lo, 2.0 ** (q - lo)
+
+
+def u12_linear(x: torch.Tensor, t: U12Tensor, config: U12Config | None = None) -> torch.Tensor:
     """x [M, K] (bf16 or fp32) times the u12 weight [N, K] transposed: [M, N] in x.dtype, fp32 accumulation."""
     n, k = t.shape
     if x.dim() != 2 or x.shape[1] != k:
@@ -227,25 +309,32 @@ def u12_linear(x: torch.Tensor, t: U12Tensor) -> torch.Tensor:
     if m == 0 or n == 0:
         return y
 
+    cfg = config or default_config(m, n, k, x.is_cuda)
     block_m = _block_m(m)
-    sm_pairs = k % 2 == 0 and k > 0
-    sm = t.sm.contiguous()
-    args = (
-        x, sm.view(torch.int16) if sm_pairs else sm, t.codes.contiguous(),
-        _nonempty(t.esc_idx), _nonempty(t.esc_val), t.esc_row_ptr, y,
-        m, n, k, t.base,
-        x.stride(0), x.stride(1), (k // 2) if sm_pairs else k, t.codes.shape[1], y.stride(0),
-    )
-    meta = dict(
-        BLOCK_M=block_m, ESC_BLOCK=_ESC_BLOCK, SM_PAIRS=sm_pairs,
-        USE_DOT=block_m >= 16, DOT_BF16=block_m >= 16 and x.is_cuda and x.dtype == torch.bfloat16,
-    )
-    m_blocks = triton.cdiv(m, block_m)
-    if x.is_cuda:
-        _u12_linear_tuned[lambda c: (triton.cdiv(n, c["BLOCK_N"]), m_blocks)](*args, **meta)
+    use_dot = block_m >= 16
+    words = k % 4 == 0 and k > 0
+    n_words = triton.cdiv(k, 4)
+    split = max(1, min(cfg.split_k, triton.cdiv(n_words, cfg.block_w)))
+    words_per_split = triton.cdiv(triton.cdiv(n_words, split), cfg.block_w) * cfg.block_w if k else 1
+    split = max(1, triton.cdiv(n_words, words_per_split))  # no empty splits
+    grid = (triton.cdiv(n, cfg.block_n), split, triton.cdiv(m, block_m))
+    if split > 1:
+        part = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
+        counters = _split_counters(t, grid[0] * grid[2])
     else:
-        grid = (triton.cdiv(n, _INTERPRETER_CONFIG["BLOCK_N"]), m_blocks)
-        _u12_linear_kernel[grid](*args, **meta, **_INTERPRETER_CONFIG)
+        part = counters = y  # unused
+    scaled, x_scale, y_lo, y_hi = _scales(t.base)
+    sm, codes = t.sm.contiguous(), t.codes.contiguous()
+    _u12_linear_kernel[grid](
+        x, sm.view(torch.int32) if words else sm, codes.view(torch.int16) if words else codes,
+        _nonempty(t.esc_idx), _nonempty(t.esc_val), t.esc_row_ptr, y, part, counters,
+        m, n, k, n_words, t.base, x_scale, y_lo, y_hi, split, words_per_split,
+        x.stride(0), x.stride(1), n_words if words else k, n_words if words else codes.shape[1], y.stride(0),
+        BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_W=cfg.block_w, ESC_BLOCK=_ESC_BLOCK,
+        WORDS=words, SCALED=scaled, USE_DOT=use_dot,
+        DOT_BF16=use_dot and x.is_cuda and x.dtype == torch.bfloat16,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
     return y
 
 

@@ -250,3 +250,49 @@ def test_bits_per_weight_is_three_quarters_of_bf16():
     w = (torch.randn(64, 64) * 0.02).to(torch.bfloat16)
     t = pack_u12(w)
     assert math.isclose(t.nbytes / (2 * w.numel()), 0.75, rel_tol=0.01)
+
+
+# --- the u12_linear kernel's configurations on these planes -----------------------------------
+# (tests/test_kernels.py runs the registry cases with the default config; these walk the config
+# space: split-K with its fixup, the word and byte loads, the scaled and exact decodes, both paths.)
+
+_KERNEL_CASES = [  # (M, N, K, base, block_n, block_w, split_k)
+    (1, 9, 64, None, 4, 4, 3),  # GEMV, words, scaled decode, split-K over 4 word blocks (3 used)
+    (3, 9, 70, None, 8, 2, 4),  # GEMV, byte loads (K % 4 == 2), split-K
+    (2, 5, 61, 0, 4, 4, 2),  # exact decode: base 0 reaches subnormal exponents; K % 4 == 1
+    (1, 6, 36, MAX_BASE, 4, 2, 1),  # exact decode: window reaching inf/NaN, most weights escape
+    (17, 20, 68, None, 16, 4, 3),  # tl.dot path, split-K, two M blocks... of 16 rows
+]
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+@pytest.mark.parametrize("m,n,k,base,block_n,block_w,split_k", _KERNEL_CASES)
+def test_u12_linear_configs_match_reference(m, n, k, base, block_n, block_w, split_k):
+    if not torch.cuda.is_available():
+        import os
+
+        os.environ["TRITON_INTERPRET"] = "1"  # before the kernel module is first imported
+    from specpilot.kernels.u12_linear import _COUNTERS, U12Config, u12_linear, u12_linear_reference
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(m * 1000 + k)
+    w = (torch.randn(n, k, generator=g) * 0.02).to(torch.bfloat16)
+    flat = bits_of(w).view(-1)
+    specials = [b for b in SPECIAL_BITS if b & 0x7FFF != 0x7F7F]  # not ±max: sums near it overflow in any order
+    planted = len(flat[::11])
+    flat[::11] = bits_of(as_bf16((specials * planted)[:planted], 1, planted)).view(-1)  # ±0, subnormals, inf, NaN, ±1
+    if base == 0:
+        flat[1::3] &= 0x807F  # exponent 0: zeros and subnormals, inside base 0's window
+    t = pack_u12(w, base=base).to(device)
+    x = torch.randn(m, k, generator=g).to(device)
+    cfg = U12Config(block_n, block_w, split_k)
+    y = u12_linear(x, t, cfg)
+    ref = u12_linear_reference(x, t)
+    finite = torch.isfinite(ref)
+    assert torch.equal(finite, torch.isfinite(y)) and torch.equal(ref.isnan(), y.isnan())
+    assert torch.allclose(y[finite], ref[finite], rtol=1e-5, atol=1e-5)
+    assert torch.equal(y[ref.isinf()], ref[ref.isinf()])
+    y2 = u12_linear(x, t, cfg)
+    assert torch.equal(y.view(torch.int32), y2.view(torch.int32)), "split-K sums in a fixed order"
+    for buf in _COUNTERS.get(t, []):
+        assert not buf.any(), "the last program of each block resets its counter"
