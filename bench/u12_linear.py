@@ -1,13 +1,23 @@
 """u12_linear against cuBLAS bf16 (x @ W.T) at the Llama-3.1-8B linear shapes, on one GPU.
 
-For each shape and M in 1, 4, 16, 64: random N(0, 0.02) bf16 weights, a correctness check of
-u12_linear against its reference (the registry tolerance), then both timed with
-triton.testing.do_bench (CUDA events, L2 flushed before each call, median). Reports time,
-achieved bandwidth (bytes read and written / time) and speedup; writes
-bench/results/u12_linear_<gpu>.json and prints a short table last. About a minute on an H200,
-most of it the autotuner's first calls.
+Sweep: for each shape and M in 1, 4, 16, 64, random N(0, 0.02) bf16 weights; every config of
+kernels/u12_linear.py's SWEEP_GEMV (M <= 4) or SWEEP_DOT (M >= 16) crossed with SPLIT_KS, plus the
+default config, is first checked against the reference (one bf16 step, see check_close) and then
+timed with triton.testing.do_bench (CUDA events, L2 flushed before each call, median). A config
+that fails to compile, run or match is recorded with its error, not timed. A time budget skips the
+rest of the sweep (rows marked "skipped") so the run stays within about four minutes on an H200.
 
-    python bench/u12_linear.py [--out FILE]     (GIT_COMMIT=... where the tree has no .git)
+Whole step: the issue's "whole AR step" proxy, measured once per M in 1, 16: the 32 layers'
+qkv, o, gate_up and down linears plus lm_head of Llama-3.1-8B (distinct random weights per layer,
+15 GB in bf16), issued back to back in one CUDA graph, cuBLAS bf16 against u12_linear with the
+sweep's best config per shape. No attention, norms or activations: the linears' weight traffic only.
+
+Writes bench/results/u12_linear_<gpu>.json: "rows" (the best config per shape and M, the keys
+specpilot/cost and bench/readme_tables read), "sweep" (every row, for the next round), "tuned"
+(the best configs as kernels/u12_linear.py's TUNED keys), "whole_step"; prints a short table last.
+
+    python bench/u12_linear.py [--out FILE] [--budget-s 170] [--no-step]
+    (SPECPILOT_COMMIT=... names the commit where the tree has no .git)
 """
 
 from __future__ import annotations
@@ -20,6 +30,7 @@ import platform
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -31,33 +42,102 @@ SHAPES = {  # name: (N, K)
     "down": (4096, 14336),
     "lm_head": (128256, 4096),
 }
+LAYER_SHAPES = ("qkv", "o", "gate_up", "down")
+LAYERS = 32
 MS = (1, 4, 16, 64)
+STEP_MS = (1, 16)
 SIGMA = 0.02
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def git_commit() -> str:
-    """HEAD, marked dirty when the files behind these numbers differ from it."""
-    if os.environ.get("GIT_COMMIT"):  # set where the tree was copied without .git
-        return os.environ["GIT_COMMIT"]
+    """SPECPILOT_COMMIT (or GIT_COMMIT) where set, else HEAD, marked dirty when the files behind
+    these numbers differ from it."""
+    for var in ("SPECPILOT_COMMIT", "GIT_COMMIT"):
+        if os.environ.get(var):
+            return os.environ[var]
     run = lambda *a: subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     commit = run("rev-parse", "HEAD") or "unknown"
     files = ["bench/u12_linear.py", "kernels/u12_linear.py", "specpilot/runtime/u12.py"]
     return commit + ("-dirty" if run("status", "--porcelain", "--", *files) else "")
 
 
-def check_close(y: torch.Tensor, ref: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
+def check_close(y: torch.Tensor, ref: torch.Tensor, scale: torch.Tensor) -> None:
     """y and ref (bf16) may differ by one bf16 step (2^-7 relative) after fp32 sums of different
-    order, whose error grows with K: allow 2^-16 of sum |x| |w| (typical is sqrt(K) 2^-24 of it)."""
-    scale = x.abs().float() @ w.abs().float().T
+    order, whose error grows with K: allow 2^-16 of sum |x| |w| (``scale``; typical is sqrt(K) 2^-24 of it)."""
     bad = (y.float() - ref.float()).abs() > 2**-7 * ref.float().abs() + 2**-16 * scale
     if bad.any() or not torch.isfinite(y).all():
-        raise AssertionError(f"u12_linear differs from its reference at {int(bad.sum())} of {y.numel()} outputs")
+        raise AssertionError(f"differs from the reference at {int(bad.sum())} of {y.numel()} outputs")
+
+
+def sweep_configs(m: int, n: int, k: int) -> list:
+    """The default config first, then each sweep tile crossed with SPLIT_KS (splits that fit K)."""
+    from specpilot.kernels.u12_linear import SPLIT_KS, SWEEP_DOT, SWEEP_GEMV, U12Config, default_config
+
+    out = [default_config(m, n, k)]
+    for tile in SWEEP_GEMV if m <= 4 else SWEEP_DOT:
+        for split in SPLIT_KS:
+            if split == 1 or k // (4 * tile.block_w) >= 2 * split:  # at least two word blocks a split
+                cfg = U12Config(tile.block_n, tile.block_w, split, tile.num_warps, tile.num_stages)
+                if cfg not in out:
+                    out.append(cfg)
+    return out
+
+
+def time_graph(fns, reps: int = 20) -> float:
+    """Median ms of one replay of a CUDA graph running fns in order (each warmed up first)."""
+    for f in fns:
+        f()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for f in fns:
+            f()
+    for _ in range(3):
+        g.replay()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        g.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    del g
+    return sorted(times)[len(times) // 2]
+
+
+def whole_step(best: dict, gen: torch.Generator) -> list[dict]:
+    """The 32 layers' linears + lm_head in one CUDA graph, cuBLAS bf16 vs u12 (best configs)."""
+    from specpilot.kernels.u12_linear import u12_linear
+    from specpilot.runtime.u12 import pack_u12
+
+    weights = []  # (name, bf16 weight, u12 weight)
+    for name in [s for _ in range(LAYERS) for s in LAYER_SHAPES] + ["lm_head"]:
+        n, k = SHAPES[name]
+        w = (torch.randn(n, k, device="cuda", generator=gen) * SIGMA).to(torch.bfloat16)
+        weights.append((name, w, pack_u12(w)))
+    out = []
+    for m in STEP_MS:
+        xs = {k: torch.randn(m, k, device="cuda", generator=gen).to(torch.bfloat16) for k in (4096, 14336)}
+        bf16 = [lambda x=xs[w.shape[1]], w=w: x @ w.T for _, w, _ in weights]
+        u12 = [lambda x=xs[t.shape[1]], t=t, c=best.get((name, m)): u12_linear(x, t, c) for name, _, t in weights]
+        cublas_ms, u12_ms = time_graph(bf16), time_graph(u12)
+        out.append({
+            "what": "32 layers' qkv/o/gate_up/down + lm_head linears of Llama-3.1-8B in one CUDA graph "
+                    "(no attention, norms or activations): the whole-AR-step proxy",
+            "M": m, "cublas_ms": cublas_ms, "u12_ms": u12_ms, "speedup": cublas_ms / u12_ms,
+            "bf16_weight_gb": sum(w.numel() * 2 for _, w, _ in weights) / 1e9,
+            "u12_weight_gb": sum(t.nbytes for _, _, t in weights) / 1e9,
+        })
+    return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, help="result file (default bench/results/u12_linear_<gpu>.json)")
+    parser.add_argument("--budget-s", type=float, default=170.0, help="sweep time budget; later rows are skipped")
+    parser.add_argument("--no-step", action="store_true", help="skip the whole-step CUDA graph")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench/u12_linear.py times CUDA kernels and needs a CUDA GPU; none is visible here.")
@@ -65,55 +145,95 @@ def main() -> None:
     import triton
     from triton.testing import do_bench
 
-    from specpilot.kernels.u12_linear import _u12_linear_tuned, u12_linear, u12_linear_reference
+    from specpilot.kernels.u12_linear import _block_m, u12_linear, u12_linear_reference
     from specpilot.runtime.u12 import pack_u12
 
+    t0 = time.monotonic()
     gpu = torch.cuda.get_device_name()
     g = torch.Generator(device="cuda").manual_seed(0)
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    do_bench(lambda: a @ a, warmup=500, rep=500)  # clocks up from idle before the first timing
+    do_bench(lambda: a @ a, warmup=200, rep=200)  # clocks up from idle before the first timing
     del a
-    rows = []
+    sweep, rows, best = [], [], {}
     for name, (n, k) in SHAPES.items():
         w = (torch.randn(n, k, device="cuda", generator=g) * SIGMA).to(torch.bfloat16)
         t = pack_u12(w)
         for m in MS:
             x = torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16)
-            y = u12_linear(x, t)  # first call autotunes
             ref = u12_linear_reference(x, t)
-            err = float((y.float() - ref.float()).norm() / ref.float().norm())
-            check_close(y, ref, x, w)
-            t_cublas = do_bench(lambda: x @ w.T, warmup=25, rep=100, return_mode="median") * 1e3
-            t_u12 = do_bench(lambda: u12_linear(x, t), warmup=25, rep=100, return_mode="median") * 1e3
+            scale = x.abs().float() @ w.abs().float().T
+            t_cublas = do_bench(lambda: x @ w.T, warmup=10, rep=40, return_mode="median") * 1e3
             io = 2 * m * k + 2 * m * n  # x read, y written
-            rows.append({
-                "name": name, "N": n, "K": k, "M": m,
-                "cublas_us": t_cublas, "u12_us": t_u12, "speedup": t_cublas / t_u12,
-                "cublas_tb_s": (2 * n * k + io) / t_cublas / 1e6,
-                "u12_tb_s": (t.nbytes + io) / t_u12 / 1e6,
-                "u12_bytes": t.nbytes, "bf16_bytes": 2 * n * k, "escapes": t.esc_idx.numel(),
-                "rel_err_vs_reference": err, "config": str(_u12_linear_tuned.best_config),
-            })
-        del w, t
+            base = {"name": name, "N": n, "K": k, "M": m, "cublas_us": t_cublas}
+            for i, cfg in enumerate(sweep_configs(m, n, k)):
+                row = {**base, "config": str(cfg), "default": i == 0}
+                if time.monotonic() - t0 > args.budget_s:
+                    sweep.append({**row, "skipped": "time budget"})
+                    continue
+                try:
+                    y = u12_linear(x, t, cfg)
+                    check_close(y, ref, scale)
+                    us = do_bench(lambda: u12_linear(x, t, cfg), warmup=5, rep=20, return_mode="median") * 1e3
+                except Exception as e:  # a config that does not compile, run or match: recorded, not fatal
+                    sweep.append({**row, "error": f"{type(e).__name__}: {str(e)[:300]}"})
+                    continue
+                err = float((y.float() - ref.float()).norm() / ref.float().norm())
+                sweep.append({**row, "us": us, "speedup": t_cublas / us, "rel_err_vs_reference": err})
+                if (name, m) not in best or us < best[(name, m)][1]:
+                    best[(name, m)] = (cfg, us, err)
+            if (name, m) in best:
+                cfg, us, err = best[(name, m)]
+                default = next((r for r in sweep if r["name"] == name and r["M"] == m and r["default"]), {})
+                rows.append({
+                    **base, "u12_us": us, "speedup": t_cublas / us,
+                    "cublas_tb_s": (2 * n * k + io) / t_cublas / 1e6, "u12_tb_s": (t.nbytes + io) / us / 1e6,
+                    "u12_bytes": t.nbytes, "bf16_bytes": 2 * n * k, "escapes": t.esc_idx.numel(),
+                    "rel_err_vs_reference": err, "config": str(cfg),
+                    "default_config": default.get("config"), "default_us": default.get("us"),
+                })
+        del w, t, scale
+        torch.cuda.empty_cache()
+    sweep_s = time.monotonic() - t0
+
+    step = []
+    if not args.no_step:
+        try:
+            step = whole_step({key: v[0] for key, v in best.items()}, g)
+        except Exception as e:  # e.g. out of memory on a smaller GPU: the sweep still counts
+            step = [{"error": f"{type(e).__name__}: {str(e)[:300]}"}]
         torch.cuda.empty_cache()
 
+    tuned = [{"key": [_block_m(m), SHAPES[name][0], SHAPES[name][1]], "shape": name, "M": m, "config": str(cfg),
+              "block_n": cfg.block_n, "block_w": cfg.block_w, "split_k": cfg.split_k,
+              "num_warps": cfg.num_warps, "num_stages": cfg.num_stages} for (name, m), (cfg, _, _) in best.items()]
     result = {
         "what": "u12_linear vs cuBLAS bf16 x @ W.T, Llama-3.1-8B linear shapes, N(0, 0.02) weights",
-        "timing": "triton.testing.do_bench, L2 flushed before each call, median, warmup 25 ms, rep 100 ms",
+        "timing": "triton.testing.do_bench, L2 flushed before each call, median; cuBLAS warmup 10 ms, rep 40 ms; "
+                  "u12 configs warmup 5 ms, rep 20 ms",
         "gpu": gpu, "torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,
         "python": platform.python_version(), "git_commit": git_commit(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "rows": rows,
+        "sweep_seconds": sweep_s, "total_seconds": time.monotonic() - t0,
+        "rows": rows, "tuned": tuned, "whole_step": step, "sweep": sweep,
     }
     out = args.out or ROOT / "bench" / "results" / f"u12_linear_{re.sub(r'[^a-z0-9]+', '_', gpu.lower()).strip('_')}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
 
+    errors = [r for r in sweep if "error" in r]
+    skipped = sum("skipped" in r for r in sweep)
     print(f"{gpu}, torch {torch.__version__}, triton {triton.__version__}; wrote {out}")
-    print(f"{'shape':<8} {'M':>3} {'cuBLAS us':>10} {'TB/s':>6} {'u12 us':>8} {'TB/s':>6} {'speedup':>8}  config")
+    print(f"sweep: {len(sweep)} rows, {len(errors)} errors, {skipped} skipped, {sweep_s:.0f} s")
+    for r in errors[:5]:
+        print(f"  error {r['name']} M={r['M']} {r['config']}: {r['error'][:160]}")
+    for s in step:
+        print(f"whole step M={s['M']}: cuBLAS {s['cublas_ms']:.2f} ms, u12 {s['u12_ms']:.2f} ms, {s['speedup']:.2f}x"
+              if "M" in s else f"whole step: {s['error']}")
+    print(f"{'shape':<8} {'M':>3} {'cuBLAS us':>10} {'TB/s':>6} {'u12 us':>8} {'TB/s':>6} {'speedup':>8} {'default':>8}  best config")
     for r in rows:
+        d = f"{r['cublas_us'] / r['default_us']:.2f}x" if r["default_us"] else "-"
         print(f"{r['name']:<8} {r['M']:>3} {r['cublas_us']:>10.1f} {r['cublas_tb_s']:>6.2f} {r['u12_us']:>8.1f} "
-              f"{r['u12_tb_s']:>6.2f} {r['speedup']:>7.2f}x  {r['config']}")
+              f"{r['u12_tb_s']:>6.2f} {r['speedup']:>7.2f}x {d:>8}  {r['config']}")
 
 
 if __name__ == "__main__":
