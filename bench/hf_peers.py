@@ -8,7 +8,7 @@ a GPU, fp32 on the CPU); our runtime's `Transformer` is loaded from its state di
 so every path reads the same tensors. Batch 1, one prompt of random tokens, greedy. Paths:
 
   hf-eager-generate   HF `generate`, default dynamic cache;
-  hf-eager-forward    a plain loop of HF forwards over a DynamicCache (what generate's overhead hides);
+  hf-eager-forward    a plain loop of HF forwards over a DynamicCache (generate's own overhead left out);
   hf-static-compile   HF `generate(cache_implementation="static")`: HF compiles the decode forward itself
                       on a GPU (the first call, compile included, is timed apart as compile_s); on the CPU
                       HF does not compile, the row says so;
@@ -16,8 +16,10 @@ so every path reads the same tensors. Batch 1, one prompt of random tokens, gree
 
 Times exclude prefill (DESIGN.md): each path is timed from the moment its first output token (the
 prefill's) is on the host to the end, with the device synchronised; HF paths are timed through a
-streamer whose put() marks each step. ms_per_token = decode time / (new tokens - 1), the first token
-being the prefill's. Every path runs once as warm-up, then `--repeats` timed runs; medians are kept.
+streamer whose put() marks each step (their prefill_ms includes generate's own setup).
+ms_per_token = decode time / (new tokens - 1), the first token being the prefill's. Every path runs
+once as warm-up (full length where a cache, a compile or graphs are sized by the call; 8 tokens for
+the eager HF loops), then `--repeats` timed runs; medians are kept.
 Agreement is the common prefix with specpilot-eager's tokens (bf16 near-ties may flip a token late).
 The weight-read floor is the bytes of all linears and lm_head over a read bandwidth measured in the run.
 Writes bench/results/hf_peers_<gpu>.json (or _cpu) with versions and commit; a table is printed last.
@@ -284,6 +286,7 @@ def main(argv: list[str] | None = None) -> int:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     transformers.logging.set_verbosity_error()
 
+    started = time.perf_counter()
     hf, ours = build_models(SHAPES[args.shape], device, dtype, args.seed)
     vocab = ours.cfg.vocab_size
     prompt = torch.randint(0, vocab, (1, args.prompt_len), generator=torch.Generator().manual_seed(args.seed)).to(device)
@@ -312,6 +315,8 @@ def main(argv: list[str] | None = None) -> int:
             compiled = hasattr(hf, "_compiled_call")  # set by HF's get_compiled_call
             row["compiled"] = compiled
             row["compile_s"] = row["first_call_s"] if compiled else None
+            if compiled:
+                row["compile_config"] = {k: str(v) for k, v in hf._last_compile_config.to_dict().items()}
             if not compiled:
                 row["note"] = "not compiled (HF auto-compiles on a GPU only; --no-compile turns it off): static cache, eager forward"
         rows.append(row)
@@ -335,7 +340,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"agree_prefix against {reference_name}",
         "reference": reference_name, "prompt_len": args.prompt_len, "max_new_tokens": n, "repeats": args.repeats,
         "read_bandwidth_Bps": bw, "weight_bytes": weight_bytes, "floor_ms_per_token": floor_ms,
-        "floor_tokens_per_s": 1e3 / floor_ms, "rows": rows,
+        "floor_tokens_per_s": 1e3 / floor_ms, "wall_s": time.perf_counter() - started, "rows": rows,
     }
     out = args.out or ROOT / "bench" / "results" / f"hf_peers_{result_slug(gpu)}.json"
     out.parent.mkdir(parents=True, exist_ok=True)

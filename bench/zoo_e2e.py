@@ -183,6 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     transformers.logging.set_verbosity_error()
     n = args.max_new_tokens
 
+    started = time.perf_counter()
     target, cfg = load_target(args.target, dtype=dtype, device=device)
     drafters = {kind: load_drafter(getattr(args, kind), target, cfg, dtype=dtype, device=device)
                 for kind in ("pard", "dflash")}
@@ -266,7 +267,8 @@ def main(argv: list[str] | None = None) -> int:
                                 "target_layer_ids": list(drafters["dflash"].target_layer_ids)}},
         "prompts": prompt_set, "prompts_requested": args.prompts, "prompts_note": prompt_note,
         "num_prompts": len(prompts), "max_new_tokens": n, "eos_token_id": eos,
-        "graph_decode": graph_decode is not None, "peers_skipped": peers_skipped, "rows": rows,
+        "graph_decode": graph_decode is not None, "wall_s": time.perf_counter() - started,
+        "peers_skipped": peers_skipped, "rows": rows,
     }
     out = args.out or ROOT / "bench" / "results" / f"zoo_e2e_{result_slug(gpu)}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
