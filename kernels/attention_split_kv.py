@@ -9,11 +9,17 @@ K and V once in BLOCK_N-key tiles with an online softmax in fp32, and writes its
 (max, sum, unnormalised output). A second kernel combines the splits per row. With one split the
 first kernel normalises and writes the output itself.
 
-Visibility: the T new tokens sit at key slots past..past+T-1 (S = past + T); every cached slot
+Visibility: the T new tokens sit at key slots past..past+T-1; every cached slot
 < past is visible to every query, and among the new tokens `mask` says: "causal" (query t sees
 new tokens <= t), "full" (block non-causal: all of them), or a bool tensor [T, T] / [B, T, T]
 (a tree: entry [t, u] says whether query t sees new token u). A query that sees no key at all
 is undefined (a tree's mask holds its diagonal).
+
+`past` is an int (then S = past + T) or an int32/int64 device tensor [], [1] or [B] (one past per
+batch row) for CUDA graphs: one captured launch serves every step. Then S is the cache capacity,
+the grid is planned for it, the kernel reads past and streams only the keys below past + T: a
+split wholly beyond holds no key and writes a neutral partial (m = -inf, l = 0) that the combine
+weighs 0. Slots from past + T on are never read (they may hold anything, NaN included).
 
 Numerics: q·kᵀ and p·v on tensor cores for bf16/fp16 (p rounded to the input dtype before the
 p·v product, as FlashAttention does; the softmax sum keeps fp32 p), fp32 ("ieee") dots for fp32
@@ -59,8 +65,8 @@ def _round_bf16(x):
 
 @triton.jit
 def _split_kernel(
-    q_ptr, k_ptr, v_ptr, mask_ptr, o_ptr, m_ptr, l_ptr, acc_ptr,
-    T, S, past, G, HKV, split_len, qk_scale,
+    q_ptr, k_ptr, v_ptr, mask_ptr, o_ptr, m_ptr, l_ptr, acc_ptr, past_ptr,
+    T, S, past, G, HKV, split_len, qk_scale, stride_pb,
     stride_qb, stride_qh, stride_qt,
     stride_kb, stride_kh, stride_ks,
     stride_vb, stride_vh, stride_vs,
@@ -71,6 +77,7 @@ def _split_kernel(
     DOT_FP32: tl.constexpr,  # fp32 dots (fp32 inputs, or the interpreter)
     SINGLE: tl.constexpr,  # one split: normalise and write the output here
     ROUND_BF16: tl.constexpr,  # bf16 under the interpreter: round before casting (_round_bf16)
+    PAST_TENSOR: tl.constexpr,  # past read from past_ptr[b · stride_pb]; S is then the capacity
 ):
     pid_m = tl.program_id(0)
     split = tl.program_id(1)
@@ -78,6 +85,8 @@ def _split_kernel(
     num_splits = tl.num_programs(1)
     b = (bh // HKV).to(tl.int64)  # batch strides of a large cache pass 2^31 elements
     kvh = bh % HKV
+    if PAST_TENSOR:
+        past = tl.load(past_ptr + b * stride_pb).to(tl.int32)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < T * G
     j = rows // T  # head within the group
@@ -96,7 +105,7 @@ def _split_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     start = split * split_len
-    end = tl.minimum(start + split_len, S)
+    end = tl.minimum(start + split_len, tl.minimum(S, past + T))  # S = past + T on the int path
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_ok = offs_n < end
@@ -237,7 +246,7 @@ def _mask_args(mask, b: int, t: int, device: torch.device) -> tuple[int, torch.T
     return _MASK_TENSOR, m.to(device).contiguous().view(torch.int8)  # no copy when already there
 
 
-def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int) -> None:
+def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int | torch.Tensor) -> None:
     if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape:
         raise ValueError(f"attention_split_kv: q must be [B, H, T, D] and k, v [B, Hkv, S, D], got "
                          f"{list(q.shape)}, {list(k.shape)}, {list(v.shape)}")
@@ -245,7 +254,15 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int) -> None
     if bk != b or dk != d or hkv == 0 or h % hkv:
         raise ValueError(f"attention_split_kv: q {list(q.shape)} does not fit k, v {list(k.shape)} "
                          "(same B and D, heads a multiple of kv heads)")
-    if s != past + t:
+    if isinstance(past, torch.Tensor):
+        if past.dtype not in (torch.int32, torch.int64) or past.dim() > 1 or past.numel() not in (1, b):
+            raise ValueError(f"attention_split_kv: a past tensor must be int32/int64 of shape [], [1] or [B={b}], "
+                             f"got {past.dtype} {list(past.shape)}")
+        if past.device != q.device:
+            raise ValueError(f"attention_split_kv: past on {past.device}, q on {q.device}")
+        if s < t:
+            raise ValueError(f"attention_split_kv: a cache of {s} slots cannot hold T={t} new tokens")
+    elif s != past + t:
         raise ValueError(f"attention_split_kv: the cache must hold past + T = {past} + {t} keys, got S={s}")
     if not (q.dtype == k.dtype == v.dtype) or q.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"attention_split_kv: q, k, v must share a float32/bfloat16/float16 dtype, got "
@@ -255,13 +272,15 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int) -> None
 
 
 def attention_split_kv(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, past: int, mask: str | torch.Tensor = "causal",
-    scale: float | None = None, splits: int | None = None,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, past: int | torch.Tensor,
+    mask: str | torch.Tensor = "causal", scale: float | None = None, splits: int | None = None,
 ) -> torch.Tensor:
-    """q [B, H, T, D] over k, v [B, Hkv, S = past + T, D] (grouped heads) -> [B, H, T, D] in q.dtype.
+    """q [B, H, T, D] over k, v [B, Hkv, S, D] (grouped heads) -> [B, H, T, D] in q.dtype.
 
-    `mask`: visibility among the T new tokens ("causal", "full", bool [T, T] or [B, T, T]); all
-    `past` cached slots are visible. `scale` defaults to D^-0.5. `splits` overrides split_count.
+    `past`: an int with S = past + T, or an int32/int64 device tensor [], [1] or [B] with S the
+    cache capacity (past + T <= S is the caller's to keep; checking it would sync). `mask`:
+    visibility among the T new tokens ("causal", "full", bool [T, T] or [B, T, T]); all `past`
+    cached slots are visible. `scale` defaults to D^-0.5. `splits` overrides split_count.
     """
     _check(q, k, v, past)
     (b, h, t, d), hkv, s = q.shape, k.shape[1], k.shape[2]
@@ -281,6 +300,11 @@ def attention_split_kv(
         m_part = torch.empty((b * hkv, splits, rows), dtype=torch.float32, device=q.device)
         l_part = torch.empty_like(m_part)
         acc_part = torch.empty((b * hkv, splits, rows, d), dtype=torch.float32, device=q.device)
+    past_tensor = isinstance(past, torch.Tensor)
+    if past_tensor:
+        past_t, stride_pb, past = past.reshape(-1), (past.stride(-1) if past.numel() > 1 else 0), 0
+    else:
+        past_t, stride_pb = out, 0  # unused pointer
     if mask_t is None:
         mask_t, stride_mb, stride_mt = out, 0, 0  # unused pointer
     else:
@@ -291,15 +315,15 @@ def attention_split_kv(
     launch = dict(num_warps=4, num_stages=2) if native else {}
 
     _split_kernel[(row_blocks, splits, b * hkv)](
-        q, k, v, mask_t, out, m_part, l_part, acc_part,
-        t, s, past, g, hkv, split_len, qk_scale,
+        q, k, v, mask_t, out, m_part, l_part, acc_part, past_t,
+        t, s, past, g, hkv, split_len, qk_scale, stride_pb,
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
         stride_mb, stride_mt,
         out.stride(0), out.stride(1), out.stride(2),
         BLOCK_N=BLOCK_N, MASK=mode, DOT_FP32=q.dtype == torch.float32 or not native, SINGLE=single,
-        **meta, **launch,
+        PAST_TENSOR=past_tensor, **meta, **launch,
     )
     if not single:
         _combine_kernel[(row_blocks, b * hkv)](
@@ -309,10 +333,19 @@ def attention_split_kv(
     return out
 
 
-def _weights(q: torch.Tensor, k: torch.Tensor, *, past: int, mask: str | torch.Tensor,
+def _weights(q: torch.Tensor, k: torch.Tensor, *, past: int | torch.Tensor, mask: str | torch.Tensor,
              scale: float | None = None) -> torch.Tensor:
-    """Attention weights [B, H, T, S] in fp32, from an explicit [B or 1, 1, T, S] mask."""
+    """Attention weights [B, H, T, S] in fp32, from an explicit [B or 1, 1, T, S] mask (0 at slots
+    past + T and beyond, for a past tensor)."""
     _check(q, k, k, past)
+    if isinstance(past, torch.Tensor):  # row by row on the first past + T slots (.tolist() syncs)
+        b, t, s = q.shape[0], q.shape[2], k.shape[2]
+        rows = []
+        for i, p in enumerate(past.reshape(-1).expand(b).tolist()):
+            m = mask[i] if isinstance(mask, torch.Tensor) and mask.dim() == 3 and mask.shape[0] > 1 else mask
+            w = _weights(q[i:i + 1], k[i:i + 1, :, :p + t], past=p, mask=m, scale=scale)
+            rows.append(torch.nn.functional.pad(w, (0, s - p - t)))
+        return torch.cat(rows)
     (b, h, t, d), hkv, s = q.shape, k.shape[1], k.shape[2]
     mode, mask_t = _mask_args(mask, b, t, q.device)
     visible = torch.ones(mask_t.shape[0] if mask_t is not None else 1, t, s, dtype=torch.bool, device=q.device)
@@ -331,20 +364,34 @@ def attention_split_kv_reference(
     """The same math in fp32 with an explicit mask: softmax(q·kᵀ·scale) v per head, cast once."""
     _check(q, k, v, past)
     weights = _weights(q, k, past=past, mask=mask, scale=scale)
+    if isinstance(past, torch.Tensor):  # slots past + T and beyond may hold anything, inf or NaN
+        v = v.masked_fill((weights.view(*k.shape[:2], -1, k.shape[2]).amax(2) == 0)[..., None], 0)
     return (weights @ v.float().repeat_interleave(q.shape[1] // k.shape[1], dim=1)).to(q.dtype)
 
 
 # --- registry entry -------------------------------------------------------------------------
 
 def _make_inputs(case, device, seed):
-    """q, k, v ~ N(0, 1); `past` = S - T; a "tree" mask is the ancestor mask of a random tree per
-    batch row (node u's parent drawn from 0..u-1)."""
+    """q, k, v ~ N(0, 1); `past` = S - T, an int, or with a capacity `cap` a device tensor: int32
+    [] ("scalar"), int64 [1] ("one") or int32 [B] ("batch", row i's past 7·i less), over a cache of
+    `cap` slots whose slots from past + T on hold NaN (never to be read); a "tree" mask is the
+    ancestor mask of a random tree per batch row (node u's parent drawn from 0..u-1)."""
     g = torch.Generator().manual_seed(seed)
     b, hkv, t, s, d = case["B"], case["Hkv"], case["T"], case["S"], case["D"]
     h = hkv * case["group"]
+    cap = case.get("cap") or s
     q = torch.randn(b, h, t, d, generator=g).to(case["dtype"])
-    k = torch.randn(b, hkv, s, d, generator=g).to(case["dtype"])
-    v = torch.randn(b, hkv, s, d, generator=g).to(case["dtype"])
+    k = torch.randn(b, hkv, cap, d, generator=g).to(case["dtype"])
+    v = torch.randn(b, hkv, cap, d, generator=g).to(case["dtype"])
+    past = s - t
+    if case.get("cap"):
+        kind = case["past"]
+        past = (torch.tensor(past, dtype=torch.int32) if kind == "scalar" else
+                torch.tensor([past]) if kind == "one" else
+                torch.tensor([max(0, past - 7 * i) for i in range(b)], dtype=torch.int32))
+        for i, p in enumerate(past.reshape(-1).expand(b).tolist()):
+            k[i, :, p + t:] = v[i, :, p + t:] = float("nan")
+        past = past.to(device)
     mask = case["mask"]
     if mask == "tree":
         mask = torch.eye(t, dtype=torch.bool).repeat(b, 1, 1)
@@ -353,7 +400,7 @@ def _make_inputs(case, device, seed):
                 parent = int(torch.randint(0, u, (1,), generator=g))
                 mask[row, u] |= mask[row, parent]
     mask = mask.to(device) if isinstance(mask, torch.Tensor) else mask
-    return q.to(device), k.to(device), v.to(device), s - t, mask, case["splits"]
+    return q.to(device), k.to(device), v.to(device), past, mask, case["splits"]
 
 
 def _run(q, k, v, past, mask, splits):
@@ -370,14 +417,16 @@ def _plant_wrong_value(inputs):
     q, k, v, past, mask, splits = inputs
     b, hkv, s, d = k.shape
     weights = _weights(q, k, past=past, mask=mask).view(b, hkv, -1, s).amax(2)  # [B, Hkv, S]
-    score = weights[..., None] * v.float().abs()
+    score = (weights[..., None] * v.float().abs()).nan_to_num(0.0)
     v = v.clone()
     v.view(-1)[int(score.argmax())] *= -1
     return q, k, v, past, mask, splits
 
 
-def _case(b, hkv, group, t, s, d, mask, dtype, splits=None):
-    return {"B": b, "Hkv": hkv, "group": group, "T": t, "S": s, "D": d, "mask": mask, "dtype": dtype, "splits": splits}
+def _case(b, hkv, group, t, s, d, mask, dtype, splits=None, cap=None, past=None):
+    """S = past + T keys in use; with `cap`, a past tensor of kind `past` over a cache of cap slots."""
+    case = {"B": b, "Hkv": hkv, "group": group, "T": t, "S": s, "D": d, "mask": mask, "dtype": dtype, "splits": splits}
+    return case if cap is None else {**case, "cap": cap, "past": past}
 
 
 F32, BF16 = torch.float32, torch.bfloat16
@@ -399,6 +448,12 @@ register(KernelSpec(
         _case(1, 1, 4, 33, 33, 64, "tree", BF16),
         _case(2, 2, 4, 1, 300, 128, "causal", BF16),
         _case(1, 1, 4, 64, 301, 64, "causal", BF16, splits=2),
+        # past a device tensor, the grid planned for the capacity
+        _case(1, 2, 4, 1, 30, 64, "causal", BF16, cap=77, past="scalar"),  # the rule: 2 splits, 1 empty
+        _case(2, 1, 2, 3, 100, 64, "tree", F32, splits=5, cap=300, past="batch"),  # rows: 100 and 93 keys
+        _case(1, 1, 4, 16, 60, 128, "full", BF16, cap=300, past="one"),
+        _case(2, 2, 1, 16, 41, 64, "causal", BF16, splits=1, cap=77, past="batch"),  # one split
+        _case(2, 1, 2, 3, 3, 64, "tree", BF16, splits=3, cap=77, past="scalar"),  # past 0
     ],
     # fp32: summation order and exp2 vs exp (worst 4.2e-7 absolute seen). bf16: the output may land
     # one bf16 step from the reference (2^-7 relative), and p is rounded to bf16 before p·v, which

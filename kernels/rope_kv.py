@@ -260,7 +260,7 @@ register(KernelSpec(
     make_inputs=_make_inputs,
     cases=[
         _case(1, 1, 8, 1, 128, 21, 0, BF16),  # llama-like decode step
-        _case(2, 3, 4, 2, 64, 37, 1, BF16, tree=1),  # qwen3-like qk-norm, tree positions
+        _case(2, 3, 2, 1, 64, 37, 1, BF16, tree=1),  # qwen3-like qk-norm, tree positions
         _case(1, 5, 3, 3, 32, 11, 1, F32),
         _case(1, 2, 2, 1, 18, 9, 0, F16),  # D/2 = 9: a ragged block
     ],

@@ -99,6 +99,72 @@ def test_arguments_are_checked():
         attention_split_kv(q, k, k, past=5, mask=torch.ones(4, 4, dtype=torch.bool))
     with pytest.raises(ValueError, match="multiple of kv heads"):
         attention_split_kv(torch.zeros(1, 3, 3, 16), k, k, past=5)
+    with pytest.raises(ValueError, match="\\[\\], \\[1\\] or \\[B=1\\]"):
+        attention_split_kv(q, k, k, past=torch.tensor([5, 5]))
+    with pytest.raises(ValueError, match="int32/int64"):
+        attention_split_kv(q, k, k, past=torch.tensor(5.0))
+    with pytest.raises(ValueError, match="cannot hold T=3"):
+        attention_split_kv(q, k[:, :, :2], k[:, :, :2], past=torch.tensor(0))
+
+
+@pytest.mark.parametrize("mask", ["causal", "full", "tree"])
+def test_past_tensor_equals_past_int(mask):
+    """Over a cache of capacity 150 whose slots from past + T on hold NaN, a device past gives the
+    int path's output on the first past + T slots: bit for bit with one split (the same tiles in
+    the same order), within rounding with the rule's splits (planned for the capacity)."""
+    g = torch.Generator().manual_seed(1)
+    b, t, cap = 2, 3, 150
+    q = torch.randn(b, 4, t, 64, generator=g).to(DEVICE)
+    k, v = (torch.randn(b, 2, cap, 64, generator=g).to(DEVICE) for _ in range(2))
+    pasts = [70, 9]
+    for i, p in enumerate(pasts):
+        k[i, :, p + t:] = v[i, :, p + t:] = float("nan")
+    if mask == "tree":
+        mask = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool, device=DEVICE)
+    past = torch.tensor(pasts, dtype=torch.int32, device=DEVICE)
+    for splits in (1, None):
+        out = attention_split_kv(q, k, v, past=past, mask=mask, splits=splits)
+        for i, p in enumerate(pasts):
+            row = attention_split_kv(q[i:i + 1], k[i:i + 1, :, :p + t], v[i:i + 1, :, :p + t], past=p, mask=mask,
+                                     splits=splits)
+            if splits == 1:
+                assert torch.equal(out[i:i + 1], row)
+            else:
+                torch.testing.assert_close(out[i:i + 1], row, atol=1e-5, rtol=1e-5)
+
+
+def test_past_tensor_moves_without_a_new_plan():
+    """What a CUDA graph replays: the same buffers, past changed in place; every step matches the
+    reference, and the grid (plan) depends on the capacity only."""
+    g = torch.Generator().manual_seed(2)
+    cap, t = 200, 1
+    q = torch.randn(1, 4, t, 64, generator=g).to(DEVICE)
+    k, v = (torch.randn(1, 1, cap, 64, generator=g).to(DEVICE) for _ in range(2))
+    past = torch.zeros((), dtype=torch.int64, device=DEVICE)
+    for p in (0, 63, 64, 130, cap - t):
+        past.fill_(p)
+        out = attention_split_kv(q, k, v, past=past)
+        ref = attention_split_kv_reference(q, k[:, :, :p + t], v[:, :, :p + t], past=p)
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need CUDA")
+def test_one_cuda_graph_serves_every_past():
+    g = torch.Generator().manual_seed(3)
+    cap, t = 4096, 4
+    q = torch.randn(1, 32, t, 128, generator=g).to(DEVICE, torch.bfloat16)
+    k, v = (torch.randn(1, 8, cap, 128, generator=g).to(DEVICE, torch.bfloat16) for _ in range(2))
+    past = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    attention_split_kv(q, k, v, past=past)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = attention_split_kv(q, k, v, past=past)
+    for p in (0, 100, 1000, cap - t):
+        past.fill_(p)
+        graph.replay()
+        ref = attention_split_kv_reference(q, k[:, :, :p + t], v[:, :, :p + t], past=p)
+        torch.testing.assert_close(out, ref, atol=4e-3, rtol=8e-3)
 
 
 # --- the runtime seam and the backend ---------------------------------------------------------
