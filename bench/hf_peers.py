@@ -229,7 +229,7 @@ def build_models(shape: dict, device: torch.device, dtype: torch.dtype, seed: in
 def hf_forward_loop(model: LlamaForCausalLM, prompt: torch.Tensor, max_new_tokens: int) -> Run:
     """HF forwards one token at a time over a DynamicCache, host-side argmax (as our eager loop)."""
     device = prompt.device
-    with torch.inference_mode():
+    with torch.no_grad():  # as HF's generate: no inference tensors near the model HF later compiles
         cache = DynamicCache(config=model.config)
         sync(device)
         t0 = time.perf_counter()
