@@ -249,6 +249,21 @@ def test_loader_builds_the_hybrid(loaded, hybrid_dirs):
     assert HybridConfig.from_hf(cfg.to_hf(), "x") == cfg == HybridConfig.from_hf(raw, "x")
 
 
+def test_config_defaults_follow_hf():
+    """No layer_types: every full_attention_interval-th layer (HF default 4) is full attention; the
+    rotary fraction comes from rope_parameters, else the top level, else HF's 0.25."""
+    base = {"model_type": "qwen3_next", "vocab_size": 10, "hidden_size": 32, "intermediate_size": 64,
+            "num_hidden_layers": 8, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16,
+            "rope_theta": 1e4, "linear_num_key_heads": 1, "linear_num_value_heads": 2,
+            "linear_key_head_dim": 8, "linear_value_head_dim": 8}
+    cfg = HybridConfig.from_hf(base, "c.json")
+    assert cfg.attention_layers == (3, 7) and cfg.rotary_dim == 4
+    cfg = HybridConfig.from_hf({**base, "full_attention_interval": 2, "partial_rotary_factor": 0.5}, "c.json")
+    assert cfg.attention_layers == (1, 3, 5, 7) and cfg.rotary_dim == 8
+    with pytest.raises(CheckpointError, match="c.json: missing field 'linear_key_head_dim'"):
+        HybridConfig.from_hf({k: v for k, v in base.items() if k != "linear_key_head_dim"}, "c.json")
+
+
 def _copy(src: Path, dst: Path) -> Path:
     dst.mkdir()
     for f in src.iterdir():
@@ -296,6 +311,9 @@ def test_lowering_is_verified_and_names_every_projection(hybrid_dirs, loaded):
     assert len(t.find("gated_deltanet")) == 2 and len(t.find("attention")) == 2
     weights = {t.node(n)["weight"] for n in t.find("linear")} | {t.node(n)["weight"] for n in t.find("lm_head")}
     assert weights == set(loaded[0].linear_modules())
+
+    pard_cfg = json.loads((hybrid_dirs["pard"] / "config.json").read_text())
+    assert lower(target_cfg, pard_cfg).step.one("draft")[1]["kind"] == "pard"
 
     # weight passes see the mixer's projections as ordinary linears
     u12, records = run_passes(program, parse_pipeline("weights-u12{min-numel=1000, kernel=torch}", source="test"))

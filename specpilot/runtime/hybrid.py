@@ -11,8 +11,12 @@ Speculative rollback through the decode loops' interface (`cache.length`, `cache
 a recurrence cannot drop tokens by moving a pointer, so every forward of at most `RECORD_LIMIT`
 tokens (decode, verify) runs the recurrent form and keeps the state after each of its positions;
 `rollback(n)` to any n inside the last forward selects the state after position n. Longer forwards
-(prefill) run the chunked form and keep only their final state. Causal masks only: block
-non-causal or tree masks have no meaning for a left-to-right recurrence.
+(prefill) run the chunked form and keep only their final state. The price is T float32 states of
+[v_heads, dk, dv] per linear layer for a T-token verify. Causal masks only: block non-causal or
+tree masks have no meaning for a left-to-right recurrence.
+
+Numerics (fp32, tiny random models): the recurrent form is the more accurate one; at T=23 it is
+1.9e-5 from a float64 run in the logits where the chunked form (HF's prefill) is 1.9e-4.
 """
 
 from __future__ import annotations
@@ -152,6 +156,8 @@ class GatedDeltaNet(nn.Module):
         self.conv_dim = 2 * self.key_dim + self.value_dim
         self.kernel = cfg.linear_conv_kernel_dim
         h = cfg.hidden_size
+        # HF's module, for its weight name and shape [conv_dim, 1, kernel]; forward calls F.conv1d over
+        # [cached inputs ; new inputs] itself, so no padding is used.
         self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, self.kernel, groups=self.conv_dim, bias=False,
                                 padding=self.kernel - 1)
         self.in_proj_qkvz = nn.Linear(h, 2 * self.key_dim + 2 * self.value_dim, bias=False)
