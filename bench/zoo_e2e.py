@@ -138,23 +138,23 @@ class Tally:
 
 
 def specpilot_runner(name: str, target, drafters: dict, eos: int | None) -> tuple[Callable[[list[int], int], Run], int | None]:
-    """A prompt -> Run function for IMPLS[name], and its drafts per step (None for AR)."""
+    """A (prompt, new tokens) -> Run function for IMPLS[name], and its drafts per step (None for AR)."""
     loop, kind = IMPLS[name]
     if kind is None:
-        kwargs, block = {}, None
-    elif kind == "pard":
-        d = drafters["pard"]
-        kwargs, block = {"drafter": d, "k": d.k, "mask_token_id": d.mask_token_id}, d.k
+        def generate(p, m):
+            return loop(target, p, max_new_tokens=m, eos_token_id=eos)
+        block = None
     else:
-        d = drafters["dflash"]
-        kwargs, block = {"drafter": d, "block_size": d.block_size, "mask_token_id": d.mask_token_id}, d.block_size - 1
+        d = drafters[kind]
+        knobs = ({"k": d.k, "mask_token_id": d.mask_token_id} if kind == "pard" else
+                 {"block_size": d.block_size, "mask_token_id": d.mask_token_id})
+        block = d.k if kind == "pard" else d.block_size - 1
+
+        def generate(p, m):
+            return loop(target, d, p, **knobs, max_new_tokens=m, eos_token_id=eos)
 
     def run(prompt: list[int], n: int) -> Run:
-        if kind is None:
-            g = loop(target, prompt, max_new_tokens=n, eos_token_id=eos)
-        else:
-            g = loop(target, kwargs["drafter"], prompt, max_new_tokens=n, eos_token_id=eos,
-                     **{k: v for k, v in kwargs.items() if k != "drafter"})
+        g = generate(prompt, n)
         steps = [a + 1 for a in g.accepted] if kind is not None else []
         return Run(tokens=g.tokens, prefill_s=g.prefill_s, decode_s=g.decode_s, step_tokens=steps)
 
@@ -196,7 +196,6 @@ def main(argv: list[str] | None = None) -> int:
         runners[name], blocks[name] = specpilot_runner(name, target, drafters, eos)
 
     peers_skipped = list(PEERS_SKIPPED)
-    compile_notes: dict[str, dict] = {}
     if not args.no_hf:
         hf_target = AutoModelForCausalLM.from_pretrained(args.target, dtype=dtype).to(device).eval()
         hf_kwargs = {"eos_token_id": eos, "pad_token_id": eos if eos is not None else 0}
