@@ -4,7 +4,6 @@ the loader refuses bad directories, and the compiler lowers, costs and compiles 
 from __future__ import annotations
 
 import json
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -18,10 +17,10 @@ from torch import nn
 from specpilot.cli import main
 from specpilot.cost.gpu import load_gpu
 from specpilot.cost.roofline import step_time
+from specpilot.dsl import parse_pipeline
 from specpilot.errors import CheckpointError
 from specpilot.ir import lower, parse_program, print_program, verify_program
 from specpilot.passes import run_passes
-from specpilot.dsl import parse_pipeline
 from specpilot.runtime.config import HybridConfig
 from specpilot.runtime.decode import generate_ar, generate_dflash, generate_pard
 from specpilot.runtime.hybrid import RECORD_LIMIT, HybridCache, HybridTransformer
@@ -233,6 +232,15 @@ def test_speculative_loops_equal_ar(loaded, prompt):
         assert gen.tokens == ar.tokens, name
     accepted = runs["oracle"].accepted
     assert max(accepted) >= 1 and min(accepted[:-1]) < 5  # partial blocks: the cache rolled back mid-forward
+
+
+def test_tree_decoding_is_refused(loaded):
+    from specpilot.runtime.tree_decode import generate_dflash_tree
+
+    target, _, dflash, _ = loaded
+    with pytest.raises(ValueError, match="causal masks only"):
+        generate_dflash_tree(target, dflash, list(b"def"), block_size=4, budget=6, topk=2,
+                             mask_token_id=MASK_TOKEN_ID, max_new_tokens=8, eos_token_id=None)
 
 
 # --- loading -----------------------------------------------------------------------------------
