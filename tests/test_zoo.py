@@ -15,7 +15,7 @@ import torch
 
 from specpilot.bench import prompts as prompt_sets
 from specpilot.bench.prompts import load_prompts
-from specpilot.errors import SpecError
+from specpilot.errors import CheckpointError, SpecError
 from specpilot.runtime.config import DrafterConfig, ModelConfig
 from specpilot.runtime.dflash import DFlashDrafter
 from specpilot.runtime.load import load_drafter, load_target
@@ -187,37 +187,56 @@ def test_heldout_prompts_end_at_the_docstring() -> None:
 
 
 def test_train_zoo_smoke_run_writes_loadable_models(small_data: Path, tmp_path: Path) -> None:
+    from train.train_zoo import CODE_PAIR, HYBRID_PAIR, PHASE_SECONDS
+
     out = tmp_path / "zoo"
     cmd = [sys.executable, "-m", "train.train_zoo", "--smoke", "--data", str(small_data), "--out", str(out),
-           "--target-steps", "6", "--distill-batches", "2", "--dflash-steps", "3", "--pard-steps", "3",
-           "--eval-prompts", "1", "--eval-new-tokens", "8", "--pack", str(tmp_path / "pack")]
-    cmd += [f"--{phase}-seconds=120" for phase in ("target", "distill", "dflash", "pard", "eval")]  # the steps bind
-    run = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stdout + run.stderr
+           "--target-steps", "6", "--hybrid-target-steps", "3", "--distill-batches", "2", "--dflash-steps", "3",
+           "--pard-steps", "3", "--eval-prompts", "1", "--eval-new-tokens", "8", "--pack", str(tmp_path / "pack")]
+    cmd += [f"--{phase}-seconds=120" for phase in PHASE_SECONDS]  # the steps bind
+    run = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=400)
+    code, hybrid = out / CODE_PAIR, out / HYBRID_PAIR
+    try:  # the hybrid is evaluated with specpilot's runtime once it loads qwen3_next checkpoints
+        load_target(hybrid / "target", dtype=torch.float32, device="cpu")
+        hybrid_runtime = True
+    except CheckpointError:
+        hybrid_runtime = False
     log = json.loads((out / "train_log.json").read_text())
-    assert not log["failed"] and set(log["phases"]) == {"target", "distill", "dflash", "pard", "eval"}
+    assert set(log["failed"]) == (set() if hybrid_runtime else {"hybrid-eval"}), run.stdout + run.stderr
+    assert run.returncode == (0 if hybrid_runtime else 1), run.stdout + run.stderr
+    assert set(log["phases"]) == set(PHASE_SECONDS) - set(log["failed"])
     assert log["phases"]["target"]["steps"] == 6 and log["phases"]["dflash"]["steps"] == 3
-    for kind in ("target", "dflash", "pard"):
-        files = {p.name for p in (out / kind).iterdir()}
+    assert log["phases"]["hybrid-target"]["steps"] == 3 and log["phases"]["hybrid-dflash"]["steps"] == 3
+    assert log["zoo_size"]["bf16_bytes"] <= log["zoo_size"]["limit_bytes"]
+    assert log["phases"]["distill"]["sequences_by_prompt_kind"]["docstring"] > 0
+    for folder in (code / "target", code / "dflash", code / "pard", hybrid / "target", hybrid / "dflash"):
+        files = {p.name for p in folder.iterdir()}
         assert {"config.json", "model.safetensors", "tokenizer.json", "MODEL_CARD.md"} <= files
-        card = (out / kind / "MODEL_CARD.md").read_text()
+        card = (folder / "MODEL_CARD.md").read_text()
         assert "## Retrain" in card and "Final training loss" in card
-    target, cfg = load_target(out / "target", dtype=torch.float32, device="cpu")
+    assert json.loads((hybrid / "target" / "config.json").read_text())["model_type"] == "qwen3_next"
+    assert json.loads((code / "train_log.json").read_text()) == log
+    target, cfg = load_target(code / "target", dtype=torch.float32, device="cpu")
     assert target.lm_head.weight.dtype == torch.float32 and cfg.eos_token_id == EOS_TOKEN_ID
-    dflash = load_drafter(out / "dflash", target, cfg, dtype=torch.float32, device="cpu")
-    pard = load_drafter(out / "pard", target, cfg, dtype=torch.float32, device="cpu")
+    dflash = load_drafter(code / "dflash", target, cfg, dtype=torch.float32, device="cpu")
+    pard = load_drafter(code / "pard", target, cfg, dtype=torch.float32, device="cpu")
     assert isinstance(dflash, DFlashDrafter) and dflash.block_size == 16 and dflash.mask_token_id == MASK_TOKEN_ID
     assert isinstance(pard, PardDrafter) and pard.k == 8 and pard.mask_token_id == MASK_TOKEN_ID
     from safetensors import safe_open
 
-    with safe_open(str(out / "target" / "model.safetensors"), framework="pt") as f:
-        assert {f.get_slice(n).get_dtype() for n in f.keys()} == {"BF16"}
-    summary = log["phases"]["eval"]["summary"]
-    assert summary["dflash"]["prompts"] == summary["pard"]["prompts"] == 1
+    for folder in (code / "target", hybrid / "target"):
+        with safe_open(str(folder / "model.safetensors"), framework="pt") as f:
+            assert {f.get_slice(n).get_dtype() for n in f.keys()} == {"BF16"}
+    for prompt_set in ("code-heldout", "humaneval"):
+        summary = log["phases"]["eval"]["sets"][prompt_set]["summary"]
+        assert summary["dflash"]["prompts"] == summary["pard"]["prompts"] == 1
     # --pack: what the device tool can bring back (at most 8 files of 16 MiB), and it unpacks to OUT
     packed = sorted((tmp_path / "pack").iterdir())
     assert [p.name for p in packed] == ["train_log.json", "zoo.tar.part-00"]
     with tarfile.open(fileobj=io.BytesIO(b"".join(p.read_bytes() for p in packed[1:]))) as tar:
         names = set(tar.getnames())
-        assert tar.extractfile("zoo/target/model.safetensors").read() == (out / "target" / "model.safetensors").read_bytes()
-    assert {f"zoo/{kind}/MODEL_CARD.md" for kind in ("target", "dflash", "pard")} <= names
+        member = f"zoo/{CODE_PAIR}/target/model.safetensors"
+        assert tar.extractfile(member).read() == (code / "target" / "model.safetensors").read_bytes()
+    assert {f"zoo/{pair}/{kind}/MODEL_CARD.md" for pair, kind in
+            ((CODE_PAIR, "target"), (CODE_PAIR, "dflash"), (CODE_PAIR, "pard"), (HYBRID_PAIR, "target"),
+             (HYBRID_PAIR, "dflash"))} <= names

@@ -41,7 +41,8 @@ def _functions(tree: ast.Module):
                     yield sub, node
 
 
-def prompts_of_module(path: str, text: str) -> list[dict[str, str]]:
+def prompts_of_module(path: str, text: str, limit: int | None = PER_MODULE) -> list[dict[str, str]]:
+    """The module's prompts in source order, at most `limit` (None: all)."""
     lines = text.split("\n")
     out = []
     for fn, cls in _functions(ast.parse(text)):
@@ -54,8 +55,22 @@ def prompts_of_module(path: str, text: str) -> list[dict[str, str]]:
             continue
         name = f"{cls.name}.{fn.name}" if cls is not None else fn.name
         out.append({"prompt": prompt, "source": f"{path}:{name}"})
-        if len(out) == PER_MODULE:
+        if len(out) == limit:
             break
+    return out
+
+
+def training_prompts(docs: list[dict[str, str]]) -> list[dict[str, str]]:
+    """Every prompt of the training corpus's modules (the zoo's distillation prompts, which have the
+    shape of HumanEval's); files that do not parse under this Python are skipped."""
+    out = []
+    for d in docs:
+        if d["path"].startswith("test/"):
+            continue
+        try:
+            out += prompts_of_module(d["path"], d["text"], limit=None)
+        except SyntaxError:
+            continue
     return out
 
 

