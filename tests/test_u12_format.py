@@ -2,14 +2,28 @@
 
 import json
 import math
+import os
 import struct
 
 import pytest
 import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"  # before the kernel module is imported (the kernel tests below)
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from specpilot.runtime.u12 import (
+from specpilot.kernels.u12_linear import (  # noqa: E402
+    _COUNTERS,
+    U12Config,
+    _decode_words,
+    u12_linear,
+    u12_linear_reference,
+)
+from specpilot.runtime.u12 import (  # noqa: E402
     MAX_BASE,
     WINDOW,
     U12Tensor,
@@ -268,12 +282,6 @@ _KERNEL_CASES = [  # (M, N, K, base, block_n, block_w, split_k)
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
 @pytest.mark.parametrize("m,n,k,base,block_n,block_w,split_k", _KERNEL_CASES)
 def test_u12_linear_configs_match_reference(m, n, k, base, block_n, block_w, split_k):
-    if not torch.cuda.is_available():
-        import os
-
-        os.environ["TRITON_INTERPRET"] = "1"  # before the kernel module is first imported
-    from specpilot.kernels.u12_linear import _COUNTERS, U12Config, u12_linear, u12_linear_reference
-
     device = "cuda" if torch.cuda.is_available() else "cpu"
     g = torch.Generator().manual_seed(m * 1000 + k)
     w = (torch.randn(n, k, generator=g) * 0.02).to(torch.bfloat16)
@@ -296,3 +304,44 @@ def test_u12_linear_configs_match_reference(m, n, k, base, block_n, block_w, spl
     assert torch.equal(y.view(torch.int32), y2.view(torch.int32)), "split-K sums in a fixed order"
     for buf in _COUNTERS.get(t, []):
         assert not buf.any(), "the last program of each block resets its counter"
+
+
+@triton.jit
+def _decode_kernel(sm_ptr, codes_ptr, out_ptr, base, SCALED: tl.constexpr, TO_BF16: tl.constexpr,
+                   BN: tl.constexpr, BW: tl.constexpr):
+    """The kernel's decode alone: int32 sign/mantissa words and int16 code words in, fp32 bits out."""
+    rows, cols = tl.arange(0, BN)[:, None], tl.arange(0, BW)[None, :]
+    s = tl.load(sm_ptr + rows * BW + cols)
+    c = tl.load(codes_ptr + rows * BW + cols).to(tl.int32)
+    w = _decode_words(s, c, base, SCALED, TO_BF16, BN, BW)
+    if TO_BF16:  # bits, not a conversion (the interpreter's bf16 -> fp32 flushes subnormals)
+        bits = w.to(tl.int16, bitcast=True).to(tl.int32) << 16
+    else:
+        bits = w.to(tl.int32, bitcast=True)
+    tl.store(out_ptr + rows * 4 * BW + tl.arange(0, 4 * BW)[None, :], bits.to(tl.float32, bitcast=True))
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+@pytest.mark.parametrize("to_bf16", [False, True])
+@pytest.mark.parametrize("scaled", [False, True])
+def test_decode_words_bit_exact(scaled, to_bf16):
+    """The kernel's decode of every in-window pattern: the exact bits, or (scaled) the weight times
+    2^-(base-1); escapes decode to +0. The bf16 output (the GPU's dot path) is checked here too,
+    since the interpreter's bf16 dot cannot be."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    n, k = 64, 1024  # all 65536 patterns once
+    w = as_bf16(list(range(n * k)), n, k)
+    base = 1 if scaled else 0  # base 1: the window's lowest exponent is the lowest normal one
+    t = pack_u12(w, base=base)
+    out = torch.empty(n, k, dtype=torch.float32, device=device)
+    _decode_kernel[(1,)](t.sm.view(torch.int32).to(device), t.codes.view(torch.int16).to(device), out, t.base,
+                 SCALED=scaled, TO_BF16=to_bf16, BN=n, BW=k // 4)
+    out = out.cpu()
+    escaped = torch.zeros(n * k, dtype=torch.bool)
+    escaped[t.esc_idx.long()] = True
+    escaped = escaped.view(n, k)
+    assert not out[escaped].view(torch.int32).any(), "escapes decode to +0.0"
+    expected = w.float() * (2.0 ** -(base - 1) if scaled else 1.0)
+    kept = ~escaped & ~w.float().isnan()
+    assert torch.equal(out[kept].view(torch.int32), expected[kept].view(torch.int32))
+    assert out[~escaped & w.float().isnan()].isnan().all()
