@@ -261,6 +261,7 @@ class Transformer(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
             self.register_load_state_dict_pre_hook(_fill_tied_head)
         self._inv_freq: dict[torch.device, torch.Tensor] = {}
+        self.fused = None  # a FusedDecoder serving the layers (runtime/fused.py), when installed
 
     @property
     def dtype(self) -> torch.dtype:
@@ -314,19 +315,23 @@ class Transformer(nn.Module):
             raise ValueError(f"hidden_layers {bad} out of range for {len(self.model.layers)} layers")
         if positions is None:
             positions = (torch.arange(t, device=input_ids.device) + cache.length).expand(b, t)
-        cos, sin = self.rope(positions)
         vis = Visibility(mask, cache.length, t, input_ids.device, cache.key_slots(t))
         x = self.embed(input_ids)
-        picked: dict[int, torch.Tensor] = {}
-        for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, cache, i, vis)
-            if i in hidden_layers:
-                picked[i] = x
+        if self.fused is not None:  # the same stack with fused kernels (runtime/fused.py)
+            x, picked = self.fused(x, positions, cache, vis, hidden_layers)
+        else:
+            cos, sin = self.rope(positions)
+            picked = {}
+            for i, layer in enumerate(self.model.layers):
+                x = layer(x, cos, sin, cache, i, vis)
+                if i in hidden_layers:
+                    picked[i] = x
+            x = self.final_norm(x)
         cache.advance(t)
         hidden = torch.cat([picked[i] for i in hidden_layers], dim=-1) if hidden_layers else None
         if only_last:
             x = x[:, -1:]
-        return ModelOutput(logits=self.head(self.final_norm(x)), hidden=hidden)
+        return ModelOutput(logits=self.head(x), hidden=hidden)
 
     def linear_modules(self) -> dict[str, nn.Module]:
         """Every projection by its weight name ("model.layers.0.mlp.down_proj.weight", "lm_head.weight")."""
