@@ -4,10 +4,11 @@
 -> [..., I], as model.MLP computes F.silu(gate) * up: silu in fp32 (x / (1 + exp(-x))) rounded
 to the dtype, then the product in fp32 rounded to the dtype.
 
-Numerics: both rounding points are torch's and the division is IEEE (div_rn), but exp is Triton's
-(exp2-based) rather than CUDA's expf, so silu(x) in fp32 can differ from torch's by an ulp or two;
-in bf16 that moves the output one step only where silu(x) sits on a rounding boundary (not
-bit-exact; 0 elements differed in the interpreter cases). fp32: within 1e-6 relative.
+Numerics: both rounding points are torch's, the division is IEEE (div_rn) and, on the GPU, exp is
+libdevice's expf, which is what CUDA's expf in torch's silu compiles to: bit-exact on the GPU in
+every dtype as far as we know (not yet run on one: the fused-kernel CUDA-graph test checks within a
+step). The interpreter has no libdevice and uses numpy's exp: there bf16 matched bit for bit and
+fp32 to an ulp or two.
 
 Launch: 1-D over the I output columns in BLOCK = 1024 tiles (grid rows × cdiv(I, 1024)),
 4 warps. Untuned: no GPU measurement yet. CUDA graphs: no host sync; the grid is shape-only.
@@ -21,6 +22,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 from .attention_split_kv import _round_bf16
 from .registry import KernelSpec, register
@@ -32,6 +34,7 @@ BLOCK = 1024
 def _silu_mul_kernel(
     gu_ptr, out_ptr, I, stride_gu, stride_out,
     BLOCK: tl.constexpr, ROUND_BF16: tl.constexpr,  # bf16 under the interpreter: round before casting
+    EXPF: tl.constexpr,  # libdevice's expf, CUDA's (the interpreter has no libdevice)
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -39,7 +42,11 @@ def _silu_mul_kernel(
     gate = tl.load(gu_ptr + row * stride_gu + cols, mask=ok, other=0.0)
     up = tl.load(gu_ptr + row * stride_gu + I + cols, mask=ok, other=0.0)
     g = gate.to(tl.float32)
-    s = tl.math.div_rn(g, 1.0 + tl.exp(-g))
+    if EXPF:
+        e = libdevice.exp(-g)
+    else:
+        e = tl.exp(-g)
+    s = tl.math.div_rn(g, 1.0 + e)
     if ROUND_BF16:
         s = _round_bf16(s)
     y = s.to(gate.dtype).to(tl.float32) * up.to(tl.float32)
@@ -64,7 +71,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     native = gate_up.is_cuda and os.environ.get("TRITON_INTERPRET") != "1"
     _silu_mul_kernel[(gu.shape[0], triton.cdiv(i, BLOCK))](
         gu, out2, i, gu.stride(0), out2.stride(0),
-        BLOCK=BLOCK, ROUND_BF16=not native and gate_up.dtype == torch.bfloat16,
+        BLOCK=BLOCK, ROUND_BF16=not native and gate_up.dtype == torch.bfloat16, EXPF=native,
         **(dict(num_warps=4, enable_fp_fusion=False) if native else {}),
     )
     return out
