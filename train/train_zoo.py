@@ -121,7 +121,7 @@ class Shapes:
     hybrid_context: int = 512
     hybrid_batch: int = 64
     hybrid_lr: float = 2e-3
-    hybrid_gen_batch: int = 1024
+    hybrid_gen_batch: int = 2048
     hybrid_dflash_layers: int = 1
     warmup: int = 100
     eval_prompts: int = 16
@@ -513,10 +513,11 @@ def hf_greedy_continue(model, prompts: torch.Tensor, gen_len: int) -> torch.Tens
 
 def docstring_prompts(tok: Tokenizer, docs: list[dict], shapes: Shapes, stream: torch.Tensor, seed: int) -> dict[int, torch.Tensor]:
     """HumanEval-shaped prompts of the training corpus, as {P: ids [N, P]}: each function's signature
-    and docstring (train/heldout_prompts.py's rule, every function) right-aligned in the two
-    smallest lengths P of shapes.prompt_lens that hold it, after the file's preceding text (the
-    class or module above it) and, where that runs out, EOS and a random corpus window, as the
-    training stream shows a file start. The prompt is tokenized alone, as an eval prompt is."""
+    and docstring (train/heldout_prompts.py's rule, every function) right-aligned twice: in the
+    smallest length P of shapes.prompt_lens that holds it, after the file's preceding text (the
+    class or module above it), and in the next length as the start of a file (as a HumanEval
+    prompt is), after EOS. Whatever is left of P is a random corpus window, as the training stream
+    shows a file start. The prompt is tokenized alone, as an eval prompt is."""
     texts = {d["path"]: d["text"] for d in docs}
     records = training_prompts(docs)
     longest = max(shapes.prompt_lens)
@@ -535,12 +536,10 @@ def docstring_prompts(tok: Tokenizer, docs: list[dict], shapes: Shapes, stream: 
         fits = [p for p in sorted(shapes.prompt_lens) if p >= len(ids.ids)][:2]
         if not fits:
             continue
-        tail = torch.tensor(ctx.ids + ids.ids, dtype=torch.long)
-        if not b:  # a file start: the stream's previous file and EOS come before it
-            tail = torch.cat([torch.tensor([EOS_TOKEN_ID]), tail])
-        for p in fits:
-            seq = torch.cat([filler_stream[start : start + p], tail])[-p:]
-            out[p].append(seq)
+        in_file = torch.tensor(([] if b else [EOS_TOKEN_ID]) + ctx.ids + ids.ids, dtype=torch.long)
+        file_start = torch.tensor([EOS_TOKEN_ID] + ids.ids, dtype=torch.long)
+        for p, tail in zip(fits, (in_file, file_start)):
+            out[p].append(torch.cat([filler_stream[start : start + p], tail])[-p:])
     return {p: torch.stack(v)[torch.randperm(len(v), generator=gen)] for p, v in out.items() if v}
 
 
@@ -786,8 +785,11 @@ def save_dflash(drafter: DFlashDrafter, dcfg: DrafterConfig, path: Path, args) -
 
 
 def pard_init_from_target(pard, target_dir: Path) -> list[str]:
-    """Embedding, first layers and final norm copied from the target (same names, same shapes)."""
+    """Embedding, first layers and final norm copied from the target (same names, same shapes) when
+    both have one hidden size; nothing otherwise."""
     target_sd = load_file(str(target_dir / "model.safetensors"))
+    if target_sd["model.embed_tokens.weight"].shape != pard.model.embed_tokens.weight.shape:
+        return []
     own = pard.state_dict()
     taken = {k: v.float() for k, v in target_sd.items() if k in own and own[k].shape == v.shape}
     pard.load_state_dict(taken, strict=False)
