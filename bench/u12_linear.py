@@ -16,13 +16,14 @@ Writes bench/results/u12_linear_<gpu>.json: "rows" (the best config per shape an
 specpilot/cost and bench/readme_tables read), "sweep" (every row, for the next round), "tuned"
 (the best configs as kernels/u12_linear.py's TUNED keys), "whole_step"; prints a short table last.
 
-    python bench/u12_linear.py [--out FILE] [--budget-s 170] [--no-step]
+    python bench/u12_linear.py [--out FILE] [--budget-s 150] [--no-step]
     (SPECPILOT_COMMIT=... names the commit where the tree has no .git)
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -71,17 +72,19 @@ def check_close(y: torch.Tensor, ref: torch.Tensor, scale: torch.Tensor) -> None
 
 
 def sweep_configs(m: int, n: int, k: int) -> list:
-    """The default config first, then each sweep tile crossed with SPLIT_KS (splits that fit K)."""
-    from specpilot.kernels.u12_linear import SPLIT_KS, SWEEP_DOT, SWEEP_GEMV, U12Config, default_config
+    """The default config first, then each sweep tile crossed with SPLIT_KS (splits that fit K),
+    then the default with the one-weight-per-op decode (what the pair decode saves)."""
+    from specpilot.kernels.u12_linear import SPLIT_KS, SWEEP_DOT, SWEEP_GEMV, default_config
 
-    out = [default_config(m, n, k)]
+    default = default_config(m, n, k)
+    out = [default]
     for tile in SWEEP_GEMV if m <= 4 else SWEEP_DOT:
         for split in SPLIT_KS:
             if split == 1 or k // (4 * tile.block_w) >= 2 * split:  # at least two word blocks a split
-                cfg = U12Config(tile.block_n, tile.block_w, split, tile.num_warps, tile.num_stages)
+                cfg = dataclasses.replace(tile, split_k=split)
                 if cfg not in out:
                     out.append(cfg)
-    return out
+    return out + [dataclasses.replace(default, decode="single")]
 
 
 def time_graph(fns, reps: int = 20) -> float:
@@ -136,7 +139,7 @@ def whole_step(best: dict, gen: torch.Generator) -> list[dict]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, help="result file (default bench/results/u12_linear_<gpu>.json)")
-    parser.add_argument("--budget-s", type=float, default=170.0, help="sweep time budget; later rows are skipped")
+    parser.add_argument("--budget-s", type=float, default=150.0, help="sweep time budget; later rows are skipped")
     parser.add_argument("--no-step", action="store_true", help="skip the whole-step CUDA graph")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -205,7 +208,7 @@ def main() -> None:
 
     tuned = [{"key": [_block_m(m), SHAPES[name][0], SHAPES[name][1]], "shape": name, "M": m, "config": str(cfg),
               "block_n": cfg.block_n, "block_w": cfg.block_w, "split_k": cfg.split_k,
-              "num_warps": cfg.num_warps, "num_stages": cfg.num_stages} for (name, m), (cfg, _, _) in best.items()]
+              "num_warps": cfg.num_warps, "num_stages": cfg.num_stages, "decode": cfg.decode} for (name, m), (cfg, _, _) in best.items()]
     result = {
         "what": "u12_linear vs cuBLAS bf16 x @ W.T, Llama-3.1-8B linear shapes, N(0, 0.02) weights",
         "timing": "triton.testing.do_bench, L2 flushed before each call, median; cuBLAS warmup 10 ms, rep 40 ms; "

@@ -6,17 +6,21 @@ the interpreter) with up to 64 rows of x per program, so each weight is decoded 
 
 Loads. The sign/mantissa plane is read as int32 words (4 weights) and the code plane as int16
 words (their 4 codes) when K % 4 == 0, so both planes load contiguously and one thread's code
-nibbles line up with its bytes without a layout change; the 4 weights of a word are decoded side by
-side ([BN, BW, 4], shifts by a constant arange) and reshaped to k order. Other K read bytes.
+nibbles line up with its bytes without a layout change; the 4 weights of a word are decoded in
+registers (two pair registers joined, or [BN, BW, 4] by constant shifts) and reshaped to k order.
+Other K read bytes.
 
 Decode. Where the base's window holds only normal finite exponents (1 ≤ base ≤ 240: every tensor
-of trained or N(0, σ) weights), a weight decodes with the exponent field equal to its code, so
-``bits = sign << 31 | code << 23 | mantissa << 16`` with no per-weight add or select: code 0 (an
-escape, whose sign/mantissa byte is 0) is +0.0, and code c is the weight times 2^-(base-1). x is
-scaled by 2^64 once per element and the fp32 sum by 2^(base-65) once per output: exact (powers of
-two) while |x| < 2^64 and the scaled products stay normal (|x| ≳ 2^-59 · 2^-c), which holds for any
-activation worth the name. Other bases (0: a window reaching subnormals; 241: reaching inf/NaN) use
-the exact exponent ``code + (base - 1)`` with code 0 mapped to 0 and unit scales.
+of trained or N(0, σ) weights), a weight decodes with the exponent field equal to its code, so no
+per-weight add or select is needed: code 0 (an escape, whose sign/mantissa byte is 0) is +0.0, and
+code c is the weight times 2^-(base-1). The default ("pairs") builds the bf16 patterns of weights
+(0, 2) and (1, 3) of a word in one 32-bit register each, with two multiplies that repeat bytes and
+spread nibbles and two masks (``_decode_pairs``), about 3.5 integer ops a weight with the split to
+fp32; "single" builds one weight per register. x is scaled by 2^64 once per element and the fp32
+sum by 2^(base-65) once per output: exact (powers of two) while |x| < 2^64 and the scaled products
+stay normal (|x| ≳ 2^-59 · 2^-c), which holds for any activation worth the name. Other bases (0: a
+window reaching subnormals; 241: reaching inf/NaN) use the exact exponent ``code + (base - 1)``
+with code 0 mapped to 0 and unit scales.
 
 Split-K. The grid is (N blocks, SPLIT_K, M blocks). With SPLIT_K > 1 each program stores its fp32
 partial, and the last program of an N block to arrive (an acq_rel counter per block, the serial
@@ -30,22 +34,26 @@ Escapes: after the sum, the program that writes an output block adds the exact c
 (``U12Tensor.esc_row_ptr``) and scattered by a one-hot product (one escape at a time when a chunk
 holds inf/NaN contributions). Escapes are about 0.015% of N(0, 0.02) weights.
 
-Configs are data (``U12Config``: block_n, block_w words = 4 weights each, split_k, warps, stages);
-``default_config`` picks one per (M, N, K) and bench/u12_linear.py sweeps ``SWEEP_GEMV`` and
-``SWEEP_DOT`` against cuBLAS.
+Configs are data (``U12Config``: block_n, block_w words = 4 weights each, split_k, warps, stages,
+decode); ``default_config`` picks one per (M, N, K) (``TUNED`` first, empty until a GPU sweep fills
+it) and bench/u12_linear.py sweeps ``SWEEP_GEMV`` / ``SWEEP_DOT`` × ``SPLIT_KS`` against cuBLAS.
 
-Speed. The previous kernel (one program per N block walking all of K, no split-K, pair decode
-with a per-weight base add) measured 0.47-0.55x cuBLAS at M = 1 and 0.13-0.43x at M = 4..64 on
-the H200. This design is correct under the interpreter (tests/test_kernels.py, tests/test_u12_format.py);
-it is UNTESTED ON THE GPU as written: expected from GPU-FACTS.md (a split-K kernel with a costlier
-decode reached 0.88-0.97x at M = 1) is ≥ 1x at M = 1 where the decode (≈ 4 integer ops a weight)
-keeps up with the bytes; the M = 16 dot path and the word-split layouts Triton picks are the risks.
-Not tried: PTX prmt/lop3 decode by inline asm (the interpreter cannot run it), a pre-interleaved
-plane layout.
+Speed. The previous kernel (one program per N block walking all of K, no split-K, a pair decode
+with a per-weight base add, a join of even and odd columns) measured 0.47-0.55x cuBLAS at M = 1
+and 0.13-0.43x at M = 4..64 on the H200. This design is correct under the interpreter
+(tests/test_kernels.py; tests/test_u12_format.py walks split-K, both decodes, word and byte loads,
+both paths, and checks the decode's fp32 and bf16 bits on all 65536 patterns) but UNTESTED ON THE
+GPU as written. Expected, from GPU-FACTS.md (a split-K kernel with a costlier decode reached
+0.88-0.97x at M = 1): above 1x at M = 1 if the decode keeps up with the bytes. Risks: the layouts
+Triton picks for the [BN, BW, 4] decode and its reshape (a convert through shared memory would cost
+the M = 1 path), the M = 16/64 dot path (decoded A operand from registers), counters under
+concurrent streams. Not tried: PTX prmt/lop3 decode by inline asm (the interpreter cannot run it),
+a pre-interleaved plane layout (not needed for contiguous loads: the format is unchanged).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 from dataclasses import dataclass
 
@@ -61,12 +69,41 @@ X_SCALE_LOG2 = 64  # x is scaled by 2^64 on the scaled-decode path (see the modu
 
 
 @triton.jit
-def _decode_words(s, c, base, SCALED: tl.constexpr, TO_BF16: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr):
+def _decode_pairs(s, c, TO_BF16: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr):
+    """The scaled decode two weights per 32-bit op: bf16 patterns of weights (0, 2) and (1, 3).
+
+    (s & 0x00FF00FF) · 0x0101 = [b2 b2 b0 b0], masked 0x807F807F: both signs and mantissas placed.
+    (c & 0x0F0F) · 0x8080 puts c0 at bits 7..10 and c2 at 23..26 (the cross terms land in 15..19),
+    masked 0x07800780: both exponent fields. About 3.5 integer ops a weight with the fp32 split.
+    """
+    p02 = (((s & 0x00FF00FF) * 0x0101) & -0x7F807F81) | (((c & 0x0F0F) * 0x8080) & 0x07800780)
+    p13 = ((((s >> 8) & 0x00FF00FF) * 0x0101) & -0x7F807F81) | ((((c >> 4) & 0x0F0F) * 0x8080) & 0x07800780)
+    if TO_BF16:
+        w0 = p02.to(tl.int16).to(tl.bfloat16, bitcast=True)
+        w2 = (p02 >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
+        w1 = p13.to(tl.int16).to(tl.bfloat16, bitcast=True)
+        w3 = (p13 >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
+    else:
+        w0 = (p02 << 16).to(tl.float32, bitcast=True)
+        w2 = (p02 & -0x10000).to(tl.float32, bitcast=True)
+        w1 = (p13 << 16).to(tl.float32, bitcast=True)
+        w3 = (p13 & -0x10000).to(tl.float32, bitcast=True)
+    w = tl.join(tl.join(w0, w2), tl.join(w1, w3))  # [BN, BW, a, b] holds weight 4 w + 2 a + b
+    return tl.reshape(w, (BLOCK_N, 4 * BLOCK_W))
+
+
+@triton.jit
+def _decode_words(
+    s, c, base, SCALED: tl.constexpr, PAIRS: tl.constexpr, TO_BF16: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
+):
     """[BN, BW] int32 words of 4 sign/mantissa bytes and their 4 codes -> [BN, 4 BW] weights in k order.
 
-    SCALED: exponent field = code (weight · 2^-(base-1); escapes, code 0 and byte 0, are +0.0).
-    Else the exact exponent code + base - 1, 0 for code 0.
+    SCALED: exponent field = code (weight · 2^-(base-1); escapes, code 0 and byte 0, are +0.0),
+    by pairs (PAIRS) or one weight per 32-bit op. Else the exact exponent code + base - 1, 0 for code 0.
     """
+    if SCALED and PAIRS:
+        return _decode_pairs(s, c, TO_BF16, BLOCK_N, BLOCK_W)
     j = tl.arange(0, 4)
     b = (s[:, :, None] >> (8 * j)[None, None, :]) & 0xFF
     code = (c[:, :, None] >> (4 * j)[None, None, :]) & 0xF
@@ -132,6 +169,7 @@ def _u12_linear_kernel(
     M, N, K, n_words, base, x_scale, y_scale_lo, y_scale_hi, split_k, words_per_split,
     stride_xm, stride_xk, stride_sm, stride_codes, stride_ym,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, ESC_BLOCK: tl.constexpr,
+    PAIRS: tl.constexpr,  # the scaled decode two weights per 32-bit op (else one)
     WORDS: tl.constexpr,  # sm viewed as int32 [N, K/4], codes as int16 [N, K/4] (K % 4 == 0); else bytes
     SCALED: tl.constexpr,  # exponent field = code, x scaled by x_scale, sums by y_scale_lo · y_scale_hi
     USE_DOT: tl.constexpr,  # tl.dot on decoded tiles (BLOCK_M >= 16), else multiply-and-sum
@@ -168,7 +206,7 @@ def _u12_linear_kernel(
             code_row = codes_ptr + offs_n[:, None] * stride_codes + 2 * offs_w[None, :]
             c = tl.load(code_row, mask=w_mask, other=0).to(tl.int32)
             c |= tl.load(code_row + 1, mask=w_mask & (4 * offs_w + 2 < K)[None, :], other=0).to(tl.int32) << 8
-        w = _decode_words(s, c, base, SCALED, DOT_BF16, BLOCK_N, BLOCK_W)  # [BN, 4 BW]
+        w = _decode_words(s, c, base, SCALED, PAIRS, DOT_BF16, BLOCK_N, BLOCK_W)  # [BN, 4 BW]
         offs_k = 4 * w0 + tl.arange(0, 4 * BLOCK_W)
         x = tl.load(x_rows + offs_k[None, :] * stride_xk, mask=mask_m[:, None] & (offs_k < K)[None, :], other=0.0)
         x = x.to(tl.float32) * x_scale  # exact: a power of two
@@ -220,9 +258,14 @@ class U12Config:
     split_k: int = 1
     num_warps: int = 4
     num_stages: int = 2
+    decode: str = "pairs"  # or "single": one weight per 32-bit op (the scaled decode only)
+
+    def __post_init__(self) -> None:
+        if self.decode not in ("pairs", "single"):
+            raise ValueError(f"U12Config.decode: expected 'pairs' or 'single', got {self.decode!r}")
 
     def __str__(self) -> str:
-        return f"bn{self.block_n}-bw{self.block_w}-sk{self.split_k}-w{self.num_warps}-s{self.num_stages}"
+        return f"bn{self.block_n}-bw{self.block_w}-sk{self.split_k}-w{self.num_warps}-s{self.num_stages}-{self.decode}"
 
 
 SM_COUNT_H200 = 132
@@ -266,7 +309,7 @@ def default_config(m: int, n: int, k: int, on_gpu: bool = True) -> U12Config:
         tile, per_sm = U12Config(64, 32, num_warps=4), 2
     n_blocks = triton.cdiv(n, tile.block_n) * triton.cdiv(m, block_m)
     split = max(1, min(8, SM_COUNT_H200 * per_sm // n_blocks, triton.cdiv(k, 4 * tile.block_w * 4)))
-    return U12Config(tile.block_n, tile.block_w, split, tile.num_warps, tile.num_stages)
+    return dataclasses.replace(tile, split_k=split)
 
 
 def _nonempty(t: torch.Tensor) -> torch.Tensor:
@@ -333,7 +376,7 @@ def u12_linear(x: torch.Tensor, t: U12Tensor, config: U12Config | None = None) -
         m, n, k, n_words, t.base, x_scale, y_lo, y_hi, split, words_per_split,
         x.stride(0), x.stride(1), n_words if words else k, n_words if words else codes.shape[1], y.stride(0),
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_W=cfg.block_w, ESC_BLOCK=_ESC_BLOCK,
-        WORDS=words, SCALED=scaled, USE_DOT=use_dot,
+        PAIRS=cfg.decode == "pairs", WORDS=words, SCALED=scaled, USE_DOT=use_dot,
         DOT_BF16=use_dot and x.is_cuda and x.dtype == torch.bfloat16,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )

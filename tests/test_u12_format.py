@@ -270,18 +270,19 @@ def test_bits_per_weight_is_three_quarters_of_bf16():
 # (tests/test_kernels.py runs the registry cases with the default config; these walk the config
 # space: split-K with its fixup, the word and byte loads, the scaled and exact decodes, both paths.)
 
-_KERNEL_CASES = [  # (M, N, K, base, block_n, block_w, split_k)
-    (1, 9, 64, None, 4, 4, 3),  # GEMV, words, scaled decode, split-K over 4 word blocks (3 used)
-    (3, 9, 70, None, 8, 2, 4),  # GEMV, byte loads (K % 4 == 2), split-K
-    (2, 5, 61, 0, 4, 4, 2),  # exact decode: base 0 reaches subnormal exponents; K % 4 == 1
-    (1, 6, 36, MAX_BASE, 4, 2, 1),  # exact decode: window reaching inf/NaN, most weights escape
-    (17, 20, 68, None, 16, 4, 3),  # tl.dot path, split-K, two M blocks... of 16 rows
+_KERNEL_CASES = [  # (M, N, K, base, block_n, block_w, split_k, decode)
+    (1, 9, 64, None, 4, 4, 3, "pairs"),  # GEMV, words, scaled decode, split-K over 4 word blocks (3 used)
+    (1, 9, 64, None, 4, 4, 3, "single"),
+    (3, 9, 70, None, 8, 2, 4, "pairs"),  # GEMV, byte loads (K % 4 == 2), split-K
+    (2, 5, 61, 0, 4, 4, 2, "pairs"),  # exact decode: base 0 reaches subnormal exponents; K % 4 == 1
+    (1, 6, 36, MAX_BASE, 4, 2, 1, "pairs"),  # exact decode: window reaching inf/NaN, most weights escape
+    (17, 20, 68, None, 16, 4, 3, "pairs"),  # tl.dot path, split-K, two M blocks... of 16 rows
 ]
 
 
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
-@pytest.mark.parametrize("m,n,k,base,block_n,block_w,split_k", _KERNEL_CASES)
-def test_u12_linear_configs_match_reference(m, n, k, base, block_n, block_w, split_k):
+@pytest.mark.parametrize("m,n,k,base,block_n,block_w,split_k,decode", _KERNEL_CASES)
+def test_u12_linear_configs_match_reference(m, n, k, base, block_n, block_w, split_k, decode):
     device = "cuda" if torch.cuda.is_available() else "cpu"
     g = torch.Generator().manual_seed(m * 1000 + k)
     w = (torch.randn(n, k, generator=g) * 0.02).to(torch.bfloat16)
@@ -293,7 +294,7 @@ def test_u12_linear_configs_match_reference(m, n, k, base, block_n, block_w, spl
         flat[1::3] &= 0x807F  # exponent 0: zeros and subnormals, inside base 0's window
     t = pack_u12(w, base=base).to(device)
     x = torch.randn(m, k, generator=g).to(device)
-    cfg = U12Config(block_n, block_w, split_k)
+    cfg = U12Config(block_n, block_w, split_k, decode=decode)
     y = u12_linear(x, t, cfg)
     ref = u12_linear_reference(x, t)
     finite = torch.isfinite(ref)
@@ -307,13 +308,13 @@ def test_u12_linear_configs_match_reference(m, n, k, base, block_n, block_w, spl
 
 
 @triton.jit
-def _decode_kernel(sm_ptr, codes_ptr, out_ptr, base, SCALED: tl.constexpr, TO_BF16: tl.constexpr,
-                   BN: tl.constexpr, BW: tl.constexpr):
+def _decode_kernel(sm_ptr, codes_ptr, out_ptr, base, SCALED: tl.constexpr, PAIRS: tl.constexpr,
+                   TO_BF16: tl.constexpr, BN: tl.constexpr, BW: tl.constexpr):
     """The kernel's decode alone: int32 sign/mantissa words and int16 code words in, fp32 bits out."""
     rows, cols = tl.arange(0, BN)[:, None], tl.arange(0, BW)[None, :]
     s = tl.load(sm_ptr + rows * BW + cols)
     c = tl.load(codes_ptr + rows * BW + cols).to(tl.int32)
-    w = _decode_words(s, c, base, SCALED, TO_BF16, BN, BW)
+    w = _decode_words(s, c, base, SCALED, PAIRS, TO_BF16, BN, BW)
     if TO_BF16:  # bits, not a conversion (the interpreter's bf16 -> fp32 flushes subnormals)
         bits = w.to(tl.int16, bitcast=True).to(tl.int32) << 16
     else:
@@ -323,8 +324,8 @@ def _decode_kernel(sm_ptr, codes_ptr, out_ptr, base, SCALED: tl.constexpr, TO_BF
 
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
 @pytest.mark.parametrize("to_bf16", [False, True])
-@pytest.mark.parametrize("scaled", [False, True])
-def test_decode_words_bit_exact(scaled, to_bf16):
+@pytest.mark.parametrize("scaled,pairs", [(False, False), (True, False), (True, True)])
+def test_decode_words_bit_exact(scaled, pairs, to_bf16):
     """The kernel's decode of every in-window pattern: the exact bits, or (scaled) the weight times
     2^-(base-1); escapes decode to +0. The bf16 output (the GPU's dot path) is checked here too,
     since the interpreter's bf16 dot cannot be."""
@@ -335,7 +336,7 @@ def test_decode_words_bit_exact(scaled, to_bf16):
     t = pack_u12(w, base=base)
     out = torch.empty(n, k, dtype=torch.float32, device=device)
     _decode_kernel[(1,)](t.sm.view(torch.int32).to(device), t.codes.view(torch.int16).to(device), out, t.base,
-                 SCALED=scaled, TO_BF16=to_bf16, BN=n, BW=k // 4)
+                 SCALED=scaled, PAIRS=pairs, TO_BF16=to_bf16, BN=n, BW=k // 4)
     out = out.cpu()
     escaped = torch.zeros(n * k, dtype=torch.bool)
     escaped[t.esc_idx.long()] = True
