@@ -20,7 +20,9 @@ from ..errors import EngineError
 from ..ir import MATMUL_OPS, Graph, Node, Program
 from ..ir import node as ir_node
 from ..ir.lower import SHARED
-from ..runtime import decode
+from ..passes.fused_decoder import is_fused
+from ..runtime import decode, graph_decode
+from ..runtime.fused import install_fused
 from ..runtime.hybrid import GatedAttention, HybridTransformer
 from ..runtime.load import load_drafter, load_target
 from ..runtime.u12 import U12Tensor, load_u12, pack_u12
@@ -222,12 +224,22 @@ class Engine:
             return tree_decode.generate_dflash_tree(self.target, self.drafter, prompt_ids,
                                                     block_size=self.block_size, **common)
         if self.kind == "pard":
-            return decode.generate_pard(self.target, self.drafter, prompt_ids, k=self.block_size, **common)
-        return decode.generate_dflash(self.target, self.drafter, prompt_ids, block_size=self.block_size, **common)
+            loop = graph_decode.generate_pard_graphed if self.graphed else decode.generate_pard
+            return loop(self.target, self.drafter, prompt_ids, k=self.block_size, **common)
+        loop = graph_decode.generate_dflash_graphed if self.graphed else decode.generate_dflash
+        return loop(self.target, self.drafter, prompt_ids, block_size=self.block_size, **common)
+
+    @property
+    def graphed(self) -> bool:
+        """The step graph asks for CUDA-graphed steps (the cuda-graphs pass)."""
+        schedule = self.program.step.find("schedule")
+        return bool(schedule) and bool(self.program.step.node(schedule[0]).get("graphs"))
 
     def generate_ar(self, prompt_ids: list[int], max_new_tokens: int) -> decode.Generation:
-        return decode.generate_ar(self.target, prompt_ids, max_new_tokens=max_new_tokens,
-                                  eos_token_id=self.eos_token_id)
+        """Greedy AR, the baseline: on a GPU always the graphed loop, the strongest we have."""
+        graphs_fit = self.device.type == "cuda" and not isinstance(self.target, HybridTransformer)
+        loop = graph_decode.generate_ar_graphed if graphs_fit else decode.generate_ar
+        return loop(self.target, prompt_ids, max_new_tokens=max_new_tokens, eos_token_id=self.eos_token_id)
 
 
 def pick_device(device: str | None = None) -> torch.device:
@@ -250,4 +262,8 @@ def build_engine(program: Program, target_dir: Path, drafter_dir: Path, device: 
     materialize_weights(program.drafter.items(), drafter_root(drafter), compute, _stored_u12(drafter_dir, device))
     install_attention_kernels(program.target, target, device)
     install_attention_kernels(program.drafter, drafter_root(drafter), device)
+    if is_fused(program.target):
+        install_fused(target)
+    if is_fused(program.drafter):
+        install_fused(drafter_root(drafter))
     return Engine(program, target, target_cfg, drafter, device, dtype, target_cfg.eos_token_id)

@@ -99,14 +99,17 @@ OPS: dict[str, OpSchema] = {
     "verify": OpSchema("step", {"mode": {"chain", "tree", "two-level"}, "q": int}),
     "accept": OpSchema("step", {"rule": {"greedy-prefix", "tree-path"}, "on": {"host", "device"}}),
     "commit": OpSchema("step", {"kv": {"rollback", "compact"}}),
-    "schedule": OpSchema("step", {"policy": {"static"}, "batch": int}),
+    # graphs: every step one CUDA graph replay (needs accept on the device; chain verification)
+    "schedule": OpSchema("step", {"policy": {"static"}, "batch": int}, {"graphs": bool}),
     # model graphs: target and drafter as ops with shapes and dtypes
     "input": OpSchema("model", {"what": {"tokens", "target_hidden"}}, {"layers": tuple, "dim": int}),
     "embed": OpSchema("model", {"vocab": int, "dim": int, "dtype": DTYPES, "weight": str}),
     # weight_offset 1.0: y = x̂ · (1 + w), the zero-centred norm of Qwen3-Next
-    "rmsnorm": OpSchema("model", {"dim": int, "eps": float, "weight": str}, {"weight_offset": float}),
+    # kernel "triton-fused": the decoder stack's fused kernels serve it (runtime/fused.py)
+    "rmsnorm": OpSchema("model", {"dim": int, "eps": float, "weight": str},
+                        {"weight_offset": float, "kernel": {"torch", "triton-fused"}}),
     "linear": OpSchema("model", _matmul),
-    "rope": OpSchema("model", {"head_dim": int, "theta": float}),
+    "rope": OpSchema("model", {"head_dim": int, "theta": float}, {"kernel": {"torch", "triton-fused"}}),
     "attention": OpSchema(
         "model",
         {
@@ -125,7 +128,7 @@ OPS: dict[str, OpSchema] = {
     "gated_deltanet": OpSchema(
         "model", {"k_heads": int, "v_heads": int, "k_head_dim": int, "v_head_dim": int, "conv_kernel": int}
     ),
-    "mlp": OpSchema("model", {"act": {"silu"}, "dim": int}),
+    "mlp": OpSchema("model", {"act": {"silu"}, "dim": int}, {"kernel": {"torch", "triton-fused"}}),
     "add": OpSchema("model", {}),
     "lm_head": OpSchema("model", {**_matmul, "tied": bool}),
     "argmax": OpSchema("model", {"vocab": int}),

@@ -106,6 +106,11 @@ def _step_problems(step: Graph) -> list[str]:
     want_q = expected_verify_length(draft, propose)
     if verify["q"] != want_q:
         problems.append(f"step/verify: q={verify['q']} but the proposal needs q={want_q}")
+    schedule = step.find("schedule")
+    if schedule and step.node(schedule[0]).get("graphs"):
+        if verify["mode"] != "chain" or accept["on"] != "device":
+            problems.append("step/schedule: graphs=true needs chain verification and accept on the device "
+                            f"(verify mode {verify['mode']!r}, accept on {accept['on']!r})")
     if accept["rule"] != _ACCEPT_FOR[verify["mode"]]:
         problems.append(f"step/accept: rule {accept['rule']!r} does not fit verify mode {verify['mode']!r}")
     if commit["kv"] != _COMMIT_FOR[verify["mode"]]:

@@ -1,0 +1,49 @@
+"""`cuda-graphs`: run every speculative step as one CUDA graph replay, accepting on the device.
+
+Changes the step graph: `accept` moves to the device (argmax, prefix match and bonus as tensor
+ops; per step only the accepted count crosses to the host) and `schedule` gets graphs=true. The
+torch backend then decodes with runtime/graph_decode.py: device-length KV caches, static shapes,
+the drafter's forward, the verify forward and the acceptance captured once per runner and
+replayed; the prefill stays eager. On a CPU the same step code runs without capture.
+
+Lossless: the same forwards on the same inputs, the same greedy rule. Chain verification only
+(tree verification runs on the host loop: a later `tree-verify` turns graphs off again), and not
+for hybrid recurrent targets (their caches keep the length on the host).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..ir import Node, Program
+from .base import Pass, PassResult, register
+
+
+def _rewrite(_: str, node: Node) -> Node | None:
+    if node.op == "accept" and node["on"] != "device":
+        return node.replace(on="device")
+    if node.op == "schedule" and not node.get("graphs"):
+        return node.replace(graphs=True)
+    return None
+
+
+@register
+@dataclass(frozen=True)
+class CudaGraphs(Pass):
+    name = "cuda-graphs"
+    lossless = True
+
+    def apply(self, program: Program) -> PassResult:
+        verify = program.step.one("verify")[1]
+        if verify["mode"] != "chain":
+            return PassResult(program, False, f"verify mode {verify['mode']!r}: graphed steps verify chains only")
+        if program.target.find("gated_deltanet"):
+            return PassResult(program, False, "hybrid recurrent target: its cache keeps the length on the host")
+        step, n = program.step.map_nodes(_rewrite)
+        if n == 0:
+            return PassResult(program, False, "steps are already graphed")
+        return PassResult(program.with_graph("step", step), True, "accept on the device; each step one CUDA graph")
+
+    @classmethod
+    def schedule_space(cls, program: Program) -> list[Pass]:
+        return [cls()] if cls().apply(program).changed else []
