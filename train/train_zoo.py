@@ -1100,6 +1100,8 @@ def main(argv: list[str] | None = None) -> int:
             "tokenize_seconds": round(time.perf_counter() - t0, 1),
         },
         "zoo_size": sizes,
+        "phase_seconds": {p: getattr(args, p.replace("-", "_") + "_seconds") for p in PHASE_SECONDS},
+        "total_seconds_limit": args.total_seconds,
         "phases": {},
         "failed": {},
     }
