@@ -367,7 +367,8 @@ def u12_linear(x: torch.Tensor, t: U12Tensor, config: U12Config | None = None) -
         part = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
         counters = _split_counters(t, grid[0] * grid[2])
     else:
-        part = counters = y  # unused
+        counters = t.esc_row_ptr  # unused; an int32 and an fp32 pointer keep the compiled types
+        part = counters.view(torch.float32)
     scaled, x_scale, y_lo, y_hi = _scales(t.base)
     sm, codes = t.sm.contiguous(), t.codes.contiguous()
     _u12_linear_kernel[grid](
