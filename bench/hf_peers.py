@@ -72,6 +72,19 @@ if graph_decode is not None:
     AR_IMPLS["specpilot-graphed"] = graph_decode.generate_ar_graphed
 
 
+def fused_graphed(target: Transformer, prompt_ids, **kw) -> decode.Generation:
+    """The graphed loop over the fused decoder stack and split-KV attention (what the fused-decoder,
+    attention-split-kv and cuda-graphs passes build), on the same weights."""
+    from specpilot.runtime.fused import fused_path
+
+    with fused_path(target):
+        return graph_decode.generate_ar_graphed(target, prompt_ids, **kw)
+
+
+if graph_decode is not None and (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"):
+    AR_IMPLS["specpilot-fused-graphed"] = fused_graphed
+
+
 # --- shared with bench/zoo_e2e.py ------------------------------------------------------------
 
 

@@ -2,11 +2,19 @@
 
     python bench/step_times.py [--shapes llama-3.1-8b qwen3-8b] [--out bench/results/step_times_<gpu>.json]
 
-Random bf16 weights N(0, 0.02) (never zeros), batch 1, a 512-token cache. Each step (AR q=1,
-verify q=4..64, DFlash-style drafter step: 5 layers, block 16) is captured once in a CUDA graph and
-replayed; times are CUDA events around single replays after warm-up, median of the repeats.
-The floor is the bytes of weights the step reads / the read bandwidth measured in the same run.
-Writes a results file (GPU, versions, commit) and prints a short table last.
+Random bf16 weights N(0, 0.02) (never zeros), batch 1, a 512-token context. Each step is captured
+once in a CUDA graph and replayed; times are CUDA events around single replays after warm-up,
+median of the repeats. Two paths of the same model:
+
+  torch   the reference stack (plain torch ops, SDPA) over a host-length cache sized to the step;
+  fused   what the fused-decoder, attention-split-kv and cuda-graphs passes build: fused kernels
+          (runtime/fused.py), split-KV attention, a device-length cache of 2048 slots (one graph
+          serves every length).
+
+Steps: AR q=1; chain verify q=4..64; tree verify of k-ary trees (top-4) with 16..128 nodes plus
+the anchor; the DFlash-style drafter step (5 layers, block 16). The floor is the bytes of weights
+the step reads / the read bandwidth measured in the same run. One eager fused AR step is also
+profiled (kernels by GPU time). Writes a results file (GPU, versions, commit) and a table last.
 """
 
 from __future__ import annotations
@@ -17,9 +25,11 @@ import os
 import platform
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
+import triton
 
 from specpilot.runtime.config import DrafterConfig, ModelConfig
 from specpilot.runtime.dflash import DFlashDrafter
@@ -34,20 +44,28 @@ SHAPES = {
                      num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
                      rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=False,
                      max_position_embeddings=40960),
+    "tiny": dict(model_type="qwen3", vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6, rope_theta=10000.0,
+                 tie_word_embeddings=False, max_position_embeddings=512),
 }
+DEVICE = "cuda"
 VERIFY_Q = (4, 8, 16, 32, 64)
+TREE_BUDGETS = (16, 32, 64, 128)
 CACHE_LEN = 512
+CAPACITY = 2048  # the fused path's device-length cache
 DRAFT_LAYERS, DRAFT_BLOCK, DRAFT_NEW_CONTEXT = 5, 16, 4
 
 
 def read_bandwidth(gib: int = 4, repeats: int = 20) -> float:
     """Bytes/s of a full read (a sum) over a `gib` GiB bf16 tensor."""
-    x = torch.randn(gib * 2**29, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(gib * 2**29, device=DEVICE, dtype=torch.bfloat16)
     times = time_fn(lambda: x.sum(), repeats)
     return x.numel() * 2 / statistics.median(times)
 
 
 def time_fn(fn, repeats: int) -> list[float]:
+    if DEVICE == "cpu":  # --smoke: a correctness run of this script, not a measurement
+        return [_cpu_time(fn) for _ in range(repeats)]
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
@@ -62,8 +80,16 @@ def time_fn(fn, repeats: int) -> list[float]:
     return out
 
 
+def _cpu_time(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
 def graphed(step):
     """Capture `step` in a CUDA graph (after warm-up on a side stream); return the replay function."""
+    if DEVICE == "cpu":
+        return step
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -86,66 +112,175 @@ def weight_bytes(module: torch.nn.Module, skip: tuple[str, ...] = ()) -> int:
     return sum(p.numel() * p.element_size() for n, p in module.named_parameters() if not n.startswith(skip))
 
 
+def split_kv(q, k, v, vis):
+    """attention-split-kv's kernel on every query length here (the backend keeps SDPA above 128)."""
+    from specpilot.kernels.attention_split_kv import attention_split_kv
+
+    return attention_split_kv(q, k, v, past=vis.past, mask=vis.new, scale=q.shape[-1] ** -0.5)
+
+
+def use_path(model, path: str) -> None:
+    """Switch `model` (and its layers' attention) between the torch and the fused path."""
+    from specpilot.runtime.model import attend_visible
+
+    model.fused = model._fused_decoder if path == "fused" else None
+    for layer in model.model.layers:
+        layer.self_attn.attention = split_kv if path == "fused" else attend_visible
+
+
+def tree_mask(nodes: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ancestor mask [n+1, n+1], depths [n+1]) of a k-ary top-4 tree of `nodes` nodes + anchor."""
+    from specpilot.runtime.tree import ancestor_mask, kary_tree
+
+    g = torch.Generator().manual_seed(nodes)
+    logp = torch.rand(DRAFT_BLOCK - 1, 4, generator=g).log().sort(-1, descending=True).values
+    ids = torch.randint(0, 1000, (DRAFT_BLOCK - 1, 4), generator=g)
+    tree = kary_tree(logp, ids, 0, budget=nodes)
+    return ancestor_mask(tree).to(device), tree.depth.to(device)
+
+
+def profile_step(step, top: int = 12) -> dict:
+    """Kernels of one eager step by GPU time: how much is GEMM, how much everything else."""
+    if DEVICE == "cpu":
+        return {}
+    from torch.profiler import ProfilerActivity, profile
+
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    rows = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
+    total = sum(e.device_time_total for e in rows)
+    rows.sort(key=lambda e: -e.device_time_total)
+    return dict(kernels=sum(e.count for e in rows), gpu_us=total,
+                top=[dict(name=e.key[:90], count=e.count, us=e.device_time_total) for e in rows[:top]])
+
+
 @torch.inference_mode()
-def bench_shape(name: str, bw: float, repeats: int) -> list[dict]:
+def bench_shape(name: str, bw: float, repeats: int) -> tuple[list[dict], dict]:
+    from specpilot.runtime.fused import install_fused
+
     cfg = ModelConfig.from_hf(SHAPES[name], name)
     torch.manual_seed(0)
-    with torch.device("cuda"):
+    with torch.device(DEVICE):
         model = Transformer(cfg).to(torch.bfloat16)
     random_(model)
+    model._fused_decoder = install_fused(model, "triton")
     # per step: every linear and lm_head; the embedding contributes q rows only
     step_bytes = weight_bytes(model, skip=("model.embed_tokens",))
-    cache = model.new_cache(1, CACHE_LEN + 128)
+    floor_ms = step_bytes / bw * 1e3
     rows = []
-    for q in (1,) + VERIFY_Q:
-        ids = torch.randint(0, cfg.vocab_size, (1, q), device="cuda")
 
-        def step(ids=ids):
-            cache.length = CACHE_LEN
-            return model(ids, cache)
+    eager: dict[tuple, torch.Tensor] = {}
 
-        t = statistics.median(time_fn(graphed(step), repeats))
-        rows.append(dict(shape=name, what="ar" if q == 1 else "verify", q=q, cache_len=CACHE_LEN, ms=t * 1e3,
-                         weight_bytes=step_bytes, floor_ms=step_bytes / bw * 1e3))
+    def record(path, what, q, fn, **extra):
+        logits = fn().logits.float()  # eager, same inputs, a zero context: the paths must agree
+        if path == "torch":
+            eager[what, q] = logits
+        else:
+            ref = eager[what, q]
+            extra.update(max_abs_diff_vs_torch=(logits - ref).abs().max().item(),
+                         argmax_agree=(logits.argmax(-1) == ref.argmax(-1)).float().mean().item())
+        t = statistics.median(time_fn(graphed(fn), repeats))
+        rows.append(dict(shape=name, path=path, what=what, q=q, cache_len=CACHE_LEN, ms=t * 1e3,
+                         weight_bytes=step_bytes, floor_ms=floor_ms, **extra))
+
+    g = torch.Generator().manual_seed(1)
+    inputs = {q: torch.randint(0, cfg.vocab_size, (1, q), generator=g).to(DEVICE)
+              for q in (1,) + VERIFY_Q + tuple(n + 1 for n in TREE_BUDGETS)}  # the same tokens on both paths
+    for path in ("torch", "fused"):
+        use_path(model, path)
+        cache = model.new_cache(1, CAPACITY if path == "fused" else CACHE_LEN + 160, device_length=path == "fused")
+
+        if path == "fused":
+            start = torch.tensor(CACHE_LEN, device=DEVICE)
+            at_context = lambda: cache.length.copy_(start)  # noqa: E731  (inside the graph: no host value)
+        else:
+            at_context = lambda: setattr(cache, "length", CACHE_LEN)  # noqa: E731
+        for q in (1,) + VERIFY_Q:
+            ids = inputs[q]
+
+            def step(ids=ids):
+                at_context()
+                return model(ids, cache)
+
+            record(path, "ar" if q == 1 else "verify", q, step)
+        for nodes in TREE_BUDGETS:
+            mask, depth = tree_mask(nodes, DEVICE)
+            ids = inputs[nodes + 1]
+            positions = (depth + CACHE_LEN)[None]
+
+            def tree_step(ids=ids, mask=mask, positions=positions):
+                at_context()
+                return model(ids, cache, mask=mask, positions=positions)
+
+            record(path, "tree-verify", nodes + 1, tree_step, budget=nodes)
+        if path == "fused":
+            profile = profile_step(lambda: (at_context(), model(inputs[1], cache)))
+        del cache
+    use_path(model, "torch")
 
     dcfg = DrafterConfig.from_hf(
         {**SHAPES[name], "num_hidden_layers": DRAFT_LAYERS, "block_size": DRAFT_BLOCK,
          "mask_token_id": cfg.vocab_size - 1,
          "target_layer_ids": [1, cfg.num_layers // 4, cfg.num_layers // 2, 3 * cfg.num_layers // 4, cfg.num_layers - 1]},
         name + "-dflash")
-    with torch.device("cuda"):
+    with torch.device(DEVICE):
         drafter = DFlashDrafter(dcfg, model.embed, model.head).to(torch.bfloat16)
     random_(drafter)
-    dcache = drafter.new_cache(1, CACHE_LEN + 128)
-    block = torch.full((1, DRAFT_BLOCK), dcfg.mask_token_id, device="cuda")
-    ctx = torch.randn(1, DRAFT_NEW_CONTEXT, len(dcfg.target_layer_ids) * cfg.hidden_size, device="cuda",
+    block = torch.full((1, DRAFT_BLOCK), dcfg.mask_token_id, device=DEVICE)
+    ctx = torch.randn(1, DRAFT_NEW_CONTEXT, len(dcfg.target_layer_ids) * cfg.hidden_size, device=DEVICE,
                       dtype=torch.bfloat16)
-
-    def draft_step():
-        dcache.length = CACHE_LEN
-        return drafter(block, ctx, dcache)
-
-    t = statistics.median(time_fn(graphed(draft_step), repeats))
     d_bytes = weight_bytes(drafter) + model.lm_head.weight.numel() * 2  # its layers + the shared lm_head
-    rows.append(dict(shape=name, what="draft", q=DRAFT_BLOCK, cache_len=CACHE_LEN, ms=t * 1e3,
-                     weight_bytes=d_bytes, floor_ms=d_bytes / bw * 1e3, drafter_layers=DRAFT_LAYERS))
-    del model, drafter, cache, dcache
-    torch.cuda.empty_cache()
-    return rows
+    for path in ("torch", "fused"):
+        for layer in drafter.layers:
+            from specpilot.runtime.model import attend_visible
+
+            layer.self_attn.attention = split_kv if path == "fused" else attend_visible
+        dcache = drafter.new_cache(1, CAPACITY if path == "fused" else CACHE_LEN + 128, device_length=path == "fused")
+        start = torch.tensor(CACHE_LEN, device=DEVICE)
+
+        def draft_step(dcache=dcache, path=path):
+            if path == "fused":
+                dcache.length.copy_(start)
+            else:
+                dcache.length = CACHE_LEN
+            return drafter(block, ctx, dcache)
+
+        t = statistics.median(time_fn(graphed(draft_step), repeats))
+        rows.append(dict(shape=name, path=path, what="draft", q=DRAFT_BLOCK, cache_len=CACHE_LEN, ms=t * 1e3,
+                         weight_bytes=d_bytes, floor_ms=d_bytes / bw * 1e3, drafter_layers=DRAFT_LAYERS))
+    del model, drafter
+    if DEVICE == "cuda":
+        torch.cuda.empty_cache()
+    return rows, profile
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    ap.add_argument("--shapes", nargs="+", default=["llama-3.1-8b", "qwen3-8b"], choices=list(SHAPES))
     ap.add_argument("--repeats", type=int, default=50)
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--smoke", action="store_true",
+                    help="tiny shapes on the CPU under TRITON_INTERPRET=1: checks the script, measures nothing")
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        print("bench/step_times.py needs a CUDA GPU", file=sys.stderr)
+    global DEVICE, CACHE_LEN, CAPACITY, TREE_BUDGETS, VERIFY_Q
+    if args.smoke:
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            print("--smoke runs the Triton kernels in the interpreter: set TRITON_INTERPRET=1", file=sys.stderr)
+            return 2
+        DEVICE, CACHE_LEN, CAPACITY, TREE_BUDGETS, VERIFY_Q = "cpu", 24, 96, (4,), (4,)
+        args.shapes, args.repeats = ["tiny"], 1
+    elif not torch.cuda.is_available():
+        print("bench/step_times.py needs a CUDA GPU (or --smoke)", file=sys.stderr)
         return 2
-    gpu = torch.cuda.get_device_name()
-    bw = read_bandwidth()
-    rows = [r for shape in args.shapes for r in bench_shape(shape, bw, args.repeats)]
+    gpu = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu"
+    bw = read_bandwidth() if DEVICE == "cuda" else 1e11
+    rows, profiles = [], {}
+    for shape in args.shapes:
+        shape_rows, profiles[shape] = bench_shape(shape, bw, args.repeats)
+        rows += shape_rows
     result = {
         "benchmark": "step_times",
         "gpu": gpu,
@@ -153,17 +288,24 @@ def main() -> int:
         "torch": torch.__version__,
         "python": platform.python_version(),
         "commit": os.environ.get("SPECPILOT_COMMIT", "unknown"),
+        "triton": triton.__version__,
         "method": "CUDA graph per step, CUDA events, median of repeats; random bf16 N(0,0.02) weights; batch 1",
         "rows": rows,
+        "profile_fused_ar": profiles,
     }
     slug = "h200" if "H200" in gpu else gpu.lower().replace(" ", "-")
     out = args.out or Path(__file__).parent / "results" / f"step_times_{slug}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"{gpu}: read bandwidth {bw / 1e12:.2f} TB/s -> {out}")
-    print(f"{'shape':14} {'step':7} {'q':>3} {'ms':>8} {'floor ms':>9} {'x floor':>8}")
+    for shape, prof in profiles.items():
+        if prof:
+            print(f"{shape} fused AR step, eager: {prof['kernels']} kernels, {prof['gpu_us'] / 1e3:.3f} ms of GPU time")
+    print(f"{'shape':14} {'path':6} {'step':11} {'q':>4} {'ms':>8} {'floor ms':>9} {'x floor':>8} argmax=torch")
     for r in rows:
-        print(f"{r['shape']:14} {r['what']:7} {r['q']:>3} {r['ms']:8.3f} {r['floor_ms']:9.3f} {r['ms'] / r['floor_ms']:8.2f}")
+        agree = f"{r['argmax_agree']:6.2f}" if "argmax_agree" in r else ""
+        print(f"{r['shape']:14} {r['path']:6} {r['what']:11} {r['q']:>4} {r['ms']:8.3f} {r['floor_ms']:9.3f} "
+              f"{r['ms'] / r['floor_ms']:8.2f} {agree}")
     return 0
 
 

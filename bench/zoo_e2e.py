@@ -28,6 +28,7 @@ Writes bench/results/zoo_e2e_<gpu|cpu>.json with versions and commit; a table is
 from __future__ import annotations
 
 import argparse
+import os
 import importlib.util
 import json
 import sys
@@ -68,6 +69,24 @@ if graph_decode is not None:
     IMPLS["ar-graphed"] = (graph_decode.generate_ar_graphed, None)
     IMPLS["pard-graphed"] = (graph_decode.generate_pard_graphed, "pard")
     IMPLS["dflash-graphed"] = (graph_decode.generate_dflash_graphed, "dflash")
+
+
+def _fused(loop: Callable[..., decode.Generation]) -> Callable[..., decode.Generation]:
+    """`loop` with the target on the fused decoder stack and every model on split-KV attention."""
+    from specpilot.runtime.fused import fused_path
+
+    def run(target, *args, **kw):
+        drafters = [a for a in args[:1] if isinstance(a, torch.nn.Module)]
+        pard = getattr(args[0], "model", None) if args else None
+        with fused_path(target, *drafters, *([pard] if isinstance(pard, torch.nn.Module) else [])):
+            return loop(target, *args, **kw)
+    return run
+
+
+if graph_decode is not None and (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"):
+    for _name in ("ar", "pard", "dflash"):
+        _loop, _kind = IMPLS[f"{_name}-graphed"]
+        IMPLS[f"{_name}-fused-graphed"] = (_fused(_loop), _kind)
 
 PEERS_SKIPPED = [{
     "peer": "hf-pard",

@@ -22,6 +22,7 @@ torch references elsewhere, so the CPU tests run exactly this wiring.
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable
 
@@ -30,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specpilot.runtime.cache import KVCache
-from specpilot.runtime.model import DecoderLayer, Transformer, Visibility
+from specpilot.runtime.model import Attention, DecoderLayer, Transformer, Visibility
 
 
 @dataclass(frozen=True)
@@ -139,3 +140,31 @@ def install_fused(model: Transformer, kind: str | None = None) -> FusedDecoder:
         kind = "triton" if on_gpu else "torch"
     model.fused = FusedDecoder(model, fused_ops(kind))
     return model.fused
+
+
+def split_kv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vis: Visibility) -> torch.Tensor:
+    """The split-KV Triton kernel under `vis` (an `Attention.attention` implementation)."""
+    from specpilot.kernels.attention_split_kv import attention_split_kv
+
+    return attention_split_kv(q, k, v, past=vis.past, mask=vis.new, scale=q.shape[-1] ** -0.5)
+
+
+@contextmanager
+def fused_path(model: Transformer, *others: nn.Module):
+    """For the duration: `model` served by the fused decoder (installed once, kept) and split-KV
+    attention, as the fused-decoder and attention-split-kv passes would build it; `others`
+    (drafters) get split-KV attention too. Restored after, so benchmarks can compare paths on one
+    set of weights. Graphed runners are keyed by this setup (graph_decode.runner_for)."""
+    decoder = getattr(model, "_fused_kept", None) or install_fused(model)
+    model._fused_kept = decoder
+    attentions = [m for root in (model, *others) for m in root.modules() if isinstance(m, Attention)]
+    before = [a.attention for a in attentions]
+    model.fused = decoder
+    for a in attentions:
+        a.attention = split_kv_attention
+    try:
+        yield model
+    finally:
+        model.fused = None
+        for a, fn in zip(attentions, before):
+            a.attention = fn

@@ -279,6 +279,8 @@ def runner_for(target: Transformer, key: tuple, make: Callable[[int], _Runner], 
     tokens; built on first use, kept as long as the target lives."""
     runners = _RUNNERS.setdefault(target, {})
     cap = _capacity(needed)
+    # graphs record the kernels installed at capture: a runner serves one fused/attention setup
+    key = key + (id(getattr(target, "fused", None)), id(target.model.layers[0].self_attn.attention))
     if (key, cap) not in runners:
         runners[(key, cap)] = make(cap)
     return runners[(key, cap)]
