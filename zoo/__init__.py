@@ -4,7 +4,7 @@ target/, dflash/ and pard/ HF model directories with model cards. Retrain with t
 from importlib.resources import files
 from pathlib import Path
 
-PAIRS = ("code-qwen3",)
+PAIRS = ("code-qwen3", "code-qwen3-next")
 
 
 def pair_dir(name: str) -> Path:

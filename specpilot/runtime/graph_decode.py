@@ -56,6 +56,8 @@ class GraphedStep:
         self.fn = fn
         self.graph = None
         if device.type != "cuda":
+            for _ in range(2):  # the same warm-up as below, so CPU runs see what a capture's state sees
+                fn()
             return
         stream = torch.cuda.Stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))
@@ -232,7 +234,8 @@ class GraphedPard(_Runner):
         self.k = k
         self.d_cache = drafter.new_cache(1, capacity + 4 * (k + 1), device_length=True)
         self.fresh = torch.zeros(k + 1, dtype=torch.long, device=self.device)
-        self.fresh_count = torch.zeros((), dtype=torch.long, device=self.device)
+        # >= 1 at every step, also the capture's warm-up steps: row fresh_count - 1 is read
+        self.fresh_count = torch.ones((), dtype=torch.long, device=self.device)
         self.mask_token = torch.tensor(mask_token_id, device=self.device)
         self.masks = torch.full((k - 1,), mask_token_id, dtype=torch.long, device=self.device)
 
@@ -241,7 +244,7 @@ class GraphedPard(_Runner):
 
     def _reset(self) -> None:
         super()._reset()
-        self.fresh_count.zero_()
+        self.fresh_count.fill_(1)
 
     def _prefill(self, prompt: torch.Tensor) -> int:
         first = int(self.target(prompt, self.t_cache, only_last=True).logits[0, -1].argmax())
