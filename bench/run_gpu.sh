@@ -46,12 +46,15 @@ case "${1:?group}" in
     if [ -n "${2:-}" ]; then  # a zoo trained on this machine replaces the committed one here
       for pair in "$2"/*/; do rm -rf "zoo/$(basename "$pair")"; cp -r "$pair" "zoo/$(basename "$pair")"; done
     fi
-    run zoo_e2e 200 python bench/zoo_e2e.py --out "$OUT/zoo_e2e_h200.json"
-    run zoo_tau 150 python bench/zoo_tau.py --device cuda --passes cuda-graphs --out "$OUT/zoo_tau_h200.json"
-    run zoo_tau_next 60 python bench/zoo_tau.py --pair code-qwen3-next --drafters dflash --device cuda \
-      --out "$OUT/zoo_tau_next_h200.json"
-    run tree_tau 150 python bench/tree_tau.py examples/pipeline.yaml examples/pard.yaml --device cuda --repeats 1 \
+    run zoo_e2e 90 python bench/zoo_e2e.py --out "$OUT/zoo_e2e_h200.json"
+    run zoo_tau 100 python bench/zoo_tau.py --num-prompts 8 --device cuda --passes cuda-graphs \
+      --out "$OUT/zoo_tau_h200.json"
+    run tree_tau 100 python bench/tree_tau.py examples/pipeline.yaml examples/pard.yaml --device cuda --repeats 1 \
       --out "$OUT/tree_tau_h200.json"
+    run zoo_tau_next 60 python bench/zoo_tau.py --pair code-qwen3-next --drafters dflash --num-prompts 8 \
+      --device cuda --out "$OUT/zoo_tau_next_h200.json"
+    [ -n "${STEPS:-}" ] && TAIL=24 run step_times 80 python bench/step_times.py --shapes llama-3.1-8b \
+      --out "$OUT/step_times_llama_h200.json"
     ;;
   *) echo "unknown group $1" >&2; exit 2 ;;
 esac

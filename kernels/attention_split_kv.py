@@ -162,38 +162,35 @@ def _combine_kernel(
     m_ptr, l_ptr, acc_ptr, o_ptr,
     T, G, HKV, NUM_SPLITS,
     stride_ob, stride_oh, stride_ot,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, ROUND_BF16: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, ROUND_BF16: tl.constexpr,
 ):
-    """out = Σ_s 2^(m_s - M) acc_s / Σ_s 2^(m_s - M) l_s per row, M the largest m_s."""
-    pid_m = tl.program_id(0)
+    """out = Σ_s 2^(m_s - M) acc_s / Σ_s 2^(m_s - M) l_s for one row, M the largest m_s.
+
+    One program per (query row, batch · kv head), every split loaded at once: a loop over the
+    splits in a few programs took 12 µs a call at 32 splits (H200, Llama-3.1-8B AR step), an
+    eighth of the whole attention; this is one round trip to memory."""
+    row = tl.program_id(0)
     bh = tl.program_id(1)
     b = (bh // HKV).to(tl.int64)
     kvh = bh % HKV
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = rows < T * G
+    rows = T * G
+    offs_s = tl.arange(0, BLOCK_S)
+    s_ok = offs_s < NUM_SPLITS
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
-    first = bh * NUM_SPLITS * (T * G) + rows
-
-    m_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    for s in range(0, NUM_SPLITS):
-        m_max = tl.maximum(m_max, tl.load(m_ptr + first + s * (T * G), mask=row_ok, other=float("-inf")))
-    m_base = tl.where(m_max == float("-inf"), 0.0, m_max)
-    l_sum = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for s in range(0, NUM_SPLITS):
-        part = first + s * (T * G)
-        w = tl.math.exp2(tl.load(m_ptr + part, mask=row_ok, other=float("-inf")) - m_base)
-        l_sum += w * tl.load(l_ptr + part, mask=row_ok, other=0.0)
-        acc += w[:, None] * tl.load(acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :],
-                                    mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-    j = rows // T
-    t = rows % T
-    o = o_ptr + b * stride_ob + (kvh * G + j)[:, None] * stride_oh + t[:, None] * stride_ot + offs_d[None, :]
-    out = acc / tl.where(l_sum == 0.0, 1.0, l_sum)[:, None]  # l = 0 only in padding rows
+    part = bh * NUM_SPLITS * rows + offs_s * rows + row
+    m = tl.load(m_ptr + part, mask=s_ok, other=float("-inf"))
+    m_max = tl.max(m, 0)
+    w = tl.math.exp2(m - tl.where(m_max == float("-inf"), 0.0, m_max))  # empty splits weigh 0
+    l_sum = tl.sum(w * tl.load(l_ptr + part, mask=s_ok, other=0.0), 0)
+    acc = tl.load(acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], mask=s_ok[:, None] & d_ok[None, :], other=0.0)
+    out = tl.sum(w[:, None] * acc, 0) / tl.where(l_sum == 0.0, 1.0, l_sum)
     if ROUND_BF16:
         out = _round_bf16(out)
-    tl.store(o, out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    j = row // T
+    t = row % T
+    o = o_ptr + b * stride_ob + (kvh * G + j) * stride_oh + t * stride_ot + offs_d
+    tl.store(o, out.to(o_ptr.dtype.element_ty), mask=d_ok)
 
 
 def split_count(s: int, rows: int, programs: int, sms: int) -> int:
@@ -326,9 +323,10 @@ def attention_split_kv(
         PAST_TENSOR=past_tensor, **meta, **launch,
     )
     if not single:
-        _combine_kernel[(row_blocks, b * hkv)](
+        _combine_kernel[(rows, b * hkv)](
             m_part, l_part, acc_part, out, t, g, hkv, splits,
-            out.stride(0), out.stride(1), out.stride(2), **meta, **launch,
+            out.stride(0), out.stride(1), out.stride(2), HEAD_DIM=d, BLOCK_D=block_d,
+            BLOCK_S=triton.next_power_of_2(splits), ROUND_BF16=meta["ROUND_BF16"], **launch,
         )
     return out
 
