@@ -44,7 +44,7 @@ def main() -> int:
                          measured_ms=r["ms"], predicted_ms=predicted))
 
     runtime = {(r["what"], r["q"]): r["ms"] for r in json.loads((RESULTS / "step_times_h200.json").read_text())["rows"]
-               if r["shape"] == "llama-3.1-8b"}
+               if r["shape"] == "llama-3.1-8b" and r.get("path", "torch") == "torch"}
     raw, calibrated = CostModel("h200"), CostModel("h200")
     calibrated.update_from_results([RESULTS / "step_times_h200.json"])
     for name, model in (("uncalibrated", raw), ("calibrated on this file", calibrated)):

@@ -25,16 +25,72 @@ def step_times() -> str:
     d = _load("step_times_h200.json")
     if d is None:
         return "_no results file yet: run `python bench/step_times.py` on a GPU_"
+    rows = {(r["shape"], r["path"], r["what"], r["q"]): r for r in d["rows"]}
     lines = [
-        f"{d['gpu']}, torch {d['torch']}, commit {d['commit'].split()[0]}; read bandwidth measured in the same run: "
-        f"{d['read_bandwidth_Bps'] / 1e12:.2f} TB/s. Source: `bench/results/step_times_h200.json`.",
+        f"{d['gpu']}, torch {d['torch']}, triton {d.get('triton', '?')}, commit {d['commit'].split()[0]}; read "
+        f"bandwidth measured in the same run: {d['read_bandwidth_Bps'] / 1e12:.2f} TB/s. "
+        "Source: `bench/results/step_times_h200.json`. torch: the reference stack; fused: the fused-decoder "
+        "stack with split-KV attention over a device-length cache. Tree rows: k-ary top-4 trees, q = nodes + anchor.",
         "",
-        "| shape | step | q | ms | weight-read floor ms | × floor |",
-        "|---|---|---:|---:|---:|---:|",
+        "| shape | step | q | floor ms | torch ms | fused ms | fused × floor | fused × fused AR |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for (shape, path, what, q), r in rows.items():
+        if path != "fused":
+            continue
+        torch_ms = rows[shape, "torch", what, q]["ms"]
+        ar = rows[shape, "fused", "ar", 1]["ms"]
+        of_ar = f"{r['ms'] / ar:.2f}" + (" (of the target AR)" if what == "draft" else "")
+        lines.append(f"| {shape} | {what} | {q} | {r['floor_ms']:.2f} | {torch_ms:.2f} | {r['ms']:.2f} | "
+                     f"{r['ms'] / r['floor_ms']:.2f} | {of_ar} |")
+    later = _load("step_times_llama_combine_h200.json")
+    if later:
+        fused = {(r["what"], r["q"]): r for r in later["rows"] if r["path"] == "fused"}
+        ar = fused["ar", 1]
+        lines += ["", f"Re-run after the split-KV combine fix (commit {later['commit']}, "
+                  "`bench/results/step_times_llama_combine_h200.json`), Llama-3.1-8B, fused path:", "",
+                  "| step | q | ms | × floor | × AR |", "|---|---:|---:|---:|---:|"]
+        for (what, q), r in fused.items():
+            of_ar = f"{r['ms'] / ar['ms']:.2f}" + (" (of the target AR)" if what == "draft" else "")
+            lines.append(f"| {what} | {q} | {r['ms']:.2f} | {r['ms'] / r['floor_ms']:.2f} | {of_ar} |")
+    return "\n".join(lines)
+
+
+def hf_peers() -> str:
+    d = _load("hf_peers_h200.json")
+    if d is None:
+        return "_no results file yet: run `python bench/hf_peers.py` on a GPU_"
+    lines = [
+        f"{d['gpu']}, {d['shape']} random bf16 weights shared by every path, torch {d['torch']}, transformers "
+        f"{d['transformers']}, commit {d['commit']}; {d['prompt_len']}-token prompt, {d['max_new_tokens']} new tokens, "
+        f"decode only; weight-read floor {d['floor_ms_per_token']:.2f} ms/token. Source: `bench/results/hf_peers_h200.json`.",
+        "",
+        "| implementation | ms/token | tokens/s | × floor | same tokens as specpilot-eager |",
+        "|---|---:|---:|---:|---|",
     ]
     for r in d["rows"]:
-        lines.append(f"| {r['shape']} | {r['what']} | {r['q']} | {r['ms']:.2f} | {r['floor_ms']:.2f} | "
-                     f"{r['ms'] / r['floor_ms']:.2f} |")
+        if "error" in r:
+            lines.append(f"| {r['impl']} | error: {r['error'][:60]} | | | |")
+            continue
+        lines.append(f"| {r['impl']} | {r['ms_per_token']:.2f} | {r['tokens_per_s']:.1f} | {r['x_floor']:.2f} | "
+                     f"{r['agree_prefix']}/{r['new_tokens']} |")
+    return "\n".join(lines)
+
+
+def attention_split_kv() -> str:
+    d = _load("attention_split_kv_h200.json")
+    if d is None:
+        return "_no results file yet: run `python bench/attention_split_kv.py` on a GPU_"
+    lines = [
+        f"{d['gpu']}, triton {d['triton']}, commit {d['git_commit']} (before the combine fix); {d['timing']}. "
+        "Source: `bench/results/attention_split_kv_h200.json`.",
+        "",
+        "| cache S | new T | SDPA µs | kernel µs | speedup | splits |",
+        "|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in d["rows"]:
+        lines.append(f"| {r['S']} | {r['T']} | {r['sdpa_us']:.1f} | {r['kernel_us']:.1f} | {r['speedup']:.2f}× | "
+                     f"{r['plan']['splits']} |")
     return "\n".join(lines)
 
 
@@ -60,14 +116,19 @@ def u12_linear() -> str:
         return "_no results file yet: run `python bench/u12_linear.py` on a GPU_"
     rows = d.get("rows") or d.get("results") or []
     lines = [
-        f"{d.get('gpu', '?')}, torch {d.get('torch', '?')}, triton {d.get('triton', '?')}. "
+        f"{d.get('gpu', '?')}, torch {d.get('torch', '?')}, triton {d.get('triton', '?')}, commit "
+        f"{d.get('git_commit', '?')}; the best of {len(d.get('sweep', []))} swept configurations per row. "
         "Source: `bench/results/u12_linear_nvidia_h200.json`.",
         "",
-        "| shape | M | cuBLAS bf16 µs | u12 µs | speedup |",
-        "|---|---:|---:|---:|---:|",
+        "| shape | M | cuBLAS bf16 µs | u12 µs | speedup | config |",
+        "|---|---:|---:|---:|---:|---|",
     ]
     for r in rows:
-        lines.append(f"| {r['name']} | {r['M']} | {r['cublas_us']:.1f} | {r['u12_us']:.1f} | {r['speedup']:.2f}× |")
+        lines.append(f"| {r['name']} | {r['M']} | {r['cublas_us']:.1f} | {r['u12_us']:.1f} | {r['speedup']:.2f}× | "
+                     f"{r.get('config', '')} |")
+    for w in d.get("whole_step", []):
+        lines.append(f"\nAll linears of the step in one CUDA graph, M = {w['M']}: cuBLAS {w['cublas_ms']:.2f} ms, "
+                     f"u12 {w['u12_ms']:.2f} ms ({w['speedup']:.2f}×).")
     return "\n".join(lines)
 
 
@@ -87,47 +148,60 @@ def cost_vs_measured() -> str:
     return "\n".join(lines)
 
 
+ZOO_TAU_FILES = ("zoo_tau_cpu.json", "zoo_tau_next_cpu.json", "zoo_tau_h200.json", "zoo_tau_next_h200.json")
+
+
 def zoo_tau() -> str:
-    d = _load("zoo_tau_cpu.json")
-    if d is None:
+    files = [(name, _load(name)) for name in ZOO_TAU_FILES]
+    files = [(name, d) for name, d in files if d is not None]
+    if not files:
         return "_no results file yet: run `python bench/zoo_tau.py`_"
-    env = d["environment"]
     lines = [
-        f"Pair `{d['pair']}`, chain verification at the drafter's trained block, greedy, fp32 on {env['device']} "
-        f"(torch {env['torch']}, commit {env['commit']}). Source: `bench/results/zoo_tau_cpu.json`.",
+        "Chain verification at the drafter's trained block, greedy; CPU in fp32, H200 in bf16 (with the "
+        "`cuda-graphs` pass for the attention pair: graphed steps against the graphed AR baseline; the hybrid "
+        "runs eager loops on both sides). Speedup: decode time of AR / of the speculative loop, prefill excluded. "
+        "Sources: " + ", ".join(f"`bench/results/{name}`" for name, _ in files) + ".",
         "",
-        "| drafter | block | prompts | τ | steps by accepted drafts (0, 1, 2, …) | outputs = AR | token forcing |",
-        "|---|---:|---|---:|---|---|---|",
+        "| pair | device | drafter | block | prompts | τ | steps by accepted drafts (0, 1, 2, …) | speedup | outputs = AR | token forcing |",
+        "|---|---|---|---:|---|---:|---|---:|---|---|",
     ]
-    for r in d["rows"]:
-        hist = r["acceptance_histogram"]
-        while len(hist) > 1 and hist[-1] == 0:
-            hist = hist[:-1]
-        lines.append(f"| {r['drafter']} | {r['block_size']} | {r['prompts']} ({r['num_prompts']}) | {r['tau']:.2f} | "
-                     f"{', '.join(map(str, hist))} | {r['outputs_equal_ar']} | {r['token_forcing'].split(':')[0]} |")
+    for _, d in files:
+        env = d["environment"]
+        device = env.get("gpu_name", env["device"])
+        for r in d["rows"]:
+            hist = r.get("acceptance_histogram") or []
+            while len(hist) > 1 and hist[-1] == 0:
+                hist = hist[:-1]
+            lines.append(f"| {d['pair']} | {device} | {r['drafter']} | {r['block_size']} | {r['prompts']} "
+                         f"({r['num_prompts']}) | {r['tau']:.2f} | {', '.join(map(str, hist)) or 'not kept'} | "
+                         f"{r['speedup_over_ar']:.2f}× | {r.get('outputs_equal_ar', '-')} | "
+                         f"{r['token_forcing'].split(':')[0]} |")
     return "\n".join(lines)
 
 
 def tree_tau() -> str:
-    d = _load("tree_tau_cpu.json")
-    if d is None:
+    files = [(name, _load(name)) for name in ("tree_tau_cpu.json", "tree_tau_h200.json")]
+    files = [(name, d) for name, d in files if d is not None]
+    if not files:
         return "_no results file yet: run `python bench/tree_tau.py`_"
-    lines = [
-        f"{d['device']}, {d['threads']} thread, torch {d['torch']}, commit {d['git_commit'][:12]}. "
-        "Source: `bench/results/tree_tau_cpu.json`. ms/token on a CPU says little about a GPU, where "
-        "verifying 64 tokens costs about one AR step.",
+    lines = ["Sources: " + ", ".join(
+        f"`bench/results/{name}` ({d.get('device_name') or d['device']}, torch {d['torch']}, commit {d['git_commit'][:12]})"
+        for name, d in files) + ". The tree loops run on the host (eager); on the H200 the AR baseline is graphed.",
         "",
-        "| target | drafter | verify | τ | ms/token | AR ms/token | outputs = AR |",
+        "| device | drafter | verify | τ | ms/token | AR ms/token | outputs = AR |",
         "|---|---|---|---:|---:|---:|---|",
     ]
-    for r in d["rows"]:
-        verify = "chain" if r["verify"] == "chain" else f"tree {r['budget']} (top-{r['topk']})"
-        lines.append(f"| {r['target']} | {r['drafter']['kind']} b{r['drafter']['block_size']} | {verify} | "
-                     f"{r['tau']:.2f} | {r['ms_per_token']:.2f} | {r['ar_ms_per_token']:.2f} | {r['outputs_equal_ar']} |")
+    for _, d in files:
+        device = d.get("device_name") or d["device"]
+        for r in d["rows"]:
+            verify = "chain" if r["verify"] == "chain" else f"tree {r['budget']} (top-{r['topk']})"
+            lines.append(f"| {device} | {r['drafter']['kind']} b{r['drafter']['block_size']} | {verify} | "
+                         f"{r['tau']:.2f} | {r['ms_per_token']:.2f} | {r['ar_ms_per_token']:.2f} | {r['outputs_equal_ar']} |")
     return "\n".join(lines)
 
 
-RENDERERS = {"zoo_tau": zoo_tau, "tree_tau": tree_tau, "cost_vs_measured": cost_vs_measured, "step_times": step_times, "u12_stats": u12_stats, "u12_linear": u12_linear}
+RENDERERS = {"zoo_tau": zoo_tau, "tree_tau": tree_tau, "cost_vs_measured": cost_vs_measured, "step_times": step_times,
+             "hf_peers": hf_peers, "attention_split_kv": attention_split_kv, "u12_stats": u12_stats, "u12_linear": u12_linear}
 
 
 def render(text: str) -> str:

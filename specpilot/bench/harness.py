@@ -6,6 +6,7 @@ which synchronise the GPU when there is one.
 
 from __future__ import annotations
 
+import os
 import platform
 import subprocess
 from dataclasses import dataclass, field
@@ -76,6 +77,10 @@ def measure(engine, baseline, prompts: list[list[int]], max_new_tokens: int, pro
 
 
 def _git_commit() -> str:
+    """SPECPILOT_COMMIT / GIT_COMMIT where set (a copied tree on a GPU machine), else HEAD."""
+    for name in ("SPECPILOT_COMMIT", "GIT_COMMIT"):
+        if os.environ.get(name):
+            return os.environ[name]
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                              cwd=Path(__file__).parent, timeout=5)

@@ -11,10 +11,10 @@ pass closes yet. The savings therefore add up to current - ceiling per output to
 | what-if | gap it closes | pass |
 |---|---|---|
 | linear/lm_head bf16 weights -> u12 | weight bytes | `weights-u12` |
-| CUDA graphs on | launch overhead | `cuda-graphs` |
+| CUDA graphs on, accept on the device | launch overhead, host round trips | `cuda-graphs` |
+| norms, RoPE, SiLU·mul on fused kernels | small kernels' latency | `fused-decoder` |
 | chain -> best-first tree of the best budget | τ below what the candidates allow | `tree-verify{budget=N}` |
 | block size -> the best one | block size off the optimum | `draft-block-size{size=N}` |
-| accept on the device | host round trips | `fused-accept` |
 | attention kernel -> split-KV | attention over long caches | `attention-split-kv` |
 """
 
@@ -91,12 +91,37 @@ def with_u12(program: Program, min_numel: int = U12_MIN_NUMEL) -> Program | None
 
 
 def with_cuda_graphs(program: Program) -> Program | None:
-    return None if program.attr("cuda_graphs", False) else _with_attr(program, "cuda_graphs", True)
+    """What `cuda-graphs` does: accept on the device, every step one graph replay (chain steps)."""
+    ops = step_ops(program)
+    if ops["verify"]["mode"] != "chain" or program.target.find("gated_deltanet"):
+        return None
 
+    def fn(_, node: Node):
+        if node.op == "accept" and node["on"] != "device":
+            return node.replace(on="device")
+        if node.op == "schedule" and not node.get("graphs"):
+            return node.replace(graphs=True)
+        return None
 
-def with_device_accept(program: Program) -> Program | None:
-    program, n = _map(program, "step", lambda _, nd: nd.replace(on="device") if nd.op == "accept" else None)
+    program, n = _map(program, "step", fn)
     return program if n else None
+
+
+def with_fused_decoder(program: Program) -> Program | None:
+    """What `fused-decoder` does: norms, RoPE and SiLU·mul of causal-LM stacks on fused kernels."""
+    def fn(_, node: Node):
+        if node.op in ("rmsnorm", "rope", "mlp") and node.get("kernel") != "triton-fused":
+            return node.replace(kernel="triton-fused")
+        return None
+
+    total = 0
+    for level in ("target", "drafter"):
+        graph = program.graph(level)
+        attention = [graph.node(n) for n in graph.find("attention")]
+        if attention and not graph.find("gated_deltanet") and all(a.get("context", "self") == "self" for a in attention):
+            program, n = _map(program, level, fn)
+            total += n
+    return program if total else None
 
 
 def with_split_kv(program: Program) -> Program | None:
@@ -172,9 +197,9 @@ def what_ifs(program: Program, *, max_positions: int, search: bool = True) -> li
     if (p := with_u12(program)) is not None:
         out.append(WhatIf("weight bytes (bf16 -> u12)", "weights-u12", f"weights-u12{{min-numel={U12_MIN_NUMEL}}}", p))
     if (p := with_cuda_graphs(program)) is not None:
-        out.append(WhatIf("launch overhead", "cuda-graphs", "cuda-graphs", p))
-    if (p := with_device_accept(program)) is not None:
-        out.append(WhatIf("host round trip per step", "fused-accept", "fused-accept", p))
+        out.append(WhatIf("launch overhead and host round trips", "cuda-graphs", "cuda-graphs", p))
+    if (p := with_fused_decoder(program)) is not None:
+        out.append(WhatIf("small kernels of the decoder layers", "fused-decoder", "fused-decoder", p))
     if (p := with_split_kv(program)) is not None:
         out.append(WhatIf("attention over the cache", "attention-split-kv", "attention-split-kv", p))
     if search:

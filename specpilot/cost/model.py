@@ -291,6 +291,8 @@ def parse_records(data: Any, origin: str = "") -> list[StepRecord | AcceptanceRe
     for i, d in enumerate(data):
         if not isinstance(d, Mapping):
             raise SpecError(f"{origin or 'records'}[{i}]: a record is a JSON object, got {type(d).__name__}")
+        if d.get("path", "torch") != "torch" or d.get("what") == "tree-verify":
+            continue  # the fused path's and tree steps: kernel choices this model does not tell apart yet
         rec = _record({**defaults, **d}, origin, i)
         if rec is not None:
             out.append(rec)
@@ -365,6 +367,10 @@ class _Evaluator:
         return schedule["batch"] if schedule is not None else 1
 
     def cuda_graphs(self, program: Program) -> bool:
+        """Graphed steps: the step graph says so (the cuda-graphs pass), else the program or workload."""
+        schedule = program.step.find("schedule")
+        if schedule and program.step.node(schedule[0]).get("graphs"):
+            return True
         return bool(program.attr("cuda_graphs", bool(self.workload.cuda_graphs)))
 
     def tau(self, program: Program) -> float:

@@ -48,6 +48,9 @@ KERNELS = {"input": 0, "embed": 1, "rmsnorm": 3, "linear": 1, "lm_head": 1, "rop
            # counted from runtime/hybrid.py's ops at q = 1 (not profiled); its recurrent form adds
            # about 10 a token. A fused kernel (conv + delta rule + gated norm) launches a few.
            "gated_deltanet": 45}
+# The same nodes on the fused kernels (kernel="triton-fused", runtime/fused.py): one launch each
+# (rmsnorm with the residual add, rope_qkv with qk-norm and the cache write, silu_mul).
+FUSED_KERNELS = {"rmsnorm": 1, "rope": 1, "mlp": 1}
 
 # Attention parallelism. SDPA at q = 1 is flash-decoding (the cache split over programs: the card
 # fills). For q > 1 it runs one program per (request, head, 128-query tile), whatever the cache
@@ -280,7 +283,8 @@ def node_cost(name: str, node: Node, out: tuple[int, int], ins: list[tuple[int, 
     rows, width = out
     read = sum(r * w for r, w in ins) * a
     written = rows * width * a
-    c = dict(name=name, op=op, rows=rows, kernels=KERNELS.get(op, 1))
+    kernels = FUSED_KERNELS[op] if node.get("kernel") == "triton-fused" and op in FUSED_KERNELS else KERNELS.get(op, 1)
+    c = dict(name=name, op=op, rows=rows, kernels=kernels)
     occupancy, kernel_eff = 1.0, 1.0
 
     if op == "input":

@@ -1,7 +1,8 @@
 """Built-in model names: pairs specpilot ships or builds locally, with no download.
 
-`code-qwen3` is the zoo's trained pair (zoo/code-qwen3: a 19M-parameter Qwen3 code target with
-DFlash and PARD drafters distilled from it; see its model cards). `tiny-qwen3` and `tiny-llama`
+`code-qwen3` is the zoo's trained pair (zoo/code-qwen3: a 12.8M-parameter Qwen3 code target with
+DFlash and PARD drafters distilled from it; see its model cards); `code-qwen3-next` the hybrid
+pair (a Gated DeltaNet + attention target and its DFlash drafter). `tiny-qwen3` and `tiny-llama`
 are randomly initialised pairs built from configs in `tiny.py`: enough to run and check every
 mechanism, meaningless for τ. They are built once into the cache folder ($SPECPILOT_CACHE,
 default ~/.cache/specpilot).
