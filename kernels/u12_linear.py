@@ -35,20 +35,20 @@ Escapes: after the sum, the program that writes an output block adds the exact c
 holds inf/NaN contributions). Escapes are about 0.015% of N(0, 0.02) weights.
 
 Configs are data (``U12Config``: block_n, block_w words = 4 weights each, split_k, warps, stages,
-decode); ``default_config`` picks one per (M, N, K) (``TUNED`` first, empty until a GPU sweep fills
+decode); ``default_config`` picks one per (M, N, K) (``TUNED`` first, filled from the H200 sweep
 it) and bench/u12_linear.py sweeps ``SWEEP_GEMV`` / ``SWEEP_DOT`` × ``SPLIT_KS`` against cuBLAS.
 
-Speed. The previous kernel (one program per N block walking all of K, no split-K, a pair decode
-with a per-weight base add, a join of even and odd columns) measured 0.47-0.55x cuBLAS at M = 1
-and 0.13-0.43x at M = 4..64 on the H200. This design is correct under the interpreter
-(tests/test_kernels.py; tests/test_u12_format.py walks split-K, both decodes, word and byte loads,
-both paths, and checks the decode's fp32 and bf16 bits on all 65536 patterns) but UNTESTED ON THE
-GPU as written. Expected, from GPU-FACTS.md (a split-K kernel with a costlier decode reached
-0.88-0.97x at M = 1): above 1x at M = 1 if the decode keeps up with the bytes. Risks: the layouts
-Triton picks for the [BN, BW, 4] decode and its reshape (a convert through shared memory would cost
-the M = 1 path), the M = 16/64 dot path (decoded A operand from registers), counters under
-concurrent streams. Not tried: PTX prmt/lop3 decode by inline asm (the interpreter cannot run it),
-a pre-interleaved plane layout (not needed for contiguous loads: the format is unchanged).
+Speed (H200, triton 3.6, bench/results/u12_linear_nvidia_h200.json, the best of 457 configs per
+row, commit da24869): M = 1 at 0.89x (qkv), 0.69x (o), 0.95x (gate_up), 0.93x (down), 0.97x
+(lm_head) of cuBLAS bf16, i.e. 1.5-2.95 TB/s of packed bytes against cuBLAS's 1.8-4.1 TB/s of bf16
+bytes; M = 4..64 at 0.39-0.85x; all linears of a Llama-3.1-8B step in one CUDA graph at M = 1:
+4.75 ms against 4.07 ms (0.86x). Split-K never won at M <= 4 (the serial fixup costs more than
+the parallelism buys), so the GEMV default has none. The 1.25x goal is not met: at M = 1 the
+kernel moves 0.75x the bytes at 0.7x cuBLAS's bandwidth. Correct on the GPU for every swept
+config (each checked against the reference first) and under the interpreter (tests walk split-K,
+both decodes, word and byte loads, and the decode's bits on all 65536 patterns). Untried: PTX
+prmt/lop3 decode by inline asm, more bytes in flight per thread (wider words, more stages), a
+pre-interleaved tile-major layout.
 """
 
 from __future__ import annotations
@@ -282,8 +282,30 @@ SWEEP_DOT = [
 ]
 SPLIT_KS = (1, 2, 4, 8)
 
-# Best configs measured by bench/u12_linear.py, keyed (BLOCK_M, N, K); empty until a GPU sweep fills it.
-TUNED: dict[tuple[int, int, int], U12Config] = {}
+# Best configs measured by bench/u12_linear.py on the H200 (bench/results/u12_linear_nvidia_h200.json,
+# 457 rows, commit da24869), keyed (BLOCK_M, N, K): Llama-3.1-8B's linear shapes.
+TUNED: dict[tuple[int, int, int], U12Config] = {
+    (1, 6144, 4096): U12Config(8, 64, split_k=1, num_warps=4),  # qkv
+    (4, 6144, 4096): U12Config(8, 64, split_k=1, num_warps=4, num_stages=3),  # qkv
+    (16, 6144, 4096): U12Config(64, 32, split_k=8, num_warps=4),  # qkv
+    (64, 6144, 4096): U12Config(64, 32, split_k=4, num_warps=4, num_stages=3),  # qkv
+    (1, 4096, 4096): U12Config(8, 64, split_k=1, num_warps=4),  # o
+    (4, 4096, 4096): U12Config(8, 64, split_k=1, num_warps=4, num_stages=3),  # o
+    (16, 4096, 4096): U12Config(128, 16, split_k=4, num_warps=8),  # o
+    (64, 4096, 4096): U12Config(64, 32, split_k=8, num_warps=4),  # o
+    (1, 28672, 4096): U12Config(16, 64, split_k=1, num_warps=4),  # gate_up
+    (4, 28672, 4096): U12Config(8, 64, split_k=1, num_warps=4),  # gate_up
+    (16, 28672, 4096): U12Config(64, 32, split_k=4, num_warps=4),  # gate_up
+    (64, 28672, 4096): U12Config(64, 32, split_k=2, num_warps=4, num_stages=3),  # gate_up
+    (1, 4096, 14336): U12Config(4, 128, split_k=1, num_warps=4),  # down
+    (4, 4096, 14336): U12Config(4, 128, split_k=1, num_warps=4),  # down
+    (16, 4096, 14336): U12Config(64, 32, split_k=8, num_warps=4, num_stages=3),  # down
+    (64, 4096, 14336): U12Config(64, 32, split_k=4, num_warps=4, num_stages=3),  # down
+    (1, 128256, 4096): U12Config(16, 64, split_k=1, num_warps=4),  # lm_head
+    (4, 128256, 4096): U12Config(8, 64, split_k=1, num_warps=4),  # lm_head
+    (16, 128256, 4096): U12Config(64, 32, split_k=1, num_warps=4, num_stages=3),  # lm_head
+    (64, 128256, 4096): U12Config(64, 32, split_k=1, num_warps=4, num_stages=3),  # lm_head
+}
 
 _INTERPRETER_CONFIG = U12Config(16, 8, split_k=2)  # small tiles; split-K exercised on the CPU too
 _ESC_BLOCK = 16
@@ -304,9 +326,10 @@ def default_config(m: int, n: int, k: int, on_gpu: bool = True) -> U12Config:
     if (block_m, n, k) in TUNED:
         return TUNED[(block_m, n, k)]
     if block_m <= 4:  # 32 (BM = 1, 2) or 64 (BM = 4) accumulator registers a thread
-        tile, per_sm = U12Config(16 if block_m <= 2 else 8, 64, num_warps=4), 8
-    else:
-        tile, per_sm = U12Config(64, 32, num_warps=4), 2
+        # no split-K: on the H200 sweep split_k = 1 won every GEMV row (M = 1, 4; five shapes), the
+        # heuristic's split-K default ran 0.22-0.97x cuBLAS where the best ran 0.69-0.97x
+        return U12Config(16 if block_m <= 2 else 8, 64, num_warps=4)
+    tile, per_sm = U12Config(64, 32, num_warps=4), 2
     n_blocks = triton.cdiv(n, tile.block_n) * triton.cdiv(m, block_m)
     split = max(1, min(8, SM_COUNT_H200 * per_sm // n_blocks, triton.cdiv(k, 4 * tile.block_w * 4)))
     return dataclasses.replace(tile, split_k=split)
