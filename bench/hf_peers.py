@@ -81,7 +81,7 @@ def fused_graphed(target: Transformer, prompt_ids, **kw) -> decode.Generation:
         return graph_decode.generate_ar_graphed(target, prompt_ids, **kw)
 
 
-if graph_decode is not None and (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"):
+if graph_decode is not None and torch.cuda.is_available():  # Triton kernels: a GPU (the interpreter is too slow here)
     AR_IMPLS["specpilot-fused-graphed"] = fused_graphed
 
 

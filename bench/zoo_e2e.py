@@ -28,7 +28,6 @@ Writes bench/results/zoo_e2e_<gpu|cpu>.json with versions and commit; a table is
 from __future__ import annotations
 
 import argparse
-import os
 import importlib.util
 import json
 import sys
@@ -83,7 +82,7 @@ def _fused(loop: Callable[..., decode.Generation]) -> Callable[..., decode.Gener
     return run
 
 
-if graph_decode is not None and (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"):
+if graph_decode is not None and torch.cuda.is_available():  # Triton kernels: a GPU (the interpreter is too slow here)
     for _name in ("ar", "pard", "dflash"):
         _loop, _kind = IMPLS[f"{_name}-graphed"]
         IMPLS[f"{_name}-fused-graphed"] = (_fused(_loop), _kind)
