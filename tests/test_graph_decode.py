@@ -126,3 +126,48 @@ def test_runner_is_reused_and_capacity_is_checked(tiny_models):
     runner = next(iter(runners.values()))
     with pytest.raises(ValueError, match="capacity"):
         runner.generate(list(range(10)), max_new_tokens=runner.capacity, eos_token_id=None)
+
+
+# --- graphed trees --------------------------------------------------------------------------------
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 12), st.integers(0, 2**16), st.integers(0, 3))
+def test_device_tree_acceptance_matches_accept_tree(nodes, seed, pad):
+    from specpilot.runtime.tree import Tree, accept_tree, ancestor_mask
+
+    g = torch.Generator().manual_seed(seed)
+    parent = [-1] + [int(torch.randint(0, i, (1,), generator=g)) for i in range(1, nodes + 1)]
+    depth = [0]
+    for p in parent[1:]:
+        depth.append(depth[p] + 1)
+    token = torch.randint(0, 3, (nodes + 1,), generator=g).tolist()
+    tree = Tree.from_lists(parent, depth, token).padded(nodes + 1 + pad)
+    argmax = torch.randint(0, 3, (tree.size,), generator=g)
+    levels = max(depth) + 1
+    anc = gd.ancestor_mask_static(tree.parent, levels)
+    assert torch.equal(anc, ancestor_mask(tree))
+    path, bonus = accept_tree(tree, argmax)
+    n, dev_path, span = gd.accept_tree_on_device(tree.parent, tree.depth, tree.token, anc, argmax, levels)
+    assert int(n) == len(path) - 1
+    assert dev_path[: len(path)].tolist() == path
+    assert span[: len(path)].tolist() == tree.token[path[1:]].tolist() + [bonus]
+
+
+@pytest.mark.parametrize("budget", [5, 16])
+def test_zoo_pair_graphed_trees_equal_eager_trees(budget, zoo):
+    from specpilot.runtime import tree_decode as td
+
+    target, cfg, dflash, pard, ids = zoo
+    kw = dict(budget=budget, topk=4, max_new_tokens=24, eos_token_id=cfg.eos_token_id)
+    ar = decode.generate_ar(target, ids, max_new_tokens=24, eos_token_id=cfg.eos_token_id)
+    d = dict(block_size=dflash.block_size, mask_token_id=dflash.mask_token_id)
+    eager = td.generate_dflash_tree(target, dflash, ids, **d, **kw)
+    graphed = gd.generate_dflash_tree_graphed(target, dflash, ids, **d, **kw)
+    _same(eager, graphed)
+    assert graphed.tokens == ar.tokens
+    p = dict(k=pard.k, mask_token_id=pard.mask_token_id)
+    eager = td.generate_pard_tree(target, pard, ids, **p, **kw)
+    graphed = gd.generate_pard_tree_graphed(target, pard, ids, **p, **kw)
+    _same(eager, graphed)
+    assert graphed.tokens == ar.tokens

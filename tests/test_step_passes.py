@@ -41,13 +41,17 @@ def test_cuda_graphs_changes_accept_and_schedule_only(kind):
     assert CudaGraphs.schedule_space(r.program) == []
 
 
-def test_tree_verify_undoes_graphs_and_graphs_refuse_trees():
-    p = CudaGraphs().apply(program_for("dflash")).program
-    t = TreeVerify(budget=16, topk=2).apply(p).program
+@pytest.mark.parametrize("order", ["graphs-then-tree", "tree-then-graphs"])
+def test_graphed_trees_in_either_order(order):
+    p = program_for("dflash")
+    if order == "graphs-then-tree":
+        t = TreeVerify(budget=16, topk=2).apply(CudaGraphs().apply(p).program).program
+    else:
+        t = CudaGraphs().apply(TreeVerify(budget=16, topk=2).apply(p).program).program
     assert not program_problems(t)
-    assert t.step.one("accept")[1]["on"] == "host"
-    r = CudaGraphs().apply(t)
-    assert not r.changed and "chains only" in r.summary
+    accept = t.step.one("accept")[1]
+    assert accept["on"] == "device" and accept["rule"] == "tree-path"
+    assert t.step.node(t.step.find("schedule")[0]).get("graphs")
 
 
 def test_fused_decoder_marks_target_and_pard_but_not_dflash_layers():
@@ -82,11 +86,11 @@ def test_compile_fused_and_graphed_passes_token_forcing(kind, family, tmp_path, 
     spec = tmp_path / "pipeline.yaml"
     spec.write_text(SPEC.format(kind=kind, family=family))
     out = tmp_path / "engine"
-    r = CliRunner().invoke(main, ["compile", str(spec), "--passes", "fused-decoder,cuda-graphs",
-                                  "-o", str(out), "--device", "cpu"])
+    passes = "fused-decoder,cuda-graphs" + (",tree-verify{budget=8, topk=2}" if kind == "pard" else "")
+    r = CliRunner().invoke(main, ["compile", str(spec), "--passes", passes, "-o", str(out), "--device", "cpu"])
     assert r.exit_code == 0, r.output
     report = json.loads((out / "report.json").read_text())
-    assert report["pipeline"] == "fused-decoder,cuda-graphs"
+    assert report["pipeline"] == passes
     assert report["outputs_equal_ar"] == "2/2"
     assert json.loads((out / "validation.json").read_text())["passed"]
     ir = (out / "ir.txt").read_text()

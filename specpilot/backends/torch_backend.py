@@ -219,10 +219,10 @@ class Engine:
             propose = self.program.step.one("propose")[1]
             common.update(budget=propose["budget"], topk=propose.get("topk", 4))
             if self.kind == "pard":
-                return tree_decode.generate_pard_tree(self.target, self.drafter, prompt_ids, k=self.block_size,
-                                                      **common)
-            return tree_decode.generate_dflash_tree(self.target, self.drafter, prompt_ids,
-                                                    block_size=self.block_size, **common)
+                loop = graph_decode.generate_pard_tree_graphed if self.graphed else tree_decode.generate_pard_tree
+                return loop(self.target, self.drafter, prompt_ids, k=self.block_size, **common)
+            loop = graph_decode.generate_dflash_tree_graphed if self.graphed else tree_decode.generate_dflash_tree
+            return loop(self.target, self.drafter, prompt_ids, block_size=self.block_size, **common)
         if self.kind == "pard":
             loop = graph_decode.generate_pard_graphed if self.graphed else decode.generate_pard
             return loop(self.target, self.drafter, prompt_ids, k=self.block_size, **common)

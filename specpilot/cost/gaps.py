@@ -91,9 +91,9 @@ def with_u12(program: Program, min_numel: int = U12_MIN_NUMEL) -> Program | None
 
 
 def with_cuda_graphs(program: Program) -> Program | None:
-    """What `cuda-graphs` does: accept on the device, every step one graph replay (chain steps)."""
+    """What `cuda-graphs` does: accept on the device, every step one graph replay (chains, trees)."""
     ops = step_ops(program)
-    if ops["verify"]["mode"] != "chain" or program.target.find("gated_deltanet"):
+    if ops["verify"]["mode"] not in ("chain", "tree") or program.target.find("gated_deltanet"):
         return None
 
     def fn(_, node: Node):

@@ -108,8 +108,8 @@ def _step_problems(step: Graph) -> list[str]:
         problems.append(f"step/verify: q={verify['q']} but the proposal needs q={want_q}")
     schedule = step.find("schedule")
     if schedule and step.node(schedule[0]).get("graphs"):
-        if verify["mode"] != "chain" or accept["on"] != "device":
-            problems.append("step/schedule: graphs=true needs chain verification and accept on the device "
+        if verify["mode"] not in ("chain", "tree") or accept["on"] != "device":
+            problems.append("step/schedule: graphs=true needs chain or tree verification and accept on the device "
                             f"(verify mode {verify['mode']!r}, accept on {accept['on']!r})")
     if accept["rule"] != _ACCEPT_FOR[verify["mode"]]:
         problems.append(f"step/accept: rule {accept['rule']!r} does not fit verify mode {verify['mode']!r}")

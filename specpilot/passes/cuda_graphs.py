@@ -6,9 +6,9 @@ torch backend then decodes with runtime/graph_decode.py: device-length KV caches
 the drafter's forward, the verify forward and the acceptance captured once per runner and
 replayed; the prefill stays eager. On a CPU the same step code runs without capture.
 
-Lossless: the same forwards on the same inputs, the same greedy rule. Chain verification only
-(tree verification runs on the host loop: a later `tree-verify` turns graphs off again), and not
-for hybrid recurrent targets (their caches keep the length on the host).
+Lossless: the same forwards on the same inputs, the same greedy rule. Chains and best-first trees
+(the tree built on the device by kernels/best_first_tree.py, static node budget, KV compaction by
+device indices); not for hybrid recurrent targets (their caches keep the length on the host).
 """
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ class CudaGraphs(Pass):
 
     def apply(self, program: Program) -> PassResult:
         verify = program.step.one("verify")[1]
-        if verify["mode"] != "chain":
-            return PassResult(program, False, f"verify mode {verify['mode']!r}: graphed steps verify chains only")
+        if verify["mode"] not in ("chain", "tree"):
+            return PassResult(program, False, f"verify mode {verify['mode']!r}: graphed steps verify chains and trees")
         if program.target.find("gated_deltanet"):
             return PassResult(program, False, "hybrid recurrent target: its cache keeps the length on the host")
         step, n = program.step.map_nodes(_rewrite)

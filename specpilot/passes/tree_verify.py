@@ -42,10 +42,8 @@ class TreeVerify(Pass):
             return node.replace(shape="tree", budget=self.budget, topk=self.topk)
         if node.op == "verify":
             return node.replace(mode=node["mode"] if node["mode"] != "chain" else "tree", q=self.budget + 1)
-        if node.op == "accept":  # tree acceptance runs on the host loop (cuda-graphs is undone)
-            return node.replace(rule="tree-path", on="host")
-        if node.op == "schedule" and node.get("graphs"):
-            return node.replace(graphs=False)
+        if node.op == "accept":  # where acceptance runs (host, or device under cuda-graphs) stays
+            return node.replace(rule="tree-path")
         if node.op == "commit":
             return node.replace(kv="compact")
         return None

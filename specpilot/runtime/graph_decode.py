@@ -13,6 +13,11 @@ the target's argmax back every step. Here the whole step lives on the device:
   host      per step it reads one small status tensor: [accepted drafts, EOS seen]. The tokens
             cross once, at the end.
 
+Trees (`GraphedTreeDFlash`, `GraphedTreePard`): the drafter's top-k -> a best-first tree of a
+static node budget built by one Triton program (kernels/best_first_tree.py; the host heap of
+tree.py on a plain CPU) -> one verify forward under the ancestor mask -> `accept_tree_on_device`
+-> KV compaction by device indices; the same trees and acceptances as tree_decode.py.
+
 The prefill is eager (its length varies) on the same caches. Token accounting matches `decode`
 (`Generation`), reconstructed at the end from the per-step accepted counts.
 
@@ -22,6 +27,7 @@ the last one (`last`), which is the next verify's first input.
 
 from __future__ import annotations
 
+import os
 import weakref
 from collections.abc import Callable, Sequence
 
@@ -316,4 +322,174 @@ def generate_pard_graphed(target: Transformer, drafter: Transformer | PardDrafte
     key = ("pard", id(model), k, mask_token_id, eos_token_id)
     runner = runner_for(target, key, lambda cap: GraphedPard(target, model, cap, k, mask_token_id, eos_token_id),
                         _length(prompt_ids) + max_new_tokens)
+    return runner.generate(prompt_ids, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id)
+
+
+# --- tree verification -------------------------------------------------------------------------
+
+
+def ancestor_mask_static(parent: torch.Tensor, max_depth: int) -> torch.Tensor:
+    """tree.ancestor_mask with a fixed number of hops (no host read of the tree's depth)."""
+    n = parent.shape[0]
+    nodes = torch.arange(n, device=parent.device)
+    mask = nodes[:, None] == nodes[None, :]
+    cur = parent
+    for _ in range(max_depth):
+        live = cur >= 0
+        mask = mask | ((nodes[None, :] == cur.clamp(min=0)[:, None]) & live[:, None])
+        cur = torch.where(live, parent.index_select(0, cur.clamp(min=0)), cur)
+    return mask
+
+
+def accept_tree_on_device(parent: torch.Tensor, depth: torch.Tensor, token: torch.Tensor, ancestors: torch.Tensor,
+                          target_argmax: torch.Tensor, levels: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """tree.accept_tree without leaving the device: (n accepted drafts (0-dim), path [levels] (node
+    at each depth, don't-care beyond n), span [levels]: the path's drafts then the bonus at n)."""
+    first = torch.arange(parent.shape[0], device=parent.device) == 0
+    ok = first | ((parent >= 0) & (token == target_argmax.index_select(0, parent.clamp(min=0))))
+    accepted = ~(ancestors & ~ok[None, :]).any(dim=1)
+    deepest = torch.where(accepted, depth, -1).argmax().view(1)  # the first deepest, as accept_tree
+    n = depth.index_select(0, deepest)[0]
+    on_path = ancestors.index_select(0, deepest)[0]
+    at_level = on_path[None, :] & (depth[None, :] == torch.arange(levels, device=depth.device)[:, None])
+    path = at_level.int().argmax(dim=1)
+    drafts = token.index_select(0, path)
+    bonus = target_argmax.index_select(0, path.index_select(0, n.view(1)))
+    span = torch.cat([drafts[1:], drafts[:1]]).index_copy_(0, n.view(1), bonus)
+    return n, path, span
+
+
+def compact_on_device(cache: DeviceKVCache, start: torch.Tensor, path: torch.Tensor, n: torch.Tensor) -> None:
+    """tree.compact_kv with device indices: slot start + j takes slot start + path[j], the length
+    becomes start + n + 1 (slots after it receive don't-care values)."""
+    src = start + path
+    dst = start + torch.arange(path.shape[0], device=path.device)
+    for k, v in zip(cache.k, cache.v):
+        k.index_copy_(2, dst, k.index_select(2, src))  # gathered first: overlapping moves are safe
+        v.index_copy_(2, dst, v.index_select(2, src))
+    cache.rollback(start + n + 1)
+
+
+def _tree_builder(device: torch.device):
+    """The best-first builder: the Triton kernel where Triton runs, else the host heap (CPU)."""
+    from specpilot.kernels.best_first_tree import best_first_tree, best_first_tree_reference
+
+    on_triton = device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+    return best_first_tree if on_triton else best_first_tree_reference
+
+
+class _GraphedTree(_Runner):
+    """What both tree runners share: a candidate tree from drafter logits [D, V], one verify
+    forward under its ancestor mask, device acceptance, KV compaction, commit."""
+
+    def __init__(self, target: Transformer, capacity: int, positions: int, budget: int, topk: int,
+                 eos_token_id: int | None) -> None:
+        if budget < 1 or topk < 1:
+            raise ValueError(f"budget and topk must be >= 1, got {budget}, {topk}")
+        super().__init__(target, capacity, positions + 1, eos_token_id)
+        self.positions, self.budget, self.topk = positions, budget, topk
+        self.t_cache = target.new_cache(1, capacity + 2 * self.block + budget + 1, device_length=True)
+        self.build = _tree_builder(self.device)
+
+    def _verify_tree(self, logits: torch.Tensor, layers: tuple[int, ...] = ()):
+        logp, ids = torch.log_softmax(logits.float(), dim=-1).topk(min(self.topk, logits.shape[-1]), dim=-1)
+        parent, depth, token, _ = self.build(logp, ids, self.last, self.budget)
+        ancestors = ancestor_mask_static(parent, self.positions)
+        start = self.t_cache.length.clone()
+        out = self.target(token[None], self.t_cache, mask=ancestors, positions=(start + depth)[None],
+                          hidden_layers=layers)
+        n, path, span = accept_tree_on_device(parent, depth, token, ancestors, out.logits[0].argmax(-1), self.block)
+        compact_on_device(self.t_cache, start, path, n)
+        return n, path, span, out.hidden
+
+
+class GraphedTreeDFlash(_GraphedTree):
+    """DFlash-style drafting verified as a best-first tree, one CUDA graph a step."""
+
+    def __init__(self, target: Transformer, drafter: DFlashDrafter, capacity: int, block_size: int, budget: int,
+                 topk: int, mask_token_id: int, eos_token_id: int | None) -> None:
+        if block_size < 2:
+            raise ValueError(f"block_size must be >= 2 (anchor + drafts), got {block_size}")
+        super().__init__(target, capacity, block_size - 1, budget, topk, eos_token_id)
+        self.drafter = drafter
+        self.layers = tuple(drafter.target_layer_ids)
+        self.d_cache = drafter.new_cache(1, capacity + 3 * block_size, device_length=True)
+        width = len(self.layers) * target.cfg.hidden_size
+        self.context = torch.zeros(1, block_size, width, dtype=target.dtype, device=self.device)
+        self.context_count = torch.zeros((), dtype=torch.long, device=self.device)
+        self.masks = torch.full((block_size - 1,), mask_token_id, dtype=torch.long, device=self.device)
+        self.no_context = self.context[:, :0]
+
+    _caches = GraphedDFlash._caches
+    _prefill = GraphedDFlash._prefill
+
+    def _reset(self) -> None:
+        super()._reset()
+        self.context_count.zero_()
+
+    def _step(self) -> None:
+        self.drafter.eval()
+        self.drafter.add_context(self.context, self.d_cache, self.context_count)
+        logits = self.drafter(torch.cat([self.last, self.masks])[None], self.no_context, self.d_cache)[0]
+        n, path, span, hidden = self._verify_tree(logits, self.layers)
+        self.context.copy_(hidden.index_select(1, path))  # the accepted path's nodes, in order
+        self.context_count.copy_(n + 1)
+        self._emit(n, span)
+
+
+class GraphedTreePard(_GraphedTree):
+    """PARD-style drafting (as GraphedPard) verified as a best-first tree, one CUDA graph a step."""
+
+    def __init__(self, target: Transformer, drafter: Transformer, capacity: int, k: int, budget: int, topk: int,
+                 mask_token_id: int, eos_token_id: int | None) -> None:
+        if k < 1:
+            raise ValueError(f"k must be >= 1, got {k}")
+        super().__init__(target, capacity, k, budget, topk, eos_token_id)
+        self.drafter, self.k = drafter, k
+        self.d_cache = drafter.new_cache(1, capacity + 4 * (k + 1), device_length=True)
+        self.fresh = torch.zeros(k + 1, dtype=torch.long, device=self.device)
+        self.fresh_count = torch.ones((), dtype=torch.long, device=self.device)
+        self.mask_token = torch.tensor(mask_token_id, device=self.device)
+        self.masks = torch.full((k - 1,), mask_token_id, dtype=torch.long, device=self.device)
+
+    _caches = GraphedPard._caches
+    _prefill = GraphedPard._prefill
+
+    def _reset(self) -> None:
+        super()._reset()
+        self.fresh_count.fill_(1)
+
+    def _step(self) -> None:
+        self.drafter.eval()
+        seen = self.arange < self.fresh_count
+        ids = torch.cat([torch.where(seen, self.fresh, self.mask_token), self.masks])[None]
+        d_start = self.d_cache.length.clone()
+        logits = self.drafter(ids, self.d_cache).logits[0]
+        rows = logits.index_select(0, self.fresh_count - 1 + self.arange[: self.k])
+        self.d_cache.rollback(d_start + self.fresh_count)
+        n, _, span, _ = self._verify_tree(rows)
+        self.fresh.copy_(span)
+        self.fresh_count.copy_(n + 1)
+        self._emit(n, span)
+
+
+def generate_dflash_tree_graphed(target: Transformer, drafter: DFlashDrafter, prompt_ids, *, block_size: int,
+                                 budget: int, topk: int, mask_token_id: int, max_new_tokens: int,
+                                 eos_token_id: int | None) -> Generation:
+    """`tree_decode.generate_dflash_tree` (best-first), one CUDA graph a step."""
+    key = ("dflash-tree", id(drafter), block_size, budget, topk, mask_token_id, eos_token_id)
+    make = lambda cap: GraphedTreeDFlash(target, drafter, cap, block_size, budget, topk, mask_token_id,  # noqa: E731
+                                         eos_token_id)
+    runner = runner_for(target, key, make, _length(prompt_ids) + max_new_tokens)
+    return runner.generate(prompt_ids, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id)
+
+
+def generate_pard_tree_graphed(target: Transformer, drafter: Transformer | PardDrafter, prompt_ids, *, k: int,
+                               budget: int, topk: int, mask_token_id: int, max_new_tokens: int,
+                               eos_token_id: int | None) -> Generation:
+    """`tree_decode.generate_pard_tree` (best-first), one CUDA graph a step."""
+    model = drafter.model if isinstance(drafter, PardDrafter) else drafter
+    key = ("pard-tree", id(model), k, budget, topk, mask_token_id, eos_token_id)
+    make = lambda cap: GraphedTreePard(target, model, cap, k, budget, topk, mask_token_id, eos_token_id)  # noqa: E731
+    runner = runner_for(target, key, make, _length(prompt_ids) + max_new_tokens)
     return runner.generate(prompt_ids, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id)
