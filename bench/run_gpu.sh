@@ -50,7 +50,7 @@ case "${1:?group}" in
     run zoo_tau 100 python bench/zoo_tau.py --num-prompts 8 --device cuda --passes cuda-graphs \
       --out "$OUT/zoo_tau_h200.json"
     run tree_tau 100 python bench/tree_tau.py examples/pipeline.yaml examples/pard.yaml --device cuda --repeats 1 \
-      --out "$OUT/tree_tau_h200.json"
+      --graphs --out "$OUT/tree_tau_graphs_h200.json"
     run zoo_tau_next 60 python bench/zoo_tau.py --pair code-qwen3-next --drafters dflash --num-prompts 8 \
       --device cuda --out "$OUT/zoo_tau_next_h200.json"
     [ -n "${STEPS:-}" ] && TAIL=24 run step_times 80 python bench/step_times.py --shapes llama-3.1-8b \

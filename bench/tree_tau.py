@@ -35,6 +35,7 @@ from specpilot.bench.harness import measure
 from specpilot.bench.prompts import load_prompts
 from specpilot.compiler import lower_spec, resolve_models, resolve_passes
 from specpilot.passes import pipeline_string, run_passes
+from specpilot.passes.cuda_graphs import CudaGraphs
 from specpilot.passes.tree_verify import TreeVerify
 from specpilot.runtime.tokenizer import load_tokenizer
 from specpilot.spec import load_spec
@@ -59,11 +60,11 @@ def device_name(device: torch.device) -> str:
 
 
 def bench_pipeline(path: Path, budgets: list[int], topk: int, repeats: int, device: torch.device,
-                   max_new_tokens: int | None, num_prompts: int | None) -> list[dict]:
+                   max_new_tokens: int | None, num_prompts: int | None, graphs: bool = False) -> list[dict]:
     spec = load_spec(path)
     dirs = resolve_models(spec)
     dtype = default_dtype(device) if spec.dtype == "auto" else spec.dtype
-    passes = resolve_passes(spec, None)
+    passes = resolve_passes(spec, None) + ([CudaGraphs()] if graphs else [])
     base, _ = run_passes(lower_spec(spec, dirs, dtype), passes)
     if base.step.one("verify")[1]["mode"] != "chain":
         raise SystemExit(f"{path}: its pipeline already verifies a tree; the chain baseline needs a chain pipeline")
@@ -112,6 +113,8 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, help="override the spec's serving.max_new_tokens")
     parser.add_argument("--num-prompts", type=int, help="override the spec's benchmark.num_prompts")
     parser.add_argument("--out", type=Path, help="result file (default bench/results/tree_tau_<device>.json)")
+    parser.add_argument("--graphs", action="store_true",
+                        help="add the cuda-graphs pass: chain and tree steps as graph replays (the GPU fast path)")
     args = parser.parse_args()
 
     device = pick_device(args.device)
@@ -121,7 +124,7 @@ def main() -> None:
     rows = []
     for path in args.pipelines:
         rows += bench_pipeline(path, budgets, args.topk, args.repeats, device, args.max_new_tokens,
-                               args.num_prompts)
+                               args.num_prompts, args.graphs)
     result = {
         "what": "τ and ms/token, chain vs tree-verify{budget, topk}, torch backend, greedy, prefill excluded",
         "timing": f"runtime clocks (device synchronised), median of {args.repeats} runs over all prompts; "
