@@ -83,6 +83,9 @@ benchmark:
 @pytest.mark.parametrize("kind,family", [("dflash", "qwen3"), ("pard", "llama")])
 def test_compile_fused_and_graphed_passes_token_forcing(kind, family, tmp_path, tmp_path_factory, monkeypatch):
     monkeypatch.setenv("SPECPILOT_CACHE", str(tmp_path_factory.getbasetemp() / "specpilot-cache"))
+    # the kernels' references on the CPU: under the interpreter (set by the kernel tests) a whole
+    # compile takes minutes; tests/test_fused_decoder.py runs the kernels themselves in a loop
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     spec = tmp_path / "pipeline.yaml"
     spec.write_text(SPEC.format(kind=kind, family=family))
     out = tmp_path / "engine"

@@ -96,7 +96,7 @@ def plot_gaps(estimate: Estimate, path: str | Path) -> Path:
     ax_roof.set_title("roofline per op kind (predicted; marker area = share of the step)", fontsize=10)
 
     # 2. step times: current (stacked by op kind) beside floor and ceiling
-    groups = {"weights (linear, lm_head)": ("linear", "lm_head", "embed"), "attention": ("attention", "gated_deltanet"),
+    groups = {"weights (linear, lm_head, experts)": ("linear", "lm_head", "embed", "moe"), "attention": ("attention", "gated_deltanet"),
               "norms, rope, elementwise": ("rmsnorm", "rope", "mlp", "add", "argmax")}
     labels = ["AR", "draft", "verify"]
     steps = [e.steps.ar, e.steps.draft, e.steps.verify]

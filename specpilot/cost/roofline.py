@@ -47,7 +47,9 @@ KERNELS = {"input": 0, "embed": 1, "rmsnorm": 3, "linear": 1, "lm_head": 1, "rop
            "attention": 5, "mlp": 2, "add": 1, "argmax": 1,
            # counted from runtime/hybrid.py's ops at q = 1 (not profiled); its recurrent form adds
            # about 10 a token. A fused kernel (conv + delta rule + gated norm) launches a few.
-           "gated_deltanet": 45}
+           "gated_deltanet": 45,
+           # routing (softmax, top-k, renormalise) and the shared gate; each expert hit adds ~8
+           "moe": 6}
 # The same nodes on the fused kernels (kernel="triton-fused", runtime/fused.py): one launch each
 # (rmsnorm with the residual add, rope_qkv with qk-norm and the cache write, silu_mul).
 FUSED_KERNELS = {"rmsnorm": 1, "rope": 1, "mlp": 1}
@@ -259,6 +261,8 @@ def _shapes(plan: GraphPlan, batch: int, q: int, context: int) -> dict[str, tupl
             shapes[name] = (batch * q, node["heads"] * node["head_dim"])
         elif op == "gated_deltanet":
             shapes[name] = (batch * q, node["v_heads"] * node["v_head_dim"])
+        elif op == "moe":
+            shapes[name] = (ins[0][0], node["hidden"])
         elif op == "argmax":
             shapes[name] = (ins[0][0], 1)
         else:  # rope (a q, k pair), add: shape of the first input
@@ -317,6 +321,14 @@ def node_cost(name: str, node: Node, out: tuple[int, int], ins: list[tuple[int, 
         c["kv_bytes"] = batch * hv * dk * dv * 4 * (1 + q) + 2 * batch * conv_dim * (taps - 1) * a
         # per token: the conv, then per value head decay, read, delta, update and output (~7 dk·dv)
         c["other_flops"] = rows * (2 * conv_dim * taps + hv * 7 * dk * dv)
+    elif op == "moe":
+        # the experts the rows route to are read once each: at most rows · topk of them
+        hit = min(node["experts"], rows * node["topk"])
+        expert_bytes = 3 * node["hidden"] * node["dim"] * ACT_BYTES[node["dtype"]]
+        c["weight_bytes"] = hit * expert_bytes
+        c["act_bytes"] = read + written
+        c["tensor_flops"] = 2.0 * rows * node["topk"] * 3 * node["hidden"] * node["dim"]
+        c["kernels"] += 8 * hit
     elif op == "rmsnorm":
         c["weight_bytes"] = node["dim"] * a
         c["act_bytes"] = read + written
@@ -399,6 +411,8 @@ def weight_footprint(program: Program, escape_rate: float = U12_ESCAPE_RATE) -> 
                 total += node["vocab"] * node["dim"] * ACT_BYTES[node["dtype"]]
             elif node.op == "rmsnorm":
                 total += node["dim"] * ACT_BYTES.get(program.attr("dtype", "bfloat16"), 2)
+            elif node.op == "moe":  # every expert is stored, whichever ones a step reads
+                total += node["experts"] * 3 * node["hidden"] * node["dim"] * ACT_BYTES[node["dtype"]]
             elif node.op == "gated_deltanet":  # the conv taps (A_log, dt_bias, the gated norm: a few vectors)
                 conv_dim = 2 * node["k_heads"] * node["k_head_dim"] + node["v_heads"] * node["v_head_dim"]
                 total += conv_dim * node["conv_kernel"] * ACT_BYTES.get(program.attr("dtype", "bfloat16"), 2)

@@ -164,10 +164,33 @@ def lower_hybrid_lm(name: str, h: HybridConfig, dtype: str) -> Graph:
                                                      mask="causal", kernel="sdpa", qk_norm=True, context="self",
                                                      output_gate=True), [rope, v])
             out = g.add(f"{p}.o_proj", _matmul("linear", q_out, s.hidden, f"{a}.o_proj.weight", dtype), [attn])
-        x = _mlp_block(g, s, x, out, p, w, dtype, **centred)
+        if i in h.moe_layers:
+            x = _moe_block(g, h, x, out, p, w, dtype, **centred)
+        else:
+            x = _mlp_block(g, s, x, out, p, w, dtype, **centred)
     head_weight = "model.embed_tokens.weight" if s.tied else "lm_head.weight"
     _head(g, s, x, "model.norm.weight", head_weight, s.tied, dtype, **centred)
     return g
+
+
+def _moe_block(g: Graph, h: HybridConfig, x: str, mixed: str, p: str, w: str, dtype: str, **norm_attrs) -> str:
+    """The residual add, then Qwen3-Next's sparse MoE block: the router and the shared expert as
+    ordinary linears (weight passes see them), the routed experts as one `moe` node."""
+    hidden, shared = h.hidden_size, h.shared_expert_intermediate_size
+    res = g.add(f"{p}.attn_residual", Node.make("add"), [x, mixed])
+    norm = g.add(f"{p}.post_norm", Node.make("rmsnorm", dim=hidden, eps=h.rms_norm_eps,
+                                             weight=f"{w}.post_attention_layernorm.weight", **norm_attrs), [res])
+    router = g.add(f"{p}.router", _matmul("linear", hidden, h.num_experts, f"{w}.mlp.gate.weight", dtype), [norm])
+    se = f"{w}.mlp.shared_expert"
+    gate = g.add(f"{p}.shared_gate_proj", _matmul("linear", hidden, shared, f"{se}.gate_proj.weight", dtype), [norm])
+    up = g.add(f"{p}.shared_up_proj", _matmul("linear", hidden, shared, f"{se}.up_proj.weight", dtype), [norm])
+    act = g.add(f"{p}.shared_mlp", Node.make("mlp", act="silu", dim=shared), [gate, up])
+    down = g.add(f"{p}.shared_down_proj", _matmul("linear", shared, hidden, f"{se}.down_proj.weight", dtype), [act])
+    shared_gate = g.add(f"{p}.shared_expert_gate", _matmul("linear", hidden, 1, f"{w}.mlp.shared_expert_gate.weight", dtype), [norm])
+    moe = g.add(f"{p}.moe", Node.make("moe", experts=h.num_experts, topk=h.num_experts_per_tok,
+                                      dim=h.moe_intermediate_size, hidden=hidden, dtype=dtype,
+                                      weight=f"{w}.mlp.experts"), [norm, router, down, shared_gate])
+    return g.add(f"{p}.mlp_residual", Node.make("add"), [res, moe])
 
 
 def lower_dflash(s: Shapes, target: Shapes, layer_ids: tuple[int, ...], dtype: str) -> Graph:

@@ -129,6 +129,10 @@ OPS: dict[str, OpSchema] = {
         "model", {"k_heads": int, "v_heads": int, "k_head_dim": int, "v_head_dim": int, "conv_kernel": int}
     ),
     "mlp": OpSchema("model", {"act": {"silu"}, "dim": int}, {"kernel": {"torch", "triton-fused"}}),
+    # Sparse mixture of experts (Qwen3-Next): inputs [normed x, router logits, shared expert output,
+    # shared expert gate]; `topk` of `experts` SwiGLU experts of width `dim` per token, weights
+    # `{weight}.{e}.{gate,up,down}_proj.weight`; output width `hidden`.
+    "moe": OpSchema("model", {"experts": int, "topk": int, "dim": int, "hidden": int, "dtype": DTYPES, "weight": str}),
     "add": OpSchema("model", {}),
     "lm_head": OpSchema("model", {**_matmul, "tied": bool}),
     "argmax": OpSchema("model", {"vocab": int}),

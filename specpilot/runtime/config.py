@@ -253,8 +253,9 @@ class HybridConfig:
     """A Qwen3-Next-family causal LM: `layer_types[i]` says whether layer i mixes tokens with a
     Gated DeltaNet ("linear_attention") or with gated full attention ("full_attention").
 
-    Dense MLPs only: the mixture-of-experts blocks of released Qwen3-Next checkpoints are not
-    modelled (`from_hf` rejects a config with MoE layers, naming the fields)."""
+    `moe_layers` use the sparse mixture-of-experts block of released Qwen3-Next checkpoints (a
+    softmax top-k router over `num_experts` SwiGLU experts plus a sigmoid-gated shared expert);
+    the others a dense MLP of `intermediate_size`."""
 
     family: str  # "qwen3_next"
     vocab_size: int
@@ -277,8 +278,16 @@ class HybridConfig:
     max_position_embeddings: int
     bos_token_id: int | None
     eos_token_id: int | None
+    moe_layers: tuple[int, ...] = ()
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
+    norm_topk_prob: bool = True
 
     def __post_init__(self) -> None:
+        if self.moe_layers and not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(f"num_experts_per_tok={self.num_experts_per_tok} must be in 1..num_experts={self.num_experts}")
         if self.family not in HYBRID_FAMILIES:
             raise ValueError(f"family must be one of {HYBRID_FAMILIES}, got {self.family!r}")
         if len(self.layer_types) != self.num_layers or set(self.layer_types) - set(LAYER_TYPES):
@@ -321,12 +330,15 @@ class HybridConfig:
         experts = _get(cfg, "num_experts", source, int, default=0)
         step = _get(cfg, "decoder_sparse_step", source, int, default=1)
         moe = [i for i in range(layers) if i not in mlp_only and experts > 0 and (i + 1) % step == 0]
-        if moe:
-            raise CheckpointError(
-                f"{source}: layers {moe} are mixture-of-experts (field 'num_experts' is {experts}, "
-                f"'decoder_sparse_step' {step}, 'mlp_only_layers' {mlp_only}); only dense MLPs are supported "
-                f"(num_experts 0, or every layer in mlp_only_layers)"
-            )
+        moe_fields = {}
+        if moe:  # HF's rule: every decoder_sparse_step-th layer not in mlp_only_layers
+            per_token = _get(cfg, "num_experts_per_tok", source, int)
+            if not 0 < per_token <= experts:
+                raise CheckpointError(f"{source}: field 'num_experts_per_tok' is {per_token}; expected 1..num_experts={experts}")
+            moe_fields = dict(moe_layers=tuple(moe), num_experts=experts, num_experts_per_tok=per_token,
+                              moe_intermediate_size=_get(cfg, "moe_intermediate_size", source, int),
+                              shared_expert_intermediate_size=_get(cfg, "shared_expert_intermediate_size", source, int),
+                              norm_topk_prob=bool(cfg.get("norm_topk_prob", True)))
         hidden = _get(cfg, "hidden_size", source, int)
         heads = _get(cfg, "num_attention_heads", source, int)
         kv_heads = _get(cfg, "num_key_value_heads", source, int, default=heads)
@@ -375,6 +387,7 @@ class HybridConfig:
             max_position_embeddings=_get(cfg, "max_position_embeddings", source, int, default=4096),
             bos_token_id=_token_id(cfg, "bos_token_id", source),
             eos_token_id=_token_id(cfg, "eos_token_id", source),
+            **moe_fields,
         )
 
     def to_hf(self) -> dict[str, Any]:
@@ -398,8 +411,13 @@ class HybridConfig:
             "linear_key_head_dim": self.linear_key_head_dim,
             "linear_value_head_dim": self.linear_value_head_dim,
             "linear_conv_kernel_dim": self.linear_conv_kernel_dim,
-            "num_experts": 0,
-            "mlp_only_layers": [],
+            "num_experts": self.num_experts,
+            "num_experts_per_tok": self.num_experts_per_tok,
+            "moe_intermediate_size": self.moe_intermediate_size,
+            "shared_expert_intermediate_size": self.shared_expert_intermediate_size,
+            "norm_topk_prob": self.norm_topk_prob,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [i for i in range(self.num_layers) if i not in self.moe_layers],
             "rms_norm_eps": self.rms_norm_eps,
             "tie_word_embeddings": self.tie_word_embeddings,
             "max_position_embeddings": self.max_position_embeddings,

@@ -4,7 +4,7 @@ Follows HF transformers' `modeling_qwen3_next` op for op (the tests compare logi
 zero-centred RMSNorm (x̂ · (1 + w)), full-attention layers whose q_proj also yields a sigmoid output
 gate, per-head q/k norms and partial RoPE; linear-attention layers (Gated DeltaNet): in_proj_qkvz /
 in_proj_ba, a depthwise causal conv1d + SiLU over [q, k, v], l2-normalised q/k, the gated delta rule
-over a [dk, dv] state per value head, a SiLU-gated RMSNorm and out_proj. Dense MLPs only.
+over a [dk, dv] state per value head, a SiLU-gated RMSNorm and out_proj. Dense MLPs or sparse MoE blocks (SparseMoE).
 Parameters live under HF's weight names, so an HF safetensors state dict loads directly.
 
 Speculative rollback through the decode loops' interface (`cache.length`, `cache.rollback(n)`):
@@ -326,10 +326,78 @@ class HybridCache:
         self.kv.rollback(n)
 
 
-class HybridLayer(nn.Module):
-    """One decoder layer: a Gated DeltaNet (`linear_attn`) or gated attention (`self_attn`), then the MLP."""
+class ExpertMLP(nn.Module):
+    """A SwiGLU MLP of a given width (an expert, or the shared expert)."""
 
-    def __init__(self, cfg: HybridConfig, layer_type: str) -> None:
+    def __init__(self, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class SparseMoE(nn.Module):
+    """Qwen3-Next's sparse MoE block, as HF computes it: softmax (fp32) over `gate` logits, top-k
+    experts per token (renormalised if norm_topk_prob), each expert's SwiGLU output scaled by its
+    weight and summed in expert order, plus the shared expert scaled by sigmoid(shared_expert_gate).
+    Weight names as the checkpoints store them: mlp.gate, mlp.experts.{e}.*, mlp.shared_expert.*.
+
+    Experts run one by one over the tokens routed to them (which experts are hit is read on the
+    host): a reference implementation, not a grouped-GEMM kernel, and not CUDA-graph capturable."""
+
+    def __init__(self, cfg: HybridConfig) -> None:
+        super().__init__()
+        h = cfg.hidden_size
+        self.top_k, self.norm_topk_prob = cfg.num_experts_per_tok, cfg.norm_topk_prob
+        self.gate = nn.Linear(h, cfg.num_experts, bias=False)
+        self.experts = nn.ModuleList(ExpertMLP(h, cfg.moe_intermediate_size) for _ in range(cfg.num_experts))
+        self.shared_expert = ExpertMLP(h, cfg.shared_expert_intermediate_size)
+        self.shared_expert_gate = nn.Linear(h, 1, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        shared = self.shared_expert(flat)
+        logits = self.gate(flat)
+        weights, chosen = torch.softmax(logits, dim=-1, dtype=torch.float).topk(self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights = weights.to(logits.dtype)
+        out = torch.zeros_like(flat)
+        for e in chosen.unique().tolist():  # ascending, as HF's loop over the experts hit
+            token, slot = torch.where(chosen == e)
+            y = self.experts[e](flat[token]) * weights[token, slot, None]
+            out.index_add_(0, token, y.to(out.dtype))
+        out = out + torch.sigmoid(self.shared_expert_gate(flat)) * shared
+        return out.reshape(x.shape)
+
+
+def unfuse_experts(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """HF transformers 5 keeps experts fused in memory (experts.gate_up_proj [E, 2I, H],
+    experts.down_proj [E, H, I]); checkpoints on disk, and this runtime, name them one by one."""
+    out = {}
+    for name, t in state_dict.items():
+        if name.endswith(".experts.gate_up_proj"):
+            base, half = name.removesuffix("gate_up_proj"), t.shape[1] // 2
+            for e in range(t.shape[0]):
+                out[f"{base}{e}.gate_proj.weight"] = t[e, :half]
+                out[f"{base}{e}.up_proj.weight"] = t[e, half:]
+        elif name.endswith(".experts.down_proj"):
+            base = name.removesuffix("down_proj")
+            for e in range(t.shape[0]):
+                out[f"{base}{e}.down_proj.weight"] = t[e]
+        else:
+            out[name] = t
+    return out
+
+
+class HybridLayer(nn.Module):
+    """One decoder layer: a Gated DeltaNet (`linear_attn`) or gated attention (`self_attn`), then
+    the MLP (dense, or the sparse MoE block)."""
+
+    def __init__(self, cfg: HybridConfig, layer_type: str, moe: bool = False) -> None:
         super().__init__()
         self.layer_type = layer_type
         self.input_layernorm = CenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -338,7 +406,7 @@ class HybridLayer(nn.Module):
         else:
             self.self_attn = GatedAttention(cfg)
         self.post_attention_layernorm = CenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)  # reads only hidden_size and intermediate_size
+        self.mlp = SparseMoE(cfg) if moe else MLP(cfg)  # MLP reads only hidden_size and intermediate_size
 
 
 class HybridBackbone(nn.Module):
@@ -347,7 +415,7 @@ class HybridBackbone(nn.Module):
     def __init__(self, cfg: HybridConfig) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(HybridLayer(cfg, t) for t in cfg.layer_types)
+        self.layers = nn.ModuleList(HybridLayer(cfg, t, i in cfg.moe_layers) for i, t in enumerate(cfg.layer_types))
         self.norm = CenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
@@ -461,8 +529,11 @@ class HybridTransformer(nn.Module):
             else:
                 for name in ATTENTION_PROJ:
                     out[f"model.layers.{i}.self_attn.{name}.weight"] = getattr(layer.self_attn, name)
+            mlp, prefix = layer.mlp, f"model.layers.{i}.mlp"
+            if isinstance(mlp, SparseMoE):  # the shared expert's projections; experts stay as loaded
+                mlp, prefix = mlp.shared_expert, prefix + ".shared_expert"
             for name in MLP_PROJ:
-                out[f"model.layers.{i}.mlp.{name}.weight"] = getattr(layer.mlp, name)
+                out[f"{prefix}.{name}.weight"] = getattr(mlp, name)
         out["lm_head.weight"] = self.lm_head
         return out
 

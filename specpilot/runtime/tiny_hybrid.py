@@ -39,11 +39,16 @@ HYBRID_DEFAULTS: dict[str, Any] = {
     "tie_word_embeddings": False,
     # Norm weights are zero-centred (y = x̂ · (1 + w)); random ones make a (1 + w) / w mix-up visible.
     "norm_std": 0.2,
+    # 0: dense MLPs; > 0: every layer a sparse MoE block (tests of the MoE path)
+    "num_experts": 0,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 24,
+    "shared_expert_intermediate_size": 40,
 }
 
 
 def tiny_hybrid_config(vocab: int, **overrides: Any):
-    """The HF Qwen3NextConfig of the tiny target (dense: num_experts 0)."""
+    """The HF Qwen3NextConfig of the tiny target (dense unless num_experts > 0)."""
     from transformers import Qwen3NextConfig
 
     opts = {**HYBRID_DEFAULTS, **overrides}
@@ -59,7 +64,11 @@ def tiny_hybrid_config(vocab: int, **overrides: Any):
         linear_key_head_dim=opts["linear_key_head_dim"],
         linear_value_head_dim=opts["linear_value_head_dim"],
         linear_conv_kernel_dim=opts["linear_conv_kernel_dim"],
-        num_experts=0,
+        num_experts=opts["num_experts"],
+        num_experts_per_tok=opts["num_experts_per_tok"],
+        moe_intermediate_size=opts["moe_intermediate_size"],
+        shared_expert_intermediate_size=opts["shared_expert_intermediate_size"],
+        decoder_sparse_step=1,
         **_common(opts),
     )
 
