@@ -46,7 +46,7 @@ case "${1:?group}" in
     if [ -n "${2:-}" ]; then  # a zoo trained on this machine replaces the committed one here
       for pair in "$2"/*/; do rm -rf "zoo/$(basename "$pair")"; cp -r "$pair" "zoo/$(basename "$pair")"; done
     fi
-    run zoo_e2e 90 python bench/zoo_e2e.py --out "$OUT/zoo_e2e_h200.json"
+    run zoo_e2e 150 python bench/zoo_e2e.py --num-prompts 8 --max-new-tokens 64 --out "$OUT/zoo_e2e_h200.json"
     run zoo_tau 100 python bench/zoo_tau.py --num-prompts 8 --device cuda --passes cuda-graphs \
       --out "$OUT/zoo_tau_h200.json"
     run tree_tau 100 python bench/tree_tau.py examples/pipeline.yaml examples/pard.yaml --device cuda --repeats 1 \
