@@ -1,12 +1,23 @@
-"""Shared fixtures: tiny random llama and qwen3 models (target, DFlash and PARD drafters), built once."""
+"""Shared fixtures: tiny random llama and qwen3 models (target, DFlash and PARD drafters), built once.
+
+Hypothesis runs derandomized by default, so a CI run draws the examples every earlier run drew
+(a float tolerance met by chance cannot turn a later run red); HYPOTHESIS_PROFILE=explore draws
+fresh ones when hunting for bugs.
+"""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import settings
+
+settings.register_profile("ci", derandomize=True)
+settings.register_profile("explore", derandomize=False)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 from specpilot.runtime.config import ModelConfig
 from specpilot.runtime.dflash import DFlashDrafter
