@@ -83,15 +83,23 @@ class GraphedStep:
 
 
 class _Runner:
-    """What every graphed loop shares: the target cache, the output buffer, status and graphs."""
+    """What every graphed loop shares: the target cache, the output buffer, status and graphs.
 
-    def __init__(self, target: Transformer, capacity: int, block: int, eos_token_id: int | None) -> None:
+    Speculative runners split a step into `_draft()` (the drafter's logits at the draft positions
+    [D, V]) and `_commit_draft(n, span, path_hidden)` (the drafter's state after n accepted drafts),
+    so that a chain step and a tree step (`_TreeSteps`) share everything but the verification."""
+
+    layers: tuple[int, ...] = ()  # target layers whose hidden states the drafter reads
+
+    def __init__(self, target: Transformer, capacity: int, block: int, eos_token_id: int | None,
+                 extra_slots: int = 0) -> None:
         self.target = target
         self.device = target.device
         self.capacity = capacity
         self.block = block  # tokens a step may commit, at most
         self.eos = -1 if eos_token_id is None else eos_token_id
-        self.t_cache = target.new_cache(1, capacity + 2 * block, device_length=True)
+        # a verify writes at most `block` (a chain) or block + extra_slots (a tree) slots past the length
+        self.t_cache = target.new_cache(1, capacity + 2 * block + extra_slots, device_length=True)
         dev = self.device
         self.last = torch.zeros(1, dtype=torch.long, device=dev)
         self.out = torch.zeros(capacity + 2 * block, dtype=torch.long, device=dev)
@@ -187,10 +195,10 @@ class GraphedDFlash(_Runner):
     """DFlash-style: drafter block (its pending context added first) -> verify -> accept -> commit."""
 
     def __init__(self, target: Transformer, drafter: DFlashDrafter, capacity: int, block_size: int,
-                 mask_token_id: int, eos_token_id: int | None) -> None:
+                 mask_token_id: int, eos_token_id: int | None, extra_slots: int = 0) -> None:
         if block_size < 2:
             raise ValueError(f"block_size must be >= 2 (anchor + drafts), got {block_size}")
-        super().__init__(target, capacity, block_size, eos_token_id)
+        super().__init__(target, capacity, block_size, eos_token_id, extra_slots)
         self.drafter = drafter
         self.layers = tuple(drafter.target_layer_ids)
         self.d_cache = drafter.new_cache(1, capacity + 3 * block_size, device_length=True)
@@ -212,18 +220,23 @@ class GraphedDFlash(_Runner):
         self.drafter.add_context(pre.hidden, self.d_cache)
         return int(pre.logits[0, -1].argmax())
 
-    def _step(self) -> None:
+    def _draft(self) -> torch.Tensor:
         self.drafter.eval()
         self.drafter.add_context(self.context, self.d_cache, self.context_count)
-        block = torch.cat([self.last, self.masks])[None]
-        drafts = self.drafter(block, self.no_context, self.d_cache)[0].argmax(-1)
+        return self.drafter(torch.cat([self.last, self.masks])[None], self.no_context, self.d_cache)[0]
+
+    def _commit_draft(self, n: torch.Tensor, span: torch.Tensor, path_hidden: torch.Tensor) -> None:
+        self.context.copy_(path_hidden)  # the last committed token and the accepted drafts, in order
+        self.context_count.copy_(n + 1)
+        self._emit(n, span)
+
+    def _step(self) -> None:
+        drafts = self._draft().argmax(-1)
         start = self.t_cache.length.clone()
         out = self.target(torch.cat([self.last, drafts])[None], self.t_cache, hidden_layers=self.layers)
         n, span = accept_on_device(drafts, out.logits[0].argmax(-1))
         self.t_cache.rollback(start + 1 + n)
-        self.context.copy_(out.hidden)
-        self.context_count.copy_(n + 1)  # the last committed token and the accepted drafts
-        self._emit(n, span)
+        self._commit_draft(n, span, out.hidden)
 
 
 class GraphedPard(_Runner):
@@ -232,10 +245,10 @@ class GraphedPard(_Runner):
     before them (causal), so the drafts equal the eager loop's."""
 
     def __init__(self, target: Transformer, drafter: Transformer, capacity: int, k: int,
-                 mask_token_id: int, eos_token_id: int | None) -> None:
+                 mask_token_id: int, eos_token_id: int | None, extra_slots: int = 0) -> None:
         if k < 1:
             raise ValueError(f"k must be >= 1, got {k}")
-        super().__init__(target, capacity, k + 1, eos_token_id)
+        super().__init__(target, capacity, k + 1, eos_token_id, extra_slots)
         self.drafter = drafter
         self.k = k
         self.d_cache = drafter.new_cache(1, capacity + 4 * (k + 1), device_length=True)
@@ -259,21 +272,27 @@ class GraphedPard(_Runner):
         self.fresh_count.fill_(1)
         return first
 
-    def _step(self) -> None:
+    def _draft(self) -> torch.Tensor:
         self.drafter.eval()
         seen = self.arange < self.fresh_count
         ids = torch.cat([torch.where(seen, self.fresh, self.mask_token), self.masks])[None]
         d_start = self.d_cache.length.clone()
         logits = self.drafter(ids, self.d_cache).logits[0]
-        drafts = logits.index_select(0, self.fresh_count - 1 + self.arange[: self.k]).argmax(-1)
         self.d_cache.rollback(d_start + self.fresh_count)
+        return logits.index_select(0, self.fresh_count - 1 + self.arange[: self.k])
+
+    def _commit_draft(self, n: torch.Tensor, span: torch.Tensor, path_hidden: torch.Tensor | None) -> None:
+        self.fresh.copy_(span)  # the committed tokens the drafter has not seen yet
+        self.fresh_count.copy_(n + 1)
+        self._emit(n, span)
+
+    def _step(self) -> None:
+        drafts = self._draft().argmax(-1)
         start = self.t_cache.length.clone()
         verify = self.target(torch.cat([self.last, drafts])[None], self.t_cache)
         n, span = accept_on_device(drafts, verify.logits[0].argmax(-1))
         self.t_cache.rollback(start + 1 + n)
-        self.fresh.copy_(span)
-        self.fresh_count.copy_(n + 1)
-        self._emit(n, span)
+        self._commit_draft(n, span, None)
 
 
 _RUNNERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -378,99 +397,45 @@ def _tree_builder(device: torch.device):
     return best_first_tree if on_triton else best_first_tree_reference
 
 
-class _GraphedTree(_Runner):
-    """What both tree runners share: a candidate tree from drafter logits [D, V], one verify
-    forward under its ancestor mask, device acceptance, KV compaction, commit."""
+class _TreeSteps:
+    """Mixed into a chain runner: the same drafting, verified as a best-first tree of `budget`
+    nodes (plus the anchor) from the drafter's top-k; the KV of the accepted path is compacted."""
 
-    def __init__(self, target: Transformer, capacity: int, positions: int, budget: int, topk: int,
-                 eos_token_id: int | None) -> None:
+    def _init_tree(self, positions: int, budget: int, topk: int) -> None:
         if budget < 1 or topk < 1:
             raise ValueError(f"budget and topk must be >= 1, got {budget}, {topk}")
-        super().__init__(target, capacity, positions + 1, eos_token_id)
         self.positions, self.budget, self.topk = positions, budget, topk
-        self.t_cache = target.new_cache(1, capacity + 2 * self.block + budget + 1, device_length=True)
         self.build = _tree_builder(self.device)
 
-    def _verify_tree(self, logits: torch.Tensor, layers: tuple[int, ...] = ()):
+    def _step(self) -> None:
+        logits = self._draft()
         logp, ids = torch.log_softmax(logits.float(), dim=-1).topk(min(self.topk, logits.shape[-1]), dim=-1)
         parent, depth, token, _ = self.build(logp, ids, self.last, self.budget)
         ancestors = ancestor_mask_static(parent, self.positions)
         start = self.t_cache.length.clone()
         out = self.target(token[None], self.t_cache, mask=ancestors, positions=(start + depth)[None],
-                          hidden_layers=layers)
+                          hidden_layers=self.layers)
         n, path, span = accept_tree_on_device(parent, depth, token, ancestors, out.logits[0].argmax(-1), self.block)
         compact_on_device(self.t_cache, start, path, n)
-        return n, path, span, out.hidden
+        self._commit_draft(n, span, None if out.hidden is None else out.hidden.index_select(1, path))
 
 
-class GraphedTreeDFlash(_GraphedTree):
+class GraphedTreeDFlash(_TreeSteps, GraphedDFlash):
     """DFlash-style drafting verified as a best-first tree, one CUDA graph a step."""
 
     def __init__(self, target: Transformer, drafter: DFlashDrafter, capacity: int, block_size: int, budget: int,
                  topk: int, mask_token_id: int, eos_token_id: int | None) -> None:
-        if block_size < 2:
-            raise ValueError(f"block_size must be >= 2 (anchor + drafts), got {block_size}")
-        super().__init__(target, capacity, block_size - 1, budget, topk, eos_token_id)
-        self.drafter = drafter
-        self.layers = tuple(drafter.target_layer_ids)
-        self.d_cache = drafter.new_cache(1, capacity + 3 * block_size, device_length=True)
-        width = len(self.layers) * target.cfg.hidden_size
-        self.context = torch.zeros(1, block_size, width, dtype=target.dtype, device=self.device)
-        self.context_count = torch.zeros((), dtype=torch.long, device=self.device)
-        self.masks = torch.full((block_size - 1,), mask_token_id, dtype=torch.long, device=self.device)
-        self.no_context = self.context[:, :0]
-
-    _caches = GraphedDFlash._caches
-    _prefill = GraphedDFlash._prefill
-
-    def _reset(self) -> None:
-        super()._reset()
-        self.context_count.zero_()
-
-    def _step(self) -> None:
-        self.drafter.eval()
-        self.drafter.add_context(self.context, self.d_cache, self.context_count)
-        logits = self.drafter(torch.cat([self.last, self.masks])[None], self.no_context, self.d_cache)[0]
-        n, path, span, hidden = self._verify_tree(logits, self.layers)
-        self.context.copy_(hidden.index_select(1, path))  # the accepted path's nodes, in order
-        self.context_count.copy_(n + 1)
-        self._emit(n, span)
+        super().__init__(target, drafter, capacity, block_size, mask_token_id, eos_token_id, extra_slots=budget + 1)
+        self._init_tree(block_size - 1, budget, topk)
 
 
-class GraphedTreePard(_GraphedTree):
+class GraphedTreePard(_TreeSteps, GraphedPard):
     """PARD-style drafting (as GraphedPard) verified as a best-first tree, one CUDA graph a step."""
 
     def __init__(self, target: Transformer, drafter: Transformer, capacity: int, k: int, budget: int, topk: int,
                  mask_token_id: int, eos_token_id: int | None) -> None:
-        if k < 1:
-            raise ValueError(f"k must be >= 1, got {k}")
-        super().__init__(target, capacity, k, budget, topk, eos_token_id)
-        self.drafter, self.k = drafter, k
-        self.d_cache = drafter.new_cache(1, capacity + 4 * (k + 1), device_length=True)
-        self.fresh = torch.zeros(k + 1, dtype=torch.long, device=self.device)
-        self.fresh_count = torch.ones((), dtype=torch.long, device=self.device)
-        self.mask_token = torch.tensor(mask_token_id, device=self.device)
-        self.masks = torch.full((k - 1,), mask_token_id, dtype=torch.long, device=self.device)
-
-    _caches = GraphedPard._caches
-    _prefill = GraphedPard._prefill
-
-    def _reset(self) -> None:
-        super()._reset()
-        self.fresh_count.fill_(1)
-
-    def _step(self) -> None:
-        self.drafter.eval()
-        seen = self.arange < self.fresh_count
-        ids = torch.cat([torch.where(seen, self.fresh, self.mask_token), self.masks])[None]
-        d_start = self.d_cache.length.clone()
-        logits = self.drafter(ids, self.d_cache).logits[0]
-        rows = logits.index_select(0, self.fresh_count - 1 + self.arange[: self.k])
-        self.d_cache.rollback(d_start + self.fresh_count)
-        n, _, span, _ = self._verify_tree(rows)
-        self.fresh.copy_(span)
-        self.fresh_count.copy_(n + 1)
-        self._emit(n, span)
+        super().__init__(target, drafter, capacity, k, mask_token_id, eos_token_id, extra_slots=budget + 1)
+        self._init_tree(k, budget, topk)
 
 
 def generate_dflash_tree_graphed(target: Transformer, drafter: DFlashDrafter, prompt_ids, *, block_size: int,
