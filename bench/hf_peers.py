@@ -12,7 +12,7 @@ so every path reads the same tensors. Batch 1, one prompt of random tokens, gree
   hf-static-compile   HF `generate(cache_implementation="static")`: HF compiles the decode forward itself
                       on a GPU (the first call, compile included, is timed apart as compile_s); on the CPU
                       HF does not compile, the row says so;
-  specpilot-*         `AR_IMPLS` (our eager loop; the CUDA-graph loop when `graph_decode` exists).
+  specpilot-*         `AR_IMPLS` (our eager loop, the CUDA-graph loop, and on a GPU the fused one).
 
 Times exclude prefill (DESIGN.md): each path is timed from the moment its first output token (the
 prefill's) is on the host to the end, with the device synchronised; HF paths are timed through a
@@ -44,23 +44,19 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig, LlamaForCausalLM
 
-from specpilot.runtime import decode
+from specpilot.runtime import decode, graph_decode
 from specpilot.runtime.config import ModelConfig
 from specpilot.runtime.model import Transformer
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the bench scripts beside this one
+from step_times import SHAPES as STEP_SHAPES  # noqa: E402
+from step_times import read_bandwidth  # noqa: E402
+
 ROOT = Path(__file__).resolve().parent.parent
 
-# The CUDA-graph decode loops are being written beside this script; use them when they exist.
-try:
-    from specpilot.runtime import graph_decode
-except ImportError:
-    graph_decode = None
 
 SHAPES = {
-    "llama-3.1-8b": dict(model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
-                         num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
-                         rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=False,
-                         max_position_embeddings=131072),
+    "llama-3.1-8b": STEP_SHAPES["llama-3.1-8b"],
     "smoke": dict(model_type="llama", vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-5, rope_theta=10000.0,
                   tie_word_embeddings=False, max_position_embeddings=512),
@@ -68,8 +64,7 @@ SHAPES = {
 
 # (target, prompt_ids, *, max_new_tokens, eos_token_id) -> decode.Generation
 AR_IMPLS: dict[str, Callable[..., decode.Generation]] = {"specpilot-eager": decode.generate_ar}
-if graph_decode is not None:
-    AR_IMPLS["specpilot-graphed"] = graph_decode.generate_ar_graphed
+AR_IMPLS["specpilot-graphed"] = graph_decode.generate_ar_graphed
 
 
 def fused_graphed(target: Transformer, prompt_ids, **kw) -> decode.Generation:
@@ -81,7 +76,7 @@ def fused_graphed(target: Transformer, prompt_ids, **kw) -> decode.Generation:
         return graph_decode.generate_ar_graphed(target, prompt_ids, **kw)
 
 
-if graph_decode is not None and torch.cuda.is_available():  # Triton kernels: a GPU (the interpreter is too slow here)
+if torch.cuda.is_available():  # Triton kernels: a GPU (the interpreter is too slow here)
     AR_IMPLS["specpilot-fused-graphed"] = fused_graphed
 
 
@@ -197,27 +192,6 @@ def device_name(device: torch.device) -> str:
 
 def result_slug(name: str) -> str:
     return "h200" if "H200" in name else name.lower().replace(" ", "-")
-
-
-def read_bandwidth(device: torch.device, gib: float, repeats: int = 20) -> float:
-    """Bytes/s of a full read (a sum) over a `gib` GiB tensor: CUDA events on a GPU, perf_counter elsewhere."""
-    x = torch.randn(int(gib * 2**30) // 2, device=device, dtype=torch.bfloat16 if device.type == "cuda" else torch.float16)
-    for _ in range(3):
-        x.sum()
-    times = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            x.sum()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b) / 1e3)
-        else:
-            t0 = time.perf_counter()
-            x.sum()
-            times.append(time.perf_counter() - t0)
-    return x.numel() * x.element_size() / statistics.median(times)
 
 
 # --- the models -------------------------------------------------------------------------------

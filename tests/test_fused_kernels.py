@@ -6,19 +6,14 @@ bf16, bit for bit, and so are the kernels (the interpreter's reductions round as
 do here; on a GPU the qk-norm and RMSNorm rows may differ by one bf16 step, see the kernels).
 """
 
-import os
-
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
-
-from specpilot.kernels.rmsnorm import rmsnorm, rmsnorm_reference  # noqa: E402
-from specpilot.kernels.rope_kv import rope_qkv, rope_qkv_reference  # noqa: E402
-from specpilot.kernels.silu_mul import silu_mul, silu_mul_reference  # noqa: E402
-from specpilot.runtime.config import ModelConfig  # noqa: E402
-from specpilot.runtime.model import MLP, Attention, RMSNorm, rope_cos_sin, rope_inv_freq  # noqa: E402
+from specpilot.kernels.rmsnorm import rmsnorm, rmsnorm_reference
+from specpilot.kernels.rope_kv import rope_qkv, rope_qkv_reference
+from specpilot.kernels.silu_mul import silu_mul, silu_mul_reference
+from specpilot.runtime.config import ModelConfig
+from specpilot.runtime.model import MLP, Attention, RMSNorm, rope_cos_sin, rope_inv_freq
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 BF16 = torch.bfloat16

@@ -1,19 +1,13 @@
 """Every registered kernel against its torch reference, on every case of its spec.
 
-On a machine without CUDA the kernels run in Triton's interpreter (TRITON_INTERPRET=1 must be
-set before the kernel modules are imported, which this module does); with CUDA they run natively.
+On a machine without CUDA the kernels run in Triton's interpreter (TRITON_INTERPRET=1,
+set by conftest.py before any kernel module is imported); with CUDA they run natively.
 """
 
-import os
-
+import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
-
-import pytest  # noqa: E402
-
-from specpilot.kernels import KERNELS  # noqa: E402
+from specpilot.kernels import KERNELS
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # inf/NaN weights are planted on purpose; the interpreter's numpy warns about them.

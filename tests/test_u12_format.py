@@ -2,28 +2,23 @@
 
 import json
 import math
-import os
 import struct
 
 import pytest
 import torch
-
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"  # before the kernel module is imported (the kernel tests below)
-
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
+import triton
+import triton.language as tl
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from specpilot.kernels.u12_linear import (  # noqa: E402
+from specpilot.kernels.u12_linear import (
     _COUNTERS,
     U12Config,
     _decode_words,
     u12_linear,
     u12_linear_reference,
 )
-from specpilot.runtime.u12 import (  # noqa: E402
+from specpilot.runtime.u12 import (
     MAX_BASE,
     WINDOW,
     U12Tensor,

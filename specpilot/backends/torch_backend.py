@@ -154,13 +154,11 @@ def install_attention_kernels(graph: Graph, root: nn.Module, device: torch.devic
     if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise EngineError("attention kernel 'triton-split-kv' needs a CUDA GPU (or TRITON_INTERPRET=1); "
                           "leave out the attention-split-kv pass on CPU")
-    from ..kernels.attention_split_kv import attention_split_kv
+    from ..runtime.fused import split_kv_attention
     from ..runtime.model import Attention, attend_visible
 
     def split_kv(q, k, v, vis):
-        if q.shape[2] > SHORT_QUERIES:
-            return attend_visible(q, k, v, vis)
-        return attention_split_kv(q, k, v, past=vis.past, mask=vis.new, scale=q.shape[-1] ** -0.5)
+        return attend_visible(q, k, v, vis) if q.shape[2] > SHORT_QUERIES else split_kv_attention(q, k, v, vis)
 
     for name in chosen:
         o_proj = [graph.node(u)["weight"] for u in graph.users(name) if graph.node(u).op == "linear"]

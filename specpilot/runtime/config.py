@@ -209,13 +209,8 @@ def _parse_rope(cfg: dict[str, Any], source: str) -> tuple[float, RopeScaling | 
     raise CheckpointError(f"{source}: field 'rope_type' is {rope_type!r}; expected 'default' or 'llama3'")
 
 
-def _parse_layers(cfg: dict[str, Any], source: str, *, family: str, qk_norm: bool, vocab_required: bool) -> ModelConfig:
-    act = cfg.get("hidden_act", "silu")
-    if act != "silu":
-        raise CheckpointError(f"{source}: field 'hidden_act' is {act!r}; expected 'silu'")
-    for key in ("attention_bias", "mlp_bias"):
-        if cfg.get(key):
-            raise CheckpointError(f"{source}: field '{key}' is true; biases are not supported")
+def _attention_shape(cfg: dict[str, Any], source: str) -> tuple[int, int, int]:
+    """(hidden_size, num_attention_heads, num_key_value_heads), the kv heads dividing the heads."""
     hidden = _get(cfg, "hidden_size", source, int)
     heads = _get(cfg, "num_attention_heads", source, int)
     kv_heads = _get(cfg, "num_key_value_heads", source, int, default=heads)
@@ -223,6 +218,17 @@ def _parse_layers(cfg: dict[str, Any], source: str, *, family: str, qk_norm: boo
         raise CheckpointError(
             f"{source}: field 'num_key_value_heads' is {kv_heads}; expected a divisor of num_attention_heads={heads}"
         )
+    return hidden, heads, kv_heads
+
+
+def _parse_layers(cfg: dict[str, Any], source: str, *, family: str, qk_norm: bool, vocab_required: bool) -> ModelConfig:
+    act = cfg.get("hidden_act", "silu")
+    if act != "silu":
+        raise CheckpointError(f"{source}: field 'hidden_act' is {act!r}; expected 'silu'")
+    for key in ("attention_bias", "mlp_bias"):
+        if cfg.get(key):
+            raise CheckpointError(f"{source}: field '{key}' is true; biases are not supported")
+    hidden, heads, kv_heads = _attention_shape(cfg, source)
     theta, scaling = _parse_rope(cfg, source)
     return ModelConfig(
         family=family,
@@ -339,13 +345,7 @@ class HybridConfig:
                               moe_intermediate_size=_get(cfg, "moe_intermediate_size", source, int),
                               shared_expert_intermediate_size=_get(cfg, "shared_expert_intermediate_size", source, int),
                               norm_topk_prob=bool(cfg.get("norm_topk_prob", True)))
-        hidden = _get(cfg, "hidden_size", source, int)
-        heads = _get(cfg, "num_attention_heads", source, int)
-        kv_heads = _get(cfg, "num_key_value_heads", source, int, default=heads)
-        if heads % kv_heads:
-            raise CheckpointError(
-                f"{source}: field 'num_key_value_heads' is {kv_heads}; expected a divisor of num_attention_heads={heads}"
-            )
+        hidden, heads, kv_heads = _attention_shape(cfg, source)
         k_heads = _get(cfg, "linear_num_key_heads", source, int)
         v_heads = _get(cfg, "linear_num_value_heads", source, int)
         if v_heads % k_heads:

@@ -28,6 +28,7 @@ from torch import nn
 from specpilot.runtime.cache import KVCache
 from specpilot.runtime.config import HybridConfig
 from specpilot.runtime.model import (
+    ATTENTION_PROJ,
     MLP,
     MLP_PROJ,
     ModelOutput,
@@ -36,9 +37,9 @@ from specpilot.runtime.model import (
     apply_rope,
     attend_visible,
     rope_cos_sin,
+    swap_projection,
 )
 
-ATTENTION_PROJ = ("q_proj", "k_proj", "v_proj", "o_proj")
 DELTANET_PROJ = ("in_proj_qkvz", "in_proj_ba", "out_proj")
 # Forwards of at most this many tokens keep the recurrent state after every position (rollback
 # targets); a verify is block_size + 1 tokens. Longer ones (prefill) keep only the final state.
@@ -539,8 +540,4 @@ class HybridTransformer(nn.Module):
 
     def set_linear(self, weight_name: str, module: nn.Module) -> None:
         """Replace the projection owning `weight_name` by any module with forward(x) (same in/out features)."""
-        if weight_name not in self.linear_modules():
-            raise KeyError(f"{weight_name!r} is not a projection weight of this model")
-        parent_name, _, attr = weight_name.removesuffix(".weight").rpartition(".")
-        parent = self.get_submodule(parent_name) if parent_name else self
-        setattr(parent, attr, module)
+        swap_projection(self, weight_name, module)

@@ -354,11 +354,16 @@ class Transformer(nn.Module):
 
         Replacing lm_head of a tied model leaves the embedding as it is.
         """
-        if weight_name not in self.linear_modules():
-            raise KeyError(f"{weight_name!r} is not a projection weight of this model")
-        parent_name, _, attr = weight_name.removesuffix(".weight").rpartition(".")
-        parent = self.get_submodule(parent_name) if parent_name else self
-        setattr(parent, attr, module)
+        swap_projection(self, weight_name, module)
+
+
+def swap_projection(model: nn.Module, weight_name: str, module: nn.Module) -> None:
+    """`set_linear` of any model with `linear_modules()`: put `module` where `weight_name`'s linear is."""
+    if weight_name not in model.linear_modules():
+        raise KeyError(f"{weight_name!r} is not a projection weight of this model")
+    parent_name, _, attr = weight_name.removesuffix(".weight").rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    setattr(parent, attr, module)
 
 
 def _fill_tied_head(module: Transformer, state_dict: dict, prefix: str, *args) -> None:
