@@ -46,10 +46,11 @@ case "${1:?group}" in
     if [ -n "${2:-}" ]; then  # a zoo trained on this machine replaces the committed one here
       for pair in "$2"/*/; do rm -rf "zoo/$(basename "$pair")"; cp -r "$pair" "zoo/$(basename "$pair")"; done
     fi
+    TAIL=4 run tree_kernel 60 python -m pytest -q -x -p no:cacheprovider tests/test_kernels.py -k best_first
     run zoo_e2e 150 python bench/zoo_e2e.py --num-prompts 8 --max-new-tokens 64 --out "$OUT/zoo_e2e_h200.json"
     run zoo_tau 100 python bench/zoo_tau.py --num-prompts 8 --device cuda --passes cuda-graphs \
       --out "$OUT/zoo_tau_h200.json"
-    run tree_tau 100 python bench/tree_tau.py examples/pipeline.yaml examples/pard.yaml --device cuda --repeats 1 \
+    run tree_tau 150 python bench/tree_tau.py examples/pipeline.yaml examples/pard.yaml --device cuda --repeats 1 \
       --graphs --out "$OUT/tree_tau_graphs_h200.json"
     run zoo_tau_next 60 python bench/zoo_tau.py --pair code-qwen3-next --drafters dflash --num-prompts 8 \
       --device cuda --out "$OUT/zoo_tau_next_h200.json"
