@@ -128,6 +128,29 @@ def test_runner_is_reused_and_capacity_is_checked(tiny_models):
         runner.generate(list(range(10)), max_new_tokens=runner.capacity, eos_token_id=None)
 
 
+def test_runner_is_not_reused_once_a_weight_moves(tiny_models):
+    """Graphs replay raw pointers: after install_fused-style re-storage of a weight (target or
+    drafter) the old runner's graphs would read freed memory, so a new runner must serve."""
+    m = tiny_models["qwen3"]
+    kw = dict(max_new_tokens=5, eos_token_id=None)
+    dflash = dict(block_size=m.dflash.block_size, mask_token_id=m.dflash.mask_token_id)
+    gd.generate_ar_graphed(m.target, [1, 2, 3], **kw)
+    gd.generate_dflash_graphed(m.target, m.dflash, [1, 2, 3], **dflash, **kw)
+    before = set(gd._RUNNERS[m.target])
+    q = m.target.model.layers[1].self_attn.q_proj
+    q.weight.data = q.weight.data.clone()  # same values, new storage
+    gd.generate_ar_graphed(m.target, [1, 2, 3], **kw)
+    after_target = set(gd._RUNNERS[m.target])
+    assert len(after_target - before) == 1
+    gd.generate_dflash_graphed(m.target, m.dflash, [1, 2, 3], **dflash, **kw)
+    assert len(set(gd._RUNNERS[m.target]) - after_target) == 1
+    fc = next(p for p in m.dflash.parameters())
+    fc.data = fc.data.clone()
+    seen = set(gd._RUNNERS[m.target])
+    gd.generate_dflash_graphed(m.target, m.dflash, [1, 2, 3], **dflash, **kw)
+    assert len(set(gd._RUNNERS[m.target]) - seen) == 1  # a drafter weight moved: new graphs too
+
+
 # --- graphed trees --------------------------------------------------------------------------------
 
 

@@ -32,11 +32,12 @@ import weakref
 from collections.abc import Callable, Sequence
 
 import torch
+from torch import nn
 
 from specpilot.runtime.cache import DeviceKVCache
 from specpilot.runtime.decode import Generation, OutputTokens, _check_max_new, _Clock, _prompt_tensor
 from specpilot.runtime.dflash import DFlashDrafter
-from specpilot.runtime.model import PardDrafter, Transformer
+from specpilot.runtime.model import Attention, PardDrafter, Transformer
 
 # Capacity buckets: a runner (and its graphs) serves every request that fits.
 MIN_CAPACITY = 256
@@ -302,16 +303,30 @@ def _capacity(needed: int) -> int:
     return max(MIN_CAPACITY, 1 << (needed - 1).bit_length())
 
 
-def runner_for(target: Transformer, key: tuple, make: Callable[[int], _Runner], needed: int) -> _Runner:
-    """The runner (caches + captured graphs) for `key` on `target` whose capacity fits `needed`
-    tokens; built on first use, kept as long as the target lives."""
+def _graph_inputs(*modules: nn.Module | None) -> tuple:
+    """What a captured graph bakes in from `modules`: every weight's address (a graph replays raw
+    pointers, so a weight moved to new storage, as install_fused's concatenation does, needs new
+    graphs) and the attention and fused kernels installed at capture."""
+    sig: list[int] = []
+    for module in modules:
+        if module is None:
+            continue
+        sig.append(id(getattr(module, "fused", None)))
+        sig += [p.data_ptr() for p in module.parameters()]
+        sig += [id(m.attention) for m in module.modules() if isinstance(m, Attention)]
+    return tuple(sig)
+
+
+def runner_for(target: Transformer, key: tuple, make: Callable[[int], _Runner], needed: int,
+               drafter: nn.Module | None = None) -> _Runner:
+    """The runner (caches + captured graphs) for `key` on `target` (and `drafter`) whose capacity
+    fits `needed` tokens; built on first use, kept as long as the target lives, and never reused
+    once a weight has moved or another kernel is installed."""
     runners = _RUNNERS.setdefault(target, {})
-    cap = _capacity(needed)
-    # graphs record the kernels installed at capture: a runner serves one fused/attention setup
-    key = key + (id(getattr(target, "fused", None)), id(target.model.layers[0].self_attn.attention))
-    if (key, cap) not in runners:
-        runners[(key, cap)] = make(cap)
-    return runners[(key, cap)]
+    key = (key, _capacity(needed), _graph_inputs(target, drafter))
+    if key not in runners:
+        runners[key] = make(key[1])
+    return runners[key]
 
 
 def _length(prompt_ids: Sequence[int] | torch.Tensor) -> int:
@@ -330,7 +345,7 @@ def generate_dflash_graphed(target: Transformer, drafter: DFlashDrafter, prompt_
     """`decode.generate_dflash`, one CUDA graph a speculative step."""
     key = ("dflash", id(drafter), block_size, mask_token_id, eos_token_id)
     runner = runner_for(target, key, lambda cap: GraphedDFlash(target, drafter, cap, block_size, mask_token_id, eos_token_id),
-                        _length(prompt_ids) + max_new_tokens)
+                        _length(prompt_ids) + max_new_tokens, drafter)
     return runner.generate(prompt_ids, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id)
 
 
@@ -340,7 +355,7 @@ def generate_pard_graphed(target: Transformer, drafter: Transformer | PardDrafte
     model = drafter.model if isinstance(drafter, PardDrafter) else drafter
     key = ("pard", id(model), k, mask_token_id, eos_token_id)
     runner = runner_for(target, key, lambda cap: GraphedPard(target, model, cap, k, mask_token_id, eos_token_id),
-                        _length(prompt_ids) + max_new_tokens)
+                        _length(prompt_ids) + max_new_tokens, model)
     return runner.generate(prompt_ids, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id)
 
 
@@ -445,7 +460,7 @@ def generate_dflash_tree_graphed(target: Transformer, drafter: DFlashDrafter, pr
     key = ("dflash-tree", id(drafter), block_size, budget, topk, mask_token_id, eos_token_id)
     make = lambda cap: GraphedTreeDFlash(target, drafter, cap, block_size, budget, topk, mask_token_id,  # noqa: E731
                                          eos_token_id)
-    runner = runner_for(target, key, make, _length(prompt_ids) + max_new_tokens)
+    runner = runner_for(target, key, make, _length(prompt_ids) + max_new_tokens, drafter)
     return runner.generate(prompt_ids, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id)
 
 
@@ -456,5 +471,5 @@ def generate_pard_tree_graphed(target: Transformer, drafter: Transformer | PardD
     model = drafter.model if isinstance(drafter, PardDrafter) else drafter
     key = ("pard-tree", id(model), k, budget, topk, mask_token_id, eos_token_id)
     make = lambda cap: GraphedTreePard(target, model, cap, k, budget, topk, mask_token_id, eos_token_id)  # noqa: E731
-    runner = runner_for(target, key, make, _length(prompt_ids) + max_new_tokens)
+    runner = runner_for(target, key, make, _length(prompt_ids) + max_new_tokens, model)
     return runner.generate(prompt_ids, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id)
