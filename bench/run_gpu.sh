@@ -13,19 +13,21 @@ set -u
 export PYTHONUNBUFFERED=1
 : "${OUT:?set OUT}" "${SPECPILOT_COMMIT:=unknown}"
 export SPECPILOT_COMMIT GIT_COMMIT="$SPECPILOT_COMMIT"
-python -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || { tail "$OUT/install.log"; exit 1; }
+LOGS=$(mktemp -d)  # one log a run, gathered into $OUT/logs.txt at exit: the device returns at most 8 files
+trap 'for f in "$LOGS"/*.log; do echo "===== $(basename "$f")"; cat "$f"; done >"$OUT/logs.txt" 2>/dev/null' EXIT
+python -m pip install -q --no-deps --no-build-isolation -e . >"$LOGS/install.log" 2>&1 || { tail "$LOGS/install.log"; exit 1; }
 if ls .whl/*.whl >/dev/null 2>&1; then
-  python -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl >>"$OUT/install.log" 2>&1
+  python -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl >>"$LOGS/install.log" 2>&1
   export PYTHONPATH=/tmp/site
 fi
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 
-run() {  # run NAME SECONDS CMD...: output to $OUT/NAME.log, its last lines here
+run() {  # run NAME SECONDS CMD...: output to $LOGS/NAME.log, its last lines here
   local name=$1 limit=$2; shift 2
   local t0=$SECONDS
-  timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
+  timeout "$limit" "$@" >"$LOGS/$name.log" 2>&1
   echo "== $name: exit $? in $((SECONDS - t0)) s"
-  tail -n "${TAIL:-14}" "$OUT/$name.log"
+  tail -n "${TAIL:-14}" "$LOGS/$name.log"
 }
 
 case "${1:?group}" in
@@ -54,8 +56,9 @@ case "${1:?group}" in
       --graphs --out "$OUT/tree_tau_graphs_h200.json"
     run zoo_tau_next 60 python bench/zoo_tau.py --pair code-qwen3-next --drafters dflash --num-prompts 8 \
       --device cuda --out "$OUT/zoo_tau_next_h200.json"
-    [ -n "${STEPS:-}" ] && TAIL=24 run step_times 80 python bench/step_times.py --shapes llama-3.1-8b \
-      --out "$OUT/step_times_llama_h200.json"
+    if [ -n "${STEPS:-}" ]; then
+      TAIL=24 run step_times 80 python bench/step_times.py --shapes llama-3.1-8b --out "$OUT/step_times_llama_h200.json"
+    fi
     ;;
   *) echo "unknown group $1" >&2; exit 2 ;;
 esac

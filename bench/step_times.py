@@ -215,7 +215,13 @@ def bench_shape(name: str, bw: float, repeats: int) -> tuple[list[dict], dict]:
 
                 record(path, "tree-verify", nodes + 1, tree_step, budget=nodes)
             if path == "fused":
-                profile = profile_step(lambda: (at_context(), model(inputs[1], cache)))
+                profile = {"ar": profile_step(lambda: (at_context(), model(inputs[1], cache)))}
+                # chain verify of q beside a tree of q nodes + anchor: what the tree mask costs
+                q, nodes = (16, 16) if 16 in VERIFY_Q and 16 in TREE_BUDGETS else (VERIFY_Q[0], TREE_BUDGETS[0])
+                mask, depth = tree_mask(nodes, DEVICE)
+                profile[f"verify-{q}"] = profile_step(lambda: (at_context(), model(inputs[q], cache)))
+                profile[f"tree-verify-{nodes + 1}"] = profile_step(
+                    lambda: (at_context(), model(inputs[nodes + 1], cache, mask=mask, positions=(depth + CACHE_LEN)[None])))
 
     dcfg = DrafterConfig.from_hf(
         {**SHAPES[name], "num_hidden_layers": DRAFT_LAYERS, "block_size": DRAFT_BLOCK,
@@ -284,16 +290,18 @@ def main() -> int:
         "triton": triton.__version__,
         "method": "CUDA graph per step, CUDA events, median of repeats; random bf16 N(0,0.02) weights; batch 1",
         "rows": rows,
-        "profile_fused_ar": profiles,
+        "profiles_fused": profiles,  # per shape: kernels of the fused AR, verify and tree-verify steps
     }
     slug = "h200" if "H200" in gpu else gpu.lower().replace(" ", "-")
     out = args.out or Path(__file__).parent / "results" / f"step_times_{slug}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"{gpu}: read bandwidth {bw / 1e12:.2f} TB/s -> {out}")
-    for shape, prof in profiles.items():
-        if prof:
-            print(f"{shape} fused AR step, eager: {prof['kernels']} kernels, {prof['gpu_us'] / 1e3:.3f} ms of GPU time")
+    for shape, steps in profiles.items():
+        for step, prof in steps.items():
+            if prof:
+                print(f"{shape} fused {step} step, eager: {prof['kernels']} kernels, {prof['gpu_us'] / 1e3:.3f} ms of GPU time; "
+                      "top: " + ", ".join(f"{k['name'][:28]} {k['us']:.0f}us" for k in prof["top"][:5]))
     print(f"{'shape':14} {'path':6} {'step':11} {'q':>4} {'ms':>8} {'floor ms':>9} {'x floor':>8} argmax=torch")
     for r in rows:
         agree = f"{r['argmax_agree']:6.2f}" if "argmax_agree" in r else ""

@@ -106,6 +106,7 @@ class FusedDecoder:
         ops, (b, t) = self.ops, x.shape[:2]
         slots = (torch.arange(t, device=x.device) + cache.length).expand(b, t)
         cos, sin = self.model.rope(positions)  # once a forward, for every layer
+        end = cache.length + t  # once a forward too: on a device-length cache each add is a launch
         picked: dict[int, torch.Tensor] = {}
         out, residual = x, None
         for i, fl in enumerate(self.layers):
@@ -118,7 +119,7 @@ class FusedDecoder:
                 fl.project_qkv(h), cos, sin, cache.k[i], cache.v[i], slots, num_heads=self.heads,
                 num_kv_heads=self.kv_heads, q_norm_weight=_w(attn.q_norm), k_norm_weight=_w(attn.k_norm), eps=self.eps,
             )
-            k_all, v_all = cache.view(i, cache.length + t)
+            k_all, v_all = cache.view(i, end)
             o = attn.output(attn.attention(q, k_all, v_all, vis))
             h, residual = ops.rmsnorm(o, layer.post_attention_layernorm.weight, self.eps, residual=residual)
             out = layer.mlp.down_proj(ops.silu_mul(fl.project_gate_up(h)))
