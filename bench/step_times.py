@@ -250,6 +250,8 @@ def bench_shape(name: str, bw: float, repeats: int) -> tuple[list[dict], dict]:
             t = statistics.median(time_fn(graphed(draft_step), repeats))
             rows.append(dict(shape=name, path=path, what="draft", q=DRAFT_BLOCK, cache_len=CACHE_LEN, ms=t * 1e3,
                              weight_bytes=d_bytes, floor_ms=d_bytes / bw * 1e3, drafter_layers=DRAFT_LAYERS))
+            if path == "fused":
+                profile["draft"] = profile_step(draft_step)
     model = drafter = None  # the 16 GB of this shape go before the next one is built
     if DEVICE == "cuda":
         torch.cuda.empty_cache()

@@ -35,7 +35,9 @@ from specpilot.bench.harness import measure
 from specpilot.bench.prompts import load_prompts
 from specpilot.compiler import lower_spec, resolve_models, resolve_passes
 from specpilot.passes import pipeline_string, run_passes
+from specpilot.passes.attention_split_kv import AttentionSplitKV
 from specpilot.passes.cuda_graphs import CudaGraphs
+from specpilot.passes.fused_decoder import FusedDecoder
 from specpilot.passes.tree_verify import TreeVerify
 from specpilot.runtime.tokenizer import load_tokenizer
 from specpilot.spec import load_spec
@@ -60,11 +62,13 @@ def device_name(device: torch.device) -> str:
 
 
 def bench_pipeline(path: Path, budgets: list[int], topk: int, repeats: int, device: torch.device,
-                   max_new_tokens: int | None, num_prompts: int | None, graphs: bool = False) -> list[dict]:
+                   max_new_tokens: int | None, num_prompts: int | None, graphs: bool = False,
+                   fused: bool = False) -> list[dict]:
     spec = load_spec(path)
     dirs = resolve_models(spec)
     dtype = default_dtype(device) if spec.dtype == "auto" else spec.dtype
-    passes = resolve_passes(spec, None) + ([CudaGraphs()] if graphs else [])
+    passes = (resolve_passes(spec, None) + ([AttentionSplitKV(), FusedDecoder()] if fused else [])
+              + ([CudaGraphs()] if graphs else []))
     base, _ = run_passes(lower_spec(spec, dirs, dtype), passes)
     if base.step.one("verify")[1]["mode"] != "chain":
         raise SystemExit(f"{path}: its pipeline already verifies a tree; the chain baseline needs a chain pipeline")
@@ -115,6 +119,9 @@ def main() -> None:
     parser.add_argument("--out", type=Path, help="result file (default bench/results/tree_tau_<device>.json)")
     parser.add_argument("--graphs", action="store_true",
                         help="add the cuda-graphs pass: chain and tree steps as graph replays (the GPU fast path)")
+    parser.add_argument("--fused", action="store_true",
+                        help="add the attention-split-kv and fused-decoder passes (Triton kernels: a GPU, or "
+                             "TRITON_INTERPRET=1); with --graphs, the fastest stack there is")
     args = parser.parse_args()
 
     device = pick_device(args.device)
@@ -124,7 +131,7 @@ def main() -> None:
     rows = []
     for path in args.pipelines:
         rows += bench_pipeline(path, budgets, args.topk, args.repeats, device, args.max_new_tokens,
-                               args.num_prompts, args.graphs)
+                               args.num_prompts, args.graphs, args.fused)
     result = {
         "what": "τ and ms/token, chain vs tree-verify{budget, topk}, torch backend, greedy, prefill excluded",
         "timing": f"runtime clocks (device synchronised), median of {args.repeats} runs over all prompts; "

@@ -54,6 +54,7 @@ pre-interleaved tile-major layout.
 from __future__ import annotations
 
 import dataclasses
+import os
 import weakref
 from dataclasses import dataclass
 
@@ -249,9 +250,173 @@ def _u12_linear_kernel(
             tl.atomic_xchg(counter, 0)  # ready for the next launch (and CUDA graph replays)
 
 
+# --- the GEMV kernel for M <= 4 ("gemv2") ----------------------------------------------------
+
+@triton.jit
+def _prmt(a, b, SELECTOR: tl.constexpr, ASM: tl.constexpr):
+    """PTX ``prmt.b32`` in its default mode: byte i of the result is byte ``(SELECTOR >> 4 i) & 7``
+    of the pair {b, a} (bytes 0-3 from a, 4-7 from b). ASM: the instruction; else the same bytes by
+    shifts and masks (the interpreter runs no inline assembly). Selectors here never set bit 3 (the
+    sign-replicating form)."""
+    if ASM:
+        return tl.inline_asm_elementwise(
+            f"prmt.b32 $0, $1, $2, {SELECTOR};", "=r,r,r", [a, b], dtype=tl.int32, is_pure=True, pack=1,
+        )
+    else:
+        out = tl.zeros_like(a)
+        for i in tl.static_range(4):
+            sel: tl.constexpr = (SELECTOR >> (4 * i)) & 7
+            if sel < 4:
+                byte = (a >> (8 * sel)) & 0xFF
+            else:
+                byte = (b >> (8 * (sel - 4))) & 0xFF
+            out |= byte << (8 * i)
+        return out
+
+
+@triton.jit
+def _select_bits(mask_src, other, MASK: tl.constexpr, ASM: tl.constexpr):
+    """Bits of ``mask_src`` where MASK is 1, of ``other`` elsewhere. ASM: one ``lop3.b32``; LLVM
+    turns the portable form into two LOP3s (one per constant), seen in the sm_90 SASS."""
+    if ASM:
+        return tl.inline_asm_elementwise(
+            f"lop3.b32 $0, $1, $2, {MASK}, 0xE4;", "=r,r,r", [mask_src, other], dtype=tl.int32, is_pure=True, pack=1,
+        )
+    else:
+        return other ^ ((other ^ mask_src) & MASK)
+
+
+@triton.jit
+def _decode_planes(s, c, ASM: tl.constexpr):
+    """The scaled decode of int32 words ``s`` (4 sign/mantissa bytes) and their int16 code words
+    ``c`` (4 nibbles) into four fp32 planes, plane j holding weight 4 w + j times 2^-(base-1)
+    (escapes, code 0 and byte 0, are +0.0); no join or reshape, so no layout change.
+
+    The bf16 patterns of weights (0, 2) and (1, 3) are built in one 32-bit register each:
+    prmt repeats bytes ([b2 b2 b0 b0]: sign at bit 15, mantissa at bits 0-6 of each half),
+    (c & 0x0F0F) · 0x8080 puts code 0 at bits 7-10 and code 2 at bits 23-26 (cross terms land
+    in bits 15-19, outside the exponent fields), and one bit-select takes the exponent fields
+    (mask 0x07800780) from the codes. 12 integer ops a word of 4 weights: 2 masks, 2 multiplies,
+    2 prmt, 2 bit-selects, 4 to split the pairs to fp32.
+    """
+    e02 = (c & 0x0F0F) * 0x8080
+    e13 = (c & 0xF0F0) * 0x0808
+    p02 = _select_bits(e02, _prmt(s, s, 0x2200, ASM), 0x7F807F80, ASM)
+    p13 = _select_bits(e13, _prmt(s, s, 0x3311, ASM), 0x7F807F80, ASM)
+    w0 = (p02 << 16).to(tl.float32, bitcast=True)
+    w1 = (p13 << 16).to(tl.float32, bitcast=True)
+    w2 = (p02 & -0x10000).to(tl.float32, bitcast=True)
+    w3 = (p13 & -0x10000).to(tl.float32, bitcast=True)
+    return w0, w1, w2, w3
+
+
+@triton.jit
+def _x_planes(x_rows, offs_w, mask, X_WORDS: tl.constexpr, MASKED: tl.constexpr):
+    """x[m, 4 w + j] for j = 0..3 as fp32. X_WORDS: bf16 x read as one int64 word per w (4 bf16),
+    split in registers; else four strided element loads."""
+    if X_WORDS:
+        if MASKED:
+            xw = tl.load(x_rows + offs_w, mask=mask, other=0)
+        else:
+            xw = tl.load(x_rows + offs_w)
+        lo = xw.to(tl.int32)
+        hi = (xw >> 32).to(tl.int32)
+        x0 = (lo << 16).to(tl.float32, bitcast=True)
+        x1 = (lo & -0x10000).to(tl.float32, bitcast=True)
+        x2 = (hi << 16).to(tl.float32, bitcast=True)
+        x3 = (hi & -0x10000).to(tl.float32, bitcast=True)
+    else:
+        x_k = x_rows + 4 * offs_w
+        if MASKED:
+            x0 = tl.load(x_k, mask=mask, other=0.0).to(tl.float32)
+            x1 = tl.load(x_k + 1, mask=mask, other=0.0).to(tl.float32)
+            x2 = tl.load(x_k + 2, mask=mask, other=0.0).to(tl.float32)
+            x3 = tl.load(x_k + 3, mask=mask, other=0.0).to(tl.float32)
+        else:
+            x0 = tl.load(x_k).to(tl.float32)
+            x1 = tl.load(x_k + 1).to(tl.float32)
+            x2 = tl.load(x_k + 2).to(tl.float32)
+            x3 = tl.load(x_k + 3).to(tl.float32)
+    return x0, x1, x2, x3
+
+
+@triton.jit
+def _gemv_chunk(
+    acc, start, sm_rows, code_rows, x_rows, n_words, x_scale,
+    BLOCK_W: tl.constexpr, X_WORDS: tl.constexpr, MASKED: tl.constexpr, ASM: tl.constexpr,
+):
+    """acc[m, n, w] += sum over j of x[m, 4 w + j] 2^64 · decoded w[n, 4 w + j], for words start + [0, BLOCK_W)."""
+    offs_w = (start + tl.arange(0, BLOCK_W))[None, None, :]
+    mask = offs_w < n_words
+    if MASKED:  # words beyond K read as 0: +0.0 weights, 0 activations
+        s = tl.load(sm_rows + offs_w, mask=mask, other=0)
+        c = tl.load(code_rows + offs_w, mask=mask, other=0).to(tl.int32)
+    else:
+        s = tl.load(sm_rows + offs_w)
+        c = tl.load(code_rows + offs_w).to(tl.int32)
+    w0, w1, w2, w3 = _decode_planes(s, c, ASM)
+    x0, x1, x2, x3 = _x_planes(x_rows, offs_w, mask, X_WORDS, MASKED)
+    acc = tl.fma(x0 * x_scale, w0, acc)  # x_scale: exact (a power of two)
+    acc = tl.fma(x1 * x_scale, w1, acc)
+    acc = tl.fma(x2 * x_scale, w2, acc)
+    acc = tl.fma(x3 * x_scale, w3, acc)
+    return acc
+
+
+@triton.jit
+def _u12_gemv_kernel(
+    x_ptr, sm_ptr, codes_ptr, esc_idx_ptr, esc_val_ptr, esc_row_ptr, y_ptr,
+    M, N, K, n_words, x_scale, y_scale_lo, y_scale_hi,
+    stride_xm, stride_xk, stride_sm, stride_codes, stride_ym,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, ESC_BLOCK: tl.constexpr,
+    X_WORDS: tl.constexpr,  # bf16 x read as int64 words of 4 (contiguous rows, 8-byte aligned); else fp32 elements
+    EVEN_K: tl.constexpr,  # n_words % BLOCK_W == 0: no masked last chunk
+    ASM: tl.constexpr,  # PTX prmt/lop3 (GPU); else their shift-and-mask emulation (interpreter)
+):
+    """All M (<= 4) rows of x against BLOCK_N rows of W on the scaled path (K % 4 == 0, 1 <= base <= 240)."""
+    pid_n = tl.program_id(0)
+    n0 = pid_n * BLOCK_N
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    # Rows past M or N re-read the last row (their outputs are not stored), so only K needs masks.
+    rows_m = tl.minimum(offs_m, M - 1)[:, None, None]
+    rows_n = tl.minimum(offs_n, N - 1)[None, :, None]
+    # Every load has the accumulator's shape [BM, BN, 1 -> BW] (LLVM merges the repeated loads and
+    # their decode), so Triton gives them all its layout: no layout conversion in the loop (sm_90 SASS).
+    shape: tl.constexpr = (BLOCK_M, BLOCK_N, 1)
+    sm_rows = tl.broadcast_to(sm_ptr + rows_n * stride_sm, shape)
+    code_rows = tl.broadcast_to(codes_ptr + rows_n * stride_codes, shape)
+    if X_WORDS:
+        x_rows = tl.broadcast_to(x_ptr.to(tl.pointer_type(tl.int64)) + rows_m * (stride_xm // 4), shape)
+    else:
+        x_rows = tl.broadcast_to(x_ptr + rows_m * stride_xm, shape)
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_W), dtype=tl.float32)  # reduced once, after the loop
+    full_words = n_words - n_words % BLOCK_W
+    for start in range(0, full_words, BLOCK_W):
+        acc = _gemv_chunk(acc, start, sm_rows, code_rows, x_rows, n_words, x_scale, BLOCK_W, X_WORDS, False, ASM)
+    if not EVEN_K:
+        acc = _gemv_chunk(acc, full_words, sm_rows, code_rows, x_rows, n_words, x_scale, BLOCK_W, X_WORDS, True, ASM)
+    out = tl.sum(acc, axis=2) * y_scale_lo * y_scale_hi  # exact: powers of two
+
+    out = _apply_escapes(
+        out, x_ptr, esc_idx_ptr, esc_val_ptr, esc_row_ptr, offs_m, mask_m, offs_n, n0, N, K,
+        stride_xm, stride_xk, BLOCK_N, ESC_BLOCK, False,
+    )
+    y = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
+    tl.store(y, out.to(y_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
 @dataclass(frozen=True)
 class U12Config:
-    """One launch configuration; block_w counts 32-bit words of the byte plane (4 weights each)."""
+    """One launch configuration; block_w counts 32-bit words of the byte plane (4 weights each).
+
+    kernel "tile": ``_u12_linear_kernel`` (any M, split-K, both decodes); "gemv2": ``_u12_gemv_kernel``
+    (M <= 4, no split-K, ``decode`` unused), which ``u12_linear`` runs where it applies (K % 4 == 0,
+    1 <= base <= 240) and otherwise replaces by the tile kernel's default config.
+    """
 
     block_n: int
     block_w: int
@@ -259,12 +424,19 @@ class U12Config:
     num_warps: int = 4
     num_stages: int = 2
     decode: str = "pairs"  # or "single": one weight per 32-bit op (the scaled decode only)
+    kernel: str = "tile"  # or "gemv2"
 
     def __post_init__(self) -> None:
         if self.decode not in ("pairs", "single"):
             raise ValueError(f"U12Config.decode: expected 'pairs' or 'single', got {self.decode!r}")
+        if self.kernel not in ("tile", "gemv2"):
+            raise ValueError(f"U12Config.kernel: expected 'tile' or 'gemv2', got {self.kernel!r}")
+        if self.kernel == "gemv2" and self.split_k != 1:
+            raise ValueError(f"U12Config.split_k: the gemv2 kernel has no split-K, got {self.split_k}")
 
     def __str__(self) -> str:
+        if self.kernel == "gemv2":
+            return f"gemv2-bn{self.block_n}-bw{self.block_w}-w{self.num_warps}-s{self.num_stages}"
         return f"bn{self.block_n}-bw{self.block_w}-sk{self.split_k}-w{self.num_warps}-s{self.num_stages}-{self.decode}"
 
 
@@ -319,12 +491,17 @@ def _block_m(m: int) -> int:
 
 
 def default_config(m: int, n: int, k: int, on_gpu: bool = True) -> U12Config:
-    """TUNED where measured, else a heuristic: enough programs for ~8 (GEMV) or ~2 (dot) a SM."""
+    """TUNED where measured, else the tile kernel's heuristic (``_tile_config``)."""
+    if on_gpu and (_block_m(m), n, k) in TUNED:
+        return TUNED[(_block_m(m), n, k)]
+    return _tile_config(m, n, k, on_gpu)
+
+
+def _tile_config(m: int, n: int, k: int, on_gpu: bool) -> U12Config:
+    """The tile kernel's heuristic: enough programs for ~8 (GEMV) or ~2 (dot) a SM."""
     if not on_gpu:
         return _INTERPRETER_CONFIG
     block_m = _block_m(m)
-    if (block_m, n, k) in TUNED:
-        return TUNED[(block_m, n, k)]
     if block_m <= 4:  # 32 (BM = 1, 2) or 64 (BM = 4) accumulator registers a thread
         # no split-K: on the H200 sweep split_k = 1 won every GEMV row (M = 1, 4; five shapes), the
         # heuristic's split-K default ran 0.22-0.97x cuBLAS where the best ran 0.69-0.97x
@@ -378,6 +555,12 @@ def u12_linear(x: torch.Tensor, t: U12Tensor, config: U12Config | None = None) -
         return y
 
     cfg = config or default_config(m, n, k, x.is_cuda)
+    scaled, x_scale, y_lo, y_hi = _scales(t.base)
+    if cfg.kernel == "gemv2":
+        if gemv2_applies(m, k, t.base):
+            _launch_gemv2(x, t, y, cfg, x_scale, y_lo, y_hi)
+            return y
+        cfg = _tile_config(m, n, k, x.is_cuda)
     block_m = _block_m(m)
     use_dot = block_m >= 16
     words = k % 4 == 0 and k > 0
@@ -392,7 +575,6 @@ def u12_linear(x: torch.Tensor, t: U12Tensor, config: U12Config | None = None) -
     else:
         counters = t.esc_row_ptr  # unused; an int32 and an fp32 pointer keep the compiled types
         part = counters.view(torch.float32)
-    scaled, x_scale, y_lo, y_hi = _scales(t.base)
     sm, codes = t.sm.contiguous(), t.codes.contiguous()
     _u12_linear_kernel[grid](
         x, sm.view(torch.int32) if words else sm, codes.view(torch.int16) if words else codes,
@@ -405,6 +587,39 @@ def u12_linear(x: torch.Tensor, t: U12Tensor, config: U12Config | None = None) -
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return y
+
+
+def gemv2_applies(m: int, k: int, base: int) -> bool:
+    """Whether a gemv2 config runs the gemv2 kernel: M <= 4, word loads (K % 4 == 0) and the scaled decode."""
+    return m <= 4 and k > 0 and k % 4 == 0 and _scales(base)[0]
+
+
+def gemv2_acc_registers(cfg: U12Config, block_m: int) -> int:
+    """fp32 accumulator registers a thread of the gemv2 kernel holds: [BM, BN, BW] over 32 · warps threads."""
+    return block_m * cfg.block_n * cfg.block_w // (32 * cfg.num_warps)
+
+
+def _launch_gemv2(
+    x: torch.Tensor, t: U12Tensor, y: torch.Tensor, cfg: U12Config, x_scale: float, y_lo: float, y_hi: float,
+) -> None:
+    m, k = x.shape
+    n = t.shape[0]
+    n_words = k // 4
+    x_words = x.dtype == torch.bfloat16
+    if x_words and (x.stride(1) != 1 or x.stride(0) % 4 or x.data_ptr() % 8):
+        x = x.clone(memory_format=torch.contiguous_format)  # int64 words need aligned, contiguous rows
+    sm, codes = t.sm.contiguous(), t.codes.contiguous()
+    _u12_gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
+        x, sm.view(torch.int32), codes.view(torch.int16),
+        _nonempty(t.esc_idx), _nonempty(t.esc_val), t.esc_row_ptr, y,
+        m, n, k, n_words, x_scale, y_lo, y_hi,
+        x.stride(0), x.stride(1), n_words, n_words, y.stride(0),
+        BLOCK_M=_block_m(m), BLOCK_N=cfg.block_n, BLOCK_W=cfg.block_w, ESC_BLOCK=_ESC_BLOCK,
+        X_WORDS=x_words, EVEN_K=n_words % cfg.block_w == 0,
+        # inline PTX on the GPU; the interpreter (TRITON_INTERPRET=1, read by Triton at import) runs none
+        ASM=x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1",
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
 
 
 def u12_linear_reference(x: torch.Tensor, t: U12Tensor) -> torch.Tensor:
