@@ -29,9 +29,12 @@ dtype, so interpreter runs check the GPU's rounding.
 
 Splits (`split_count`): enough programs for two per SM, but no more splits than BLOCK_N tiles
 in the cache, and few enough that the fp32 partials (written and read: 8 bytes per row per head
-dim) stay under 1/8 of the bf16 K/V bytes read (4 bytes per key per head dim), i.e.
-splits <= S / (16 · T · group). Each split covers a whole number of tiles (`plan`). Untuned: no GPU
-measurement yet (bench/attention_split_kv.py writes one); BLOCK_N 64, 4 warps, 2 stages likewise.
+dim) stay under the bf16 K/V bytes read (4 bytes per key per head dim), i.e.
+splits <= S / (2 · T · group). Each split covers a whole number of tiles (`plan`). An earlier rule
+kept the partials under 1/8 of the K/V bytes; on the H200 (Llama-3.1-8B, 512 cached tokens in a
+2048-slot cache) it left a 17-node tree verify one split, 16 programs streaming the whole cache:
+65 µs a layer against 4 µs for q = 1 (bench/results/step_times_llama_h200.json, profiles).
+BLOCK_N 64, 4 warps, 2 stages: untuned.
 """
 
 from __future__ import annotations
@@ -197,7 +200,7 @@ def split_count(s: int, rows: int, programs: int, sms: int) -> int:
     """KV splits for a cache of `s` keys, `rows` = T · group query rows per kv head, `programs`
     = batch · kv heads · row blocks before splitting, on `sms` SMs (rule in the module docstring)."""
     want = triton.cdiv(WAVES * sms, programs)
-    cap = min(triton.cdiv(s, BLOCK_N), max(1, s // (16 * rows)))
+    cap = min(triton.cdiv(s, BLOCK_N), max(1, s // (2 * rows)))
     return max(1, min(want, cap))
 
 
@@ -283,7 +286,8 @@ def attention_split_kv(
     (b, h, t, d), hkv, s = q.shape, k.shape[1], k.shape[2]
     g = h // hkv
     mode, mask_t = _mask_args(mask, b, t, q.device)
-    out = torch.empty((b, h, t, d), dtype=q.dtype, device=q.device)
+    # [B, H, T, D] over [B, T, H, D] memory: the o projection's [B, T, H·D] input is then a view (no copy)
+    out = torch.empty((b, t, h, d), dtype=q.dtype, device=q.device).transpose(1, 2)
     if out.numel() == 0:
         return out
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))

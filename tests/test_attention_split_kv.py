@@ -70,12 +70,13 @@ def test_split_rule():
     assert split_count(32768, rows=4, programs=8, sms=132) == 33  # 2 programs a SM
     assert split_count(512, rows=4, programs=8, sms=132) == 8  # one tile each
     assert split_count(512, rows=256, programs=32, sms=132) == 1  # partials would outweigh the cache
-    assert split_count(32768, rows=256, programs=32, sms=132) == 8
+    assert split_count(32768, rows=256, programs=32, sms=132) == 9
+    assert split_count(2048, rows=68, programs=16, sms=132) == 15  # a 17-node tree in a 2048-slot cache
     assert split_count(1, rows=1, programs=1, sms=132) == 1
     for s in (1, 7, 300, 5000):
         for rows in (1, 4, 64, 256):
             n = split_count(s, rows, programs=4, sms=132)
-            assert 1 <= n <= -(-s // BLOCK_N) and (n == 1 or n <= s // (16 * rows))
+            assert 1 <= n <= -(-s // BLOCK_N) and (n == 1 or n <= s // (2 * rows))
     # whole tiles a split, and the rule leaves no split empty (33 splits of 993 keys become 32 of 1024)
     assert plan(1, 32, 8, 1, 32768, sms=132) == (16, 1, 32, 1024)
     assert plan(1, 32, 8, 64, 300, sms=132) == (64, 4, 1, 320)
