@@ -4,12 +4,14 @@
 
 Random bf16 weights N(0, 0.02) (never zeros), batch 1, a 512-token context. Each step is captured
 once in a CUDA graph and replayed; times are CUDA events around single replays after warm-up,
-median of the repeats. Two paths of the same model:
+median of the repeats. Paths of the same model:
 
   torch   the reference stack (plain torch ops, SDPA) over a host-length cache sized to the step;
   fused   what the fused-decoder, attention-split-kv and cuda-graphs passes build: fused kernels
           (runtime/fused.py), split-KV attention, a device-length cache of 2048 slots (one graph
-          serves every length).
+          serves every length);
+  fused+u12  the fused path with every linear and lm_head in the u12 format (weights-u12 pass),
+          AR and verify(16) only.
 
 Steps: AR q=1; chain verify q=4..64; tree verify of k-ary trees (top-4) with 16..128 nodes plus
 the anchor; the DFlash-style drafter step (5 layers, block 16). The floor is the bytes of weights
@@ -158,8 +160,25 @@ def profile_step(step, top: int = 12) -> dict:
                 top=[dict(name=e.key[:90], count=e.count, us=e.device_time_total) for e in rows[:top]])
 
 
+def to_u12(model: Transformer) -> int:
+    """Every projection and lm_head of `model` as the weights-u12 pass builds them (the fused u12
+    kernel, its default configs); returns the packed bytes. The fused decoder is dropped, so the next
+    fused_path installs it over the u12 modules (called one by one: no concatenated GEMMs)."""
+    from specpilot.backends.torch_backend import U12Linear
+    from specpilot.runtime.model import swap_projection
+    from specpilot.runtime.u12 import pack_u12
+
+    total = 0
+    for name, linear in model.linear_modules().items():
+        packed = pack_u12(linear.weight.detach().contiguous())
+        swap_projection(model, name, U12Linear(packed, "triton-u12"))
+        total += packed.nbytes
+    model._fused_kept = None
+    return total
+
+
 @torch.inference_mode()
-def bench_shape(name: str, bw: float, repeats: int) -> tuple[list[dict], dict]:
+def bench_shape(name: str, bw: float, repeats: int, with_u12: bool = True) -> tuple[list[dict], dict]:
     cfg = ModelConfig.from_hf(SHAPES[name], name)
     torch.manual_seed(0)
     with torch.device(DEVICE):
@@ -252,6 +271,17 @@ def bench_shape(name: str, bw: float, repeats: int) -> tuple[list[dict], dict]:
                              weight_bytes=d_bytes, floor_ms=d_bytes / bw * 1e3, drafter_layers=DRAFT_LAYERS))
             if path == "fused":
                 profile["draft"] = profile_step(draft_step)
+    if with_u12:  # the weights-u12 pass over the fused stack: every linear and lm_head in u12
+        u12_bytes = to_u12(model)
+        with fused_path(model):
+            cache = model.new_cache(1, CAPACITY, device_length=True)
+            start = torch.tensor(CACHE_LEN, device=DEVICE)
+            for q in (1, 16 if 16 in VERIFY_Q else VERIFY_Q[0]):
+                def u12_step(ids=inputs[q]):
+                    cache.length.copy_(start)
+                    return model(ids, cache)
+
+                record("fused+u12", "ar" if q == 1 else "verify", q, u12_step, u12_weight_bytes=u12_bytes)
     model = drafter = None  # the 16 GB of this shape go before the next one is built
     if DEVICE == "cuda":
         torch.cuda.empty_cache()
@@ -263,6 +293,8 @@ def main() -> int:
     ap.add_argument("--shapes", nargs="+", default=["llama-3.1-8b", "qwen3-8b"], choices=list(SHAPES))
     ap.add_argument("--repeats", type=int, default=50)
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--no-u12", action="store_true", help="skip the fused+u12 rows (AR and verify(16) with every "
+                    "linear in the 12-bit format)")
     ap.add_argument("--smoke", action="store_true",
                     help="tiny shapes on the CPU under TRITON_INTERPRET=1: checks the script, measures nothing")
     args = ap.parse_args()
@@ -280,7 +312,7 @@ def main() -> int:
     bw = read_bandwidth() if DEVICE == "cuda" else 1e11
     rows, profiles = [], {}
     for shape in args.shapes:
-        shape_rows, profiles[shape] = bench_shape(shape, bw, args.repeats)
+        shape_rows, profiles[shape] = bench_shape(shape, bw, args.repeats, not args.no_u12)
         rows += shape_rows
     result = {
         "benchmark": "step_times",
@@ -304,10 +336,10 @@ def main() -> int:
             if prof:
                 print(f"{shape} fused {step} step, eager: {prof['kernels']} kernels, {prof['gpu_us'] / 1e3:.3f} ms of GPU time; "
                       "top: " + ", ".join(f"{k['name'][:28]} {k['us']:.0f}us" for k in prof["top"][:5]))
-    print(f"{'shape':14} {'path':6} {'step':11} {'q':>4} {'ms':>8} {'floor ms':>9} {'x floor':>8} argmax=torch")
+    print(f"{'shape':14} {'path':9} {'step':11} {'q':>4} {'ms':>8} {'floor ms':>9} {'x floor':>8} argmax=torch")
     for r in rows:
         agree = f"{r['argmax_agree']:6.2f}" if "argmax_agree" in r else ""
-        print(f"{r['shape']:14} {r['path']:6} {r['what']:11} {r['q']:>4} {r['ms']:8.3f} {r['floor_ms']:9.3f} "
+        print(f"{r['shape']:14} {r['path']:9} {r['what']:11} {r['q']:>4} {r['ms']:8.3f} {r['floor_ms']:9.3f} "
               f"{r['ms'] / r['floor_ms']:8.2f} {agree}")
     return 0
 
