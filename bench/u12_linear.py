@@ -1,7 +1,8 @@
 """u12_linear against cuBLAS bf16 (x @ W.T) at the Llama-3.1-8B linear shapes, on one GPU.
 
 Sweep: for each shape and M in 1, 4, 16, 64, random N(0, 0.02) bf16 weights; every config of
-kernels/u12_linear.py's SWEEP_GEMV (M <= 4) or SWEEP_DOT (M >= 16) crossed with SPLIT_KS, plus the
+kernels/u12_linear.py's SWEEP_GEMV (M <= 4) or SWEEP_DOT (M >= 16) crossed with SPLIT_KS, for M <= 4
+the gemv2 kernel's SWEEP_GEMV2 (those within 64 accumulator registers a thread at that M), plus the
 default config, is first checked against the reference (one bf16 step, see check_close) and then
 timed with triton.testing.do_bench (CUDA events, L2 flushed before each call, median). A config
 that fails to compile, run or match is recorded with its error, not timed. A time budget skips the
@@ -73,8 +74,11 @@ def check_close(y: torch.Tensor, ref: torch.Tensor, scale: torch.Tensor) -> None
 
 def sweep_configs(m: int, n: int, k: int) -> list:
     """The default config first, then each sweep tile crossed with SPLIT_KS (splits that fit K),
-    then the default with the one-weight-per-op decode (what the pair decode saves)."""
-    from specpilot.kernels.u12_linear import SPLIT_KS, SWEEP_DOT, SWEEP_GEMV, default_config
+    for M <= 4 the gemv2 configs whose accumulator fits 64 registers a thread, then the tile
+    kernel's default with the one-weight-per-op decode (what the pair decode saves)."""
+    from specpilot.kernels.u12_linear import (
+        SPLIT_KS, SWEEP_DOT, SWEEP_GEMV, SWEEP_GEMV2, _block_m, _tile_config, default_config, gemv2_acc_registers,
+    )
 
     default = default_config(m, n, k)
     out = [default]
@@ -84,7 +88,10 @@ def sweep_configs(m: int, n: int, k: int) -> list:
                 cfg = dataclasses.replace(tile, split_k=split)
                 if cfg not in out:
                     out.append(cfg)
-    return out + [dataclasses.replace(default, decode="single")]
+    if m <= 4:
+        out += [cfg for cfg in SWEEP_GEMV2 if cfg not in out and gemv2_acc_registers(cfg, _block_m(m)) <= 64]
+    tile_default = default if default.kernel == "tile" else _tile_config(m, n, k, on_gpu=True)
+    return out + [dataclasses.replace(tile_default, decode="single")]
 
 
 def time_graph(fns, reps: int = 20) -> float:
@@ -208,7 +215,8 @@ def main() -> None:
 
     tuned = [{"key": [_block_m(m), SHAPES[name][0], SHAPES[name][1]], "shape": name, "M": m, "config": str(cfg),
               "block_n": cfg.block_n, "block_w": cfg.block_w, "split_k": cfg.split_k,
-              "num_warps": cfg.num_warps, "num_stages": cfg.num_stages, "decode": cfg.decode} for (name, m), (cfg, _, _) in best.items()]
+              "num_warps": cfg.num_warps, "num_stages": cfg.num_stages, "decode": cfg.decode, "kernel": cfg.kernel}
+             for (name, m), (cfg, _, _) in best.items()]
     result = {
         "what": "u12_linear vs cuBLAS bf16 x @ W.T, Llama-3.1-8B linear shapes, N(0, 0.02) weights",
         "timing": "triton.testing.do_bench, L2 flushed before each call, median; cuBLAS warmup 10 ms, rep 40 ms; "

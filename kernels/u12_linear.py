@@ -1,14 +1,16 @@
 """y = x · Wᵀ with W in the u12 format, decoded in registers.
 
-One kernel, two ways to multiply (a constexpr): M ≤ 4 rows of x multiply on the CUDA cores (GEMV),
-M ≥ 5 feeds decoded [BLOCK_N, BLOCK_K] tiles to ``tl.dot`` (bf16 operands on the GPU, fp32 under
-the interpreter) with up to 64 rows of x per program, so each weight is decoded once per program.
+Two kernels. ``_u12_linear_kernel`` ("tile") multiplies M ≤ 4 rows of x on the CUDA cores (GEMV)
+and feeds M ≥ 5 decoded [BLOCK_N, BLOCK_K] tiles to ``tl.dot`` (bf16 operands on the GPU, fp32
+under the interpreter) with up to 64 rows of x per program, so each weight is decoded once per
+program. ``_u12_gemv_kernel`` ("gemv2", chosen by ``U12Config.kernel``) is a second GEMV for M ≤ 4
+on the scaled path with K % 4 == 0; ``u12_linear`` gives other cases to the tile kernel.
 
 Loads. The sign/mantissa plane is read as int32 words (4 weights) and the code plane as int16
 words (their 4 codes) when K % 4 == 0, so both planes load contiguously and one thread's code
-nibbles line up with its bytes without a layout change; the 4 weights of a word are decoded in
-registers (two pair registers joined, or [BN, BW, 4] by constant shifts) and reshaped to k order.
-Other K read bytes.
+nibbles line up with its bytes without a layout change; the tile kernel decodes the 4 weights of a
+word in registers (two pair registers joined, or [BN, BW, 4] by constant shifts) and reshapes them
+to k order. Other K read bytes.
 
 Decode. Where the base's window holds only normal finite exponents (1 ≤ base ≤ 240: every tensor
 of trained or N(0, σ) weights), a weight decodes with the exponent field equal to its code, so no
@@ -34,9 +36,23 @@ Escapes: after the sum, the program that writes an output block adds the exact c
 (``U12Tensor.esc_row_ptr``) and scattered by a one-hot product (one escape at a time when a chunk
 holds inf/NaN contributions). Escapes are about 0.015% of N(0, 0.02) weights.
 
+gemv2. One program owns BLOCK_N rows of W and every row of x (M ≤ 4), so each weight is decoded
+once and used M times, and loops over K in chunks of BLOCK_W words. The 4 weights of a word
+decode into four fp32 planes (plane j: weight 4 w + j), each multiplied with the matching plane
+of x (bf16 x read as one int64 word per w) into one [BM, BN, BW] accumulator by FMAs, reduced
+once after the loop: no join, reshape or layout conversion. The decode (``_decode_planes``) is 12
+integer ops a word: prmt byte repeats, multiplies that spread the code nibbles and one lop3
+bit-select per pair of weights, by inline PTX on the GPU and a shift-and-mask emulation of the
+same bits under the interpreter. Rows past M and N re-read the last row, so the loop has no
+masks; only a last partial chunk of K is masked. Escapes are added as in the tile kernel.
+Compiled for sm_90 here (no GPU), the tile kernel's M = 1 loop (bn8-bw64-w4) issues 10.8
+instructions a weight plus a shared-memory round trip per chunk for its reshape; gemv2's issues
+4.9-7.6 and touches no shared memory (per config at SWEEP_GEMV2).
+
 Configs are data (``U12Config``: block_n, block_w words = 4 weights each, split_k, warps, stages,
-decode); ``default_config`` picks one per (M, N, K) (``TUNED`` first, filled from the H200 sweep
-it) and bench/u12_linear.py sweeps ``SWEEP_GEMV`` / ``SWEEP_DOT`` × ``SPLIT_KS`` against cuBLAS.
+decode, kernel); ``default_config`` picks one per (M, N, K) (``TUNED`` first, filled from the H200
+sweep) and bench/u12_linear.py sweeps ``SWEEP_GEMV`` / ``SWEEP_DOT`` × ``SPLIT_KS`` and, for
+M ≤ 4, ``SWEEP_GEMV2`` against cuBLAS.
 
 Speed (H200, triton 3.6, bench/results/u12_linear_nvidia_h200.json, the best of 457 configs per
 row, commit da24869): M = 1 at 0.89x (qkv), 0.69x (o), 0.95x (gate_up), 0.93x (down), 0.97x
@@ -46,14 +62,19 @@ bytes; M = 4..64 at 0.39-0.85x; all linears of a Llama-3.1-8B step in one CUDA g
 the parallelism buys), so the GEMV default has none. The 1.25x goal is not met: at M = 1 the
 kernel moves 0.75x the bytes at 0.7x cuBLAS's bandwidth. Correct on the GPU for every swept
 config (each checked against the reference first) and under the interpreter (tests walk split-K,
-both decodes, word and byte loads, and the decode's bits on all 65536 patterns). Untried: PTX
-prmt/lop3 decode by inline asm, more bytes in flight per thread (wider words, more stages), a
-pre-interleaved tile-major layout.
+both decodes, word and byte loads, and the decode's bits on all 65536 patterns). gemv2 is not yet
+measured on the GPU (correct under the interpreter, incl. its decode's bits on all 65536 patterns;
+its sm_90 SASS counts are at SWEEP_GEMV2); the default for M ≤ 4 stays the tile kernel until the
+H200 sweep fills TUNED. Tried for gemv2 and dropped: prefetching the next chunk's words into
+registers in the Triton source (the compiled loop issues those loads at its end, beside the
+register swap, and runs 10-17% more instructions: no earlier loads, in the sm_90 SASS). Untried:
+a pre-interleaved tile-major layout.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import weakref
 from dataclasses import dataclass
@@ -294,10 +315,10 @@ def _decode_planes(s, c, ASM: tl.constexpr):
 
     The bf16 patterns of weights (0, 2) and (1, 3) are built in one 32-bit register each:
     prmt repeats bytes ([b2 b2 b0 b0]: sign at bit 15, mantissa at bits 0-6 of each half),
-    (c & 0x0F0F) · 0x8080 puts code 0 at bits 7-10 and code 2 at bits 23-26 (cross terms land
-    in bits 15-19, outside the exponent fields), and one bit-select takes the exponent fields
-    (mask 0x07800780) from the codes. 12 integer ops a word of 4 weights: 2 masks, 2 multiplies,
-    2 prmt, 2 bit-selects, 4 to split the pairs to fp32.
+    (c & 0x0F0F) · 0x8080 puts code 0 at bits 7-10 and code 2 at bits 23-26 with zeros beside them
+    (the cross terms land in bits 15-19), and one bit-select takes both exponent fields (mask
+    0x7F807F80) from the codes. 12 integer ops a word of 4 weights: 2 masks, 2 multiplies, 2 prmt,
+    2 bit-selects, 4 to split the pairs to fp32 (the sm_90 SASS: 12.5 with the code words' unpacking).
     """
     e02 = (c & 0x0F0F) * 0x8080
     e13 = (c & 0xF0F0) * 0x0808
@@ -345,10 +366,11 @@ def _gemv_chunk(
     acc, start, sm_rows, code_rows, x_rows, n_words, x_scale,
     BLOCK_W: tl.constexpr, X_WORDS: tl.constexpr, MASKED: tl.constexpr, ASM: tl.constexpr,
 ):
-    """acc[m, n, w] += sum over j of x[m, 4 w + j] 2^64 · decoded w[n, 4 w + j], for words start + [0, BLOCK_W)."""
+    """acc[m, n, w] += sum over j of x[m, 4 w + j] 2^64 · w[n, 4 w + j] 2^-(base-1), for the words
+    w in [start, start + BLOCK_W); MASKED: words past K read as 0 (+0.0 weights, 0 activations)."""
     offs_w = (start + tl.arange(0, BLOCK_W))[None, None, :]
     mask = offs_w < n_words
-    if MASKED:  # words beyond K read as 0: +0.0 weights, 0 activations
+    if MASKED:
         s = tl.load(sm_rows + offs_w, mask=mask, other=0)
         c = tl.load(code_rows + offs_w, mask=mask, other=0).to(tl.int32)
     else:
@@ -453,6 +475,24 @@ SWEEP_DOT = [
     U12Config(128, 32, num_warps=8), U12Config(64, 32, num_warps=4, num_stages=3),
 ]
 SPLIT_KS = (1, 2, 4, 8)
+# The gemv2 sweep (M <= 4; bench/u12_linear.py keeps the configs within 64 accumulator registers a
+# thread, gemv2_acc_registers). Grouped by the words a thread decodes a chunk, block_n · block_w /
+# (32 · warps): compiled for sm_90 here (triton 3.9, no GPU), the loop issues 4.9 (32 words), 5.5
+# (16), 6.7-6.9 (8) and 7.1-7.6 (4) instructions a weight at M = 1 and 11.9 (16) to 19.7 (4) at
+# M = 4 (all four rows), with no spills and no shared memory; num_stages 1 to 4 gave the same SASS
+# (bn16-bw256-w4), so only two configs vary it, in case the H200's Triton pipelines these loads.
+SWEEP_GEMV2 = [
+    U12Config(bn, bw, num_warps=w, num_stages=1, kernel="gemv2") for bn, bw, w in (
+        (8, 256, 2), (16, 256, 4), (16, 128, 2), (32, 128, 4), (32, 256, 8), (32, 64, 2),  # 32 words
+        (4, 256, 2), (8, 256, 4), (8, 128, 2), (16, 128, 4), (16, 256, 8), (16, 64, 2),  # 16 words
+        (32, 64, 4), (32, 128, 8),
+        (4, 128, 2), (4, 256, 4), (8, 128, 4), (8, 256, 8), (16, 64, 4), (32, 32, 4),  # 8 words
+        (4, 128, 4), (8, 64, 4),  # 4 words
+    )
+] + [
+    U12Config(16, 256, num_warps=4, num_stages=3, kernel="gemv2"),
+    U12Config(8, 256, num_warps=4, num_stages=3, kernel="gemv2"),
+]
 
 # Best configs measured by bench/u12_linear.py on the H200 (bench/results/u12_linear_nvidia_h200.json,
 # 457 rows, commit da24869), keyed (BLOCK_M, N, K): Llama-3.1-8B's linear shapes.
@@ -540,6 +580,40 @@ def _scales(base: int) -> tuple[bool, float, float, float]:
     return True, 2.0**X_SCALE_LOG2, 2.0**lo, 2.0 ** (q - lo)
 
 
+def gemv2_applies(m: int, k: int, base: int) -> bool:
+    """Whether a gemv2 config runs the gemv2 kernel: M <= 4, word loads (K % 4 == 0) and the scaled decode."""
+    return m <= 4 and k > 0 and k % 4 == 0 and _scales(base)[0]
+
+
+def gemv2_acc_registers(cfg: U12Config, block_m: int) -> int:
+    """fp32 accumulator registers a thread of the gemv2 kernel holds: [BM, BN, BW] over 32 · warps threads."""
+    return block_m * cfg.block_n * cfg.block_w // (32 * cfg.num_warps)
+
+
+def _launch_gemv2(
+    x: torch.Tensor, t: U12Tensor, y: torch.Tensor, cfg: U12Config, x_scale: float, y_lo: float, y_hi: float,
+) -> None:
+    """y = x · Wᵀ by ``_u12_gemv_kernel``, one program per block_n rows of W (``gemv2_applies`` holds)."""
+    m, k = x.shape
+    n = t.shape[0]
+    n_words = k // 4
+    x_words = x.dtype == torch.bfloat16
+    if x_words and (x.stride(1) != 1 or x.stride(0) % 4 or x.data_ptr() % 8):
+        x = x.clone(memory_format=torch.contiguous_format)  # int64 words need aligned, contiguous rows
+    sm, codes = t.sm.contiguous(), t.codes.contiguous()
+    _u12_gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
+        x, sm.view(torch.int32), codes.view(torch.int16),
+        _nonempty(t.esc_idx), _nonempty(t.esc_val), t.esc_row_ptr, y,
+        m, n, k, n_words, x_scale, y_lo, y_hi,
+        x.stride(0), x.stride(1), n_words, n_words, y.stride(0),
+        BLOCK_M=_block_m(m), BLOCK_N=cfg.block_n, BLOCK_W=cfg.block_w, ESC_BLOCK=_ESC_BLOCK,
+        X_WORDS=x_words, EVEN_K=n_words % cfg.block_w == 0,
+        # inline PTX on the GPU; the interpreter (TRITON_INTERPRET=1, read by Triton at import) runs none
+        ASM=x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1",
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+
+
 def u12_linear(x: torch.Tensor, t: U12Tensor, config: U12Config | None = None) -> torch.Tensor:
     """x [M, K] (bf16 or fp32) times the u12 weight [N, K] transposed: [M, N] in x.dtype, fp32 accumulation."""
     n, k = t.shape
@@ -556,10 +630,10 @@ def u12_linear(x: torch.Tensor, t: U12Tensor, config: U12Config | None = None) -
 
     cfg = config or default_config(m, n, k, x.is_cuda)
     scaled, x_scale, y_lo, y_hi = _scales(t.base)
-    if cfg.kernel == "gemv2":
-        if gemv2_applies(m, k, t.base):
-            _launch_gemv2(x, t, y, cfg, x_scale, y_lo, y_hi)
-            return y
+    if cfg.kernel == "gemv2" and gemv2_applies(m, k, t.base):
+        _launch_gemv2(x, t, y, cfg, x_scale, y_lo, y_hi)
+        return y
+    if cfg.kernel == "gemv2":  # M > 4, K % 4 != 0 or an unscaled base: the tile kernel's default
         cfg = _tile_config(m, n, k, x.is_cuda)
     block_m = _block_m(m)
     use_dot = block_m >= 16
@@ -587,39 +661,6 @@ def u12_linear(x: torch.Tensor, t: U12Tensor, config: U12Config | None = None) -
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return y
-
-
-def gemv2_applies(m: int, k: int, base: int) -> bool:
-    """Whether a gemv2 config runs the gemv2 kernel: M <= 4, word loads (K % 4 == 0) and the scaled decode."""
-    return m <= 4 and k > 0 and k % 4 == 0 and _scales(base)[0]
-
-
-def gemv2_acc_registers(cfg: U12Config, block_m: int) -> int:
-    """fp32 accumulator registers a thread of the gemv2 kernel holds: [BM, BN, BW] over 32 · warps threads."""
-    return block_m * cfg.block_n * cfg.block_w // (32 * cfg.num_warps)
-
-
-def _launch_gemv2(
-    x: torch.Tensor, t: U12Tensor, y: torch.Tensor, cfg: U12Config, x_scale: float, y_lo: float, y_hi: float,
-) -> None:
-    m, k = x.shape
-    n = t.shape[0]
-    n_words = k // 4
-    x_words = x.dtype == torch.bfloat16
-    if x_words and (x.stride(1) != 1 or x.stride(0) % 4 or x.data_ptr() % 8):
-        x = x.clone(memory_format=torch.contiguous_format)  # int64 words need aligned, contiguous rows
-    sm, codes = t.sm.contiguous(), t.codes.contiguous()
-    _u12_gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
-        x, sm.view(torch.int32), codes.view(torch.int16),
-        _nonempty(t.esc_idx), _nonempty(t.esc_val), t.esc_row_ptr, y,
-        m, n, k, n_words, x_scale, y_lo, y_hi,
-        x.stride(0), x.stride(1), n_words, n_words, y.stride(0),
-        BLOCK_M=_block_m(m), BLOCK_N=cfg.block_n, BLOCK_W=cfg.block_w, ESC_BLOCK=_ESC_BLOCK,
-        X_WORDS=x_words, EVEN_K=n_words % cfg.block_w == 0,
-        # inline PTX on the GPU; the interpreter (TRITON_INTERPRET=1, read by Triton at import) runs none
-        ASM=x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1",
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
 
 
 def u12_linear_reference(x: torch.Tensor, t: U12Tensor) -> torch.Tensor:
@@ -701,4 +742,27 @@ register(KernelSpec(
     tolerance={torch.float32: (1e-5, 1e-5), torch.bfloat16: (1e-4, 8e-3)},
     corrupt=_plant_wrong_weight,
     description="y = x @ W.T, W in u12 planes decoded in registers, escapes added exactly",
+))
+
+
+_GEMV2_CHECK_CONFIG = U12Config(8, 16, num_warps=2, num_stages=1, kernel="gemv2")  # partial N blocks and K chunks below
+
+register(KernelSpec(
+    name="u12_gemv2",
+    run=functools.partial(u12_linear, config=_GEMV2_CHECK_CONFIG),
+    reference=u12_linear_reference,
+    make_inputs=_make_inputs,
+    cases=[
+        _case(1, 7, 36, torch.bfloat16, "none"),  # 9 words: a masked last chunk; N < BLOCK_N
+        _case(1, 16, 128, torch.bfloat16, "few"),  # no masked chunk, N a multiple of BLOCK_N
+        _case(2, 33, 64, torch.float32, "special"),
+        _case(3, 33, 300, torch.float32, "few"),  # BLOCK_M 4: one re-read row of x
+        _case(4, 67, 300, torch.bfloat16, "special"),
+        _case(4, 24, 256, torch.bfloat16, "few"),
+        _case(2, 9, 33, torch.bfloat16, "few"),  # K % 4 != 0: the tile kernel
+        _case(4, 17, 64, torch.bfloat16, "all"),  # base 241, not scaled: the tile kernel
+    ],
+    tolerance={torch.float32: (1e-5, 1e-5), torch.bfloat16: (1e-4, 8e-3)},  # as u12_linear's
+    corrupt=_plant_wrong_weight,
+    description="u12_linear with a gemv2 config: M <= 4 rows against the planes, escapes added exactly",
 ))

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from specpilot.kernels.u12_linear import (
     _COUNTERS,
     U12Config,
+    _decode_planes,
     _decode_words,
     u12_linear,
     u12_linear_reference,
@@ -317,6 +318,25 @@ def _decode_kernel(sm_ptr, codes_ptr, out_ptr, base, SCALED: tl.constexpr, PAIRS
     tl.store(out_ptr + rows * 4 * BW + tl.arange(0, 4 * BW)[None, :], bits.to(tl.float32, bitcast=True))
 
 
+def _all_patterns(base: int) -> tuple[torch.Tensor, U12Tensor]:
+    """Every bf16 bit pattern once, [64, 1024], packed with ``base``."""
+    n, k = 64, 1024
+    w = as_bf16(list(range(n * k)), n, k)
+    return w, pack_u12(w, base=base)
+
+
+def _assert_decoded(out: torch.Tensor, w: torch.Tensor, t: U12Tensor, scaled: bool) -> None:
+    """out (fp32 bits, k order) is each in-window weight, times 2^-(base-1) when scaled; escapes +0."""
+    escaped = torch.zeros(w.numel(), dtype=torch.bool)
+    escaped[t.esc_idx.long()] = True
+    escaped = escaped.view(w.shape)
+    assert not out[escaped].view(torch.int32).any(), "escapes decode to +0.0"
+    expected = w.float() * (2.0 ** -(t.base - 1) if scaled else 1.0)
+    kept = ~escaped & ~w.float().isnan()
+    assert torch.equal(out[kept].view(torch.int32), expected[kept].view(torch.int32))
+    assert out[~escaped & w.float().isnan()].isnan().all()
+
+
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
 @pytest.mark.parametrize("to_bf16", [False, True])
 @pytest.mark.parametrize("scaled,pairs", [(False, False), (True, False), (True, True)])
@@ -325,19 +345,37 @@ def test_decode_words_bit_exact(scaled, pairs, to_bf16):
     2^-(base-1); escapes decode to +0. The bf16 output (the GPU's dot path) is checked here too,
     since the interpreter's bf16 dot cannot be."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    n, k = 64, 1024  # all 65536 patterns once
-    w = as_bf16(list(range(n * k)), n, k)
-    base = 1 if scaled else 0  # base 1: the window's lowest exponent is the lowest normal one
-    t = pack_u12(w, base=base)
+    w, t = _all_patterns(base=1 if scaled else 0)  # base 1: the window's lowest exponent is the lowest normal one
+    n, k = w.shape
     out = torch.empty(n, k, dtype=torch.float32, device=device)
     _decode_kernel[(1,)](t.sm.view(torch.int32).to(device), t.codes.view(torch.int16).to(device), out, t.base,
                  SCALED=scaled, PAIRS=pairs, TO_BF16=to_bf16, BN=n, BW=k // 4)
-    out = out.cpu()
-    escaped = torch.zeros(n * k, dtype=torch.bool)
-    escaped[t.esc_idx.long()] = True
-    escaped = escaped.view(n, k)
-    assert not out[escaped].view(torch.int32).any(), "escapes decode to +0.0"
-    expected = w.float() * (2.0 ** -(base - 1) if scaled else 1.0)
-    kept = ~escaped & ~w.float().isnan()
-    assert torch.equal(out[kept].view(torch.int32), expected[kept].view(torch.int32))
-    assert out[~escaped & w.float().isnan()].isnan().all()
+    _assert_decoded(out.cpu(), w, t, scaled)
+
+
+@triton.jit
+def _planes_kernel(sm_ptr, codes_ptr, out_ptr, ASM: tl.constexpr, BN: tl.constexpr, BW: tl.constexpr):
+    """The gemv2 decode alone: its four planes stored back in k order (plane j holds weight 4 w + j)."""
+    rows, cols = tl.arange(0, BN)[:, None], tl.arange(0, BW)[None, :]
+    s = tl.load(sm_ptr + rows * BW + cols)
+    c = tl.load(codes_ptr + rows * BW + cols).to(tl.int32)
+    w0, w1, w2, w3 = _decode_planes(s, c, ASM)
+    out = out_ptr + rows * 4 * BW + 4 * cols
+    tl.store(out, w0)
+    tl.store(out + 1, w1)
+    tl.store(out + 2, w2)
+    tl.store(out + 3, w3)
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+@pytest.mark.parametrize("asm", [False, True] if torch.cuda.is_available() else [False])
+def test_decode_planes_bit_exact(asm):
+    """The gemv2 decode (scaled path) of every pattern: PTX prmt/lop3 (GPU) and their shift-and-mask
+    emulation must give the same bits, the weight times 2^-(base-1), escapes +0."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    w, t = _all_patterns(base=1)
+    n, k = w.shape
+    out = torch.empty(n, k, dtype=torch.float32, device=device)
+    _planes_kernel[(1,)](t.sm.view(torch.int32).to(device), t.codes.view(torch.int16).to(device), out,
+                         ASM=asm, BN=n, BW=k // 4)
+    _assert_decoded(out.cpu(), w, t, scaled=True)
