@@ -47,7 +47,8 @@ steps() {  # steps [NAME SHAPE...]
 }
 attention() { run attention 100 python bench/attention_split_kv.py --out "$OUT/attention_split_kv_h200.json"; }
 u12() {
-  TAIL=30 run u12_linear 230 python bench/u12_linear.py --budget-s 110 --out "$OUT/u12_linear_nvidia_h200.json"
+  # U12_ARGS narrows the sweep, e.g. "--ms 1,4 --kernels gemv2 --budget-s 150"
+  TAIL=30 run u12_linear 280 python bench/u12_linear.py --budget-s 110 ${U12_ARGS:-} --out "$OUT/u12_linear_nvidia_h200.json"
 }
 peers() { run hf_peers 260 python bench/hf_peers.py --out "$OUT/hf_peers_h200.json"; }
 train() { TAIL=40 run train 560 python -m train.train_zoo --data .cache/zoo --out /tmp/zoo --pack "$OUT"; }

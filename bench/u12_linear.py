@@ -17,7 +17,7 @@ Writes bench/results/u12_linear_<gpu>.json: "rows" (the best config per shape an
 specpilot/cost and bench/readme_tables read), "sweep" (every row, for the next round), "tuned"
 (the best configs as kernels/u12_linear.py's TUNED keys), "whole_step"; prints a short table last.
 
-    python bench/u12_linear.py [--out FILE] [--budget-s 150] [--no-step]
+    python bench/u12_linear.py [--out FILE] [--budget-s 150] [--no-step] [--ms 1,4] [--kernels gemv2]
     (SPECPILOT_COMMIT=... names the commit where the tree has no .git)
 """
 
@@ -72,10 +72,11 @@ def check_close(y: torch.Tensor, ref: torch.Tensor, scale: torch.Tensor) -> None
         raise AssertionError(f"differs from the reference at {int(bad.sum())} of {y.numel()} outputs")
 
 
-def sweep_configs(m: int, n: int, k: int) -> list:
+def sweep_configs(m: int, n: int, k: int, kernels: tuple[str, ...] = ("tile", "gemv2")) -> list:
     """The default config first, then each sweep tile crossed with SPLIT_KS (splits that fit K),
     for M <= 4 the gemv2 configs whose accumulator fits 64 registers a thread, then the tile
-    kernel's default with the one-weight-per-op decode (what the pair decode saves)."""
+    kernel's default with the one-weight-per-op decode (what the pair decode saves). `kernels`
+    narrows the sweep (the default config always runs)."""
     from specpilot.kernels.u12_linear import (
         SPLIT_KS, SWEEP_DOT, SWEEP_GEMV, SWEEP_GEMV2, _block_m, _tile_config, default_config, gemv2_acc_registers,
     )
@@ -88,10 +89,12 @@ def sweep_configs(m: int, n: int, k: int) -> list:
                 cfg = dataclasses.replace(tile, split_k=split)
                 if cfg not in out:
                     out.append(cfg)
-    if m <= 4:
+    if "tile" not in kernels:
+        out = out[:1]
+    if m <= 4 and "gemv2" in kernels:
         out += [cfg for cfg in SWEEP_GEMV2 if cfg not in out and gemv2_acc_registers(cfg, _block_m(m)) <= 64]
     tile_default = default if default.kernel == "tile" else _tile_config(m, n, k, on_gpu=True)
-    return out + [dataclasses.replace(tile_default, decode="single")]
+    return out + ([dataclasses.replace(tile_default, decode="single")] if "tile" in kernels else [])
 
 
 def time_graph(fns, reps: int = 20) -> float:
@@ -148,6 +151,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, help="result file (default bench/results/u12_linear_<gpu>.json)")
     parser.add_argument("--budget-s", type=float, default=150.0, help="sweep time budget; later rows are skipped")
     parser.add_argument("--no-step", action="store_true", help="skip the whole-step CUDA graph")
+    parser.add_argument("--ms", default=",".join(map(str, MS)), help="rows of x to sweep, comma-separated")
+    parser.add_argument("--kernels", default="tile,gemv2", help="kernels to sweep (the default config always runs)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench/u12_linear.py times CUDA kernels and needs a CUDA GPU; none is visible here.")
@@ -168,14 +173,14 @@ def main() -> None:
     for name, (n, k) in SHAPES.items():
         w = (torch.randn(n, k, device="cuda", generator=g) * SIGMA).to(torch.bfloat16)
         t = pack_u12(w)
-        for m in MS:
+        for m in [int(v) for v in args.ms.split(",")]:
             x = torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16)
             ref = u12_linear_reference(x, t)
             scale = x.abs().float() @ w.abs().float().T
             t_cublas = do_bench(lambda: x @ w.T, warmup=10, rep=40, return_mode="median") * 1e3
             io = 2 * m * k + 2 * m * n  # x read, y written
             base = {"name": name, "N": n, "K": k, "M": m, "cublas_us": t_cublas}
-            for i, cfg in enumerate(sweep_configs(m, n, k)):
+            for i, cfg in enumerate(sweep_configs(m, n, k, tuple(args.kernels.split(",")))):
                 row = {**base, "config": str(cfg), "default": i == 0}
                 if time.monotonic() - t0 > args.budget_s:
                     sweep.append({**row, "skipped": "time budget"})
