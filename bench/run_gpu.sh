@@ -7,7 +7,7 @@
 #   tests    GPU kernel tests (every registry kernel against its reference, fused and split-KV tests)
 #   steps    Llama-3.1-8B step times with kernel profiles
 #   attention  split-KV attention against SDPA
-#   u12      the u12 kernel sweep against cuBLAS
+#   u12      the u12 kernels' GPU tests, then their sweep against cuBLAS
 #   peers    AR against HF transformers on 8B-shaped weights
 #   train    train the zoo (carry .cache/zoo); packed into $OUT
 #   zoo      the zoo end to end, τ per drafter, chain vs tree (graphed and fused), the hybrid pair;
@@ -47,6 +47,8 @@ steps() {  # steps [NAME SHAPE...]
 }
 attention() { run attention 100 python bench/attention_split_kv.py --out "$OUT/attention_split_kv_h200.json"; }
 u12() {
+  TAIL=4 run u12_tests 150 python -m pytest -q -x -p no:cacheprovider tests/test_u12_gemv.py
+  TAIL=4 run u12_registry 150 python -m pytest -q -x -p no:cacheprovider tests/test_kernels.py -k u12
   # U12_ARGS narrows the sweep, e.g. "--ms 1,4 --kernels gemv2 --budget-s 150"
   TAIL=30 run u12_linear 280 python bench/u12_linear.py --budget-s 110 ${U12_ARGS:-} --out "$OUT/u12_linear_nvidia_h200.json"
 }
