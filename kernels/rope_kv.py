@@ -5,6 +5,8 @@ qkv [B, T, (H + 2·Hkv)·D] holds q heads, then k heads, then v heads. Per token
 applies the optional per-head RMSNorm of q and k (qwen3's q_norm / k_norm: weight [D], eps), then
 RoPE (rotate-half: x·cos + rotate_half(x)·sin), writes roped k and raw v into k_cache / v_cache
 [B, Hkv, S, D] (one layer) at slot `slots[b, t]`, and returns roped q as [B, H, T, D] contiguous.
+With num_heads=0, qkv is [k|v] only ([B, T, 2·Hkv·D]: a DFlash drafter's context K/V, which have
+no queries): k is normed (k_norm_weight, if given) and roped, both are written, and q is empty.
 
 cos, sin are the [B, 1, T, D] (or [B, T, D]; batch 1 broadcasts) tables of model.rope(positions),
 which the runtime computes once a forward for all layers: taking them rather than positions keeps
@@ -109,9 +111,9 @@ def _table(x: torch.Tensor, name: str, b: int, t: int, d: int) -> torch.Tensor:
 
 
 def _check(qkv, cos, sin, k_cache, v_cache, slots, num_heads, num_kv_heads, q_norm_weight, k_norm_weight):
-    if qkv.dim() != 3 or num_kv_heads < 1 or num_heads < 1 or qkv.shape[-1] % (num_heads + 2 * num_kv_heads):
-        raise ValueError(f"rope_qkv: qkv must be [B, T, (H + 2·Hkv)·D] with H={num_heads}, Hkv={num_kv_heads}, "
-                         f"got {list(qkv.shape)}")
+    if qkv.dim() != 3 or num_kv_heads < 1 or num_heads < 0 or qkv.shape[-1] % (num_heads + 2 * num_kv_heads):
+        raise ValueError(f"rope_qkv: qkv must be [B, T, (H + 2·Hkv)·D] with H={num_heads} >= 0, Hkv={num_kv_heads} "
+                         f">= 1, got {list(qkv.shape)}")
     b, t, width = qkv.shape
     d = width // (num_heads + 2 * num_kv_heads)
     if d % 2:
@@ -126,8 +128,10 @@ def _check(qkv, cos, sin, k_cache, v_cache, slots, num_heads, num_kv_heads, q_no
             raise ValueError(f"rope_qkv: {name} must have unit stride in its last dim")
     if slots.shape != (b, t) or slots.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"rope_qkv: slots must be int32/int64 [{b}, {t}], got {slots.dtype} {list(slots.shape)}")
-    if (q_norm_weight is None) != (k_norm_weight is None):
+    if num_heads and (q_norm_weight is None) != (k_norm_weight is None):
         raise ValueError("rope_qkv: give both q_norm_weight and k_norm_weight, or neither")
+    if not num_heads and q_norm_weight is not None:
+        raise ValueError("rope_qkv: q_norm_weight without q heads (num_heads=0)")
     for name, w in (("q_norm_weight", q_norm_weight), ("k_norm_weight", k_norm_weight)):
         if w is not None and (w.shape != (d,) or w.dtype != qkv.dtype):
             raise ValueError(f"rope_qkv: {name} must be [{d}] {qkv.dtype}, got {list(w.shape)} {w.dtype}")
@@ -150,15 +154,19 @@ def rope_qkv(
     if cos.stride() != sin.stride():  # the kernel indexes both with cos's strides
         cos, sin = cos.contiguous(), sin.contiguous()
     q = torch.empty((b, num_heads, t, d), dtype=qkv.dtype, device=qkv.device)
-    if q.numel() == 0:
+    if b * t * d == 0:
         return q
     if qkv.stride(-1) != 1:
         qkv = qkv.contiguous()
-    norm = q_norm_weight is not None
-    qw, kw = (q_norm_weight, k_norm_weight) if norm else (qkv, qkv)  # unused pointers without the norm
+    # stand-ins for pointers the kernel never follows: the norm weights without the norm, q without
+    # q heads (an empty tensor is no pointer)
+    norm = k_norm_weight is not None
+    kw = k_norm_weight if norm else qkv
+    qw = q_norm_weight if q_norm_weight is not None else kw
+    q_out = q if num_heads else qkv
     native = qkv.is_cuda and os.environ.get("TRITON_INTERPRET") != "1"
     _rope_qkv_kernel[(b * t, num_heads + num_kv_heads)](
-        qkv, cos, sin, qw, kw, slots, q, k_cache, v_cache,
+        qkv, cos, sin, qw, kw, slots, q_out, k_cache, v_cache,
         t, num_heads, num_kv_heads, eps, 1.0 / d,
         qkv.stride(0), qkv.stride(1), cos.stride(0) if cos.shape[0] > 1 else 0, cos.stride(1),
         slots.stride(0), slots.stride(1),
@@ -188,7 +196,9 @@ def rope_qkv_reference(
     cos, sin = _table(cos, "cos", b, t, d)[:, None], _table(sin, "sin", b, t, d)[:, None]
     q, k, v = qkv.view(b, t, -1, d).split([num_heads, num_kv_heads, num_kv_heads], dim=2)
     if q_norm_weight is not None:
-        q, k = _rmsnorm_reference(q, q_norm_weight, eps), _rmsnorm_reference(k, k_norm_weight, eps)
+        q = _rmsnorm_reference(q, q_norm_weight, eps)
+    if k_norm_weight is not None:
+        k = _rmsnorm_reference(k, k_norm_weight, eps)
     q, k, v = apply_rope(q.transpose(1, 2), cos, sin), apply_rope(k.transpose(1, 2), cos, sin), v.transpose(1, 2)
     for row in range(b):
         k_cache[row][:, slots[row].long()] = k[row]
@@ -217,6 +227,8 @@ def _make_inputs(case, device, seed):
     k_cache, v_cache = (torch.randn(b, hkv, s, d, generator=g).to(dtype).to(device) for _ in range(2))
     slots = (past + torch.arange(t)).to(torch.int32)
     norm = [(1 + 0.2 * torch.randn(d, generator=g)).to(dtype).to(device) for _ in range(2)] if case["qk_norm"] else [None, None]
+    if h == 0:  # no q heads: no q norm
+        norm[0] = None
     return (qkv.to(dtype).to(device), cos.to(device), sin.to(device), k_cache, v_cache, slots.to(device),
             h, hkv, *norm)
 
@@ -263,6 +275,8 @@ register(KernelSpec(
         _case(2, 3, 2, 1, 64, 37, 1, BF16, tree=1),  # qwen3-like qk-norm, tree positions
         _case(1, 5, 3, 3, 32, 11, 1, F32),
         _case(1, 2, 2, 1, 18, 9, 0, F16),  # D/2 = 9: a ragged block
+        _case(2, 3, 0, 3, 18, 13, 1, BF16),  # [k|v] only (a DFlash drafter's context), k-norm, ragged
+        _case(1, 5, 0, 1, 32, 7, 0, F32),
     ],
     # with qk-norm, one step of the dtype in the normalised value (module docstring), carried
     # through a rope product and the sum: ~2 steps of values up to ~4.

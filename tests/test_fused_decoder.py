@@ -1,19 +1,22 @@
-"""The fused decoder stack (runtime/fused.py) against the model's own forward.
+"""The fused stacks (runtime/fused.py) against the models' own forwards: the target's decoder and
+the DFlash drafter's add_context and forward.
 
-With the kernels' torch references, the only numerical change is the concatenated q|k|v and
+With the kernels' torch references, the only numerical change is the concatenated q|k|v (k|v) and
 gate|up GEMMs (a BLAS may block a wider matrix differently: fp32 GEMVs moved by ~1e-6 on CPU).
 So: bit-exact with the concatenation undone, close with it, and the same greedy tokens. Under the
-Triton interpreter the kernels themselves run inside a graphed decode loop.
+Triton interpreter the kernels themselves run, also inside a graphed decode loop.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
 
 from specpilot.runtime import decode
 from specpilot.runtime import graph_decode as gd
-from specpilot.runtime.fused import install_fused
+from specpilot.runtime.fused import FusedDecoder, FusedDFlash, fused_path, install_fused
 from specpilot.runtime.load import load_drafter, load_target
 
 from conftest import FAMILIES
@@ -89,3 +92,153 @@ def test_fused_triton_kernels_in_a_graphed_dflash_loop(family, tiny_model_dirs):
     out = gd.generate_dflash_graphed(fused, drafter, prompt, block_size=drafter.block_size,
                                      mask_token_id=drafter.mask_token_id, max_new_tokens=6, eos_token_id=None)
     assert out.tokens == ar.tokens
+
+
+# --- the DFlash drafter ----------------------------------------------------------------------
+
+def _drafters(dirs):
+    """(target, reference, fused) with two DFlash drafters on the (unfused) target; the reference
+    re-pointed at concatenated weights too, as in _pair."""
+    target, cfg = load_target(dirs["target"], dtype=torch.float32, device="cpu")
+    ref = load_drafter(dirs["dflash"], target, cfg, dtype=torch.float32, device="cpu")
+    install_fused(ref, "torch")
+    ref.fused = None
+    fused = load_drafter(dirs["dflash"], target, cfg, dtype=torch.float32, device="cpu")
+    return target, ref, fused
+
+
+def _unconcat(stack):
+    """Project one by one: what is left is the wiring."""
+    for layer in stack.layers:
+        layer.qkv = layer.kv = layer.gate_up = None
+
+
+def _draft_steps(drafter, device_length, seed=11):
+    """Logits of a few draft steps, the cache's length after each, and the cache: new context of 7,
+    then 3 (of which 2 kept, with `count`, on a device-length cache), then none, then context alone.
+    The cache starts random, so that a write to a wrong slot (or a missing one) shows."""
+    g = torch.Generator().manual_seed(seed)
+    width = len(drafter.target_layer_ids) * drafter.cfg.model.hidden_size
+    cache = drafter.new_cache(1, 32, device_length=device_length)
+    for layer in (*cache.k, *cache.v):
+        layer.copy_(torch.randn(layer.shape, generator=g))
+    block = torch.tensor([[5] + [drafter.mask_token_id] * (drafter.block_size - 1)])
+    logits, lengths = [], []
+    with torch.inference_mode():
+        for n, count in ((7, None), (3, torch.tensor(2) if device_length else None), (0, None)):
+            logits.append(drafter(block, torch.randn(1, n, width, generator=g), cache, count))
+            lengths.append(int(cache.length))
+        drafter.add_context(torch.randn(1, 2, width, generator=g), cache)
+        lengths.append(int(cache.length))
+    return logits, lengths, cache
+
+
+def _count_heads(stack) -> list[int]:
+    """The q heads of every rope_qkv call `stack` makes from now on (that the fused path ran)."""
+    heads: list[int] = []
+    rope_qkv = stack.ops.rope_qkv
+
+    def counted(*args, num_heads, **kw):
+        heads.append(num_heads)
+        return rope_qkv(*args, num_heads=num_heads, **kw)
+
+    stack.ops = dataclasses.replace(stack.ops, rope_qkv=counted)
+    return heads
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("device_length", [False, True])
+@pytest.mark.parametrize("ops,concat", [("torch", False), ("torch", True), ("triton", True)])
+def test_fused_dflash_matches_the_drafter(family, device_length, ops, concat, tiny_model_dirs):
+    """Logits, cache lengths and every cache slot (the block's scratch too) as DFlashDrafter's own."""
+    _, ref, fused = _drafters(tiny_model_dirs[family])
+    stack = install_fused(fused, ops)
+    if not concat:
+        _unconcat(stack)
+    heads = _count_heads(stack)
+    want, want_lengths, want_cache = _draft_steps(ref, device_length)
+    got, got_lengths, got_cache = _draft_steps(fused, device_length)
+    layers = len(stack.layers)  # 3 context writes with no q heads, 3 blocks with all of them
+    assert sorted(heads) == [0] * 3 * layers + [stack.heads] * 3 * layers
+    if ops == "torch" and not concat:
+        check = torch.equal
+    else:
+        check = lambda x, y: torch.testing.assert_close(x, y, **TOLERANCE[torch.float32]) is None  # noqa: E731
+    assert got_lengths == want_lengths == ([7, 9, 9, 11] if device_length else [7, 10, 10, 12])
+    for a, b in zip(want, got):
+        assert a.shape == b.shape and a.shape[1] == ref.block_size - 1
+        assert check(a, b)
+    for a, b in zip((*want_cache.k, *want_cache.v), (*got_cache.k, *got_cache.v)):
+        assert check(a, b)
+
+
+def test_a_planted_drafter_weight_changes_the_fused_output(tiny_model_dirs):
+    """A k row of the first layer (planted through k_proj, a view of the concatenated weight that
+    the context's k|v GEMM reads) moves the logits past the tolerance above."""
+    _, ref, fused = _drafters(tiny_model_dirs["qwen3"])
+    install_fused(fused, "torch")
+    want = _draft_steps(ref, device_length=True)[0]
+    with torch.no_grad():
+        fused.layers[0].self_attn.k_proj.weight[0] += 0.5
+    got = _draft_steps(fused, device_length=True)[0]
+    assert not torch.allclose(torch.cat(want), torch.cat(got), **TOLERANCE[torch.float32])
+
+
+class _Projection(torch.nn.Module):
+    """A projection served by another module (as a u12 kernel is): not concatenated."""
+
+    def __init__(self, linear: torch.nn.Linear) -> None:
+        super().__init__()
+        self.linear = linear
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x)
+
+
+def test_fused_dflash_with_projections_of_other_modules(tiny_model_dirs):
+    _, ref, fused = _drafters(tiny_model_dirs["llama"])
+    attn, mlp = fused.layers[0].self_attn, fused.layers[0].mlp
+    attn.v_proj, mlp.up_proj = _Projection(attn.v_proj), _Projection(mlp.up_proj)
+    fused.encoder.fc = _Projection(fused.encoder.fc)
+    stack = install_fused(fused, "torch")
+    assert stack.layers[0].qkv is None and stack.layers[0].kv is None and stack.layers[0].gate_up is None
+    for a, b in zip(_draft_steps(ref, device_length=False)[0], _draft_steps(fused, device_length=False)[0]):
+        torch.testing.assert_close(a, b, **TOLERANCE[torch.float32])
+
+
+def test_fused_path_installs_the_dflash_drafter_once(tiny_model_dirs):
+    target, _, drafter = _drafters(tiny_model_dirs["qwen3"])
+    kept = []
+    for _ in range(2):
+        with fused_path(target, drafter):
+            assert isinstance(target.fused, FusedDecoder) and isinstance(drafter.fused, FusedDFlash)
+            kept.append((target.fused, drafter.fused))
+        assert target.fused is None and drafter.fused is None
+    assert kept[0][0] is kept[1][0] and kept[0][1] is kept[1][1]  # the weights are concatenated once
+
+
+def _drafts_seen(drafter) -> list[torch.Tensor]:
+    """Every draft (argmax) `drafter` returns from now on, in order."""
+    seen: list[torch.Tensor] = []
+    drafter.register_forward_hook(lambda module, args, out: seen.append(out.argmax(-1)))
+    return seen
+
+
+@pytest.mark.parametrize("family,ops", [("llama", "torch"), ("qwen3", "torch"), ("qwen3", "triton")])
+def test_fused_dflash_greedy_tokens_equal_ar(family, ops, tiny_model_dirs):
+    """Eager and graphed DFlash loops with the fused drafter: the AR tokens, and every draft of the
+    drafter's own forward (the tiny drafter's drafts are rarely accepted: the drafts themselves
+    are what shows a broken drafter). The target is not fused here."""
+    target, ref, fused = _drafters(tiny_model_dirs[family])
+    stack = install_fused(fused, ops)
+    if ops == "torch":  # bit-exact drafts
+        _unconcat(stack)
+    prompt, n = [5, 9, 2, 6, 5, 3], 5 if ops == "triton" else 12
+    ar = decode.generate_ar(target, prompt, max_new_tokens=n, eos_token_id=None).tokens
+    want, got = _drafts_seen(ref), _drafts_seen(fused)
+    for loop in (decode.generate_dflash, gd.generate_dflash_graphed):
+        for drafter in (ref, fused):
+            out = loop(target, drafter, prompt, block_size=drafter.block_size, mask_token_id=drafter.mask_token_id,
+                       max_new_tokens=n, eos_token_id=None)
+            assert out.tokens == ar
+    assert len(want) > 4 and all(torch.equal(a, b) for a, b in zip(want, got, strict=True))

@@ -64,9 +64,11 @@ def test_silu_mul_equals_the_model_mlp_middle():
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 @pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
-def test_rope_qkv_equals_the_model_projections_and_cache_write(family, tree):
+@pytest.mark.parametrize("queries", [True, False], ids=["qkv", "kv-only"])
+def test_rope_qkv_equals_the_model_projections_and_cache_write(family, tree, queries):
     """A chain writes at past + t with positions past + t; a tree at past + node with positions
-    past + depth. q and the cache equal Attention.queries / keys_values and KVCache.write's."""
+    past + depth. q and the cache equal Attention.queries / keys_values and KVCache.write's.
+    Without queries (a DFlash drafter's context: num_heads=0, [k|v] in) q is empty."""
     cfg = _cfg(family)
     attn = _randomise(Attention(cfg), 4)
     b, t, past, cap = 2, 4, 37, 64
@@ -78,16 +80,17 @@ def test_rope_qkv_equals_the_model_projections_and_cache_write(family, tree):
     slots = (past + torch.arange(t)).expand(b, t).to(DEVICE, torch.int32)
     k_cache, v_cache = (torch.randn(b, cfg.num_kv_heads, cap, cfg.head_dim, generator=g).to(DEVICE, BF16) for _ in range(2))
     with torch.no_grad():
-        qkv = torch.cat([attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)], -1)
-        want_q = attn.queries(x, cos, sin)
+        qkv = torch.cat([attn.q_proj(x)] * queries + [attn.k_proj(x), attn.v_proj(x)], -1)
+        want_q = attn.queries(x, cos, sin) if queries else torch.empty(b, 0, t, cfg.head_dim, dtype=BF16, device=DEVICE)
         k, v = attn.keys_values(x, cos, sin)
     want_k, want_v = k_cache.clone(), v_cache.clone()
     want_k[:, :, past:past + t], want_v[:, :, past:past + t] = k, v
-    norms = dict(q_norm_weight=attn.q_norm.weight.detach(), k_norm_weight=attn.k_norm.weight.detach(),
-                 eps=attn.q_norm.eps) if cfg.qk_norm else {}
+    norms = dict(k_norm_weight=attn.k_norm.weight.detach(), eps=attn.k_norm.eps) if cfg.qk_norm else {}
+    if cfg.qk_norm and queries:
+        norms["q_norm_weight"] = attn.q_norm.weight.detach()
     for fn in (rope_qkv_reference, rope_qkv):
         kc, vc = k_cache.clone(), v_cache.clone()
-        q = fn(qkv, cos, sin, kc, vc, slots, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, **norms)
+        q = fn(qkv, cos, sin, kc, vc, slots, num_heads=cfg.num_heads * queries, num_kv_heads=cfg.num_kv_heads, **norms)
         _exact(q, want_q)
         _exact(kc, want_k)
         _exact(vc, want_v)

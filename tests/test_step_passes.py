@@ -15,6 +15,7 @@ from specpilot.passes import lookup
 from specpilot.passes.cuda_graphs import CudaGraphs
 from specpilot.passes.fused_decoder import FusedDecoder, is_fused
 from specpilot.passes.tree_verify import TreeVerify
+from specpilot.runtime.tiny_hybrid import build_tiny_hybrid
 
 from test_ir import DFLASH, PARD, TARGET
 
@@ -54,15 +55,27 @@ def test_graphed_trees_in_either_order(order):
     assert t.step.node(t.step.find("schedule")[0]).get("graphs")
 
 
-def test_fused_decoder_marks_target_and_pard_but_not_dflash_layers():
-    dflash = FusedDecoder().apply(program_for("dflash"))
-    assert dflash.changed and is_fused(dflash.program.target) and not is_fused(dflash.program.drafter)
-    assert all(x.split()[0] == y.split()[0] for x, y in _diff(program_for("dflash"), dflash.program))
-    pard = FusedDecoder().apply(program_for("pard"))
-    assert is_fused(pard.program.target) and is_fused(pard.program.drafter)
-    assert not program_problems(pard.program)
-    assert FusedDecoder.schedule_space(pard.program) == []
+@pytest.mark.parametrize("kind", ["dflash", "pard"])
+def test_fused_decoder_marks_target_and_drafter_layers(kind):
+    p = program_for(kind)
+    r = FusedDecoder().apply(p)
+    assert r.changed and is_fused(r.program.target) and is_fused(r.program.drafter)
+    assert not program_problems(r.program)
+    changed = _diff(p, r.program)
+    assert changed and all(x.split()[0] == y.split()[0] for x, y in changed)  # the same nodes, other kernels
+    assert all('kernel="triton-fused"' in y for _, y in changed)
+    if kind == "dflash":  # the context projection's norm too: FusedDFlash.add_context runs it on the kernel
+        assert r.program.drafter.node("context_norm").get("kernel") == "triton-fused"
+    assert FusedDecoder.schedule_space(r.program) == []
     assert lookup("fused-decoder") is FusedDecoder and lookup("cuda-graphs") is CudaGraphs
+
+
+def test_fused_decoder_leaves_a_hybrid_target_but_fuses_its_dflash_drafter(tmp_path):
+    dirs = build_tiny_hybrid(tmp_path)
+    target, dflash = (json.loads((dirs[k] / "config.json").read_text()) for k in ("target", "dflash"))
+    r = FusedDecoder().apply(lower(target, dflash))
+    assert r.changed and not is_fused(r.program.target) and is_fused(r.program.drafter)
+    assert not program_problems(r.program)
 
 
 SPEC = """\

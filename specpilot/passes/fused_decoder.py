@@ -1,12 +1,13 @@
 """`fused-decoder`: serve the decoder stacks with fused kernels (runtime/fused.py).
 
-Changes the `kernel` of the `rmsnorm`, `rope` and `mlp` nodes of the target graph, and of a PARD
-drafter's (a plain causal LM; a DFlash drafter's layers are wired differently and stay), to
-"triton-fused". The torch backend then runs those stacks with about ten launches a layer: RMSNorm
-with the residual add folded in, q|k|v and gate|up each as one GEMM over concatenated weights
-(the original projections become views: no memory is doubled), qk-norm + RoPE + KV-cache write in
-one kernel, SiLU·mul in one. Triton on a GPU (or under TRITON_INTERPRET=1), the kernels' torch
-references elsewhere.
+Changes the `kernel` of the `rmsnorm`, `rope` and `mlp` nodes of the target graph and of the
+drafter's (a PARD drafter's causal LM, or a DFlash drafter's context projection and block layers)
+to "triton-fused". The torch backend then runs those stacks with about ten launches a layer:
+RMSNorm with the residual add folded in, q|k|v and gate|up each as one GEMM over concatenated
+weights (the original projections become views: no memory is doubled), qk-norm + RoPE + KV-cache
+write in one kernel, SiLU·mul in one. A DFlash drafter's context K/V take one k|v GEMM (a view of
+the q|k|v weight) and the same RoPE kernel without q heads. Triton on a GPU (or under
+TRITON_INTERPRET=1), the kernels' torch references elsewhere.
 
 Lossless: the same weights and ops. The fused kernels round where torch rounds; the one numerical
 change is the concatenated GEMMs, which a BLAS may block differently from separate ones, so
@@ -31,10 +32,9 @@ def _rewrite(_: str, node: Node) -> Node | None:
 
 
 def fusable(graph: Graph) -> bool:
-    """A plain causal LM stack: self-attention layers only (no DFlash context, no recurrence)."""
-    attention = [graph.node(n) for n in graph.find("attention")]
-    return bool(attention) and not graph.find("gated_deltanet") and all(
-        a.get("context", "self") == "self" for a in attention)
+    """A stack of attention layers (causal self-attention, or a DFlash drafter's over target
+    context), with no recurrent (Gated DeltaNet) layers."""
+    return bool(graph.find("attention")) and not graph.find("gated_deltanet")
 
 
 def is_fused(graph: Graph) -> bool:
@@ -58,7 +58,7 @@ class FusedDecoder(Pass):
                 program, total = program.with_graph(level, graph), total + n
                 done.append(level)
         if total == 0:
-            return PassResult(program, False, "no unfused causal-LM decoder stack")
+            return PassResult(program, False, "no unfused attention decoder stack")
         return PassResult(program, True, f"{total} nodes of the {' and '.join(done)} on {KERNEL}")
 
     @classmethod

@@ -56,6 +56,7 @@ class DFlashDrafter(nn.Module):
         self.norm = RMSNorm(cfg.model.hidden_size, cfg.model.rms_norm_eps)
         self._shared = (embed, head)  # a plain tuple: never registered as submodules or parameters
         self._inv_freq: dict[torch.device, torch.Tensor] = {}
+        self.fused = None  # a FusedDFlash serving add_context and forward (runtime/fused.py), when installed
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return self._shared[0](ids)
@@ -88,12 +89,15 @@ class DFlashDrafter(nn.Module):
         kind = DeviceKVCache if device_length else KVCache
         return kind.for_model(self.cfg.model, batch, max_len, self.dtype, self.device)
 
-    def _rope(self, start: int | torch.Tensor, t: int, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
-        device = self.device
+    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [B, 1, T, D] for positions [B, T]."""
+        device = positions.device
         if device not in self._inv_freq:
             self._inv_freq[device] = rope_inv_freq(self.cfg.model, device)
-        positions = (torch.arange(t, device=device) + start).expand(batch, t)
         return rope_cos_sin(self._inv_freq[device], positions, self.dtype)
+
+    def _rope(self, start: int | torch.Tensor, t: int, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.rope((torch.arange(t, device=self.device) + start).expand(batch, t))
 
     def add_context(self, new_context_hidden: torch.Tensor, cache: KVCache, count: torch.Tensor | None = None) -> None:
         """Append K/V of n_new context tokens [B, n_new, len(target_layer_ids) * H] at positions
@@ -102,6 +106,8 @@ class DFlashDrafter(nn.Module):
         With `count` (a device tensor, for a DeviceKVCache under a CUDA graph) all n_new rows are
         written but only the first `count` are kept: the rest are scratch for the next write.
         """
+        if self.fused is not None:  # the same wiring with fused kernels (runtime/fused.py)
+            return self.fused.add_context(new_context_hidden, cache, count)
         b, n, _ = new_context_hidden.shape
         if n == 0:
             return
@@ -121,6 +127,8 @@ class DFlashDrafter(nn.Module):
         positions right after the context, is not kept, and position j (1..block_size-1) predicts
         the token AT position j.
         """
+        if self.fused is not None:
+            return self.fused(block_ids, new_context_hidden, cache, count)
         self.add_context(new_context_hidden, cache, count)
         b, s = block_ids.shape
         ctx_len = cache.length

@@ -15,6 +15,10 @@ output, so each residual add happens inside the next RMSNorm kernel, rounded whe
 rounds it: in bf16 the result equals Transformer's own forward bit for bit wherever the kernels
 do (see each kernel's docstring), and token forcing judges the rest.
 
+The DFlash drafter's block layers run the same loop (`FusedStack.run_layers`) over [context ;
+block] with full visibility; its context K/V come from one k|v GEMM a layer (the rows of the
+concatenated q|k|v weight after q's) into rope_qkv with no q heads (k-norm + RoPE + cache write).
+
 `ops` picks the implementations: the Triton kernels on a GPU (or under TRITON_INTERPRET=1), their
 torch references elsewhere, so the CPU tests run exactly this wiring.
 """
@@ -31,6 +35,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from specpilot.runtime.cache import KVCache
+from specpilot.runtime.config import ModelConfig
+from specpilot.runtime.dflash import DFlashDrafter
 from specpilot.runtime.model import Attention, DecoderLayer, Transformer, Visibility
 
 
@@ -72,6 +78,7 @@ class FusedLayer:
         attn, mlp = layer.self_attn, layer.mlp
         self.layer = layer
         self.qkv = _concat([attn.q_proj, attn.k_proj, attn.v_proj])
+        self.kv = None if self.qkv is None else self.qkv[attn.q_proj.weight.shape[0]:]  # a view
         self.gate_up = _concat([mlp.gate_proj, mlp.up_proj])
 
     def project_qkv(self, h: torch.Tensor) -> torch.Tensor:
@@ -80,6 +87,12 @@ class FusedLayer:
         a = self.layer.self_attn
         return torch.cat([a.q_proj(h), a.k_proj(h), a.v_proj(h)], dim=-1)
 
+    def project_kv(self, h: torch.Tensor) -> torch.Tensor:
+        if self.kv is not None:
+            return F.linear(h, self.kv)
+        a = self.layer.self_attn
+        return torch.cat([a.k_proj(h), a.v_proj(h)], dim=-1)
+
     def project_gate_up(self, h: torch.Tensor) -> torch.Tensor:
         if self.gate_up is not None:
             return F.linear(h, self.gate_up)
@@ -87,26 +100,33 @@ class FusedLayer:
         return torch.cat([m.gate_proj(h), m.up_proj(h)], dim=-1)
 
 
-class FusedDecoder:
-    """Runs a Transformer's layers and final norm with `ops`; installed as `model.fused`."""
+def write_slots(cache: KVCache, b: int, t: int, device: torch.device) -> tuple[torch.Tensor, int | torch.Tensor]:
+    """Slots [B, T] of t new tokens at cache.length.., and the end slot for attention: once a
+    forward (on a device-length cache each add is a launch). A host-length cache is checked for
+    overflow here, as KVCache.write would (the kernels do not check their slots)."""
+    end = cache.length + t
+    if isinstance(end, int) and end > cache.max_len:
+        raise ValueError(f"KV cache overflow: writing up to slot {end}, capacity is {cache.max_len}")
+    return (torch.arange(t, device=device) + cache.length).expand(b, t), end
 
-    def __init__(self, model: Transformer, ops: FusedOps) -> None:
-        self.model = model
+
+class FusedStack:
+    """Decoder layers served by `ops`: the loop the target's and the DFlash drafter's stacks share."""
+
+    def __init__(self, layers: nn.ModuleList, cfg: ModelConfig, ops: FusedOps) -> None:
         self.ops = ops
-        self.layers = [FusedLayer(layer) for layer in model.model.layers]
-        cfg = model.cfg
+        self.layers = [FusedLayer(layer) for layer in layers]
         self.eps = cfg.rms_norm_eps
         self.heads, self.kv_heads = cfg.num_heads, cfg.num_kv_heads
 
-    def __call__(
-        self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache, vis: Visibility, hidden_layers: tuple[int, ...]
-    ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
-        """x: embeddings [B, T, H]. Returns (final-normed hidden states, picked layer outputs).
-        Writes the new tokens' K/V at slots cache.length.. (the caller advances the length)."""
-        ops, (b, t) = self.ops, x.shape[:2]
-        slots = (torch.arange(t, device=x.device) + cache.length).expand(b, t)
-        cos, sin = self.model.rope(positions)  # once a forward, for every layer
-        end = cache.length + t  # once a forward too: on a device-length cache each add is a launch
+    def run_layers(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, vis: Visibility,
+        slots: torch.Tensor, end: int | torch.Tensor, hidden_layers: tuple[int, ...] = (),
+    ) -> tuple[torch.Tensor, torch.Tensor, dict[int, torch.Tensor]]:
+        """x [B, T, H] through every layer, writing the tokens' K/V at `slots` and attending over
+        slots [0, end) under `vis`. Returns (the last MLP's output, the residual stream it adds
+        to, picked layer outputs): the caller's final rmsnorm does that last add."""
+        ops = self.ops
         picked: dict[int, torch.Tensor] = {}
         out, residual = x, None
         for i, fl in enumerate(self.layers):
@@ -125,21 +145,82 @@ class FusedDecoder:
             out = layer.mlp.down_proj(ops.silu_mul(fl.project_gate_up(h)))
             if i in hidden_layers:
                 picked[i] = residual + out
-        normed, _ = ops.rmsnorm(out, self.model.model.norm.weight, self.eps, residual=residual)
+        return out, residual, picked
+
+
+class FusedDecoder(FusedStack):
+    """Runs a Transformer's layers and final norm with `ops`; installed as `model.fused`."""
+
+    def __init__(self, model: Transformer, ops: FusedOps) -> None:
+        super().__init__(model.model.layers, model.cfg, ops)
+        self.model = model
+
+    def __call__(
+        self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache, vis: Visibility, hidden_layers: tuple[int, ...]
+    ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """x: embeddings [B, T, H]. Returns (final-normed hidden states, picked layer outputs).
+        Writes the new tokens' K/V at slots cache.length.. (the caller advances the length)."""
+        slots, end = write_slots(cache, *x.shape[:2], x.device)
+        cos, sin = self.model.rope(positions)  # once a forward, for every layer
+        out, residual, picked = self.run_layers(x, cos, sin, cache, vis, slots, end, hidden_layers)
+        normed, _ = self.ops.rmsnorm(out, self.model.model.norm.weight, self.eps, residual=residual)
         return normed, picked
+
+
+class FusedDFlash(FusedStack):
+    """DFlashDrafter.add_context and forward with `ops`; installed as `drafter.fused`.
+
+    Per context token: the projection and its norm, then a layer's k|v in one GEMM and rope_qkv
+    without q heads. The block: the shared layer loop with full visibility over [context ; block].
+    """
+
+    def __init__(self, drafter: DFlashDrafter, ops: FusedOps) -> None:
+        super().__init__(drafter.layers, drafter.cfg.model, ops)
+        self.drafter = drafter
+
+    def add_context(self, new_context_hidden: torch.Tensor, cache: KVCache, count: torch.Tensor | None = None) -> None:
+        """DFlashDrafter.add_context: K/V of the new context tokens kept at cache.length.. (with
+        `count`, only the first `count` of them)."""
+        d, (b, n, _) = self.drafter, new_context_hidden.shape
+        if n == 0:
+            return
+        ctx = self.ops.rmsnorm(d.encoder.fc(new_context_hidden.to(d.dtype)), d.encoder.output_norm_enc.weight, self.eps)
+        slots, _ = write_slots(cache, b, n, ctx.device)
+        cos, sin = d.rope(slots)  # a context token's position is its slot
+        for i, fl in enumerate(self.layers):
+            self.ops.rope_qkv(fl.project_kv(ctx), cos, sin, cache.k[i], cache.v[i], slots, num_heads=0,
+                              num_kv_heads=self.kv_heads, k_norm_weight=_w(fl.layer.self_attn.k_norm), eps=self.eps)
+        cache.advance(n if count is None else count)
+
+    def __call__(
+        self, block_ids: torch.Tensor, new_context_hidden: torch.Tensor, cache: KVCache, count: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """DFlashDrafter.forward: logits [B, block_size-1, V]. The block's K/V are scratch at the
+        slots right after the context (not kept: the length stays)."""
+        d = self.drafter
+        self.add_context(new_context_hidden, cache, count)
+        b, s = block_ids.shape
+        x = d.embed(block_ids).to(d.dtype)
+        vis = Visibility("full", cache.length, s, x.device, cache.key_slots(s))  # the block sees itself and all context
+        slots, end = write_slots(cache, b, s, x.device)
+        cos, sin = d.rope(slots)  # so is a block token's
+        out, residual, _ = self.run_layers(x, cos, sin, cache, vis, slots, end)
+        normed, _ = self.ops.rmsnorm(out, d.norm.weight, self.eps, residual=residual)
+        return d.head(normed[:, 1:])
 
 
 def _w(norm: nn.Module | None) -> torch.Tensor | None:
     return None if norm is None else norm.weight
 
 
-def install_fused(model: Transformer, kind: str | None = None) -> FusedDecoder:
-    """Serve `model`'s forward with the fused decoder (kernels on CUDA or under the interpreter,
-    references elsewhere, unless `kind` says)."""
+def install_fused(model: Transformer | DFlashDrafter, kind: str | None = None) -> FusedDecoder | FusedDFlash:
+    """Serve `model`'s forward (a DFlash drafter's add_context too) with the fused stack (kernels on
+    CUDA or under the interpreter, references elsewhere, unless `kind` says)."""
     if kind is None:
         on_gpu = model.device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
         kind = "triton" if on_gpu else "torch"
-    model.fused = FusedDecoder(model, fused_ops(kind))
+    stack = FusedDFlash if isinstance(model, DFlashDrafter) else FusedDecoder
+    model.fused = stack(model, fused_ops(kind))
     return model.fused
 
 
@@ -152,20 +233,24 @@ def split_kv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vis: V
 
 @contextmanager
 def fused_path(model: Transformer, *others: nn.Module):
-    """For the duration: `model` served by the fused decoder (installed once, kept) and split-KV
-    attention, as the fused-decoder and attention-split-kv passes would build it; `others`
-    (drafters) get split-KV attention too. Restored after, so benchmarks can compare paths on one
-    set of weights. Graphed runners are keyed by this setup (graph_decode.runner_for)."""
-    decoder = getattr(model, "_fused_kept", None) or install_fused(model)
-    model._fused_kept = decoder
+    """For the duration: `model` and the DFlash drafters among `others` served by their fused
+    stacks (installed once, kept) and split-KV attention, as the fused-decoder and
+    attention-split-kv passes would build them; the other `others` (PARD drafters' models) get
+    split-KV attention only. Restored after, so benchmarks can compare paths on one set of
+    weights. Graphed runners are keyed by this setup (graph_decode.runner_for)."""
+    fused = [model, *(m for m in others if isinstance(m, DFlashDrafter))]
+    for m in fused:
+        m._fused_kept = getattr(m, "_fused_kept", None) or install_fused(m)
     attentions = [m for root in (model, *others) for m in root.modules() if isinstance(m, Attention)]
     before = [a.attention for a in attentions]
-    model.fused = decoder
+    for m in fused:
+        m.fused = m._fused_kept
     for a in attentions:
         a.attention = split_kv_attention
     try:
         yield model
     finally:
-        model.fused = None
+        for m in fused:
+            m.fused = None
         for a, fn in zip(attentions, before):
             a.attention = fn
