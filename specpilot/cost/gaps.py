@@ -108,20 +108,11 @@ def with_cuda_graphs(program: Program) -> Program | None:
 
 
 def with_fused_decoder(program: Program) -> Program | None:
-    """What `fused-decoder` does: norms, RoPE and SiLU·mul of causal-LM stacks on fused kernels."""
-    def fn(_, node: Node):
-        if node.op in ("rmsnorm", "rope", "mlp") and node.get("kernel") != "triton-fused":
-            return node.replace(kernel="triton-fused")
-        return None
+    """What `fused-decoder` does (the pass itself): norms, RoPE and SiLU·mul on fused kernels."""
+    from ..passes.fused_decoder import FusedDecoder
 
-    total = 0
-    for level in ("target", "drafter"):
-        graph = program.graph(level)
-        attention = [graph.node(n) for n in graph.find("attention")]
-        if attention and not graph.find("gated_deltanet") and all(a.get("context", "self") == "self" for a in attention):
-            program, n = _map(program, level, fn)
-            total += n
-    return program if total else None
+    result = FusedDecoder().apply(program)
+    return result.program if result.changed else None
 
 
 def with_split_kv(program: Program) -> Program | None:
