@@ -494,27 +494,30 @@ SWEEP_GEMV2 = [
     U12Config(8, 256, num_warps=4, num_stages=3, kernel="gemv2"),
 ]
 
-# Best configs measured by bench/u12_linear.py on the H200 (bench/results/u12_linear_nvidia_h200.json,
-# 457 rows, commit da24869), keyed (BLOCK_M, N, K): Llama-3.1-8B's linear shapes.
+# Best configs measured by bench/u12_linear.py on the H200, keyed (BLOCK_M, N, K): Llama-3.1-8B's
+# linear shapes. M = 1, 4: the gemv2 sweep (commit 34c2fbf; bench/results/u12_linear_gemv2_h200.json),
+# where gemv2 beat the tile kernel on every row; its o rows are not used: every config there, the tile
+# kernel's included, ran ~75 µs where the tile kernel had run 26 µs before and o in the whole-step
+# graph runs far below that. M = 16, 64: the tile sweep of 457 rows (commit da24869).
 TUNED: dict[tuple[int, int, int], U12Config] = {
-    (1, 6144, 4096): U12Config(8, 64, split_k=1, num_warps=4),  # qkv
-    (4, 6144, 4096): U12Config(8, 64, split_k=1, num_warps=4, num_stages=3),  # qkv
+    (1, 6144, 4096): U12Config(4, 128, num_warps=2, num_stages=1, kernel="gemv2"),  # qkv
+    (4, 6144, 4096): U12Config(4, 256, num_warps=2, num_stages=1, kernel="gemv2"),  # qkv
     (16, 6144, 4096): U12Config(64, 32, split_k=8, num_warps=4),  # qkv
     (64, 6144, 4096): U12Config(64, 32, split_k=4, num_warps=4, num_stages=3),  # qkv
-    (1, 4096, 4096): U12Config(8, 64, split_k=1, num_warps=4),  # o
-    (4, 4096, 4096): U12Config(8, 64, split_k=1, num_warps=4, num_stages=3),  # o
+    (1, 4096, 4096): U12Config(4, 128, num_warps=2, num_stages=1, kernel="gemv2"),  # o: qkv's (see above)
+    (4, 4096, 4096): U12Config(4, 256, num_warps=2, num_stages=1, kernel="gemv2"),  # o: qkv's (see above)
     (16, 4096, 4096): U12Config(128, 16, split_k=4, num_warps=8),  # o
     (64, 4096, 4096): U12Config(64, 32, split_k=8, num_warps=4),  # o
-    (1, 28672, 4096): U12Config(16, 64, split_k=1, num_warps=4),  # gate_up
-    (4, 28672, 4096): U12Config(8, 64, split_k=1, num_warps=4),  # gate_up
+    (1, 28672, 4096): U12Config(8, 128, num_warps=2, num_stages=1, kernel="gemv2"),  # gate_up
+    (4, 28672, 4096): U12Config(4, 256, num_warps=2, num_stages=1, kernel="gemv2"),  # gate_up
     (16, 28672, 4096): U12Config(64, 32, split_k=4, num_warps=4),  # gate_up
     (64, 28672, 4096): U12Config(64, 32, split_k=2, num_warps=4, num_stages=3),  # gate_up
-    (1, 4096, 14336): U12Config(4, 128, split_k=1, num_warps=4),  # down
-    (4, 4096, 14336): U12Config(4, 128, split_k=1, num_warps=4),  # down
+    (1, 4096, 14336): U12Config(4, 256, num_warps=4, num_stages=1, kernel="gemv2"),  # down
+    (4, 4096, 14336): U12Config(4, 256, num_warps=2, num_stages=1, kernel="gemv2"),  # down
     (16, 4096, 14336): U12Config(64, 32, split_k=8, num_warps=4, num_stages=3),  # down
     (64, 4096, 14336): U12Config(64, 32, split_k=4, num_warps=4, num_stages=3),  # down
-    (1, 128256, 4096): U12Config(16, 64, split_k=1, num_warps=4),  # lm_head
-    (4, 128256, 4096): U12Config(8, 64, split_k=1, num_warps=4),  # lm_head
+    (1, 128256, 4096): U12Config(8, 128, num_warps=2, num_stages=1, kernel="gemv2"),  # lm_head
+    (4, 128256, 4096): U12Config(4, 256, num_warps=2, num_stages=1, kernel="gemv2"),  # lm_head
     (16, 128256, 4096): U12Config(64, 32, split_k=1, num_warps=4, num_stages=3),  # lm_head
     (64, 128256, 4096): U12Config(64, 32, split_k=1, num_warps=4, num_stages=3),  # lm_head
 }
@@ -531,9 +534,14 @@ def _block_m(m: int) -> int:
 
 
 def default_config(m: int, n: int, k: int, on_gpu: bool = True) -> U12Config:
-    """TUNED where measured, else the tile kernel's heuristic (``_tile_config``)."""
+    """TUNED where measured; else for M <= 4 on a GPU the gemv2 kernel with the tiles that won most
+    of the H200 sweep (u12_linear falls back to the tile kernel where gemv2 does not apply), else
+    the tile kernel's heuristic (``_tile_config``)."""
     if on_gpu and (_block_m(m), n, k) in TUNED:
         return TUNED[(_block_m(m), n, k)]
+    if on_gpu and m <= 4:
+        return U12Config(8, 128, num_warps=2, num_stages=1, kernel="gemv2") if m == 1 else \
+            U12Config(4, 256, num_warps=2, num_stages=1, kernel="gemv2")
     return _tile_config(m, n, k, on_gpu)
 
 

@@ -76,9 +76,13 @@ def test_fused_projections_share_storage(tiny_model_dirs):
     _, fused, _ = _pair(tiny_model_dirs["qwen3"], torch.float32)
     decoder = install_fused(fused, "torch")
     layer = decoder.layers[0]
-    attn = layer.layer.self_attn
-    assert attn.k_proj.weight.data_ptr() == layer.qkv[attn.q_proj.weight.shape[0]:].data_ptr()
-    assert layer.gate_up.shape[0] == 2 * layer.layer.mlp.up_proj.weight.shape[0]
+    attn, mlp = layer.layer.self_attn, layer.layer.mlp
+    storage = lambda m: m.weight.untyped_storage().data_ptr()  # noqa: E731
+    assert storage(attn.q_proj) == storage(attn.k_proj) == storage(attn.v_proj)
+    assert storage(mlp.gate_proj) == storage(mlp.up_proj)
+    h = torch.randn(2, attn.q_proj.in_features, generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(layer.project_qkv(h), torch.cat([attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)], -1))
+    torch.testing.assert_close(layer.project_gate_up(h), torch.cat([mlp.gate_proj(h), mlp.up_proj(h)], -1))
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -242,3 +246,43 @@ def test_fused_dflash_greedy_tokens_equal_ar(family, ops, tiny_model_dirs):
                        max_new_tokens=n, eos_token_id=None)
             assert out.tokens == ar
     assert len(want) > 4 and all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
+
+
+class _U12(torch.nn.Module):
+    """A u12 projection as the backend builds one (runtime/u12 planes, the kernel's reference)."""
+
+    def __init__(self, packed, kernel="torch"):
+        super().__init__()
+        self.packed, self.kernel = packed, kernel
+
+    def forward(self, x):
+        from specpilot.kernels.u12_linear import u12_linear_reference
+
+        return u12_linear_reference(x.reshape(-1, x.shape[-1]), self.packed).reshape(*x.shape[:-1], -1)
+
+
+def test_u12_projections_are_concatenated_over_shared_planes(tiny_model_dirs):
+    """u12 q|k|v and gate|up run as one projection each, exactly the separate projections' values,
+    and the original modules view the concatenated planes (no memory doubled)."""
+    from specpilot.runtime.fused import FusedLayer
+    from specpilot.runtime.u12 import pack_u12, unpack_u12
+
+    model, cfg = load_target(tiny_model_dirs["qwen3"]["target"], dtype=torch.bfloat16, device="cpu")
+    layer = model.model.layers[0]
+    names = ("q_proj", "k_proj", "v_proj")
+    weights = {n: getattr(layer.self_attn, n).weight.detach().clone() for n in names}
+    for n in names:
+        setattr(layer.self_attn, n, _U12(pack_u12(weights[n])))
+    for n in ("gate_proj", "up_proj"):
+        setattr(layer.mlp, n, _U12(pack_u12(getattr(layer.mlp, n).weight.detach())))
+    fl = FusedLayer(layer)
+    assert fl.qkv is not None and fl.gate_up is not None
+    h = torch.randn(3, cfg.hidden_size, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    separate = torch.cat([getattr(layer.self_attn, n)(h) for n in names], dim=-1)
+    torch.testing.assert_close(fl.project_qkv(h), separate, rtol=0, atol=0)
+    torch.testing.assert_close(fl.project_kv(h), separate[:, cfg.num_heads * cfg.head_dim:], rtol=0, atol=0)
+    fused_sm = fl.qkv.packed.sm
+    for n in names:  # the same bits, now over the concatenated planes
+        packed = getattr(layer.self_attn, n).packed
+        assert torch.equal(unpack_u12(packed).view(torch.int16), weights[n].view(torch.int16))
+        assert fused_sm.untyped_storage().data_ptr() == packed.sm.untyped_storage().data_ptr()

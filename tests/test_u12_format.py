@@ -379,3 +379,23 @@ def test_decode_planes_bit_exact(asm):
     _planes_kernel[(1,)](t.sm.view(torch.int32).to(device), t.codes.view(torch.int16).to(device), out,
                          ASM=asm, BN=n, BW=k // 4)
     _assert_decoded(out.cpu(), w, t, scaled=True)
+
+
+def test_rows_and_concat_are_exact():
+    from specpilot.runtime.u12 import concat_u12
+
+    g = torch.Generator().manual_seed(3)
+    a = (torch.randn(7, 10, generator=g) * 0.02).to(torch.bfloat16)
+    a[2, 3], a[6, 9], a[0, 0] = float("inf"), 3.0, 1e-30  # escapes in the first, last and a middle row
+    b = (torch.randn(5, 10, generator=g) * 4).to(torch.bfloat16)  # another window: a different base
+    ta, tb = pack_u12(a), pack_u12(b)
+    whole = concat_u12([ta, tb])
+    assert torch.equal(unpack_u12(whole).view(torch.int16), torch.cat([a, b]).view(torch.int16))
+    for start, stop in ((0, 7), (7, 12), (2, 3), (6, 6), (0, 12)):
+        part = whole.rows(start, stop)
+        assert part.sm.untyped_storage().data_ptr() == whole.sm.untyped_storage().data_ptr()
+        assert torch.equal(unpack_u12(part).view(torch.int16), torch.cat([a, b])[start:stop].view(torch.int16))
+    with pytest.raises(ValueError, match="share K"):
+        concat_u12([ta, pack_u12(a[:, :4])])
+    with pytest.raises(ValueError, match="start <= stop"):
+        whole.rows(5, 13)

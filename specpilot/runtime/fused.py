@@ -9,8 +9,9 @@ of a few microseconds, and at Llama-3.1-8B shapes those cost as much as reading 
   -> attention -> o_proj -> rmsnorm + residual add -> gate|up in one GEMM -> SiLU·mul -> down_proj
 
 q/k/v and gate/up are concatenated once at install; the original projections become views of the
-concatenated weights, so no memory is doubled. Projections served by another module (a u12
-kernel, say) are called one by one instead. The residual stream is carried beside the layer
+concatenated weights, so no memory is doubled. u12 projections are concatenated the same way (one
+re-packed tensor, whose row ranges the original modules then view); projections served by any
+other module are called one by one. The residual stream is carried beside the layer
 output, so each residual add happens inside the next RMSNorm kernel, rounded where the reference
 rounds it: in bf16 the result equals Transformer's own forward bit for bit wherever the kernels
 do (see each kernel's docstring), and token forcing judges the rest.
@@ -28,6 +29,7 @@ from __future__ import annotations
 import os
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 from typing import Callable
 
 import torch
@@ -38,6 +40,7 @@ from specpilot.runtime.cache import KVCache
 from specpilot.runtime.config import ModelConfig
 from specpilot.runtime.dflash import DFlashDrafter
 from specpilot.runtime.model import Attention, DecoderLayer, Transformer, Visibility
+from specpilot.runtime.u12 import U12Tensor, concat_u12
 
 
 @dataclass(frozen=True)
@@ -59,43 +62,63 @@ def fused_ops(kind: str) -> FusedOps:
     raise ValueError(f"fused ops are 'triton' or 'torch', got {kind!r}")
 
 
-def _concat(modules: list[nn.Module]) -> torch.Tensor | None:
-    """Concatenate plain linears' weights (rows) and re-point each module at its slice; None if
-    any module is not a plain nn.Linear (another format serves it)."""
-    if not all(type(m) is nn.Linear for m in modules):
-        return None
-    fused = torch.cat([m.weight.detach() for m in modules])
-    row = 0
-    for m in modules:
-        n = m.weight.shape[0]
-        m.weight = nn.Parameter(fused[row : row + n], requires_grad=False)
-        row += n
-    return fused
+Project = Callable[[torch.Tensor], torch.Tensor]
+
+
+def _concat(modules: list[nn.Module]) -> tuple[Project, Callable[[int], Project]] | None:
+    """One projection serving `modules` side by side, over concatenated weights that each module
+    then views (no memory doubled), and a maker of projections over its rows from a given row on;
+    None if the modules are neither all plain nn.Linear nor all u12 modules of one kernel (a
+    `packed` U12Tensor, re-packed as one tensor: exact; its window is chosen for the whole)."""
+    if all(type(m) is nn.Linear for m in modules):
+        fused = torch.cat([m.weight.detach() for m in modules])
+        row = 0
+        for m in modules:
+            n = m.weight.shape[0]
+            m.weight = nn.Parameter(fused[row : row + n], requires_grad=False)
+            row += n
+        return partial(F.linear, weight=fused), lambda start: partial(F.linear, weight=fused[start:])
+    kinds = {(type(m), getattr(m, "kernel", None)) for m in modules}
+    if len(kinds) == 1 and all(isinstance(getattr(m, "packed", None), U12Tensor) for m in modules):
+        (module_type, kernel), = kinds
+        fused = concat_u12([m.packed for m in modules])
+        row = 0
+        for m in modules:
+            n = m.packed.shape[0]
+            m.packed = fused.rows(row, row + n)
+            row += n
+        return module_type(fused, kernel), lambda start: module_type(fused.rows(start, fused.shape[0]), kernel)
+    return None
 
 
 class FusedLayer:
+    """A decoder layer's projections for the fused stacks: q|k|v and gate|up each one projection
+    over concatenated weights (bf16 or u12), else the projections one by one."""
+
     def __init__(self, layer: DecoderLayer) -> None:
         attn, mlp = layer.self_attn, layer.mlp
         self.layer = layer
-        self.qkv = _concat([attn.q_proj, attn.k_proj, attn.v_proj])
-        self.kv = None if self.qkv is None else self.qkv[attn.q_proj.weight.shape[0]:]  # a view
-        self.gate_up = _concat([mlp.gate_proj, mlp.up_proj])
+        q_rows = attn.num_heads * attn.head_dim
+        qkv = _concat([attn.q_proj, attn.k_proj, attn.v_proj])
+        self.qkv, self.kv = (qkv[0], qkv[1](q_rows)) if qkv else (None, None)  # kv: the rows after q's
+        gate_up = _concat([mlp.gate_proj, mlp.up_proj])
+        self.gate_up = gate_up[0] if gate_up else None
 
     def project_qkv(self, h: torch.Tensor) -> torch.Tensor:
         if self.qkv is not None:
-            return F.linear(h, self.qkv)
+            return self.qkv(h)
         a = self.layer.self_attn
         return torch.cat([a.q_proj(h), a.k_proj(h), a.v_proj(h)], dim=-1)
 
     def project_kv(self, h: torch.Tensor) -> torch.Tensor:
         if self.kv is not None:
-            return F.linear(h, self.kv)
+            return self.kv(h)
         a = self.layer.self_attn
         return torch.cat([a.k_proj(h), a.v_proj(h)], dim=-1)
 
     def project_gate_up(self, h: torch.Tensor) -> torch.Tensor:
         if self.gate_up is not None:
-            return F.linear(h, self.gate_up)
+            return self.gate_up(h)
         m = self.layer.mlp
         return torch.cat([m.gate_proj(h), m.up_proj(h)], dim=-1)
 

@@ -90,6 +90,16 @@ class U12Tensor:
         row_starts = torch.arange(n + 1, device=self.device, dtype=torch.int64) * k
         return torch.searchsorted(self.esc_idx.to(torch.int64), row_starts).to(torch.int32)
 
+    def rows(self, start: int, stop: int) -> U12Tensor:
+        """Rows [start, stop) as a U12Tensor whose planes view this one's (the escapes of those
+        rows are re-indexed: a small new table). Exact: the same base and the same bits."""
+        n, k = self.shape
+        if not 0 <= start <= stop <= n:
+            raise ValueError(f"U12Tensor.rows: expected 0 <= start <= stop <= {n}, got {start}, {stop}")
+        lo, hi = (int(v) for v in self.esc_row_ptr[[start, stop]])
+        return U12Tensor((stop - start, k), self.base, self.sm[start:stop], self.codes[start:stop],
+                         self.esc_idx[lo:hi] - start * k, self.esc_val[lo:hi])
+
     def to(self, device: torch.device | str) -> U12Tensor:
         return dataclasses.replace(self, **{p: getattr(self, p).to(device) for p in _PLANES})
 
@@ -130,12 +140,21 @@ def pack_u12(w: torch.Tensor, base: int | None = None) -> U12Tensor:
     return U12Tensor((n, k), base, sm, codes, esc_idx.to(index_dtype), esc_val)
 
 
+def concat_u12(tensors: list[U12Tensor]) -> U12Tensor:
+    """The tensors' rows stacked as one u12 tensor (same K), re-packed with the window that suits
+    the whole: exact, like any packing."""
+    widths = {t.shape[1] for t in tensors}
+    if len(widths) != 1:
+        raise ValueError(f"concat_u12: the tensors must share K, got {sorted(widths)}")
+    return pack_u12(torch.cat([unpack_u12(t) for t in tensors]))
+
+
 def unpack_u12(t: U12Tensor) -> torch.Tensor:
     """The exact bf16 tensor that was packed."""
     n, k = t.shape
     sm = t.sm.to(torch.int32)
     codes = t.codes.to(torch.int32)
-    code = torch.stack((codes & 0xF, codes >> 4), dim=-1).reshape(n, -1)[:, :k]
+    code = torch.stack((codes & 0xF, codes >> 4), dim=-1).reshape(n, 2 * codes.shape[1])[:, :k]
     bits = ((sm & 0x80) << 8) | ((code + (t.base - 1)) << 7) | (sm & 0x7F)
     bits = torch.where(bits >= 0x8000, bits - 0x10000, bits).to(torch.int16).flatten()
     bits[t.esc_idx.to(torch.int64)] = t.esc_val
@@ -178,7 +197,7 @@ def save_u12(tensors: dict[str, U12Tensor], path: str | os.PathLike) -> None:
     meta: dict[str, dict] = {}
     for name, t in tensors.items():
         for plane in _PLANES:
-            planes[f"{name}.{plane}"] = getattr(t, plane).detach().contiguous().cpu()
+            planes[f"{name}.{plane}"] = getattr(t, plane).detach().to("cpu", copy=True)  # views (rows) share storage
         meta[name] = {"shape": list(t.shape), "base": t.base, "sha256": _checksum(t)}
     save_file(planes, os.fspath(path), metadata={"format": "u12", "version": FORMAT_VERSION, "u12": json.dumps(meta)})
 
