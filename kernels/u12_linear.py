@@ -285,13 +285,9 @@ def _prmt(a, b, SELECTOR: tl.constexpr, ASM: tl.constexpr):
         )
     else:
         out = tl.zeros_like(a)
-        for i in tl.static_range(4):
-            sel: tl.constexpr = (SELECTOR >> (4 * i)) & 7
-            if sel < 4:
-                byte = (a >> (8 * sel)) & 0xFF
-            else:
-                byte = (b >> (8 * (sel - 4))) & 0xFF
-            out |= byte << (8 * i)
+        for i in tl.static_range(4):  # no constexpr assignment in the loop: Triton 3.6 refuses its reassignment
+            src = a if ((SELECTOR >> (4 * i)) & 7) < 4 else b
+            out |= ((src >> (8 * ((SELECTOR >> (4 * i)) & 3))) & 0xFF) << (8 * i)
         return out
 
 
