@@ -177,6 +177,25 @@ def test_device_tree_acceptance_matches_accept_tree(nodes, seed, pad):
     assert span[: len(path)].tolist() == tree.token[path[1:]].tolist() + [bonus]
 
 
+def test_compaction_of_a_stacked_cache_equals_per_layer_moves(tiny_models):
+    """compact_on_device moves every layer's k and v in one gather/scatter over the stacked
+    buffer; the same moves done layer by layer (a cache without one) must give the same cache."""
+    from specpilot.runtime.cache import DeviceKVCache
+
+    cfg = tiny_models["qwen3"].target.cfg
+    stacked = DeviceKVCache.for_model(cfg, 1, 24, torch.float32, "cpu")
+    assert stacked.stacked is not None and stacked.k[1].data_ptr() == stacked.stacked[0, 1].data_ptr()
+    stacked.stacked.copy_(torch.randn(stacked.stacked.shape, generator=torch.Generator().manual_seed(0)))
+    layered = DeviceKVCache([k.clone() for k in stacked.k], [v.clone() for v in stacked.v], 24)
+    start, path, n = torch.tensor(9), torch.tensor([0, 3, 4, 7, 2]), torch.tensor(3)  # overlapping moves
+    for cache in (stacked, layered):
+        cache.length.fill_(9 + 8)
+        gd.compact_on_device(cache, start, path, n)
+        assert int(cache.length) == 13
+    for a, b in zip(stacked.k + stacked.v, layered.k + layered.v):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("budget", [5, 16])
 def test_zoo_pair_graphed_trees_equal_eager_trees(budget, zoo):
     from specpilot.runtime import tree_decode as td

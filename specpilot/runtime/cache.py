@@ -21,20 +21,23 @@ class KVCache:
     them. All rows of the batch share one length (no ragged batches yet).
     """
 
-    def __init__(self, k: list[torch.Tensor], v: list[torch.Tensor], max_len: int) -> None:
+    def __init__(self, k: list[torch.Tensor], v: list[torch.Tensor], max_len: int,
+                 stacked: torch.Tensor | None = None) -> None:
         self.k = k
         self.v = v
         self.max_len = max_len
         self.length = 0
+        self.stacked = stacked  # [2, layers, B, Hkv, max_len, D] that k and v view, when built so
 
     @classmethod
     def for_model(
         cls, cfg: ModelConfig, batch: int, max_len: int, dtype: torch.dtype, device: torch.device | str
     ) -> KVCache:
-        shape = (batch, cfg.num_kv_heads, max_len, cfg.head_dim)
-        k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
-        v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
-        return cls(k, v, max_len)
+        """One buffer for every layer's k and v (each a view), so a move of slots in all layers
+        (tree compaction) is one gather and one scatter."""
+        stacked = torch.zeros((2, cfg.num_layers, batch, cfg.num_kv_heads, max_len, cfg.head_dim), dtype=dtype,
+                              device=device)
+        return cls(list(stacked[0]), list(stacked[1]), max_len, stacked)
 
     def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store k, v [B, Hkv, T, D] at slots [start, start+T) of `layer` (does not move `length`)."""
@@ -72,8 +75,9 @@ class DeviceKVCache(KVCache):
     and attention is handed all `max_len` slots with the stale ones masked (`key_slots`).
     """
 
-    def __init__(self, k: list[torch.Tensor], v: list[torch.Tensor], max_len: int) -> None:
-        super().__init__(k, v, max_len)
+    def __init__(self, k: list[torch.Tensor], v: list[torch.Tensor], max_len: int,
+                 stacked: torch.Tensor | None = None) -> None:
+        super().__init__(k, v, max_len, stacked)
         self.length = torch.zeros((), dtype=torch.long, device=k[0].device)
 
     def write(self, layer: int, start: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
