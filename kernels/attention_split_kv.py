@@ -128,11 +128,9 @@ def _split_kernel(
         elif MASK == 1:
             visible = n_ok[None, :] & (new[None, :] <= t[:, None])
         else:
-            visible = tl.broadcast_to((n_ok & (new < 0))[None, :], (BLOCK_M, BLOCK_N))  # cached: seen by all
-            if n0 + BLOCK_N > past:  # only a tile holding new tokens gathers the tree mask (a byte a pair)
-                in_block = n_ok[None, :] & (new >= 0)[None, :] & row_ok[:, None]
-                seen = tl.load(mask_ptr + b * stride_mb + t[:, None] * stride_mt + new[None, :], mask=in_block, other=0)
-                visible = n_ok[None, :] & ((new < 0)[None, :] | (seen != 0))
+            in_block = n_ok[None, :] & (new >= 0)[None, :] & row_ok[:, None]
+            seen = tl.load(mask_ptr + b * stride_mb + t[:, None] * stride_mt + new[None, :], mask=in_block, other=0)
+            visible = n_ok[None, :] & ((new < 0)[None, :] | (seen != 0))
         s = tl.where(visible, s, float("-inf"))
 
         m_new = tl.maximum(m_i, tl.max(s, 1))
