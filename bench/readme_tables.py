@@ -27,37 +27,39 @@ def _load_present(names) -> list[tuple[str, dict]]:
 
 
 def step_times() -> str:
-    d = _load("step_times_h200.json")
+    d = _load("step_times_llama_h200.json")
     if d is None:
         return "_no results file yet: run `python bench/step_times.py` on a GPU_"
-    rows = {(r["shape"], r["path"], r["what"], r["q"]): r for r in d["rows"]}
+    rows = {(r["path"], r["what"], r["q"]): r for r in d["rows"]}
+    ar = rows["fused", "ar", 1]["ms"]
     lines = [
-        f"{d['gpu']}, torch {d['torch']}, triton {d.get('triton', '?')}, commit {d['commit'].split()[0]}; read "
-        f"bandwidth measured in the same run: {d['read_bandwidth_Bps'] / 1e12:.2f} TB/s. "
-        "Source: `bench/results/step_times_h200.json`. torch: the reference stack; fused: the fused-decoder "
-        "stack with split-KV attention over a device-length cache. Tree rows: k-ary top-4 trees, q = nodes + anchor.",
+        f"{d['gpu']}, Llama-3.1-8B shapes, torch {d['torch']}, triton {d.get('triton', '?')}, commit "
+        f"{d['commit'].split()[0]}; read bandwidth measured in the same run: {d['read_bandwidth_Bps'] / 1e12:.2f} TB/s. "
+        "Source: `bench/results/step_times_llama_h200.json`. torch: the reference stack; fused: the fused-decoder "
+        "stacks (target and DFlash drafter) with split-KV attention over a device-length cache; fused+u12: the "
+        "same with every linear and lm_head in the 12-bit format. Tree rows: k-ary top-4 trees, q = nodes + anchor.",
         "",
-        "| shape | step | q | floor ms | torch ms | fused ms | fused × floor | fused × fused AR |",
-        "|---|---|---:|---:|---:|---:|---:|---:|",
+        "| step | q | floor ms | torch ms | fused ms | fused × floor | fused × fused AR | fused+u12 ms | u12 speedup |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for (shape, path, what, q), r in rows.items():
+    for (path, what, q), r in rows.items():
         if path != "fused":
             continue
-        torch_ms = rows[shape, "torch", what, q]["ms"]
-        ar = rows[shape, "fused", "ar", 1]["ms"]
         of_ar = f"{r['ms'] / ar:.2f}" + (" (of the target AR)" if what == "draft" else "")
-        lines.append(f"| {shape} | {what} | {q} | {r['floor_ms']:.2f} | {torch_ms:.2f} | {r['ms']:.2f} | "
-                     f"{r['ms'] / r['floor_ms']:.2f} | {of_ar} |")
-    later = _load("step_times_llama_combine_h200.json")
-    if later:
-        fused = {(r["what"], r["q"]): r for r in later["rows"] if r["path"] == "fused"}
-        ar = fused["ar", 1]
-        lines += ["", f"Re-run after the split-KV combine fix (commit {later['commit']}, "
-                  "`bench/results/step_times_llama_combine_h200.json`), Llama-3.1-8B, fused path:", "",
+        u12 = rows.get(("fused+u12", what, q))
+        u12_cols = f"{u12['ms']:.2f} | {r['ms'] / u12['ms']:.2f}×" if u12 else " | "
+        lines.append(f"| {what} | {q} | {r['floor_ms']:.2f} | {rows['torch', what, q]['ms']:.2f} | {r['ms']:.2f} | "
+                     f"{r['ms'] / r['floor_ms']:.2f} | {of_ar} | {u12_cols} |")
+    both = _load("step_times_h200.json")
+    if both:
+        qwen = {(r["what"], r["q"]): r for r in both["rows"] if r["shape"] == "qwen3-8b" and r["path"] == "fused"}
+        lines += ["", f"Qwen3-8B shapes, fused path, an earlier run (commit {both['commit'].split()[0]}, before the "
+                  "split-KV and fused-drafter changes; `bench/results/step_times_h200.json`):", "",
                   "| step | q | ms | × floor | × AR |", "|---|---:|---:|---:|---:|"]
-        for (what, q), r in fused.items():
-            of_ar = f"{r['ms'] / ar['ms']:.2f}" + (" (of the target AR)" if what == "draft" else "")
-            lines.append(f"| {what} | {q} | {r['ms']:.2f} | {r['ms'] / r['floor_ms']:.2f} | {of_ar} |")
+        for (what, q), r in qwen.items():
+            if what in ("ar", "draft") or q in (16, 17, 129):
+                of_ar = f"{r['ms'] / qwen['ar', 1]['ms']:.2f}" + (" (of the target AR)" if what == "draft" else "")
+                lines.append(f"| {what} | {q} | {r['ms']:.2f} | {r['ms'] / r['floor_ms']:.2f} | {of_ar} |")
     return "\n".join(lines)
 
 
@@ -115,25 +117,34 @@ def u12_stats() -> str:
     return "\n".join(lines)
 
 
+U12_LINEAR_FILES = ("u12_linear_gemv2_m1_h200.json", "u12_linear_gemv2_h200.json", "u12_linear_nvidia_h200.json")
+
+
 def u12_linear() -> str:
-    d = _load("u12_linear_nvidia_h200.json")
-    if d is None:
+    files = _load_present(U12_LINEAR_FILES)
+    if not files:
         return "_no results file yet: run `python bench/u12_linear.py` on a GPU_"
-    rows = d.get("rows") or d.get("results") or []
+    best: dict[tuple[str, int], tuple[dict, str]] = {}
+    for name, d in files:  # the newest sweep of each (shape, M) first
+        for r in d.get("rows", []):
+            best.setdefault((r["name"], r["M"]), (r, name))
+    order = {name: i for i, name in enumerate(("qkv", "o", "gate_up", "down", "lm_head"))}
     lines = [
-        f"{d.get('gpu', '?')}, torch {d.get('torch', '?')}, triton {d.get('triton', '?')}, commit "
-        f"{d.get('git_commit', '?')}; the best of {len(d.get('sweep', []))} swept configurations per row. "
-        "Source: `bench/results/u12_linear_nvidia_h200.json`.",
+        "H200; per row the best configuration of the newest sweep that covers it (its file and commit "
+        "beside it). Sources: " + ", ".join(f"`bench/results/{name}` (commit {d.get('git_commit', '?')}, "
+                                           f"triton {d.get('triton', '?')})" for name, d in files) + ".",
         "",
-        "| shape | M | cuBLAS bf16 µs | u12 µs | speedup | config |",
-        "|---|---:|---:|---:|---:|---|",
+        "| shape | M | cuBLAS bf16 µs | u12 µs | speedup | u12 TB/s (packed bytes) | config | file |",
+        "|---|---:|---:|---:|---:|---:|---|---|",
     ]
-    for r in rows:
-        lines.append(f"| {r['name']} | {r['M']} | {r['cublas_us']:.1f} | {r['u12_us']:.1f} | {r['speedup']:.2f}× | "
-                     f"{r.get('config', '')} |")
+    for (shape, m), (r, name) in sorted(best.items(), key=lambda kv: (kv[0][1], order.get(kv[0][0], 9))):
+        lines.append(f"| {shape} | {m} | {r['cublas_us']:.1f} | {r['u12_us']:.1f} | {r['speedup']:.2f}× | "
+                     f"{r.get('u12_tb_s', 0):.2f} | {r.get('config', '')} | {name.removesuffix('.json')} |")
+    name, d = files[0]
     for w in d.get("whole_step", []):
-        lines.append(f"\nAll linears of the step in one CUDA graph, M = {w['M']}: cuBLAS {w['cublas_ms']:.2f} ms, "
-                     f"u12 {w['u12_ms']:.2f} ms ({w['speedup']:.2f}×).")
+        if "error" not in w:
+            lines.append(f"\nAll linears of a Llama-3.1-8B step in one CUDA graph, M = {w['M']} (`{name}`): cuBLAS "
+                         f"{w['cublas_ms']:.2f} ms, u12 {w['u12_ms']:.2f} ms ({w['speedup']:.2f}×).")
     return "\n".join(lines)
 
 

@@ -54,21 +54,21 @@ decode, kernel); ``default_config`` picks one per (M, N, K) (``TUNED`` first, fi
 sweep) and bench/u12_linear.py sweeps ``SWEEP_GEMV`` / ``SWEEP_DOT`` × ``SPLIT_KS`` and, for
 M ≤ 4, ``SWEEP_GEMV2`` against cuBLAS.
 
-Speed (H200, triton 3.6, bench/results/u12_linear_nvidia_h200.json, the best of 457 configs per
-row, commit da24869): M = 1 at 0.89x (qkv), 0.69x (o), 0.95x (gate_up), 0.93x (down), 0.97x
-(lm_head) of cuBLAS bf16, i.e. 1.5-2.95 TB/s of packed bytes against cuBLAS's 1.8-4.1 TB/s of bf16
-bytes; M = 4..64 at 0.39-0.85x; all linears of a Llama-3.1-8B step in one CUDA graph at M = 1:
-4.75 ms against 4.07 ms (0.86x). Split-K never won at M <= 4 (the serial fixup costs more than
-the parallelism buys), so the GEMV default has none. The 1.25x goal is not met: at M = 1 the
-kernel moves 0.75x the bytes at 0.7x cuBLAS's bandwidth. Correct on the GPU for every swept
-config (each checked against the reference first) and under the interpreter (tests walk split-K,
-both decodes, word and byte loads, and the decode's bits on all 65536 patterns). gemv2 is not yet
-measured on the GPU (correct under the interpreter, incl. its decode's bits on all 65536 patterns;
-its sm_90 SASS counts are at SWEEP_GEMV2); the default for M ≤ 4 stays the tile kernel until the
-H200 sweep fills TUNED. Tried for gemv2 and dropped: prefetching the next chunk's words into
-registers in the Triton source (the compiled loop issues those loads at its end, beside the
-register swap, and runs 10-17% more instructions: no earlier loads, in the sm_90 SASS). Untried:
-a pre-interleaved tile-major layout.
+Speed (H200, triton 3.6). gemv2 at M = 1 (bench/results/u12_linear_gemv2_m1_h200.json, commit
+b170131): 1.27x (qkv), 1.30x (o), 1.23x (gate_up), 1.22x (down), 1.31x (lm_head) of cuBLAS bf16,
+up to 4.14 TB/s of packed bytes; all linears of a Llama-3.1-8B step in one CUDA graph: 3.14 ms
+against 3.97 ms (1.26x), and the whole fused AR step with every linear in u12 1.22x
+(bench/results/step_times_llama_h200.json). At M = 4 gemv2 runs 0.73-0.88x (per-row FMAs: the
+decode is shared, the multiply is not), still ahead of the tile kernel there. The tile kernel
+(bench/results/u12_linear_nvidia_h200.json, 457 configs, commit da24869): 0.69-0.97x at M = 1 and
+0.39-0.85x at M = 16 and 64, the rows TUNED still takes for M >= 16; split-K never won at M <= 4.
+Correct on the GPU for every swept config (each checked against the reference first) and in the
+GPU test runs; under the interpreter the tests walk split-K, both decodes, word and byte loads,
+the PTX emulation, and the decodes' bits on all 65536 patterns. Tried for gemv2 and dropped:
+prefetching the next chunk's words into registers in the Triton source (the compiled loop issues
+those loads at its end, beside the register swap, and runs 10-17% more instructions). Open: M >= 4
+(a tensor-core path whose decode writes the dot operand layout directly), a pre-interleaved
+tile-major layout.
 """
 
 from __future__ import annotations
