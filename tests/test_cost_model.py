@@ -399,3 +399,30 @@ def test_table_and_png(small, tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert json.dumps(e.to_dict())  # JSON-ready
     assert not math.isnan(e.speedup.value)
+
+
+def test_fused_layers_count_the_launches_the_runtime_makes(llama8b):
+    """A fused layer launches rmsnorm ×2, q|k|v, rope_qkv, attention, o, gate|up, silu_mul and down
+    (runtime/fused.py): the residual adds and the k, v and up projections ride in other launches,
+    unless a weight pass left q, k and v in different formats (then they run one by one)."""
+    from specpilot.cost import load_gpu
+    from specpilot.cost.roofline import KERNELS, step_time
+
+    gpu = load_gpu("h200")
+    fused = FusedDecoder().apply(llama8b).program
+    layers = 32
+
+    def per_layer(program):
+        return step_time(program.target, gpu, q=1, cache_len=512).kernels
+
+    before, after = per_layer(llama8b), per_layer(fused)
+    rmsnorm, rope, mlp = KERNELS["rmsnorm"], KERNELS["rope"], KERNELS["mlp"]
+    # per layer: 2 norms, 2 adds, 3 + 2 joined projections and the two activations change
+    assert before - after == layers * (2 * (rmsnorm - 1) + 2 * KERNELS["add"] + 3 * KERNELS["linear"]
+                                       + (rope - 1) + (mlp - 1)) + (rmsnorm - 1)  # + the final norm
+
+    def mixed(_, node):  # q_proj alone in u12: the runtime cannot concatenate q|k|v
+        return node.replace(format="u12", kernel="triton-u12") if node.get("weight", "").endswith("q_proj.weight") else None
+
+    graph, _ = fused.target.map_nodes(mixed)
+    assert step_time(graph, gpu, q=1, cache_len=512).kernels == after + 2 * layers

@@ -241,8 +241,29 @@ class GraphPlan:
             return node
 
         entries = tuple((n, resolve(node), tuple(graph.inputs(n))) for n, node in graph.items())
-        keys = tuple(Node(node.op, tuple(kv for kv in node.attrs if kv[0] != "weight")) for _, node, _ in entries)
+        folded = _folded_launches({n: node for n, node, _ in entries})
+        keys = tuple(Node(node.op, tuple(kv for kv in node.attrs if kv[0] != "weight") + ((FOLDED, True),) * (n in folded))
+                     for n, node, _ in entries)
         return GraphPlan(graph.name, entries, keys)
+
+
+FOLDED = "launch_folded"  # a key attribute of the plan only: the node's work rides in another's launch
+_JOINED = {"k_proj": "q_proj", "v_proj": "q_proj", "up_proj": "gate_proj"}  # concatenated GEMMs of a fused layer
+
+
+def _folded_launches(nodes: dict[str, Node]) -> set[str]:
+    """Nodes of a fused-decoder graph (runtime/fused.py) that launch nothing of their own: residual
+    adds (inside the next RMSNorm kernel) and the k, v and up projections (one GEMM with q's or
+    gate's, over concatenated weights: where the formats and kernels agree, as the runtime needs)."""
+    if not any(node.op == "rmsnorm" and node.get("kernel") == "triton-fused" for node in nodes.values()):
+        return set()
+    out = {name for name, node in nodes.items() if node.op == "add"}
+    for name, node in nodes.items():
+        prefix, _, proj = name.rpartition(".")
+        lead = nodes.get(f"{prefix}.{_JOINED.get(proj, '')}")
+        if node.op == "linear" and lead is not None and (lead["format"], lead["kernel"]) == (node["format"], node["kernel"]):
+            out.add(name)
+    return out
 
 
 def _shapes(plan: GraphPlan, batch: int, q: int, context: int) -> dict[str, tuple[int, int]]:
@@ -380,8 +401,11 @@ def step_time(graph: "Graph | GraphPlan", gpu: GPU, batch: int = 1, q: int = 1, 
         i = index.get(k)
         if i is None:
             i = index[k] = len(costs)
-            costs.append(node_cost(name, node, shapes[name], list(ins), gpu, batch=batch, q=q, cache_len=cache_len,
-                                   dtype=dtype, cuda_graphs=cuda_graphs, escape_rate=escape_rate))
+            cost = node_cost(name, node, shapes[name], list(ins), gpu, batch=batch, q=q, cache_len=cache_len,
+                             dtype=dtype, cuda_graphs=cuda_graphs, escape_rate=escape_rate)
+            if key.get(FOLDED):
+                cost = replace(cost, kernels=0, t_kernel=cost.t_kernel - cost.t_latency, t_latency=0.0, t_launch=0.0)
+            costs.append(cost)
             counts.append(0)
         counts[i] += 1
         layout.append((name, i))
