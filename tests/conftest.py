@@ -34,6 +34,13 @@ from specpilot.runtime.tiny import build_tiny_models  # noqa: E402
 FAMILIES = ("llama", "qwen3")
 
 
+def tiny_spec(kind: str, family: str = "qwen3", extra: str = "") -> str:
+    """A pipeline.yaml over a tiny zoo pair (`kind` drafter of block 4), two smoke prompts; `extra`
+    is appended (more top-level fields)."""
+    return (f"name: t\ntarget: tiny-{family}\ndrafter:\n  kind: {kind}\n  block_size: 4\ngpu: h200\n"
+            f"serving:\n  max_new_tokens: 12\nbenchmark:\n  prompts: code-smoke\n  num_prompts: 2\n{extra}")
+
+
 @dataclass
 class TinyModels:
     dirs: dict[str, Path]  # "target", "dflash", "pard" -> model directory

@@ -13,19 +13,7 @@ from specpilot.cli import main
 from specpilot.ir import node as ir_node
 from specpilot.passes import REGISTRY, Pass, PassResult, register
 
-SPEC = """\
-name: t
-target: tiny-qwen3
-drafter:
-  kind: {kind}
-  block_size: 4
-gpu: h200
-serving:
-  max_new_tokens: 12
-benchmark:
-  prompts: code-smoke
-  num_prompts: 2
-{extra}"""
+from conftest import tiny_spec
 
 
 @pytest.fixture(autouse=True)
@@ -35,7 +23,7 @@ def model_cache(tmp_path_factory, monkeypatch):
 
 def write_spec(tmp_path, kind="pard", extra="", text=None):
     path = tmp_path / "pipeline.yaml"
-    path.write_text(text if text is not None else SPEC.format(kind=kind, extra=extra))
+    path.write_text(text if text is not None else tiny_spec(kind, extra=extra))
     return path
 
 
@@ -113,7 +101,7 @@ def test_bad_yaml_syntax(tmp_path):
     ("typo: 1\n", ["unknown field 'typo'"]),
 ])
 def test_bad_fields_name_the_field(tmp_path, extra, fragments):
-    text = SPEC.format(kind="pard", extra="").replace("serving:\n  max_new_tokens: 12\n", "") + extra
+    text = tiny_spec("pard").replace("serving:\n  max_new_tokens: 12\n", "") + extra
     r = invoke("compile", write_spec(tmp_path, text=text), "-o", tmp_path / "e")
     assert_user_error(r, "pipeline.yaml", *fragments)
     assert not (tmp_path / "e").exists()
@@ -142,7 +130,7 @@ def test_unknown_gpu(tmp_path):
 
 
 def test_missing_model_dir(tmp_path):
-    text = SPEC.format(kind="pard", extra="").replace("target: tiny-qwen3", "target: ./nowhere")
+    text = tiny_spec("pard").replace("target: tiny-qwen3", "target: ./nowhere")
     text = text.replace("  kind: pard", "  kind: pard\n  path: ./nowhere-either")
     assert_user_error(invoke("compile", write_spec(tmp_path, text=text), "-o", tmp_path / "e"), "field 'target'")
 

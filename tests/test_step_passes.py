@@ -17,6 +17,7 @@ from specpilot.passes.fused_decoder import FusedDecoder, is_fused
 from specpilot.passes.tree_verify import TreeVerify
 from specpilot.runtime.tiny_hybrid import build_tiny_hybrid
 
+from conftest import tiny_spec
 from test_ir import DFLASH, PARD, TARGET
 
 
@@ -78,21 +79,6 @@ def test_fused_decoder_leaves_a_hybrid_target_but_fuses_its_dflash_drafter(tmp_p
     assert not program_problems(r.program)
 
 
-SPEC = """\
-name: t
-target: tiny-{family}
-drafter:
-  kind: {kind}
-  block_size: 4
-gpu: h200
-serving:
-  max_new_tokens: 12
-benchmark:
-  prompts: code-smoke
-  num_prompts: 2
-"""
-
-
 @pytest.mark.parametrize("kind,family", [("dflash", "qwen3"), ("pard", "llama")])
 def test_compile_fused_and_graphed_passes_token_forcing(kind, family, tmp_path, tmp_path_factory, monkeypatch):
     monkeypatch.setenv("SPECPILOT_CACHE", str(tmp_path_factory.getbasetemp() / "specpilot-cache"))
@@ -100,7 +86,7 @@ def test_compile_fused_and_graphed_passes_token_forcing(kind, family, tmp_path, 
     # compile takes minutes; tests/test_fused_decoder.py runs the kernels themselves in a loop
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     spec = tmp_path / "pipeline.yaml"
-    spec.write_text(SPEC.format(kind=kind, family=family))
+    spec.write_text(tiny_spec(kind, family))
     out = tmp_path / "engine"
     passes = "fused-decoder,cuda-graphs" + (",tree-verify{budget=8, topk=2}" if kind == "pard" else "")
     r = CliRunner().invoke(main, ["compile", str(spec), "--passes", passes, "-o", str(out), "--device", "cpu"])

@@ -35,6 +35,7 @@ from specpilot.runtime.tree import (Tree, accept_tree, ancestor_mask, best_first
                                     draft_topk, kary_tree)
 from specpilot.runtime.tree_decode import generate_dflash_tree, generate_pard_tree, propose_tree, verify_tree
 
+from conftest import tiny_spec
 from test_ir import DFLASH, PARD, TARGET
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")
@@ -490,26 +491,11 @@ def test_tree_verify_schedule_space_and_pipeline_strings():
 # --- the torch backend, through the CLI ----------------------------------------------------------
 
 
-SPEC = """\
-name: t
-target: tiny-qwen3
-drafter:
-  kind: {kind}
-  block_size: 4
-gpu: h200
-serving:
-  max_new_tokens: 12
-benchmark:
-  prompts: code-smoke
-  num_prompts: 2
-"""
-
-
 @pytest.mark.parametrize("kind", ["dflash", "pard"])
 def test_compile_with_tree_verify_passes_token_forcing(kind, tmp_path, tmp_path_factory, monkeypatch):
     monkeypatch.setenv("SPECPILOT_CACHE", str(tmp_path_factory.getbasetemp() / "specpilot-cache"))
     spec = tmp_path / "pipeline.yaml"
-    spec.write_text(SPEC.format(kind=kind))
+    spec.write_text(tiny_spec(kind))
     out = tmp_path / "engine"
     r = CliRunner().invoke(main, ["compile", str(spec), "--passes", "tree-verify{budget=16, topk=4}",
                                   "-o", str(out), "--device", "cpu"])
