@@ -426,3 +426,15 @@ def test_fused_layers_count_the_launches_the_runtime_makes(llama8b):
 
     graph, _ = fused.target.map_nodes(mixed)
     assert step_time(graph, gpu, q=1, cache_len=512).kernels == after + 2 * layers
+
+
+def test_a_fused_dflash_layer_keeps_its_context_kv_launch(llama8b):
+    """FusedDFlash runs a k|v GEMM over the target context and a q|k|v GEMM over the block: of a
+    layer's q, k and v nodes two launch (the k node, which reads the context, keeps its own)."""
+    from specpilot.cost.roofline import GraphPlan, _folded_launches
+
+    fused = FusedDecoder().apply(llama8b).program
+    nodes = {n: (node, inputs) for n, node, inputs in GraphPlan.of(fused.drafter, fused.target).entries}
+    folded = _folded_launches(nodes)
+    assert "layers.0.v_proj" in folded and "layers.0.up_proj" in folded
+    assert "layers.0.k_proj" not in folded and "layers.0.q_proj" not in folded

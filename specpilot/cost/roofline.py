@@ -241,7 +241,7 @@ class GraphPlan:
             return node
 
         entries = tuple((n, resolve(node), tuple(graph.inputs(n))) for n, node in graph.items())
-        folded = _folded_launches({n: node for n, node, _ in entries})
+        folded = _folded_launches({n: (node, inputs) for n, node, inputs in entries})
         keys = tuple(Node(node.op, tuple(kv for kv in node.attrs if kv[0] != "weight") + ((FOLDED, True),) * (n in folded))
                      for n, node, _ in entries)
         return GraphPlan(graph.name, entries, keys)
@@ -251,17 +251,20 @@ FOLDED = "launch_folded"  # a key attribute of the plan only: the node's work ri
 _JOINED = {"k_proj": "q_proj", "v_proj": "q_proj", "up_proj": "gate_proj"}  # concatenated GEMMs of a fused layer
 
 
-def _folded_launches(nodes: dict[str, Node]) -> set[str]:
+def _folded_launches(nodes: dict[str, tuple[Node, tuple[str, ...]]]) -> set[str]:
     """Nodes of a fused-decoder graph (runtime/fused.py) that launch nothing of their own: residual
     adds (inside the next RMSNorm kernel) and the k, v and up projections (one GEMM with q's or
-    gate's, over concatenated weights: where the formats and kernels agree, as the runtime needs)."""
-    if not any(node.op == "rmsnorm" and node.get("kernel") == "triton-fused" for node in nodes.values()):
+    gate's, over concatenated weights: where the formats and kernels agree, as the runtime needs).
+    A DFlash layer's k projection, which also reads the target context, keeps its launch: the
+    context's k|v GEMM (`nodes`: name -> (node, input names))."""
+    if not any(node.op == "rmsnorm" and node.get("kernel") == "triton-fused" for node, _ in nodes.values()):
         return set()
-    out = {name for name, node in nodes.items() if node.op == "add"}
-    for name, node in nodes.items():
+    out = {name for name, (node, _) in nodes.items() if node.op == "add"}
+    for name, (node, inputs) in nodes.items():
         prefix, _, proj = name.rpartition(".")
-        lead = nodes.get(f"{prefix}.{_JOINED.get(proj, '')}")
-        if node.op == "linear" and lead is not None and (lead["format"], lead["kernel"]) == (node["format"], node["kernel"]):
+        lead = nodes.get(f"{prefix}.{_JOINED.get(proj, '')}", (None,))[0]
+        same = lead is not None and (lead["format"], lead["kernel"]) == (node["format"], node["kernel"])
+        if node.op == "linear" and same and not (proj == "k_proj" and len(inputs) > 1):
             out.add(name)
     return out
 
