@@ -45,9 +45,8 @@ integer ops a word: prmt byte repeats, multiplies that spread the code nibbles a
 bit-select per pair of weights, by inline PTX on the GPU and a shift-and-mask emulation of the
 same bits under the interpreter. Rows past M and N re-read the last row, so the loop has no
 masks; only a last partial chunk of K is masked. Escapes are added as in the tile kernel.
-Compiled for sm_90 here (no GPU), the tile kernel's M = 1 loop (bn8-bw64-w4) issues 10.8
-instructions a weight plus a shared-memory round trip per chunk for its reshape; gemv2's issues
-4.9-7.6 and touches no shared memory (per config at SWEEP_GEMV2).
+In the sm_90 SASS the tile kernel's M = 1 loop makes a shared-memory round trip per chunk for
+its reshape and issues about twice gemv2's instructions a weight; gemv2 touches no shared memory.
 
 Configs are data (``U12Config``: block_n, block_w words = 4 weights each, split_k, warps, stages,
 decode, kernel); ``default_config`` picks one per (M, N, K) (``TUNED`` first, filled from the H200
@@ -314,7 +313,7 @@ def _decode_planes(s, c, ASM: tl.constexpr):
     (c & 0x0F0F) · 0x8080 puts code 0 at bits 7-10 and code 2 at bits 23-26 with zeros beside them
     (the cross terms land in bits 15-19), and one bit-select takes both exponent fields (mask
     0x7F807F80) from the codes. 12 integer ops a word of 4 weights: 2 masks, 2 multiplies, 2 prmt,
-    2 bit-selects, 4 to split the pairs to fp32 (the sm_90 SASS: 12.5 with the code words' unpacking).
+    2 bit-selects, 4 to split the pairs to fp32.
     """
     e02 = (c & 0x0F0F) * 0x8080
     e13 = (c & 0xF0F0) * 0x0808
@@ -473,10 +472,9 @@ SWEEP_DOT = [
 SPLIT_KS = (1, 2, 4, 8)
 # The gemv2 sweep (M <= 4; bench/u12_linear.py keeps the configs within 64 accumulator registers a
 # thread, gemv2_acc_registers). Grouped by the words a thread decodes a chunk, block_n · block_w /
-# (32 · warps): compiled for sm_90 here (triton 3.9, no GPU), the loop issues 4.9 (32 words), 5.5
-# (16), 6.7-6.9 (8) and 7.1-7.6 (4) instructions a weight at M = 1 and 11.9 (16) to 19.7 (4) at
-# M = 4 (all four rows), with no spills and no shared memory; num_stages 1 to 4 gave the same SASS
-# (bn16-bw256-w4), so only two configs vary it, in case the H200's Triton pipelines these loads.
+# (32 · warps): more words a thread spread the loop's fixed instructions over more weights. In the
+# sm_90 SASS (triton 3.9) num_stages 1 to 4 compiled to the same loop, so only two configs vary it,
+# in case the H200's Triton pipelines these loads.
 SWEEP_GEMV2 = [
     U12Config(bn, bw, num_warps=w, num_stages=1, kernel="gemv2") for bn, bw, w in (
         (8, 256, 2), (16, 256, 4), (16, 128, 2), (32, 128, 4), (32, 256, 8), (32, 64, 2),  # 32 words
