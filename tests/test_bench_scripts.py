@@ -62,3 +62,19 @@ def test_zoo_e2e_smoke(tmp_path: Path, tiny_model_dirs: dict[str, dict[str, Path
 def test_zoo_e2e_defaults_name_the_zoo_pair() -> None:
     for kind in ("target", "dflash", "pard"):
         assert (zoo_e2e.ZOO / kind / "config.json").is_file()
+
+
+def test_fused_linear_bench_smoke(tmp_path: Path) -> None:
+    import fused_linear as fused_linear_bench  # bench/fused_linear.py
+    import torch
+
+    out = tmp_path / "fused_linear.json"
+    assert fused_linear_bench.main(["--smoke", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["gpu"] == (torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")
+    assert result["torch"] and result["triton"] and result["git_commit"]
+    assert {(r["name"], r["M"]) for r in result["rows"]} == {(n, m) for n in fused_linear_bench.SHAPES for m in (1, 5)}
+    assert not [r for r in result["sweep"] if "error" in r], result["sweep"]
+    assert len(result["tuned"]) == len(result["rows"])
+    assert [row["M"] for row in result["layer"]] == [1, 5]
+    assert all(row["fused_ms"] > 0 and row["unfused_ms"] > 0 for row in result["layer"])
