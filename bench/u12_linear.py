@@ -2,8 +2,10 @@
 
 Sweep: for each shape and M in 1, 4, 16, 64, random N(0, 0.02) bf16 weights; every config of
 kernels/u12_linear.py's SWEEP_GEMV (M <= 4) or SWEEP_DOT (M >= 16) crossed with SPLIT_KS, for M <= 4
-the gemv2 kernel's SWEEP_GEMV2 (those within 64 accumulator registers a thread at that M), plus the
-default config, is first checked against the reference (one bf16 step, see check_close) and then
+the gemv2 kernel's SWEEP_GEMV2 (those within 64 accumulator registers a thread at that M), with
+`--kernels mma` for M >= 5 the mma kernel's SWEEP_MMA crossed with SPLIT_KS_MMA (not in the default
+run: `--kernels mma --ms 16,64` is about 600 configs and 40 compiles, beyond the default budget), plus
+the default config, is first checked against the reference (one bf16 step, see check_close) and then
 timed with triton.testing.do_bench (CUDA events, L2 flushed before each call, median). A config
 that fails to compile, run or match is recorded with its error, not timed. A time budget skips the
 rest of the sweep (rows marked "skipped") so the run stays within about four minutes on an H200.
@@ -17,7 +19,7 @@ Writes bench/results/u12_linear_<gpu>.json: "rows" (the best config per shape an
 specpilot/cost and bench/readme_tables read), "sweep" (every row, for the next round), "tuned"
 (the best configs as kernels/u12_linear.py's TUNED keys), "whole_step"; prints a short table last.
 
-    python bench/u12_linear.py [--out FILE] [--budget-s 150] [--no-step] [--ms 1,4] [--kernels gemv2]
+    python bench/u12_linear.py [--out FILE] [--budget-s 150] [--no-step] [--ms 1,4] [--kernels gemv2,mma]
     (SPECPILOT_COMMIT=... names the commit where the tree has no .git)
 """
 
@@ -60,7 +62,7 @@ def git_commit() -> str:
             return os.environ[var]
     run = lambda *a: subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     commit = run("rev-parse", "HEAD") or "unknown"
-    files = ["bench/u12_linear.py", "kernels/u12_linear.py", "specpilot/runtime/u12.py"]
+    files = ["bench/u12_linear.py", "kernels/u12_linear.py", "kernels/u12_mma.py", "specpilot/runtime/u12.py"]
     return commit + ("-dirty" if run("status", "--porcelain", "--", *files) else "")
 
 
@@ -74,11 +76,12 @@ def check_close(y: torch.Tensor, ref: torch.Tensor, scale: torch.Tensor) -> None
 
 def sweep_configs(m: int, n: int, k: int, kernels: tuple[str, ...] = ("tile", "gemv2")) -> list:
     """The default config first, then each sweep tile crossed with SPLIT_KS (splits that fit K),
-    for M <= 4 the gemv2 configs whose accumulator fits 64 registers a thread, then the tile
-    kernel's default with the one-weight-per-op decode (what the pair decode saves). `kernels`
-    narrows the sweep (the default config always runs)."""
+    for M <= 4 the gemv2 configs whose accumulator fits 64 registers a thread, for M >= 5 the mma
+    configs crossed with SPLIT_KS_MMA, then the tile kernel's default with the one-weight-per-op
+    decode (what the pair decode saves). `kernels` picks the sweeps (the default config always runs)."""
     from specpilot.kernels.u12_linear import (
-        SPLIT_KS, SWEEP_DOT, SWEEP_GEMV, SWEEP_GEMV2, _block_m, _tile_config, default_config, gemv2_acc_registers,
+        SPLIT_KS, SPLIT_KS_MMA, SWEEP_DOT, SWEEP_GEMV, SWEEP_GEMV2, SWEEP_MMA, _block_m, _tile_config,
+        default_config, gemv2_acc_registers,
     )
 
     default = default_config(m, n, k)
@@ -93,6 +96,13 @@ def sweep_configs(m: int, n: int, k: int, kernels: tuple[str, ...] = ("tile", "g
         out = out[:1]
     if m <= 4 and "gemv2" in kernels:
         out += [cfg for cfg in SWEEP_GEMV2 if cfg not in out and gemv2_acc_registers(cfg, _block_m(m)) <= 64]
+    if m >= 5 and "mma" in kernels:
+        for tile in SWEEP_MMA:
+            for split in SPLIT_KS_MMA:
+                if split == 1 or k // (4 * tile.block_w) >= 2 * split:
+                    cfg = dataclasses.replace(tile, split_k=split)
+                    if cfg not in out:
+                        out.append(cfg)
     tile_default = default if default.kernel == "tile" else _tile_config(m, n, k, on_gpu=True)
     return out + ([dataclasses.replace(tile_default, decode="single")] if "tile" in kernels else [])
 
@@ -152,7 +162,8 @@ def main() -> None:
     parser.add_argument("--budget-s", type=float, default=150.0, help="sweep time budget; later rows are skipped")
     parser.add_argument("--no-step", action="store_true", help="skip the whole-step CUDA graph")
     parser.add_argument("--ms", default=",".join(map(str, MS)), help="rows of x to sweep, comma-separated")
-    parser.add_argument("--kernels", default="tile,gemv2", help="kernels to sweep (the default config always runs)")
+    parser.add_argument("--kernels", default="tile,gemv2",
+                        help="kernels to sweep: tile, gemv2, mma (the default config always runs)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench/u12_linear.py times CUDA kernels and needs a CUDA GPU; none is visible here.")

@@ -1,10 +1,12 @@
 """y = x · Wᵀ with W in the u12 format, decoded in registers.
 
-Two kernels. ``_u12_linear_kernel`` ("tile") multiplies M ≤ 4 rows of x on the CUDA cores (GEMV)
+Three kernels. ``_u12_linear_kernel`` ("tile") multiplies M ≤ 4 rows of x on the CUDA cores (GEMV)
 and feeds M ≥ 5 decoded [BLOCK_N, BLOCK_K] tiles to ``tl.dot`` (bf16 operands on the GPU, fp32
 under the interpreter) with up to 64 rows of x per program, so each weight is decoded once per
 program. ``_u12_gemv_kernel`` ("gemv2", chosen by ``U12Config.kernel``) is a second GEMV for M ≤ 4
-on the scaled path with K % 4 == 0; ``u12_linear`` gives other cases to the tile kernel.
+on the scaled path with K % 4 == 0; kernels/u12_mma.py ("mma") is a tensor-core kernel for M ≥ 5 on
+that path, its decoded planes fed to wgmma from registers; ``u12_linear`` gives other cases to the
+tile kernel.
 
 Loads. The sign/mantissa plane is read as int32 words (4 weights) and the code plane as int16
 words (their 4 codes) when K % 4 == 0, so both planes load contiguously and one thread's code
@@ -50,8 +52,9 @@ its reshape and issues about twice gemv2's instructions a weight; gemv2 touches 
 
 Configs are data (``U12Config``: block_n, block_w words = 4 weights each, split_k, warps, stages,
 decode, kernel); ``default_config`` picks one per (M, N, K) (``TUNED`` first, filled from the H200
-sweep) and bench/u12_linear.py sweeps ``SWEEP_GEMV`` / ``SWEEP_DOT`` × ``SPLIT_KS`` and, for
-M ≤ 4, ``SWEEP_GEMV2`` against cuBLAS.
+sweep) and bench/u12_linear.py sweeps ``SWEEP_GEMV`` / ``SWEEP_DOT`` × ``SPLIT_KS``, for
+M ≤ 4 ``SWEEP_GEMV2`` and, asked for (``--kernels mma``), for M ≥ 5 ``SWEEP_MMA`` × ``SPLIT_KS_MMA``
+against cuBLAS. The mma kernel is not in ``TUNED`` or the defaults yet (not measured).
 
 Speed (H200, triton 3.6). gemv2 at M = 1 (bench/results/u12_linear_gemv2_m1_h200.json, commit
 b170131): 1.27x (qkv), 1.30x (o), 1.23x (gate_up), 1.22x (down), 1.31x (lm_head) of cuBLAS bf16,
@@ -65,9 +68,8 @@ Correct on the GPU for every swept config (each checked against the reference fi
 GPU test runs; under the interpreter the tests walk split-K, both decodes, word and byte loads,
 the PTX emulation, and the decodes' bits on all 65536 patterns. Tried for gemv2 and dropped:
 prefetching the next chunk's words into registers in the Triton source (the compiled loop issues
-those loads at its end, beside the register swap, and runs 10-17% more instructions). Open: M >= 4
-(a tensor-core path whose decode writes the dot operand layout directly), a pre-interleaved
-tile-major layout.
+those loads at its end, beside the register swap, and runs 10-17% more instructions). Open: the
+mma kernel's sweep, a pre-interleaved tile-major layout.
 """
 
 from __future__ import annotations
@@ -244,6 +246,23 @@ def _u12_linear_kernel(
         out = tl.sum(acc, axis=2)
     out = out * y_scale_lo * y_scale_hi  # exact: powers of two
 
+    _store_block(
+        out, x_ptr, esc_idx_ptr, esc_val_ptr, esc_row_ptr, y_ptr, part_ptr, count_ptr, offs_m, mask_m, offs_n, mask_n,
+        n0, pid_n, pid_k, pid_m, M, N, K, split_k, stride_xm, stride_xk, stride_ym,
+        BLOCK_M, BLOCK_N, ESC_BLOCK, USE_DOT,
+    )
+
+
+@triton.jit
+def _store_block(
+    out, x_ptr, esc_idx_ptr, esc_val_ptr, esc_row_ptr, y_ptr, part_ptr, count_ptr, offs_m, mask_m, offs_n, mask_n,
+    n0, pid_n, pid_k, pid_m, M, N, K, split_k, stride_xm, stride_xk, stride_ym,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ESC_BLOCK: tl.constexpr, USE_DOT: tl.constexpr,
+):
+    """Store a program's fp32 sums ``out`` [BM, BN] (already scaled): with split_k 1 add the escapes and
+    store y; else store the partial, and the last program of the block (the serial split-K semaphore)
+    sums the partials in split order, adds the escapes, stores y and resets the counter. Shared by
+    the tile kernel and the mma kernel (kernels/u12_mma.py)."""
     mask_out = mask_m[:, None] & mask_n[None, :]
     y = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
     if split_k == 1:
@@ -303,6 +322,17 @@ def _select_bits(mask_src, other, MASK: tl.constexpr, ASM: tl.constexpr):
 
 
 @triton.jit
+def _pair_patterns(s, c, ASM: tl.constexpr):
+    """The bf16 bit patterns of weights (0, 2) (low, high half) and (1, 3) of each word, scaled decode
+    (``_decode_planes`` says how)."""
+    e02 = (c & 0x0F0F) * 0x8080
+    e13 = (c & 0xF0F0) * 0x0808
+    p02 = _select_bits(e02, _prmt(s, s, 0x2200, ASM), 0x7F807F80, ASM)
+    p13 = _select_bits(e13, _prmt(s, s, 0x3311, ASM), 0x7F807F80, ASM)
+    return p02, p13
+
+
+@triton.jit
 def _decode_planes(s, c, ASM: tl.constexpr):
     """The scaled decode of int32 words ``s`` (4 sign/mantissa bytes) and their int16 code words
     ``c`` (4 nibbles) into four fp32 planes, plane j holding weight 4 w + j times 2^-(base-1)
@@ -315,10 +345,7 @@ def _decode_planes(s, c, ASM: tl.constexpr):
     0x7F807F80) from the codes. 12 integer ops a word of 4 weights: 2 masks, 2 multiplies, 2 prmt,
     2 bit-selects, 4 to split the pairs to fp32.
     """
-    e02 = (c & 0x0F0F) * 0x8080
-    e13 = (c & 0xF0F0) * 0x0808
-    p02 = _select_bits(e02, _prmt(s, s, 0x2200, ASM), 0x7F807F80, ASM)
-    p13 = _select_bits(e13, _prmt(s, s, 0x3311, ASM), 0x7F807F80, ASM)
+    p02, p13 = _pair_patterns(s, c, ASM)
     w0 = (p02 << 16).to(tl.float32, bitcast=True)
     w1 = (p13 << 16).to(tl.float32, bitcast=True)
     w2 = (p02 & -0x10000).to(tl.float32, bitcast=True)
@@ -431,8 +458,9 @@ class U12Config:
     """One launch configuration; block_w counts 32-bit words of the byte plane (4 weights each).
 
     kernel "tile": ``_u12_linear_kernel`` (any M, split-K, both decodes); "gemv2": ``_u12_gemv_kernel``
-    (M <= 4, no split-K, ``decode`` unused), which ``u12_linear`` runs where it applies (K % 4 == 0,
-    1 <= base <= 240) and otherwise replaces by the tile kernel's default config.
+    (M <= 4, no split-K, ``decode`` unused); "mma": ``kernels/u12_mma.py`` (M >= 5, split-K, ``decode``
+    unused). ``u12_linear`` runs gemv2 and mma where they apply (K % 4 == 0, 1 <= base <= 240, and
+    their M) and otherwise replaces them by the tile kernel's default config.
     """
 
     block_n: int
@@ -441,19 +469,21 @@ class U12Config:
     num_warps: int = 4
     num_stages: int = 2
     decode: str = "pairs"  # or "single": one weight per 32-bit op (the scaled decode only)
-    kernel: str = "tile"  # or "gemv2"
+    kernel: str = "tile"  # or "gemv2", "mma"
 
     def __post_init__(self) -> None:
         if self.decode not in ("pairs", "single"):
             raise ValueError(f"U12Config.decode: expected 'pairs' or 'single', got {self.decode!r}")
-        if self.kernel not in ("tile", "gemv2"):
-            raise ValueError(f"U12Config.kernel: expected 'tile' or 'gemv2', got {self.kernel!r}")
+        if self.kernel not in ("tile", "gemv2", "mma"):
+            raise ValueError(f"U12Config.kernel: expected 'tile', 'gemv2' or 'mma', got {self.kernel!r}")
         if self.kernel == "gemv2" and self.split_k != 1:
             raise ValueError(f"U12Config.split_k: the gemv2 kernel has no split-K, got {self.split_k}")
 
     def __str__(self) -> str:
         if self.kernel == "gemv2":
             return f"gemv2-bn{self.block_n}-bw{self.block_w}-w{self.num_warps}-s{self.num_stages}"
+        if self.kernel == "mma":
+            return f"mma-bn{self.block_n}-bw{self.block_w}-sk{self.split_k}-w{self.num_warps}-s{self.num_stages}"
         return f"bn{self.block_n}-bw{self.block_w}-sk{self.split_k}-w{self.num_warps}-s{self.num_stages}-{self.decode}"
 
 
@@ -487,6 +517,21 @@ SWEEP_GEMV2 = [
     U12Config(16, 256, num_warps=4, num_stages=3, kernel="gemv2"),
     U12Config(8, 256, num_warps=4, num_stages=3, kernel="gemv2"),
 ]
+# The mma sweep (M >= 5; bench/u12_linear.py crosses each with SPLIT_KS_MMA). Untuned: chosen from the
+# sm_90 compile (triton 3.6), not measured. block_n >= 64 a warp group (wgmma's M), so block_n 64 runs
+# 4 warps only (8 would decode each weight twice). No loop spills at BLOCK_M 16, 32 or 64; at 64 the
+# block_n 128 (4 warps) and 256 tiles spill in the epilogue. The loop issues 12-19 instructions a word
+# at BLOCK_M 16 (the most words a thread, the fewest), 15-28 at 64 (x's planes grow with BLOCK_M).
+# Shared memory: (stages - 1) chunks of 6 bytes a word in flight plus x, 18-120 KB at BLOCK_M 16.
+SWEEP_MMA = [
+    U12Config(bn, bw, num_warps=w, num_stages=s, kernel="mma") for bn, bw, w, s in (
+        (64, 16, 4, 3), (64, 16, 4, 4), (64, 32, 4, 2), (64, 32, 4, 3), (64, 32, 4, 4), (64, 64, 4, 2), (64, 64, 4, 3),
+        (128, 16, 4, 3), (128, 16, 4, 4), (128, 16, 8, 3), (128, 32, 4, 2), (128, 32, 4, 3), (128, 32, 8, 3),
+        (128, 32, 8, 4), (128, 64, 8, 2), (128, 64, 8, 3),
+        (256, 16, 4, 3), (256, 16, 8, 3), (256, 16, 8, 4), (256, 32, 8, 2), (256, 32, 8, 3),
+    )
+]
+SPLIT_KS_MMA = (1, 2, 4)
 
 # Best configs measured by bench/u12_linear.py on the H200, keyed (BLOCK_M, N, K): Llama-3.1-8B's
 # linear shapes. M = 1, 4: the gemv2 sweep (commit 34c2fbf; bench/results/u12_linear_gemv2_h200.json),
@@ -600,8 +645,9 @@ def _launch_gemv2(
     n = t.shape[0]
     n_words = k // 4
     x_words = x.dtype == torch.bfloat16
-    if x_words and (x.stride(1) != 1 or x.stride(0) % 4 or x.data_ptr() % 8):
-        x = x.clone(memory_format=torch.contiguous_format)  # int64 words need aligned, contiguous rows
+    if x.stride(1) != 1 or (x_words and (x.stride(0) % 4 or x.data_ptr() % 8)):
+        # the kernel reads x[m, 4 w + j] at unit k stride; int64 words also need aligned rows
+        x = x.clone(memory_format=torch.contiguous_format)
     sm, codes = t.sm.contiguous(), t.codes.contiguous()
     _u12_gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
         x, sm.view(torch.int32), codes.view(torch.int16),
@@ -614,6 +660,24 @@ def _launch_gemv2(
         ASM=x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
+
+
+def _split_k_plan(t: U12Tensor, cfg: U12Config, m: int, n_words: int, block_m: int):
+    """(grid (N blocks, splits, M blocks), words per split, fp32 partials, counters) of a split-K launch:
+    each split a whole number of block_w chunks, none empty; with one split the two buffers are
+    placeholders (unused; an fp32 and an int32 pointer keep the compiled types)."""
+    n = t.shape[0]
+    split = max(1, min(cfg.split_k, triton.cdiv(n_words, cfg.block_w)))
+    words_per_split = triton.cdiv(triton.cdiv(n_words, split), cfg.block_w) * cfg.block_w if n_words else 1
+    split = max(1, triton.cdiv(n_words, words_per_split))  # no empty splits
+    grid = (triton.cdiv(n, cfg.block_n), split, triton.cdiv(m, block_m))
+    if split > 1:
+        part = torch.empty((split, m, n), dtype=torch.float32, device=t.device)
+        counters = _split_counters(t, grid[0] * grid[2])
+    else:
+        counters = t.esc_row_ptr
+        part = counters.view(torch.float32)
+    return grid, words_per_split, part, counters
 
 
 def u12_linear(x: torch.Tensor, t: U12Tensor, config: U12Config | None = None) -> torch.Tensor:
@@ -635,22 +699,19 @@ def u12_linear(x: torch.Tensor, t: U12Tensor, config: U12Config | None = None) -
     if cfg.kernel == "gemv2" and gemv2_applies(m, k, t.base):
         _launch_gemv2(x, t, y, cfg, x_scale, y_lo, y_hi)
         return y
-    if cfg.kernel == "gemv2":  # M > 4, K % 4 != 0 or an unscaled base: the tile kernel's default
+    if cfg.kernel == "mma":
+        from .u12_mma import launch_mma, mma_applies  # here: u12_mma imports this module's helpers
+        if mma_applies(m, k, t.base):
+            launch_mma(x, t, y, cfg, x_scale, y_lo, y_hi)
+            return y
+    if cfg.kernel != "tile":  # gemv2 or mma where they do not apply (M, K % 4, base): the tile kernel's default
         cfg = _tile_config(m, n, k, x.is_cuda)
     block_m = _block_m(m)
     use_dot = block_m >= 16
     words = k % 4 == 0 and k > 0
     n_words = triton.cdiv(k, 4)
-    split = max(1, min(cfg.split_k, triton.cdiv(n_words, cfg.block_w)))
-    words_per_split = triton.cdiv(triton.cdiv(n_words, split), cfg.block_w) * cfg.block_w if k else 1
-    split = max(1, triton.cdiv(n_words, words_per_split))  # no empty splits
-    grid = (triton.cdiv(n, cfg.block_n), split, triton.cdiv(m, block_m))
-    if split > 1:
-        part = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
-        counters = _split_counters(t, grid[0] * grid[2])
-    else:
-        counters = t.esc_row_ptr  # unused; an int32 and an fp32 pointer keep the compiled types
-        part = counters.view(torch.float32)
+    grid, words_per_split, part, counters = _split_k_plan(t, cfg, m, n_words, block_m)
+    split = grid[1]
     sm, codes = t.sm.contiguous(), t.codes.contiguous()
     _u12_linear_kernel[grid](
         x, sm.view(torch.int32) if words else sm, codes.view(torch.int16) if words else codes,

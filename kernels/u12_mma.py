@@ -1,0 +1,237 @@
+"""y = x · Wᵀ with W in the u12 format on the tensor cores, for M >= 5 rows ("mma").
+
+Untuned: not yet measured on a GPU.
+
+Design. A program owns BLOCK_N rows of W and BLOCK_M (16..64) rows of x and loops over K in chunks
+of BLOCK_W int32 words (4 weights each). The words decode as in gemv2 (``_pair_patterns``: prmt,
+two multiplies and lop3 by inline PTX) into the bf16 patterns of weights (0, 2) and (1, 3) of each
+word, one 32-bit register each; the four bf16 planes (plane j: weight 4 w + j) are their 16-bit
+halves, bitcast. The K order inside a dot does not matter, so nothing is reordered to k order: one
+dot a chunk takes the four planes in ``_w_in_dot_order``, where each pair register is one bf16x2
+register of wgmma's A fragment, and x's matching planes (x[m, 4 w + j], bf16 x read as one int64
+word per (w, m)) in the same order: acc[BN, BM] += W · X. W is the wide side (BN >= 64 fills a warp
+group's wgmma, M = 64), x the narrow one. After the loop the tile kernel's epilogue
+(``_store_block``): the scales, the escapes, and split-K by the serial semaphore with the counters
+kept per weight (``_split_counters``). Rows past M and N re-read the last row (their outputs are
+not stored), so only a last partial chunk of K is masked.
+
+Numerics: as the tile kernel's dot path. The decoded weight is w · 2^-(base-1) (exponent field =
+code; escapes +0.0), x is scaled by 2^64 and the fp32 sums by 2^(base-65): powers of two, exact
+while |x| < 2^64 and the scaled products stay normal. bf16 x on the GPU: bf16 operands, fp32
+accumulation; fp32 x, or the interpreter (whose bf16 tl.dot is wrong): fp32 planes and fp32 dots
+(input_precision "ieee"). Only the scaled path with word loads runs here (``mma_applies``: M >= 5,
+K % 4 == 0, 1 <= base <= 240); ``u12_linear`` gives other cases to the tile kernel.
+
+sm_90 compile (triton 3.6 and 3.9, no GPU run): the dot is wgmma with A from registers (SASS
+``HGMMA R, gdesc``): the decode runs in the dot operand layout, no decoded weight goes through
+shared memory, and the join/permute/reshape are no instructions (no convert_layout in the loop,
+no PRMT beyond the decode's). Shared memory in the loop: the raw words and codes, num_stages - 1
+chunks in flight by cp.async (Triton's pipeliner), read back by ldmatrix (words) and one 16-bit
+load a word (codes), and x's [4 BW, BM] bf16 tile stored once a chunk as wgmma's B operand (two
+barriers). Triton waits for the wgmma group within the chunk (its A is in registers), so a warp
+group does not overlap its dot with the next decode; other programs on the SM can. 12-19 SASS
+instructions a word at BLOCK_M 16 (kernels/u12_linear.py's SWEEP_MMA). Tried: one dot a plane
+(acc += W_j · X_j, j = 0..3): four B stores, eight barriers and four wgmma waits a chunk, and a
+PRMT a register to pack the A fragment: 329 loop instructions against 272 (BN 64, BW 32, 4 warps).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from specpilot.runtime.u12 import U12Tensor
+
+from .registry import KernelSpec, register
+from .u12_linear import (
+    _ESC_BLOCK,
+    U12Config,
+    _block_m,
+    _case,
+    _decode_planes,
+    _make_inputs,
+    _nonempty,
+    _pair_patterns,
+    _plant_wrong_weight,
+    _scales,
+    _split_k_plan,
+    _store_block,
+    _x_planes,
+    u12_linear,
+    u12_linear_reference,
+)
+
+
+@triton.jit
+def _mma_planes(s, c, DOT_BF16: tl.constexpr, ASM: tl.constexpr):
+    """Four planes of weights (plane j: weight 4 w + j, times 2^-(base-1)): bf16 halves of the pair
+    registers (DOT_BF16), else fp32 (``_decode_planes``)."""
+    if DOT_BF16:
+        p02, p13 = _pair_patterns(s, c, ASM)
+        w0 = p02.to(tl.int16).to(tl.bfloat16, bitcast=True)
+        w1 = p13.to(tl.int16).to(tl.bfloat16, bitcast=True)
+        w2 = (p02 >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
+        w3 = (p13 >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
+        return w0, w1, w2, w3
+    else:
+        return _decode_planes(s, c, ASM)
+
+
+@triton.jit
+def _w_in_dot_order(w0, w1, w2, w3):
+    """Planes [BN, BW] -> W [BN, 4 BW] in the dot's K order: k = 2 BW q + 2 w + h holds plane 2 h + q,
+    so planes 0 and 2 (q = 0), then 1 and 3, each weight pair adjacent: in wgmma's A fragment (two
+    consecutive k a 32-bit register) each register is one pair register of the decode, so the join,
+    permute and reshape are no instructions (sm_90 SASS: no PRMT beyond the decode's, no shuffle)."""
+    BN: tl.constexpr = w0.shape[0]
+    BW: tl.constexpr = w0.shape[1]
+    w02 = tl.reshape(tl.join(w0, w2), (BN, 2 * BW))
+    w13 = tl.reshape(tl.join(w1, w3), (BN, 2 * BW))
+    return tl.reshape(tl.permute(tl.join(w02, w13), (0, 2, 1)), (BN, 4 * BW))
+
+
+@triton.jit
+def _x_in_dot_order(x0, x1, x2, x3):
+    """Planes [BW, BM] of x -> [4 BW, BM] in ``_w_in_dot_order``'s K order."""
+    BW: tl.constexpr = x0.shape[0]
+    BM: tl.constexpr = x0.shape[1]
+    x02 = tl.reshape(tl.permute(tl.join(x0, x2), (0, 2, 1)), (2 * BW, BM))
+    x13 = tl.reshape(tl.permute(tl.join(x1, x3), (0, 2, 1)), (2 * BW, BM))
+    return tl.reshape(tl.permute(tl.join(x02, x13), (2, 0, 1)), (4 * BW, BM))
+
+
+@triton.jit
+def _plane_dot(w, x, x_scale, acc, DOT_BF16: tl.constexpr):
+    """acc + w · (x 2^64): bf16 operands (the scale is exact in bf16), else fp32 in full precision."""
+    if DOT_BF16:
+        return tl.dot(w, (x * x_scale).to(tl.bfloat16), acc)
+    else:
+        return tl.dot(w, x * x_scale, acc, input_precision="ieee")
+
+
+@triton.jit
+def _mma_chunk(
+    acc, start, w_end, sm_rows, code_rows, x_cols, x_scale,
+    BLOCK_W: tl.constexpr, X_WORDS: tl.constexpr, DOT_BF16: tl.constexpr, MASKED: tl.constexpr, ASM: tl.constexpr,
+):
+    """acc[n, m] += sum over the words w in [start, start + BLOCK_W) and j of w[n, 4 w + j] x[m, 4 w + j]
+    (scaled); MASKED: words at or past w_end read as 0 (+0.0 weights, 0 activations)."""
+    offs_w = start + tl.arange(0, BLOCK_W)
+    w_of_n = offs_w[None, :]  # [1, BW]: W's chunk is [BN, BW]
+    w_of_x = offs_w[:, None]  # [BW, 1]: x's planes are [BW, BM]
+    if MASKED:
+        s = tl.load(sm_rows + w_of_n, mask=w_of_n < w_end, other=0)
+        c = tl.load(code_rows + w_of_n, mask=w_of_n < w_end, other=0).to(tl.int32)
+    else:
+        s = tl.load(sm_rows + w_of_n)
+        c = tl.load(code_rows + w_of_n).to(tl.int32)
+    w0, w1, w2, w3 = _mma_planes(s, c, DOT_BF16, ASM)
+    x0, x1, x2, x3 = _x_planes(x_cols, w_of_x, w_of_x < w_end, X_WORDS, MASKED)
+    return _plane_dot(_w_in_dot_order(w0, w1, w2, w3), _x_in_dot_order(x0, x1, x2, x3), x_scale, acc, DOT_BF16)
+
+
+@triton.jit(do_not_specialize=["split_k"])  # one compile serves split_k = 1 and > 1
+def _u12_mma_kernel(
+    x_ptr, sm_ptr, codes_ptr, esc_idx_ptr, esc_val_ptr, esc_row_ptr, y_ptr, part_ptr, count_ptr,
+    M, N, K, n_words, x_scale, y_scale_lo, y_scale_hi, split_k, words_per_split,
+    stride_xm, stride_xk, stride_sm, stride_codes, stride_ym,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, ESC_BLOCK: tl.constexpr,
+    X_WORDS: tl.constexpr,  # bf16 x as int64 words of 4 (contiguous, 8-byte aligned rows); else elements, stride_xk 1
+    EVEN_K: tl.constexpr,  # n_words % BLOCK_W == 0: no split has a masked last chunk
+    DOT_BF16: tl.constexpr,  # bf16 planes and dots (GPU, bf16 x); else fp32
+    ASM: tl.constexpr,  # PTX prmt/lop3 (GPU); else their shift-and-mask emulation (interpreter)
+):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    n0 = pid_n * BLOCK_N
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    rows_n = tl.minimum(offs_n, N - 1)[:, None]
+    rows_m = tl.minimum(offs_m, M - 1)[None, :]
+    sm_rows = sm_ptr + rows_n * stride_sm
+    code_rows = codes_ptr + rows_n * stride_codes
+    if X_WORDS:
+        x_cols = x_ptr.to(tl.pointer_type(tl.int64)) + rows_m * (stride_xm // 4)
+    else:
+        x_cols = x_ptr + rows_m * stride_xm
+
+    w_begin = pid_k * words_per_split
+    w_end = tl.minimum(w_begin + words_per_split, n_words)
+    full_end = w_begin + (w_end - w_begin) // BLOCK_W * BLOCK_W
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # yᵀ: W is the dot's wide side
+    for start in range(w_begin, full_end, BLOCK_W):
+        acc = _mma_chunk(acc, start, w_end, sm_rows, code_rows, x_cols, x_scale, BLOCK_W, X_WORDS, DOT_BF16, False, ASM)
+    if not EVEN_K:
+        if full_end < w_end:  # only the last split has a partial chunk
+            acc = _mma_chunk(acc, full_end, w_end, sm_rows, code_rows, x_cols, x_scale,
+                             BLOCK_W, X_WORDS, DOT_BF16, True, ASM)
+    out = tl.trans(acc) * y_scale_lo * y_scale_hi  # exact: powers of two
+
+    _store_block(
+        out, x_ptr, esc_idx_ptr, esc_val_ptr, esc_row_ptr, y_ptr, part_ptr, count_ptr, offs_m, mask_m, offs_n, mask_n,
+        n0, pid_n, pid_k, pid_m, M, N, K, split_k, stride_xm, stride_xk, stride_ym, BLOCK_M, BLOCK_N, ESC_BLOCK, True,
+    )
+
+
+def mma_applies(m: int, k: int, base: int) -> bool:
+    """Whether an mma config runs the mma kernel: M >= 5, word loads (K % 4 == 0) and the scaled decode."""
+    return m >= 5 and k > 0 and k % 4 == 0 and _scales(base)[0]
+
+
+def launch_mma(
+    x: torch.Tensor, t: U12Tensor, y: torch.Tensor, cfg: U12Config, x_scale: float, y_lo: float, y_hi: float,
+) -> None:
+    """y = x · Wᵀ by ``_u12_mma_kernel`` (``mma_applies`` holds); grid (N blocks, splits, M blocks)."""
+    m, k = x.shape
+    n = t.shape[0]
+    n_words = k // 4
+    x_words = x.dtype == torch.bfloat16
+    if x.stride(1) != 1 or (x_words and (x.stride(0) % 4 or x.data_ptr() % 8)):
+        x = x.clone(memory_format=torch.contiguous_format)  # contiguous rows; int64 words need 8-byte alignment
+    block_m = _block_m(m)
+    grid, words_per_split, part, counters = _split_k_plan(t, cfg, m, n_words, block_m)
+    native = x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1"  # the interpreter runs no PTX, no bf16 dot
+    sm, codes = t.sm.contiguous(), t.codes.contiguous()
+    _u12_mma_kernel[grid](
+        x, sm.view(torch.int32), codes.view(torch.int16),
+        _nonempty(t.esc_idx), _nonempty(t.esc_val), t.esc_row_ptr, y, part, counters,
+        m, n, k, n_words, x_scale, y_lo, y_hi, grid[1], words_per_split,
+        x.stride(0), x.stride(1), n_words, n_words, y.stride(0),
+        BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_W=cfg.block_w, ESC_BLOCK=_ESC_BLOCK,
+        X_WORDS=x_words, EVEN_K=n_words % cfg.block_w == 0,
+        DOT_BF16=native and x.dtype == torch.bfloat16, ASM=native,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+
+
+# --- registry entry -------------------------------------------------------------------------
+
+# Small tiles so the cases below cover partial N and M blocks, split-K and masked last chunks.
+_MMA_CHECK_CONFIG = U12Config(64, 16, split_k=2, num_warps=4, num_stages=2, kernel="mma")
+
+register(KernelSpec(
+    name="u12_mma",
+    run=functools.partial(u12_linear, config=_MMA_CHECK_CONFIG),
+    reference=u12_linear_reference,
+    make_inputs=_make_inputs,
+    cases=[
+        _case(5, 17, 64, torch.bfloat16, "few"),  # 16 words: one chunk, no split; BLOCK_M 16, 11 re-read rows
+        _case(16, 64, 128, torch.float32, "special"),  # every block full, 2 splits
+        _case(17, 33, 300, torch.bfloat16, "few"),  # 75 words: the second split ends in a masked chunk
+        _case(33, 40, 96, torch.float32, "few"),  # 24 words: a full chunk, then a split of one masked chunk
+        _case(64, 65, 300, torch.bfloat16, "special"),  # two N blocks, the second of one row
+        _case(65, 31, 256, torch.float32, "few"),  # two M blocks, the second of one row
+        _case(16, 17, 64, torch.bfloat16, "all"),  # base 241, not scaled: the tile kernel
+        _case(5, 9, 30, torch.float32, "few"),  # K % 4 != 0: the tile kernel
+    ],
+    tolerance={torch.float32: (1e-5, 1e-5), torch.bfloat16: (1e-4, 8e-3)},  # as u12_linear's
+    corrupt=_plant_wrong_weight,
+    description="u12_linear with an mma config: M >= 5 rows by tensor-core dots on decoded planes, escapes exact",
+))

@@ -1,0 +1,179 @@
+"""The mma kernel of kernels/u12_mma.py: the "u12_mma" registry cases against the reference, that
+the kernel (not the tile fallback) ran them, the K order its two dot operands share, its bf16
+planes' bits on every pattern, and an exact decode through the whole kernel (split-K, masked chunk).
+
+Without a GPU the kernel runs in Triton's interpreter: fp32 planes and dots, the PTX emulated; the
+bf16 planes the GPU feeds to wgmma are checked bit for bit here, since the interpreter's bf16 dot
+cannot be. With a GPU the native path runs too.
+"""
+
+import dataclasses
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from specpilot.kernels import u12_mma
+from specpilot.kernels.registry import KERNELS
+from specpilot.kernels.u12_linear import SPLIT_KS_MMA, SWEEP_MMA, U12Config, _make_inputs, u12_linear
+from specpilot.kernels.u12_mma import _mma_planes, _w_in_dot_order, _x_in_dot_order, mma_applies
+from specpilot.runtime.u12 import pack_u12, unpack_u12
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# inf/NaN weights are planted on purpose; the interpreter's numpy warns about them.
+pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+
+SPEC = KERNELS["u12_mma"]
+CASES = list(enumerate(SPEC.cases))
+
+
+def _case_id(param):
+    return "-".join(str(v) for v in param[1].values())
+
+
+@pytest.fixture
+def mma_launches(monkeypatch):
+    """Counts launches of the mma kernel (u12_linear looks the launcher up on each call)."""
+    calls = []
+    launch = u12_mma.launch_mma
+    monkeypatch.setattr(u12_mma, "launch_mma", lambda *a, **k: (calls.append(a[3]), launch(*a, **k))[1])
+    return calls
+
+
+@pytest.mark.parametrize("param", CASES, ids=_case_id)
+def test_mma_cases_match_reference(param, mma_launches):
+    i, case = param
+    inputs = SPEC.make_inputs(case, DEVICE, 1234 + i)
+    out, ref = SPEC.run(*inputs), SPEC.reference(*inputs)
+    atol, rtol = SPEC.tolerance[ref.dtype]
+    torch.testing.assert_close(out, ref, atol=atol, rtol=rtol, equal_nan=True)
+    x, t = inputs
+    assert len(mma_launches) == mma_applies(case["M"], case["K"], t.base), "the mma kernel ran where it applies"
+    bad = SPEC.run(*SPEC.corrupt(inputs))
+    with pytest.raises(AssertionError):
+        torch.testing.assert_close(bad, ref, atol=atol, rtol=rtol, equal_nan=True)
+
+
+def test_mma_applies_only_to_the_scaled_word_path():
+    assert mma_applies(5, 64, 120) and mma_applies(64, 4096, 1) and mma_applies(300, 4, 240)
+    assert not mma_applies(4, 64, 120)  # gemv2's and the tile kernel's rows
+    assert not mma_applies(16, 30, 120) and not mma_applies(16, 0, 120)  # byte loads
+    assert not mma_applies(16, 64, 0) and not mma_applies(16, 64, 241)  # unscaled windows
+
+
+def test_mma_config_falls_back_below_five_rows(mma_launches):
+    x, t = _make_inputs({"M": 4, "N": 9, "K": 64, "dtype": torch.float32, "escapes": "few"}, DEVICE, seed=3)
+    y = u12_linear(x, t, U12Config(64, 16, kernel="mma"))
+    assert not mma_launches
+    torch.testing.assert_close(y, x @ unpack_u12(t).float().T, atol=1e-5, rtol=1e-5)
+
+
+def test_mma_reads_strided_x(mma_launches):
+    """A transposed view is copied to contiguous rows first (word and element loads assume them)."""
+    x, t = _make_inputs({"M": 6, "N": 9, "K": 40, "dtype": torch.bfloat16, "escapes": "few"}, DEVICE, seed=5)
+    x_t = x.T.contiguous().T
+    assert x_t.stride(1) != 1
+    y = u12_linear(x_t, t, U12Config(64, 16, kernel="mma"))
+    assert len(mma_launches) == 1
+    torch.testing.assert_close(y, u12_linear(x, t, U12Config(64, 16, kernel="mma")), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("k,split_k", [(64, 1), (72, 2)])
+def test_mma_decodes_bit_exactly(k, split_k, mma_launches):
+    """x = I (fp32): each output is one weight times 1 plus zeros, through the planes' K order, the
+    scales, split-K (72: a full chunk, then a split of one masked chunk) and the escapes."""
+    g = torch.Generator().manual_seed(k)
+    w = (torch.randn(70, k, generator=g) * 0.02).to(torch.bfloat16)
+    flat = w.view(torch.int16).view(-1)
+    flat[::7] = torch.randint(-0x8000, 0x8000, (len(flat[::7]),), generator=g, dtype=torch.int16)  # any pattern
+    t = pack_u12(w).to(DEVICE)
+    x = torch.eye(k, device=DEVICE)
+    y = u12_linear(x, t, U12Config(64, 16, split_k=split_k, kernel="mma"))
+    assert len(mma_launches) == 1
+    ref = x @ unpack_u12(t).float().T  # same 0·inf = NaN as the kernel where a weight is inf or NaN
+    finite = torch.isfinite(ref)
+    assert torch.equal(y[finite].view(torch.int32), ref[finite].view(torch.int32))
+    assert torch.equal(y.isnan(), ref.isnan()) and torch.equal(y[ref.isinf()], ref[ref.isinf()])
+
+
+@triton.jit
+def _dot_order_kernel(out_w_ptr, out_x_ptr, BW: tl.constexpr):
+    """Weight indices 4 w + j through both operands' K order: W's row 0 and x's column 0."""
+    w_row = tl.arange(0, BW)[None, :] + tl.zeros((2, BW), tl.int32)  # [BN = 2, BW] word indices
+    w = _w_in_dot_order(4 * w_row, 4 * w_row + 1, 4 * w_row + 2, 4 * w_row + 3)
+    tl.store(out_w_ptr + tl.arange(0, 2)[:, None] * 4 * BW + tl.arange(0, 4 * BW)[None, :], w)
+    x_col = tl.arange(0, BW)[:, None] + tl.zeros((BW, 2), tl.int32)  # [BW, BM = 2]
+    x = _x_in_dot_order(4 * x_col, 4 * x_col + 1, 4 * x_col + 2, 4 * x_col + 3)
+    tl.store(out_x_ptr + tl.arange(0, 4 * BW)[:, None] * 2 + tl.arange(0, 2)[None, :], x)
+
+
+def test_both_operands_share_the_k_order():
+    bw = 16
+    out_w = torch.empty(2, 4 * bw, dtype=torch.int32, device=DEVICE)
+    out_x = torch.empty(4 * bw, 2, dtype=torch.int32, device=DEVICE)
+    _dot_order_kernel[(1,)](out_w, out_x, BW=bw)
+    assert torch.equal(out_w[0], out_x[:, 0])
+    assert torch.equal(out_w[1], out_w[0]) and torch.equal(out_x[:, 1], out_x[:, 0])
+    assert sorted(out_w[0].tolist()) == list(range(4 * bw)), "a permutation of the chunk's weights"
+    # k = 2 BW q + 2 w + h holds plane 2 h + q: each pair register (planes 0 and 2, 1 and 3) stays whole
+    expected = [4 * w + 2 * h + q for q in range(2) for w in range(bw) for h in range(2)]
+    assert out_w[0].tolist() == expected
+
+
+@triton.jit
+def _bf16_planes_kernel(sm_ptr, codes_ptr, out_ptr, BN: tl.constexpr, BW: tl.constexpr):
+    """The bf16 planes the GPU feeds to wgmma (PTX emulated), stored as bits in k order."""
+    rows, cols = tl.arange(0, BN)[:, None], tl.arange(0, BW)[None, :]
+    s = tl.load(sm_ptr + rows * BW + cols)
+    c = tl.load(codes_ptr + rows * BW + cols).to(tl.int32)
+    w0, w1, w2, w3 = _mma_planes(s, c, True, False)
+    out = out_ptr + rows * 4 * BW + 4 * cols
+    tl.store(out, w0.to(tl.int16, bitcast=True))
+    tl.store(out + 1, w1.to(tl.int16, bitcast=True))
+    tl.store(out + 2, w2.to(tl.int16, bitcast=True))
+    tl.store(out + 3, w3.to(tl.int16, bitcast=True))
+
+
+def test_bf16_planes_bit_exact():
+    """Every bf16 pattern, packed with base 1: an in-window weight decodes to its bits times
+    2^-(base-1) = 1 (the exponent field is the code), an escape to +0."""
+    n, k = 64, 1024
+    w = torch.arange(n * k, dtype=torch.int32)
+    w = torch.where(w >= 0x8000, w - 0x10000, w).to(torch.int16).view(torch.bfloat16).reshape(n, k)
+    t = pack_u12(w, base=1)
+    out = torch.empty(n, k, dtype=torch.int16, device=DEVICE)
+    sm, codes = t.sm.view(torch.int32).to(DEVICE), t.codes.view(torch.int16).to(DEVICE)
+    _bf16_planes_kernel[(1,)](sm, codes, out, BN=n, BW=k // 4)
+    out = out.cpu()
+    escaped = torch.zeros(n * k, dtype=torch.bool)
+    escaped[t.esc_idx.long()] = True
+    escaped = escaped.view(n, k)
+    assert not out[escaped].any(), "escapes decode to +0.0"
+    assert torch.equal(out[~escaped], w.view(torch.int16)[~escaped])
+
+
+def test_sweep_and_names():
+    assert all(cfg.kernel == "mma" and cfg.split_k == 1 for cfg in SWEEP_MMA)
+    assert len(set(SWEEP_MMA)) == len(SWEEP_MMA) and 16 <= len(SWEEP_MMA) <= 24
+    assert all(cfg.block_n >= 64 and cfg.block_w >= 16 for cfg in SWEEP_MMA)  # wgmma: 64 rows a warp group
+    assert SPLIT_KS_MMA == (1, 2, 4)
+    assert str(U12Config(128, 32, split_k=2, num_warps=4, num_stages=3, kernel="mma")) == "mma-bn128-bw32-sk2-w4-s3"
+    with pytest.raises(ValueError, match="'mma'"):
+        U12Config(64, 16, kernel="wgmma")
+
+
+def test_bench_sweeps_mma_configs_for_five_rows_and_more():
+    path = Path(__file__).parent.parent / "bench" / "u12_linear.py"
+    spec = importlib.util.spec_from_file_location("bench_u12_linear", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    configs = bench.sweep_configs(16, 6144, 4096, ("mma",))
+    mma = [cfg for cfg in configs if cfg.kernel == "mma"]
+    assert configs[0] not in mma  # the default config first, then the mma sweep
+    assert {dataclasses.replace(cfg, split_k=1) for cfg in mma} == set(SWEEP_MMA)
+    assert {cfg.split_k for cfg in mma} == set(SPLIT_KS_MMA)
+    assert not [cfg for cfg in bench.sweep_configs(4, 6144, 4096, ("mma",)) if cfg.kernel == "mma"]
+    assert not [cfg for cfg in bench.sweep_configs(16, 6144, 4096) if cfg.kernel == "mma"]  # the default run as before
