@@ -10,6 +10,8 @@ median of the repeats. Paths of the same model:
   fused   what the fused-decoder, attention-split-kv and cuda-graphs passes build: fused kernels
           (runtime/fused.py), split-KV attention, a device-length cache of 2048 slots (one graph
           serves every length);
+  fused-cublas  the fused path with fused_linear off (cuBLAS GEMMs, separate RMSNorm, SiLU·mul and
+          residual-add kernels), AR and verify(4) only: what fused_linear replaces;
   fused+u12  the fused path with every linear and lm_head in the u12 format (weights-u12 pass),
           AR and verify(16) only.
 
@@ -22,6 +24,7 @@ profiled (kernels by GPU time). Writes a results file (GPU, versions, commit) an
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -235,6 +238,17 @@ def bench_shape(name: str, bw: float, repeats: int, with_u12: bool = True) -> tu
                 record(path, "tree-verify", nodes + 1, tree_step, budget=nodes)
             if path == "fused":
                 profile = {"ar": profile_step(lambda: (at_context(), model(inputs[1], cache)))}
+                # the same steps with fused_linear off: cuBLAS GEMMs beside separate norm, SiLU·mul
+                # and add kernels (what fused_linear replaces at up to LINEAR_MAX_M rows)
+                ops = model.fused.ops
+                model.fused.ops = dataclasses.replace(ops, linear_max_m=0)
+                try:
+                    for q in (1, 4):
+                        record("fused-cublas", "ar" if q == 1 else "verify", q,
+                               lambda ids=inputs[q]: (at_context(), model(ids, cache))[1])
+                    profile["ar-cublas"] = profile_step(lambda: (at_context(), model(inputs[1], cache)))
+                finally:
+                    model.fused.ops = ops
                 # chain verify of q beside a tree of q nodes + anchor: what the tree mask costs
                 q, nodes = (16, 16) if 16 in VERIFY_Q and 16 in TREE_BUDGETS else (VERIFY_Q[0], TREE_BUDGETS[0])
                 mask, depth = tree_mask(nodes, DEVICE)

@@ -412,8 +412,8 @@ def test_fused_layers_count_the_launches_the_runtime_makes(llama8b):
     fused = FusedDecoder().apply(llama8b).program
     layers = 32
 
-    def per_layer(program):
-        return step_time(program.target, gpu, q=1, cache_len=512).kernels
+    def per_layer(program, q=8):  # 8 rows: more than fused_linear serves
+        return step_time(program.target, gpu, q=q, cache_len=512).kernels
 
     before, after = per_layer(llama8b), per_layer(fused)
     rmsnorm, rope, mlp = KERNELS["rmsnorm"], KERNELS["rope"], KERNELS["mlp"]
@@ -425,6 +425,10 @@ def test_fused_layers_count_the_launches_the_runtime_makes(llama8b):
         return node.replace(format="u12", kernel="triton-u12") if node.get("weight", "").endswith("q_proj.weight") else None
 
     graph, _ = fused.target.map_nodes(mixed)
+    assert step_time(graph, gpu, q=8, cache_len=512).kernels == after + 2 * layers
+    # up to LINEAR_MAX_M rows fused_linear takes both norms and silu_mul into the GEMMs of a layer
+    # whose projections are all plain; the u12 layers keep them
+    assert per_layer(fused, q=1) == per_layer(fused, q=4) == after - 3 * layers
     assert step_time(graph, gpu, q=1, cache_len=512).kernels == after + 2 * layers
 
 

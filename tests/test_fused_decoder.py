@@ -286,3 +286,74 @@ def test_u12_projections_are_concatenated_over_shared_planes(tiny_model_dirs):
         packed = getattr(layer.self_attn, n).packed
         assert torch.equal(unpack_u12(packed).view(torch.int16), weights[n].view(torch.int16))
         assert fused_sm.untyped_storage().data_ptr() == packed.sm.untyped_storage().data_ptr()
+
+
+# --- fused_linear: the norms, SiLU·mul and residual adds inside the GEMMs ---------------------
+
+def _count_linear(stack) -> list[tuple[bool, bool, bool]]:
+    """(norm prologue, gated, residual epilogue) of every fused_linear call `stack` makes from now on."""
+    calls: list[tuple[bool, bool, bool]] = []
+    linear = stack.ops.linear
+
+    def counted(x, w, *, norm_weight=None, eps=1e-6, gated=False, residual=None):
+        calls.append((norm_weight is not None, gated, residual is not None))
+        return linear(x, w, norm_weight=norm_weight, eps=eps, gated=gated, residual=residual)
+
+    stack.ops = dataclasses.replace(stack.ops, linear=counted)
+    return calls
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_linear_layers_match_the_unfused_stack(family, dtype, tiny_model_dirs):
+    """Rows up to linear_max_m run fused_linear (4 calls a layer: qkv with the input norm, o into
+    the stream, gate|up with the post-attention norm and SiLU·mul, down into the stream); more rows
+    run the kernels one by one. Logits, picked hidden states and caches as the unfused stack's."""
+    _, plain, cfg = _pair(tiny_model_dirs[family], dtype)
+    _, fused, _ = _pair(tiny_model_dirs[family], dtype)
+    unfused = install_fused(plain, "torch")
+    unfused.ops = dataclasses.replace(unfused.ops, linear_max_m=0)
+    calls = _count_linear(install_fused(fused, "torch"))
+    ids = torch.randint(0, cfg.vocab_size, (1, 9), generator=torch.Generator().manual_seed(3))
+    layers = (0, cfg.num_layers - 1)
+    c_plain, c_fused = plain.new_cache(1, 24, device_length=True), fused.new_cache(1, 24, device_length=True)
+    for chunk in (ids, ids[:, :1], ids[:, 1:3]):
+        calls.clear()
+        a = plain(chunk, c_plain, hidden_layers=layers)
+        b = fused(chunk, c_fused, hidden_layers=layers)
+        rows = chunk.shape[1]
+        assert calls == ([(True, False, False), (False, False, True), (True, True, False), (False, False, True)]
+                         * cfg.num_layers if rows <= fused.fused.ops.linear_max_m else [])
+        torch.testing.assert_close(a.logits, b.logits, **TOLERANCE[dtype])
+        torch.testing.assert_close(a.hidden, b.hidden, **TOLERANCE[dtype])
+    for i in range(cfg.num_layers):
+        torch.testing.assert_close(c_plain.k[i], c_fused.k[i], **TOLERANCE[dtype])
+
+
+def test_fused_linear_serves_only_plain_weights(tiny_model_dirs):
+    """A projection served by another module (u12, say) keeps the layer on the unfused kernels."""
+    _, fused, _ = _pair(tiny_model_dirs["llama"], torch.float32)
+    fused.model.layers[0].mlp.down_proj = _Projection(fused.model.layers[0].mlp.down_proj)
+    stack = install_fused(fused, "torch")
+    assert stack.layers[0].linear_weights() is None and stack.layers[1].linear_weights() is not None
+    calls = _count_linear(stack)
+    fused(torch.tensor([[3]]), fused.new_cache(1, 8))
+    assert calls == []
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_fused_linear_greedy_tokens_equal_ar(family, tiny_model_dirs):
+    """The AR loop (one row a step: all fused_linear) and the graphed DFlash loop (its verify rows
+    unfused, its bonus and single-row steps fused) give the AR greedy tokens, with the kernels
+    under the interpreter."""
+    dirs = tiny_model_dirs[family]
+    ref, fused, cfg = _pair(dirs, torch.float32)
+    calls = _count_linear(install_fused(fused, "triton"))
+    prompt = [5, 9, 2, 6, 5, 3]
+    ar = decode.generate_ar(ref, prompt, max_new_tokens=5, eos_token_id=None).tokens
+    assert decode.generate_ar(fused, prompt, max_new_tokens=5, eos_token_id=None).tokens == ar
+    assert len(calls) >= 4 * cfg.num_layers * 4
+    drafter = load_drafter(dirs["dflash"], fused, cfg, dtype=torch.float32, device="cpu")
+    out = gd.generate_dflash_graphed(fused, drafter, prompt, block_size=drafter.block_size,
+                                     mask_token_id=drafter.mask_token_id, max_new_tokens=5, eos_token_id=None)
+    assert out.tokens == ar

@@ -241,13 +241,20 @@ class GraphPlan:
             return node
 
         entries = tuple((n, resolve(node), tuple(graph.inputs(n))) for n, node in graph.items())
-        folded = _folded_launches({n: (node, inputs) for n, node, inputs in entries})
-        keys = tuple(Node(node.op, tuple(kv for kv in node.attrs if kv[0] != "weight") + ((FOLDED, True),) * (n in folded))
+        nodes = {n: (node, inputs) for n, node, inputs in entries}
+        folded, folded_few = _folded_launches(nodes), _folded_at_few_rows(nodes)
+        keys = tuple(Node(node.op, tuple(kv for kv in node.attrs if kv[0] != "weight")
+                          + ((FOLDED, True),) * (n in folded) + ((FOLDED_FEW_ROWS, True),) * (n in folded_few))
                      for n, node, _ in entries)
         return GraphPlan(graph.name, entries, keys)
 
 
 FOLDED = "launch_folded"  # a key attribute of the plan only: the node's work rides in another's launch
+FOLDED_FEW_ROWS = "launch_folded_few_rows"  # the same, at up to LINEAR_MAX_M rows (fused_linear)
+# Rows up to which the fused stacks run fused_linear (runtime/fused.py's LINEAR_MAX_M): the layer's
+# norms ride in the q|k|v and gate|up GEMMs' prologues, SiLU·mul in gate|up's epilogue.
+LINEAR_MAX_M = 4
+_LAYER_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _JOINED = {"k_proj": "q_proj", "v_proj": "q_proj", "up_proj": "gate_proj"}  # concatenated GEMMs of a fused layer
 
 
@@ -265,6 +272,23 @@ def _folded_launches(nodes: dict[str, tuple[Node, tuple[str, ...]]]) -> set[str]
         lead = nodes.get(f"{prefix}.{_JOINED.get(proj, '')}", (None,))[0]
         same = lead is not None and (lead["format"], lead["kernel"]) == (node["format"], node["kernel"])
         if node.op == "linear" and same and not (proj == "k_proj" and len(inputs) > 1):
+            out.add(name)
+    return out
+
+
+def _folded_at_few_rows(nodes: dict[str, tuple[Node, tuple[str, ...]]]) -> set[str]:
+    """Nodes of a fused-decoder graph that launch nothing at up to LINEAR_MAX_M rows: each layer's
+    input and post-attention norms and its SiLU·mul, where all seven of the layer's projections
+    are in the model's dtype (fused_linear serves plain weights only; a u12 layer keeps them)."""
+    if not any(node.op == "rmsnorm" and node.get("kernel") == "triton-fused" for node, _ in nodes.values()):
+        return set()
+    out = set()
+    for name, (node, _) in nodes.items():
+        prefix, _, part = name.rpartition(".")
+        if part not in ("input_norm", "post_norm", "mlp"):
+            continue
+        linears = [nodes.get(f"{prefix}.{proj}", (None,))[0] for proj in _LAYER_LINEARS]
+        if all(lin is not None and lin["format"] == lin["dtype"] for lin in linears):
             out.add(name)
     return out
 
@@ -406,7 +430,7 @@ def step_time(graph: "Graph | GraphPlan", gpu: GPU, batch: int = 1, q: int = 1, 
             i = index[k] = len(costs)
             cost = node_cost(name, node, shapes[name], list(ins), gpu, batch=batch, q=q, cache_len=cache_len,
                              dtype=dtype, cuda_graphs=cuda_graphs, escape_rate=escape_rate)
-            if key.get(FOLDED):
+            if key.get(FOLDED) or (key.get(FOLDED_FEW_ROWS) and shapes[name][0] <= LINEAR_MAX_M):
                 cost = replace(cost, kernels=0, t_kernel=cost.t_kernel - cost.t_latency, t_latency=0.0, t_launch=0.0)
             costs.append(cost)
             counts.append(0)

@@ -29,7 +29,6 @@ from __future__ import annotations
 import os
 from contextlib import contextmanager
 from dataclasses import dataclass
-from functools import partial
 from typing import Callable
 
 import torch
@@ -49,16 +48,25 @@ class FusedOps:
     rope_qkv: Callable
     silu_mul: Callable
     name: str
+    linear: Callable | None = None  # fused_linear: RMSNorm prologue, SiLU·mul / residual-add epilogues
+    linear_max_m: int = 0  # rows (B·T) up to which `linear` serves bf16 layers; 0: never
 
 
-def fused_ops(kind: str) -> FusedOps:
+# Rows up to which fused_linear serves the layers: its GEMV (M <= 4) is where it beats cuBLAS plus
+# the separate norm, SiLU·mul and add kernels (bench/results/fused_linear_h200.json).
+LINEAR_MAX_M = 4
+
+
+def fused_ops(kind: str, linear_max_m: int = LINEAR_MAX_M) -> FusedOps:
     """"triton": the kernels; "torch": their references (same signatures)."""
-    from specpilot.kernels import rmsnorm, rope_kv, silu_mul
+    from specpilot.kernels import fused_linear, rmsnorm, rope_kv, silu_mul
 
     if kind == "triton":
-        return FusedOps(rmsnorm.rmsnorm, rope_kv.rope_qkv, silu_mul.silu_mul, kind)
+        return FusedOps(rmsnorm.rmsnorm, rope_kv.rope_qkv, silu_mul.silu_mul, kind,
+                        fused_linear.fused_linear, linear_max_m)
     if kind == "torch":
-        return FusedOps(rmsnorm.rmsnorm_reference, rope_kv.rope_qkv_reference, silu_mul.silu_mul_reference, kind)
+        return FusedOps(rmsnorm.rmsnorm_reference, rope_kv.rope_qkv_reference, silu_mul.silu_mul_reference, kind,
+                        fused_linear.fused_linear_reference, linear_max_m)
     raise ValueError(f"fused ops are 'triton' or 'torch', got {kind!r}")
 
 
@@ -77,7 +85,7 @@ def _concat(modules: list[nn.Module]) -> tuple[Project, Callable[[int], Project]
             n = m.weight.shape[0]
             m.weight = nn.Parameter(fused[row : row + n], requires_grad=False)
             row += n
-        return partial(F.linear, weight=fused), lambda start: partial(F.linear, weight=fused[start:])
+        return _Linear(fused), lambda start: _Linear(fused[start:])
     kinds = {(type(m), getattr(m, "kernel", None)) for m in modules}
     if len(kinds) == 1 and all(isinstance(getattr(m, "packed", None), U12Tensor) for m in modules):
         (module_type, kernel), = kinds
@@ -89,6 +97,16 @@ def _concat(modules: list[nn.Module]) -> tuple[Project, Callable[[int], Project]
             row += n
         return module_type(fused, kernel), lambda start: module_type(fused.rows(start, fused.shape[0]), kernel)
     return None
+
+
+class _Linear:
+    """F.linear over a fixed weight (a concatenated one, or rows of it), which fused_linear can read."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        self.weight = weight
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
 
 
 class FusedLayer:
@@ -103,6 +121,15 @@ class FusedLayer:
         self.qkv, self.kv = (qkv[0], qkv[1](q_rows)) if qkv else (None, None)  # kv: the rows after q's
         gate_up = _concat([mlp.gate_proj, mlp.up_proj])
         self.gate_up = gate_up[0] if gate_up else None
+
+    def linear_weights(self) -> tuple[torch.Tensor, ...] | None:
+        """(q|k|v, o, gate|up, down) weights where all four are plain: the concatenated ones and
+        nn.Linear o/down projections (fused_linear serves them); else None."""
+        attn, mlp = self.layer.self_attn, self.layer.mlp
+        if not (isinstance(self.qkv, _Linear) and isinstance(self.gate_up, _Linear)
+                and type(attn.o_proj) is nn.Linear and type(mlp.down_proj) is nn.Linear):
+            return None
+        return self.qkv.weight, attn.o_proj.weight, self.gate_up.weight, mlp.down_proj.weight
 
     def project_qkv(self, h: torch.Tensor) -> torch.Tensor:
         if self.qkv is not None:
@@ -148,8 +175,13 @@ class FusedStack:
     ) -> tuple[torch.Tensor, torch.Tensor, dict[int, torch.Tensor]]:
         """x [B, T, H] through every layer, writing the tokens' K/V at `slots` and attending over
         slots [0, end) under `vis`. Returns (the last MLP's output, the residual stream it adds
-        to, picked layer outputs): the caller's final rmsnorm does that last add."""
+        to, picked layer outputs): the caller's final rmsnorm does that last add (`final_norm`).
+        Up to ops.linear_max_m rows of plain weights, `run_layers_linear` serves them instead."""
         ops = self.ops
+        if ops.linear is not None and x.shape[0] * x.shape[1] <= ops.linear_max_m:
+            weights = [fl.linear_weights() for fl in self.layers]
+            if all(w is not None for w in weights):
+                return self.run_layers_linear(x, cos, sin, cache, vis, slots, end, weights, hidden_layers)
         picked: dict[int, torch.Tensor] = {}
         out, residual = x, None
         for i, fl in enumerate(self.layers):
@@ -170,6 +202,40 @@ class FusedStack:
                 picked[i] = residual + out
         return out, residual, picked
 
+    def run_layers_linear(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, vis: Visibility,
+        slots: torch.Tensor, end: int | torch.Tensor, weights: list[tuple[torch.Tensor, ...]],
+        hidden_layers: tuple[int, ...] = (),
+    ) -> tuple[None, torch.Tensor, dict[int, torch.Tensor]]:
+        """run_layers with ops.linear doing the norms, SiLU·mul and residual adds around its GEMMs:
+        five launches a layer fewer. The residual stream (a copy of x) is updated in place by the o
+        and down projections' epilogues, so it returns (None, the stream, picked layer outputs)."""
+        ops, (b, t, hidden) = self.ops, x.shape
+        stream = x.reshape(b * t, hidden).clone()
+        picked: dict[int, torch.Tensor] = {}
+        for i, (fl, (w_qkv, w_o, w_gate_up, w_down)) in enumerate(zip(self.layers, weights)):
+            layer, attn = fl.layer, fl.layer.self_attn
+            qkv = ops.linear(stream, w_qkv, norm_weight=layer.input_layernorm.weight, eps=self.eps)
+            q = ops.rope_qkv(
+                qkv.view(b, t, -1), cos, sin, cache.k[i], cache.v[i], slots, num_heads=self.heads,
+                num_kv_heads=self.kv_heads, q_norm_weight=_w(attn.q_norm), k_norm_weight=_w(attn.k_norm), eps=self.eps,
+            )
+            k_all, v_all = cache.view(i, end)
+            o = attn.attention(q, k_all, v_all, vis)  # [B, heads, T, D]
+            ops.linear(o.transpose(1, 2).reshape(b * t, -1), w_o, residual=stream)
+            act = ops.linear(stream, w_gate_up, norm_weight=layer.post_attention_layernorm.weight, eps=self.eps,
+                             gated=True)
+            ops.linear(act, w_down, residual=stream)
+            if i in hidden_layers:
+                picked[i] = stream.view(b, t, hidden).clone()
+        return None, stream.view(b, t, hidden), picked
+
+    def final_norm(self, out: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """The final RMSNorm of run_layers' result, with the last residual add where it is pending."""
+        if out is None:
+            return self.ops.rmsnorm(residual, weight, self.eps)
+        return self.ops.rmsnorm(out, weight, self.eps, residual=residual)[0]
+
 
 class FusedDecoder(FusedStack):
     """Runs a Transformer's layers and final norm with `ops`; installed as `model.fused`."""
@@ -186,8 +252,7 @@ class FusedDecoder(FusedStack):
         slots, end = write_slots(cache, *x.shape[:2], x.device)
         cos, sin = self.model.rope(positions)  # once a forward, for every layer
         out, residual, picked = self.run_layers(x, cos, sin, cache, vis, slots, end, hidden_layers)
-        normed, _ = self.ops.rmsnorm(out, self.model.model.norm.weight, self.eps, residual=residual)
-        return normed, picked
+        return self.final_norm(out, residual, self.model.model.norm.weight), picked
 
 
 class FusedDFlash(FusedStack):
@@ -228,8 +293,7 @@ class FusedDFlash(FusedStack):
         slots, end = write_slots(cache, b, s, x.device)
         cos, sin = d.rope(slots)  # so is a block token's
         out, residual, _ = self.run_layers(x, cos, sin, cache, vis, slots, end)
-        normed, _ = self.ops.rmsnorm(out, d.norm.weight, self.eps, residual=residual)
-        return d.head(normed[:, 1:])
+        return d.head(self.final_norm(out, residual, d.norm.weight)[:, 1:])
 
 
 def _w(norm: nn.Module | None) -> torch.Tensor | None:
