@@ -8,6 +8,7 @@
 #   steps    Llama-3.1-8B step times with kernel profiles
 #   attention  split-KV attention against SDPA
 #   u12      the u12 kernels' GPU tests, then their sweep against cuBLAS
+#   linear   fused_linear and u12_mma: GPU tests and sweeps (u12's mma sweep: U12_ARGS="--ms 16 --kernels mma")
 #   peers    AR against HF transformers on 8B-shaped weights
 #   train    train the zoo (carry .cache/zoo); packed into $OUT
 #   zoo      the zoo end to end, τ per drafter, chain vs tree (graphed and fused), the hybrid pair;
@@ -53,6 +54,12 @@ u12() {
   # U12_ARGS narrows the sweep, e.g. "--ms 1,4 --kernels gemv2 --budget-s 150"
   TAIL=30 run u12_linear 280 python bench/u12_linear.py --budget-s 110 ${U12_ARGS:-} --out "$OUT/u12_linear_nvidia_h200.json"
 }
+linear() {  # the fused_linear and u12_mma kernels: GPU tests, then their sweeps against cuBLAS
+  TAIL=4 run linear_tests 150 python -m pytest -q -x -p no:cacheprovider tests/test_fused_linear.py \
+    tests/test_u12_mma.py tests/test_kernels.py -k "fused_linear or u12_mma"
+  TAIL=30 run fused_linear 240 python bench/fused_linear.py --budget-s "${LINEAR_BUDGET:-110}" \
+    --out "$OUT/fused_linear_h200.json"
+}
 peers() { run hf_peers 260 python bench/hf_peers.py --out "$OUT/hf_peers_h200.json"; }
 train() { TAIL=40 run train 560 python -m train.train_zoo --data .cache/zoo --out /tmp/zoo --pack "$OUT"; }
 trees() {
@@ -76,7 +83,7 @@ zoo() {
 
 for group in "${@:?group...}"; do
   case "$group" in
-    tests | attention | u12 | peers | train | trees | e2e | zoo) "$group" ;;
+    tests | attention | u12 | linear | peers | train | trees | e2e | zoo) "$group" ;;
     steps) steps ;;
     kernels) tests; steps both llama-3.1-8b qwen3-8b; attention ;;
     *) echo "unknown group $group" >&2; exit 2 ;;
