@@ -97,7 +97,7 @@ def check_close(y: torch.Tensor, ref: torch.Tensor, bound: torch.Tensor) -> None
 
 def sweep_configs(m: int, n: int, k: int, gated: bool, smoke: bool) -> list:
     """The default config first; then for M <= 4 SWEEP_GEMV within 64 accumulator registers a
-    thread, for M >= 5 SWEEP_DOT x SPLIT_KS (at least two K tiles a split). --smoke: two."""
+    thread; for M >= 5, or K >= 8192, SWEEP_DOT x SPLIT_KS (at least two K tiles a split). --smoke: two."""
     from specpilot.kernels import fused_linear as fl
 
     default = fl.default_config(m, n, k, gated, on_gpu=torch.cuda.is_available() and not smoke)
@@ -106,7 +106,9 @@ def sweep_configs(m: int, n: int, k: int, gated: bool, smoke: bool) -> list:
         return out + [fl.FusedLinearConfig("dot", 16, 16, split_k=2) if m <= 4 else fl.FusedLinearConfig("gemv", 4, 16)]
     if m <= 4:
         out += [c for c in fl.SWEEP_GEMV if c not in out and fl.gemv_acc_registers(c, fl.m_bucket(m), gated) <= 64]
-    else:
+    # the dot tiles at every M: their split-K is the only one (the GEMV has none), which a long K
+    # such as down's (14336) may need at M = 1 as well (cuBLAS splits it)
+    if m >= 5 or k >= 8192:
         for tile in fl.SWEEP_DOT:
             for split in fl.SPLIT_KS:
                 cfg = fl.FusedLinearConfig("dot", tile.block_n, tile.block_k, split_k=split,

@@ -537,27 +537,28 @@ SPLIT_KS_MMA = (1, 2, 4)
 # linear shapes. M = 1, 4: the gemv2 sweep (commit 34c2fbf; bench/results/u12_linear_gemv2_h200.json),
 # where gemv2 beat the tile kernel on every row; its o rows are not used: every config there, the tile
 # kernel's included, ran ~75 µs where the tile kernel had run 26 µs before and o in the whole-step
-# graph runs far below that. M = 16, 64: the tile sweep of 457 rows (commit da24869).
+# graph runs far below that. M = 16: the mma sweep (bench/results/u12_linear_mma_h200.json). M = 64:
+# the tile sweep of 457 rows (commit da24869).
 TUNED: dict[tuple[int, int, int], U12Config] = {
     (1, 6144, 4096): U12Config(4, 128, num_warps=2, num_stages=1, kernel="gemv2"),  # qkv
     (4, 6144, 4096): U12Config(4, 256, num_warps=2, num_stages=1, kernel="gemv2"),  # qkv
-    (16, 6144, 4096): U12Config(64, 32, split_k=8, num_warps=4),  # qkv
+    (16, 6144, 4096): U12Config(64, 64, split_k=4, num_warps=4, num_stages=2, kernel="mma"),  # qkv
     (64, 6144, 4096): U12Config(64, 32, split_k=4, num_warps=4, num_stages=3),  # qkv
     (1, 4096, 4096): U12Config(4, 128, num_warps=2, num_stages=1, kernel="gemv2"),  # o: qkv's (see above)
     (4, 4096, 4096): U12Config(4, 256, num_warps=2, num_stages=1, kernel="gemv2"),  # o: qkv's (see above)
-    (16, 4096, 4096): U12Config(128, 16, split_k=4, num_warps=8),  # o
+    (16, 4096, 4096): U12Config(128, 64, split_k=4, num_warps=8, num_stages=3, kernel="mma"),  # o
     (64, 4096, 4096): U12Config(64, 32, split_k=8, num_warps=4),  # o
     (1, 28672, 4096): U12Config(8, 128, num_warps=2, num_stages=1, kernel="gemv2"),  # gate_up
     (4, 28672, 4096): U12Config(4, 256, num_warps=2, num_stages=1, kernel="gemv2"),  # gate_up
-    (16, 28672, 4096): U12Config(64, 32, split_k=4, num_warps=4),  # gate_up
+    (16, 28672, 4096): U12Config(64, 32, num_warps=4, num_stages=3, kernel="mma"),  # gate_up
     (64, 28672, 4096): U12Config(64, 32, split_k=2, num_warps=4, num_stages=3),  # gate_up
     (1, 4096, 14336): U12Config(4, 256, num_warps=4, num_stages=1, kernel="gemv2"),  # down
     (4, 4096, 14336): U12Config(4, 256, num_warps=2, num_stages=1, kernel="gemv2"),  # down
-    (16, 4096, 14336): U12Config(64, 32, split_k=8, num_warps=4, num_stages=3),  # down
+    (16, 4096, 14336): U12Config(64, 64, split_k=4, num_warps=4, num_stages=3, kernel="mma"),  # down
     (64, 4096, 14336): U12Config(64, 32, split_k=4, num_warps=4, num_stages=3),  # down
     (1, 128256, 4096): U12Config(8, 128, num_warps=2, num_stages=1, kernel="gemv2"),  # lm_head
     (4, 128256, 4096): U12Config(4, 256, num_warps=2, num_stages=1, kernel="gemv2"),  # lm_head
-    (16, 128256, 4096): U12Config(64, 32, split_k=1, num_warps=4, num_stages=3),  # lm_head
+    (16, 128256, 4096): U12Config(64, 64, num_warps=4, num_stages=3, kernel="mma"),  # lm_head
     (64, 128256, 4096): U12Config(64, 32, split_k=1, num_warps=4, num_stages=3),  # lm_head
 }
 

@@ -428,7 +428,7 @@ def test_fused_layers_count_the_launches_the_runtime_makes(llama8b):
     assert step_time(graph, gpu, q=8, cache_len=512).kernels == after + 2 * layers
     # up to LINEAR_MAX_M rows fused_linear takes both norms and silu_mul into the GEMMs of a layer
     # whose projections are all plain; the u12 layers keep them
-    assert per_layer(fused, q=1) == per_layer(fused, q=4) == after - 3 * layers
+    assert per_layer(fused, q=1) == after - 3 * layers and per_layer(fused, q=2) == after
     assert step_time(graph, gpu, q=1, cache_len=512).kernels == after + 2 * layers
 
 

@@ -253,7 +253,7 @@ FOLDED = "launch_folded"  # a key attribute of the plan only: the node's work ri
 FOLDED_FEW_ROWS = "launch_folded_few_rows"  # the same, at up to LINEAR_MAX_M rows (fused_linear)
 # Rows up to which the fused stacks run fused_linear (runtime/fused.py's LINEAR_MAX_M): the layer's
 # norms ride in the q|k|v and gate|up GEMMs' prologues, SiLU·mul in gate|up's epilogue.
-LINEAR_MAX_M = 4
+LINEAR_MAX_M = 1
 _LAYER_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _JOINED = {"k_proj": "q_proj", "v_proj": "q_proj", "up_proj": "gate_proj"}  # concatenated GEMMs of a fused layer
 

@@ -52,9 +52,10 @@ class FusedOps:
     linear_max_m: int = 0  # rows (B·T) up to which `linear` serves bf16 layers; 0: never
 
 
-# Rows up to which fused_linear serves the layers: its GEMV (M <= 4) is where it beats cuBLAS plus
-# the separate norm, SiLU·mul and add kernels (bench/results/fused_linear_h200.json).
-LINEAR_MAX_M = 4
+# Rows up to which fused_linear serves the layers: 32 Llama-3.1-8B layers' linears in one CUDA graph
+# ran 1.07x the unfused kernels (cuBLAS, separate norms, SiLU·mul and adds) at M = 1, 0.84x at M = 4
+# and 1.01x at M = 16 (bench/results/fused_linear_h200.json, "layer").
+LINEAR_MAX_M = 1
 
 
 def fused_ops(kind: str, linear_max_m: int = LINEAR_MAX_M) -> FusedOps:
