@@ -420,16 +420,16 @@ SPLIT_KS = (1, 2, 4, 8)
 TUNED: dict[tuple[int, int, int, bool], FusedLinearConfig] = {
     (1, 6144, 4096, False): FusedLinearConfig("gemv", 8, 1024, num_warps=4, num_stages=1),  # qkv
     (4, 6144, 4096, False): FusedLinearConfig("gemv", 8, 1024, num_warps=4, num_stages=1),  # qkv
-    (16, 6144, 4096, False): FusedLinearConfig("dot", 128, 64, split_k=4, num_warps=8, num_stages=3),  # qkv
-    (1, 4096, 4096, False): FusedLinearConfig("gemv", 8, 1024, num_warps=4, num_stages=1),  # o
+    (16, 6144, 4096, False): FusedLinearConfig("dot", 64, 64, split_k=4, num_warps=4, num_stages=4),  # qkv
+    (1, 4096, 4096, False): FusedLinearConfig("gemv", 4, 1024, num_warps=2, num_stages=3),  # o
     (4, 4096, 4096, False): FusedLinearConfig("gemv", 4, 1024, num_warps=2, num_stages=3),  # o
-    (16, 4096, 4096, False): FusedLinearConfig("dot", 128, 128, split_k=4, num_warps=8, num_stages=3),  # o
+    (16, 4096, 4096, False): FusedLinearConfig("dot", 32, 128, split_k=4, num_warps=4, num_stages=4),  # o
     (1, 28672, 4096, True): FusedLinearConfig("gemv", 4, 1024, num_warps=2, num_stages=3),  # gate_up
     (4, 28672, 4096, True): FusedLinearConfig("gemv", 4, 512, num_warps=2, num_stages=1),  # gate_up
     (16, 28672, 4096, True): FusedLinearConfig("dot", 128, 128, num_warps=8, num_stages=3),  # gate_up
-    (1, 4096, 14336, False): FusedLinearConfig("gemv", 8, 512, num_warps=2, num_stages=1),  # down
-    (4, 4096, 14336, False): FusedLinearConfig("gemv", 4, 1024, num_warps=2, num_stages=3),  # down
-    (16, 4096, 14336, False): FusedLinearConfig("dot", 128, 128, split_k=4, num_warps=8, num_stages=3),  # down
+    (1, 4096, 14336, False): FusedLinearConfig("gemv", 8, 1024, num_warps=4, num_stages=1),  # down
+    (4, 4096, 14336, False): FusedLinearConfig("dot", 64, 128, split_k=4, num_warps=4, num_stages=3),  # down
+    (16, 4096, 14336, False): FusedLinearConfig("dot", 64, 128, split_k=4, num_warps=4, num_stages=3),  # down
 }
 
 # Small tiles under the interpreter: several chunks, a masked last one, and split-K on the CPU too.

@@ -18,7 +18,7 @@ import triton.language as tl
 
 from specpilot.kernels import u12_mma
 from specpilot.kernels.registry import KERNELS
-from specpilot.kernels.u12_linear import SPLIT_KS_MMA, SWEEP_MMA, U12Config, _make_inputs, u12_linear
+from specpilot.kernels.u12_linear import SPLIT_KS_MMA, SWEEP_MMA, U12Config, _make_inputs, default_config, u12_linear
 from specpilot.kernels.u12_mma import _mma_planes, _w_in_dot_order, _x_in_dot_order, mma_applies
 from specpilot.runtime.u12 import pack_u12, unpack_u12
 
@@ -172,8 +172,9 @@ def test_bench_sweeps_mma_configs_for_five_rows_and_more():
     spec.loader.exec_module(bench)
     configs = bench.sweep_configs(16, 6144, 4096, ("mma",))
     mma = [cfg for cfg in configs if cfg.kernel == "mma"]
-    assert configs[0] not in mma  # the default config first, then the mma sweep
+    # the default config first (on a GPU TUNED's, itself an mma config), then the mma sweep
+    assert configs[0] == default_config(16, 6144, 4096)
     assert {dataclasses.replace(cfg, split_k=1) for cfg in mma} == set(SWEEP_MMA)
     assert {cfg.split_k for cfg in mma} == set(SPLIT_KS_MMA)
     assert not [cfg for cfg in bench.sweep_configs(4, 6144, 4096, ("mma",)) if cfg.kernel == "mma"]
-    assert not [cfg for cfg in bench.sweep_configs(16, 6144, 4096) if cfg.kernel == "mma"]  # the default run as before
+    assert not [cfg for cfg in bench.sweep_configs(16, 6144, 4096)[1:] if cfg.kernel == "mma"]  # the default run as before
