@@ -47,6 +47,7 @@ from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig, LlamaF
 from specpilot.runtime import decode, graph_decode
 from specpilot.runtime.config import ModelConfig
 from specpilot.runtime.model import Transformer
+from specpilot.validate.forcing import check_prompt
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the bench scripts beside this one
 from step_times import SHAPES as STEP_SHAPES  # noqa: E402
@@ -308,6 +309,7 @@ def main(argv: list[str] | None = None) -> int:
                 row["note"] = "not compiled (HF auto-compiles on a GPU only; --no-compile turns it off): static cache, eager forward"
         rows.append(row)
         print(f"{name:18} {row['ms_per_token']:9.3f} ms/token", flush=True)
+    row_dtype = str(dtype).removeprefix("torch.")
     reference_name = "specpilot-eager" if "specpilot-eager" in tokens else next(iter(tokens))
     reference = tokens[reference_name]
     floor_ms = weight_bytes / bw * 1e3
@@ -317,6 +319,11 @@ def main(argv: list[str] | None = None) -> int:
         row["agree_prefix"] = common_prefix(tokens[row["impl"]], reference)
         row["tokens_equal"] = tokens[row["impl"]] == reference
         row["x_floor"] = row["ms_per_token"] / floor_ms
+        # random weights give near-flat logits, so paths that round differently part early: token
+        # forcing (one teacher-forced pass of our eager model) tells near-ties from wrong tokens
+        check = check_prompt(ours, ours.cfg, prompt[0].tolist(), tokens[row["impl"]], row_dtype)
+        row["token_forcing"] = {"tokens": check.tokens_checked, "hard_failures": len(check.hard_failures),
+                                "near_ties": len(check.near_ties)}
 
     gpu = device_name(device)
     result = {
@@ -324,7 +331,8 @@ def main(argv: list[str] | None = None) -> int:
         **versions(), "commit": commit_id(),
         "method": "batch 1, greedy, random N(0,0.02) weights shared by HF and specpilot; decode only (prefill apart), "
                   "ms_per_token = decode time / (new tokens - 1); warm-up run then median of repeats; "
-                  f"agree_prefix against {reference_name}",
+                  f"agree_prefix against {reference_name}; token_forcing of every path's tokens by our eager "
+                  "model (specpilot/validate/forcing.py: hard failures vs near-ties)",
         "reference": reference_name, "prompt_len": args.prompt_len, "max_new_tokens": n, "repeats": args.repeats,
         "read_bandwidth_Bps": bw, "weight_bytes": weight_bytes, "floor_ms_per_token": floor_ms,
         "floor_tokens_per_s": 1e3 / floor_ms, "wall_s": time.perf_counter() - started, "rows": rows,
@@ -334,14 +342,16 @@ def main(argv: list[str] | None = None) -> int:
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"\n{gpu} {args.shape} {dtype}: read bandwidth {bw / 1e9:.1f} GB/s, weight-read floor {floor_ms:.3f} ms/token "
           f"-> {out}")
-    print(f"{'impl':18} {'ms/token':>9} {'tok/s':>8} {'x floor':>8} {'prefill ms':>10} {'compile s':>9} {'agree':>7}")
+    print(f"{'impl':18} {'ms/token':>9} {'tok/s':>8} {'x floor':>8} {'prefill ms':>10} {'compile s':>9} {'agree':>7} "
+          "forced: hard/near-ties")
     for r in rows:
         if "error" in r:
             print(f"{r['impl']:18} failed: {r['error'][:90]}")
             continue
         compile_s = f"{r['compile_s']:.1f}" if r.get("compile_s") is not None else "-"
         print(f"{r['impl']:18} {r['ms_per_token']:9.3f} {r['tokens_per_s']:8.1f} {r['x_floor']:8.2f} "
-              f"{r['prefill_ms']:10.2f} {compile_s:>9} {r['agree_prefix']:>3}/{r['new_tokens']:<3}")
+              f"{r['prefill_ms']:10.2f} {compile_s:>9} {r['agree_prefix']:>3}/{r['new_tokens']:<3} "
+              f"{r['token_forcing']['hard_failures']}/{r['token_forcing']['near_ties']}")
     return 0
 
 
