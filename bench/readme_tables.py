@@ -37,10 +37,13 @@ def step_times() -> str:
         f"{d['commit'].split()[0]}; read bandwidth measured in the same run: {d['read_bandwidth_Bps'] / 1e12:.2f} TB/s. "
         "Source: `bench/results/step_times_llama_h200.json`. torch: the reference stack; fused: the fused-decoder "
         "stacks (target and DFlash drafter) with split-KV attention over a device-length cache; fused+u12: the "
-        "same with every linear and lm_head in the 12-bit format. Tree rows: k-ary top-4 trees, q = nodes + anchor.",
+        "same with every linear and lm_head in the 12-bit format; fused-cublas: the fused path with fused_linear off "
+        "(cuBLAS GEMMs beside separate norm, SiLU·mul and add kernels); at q = 4 both paths run cuBLAS "
+        "(LINEAR_MAX_M is 1), so that pair shows the run's spread. Tree rows: k-ary top-4 trees, q = nodes + anchor.",
         "",
-        "| step | q | floor ms | torch ms | fused ms | fused × floor | fused × fused AR | fused+u12 ms | u12 speedup |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| step | q | floor ms | torch ms | fused ms | fused × floor | fused × fused AR | fused-cublas ms "
+        "| fused+u12 ms | u12 speedup |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for (path, what, q), r in rows.items():
         if path != "fused":
@@ -48,8 +51,10 @@ def step_times() -> str:
         of_ar = f"{r['ms'] / ar:.2f}" + (" (of the target AR)" if what == "draft" else "")
         u12 = rows.get(("fused+u12", what, q))
         u12_cols = f"{u12['ms']:.2f} | {r['ms'] / u12['ms']:.2f}×" if u12 else " | "
+        cublas = rows.get(("fused-cublas", what, q))
+        cublas_col = f"{cublas['ms']:.2f}" if cublas else ""
         lines.append(f"| {what} | {q} | {r['floor_ms']:.2f} | {rows['torch', what, q]['ms']:.2f} | {r['ms']:.2f} | "
-                     f"{r['ms'] / r['floor_ms']:.2f} | {of_ar} | {u12_cols} |")
+                     f"{r['ms'] / r['floor_ms']:.2f} | {of_ar} | {cublas_col} | {u12_cols} |")
     both = _load("step_times_h200.json")
     if both:
         qwen = {(r["what"], r["q"]): r for r in both["rows"] if r["shape"] == "qwen3-8b" and r["path"] == "fused"}
@@ -72,15 +77,17 @@ def hf_peers() -> str:
         f"{d['transformers']}, commit {d['commit']}; {d['prompt_len']}-token prompt, {d['max_new_tokens']} new tokens, "
         f"decode only; weight-read floor {d['floor_ms_per_token']:.2f} ms/token. Source: `bench/results/hf_peers_h200.json`.",
         "",
-        "| implementation | ms/token | tokens/s | × floor | same tokens as specpilot-eager |",
-        "|---|---:|---:|---:|---|",
+        "| implementation | ms/token | tokens/s | × floor | same tokens as specpilot-eager | token forcing: hard / near-ties |",
+        "|---|---:|---:|---:|---|---|",
     ]
     for r in d["rows"]:
         if "error" in r:
-            lines.append(f"| {r['impl']} | error: {r['error'][:60]} | | | |")
+            lines.append(f"| {r['impl']} | error: {r['error'][:60]} | | | | |")
             continue
+        forced = r.get("token_forcing")
+        forced_col = f"{forced['hard_failures']} / {forced['near_ties']}" if forced else "not run"
         lines.append(f"| {r['impl']} | {r['ms_per_token']:.2f} | {r['tokens_per_s']:.1f} | {r['x_floor']:.2f} | "
-                     f"{r['agree_prefix']}/{r['new_tokens']} |")
+                     f"{r['agree_prefix']}/{r['new_tokens']} | {forced_col} |")
     return "\n".join(lines)
 
 
@@ -117,7 +124,7 @@ def u12_stats() -> str:
     return "\n".join(lines)
 
 
-U12_LINEAR_FILES = ("u12_linear_gemv2_m1_h200.json", "u12_linear_gemv2_h200.json", "u12_linear_nvidia_h200.json")
+U12_LINEAR_FILES = ("u12_linear_mma_h200.json", "u12_linear_gemv2_m1_h200.json", "u12_linear_gemv2_h200.json", "u12_linear_nvidia_h200.json")
 
 
 def u12_linear() -> str:
