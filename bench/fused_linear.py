@@ -34,12 +34,14 @@ import json
 import os
 import platform
 import re
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the bench scripts beside this one
+import u12_linear as u12_bench  # noqa: E402  (git_commit, time_graph)
 
 ROOT = Path(__file__).resolve().parent.parent
 # name: (N weight rows, K, norm prologue, gated, residual epilogue)
@@ -58,15 +60,8 @@ EPS = 1e-5
 
 
 def git_commit() -> str:
-    """SPECPILOT_COMMIT (or GIT_COMMIT) where set, else HEAD, marked dirty when the files behind
-    these numbers differ from it."""
-    for var in ("SPECPILOT_COMMIT", "GIT_COMMIT"):
-        if os.environ.get(var):
-            return os.environ[var]
-    run = lambda *a: subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True).stdout.strip()  # noqa: E731
-    commit = run("rev-parse", "HEAD") or "unknown"
-    files = ["bench/fused_linear.py", "kernels/fused_linear.py", "kernels/rmsnorm.py", "kernels/silu_mul.py"]
-    return commit + ("-dirty" if run("status", "--porcelain", "--", *files) else "")
+    return u12_bench.git_commit(("bench/fused_linear.py", "kernels/fused_linear.py", "kernels/rmsnorm.py",
+                                 "kernels/silu_mul.py"))
 
 
 def error_bound(x, w, nw, gated, residual_out):
@@ -154,25 +149,7 @@ def time_graph(fns, cuda: bool, reps: int = 20) -> float:
         for f in fns:
             f()
         return (time.perf_counter() - t) * 1e3
-    for f in fns:  # compiles, and allocates split-K counters outside the capture
-        f()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for f in fns:
-            f()
-    for _ in range(3):
-        g.replay()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        g.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    del g
-    return sorted(times)[len(times) // 2]
+    return u12_bench.time_graph(fns, reps)  # warms each up first: compiles, split-K counters outside the capture
 
 
 def layer_rows(shapes: dict, ms, best: dict, device: str, gen: torch.Generator, layers: int) -> list[dict]:

@@ -54,7 +54,10 @@ SIGMA = 0.02
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def git_commit() -> str:
+U12_FILES = ("bench/u12_linear.py", "kernels/u12_linear.py", "kernels/u12_mma.py", "specpilot/runtime/u12.py")
+
+
+def git_commit(files: tuple[str, ...] = U12_FILES) -> str:
     """SPECPILOT_COMMIT (or GIT_COMMIT) where set, else HEAD, marked dirty when the files behind
     these numbers differ from it."""
     for var in ("SPECPILOT_COMMIT", "GIT_COMMIT"):
@@ -62,7 +65,6 @@ def git_commit() -> str:
             return os.environ[var]
     run = lambda *a: subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     commit = run("rev-parse", "HEAD") or "unknown"
-    files = ["bench/u12_linear.py", "kernels/u12_linear.py", "kernels/u12_mma.py", "specpilot/runtime/u12.py"]
     return commit + ("-dirty" if run("status", "--porcelain", "--", *files) else "")
 
 
