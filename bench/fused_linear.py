@@ -30,10 +30,8 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import platform
-import re
 import sys
 import time
 from pathlib import Path
@@ -41,7 +39,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the bench scripts beside this one
-import u12_linear as u12_bench  # noqa: E402  (git_commit, time_graph)
+import u12_linear as u12_bench  # noqa: E402  (git_commit, time_graph, write_result, print_sweep_summary)
 
 ROOT = Path(__file__).resolve().parent.parent
 # name: (N weight rows, K, norm prologue, gated, residual epilogue)
@@ -303,17 +301,8 @@ def main(argv: list[str] | None = None) -> int:
         "sweep_seconds": sweep_s, "total_seconds": time.monotonic() - t0,
         "rows": rows, "tuned": tuned, "layer": layer, "sweep": sweep,
     }
-    slug = re.sub(r"[^a-z0-9]+", "_", gpu.lower()).strip("_")
-    out = args.out or ROOT / "bench" / "results" / f"fused_linear_{slug}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-
-    errors = [s for s in sweep if "error" in s]
-    skipped = sum("skipped" in s for s in sweep)
-    print(f"{gpu}, torch {torch.__version__}, triton {triton.__version__}; wrote {out}")
-    print(f"sweep: {len(sweep)} rows, {len(errors)} errors, {skipped} skipped, {sweep_s:.0f} s")
-    for s in errors[:5]:
-        print(f"  error {s['name']} M={s['M']} {s['config']}: {s['error'][:160]}")
+    out = u12_bench.write_result(result, args.out, "fused_linear", gpu)
+    u12_bench.print_sweep_summary(gpu, out, sweep, sweep_s)
     for s in layer:
         print(f"layer x{s['layers']} M={s['M']}: unfused {s['unfused_ms']:.2f} ms, fused {s['fused_ms']:.2f} ms, "
               f"{s['speedup']:.2f}x" if "M" in s else f"layer: {s['error']}")

@@ -109,6 +109,26 @@ def sweep_configs(m: int, n: int, k: int, kernels: tuple[str, ...] = ("tile", "g
     return out + ([dataclasses.replace(tile_default, decode="single")] if "tile" in kernels else [])
 
 
+def write_result(result: dict, out: Path | None, bench: str, gpu: str) -> Path:
+    """Write `result` to `out`, by default bench/results/<bench>_<gpu slug>.json; returns the path."""
+    out = out or ROOT / "bench" / "results" / f"{bench}_{re.sub(r'[^a-z0-9]+', '_', gpu.lower()).strip('_')}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    return out
+
+
+def print_sweep_summary(gpu: str, out: Path, sweep: list[dict], sweep_s: float) -> None:
+    """Versions, where the file went, the sweep's row, error and skip counts, its first errors."""
+    import triton
+
+    errors = [r for r in sweep if "error" in r]
+    skipped = sum("skipped" in r for r in sweep)
+    print(f"{gpu}, torch {torch.__version__}, triton {triton.__version__}; wrote {out}")
+    print(f"sweep: {len(sweep)} rows, {len(errors)} errors, {skipped} skipped, {sweep_s:.0f} s")
+    for r in errors[:5]:
+        print(f"  error {r['name']} M={r['M']} {r['config']}: {r['error'][:160]}")
+
+
 def time_graph(fns, reps: int = 20) -> float:
     """Median ms of one replay of a CUDA graph running fns in order (each warmed up first)."""
     for f in fns:
@@ -245,16 +265,8 @@ def main() -> None:
         "sweep_seconds": sweep_s, "total_seconds": time.monotonic() - t0,
         "rows": rows, "tuned": tuned, "whole_step": step, "sweep": sweep,
     }
-    out = args.out or ROOT / "bench" / "results" / f"u12_linear_{re.sub(r'[^a-z0-9]+', '_', gpu.lower()).strip('_')}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-
-    errors = [r for r in sweep if "error" in r]
-    skipped = sum("skipped" in r for r in sweep)
-    print(f"{gpu}, torch {torch.__version__}, triton {triton.__version__}; wrote {out}")
-    print(f"sweep: {len(sweep)} rows, {len(errors)} errors, {skipped} skipped, {sweep_s:.0f} s")
-    for r in errors[:5]:
-        print(f"  error {r['name']} M={r['M']} {r['config']}: {r['error'][:160]}")
+    out = write_result(result, args.out, "u12_linear", gpu)
+    print_sweep_summary(gpu, out, sweep, sweep_s)
     for s in step:
         print(f"whole step M={s['M']}: cuBLAS {s['cublas_ms']:.2f} ms, u12 {s['u12_ms']:.2f} ms, {s['speedup']:.2f}x"
               if "M" in s else f"whole step: {s['error']}")

@@ -39,7 +39,7 @@ Split-K (dot only). The grid is (N blocks, SPLIT_K, M blocks); each program stor
 partial sums ([gate, up] × split × M × N) and the last program of an output block to arrive (an
 acq_rel counter per block: u12_linear's serial semaphore) sums them in split order, applies the
 epilogue, stores and resets its counter. One launch, no memset, no host sync, deterministic.
-Counters live with the weight's storage (``_split_counters``), so two streams must not run one
+Counters live with the weight's storage (u12_linear's ``split_counters``), so two streams must not run one
 weight (or two views of one concatenated weight) at the same time.
 
 Configs are data (``FusedLinearConfig``); ``default_config(m, n, k, gated)`` takes ``TUNED`` first
@@ -61,7 +61,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import weakref
 from dataclasses import dataclass
 
 import torch
@@ -73,6 +72,7 @@ from .attention_split_kv import _round_bf16
 from .registry import KernelSpec, register
 from .rmsnorm import rmsnorm_reference
 from .silu_mul import silu_mul_reference
+from .u12_linear import aligned_rows, bf16x4_to_fp32, split_counters
 
 SM_COUNT_H200 = 132
 _DTYPES = (torch.bfloat16, torch.float32)
@@ -145,12 +145,7 @@ def _load_planes(rows, w0, K, BLOCK_W: tl.constexpr, WORDS: tl.constexpr, MASKED
             v = tl.load(rows + offs_w, mask=offs_w < K // 4, other=0)
         else:
             v = tl.load(rows + offs_w)
-        lo = v.to(tl.int32)
-        hi = (v >> 32).to(tl.int32)
-        p0 = (lo << 16).to(tl.float32, bitcast=True)
-        p1 = (lo & -0x10000).to(tl.float32, bitcast=True)
-        p2 = (hi << 16).to(tl.float32, bitcast=True)
-        p3 = (hi & -0x10000).to(tl.float32, bitcast=True)
+        p0, p1, p2, p3 = bf16x4_to_fp32(v)
     else:
         k = 4 * w0 + offs
         if MASKED:
@@ -461,19 +456,6 @@ def default_config(m: int, n: int, k: int, gated: bool, on_gpu: bool = True) -> 
     return dataclasses.replace(tile, split_k=split)
 
 
-_COUNTERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def _split_counters(weight: torch.Tensor, size: int) -> torch.Tensor:
-    """Zeroed int32 counters of the split-K semaphore, kept with the weight's storage (views of one
-    concatenated weight share them); the kernel leaves them 0. A larger request allocates a new
-    buffer and keeps the old ones alive (a captured CUDA graph may still point at them)."""
-    bufs = _COUNTERS.setdefault(weight.untyped_storage(), [])
-    if not bufs or bufs[-1].numel() < size:
-        bufs.append(torch.zeros(max(size, 1024), dtype=torch.int32, device=weight.device))
-    return bufs[-1]
-
-
 # --- host --------------------------------------------------------------------------------------
 
 def _check(x, weight, norm_weight, gated, residual) -> tuple[int, int, int]:
@@ -529,12 +511,6 @@ def _words_apply(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and weight.data_ptr() % 8 == 0)
 
 
-def _aligned_rows(t: torch.Tensor) -> torch.Tensor:
-    """t with contiguous rows, a row stride % 4 == 0 and an 8-byte aligned start (copied if not)."""
-    ok = t.stride(-1) == 1 and t.data_ptr() % 8 == 0 and (t.dim() == 1 or t.stride(0) % 4 == 0)
-    return t if ok else t.clone(memory_format=torch.contiguous_format)
-
-
 def fused_linear(
     x: torch.Tensor, weight: torch.Tensor, *, norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
     gated: bool = False, residual: torch.Tensor | None = None, config: FusedLinearConfig | None = None,
@@ -563,9 +539,9 @@ def fused_linear(
     if cfg.kernel == "gemv":
         words = _words_apply(x, weight)
         if words:
-            x = _aligned_rows(x)
+            x = aligned_rows(x, True)
             if norm:
-                norm_weight = _aligned_rows(norm_weight)
+                norm_weight = aligned_rows(norm_weight, True)
         unit = 4 if words else 1  # strides in words of 4 for the int64 loads
         grid = (triton.cdiv(n_out, cfg.block_n), triton.cdiv(m, bm))
         _gemv_kernel[grid](
@@ -583,7 +559,7 @@ def fused_linear(
     grid = (triton.cdiv(n_out, cfg.block_n), split, triton.cdiv(m, bm))
     if split > 1:
         part = torch.empty(((2 if gated else 1) * split, m, n_out), dtype=torch.float32, device=x.device)
-        counters = _split_counters(weight, grid[0] * grid[2])
+        counters = split_counters(weight.untyped_storage(), grid[0] * grid[2], weight.device)
     else:  # unused; an fp32 and an int32 pointer keep the compiled types
         part = torch.empty(1, dtype=torch.float32, device=x.device)
         counters = part.view(torch.int32)

@@ -54,22 +54,25 @@ Configs are data (``U12Config``: block_n, block_w words = 4 weights each, split_
 decode, kernel); ``default_config`` picks one per (M, N, K) (``TUNED`` first, filled from the H200
 sweep) and bench/u12_linear.py sweeps ``SWEEP_GEMV`` / ``SWEEP_DOT`` × ``SPLIT_KS``, for
 M ≤ 4 ``SWEEP_GEMV2`` and, asked for (``--kernels mma``), for M ≥ 5 ``SWEEP_MMA`` × ``SPLIT_KS_MMA``
-against cuBLAS. The mma kernel is not in ``TUNED`` or the defaults yet (not measured).
+against cuBLAS. TUNED's M = 16 rows are mma configs from its H200 sweep.
 
 Speed (H200, triton 3.6). gemv2 at M = 1 (bench/results/u12_linear_gemv2_m1_h200.json, commit
 b170131): 1.27x (qkv), 1.30x (o), 1.23x (gate_up), 1.22x (down), 1.31x (lm_head) of cuBLAS bf16,
 up to 4.14 TB/s of packed bytes; all linears of a Llama-3.1-8B step in one CUDA graph: 3.14 ms
-against 3.97 ms (1.26x), and the whole fused AR step with every linear in u12 1.22x
-(bench/results/step_times_llama_h200.json). At M = 4 gemv2 runs 0.73-0.88x (per-row FMAs: the
+against 3.97 ms (1.26x); the whole fused AR step with every linear in u12 runs 3.92 ms, against 4.70
+ms for the bf16 step on cuBLAS and 4.40 ms with fused_linear (bench/results/step_times_llama_h200.json,
+commit 2e960e4). At M = 4 gemv2 runs 0.73-0.88x (per-row FMAs: the
 decode is shared, the multiply is not), still ahead of the tile kernel there. The tile kernel
 (bench/results/u12_linear_nvidia_h200.json, 457 configs, commit da24869): 0.69-0.97x at M = 1 and
-0.39-0.85x at M = 16 and 64, the rows TUNED still takes for M >= 16; split-K never won at M <= 4.
+0.39-0.85x at M = 16 and 64 (TUNED still takes its M = 64 rows); split-K never won at M <= 4. The
+mma kernel at M = 16 (bench/results/u12_linear_mma_h200.json): 0.67-0.96x on the layer shapes,
+1.18x on lm_head, 0.83x for all linears of a step.
 Correct on the GPU for every swept config (each checked against the reference first) and in the
 GPU test runs; under the interpreter the tests walk split-K, both decodes, word and byte loads,
 the PTX emulation, and the decodes' bits on all 65536 patterns. Tried for gemv2 and dropped:
 prefetching the next chunk's words into registers in the Triton source (the compiled loop issues
 those loads at its end, beside the register swap, and runs 10-17% more instructions). Open: the
-mma kernel's sweep, a pre-interleaved tile-major layout.
+mma kernel's per-chunk wgmma wait (see u12_mma.py), M = 4 and 64, a tile-major layout.
 """
 
 from __future__ import annotations
@@ -354,6 +357,16 @@ def _decode_planes(s, c, ASM: tl.constexpr):
 
 
 @triton.jit
+def bf16x4_to_fp32(v):
+    """An int64 word of 4 bf16 (little-endian: element j in bits 16 j..16 j + 15) as 4 fp32 values,
+    by shifts and masks (exact). Shared with fused_linear's weight loads."""
+    lo = v.to(tl.int32)
+    hi = (v >> 32).to(tl.int32)
+    return ((lo << 16).to(tl.float32, bitcast=True), (lo & -0x10000).to(tl.float32, bitcast=True),
+            (hi << 16).to(tl.float32, bitcast=True), (hi & -0x10000).to(tl.float32, bitcast=True))
+
+
+@triton.jit
 def _x_planes(x_rows, offs_w, mask, X_WORDS: tl.constexpr, MASKED: tl.constexpr):
     """x[m, 4 w + j] for j = 0..3 as fp32. X_WORDS: bf16 x read as one int64 word per w (4 bf16),
     split in registers; else four strided element loads."""
@@ -362,12 +375,7 @@ def _x_planes(x_rows, offs_w, mask, X_WORDS: tl.constexpr, MASKED: tl.constexpr)
             xw = tl.load(x_rows + offs_w, mask=mask, other=0)
         else:
             xw = tl.load(x_rows + offs_w)
-        lo = xw.to(tl.int32)
-        hi = (xw >> 32).to(tl.int32)
-        x0 = (lo << 16).to(tl.float32, bitcast=True)
-        x1 = (lo & -0x10000).to(tl.float32, bitcast=True)
-        x2 = (hi << 16).to(tl.float32, bitcast=True)
-        x3 = (hi & -0x10000).to(tl.float32, bitcast=True)
+        x0, x1, x2, x3 = bf16x4_to_fp32(xw)
     else:
         x_k = x_rows + 4 * offs_w
         if MASKED:
@@ -517,8 +525,8 @@ SWEEP_GEMV2 = [
     U12Config(16, 256, num_warps=4, num_stages=3, kernel="gemv2"),
     U12Config(8, 256, num_warps=4, num_stages=3, kernel="gemv2"),
 ]
-# The mma sweep (M >= 5; bench/u12_linear.py crosses each with SPLIT_KS_MMA). Untuned: chosen from the
-# sm_90 compile (triton 3.6), not measured. block_n >= 64 a warp group (wgmma's M), so block_n 64 runs
+# The mma sweep (M >= 5; bench/u12_linear.py crosses each with SPLIT_KS_MMA), chosen from the sm_90
+# compile (triton 3.6) and swept on the H200 at M = 16 (bench/results/u12_linear_mma_h200.json). block_n >= 64 a warp group (wgmma's M), so block_n 64 runs
 # 4 warps only (8 would decode each weight twice). No loop spills at BLOCK_M 16, 32 or 64; at 64 the
 # block_n 128 (4 warps) and 256 tiles spill in the epilogue. The loop issues 12-19 instructions a word
 # at BLOCK_M 16 (the most words a thread, the fewest), 15-28 at 64 (x's planes grow with BLOCK_M).
@@ -608,15 +616,22 @@ def _nonempty(t: torch.Tensor) -> torch.Tensor:
 _COUNTERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _split_counters(t: U12Tensor, size: int) -> torch.Tensor:
-    """Zeroed int32 counters of the split-K fixup, kept with the weight; the kernel leaves them 0.
-
-    A larger request allocates a new buffer and keeps the old ones alive (a captured CUDA graph may
-    still point at them)."""
-    bufs = _COUNTERS.setdefault(t, [])
+def split_counters(owner, size: int, device: torch.device) -> torch.Tensor:
+    """Zeroed int32 counters of the split-K semaphore, kept with `owner` (a U12Tensor, or a weight's
+    storage, so views of one concatenated weight share them); the kernels leave them 0. A larger
+    request allocates a new buffer and keeps the old ones alive (a captured CUDA graph may still
+    point at them). Shared by u12_linear, u12_mma and fused_linear."""
+    bufs = _COUNTERS.setdefault(owner, [])
     if not bufs or bufs[-1].numel() < size:
-        bufs.append(torch.zeros(max(size, triton.cdiv(t.shape[0], 4)), dtype=torch.int32, device=t.device))
+        bufs.append(torch.zeros(max(size, 1024), dtype=torch.int32, device=device))
     return bufs[-1]
+
+
+def aligned_rows(x: torch.Tensor, words: bool) -> torch.Tensor:
+    """x with unit stride along its rows and, for `words` (read as int64 words of 4 bf16), a row
+    stride % 4 == 0 and an 8-byte aligned start; copied if not."""
+    ok = x.stride(-1) == 1 and (not words or (x.data_ptr() % 8 == 0 and (x.dim() == 1 or x.stride(0) % 4 == 0)))
+    return x if ok else x.clone(memory_format=torch.contiguous_format)
 
 
 def _scales(base: int) -> tuple[bool, float, float, float]:
@@ -646,9 +661,7 @@ def _launch_gemv2(
     n = t.shape[0]
     n_words = k // 4
     x_words = x.dtype == torch.bfloat16
-    if x.stride(1) != 1 or (x_words and (x.stride(0) % 4 or x.data_ptr() % 8)):
-        # the kernel reads x[m, 4 w + j] at unit k stride; int64 words also need aligned rows
-        x = x.clone(memory_format=torch.contiguous_format)
+    x = aligned_rows(x, x_words)  # the kernel reads x[m, 4 w + j] at unit k stride, bf16 x as int64 words
     sm, codes = t.sm.contiguous(), t.codes.contiguous()
     _u12_gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
         x, sm.view(torch.int32), codes.view(torch.int16),
@@ -674,7 +687,7 @@ def _split_k_plan(t: U12Tensor, cfg: U12Config, m: int, n_words: int, block_m: i
     grid = (triton.cdiv(n, cfg.block_n), split, triton.cdiv(m, block_m))
     if split > 1:
         part = torch.empty((split, m, n), dtype=torch.float32, device=t.device)
-        counters = _split_counters(t, grid[0] * grid[2])
+        counters = split_counters(t, grid[0] * grid[2], t.device)
     else:
         counters = t.esc_row_ptr
         part = counters.view(torch.float32)

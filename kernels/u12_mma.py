@@ -15,7 +15,7 @@ register of wgmma's A fragment, and x's matching planes (x[m, 4 w + j], bf16 x r
 word per (w, m)) in the same order: acc[BN, BM] += W · X. W is the wide side (BN >= 64 fills a warp
 group's wgmma, M = 64), x the narrow one. After the loop the tile kernel's epilogue
 (``_store_block``): the scales, the escapes, and split-K by the serial semaphore with the counters
-kept per weight (``_split_counters``). Rows past M and N re-read the last row (their outputs are
+kept per weight (``split_counters``). Rows past M and N re-read the last row (their outputs are
 not stored), so only a last partial chunk of K is masked.
 
 Numerics: as the tile kernel's dot path. The decoded weight is w · 2^-(base-1) (exponent field =
@@ -54,6 +54,7 @@ from .u12_linear import (
     _ESC_BLOCK,
     U12Config,
     _block_m,
+    aligned_rows,
     _case,
     _decode_planes,
     _make_inputs,
@@ -196,8 +197,7 @@ def launch_mma(
     n = t.shape[0]
     n_words = k // 4
     x_words = x.dtype == torch.bfloat16
-    if x.stride(1) != 1 or (x_words and (x.stride(0) % 4 or x.data_ptr() % 8)):
-        x = x.clone(memory_format=torch.contiguous_format)  # contiguous rows; int64 words need 8-byte alignment
+    x = aligned_rows(x, x_words)
     block_m = _block_m(m)
     grid, words_per_split, part, counters = _split_k_plan(t, cfg, m, n_words, block_m)
     native = x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1"  # the interpreter runs no PTX, no bf16 dot

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 import specpilot.kernels.fused_linear as fl
 from specpilot.kernels.registry import KERNELS
+from specpilot.kernels.u12_linear import _COUNTERS
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SPEC = KERNELS["fused_linear"]
@@ -110,7 +111,7 @@ def test_split_k_leaves_its_counters_zero_and_is_deterministic():
     first = fl.fused_linear(x, w, gated=True, config=cfg)
     second = fl.fused_linear(x, w[: 2 * 20], gated=True, config=cfg)  # a view: the same storage's counters
     assert torch.equal(first, second)
-    (counters,) = fl._COUNTERS[w.untyped_storage()]
+    (counters,) = _COUNTERS[w.untyped_storage()]  # the store u12_linear keeps for every split-K kernel
     assert counters.numel() >= 2 and not counters.any()
 
 

@@ -11,7 +11,7 @@ of a few microseconds, and at Llama-3.1-8B shapes those cost as much as reading 
 Up to LINEAR_MAX_M rows of plain (bf16/fp32) weights, kernels/fused_linear.py takes the norms into
 the q|k|v and gate|up GEMMs' prologues, SiLU·mul into gate|up's epilogue and the residual adds
 into o's and down's (the residual stream updated in place): seven launches a layer
-(run_layers_linear). On the H200 the Llama-3.1-8B AR step runs 4.40 ms so against 4.70 ms on
+(run_layers_linear). On the H200 the Llama-3.1-8B AR step runs 4.40 ms against 4.70 ms on
 cuBLAS with the separate kernels (bench/results/step_times_llama_h200.json, fused-cublas).
 
 q/k/v and gate/up are concatenated once at install; the original projections become views of the
@@ -59,8 +59,8 @@ class FusedOps:
 
 
 # Rows up to which fused_linear serves the layers: 32 Llama-3.1-8B layers' linears in one CUDA graph
-# ran 1.07x the unfused kernels (cuBLAS, separate norms, SiLU·mul and adds) at M = 1, 0.84x at M = 4
-# and 1.01x at M = 16 (bench/results/fused_linear_h200.json, "layer").
+# ran 1.08x the unfused kernels (cuBLAS, separate norms, SiLU·mul and adds) at M = 1, 0.80x at M = 4
+# and 0.94x at M = 16 (bench/results/fused_linear_h200.json, "layer").
 LINEAR_MAX_M = 1
 
 
