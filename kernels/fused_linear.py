@@ -68,9 +68,8 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from .attention_split_kv import _round_bf16
 from .registry import KernelSpec, register
-from .rmsnorm import rmsnorm_reference
+from .rmsnorm import _normalize, _row_inv, _to_dtype, rmsnorm_reference
 from .silu_mul import silu_mul_reference
 from .u12_linear import aligned_rows, bf16x4_to_fp32, split_counters
 
@@ -79,34 +78,6 @@ _DTYPES = (torch.bfloat16, torch.float32)
 
 
 # --- shared pieces ---------------------------------------------------------------------------
-
-@triton.jit
-def _to_dtype(v, DTYPE: tl.constexpr, ROUND_BF16: tl.constexpr):
-    """fp32 v rounded to DTYPE (nearest even), back in fp32; ROUND_BF16: the interpreter's
-    truncating cast made exact by rounding first."""
-    if ROUND_BF16:
-        v = _round_bf16(v)
-    return v.to(DTYPE).to(tl.float32)
-
-
-@triton.jit
-def _normalize(v, inv, nw, DTYPE: tl.constexpr, ROUND_BF16: tl.constexpr):
-    """rmsnorm's two roundings: dtype(nw · dtype(v · inv))."""
-    return _to_dtype(nw * _to_dtype(v * inv, DTYPE, ROUND_BF16), DTYPE, ROUND_BF16)
-
-
-@triton.jit
-def _row_inv(x_ptr, rows, stride_xm, K, inv_k, eps, BLOCK_M: tl.constexpr, BLOCK: tl.constexpr):
-    """rsqrt(Σ x² · fp32(1/K) + eps) for the rows `rows` [BLOCK_M] of x (fp fusion is off in the
-    launch, so the product and the add round apart, as torch's mean and add do)."""
-    acc = tl.zeros((BLOCK_M, BLOCK), dtype=tl.float32)
-    x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xm
-    for k0 in range(0, K, BLOCK):
-        k = k0 + tl.arange(0, BLOCK)[None, :]
-        v = tl.load(x_rows + k, mask=k < K, other=0.0).to(tl.float32)
-        acc = tl.fma(v, v, acc)
-    return tl.math.rsqrt(tl.sum(acc, axis=1) * inv_k + eps)
-
 
 @triton.jit
 def _epilogue(
