@@ -12,6 +12,8 @@ median of the repeats. Paths of the same model:
           serves every length);
   fused-cublas  the fused path with fused_linear off (cuBLAS GEMMs, separate RMSNorm, SiLU·mul and
           residual-add kernels), AR and verify(4) only: what fused_linear replaces;
+  fused-nopdl  the fused path with plain launches (no programmatic dependent launch, kernels/launch.py),
+          AR and verify(16) only;
   fused+u12  the fused path with every linear and lm_head in the u12 format (weights-u12 pass),
           AR and verify(16) only.
 
@@ -37,6 +39,7 @@ from pathlib import Path
 import torch
 import triton
 
+from specpilot.kernels.launch import pdl_disabled
 from specpilot.runtime.config import DrafterConfig, ModelConfig
 from specpilot.runtime.dflash import DFlashDrafter
 from specpilot.runtime.fused import fused_path
@@ -249,6 +252,11 @@ def bench_shape(name: str, bw: float, repeats: int, with_u12: bool = True) -> tu
                     profile["ar-cublas"] = profile_step(lambda: (at_context(), model(inputs[1], cache)))
                 finally:
                     model.fused.ops = ops
+                # the same steps launched plainly: what programmatic dependent launch saves
+                with pdl_disabled():
+                    for q in (1, 16 if 16 in VERIFY_Q else VERIFY_Q[0]):
+                        record("fused-nopdl", "ar" if q == 1 else "verify", q,
+                               lambda ids=inputs[q]: (at_context(), model(ids, cache))[1])
                 # chain verify of q beside a tree of q nodes + anchor: what the tree mask costs
                 q, nodes = (16, 16) if 16 in VERIFY_Q and 16 in TREE_BUDGETS else (VERIFY_Q[0], TREE_BUDGETS[0])
                 mask, depth = tree_mask(nodes, DEVICE)

@@ -47,6 +47,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import pdl_enter, pdl_options
 from .registry import KernelSpec, register
 
 BLOCK_M = 64  # query rows a program, at most
@@ -81,7 +82,9 @@ def _split_kernel(
     SINGLE: tl.constexpr,  # one split: normalise and write the output here
     ROUND_BF16: tl.constexpr,  # bf16 under the interpreter: round before casting (_round_bf16)
     PAST_TENSOR: tl.constexpr,  # past read from past_ptr[b · stride_pb]; S is then the capacity
+    PDL: tl.constexpr,  # programmatic dependent launch (kernels/launch.py)
 ):
+    pdl_enter(PDL)
     pid_m = tl.program_id(0)
     split = tl.program_id(1)
     bh = tl.program_id(2)
@@ -166,12 +169,14 @@ def _combine_kernel(
     T, G, HKV, NUM_SPLITS,
     stride_ob, stride_oh, stride_ot,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, ROUND_BF16: tl.constexpr,
+    PDL: tl.constexpr,  # programmatic dependent launch (kernels/launch.py)
 ):
     """out = Σ_s 2^(m_s - M) acc_s / Σ_s 2^(m_s - M) l_s for one row, M the largest m_s.
 
     One program per (query row, batch · kv head), every split loaded at once: a loop over the
     splits in a few programs took 12 µs a call at 32 splits (H200, Llama-3.1-8B AR step), an
     eighth of the whole attention; this is one round trip to memory."""
+    pdl_enter(PDL)
     row = tl.program_id(0)
     bh = tl.program_id(1)
     b = (bh // HKV).to(tl.int64)
@@ -313,7 +318,8 @@ def attention_split_kv(
     qk_scale = (d ** -0.5 if scale is None else scale) * math.log2(math.e)
     native = q.is_cuda and os.environ.get("TRITON_INTERPRET") != "1"
     meta = dict(HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=block_m, ROUND_BF16=not native and q.dtype == torch.bfloat16)
-    launch = dict(num_warps=4, num_stages=2) if native else {}
+    pdl, pdl_launch = pdl_options(q.device)
+    launch = dict(num_warps=4, num_stages=2, **pdl_launch) if native else {}
 
     _split_kernel[(row_blocks, splits, b * hkv)](
         q, k, v, mask_t, out, m_part, l_part, acc_part, past_t,
@@ -324,13 +330,13 @@ def attention_split_kv(
         stride_mb, stride_mt,
         out.stride(0), out.stride(1), out.stride(2),
         BLOCK_N=BLOCK_N, MASK=mode, DOT_FP32=q.dtype == torch.float32 or not native, SINGLE=single,
-        PAST_TENSOR=past_tensor, **meta, **launch,
+        PAST_TENSOR=past_tensor, PDL=pdl, **meta, **launch,
     )
     if not single:
         _combine_kernel[(rows, b * hkv)](
             m_part, l_part, acc_part, out, t, g, hkv, splits,
             out.stride(0), out.stride(1), out.stride(2), HEAD_DIM=d, BLOCK_D=block_d,
-            BLOCK_S=triton.next_power_of_2(splits), ROUND_BF16=meta["ROUND_BF16"], **launch,
+            BLOCK_S=triton.next_power_of_2(splits), ROUND_BF16=meta["ROUND_BF16"], PDL=pdl, **launch,
         )
     return out
 

@@ -68,6 +68,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from .launch import pdl_enter, pdl_options
 from .registry import KernelSpec, register
 from .rmsnorm import _normalize, _row_inv, _to_dtype, rmsnorm_reference
 from .silu_mul import silu_mul_reference
@@ -170,8 +171,10 @@ def _gemv_kernel(
     NORM: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr,
     ROUND_BF16: tl.constexpr,  # bf16 under the interpreter: round before casting
     EXPF: tl.constexpr,  # libdevice's expf (GPU); else tl.exp (the interpreter has no libdevice)
+    PDL: tl.constexpr,  # programmatic dependent launch (kernels/launch.py)
 ):
     """BLOCK_M rows of x against BLOCK_N output rows (N: output columns; gated: W rows n and N + n)."""
+    pdl_enter(PDL)
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     DTYPE: tl.constexpr = y_ptr.dtype.element_ty
@@ -229,8 +232,10 @@ def _dot_kernel(
     SPLIT: tl.constexpr,  # split_k > 1: partials and the semaphore
     DOT_BF16: tl.constexpr,  # bf16 operands (GPU, bf16 x); else fp32 "ieee" dots
     ROUND_BF16: tl.constexpr, EXPF: tl.constexpr,
+    PDL: tl.constexpr,  # programmatic dependent launch (kernels/launch.py)
 ):
     """BLOCK_M rows of x against BLOCK_N output rows over K range pid_k of split_k."""
+    pdl_enter(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -501,11 +506,12 @@ def fused_linear(
         norm_weight = norm_weight.contiguous()
     norm = norm_weight is not None
     bm = _block_m(m, cfg)
+    pdl, pdl_launch = pdl_options(x.device)
     flags = dict(NORM=norm, GATED=bool(gated), RESIDUAL=residual is not None,
-                 ROUND_BF16=not native and x.dtype == torch.bfloat16, EXPF=native)
+                 ROUND_BF16=not native and x.dtype == torch.bfloat16, EXPF=native, PDL=pdl)
     # fp fusion off, as in rmsnorm and silu_mul: sum · (1/K) + eps and 1 + exp(-g) round as torch's do
     # (the GEMV's sums are explicit FMAs, the dot's are tensor-core or "ieee" dots: unaffected).
-    launch = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False) if native else {}
+    launch = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False, **pdl_launch) if native else {}
 
     if cfg.kernel == "gemv":
         words = _words_apply(x, weight)

@@ -37,6 +37,7 @@ import triton.language as tl
 from specpilot.runtime.model import apply_rope
 
 from .attention_split_kv import _round_bf16
+from .launch import pdl_enter, pdl_options
 from .registry import KernelSpec, register
 
 
@@ -56,7 +57,9 @@ def _rope_qkv_kernel(
     s_q_b, s_q_h, s_q_t, s_kc_b, s_kc_h, s_kc_s, s_vc_b, s_vc_h, s_vc_s,
     HALF: tl.constexpr, BLOCK: tl.constexpr, QK_NORM: tl.constexpr,
     ROUND_BF16: tl.constexpr,  # bf16 under the interpreter: round before casting
+    PDL: tl.constexpr,  # programmatic dependent launch (kernels/launch.py)
 ):
+    pdl_enter(PDL)
     bt = tl.program_id(0)
     head = tl.program_id(1)  # q heads 0..H-1, then k heads
     b = (bt // T).to(tl.int64)
@@ -165,6 +168,7 @@ def rope_qkv(
     qw = q_norm_weight if q_norm_weight is not None else kw
     q_out = q if num_heads else qkv
     native = qkv.is_cuda and os.environ.get("TRITON_INTERPRET") != "1"
+    pdl, pdl_launch = pdl_options(qkv.device)
     _rope_qkv_kernel[(b * t, num_heads + num_kv_heads)](
         qkv, cos, sin, qw, kw, slots, q_out, k_cache, v_cache,
         t, num_heads, num_kv_heads, eps, 1.0 / d,
@@ -174,8 +178,8 @@ def rope_qkv(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         HALF=d // 2, BLOCK=triton.next_power_of_2(d // 2), QK_NORM=norm,
-        ROUND_BF16=not native and qkv.dtype == torch.bfloat16,
-        **(dict(num_warps=1, enable_fp_fusion=False) if native else {}),
+        ROUND_BF16=not native and qkv.dtype == torch.bfloat16, PDL=pdl,
+        **(dict(num_warps=1, enable_fp_fusion=False, **pdl_launch) if native else {}),
     )
     return q
 

@@ -25,6 +25,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from .attention_split_kv import _round_bf16
+from .launch import pdl_enter, pdl_options
 from .registry import KernelSpec, register
 
 BLOCK = 1024
@@ -35,7 +36,9 @@ def _silu_mul_kernel(
     gu_ptr, out_ptr, I, stride_gu, stride_out,
     BLOCK: tl.constexpr, ROUND_BF16: tl.constexpr,  # bf16 under the interpreter: round before casting
     EXPF: tl.constexpr,  # libdevice's expf, CUDA's (the interpreter has no libdevice)
+    PDL: tl.constexpr,  # programmatic dependent launch (kernels/launch.py)
 ):
+    pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < I
@@ -69,10 +72,11 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     gu = gate_up.reshape(-1, two_i) if gate_up.stride(-1) == 1 else gate_up.contiguous().view(-1, two_i)
     out2 = out.view(-1, i)
     native = gate_up.is_cuda and os.environ.get("TRITON_INTERPRET") != "1"
+    pdl, pdl_launch = pdl_options(gate_up.device)
     _silu_mul_kernel[(gu.shape[0], triton.cdiv(i, BLOCK))](
         gu, out2, i, gu.stride(0), out2.stride(0),
-        BLOCK=BLOCK, ROUND_BF16=not native and gate_up.dtype == torch.bfloat16, EXPF=native,
-        **(dict(num_warps=4, enable_fp_fusion=False) if native else {}),
+        BLOCK=BLOCK, ROUND_BF16=not native and gate_up.dtype == torch.bfloat16, EXPF=native, PDL=pdl,
+        **(dict(num_warps=4, enable_fp_fusion=False, **pdl_launch) if native else {}),
     )
     return out
 
