@@ -12,10 +12,10 @@ median of the repeats. Paths of the same model:
           serves every length);
   fused-cublas  the fused path with fused_linear off (cuBLAS GEMMs, separate RMSNorm, SiLU·mul and
           residual-add kernels), AR and verify(4) only: what fused_linear replaces;
-  fused-nopdl  the fused path with plain launches (no programmatic dependent launch, kernels/launch.py),
-          AR and verify(16) only;
+  fused-plain  the fused path without programmatic dependent launch or L2 weight prefetch
+          (kernels/overlap.py), AR and verify(16) only; fused-noprefetch: with PDL, no prefetch, AR only;
   fused+u12  the fused path with every linear and lm_head in the u12 format (weights-u12 pass),
-          AR and verify(16) only.
+          AR and verify(16) only; fused+u12-unfused: its AR step with u12_fused_linear off.
 
 Steps: AR q=1; chain verify q=4..64; tree verify of k-ary trees (top-4) with 16..128 nodes plus
 the anchor; the DFlash-style drafter step (5 layers, block 16). The floor is the bytes of weights
@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 import triton
 
-from specpilot.kernels.launch import pdl_disabled
+from specpilot.kernels.overlap import overlap_off
 from specpilot.runtime.config import DrafterConfig, ModelConfig
 from specpilot.runtime.dflash import DFlashDrafter
 from specpilot.runtime.fused import fused_path
@@ -252,11 +252,12 @@ def bench_shape(name: str, bw: float, repeats: int, with_u12: bool = True) -> tu
                     profile["ar-cublas"] = profile_step(lambda: (at_context(), model(inputs[1], cache)))
                 finally:
                     model.fused.ops = ops
-                # the same steps launched plainly: what programmatic dependent launch saves
-                with pdl_disabled():
-                    for q in (1, 16 if 16 in VERIFY_Q else VERIFY_Q[0]):
-                        record("fused-nopdl", "ar" if q == 1 else "verify", q,
-                               lambda ids=inputs[q]: (at_context(), model(ids, cache))[1])
+                # the same steps launched plainly, and with PDL but no L2 prefetch: what each saves
+                for label, off in (("fused-plain", dict()), ("fused-noprefetch", dict(pdl=False))):
+                    with overlap_off(**off):
+                        for q in (1, 16 if 16 in VERIFY_Q else VERIFY_Q[0])[: 2 if label == "fused-plain" else 1]:
+                            record(label, "ar" if q == 1 else "verify", q,
+                                   lambda ids=inputs[q]: (at_context(), model(ids, cache))[1])
                 # chain verify of q beside a tree of q nodes + anchor: what the tree mask costs
                 q, nodes = (16, 16) if 16 in VERIFY_Q and 16 in TREE_BUDGETS else (VERIFY_Q[0], TREE_BUDGETS[0])
                 mask, depth = tree_mask(nodes, DEVICE)
@@ -304,6 +305,14 @@ def bench_shape(name: str, bw: float, repeats: int, with_u12: bool = True) -> tu
                     return model(ids, cache)
 
                 record("fused+u12", "ar" if q == 1 else "verify", q, u12_step, u12_weight_bytes=u12_bytes)
+            # AR with u12_fused_linear off: u12_linear beside separate norm, SiLU·mul and add kernels
+            ops = model.fused.ops
+            model.fused.ops = dataclasses.replace(ops, linear_max_m=0)
+            try:
+                record("fused+u12-unfused", "ar", 1, lambda ids=inputs[1]: (cache.length.copy_(start), model(ids, cache))[1],
+                       u12_weight_bytes=u12_bytes)
+            finally:
+                model.fused.ops = ops
     model = drafter = None  # the 16 GB of this shape go before the next one is built
     if DEVICE == "cuda":
         torch.cuda.empty_cache()

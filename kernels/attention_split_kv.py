@@ -47,7 +47,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import pdl_enter, pdl_options
+from .overlap import pdl_enter, pdl_options
 from .registry import KernelSpec, register
 
 BLOCK_M = 64  # query rows a program, at most
@@ -82,7 +82,7 @@ def _split_kernel(
     SINGLE: tl.constexpr,  # one split: normalise and write the output here
     ROUND_BF16: tl.constexpr,  # bf16 under the interpreter: round before casting (_round_bf16)
     PAST_TENSOR: tl.constexpr,  # past read from past_ptr[b · stride_pb]; S is then the capacity
-    PDL: tl.constexpr,  # programmatic dependent launch (kernels/launch.py)
+    PDL: tl.constexpr,  # programmatic dependent launch (kernels/overlap.py)
 ):
     pdl_enter(PDL)
     pid_m = tl.program_id(0)
@@ -169,7 +169,7 @@ def _combine_kernel(
     T, G, HKV, NUM_SPLITS,
     stride_ob, stride_oh, stride_ot,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, ROUND_BF16: tl.constexpr,
-    PDL: tl.constexpr,  # programmatic dependent launch (kernels/launch.py)
+    PDL: tl.constexpr,  # programmatic dependent launch (kernels/overlap.py)
 ):
     """out = Σ_s 2^(m_s - M) acc_s / Σ_s 2^(m_s - M) l_s for one row, M the largest m_s.
 

@@ -68,7 +68,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from .launch import pdl_enter, pdl_options
+from .overlap import pdl_enter, pdl_options
 from .registry import KernelSpec, register
 from .rmsnorm import _normalize, _row_inv, _to_dtype, rmsnorm_reference
 from .silu_mul import silu_mul_reference
@@ -171,7 +171,7 @@ def _gemv_kernel(
     NORM: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr,
     ROUND_BF16: tl.constexpr,  # bf16 under the interpreter: round before casting
     EXPF: tl.constexpr,  # libdevice's expf (GPU); else tl.exp (the interpreter has no libdevice)
-    PDL: tl.constexpr,  # programmatic dependent launch (kernels/launch.py)
+    PDL: tl.constexpr,  # programmatic dependent launch (kernels/overlap.py)
 ):
     """BLOCK_M rows of x against BLOCK_N output rows (N: output columns; gated: W rows n and N + n)."""
     pdl_enter(PDL)
@@ -232,7 +232,7 @@ def _dot_kernel(
     SPLIT: tl.constexpr,  # split_k > 1: partials and the semaphore
     DOT_BF16: tl.constexpr,  # bf16 operands (GPU, bf16 x); else fp32 "ieee" dots
     ROUND_BF16: tl.constexpr, EXPF: tl.constexpr,
-    PDL: tl.constexpr,  # programmatic dependent launch (kernels/launch.py)
+    PDL: tl.constexpr,  # programmatic dependent launch (kernels/overlap.py)
 ):
     """BLOCK_M rows of x against BLOCK_N output rows over K range pid_k of split_k."""
     pdl_enter(PDL)

@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from .attention_split_kv import _round_bf16
-from .launch import pdl_enter, pdl_options
+from .overlap import pdl_enter, pdl_options
 from .registry import KernelSpec, register
 
 MAX_H = 16384
@@ -69,7 +69,7 @@ def _rmsnorm_kernel(
     H, inv_h, eps, stride_x, stride_r, stride_y, stride_h,
     BLOCK: tl.constexpr, RESIDUAL: tl.constexpr,
     ROUND_X: tl.constexpr, ROUND_Y: tl.constexpr,  # bf16 under the interpreter: round before casting
-    PDL: tl.constexpr,  # programmatic dependent launch (kernels/launch.py)
+    PDL: tl.constexpr,  # programmatic dependent launch (kernels/overlap.py)
 ):
     pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)

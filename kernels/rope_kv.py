@@ -37,7 +37,7 @@ import triton.language as tl
 from specpilot.runtime.model import apply_rope
 
 from .attention_split_kv import _round_bf16
-from .launch import pdl_enter, pdl_options
+from .overlap import overlap_enter, pdl_options, prefetch_args
 from .registry import KernelSpec, register
 
 
@@ -52,16 +52,18 @@ def _rn(x, dtype: tl.constexpr, ROUND_BF16: tl.constexpr):
 @triton.jit
 def _rope_qkv_kernel(
     qkv_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, slots_ptr, q_ptr, kc_ptr, vc_ptr,
-    T, H, HKV, eps, inv_d,
+    T, H, HKV, eps, inv_d, pf_addr0, pf_bytes0, pf_addr1, pf_bytes1,
     s_qkv_b, s_qkv_t, s_cs_b, s_cs_t, s_sl_b, s_sl_t,
     s_q_b, s_q_h, s_q_t, s_kc_b, s_kc_h, s_kc_s, s_vc_b, s_vc_h, s_vc_s,
     HALF: tl.constexpr, BLOCK: tl.constexpr, QK_NORM: tl.constexpr,
     ROUND_BF16: tl.constexpr,  # bf16 under the interpreter: round before casting
-    PDL: tl.constexpr,  # programmatic dependent launch (kernels/launch.py)
+    PDL: tl.constexpr,  # programmatic dependent launch (kernels/overlap.py)
+    PREFETCH: tl.constexpr,  # 0-2 ranges of the next GEMV's weight into L2 (kernels/overlap.py)
 ):
-    pdl_enter(PDL)
     bt = tl.program_id(0)
     head = tl.program_id(1)  # q heads 0..H-1, then k heads
+    overlap_enter(PDL, PREFETCH, pf_addr0, pf_bytes0, pf_addr1, pf_bytes1, bt * tl.num_programs(1) + head,
+                  tl.num_programs(0) * tl.num_programs(1), 32)
     b = (bt // T).to(tl.int64)
     t = bt % T
     dt = qkv_ptr.dtype.element_ty
@@ -148,8 +150,11 @@ def rope_qkv(
     qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     slots: torch.Tensor, *, num_heads: int, num_kv_heads: int,
     q_norm_weight: torch.Tensor | None = None, k_norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
+    prefetch: torch.Tensor | tuple[torch.Tensor, ...] | None = None,
 ) -> torch.Tensor:
-    """Roped q [B, H, T, D]; roped k and v written into k_cache, v_cache at `slots` (module docstring)."""
+    """Roped q [B, H, T, D]; roped k and v written into k_cache, v_cache at `slots` (module docstring).
+    `prefetch`: weights (up to two tensors) the next kernels read, asked into L2 meanwhile
+    (kernels/overlap.py)."""
     b, t, d = _check(qkv, cos, sin, k_cache, v_cache, slots, num_heads, num_kv_heads, q_norm_weight, k_norm_weight)
     cos, sin = _table(cos, "cos", b, t, d), _table(sin, "sin", b, t, d)
     if cos.shape != sin.shape:
@@ -169,16 +174,17 @@ def rope_qkv(
     q_out = q if num_heads else qkv
     native = qkv.is_cuda and os.environ.get("TRITON_INTERPRET") != "1"
     pdl, pdl_launch = pdl_options(qkv.device)
+    pf, *pf_ranges = prefetch_args(qkv.device, prefetch)
     _rope_qkv_kernel[(b * t, num_heads + num_kv_heads)](
         qkv, cos, sin, qw, kw, slots, q_out, k_cache, v_cache,
-        t, num_heads, num_kv_heads, eps, 1.0 / d,
+        t, num_heads, num_kv_heads, eps, 1.0 / d, *pf_ranges,
         qkv.stride(0), qkv.stride(1), cos.stride(0) if cos.shape[0] > 1 else 0, cos.stride(1),
         slots.stride(0), slots.stride(1),
         q.stride(0), q.stride(1), q.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         HALF=d // 2, BLOCK=triton.next_power_of_2(d // 2), QK_NORM=norm,
-        ROUND_BF16=not native and qkv.dtype == torch.bfloat16, PDL=pdl,
+        ROUND_BF16=not native and qkv.dtype == torch.bfloat16, PDL=pdl, PREFETCH=pf,
         **(dict(num_warps=1, enable_fp_fusion=False, **pdl_launch) if native else {}),
     )
     return q
@@ -194,6 +200,7 @@ def rope_qkv_reference(
     qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     slots: torch.Tensor, *, num_heads: int, num_kv_heads: int,
     q_norm_weight: torch.Tensor | None = None, k_norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
+    prefetch: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """model.Attention.queries / keys_values on the split projection, then the cache writes."""
     b, t, d = _check(qkv, cos, sin, k_cache, v_cache, slots, num_heads, num_kv_heads, q_norm_weight, k_norm_weight)

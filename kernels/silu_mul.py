@@ -25,7 +25,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from .attention_split_kv import _round_bf16
-from .launch import pdl_enter, pdl_options
+from .overlap import pdl_enter, pdl_options
 from .registry import KernelSpec, register
 
 BLOCK = 1024
@@ -36,7 +36,7 @@ def _silu_mul_kernel(
     gu_ptr, out_ptr, I, stride_gu, stride_out,
     BLOCK: tl.constexpr, ROUND_BF16: tl.constexpr,  # bf16 under the interpreter: round before casting
     EXPF: tl.constexpr,  # libdevice's expf, CUDA's (the interpreter has no libdevice)
-    PDL: tl.constexpr,  # programmatic dependent launch (kernels/launch.py)
+    PDL: tl.constexpr,  # programmatic dependent launch (kernels/overlap.py)
 ):
     pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)

@@ -89,7 +89,9 @@ import triton.language as tl
 
 from specpilot.runtime.u12 import MAX_BASE, U12Tensor, pack_u12, unpack_u12
 
+from .overlap import pdl_enter, pdl_options
 from .registry import KernelSpec, register
+from .rmsnorm import _normalize
 
 X_SCALE_LOG2 = 64  # x is scaled by 2^64 on the scaled-decode path (see the module docstring)
 
@@ -161,8 +163,12 @@ def _scatter_escapes(acc, contrib, rows, offs_n, USE_DOT: tl.constexpr):
 def _apply_escapes(
     acc, x_ptr, esc_idx_ptr, esc_val_ptr, esc_row_ptr, offs_m, mask_m, offs_n, n0, N, K,
     stride_xm, stride_xk, BLOCK_N: tl.constexpr, ESC_BLOCK: tl.constexpr, USE_DOT: tl.constexpr,
+    nw_ptr, inv, NORM: tl.constexpr, DTYPE: tl.constexpr, ROUND_BF16: tl.constexpr,
 ):
-    """Add the exact contributions of the escaped weights in rows [n0, n0 + BLOCK_N)."""
+    """Add the exact contributions of the escaped weights in rows [n0, min(n0 + BLOCK_N, N)) of W
+    (offs_n: those rows' indices in W, so a block of the up half of [gate; up] passes n0, offs_n and
+    N shifted by the gate rows). NORM: x at an escape's column is normalised as the fused kernel's
+    x planes are (kernels/u12_fused_linear.py), dtype(nw · dtype(x · inv)) with inv [BM] per row."""
     start = tl.load(esc_row_ptr + n0)
     end = tl.load(esc_row_ptr + tl.minimum(n0 + BLOCK_N, N))
     for e0 in range(start, end, ESC_BLOCK):
@@ -176,6 +182,9 @@ def _apply_escapes(
             x_ptr + offs_m[:, None] * stride_xm + cols[None, :] * stride_xk,
             mask=mask_m[:, None] & mask_e[None, :], other=0.0,
         ).to(tl.float32)
+        if NORM:
+            nw = tl.load(nw_ptr + cols, mask=mask_e, other=0.0).to(tl.float32)
+            xg = _normalize(xg, inv[:, None], nw[None, :], DTYPE, ROUND_BF16)
         contrib = xg * val[None, :]
         n_nonfinite = tl.sum(tl.sum((contrib - contrib != 0).to(tl.int32), axis=1), axis=0)
         if n_nonfinite == 0:
@@ -184,8 +193,10 @@ def _apply_escapes(
             for e in range(e0, tl.minimum(e0 + ESC_BLOCK, end)):
                 i = tl.load(esc_idx_ptr + e)
                 v = (tl.load(esc_val_ptr + e).to(tl.int32) << 16).to(tl.float32, bitcast=True)
-                xcol = tl.load(x_ptr + offs_m * stride_xm + (i % K) * stride_xk, mask=mask_m, other=0.0)
-                acc += tl.where(offs_n[None, :] == i // K, (xcol.to(tl.float32) * v)[:, None], 0.0)
+                xcol = tl.load(x_ptr + offs_m * stride_xm + (i % K) * stride_xk, mask=mask_m, other=0.0).to(tl.float32)
+                if NORM:
+                    xcol = _normalize(xcol, inv, tl.load(nw_ptr + i % K).to(tl.float32), DTYPE, ROUND_BF16)
+                acc += tl.where(offs_n[None, :] == i // K, (xcol * v)[:, None], 0.0)
     return acc
 
 
@@ -200,7 +211,9 @@ def _u12_linear_kernel(
     SCALED: tl.constexpr,  # exponent field = code, x scaled by x_scale, sums by y_scale_lo · y_scale_hi
     USE_DOT: tl.constexpr,  # tl.dot on decoded tiles (BLOCK_M >= 16), else multiply-and-sum
     DOT_BF16: tl.constexpr,  # bf16 tiles for a bf16 dot (GPU, bf16 x); else fp32 tiles
+    PDL: tl.constexpr,  # programmatic dependent launch (kernels/overlap.py)
 ):
+    pdl_enter(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -271,7 +284,7 @@ def _store_block(
     if split_k == 1:
         out = _apply_escapes(
             out, x_ptr, esc_idx_ptr, esc_val_ptr, esc_row_ptr, offs_m, mask_m, offs_n, n0, N, K,
-            stride_xm, stride_xk, BLOCK_N, ESC_BLOCK, USE_DOT,
+            stride_xm, stride_xk, BLOCK_N, ESC_BLOCK, USE_DOT, x_ptr, 1.0, False, y_ptr.dtype.element_ty, False,
         )
         tl.store(y, out.to(y_ptr.dtype.element_ty), mask=mask_out)
     else:
@@ -286,7 +299,7 @@ def _store_block(
                 total += tl.load(part + ks * M * N, mask=mask_out, other=0.0, cache_modifier=".cg")
             total = _apply_escapes(
                 total, x_ptr, esc_idx_ptr, esc_val_ptr, esc_row_ptr, offs_m, mask_m, offs_n, n0, N, K,
-                stride_xm, stride_xk, BLOCK_N, ESC_BLOCK, USE_DOT,
+                stride_xm, stride_xk, BLOCK_N, ESC_BLOCK, USE_DOT, x_ptr, 1.0, False, y_ptr.dtype.element_ty, False,
             )
             tl.store(y, total.to(y_ptr.dtype.element_ty), mask=mask_out)
             tl.atomic_xchg(counter, 0)  # ready for the next launch (and CUDA graph replays)
@@ -424,8 +437,10 @@ def _u12_gemv_kernel(
     X_WORDS: tl.constexpr,  # bf16 x read as int64 words of 4 (contiguous rows, 8-byte aligned); else fp32 elements
     EVEN_K: tl.constexpr,  # n_words % BLOCK_W == 0: no masked last chunk
     ASM: tl.constexpr,  # PTX prmt/lop3 (GPU); else their shift-and-mask emulation (interpreter)
+    PDL: tl.constexpr,  # programmatic dependent launch (kernels/overlap.py)
 ):
     """All M (<= 4) rows of x against BLOCK_N rows of W on the scaled path (K % 4 == 0, 1 <= base <= 240)."""
+    pdl_enter(PDL)
     pid_n = tl.program_id(0)
     n0 = pid_n * BLOCK_N
     offs_m = tl.arange(0, BLOCK_M)
@@ -455,7 +470,7 @@ def _u12_gemv_kernel(
 
     out = _apply_escapes(
         out, x_ptr, esc_idx_ptr, esc_val_ptr, esc_row_ptr, offs_m, mask_m, offs_n, n0, N, K,
-        stride_xm, stride_xk, BLOCK_N, ESC_BLOCK, False,
+        stride_xm, stride_xk, BLOCK_N, ESC_BLOCK, False, x_ptr, 1.0, False, y_ptr.dtype.element_ty, False,
     )
     y = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
     tl.store(y, out.to(y_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
@@ -672,8 +687,14 @@ def _launch_gemv2(
         X_WORDS=x_words, EVEN_K=n_words % cfg.block_w == 0,
         # inline PTX on the GPU; the interpreter (TRITON_INTERPRET=1, read by Triton at import) runs none
         ASM=x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1",
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_pdl_launch(x),
     )
+
+
+def _pdl_launch(x: torch.Tensor) -> dict:
+    """The PDL flag and launch option of a launch on x's device (kernels/overlap.py)."""
+    pdl, options = pdl_options(x.device)
+    return dict(PDL=pdl, **options)
 
 
 def _split_k_plan(t: U12Tensor, cfg: U12Config, m: int, n_words: int, block_m: int):
@@ -735,7 +756,7 @@ def u12_linear(x: torch.Tensor, t: U12Tensor, config: U12Config | None = None) -
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_W=cfg.block_w, ESC_BLOCK=_ESC_BLOCK,
         PAIRS=cfg.decode == "pairs", WORDS=words, SCALED=scaled, USE_DOT=use_dot,
         DOT_BF16=use_dot and x.is_cuda and x.dtype == torch.bfloat16,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_pdl_launch(x),
     )
     return y
 

@@ -49,6 +49,7 @@ import triton.language as tl
 
 from specpilot.runtime.u12 import U12Tensor
 
+from .overlap import pdl_enter
 from .registry import KernelSpec, register
 from .u12_linear import (
     _ESC_BLOCK,
@@ -60,6 +61,7 @@ from .u12_linear import (
     _make_inputs,
     _nonempty,
     _pair_patterns,
+    _pdl_launch,
     _plant_wrong_weight,
     _scales,
     _split_k_plan,
@@ -148,7 +150,9 @@ def _u12_mma_kernel(
     EVEN_K: tl.constexpr,  # n_words % BLOCK_W == 0: no split has a masked last chunk
     DOT_BF16: tl.constexpr,  # bf16 planes and dots (GPU, bf16 x); else fp32
     ASM: tl.constexpr,  # PTX prmt/lop3 (GPU); else their shift-and-mask emulation (interpreter)
+    PDL: tl.constexpr,  # programmatic dependent launch (kernels/overlap.py)
 ):
+    pdl_enter(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -210,7 +214,7 @@ def launch_mma(
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_W=cfg.block_w, ESC_BLOCK=_ESC_BLOCK,
         X_WORDS=x_words, EVEN_K=n_words % cfg.block_w == 0,
         DOT_BF16=native and x.dtype == torch.bfloat16, ASM=native,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_pdl_launch(x),
     )
 
 

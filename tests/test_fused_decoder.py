@@ -290,16 +290,17 @@ def test_u12_projections_are_concatenated_over_shared_planes(tiny_model_dirs):
 
 # --- fused_linear: the norms, SiLU·mul and residual adds inside the GEMMs ---------------------
 
-def _count_linear(stack) -> list[tuple[bool, bool, bool]]:
-    """(norm prologue, gated, residual epilogue) of every fused_linear call `stack` makes from now on."""
+def _count_linear(stack, field: str = "linear") -> list[tuple[bool, bool, bool]]:
+    """(norm prologue, gated, residual epilogue) of every call `stack` makes from now on to its
+    ops' `field` (fused_linear, or linear_u12)."""
     calls: list[tuple[bool, bool, bool]] = []
-    linear = stack.ops.linear
+    linear = getattr(stack.ops, field)
 
     def counted(x, w, *, norm_weight=None, eps=1e-6, gated=False, residual=None):
         calls.append((norm_weight is not None, gated, residual is not None))
         return linear(x, w, norm_weight=norm_weight, eps=eps, gated=gated, residual=residual)
 
-    stack.ops = dataclasses.replace(stack.ops, linear=counted)
+    stack.ops = dataclasses.replace(stack.ops, **{field: counted})
     return calls
 
 
@@ -330,12 +331,14 @@ def test_fused_linear_layers_match_the_unfused_stack(family, dtype, tiny_model_d
         torch.testing.assert_close(c_plain.k[i], c_fused.k[i], **TOLERANCE[dtype])
 
 
-def test_fused_linear_serves_only_plain_weights(tiny_model_dirs):
-    """A projection served by another module (u12, say) keeps the layer on the unfused kernels."""
+def test_fused_linear_serves_plain_and_u12_weights_only(tiny_model_dirs):
+    """A projection served by another module (neither nn.Linear nor u12) keeps the layer on the
+    unfused kernels."""
     _, fused, _ = _pair(tiny_model_dirs["llama"], torch.float32)
     fused.model.layers[0].mlp.down_proj = _Projection(fused.model.layers[0].mlp.down_proj)
     stack = install_fused(fused, "torch")
-    assert stack.layers[0].linear_weights() is None and stack.layers[1].linear_weights() is not None
+    kernel = stack.ops.u12_kernel
+    assert stack.layers[0].linear_weights(kernel) is None and stack.layers[1].linear_weights(kernel) is not None
     calls = _count_linear(stack)
     fused(torch.tensor([[3]]), fused.new_cache(1, 8))
     assert calls == []
@@ -357,3 +360,70 @@ def test_fused_linear_greedy_tokens_equal_ar(family, tiny_model_dirs):
     out = gd.generate_dflash_graphed(fused, drafter, prompt, block_size=drafter.block_size,
                                      mask_token_id=drafter.mask_token_id, max_new_tokens=5, eos_token_id=None)
     assert out.tokens == ar
+
+
+# --- u12 layers: u12_fused_linear at one row -----------------------------------------------------
+
+_PROJECTIONS = (("self_attn", "q_proj"), ("self_attn", "k_proj"), ("self_attn", "v_proj"), ("self_attn", "o_proj"),
+                ("mlp", "gate_proj"), ("mlp", "up_proj"), ("mlp", "down_proj"))
+
+
+def _to_u12(model, kernel: str):
+    """Every layer projection of `model` (bf16) as a u12 module of `kernel`, as weights-u12 builds them."""
+    from specpilot.runtime.u12 import pack_u12
+
+    for layer in model.model.layers:
+        for part, name in _PROJECTIONS:
+            owner = getattr(layer, part)
+            setattr(owner, name, _U12(pack_u12(getattr(owner, name).weight.detach()), kernel))
+    return model
+
+
+_LAYER_CALLS = [(True, False, False), (False, False, True), (True, True, False), (False, False, True)]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_u12_layers_run_the_fused_u12_linear(family, tiny_model_dirs):
+    """At one row, layers whose projections are u12 modules of the kernel the ops stand in for run
+    ops.linear_u12 (4 calls a layer, as fused_linear's): the logits, hidden states and caches of
+    the unfused u12 stack; with more rows, or modules of another kernel, the layers stay unfused."""
+    _, plain, cfg = _pair(tiny_model_dirs[family], torch.bfloat16)
+    _, fused, _ = _pair(tiny_model_dirs[family], torch.bfloat16)
+    unfused = install_fused(_to_u12(plain, "torch"), "torch")
+    unfused.ops = dataclasses.replace(unfused.ops, linear_max_m=0)
+    stack = install_fused(_to_u12(fused, "torch"), "torch")
+    calls, plain_calls = _count_linear(stack, "linear_u12"), _count_linear(stack)
+    ids = torch.randint(0, cfg.vocab_size, (1, 9), generator=torch.Generator().manual_seed(3))
+    layers = (0, cfg.num_layers - 1)
+    c_plain, c_fused = plain.new_cache(1, 24, device_length=True), fused.new_cache(1, 24, device_length=True)
+    for chunk in (ids, ids[:, :1], ids[:, 1:3], ids[:, 3:4]):
+        calls.clear()
+        a = plain(chunk, c_plain, hidden_layers=layers)
+        b = fused(chunk, c_fused, hidden_layers=layers)
+        assert calls == (_LAYER_CALLS * cfg.num_layers if chunk.shape[1] == 1 else [])
+        torch.testing.assert_close(a.logits, b.logits, **TOLERANCE[torch.bfloat16])
+        torch.testing.assert_close(a.hidden, b.hidden, **TOLERANCE[torch.bfloat16])
+    assert plain_calls == []
+    for i in range(cfg.num_layers):
+        torch.testing.assert_close(c_plain.k[i], c_fused.k[i], **TOLERANCE[torch.bfloat16])
+    # modules of the Triton kernel: not what torch ops stand in for
+    other = install_fused(_to_u12(_pair(tiny_model_dirs[family], torch.bfloat16)[1], "triton-u12"), "torch")
+    assert all(fl.linear_weights(other.ops.u12_kernel) is None for fl in other.layers)
+
+
+def test_u12_fused_linear_greedy_tokens_equal_the_unfused_u12_stack(tiny_model_dirs):
+    """The AR loop with u12 layers and u12_fused_linear under the interpreter gives the tokens of
+    the same u12 model on the unfused kernels' references (token forcing judges near-ties)."""
+    from specpilot.validate.forcing import check_prompt
+
+    dirs = tiny_model_dirs["qwen3"]
+    _, ref, cfg = _pair(dirs, torch.bfloat16)
+    _, fused, _ = _pair(dirs, torch.bfloat16)
+    unfused = install_fused(_to_u12(ref, "torch"), "torch")
+    unfused.ops = dataclasses.replace(unfused.ops, linear_max_m=0)
+    calls = _count_linear(install_fused(_to_u12(fused, "triton-u12"), "triton"), "linear_u12")
+    prompt = [5, 9, 2, 6, 5, 3]
+    want = decode.generate_ar(ref, prompt, max_new_tokens=5, eos_token_id=None).tokens
+    got = decode.generate_ar(fused, prompt, max_new_tokens=5, eos_token_id=None).tokens
+    assert len(calls) >= 4 * len(fused.model.layers) * 4
+    assert got == want or not check_prompt(ref, cfg, prompt, got, "bfloat16").hard_failures

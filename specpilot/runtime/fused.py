@@ -55,7 +55,9 @@ class FusedOps:
     silu_mul: Callable
     name: str
     linear: Callable | None = None  # fused_linear: RMSNorm prologue, SiLU·mul / residual-add epilogues
-    linear_max_m: int = 0  # rows (B·T) up to which `linear` serves bf16 layers; 0: never
+    linear_max_m: int = 0  # rows (B·T) up to which `linear` (`linear_u12`) serves the layers; 0: never
+    linear_u12: Callable | None = None  # u12_fused_linear: the same over u12 weights
+    u12_kernel: str = ""  # the u12 modules' kernel that `linear_u12` stands in for
 
 
 # Rows up to which fused_linear serves the layers: 32 Llama-3.1-8B layers' linears in one CUDA graph
@@ -66,14 +68,15 @@ LINEAR_MAX_M = 1
 
 def fused_ops(kind: str, linear_max_m: int = LINEAR_MAX_M) -> FusedOps:
     """"triton": the kernels; "torch": their references (same signatures)."""
-    from specpilot.kernels import fused_linear, rmsnorm, rope_kv, silu_mul
+    from specpilot.kernels import fused_linear, rmsnorm, rope_kv, silu_mul, u12_fused_linear
 
     if kind == "triton":
         return FusedOps(rmsnorm.rmsnorm, rope_kv.rope_qkv, silu_mul.silu_mul, kind,
-                        fused_linear.fused_linear, linear_max_m)
+                        fused_linear.fused_linear, linear_max_m, u12_fused_linear.u12_fused_linear, "triton-u12")
     if kind == "torch":
         return FusedOps(rmsnorm.rmsnorm_reference, rope_kv.rope_qkv_reference, silu_mul.silu_mul_reference, kind,
-                        fused_linear.fused_linear_reference, linear_max_m)
+                        fused_linear.fused_linear_reference, linear_max_m,
+                        u12_fused_linear.u12_fused_linear_reference, "torch")
     raise ValueError(f"fused ops are 'triton' or 'torch', got {kind!r}")
 
 
@@ -129,14 +132,13 @@ class FusedLayer:
         gate_up = _concat([mlp.gate_proj, mlp.up_proj])
         self.gate_up = gate_up[0] if gate_up else None
 
-    def linear_weights(self) -> tuple[torch.Tensor, ...] | None:
-        """(q|k|v, o, gate|up, down) weights where all four are plain: the concatenated ones and
-        nn.Linear o/down projections (fused_linear serves them); else None."""
+    def linear_weights(self, u12_kernel: str) -> tuple[torch.Tensor | U12Tensor, ...] | None:
+        """(q|k|v, o, gate|up, down) weights where each is plain (the concatenated ones, nn.Linear
+        o/down: fused_linear serves them) or u12 in a module of kernel `u12_kernel` (u12_fused_linear
+        serves them); else None."""
         attn, mlp = self.layer.self_attn, self.layer.mlp
-        if not (isinstance(self.qkv, _Linear) and isinstance(self.gate_up, _Linear)
-                and type(attn.o_proj) is nn.Linear and type(mlp.down_proj) is nn.Linear):
-            return None
-        return self.qkv.weight, attn.o_proj.weight, self.gate_up.weight, mlp.down_proj.weight
+        weights = tuple(_weight(p, u12_kernel) for p in (self.qkv, attn.o_proj, self.gate_up, mlp.down_proj))
+        return None if any(w is None for w in weights) else weights
 
     def project_qkv(self, h: torch.Tensor) -> torch.Tensor:
         if self.qkv is not None:
@@ -186,7 +188,7 @@ class FusedStack:
         Up to ops.linear_max_m rows of plain weights, `run_layers_linear` serves them instead."""
         ops = self.ops
         if ops.linear is not None and x.shape[0] * x.shape[1] <= ops.linear_max_m:
-            weights = [fl.linear_weights() for fl in self.layers]
+            weights = [fl.linear_weights(ops.u12_kernel) for fl in self.layers]
             if all(w is not None for w in weights):
                 return self.run_layers_linear(x, cos, sin, cache, vis, slots, end, weights, hidden_layers)
         picked: dict[int, torch.Tensor] = {}
@@ -214,25 +216,31 @@ class FusedStack:
         slots: torch.Tensor, end: int | torch.Tensor, weights: list[tuple[torch.Tensor, ...]],
         hidden_layers: tuple[int, ...] = (),
     ) -> tuple[None, torch.Tensor, dict[int, torch.Tensor]]:
-        """run_layers with ops.linear doing the norms, SiLU·mul and residual adds around its GEMMs:
-        five launches a layer fewer. The residual stream (a copy of x) is updated in place by the o
-        and down projections' epilogues, so it returns (None, the stream, picked layer outputs)."""
+        """run_layers with ops.linear (ops.linear_u12 for u12 weights) doing the norms, SiLU·mul and
+        residual adds around its GEMMs: five launches a layer fewer. The residual stream (a copy of
+        x) is updated in place by the o and down projections' epilogues, so it returns (None, the
+        stream, picked layer outputs)."""
         ops, (b, t, hidden) = self.ops, x.shape
         stream = x.reshape(b * t, hidden).clone()
         picked: dict[int, torch.Tensor] = {}
+
+        def linear(h, w, **kw):
+            return (ops.linear_u12 if isinstance(w, U12Tensor) else ops.linear)(h, w, **kw)
+
         for i, (fl, (w_qkv, w_o, w_gate_up, w_down)) in enumerate(zip(self.layers, weights)):
             layer, attn = fl.layer, fl.layer.self_attn
-            qkv = ops.linear(stream, w_qkv, norm_weight=layer.input_layernorm.weight, eps=self.eps)
+            qkv = linear(stream, w_qkv, norm_weight=layer.input_layernorm.weight, eps=self.eps)
+            # o's weight streams into L2 while RoPE and attention run (latency-bound: DRAM idles)
             q = ops.rope_qkv(
                 qkv.view(b, t, -1), cos, sin, cache.k[i], cache.v[i], slots, num_heads=self.heads,
                 num_kv_heads=self.kv_heads, q_norm_weight=_w(attn.q_norm), k_norm_weight=_w(attn.k_norm), eps=self.eps,
+                prefetch=(w_o.sm, w_o.codes) if isinstance(w_o, U12Tensor) else w_o,
             )
             k_all, v_all = cache.view(i, end)
             o = attn.attention(q, k_all, v_all, vis)  # [B, heads, T, D]
-            ops.linear(o.transpose(1, 2).reshape(b * t, -1), w_o, residual=stream)
-            act = ops.linear(stream, w_gate_up, norm_weight=layer.post_attention_layernorm.weight, eps=self.eps,
-                             gated=True)
-            ops.linear(act, w_down, residual=stream)
+            linear(o.transpose(1, 2).reshape(b * t, -1), w_o, residual=stream)
+            act = linear(stream, w_gate_up, norm_weight=layer.post_attention_layernorm.weight, eps=self.eps, gated=True)
+            linear(act, w_down, residual=stream)
             if i in hidden_layers:
                 picked[i] = stream.view(b, t, hidden).clone()
         return None, stream.view(b, t, hidden), picked
@@ -301,6 +309,17 @@ class FusedDFlash(FusedStack):
         cos, sin = d.rope(slots)  # so is a block token's
         out, residual, _ = self.run_layers(x, cos, sin, cache, vis, slots, end)
         return d.head(self.final_norm(out, residual, d.norm.weight)[:, 1:])
+
+
+def _weight(projection, u12_kernel: str) -> torch.Tensor | U12Tensor | None:
+    """The weight a fused linear can read from `projection`: a plain one (a concatenation's or an
+    nn.Linear's), or a u12 module's planes when its kernel is `u12_kernel`; else None."""
+    if isinstance(projection, _Linear) or type(projection) is nn.Linear:
+        return projection.weight
+    packed = getattr(projection, "packed", None)
+    if isinstance(packed, U12Tensor) and u12_kernel and getattr(projection, "kernel", None) == u12_kernel:
+        return packed
+    return None
 
 
 def _w(norm: nn.Module | None) -> torch.Tensor | None:

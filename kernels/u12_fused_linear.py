@@ -1,0 +1,397 @@
+"""y = x · Wᵀ for a u12 weight, with an RMSNorm prologue and a SiLU·mul or residual-add epilogue.
+
+`u12_fused_linear(x, t, norm_weight=, gated=, residual=)` is kernels/fused_linear.py's
+`fused_linear` with the weight in the u12 format (specpilot/runtime/u12.py): in one launch what a
+decoder layer runs as up to three, rmsnorm(x) (kernels/rmsnorm.py), u12_linear (kernels/u12_linear.py)
+and silu_mul (kernels/silu_mul.py) on the gate|up output or the residual add.
+
+Kernel. ``_u12_fused_gemv_kernel`` is u12_linear's gemv2 loop with fused_linear's prologue and
+epilogue: one program owns BLOCK_N output rows (gated: the BLOCK_N gate rows n and the BLOCK_N up
+rows I + n of t, two accumulators, so the epilogue pairs them without a layout change) and every
+row of x (M <= 4), and loops over K in chunks of BLOCK_W words of 4 weights. Each word's sign/mantissa
+bytes (int32) and codes (int16) decode into four fp32 planes (``_decode_planes``: plane j holds
+weight 4 w + j times 2^-(base-1)), each FMA'd with the matching plane of x' · 2^64 into a
+[BM, BN, BW] fp32 accumulator, reduced once after the loop and scaled by 2^(base-65). bf16 x and
+norm weight are read as int64 words of 4 (copied to aligned rows where needed), fp32 ones as four
+element loads. Rows past M and N re-read the last row; only a last partial chunk of K is masked.
+``ASM``: the decode's prmt/lop3 as inline PTX on the GPU, their shift-and-mask emulation under the
+interpreter.
+
+Prologue (norm_weight). Each program first sums x² over K for its rows (``_row_inv``), then
+normalises every x chunk in registers as rmsnorm does (``_normalize``): inv = rsqrt(Σx² · fp32(1/K)
++ eps), x' = dtype(norm_weight · dtype(x · inv)), then scales it by 2^64 (exact). Escapes (code 0
+weights, exact in t's side table) are added after the scaled sums, as in u12_linear, with x' at
+their columns: the gate block's escapes to the gate sums, the up block's (rows I + n) to the up
+sums. Epilogues (fused_linear's ``_epilogue``), in fp32 from the fp32 sums: gated: g, u =
+dtype(sums), y = dtype(dtype(g / (1 + exp(-g))) · u); residual: residual = dtype(y + residual), in
+place.
+
+Numerics. The decoded weights are u12_linear's, bit for bit (the same decode and scales), so the
+kernel computes fused_linear on unpack_u12(t): the roundings are the unfused kernels' (and
+torch's) at every point, and what differs is order, as fused_linear's docstring says (the fp32
+GEMM sums, with the escapes added last; the prologue's Σx²). fp fusion is off on the GPU, as in
+fused_linear; the loop's sums are explicit FMAs. The interpreter truncates fp32 -> bf16 casts, so
+under it every such cast rounds first, and exp is numpy's.
+
+Fallback. Where gemv2 does not apply (M > 4, K % 4 != 0, or a base outside the scaled range:
+``gemv2_applies``), ``u12_fused_linear`` runs the unfused composition: rmsnorm, u12_linear,
+silu_mul and a torch add into the residual (the same roundings, up to those kernels' orders; under
+the interpreter u12_linear truncates its bf16 output, so there a bf16 result can land a step
+further off, two where gated).
+
+Configs: a gemv2 ``U12Config``; by default u12_linear's for the weight's rows (t.shape[0], 2I when
+gated), with the tile halved when gated (``default_config``). Untuned and not yet run on a GPU.
+Every variant compiles for sm_90 with triton 3.6 and 3.9 (triton.compile without a GPU); with bf16
+x at the default tiles (Llama-3.1-8B shapes, M = 1, 2, 4) the loop has no spills and no shared
+memory. Spills seen: fp32 x at M = 4 gated in the loop (triton 3.6), and a masked last chunk at
+M = 4 with the norm outside the loop (3.9). CUDA graphs: no host sync, buffers by shape only;
+programmatic dependent launch as fused_linear's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from specpilot.runtime.u12 import U12Tensor, pack_u12, unpack_u12
+
+from .fused_linear import _check, _epilogue, _plant_wrong_weight, fused_linear_reference
+from .overlap import pdl_enter, pdl_options
+from .registry import KernelSpec, register
+from .rmsnorm import _normalize, _row_inv, rmsnorm
+from .silu_mul import silu_mul
+from .u12_linear import (
+    _ESC_BLOCK,
+    U12Config,
+    _apply_escapes,
+    _block_m,
+    _decode_planes,
+    _nonempty,
+    _scales,
+    _x_planes,
+    aligned_rows,
+    gemv2_applies,
+    u12_linear,
+)
+from .u12_linear import default_config as u12_default_config
+
+# --- the kernel -------------------------------------------------------------------------------
+
+
+@triton.jit
+def _fma_planes(acc, sm_rows, code_rows, offs_w, mask, x0, x1, x2, x3, MASKED: tl.constexpr, ASM: tl.constexpr):
+    """acc += Σ_j x_j · plane j of the decoded words offs_w of the rows sm_rows / code_rows."""
+    if MASKED:
+        s = tl.load(sm_rows + offs_w, mask=mask, other=0)
+        c = tl.load(code_rows + offs_w, mask=mask, other=0).to(tl.int32)
+    else:
+        s = tl.load(sm_rows + offs_w)
+        c = tl.load(code_rows + offs_w).to(tl.int32)
+    w0, w1, w2, w3 = _decode_planes(s, c, ASM)
+    acc = tl.fma(x0, w0, acc)
+    acc = tl.fma(x1, w1, acc)
+    acc = tl.fma(x2, w2, acc)
+    acc = tl.fma(x3, w3, acc)
+    return acc
+
+
+@triton.jit
+def _fused_chunk(
+    acc_g, acc_u, start, x_rows, nw_rows, inv, gate_sm, gate_codes, up_sm, up_codes, n_words, x_scale,
+    BLOCK_W: tl.constexpr, X_WORDS: tl.constexpr, MASKED: tl.constexpr, NORM: tl.constexpr,
+    GATED: tl.constexpr, DTYPE: tl.constexpr, ROUND_BF16: tl.constexpr, ASM: tl.constexpr,
+):
+    """acc[m, n, w] += Σ_j x'[m, 4 w + j] 2^64 · W[n, 4 w + j] 2^-(base-1) over the words w in
+    [start, start + BLOCK_W), for the gate rows and (GATED) the up rows; MASKED: words past K read as 0."""
+    offs_w = (start + tl.arange(0, BLOCK_W))[None, None, :]
+    mask = offs_w < n_words
+    x0, x1, x2, x3 = _x_planes(x_rows, offs_w, mask, X_WORDS, MASKED)
+    if NORM:
+        n0, n1, n2, n3 = _x_planes(nw_rows, offs_w, mask, X_WORDS, MASKED)
+        x0 = _normalize(x0, inv, n0, DTYPE, ROUND_BF16)
+        x1 = _normalize(x1, inv, n1, DTYPE, ROUND_BF16)
+        x2 = _normalize(x2, inv, n2, DTYPE, ROUND_BF16)
+        x3 = _normalize(x3, inv, n3, DTYPE, ROUND_BF16)
+    x0 = x0 * x_scale  # exact: a power of two
+    x1 = x1 * x_scale
+    x2 = x2 * x_scale
+    x3 = x3 * x_scale
+    acc_g = _fma_planes(acc_g, gate_sm, gate_codes, offs_w, mask, x0, x1, x2, x3, MASKED, ASM)
+    if GATED:
+        acc_u = _fma_planes(acc_u, up_sm, up_codes, offs_w, mask, x0, x1, x2, x3, MASKED, ASM)
+    return acc_g, acc_u
+
+
+@triton.jit
+def _u12_fused_gemv_kernel(
+    x_ptr, nw_ptr, sm_ptr, codes_ptr, esc_idx_ptr, esc_val_ptr, esc_row_ptr, y_ptr,
+    M, N, K, n_words, x_scale, y_scale_lo, y_scale_hi, inv_k, eps,
+    stride_xm, stride_sm, stride_codes, stride_ym,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, ESC_BLOCK: tl.constexpr,
+    X_WORDS: tl.constexpr,  # bf16 x and norm weight read as int64 words of 4; else fp32 elements
+    EVEN_K: tl.constexpr,  # n_words % BLOCK_W == 0: no masked last chunk
+    NORM: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr,
+    ROUND_BF16: tl.constexpr,  # bf16 under the interpreter: round before casting
+    EXPF: tl.constexpr,  # libdevice's expf (GPU); else tl.exp (the interpreter has no libdevice)
+    ASM: tl.constexpr,  # PTX prmt/lop3 (GPU); else their shift-and-mask emulation (interpreter)
+    PDL: tl.constexpr,  # programmatic dependent launch (kernels/overlap.py)
+):
+    """All M (<= 4) rows of x against BLOCK_N output rows (N: output columns; gated: rows n and N + n of t)."""
+    pdl_enter(PDL)
+    pid_n = tl.program_id(0)
+    DTYPE: tl.constexpr = y_ptr.dtype.element_ty
+    n0 = pid_n * BLOCK_N
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    # Rows past M or N re-read the last row (their outputs are not stored), so only K needs masks.
+    rows_m = tl.minimum(offs_m, M - 1)
+    rows_n = tl.minimum(offs_n, N - 1)[None, :, None]
+    if NORM:
+        inv_m = _row_inv(x_ptr, rows_m, stride_xm, K, inv_k, eps, BLOCK_M, 4 * BLOCK_W)
+        inv = inv_m[:, None, None]
+    else:
+        inv_m = 1.0
+        inv = 1.0
+    # Every load has the accumulator's shape [BM, BN, 1 -> BW], so Triton gives them all its layout:
+    # no layout conversion in the loop (as in gemv2 and fused_linear's gemv).
+    shape: tl.constexpr = (BLOCK_M, BLOCK_N, 1)
+    gate_sm = tl.broadcast_to(sm_ptr + rows_n * stride_sm, shape)
+    gate_codes = tl.broadcast_to(codes_ptr + rows_n * stride_codes, shape)
+    up_sm = tl.broadcast_to(sm_ptr + (rows_n + N) * stride_sm, shape)
+    up_codes = tl.broadcast_to(codes_ptr + (rows_n + N) * stride_codes, shape)
+    if X_WORDS:
+        x_rows = tl.broadcast_to(x_ptr.to(tl.pointer_type(tl.int64)) + rows_m[:, None, None] * (stride_xm // 4), shape)
+        nw_rows = tl.broadcast_to(nw_ptr.to(tl.pointer_type(tl.int64)) + 0 * rows_n, shape)
+    else:
+        x_rows = tl.broadcast_to(x_ptr + rows_m[:, None, None] * stride_xm, shape)
+        nw_rows = tl.broadcast_to(nw_ptr + 0 * rows_n, shape)
+
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_W), dtype=tl.float32)  # reduced once, after the loop
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_W), dtype=tl.float32)  # GATED only (else unused)
+    full_words = n_words - n_words % BLOCK_W
+    for start in range(0, full_words, BLOCK_W):
+        acc_g, acc_u = _fused_chunk(acc_g, acc_u, start, x_rows, nw_rows, inv, gate_sm, gate_codes, up_sm, up_codes,
+                                    n_words, x_scale, BLOCK_W, X_WORDS, False, NORM, GATED, DTYPE, ROUND_BF16, ASM)
+    if not EVEN_K:
+        acc_g, acc_u = _fused_chunk(acc_g, acc_u, full_words, x_rows, nw_rows, inv, gate_sm, gate_codes, up_sm,
+                                    up_codes, n_words, x_scale, BLOCK_W, X_WORDS, True, NORM, GATED, DTYPE,
+                                    ROUND_BF16, ASM)
+    g = tl.sum(acc_g, axis=2) * y_scale_lo * y_scale_hi  # exact: powers of two
+    g = _apply_escapes(
+        g, x_ptr, esc_idx_ptr, esc_val_ptr, esc_row_ptr, offs_m, mask_m, offs_n, n0, N, K,
+        stride_xm, 1, BLOCK_N, ESC_BLOCK, False, nw_ptr, inv_m, NORM, DTYPE, ROUND_BF16,
+    )
+    if GATED:
+        u = tl.sum(acc_u, axis=2) * y_scale_lo * y_scale_hi
+        u = _apply_escapes(  # the up block: rows N + n of t
+            u, x_ptr, esc_idx_ptr, esc_val_ptr, esc_row_ptr, offs_m, mask_m, offs_n + N, n0 + N, 2 * N, K,
+            stride_xm, 1, BLOCK_N, ESC_BLOCK, False, nw_ptr, inv_m, NORM, DTYPE, ROUND_BF16,
+        )
+    else:
+        u = g
+    mask = mask_m[:, None] & mask_n[None, :]
+    y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
+    _epilogue(g, u, y_ptrs, mask, DTYPE, GATED, RESIDUAL, ROUND_BF16, EXPF)
+
+
+# --- configs and host -------------------------------------------------------------------------
+
+# Small tiles under the interpreter: several N blocks and chunks, and a masked last one.
+_INTERPRETER_CONFIG = U12Config(4, 8, num_warps=1, num_stages=1, kernel="gemv2")
+
+
+def default_config(m: int, n: int, k: int, gated: bool, on_gpu: bool = True) -> U12Config:
+    """For M <= 4: u12_linear's gemv2 config for the weight's n rows (2I when gated: TUNED's
+    gate_up rows). A gated program holds two accumulators, so it takes half the tile: block_n
+    halved from 8 up (never below 4), else block_w halved; the accumulator registers a thread
+    holds are then the plain tile's (sm_90: TUNED's M = 4 gate_up tile, 4 x 256 words, spills when
+    gated at full size, and runs in 168 registers at 4 x 128)."""
+    if not on_gpu:
+        return _INTERPRETER_CONFIG
+    cfg = u12_default_config(m, n, k)
+    if gated:
+        half = dict(block_n=cfg.block_n // 2) if cfg.block_n >= 8 else dict(block_w=max(1, cfg.block_w // 2))
+        cfg = dataclasses.replace(cfg, **half)
+    return cfg
+
+
+def _u12_check(x, t: U12Tensor, norm_weight, gated, residual) -> tuple[int, int, int]:
+    """fused_linear's checks with a stand-in of t's shape and device (and x's dtype: t decodes to
+    bf16 exactly, so x may be bf16 or fp32); its messages, naming t as `weight`."""
+    stand_in = torch.empty(t.shape[1], dtype=x.dtype, device=t.device).expand(t.shape)  # rows of unit stride
+    try:
+        return _check(x, stand_in, norm_weight, gated, residual)
+    except ValueError as e:
+        raise ValueError(f"u12_{e}") from None
+
+
+def _launch_fused(x, t: U12Tensor, norm_weight, eps, gated, y, residual: bool, cfg: U12Config, native: bool) -> None:
+    """y from ``_u12_fused_gemv_kernel`` (residual: y is the residual, added into), one program per
+    block_n output columns."""
+    m, k = x.shape
+    n_out = y.shape[1]
+    n_words = k // 4
+    _, x_scale, y_lo, y_hi = _scales(t.base)
+    x_words = x.dtype == torch.bfloat16
+    x = aligned_rows(x, x_words)
+    norm = norm_weight is not None
+    nw = aligned_rows(norm_weight, x_words) if norm else x
+    sm, codes = t.sm.contiguous(), t.codes.contiguous()
+    pdl, pdl_launch = pdl_options(x.device)
+    # fp fusion off, as in fused_linear: sum · (1/K) + eps and 1 + exp(-g) round as torch's do.
+    launch = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False, **pdl_launch) \
+        if native else {}
+    _u12_fused_gemv_kernel[(triton.cdiv(n_out, cfg.block_n),)](
+        x, nw, sm.view(torch.int32), codes.view(torch.int16),
+        _nonempty(t.esc_idx), _nonempty(t.esc_val), t.esc_row_ptr, y,
+        m, n_out, k, n_words, x_scale, y_lo, y_hi, 1.0 / k, eps,
+        x.stride(0), n_words, n_words, y.stride(0),
+        BLOCK_M=_block_m(m), BLOCK_N=cfg.block_n, BLOCK_W=cfg.block_w, ESC_BLOCK=_ESC_BLOCK,
+        X_WORDS=x_words, EVEN_K=n_words % cfg.block_w == 0,
+        NORM=norm, GATED=bool(gated), RESIDUAL=residual,
+        ROUND_BF16=not native and x.dtype == torch.bfloat16, EXPF=native, ASM=native, PDL=pdl, **launch,
+    )
+
+
+def u12_fused_linear(
+    x: torch.Tensor, t: U12Tensor, *, norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
+    gated: bool = False, residual: torch.Tensor | None = None, config: U12Config | None = None,
+) -> torch.Tensor:
+    """x [M, K] (bf16 or fp32) · t [N, K]ᵀ (u12) in x's dtype, fp32 sums; norm_weight: x replaced by
+    rmsnorm(x, norm_weight, eps) first; gated: t is [gate; up] (N = 2I) and the output [M, I] is
+    silu(gate) · up; residual [M, N_out]: the output is added into it in place and it is returned.
+    One fused launch where gemv2 applies (M <= 4, K % 4 == 0, a scaled base), else the unfused
+    rmsnorm, u12_linear, silu_mul and torch add. config: a gemv2 U12Config (default_config)."""
+    m, k, n_out = _u12_check(x, t, norm_weight, gated, residual)
+    if config is not None and config.kernel != "gemv2":
+        raise ValueError(f"u12_fused_linear: config must be a gemv2 U12Config, got kernel {config.kernel!r}")
+    y = residual if residual is not None else torch.empty((m, n_out), dtype=x.dtype, device=x.device)
+    if m == 0 or n_out == 0:
+        return y
+    if norm_weight is not None and norm_weight.stride(0) != 1:
+        norm_weight = norm_weight.contiguous()
+    if not gemv2_applies(m, k, t.base):
+        h = rmsnorm(x, norm_weight, eps) if norm_weight is not None else x
+        out = u12_linear(h, t)
+        if gated:
+            out = silu_mul(out)
+        return out if residual is None else residual.add_(out)
+    native = x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1"
+    cfg = config or default_config(m, t.shape[0], k, gated, on_gpu=native)
+    _launch_fused(x, t, norm_weight, eps, gated, y, residual is not None, cfg, native)
+    return y
+
+
+def u12_fused_linear_reference(
+    x: torch.Tensor, t: U12Tensor, *, norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
+    gated: bool = False, residual: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """fused_linear_reference on the unpacked weight in x's dtype (bf16 -> fp32 is exact)."""
+    _u12_check(x, t, norm_weight, gated, residual)
+    return fused_linear_reference(x, unpack_u12(t).to(x.dtype), norm_weight=norm_weight, eps=eps, gated=gated,
+                                  residual=residual)
+
+
+# --- registry entry -----------------------------------------------------------------------------
+
+_CHECK_CONFIGS = {"bn16-bw4": U12Config(16, 4, num_warps=2, num_stages=1, kernel="gemv2")}  # N < BN, many chunks
+_LARGE_ESCAPES = (3e4, -1.5, 1e-30, -0.75, -3e4, 0.5)  # outside N(0, 0.02)'s window, 2^-18..2^-4
+_GATED_ESCAPES = (-1.5, 1e-30, -0.75, 0.5)  # y = silu(g) · u: a huge g would scale u's fp32 order error past atol
+
+
+def plant_escapes(w: torch.Tensor, g: torch.Generator, gated: bool, nonfinite: bool = False) -> None:
+    """Plant escapes in the fp32 weight w [N, K] (~N(0, 0.02)), in place: one of ``_LARGE_ESCAPES``
+    (gated: ``_GATED_ESCAPES``) in every third row from row 1 (one a row, so no two large terms
+    cancel; row 0 is where the registry's planted error must show), and in the first four rows of each half (gated: gate and
+    up) five tiny ones (w · 2^-40) each, more than ESC_BLOCK in a 4-row block (K >= 5); nonfinite: inf,
+    -inf and NaN in rows 1, 2 and N - 1."""
+    n, k = w.shape
+    values = _GATED_ESCAPES if gated else _LARGE_ESCAPES
+    for i, row in enumerate(range(1, n, 3)):
+        w[row, int(torch.randint(k, (1,), generator=g))] = values[i % len(values)]
+    for first in (0, n // 2) if gated else (0,):
+        for row in range(first, min(first + 4, n)):
+            cols = torch.randperm(k, generator=g)[:5]
+            w[row, cols] *= 2.0**-40
+    if nonfinite:
+        for row, v in zip((1, 2, n - 1), (float("inf"), float("-inf"), float("nan"))):
+            w[min(row, n - 1), int(torch.randint(k, (1,), generator=g))] = v
+
+
+def _make_inputs(case, device, seed):
+    """x ~ N(0, 1) (every third row × 30, as hidden states are), W ~ N(0, 0.02) in bf16 with
+    escapes planted (``plant_escapes``) and packed, norm weight ~ 1 + N(0, 0.1), residual ~
+    N(0, 1); positional (x, t, norm weight or None, gated, residual or None, config name)."""
+    g = torch.Generator().manual_seed(seed)
+    m, n, k, dtype = case["M"], case["N"], case["K"], case["dtype"]
+    x = torch.randn(m, k, generator=g)
+    x[::3] *= 30
+    w = 0.02 * torch.randn(n, k, generator=g)
+    plant_escapes(w, g, bool(case["gated"]), nonfinite=case["escapes"] == "nonfinite")
+    t = pack_u12(w.to(torch.bfloat16)).to(device)
+    nw = (1 + 0.1 * torch.randn(k, generator=g)).to(dtype).to(device) if case["norm"] else None
+    n_out = n // 2 if case["gated"] else n
+    r = torch.randn(m, n_out, generator=g).to(dtype).to(device) if case["residual"] else None
+    return x.to(dtype).to(device), t, nw, case["gated"], r, case["config"]
+
+
+def _run(x, t, nw, gated, r, config):
+    """u12_fused_linear on a copy of the residual (the reference gets its own copy)."""
+    return u12_fused_linear(x, t, norm_weight=nw, gated=bool(gated), residual=None if r is None else r.clone(),
+                            config=_CHECK_CONFIGS.get(config))
+
+
+def _reference(x, t, nw, gated, r, config):
+    return u12_fused_linear_reference(x, t, norm_weight=nw, gated=bool(gated),
+                                      residual=None if r is None else r.clone())
+
+
+def _plant_wrong_u12_weight(inputs):
+    """fused_linear's planted error (one weight moved by 4 where x' is largest) on the unpacked
+    weight, packed again with t's base (the moved weight, about ±4, is then an escape)."""
+    x, t, nw, gated, r, config = inputs
+    x, w, nw, gated, r, config = _plant_wrong_weight((x, unpack_u12(t).to(x.dtype), nw, gated, r, config))
+    return x, pack_u12(w.to(torch.bfloat16), base=t.base).to(t.device), nw, gated, r, config
+
+
+def _case(m, n, k, dtype, norm=0, gated=0, residual=0, escapes="few", config="default"):
+    return {"M": m, "N": n, "K": k, "dtype": dtype, "norm": norm, "gated": gated, "residual": residual,
+            "escapes": escapes, "config": config}
+
+
+BF16, F32 = torch.bfloat16, torch.float32
+
+register(KernelSpec(
+    name="u12_fused_linear",
+    run=_run,
+    reference=_reference,
+    make_inputs=_make_inputs,
+    cases=[
+        # the fused kernel (M <= 4, K % 4 == 0); N: t's rows (gated: 2I); interpreter chunks of 32
+        _case(1, 7, 36, BF16),
+        _case(1, 34, 68, BF16, norm=1, gated=1),
+        _case(2, 33, 132, F32, norm=1),
+        _case(2, 17, 260, BF16, residual=1),
+        _case(3, 38, 100, BF16, gated=1, residual=1),
+        _case(3, 30, 68, F32, gated=1),
+        _case(4, 67, 132, BF16, norm=1, residual=1),
+        _case(4, 42, 128, F32, norm=1, gated=1, residual=1),  # K % 32 == 0: no masked chunk
+        _case(1, 16, 128, BF16, norm=1, gated=1, residual=1),
+        _case(3, 9, 36, BF16, norm=1, escapes="nonfinite", config="bn16-bw4"),
+        _case(2, 13, 52, F32, residual=1, escapes="nonfinite"),
+        # the unfused fallback: M > 4, K % 4 != 0
+        _case(5, 42, 64, F32, norm=1, gated=1, residual=1),
+        _case(2, 17, 66, BF16, norm=1),  # bf16 ungated, no residual: u12_linear truncates under the interpreter
+    ],
+    # As fused_linear's: fp32 summation order only; bf16 one rounding step where an fp32 sum (or a
+    # normalised x element) sits near a rounding boundary; atol for the fp32 order error near zero.
+    tolerance={F32: (1e-5, 1e-5), BF16: (1e-4, 8e-3)},
+    corrupt=_plant_wrong_u12_weight,
+    description="x @ W.T, W in u12, with an RMSNorm prologue and SiLU·mul / residual-add epilogues",
+))

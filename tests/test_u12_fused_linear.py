@@ -1,0 +1,231 @@
+"""u12_fused_linear (kernels/u12_fused_linear.py) against its reference: random shapes and options,
+escapes under the norm prologue and in both halves of a gated weight, the in-place residual, the
+unfused fallback, and input errors (tests/test_kernels.py runs the registry's cases).
+
+On a machine without CUDA the kernel runs in Triton's interpreter (conftest.py), on small shapes.
+"""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import specpilot.kernels.u12_fused_linear as ufl
+from specpilot.kernels.registry import KERNELS
+from specpilot.kernels.rmsnorm import rmsnorm_reference
+from specpilot.kernels.u12_linear import TUNED, U12Config, gemv2_acc_registers, gemv2_applies
+from specpilot.runtime.u12 import pack_u12, unpack_u12
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TOLERANCE = KERNELS["u12_fused_linear"].tolerance
+# inf weights are planted on purpose, and exp(-g) overflows for very negative g (silu is then -0):
+# the interpreter's numpy warns about both.
+pytestmark = [pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning"),
+              pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")]
+
+
+def _close(out: torch.Tensor, ref: torch.Tensor) -> bool:
+    atol, rtol = TOLERANCE[ref.dtype]
+    return out.dtype == ref.dtype and out.shape == ref.shape and torch.allclose(
+        out.float(), ref.float(), atol=atol, rtol=rtol, equal_nan=True)
+
+
+def _both(x, t, **kwargs):
+    """(kernel, reference), each on its own copy of the residual."""
+    r = kwargs.pop("residual", None)
+    out = ufl.u12_fused_linear(x, t, residual=None if r is None else r.clone(), **kwargs)
+    kwargs.pop("config", None)
+    return out, ufl.u12_fused_linear_reference(x, t, residual=None if r is None else r.clone(), **kwargs)
+
+
+@pytest.fixture
+def fused_launches(monkeypatch):
+    """Counts launches of the fused kernel (u12_fused_linear looks the launcher up on each call)."""
+    calls = []
+    launch = ufl._launch_fused
+
+    def counted(*args, **kwargs):
+        calls.append(args)
+        return launch(*args, **kwargs)
+
+    monkeypatch.setattr(ufl, "_launch_fused", counted)
+    return calls
+
+
+_CONFIGS = [None, U12Config(8, 4, num_warps=1, kernel="gemv2"), U12Config(2, 16, num_warps=2, kernel="gemv2")]
+
+
+@settings(max_examples=10, deadline=None)
+@given(
+    m=st.integers(1, 4), n_out=st.integers(1, 12), words=st.integers(1, 24),
+    dtype=st.sampled_from([torch.bfloat16, torch.float32]),
+    norm=st.booleans(), gated=st.booleans(), residual=st.booleans(),
+    config=st.sampled_from(_CONFIGS), seed=st.integers(0, 2**16),
+)
+def test_random_shapes_and_options_match_reference(m, n_out, words, dtype, norm, gated, residual, config, seed):
+    g = torch.Generator().manual_seed(seed)
+    k, n = 4 * words, (2 if gated else 1) * n_out
+    x = (3 * torch.randn(m, k, generator=g)).to(dtype).to(DEVICE)
+    w = 0.02 * torch.randn(n, k, generator=g)
+    ufl.plant_escapes(w, g, gated)
+    t = pack_u12(w.to(torch.bfloat16)).to(DEVICE)
+    assert gemv2_applies(m, k, t.base), "the fused kernel must run, not the fallback"
+    nw = (1 + 0.1 * torch.randn(k, generator=g)).to(dtype).to(DEVICE) if norm else None
+    r = torch.randn(m, n_out, generator=g).to(dtype).to(DEVICE) if residual else None
+    out, ref = _both(x, t, norm_weight=nw, gated=gated, residual=r, config=config)
+    atol, rtol = TOLERANCE[dtype]
+    torch.testing.assert_close(out, ref, atol=atol, rtol=rtol, equal_nan=True)
+
+
+def _base(w: torch.Tensor) -> int:
+    """The base that packing w chooses: kept when weights outside its window are planted, so they escape."""
+    return pack_u12(w.to(torch.bfloat16)).base
+
+
+def _escape_part(t) -> torch.Tensor:
+    """The escaped weights of t, dense fp32 (0 elsewhere)."""
+    w = unpack_u12(t).float()
+    esc = torch.zeros_like(w)
+    idx = t.esc_idx.long()
+    esc.view(-1)[idx] = w.view(-1)[idx]
+    return esc
+
+
+@pytest.mark.parametrize("nonfinite", [False, True], ids=["finite", "inf-in-block"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_escapes_use_the_normalised_x(dtype, nonfinite):
+    """Escapes in every row at the columns where x' = rmsnorm(x) is largest: the result matches the
+    reference, and would not with x in place of x' there. With an inf weight in the first N block,
+    that block's escapes go one at a time (the non-finite path), normalised as well."""
+    g = torch.Generator().manual_seed(11)
+    m, n, k = 3, 9, 64
+    x = (30 * torch.randn(m, k, generator=g)).to(dtype).to(DEVICE)
+    nw = (1 + 0.3 * torch.randn(k, generator=g)).to(dtype).to(DEVICE)
+    h = rmsnorm_reference(x, nw, 1e-6)
+    cols = h.float().abs().argmax(1).unique().cpu()
+    w = 0.02 * torch.randn(n, k, generator=g)
+    base = _base(w)
+    w[:, cols] = 0.5 * torch.randn(n, len(cols), generator=g).sign()  # outside the window: escapes
+    inf_col = next(c for c in range(k) if c not in cols)
+    if nonfinite:
+        w[0, inf_col] = float("inf")
+    t = pack_u12(w.to(torch.bfloat16), base=base).to(DEVICE)
+    assert t.esc_idx.numel() >= n * len(cols)
+    out, ref = _both(x, t, norm_weight=nw)
+    atol, rtol = TOLERANCE[dtype]
+    torch.testing.assert_close(out, ref, atol=atol, rtol=rtol, equal_nan=True)
+    esc = _escape_part(t).to(DEVICE)
+    esc[0, inf_col] = 0.0
+    wrong = (h.float() @ (unpack_u12(t).float() - esc).T + x.float() @ esc.T).to(dtype)
+    assert not _close(wrong[:, 1:], ref[:, 1:]), "the test cannot tell x from x' at the escapes"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gated_escapes_in_both_halves(dtype):
+    """Escapes in gate and up rows (more than ESC_BLOCK in one 4-row up block): each half's go to
+    its own sums; dropping either half's changes the reference, so both are checked."""
+    g = torch.Generator().manual_seed(12)
+    m, i, k = 2, 6, 48
+    x = torch.randn(m, k, generator=g).to(dtype).to(DEVICE)
+    nw = (1 + 0.1 * torch.randn(k, generator=g)).to(dtype).to(DEVICE)
+    w = 0.02 * torch.randn(2 * i, k, generator=g)
+    base = _base(w)
+    w[1, 5], w[3, 17], w[5, 40] = 0.75, -1.5, 0.25  # gate rows
+    for row in range(i, i + 4):  # up rows of the first block: 20 escapes
+        w[row, torch.randperm(k, generator=g)[:5]] = 0.25 * torch.randn(5, generator=g).sign()
+    w[2 * i - 1, 7] = -0.5  # the up row of the last, partial block
+    t = pack_u12(w.to(torch.bfloat16), base=base).to(DEVICE)
+    out, ref = _both(x, t, norm_weight=nw, gated=True)
+    atol, rtol = TOLERANCE[dtype]
+    torch.testing.assert_close(out, ref, atol=atol, rtol=rtol)
+    esc = _escape_part(t)
+    for rows in (slice(0, i), slice(i, 2 * i)):
+        w_dropped = unpack_u12(t).float()
+        w_dropped[rows] -= esc[rows]
+        dropped = ufl.u12_fused_linear_reference(x, pack_u12(w_dropped.to(torch.bfloat16)), norm_weight=nw, gated=True)
+        assert not _close(dropped, ref)
+
+
+def test_residual_is_updated_in_place_and_returned(fused_launches):
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(2, 40, generator=g).to(torch.bfloat16).to(DEVICE)
+    w = 0.05 * torch.randn(2 * 12, 40, generator=g)
+    ufl.plant_escapes(w, g, gated=True)
+    t = pack_u12(w.to(torch.bfloat16)).to(DEVICE)
+    r = torch.randn(2, 12, generator=g).to(torch.bfloat16).to(DEVICE)
+    before = r.clone()
+    out = ufl.u12_fused_linear(x, t, gated=True, residual=r)
+    assert out is r and len(fused_launches) == 1
+    want = ufl.u12_fused_linear_reference(x, t, gated=True, residual=before.clone())
+    torch.testing.assert_close(r, want, atol=1e-4, rtol=8e-3)
+    assert torch.equal(want, before + ufl.u12_fused_linear_reference(x, t, gated=True))  # the reference's torch add
+
+
+@pytest.mark.parametrize("m,k,base,dtype,gated", [
+    (5, 64, None, torch.float32, True),  # M > 4
+    (5, 64, None, torch.bfloat16, False),
+    (2, 66, None, torch.float32, True),  # K % 4 != 0
+    (3, 64, 241, torch.float32, True),  # a base outside the scaled range: every weight escapes
+])
+def test_fallback_matches_reference(fused_launches, m, k, base, dtype, gated):
+    """Where gemv2 does not apply: rmsnorm, u12_linear, silu_mul and the torch add (bf16 only
+    ungated: under the interpreter u12_linear truncates its bf16 output, the module docstring says)."""
+    g = torch.Generator().manual_seed(m + k)
+    n_out = 7
+    x = (3 * torch.randn(m, k, generator=g)).to(dtype).to(DEVICE)
+    w = 0.02 * torch.randn((2 if gated else 1) * n_out, k, generator=g)
+    t = pack_u12(w.to(torch.bfloat16), base=base).to(DEVICE)
+    assert not gemv2_applies(m, k, t.base)
+    nw = (1 + 0.1 * torch.randn(k, generator=g)).to(dtype).to(DEVICE)
+    r = torch.randn(m, n_out, generator=g).to(dtype).to(DEVICE)
+    out, ref = _both(x, t, norm_weight=nw, gated=gated, residual=r)
+    assert not fused_launches
+    atol, rtol = TOLERANCE[dtype]
+    torch.testing.assert_close(out, ref, atol=atol, rtol=rtol)
+
+
+def test_empty_inputs():
+    t = pack_u12(torch.zeros(6, 8, dtype=torch.bfloat16))
+    assert ufl.u12_fused_linear(torch.zeros(0, 8), t, gated=True).shape == (0, 3)
+    r = torch.zeros(2, 0)
+    assert ufl.u12_fused_linear(torch.ones(2, 8), pack_u12(torch.zeros(0, 8, dtype=torch.bfloat16)), residual=r) is r
+
+
+def _bad_inputs():
+    bf = torch.bfloat16
+    x, t = torch.zeros(2, 8, dtype=bf), pack_u12(torch.zeros(6, 8, dtype=bf))
+    return [
+        (dict(x=x, t=pack_u12(torch.zeros(6, 12, dtype=bf))), "weight must be \\[N, 8\\]"),
+        (dict(x=x.to(torch.float16), t=t), "bfloat16 or float32"),
+        (dict(x=x, t=t, norm_weight=torch.ones(7, dtype=bf)), "norm_weight must be \\[8\\]"),
+        (dict(x=x, t=pack_u12(torch.zeros(5, 8, dtype=bf)), gated=True), "even count"),
+        (dict(x=x, t=t, gated=True, residual=torch.zeros(2, 6, dtype=bf)), "residual must be \\[2, 3\\]"),
+        (dict(x=x, t=t, residual=torch.zeros(2, 6)), "residual must be \\[2, 6\\] torch.bfloat16"),
+    ]
+
+
+@pytest.mark.parametrize("kwargs,match", _bad_inputs(), ids=lambda v: v if isinstance(v, str) else "")
+@pytest.mark.parametrize("fn", [ufl.u12_fused_linear, ufl.u12_fused_linear_reference], ids=["kernel", "reference"])
+def test_bad_inputs_raise_value_errors(fn, kwargs, match):
+    kwargs = dict(kwargs)
+    x, t = kwargs.pop("x"), kwargs.pop("t")
+    with pytest.raises(ValueError, match=f"^u12_fused_linear: .*{match}"):
+        fn(x, t, **kwargs)
+
+
+def test_config_must_be_gemv2():
+    x, t = torch.zeros(1, 8), pack_u12(torch.zeros(4, 8, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="config must be a gemv2 U12Config"):
+        ufl.u12_fused_linear(x, t, config=U12Config(8, 64))
+
+
+def test_default_config_halves_the_tile_when_gated():
+    assert ufl.default_config(1, 6144, 4096, False, on_gpu=False) == ufl._INTERPRETER_CONFIG
+    for m in (1, 2, 4):
+        plain = ufl.default_config(m, 28672, 4096, False)
+        gated = ufl.default_config(m, 28672, 4096, True)
+        assert plain.kernel == gated.kernel == "gemv2" and gated.block_n >= 4
+        assert 2 * gemv2_acc_registers(gated, m) == gemv2_acc_registers(plain, m)  # two accumulators, same registers
+    assert ufl.default_config(1, 28672, 4096, False) == TUNED[(1, 28672, 4096)]
+    assert ufl.default_config(1, 28672, 4096, True).block_n == TUNED[(1, 28672, 4096)].block_n // 2
+    assert ufl.default_config(4, 28672, 4096, True).block_w == TUNED[(4, 28672, 4096)].block_w // 2  # block_n is 4
