@@ -13,7 +13,8 @@ Visibility: the T new tokens sit at key slots past..past+T-1; every cached slot
 < past is visible to every query, and among the new tokens `mask` says: "causal" (query t sees
 new tokens <= t), "full" (block non-causal: all of them), or a bool tensor [T, T] / [B, T, T]
 (a tree: entry [t, u] says whether query t sees new token u). A query that sees no key at all
-is undefined (a tree's mask holds its diagonal).
+is undefined (a tree's mask holds its diagonal). Only the tiles that hold new tokens gather the
+mask tensor; tiles of cached slots skip it (every query sees them).
 
 `past` is an int (then S = past + T) or an int32/int64 device tensor [], [1] or [B] (one past per
 batch row) for CUDA graphs: one captured launch serves every step. Then S is the cache capacity,
@@ -130,10 +131,12 @@ def _split_kernel(
             visible = n_ok[None, :]
         elif MASK == 1:
             visible = n_ok[None, :] & (new[None, :] <= t[:, None])
-        else:
+        elif n0 + BLOCK_N > past:  # a tile holding new tokens: their mask rows decide
             in_block = n_ok[None, :] & (new >= 0)[None, :] & row_ok[:, None]
             seen = tl.load(mask_ptr + b * stride_mb + t[:, None] * stride_mt + new[None, :], mask=in_block, other=0)
             visible = n_ok[None, :] & ((new < 0)[None, :] | (seen != 0))
+        else:  # cached slots only: all visible, no mask to gather
+            visible = tl.broadcast_to(n_ok[None, :], (BLOCK_M, BLOCK_N))
         s = tl.where(visible, s, float("-inf"))
 
         m_new = tl.maximum(m_i, tl.max(s, 1))
