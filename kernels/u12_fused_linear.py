@@ -69,7 +69,7 @@ from .u12_linear import (
     U12Config,
     _apply_escapes,
     _block_m,
-    _decode_planes,
+    _fma_planes,
     _nonempty,
     _scales,
     _x_planes,
@@ -80,23 +80,6 @@ from .u12_linear import (
 from .u12_linear import default_config as u12_default_config
 
 # --- the kernel -------------------------------------------------------------------------------
-
-
-@triton.jit
-def _fma_planes(acc, sm_rows, code_rows, offs_w, mask, x0, x1, x2, x3, MASKED: tl.constexpr, ASM: tl.constexpr):
-    """acc += Σ_j x_j · plane j of the decoded words offs_w of the rows sm_rows / code_rows."""
-    if MASKED:
-        s = tl.load(sm_rows + offs_w, mask=mask, other=0)
-        c = tl.load(code_rows + offs_w, mask=mask, other=0).to(tl.int32)
-    else:
-        s = tl.load(sm_rows + offs_w)
-        c = tl.load(code_rows + offs_w).to(tl.int32)
-    w0, w1, w2, w3 = _decode_planes(s, c, ASM)
-    acc = tl.fma(x0, w0, acc)
-    acc = tl.fma(x1, w1, acc)
-    acc = tl.fma(x2, w2, acc)
-    acc = tl.fma(x3, w3, acc)
-    return acc
 
 
 @triton.jit

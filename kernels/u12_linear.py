@@ -405,6 +405,23 @@ def _x_planes(x_rows, offs_w, mask, X_WORDS: tl.constexpr, MASKED: tl.constexpr)
 
 
 @triton.jit
+def _fma_planes(acc, sm_rows, code_rows, offs_w, mask, x0, x1, x2, x3, MASKED: tl.constexpr, ASM: tl.constexpr):
+    """acc += Σ_j x_j · plane j of the decoded words offs_w of the rows sm_rows / code_rows."""
+    if MASKED:
+        s = tl.load(sm_rows + offs_w, mask=mask, other=0)
+        c = tl.load(code_rows + offs_w, mask=mask, other=0).to(tl.int32)
+    else:
+        s = tl.load(sm_rows + offs_w)
+        c = tl.load(code_rows + offs_w).to(tl.int32)
+    w0, w1, w2, w3 = _decode_planes(s, c, ASM)
+    acc = tl.fma(x0, w0, acc)
+    acc = tl.fma(x1, w1, acc)
+    acc = tl.fma(x2, w2, acc)
+    acc = tl.fma(x3, w3, acc)
+    return acc
+
+
+@triton.jit
 def _gemv_chunk(
     acc, start, sm_rows, code_rows, x_rows, n_words, x_scale,
     BLOCK_W: tl.constexpr, X_WORDS: tl.constexpr, MASKED: tl.constexpr, ASM: tl.constexpr,
@@ -413,19 +430,10 @@ def _gemv_chunk(
     w in [start, start + BLOCK_W); MASKED: words past K read as 0 (+0.0 weights, 0 activations)."""
     offs_w = (start + tl.arange(0, BLOCK_W))[None, None, :]
     mask = offs_w < n_words
-    if MASKED:
-        s = tl.load(sm_rows + offs_w, mask=mask, other=0)
-        c = tl.load(code_rows + offs_w, mask=mask, other=0).to(tl.int32)
-    else:
-        s = tl.load(sm_rows + offs_w)
-        c = tl.load(code_rows + offs_w).to(tl.int32)
-    w0, w1, w2, w3 = _decode_planes(s, c, ASM)
     x0, x1, x2, x3 = _x_planes(x_rows, offs_w, mask, X_WORDS, MASKED)
-    acc = tl.fma(x0 * x_scale, w0, acc)  # x_scale: exact (a power of two)
-    acc = tl.fma(x1 * x_scale, w1, acc)
-    acc = tl.fma(x2 * x_scale, w2, acc)
-    acc = tl.fma(x3 * x_scale, w3, acc)
-    return acc
+    # x_scale: exact (a power of two)
+    return _fma_planes(acc, sm_rows, code_rows, offs_w, mask, x0 * x_scale, x1 * x_scale, x2 * x_scale,
+                       x3 * x_scale, MASKED, ASM)
 
 
 @triton.jit
