@@ -6,6 +6,9 @@ bf16, bit for bit, and so are the kernels (the interpreter's reductions round as
 do here; on a GPU the qk-norm and RMSNorm rows may differ by one bf16 step, see the kernels).
 """
 
+import contextlib
+import dataclasses
+
 import pytest
 import torch
 
@@ -135,3 +138,43 @@ def test_fused_kernels_replay_in_one_cuda_graph():
     _exact(hsum, want_h)
     torch.testing.assert_close(y, want_y, atol=0, rtol=2 ** -6)
     torch.testing.assert_close(act, silu_mul_reference(gate_up), atol=0, rtol=2 ** -7)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="PDL and L2 prefetch need CUDA")
+def test_overlap_changes_no_value():
+    """Programmatic dependent launch and the L2 prefetch of o_proj (kernels/overlap.py) move no
+    value: a fused AR step (fused_linear at one row) replayed from a CUDA graph gives the logits
+    of the same step captured with plain launches, bit for bit, eagerly too."""
+    from specpilot.kernels.overlap import overlap_off, pdl_enabled, prefetch_args
+    from specpilot.runtime.fused import fused_path
+    from specpilot.runtime.model import Transformer
+
+    cfg = dataclasses.replace(_cfg("qwen3"), num_layers=3, vocab_size=300)
+    torch.manual_seed(0)
+    model = _randomise(Transformer(cfg), 9)
+    ids = torch.tensor([[7]], device=DEVICE)
+    o_weight = model.model.layers[0].self_attn.o_proj.weight
+    capable = torch.cuda.get_device_capability() >= (9, 0)
+    logits = {}
+    with fused_path(model), torch.no_grad():
+        cache = model.new_cache(1, 64, device_length=True)
+        start = torch.tensor(5, device=DEVICE)
+
+        def step():
+            cache.length.copy_(start)
+            return model(ids, cache).logits
+
+        for label, launches in (("overlap", contextlib.nullcontext()), ("plain", overlap_off())):
+            with launches:
+                on = pdl_enabled(DEVICE), prefetch_args(DEVICE, o_weight)[0] == 1
+                assert on == ((capable, capable) if label == "overlap" else (False, False))
+                eager = step().clone()
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    out = step()
+                graph.replay()
+                torch.cuda.synchronize()
+                logits[label] = (eager, out.clone())
+    for a, b in zip(logits["overlap"], logits["plain"]):
+        _exact(a, b)
