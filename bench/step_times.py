@@ -12,8 +12,9 @@ median of the repeats. Paths of the same model:
           serves every length);
   fused-cublas  the fused path with fused_linear off (cuBLAS GEMMs, separate RMSNorm, SiLU·mul and
           residual-add kernels), AR and verify(4) only: what fused_linear replaces;
-  fused-plain  the fused path without programmatic dependent launch or L2 weight prefetch
-          (kernels/overlap.py), AR and verify(16) only; fused-noprefetch: with PDL, no prefetch, AR only;
+  fused-pdl, fused-pdl-wait, fused-prefetch, fused-pdl-prefetch  the fused AR step with programmatic
+          dependent launch (mode 1: trigger then wait; mode 2: wait only) and/or the L2 prefetch of
+          o_proj (kernels/overlap.py; off by default);
   fused+u12  the fused path with every linear and lm_head in the u12 format (weights-u12 pass),
           AR and verify(16) only; fused+u12-unfused: its AR step with u12_fused_linear off.
 
@@ -39,7 +40,7 @@ from pathlib import Path
 import torch
 import triton
 
-from specpilot.kernels.overlap import overlap_off
+from specpilot.kernels.overlap import overlap
 from specpilot.runtime.config import DrafterConfig, ModelConfig
 from specpilot.runtime.dflash import DFlashDrafter
 from specpilot.runtime.fused import fused_path
@@ -252,12 +253,12 @@ def bench_shape(name: str, bw: float, repeats: int, with_u12: bool = True) -> tu
                     profile["ar-cublas"] = profile_step(lambda: (at_context(), model(inputs[1], cache)))
                 finally:
                     model.fused.ops = ops
-                # the same steps launched plainly, and with PDL but no L2 prefetch: what each saves
-                for label, off in (("fused-plain", dict()), ("fused-noprefetch", dict(pdl=False))):
-                    with overlap_off(**off):
-                        for q in (1, 16 if 16 in VERIFY_Q else VERIFY_Q[0])[: 2 if label == "fused-plain" else 1]:
-                            record(label, "ar" if q == 1 else "verify", q,
-                                   lambda ids=inputs[q]: (at_context(), model(ids, cache))[1])
+                # the AR step with programmatic dependent launch (modes 1, 2) and the L2 prefetch of
+                # o_proj, each off by default (kernels/overlap.py)
+                for label, kw in (("fused-pdl", dict(pdl=1)), ("fused-pdl-wait", dict(pdl=2)),
+                                  ("fused-prefetch", dict(prefetch=True)), ("fused-pdl-prefetch", dict(pdl=1, prefetch=True))):
+                    with overlap(**kw):
+                        record(label, "ar", 1, lambda ids=inputs[1]: (at_context(), model(ids, cache))[1])
                 # chain verify of q beside a tree of q nodes + anchor: what the tree mask costs
                 q, nodes = (16, 16) if 16 in VERIFY_Q and 16 in TREE_BUDGETS else (VERIFY_Q[0], TREE_BUDGETS[0])
                 mask, depth = tree_mask(nodes, DEVICE)

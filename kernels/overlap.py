@@ -17,9 +17,16 @@ kernel launched plainly after a PDL kernel waits for it as usual, and a PDL kern
 one (a torch op) is released when that kernel's programs exit, so the mix is safe. CUDA graphs
 capture the launches as programmatic edges (CUDA 12.3+).
 
-``pdl_options(device)`` gives a launch's ``PDL`` flag and options: on where the device is a CUDA
-GPU of compute capability 9.0 or more (not under TRITON_INTERPRET=1, which has no
-griddepcontrol), unless ``SPECPILOT_PDL=0`` or inside ``overlap_off()`` (benchmarks compare both).
+Modes (the kernels' ``PDL`` flag, 0-2): 1 is the above; 2 waits only (no explicit trigger: the
+next kernel may launch as this one's programs exit). ``pdl_options(device)`` gives a launch's flag
+and options; PDL needs a CUDA GPU of compute capability 9.0 or more (not under TRITON_INTERPRET=1,
+which has no griddepcontrol).
+
+Off by default, because measured slower: on the H200 the graphed Llama-3.1-8B AR step ran 5.03 ms
+with mode 1 against 4.40 ms plain (bench/results/step_times_pdl_h200.json), though the eager
+profile's kernels summed to less (4.29 ms against 4.34): the programmatic edges of the captured
+graph cost about 3 µs a kernel. ``SPECPILOT_PDL=1|2`` or ``overlap(pdl=...)`` turns it on (the
+benchmarks measure each mode beside the default).
 
 L2 prefetch: a latency-bound kernel (RoPE, attention: a few MB of KV and microseconds of
 dependent steps) leaves DRAM idle, while the GEMV after it reads its weights from DRAM. Given a
@@ -28,7 +35,9 @@ their share of the weight's bytes before anything else (before the PDL wait: wei
 depend on the kernel before), so the bytes stream into L2 while the kernel runs and the GEMV
 then reads them from L2. Exact (a prefetch moves no value); only where the weight fits in L2
 with room to spare (``MAX_PREFETCH_BYTES``), and only on sm_90+ (the bulk prefetch is Hopper's);
-not with ``SPECPILOT_PREFETCH=0`` or inside ``overlap_off()``.
+Off by default, because measured slower: in the same run rope_qkv's prefetch of o_proj cost 4.4 µs
+a layer and the GEMVs gained 5.8, and with PDL the step ran 5.09 ms against 5.03 without the
+prefetch. ``SPECPILOT_PREFETCH=1`` or ``overlap(prefetch=True)`` turns it on.
 """
 
 from __future__ import annotations
@@ -42,7 +51,8 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-_pdl_off = _prefetch_off = 0  # overlap_off() depth
+_ENV = {"pdl": "SPECPILOT_PDL", "prefetch": "SPECPILOT_PREFETCH"}
+_override: dict[str, int] = {}  # set inside overlap()
 
 
 @functools.cache
@@ -50,33 +60,48 @@ def _capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
+def _index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 def pdl_capable(device: torch.device) -> bool:
     """A CUDA GPU of compute capability 9.0+, outside the interpreter (griddepcontrol, bulk prefetch)."""
     if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
         return False
-    return _capability(device.index if device.index is not None else torch.cuda.current_device()) >= (9, 0)
+    return _capability(_index(device)) >= (9, 0)
 
 
-def pdl_enabled(device: torch.device) -> bool:
-    """Whether kernels on `device` launch with PDL now."""
-    return not _pdl_off and os.environ.get("SPECPILOT_PDL", "1") != "0" and pdl_capable(device)
+def _setting(name: str) -> int:
+    if name in _override:
+        return _override[name]
+    value = os.environ.get(_ENV[name], "0")
+    if value not in ("0", "1", "2") or (name == "prefetch" and value == "2"):
+        raise ValueError(f"{_ENV[name]}: expected 0 or 1{' or 2' if name == 'pdl' else ''}, got {value!r}")
+    return int(value)
 
 
-def pdl_options(device: torch.device) -> tuple[bool, dict]:
+def pdl_mode(device: torch.device) -> int:
+    """The PDL mode (0 off, 1 trigger then wait, 2 wait only) of launches on `device` now."""
+    return _setting("pdl") if pdl_capable(device) else 0
+
+
+def pdl_options(device: torch.device) -> tuple[int, dict]:
     """(the kernel's PDL flag, its extra launch options) for a launch on `device`."""
-    on = pdl_enabled(device)
-    return on, ({"launch_pdl": True} if on else {})
+    mode = pdl_mode(device)
+    return mode, ({"launch_pdl": True} if mode else {})
 
 
 @contextmanager
-def overlap_off(pdl: bool = True, prefetch: bool = True):
-    """Launches inside use no PDL (`pdl`) and no L2 prefetch (`prefetch`); graphs captured inside keep that."""
-    global _pdl_off, _prefetch_off
-    _pdl_off, _prefetch_off = _pdl_off + pdl, _prefetch_off + prefetch
+def overlap(pdl: int | None = None, prefetch: bool | None = None):
+    """Launches inside use PDL mode `pdl` and L2 prefetch `prefetch` where given (else the
+    environment's); graphs captured inside keep them."""
+    before = dict(_override)
+    _override.update({k: int(v) for k, v in (("pdl", pdl), ("prefetch", prefetch)) if v is not None})
     try:
         yield
     finally:
-        _pdl_off, _prefetch_off = _pdl_off - pdl, _prefetch_off - prefetch
+        _override.clear()
+        _override.update(before)
 
 
 # Prefetch at most this many bytes: a third of the H200's 50 MB L2 (the GEMV's weight must still be
@@ -90,14 +115,14 @@ def prefetch_args(device: torch.device, weights) -> tuple[int, int, int, int, in
     down to 16-byte units, when all are contiguous, 16-byte aligned, on `device`, and no larger
     than MAX_PREFETCH_BYTES together; else none."""
     none = (0, 0, 0, 0, 0)
-    if weights is None or _prefetch_off or os.environ.get("SPECPILOT_PREFETCH", "1") == "0":
+    if weights is None or not _setting("prefetch"):
         return none
     weights = [weights] if isinstance(weights, torch.Tensor) else list(weights)
     if not 1 <= len(weights) <= 2 or not pdl_capable(device):
         return none
     ranges = []
     for w in weights:
-        if w.device != device or not w.is_contiguous() or w.data_ptr() % 16:
+        if w.device.type != "cuda" or _index(w.device) != _index(device) or not w.is_contiguous() or w.data_ptr() % 16:
             return none
         ranges += [w.data_ptr(), w.numel() * w.element_size() // 16 * 16]
     if not 0 < sum(ranges[1::2]) <= MAX_PREFETCH_BYTES:
@@ -124,20 +149,22 @@ def _prefetch_l2(addr, nbytes, pid, programs, SLICES: tl.constexpr):
 def overlap_enter(
     PDL: tl.constexpr, PREFETCH: tl.constexpr, addr0, bytes0, addr1, bytes1, pid, programs, SLICES: tl.constexpr,
 ):
-    """pdl_enter with an L2 prefetch of PREFETCH (0-2) weight ranges (``prefetch_args``) between its two steps."""
-    if PDL:
+    """pdl_enter with an L2 prefetch of PREFETCH (0-2) weight ranges (``prefetch_args``) before the wait."""
+    if PDL == 1:
         gdc_launch_dependents()
     if PREFETCH >= 1:
         _prefetch_l2(addr0, bytes0, pid, programs, SLICES)
     if PREFETCH >= 2:
         _prefetch_l2(addr1, bytes1, pid, programs, SLICES)
-    if PDL:
+    if PDL >= 1:
         gdc_wait()
 
 
 @triton.jit
 def pdl_enter(PDL: tl.constexpr):
-    """A PDL kernel's first step (the module docstring says why this order); nothing without PDL."""
-    if PDL:
+    """A PDL kernel's first step: mode 1 lets the next kernel launch, then (modes 1, 2) waits for
+    the kernel before; nothing in mode 0."""
+    if PDL == 1:
         gdc_launch_dependents()
+    if PDL >= 1:
         gdc_wait()

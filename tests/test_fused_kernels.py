@@ -6,7 +6,6 @@ bf16, bit for bit, and so are the kernels (the interpreter's reductions round as
 do here; on a GPU the qk-norm and RMSNorm rows may differ by one bf16 step, see the kernels).
 """
 
-import contextlib
 import dataclasses
 
 import pytest
@@ -142,10 +141,10 @@ def test_fused_kernels_replay_in_one_cuda_graph():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="PDL and L2 prefetch need CUDA")
 def test_overlap_changes_no_value():
-    """Programmatic dependent launch and the L2 prefetch of o_proj (kernels/overlap.py) move no
-    value: a fused AR step (fused_linear at one row) replayed from a CUDA graph gives the logits
-    of the same step captured with plain launches, bit for bit, eagerly too."""
-    from specpilot.kernels.overlap import overlap_off, pdl_enabled, prefetch_args
+    """Programmatic dependent launch (both modes) and the L2 prefetch of o_proj (kernels/overlap.py)
+    move no value: a fused AR step (fused_linear at one row) replayed from a CUDA graph gives the
+    logits of the same step captured with plain launches, bit for bit, eagerly too."""
+    from specpilot.kernels.overlap import overlap, pdl_mode, prefetch_args
     from specpilot.runtime.fused import fused_path
     from specpilot.runtime.model import Transformer
 
@@ -164,10 +163,11 @@ def test_overlap_changes_no_value():
             cache.length.copy_(start)
             return model(ids, cache).logits
 
-        for label, launches in (("overlap", contextlib.nullcontext()), ("plain", overlap_off())):
+        for label, launches in (("pdl", overlap(pdl=1, prefetch=True)), ("wait", overlap(pdl=2, prefetch=True)),
+                                ("plain", overlap(pdl=0, prefetch=False))):
             with launches:
-                on = pdl_enabled(DEVICE), prefetch_args(DEVICE, o_weight)[0] == 1
-                assert on == ((capable, capable) if label == "overlap" else (False, False))
+                on = pdl_mode(DEVICE), prefetch_args(DEVICE, o_weight)[0]
+                assert on == ({"pdl": 1, "wait": 2, "plain": 0}[label] * capable, int(label != "plain" and capable))
                 eager = step().clone()
                 torch.cuda.synchronize()
                 graph = torch.cuda.CUDAGraph()
@@ -176,5 +176,6 @@ def test_overlap_changes_no_value():
                 graph.replay()
                 torch.cuda.synchronize()
                 logits[label] = (eager, out.clone())
-    for a, b in zip(logits["overlap"], logits["plain"]):
-        _exact(a, b)
+    for label in ("pdl", "wait"):
+        for a, b in zip(logits[label], logits["plain"]):
+            _exact(a, b)
