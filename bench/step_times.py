@@ -16,7 +16,8 @@ median of the repeats. Paths of the same model:
           dependent launch (mode 1: trigger then wait; mode 2: wait only) and/or the L2 prefetch of
           o_proj (kernels/overlap.py; off by default);
   fused+u12  the fused path with every linear and lm_head in the u12 format (weights-u12 pass),
-          AR and verify(16) only; fused+u12-unfused: its AR step with u12_fused_linear off.
+          AR (with u12_fused_linear, off by default) and verify(16) only; fused+u12-unfused: the
+          default AR step, u12_linear beside the separate norm, SiLU·mul and add kernels.
 
 Steps: AR q=1; chain verify q=4..64; tree verify of k-ary trees (top-4) with 16..128 nodes plus
 the anchor; the DFlash-style drafter step (5 layers, block 16). The floor is the bytes of weights
@@ -305,12 +306,13 @@ def bench_shape(name: str, bw: float, repeats: int, with_u12: bool = True) -> tu
                     cache.length.copy_(start)
                     return model(ids, cache)
 
-                record("fused+u12", "ar" if q == 1 else "verify", q, u12_step, u12_weight_bytes=u12_bytes)
-            # AR with u12_fused_linear off: u12_linear beside separate norm, SiLU·mul and add kernels
+                record("fused+u12-unfused" if q == 1 else "fused+u12", "ar" if q == 1 else "verify", q, u12_step,
+                       u12_weight_bytes=u12_bytes)
+            # AR with u12_fused_linear on (off by default: runtime/fused.py's U12_LINEAR)
             ops = model.fused.ops
-            model.fused.ops = dataclasses.replace(ops, linear_max_m=0)
+            model.fused.ops = dataclasses.replace(ops, u12_kernel="triton-u12")
             try:
-                record("fused+u12-unfused", "ar", 1, lambda ids=inputs[1]: (cache.length.copy_(start), model(ids, cache))[1],
+                record("fused+u12", "ar", 1, lambda ids=inputs[1]: (cache.length.copy_(start), model(ids, cache))[1],
                        u12_weight_bytes=u12_bytes)
             finally:
                 model.fused.ops = ops

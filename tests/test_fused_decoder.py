@@ -384,14 +384,17 @@ _LAYER_CALLS = [(True, False, False), (False, False, True), (True, True, False),
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_u12_layers_run_the_fused_u12_linear(family, tiny_model_dirs):
-    """At one row, layers whose projections are u12 modules of the kernel the ops stand in for run
-    ops.linear_u12 (4 calls a layer, as fused_linear's): the logits, hidden states and caches of
-    the unfused u12 stack; with more rows, or modules of another kernel, the layers stay unfused."""
+    """Turned on (off by default: slower on the H200), at one row layers whose projections are u12
+    modules of the kernel the ops stand in for run ops.linear_u12 (4 calls a layer, as
+    fused_linear's): the logits, hidden states and caches of the unfused u12 stack; with more rows,
+    or modules of another kernel, the layers stay unfused."""
     _, plain, cfg = _pair(tiny_model_dirs[family], torch.bfloat16)
     _, fused, _ = _pair(tiny_model_dirs[family], torch.bfloat16)
     unfused = install_fused(_to_u12(plain, "torch"), "torch")
+    assert all(fl.linear_weights(unfused.ops.u12_kernel) is None for fl in unfused.layers)  # off by default
     unfused.ops = dataclasses.replace(unfused.ops, linear_max_m=0)
     stack = install_fused(_to_u12(fused, "torch"), "torch")
+    stack.ops = dataclasses.replace(stack.ops, u12_kernel="torch")
     calls, plain_calls = _count_linear(stack, "linear_u12"), _count_linear(stack)
     ids = torch.randint(0, cfg.vocab_size, (1, 9), generator=torch.Generator().manual_seed(3))
     layers = (0, cfg.num_layers - 1)
@@ -408,7 +411,7 @@ def test_u12_layers_run_the_fused_u12_linear(family, tiny_model_dirs):
         torch.testing.assert_close(c_plain.k[i], c_fused.k[i], **TOLERANCE[torch.bfloat16])
     # modules of the Triton kernel: not what torch ops stand in for
     other = install_fused(_to_u12(_pair(tiny_model_dirs[family], torch.bfloat16)[1], "triton-u12"), "torch")
-    assert all(fl.linear_weights(other.ops.u12_kernel) is None for fl in other.layers)
+    assert all(fl.linear_weights("torch") is None for fl in other.layers)
 
 
 def test_u12_fused_linear_greedy_tokens_equal_the_unfused_u12_stack(tiny_model_dirs):
@@ -421,7 +424,9 @@ def test_u12_fused_linear_greedy_tokens_equal_the_unfused_u12_stack(tiny_model_d
     _, fused, _ = _pair(dirs, torch.bfloat16)
     unfused = install_fused(_to_u12(ref, "torch"), "torch")
     unfused.ops = dataclasses.replace(unfused.ops, linear_max_m=0)
-    calls = _count_linear(install_fused(_to_u12(fused, "triton-u12"), "triton"), "linear_u12")
+    stack = install_fused(_to_u12(fused, "triton-u12"), "triton")
+    stack.ops = dataclasses.replace(stack.ops, u12_kernel="triton-u12")
+    calls = _count_linear(stack, "linear_u12")
     prompt = [5, 9, 2, 6, 5, 3]
     want = decode.generate_ar(ref, prompt, max_new_tokens=5, eos_token_id=None).tokens
     got = decode.generate_ar(fused, prompt, max_new_tokens=5, eos_token_id=None).tokens

@@ -250,7 +250,7 @@ class GraphPlan:
 
 
 FOLDED = "launch_folded"  # a key attribute of the plan only: the node's work rides in another's launch
-FOLDED_FEW_ROWS = "launch_folded_few_rows"  # the same, at up to LINEAR_MAX_M rows (fused_linear, u12_fused_linear)
+FOLDED_FEW_ROWS = "launch_folded_few_rows"  # the same, at up to LINEAR_MAX_M rows (fused_linear)
 # Rows up to which the fused stacks run fused_linear (runtime/fused.py's LINEAR_MAX_M): the layer's
 # norms ride in the q|k|v and gate|up GEMMs' prologues, SiLU·mul in gate|up's epilogue.
 LINEAR_MAX_M = 1
@@ -278,10 +278,8 @@ def _folded_launches(nodes: dict[str, tuple[Node, tuple[str, ...]]]) -> set[str]
 
 def _folded_at_few_rows(nodes: dict[str, tuple[Node, tuple[str, ...]]]) -> set[str]:
     """Nodes of a fused-decoder graph that launch nothing at up to LINEAR_MAX_M rows: each layer's
-    input and post-attention norms and its SiLU·mul, where each of the layer's seven projections
-    is in the model's dtype (fused_linear) or in u12 on its Triton kernel (u12_fused_linear), and
-    the concatenated ones (q|k|v, gate|up) agree in format and kernel (else the runtime does not
-    concatenate them, and the layer keeps its launches)."""
+    input and post-attention norms and its SiLU·mul, where all seven of the layer's projections
+    are in the model's dtype (fused_linear serves plain weights only; a u12 layer keeps them)."""
     if not any(node.op == "rmsnorm" and node.get("kernel") == "triton-fused" for node, _ in nodes.values()):
         return set()
     out = set()
@@ -289,11 +287,8 @@ def _folded_at_few_rows(nodes: dict[str, tuple[Node, tuple[str, ...]]]) -> set[s
         prefix, _, part = name.rpartition(".")
         if part not in ("input_norm", "post_norm", "mlp"):
             continue
-        linears = {proj: nodes.get(f"{prefix}.{proj}", (None,))[0] for proj in _LAYER_LINEARS}
-        if all(lin is not None and (lin["format"] == lin["dtype"] or (lin["format"], lin["kernel"]) == ("u12", "triton-u12"))
-               for lin in linears.values()) and all(
-                (linears[proj]["format"], linears[proj]["kernel"]) == (linears[lead]["format"], linears[lead]["kernel"])
-                for proj, lead in _JOINED.items()):
+        linears = [nodes.get(f"{prefix}.{proj}", (None,))[0] for proj in _LAYER_LINEARS]
+        if all(lin is not None and lin["format"] == lin["dtype"] for lin in linears):
             out.add(name)
     return out
 

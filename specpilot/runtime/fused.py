@@ -11,8 +11,10 @@ of a few microseconds, and at Llama-3.1-8B shapes those cost as much as reading 
 Up to LINEAR_MAX_M rows of plain (bf16/fp32) weights, kernels/fused_linear.py takes the norms into
 the q|k|v and gate|up GEMMs' prologues, SiLU·mul into gate|up's epilogue and the residual adds
 into o's and down's (the residual stream updated in place): seven launches a layer
-(run_layers_linear). On the H200 the Llama-3.1-8B AR step runs 4.40 ms against 4.70 ms on
+(run_layers_linear). On the H200 the Llama-3.1-8B AR step runs 4.30 ms against 4.82 ms on
 cuBLAS with the separate kernels (bench/results/step_times_llama_h200.json, fused-cublas).
+kernels/u12_fused_linear.py does the same for u12 layers, but measured slower, so only when
+asked (U12_LINEAR).
 
 q/k/v and gate/up are concatenated once at install; the original projections become views of the
 concatenated weights, so no memory is doubled. u12 projections are concatenated the same way (one
@@ -57,26 +59,34 @@ class FusedOps:
     linear: Callable | None = None  # fused_linear: RMSNorm prologue, SiLU·mul / residual-add epilogues
     linear_max_m: int = 0  # rows (B·T) up to which `linear` (`linear_u12`) serves the layers; 0: never
     linear_u12: Callable | None = None  # u12_fused_linear: the same over u12 weights
-    u12_kernel: str = ""  # the u12 modules' kernel that `linear_u12` stands in for
+    u12_kernel: str = ""  # the u12 modules' kernel that `linear_u12` stands in for; "": u12 layers unfused
 
 
 # Rows up to which fused_linear serves the layers: 32 Llama-3.1-8B layers' linears in one CUDA graph
 # ran 1.08x the unfused kernels (cuBLAS, separate norms, SiLU·mul and adds) at M = 1, 0.80x at M = 4
 # and 0.94x at M = 16 (bench/results/fused_linear_h200.json, "layer").
 LINEAR_MAX_M = 1
+# Whether u12 layers run u12_fused_linear (at up to LINEAR_MAX_M rows) by default: no. On the H200
+# the u12 AR step ran 4.71 ms with it against 4.00 ms with u12_linear beside the separate norm,
+# SiLU·mul and add kernels (bench/results/step_times_llama_h200.json, fused+u12 rows): its norm
+# prologue costs each program the whole Σx² and per-element normalising on top of the u12 decode,
+# the CUDA cores' bottleneck, and the gated tile holds half the rows. `u12_linear=True` turns it on.
+U12_LINEAR = False
 
 
-def fused_ops(kind: str, linear_max_m: int = LINEAR_MAX_M) -> FusedOps:
-    """"triton": the kernels; "torch": their references (same signatures)."""
+def fused_ops(kind: str, linear_max_m: int = LINEAR_MAX_M, u12_linear: bool = U12_LINEAR) -> FusedOps:
+    """"triton": the kernels; "torch": their references (same signatures). u12_linear: u12 layers
+    take the fused linear too (else their projections run u12_linear with the separate kernels)."""
     from specpilot.kernels import fused_linear, rmsnorm, rope_kv, silu_mul, u12_fused_linear
 
     if kind == "triton":
         return FusedOps(rmsnorm.rmsnorm, rope_kv.rope_qkv, silu_mul.silu_mul, kind,
-                        fused_linear.fused_linear, linear_max_m, u12_fused_linear.u12_fused_linear, "triton-u12")
+                        fused_linear.fused_linear, linear_max_m, u12_fused_linear.u12_fused_linear,
+                        "triton-u12" if u12_linear else "")
     if kind == "torch":
         return FusedOps(rmsnorm.rmsnorm_reference, rope_kv.rope_qkv_reference, silu_mul.silu_mul_reference, kind,
                         fused_linear.fused_linear_reference, linear_max_m,
-                        u12_fused_linear.u12_fused_linear_reference, "torch")
+                        u12_fused_linear.u12_fused_linear_reference, "torch" if u12_linear else "")
     raise ValueError(f"fused ops are 'triton' or 'torch', got {kind!r}")
 
 
