@@ -48,7 +48,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .overlap import pdl_enter, pdl_options
+from .overlap import pdl_args, pdl_enter
 from .registry import KernelSpec, register
 
 BLOCK_M = 64  # query rows a program, at most
@@ -321,8 +321,8 @@ def attention_split_kv(
     qk_scale = (d ** -0.5 if scale is None else scale) * math.log2(math.e)
     native = q.is_cuda and os.environ.get("TRITON_INTERPRET") != "1"
     meta = dict(HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=block_m, ROUND_BF16=not native and q.dtype == torch.bfloat16)
-    pdl, pdl_launch = pdl_options(q.device)
-    launch = dict(num_warps=4, num_stages=2, **pdl_launch) if native else {}
+    launch = dict(num_warps=4, num_stages=2) if native else {}
+    pdl = pdl_args(q.device)
 
     _split_kernel[(row_blocks, splits, b * hkv)](
         q, k, v, mask_t, out, m_part, l_part, acc_part, past_t,
@@ -333,13 +333,13 @@ def attention_split_kv(
         stride_mb, stride_mt,
         out.stride(0), out.stride(1), out.stride(2),
         BLOCK_N=BLOCK_N, MASK=mode, DOT_FP32=q.dtype == torch.float32 or not native, SINGLE=single,
-        PAST_TENSOR=past_tensor, PDL=pdl, **meta, **launch,
+        PAST_TENSOR=past_tensor, **meta, **launch, **pdl,
     )
     if not single:
         _combine_kernel[(rows, b * hkv)](
             m_part, l_part, acc_part, out, t, g, hkv, splits,
             out.stride(0), out.stride(1), out.stride(2), HEAD_DIM=d, BLOCK_D=block_d,
-            BLOCK_S=triton.next_power_of_2(splits), ROUND_BF16=meta["ROUND_BF16"], PDL=pdl, **launch,
+            BLOCK_S=triton.next_power_of_2(splits), ROUND_BF16=meta["ROUND_BF16"], **launch, **pdl,
         )
     return out
 

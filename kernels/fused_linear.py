@@ -68,7 +68,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from .overlap import pdl_enter, pdl_options
+from .overlap import pdl_args, pdl_enter
 from .registry import KernelSpec, register
 from .rmsnorm import _normalize, _row_inv, _to_dtype, rmsnorm_reference
 from .silu_mul import silu_mul_reference
@@ -506,12 +506,11 @@ def fused_linear(
         norm_weight = norm_weight.contiguous()
     norm = norm_weight is not None
     bm = _block_m(m, cfg)
-    pdl, pdl_launch = pdl_options(x.device)
     flags = dict(NORM=norm, GATED=bool(gated), RESIDUAL=residual is not None,
-                 ROUND_BF16=not native and x.dtype == torch.bfloat16, EXPF=native, PDL=pdl)
+                 ROUND_BF16=not native and x.dtype == torch.bfloat16, EXPF=native, **pdl_args(x.device))
     # fp fusion off, as in rmsnorm and silu_mul: sum · (1/K) + eps and 1 + exp(-g) round as torch's do
     # (the GEMV's sums are explicit FMAs, the dot's are tensor-core or "ieee" dots: unaffected).
-    launch = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False, **pdl_launch) if native else {}
+    launch = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False) if native else {}
 
     if cfg.kernel == "gemv":
         words = _words_apply(x, weight)

@@ -18,14 +18,15 @@ one (a torch op) is released when that kernel's programs exit, so the mix is saf
 capture the launches as programmatic edges (CUDA 12.3+).
 
 Modes (the kernels' ``PDL`` flag, 0-2): 1 is the above; 2 waits only (no explicit trigger: the
-next kernel may launch as this one's programs exit). ``pdl_options(device)`` gives a launch's flag
-and options; PDL needs a CUDA GPU of compute capability 9.0 or more (not under TRITON_INTERPRET=1,
+next kernel may launch as this one's programs exit). ``pdl_args(device)`` gives a launch's flag
+and option; PDL needs a CUDA GPU of compute capability 9.0 or more (not under TRITON_INTERPRET=1,
 which has no griddepcontrol).
 
 Off by default, because measured slower: on the H200 the graphed Llama-3.1-8B AR step ran 5.03 ms
 with mode 1 against 4.40 ms plain (bench/results/step_times_pdl_h200.json), though the eager
 profile's kernels summed to less (4.29 ms against 4.34): the programmatic edges of the captured
-graph cost about 3 µs a kernel. ``SPECPILOT_PDL=1|2`` or ``overlap(pdl=...)`` turns it on (the
+graph cost about 2.6 µs a kernel (244 kernels). Mode 2 ran 4.40 ms against 4.30 in a later run
+(bench/results/step_times_llama_h200.json). ``SPECPILOT_PDL=1|2`` or ``overlap(pdl=...)`` turns it on (the
 benchmarks measure each mode beside the default).
 
 L2 prefetch: a latency-bound kernel (RoPE, attention: a few MB of KV and microseconds of
@@ -34,10 +35,12 @@ weight (``prefetch_args``), such a kernel's programs issue ``cp.async.bulk.prefe
 their share of the weight's bytes before anything else (before the PDL wait: weights do not
 depend on the kernel before), so the bytes stream into L2 while the kernel runs and the GEMV
 then reads them from L2. Exact (a prefetch moves no value); only where the weight fits in L2
-with room to spare (``MAX_PREFETCH_BYTES``), and only on sm_90+ (the bulk prefetch is Hopper's);
-Off by default, because measured slower: in the same run rope_qkv's prefetch of o_proj cost 4.4 µs
-a layer and the GEMVs gained 5.8, and with PDL the step ran 5.09 ms against 5.03 without the
-prefetch. ``SPECPILOT_PREFETCH=1`` or ``overlap(prefetch=True)`` turns it on.
+with room to spare (``MAX_PREFETCH_BYTES``), and only on sm_90+ (the bulk prefetch is Hopper's).
+
+Off by default, because measured slower: rope_qkv's prefetch of o_proj cost 4.4 µs a layer and the
+GEMVs gained 5.8 in the eager profile of step_times_pdl_h200.json, and the graphed AR step ran 4.55
+ms with the prefetch alone against 4.30 ms (bench/results/step_times_llama_h200.json).
+``SPECPILOT_PREFETCH=1`` or ``overlap(prefetch=True)`` turns it on.
 """
 
 from __future__ import annotations
@@ -85,10 +88,11 @@ def pdl_mode(device: torch.device) -> int:
     return _setting("pdl") if pdl_capable(device) else 0
 
 
-def pdl_options(device: torch.device) -> tuple[int, dict]:
-    """(the kernel's PDL flag, its extra launch options) for a launch on `device`."""
+def pdl_args(device: torch.device) -> dict:
+    """A launch's PDL keywords on `device`: the kernel's ``PDL`` flag, and ``launch_pdl`` when on
+    (never under the interpreter, where the mode is 0)."""
     mode = pdl_mode(device)
-    return mode, ({"launch_pdl": True} if mode else {})
+    return {"PDL": mode, **({"launch_pdl": True} if mode else {})}
 
 
 @contextmanager
@@ -104,8 +108,8 @@ def overlap(pdl: int | None = None, prefetch: bool | None = None):
         _override.update(before)
 
 
-# Prefetch at most this many bytes: a third of the H200's 50 MB L2 (the GEMV's weight must still be
-# there when it runs; Llama-3.1-8B's o_proj is 32 MiB in bf16, 24 in u12).
+# Prefetch at most this many bytes, of the H200's 50 MB L2 (the GEMV's weight must still be there
+# when it runs; Llama-3.1-8B's o_proj is 32 MiB in bf16, 24 in u12).
 MAX_PREFETCH_BYTES = 40 << 20
 
 

@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from .attention_split_kv import _round_bf16
-from .overlap import pdl_enter, pdl_options
+from .overlap import pdl_args, pdl_enter
 from .registry import KernelSpec, register
 
 MAX_H = 16384
@@ -126,13 +126,12 @@ def rmsnorm(
         native = x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1"
         block = triton.next_power_of_2(hdim)
         warps = 4 if block <= 1024 else 8 if block <= 4096 else 16
-        pdl, pdl_launch = pdl_options(x.device)
-        launch = dict(num_warps=warps, enable_fp_fusion=False, **pdl_launch) if native else {}  # torch: no fma in sum·(1/H) + eps
+        launch = dict(num_warps=warps, enable_fp_fusion=False) if native else {}  # torch: no fma in sum·(1/H) + eps
         _rmsnorm_kernel[(rows,)](
             x2, r2, weight, y2, h2, hdim, 1.0 / hdim, eps, x2.stride(0), r2.stride(0), y2.stride(0), h2.stride(0),
             BLOCK=block, RESIDUAL=residual is not None,
             ROUND_X=not native and x.dtype == torch.bfloat16, ROUND_Y=not native and out_dtype == torch.bfloat16,
-            PDL=pdl, **launch,
+            **launch, **pdl_args(x.device),
         )
     return y if residual is None else (y, h)
 

@@ -37,7 +37,7 @@ import triton.language as tl
 from specpilot.runtime.model import apply_rope
 
 from .attention_split_kv import _round_bf16
-from .overlap import overlap_enter, pdl_options, prefetch_args
+from .overlap import overlap_enter, pdl_args, prefetch_args
 from .registry import KernelSpec, register
 
 
@@ -173,7 +173,6 @@ def rope_qkv(
     qw = q_norm_weight if q_norm_weight is not None else kw
     q_out = q if num_heads else qkv
     native = qkv.is_cuda and os.environ.get("TRITON_INTERPRET") != "1"
-    pdl, pdl_launch = pdl_options(qkv.device)
     pf, *pf_ranges = prefetch_args(qkv.device, prefetch)
     _rope_qkv_kernel[(b * t, num_heads + num_kv_heads)](
         qkv, cos, sin, qw, kw, slots, q_out, k_cache, v_cache,
@@ -184,8 +183,8 @@ def rope_qkv(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         HALF=d // 2, BLOCK=triton.next_power_of_2(d // 2), QK_NORM=norm,
-        ROUND_BF16=not native and qkv.dtype == torch.bfloat16, PDL=pdl, PREFETCH=pf,
-        **(dict(num_warps=1, enable_fp_fusion=False, **pdl_launch) if native else {}),
+        ROUND_BF16=not native and qkv.dtype == torch.bfloat16, PREFETCH=pf,
+        **(dict(num_warps=1, enable_fp_fusion=False) if native else {}), **pdl_args(qkv.device),
     )
     return q
 
@@ -200,7 +199,7 @@ def rope_qkv_reference(
     qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     slots: torch.Tensor, *, num_heads: int, num_kv_heads: int,
     q_norm_weight: torch.Tensor | None = None, k_norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
-    prefetch: torch.Tensor | None = None,
+    prefetch: torch.Tensor | tuple[torch.Tensor, ...] | None = None,
 ) -> torch.Tensor:
     """model.Attention.queries / keys_values on the split projection, then the cache writes."""
     b, t, d = _check(qkv, cos, sin, k_cache, v_cache, slots, num_heads, num_kv_heads, q_norm_weight, k_norm_weight)

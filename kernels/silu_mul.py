@@ -25,7 +25,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from .attention_split_kv import _round_bf16
-from .overlap import pdl_enter, pdl_options
+from .overlap import pdl_args, pdl_enter
 from .registry import KernelSpec, register
 
 BLOCK = 1024
@@ -72,11 +72,10 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     gu = gate_up.reshape(-1, two_i) if gate_up.stride(-1) == 1 else gate_up.contiguous().view(-1, two_i)
     out2 = out.view(-1, i)
     native = gate_up.is_cuda and os.environ.get("TRITON_INTERPRET") != "1"
-    pdl, pdl_launch = pdl_options(gate_up.device)
     _silu_mul_kernel[(gu.shape[0], triton.cdiv(i, BLOCK))](
         gu, out2, i, gu.stride(0), out2.stride(0),
-        BLOCK=BLOCK, ROUND_BF16=not native and gate_up.dtype == torch.bfloat16, EXPF=native, PDL=pdl,
-        **(dict(num_warps=4, enable_fp_fusion=False, **pdl_launch) if native else {}),
+        BLOCK=BLOCK, ROUND_BF16=not native and gate_up.dtype == torch.bfloat16, EXPF=native,
+        **(dict(num_warps=4, enable_fp_fusion=False) if native else {}), **pdl_args(gate_up.device),
     )
     return out
 

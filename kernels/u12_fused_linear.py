@@ -65,7 +65,7 @@ import triton.language as tl
 from specpilot.runtime.u12 import U12Tensor, pack_u12, unpack_u12
 
 from .fused_linear import _check, _epilogue, _plant_wrong_weight, fused_linear_reference
-from .overlap import pdl_enter, pdl_options
+from .overlap import pdl_args, pdl_enter
 from .registry import KernelSpec, register
 from .rmsnorm import _normalize, _row_inv, rmsnorm
 from .silu_mul import silu_mul
@@ -231,9 +231,8 @@ def _launch_fused(x, t: U12Tensor, norm_weight, eps, gated, y, residual: bool, c
     norm = norm_weight is not None
     nw = aligned_rows(norm_weight, x_words) if norm else x
     sm, codes = t.sm.contiguous(), t.codes.contiguous()
-    pdl, pdl_launch = pdl_options(x.device)
     # fp fusion off, as in fused_linear: sum · (1/K) + eps and 1 + exp(-g) round as torch's do.
-    launch = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False, **pdl_launch) \
+    launch = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False) \
         if native else {}
     _u12_fused_gemv_kernel[(triton.cdiv(n_out, cfg.block_n),)](
         x, nw, sm.view(torch.int32), codes.view(torch.int16),
@@ -243,7 +242,7 @@ def _launch_fused(x, t: U12Tensor, norm_weight, eps, gated, y, residual: bool, c
         BLOCK_M=_block_m(m), BLOCK_N=cfg.block_n, BLOCK_W=cfg.block_w, ESC_BLOCK=_ESC_BLOCK,
         X_WORDS=x_words, EVEN_K=n_words % cfg.block_w == 0,
         NORM=norm, GATED=bool(gated), RESIDUAL=residual,
-        ROUND_BF16=not native and x.dtype == torch.bfloat16, EXPF=native, ASM=native, PDL=pdl, **launch,
+        ROUND_BF16=not native and x.dtype == torch.bfloat16, EXPF=native, ASM=native, **launch, **pdl_args(x.device),
     )
 
 

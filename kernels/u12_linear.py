@@ -89,7 +89,7 @@ import triton.language as tl
 
 from specpilot.runtime.u12 import MAX_BASE, U12Tensor, pack_u12, unpack_u12
 
-from .overlap import pdl_enter, pdl_options
+from .overlap import pdl_args, pdl_enter
 from .registry import KernelSpec, register
 from .rmsnorm import _normalize
 
@@ -695,14 +695,8 @@ def _launch_gemv2(
         X_WORDS=x_words, EVEN_K=n_words % cfg.block_w == 0,
         # inline PTX on the GPU; the interpreter (TRITON_INTERPRET=1, read by Triton at import) runs none
         ASM=x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1",
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_pdl_launch(x),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(x.device),
     )
-
-
-def _pdl_launch(x: torch.Tensor) -> dict:
-    """The PDL flag and launch option of a launch on x's device (kernels/overlap.py)."""
-    pdl, options = pdl_options(x.device)
-    return dict(PDL=pdl, **options)
 
 
 def _split_k_plan(t: U12Tensor, cfg: U12Config, m: int, n_words: int, block_m: int):
@@ -764,7 +758,7 @@ def u12_linear(x: torch.Tensor, t: U12Tensor, config: U12Config | None = None) -
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_W=cfg.block_w, ESC_BLOCK=_ESC_BLOCK,
         PAIRS=cfg.decode == "pairs", WORDS=words, SCALED=scaled, USE_DOT=use_dot,
         DOT_BF16=use_dot and x.is_cuda and x.dtype == torch.bfloat16,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_pdl_launch(x),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(x.device),
     )
     return y
 

@@ -49,7 +49,7 @@ import triton.language as tl
 
 from specpilot.runtime.u12 import U12Tensor
 
-from .overlap import pdl_enter
+from .overlap import pdl_args, pdl_enter
 from .registry import KernelSpec, register
 from .u12_linear import (
     _ESC_BLOCK,
@@ -61,7 +61,6 @@ from .u12_linear import (
     _make_inputs,
     _nonempty,
     _pair_patterns,
-    _pdl_launch,
     _plant_wrong_weight,
     _scales,
     _split_k_plan,
@@ -214,7 +213,7 @@ def launch_mma(
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_W=cfg.block_w, ESC_BLOCK=_ESC_BLOCK,
         X_WORDS=x_words, EVEN_K=n_words % cfg.block_w == 0,
         DOT_BF16=native and x.dtype == torch.bfloat16, ASM=native,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_pdl_launch(x),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(x.device),
     )
 
 

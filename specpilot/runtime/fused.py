@@ -195,7 +195,8 @@ class FusedStack:
         """x [B, T, H] through every layer, writing the tokens' K/V at `slots` and attending over
         slots [0, end) under `vis`. Returns (the last MLP's output, the residual stream it adds
         to, picked layer outputs): the caller's final rmsnorm does that last add (`final_norm`).
-        Up to ops.linear_max_m rows of plain weights, `run_layers_linear` serves them instead."""
+        Up to ops.linear_max_m rows of plain weights (and u12 ones of ops.u12_kernel),
+        `run_layers_linear` serves them instead."""
         ops = self.ops
         if ops.linear is not None and x.shape[0] * x.shape[1] <= ops.linear_max_m:
             weights = [fl.linear_weights(ops.u12_kernel) for fl in self.layers]
