@@ -40,7 +40,7 @@ run() {  # run NAME SECONDS CMD...: output to $LOGS/NAME.log, its last lines her
 }
 
 tests() {
-  TAIL=4 run gpu_tests 220 python -m pytest -q -x -p no:cacheprovider tests/test_kernels.py \
+  TAIL=4 run gpu_tests 420 python -m pytest -q -x -p no:cacheprovider tests/test_kernels.py \
     tests/test_fused_kernels.py tests/test_attention_split_kv.py tests/test_graph_decode.py tests/test_u12_fused_linear.py
 }
 steps() {  # steps [NAME SHAPE...]

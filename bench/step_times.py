@@ -12,6 +12,8 @@ median of the repeats. Paths of the same model:
           serves every length);
   fused-cublas  the fused path with fused_linear off (cuBLAS GEMMs, separate RMSNorm, SiLU·mul and
           residual-add kernels), AR and verify(4) only: what fused_linear replaces;
+  fused-rope-apart  the fused AR and verify(16) steps with rope_qkv and the split-KV attention as
+          two launches a layer (what kernels/rope_attention.py does in one);
   fused-pdl, fused-pdl-wait, fused-prefetch, fused-pdl-prefetch  the fused AR step with programmatic
           dependent launch (mode 1: trigger then wait; mode 2: wait only) and/or the L2 prefetch of
           o_proj (kernels/overlap.py; off by default);
@@ -252,6 +254,13 @@ def bench_shape(name: str, bw: float, repeats: int, with_u12: bool = True) -> tu
                         record("fused-cublas", "ar" if q == 1 else "verify", q,
                                lambda ids=inputs[q]: (at_context(), model(ids, cache))[1])
                     profile["ar-cublas"] = profile_step(lambda: (at_context(), model(inputs[1], cache)))
+                finally:
+                    model.fused.ops = ops
+                model.fused.ops = dataclasses.replace(ops, rope_attention=None)
+                try:
+                    for q in (1, 16):
+                        record("fused-rope-apart", "ar" if q == 1 else "verify", q,
+                               lambda ids=inputs[q]: (at_context(), model(ids, cache))[1])
                 finally:
                     model.fused.ops = ops
                 # the AR step with programmatic dependent launch (modes 1, 2) and the L2 prefetch of

@@ -50,163 +50,234 @@ import triton.language as tl
 
 from .overlap import pdl_args, pdl_enter
 from .registry import KernelSpec, register
+from .rope_kv import _head_norm, _rope_halves
+from .rounding import _round_bf16
+from .u12_linear import split_counters
 
 BLOCK_M = 64  # query rows a program, at most
 BLOCK_N = 64  # keys a tile
 WAVES = 2  # programs per SM that the split rule aims for
+COMBINE_UNROLL = 4  # splits' partials the combining program reads at once
 _CPU_SMS = 4  # nominal SM count under the interpreter, so that the rule still splits
 
 _MASK_FULL, _MASK_CAUSAL, _MASK_TENSOR = 0, 1, 2
 
 
 @triton.jit
-def _round_bf16(x):
-    """fp32 -> the nearest bf16 value (ties to even), still fp32. The interpreter's fp32 -> bf16
-    cast truncates; rounding first makes that cast exact, so interpreter runs round as GPUs do."""
-    bits = x.to(tl.int32, bitcast=True)
-    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -0x10000
-    return bits.to(tl.float32, bitcast=True)
+def _scores(q1, q2, k1t, k2t, DOT_FP32: tl.constexpr):
+    """q·kᵀ [BLOCK_M, BLOCK_N] in fp32, over the two halves of the head dim."""
+    if DOT_FP32:
+        s = tl.dot(q1, k1t.to(tl.float32), input_precision="ieee")
+        return tl.dot(q2, k2t.to(tl.float32), s, input_precision="ieee")
+    return tl.dot(q2, k2t, tl.dot(q1, k1t))
+
+
+@triton.jit
+def _online_softmax(s, v, m_i, l_i, acc, DOT_FP32: tl.constexpr, ROUND_BF16: tl.constexpr):
+    """One tile of scores s (log2 domain, -inf where hidden) and values v into (max, sum, output)."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_base = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet stay at 0
+    p = tl.math.exp2(s - m_base[:, None])
+    alpha = tl.math.exp2(m_i - m_base)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if ROUND_BF16:
+        p = _round_bf16(p)
+    p_lo = p.to(v.dtype)  # what the tensor cores multiply (a no-op for fp32)
+    if DOT_FP32:
+        acc = tl.dot(p_lo.to(tl.float32), v.to(tl.float32), acc * alpha[:, None], input_precision="ieee")
+    else:
+        acc = tl.dot(p_lo, v, acc * alpha[:, None])
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _roped(x1, x2, cos_ptr, sin_ptr, cs, ok, w_ptr, offs_h, eps, inv_d, HALF: tl.constexpr, AXIS: tl.constexpr,
+           dt: tl.constexpr, QK_NORM: tl.constexpr, ROUND_BF16: tl.constexpr):
+    """rope_qkv's math on fp32 halves of heads laid along AXIS (1: rows are heads, 0: columns are):
+    qk-norm with weight w_ptr if QK_NORM, then RoPE with the cos/sin tables at offsets cs."""
+    if QK_NORM:
+        inv = tl.expand_dims(tl.math.rsqrt((tl.sum(x1 * x1, AXIS) + tl.sum(x2 * x2, AXIS)) * inv_d + eps), AXIS)
+        w1 = tl.load(w_ptr + offs_h, mask=offs_h < HALF, other=0.0).to(tl.float32)
+        w2 = tl.load(w_ptr + HALF + offs_h, mask=offs_h < HALF, other=0.0).to(tl.float32)
+        if AXIS == 1:
+            x1, x2 = _head_norm(x1, x2, w1[None, :], w2[None, :], inv, dt, ROUND_BF16)
+        else:
+            x1, x2 = _head_norm(x1, x2, w1[:, None], w2[:, None], inv, dt, ROUND_BF16)
+    c1 = tl.load(cos_ptr + cs, mask=ok, other=0.0).to(tl.float32)
+    c2 = tl.load(cos_ptr + cs + HALF, mask=ok, other=0.0).to(tl.float32)
+    s1 = tl.load(sin_ptr + cs, mask=ok, other=0.0).to(tl.float32)
+    s2 = tl.load(sin_ptr + cs + HALF, mask=ok, other=0.0).to(tl.float32)
+    return _rope_halves(x1, x2, c1, c2, s1, s2, dt, ROUND_BF16)
+
+
+@triton.jit
+def _combine(m_ptr, l_ptr, acc_ptr, part0, num_splits, rows_total, row_ok, offs_d, d_ok,
+             HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, UNROLL: tl.constexpr):
+    """out = Σ_s 2^(m_s - M) acc_s / Σ_s 2^(m_s - M) l_s over the partials of every split (M the
+    largest m_s; empty splits, m = -inf, weigh 0), read from L2 UNROLL splits at a time."""
+    m_tot = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_tot = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for s0 in range(0, num_splits, UNROLL):
+        for u in tl.static_range(UNROLL):
+            ok = row_ok & (tl.full([BLOCK_M], s0 + u, tl.int32) < num_splits)  # a tensor test (the interpreter's load takes no scalar mask)
+            part = part0 + (s0 + u) * rows_total
+            m_s = tl.load(m_ptr + part, mask=ok, other=float("-inf"), cache_modifier=".cg")
+            l_s = tl.load(l_ptr + part, mask=ok, other=0.0, cache_modifier=".cg")
+            a_s = tl.load(acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], mask=ok[:, None] & d_ok[None, :],
+                          other=0.0, cache_modifier=".cg")
+            m_new = tl.maximum(m_tot, m_s)
+            m_base = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha, w = tl.math.exp2(m_tot - m_base), tl.math.exp2(m_s - m_base)
+            l_tot = l_tot * alpha + w * l_s
+            acc = acc * alpha[:, None] + w[:, None] * a_s
+            m_tot = m_new
+    return acc / tl.where(l_tot == 0.0, 1.0, l_tot)[:, None]  # l = 0 only in padding rows
 
 
 @triton.jit
 def _split_kernel(
-    q_ptr, k_ptr, v_ptr, mask_ptr, o_ptr, m_ptr, l_ptr, acc_ptr, past_ptr,
-    T, S, past, G, HKV, split_len, qk_scale, stride_pb,
+    q_ptr, k_ptr, v_ptr, mask_ptr, o_ptr, m_ptr, l_ptr, acc_ptr, past_ptr, count_ptr,
+    cos_ptr, sin_ptr, qw_ptr, kw_ptr,
+    T, past, G, HKV, split_len, qk_scale, stride_pb, eps, inv_d,
     stride_qb, stride_qh, stride_qt,
     stride_kb, stride_kh, stride_ks,
     stride_vb, stride_vh, stride_vs,
     stride_mb, stride_mt,
     stride_ob, stride_oh, stride_ot,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    stride_cb, stride_ct,
+    HEAD_DIM: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     MASK: tl.constexpr,  # 0 full, 1 causal, 2 tensor [B or 1, T, T] (int8)
     DOT_FP32: tl.constexpr,  # fp32 dots (fp32 inputs, or the interpreter)
-    SINGLE: tl.constexpr,  # one split: normalise and write the output here
+    SINGLE: tl.constexpr,  # no cached split: the new tokens' program normalises and writes the output
     ROUND_BF16: tl.constexpr,  # bf16 under the interpreter: round before casting (_round_bf16)
-    PAST_TENSOR: tl.constexpr,  # past read from past_ptr[b · stride_pb]; S is then the capacity
+    PAST_TENSOR: tl.constexpr,  # past read from past_ptr[b · stride_pb]
+    ROPE: tl.constexpr,  # q_ptr is the q|k|v projection: rope it, take the new K/V from it, write them
+    QK_NORM: tl.constexpr,  # with ROPE: per-head RMSNorm of q and k first (weights qw_ptr, kw_ptr)
+    UNROLL: tl.constexpr,  # splits the combine reads at a time
     PDL: tl.constexpr,  # programmatic dependent launch (kernels/overlap.py)
 ):
     pdl_enter(PDL)
     pid_m = tl.program_id(0)
-    split = tl.program_id(1)
+    split = tl.program_id(1)  # cached splits 0..n-2, then the new tokens' program
     bh = tl.program_id(2)
     num_splits = tl.num_programs(1)
     b = (bh // HKV).to(tl.int64)  # batch strides of a large cache pass 2^31 elements
     kvh = bh % HKV
     if PAST_TENSOR:
         past = tl.load(past_ptr + b * stride_pb).to(tl.int32)
+    dt = k_ptr.dtype.element_ty
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < T * G
     j = rows // T  # head within the group
     t = rows % T  # query index among the new tokens
+    offs_h = tl.arange(0, BLOCK_H)  # within a half of the head dim
+    h1_ok = offs_h < HALF
+    h2_ok = offs_h < HEAD_DIM - HALF
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
 
-    q = tl.load(q_ptr + b * stride_qb + (kvh * G + j)[:, None] * stride_qh + t[:, None] * stride_qt + offs_d[None, :],
-                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    q_rows = q_ptr + b * stride_qb + (kvh * G + j)[:, None] * stride_qh + t[:, None] * stride_qt
+    q1 = tl.load(q_rows + offs_h[None, :], mask=row_ok[:, None] & h1_ok[None, :], other=0.0)
+    q2 = tl.load(q_rows + HALF + offs_h[None, :], mask=row_ok[:, None] & h2_ok[None, :], other=0.0)
+    if ROPE:
+        q1, q2 = _roped(q1.to(tl.float32), q2.to(tl.float32), cos_ptr, sin_ptr,
+                        b * stride_cb + t[:, None] * stride_ct + offs_h[None, :], row_ok[:, None] & h1_ok[None, :],
+                        qw_ptr, offs_h, eps, inv_d, HALF, 1, dt, QK_NORM, ROUND_BF16)
+        q1, q2 = q1.to(dt), q2.to(dt)
     if DOT_FP32:
-        q = q.to(tl.float32)
+        q1, q2 = q1.to(tl.float32), q2.to(tl.float32)
     k_base = k_ptr + b * stride_kb + kvh * stride_kh
     v_base = v_ptr + b * stride_vb + kvh * stride_vh
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max, log2 domain
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    start = split * split_len
-    end = tl.minimum(start + split_len, tl.minimum(S, past + T))  # S = past + T on the int path
-    for n0 in range(start, end, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < end
-        kt = tl.load(k_base + offs_n[None, :] * stride_ks + offs_d[:, None],
-                     mask=d_ok[:, None] & n_ok[None, :], other=0.0)  # [BLOCK_D, BLOCK_N]
-        v = tl.load(v_base + offs_n[:, None] * stride_vs + offs_d[None, :],
-                    mask=n_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
-        if DOT_FP32:
-            s = tl.dot(q, kt.to(tl.float32), input_precision="ieee")
-        else:
-            s = tl.dot(q, kt)
-        s = s * qk_scale
+    if split < num_splits - 1:  # cached slots, visible to every query: no mask
+        start = split * split_len
+        end = tl.minimum(start + split_len, past)
+        for n0 in range(start, end, BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            n_ok = offs_n < end
+            kt = k_base + offs_n[None, :] * stride_ks + offs_h[:, None]  # [BLOCK_H, BLOCK_N]
+            k1t = tl.load(kt, mask=h1_ok[:, None] & n_ok[None, :], other=0.0)
+            k2t = tl.load(kt + HALF, mask=h2_ok[:, None] & n_ok[None, :], other=0.0)
+            v = tl.load(v_base + offs_n[:, None] * stride_vs + offs_d[None, :],
+                        mask=n_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
+            s = tl.where(n_ok[None, :], _scores(q1, q2, k1t, k2t, DOT_FP32) * qk_scale, float("-inf"))
+            m_i, l_i, acc = _online_softmax(s, v, m_i, l_i, acc, DOT_FP32, ROUND_BF16)
+    else:  # the T new tokens at slots past..past+T-1: the mask decides
+        for n0 in range(0, T, BLOCK_N):
+            new = n0 + tl.arange(0, BLOCK_N)  # index among the new tokens
+            n_ok = new < T
+            ok1 = h1_ok[:, None] & n_ok[None, :]
+            ok2 = h2_ok[:, None] & n_ok[None, :]
+            if ROPE:  # k head kvh is q|k|v's head H + kvh, v head kvh its head H + Hkv + kvh
+                kt = q_ptr + b * stride_qb + new[None, :] * stride_qt + (HKV * G + kvh) * stride_qh + offs_h[:, None]
+                k1t, k2t = _roped(tl.load(kt, mask=ok1, other=0.0).to(tl.float32),
+                                  tl.load(kt + HALF, mask=ok2, other=0.0).to(tl.float32), cos_ptr, sin_ptr,
+                                  b * stride_cb + new[None, :] * stride_ct + offs_h[:, None], ok1,
+                                  kw_ptr, offs_h, eps, inv_d, HALF, 0, dt, QK_NORM, ROUND_BF16)
+                k1t, k2t = k1t.to(dt), k2t.to(dt)
+                v = tl.load(q_ptr + b * stride_qb + new[:, None] * stride_qt + (HKV * G + HKV + kvh) * stride_qh
+                            + offs_d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+                if pid_m == 0:  # one program a kv head keeps them: roped k and raw v into the cache
+                    slot = past + new
+                    kc = k_base + slot[None, :] * stride_ks + offs_h[:, None]
+                    tl.store(kc, k1t, mask=ok1)
+                    tl.store(kc + HALF, k2t, mask=ok2)
+                    tl.store(v_base + slot[:, None] * stride_vs + offs_d[None, :], v, mask=n_ok[:, None] & d_ok[None, :])
+            else:
+                slot = past + new
+                kt = k_base + slot[None, :] * stride_ks + offs_h[:, None]
+                k1t = tl.load(kt, mask=ok1, other=0.0)
+                k2t = tl.load(kt + HALF, mask=ok2, other=0.0)
+                v = tl.load(v_base + slot[:, None] * stride_vs + offs_d[None, :],
+                            mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+            s = _scores(q1, q2, k1t, k2t, DOT_FP32) * qk_scale
+            if MASK == 0:
+                visible = tl.broadcast_to(n_ok[None, :], (BLOCK_M, BLOCK_N))
+            elif MASK == 1:
+                visible = n_ok[None, :] & (new[None, :] <= t[:, None])
+            else:
+                seen = tl.load(mask_ptr + b * stride_mb + t[:, None] * stride_mt + new[None, :],
+                               mask=n_ok[None, :] & row_ok[:, None], other=0)
+                visible = n_ok[None, :] & (seen != 0)
+            s = tl.where(visible, s, float("-inf"))
+            m_i, l_i, acc = _online_softmax(s, v, m_i, l_i, acc, DOT_FP32, ROUND_BF16)
 
-        new = offs_n - past  # index among the new tokens; negative for cached slots
-        if MASK == 0:
-            visible = n_ok[None, :]
-        elif MASK == 1:
-            visible = n_ok[None, :] & (new[None, :] <= t[:, None])
-        elif n0 + BLOCK_N > past:  # a tile holding new tokens: their mask rows decide
-            in_block = n_ok[None, :] & (new >= 0)[None, :] & row_ok[:, None]
-            seen = tl.load(mask_ptr + b * stride_mb + t[:, None] * stride_mt + new[None, :], mask=in_block, other=0)
-            visible = n_ok[None, :] & ((new < 0)[None, :] | (seen != 0))
-        else:  # cached slots only: all visible, no mask to gather
-            visible = tl.broadcast_to(n_ok[None, :], (BLOCK_M, BLOCK_N))
-        s = tl.where(visible, s, float("-inf"))
-
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_base = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet stay at 0
-        p = tl.math.exp2(s - m_base[:, None])
-        alpha = tl.math.exp2(m_i - m_base)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if ROUND_BF16:
-            p = _round_bf16(p)
-        p_lo = p.to(v.dtype)  # what the tensor cores multiply (a no-op for fp32)
-        if DOT_FP32:
-            acc = tl.dot(p_lo.to(tl.float32), v.to(tl.float32), acc * alpha[:, None], input_precision="ieee")
-        else:
-            acc = tl.dot(p_lo, v, acc * alpha[:, None])
-        m_i = m_new
-
+    o = o_ptr + b * stride_ob + (kvh * G + j)[:, None] * stride_oh + t[:, None] * stride_ot + offs_d[None, :]
+    o_ok = row_ok[:, None] & d_ok[None, :]
     if SINGLE:
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # l = 0 only in padding rows
         if ROUND_BF16:
             out = _round_bf16(out)
-        o = o_ptr + b * stride_ob + (kvh * G + j)[:, None] * stride_oh + t[:, None] * stride_ot + offs_d[None, :]
-        tl.store(o, out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+        tl.store(o, out.to(o_ptr.dtype.element_ty), mask=o_ok)
     else:
-        part = (bh * num_splits + split) * (T * G) + rows
+        part0 = bh * num_splits * (T * G) + rows
+        part = part0 + split * (T * G)
         tl.store(m_ptr + part, m_i, mask=row_ok)
         tl.store(l_ptr + part, l_i, mask=row_ok)
-        tl.store(acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=row_ok[:, None] & d_ok[None, :])
-
-
-@triton.jit
-def _combine_kernel(
-    m_ptr, l_ptr, acc_ptr, o_ptr,
-    T, G, HKV, NUM_SPLITS,
-    stride_ob, stride_oh, stride_ot,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, ROUND_BF16: tl.constexpr,
-    PDL: tl.constexpr,  # programmatic dependent launch (kernels/overlap.py)
-):
-    """out = Σ_s 2^(m_s - M) acc_s / Σ_s 2^(m_s - M) l_s for one row, M the largest m_s.
-
-    One program per (query row, batch · kv head), every split loaded at once: a loop over the
-    splits in a few programs took 12 µs a call at 32 splits (H200, Llama-3.1-8B AR step), an
-    eighth of the whole attention; this is one round trip to memory."""
-    pdl_enter(PDL)
-    row = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = (bh // HKV).to(tl.int64)
-    kvh = bh % HKV
-    rows = T * G
-    offs_s = tl.arange(0, BLOCK_S)
-    s_ok = offs_s < NUM_SPLITS
-    offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < HEAD_DIM
-    part = bh * NUM_SPLITS * rows + offs_s * rows + row
-    m = tl.load(m_ptr + part, mask=s_ok, other=float("-inf"))
-    m_max = tl.max(m, 0)
-    w = tl.math.exp2(m - tl.where(m_max == float("-inf"), 0.0, m_max))  # empty splits weigh 0
-    l_sum = tl.sum(w * tl.load(l_ptr + part, mask=s_ok, other=0.0), 0)
-    acc = tl.load(acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], mask=s_ok[:, None] & d_ok[None, :], other=0.0)
-    out = tl.sum(w[:, None] * acc, 0) / tl.where(l_sum == 0.0, 1.0, l_sum)
-    if ROUND_BF16:
-        out = _round_bf16(out)
-    j = row // T
-    t = row % T
-    o = o_ptr + b * stride_ob + (kvh * G + j) * stride_oh + t * stride_ot + offs_d
-    tl.store(o, out.to(o_ptr.dtype.element_ty), mask=d_ok)
+        tl.store(acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=o_ok)
+        tl.debug_barrier()  # every thread's partial is written before the release below
+        counter = count_ptr + bh * tl.num_programs(0) + pid_m
+        arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+        if arrived == num_splits - 1:  # the last program of this row block combines the splits
+            out = _combine(m_ptr, l_ptr, acc_ptr, part0, num_splits, T * G, row_ok, offs_d, d_ok,
+                           HEAD_DIM, BLOCK_M, BLOCK_D, UNROLL)
+            if ROUND_BF16:
+                out = _round_bf16(out)
+            tl.store(o, out.to(o_ptr.dtype.element_ty), mask=o_ok)
+            tl.atomic_xchg(counter, 0)  # ready for the next launch (and CUDA graph replays)
 
 
 def split_count(s: int, rows: int, programs: int, sms: int) -> int:
-    """KV splits for a cache of `s` keys, `rows` = T · group query rows per kv head, `programs`
-    = batch · kv heads · row blocks before splitting, on `sms` SMs (rule in the module docstring)."""
+    """KV splits for `s` cached keys, `rows` = T · group query rows per kv head, `programs` =
+    batch · kv heads · row blocks before splitting, on `sms` SMs (rule in the module docstring);
+    0 when nothing is cached."""
+    if s == 0:
+        return 0
     want = triton.cdiv(WAVES * sms, programs)
     cap = min(triton.cdiv(s, BLOCK_N), max(1, s // (2 * rows)))
     return max(1, min(want, cap))
@@ -215,21 +286,21 @@ def split_count(s: int, rows: int, programs: int, sms: int) -> int:
 class Plan(NamedTuple):
     block_m: int  # query rows a program
     row_blocks: int
-    splits: int
+    splits: int  # of the cached keys; the new tokens' program comes on top
     split_len: int  # keys a split: whole BLOCK_N tiles
 
 
 def plan(b: int, h: int, hkv: int, t: int, s: int, sms: int, splits: int | None = None) -> Plan:
-    """How a call is cut: the rule's splits (`split_count`, trailing empty splits dropped), or
-    exactly `splits` if given."""
+    """How a call over `s` cached keys is cut: the rule's splits (`split_count`, trailing empty
+    splits dropped), or exactly `splits` if given."""
     rows = t * (h // hkv)
     block_m = max(16, min(BLOCK_M, triton.next_power_of_2(rows)))  # tl.dot needs 16
     row_blocks = triton.cdiv(rows, block_m)
     chosen = split_count(s, rows, b * hkv * row_blocks, sms) if splits is None else splits
-    if chosen < 1:
-        raise ValueError(f"attention_split_kv: splits must be >= 1, got {chosen}")
-    split_len = triton.cdiv(triton.cdiv(s, chosen), BLOCK_N) * BLOCK_N
-    if splits is None:
+    if chosen < (1 if s else 0):
+        raise ValueError(f"attention_split_kv: splits must be >= 1 over {s} cached keys, got {chosen}")
+    split_len = triton.cdiv(triton.cdiv(s, chosen), BLOCK_N) * BLOCK_N if chosen else BLOCK_N
+    if splits is None and chosen:
         chosen = triton.cdiv(s, split_len)
     return Plan(block_m, row_blocks, chosen, split_len)
 
@@ -254,6 +325,23 @@ def _mask_args(mask, b: int, t: int, device: torch.device) -> tuple[int, torch.T
     return _MASK_TENSOR, m.to(device).contiguous().view(torch.int8)  # no copy when already there
 
 
+def _check_past(past: int | torch.Tensor, b: int, s: int, t: int, device: torch.device, exact: bool) -> None:
+    """An int past must leave room for the T new tokens in S slots (exactly, where `exact`);
+    a past tensor must be int32/int64 [], [1] or [B] on `device`."""
+    if isinstance(past, torch.Tensor):
+        if past.dtype not in (torch.int32, torch.int64) or past.dim() > 1 or past.numel() not in (1, b):
+            raise ValueError(f"attention_split_kv: a past tensor must be int32/int64 of shape [], [1] or [B={b}], "
+                             f"got {past.dtype} {list(past.shape)}")
+        if past.device != device:
+            raise ValueError(f"attention_split_kv: past on {past.device}, q on {device}")
+        if s < t:
+            raise ValueError(f"attention_split_kv: a cache of {s} slots cannot hold T={t} new tokens")
+    elif exact and s != past + t:
+        raise ValueError(f"attention_split_kv: the cache must hold past + T = {past} + {t} keys, got S={s}")
+    elif not exact and not 0 <= past <= s - t:
+        raise ValueError(f"attention_split_kv: past + T = {past} + {t} must fit the cache's S={s} slots")
+
+
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int | torch.Tensor) -> None:
     if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape:
         raise ValueError(f"attention_split_kv: q must be [B, H, T, D] and k, v [B, Hkv, S, D], got "
@@ -262,21 +350,80 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int | torch.
     if bk != b or dk != d or hkv == 0 or h % hkv:
         raise ValueError(f"attention_split_kv: q {list(q.shape)} does not fit k, v {list(k.shape)} "
                          "(same B and D, heads a multiple of kv heads)")
-    if isinstance(past, torch.Tensor):
-        if past.dtype not in (torch.int32, torch.int64) or past.dim() > 1 or past.numel() not in (1, b):
-            raise ValueError(f"attention_split_kv: a past tensor must be int32/int64 of shape [], [1] or [B={b}], "
-                             f"got {past.dtype} {list(past.shape)}")
-        if past.device != q.device:
-            raise ValueError(f"attention_split_kv: past on {past.device}, q on {q.device}")
-        if s < t:
-            raise ValueError(f"attention_split_kv: a cache of {s} slots cannot hold T={t} new tokens")
-    elif s != past + t:
-        raise ValueError(f"attention_split_kv: the cache must hold past + T = {past} + {t} keys, got S={s}")
+    _check_past(past, b, s, t, q.device, exact=True)
     if not (q.dtype == k.dtype == v.dtype) or q.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"attention_split_kv: q, k, v must share a float32/bfloat16/float16 dtype, got "
                          f"{q.dtype}, {k.dtype}, {v.dtype}")
     if not (q.device == k.device == v.device):
         raise ValueError(f"attention_split_kv: q on {q.device}, k on {k.device}, v on {v.device}")
+
+
+def launch(
+    q_src: torch.Tensor, q_strides: tuple[int, int, int], k: torch.Tensor, v: torch.Tensor, *,
+    heads: int, t: int, past: int | torch.Tensor, mask: str | torch.Tensor, scale: float | None,
+    splits: int | None, rope: dict | None = None,
+) -> torch.Tensor:
+    """The kernel over k, v [B, Hkv, S, D]: q head h, token t at q_src + b·qs[0] + h·qs[1] + t·qs[2]
+    (`q_strides` qs), roped there first when `rope` (cos, sin, [B or 1, T, D] tables with unit
+    last stride, q_norm, k_norm weights or None, eps: then q_src is q|k|v and the new K/V are
+    taken from it and written at slots past..past+T-1). Checked by the callers. -> [B, H, T, D]."""
+    (b, hkv, s, d), dtype, device = k.shape, k.dtype, k.device
+    g = heads // hkv
+    mode, mask_t = _mask_args(mask, b, t, device)
+    # [B, H, T, D] over [B, T, H, D] memory: the o projection's [B, T, H·D] input is then a view (no copy)
+    out = torch.empty((b, t, heads, d), dtype=dtype, device=device).transpose(1, 2)
+    if out.numel() == 0:
+        return out
+    past_tensor = isinstance(past, torch.Tensor)
+    cached = s - t if past_tensor else past  # the grid is planned for the most keys the call may cache
+    block_m, row_blocks, splits, split_len = plan(b, heads, hkv, t, cached, sm_count(device), splits)
+    rows, block_d = t * g, max(16, triton.next_power_of_2(d))
+    half = (d + 1) // 2
+    single = splits == 0
+    if single:
+        m_part = l_part = acc_part = count = out  # unused pointers
+    else:
+        m_part = torch.empty((b * hkv, splits + 1, rows), dtype=torch.float32, device=device)
+        l_part = torch.empty_like(m_part)
+        acc_part = torch.empty((b * hkv, splits + 1, rows, d), dtype=torch.float32, device=device)
+        count = split_counters(k.untyped_storage(), b * hkv * row_blocks, device)
+    if past_tensor:
+        past_t, stride_pb, past = past.reshape(-1), (past.stride(-1) if past.numel() > 1 else 0), 0
+    else:
+        past_t, stride_pb = out, 0  # unused pointer
+    if mask_t is None:
+        mask_t, stride_mb, stride_mt = out, 0, 0  # unused pointer
+    else:
+        stride_mb, stride_mt = (mask_t.stride(0) if mask_t.shape[0] > 1 else 0), mask_t.stride(1)
+    if rope is None:
+        cos = sin = qw = kw = out  # unused pointers
+        stride_cb = stride_ct = 0
+        eps, qk_norm = 0.0, False
+    else:
+        cos, sin, qw, kw, eps = rope["cos"], rope["sin"], rope["q_norm"], rope["k_norm"], rope["eps"]
+        stride_cb, stride_ct = (cos.stride(0) if cos.shape[0] > 1 else 0), cos.stride(1)
+        qk_norm = kw is not None
+        kw = kw if qk_norm else out
+        qw = qw if qw is not None else kw
+    qk_scale = (d ** -0.5 if scale is None else scale) * math.log2(math.e)
+    native = device.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1"
+    # fp32 RoPE must not fuse a product into the sum (torch rounds each; bf16/fp16 round explicitly)
+    launch_opts = dict(num_warps=4, num_stages=2, enable_fp_fusion=rope is None or dtype != torch.float32) if native else {}
+    _split_kernel[(row_blocks, splits + 1, b * hkv)](
+        q_src, k, v, mask_t, out, m_part, l_part, acc_part, past_t, count, cos, sin, qw, kw,
+        t, past, g, hkv, split_len, qk_scale, stride_pb, eps, 1.0 / d,
+        *q_strides,
+        k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2),
+        stride_mb, stride_mt,
+        out.stride(0), out.stride(1), out.stride(2),
+        stride_cb, stride_ct,
+        HEAD_DIM=d, HALF=half, BLOCK_H=max(16, triton.next_power_of_2(half)), BLOCK_D=block_d,
+        BLOCK_M=block_m, BLOCK_N=BLOCK_N, MASK=mode, DOT_FP32=dtype == torch.float32 or not native,
+        SINGLE=single, ROUND_BF16=not native and dtype == torch.bfloat16, PAST_TENSOR=past_tensor,
+        ROPE=rope is not None, QK_NORM=qk_norm, UNROLL=COMBINE_UNROLL, **launch_opts, **pdl_args(device),
+    )
+    return out
 
 
 def attention_split_kv(
@@ -288,60 +435,13 @@ def attention_split_kv(
     `past`: an int with S = past + T, or an int32/int64 device tensor [], [1] or [B] with S the
     cache capacity (past + T <= S is the caller's to keep; checking it would sync). `mask`:
     visibility among the T new tokens ("causal", "full", bool [T, T] or [B, T, T]); all `past`
-    cached slots are visible. `scale` defaults to D^-0.5. `splits` overrides split_count.
+    cached slots are visible. `scale` defaults to D^-0.5. `splits` (of the cached keys) overrides
+    split_count.
     """
     _check(q, k, v, past)
-    (b, h, t, d), hkv, s = q.shape, k.shape[1], k.shape[2]
-    g = h // hkv
-    mode, mask_t = _mask_args(mask, b, t, q.device)
-    # [B, H, T, D] over [B, T, H, D] memory: the o projection's [B, T, H·D] input is then a view (no copy)
-    out = torch.empty((b, t, h, d), dtype=q.dtype, device=q.device).transpose(1, 2)
-    if out.numel() == 0:
-        return out
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
-
-    block_m, row_blocks, splits, split_len = plan(b, h, hkv, t, s, sm_count(q.device), splits)
-    rows, block_d = t * g, max(16, triton.next_power_of_2(d))
-    single = splits == 1
-    if single:
-        m_part = l_part = acc_part = out  # unused pointers
-    else:
-        m_part = torch.empty((b * hkv, splits, rows), dtype=torch.float32, device=q.device)
-        l_part = torch.empty_like(m_part)
-        acc_part = torch.empty((b * hkv, splits, rows, d), dtype=torch.float32, device=q.device)
-    past_tensor = isinstance(past, torch.Tensor)
-    if past_tensor:
-        past_t, stride_pb, past = past.reshape(-1), (past.stride(-1) if past.numel() > 1 else 0), 0
-    else:
-        past_t, stride_pb = out, 0  # unused pointer
-    if mask_t is None:
-        mask_t, stride_mb, stride_mt = out, 0, 0  # unused pointer
-    else:
-        stride_mb, stride_mt = (mask_t.stride(0) if mask_t.shape[0] > 1 else 0), mask_t.stride(1)
-    qk_scale = (d ** -0.5 if scale is None else scale) * math.log2(math.e)
-    native = q.is_cuda and os.environ.get("TRITON_INTERPRET") != "1"
-    meta = dict(HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=block_m, ROUND_BF16=not native and q.dtype == torch.bfloat16)
-    launch = dict(num_warps=4, num_stages=2) if native else {}
-    pdl = pdl_args(q.device)
-
-    _split_kernel[(row_blocks, splits, b * hkv)](
-        q, k, v, mask_t, out, m_part, l_part, acc_part, past_t,
-        t, s, past, g, hkv, split_len, qk_scale, stride_pb,
-        q.stride(0), q.stride(1), q.stride(2),
-        k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2),
-        stride_mb, stride_mt,
-        out.stride(0), out.stride(1), out.stride(2),
-        BLOCK_N=BLOCK_N, MASK=mode, DOT_FP32=q.dtype == torch.float32 or not native, SINGLE=single,
-        PAST_TENSOR=past_tensor, **meta, **launch, **pdl,
-    )
-    if not single:
-        _combine_kernel[(rows, b * hkv)](
-            m_part, l_part, acc_part, out, t, g, hkv, splits,
-            out.stride(0), out.stride(1), out.stride(2), HEAD_DIM=d, BLOCK_D=block_d,
-            BLOCK_S=triton.next_power_of_2(splits), ROUND_BF16=meta["ROUND_BF16"], **launch, **pdl,
-        )
-    return out
+    return launch(q, (q.stride(0), q.stride(1), q.stride(2)), k, v, heads=q.shape[1], t=q.shape[2], past=past,
+                  mask=mask, scale=scale, splits=splits)
 
 
 def _weights(q: torch.Tensor, k: torch.Tensor, *, past: int | torch.Tensor, mask: str | torch.Tensor,

@@ -95,6 +95,11 @@ def pdl_args(device: torch.device) -> dict:
     return {"PDL": mode, **({"launch_pdl": True} if mode else {})}
 
 
+def prefetch_on() -> bool:
+    """Whether kernels are asked to prefetch weights into L2 now (the environment, or overlap())."""
+    return bool(_setting("prefetch"))
+
+
 @contextmanager
 def overlap(pdl: int | None = None, prefetch: bool | None = None):
     """Launches inside use PDL mode `pdl` and L2 prefetch `prefetch` where given (else the

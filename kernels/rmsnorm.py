@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .attention_split_kv import _round_bf16
+from .rounding import _round_bf16
 from .overlap import pdl_args, pdl_enter
 from .registry import KernelSpec, register
 

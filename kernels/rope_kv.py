@@ -36,17 +36,24 @@ import triton.language as tl
 
 from specpilot.runtime.model import apply_rope
 
-from .attention_split_kv import _round_bf16
 from .overlap import overlap_enter, pdl_args, prefetch_args
 from .registry import KernelSpec, register
+from .rounding import _rn
 
 
 @triton.jit
-def _rn(x, dtype: tl.constexpr, ROUND_BF16: tl.constexpr):
-    """fp32 x rounded to `dtype` (as torch's result in that dtype), back in fp32."""
-    if ROUND_BF16:
-        x = _round_bf16(x)
-    return x.to(dtype).to(tl.float32)
+def _head_norm(x1, x2, w1, w2, inv, dt: tl.constexpr, ROUND_BF16: tl.constexpr):
+    """qk-norm of a head's fp32 halves: dt(w · dt(x · inv)), inv = rsqrt(mean(x²) + eps) of its head."""
+    return (_rn(w1 * _rn(x1 * inv, dt, ROUND_BF16), dt, ROUND_BF16),
+            _rn(w2 * _rn(x2 * inv, dt, ROUND_BF16), dt, ROUND_BF16))
+
+
+@triton.jit
+def _rope_halves(x1, x2, c1, c2, s1, s2, dt: tl.constexpr, ROUND_BF16: tl.constexpr):
+    """Rotate-half RoPE of fp32 halves (any one shape): x·cos + rotate_half(x)·sin, each product
+    and the sum rounded to dt as torch rounds them. Shared with kernels/attention_split_kv.py."""
+    return (_rn(_rn(x1 * c1, dt, ROUND_BF16) - _rn(x2 * s1, dt, ROUND_BF16), dt, ROUND_BF16),
+            _rn(_rn(x2 * c2, dt, ROUND_BF16) + _rn(x1 * s2, dt, ROUND_BF16), dt, ROUND_BF16))
 
 
 @triton.jit
@@ -80,15 +87,13 @@ def _rope_qkv_kernel(
         else:
             w1 = tl.load(kw_ptr + offs, mask=ok, other=0.0).to(tl.float32)
             w2 = tl.load(kw_ptr + HALF + offs, mask=ok, other=0.0).to(tl.float32)
-        x1 = _rn(w1 * _rn(x1 * inv, dt, ROUND_BF16), dt, ROUND_BF16)
-        x2 = _rn(w2 * _rn(x2 * inv, dt, ROUND_BF16), dt, ROUND_BF16)
+        x1, x2 = _head_norm(x1, x2, w1, w2, inv, dt, ROUND_BF16)
     cs = b * s_cs_b + t * s_cs_t
     c1 = tl.load(cos_ptr + cs + offs, mask=ok, other=0.0).to(tl.float32)
     c2 = tl.load(cos_ptr + cs + HALF + offs, mask=ok, other=0.0).to(tl.float32)
     s1 = tl.load(sin_ptr + cs + offs, mask=ok, other=0.0).to(tl.float32)
     s2 = tl.load(sin_ptr + cs + HALF + offs, mask=ok, other=0.0).to(tl.float32)
-    o1 = _rn(_rn(x1 * c1, dt, ROUND_BF16) - _rn(x2 * s1, dt, ROUND_BF16), dt, ROUND_BF16)
-    o2 = _rn(_rn(x2 * c2, dt, ROUND_BF16) + _rn(x1 * s2, dt, ROUND_BF16), dt, ROUND_BF16)
+    o1, o2 = _rope_halves(x1, x2, c1, c2, s1, s2, dt, ROUND_BF16)
     if head < H:
         out = q_ptr + b * s_q_b + head * s_q_h + t * s_q_t
         tl.store(out + offs, o1.to(dt), mask=ok)
@@ -105,44 +110,46 @@ def _rope_qkv_kernel(
         tl.store(vout + HALF + offs, tl.load(vrow + HALF + offs, mask=ok), mask=ok)
 
 
-def _table(x: torch.Tensor, name: str, b: int, t: int, d: int) -> torch.Tensor:
+def _table(x: torch.Tensor, name: str, b: int, t: int, d: int, who: str = "rope_qkv") -> torch.Tensor:
     """cos or sin as [B or 1, T, D] with unit last stride."""
     if x.dim() == 4 and x.shape[1] == 1:
         x = x[:, 0]
     if x.dim() != 3 or x.shape[0] not in (1, b) or x.shape[1:] != (t, d):
-        raise ValueError(f"rope_qkv: {name} must be [B, 1, T, D] or [B, T, D] (B may be 1) with B={b}, T={t}, "
+        raise ValueError(f"{who}: {name} must be [B, 1, T, D] or [B, T, D] (B may be 1) with B={b}, T={t}, "
                          f"D={d}, got {list(x.shape)}")
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def _check(qkv, cos, sin, k_cache, v_cache, slots, num_heads, num_kv_heads, q_norm_weight, k_norm_weight):
+def _check(qkv, cos, sin, k_cache, v_cache, slots, num_heads, num_kv_heads, q_norm_weight, k_norm_weight,
+           who="rope_qkv"):
+    """(B, T, D) of valid arguments (slots None: the caller places the new K/V), else ValueError."""
     if qkv.dim() != 3 or num_kv_heads < 1 or num_heads < 0 or qkv.shape[-1] % (num_heads + 2 * num_kv_heads):
-        raise ValueError(f"rope_qkv: qkv must be [B, T, (H + 2·Hkv)·D] with H={num_heads} >= 0, Hkv={num_kv_heads} "
+        raise ValueError(f"{who}: qkv must be [B, T, (H + 2·Hkv)·D] with H={num_heads} >= 0, Hkv={num_kv_heads} "
                          f">= 1, got {list(qkv.shape)}")
     b, t, width = qkv.shape
     d = width // (num_heads + 2 * num_kv_heads)
     if d % 2:
-        raise ValueError(f"rope_qkv: head_dim must be even for rotate-half RoPE, got {d}")
+        raise ValueError(f"{who}: head_dim must be even for rotate-half RoPE, got {d}")
     if qkv.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise ValueError(f"rope_qkv: qkv must be float32/bfloat16/float16, got {qkv.dtype}")
+        raise ValueError(f"{who}: qkv must be float32/bfloat16/float16, got {qkv.dtype}")
     for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
         if c.dim() != 4 or c.shape[0] != b or c.shape[1] != num_kv_heads or c.shape[3] != d or c.dtype != qkv.dtype:
-            raise ValueError(f"rope_qkv: {name} must be [{b}, {num_kv_heads}, S, {d}] {qkv.dtype}, got "
+            raise ValueError(f"{who}: {name} must be [{b}, {num_kv_heads}, S, {d}] {qkv.dtype}, got "
                              f"{list(c.shape)} {c.dtype}")
         if c.stride(-1) != 1:
-            raise ValueError(f"rope_qkv: {name} must have unit stride in its last dim")
-    if slots.shape != (b, t) or slots.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"rope_qkv: slots must be int32/int64 [{b}, {t}], got {slots.dtype} {list(slots.shape)}")
+            raise ValueError(f"{who}: {name} must have unit stride in its last dim")
+    if slots is not None and (slots.shape != (b, t) or slots.dtype not in (torch.int32, torch.int64)):
+        raise ValueError(f"{who}: slots must be int32/int64 [{b}, {t}], got {slots.dtype} {list(slots.shape)}")
     if num_heads and (q_norm_weight is None) != (k_norm_weight is None):
-        raise ValueError("rope_qkv: give both q_norm_weight and k_norm_weight, or neither")
+        raise ValueError(f"{who}: give both q_norm_weight and k_norm_weight, or neither")
     if not num_heads and q_norm_weight is not None:
-        raise ValueError("rope_qkv: q_norm_weight without q heads (num_heads=0)")
+        raise ValueError(f"{who}: q_norm_weight without q heads (num_heads=0)")
     for name, w in (("q_norm_weight", q_norm_weight), ("k_norm_weight", k_norm_weight)):
         if w is not None and (w.shape != (d,) or w.dtype != qkv.dtype):
-            raise ValueError(f"rope_qkv: {name} must be [{d}] {qkv.dtype}, got {list(w.shape)} {w.dtype}")
+            raise ValueError(f"{who}: {name} must be [{d}] {qkv.dtype}, got {list(w.shape)} {w.dtype}")
     for name, x in (("cos", cos), ("sin", sin)):
         if x.dtype != qkv.dtype:
-            raise ValueError(f"rope_qkv: {name} must be {qkv.dtype} (model.rope's tables), got {x.dtype}")
+            raise ValueError(f"{who}: {name} must be {qkv.dtype} (model.rope's tables), got {x.dtype}")
     return b, t, d
 
 

@@ -362,6 +362,59 @@ def test_fused_linear_greedy_tokens_equal_ar(family, tiny_model_dirs):
     assert out.tokens == ar
 
 
+def _count_calls(stack, field: str) -> list[int]:
+    """The T of every call of ops.`field` that `stack` makes from now on."""
+    calls: list[int] = []
+    fn = getattr(stack.ops, field)
+
+    def counted(qkv, *args, **kw):
+        calls.append(qkv.shape[1])
+        return fn(qkv, *args, **kw)
+
+    stack.ops = dataclasses.replace(stack.ops, **{field: counted})
+    return calls
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_rope_attention_serves_split_kv_layers(family, tiny_model_dirs):
+    """Under fused_path (the split-KV kernel in every layer) the Triton ops run each layer's RoPE,
+    cache write and attention as one rope_attention call, at one row and at several: logits,
+    hidden states and caches bit for bit those of rope_qkv then the split-KV kernel (within fp32
+    rounding with qk-norm); the graphed
+    DFlash loop (its drafter's block too; rope_qkv left for the drafter's context) gives the AR
+    tokens."""
+    dirs = tiny_model_dirs[family]
+    ref, fused, cfg = _pair(dirs, torch.float32)
+    drafter = load_drafter(dirs["dflash"], fused, cfg, dtype=torch.float32, device="cpu")
+    ids = torch.randint(0, cfg.vocab_size, (1, 9), generator=torch.Generator().manual_seed(4))
+    layers = (0, cfg.num_layers - 1)
+    with fused_path(fused, drafter), torch.inference_mode():
+        stack = fused.fused
+        ops = stack.ops
+        results = {}
+        for label in ("apart", "one launch"):
+            stack.ops = ops if label == "one launch" else dataclasses.replace(ops, rope_attention=None)
+            together, apart = _count_calls(stack, "rope_attention") if label == "one launch" else [], _count_calls(stack, "rope_qkv")
+            cache = fused.new_cache(1, 24, device_length=True)
+            out = [fused(chunk, cache, hidden_layers=layers) for chunk in (ids, ids[:, :1], ids[:, 1:4])]
+            results[label] = (out, cache)
+        assert together == [9] * cfg.num_layers + [1] * cfg.num_layers + [3] * cfg.num_layers and apart == []
+        # qk-norm's Σx² of a head is reduced in another order (kernels/rope_attention.py): fp32 rounding
+        same = torch.equal if not cfg.qk_norm else lambda x, y: torch.allclose(x, y, **TOLERANCE[torch.float32])
+        for a, b in zip(*(results[k][0] for k in ("apart", "one launch"))):
+            assert same(a.logits, b.logits) and all(same(x, y) for x, y in zip(a.hidden, b.hidden))
+        for x, y in zip(results["apart"][1].k + results["apart"][1].v, results["one launch"][1].k + results["one launch"][1].v):
+            assert same(x, y)
+        stack.ops = ops
+        context = _count_calls(drafter.fused, "rope_qkv")
+        blocks = _count_calls(drafter.fused, "rope_attention")
+        prompt = [5, 9, 2, 6, 5, 3]
+        out = gd.generate_dflash_graphed(fused, drafter, prompt, block_size=drafter.block_size,
+                                         mask_token_id=drafter.mask_token_id, max_new_tokens=5, eos_token_id=None)
+    assert out.tokens == decode.generate_ar(ref, prompt, max_new_tokens=5, eos_token_id=None).tokens
+    assert context and blocks and set(blocks) == {drafter.block_size}
+
+
 # --- u12 layers: u12_fused_linear at one row -----------------------------------------------------
 
 _PROJECTIONS = (("self_attn", "q_proj"), ("self_attn", "k_proj"), ("self_attn", "v_proj"), ("self_attn", "o_proj"),

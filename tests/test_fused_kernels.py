@@ -179,3 +179,42 @@ def test_overlap_changes_no_value():
     for label in ("pdl", "wait"):
         for a, b in zip(logits[label], logits["plain"]):
             _exact(a, b)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("mask", ["causal", "tree"])
+@pytest.mark.parametrize("past_kind", ["int", "tensor"])
+def test_rope_attention_equals_rope_qkv_then_attention(family, mask, past_kind):
+    """One launch (kernels/rope_attention.py) gives what rope_qkv then attention_split_kv give on the
+    same splits, bit for bit: the cache (roped k, raw v at past..past+T-1, nothing else written)
+    and the attention output; qwen3's qk-norm too, except on a GPU (its reductions' order)."""
+    from specpilot.kernels.attention_split_kv import attention_split_kv
+    from specpilot.kernels.rope_attention import rope_attention
+
+    cfg = _cfg(family)
+    attn = _randomise(Attention(cfg), 7)
+    b, t, past, cap = 2, 5, 70, 96
+    g = torch.Generator().manual_seed(8)
+    qkv = torch.randn(b, t, (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim, generator=g).to(DEVICE, BF16)
+    depth = torch.tensor([0, 1, 1, 2, 3]) if mask == "tree" else torch.arange(t)
+    vis = torch.tensor([[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 0, 1, 0, 0], [1, 1, 0, 1, 0], [1, 1, 0, 1, 1]],
+                       dtype=torch.bool, device=DEVICE) if mask == "tree" else "causal"
+    cos, sin = rope_cos_sin(rope_inv_freq(cfg, DEVICE), (past + depth).expand(b, t).to(DEVICE), BF16)
+    k_cache, v_cache = (torch.randn(b, cfg.num_kv_heads, cap, cfg.head_dim, generator=g).to(DEVICE, BF16) for _ in range(2))
+    norms = dict(q_norm_weight=attn.q_norm.weight.detach(), k_norm_weight=attn.k_norm.weight.detach()) if cfg.qk_norm else {}
+    heads = dict(num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads)
+    slots = (past + torch.arange(t)).expand(b, t).to(DEVICE)
+    p = torch.tensor(past, device=DEVICE) if past_kind == "tensor" else past
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+    q = rope_qkv(qkv, cos, sin, want_k, want_v, slots, **heads, **norms)
+    keys = cap if past_kind == "tensor" else past + t
+    want = attention_split_kv(q, want_k[:, :, :keys], want_v[:, :, :keys], past=p, mask=vis, splits=2)
+    kc, vc = k_cache.clone(), v_cache.clone()
+    out = rope_attention(qkv, cos, sin, kc, vc, past=p, mask=vis, splits=2, **heads, **norms)
+    if cfg.qk_norm and DEVICE.type == "cuda":  # the Σx² of a head reduced in another order: a step of bf16
+        for a, w in ((kc, want_k), (vc, want_v), (out, want)):
+            torch.testing.assert_close(a, w, atol=2 ** -5, rtol=2 ** -6)
+        return
+    _exact(kc, want_k)
+    _exact(vc, want_v)
+    _exact(out, want)

@@ -53,6 +53,9 @@ KERNELS = {"input": 0, "embed": 1, "rmsnorm": 3, "linear": 1, "lm_head": 1, "rop
 # The same nodes on the fused kernels (kernel="triton-fused", runtime/fused.py): one launch each
 # (rmsnorm with the residual add, rope_qkv with qk-norm and the cache write, silu_mul).
 FUSED_KERNELS = {"rmsnorm": 1, "rope": 1, "mlp": 1}
+# Attention on the split-KV kernel (kernel="triton-split-kv"): one launch, the splits combined by the
+# last program of each row block; in a fused graph the layer's rope rides in it too (rope_attention).
+SPLIT_KV_KERNELS = 1
 
 # Attention parallelism. SDPA at q = 1 is flash-decoding (the cache split over programs: the card
 # fills). For q > 1 it runs one program per (request, head, 128-query tile), whatever the cache
@@ -260,13 +263,18 @@ _JOINED = {"k_proj": "q_proj", "v_proj": "q_proj", "up_proj": "gate_proj"}  # co
 
 def _folded_launches(nodes: dict[str, tuple[Node, tuple[str, ...]]]) -> set[str]:
     """Nodes of a fused-decoder graph (runtime/fused.py) that launch nothing of their own: residual
-    adds (inside the next RMSNorm kernel) and the k, v and up projections (one GEMM with q's or
+    adds (inside the next RMSNorm kernel), a layer's rope where its attention is the split-KV
+    kernel (kernels/rope_attention.py) and the k, v and up projections (one GEMM with q's or
     gate's, over concatenated weights: where the formats and kernels agree, as the runtime needs).
     A DFlash layer's k projection, which also reads the target context, keeps its launch: the
     context's k|v GEMM (`nodes`: name -> (node, input names))."""
     if not any(node.op == "rmsnorm" and node.get("kernel") == "triton-fused" for node, _ in nodes.values()):
         return set()
     out = {name for name, (node, _) in nodes.items() if node.op == "add"}
+    for name, (node, _) in nodes.items():  # RoPE and the cache write inside the split-KV kernel
+        attention = nodes.get(name.rpartition(".")[0] + ".attention", (None,))[0]
+        if node.op == "rope" and attention is not None and attention.get("kernel") == "triton-split-kv":
+            out.add(name)
     for name, (node, inputs) in nodes.items():
         prefix, _, proj = name.rpartition(".")
         lead = nodes.get(f"{prefix}.{_JOINED.get(proj, '')}", (None,))[0]
@@ -336,6 +344,8 @@ def node_cost(name: str, node: Node, out: tuple[int, int], ins: list[tuple[int, 
     read = sum(r * w for r, w in ins) * a
     written = rows * width * a
     kernels = FUSED_KERNELS[op] if node.get("kernel") == "triton-fused" and op in FUSED_KERNELS else KERNELS.get(op, 1)
+    if op == "attention" and node.get("kernel") == "triton-split-kv":
+        kernels = SPLIT_KV_KERNELS
     c = dict(name=name, op=op, rows=rows, kernels=kernels)
     occupancy, kernel_eff = 1.0, 1.0
 

@@ -60,6 +60,7 @@ class FusedOps:
     linear_max_m: int = 0  # rows (B·T) up to which `linear` (`linear_u12`) serves the layers; 0: never
     linear_u12: Callable | None = None  # u12_fused_linear: the same over u12 weights
     u12_kernel: str = ""  # the u12 modules' kernel that `linear_u12` stands in for; "": u12 layers unfused
+    rope_attention: Callable | None = None  # rope_qkv + split-KV attention in one launch, where layers use that kernel
 
 
 # Rows up to which fused_linear serves the layers: 32 Llama-3.1-8B layers' linears in one CUDA graph
@@ -77,12 +78,12 @@ U12_LINEAR = False
 def fused_ops(kind: str, linear_max_m: int = LINEAR_MAX_M, u12_linear: bool = U12_LINEAR) -> FusedOps:
     """"triton": the kernels; "torch": their references (same signatures). u12_linear: u12 layers
     take the fused linear too (else their projections run u12_linear with the separate kernels)."""
-    from specpilot.kernels import fused_linear, rmsnorm, rope_kv, silu_mul, u12_fused_linear
+    from specpilot.kernels import fused_linear, rmsnorm, rope_attention, rope_kv, silu_mul, u12_fused_linear
 
     if kind == "triton":
         return FusedOps(rmsnorm.rmsnorm, rope_kv.rope_qkv, silu_mul.silu_mul, kind,
                         fused_linear.fused_linear, linear_max_m, u12_fused_linear.u12_fused_linear,
-                        "triton-u12" if u12_linear else "")
+                        "triton-u12" if u12_linear else "", rope_attention.rope_attention)
     if kind == "torch":
         return FusedOps(rmsnorm.rmsnorm_reference, rope_kv.rope_qkv_reference, silu_mul.silu_mul_reference, kind,
                         fused_linear.fused_linear_reference, linear_max_m,
@@ -210,12 +211,7 @@ class FusedStack:
                 h, residual = ops.rmsnorm(out, layer.input_layernorm.weight, self.eps), out
             else:
                 h, residual = ops.rmsnorm(out, layer.input_layernorm.weight, self.eps, residual=residual)
-            q = ops.rope_qkv(
-                fl.project_qkv(h), cos, sin, cache.k[i], cache.v[i], slots, num_heads=self.heads,
-                num_kv_heads=self.kv_heads, q_norm_weight=_w(attn.q_norm), k_norm_weight=_w(attn.k_norm), eps=self.eps,
-            )
-            k_all, v_all = cache.view(i, end)
-            o = attn.output(attn.attention(q, k_all, v_all, vis))
+            o = attn.output(self.attend(i, fl.project_qkv(h), cos, sin, cache, vis, slots, end))
             h, residual = ops.rmsnorm(o, layer.post_attention_layernorm.weight, self.eps, residual=residual)
             out = layer.mlp.down_proj(ops.silu_mul(fl.project_gate_up(h)))
             if i in hidden_layers:
@@ -239,22 +235,39 @@ class FusedStack:
             return (ops.linear_u12 if isinstance(w, U12Tensor) else ops.linear)(h, w, **kw)
 
         for i, (fl, (w_qkv, w_o, w_gate_up, w_down)) in enumerate(zip(self.layers, weights)):
-            layer, attn = fl.layer, fl.layer.self_attn
+            layer = fl.layer
             qkv = linear(stream, w_qkv, norm_weight=layer.input_layernorm.weight, eps=self.eps)
-            # o's weight streams into L2 while RoPE and attention run (latency-bound: DRAM idles)
-            q = ops.rope_qkv(
-                qkv.view(b, t, -1), cos, sin, cache.k[i], cache.v[i], slots, num_heads=self.heads,
-                num_kv_heads=self.kv_heads, q_norm_weight=_w(attn.q_norm), k_norm_weight=_w(attn.k_norm), eps=self.eps,
-                prefetch=(w_o.sm, w_o.codes) if isinstance(w_o, U12Tensor) else w_o,
-            )
-            k_all, v_all = cache.view(i, end)
-            o = attn.attention(q, k_all, v_all, vis)  # [B, heads, T, D]
+            # with the L2 prefetch on, o's weight streams into L2 while RoPE and attention run
+            o = self.attend(i, qkv.view(b, t, -1), cos, sin, cache, vis, slots, end,
+                            prefetch=(w_o.sm, w_o.codes) if isinstance(w_o, U12Tensor) else w_o)  # [B, heads, T, D]
             linear(o.transpose(1, 2).reshape(b * t, -1), w_o, residual=stream)
             act = linear(stream, w_gate_up, norm_weight=layer.post_attention_layernorm.weight, eps=self.eps, gated=True)
             linear(act, w_down, residual=stream)
             if i in hidden_layers:
                 picked[i] = stream.view(b, t, hidden).clone()
         return None, stream.view(b, t, hidden), picked
+
+    def attend(
+        self, i: int, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, vis: Visibility,
+        slots: torch.Tensor, end: int | torch.Tensor, prefetch=None,
+    ) -> torch.Tensor:
+        """Layer i's attention output [B, heads, T, D] from its q|k|v projection [B, T, ·], the new
+        K/V written at `slots` (past.. under `vis`, as write_slots gives them): one rope_attention
+        launch where the layer runs the split-KV kernel (and no L2 prefetch is asked: rope_qkv
+        issues it), else rope_qkv and the layer's attention."""
+        ops, attn = self.ops, self.layers[i].layer.self_attn
+        norms = dict(q_norm_weight=_w(attn.q_norm), k_norm_weight=_w(attn.k_norm), eps=self.eps)
+        if ops.rope_attention is not None and attn.attention is split_kv_attention:
+            from specpilot.kernels.overlap import prefetch_on
+
+            if not prefetch_on():
+                return ops.rope_attention(qkv, cos, sin, cache.k[i], cache.v[i], past=vis.past, mask=vis.new,
+                                          num_heads=self.heads, num_kv_heads=self.kv_heads,
+                                          scale=attn.head_dim ** -0.5, **norms)
+        q = ops.rope_qkv(qkv, cos, sin, cache.k[i], cache.v[i], slots, num_heads=self.heads,
+                         num_kv_heads=self.kv_heads, prefetch=prefetch, **norms)
+        k_all, v_all = cache.view(i, end)
+        return attn.attention(q, k_all, v_all, vis)
 
     def final_norm(self, out: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """The final RMSNorm of run_layers' result, with the last residual add where it is pending."""
