@@ -7,6 +7,7 @@
 #   tests    GPU kernel tests (every registry kernel against its reference, fused and split-KV tests)
 #   steps    Llama-3.1-8B step times with kernel profiles
 #   attention  split-KV attention against SDPA
+#   attnvar  the decode step's attention launch: rope_attention or apart, combine, warps, splits
 #   u12      the u12 kernels' GPU tests, then their sweep against cuBLAS
 #   linear   fused_linear and u12_mma: GPU tests and sweeps (u12's mma sweep: U12_ARGS="--ms 16 --kernels mma")
 #   peers    AR against HF transformers on 8B-shaped weights
@@ -48,6 +49,7 @@ steps() {  # steps [NAME SHAPE...]
   TAIL=40 run step_times 260 python bench/step_times.py --shapes "${@:-llama-3.1-8b}" --out "$OUT/step_times_${name}_h200.json"
 }
 attention() { run attention 100 python bench/attention_split_kv.py --out "$OUT/attention_split_kv_h200.json"; }
+attnvar() { TAIL=70 run attention_variants 200 python bench/attention_variants.py --out "$OUT/attention_variants_h200.json"; }
 u12() {
   TAIL=4 run u12_tests 150 python -m pytest -q -x -p no:cacheprovider tests/test_u12_gemv.py
   TAIL=4 run u12_registry 150 python -m pytest -q -x -p no:cacheprovider tests/test_kernels.py -k u12
@@ -83,7 +85,7 @@ zoo() {
 
 for group in "${@:?group...}"; do
   case "$group" in
-    tests | attention | u12 | linear | peers | train | trees | e2e | zoo) "$group" ;;
+    tests | attention | attnvar | u12 | linear | peers | train | trees | e2e | zoo) "$group" ;;
     steps) steps ;;
     kernels) tests; steps both llama-3.1-8b qwen3-8b; attention ;;
     *) echo "unknown group $group" >&2; exit 2 ;;

@@ -57,19 +57,26 @@ from .u12_linear import split_counters
 BLOCK_M = 64  # query rows a program, at most
 BLOCK_N = 64  # keys a tile
 WAVES = 2  # programs per SM that the split rule aims for
-COMBINE_UNROLL = 4  # splits' partials the combining program reads at once
+# How the splits' partials become the output: "last" (the last program of a row block to finish
+# combines them, its counter in split_counters) or "kernel" (a second launch, _combine_kernel).
+COMBINE = "last"
+COMBINE_ROWS = 64  # query rows times splits the combining program reads at once (registers)
+NUM_WARPS = 4
 _CPU_SMS = 4  # nominal SM count under the interpreter, so that the rule still splits
 
 _MASK_FULL, _MASK_CAUSAL, _MASK_TENSOR = 0, 1, 2
 
 
 @triton.jit
-def _scores(q1, q2, k1t, k2t, DOT_FP32: tl.constexpr):
-    """q·kᵀ [BLOCK_M, BLOCK_N] in fp32, over the two halves of the head dim."""
-    if DOT_FP32:
-        s = tl.dot(q1, k1t.to(tl.float32), input_precision="ieee")
-        return tl.dot(q2, k2t.to(tl.float32), s, input_precision="ieee")
-    return tl.dot(q2, k2t, tl.dot(q1, k1t))
+def _join_rows(a, b, BLOCK_H: tl.constexpr):
+    """[R, BLOCK_H] halves -> [R, 2·BLOCK_H]: a's columns, then b's (the padded-halves layout)."""
+    return tl.reshape(tl.permute(tl.join(a, b), (0, 2, 1)), (a.shape[0], 2 * BLOCK_H))
+
+
+@triton.jit
+def _join_cols(a, b, BLOCK_H: tl.constexpr):
+    """[BLOCK_H, C] halves -> [2·BLOCK_H, C]: a's rows, then b's (the padded-halves layout)."""
+    return tl.reshape(tl.permute(tl.join(a, b), (2, 0, 1)), (2 * BLOCK_H, a.shape[1]))
 
 
 @triton.jit
@@ -148,9 +155,11 @@ def _split_kernel(
     stride_cb, stride_ct,
     HEAD_DIM: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_T: tl.constexpr,  # new tokens a tile (<= BLOCK_N: a decode step's one token needs no 64-wide tile)
     MASK: tl.constexpr,  # 0 full, 1 causal, 2 tensor [B or 1, T, T] (int8)
     DOT_FP32: tl.constexpr,  # fp32 dots (fp32 inputs, or the interpreter)
     SINGLE: tl.constexpr,  # no cached split: the new tokens' program normalises and writes the output
+    COMBINE: tl.constexpr,  # 1: the last program of a row block combines the splits; 0: _combine_kernel will
     ROUND_BF16: tl.constexpr,  # bf16 under the interpreter: round before casting (_round_bf16)
     PAST_TENSOR: tl.constexpr,  # past read from past_ptr[b · stride_pb]
     ROPE: tl.constexpr,  # q_ptr is the q|k|v projection: rope it, take the new K/V from it, write them
@@ -172,22 +181,28 @@ def _split_kernel(
     row_ok = rows < T * G
     j = rows // T  # head within the group
     t = rows % T  # query index among the new tokens
-    offs_h = tl.arange(0, BLOCK_H)  # within a half of the head dim
+    # q and k in the padded-halves layout: position c·BLOCK_H + h holds dim c·HALF + h (ROPE pairs
+    # dims h and HALF + h); v and the output plainly, dim d at d
+    offs_h = tl.arange(0, BLOCK_H)
     h1_ok = offs_h < HALF
     h2_ok = offs_h < HEAD_DIM - HALF
+    offs_hh = tl.arange(0, 2 * BLOCK_H)
+    dim_hh = (offs_hh // BLOCK_H) * HALF + offs_hh % BLOCK_H
+    hh_ok = (offs_hh % BLOCK_H) < tl.where(offs_hh < BLOCK_H, HALF, HEAD_DIM - HALF)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
 
     q_rows = q_ptr + b * stride_qb + (kvh * G + j)[:, None] * stride_qh + t[:, None] * stride_qt
-    q1 = tl.load(q_rows + offs_h[None, :], mask=row_ok[:, None] & h1_ok[None, :], other=0.0)
-    q2 = tl.load(q_rows + HALF + offs_h[None, :], mask=row_ok[:, None] & h2_ok[None, :], other=0.0)
     if ROPE:
-        q1, q2 = _roped(q1.to(tl.float32), q2.to(tl.float32), cos_ptr, sin_ptr,
-                        b * stride_cb + t[:, None] * stride_ct + offs_h[None, :], row_ok[:, None] & h1_ok[None, :],
-                        qw_ptr, offs_h, eps, inv_d, HALF, 1, dt, QK_NORM, ROUND_BF16)
-        q1, q2 = q1.to(dt), q2.to(dt)
+        q1, q2 = _roped(tl.load(q_rows + offs_h[None, :], mask=row_ok[:, None] & h1_ok[None, :], other=0.0).to(tl.float32),
+                        tl.load(q_rows + HALF + offs_h[None, :], mask=row_ok[:, None] & h2_ok[None, :], other=0.0).to(tl.float32),
+                        cos_ptr, sin_ptr, b * stride_cb + t[:, None] * stride_ct + offs_h[None, :],
+                        row_ok[:, None] & h1_ok[None, :], qw_ptr, offs_h, eps, inv_d, HALF, 1, dt, QK_NORM, ROUND_BF16)
+        q = _join_rows(q1.to(dt), q2.to(dt), BLOCK_H)
+    else:
+        q = tl.load(q_rows + dim_hh[None, :], mask=row_ok[:, None] & hh_ok[None, :], other=0.0)
     if DOT_FP32:
-        q1, q2 = q1.to(tl.float32), q2.to(tl.float32)
+        q = q.to(tl.float32)
     k_base = k_ptr + b * stride_kb + kvh * stride_kh
     v_base = v_ptr + b * stride_vb + kvh * stride_vh
 
@@ -200,26 +215,30 @@ def _split_kernel(
         for n0 in range(start, end, BLOCK_N):
             offs_n = n0 + tl.arange(0, BLOCK_N)
             n_ok = offs_n < end
-            kt = k_base + offs_n[None, :] * stride_ks + offs_h[:, None]  # [BLOCK_H, BLOCK_N]
-            k1t = tl.load(kt, mask=h1_ok[:, None] & n_ok[None, :], other=0.0)
-            k2t = tl.load(kt + HALF, mask=h2_ok[:, None] & n_ok[None, :], other=0.0)
+            kt = tl.load(k_base + offs_n[None, :] * stride_ks + dim_hh[:, None],
+                         mask=hh_ok[:, None] & n_ok[None, :], other=0.0)  # [2·BLOCK_H, BLOCK_N]
             v = tl.load(v_base + offs_n[:, None] * stride_vs + offs_d[None, :],
                         mask=n_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
-            s = tl.where(n_ok[None, :], _scores(q1, q2, k1t, k2t, DOT_FP32) * qk_scale, float("-inf"))
+            if DOT_FP32:
+                s = tl.dot(q, kt.to(tl.float32), input_precision="ieee")
+            else:
+                s = tl.dot(q, kt)
+            s = tl.where(n_ok[None, :], s * qk_scale, float("-inf"))
             m_i, l_i, acc = _online_softmax(s, v, m_i, l_i, acc, DOT_FP32, ROUND_BF16)
     else:  # the T new tokens at slots past..past+T-1: the mask decides
-        for n0 in range(0, T, BLOCK_N):
-            new = n0 + tl.arange(0, BLOCK_N)  # index among the new tokens
+        for n0 in range(0, T, BLOCK_T):
+            new = n0 + tl.arange(0, BLOCK_T)  # index among the new tokens
             n_ok = new < T
-            ok1 = h1_ok[:, None] & n_ok[None, :]
-            ok2 = h2_ok[:, None] & n_ok[None, :]
             if ROPE:  # k head kvh is q|k|v's head H + kvh, v head kvh its head H + Hkv + kvh
-                kt = q_ptr + b * stride_qb + new[None, :] * stride_qt + (HKV * G + kvh) * stride_qh + offs_h[:, None]
-                k1t, k2t = _roped(tl.load(kt, mask=ok1, other=0.0).to(tl.float32),
-                                  tl.load(kt + HALF, mask=ok2, other=0.0).to(tl.float32), cos_ptr, sin_ptr,
+                ok1 = h1_ok[:, None] & n_ok[None, :]
+                ok2 = h2_ok[:, None] & n_ok[None, :]
+                kp = q_ptr + b * stride_qb + new[None, :] * stride_qt + (HKV * G + kvh) * stride_qh + offs_h[:, None]
+                k1t, k2t = _roped(tl.load(kp, mask=ok1, other=0.0).to(tl.float32),
+                                  tl.load(kp + HALF, mask=ok2, other=0.0).to(tl.float32), cos_ptr, sin_ptr,
                                   b * stride_cb + new[None, :] * stride_ct + offs_h[:, None], ok1,
                                   kw_ptr, offs_h, eps, inv_d, HALF, 0, dt, QK_NORM, ROUND_BF16)
                 k1t, k2t = k1t.to(dt), k2t.to(dt)
+                kt = _join_cols(k1t, k2t, BLOCK_H)
                 v = tl.load(q_ptr + b * stride_qb + new[:, None] * stride_qt + (HKV * G + HKV + kvh) * stride_qh
                             + offs_d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
                 if pid_m == 0:  # one program a kv head keeps them: roped k and raw v into the cache
@@ -230,14 +249,17 @@ def _split_kernel(
                     tl.store(v_base + slot[:, None] * stride_vs + offs_d[None, :], v, mask=n_ok[:, None] & d_ok[None, :])
             else:
                 slot = past + new
-                kt = k_base + slot[None, :] * stride_ks + offs_h[:, None]
-                k1t = tl.load(kt, mask=ok1, other=0.0)
-                k2t = tl.load(kt + HALF, mask=ok2, other=0.0)
+                kt = tl.load(k_base + slot[None, :] * stride_ks + dim_hh[:, None], mask=hh_ok[:, None] & n_ok[None, :],
+                             other=0.0)
                 v = tl.load(v_base + slot[:, None] * stride_vs + offs_d[None, :],
                             mask=n_ok[:, None] & d_ok[None, :], other=0.0)
-            s = _scores(q1, q2, k1t, k2t, DOT_FP32) * qk_scale
+            if DOT_FP32:
+                s = tl.dot(q, kt.to(tl.float32), input_precision="ieee")
+            else:
+                s = tl.dot(q, kt)
+            s = s * qk_scale
             if MASK == 0:
-                visible = tl.broadcast_to(n_ok[None, :], (BLOCK_M, BLOCK_N))
+                visible = tl.broadcast_to(n_ok[None, :], (BLOCK_M, BLOCK_T))
             elif MASK == 1:
                 visible = n_ok[None, :] & (new[None, :] <= t[:, None])
             else:
@@ -260,16 +282,52 @@ def _split_kernel(
         tl.store(m_ptr + part, m_i, mask=row_ok)
         tl.store(l_ptr + part, l_i, mask=row_ok)
         tl.store(acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=o_ok)
-        tl.debug_barrier()  # every thread's partial is written before the release below
-        counter = count_ptr + bh * tl.num_programs(0) + pid_m
-        arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-        if arrived == num_splits - 1:  # the last program of this row block combines the splits
-            out = _combine(m_ptr, l_ptr, acc_ptr, part0, num_splits, T * G, row_ok, offs_d, d_ok,
-                           HEAD_DIM, BLOCK_M, BLOCK_D, UNROLL)
-            if ROUND_BF16:
-                out = _round_bf16(out)
-            tl.store(o, out.to(o_ptr.dtype.element_ty), mask=o_ok)
-            tl.atomic_xchg(counter, 0)  # ready for the next launch (and CUDA graph replays)
+        if COMBINE:
+            tl.debug_barrier()  # every thread's partial is written before the release below
+            counter = count_ptr + bh * tl.num_programs(0) + pid_m
+            arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+            if arrived == num_splits - 1:  # the last program of this row block combines the splits
+                out = _combine(m_ptr, l_ptr, acc_ptr, part0, num_splits, T * G, row_ok, offs_d, d_ok,
+                               HEAD_DIM, BLOCK_M, BLOCK_D, UNROLL)
+                if ROUND_BF16:
+                    out = _round_bf16(out)
+                tl.store(o, out.to(o_ptr.dtype.element_ty), mask=o_ok)
+                tl.atomic_xchg(counter, 0)  # ready for the next launch (and CUDA graph replays)
+
+
+@triton.jit
+def _combine_kernel(
+    m_ptr, l_ptr, acc_ptr, o_ptr,
+    T, G, HKV, NUM_SPLITS,
+    stride_ob, stride_oh, stride_ot,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, ROUND_BF16: tl.constexpr,
+    PDL: tl.constexpr,  # programmatic dependent launch (kernels/overlap.py)
+):
+    """The split kernel's COMBINE=0 second launch: one program per (query row, batch · kv head),
+    every split's partial loaded at once (one round trip to memory)."""
+    pdl_enter(PDL)
+    row = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = (bh // HKV).to(tl.int64)
+    kvh = bh % HKV
+    rows = T * G
+    offs_s = tl.arange(0, BLOCK_S)
+    s_ok = offs_s < NUM_SPLITS
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    part = bh * NUM_SPLITS * rows + offs_s * rows + row
+    m = tl.load(m_ptr + part, mask=s_ok, other=float("-inf"))
+    m_max = tl.max(m, 0)
+    w = tl.math.exp2(m - tl.where(m_max == float("-inf"), 0.0, m_max))  # empty splits weigh 0
+    l_sum = tl.sum(w * tl.load(l_ptr + part, mask=s_ok, other=0.0), 0)
+    acc = tl.load(acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], mask=s_ok[:, None] & d_ok[None, :], other=0.0)
+    out = tl.sum(w[:, None] * acc, 0) / tl.where(l_sum == 0.0, 1.0, l_sum)
+    if ROUND_BF16:
+        out = _round_bf16(out)
+    j = row // T
+    t = row % T
+    o = o_ptr + b * stride_ob + (kvh * G + j) * stride_oh + t * stride_ot + offs_d
+    tl.store(o, out.to(o_ptr.dtype.element_ty), mask=d_ok)
 
 
 def split_count(s: int, rows: int, programs: int, sms: int) -> int:
@@ -361,12 +419,16 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int | torch.
 def launch(
     q_src: torch.Tensor, q_strides: tuple[int, int, int], k: torch.Tensor, v: torch.Tensor, *,
     heads: int, t: int, past: int | torch.Tensor, mask: str | torch.Tensor, scale: float | None,
-    splits: int | None, rope: dict | None = None,
+    splits: int | None, rope: dict | None = None, combine: str | None = None,
 ) -> torch.Tensor:
     """The kernel over k, v [B, Hkv, S, D]: q head h, token t at q_src + b·qs[0] + h·qs[1] + t·qs[2]
     (`q_strides` qs), roped there first when `rope` (cos, sin, [B or 1, T, D] tables with unit
     last stride, q_norm, k_norm weights or None, eps: then q_src is q|k|v and the new K/V are
-    taken from it and written at slots past..past+T-1). Checked by the callers. -> [B, H, T, D]."""
+    taken from it and written at slots past..past+T-1). `combine`: COMBINE's choices (default
+    COMBINE). Checked by the callers. -> [B, H, T, D]."""
+    combine = COMBINE if combine is None else combine
+    if combine not in ("last", "kernel"):
+        raise ValueError(f"attention_split_kv: combine must be 'last' or 'kernel', got {combine!r}")
     (b, hkv, s, d), dtype, device = k.shape, k.dtype, k.device
     g = heads // hkv
     mode, mask_t = _mask_args(mask, b, t, device)
@@ -386,7 +448,7 @@ def launch(
         m_part = torch.empty((b * hkv, splits + 1, rows), dtype=torch.float32, device=device)
         l_part = torch.empty_like(m_part)
         acc_part = torch.empty((b * hkv, splits + 1, rows, d), dtype=torch.float32, device=device)
-        count = split_counters(k.untyped_storage(), b * hkv * row_blocks, device)
+        count = split_counters(k.untyped_storage(), b * hkv * row_blocks, device) if combine == "last" else out
     if past_tensor:
         past_t, stride_pb, past = past.reshape(-1), (past.stride(-1) if past.numel() > 1 else 0), 0
     else:
@@ -408,7 +470,7 @@ def launch(
     qk_scale = (d ** -0.5 if scale is None else scale) * math.log2(math.e)
     native = device.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1"
     # fp32 RoPE must not fuse a product into the sum (torch rounds each; bf16/fp16 round explicitly)
-    launch_opts = dict(num_warps=4, num_stages=2, enable_fp_fusion=rope is None or dtype != torch.float32) if native else {}
+    launch_opts = dict(num_warps=NUM_WARPS, num_stages=2, enable_fp_fusion=rope is None or dtype != torch.float32) if native else {}
     _split_kernel[(row_blocks, splits + 1, b * hkv)](
         q_src, k, v, mask_t, out, m_part, l_part, acc_part, past_t, count, cos, sin, qw, kw,
         t, past, g, hkv, split_len, qk_scale, stride_pb, eps, 1.0 / d,
@@ -419,16 +481,25 @@ def launch(
         out.stride(0), out.stride(1), out.stride(2),
         stride_cb, stride_ct,
         HEAD_DIM=d, HALF=half, BLOCK_H=max(16, triton.next_power_of_2(half)), BLOCK_D=block_d,
-        BLOCK_M=block_m, BLOCK_N=BLOCK_N, MASK=mode, DOT_FP32=dtype == torch.float32 or not native,
-        SINGLE=single, ROUND_BF16=not native and dtype == torch.bfloat16, PAST_TENSOR=past_tensor,
-        ROPE=rope is not None, QK_NORM=qk_norm, UNROLL=COMBINE_UNROLL, **launch_opts, **pdl_args(device),
+        BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_T=max(16, min(BLOCK_N, triton.next_power_of_2(t))), MASK=mode, DOT_FP32=dtype == torch.float32 or not native,
+        SINGLE=single, COMBINE=combine == "last", ROUND_BF16=not native and dtype == torch.bfloat16,
+        PAST_TENSOR=past_tensor, ROPE=rope is not None, QK_NORM=qk_norm,
+        UNROLL=max(1, min(COMBINE_ROWS // block_m, splits + 1)), **launch_opts, **pdl_args(device),
     )
+    if not single and combine == "kernel":
+        _combine_kernel[(rows, b * hkv)](
+            m_part, l_part, acc_part, out, t, g, hkv, splits + 1,
+            out.stride(0), out.stride(1), out.stride(2), HEAD_DIM=d, BLOCK_D=block_d,
+            BLOCK_S=triton.next_power_of_2(splits + 1), ROUND_BF16=not native and dtype == torch.bfloat16,
+            **({k: v for k, v in launch_opts.items() if k != "enable_fp_fusion"}), **pdl_args(device),
+        )
     return out
 
 
 def attention_split_kv(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, past: int | torch.Tensor,
     mask: str | torch.Tensor = "causal", scale: float | None = None, splits: int | None = None,
+    combine: str | None = None,
 ) -> torch.Tensor:
     """q [B, H, T, D] over k, v [B, Hkv, S, D] (grouped heads) -> [B, H, T, D] in q.dtype.
 
@@ -436,12 +507,12 @@ def attention_split_kv(
     cache capacity (past + T <= S is the caller's to keep; checking it would sync). `mask`:
     visibility among the T new tokens ("causal", "full", bool [T, T] or [B, T, T]); all `past`
     cached slots are visible. `scale` defaults to D^-0.5. `splits` (of the cached keys) overrides
-    split_count.
+    split_count; `combine` COMBINE.
     """
     _check(q, k, v, past)
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
     return launch(q, (q.stride(0), q.stride(1), q.stride(2)), k, v, heads=q.shape[1], t=q.shape[2], past=past,
-                  mask=mask, scale=scale, splits=splits)
+                  mask=mask, scale=scale, splits=splits, combine=combine)
 
 
 def _weights(q: torch.Tensor, k: torch.Tensor, *, past: int | torch.Tensor, mask: str | torch.Tensor,
@@ -511,32 +582,34 @@ def _make_inputs(case, device, seed):
                 parent = int(torch.randint(0, u, (1,), generator=g))
                 mask[row, u] |= mask[row, parent]
     mask = mask.to(device) if isinstance(mask, torch.Tensor) else mask
-    return q.to(device), k.to(device), v.to(device), past, mask, case["splits"]
+    return q.to(device), k.to(device), v.to(device), past, mask, case["splits"], case.get("combine")
 
 
-def _run(q, k, v, past, mask, splits):
-    return attention_split_kv(q, k, v, past=past, mask=mask, splits=splits)
+def _run(q, k, v, past, mask, splits, combine):
+    return attention_split_kv(q, k, v, past=past, mask=mask, splits=splits, combine=combine)
 
 
-def _reference(q, k, v, past, mask, splits):
+def _reference(q, k, v, past, mask, splits, combine):
     return attention_split_kv_reference(q, k, v, past=past, mask=mask)
 
 
 def _plant_wrong_value(inputs):
     """Flip the sign of the value element that moves some output most: the largest attention
     weight times |v| over visible keys."""
-    q, k, v, past, mask, splits = inputs
+    q, k, v, past, mask, *rest = inputs
     b, hkv, s, d = k.shape
     weights = _weights(q, k, past=past, mask=mask).view(b, hkv, -1, s).amax(2)  # [B, Hkv, S]
     score = (weights[..., None] * v.float().abs()).nan_to_num(0.0)
     v = v.clone()
     v.view(-1)[int(score.argmax())] *= -1
-    return q, k, v, past, mask, splits
+    return q, k, v, past, mask, *rest
 
 
-def _case(b, hkv, group, t, s, d, mask, dtype, splits=None, cap=None, past=None):
-    """S = past + T keys in use; with `cap`, a past tensor of kind `past` over a cache of cap slots."""
-    case = {"B": b, "Hkv": hkv, "group": group, "T": t, "S": s, "D": d, "mask": mask, "dtype": dtype, "splits": splits}
+def _case(b, hkv, group, t, s, d, mask, dtype, splits=None, cap=None, past=None, combine=None):
+    """S = past + T keys in use; with `cap`, a past tensor of kind `past` over a cache of cap slots;
+    `combine` as attention_split_kv takes it."""
+    case = {"B": b, "Hkv": hkv, "group": group, "T": t, "S": s, "D": d, "mask": mask, "dtype": dtype, "splits": splits,
+            "combine": combine}
     return case if cap is None else {**case, "cap": cap, "past": past}
 
 
@@ -550,20 +623,22 @@ register(KernelSpec(
     cases=[
         _case(1, 1, 1, 1, 1, 64, "causal", F32),  # one key
         _case(1, 2, 4, 1, 7, 128, "full", BF16),
-        _case(1, 2, 4, 3, 7, 64, "causal", BF16, splits=3),  # splits 1 and 2 hold no key
-        _case(2, 1, 1, 3, 300, 128, "tree", F32),  # the rule: 4 splits
+        _case(1, 2, 4, 3, 7, 64, "causal", BF16, splits=3),  # cached splits 1 and 2 hold no key
+        _case(2, 1, 1, 3, 300, 128, "tree", F32, combine="kernel"),  # the rule: 4 splits; a combine launch
         _case(2, 2, 4, 16, 300, 64, "tree", BF16, splits=5),  # [B, T, T] mask
-        _case(1, 1, 1, 16, 16, 64, "causal", F32),  # nothing cached
+        _case(1, 1, 1, 16, 16, 64, "causal", F32),  # nothing cached: the new tokens' program alone
         _case(1, 1, 4, 33, 300, 128, "causal", F32, splits=2),  # 132 rows: 3 row blocks
-        _case(1, 1, 1, 33, 300, 64, "full", BF16, splits=1),  # one split writes the output
+        _case(1, 1, 1, 33, 300, 64, "full", BF16, splits=1),  # one cached split
+        _case(1, 2, 2, 70, 100, 64, "tree", BF16, combine="kernel"),  # two tiles of new tokens, 3 row blocks
+        _case(1, 2, 3, 2, 40, 33, "causal", F32),  # odd D: halves of 17 and 16
         _case(1, 1, 4, 33, 33, 64, "tree", BF16),
         _case(2, 2, 4, 1, 300, 128, "causal", BF16),
         _case(1, 1, 4, 64, 301, 64, "causal", BF16, splits=2),
         # past a device tensor, the grid planned for the capacity
-        _case(1, 2, 4, 1, 30, 64, "causal", BF16, cap=77, past="scalar"),  # the rule: 2 splits, 1 empty
+        _case(1, 2, 4, 1, 30, 64, "causal", BF16, cap=77, past="scalar"),  # the rule: 2 cached splits, 1 empty
         _case(2, 1, 2, 3, 100, 64, "tree", F32, splits=5, cap=300, past="batch"),  # rows: 100 and 93 keys
         _case(1, 1, 4, 16, 60, 128, "full", BF16, cap=300, past="one"),
-        _case(2, 2, 1, 16, 41, 64, "causal", BF16, splits=1, cap=77, past="batch"),  # one split
+        _case(2, 2, 1, 16, 41, 64, "causal", BF16, splits=1, cap=77, past="batch", combine="kernel"),
         _case(2, 1, 2, 3, 3, 64, "tree", BF16, splits=3, cap=77, past="scalar"),  # past 0
     ],
     # fp32: summation order and exp2 vs exp (worst 4.2e-7 absolute seen). bf16: the output may land

@@ -1,0 +1,133 @@
+"""How a decode step's attention launch is best built, measured as the step runs it.
+
+    python bench/attention_variants.py [--out bench/results/attention_variants_<gpu>.json]
+
+Llama-3.1-8B attention (32 heads, 8 kv heads, head dim 128, bf16, batch 1): 32 layers' calls in
+one CUDA graph, as a step replays them (each layer its own [1, 8, 2048, 128] K/V cache and q|k|v
+input, the cache length a device tensor), timed with CUDA events over replays (median), µs a call.
+Shapes: AR (T = 1), verify (T = 16, causal) and a 17-node tree over 512 and 4096 cached tokens.
+Variants, each a choice the kernels leave open:
+
+  apart     rope_qkv, then attention_split_kv (two launches a layer, three with the combine kernel)
+  fused     rope_attention (kernels/rope_attention.py): one launch
+  combine   "last" (the last program of a row block combines the splits) or "kernel" (a launch)
+  warps     4 or 8 a program
+  splits    the rule's (split_count), half, a quarter
+
+Every variant's output is checked against the first's (the registry's bf16 tolerance). Writes a
+results file (GPU, versions, commit) and prints the table last, best per shape first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import platform
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+import triton
+
+HEADS, KV_HEADS, HEAD_DIM, LAYERS, CAPACITY = 32, 8, 128, 32, 4096 + 64
+SHAPES = (("ar", 1, 512), ("ar", 1, 4096), ("verify", 16, 512), ("tree", 17, 512))
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _tree_mask(t: int) -> torch.Tensor:
+    """A 4-ary tree's ancestor mask over t nodes (node u's parent (u - 1) // 4)."""
+    mask = torch.eye(t, dtype=torch.bool)
+    for u in range(1, t):
+        mask[u] |= mask[(u - 1) // 4]
+    return mask
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path)
+    ap.add_argument("--repeats", type=int, default=30)
+    args = ap.parse_args()
+    if not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
+        sys.exit("bench/attention_variants.py times compiled CUDA kernels: it needs a GPU and no TRITON_INTERPRET.")
+    from specpilot.kernels import attention_split_kv as ask
+    from specpilot.kernels.rope_attention import rope_attention
+    from specpilot.kernels.rope_kv import rope_qkv
+    from specpilot.runtime.model import rope_cos_sin
+
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    g = torch.Generator(device=dev).manual_seed(0)
+    caches = [(torch.randn(1, KV_HEADS, CAPACITY, HEAD_DIM, device=dev, dtype=dt, generator=g),
+               torch.randn(1, KV_HEADS, CAPACITY, HEAD_DIM, device=dev, dtype=dt, generator=g)) for _ in range(LAYERS)]
+    inv_freq = 1.0 / (500000.0 ** (torch.arange(0, HEAD_DIM, 2, device=dev).float() / HEAD_DIM))
+    rows, reference = [], {}
+    sms = ask.sm_count(dev)
+    for what, t, past in SHAPES:
+        qkv = [torch.randn(1, t, (HEADS + 2 * KV_HEADS) * HEAD_DIM, device=dev, dtype=dt, generator=g) for _ in range(LAYERS)]
+        mask = _tree_mask(t).to(dev) if what == "tree" else "causal"
+        cos, sin = rope_cos_sin(inv_freq, (past + torch.arange(t, device=dev))[None], dt)
+        length = torch.tensor(past, device=dev)
+        slots = (length + torch.arange(t, device=dev))[None]
+        rule = ask.plan(1, HEADS, KV_HEADS, t, CAPACITY - t, sms).splits
+        for fused, combine, warps, splits in itertools.product(
+                (False, True), ("last", "kernel"), (4, 8), sorted({rule, max(1, rule // 2), max(1, rule // 4)}, reverse=True)):
+            ask.NUM_WARPS = warps
+
+            def step(fused=fused, combine=combine, splits=splits):
+                outs = []
+                for (k, v), x in zip(caches, qkv):
+                    if fused:
+                        outs.append(rope_attention(x, cos, sin, k, v, past=length, num_heads=HEADS, num_kv_heads=KV_HEADS,
+                                                   mask=mask, splits=splits, combine=combine))
+                    else:
+                        q = rope_qkv(x, cos, sin, k, v, slots, num_heads=HEADS, num_kv_heads=KV_HEADS)
+                        outs.append(ask.attention_split_kv(q, k, v, past=length, mask=mask, splits=splits, combine=combine))
+                return outs
+
+            step()  # compile outside the capture
+            s = torch.cuda.Stream()
+            s.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(s):
+                step()
+            torch.cuda.current_stream().wait_stream(s)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                outs = step()
+            times = []
+            for _ in range(args.repeats):
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                graph.replay()
+                b.record()
+                b.synchronize()
+                times.append(a.elapsed_time(b) * 1e3 / LAYERS)
+            key = (what, t, past)
+            if key not in reference:
+                reference[key] = [o.clone() for o in outs]
+            worst = max((o.float() - r.float()).abs().max().item() for o, r in zip(outs, reference[key]))
+            ok = all(torch.allclose(o.float(), r.float(), atol=2 ** -5, rtol=2 ** -6) for o, r in zip(outs, reference[key]))
+            rows.append(dict(what=what, t=t, past=past, path="fused" if fused else "apart", combine=combine, warps=warps,
+                             splits=splits, rule_splits=rule, us_per_layer=statistics.median(times),
+                             max_abs_diff=worst, agrees=ok))
+            del graph
+    ask.NUM_WARPS = 4
+    gpu = torch.cuda.get_device_name()
+    out = args.out or ROOT / "bench" / "results" / f"attention_variants_{gpu.split()[-1].lower()}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(dict(
+        benchmark="attention_variants", gpu=gpu, torch=torch.__version__, triton=triton.__version__,
+        python=platform.python_version(), commit=os.environ.get("SPECPILOT_COMMIT", "unknown"),
+        method=f"{LAYERS} layers' calls in one CUDA graph, CUDA events, median of {args.repeats} replays, µs a layer",
+        rows=rows), indent=1) + "\n")
+    print(f"{gpu} -> {out}")
+    print(f"{'shape':18} {'path':6} {'combine':7} {'warps':>5} {'splits':>6} {'us/layer':>9} agrees")
+    for key in dict.fromkeys((r["what"], r["t"], r["past"]) for r in rows):
+        for r in sorted((r for r in rows if (r["what"], r["t"], r["past"]) == key), key=lambda r: r["us_per_layer"]):
+            print(f"{r['what']}-{r['t']}@{r['past']:<10} {r['path']:6} {r['combine']:7} {r['warps']:>5} {r['splits']:>6} "
+                  f"{r['us_per_layer']:9.2f} {r['agrees']}")
+
+
+if __name__ == "__main__":
+    main()
