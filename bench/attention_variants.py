@@ -8,12 +8,13 @@ input, the cache length a device tensor), timed with CUDA events over replays (m
 Shapes: AR (T = 1), verify (T = 16, causal) and a 17-node tree over 512 and 4096 cached tokens.
 Variants, each a choice the kernels leave open:
 
-  apart     rope_qkv, then attention_split_kv (two launches a layer, three with the combine kernel)
-  fused     rope_attention (kernels/rope_attention.py): one launch
-  combine   "last" (the last program of a row block combines the splits) or "kernel" (a launch)
+  apart     rope_qkv, then attention_split_kv (with its combine kernel: three launches a layer)
+  fused     rope_attention (kernels/rope_attention.py): two
   warps     4 or 8 a program
   splits    the rule's (split_count), half, a quarter
 
+(bench/results/attention_variants_h200.json holds an earlier run at 98e7d7d, which also tried
+combining the splits in the split kernel's last program: slower in every shape, since removed.)
 Every variant's output is checked against the first's (the registry's bf16 tolerance). Writes a
 results file (GPU, versions, commit) and prints the table last, best per shape first.
 """
@@ -71,19 +72,19 @@ def main() -> None:
         length = torch.tensor(past, device=dev)
         slots = (length + torch.arange(t, device=dev))[None]
         rule = ask.plan(1, HEADS, KV_HEADS, t, CAPACITY - t, sms).splits
-        for fused, combine, warps, splits in itertools.product(
-                (False, True), ("last", "kernel"), (4, 8), sorted({rule, max(1, rule // 2), max(1, rule // 4)}, reverse=True)):
+        for fused, warps, splits in itertools.product(
+                (False, True), (4, 8), sorted({rule, max(1, rule // 2), max(1, rule // 4)}, reverse=True)):
             ask.NUM_WARPS = warps
 
-            def step(fused=fused, combine=combine, splits=splits):
+            def step(fused=fused, splits=splits):
                 outs = []
                 for (k, v), x in zip(caches, qkv):
                     if fused:
                         outs.append(rope_attention(x, cos, sin, k, v, past=length, num_heads=HEADS, num_kv_heads=KV_HEADS,
-                                                   mask=mask, splits=splits, combine=combine))
+                                                   mask=mask, splits=splits))
                     else:
                         q = rope_qkv(x, cos, sin, k, v, slots, num_heads=HEADS, num_kv_heads=KV_HEADS)
-                        outs.append(ask.attention_split_kv(q, k, v, past=length, mask=mask, splits=splits, combine=combine))
+                        outs.append(ask.attention_split_kv(q, k, v, past=length, mask=mask, splits=splits))
                 return outs
 
             step()  # compile outside the capture
@@ -108,7 +109,7 @@ def main() -> None:
                 reference[key] = [o.clone() for o in outs]
             worst = max((o.float() - r.float()).abs().max().item() for o, r in zip(outs, reference[key]))
             ok = all(torch.allclose(o.float(), r.float(), atol=2 ** -5, rtol=2 ** -6) for o, r in zip(outs, reference[key]))
-            rows.append(dict(what=what, t=t, past=past, path="fused" if fused else "apart", combine=combine, warps=warps,
+            rows.append(dict(what=what, t=t, past=past, path="fused" if fused else "apart", warps=warps,
                              splits=splits, rule_splits=rule, us_per_layer=statistics.median(times),
                              max_abs_diff=worst, agrees=ok))
             del graph
@@ -122,10 +123,10 @@ def main() -> None:
         method=f"{LAYERS} layers' calls in one CUDA graph, CUDA events, median of {args.repeats} replays, µs a layer",
         rows=rows), indent=1) + "\n")
     print(f"{gpu} -> {out}")
-    print(f"{'shape':18} {'path':6} {'combine':7} {'warps':>5} {'splits':>6} {'us/layer':>9} agrees")
+    print(f"{'shape':18} {'path':6} {'warps':>5} {'splits':>6} {'us/layer':>9} agrees")
     for key in dict.fromkeys((r["what"], r["t"], r["past"]) for r in rows):
         for r in sorted((r for r in rows if (r["what"], r["t"], r["past"]) == key), key=lambda r: r["us_per_layer"]):
-            print(f"{r['what']}-{r['t']}@{r['past']:<10} {r['path']:6} {r['combine']:7} {r['warps']:>5} {r['splits']:>6} "
+            print(f"{r['what']}-{r['t']}@{r['past']:<10} {r['path']:6} {r['warps']:>5} {r['splits']:>6} "
                   f"{r['us_per_layer']:9.2f} {r['agrees']}")
 
 

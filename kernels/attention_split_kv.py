@@ -1,20 +1,28 @@
 """Attention for short queries (T new tokens, about 1-64) over a long KV cache, split over the cache.
 
 Flash-decoding: a query block is too small to fill the GPU with one program per head, so the
-cache is cut into `splits` contiguous chunks. The grid is (row block, split, batch · kv head);
-each program holds the T · group query rows of one kv head's GQA group (head-major: row
-r = j·T + t is head kv_head·group + j, query t; at most BLOCK_M = 64 rows a program, more rows
-take more row blocks, which read the same K/V tiles close in time, from L2), streams its chunk of
-K and V once in BLOCK_N-key tiles with an online softmax in fp32, and writes its partial
-(max, sum, unnormalised output). A second kernel combines the splits per row. With one split the
-first kernel normalises and writes the output itself.
+cached keys are cut into `splits` contiguous chunks, and the T new tokens get a program of their
+own. The grid is (row block, split, batch · kv head): splits 0..n-1 stream the cached slots,
+split n the new tokens. Each program holds the T · group query rows of one kv head's GQA group
+(head-major: row r = j·T + t is head kv_head·group + j, query t; at most BLOCK_M = 64 rows a
+program, more rows take more row blocks, which read the same K/V tiles close in time, from L2),
+streams its keys once in tiles with an online softmax in fp32, and writes its partial (max, sum,
+unnormalised output); a second kernel combines the partials per row (combining them in the split
+kernel's last program instead measured slower: _combine_kernel). With nothing cached the new
+tokens' program is the only one and normalises itself.
+
+With `rope` (kernels/rope_attention.py) q comes from the fused q|k|v projection and every
+program ropes (and qk-norms) its query rows on load; the new tokens' program ropes their keys
+from the projection too, attends to them there and, in row block 0, writes k and v into the
+cache. The cached splits never read slots >= past, so no program waits on another's write.
+q and k are held in a padded-halves layout (position c·BLOCK_H + h holds dim c·HALF + h, so
+RoPE's pairs of dims h, HALF + h sit BLOCK_H apart and one dot spans the head dim).
 
 Visibility: the T new tokens sit at key slots past..past+T-1; every cached slot
 < past is visible to every query, and among the new tokens `mask` says: "causal" (query t sees
 new tokens <= t), "full" (block non-causal: all of them), or a bool tensor [T, T] / [B, T, T]
 (a tree: entry [t, u] says whether query t sees new token u). A query that sees no key at all
-is undefined (a tree's mask holds its diagonal). Only the tiles that hold new tokens gather the
-mask tensor; tiles of cached slots skip it (every query sees them).
+is undefined (a tree's mask holds its diagonal). Only the new tokens' program reads the mask.
 
 `past` is an int (then S = past + T) or an int32/int64 device tensor [], [1] or [B] (one past per
 batch row) for CUDA graphs: one captured launch serves every step. Then S is the cache capacity,
@@ -35,7 +43,7 @@ splits <= S / (2 · T · group). Each split covers a whole number of tiles (`pla
 kept the partials under 1/8 of the K/V bytes; on the H200 (Llama-3.1-8B, 512 cached tokens in a
 2048-slot cache) it left a 17-node tree verify one split, 16 programs streaming the whole cache:
 65 µs a layer against 4 µs for q = 1 (bench/results/step_times_llama_h200.json, profiles).
-BLOCK_N 64, 4 warps, 2 stages: untuned.
+BLOCK_N 64, 2 stages, NUM_WARPS 4; bench/attention_variants.py measures the choices.
 """
 
 from __future__ import annotations
@@ -52,16 +60,11 @@ from .overlap import pdl_args, pdl_enter
 from .registry import KernelSpec, register
 from .rope_kv import _head_norm, _rope_halves
 from .rounding import _round_bf16
-from .u12_linear import split_counters
 
 BLOCK_M = 64  # query rows a program, at most
 BLOCK_N = 64  # keys a tile
 WAVES = 2  # programs per SM that the split rule aims for
-# How the splits' partials become the output: "last" (the last program of a row block to finish
-# combines them, its counter in split_counters) or "kernel" (a second launch, _combine_kernel).
-COMBINE = "last"
-COMBINE_ROWS = 64  # query rows times splits the combining program reads at once (registers)
-NUM_WARPS = 4
+NUM_WARPS = 4  # 8 measured slower in every shape (bench/results/attention_variants_h200.json)
 _CPU_SMS = 4  # nominal SM count under the interpreter, so that the rule still splits
 
 _MASK_FULL, _MASK_CAUSAL, _MASK_TENSOR = 0, 1, 2
@@ -118,33 +121,8 @@ def _roped(x1, x2, cos_ptr, sin_ptr, cs, ok, w_ptr, offs_h, eps, inv_d, HALF: tl
 
 
 @triton.jit
-def _combine(m_ptr, l_ptr, acc_ptr, part0, num_splits, rows_total, row_ok, offs_d, d_ok,
-             HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, UNROLL: tl.constexpr):
-    """out = Σ_s 2^(m_s - M) acc_s / Σ_s 2^(m_s - M) l_s over the partials of every split (M the
-    largest m_s; empty splits, m = -inf, weigh 0), read from L2 UNROLL splits at a time."""
-    m_tot = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_tot = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for s0 in range(0, num_splits, UNROLL):
-        for u in tl.static_range(UNROLL):
-            ok = row_ok & (tl.full([BLOCK_M], s0 + u, tl.int32) < num_splits)  # a tensor test (the interpreter's load takes no scalar mask)
-            part = part0 + (s0 + u) * rows_total
-            m_s = tl.load(m_ptr + part, mask=ok, other=float("-inf"), cache_modifier=".cg")
-            l_s = tl.load(l_ptr + part, mask=ok, other=0.0, cache_modifier=".cg")
-            a_s = tl.load(acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], mask=ok[:, None] & d_ok[None, :],
-                          other=0.0, cache_modifier=".cg")
-            m_new = tl.maximum(m_tot, m_s)
-            m_base = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha, w = tl.math.exp2(m_tot - m_base), tl.math.exp2(m_s - m_base)
-            l_tot = l_tot * alpha + w * l_s
-            acc = acc * alpha[:, None] + w[:, None] * a_s
-            m_tot = m_new
-    return acc / tl.where(l_tot == 0.0, 1.0, l_tot)[:, None]  # l = 0 only in padding rows
-
-
-@triton.jit
 def _split_kernel(
-    q_ptr, k_ptr, v_ptr, mask_ptr, o_ptr, m_ptr, l_ptr, acc_ptr, past_ptr, count_ptr,
+    q_ptr, k_ptr, v_ptr, mask_ptr, o_ptr, m_ptr, l_ptr, acc_ptr, past_ptr,
     cos_ptr, sin_ptr, qw_ptr, kw_ptr,
     T, past, G, HKV, split_len, qk_scale, stride_pb, eps, inv_d,
     stride_qb, stride_qh, stride_qt,
@@ -159,12 +137,10 @@ def _split_kernel(
     MASK: tl.constexpr,  # 0 full, 1 causal, 2 tensor [B or 1, T, T] (int8)
     DOT_FP32: tl.constexpr,  # fp32 dots (fp32 inputs, or the interpreter)
     SINGLE: tl.constexpr,  # no cached split: the new tokens' program normalises and writes the output
-    COMBINE: tl.constexpr,  # 1: the last program of a row block combines the splits; 0: _combine_kernel will
     ROUND_BF16: tl.constexpr,  # bf16 under the interpreter: round before casting (_round_bf16)
     PAST_TENSOR: tl.constexpr,  # past read from past_ptr[b · stride_pb]
     ROPE: tl.constexpr,  # q_ptr is the q|k|v projection: rope it, take the new K/V from it, write them
     QK_NORM: tl.constexpr,  # with ROPE: per-head RMSNorm of q and k first (weights qw_ptr, kw_ptr)
-    UNROLL: tl.constexpr,  # splits the combine reads at a time
     PDL: tl.constexpr,  # programmatic dependent launch (kernels/overlap.py)
 ):
     pdl_enter(PDL)
@@ -277,22 +253,10 @@ def _split_kernel(
             out = _round_bf16(out)
         tl.store(o, out.to(o_ptr.dtype.element_ty), mask=o_ok)
     else:
-        part0 = bh * num_splits * (T * G) + rows
-        part = part0 + split * (T * G)
+        part = (bh * num_splits + split) * (T * G) + rows
         tl.store(m_ptr + part, m_i, mask=row_ok)
         tl.store(l_ptr + part, l_i, mask=row_ok)
         tl.store(acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=o_ok)
-        if COMBINE:
-            tl.debug_barrier()  # every thread's partial is written before the release below
-            counter = count_ptr + bh * tl.num_programs(0) + pid_m
-            arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-            if arrived == num_splits - 1:  # the last program of this row block combines the splits
-                out = _combine(m_ptr, l_ptr, acc_ptr, part0, num_splits, T * G, row_ok, offs_d, d_ok,
-                               HEAD_DIM, BLOCK_M, BLOCK_D, UNROLL)
-                if ROUND_BF16:
-                    out = _round_bf16(out)
-                tl.store(o, out.to(o_ptr.dtype.element_ty), mask=o_ok)
-                tl.atomic_xchg(counter, 0)  # ready for the next launch (and CUDA graph replays)
 
 
 @triton.jit
@@ -303,8 +267,14 @@ def _combine_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, ROUND_BF16: tl.constexpr,
     PDL: tl.constexpr,  # programmatic dependent launch (kernels/overlap.py)
 ):
-    """The split kernel's COMBINE=0 second launch: one program per (query row, batch · kv head),
-    every split's partial loaded at once (one round trip to memory)."""
+    """out = Σ_s 2^(m_s - M) acc_s / Σ_s 2^(m_s - M) l_s for one row, M the largest m_s.
+
+    One program per (query row, batch · kv head), every split loaded at once: a loop over the
+    splits in a few programs took 12 µs a call at 32 splits (H200, Llama-3.1-8B AR step), an
+    eighth of the whole attention; this is one round trip to memory. Combining in the split
+    kernel instead (its last program, behind an atomic counter) measured slower in every shape of
+    bench/results/attention_variants_h200.json (an AR step's layer over 512 cached tokens: 13.1
+    µs against 9.1 with this launch)."""
     pdl_enter(PDL)
     row = tl.program_id(0)
     bh = tl.program_id(1)
@@ -419,16 +389,12 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int | torch.
 def launch(
     q_src: torch.Tensor, q_strides: tuple[int, int, int], k: torch.Tensor, v: torch.Tensor, *,
     heads: int, t: int, past: int | torch.Tensor, mask: str | torch.Tensor, scale: float | None,
-    splits: int | None, rope: dict | None = None, combine: str | None = None,
+    splits: int | None, rope: dict | None = None,
 ) -> torch.Tensor:
     """The kernel over k, v [B, Hkv, S, D]: q head h, token t at q_src + b·qs[0] + h·qs[1] + t·qs[2]
     (`q_strides` qs), roped there first when `rope` (cos, sin, [B or 1, T, D] tables with unit
     last stride, q_norm, k_norm weights or None, eps: then q_src is q|k|v and the new K/V are
-    taken from it and written at slots past..past+T-1). `combine`: COMBINE's choices (default
-    COMBINE). Checked by the callers. -> [B, H, T, D]."""
-    combine = COMBINE if combine is None else combine
-    if combine not in ("last", "kernel"):
-        raise ValueError(f"attention_split_kv: combine must be 'last' or 'kernel', got {combine!r}")
+    taken from it and written at slots past..past+T-1). Checked by the callers. -> [B, H, T, D]."""
     (b, hkv, s, d), dtype, device = k.shape, k.dtype, k.device
     g = heads // hkv
     mode, mask_t = _mask_args(mask, b, t, device)
@@ -443,12 +409,11 @@ def launch(
     half = (d + 1) // 2
     single = splits == 0
     if single:
-        m_part = l_part = acc_part = count = out  # unused pointers
+        m_part = l_part = acc_part = out  # unused pointers
     else:
         m_part = torch.empty((b * hkv, splits + 1, rows), dtype=torch.float32, device=device)
         l_part = torch.empty_like(m_part)
         acc_part = torch.empty((b * hkv, splits + 1, rows, d), dtype=torch.float32, device=device)
-        count = split_counters(k.untyped_storage(), b * hkv * row_blocks, device) if combine == "last" else out
     if past_tensor:
         past_t, stride_pb, past = past.reshape(-1), (past.stride(-1) if past.numel() > 1 else 0), 0
     else:
@@ -472,7 +437,7 @@ def launch(
     # fp32 RoPE must not fuse a product into the sum (torch rounds each; bf16/fp16 round explicitly)
     launch_opts = dict(num_warps=NUM_WARPS, num_stages=2, enable_fp_fusion=rope is None or dtype != torch.float32) if native else {}
     _split_kernel[(row_blocks, splits + 1, b * hkv)](
-        q_src, k, v, mask_t, out, m_part, l_part, acc_part, past_t, count, cos, sin, qw, kw,
+        q_src, k, v, mask_t, out, m_part, l_part, acc_part, past_t, cos, sin, qw, kw,
         t, past, g, hkv, split_len, qk_scale, stride_pb, eps, 1.0 / d,
         *q_strides,
         k.stride(0), k.stride(1), k.stride(2),
@@ -482,11 +447,10 @@ def launch(
         stride_cb, stride_ct,
         HEAD_DIM=d, HALF=half, BLOCK_H=max(16, triton.next_power_of_2(half)), BLOCK_D=block_d,
         BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_T=max(16, min(BLOCK_N, triton.next_power_of_2(t))), MASK=mode, DOT_FP32=dtype == torch.float32 or not native,
-        SINGLE=single, COMBINE=combine == "last", ROUND_BF16=not native and dtype == torch.bfloat16,
-        PAST_TENSOR=past_tensor, ROPE=rope is not None, QK_NORM=qk_norm,
-        UNROLL=max(1, min(COMBINE_ROWS // block_m, splits + 1)), **launch_opts, **pdl_args(device),
+        SINGLE=single, ROUND_BF16=not native and dtype == torch.bfloat16,
+        PAST_TENSOR=past_tensor, ROPE=rope is not None, QK_NORM=qk_norm, **launch_opts, **pdl_args(device),
     )
-    if not single and combine == "kernel":
+    if not single:
         _combine_kernel[(rows, b * hkv)](
             m_part, l_part, acc_part, out, t, g, hkv, splits + 1,
             out.stride(0), out.stride(1), out.stride(2), HEAD_DIM=d, BLOCK_D=block_d,
@@ -499,7 +463,6 @@ def launch(
 def attention_split_kv(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, past: int | torch.Tensor,
     mask: str | torch.Tensor = "causal", scale: float | None = None, splits: int | None = None,
-    combine: str | None = None,
 ) -> torch.Tensor:
     """q [B, H, T, D] over k, v [B, Hkv, S, D] (grouped heads) -> [B, H, T, D] in q.dtype.
 
@@ -507,12 +470,12 @@ def attention_split_kv(
     cache capacity (past + T <= S is the caller's to keep; checking it would sync). `mask`:
     visibility among the T new tokens ("causal", "full", bool [T, T] or [B, T, T]); all `past`
     cached slots are visible. `scale` defaults to D^-0.5. `splits` (of the cached keys) overrides
-    split_count; `combine` COMBINE.
+    split_count.
     """
     _check(q, k, v, past)
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
     return launch(q, (q.stride(0), q.stride(1), q.stride(2)), k, v, heads=q.shape[1], t=q.shape[2], past=past,
-                  mask=mask, scale=scale, splits=splits, combine=combine)
+                  mask=mask, scale=scale, splits=splits)
 
 
 def _weights(q: torch.Tensor, k: torch.Tensor, *, past: int | torch.Tensor, mask: str | torch.Tensor,
@@ -582,14 +545,14 @@ def _make_inputs(case, device, seed):
                 parent = int(torch.randint(0, u, (1,), generator=g))
                 mask[row, u] |= mask[row, parent]
     mask = mask.to(device) if isinstance(mask, torch.Tensor) else mask
-    return q.to(device), k.to(device), v.to(device), past, mask, case["splits"], case.get("combine")
+    return q.to(device), k.to(device), v.to(device), past, mask, case["splits"]
 
 
-def _run(q, k, v, past, mask, splits, combine):
-    return attention_split_kv(q, k, v, past=past, mask=mask, splits=splits, combine=combine)
+def _run(q, k, v, past, mask, splits):
+    return attention_split_kv(q, k, v, past=past, mask=mask, splits=splits)
 
 
-def _reference(q, k, v, past, mask, splits, combine):
+def _reference(q, k, v, past, mask, splits):
     return attention_split_kv_reference(q, k, v, past=past, mask=mask)
 
 
@@ -605,11 +568,9 @@ def _plant_wrong_value(inputs):
     return q, k, v, past, mask, *rest
 
 
-def _case(b, hkv, group, t, s, d, mask, dtype, splits=None, cap=None, past=None, combine=None):
-    """S = past + T keys in use; with `cap`, a past tensor of kind `past` over a cache of cap slots;
-    `combine` as attention_split_kv takes it."""
-    case = {"B": b, "Hkv": hkv, "group": group, "T": t, "S": s, "D": d, "mask": mask, "dtype": dtype, "splits": splits,
-            "combine": combine}
+def _case(b, hkv, group, t, s, d, mask, dtype, splits=None, cap=None, past=None):
+    """S = past + T keys in use; with `cap`, a past tensor of kind `past` over a cache of cap slots."""
+    case = {"B": b, "Hkv": hkv, "group": group, "T": t, "S": s, "D": d, "mask": mask, "dtype": dtype, "splits": splits}
     return case if cap is None else {**case, "cap": cap, "past": past}
 
 
@@ -624,12 +585,12 @@ register(KernelSpec(
         _case(1, 1, 1, 1, 1, 64, "causal", F32),  # one key
         _case(1, 2, 4, 1, 7, 128, "full", BF16),
         _case(1, 2, 4, 3, 7, 64, "causal", BF16, splits=3),  # cached splits 1 and 2 hold no key
-        _case(2, 1, 1, 3, 300, 128, "tree", F32, combine="kernel"),  # the rule: 4 splits; a combine launch
+        _case(2, 1, 1, 3, 300, 128, "tree", F32),  # the rule: 4 splits
         _case(2, 2, 4, 16, 300, 64, "tree", BF16, splits=5),  # [B, T, T] mask
         _case(1, 1, 1, 16, 16, 64, "causal", F32),  # nothing cached: the new tokens' program alone
         _case(1, 1, 4, 33, 300, 128, "causal", F32, splits=2),  # 132 rows: 3 row blocks
         _case(1, 1, 1, 33, 300, 64, "full", BF16, splits=1),  # one cached split
-        _case(1, 2, 2, 70, 100, 64, "tree", BF16, combine="kernel"),  # two tiles of new tokens, 3 row blocks
+        _case(1, 2, 2, 70, 100, 64, "tree", BF16),  # two tiles of new tokens, 3 row blocks
         _case(1, 2, 3, 2, 40, 33, "causal", F32),  # odd D: halves of 17 and 16
         _case(1, 1, 4, 33, 33, 64, "tree", BF16),
         _case(2, 2, 4, 1, 300, 128, "causal", BF16),
@@ -638,7 +599,7 @@ register(KernelSpec(
         _case(1, 2, 4, 1, 30, 64, "causal", BF16, cap=77, past="scalar"),  # the rule: 2 cached splits, 1 empty
         _case(2, 1, 2, 3, 100, 64, "tree", F32, splits=5, cap=300, past="batch"),  # rows: 100 and 93 keys
         _case(1, 1, 4, 16, 60, 128, "full", BF16, cap=300, past="one"),
-        _case(2, 2, 1, 16, 41, 64, "causal", BF16, splits=1, cap=77, past="batch", combine="kernel"),
+        _case(2, 2, 1, 16, 41, 64, "causal", BF16, splits=1, cap=77, past="batch"),
         _case(2, 1, 2, 3, 3, 64, "tree", BF16, splits=3, cap=77, past="scalar"),  # past 0
     ],
     # fp32: summation order and exp2 vs exp (worst 4.2e-7 absolute seen). bf16: the output may land

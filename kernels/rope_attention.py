@@ -37,7 +37,7 @@ def rope_attention(
     qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
     past: int | torch.Tensor, num_heads: int, num_kv_heads: int, mask: str | torch.Tensor = "causal",
     q_norm_weight: torch.Tensor | None = None, k_norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
-    scale: float | None = None, splits: int | None = None, combine: str | None = None,
+    scale: float | None = None, splits: int | None = None,
 ) -> torch.Tensor:
     """Attention output [B, H, T, D] of the T tokens of qkv; their K/V written into the caches
     (module docstring)."""
@@ -60,14 +60,14 @@ def rope_attention(
         qkv = qkv.contiguous()
     rope = dict(cos=cos, sin=sin, q_norm=q_norm_weight, k_norm=k_norm_weight, eps=eps)
     return launch(qkv, (qkv.stride(0), d, qkv.stride(1)), k_cache, v_cache, heads=num_heads, t=t, past=past,
-                  mask=mask, scale=scale, splits=splits, rope=rope, combine=combine)
+                  mask=mask, scale=scale, splits=splits, rope=rope)
 
 
 def rope_attention_reference(
     qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
     past: int | torch.Tensor, num_heads: int, num_kv_heads: int, mask: str | torch.Tensor = "causal",
     q_norm_weight: torch.Tensor | None = None, k_norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
-    scale: float | None = None, splits: int | None = None, combine: str | None = None,
+    scale: float | None = None, splits: int | None = None,
 ) -> torch.Tensor:
     """rope_qkv_reference at slots past + t, then attention_split_kv_reference over the cache."""
     b, t = qkv.shape[:2]
@@ -113,15 +113,15 @@ def _make_inputs(case, device, seed):
     kind = case["past"]
     past = pasts[0] if kind == "int" else torch.tensor(pasts[0] if kind == "scalar" else pasts, dtype=torch.int32).to(device)
     return (qkv.to(dtype).to(device), cos.to(device), sin.to(device), k_cache.to(dtype).to(device),
-            v_cache.to(dtype).to(device), past, h, hkv, mask, *norm, case["splits"], case["combine"])
+            v_cache.to(dtype).to(device), past, h, hkv, mask, *norm, case["splits"])
 
 
 def _flat(fn, inputs):
     """The output and both caches (written on copies; NaN as a number), flattened into one tensor."""
-    qkv, cos, sin, k_cache, v_cache, past, h, hkv, mask, qw, kw, splits, combine = inputs
+    qkv, cos, sin, k_cache, v_cache, past, h, hkv, mask, qw, kw, splits = inputs
     k_cache, v_cache = k_cache.clone(), v_cache.clone()
     o = fn(qkv, cos, sin, k_cache, v_cache, past=past, num_heads=h, num_kv_heads=hkv, mask=mask, q_norm_weight=qw,
-           k_norm_weight=kw, eps=1e-6, splits=splits, combine=combine)
+           k_norm_weight=kw, eps=1e-6, splits=splits)
     return torch.cat([o.flatten(), k_cache.flatten(), v_cache.flatten()]).nan_to_num(nan=1234.0)
 
 
@@ -143,11 +143,11 @@ def _plant(inputs):
     return qkv, cos, *rest
 
 
-def _case(b, hkv, group, t, s, d, mask, dtype, qk_norm=0, splits=None, cap=None, past="int", combine=None):
+def _case(b, hkv, group, t, s, d, mask, dtype, qk_norm=0, splits=None, cap=None, past="int"):
     """S = past + T keys in use of a cache of `cap` slots (default S); past an int or a device
     tensor ("scalar" int32 [], "batch" int32 [B], row i's past 7·i less)."""
     return {"B": b, "Hkv": hkv, "group": group, "T": t, "S": s, "D": d, "mask": mask, "dtype": dtype,
-            "qk_norm": qk_norm, "splits": splits, "cap": cap or s, "past": past, "combine": combine}
+            "qk_norm": qk_norm, "splits": splits, "cap": cap or s, "past": past}
 
 
 F32, BF16 = torch.float32, torch.bfloat16
@@ -160,7 +160,7 @@ register(KernelSpec(
     cases=[
         _case(1, 2, 4, 1, 300, 128, "causal", BF16),  # a decode step: the rule's splits
         _case(1, 1, 2, 3, 40, 64, "causal", F32, qk_norm=1, cap=50),  # qk-norm; slots past S unused
-        _case(2, 2, 2, 5, 100, 32, "tree", BF16, splits=3, cap=140, past="batch", combine="kernel"),
+        _case(2, 2, 2, 5, 100, 32, "tree", BF16, splits=3, cap=140, past="batch"),
         _case(1, 1, 4, 16, 16, 64, "full", BF16, qk_norm=1),  # nothing cached: one program a row block
         _case(1, 2, 1, 70, 200, 16, "causal", F32, splits=2, cap=260, past="scalar"),  # 2 tiles of new tokens
         _case(1, 1, 3, 7, 90, 18, "tree", BF16),  # D/2 = 9: ragged halves; 21 rows
