@@ -143,7 +143,8 @@ def test_fused_kernels_replay_in_one_cuda_graph():
 def test_overlap_changes_no_value():
     """Programmatic dependent launch (both modes) and the L2 prefetch of o_proj (kernels/overlap.py)
     move no value: a fused AR step (fused_linear at one row) replayed from a CUDA graph gives the
-    logits of the same step captured with plain launches, bit for bit, eagerly too."""
+    logits of the same step captured with plain launches, bit for bit, eagerly too. The prefetch
+    rides in rope_qkv, so with it the step runs RoPE apart from attention: its plain twin does too."""
     from specpilot.kernels.overlap import overlap, pdl_mode, prefetch_args
     from specpilot.runtime.fused import fused_path
     from specpilot.runtime.model import Transformer
@@ -158,16 +159,17 @@ def test_overlap_changes_no_value():
     with fused_path(model), torch.no_grad():
         cache = model.new_cache(1, 64, device_length=True)
         start = torch.tensor(5, device=DEVICE)
+        ops = model.fused.ops
 
         def step():
             cache.length.copy_(start)
             return model(ids, cache).logits
 
-        for label, launches in (("pdl", overlap(pdl=1, prefetch=True)), ("wait", overlap(pdl=2, prefetch=True)),
-                                ("plain", overlap(pdl=0, prefetch=False))):
-            with launches:
-                on = pdl_mode(DEVICE), prefetch_args(DEVICE, o_weight)[0]
-                assert on == ({"pdl": 1, "wait": 2, "plain": 0}[label] * capable, int(label != "plain" and capable))
+        for label, pdl, prefetch, apart in (("pdl", 1, False, False), ("wait", 2, False, False), ("plain", 0, False, False),
+                                            ("pdl-prefetch", 1, True, True), ("plain-apart", 0, False, True)):
+            model.fused.ops = dataclasses.replace(ops, rope_attention=None) if apart else ops
+            with overlap(pdl=pdl, prefetch=prefetch):
+                assert (pdl_mode(DEVICE), prefetch_args(DEVICE, o_weight)[0]) == (pdl * capable, int(prefetch and capable))
                 eager = step().clone()
                 torch.cuda.synchronize()
                 graph = torch.cuda.CUDAGraph()
@@ -176,8 +178,9 @@ def test_overlap_changes_no_value():
                 graph.replay()
                 torch.cuda.synchronize()
                 logits[label] = (eager, out.clone())
-    for label in ("pdl", "wait"):
-        for a, b in zip(logits[label], logits["plain"]):
+        model.fused.ops = ops
+    for label, twin in (("pdl", "plain"), ("wait", "plain"), ("pdl-prefetch", "plain-apart")):
+        for a, b in zip(logits[label], logits[twin]):
             _exact(a, b)
 
 
