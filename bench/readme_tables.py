@@ -39,13 +39,15 @@ def step_times() -> str:
         "stacks (target and DFlash drafter) with split-KV attention over a device-length cache; fused+u12: the "
         "same with every linear and lm_head in the 12-bit format; fused-cublas: the fused path with fused_linear off "
         "(cuBLAS GEMMs beside separate norm, SiLU·mul and add kernels); at q = 4 both paths run cuBLAS "
-        "(LINEAR_MAX_M is 1), so that pair shows the run's spread; fused-pdl: the fused AR step with programmatic "
+        "(LINEAR_MAX_M is 1), so that pair shows the run's spread; RoPE apart: the fused step with rope_qkv and "
+        "split-KV attention as separate launches (what kernels/rope_attention.py does in one); fused-pdl: the fused "
+        "AR step with programmatic "
         "dependent launch (kernels/overlap.py, off by default); fused+u12, u12_fused_linear: the fused+u12 AR step "
         "with u12_fused_linear (off by default). Tree rows: k-ary top-4 trees, q = nodes + anchor.",
         "",
         "| step | q | floor ms | torch ms | fused ms | fused × floor | fused × fused AR | fused-cublas ms "
-        "| fused-pdl ms | fused+u12 ms | u12 speedup | fused+u12, u12_fused_linear ms |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| RoPE apart ms | fused-pdl ms | fused+u12 ms | u12 speedup | fused+u12, u12_fused_linear ms |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     col = lambda path, what, q: f"{rows[path, what, q]['ms']:.2f}" if (path, what, q) in rows else ""  # noqa: E731
     for (path, what, q), r in rows.items():
@@ -58,7 +60,7 @@ def step_times() -> str:
         fused_u12 = col("fused+u12", what, q) if ("fused+u12-unfused", what, q) in rows else ""
         lines.append(f"| {what} | {q} | {r['floor_ms']:.2f} | {rows['torch', what, q]['ms']:.2f} | {r['ms']:.2f} | "
                      f"{r['ms'] / r['floor_ms']:.2f} | {of_ar} | {col('fused-cublas', what, q)} | "
-                     f"{col('fused-pdl', what, q)} | {u12_cols} | {fused_u12} |")
+                     f"{col('fused-rope-apart', what, q)} | {col('fused-pdl', what, q)} | {u12_cols} | {fused_u12} |")
     both = _load("step_times_h200.json")
     if both:
         qwen = {(r["what"], r["q"]): r for r in both["rows"] if r["shape"] == "qwen3-8b" and r["path"] == "fused"}

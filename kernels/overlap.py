@@ -25,8 +25,8 @@ which has no griddepcontrol).
 Off by default, because measured slower: on the H200 the graphed Llama-3.1-8B AR step ran 5.03 ms
 with mode 1 against 4.40 ms plain (bench/results/step_times_pdl_h200.json), though the eager
 profile's kernels summed to less (4.29 ms against 4.34): the programmatic edges of the captured
-graph cost about 2.6 µs a kernel (244 kernels). Mode 2 ran 4.40 ms against 4.30 in a later run
-(bench/results/step_times_llama_h200.json). ``SPECPILOT_PDL=1|2`` or ``overlap(pdl=...)`` turns it on (the
+graph cost about 2.6 µs a kernel (244 kernels). In a later run mode 1 ran 4.50 ms and mode 2
+4.21 against 4.21 plain (bench/results/step_times_llama_h200.json). ``SPECPILOT_PDL=1|2`` or ``overlap(pdl=...)`` turns it on (the
 benchmarks measure each mode beside the default).
 
 L2 prefetch: a latency-bound kernel (RoPE, attention: a few MB of KV and microseconds of
@@ -38,9 +38,10 @@ then reads them from L2. Exact (a prefetch moves no value); only where the weigh
 with room to spare (``MAX_PREFETCH_BYTES``), and only on sm_90+ (the bulk prefetch is Hopper's).
 
 Off by default, because measured slower: rope_qkv's prefetch of o_proj cost 4.4 µs a layer and the
-GEMVs gained 5.8 in the eager profile of step_times_pdl_h200.json, and the graphed AR step ran 4.55
-ms with the prefetch alone against 4.30 ms (bench/results/step_times_llama_h200.json).
-``SPECPILOT_PREFETCH=1`` or ``overlap(prefetch=True)`` turns it on.
+GEMVs gained 5.8 in the eager profile of step_times_pdl_h200.json, and the graphed AR step ran 4.42
+ms with the prefetch alone against 4.21 ms (bench/results/step_times_llama_h200.json).
+``SPECPILOT_PREFETCH=1`` or ``overlap(prefetch=True)`` turns it on; the fused stacks then run
+rope_qkv (which issues it) apart from attention instead of kernels/rope_attention.py.
 """
 
 from __future__ import annotations

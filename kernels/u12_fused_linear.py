@@ -41,7 +41,7 @@ further off, two where gated).
 
 Configs: a gemv2 ``U12Config``; by default u12_linear's for the weight's rows (t.shape[0], 2I when
 gated), with the tile halved when gated (``default_config``). Untuned. H200: correct (the registry
-cases pass on the GPU), but the Llama-3.1-8B u12 AR step ran 4.71 ms with it against 4.00 ms with
+cases pass on the GPU), but the Llama-3.1-8B u12 AR step ran 4.58 ms with it against 3.88 ms with
 u12_linear beside the separate kernels (bench/results/step_times_llama_h200.json): each program
 sums Σx² over K and normalises every x element it holds on the CUDA cores, which the decode
 already keeps busy, so the fused stacks leave it off (runtime/fused.py's U12_LINEAR). A cheaper

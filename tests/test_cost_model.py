@@ -169,7 +169,7 @@ def test_attention_reads_the_cache_and_split_kv_helps_long_caches(small):
         return sum(r.time for r in step_time(graph, gpu, q=q, cache_len=8192).rows if r.op == "attention")
 
     assert attention_time(split, 16) < attention_time(small.target, 16)
-    # SDPA decodes split already: at q = 1 the kernel saves launches only (one against SDPA's five)
+    # SDPA decodes split already: at q = 1 the kernel saves launches only (two against SDPA's five)
     layers = len(small.target.find("attention"))
     saved = (KERNELS["attention"] - SPLIT_KV_KERNELS) * (gpu.kernel_latency_s + gpu.launch_s) * layers  # no graphs
     assert attention_time(split, 1) == pytest.approx(attention_time(small.target, 1) - saved)

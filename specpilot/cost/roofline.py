@@ -53,9 +53,9 @@ KERNELS = {"input": 0, "embed": 1, "rmsnorm": 3, "linear": 1, "lm_head": 1, "rop
 # The same nodes on the fused kernels (kernel="triton-fused", runtime/fused.py): one launch each
 # (rmsnorm with the residual add, rope_qkv with qk-norm and the cache write, silu_mul).
 FUSED_KERNELS = {"rmsnorm": 1, "rope": 1, "mlp": 1}
-# Attention on the split-KV kernel (kernel="triton-split-kv"): one launch, the splits combined by the
-# last program of each row block; in a fused graph the layer's rope rides in it too (rope_attention).
-SPLIT_KV_KERNELS = 1
+# Attention on the split-KV kernel (kernel="triton-split-kv"): the split kernel and the combine; in a
+# fused graph the layer's rope (and cache write) rides in the split kernel (kernels/rope_attention.py).
+SPLIT_KV_KERNELS = 2
 
 # Attention parallelism. SDPA at q = 1 is flash-decoding (the cache split over programs: the card
 # fills). For q > 1 it runs one program per (request, head, 128-query tile), whatever the cache

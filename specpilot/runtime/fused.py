@@ -8,10 +8,15 @@ of a few microseconds, and at Llama-3.1-8B shapes those cost as much as reading 
   rmsnorm (+ the previous residual add) -> q|k|v in one GEMM -> qk-norm + RoPE + KV-cache write
   -> attention -> o_proj -> rmsnorm + residual add -> gate|up in one GEMM -> SiLU·mul -> down_proj
 
+Where a layer's attention is the split-KV kernel (fused_path, the attention-split-kv pass),
+kernels/rope_attention.py does qk-norm, RoPE, the cache write and attention in one launch (the
+split kernel; its combine is a second): the Llama-3.1-8B AR step ran 4.21 ms against 4.40 with
+rope_qkv apart (bench/results/step_times_llama_h200.json, fused-rope-apart).
+
 Up to LINEAR_MAX_M rows of plain (bf16/fp32) weights, kernels/fused_linear.py takes the norms into
 the q|k|v and gate|up GEMMs' prologues, SiLU·mul into gate|up's epilogue and the residual adds
 into o's and down's (the residual stream updated in place): seven launches a layer
-(run_layers_linear). On the H200 the Llama-3.1-8B AR step runs 4.30 ms against 4.82 ms on
+(run_layers_linear). On the H200 the Llama-3.1-8B AR step runs 4.21 ms against 4.70 ms on
 cuBLAS with the separate kernels (bench/results/step_times_llama_h200.json, fused-cublas).
 kernels/u12_fused_linear.py does the same for u12 layers, but measured slower, so only when
 asked (U12_LINEAR).
@@ -68,7 +73,7 @@ class FusedOps:
 # and 0.94x at M = 16 (bench/results/fused_linear_h200.json, "layer").
 LINEAR_MAX_M = 1
 # Whether u12 layers run u12_fused_linear (at up to LINEAR_MAX_M rows) by default: no. On the H200
-# the u12 AR step ran 4.71 ms with it against 4.00 ms with u12_linear beside the separate norm,
+# the u12 AR step ran 4.58 ms with it against 3.88 ms with u12_linear beside the separate norm,
 # SiLU·mul and add kernels (bench/results/step_times_llama_h200.json, fused+u12 rows): its norm
 # prologue costs each program the whole Σx² and per-element normalising on top of the u12 decode,
 # the CUDA cores' bottleneck, and the gated tile holds half the rows. `u12_linear=True` turns it on.
