@@ -353,21 +353,22 @@ def _mask_args(mask, b: int, t: int, device: torch.device) -> tuple[int, torch.T
     return _MASK_TENSOR, m.to(device).contiguous().view(torch.int8)  # no copy when already there
 
 
-def _check_past(past: int | torch.Tensor, b: int, s: int, t: int, device: torch.device, exact: bool) -> None:
+def _check_past(past: int | torch.Tensor, b: int, s: int, t: int, device: torch.device, exact: bool,
+                who: str = "attention_split_kv") -> None:
     """An int past must leave room for the T new tokens in S slots (exactly, where `exact`);
     a past tensor must be int32/int64 [], [1] or [B] on `device`."""
     if isinstance(past, torch.Tensor):
         if past.dtype not in (torch.int32, torch.int64) or past.dim() > 1 or past.numel() not in (1, b):
-            raise ValueError(f"attention_split_kv: a past tensor must be int32/int64 of shape [], [1] or [B={b}], "
+            raise ValueError(f"{who}: a past tensor must be int32/int64 of shape [], [1] or [B={b}], "
                              f"got {past.dtype} {list(past.shape)}")
         if past.device != device:
-            raise ValueError(f"attention_split_kv: past on {past.device}, q on {device}")
+            raise ValueError(f"{who}: past on {past.device}, q on {device}")
         if s < t:
-            raise ValueError(f"attention_split_kv: a cache of {s} slots cannot hold T={t} new tokens")
+            raise ValueError(f"{who}: a cache of {s} slots cannot hold T={t} new tokens")
     elif exact and s != past + t:
-        raise ValueError(f"attention_split_kv: the cache must hold past + T = {past} + {t} keys, got S={s}")
+        raise ValueError(f"{who}: the cache must hold past + T = {past} + {t} keys, got S={s}")
     elif not exact and not 0 <= past <= s - t:
-        raise ValueError(f"attention_split_kv: past + T = {past} + {t} must fit the cache's S={s} slots")
+        raise ValueError(f"{who}: past + T = {past} + {t} must fit the cache's S={s} slots")
 
 
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int | torch.Tensor) -> None:

@@ -56,7 +56,7 @@ def rope_attention(
     if k_cache.shape != v_cache.shape or k_cache.device != qkv.device or v_cache.device != qkv.device:
         raise ValueError(f"{_WHO}: k_cache {list(k_cache.shape)} on {k_cache.device} and v_cache "
                          f"{list(v_cache.shape)} on {v_cache.device} must match, on qkv's {qkv.device}")
-    _check_past(past, b, k_cache.shape[2], t, qkv.device, exact=False)
+    _check_past(past, b, k_cache.shape[2], t, qkv.device, exact=False, who=_WHO)
     cos, sin = _table(cos, "cos", b, t, d, _WHO), _table(sin, "sin", b, t, d, _WHO)
     if cos.shape != sin.shape:
         raise ValueError(f"{_WHO}: cos {list(cos.shape)} and sin {list(sin.shape)} differ")

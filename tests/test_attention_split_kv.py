@@ -8,6 +8,8 @@ import json
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from specpilot.backends.torch_backend import install_attention_kernels
 from specpilot.dsl import parse_pipeline
@@ -234,3 +236,60 @@ def test_compile_with_the_pass_passes_token_forcing(tmp_path, monkeypatch):
     assert result.measurement.spec_tokens == result.measurement.ar_tokens
     layer = result.program.target.node("layers.0.attention")
     assert layer["kernel"] == "triton-split-kv"
+
+
+# --- rope_attention: RoPE, the cache write and attention in one launch --------------------------
+
+@settings(max_examples=12, deadline=None)
+@given(b=st.integers(1, 2), hkv=st.integers(1, 2), group=st.integers(1, 3), t=st.integers(1, 20),
+       past=st.integers(0, 90), half=st.sampled_from([8, 9, 16]), mask=st.sampled_from(["causal", "full", "tree"]),
+       qk_norm=st.booleans(), as_tensor=st.booleans(), seed=st.integers(0, 2**16))
+def test_rope_attention_equals_its_reference(b, hkv, group, t, past, half, mask, qk_norm, as_tensor, seed):
+    """Any small shape, mask, qk-norm and kind of past: the output and the written caches as
+    rope_qkv's reference then attention's (fp32), slots past past + T untouched."""
+    from specpilot.kernels.rope_attention import rope_attention, rope_attention_reference
+    from specpilot.runtime.model import rope_cos_sin
+
+    g = torch.Generator().manual_seed(seed)
+    d, h, cap = 2 * half, hkv * group, past + t + 5
+    qkv = torch.randn(b, t, (h + 2 * hkv) * d, generator=g).to(DEVICE)
+    caches = [torch.randn(b, hkv, cap, d, generator=g).to(DEVICE) for _ in range(2)]
+    if mask == "tree":
+        mask = torch.eye(t, dtype=torch.bool)
+        for u in range(1, t):
+            mask[u] |= mask[int(torch.randint(0, u, (1,), generator=g))]
+        mask = mask.to(DEVICE)
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, d, 2).float() / d))
+    cos, sin = (x.to(DEVICE) for x in rope_cos_sin(inv_freq, (past + torch.arange(t)).expand(b, t), torch.float32))
+    norms = dict(q_norm_weight=(1 + 0.2 * torch.randn(d, generator=g)).to(DEVICE),
+                 k_norm_weight=(1 + 0.2 * torch.randn(d, generator=g)).to(DEVICE)) if qk_norm else {}
+    p = torch.tensor(past, device=DEVICE) if as_tensor else past
+    outs = []
+    for fn in (rope_attention, rope_attention_reference):
+        k, v = (c.clone() for c in caches)
+        outs.append((fn(qkv, cos, sin, k, v, past=p, num_heads=h, num_kv_heads=hkv, mask=mask, **norms), k, v))
+    (out, k, v), (want, want_k, want_v) = outs
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(k, want_k, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(v, want_v, atol=0, rtol=0)
+    assert torch.equal(k[:, :, past + t:], caches[0][:, :, past + t:]) and torch.equal(k[:, :, :past], caches[0][:, :, :past])
+
+
+def test_rope_attention_arguments_are_checked():
+    from specpilot.kernels.rope_attention import rope_attention
+
+    qkv, cache = torch.zeros(1, 3, (4 + 2 * 2) * 16), torch.zeros(1, 2, 10, 16)
+    cos = torch.zeros(1, 3, 16)
+    ok = dict(num_heads=4, num_kv_heads=2)
+    with pytest.raises(ValueError, match="rope_attention: past \\+ T = 8 \\+ 3 must fit the cache's S=10 slots"):
+        rope_attention(qkv, cos, cos, cache, cache, past=8, **ok)
+    with pytest.raises(ValueError, match="rope_attention: num_heads must be >= 1"):
+        rope_attention(qkv[..., 64:], cos, cos, cache, cache, past=0, num_heads=0, num_kv_heads=2)
+    with pytest.raises(ValueError, match="rope_attention: cos must be"):
+        rope_attention(qkv, cos[:, :2], cos, cache, cache, past=0, **ok)
+    with pytest.raises(ValueError, match="rope_attention: k_cache must be \\[1, 2, S, 16\\]"):
+        rope_attention(qkv, cos, cos, cache[:, :1], cache, past=0, **ok)
+    with pytest.raises(ValueError, match="rope_attention: num_heads=3 must be a multiple of num_kv_heads=2"):
+        rope_attention(torch.zeros(1, 3, (3 + 4) * 16), cos, cos, cache, cache, past=0, num_heads=3, num_kv_heads=2)
+    with pytest.raises(ValueError, match="a past tensor must be int32/int64"):
+        rope_attention(qkv, cos, cos, cache, cache, past=torch.tensor(1.0), **ok)
