@@ -382,7 +382,7 @@ def test_rope_attention_serves_split_kv_layers(family, tiny_model_dirs):
     hidden states and caches bit for bit those of rope_qkv then the split-KV kernel (within fp32
     rounding with qk-norm); the graphed
     DFlash loop (its drafter's block too; rope_qkv left for the drafter's context) gives the AR
-    tokens."""
+    tokens (qwen3)."""
     dirs = tiny_model_dirs[family]
     ref, fused, cfg = _pair(dirs, torch.float32)
     drafter = load_drafter(dirs["dflash"], fused, cfg, dtype=torch.float32, device="cpu")
@@ -406,13 +406,14 @@ def test_rope_attention_serves_split_kv_layers(family, tiny_model_dirs):
         for x, y in zip(results["apart"][1].k + results["apart"][1].v, results["one launch"][1].k + results["one launch"][1].v):
             assert same(x, y)
         stack.ops = ops
-        context = _count_calls(drafter.fused, "rope_qkv")
-        blocks = _count_calls(drafter.fused, "rope_attention")
-        prompt = [5, 9, 2, 6, 5, 3]
-        out = gd.generate_dflash_graphed(fused, drafter, prompt, block_size=drafter.block_size,
-                                         mask_token_id=drafter.mask_token_id, max_new_tokens=5, eos_token_id=None)
-    assert out.tokens == decode.generate_ar(ref, prompt, max_new_tokens=5, eos_token_id=None).tokens
-    assert context and blocks and set(blocks) == {drafter.block_size}
+        if cfg.qk_norm:  # the graphed loop once (qk-norm: the most the kernel does), to keep CI short
+            context = _count_calls(drafter.fused, "rope_qkv")
+            blocks = _count_calls(drafter.fused, "rope_attention")
+            prompt = [5, 9, 2, 6, 5, 3]
+            out = gd.generate_dflash_graphed(fused, drafter, prompt, block_size=drafter.block_size,
+                                             mask_token_id=drafter.mask_token_id, max_new_tokens=4, eos_token_id=None)
+            assert out.tokens == decode.generate_ar(ref, prompt, max_new_tokens=4, eos_token_id=None).tokens
+            assert context and blocks and set(blocks) == {drafter.block_size}
 
 
 # --- u12 layers: u12_fused_linear at one row -----------------------------------------------------
