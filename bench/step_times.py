@@ -19,7 +19,8 @@ median of the repeats. Paths of the same model:
           o_proj (kernels/overlap.py; off by default);
   fused+u12  the fused path with every linear and lm_head in the u12 format (weights-u12 pass),
           AR (with u12_fused_linear, off by default) and verify(16) only; fused+u12-unfused: the
-          default AR step, u12_linear beside the separate norm, SiLU·mul and add kernels.
+          default AR step, u12_linear beside the separate norm, SiLU·mul and add kernels;
+          fused+u12-epilogues: u12_fused_linear's epilogues only, the norms as rmsnorm kernels.
 
 Steps: AR q=1; chain verify q=4..64; tree verify of k-ary trees (top-4) with 16..128 nodes plus
 the anchor; the DFlash-style drafter step (5 layers, block 16). The floor is the bytes of weights
@@ -258,7 +259,7 @@ def bench_shape(name: str, bw: float, repeats: int, with_u12: bool = True) -> tu
                     model.fused.ops = ops
                 model.fused.ops = dataclasses.replace(ops, rope_attention=None)
                 try:
-                    for q in (1, 16):
+                    for q in (1, 16 if 16 in VERIFY_Q else VERIFY_Q[0]):  # (--smoke has no q = 16)
                         record("fused-rope-apart", "ar" if q == 1 else "verify", q,
                                lambda ids=inputs[q]: (at_context(), model(ids, cache))[1])
                 finally:
@@ -317,12 +318,14 @@ def bench_shape(name: str, bw: float, repeats: int, with_u12: bool = True) -> tu
 
                 record("fused+u12-unfused" if q == 1 else "fused+u12", "ar" if q == 1 else "verify", q, u12_step,
                        u12_weight_bytes=u12_bytes)
-            # AR with u12_fused_linear on (off by default: runtime/fused.py's U12_LINEAR)
+            # AR with u12_fused_linear on (off by default: runtime/fused.py's U12_LINEAR), its norm
+            # prologue, then its epilogues only (the norms as rmsnorm kernels: U12_NORMS_APART)
             ops = model.fused.ops
-            model.fused.ops = dataclasses.replace(ops, u12_kernel="triton-u12")
             try:
-                record("fused+u12", "ar", 1, lambda ids=inputs[1]: (cache.length.copy_(start), model(ids, cache))[1],
-                       u12_weight_bytes=u12_bytes)
+                for label, apart in (("fused+u12", False), ("fused+u12-epilogues", True)):
+                    model.fused.ops = dataclasses.replace(ops, u12_kernel="triton-u12", u12_norms_apart=apart)
+                    record(label, "ar", 1, lambda ids=inputs[1]: (cache.length.copy_(start), model(ids, cache))[1],
+                           u12_weight_bytes=u12_bytes)
             finally:
                 model.fused.ops = ops
     model = drafter = None  # the 16 GB of this shape go before the next one is built

@@ -437,10 +437,12 @@ _LAYER_CALLS = [(True, False, False), (False, False, True), (True, True, False),
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_u12_layers_run_the_fused_u12_linear(family, tiny_model_dirs):
+@pytest.mark.parametrize("norms_apart", [False, True], ids=["norm-prologue", "norms-apart"])
+def test_u12_layers_run_the_fused_u12_linear(family, norms_apart, tiny_model_dirs):
     """Turned on (off by default: slower on the H200), at one row layers whose projections are u12
     modules of the kernel the ops stand in for run ops.linear_u12 (4 calls a layer, as
-    fused_linear's): the logits, hidden states and caches of the unfused u12 stack; with more rows,
+    fused_linear's; with the norms apart, qkv and gate|up without the norm, two rmsnorm calls a
+    layer instead): the logits, hidden states and caches of the unfused u12 stack; with more rows,
     or modules of another kernel, the layers stay unfused."""
     _, plain, cfg = _pair(tiny_model_dirs[family], torch.bfloat16)
     _, fused, _ = _pair(tiny_model_dirs[family], torch.bfloat16)
@@ -448,16 +450,22 @@ def test_u12_layers_run_the_fused_u12_linear(family, tiny_model_dirs):
     assert all(fl.linear_weights(unfused.ops.u12_kernel) is None for fl in unfused.layers)  # off by default
     unfused.ops = dataclasses.replace(unfused.ops, linear_max_m=0)
     stack = install_fused(_to_u12(fused, "torch"), "torch")
-    stack.ops = dataclasses.replace(stack.ops, u12_kernel="torch")
+    stack.ops = dataclasses.replace(stack.ops, u12_kernel="torch", u12_norms_apart=norms_apart)
     calls, plain_calls = _count_linear(stack, "linear_u12"), _count_linear(stack)
+    expected = [(norm and not norms_apart, gated, residual) for norm, gated, residual in _LAYER_CALLS]
+    norms, rmsnorm = [], stack.ops.rmsnorm
+    stack.ops = dataclasses.replace(stack.ops, rmsnorm=lambda *a, **kw: (norms.append(1), rmsnorm(*a, **kw))[1])
     ids = torch.randint(0, cfg.vocab_size, (1, 9), generator=torch.Generator().manual_seed(3))
     layers = (0, cfg.num_layers - 1)
     c_plain, c_fused = plain.new_cache(1, 24, device_length=True), fused.new_cache(1, 24, device_length=True)
     for chunk in (ids, ids[:, :1], ids[:, 1:3], ids[:, 3:4]):
         calls.clear()
+        norms.clear()
         a = plain(chunk, c_plain, hidden_layers=layers)
         b = fused(chunk, c_fused, hidden_layers=layers)
-        assert calls == (_LAYER_CALLS * cfg.num_layers if chunk.shape[1] == 1 else [])
+        assert calls == (expected * cfg.num_layers if chunk.shape[1] == 1 else [])
+        if chunk.shape[1] == 1:  # the final norm, and the layers' two where apart
+            assert len(norms) == 1 + 2 * cfg.num_layers * norms_apart
         torch.testing.assert_close(a.logits, b.logits, **TOLERANCE[torch.bfloat16])
         torch.testing.assert_close(a.hidden, b.hidden, **TOLERANCE[torch.bfloat16])
     assert plain_calls == []

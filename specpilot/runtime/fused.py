@@ -66,6 +66,7 @@ class FusedOps:
     linear_u12: Callable | None = None  # u12_fused_linear: the same over u12 weights
     u12_kernel: str = ""  # the u12 modules' kernel that `linear_u12` stands in for; "": u12 layers unfused
     rope_attention: Callable | None = None  # rope_qkv + split-KV attention in one launch, where layers use that kernel
+    u12_norms_apart: bool = False  # u12 layers under `linear_u12`: their RMSNorms as rmsnorm kernels, no prologue
 
 
 # Rows up to which fused_linear serves the layers: 32 Llama-3.1-8B layers' linears in one CUDA graph
@@ -78,21 +79,28 @@ LINEAR_MAX_M = 1
 # prologue costs each program the whole Σx² and per-element normalising on top of the u12 decode,
 # the CUDA cores' bottleneck, and the gated tile holds half the rows. `u12_linear=True` turns it on.
 U12_LINEAR = False
+# With u12_linear on, whether the norms stay rmsnorm kernels (u12_fused_linear keeping only its
+# SiLU·mul and residual epilogues: one launch a layer fewer than the unfused u12 layers, no
+# per-program Σx²). Unmeasured: bench/step_times.py's fused+u12-epilogues row will say.
+U12_NORMS_APART = True
 
 
-def fused_ops(kind: str, linear_max_m: int = LINEAR_MAX_M, u12_linear: bool = U12_LINEAR) -> FusedOps:
+def fused_ops(kind: str, linear_max_m: int = LINEAR_MAX_M, u12_linear: bool = U12_LINEAR,
+              u12_norms_apart: bool = U12_NORMS_APART) -> FusedOps:
     """"triton": the kernels; "torch": their references (same signatures). u12_linear: u12 layers
-    take the fused linear too (else their projections run u12_linear with the separate kernels)."""
+    take the fused linear too (else their projections run u12_linear with the separate kernels),
+    with their norms as rmsnorm kernels where u12_norms_apart."""
     from specpilot.kernels import fused_linear, rmsnorm, rope_attention, rope_kv, silu_mul, u12_fused_linear
 
     if kind == "triton":
         return FusedOps(rmsnorm.rmsnorm, rope_kv.rope_qkv, silu_mul.silu_mul, kind,
                         fused_linear.fused_linear, linear_max_m, u12_fused_linear.u12_fused_linear,
-                        "triton-u12" if u12_linear else "", rope_attention.rope_attention)
+                        "triton-u12" if u12_linear else "", rope_attention.rope_attention, u12_norms_apart)
     if kind == "torch":
         return FusedOps(rmsnorm.rmsnorm_reference, rope_kv.rope_qkv_reference, silu_mul.silu_mul_reference, kind,
                         fused_linear.fused_linear_reference, linear_max_m,
-                        u12_fused_linear.u12_fused_linear_reference, "torch" if u12_linear else "")
+                        u12_fused_linear.u12_fused_linear_reference, "torch" if u12_linear else "",
+                        u12_norms_apart=u12_norms_apart)
     raise ValueError(f"fused ops are 'triton' or 'torch', got {kind!r}")
 
 
@@ -229,24 +237,29 @@ class FusedStack:
         hidden_layers: tuple[int, ...] = (),
     ) -> tuple[None, torch.Tensor, dict[int, torch.Tensor]]:
         """run_layers with ops.linear (ops.linear_u12 for u12 weights) doing the norms, SiLU·mul and
-        residual adds around its GEMMs: five launches a layer fewer. The residual stream (a copy of
+        residual adds around its GEMMs: five launches a layer fewer (three for u12 layers whose norms
+        stay rmsnorm kernels: ops.u12_norms_apart). The residual stream (a copy of
         x) is updated in place by the o and down projections' epilogues, so it returns (None, the
         stream, picked layer outputs)."""
         ops, (b, t, hidden) = self.ops, x.shape
         stream = x.reshape(b * t, hidden).clone()
         picked: dict[int, torch.Tensor] = {}
 
-        def linear(h, w, **kw):
-            return (ops.linear_u12 if isinstance(w, U12Tensor) else ops.linear)(h, w, **kw)
+        def linear(h, w, norm_weight=None, **kw):
+            if not isinstance(w, U12Tensor):
+                return ops.linear(h, w, norm_weight=norm_weight, eps=self.eps, **kw)
+            if norm_weight is not None and ops.u12_norms_apart:  # the stream holds every add already
+                h, norm_weight = ops.rmsnorm(h, norm_weight, self.eps), None
+            return ops.linear_u12(h, w, norm_weight=norm_weight, eps=self.eps, **kw)
 
         for i, (fl, (w_qkv, w_o, w_gate_up, w_down)) in enumerate(zip(self.layers, weights)):
             layer = fl.layer
-            qkv = linear(stream, w_qkv, norm_weight=layer.input_layernorm.weight, eps=self.eps)
+            qkv = linear(stream, w_qkv, norm_weight=layer.input_layernorm.weight)
             # with the L2 prefetch on, o's weight streams into L2 while RoPE and attention run
             o = self.attend(i, qkv.view(b, t, -1), cos, sin, cache, vis, slots, end,
                             prefetch=(w_o.sm, w_o.codes) if isinstance(w_o, U12Tensor) else w_o)  # [B, heads, T, D]
             linear(o.transpose(1, 2).reshape(b * t, -1), w_o, residual=stream)
-            act = linear(stream, w_gate_up, norm_weight=layer.post_attention_layernorm.weight, eps=self.eps, gated=True)
+            act = linear(stream, w_gate_up, norm_weight=layer.post_attention_layernorm.weight, gated=True)
             linear(act, w_down, residual=stream)
             if i in hidden_layers:
                 picked[i] = stream.view(b, t, hidden).clone()
