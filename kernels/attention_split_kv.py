@@ -435,9 +435,11 @@ def launch(
         qw = qw if qw is not None else kw
     qk_scale = (d ** -0.5 if scale is None else scale) * math.log2(math.e)
     native = device.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1"
+    round_bf16 = not native and dtype == torch.bfloat16
+    launch_opts = dict(num_warps=NUM_WARPS, num_stages=2) if native else {}
     # RoPE must not fuse a product into the sum: torch rounds each (with fusion on, the H200 wrote
     # 141 of 640 bf16 keys one step off rope_qkv's in tests/test_fused_kernels.py)
-    launch_opts = dict(num_warps=NUM_WARPS, num_stages=2, enable_fp_fusion=rope is None) if native else {}
+    fusion = dict(enable_fp_fusion=rope is None) if native else {}
     _split_kernel[(row_blocks, splits + 1, b * hkv)](
         q_src, k, v, mask_t, out, m_part, l_part, acc_part, past_t, cos, sin, qw, kw,
         t, past, g, hkv, split_len, qk_scale, stride_pb, eps, 1.0 / d,
@@ -448,16 +450,15 @@ def launch(
         out.stride(0), out.stride(1), out.stride(2),
         stride_cb, stride_ct,
         HEAD_DIM=d, HALF=half, BLOCK_H=max(16, triton.next_power_of_2(half)), BLOCK_D=block_d,
-        BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_T=max(16, min(BLOCK_N, triton.next_power_of_2(t))), MASK=mode, DOT_FP32=dtype == torch.float32 or not native,
-        SINGLE=single, ROUND_BF16=not native and dtype == torch.bfloat16,
-        PAST_TENSOR=past_tensor, ROPE=rope is not None, QK_NORM=qk_norm, **launch_opts, **pdl_args(device),
+        BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_T=max(16, min(BLOCK_N, triton.next_power_of_2(t))), MASK=mode,
+        DOT_FP32=dtype == torch.float32 or not native, SINGLE=single, ROUND_BF16=round_bf16,
+        PAST_TENSOR=past_tensor, ROPE=rope is not None, QK_NORM=qk_norm, **launch_opts, **fusion, **pdl_args(device),
     )
     if not single:
         _combine_kernel[(rows, b * hkv)](
             m_part, l_part, acc_part, out, t, g, hkv, splits + 1,
             out.stride(0), out.stride(1), out.stride(2), HEAD_DIM=d, BLOCK_D=block_d,
-            BLOCK_S=triton.next_power_of_2(splits + 1), ROUND_BF16=not native and dtype == torch.bfloat16,
-            **({k: v for k, v in launch_opts.items() if k != "enable_fp_fusion"}), **pdl_args(device),
+            BLOCK_S=triton.next_power_of_2(splits + 1), ROUND_BF16=round_bf16, **launch_opts, **pdl_args(device),
         )
     return out
 

@@ -237,8 +237,8 @@ class FusedStack:
         hidden_layers: tuple[int, ...] = (),
     ) -> tuple[None, torch.Tensor, dict[int, torch.Tensor]]:
         """run_layers with ops.linear (ops.linear_u12 for u12 weights) doing the norms, SiLU·mul and
-        residual adds around its GEMMs: five launches a layer fewer (three for u12 layers whose norms
-        stay rmsnorm kernels: ops.u12_norms_apart). The residual stream (a copy of
+        residual adds around its GEMMs: five launches a layer fewer (with ops.u12_norms_apart, u12
+        layers keep their norms as rmsnorm kernels: one fewer, SiLU·mul's). The residual stream (a copy of
         x) is updated in place by the o and down projections' epilogues, so it returns (None, the
         stream, picked layer outputs)."""
         ops, (b, t, hidden) = self.ops, x.shape
