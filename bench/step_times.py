@@ -14,16 +14,13 @@ median of the repeats. Paths of the same model:
           residual-add kernels), AR and verify(4) only: what fused_linear replaces;
   fused-rope-apart  the fused AR and verify(16) steps with rope_qkv and the split-KV attention as
           two launches a layer (what kernels/rope_attention.py does in one);
-  fused-pdl, fused-pdl-wait, fused-pdl-early, fused-warm-*, fused-pdl-warm-4k, fused-prefetch,
-          fused-pdl-prefetch  the fused AR step with programmatic dependent launch (setting 1:
-          trigger then wait; 2: wait only; 3: trigger where the next kernel reads weights), the
-          warm start (weight rows' heads prefetched into L2 before the wait) and/or the L2
-          prefetch of o_proj (kernels/overlap.py; all off by default; OVERLAP_ROWS);
+  fused-pdl, fused-pdl-wait, fused-prefetch, fused-pdl-prefetch  the fused AR step with programmatic
+          dependent launch (mode 1: trigger then wait; mode 2: wait only) and/or the L2 prefetch of
+          o_proj (kernels/overlap.py; off by default);
   fused+u12  the fused path with every linear and lm_head in the u12 format (weights-u12 pass),
           AR (with u12_fused_linear, off by default) and verify(16) only; fused+u12-unfused: the
           default AR step, u12_linear beside the separate norm, SiLU·mul and add kernels;
-          fused+u12-epilogues: u12_fused_linear's epilogues only, the norms as rmsnorm kernels;
-          -warm: those with the warm start (WARM_START; the unfused layers under PDL setting 1).
+          fused+u12-epilogues: u12_fused_linear's epilogues only, the norms as rmsnorm kernels.
 
 Steps: AR q=1; chain verify q=4..64; tree verify of k-ary trees (top-4) with 16..128 nodes plus
 the anchor; the DFlash-style drafter step (5 layers, block 16). The floor is the bytes of weights
@@ -72,16 +69,6 @@ TREE_BUDGETS = (16, 32, 64, 128)
 CACHE_LEN = 512
 CAPACITY = 2048  # the fused path's device-length cache
 DRAFT_LAYERS, DRAFT_BLOCK, DRAFT_NEW_CONTEXT = 5, 16, 4
-# The fused AR step under kernels/overlap.py's settings (label, overlap() keywords): PDL 1 (trigger
-# then wait), 2 (wait only), 3 (trigger where the next kernel reads weights), the warm start (bytes
-# a weight row prefetched into L2 before the wait) and the L2 prefetch of o_proj.
-OVERLAP_ROWS = (
-    ("fused-pdl", dict(pdl=1)), ("fused-pdl-wait", dict(pdl=2)), ("fused-pdl-early", dict(pdl=3)),
-    ("fused-warm-1k", dict(pdl=3, warm=1024)), ("fused-warm-4k", dict(pdl=3, warm=4096)),
-    ("fused-warm-16k", dict(pdl=3, warm=16384)), ("fused-pdl-warm-4k", dict(pdl=1, warm=4096)),
-    ("fused-prefetch", dict(prefetch=True)), ("fused-pdl-prefetch", dict(pdl=1, prefetch=True)),
-)
-WARM_START = dict(pdl=3, warm=4096)  # the u12 rows' warm start
 
 
 def read_bandwidth(device: torch.device | str = "cuda", gib: float = 4, repeats: int = 20) -> float:
@@ -277,11 +264,12 @@ def bench_shape(name: str, bw: float, repeats: int, with_u12: bool = True) -> tu
                                lambda ids=inputs[q]: (at_context(), model(ids, cache))[1])
                 finally:
                     model.fused.ops = ops
-                # the AR step with programmatic dependent launch (settings 1-3), the warm start
-                # and the L2 prefetch of o_proj, each off by default (kernels/overlap.py)
-                for label, kw in OVERLAP_ROWS:
+                # the AR step with programmatic dependent launch (modes 1, 2) and the L2 prefetch of
+                # o_proj, each off by default (kernels/overlap.py)
+                for label, kw in (("fused-pdl", dict(pdl=1)), ("fused-pdl-wait", dict(pdl=2)),
+                                  ("fused-prefetch", dict(prefetch=True)), ("fused-pdl-prefetch", dict(pdl=1, prefetch=True))):
                     with overlap(**kw):
-                        record(label, "ar", 1, lambda ids=inputs[1]: (at_context(), model(ids, cache))[1], overlap=kw)
+                        record(label, "ar", 1, lambda ids=inputs[1]: (at_context(), model(ids, cache))[1])
                 # chain verify of q beside a tree of q nodes + anchor: what the tree mask costs
                 q, nodes = (16, 16) if 16 in VERIFY_Q and 16 in TREE_BUDGETS else (VERIFY_Q[0], TREE_BUDGETS[0])
                 mask, depth = tree_mask(nodes, DEVICE)
@@ -330,22 +318,14 @@ def bench_shape(name: str, bw: float, repeats: int, with_u12: bool = True) -> tu
 
                 record("fused+u12-unfused" if q == 1 else "fused+u12", "ar" if q == 1 else "verify", q, u12_step,
                        u12_weight_bytes=u12_bytes)
-            unfused_warm = {**WARM_START, "pdl": 1}  # the unfused u12 layers' kernels take no early hint
-            with overlap(**unfused_warm):
-                record("fused+u12-unfused-warm", "ar", 1,
-                       lambda ids=inputs[1]: (cache.length.copy_(start), model(ids, cache))[1],
-                       u12_weight_bytes=u12_bytes, overlap=unfused_warm)
             # AR with u12_fused_linear on (off by default: runtime/fused.py's U12_LINEAR), its norm
-            # prologue, then its epilogues only (the norms as rmsnorm kernels: U12_NORMS_APART),
-            # then those with the warm start
+            # prologue, then its epilogues only (the norms as rmsnorm kernels: U12_NORMS_APART)
             ops = model.fused.ops
             try:
-                for label, apart, kw in (("fused+u12", False, {}), ("fused+u12-epilogues", True, {}),
-                                         ("fused+u12-epilogues-warm", True, WARM_START)):
+                for label, apart in (("fused+u12", False), ("fused+u12-epilogues", True)):
                     model.fused.ops = dataclasses.replace(ops, u12_kernel="triton-u12", u12_norms_apart=apart)
-                    with overlap(**kw):
-                        record(label, "ar", 1, lambda ids=inputs[1]: (cache.length.copy_(start), model(ids, cache))[1],
-                               u12_weight_bytes=u12_bytes, **({"overlap": kw} if kw else {}))
+                    record(label, "ar", 1, lambda ids=inputs[1]: (cache.length.copy_(start), model(ids, cache))[1],
+                           u12_weight_bytes=u12_bytes)
                 profile["ar-u12-epilogues"] = profile_step(lambda: (cache.length.copy_(start), model(inputs[1], cache)))
             finally:
                 model.fused.ops = ops

@@ -390,14 +390,12 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int | torch.
 def launch(
     q_src: torch.Tensor, q_strides: tuple[int, int, int], k: torch.Tensor, v: torch.Tensor, *,
     heads: int, t: int, past: int | torch.Tensor, mask: str | torch.Tensor, scale: float | None,
-    splits: int | None, rope: dict | None = None, early: bool = False,
+    splits: int | None, rope: dict | None = None,
 ) -> torch.Tensor:
     """The kernel over k, v [B, Hkv, S, D]: q head h, token t at q_src + b·qs[0] + h·qs[1] + t·qs[2]
     (`q_strides` qs), roped there first when `rope` (cos, sin, [B or 1, T, D] tables with unit
     last stride, q_norm, k_norm weights or None, eps: then q_src is q|k|v and the new K/V are
-    taken from it and written at slots past..past+T-1). Checked by the callers. -> [B, H, T, D].
-    early: the kernel after reads weights, so under PDL setting 3 both launches let their next
-    launch at once (kernels/overlap.py)."""
+    taken from it and written at slots past..past+T-1). Checked by the callers. -> [B, H, T, D]."""
     (b, hkv, s, d), dtype, device = k.shape, k.dtype, k.device
     g = heads // hkv
     mode, mask_t = _mask_args(mask, b, t, device)
@@ -454,13 +452,13 @@ def launch(
         HEAD_DIM=d, HALF=half, BLOCK_H=max(16, triton.next_power_of_2(half)), BLOCK_D=block_d,
         BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_T=max(16, min(BLOCK_N, triton.next_power_of_2(t))), MASK=mode,
         DOT_FP32=dtype == torch.float32 or not native, SINGLE=single, ROUND_BF16=round_bf16,
-        PAST_TENSOR=past_tensor, ROPE=rope is not None, QK_NORM=qk_norm, **launch_opts, **fusion, **pdl_args(device, early),
+        PAST_TENSOR=past_tensor, ROPE=rope is not None, QK_NORM=qk_norm, **launch_opts, **fusion, **pdl_args(device),
     )
     if not single:
         _combine_kernel[(rows, b * hkv)](
             m_part, l_part, acc_part, out, t, g, hkv, splits + 1,
             out.stride(0), out.stride(1), out.stride(2), HEAD_DIM=d, BLOCK_D=block_d,
-            BLOCK_S=triton.next_power_of_2(splits + 1), ROUND_BF16=round_bf16, **launch_opts, **pdl_args(device, early),
+            BLOCK_S=triton.next_power_of_2(splits + 1), ROUND_BF16=round_bf16, **launch_opts, **pdl_args(device),
         )
     return out
 
@@ -468,7 +466,6 @@ def launch(
 def attention_split_kv(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, past: int | torch.Tensor,
     mask: str | torch.Tensor = "causal", scale: float | None = None, splits: int | None = None,
-    early: bool = False,
 ) -> torch.Tensor:
     """q [B, H, T, D] over k, v [B, Hkv, S, D] (grouped heads) -> [B, H, T, D] in q.dtype.
 
@@ -476,12 +473,12 @@ def attention_split_kv(
     cache capacity (past + T <= S is the caller's to keep; checking it would sync). `mask`:
     visibility among the T new tokens ("causal", "full", bool [T, T] or [B, T, T]); all `past`
     cached slots are visible. `scale` defaults to D^-0.5. `splits` (of the cached keys) overrides
-    split_count. `early`: the kernel after reads weights (a PDL hint, kernels/overlap.py).
+    split_count.
     """
     _check(q, k, v, past)
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
     return launch(q, (q.stride(0), q.stride(1), q.stride(2)), k, v, heads=q.shape[1], t=q.shape[2], past=past,
-                  mask=mask, scale=scale, splits=splits, early=early)
+                  mask=mask, scale=scale, splits=splits)
 
 
 def _weights(q: torch.Tensor, k: torch.Tensor, *, past: int | torch.Tensor, mask: str | torch.Tensor,

@@ -68,7 +68,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from .overlap import pdl_args, pdl_enter, pdl_trigger, pdl_wait, warm_bytes, warm_rows
+from .overlap import pdl_args, pdl_enter
 from .registry import KernelSpec, register
 from .rmsnorm import _normalize, _row_inv, _to_dtype, rmsnorm_reference
 from .silu_mul import silu_mul_reference
@@ -165,7 +165,6 @@ def _gemv_chunk(
 def _gemv_kernel(
     x_ptr, w_ptr, nw_ptr, y_ptr,
     M, N, K, inv_k, eps, stride_xm, stride_wn, stride_ym,
-    w_addr, w_row_bytes, warm_nbytes,  # WARM: W's address, bytes a row, bytes a row to prefetch
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
     WORDS: tl.constexpr,  # x, W and norm weight read as int64 words of 4 bf16; strides then count words
     EVEN_K: tl.constexpr,  # K % (4 BLOCK_W) == 0: no masked last chunk
@@ -173,17 +172,10 @@ def _gemv_kernel(
     ROUND_BF16: tl.constexpr,  # bf16 under the interpreter: round before casting
     EXPF: tl.constexpr,  # libdevice's expf (GPU); else tl.exp (the interpreter has no libdevice)
     PDL: tl.constexpr,  # programmatic dependent launch (kernels/overlap.py)
-    WARM: tl.constexpr,  # prefetch the head of this program's W rows into L2 before the PDL wait
-    THREADS: tl.constexpr,  # 32 · num_warps (WARM's one prefetch a thread)
 ):
     """BLOCK_M rows of x against BLOCK_N output rows (N: output columns; gated: W rows n and N + n)."""
+    pdl_enter(PDL)
     pid_n = tl.program_id(0)
-    pdl_trigger(PDL)
-    if WARM:  # weights do not depend on the kernel before: start their reads while it drains
-        warm_rows(w_addr, pid_n * BLOCK_N, N - 1, w_row_bytes, warm_nbytes, BLOCK_N, THREADS)
-        if GATED:
-            warm_rows(w_addr, N + pid_n * BLOCK_N, 2 * N - 1, w_row_bytes, warm_nbytes, BLOCK_N, THREADS)
-    pdl_wait(PDL)
     pid_m = tl.program_id(1)
     DTYPE: tl.constexpr = y_ptr.dtype.element_ty
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -498,13 +490,10 @@ def _words_apply(x: torch.Tensor, weight: torch.Tensor) -> bool:
 def fused_linear(
     x: torch.Tensor, weight: torch.Tensor, *, norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
     gated: bool = False, residual: torch.Tensor | None = None, config: FusedLinearConfig | None = None,
-    early: bool = False,
 ) -> torch.Tensor:
     """x [M, K] · weight [N, K]ᵀ in x's dtype (bf16/fp32), fp32 sums; norm_weight: x replaced by
     rmsnorm(x, norm_weight, eps) first; gated: weight is [gate; up] (N = 2I) and the output [M, I]
-    is silu(gate) · up; residual [M, N_out]: the output is added into it in place and it is returned.
-    early: the next kernel reads weights, so under PDL setting 3 this one lets it launch at once
-    (kernels/overlap.py; scheduling only)."""
+    is silu(gate) · up; residual [M, N_out]: the output is added into it in place and it is returned."""
     m, k, n_out = _check(x, weight, norm_weight, gated, residual)
     y = residual if residual is not None else torch.empty((m, n_out), dtype=x.dtype, device=x.device)
     if m == 0 or n_out == 0:
@@ -518,7 +507,7 @@ def fused_linear(
     norm = norm_weight is not None
     bm = _block_m(m, cfg)
     flags = dict(NORM=norm, GATED=bool(gated), RESIDUAL=residual is not None,
-                 ROUND_BF16=not native and x.dtype == torch.bfloat16, EXPF=native, **pdl_args(x.device, early))
+                 ROUND_BF16=not native and x.dtype == torch.bfloat16, EXPF=native, **pdl_args(x.device))
     # fp fusion off, as in rmsnorm and silu_mul: sum · (1/K) + eps and 1 + exp(-g) round as torch's do
     # (the GEMV's sums are explicit FMAs, the dot's are tensor-core or "ieee" dots: unaffected).
     launch = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False) if native else {}
@@ -531,14 +520,11 @@ def fused_linear(
                 norm_weight = aligned_rows(norm_weight, True)
         unit = 4 if words else 1  # strides in words of 4 for the int64 loads
         grid = (triton.cdiv(n_out, cfg.block_n), triton.cdiv(m, bm))
-        row_bytes = weight.stride(0) * weight.element_size()
-        warm = warm_bytes(x.device, k * weight.element_size(), weight)
         _gemv_kernel[grid](
             x, weight, norm_weight if norm else x, y,
             m, n_out, k, 1.0 / k, eps, x.stride(0) // unit, weight.stride(0) // unit, y.stride(0),
-            weight.data_ptr(), row_bytes, warm,
             BLOCK_M=bm, BLOCK_N=cfg.block_n, BLOCK_W=cfg.block_k // 4, WORDS=words,
-            EVEN_K=k % cfg.block_k == 0, WARM=warm > 0, THREADS=32 * cfg.num_warps, **flags, **launch,
+            EVEN_K=k % cfg.block_k == 0, **flags, **launch,
         )
         return y
 
@@ -564,10 +550,10 @@ def fused_linear(
 
 def fused_linear_reference(
     x: torch.Tensor, weight: torch.Tensor, *, norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
-    gated: bool = False, residual: torch.Tensor | None = None, early: bool = False,
+    gated: bool = False, residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The unfused ops: rmsnorm_reference, the GEMM in fp32 cast to x's dtype, silu_mul_reference,
-    and the torch add into residual (in place, returned). `early` is fused_linear's scheduling hint."""
+    and the torch add into residual (in place, returned)."""
     _check(x, weight, norm_weight, gated, residual)
     h = rmsnorm_reference(x, norm_weight, eps) if norm_weight is not None else x
     y = (h.float() @ weight.float().T).to(x.dtype)

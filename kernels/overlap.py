@@ -17,21 +17,25 @@ kernel launched plainly after a PDL kernel waits for it as usual, and a PDL kern
 one (a torch op) is released when that kernel's programs exit, so the mix is safe. CUDA graphs
 capture the launches as programmatic edges (CUDA 12.3+).
 
-Modes (the kernels' ``PDL`` flag, 0-2, and the setting, 0-3): 1 is the above; 2 waits only (no
-explicit trigger: the next kernel may launch as this one's programs exit). Setting 3 ("early where
-asked") launches every kernel with PDL, but only those whose caller passes ``early=True`` trigger at
-their start (flag 1), the others wait only (flag 2): the callers ask it of the kernels whose next
-kernel reads weights (runtime/fused.py), so a GEMV's programs are placed while the kernel before
-still runs, and not an attention kernel's, whose few programs would pile onto the SMs the GEMV
-before freed first. ``pdl_args(device, early)`` gives a launch's flag and option; PDL needs a CUDA
-GPU of compute capability 9.0 or more (not under TRITON_INTERPRET=1, which has no griddepcontrol).
+Modes (the kernels' ``PDL`` flag, 0-2): 1 is the above; 2 waits only (no explicit trigger: the
+next kernel may launch as this one's programs exit). ``pdl_args(device)`` gives a launch's flag
+and option; PDL needs a CUDA GPU of compute capability 9.0 or more (not under TRITON_INTERPRET=1,
+which has no griddepcontrol).
 
-Warm start (``SPECPILOT_WARM=<bytes>``, ``overlap(warm=...)``; with PDL on): a weight-reading
-kernel's programs, placed early, prefetch the first `bytes` of each of their weight rows into L2
-(``warm_rows``, ``cp.async.bulk.prefetch.L2``) before they wait, since weights do not depend on the
-kernel before: DRAM streams the next GEMV's weights during the previous kernel's tail and launch gap
-instead of idling. Exact (a prefetch moves no value); ``warm_bytes`` gives a launch's bytes a row
-(0: off, or rows not 16-byte aligned). Unmeasured until bench/step_times.py's overlap rows say.
+Off by default, because measured slower: on the H200 the graphed Llama-3.1-8B AR step ran 5.03 ms
+with mode 1 against 4.40 ms plain (bench/results/step_times_pdl_h200.json), though the eager
+profile's kernels summed to less (4.29 ms against 4.34): the programmatic edges of the captured
+graph cost about 2.6 µs a kernel (244 kernels). In a later run mode 1 ran 4.50 ms and mode 2
+4.21 against 4.21 plain (bench/results/step_times_llama_h200.json). ``SPECPILOT_PDL=1|2`` or ``overlap(pdl=...)`` turns it on (the
+benchmarks measure each mode beside the default).
+
+Tried and dropped (commit 21bdd2d, bench/results/step_times_llama_h200.json, overlap rows): a
+setting 3 that triggered only in kernels whose next kernel reads weights, with a "warm start" in
+which the GEMVs' early-placed programs prefetched the heads of their weight rows into L2 before the
+wait. Plain 4.20 ms; setting 3 alone 4.29 (the programmatic edges' cost, as setting 2's 4.29); with
+1, 4 and 16 KB a row 4.27, 4.58 and 5.31; setting 1 with 4 KB 4.71. The more it prefetched, the
+slower: the GEMVs before already keep DRAM busy to their tails, so the prefetches only queue
+ahead of their reads.
 
 L2 prefetch: a latency-bound kernel (RoPE, attention: a few MB of KV and microseconds of
 dependent steps) leaves DRAM idle, while the GEMV after it reads its weights from DRAM. Given a
@@ -59,7 +63,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-_ENV = {"pdl": "SPECPILOT_PDL", "prefetch": "SPECPILOT_PREFETCH", "warm": "SPECPILOT_WARM"}
+_ENV = {"pdl": "SPECPILOT_PDL", "prefetch": "SPECPILOT_PREFETCH"}
 _override: dict[str, int] = {}  # set inside overlap()
 
 
@@ -83,40 +87,21 @@ def _setting(name: str) -> int:
     if name in _override:
         return _override[name]
     value = os.environ.get(_ENV[name], "0")
-    if name == "warm":
-        if not value.isdigit() or int(value) % 16:
-            raise ValueError(f"{_ENV[name]}: expected bytes a row, a multiple of 16 (0: off), got {value!r}")
-        return int(value)
-    if value not in ("0", "1", "2", "3") or (name == "prefetch" and value not in ("0", "1")):
-        raise ValueError(f"{_ENV[name]}: expected 0 or 1{' or 2 or 3' if name == 'pdl' else ''}, got {value!r}")
+    if value not in ("0", "1", "2") or (name == "prefetch" and value == "2"):
+        raise ValueError(f"{_ENV[name]}: expected 0 or 1{' or 2' if name == 'pdl' else ''}, got {value!r}")
     return int(value)
 
 
 def pdl_mode(device: torch.device) -> int:
-    """The PDL setting (0 off, 1 trigger then wait, 2 wait only, 3 trigger where asked) on `device` now."""
+    """The PDL mode (0 off, 1 trigger then wait, 2 wait only) of launches on `device` now."""
     return _setting("pdl") if pdl_capable(device) else 0
 
 
-def pdl_args(device: torch.device, early: bool = False) -> dict:
-    """A launch's PDL keywords on `device`: the kernel's ``PDL`` flag (setting 3: 1 where `early`,
-    else 2), and ``launch_pdl`` when on (never under the interpreter, where the mode is 0)."""
+def pdl_args(device: torch.device) -> dict:
+    """A launch's PDL keywords on `device`: the kernel's ``PDL`` flag, and ``launch_pdl`` when on
+    (never under the interpreter, where the mode is 0)."""
     mode = pdl_mode(device)
-    if mode == 3:
-        mode = 1 if early else 2
     return {"PDL": mode, **({"launch_pdl": True} if mode else {})}
-
-
-def warm_bytes(device: torch.device, row_bytes: int, *tensors: torch.Tensor) -> int:
-    """Bytes a weight row that a kernel on `device` prefetches into L2 before its PDL wait: the
-    warm setting, at most `row_bytes`, in 16-byte units; 0 with PDL off or where a tensor's
-    address or row stride is not a multiple of 16 bytes (the bulk prefetch's alignment)."""
-    want = _setting("warm")
-    if not want or not pdl_mode(device):
-        return 0
-    for t in tensors:
-        if t.data_ptr() % 16 or (t.dim() > 1 and t.stride(0) * t.element_size() % 16):
-            return 0
-    return min(want, row_bytes) // 16 * 16
 
 
 def prefetch_on() -> bool:
@@ -125,11 +110,11 @@ def prefetch_on() -> bool:
 
 
 @contextmanager
-def overlap(pdl: int | None = None, prefetch: bool | None = None, warm: int | None = None):
-    """Launches inside use PDL setting `pdl`, L2 prefetch `prefetch` and warm start `warm` (bytes a
-    row) where given (else the environment's); graphs captured inside keep them."""
+def overlap(pdl: int | None = None, prefetch: bool | None = None):
+    """Launches inside use PDL mode `pdl` and L2 prefetch `prefetch` where given (else the
+    environment's); graphs captured inside keep them."""
     before = dict(_override)
-    _override.update({k: int(v) for k, v in (("pdl", pdl), ("prefetch", prefetch), ("warm", warm)) if v is not None})
+    _override.update({k: int(v) for k, v in (("pdl", pdl), ("prefetch", prefetch)) if v is not None})
     try:
         yield
     finally:
@@ -201,31 +186,3 @@ def pdl_enter(PDL: tl.constexpr):
         gdc_launch_dependents()
     if PDL >= 1:
         gdc_wait()
-
-
-@triton.jit
-def pdl_trigger(PDL: tl.constexpr):
-    """Mode 1: let the next kernel launch once every program here has reached this point."""
-    if PDL == 1:
-        gdc_launch_dependents()
-
-
-@triton.jit
-def pdl_wait(PDL: tl.constexpr):
-    """Modes 1, 2: wait until the kernel before has completed and its writes are visible."""
-    if PDL >= 1:
-        gdc_wait()
-
-
-@triton.jit
-def warm_rows(addr, row0, last_row, row_stride, nbytes, ROWS: tl.constexpr, SLICES: tl.constexpr):
-    """Prefetch into L2 the first `nbytes` (a multiple of 16) of rows row0 .. row0 + ROWS - 1 (each
-    clamped to last_row) of a matrix at byte address `addr` with `row_stride` bytes a row: one bulk
-    prefetch a row, row i issued by slice i of SLICES (the program's thread count: one a thread)."""
-    i = tl.arange(0, SLICES)
-    row = tl.minimum(row0 + tl.minimum(i, ROWS - 1), last_row).to(tl.int64)
-    size = tl.where(i < ROWS, nbytes, 0).to(tl.int32)
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.gt.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.b32 $0, 0; }",
-        "=r,l,r", [addr + row * row_stride, size], dtype=tl.int32, is_pure=False, pack=1,
-    )

@@ -100,11 +100,11 @@ def _rows(t: torch.Tensor, h: int) -> torch.Tensor:
 
 
 def rmsnorm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None, early: bool = False,
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """x [..., H], weight [H] -> y [..., H] in promote(weight, x) dtype; with `residual` (x's shape
     and dtype) -> (y of h, h = x + residual in x.dtype). Leading dims that do not flatten to rows
-    without a copy are copied. early: the next kernel reads weights (a PDL hint, kernels/overlap.py)."""
+    without a copy are copied."""
     hdim = x.shape[-1]
     if weight.shape != (hdim,):
         raise ValueError(f"rmsnorm: weight must be [{hdim}] for x {list(x.shape)}, got {list(weight.shape)}")
@@ -131,15 +131,15 @@ def rmsnorm(
             x2, r2, weight, y2, h2, hdim, 1.0 / hdim, eps, x2.stride(0), r2.stride(0), y2.stride(0), h2.stride(0),
             BLOCK=block, RESIDUAL=residual is not None,
             ROUND_X=not native and x.dtype == torch.bfloat16, ROUND_Y=not native and out_dtype == torch.bfloat16,
-            **launch, **pdl_args(x.device, early),
+            **launch, **pdl_args(x.device),
         )
     return y if residual is None else (y, h)
 
 
 def rmsnorm_reference(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None, early: bool = False,
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """model.RMSNorm op for op (after the torch add x + residual, if given); `early` is the kernel's PDL hint."""
+    """model.RMSNorm op for op (after the torch add x + residual, if given)."""
     h = x if residual is None else x + residual
     hf = h.float()
     y = weight * (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)).to(h.dtype)

@@ -43,10 +43,10 @@ def rope_attention(
     qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
     past: int | torch.Tensor, num_heads: int, num_kv_heads: int, mask: str | torch.Tensor = "causal",
     q_norm_weight: torch.Tensor | None = None, k_norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
-    scale: float | None = None, splits: int | None = None, early: bool = False,
+    scale: float | None = None, splits: int | None = None,
 ) -> torch.Tensor:
     """Attention output [B, H, T, D] of the T tokens of qkv; their K/V written into the caches
-    (module docstring). early: the kernel after reads weights (kernels/overlap.py's setting 3)."""
+    (module docstring)."""
     if num_heads < 1:
         raise ValueError(f"{_WHO}: num_heads must be >= 1, got {num_heads}")
     b, t, d = _check_rope(qkv, cos, sin, k_cache, v_cache, None, num_heads, num_kv_heads, q_norm_weight,
@@ -66,14 +66,14 @@ def rope_attention(
         qkv = qkv.contiguous()
     rope = dict(cos=cos, sin=sin, q_norm=q_norm_weight, k_norm=k_norm_weight, eps=eps)
     return launch(qkv, (qkv.stride(0), d, qkv.stride(1)), k_cache, v_cache, heads=num_heads, t=t, past=past,
-                  mask=mask, scale=scale, splits=splits, rope=rope, early=early)
+                  mask=mask, scale=scale, splits=splits, rope=rope)
 
 
 def rope_attention_reference(
     qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
     past: int | torch.Tensor, num_heads: int, num_kv_heads: int, mask: str | torch.Tensor = "causal",
     q_norm_weight: torch.Tensor | None = None, k_norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
-    scale: float | None = None, splits: int | None = None, early: bool = False,
+    scale: float | None = None, splits: int | None = None,
 ) -> torch.Tensor:
     """rope_qkv_reference at slots past + t, then attention_split_kv_reference over the cache."""
     b, t = qkv.shape[:2]

@@ -65,7 +65,7 @@ import triton.language as tl
 from specpilot.runtime.u12 import U12Tensor, pack_u12, unpack_u12
 
 from .fused_linear import _check, _epilogue, _plant_wrong_weight, fused_linear_reference
-from .overlap import pdl_args, pdl_trigger, pdl_wait, warm_bytes, warm_rows
+from .overlap import pdl_args, pdl_enter
 from .registry import KernelSpec, register
 from .rmsnorm import _normalize, _row_inv, rmsnorm
 from .silu_mul import silu_mul
@@ -119,7 +119,6 @@ def _u12_fused_gemv_kernel(
     x_ptr, nw_ptr, sm_ptr, codes_ptr, esc_idx_ptr, esc_val_ptr, esc_row_ptr, y_ptr,
     M, N, K, n_words, x_scale, y_scale_lo, y_scale_hi, inv_k, eps,
     stride_xm, stride_sm, stride_codes, stride_ym,
-    sm_addr, codes_addr, warm_nbytes,  # WARM: the planes' addresses, sign/mantissa bytes a row to prefetch
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, ESC_BLOCK: tl.constexpr,
     X_WORDS: tl.constexpr,  # bf16 x and norm weight read as int64 words of 4; else fp32 elements
     EVEN_K: tl.constexpr,  # n_words % BLOCK_W == 0: no masked last chunk
@@ -128,21 +127,12 @@ def _u12_fused_gemv_kernel(
     EXPF: tl.constexpr,  # libdevice's expf (GPU); else tl.exp (the interpreter has no libdevice)
     ASM: tl.constexpr,  # PTX prmt/lop3 (GPU); else their shift-and-mask emulation (interpreter)
     PDL: tl.constexpr,  # programmatic dependent launch (kernels/overlap.py)
-    WARM: tl.constexpr,  # prefetch the head of this program's rows of both planes into L2 before the PDL wait
-    THREADS: tl.constexpr,  # 32 · num_warps (WARM's one prefetch a thread)
 ):
     """All M (<= 4) rows of x against BLOCK_N output rows (N: output columns; gated: rows n and N + n of t)."""
+    pdl_enter(PDL)
     pid_n = tl.program_id(0)
     DTYPE: tl.constexpr = y_ptr.dtype.element_ty
     n0 = pid_n * BLOCK_N
-    pdl_trigger(PDL)
-    if WARM:  # weights do not depend on the kernel before: start their reads while it drains
-        warm_rows(sm_addr, n0, N - 1, 4 * stride_sm, warm_nbytes, BLOCK_N, THREADS)
-        warm_rows(codes_addr, n0, N - 1, 2 * stride_codes, warm_nbytes // 32 * 16, BLOCK_N, THREADS)
-        if GATED:
-            warm_rows(sm_addr, N + n0, 2 * N - 1, 4 * stride_sm, warm_nbytes, BLOCK_N, THREADS)
-            warm_rows(codes_addr, N + n0, 2 * N - 1, 2 * stride_codes, warm_nbytes // 32 * 16, BLOCK_N, THREADS)
-    pdl_wait(PDL)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = n0 + tl.arange(0, BLOCK_N)
     mask_m = offs_m < M
@@ -229,8 +219,7 @@ def _u12_check(x, t: U12Tensor, norm_weight, gated, residual) -> tuple[int, int,
         raise ValueError(f"u12_{e}") from None
 
 
-def _launch_fused(x, t: U12Tensor, norm_weight, eps, gated, y, residual: bool, cfg: U12Config, native: bool,
-                  early: bool = False) -> None:
+def _launch_fused(x, t: U12Tensor, norm_weight, eps, gated, y, residual: bool, cfg: U12Config, native: bool) -> None:
     """y from ``_u12_fused_gemv_kernel`` (residual: y is the residual, added into), one program per
     block_n output columns."""
     m, k = x.shape
@@ -242,7 +231,6 @@ def _launch_fused(x, t: U12Tensor, norm_weight, eps, gated, y, residual: bool, c
     norm = norm_weight is not None
     nw = aligned_rows(norm_weight, x_words) if norm else x
     sm, codes = t.sm.contiguous(), t.codes.contiguous()
-    warm = warm_bytes(x.device, k, sm, codes) // 32 * 32  # the codes plane's rows take half as many
     # fp fusion off, as in fused_linear: sum · (1/K) + eps and 1 + exp(-g) round as torch's do.
     launch = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False) \
         if native else {}
@@ -250,26 +238,23 @@ def _launch_fused(x, t: U12Tensor, norm_weight, eps, gated, y, residual: bool, c
         x, nw, sm.view(torch.int32), codes.view(torch.int16),
         _nonempty(t.esc_idx), _nonempty(t.esc_val), t.esc_row_ptr, y,
         m, n_out, k, n_words, x_scale, y_lo, y_hi, 1.0 / k, eps,
-        x.stride(0), n_words, n_words, y.stride(0), sm.data_ptr(), codes.data_ptr(), warm,
+        x.stride(0), n_words, n_words, y.stride(0),
         BLOCK_M=_block_m(m), BLOCK_N=cfg.block_n, BLOCK_W=cfg.block_w, ESC_BLOCK=_ESC_BLOCK,
         X_WORDS=x_words, EVEN_K=n_words % cfg.block_w == 0,
         NORM=norm, GATED=bool(gated), RESIDUAL=residual,
-        ROUND_BF16=not native and x.dtype == torch.bfloat16, EXPF=native, ASM=native,
-        WARM=warm > 0, THREADS=32 * cfg.num_warps, **launch, **pdl_args(x.device, early),
+        ROUND_BF16=not native and x.dtype == torch.bfloat16, EXPF=native, ASM=native, **launch, **pdl_args(x.device),
     )
 
 
 def u12_fused_linear(
     x: torch.Tensor, t: U12Tensor, *, norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
     gated: bool = False, residual: torch.Tensor | None = None, config: U12Config | None = None,
-    early: bool = False,
 ) -> torch.Tensor:
     """x [M, K] (bf16 or fp32) · t [N, K]ᵀ (u12) in x's dtype, fp32 sums; norm_weight: x replaced by
     rmsnorm(x, norm_weight, eps) first; gated: t is [gate; up] (N = 2I) and the output [M, I] is
     silu(gate) · up; residual [M, N_out]: the output is added into it in place and it is returned.
     One fused launch where gemv2 applies (M <= 4, K % 4 == 0, a scaled base), else the unfused
-    rmsnorm, u12_linear, silu_mul and torch add. config: a gemv2 U12Config (default_config).
-    early: fused_linear's scheduling hint (kernels/overlap.py)."""
+    rmsnorm, u12_linear, silu_mul and torch add. config: a gemv2 U12Config (default_config)."""
     m, k, n_out = _u12_check(x, t, norm_weight, gated, residual)
     if config is not None and config.kernel != "gemv2":
         raise ValueError(f"u12_fused_linear: config must be a gemv2 U12Config, got kernel {config.kernel!r}")
@@ -286,16 +271,15 @@ def u12_fused_linear(
         return out if residual is None else residual.add_(out)
     native = x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1"
     cfg = config or default_config(m, t.shape[0], k, gated, on_gpu=native)
-    _launch_fused(x, t, norm_weight, eps, gated, y, residual is not None, cfg, native, early)
+    _launch_fused(x, t, norm_weight, eps, gated, y, residual is not None, cfg, native)
     return y
 
 
 def u12_fused_linear_reference(
     x: torch.Tensor, t: U12Tensor, *, norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
-    gated: bool = False, residual: torch.Tensor | None = None, early: bool = False,
+    gated: bool = False, residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """fused_linear_reference on the unpacked weight in x's dtype (bf16 -> fp32 is exact); `early`
-    is the kernel's scheduling hint."""
+    """fused_linear_reference on the unpacked weight in x's dtype (bf16 -> fp32 is exact)."""
     _u12_check(x, t, norm_weight, gated, residual)
     return fused_linear_reference(x, unpack_u12(t).to(x.dtype), norm_weight=norm_weight, eps=eps, gated=gated,
                                   residual=residual)

@@ -89,7 +89,7 @@ import triton.language as tl
 
 from specpilot.runtime.u12 import MAX_BASE, U12Tensor, pack_u12, unpack_u12
 
-from .overlap import pdl_args, pdl_enter, pdl_trigger, pdl_wait, warm_bytes, warm_rows
+from .overlap import pdl_args, pdl_enter
 from .registry import KernelSpec, register
 from .rmsnorm import _normalize
 
@@ -441,23 +441,16 @@ def _u12_gemv_kernel(
     x_ptr, sm_ptr, codes_ptr, esc_idx_ptr, esc_val_ptr, esc_row_ptr, y_ptr,
     M, N, K, n_words, x_scale, y_scale_lo, y_scale_hi,
     stride_xm, stride_xk, stride_sm, stride_codes, stride_ym,
-    sm_addr, codes_addr, warm_nbytes,  # WARM: the planes' addresses, sign/mantissa bytes a row to prefetch
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, ESC_BLOCK: tl.constexpr,
     X_WORDS: tl.constexpr,  # bf16 x read as int64 words of 4 (contiguous rows, 8-byte aligned); else fp32 elements
     EVEN_K: tl.constexpr,  # n_words % BLOCK_W == 0: no masked last chunk
     ASM: tl.constexpr,  # PTX prmt/lop3 (GPU); else their shift-and-mask emulation (interpreter)
     PDL: tl.constexpr,  # programmatic dependent launch (kernels/overlap.py)
-    WARM: tl.constexpr,  # prefetch the head of this program's rows of both planes into L2 before the PDL wait
-    THREADS: tl.constexpr,  # 32 · num_warps (WARM's one prefetch a thread)
 ):
     """All M (<= 4) rows of x against BLOCK_N rows of W on the scaled path (K % 4 == 0, 1 <= base <= 240)."""
+    pdl_enter(PDL)
     pid_n = tl.program_id(0)
     n0 = pid_n * BLOCK_N
-    pdl_trigger(PDL)
-    if WARM:  # weights do not depend on the kernel before: start their reads while it drains
-        warm_rows(sm_addr, n0, N - 1, 4 * stride_sm, warm_nbytes, BLOCK_N, THREADS)
-        warm_rows(codes_addr, n0, N - 1, 2 * stride_codes, warm_nbytes // 32 * 16, BLOCK_N, THREADS)
-    pdl_wait(PDL)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = n0 + tl.arange(0, BLOCK_N)
     mask_m = offs_m < M
@@ -685,7 +678,6 @@ def gemv2_acc_registers(cfg: U12Config, block_m: int) -> int:
 
 def _launch_gemv2(
     x: torch.Tensor, t: U12Tensor, y: torch.Tensor, cfg: U12Config, x_scale: float, y_lo: float, y_hi: float,
-    early: bool = False,
 ) -> None:
     """y = x · Wᵀ by ``_u12_gemv_kernel``, one program per block_n rows of W (``gemv2_applies`` holds)."""
     m, k = x.shape
@@ -694,19 +686,16 @@ def _launch_gemv2(
     x_words = x.dtype == torch.bfloat16
     x = aligned_rows(x, x_words)  # the kernel reads x[m, 4 w + j] at unit k stride, bf16 x as int64 words
     sm, codes = t.sm.contiguous(), t.codes.contiguous()
-    warm = warm_bytes(x.device, k, sm, codes) // 32 * 32  # the codes plane's rows take half as many
     _u12_gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
         x, sm.view(torch.int32), codes.view(torch.int16),
         _nonempty(t.esc_idx), _nonempty(t.esc_val), t.esc_row_ptr, y,
         m, n, k, n_words, x_scale, y_lo, y_hi,
         x.stride(0), x.stride(1), n_words, n_words, y.stride(0),
-        sm.data_ptr(), codes.data_ptr(), warm,
         BLOCK_M=_block_m(m), BLOCK_N=cfg.block_n, BLOCK_W=cfg.block_w, ESC_BLOCK=_ESC_BLOCK,
         X_WORDS=x_words, EVEN_K=n_words % cfg.block_w == 0,
         # inline PTX on the GPU; the interpreter (TRITON_INTERPRET=1, read by Triton at import) runs none
         ASM=x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1",
-        WARM=warm > 0, THREADS=32 * cfg.num_warps,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(x.device, early),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(x.device),
     )
 
 
@@ -728,9 +717,8 @@ def _split_k_plan(t: U12Tensor, cfg: U12Config, m: int, n_words: int, block_m: i
     return grid, words_per_split, part, counters
 
 
-def u12_linear(x: torch.Tensor, t: U12Tensor, config: U12Config | None = None, early: bool = False) -> torch.Tensor:
-    """x [M, K] (bf16 or fp32) times the u12 weight [N, K] transposed: [M, N] in x.dtype, fp32 accumulation.
-    early: the next kernel reads weights (PDL setting 3 lets it launch at once; kernels/overlap.py)."""
+def u12_linear(x: torch.Tensor, t: U12Tensor, config: U12Config | None = None) -> torch.Tensor:
+    """x [M, K] (bf16 or fp32) times the u12 weight [N, K] transposed: [M, N] in x.dtype, fp32 accumulation."""
     n, k = t.shape
     if x.dim() != 2 or x.shape[1] != k:
         raise ValueError(f"u12_linear: x must be [M, {k}], got {list(x.shape)}")
@@ -746,7 +734,7 @@ def u12_linear(x: torch.Tensor, t: U12Tensor, config: U12Config | None = None, e
     cfg = config or default_config(m, n, k, x.is_cuda)
     scaled, x_scale, y_lo, y_hi = _scales(t.base)
     if cfg.kernel == "gemv2" and gemv2_applies(m, k, t.base):
-        _launch_gemv2(x, t, y, cfg, x_scale, y_lo, y_hi, early)
+        _launch_gemv2(x, t, y, cfg, x_scale, y_lo, y_hi)
         return y
     if cfg.kernel == "mma":
         from .u12_mma import launch_mma, mma_applies  # here: u12_mma imports this module's helpers

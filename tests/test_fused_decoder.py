@@ -290,15 +290,15 @@ def test_u12_projections_are_concatenated_over_shared_planes(tiny_model_dirs):
 
 # --- fused_linear: the norms, SiLU·mul and residual adds inside the GEMMs ---------------------
 
-def _count_linear(stack, field: str = "linear") -> list[tuple[bool, bool, bool, bool]]:
-    """(norm prologue, gated, residual epilogue, early: the PDL hint) of every call `stack` makes
-    from now on to its ops' `field` (fused_linear, or linear_u12)."""
-    calls: list[tuple[bool, bool, bool, bool]] = []
+def _count_linear(stack, field: str = "linear") -> list[tuple[bool, bool, bool]]:
+    """(norm prologue, gated, residual epilogue) of every call `stack` makes from now on to its
+    ops' `field` (fused_linear, or linear_u12)."""
+    calls: list[tuple[bool, bool, bool]] = []
     linear = getattr(stack.ops, field)
 
-    def counted(x, w, *, norm_weight=None, eps=1e-6, gated=False, residual=None, early=False):
-        calls.append((norm_weight is not None, gated, residual is not None, early))
-        return linear(x, w, norm_weight=norm_weight, eps=eps, gated=gated, residual=residual, early=early)
+    def counted(x, w, *, norm_weight=None, eps=1e-6, gated=False, residual=None):
+        calls.append((norm_weight is not None, gated, residual is not None))
+        return linear(x, w, norm_weight=norm_weight, eps=eps, gated=gated, residual=residual)
 
     stack.ops = dataclasses.replace(stack.ops, **{field: counted})
     return calls
@@ -323,7 +323,8 @@ def test_fused_linear_layers_match_the_unfused_stack(family, dtype, tiny_model_d
         a = plain(chunk, c_plain, hidden_layers=layers)
         b = fused(chunk, c_fused, hidden_layers=layers)
         rows = chunk.shape[1]
-        assert calls == (_LAYER_CALLS * cfg.num_layers if rows <= fused.fused.ops.linear_max_m else [])
+        assert calls == ([(True, False, False), (False, False, True), (True, True, False), (False, False, True)]
+                         * cfg.num_layers if rows <= fused.fused.ops.linear_max_m else [])
         torch.testing.assert_close(a.logits, b.logits, **TOLERANCE[dtype])
         torch.testing.assert_close(a.hidden, b.hidden, **TOLERANCE[dtype])
     for i in range(cfg.num_layers):
@@ -432,10 +433,7 @@ def _to_u12(model, kernel: str):
     return model
 
 
-# (norm, gated, residual, early) of a layer's fused linears: q|k|v (its next kernel, attention,
-# reads no weights: not early), o, gate|up, down
-_LAYER_CALLS = [(True, False, False, False), (False, False, True, True), (True, True, False, True),
-                (False, False, True, True)]
+_LAYER_CALLS = [(True, False, False), (False, False, True), (True, True, False), (False, False, True)]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -454,7 +452,7 @@ def test_u12_layers_run_the_fused_u12_linear(family, norms_apart, tiny_model_dir
     stack = install_fused(_to_u12(fused, "torch"), "torch")
     stack.ops = dataclasses.replace(stack.ops, u12_kernel="torch", u12_norms_apart=norms_apart)
     calls, plain_calls = _count_linear(stack, "linear_u12"), _count_linear(stack)
-    expected = [(norm and not norms_apart, gated, residual, early) for norm, gated, residual, early in _LAYER_CALLS]
+    expected = [(norm and not norms_apart, gated, residual) for norm, gated, residual in _LAYER_CALLS]
     norms, rmsnorm = [], stack.ops.rmsnorm
     stack.ops = dataclasses.replace(stack.ops, rmsnorm=lambda *a, **kw: (norms.append(1), rmsnorm(*a, **kw))[1])
     ids = torch.randint(0, cfg.vocab_size, (1, 9), generator=torch.Generator().manual_seed(3))

@@ -141,12 +141,11 @@ def test_fused_kernels_replay_in_one_cuda_graph():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="PDL and L2 prefetch need CUDA")
 def test_overlap_changes_no_value():
-    """Programmatic dependent launch (settings 1-3), the warm start and the L2 prefetch of o_proj
-    (kernels/overlap.py) move no value: a fused AR step (fused_linear at one row) replayed from a
-    CUDA graph gives the logits of the same step captured with plain launches, bit for bit,
-    eagerly too. The prefetch rides in rope_qkv, so with it the step runs RoPE apart from
-    attention: its plain twin does too."""
-    from specpilot.kernels.overlap import overlap, pdl_mode, prefetch_args, warm_bytes
+    """Programmatic dependent launch (both modes) and the L2 prefetch of o_proj (kernels/overlap.py)
+    move no value: a fused AR step (fused_linear at one row) replayed from a CUDA graph gives the
+    logits of the same step captured with plain launches, bit for bit, eagerly too. The prefetch
+    rides in rope_qkv, so with it the step runs RoPE apart from attention: its plain twin does too."""
+    from specpilot.kernels.overlap import overlap, pdl_mode, prefetch_args
     from specpilot.runtime.fused import fused_path
     from specpilot.runtime.model import Transformer
 
@@ -166,16 +165,11 @@ def test_overlap_changes_no_value():
             cache.length.copy_(start)
             return model(ids, cache).logits
 
-        for label, pdl, prefetch, apart, warm in (
-            ("pdl", 1, False, False, 0), ("wait", 2, False, False, 0), ("plain", 0, False, False, 0),
-            ("early-warm", 3, False, False, 64), ("pdl-warm", 1, False, False, 1 << 20),
-            ("pdl-prefetch", 1, True, True, 0), ("plain-apart", 0, False, True, 0),
-        ):
+        for label, pdl, prefetch, apart in (("pdl", 1, False, False), ("wait", 2, False, False), ("plain", 0, False, False),
+                                            ("pdl-prefetch", 1, True, True), ("plain-apart", 0, False, True)):
             model.fused.ops = dataclasses.replace(ops, rope_attention=None) if apart else ops
-            with overlap(pdl=pdl, prefetch=prefetch, warm=warm):
+            with overlap(pdl=pdl, prefetch=prefetch):
                 assert (pdl_mode(DEVICE), prefetch_args(DEVICE, o_weight)[0]) == (pdl * capable, int(prefetch and capable))
-                row = o_weight.shape[1] * o_weight.element_size()
-                assert warm_bytes(DEVICE, row, o_weight) == min(warm, row) * capable
                 eager = step().clone()
                 torch.cuda.synchronize()
                 graph = torch.cuda.CUDAGraph()
@@ -185,8 +179,7 @@ def test_overlap_changes_no_value():
                 torch.cuda.synchronize()
                 logits[label] = (eager, out.clone())
         model.fused.ops = ops
-    for label, twin in (("pdl", "plain"), ("wait", "plain"), ("early-warm", "plain"), ("pdl-warm", "plain"),
-                        ("pdl-prefetch", "plain-apart")):
+    for label, twin in (("pdl", "plain"), ("wait", "plain"), ("pdl-prefetch", "plain-apart")):
         for a, b in zip(logits[label], logits[twin]):
             _exact(a, b)
 
@@ -228,31 +221,3 @@ def test_rope_attention_equals_rope_qkv_then_attention(family, mask, past_kind):
     _exact(kc, want_k)
     _exact(vc, want_v)
     _exact(out, want)
-
-
-def test_overlap_settings(monkeypatch):
-    """PDL setting 3 gives flag 1 (trigger) only to launches asked `early`, 2 (wait) to the rest;
-    the warm start's bytes are capped by the row, in 16-byte units, 0 without PDL or for rows
-    that are not 16-byte aligned; bad environment values are named."""
-    from specpilot.kernels import overlap as ov
-
-    monkeypatch.setattr(ov, "pdl_capable", lambda device: True)
-    dev = torch.device("cpu")
-    w = torch.zeros(4, 64, dtype=torch.bfloat16)
-    with ov.overlap(pdl=3, warm=4096):
-        assert ov.pdl_args(dev, early=True) == {"PDL": 1, "launch_pdl": True}
-        assert ov.pdl_args(dev) == {"PDL": 2, "launch_pdl": True}
-        assert ov.warm_bytes(dev, 128, w) == (128 if w.data_ptr() % 16 == 0 else 0)
-        assert ov.warm_bytes(dev, 100, w) == (96 if w.data_ptr() % 16 == 0 else 0)
-        assert ov.warm_bytes(dev, 120, torch.zeros(4, 60, dtype=torch.bfloat16)) == 0  # a row stride of 120 bytes
-    with ov.overlap(pdl=1, warm=0):
-        assert ov.pdl_args(dev) == {"PDL": 1, "launch_pdl": True} and ov.warm_bytes(dev, 128, w) == 0
-    with ov.overlap(pdl=0, warm=4096):
-        assert ov.pdl_args(dev, early=True) == {"PDL": 0} and ov.warm_bytes(dev, 128, w) == 0
-    for name, value, said in (("SPECPILOT_WARM", "100", "multiple of 16"), ("SPECPILOT_WARM", "-16", "multiple of 16"),
-                              ("SPECPILOT_PDL", "4", "0 or 1 or 2 or 3"), ("SPECPILOT_PREFETCH", "2", "0 or 1")):
-        monkeypatch.setenv(name, value)
-        with pytest.raises(ValueError, match=f"{name}.*{said}"):
-            ov.pdl_args(dev) if name == "SPECPILOT_PDL" else (ov.warm_bytes(dev, 64, w) if name == "SPECPILOT_WARM"
-                                                               else ov.prefetch_on())
-        monkeypatch.delenv(name)

@@ -249,35 +249,30 @@ class FusedStack:
             if not isinstance(w, U12Tensor):
                 return ops.linear(h, w, norm_weight=norm_weight, eps=self.eps, **kw)
             if norm_weight is not None and ops.u12_norms_apart:  # the stream holds every add already
-                h, norm_weight = ops.rmsnorm(h, norm_weight, self.eps, early=True), None
+                h, norm_weight = ops.rmsnorm(h, norm_weight, self.eps), None
             return ops.linear_u12(h, w, norm_weight=norm_weight, eps=self.eps, **kw)
 
-        # early=True where the next kernel reads weights: under PDL setting 3 it launches at once and
-        # its programs warm its weights in L2 while this kernel drains (kernels/overlap.py); not for
-        # q|k|v, whose next kernel is attention
         for i, (fl, (w_qkv, w_o, w_gate_up, w_down)) in enumerate(zip(self.layers, weights)):
             layer = fl.layer
             qkv = linear(stream, w_qkv, norm_weight=layer.input_layernorm.weight)
             # with the L2 prefetch on, o's weight streams into L2 while RoPE and attention run
             o = self.attend(i, qkv.view(b, t, -1), cos, sin, cache, vis, slots, end,
-                            prefetch=(w_o.sm, w_o.codes) if isinstance(w_o, U12Tensor) else w_o,
-                            early=True)  # [B, heads, T, D]
-            linear(o.transpose(1, 2).reshape(b * t, -1), w_o, residual=stream, early=True)
-            act = linear(stream, w_gate_up, norm_weight=layer.post_attention_layernorm.weight, gated=True, early=True)
-            linear(act, w_down, residual=stream, early=True)
+                            prefetch=(w_o.sm, w_o.codes) if isinstance(w_o, U12Tensor) else w_o)  # [B, heads, T, D]
+            linear(o.transpose(1, 2).reshape(b * t, -1), w_o, residual=stream)
+            act = linear(stream, w_gate_up, norm_weight=layer.post_attention_layernorm.weight, gated=True)
+            linear(act, w_down, residual=stream)
             if i in hidden_layers:
                 picked[i] = stream.view(b, t, hidden).clone()
         return None, stream.view(b, t, hidden), picked
 
     def attend(
         self, i: int, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, vis: Visibility,
-        slots: torch.Tensor, end: int | torch.Tensor, prefetch=None, early: bool = False,
+        slots: torch.Tensor, end: int | torch.Tensor, prefetch=None,
     ) -> torch.Tensor:
         """Layer i's attention output [B, heads, T, D] from its q|k|v projection [B, T, ·], the new
         K/V written at `slots` (past.. under `vis`, as write_slots gives them): one rope_attention
         launch where the layer runs the split-KV kernel (and no L2 prefetch is asked: rope_qkv
-        issues it), else rope_qkv and the layer's attention. early: the kernel after reads weights
-        (rope_attention's PDL hint)."""
+        issues it), else rope_qkv and the layer's attention."""
         ops, attn = self.ops, self.layers[i].layer.self_attn
         norms = dict(q_norm_weight=_w(attn.q_norm), k_norm_weight=_w(attn.k_norm), eps=self.eps)
         if ops.rope_attention is not None and attn.attention is split_kv_attention:
@@ -286,7 +281,7 @@ class FusedStack:
             if not prefetch_on():
                 return ops.rope_attention(qkv, cos, sin, cache.k[i], cache.v[i], past=vis.past, mask=vis.new,
                                           num_heads=self.heads, num_kv_heads=self.kv_heads,
-                                          scale=attn.head_dim ** -0.5, early=early, **norms)
+                                          scale=attn.head_dim ** -0.5, **norms)
         q = ops.rope_qkv(qkv, cos, sin, cache.k[i], cache.v[i], slots, num_heads=self.heads,
                          num_kv_heads=self.kv_heads, prefetch=prefetch, **norms)
         k_all, v_all = cache.view(i, end)
