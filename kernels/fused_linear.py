@@ -81,22 +81,12 @@ _DTYPES = (torch.bfloat16, torch.float32)
 # --- shared pieces ---------------------------------------------------------------------------
 
 @triton.jit
-def _load_residual(y_ptrs, mask, RESIDUAL: tl.constexpr):
-    """The residual that y_ptrs point at, in fp32 (RESIDUAL; else 0): loaded before a GEMV's main
-    loop, its latency hides under the loop's instead of adding to the program's end."""
-    r = 0.0
-    if RESIDUAL:
-        r = tl.load(y_ptrs, mask=mask, other=0.0).to(tl.float32)
-    return r
-
-
-@triton.jit
 def _epilogue(
-    g, u, r, y_ptrs, mask, DTYPE: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr,
+    g, u, y_ptrs, mask, DTYPE: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr,
     ROUND_BF16: tl.constexpr, EXPF: tl.constexpr,
 ):
     """Store dtype(g), or silu_mul's dtype(dtype(silu(g)) · u) (GATED); RESIDUAL: add it to the
-    residual r (``_load_residual``: what y_ptrs point at), rounded as torch's add."""
+    residual that y_ptrs points at, rounded as torch's add."""
     y = _to_dtype(g, DTYPE, ROUND_BF16)
     if GATED:
         up = _to_dtype(u, DTYPE, ROUND_BF16)
@@ -107,6 +97,7 @@ def _epilogue(
         s = _to_dtype(tl.math.div_rn(y, 1.0 + e), DTYPE, ROUND_BF16)
         y = _to_dtype(s * up, DTYPE, ROUND_BF16)
     if RESIDUAL:
+        r = tl.load(y_ptrs, mask=mask, other=0.0).to(tl.float32)
         y = _to_dtype(y + r, DTYPE, ROUND_BF16)
     tl.store(y_ptrs, y.to(DTYPE), mask=mask)
 
@@ -212,9 +203,6 @@ def _gemv_kernel(
     wg_rows = tl.broadcast_to(w_base + rows_n * stride_wn, shape)
     wu_rows = tl.broadcast_to(w_base + (rows_n + N) * stride_wn, shape)
     nw_rows = tl.broadcast_to(nw_base + 0 * rows_n, shape)
-    mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
-    y_ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
-    r = _load_residual(y_ptrs, mask, RESIDUAL)
 
     acc_g = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_W), dtype=tl.float32)  # reduced once, after the loop
     acc_u = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_W), dtype=tl.float32)  # GATED only (else unused)
@@ -227,7 +215,9 @@ def _gemv_kernel(
                                    BLOCK_W, WORDS, True, NORM, GATED, DTYPE, ROUND_BF16)
     g = tl.sum(acc_g, axis=2)
     u = tl.sum(acc_u, axis=2) if GATED else g
-    _epilogue(g, u, r, y_ptrs, mask, DTYPE, GATED, RESIDUAL, ROUND_BF16, EXPF)
+    mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+    y_ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
+    _epilogue(g, u, y_ptrs, mask, DTYPE, GATED, RESIDUAL, ROUND_BF16, EXPF)
 
 
 # --- the tensor-core kernel ("dot") -----------------------------------------------------------
@@ -319,11 +309,10 @@ def _dot_kernel(
                 if GATED:
                     u_sum += tl.load(part, mask=mask, other=0.0, cache_modifier=".cg")
                     part += part_stride
-            _epilogue(g_sum, u_sum, _load_residual(y_ptrs, mask, RESIDUAL), y_ptrs, mask, DTYPE, GATED, RESIDUAL,
-                      ROUND_BF16, EXPF)
+            _epilogue(g_sum, u_sum, y_ptrs, mask, DTYPE, GATED, RESIDUAL, ROUND_BF16, EXPF)
             tl.atomic_xchg(counter, 0)  # ready for the next launch (and CUDA graph replays)
     else:
-        _epilogue(g, u, _load_residual(y_ptrs, mask, RESIDUAL), y_ptrs, mask, DTYPE, GATED, RESIDUAL, ROUND_BF16, EXPF)
+        _epilogue(g, u, y_ptrs, mask, DTYPE, GATED, RESIDUAL, ROUND_BF16, EXPF)
 
 
 # --- configs ---------------------------------------------------------------------------------

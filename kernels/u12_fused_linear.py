@@ -64,7 +64,7 @@ import triton.language as tl
 
 from specpilot.runtime.u12 import U12Tensor, pack_u12, unpack_u12
 
-from .fused_linear import _check, _epilogue, _load_residual, _plant_wrong_weight, fused_linear_reference
+from .fused_linear import _check, _epilogue, _plant_wrong_weight, fused_linear_reference
 from .overlap import pdl_args, pdl_enter
 from .registry import KernelSpec, register
 from .rmsnorm import _normalize, _row_inv, rmsnorm
@@ -72,8 +72,7 @@ from .silu_mul import silu_mul
 from .u12_linear import (
     _ESC_BLOCK,
     U12Config,
-    _escapes_after,
-    _escapes_ahead,
+    _apply_escapes,
     _block_m,
     _fma_planes,
     _nonempty,
@@ -161,20 +160,6 @@ def _u12_fused_gemv_kernel(
         x_rows = tl.broadcast_to(x_ptr + rows_m[:, None, None] * stride_xm, shape)
         nw_rows = tl.broadcast_to(nw_ptr + 0 * rows_n, shape)
 
-    # The epilogue's residual and the escapes' dependent loads first, so that they run under the
-    # loop's (not after it, where the last programs of the launch would wait on them).
-    mask = mask_m[:, None] & mask_n[None, :]
-    y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
-    r = _load_residual(y_ptrs, mask, RESIDUAL)
-    g_start, g_end, g_rows, g_contrib = _escapes_ahead(
-        x_ptr, esc_idx_ptr, esc_val_ptr, esc_row_ptr, offs_m, mask_m, n0, N, K, stride_xm, 1,
-        BLOCK_N, ESC_BLOCK, nw_ptr, inv_m, NORM, DTYPE, ROUND_BF16,
-    )
-    if GATED:  # the up block: rows N + n of t
-        u_start, u_end, u_rows, u_contrib = _escapes_ahead(
-            x_ptr, esc_idx_ptr, esc_val_ptr, esc_row_ptr, offs_m, mask_m, n0 + N, 2 * N, K, stride_xm, 1,
-            BLOCK_N, ESC_BLOCK, nw_ptr, inv_m, NORM, DTYPE, ROUND_BF16,
-        )
     acc_g = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_W), dtype=tl.float32)  # reduced once, after the loop
     acc_u = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_W), dtype=tl.float32)  # GATED only (else unused)
     full_words = n_words - n_words % BLOCK_W
@@ -186,19 +171,21 @@ def _u12_fused_gemv_kernel(
                                     up_codes, n_words, x_scale, BLOCK_W, X_WORDS, True, NORM, GATED, DTYPE,
                                     ROUND_BF16, ASM)
     g = tl.sum(acc_g, axis=2) * y_scale_lo * y_scale_hi  # exact: powers of two
-    g = _escapes_after(
-        g, g_start, g_end, g_rows, g_contrib, x_ptr, esc_idx_ptr, esc_val_ptr, offs_m, mask_m, offs_n, K,
-        stride_xm, 1, ESC_BLOCK, False, nw_ptr, inv_m, NORM, DTYPE, ROUND_BF16,
+    g = _apply_escapes(
+        g, x_ptr, esc_idx_ptr, esc_val_ptr, esc_row_ptr, offs_m, mask_m, offs_n, n0, N, K,
+        stride_xm, 1, BLOCK_N, ESC_BLOCK, False, nw_ptr, inv_m, NORM, DTYPE, ROUND_BF16,
     )
     if GATED:
         u = tl.sum(acc_u, axis=2) * y_scale_lo * y_scale_hi
-        u = _escapes_after(
-            u, u_start, u_end, u_rows, u_contrib, x_ptr, esc_idx_ptr, esc_val_ptr, offs_m, mask_m, offs_n + N, K,
-            stride_xm, 1, ESC_BLOCK, False, nw_ptr, inv_m, NORM, DTYPE, ROUND_BF16,
+        u = _apply_escapes(  # the up block: rows N + n of t
+            u, x_ptr, esc_idx_ptr, esc_val_ptr, esc_row_ptr, offs_m, mask_m, offs_n + N, n0 + N, 2 * N, K,
+            stride_xm, 1, BLOCK_N, ESC_BLOCK, False, nw_ptr, inv_m, NORM, DTYPE, ROUND_BF16,
         )
     else:
         u = g
-    _epilogue(g, u, r, y_ptrs, mask, DTYPE, GATED, RESIDUAL, ROUND_BF16, EXPF)
+    mask = mask_m[:, None] & mask_n[None, :]
+    y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
+    _epilogue(g, u, y_ptrs, mask, DTYPE, GATED, RESIDUAL, ROUND_BF16, EXPF)
 
 
 # --- configs and host -------------------------------------------------------------------------

@@ -160,84 +160,6 @@ def _scatter_escapes(acc, contrib, rows, offs_n, USE_DOT: tl.constexpr):
 
 
 @triton.jit
-def _escape_block(
-    e0, end, x_ptr, esc_idx_ptr, esc_val_ptr, offs_m, mask_m, K, stride_xm, stride_xk,
-    ESC_BLOCK: tl.constexpr, nw_ptr, inv, NORM: tl.constexpr, DTYPE: tl.constexpr, ROUND_BF16: tl.constexpr,
-):
-    """(W rows [EB], -1 past `end`; exact contributions x[:, col] · w [BM, EB]) of the escapes e0 .. e0 + EB."""
-    offs_e = e0 + tl.arange(0, ESC_BLOCK)
-    mask_e = offs_e < end
-    idx = tl.load(esc_idx_ptr + offs_e, mask=mask_e, other=0)
-    val = (tl.load(esc_val_ptr + offs_e, mask=mask_e, other=0).to(tl.int32) << 16).to(tl.float32, bitcast=True)
-    rows = tl.where(mask_e, idx // K, -1)
-    cols = idx % K
-    xg = tl.load(
-        x_ptr + offs_m[:, None] * stride_xm + cols[None, :] * stride_xk,
-        mask=mask_m[:, None] & mask_e[None, :], other=0.0,
-    ).to(tl.float32)
-    if NORM:
-        nw = tl.load(nw_ptr + cols, mask=mask_e, other=0.0).to(tl.float32)
-        xg = _normalize(xg, inv[:, None], nw[None, :], DTYPE, ROUND_BF16)
-    return rows, xg * val[None, :]
-
-
-@triton.jit
-def _add_escape_block(
-    acc, rows, contrib, e0, end, x_ptr, esc_idx_ptr, esc_val_ptr, offs_m, mask_m, offs_n, K, stride_xm, stride_xk,
-    ESC_BLOCK: tl.constexpr, USE_DOT: tl.constexpr, nw_ptr, inv, NORM: tl.constexpr, DTYPE: tl.constexpr,
-    ROUND_BF16: tl.constexpr,
-):
-    """acc plus a block's contributions (``_escape_block``): scattered at once where all are finite,
-    else one escape at a time (an inf or NaN term must reach only its own output)."""
-    n_nonfinite = tl.sum(tl.sum((contrib - contrib != 0).to(tl.int32), axis=1), axis=0)
-    if n_nonfinite == 0:
-        acc = _scatter_escapes(acc, contrib, rows, offs_n, USE_DOT)
-    else:
-        for e in range(e0, tl.minimum(e0 + ESC_BLOCK, end)):
-            i = tl.load(esc_idx_ptr + e)
-            v = (tl.load(esc_val_ptr + e).to(tl.int32) << 16).to(tl.float32, bitcast=True)
-            xcol = tl.load(x_ptr + offs_m * stride_xm + (i % K) * stride_xk, mask=mask_m, other=0.0).to(tl.float32)
-            if NORM:
-                xcol = _normalize(xcol, inv, tl.load(nw_ptr + i % K).to(tl.float32), DTYPE, ROUND_BF16)
-            acc += tl.where(offs_n[None, :] == i // K, (xcol * v)[:, None], 0.0)
-    return acc
-
-
-@triton.jit
-def _escapes_ahead(
-    x_ptr, esc_idx_ptr, esc_val_ptr, esc_row_ptr, offs_m, mask_m, n0, N, K, stride_xm, stride_xk,
-    BLOCK_N: tl.constexpr, ESC_BLOCK: tl.constexpr, nw_ptr, inv, NORM: tl.constexpr, DTYPE: tl.constexpr,
-    ROUND_BF16: tl.constexpr,
-):
-    """The escape range [start, end) of rows [n0, min(n0 + BLOCK_N, N)) of W and its first block
-    (``_escape_block``), loaded before a kernel's main loop so that their chain of dependent loads
-    (row pointers, then indices and values, then x) runs under the loop's instead of after it."""
-    start = tl.load(esc_row_ptr + n0)
-    end = tl.load(esc_row_ptr + tl.minimum(n0 + BLOCK_N, N))
-    rows, contrib = _escape_block(start, end, x_ptr, esc_idx_ptr, esc_val_ptr, offs_m, mask_m, K, stride_xm,
-                                  stride_xk, ESC_BLOCK, nw_ptr, inv, NORM, DTYPE, ROUND_BF16)
-    return start, end, rows, contrib
-
-
-@triton.jit
-def _escapes_after(
-    acc, start, end, rows, contrib, x_ptr, esc_idx_ptr, esc_val_ptr, offs_m, mask_m, offs_n, K,
-    stride_xm, stride_xk, ESC_BLOCK: tl.constexpr, USE_DOT: tl.constexpr,
-    nw_ptr, inv, NORM: tl.constexpr, DTYPE: tl.constexpr, ROUND_BF16: tl.constexpr,
-):
-    """acc plus the escapes that ``_escapes_ahead`` found: its first block, then any further blocks."""
-    acc = _add_escape_block(acc, rows, contrib, start, end, x_ptr, esc_idx_ptr, esc_val_ptr, offs_m, mask_m, offs_n,
-                            K, stride_xm, stride_xk, ESC_BLOCK, USE_DOT, nw_ptr, inv, NORM, DTYPE, ROUND_BF16)
-    for e0 in range(start + ESC_BLOCK, end, ESC_BLOCK):
-        rows_e, contrib_e = _escape_block(e0, end, x_ptr, esc_idx_ptr, esc_val_ptr, offs_m, mask_m, K, stride_xm,
-                                          stride_xk, ESC_BLOCK, nw_ptr, inv, NORM, DTYPE, ROUND_BF16)
-        acc = _add_escape_block(acc, rows_e, contrib_e, e0, end, x_ptr, esc_idx_ptr, esc_val_ptr, offs_m, mask_m,
-                                offs_n, K, stride_xm, stride_xk, ESC_BLOCK, USE_DOT, nw_ptr, inv, NORM, DTYPE,
-                                ROUND_BF16)
-    return acc
-
-
-@triton.jit
 def _apply_escapes(
     acc, x_ptr, esc_idx_ptr, esc_val_ptr, esc_row_ptr, offs_m, mask_m, offs_n, n0, N, K,
     stride_xm, stride_xk, BLOCK_N: tl.constexpr, ESC_BLOCK: tl.constexpr, USE_DOT: tl.constexpr,
@@ -246,13 +168,36 @@ def _apply_escapes(
     """Add the exact contributions of the escaped weights in rows [n0, min(n0 + BLOCK_N, N)) of W
     (offs_n: those rows' indices in W, so a block of the up half of [gate; up] passes n0, offs_n and
     N shifted by the gate rows). NORM: x at an escape's column is normalised as the fused kernel's
-    x planes are (kernels/u12_fused_linear.py), dtype(nw · dtype(x · inv)) with inv [BM] per row.
-    ``_escapes_ahead`` then ``_escapes_after`` do the same around a main loop."""
-    start, end, rows, contrib = _escapes_ahead(x_ptr, esc_idx_ptr, esc_val_ptr, esc_row_ptr, offs_m, mask_m, n0, N,
-                                               K, stride_xm, stride_xk, BLOCK_N, ESC_BLOCK, nw_ptr, inv, NORM,
-                                               DTYPE, ROUND_BF16)
-    return _escapes_after(acc, start, end, rows, contrib, x_ptr, esc_idx_ptr, esc_val_ptr, offs_m, mask_m, offs_n, K,
-                          stride_xm, stride_xk, ESC_BLOCK, USE_DOT, nw_ptr, inv, NORM, DTYPE, ROUND_BF16)
+    x planes are (kernels/u12_fused_linear.py), dtype(nw · dtype(x · inv)) with inv [BM] per row."""
+    start = tl.load(esc_row_ptr + n0)
+    end = tl.load(esc_row_ptr + tl.minimum(n0 + BLOCK_N, N))
+    for e0 in range(start, end, ESC_BLOCK):
+        offs_e = e0 + tl.arange(0, ESC_BLOCK)
+        mask_e = offs_e < end
+        idx = tl.load(esc_idx_ptr + offs_e, mask=mask_e, other=0)
+        val = (tl.load(esc_val_ptr + offs_e, mask=mask_e, other=0).to(tl.int32) << 16).to(tl.float32, bitcast=True)
+        rows = tl.where(mask_e, idx // K, -1)
+        cols = idx % K
+        xg = tl.load(
+            x_ptr + offs_m[:, None] * stride_xm + cols[None, :] * stride_xk,
+            mask=mask_m[:, None] & mask_e[None, :], other=0.0,
+        ).to(tl.float32)
+        if NORM:
+            nw = tl.load(nw_ptr + cols, mask=mask_e, other=0.0).to(tl.float32)
+            xg = _normalize(xg, inv[:, None], nw[None, :], DTYPE, ROUND_BF16)
+        contrib = xg * val[None, :]
+        n_nonfinite = tl.sum(tl.sum((contrib - contrib != 0).to(tl.int32), axis=1), axis=0)
+        if n_nonfinite == 0:
+            acc = _scatter_escapes(acc, contrib, rows, offs_n, USE_DOT)
+        else:
+            for e in range(e0, tl.minimum(e0 + ESC_BLOCK, end)):
+                i = tl.load(esc_idx_ptr + e)
+                v = (tl.load(esc_val_ptr + e).to(tl.int32) << 16).to(tl.float32, bitcast=True)
+                xcol = tl.load(x_ptr + offs_m * stride_xm + (i % K) * stride_xk, mask=mask_m, other=0.0).to(tl.float32)
+                if NORM:
+                    xcol = _normalize(xcol, inv, tl.load(nw_ptr + i % K).to(tl.float32), DTYPE, ROUND_BF16)
+                acc += tl.where(offs_n[None, :] == i // K, (xcol * v)[:, None], 0.0)
+    return acc
 
 
 @triton.jit(do_not_specialize=["split_k"])  # one compile serves split_k = 1 and > 1
@@ -523,12 +468,6 @@ def _u12_gemv_kernel(
     else:
         x_rows = tl.broadcast_to(x_ptr + rows_m * stride_xm, shape)
 
-    # the escapes' dependent loads first, so that they run under the loop's (not after it, where
-    # the last programs of the launch would wait on them)
-    e_start, e_end, e_rows, e_contrib = _escapes_ahead(
-        x_ptr, esc_idx_ptr, esc_val_ptr, esc_row_ptr, offs_m, mask_m, n0, N, K, stride_xm, stride_xk,
-        BLOCK_N, ESC_BLOCK, x_ptr, 1.0, False, y_ptr.dtype.element_ty, False,
-    )
     acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_W), dtype=tl.float32)  # reduced once, after the loop
     full_words = n_words - n_words % BLOCK_W
     for start in range(0, full_words, BLOCK_W):
@@ -536,9 +475,10 @@ def _u12_gemv_kernel(
     if not EVEN_K:
         acc = _gemv_chunk(acc, full_words, sm_rows, code_rows, x_rows, n_words, x_scale, BLOCK_W, X_WORDS, True, ASM)
     out = tl.sum(acc, axis=2) * y_scale_lo * y_scale_hi  # exact: powers of two
-    out = _escapes_after(
-        out, e_start, e_end, e_rows, e_contrib, x_ptr, esc_idx_ptr, esc_val_ptr, offs_m, mask_m, offs_n, K,
-        stride_xm, stride_xk, ESC_BLOCK, False, x_ptr, 1.0, False, y_ptr.dtype.element_ty, False,
+
+    out = _apply_escapes(
+        out, x_ptr, esc_idx_ptr, esc_val_ptr, esc_row_ptr, offs_m, mask_m, offs_n, n0, N, K,
+        stride_xm, stride_xk, BLOCK_N, ESC_BLOCK, False, x_ptr, 1.0, False, y_ptr.dtype.element_ty, False,
     )
     y = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
     tl.store(y, out.to(y_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
