@@ -105,6 +105,31 @@ def _epilogue(
 # --- the GEMV kernel for M <= 4 ("gemv") ------------------------------------------------------
 
 @triton.jit
+def _row_inv_words(x_ptr, rows, stride_words, n_words, inv_k, eps, BLOCK_M: tl.constexpr, BLOCK_W: tl.constexpr):
+    """rmsnorm's ``_row_inv`` for bf16 rows read as int64 words of 4 (K % 4 == 0, 8-byte aligned
+    rows), BLOCK_W words a chunk. A chunk's load is waited on before the next is issued, so a GEMV
+    prologue takes the whole row in one (``norm_words``): one memory round trip before its main
+    loop, where chunks of its tile's width took several. The words hold half the registers of
+    fp32 elements and the four planes share one accumulator."""
+    x_rows = x_ptr.to(tl.pointer_type(tl.int64)) + rows.to(tl.int64)[:, None] * stride_words
+    acc = tl.zeros((BLOCK_M, BLOCK_W), dtype=tl.float32)
+    for w0 in range(0, n_words, BLOCK_W):
+        w = w0 + tl.arange(0, BLOCK_W)[None, :]
+        p0, p1, p2, p3 = bf16x4_to_fp32(tl.load(x_rows + w, mask=w < n_words, other=0))
+        acc = tl.fma(p0, p0, acc)
+        acc = tl.fma(p1, p1, acc)
+        acc = tl.fma(p2, p2, acc)
+        acc = tl.fma(p3, p3, acc)
+    return tl.math.rsqrt(tl.sum(acc, axis=1) * inv_k + eps)
+
+
+def norm_words(k: int, block_m: int, num_warps: int) -> int:
+    """``_row_inv_words``' chunk: the whole row's K / 4 words (a power of two), up to 16 words (64
+    bf16) a thread across the program's block_m rows."""
+    return max(1, min(triton.next_power_of_2(k // 4), 16 * 32 * num_warps // block_m))
+
+
+@triton.jit
 def _load_planes(rows, w0, K, BLOCK_W: tl.constexpr, WORDS: tl.constexpr, MASKED: tl.constexpr):
     """The chunk of words [w0, w0 + BLOCK_W) of `rows` ([BM, BN, 1] pointers) as four fp32 planes
     [BM, BN, BW]. WORDS: int64 words of 4 bf16, plane j = element 4 w + j, split by one shift or
@@ -169,6 +194,7 @@ def _gemv_kernel(
     WORDS: tl.constexpr,  # x, W and norm weight read as int64 words of 4 bf16; strides then count words
     EVEN_K: tl.constexpr,  # K % (4 BLOCK_W) == 0: no masked last chunk
     NORM: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr,
+    NORM_WORDS: tl.constexpr,  # WORDS: the norm prologue's chunk of x in words (norm_words: the whole row)
     ROUND_BF16: tl.constexpr,  # bf16 under the interpreter: round before casting
     EXPF: tl.constexpr,  # libdevice's expf (GPU); else tl.exp (the interpreter has no libdevice)
     PDL: tl.constexpr,  # programmatic dependent launch (kernels/overlap.py)
@@ -183,9 +209,10 @@ def _gemv_kernel(
     # Rows past M or N re-read the last row (their outputs are not stored), so only K needs masks.
     rows_m = tl.minimum(offs_m, M - 1)
     rows_n = tl.minimum(offs_n, N - 1).to(tl.int64)[None, :, None]
-    if NORM:
-        inv = _row_inv(x_ptr, rows_m, 4 * stride_xm if WORDS else stride_xm, K, inv_k, eps,
-                       BLOCK_M, 4 * BLOCK_W)[:, None, None]
+    if NORM and WORDS:
+        inv = _row_inv_words(x_ptr, rows_m, stride_xm, K // 4, inv_k, eps, BLOCK_M, NORM_WORDS)[:, None, None]
+    elif NORM:
+        inv = _row_inv(x_ptr, rows_m, stride_xm, K, inv_k, eps, BLOCK_M, 4 * BLOCK_W)[:, None, None]
     else:
         inv = 1.0
     if WORDS:
@@ -524,7 +551,7 @@ def fused_linear(
             x, weight, norm_weight if norm else x, y,
             m, n_out, k, 1.0 / k, eps, x.stride(0) // unit, weight.stride(0) // unit, y.stride(0),
             BLOCK_M=bm, BLOCK_N=cfg.block_n, BLOCK_W=cfg.block_k // 4, WORDS=words,
-            EVEN_K=k % cfg.block_k == 0, **flags, **launch,
+            EVEN_K=k % cfg.block_k == 0, NORM_WORDS=norm_words(k, bm, cfg.num_warps), **flags, **launch,
         )
         return y
 

@@ -64,7 +64,7 @@ import triton.language as tl
 
 from specpilot.runtime.u12 import U12Tensor, pack_u12, unpack_u12
 
-from .fused_linear import _check, _epilogue, _plant_wrong_weight, fused_linear_reference
+from .fused_linear import _check, _epilogue, _plant_wrong_weight, _row_inv_words, fused_linear_reference, norm_words
 from .overlap import pdl_args, pdl_enter
 from .registry import KernelSpec, register
 from .rmsnorm import _normalize, _row_inv, rmsnorm
@@ -123,6 +123,7 @@ def _u12_fused_gemv_kernel(
     X_WORDS: tl.constexpr,  # bf16 x and norm weight read as int64 words of 4; else fp32 elements
     EVEN_K: tl.constexpr,  # n_words % BLOCK_W == 0: no masked last chunk
     NORM: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr,
+    NORM_WORDS: tl.constexpr,  # X_WORDS: the norm prologue's chunk of x in words (norm_words: the whole row)
     ROUND_BF16: tl.constexpr,  # bf16 under the interpreter: round before casting
     EXPF: tl.constexpr,  # libdevice's expf (GPU); else tl.exp (the interpreter has no libdevice)
     ASM: tl.constexpr,  # PTX prmt/lop3 (GPU); else their shift-and-mask emulation (interpreter)
@@ -141,7 +142,10 @@ def _u12_fused_gemv_kernel(
     rows_m = tl.minimum(offs_m, M - 1)
     rows_n = tl.minimum(offs_n, N - 1)[None, :, None]
     if NORM:
-        inv_m = _row_inv(x_ptr, rows_m, stride_xm, K, inv_k, eps, BLOCK_M, 4 * BLOCK_W)
+        if X_WORDS:
+            inv_m = _row_inv_words(x_ptr, rows_m, stride_xm // 4, n_words, inv_k, eps, BLOCK_M, NORM_WORDS)
+        else:
+            inv_m = _row_inv(x_ptr, rows_m, stride_xm, K, inv_k, eps, BLOCK_M, 4 * BLOCK_W)
         inv = inv_m[:, None, None]
     else:
         inv_m = 1.0
@@ -240,6 +244,7 @@ def _launch_fused(x, t: U12Tensor, norm_weight, eps, gated, y, residual: bool, c
         m, n_out, k, n_words, x_scale, y_lo, y_hi, 1.0 / k, eps,
         x.stride(0), n_words, n_words, y.stride(0),
         BLOCK_M=_block_m(m), BLOCK_N=cfg.block_n, BLOCK_W=cfg.block_w, ESC_BLOCK=_ESC_BLOCK,
+        NORM_WORDS=norm_words(k, _block_m(m), cfg.num_warps),
         X_WORDS=x_words, EVEN_K=n_words % cfg.block_w == 0,
         NORM=norm, GATED=bool(gated), RESIDUAL=residual,
         ROUND_BF16=not native and x.dtype == torch.bfloat16, EXPF=native, ASM=native, **launch, **pdl_args(x.device),
