@@ -6,6 +6,7 @@
 #
 #   tests    GPU kernel tests (every registry kernel against its reference, fused and split-KV tests)
 #   steps    Llama-3.1-8B step times with kernel profiles
+#   ab       the Llama-3.1-8B AR step, bf16 against the u12 variants, interleaved (bench/step_ab.py)
 #   attention  split-KV attention against SDPA
 #   attnvar  the decode step's attention launch: rope_attention or apart, combine, warps, splits
 #   u12      the u12 kernels' GPU tests, then their sweep against cuBLAS
@@ -48,6 +49,7 @@ steps() {  # steps [NAME SHAPE...]
   local name=${1:-llama}; shift || true
   TAIL=40 run step_times 260 python bench/step_times.py --shapes "${@:-llama-3.1-8b}" --out "$OUT/step_times_${name}_h200.json"
 }
+ab() { TAIL=8 run step_ab 240 python bench/step_ab.py --out "$OUT/step_ab_h200.json"; }
 attention() { run attention 100 python bench/attention_split_kv.py --out "$OUT/attention_split_kv_h200.json"; }
 attnvar() { TAIL=70 run attention_variants 200 python bench/attention_variants.py --out "$OUT/attention_variants_h200.json"; }
 u12() {
@@ -85,7 +87,7 @@ zoo() {
 
 for group in "${@:?group...}"; do
   case "$group" in
-    tests | attention | attnvar | u12 | linear | peers | train | trees | e2e | zoo) "$group" ;;
+    tests | ab | attention | attnvar | u12 | linear | peers | train | trees | e2e | zoo) "$group" ;;
     steps) steps ;;
     kernels) tests; steps both llama-3.1-8b qwen3-8b; attention ;;
     *) echo "unknown group $group" >&2; exit 2 ;;

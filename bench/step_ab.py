@@ -1,0 +1,133 @@
+"""Interleaved A/B of the Llama-3.1-8B fused AR step: bf16 against the u12 variants, on one GPU.
+
+    python bench/step_ab.py [--rounds 12] [--repeats 25] [--out bench/results/step_ab_<gpu>.json]
+
+bench/step_times.py measures each path once, one after another, and between its runs the u12
+rows moved by up to 8% while the bf16 rows moved by 1% (the u12 GEMVs decode on the CUDA cores,
+so they follow the clock more than the bandwidth-bound bf16 GEMVs do). Here every variant's step
+is captured once in a CUDA graph over the same random weights, then the graphs are replayed in
+rounds, each round timing every variant (CUDA events, median of `repeats` replays) in a rotated
+order, so drift reaches all variants alike. Reported per variant: the median over rounds and the
+spread; per u12 variant, the median of the per-round ratios bf16 / u12.
+
+Variants (runtime/fused.py): bf16 (the fused path: fused_linear with its norm prologues and
+epilogues); u12-unfused (the default u12 layers: u12_linear beside the separate rmsnorm, SiLU·mul
+and add kernels); u12-epilogues (u12_fused_linear's SiLU·mul and residual epilogues, the norms as
+rmsnorm kernels); u12-prologue (u12_fused_linear with its norm prologue too). Batch 1, a
+512-token context, a device-length cache of 2048 slots; random bf16 weights N(0, 0.02).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import platform
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+import triton
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the bench scripts beside this one
+import step_times as st  # noqa: E402  (SHAPES, graphed, random_, time_fn, to_u12)
+
+from specpilot.runtime.config import ModelConfig  # noqa: E402
+from specpilot.runtime.fused import fused_path  # noqa: E402
+from specpilot.runtime.model import Transformer  # noqa: E402
+
+U12_VARIANTS = {  # name: FusedOps fields over the default ops
+    "u12-unfused": {},
+    "u12-epilogues": dict(u12_kernel="triton-u12", u12_norms_apart=True),
+    "u12-prologue": dict(u12_kernel="triton-u12", u12_norms_apart=False),
+}
+
+
+@torch.inference_mode()
+def capture(shape: str) -> dict:
+    """{variant: graph replay} over one model's weights (the bf16 ones kept alive for its graph)."""
+    cfg = ModelConfig.from_hf(st.SHAPES[shape], shape)
+    torch.manual_seed(0)
+    with torch.device(st.DEVICE):
+        model = Transformer(cfg).to(torch.bfloat16)
+    st.random_(model)
+    ids = torch.randint(0, cfg.vocab_size, (1, 1), generator=torch.Generator().manual_seed(1)).to(st.DEVICE)
+    start = torch.tensor(st.CACHE_LEN, device=st.DEVICE)
+    graphs, keep = {}, []
+
+    def capture_step():
+        cache = model.new_cache(1, st.CAPACITY, device_length=True)
+        keep.append(cache)
+        return st.graphed(lambda: (cache.length.copy_(start), model(ids, cache))[1])
+
+    with fused_path(model):
+        graphs["bf16"] = capture_step()
+    keep += [model._fused_kept, list(model.linear_modules().values())]  # the bf16 graph reads these
+    st.to_u12(model)
+    with fused_path(model):
+        ops = model.fused.ops
+        for name, fields in U12_VARIANTS.items():
+            model.fused.ops = dataclasses.replace(ops, **fields)
+            graphs[name] = capture_step()
+        model.fused.ops = ops
+    graphs["_keep"] = keep
+    return graphs
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=12)
+    ap.add_argument("--repeats", type=int, default=25)
+    ap.add_argument("--out", type=Path)
+    ap.add_argument("--smoke", action="store_true",
+                    help="a tiny shape on the CPU under TRITON_INTERPRET=1: checks the script, measures nothing")
+    args = ap.parse_args()
+    shape = "llama-3.1-8b"
+    if args.smoke:
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            print("--smoke runs the Triton kernels in the interpreter: set TRITON_INTERPRET=1", file=sys.stderr)
+            return 2
+        st.DEVICE, st.CACHE_LEN, st.CAPACITY, shape, args.rounds, args.repeats = "cpu", 24, 96, "tiny", 2, 1
+    elif not torch.cuda.is_available():
+        print("bench/step_ab.py needs a CUDA GPU (or --smoke)", file=sys.stderr)
+        return 2
+    graphs = capture(shape)
+    names = [n for n in graphs if not n.startswith("_")]
+    per_round: dict[str, list[float]] = {n: [] for n in names}
+    with torch.inference_mode():  # (--smoke replays the steps themselves)
+        for r in range(args.rounds):
+            order = names[r % len(names):] + names[: r % len(names)]  # rotated: no variant always first
+            for n in order:
+                per_round[n].append(statistics.median(st.time_fn(graphs[n], args.repeats)) * 1e3)
+    rows = []
+    for n in names:
+        ms = per_round[n]
+        row = dict(variant=n, ms=statistics.median(ms), min_ms=min(ms), max_ms=max(ms), rounds=ms)
+        if n != "bf16":
+            row["speedup_vs_bf16"] = statistics.median(b / u for b, u in zip(per_round["bf16"], ms))
+        rows.append(row)
+    gpu = torch.cuda.get_device_name() if st.DEVICE == "cuda" else "cpu"
+    result = {
+        "benchmark": "step_ab", "gpu": gpu, "torch": torch.__version__, "triton": triton.__version__,
+        "python": platform.python_version(), "commit": os.environ.get("SPECPILOT_COMMIT", "unknown"),
+        "shape": shape, "step": "ar", "cache_len": st.CACHE_LEN,
+        "method": f"CUDA graph per variant; {args.rounds} rounds in rotated order, each the median of "
+                  f"{args.repeats} replays (CUDA events); random bf16 N(0,0.02) weights; batch 1",
+        "rows": rows,
+    }
+    slug = "h200" if "H200" in gpu else gpu.lower().replace(" ", "-")
+    out = args.out or Path(__file__).parent / "results" / f"step_ab_{slug}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"{gpu} -> {out}")
+    print(f"{'variant':15} {'ms':>7} {'min':>7} {'max':>7} {'x bf16':>7}")
+    for r in rows:
+        print(f"{r['variant']:15} {r['ms']:7.3f} {r['min_ms']:7.3f} {r['max_ms']:7.3f} "
+              f"{r.get('speedup_vs_bf16', 1.0):7.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
