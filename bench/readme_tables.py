@@ -42,25 +42,26 @@ def step_times() -> str:
         "(LINEAR_MAX_M is 1), so that pair shows the run's spread; RoPE apart: the fused step with rope_qkv and "
         "split-KV attention as separate launches (what kernels/rope_attention.py does in one); fused-pdl: the fused "
         "AR step with programmatic "
-        "dependent launch (kernels/overlap.py, off by default); fused+u12, u12_fused_linear: the fused+u12 AR step "
-        "with u12_fused_linear (off by default). Tree rows: k-ary top-4 trees, q = nodes + anchor.",
+        "dependent launch (kernels/overlap.py, off by default); u12 unfused: the fused+u12 AR step with u12_linear "
+        "beside separate norm, SiLU·mul and add kernels (the default is u12_fused_linear's epilogues, the norms "
+        "apart); u12 norm prologue: with u12_fused_linear's norm prologue too. Tree rows: k-ary top-4 trees, "
+        "q = nodes + anchor.",
         "",
         "| step | q | floor ms | torch ms | fused ms | fused × floor | fused × fused AR | fused-cublas ms "
-        "| RoPE apart ms | fused-pdl ms | fused+u12 ms | u12 speedup | fused+u12, u12_fused_linear ms |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| RoPE apart ms | fused-pdl ms | fused+u12 ms | u12 speedup | u12 unfused ms | u12 norm prologue ms |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     col = lambda path, what, q: f"{rows[path, what, q]['ms']:.2f}" if (path, what, q) in rows else ""  # noqa: E731
     for (path, what, q), r in rows.items():
         if path != "fused":
             continue
         of_ar = f"{r['ms'] / ar:.2f}" + (" (of the target AR)" if what == "draft" else "")
-        # the default u12 path (u12_fused_linear off: "fused+u12-unfused" at AR), then the AR step with it on
-        u12 = rows.get(("fused+u12-unfused", what, q)) or rows.get(("fused+u12", what, q))
+        u12 = rows.get(("fused+u12", what, q))  # the default u12 path
         u12_cols = f"{u12['ms']:.2f} | {r['ms'] / u12['ms']:.2f}×" if u12 else " | "
-        fused_u12 = col("fused+u12", what, q) if ("fused+u12-unfused", what, q) in rows else ""
         lines.append(f"| {what} | {q} | {r['floor_ms']:.2f} | {rows['torch', what, q]['ms']:.2f} | {r['ms']:.2f} | "
                      f"{r['ms'] / r['floor_ms']:.2f} | {of_ar} | {col('fused-cublas', what, q)} | "
-                     f"{col('fused-rope-apart', what, q)} | {col('fused-pdl', what, q)} | {u12_cols} | {fused_u12} |")
+                     f"{col('fused-rope-apart', what, q)} | {col('fused-pdl', what, q)} | {u12_cols} | "
+                     f"{col('fused+u12-unfused', what, q)} | {col('fused+u12-prologue', what, q)} |")
     both = _load("step_times_h200.json")
     if both:
         qwen = {(r["what"], r["q"]): r for r in both["rows"] if r["shape"] == "qwen3-8b" and r["path"] == "fused"}

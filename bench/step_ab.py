@@ -11,10 +11,11 @@ order, so drift reaches all variants alike. Reported per variant: the median ove
 spread; per u12 variant, the median of the per-round ratios bf16 / u12.
 
 Variants (runtime/fused.py): bf16 (the fused path: fused_linear with its norm prologues and
-epilogues); u12-unfused (the default u12 layers: u12_linear beside the separate rmsnorm, SiLU·mul
-and add kernels); u12-epilogues (u12_fused_linear's SiLU·mul and residual epilogues, the norms as
-rmsnorm kernels); u12-prologue (u12_fused_linear with its norm prologue too). Batch 1, a
-512-token context, a device-length cache of 2048 slots; random bf16 weights N(0, 0.02).
+epilogues); u12-unfused (u12_linear beside the separate rmsnorm, SiLU·mul and add kernels: the
+default u12 layers until this comparison); u12-epilogues (u12_fused_linear's SiLU·mul and residual
+epilogues, the norms as rmsnorm kernels: the default since); u12-prologue (u12_fused_linear with
+its norm prologue too). Batch 1, a 512-token context, a device-length cache of 2048 slots; random
+bf16 weights N(0, 0.02).
 """
 
 from __future__ import annotations
@@ -39,8 +40,8 @@ from specpilot.runtime.fused import fused_path  # noqa: E402
 from specpilot.runtime.model import Transformer  # noqa: E402
 
 U12_VARIANTS = {  # name: FusedOps fields over the default ops
-    "u12-unfused": {},
-    "u12-epilogues": dict(u12_kernel="triton-u12", u12_norms_apart=True),
+    "u12-unfused": dict(u12_kernel=""),
+    "u12-epilogues": dict(u12_kernel="triton-u12", u12_norms_apart=True),  # the default
     "u12-prologue": dict(u12_kernel="triton-u12", u12_norms_apart=False),
 }
 

@@ -18,9 +18,9 @@ median of the repeats. Paths of the same model:
           dependent launch (mode 1: trigger then wait; mode 2: wait only) and/or the L2 prefetch of
           o_proj (kernels/overlap.py; off by default);
   fused+u12  the fused path with every linear and lm_head in the u12 format (weights-u12 pass),
-          AR (with u12_fused_linear, off by default) and verify(16) only; fused+u12-unfused: the
-          default AR step, u12_linear beside the separate norm, SiLU·mul and add kernels;
-          fused+u12-epilogues: u12_fused_linear's epilogues only, the norms as rmsnorm kernels.
+          AR (u12_fused_linear's epilogues, the norms as rmsnorm kernels) and verify(16) only;
+          fused+u12-unfused: the AR step with u12_linear beside the separate norm, SiLU·mul and add
+          kernels; fused+u12-prologue: with u12_fused_linear's norm prologue too.
 
 Steps: AR q=1; chain verify q=4..64; tree verify of k-ary trees (top-4) with 16..128 nodes plus
 the anchor; the DFlash-style drafter step (5 layers, block 16). The floor is the bytes of weights
@@ -316,17 +316,18 @@ def bench_shape(name: str, bw: float, repeats: int, with_u12: bool = True) -> tu
                     cache.length.copy_(start)
                     return model(ids, cache)
 
-                record("fused+u12-unfused" if q == 1 else "fused+u12", "ar" if q == 1 else "verify", q, u12_step,
-                       u12_weight_bytes=u12_bytes)
-            # AR with u12_fused_linear on (off by default: runtime/fused.py's U12_LINEAR), its norm
-            # prologue, then its epilogues only (the norms as rmsnorm kernels: U12_NORMS_APART)
+                record("fused+u12", "ar" if q == 1 else "verify", q, u12_step, u12_weight_bytes=u12_bytes)
+            profile["ar-u12"] = profile_step(lambda: (cache.length.copy_(start), model(inputs[1], cache)))
+            # the AR step with u12_linear beside the separate norm, SiLU·mul and add kernels, and with
+            # u12_fused_linear's norm prologue too (the default: its epilogues, the norms apart;
+            # runtime/fused.py's U12_LINEAR, U12_NORMS_APART)
             ops = model.fused.ops
             try:
-                for label, apart in (("fused+u12", False), ("fused+u12-epilogues", True)):
-                    model.fused.ops = dataclasses.replace(ops, u12_kernel="triton-u12", u12_norms_apart=apart)
+                for label, fields in (("fused+u12-unfused", dict(u12_kernel="")),
+                                      ("fused+u12-prologue", dict(u12_kernel="triton-u12", u12_norms_apart=False))):
+                    model.fused.ops = dataclasses.replace(ops, **fields)
                     record(label, "ar", 1, lambda ids=inputs[1]: (cache.length.copy_(start), model(ids, cache))[1],
                            u12_weight_bytes=u12_bytes)
-                profile["ar-u12-epilogues"] = profile_step(lambda: (cache.length.copy_(start), model(inputs[1], cache)))
             finally:
                 model.fused.ops = ops
     model = drafter = None  # the 16 GB of this shape go before the next one is built

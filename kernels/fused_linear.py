@@ -22,14 +22,18 @@ bf16 dot is wrong). Either kernel serves any M: the grid has a dimension of M bl
 
 Prologue (norm_weight). Each program first sums x² over K for its rows (x is small and stays in
 L2), then normalises every x chunk in registers as rmsnorm does: inv = rsqrt(Σx² · fp32(1/K) +
-eps), n = dtype(x · inv), x' = dtype(norm_weight · n). Epilogues, in fp32 from the fp32 sums:
+eps), n = dtype(x · inv), x' = dtype(norm_weight · n). On the word path the sum reads the whole
+row as int64 words in one chunk (``_row_inv_words``, up to 16 words a thread: ``norm_words``), one
+memory round trip before the main loop where chunks of the tile's width waited on one load each
+(the Llama-3.1-8B AR step: 4.17 ms against 4.19-4.20 before, within the runs' spread;
+bench/results/step_times_llama_h200.json). Epilogues, in fp32 from the fp32 sums:
 gated: g, u = dtype(sums), s = dtype(g / (1 + exp(-g))) (IEEE division, libdevice expf on the
 GPU), y = dtype(s · u); residual: residual = dtype(dtype(y) + residual), in place.
 
 Numerics. The roundings are the unfused kernels' (and torch's) at every point; what differs is
 order: the fp32 GEMM sums (cuBLAS or torch order there), so a bf16 output can land one bf16 step
 from the reference where the exact sum sits near a rounding boundary; and the prologue's Σx²
-(chunked FMAs here, a tree of products in kernels/rmsnorm.py), so inv can differ in the last
+(FMAs by word or chunk here, a tree of products in kernels/rmsnorm.py), so inv can differ in the last
 ulps and a normalised element one bf16 step where it sits on a boundary (never seen in the
 interpreter cases). Given the same GEMM sums the epilogues are bit-exact with silu_mul (GPU:
 libdevice expf, div_rn, fp fusion off as there) and with torch's add. The interpreter truncates

@@ -17,7 +17,8 @@ element loads. Rows past M and N re-read the last row; only a last partial chunk
 ``ASM``: the decode's prmt/lop3 as inline PTX on the GPU, their shift-and-mask emulation under the
 interpreter.
 
-Prologue (norm_weight). Each program first sums x² over K for its rows (``_row_inv``), then
+Prologue (norm_weight). Each program first sums x² over K for its rows (bf16 x: the whole row
+as int64 words in one load, fused_linear's ``_row_inv_words``; fp32 x: ``_row_inv``), then
 normalises every x chunk in registers as rmsnorm does (``_normalize``): inv = rsqrt(Σx² · fp32(1/K)
 + eps), x' = dtype(norm_weight · dtype(x · inv)), then scales it by 2^64 (exact). Escapes (code 0
 weights, exact in t's side table) are added after the scaled sums, as in u12_linear, with x' at
@@ -41,11 +42,13 @@ further off, two where gated).
 
 Configs: a gemv2 ``U12Config``; by default u12_linear's for the weight's rows (t.shape[0], 2I when
 gated), with the tile halved when gated (``default_config``). Untuned. H200: correct (the registry
-cases pass on the GPU), but the Llama-3.1-8B u12 AR step ran 4.58 ms with it against 3.88 ms with
-u12_linear beside the separate kernels (bench/results/step_times_llama_h200.json): each program
-sums Σx² over K and normalises every x element it holds on the CUDA cores, which the decode
-already keeps busy, so the fused stacks leave it off (runtime/fused.py's U12_LINEAR). A cheaper
-prologue (the norm computed once, by the kernel before) is the way on.
+cases pass on the GPU), but slower in the Llama-3.1-8B u12 AR step
+(bench/results/step_times_llama_h200.json, commit 83b702e): 4.44 ms with the norm prologue (4.58
+at 9c5e61f, before the sum read the row in one load; its chunks of 512 x elements were eight
+round trips), 3.83 ms with the epilogues only and the norms as rmsnorm kernels, 3.93 ms with
+u12_linear beside the separate kernels (those two within the runs' spread of each other). Each
+program normalises every x element it holds on the CUDA cores, which the decode already keeps
+busy, so the fused stacks leave it off (runtime/fused.py's U12_LINEAR).
 Every variant compiles for sm_90 with triton 3.6 and 3.9 (triton.compile without a GPU); with bf16
 x at the default tiles (Llama-3.1-8B shapes, M = 1, 2, 4) the loop has no spills and no shared
 memory. Spills seen: fp32 x at M = 4 gated in the loop (triton 3.6), and a masked last chunk at

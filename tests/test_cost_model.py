@@ -430,12 +430,14 @@ def test_fused_layers_count_the_launches_the_runtime_makes(llama8b):
     graph, _ = fused.target.map_nodes(mixed)
     assert step_time(graph, gpu, q=8, cache_len=512).kernels == after + 2 * layers
     # up to LINEAR_MAX_M rows fused_linear takes both norms and silu_mul into the GEMMs of a layer
-    # whose projections are all plain; the u12 layers keep them (u12_fused_linear is off by
-    # default: runtime/fused.py's U12_LINEAR)
+    # whose projections are all plain; u12_fused_linear takes silu_mul into a u12 layer's gate|up
+    # and leaves its norms apart (runtime/fused.py's U12_LINEAR, U12_NORMS_APART); a layer with
+    # q alone in u12 (q|k|v not joined) stays unfused
     assert per_layer(fused, q=1) == after - 3 * layers and per_layer(fused, q=2) == after
     assert step_time(graph, gpu, q=1, cache_len=512).kernels == after + 2 * layers
     u12 = to_u12(fused, "triton-u12")
-    assert per_layer(u12, q=1) == per_layer(u12, q=2)
+    assert per_layer(u12, q=1) == per_layer(u12, q=2) - layers
+    assert per_layer(to_u12(fused, "torch"), q=1) == per_layer(u12, q=2)  # not the fused stacks' kernel
 
 
 def test_a_fused_dflash_layer_keeps_its_context_kv_launch(llama8b):

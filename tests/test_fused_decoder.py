@@ -439,16 +439,17 @@ _LAYER_CALLS = [(True, False, False), (False, False, True), (True, True, False),
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("norms_apart", [False, True], ids=["norm-prologue", "norms-apart"])
 def test_u12_layers_run_the_fused_u12_linear(family, norms_apart, tiny_model_dirs):
-    """Turned on (off by default: slower on the H200), at one row layers whose projections are u12
-    modules of the kernel the ops stand in for run ops.linear_u12 (4 calls a layer, as
+    """On by default with the norms apart (the H200's faster u12 AR step), at one row layers whose
+    projections are u12 modules of the kernel the ops stand in for run ops.linear_u12 (4 calls a layer, as
     fused_linear's; with the norms apart, qkv and gate|up without the norm, two rmsnorm calls a
     layer instead): the logits, hidden states and caches of the unfused u12 stack; with more rows,
     or modules of another kernel, the layers stay unfused."""
     _, plain, cfg = _pair(tiny_model_dirs[family], torch.bfloat16)
     _, fused, _ = _pair(tiny_model_dirs[family], torch.bfloat16)
     unfused = install_fused(_to_u12(plain, "torch"), "torch")
-    assert all(fl.linear_weights(unfused.ops.u12_kernel) is None for fl in unfused.layers)  # off by default
-    unfused.ops = dataclasses.replace(unfused.ops, linear_max_m=0)
+    assert (unfused.ops.u12_kernel, unfused.ops.u12_norms_apart) == ("torch", True)  # the default
+    assert all(fl.linear_weights(unfused.ops.u12_kernel) is not None for fl in unfused.layers)
+    unfused.ops = dataclasses.replace(unfused.ops, linear_max_m=0, u12_kernel="")
     stack = install_fused(_to_u12(fused, "torch"), "torch")
     stack.ops = dataclasses.replace(stack.ops, u12_kernel="torch", u12_norms_apart=norms_apart)
     calls, plain_calls = _count_linear(stack, "linear_u12"), _count_linear(stack)

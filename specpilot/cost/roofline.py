@@ -257,6 +257,9 @@ FOLDED_FEW_ROWS = "launch_folded_few_rows"  # the same, at up to LINEAR_MAX_M ro
 # Rows up to which the fused stacks run fused_linear (runtime/fused.py's LINEAR_MAX_M): the layer's
 # norms ride in the q|k|v and gate|up GEMMs' prologues, SiLU·mul in gate|up's epilogue.
 LINEAR_MAX_M = 1
+# Whether the fused stacks serve u12 layers (runtime/fused.py's U12_LINEAR: u12_fused_linear, for
+# weights of the "triton-u12" kernel) and keep their norms as rmsnorm kernels (U12_NORMS_APART).
+U12_LINEAR, U12_NORMS_APART = True, True
 _LAYER_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _JOINED = {"k_proj": "q_proj", "v_proj": "q_proj", "up_proj": "gate_proj"}  # concatenated GEMMs of a fused layer
 
@@ -285,18 +288,32 @@ def _folded_launches(nodes: dict[str, tuple[Node, tuple[str, ...]]]) -> set[str]
 
 
 def _folded_at_few_rows(nodes: dict[str, tuple[Node, tuple[str, ...]]]) -> set[str]:
-    """Nodes of a fused-decoder graph that launch nothing at up to LINEAR_MAX_M rows: each layer's
-    input and post-attention norms and its SiLU·mul, where all seven of the layer's projections
-    are in the model's dtype (fused_linear serves plain weights only; a u12 layer keeps them)."""
+    """Nodes of a fused-decoder graph that launch nothing at up to LINEAR_MAX_M rows, in layers the
+    fused linears serve (every projection plain, in the model's dtype, or u12 of the "triton-u12"
+    kernel under U12_LINEAR; q, k and v of one format and kernel, gate and up too, as their GEMMs
+    are joined): the SiLU·mul (in gate|up's epilogue), and each norm whose GEMM (q|k|v's, gate|up's)
+    is plain or takes u12 norms as prologues (not U12_NORMS_APART)."""
     if not any(node.op == "rmsnorm" and node.get("kernel") == "triton-fused" for node, _ in nodes.values()):
         return set()
+
+    def plain(lin):
+        return lin["format"] == lin["dtype"]
+
+    def served(lin):
+        return lin is not None and (plain(lin) or (U12_LINEAR and (lin["format"], lin["kernel"]) == ("u12", "triton-u12")))
+
     out = set()
     for name, (node, _) in nodes.items():
         prefix, _, part = name.rpartition(".")
         if part not in ("input_norm", "post_norm", "mlp"):
             continue
-        linears = [nodes.get(f"{prefix}.{proj}", (None,))[0] for proj in _LAYER_LINEARS]
-        if all(lin is not None and lin["format"] == lin["dtype"] for lin in linears):
+        lin = {proj: nodes.get(f"{prefix}.{proj}", (None,))[0] for proj in _LAYER_LINEARS}
+        if not all(served(v) for v in lin.values()) or any(
+                (lin[p]["format"], lin[p]["kernel"]) != (lin[lead]["format"], lin[lead]["kernel"])
+                for p, lead in _JOINED.items()):
+            continue
+        gemm = {"input_norm": lin["q_proj"], "post_norm": lin["gate_proj"]}.get(part)
+        if gemm is None or plain(gemm) or not U12_NORMS_APART:
             out.add(name)
     return out
 

@@ -16,10 +16,10 @@ rope_qkv apart (bench/results/step_times_llama_h200.json, fused-rope-apart).
 Up to LINEAR_MAX_M rows of plain (bf16/fp32) weights, kernels/fused_linear.py takes the norms into
 the q|k|v and gate|up GEMMs' prologues, SiLU·mul into gate|up's epilogue and the residual adds
 into o's and down's (the residual stream updated in place): seven launches a layer
-(run_layers_linear). On the H200 the Llama-3.1-8B AR step runs 4.21 ms against 4.70 ms on
+(run_layers_linear). On the H200 the Llama-3.1-8B AR step runs 4.17 ms against 4.79 ms on
 cuBLAS with the separate kernels (bench/results/step_times_llama_h200.json, fused-cublas).
-kernels/u12_fused_linear.py does the same for u12 layers, but measured slower, so only when
-asked (U12_LINEAR).
+kernels/u12_fused_linear.py serves u12 layers the same way, but with their norms kept as rmsnorm
+kernels (its norm prologue measured slower: U12_LINEAR, U12_NORMS_APART).
 
 q/k/v and gate/up are concatenated once at install; the original projections become views of the
 concatenated weights, so no memory is doubled. u12 projections are concatenated the same way (one
@@ -73,15 +73,15 @@ class FusedOps:
 # ran 1.08x the unfused kernels (cuBLAS, separate norms, SiLU·mul and adds) at M = 1, 0.80x at M = 4
 # and 0.94x at M = 16 (bench/results/fused_linear_h200.json, "layer").
 LINEAR_MAX_M = 1
-# Whether u12 layers run u12_fused_linear (at up to LINEAR_MAX_M rows) by default: no. On the H200
-# the u12 AR step ran 4.58 ms with it against 3.88 ms with u12_linear beside the separate norm,
-# SiLU·mul and add kernels (bench/results/step_times_llama_h200.json, fused+u12 rows): its norm
-# prologue costs each program the whole Σx² and per-element normalising on top of the u12 decode,
-# the CUDA cores' bottleneck, and the gated tile holds half the rows. `u12_linear=True` turns it on.
-U12_LINEAR = False
+# Whether u12 layers run u12_fused_linear at up to LINEAR_MAX_M rows: yes, with their norms apart
+# (U12_NORMS_APART). On the H200, the Llama-3.1-8B u12 AR step interleaved with the bf16 one
+# (bench/results/step_ab_h200.json, 12 rounds, spreads under 0.02 ms): 3.72 ms with its SiLU·mul
+# and residual epilogues, 3.78 ms with u12_linear beside the separate norm, SiLU·mul and add
+# kernels, 4.36 ms with its norm prologue too, against 4.18 ms in bf16. The prologue's per-element
+# normalising sits on top of the u12 decode, the CUDA cores' bottleneck.
+U12_LINEAR = True
 # With u12_linear on, whether the norms stay rmsnorm kernels (u12_fused_linear keeping only its
-# SiLU·mul and residual epilogues: one launch a layer fewer than the unfused u12 layers, no
-# per-program Σx²). Unmeasured: bench/step_times.py's fused+u12-epilogues row will say.
+# SiLU·mul and residual epilogues: one launch a layer fewer than the unfused u12 layers).
 U12_NORMS_APART = True
 
 
