@@ -675,6 +675,7 @@ register(KernelSpec(
         _case(3, 9, 67, BF16, norm=1, config="gemv-bk16"),
         _case(4, 20, 36, BF16, gated=1, residual=1, view=1, config="gemv-bn64"),
         _case(5, 21, 64, BF16, norm=1, residual=1, config="gemv-bk16"),  # two M blocks of gemv
+        _case(4, 11, 1100, BF16, norm=1, config="gemv-bk16"),  # the norm's words in 3 chunks, the last masked
         # dot (M >= 5): split-K 2 by default on the CPU
         _case(5, 33, 65, BF16, norm=1),
         _case(16, 64, 128, F32, gated=1, residual=1),

@@ -25,11 +25,12 @@ which has no griddepcontrol).
 Off by default, because measured slower: on the H200 the graphed Llama-3.1-8B AR step ran 5.03 ms
 with mode 1 against 4.40 ms plain (bench/results/step_times_pdl_h200.json), though the eager
 profile's kernels summed to less (4.29 ms against 4.34): the programmatic edges of the captured
-graph cost about 2.6 µs a kernel (244 kernels). In a later run mode 1 ran 4.50 ms and mode 2
-4.21 against 4.21 plain (bench/results/step_times_llama_h200.json). ``SPECPILOT_PDL=1|2`` or ``overlap(pdl=...)`` turns it on (the
+graph cost about 2.6 µs a kernel (244 kernels). In later runs mode 1 ran 4.45-4.55 ms and mode 2
+4.21-4.29 against 4.17-4.21 plain (bench/results/step_times_llama_h200.json and its history). ``SPECPILOT_PDL=1|2`` or ``overlap(pdl=...)`` turns it on (the
 benchmarks measure each mode beside the default).
 
-Tried and dropped (commit 21bdd2d, bench/results/step_times_llama_h200.json, overlap rows): a
+Tried and dropped (commit 21bdd2d; its rows are in bench/results/step_times_llama_h200.json as
+committed in c1c5e2d): a
 setting 3 that triggered only in kernels whose next kernel reads weights, with a "warm start" in
 which the GEMVs' early-placed programs prefetched the heads of their weight rows into L2 before the
 wait. Plain 4.20 ms; setting 3 alone 4.29 (the programmatic edges' cost, as setting 2's 4.29); with

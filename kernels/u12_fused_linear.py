@@ -380,6 +380,7 @@ register(KernelSpec(
         _case(1, 16, 128, BF16, norm=1, gated=1, residual=1),
         _case(3, 9, 36, BF16, norm=1, escapes="nonfinite", config="bn16-bw4"),
         _case(2, 13, 52, F32, residual=1, escapes="nonfinite"),
+        _case(4, 10, 1100, BF16, norm=1, gated=1),  # the norm's words in 3 chunks, the last masked
         # the unfused fallback: M > 4, K % 4 != 0
         _case(5, 42, 64, F32, norm=1, gated=1, residual=1),
         _case(2, 17, 66, BF16, norm=1),  # bf16 ungated, no residual: u12_linear truncates under the interpreter

@@ -59,9 +59,11 @@ against cuBLAS. TUNED's M = 16 rows are mma configs from its H200 sweep.
 Speed (H200, triton 3.6). gemv2 at M = 1 (bench/results/u12_linear_gemv2_m1_h200.json, commit
 b170131): 1.27x (qkv), 1.30x (o), 1.23x (gate_up), 1.22x (down), 1.31x (lm_head) of cuBLAS bf16,
 up to 4.14 TB/s of packed bytes; all linears of a Llama-3.1-8B step in one CUDA graph: 3.14 ms
-against 3.97 ms (1.26x); the whole fused AR step with every linear in u12 runs 3.92 ms, against 4.70
-ms for the bf16 step on cuBLAS and 4.40 ms with fused_linear (bench/results/step_times_llama_h200.json,
-commit 2e960e4). At M = 4 gemv2 runs 0.73-0.88x (per-row FMAs: the
+against 3.97 ms (1.26x); the whole fused AR step with every linear in u12 (u12_fused_linear's
+epilogues around this loop, the norms apart) runs 3.72 ms against 4.18 ms for the bf16 step with
+fused_linear, interleaved in one run (bench/results/step_ab_h200.json, commit 52a0fe1); in that
+step's profile the u12 GEMVs read 3.39 TB/s of packed bytes against 3.86 TB/s for the bf16 ones
+(the decode keeps the CUDA cores busy; bench/results/step_times_llama_h200.json). At M = 4 gemv2 runs 0.73-0.88x (per-row FMAs: the
 decode is shared, the multiply is not), still ahead of the tile kernel there. The tile kernel
 (bench/results/u12_linear_nvidia_h200.json, 457 configs, commit da24869): 0.69-0.97x at M = 1 and
 0.39-0.85x at M = 16 and 64 (TUNED still takes its M = 64 rows); split-K never won at M <= 4. The
