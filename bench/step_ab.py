@@ -47,8 +47,9 @@ U12_VARIANTS = {  # name: FusedOps fields over the default ops
 
 
 @torch.inference_mode()
-def capture(shape: str) -> dict:
-    """{variant: graph replay} over one model's weights (the bf16 ones kept alive for its graph)."""
+def capture(shape: str) -> tuple[dict, list]:
+    """({variant: graph replay} over one model's weights, what the graphs read and must outlive:
+    the caches, and the bf16 weights that the u12 modules replaced)."""
     cfg = ModelConfig.from_hf(st.SHAPES[shape], shape)
     torch.manual_seed(0)
     with torch.device(st.DEVICE):
@@ -73,8 +74,7 @@ def capture(shape: str) -> dict:
             model.fused.ops = dataclasses.replace(ops, **fields)
             graphs[name] = capture_step()
         model.fused.ops = ops
-    graphs["_keep"] = keep
-    return graphs
+    return graphs, keep
 
 
 def main() -> int:
@@ -94,8 +94,8 @@ def main() -> int:
     elif not torch.cuda.is_available():
         print("bench/step_ab.py needs a CUDA GPU (or --smoke)", file=sys.stderr)
         return 2
-    graphs = capture(shape)
-    names = [n for n in graphs if not n.startswith("_")]
+    graphs, _keep = capture(shape)
+    names = list(graphs)
     per_round: dict[str, list[float]] = {n: [] for n in names}
     with torch.inference_mode():  # (--smoke replays the steps themselves)
         for r in range(args.rounds):

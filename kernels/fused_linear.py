@@ -25,8 +25,8 @@ L2), then normalises every x chunk in registers as rmsnorm does: inv = rsqrt(Σx
 eps), n = dtype(x · inv), x' = dtype(norm_weight · n). On the word path the sum reads the whole
 row as int64 words in one chunk (``_row_inv_words``, up to 16 words a thread: ``norm_words``), one
 memory round trip before the main loop where chunks of the tile's width waited on one load each
-(the Llama-3.1-8B AR step: 4.17 ms against 4.19-4.20 before, within the runs' spread;
-bench/results/step_times_llama_h200.json). Epilogues, in fp32 from the fp32 sums:
+(the Llama-3.1-8B AR step: 4.17 ms, bench/results/step_times_llama_h200.json, against 4.19-4.20
+in the two runs before, bench/results/tried/: within the runs' spread). Epilogues, in fp32 from the fp32 sums:
 gated: g, u = dtype(sums), s = dtype(g / (1 + exp(-g))) (IEEE division, libdevice expf on the
 GPU), y = dtype(s · u); residual: residual = dtype(dtype(y) + residual), in place.
 

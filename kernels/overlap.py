@@ -29,8 +29,7 @@ graph cost about 2.6 µs a kernel (244 kernels). In later runs mode 1 ran 4.45-4
 4.21-4.29 against 4.17-4.21 plain (bench/results/step_times_llama_h200.json and its history). ``SPECPILOT_PDL=1|2`` or ``overlap(pdl=...)`` turns it on (the
 benchmarks measure each mode beside the default).
 
-Tried and dropped (commit 21bdd2d; its rows are in bench/results/step_times_llama_h200.json as
-committed in c1c5e2d): a
+Tried and dropped (commit 21bdd2d, bench/results/tried/step_times_warm_start_h200.json): a
 setting 3 that triggered only in kernels whose next kernel reads weights, with a "warm start" in
 which the GEMVs' early-placed programs prefetched the heads of their weight rows into L2 before the
 wait. Plain 4.20 ms; setting 3 alone 4.29 (the programmatic edges' cost, as setting 2's 4.29); with

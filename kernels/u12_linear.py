@@ -62,7 +62,7 @@ up to 4.14 TB/s of packed bytes; all linears of a Llama-3.1-8B step in one CUDA 
 against 3.97 ms (1.26x); the whole fused AR step with every linear in u12 (u12_fused_linear's
 epilogues around this loop, the norms apart) runs 3.72 ms against 4.18 ms for the bf16 step with
 fused_linear, interleaved in one run (bench/results/step_ab_h200.json, commit 52a0fe1); in that
-step's profile the u12 GEMVs read 3.39 TB/s of packed bytes against 3.86 TB/s for the bf16 ones
+step's profile the u12 GEMVs read 3.39 TB/s of packed bytes against 3.89 TB/s for the bf16 ones
 (the decode keeps the CUDA cores busy; bench/results/step_times_llama_h200.json). At M = 4 gemv2 runs 0.73-0.88x (per-row FMAs: the
 decode is shared, the multiply is not), still ahead of the tile kernel there. The tile kernel
 (bench/results/u12_linear_nvidia_h200.json, 457 configs, commit da24869): 0.69-0.97x at M = 1 and
