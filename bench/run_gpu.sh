@@ -53,7 +53,8 @@ ab() { TAIL=8 run step_ab 240 python bench/step_ab.py --out "$OUT/step_ab_h200.j
 attention() { run attention 100 python bench/attention_split_kv.py --out "$OUT/attention_split_kv_h200.json"; }
 attnvar() { TAIL=70 run attention_variants 200 python bench/attention_variants.py --out "$OUT/attention_variants_h200.json"; }
 u12() {
-  TAIL=4 run u12_tests 150 python -m pytest -q -x -p no:cacheprovider tests/test_u12_gemv.py
+  TAIL=4 run u12_tests 200 python -m pytest -q -x -p no:cacheprovider tests/test_u12_gemv.py tests/test_u12_format.py \
+    tests/test_u12_mma.py tests/test_u12_fused_linear.py
   TAIL=4 run u12_registry 150 python -m pytest -q -x -p no:cacheprovider tests/test_kernels.py -k u12
   # U12_ARGS narrows the sweep, e.g. "--ms 1,4 --kernels gemv2 --budget-s 150"
   TAIL=30 run u12_linear 280 python bench/u12_linear.py --budget-s 110 ${U12_ARGS:-} --out "$OUT/u12_linear_nvidia_h200.json"

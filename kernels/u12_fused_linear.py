@@ -9,9 +9,9 @@ Kernel. ``_u12_fused_gemv_kernel`` is u12_linear's gemv2 loop with fused_linear'
 epilogue: one program owns BLOCK_N output rows (gated: the BLOCK_N gate rows n and the BLOCK_N up
 rows I + n of t, two accumulators, so the epilogue pairs them without a layout change) and every
 row of x (M <= 4), and loops over K in chunks of BLOCK_W words of 4 weights. Each word's sign/mantissa
-bytes (int32) and codes (int16) decode into four fp32 planes (``_decode_planes``: plane j holds
-weight 4 w + j times 2^-(base-1)), each FMA'd with the matching plane of x' · 2^64 into a
-[BM, BN, BW] fp32 accumulator, reduced once after the loop and scaled by 2^(base-65). bf16 x and
+bytes (int32) and codes (int16) decode into four fp32 planes (``_decode_planes``, the biased
+decode: plane j holds weight 4 w + j times 2^(113-base)), each FMA'd with the matching plane of x'
+into a [BM, BN, BW] fp32 accumulator, reduced once after the loop and scaled by 2^(base-113). bf16 x and
 norm weight are read as int64 words of 4 (copied to aligned rows where needed), fp32 ones as four
 element loads. Rows past M and N re-read the last row; only a last partial chunk of K is masked.
 ``ASM``: the decode's prmt/lop3 as inline PTX on the GPU, their shift-and-mask emulation under the
@@ -20,8 +20,8 @@ interpreter.
 Prologue (norm_weight). Each program first sums x² over K for its rows (bf16 x: the whole row
 as int64 words in one load, fused_linear's ``_row_inv_words``; fp32 x: ``_row_inv``), then
 normalises every x chunk in registers as rmsnorm does (``_normalize``): inv = rsqrt(Σx² · fp32(1/K)
-+ eps), x' = dtype(norm_weight · dtype(x · inv)), then scales it by 2^64 (exact). Escapes (code 0
-weights, exact in t's side table) are added after the scaled sums, as in u12_linear, with x' at
++ eps), x' = dtype(norm_weight · dtype(x · inv)). Escapes (code 0 weights, exact in t's side
+table; the decode's 2^-15 for them taken back before the scale) are added as in u12_linear, with x' at
 their columns: the gate block's escapes to the gate sums, the up block's (rows I + n) to the up
 sums. Epilogues (fused_linear's ``_epilogue``), in fp32 from the fp32 sums: gated: g, u =
 dtype(sums), y = dtype(dtype(g / (1 + exp(-g))) · u); residual: residual = dtype(y + residual), in
@@ -79,7 +79,7 @@ from .u12_linear import (
     _block_m,
     _fma_planes,
     _nonempty,
-    _scales,
+    biased_scale,
     _x_planes,
     aligned_rows,
     gemv2_applies,
@@ -92,11 +92,11 @@ from .u12_linear import default_config as u12_default_config
 
 @triton.jit
 def _fused_chunk(
-    acc_g, acc_u, start, x_rows, nw_rows, inv, gate_sm, gate_codes, up_sm, up_codes, n_words, x_scale,
+    acc_g, acc_u, start, x_rows, nw_rows, inv, gate_sm, gate_codes, up_sm, up_codes, n_words,
     BLOCK_W: tl.constexpr, X_WORDS: tl.constexpr, MASKED: tl.constexpr, NORM: tl.constexpr,
     GATED: tl.constexpr, DTYPE: tl.constexpr, ROUND_BF16: tl.constexpr, ASM: tl.constexpr,
 ):
-    """acc[m, n, w] += Σ_j x'[m, 4 w + j] 2^64 · W[n, 4 w + j] 2^-(base-1) over the words w in
+    """acc[m, n, w] += Σ_j x'[m, 4 w + j] · W[n, 4 w + j] 2^(113-base) over the words w in
     [start, start + BLOCK_W), for the gate rows and (GATED) the up rows; MASKED: words past K read as 0."""
     offs_w = (start + tl.arange(0, BLOCK_W))[None, None, :]
     mask = offs_w < n_words
@@ -107,10 +107,6 @@ def _fused_chunk(
         x1 = _normalize(x1, inv, n1, DTYPE, ROUND_BF16)
         x2 = _normalize(x2, inv, n2, DTYPE, ROUND_BF16)
         x3 = _normalize(x3, inv, n3, DTYPE, ROUND_BF16)
-    x0 = x0 * x_scale  # exact: a power of two
-    x1 = x1 * x_scale
-    x2 = x2 * x_scale
-    x3 = x3 * x_scale
     acc_g = _fma_planes(acc_g, gate_sm, gate_codes, offs_w, mask, x0, x1, x2, x3, MASKED, ASM)
     if GATED:
         acc_u = _fma_planes(acc_u, up_sm, up_codes, offs_w, mask, x0, x1, x2, x3, MASKED, ASM)
@@ -120,7 +116,7 @@ def _fused_chunk(
 @triton.jit
 def _u12_fused_gemv_kernel(
     x_ptr, nw_ptr, sm_ptr, codes_ptr, esc_idx_ptr, esc_val_ptr, esc_row_ptr, y_ptr,
-    M, N, K, n_words, x_scale, y_scale_lo, y_scale_hi, inv_k, eps,
+    M, N, K, n_words, y_scale, inv_k, eps,
     stride_xm, stride_sm, stride_codes, stride_ym,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, ESC_BLOCK: tl.constexpr,
     X_WORDS: tl.constexpr,  # bf16 x and norm weight read as int64 words of 4; else fp32 elements
@@ -172,21 +168,19 @@ def _u12_fused_gemv_kernel(
     full_words = n_words - n_words % BLOCK_W
     for start in range(0, full_words, BLOCK_W):
         acc_g, acc_u = _fused_chunk(acc_g, acc_u, start, x_rows, nw_rows, inv, gate_sm, gate_codes, up_sm, up_codes,
-                                    n_words, x_scale, BLOCK_W, X_WORDS, False, NORM, GATED, DTYPE, ROUND_BF16, ASM)
+                                    n_words, BLOCK_W, X_WORDS, False, NORM, GATED, DTYPE, ROUND_BF16, ASM)
     if not EVEN_K:
         acc_g, acc_u = _fused_chunk(acc_g, acc_u, full_words, x_rows, nw_rows, inv, gate_sm, gate_codes, up_sm,
-                                    up_codes, n_words, x_scale, BLOCK_W, X_WORDS, True, NORM, GATED, DTYPE,
+                                    up_codes, n_words, BLOCK_W, X_WORDS, True, NORM, GATED, DTYPE,
                                     ROUND_BF16, ASM)
-    g = tl.sum(acc_g, axis=2) * y_scale_lo * y_scale_hi  # exact: powers of two
-    g = _apply_escapes(
-        g, x_ptr, esc_idx_ptr, esc_val_ptr, esc_row_ptr, offs_m, mask_m, offs_n, n0, N, K,
-        stride_xm, 1, BLOCK_N, ESC_BLOCK, False, nw_ptr, inv_m, NORM, DTYPE, ROUND_BF16,
+    g = _apply_escapes(  # scales the sums to y's
+        tl.sum(acc_g, axis=2), x_ptr, esc_idx_ptr, esc_val_ptr, esc_row_ptr, offs_m, mask_m, offs_n, n0, N, K,
+        stride_xm, 1, BLOCK_N, ESC_BLOCK, False, nw_ptr, inv_m, NORM, DTYPE, ROUND_BF16, True, y_scale,
     )
     if GATED:
-        u = tl.sum(acc_u, axis=2) * y_scale_lo * y_scale_hi
         u = _apply_escapes(  # the up block: rows N + n of t
-            u, x_ptr, esc_idx_ptr, esc_val_ptr, esc_row_ptr, offs_m, mask_m, offs_n + N, n0 + N, 2 * N, K,
-            stride_xm, 1, BLOCK_N, ESC_BLOCK, False, nw_ptr, inv_m, NORM, DTYPE, ROUND_BF16,
+            tl.sum(acc_u, axis=2), x_ptr, esc_idx_ptr, esc_val_ptr, esc_row_ptr, offs_m, mask_m, offs_n + N, n0 + N, 2 * N, K,
+            stride_xm, 1, BLOCK_N, ESC_BLOCK, False, nw_ptr, inv_m, NORM, DTYPE, ROUND_BF16, True, y_scale,
         )
     else:
         u = g
@@ -232,7 +226,6 @@ def _launch_fused(x, t: U12Tensor, norm_weight, eps, gated, y, residual: bool, c
     m, k = x.shape
     n_out = y.shape[1]
     n_words = k // 4
-    _, x_scale, y_lo, y_hi = _scales(t.base)
     x_words = x.dtype == torch.bfloat16
     x = aligned_rows(x, x_words)
     norm = norm_weight is not None
@@ -244,7 +237,7 @@ def _launch_fused(x, t: U12Tensor, norm_weight, eps, gated, y, residual: bool, c
     _u12_fused_gemv_kernel[(triton.cdiv(n_out, cfg.block_n),)](
         x, nw, sm.view(torch.int32), codes.view(torch.int16),
         _nonempty(t.esc_idx), _nonempty(t.esc_val), t.esc_row_ptr, y,
-        m, n_out, k, n_words, x_scale, y_lo, y_hi, 1.0 / k, eps,
+        m, n_out, k, n_words, biased_scale(t.base), 1.0 / k, eps,
         x.stride(0), n_words, n_words, y.stride(0),
         BLOCK_M=_block_m(m), BLOCK_N=cfg.block_n, BLOCK_W=cfg.block_w, ESC_BLOCK=_ESC_BLOCK,
         NORM_WORDS=norm_words(k, _block_m(m), cfg.num_warps),

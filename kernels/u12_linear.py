@@ -14,9 +14,9 @@ nibbles line up with its bytes without a layout change; the tile kernel decodes 
 word in registers (two pair registers joined, or [BN, BW, 4] by constant shifts) and reshapes them
 to k order. Other K read bytes.
 
-Decode. Where the base's window holds only normal finite exponents (1 ≤ base ≤ 240: every tensor
-of trained or N(0, σ) weights), a weight decodes with the exponent field equal to its code, so no
-per-weight add or select is needed: code 0 (an escape, whose sign/mantissa byte is 0) is +0.0, and
+Decode (the tile kernel). Where the base's window holds only normal finite exponents (1 ≤ base ≤ 240:
+every tensor of trained or N(0, σ) weights), a weight decodes with the exponent field equal to its
+code, so no per-weight add or select is needed: code 0 (an escape, whose sign/mantissa byte is 0) is +0.0, and
 code c is the weight times 2^-(base-1). The default ("pairs") builds the bf16 patterns of weights
 (0, 2) and (1, 3) of a word in one 32-bit register each, with two multiplies that repeat bytes and
 spread nibbles and two masks (``_decode_pairs``), about 3.5 integer ops a weight with the split to
@@ -43,10 +43,17 @@ once and used M times, and loops over K in chunks of BLOCK_W words. The 4 weight
 decode into four fp32 planes (plane j: weight 4 w + j), each multiplied with the matching plane
 of x (bf16 x read as one int64 word per w) into one [BM, BN, BW] accumulator by FMAs, reduced
 once after the loop: no join, reshape or layout conversion. The decode (``_decode_planes``) is 12
-integer ops a word: prmt byte repeats, multiplies that spread the code nibbles and one lop3
-bit-select per pair of weights, by inline PTX on the GPU and a shift-and-mask emulation of the
-same bits under the interpreter. Rows past M and N re-read the last row, so the loop has no
-masks; only a last partial chunk of K is masked. Escapes are added as in the tile kernel.
+integer ops a word: prmt byte repeats, multiply-adds that spread the code nibbles and add a bias,
+and one lop3 bit-select per pair of weights, by inline PTX on the GPU and a shift-and-mask
+emulation of the same bits under the interpreter. It is biased: the exponent field is 112 + code
+(the bias is the multiplies' addend, no extra op), so a weight decodes to w · 2^(113-base), in
+[2^-14, 2), x is used as it is, and the fp32 sums are scaled by 2^(base-113) once per output
+(``biased_scale``): exact while the products stay normal (|x| ≳ 2^-112), with no bound on |x|
+and no multiply per x element (the tile kernel's 2^64 cost one FMUL per x element and thread,
+about 1 instruction a weight at BLOCK_N 4: sm_90 SASS, 7.0 -> 5.9 instructions a weight in the
+loop). An escape (code 0, byte 0) decodes to 2^-15; the escape step subtracts x · 2^-15, the
+exact product the loop added, before the scale, then adds x · w (``_apply_escapes``). Rows past M
+and N re-read the last row, so the loop has no masks; only a last partial chunk of K is masked.
 In the sm_90 SASS the tile kernel's M = 1 loop makes a shared-memory round trip per chunk for
 its reshape and issues about twice gemv2's instructions a weight; gemv2 touches no shared memory.
 
@@ -95,7 +102,10 @@ from .overlap import pdl_args, pdl_enter
 from .registry import KernelSpec, register
 from .rmsnorm import _normalize
 
-X_SCALE_LOG2 = 64  # x is scaled by 2^64 on the scaled-decode path (see the module docstring)
+X_SCALE_LOG2 = 64  # the tile kernel's scaled decode scales x by 2^64 (see the module docstring)
+EXP_BIAS = 112  # gemv2's, u12_fused_linear's and mma's decode: exponent field 112 + code (biased_scale)
+PAIR_BIAS = tl.constexpr((EXP_BIAS << 7) | (EXP_BIAS << 23))  # both halves of a pair register: 0x38003800
+ESC_DECODED = tl.constexpr(2.0 ** (EXP_BIAS - 127))  # an escape (code 0, byte 0) in the biased decode: 2^-15
 
 
 @triton.jit
@@ -166,11 +176,19 @@ def _apply_escapes(
     acc, x_ptr, esc_idx_ptr, esc_val_ptr, esc_row_ptr, offs_m, mask_m, offs_n, n0, N, K,
     stride_xm, stride_xk, BLOCK_N: tl.constexpr, ESC_BLOCK: tl.constexpr, USE_DOT: tl.constexpr,
     nw_ptr, inv, NORM: tl.constexpr, DTYPE: tl.constexpr, ROUND_BF16: tl.constexpr,
+    BIASED: tl.constexpr = False, y_scale=1.0,
 ):
     """Add the exact contributions of the escaped weights in rows [n0, min(n0 + BLOCK_N, N)) of W
     (offs_n: those rows' indices in W, so a block of the up half of [gate; up] passes n0, offs_n and
     N shifted by the gate rows). NORM: x at an escape's column is normalised as the fused kernel's
-    x planes are (kernels/u12_fused_linear.py), dtype(nw · dtype(x · inv)) with inv [BM] per row."""
+    x planes are (kernels/u12_fused_linear.py), dtype(nw · dtype(x · inv)) with inv [BM] per row.
+
+    BIASED: acc holds the biased decode's sums (its units: y / y_scale), in which every escape
+    decoded to 2^-15 (``ESC_DECODED``). That term is taken back in those units, where it is the
+    exact product the loop added, before the scale: y = (acc - Σ x 2^-15) · y_scale + Σ x w. Else
+    acc is y's sums already and the escapes decoded to +0.0: y = acc + Σ x w."""
+    spur = tl.zeros_like(acc)  # BIASED: Σ x · 2^-15 over a row's escapes, in acc's units
+    esc = tl.zeros_like(acc)  # Σ x · w over a row's escapes, in y's units
     start = tl.load(esc_row_ptr + n0)
     end = tl.load(esc_row_ptr + tl.minimum(n0 + BLOCK_N, N))
     for e0 in range(start, end, ESC_BLOCK):
@@ -190,7 +208,9 @@ def _apply_escapes(
         contrib = xg * val[None, :]
         n_nonfinite = tl.sum(tl.sum((contrib - contrib != 0).to(tl.int32), axis=1), axis=0)
         if n_nonfinite == 0:
-            acc = _scatter_escapes(acc, contrib, rows, offs_n, USE_DOT)
+            esc = _scatter_escapes(esc, contrib, rows, offs_n, USE_DOT)
+            if BIASED:  # finite too: x is finite wherever x · w is
+                spur = _scatter_escapes(spur, xg * ESC_DECODED, rows, offs_n, USE_DOT)
         else:
             for e in range(e0, tl.minimum(e0 + ESC_BLOCK, end)):
                 i = tl.load(esc_idx_ptr + e)
@@ -198,8 +218,14 @@ def _apply_escapes(
                 xcol = tl.load(x_ptr + offs_m * stride_xm + (i % K) * stride_xk, mask=mask_m, other=0.0).to(tl.float32)
                 if NORM:
                     xcol = _normalize(xcol, inv, tl.load(nw_ptr + i % K).to(tl.float32), DTYPE, ROUND_BF16)
-                acc += tl.where(offs_n[None, :] == i // K, (xcol * v)[:, None], 0.0)
-    return acc
+                hit = offs_n[None, :] == i // K
+                esc += tl.where(hit, (xcol * v)[:, None], 0.0)
+                if BIASED:
+                    spur += tl.where(hit, (xcol * ESC_DECODED)[:, None], 0.0)
+    if BIASED:
+        return (acc - spur) * y_scale + esc  # the scale: exact (a power of two)
+    else:
+        return acc + esc
 
 
 @triton.jit(do_not_specialize=["split_k"])  # one compile serves split_k = 1 and > 1
@@ -276,8 +302,10 @@ def _store_block(
     out, x_ptr, esc_idx_ptr, esc_val_ptr, esc_row_ptr, y_ptr, part_ptr, count_ptr, offs_m, mask_m, offs_n, mask_n,
     n0, pid_n, pid_k, pid_m, M, N, K, split_k, stride_xm, stride_xk, stride_ym,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ESC_BLOCK: tl.constexpr, USE_DOT: tl.constexpr,
+    BIASED: tl.constexpr = False, y_scale=1.0,
 ):
-    """Store a program's fp32 sums ``out`` [BM, BN] (already scaled): with split_k 1 add the escapes and
+    """Store a program's fp32 sums ``out`` [BM, BN] (y's units, or BIASED the biased decode's, which
+    the escape step scales by y_scale; ``_apply_escapes``): with split_k 1 add the escapes and
     store y; else store the partial, and the last program of the block (the serial split-K semaphore)
     sums the partials in split order, adds the escapes, stores y and resets the counter. Shared by
     the tile kernel and the mma kernel (kernels/u12_mma.py)."""
@@ -287,6 +315,7 @@ def _store_block(
         out = _apply_escapes(
             out, x_ptr, esc_idx_ptr, esc_val_ptr, esc_row_ptr, offs_m, mask_m, offs_n, n0, N, K,
             stride_xm, stride_xk, BLOCK_N, ESC_BLOCK, USE_DOT, x_ptr, 1.0, False, y_ptr.dtype.element_ty, False,
+            BIASED, y_scale,
         )
         tl.store(y, out.to(y_ptr.dtype.element_ty), mask=mask_out)
     else:
@@ -302,6 +331,7 @@ def _store_block(
             total = _apply_escapes(
                 total, x_ptr, esc_idx_ptr, esc_val_ptr, esc_row_ptr, offs_m, mask_m, offs_n, n0, N, K,
                 stride_xm, stride_xk, BLOCK_N, ESC_BLOCK, USE_DOT, x_ptr, 1.0, False, y_ptr.dtype.element_ty, False,
+                BIASED, y_scale,
             )
             tl.store(y, total.to(y_ptr.dtype.element_ty), mask=mask_out)
             tl.atomic_xchg(counter, 0)  # ready for the next launch (and CUDA graph replays)
@@ -341,10 +371,10 @@ def _select_bits(mask_src, other, MASK: tl.constexpr, ASM: tl.constexpr):
 
 @triton.jit
 def _pair_patterns(s, c, ASM: tl.constexpr):
-    """The bf16 bit patterns of weights (0, 2) (low, high half) and (1, 3) of each word, scaled decode
+    """The bf16 bit patterns of weights (0, 2) (low, high half) and (1, 3) of each word, biased decode
     (``_decode_planes`` says how)."""
-    e02 = (c & 0x0F0F) * 0x8080
-    e13 = (c & 0xF0F0) * 0x0808
+    e02 = (c & 0x0F0F) * 0x8080 + PAIR_BIAS  # one IMAD: the bias is the multiply's addend
+    e13 = (c & 0xF0F0) * 0x0808 + PAIR_BIAS
     p02 = _select_bits(e02, _prmt(s, s, 0x2200, ASM), 0x7F807F80, ASM)
     p13 = _select_bits(e13, _prmt(s, s, 0x3311, ASM), 0x7F807F80, ASM)
     return p02, p13
@@ -352,16 +382,17 @@ def _pair_patterns(s, c, ASM: tl.constexpr):
 
 @triton.jit
 def _decode_planes(s, c, ASM: tl.constexpr):
-    """The scaled decode of int32 words ``s`` (4 sign/mantissa bytes) and their int16 code words
-    ``c`` (4 nibbles) into four fp32 planes, plane j holding weight 4 w + j times 2^-(base-1)
-    (escapes, code 0 and byte 0, are +0.0); no join or reshape, so no layout change.
+    """The biased decode of int32 words ``s`` (4 sign/mantissa bytes) and their int16 code words
+    ``c`` (4 nibbles) into four fp32 planes, plane j holding weight 4 w + j times 2^(113-base)
+    (exponent field 112 + code; an escape, code 0 and byte 0, is 2^-15); no join or reshape, so no
+    layout change.
 
     The bf16 patterns of weights (0, 2) and (1, 3) are built in one 32-bit register each:
     prmt repeats bytes ([b2 b2 b0 b0]: sign at bit 15, mantissa at bits 0-6 of each half),
-    (c & 0x0F0F) · 0x8080 puts code 0 at bits 7-10 and code 2 at bits 23-26 with zeros beside them
-    (the cross terms land in bits 15-19), and one bit-select takes both exponent fields (mask
-    0x7F807F80) from the codes. 12 integer ops a word of 4 weights: 2 masks, 2 multiplies, 2 prmt,
-    2 bit-selects, 4 to split the pairs to fp32.
+    (c & 0x0F0F) · 0x8080 + 0x38003800 puts code 0 at bits 7-10 and code 2 at bits 23-26 with the
+    bias 112 = 0b1110000 beside each (bits 11-13, 27-29; the cross terms land in bits 15-19), and one
+    bit-select takes both exponent fields (mask 0x7F807F80) from there. 12 integer ops a word of 4
+    weights: 2 masks, 2 multiply-adds, 2 prmt, 2 bit-selects, 4 to split the pairs to fp32.
     """
     p02, p13 = _pair_patterns(s, c, ASM)
     w0 = (p02 << 16).to(tl.float32, bitcast=True)
@@ -425,23 +456,21 @@ def _fma_planes(acc, sm_rows, code_rows, offs_w, mask, x0, x1, x2, x3, MASKED: t
 
 @triton.jit
 def _gemv_chunk(
-    acc, start, sm_rows, code_rows, x_rows, n_words, x_scale,
+    acc, start, sm_rows, code_rows, x_rows, n_words,
     BLOCK_W: tl.constexpr, X_WORDS: tl.constexpr, MASKED: tl.constexpr, ASM: tl.constexpr,
 ):
-    """acc[m, n, w] += sum over j of x[m, 4 w + j] 2^64 · w[n, 4 w + j] 2^-(base-1), for the words
-    w in [start, start + BLOCK_W); MASKED: words past K read as 0 (+0.0 weights, 0 activations)."""
+    """acc[m, n, w] += sum over j of x[m, 4 w + j] · w[n, 4 w + j] 2^(113-base), for the words
+    w in [start, start + BLOCK_W); MASKED: words past K read as 0 (2^-15 weights, 0 activations)."""
     offs_w = (start + tl.arange(0, BLOCK_W))[None, None, :]
     mask = offs_w < n_words
     x0, x1, x2, x3 = _x_planes(x_rows, offs_w, mask, X_WORDS, MASKED)
-    # x_scale: exact (a power of two)
-    return _fma_planes(acc, sm_rows, code_rows, offs_w, mask, x0 * x_scale, x1 * x_scale, x2 * x_scale,
-                       x3 * x_scale, MASKED, ASM)
+    return _fma_planes(acc, sm_rows, code_rows, offs_w, mask, x0, x1, x2, x3, MASKED, ASM)
 
 
 @triton.jit
 def _u12_gemv_kernel(
     x_ptr, sm_ptr, codes_ptr, esc_idx_ptr, esc_val_ptr, esc_row_ptr, y_ptr,
-    M, N, K, n_words, x_scale, y_scale_lo, y_scale_hi,
+    M, N, K, n_words, y_scale,
     stride_xm, stride_xk, stride_sm, stride_codes, stride_ym,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, ESC_BLOCK: tl.constexpr,
     X_WORDS: tl.constexpr,  # bf16 x read as int64 words of 4 (contiguous rows, 8-byte aligned); else fp32 elements
@@ -449,7 +478,7 @@ def _u12_gemv_kernel(
     ASM: tl.constexpr,  # PTX prmt/lop3 (GPU); else their shift-and-mask emulation (interpreter)
     PDL: tl.constexpr,  # programmatic dependent launch (kernels/overlap.py)
 ):
-    """All M (<= 4) rows of x against BLOCK_N rows of W on the scaled path (K % 4 == 0, 1 <= base <= 240)."""
+    """All M (<= 4) rows of x against BLOCK_N rows of W by the biased decode (K % 4 == 0, 1 <= base <= 240)."""
     pdl_enter(PDL)
     pid_n = tl.program_id(0)
     n0 = pid_n * BLOCK_N
@@ -473,14 +502,12 @@ def _u12_gemv_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_W), dtype=tl.float32)  # reduced once, after the loop
     full_words = n_words - n_words % BLOCK_W
     for start in range(0, full_words, BLOCK_W):
-        acc = _gemv_chunk(acc, start, sm_rows, code_rows, x_rows, n_words, x_scale, BLOCK_W, X_WORDS, False, ASM)
+        acc = _gemv_chunk(acc, start, sm_rows, code_rows, x_rows, n_words, BLOCK_W, X_WORDS, False, ASM)
     if not EVEN_K:
-        acc = _gemv_chunk(acc, full_words, sm_rows, code_rows, x_rows, n_words, x_scale, BLOCK_W, X_WORDS, True, ASM)
-    out = tl.sum(acc, axis=2) * y_scale_lo * y_scale_hi  # exact: powers of two
-
-    out = _apply_escapes(
-        out, x_ptr, esc_idx_ptr, esc_val_ptr, esc_row_ptr, offs_m, mask_m, offs_n, n0, N, K,
-        stride_xm, stride_xk, BLOCK_N, ESC_BLOCK, False, x_ptr, 1.0, False, y_ptr.dtype.element_ty, False,
+        acc = _gemv_chunk(acc, full_words, sm_rows, code_rows, x_rows, n_words, BLOCK_W, X_WORDS, True, ASM)
+    out = _apply_escapes(  # scales the sums to y's
+        tl.sum(acc, axis=2), x_ptr, esc_idx_ptr, esc_val_ptr, esc_row_ptr, offs_m, mask_m, offs_n, n0, N, K,
+        stride_xm, stride_xk, BLOCK_N, ESC_BLOCK, False, x_ptr, 1.0, False, y_ptr.dtype.element_ty, False, True, y_scale,
     )
     y = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
     tl.store(y, out.to(y_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
@@ -545,6 +572,7 @@ SWEEP_GEMV2 = [
         (32, 64, 4), (32, 128, 8),
         (4, 128, 2), (4, 256, 4), (8, 128, 4), (8, 256, 8), (16, 64, 4), (32, 32, 4),  # 8 words
         (4, 128, 4), (8, 64, 4),  # 4 words
+        (4, 256, 1), (8, 128, 1), (4, 128, 1), (2, 256, 1),  # one warp a program: 32, 32, 16, 16 words
     )
 ] + [
     U12Config(16, 256, num_warps=4, num_stages=3, kernel="gemv2"),
@@ -668,6 +696,12 @@ def _scales(base: int) -> tuple[bool, float, float, float]:
     return True, 2.0**X_SCALE_LOG2, 2.0**lo, 2.0 ** (q - lo)
 
 
+def biased_scale(base: int) -> float:
+    """y's scale in the biased decode (gemv2, u12_fused_linear, mma; 1 <= base <= 240): a weight
+    decodes to w' = w · 2^(113-base), so y = (Σ x w') · 2^(base-113), a normal fp32 for every such base."""
+    return 2.0 ** (base - 1 - EXP_BIAS)
+
+
 def gemv2_applies(m: int, k: int, base: int) -> bool:
     """Whether a gemv2 config runs the gemv2 kernel: M <= 4, word loads (K % 4 == 0) and the scaled decode."""
     return m <= 4 and k > 0 and k % 4 == 0 and _scales(base)[0]
@@ -678,9 +712,7 @@ def gemv2_acc_registers(cfg: U12Config, block_m: int) -> int:
     return block_m * cfg.block_n * cfg.block_w // (32 * cfg.num_warps)
 
 
-def _launch_gemv2(
-    x: torch.Tensor, t: U12Tensor, y: torch.Tensor, cfg: U12Config, x_scale: float, y_lo: float, y_hi: float,
-) -> None:
+def _launch_gemv2(x: torch.Tensor, t: U12Tensor, y: torch.Tensor, cfg: U12Config) -> None:
     """y = x · Wᵀ by ``_u12_gemv_kernel``, one program per block_n rows of W (``gemv2_applies`` holds)."""
     m, k = x.shape
     n = t.shape[0]
@@ -691,7 +723,7 @@ def _launch_gemv2(
     _u12_gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
         x, sm.view(torch.int32), codes.view(torch.int16),
         _nonempty(t.esc_idx), _nonempty(t.esc_val), t.esc_row_ptr, y,
-        m, n, k, n_words, x_scale, y_lo, y_hi,
+        m, n, k, n_words, biased_scale(t.base),
         x.stride(0), x.stride(1), n_words, n_words, y.stride(0),
         BLOCK_M=_block_m(m), BLOCK_N=cfg.block_n, BLOCK_W=cfg.block_w, ESC_BLOCK=_ESC_BLOCK,
         X_WORDS=x_words, EVEN_K=n_words % cfg.block_w == 0,
@@ -736,12 +768,12 @@ def u12_linear(x: torch.Tensor, t: U12Tensor, config: U12Config | None = None) -
     cfg = config or default_config(m, n, k, x.is_cuda)
     scaled, x_scale, y_lo, y_hi = _scales(t.base)
     if cfg.kernel == "gemv2" and gemv2_applies(m, k, t.base):
-        _launch_gemv2(x, t, y, cfg, x_scale, y_lo, y_hi)
+        _launch_gemv2(x, t, y, cfg)
         return y
     if cfg.kernel == "mma":
         from .u12_mma import launch_mma, mma_applies  # here: u12_mma imports this module's helpers
         if mma_applies(m, k, t.base):
-            launch_mma(x, t, y, cfg, x_scale, y_lo, y_hi)
+            launch_mma(x, t, y, cfg)
             return y
     if cfg.kernel != "tile":  # gemv2 or mma where they do not apply (M, K % 4, base): the tile kernel's default
         cfg = _tile_config(m, n, k, x.is_cuda)

@@ -325,13 +325,15 @@ def _all_patterns(base: int) -> tuple[torch.Tensor, U12Tensor]:
     return w, pack_u12(w, base=base)
 
 
-def _assert_decoded(out: torch.Tensor, w: torch.Tensor, t: U12Tensor, scaled: bool) -> None:
-    """out (fp32 bits, k order) is each in-window weight, times 2^-(base-1) when scaled; escapes +0."""
+def _assert_decoded(out: torch.Tensor, w: torch.Tensor, t: U12Tensor, scaled: bool, biased: bool = False) -> None:
+    """out (fp32 bits, k order) is each in-window weight, times 2^-(base-1) when scaled, 2^(113-base)
+    when biased; escapes +0.0, or 2^-15 when biased (what the escape pass takes back)."""
     escaped = torch.zeros(w.numel(), dtype=torch.bool)
     escaped[t.esc_idx.long()] = True
     escaped = escaped.view(w.shape)
-    assert not out[escaped].view(torch.int32).any(), "escapes decode to +0.0"
-    expected = w.float() * (2.0 ** -(t.base - 1) if scaled else 1.0)
+    esc_bits = 0x38000000 if biased else 0  # 2^-15: exponent field 112, sign and mantissa 0
+    assert (out[escaped].view(torch.int32) == esc_bits).all(), "escapes decode to the fixed pattern"
+    expected = w.float() * (2.0 ** (113 - t.base) if biased else 2.0 ** -(t.base - 1) if scaled else 1.0)
     kept = ~escaped & ~w.float().isnan()
     assert torch.equal(out[kept].view(torch.int32), expected[kept].view(torch.int32))
     assert out[~escaped & w.float().isnan()].isnan().all()
@@ -370,15 +372,17 @@ def _planes_kernel(sm_ptr, codes_ptr, out_ptr, ASM: tl.constexpr, BN: tl.constex
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
 @pytest.mark.parametrize("asm", [False, True] if torch.cuda.is_available() else [False])
 def test_decode_planes_bit_exact(asm):
-    """The gemv2 decode (scaled path) of every pattern: PTX prmt/lop3 (GPU) and their shift-and-mask
-    emulation must give the same bits, the weight times 2^-(base-1), escapes +0."""
+    """The gemv2 decode (biased) of every pattern: PTX prmt/lop3 (GPU) and their shift-and-mask
+    emulation must give the same bits, the weight times 2^(113-base), escapes 2^-15; at the lowest
+    base (the window's lowest exponent the lowest normal one) and the highest."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    w, t = _all_patterns(base=1)
-    n, k = w.shape
-    out = torch.empty(n, k, dtype=torch.float32, device=device)
-    _planes_kernel[(1,)](t.sm.view(torch.int32).to(device), t.codes.view(torch.int16).to(device), out,
-                         ASM=asm, BN=n, BW=k // 4)
-    _assert_decoded(out.cpu(), w, t, scaled=True)
+    for base in (1, MAX_BASE - 1):
+        w, t = _all_patterns(base=base)
+        n, k = w.shape
+        out = torch.empty(n, k, dtype=torch.float32, device=device)
+        _planes_kernel[(1,)](t.sm.view(torch.int32).to(device), t.codes.view(torch.int16).to(device), out,
+                             ASM=asm, BN=n, BW=k // 4)
+        _assert_decoded(out.cpu(), w, t, scaled=False, biased=True)
 
 
 def test_rows_and_concat_are_exact():
