@@ -14,7 +14,9 @@ Variants (runtime/fused.py): bf16 (the fused path: fused_linear with its norm pr
 epilogues); u12-unfused (u12_linear beside the separate rmsnorm, SiLU·mul and add kernels: the
 default u12 layers until this comparison); u12-epilogues (u12_fused_linear's SiLU·mul and residual
 epilogues, the norms as rmsnorm kernels: the default since); u12-prologue (u12_fused_linear with
-its norm prologue too). Batch 1, a 512-token context, a device-length cache of 2048 slots; random
+its norm prologue too); u12-2rows, u12-1warp, u12-bn8 (the default with other gemv2 tiles for
+qkv, o and down: ``TILE_VARIANTS``; not under --smoke, whose tiny shapes TUNED does not hold).
+Batch 1, a 512-token context, a device-length cache of 2048 slots; random
 bf16 weights N(0, 0.02).
 """
 
@@ -35,6 +37,8 @@ import triton
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the bench scripts beside this one
 import step_times as st  # noqa: E402  (SHAPES, graphed, random_, time_fn, to_u12)
 
+from specpilot.kernels import u12_linear  # noqa: E402
+from specpilot.kernels.u12_linear import U12Config  # noqa: E402
 from specpilot.runtime.config import ModelConfig  # noqa: E402
 from specpilot.runtime.fused import fused_path  # noqa: E402
 from specpilot.runtime.model import Transformer  # noqa: E402
@@ -44,10 +48,25 @@ U12_VARIANTS = {  # name: FusedOps fields over the default ops
     "u12-epilogues": dict(u12_kernel="triton-u12", u12_norms_apart=True),  # the default
     "u12-prologue": dict(u12_kernel="triton-u12", u12_norms_apart=False),
 }
+_QKV, _O, _DOWN = (1, 6144, 4096), (1, 4096, 4096), (1, 4096, 14336)  # TUNED keys: (M block, N, K)
+
+
+def _gemv2(bn: int, bw: int, warps: int) -> U12Config:
+    return U12Config(bn, bw, num_warps=warps, num_stages=1, kernel="gemv2")
+
+
+# The default u12 step (u12-epilogues) with other gemv2 tiles for the BLOCK_N 4 linears (qkv, o,
+# down), in place of TUNED's for the capture: rows a thread holds (each reads and converts its x
+# once for all of them) against programs in flight.
+TILE_VARIANTS = {
+    "u12-2rows": {_QKV: _gemv2(4, 256, 2), _O: _gemv2(4, 256, 2), _DOWN: _gemv2(4, 256, 2)},
+    "u12-1warp": {_QKV: _gemv2(4, 128, 1), _O: _gemv2(4, 128, 1), _DOWN: _gemv2(4, 256, 1)},
+    "u12-bn8": {_QKV: _gemv2(8, 128, 2), _O: _gemv2(8, 128, 2), _DOWN: _gemv2(8, 256, 4)},
+}
 
 
 @torch.inference_mode()
-def capture(shape: str) -> tuple[dict, list]:
+def capture(shape: str, tiles: bool) -> tuple[dict, list]:
     """({variant: graph replay} over one model's weights, what the graphs read and must outlive:
     the caches, and the bf16 weights that the u12 modules replaced)."""
     cfg = ModelConfig.from_hf(st.SHAPES[shape], shape)
@@ -74,6 +93,15 @@ def capture(shape: str) -> tuple[dict, list]:
             model.fused.ops = dataclasses.replace(ops, **fields)
             graphs[name] = capture_step()
         model.fused.ops = ops
+        if tiles:
+            tuned = dict(u12_linear.TUNED)
+            for name, override in TILE_VARIANTS.items():
+                u12_linear.TUNED.update(override)  # read when the capture launches each kernel
+                try:
+                    graphs[name] = capture_step()
+                finally:
+                    u12_linear.TUNED.clear()
+                    u12_linear.TUNED.update(tuned)
     return graphs, keep
 
 
@@ -94,7 +122,7 @@ def main() -> int:
     elif not torch.cuda.is_available():
         print("bench/step_ab.py needs a CUDA GPU (or --smoke)", file=sys.stderr)
         return 2
-    graphs, _keep = capture(shape)
+    graphs, _keep = capture(shape, tiles=not args.smoke)
     names = list(graphs)
     per_round: dict[str, list[float]] = {n: [] for n in names}
     with torch.inference_mode():  # (--smoke replays the steps themselves)
