@@ -154,7 +154,7 @@ def time_graph(fns, reps: int = 20) -> float:
 
 def whole_step(best: dict, gen: torch.Generator) -> list[dict]:
     """The 32 layers' linears + lm_head in one CUDA graph, cuBLAS bf16 vs u12 (best configs)."""
-    from specpilot.kernels.u12_linear import u12_linear, u12_linear_planes, x_planes
+    from specpilot.kernels.u12_linear import u12_linear
     from specpilot.runtime.u12 import pack_u12
 
     weights = []  # (name, bf16 weight, u12 weight)
@@ -168,16 +168,10 @@ def whole_step(best: dict, gen: torch.Generator) -> list[dict]:
         bf16 = [lambda x=xs[w.shape[1]], w=w: x @ w.T for _, w, _ in weights]
         u12 = [lambda x=xs[t.shape[1]], t=t, c=best.get((name, m)): u12_linear(x, t, c) for name, _, t in weights]
         cublas_ms, u12_ms = time_graph(bf16), time_graph(u12)
-        xps = {k: x_planes(x) for k, x in xs.items()}
-        planes = [lambda xp=xps[t.shape[1]], t=t, c=best.get((name, m)): u12_linear_planes(xp, t, config=c)
-                  for name, _, t in weights]
-        planes_ms = time_graph(planes)
         out.append({
             "what": "32 layers' qkv/o/gate_up/down + lm_head linears of Llama-3.1-8B in one CUDA graph "
-                    "(no attention, norms or activations): the whole-AR-step proxy; planes: x as fp32 planes "
-                    "(u12_linear_planes; M <= 4 at gemv2 configs, else the same u12_linear after a rebuild)",
+                    "(no attention, norms or activations): the whole-AR-step proxy",
             "M": m, "cublas_ms": cublas_ms, "u12_ms": u12_ms, "speedup": cublas_ms / u12_ms,
-            "u12_planes_ms": planes_ms, "planes_speedup": cublas_ms / planes_ms,
             "bf16_weight_gb": sum(w.numel() * 2 for _, w, _ in weights) / 1e9,
             "u12_weight_gb": sum(t.nbytes for _, _, t in weights) / 1e9,
         })
@@ -199,14 +193,7 @@ def main() -> None:
     import triton
     from triton.testing import do_bench
 
-    from specpilot.kernels.u12_linear import (
-        _block_m,
-        gemv2_applies,
-        u12_linear,
-        u12_linear_planes,
-        u12_linear_reference,
-        x_planes,
-    )
+    from specpilot.kernels.u12_linear import _block_m, u12_linear, u12_linear_reference
     from specpilot.runtime.u12 import pack_u12
 
     t0 = time.monotonic()
@@ -245,19 +232,12 @@ def main() -> None:
             if (name, m) in best:
                 cfg, us, err = best[(name, m)]
                 default = next((r for r in sweep if r["name"] == name and r["M"] == m and r["default"]), {})
-                planes_us = None
-                if cfg.kernel == "gemv2" and gemv2_applies(m, k, t.base):  # the best config with x as planes
-                    xp = x_planes(x)
-                    check_close(u12_linear_planes(xp, t, config=cfg), ref, scale)
-                    planes_us = do_bench(lambda xp=xp, t=t, cfg=cfg: u12_linear_planes(xp, t, config=cfg),
-                                         warmup=5, rep=20, return_mode="median") * 1e3
                 rows.append({
                     **base, "u12_us": us, "speedup": t_cublas / us,
                     "cublas_tb_s": (2 * n * k + io) / t_cublas / 1e6, "u12_tb_s": (t.nbytes + io) / us / 1e6,
                     "u12_bytes": t.nbytes, "bf16_bytes": 2 * n * k, "escapes": t.esc_idx.numel(),
                     "rel_err_vs_reference": err, "config": str(cfg),
                     "default_config": default.get("config"), "default_us": default.get("us"),
-                    "planes_us": planes_us,
                 })
         del w, t, scale
         torch.cuda.empty_cache()
@@ -288,16 +268,13 @@ def main() -> None:
     out = write_result(result, args.out, "u12_linear", gpu)
     print_sweep_summary(gpu, out, sweep, sweep_s)
     for s in step:
-        print(f"whole step M={s['M']}: cuBLAS {s['cublas_ms']:.2f} ms, u12 {s['u12_ms']:.2f} ms, {s['speedup']:.2f}x, "
-              f"planes {s['u12_planes_ms']:.2f} ms, {s['planes_speedup']:.2f}x"
+        print(f"whole step M={s['M']}: cuBLAS {s['cublas_ms']:.2f} ms, u12 {s['u12_ms']:.2f} ms, {s['speedup']:.2f}x"
               if "M" in s else f"whole step: {s['error']}")
-    print(f"{'shape':<8} {'M':>3} {'cuBLAS us':>10} {'TB/s':>6} {'u12 us':>8} {'TB/s':>6} {'speedup':>8} {'default':>8} "
-          f"{'planes':>7}  best config")
+    print(f"{'shape':<8} {'M':>3} {'cuBLAS us':>10} {'TB/s':>6} {'u12 us':>8} {'TB/s':>6} {'speedup':>8} {'default':>8}  best config")
     for r in rows:
         d = f"{r['cublas_us'] / r['default_us']:.2f}x" if r["default_us"] else "-"
         print(f"{r['name']:<8} {r['M']:>3} {r['cublas_us']:>10.1f} {r['cublas_tb_s']:>6.2f} {r['u12_us']:>8.1f} "
-              f"{r['u12_tb_s']:>6.2f} {r['speedup']:>7.2f}x {d:>8} "
-              f"{r['cublas_us'] / r['planes_us'] if r['planes_us'] else 0:>6.2f}x  {r['config']}")
+              f"{r['u12_tb_s']:>6.2f} {r['speedup']:>7.2f}x {d:>8}  {r['config']}")
 
 
 if __name__ == "__main__":

@@ -176,7 +176,7 @@ def _apply_escapes(
     acc, x_ptr, esc_idx_ptr, esc_val_ptr, esc_row_ptr, offs_m, mask_m, offs_n, n0, N, K,
     stride_xm, stride_xk, BLOCK_N: tl.constexpr, ESC_BLOCK: tl.constexpr, USE_DOT: tl.constexpr,
     nw_ptr, inv, NORM: tl.constexpr, DTYPE: tl.constexpr, ROUND_BF16: tl.constexpr,
-    BIASED: tl.constexpr = False, y_scale=1.0, X_PLANES: tl.constexpr = False,
+    BIASED: tl.constexpr = False, y_scale=1.0,
 ):
     """Add the exact contributions of the escaped weights in rows [n0, min(n0 + BLOCK_N, N)) of W
     (offs_n: those rows' indices in W, so a block of the up half of [gate; up] passes n0, offs_n and
@@ -186,8 +186,7 @@ def _apply_escapes(
     BIASED: acc holds the biased decode's sums (its units: y / y_scale), in which every escape
     decoded to 2^-15 (``ESC_DECODED``). That term is taken back in those units, where it is the
     exact product the loop added, before the scale: y = (acc - Σ x 2^-15) · y_scale + Σ x w. Else
-    acc is y's sums already and the escapes decoded to +0.0: y = acc + Σ x w. X_PLANES: x is in
-    planes (``x_planes``), so column k is at (k % 4) · K/4 + k // 4 of its row."""
+    acc is y's sums already and the escapes decoded to +0.0: y = acc + Σ x w."""
     spur = tl.zeros_like(acc)  # BIASED: Σ x · 2^-15 over a row's escapes, in acc's units
     esc = tl.zeros_like(acc)  # Σ x · w over a row's escapes, in y's units
     start = tl.load(esc_row_ptr + n0)
@@ -199,12 +198,8 @@ def _apply_escapes(
         val = (tl.load(esc_val_ptr + offs_e, mask=mask_e, other=0).to(tl.int32) << 16).to(tl.float32, bitcast=True)
         rows = tl.where(mask_e, idx // K, -1)
         cols = idx % K
-        if X_PLANES:
-            at = (cols % 4) * (K // 4) + cols // 4
-        else:
-            at = cols * stride_xk
         xg = tl.load(
-            x_ptr + offs_m[:, None] * stride_xm + at[None, :],
+            x_ptr + offs_m[:, None] * stride_xm + cols[None, :] * stride_xk,
             mask=mask_m[:, None] & mask_e[None, :], other=0.0,
         ).to(tl.float32)
         if NORM:
@@ -220,11 +215,7 @@ def _apply_escapes(
             for e in range(e0, tl.minimum(e0 + ESC_BLOCK, end)):
                 i = tl.load(esc_idx_ptr + e)
                 v = (tl.load(esc_val_ptr + e).to(tl.int32) << 16).to(tl.float32, bitcast=True)
-                if X_PLANES:
-                    at1 = (i % K % 4) * (K // 4) + i % K // 4
-                else:
-                    at1 = (i % K) * stride_xk
-                xcol = tl.load(x_ptr + offs_m * stride_xm + at1, mask=mask_m, other=0.0).to(tl.float32)
+                xcol = tl.load(x_ptr + offs_m * stride_xm + (i % K) * stride_xk, mask=mask_m, other=0.0).to(tl.float32)
                 if NORM:
                     xcol = _normalize(xcol, inv, tl.load(nw_ptr + i % K).to(tl.float32), DTYPE, ROUND_BF16)
                 hit = offs_n[None, :] == i // K
@@ -422,24 +413,10 @@ def bf16x4_to_fp32(v):
 
 
 @triton.jit
-def _x_planes(x_rows, offs_w, mask, X_WORDS: tl.constexpr, MASKED: tl.constexpr, X_PLANES: tl.constexpr = False,
-              plane=0):
-    """x[m, 4 w + j] for j = 0..3 as fp32. X_PLANES: x in fp32 planes (``x_planes``: plane j of a row
-    holds x[m, 4 w + j] at w, `plane` elements apart), four contiguous loads, no conversion;
-    X_WORDS: bf16 x read as one int64 word per w (4 bf16), split in registers; else four strided
-    element loads."""
-    if X_PLANES:
-        if MASKED:
-            x0 = tl.load(x_rows + offs_w, mask=mask, other=0.0)
-            x1 = tl.load(x_rows + plane + offs_w, mask=mask, other=0.0)
-            x2 = tl.load(x_rows + 2 * plane + offs_w, mask=mask, other=0.0)
-            x3 = tl.load(x_rows + 3 * plane + offs_w, mask=mask, other=0.0)
-        else:
-            x0 = tl.load(x_rows + offs_w)
-            x1 = tl.load(x_rows + plane + offs_w)
-            x2 = tl.load(x_rows + 2 * plane + offs_w)
-            x3 = tl.load(x_rows + 3 * plane + offs_w)
-    elif X_WORDS:
+def _x_planes(x_rows, offs_w, mask, X_WORDS: tl.constexpr, MASKED: tl.constexpr):
+    """x[m, 4 w + j] for j = 0..3 as fp32. X_WORDS: bf16 x read as one int64 word per w (4 bf16),
+    split in registers; else four strided element loads."""
+    if X_WORDS:
         if MASKED:
             xw = tl.load(x_rows + offs_w, mask=mask, other=0)
         else:
@@ -480,13 +457,13 @@ def _fma_planes(acc, sm_rows, code_rows, offs_w, mask, x0, x1, x2, x3, MASKED: t
 @triton.jit
 def _gemv_chunk(
     acc, start, sm_rows, code_rows, x_rows, n_words,
-    BLOCK_W: tl.constexpr, X_WORDS: tl.constexpr, MASKED: tl.constexpr, ASM: tl.constexpr, X_PLANES: tl.constexpr,
+    BLOCK_W: tl.constexpr, X_WORDS: tl.constexpr, MASKED: tl.constexpr, ASM: tl.constexpr,
 ):
     """acc[m, n, w] += sum over j of x[m, 4 w + j] · w[n, 4 w + j] 2^(113-base), for the words
     w in [start, start + BLOCK_W); MASKED: words past K read as 0 (2^-15 weights, 0 activations)."""
     offs_w = (start + tl.arange(0, BLOCK_W))[None, None, :]
     mask = offs_w < n_words
-    x0, x1, x2, x3 = _x_planes(x_rows, offs_w, mask, X_WORDS, MASKED, X_PLANES, n_words)
+    x0, x1, x2, x3 = _x_planes(x_rows, offs_w, mask, X_WORDS, MASKED)
     return _fma_planes(acc, sm_rows, code_rows, offs_w, mask, x0, x1, x2, x3, MASKED, ASM)
 
 
@@ -497,7 +474,6 @@ def _u12_gemv_kernel(
     stride_xm, stride_xk, stride_sm, stride_codes, stride_ym,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, ESC_BLOCK: tl.constexpr,
     X_WORDS: tl.constexpr,  # bf16 x read as int64 words of 4 (contiguous rows, 8-byte aligned); else fp32 elements
-    X_PLANES: tl.constexpr,  # x in fp32 planes [M, 4, K/4] (x_planes): no conversion in the loop
     EVEN_K: tl.constexpr,  # n_words % BLOCK_W == 0: no masked last chunk
     ASM: tl.constexpr,  # PTX prmt/lop3 (GPU); else their shift-and-mask emulation (interpreter)
     PDL: tl.constexpr,  # programmatic dependent launch (kernels/overlap.py)
@@ -526,14 +502,12 @@ def _u12_gemv_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_W), dtype=tl.float32)  # reduced once, after the loop
     full_words = n_words - n_words % BLOCK_W
     for start in range(0, full_words, BLOCK_W):
-        acc = _gemv_chunk(acc, start, sm_rows, code_rows, x_rows, n_words, BLOCK_W, X_WORDS, False, ASM, X_PLANES)
+        acc = _gemv_chunk(acc, start, sm_rows, code_rows, x_rows, n_words, BLOCK_W, X_WORDS, False, ASM)
     if not EVEN_K:
-        acc = _gemv_chunk(acc, full_words, sm_rows, code_rows, x_rows, n_words, BLOCK_W, X_WORDS, True, ASM,
-                          X_PLANES)
+        acc = _gemv_chunk(acc, full_words, sm_rows, code_rows, x_rows, n_words, BLOCK_W, X_WORDS, True, ASM)
     out = _apply_escapes(  # scales the sums to y's
         tl.sum(acc, axis=2), x_ptr, esc_idx_ptr, esc_val_ptr, esc_row_ptr, offs_m, mask_m, offs_n, n0, N, K,
         stride_xm, stride_xk, BLOCK_N, ESC_BLOCK, False, x_ptr, 1.0, False, y_ptr.dtype.element_ty, False, True, y_scale,
-        X_PLANES,
     )
     y = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
     tl.store(y, out.to(y_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
@@ -738,57 +712,25 @@ def gemv2_acc_registers(cfg: U12Config, block_m: int) -> int:
     return block_m * cfg.block_n * cfg.block_w // (32 * cfg.num_warps)
 
 
-def _launch_gemv2(x: torch.Tensor, t: U12Tensor, y: torch.Tensor, cfg: U12Config, planes: bool = False) -> None:
-    """y = x · Wᵀ by ``_u12_gemv_kernel``, one program per block_n rows of W (``gemv2_applies`` holds);
-    planes: x is ``x_planes``'s [M, 4, K/4] fp32 (contiguous)."""
-    m, k = x.shape[0], t.shape[1]
+def _launch_gemv2(x: torch.Tensor, t: U12Tensor, y: torch.Tensor, cfg: U12Config) -> None:
+    """y = x · Wᵀ by ``_u12_gemv_kernel``, one program per block_n rows of W (``gemv2_applies`` holds)."""
+    m, k = x.shape
     n = t.shape[0]
     n_words = k // 4
-    x_words = x.dtype == torch.bfloat16 and not planes
-    if not planes:
-        x = aligned_rows(x, x_words)  # the kernel reads x[m, 4 w + j] at unit k stride, bf16 x as int64 words
+    x_words = x.dtype == torch.bfloat16
+    x = aligned_rows(x, x_words)  # the kernel reads x[m, 4 w + j] at unit k stride, bf16 x as int64 words
     sm, codes = t.sm.contiguous(), t.codes.contiguous()
     _u12_gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
         x, sm.view(torch.int32), codes.view(torch.int16),
         _nonempty(t.esc_idx), _nonempty(t.esc_val), t.esc_row_ptr, y,
         m, n, k, n_words, biased_scale(t.base),
-        x.stride(0), 1 if planes else x.stride(1), n_words, n_words, y.stride(0),
+        x.stride(0), x.stride(1), n_words, n_words, y.stride(0),
         BLOCK_M=_block_m(m), BLOCK_N=cfg.block_n, BLOCK_W=cfg.block_w, ESC_BLOCK=_ESC_BLOCK,
-        X_WORDS=x_words, X_PLANES=planes, EVEN_K=n_words % cfg.block_w == 0,
+        X_WORDS=x_words, EVEN_K=n_words % cfg.block_w == 0,
         # inline PTX on the GPU; the interpreter (TRITON_INTERPRET=1, read by Triton at import) runs none
         ASM=x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(x.device),
     )
-
-
-def x_planes(x: torch.Tensor) -> torch.Tensor:
-    """x [M, K] (K % 4 == 0) as fp32 planes [M, 4, K/4]: plane j of row m holds x[m, 4 w + j] at w,
-    exactly (bf16 and fp32 values are fp32 values). gemv2 reads them with no conversion in its loop
-    (``u12_linear_planes``); a producer can write them in place of x."""
-    m, k = x.shape
-    if k % 4:
-        raise ValueError(f"x_planes: K must be a multiple of 4, got {k}")
-    return x.float().view(m, k // 4, 4).transpose(1, 2).contiguous()
-
-
-def u12_linear_planes(xp: torch.Tensor, t: U12Tensor, dtype: torch.dtype = torch.bfloat16,
-                      config: U12Config | None = None) -> torch.Tensor:
-    """u12_linear(x, t) with x given as x_planes(x), y in `dtype` (x's): the same bits as
-    u12_linear(x.to(dtype), t) at a gemv2 config (the same fp32 x values, sums and order), with no
-    bf16 -> fp32 conversion in the loop. Where gemv2 does not apply, x is rebuilt and u12_linear runs."""
-    n, k = t.shape
-    if xp.dim() != 3 or xp.shape[1:] != (4, k // 4) or k % 4 or xp.dtype != torch.float32:
-        raise ValueError(f"u12_linear_planes: xp must be float32 [M, 4, {k // 4}] (x_planes of x [M, {k}]), "
-                         f"got {xp.dtype} {list(xp.shape)}")
-    if xp.device != t.device:
-        raise ValueError(f"u12_linear_planes: xp on {xp.device}, weight on {t.device}")
-    m = xp.shape[0]
-    cfg = config or default_config(m, n, k, xp.is_cuda)
-    if m == 0 or n == 0 or not (cfg.kernel == "gemv2" and gemv2_applies(m, k, t.base)):
-        return u12_linear(xp.transpose(1, 2).reshape(m, k).to(dtype), t, config)
-    y = torch.empty((m, n), dtype=dtype, device=xp.device)
-    _launch_gemv2(xp.contiguous(), t, y, cfg, planes=True)
-    return y
 
 
 def _split_k_plan(t: U12Tensor, cfg: U12Config, m: int, n_words: int, block_m: int):

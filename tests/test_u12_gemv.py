@@ -21,9 +21,7 @@ from specpilot.kernels.u12_linear import (
     gemv2_acc_registers,
     gemv2_applies,
     u12_linear,
-    u12_linear_planes,
     u12_linear_reference,
-    x_planes,
 )
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -117,31 +115,6 @@ def test_gemv2_reads_strided_bf16_x():
     assert x_t.stride(1) != 1
     y = u12_linear(x_t, t, U12Config(4, 4, num_warps=1, kernel="gemv2"))
     _assert_matches(y, x, t)
-
-
-@pytest.mark.parametrize("m,n,k,dtype,escapes,block_n,block_w", _CASES)
-def test_planes_give_the_rows_bits(m, n, k, dtype, escapes, block_n, block_w):
-    """x as fp32 planes: the same y, bit for bit, as x's rows (the same fp32 values, sums and order),
-    escapes (read from the planes) and masked last chunks included."""
-    x, t = _make_inputs({"M": m, "N": n, "K": k, "dtype": dtype, "escapes": escapes}, DEVICE, seed=m * 100 + k + 1)
-    cfg = U12Config(block_n, block_w, num_warps=1, kernel="gemv2")
-    xp = x_planes(x)
-    assert xp.shape == (m, 4, k // 4) and torch.equal(xp[:, 1, 2], x[:, 9].float())
-    y = u12_linear_planes(xp, t, x.dtype, cfg)
-    ref = u12_linear(x, t, cfg)
-    assert y.dtype == x.dtype
-    assert torch.equal(y.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
-                       ref.view(torch.int16 if dtype == torch.bfloat16 else torch.int32))
-
-
-def test_planes_fall_back_and_check():
-    x, t = _make_inputs({"M": 5, "N": 9, "K": 40, "dtype": torch.bfloat16, "escapes": "few"}, DEVICE, seed=7)
-    y = u12_linear_planes(x_planes(x), t)  # M = 5: not gemv2's, rebuilt and given to u12_linear
-    _assert_matches(y, x, t)
-    with pytest.raises(ValueError, match=r"float32 \[M, 4, 10\]"):
-        u12_linear_planes(x_planes(x).to(torch.bfloat16), t)
-    with pytest.raises(ValueError, match="multiple of 4"):
-        x_planes(x[:, :38])
 
 
 @pytest.mark.parametrize("m,k,escapes", [(5, 64, "few"), (2, 30, "few"), (2, 64, "all")])
