@@ -67,10 +67,12 @@ Speed (H200, triton 3.6). gemv2 at M = 1 (bench/results/u12_linear_gemv2_m1_h200
 b170131): 1.27x (qkv), 1.30x (o), 1.23x (gate_up), 1.22x (down), 1.31x (lm_head) of cuBLAS bf16,
 up to 4.14 TB/s of packed bytes; all linears of a Llama-3.1-8B step in one CUDA graph: 3.14 ms
 against 3.97 ms (1.26x); the whole fused AR step with every linear in u12 (u12_fused_linear's
-epilogues around this loop, the norms apart) runs 3.72 ms against 4.18 ms for the bf16 step with
-fused_linear, interleaved in one run (bench/results/step_ab_h200.json, commit 52a0fe1); in that
-step's profile the u12 GEMVs read 3.39 TB/s of packed bytes against 3.89 TB/s for the bf16 ones
-(the decode keeps the CUDA cores busy; bench/results/step_times_llama_h200.json). At M = 4 gemv2 runs 0.73-0.88x (per-row FMAs: the
+epilogues around this loop, the norms apart) runs 3.67 ms against 4.18 ms for the bf16 step with
+fused_linear, interleaved in one run (1.137x; bench/results/step_ab_h200.json, commit f6a43e7;
+3.72 ms, 1.124x, at 52a0fe1 before the biased decode); in the step's profile the u12 GEMVs read
+3.43 TB/s of packed bytes (3.05 ms) against 3.90 TB/s for the bf16 ones
+(bench/results/step_times_llama_h200.json). The biased decode took 16% of the loop's
+instructions away and 1.3% of its time: the loop is not bound by its instruction count. At M = 4 gemv2 runs 0.73-0.88x (per-row FMAs: the
 decode is shared, the multiply is not), still ahead of the tile kernel there. The tile kernel
 (bench/results/u12_linear_nvidia_h200.json, 457 configs, commit da24869): 0.69-0.97x at M = 1 and
 0.39-0.85x at M = 16 and 64 (TUNED still takes its M = 64 rows); split-K never won at M <= 4. The
@@ -80,7 +82,13 @@ Correct on the GPU for every swept config (each checked against the reference fi
 GPU test runs; under the interpreter the tests walk split-K, both decodes, word and byte loads,
 the PTX emulation, and the decodes' bits on all 65536 patterns. Tried for gemv2 and dropped:
 prefetching the next chunk's words into registers in the Triton source (the compiled loop issues
-those loads at its end, beside the register swap, and runs 10-17% more instructions). Open: the
+those loads at its end, beside the register swap, and runs 10-17% more instructions); x as fp32
+planes [M, 4, K/4] (plane j holding x[m, 4 w + j], for a producer to write), four contiguous loads
+and no conversion in the loop (5.9 -> 5.0 instructions a weight): the 32-layer linears proxy ran
+3.60 ms against 3.16 with bf16 rows (bench/results/tried/u12_linear_planes_h200.json, commit
+f6a43e7; reverted in 963d148), twice the x bytes through L1 for every program costing more than
+the conversions; and, in the step (step_ab's TILE_VARIANTS), two rows a thread for qkv, o and
+down (3.671 ms against 3.673), one-warp programs (3.756) and BLOCK_N 8 (3.755). Open: the
 mma kernel's per-chunk wgmma wait (see u12_mma.py), M = 4 and 64, a tile-major layout.
 """
 
