@@ -14,8 +14,9 @@ Variants (runtime/fused.py): bf16 (the fused path: fused_linear with its norm pr
 epilogues); u12-unfused (u12_linear beside the separate rmsnorm, SiLU·mul and add kernels: the
 default u12 layers until this comparison); u12-epilogues (u12_fused_linear's SiLU·mul and residual
 epilogues, the norms as rmsnorm kernels: the default since); u12-prologue (u12_fused_linear with
-its norm prologue too); u12-2rows, u12-1warp, u12-bn8 (the default with other gemv2 tiles for
-qkv, o and down: ``TILE_VARIANTS``; not under --smoke, whose tiny shapes TUNED does not hold).
+its norm prologue too); u12-r80, u12-r128, u12-2rows-r128 (the default with ptxas allowed more
+registers, and other tiles: ``TILE_VARIANTS``); bf16-r128 (the bf16 step so: ``BF16_VARIANTS``). Not
+under --smoke, whose tiny shapes TUNED does not hold.
 Batch 1, a 512-token context, a device-length cache of 2048 slots; random
 bf16 weights N(0, 0.02).
 """
@@ -23,6 +24,7 @@ bf16 weights N(0, 0.02).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -37,7 +39,7 @@ import triton
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the bench scripts beside this one
 import step_times as st  # noqa: E402  (SHAPES, graphed, random_, time_fn, to_u12)
 
-from specpilot.kernels import u12_linear  # noqa: E402
+from specpilot.kernels import fused_linear, u12_linear  # noqa: E402
 from specpilot.kernels.u12_linear import U12Config  # noqa: E402
 from specpilot.runtime.config import ModelConfig  # noqa: E402
 from specpilot.runtime.fused import fused_path  # noqa: E402
@@ -51,17 +53,30 @@ U12_VARIANTS = {  # name: FusedOps fields over the default ops
 _QKV, _O, _DOWN = (1, 6144, 4096), (1, 4096, 4096), (1, 4096, 14336)  # TUNED keys: (M block, N, K)
 
 
-def _gemv2(bn: int, bw: int, warps: int) -> U12Config:
-    return U12Config(bn, bw, num_warps=warps, num_stages=1, kernel="gemv2")
+def _registers(maxnreg: int, **tiles: tuple[int, int, int]) -> dict:
+    """TUNED's M = 1 entries with ptxas allowed `maxnreg` registers a thread, and `tiles` (a key's
+    (block_n, block_w, warps)) in place of TUNED's."""
+    keys = {"qkv": _QKV, "o": _O, "down": _DOWN}
+    out = {key: dataclasses.replace(cfg, maxnreg=maxnreg) for key, cfg in u12_linear.TUNED.items() if key[0] == 1}
+    for name, (bn, bw, warps) in tiles.items():
+        out[keys[name]] = U12Config(bn, bw, num_warps=warps, num_stages=1, kernel="gemv2", maxnreg=maxnreg)
+    return out
 
 
-# The default u12 step (u12-epilogues) with other gemv2 tiles for the BLOCK_N 4 linears (qkv, o,
-# down), in place of TUNED's for the capture: rows a thread holds (each reads and converts its x
-# once for all of them) against programs in flight.
+# The default u12 step (u12-epilogues) with other gemv2 configs, in place of TUNED's for the capture.
+# At its default budget ptxas gives the BLOCK_N 4 loop 48 registers and issues 3 of its 7 loads
+# after the first FMAs, a second memory round trip a chunk; allowed 80 or more it issues all of
+# them first (sm_90 SASS, triton 3.6: 64 registers at 80, 71 at 128; the gated loop 96). Measured
+# before (f6a43e7, no faster than the default): two rows a thread for qkv, o and down (bn4-bw256-w2),
+# one-warp programs, BLOCK_N 8.
+BF16_VARIANTS = {  # the bf16 step with fused_linear's M = 1 configs allowed more registers (o and down
+    # sink 9 and 5 of their loads below the first FMAs at ptxas's default budget, none at 128)
+    "bf16-r128": {key: dataclasses.replace(cfg, maxnreg=128) for key, cfg in fused_linear.TUNED.items() if key[0] == 1},
+}
 TILE_VARIANTS = {
-    "u12-2rows": {_QKV: _gemv2(4, 256, 2), _O: _gemv2(4, 256, 2), _DOWN: _gemv2(4, 256, 2)},
-    "u12-1warp": {_QKV: _gemv2(4, 128, 1), _O: _gemv2(4, 128, 1), _DOWN: _gemv2(4, 256, 1)},
-    "u12-bn8": {_QKV: _gemv2(8, 128, 2), _O: _gemv2(8, 128, 2), _DOWN: _gemv2(8, 256, 4)},
+    "u12-r80": _registers(80),
+    "u12-r128": _registers(128),
+    "u12-2rows-r128": _registers(128, qkv=(4, 256, 2), o=(4, 256, 2), down=(4, 256, 2)),
 }
 
 
@@ -85,6 +100,10 @@ def capture(shape: str, tiles: bool) -> tuple[dict, list]:
 
     with fused_path(model):
         graphs["bf16"] = capture_step()
+        if tiles:
+            for name, override in BF16_VARIANTS.items():
+                with _tuned(fused_linear.TUNED, override):
+                    graphs[name] = capture_step()
     keep += [model._fused_kept, list(model.linear_modules().values())]  # the bf16 graph reads these
     st.to_u12(model)
     with fused_path(model):
@@ -94,15 +113,22 @@ def capture(shape: str, tiles: bool) -> tuple[dict, list]:
             graphs[name] = capture_step()
         model.fused.ops = ops
         if tiles:
-            tuned = dict(u12_linear.TUNED)
             for name, override in TILE_VARIANTS.items():
-                u12_linear.TUNED.update(override)  # read when the capture launches each kernel
-                try:
+                with _tuned(u12_linear.TUNED, override):
                     graphs[name] = capture_step()
-                finally:
-                    u12_linear.TUNED.clear()
-                    u12_linear.TUNED.update(tuned)
     return graphs, keep
+
+
+@contextlib.contextmanager
+def _tuned(tuned: dict, override: dict):
+    """A kernel module's TUNED with `override`'s entries (read when a capture launches each kernel)."""
+    saved = dict(tuned)
+    tuned.update(override)
+    try:
+        yield
+    finally:
+        tuned.clear()
+        tuned.update(saved)
 
 
 def main() -> int:

@@ -361,9 +361,12 @@ class FusedLinearConfig:
     split_k: int = 1
     num_warps: int = 4
     num_stages: int = 1
+    maxnreg: int = 0  # registers a thread ptxas may use (PTX .maxnreg, on the GPU); 0: its choice
 
     def __post_init__(self) -> None:
         pow2 = lambda v: v > 0 and v & (v - 1) == 0  # noqa: E731
+        if self.maxnreg and not 24 <= self.maxnreg <= 255:
+            raise ValueError(f"FusedLinearConfig.maxnreg: expected 0 (the compiler's choice) or 24..255, got {self.maxnreg}")
         if self.kernel not in ("gemv", "dot"):
             raise ValueError(f"FusedLinearConfig.kernel: expected 'gemv' or 'dot', got {self.kernel!r}")
         if not pow2(self.block_n):
@@ -382,10 +385,11 @@ class FusedLinearConfig:
                 raise ValueError(f"FusedLinearConfig.split_k: expected >= 1, got {self.split_k}")
 
     def __str__(self) -> str:
+        regs = f"-r{self.maxnreg}" if self.maxnreg else ""
         if self.kernel == "gemv":
-            return f"gemv-bn{self.block_n}-bk{self.block_k}-w{self.num_warps}-s{self.num_stages}"
+            return f"gemv-bn{self.block_n}-bk{self.block_k}-w{self.num_warps}-s{self.num_stages}{regs}"
         return (f"dot-bm{self.block_m or 'auto'}-bn{self.block_n}-bk{self.block_k}-sk{self.split_k}"
-                f"-w{self.num_warps}-s{self.num_stages}")
+                f"-w{self.num_warps}-s{self.num_stages}{regs}")
 
 
 def _block_m(m: int, cfg: FusedLinearConfig) -> int:
@@ -542,6 +546,8 @@ def fused_linear(
     # fp fusion off, as in rmsnorm and silu_mul: sum · (1/K) + eps and 1 + exp(-g) round as torch's do
     # (the GEMV's sums are explicit FMAs, the dot's are tensor-core or "ieee" dots: unaffected).
     launch = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False) if native else {}
+    if native and cfg.maxnreg:
+        launch["maxnreg"] = cfg.maxnreg
 
     if cfg.kernel == "gemv":
         words = _words_apply(x, weight)

@@ -538,6 +538,7 @@ class U12Config:
     num_stages: int = 2
     decode: str = "pairs"  # or "single": one weight per 32-bit op (the scaled decode only)
     kernel: str = "tile"  # or "gemv2", "mma"
+    maxnreg: int = 0  # registers a thread ptxas may use (PTX .maxnreg; gemv2 and mma on the GPU); 0: its choice
 
     def __post_init__(self) -> None:
         if self.decode not in ("pairs", "single"):
@@ -546,12 +547,22 @@ class U12Config:
             raise ValueError(f"U12Config.kernel: expected 'tile', 'gemv2' or 'mma', got {self.kernel!r}")
         if self.kernel == "gemv2" and self.split_k != 1:
             raise ValueError(f"U12Config.split_k: the gemv2 kernel has no split-K, got {self.split_k}")
+        if self.maxnreg and not 24 <= self.maxnreg <= 255:
+            raise ValueError(f"U12Config.maxnreg: expected 0 (the compiler's choice) or 24..255, got {self.maxnreg}")
+
+    def launch_options(self, native: bool) -> dict:
+        """num_warps, num_stages and (native, set) maxnreg as Triton's launch options."""
+        opts = dict(num_warps=self.num_warps, num_stages=self.num_stages)
+        if native and self.maxnreg:
+            opts["maxnreg"] = self.maxnreg
+        return opts
 
     def __str__(self) -> str:
+        regs = f"-r{self.maxnreg}" if self.maxnreg else ""
         if self.kernel == "gemv2":
-            return f"gemv2-bn{self.block_n}-bw{self.block_w}-w{self.num_warps}-s{self.num_stages}"
+            return f"gemv2-bn{self.block_n}-bw{self.block_w}-w{self.num_warps}-s{self.num_stages}{regs}"
         if self.kernel == "mma":
-            return f"mma-bn{self.block_n}-bw{self.block_w}-sk{self.split_k}-w{self.num_warps}-s{self.num_stages}"
+            return f"mma-bn{self.block_n}-bw{self.block_w}-sk{self.split_k}-w{self.num_warps}-s{self.num_stages}{regs}"
         return f"bn{self.block_n}-bw{self.block_w}-sk{self.split_k}-w{self.num_warps}-s{self.num_stages}-{self.decode}"
 
 
@@ -728,6 +739,7 @@ def _launch_gemv2(x: torch.Tensor, t: U12Tensor, y: torch.Tensor, cfg: U12Config
     x_words = x.dtype == torch.bfloat16
     x = aligned_rows(x, x_words)  # the kernel reads x[m, 4 w + j] at unit k stride, bf16 x as int64 words
     sm, codes = t.sm.contiguous(), t.codes.contiguous()
+    native = x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1"
     _u12_gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
         x, sm.view(torch.int32), codes.view(torch.int16),
         _nonempty(t.esc_idx), _nonempty(t.esc_val), t.esc_row_ptr, y,
@@ -736,8 +748,7 @@ def _launch_gemv2(x: torch.Tensor, t: U12Tensor, y: torch.Tensor, cfg: U12Config
         BLOCK_M=_block_m(m), BLOCK_N=cfg.block_n, BLOCK_W=cfg.block_w, ESC_BLOCK=_ESC_BLOCK,
         X_WORDS=x_words, EVEN_K=n_words % cfg.block_w == 0,
         # inline PTX on the GPU; the interpreter (TRITON_INTERPRET=1, read by Triton at import) runs none
-        ASM=x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1",
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(x.device),
+        ASM=native, **cfg.launch_options(native), **pdl_args(x.device),
     )
 
 

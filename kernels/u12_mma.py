@@ -212,7 +212,7 @@ def launch_mma(x: torch.Tensor, t: U12Tensor, y: torch.Tensor, cfg: U12Config) -
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_W=cfg.block_w, ESC_BLOCK=_ESC_BLOCK,
         X_WORDS=x_words, EVEN_K=n_words % cfg.block_w == 0,
         DOT_BF16=native and x.dtype == torch.bfloat16, ASM=native,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(x.device),
+        **cfg.launch_options(native), **pdl_args(x.device),
     )
 
 
