@@ -14,8 +14,9 @@ Variants (runtime/fused.py): bf16 (the fused path: fused_linear with its norm pr
 epilogues); u12-unfused (u12_linear beside the separate rmsnorm, SiLU·mul and add kernels: the
 default u12 layers until this comparison); u12-epilogues (u12_fused_linear's SiLU·mul and residual
 epilogues, the norms as rmsnorm kernels: the default since); u12-prologue (u12_fused_linear with
-its norm prologue too); u12-r80, u12-r128, u12-2rows-r128 (the default with ptxas allowed more
-registers, and other tiles: ``TILE_VARIANTS``); bf16-r128 (the bf16 step so: ``BF16_VARIANTS``). Not
+its norm prologue too); u12-r80, u12-2rows-r128 (the default with ptxas allowed more
+registers, and other tiles: ``TILE_VARIANTS``); bf16-r128, bf16-od-r128, bf16-od-r80 (the bf16 step
+so: ``BF16_VARIANTS``). Not
 under --smoke, whose tiny shapes TUNED does not hold.
 Batch 1, a 512-token context, a device-length cache of 2048 slots; random
 bf16 weights N(0, 0.02).
@@ -67,15 +68,24 @@ def _registers(maxnreg: int, **tiles: tuple[int, int, int]) -> dict:
 # At its default budget ptxas gives the BLOCK_N 4 loop 48 registers and issues 3 of its 7 loads
 # after the first FMAs, a second memory round trip a chunk; allowed 80 or more it issues all of
 # them first (sm_90 SASS, triton 3.6: 64 registers at 80, 71 at 128; the gated loop 96). Measured
-# before (f6a43e7, no faster than the default): two rows a thread for qkv, o and down (bn4-bw256-w2),
-# one-warp programs, BLOCK_N 8.
-BF16_VARIANTS = {  # the bf16 step with fused_linear's M = 1 configs allowed more registers (o and down
-    # sink 9 and 5 of their loads below the first FMAs at ptxas's default budget, none at 128)
-    "bf16-r128": {key: dataclasses.replace(cfg, maxnreg=128) for key, cfg in fused_linear.TUNED.items() if key[0] == 1},
+# no faster than the default: two rows a thread for qkv, o and down (bn4-bw256-w2), one-warp
+# programs, BLOCK_N 8 (f6a43e7); every u12 linear at maxnreg 128, 3.99 ms against 3.71 (ef655ec).
+def _bf16_registers(maxnreg: int, names: tuple[str, ...]) -> dict:
+    """fused_linear's M = 1 TUNED entries of the layers `names` with ptxas allowed `maxnreg` registers."""
+    keys = {"qkv": (1, 6144, 4096, False), "o": (1, 4096, 4096, False), "gate_up": (1, 28672, 4096, True),
+            "down": (1, 4096, 14336, False)}
+    return {keys[n]: dataclasses.replace(fused_linear.TUNED[keys[n]], maxnreg=maxnreg) for n in names}
+
+
+# The bf16 step with fused_linear's configs allowed more registers: o and down sink 9 and 5 of
+# their loads below the first FMAs at ptxas's default budget (56 registers), none at 128 (71, 64).
+BF16_VARIANTS = {
+    "bf16-r128": _bf16_registers(128, ("qkv", "o", "gate_up", "down")),
+    "bf16-od-r128": _bf16_registers(128, ("o", "down")),
+    "bf16-od-r80": _bf16_registers(80, ("o", "down")),
 }
 TILE_VARIANTS = {
     "u12-r80": _registers(80),
-    "u12-r128": _registers(128),
     "u12-2rows-r128": _registers(128, qkv=(4, 256, 2), o=(4, 256, 2), down=(4, 256, 2)),
 }
 
