@@ -14,10 +14,12 @@ Variants (runtime/fused.py): bf16 (the fused path: fused_linear with its norm pr
 epilogues); u12-unfused (u12_linear beside the separate rmsnorm, SiLU·mul and add kernels: the
 default u12 layers until this comparison); u12-epilogues (u12_fused_linear's SiLU·mul and residual
 epilogues, the norms as rmsnorm kernels: the default since); u12-prologue (u12_fused_linear with
-its norm prologue too); u12-r80, u12-2rows-r128 (the default with ptxas allowed more
-registers, and other tiles: ``TILE_VARIANTS``); bf16-r128, bf16-od-r128, bf16-od-r80 (the bf16 step
-so: ``BF16_VARIANTS``). Not
-under --smoke, whose tiny shapes TUNED does not hold.
+its norm prologue too); bf16-default, bf16-r128 (the bf16 step at other register budgets:
+``BF16_VARIANTS``; not under --smoke, whose tiny shapes TUNED does not hold). Tried here and kept
+out (bench/results/tried/step_ab_*.json): the u12 step with other gemv2 tiles for qkv, o and down
+(two rows a thread, one-warp programs, BLOCK_N 8: 3.671, 3.756, 3.755 ms against 3.673, f6a43e7)
+and with ptxas allowed 80 or 128 registers (3.86, 3.99 against 3.71, ef655ec), though then every
+load of the loop is issued before its first FMA.
 Batch 1, a 512-token context, a device-length cache of 2048 slots; random
 bf16 weights N(0, 0.02).
 """
@@ -40,8 +42,7 @@ import triton
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the bench scripts beside this one
 import step_times as st  # noqa: E402  (SHAPES, graphed, random_, time_fn, to_u12)
 
-from specpilot.kernels import fused_linear, u12_linear  # noqa: E402
-from specpilot.kernels.u12_linear import U12Config  # noqa: E402
+from specpilot.kernels import fused_linear  # noqa: E402
 from specpilot.runtime.config import ModelConfig  # noqa: E402
 from specpilot.runtime.fused import fused_path  # noqa: E402
 from specpilot.runtime.model import Transformer  # noqa: E402
@@ -51,25 +52,6 @@ U12_VARIANTS = {  # name: FusedOps fields over the default ops
     "u12-epilogues": dict(u12_kernel="triton-u12", u12_norms_apart=True),  # the default
     "u12-prologue": dict(u12_kernel="triton-u12", u12_norms_apart=False),
 }
-_QKV, _O, _DOWN = (1, 6144, 4096), (1, 4096, 4096), (1, 4096, 14336)  # TUNED keys: (M block, N, K)
-
-
-def _registers(maxnreg: int, **tiles: tuple[int, int, int]) -> dict:
-    """TUNED's M = 1 entries with ptxas allowed `maxnreg` registers a thread, and `tiles` (a key's
-    (block_n, block_w, warps)) in place of TUNED's."""
-    keys = {"qkv": _QKV, "o": _O, "down": _DOWN}
-    out = {key: dataclasses.replace(cfg, maxnreg=maxnreg) for key, cfg in u12_linear.TUNED.items() if key[0] == 1}
-    for name, (bn, bw, warps) in tiles.items():
-        out[keys[name]] = U12Config(bn, bw, num_warps=warps, num_stages=1, kernel="gemv2", maxnreg=maxnreg)
-    return out
-
-
-# The default u12 step (u12-epilogues) with other gemv2 configs, in place of TUNED's for the capture.
-# At its default budget ptxas gives the BLOCK_N 4 loop 48 registers and issues 3 of its 7 loads
-# after the first FMAs, a second memory round trip a chunk; allowed 80 or more it issues all of
-# them first (sm_90 SASS, triton 3.6: 64 registers at 80, 71 at 128; the gated loop 96). Measured
-# no faster than the default: two rows a thread for qkv, o and down (bn4-bw256-w2), one-warp
-# programs, BLOCK_N 8 (f6a43e7); every u12 linear at maxnreg 128, 3.99 ms against 3.71 (ef655ec).
 def _bf16_registers(maxnreg: int, names: tuple[str, ...]) -> dict:
     """fused_linear's M = 1 TUNED entries of the layers `names` with ptxas allowed `maxnreg` registers."""
     keys = {"qkv": (1, 6144, 4096, False), "o": (1, 4096, 4096, False), "gate_up": (1, 28672, 4096, True),
@@ -77,21 +59,17 @@ def _bf16_registers(maxnreg: int, names: tuple[str, ...]) -> dict:
     return {keys[n]: dataclasses.replace(fused_linear.TUNED[keys[n]], maxnreg=maxnreg) for n in names}
 
 
-# The bf16 step with fused_linear's configs allowed more registers: o and down sink 9 and 5 of
-# their loads below the first FMAs at ptxas's default budget (56 registers), none at 128 (71, 64).
+# The bf16 step with fused_linear's configs at other register budgets. TUNED allows o and down 128
+# since b8d00fd, where this measured 4.142 ms for them at 128 (4.139 at 80) against 4.237 at ptxas's
+# default and 4.180 with every M = 1 linear at 128; bf16-default keeps that comparison.
 BF16_VARIANTS = {
+    "bf16-default": _bf16_registers(0, ("o", "down")),
     "bf16-r128": _bf16_registers(128, ("qkv", "o", "gate_up", "down")),
-    "bf16-od-r128": _bf16_registers(128, ("o", "down")),
-    "bf16-od-r80": _bf16_registers(80, ("o", "down")),
-}
-TILE_VARIANTS = {
-    "u12-r80": _registers(80),
-    "u12-2rows-r128": _registers(128, qkv=(4, 256, 2), o=(4, 256, 2), down=(4, 256, 2)),
 }
 
 
 @torch.inference_mode()
-def capture(shape: str, tiles: bool) -> tuple[dict, list]:
+def capture(shape: str, variants: bool) -> tuple[dict, list]:
     """({variant: graph replay} over one model's weights, what the graphs read and must outlive:
     the caches, and the bf16 weights that the u12 modules replaced)."""
     cfg = ModelConfig.from_hf(st.SHAPES[shape], shape)
@@ -110,7 +88,7 @@ def capture(shape: str, tiles: bool) -> tuple[dict, list]:
 
     with fused_path(model):
         graphs["bf16"] = capture_step()
-        if tiles:
+        if variants:
             for name, override in BF16_VARIANTS.items():
                 with _tuned(fused_linear.TUNED, override):
                     graphs[name] = capture_step()
@@ -122,10 +100,6 @@ def capture(shape: str, tiles: bool) -> tuple[dict, list]:
             model.fused.ops = dataclasses.replace(ops, **fields)
             graphs[name] = capture_step()
         model.fused.ops = ops
-        if tiles:
-            for name, override in TILE_VARIANTS.items():
-                with _tuned(u12_linear.TUNED, override):
-                    graphs[name] = capture_step()
     return graphs, keep
 
 
@@ -158,7 +132,7 @@ def main() -> int:
     elif not torch.cuda.is_available():
         print("bench/step_ab.py needs a CUDA GPU (or --smoke)", file=sys.stderr)
         return 2
-    graphs, _keep = capture(shape, tiles=not args.smoke)
+    graphs, _keep = capture(shape, variants=not args.smoke)
     names = list(graphs)
     per_round: dict[str, list[float]] = {n: [] for n in names}
     with torch.inference_mode():  # (--smoke replays the steps themselves)
