@@ -18,8 +18,9 @@ its norm prologue too); bf16-default, bf16-r128 (the bf16 step at other register
 ``BF16_VARIANTS``; not under --smoke, whose tiny shapes TUNED does not hold). Tried here and kept
 out (bench/results/tried/step_ab_*.json): the u12 step with other gemv2 tiles for qkv, o and down
 (two rows a thread, one-warp programs, BLOCK_N 8: 3.671, 3.756, 3.755 ms against 3.673, f6a43e7)
-and with ptxas allowed 80 or 128 registers (3.86, 3.99 against 3.71, ef655ec), though then every
-load of the loop is issued before its first FMA.
+and with ptxas allowed 80 or 128 registers (3.86, 3.99 against 3.71, ef655ec; 80 for o and down,
+qkv or gate_up alone: 3.719, 3.712, 3.812 against 3.702, e2a0b5e), though then every load of the
+BLOCK_N 4 loop is issued before its first FMA.
 Batch 1, a 512-token context, a device-length cache of 2048 slots; random
 bf16 weights N(0, 0.02).
 """
@@ -42,7 +43,7 @@ import triton
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the bench scripts beside this one
 import step_times as st  # noqa: E402  (SHAPES, graphed, random_, time_fn, to_u12)
 
-from specpilot.kernels import fused_linear, u12_linear  # noqa: E402
+from specpilot.kernels import fused_linear  # noqa: E402
 from specpilot.runtime.config import ModelConfig  # noqa: E402
 from specpilot.runtime.fused import fused_path  # noqa: E402
 from specpilot.runtime.model import Transformer  # noqa: E402
@@ -52,21 +53,6 @@ U12_VARIANTS = {  # name: FusedOps fields over the default ops
     "u12-epilogues": dict(u12_kernel="triton-u12", u12_norms_apart=True),  # the default
     "u12-prologue": dict(u12_kernel="triton-u12", u12_norms_apart=False),
 }
-def _u12_registers(maxnreg: int, names: tuple[str, ...]) -> dict:
-    """u12_linear's M = 1 TUNED entries of the layers `names` with ptxas allowed `maxnreg` registers."""
-    keys = {"qkv": (1, 6144, 4096), "o": (1, 4096, 4096), "gate_up": (1, 28672, 4096), "down": (1, 4096, 14336)}
-    return {keys[n]: dataclasses.replace(u12_linear.TUNED[keys[n]], maxnreg=maxnreg) for n in names}
-
-
-# The u12 step with some linears at other register budgets (every one at 80: 3.86 ms against 3.71,
-# ef655ec; at 128: 3.99).
-U12_REG_VARIANTS = {
-    "u12-od-r80": _u12_registers(80, ("o", "down")),
-    "u12-qkv-r80": _u12_registers(80, ("qkv",)),
-    "u12-gu-r80": _u12_registers(80, ("gate_up",)),
-}
-
-
 def _bf16_registers(maxnreg: int, names: tuple[str, ...]) -> dict:
     """fused_linear's M = 1 TUNED entries of the layers `names` with ptxas allowed `maxnreg` registers."""
     keys = {"qkv": (1, 6144, 4096, False), "o": (1, 4096, 4096, False), "gate_up": (1, 28672, 4096, True),
@@ -115,10 +101,6 @@ def capture(shape: str, variants: bool) -> tuple[dict, list]:
             model.fused.ops = dataclasses.replace(ops, **fields)
             graphs[name] = capture_step()
         model.fused.ops = ops
-        if variants:
-            for name, override in U12_REG_VARIANTS.items():
-                with _tuned(u12_linear.TUNED, override):
-                    graphs[name] = capture_step()
     return graphs, keep
 
 
