@@ -48,6 +48,7 @@ _CONFIGS = [
     None,
     fl.FusedLinearConfig("gemv", 4, 16, num_warps=1),
     fl.FusedLinearConfig("gemv", 16, 8, num_warps=2),
+    fl.FusedLinearConfig("gemv", 8, 16, num_warps=2, maxnreg=128),  # a register budget (on the GPU)
     fl.FusedLinearConfig("dot", 16, 16),
     fl.FusedLinearConfig("dot", 32, 16, block_m=16, split_k=4),
 ]
@@ -137,6 +138,10 @@ def test_config_rejects_bad_tiles():
         fl.FusedLinearConfig("dot", 8, 64)
     with pytest.raises(ValueError, match="block_m"):
         fl.FusedLinearConfig("dot", 16, 16, block_m=8)
+    with pytest.raises(ValueError, match="maxnreg"):
+        fl.FusedLinearConfig("gemv", 8, 64, maxnreg=300)
+    assert str(fl.FusedLinearConfig("gemv", 4, 1024, num_warps=2, num_stages=3, maxnreg=128)) == "gemv-bn4-bk1024-w2-s3-r128"
+    assert str(fl.FusedLinearConfig("gemv", 4, 1024)) == "gemv-bn4-bk1024-w4-s1"  # unchanged without a budget
 
 
 def _bad_inputs():

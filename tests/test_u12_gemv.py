@@ -5,6 +5,8 @@ PTX semantics, and the kernel against the reference on odd shapes (tests/test_ke
 Without a GPU only the shift-and-mask emulation runs; with one, the inline PTX is checked too.
 """
 
+import dataclasses
+
 import pytest
 import torch
 import triton
@@ -132,6 +134,21 @@ def test_config_names_and_checks():
         U12Config(8, 64, kernel="gemv3")
     with pytest.raises(ValueError, match="U12Config.split_k"):
         U12Config(8, 64, split_k=2, kernel="gemv2")
+    with pytest.raises(ValueError, match="U12Config.maxnreg"):
+        U12Config(8, 64, kernel="gemv2", maxnreg=8)
+    assert str(U12Config(4, 128, num_warps=2, num_stages=1, kernel="gemv2", maxnreg=80)) == "gemv2-bn4-bw128-w2-s1-r80"
+    assert U12Config(4, 128, maxnreg=80).launch_options(native=False) == dict(num_warps=4, num_stages=2)
+    assert U12Config(4, 128, maxnreg=80).launch_options(native=True)["maxnreg"] == 80
+
+
+def test_register_budget_keeps_the_bits():
+    """ptxas's register budget changes the schedule, not the arithmetic: the same y, bit for bit."""
+    x, t = _make_inputs({"M": 2, "N": 33, "K": 300, "dtype": torch.bfloat16, "escapes": "special"}, DEVICE, seed=11)
+    cfg = U12Config(8, 16, num_warps=1, num_stages=1, kernel="gemv2")
+    y = u12_linear(x, t, cfg)
+    y_budget = u12_linear(x, t, dataclasses.replace(cfg, maxnreg=96))
+    assert torch.equal(y.view(torch.int16), y_budget.view(torch.int16))
+    _assert_matches(y, x, t)
 
 
 def test_sweep_fits_the_register_budget_at_m1():
