@@ -43,12 +43,12 @@ further off, two where gated).
 Configs: a gemv2 ``U12Config``; by default u12_linear's for the weight's rows (t.shape[0], 2I when
 gated), with the tile halved when gated (``default_config``). Untuned. H200: correct (the registry
 cases pass on the GPU), but slower in the Llama-3.1-8B u12 AR step
-(bench/results/step_times_llama_h200.json, commit 83b702e): 4.44 ms with the norm prologue (4.58
+(bench/results/step_times_llama_h200.json, commit 5b12e69): 4.33 ms with the norm prologue (4.58
 at 9c5e61f, before the sum read the row in one load; its chunks of 512 x elements were eight
-round trips), 3.83 ms with the epilogues only and the norms as rmsnorm kernels, 3.93 ms with
-u12_linear beside the separate kernels (those two within the runs' spread of each other). Each
-program normalises every x element it holds on the CUDA cores, which the decode already keeps
-busy, so the fused stacks leave it off (runtime/fused.py's U12_LINEAR).
+round trips), 3.77 ms with the epilogues only and the norms as rmsnorm kernels, 3.80 ms with
+u12_linear beside the separate kernels (interleaved, bench/step_ab.py: 4.277, 3.704, 3.723). Each
+program normalises every x element it holds, loading the norm weight beside x, so the fused
+stacks leave the prologue off (runtime/fused.py's U12_LINEAR).
 Every variant compiles for sm_90 with triton 3.6 and 3.9 (triton.compile without a GPU); with bf16
 x at the default tiles (Llama-3.1-8B shapes, M = 1, 2, 4) the loop has no spills and no shared
 memory. Spills seen: fp32 x at M = 4 gated in the loop (triton 3.6), and a masked last chunk at

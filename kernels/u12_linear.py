@@ -67,12 +67,15 @@ Speed (H200, triton 3.6). gemv2 at M = 1 (bench/results/u12_linear_gemv2_m1_h200
 b170131): 1.27x (qkv), 1.30x (o), 1.23x (gate_up), 1.22x (down), 1.31x (lm_head) of cuBLAS bf16,
 up to 4.14 TB/s of packed bytes; all linears of a Llama-3.1-8B step in one CUDA graph: 3.14 ms
 against 3.97 ms (1.26x); the whole fused AR step with every linear in u12 (u12_fused_linear's
-epilogues around this loop, the norms apart) runs 3.67 ms against 4.18 ms for the bf16 step with
-fused_linear, interleaved in one run (1.137x; bench/results/step_ab_h200.json, commit f6a43e7;
+epilogues around this loop, the norms apart) runs 3.704 ms against 4.138 ms for the bf16 step with
+fused_linear, interleaved in one run (1.117x; bench/results/step_ab_h200.json, commit 5b12e69;
+3.673 against 4.176, 1.137x, at f6a43e7 before the bf16 step's o and down took 128 registers;
 3.72 ms, 1.124x, at 52a0fe1 before the biased decode); in the step's profile the u12 GEMVs read
-3.43 TB/s of packed bytes (3.05 ms) against 3.90 TB/s for the bf16 ones
+3.43 TB/s of packed bytes (3.06 ms) against 3.94 TB/s for the bf16 ones
 (bench/results/step_times_llama_h200.json). The biased decode took 16% of the loop's
-instructions away and 1.3% of its time: the loop is not bound by its instruction count. At M = 4 gemv2 runs 0.73-0.88x (per-row FMAs: the
+instructions away and about 1.3% of its time: the loop is not bound by its instruction count,
+nor by its loads' placement (at 80 or 128 registers ptxas issues them all before the first FMA,
+and the step ran 3.86 and 3.99 ms against 3.71; bench/step_ab.py's docstring). At M = 4 gemv2 runs 0.73-0.88x (per-row FMAs: the
 decode is shared, the multiply is not), still ahead of the tile kernel there. The tile kernel
 (bench/results/u12_linear_nvidia_h200.json, 457 configs, commit da24869): 0.69-0.97x at M = 1 and
 0.39-0.85x at M = 16 and 64 (TUNED still takes its M = 64 rows); split-K never won at M <= 4. The

@@ -75,10 +75,10 @@ class FusedOps:
 LINEAR_MAX_M = 1
 # Whether u12 layers run u12_fused_linear at up to LINEAR_MAX_M rows: yes, with their norms apart
 # (U12_NORMS_APART). On the H200, the Llama-3.1-8B u12 AR step interleaved with the bf16 one
-# (bench/results/step_ab_h200.json, 12 rounds, spreads under 0.02 ms): 3.72 ms with its SiLU·mul
-# and residual epilogues, 3.78 ms with u12_linear beside the separate norm, SiLU·mul and add
-# kernels, 4.36 ms with its norm prologue too, against 4.18 ms in bf16. The prologue's per-element
-# normalising sits on top of the u12 decode, the CUDA cores' bottleneck.
+# (bench/results/step_ab_h200.json, commit 5b12e69, 12 rounds, spreads under 0.02 ms): 3.704 ms
+# with its SiLU·mul and residual epilogues, 3.723 ms with u12_linear beside the separate norm,
+# SiLU·mul and add kernels, 4.277 ms with its norm prologue too, against 4.138 ms in bf16. The
+# prologue's per-element normalising adds the norm weight's loads and roundings to the u12 loop.
 U12_LINEAR = True
 # With u12_linear on, whether the norms stay rmsnorm kernels (u12_fused_linear keeping only its
 # SiLU·mul and residual epilogues: one launch a layer fewer than the unfused u12 layers).
