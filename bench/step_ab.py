@@ -20,7 +20,8 @@ out (bench/results/tried/step_ab_*.json): the u12 step with other gemv2 tiles fo
 (two rows a thread, one-warp programs, BLOCK_N 8: 3.671, 3.756, 3.755 ms against 3.673, f6a43e7)
 and with ptxas allowed 80 or 128 registers (3.86, 3.99 against 3.71, ef655ec; 80 for o and down,
 qkv or gate_up alone: 3.719, 3.712, 3.812 against 3.702, e2a0b5e), though then every load of the
-BLOCK_N 4 loop is issued before its first FMA.
+BLOCK_N 4 loop is issued before its first FMA; 4 words a thread for every linear or gate_up alone
+(3.870, 3.745 against 3.701, ac79ccb; for qkv and o 3.674, which TUNED took).
 Batch 1, a 512-token context, a device-length cache of 2048 slots; random
 bf16 weights N(0, 0.02).
 """
@@ -43,8 +44,7 @@ import triton
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the bench scripts beside this one
 import step_times as st  # noqa: E402  (SHAPES, graphed, random_, time_fn, to_u12)
 
-from specpilot.kernels import fused_linear, u12_linear  # noqa: E402
-from specpilot.kernels.u12_linear import U12Config  # noqa: E402
+from specpilot.kernels import fused_linear  # noqa: E402
 from specpilot.runtime.config import ModelConfig  # noqa: E402
 from specpilot.runtime.fused import fused_path  # noqa: E402
 from specpilot.runtime.model import Transformer  # noqa: E402
@@ -54,22 +54,6 @@ U12_VARIANTS = {  # name: FusedOps fields over the default ops
     "u12-epilogues": dict(u12_kernel="triton-u12", u12_norms_apart=True),  # the default
     "u12-prologue": dict(u12_kernel="triton-u12", u12_norms_apart=False),
 }
-def _u12_tiles(**tiles: tuple[int, int, int]) -> dict:
-    """u12_linear's M = 1 TUNED entries of the named layers as gemv2 (block_n, block_w, warps)."""
-    keys = {"qkv": (1, 6144, 4096), "o": (1, 4096, 4096), "gate_up": (1, 28672, 4096), "down": (1, 4096, 14336),
-            "lm_head": (1, 128256, 4096)}
-    return {keys[n]: U12Config(bn, bw, num_warps=w, num_stages=1, kernel="gemv2") for n, (bn, bw, w) in tiles.items()}
-
-
-# The u12 step with 4 words a thread (each lane's 16-byte loads side by side across the warp),
-# in place of TUNED's 8 or 16.
-U12_TILE_VARIANTS = {
-    "u12-w4": _u12_tiles(qkv=(4, 128, 4), o=(4, 128, 4), down=(4, 256, 8), gate_up=(8, 128, 4), lm_head=(4, 128, 4)),
-    "u12-qkvo-w4": _u12_tiles(qkv=(4, 128, 4), o=(4, 128, 4)),
-    "u12-gu-w4": _u12_tiles(gate_up=(8, 128, 4)),
-}
-
-
 def _bf16_registers(maxnreg: int, names: tuple[str, ...]) -> dict:
     """fused_linear's M = 1 TUNED entries of the layers `names` with ptxas allowed `maxnreg` registers."""
     keys = {"qkv": (1, 6144, 4096, False), "o": (1, 4096, 4096, False), "gate_up": (1, 28672, 4096, True),
@@ -118,10 +102,6 @@ def capture(shape: str, variants: bool) -> tuple[dict, list]:
             model.fused.ops = dataclasses.replace(ops, **fields)
             graphs[name] = capture_step()
         model.fused.ops = ops
-        if variants:
-            for name, override in U12_TILE_VARIANTS.items():
-                with _tuned(u12_linear.TUNED, override):
-                    graphs[name] = capture_step()
     return graphs, keep
 
 
