@@ -69,6 +69,7 @@ up to 4.14 TB/s of packed bytes; all linears of a Llama-3.1-8B step in one CUDA 
 against 3.97 ms (1.26x); the whole fused AR step with every linear in u12 (u12_fused_linear's
 epilogues around this loop, the norms apart) runs 3.704 ms against 4.138 ms for the bf16 step with
 fused_linear, interleaved in one run (1.117x; bench/results/step_ab_h200.json, commit 5b12e69;
+3.674 against 4.131, 1.124x, with qkv and o at TUNED's 4 words a thread, ac79ccb;
 3.673 against 4.176, 1.137x, at f6a43e7 before the bf16 step's o and down took 128 registers;
 3.72 ms, 1.124x, at 52a0fe1 before the biased decode); in the step's profile the u12 GEMVs read
 3.43 TB/s of packed bytes (3.06 ms) against 3.94 TB/s for the bf16 ones
