@@ -14,7 +14,7 @@ nibbles line up with its bytes without a layout change; the tile kernel decodes 
 word in registers (two pair registers joined, or [BN, BW, 4] by constant shifts) and reshapes them
 to k order. Other K read bytes.
 
-Decode (the tile kernel). Where the base's window holds only normal finite exponents (1 ≤ base ≤ 240:
+Decode (the tile and mma kernels). Where the base's window holds only normal finite exponents (1 ≤ base ≤ 240:
 every tensor of trained or N(0, σ) weights), a weight decodes with the exponent field equal to its
 code, so no per-weight add or select is needed: code 0 (an escape, whose sign/mantissa byte is 0) is +0.0, and
 code c is the weight times 2^-(base-1). The default ("pairs") builds the bf16 patterns of weights
@@ -114,8 +114,8 @@ from .overlap import pdl_args, pdl_enter
 from .registry import KernelSpec, register
 from .rmsnorm import _normalize
 
-X_SCALE_LOG2 = 64  # the tile kernel's scaled decode scales x by 2^64 (see the module docstring)
-EXP_BIAS = 112  # gemv2's, u12_fused_linear's and mma's decode: exponent field 112 + code (biased_scale)
+X_SCALE_LOG2 = 64  # the tile and mma kernels' scaled decode scales x by 2^64 (see the module docstring)
+EXP_BIAS = 112  # gemv2's and u12_fused_linear's decode: exponent field 112 + code (biased_scale)
 PAIR_BIAS = tl.constexpr((EXP_BIAS << 7) | (EXP_BIAS << 23))  # both halves of a pair register: 0x38003800
 ESC_DECODED = tl.constexpr(2.0 ** (EXP_BIAS - 127))  # an escape (code 0, byte 0) in the biased decode: 2^-15
 
@@ -199,8 +199,12 @@ def _apply_escapes(
     decoded to 2^-15 (``ESC_DECODED``). That term is taken back in those units, where it is the
     exact product the loop added, before the scale: y = (acc - Σ x 2^-15) · y_scale + Σ x w. Else
     acc is y's sums already and the escapes decoded to +0.0: y = acc + Σ x w."""
-    spur = tl.zeros_like(acc)  # BIASED: Σ x · 2^-15 over a row's escapes, in acc's units
-    esc = tl.zeros_like(acc)  # Σ x · w over a row's escapes, in y's units
+    if BIASED:
+        spur = tl.zeros_like(acc)  # Σ x · 2^-15 over a row's escapes, in acc's units
+        esc = tl.zeros_like(acc)  # Σ x · w over a row's escapes, in y's units
+    else:
+        spur = acc  # unused
+        esc = acc  # the contributions go straight into acc (y's units already)
     start = tl.load(esc_row_ptr + n0)
     end = tl.load(esc_row_ptr + tl.minimum(n0 + BLOCK_N, N))
     for e0 in range(start, end, ESC_BLOCK):
@@ -237,7 +241,7 @@ def _apply_escapes(
     if BIASED:
         return (acc - spur) * y_scale + esc  # the scale: exact (a power of two)
     else:
-        return acc + esc
+        return esc
 
 
 @triton.jit(do_not_specialize=["split_k"])  # one compile serves split_k = 1 and > 1
@@ -382,18 +386,23 @@ def _select_bits(mask_src, other, MASK: tl.constexpr, ASM: tl.constexpr):
 
 
 @triton.jit
-def _pair_patterns(s, c, ASM: tl.constexpr):
+def _pair_patterns(s, c, ASM: tl.constexpr, BIASED: tl.constexpr = True):
     """The bf16 bit patterns of weights (0, 2) (low, high half) and (1, 3) of each word, biased decode
-    (``_decode_planes`` says how)."""
-    e02 = (c & 0x0F0F) * 0x8080 + PAIR_BIAS  # one IMAD: the bias is the multiply's addend
-    e13 = (c & 0xF0F0) * 0x0808 + PAIR_BIAS
+    (``_decode_planes`` says how); BIASED off: exponent field = code, the tile and mma kernels' scaled
+    decode (escapes +0.0, weight times 2^-(base-1))."""
+    if BIASED:
+        e02 = (c & 0x0F0F) * 0x8080 + PAIR_BIAS  # one IMAD: the bias is the multiply's addend
+        e13 = (c & 0xF0F0) * 0x0808 + PAIR_BIAS
+    else:
+        e02 = (c & 0x0F0F) * 0x8080
+        e13 = (c & 0xF0F0) * 0x0808
     p02 = _select_bits(e02, _prmt(s, s, 0x2200, ASM), 0x7F807F80, ASM)
     p13 = _select_bits(e13, _prmt(s, s, 0x3311, ASM), 0x7F807F80, ASM)
     return p02, p13
 
 
 @triton.jit
-def _decode_planes(s, c, ASM: tl.constexpr):
+def _decode_planes(s, c, ASM: tl.constexpr, BIASED: tl.constexpr = True):
     """The biased decode of int32 words ``s`` (4 sign/mantissa bytes) and their int16 code words
     ``c`` (4 nibbles) into four fp32 planes, plane j holding weight 4 w + j times 2^(113-base)
     (exponent field 112 + code; an escape, code 0 and byte 0, is 2^-15); no join or reshape, so no
@@ -406,7 +415,7 @@ def _decode_planes(s, c, ASM: tl.constexpr):
     bit-select takes both exponent fields (mask 0x7F807F80) from there. 12 integer ops a word of 4
     weights: 2 masks, 2 multiply-adds, 2 prmt, 2 bit-selects, 4 to split the pairs to fp32.
     """
-    p02, p13 = _pair_patterns(s, c, ASM)
+    p02, p13 = _pair_patterns(s, c, ASM, BIASED)
     w0 = (p02 << 16).to(tl.float32, bitcast=True)
     w1 = (p13 << 16).to(tl.float32, bitcast=True)
     w2 = (p02 & -0x10000).to(tl.float32, bitcast=True)
@@ -722,7 +731,7 @@ def _scales(base: int) -> tuple[bool, float, float, float]:
 
 
 def biased_scale(base: int) -> float:
-    """y's scale in the biased decode (gemv2, u12_fused_linear, mma; 1 <= base <= 240): a weight
+    """y's scale in the biased decode (gemv2, u12_fused_linear; 1 <= base <= 240): a weight
     decodes to w' = w · 2^(113-base), so y = (Σ x w') · 2^(base-113), a normal fp32 for every such base."""
     return 2.0 ** (base - 1 - EXP_BIAS)
 

@@ -14,14 +14,17 @@ dot a chunk takes the four planes in ``_w_in_dot_order``, where each pair regist
 register of wgmma's A fragment, and x's matching planes (x[m, 4 w + j], bf16 x read as one int64
 word per (w, m)) in the same order: acc[BN, BM] += W · X. W is the wide side (BN >= 64 fills a warp
 group's wgmma, M = 64), x the narrow one. After the loop the tile kernel's epilogue
-(``_store_block``): the escapes and the scale, and split-K by the serial semaphore with the counters
+(``_store_block``): the scales, the escapes, and split-K by the serial semaphore with the counters
 kept per weight (``split_counters``). Rows past M and N re-read the last row (their outputs are
 not stored), so only a last partial chunk of K is masked.
 
-Numerics: gemv2's biased decode (kernels/u12_linear.py): the decoded weight is w · 2^(113-base)
-(exponent field 112 + code; an escape 2^-15, taken back with the escapes), x is used as it is and
-the fp32 sums are scaled by 2^(base-113) (``biased_scale``; a power of two, exact while the
-products stay normal, |x| ≳ 2^-112). bf16 x on the GPU: bf16 operands, fp32
+Numerics: as the tile kernel's dot path. The decoded weight is w · 2^-(base-1) (exponent field =
+code; escapes +0.0), x is scaled by 2^64 and the fp32 sums by 2^(base-65): powers of two, exact
+while |x| < 2^64 and the scaled products stay normal (the decode unbiased: ``_pair_patterns`` with
+BIASED off). gemv2's biased decode, tried here (x unscaled, escapes taken back in the epilogue),
+raised the kernel's registers from 167 to 254 (64 x 64 words, 4 warps; sm_90 ptxas) and the u12
+verify(16) step ran 6.53 and 6.64 ms (step_times at f6a43e7 and 5b12e69) against 5.86 before
+(83b702e); the scaled decode was restored and not measured again. bf16 x on the GPU: bf16 operands, fp32
 accumulation; fp32 x, or the interpreter (whose bf16 tl.dot is wrong): fp32 planes and fp32 dots
 (input_precision "ieee"). Only the scaled path with word loads runs here (``mma_applies``: M >= 5,
 K % 4 == 0, 1 <= base <= 240); ``u12_linear`` gives other cases to the tile kernel.
@@ -65,7 +68,6 @@ from .u12_linear import (
     _plant_wrong_weight,
     _scales,
     _split_k_plan,
-    biased_scale,
     _store_block,
     _x_planes,
     u12_linear,
@@ -75,17 +77,17 @@ from .u12_linear import (
 
 @triton.jit
 def _mma_planes(s, c, DOT_BF16: tl.constexpr, ASM: tl.constexpr):
-    """Four planes of weights (plane j: weight 4 w + j, times 2^(113-base)): bf16 halves of the pair
+    """Four planes of weights (plane j: weight 4 w + j, times 2^-(base-1)): bf16 halves of the pair
     registers (DOT_BF16), else fp32 (``_decode_planes``)."""
     if DOT_BF16:
-        p02, p13 = _pair_patterns(s, c, ASM)
+        p02, p13 = _pair_patterns(s, c, ASM, False)
         w0 = p02.to(tl.int16).to(tl.bfloat16, bitcast=True)
         w1 = p13.to(tl.int16).to(tl.bfloat16, bitcast=True)
         w2 = (p02 >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
         w3 = (p13 >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
         return w0, w1, w2, w3
     else:
-        return _decode_planes(s, c, ASM)
+        return _decode_planes(s, c, ASM, False)
 
 
 @triton.jit
@@ -112,17 +114,17 @@ def _x_in_dot_order(x0, x1, x2, x3):
 
 
 @triton.jit
-def _plane_dot(w, x, acc, DOT_BF16: tl.constexpr):
-    """acc + w · x: bf16 operands, else fp32 in full precision."""
+def _plane_dot(w, x, x_scale, acc, DOT_BF16: tl.constexpr):
+    """acc + w · (x 2^64): bf16 operands (the scale is exact in bf16), else fp32 in full precision."""
     if DOT_BF16:
-        return tl.dot(w, x.to(tl.bfloat16), acc)
+        return tl.dot(w, (x * x_scale).to(tl.bfloat16), acc)
     else:
-        return tl.dot(w, x, acc, input_precision="ieee")
+        return tl.dot(w, x * x_scale, acc, input_precision="ieee")
 
 
 @triton.jit
 def _mma_chunk(
-    acc, start, w_end, sm_rows, code_rows, x_cols,
+    acc, start, w_end, sm_rows, code_rows, x_cols, x_scale,
     BLOCK_W: tl.constexpr, X_WORDS: tl.constexpr, DOT_BF16: tl.constexpr, MASKED: tl.constexpr, ASM: tl.constexpr,
 ):
     """acc[n, m] += sum over the words w in [start, start + BLOCK_W) and j of w[n, 4 w + j] x[m, 4 w + j]
@@ -138,13 +140,13 @@ def _mma_chunk(
         c = tl.load(code_rows + w_of_n).to(tl.int32)
     w0, w1, w2, w3 = _mma_planes(s, c, DOT_BF16, ASM)
     x0, x1, x2, x3 = _x_planes(x_cols, w_of_x, w_of_x < w_end, X_WORDS, MASKED)
-    return _plane_dot(_w_in_dot_order(w0, w1, w2, w3), _x_in_dot_order(x0, x1, x2, x3), acc, DOT_BF16)
+    return _plane_dot(_w_in_dot_order(w0, w1, w2, w3), _x_in_dot_order(x0, x1, x2, x3), x_scale, acc, DOT_BF16)
 
 
 @triton.jit(do_not_specialize=["split_k"])  # one compile serves split_k = 1 and > 1
 def _u12_mma_kernel(
     x_ptr, sm_ptr, codes_ptr, esc_idx_ptr, esc_val_ptr, esc_row_ptr, y_ptr, part_ptr, count_ptr,
-    M, N, K, n_words, y_scale, split_k, words_per_split,
+    M, N, K, n_words, x_scale, y_scale_lo, y_scale_hi, split_k, words_per_split,
     stride_xm, stride_xk, stride_sm, stride_codes, stride_ym,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, ESC_BLOCK: tl.constexpr,
     X_WORDS: tl.constexpr,  # bf16 x as int64 words of 4 (contiguous, 8-byte aligned rows); else elements, stride_xk 1
@@ -176,15 +178,16 @@ def _u12_mma_kernel(
     full_end = w_begin + (w_end - w_begin) // BLOCK_W * BLOCK_W
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # yᵀ: W is the dot's wide side
     for start in range(w_begin, full_end, BLOCK_W):
-        acc = _mma_chunk(acc, start, w_end, sm_rows, code_rows, x_cols, BLOCK_W, X_WORDS, DOT_BF16, False, ASM)
+        acc = _mma_chunk(acc, start, w_end, sm_rows, code_rows, x_cols, x_scale, BLOCK_W, X_WORDS, DOT_BF16, False, ASM)
     if not EVEN_K:
         if full_end < w_end:  # only the last split has a partial chunk
-            acc = _mma_chunk(acc, full_end, w_end, sm_rows, code_rows, x_cols,
+            acc = _mma_chunk(acc, full_end, w_end, sm_rows, code_rows, x_cols, x_scale,
                              BLOCK_W, X_WORDS, DOT_BF16, True, ASM)
-    _store_block(  # scales the sums to y's, with the escapes
-        tl.trans(acc), x_ptr, esc_idx_ptr, esc_val_ptr, esc_row_ptr, y_ptr, part_ptr, count_ptr, offs_m, mask_m, offs_n, mask_n,
+    out = tl.trans(acc) * y_scale_lo * y_scale_hi  # exact: powers of two
+
+    _store_block(
+        out, x_ptr, esc_idx_ptr, esc_val_ptr, esc_row_ptr, y_ptr, part_ptr, count_ptr, offs_m, mask_m, offs_n, mask_n,
         n0, pid_n, pid_k, pid_m, M, N, K, split_k, stride_xm, stride_xk, stride_ym, BLOCK_M, BLOCK_N, ESC_BLOCK, True,
-        True, y_scale,
     )
 
 
@@ -195,6 +198,7 @@ def mma_applies(m: int, k: int, base: int) -> bool:
 
 def launch_mma(x: torch.Tensor, t: U12Tensor, y: torch.Tensor, cfg: U12Config) -> None:
     """y = x · Wᵀ by ``_u12_mma_kernel`` (``mma_applies`` holds); grid (N blocks, splits, M blocks)."""
+    _, x_scale, y_lo, y_hi = _scales(t.base)
     m, k = x.shape
     n = t.shape[0]
     n_words = k // 4
@@ -207,7 +211,7 @@ def launch_mma(x: torch.Tensor, t: U12Tensor, y: torch.Tensor, cfg: U12Config) -
     _u12_mma_kernel[grid](
         x, sm.view(torch.int32), codes.view(torch.int16),
         _nonempty(t.esc_idx), _nonempty(t.esc_val), t.esc_row_ptr, y, part, counters,
-        m, n, k, n_words, biased_scale(t.base), grid[1], words_per_split,
+        m, n, k, n_words, x_scale, y_lo, y_hi, grid[1], words_per_split,
         x.stride(0), x.stride(1), n_words, n_words, y.stride(0),
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_W=cfg.block_w, ESC_BLOCK=_ESC_BLOCK,
         X_WORDS=x_words, EVEN_K=n_words % cfg.block_w == 0,
