@@ -491,7 +491,9 @@ def test_u12_fused_linear_greedy_tokens_equal_the_unfused_u12_stack(tiny_model_d
     stack.ops = dataclasses.replace(stack.ops, u12_kernel="triton-u12")
     calls = _count_linear(stack, "linear_u12")
     prompt = [5, 9, 2, 6, 5, 3]
-    want = decode.generate_ar(ref, prompt, max_new_tokens=5, eos_token_id=None).tokens
-    got = decode.generate_ar(fused, prompt, max_new_tokens=5, eos_token_id=None).tokens
-    assert len(calls) >= 4 * len(fused.model.layers) * 4
+    # 3 tokens: the prompt's forward, then two one-row steps through u12_fused_linear (the suite's
+    # slowest test at 5 under the interpreter; the registry cases check the kernel itself)
+    want = decode.generate_ar(ref, prompt, max_new_tokens=3, eos_token_id=None).tokens
+    got = decode.generate_ar(fused, prompt, max_new_tokens=3, eos_token_id=None).tokens
+    assert len(calls) >= 4 * len(fused.model.layers) * 2
     assert got == want or not check_prompt(ref, cfg, prompt, got, "bfloat16").hard_failures
