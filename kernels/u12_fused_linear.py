@@ -79,9 +79,9 @@ from .u12_linear import (
     _block_m,
     _fma_planes,
     _nonempty,
-    biased_scale,
     _x_planes,
     aligned_rows,
+    biased_scale,
     gemv2_applies,
     u12_linear,
 )
