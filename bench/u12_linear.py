@@ -54,7 +54,8 @@ SIGMA = 0.02
 ROOT = Path(__file__).resolve().parent.parent
 
 
-U12_FILES = ("bench/u12_linear.py", "kernels/u12_linear.py", "kernels/u12_mma.py", "specpilot/runtime/u12.py")
+U12_FILES = ("bench/u12_linear.py", "kernels/u12_linear.py", "kernels/u12_mma.py", "kernels/u12_hmma.py",
+             "specpilot/runtime/u12.py")
 
 
 def git_commit(files: tuple[str, ...] = U12_FILES) -> str:
@@ -82,7 +83,8 @@ def sweep_configs(m: int, n: int, k: int, kernels: tuple[str, ...] = ("tile", "g
     configs crossed with SPLIT_KS_MMA, then the tile kernel's default with the one-weight-per-op
     decode (what the pair decode saves). `kernels` picks the sweeps (the default config always runs)."""
     from specpilot.kernels.u12_linear import (
-        SPLIT_KS, SPLIT_KS_MMA, SWEEP_DOT, SWEEP_GEMV, SWEEP_GEMV2, SWEEP_MMA, _block_m, _tile_config,
+        SPLIT_KS, SPLIT_KS_HMMA, SPLIT_KS_MMA, SWEEP_DOT, SWEEP_GEMV, SWEEP_GEMV2, SWEEP_HMMA, SWEEP_MMA, _block_m,
+        _tile_config,
         default_config, gemv2_acc_registers,
     )
 
@@ -101,6 +103,13 @@ def sweep_configs(m: int, n: int, k: int, kernels: tuple[str, ...] = ("tile", "g
     if m >= 5 and "mma" in kernels:
         for tile in SWEEP_MMA:
             for split in SPLIT_KS_MMA:
+                if split == 1 or k // (4 * tile.block_w) >= 2 * split:
+                    cfg = dataclasses.replace(tile, split_k=split)
+                    if cfg not in out:
+                        out.append(cfg)
+    if 5 <= m <= 16 and "hmma" in kernels:
+        for tile in SWEEP_HMMA:
+            for split in SPLIT_KS_HMMA:
                 if split == 1 or k // (4 * tile.block_w) >= 2 * split:
                     cfg = dataclasses.replace(tile, split_k=split)
                     if cfg not in out:
@@ -185,7 +194,7 @@ def main() -> None:
     parser.add_argument("--no-step", action="store_true", help="skip the whole-step CUDA graph")
     parser.add_argument("--ms", default=",".join(map(str, MS)), help="rows of x to sweep, comma-separated")
     parser.add_argument("--kernels", default="tile,gemv2",
-                        help="kernels to sweep: tile, gemv2, mma (the default config always runs)")
+                        help="kernels to sweep: tile, gemv2, mma, hmma (the default config always runs)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench/u12_linear.py times CUDA kernels and needs a CUDA GPU; none is visible here.")

@@ -556,8 +556,13 @@ class U12Config:
     def __post_init__(self) -> None:
         if self.decode not in ("pairs", "single"):
             raise ValueError(f"U12Config.decode: expected 'pairs' or 'single', got {self.decode!r}")
-        if self.kernel not in ("tile", "gemv2", "mma"):
-            raise ValueError(f"U12Config.kernel: expected 'tile', 'gemv2' or 'mma', got {self.kernel!r}")
+        if self.kernel not in ("tile", "gemv2", "mma", "hmma"):
+            raise ValueError(f"U12Config.kernel: expected 'tile', 'gemv2', 'mma' or 'hmma', got {self.kernel!r}")
+        if self.kernel == "hmma" and (self.block_n not in (16 * self.num_warps, 32 * self.num_warps)
+                                      or self.block_w % 16 or self.block_w <= 0):
+            raise ValueError(f"U12Config: the hmma kernel takes block_n 16 or 32 rows a warp "
+                             f"({16 * self.num_warps} or {32 * self.num_warps} at {self.num_warps} warps) and "
+                             f"block_w a multiple of 16, got block_n {self.block_n}, block_w {self.block_w}")
         if self.kernel == "gemv2" and self.split_k != 1:
             raise ValueError(f"U12Config.split_k: the gemv2 kernel has no split-K, got {self.split_k}")
         if self.maxnreg and not 24 <= self.maxnreg <= 255:
@@ -574,8 +579,8 @@ class U12Config:
         regs = f"-r{self.maxnreg}" if self.maxnreg else ""
         if self.kernel == "gemv2":
             return f"gemv2-bn{self.block_n}-bw{self.block_w}-w{self.num_warps}-s{self.num_stages}{regs}"
-        if self.kernel == "mma":
-            return f"mma-bn{self.block_n}-bw{self.block_w}-sk{self.split_k}-w{self.num_warps}-s{self.num_stages}{regs}"
+        if self.kernel in ("mma", "hmma"):
+            return f"{self.kernel}-bn{self.block_n}-bw{self.block_w}-sk{self.split_k}-w{self.num_warps}-s{self.num_stages}{regs}"
         return f"bn{self.block_n}-bw{self.block_w}-sk{self.split_k}-w{self.num_warps}-s{self.num_stages}-{self.decode}"
 
 
@@ -625,6 +630,19 @@ SWEEP_MMA = [
     )
 ]
 SPLIT_KS_MMA = (1, 2, 4)
+# The hmma sweep (5 <= M <= 16; bench/u12_linear.py crosses each with SPLIT_KS_HMMA): one or two
+# m-tiles (16 rows of W) a warp, 1 to 8 warps, chunks of 16 to 64 words a row. sm_90 ptxas (triton
+# 3.6) at ptxas's choice: 12.6-14.4 loop instructions a word, no shared memory, shuffle or barrier
+# in the loop; the registers (152 at 64 x 16 words, 4 warps) are the epilogue's: the loop alone
+# compiles without spills at 96.
+SWEEP_HMMA = [
+    U12Config(bn, bw, num_warps=w, num_stages=1, kernel="hmma") for bn, bw, w in (
+        (32, 16, 1), (32, 32, 1), (32, 16, 2), (64, 16, 2), (64, 32, 2), (64, 64, 2),
+        (64, 16, 4), (64, 32, 4), (128, 16, 4), (128, 32, 4), (128, 16, 8), (256, 16, 8),
+    )
+] + [U12Config(64, 16, num_warps=4, num_stages=1, kernel="hmma", maxnreg=128),
+     U12Config(128, 16, num_warps=4, num_stages=1, kernel="hmma", maxnreg=128)]
+SPLIT_KS_HMMA = (1, 2, 4, 8)
 
 # Best configs measured by bench/u12_linear.py on the H200, keyed (BLOCK_M, N, K): Llama-3.1-8B's
 # linear shapes. M = 1, 4: the gemv2 sweep (commit 34c2fbf; bench/results/u12_linear_gemv2_h200.json),
@@ -809,7 +827,12 @@ def u12_linear(x: torch.Tensor, t: U12Tensor, config: U12Config | None = None) -
         if mma_applies(m, k, t.base):
             launch_mma(x, t, y, cfg)
             return y
-    if cfg.kernel != "tile":  # gemv2 or mma where they do not apply (M, K % 4, base): the tile kernel's default
+    if cfg.kernel == "hmma":
+        from .u12_hmma import hmma_applies, launch_hmma
+        if hmma_applies(x, k, t.base):
+            launch_hmma(x, t, y, cfg)
+            return y
+    if cfg.kernel != "tile":  # gemv2, mma or hmma where they do not apply (M, K % 4, base): the tile kernel's default
         cfg = _tile_config(m, n, k, x.is_cuda)
     block_m = _block_m(m)
     use_dot = block_m >= 16

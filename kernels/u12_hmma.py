@@ -1,0 +1,338 @@
+"""y = x · Wᵀ with W in the u12 format by warp-level tensor-core MMAs (mma.sync), for 5..16 rows ("hmma").
+
+Why a second tensor-core kernel. kernels/u12_mma.py goes through tl.dot, which on sm_90 is wgmma:
+its words pass through shared memory (cp.async, then ldmatrix), x is stored to shared memory as
+the B operand each chunk behind two barriers, and the warp group waits for its wgmma within the
+chunk, so a program's decode and its dot never overlap. This kernel keeps everything in registers,
+as gemv2 does at M = 1 (kernels/u12_linear.py): each thread loads its words straight from global
+memory, decodes them (gemv2's biased decode, ``_pair_patterns``) directly into the A fragment of
+``mma.sync.aligned.m16n8k16`` and multiplies by x's B fragments, loaded as words too. No shared
+memory, no barrier; a warp's MMAs are asynchronous to its next decode.
+
+Fragments. A warp owns 16 · TILES rows of W and the 16 rows of x of its M block (two n-tiles of 8)
+over the program's K range. Lane l (g = l // 4, q = l % 4) of m-tile r holds rows g and g + 8 of
+the tile, and for each chunk of 16 words a row reads the 4 words 4 q .. 4 q + 3 (one 16-byte load
+a row) and their codes (8 bytes). K's order inside the sum is free, so k-step s (0..3) of a chunk
+takes word 4 q + s of every lane: its pair registers (weights 0, 2) and (1, 3) are exactly the
+bf16x2 registers of the A fragment at k = 2 q, 2 q + 1 and 2 q + 8, 2 q + 9 (PTX ISA, "Matrix
+Fragments for mma.m16n8k16"), for rows g (a0, a2) and g + 8 (a1, a3). The B fragment of lane l
+holds k = 2 q, 2 q + 1 and 2 q + 8, 2 q + 9 of x's row g (n-tile 0) or 8 + g (n-tile 1): the same
+word 4 q + s, read as one int64 of 4 bf16, split by two prmt into (x0, x2) and (x1, x3). So every
+lane reads contiguous words, x's included, and nothing is permuted.
+
+Layout. The fragments are Triton tensors of shape [32 · warps] with one element a thread, element
+t on lane t % 32 of warp t // 32 (Triton's default blocked layout for that shape), and the MMA is
+``tl.inline_asm_elementwise`` over them: every lane runs the same instruction at once, as
+mma.sync requires. The word loads are [32 · warps, 4] tensors with the 4 in the thread (16-byte
+vectors), split in registers. The sm_90 SASS of the loop has no shared-memory access, shuffle or
+barrier (checked with triton 3.6 and 3.9). Under the interpreter (no PTX), ``_mma_emulated`` does
+the instruction's arithmetic from the same fragments with gathers across the lanes, so the CPU
+tests check the fragment mapping itself.
+
+Numerics: the biased decode (w · 2^(113-base), an escape 2^-15), bf16 x unscaled, fp32 accumulation
+in the tensor cores; the epilogue is the mma kernel's (``_store_block``, BIASED): split-K by the
+serial semaphore, the escapes' spurious 2^-15 terms taken back and their exact products added, the
+scale 2^(base-113) applied once. bf16 x only (fp32 x, K % 4 != 0 or a base past 240 run the tile
+kernel: ``hmma_applies``).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from specpilot.runtime.u12 import U12Tensor
+
+from .overlap import pdl_args, pdl_enter
+from .registry import KernelSpec, register
+from .u12_linear import (
+    _ESC_BLOCK,
+    U12Config,
+    _case,
+    _make_inputs,
+    _nonempty,
+    _pair_patterns,
+    _plant_wrong_weight,
+    _prmt,
+    _split_k_plan,
+    _store_block,
+    aligned_rows,
+    biased_scale,
+    gemv2_applies,
+    u12_linear,
+    u12_linear_reference,
+)
+
+BLOCK_M = tl.constexpr(16)  # rows of x a program: two n-tiles of mma.m16n8k16
+
+
+@triton.jit
+def _bf16_lo(r):
+    return (r << 16).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _bf16_hi(r):
+    return (r & -0x10000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _mma_emulated(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+    """mma.m16n8k16 (row.col, bf16 in, fp32 accumulate) from per-lane fragments [32 · warps]: each
+    lane's D gathered from the A fragments of its row's quad and the B fragments of its column's."""
+    T: tl.constexpr = a0.shape[0]
+    t = tl.arange(0, T)
+    lane = t % 32
+    quad_a = t - lane + 4 * (lane // 4)  # lanes 4 g .. 4 g + 3: A's rows g and g + 8
+    quad_b0 = t - lane + 8 * (lane % 4)  # lanes 4 n ..: B's column n = 2 q
+    quad_b1 = quad_b0 + 4  # column 2 q + 1
+    d0, d1, d2, d3 = c0, c1, c2, c3
+    for qq in tl.static_range(4):  # k = 2 qq, 2 qq + 1 (a0, a1; b0) and 2 qq + 8, 2 qq + 9 (a2, a3; b1)
+        ra0 = tl.gather(a0, quad_a + qq, 0)
+        ra1 = tl.gather(a1, quad_a + qq, 0)
+        ra2 = tl.gather(a2, quad_a + qq, 0)
+        ra3 = tl.gather(a3, quad_a + qq, 0)
+        rb00 = tl.gather(b0, quad_b0 + qq, 0)
+        rb01 = tl.gather(b1, quad_b0 + qq, 0)
+        rb10 = tl.gather(b0, quad_b1 + qq, 0)
+        rb11 = tl.gather(b1, quad_b1 + qq, 0)
+        d0 += (_bf16_lo(ra0) * _bf16_lo(rb00) + _bf16_hi(ra0) * _bf16_hi(rb00)
+               + _bf16_lo(ra2) * _bf16_lo(rb01) + _bf16_hi(ra2) * _bf16_hi(rb01))
+        d1 += (_bf16_lo(ra0) * _bf16_lo(rb10) + _bf16_hi(ra0) * _bf16_hi(rb10)
+               + _bf16_lo(ra2) * _bf16_lo(rb11) + _bf16_hi(ra2) * _bf16_hi(rb11))
+        d2 += (_bf16_lo(ra1) * _bf16_lo(rb00) + _bf16_hi(ra1) * _bf16_hi(rb00)
+               + _bf16_lo(ra3) * _bf16_lo(rb01) + _bf16_hi(ra3) * _bf16_hi(rb01))
+        d3 += (_bf16_lo(ra1) * _bf16_lo(rb10) + _bf16_hi(ra1) * _bf16_hi(rb10)
+               + _bf16_lo(ra3) * _bf16_lo(rb11) + _bf16_hi(ra3) * _bf16_hi(rb11))
+    return d0, d1, d2, d3
+
+
+@triton.jit
+def _mma(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, ASM: tl.constexpr):
+    """D = A · B + C for one m16n8k16 tile from the lanes' fragments (PTX ISA's register layout)."""
+    if ASM:
+        return tl.inline_asm_elementwise(
+            "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+            "{$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, {$10, $11, $12, $13};",
+            "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f",
+            [a0, a1, a2, a3, b0, b1, c0, c1, c2, c3],
+            dtype=(tl.float32, tl.float32, tl.float32, tl.float32), is_pure=True, pack=1,
+        )
+    else:
+        return _mma_emulated(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3)
+
+
+@triton.jit
+def _four(v):
+    """The 4 in-thread columns of v [T, 4] as 4 tensors [T] (register moves)."""
+    T: tl.constexpr = v.shape[0]
+    even, odd = tl.split(tl.reshape(v, (T, 2, 2)))  # columns (0, 2) and (1, 3)
+    v0, v2 = tl.split(even)
+    v1, v3 = tl.split(odd)
+    return v0, v1, v2, v3
+
+
+@triton.jit
+def _load4(ptrs, w, w_end, lane_w, MASKED: tl.constexpr):
+    """The 4 words ptrs + w [T, 4] (ptrs at the lane's words lane_w; masked at words past w_end: 0) as
+    4 tensors [T]."""
+    if MASKED:
+        return _four(tl.load(ptrs + w, mask=w + lane_w < w_end, other=0))
+    else:
+        return _four(tl.load(ptrs + w))
+
+
+@triton.jit
+def _b_fragment(xw, ASM: tl.constexpr):
+    """An int64 of 4 bf16 x values (x0 in the low bits) as the B registers (x0, x2) and (x1, x3)."""
+    lo = xw.to(tl.int32)
+    hi = (xw >> 32).to(tl.int32)
+    return _prmt(lo, hi, 0x5410, ASM), _prmt(lo, hi, 0x7632, ASM)
+
+
+@triton.jit
+def _tile_step(
+    d0, d1, d2, d3, e0, e1, e2, e3, s_lo, c_lo, s_hi, c_hi, b00, b01, b10, b11, ASM: tl.constexpr,
+):
+    """One k-step of one m-tile: decode the word of rows g (s_lo, c_lo) and g + 8 into the A
+    fragment, multiply by both n-tiles' B fragments (d: x rows 0..7, e: 8..15)."""
+    p02_lo, p13_lo = _pair_patterns(s_lo, c_lo, ASM)
+    p02_hi, p13_hi = _pair_patterns(s_hi, c_hi, ASM)
+    d0, d1, d2, d3 = _mma(p02_lo, p02_hi, p13_lo, p13_hi, b00, b01, d0, d1, d2, d3, ASM)
+    e0, e1, e2, e3 = _mma(p02_lo, p02_hi, p13_lo, p13_hi, b10, b11, e0, e1, e2, e3, ASM)
+    return d0, d1, d2, d3, e0, e1, e2, e3
+
+
+@triton.jit
+def _tile_chunk(
+    d0, d1, d2, d3, e0, e1, e2, e3, sm_lo, code_lo, sm_hi, code_hi, w, w_end, lane_w,
+    x00, x01, x02, x03, x10, x11, x12, x13, MASKED: tl.constexpr, ASM: tl.constexpr,
+):
+    """One m-tile over a chunk of 16 words a row: 4 k-steps (word 4 q + s of each lane)."""
+    s_lo0, s_lo1, s_lo2, s_lo3 = _load4(sm_lo, w, w_end, lane_w, MASKED)
+    s_hi0, s_hi1, s_hi2, s_hi3 = _load4(sm_hi, w, w_end, lane_w, MASKED)
+    c_lo0, c_lo1, c_lo2, c_lo3 = _load4(code_lo, w, w_end, lane_w, MASKED)
+    c_hi0, c_hi1, c_hi2, c_hi3 = _load4(code_hi, w, w_end, lane_w, MASKED)
+    b00, b01 = _b_fragment(x00, ASM)
+    b10, b11 = _b_fragment(x10, ASM)
+    d0, d1, d2, d3, e0, e1, e2, e3 = _tile_step(
+        d0, d1, d2, d3, e0, e1, e2, e3, s_lo0, c_lo0.to(tl.int32), s_hi0, c_hi0.to(tl.int32), b00, b01, b10, b11, ASM)
+    b00, b01 = _b_fragment(x01, ASM)
+    b10, b11 = _b_fragment(x11, ASM)
+    d0, d1, d2, d3, e0, e1, e2, e3 = _tile_step(
+        d0, d1, d2, d3, e0, e1, e2, e3, s_lo1, c_lo1.to(tl.int32), s_hi1, c_hi1.to(tl.int32), b00, b01, b10, b11, ASM)
+    b00, b01 = _b_fragment(x02, ASM)
+    b10, b11 = _b_fragment(x12, ASM)
+    d0, d1, d2, d3, e0, e1, e2, e3 = _tile_step(
+        d0, d1, d2, d3, e0, e1, e2, e3, s_lo2, c_lo2.to(tl.int32), s_hi2, c_hi2.to(tl.int32), b00, b01, b10, b11, ASM)
+    b00, b01 = _b_fragment(x03, ASM)
+    b10, b11 = _b_fragment(x13, ASM)
+    d0, d1, d2, d3, e0, e1, e2, e3 = _tile_step(
+        d0, d1, d2, d3, e0, e1, e2, e3, s_lo3, c_lo3.to(tl.int32), s_hi3, c_hi3.to(tl.int32), b00, b01, b10, b11, ASM)
+    return d0, d1, d2, d3, e0, e1, e2, e3
+
+
+@triton.jit
+def _tile_block(d0, d1, d2, d3, e0, e1, e2, e3):
+    """An m-tile's accumulators as [16 rows of W (8 h + g), 16 rows of x (8 n-tile + 2 q + p)] per
+    warp: [warps, 16, 16]. Lane (g, q) holds W row g (0, 1: x rows 2 q, 2 q + 1) and g + 8 (2, 3)."""
+    T: tl.constexpr = d0.shape[0]
+    W: tl.constexpr = T // 32
+    n0 = tl.join(tl.join(d0, d1), tl.join(d2, d3))  # [T, p, h]
+    n1 = tl.join(tl.join(e0, e1), tl.join(e2, e3))
+    v = tl.reshape(tl.join(n0, n1), (W, 8, 4, 2, 2, 2))  # [warp, g, q, p, h, n-tile]
+    return tl.reshape(tl.permute(v, (0, 4, 1, 5, 2, 3)), (W, 16, 16))  # [warp, h, g | n-tile, q, p]
+
+
+@triton.jit(do_not_specialize=["split_k"])  # one compile serves split_k = 1 and > 1
+def _u12_hmma_kernel(
+    x_ptr, sm_ptr, codes_ptr, esc_idx_ptr, esc_val_ptr, esc_row_ptr, y_ptr, part_ptr, count_ptr,
+    M, N, K, n_words, y_scale, split_k, words_per_split,
+    stride_xm, stride_sm, stride_codes, stride_ym,
+    BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, WARPS: tl.constexpr, ESC_BLOCK: tl.constexpr,
+    EVEN_K: tl.constexpr,  # n_words % BLOCK_W == 0: no split has a masked last chunk
+    ASM: tl.constexpr,  # PTX mma.sync and prmt (GPU); else their emulation (interpreter)
+    PDL: tl.constexpr,  # programmatic dependent launch (kernels/overlap.py)
+):
+    pdl_enter(PDL)
+    TILES: tl.constexpr = BLOCK_N // (16 * WARPS)  # m-tiles a warp: 1 or 2
+    T: tl.constexpr = 32 * WARPS
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    n0 = pid_n * BLOCK_N
+    t = tl.arange(0, T)
+    lane = t % 32
+    g = lane // 4
+    q = lane % 4
+    # Rows past N or M re-read the last row (their outputs are not stored).
+    row = n0 + (t // 32) * (16 * TILES) + g  # m-tile 0's row g; + 8, + 16, + 24 for the others
+    lane_w = (4 * q)[:, None] + tl.arange(0, 4)[None, :]  # [T, 4]: a lane's 4 words of a chunk
+    sm_lo = sm_ptr + tl.minimum(row, N - 1)[:, None] * stride_sm + lane_w
+    sm_hi = sm_ptr + tl.minimum(row + 8, N - 1)[:, None] * stride_sm + lane_w
+    code_lo = codes_ptr + tl.minimum(row, N - 1)[:, None] * stride_codes + lane_w
+    code_hi = codes_ptr + tl.minimum(row + 8, N - 1)[:, None] * stride_codes + lane_w
+    sm_lo2 = sm_ptr + tl.minimum(row + 16, N - 1)[:, None] * stride_sm + lane_w
+    sm_hi2 = sm_ptr + tl.minimum(row + 24, N - 1)[:, None] * stride_sm + lane_w
+    code_lo2 = codes_ptr + tl.minimum(row + 16, N - 1)[:, None] * stride_codes + lane_w
+    code_hi2 = codes_ptr + tl.minimum(row + 24, N - 1)[:, None] * stride_codes + lane_w
+    x64 = x_ptr.to(tl.pointer_type(tl.int64))
+    x_row0 = x64 + tl.minimum(pid_m * BLOCK_M + g, M - 1)[:, None] * (stride_xm // 4) + lane_w
+    x_row1 = x64 + tl.minimum(pid_m * BLOCK_M + 8 + g, M - 1)[:, None] * (stride_xm // 4) + lane_w
+
+    w_begin = pid_k * words_per_split
+    w_end = tl.minimum(w_begin + words_per_split, n_words)
+    full_end = w_begin + (w_end - w_begin) // BLOCK_W * BLOCK_W
+    zero = tl.zeros((T,), dtype=tl.float32)
+    d0, d1, d2, d3, e0, e1, e2, e3 = zero, zero, zero, zero, zero, zero, zero, zero
+    f0, f1, f2, f3, h0, h1, h2, h3 = zero, zero, zero, zero, zero, zero, zero, zero
+    for start in range(w_begin, full_end, BLOCK_W):
+        for u in tl.static_range(BLOCK_W // 16):
+            w = start + 16 * u
+            x00, x01, x02, x03 = _load4(x_row0, w, w_end, lane_w, False)
+            x10, x11, x12, x13 = _load4(x_row1, w, w_end, lane_w, False)
+            d0, d1, d2, d3, e0, e1, e2, e3 = _tile_chunk(
+                d0, d1, d2, d3, e0, e1, e2, e3, sm_lo, code_lo, sm_hi, code_hi, w, w_end, lane_w,
+                x00, x01, x02, x03, x10, x11, x12, x13, False, ASM)
+            if TILES == 2:
+                f0, f1, f2, f3, h0, h1, h2, h3 = _tile_chunk(
+                    f0, f1, f2, f3, h0, h1, h2, h3, sm_lo2, code_lo2, sm_hi2, code_hi2, w, w_end, lane_w,
+                    x00, x01, x02, x03, x10, x11, x12, x13, False, ASM)
+    if not EVEN_K:  # only the last split has a partial chunk: 16-word groups, words past w_end masked
+        for w in range(full_end, w_end, 16):
+            x00, x01, x02, x03 = _load4(x_row0, w, w_end, lane_w, True)
+            x10, x11, x12, x13 = _load4(x_row1, w, w_end, lane_w, True)
+            d0, d1, d2, d3, e0, e1, e2, e3 = _tile_chunk(
+                d0, d1, d2, d3, e0, e1, e2, e3, sm_lo, code_lo, sm_hi, code_hi, w, w_end, lane_w,
+                x00, x01, x02, x03, x10, x11, x12, x13, True, ASM)
+            if TILES == 2:
+                f0, f1, f2, f3, h0, h1, h2, h3 = _tile_chunk(
+                    f0, f1, f2, f3, h0, h1, h2, h3, sm_lo2, code_lo2, sm_hi2, code_hi2, w, w_end, lane_w,
+                    x00, x01, x02, x03, x10, x11, x12, x13, True, ASM)
+
+    if TILES == 2:  # [warp, tile, 16, 16]
+        out = tl.reshape(tl.permute(tl.join(_tile_block(d0, d1, d2, d3, e0, e1, e2, e3),
+                                            _tile_block(f0, f1, f2, f3, h0, h1, h2, h3)), (0, 3, 1, 2)), (BLOCK_N, BLOCK_M))
+    else:
+        out = tl.reshape(_tile_block(d0, d1, d2, d3, e0, e1, e2, e3), (BLOCK_N, BLOCK_M))
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    _store_block(
+        tl.trans(out), x_ptr, esc_idx_ptr, esc_val_ptr, esc_row_ptr, y_ptr, part_ptr, count_ptr,
+        offs_m, offs_m < M, offs_n, offs_n < N, n0, pid_n, pid_k, pid_m, M, N, K, split_k, stride_xm, 1, stride_ym,
+        BLOCK_M, BLOCK_N, ESC_BLOCK, True, True, y_scale,
+    )
+
+
+def hmma_applies(x: torch.Tensor, k: int, base: int) -> bool:
+    """Whether an hmma config runs this kernel: 5 <= M <= 16 rows of bf16 x, and the biased decode
+    with word loads (``gemv2_applies``' K % 4 == 0 and base)."""
+    return x.dtype == torch.bfloat16 and 5 <= x.shape[0] <= BLOCK_M.value and gemv2_applies(1, k, base)
+
+
+def launch_hmma(x: torch.Tensor, t: U12Tensor, y: torch.Tensor, cfg: U12Config) -> None:
+    """y = x · Wᵀ by ``_u12_hmma_kernel`` (``hmma_applies`` holds); grid (N blocks, splits, 1)."""
+    m, k = x.shape
+    n = t.shape[0]
+    n_words = k // 4
+    x = aligned_rows(x, True)
+    grid, words_per_split, part, counters = _split_k_plan(t, cfg, m, n_words, BLOCK_M.value)
+    native = x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1"  # the interpreter runs no PTX
+    sm, codes = t.sm.contiguous(), t.codes.contiguous()
+    _u12_hmma_kernel[grid](
+        x, sm.view(torch.int32), codes.view(torch.int16),
+        _nonempty(t.esc_idx), _nonempty(t.esc_val), t.esc_row_ptr, y, part, counters,
+        m, n, k, n_words, biased_scale(t.base), grid[1], words_per_split,
+        x.stride(0), n_words, n_words, y.stride(0),
+        BLOCK_N=cfg.block_n, BLOCK_W=cfg.block_w, WARPS=cfg.num_warps, ESC_BLOCK=_ESC_BLOCK,
+        EVEN_K=n_words % cfg.block_w == 0, ASM=native, **cfg.launch_options(native), **pdl_args(x.device),
+    )
+
+
+# --- registry entry -------------------------------------------------------------------------
+
+# One warp of two m-tiles: the cases cover partial N blocks, split-K and masked last chunks.
+_HMMA_CHECK_CONFIG = U12Config(32, 32, split_k=2, num_warps=1, num_stages=1, kernel="hmma")
+
+register(KernelSpec(
+    name="u12_hmma",
+    run=functools.partial(u12_linear, config=_HMMA_CHECK_CONFIG),
+    reference=u12_linear_reference,
+    make_inputs=_make_inputs,
+    cases=[
+        _case(5, 17, 64, torch.bfloat16, "few"),  # 16 words: one masked chunk (BLOCK_W 32); 11 re-read x rows
+        _case(16, 64, 128, torch.bfloat16, "special"),  # 32 words: one full chunk a split, 2 N blocks
+        _case(13, 33, 300, torch.bfloat16, "few"),  # 75 words: the second split ends in masked 16-word groups
+        _case(9, 40, 96, torch.bfloat16, "special"),  # 24 words: a full chunk, then a split of one masked group
+        _case(16, 17, 64, torch.float32, "few"),  # fp32 x: the tile kernel
+        _case(17, 9, 32, torch.bfloat16, "few"),  # M past 16: the tile kernel
+        _case(8, 17, 64, torch.bfloat16, "all"),  # base 241, not biased: the tile kernel
+    ],
+    tolerance={torch.float32: (1e-5, 1e-5), torch.bfloat16: (1e-4, 8e-3)},  # as u12_linear's
+    corrupt=_plant_wrong_weight,
+    description="u12_linear with an hmma config: 5..16 rows by mma.sync on fragments decoded in registers, escapes exact",
+))

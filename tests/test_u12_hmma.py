@@ -1,0 +1,100 @@
+"""The hmma kernel (kernels/u12_hmma.py): mma.sync fragments, dispatch, configs.
+
+Its results against the reference on odd shapes are the registry's cases (tests/test_kernels.py,
+"u12_hmma"); here: the fragment layout the kernel relies on, that those cases really run it, and
+the config checks. On the CPU the MMA is the kernel's emulation; on a GPU the PTX instruction.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from specpilot.kernels import u12_hmma
+from specpilot.kernels.u12_linear import U12Config, _case, _make_inputs, u12_linear, u12_linear_reference
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+NATIVE = DEVICE == "cuda" and os.environ.get("TRITON_INTERPRET") != "1"
+if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("Triton kernels need a GPU or TRITON_INTERPRET=1", allow_module_level=True)
+
+
+@triton.jit
+def _one_mma(a_ptr, b_ptr, c_ptr, d_ptr, ASM: tl.constexpr):
+    t = tl.arange(0, 32)
+    d0, d1, d2, d3 = u12_hmma._mma(
+        tl.load(a_ptr + 4 * t), tl.load(a_ptr + 4 * t + 1), tl.load(a_ptr + 4 * t + 2), tl.load(a_ptr + 4 * t + 3),
+        tl.load(b_ptr + 2 * t), tl.load(b_ptr + 2 * t + 1),
+        tl.load(c_ptr + 4 * t), tl.load(c_ptr + 4 * t + 1), tl.load(c_ptr + 4 * t + 2), tl.load(c_ptr + 4 * t + 3),
+        ASM,
+    )
+    tl.store(d_ptr + 4 * t, d0)
+    tl.store(d_ptr + 4 * t + 1, d1)
+    tl.store(d_ptr + 4 * t + 2, d2)
+    tl.store(d_ptr + 4 * t + 3, d3)
+
+
+def _pairs(lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
+    """bf16 values (lo in bits 0-15, hi in 16-31) as int32 registers."""
+    lo16 = lo.view(torch.int16).to(torch.int32) & 0xFFFF
+    hi16 = hi.view(torch.int16).to(torch.int32) & 0xFFFF
+    return lo16 | (hi16 << 16)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_mma_fragments_follow_the_ptx_layout(seed):
+    """D = A B + C for A [16, 16], B [16, 8] laid out in the lanes as the PTX ISA's m16n8k16 figures
+    say (lane l: g = l // 4, q = l % 4): the layout the kernel builds its fragments in."""
+    g = torch.Generator().manual_seed(seed)
+    A = torch.randn(16, 16, generator=g).to(torch.bfloat16)
+    B = torch.randn(16, 8, generator=g).to(torch.bfloat16)
+    C = torch.randn(16, 8, generator=g)
+    lane = torch.arange(32)
+    r, q = lane // 4, lane % 4
+    a = torch.stack([
+        _pairs(A[r, 2 * q], A[r, 2 * q + 1]), _pairs(A[r + 8, 2 * q], A[r + 8, 2 * q + 1]),
+        _pairs(A[r, 2 * q + 8], A[r, 2 * q + 9]), _pairs(A[r + 8, 2 * q + 8], A[r + 8, 2 * q + 9]),
+    ], 1)
+    b = torch.stack([_pairs(B[2 * q, r], B[2 * q + 1, r]), _pairs(B[2 * q + 8, r], B[2 * q + 9, r])], 1)
+    c = torch.stack([C[r, 2 * q], C[r, 2 * q + 1], C[r + 8, 2 * q], C[r + 8, 2 * q + 1]], 1)
+    d = torch.empty(32, 4, device=DEVICE)
+    _one_mma[(1,)](a.to(DEVICE), b.to(DEVICE), c.to(DEVICE), d, ASM=NATIVE, num_warps=1)
+    D = torch.empty(16, 8)
+    d = d.cpu()
+    D[r, 2 * q], D[r, 2 * q + 1], D[r + 8, 2 * q], D[r + 8, 2 * q + 1] = d[:, 0], d[:, 1], d[:, 2], d[:, 3]
+    torch.testing.assert_close(D, A.float() @ B.float() + C, rtol=1e-5, atol=1e-5)
+
+
+def test_registry_cases_run_the_hmma_kernel(monkeypatch):
+    """The registry's bf16 cases of 5..16 rows launch the hmma kernel (not a fallback)."""
+    launched = []
+    monkeypatch.setattr(u12_hmma, "launch_hmma", lambda *a, **k: launched.append(a[3]) or _launch(*a, **k))
+    cfg = U12Config(64, 16, split_k=3, num_warps=2, num_stages=1, kernel="hmma")  # two warps of two m-tiles
+    x, t = _make_inputs(_case(11, 70, 200, torch.bfloat16, "few"), DEVICE, 3)  # 50 words: 3 splits, masked tail
+    y = u12_linear(x, t, cfg)
+    assert launched == [cfg]
+    ref = u12_linear_reference(x, t)
+    torch.testing.assert_close(y.float(), ref.float(), rtol=8e-3, atol=1e-4)
+
+
+_launch = u12_hmma.launch_hmma
+
+
+@pytest.mark.parametrize("dtype,m,k", [(torch.float32, 8, 64), (torch.bfloat16, 4, 64), (torch.bfloat16, 17, 64),
+                                       (torch.bfloat16, 8, 30)])
+def test_hmma_applies_only_to_bf16_x_of_5_to_16_rows_and_word_loads(dtype, m, k):
+    x = torch.zeros(m, k, dtype=dtype)
+    assert not u12_hmma.hmma_applies(x, k, 120)
+    assert u12_hmma.hmma_applies(torch.zeros(8, 64, dtype=torch.bfloat16), 64, 120)
+    assert not u12_hmma.hmma_applies(torch.zeros(8, 64, dtype=torch.bfloat16), 64, 241)  # not biased
+
+
+@pytest.mark.parametrize("kw", [dict(block_n=48, block_w=16, num_warps=2), dict(block_n=64, block_w=24, num_warps=2),
+                                dict(block_n=128, block_w=16, num_warps=2)])
+def test_hmma_config_rejects_tiles_it_cannot_run(kw):
+    with pytest.raises(ValueError, match="hmma kernel takes block_n 16 or 32 rows a warp"):
+        U12Config(kernel="hmma", num_stages=1, **kw)
