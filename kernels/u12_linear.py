@@ -631,17 +631,19 @@ SWEEP_MMA = [
 ]
 SPLIT_KS_MMA = (1, 2, 4)
 # The hmma sweep (5 <= M <= 16; bench/u12_linear.py crosses each with SPLIT_KS_HMMA): one or two
-# m-tiles (16 rows of W) a warp, 1 to 8 warps, chunks of 16 to 64 words a row. sm_90 ptxas (triton
-# 3.6) at ptxas's choice: 12.6-14.4 loop instructions a word, no shared memory, shuffle or barrier
-# in the loop; the registers (152 at 64 x 16 words, 4 warps) are the epilogue's: the loop alone
-# compiles without spills at 96.
+# m-tiles (16 rows of W) a warp, 1 to 8 warps, chunks of 16 or 32 words a row, and register budgets
+# for more warps a SM. sm_90 ptxas (triton 3.6): 12.6-14.8 loop instructions a word, no shared
+# memory, shuffle or barrier in the loop; at its own choice 79 registers (one m-tile a warp) and
+# 111-112 (two); no spill at 64 (one m-tile: 60 bytes, in the epilogue) or 96 (two: 16 bytes),
+# the loop's own loads spill below that.
 SWEEP_HMMA = [
-    U12Config(bn, bw, num_warps=w, num_stages=1, kernel="hmma") for bn, bw, w in (
-        (32, 16, 1), (32, 32, 1), (32, 16, 2), (64, 16, 2), (64, 32, 2), (64, 64, 2),
-        (64, 16, 4), (64, 32, 4), (128, 16, 4), (128, 32, 4), (128, 16, 8), (256, 16, 8),
+    U12Config(bn, bw, num_warps=w, num_stages=1, kernel="hmma", maxnreg=r) for bn, bw, w, r in (
+        (16, 16, 1, 0), (16, 32, 1, 0), (32, 16, 2, 0), (64, 16, 4, 0), (64, 32, 4, 0), (128, 16, 8, 0),  # 1 m-tile
+        (16, 16, 1, 64), (32, 16, 2, 64), (64, 16, 4, 64),
+        (32, 16, 1, 0), (32, 32, 1, 0), (64, 16, 2, 0), (64, 32, 2, 0), (128, 16, 4, 0), (256, 16, 8, 0),  # 2 m-tiles
+        (32, 16, 1, 96), (32, 32, 1, 96), (64, 16, 2, 96), (128, 16, 4, 96),
     )
-] + [U12Config(64, 16, num_warps=4, num_stages=1, kernel="hmma", maxnreg=128),
-     U12Config(128, 16, num_warps=4, num_stages=1, kernel="hmma", maxnreg=128)]
+]
 SPLIT_KS_HMMA = (1, 2, 4, 8)
 
 # Best configs measured by bench/u12_linear.py on the H200, keyed (BLOCK_M, N, K): Llama-3.1-8B's
