@@ -62,7 +62,7 @@ u12() {
 }
 hmma() {
   TAIL=4 run hmma_tests 150 python -m pytest -q -x -p no:cacheprovider tests/test_u12_hmma.py tests/test_kernels.py -k hmma
-  TAIL=40 run u12_linear_hmma 300 python bench/u12_linear.py --ms 16 --kernels hmma --budget-s 170 \
+  TAIL=40 run u12_linear_hmma 300 python bench/u12_linear.py --ms 16 --kernels hmma --graph --budget-s 170 \
     --out "$OUT/u12_linear_hmma_h200.json"
 }
 linear() {  # the fused_linear and u12_mma kernels: GPU tests, then their sweeps against cuBLAS
