@@ -368,7 +368,7 @@ register(KernelSpec(
     cases=[
         _case(5, 17, 64, torch.bfloat16, "few"),  # 16 words: one masked chunk (BLOCK_W 32); 11 re-read x rows
         _case(16, 64, 128, torch.bfloat16, "special"),  # 32 words: one full chunk a split, 2 N blocks
-        _case(13, 33, 300, torch.bfloat16, "few"),  # 75 words: the second split ends in masked 16-word groups
+        _case(13, 33, 136, torch.bfloat16, "few"),  # 34 words: the second split is one masked group of 2 words
         _case(9, 40, 96, torch.bfloat16, "special"),  # 24 words: a full chunk, then a split of one masked group
         _case(16, 17, 64, torch.float32, "few"),  # fp32 x: the tile kernel
         _case(17, 9, 32, torch.bfloat16, "few"),  # M past 16: the tile kernel

@@ -74,7 +74,7 @@ def test_registry_cases_run_the_hmma_kernel(monkeypatch):
     launched = []
     monkeypatch.setattr(u12_hmma, "launch_hmma", lambda *a, **k: launched.append(a[3]) or _launch(*a, **k))
     cfg = U12Config(64, 16, split_k=3, num_warps=2, num_stages=1, kernel="hmma")  # two warps of two m-tiles
-    x, t = _make_inputs(_case(11, 70, 200, torch.bfloat16, "few"), DEVICE, 3)  # 50 words: 3 splits, masked tail
+    x, t = _make_inputs(_case(11, 40, 160, torch.bfloat16, "few"), DEVICE, 3)  # 40 words: 3 splits, masked tail
     y = u12_linear(x, t, cfg)
     assert launched == [cfg]
     ref = u12_linear_reference(x, t)
@@ -98,3 +98,21 @@ def test_hmma_applies_only_to_bf16_x_of_5_to_16_rows_and_word_loads(dtype, m, k)
 def test_hmma_config_rejects_tiles_it_cannot_run(kw):
     with pytest.raises(ValueError, match="hmma kernel takes block_n 16 or 32 rows a warp"):
         U12Config(kernel="hmma", num_stages=1, **kw)
+
+
+def test_bench_sweeps_hmma_configs_for_5_to_16_rows():
+    import dataclasses
+    import importlib.util
+    from pathlib import Path
+
+    from specpilot.kernels.u12_linear import SPLIT_KS_HMMA, SWEEP_HMMA
+
+    path = Path(__file__).parent.parent / "bench" / "u12_linear.py"
+    spec = importlib.util.spec_from_file_location("bench_u12_linear_hmma", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    hmma = [cfg for cfg in bench.sweep_configs(16, 4096, 4096, ("hmma",)) if cfg.kernel == "hmma"]
+    assert {dataclasses.replace(cfg, split_k=1) for cfg in hmma} == set(SWEEP_HMMA)
+    assert {cfg.split_k for cfg in hmma} == set(SPLIT_KS_HMMA)
+    for m in (4, 17, 64):
+        assert not [cfg for cfg in bench.sweep_configs(m, 4096, 4096, ("hmma",)) if cfg.kernel == "hmma"]
