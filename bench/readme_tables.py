@@ -134,7 +134,12 @@ def u12_stats() -> str:
     return "\n".join(lines)
 
 
-U12_LINEAR_FILES = ("u12_linear_mma_h200.json", "u12_linear_gemv2_m1_h200.json", "u12_linear_gemv2_h200.json", "u12_linear_nvidia_h200.json")
+U12_LINEAR_FILES = ("u12_linear_hmma_h200.json", "u12_linear_mma_h200.json", "u12_linear_gemv2_m1_h200.json", "u12_linear_gemv2_h200.json", "u12_linear_nvidia_h200.json")
+
+
+def _timing(d: dict) -> str:
+    """How a u12_linear file timed its configs, in a few words."""
+    return "each config in a CUDA graph" if "CUDA graph" in d.get("timing", "") else "do_bench, single launches"
 
 
 def u12_linear() -> str:
@@ -149,7 +154,7 @@ def u12_linear() -> str:
     lines = [
         "H200; per row the best configuration of the newest sweep that covers it (its file and commit "
         "beside it). Sources: " + ", ".join(f"`bench/results/{name}` (commit {d.get('git_commit', '?')}, "
-                                           f"triton {d.get('triton', '?')})" for name, d in files) + ".",
+                                           f"triton {d.get('triton', '?')}, {_timing(d)})" for name, d in files) + ".",
         "",
         "| shape | M | cuBLAS bf16 µs | u12 µs | speedup | u12 TB/s (packed bytes) | config | file |",
         "|---|---:|---:|---:|---:|---:|---|---|",

@@ -1,11 +1,12 @@
 """y = x · Wᵀ with W in the u12 format, decoded in registers.
 
-Three kernels. ``_u12_linear_kernel`` ("tile") multiplies M ≤ 4 rows of x on the CUDA cores (GEMV)
+Four kernels. ``_u12_linear_kernel`` ("tile") multiplies M ≤ 4 rows of x on the CUDA cores (GEMV)
 and feeds M ≥ 5 decoded [BLOCK_N, BLOCK_K] tiles to ``tl.dot`` (bf16 operands on the GPU, fp32
 under the interpreter) with up to 64 rows of x per program, so each weight is decoded once per
 program. ``_u12_gemv_kernel`` ("gemv2", chosen by ``U12Config.kernel``) is a second GEMV for M ≤ 4
 on the scaled path with K % 4 == 0; kernels/u12_mma.py ("mma") is a tensor-core kernel for M ≥ 5 on
-that path, its decoded planes fed to wgmma from registers; ``u12_linear`` gives other cases to the
+that path, its decoded planes fed to wgmma from registers, and kernels/u12_hmma.py ("hmma") one for
+5..16 rows by mma.sync on fragments decoded in registers; ``u12_linear`` gives other cases to the
 tile kernel.
 
 Loads. The sign/mantissa plane is read as int32 words (4 weights) and the code plane as int16
@@ -92,8 +93,10 @@ and no conversion in the loop (5.9 -> 5.0 instructions a weight): the 32-layer l
 3.60 ms against 3.16 with bf16 rows (bench/results/tried/u12_linear_planes_h200.json, commit
 f6a43e7; reverted in 963d148), twice the x bytes through L1 for every program costing more than
 the conversions; and, in the step (step_ab's TILE_VARIANTS), two rows a thread for qkv, o and
-down (3.671 ms against 3.673), one-warp programs (3.756) and BLOCK_N 8 (3.755). Open: the
-mma kernel's per-chunk wgmma wait (see u12_mma.py), M = 4 and 64, a tile-major layout.
+down (3.671 ms against 3.673), one-warp programs (3.756) and BLOCK_N 8 (3.755). At M = 16 the
+hmma kernel (kernels/u12_hmma.py: mma.sync on fragments decoded in registers, no shared memory)
+was written against the mma kernel's per-chunk wgmma wait; it wins o only. Open: M = 16 beyond
+that, M = 4 and 64, a tile-major layout.
 """
 
 from __future__ import annotations
@@ -540,8 +543,10 @@ class U12Config:
 
     kernel "tile": ``_u12_linear_kernel`` (any M, split-K, both decodes); "gemv2": ``_u12_gemv_kernel``
     (M <= 4, no split-K, ``decode`` unused); "mma": ``kernels/u12_mma.py`` (M >= 5, split-K, ``decode``
-    unused). ``u12_linear`` runs gemv2 and mma where they apply (K % 4 == 0, 1 <= base <= 240, and
-    their M) and otherwise replaces them by the tile kernel's default config.
+    unused); "hmma": ``kernels/u12_hmma.py`` (5 <= M <= 16 rows of bf16 x, split-K, block_n 16 or 32
+    rows a warp, block_w a multiple of 16). ``u12_linear`` runs gemv2, mma and hmma where they apply
+    (K % 4 == 0, 1 <= base <= 240, and their M) and otherwise replaces them by the tile kernel's
+    default config.
     """
 
     block_n: int
@@ -550,8 +555,8 @@ class U12Config:
     num_warps: int = 4
     num_stages: int = 2
     decode: str = "pairs"  # or "single": one weight per 32-bit op (the scaled decode only)
-    kernel: str = "tile"  # or "gemv2", "mma"
-    maxnreg: int = 0  # registers a thread ptxas may use (PTX .maxnreg; gemv2 and mma on the GPU); 0: its choice
+    kernel: str = "tile"  # or "gemv2", "mma", "hmma"
+    maxnreg: int = 0  # registers a thread ptxas may use (PTX .maxnreg; gemv2, mma, hmma on the GPU); 0: its choice
 
     def __post_init__(self) -> None:
         if self.decode not in ("pairs", "single"):

@@ -1,9 +1,11 @@
 """y = x · Wᵀ with W in the u12 format on the tensor cores, for M >= 5 rows ("mma").
 
-H200 (bench/results/u12_linear_mma_h200.json, 320 configs, TUNED's M = 16 rows from it): at M = 16
-0.86x (qkv), 0.67x (o), 0.96x (gate_up), 0.80x (down), 1.18x (lm_head) of cuBLAS bf16; all linears
-of a Llama-3.1-8B step in one graph 0.83x (the tile kernel it replaces: 0.58x). Short of the
-issue's 1.15x: see the wgmma wait below.
+H200, each config timed in a CUDA graph over distinct weight copies (bench/results/
+u12_linear_hmma_h200.json, commit 2455f2e; TUNED's M = 16 rows from the earlier do_bench sweep,
+bench/results/u12_linear_mma_h200.json, 320 configs): at M = 16 0.76x (qkv), 0.90x (gate_up),
+0.73x (down), 1.32x (lm_head) of cuBLAS bf16; o runs kernels/u12_hmma.py's mma.sync kernel
+instead (0.72x, this kernel 0.54x). All linears of a Llama-3.1-8B step in one graph 0.83x, the u12
+verify(16) step 0.85x the bf16 one. Short of the issue's 1.15x: see the wgmma wait below.
 
 Design. A program owns BLOCK_N rows of W and BLOCK_M (16..64) rows of x and loops over K in chunks
 of BLOCK_W int32 words (4 weights each). The words decode as in gemv2 (``_pair_patterns``: prmt,
@@ -24,7 +26,7 @@ while |x| < 2^64 and the scaled products stay normal (the decode unbiased: ``_pa
 BIASED off). gemv2's biased decode, tried here (x unscaled, escapes taken back in the epilogue),
 raised the kernel's registers from 167 to 254 (64 x 64 words, 4 warps; sm_90 ptxas) and the u12
 verify(16) step ran 6.53 and 6.64 ms (step_times at f6a43e7 and 5b12e69) against 5.86 before
-(83b702e); the scaled decode was restored and not measured again. bf16 x on the GPU: bf16 operands, fp32
+(83b702e); with the scaled decode restored it ran 5.84 ms (2455f2e). bf16 x on the GPU: bf16 operands, fp32
 accumulation; fp32 x, or the interpreter (whose bf16 tl.dot is wrong): fp32 planes and fp32 dots
 (input_precision "ieee"). Only the scaled path with word loads runs here (``mma_applies``: M >= 5,
 K % 4 == 0, 1 <= base <= 240); ``u12_linear`` gives other cases to the tile kernel.
