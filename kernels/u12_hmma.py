@@ -251,7 +251,9 @@ def _u12_hmma_kernel(
     q = lane % 4
     # Rows past N or M re-read the last row (their outputs are not stored).
     row = n0 + (t // 32) * (16 * TILES) + g  # m-tile 0's row g; + 8, + 16, + 24 for the others
-    lane_w = (4 * q)[:, None] + tl.arange(0, 4)[None, :]  # [T, 4]: a lane's 4 words of a chunk
+    # A lane's 4 words of each 16-word group u of a chunk: BLOCK_W / 4 q + 4 u + (0..3), so that a
+    # lane's groups are contiguous and a quad reads BLOCK_W contiguous words of each row.
+    lane_w = ((BLOCK_W // 4) * q)[:, None] + tl.arange(0, 4)[None, :]  # [T, 4]
     sm_lo = sm_ptr + tl.minimum(row, N - 1)[:, None] * stride_sm + lane_w
     sm_hi = sm_ptr + tl.minimum(row + 8, N - 1)[:, None] * stride_sm + lane_w
     code_lo = codes_ptr + tl.minimum(row, N - 1)[:, None] * stride_codes + lane_w
@@ -272,7 +274,7 @@ def _u12_hmma_kernel(
     f0, f1, f2, f3, h0, h1, h2, h3 = zero, zero, zero, zero, zero, zero, zero, zero
     for start in range(w_begin, full_end, BLOCK_W):
         for u in tl.static_range(BLOCK_W // 16):
-            w = start + 16 * u
+            w = start + 4 * u
             x00, x01, x02, x03 = _load4(x_row0, w, w_end, lane_w, False)
             x10, x11, x12, x13 = _load4(x_row1, w, w_end, lane_w, False)
             d0, d1, d2, d3, e0, e1, e2, e3 = _tile_chunk(
@@ -282,17 +284,19 @@ def _u12_hmma_kernel(
                 f0, f1, f2, f3, h0, h1, h2, h3 = _tile_chunk(
                     f0, f1, f2, f3, h0, h1, h2, h3, sm_lo2, code_lo2, sm_hi2, code_hi2, w, w_end, lane_w,
                     x00, x01, x02, x03, x10, x11, x12, x13, False, ASM)
-    if not EVEN_K:  # only the last split has a partial chunk: 16-word groups, words past w_end masked
-        for w in range(full_end, w_end, 16):
-            x00, x01, x02, x03 = _load4(x_row0, w, w_end, lane_w, True)
-            x10, x11, x12, x13 = _load4(x_row1, w, w_end, lane_w, True)
-            d0, d1, d2, d3, e0, e1, e2, e3 = _tile_chunk(
-                d0, d1, d2, d3, e0, e1, e2, e3, sm_lo, code_lo, sm_hi, code_hi, w, w_end, lane_w,
-                x00, x01, x02, x03, x10, x11, x12, x13, True, ASM)
-            if TILES == 2:
-                f0, f1, f2, f3, h0, h1, h2, h3 = _tile_chunk(
-                    f0, f1, f2, f3, h0, h1, h2, h3, sm_lo2, code_lo2, sm_hi2, code_hi2, w, w_end, lane_w,
+    if not EVEN_K:
+        if full_end < w_end:  # only the last split has a partial chunk: its words past w_end masked
+            for u in tl.static_range(BLOCK_W // 16):
+                w = full_end + 4 * u
+                x00, x01, x02, x03 = _load4(x_row0, w, w_end, lane_w, True)
+                x10, x11, x12, x13 = _load4(x_row1, w, w_end, lane_w, True)
+                d0, d1, d2, d3, e0, e1, e2, e3 = _tile_chunk(
+                    d0, d1, d2, d3, e0, e1, e2, e3, sm_lo, code_lo, sm_hi, code_hi, w, w_end, lane_w,
                     x00, x01, x02, x03, x10, x11, x12, x13, True, ASM)
+                if TILES == 2:
+                    f0, f1, f2, f3, h0, h1, h2, h3 = _tile_chunk(
+                        f0, f1, f2, f3, h0, h1, h2, h3, sm_lo2, code_lo2, sm_hi2, code_hi2, w, w_end, lane_w,
+                        x00, x01, x02, x03, x10, x11, x12, x13, True, ASM)
 
     # Each accumulator's x row mm and W row nn, stacked as the accumulators are.
     mb = pid_m * BLOCK_M + 2 * q

@@ -636,17 +636,16 @@ SWEEP_MMA = [
 ]
 SPLIT_KS_MMA = (1, 2, 4)
 # The hmma sweep (5 <= M <= 16; bench/u12_linear.py crosses each with SPLIT_KS_HMMA): one or two
-# m-tiles (16 rows of W) a warp, 1 to 8 warps, chunks of 16 or 32 words a row, and register budgets
-# for more warps a SM. sm_90 ptxas (triton 3.6): 12.6-14.8 loop instructions a word, no shared
-# memory, shuffle or barrier in the loop; at its own choice 79 registers (one m-tile a warp) and
-# 111-112 (two); no spill at 64 (one m-tile: 60 bytes, in the epilogue) or 96 (two: 16 bytes),
-# the loop's own loads spill below that.
+# m-tiles (16 rows of W) a warp, 1 to 4 warps, chunks of 16 to 64 words a row (a quad reads them
+# contiguous), and register budgets. sm_90 ptxas (triton 3.6): 12.6-14.8 loop instructions a word,
+# no shared memory, shuffle or barrier in the loop; at its own choice 79-90 registers (one m-tile a
+# warp) and 111-112 (two), and at 64 words a row it issues 8 of the chunk's 32 loads before the
+# first MMA, 24 at 168 registers (144 used); no loop spill at 64 (one m-tile) or 96 (two).
 SWEEP_HMMA = [
     U12Config(bn, bw, num_warps=w, num_stages=1, kernel="hmma", maxnreg=r) for bn, bw, w, r in (
-        (16, 16, 1, 0), (16, 32, 1, 0), (32, 16, 2, 0), (64, 16, 4, 0), (64, 32, 4, 0), (128, 16, 8, 0),  # 1 m-tile
-        (16, 16, 1, 64), (32, 16, 2, 64), (64, 16, 4, 64),
-        (32, 16, 1, 0), (32, 32, 1, 0), (64, 16, 2, 0), (64, 32, 2, 0), (128, 16, 4, 0), (256, 16, 8, 0),  # 2 m-tiles
-        (32, 16, 1, 96), (32, 32, 1, 96), (64, 16, 2, 96), (128, 16, 4, 96),
+        (16, 16, 1, 0), (64, 16, 4, 0), (64, 32, 4, 0), (16, 64, 1, 0), (32, 64, 2, 0), (64, 64, 4, 0),  # 1 m-tile
+        (16, 64, 1, 168), (32, 64, 2, 168), (64, 64, 4, 168), (64, 32, 4, 128),
+        (32, 16, 1, 0), (64, 16, 2, 0), (32, 64, 1, 0), (64, 64, 2, 0), (32, 64, 1, 200), (64, 64, 2, 200),  # 2
     )
 ]
 SPLIT_KS_HMMA = (1, 2, 4, 8)
