@@ -654,9 +654,10 @@ SPLIT_KS_HMMA = (1, 2, 4, 8)
 # linear shapes. M = 1, 4: the gemv2 sweep (commit 34c2fbf; bench/results/u12_linear_gemv2_h200.json),
 # where gemv2 beat the tile kernel on every row; its o rows are not used: every config there, the tile
 # kernel's included, ran ~75 µs where the tile kernel had run 26 µs before and o in the whole-step
-# graph runs far below that. M = 16: the mma sweep (bench/results/u12_linear_mma_h200.json), o from
-# the hmma sweep timed in CUDA graphs (bench/results/u12_linear_hmma_h200.json, commit 2455f2e: 17.8 µs
-# against 23.7 for the mma config; the mma configs still won qkv, gate_up, down and lm_head). M = 64:
+# graph runs far below that. M = 16: the mma sweep (bench/results/u12_linear_mma_h200.json), o and
+# down from the hmma sweep timed in CUDA graphs (bench/results/u12_linear_hmma_h200.json, commit
+# ed31e59: 17.0 and 39.5 µs against 23.7 and 43.9 for the mma configs; the mma configs still won
+# qkv, gate_up and lm_head, by 4%, 3% and 11%). M = 64:
 # the tile sweep of 457 rows (commit da24869). M = 1 qkv and o: 4 words a thread (every lane's
 # 16-byte loads side by side) from the whole u12 step interleaved (bench/step_ab.py, commit ac79ccb:
 # 3.674 ms against 3.701 with 8 words; 4 words for every linear ran 3.870, for gate_up alone 3.745).
@@ -667,7 +668,7 @@ TUNED: dict[tuple[int, int, int], U12Config] = {
     (64, 6144, 4096): U12Config(64, 32, split_k=4, num_warps=4, num_stages=3),  # qkv
     (1, 4096, 4096): U12Config(4, 128, num_warps=4, num_stages=1, kernel="gemv2"),  # o: qkv's (see above)
     (4, 4096, 4096): U12Config(4, 256, num_warps=2, num_stages=1, kernel="gemv2"),  # o: qkv's (see above)
-    (16, 4096, 4096): U12Config(64, 32, split_k=8, num_warps=4, num_stages=1, kernel="hmma"),  # o
+    (16, 4096, 4096): U12Config(64, 32, split_k=8, num_warps=4, num_stages=1, kernel="hmma", maxnreg=128),  # o
     (64, 4096, 4096): U12Config(64, 32, split_k=8, num_warps=4),  # o
     (1, 28672, 4096): U12Config(8, 128, num_warps=2, num_stages=1, kernel="gemv2"),  # gate_up
     (4, 28672, 4096): U12Config(4, 256, num_warps=2, num_stages=1, kernel="gemv2"),  # gate_up
@@ -675,7 +676,7 @@ TUNED: dict[tuple[int, int, int], U12Config] = {
     (64, 28672, 4096): U12Config(64, 32, split_k=2, num_warps=4, num_stages=3),  # gate_up
     (1, 4096, 14336): U12Config(4, 256, num_warps=4, num_stages=1, kernel="gemv2"),  # down
     (4, 4096, 14336): U12Config(4, 256, num_warps=2, num_stages=1, kernel="gemv2"),  # down
-    (16, 4096, 14336): U12Config(64, 64, split_k=4, num_warps=4, num_stages=3, kernel="mma"),  # down
+    (16, 4096, 14336): U12Config(64, 32, split_k=8, num_warps=4, num_stages=1, kernel="hmma", maxnreg=128),  # down
     (64, 4096, 14336): U12Config(64, 32, split_k=4, num_warps=4, num_stages=3),  # down
     (1, 128256, 4096): U12Config(8, 128, num_warps=2, num_stages=1, kernel="gemv2"),  # lm_head
     (4, 128256, 4096): U12Config(4, 256, num_warps=2, num_stages=1, kernel="gemv2"),  # lm_head
