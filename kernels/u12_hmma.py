@@ -11,14 +11,16 @@ memory, no barrier; a warp's MMAs are asynchronous to its next decode.
 
 Fragments. A warp owns 16 · TILES rows of W and the 16 rows of x of its M block (two n-tiles of 8)
 over the program's K range. Lane l (g = l // 4, q = l % 4) of m-tile r holds rows g and g + 8 of
-the tile, and for each chunk of 16 words a row reads the 4 words 4 q .. 4 q + 3 (one 16-byte load
-a row) and their codes (8 bytes). K's order inside the sum is free, so k-step s (0..3) of a chunk
-takes word 4 q + s of every lane: its pair registers (weights 0, 2) and (1, 3) are exactly the
-bf16x2 registers of the A fragment at k = 2 q, 2 q + 1 and 2 q + 8, 2 q + 9 (PTX ISA, "Matrix
-Fragments for mma.m16n8k16"), for rows g (a0, a2) and g + 8 (a1, a3). The B fragment of lane l
-holds k = 2 q, 2 q + 1 and 2 q + 8, 2 q + 9 of x's row g (n-tile 0) or 8 + g (n-tile 1): the same
-word 4 q + s, read as one int64 of 4 bf16, split by two prmt into (x0, x2) and (x1, x3). So every
-lane reads contiguous words, x's included, and nothing is permuted.
+the tile. A chunk of BLOCK_W words a row is BLOCK_W / 16 groups u of 16 words; in group u lane q
+reads the 4 words BLOCK_W / 4 · q + 4 u .. + 3 of each of its rows (one 16-byte load a row) and
+their codes (8 bytes), so a lane's groups are contiguous and a quad reads the chunk's words of a
+row as one run. K's order inside the sum is free, so k-step s (0..3) of a group takes the lane's
+word s: its pair registers (weights 0, 2) and (1, 3) are exactly the bf16x2 registers of the A
+fragment at k = 2 q, 2 q + 1 and 2 q + 8, 2 q + 9 (PTX ISA, "Matrix Fragments for
+mma.m16n8k16"), for rows g (a0, a2) and g + 8 (a1, a3). The B fragment of lane l holds the same
+k of x's row g (n-tile 0) or 8 + g (n-tile 1): the same word, read as one int64 of 4 bf16, split
+by two prmt into (x0, x2) and (x1, x3). So every lane reads contiguous words, x's included, and
+nothing is permuted.
 
 Layout. The fragments are Triton tensors of shape [32 · warps] with one element a thread, element
 t on lane t % 32 of warp t // 32 (Triton's default blocked layout for that shape), and the MMA is
@@ -28,6 +30,14 @@ vectors), split in registers. The sm_90 SASS of the loop has no shared-memory ac
 barrier (checked with triton 3.6 and 3.9). Under the interpreter (no PTX), ``_mma_emulated`` does
 the instruction's arithmetic from the same fragments with gathers across the lanes, so the CPU
 tests check the fragment mapping itself.
+
+H200 (bench/results/u12_linear_hmma_h200.json, commit ed31e59, each config in a CUDA graph over
+distinct weight copies), M = 16: o 17.0 µs and down 39.5 against 23.7 and 43.9 for the mma
+kernel (TUNED takes both: 64 rows and 32 words a chunk, split-K 8, 128 registers), qkv 21.2 against
+20.4, gate_up 66.3 against 64.2, lm_head 259 against 230. With a lane's groups strided through the
+chunk instead (word 4 q + 16 u: a quad read 64 B of a row at a time) every config of a shape ran
+within a few percent of the others, lm_head 341 µs and gate_up 86
+(bench/results/tried/u12_linear_hmma_strided_h200.json).
 
 Numerics: the biased decode (w · 2^(113-base), an escape 2^-15), bf16 x unscaled, fp32 accumulation
 in the tensor cores. The epilogue stays in the fragments' layout (``_finish``, elementwise): each
@@ -173,7 +183,7 @@ def _tile_chunk(
     d0, d1, d2, d3, e0, e1, e2, e3, sm_lo, code_lo, sm_hi, code_hi, w, w_end, lane_w,
     x00, x01, x02, x03, x10, x11, x12, x13, MASKED: tl.constexpr, ASM: tl.constexpr,
 ):
-    """One m-tile over a chunk of 16 words a row: 4 k-steps (word 4 q + s of each lane)."""
+    """One m-tile over a group of 16 words a row: 4 k-steps, k-step s on word s of each lane's 4."""
     s_lo0, s_lo1, s_lo2, s_lo3 = _load4(sm_lo, w, w_end, lane_w, MASKED)
     s_hi0, s_hi1, s_hi2, s_hi3 = _load4(sm_hi, w, w_end, lane_w, MASKED)
     c_lo0, c_lo1, c_lo2, c_lo3 = _load4(code_lo, w, w_end, lane_w, MASKED)
