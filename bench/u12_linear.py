@@ -6,7 +6,11 @@ the gemv2 kernel's SWEEP_GEMV2 (those within 64 accumulator registers a thread a
 `--kernels mma` for M >= 5 the mma kernel's SWEEP_MMA crossed with SPLIT_KS_MMA (not in the default
 run: `--kernels mma --ms 16,64` is about 600 configs and 40 compiles, beyond the default budget), plus
 the default config, is first checked against the reference (one bf16 step, see check_close) and then
-timed with triton.testing.do_bench (CUDA events, L2 flushed before each call, median). A config
+timed with triton.testing.do_bench (CUDA events, L2 flushed before each call, median), or with
+`--graph` as the median replay of a CUDA graph of one call per distinct copy of the weight (about
+2 GB of copies): do_bench's single launches include the host's launch overhead wherever it exceeds
+the kernel (cuBLAS's qkv at M = 16: 22.5 µs there, 15.5 in a graph). `--kernels hmma` adds
+kernels/u12_hmma.py's SWEEP_HMMA for 5 <= M <= 16. A config
 that fails to compile, run or match is recorded with its error, not timed. A time budget skips the
 rest of the sweep (rows marked "skipped") so the run stays within about four minutes on an H200.
 
@@ -19,7 +23,7 @@ Writes bench/results/u12_linear_<gpu>.json: "rows" (the best config per shape an
 specpilot/cost and bench/readme_tables read), "sweep" (every row, for the next round), "tuned"
 (the best configs as kernels/u12_linear.py's TUNED keys), "whole_step"; prints a short table last.
 
-    python bench/u12_linear.py [--out FILE] [--budget-s 150] [--no-step] [--ms 1,4] [--kernels gemv2,mma]
+    python bench/u12_linear.py [--out FILE] [--budget-s 150] [--no-step] [--ms 1,4] [--kernels gemv2,mma,hmma] [--graph]
     (SPECPILOT_COMMIT=... names the commit where the tree has no .git)
 """
 
@@ -80,40 +84,34 @@ def check_close(y: torch.Tensor, ref: torch.Tensor, scale: torch.Tensor) -> None
 def sweep_configs(m: int, n: int, k: int, kernels: tuple[str, ...] = ("tile", "gemv2")) -> list:
     """The default config first, then each sweep tile crossed with SPLIT_KS (splits that fit K),
     for M <= 4 the gemv2 configs whose accumulator fits 64 registers a thread, for M >= 5 the mma
-    configs crossed with SPLIT_KS_MMA, then the tile kernel's default with the one-weight-per-op
+    configs crossed with SPLIT_KS_MMA, for 5 <= M <= 16 the hmma configs crossed with SPLIT_KS_HMMA,
+    then the tile kernel's default with the one-weight-per-op
     decode (what the pair decode saves). `kernels` picks the sweeps (the default config always runs)."""
     from specpilot.kernels.u12_linear import (
         SPLIT_KS, SPLIT_KS_HMMA, SPLIT_KS_MMA, SWEEP_DOT, SWEEP_GEMV, SWEEP_GEMV2, SWEEP_HMMA, SWEEP_MMA, _block_m,
-        _tile_config,
-        default_config, gemv2_acc_registers,
+        _tile_config, default_config, gemv2_acc_registers,
     )
 
     default = default_config(m, n, k)
     out = [default]
-    for tile in SWEEP_GEMV if m <= 4 else SWEEP_DOT:
-        for split in SPLIT_KS:
-            if split == 1 or k // (4 * tile.block_w) >= 2 * split:  # at least two word blocks a split
-                cfg = dataclasses.replace(tile, split_k=split)
-                if cfg not in out:
-                    out.append(cfg)
+
+    def add_splits(tiles, splits):  # each tile at each split that leaves at least two word blocks a split
+        for tile in tiles:
+            for split in splits:
+                if split == 1 or k // (4 * tile.block_w) >= 2 * split:
+                    cfg = dataclasses.replace(tile, split_k=split)
+                    if cfg not in out:
+                        out.append(cfg)
+
+    add_splits(SWEEP_GEMV if m <= 4 else SWEEP_DOT, SPLIT_KS)
     if "tile" not in kernels:
-        out = out[:1]
+        del out[1:]
     if m <= 4 and "gemv2" in kernels:
         out += [cfg for cfg in SWEEP_GEMV2 if cfg not in out and gemv2_acc_registers(cfg, _block_m(m)) <= 64]
     if m >= 5 and "mma" in kernels:
-        for tile in SWEEP_MMA:
-            for split in SPLIT_KS_MMA:
-                if split == 1 or k // (4 * tile.block_w) >= 2 * split:
-                    cfg = dataclasses.replace(tile, split_k=split)
-                    if cfg not in out:
-                        out.append(cfg)
+        add_splits(SWEEP_MMA, SPLIT_KS_MMA)
     if 5 <= m <= 16 and "hmma" in kernels:
-        for tile in SWEEP_HMMA:
-            for split in SPLIT_KS_HMMA:
-                if split == 1 or k // (4 * tile.block_w) >= 2 * split:
-                    cfg = dataclasses.replace(tile, split_k=split)
-                    if cfg not in out:
-                        out.append(cfg)
+        add_splits(SWEEP_HMMA, SPLIT_KS_HMMA)
     tile_default = default if default.kernel == "tile" else _tile_config(m, n, k, on_gpu=True)
     return out + ([dataclasses.replace(tile_default, decode="single")] if "tile" in kernels else [])
 

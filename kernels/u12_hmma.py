@@ -92,33 +92,36 @@ def _bf16_hi(r):
 
 
 @triton.jit
+def _quad(v, first):
+    """v at lanes first .. first + 3 for every lane: [T, 4] (a gather across the warp)."""
+    T: tl.constexpr = v.shape[0]
+    return tl.gather(tl.broadcast_to(v[:, None], (T, 4)), first[:, None] + tl.arange(0, 4)[None, :], 0)
+
+
+@triton.jit
+def _dot_pairs(a, b):
+    """Σ over a quad's 4 lanes of the products of their bf16 pairs: a, b [T, 4] int32 registers."""
+    return tl.sum(_bf16_lo(a) * _bf16_lo(b) + _bf16_hi(a) * _bf16_hi(b), axis=1)
+
+
+@triton.jit
 def _mma_emulated(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
     """mma.m16n8k16 (row.col, bf16 in, fp32 accumulate) from per-lane fragments [32 · warps]: each
-    lane's D gathered from the A fragments of its row's quad and the B fragments of its column's."""
+    lane's D from the A fragments of its row's quad and the B fragments of its column's."""
     T: tl.constexpr = a0.shape[0]
     t = tl.arange(0, T)
     lane = t % 32
     quad_a = t - lane + 4 * (lane // 4)  # lanes 4 g .. 4 g + 3: A's rows g and g + 8
     quad_b0 = t - lane + 8 * (lane % 4)  # lanes 4 n ..: B's column n = 2 q
     quad_b1 = quad_b0 + 4  # column 2 q + 1
-    d0, d1, d2, d3 = c0, c1, c2, c3
-    for qq in tl.static_range(4):  # k = 2 qq, 2 qq + 1 (a0, a1; b0) and 2 qq + 8, 2 qq + 9 (a2, a3; b1)
-        ra0 = tl.gather(a0, quad_a + qq, 0)
-        ra1 = tl.gather(a1, quad_a + qq, 0)
-        ra2 = tl.gather(a2, quad_a + qq, 0)
-        ra3 = tl.gather(a3, quad_a + qq, 0)
-        rb00 = tl.gather(b0, quad_b0 + qq, 0)
-        rb01 = tl.gather(b1, quad_b0 + qq, 0)
-        rb10 = tl.gather(b0, quad_b1 + qq, 0)
-        rb11 = tl.gather(b1, quad_b1 + qq, 0)
-        d0 += (_bf16_lo(ra0) * _bf16_lo(rb00) + _bf16_hi(ra0) * _bf16_hi(rb00)
-               + _bf16_lo(ra2) * _bf16_lo(rb01) + _bf16_hi(ra2) * _bf16_hi(rb01))
-        d1 += (_bf16_lo(ra0) * _bf16_lo(rb10) + _bf16_hi(ra0) * _bf16_hi(rb10)
-               + _bf16_lo(ra2) * _bf16_lo(rb11) + _bf16_hi(ra2) * _bf16_hi(rb11))
-        d2 += (_bf16_lo(ra1) * _bf16_lo(rb00) + _bf16_hi(ra1) * _bf16_hi(rb00)
-               + _bf16_lo(ra3) * _bf16_lo(rb01) + _bf16_hi(ra3) * _bf16_hi(rb01))
-        d3 += (_bf16_lo(ra1) * _bf16_lo(rb10) + _bf16_hi(ra1) * _bf16_hi(rb10)
-               + _bf16_lo(ra3) * _bf16_lo(rb11) + _bf16_hi(ra3) * _bf16_hi(rb11))
+    # k = 2 q', 2 q' + 1 in a0, a1 and b0; k = 2 q' + 8, 2 q' + 9 in a2, a3 and b1 (q' the quad's lane)
+    ra0, ra1, ra2, ra3 = _quad(a0, quad_a), _quad(a1, quad_a), _quad(a2, quad_a), _quad(a3, quad_a)
+    rb00, rb01 = _quad(b0, quad_b0), _quad(b1, quad_b0)
+    rb10, rb11 = _quad(b0, quad_b1), _quad(b1, quad_b1)
+    d0 = c0 + (_dot_pairs(ra0, rb00) + _dot_pairs(ra2, rb01))
+    d1 = c1 + (_dot_pairs(ra0, rb10) + _dot_pairs(ra2, rb11))
+    d2 = c2 + (_dot_pairs(ra1, rb00) + _dot_pairs(ra3, rb01))
+    d3 = c3 + (_dot_pairs(ra1, rb10) + _dot_pairs(ra3, rb11))
     return d0, d1, d2, d3
 
 
@@ -179,7 +182,7 @@ def _tile_step(
 
 
 @triton.jit
-def _tile_chunk(
+def _tile_group(
     d0, d1, d2, d3, e0, e1, e2, e3, sm_lo, code_lo, sm_hi, code_hi, w, w_end, lane_w,
     x00, x01, x02, x03, x10, x11, x12, x13, MASKED: tl.constexpr, ASM: tl.constexpr,
 ):
@@ -205,6 +208,26 @@ def _tile_chunk(
     d0, d1, d2, d3, e0, e1, e2, e3 = _tile_step(
         d0, d1, d2, d3, e0, e1, e2, e3, s_lo3, c_lo3.to(tl.int32), s_hi3, c_hi3.to(tl.int32), b00, b01, b10, b11, ASM)
     return d0, d1, d2, d3, e0, e1, e2, e3
+
+
+@triton.jit
+def _group(
+    d0, d1, d2, d3, e0, e1, e2, e3, f0, f1, f2, f3, h0, h1, h2, h3, w, w_end, lane_w,
+    x_row0, x_row1, sm_lo, code_lo, sm_hi, code_hi, sm_lo2, code_lo2, sm_hi2, code_hi2,
+    TILES: tl.constexpr, MASKED: tl.constexpr, ASM: tl.constexpr,
+):
+    """A 16-word group of the warp's m-tiles (accumulators d, e: tile 0; f, h: tile 1), x's words
+    loaded once for both."""
+    x00, x01, x02, x03 = _load4(x_row0, w, w_end, lane_w, MASKED)
+    x10, x11, x12, x13 = _load4(x_row1, w, w_end, lane_w, MASKED)
+    d0, d1, d2, d3, e0, e1, e2, e3 = _tile_group(
+        d0, d1, d2, d3, e0, e1, e2, e3, sm_lo, code_lo, sm_hi, code_hi, w, w_end, lane_w,
+        x00, x01, x02, x03, x10, x11, x12, x13, MASKED, ASM)
+    if TILES == 2:
+        f0, f1, f2, f3, h0, h1, h2, h3 = _tile_group(
+            f0, f1, f2, f3, h0, h1, h2, h3, sm_lo2, code_lo2, sm_hi2, code_hi2, w, w_end, lane_w,
+            x00, x01, x02, x03, x10, x11, x12, x13, MASKED, ASM)
+    return d0, d1, d2, d3, e0, e1, e2, e3, f0, f1, f2, f3, h0, h1, h2, h3
 
 
 @triton.jit
@@ -284,29 +307,17 @@ def _u12_hmma_kernel(
     f0, f1, f2, f3, h0, h1, h2, h3 = zero, zero, zero, zero, zero, zero, zero, zero
     for start in range(w_begin, full_end, BLOCK_W):
         for u in tl.static_range(BLOCK_W // 16):
-            w = start + 4 * u
-            x00, x01, x02, x03 = _load4(x_row0, w, w_end, lane_w, False)
-            x10, x11, x12, x13 = _load4(x_row1, w, w_end, lane_w, False)
-            d0, d1, d2, d3, e0, e1, e2, e3 = _tile_chunk(
-                d0, d1, d2, d3, e0, e1, e2, e3, sm_lo, code_lo, sm_hi, code_hi, w, w_end, lane_w,
-                x00, x01, x02, x03, x10, x11, x12, x13, False, ASM)
-            if TILES == 2:
-                f0, f1, f2, f3, h0, h1, h2, h3 = _tile_chunk(
-                    f0, f1, f2, f3, h0, h1, h2, h3, sm_lo2, code_lo2, sm_hi2, code_hi2, w, w_end, lane_w,
-                    x00, x01, x02, x03, x10, x11, x12, x13, False, ASM)
+            d0, d1, d2, d3, e0, e1, e2, e3, f0, f1, f2, f3, h0, h1, h2, h3 = _group(
+                d0, d1, d2, d3, e0, e1, e2, e3, f0, f1, f2, f3, h0, h1, h2, h3, start + 4 * u, w_end, lane_w,
+                x_row0, x_row1, sm_lo, code_lo, sm_hi, code_hi, sm_lo2, code_lo2, sm_hi2, code_hi2,
+                TILES, False, ASM)
     if not EVEN_K:
         if full_end < w_end:  # only the last split has a partial chunk: its words past w_end masked
             for u in tl.static_range(BLOCK_W // 16):
-                w = full_end + 4 * u
-                x00, x01, x02, x03 = _load4(x_row0, w, w_end, lane_w, True)
-                x10, x11, x12, x13 = _load4(x_row1, w, w_end, lane_w, True)
-                d0, d1, d2, d3, e0, e1, e2, e3 = _tile_chunk(
-                    d0, d1, d2, d3, e0, e1, e2, e3, sm_lo, code_lo, sm_hi, code_hi, w, w_end, lane_w,
-                    x00, x01, x02, x03, x10, x11, x12, x13, True, ASM)
-                if TILES == 2:
-                    f0, f1, f2, f3, h0, h1, h2, h3 = _tile_chunk(
-                        f0, f1, f2, f3, h0, h1, h2, h3, sm_lo2, code_lo2, sm_hi2, code_hi2, w, w_end, lane_w,
-                        x00, x01, x02, x03, x10, x11, x12, x13, True, ASM)
+                d0, d1, d2, d3, e0, e1, e2, e3, f0, f1, f2, f3, h0, h1, h2, h3 = _group(
+                    d0, d1, d2, d3, e0, e1, e2, e3, f0, f1, f2, f3, h0, h1, h2, h3, full_end + 4 * u, w_end, lane_w,
+                    x_row0, x_row1, sm_lo, code_lo, sm_hi, code_hi, sm_lo2, code_lo2, sm_hi2, code_hi2,
+                    TILES, True, ASM)
 
     # Each accumulator's x row mm and W row nn, stacked as the accumulators are.
     mb = pid_m * BLOCK_M + 2 * q
@@ -315,7 +326,8 @@ def _u12_hmma_kernel(
     acc = _stack(d0, d1, d2, d3, e0, e1, e2, e3)
     acc2 = _stack(f0, f1, f2, f3, h0, h1, h2, h3)  # TILES 2: rows nn + 16
     if split_k == 1:
-        _finish(acc, mm, nn, x_ptr, esc_idx_ptr, esc_val_ptr, esc_row_ptr, y_ptr, M, N, K, stride_xm, stride_ym, y_scale)
+        _finish(acc, mm, nn, x_ptr, esc_idx_ptr, esc_val_ptr, esc_row_ptr, y_ptr, M, N, K, stride_xm, stride_ym,
+                y_scale)
         if TILES == 2:
             _finish(acc2, mm, nn + 16, x_ptr, esc_idx_ptr, esc_val_ptr, esc_row_ptr, y_ptr, M, N, K, stride_xm,
                     stride_ym, y_scale)
@@ -382,7 +394,7 @@ register(KernelSpec(
     cases=[
         _case(5, 17, 64, torch.bfloat16, "few"),  # 16 words: one masked chunk (BLOCK_W 32); 11 re-read x rows
         _case(16, 64, 128, torch.bfloat16, "special"),  # 32 words: one full chunk a split, 2 N blocks
-        _case(13, 33, 136, torch.bfloat16, "few"),  # 34 words: the second split is one masked group of 2 words
+        _case(13, 17, 136, torch.bfloat16, "few"),  # 34 words: the second split a masked chunk of 2 words
         _case(9, 40, 96, torch.bfloat16, "special"),  # 24 words: a full chunk, then a split of one masked group
         _case(16, 17, 64, torch.float32, "few"),  # fp32 x: the tile kernel
         _case(17, 9, 32, torch.bfloat16, "few"),  # M past 16: the tile kernel
@@ -390,5 +402,6 @@ register(KernelSpec(
     ],
     tolerance={torch.float32: (1e-5, 1e-5), torch.bfloat16: (1e-4, 8e-3)},  # as u12_linear's
     corrupt=_plant_wrong_weight,
-    description="u12_linear with an hmma config: 5..16 rows by mma.sync on fragments decoded in registers, escapes exact",
+    description="u12_linear with an hmma config: 5..16 rows by mma.sync on fragments decoded in registers, "
+                "escapes exact",
 ))
