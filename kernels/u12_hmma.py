@@ -31,12 +31,13 @@ barrier (checked with triton 3.6 and 3.9). Under the interpreter (no PTX), ``_mm
 the instruction's arithmetic from the same fragments with gathers across the lanes, so the CPU
 tests check the fragment mapping itself.
 
-H200 (bench/results/u12_linear_hmma_h200.json, commit ed31e59, each config in a CUDA graph over
-distinct weight copies), M = 16: o 17.0 µs and down 39.5 against 23.7 and 43.9 for the mma
-kernel (TUNED takes both: 64 rows and 32 words a chunk, split-K 8, 128 registers), qkv 21.2 against
-20.4, gate_up 66.3 against 64.2, lm_head 259 against 230. With a lane's groups strided through the
-chunk instead (word 4 q + 16 u: a quad read 64 B of a row at a time) every config of a shape ran
-within a few percent of the others, lm_head 341 µs and gate_up 86
+H200, M = 16, each config in a CUDA graph over distinct weight copies: o 17.0 µs and down 39.5
+against 23.7 and 43.9 for the mma kernel (bench/results/tried/u12_linear_hmma_ed31e59_h200.json;
+TUNED takes both: 64 rows and 32 words a chunk, split-K 8, 128 registers); qkv 21.1 against 20.4,
+gate_up 64.0 against 60.9, lm_head 236 (two m-tiles a warp) against 213
+(bench/results/u12_linear_hmma_h200.json, commit 89d4609). With a lane's groups strided through
+the chunk instead (word 4 q + 16 u: a quad read 64 B of a row at a time) every config of a shape
+ran within a few percent of the others, lm_head 341 µs and gate_up 86
 (bench/results/tried/u12_linear_hmma_strided_h200.json).
 
 Numerics: the biased decode (w · 2^(113-base), an escape 2^-15), bf16 x unscaled, fp32 accumulation

@@ -657,9 +657,9 @@ SPLIT_KS_HMMA = (1, 2, 4, 8)
 # where gemv2 beat the tile kernel on every row; its o rows are not used: every config there, the tile
 # kernel's included, ran ~75 µs where the tile kernel had run 26 µs before and o in the whole-step
 # graph runs far below that. M = 16: the mma sweep (bench/results/u12_linear_mma_h200.json), o and
-# down from the hmma sweep timed in CUDA graphs (bench/results/u12_linear_hmma_h200.json, commit
-# ed31e59: 17.0 and 39.5 µs against 23.7 and 43.9 for the mma configs; the mma configs still won
-# qkv, gate_up and lm_head, by 4%, 3% and 11%). M = 64:
+# down from the hmma sweep timed in CUDA graphs (bench/results/tried/u12_linear_hmma_ed31e59_h200.json:
+# 17.0 and 39.5 µs against 23.7 and 43.9 for the mma configs; bench/results/u12_linear_hmma_h200.json,
+# 89d4609: the mma configs still win qkv, gate_up and lm_head, by 3%, 5% and 10%). M = 64:
 # the tile sweep of 457 rows (commit da24869). M = 1 qkv and o: 4 words a thread (every lane's
 # 16-byte loads side by side) from the whole u12 step interleaved (bench/step_ab.py, commit ac79ccb:
 # 3.674 ms against 3.701 with 8 words; 4 words for every linear ran 3.870, for gate_up alone 3.745).

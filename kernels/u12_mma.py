@@ -1,11 +1,11 @@
 """y = x · Wᵀ with W in the u12 format on the tensor cores, for M >= 5 rows ("mma").
 
 H200, each config timed in a CUDA graph over distinct weight copies (bench/results/
-u12_linear_hmma_h200.json, commit ed31e59; TUNED's M = 16 rows from the earlier do_bench sweep,
-bench/results/u12_linear_mma_h200.json, 320 configs): at M = 16 0.76x (qkv), 0.91x (gate_up),
-0.74x (down), 1.24x (lm_head) of cuBLAS bf16; o and down run kernels/u12_hmma.py's mma.sync
-kernel instead (0.75x and 0.82x). All linears of a Llama-3.1-8B step in one graph 0.86x, the u12
-verify(16) step 0.87x the bf16 one. Short of the issue's 1.15x: see the wgmma wait below.
+u12_linear_hmma_h200.json, commit 89d4609; TUNED's M = 16 rows from the earlier do_bench sweep,
+bench/results/u12_linear_mma_h200.json, 320 configs): at M = 16 0.74x (qkv), 1.01x (gate_up),
+1.30x (lm_head) of cuBLAS bf16; o and down run kernels/u12_hmma.py's mma.sync kernel instead
+(0.74x and 0.82x; this kernel 0.54x and 0.74x at ed31e59). All linears of a Llama-3.1-8B step in
+one graph 0.86x, the u12 verify(16) step 0.87x the bf16 one. Short of the issue's 1.15x: see the wgmma wait below.
 
 Design. A program owns BLOCK_N rows of W and BLOCK_M (16..64) rows of x and loops over K in chunks
 of BLOCK_W int32 words (4 weights each). The words decode as in gemv2 (``_pair_patterns``: prmt,
