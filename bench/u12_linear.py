@@ -9,7 +9,7 @@ the default config, is first checked against the reference (one bf16 step, see c
 timed with triton.testing.do_bench (CUDA events, L2 flushed before each call, median), or with
 `--graph` as the median replay of a CUDA graph of one call per distinct copy of the weight (about
 2 GB of copies): do_bench's single launches include the host's launch overhead wherever it exceeds
-the kernel (cuBLAS's qkv at M = 16: 22.5 µs there, 15.5 in a graph). `--kernels hmma` adds
+the kernel (cuBLAS's qkv at M = 16: 22.5 µs there, 15.2 in a graph). `--kernels hmma` adds
 kernels/u12_hmma.py's SWEEP_HMMA for 5 <= M <= 16. A config
 that fails to compile, run or match is recorded with its error, not timed. A time budget skips the
 rest of the sweep (rows marked "skipped") so the run stays within about four minutes on an H200.

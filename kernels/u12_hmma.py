@@ -74,9 +74,9 @@ from .u12_linear import (
     _split_k_plan,
     aligned_rows,
     biased_scale,
-    gemv2_applies,
     u12_linear,
     u12_linear_reference,
+    words_and_scales,
 )
 
 BLOCK_M = tl.constexpr(16)  # rows of x a program: two n-tiles of mma.m16n8k16
@@ -170,13 +170,14 @@ def _b_fragment(xw, ASM: tl.constexpr):
 
 
 @triton.jit
-def _tile_step(
-    d0, d1, d2, d3, e0, e1, e2, e3, s_lo, c_lo, s_hi, c_hi, b00, b01, b10, b11, ASM: tl.constexpr,
-):
-    """One k-step of one m-tile: decode the word of rows g (s_lo, c_lo) and g + 8 into the A
-    fragment, multiply by both n-tiles' B fragments (d: x rows 0..7, e: 8..15)."""
-    p02_lo, p13_lo = _pair_patterns(s_lo, c_lo, ASM)
-    p02_hi, p13_hi = _pair_patterns(s_hi, c_hi, ASM)
+def _tile_step(d0, d1, d2, d3, e0, e1, e2, e3, s_lo, c_lo, s_hi, c_hi, x0, x1, ASM: tl.constexpr):
+    """One k-step of one m-tile: decode the word of rows g (s_lo, c_lo: int16 codes) and g + 8 into
+    the A fragment, multiply by the B fragments of x's word in both n-tiles (x0 -> d: x rows 0..7,
+    x1 -> e: 8..15)."""
+    b00, b01 = _b_fragment(x0, ASM)
+    b10, b11 = _b_fragment(x1, ASM)
+    p02_lo, p13_lo = _pair_patterns(s_lo, c_lo.to(tl.int32), ASM)
+    p02_hi, p13_hi = _pair_patterns(s_hi, c_hi.to(tl.int32), ASM)
     d0, d1, d2, d3 = _mma(p02_lo, p02_hi, p13_lo, p13_hi, b00, b01, d0, d1, d2, d3, ASM)
     e0, e1, e2, e3 = _mma(p02_lo, p02_hi, p13_lo, p13_hi, b10, b11, e0, e1, e2, e3, ASM)
     return d0, d1, d2, d3, e0, e1, e2, e3
@@ -192,22 +193,14 @@ def _tile_group(
     s_hi0, s_hi1, s_hi2, s_hi3 = _load4(sm_hi, w, w_end, lane_w, MASKED)
     c_lo0, c_lo1, c_lo2, c_lo3 = _load4(code_lo, w, w_end, lane_w, MASKED)
     c_hi0, c_hi1, c_hi2, c_hi3 = _load4(code_hi, w, w_end, lane_w, MASKED)
-    b00, b01 = _b_fragment(x00, ASM)
-    b10, b11 = _b_fragment(x10, ASM)
     d0, d1, d2, d3, e0, e1, e2, e3 = _tile_step(
-        d0, d1, d2, d3, e0, e1, e2, e3, s_lo0, c_lo0.to(tl.int32), s_hi0, c_hi0.to(tl.int32), b00, b01, b10, b11, ASM)
-    b00, b01 = _b_fragment(x01, ASM)
-    b10, b11 = _b_fragment(x11, ASM)
+        d0, d1, d2, d3, e0, e1, e2, e3, s_lo0, c_lo0, s_hi0, c_hi0, x00, x10, ASM)
     d0, d1, d2, d3, e0, e1, e2, e3 = _tile_step(
-        d0, d1, d2, d3, e0, e1, e2, e3, s_lo1, c_lo1.to(tl.int32), s_hi1, c_hi1.to(tl.int32), b00, b01, b10, b11, ASM)
-    b00, b01 = _b_fragment(x02, ASM)
-    b10, b11 = _b_fragment(x12, ASM)
+        d0, d1, d2, d3, e0, e1, e2, e3, s_lo1, c_lo1, s_hi1, c_hi1, x01, x11, ASM)
     d0, d1, d2, d3, e0, e1, e2, e3 = _tile_step(
-        d0, d1, d2, d3, e0, e1, e2, e3, s_lo2, c_lo2.to(tl.int32), s_hi2, c_hi2.to(tl.int32), b00, b01, b10, b11, ASM)
-    b00, b01 = _b_fragment(x03, ASM)
-    b10, b11 = _b_fragment(x13, ASM)
+        d0, d1, d2, d3, e0, e1, e2, e3, s_lo2, c_lo2, s_hi2, c_hi2, x02, x12, ASM)
     d0, d1, d2, d3, e0, e1, e2, e3 = _tile_step(
-        d0, d1, d2, d3, e0, e1, e2, e3, s_lo3, c_lo3.to(tl.int32), s_hi3, c_hi3.to(tl.int32), b00, b01, b10, b11, ASM)
+        d0, d1, d2, d3, e0, e1, e2, e3, s_lo3, c_lo3, s_hi3, c_hi3, x03, x13, ASM)
     return d0, d1, d2, d3, e0, e1, e2, e3
 
 
@@ -358,9 +351,8 @@ def _u12_hmma_kernel(
 
 
 def hmma_applies(x: torch.Tensor, k: int, base: int) -> bool:
-    """Whether an hmma config runs this kernel: 5 <= M <= 16 rows of bf16 x, and the biased decode
-    with word loads (``gemv2_applies``' K % 4 == 0 and base)."""
-    return x.dtype == torch.bfloat16 and 5 <= x.shape[0] <= BLOCK_M.value and gemv2_applies(1, k, base)
+    """Whether an hmma config runs this kernel: 5 <= M <= 16 rows of bf16 x, and ``words_and_scales``."""
+    return x.dtype == torch.bfloat16 and 5 <= x.shape[0] <= BLOCK_M.value and words_and_scales(k, base)
 
 
 def launch_hmma(x: torch.Tensor, t: U12Tensor, y: torch.Tensor, cfg: U12Config) -> None:

@@ -765,9 +765,15 @@ def biased_scale(base: int) -> float:
     return 2.0 ** (base - 1 - EXP_BIAS)
 
 
+def words_and_scales(k: int, base: int) -> bool:
+    """Whether a weight can run the gemv2, mma and hmma kernels: word loads (K % 4 == 0) and a base
+    their decodes scale back exactly (1 <= base <= 240)."""
+    return k > 0 and k % 4 == 0 and _scales(base)[0]
+
+
 def gemv2_applies(m: int, k: int, base: int) -> bool:
-    """Whether a gemv2 config runs the gemv2 kernel: M <= 4, word loads (K % 4 == 0) and the scaled decode."""
-    return m <= 4 and k > 0 and k % 4 == 0 and _scales(base)[0]
+    """Whether a gemv2 config runs the gemv2 kernel: M <= 4 and ``words_and_scales``."""
+    return m <= 4 and words_and_scales(k, base)
 
 
 def gemv2_acc_registers(cfg: U12Config, block_m: int) -> int:

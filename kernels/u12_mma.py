@@ -74,6 +74,7 @@ from .u12_linear import (
     _x_planes,
     u12_linear,
     u12_linear_reference,
+    words_and_scales,
 )
 
 
@@ -195,7 +196,7 @@ def _u12_mma_kernel(
 
 def mma_applies(m: int, k: int, base: int) -> bool:
     """Whether an mma config runs the mma kernel: M >= 5, word loads (K % 4 == 0) and the scaled decode."""
-    return m >= 5 and k > 0 and k % 4 == 0 and _scales(base)[0]
+    return m >= 5 and words_and_scales(k, base)
 
 
 def launch_mma(x: torch.Tensor, t: U12Tensor, y: torch.Tensor, cfg: U12Config) -> None:

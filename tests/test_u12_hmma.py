@@ -72,7 +72,8 @@ def test_mma_fragments_follow_the_ptx_layout(seed):
 def test_registry_cases_run_the_hmma_kernel(monkeypatch):
     """The registry's bf16 cases of 5..16 rows launch the hmma kernel (not a fallback)."""
     launched = []
-    monkeypatch.setattr(u12_hmma, "launch_hmma", lambda *a, **k: launched.append(a[3]) or _launch(*a, **k))
+    launch = u12_hmma.launch_hmma
+    monkeypatch.setattr(u12_hmma, "launch_hmma", lambda *a, **k: launched.append(a[3]) or launch(*a, **k))
     cfg = U12Config(64, 16, split_k=3, num_warps=2, num_stages=1, kernel="hmma")  # two warps of two m-tiles
     x, t = _make_inputs(_case(11, 40, 160, torch.bfloat16, "few"), DEVICE, 3)  # 40 words: 3 splits, masked tail
     y = u12_linear(x, t, cfg)
@@ -81,16 +82,14 @@ def test_registry_cases_run_the_hmma_kernel(monkeypatch):
     torch.testing.assert_close(y.float(), ref.float(), rtol=8e-3, atol=1e-4)
 
 
-_launch = u12_hmma.launch_hmma
-
-
-@pytest.mark.parametrize("dtype,m,k", [(torch.float32, 8, 64), (torch.bfloat16, 4, 64), (torch.bfloat16, 17, 64),
-                                       (torch.bfloat16, 8, 30)])
-def test_hmma_applies_only_to_bf16_x_of_5_to_16_rows_and_word_loads(dtype, m, k):
-    x = torch.zeros(m, k, dtype=dtype)
-    assert not u12_hmma.hmma_applies(x, k, 120)
+def test_hmma_applies_to_bf16_x_of_5_to_16_rows_with_word_loads_and_a_scaled_base():
     assert u12_hmma.hmma_applies(torch.zeros(8, 64, dtype=torch.bfloat16), 64, 120)
-    assert not u12_hmma.hmma_applies(torch.zeros(8, 64, dtype=torch.bfloat16), 64, 241)  # not biased
+    assert u12_hmma.hmma_applies(torch.zeros(16, 64, dtype=torch.bfloat16), 64, 1)
+    assert not u12_hmma.hmma_applies(torch.zeros(8, 64, dtype=torch.float32), 64, 120)  # fp32 x
+    assert not u12_hmma.hmma_applies(torch.zeros(4, 64, dtype=torch.bfloat16), 64, 120)  # M < 5
+    assert not u12_hmma.hmma_applies(torch.zeros(17, 64, dtype=torch.bfloat16), 64, 120)  # M > 16
+    assert not u12_hmma.hmma_applies(torch.zeros(8, 30, dtype=torch.bfloat16), 30, 120)  # K % 4 != 0
+    assert not u12_hmma.hmma_applies(torch.zeros(8, 64, dtype=torch.bfloat16), 64, 241)  # not scaled
 
 
 @pytest.mark.parametrize("kw", [dict(block_n=48, block_w=16, num_warps=2), dict(block_n=64, block_w=24, num_warps=2),
