@@ -2,6 +2,9 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# pytest-xdist workers for `make test`: one a core (the suite is single-thread Python under the
+# Triton interpreter); `make test TEST_WORKERS=0` runs it in one process.
+TEST_WORKERS ?= auto
 
 .PHONY: setup demo test clean
 
@@ -17,7 +20,7 @@ demo: setup
 	$(VENV)/bin/specpilot compile examples/pipeline.yaml --gpu h200 -o engines/demo
 
 test: setup
-	$(PY) -m pytest
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile
 
 clean:
 	rm -rf engines .pytest_cache

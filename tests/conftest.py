@@ -18,6 +18,11 @@ import torch
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
+# Under pytest-xdist each core runs its own worker process; one intra-op thread per worker keeps
+# the workers from spinning against each other (the suite is interpreter- and tiny-model-bound).
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
+
 import pytest  # noqa: E402
 from hypothesis import settings  # noqa: E402
 

@@ -205,8 +205,8 @@ def test_kernel_installed_in_the_runtime_gives_the_default_tokens(tiny_llama):
     assert n == cfg.num_layers + len(drafter.layers)
     assert all(layer.self_attn.attention is not attend_visible for layer in [*target.model.layers, *drafter.layers])
 
-    for after, ref in zip(step_logits(), before):
-        torch.testing.assert_close(after, ref, atol=1e-5, rtol=1e-5)
+    for after, ref in zip(step_logits(), before):  # fp32 sums in another order: the kernel's splits, torch's threads
+        torch.testing.assert_close(after, ref, atol=1e-4, rtol=1e-4)
     assert decode.generate_ar(target, prompt, **kw).tokens == ar.tokens
     assert decode.generate_dflash(target, drafter, prompt, block_size=4, mask_token_id=drafter.mask_token_id,
                                   **kw).tokens == sp.tokens
