@@ -156,10 +156,26 @@ def _prefetch_l2(addr, nbytes, pid, programs, SLICES: tl.constexpr):
     per_slice = tl.cdiv(per_program, SLICES * 16) * 16
     lo = pid.to(tl.int64) * per_program + tl.arange(0, SLICES).to(tl.int64) * per_slice
     hi = tl.minimum(lo + per_slice, tl.minimum(pid.to(tl.int64) * per_program + per_program, nbytes))
-    size = tl.maximum(hi - lo, 0).to(tl.int32)
+    bulk_prefetch_l2(addr + lo, tl.maximum(hi - lo, 0).to(tl.int32))
+
+
+@triton.jit
+def l2_prefetch(addr, ok):
+    """Each element where ok: ask L2 for the 128-byte line holding address addr (int64) by one
+    ``prefetch.global.L2`` (no value moves; a thread's own address, unlike the bulk form's uniform one)."""
+    tl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.ne.s32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.b32 $0, 0; }",
+        "=r,l,r", [addr, ok.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1,
+    )
+
+
+@triton.jit
+def bulk_prefetch_l2(addr, nbytes):
+    """Each element: ask L2 for the nbytes (int32, a multiple of 16; none where <= 0) at address addr
+    (int64, 16-byte aligned) by one ``cp.async.bulk.prefetch.L2`` (sm_90+; no value moves)."""
     tl.inline_asm_elementwise(
         "{ .reg .pred p; setp.gt.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.b32 $0, 0; }",
-        "=r,l,r", [addr + lo, size], dtype=tl.int32, is_pure=False, pack=1,
+        "=r,l,r", [addr, nbytes], dtype=tl.int32, is_pure=False, pack=1,
     )
 
 
