@@ -69,6 +69,9 @@ def _bf16_registers(maxnreg: int, names: tuple[str, ...]) -> dict:
 BF16_VARIANTS = {
     "bf16-default": _bf16_registers(0, ("o", "down")),
     "bf16-r128": _bf16_registers(128, ("qkv", "o", "gate_up", "down")),
+    # fused_linear's GEMVs asking L2 for the chunk this many ahead (FusedLinearConfig.prefetch)
+    **{f"bf16-pf{ahead}": {key: dataclasses.replace(cfg, prefetch=ahead) for key, cfg in fused_linear.TUNED.items()
+                           if key[0] == 1 and cfg.kernel == "gemv"} for ahead in (1, 2, 4)},
 }
 
 

@@ -170,6 +170,17 @@ def l2_prefetch(addr, ok):
 
 
 @triton.jit
+def prefetch_row_chunks(rows, lo, hi, ELEM_BYTES: tl.constexpr, CHUNK: tl.constexpr):
+    """Ask L2 for elements [lo, hi) (at most CHUNK) of each row, rows [R] pointers to the rows' first
+    elements (of ELEM_BYTES bytes): one ``l2_prefetch`` a 128-byte line, element [r, j] of a [R, lines]
+    tensor; nothing where hi <= lo. The GEMVs' look-ahead (U12Config.prefetch, FusedLinearConfig.prefetch)."""
+    LINE: tl.constexpr = 128 // ELEM_BYTES  # elements a line
+    LINES: tl.constexpr = triton.next_power_of_2((CHUNK + LINE - 1) // LINE)
+    first = lo + tl.arange(0, LINES)[None, :] * LINE
+    l2_prefetch((rows[:, None] + first).to(tl.int64), first < hi)
+
+
+@triton.jit
 def bulk_prefetch_l2(addr, nbytes):
     """Each element: ask L2 for the nbytes (int32, a multiple of 16; none where <= 0) at address addr
     (int64, 16-byte aligned) by one ``cp.async.bulk.prefetch.L2`` (sm_90+; no value moves)."""

@@ -113,7 +113,7 @@ import triton.language as tl
 
 from specpilot.runtime.u12 import MAX_BASE, U12Tensor, pack_u12, unpack_u12
 
-from .overlap import l2_prefetch, pdl_args, pdl_enter
+from .overlap import pdl_args, pdl_enter, prefetch_row_chunks
 from .registry import KernelSpec, register
 from .rmsnorm import _normalize
 
@@ -360,21 +360,11 @@ def _store_block(
 
 @triton.jit
 def _prefetch_words(sm_ptr, codes_ptr, n0, N, stride_sm, stride_codes, lo, hi, ROWS: tl.constexpr, BLOCK_W: tl.constexpr):
-    """Ask L2 for words [lo, hi) (at most BLOCK_W) of W rows n0 .. n0 + ROWS - 1, both planes: one
-    ``prefetch.global.L2`` a 128-byte line, element [r, j] of a [ROWS, lines] tensor line j of row r
-    (its sign-mantissa words, then its codes); nothing where hi <= lo. Rows past N repeat the last."""
-    SM_LINES: tl.constexpr = (4 * BLOCK_W + 127) // 128
-    CODE_LINES: tl.constexpr = (2 * BLOCK_W + 127) // 128
-    LINES: tl.constexpr = triton.next_power_of_2(SM_LINES + CODE_LINES)
-    row = tl.minimum(n0 + tl.arange(0, ROWS), N - 1).to(tl.int64)[:, None]
-    j = tl.arange(0, LINES)[None, :]
-    is_sm = j < SM_LINES
-    line = tl.where(is_sm, j, j - SM_LINES)
-    word = lo + line * tl.where(is_sm, 32, 64)  # a line holds 32 words' sign-mantissa bytes, 64 words' codes
-    sm = sm_ptr + row * stride_sm + word
-    codes = codes_ptr + row * stride_codes + word
-    ok = (word < hi) & (j < SM_LINES + CODE_LINES)
-    l2_prefetch(tl.where(is_sm, sm.to(tl.int64), codes.to(tl.int64)), ok)
+    """Ask L2 for words [lo, hi) (at most BLOCK_W) of W rows n0 .. n0 + ROWS - 1 (rows past N repeat
+    the last), both planes: 4 bytes a word of sign-mantissa, 2 of codes."""
+    row = tl.minimum(n0 + tl.arange(0, ROWS), N - 1).to(tl.int64)
+    prefetch_row_chunks(sm_ptr + row * stride_sm, lo, hi, 4, BLOCK_W)
+    prefetch_row_chunks(codes_ptr + row * stride_codes, lo, hi, 2, BLOCK_W)
 
 
 def prefetch_chunks(cfg: U12Config, t: U12Tensor, native: bool) -> int:
