@@ -68,8 +68,8 @@ hmma() {
 }
 prefetch() {  # the u12 GEMVs' L2 prefetch: GPU tests, the sweep with and without it at M = 1 and 16, the AR step A/B
   TAIL=4 run prefetch_tests 240 python -m pytest -q -x -p no:cacheprovider tests/test_u12_gemv.py tests/test_u12_hmma.py \
-    tests/test_u12_fused_linear.py tests/test_kernels.py -k "prefetch or hmma or gemv2 or u12_fused"
-  TAIL=60 run u12_linear_prefetch 420 python bench/u12_linear.py --ms 1,16 --kernels prefetch --graph --budget-s 300 \
+    tests/test_u12_fused_linear.py tests/test_fused_linear.py tests/test_kernels.py -k "prefetch or hmma or gemv2 or u12_fused"
+  TAIL=60 run u12_linear_prefetch 420 python bench/u12_linear.py --ms 1,16 --kernels prefetch --graph --budget-s 240 \
     --out "$OUT/u12_linear_prefetch_h200.json"
 }
 linear() {  # the fused_linear and u12_mma kernels: GPU tests, then their sweeps against cuBLAS
