@@ -44,7 +44,7 @@ import triton
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the bench scripts beside this one
 import step_times as st  # noqa: E402  (SHAPES, graphed, random_, time_fn, to_u12)
 
-from specpilot.kernels import fused_linear, u12_linear  # noqa: E402
+from specpilot.kernels import fused_linear  # noqa: E402
 from specpilot.runtime.config import ModelConfig  # noqa: E402
 from specpilot.runtime.fused import fused_path  # noqa: E402
 from specpilot.runtime.model import Transformer  # noqa: E402
@@ -69,20 +69,7 @@ def _bf16_registers(maxnreg: int, names: tuple[str, ...]) -> dict:
 BF16_VARIANTS = {
     "bf16-default": _bf16_registers(0, ("o", "down")),
     "bf16-r128": _bf16_registers(128, ("qkv", "o", "gate_up", "down")),
-    # fused_linear's GEMVs asking L2 for the chunk this many ahead (FusedLinearConfig.prefetch)
-    **{f"bf16-pf{ahead}": {key: dataclasses.replace(cfg, prefetch=ahead) for key, cfg in fused_linear.TUNED.items()
-                           if key[0] == 1 and cfg.kernel == "gemv"} for ahead in (1, 2, 4)},
 }
-
-
-# The default u12 step with its one-row GEMVs (u12_fused_linear and lm_head's gemv2) asking L2 for
-# the chunk this many ahead (U12Config.prefetch).
-U12_PREFETCHES = (1, 2, 4)
-
-
-def _u12_prefetch(ahead: int) -> dict:
-    """u12_linear's M = 1 TUNED entries (u12_fused_linear takes them too) with `ahead` chunks of prefetch."""
-    return {key: dataclasses.replace(cfg, prefetch=ahead) for key, cfg in u12_linear.TUNED.items() if key[0] == 1}
 
 
 @torch.inference_mode()
@@ -117,10 +104,6 @@ def capture(shape: str, variants: bool) -> tuple[dict, list]:
             model.fused.ops = dataclasses.replace(ops, **fields)
             graphs[name] = capture_step()
         model.fused.ops = ops
-        if variants:
-            for ahead in U12_PREFETCHES:
-                with _tuned(u12_linear.TUNED, _u12_prefetch(ahead)):
-                    graphs[f"u12-pf{ahead}"] = capture_step()
     return graphs, keep
 
 

@@ -72,7 +72,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from .overlap import pdl_args, pdl_enter, prefetch_row_chunks
+from .overlap import pdl_args, pdl_enter
 from .registry import KernelSpec, register
 from .rmsnorm import _normalize, _row_inv, _to_dtype, rmsnorm_reference
 from .silu_mul import silu_mul_reference
@@ -202,7 +202,6 @@ def _gemv_kernel(
     ROUND_BF16: tl.constexpr,  # bf16 under the interpreter: round before casting
     EXPF: tl.constexpr,  # libdevice's expf (GPU); else tl.exp (the interpreter has no libdevice)
     PDL: tl.constexpr,  # programmatic dependent launch (kernels/overlap.py)
-    PREFETCH: tl.constexpr = 0,  # WORDS: the chunk this many ahead asked of L2 (prefetch_row_chunks); 0: none
 ):
     """BLOCK_M rows of x against BLOCK_N output rows (N: output columns; gated: W rows n and N + n)."""
     pdl_enter(PDL)
@@ -239,17 +238,7 @@ def _gemv_kernel(
     acc_g = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_W), dtype=tl.float32)  # reduced once, after the loop
     acc_u = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_W), dtype=tl.float32)  # GATED only (else unused)
     full_words = (K // (4 * BLOCK_W)) * BLOCK_W
-    pf_rows = w_base + tl.minimum(offs_n, N - 1).to(tl.int64) * stride_wn  # [BN]: the gate (or only) rows
-    for c in tl.static_range(1, PREFETCH):  # chunks 1 .. PREFETCH - 1 on entry
-        prefetch_row_chunks(pf_rows, c * BLOCK_W, tl.minimum((c + 1) * BLOCK_W, K // 4), 8, BLOCK_W)
-        if GATED:
-            prefetch_row_chunks(pf_rows + N * stride_wn, c * BLOCK_W, tl.minimum((c + 1) * BLOCK_W, K // 4), 8, BLOCK_W)
     for w0 in range(0, full_words, BLOCK_W):
-        if PREFETCH > 0:
-            ahead = w0 + PREFETCH * BLOCK_W
-            prefetch_row_chunks(pf_rows, ahead, tl.minimum(ahead + BLOCK_W, K // 4), 8, BLOCK_W)
-            if GATED:
-                prefetch_row_chunks(pf_rows + N * stride_wn, ahead, tl.minimum(ahead + BLOCK_W, K // 4), 8, BLOCK_W)
         acc_g, acc_u = _gemv_chunk(acc_g, acc_u, w0, x_rows, wg_rows, wu_rows, nw_rows, inv, K,
                                    BLOCK_W, WORDS, False, NORM, GATED, DTYPE, ROUND_BF16)
     if not EVEN_K:
@@ -373,13 +362,9 @@ class FusedLinearConfig:
     num_warps: int = 4
     num_stages: int = 1
     maxnreg: int = 0  # registers a thread ptxas may use (PTX .maxnreg, on the GPU); 0: its choice
-    prefetch: int = 0  # gemv: chunks of W ahead a program asks L2 for (on the GPU, word loads); 0: none
 
     def __post_init__(self) -> None:
         pow2 = lambda v: v > 0 and v & (v - 1) == 0  # noqa: E731
-        if self.prefetch < 0 or (self.prefetch and self.kernel != "gemv"):
-            raise ValueError(f"FusedLinearConfig.prefetch: gemv takes 0 or more chunks ahead, got {self.prefetch} "
-                             f"for kernel {self.kernel!r}")
         if self.maxnreg and not 24 <= self.maxnreg <= 255:
             raise ValueError(f"FusedLinearConfig.maxnreg: expected 0 (the compiler's choice) or 24..255, got {self.maxnreg}")
         if self.kernel not in ("gemv", "dot"):
@@ -400,7 +385,7 @@ class FusedLinearConfig:
                 raise ValueError(f"FusedLinearConfig.split_k: expected >= 1, got {self.split_k}")
 
     def __str__(self) -> str:
-        regs = (f"-r{self.maxnreg}" if self.maxnreg else "") + (f"-pf{self.prefetch}" if self.prefetch else "")
+        regs = f"-r{self.maxnreg}" if self.maxnreg else ""
         if self.kernel == "gemv":
             return f"gemv-bn{self.block_n}-bk{self.block_k}-w{self.num_warps}-s{self.num_stages}{regs}"
         return (f"dot-bm{self.block_m or 'auto'}-bn{self.block_n}-bk{self.block_k}-sk{self.split_k}"
@@ -581,8 +566,7 @@ def fused_linear(
             x, weight, norm_weight if norm else x, y,
             m, n_out, k, 1.0 / k, eps, x.stride(0) // unit, weight.stride(0) // unit, y.stride(0),
             BLOCK_M=bm, BLOCK_N=cfg.block_n, BLOCK_W=cfg.block_k // 4, WORDS=words,
-            EVEN_K=k % cfg.block_k == 0, NORM_WORDS=norm_words(k, bm, cfg.num_warps),
-            PREFETCH=cfg.prefetch if native and words else 0, **flags, **launch,
+            EVEN_K=k % cfg.block_k == 0, NORM_WORDS=norm_words(k, bm, cfg.num_warps), **flags, **launch,
         )
         return y
 

@@ -50,6 +50,17 @@ GEMVs gained 5.8 in the eager profile of step_times_pdl_h200.json, and the graph
 ms with the prefetch alone against 4.21 ms (bench/results/step_times_llama_h200.json).
 ``SPECPILOT_PREFETCH=1`` or ``overlap(prefetch=True)`` turns it on; the fused stacks then run
 rope_qkv (which issues it) apart from attention instead of kernels/rope_attention.py.
+
+Tried and dropped (commits d3d5035 and 8ec05ab, reverted): a look-ahead inside the GEMVs, each
+program issuing ``prefetch.global.L2`` for every 128-byte line of the chunk P ahead of the one it
+loads (chunks 1..P-1 on entry), for DRAM bytes in flight beyond what its registers hold. Slower
+everywhere at one row, each config in a CUDA graph over distinct weight copies
+(bench/results/tried/u12_linear_prefetch_h200.json): u12 gate_up 46.5 µs plain against 62.6 at
+best with it, lm_head 190 against 236, qkv 12.7 against 15.3; the AR step, interleaved
+(bench/results/tried/step_ab_prefetch_h200.json), bf16 4.155 ms against 4.82 / 5.13 / 5.53 at 1,
+2 and 4 chunks ahead and u12 3.696 against 5.16 / 5.31 / 5.69. At 16 rows it helped only the hmma
+configs without split-K (gate_up 67.0 -> 62.0 µs, lm_head 254 -> 237), none past the best configs
+without it by more than the run's spread.
 """
 
 from __future__ import annotations
@@ -156,37 +167,10 @@ def _prefetch_l2(addr, nbytes, pid, programs, SLICES: tl.constexpr):
     per_slice = tl.cdiv(per_program, SLICES * 16) * 16
     lo = pid.to(tl.int64) * per_program + tl.arange(0, SLICES).to(tl.int64) * per_slice
     hi = tl.minimum(lo + per_slice, tl.minimum(pid.to(tl.int64) * per_program + per_program, nbytes))
-    bulk_prefetch_l2(addr + lo, tl.maximum(hi - lo, 0).to(tl.int32))
-
-
-@triton.jit
-def l2_prefetch(addr, ok):
-    """Each element where ok: ask L2 for the 128-byte line holding address addr (int64) by one
-    ``prefetch.global.L2`` (no value moves; a thread's own address, unlike the bulk form's uniform one)."""
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.ne.s32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.b32 $0, 0; }",
-        "=r,l,r", [addr, ok.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1,
-    )
-
-
-@triton.jit
-def prefetch_row_chunks(rows, lo, hi, ELEM_BYTES: tl.constexpr, CHUNK: tl.constexpr):
-    """Ask L2 for elements [lo, hi) (at most CHUNK) of each row, rows [R] pointers to the rows' first
-    elements (of ELEM_BYTES bytes): one ``l2_prefetch`` a 128-byte line, element [r, j] of a [R, lines]
-    tensor; nothing where hi <= lo. The GEMVs' look-ahead (U12Config.prefetch, FusedLinearConfig.prefetch)."""
-    LINE: tl.constexpr = 128 // ELEM_BYTES  # elements a line
-    LINES: tl.constexpr = triton.next_power_of_2((CHUNK + LINE - 1) // LINE)
-    first = lo + tl.arange(0, LINES)[None, :] * LINE
-    l2_prefetch((rows[:, None] + first).to(tl.int64), first < hi)
-
-
-@triton.jit
-def bulk_prefetch_l2(addr, nbytes):
-    """Each element: ask L2 for the nbytes (int32, a multiple of 16; none where <= 0) at address addr
-    (int64, 16-byte aligned) by one ``cp.async.bulk.prefetch.L2`` (sm_90+; no value moves)."""
+    size = tl.maximum(hi - lo, 0).to(tl.int32)
     tl.inline_asm_elementwise(
         "{ .reg .pred p; setp.gt.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.b32 $0, 0; }",
-        "=r,l,r", [addr, nbytes], dtype=tl.int32, is_pure=False, pack=1,
+        "=r,l,r", [addr + lo, size], dtype=tl.int32, is_pure=False, pack=1,
     )
 
 

@@ -79,12 +79,10 @@ from .u12_linear import (
     _block_m,
     _fma_planes,
     _nonempty,
-    _prefetch_words,
     _x_planes,
     aligned_rows,
     biased_scale,
     gemv2_applies,
-    prefetch_chunks,
     u12_linear,
 )
 from .u12_linear import default_config as u12_default_config
@@ -129,7 +127,6 @@ def _u12_fused_gemv_kernel(
     EXPF: tl.constexpr,  # libdevice's expf (GPU); else tl.exp (the interpreter has no libdevice)
     ASM: tl.constexpr,  # PTX prmt/lop3 (GPU); else their shift-and-mask emulation (interpreter)
     PDL: tl.constexpr,  # programmatic dependent launch (kernels/overlap.py)
-    PREFETCH: tl.constexpr = 0,  # chunks ahead asked of L2 (u12_linear.prefetch_chunks); 0: none
 ):
     """All M (<= 4) rows of x against BLOCK_N output rows (N: output columns; gated: rows n and N + n of t)."""
     pdl_enter(PDL)
@@ -169,21 +166,7 @@ def _u12_fused_gemv_kernel(
     acc_g = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_W), dtype=tl.float32)  # reduced once, after the loop
     acc_u = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_W), dtype=tl.float32)  # GATED only (else unused)
     full_words = n_words - n_words % BLOCK_W
-    rows = 2 * N if GATED else N
-    for c in tl.static_range(1, PREFETCH):  # chunks 1 .. PREFETCH - 1 on entry
-        _prefetch_words(sm_ptr, codes_ptr, n0, rows, stride_sm, stride_codes, c * BLOCK_W,
-                        tl.minimum((c + 1) * BLOCK_W, n_words), BLOCK_N, BLOCK_W)
-        if GATED:
-            _prefetch_words(sm_ptr, codes_ptr, N + n0, rows, stride_sm, stride_codes, c * BLOCK_W,
-                            tl.minimum((c + 1) * BLOCK_W, n_words), BLOCK_N, BLOCK_W)
     for start in range(0, full_words, BLOCK_W):
-        if PREFETCH > 0:
-            ahead = start + PREFETCH * BLOCK_W
-            _prefetch_words(sm_ptr, codes_ptr, n0, rows, stride_sm, stride_codes, ahead,
-                            tl.minimum(ahead + BLOCK_W, n_words), BLOCK_N, BLOCK_W)
-            if GATED:
-                _prefetch_words(sm_ptr, codes_ptr, N + n0, rows, stride_sm, stride_codes, ahead,
-                                tl.minimum(ahead + BLOCK_W, n_words), BLOCK_N, BLOCK_W)
         acc_g, acc_u = _fused_chunk(acc_g, acc_u, start, x_rows, nw_rows, inv, gate_sm, gate_codes, up_sm, up_codes,
                                     n_words, BLOCK_W, X_WORDS, False, NORM, GATED, DTYPE, ROUND_BF16, ASM)
     if not EVEN_K:
@@ -259,8 +242,7 @@ def _launch_fused(x, t: U12Tensor, norm_weight, eps, gated, y, residual: bool, c
         NORM_WORDS=norm_words(k, _block_m(m), cfg.num_warps),
         X_WORDS=x_words, EVEN_K=n_words % cfg.block_w == 0,
         NORM=norm, GATED=bool(gated), RESIDUAL=residual,
-        ROUND_BF16=not native and x.dtype == torch.bfloat16, EXPF=native, ASM=native,
-        PREFETCH=prefetch_chunks(cfg, t, native), **launch, **pdl_args(x.device),
+        ROUND_BF16=not native and x.dtype == torch.bfloat16, EXPF=native, ASM=native, **launch, **pdl_args(x.device),
     )
 
 

@@ -70,12 +70,10 @@ from .u12_linear import (
     _nonempty,
     _pair_patterns,
     _plant_wrong_weight,
-    _prefetch_words,
     _prmt,
     _split_k_plan,
     aligned_rows,
     biased_scale,
-    prefetch_chunks,
     u12_linear,
     u12_linear_reference,
     words_and_scales,
@@ -266,7 +264,6 @@ def _u12_hmma_kernel(
     EVEN_K: tl.constexpr,  # n_words % BLOCK_W == 0: no split has a masked last chunk
     ASM: tl.constexpr,  # PTX mma.sync and prmt (GPU); else their emulation (interpreter)
     PDL: tl.constexpr,  # programmatic dependent launch (kernels/overlap.py)
-    PREFETCH: tl.constexpr = 0,  # chunks ahead asked of L2 (u12_linear.prefetch_chunks); 0: none
 ):
     pdl_enter(PDL)
     TILES: tl.constexpr = BLOCK_N // (16 * WARPS)  # m-tiles a warp: 1 or 2
@@ -302,14 +299,7 @@ def _u12_hmma_kernel(
     zero = tl.zeros((T,), dtype=tl.float32)
     d0, d1, d2, d3, e0, e1, e2, e3 = zero, zero, zero, zero, zero, zero, zero, zero
     f0, f1, f2, f3, h0, h1, h2, h3 = zero, zero, zero, zero, zero, zero, zero, zero
-    for c in tl.static_range(1, PREFETCH):  # chunks 1 .. PREFETCH - 1 on entry
-        _prefetch_words(sm_ptr, codes_ptr, n0, N, stride_sm, stride_codes, w_begin + c * BLOCK_W,
-                        tl.minimum(w_begin + (c + 1) * BLOCK_W, w_end), BLOCK_N, BLOCK_W)
     for start in range(w_begin, full_end, BLOCK_W):
-        if PREFETCH > 0:
-            ahead = start + PREFETCH * BLOCK_W
-            _prefetch_words(sm_ptr, codes_ptr, n0, N, stride_sm, stride_codes, ahead,
-                            tl.minimum(ahead + BLOCK_W, w_end), BLOCK_N, BLOCK_W)
         for u in tl.static_range(BLOCK_W // 16):
             d0, d1, d2, d3, e0, e1, e2, e3, f0, f1, f2, f3, h0, h1, h2, h3 = _group(
                 d0, d1, d2, d3, e0, e1, e2, e3, f0, f1, f2, f3, h0, h1, h2, h3, start + 4 * u, w_end, lane_w,
@@ -380,8 +370,7 @@ def launch_hmma(x: torch.Tensor, t: U12Tensor, y: torch.Tensor, cfg: U12Config) 
         m, n, k, n_words, biased_scale(t.base), grid[1], words_per_split,
         x.stride(0), n_words, n_words, y.stride(0),
         BLOCK_N=cfg.block_n, BLOCK_W=cfg.block_w, WARPS=cfg.num_warps,
-        EVEN_K=n_words % cfg.block_w == 0, ASM=native, PREFETCH=prefetch_chunks(cfg, t, native),
-        **cfg.launch_options(native), **pdl_args(x.device),
+        EVEN_K=n_words % cfg.block_w == 0, ASM=native, **cfg.launch_options(native), **pdl_args(x.device),
     )
 
 

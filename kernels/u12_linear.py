@@ -113,7 +113,7 @@ import triton.language as tl
 
 from specpilot.runtime.u12 import MAX_BASE, U12Tensor, pack_u12, unpack_u12
 
-from .overlap import pdl_args, pdl_enter, prefetch_row_chunks
+from .overlap import pdl_args, pdl_enter
 from .registry import KernelSpec, register
 from .rmsnorm import _normalize
 
@@ -356,25 +356,6 @@ def _store_block(
             tl.atomic_xchg(counter, 0)  # ready for the next launch (and CUDA graph replays)
 
 
-# --- L2 prefetch of the chunks ahead (gemv2, hmma) ----------------------------------------------
-
-@triton.jit
-def _prefetch_words(sm_ptr, codes_ptr, n0, N, stride_sm, stride_codes, lo, hi, ROWS: tl.constexpr, BLOCK_W: tl.constexpr):
-    """Ask L2 for words [lo, hi) (at most BLOCK_W) of W rows n0 .. n0 + ROWS - 1 (rows past N repeat
-    the last), both planes: 4 bytes a word of sign-mantissa, 2 of codes."""
-    row = tl.minimum(n0 + tl.arange(0, ROWS), N - 1).to(tl.int64)
-    prefetch_row_chunks(sm_ptr + row * stride_sm, lo, hi, 4, BLOCK_W)
-    prefetch_row_chunks(codes_ptr + row * stride_codes, lo, hi, 2, BLOCK_W)
-
-
-def prefetch_chunks(cfg: U12Config, t: U12Tensor, native: bool) -> int:
-    """The PREFETCH of a gemv2 or hmma launch: cfg.prefetch on the GPU (PTX; the interpreter runs
-    none), else 0. Each program asks L2 for its chunks 1 .. prefetch - 1 on entry and, at chunk c,
-    for chunk c + prefetch: DRAM bytes in flight beyond what its registers hold. Exact: a prefetch
-    moves no value."""
-    return cfg.prefetch if native else 0
-
-
 # --- the GEMV kernel for M <= 4 ("gemv2") ----------------------------------------------------
 
 @triton.jit
@@ -520,7 +501,6 @@ def _u12_gemv_kernel(
     EVEN_K: tl.constexpr,  # n_words % BLOCK_W == 0: no masked last chunk
     ASM: tl.constexpr,  # PTX prmt/lop3 (GPU); else their shift-and-mask emulation (interpreter)
     PDL: tl.constexpr,  # programmatic dependent launch (kernels/overlap.py)
-    PREFETCH: tl.constexpr = 0,  # chunks ahead asked of L2 (prefetch_chunks); 0: none
 ):
     """All M (<= 4) rows of x against BLOCK_N rows of W by the biased decode (K % 4 == 0, 1 <= base <= 240)."""
     pdl_enter(PDL)
@@ -545,14 +525,7 @@ def _u12_gemv_kernel(
 
     acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_W), dtype=tl.float32)  # reduced once, after the loop
     full_words = n_words - n_words % BLOCK_W
-    for c in tl.static_range(1, PREFETCH):  # chunks 1 .. PREFETCH - 1 on entry
-        _prefetch_words(sm_ptr, codes_ptr, n0, N, stride_sm, stride_codes, c * BLOCK_W,
-                        tl.minimum((c + 1) * BLOCK_W, n_words), BLOCK_N, BLOCK_W)
     for start in range(0, full_words, BLOCK_W):
-        if PREFETCH > 0:
-            ahead = start + PREFETCH * BLOCK_W
-            _prefetch_words(sm_ptr, codes_ptr, n0, N, stride_sm, stride_codes, ahead,
-                            tl.minimum(ahead + BLOCK_W, n_words), BLOCK_N, BLOCK_W)
         acc = _gemv_chunk(acc, start, sm_rows, code_rows, x_rows, n_words, BLOCK_W, X_WORDS, False, ASM)
     if not EVEN_K:
         acc = _gemv_chunk(acc, full_words, sm_rows, code_rows, x_rows, n_words, BLOCK_W, X_WORDS, True, ASM)
@@ -584,7 +557,6 @@ class U12Config:
     decode: str = "pairs"  # or "single": one weight per 32-bit op (the scaled decode only)
     kernel: str = "tile"  # or "gemv2", "mma", "hmma"
     maxnreg: int = 0  # registers a thread ptxas may use (PTX .maxnreg; gemv2, mma, hmma on the GPU); 0: its choice
-    prefetch: int = 0  # gemv2, hmma: chunks of W ahead a program asks L2 for (``prefetch_chunks``); 0: none
 
     def __post_init__(self) -> None:
         if self.decode not in ("pairs", "single"):
@@ -598,9 +570,6 @@ class U12Config:
                              f"block_w a multiple of 16, got block_n {self.block_n}, block_w {self.block_w}")
         if self.kernel == "gemv2" and self.split_k != 1:
             raise ValueError(f"U12Config.split_k: the gemv2 kernel has no split-K, got {self.split_k}")
-        if self.prefetch < 0 or (self.prefetch and self.kernel not in ("gemv2", "hmma")):
-            raise ValueError(f"U12Config.prefetch: the gemv2 and hmma kernels take 0 or more chunks ahead, "
-                             f"got {self.prefetch} for kernel {self.kernel!r}")
         if self.maxnreg and not 24 <= self.maxnreg <= 255:
             raise ValueError(f"U12Config.maxnreg: expected 0 (the compiler's choice) or 24..255, got {self.maxnreg}")
 
@@ -612,7 +581,7 @@ class U12Config:
         return opts
 
     def __str__(self) -> str:
-        regs = (f"-r{self.maxnreg}" if self.maxnreg else "") + (f"-pf{self.prefetch}" if self.prefetch else "")
+        regs = f"-r{self.maxnreg}" if self.maxnreg else ""
         if self.kernel == "gemv2":
             return f"gemv2-bn{self.block_n}-bw{self.block_w}-w{self.num_warps}-s{self.num_stages}{regs}"
         if self.kernel in ("mma", "hmma"):
@@ -682,18 +651,6 @@ SWEEP_HMMA = [
     )
 ]
 SPLIT_KS_HMMA = (1, 2, 4, 8)
-# The prefetch sweep (bench/u12_linear.py --kernels prefetch): the default config and these, each at
-# PREFETCHES chunks ahead (gemv2, hmma; ``prefetch_chunks``). M <= 4: gemv2's tiles of 4 and 8 words
-# a thread; 5 <= M <= 16: hmma's best tiles of the CUDA-graph sweep (one or two m-tiles a warp, 128
-# registers), each at SPLIT_KS_HMMA.
-PREFETCHES = (1, 2, 4, 8)
-SWEEP_PREFETCH_GEMV2 = [
-    U12Config(4, 128, num_warps=4, num_stages=1, kernel="gemv2"), U12Config(8, 128, num_warps=2, num_stages=1, kernel="gemv2"),
-    U12Config(4, 256, num_warps=4, num_stages=1, kernel="gemv2"),
-]
-SWEEP_PREFETCH_HMMA = [
-    U12Config(bn, 32, num_warps=w, num_stages=1, kernel="hmma", maxnreg=128) for bn, w in ((64, 4), (64, 2), (128, 4))
-]
 
 # Best configs measured by bench/u12_linear.py on the H200, keyed (BLOCK_M, N, K): Llama-3.1-8B's
 # linear shapes. M = 1, 4: the gemv2 sweep (commit 34c2fbf; bench/results/u12_linear_gemv2_h200.json),
@@ -841,7 +798,7 @@ def _launch_gemv2(x: torch.Tensor, t: U12Tensor, y: torch.Tensor, cfg: U12Config
         BLOCK_M=_block_m(m), BLOCK_N=cfg.block_n, BLOCK_W=cfg.block_w, ESC_BLOCK=_ESC_BLOCK,
         X_WORDS=x_words, EVEN_K=n_words % cfg.block_w == 0,
         # inline PTX on the GPU; the interpreter (TRITON_INTERPRET=1, read by Triton at import) runs none
-        ASM=native, PREFETCH=prefetch_chunks(cfg, t, native), **cfg.launch_options(native), **pdl_args(x.device),
+        ASM=native, **cfg.launch_options(native), **pdl_args(x.device),
     )
 
 

@@ -5,8 +5,6 @@ run in tests/test_kernels.py, with every kernel's.
 On a machine without CUDA the kernels run in Triton's interpreter (conftest.py), on small shapes.
 """
 
-import dataclasses
-
 import pytest
 import torch
 from hypothesis import given, settings
@@ -27,7 +25,6 @@ _CONFIGS = [
     fl.FusedLinearConfig("gemv", 4, 16, num_warps=1),
     fl.FusedLinearConfig("gemv", 16, 8, num_warps=2),
     fl.FusedLinearConfig("gemv", 8, 16, num_warps=2, maxnreg=128),  # a register budget (on the GPU)
-    fl.FusedLinearConfig("gemv", 4, 16, num_warps=1, prefetch=2),  # the L2 look-ahead (on the GPU)
     fl.FusedLinearConfig("dot", 16, 16),
     fl.FusedLinearConfig("dot", 32, 16, block_m=16, split_k=4),
 ]
@@ -121,26 +118,6 @@ def test_config_rejects_bad_tiles():
         fl.FusedLinearConfig("gemv", 8, 64, maxnreg=300)
     assert str(fl.FusedLinearConfig("gemv", 4, 1024, num_warps=2, num_stages=3, maxnreg=128)) == "gemv-bn4-bk1024-w2-s3-r128"
     assert str(fl.FusedLinearConfig("gemv", 4, 1024)) == "gemv-bn4-bk1024-w4-s1"  # unchanged without a budget
-    assert str(fl.FusedLinearConfig("gemv", 4, 1024, prefetch=2)) == "gemv-bn4-bk1024-w4-s1-pf2"
-    with pytest.raises(ValueError, match="prefetch"):
-        fl.FusedLinearConfig("dot", 16, 16, prefetch=1)
-    with pytest.raises(ValueError, match="prefetch"):
-        fl.FusedLinearConfig("gemv", 4, 16, prefetch=-1)
-
-
-@pytest.mark.parametrize("gated", [False, True])
-def test_prefetch_keeps_the_bits(gated):
-    """The L2 look-ahead moves no value: y is the same bit for bit with it (on the GPU, where it runs),
-    here over 5 chunks of 16 words with the prefetch 1, 3 and 9 (past the row) chunks ahead."""
-    g = torch.Generator().manual_seed(3)
-    x = torch.randn(1, 320, generator=g).to(torch.bfloat16).to(DEVICE)
-    w = (0.05 * torch.randn(2 * 7 if gated else 7, 320, generator=g)).to(torch.bfloat16).to(DEVICE)
-    nw = (1 + 0.1 * torch.randn(320, generator=g)).to(torch.bfloat16).to(DEVICE)
-    cfg = fl.FusedLinearConfig("gemv", 4, 64, num_warps=1)
-    y = fl.fused_linear(x, w, norm_weight=nw, gated=gated, config=cfg)
-    for ahead in (1, 3, 9):
-        y_pf = fl.fused_linear(x, w, norm_weight=nw, gated=gated, config=dataclasses.replace(cfg, prefetch=ahead))
-        assert torch.equal(y.view(torch.int16), y_pf.view(torch.int16))
 
 
 def _bad_inputs():

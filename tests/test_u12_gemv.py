@@ -22,7 +22,6 @@ from specpilot.kernels.u12_linear import (
     _select_bits,
     gemv2_acc_registers,
     gemv2_applies,
-    prefetch_chunks,
     u12_linear,
     u12_linear_reference,
 )
@@ -150,55 +149,6 @@ def test_register_budget_keeps_the_bits():
     y_budget = u12_linear(x, t, dataclasses.replace(cfg, maxnreg=96))
     assert torch.equal(y.view(torch.int16), y_budget.view(torch.int16))
     _assert_matches(y, x, t)
-
-
-@pytest.mark.parametrize("cfg,m,k", [
-    (U12Config(8, 16, num_warps=1, num_stages=1, kernel="gemv2"), 2, 232),  # 58 words: 3 chunks and a masked one
-    (U12Config(32, 16, split_k=2, num_warps=1, num_stages=1, kernel="hmma"), 11, 232),  # splits of 2 and 2 (masked)
-])
-# On the GPU 20 is past every program's last chunk; on the CPU one case checks that the launch drops it.
-@pytest.mark.parametrize("ahead", [1, 3, 20] if torch.cuda.is_available() else [3])
-def test_prefetch_keeps_the_bits(cfg, m, k, ahead):
-    """An L2 prefetch moves no value: with it y is the same, bit for bit (on the GPU, where it runs;
-    the interpreter runs no PTX, so there the launch drops it)."""
-    x, t = _make_inputs({"M": m, "N": 19, "K": k, "dtype": torch.bfloat16, "escapes": "special"}, DEVICE, seed=ahead)
-    with_prefetch = dataclasses.replace(cfg, prefetch=ahead)
-    native = torch.cuda.is_available()
-    assert prefetch_chunks(with_prefetch, t, native) == (ahead if native else 0)
-    y = u12_linear(x, t, cfg)
-    assert torch.equal(y.view(torch.int16), u12_linear(x, t, with_prefetch).view(torch.int16))
-    _assert_matches(y, x, t)
-
-
-def test_prefetch_config_checks_and_names():
-    assert str(U12Config(4, 128, num_warps=2, num_stages=1, kernel="gemv2", prefetch=2)) == "gemv2-bn4-bw128-w2-s1-pf2"
-    assert str(U12Config(64, 32, split_k=8, num_warps=4, num_stages=1, kernel="hmma", maxnreg=128, prefetch=4)) == (
-        "hmma-bn64-bw32-sk8-w4-s1-r128-pf4")
-    with pytest.raises(ValueError, match="U12Config.prefetch"):
-        U12Config(4, 128, kernel="gemv2", prefetch=-1)
-    for kernel in ("tile", "mma"):
-        with pytest.raises(ValueError, match="U12Config.prefetch"):
-            U12Config(64, 32, kernel=kernel, prefetch=2)
-
-
-def test_bench_prefetch_sweep():
-    import importlib.util
-    from pathlib import Path
-
-    from specpilot.kernels.u12_linear import PREFETCHES, SWEEP_PREFETCH_GEMV2, SWEEP_PREFETCH_HMMA
-
-    path = Path(__file__).parent.parent / "bench" / "u12_linear.py"
-    spec = importlib.util.spec_from_file_location("bench_u12_linear_prefetch", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    m1 = bench.sweep_configs(1, 6144, 4096, ("prefetch",))
-    plain = [cfg for cfg in m1 if not cfg.prefetch]
-    assert set(SWEEP_PREFETCH_GEMV2) <= set(plain)
-    assert {dataclasses.replace(cfg, prefetch=p) for cfg in plain for p in PREFETCHES} == {c for c in m1 if c.prefetch}
-    m16 = bench.sweep_configs(16, 4096, 4096, ("prefetch",))
-    assert {dataclasses.replace(c, split_k=1, prefetch=0) for c in m16 if c.kernel == "hmma"} >= set(SWEEP_PREFETCH_HMMA)
-    assert {c.prefetch for c in m16 if c.kernel == "hmma"} == {0, *PREFETCHES}
-    assert not [c for c in bench.sweep_configs(64, 4096, 4096, ("prefetch",)) if c.prefetch]
 
 
 def test_sweep_fits_the_register_budget_at_m1():
