@@ -10,8 +10,7 @@ timed with triton.testing.do_bench (CUDA events, L2 flushed before each call, me
 `--graph` as the median replay of a CUDA graph of one call per distinct copy of the weight (about
 2 GB of copies): do_bench's single launches include the host's launch overhead wherever it exceeds
 the kernel (cuBLAS's qkv at M = 16: 22.5 µs there, 15.2 in a graph). `--kernels hmma` adds
-kernels/u12_hmma.py's SWEEP_HMMA for 5 <= M <= 16, `--kernels stages` its SWEEP_HMMA_STAGES (the
-register double buffer beside the same tiles in one stage). A config
+kernels/u12_hmma.py's SWEEP_HMMA for 5 <= M <= 16. A config
 that fails to compile, run or match is recorded with its error, not timed. A time budget skips the
 rest of the sweep (rows marked "skipped") so the run stays within about four minutes on an H200.
 
@@ -24,7 +23,7 @@ Writes bench/results/u12_linear_<gpu>.json: "rows" (the best config per shape an
 specpilot/cost and bench/readme_tables read), "sweep" (every row, for the next round), "tuned"
 (the best configs as kernels/u12_linear.py's TUNED keys), "whole_step"; prints a short table last.
 
-    python bench/u12_linear.py [--out FILE] [--budget-s 150] [--no-step] [--ms 1,4] [--kernels gemv2,mma,hmma,stages] [--graph]
+    python bench/u12_linear.py [--out FILE] [--budget-s 150] [--no-step] [--ms 1,4] [--kernels gemv2,mma,hmma] [--graph]
     (SPECPILOT_COMMIT=... names the commit where the tree has no .git)
 """
 
@@ -89,8 +88,8 @@ def sweep_configs(m: int, n: int, k: int, kernels: tuple[str, ...] = ("tile", "g
     then the tile kernel's default with the one-weight-per-op
     decode (what the pair decode saves). `kernels` picks the sweeps (the default config always runs)."""
     from specpilot.kernels.u12_linear import (
-        SPLIT_KS, SPLIT_KS_HMMA, SPLIT_KS_MMA, SWEEP_DOT, SWEEP_GEMV, SWEEP_GEMV2, SWEEP_HMMA, SWEEP_HMMA_STAGES,
-        SWEEP_MMA, _block_m, _tile_config, default_config, gemv2_acc_registers,
+        SPLIT_KS, SPLIT_KS_HMMA, SPLIT_KS_MMA, SWEEP_DOT, SWEEP_GEMV, SWEEP_GEMV2, SWEEP_HMMA, SWEEP_MMA, _block_m,
+        _tile_config, default_config, gemv2_acc_registers,
     )
 
     default = default_config(m, n, k)
@@ -113,8 +112,6 @@ def sweep_configs(m: int, n: int, k: int, kernels: tuple[str, ...] = ("tile", "g
         add_splits(SWEEP_MMA, SPLIT_KS_MMA)
     if 5 <= m <= 16 and "hmma" in kernels:
         add_splits(SWEEP_HMMA, SPLIT_KS_HMMA)
-    if 5 <= m <= 16 and "stages" in kernels:
-        add_splits(SWEEP_HMMA_STAGES, SPLIT_KS_HMMA)
     tile_default = default if default.kernel == "tile" else _tile_config(m, n, k, on_gpu=True)
     return out + ([dataclasses.replace(tile_default, decode="single")] if "tile" in kernels else [])
 
@@ -198,7 +195,7 @@ def main() -> None:
                         help="time each config in a CUDA graph over distinct copies of the weight (no host "
                              "overhead, no L2 reuse) instead of do_bench's single launches")
     parser.add_argument("--kernels", default="tile,gemv2",
-                        help="kernels to sweep: tile, gemv2, mma, hmma, stages (the default config always runs)")
+                        help="kernels to sweep: tile, gemv2, mma, hmma (the default config always runs)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench/u12_linear.py times CUDA kernels and needs a CUDA GPU; none is visible here.")

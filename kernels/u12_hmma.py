@@ -40,6 +40,13 @@ the chunk instead (word 4 q + 16 u: a quad read 64 B of a row at a time) every c
 ran within a few percent of the others, lm_head 341 µs and gate_up 86
 (bench/results/tried/u12_linear_hmma_strided_h200.json).
 
+Tried and dropped: a register double buffer (commit 462a452: chunk c + 1's words loaded while
+chunk c decodes and multiplies, all of a chunk's loads before its first MMA, 134 registers against
+105): within the run's spread or slower at every shape (best configs o 17.4 µs against 16.9, down
+40.1 / 39.1, gate_up 66.3 / 63.7, lm_head 250 / 235; bench/results/tried/u12_linear_stages_h200.json),
+so more loads in flight a warp is not what this kernel lacks. Nor is an L2 look-ahead
+(kernels/overlap.py).
+
 Numerics: the biased decode (w · 2^(113-base), an escape 2^-15), bf16 x unscaled, fp32 accumulation
 in the tensor cores. The epilogue stays in the fragments' layout (``_finish``, elementwise): each
 accumulator walks the escapes of its W row, takes back their spurious x · 2^-15 and adds x · w
@@ -193,17 +200,6 @@ def _tile_group(
     s_hi0, s_hi1, s_hi2, s_hi3 = _load4(sm_hi, w, w_end, lane_w, MASKED)
     c_lo0, c_lo1, c_lo2, c_lo3 = _load4(code_lo, w, w_end, lane_w, MASKED)
     c_hi0, c_hi1, c_hi2, c_hi3 = _load4(code_hi, w, w_end, lane_w, MASKED)
-    return _tile_words(
-        d0, d1, d2, d3, e0, e1, e2, e3, s_lo0, s_lo1, s_lo2, s_lo3, s_hi0, s_hi1, s_hi2, s_hi3,
-        c_lo0, c_lo1, c_lo2, c_lo3, c_hi0, c_hi1, c_hi2, c_hi3, x00, x01, x02, x03, x10, x11, x12, x13, ASM)
-
-
-@triton.jit
-def _tile_words(
-    d0, d1, d2, d3, e0, e1, e2, e3, s_lo0, s_lo1, s_lo2, s_lo3, s_hi0, s_hi1, s_hi2, s_hi3,
-    c_lo0, c_lo1, c_lo2, c_lo3, c_hi0, c_hi1, c_hi2, c_hi3, x00, x01, x02, x03, x10, x11, x12, x13, ASM: tl.constexpr,
-):
-    """``_tile_group``'s 4 k-steps on its loaded words."""
     d0, d1, d2, d3, e0, e1, e2, e3 = _tile_step(
         d0, d1, d2, d3, e0, e1, e2, e3, s_lo0, c_lo0, s_hi0, c_hi0, x00, x10, ASM)
     d0, d1, d2, d3, e0, e1, e2, e3 = _tile_step(
@@ -233,28 +229,6 @@ def _group(
             f0, f1, f2, f3, h0, h1, h2, h3, sm_lo2, code_lo2, sm_hi2, code_hi2, w, w_end, lane_w,
             x00, x01, x02, x03, x10, x11, x12, x13, MASKED, ASM)
     return d0, d1, d2, d3, e0, e1, e2, e3, f0, f1, f2, f3, h0, h1, h2, h3
-
-
-@triton.jit
-def _words_ahead(sm_lo, code_lo, sm_hi, code_hi, w, live):
-    """A tile's group of words at w loaded ahead of its use (STAGES 2): the [T, 4] sign-mantissa words
-    and codes of rows g and g + 8 (zeros, and no memory access, where live [T, 4] is false)."""
-    return (tl.load(sm_lo + w, mask=live, other=0), tl.load(code_lo + w, mask=live, other=0),
-            tl.load(sm_hi + w, mask=live, other=0), tl.load(code_hi + w, mask=live, other=0))
-
-
-@triton.jit
-def _tile_loaded(d0, d1, d2, d3, e0, e1, e2, e3, s_lo, c_lo, s_hi, c_hi, x0, x1, ASM: tl.constexpr):
-    """``_tile_words`` on a group loaded by ``_words_ahead`` and x's words x0, x1 [T, 4]."""
-    s_lo0, s_lo1, s_lo2, s_lo3 = _four(s_lo)
-    s_hi0, s_hi1, s_hi2, s_hi3 = _four(s_hi)
-    c_lo0, c_lo1, c_lo2, c_lo3 = _four(c_lo)
-    c_hi0, c_hi1, c_hi2, c_hi3 = _four(c_hi)
-    x00, x01, x02, x03 = _four(x0)
-    x10, x11, x12, x13 = _four(x1)
-    return _tile_words(
-        d0, d1, d2, d3, e0, e1, e2, e3, s_lo0, s_lo1, s_lo2, s_lo3, s_hi0, s_hi1, s_hi2, s_hi3,
-        c_lo0, c_lo1, c_lo2, c_lo3, c_hi0, c_hi1, c_hi2, c_hi3, x00, x01, x02, x03, x10, x11, x12, x13, ASM)
 
 
 @triton.jit
@@ -297,7 +271,6 @@ def _u12_hmma_kernel(
     EVEN_K: tl.constexpr,  # n_words % BLOCK_W == 0: no split has a masked last chunk
     ASM: tl.constexpr,  # PTX mma.sync and prmt (GPU); else their emulation (interpreter)
     PDL: tl.constexpr,  # programmatic dependent launch (kernels/overlap.py)
-    STAGES: tl.constexpr = 1,  # 2: the next chunk's words loaded while this one computes (block_w 16 or 32)
 ):
     pdl_enter(PDL)
     TILES: tl.constexpr = BLOCK_N // (16 * WARPS)  # m-tiles a warp: 1 or 2
@@ -333,58 +306,12 @@ def _u12_hmma_kernel(
     zero = tl.zeros((T,), dtype=tl.float32)
     d0, d1, d2, d3, e0, e1, e2, e3 = zero, zero, zero, zero, zero, zero, zero, zero
     f0, f1, f2, f3, h0, h1, h2, h3 = zero, zero, zero, zero, zero, zero, zero, zero
-    if STAGES == 1:
-        for start in range(w_begin, full_end, BLOCK_W):
-            for u in tl.static_range(BLOCK_W // 16):
-                d0, d1, d2, d3, e0, e1, e2, e3, f0, f1, f2, f3, h0, h1, h2, h3 = _group(
-                    d0, d1, d2, d3, e0, e1, e2, e3, f0, f1, f2, f3, h0, h1, h2, h3, start + 4 * u, w_end, lane_w,
-                    x_row0, x_row1, sm_lo, code_lo, sm_hi, code_hi, sm_lo2, code_lo2, sm_hi2, code_hi2,
-                    TILES, False, ASM)
-    else:  # a register double buffer: chunk c + 1's words are in flight while chunk c decodes and multiplies
-        live = (lane_w * 0 + w_begin) < full_end  # [T, 4] (a scalar mask does not run in the interpreter)
-        # (tile, group) = (0, 0), (0, 1), (1, 0), (1, 1): 4 tensors each; those past TILES or the chunk's
-        # groups stay zero and unused
-        a0, a1, a2, a3 = _words_ahead(sm_lo, code_lo, sm_hi, code_hi, w_begin, live)
-        b0, b1, b2, b3 = a0, a1, a2, a3
-        p0, p1, p2, p3 = a0, a1, a2, a3
-        r0, r1, r2, r3 = a0, a1, a2, a3
-        if BLOCK_W == 32:
-            b0, b1, b2, b3 = _words_ahead(sm_lo, code_lo, sm_hi, code_hi, w_begin + 4, live)
-        if TILES == 2:
-            p0, p1, p2, p3 = _words_ahead(sm_lo2, code_lo2, sm_hi2, code_hi2, w_begin, live)
-            if BLOCK_W == 32:
-                r0, r1, r2, r3 = _words_ahead(sm_lo2, code_lo2, sm_hi2, code_hi2, w_begin + 4, live)
-        for start in range(w_begin, full_end, BLOCK_W):
-            nxt = start + BLOCK_W
-            live = (lane_w * 0 + nxt) < full_end
-            na0, na1, na2, na3 = _words_ahead(sm_lo, code_lo, sm_hi, code_hi, nxt, live)
-            nb0, nb1, nb2, nb3 = b0, b1, b2, b3
-            np0, np1, np2, np3 = p0, p1, p2, p3
-            nr0, nr1, nr2, nr3 = r0, r1, r2, r3
-            if BLOCK_W == 32:
-                nb0, nb1, nb2, nb3 = _words_ahead(sm_lo, code_lo, sm_hi, code_hi, nxt + 4, live)
-            if TILES == 2:
-                np0, np1, np2, np3 = _words_ahead(sm_lo2, code_lo2, sm_hi2, code_hi2, nxt, live)
-                if BLOCK_W == 32:
-                    nr0, nr1, nr2, nr3 = _words_ahead(sm_lo2, code_lo2, sm_hi2, code_hi2, nxt + 4, live)
-            x0 = tl.load(x_row0 + start)
-            x1 = tl.load(x_row1 + start)
-            d0, d1, d2, d3, e0, e1, e2, e3 = _tile_loaded(d0, d1, d2, d3, e0, e1, e2, e3, a0, a1, a2, a3, x0, x1, ASM)
-            if TILES == 2:
-                f0, f1, f2, f3, h0, h1, h2, h3 = _tile_loaded(
-                    f0, f1, f2, f3, h0, h1, h2, h3, p0, p1, p2, p3, x0, x1, ASM)
-            if BLOCK_W == 32:
-                x0 = tl.load(x_row0 + start + 4)
-                x1 = tl.load(x_row1 + start + 4)
-                d0, d1, d2, d3, e0, e1, e2, e3 = _tile_loaded(
-                    d0, d1, d2, d3, e0, e1, e2, e3, b0, b1, b2, b3, x0, x1, ASM)
-                if TILES == 2:
-                    f0, f1, f2, f3, h0, h1, h2, h3 = _tile_loaded(
-                        f0, f1, f2, f3, h0, h1, h2, h3, r0, r1, r2, r3, x0, x1, ASM)
-            a0, a1, a2, a3 = na0, na1, na2, na3
-            b0, b1, b2, b3 = nb0, nb1, nb2, nb3
-            p0, p1, p2, p3 = np0, np1, np2, np3
-            r0, r1, r2, r3 = nr0, nr1, nr2, nr3
+    for start in range(w_begin, full_end, BLOCK_W):
+        for u in tl.static_range(BLOCK_W // 16):
+            d0, d1, d2, d3, e0, e1, e2, e3, f0, f1, f2, f3, h0, h1, h2, h3 = _group(
+                d0, d1, d2, d3, e0, e1, e2, e3, f0, f1, f2, f3, h0, h1, h2, h3, start + 4 * u, w_end, lane_w,
+                x_row0, x_row1, sm_lo, code_lo, sm_hi, code_hi, sm_lo2, code_lo2, sm_hi2, code_hi2,
+                TILES, False, ASM)
     if not EVEN_K:
         if full_end < w_end:  # only the last split has a partial chunk: its words past w_end masked
             for u in tl.static_range(BLOCK_W // 16):
@@ -450,9 +377,7 @@ def launch_hmma(x: torch.Tensor, t: U12Tensor, y: torch.Tensor, cfg: U12Config) 
         m, n, k, n_words, biased_scale(t.base), grid[1], words_per_split,
         x.stride(0), n_words, n_words, y.stride(0),
         BLOCK_N=cfg.block_n, BLOCK_W=cfg.block_w, WARPS=cfg.num_warps,
-        EVEN_K=n_words % cfg.block_w == 0, ASM=native, STAGES=cfg.num_stages,
-        # the kernel's own stages only: Triton's pipeliner is kept off its loads
-        **{**cfg.launch_options(native), "num_stages": 1}, **pdl_args(x.device),
+        EVEN_K=n_words % cfg.block_w == 0, ASM=native, **cfg.launch_options(native), **pdl_args(x.device),
     )
 
 

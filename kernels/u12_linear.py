@@ -568,9 +568,6 @@ class U12Config:
             raise ValueError(f"U12Config: the hmma kernel takes block_n 16 or 32 rows a warp "
                              f"({16 * self.num_warps} or {32 * self.num_warps} at {self.num_warps} warps) and "
                              f"block_w a multiple of 16, got block_n {self.block_n}, block_w {self.block_w}")
-        if self.kernel == "hmma" and (self.num_stages not in (1, 2) or (self.num_stages == 2 and self.block_w > 32)):
-            raise ValueError(f"U12Config.num_stages: the hmma kernel takes 1, or 2 (its register double buffer) "
-                             f"at block_w 16 or 32, got {self.num_stages} at block_w {self.block_w}")
         if self.kernel == "gemv2" and self.split_k != 1:
             raise ValueError(f"U12Config.split_k: the gemv2 kernel has no split-K, got {self.split_k}")
         if self.maxnreg and not 24 <= self.maxnreg <= 255:
@@ -654,18 +651,6 @@ SWEEP_HMMA = [
     )
 ]
 SPLIT_KS_HMMA = (1, 2, 4, 8)
-# The hmma kernel's register double buffer (num_stages 2: the next chunk's words loaded while this
-# one computes) beside the same tiles in one stage (bench/u12_linear.py --kernels stages, each at
-# SPLIT_KS_HMMA). sm_90 ptxas (triton 3.6): 64 x 32 words, 4 warps, 134 registers at a 168 cap
-# against 105 in one stage at 128, all 16 of a chunk's loads issued before its first MMA either way;
-# the loop 268 instructions against 228.
-SWEEP_HMMA_STAGES = [
-    U12Config(bn, bw, num_warps=w, num_stages=s, kernel="hmma", maxnreg=r) for bn, bw, w, s, r in (
-        (64, 32, 4, 1, 128), (64, 32, 2, 1, 128), (128, 32, 4, 1, 128), (64, 16, 4, 1, 0),
-        (64, 32, 4, 2, 128), (64, 32, 4, 2, 168), (64, 32, 2, 2, 168), (64, 32, 2, 2, 0),
-        (128, 32, 4, 2, 168), (128, 32, 4, 2, 200), (64, 16, 4, 2, 128), (32, 32, 1, 2, 168),
-    )
-]
 
 # Best configs measured by bench/u12_linear.py on the H200, keyed (BLOCK_M, N, K): Llama-3.1-8B's
 # linear shapes. M = 1, 4: the gemv2 sweep (commit 34c2fbf; bench/results/u12_linear_gemv2_h200.json),
