@@ -7,7 +7,10 @@ cuBLAS; o (4096 x 4096) with the residual epilogue against cuBLAS + a torch add;
 (4096 x 14336) with the residual against cuBLAS + add. Every config (the default, then
 kernels/fused_linear.py's SWEEP_GEMV for M <= 4 within 64 accumulator registers a thread, or
 SWEEP_DOT x SPLIT_KS for M >= 5) is first checked against fused_linear_reference (check_close) and
-then timed by triton.testing.do_bench (L2 flushed before each call, median). A config that fails
+then timed by triton.testing.do_bench (L2 flushed before each call, median), or with --graph as
+the median replay of a CUDA graph of one call per distinct copy of the weight (about 2 GB of
+copies; do_bench's single launches include the host's launch overhead wherever it exceeds the
+kernel, as at these shapes at one row). A config that fails
 to compile, run or match is recorded with its error, not timed; past the time budget the rest of
 the sweep but the default configs is marked skipped.
 
@@ -22,13 +25,14 @@ row), "tuned" (best configs as kernels/fused_linear.py's TUNED keys), "layer"; p
 last. --smoke runs the same code on tiny shapes (on the CPU: Triton's interpreter, wall-clock
 timing, no graph) to check the script itself.
 
-    python bench/fused_linear.py [--out FILE] [--budget-s 150] [--ms 1,4,16] [--no-layer] [--smoke]
+    python bench/fused_linear.py [--out FILE] [--budget-s 150] [--ms 1,4,16] [--no-layer] [--graph] [--smoke]
     (SPECPILOT_COMMIT=... names the commit where the tree has no .git)
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import os
 import platform
@@ -90,7 +94,7 @@ def check_close(y: torch.Tensor, ref: torch.Tensor, bound: torch.Tensor) -> None
 
 def sweep_configs(m: int, n: int, k: int, gated: bool, smoke: bool) -> list:
     """The default config first; then for M <= 4 SWEEP_GEMV within 64 accumulator registers a
-    thread; for M >= 5, or K >= 8192, SWEEP_DOT x SPLIT_KS (at least two K tiles a split). --smoke: two."""
+    thread, each also at 128 registers (maxnreg); for M >= 5, or K >= 8192, SWEEP_DOT x SPLIT_KS (at least two K tiles a split). --smoke: two."""
     from specpilot.kernels import fused_linear as fl
 
     default = fl.default_config(m, n, k, gated, on_gpu=torch.cuda.is_available() and not smoke)
@@ -98,7 +102,9 @@ def sweep_configs(m: int, n: int, k: int, gated: bool, smoke: bool) -> list:
     if smoke:
         return out + [fl.FusedLinearConfig("dot", 16, 16, split_k=2) if m <= 4 else fl.FusedLinearConfig("gemv", 4, 16)]
     if m <= 4:
-        out += [c for c in fl.SWEEP_GEMV if c not in out and fl.gemv_acc_registers(c, fl.m_bucket(m), gated) <= 64]
+        gemv = [c for c in fl.SWEEP_GEMV if fl.gemv_acc_registers(c, fl.m_bucket(m), gated) <= 64]
+        out += [c for c in gemv if c not in out]
+        out += [c for c in (dataclasses.replace(c, maxnreg=128) for c in gemv) if c not in out]  # TUNED's o and down budget
     # the dot tiles at every M: their split-K is the only one (the GEMV has none), which a long K
     # such as down's (14336) may need at M = 1 as well (cuBLAS splits it)
     if m >= 5 or k >= 8192:
@@ -205,6 +211,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ms", default=",".join(map(str, MS)), help="rows of x, comma-separated")
     parser.add_argument("--no-layer", action="store_true", help="skip the 32-layer CUDA graphs")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, two configs each, 2 layers (runs on a CPU)")
+    parser.add_argument("--graph", action="store_true",
+                        help="time each config in a CUDA graph over distinct copies of the weight (no host "
+                             "launch overhead; about 2 GB of copies) instead of do_bench")
     args = parser.parse_args(argv)
     cuda = torch.cuda.is_available()
     if not cuda and not args.smoke:
@@ -236,6 +245,16 @@ def main(argv: list[str] | None = None) -> int:
         w = (torch.randn(n, k, device=device, generator=gen) * SIGMA).to(torch.bfloat16)
         nw = (1 + 0.1 * torch.randn(k, device=device, generator=gen)).to(torch.bfloat16) if norm else None
         n_out = n // 2 if gated else n
+        copies = [w]  # --graph: distinct weights, about 2 GB, at least 2
+        while args.graph and cuda and len(copies) < max(2, min(LAYERS, int(2e9 // (2 * n * k)))):
+            copies.append((torch.randn(n, k, device=device, generator=gen) * SIGMA).to(torch.bfloat16))
+        graph = len(copies) > 1
+
+        def timed(make, timer=timer):  # make(w) -> a call on weight w: ms a call
+            if graph:
+                return time_graph([make(wc) for wc in copies], cuda) / len(copies)
+            return timer(make(w))
+
         for m in ms:
             x = torch.randn(m, k, device=device, generator=gen).to(torch.bfloat16)
             r = torch.randn(m, n_out, device=device, generator=gen).to(torch.bfloat16) if residual else None
@@ -243,8 +262,8 @@ def main(argv: list[str] | None = None) -> int:
                                          residual=None if r is None else r.clone())
             bound = error_bound(x, w, nw, gated, ref if residual else None)
             r_time = None if r is None else r.clone()  # accumulates while timed; never checked
-            unfused_us = timer(unfused(name, x, w, nw, r_time)) * 1e3
-            cublas_us = timer(lambda x=x, w=w: x @ w.T) * 1e3
+            unfused_us = timed(lambda wc, x=x, r=r_time: unfused(name, x, wc, nw, r)) * 1e3
+            cublas_us = timed(lambda wc, x=x: lambda: x @ wc.T) * 1e3
             base = {"name": name, "N": n, "K": k, "M": m, "norm": norm, "gated": gated, "residual": residual,
                     "unfused_us": unfused_us, "cublas_us": cublas_us}
             for i, cfg in enumerate(sweep_configs(m, n, k, gated, args.smoke)):
@@ -257,7 +276,8 @@ def main(argv: list[str] | None = None) -> int:
                 try:
                     y = run(None if r is None else r.clone())
                     check_close(y, ref, bound)
-                    us = config_timer(lambda run=run: run(r_time)) * 1e3
+                    us = timed(lambda wc, x=x, cfg=cfg: lambda: fused_linear(
+                        x, wc, norm_weight=nw, eps=EPS, gated=gated, residual=r_time, config=cfg), config_timer) * 1e3
                 except Exception as e:  # a config that does not compile, run or match: recorded, not fatal
                     sweep.append({**row, "error": f"{type(e).__name__}: {str(e)[:300]}"})
                     continue
@@ -272,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append({**base, "fused_us": us, "speedup_vs_unfused": unfused_us / us,
                              "speedup_vs_cublas": cublas_us / us, "weight_tb_s": 2 * n * k / us / 1e6,
                              "config": str(cfg), "default_config": default.get("config"), "default_us": default.get("us")})
-        del w
+        del w, copies
         if cuda:
             torch.cuda.empty_cache()
     sweep_s = time.monotonic() - t0
@@ -288,13 +308,15 @@ def main(argv: list[str] | None = None) -> int:
 
     tuned = [{"key": [m_bucket(m), shapes[name][0], shapes[name][1], shapes[name][3]], "shape": name, "M": m,
               "config": str(cfg), **{f: getattr(cfg, f) for f in ("kernel", "block_n", "block_k", "block_m", "split_k",
-                                                                  "num_warps", "num_stages")}}
+                                                                  "num_warps", "num_stages", "maxnreg")}}
              for (name, m), (cfg, _) in best.items()]
     result = {
         "what": "fused_linear (norm prologue, SiLU·mul / residual epilogues) vs the unfused kernels, "
                 "Llama-3.1-8B decoder shapes, N(0, 0.02) bf16 weights" + (" (smoke: tiny shapes)" if args.smoke else ""),
-        "timing": "triton.testing.do_bench, L2 flushed before each call, median; baselines warmup 10 ms, rep 40 ms; "
-                  "fused configs warmup 5 ms, rep 20 ms; layer: CUDA graph replays, median of 20",
+        "timing": ("median replay of a CUDA graph of one call per distinct copy of the weight (about 2 GB, at "
+                   "least 2), divided by the copies" if args.graph else
+                   "triton.testing.do_bench, L2 flushed before each call, median; baselines warmup 10 ms, rep 40 ms; "
+                   "fused configs warmup 5 ms, rep 20 ms") + "; layer: CUDA graph replays, median of 20",
         "gpu": gpu, "torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,
         "python": platform.python_version(), "git_commit": git_commit(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

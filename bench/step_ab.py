@@ -72,8 +72,15 @@ BF16_VARIANTS = {
 }
 
 
+def tuned_from_sweep(path: Path) -> dict:
+    """fused_linear's M = 1 TUNED entries as a bench/fused_linear.py results file's "tuned" list has them."""
+    fields = ("kernel", "block_n", "block_k", "block_m", "split_k", "num_warps", "num_stages", "maxnreg")
+    return {tuple(e["key"]): fused_linear.FusedLinearConfig(**{f: e[f] for f in fields if f in e})
+            for e in json.loads(path.read_text())["tuned"] if e["key"][0] == 1}
+
+
 @torch.inference_mode()
-def capture(shape: str, variants: bool) -> tuple[dict, list]:
+def capture(shape: str, variants: bool, extra_bf16: dict | None = None) -> tuple[dict, list]:
     """({variant: graph replay} over one model's weights, what the graphs read and must outlive:
     the caches, and the bf16 weights that the u12 modules replaced)."""
     cfg = ModelConfig.from_hf(st.SHAPES[shape], shape)
@@ -93,7 +100,7 @@ def capture(shape: str, variants: bool) -> tuple[dict, list]:
     with fused_path(model):
         graphs["bf16"] = capture_step()
         if variants:
-            for name, override in BF16_VARIANTS.items():
+            for name, override in {**BF16_VARIANTS, **(extra_bf16 or {})}.items():
                 with _tuned(fused_linear.TUNED, override):
                     graphs[name] = capture_step()
     keep += [model._fused_kept, list(model.linear_modules().values())]  # the bf16 graph reads these
@@ -124,6 +131,8 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=12)
     ap.add_argument("--repeats", type=int, default=25)
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--bf16-tuned", type=Path,
+                    help="a bench/fused_linear.py results file: its M = 1 configs as the variant bf16-sweep")
     ap.add_argument("--smoke", action="store_true",
                     help="a tiny shape on the CPU under TRITON_INTERPRET=1: checks the script, measures nothing")
     args = ap.parse_args()
@@ -136,7 +145,8 @@ def main() -> int:
     elif not torch.cuda.is_available():
         print("bench/step_ab.py needs a CUDA GPU (or --smoke)", file=sys.stderr)
         return 2
-    graphs, _keep = capture(shape, variants=not args.smoke)
+    extra = {"bf16-sweep": tuned_from_sweep(args.bf16_tuned)} if args.bf16_tuned else None
+    graphs, _keep = capture(shape, variants=not args.smoke, extra_bf16=extra)
     names = list(graphs)
     per_round: dict[str, list[float]] = {n: [] for n in names}
     with torch.inference_mode():  # (--smoke replays the steps themselves)

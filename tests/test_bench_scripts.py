@@ -78,3 +78,14 @@ def test_fused_linear_bench_smoke(tmp_path: Path) -> None:
     assert len(result["tuned"]) == len(result["rows"])
     assert [row["M"] for row in result["layer"]] == [1, 5]
     assert all(row["fused_ms"] > 0 and row["unfused_ms"] > 0 for row in result["layer"])
+    # bench/step_ab.py --bf16-tuned reads the file's one-row configs back as TUNED entries
+    import step_ab
+    from specpilot.kernels.fused_linear import FusedLinearConfig
+
+    tuned = step_ab.tuned_from_sweep(out)
+    rows = {(r["name"], r["M"]): r for r in result["rows"]}
+    assert {key[1:] for key in tuned} == {(n, k, gated) for n, k, _, gated, _ in fused_linear_bench.SMOKE_SHAPES.values()}
+    for key, cfg in tuned.items():
+        assert isinstance(cfg, FusedLinearConfig) and key[0] == 1
+        name = next(n for n, v in fused_linear_bench.SMOKE_SHAPES.items() if (v[0], v[1], v[3]) == key[1:])
+        assert str(cfg) == rows[(name, 1)]["config"]
