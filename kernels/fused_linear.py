@@ -432,6 +432,10 @@ SPLIT_KS = (1, 2, 4, 8)
 # (71, 64 registers) all of them first (sm_90 SASS, triton 3.6). In the Llama-3.1-8B AR step
 # interleaved on the H200 (bench/step_ab.py, commit b8d00fd): 4.142 ms against 4.237 (1.023x); with
 # every M = 1 row at 128, 4.180 (qkv's and gate_up's loops issued their loads first already).
+# M = 1 gate_up and down: the one-row sweep timed in CUDA graphs (bench/fused_linear.py --graph,
+# bench/results/fused_linear_graph_h200.json, commit 5c1d840: 57.1 and 29.5 µs against 57.6 and
+# 29.8 for the configs before), taken after the AR step interleaved (bench/step_ab.py --bf16-tuned,
+# bench/results/step_ab_bf16_tuned_h200.json): 4.105 ms against 4.123.
 TUNED: dict[tuple[int, int, int, bool], FusedLinearConfig] = {
     (1, 6144, 4096, False): FusedLinearConfig("gemv", 8, 1024, num_warps=4, num_stages=1),  # qkv
     (4, 6144, 4096, False): FusedLinearConfig("gemv", 8, 1024, num_warps=4, num_stages=1),  # qkv
@@ -439,10 +443,10 @@ TUNED: dict[tuple[int, int, int, bool], FusedLinearConfig] = {
     (1, 4096, 4096, False): FusedLinearConfig("gemv", 4, 1024, num_warps=2, num_stages=3, maxnreg=128),  # o
     (4, 4096, 4096, False): FusedLinearConfig("gemv", 4, 1024, num_warps=2, num_stages=3),  # o
     (16, 4096, 4096, False): FusedLinearConfig("dot", 32, 128, split_k=4, num_warps=4, num_stages=4),  # o
-    (1, 28672, 4096, True): FusedLinearConfig("gemv", 4, 1024, num_warps=2, num_stages=3),  # gate_up
+    (1, 28672, 4096, True): FusedLinearConfig("gemv", 2, 1024, num_warps=2, num_stages=1, maxnreg=128),  # gate_up
     (4, 28672, 4096, True): FusedLinearConfig("gemv", 4, 512, num_warps=2, num_stages=1),  # gate_up
     (16, 28672, 4096, True): FusedLinearConfig("dot", 128, 128, num_warps=8, num_stages=3),  # gate_up
-    (1, 4096, 14336, False): FusedLinearConfig("gemv", 8, 1024, num_warps=4, num_stages=1, maxnreg=128),  # down
+    (1, 4096, 14336, False): FusedLinearConfig("gemv", 4, 1024, num_warps=2, num_stages=1, maxnreg=128),  # down
     (4, 4096, 14336, False): FusedLinearConfig("dot", 64, 128, split_k=4, num_warps=4, num_stages=3),  # down
     (16, 4096, 14336, False): FusedLinearConfig("dot", 64, 128, split_k=4, num_warps=4, num_stages=3),  # down
 }
