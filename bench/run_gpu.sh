@@ -12,6 +12,7 @@
 #   u12      the u12 kernels' GPU tests, then their sweep against cuBLAS
 #   hmma     the hmma kernel's GPU tests, then its M = 16 sweep against cuBLAS (and TUNED's config)
 #   bf16tune fused_linear's one-row sweep in CUDA graphs, then the AR step with its best configs (bf16-sweep)
+#   u12tune  u12_linear's one-row gemv2 sweep in CUDA graphs, then the AR step with its best configs (u12-sweep)
 #   linear   fused_linear and u12_mma: GPU tests and sweeps (u12's mma sweep: U12_ARGS="--ms 16 --kernels mma")
 #   peers    AR against HF transformers on 8B-shaped weights
 #   train    train the zoo (carry .cache/zoo); packed into $OUT
@@ -72,6 +73,12 @@ bf16tune() {  # fused_linear's one-row configs timed in CUDA graphs, then the AR
   TAIL=16 run step_ab 240 python bench/step_ab.py --bf16-tuned "$OUT/fused_linear_graph_h200.json" \
     --out "$OUT/step_ab_h200.json"
 }
+u12tune() {  # u12_linear's one-row configs timed in CUDA graphs, then the AR step with the best of them beside TUNED's
+  TAIL=24 run u12_linear_graph 330 python bench/u12_linear.py --ms 1 --kernels gemv2 --graph --budget-s 200 \
+    --out "$OUT/u12_linear_gemv2_graph_h200.json"
+  TAIL=16 run step_ab 240 python bench/step_ab.py --u12-tuned "$OUT/u12_linear_gemv2_graph_h200.json" \
+    --out "$OUT/step_ab_h200.json"
+}
 linear() {  # the fused_linear and u12_mma kernels: GPU tests, then their sweeps against cuBLAS
   TAIL=4 run linear_tests 150 python -m pytest -q -x -p no:cacheprovider tests/test_fused_linear.py \
     tests/test_u12_mma.py tests/test_kernels.py -k "fused_linear or u12_mma"
@@ -101,7 +108,7 @@ zoo() {
 
 for group in "${@:?group...}"; do
   case "$group" in
-    tests | ab | attention | attnvar | u12 | hmma | bf16tune | linear | peers | train | trees | e2e | zoo) "$group" ;;
+    tests | ab | attention | attnvar | u12 | hmma | bf16tune | u12tune | linear | peers | train | trees | e2e | zoo) "$group" ;;
     steps) steps ;;
     kernels) tests; steps both llama-3.1-8b qwen3-8b; attention ;;
     *) echo "unknown group $group" >&2; exit 2 ;;

@@ -44,7 +44,7 @@ import triton
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the bench scripts beside this one
 import step_times as st  # noqa: E402  (SHAPES, graphed, random_, time_fn, to_u12)
 
-from specpilot.kernels import fused_linear  # noqa: E402
+from specpilot.kernels import fused_linear, u12_linear  # noqa: E402
 from specpilot.runtime.config import ModelConfig  # noqa: E402
 from specpilot.runtime.fused import fused_path  # noqa: E402
 from specpilot.runtime.model import Transformer  # noqa: E402
@@ -79,8 +79,16 @@ def tuned_from_sweep(path: Path) -> dict:
             for e in json.loads(path.read_text())["tuned"] if e["key"][0] == 1}
 
 
+def u12_tuned_from_sweep(path: Path) -> dict:
+    """u12_linear's M = 1 TUNED entries (u12_fused_linear takes them too) from a bench/u12_linear.py
+    results file's "tuned" list."""
+    fields = ("kernel", "block_n", "block_w", "split_k", "num_warps", "num_stages", "decode", "maxnreg")
+    return {tuple(e["key"]): u12_linear.U12Config(**{f: e[f] for f in fields if f in e})
+            for e in json.loads(path.read_text())["tuned"] if e["key"][0] == 1}
+
+
 @torch.inference_mode()
-def capture(shape: str, variants: bool, extra_bf16: dict | None = None) -> tuple[dict, list]:
+def capture(shape: str, variants: bool, extra_bf16: dict | None = None, extra_u12: dict | None = None) -> tuple[dict, list]:
     """({variant: graph replay} over one model's weights, what the graphs read and must outlive:
     the caches, and the bf16 weights that the u12 modules replaced)."""
     cfg = ModelConfig.from_hf(st.SHAPES[shape], shape)
@@ -111,6 +119,9 @@ def capture(shape: str, variants: bool, extra_bf16: dict | None = None) -> tuple
             model.fused.ops = dataclasses.replace(ops, **fields)
             graphs[name] = capture_step()
         model.fused.ops = ops
+        for name, override in (extra_u12 or {}).items():  # the default u12 step at other one-row configs
+            with _tuned(u12_linear.TUNED, override):
+                graphs[name] = capture_step()
     return graphs, keep
 
 
@@ -133,6 +144,8 @@ def main() -> int:
     ap.add_argument("--out", type=Path)
     ap.add_argument("--bf16-tuned", type=Path,
                     help="a bench/fused_linear.py results file: its M = 1 configs as the variant bf16-sweep")
+    ap.add_argument("--u12-tuned", type=Path,
+                    help="a bench/u12_linear.py results file: its M = 1 configs as the variant u12-sweep")
     ap.add_argument("--smoke", action="store_true",
                     help="a tiny shape on the CPU under TRITON_INTERPRET=1: checks the script, measures nothing")
     args = ap.parse_args()
@@ -146,7 +159,8 @@ def main() -> int:
         print("bench/step_ab.py needs a CUDA GPU (or --smoke)", file=sys.stderr)
         return 2
     extra = {"bf16-sweep": tuned_from_sweep(args.bf16_tuned)} if args.bf16_tuned else None
-    graphs, _keep = capture(shape, variants=not args.smoke, extra_bf16=extra)
+    extra_u12 = {"u12-sweep": u12_tuned_from_sweep(args.u12_tuned)} if args.u12_tuned else None
+    graphs, _keep = capture(shape, variants=not args.smoke, extra_bf16=extra, extra_u12=extra_u12)
     names = list(graphs)
     per_round: dict[str, list[float]] = {n: [] for n in names}
     with torch.inference_mode():  # (--smoke replays the steps themselves)

@@ -274,7 +274,8 @@ def main() -> None:
 
     tuned = [{"key": [_block_m(m), SHAPES[name][0], SHAPES[name][1]], "shape": name, "M": m, "config": str(cfg),
               "block_n": cfg.block_n, "block_w": cfg.block_w, "split_k": cfg.split_k,
-              "num_warps": cfg.num_warps, "num_stages": cfg.num_stages, "decode": cfg.decode, "kernel": cfg.kernel}
+              "num_warps": cfg.num_warps, "num_stages": cfg.num_stages, "decode": cfg.decode, "kernel": cfg.kernel,
+              "maxnreg": cfg.maxnreg}
              for (name, m), (cfg, _, _) in best.items()]
     result = {
         "what": "u12_linear vs cuBLAS bf16 x @ W.T, Llama-3.1-8B linear shapes, N(0, 0.02) weights",

@@ -89,3 +89,19 @@ def test_fused_linear_bench_smoke(tmp_path: Path) -> None:
         assert isinstance(cfg, FusedLinearConfig) and key[0] == 1
         name = next(n for n, v in fused_linear_bench.SMOKE_SHAPES.items() if (v[0], v[1], v[3]) == key[1:])
         assert str(cfg) == rows[(name, 1)]["config"]
+
+
+def test_step_ab_reads_u12_sweep_configs_back(tmp_path: Path) -> None:
+    """bench/step_ab.py --u12-tuned: a bench/u12_linear.py "tuned" list (its fields) back as TUNED's one-row entries."""
+    import dataclasses
+
+    import step_ab
+    from specpilot.kernels.u12_linear import TUNED
+
+    fields = ("block_n", "block_w", "split_k", "num_warps", "num_stages", "decode", "kernel", "maxnreg")
+    tuned = [{"key": list(key), "config": str(cfg), **{f: getattr(cfg, f) for f in fields}} for key, cfg in TUNED.items()]
+    path = tmp_path / "u12.json"
+    path.write_text(json.dumps({"tuned": tuned}))
+    back = step_ab.u12_tuned_from_sweep(path)
+    assert back == {key: cfg for key, cfg in TUNED.items() if key[0] == 1}
+    assert all(dataclasses.is_dataclass(cfg) for cfg in back.values())
