@@ -67,7 +67,9 @@ against cuBLAS. TUNED's M = 16 rows are mma configs from its H200 sweep.
 Speed (H200, triton 3.6). gemv2 at M = 1 (bench/results/u12_linear_gemv2_m1_h200.json, commit
 b170131): 1.27x (qkv), 1.30x (o), 1.23x (gate_up), 1.22x (down), 1.31x (lm_head) of cuBLAS bf16,
 up to 4.14 TB/s of packed bytes; all linears of a Llama-3.1-8B step in one CUDA graph: 3.14 ms
-against 3.97 ms (1.26x); the whole fused AR step with every linear in u12 (u12_fused_linear's
+against 3.97 ms (1.26x). Each config timed in a CUDA graph instead (bench/results/
+u12_linear_gemv2_graph_h200.json, commit 1f0a597): 1.20x, 1.29x, 1.36x, 1.20x, 1.54x, up to 4.37 TB/s
+(lm_head: two rows a one-warp program). The whole fused AR step with every linear in u12 (u12_fused_linear's
 epilogues around this loop, the norms apart) runs 3.704 ms against 4.138 ms for the bf16 step with
 fused_linear, interleaved in one run (1.117x; bench/results/step_ab_h200.json, commit 5b12e69;
 3.674 against 4.131, 1.124x, with qkv and o at TUNED's 4 words a thread, ac79ccb;
