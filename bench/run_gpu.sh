@@ -13,6 +13,7 @@
 #   hmma     the hmma kernel's GPU tests, then its M = 16 sweep against cuBLAS (and TUNED's config)
 #   bf16tune fused_linear's one-row sweep in CUDA graphs, then the AR step with its best configs (bf16-sweep)
 #   u12tune  u12_linear's one-row gemv2 sweep in CUDA graphs, then the AR step with its best configs (u12-sweep)
+#   verify16 fused_linear's 16-row sweep in CUDA graphs, then verify(16) with it (bf16-linear) beside cuBLAS
 #   linear   fused_linear and u12_mma: GPU tests and sweeps (u12's mma sweep: U12_ARGS="--ms 16 --kernels mma")
 #   peers    AR against HF transformers on 8B-shaped weights
 #   train    train the zoo (carry .cache/zoo); packed into $OUT
@@ -79,6 +80,12 @@ u12tune() {  # u12_linear's one-row configs timed in CUDA graphs, then the AR st
   TAIL=16 run step_ab 240 python bench/step_ab.py --u12-tuned "$OUT/u12_linear_gemv2_graph_h200.json" \
     --out "$OUT/step_ab_h200.json"
 }
+verify16() {  # fused_linear at 16 rows timed in CUDA graphs (and its layer proxy), then verify(16) with it beside cuBLAS
+  TAIL=24 run fused_linear_m16 330 python bench/fused_linear.py --ms 16 --graph --budget-s 150 \
+    --out "$OUT/fused_linear_m16_graph_h200.json"
+  TAIL=16 run step_ab_verify 240 python bench/step_ab.py --q 16 --bf16-tuned "$OUT/fused_linear_m16_graph_h200.json" \
+    --out "$OUT/step_ab_verify16_h200.json"
+}
 linear() {  # the fused_linear and u12_mma kernels: GPU tests, then their sweeps against cuBLAS
   TAIL=4 run linear_tests 150 python -m pytest -q -x -p no:cacheprovider tests/test_fused_linear.py \
     tests/test_u12_mma.py tests/test_kernels.py -k "fused_linear or u12_mma"
@@ -108,7 +115,7 @@ zoo() {
 
 for group in "${@:?group...}"; do
   case "$group" in
-    tests | ab | attention | attnvar | u12 | hmma | bf16tune | u12tune | linear | peers | train | trees | e2e | zoo) "$group" ;;
+    tests | ab | attention | attnvar | u12 | hmma | bf16tune | u12tune | verify16 | linear | peers | train | trees | e2e | zoo) "$group" ;;
     steps) steps ;;
     kernels) tests; steps both llama-3.1-8b qwen3-8b; attention ;;
     *) echo "unknown group $group" >&2; exit 2 ;;

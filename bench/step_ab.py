@@ -1,6 +1,7 @@
 """Interleaved A/B of the Llama-3.1-8B fused AR step: bf16 against the u12 variants, on one GPU.
 
-    python bench/step_ab.py [--rounds 12] [--repeats 25] [--out bench/results/step_ab_<gpu>.json]
+    python bench/step_ab.py [--rounds 12] [--repeats 25] [--q 1] [--bf16-tuned FILE] [--u12-tuned FILE]
+                            [--out bench/results/step_ab_<gpu>.json]
 
 bench/step_times.py measures each path once, one after another, and between its runs the u12
 rows moved by up to 8% while the bf16 rows moved by 1% (the u12 GEMVs decode on the CUDA cores,
@@ -72,11 +73,11 @@ BF16_VARIANTS = {
 }
 
 
-def tuned_from_sweep(path: Path) -> dict:
-    """fused_linear's M = 1 TUNED entries as a bench/fused_linear.py results file's "tuned" list has them."""
+def tuned_from_sweep(path: Path, m: int = 1) -> dict:
+    """fused_linear's TUNED entries for `m` rows as a bench/fused_linear.py results file's "tuned" list has them."""
     fields = ("kernel", "block_n", "block_k", "block_m", "split_k", "num_warps", "num_stages", "maxnreg")
     return {tuple(e["key"]): fused_linear.FusedLinearConfig(**{f: e[f] for f in fields if f in e})
-            for e in json.loads(path.read_text())["tuned"] if e["key"][0] == 1}
+            for e in json.loads(path.read_text())["tuned"] if e["key"][0] == fused_linear.m_bucket(m)}
 
 
 def u12_tuned_from_sweep(path: Path) -> dict:
@@ -88,15 +89,17 @@ def u12_tuned_from_sweep(path: Path) -> dict:
 
 
 @torch.inference_mode()
-def capture(shape: str, variants: bool, extra_bf16: dict | None = None, extra_u12: dict | None = None) -> tuple[dict, list]:
+def capture(shape: str, variants: bool, extra_bf16: dict | None = None, extra_u12: dict | None = None,
+            q: int = 1) -> tuple[dict, list]:
     """({variant: graph replay} over one model's weights, what the graphs read and must outlive:
-    the caches, and the bf16 weights that the u12 modules replaced)."""
+    the caches, and the bf16 weights that the u12 modules replaced). q: the step's new tokens (1:
+    AR; more: a chain verify, where bf16-linear runs fused_linear at those rows too)."""
     cfg = ModelConfig.from_hf(st.SHAPES[shape], shape)
     torch.manual_seed(0)
     with torch.device(st.DEVICE):
         model = Transformer(cfg).to(torch.bfloat16)
     st.random_(model)
-    ids = torch.randint(0, cfg.vocab_size, (1, 1), generator=torch.Generator().manual_seed(1)).to(st.DEVICE)
+    ids = torch.randint(0, cfg.vocab_size, (1, q), generator=torch.Generator().manual_seed(1)).to(st.DEVICE)
     start = torch.tensor(st.CACHE_LEN, device=st.DEVICE)
     graphs, keep = {}, []
 
@@ -108,9 +111,15 @@ def capture(shape: str, variants: bool, extra_bf16: dict | None = None, extra_u1
     with fused_path(model):
         graphs["bf16"] = capture_step()
         if variants:
-            for name, override in {**BF16_VARIANTS, **(extra_bf16 or {})}.items():
+            for name, override in {**(BF16_VARIANTS if q == 1 else {}), **(extra_bf16 or {})}.items():
                 with _tuned(fused_linear.TUNED, override):
                     graphs[name] = capture_step()
+        if q > 1:  # fused_linear (norm prologue, SiLU·mul and residual epilogues) at q rows instead of cuBLAS
+            ops = model.fused.ops
+            model.fused.ops = dataclasses.replace(ops, linear_max_m=q)
+            with _tuned(fused_linear.TUNED, (extra_bf16 or {}).get("bf16-sweep", {})):
+                graphs["bf16-linear"] = capture_step()
+            model.fused.ops = ops
     keep += [model._fused_kept, list(model.linear_modules().values())]  # the bf16 graph reads these
     st.to_u12(model)
     with fused_path(model):
@@ -146,6 +155,7 @@ def main() -> int:
                     help="a bench/fused_linear.py results file: its M = 1 configs as the variant bf16-sweep")
     ap.add_argument("--u12-tuned", type=Path,
                     help="a bench/u12_linear.py results file: its M = 1 configs as the variant u12-sweep")
+    ap.add_argument("--q", type=int, default=1, help="new tokens a step: 1 (AR) or a chain verify's q")
     ap.add_argument("--smoke", action="store_true",
                     help="a tiny shape on the CPU under TRITON_INTERPRET=1: checks the script, measures nothing")
     args = ap.parse_args()
@@ -158,9 +168,9 @@ def main() -> int:
     elif not torch.cuda.is_available():
         print("bench/step_ab.py needs a CUDA GPU (or --smoke)", file=sys.stderr)
         return 2
-    extra = {"bf16-sweep": tuned_from_sweep(args.bf16_tuned)} if args.bf16_tuned else None
+    extra = {"bf16-sweep": tuned_from_sweep(args.bf16_tuned, args.q)} if args.bf16_tuned else None
     extra_u12 = {"u12-sweep": u12_tuned_from_sweep(args.u12_tuned)} if args.u12_tuned else None
-    graphs, _keep = capture(shape, variants=not args.smoke, extra_bf16=extra, extra_u12=extra_u12)
+    graphs, _keep = capture(shape, variants=not args.smoke, extra_bf16=extra, extra_u12=extra_u12, q=args.q)
     names = list(graphs)
     per_round: dict[str, list[float]] = {n: [] for n in names}
     with torch.inference_mode():  # (--smoke replays the steps themselves)
@@ -179,7 +189,7 @@ def main() -> int:
     result = {
         "benchmark": "step_ab", "gpu": gpu, "torch": torch.__version__, "triton": triton.__version__,
         "python": platform.python_version(), "commit": os.environ.get("SPECPILOT_COMMIT", "unknown"),
-        "shape": shape, "step": "ar", "cache_len": st.CACHE_LEN,
+        "shape": shape, "step": "ar" if args.q == 1 else f"verify-{args.q}", "q": args.q, "cache_len": st.CACHE_LEN,
         "method": f"CUDA graph per variant; {args.rounds} rounds in rotated order, each the median of "
                   f"{args.repeats} replays (CUDA events); random bf16 N(0,0.02) weights; batch 1",
         "rows": rows,
