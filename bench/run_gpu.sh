@@ -81,7 +81,7 @@ u12tune() {  # u12_linear's one-row configs timed in CUDA graphs, then the AR st
     --out "$OUT/step_ab_h200.json"
 }
 verify16() {  # fused_linear at 16 rows timed in CUDA graphs (and its layer proxy), then verify(16) with it beside cuBLAS
-  TAIL=24 run fused_linear_m16 330 python bench/fused_linear.py --ms 16 --graph --budget-s 150 \
+  TAIL=24 run fused_linear_m16 330 python bench/fused_linear.py --ms 16 --graph --budget-s 100 \
     --out "$OUT/fused_linear_m16_graph_h200.json"
   TAIL=16 run step_ab_verify 240 python bench/step_ab.py --q 16 --bf16-tuned "$OUT/fused_linear_m16_graph_h200.json" \
     --out "$OUT/step_ab_verify16_h200.json"
