@@ -71,7 +71,7 @@ against 3.97 ms (1.26x). Each config timed in a CUDA graph instead (bench/result
 u12_linear_gemv2_graph_h200.json, commit 1f0a597): 1.20x, 1.29x, 1.36x, 1.20x, 1.54x, up to 4.37 TB/s
 (lm_head: two rows a one-warp program). The whole fused AR step with every linear in u12 (u12_fused_linear's
 epilogues around this loop, the norms apart) runs 3.704 ms against 4.138 ms for the bf16 step with
-fused_linear, interleaved in one run (1.117x; bench/results/step_ab_h200.json, commit 5b12e69;
+fused_linear, interleaved in one run (1.117x; bench/results/tried/step_ab_5b12e69_h200.json, commit 5b12e69;
 3.674 against 4.131, 1.124x, with qkv and o at TUNED's 4 words a thread, ac79ccb;
 3.673 against 4.176, 1.137x, at f6a43e7 before the bf16 step's o and down took 128 registers;
 3.72 ms, 1.124x, at 52a0fe1 before the biased decode); in the step's profile the u12 GEMVs read

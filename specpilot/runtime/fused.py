@@ -71,11 +71,13 @@ class FusedOps:
 
 # Rows up to which fused_linear serves the layers: 32 Llama-3.1-8B layers' linears in one CUDA graph
 # ran 1.08x the unfused kernels (cuBLAS, separate norms, SiLU·mul and adds) at M = 1, 0.80x at M = 4
-# and 0.94x at M = 16 (bench/results/fused_linear_h200.json, "layer").
+# and 0.94x at M = 16 (bench/results/fused_linear_h200.json, "layer"). With its 16-row configs timed
+# in CUDA graphs 0.91x (4.49 ms against 4.09), and the verify(16) step 5.20 ms against 4.96 interleaved
+# (bench/results/tried/fused_linear_m16_graph_h200.json, step_ab_verify16_h200.json, commit af8fe61).
 LINEAR_MAX_M = 1
 # Whether u12 layers run u12_fused_linear at up to LINEAR_MAX_M rows: yes, with their norms apart
 # (U12_NORMS_APART). On the H200, the Llama-3.1-8B u12 AR step interleaved with the bf16 one
-# (bench/results/step_ab_h200.json, commit 5b12e69, 12 rounds, spreads under 0.02 ms): 3.704 ms
+# (bench/results/tried/step_ab_5b12e69_h200.json, commit 5b12e69, 12 rounds, spreads under 0.02 ms): 3.704 ms
 # with its SiLU·mul and residual epilogues, 3.723 ms with u12_linear beside the separate norm,
 # SiLU·mul and add kernels, 4.277 ms with its norm prologue too, against 4.138 ms in bf16. The
 # prologue's per-element normalising adds the norm weight's loads and roundings to the u12 loop.
