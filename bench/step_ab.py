@@ -73,19 +73,13 @@ BF16_VARIANTS = {
 }
 
 
-def tuned_from_sweep(path: Path, m: int = 1) -> dict:
-    """fused_linear's TUNED entries for `m` rows as a bench/fused_linear.py results file's "tuned" list has them."""
-    fields = ("kernel", "block_n", "block_k", "block_m", "split_k", "num_warps", "num_stages", "maxnreg")
-    return {tuple(e["key"]): fused_linear.FusedLinearConfig(**{f: e[f] for f in fields if f in e})
-            for e in json.loads(path.read_text())["tuned"] if e["key"][0] == fused_linear.m_bucket(m)}
-
-
-def u12_tuned_from_sweep(path: Path) -> dict:
-    """u12_linear's M = 1 TUNED entries (u12_fused_linear takes them too) from a bench/u12_linear.py
-    results file's "tuned" list."""
-    fields = ("kernel", "block_n", "block_w", "split_k", "num_warps", "num_stages", "decode", "maxnreg")
-    return {tuple(e["key"]): u12_linear.U12Config(**{f: e[f] for f in fields if f in e})
-            for e in json.loads(path.read_text())["tuned"] if e["key"][0] == 1}
+def tuned_from_sweep(path: Path, config_type: type, m_key: int = 1) -> dict:
+    """TUNED entries of the rows key m_key (a kernel module's bucket of M) from a sweep's results file
+    (bench/fused_linear.py or bench/u12_linear.py): its "tuned" list, each entry's fields of
+    config_type (FusedLinearConfig or U12Config) made a config again."""
+    names = {f.name for f in dataclasses.fields(config_type)}
+    return {tuple(e["key"]): config_type(**{k: v for k, v in e.items() if k in names})
+            for e in json.loads(path.read_text())["tuned"] if e["key"][0] == m_key}
 
 
 @torch.inference_mode()
@@ -152,7 +146,7 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=25)
     ap.add_argument("--out", type=Path)
     ap.add_argument("--bf16-tuned", type=Path,
-                    help="a bench/fused_linear.py results file: its M = 1 configs as the variant bf16-sweep")
+                    help="a bench/fused_linear.py results file: its configs for the step's rows as the variant bf16-sweep")
     ap.add_argument("--u12-tuned", type=Path,
                     help="a bench/u12_linear.py results file: its M = 1 configs as the variant u12-sweep")
     ap.add_argument("--q", type=int, default=1, help="new tokens a step: 1 (AR) or a chain verify's q")
@@ -168,8 +162,9 @@ def main() -> int:
     elif not torch.cuda.is_available():
         print("bench/step_ab.py needs a CUDA GPU (or --smoke)", file=sys.stderr)
         return 2
-    extra = {"bf16-sweep": tuned_from_sweep(args.bf16_tuned, args.q)} if args.bf16_tuned else None
-    extra_u12 = {"u12-sweep": u12_tuned_from_sweep(args.u12_tuned)} if args.u12_tuned else None
+    extra = {"bf16-sweep": tuned_from_sweep(args.bf16_tuned, fused_linear.FusedLinearConfig,
+                                            fused_linear.m_bucket(args.q))} if args.bf16_tuned else None
+    extra_u12 = {"u12-sweep": tuned_from_sweep(args.u12_tuned, u12_linear.U12Config)} if args.u12_tuned else None
     graphs, _keep = capture(shape, variants=not args.smoke, extra_bf16=extra, extra_u12=extra_u12, q=args.q)
     names = list(graphs)
     per_round: dict[str, list[float]] = {n: [] for n in names}

@@ -82,7 +82,7 @@ def test_fused_linear_bench_smoke(tmp_path: Path) -> None:
     import step_ab
     from specpilot.kernels.fused_linear import FusedLinearConfig
 
-    tuned = step_ab.tuned_from_sweep(out)
+    tuned = step_ab.tuned_from_sweep(out, FusedLinearConfig)
     rows = {(r["name"], r["M"]): r for r in result["rows"]}
     assert {key[1:] for key in tuned} == {(n, k, gated) for n, k, _, gated, _ in fused_linear_bench.SMOKE_SHAPES.values()}
     for key, cfg in tuned.items():
@@ -93,15 +93,12 @@ def test_fused_linear_bench_smoke(tmp_path: Path) -> None:
 
 def test_step_ab_reads_u12_sweep_configs_back(tmp_path: Path) -> None:
     """bench/step_ab.py --u12-tuned: a bench/u12_linear.py "tuned" list (its fields) back as TUNED's one-row entries."""
-    import dataclasses
-
     import step_ab
-    from specpilot.kernels.u12_linear import TUNED
+    from specpilot.kernels.u12_linear import TUNED, U12Config
 
     fields = ("block_n", "block_w", "split_k", "num_warps", "num_stages", "decode", "kernel", "maxnreg")
     tuned = [{"key": list(key), "config": str(cfg), **{f: getattr(cfg, f) for f in fields}} for key, cfg in TUNED.items()]
     path = tmp_path / "u12.json"
     path.write_text(json.dumps({"tuned": tuned}))
-    back = step_ab.u12_tuned_from_sweep(path)
+    back = step_ab.tuned_from_sweep(path, U12Config)
     assert back == {key: cfg for key, cfg in TUNED.items() if key[0] == 1}
-    assert all(dataclasses.is_dataclass(cfg) for cfg in back.values())
