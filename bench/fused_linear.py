@@ -158,7 +158,7 @@ def time_graph(fns, cuda: bool, reps: int = 20) -> float:
 
 def layer_rows(shapes: dict, ms, best: dict, device: str, gen: torch.Generator, layers: int) -> list[dict]:
     """The four fused calls for `layers` layers' weights in one graph against the unfused sequence."""
-    from specpilot.kernels.fused_linear import fused_linear
+    from specpilot.kernels.fused_linear import RowSquares, fused_linear
     from specpilot.kernels.rmsnorm import rmsnorm
     from specpilot.kernels.silu_mul import silu_mul
 
@@ -177,11 +177,12 @@ def layer_rows(shapes: dict, ms, best: dict, device: str, gen: torch.Generator, 
         stream = torch.randn(m, hidden, device=device, generator=gen).to(torch.bfloat16)
         cfg = {name: best.get((name, m)) for name in shapes}
 
-        def fused_layer(ws, x_o=x_o, stream=stream, cfg=cfg):
-            fused_linear(stream, ws["qkv"], norm_weight=ws["norm1"], eps=EPS, config=cfg["qkv"])
-            fused_linear(x_o, ws["o"], residual=stream, config=cfg["o"])
-            act = fused_linear(stream, ws["gate_up"], norm_weight=ws["norm2"], eps=EPS, gated=True, config=cfg["gate_up"])
-            fused_linear(act, ws["down"], residual=stream, config=cfg["down"])
+        def fused_layer(ws, x_o=x_o, stream=stream, cfg=cfg, sq=None):  # sq: RowSquares carried, as the runtime
+            fused_linear(stream, ws["qkv"], norm_weight=ws["norm1"], eps=EPS, config=cfg["qkv"], squares=sq)
+            fused_linear(x_o, ws["o"], residual=stream, config=cfg["o"], squares=sq)
+            act = fused_linear(stream, ws["gate_up"], norm_weight=ws["norm2"], eps=EPS, gated=True,
+                               config=cfg["gate_up"], squares=sq)
+            fused_linear(act, ws["down"], residual=stream, config=cfg["down"], squares=sq)
 
         state = {"out": torch.zeros_like(stream), "residual": stream.clone()}
 
@@ -193,12 +194,17 @@ def layer_rows(shapes: dict, ms, best: dict, device: str, gen: torch.Generator, 
             state["out"] = silu_mul(h @ ws["gate_up"].T) @ ws["down"].T
             state["residual"] = res
 
-        fused_ms = time_graph([lambda ws=ws: fused_layer(ws) for ws in weights], cuda)
+        sq = RowSquares()
+        fused_ms = time_graph([lambda ws=ws: fused_layer(ws, sq=sq) for ws in weights], cuda)
+        no_squares_ms = time_graph([lambda ws=ws: fused_layer(ws) for ws in weights], cuda)
         unfused_ms = time_graph([lambda ws=ws: unfused_layer(ws) for ws in weights], cuda)
         out.append({
             "what": f"{layers} layers' qkv (norm), o (+residual), gate_up (norm, SiLU·mul), down (+residual) in one "
-                    "CUDA graph, fused_linear against rmsnorm(+add) / cuBLAS / silu_mul; no attention or RoPE",
-            "M": m, "layers": layers, "fused_ms": fused_ms, "unfused_ms": unfused_ms, "speedup": unfused_ms / fused_ms,
+                    "CUDA graph, fused_linear against rmsnorm(+add) / cuBLAS / silu_mul; no attention or RoPE; "
+                    "fused: the norms' sums of squares carried from the residual epilogues (RowSquares, as "
+                    "runtime/fused.py), fused_no_squares: each norm prologue reading x",
+            "M": m, "layers": layers, "fused_ms": fused_ms, "fused_no_squares_ms": no_squares_ms,
+            "unfused_ms": unfused_ms, "speedup": unfused_ms / fused_ms,
             "configs": {name: str(c) if c else "default" for name, c in cfg.items()},
         })
     return out
@@ -225,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault("TRITON_INTERPRET", "1")  # read when the kernel modules are first imported
     import triton
 
-    from specpilot.kernels.fused_linear import fused_linear, fused_linear_reference, m_bucket
+    from specpilot.kernels.fused_linear import RowSquares, fused_linear, fused_linear_reference, m_bucket
 
     t0 = time.monotonic()
     device = "cuda" if cuda else "cpu"
@@ -264,20 +270,24 @@ def main(argv: list[str] | None = None) -> int:
             r_time = None if r is None else r.clone()  # accumulates while timed; never checked
             unfused_us = timed(lambda wc, x=x, r=r_time: unfused(name, x, wc, nw, r)) * 1e3
             cublas_us = timed(lambda wc, x=x: lambda: x @ wc.T) * 1e3
+            # A norm row's dot configs read their sums of squares as the runtime's do (RowSquares from
+            # the residual epilogue before them; here computed by torch, in K / 64 parts).
+            sq = RowSquares.of(x, k // 64) if norm and k % 64 == 0 else None
             base = {"name": name, "N": n, "K": k, "M": m, "norm": norm, "gated": gated, "residual": residual,
                     "unfused_us": unfused_us, "cublas_us": cublas_us}
             for i, cfg in enumerate(sweep_configs(m, n, k, gated, args.smoke)):
-                row = {**base, "config": str(cfg), "default": i == 0}
+                row = {**base, "config": str(cfg), "default": i == 0, "squares": sq is not None and cfg.kernel == "dot"}
                 if i > 0 and time.monotonic() - t0 > args.budget_s:  # the default always runs: every row has one
                     sweep.append({**row, "skipped": "time budget"})
                     continue
                 run = lambda rr, x=x, w=w, nw=nw, cfg=cfg: fused_linear(  # noqa: E731
-                    x, w, norm_weight=nw, eps=EPS, gated=gated, residual=rr, config=cfg)
+                    x, w, norm_weight=nw, eps=EPS, gated=gated, residual=rr, config=cfg, squares=sq)
                 try:
                     y = run(None if r is None else r.clone())
                     check_close(y, ref, bound)
                     us = timed(lambda wc, x=x, cfg=cfg: lambda: fused_linear(
-                        x, wc, norm_weight=nw, eps=EPS, gated=gated, residual=r_time, config=cfg), config_timer) * 1e3
+                        x, wc, norm_weight=nw, eps=EPS, gated=gated, residual=r_time, config=cfg, squares=sq),
+                        config_timer) * 1e3
                 except Exception as e:  # a config that does not compile, run or match: recorded, not fatal
                     sweep.append({**row, "error": f"{type(e).__name__}: {str(e)[:300]}"})
                     continue
@@ -326,8 +336,8 @@ def main(argv: list[str] | None = None) -> int:
     out = u12_bench.write_result(result, args.out, "fused_linear", gpu)
     u12_bench.print_sweep_summary(gpu, out, sweep, sweep_s)
     for s in layer:
-        print(f"layer x{s['layers']} M={s['M']}: unfused {s['unfused_ms']:.2f} ms, fused {s['fused_ms']:.2f} ms, "
-              f"{s['speedup']:.2f}x" if "M" in s else f"layer: {s['error']}")
+        print(f"layer x{s['layers']} M={s['M']}: unfused {s['unfused_ms']:.2f} ms, fused {s['fused_ms']:.2f} ms "
+              f"({s['fused_no_squares_ms']:.2f} without squares), {s['speedup']:.2f}x" if "M" in s else f"layer: {s['error']}")
     print(f"{'shape':<8} {'M':>3} {'unfused us':>11} {'cuBLAS us':>10} {'fused us':>9} {'vs unfused':>11} {'default':>8}  best config")
     for s in rows:
         d = f"{s['unfused_us'] / s['default_us']:.2f}x" if s["default_us"] else "-"

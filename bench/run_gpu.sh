@@ -13,7 +13,8 @@
 #   hmma     the hmma kernel's GPU tests, then its M = 16 sweep against cuBLAS (and TUNED's config)
 #   bf16tune fused_linear's one-row sweep in CUDA graphs, then the AR step with its best configs (bf16-sweep)
 #   u12tune  u12_linear's one-row gemv2 sweep in CUDA graphs, then the AR step with its best configs (u12-sweep)
-#   verify16 fused_linear's 16-row sweep in CUDA graphs, then verify(16) with it (bf16-linear) beside cuBLAS
+#   verify16 fused_linear's sweep at VERIFY_QS rows (default 16) in CUDA graphs, then verify(q) with it
+#            (bf16-linear, and bf16-linear-nosq without RowSquares) beside cuBLAS
 #   linear   fused_linear and u12_mma: GPU tests and sweeps (u12's mma sweep: U12_ARGS="--ms 16 --kernels mma")
 #   peers    AR against HF transformers on 8B-shaped weights
 #   train    train the zoo (carry .cache/zoo); packed into $OUT
@@ -80,11 +81,16 @@ u12tune() {  # u12_linear's one-row configs timed in CUDA graphs, then the AR st
   TAIL=16 run step_ab 240 python bench/step_ab.py --u12-tuned "$OUT/u12_linear_gemv2_graph_h200.json" \
     --out "$OUT/step_ab_h200.json"
 }
-verify16() {  # fused_linear at 16 rows timed in CUDA graphs (and its layer proxy), then verify(16) with it beside cuBLAS
-  TAIL=24 run fused_linear_m16 330 python bench/fused_linear.py --ms 16 --graph --budget-s 100 \
-    --out "$OUT/fused_linear_m16_graph_h200.json"
-  TAIL=16 run step_ab_verify 240 python bench/step_ab.py --q 16 --bf16-tuned "$OUT/fused_linear_m16_graph_h200.json" \
-    --out "$OUT/step_ab_verify16_h200.json"
+verify16() {  # fused_linear at the verify rows VERIFY_QS (default 16) timed in CUDA graphs (and its layer
+  # proxy), then verify(q) for each q with it beside cuBLAS
+  local qs=${VERIFY_QS:-16} sweep
+  sweep="$OUT/fused_linear_m${qs// /_}_graph_h200.json"
+  TAIL=24 run fused_linear_verify 330 python bench/fused_linear.py --ms "${qs// /,}" --graph \
+    --budget-s "${VERIFY_BUDGET:-100}" --out "$sweep"
+  for q in $qs; do
+    TAIL=16 run "step_ab_verify$q" 240 python bench/step_ab.py --q "$q" --bf16-tuned "$sweep" \
+      --out "$OUT/step_ab_verify${q}_h200.json"
+  done
 }
 linear() {  # the fused_linear and u12_mma kernels: GPU tests, then their sweeps against cuBLAS
   TAIL=4 run linear_tests 150 python -m pytest -q -x -p no:cacheprovider tests/test_fused_linear.py \

@@ -113,6 +113,9 @@ def capture(shape: str, variants: bool, extra_bf16: dict | None = None, extra_u1
             model.fused.ops = dataclasses.replace(ops, linear_max_m=q)
             with _tuned(fused_linear.TUNED, (extra_bf16 or {}).get("bf16-sweep", {})):
                 graphs["bf16-linear"] = capture_step()
+                if variants:  # each norm prologue reading x, as before RowSquares
+                    model.fused.ops = dataclasses.replace(ops, linear_max_m=q, row_squares=False)
+                    graphs["bf16-linear-nosq"] = capture_step()
             model.fused.ops = ops
     keep += [model._fused_kept, list(model.linear_modules().values())]  # the bf16 graph reads these
     st.to_u12(model)

@@ -91,10 +91,11 @@ _DTYPES = (torch.bfloat16, torch.float32)
 @triton.jit
 def _epilogue(
     g, u, y_ptrs, mask, DTYPE: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr,
-    ROUND_BF16: tl.constexpr, EXPF: tl.constexpr,
+    ROUND_BF16: tl.constexpr, EXPF: tl.constexpr, sq_ptrs=None, SQ_OUT: tl.constexpr = False,
 ):
     """Store dtype(g), or silu_mul's dtype(dtype(silu(g)) · u) (GATED); RESIDUAL: add it to the
-    residual that y_ptrs points at, rounded as torch's add."""
+    residual that y_ptrs points at, rounded as torch's add. SQ_OUT: also store Σ y² of each row's
+    stored values at sq_ptrs [BM] (this program's part of RowSquares)."""
     y = _to_dtype(g, DTYPE, ROUND_BF16)
     if GATED:
         up = _to_dtype(u, DTYPE, ROUND_BF16)
@@ -108,6 +109,21 @@ def _epilogue(
         r = tl.load(y_ptrs, mask=mask, other=0.0).to(tl.float32)
         y = _to_dtype(y + r, DTYPE, ROUND_BF16)
     tl.store(y_ptrs, y.to(DTYPE), mask=mask)
+    if SQ_OUT:
+        ys = tl.where(mask, y, 0.0)
+        tl.store(sq_ptrs, tl.sum(ys * ys, axis=1), mask=tl.max(mask.to(tl.int32), axis=1) > 0)
+
+
+@triton.jit
+def _row_inv_parts(sq_ptr, rows, M, parts, inv_k, eps, BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr):
+    """rsqrt(Σ x² · fp32(1/K) + eps) for `rows` from RowSquares' parts ([parts, M] fp32), summed
+    in a fixed order (a tree within BLOCK_P parts, chunks in order): one load of a few KB where
+    the prologue would read every row of x."""
+    acc = tl.zeros((BLOCK_P, BLOCK_M), dtype=tl.float32)
+    for p0 in range(0, parts, BLOCK_P):
+        p = p0 + tl.arange(0, BLOCK_P)[:, None]
+        acc += tl.load(sq_ptr + p * M + rows[None, :], mask=p < parts, other=0.0)
+    return tl.math.rsqrt(tl.sum(acc, axis=0) * inv_k + eps)
 
 
 # --- the GEMV kernel for M <= 4 ("gemv") ------------------------------------------------------
@@ -259,14 +275,17 @@ def _gemv_kernel(
 
 @triton.jit
 def _dot_kernel(
-    x_ptr, w_ptr, nw_ptr, y_ptr, part_ptr, count_ptr,
-    M, N, K, k_per_split, split_k, part_stride, inv_k, eps, stride_xm, stride_wn, stride_ym,
+    x_ptr, w_ptr, nw_ptr, y_ptr, part_ptr, count_ptr, sq_ptr,
+    M, N, K, k_per_split, split_k, part_stride, inv_k, eps, stride_xm, stride_wn, stride_ym, sq_parts,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: no masks
     NORM: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr,
     SPLIT: tl.constexpr,  # split_k > 1: partials and the semaphore
     DOT_BF16: tl.constexpr,  # bf16 operands (GPU, bf16 x); else fp32 "ieee" dots
     NORM_WORDS: tl.constexpr,  # > 0: the norm prologue reads x as int64 words, this many a chunk (norm_words)
+    SQ_IN: tl.constexpr,  # NORM: the rows' Σx² from RowSquares' sq_parts parts at sq_ptr, not from x
+    SQ_OUT: tl.constexpr,  # RESIDUAL: store this program's part of Σy² of the updated rows at sq_ptr
+    SQ_BLOCK: tl.constexpr,  # SQ_IN: parts summed a chunk
     ROUND_BF16: tl.constexpr, EXPF: tl.constexpr,
     PDL: tl.constexpr,  # programmatic dependent launch (kernels/overlap.py)
 ):
@@ -280,7 +299,9 @@ def _dot_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rows_m = tl.minimum(offs_m, M - 1)
     rows_n = tl.minimum(offs_n, N - 1).to(tl.int64)
-    if NORM and NORM_WORDS > 0:
+    if NORM and SQ_IN:
+        inv = _row_inv_parts(sq_ptr, rows_m, M, sq_parts, inv_k, eps, BLOCK_M, SQ_BLOCK)[:, None]
+    elif NORM and NORM_WORDS > 0:
         inv = _row_inv_words(x_ptr, rows_m, stride_xm // 4, K // 4, inv_k, eps, BLOCK_M, NORM_WORDS)[:, None]
     elif NORM:
         inv = _row_inv(x_ptr, rows_m, stride_xm, K, inv_k, eps, BLOCK_M, BLOCK_K)[:, None]
@@ -328,6 +349,7 @@ def _dot_kernel(
 
     mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
     y_ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
+    sq_ptrs = sq_ptr + pid_n * M + offs_m  # SQ_OUT: this output block's part
     if SPLIT:
         part = part_ptr + offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]  # [split, gate/up, M, N] fp32
         own = part + pid_k.to(tl.int64) * part_stride
@@ -347,10 +369,10 @@ def _dot_kernel(
                 if GATED:
                     u_sum += tl.load(part, mask=mask, other=0.0, cache_modifier=".cg")
                     part += part_stride
-            _epilogue(g_sum, u_sum, y_ptrs, mask, DTYPE, GATED, RESIDUAL, ROUND_BF16, EXPF)
+            _epilogue(g_sum, u_sum, y_ptrs, mask, DTYPE, GATED, RESIDUAL, ROUND_BF16, EXPF, sq_ptrs, SQ_OUT)
             tl.atomic_xchg(counter, 0)  # ready for the next launch (and CUDA graph replays)
     else:
-        _epilogue(g, u, y_ptrs, mask, DTYPE, GATED, RESIDUAL, ROUND_BF16, EXPF)
+        _epilogue(g, u, y_ptrs, mask, DTYPE, GATED, RESIDUAL, ROUND_BF16, EXPF, sq_ptrs, SQ_OUT)
 
 
 # --- configs ---------------------------------------------------------------------------------
@@ -485,8 +507,53 @@ def default_config(m: int, n: int, k: int, gated: bool, on_gpu: bool = True) -> 
 
 # --- host --------------------------------------------------------------------------------------
 
-def _check(x, weight, norm_weight, gated, residual) -> tuple[int, int, int]:
+@dataclass(eq=False)
+class RowSquares:
+    """Σ y² of a residual stream's rows, handed from one fused_linear call to the next.
+
+    A call with `residual=` and `squares=` (dot kernel) stores, next to each output block of the
+    updated stream, that block's Σ y² per row (fp32, [parts, M]); the next call with
+    `norm_weight=` over the same stream and `squares=` sums those parts for its norm instead of
+    reading every row of x in each program (at 16 rows and K = 4096: 128 KB a program, against a
+    few KB of parts). The stream must not change in between. `parts` and `source` (the stream's
+    address and shape) are host state set by the writer, so a reader over other rows, or after a
+    writer that could not store them (gemv), computes its norm from x as before. Make one per
+    forward (its buffer is allocated on first write, in a CUDA graph's pool during capture)."""
+
+    buf: torch.Tensor | None = None
+    parts: int = 0
+    source: tuple = ()
+
+    def _writer(self, residual: torch.Tensor, parts: int) -> torch.Tensor:
+        need = parts * residual.shape[0]
+        if self.buf is None or self.buf.numel() < need or self.buf.device != residual.device:
+            self.buf = torch.empty(need, dtype=torch.float32, device=residual.device)
+        self.parts, self.source = parts, _source(residual)
+        return self.buf
+
+    @classmethod
+    def of(cls, x: torch.Tensor, parts: int) -> "RowSquares":
+        """The parts a writer of `parts` equal column blocks would leave for x (K % parts == 0),
+        computed by torch: for benchmarks and tests of a reader alone."""
+        m, k = x.shape
+        if parts < 1 or k % parts:
+            raise ValueError(f"RowSquares.of: parts must divide K = {k}, got {parts}")
+        sums = x.float().pow(2).view(m, parts, k // parts).sum(2)
+        return cls(sums.T.contiguous().view(-1), parts, _source(x))
+
+    def readable(self, x: torch.Tensor) -> bool:
+        return self.parts > 0 and self.source == _source(x)
+
+
+def _source(t: torch.Tensor) -> tuple:
+    return (t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.device)
+
+
+def _check(x, weight, norm_weight, gated, residual, squares=None) -> tuple[int, int, int]:
     """(M, K, output columns) of valid inputs; ValueError naming the argument otherwise."""
+    if squares is not None and norm_weight is not None and residual is not None:
+        raise ValueError("fused_linear: squares with both norm_weight and residual (the call would "
+                         "read the parts it overwrites)")
     if x.dim() != 2:
         raise ValueError(f"fused_linear: x must be [M, K], got shape {list(x.shape)}")
     if x.dtype not in _DTYPES:
@@ -541,11 +608,16 @@ def _words_apply(x: torch.Tensor, weight: torch.Tensor) -> bool:
 def fused_linear(
     x: torch.Tensor, weight: torch.Tensor, *, norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
     gated: bool = False, residual: torch.Tensor | None = None, config: FusedLinearConfig | None = None,
+    squares: RowSquares | None = None,
 ) -> torch.Tensor:
     """x [M, K] · weight [N, K]ᵀ in x's dtype (bf16/fp32), fp32 sums; norm_weight: x replaced by
     rmsnorm(x, norm_weight, eps) first; gated: weight is [gate; up] (N = 2I) and the output [M, I]
-    is silu(gate) · up; residual [M, N_out]: the output is added into it in place and it is returned."""
-    m, k, n_out = _check(x, weight, norm_weight, gated, residual)
+    is silu(gate) · up; residual [M, N_out]: the output is added into it in place and it is returned.
+    squares: with residual, store the updated rows' Σ y² there; with norm_weight, take the rows' Σ x²
+    from there where a writer left them for x (RowSquares)."""
+    m, k, n_out = _check(x, weight, norm_weight, gated, residual, squares)
+    if squares is not None and residual is not None:
+        squares.parts = 0  # until this call stores them (the dot kernel only)
     y = residual if residual is not None else torch.empty((m, n_out), dtype=x.dtype, device=x.device)
     if m == 0 or n_out == 0:
         return y
@@ -585,8 +657,10 @@ def fused_linear(
     split = max(1, min(cfg.split_k, k_tiles))
     k_per_split = triton.cdiv(k_tiles, split) * cfg.block_k
     split = triton.cdiv(k, k_per_split)  # no empty splits
+    sq_in = norm and squares is not None and squares.readable(x)
+    sq_out = squares is not None and residual is not None
     norm_words_chunk = 0
-    if norm and x.dtype == torch.bfloat16 and k % 4 == 0:  # Σx² in a few whole-row chunks, not K / block_k
+    if norm and not sq_in and x.dtype == torch.bfloat16 and k % 4 == 0:  # Σx² in a few whole-row chunks
         x = aligned_rows(x, True)
         norm_words_chunk = norm_words(k, bm, cfg.num_warps, per_thread=DOT_NORM_WORDS)
     grid = (triton.cdiv(n_out, cfg.block_n), split, triton.cdiv(m, bm))
@@ -596,22 +670,29 @@ def fused_linear(
     else:  # unused; an fp32 and an int32 pointer keep the compiled types
         part = torch.empty(1, dtype=torch.float32, device=x.device)
         counters = part.view(torch.int32)
+    sq_parts = squares.parts if sq_in else 0
+    sq_buf = squares.buf if sq_in else squares._writer(residual, grid[0]) if sq_out else part
     _dot_kernel[grid](
-        x, weight, norm_weight if norm else x, y, part, counters,
+        x, weight, norm_weight if norm else x, y, part, counters, sq_buf,
         m, n_out, k, k_per_split, split, m * n_out, 1.0 / k, eps, x.stride(0), weight.stride(0), y.stride(0),
+        sq_parts,
         BLOCK_M=bm, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=k % cfg.block_k == 0, SPLIT=split > 1,
-        DOT_BF16=native and x.dtype == torch.bfloat16, NORM_WORDS=norm_words_chunk, **flags, **launch,
+        DOT_BF16=native and x.dtype == torch.bfloat16, NORM_WORDS=norm_words_chunk,
+        SQ_IN=sq_in, SQ_OUT=sq_out, SQ_BLOCK=min(128, triton.next_power_of_2(max(1, sq_parts))), **flags, **launch,
     )
     return y
 
 
 def fused_linear_reference(
     x: torch.Tensor, weight: torch.Tensor, *, norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
-    gated: bool = False, residual: torch.Tensor | None = None,
+    gated: bool = False, residual: torch.Tensor | None = None, squares: RowSquares | None = None,
 ) -> torch.Tensor:
     """The unfused ops: rmsnorm_reference, the GEMM in fp32 cast to x's dtype, silu_mul_reference,
-    and the torch add into residual (in place, returned)."""
-    _check(x, weight, norm_weight, gated, residual)
+    and the torch add into residual (in place, returned). squares: left unwritten (parts 0), so
+    its readers compute their norms."""
+    _check(x, weight, norm_weight, gated, residual, squares)
+    if squares is not None and residual is not None:
+        squares.parts = 0
     h = rmsnorm_reference(x, norm_weight, eps) if norm_weight is not None else x
     y = (h.float() @ weight.float().T).to(x.dtype)
     if gated:

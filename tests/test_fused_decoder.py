@@ -296,9 +296,9 @@ def _count_linear(stack, field: str = "linear") -> list[tuple[bool, bool, bool]]
     calls: list[tuple[bool, bool, bool]] = []
     linear = getattr(stack.ops, field)
 
-    def counted(x, w, *, norm_weight=None, eps=1e-6, gated=False, residual=None):
+    def counted(x, w, *, norm_weight=None, eps=1e-6, gated=False, residual=None, **kw):
         calls.append((norm_weight is not None, gated, residual is not None))
-        return linear(x, w, norm_weight=norm_weight, eps=eps, gated=gated, residual=residual)
+        return linear(x, w, norm_weight=norm_weight, eps=eps, gated=gated, residual=residual, **kw)
 
     stack.ops = dataclasses.replace(stack.ops, **{field: counted})
     return calls
@@ -329,6 +329,33 @@ def test_fused_linear_layers_match_the_unfused_stack(family, dtype, tiny_model_d
         torch.testing.assert_close(a.hidden, b.hidden, **TOLERANCE[dtype])
     for i in range(cfg.num_layers):
         torch.testing.assert_close(c_plain.k[i], c_fused.k[i], **TOLERANCE[dtype])
+
+
+def test_row_squares_carry_each_norm_from_the_residual_epilogue_before_it(tiny_model_dirs):
+    """At several rows (the dot kernel, under the interpreter) every norm but the first layer's
+    input norm takes its sums of squares from the o or down epilogue before it (RowSquares): the
+    logits match the unfused stack's and the stack's without the hand-off."""
+    _, plain, cfg = _pair(tiny_model_dirs["llama"], torch.float32)
+    unfused = install_fused(plain, "torch")
+    unfused.ops = dataclasses.replace(unfused.ops, linear_max_m=0)
+    ids = torch.randint(0, cfg.vocab_size, (1, 9), generator=torch.Generator().manual_seed(5))
+    want = plain(ids, plain.new_cache(1, 16)).logits
+    for row_squares in (True, False):
+        _, fused, _ = _pair(tiny_model_dirs["llama"], torch.float32)
+        stack = install_fused(fused, "triton")
+        stack.ops = dataclasses.replace(stack.ops, linear_max_m=16, row_squares=row_squares)
+        read = []
+        linear = stack.ops.linear
+
+        def spy(x, w, *, norm_weight=None, squares=None, **kw):
+            if norm_weight is not None:
+                read.append(squares is not None and squares.readable(x))
+            return linear(x, w, norm_weight=norm_weight, squares=squares, **kw)
+
+        stack.ops = dataclasses.replace(stack.ops, linear=spy)
+        got = fused(ids, fused.new_cache(1, 16)).logits
+        assert read == ([False] + [True] * (2 * cfg.num_layers - 1) if row_squares else [False] * 2 * cfg.num_layers)
+        torch.testing.assert_close(got, want, **TOLERANCE[torch.float32])
 
 
 def test_fused_linear_serves_plain_and_u12_weights_only(tiny_model_dirs):

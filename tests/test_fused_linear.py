@@ -92,6 +92,61 @@ def test_split_k_leaves_its_counters_zero_and_is_deterministic():
     assert counters.numel() >= 2 and not counters.any()
 
 
+@pytest.mark.parametrize("m,split", [(16, 1), (5, 3)])
+def test_row_squares_carry_the_norm_from_a_residual_epilogue_to_the_next_prologue(m, split):
+    """o's residual epilogue stores the stream's Σ y² in parts; gate_up's norm reads them: the
+    outputs and the stream match the calls without squares and the reference, the parts sum to Σ y²."""
+    g = torch.Generator().manual_seed(m)
+    bf = torch.bfloat16
+    k, hidden, inter = 40, 72, 24
+    stream = (3 * torch.randn(m, hidden, generator=g)).to(bf).to(DEVICE)
+    a = torch.randn(m, k, generator=g).to(bf).to(DEVICE)
+    w_o = (0.05 * torch.randn(hidden, k, generator=g)).to(bf).to(DEVICE)
+    w_gu = (0.05 * torch.randn(2 * inter, hidden, generator=g)).to(bf).to(DEVICE)
+    nw = (1 + 0.1 * torch.randn(hidden, generator=g)).to(bf).to(DEVICE)
+    cfg = fl.FusedLinearConfig("dot", 16, 16, split_k=split)
+
+    sq = fl.RowSquares()
+    s1 = fl.fused_linear(a, w_o, residual=stream.clone(), config=cfg, squares=sq)
+    assert sq.parts == hidden // 16 + 1 and sq.readable(s1)
+    parts = sq.buf[: sq.parts * m].view(sq.parts, m)
+    torch.testing.assert_close(parts.sum(0), s1.float().pow(2).sum(1), rtol=1e-5, atol=1e-4)
+    out = fl.fused_linear(s1, w_gu, norm_weight=nw, gated=True, config=cfg, squares=sq)
+
+    s2 = fl.fused_linear(a, w_o, residual=stream.clone(), config=cfg)
+    assert torch.equal(s1, s2)  # the squares change nothing the epilogue stores
+    plain = fl.fused_linear(s2, w_gu, norm_weight=nw, gated=True, config=cfg)
+    torch.testing.assert_close(out, plain, atol=1e-4, rtol=8e-3)  # inv's sum order only
+    ref = fl.fused_linear_reference(s2, w_gu, norm_weight=nw, gated=True)
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=8e-3)
+
+
+def test_row_squares_are_read_only_for_their_stream():
+    """A reader over other rows, or after a writer that stored none (gemv, the reference), computes
+    its norm from x; a call that would both read and write them is refused."""
+    g = torch.Generator().manual_seed(3)
+    bf = torch.bfloat16
+    stream = torch.randn(6, 32, generator=g).to(bf).to(DEVICE)
+    w = (0.05 * torch.randn(32, 32, generator=g)).to(bf).to(DEVICE)
+    nw = torch.ones(32, dtype=bf, device=DEVICE)
+    dot = fl.FusedLinearConfig("dot", 16, 16)
+    sq = fl.RowSquares()
+    fl.fused_linear(stream, w, residual=stream.clone(), config=dot, squares=sq)  # a stream copy: its own source
+    assert sq.parts == 2 and not sq.readable(stream)
+    sq.buf.fill_(1e6)  # parts read by mistake would scale every row by ~0
+    out = fl.fused_linear(stream, w, norm_weight=nw, config=dot, squares=sq)
+    torch.testing.assert_close(out, fl.fused_linear_reference(stream, w, norm_weight=nw), atol=1e-4, rtol=8e-3)
+    r = stream.clone()
+    fl.fused_linear(stream, w, residual=r, config=fl.FusedLinearConfig("gemv", 8, 16), squares=sq)
+    assert sq.parts == 0 and not sq.readable(r)
+    fl.fused_linear(stream, w, residual=r, config=dot, squares=sq)
+    fl.fused_linear_reference(stream, w, residual=r, squares=sq)
+    assert sq.parts == 0
+    for fn in (fl.fused_linear, fl.fused_linear_reference):
+        with pytest.raises(ValueError, match="squares with both"):
+            fn(stream, w, norm_weight=nw, residual=r, squares=sq)
+
+
 def test_default_config_picks_the_kernel_by_rows():
     assert fl.default_config(1, 6144, 4096, False).kernel == "gemv"
     assert fl.default_config(4, 28672, 4096, True).kernel == "gemv"

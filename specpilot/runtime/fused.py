@@ -67,6 +67,7 @@ class FusedOps:
     u12_kernel: str = ""  # the u12 modules' kernel that `linear_u12` stands in for; "": u12 layers unfused
     rope_attention: Callable | None = None  # rope_qkv + split-KV attention in one launch, where layers use that kernel
     u12_norms_apart: bool = False  # u12 layers under `linear_u12`: their RMSNorms as rmsnorm kernels, no prologue
+    row_squares: bool = True  # `linear`'s residual epilogues hand the stream's Σ y² to the next norm (RowSquares)
 
 
 # Rows up to which fused_linear serves the layers: 32 Llama-3.1-8B layers' linears in one CUDA graph
@@ -243,13 +244,16 @@ class FusedStack:
         layers keep their norms as rmsnorm kernels: one fewer, SiLU·mul's). The residual stream (a copy of
         x) is updated in place by the o and down projections' epilogues, so it returns (None, the
         stream, picked layer outputs)."""
+        from specpilot.kernels.fused_linear import RowSquares
+
         ops, (b, t, hidden) = self.ops, x.shape
         stream = x.reshape(b * t, hidden).clone()
         picked: dict[int, torch.Tensor] = {}
+        squares = RowSquares() if ops.row_squares else None  # the stream's Σ y²: o's and down's epilogues to the next norm
 
         def linear(h, w, norm_weight=None, **kw):
             if not isinstance(w, U12Tensor):
-                return ops.linear(h, w, norm_weight=norm_weight, eps=self.eps, **kw)
+                return ops.linear(h, w, norm_weight=norm_weight, eps=self.eps, squares=squares, **kw)
             if norm_weight is not None and ops.u12_norms_apart:  # the stream holds every add already
                 h, norm_weight = ops.rmsnorm(h, norm_weight, self.eps), None
             return ops.linear_u12(h, w, norm_weight=norm_weight, eps=self.eps, **kw)
