@@ -16,7 +16,10 @@ epilogues); u12-unfused (u12_linear beside the separate rmsnorm, SiLU·mul and a
 default u12 layers until this comparison); u12-epilogues (u12_fused_linear's SiLU·mul and residual
 epilogues, the norms as rmsnorm kernels: the default since); u12-prologue (u12_fused_linear with
 its norm prologue too); bf16-default, bf16-r128 (the bf16 step at other register budgets:
-``BF16_VARIANTS``; not under --smoke, whose tiny shapes TUNED does not hold). Tried here and kept
+``BF16_VARIANTS``; not under --smoke, whose tiny shapes TUNED does not hold). With --q above 1 (a
+chain verify step): bf16-cublas (cuBLAS with the separate norm, SiLU·mul and add kernels),
+bf16-linear (fused_linear at those rows, --bf16-tuned's configs), bf16-linear-nosq (the same with
+each norm prologue reading x: no RowSquares). Tried here and kept
 out (bench/results/tried/step_ab_*.json): the u12 step with other gemv2 tiles for qkv, o and down
 (two rows a thread, one-warp programs, BLOCK_N 8: 3.671, 3.756, 3.755 ms against 3.673, f6a43e7)
 and with ptxas allowed 80 or 128 registers (3.86, 3.99 against 3.71, ef655ec; 80 for o and down,
@@ -47,7 +50,7 @@ import step_times as st  # noqa: E402  (SHAPES, graphed, random_, time_fn, to_u1
 
 from specpilot.kernels import fused_linear, u12_linear  # noqa: E402
 from specpilot.runtime.config import ModelConfig  # noqa: E402
-from specpilot.runtime.fused import fused_path  # noqa: E402
+from specpilot.runtime.fused import GEMV_ROWS, fused_path  # noqa: E402
 from specpilot.runtime.model import Transformer  # noqa: E402
 
 U12_VARIANTS = {  # name: FusedOps fields over the default ops
@@ -108,13 +111,16 @@ def capture(shape: str, variants: bool, extra_bf16: dict | None = None, extra_u1
             for name, override in {**(BF16_VARIANTS if q == 1 else {}), **(extra_bf16 or {})}.items():
                 with _tuned(fused_linear.TUNED, override):
                     graphs[name] = capture_step()
-        if q > 1:  # fused_linear (norm prologue, SiLU·mul and residual epilogues) at q rows instead of cuBLAS
+        if q > 1:  # fused_linear (norm prologue, SiLU·mul and residual epilogues) at q rows, and cuBLAS
             ops = model.fused.ops
-            model.fused.ops = dataclasses.replace(ops, linear_max_m=q)
+            at_q = dict(linear_max_m=q, linear_gemv_max_m=min(q, GEMV_ROWS))
+            model.fused.ops = dataclasses.replace(ops, linear_max_m=1)  # cuBLAS with the separate kernels
+            graphs["bf16-cublas"] = capture_step()
+            model.fused.ops = dataclasses.replace(ops, **at_q)
             with _tuned(fused_linear.TUNED, (extra_bf16 or {}).get("bf16-sweep", {})):
                 graphs["bf16-linear"] = capture_step()
                 if variants:  # each norm prologue reading x, as before RowSquares
-                    model.fused.ops = dataclasses.replace(ops, linear_max_m=q, row_squares=False)
+                    model.fused.ops = dataclasses.replace(ops, **at_q, row_squares=False)
                     graphs["bf16-linear-nosq"] = capture_step()
             model.fused.ops = ops
     keep += [model._fused_kept, list(model.linear_modules().values())]  # the bf16 graph reads these

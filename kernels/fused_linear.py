@@ -39,6 +39,18 @@ interpreter cases). Given the same GEMM sums the epilogues are bit-exact with si
 libdevice expf, div_rn, fp fusion off as there) and with torch's add. The interpreter truncates
 fp32 -> bf16 casts, so under it every such cast rounds first (``_round_bf16``), and exp is numpy's.
 
+Sums of squares handed on (dot only; ``RowSquares``). At 16 rows the norm prologue reads all of
+x, 128 KB at K = 4096, in every program. A call with ``residual=`` and ``squares=`` also stores,
+for each output block of the updated stream, Σ y² of each row over the block's columns (fp32, from
+the stored bf16 values); the next call with ``norm_weight=`` over that stream and ``squares=`` sums
+those parts in a fixed order (``_row_inv_parts``) instead. Its inv then differs from the
+prologue's only by the sum's order (the Numerics paragraph). Without them the prologue reads x as
+int64 words of whole rows in 2-4 chunks (``DOT_NORM_WORDS``), where chunks of BLOCK_K elements
+took 32-64 L2 round trips. H200, 16 rows, in CUDA graphs: qkv+norm 23.4 µs with those element
+chunks, 18.5 with RowSquares; gate_up+norm+SiLU·mul 73.1, 63.1 with the word chunks, 58.8 with
+RowSquares (bench/results/tried/fused_linear_m16_graph_h200.json, commit af8fe61;
+bench/results/fused_linear_m16_32_graph_h200.json, 4cea20f; 651f816's run between them).
+
 Split-K (dot only). The grid is (N blocks, SPLIT_K, M blocks); each program stores its fp32
 partial sums ([gate, up] × split × M × N) and the last program of an output block to arrive (an
 acq_rel counter per block: u12_linear's serial semaphore) sums them in split order, applies the
@@ -53,7 +65,10 @@ kernels, per linear and for 32 layers in one CUDA graph. H200 (bench/results/fus
 TUNED from it): at M = 1 qkv+norm 22.1 µs against 30.0 for rmsnorm + cuBLAS, o+add 18.2 against
 20.0, gate_up+norm+SiLU·mul 68.2 against 117.2, down+add 40.4 against 43.0; the 32 layers' four
 calls in one graph 1.08x the unfused sequence at M = 1, 0.80x at M = 4 (the gated GEMV at four rows
-and the norm's per-element work), 0.94x at M = 16, hence runtime/fused.py's LINEAR_MAX_M = 1. Every
+and the norm's per-element work), 0.94x at M = 16. Timed in CUDA graphs with the norms' sums of
+squares handed on (RowSquares, below; bench/results/fused_linear_m16_32_graph_h200.json and
+fused_linear_m4_8_graph_h200.json, commit 4cea20f): 0.86x at M = 4, 1.01x at 8 and 16 (3.95 ms against
+3.98; 4.10 without RowSquares), 0.97x at 32; hence runtime/fused.py serves 1 and 5..16 rows. Every
 kernel variant compiles for sm_90 (triton 3.9, by triton.compile without a GPU); there the gemv
 loop on the word path is loads, shifts/masks and FMAs, no shared memory and no spills. The norm
 costs each thread about 6 instructions per x element it holds (two multiplies, two roundings and
@@ -465,13 +480,16 @@ SPLIT_KS = (1, 2, 4, 8)
 # bench/results/fused_linear_graph_h200.json, commit 5c1d840: 57.1 and 29.5 µs against 57.6 and
 # 29.8 for the configs before), taken after the AR step interleaved (bench/step_ab.py --bf16-tuned,
 # bench/results/step_ab_bf16_tuned_h200.json): 4.105 ms against 4.123.
+# M = 16 (5..16 rows): the graph-timed sweep with the norm rows reading RowSquares
+# (bench/results/fused_linear_m16_32_graph_h200.json, commit 4cea20f): o 12.4 µs against 13.2 for
+# its config before; the others were the sweep's best already.
 TUNED: dict[tuple[int, int, int, bool], FusedLinearConfig] = {
     (1, 6144, 4096, False): FusedLinearConfig("gemv", 8, 1024, num_warps=4, num_stages=1),  # qkv
     (4, 6144, 4096, False): FusedLinearConfig("gemv", 8, 1024, num_warps=4, num_stages=1),  # qkv
     (16, 6144, 4096, False): FusedLinearConfig("dot", 64, 64, split_k=4, num_warps=4, num_stages=4),  # qkv
     (1, 4096, 4096, False): FusedLinearConfig("gemv", 4, 1024, num_warps=2, num_stages=3, maxnreg=128),  # o
     (4, 4096, 4096, False): FusedLinearConfig("gemv", 4, 1024, num_warps=2, num_stages=3),  # o
-    (16, 4096, 4096, False): FusedLinearConfig("dot", 32, 128, split_k=4, num_warps=4, num_stages=4),  # o
+    (16, 4096, 4096, False): FusedLinearConfig("dot", 64, 128, split_k=4, num_warps=4, num_stages=3),  # o
     (1, 28672, 4096, True): FusedLinearConfig("gemv", 2, 1024, num_warps=2, num_stages=1, maxnreg=128),  # gate_up
     (4, 28672, 4096, True): FusedLinearConfig("gemv", 4, 512, num_warps=2, num_stages=1),  # gate_up
     (16, 28672, 4096, True): FusedLinearConfig("dot", 128, 128, num_warps=8, num_stages=3),  # gate_up

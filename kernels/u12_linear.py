@@ -661,35 +661,43 @@ SPLIT_KS_HMMA = (1, 2, 4, 8)
 # graph runs far below that. M = 16: the mma sweep (bench/results/u12_linear_mma_h200.json), o and
 # down from the hmma sweep timed in CUDA graphs (bench/results/tried/u12_linear_hmma_ed31e59_h200.json:
 # 17.0 and 39.5 µs against 23.7 and 43.9 for the mma configs; bench/results/u12_linear_hmma_h200.json,
-# 89d4609: the mma configs still win qkv, gate_up and lm_head, by 3%, 5% and 10%). M = 64:
-# the tile sweep of 457 rows (commit da24869). M = 1 qkv and o: 4 words a thread (every lane's
+# 89d4609: the mma configs still win qkv, gate_up and lm_head, by 3%, 5% and 10%). M = 1 qkv and o: 4 words a thread (every lane's
 # 16-byte loads side by side) from the whole u12 step interleaved (bench/step_ab.py, commit ac79ccb:
 # 3.674 ms against 3.701 with 8 words; 4 words for every linear ran 3.870, for gate_up alone 3.745).
 # M = 1 o, gate_up and lm_head: the gemv2 sweep timed in CUDA graphs (bench/u12_linear.py --ms 1
 # --graph, bench/results/u12_linear_gemv2_graph_h200.json, commit 1f0a597: 9.9, 45.4 and 180.3 µs
 # against 10.1, 46.2 and 207.5), taken after the AR step interleaved (bench/step_ab.py --u12-tuned,
 # bench/results/step_ab_u12_tuned_h200.json): 3.626 ms against 3.648.
+# M = 32 and 64: the mma and tile sweep timed in CUDA graphs (bench/u12_linear.py --ms 32,64 --kernels
+# mma,tile --graph, bench/results/u12_linear_mma_m32_64_graph_h200.json, commit 4cea20f): the mma
+# kernel won every row, 0.41-1.13x cuBLAS against 0.30-0.68x for the tile kernel's configs before
+# (M = 32 had no entry: the tile heuristic; e.g. gate_up 67.8 µs against 129.5).
 TUNED: dict[tuple[int, int, int], U12Config] = {
     (1, 6144, 4096): U12Config(4, 128, num_warps=4, num_stages=1, kernel="gemv2"),  # qkv
     (4, 6144, 4096): U12Config(4, 256, num_warps=2, num_stages=1, kernel="gemv2"),  # qkv
     (16, 6144, 4096): U12Config(64, 64, split_k=4, num_warps=4, num_stages=2, kernel="mma"),  # qkv
-    (64, 6144, 4096): U12Config(64, 32, split_k=4, num_warps=4, num_stages=3),  # qkv
+    (32, 6144, 4096): U12Config(64, 32, split_k=4, num_warps=4, num_stages=3, kernel="mma"),  # qkv
+    (64, 6144, 4096): U12Config(64, 32, split_k=1, num_warps=4, num_stages=4, kernel="mma"),  # qkv
     (1, 4096, 4096): U12Config(8, 256, num_warps=4, num_stages=1, kernel="gemv2"),  # o
     (4, 4096, 4096): U12Config(4, 256, num_warps=2, num_stages=1, kernel="gemv2"),  # o: qkv's (see above)
     (16, 4096, 4096): U12Config(64, 32, split_k=8, num_warps=4, num_stages=1, kernel="hmma", maxnreg=128),  # o
-    (64, 4096, 4096): U12Config(64, 32, split_k=8, num_warps=4),  # o
+    (32, 4096, 4096): U12Config(64, 32, split_k=4, num_warps=4, num_stages=3, kernel="mma"),  # o
+    (64, 4096, 4096): U12Config(64, 32, split_k=4, num_warps=4, num_stages=2, kernel="mma"),  # o
     (1, 28672, 4096): U12Config(16, 64, num_warps=2, num_stages=1, kernel="gemv2"),  # gate_up
     (4, 28672, 4096): U12Config(4, 256, num_warps=2, num_stages=1, kernel="gemv2"),  # gate_up
     (16, 28672, 4096): U12Config(64, 32, num_warps=4, num_stages=3, kernel="mma"),  # gate_up
-    (64, 28672, 4096): U12Config(64, 32, split_k=2, num_warps=4, num_stages=3),  # gate_up
+    (32, 28672, 4096): U12Config(64, 64, split_k=1, num_warps=4, num_stages=3, kernel="mma"),  # gate_up
+    (64, 28672, 4096): U12Config(64, 32, split_k=1, num_warps=4, num_stages=3, kernel="mma"),  # gate_up
     (1, 4096, 14336): U12Config(4, 256, num_warps=4, num_stages=1, kernel="gemv2"),  # down
     (4, 4096, 14336): U12Config(4, 256, num_warps=2, num_stages=1, kernel="gemv2"),  # down
     (16, 4096, 14336): U12Config(64, 32, split_k=8, num_warps=4, num_stages=1, kernel="hmma", maxnreg=128),  # down
-    (64, 4096, 14336): U12Config(64, 32, split_k=4, num_warps=4, num_stages=3),  # down
+    (32, 4096, 14336): U12Config(64, 64, split_k=4, num_warps=4, num_stages=3, kernel="mma"),  # down
+    (64, 4096, 14336): U12Config(64, 32, split_k=4, num_warps=4, num_stages=2, kernel="mma"),  # down
     (1, 128256, 4096): U12Config(2, 256, num_warps=1, num_stages=1, kernel="gemv2"),  # lm_head
     (4, 128256, 4096): U12Config(4, 256, num_warps=2, num_stages=1, kernel="gemv2"),  # lm_head
     (16, 128256, 4096): U12Config(64, 64, num_warps=4, num_stages=3, kernel="mma"),  # lm_head
-    (64, 128256, 4096): U12Config(64, 32, split_k=1, num_warps=4, num_stages=3),  # lm_head
+    (32, 128256, 4096): U12Config(64, 64, split_k=1, num_warps=4, num_stages=3, kernel="mma"),  # lm_head
+    (64, 128256, 4096): U12Config(64, 32, split_k=1, num_warps=4, num_stages=4, kernel="mma"),  # lm_head
 }
 
 _INTERPRETER_CONFIG = U12Config(16, 8, split_k=2)  # small tiles; split-K exercised on the CPU too

@@ -415,7 +415,7 @@ def test_fused_layers_count_the_launches_the_runtime_makes(llama8b):
     fused = FusedDecoder().apply(llama8b).program
     layers = 32
 
-    def per_layer(program, q=8):  # 8 rows: more than fused_linear serves
+    def per_layer(program, q=2):  # 2 rows: fused_linear serves 1 and 5..16
         return step_time(program.target, gpu, q=q, cache_len=512).kernels
 
     before, after = per_layer(llama8b), per_layer(fused)
@@ -428,16 +428,31 @@ def test_fused_layers_count_the_launches_the_runtime_makes(llama8b):
         return node.replace(format="u12", kernel="triton-u12") if node.get("weight", "").endswith("q_proj.weight") else None
 
     graph, _ = fused.target.map_nodes(mixed)
-    assert step_time(graph, gpu, q=8, cache_len=512).kernels == after + 2 * layers
-    # up to LINEAR_MAX_M rows fused_linear takes both norms and silu_mul into the GEMMs of a layer
+    assert step_time(graph, gpu, q=2, cache_len=512).kernels == after + 2 * layers
+    # at the rows it serves (linear_serves) fused_linear takes both norms and silu_mul into the GEMMs of a layer
     # whose projections are all plain; u12_fused_linear takes silu_mul into a u12 layer's gate|up
     # and leaves its norms apart (runtime/fused.py's U12_LINEAR, U12_NORMS_APART); a layer with
     # q alone in u12 (q|k|v not joined) stays unfused
     assert per_layer(fused, q=1) == after - 3 * layers and per_layer(fused, q=2) == after
+    assert per_layer(fused, q=8) == per_layer(fused, q=16) == after - 3 * layers  # the dot kernel's rows
+    assert per_layer(fused, q=17) == after
     assert step_time(graph, gpu, q=1, cache_len=512).kernels == after + 2 * layers
     u12 = to_u12(fused, "triton-u12")
-    assert per_layer(u12, q=1) == per_layer(u12, q=2) - layers
+    assert per_layer(u12, q=1) == per_layer(u12, q=2) - layers == per_layer(u12, q=8) - layers  # GEMV rows only
     assert per_layer(to_u12(fused, "torch"), q=1) == per_layer(u12, q=2)  # not the fused stacks' kernel
+
+
+def test_the_cost_model_folds_at_the_rows_the_runtime_fuses():
+    """roofline's mirror of runtime/fused.py's row rule agrees with FusedOps.linear_serves."""
+    from specpilot.cost import roofline
+    from specpilot.runtime import fused
+
+    ops = fused.fused_ops("torch")
+    assert (roofline.LINEAR_MAX_M, roofline.LINEAR_GEMV_MAX_M, roofline.GEMV_ROWS) == (
+        fused.LINEAR_MAX_M, fused.LINEAR_GEMV_MAX_M, fused.GEMV_ROWS)
+    for rows in range(1, 70):
+        for u12 in (False, True):
+            assert roofline.linear_serves(rows, u12) == ops.linear_serves(rows, u12), (rows, u12)
 
 
 def test_a_fused_dflash_layer_keeps_its_context_kv_launch(llama8b):

@@ -307,9 +307,10 @@ def _count_linear(stack, field: str = "linear") -> list[tuple[bool, bool, bool]]
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_linear_layers_match_the_unfused_stack(family, dtype, tiny_model_dirs):
-    """Rows up to linear_max_m run fused_linear (4 calls a layer: qkv with the input norm, o into
-    the stream, gate|up with the post-attention norm and SiLU·mul, down into the stream); more rows
-    run the kernels one by one. Logits, picked hidden states and caches as the unfused stack's."""
+    """The rows linear_serves takes (1 and 5..16 by default) run fused_linear (4 calls a layer: qkv
+    with the input norm, o into the stream, gate|up with the post-attention norm and SiLU·mul, down
+    into the stream); other rows (2) run the kernels one by one. Logits, picked hidden states and
+    caches as the unfused stack's."""
     _, plain, cfg = _pair(tiny_model_dirs[family], dtype)
     _, fused, _ = _pair(tiny_model_dirs[family], dtype)
     unfused = install_fused(plain, "torch")
@@ -323,8 +324,10 @@ def test_fused_linear_layers_match_the_unfused_stack(family, dtype, tiny_model_d
         a = plain(chunk, c_plain, hidden_layers=layers)
         b = fused(chunk, c_fused, hidden_layers=layers)
         rows = chunk.shape[1]
+        served = fused.fused.ops.linear_serves(rows, u12=False)
+        assert served == (rows != 2)
         assert calls == ([(True, False, False), (False, False, True), (True, True, False), (False, False, True)]
-                         * cfg.num_layers if rows <= fused.fused.ops.linear_max_m else [])
+                         * cfg.num_layers if served else [])
         torch.testing.assert_close(a.logits, b.logits, **TOLERANCE[dtype])
         torch.testing.assert_close(a.hidden, b.hidden, **TOLERANCE[dtype])
     for i in range(cfg.num_layers):

@@ -247,16 +247,25 @@ class GraphPlan:
         nodes = {n: (node, inputs) for n, node, inputs in entries}
         folded, folded_few = _folded_launches(nodes), _folded_at_few_rows(nodes)
         keys = tuple(Node(node.op, tuple(kv for kv in node.attrs if kv[0] != "weight")
-                          + ((FOLDED, True),) * (n in folded) + ((FOLDED_FEW_ROWS, True),) * (n in folded_few))
+                          + ((FOLDED, True),) * (n in folded)
+                          + (((FOLDED_FEW_ROWS, folded_few[n]),) if n in folded_few else ()))
                      for n, node, _ in entries)
         return GraphPlan(graph.name, entries, keys)
 
 
 FOLDED = "launch_folded"  # a key attribute of the plan only: the node's work rides in another's launch
-FOLDED_FEW_ROWS = "launch_folded_few_rows"  # the same, at up to LINEAR_MAX_M rows (fused_linear)
-# Rows up to which the fused stacks run fused_linear (runtime/fused.py's LINEAR_MAX_M): the layer's
-# norms ride in the q|k|v and gate|up GEMMs' prologues, SiLU·mul in gate|up's epilogue.
-LINEAR_MAX_M = 1
+FOLDED_FEW_ROWS = "launch_folded_few_rows"  # the same, at the rows fused_linear serves ("plain"/"u12" layer)
+# Rows at which the fused stacks run fused_linear (runtime/fused.py's LINEAR_GEMV_MAX_M, LINEAR_MAX_M and
+# GEMV_ROWS, FusedOps.linear_serves): the layer's norms ride in the q|k|v and gate|up GEMMs'
+# prologues, SiLU·mul in gate|up's epilogue. tests/test_cost_model.py checks they agree.
+LINEAR_MAX_M, LINEAR_GEMV_MAX_M, GEMV_ROWS = 16, 1, 4
+
+
+def linear_serves(rows: int, u12: bool) -> bool:
+    """runtime/fused.py's FusedOps.linear_serves at its defaults."""
+    return rows <= LINEAR_MAX_M and (rows <= LINEAR_GEMV_MAX_M or (rows > GEMV_ROWS and not u12))
+
+
 # Whether the fused stacks serve u12 layers (runtime/fused.py's U12_LINEAR: u12_fused_linear, for
 # weights of the "triton-u12" kernel) and keep their norms as rmsnorm kernels (U12_NORMS_APART).
 U12_LINEAR, U12_NORMS_APART = True, True
@@ -287,14 +296,15 @@ def _folded_launches(nodes: dict[str, tuple[Node, tuple[str, ...]]]) -> set[str]
     return out
 
 
-def _folded_at_few_rows(nodes: dict[str, tuple[Node, tuple[str, ...]]]) -> set[str]:
-    """Nodes of a fused-decoder graph that launch nothing at up to LINEAR_MAX_M rows, in layers the
+def _folded_at_few_rows(nodes: dict[str, tuple[Node, tuple[str, ...]]]) -> dict[str, str]:
+    """Nodes of a fused-decoder graph that launch nothing at the rows `linear_serves` takes, in layers the
     fused linears serve (every projection plain, in the model's dtype, or u12 of the "triton-u12"
     kernel under U12_LINEAR; q, k and v of one format and kernel, gate and up too, as their GEMMs
     are joined): the SiLU·mul (in gate|up's epilogue), and each norm whose GEMM (q|k|v's, gate|up's)
-    is plain or takes u12 norms as prologues (not U12_NORMS_APART)."""
+    is plain or takes u12 norms as prologues (not U12_NORMS_APART). Maps each to its layer's kind:
+    "plain" or "u12"."""
     if not any(node.op == "rmsnorm" and node.get("kernel") == "triton-fused" for node, _ in nodes.values()):
-        return set()
+        return {}
 
     def plain(lin):
         return lin["format"] == lin["dtype"]
@@ -302,7 +312,7 @@ def _folded_at_few_rows(nodes: dict[str, tuple[Node, tuple[str, ...]]]) -> set[s
     def served(lin):
         return lin is not None and (plain(lin) or (U12_LINEAR and (lin["format"], lin["kernel"]) == ("u12", "triton-u12")))
 
-    out = set()
+    out: dict[str, str] = {}
     for name, (node, _) in nodes.items():
         prefix, _, part = name.rpartition(".")
         if part not in ("input_norm", "post_norm", "mlp"):
@@ -314,7 +324,7 @@ def _folded_at_few_rows(nodes: dict[str, tuple[Node, tuple[str, ...]]]) -> set[s
             continue
         gemm = {"input_norm": lin["q_proj"], "post_norm": lin["gate_proj"]}.get(part)
         if gemm is None or plain(gemm) or not U12_NORMS_APART:
-            out.add(name)
+            out[name] = "plain" if all(plain(v) for v in lin.values()) else "u12"
     return out
 
 
@@ -457,7 +467,8 @@ def step_time(graph: "Graph | GraphPlan", gpu: GPU, batch: int = 1, q: int = 1, 
             i = index[k] = len(costs)
             cost = node_cost(name, node, shapes[name], list(ins), gpu, batch=batch, q=q, cache_len=cache_len,
                              dtype=dtype, cuda_graphs=cuda_graphs, escape_rate=escape_rate)
-            if key.get(FOLDED) or (key.get(FOLDED_FEW_ROWS) and shapes[name][0] <= LINEAR_MAX_M):
+            few = key.get(FOLDED_FEW_ROWS)
+            if key.get(FOLDED) or (few and linear_serves(shapes[name][0], u12=few == "u12")):
                 cost = replace(cost, kernels=0, t_kernel=cost.t_kernel - cost.t_latency, t_latency=0.0, t_launch=0.0)
             costs.append(cost)
             counts.append(0)

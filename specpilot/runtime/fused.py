@@ -13,11 +13,14 @@ kernels/rope_attention.py does qk-norm, RoPE, the cache write and attention in o
 split kernel; its combine is a second): the Llama-3.1-8B AR step ran 4.21 ms against 4.40 with
 rope_qkv apart (bench/results/step_times_llama_h200.json, fused-rope-apart).
 
-Up to LINEAR_MAX_M rows of plain (bf16/fp32) weights, kernels/fused_linear.py takes the norms into
-the q|k|v and gate|up GEMMs' prologues, SiLU·mul into gate|up's epilogue and the residual adds
-into o's and down's (the residual stream updated in place): seven launches a layer
-(run_layers_linear). On the H200 the Llama-3.1-8B AR step runs 4.17 ms against 4.79 ms on
-cuBLAS with the separate kernels (bench/results/step_times_llama_h200.json, fused-cublas).
+At one row and at 5..16 rows (LINEAR_GEMV_MAX_M, LINEAR_MAX_M) of plain (bf16/fp32) weights,
+kernels/fused_linear.py takes the norms into the q|k|v and gate|up GEMMs' prologues, SiLU·mul into
+gate|up's epilogue and the residual adds into o's and down's (the residual stream updated in
+place): seven launches a layer (run_layers_linear). o's and down's epilogues also leave the
+stream's sums of squares for the next norm (RowSquares), so at several rows a norm prologue reads
+a few KB of them instead of every row of x in each program. On the H200 the Llama-3.1-8B AR step
+runs 4.17 ms against 4.79 ms on cuBLAS with the separate kernels (bench/results/step_times_llama_h200.json,
+fused-cublas), verify(16) 4.680 against 4.838 (bench/results/step_ab_verify16_h200.json).
 kernels/u12_fused_linear.py serves u12 layers the same way, but with their norms kept as rmsnorm
 kernels (its norm prologue measured slower: U12_LINEAR, U12_NORMS_APART).
 
@@ -62,21 +65,38 @@ class FusedOps:
     silu_mul: Callable
     name: str
     linear: Callable | None = None  # fused_linear: RMSNorm prologue, SiLU·mul / residual-add epilogues
-    linear_max_m: int = 0  # rows (B·T) up to which `linear` (`linear_u12`) serves the layers; 0: never
+    linear_max_m: int = 0  # rows (B·T) up to which `linear` (`linear_u12`) may serve the layers; 0: never
     linear_u12: Callable | None = None  # u12_fused_linear: the same over u12 weights
     u12_kernel: str = ""  # the u12 modules' kernel that `linear_u12` stands in for; "": u12 layers unfused
     rope_attention: Callable | None = None  # rope_qkv + split-KV attention in one launch, where layers use that kernel
     u12_norms_apart: bool = False  # u12 layers under `linear_u12`: their RMSNorms as rmsnorm kernels, no prologue
     row_squares: bool = True  # `linear`'s residual epilogues hand the stream's Σ y² to the next norm (RowSquares)
+    linear_gemv_max_m: int = 0  # of linear_max_m, the GEMV kernels' rows (<= GEMV_ROWS) served: the rest of
+    # 1..GEMV_ROWS stays unfused; above GEMV_ROWS only plain layers are served (`linear_serves`)
+
+    def linear_serves(self, rows: int, u12: bool) -> bool:
+        """Whether `linear` (`linear_u12` for u12 layers) serves a forward of `rows` rows (B·T)."""
+        if self.linear is None or rows > self.linear_max_m:
+            return False
+        return rows <= self.linear_gemv_max_m or (rows > GEMV_ROWS and not u12)
 
 
-# Rows up to which fused_linear serves the layers: 32 Llama-3.1-8B layers' linears in one CUDA graph
-# ran 1.08x the unfused kernels (cuBLAS, separate norms, SiLU·mul and adds) at M = 1, 0.80x at M = 4
-# and 0.94x at M = 16 (bench/results/fused_linear_h200.json, "layer"). With its 16-row configs timed
-# in CUDA graphs 0.91x (4.49 ms against 4.09), and the verify(16) step 5.20 ms against 4.96 interleaved
-# (bench/results/tried/fused_linear_m16_graph_h200.json, step_ab_verify16_h200.json, commit af8fe61).
-LINEAR_MAX_M = 1
-# Whether u12 layers run u12_fused_linear at up to LINEAR_MAX_M rows: yes, with their norms apart
+# fused_linear's GEMV kernel serves up to this many rows, its tensor-core kernel more (m_bucket);
+# u12_fused_linear has only the GEMV kernel (more rows run its unfused composition).
+GEMV_ROWS = 4
+
+# Rows at which fused_linear serves the layers: one (the GEMV kernel, LINEAR_GEMV_MAX_M) and 5..16
+# (the dot kernel, LINEAR_MAX_M). Llama-3.1-8B on the H200, interleaved against cuBLAS with the separate
+# norm, SiLU·mul and add kernels (bench/step_ab.py --q, commit 4cea20f, bench/results/step_ab_verify*_h200.json):
+# verify(8) 4.516 ms against 4.643, verify(16) 4.680 against 4.838, both with the norms' sums of squares
+# handed on by RowSquares (without: 4.673 and 4.823); verify(32) 5.127 against 5.120 (so 32 stays on
+# cuBLAS); verify(4), the GEMV kernel at four rows, 5.089 against 4.572 (so 2..4 rows stay unfused). At
+# one row the AR step runs 4.17 ms against 4.79 on cuBLAS (bench/results/step_times_llama_h200.json).
+# Before RowSquares and the norm prologue's whole-row words (af8fe61), verify(16) ran 5.20 ms against 4.96
+# (bench/results/tried/step_ab_verify16_h200.json).
+LINEAR_MAX_M = 16
+LINEAR_GEMV_MAX_M = 1
+# Whether u12 layers run u12_fused_linear at LINEAR_GEMV_MAX_M rows: yes, with their norms apart
 # (U12_NORMS_APART). On the H200, the Llama-3.1-8B u12 AR step interleaved with the bf16 one
 # (bench/results/tried/step_ab_5b12e69_h200.json, commit 5b12e69, 12 rounds, spreads under 0.02 ms): 3.704 ms
 # with its SiLU·mul and residual epilogues, 3.723 ms with u12_linear beside the separate norm,
@@ -89,7 +109,7 @@ U12_NORMS_APART = True
 
 
 def fused_ops(kind: str, linear_max_m: int = LINEAR_MAX_M, u12_linear: bool = U12_LINEAR,
-              u12_norms_apart: bool = U12_NORMS_APART) -> FusedOps:
+              u12_norms_apart: bool = U12_NORMS_APART, linear_gemv_max_m: int = LINEAR_GEMV_MAX_M) -> FusedOps:
     """"triton": the kernels; "torch": their references (same signatures). u12_linear: u12 layers
     take the fused linear too (else their projections run u12_linear with the separate kernels),
     with their norms as rmsnorm kernels where u12_norms_apart."""
@@ -98,12 +118,13 @@ def fused_ops(kind: str, linear_max_m: int = LINEAR_MAX_M, u12_linear: bool = U1
     if kind == "triton":
         return FusedOps(rmsnorm.rmsnorm, rope_kv.rope_qkv, silu_mul.silu_mul, kind,
                         fused_linear.fused_linear, linear_max_m, u12_fused_linear.u12_fused_linear,
-                        "triton-u12" if u12_linear else "", rope_attention.rope_attention, u12_norms_apart)
+                        "triton-u12" if u12_linear else "", rope_attention.rope_attention, u12_norms_apart,
+                        linear_gemv_max_m=linear_gemv_max_m)
     if kind == "torch":
         return FusedOps(rmsnorm.rmsnorm_reference, rope_kv.rope_qkv_reference, silu_mul.silu_mul_reference, kind,
                         fused_linear.fused_linear_reference, linear_max_m,
                         u12_fused_linear.u12_fused_linear_reference, "torch" if u12_linear else "",
-                        u12_norms_apart=u12_norms_apart)
+                        u12_norms_apart=u12_norms_apart, linear_gemv_max_m=linear_gemv_max_m)
     raise ValueError(f"fused ops are 'triton' or 'torch', got {kind!r}")
 
 
@@ -212,12 +233,13 @@ class FusedStack:
         """x [B, T, H] through every layer, writing the tokens' K/V at `slots` and attending over
         slots [0, end) under `vis`. Returns (the last MLP's output, the residual stream it adds
         to, picked layer outputs): the caller's final rmsnorm does that last add (`final_norm`).
-        Up to ops.linear_max_m rows of plain weights (and u12 ones of ops.u12_kernel),
-        `run_layers_linear` serves them instead."""
-        ops = self.ops
-        if ops.linear is not None and x.shape[0] * x.shape[1] <= ops.linear_max_m:
+        At the rows that ops.linear_serves takes, layers of plain weights (and u12 ones of
+        ops.u12_kernel), `run_layers_linear` serves them instead."""
+        ops, rows = self.ops, x.shape[0] * x.shape[1]
+        if ops.linear is not None and rows <= ops.linear_max_m:
             weights = [fl.linear_weights(ops.u12_kernel) for fl in self.layers]
-            if all(w is not None for w in weights):
+            u12 = any(isinstance(w, U12Tensor) for ws in weights if ws is not None for w in ws)
+            if all(w is not None for w in weights) and ops.linear_serves(rows, u12):
                 return self.run_layers_linear(x, cos, sin, cache, vis, slots, end, weights, hidden_layers)
         picked: dict[int, torch.Tensor] = {}
         out, residual = x, None
