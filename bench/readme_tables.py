@@ -16,6 +16,11 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
 
 
+
+def _short(commit: str) -> str:
+    """A hash shortened to 12 digits; anything else (a run from a commit plus a named change) whole."""
+    return commit[:12] if all(c in "0123456789abcdef" for c in commit) else commit
+
 def _load(name: str) -> dict | None:
     path = RESULTS / name
     return json.loads(path.read_text()) if path.is_file() else None
@@ -224,7 +229,7 @@ def zoo_e2e() -> str:
     ar = [r for r in d["rows"] if r["impl"].startswith(("ar", "hf-ar")) and "ms_per_token" in r]
     best = min(ar, key=lambda r: r["ms_per_token"])
     lines = [
-        f"{d['gpu']}, {d['dtype']}, torch {d['torch']}, transformers {d['transformers']}, commit {d['commit'][:12]}; "
+        f"{d['gpu']}, {d['dtype']}, torch {d['torch']}, transformers {d['transformers']}, commit {_short(d['commit'])}; "
         f"{d['num_prompts']} {d['prompts']} prompts × {d['max_new_tokens']} new tokens, batch 1, greedy, decode only. "
         f"Source: `bench/results/{name}`. graphed: a step a CUDA graph replay; fused: the fused decoder stacks and "
         f"split-KV attention as well. Speedup: against the strongest AR of the run (`{best['impl']}`), prefill excluded; "

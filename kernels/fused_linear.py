@@ -520,7 +520,9 @@ def default_config(m: int, n: int, k: int, gated: bool, on_gpu: bool = True) -> 
     tile = FusedLinearConfig("dot", 64, 64, num_warps=4, num_stages=4)
     n_out = n // 2 if gated else n
     blocks = triton.cdiv(n_out, tile.block_n) * triton.cdiv(m, m_bucket(m))
-    split = max(1, min(8, 2 * SM_COUNT_H200 // blocks, k // (2 * tile.block_k)))  # >= 2 tiles a split
+    # >= 2 tiles and 512 columns a split: at small K (the zoo's 256) a split only adds the semaphore's
+    # partials and serial sum to a launch-bound call
+    split = max(1, min(8, 2 * SM_COUNT_H200 // blocks, k // (2 * tile.block_k), k // 512))
     return dataclasses.replace(tile, split_k=split)
 
 

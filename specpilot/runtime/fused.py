@@ -20,7 +20,7 @@ place): seven launches a layer (run_layers_linear). o's and down's epilogues als
 stream's sums of squares for the next norm (RowSquares), so at several rows a norm prologue reads
 a few KB of them instead of every row of x in each program. On the H200 the Llama-3.1-8B AR step
 runs 4.17 ms against 4.79 ms on cuBLAS with the separate kernels (bench/results/step_times_llama_h200.json,
-fused-cublas), verify(16) 4.680 against 4.838 (bench/results/step_ab_verify16_h200.json).
+fused-cublas), verify(16) 4.737 against 4.900 interleaved (bench/results/step_ab_verify16_h200.json).
 kernels/u12_fused_linear.py serves u12 layers the same way, but with their norms kept as rmsnorm
 kernels (its norm prologue measured slower: U12_LINEAR, U12_NORMS_APART).
 
@@ -87,7 +87,8 @@ GEMV_ROWS = 4
 
 # Rows at which fused_linear serves the layers: one (the GEMV kernel, LINEAR_GEMV_MAX_M) and 5..16
 # (the dot kernel, LINEAR_MAX_M). Llama-3.1-8B on the H200, interleaved against cuBLAS with the separate
-# norm, SiLU·mul and add kernels (bench/step_ab.py --q, commit 4cea20f, bench/results/step_ab_verify*_h200.json):
+# norm, SiLU·mul and add kernels (bench/step_ab.py --q, commit 4cea20f, bench/results/step_ab_verify*_h200.json,
+# verify(16) in bench/results/tried/step_ab_verify16_4cea20f_h200.json; at 35c93f7 4.737 against 4.900):
 # verify(8) 4.516 ms against 4.643, verify(16) 4.680 against 4.838, both with the norms' sums of squares
 # handed on by RowSquares (without: 4.673 and 4.823); verify(32) 5.127 against 5.120 (so 32 stays on
 # cuBLAS); verify(4), the GEMV kernel at four rows, 5.089 against 4.572 (so 2..4 rows stay unfused). At
