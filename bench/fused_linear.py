@@ -53,7 +53,7 @@ SHAPES = {
     "gate_up": (28672, 4096, True, True, False),
     "down": (4096, 14336, False, False, True),
 }
-SMOKE_SHAPES = {"qkv": (48, 32, True, False, False), "o": (32, 32, False, False, True),
+SMOKE_SHAPES = {"qkv": (48, 32, True, False, False), "o": (32, 48, False, False, True),  # o's key apart from down's
                 "gate_up": (64, 32, True, True, False), "down": (32, 32, False, False, True)}
 MS = (1, 4, 16)
 LAYERS = 32

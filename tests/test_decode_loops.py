@@ -97,7 +97,9 @@ class OracleDFlash(nn.Module):
     def add_context(self, new_context_hidden: torch.Tensor, cache: KVCache) -> None:
         n, start = new_context_hidden.shape[1], cache.length
         expected = self.reference_hidden[:, start : start + n]
-        torch.testing.assert_close(new_context_hidden, expected, atol=1e-4, rtol=1e-5)
+        # fp32 matmul blocking differs between a prefill and verify chunks: 2.7e-4 seen on rows of
+        # |h| up to ~50 (AVX-512); a feature of the wrong position is off by units
+        torch.testing.assert_close(new_context_hidden, expected, atol=1e-3, rtol=1e-5)
         cache.advance(n)
         self.context_seen += n
 

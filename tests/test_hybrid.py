@@ -158,8 +158,8 @@ def test_rollback_restores_a_shorter_run(pair, prefix, block, keep):
         assert rolled.length == fresh.length == n
         for a, b in zip(_states(rolled, n), _states(fresh, n)):  # 1.08e-5 seen on one state element (CI)
             torch.testing.assert_close(a, b, atol=5e-5, rtol=1e-4)
-        after = ours(ids[:, n : n + 4], rolled).logits
-        torch.testing.assert_close(after, ours(ids[:, n : n + 4], fresh).logits, atol=ATOL, rtol=0)
+        after = ours(ids[:, n : n + 4], rolled).logits  # 2.7e-5 seen (CI machine with AVX-512): 1e-4
+        torch.testing.assert_close(after, ours(ids[:, n : n + 4], fresh).logits, atol=1e-4, rtol=0)
 
 
 def test_rollback_selects_recorded_states_and_refuses_the_rest(pair):
