@@ -22,6 +22,10 @@ from specpilot.runtime.load import load_drafter, load_target
 from conftest import FAMILIES
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")
+# The "triton" ops here run on the CPU models under the interpreter (conftest.py sets it where there
+# is no CUDA); with a GPU they would get CPU tensors. The kernels' GPU coverage: tests/test_kernels.py,
+# test_fused_kernels.py, test_fused_linear.py and test_graph_decode.py (bench/run_gpu.sh tests).
+interpreter_only = pytest.mark.skipif(torch.cuda.is_available(), reason="Triton kernels on CPU tensors: interpreter only")
 
 
 def _pair(dirs, dtype):
@@ -85,6 +89,7 @@ def test_fused_projections_share_storage(tiny_model_dirs):
     torch.testing.assert_close(layer.project_gate_up(h), torch.cat([mlp.gate_proj(h), mlp.up_proj(h)], -1))
 
 
+@interpreter_only
 @pytest.mark.parametrize("family", FAMILIES)
 def test_fused_triton_kernels_in_a_graphed_dflash_loop(family, tiny_model_dirs):
     dirs = tiny_model_dirs[family]
@@ -152,7 +157,8 @@ def _count_heads(stack) -> list[int]:
 
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("device_length", [False, True])
-@pytest.mark.parametrize("ops,concat", [("torch", False), ("torch", True), ("triton", True)])
+@pytest.mark.parametrize("ops,concat", [("torch", False), ("torch", True),
+                                        pytest.param("triton", True, marks=interpreter_only)])
 def test_fused_dflash_matches_the_drafter(family, device_length, ops, concat, tiny_model_dirs):
     """Logits, cache lengths and every cache slot (the block's scratch too) as DFlashDrafter's own."""
     _, ref, fused = _drafters(tiny_model_dirs[family])
@@ -228,7 +234,8 @@ def _drafts_seen(drafter) -> list[torch.Tensor]:
     return seen
 
 
-@pytest.mark.parametrize("family,ops", [("llama", "torch"), ("qwen3", "torch"), ("qwen3", "triton")])
+@pytest.mark.parametrize("family,ops", [("llama", "torch"), ("qwen3", "torch"),
+                                        pytest.param("qwen3", "triton", marks=interpreter_only)])
 def test_fused_dflash_greedy_tokens_equal_ar(family, ops, tiny_model_dirs):
     """Eager and graphed DFlash loops with the fused drafter: the AR tokens, and every draft of the
     drafter's own forward (the tiny drafter's drafts are rarely accepted: the drafts themselves
@@ -334,6 +341,7 @@ def test_fused_linear_layers_match_the_unfused_stack(family, dtype, tiny_model_d
         torch.testing.assert_close(c_plain.k[i], c_fused.k[i], **TOLERANCE[dtype])
 
 
+@interpreter_only
 def test_row_squares_carry_each_norm_from_the_residual_epilogue_before_it(tiny_model_dirs):
     """At several rows (the dot kernel, under the interpreter) every norm but the first layer's
     input norm takes its sums of squares from the o or down epilogue before it (RowSquares): the
@@ -374,6 +382,7 @@ def test_fused_linear_serves_plain_and_u12_weights_only(tiny_model_dirs):
     assert calls == []
 
 
+@interpreter_only
 @pytest.mark.parametrize("family", FAMILIES)
 def test_fused_linear_greedy_tokens_equal_ar(family, tiny_model_dirs):
     """The AR loop (one row a step: all fused_linear) and the graphed DFlash loop (its verify rows
@@ -408,6 +417,7 @@ def _count_calls(stack, field: str) -> list[int]:
     return calls
 
 
+@interpreter_only
 @pytest.mark.parametrize("family", FAMILIES)
 def test_rope_attention_serves_split_kv_layers(family, tiny_model_dirs):
     """Under fused_path (the split-KV kernel in every layer) the Triton ops run each layer's RoPE,
@@ -510,6 +520,7 @@ def test_u12_layers_run_the_fused_u12_linear(family, norms_apart, tiny_model_dir
     assert all(fl.linear_weights("torch") is None for fl in other.layers)
 
 
+@interpreter_only
 def test_u12_fused_linear_greedy_tokens_equal_the_unfused_u12_stack(tiny_model_dirs):
     """The AR loop with u12 layers and u12_fused_linear under the interpreter gives the tokens of
     the same u12 model on the unfused kernels' references (token forcing judges near-ties)."""
