@@ -247,7 +247,7 @@ def bench_shape(name: str, bw: float, repeats: int, with_u12: bool = True) -> tu
             if path == "fused":
                 profile = {"ar": profile_step(lambda: (at_context(), model(inputs[1], cache)))}
                 # the same steps with fused_linear off: cuBLAS GEMMs beside separate norm, SiLU·mul
-                # and add kernels (what fused_linear replaces at up to LINEAR_MAX_M rows)
+                # and add kernels (what fused_linear replaces at the rows FusedOps.linear_serves takes)
                 ops = model.fused.ops
                 model.fused.ops = dataclasses.replace(ops, linear_max_m=0)
                 try:
