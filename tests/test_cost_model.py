@@ -375,7 +375,7 @@ def test_kernel_rows_replace_the_u12_efficiency(small, tmp_path):
              "u12_bytes": 750, "bf16_bytes": 1000}]
     (tmp_path / "u12_linear_h200.json").write_text(json.dumps({"gpu": "NVIDIA H200", "rows": rows}))
     model = CostModel("h200")
-    assert model.gpu.efficiency_of_kernel("triton-u12", 1) == pytest.approx(0.70)  # the database's
+    assert model.gpu.efficiency_of_kernel("triton-u12", 1) == pytest.approx(0.98)  # the database's
     assert model.update_from_results([tmp_path]) == 2
     assert model.gpu.efficiency_of_kernel("triton-u12", 1) == pytest.approx(0.75)
     assert model.gpu.efficiency_of_kernel("triton-u12", 16) == pytest.approx(1.0)
