@@ -16,10 +16,10 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
 
 
-
 def _short(commit: str) -> str:
     """A hash shortened to 12 digits; anything else (a run from a commit plus a named change) whole."""
     return commit[:12] if all(c in "0123456789abcdef" for c in commit) else commit
+
 
 def _load(name: str) -> dict | None:
     path = RESULTS / name
