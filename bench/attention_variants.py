@@ -5,13 +5,14 @@
 Llama-3.1-8B attention (32 heads, 8 kv heads, head dim 128, bf16, batch 1): 32 layers' calls in
 one CUDA graph, as a step replays them (each layer its own [1, 8, 2048, 128] K/V cache and q|k|v
 input, the cache length a device tensor), timed with CUDA events over replays (median), µs a call.
-Shapes: AR (T = 1), verify (T = 16, causal) and a 17-node tree over 512 and 4096 cached tokens.
-Variants, each a choice the kernels leave open:
+Shapes: AR (T = 1) over 512 and 4096 cached tokens, verify (T = 16, 32, 64, causal) and a 17-node
+tree over 512 (verify(16) over 4000 too). Variants, each a choice the kernels leave open:
 
   apart     rope_qkv, then attention_split_kv (with its combine kernel: three launches a layer)
   fused     rope_attention (kernels/rope_attention.py): two
-  warps     4 or 8 a program
+  warps     4 (8 with --warps 4,8: slower in every shape of the 98e7d7d run)
   splits    the rule's (split_count), half, a quarter
+  balance   the cached keys cut into the splits by the device past (BALANCE_SPLITS), or for the capacity
 
 (bench/results/attention_variants_h200.json holds an earlier run at 98e7d7d, which also tried
 combining the splits in the split kernel's last program: slower in every shape, since removed.)
@@ -34,7 +35,8 @@ import torch
 import triton
 
 HEADS, KV_HEADS, HEAD_DIM, LAYERS, CAPACITY = 32, 8, 128, 32, 4096 + 64
-SHAPES = (("ar", 1, 512), ("ar", 1, 4096), ("verify", 16, 512), ("tree", 17, 512))
+SHAPES = (("ar", 1, 512), ("ar", 1, 4096), ("verify", 16, 512), ("verify", 16, 4000), ("verify", 32, 512),
+          ("verify", 64, 512), ("tree", 17, 512))
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -50,6 +52,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path)
     ap.add_argument("--repeats", type=int, default=30)
+    ap.add_argument("--warps", default="4", help="comma-separated warps a program")
     args = ap.parse_args()
     if not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
         sys.exit("bench/attention_variants.py times compiled CUDA kernels: it needs a GPU and no TRITON_INTERPRET.")
@@ -72,9 +75,10 @@ def main() -> None:
         length = torch.tensor(past, device=dev)
         slots = (length + torch.arange(t, device=dev))[None]
         rule = ask.plan(1, HEADS, KV_HEADS, t, CAPACITY - t, sms).splits
-        for fused, warps, splits in itertools.product(
-                (False, True), (4, 8), sorted({rule, max(1, rule // 2), max(1, rule // 4)}, reverse=True)):
-            ask.NUM_WARPS = warps
+        for fused, warps, splits, balance in itertools.product(
+                (False, True), [int(w) for w in args.warps.split(",")],
+                sorted({rule, max(1, rule // 2), max(1, rule // 4)}, reverse=True), (True, False)):
+            ask.NUM_WARPS, ask.BALANCE_SPLITS = warps, balance
 
             def step(fused=fused, splits=splits):
                 outs = []
@@ -110,10 +114,10 @@ def main() -> None:
             worst = max((o.float() - r.float()).abs().max().item() for o, r in zip(outs, reference[key]))
             ok = all(torch.allclose(o.float(), r.float(), atol=2 ** -5, rtol=2 ** -6) for o, r in zip(outs, reference[key]))
             rows.append(dict(what=what, t=t, past=past, path="fused" if fused else "apart", warps=warps,
-                             splits=splits, rule_splits=rule, us_per_layer=statistics.median(times),
+                             splits=splits, rule_splits=rule, balance=balance, us_per_layer=statistics.median(times),
                              max_abs_diff=worst, agrees=ok))
             del graph
-    ask.NUM_WARPS = 4
+    ask.NUM_WARPS, ask.BALANCE_SPLITS = 4, True
     gpu = torch.cuda.get_device_name()
     out = args.out or ROOT / "bench" / "results" / f"attention_variants_{gpu.split()[-1].lower()}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -123,11 +127,11 @@ def main() -> None:
         method=f"{LAYERS} layers' calls in one CUDA graph, CUDA events, median of {args.repeats} replays, µs a layer",
         rows=rows), indent=1) + "\n")
     print(f"{gpu} -> {out}")
-    print(f"{'shape':18} {'path':6} {'warps':>5} {'splits':>6} {'us/layer':>9} agrees")
+    print(f"{'shape':18} {'path':6} {'warps':>5} {'splits':>6} {'balance':>7} {'us/layer':>9} agrees")
     for key in dict.fromkeys((r["what"], r["t"], r["past"]) for r in rows):
         for r in sorted((r for r in rows if (r["what"], r["t"], r["past"]) == key), key=lambda r: r["us_per_layer"]):
             print(f"{r['what']}-{r['t']}@{r['past']:<10} {r['path']:6} {r['warps']:>5} {r['splits']:>6} "
-                  f"{r['us_per_layer']:9.2f} {r['agrees']}")
+                  f"{str(r['balance']):>7} {r['us_per_layer']:9.2f} {r['agrees']}")
 
 
 if __name__ == "__main__":

@@ -56,7 +56,7 @@ steps() {  # steps [NAME SHAPE...]
 }
 ab() { TAIL=8 run step_ab 240 python bench/step_ab.py --out "$OUT/step_ab_h200.json"; }
 attention() { run attention 100 python bench/attention_split_kv.py --out "$OUT/attention_split_kv_h200.json"; }
-attnvar() { TAIL=70 run attention_variants 200 python bench/attention_variants.py --out "$OUT/attention_variants_h200.json"; }
+attnvar() { TAIL=90 run attention_variants 300 python bench/attention_variants.py --out "$OUT/attention_variants_h200.json"; }
 u12() {
   TAIL=4 run u12_tests 200 python -m pytest -q -x -p no:cacheprovider tests/test_u12_gemv.py tests/test_u12_format.py \
     tests/test_u12_mma.py tests/test_u12_fused_linear.py

@@ -26,9 +26,11 @@ is undefined (a tree's mask holds its diagonal). Only the new tokens' program re
 
 `past` is an int (then S = past + T) or an int32/int64 device tensor [], [1] or [B] (one past per
 batch row) for CUDA graphs: one captured launch serves every step. Then S is the cache capacity,
-the grid is planned for it, the kernel reads past and streams only the keys below past + T: a
-split wholly beyond holds no key and writes a neutral partial (m = -inf, l = 0) that the combine
-weighs 0. Slots from past + T on are never read (they may hold anything, NaN included).
+the grid (how many splits) is planned for it, and each program reads past and cuts the past cached
+keys into those splits in whole tiles (``BALANCE_SPLITS``): cut for the capacity instead, a
+16-token verify over 512 of 2048 slots had 3 of its 11 splits stream 3 tiles each, a 64-token one
+1 of 3 split all 8. A split with no key left writes a neutral partial (m = -inf, l = 0) that the
+combine weighs 0. Slots from past + T on are never read (they may hold anything, NaN included).
 
 Numerics: q·kᵀ and p·v on tensor cores for bf16/fp16 (p rounded to the input dtype before the
 p·v product, as FlashAttention does; the softmax sum keeps fp32 p), fp32 ("ieee") dots for fp32
@@ -65,6 +67,7 @@ BLOCK_M = 64  # query rows a program, at most
 BLOCK_N = 64  # keys a tile
 WAVES = 2  # programs per SM that the split rule aims for
 NUM_WARPS = 4  # 8 measured slower in every shape (bench/results/attention_variants_h200.json)
+BALANCE_SPLITS = True  # a device past: the kernel cuts the cached keys into its splits (module docstring)
 _CPU_SMS = 4  # nominal SM count under the interpreter, so that the rule still splits
 
 _MASK_FULL, _MASK_CAUSAL, _MASK_TENSOR = 0, 1, 2
@@ -139,6 +142,7 @@ def _split_kernel(
     SINGLE: tl.constexpr,  # no cached split: the new tokens' program normalises and writes the output
     ROUND_BF16: tl.constexpr,  # bf16 under the interpreter: round before casting (_round_bf16)
     PAST_TENSOR: tl.constexpr,  # past read from past_ptr[b · stride_pb]
+    BALANCE: tl.constexpr,  # with PAST_TENSOR: split_len from that past (whole tiles), not the launch's
     ROPE: tl.constexpr,  # q_ptr is the q|k|v projection: rope it, take the new K/V from it, write them
     QK_NORM: tl.constexpr,  # with ROPE: per-head RMSNorm of q and k first (weights qw_ptr, kw_ptr)
     PDL: tl.constexpr,  # programmatic dependent launch (kernels/overlap.py)
@@ -152,6 +156,8 @@ def _split_kernel(
     kvh = bh % HKV
     if PAST_TENSOR:
         past = tl.load(past_ptr + b * stride_pb).to(tl.int32)
+        if BALANCE:  # the grid is planned for the capacity: cut the keys cached now into the splits
+            split_len = tl.cdiv(tl.cdiv(past, tl.maximum(num_splits - 1, 1)), BLOCK_N) * BLOCK_N
     dt = k_ptr.dtype.element_ty
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < T * G
@@ -452,7 +458,7 @@ def launch(
         HEAD_DIM=d, HALF=half, BLOCK_H=max(16, triton.next_power_of_2(half)), BLOCK_D=block_d,
         BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_T=max(16, min(BLOCK_N, triton.next_power_of_2(t))), MASK=mode,
         DOT_FP32=dtype == torch.float32 or not native, SINGLE=single, ROUND_BF16=round_bf16,
-        PAST_TENSOR=past_tensor, ROPE=rope is not None, QK_NORM=qk_norm, **launch_opts, **fusion, **pdl_args(device),
+        PAST_TENSOR=past_tensor, BALANCE=BALANCE_SPLITS, ROPE=rope is not None, QK_NORM=qk_norm, **launch_opts, **fusion, **pdl_args(device),
     )
     if not single:
         _combine_kernel[(rows, b * hkv)](
