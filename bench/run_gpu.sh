@@ -5,6 +5,7 @@
 #   OUT=... SPECPILOT_COMMIT=<commit> bench/run_gpu.sh GROUP...   # the groups in order, one install
 #
 #   tests    GPU kernel tests (every registry kernel against its reference, fused and split-KV tests)
+#   attntests  the attention kernels' GPU tests alone
 #   steps    Llama-3.1-8B step times with kernel profiles
 #   ab       the Llama-3.1-8B AR step, bf16 against the u12 variants, interleaved (bench/step_ab.py)
 #   attention  split-KV attention against SDPA
@@ -46,6 +47,10 @@ run() {  # run NAME SECONDS CMD...: output to $LOGS/NAME.log, its last lines her
   tail -n "${TAIL:-14}" "$LOGS/$name.log"
 }
 
+attntests() {  # the attention kernels' GPU tests alone
+  TAIL=4 run attention_tests 200 python -m pytest -q -x -p no:cacheprovider tests/test_attention_split_kv.py \
+    tests/test_kernels.py -k "attention or rope or past"
+}
 tests() {
   TAIL=4 run gpu_tests 420 python -m pytest -q -x -p no:cacheprovider tests/test_kernels.py \
     tests/test_fused_kernels.py tests/test_attention_split_kv.py tests/test_graph_decode.py tests/test_u12_fused_linear.py
@@ -121,7 +126,7 @@ zoo() {
 
 for group in "${@:?group...}"; do
   case "$group" in
-    tests | ab | attention | attnvar | u12 | hmma | bf16tune | u12tune | verify16 | linear | peers | train | trees | e2e | zoo) "$group" ;;
+    tests | attntests | ab | attention | attnvar | u12 | hmma | bf16tune | u12tune | verify16 | linear | peers | train | trees | e2e | zoo) "$group" ;;
     steps) steps ;;
     kernels) tests; steps both llama-3.1-8b qwen3-8b; attention ;;
     *) echo "unknown group $group" >&2; exit 2 ;;
