@@ -27,13 +27,10 @@ is undefined (a tree's mask holds its diagonal). Only the new tokens' program re
 `past` is an int (then S = past + T) or an int32/int64 device tensor [], [1] or [B] (one past per
 batch row) for CUDA graphs: one captured launch serves every step. Then S is the cache capacity,
 the grid (how many splits) is planned for it, and each program reads past and cuts the past cached
-keys into as many of those splits as have a tile each, in whole tiles (``BALANCE_SPLITS``); the
-others return at once and the combine skips them. Cut for the capacity instead, a 16-token verify
-over 512 of 2048 slots had 3 of its 11 splits stream 3 tiles each, a 64-token one 1 of 3 split all
-8 tiles, and every split program ran and was combined (H200, 32 layers in a CUDA graph: 14.8 µs a
-layer against 9.5 for verify(16) over 512 keys, 27 against 17 at T = 64; the bench file below). A
-split whose cut holds no key writes a neutral partial (m = -inf, l = 0) that the combine weighs 0.
-Slots from past + T on are never read (they may hold anything, NaN included).
+keys into those splits in whole tiles (``BALANCE_SPLITS``): cut for the capacity instead, a
+16-token verify over 512 of 2048 slots had 3 of its 11 splits stream 3 tiles each, a 64-token one
+1 of 3 split all 8. A split with no key left writes a neutral partial (m = -inf, l = 0) that the
+combine weighs 0. Slots from past + T on are never read (they may hold anything, NaN included).
 
 Numerics: q·kᵀ and p·v on tensor cores for bf16/fp16 (p rounded to the input dtype before the
 p·v product, as FlashAttention does; the softmax sum keeps fp32 p), fp32 ("ieee") dots for fp32
@@ -127,12 +124,6 @@ def _roped(x1, x2, cos_ptr, sin_ptr, cs, ok, w_ptr, offs_h, eps, inv_d, HALF: tl
 
 
 @triton.jit
-def _active_splits(past, cached_splits, BLOCK_N: tl.constexpr):
-    """How many of the cached splits a device past uses: a tile of keys each at least."""
-    return tl.minimum(cached_splits, tl.cdiv(past, BLOCK_N))
-
-
-@triton.jit
 def _split_kernel(
     q_ptr, k_ptr, v_ptr, mask_ptr, o_ptr, m_ptr, l_ptr, acc_ptr, past_ptr,
     cos_ptr, sin_ptr, qw_ptr, kw_ptr,
@@ -166,10 +157,7 @@ def _split_kernel(
     if PAST_TENSOR:
         past = tl.load(past_ptr + b * stride_pb).to(tl.int32)
         if BALANCE:  # the grid is planned for the capacity: cut the keys cached now into the splits
-            active = _active_splits(past, num_splits - 1, BLOCK_N)
-            if split < num_splits - 1 and split >= active:
-                return  # no key for it: the combine skips it
-            split_len = tl.cdiv(tl.cdiv(past, tl.maximum(active, 1)), BLOCK_N) * BLOCK_N
+            split_len = tl.cdiv(tl.cdiv(past, tl.maximum(num_splits - 1, 1)), BLOCK_N) * BLOCK_N
     dt = k_ptr.dtype.element_ty
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < T * G
@@ -279,12 +267,10 @@ def _split_kernel(
 
 @triton.jit
 def _combine_kernel(
-    m_ptr, l_ptr, acc_ptr, o_ptr, past_ptr,
-    T, G, HKV, NUM_SPLITS, stride_pb,
+    m_ptr, l_ptr, acc_ptr, o_ptr,
+    T, G, HKV, NUM_SPLITS,
     stride_ob, stride_oh, stride_ot,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, ROUND_BF16: tl.constexpr,
-    BALANCED: tl.constexpr,  # the split kernel's PAST_TENSOR and BALANCE: only its active splits wrote
-    BLOCK_N: tl.constexpr,
     PDL: tl.constexpr,  # programmatic dependent launch (kernels/overlap.py)
 ):
     """out = Σ_s 2^(m_s - M) acc_s / Σ_s 2^(m_s - M) l_s for one row, M the largest m_s.
@@ -302,11 +288,7 @@ def _combine_kernel(
     kvh = bh % HKV
     rows = T * G
     offs_s = tl.arange(0, BLOCK_S)
-    if BALANCED:  # the active cached splits, and the new tokens' partial (the last)
-        active = _active_splits(tl.load(past_ptr + b * stride_pb).to(tl.int32), NUM_SPLITS - 1, BLOCK_N)
-        s_ok = (offs_s < active) | (offs_s == NUM_SPLITS - 1)
-    else:
-        s_ok = offs_s < NUM_SPLITS
+    s_ok = offs_s < NUM_SPLITS
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
     part = bh * NUM_SPLITS * rows + offs_s * rows + row
@@ -476,14 +458,13 @@ def launch(
         HEAD_DIM=d, HALF=half, BLOCK_H=max(16, triton.next_power_of_2(half)), BLOCK_D=block_d,
         BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_T=max(16, min(BLOCK_N, triton.next_power_of_2(t))), MASK=mode,
         DOT_FP32=dtype == torch.float32 or not native, SINGLE=single, ROUND_BF16=round_bf16,
-        PAST_TENSOR=past_tensor, BALANCE=past_tensor and BALANCE_SPLITS, ROPE=rope is not None, QK_NORM=qk_norm, **launch_opts, **fusion, **pdl_args(device),
+        PAST_TENSOR=past_tensor, BALANCE=BALANCE_SPLITS, ROPE=rope is not None, QK_NORM=qk_norm, **launch_opts, **fusion, **pdl_args(device),
     )
     if not single:
         _combine_kernel[(rows, b * hkv)](
-            m_part, l_part, acc_part, out, past_t, t, g, hkv, splits + 1, stride_pb,
+            m_part, l_part, acc_part, out, t, g, hkv, splits + 1,
             out.stride(0), out.stride(1), out.stride(2), HEAD_DIM=d, BLOCK_D=block_d,
-            BLOCK_S=triton.next_power_of_2(splits + 1), ROUND_BF16=round_bf16,
-            BALANCED=past_tensor and BALANCE_SPLITS, BLOCK_N=BLOCK_N, **launch_opts, **pdl_args(device),
+            BLOCK_S=triton.next_power_of_2(splits + 1), ROUND_BF16=round_bf16, **launch_opts, **pdl_args(device),
         )
     return out
 
