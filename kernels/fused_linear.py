@@ -91,6 +91,7 @@ from .overlap import pdl_args, pdl_enter
 from .registry import KernelSpec, register
 from .rmsnorm import _normalize, _row_inv, _to_dtype, rmsnorm_reference
 from .silu_mul import silu_mul_reference
+from .tuning import nearest_tuned
 from .u12_linear import aligned_rows, bf16x4_to_fp32, split_counters
 
 SM_COUNT_H200 = 132
@@ -505,14 +506,15 @@ _INTERPRETER_DOT = FusedLinearConfig("dot", 32, 32, split_k=2)
 
 
 def default_config(m: int, n: int, k: int, gated: bool, on_gpu: bool = True) -> FusedLinearConfig:
-    """TUNED where measured (n: weight rows, 2I when gated); else gemv for M <= 4 (16-64
+    """TUNED where measured (n: weight rows, 2I when gated), or at the nearest measured shape
+    (kernels/tuning.py); else gemv for M <= 4 (16-64
     accumulator registers a thread; M = 1, 2: u12_linear gemv2's most frequent winner), else dot
     with enough programs for two a SM through split-K (the heuristic is unmeasured)."""
     if not on_gpu:
         return _INTERPRETER_GEMV if m <= 4 else _INTERPRETER_DOT
-    key = (m_bucket(m), n, k, bool(gated))
-    if key in TUNED:
-        return TUNED[key]
+    tuned = nearest_tuned(TUNED, (m_bucket(m), n, k, bool(gated)))
+    if tuned is not None:
+        return tuned
     if m <= 2:
         return FusedLinearConfig("gemv", 8, 512, num_warps=2)
     if m <= 4:  # 8 rows (gated: 4 + 4) a thread share each normalised x element (sm_90 SASS)

@@ -118,6 +118,7 @@ from specpilot.runtime.u12 import MAX_BASE, U12Tensor, pack_u12, unpack_u12
 from .overlap import pdl_args, pdl_enter
 from .registry import KernelSpec, register
 from .rmsnorm import _normalize
+from .tuning import nearest_tuned
 
 X_SCALE_LOG2 = 64  # the tile and mma kernels' scaled decode scales x by 2^64 (see the module docstring)
 EXP_BIAS = 112  # gemv2's and u12_fused_linear's decode: exponent field 112 + code (biased_scale)
@@ -712,11 +713,13 @@ def _block_m(m: int) -> int:
 
 
 def default_config(m: int, n: int, k: int, on_gpu: bool = True) -> U12Config:
-    """TUNED where measured; else for M <= 4 on a GPU the gemv2 kernel with the tiles that won most
-    of the H200 sweep (u12_linear falls back to the tile kernel where gemv2 does not apply), else
-    the tile kernel's heuristic (``_tile_config``)."""
-    if on_gpu and (_block_m(m), n, k) in TUNED:
-        return TUNED[(_block_m(m), n, k)]
+    """TUNED where measured, or at the nearest measured shape (kernels/tuning.py); else for M <= 4
+    on a GPU the gemv2 kernel with the tiles that won most of the H200 sweep (u12_linear falls
+    back to the tile kernel where gemv2 does not apply), else the tile kernel's heuristic
+    (``_tile_config``)."""
+    tuned = nearest_tuned(TUNED, (_block_m(m), n, k)) if on_gpu else None
+    if tuned is not None:
+        return tuned
     if on_gpu and m <= 4:
         return U12Config(8, 128, num_warps=2, num_stages=1, kernel="gemv2") if m == 1 else \
             U12Config(4, 256, num_warps=2, num_stages=1, kernel="gemv2")

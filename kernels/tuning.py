@@ -1,0 +1,42 @@
+"""Lookup in a kernel's TUNED table: the measured shape, else the nearest measured one.
+
+TUNED tables (kernels/fused_linear.py, kernels/u12_linear.py) hold the best configs a sweep found
+on the H200, keyed by (M bucket, N, K, ...) at the shapes it swept: Llama-3.1-8B's layers. Another
+model's layers of about that size want about the same tiles: a config is bound by K (the loop a
+program runs, its chunk against the row) and by the M bucket and flags (the accumulators a thread
+holds), while N sets how many programs there are. So a shape the table lacks takes the config of
+the nearest key with the same M bucket and flags and N and K each within 2x of its own (distance:
+|log2 N'/N| + |log2 K'/K|, the first in table order on a tie); a shape further from every
+measured one (the zoo's hidden size 256, say) gets the kernel's own heuristic. Qwen3-8B's
+gate_up (24576 x 4096) and down (4096 x 12288) ran the heuristic's one-row GEMV tiles before this:
+its AR step 1.22x the weight-read floor against Llama-3.1-8B's 1.13x in the same run
+(bench/results/step_times_qwen_h200.json).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Mapping, TypeVar
+
+C = TypeVar("C")
+
+MAX_RATIO = 2.0  # N and K each within this factor of a measured shape's
+
+
+def nearest_tuned(table: Mapping[tuple, C], key: tuple) -> C | None:
+    """table[key] if there; else the entry whose key shares key[0] (the M bucket) and key[3:]
+    (flags), with N = key[1] and K = key[2] each within MAX_RATIO, nearest in log2 N + log2 K;
+    None when no entry qualifies."""
+    if key in table:
+        return table[key]
+    m, n, k, *flags = key
+    best, best_d = None, math.inf
+    limit = math.log2(MAX_RATIO)
+    for other, cfg in table.items():
+        om, on, ok, *oflags = other
+        if om != m or oflags != flags or min(n, k, on, ok) <= 0:
+            continue
+        dn, dk = abs(math.log2(on / n)), abs(math.log2(ok / k))
+        if dn <= limit and dk <= limit and dn + dk < best_d:
+            best, best_d = cfg, dn + dk
+    return best

@@ -1,0 +1,59 @@
+"""TUNED lookups: the measured shape, else the nearest measured one within 2x (kernels/tuning.py)."""
+
+import math
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from specpilot.kernels import fused_linear, u12_linear
+from specpilot.kernels.tuning import MAX_RATIO, nearest_tuned
+
+QWEN3_8B = {"gate_up": (24576, 4096, True), "down": (4096, 12288, False)}  # N (2I when gated), K
+
+
+def test_measured_shapes_take_their_own_entry():
+    for key, cfg in fused_linear.TUNED.items():
+        assert nearest_tuned(fused_linear.TUNED, key) is cfg
+        assert fused_linear.default_config(key[0], key[1], key[2], key[3]) is cfg
+    for key, cfg in u12_linear.TUNED.items():
+        assert u12_linear.default_config(*key) is cfg
+
+
+def test_qwen3_8b_layers_take_llama_3_1_8b_configs():
+    """Qwen3-8B's gate_up and down at every M bucket: Llama-3.1-8B's gate_up and down entries."""
+    for m in (1, 4, 16):
+        n, k, gated = QWEN3_8B["gate_up"]
+        assert fused_linear.default_config(m, n, k, gated) is fused_linear.TUNED[(m, 28672, 4096, True)]
+        n, k, gated = QWEN3_8B["down"]
+        assert fused_linear.default_config(m, n, k, gated) is fused_linear.TUNED[(m, 4096, 14336, False)]
+    for m in (1, 4, 16, 32, 64):
+        assert u12_linear.default_config(m, 24576, 4096) is u12_linear.TUNED[(m, 28672, 4096)]
+        assert u12_linear.default_config(m, 4096, 12288) is u12_linear.TUNED[(m, 4096, 14336)]
+        assert u12_linear.default_config(m, 151936, 4096) is u12_linear.TUNED[(m, 128256, 4096)]  # lm_head
+
+
+def test_far_shapes_and_other_flags_take_the_heuristic():
+    # the zoo's hidden size: nothing measured within 2x
+    assert nearest_tuned(fused_linear.TUNED, (1, 768, 256, False)) is None
+    assert fused_linear.default_config(1, 768, 256, False) not in fused_linear.TUNED.values()
+    # an ungated layer of gate_up's size: the gated entries do not serve it, the others are 4x away
+    assert nearest_tuned(fused_linear.TUNED, (1, 24576, 4096, False)) is None
+    # an M bucket the table lacks
+    assert nearest_tuned(fused_linear.TUNED, (2, 6144, 4096, False)) is None
+
+
+@settings(max_examples=200, deadline=None)
+@given(m=st.sampled_from([1, 2, 4, 16, 32, 64]), n=st.integers(1, 300_000), k=st.integers(1, 40_000),
+       gated=st.booleans())
+def test_a_neighbour_shares_the_bucket_and_flags_and_is_nearest_within_the_ratio(m, n, k, gated):
+    key = (m, n, k, gated)
+    cfg = nearest_tuned(fused_linear.TUNED, key)
+    qualifying = {other: math.log2(max(other[1] / n, n / other[1])) + math.log2(max(other[2] / k, k / other[2]))
+                  for other in fused_linear.TUNED
+                  if other[0] == m and other[3] == gated
+                  and max(other[1] / n, n / other[1]) <= MAX_RATIO and max(other[2] / k, k / other[2]) <= MAX_RATIO}
+    if not qualifying:
+        assert cfg is None
+    else:
+        nearest = min(qualifying.values())
+        assert any(fused_linear.TUNED[o] is cfg and d == nearest for o, d in qualifying.items())
