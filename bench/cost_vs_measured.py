@@ -3,11 +3,11 @@
     python bench/cost_vs_measured.py      # writes bench/results/cost_vs_measured_h200.json, prints a table
 
 Two measured sources: `h200_steps_2026-12-02.json` (steps shaped as the IR lowers them,
-bench/step_bench.py) is compared with the UNcalibrated model; `step_times_h200.json` (the
-runtime's own forward, bench/step_times.py) both uncalibrated and after `update_from_results`
-on that same file (which only shows the calibration mechanism, not predictive power); and the
-fused path of `step_times_llama_h200.json` (fused-decoder + attention-split-kv, uncalibrated),
-with the kernels a step launches beside those its profile counted.
+bench/step_bench.py) is compared with the UNcalibrated model; the torch rows of
+`step_times_llama_h200.json` (the runtime's own forward, bench/step_times.py) both uncalibrated
+and after `update_from_results` on that same file (which only shows the calibration mechanism, not
+predictive power); and its fused rows (fused-decoder + attention-split-kv, uncalibrated), with the
+kernels a step launches beside those its profile counted.
 """
 
 from __future__ import annotations
@@ -47,14 +47,14 @@ def main() -> int:
         rows.append(dict(source="h200_steps_2026-12-02.json", model="uncalibrated", what=what, q=q,
                          measured_ms=r["ms"], predicted_ms=predicted))
 
-    runtime = {(r["what"], r["q"]): r["ms"] for r in json.loads((RESULTS / "step_times_h200.json").read_text())["rows"]
+    runtime = {(r["what"], r["q"]): r["ms"] for r in json.loads((RESULTS / "step_times_llama_h200.json").read_text())["rows"]
                if r["shape"] == "llama-3.1-8b" and r.get("path", "torch") == "torch"}
     raw, calibrated = CostModel("h200"), CostModel("h200")
-    calibrated.update_from_results([RESULTS / "step_times_h200.json"])
+    calibrated.update_from_results([RESULTS / "step_times_llama_h200.json"])
     for name, model in (("uncalibrated", raw), ("calibrated on this file", calibrated)):
         for what, q in STEPS:
             predicted = model.step(program, what, q, cache_len=512).time * 1e3
-            rows.append(dict(source="step_times_h200.json", model=name, what=what, q=q,
+            rows.append(dict(source="step_times_llama_h200.json", model=name, what=what, q=q,
                              measured_ms=runtime[(what, q)], predicted_ms=predicted))
     # the fast path: the fused stacks with split-KV attention, uncalibrated (calibration reads torch rows only)
     fused_program = AttentionSplitKV().apply(FusedDecoder().apply(program).program).program

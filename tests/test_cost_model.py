@@ -304,10 +304,10 @@ def test_block_size_gap_when_the_block_is_too_long(small):
 
 RESULTS = Path(__file__).resolve().parents[1] / "bench" / "results"
 H200_STEPS = RESULTS / "h200_steps_2026-12-02.json"  # an IR-shaped plain torch step (cost-model calibration)
-RUNTIME_STEPS = RESULTS / "step_times_h200.json"  # the project runtime's forward (bench/step_times.py)
+RUNTIME_STEPS = RESULTS / "step_times_llama_h200.json"  # the project runtime's forward (bench/step_times.py)
 
 
-@pytest.mark.skipif(not RUNTIME_STEPS.exists(), reason="bench/results/step_times_h200.json not present")
+@pytest.mark.skipif(not RUNTIME_STEPS.exists(), reason="bench/results/step_times_llama_h200.json not present")
 def test_h200_calibrated_by_the_runtime_step_times(llama8b):
     """Calibrated by the runtime's results file, AR, verify(16) and draft(16) at 8B shapes within 15%."""
     model = CostModel("h200")
@@ -440,6 +440,35 @@ def test_fused_layers_count_the_launches_the_runtime_makes(llama8b):
     u12 = to_u12(fused, "triton-u12")
     assert per_layer(u12, q=1) == per_layer(u12, q=2) - layers == per_layer(u12, q=8) - layers  # GEMV rows only
     assert per_layer(to_u12(fused, "torch"), q=1) == per_layer(u12, q=2)  # not the fused stacks' kernel
+
+
+def test_fused_linear_prices_the_plain_projections_of_fused_layers_at_the_rows_it_serves(llama8b):
+    """At the rows fused_linear serves, a fused layer's plain projections take its measured
+    efficiency (gpus.yaml's triton-fused-linear): their memory time is the stock pricing's over
+    that efficiency; other rows, unfused graphs and u12 layers keep the stock or u12 pricing."""
+    from specpilot.cost import load_gpu
+    from specpilot.cost.roofline import FUSED_LINEAR_KERNEL, step_time
+
+    gpu = load_gpu("h200")
+    stock = gpu.with_(kernel_efficiency={k: v for k, v in gpu.kernel_efficiency.items() if k != FUSED_LINEAR_KERNEL})
+    fused = FusedDecoder().apply(llama8b).program
+
+    def memory_times(program, g, q):
+        st = step_time(program.target, g, q=q, cache_len=512, cuda_graphs=True)
+        return {c.name: c.t_kernel - c.t_latency for c in st.costs if c.op == "linear"}, st
+
+    for q in (1, 2, 8, 16, 17):
+        priced, _ = memory_times(fused, gpu, q)
+        plain, _ = memory_times(fused, stock, q)
+        eff = gpu.efficiency_of_kernel(FUSED_LINEAR_KERNEL, q)
+        assert eff > 1.0  # faster than the stock pricing at every served row (1.19 at one, 1.05 at 16)
+        for name, t in priced.items():
+            if q in (2, 17):  # cuBLAS rows
+                assert t == plain[name], (q, name)
+            else:
+                assert t < plain[name] and t == pytest.approx(plain[name] / eff, rel=0.02), (q, name)
+    for program in (llama8b, to_u12(fused, "triton-u12")):  # not fused: stock; u12 layers: triton-u12's
+        assert memory_times(program, gpu, 1)[0] == memory_times(program, stock, 1)[0]
 
 
 def test_the_cost_model_folds_at_the_rows_the_runtime_fuses():

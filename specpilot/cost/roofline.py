@@ -245,16 +245,24 @@ class GraphPlan:
 
         entries = tuple((n, resolve(node), tuple(graph.inputs(n))) for n, node in graph.items())
         nodes = {n: (node, inputs) for n, node, inputs in entries}
-        folded, folded_few = _folded_launches(nodes), _folded_at_few_rows(nodes)
+        layers = _fused_layers(nodes)
+        folded, folded_few = _folded_launches(nodes), _folded_at_few_rows(nodes, layers)
+        fused_linears = {n for n, node, _ in entries
+                         if node.op == "linear" and layers.get(n.rpartition(".")[0]) == "plain"}
         keys = tuple(Node(node.op, tuple(kv for kv in node.attrs if kv[0] != "weight")
                           + ((FOLDED, True),) * (n in folded)
-                          + (((FOLDED_FEW_ROWS, folded_few[n]),) if n in folded_few else ()))
+                          + (((FOLDED_FEW_ROWS, folded_few[n]),) if n in folded_few else ())
+                          + ((FUSED_LINEAR, True),) * (n in fused_linears))
                      for n, node, _ in entries)
         return GraphPlan(graph.name, entries, keys)
 
 
 FOLDED = "launch_folded"  # a key attribute of the plan only: the node's work rides in another's launch
 FOLDED_FEW_ROWS = "launch_folded_few_rows"  # the same, at the rows fused_linear serves ("plain"/"u12" layer)
+FUSED_LINEAR = "fused_linear_layer"  # a plain projection of a layer fused_linear serves at `linear_serves` rows
+# The kernel name of fused_linear's launches, whose measured efficiency (gpus.yaml kernel_efficiency)
+# prices those projections at the rows it serves.
+FUSED_LINEAR_KERNEL = "triton-fused-linear"
 # Rows at which the fused stacks run fused_linear (runtime/fused.py's LINEAR_GEMV_MAX_M, LINEAR_MAX_M and
 # GEMV_ROWS, FusedOps.linear_serves): the layer's norms ride in the q|k|v and gate|up GEMMs'
 # prologues, SiLU·mul in gate|up's epilogue. tests/test_cost_model.py checks they agree.
@@ -296,13 +304,10 @@ def _folded_launches(nodes: dict[str, tuple[Node, tuple[str, ...]]]) -> set[str]
     return out
 
 
-def _folded_at_few_rows(nodes: dict[str, tuple[Node, tuple[str, ...]]]) -> dict[str, str]:
-    """Nodes of a fused-decoder graph that launch nothing at the rows `linear_serves` takes, in layers the
-    fused linears serve (every projection plain, in the model's dtype, or u12 of the "triton-u12"
-    kernel under U12_LINEAR; q, k and v of one format and kernel, gate and up too, as their GEMMs
-    are joined): the SiLU·mul (in gate|up's epilogue), and each norm whose GEMM (q|k|v's, gate|up's)
-    is plain or takes u12 norms as prologues (not U12_NORMS_APART). Maps each to its layer's kind:
-    "plain" or "u12"."""
+def _fused_layers(nodes: dict[str, tuple[Node, tuple[str, ...]]]) -> dict[str, str]:
+    """Layers (name prefixes) of a fused-decoder graph that the fused linears serve: every projection
+    plain, in the model's dtype ("plain"), or u12 of the "triton-u12" kernel under U12_LINEAR ("u12"
+    where any is); q, k and v of one format and kernel, gate and up too, as their GEMMs are joined."""
     if not any(node.op == "rmsnorm" and node.get("kernel") == "triton-fused" for node, _ in nodes.values()):
         return {}
 
@@ -315,16 +320,30 @@ def _folded_at_few_rows(nodes: dict[str, tuple[Node, tuple[str, ...]]]) -> dict[
     out: dict[str, str] = {}
     for name, (node, _) in nodes.items():
         prefix, _, part = name.rpartition(".")
-        if part not in ("input_norm", "post_norm", "mlp"):
+        if part != "q_proj" or prefix in out:
             continue
         lin = {proj: nodes.get(f"{prefix}.{proj}", (None,))[0] for proj in _LAYER_LINEARS}
         if not all(served(v) for v in lin.values()) or any(
                 (lin[p]["format"], lin[p]["kernel"]) != (lin[lead]["format"], lin[lead]["kernel"])
                 for p, lead in _JOINED.items()):
             continue
-        gemm = {"input_norm": lin["q_proj"], "post_norm": lin["gate_proj"]}.get(part)
-        if gemm is None or plain(gemm) or not U12_NORMS_APART:
-            out[name] = "plain" if all(plain(v) for v in lin.values()) else "u12"
+        out[prefix] = "plain" if all(plain(v) for v in lin.values()) else "u12"
+    return out
+
+
+def _folded_at_few_rows(nodes: dict[str, tuple[Node, tuple[str, ...]]], layers: dict[str, str]) -> dict[str, str]:
+    """Nodes of a fused-decoder graph that launch nothing at the rows `linear_serves` takes, in the
+    fused linears' `layers` (`_fused_layers`): the SiLU·mul (in gate|up's epilogue), and each norm
+    whose GEMM (q|k|v's, gate|up's) is plain or takes u12 norms as prologues (not U12_NORMS_APART).
+    Maps each to its layer's kind: "plain" or "u12"."""
+    out: dict[str, str] = {}
+    for name, (node, _) in nodes.items():
+        prefix, _, part = name.rpartition(".")
+        if part not in ("input_norm", "post_norm", "mlp") or prefix not in layers:
+            continue
+        gemm = {"input_norm": f"{prefix}.q_proj", "post_norm": f"{prefix}.gate_proj"}.get(part)
+        if gemm is None or nodes[gemm][0]["format"] == nodes[gemm][0]["dtype"] or not U12_NORMS_APART:
+            out[name] = layers[prefix]
     return out
 
 
@@ -363,8 +382,10 @@ def attention_occupancy(node: Node, gpu: GPU, batch: int, q: int, kv_len: int) -
 
 def node_cost(name: str, node: Node, out: tuple[int, int], ins: list[tuple[int, int]], gpu: GPU, *,
               batch: int, q: int, cache_len: int, dtype: str, cuda_graphs: bool,
-              escape_rate: float = U12_ESCAPE_RATE) -> NodeCost:
-    """Cost of one node whose output is `out` = (rows, width) and whose inputs are `ins`."""
+              escape_rate: float = U12_ESCAPE_RATE, served_by: str = "") -> NodeCost:
+    """Cost of one node whose output is `out` = (rows, width) and whose inputs are `ins`;
+    `served_by`: the kernel that runs a plain linear in place of the stock GEMM (its measured
+    efficiency applies)."""
     a = ACT_BYTES[dtype]
     op = node.op
     rows, width = out
@@ -387,6 +408,8 @@ def node_cost(name: str, node: Node, out: tuple[int, int], ins: list[tuple[int, 
         c["tensor_flops"] = 2.0 * rows * node["in_features"] * node["out_features"]
         if node["format"] == "u12":
             kernel_eff = gpu.efficiency_of_kernel(node["kernel"], rows)
+        elif served_by:
+            kernel_eff = gpu.efficiency_of_kernel(served_by, rows)
     elif op == "attention":
         hd, kvh = node["head_dim"], node["kv_heads"]
         new_kv_rows = ins[-1][0] if ins else rows  # the v projection's rows
@@ -465,8 +488,10 @@ def step_time(graph: "Graph | GraphPlan", gpu: GPU, batch: int = 1, q: int = 1, 
         i = index.get(k)
         if i is None:
             i = index[k] = len(costs)
+            served = key.get(FUSED_LINEAR) and linear_serves(shapes[name][0], u12=False)
             cost = node_cost(name, node, shapes[name], list(ins), gpu, batch=batch, q=q, cache_len=cache_len,
-                             dtype=dtype, cuda_graphs=cuda_graphs, escape_rate=escape_rate)
+                             dtype=dtype, cuda_graphs=cuda_graphs, escape_rate=escape_rate,
+                             served_by=FUSED_LINEAR_KERNEL if served else "")
             few = key.get(FOLDED_FEW_ROWS)
             if key.get(FOLDED) or (few and linear_serves(shapes[name][0], u12=few == "u12")):
                 cost = replace(cost, kernels=0, t_kernel=cost.t_kernel - cost.t_latency, t_latency=0.0, t_launch=0.0)
