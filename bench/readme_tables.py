@@ -70,16 +70,23 @@ def step_times() -> str:
                      f"{r['ms'] / r['floor_ms']:.2f} | {of_ar} | {col('fused-cublas', what, q)} | "
                      f"{col('fused-rope-apart', what, q)} | {col('fused-pdl', what, q)} | {u12_cols} | "
                      f"{col('fused+u12-unfused', what, q)} | {col('fused+u12-prologue', what, q)} |")
-    both = _load("step_times_h200.json")
-    if both:
-        qwen = {(r["what"], r["q"]): r for r in both["rows"] if r["shape"] == "qwen3-8b" and r["path"] == "fused"}
-        lines += ["", f"Qwen3-8B shapes, fused path, an earlier run (commit {both['commit'].split()[0]}, before the "
-                  "split-KV and fused-drafter changes; `bench/results/step_times_h200.json`):", "",
-                  "| step | q | ms | × floor | × AR |", "|---|---:|---:|---:|---:|"]
+    qwen_file = _load("step_times_qwen_h200.json")
+    if qwen_file:
+        qwen = {(r["what"], r["q"]): r for r in qwen_file["rows"] if r["shape"] == "qwen3-8b" and r["path"] == "fused"}
+        lines += ["", f"Qwen3-8B shapes (36 layers, qk-norm, vocabulary 151936), another run: commit "
+                  f"{qwen_file['commit'].split()[0]}, read bandwidth {qwen_file['read_bandwidth_Bps'] / 1e12:.2f} TB/s; "
+                  "TUNED holds Llama-3.1-8B's shapes, and Qwen3-8B's gate_up and down take the nearest of them "
+                  "(kernels/tuning.py). Source: `bench/results/step_times_qwen_h200.json`.", "",
+                  "| step | q | floor ms | fused ms | fused × floor | fused × fused AR | fused+u12 ms | u12 speedup |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|"]
         for (what, q), r in qwen.items():
-            if what in ("ar", "draft") or q in (16, 17, 129):
+            if what in ("ar", "draft") or q in (16, 17, 64):
                 of_ar = f"{r['ms'] / qwen['ar', 1]['ms']:.2f}" + (" (of the target AR)" if what == "draft" else "")
-                lines.append(f"| {what} | {q} | {r['ms']:.2f} | {r['ms'] / r['floor_ms']:.2f} | {of_ar} |")
+                u12 = next((u for u in qwen_file["rows"] if u["path"] == "fused+u12" and u["what"] == what
+                            and u["q"] == q), None)
+                u12_cols = f"{u12['ms']:.2f} | {r['ms'] / u12['ms']:.2f}×" if u12 else " | "
+                lines.append(f"| {what} | {q} | {r['floor_ms']:.2f} | {r['ms']:.2f} | {r['ms'] / r['floor_ms']:.2f} | "
+                             f"{of_ar} | {u12_cols} |")
     return "\n".join(lines)
 
 

@@ -66,7 +66,7 @@ from .rounding import _round_bf16
 BLOCK_M = 64  # query rows a program, at most
 BLOCK_N = 64  # keys a tile
 WAVES = 2  # programs per SM that the split rule aims for
-NUM_WARPS = 4  # 8 measured slower in every shape (bench/results/attention_variants_h200.json)
+NUM_WARPS = 4  # 8 measured slower in every shape (bench/results/tried/attention_variants_98e7d7d_h200.json)
 BALANCE_SPLITS = True  # a device past: the kernel cuts the cached keys into its splits (module docstring)
 _CPU_SMS = 4  # nominal SM count under the interpreter, so that the rule still splits
 
@@ -279,7 +279,7 @@ def _combine_kernel(
     splits in a few programs took 12 µs a call at 32 splits (H200, Llama-3.1-8B AR step), an
     eighth of the whole attention; this is one round trip to memory. Combining in the split
     kernel instead (its last program, behind an atomic counter) measured slower in every shape of
-    bench/results/attention_variants_h200.json (an AR step's layer over 512 cached tokens: 13.1
+    bench/results/tried/attention_variants_98e7d7d_h200.json (an AR step's layer over 512 cached tokens: 13.1
     µs against 9.1 with this launch)."""
     pdl_enter(PDL)
     row = tl.program_id(0)

@@ -19,8 +19,9 @@ is reduced in another order: within a step of the dtype there). No fp fusion: a 
 skip the rounding of a RoPE product (the H200 wrote roped keys one step off rope_qkv's with it).
 
 Measured on the H200 (bench/results/attention_variants_h200.json, 32 layers' calls in one CUDA
-graph): an AR layer over 512 cached tokens 9.1 µs against 11.7 with rope_qkv apart, verify(16)
-14.5 against 16.2; the Llama-3.1-8B AR step 4.21 ms against 4.40 (step_times_llama_h200.json).
+graph, the rule's splits over a 4160-slot cache): an AR layer over 512 cached tokens 8.2 µs
+against 10.5 with rope_qkv apart, verify(16) 11.3 against 13.6; the Llama-3.1-8B AR step 4.10 ms
+against 4.22 (step_times_llama_h200.json).
 
 `past`: an int (the caches hold S >= past + T slots) or an int32/int64 device tensor [], [1] or
 [B] (CUDA graphs; past + T <= S is the caller's to keep). `mask`, `scale`, `splits` as

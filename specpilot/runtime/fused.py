@@ -3,7 +3,7 @@
 At batch 1 a decoder step is latency-bound: each small torch op (RMSNorm's fp32 pieces, RoPE's
 cat/mul/add, separate q/k/v and gate/up projections, SiLU·mul, cache writes) is a kernel launch
 of a few microseconds, and at Llama-3.1-8B shapes those cost as much as reading the weights
-(bench/results/step_times_h200.json: 7.16 ms against a 3.64 ms floor). Per layer here:
+(the torch rows of bench/results/step_times_llama_h200.json: 7.04 ms against a 3.63 ms floor). Per layer here:
 
   rmsnorm (+ the previous residual add) -> q|k|v in one GEMM -> qk-norm + RoPE + KV-cache write
   -> attention -> o_proj -> rmsnorm + residual add -> gate|up in one GEMM -> SiLU·mul -> down_proj
@@ -19,7 +19,7 @@ gate|up's epilogue and the residual adds into o's and down's (the residual strea
 place): seven launches a layer (run_layers_linear). o's and down's epilogues also leave the
 stream's sums of squares for the next norm (RowSquares), so at several rows a norm prologue reads
 a few KB of them instead of every row of x in each program. On the H200 the Llama-3.1-8B AR step
-runs 4.04 ms against 4.65 ms on cuBLAS with the separate kernels (bench/results/step_times_llama_h200.json,
+runs 4.10 ms against 4.72 ms on cuBLAS with the separate kernels (bench/results/step_times_llama_h200.json,
 fused-cublas), verify(16) 4.737 against 4.900 interleaved (bench/results/step_ab_verify16_h200.json).
 kernels/u12_fused_linear.py serves u12 layers the same way, but with their norms kept as rmsnorm
 kernels (its norm prologue measured slower: U12_LINEAR, U12_NORMS_APART).
@@ -92,7 +92,7 @@ GEMV_ROWS = 4
 # verify(8) 4.516 ms against 4.643, verify(16) 4.680 against 4.838, both with the norms' sums of squares
 # handed on by RowSquares (without: 4.673 and 4.823); verify(32) 5.127 against 5.120 (so 32 stays on
 # cuBLAS); verify(4), the GEMV kernel at four rows, 5.089 against 4.572 (so 2..4 rows stay unfused). At
-# one row the AR step runs 4.04 ms against 4.65 on cuBLAS (bench/results/step_times_llama_h200.json, 4caf18d).
+# one row the AR step runs 4.10 ms against 4.72 on cuBLAS (bench/results/step_times_llama_h200.json, 70b35dd).
 # Before RowSquares and the norm prologue's whole-row words (af8fe61), verify(16) ran 5.20 ms against 4.96
 # (bench/results/tried/step_ab_verify16_h200.json).
 LINEAR_MAX_M = 16
