@@ -19,6 +19,7 @@
 #            (bf16-linear, and bf16-linear-nosq without RowSquares) beside cuBLAS
 #   linear   fused_linear and u12_mma: GPU tests and sweeps (u12's mma sweep: U12_ARGS="--ms 16 --kernels mma")
 #   peers    AR against HF transformers on 8B-shaped weights
+#   ncu      Nsight Compute's counters for each layer linear at NCU_MS rows (default 1,16), fused_linear and cuBLAS
 #   train    train the zoo (carry .cache/zoo); packed into $OUT
 #   zoo      the zoo end to end, τ per drafter, chain vs tree (graphed and fused), the hybrid pair;
 #            ZOO_DIR: a zoo trained on this machine (train's /tmp/zoo) to use instead of the committed one
@@ -105,6 +106,14 @@ linear() {  # the fused_linear and u12_mma kernels: GPU tests, then their sweeps
   TAIL=30 run fused_linear 240 python bench/fused_linear.py --budget-s "${LINEAR_BUDGET:-110}" \
     --out "$OUT/fused_linear_h200.json"
 }
+ncu_linear() {  # Nsight Compute's counters for one launch of each layer linear, fused_linear and cuBLAS
+  local bin
+  bin=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+  [ -n "$bin" ] || { echo "== ncu: not found"; return; }
+  TAIL=6 run ncu 400 "$bin" --clock-control none --nvtx --nvtx-include measure/ --section SpeedOfLight \
+    --section MemoryWorkloadAnalysis --section WarpStateStats --section LaunchStats --section Occupancy \
+    --log-file "$OUT/linear_ncu.txt" python bench/linear_ncu.py --ms "${NCU_MS:-1,16}"
+}
 peers() { run hf_peers 260 python bench/hf_peers.py --out "$OUT/hf_peers_h200.json"; }
 train() { TAIL=40 run train 560 python -m train.train_zoo --data .cache/zoo --out /tmp/zoo --pack "$OUT"; }
 trees() {
@@ -128,6 +137,7 @@ zoo() {
 
 for group in "${@:?group...}"; do
   case "$group" in
+    ncu) ncu_linear ;;
     tests | attntests | ab | attention | attnvar | u12 | hmma | bf16tune | u12tune | verify16 | linear | peers | train | trees | e2e | zoo) "$group" ;;
     steps) steps ;;
     qwen) steps qwen qwen3-8b ;;

@@ -1,0 +1,68 @@
+"""One launch of each Llama-3.1-8B layer linear, for Nsight Compute to read the hardware counters of.
+
+    ncu --clock-control none --nvtx --nvtx-include measure/ \
+        --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats \
+        --section LaunchStats --section Occupancy python bench/linear_ncu.py [--ms 1,16]
+
+For each M in --ms: fused_linear (its TUNED config) on qkv (with the norm prologue, its sums of
+squares from RowSquares at more than one row, as the runtime hands them on), o (residual
+epilogue), gate_up (norm, SiLU·mul) and down (residual), then cuBLAS on the same four weights.
+Random N(0, 0.02) bf16 weights, x ~ N(0, 1). Each call runs once after a warm-up (compiles), and
+ncu replays and times each kernel on its own, caches flushed (its default), so the counters
+describe one cold launch. bench/run_gpu.sh's `ncu` group runs this under ncu and keeps the report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+SHAPES = {"qkv": (6144, 4096, True, False, False), "o": (4096, 4096, False, False, True),
+          "gate_up": (28672, 4096, True, True, False), "down": (4096, 14336, False, False, True)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--ms", default="1,16")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench/linear_ncu.py launches CUDA kernels for ncu: it needs a GPU.")
+    from specpilot.kernels.fused_linear import RowSquares, fused_linear
+
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    g = torch.Generator(device=dev).manual_seed(0)
+    weights = {name: (torch.randn(n, k, device=dev, generator=g) * 0.02).to(dt) for name, (n, k, *_) in SHAPES.items()}
+    norm_w = 1 + 0.1 * torch.randn(4096, device=dev, generator=g).to(dt)
+    for m in (int(v) for v in args.ms.split(",")):
+        calls = []
+        for name, (n, k, norm, gated, residual) in SHAPES.items():
+            x = torch.randn(m, k, device=dev, generator=g).to(dt)
+            n_out = n // 2 if gated else n
+            res = torch.randn(m, n_out, device=dev, generator=g).to(dt) if residual else None
+            squares = None
+            if norm and m > 1:
+                squares = RowSquares.of(x, 64)  # o's and down's epilogues leave 4096 / 64 parts
+            elif residual and m > 1:
+                squares = RowSquares()
+
+            def call(x=x, w=weights[name], norm=norm, gated=gated, res=res, squares=squares):
+                fused_linear(x, w, norm_weight=norm_w if norm else None, gated=gated, residual=res, squares=squares)
+
+            calls.append(call)
+            calls.append(lambda x=x, w=weights[name]: torch.matmul(x, w.T))
+        for call in calls:  # compile and warm up
+            call()
+        torch.cuda.synchronize()
+        torch.cuda.nvtx.range_push("measure")  # what ncu --nvtx-include "measure/" profiles
+        for call in calls:
+            call()
+        torch.cuda.synchronize()
+        torch.cuda.nvtx.range_pop()
+        print(f"M = {m}: {len(calls)} calls")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
