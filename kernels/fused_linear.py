@@ -74,6 +74,15 @@ loop on the word path is loads, shifts/masks and FMAs, no shared memory and no s
 costs each thread about 6 instructions per x element it holds (two multiplies, two roundings and
 their widening), shared by the W rows it holds: cheap at M = 1, most of the loop's overhead at
 M = 4, hence 8 rows a thread there (the default). CUDA graphs: no host sync, buffers by shape only.
+
+Where the 16 rows lose (Nsight Compute, one cold launch each, caches flushed:
+bench/results/linear_ncu_h200.txt from bench/linear_ncu.py, commit 9148a7f): the dot kernel against
+the one-row GEMV on the same weights, µs and DRAM throughput, qkv 20.1 (55%) against 16.6 (66%), o
+14.3 (51%) against 10.9 (65%), gate_up 60.6 (82%) against 58.6 (84%), down 34.2 (73%) against 30.7
+(81%); cuBLAS at 16 rows 17.2, 12.0 + 3.9 (its split-K reduce), 58.9 and 31.9 + 3.7. The qkv
+grid (96 x 4 programs of 4 warps, 41 KB of shared memory each) is 0.58 of a wave and reaches 18% of
+the warps an SM could hold; its warps stall most on global loads (42% of issue cycles), gate_up's
+(8 warps) on them (41%) and at the pipeline's CTA barrier (37%). Not yet acted on.
 """
 
 from __future__ import annotations
