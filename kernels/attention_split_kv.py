@@ -464,7 +464,8 @@ def launch(
         _combine_kernel[(rows, b * hkv)](
             m_part, l_part, acc_part, out, t, g, hkv, splits + 1,
             out.stride(0), out.stride(1), out.stride(2), HEAD_DIM=d, BLOCK_D=block_d,
-            BLOCK_S=triton.next_power_of_2(splits + 1), ROUND_BF16=round_bf16, **launch_opts, **pdl_args(device),
+            BLOCK_S=triton.next_power_of_2(splits + 1), ROUND_BF16=round_bf16, **launch_opts,
+            **(dict(enable_fp_fusion=True) if native else {}), **pdl_args(device),  # Triton 3.6-3.9's default, by name
         )
     return out
 

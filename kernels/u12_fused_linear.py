@@ -232,7 +232,7 @@ def _launch_fused(x, t: U12Tensor, norm_weight, eps, gated, y, residual: bool, c
     nw = aligned_rows(norm_weight, x_words) if norm else x
     sm, codes = t.sm.contiguous(), t.codes.contiguous()
     # fp fusion off, as in fused_linear: sum · (1/K) + eps and 1 + exp(-g) round as torch's do.
-    launch = dict(**cfg.launch_options(native), enable_fp_fusion=False) if native else {}
+    launch = {**cfg.launch_options(native), "enable_fp_fusion": False} if native else {}
     _u12_fused_gemv_kernel[(triton.cdiv(n_out, cfg.block_n),)](
         x, nw, sm.view(torch.int32), codes.view(torch.int16),
         _nonempty(t.esc_idx), _nonempty(t.esc_val), t.esc_row_ptr, y,

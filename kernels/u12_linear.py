@@ -577,8 +577,12 @@ class U12Config:
             raise ValueError(f"U12Config.maxnreg: expected 0 (the compiler's choice) or 24..255, got {self.maxnreg}")
 
     def launch_options(self, native: bool) -> dict:
-        """num_warps, num_stages and (native, set) maxnreg as Triton's launch options."""
+        """num_warps, num_stages and (native) fp fusion on and maxnreg where set, as Triton's launch
+        options. Fusion is the default Triton 3.6-3.9 compiles with, asked for by name because 3.10
+        turns the default off (3.9 warns): the loops' multiply-adds stay FMAs."""
         opts = dict(num_warps=self.num_warps, num_stages=self.num_stages)
+        if native:
+            opts["enable_fp_fusion"] = True
         if native and self.maxnreg:
             opts["maxnreg"] = self.maxnreg
         return opts
@@ -883,7 +887,7 @@ def u12_linear(x: torch.Tensor, t: U12Tensor, config: U12Config | None = None) -
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_W=cfg.block_w, ESC_BLOCK=_ESC_BLOCK,
         PAIRS=cfg.decode == "pairs", WORDS=words, SCALED=scaled, USE_DOT=use_dot,
         DOT_BF16=use_dot and x.is_cuda and x.dtype == torch.bfloat16,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(x.device),
+        **cfg.launch_options(x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1"), **pdl_args(x.device),
     )
     return y
 
