@@ -102,3 +102,13 @@ def test_step_ab_reads_u12_sweep_configs_back(tmp_path: Path) -> None:
     path.write_text(json.dumps({"tuned": tuned}))
     back = step_ab.tuned_from_sweep(path, U12Config)
     assert back == {key: cfg for key, cfg in TUNED.items() if key[0] == 1}
+
+
+def test_readme_tables_are_generated_from_the_results_files() -> None:
+    """README.md's results sections are what bench/readme_tables.py renders from bench/results/ now:
+    a results file changed without regenerating them (or a table typed by hand) fails here."""
+    import readme_tables  # bench/readme_tables.py
+
+    readme = (BENCH.parent / "README.md").read_text()
+    assert "<!-- results:targets -->" in readme
+    assert readme_tables.render(readme) == readme
