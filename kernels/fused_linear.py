@@ -82,7 +82,11 @@ the one-row GEMV on the same weights, µs and DRAM throughput, qkv 20.1 (55%) ag
 (81%); cuBLAS at 16 rows 17.2, 12.0 + 3.9 (its split-K reduce), 58.9 and 31.9 + 3.7. The qkv
 grid (96 x 4 programs of 4 warps, 41 KB of shared memory each) is 0.58 of a wave and reaches 18% of
 the warps an SM could hold; its warps stall most on global loads (42% of issue cycles), gate_up's
-(8 warps) on them (41%) and at the pipeline's CTA barrier (37%). Not yet acted on.
+(8 warps) on them (41%) and at the pipeline's CTA barrier (37%). In the sm_90 PTX (triton 3.9) the
+norm's loop waits for its wgmma every chunk (wait_group 0; the normalised x goes through shared
+memory between two barriers) where o's keeps one in flight (wait_group 1), yet o reads no faster
+a byte (2.3 TB/s cold against qkv's 2.5): at these sizes the launch's fixed costs (the prologue,
+the cp.async pipeline's fill, the split-K semaphore's tail) dominate, not the norm. Not yet acted on.
 """
 
 from __future__ import annotations
