@@ -6,7 +6,10 @@
 
 For each M in --ms: fused_linear (its TUNED config) on qkv (with the norm prologue, its sums of
 squares from RowSquares at more than one row, as the runtime hands them on), o (residual
-epilogue), gate_up (norm, SiLU·mul) and down (residual), then cuBLAS on the same four weights.
+epilogue), gate_up (norm, SiLU·mul) and down (residual), then cuBLAS on the same four weights;
+with --u12 also the u12 kernels the fused stacks run on those weights packed (runtime/fused.py: at
+one row u12_fused_linear with the SiLU·mul and residual epilogues and the norms apart, at more
+u12_linear's TUNED kernel).
 Random N(0, 0.02) bf16 weights, x ~ N(0, 1). Each call runs once after a warm-up (compiles), and
 ncu replays and times each kernel on its own, caches flushed (its default), so the counters
 describe one cold launch. bench/run_gpu.sh's `ncu` group runs this under ncu and keeps the report.
@@ -26,15 +29,20 @@ SHAPES = {"qkv": (6144, 4096, True, False, False), "o": (4096, 4096, False, Fals
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ms", default="1,16")
+    ap.add_argument("--u12", action="store_true", help="also the u12 kernels on the packed weights")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench/linear_ncu.py launches CUDA kernels for ncu: it needs a GPU.")
     from specpilot.kernels.fused_linear import RowSquares, fused_linear
+    from specpilot.kernels.u12_fused_linear import u12_fused_linear
+    from specpilot.kernels.u12_linear import u12_linear
+    from specpilot.runtime.u12 import pack_u12
 
     dev, dt = torch.device("cuda"), torch.bfloat16
     g = torch.Generator(device=dev).manual_seed(0)
     weights = {name: (torch.randn(n, k, device=dev, generator=g) * 0.02).to(dt) for name, (n, k, *_) in SHAPES.items()}
     norm_w = 1 + 0.1 * torch.randn(4096, device=dev, generator=g).to(dt)
+    packed = {name: pack_u12(w) for name, w in weights.items()} if args.u12 else {}
     for m in (int(v) for v in args.ms.split(",")):
         calls = []
         for name, (n, k, norm, gated, residual) in SHAPES.items():
@@ -52,6 +60,11 @@ def main() -> int:
 
             calls.append(call)
             calls.append(lambda x=x, w=weights[name]: torch.matmul(x, w.T))
+            if name in packed and m == 1:
+                calls.append(lambda x=x, t=packed[name], gated=gated, res=res:
+                             u12_fused_linear(x, t, gated=gated, residual=res))
+            elif name in packed:
+                calls.append(lambda x=x, t=packed[name]: u12_linear(x, t))
         for call in calls:  # compile and warm up
             call()
         torch.cuda.synchronize()

@@ -20,6 +20,7 @@
 #   linear   fused_linear and u12_mma: GPU tests and sweeps (u12's mma sweep: U12_ARGS="--ms 16 --kernels mma")
 #   peers    AR against HF transformers on 8B-shaped weights
 #   ncu      Nsight Compute's counters for each layer linear at NCU_MS rows (default 1,16), fused_linear and cuBLAS
+#            (NCU_ARGS=--u12: the u12 kernels too)
 #   train    train the zoo (carry .cache/zoo); packed into $OUT
 #   zoo      the zoo end to end, τ per drafter, chain vs tree (graphed and fused), the hybrid pair;
 #            ZOO_DIR: a zoo trained on this machine (train's /tmp/zoo) to use instead of the committed one
@@ -115,7 +116,7 @@ ncu_linear() {  # Nsight Compute's counters for one launch of each layer linear,
   [ -n "$bin" ] || { echo "== ncu: not found"; return; }
   TAIL=6 run ncu 400 "$bin" --clock-control none --nvtx --nvtx-include measure/ --section SpeedOfLight \
     --section MemoryWorkloadAnalysis --section WarpStateStats --section LaunchStats --section Occupancy \
-    --log-file "$OUT/linear_ncu.txt" python bench/linear_ncu.py --ms "${NCU_MS:-1,16}"
+    --log-file "$OUT/linear_ncu.txt" python bench/linear_ncu.py --ms "${NCU_MS:-1,16}" ${NCU_ARGS:-}
 }
 peers() { run hf_peers 260 python bench/hf_peers.py --out "$OUT/hf_peers_h200.json"; }
 train() { TAIL=40 run train 560 python -m train.train_zoo --data .cache/zoo --out /tmp/zoo --pack "$OUT"; }
