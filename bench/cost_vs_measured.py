@@ -18,6 +18,8 @@ import sys
 from pathlib import Path
 
 from specpilot.cost import CostModel, load_gpu, step_time
+from specpilot.cost.gaps import with_tree
+from specpilot.cost.roofline import FUSED_LINEAR_KERNEL, combine
 from specpilot.ir import lower
 from specpilot.passes.attention_split_kv import AttentionSplitKV
 from specpilot.passes.fused_decoder import FusedDecoder
@@ -61,25 +63,66 @@ def main() -> int:
     fused_file = json.loads((RESULTS / "step_times_llama_h200.json").read_text())
     fused = {(r["what"], r["q"]): r["ms"] for r in fused_file["rows"] if r["path"] == "fused"}
     profiled = fused_file["profiles_fused"]["llama-3.1-8b"]
-    for what, q in STEPS:
-        graph = fused_program.drafter if what == "draft" else fused_program.target
-        step = step_time(graph, gpu, 1, q, 512, cuda_graphs=True, shared=fused_program.target)
-        measured_kernels = profiled.get({"ar": "ar", "verify": f"verify-{q}", "draft": "draft"}[what], {}).get("kernels")
-        rows.append(dict(source="step_times_llama_h200.json (fused)", model="uncalibrated", what=what, q=q,
-                         measured_ms=fused[(what, q)], predicted_ms=step.time * 1e3,
-                         predicted_kernels=step.kernels, measured_kernels=measured_kernels))
+    # ... priced with fused_linear's measured efficiency (the model), and with the stock GEMM pricing
+    stock = gpu.with_(kernel_efficiency={k: v for k, v in gpu.kernel_efficiency.items() if k != FUSED_LINEAR_KERNEL})
+    for model, g in (("uncalibrated", gpu), ("uncalibrated, stock GEMM pricing", stock)):
+        for what, q in STEPS:
+            graph = fused_program.drafter if what == "draft" else fused_program.target
+            step = step_time(graph, g, 1, q, 512, cuda_graphs=True, shared=fused_program.target)
+            measured_kernels = profiled.get({"ar": "ar", "verify": f"verify-{q}", "draft": "draft"}[what], {}).get("kernels")
+            rows.append(dict(source="step_times_llama_h200.json (fused)", model=model, what=what, q=q,
+                             measured_ms=fused[(what, q)], predicted_ms=step.time * 1e3,
+                             predicted_kernels=step.kernels, measured_kernels=measured_kernels))
+        # a 16-node tree (q = 17: past the fused linears' 16 rows), measured
+        tree = step_time(with_tree(fused_program, 16).target, g, 1, 17, 512, cuda_graphs=True)
+        rows.append(dict(source="step_times_llama_h200.json (fused)", model=model, what="tree-verify", q=17,
+                         measured_ms=fused[("tree-verify", 17)], predicted_ms=tree.time * 1e3))
     for r in rows:
         r["error"] = r["predicted_ms"] / r["measured_ms"] - 1
+
+    # trees the model prices that no file has measured yet: 15 nodes (q = 16, on the fused linears) and 16
+    predicted = [dict(what="tree-verify", budget=b, q=b + 1,
+                      predicted_ms=step_time(with_tree(fused_program, b).target, gpu, 1, b + 1, 512,
+                                             cuda_graphs=True).time * 1e3) for b in (15, 16)]
+    fit = fused_linear_fit(fused_program, stock, profiled)
 
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout
     out = RESULTS / "cost_vs_measured_h200.json"
     out.write_text(json.dumps({"gpu": "NVIDIA H200 (measured files)", "shape": "llama-3.1-8b", "cache_len": 512,
-                               "commit": commit.strip() or "unknown", "rows": rows}, indent=2) + "\n")
-    print(f"{'source':36} {'model':24} {'step':7} {'q':>3} {'measured':>9} {'predicted':>9} {'error':>7}")
+                               "commit": commit.strip() or "unknown", "rows": rows, "predicted": predicted,
+                               "fused_linear_fit": fit}, indent=2) + "\n")
+    print(f"{'source':36} {'model':32} {'step':11} {'q':>3} {'measured':>9} {'predicted':>9} {'error':>7}")
     for r in rows:
-        print(f"{r['source']:36} {r['model']:24} {r['what']:7} {r['q']:>3} {r['measured_ms']:9.3f} "
+        print(f"{r['source']:36} {r['model']:32} {r['what']:11} {r['q']:>3} {r['measured_ms']:9.3f} "
               f"{r['predicted_ms']:9.3f} {100 * r['error']:+6.1f}%")
+    for f in fit:
+        print(f"fused_linear at {f['rows']:>2} rows: {f['launches']} launches, {f['measured_kernel_ms']:.3f} ms of kernel "
+              f"time against {f['stock_priced_ms']:.3f} priced stock: efficiency {f['efficiency']:.3f}")
     return 0
+
+
+def fused_linear_fit(fused_program, stock, profiled) -> list[dict]:
+    """gpus.yaml's triton-fused-linear efficiency: at 1 and 16 rows, the efficiency at which the stock
+    pricing of the fused target's layer linears (their memory time over it, plus each launch's
+    latency) equals the kernel time the step's profile measured for fused_linear's launches."""
+    out = []
+    for q, step, kernel in ((1, "ar", "_gemv_kernel"), (16, "verify-16", "_dot_kernel")):
+        top = next(t for t in profiled[step]["top"] if t["name"] == kernel)
+        costs = [(c, n) for c, n in zip(*(lambda st: (st.costs, st.counts))(
+            step_time(fused_program.target, stock, 1, q, 512, cuda_graphs=True))) if c.op == "linear"]
+
+        def total(eff: float) -> float:
+            return sum(n * (combine(c.t_memory / (stock.bw_efficiency * eff), c.t_compute, stock.overlap) + c.t_latency)
+                       for c, n in costs)
+
+        lo, hi = 0.25, 4.0  # total() falls as eff grows: bisect total(eff) = measured
+        measured = top["us"] * 1e-6
+        for _ in range(60):
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if total(mid) > measured else (lo, mid)
+        out.append(dict(rows=q, kernel=kernel, launches=top["count"], measured_kernel_ms=measured * 1e3,
+                        stock_priced_ms=total(1.0) * 1e3, efficiency=round(lo, 3)))
+    return out
 
 
 if __name__ == "__main__":

@@ -195,6 +195,15 @@ def cost_vs_measured() -> str:
     for r in d["rows"]:
         lines.append(f"| {r['source']} | {r['model']} | {r['what']} | {r['q']} | {r['measured_ms']:.2f} | "
                      f"{r['predicted_ms']:.2f} | {100 * r['error']:+.1f}% |")
+    if d.get("fused_linear_fit"):
+        lines += ["", "fused_linear's efficiency in the model (gpus.yaml `triton-fused-linear`), fitted to the fused "
+                  "steps' profiles: " + "; ".join(
+                      f"{f['rows']} row{'s' if f['rows'] > 1 else ''}: {f['launches']} launches, "
+                      f"{f['measured_kernel_ms']:.3f} ms of kernel time against {f['stock_priced_ms']:.3f} at the stock "
+                      f"GEMM pricing, efficiency {f['efficiency']:.3f}" for f in d["fused_linear_fit"]) + "."]
+    if d.get("predicted"):
+        lines += ["", "Predicted, not yet measured: " + ", ".join(
+            f"a {r['budget']}-node tree verify (q = {r['q']}) {r['predicted_ms']:.2f} ms" for r in d["predicted"]) + "."]
     return "\n".join(lines)
 
 
