@@ -124,6 +124,7 @@ trees() {
   run tree_tau_fused 120 python bench/tree_tau.py examples/pipeline.yaml examples/pard.yaml --device cuda \
     --repeats 1 --graphs --fused --out "$OUT/tree_tau_fused_h200.json"
 }
+tau() { run zoo_tau 100 python bench/zoo_tau.py --num-prompts 8 --device cuda --passes cuda-graphs --out "$OUT/zoo_tau_h200.json"; }
 e2e() { run zoo_e2e 150 python bench/zoo_e2e.py --num-prompts 8 --max-new-tokens 64 --out "$OUT/zoo_e2e_h200.json"; }
 zoo() {
   if [ -n "${ZOO_DIR:-}" ]; then
@@ -131,7 +132,7 @@ zoo() {
   fi
   TAIL=4 run tree_kernel 60 python -m pytest -q -x -p no:cacheprovider tests/test_kernels.py -k best_first
   e2e
-  run zoo_tau 100 python bench/zoo_tau.py --num-prompts 8 --device cuda --passes cuda-graphs --out "$OUT/zoo_tau_h200.json"
+  tau
   run tree_tau 150 python bench/tree_tau.py examples/pipeline.yaml examples/pard.yaml --device cuda --repeats 1 \
     --graphs --out "$OUT/tree_tau_graphs_h200.json"
   trees
@@ -142,13 +143,11 @@ zoo() {
 for group in "${@:?group...}"; do
   case "$group" in
     ncu) ncu_linear ;;
-    tests | attntests | ab | attention | attnvar | u12 | hmma | bf16tune | u12tune | verify16 | linear | peers | train | trees | e2e | zoo) "$group" ;;
+    tests | attntests | ab | attention | attnvar | u12 | hmma | bf16tune | u12tune | verify16 | linear | peers | train | trees | e2e | tau | zoo) "$group" ;;
     steps) steps ;;
     qwen) steps qwen qwen3-8b ;;
-    tau) run zoo_tau 100 python bench/zoo_tau.py --num-prompts 8 --device cuda --passes cuda-graphs --out "$OUT/zoo_tau_h200.json" ;;
     kernels) tests; steps both llama-3.1-8b qwen3-8b; attention ;;
-    refresh) steps; steps qwen qwen3-8b; e2e; run zoo_tau 100 python bench/zoo_tau.py --num-prompts 8 --device cuda \
-      --passes cuda-graphs --out "$OUT/zoo_tau_h200.json" ;;
+    refresh) steps; steps qwen qwen3-8b; e2e; tau ;;
     *) echo "unknown group $group" >&2; exit 2 ;;
   esac
 done

@@ -84,8 +84,8 @@ grid (96 x 4 programs of 4 warps, 41 KB of shared memory each) is 0.58 of a wave
 the warps an SM could hold; its warps stall most on global loads (42% of issue cycles), gate_up's
 (8 warps) on them (41%) and at the pipeline's CTA barrier (37%). In the sm_90 PTX (triton 3.9) the
 norm's loop waits for its wgmma every chunk (wait_group 0; the normalised x goes through shared
-memory between two barriers) where o's keeps one in flight (wait_group 1), yet o reads no faster
-a byte (2.3 TB/s cold against qkv's 2.5): at these sizes the launch's fixed costs (the prologue,
+memory between two barriers) where o's keeps one in flight (wait_group 1), yet o moves no more
+bytes a second (ncu's memory throughput cold: 2.44 TB/s against qkv's 2.64): at these sizes the launch's fixed costs (the prologue,
 the cp.async pipeline's fill, the split-K semaphore's tail) dominate, not the norm. Not yet acted on.
 """
 
