@@ -21,9 +21,7 @@ import argparse
 import sys
 
 import torch
-
-SHAPES = {"qkv": (6144, 4096, True, False, False), "o": (4096, 4096, False, False, True),
-          "gate_up": (28672, 4096, True, True, False), "down": (4096, 14336, False, False, True)}
+from fused_linear import SHAPES  # bench/fused_linear.py: name -> (N, K, norm, gated, residual)
 
 
 def main() -> int:
