@@ -6,6 +6,7 @@
 #
 #   tests    GPU kernel tests (every registry kernel against its reference, fused and split-KV tests)
 #   attntests  the attention kernels' GPU tests alone
+#   lineartests  the linear kernels' GPU tests alone (fused_linear, u12: tile, gemv2, mma, hmma, fused)
 #   steps    Llama-3.1-8B step times with kernel profiles
 #   qwen     the same for Qwen3-8B
 #   ab       the Llama-3.1-8B AR step, bf16 against the u12 variants, interleaved (bench/step_ab.py)
@@ -55,6 +56,11 @@ run() {  # run NAME SECONDS CMD...: output to $LOGS/NAME.log, its last lines her
 attntests() {  # the attention kernels' GPU tests alone
   TAIL=4 run attention_tests 200 python -m pytest -q -x -p no:cacheprovider tests/test_attention_split_kv.py \
     tests/test_kernels.py -k "attention or rope or past"
+}
+lineartests() {  # the linear kernels' GPU tests alone
+  TAIL=4 run linear_tests 300 python -m pytest -q -x -p no:cacheprovider tests/test_fused_linear.py \
+    tests/test_u12_gemv.py tests/test_u12_mma.py tests/test_u12_hmma.py tests/test_u12_fused_linear.py \
+    tests/test_kernels.py -k "linear or u12"
 }
 tests() {
   TAIL=4 run gpu_tests 420 python -m pytest -q -x -p no:cacheprovider tests/test_kernels.py \
@@ -143,7 +149,7 @@ zoo() {
 for group in "${@:?group...}"; do
   case "$group" in
     ncu) ncu_linear ;;
-    tests | attntests | ab | attention | attnvar | u12 | hmma | bf16tune | u12tune | verify16 | linear | peers | train | trees | e2e | tau | zoo) "$group" ;;
+    tests | attntests | lineartests | ab | attention | attnvar | u12 | hmma | bf16tune | u12tune | verify16 | linear | peers | train | trees | e2e | tau | zoo) "$group" ;;
     steps) steps ;;
     qwen) steps qwen qwen3-8b ;;
     kernels) tests; steps both llama-3.1-8b qwen3-8b; attention ;;

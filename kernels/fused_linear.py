@@ -305,11 +305,11 @@ def _gemv_kernel(
 @triton.jit
 def _dot_kernel(
     x_ptr, w_ptr, nw_ptr, y_ptr, part_ptr, count_ptr, sq_ptr,
-    M, N, K, k_per_split, split_k, part_stride, inv_k, eps, stride_xm, stride_wn, stride_ym, sq_parts,
+    M, N, K, k_per_split, part_stride, inv_k, eps, stride_xm, stride_wn, stride_ym, sq_parts,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: no masks
     NORM: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr,
-    SPLIT: tl.constexpr,  # split_k > 1: partials and the semaphore
+    SPLIT_K: tl.constexpr,  # ways over K; > 1: partials and the semaphore (constexpr: the sum unrolls)
     DOT_BF16: tl.constexpr,  # bf16 operands (GPU, bf16 x); else fp32 "ieee" dots
     NORM_WORDS: tl.constexpr,  # > 0: the norm prologue reads x as int64 words, this many a chunk (norm_words)
     SQ_IN: tl.constexpr,  # NORM: the rows' Σx² from RowSquares' sq_parts parts at sq_ptr, not from x
@@ -318,7 +318,7 @@ def _dot_kernel(
     ROUND_BF16: tl.constexpr, EXPF: tl.constexpr,
     PDL: tl.constexpr,  # programmatic dependent launch (kernels/overlap.py)
 ):
-    """BLOCK_M rows of x against BLOCK_N output rows over K range pid_k of split_k."""
+    """BLOCK_M rows of x against BLOCK_N output rows over K range pid_k of SPLIT_K."""
     pdl_enter(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -379,7 +379,7 @@ def _dot_kernel(
     mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
     y_ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
     sq_ptrs = sq_ptr + pid_n * M + offs_m  # SQ_OUT: this output block's part
-    if SPLIT:
+    if SPLIT_K > 1:
         part = part_ptr + offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]  # [split, gate/up, M, N] fp32
         own = part + pid_k.to(tl.int64) * part_stride
         if GATED:
@@ -389,10 +389,10 @@ def _dot_kernel(
         tl.debug_barrier()  # every thread's partial is written before the release below
         counter = count_ptr + pid_m * tl.num_programs(0) + pid_n
         arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-        if arrived == split_k - 1:  # the last program of this block sums, in split order
+        if arrived == SPLIT_K - 1:  # the last program of this block sums, in split order
             g_sum = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             u_sum = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for _ in range(0, split_k):
+            for _ in tl.static_range(SPLIT_K):  # unrolled: every partial's load in flight at once
                 g_sum += tl.load(part, mask=mask, other=0.0, cache_modifier=".cg")
                 part += part_stride
                 if GATED:
@@ -710,9 +710,9 @@ def fused_linear(
     sq_buf = squares.buf if sq_in else squares._writer(residual, grid[0]) if sq_out else part
     _dot_kernel[grid](
         x, weight, norm_weight if norm else x, y, part, counters, sq_buf,
-        m, n_out, k, k_per_split, split, m * n_out, 1.0 / k, eps, x.stride(0), weight.stride(0), y.stride(0),
+        m, n_out, k, k_per_split, m * n_out, 1.0 / k, eps, x.stride(0), weight.stride(0), y.stride(0),
         sq_parts,
-        BLOCK_M=bm, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=k % cfg.block_k == 0, SPLIT=split > 1,
+        BLOCK_M=bm, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=k % cfg.block_k == 0, SPLIT_K=split,
         DOT_BF16=native and x.dtype == torch.bfloat16, NORM_WORDS=norm_words_chunk,
         SQ_IN=sq_in, SQ_OUT=sq_out, SQ_BLOCK=min(128, triton.next_power_of_2(max(1, sq_parts))), **flags, **launch,
     )

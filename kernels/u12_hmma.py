@@ -262,12 +262,13 @@ def _finish(
     tl.store(y_ptr + mm * stride_ym + nn, y.to(y_ptr.dtype.element_ty), mask=(mm < M) & ok_n)
 
 
-@triton.jit(do_not_specialize=["split_k"])  # one compile serves split_k = 1 and > 1
+@triton.jit
 def _u12_hmma_kernel(
     x_ptr, sm_ptr, codes_ptr, esc_idx_ptr, esc_val_ptr, esc_row_ptr, y_ptr, part_ptr, count_ptr,
-    M, N, K, n_words, y_scale, split_k, words_per_split,
+    M, N, K, n_words, y_scale, words_per_split,
     stride_xm, stride_sm, stride_codes, stride_ym,
     BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, WARPS: tl.constexpr,
+    SPLIT_K: tl.constexpr,  # ways over K (constexpr: the last program's sum of the partials unrolls)
     EVEN_K: tl.constexpr,  # n_words % BLOCK_W == 0: no split has a masked last chunk
     ASM: tl.constexpr,  # PTX mma.sync and prmt (GPU); else their emulation (interpreter)
     PDL: tl.constexpr,  # programmatic dependent launch (kernels/overlap.py)
@@ -326,7 +327,7 @@ def _u12_hmma_kernel(
     nn = _stack(row, row, row + 8, row + 8, row, row, row + 8, row + 8)
     acc = _stack(d0, d1, d2, d3, e0, e1, e2, e3)
     acc2 = _stack(f0, f1, f2, f3, h0, h1, h2, h3)  # TILES 2: rows nn + 16
-    if split_k == 1:
+    if SPLIT_K == 1:
         _finish(acc, mm, nn, x_ptr, esc_idx_ptr, esc_val_ptr, esc_row_ptr, y_ptr, M, N, K, stride_xm, stride_ym,
                 y_scale)
         if TILES == 2:
@@ -334,22 +335,22 @@ def _u12_hmma_kernel(
                     stride_ym, y_scale)
     else:  # the serial split-K semaphore (as _store_block): the last program sums the partials in split order
         ok = (mm < M) & (nn < N)
-        part = part_ptr + mm * N + nn  # [split_k, M, N] fp32
+        part = part_ptr + mm * N + nn  # [SPLIT_K, M, N] fp32
         tl.store(part + pid_k * M * N, acc, mask=ok)
         if TILES == 2:
             tl.store(part + 16 + pid_k * M * N, acc2, mask=(mm < M) & (nn + 16 < N))
         tl.debug_barrier()  # every thread's partial is written before the release below
         counter = count_ptr + pid_m * tl.num_programs(0) + pid_n
         arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-        if arrived == split_k - 1:
+        if arrived == SPLIT_K - 1:
             total = tl.zeros_like(acc)
-            for ks in range(0, split_k):
+            for ks in tl.static_range(SPLIT_K):  # unrolled: every partial's load in flight at once
                 total += tl.load(part + ks * M * N, mask=ok, other=0.0, cache_modifier=".cg")
             _finish(total, mm, nn, x_ptr, esc_idx_ptr, esc_val_ptr, esc_row_ptr, y_ptr, M, N, K, stride_xm, stride_ym,
                     y_scale)
             if TILES == 2:
                 total = tl.zeros_like(acc)
-                for ks in range(0, split_k):
+                for ks in tl.static_range(SPLIT_K):
                     total += tl.load(part + 16 + ks * M * N, mask=(mm < M) & (nn + 16 < N), other=0.0,
                                      cache_modifier=".cg")
                 _finish(total, mm, nn + 16, x_ptr, esc_idx_ptr, esc_val_ptr, esc_row_ptr, y_ptr, M, N, K, stride_xm,
@@ -374,9 +375,9 @@ def launch_hmma(x: torch.Tensor, t: U12Tensor, y: torch.Tensor, cfg: U12Config) 
     _u12_hmma_kernel[grid](
         x, sm.view(torch.int32), codes.view(torch.int16),
         _nonempty(t.esc_idx), _nonempty(t.esc_val), t.esc_row_ptr, y, part, counters,
-        m, n, k, n_words, biased_scale(t.base), grid[1], words_per_split,
+        m, n, k, n_words, biased_scale(t.base), words_per_split,
         x.stride(0), n_words, n_words, y.stride(0),
-        BLOCK_N=cfg.block_n, BLOCK_W=cfg.block_w, WARPS=cfg.num_warps,
+        BLOCK_N=cfg.block_n, BLOCK_W=cfg.block_w, WARPS=cfg.num_warps, SPLIT_K=grid[1],
         EVEN_K=n_words % cfg.block_w == 0, ASM=native, **cfg.launch_options(native), **pdl_args(x.device),
     )
 

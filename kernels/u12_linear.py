@@ -250,12 +250,13 @@ def _apply_escapes(
         return esc
 
 
-@triton.jit(do_not_specialize=["split_k"])  # one compile serves split_k = 1 and > 1
+@triton.jit
 def _u12_linear_kernel(
     x_ptr, sm_ptr, codes_ptr, esc_idx_ptr, esc_val_ptr, esc_row_ptr, y_ptr, part_ptr, count_ptr,
-    M, N, K, n_words, base, x_scale, y_scale_lo, y_scale_hi, split_k, words_per_split,
+    M, N, K, n_words, base, x_scale, y_scale_lo, y_scale_hi, words_per_split,
     stride_xm, stride_xk, stride_sm, stride_codes, stride_ym,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, ESC_BLOCK: tl.constexpr,
+    SPLIT_K: tl.constexpr,  # ways over K (constexpr: the last program's sum of the partials unrolls)
     PAIRS: tl.constexpr,  # the scaled decode two weights per 32-bit op (else one)
     WORDS: tl.constexpr,  # sm viewed as int32 [N, K/4], codes as int16 [N, K/4] (K % 4 == 0); else bytes
     SCALED: tl.constexpr,  # exponent field = code, x scaled by x_scale, sums by y_scale_lo · y_scale_hi
@@ -314,7 +315,7 @@ def _u12_linear_kernel(
 
     _store_block(
         out, x_ptr, esc_idx_ptr, esc_val_ptr, esc_row_ptr, y_ptr, part_ptr, count_ptr, offs_m, mask_m, offs_n, mask_n,
-        n0, pid_n, pid_k, pid_m, M, N, K, split_k, stride_xm, stride_xk, stride_ym,
+        n0, pid_n, pid_k, pid_m, M, N, K, SPLIT_K, stride_xm, stride_xk, stride_ym,
         BLOCK_M, BLOCK_N, ESC_BLOCK, USE_DOT,
     )
 
@@ -322,18 +323,18 @@ def _u12_linear_kernel(
 @triton.jit
 def _store_block(
     out, x_ptr, esc_idx_ptr, esc_val_ptr, esc_row_ptr, y_ptr, part_ptr, count_ptr, offs_m, mask_m, offs_n, mask_n,
-    n0, pid_n, pid_k, pid_m, M, N, K, split_k, stride_xm, stride_xk, stride_ym,
+    n0, pid_n, pid_k, pid_m, M, N, K, SPLIT_K: tl.constexpr, stride_xm, stride_xk, stride_ym,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ESC_BLOCK: tl.constexpr, USE_DOT: tl.constexpr,
     BIASED: tl.constexpr = False, y_scale=1.0,
 ):
     """Store a program's fp32 sums ``out`` [BM, BN] (y's units, or BIASED the biased decode's, which
-    the escape step scales by y_scale; ``_apply_escapes``): with split_k 1 add the escapes and
+    the escape step scales by y_scale; ``_apply_escapes``): with SPLIT_K 1 add the escapes and
     store y; else store the partial, and the last program of the block (the serial split-K semaphore)
     sums the partials in split order, adds the escapes, stores y and resets the counter. Shared by
     the tile kernel and the mma kernel (kernels/u12_mma.py)."""
     mask_out = mask_m[:, None] & mask_n[None, :]
     y = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
-    if split_k == 1:
+    if SPLIT_K == 1:
         out = _apply_escapes(
             out, x_ptr, esc_idx_ptr, esc_val_ptr, esc_row_ptr, offs_m, mask_m, offs_n, n0, N, K,
             stride_xm, stride_xk, BLOCK_N, ESC_BLOCK, USE_DOT, x_ptr, 1.0, False, y_ptr.dtype.element_ty, False,
@@ -341,14 +342,14 @@ def _store_block(
         )
         tl.store(y, out.to(y_ptr.dtype.element_ty), mask=mask_out)
     else:
-        part = part_ptr + offs_m[:, None] * N + offs_n[None, :]  # [split_k, M, N] fp32
+        part = part_ptr + offs_m[:, None] * N + offs_n[None, :]  # [SPLIT_K, M, N] fp32
         tl.store(part + pid_k * M * N, out, mask=mask_out)
         tl.debug_barrier()  # every thread's partial is written before the release below
         counter = count_ptr + pid_m * tl.num_programs(0) + pid_n
         arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-        if arrived == split_k - 1:  # the last program of this block sums, in split order
+        if arrived == SPLIT_K - 1:  # the last program of this block sums, in split order
             total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for ks in range(0, split_k):
+            for ks in tl.static_range(SPLIT_K):  # unrolled: every partial's load in flight at once
                 total += tl.load(part + ks * M * N, mask=mask_out, other=0.0, cache_modifier=".cg")
             total = _apply_escapes(
                 total, x_ptr, esc_idx_ptr, esc_val_ptr, esc_row_ptr, offs_m, mask_m, offs_n, n0, N, K,
@@ -882,9 +883,9 @@ def u12_linear(x: torch.Tensor, t: U12Tensor, config: U12Config | None = None) -
     _u12_linear_kernel[grid](
         x, sm.view(torch.int32) if words else sm, codes.view(torch.int16) if words else codes,
         _nonempty(t.esc_idx), _nonempty(t.esc_val), t.esc_row_ptr, y, part, counters,
-        m, n, k, n_words, t.base, x_scale, y_lo, y_hi, split, words_per_split,
+        m, n, k, n_words, t.base, x_scale, y_lo, y_hi, words_per_split,
         x.stride(0), x.stride(1), n_words if words else k, n_words if words else codes.shape[1], y.stride(0),
-        BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_W=cfg.block_w, ESC_BLOCK=_ESC_BLOCK,
+        BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_W=cfg.block_w, ESC_BLOCK=_ESC_BLOCK, SPLIT_K=split,
         PAIRS=cfg.decode == "pairs", WORDS=words, SCALED=scaled, USE_DOT=use_dot,
         DOT_BF16=use_dot and x.is_cuda and x.dtype == torch.bfloat16,
         **cfg.launch_options(x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1"), **pdl_args(x.device),

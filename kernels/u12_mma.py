@@ -146,12 +146,13 @@ def _mma_chunk(
     return _plane_dot(_w_in_dot_order(w0, w1, w2, w3), _x_in_dot_order(x0, x1, x2, x3), x_scale, acc, DOT_BF16)
 
 
-@triton.jit(do_not_specialize=["split_k"])  # one compile serves split_k = 1 and > 1
+@triton.jit
 def _u12_mma_kernel(
     x_ptr, sm_ptr, codes_ptr, esc_idx_ptr, esc_val_ptr, esc_row_ptr, y_ptr, part_ptr, count_ptr,
-    M, N, K, n_words, x_scale, y_scale_lo, y_scale_hi, split_k, words_per_split,
+    M, N, K, n_words, x_scale, y_scale_lo, y_scale_hi, words_per_split,
     stride_xm, stride_xk, stride_sm, stride_codes, stride_ym,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, ESC_BLOCK: tl.constexpr,
+    SPLIT_K: tl.constexpr,  # ways over K (u12_linear._store_block)
     X_WORDS: tl.constexpr,  # bf16 x as int64 words of 4 (contiguous, 8-byte aligned rows); else elements, stride_xk 1
     EVEN_K: tl.constexpr,  # n_words % BLOCK_W == 0: no split has a masked last chunk
     DOT_BF16: tl.constexpr,  # bf16 planes and dots (GPU, bf16 x); else fp32
@@ -190,7 +191,7 @@ def _u12_mma_kernel(
 
     _store_block(
         out, x_ptr, esc_idx_ptr, esc_val_ptr, esc_row_ptr, y_ptr, part_ptr, count_ptr, offs_m, mask_m, offs_n, mask_n,
-        n0, pid_n, pid_k, pid_m, M, N, K, split_k, stride_xm, stride_xk, stride_ym, BLOCK_M, BLOCK_N, ESC_BLOCK, True,
+        n0, pid_n, pid_k, pid_m, M, N, K, SPLIT_K, stride_xm, stride_xk, stride_ym, BLOCK_M, BLOCK_N, ESC_BLOCK, True,
     )
 
 
@@ -214,9 +215,9 @@ def launch_mma(x: torch.Tensor, t: U12Tensor, y: torch.Tensor, cfg: U12Config) -
     _u12_mma_kernel[grid](
         x, sm.view(torch.int32), codes.view(torch.int16),
         _nonempty(t.esc_idx), _nonempty(t.esc_val), t.esc_row_ptr, y, part, counters,
-        m, n, k, n_words, x_scale, y_lo, y_hi, grid[1], words_per_split,
+        m, n, k, n_words, x_scale, y_lo, y_hi, words_per_split,
         x.stride(0), x.stride(1), n_words, n_words, y.stride(0),
-        BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_W=cfg.block_w, ESC_BLOCK=_ESC_BLOCK,
+        BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_W=cfg.block_w, ESC_BLOCK=_ESC_BLOCK, SPLIT_K=grid[1],
         X_WORDS=x_words, EVEN_K=n_words % cfg.block_w == 0,
         DOT_BF16=native and x.dtype == torch.bfloat16, ASM=native,
         **cfg.launch_options(native), **pdl_args(x.device),
