@@ -480,6 +480,8 @@ SWEEP_DOT = [
     FusedLinearConfig("dot", bn, bk, num_warps=w, num_stages=s) for bn, bk, w, s in (
         (64, 64, 4, 4), (64, 128, 4, 3), (128, 64, 8, 3), (64, 64, 4, 6), (32, 128, 4, 4), (128, 128, 8, 3),
         (32, 64, 2, 4), (64, 64, 4, 3), (64, 256, 4, 2), (128, 64, 4, 4), (32, 256, 4, 3),
+        # deep pipelines, as cuBLAS runs 16 rows (nvjet 128x24_64x11: 11 stages of 64-wide K chunks)
+        (64, 64, 4, 8), (128, 64, 4, 6), (64, 128, 4, 5), (128, 64, 8, 6),
     )
 ]
 SPLIT_KS = (1, 2, 4, 8)

@@ -461,7 +461,7 @@ class HybridTransformer(nn.Module):
         return rope_cos_sin(self._inv_freq[device], positions, self.dtype)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.model.embed_tokens(ids)
+        return self.model.embed_tokens.weight[ids]  # as Transformer.embed: indexing, not index_select
 
     def final_norm(self, h: torch.Tensor) -> torch.Tensor:
         return self.model.norm(h)

@@ -289,7 +289,10 @@ class Transformer(nn.Module):
         return rope_cos_sin(self._inv_freq[device], positions, self.dtype)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.model.embed_tokens(ids)
+        """Rows of the embedding by advanced indexing: the same copy as nn.Embedding, whose CUDA
+        index_select for a few ids loops over them in each thread (16 ids: 11 µs of an 8B verify
+        step on the H200, against 2 for one; bench/results/step_times_llama_h200.json)."""
+        return self.model.embed_tokens.weight[ids]
 
     def final_norm(self, h: torch.Tensor) -> torch.Tensor:
         return self.model.norm(h)
