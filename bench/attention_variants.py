@@ -18,6 +18,10 @@ tree over 512 (verify(16) over 4000 too). Variants, each a choice the kernels le
 combining the splits in the split kernel's last program: slower in every shape, since removed.)
 Every variant's output is checked against the first's (the registry's bf16 tolerance). Writes a
 results file (GPU, versions, commit) and prints the table last, best per shape first.
+
+--parts times, per shape at the rule's splits, the combine kernel alone (32 launches in a graph
+over partials of that many splits, and of only the splits the past fills: what the split kernel's
+launch costs is the rest), instead of the variants.
 """
 
 from __future__ import annotations
@@ -49,6 +53,51 @@ def _tree_mask(t: int) -> torch.Tensor:
     return mask
 
 
+def _graph_us(step, repeats: int) -> tuple[float, list]:
+    """Median µs a layer of `step` (LAYERS calls) replayed as one CUDA graph, and its outputs."""
+    step()  # compile outside the capture
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = step()
+    times = []
+    for _ in range(repeats):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / LAYERS)
+    return statistics.median(times), outs
+
+
+_PARTIALS: dict = {}
+
+
+def _combine_only(ask, t: int, cached_splits: int, dev) -> list:
+    """LAYERS launches of the combine kernel alone, over partials of cached_splits + 1 splits
+    (m ~ N(0, 1), l in [1, 2), acc ~ N(0, 1): finite, as the split kernel leaves them)."""
+    rows, n = t * (HEADS // KV_HEADS), cached_splits + 1
+    key = (t, n)
+    if key not in _PARTIALS:
+        g = torch.Generator(device=dev).manual_seed(1)
+        _PARTIALS[key] = [(torch.randn(KV_HEADS, n, rows, device=dev, generator=g),
+                           1 + torch.rand(KV_HEADS, n, rows, device=dev, generator=g),
+                           torch.randn(KV_HEADS, n, rows, HEAD_DIM, device=dev, generator=g),
+                           torch.empty(1, t, HEADS, HEAD_DIM, device=dev, dtype=torch.bfloat16).transpose(1, 2))
+                          for _ in range(LAYERS)]
+    for m, l, acc, out in _PARTIALS[key]:
+        ask._combine_kernel[(rows, KV_HEADS)](
+            m, l, acc, out, t, HEADS // KV_HEADS, KV_HEADS, n, out.stride(0), out.stride(1), out.stride(2),
+            HEAD_DIM=HEAD_DIM, BLOCK_D=HEAD_DIM, BLOCK_S=triton.next_power_of_2(n), ROUND_BF16=False,
+            num_warps=ask.NUM_WARPS, num_stages=2, enable_fp_fusion=True, PDL=0)
+    return []
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path)
@@ -56,6 +105,7 @@ def main() -> None:
     ap.add_argument("--warps", default="4", help="comma-separated warps a program")
     ap.add_argument("--capacity", type=int, default=CAPACITY,
                     help="cache slots (bench/step_times.py's steps: 2048); shapes past it are skipped")
+    ap.add_argument("--parts", action="store_true", help="the combine launch alone beside the whole (module docstring)")
     args = ap.parse_args()
     if not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
         sys.exit("bench/attention_variants.py times compiled CUDA kernels: it needs a GPU and no TRITON_INTERPRET.")
@@ -95,32 +145,22 @@ def main() -> None:
                         outs.append(ask.attention_split_kv(q, k, v, past=length, mask=mask, splits=splits))
                 return outs
 
-            step()  # compile outside the capture
-            s = torch.cuda.Stream()
-            s.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(s):
-                step()
-            torch.cuda.current_stream().wait_stream(s)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                outs = step()
-            times = []
-            for _ in range(args.repeats):
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                graph.replay()
-                b.record()
-                b.synchronize()
-                times.append(a.elapsed_time(b) * 1e3 / LAYERS)
+            if args.parts and not (fused and splits == rule and balance):
+                continue
+            us, outs = _graph_us(step, args.repeats)
+            parts = {}
+            if args.parts:  # the combine alone: over the grid's splits, and over those the past fills
+                active = -(-past // ask.plan(1, HEADS, KV_HEADS, t, past, sms, splits=splits).split_len)
+                for label, n in (("combine_us", splits), ("combine_active_us", active)):
+                    parts[label] = _graph_us(lambda n=n: _combine_only(ask, t, n, dev), args.repeats)[0]
             key = (what, t, past)
             if key not in reference:
                 reference[key] = [o.clone() for o in outs]
             worst = max((o.float() - r.float()).abs().max().item() for o, r in zip(outs, reference[key]))
             ok = all(torch.allclose(o.float(), r.float(), atol=2 ** -5, rtol=2 ** -6) for o, r in zip(outs, reference[key]))
             rows.append(dict(what=what, t=t, past=past, path="fused" if fused else "apart", warps=warps,
-                             splits=splits, rule_splits=rule, balance=balance, us_per_layer=statistics.median(times),
-                             max_abs_diff=worst, agrees=ok))
-            del graph
+                             splits=splits, rule_splits=rule, balance=balance, us_per_layer=us,
+                             max_abs_diff=worst, agrees=ok, **parts))
     ask.NUM_WARPS, ask.BALANCE_SPLITS = 4, True
     gpu = torch.cuda.get_device_name()
     out = args.out or ROOT / "bench" / "results" / f"attention_variants_{gpu.split()[-1].lower()}.json"
@@ -132,11 +172,13 @@ def main() -> None:
         capacity=cap,
         rows=rows), indent=1) + "\n")
     print(f"{gpu} -> {out}")
-    print(f"{'shape':18} {'path':6} {'warps':>5} {'splits':>6} {'balance':>7} {'us/layer':>9} agrees")
+    print(f"{'shape':18} {'path':6} {'warps':>5} {'splits':>6} {'balance':>7} {'us/layer':>9} agrees"
+          + ("  combine  combine(active)" if args.parts else ""))
     for key in dict.fromkeys((r["what"], r["t"], r["past"]) for r in rows):
         for r in sorted((r for r in rows if (r["what"], r["t"], r["past"]) == key), key=lambda r: r["us_per_layer"]):
             print(f"{r['what']}-{r['t']}@{r['past']:<10} {r['path']:6} {r['warps']:>5} {r['splits']:>6} "
-                  f"{str(r['balance']):>7} {r['us_per_layer']:9.2f} {r['agrees']}")
+                  f"{str(r['balance']):>7} {r['us_per_layer']:9.2f} {r['agrees']}"
+                  + (f"  {r['combine_us']:7.2f}  {r['combine_active_us']:7.2f}" if args.parts else ""))
 
 
 if __name__ == "__main__":

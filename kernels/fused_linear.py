@@ -497,22 +497,24 @@ SPLIT_KS = (1, 2, 4, 8)
 # bench/results/fused_linear_graph_h200.json, commit 5c1d840: 57.1 and 29.5 µs against 57.6 and
 # 29.8 for the configs before), taken after the AR step interleaved (bench/step_ab.py --bf16-tuned,
 # bench/results/step_ab_bf16_tuned_h200.json): 4.105 ms against 4.123.
-# M = 16 (5..16 rows): the graph-timed sweep with the norm rows reading RowSquares
-# (bench/results/fused_linear_m16_32_graph_h200.json, commit 4cea20f): o 12.4 µs against 13.2 for
-# its config before; the others were the sweep's best already.
+# M = 16 (5..16 rows): the graph-timed sweep with the norm rows reading RowSquares and the split-K
+# sum unrolled, deep-pipeline tiles added (bench/results/fused_linear_m16_graph_h200.json, commit
+# e0b3034): qkv 18.56 µs against 18.71 for the config before, o 11.86 against 12.39, down 32.33
+# against 32.59 (split_k 2 at 5-6 stages where 4 at 3-4 stages had won before the unrolled sum);
+# verify(16) interleaved (bench/results/step_ab_verify16_h200.json, bf16-sweep): 4.529 ms against 4.559.
 TUNED: dict[tuple[int, int, int, bool], FusedLinearConfig] = {
     (1, 6144, 4096, False): FusedLinearConfig("gemv", 8, 1024, num_warps=4, num_stages=1),  # qkv
     (4, 6144, 4096, False): FusedLinearConfig("gemv", 8, 1024, num_warps=4, num_stages=1),  # qkv
-    (16, 6144, 4096, False): FusedLinearConfig("dot", 64, 64, split_k=4, num_warps=4, num_stages=4),  # qkv
+    (16, 6144, 4096, False): FusedLinearConfig("dot", 128, 64, split_k=2, num_warps=4, num_stages=6),  # qkv
     (1, 4096, 4096, False): FusedLinearConfig("gemv", 4, 1024, num_warps=2, num_stages=3, maxnreg=128),  # o
     (4, 4096, 4096, False): FusedLinearConfig("gemv", 4, 1024, num_warps=2, num_stages=3),  # o
-    (16, 4096, 4096, False): FusedLinearConfig("dot", 64, 128, split_k=4, num_warps=4, num_stages=3),  # o
+    (16, 4096, 4096, False): FusedLinearConfig("dot", 64, 128, split_k=2, num_warps=4, num_stages=5),  # o
     (1, 28672, 4096, True): FusedLinearConfig("gemv", 2, 1024, num_warps=2, num_stages=1, maxnreg=128),  # gate_up
     (4, 28672, 4096, True): FusedLinearConfig("gemv", 4, 512, num_warps=2, num_stages=1),  # gate_up
     (16, 28672, 4096, True): FusedLinearConfig("dot", 128, 128, num_warps=8, num_stages=3),  # gate_up
     (1, 4096, 14336, False): FusedLinearConfig("gemv", 4, 1024, num_warps=2, num_stages=1, maxnreg=128),  # down
     (4, 4096, 14336, False): FusedLinearConfig("dot", 64, 128, split_k=4, num_warps=4, num_stages=3),  # down
-    (16, 4096, 14336, False): FusedLinearConfig("dot", 64, 128, split_k=4, num_warps=4, num_stages=3),  # down
+    (16, 4096, 14336, False): FusedLinearConfig("dot", 64, 128, split_k=2, num_warps=4, num_stages=5),  # down
 }
 
 # Small tiles under the interpreter: several chunks, a masked last one, and split-K on the CPU too.

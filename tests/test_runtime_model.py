@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 from torch import nn
 
@@ -16,7 +18,7 @@ from specpilot.runtime.cache import KVCache
 from specpilot.runtime.config import DrafterConfig, ModelConfig
 from specpilot.runtime.decode import generate_ar
 from specpilot.runtime.load import load_drafter, load_target
-from specpilot.runtime.model import Transformer
+from specpilot.runtime.model import RopeTables, Transformer, rope_cos_sin, rope_inv_freq
 from specpilot.runtime.tiny import MASK_TOKEN_ID, build_tiny_models
 from specpilot.runtime.tokenizer import build_byte_tokenizer, load_tokenizer
 
@@ -109,6 +111,62 @@ def test_dflash_drafter_matches_hf(family, tiny_models):
 
 
 # --- masks, cache, linear seam -------------------------------------------------------------------
+
+
+_LLAMA3_ROPE = ModelConfig.from_hf(
+    {"model_type": "llama", "vocab_size": 100, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 1,
+     "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 16, "rope_theta": 500000.0,
+     "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 64}}, "mem://config.json")
+
+
+@settings(max_examples=40, deadline=None)
+@given(rows=st.integers(1, 400), b=st.integers(1, 3), t=st.integers(1, 17), bf16=st.booleans(),
+       seed=st.integers(0, 2**16))
+def test_rope_table_rows_equal_the_computed_ones(rows, b, t, bf16, seed):
+    """A gathered row is rope_cos_sin's value bit for bit (llama3-scaled frequencies, fp32 and
+    bf16), in the [B, 1, T, D] views the rope kernels take; positions the table does not cover
+    (or not vouched for) are computed."""
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    inv_freq = rope_inv_freq(_LLAMA3_ROPE, "cpu")
+    tables = RopeTables(lambda device: inv_freq)
+    tables.cover(rows, torch.device("cpu"), dtype)
+    positions = torch.randint(0, rows, (b, t), generator=torch.Generator().manual_seed(seed))
+    want = rope_cos_sin(inv_freq, positions, dtype)
+    got = tables(positions, dtype, below=rows)
+    for g, w in zip(got, want):
+        assert g.shape == w.shape == (b, 1, t, 16) and g.stride(-1) == 1
+        assert torch.equal(g, w)
+    assert got[0].stride() == got[1].stride() and _one_buffer(*got)
+    assert not _one_buffer(*tables(positions, dtype, below=rows + 1))  # beyond the table: computed
+    assert not _one_buffer(*tables(positions, dtype, below=None))  # not vouched for: computed
+    assert tables(positions, torch.float16, below=rows)[0].dtype == torch.float16  # no fp16 table: computed
+
+
+def _one_buffer(cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    """Whether cos and sin view one gather (else rope_cos_sin made two tensors)."""
+    return cos.untyped_storage().data_ptr() == sin.untyped_storage().data_ptr()
+
+
+def test_forward_gathers_rope_for_its_slots(tiny_models, monkeypatch):
+    """A default-position forward over a cache from new_cache reads the table and computes no
+    RoPE; a cache the model did not make, or explicit positions, compute it: the logits agree bit
+    for bit."""
+    import specpilot.runtime.model as model_module
+
+    m = tiny_models["llama"].target
+    ids = _ids(7, m.cfg.vocab_size, seed=4)
+    computed = []
+    monkeypatch.setattr(model_module, "rope_cos_sin",
+                        lambda *args: computed.append(args[1].shape) or rope_cos_sin(*args))
+    with torch.inference_mode():
+        gathered = m(ids, m.new_cache(1, 16)).logits
+        assert computed == [(1, 16)]  # new_cache's table, then nothing
+        other = m(ids, KVCache.for_model(m.cfg, 1, 4096, m.dtype, "cpu")).logits
+        explicit = m(ids, m.new_cache(1, 16), positions=torch.arange(7)[None]).logits
+    assert computed == [(1, 16), (1, 7), (1, 7)]
+    torch.testing.assert_close(gathered, other, atol=0, rtol=0)
+    torch.testing.assert_close(gathered, explicit, atol=0, rtol=0)
 
 
 def test_tensor_mask_equals_causal(tiny_models):

@@ -22,7 +22,7 @@ from torch import nn
 
 from specpilot.runtime.cache import DeviceKVCache, KVCache
 from specpilot.runtime.config import DrafterConfig
-from specpilot.runtime.model import DecoderLayer, RMSNorm, Visibility, rope_cos_sin, rope_inv_freq
+from specpilot.runtime.model import DecoderLayer, RMSNorm, RopeTables, Visibility, rope_inv_freq
 
 
 class ContextProjection(nn.Module):
@@ -56,6 +56,7 @@ class DFlashDrafter(nn.Module):
         self.norm = RMSNorm(cfg.model.hidden_size, cfg.model.rms_norm_eps)
         self._shared = (embed, head)  # a plain tuple: never registered as submodules or parameters
         self._inv_freq: dict[torch.device, torch.Tensor] = {}
+        self._rope = RopeTables(self._freqs)
         self.fused = None  # a FusedDFlash serving add_context and forward (runtime/fused.py), when installed
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
@@ -87,17 +88,22 @@ class DFlashDrafter(nn.Module):
     def new_cache(self, batch: int, max_len: int, *, device_length: bool = False) -> KVCache:
         """`max_len` slots: the context plus one block of scratch must fit (see Transformer.new_cache)."""
         kind = DeviceKVCache if device_length else KVCache
+        self._rope.cover(max_len, self.device, self.dtype)
         return kind.for_model(self.cfg.model, batch, max_len, self.dtype, self.device)
 
-    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [B, 1, T, D] for positions [B, T]."""
-        device = positions.device
+    def _freqs(self, device: torch.device) -> torch.Tensor:
         if device not in self._inv_freq:
             self._inv_freq[device] = rope_inv_freq(self.cfg.model, device)
-        return rope_cos_sin(self._inv_freq[device], positions, self.dtype)
+        return self._inv_freq[device]
 
-    def _rope(self, start: int | torch.Tensor, t: int, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.rope((torch.arange(t, device=self.device) + start).expand(batch, t))
+    def rope(self, positions: torch.Tensor, below: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [B, 1, T, D] for positions [B, T] (Transformer.rope: `below` lets the rows
+        come from the table)."""
+        return self._rope(positions, self.dtype, below)
+
+    def _slots_rope(self, cache: KVCache, t: int, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE of t tokens at slots cache.length..: a token's position is its slot."""
+        return self.rope((torch.arange(t, device=self.device) + cache.length).expand(batch, t), cache.max_len)
 
     def add_context(self, new_context_hidden: torch.Tensor, cache: KVCache, count: torch.Tensor | None = None) -> None:
         """Append K/V of n_new context tokens [B, n_new, len(target_layer_ids) * H] at positions
@@ -112,7 +118,7 @@ class DFlashDrafter(nn.Module):
         if n == 0:
             return
         ctx = self.encoder(new_context_hidden.to(self.dtype))
-        cos, sin = self._rope(cache.length, n, b)
+        cos, sin = self._slots_rope(cache, n, b)
         for i, layer in enumerate(self.layers):
             k, v = layer.self_attn.keys_values(ctx, cos, sin)
             cache.write(i, cache.length, k, v)
@@ -132,7 +138,7 @@ class DFlashDrafter(nn.Module):
         self.add_context(new_context_hidden, cache, count)
         b, s = block_ids.shape
         ctx_len = cache.length
-        cos, sin = self._rope(ctx_len, s, b)
+        cos, sin = self._slots_rope(cache, s, b)
         x = self.embed(block_ids).to(self.dtype)
         vis = Visibility("full", ctx_len, s, x.device, cache.key_slots(s))  # the block sees itself and all context
         for i, layer in enumerate(self.layers):

@@ -331,12 +331,13 @@ class FusedDecoder(FusedStack):
         self.model = model
 
     def __call__(
-        self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache, vis: Visibility, hidden_layers: tuple[int, ...]
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, vis: Visibility,
+        hidden_layers: tuple[int, ...],
     ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
-        """x: embeddings [B, T, H]. Returns (final-normed hidden states, picked layer outputs).
+        """x: embeddings [B, T, H]; cos, sin: the new tokens' RoPE tables (Transformer.rope, once a
+        forward for every layer). Returns (final-normed hidden states, picked layer outputs).
         Writes the new tokens' K/V at slots cache.length.. (the caller advances the length)."""
         slots, end = write_slots(cache, *x.shape[:2], x.device)
-        cos, sin = self.model.rope(positions)  # once a forward, for every layer
         out, residual, picked = self.run_layers(x, cos, sin, cache, vis, slots, end, hidden_layers)
         return self.final_norm(out, residual, self.model.model.norm.weight), picked
 
@@ -360,7 +361,7 @@ class FusedDFlash(FusedStack):
             return
         ctx = self.ops.rmsnorm(d.encoder.fc(new_context_hidden.to(d.dtype)), d.encoder.output_norm_enc.weight, self.eps)
         slots, _ = write_slots(cache, b, n, ctx.device)
-        cos, sin = d.rope(slots)  # a context token's position is its slot
+        cos, sin = d.rope(slots, cache.max_len)  # a context token's position is its slot
         for i, fl in enumerate(self.layers):
             self.ops.rope_qkv(fl.project_kv(ctx), cos, sin, cache.k[i], cache.v[i], slots, num_heads=0,
                               num_kv_heads=self.kv_heads, k_norm_weight=_w(fl.layer.self_attn.k_norm), eps=self.eps)
@@ -377,7 +378,7 @@ class FusedDFlash(FusedStack):
         x = d.embed(block_ids).to(d.dtype)
         vis = Visibility("full", cache.length, s, x.device, cache.key_slots(s))  # the block sees itself and all context
         slots, end = write_slots(cache, b, s, x.device)
-        cos, sin = d.rope(slots)  # so is a block token's
+        cos, sin = d.rope(slots, cache.max_len)  # so is a block token's
         out, residual, _ = self.run_layers(x, cos, sin, cache, vis, slots, end)
         return d.head(self.final_norm(out, residual, d.norm.weight)[:, 1:])
 

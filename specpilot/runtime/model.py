@@ -66,6 +66,38 @@ def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.d
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
+class RopeTables:
+    """cos and sin of every position below the largest cache made, one table a (device, dtype).
+
+    rope_cos_sin is elementwise in the position, so a row of the table holds exactly what a
+    forward would compute for that position. A forward whose positions are cache slots (so below
+    the cache's capacity) gathers its rows in one launch instead of rope_cos_sin's seven (the
+    float cast, the multiply, the cat, cos, sin and two casts): in a CUDA-graph step at 8B shapes
+    each is a launch of 1-2 µs. Tables are built by `cover`, called from new_cache, so never
+    inside a graph capture."""
+
+    def __init__(self, inv_freq: Callable[[torch.device], torch.Tensor]) -> None:
+        self._inv_freq = inv_freq
+        self._tables: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+
+    def cover(self, rows: int, device: torch.device, dtype: torch.dtype) -> None:
+        """Make the table of (device, dtype) hold positions 0..rows-1 (rebuilt larger if needed)."""
+        table = self._tables.get((device, dtype))
+        if table is None or table.shape[0] < rows:
+            cos, sin = rope_cos_sin(self._inv_freq(device), torch.arange(rows, device=device)[None], dtype)
+            self._tables[device, dtype] = torch.stack((cos[0, 0], sin[0, 0]), dim=1)  # [rows, 2, D]
+
+    def __call__(self, positions: torch.Tensor, dtype: torch.dtype,
+                 below: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [B, 1, T, D] for positions [B, T]: gathered when the caller vouches that every
+        position is below `below` and the table covers that many, else computed."""
+        table = self._tables.get((positions.device, dtype))
+        if below is None or table is None or below > table.shape[0]:
+            return rope_cos_sin(self._inv_freq(positions.device), positions, dtype)
+        rows = table[positions]  # [B, T, 2, D]: views of one gather, equal strides (as the rope kernels need)
+        return rows[:, None, :, 0], rows[:, None, :, 1]
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -266,6 +298,7 @@ class Transformer(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
             self.register_load_state_dict_pre_hook(_fill_tied_head)
         self._inv_freq: dict[torch.device, torch.Tensor] = {}
+        self._rope = RopeTables(self._freqs)
         self.fused = None  # a FusedDecoder serving the layers (runtime/fused.py), when installed
 
     @property
@@ -279,14 +312,18 @@ class Transformer(nn.Module):
     def new_cache(self, batch: int, max_len: int, *, device_length: bool = False) -> KVCache:
         """A static cache; `device_length` keeps its length on the device (for CUDA graphs)."""
         kind = DeviceKVCache if device_length else KVCache
+        self._rope.cover(max_len, self.device, self.dtype)
         return kind.for_model(self.cfg, batch, max_len, self.dtype, self.device)
 
-    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [B, 1, T, D] for positions [B, T]."""
-        device = positions.device
+    def _freqs(self, device: torch.device) -> torch.Tensor:
         if device not in self._inv_freq:
             self._inv_freq[device] = rope_inv_freq(self.cfg, device)
-        return rope_cos_sin(self._inv_freq[device], positions, self.dtype)
+        return self._inv_freq[device]
+
+    def rope(self, positions: torch.Tensor, below: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [B, 1, T, D] for positions [B, T]; `below`: every position is smaller (cache
+        slots: the cache's capacity), so the rows may come from the table (RopeTables)."""
+        return self._rope(positions, self.dtype, below)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows of the embedding by advanced indexing: the same copy as nn.Embedding, whose CUDA
@@ -321,14 +358,16 @@ class Transformer(nn.Module):
         bad = [i for i in hidden_layers if not 0 <= i < len(self.model.layers)]
         if bad:
             raise ValueError(f"hidden_layers {bad} out of range for {len(self.model.layers)} layers")
+        below = None  # positions the caller gives are computed, not gathered: nothing vouches for their range
         if positions is None:
             positions = (torch.arange(t, device=input_ids.device) + cache.length).expand(b, t)
+            below = cache.max_len  # slots
         vis = Visibility(mask, cache.length, t, input_ids.device, cache.key_slots(t))
         x = self.embed(input_ids)
+        cos, sin = self.rope(positions, below)
         if self.fused is not None:  # the same stack with fused kernels (runtime/fused.py)
-            x, picked = self.fused(x, positions, cache, vis, hidden_layers)
+            x, picked = self.fused(x, cos, sin, cache, vis, hidden_layers)
         else:
-            cos, sin = self.rope(positions)
             picked = {}
             for i, layer in enumerate(self.model.layers):
                 x = layer(x, cos, sin, cache, i, vis)
