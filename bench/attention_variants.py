@@ -79,8 +79,9 @@ _PARTIALS: dict = {}
 
 
 def _combine_only(ask, t: int, cached_splits: int, dev) -> list:
-    """LAYERS launches of the combine kernel alone, over partials of cached_splits + 1 splits
-    (m ~ N(0, 1), l in [1, 2), acc ~ N(0, 1): finite, as the split kernel leaves them)."""
+    """LAYERS launches of the combine kernel alone, over partials of cached_splits + 1 splits,
+    every cached one holding keys (m ~ N(0, 1), l in [1, 2), acc ~ N(0, 1): finite, as the split
+    kernel leaves them)."""
     rows, n = t * (HEADS // KV_HEADS), cached_splits + 1
     key = (t, n)
     if key not in _PARTIALS:
@@ -92,8 +93,9 @@ def _combine_only(ask, t: int, cached_splits: int, dev) -> list:
                           for _ in range(LAYERS)]
     for m, l, acc, out in _PARTIALS[key]:
         ask._combine_kernel[(rows, KV_HEADS)](
-            m, l, acc, out, t, HEADS // KV_HEADS, KV_HEADS, n, out.stride(0), out.stride(1), out.stride(2),
-            HEAD_DIM=HEAD_DIM, BLOCK_D=HEAD_DIM, BLOCK_S=triton.next_power_of_2(n), ROUND_BF16=False,
+            m, l, acc, out, m, t, HEADS // KV_HEADS, KV_HEADS, n, cached_splits * ask.BLOCK_N, ask.BLOCK_N, 0,
+            out.stride(0), out.stride(1), out.stride(2), HEAD_DIM=HEAD_DIM, BLOCK_D=HEAD_DIM, BLOCK_N=ask.BLOCK_N,
+            CHUNK=ask.COMBINE_CHUNK, PAST_TENSOR=False, BALANCE=False, ROUND_BF16=False,
             num_warps=ask.NUM_WARPS, num_stages=2, enable_fp_fusion=True, PDL=0)
     return []
 

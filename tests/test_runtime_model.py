@@ -154,7 +154,8 @@ def test_forward_gathers_rope_for_its_slots(tiny_models, monkeypatch):
     for bit."""
     import specpilot.runtime.model as model_module
 
-    m = tiny_models["llama"].target
+    m = Transformer(tiny_models["llama"].target.cfg)  # its own tables
+    m.load_state_dict(tiny_models["llama"].target.state_dict())
     ids = _ids(7, m.cfg.vocab_size, seed=4)
     computed = []
     monkeypatch.setattr(model_module, "rope_cos_sin",
@@ -162,7 +163,7 @@ def test_forward_gathers_rope_for_its_slots(tiny_models, monkeypatch):
     with torch.inference_mode():
         gathered = m(ids, m.new_cache(1, 16)).logits
         assert computed == [(1, 16)]  # new_cache's table, then nothing
-        other = m(ids, KVCache.for_model(m.cfg, 1, 4096, m.dtype, "cpu")).logits
+        other = m(ids, KVCache.for_model(m.cfg, 1, 64, m.dtype, "cpu")).logits  # beyond the table
         explicit = m(ids, m.new_cache(1, 16), positions=torch.arange(7)[None]).logits
     assert computed == [(1, 16), (1, 7), (1, 7)]
     torch.testing.assert_close(gathered, other, atol=0, rtol=0)
