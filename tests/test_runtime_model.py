@@ -138,7 +138,9 @@ def test_rope_table_rows_equal_the_computed_ones(rows, b, t, bf16, seed):
         assert g.shape == w.shape == (b, 1, t, 16) and g.stride(-1) == 1
         assert torch.equal(g, w)
     assert got[0].stride() == got[1].stride() and _one_buffer(*got)
-    assert not _one_buffer(*tables(positions, dtype, below=rows + 1))  # beyond the table: computed
+    built = tables._tables[torch.device("cpu"), dtype].shape[0]
+    assert rows <= built < 2 * rows  # the next power of two
+    assert not _one_buffer(*tables(positions, dtype, below=built + 1))  # beyond the table: computed
     assert not _one_buffer(*tables(positions, dtype, below=None))  # not vouched for: computed
     assert tables(positions, torch.float16, below=rows)[0].dtype == torch.float16  # no fp16 table: computed
 
@@ -163,9 +165,13 @@ def test_forward_gathers_rope_for_its_slots(tiny_models, monkeypatch):
     with torch.inference_mode():
         gathered = m(ids, m.new_cache(1, 16)).logits
         assert computed == [(1, 16)]  # new_cache's table, then nothing
+        table = m._rope._tables[torch.device("cpu"), m.dtype]
+        m.new_cache(1, 17)  # a longer table replaces it; the first stays alive (a graph may read it)
+        assert m._rope._tables[torch.device("cpu"), m.dtype].shape[0] == 32 and any(t is table for t in m._rope._kept)
+        computed.clear()
         other = m(ids, KVCache.for_model(m.cfg, 1, 64, m.dtype, "cpu")).logits  # beyond the table
         explicit = m(ids, m.new_cache(1, 16), positions=torch.arange(7)[None]).logits
-    assert computed == [(1, 16), (1, 7), (1, 7)]
+    assert computed == [(1, 7), (1, 7)]
     torch.testing.assert_close(gathered, other, atol=0, rtol=0)
     torch.testing.assert_close(gathered, explicit, atol=0, rtol=0)
 

@@ -79,13 +79,19 @@ class RopeTables:
     def __init__(self, inv_freq: Callable[[torch.device], torch.Tensor]) -> None:
         self._inv_freq = inv_freq
         self._tables: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+        # Every table ever built stays alive: a CUDA graph captured over a gather reads the table
+        # it was captured with at every replay, after a larger one has replaced it here.
+        self._kept: list[torch.Tensor] = []
 
     def cover(self, rows: int, device: torch.device, dtype: torch.dtype) -> None:
-        """Make the table of (device, dtype) hold positions 0..rows-1 (rebuilt larger if needed)."""
+        """Make the table of (device, dtype) hold positions 0..rows-1 (built anew, for the next
+        power of two, when it is shorter)."""
         table = self._tables.get((device, dtype))
         if table is None or table.shape[0] < rows:
+            rows = 1 << max(rows - 1, 0).bit_length()
             cos, sin = rope_cos_sin(self._inv_freq(device), torch.arange(rows, device=device)[None], dtype)
             self._tables[device, dtype] = torch.stack((cos[0, 0], sin[0, 0]), dim=1)  # [rows, 2, D]
+            self._kept.append(self._tables[device, dtype])
 
     def __call__(self, positions: torch.Tensor, dtype: torch.dtype,
                  below: int | None) -> tuple[torch.Tensor, torch.Tensor]:
