@@ -95,7 +95,8 @@ def _combine_only(ask, t: int, cached_splits: int, dev) -> list:
         ask._combine_kernel[(rows, KV_HEADS)](
             m, l, acc, out, m, t, HEADS // KV_HEADS, KV_HEADS, n, cached_splits * ask.BLOCK_N, ask.BLOCK_N, 0,
             out.stride(0), out.stride(1), out.stride(2), HEAD_DIM=HEAD_DIM, BLOCK_D=HEAD_DIM, BLOCK_N=ask.BLOCK_N,
-            CHUNK=ask.COMBINE_CHUNK, PAST_TENSOR=False, BALANCE=False, ROUND_BF16=False,
+            BLOCK_S=ask.COMBINE_CHUNK if n > ask.COMBINE_CHUNK else triton.next_power_of_2(n),
+            FILLED_ONLY=n > ask.COMBINE_CHUNK, PAST_TENSOR=False, BALANCE=False, ROUND_BF16=False,
             num_warps=ask.NUM_WARPS, num_stages=2, enable_fp_fusion=True, PDL=0)
     return []
 

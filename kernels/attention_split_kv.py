@@ -29,8 +29,9 @@ batch row) for CUDA graphs: one captured launch serves every step. Then S is the
 the grid (how many splits) is planned for it, and each program reads past and cuts the past cached
 keys into those splits in whole tiles (``BALANCE_SPLITS``): cut for the capacity instead, a
 16-token verify over 512 of 2048 slots had 3 of its 11 splits stream 3 tiles each, a 64-token one
-1 of 3 split all 8. A split with no key left writes a neutral partial (m = -inf, l = 0), which
-the combine, cutting the keys as the splits did, does not read. Slots from past + T on are never read (they may hold anything, NaN included).
+1 of 3 split all 8. A split with no key left writes a neutral partial (m = -inf, l = 0) that the
+combine weighs 0 (past COMBINE_CHUNK splits it cuts the keys as the splits did and reads only the
+filled ones). Slots from past + T on are never read (they may hold anything, NaN included).
 
 Numerics: q·kᵀ and p·v on tensor cores for bf16/fp16 (p rounded to the input dtype before the
 p·v product, as FlashAttention does; the softmax sum keeps fp32 p), fp32 ("ieee") dots for fp32
@@ -68,7 +69,7 @@ BLOCK_N = 64  # keys a tile
 WAVES = 2  # programs per SM that the split rule aims for
 NUM_WARPS = 4  # 8 measured slower in every shape (bench/results/tried/attention_variants_98e7d7d_h200.json)
 BALANCE_SPLITS = True  # a device past: the kernel cuts the cached keys into its splits (module docstring)
-COMBINE_CHUNK = 16  # splits' partials the combine reads at once (_combine_kernel)
+COMBINE_CHUNK = 16  # more splits than this: the combine reads only the filled ones, this many at a time
 _CPU_SMS = 4  # nominal SM count under the interpreter, so that the rule still splits
 
 _MASK_FULL, _MASK_CAUSAL, _MASK_TENSOR = 0, 1, 2
@@ -271,65 +272,84 @@ def _combine_kernel(
     m_ptr, l_ptr, acc_ptr, o_ptr, past_ptr,
     T, G, HKV, NUM_SPLITS, past, split_len, stride_pb,
     stride_ob, stride_oh, stride_ot,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_S: tl.constexpr,  # splits a load: all of them (next power of two), or FILLED_ONLY's chunk
+    FILLED_ONLY: tl.constexpr,  # read only the cached splits holding keys, BLOCK_S at a time
     PAST_TENSOR: tl.constexpr, BALANCE: tl.constexpr, ROUND_BF16: tl.constexpr,
     PDL: tl.constexpr,  # programmatic dependent launch (kernels/overlap.py)
 ):
-    """out = Σ_s 2^(m_s - M) acc_s / Σ_s 2^(m_s - M) l_s for one row, M the largest m_s, over the
-    cached splits that hold keys, then the new tokens' split (the last).
+    """out = Σ_s 2^(m_s - M) acc_s / Σ_s 2^(m_s - M) l_s for one row, M the largest m_s (empty
+    splits, m = -inf, weigh 0).
 
-    One program per (query row, batch · kv head). The split kernel leaves the cached splits past
-    the keys cached now empty (a grid planned for a capacity, cut by the device past); this
-    program counts those holding keys as the split kernel cut them and reads only theirs, CHUNK
-    at a time: up to CHUNK - 1 of them and the new tokens' partial in one round trip to memory.
-    Over all of a 33-split grid at once, an AR step's combine took 2.94 µs a layer against 2.06
-    over the 8 splits that 512 cached keys fill (H200, Llama-3.1-8B, bench/attention_variants.py
-    --parts; a loop over the splits one by one took 12 µs a call at 32 splits before). Combining
-    in the split kernel instead (its last program, behind an atomic counter) measured slower in
-    every shape of bench/results/tried/attention_variants_98e7d7d_h200.json (an AR step's layer
-    over 512 cached tokens: 13.1 µs against 9.1 with this launch)."""
+    One program per (query row, batch · kv head). Every split's partial in one load, the new
+    tokens' split last: one round trip to memory (a loop over the splits one by one took 12 µs a
+    call at 32 splits, H200, Llama-3.1-8B AR step). FILLED_ONLY (``launch``: more splits than
+    COMBINE_CHUNK): the cached splits are counted as the split kernel cut them (the device past)
+    and only those holding keys are read, COMBINE_CHUNK at a time, then the new tokens' split.
+    Over 512 cached keys in a grid of 33 splits (2048 slots, 8 of them filled) the combine alone
+    took 2.12 µs a layer against 2.94 reading all 33, the AR step's attention 7.10 against 8.07;
+    but at 4 to 12 splits, all read at once anyway, the past's load before the partials' cost
+    0.3-1.7 µs (verify(16) 10.07 against 9.52, verify(64) 19.75 against 18.07: H200,
+    bench/results/attention_parts_h200.json and tried/attention_parts_3f475bc_h200.json,
+    bench/attention_variants.py --parts). Not measured: a long cache filling every split of a
+    large grid, where the chunks after the first wait for the past. Combining in the split
+    kernel instead (its last program, behind an atomic counter) measured slower in every shape of
+    bench/results/tried/attention_variants_98e7d7d_h200.json (an AR step's layer over 512 cached
+    tokens: 13.1 µs against 9.1 with this launch)."""
     pdl_enter(PDL)
     row = tl.program_id(0)
     bh = tl.program_id(1)
     b = (bh // HKV).to(tl.int64)
     kvh = bh % HKV
     rows = T * G
-    cached = NUM_SPLITS - 1
-    if PAST_TENSOR:
-        past = tl.load(past_ptr + b * stride_pb).to(tl.int32)
-        if BALANCE:  # as the split kernel cut them
-            split_len = tl.cdiv(tl.cdiv(past, tl.maximum(cached, 1)), BLOCK_N) * BLOCK_N
-    filled = tl.minimum(tl.cdiv(past, split_len), cached)  # cached splits holding keys: 0..filled-1
-    offs_s = tl.arange(0, CHUNK)
+    offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
     part0 = bh * NUM_SPLITS * rows + row  # split s's partial of this row at part0 + s · rows
-    new = part0 + cached * rows
-    m_new = tl.load(m_ptr + new)
-    l_new = tl.load(l_ptr + new)
-    acc_new = tl.load(acc_ptr + new * HEAD_DIM + offs_d, mask=d_ok, other=0.0)
-    ok = offs_s < filled
     part = part0 + offs_s * rows
-    m = tl.load(m_ptr + part, mask=ok, other=float("-inf"))
-    l = tl.load(l_ptr + part, mask=ok, other=0.0)
-    acc = tl.load(acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], mask=ok[:, None] & d_ok[None, :], other=0.0)
-    m_max = tl.maximum(tl.max(m, 0), m_new)
-    for c in range(CHUNK, filled, CHUNK):  # more splits than a chunk: their maxima first
-        m_max = tl.maximum(m_max, tl.max(tl.load(m_ptr + part + c * rows, mask=c + offs_s < filled,
-                                                 other=float("-inf")), 0))
-    base = tl.where(m_max == float("-inf"), 0.0, m_max)  # empty splits weigh 0
-    w = tl.math.exp2(m - base)
-    l_sum = tl.sum(w * l, 0)
-    out = tl.sum(w[:, None] * acc, 0)
-    for c in range(CHUNK, filled, CHUNK):
-        ok = c + offs_s < filled
-        w = tl.math.exp2(tl.load(m_ptr + part + c * rows, mask=ok, other=float("-inf")) - base)
-        l_sum += tl.sum(w * tl.load(l_ptr + part + c * rows, mask=ok, other=0.0), 0)
-        out += tl.sum(w[:, None] * tl.load(acc_ptr + (part + c * rows)[:, None] * HEAD_DIM + offs_d[None, :],
-                                           mask=ok[:, None] & d_ok[None, :], other=0.0), 0)
-    w_new = tl.math.exp2(m_new - base)
-    l_sum += w_new * l_new
-    out = (out + w_new * acc_new) / tl.where(l_sum == 0.0, 1.0, l_sum)
+    if FILLED_ONLY:
+        cached = NUM_SPLITS - 1
+        if PAST_TENSOR:
+            past = tl.load(past_ptr + b * stride_pb).to(tl.int32)
+            if BALANCE:  # as the split kernel cut them
+                split_len = tl.cdiv(tl.cdiv(past, tl.maximum(cached, 1)), BLOCK_N) * BLOCK_N
+        filled = tl.minimum(tl.cdiv(past, split_len), cached)  # cached splits holding keys: 0..filled-1
+        new = part0 + cached * rows
+        m_new = tl.load(m_ptr + new)
+        l_new = tl.load(l_ptr + new)
+        acc_new = tl.load(acc_ptr + new * HEAD_DIM + offs_d, mask=d_ok, other=0.0)
+        ok = offs_s < filled
+        m = tl.load(m_ptr + part, mask=ok, other=float("-inf"))
+        l = tl.load(l_ptr + part, mask=ok, other=0.0)
+        acc = tl.load(acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], mask=ok[:, None] & d_ok[None, :],
+                      other=0.0)
+        m_max = tl.maximum(tl.max(m, 0), m_new)
+        for c in range(BLOCK_S, filled, BLOCK_S):  # more filled splits than a chunk: their maxima first
+            m_max = tl.maximum(m_max, tl.max(tl.load(m_ptr + part + c * rows, mask=c + offs_s < filled,
+                                                     other=float("-inf")), 0))
+        base = tl.where(m_max == float("-inf"), 0.0, m_max)
+        w = tl.math.exp2(m - base)
+        l_sum = tl.sum(w * l, 0)
+        out = tl.sum(w[:, None] * acc, 0)
+        for c in range(BLOCK_S, filled, BLOCK_S):
+            ok = c + offs_s < filled
+            w = tl.math.exp2(tl.load(m_ptr + part + c * rows, mask=ok, other=float("-inf")) - base)
+            l_sum += tl.sum(w * tl.load(l_ptr + part + c * rows, mask=ok, other=0.0), 0)
+            out += tl.sum(w[:, None] * tl.load(acc_ptr + (part + c * rows)[:, None] * HEAD_DIM + offs_d[None, :],
+                                               mask=ok[:, None] & d_ok[None, :], other=0.0), 0)
+        w_new = tl.math.exp2(m_new - base)
+        l_sum += w_new * l_new
+        out += w_new * acc_new
+    else:
+        s_ok = offs_s < NUM_SPLITS
+        m = tl.load(m_ptr + part, mask=s_ok, other=float("-inf"))
+        m_max = tl.max(m, 0)
+        w = tl.math.exp2(m - tl.where(m_max == float("-inf"), 0.0, m_max))
+        l_sum = tl.sum(w * tl.load(l_ptr + part, mask=s_ok, other=0.0), 0)
+        acc = tl.load(acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], mask=s_ok[:, None] & d_ok[None, :],
+                      other=0.0)
+        out = tl.sum(w[:, None] * acc, 0)
+    out = out / tl.where(l_sum == 0.0, 1.0, l_sum)
     if ROUND_BF16:
         out = _round_bf16(out)
     j = row // T
@@ -493,10 +513,12 @@ def launch(
         PAST_TENSOR=past_tensor, BALANCE=BALANCE_SPLITS, ROPE=rope is not None, QK_NORM=qk_norm, **launch_opts, **fusion, **pdl_args(device),
     )
     if not single:
+        filled_only = splits + 1 > COMBINE_CHUNK  # _combine_kernel: where it measured faster
         _combine_kernel[(rows, b * hkv)](
             m_part, l_part, acc_part, out, past_t, t, g, hkv, splits + 1, past, split_len, stride_pb,
             out.stride(0), out.stride(1), out.stride(2), HEAD_DIM=d, BLOCK_D=block_d, BLOCK_N=BLOCK_N,
-            CHUNK=COMBINE_CHUNK, PAST_TENSOR=past_tensor, BALANCE=BALANCE_SPLITS, ROUND_BF16=round_bf16, **launch_opts,
+            BLOCK_S=COMBINE_CHUNK if filled_only else triton.next_power_of_2(splits + 1), FILLED_ONLY=filled_only,
+            PAST_TENSOR=past_tensor, BALANCE=BALANCE_SPLITS, ROUND_BF16=round_bf16, **launch_opts,
             **(dict(enable_fp_fusion=True) if native else {}), **pdl_args(device),  # Triton 3.6-3.9's default, by name
         )
     return out

@@ -460,7 +460,7 @@ def test_fused_linear_prices_the_plain_projections_of_fused_layers_at_the_rows_i
     for q in (1, 2, 8, 16, 17):
         priced, plain = memory_times(fused, gpu, q), memory_times(fused, stock, q)
         eff = gpu.efficiency_of_kernel(FUSED_LINEAR_KERNEL, q)
-        assert eff > 1.0  # faster than the stock pricing at every served row (1.19 at one, 1.05 at 16)
+        assert eff > 1.0  # faster than the stock pricing at every served row (1.21 at one, 1.10 at 16)
         for name, t in priced.items():
             if q in (2, 17):  # cuBLAS rows
                 assert t == plain[name], (q, name)

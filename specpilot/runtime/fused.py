@@ -3,7 +3,7 @@
 At batch 1 a decoder step is latency-bound: each small torch op (RMSNorm's fp32 pieces, RoPE's
 cat/mul/add, separate q/k/v and gate/up projections, SiLU·mul, cache writes) is a kernel launch
 of a few microseconds, and at Llama-3.1-8B shapes those cost as much as reading the weights
-(the torch rows of bench/results/step_times_llama_h200.json: 7.04 ms against a 3.63 ms floor). Per layer here:
+(the torch rows of bench/results/step_times_llama_h200.json: 7.00 ms against a 3.62 ms floor). Per layer here:
 
   rmsnorm (+ the previous residual add) -> q|k|v in one GEMM -> qk-norm + RoPE + KV-cache write
   -> attention -> o_proj -> rmsnorm + residual add -> gate|up in one GEMM -> SiLU·mul -> down_proj
@@ -19,8 +19,8 @@ gate|up's epilogue and the residual adds into o's and down's (the residual strea
 place): seven launches a layer (run_layers_linear). o's and down's epilogues also leave the
 stream's sums of squares for the next norm (RowSquares), so at several rows a norm prologue reads
 a few KB of them instead of every row of x in each program. On the H200 the Llama-3.1-8B AR step
-runs 4.10 ms against 4.72 ms on cuBLAS with the separate kernels (bench/results/step_times_llama_h200.json,
-fused-cublas), verify(16) 4.737 against 4.900 interleaved (bench/results/step_ab_verify16_h200.json).
+runs 4.02 ms against 4.77 ms on cuBLAS with the separate kernels (bench/results/step_times_llama_h200.json,
+fused-cublas), verify(16) 4.559 against 4.782 interleaved (bench/results/step_ab_verify16_h200.json, e0b3034).
 kernels/u12_fused_linear.py serves u12 layers the same way, but with their norms kept as rmsnorm
 kernels (its norm prologue measured slower: U12_LINEAR, U12_NORMS_APART).
 
@@ -88,11 +88,12 @@ GEMV_ROWS = 4
 # Rows at which fused_linear serves the layers: one (the GEMV kernel, LINEAR_GEMV_MAX_M) and 5..16
 # (the dot kernel, LINEAR_MAX_M). Llama-3.1-8B on the H200, interleaved against cuBLAS with the separate
 # norm, SiLU·mul and add kernels (bench/step_ab.py --q, commit 4cea20f, bench/results/step_ab_verify*_h200.json,
-# verify(16) in bench/results/tried/step_ab_verify16_4cea20f_h200.json; at 35c93f7 4.737 against 4.900):
+# verify(16) in bench/results/tried/step_ab_verify16_4cea20f_h200.json; at 35c93f7 4.737 against 4.900,
+# bench/results/tried/step_ab_verify16_35c93f7_h200.json; at e0b3034 4.559 against 4.782):
 # verify(8) 4.516 ms against 4.643, verify(16) 4.680 against 4.838, both with the norms' sums of squares
 # handed on by RowSquares (without: 4.673 and 4.823); verify(32) 5.127 against 5.120 (so 32 stays on
 # cuBLAS); verify(4), the GEMV kernel at four rows, 5.089 against 4.572 (so 2..4 rows stay unfused). At
-# one row the AR step runs 4.10 ms against 4.72 on cuBLAS (bench/results/step_times_llama_h200.json, 70b35dd).
+# one row the AR step runs 4.02 ms against 4.77 on cuBLAS (bench/results/step_times_llama_h200.json, 817637c).
 # Before RowSquares and the norm prologue's whole-row words (af8fe61), verify(16) ran 5.20 ms against 4.96
 # (bench/results/tried/step_ab_verify16_h200.json).
 LINEAR_MAX_M = 16
