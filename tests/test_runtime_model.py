@@ -152,8 +152,8 @@ def _one_buffer(cos: torch.Tensor, sin: torch.Tensor) -> bool:
 
 def test_forward_gathers_rope_for_its_slots(tiny_models, monkeypatch):
     """A default-position forward over a cache from new_cache reads the table and computes no
-    RoPE; a cache the model did not make, or explicit positions, compute it: the logits agree bit
-    for bit."""
+    RoPE, as do explicit positions vouched for (positions_in_cache: trees); a cache the model did
+    not make, or explicit positions alone, compute it: the logits agree bit for bit."""
     import specpilot.runtime.model as model_module
 
     m = Transformer(tiny_models["llama"].target.cfg)  # its own tables
@@ -171,9 +171,15 @@ def test_forward_gathers_rope_for_its_slots(tiny_models, monkeypatch):
         computed.clear()
         other = m(ids, KVCache.for_model(m.cfg, 1, 64, m.dtype, "cpu")).logits  # beyond the table
         explicit = m(ids, m.new_cache(1, 16), positions=torch.arange(7)[None]).logits
-    assert computed == [(1, 7), (1, 7)]
-    torch.testing.assert_close(gathered, other, atol=0, rtol=0)
-    torch.testing.assert_close(gathered, explicit, atol=0, rtol=0)
+        assert computed == [(1, 7), (1, 7)]
+        vouched = m(ids, m.new_cache(1, 16), positions=torch.arange(7)[None], positions_in_cache=True).logits
+    assert computed == [(1, 7), (1, 7)]  # a tree's positions, vouched for: gathered
+    for logits in (other, explicit, vouched):
+        torch.testing.assert_close(gathered, logits, atol=0, rtol=0)
+    # tokens past the capacity: RoPE computed (no out-of-range gather), then the cache's own error
+    full = m.new_cache(1, 16)
+    with torch.inference_mode(), pytest.raises(ValueError, match="overflow|capacity"):
+        m(_ids(17, m.cfg.vocab_size), full)
 
 
 def test_tensor_mask_equals_causal(tiny_models):

@@ -22,7 +22,7 @@ from torch import nn
 
 from specpilot.runtime.cache import DeviceKVCache, KVCache
 from specpilot.runtime.config import DrafterConfig
-from specpilot.runtime.model import DecoderLayer, RMSNorm, RopeTables, Visibility, rope_inv_freq
+from specpilot.runtime.model import DecoderLayer, RMSNorm, RopeTables, Visibility, rope_inv_freq, slots_below
 
 
 class ContextProjection(nn.Module):
@@ -103,7 +103,7 @@ class DFlashDrafter(nn.Module):
 
     def _slots_rope(self, cache: KVCache, t: int, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
         """RoPE of t tokens at slots cache.length..: a token's position is its slot."""
-        return self.rope((torch.arange(t, device=self.device) + cache.length).expand(batch, t), cache.max_len)
+        return self.rope((torch.arange(t, device=self.device) + cache.length).expand(batch, t), slots_below(cache, t))
 
     def add_context(self, new_context_hidden: torch.Tensor, cache: KVCache, count: torch.Tensor | None = None) -> None:
         """Append K/V of n_new context tokens [B, n_new, len(target_layer_ids) * H] at positions

@@ -54,7 +54,7 @@ from torch import nn
 from specpilot.runtime.cache import KVCache
 from specpilot.runtime.config import ModelConfig
 from specpilot.runtime.dflash import DFlashDrafter
-from specpilot.runtime.model import Attention, DecoderLayer, Transformer, Visibility
+from specpilot.runtime.model import Attention, DecoderLayer, Transformer, Visibility, slots_below
 from specpilot.runtime.u12 import U12Tensor, concat_u12
 
 
@@ -362,7 +362,7 @@ class FusedDFlash(FusedStack):
             return
         ctx = self.ops.rmsnorm(d.encoder.fc(new_context_hidden.to(d.dtype)), d.encoder.output_norm_enc.weight, self.eps)
         slots, _ = write_slots(cache, b, n, ctx.device)
-        cos, sin = d.rope(slots, cache.max_len)  # a context token's position is its slot
+        cos, sin = d.rope(slots, slots_below(cache, n))  # a context token's position is its slot
         for i, fl in enumerate(self.layers):
             self.ops.rope_qkv(fl.project_kv(ctx), cos, sin, cache.k[i], cache.v[i], slots, num_heads=0,
                               num_kv_heads=self.kv_heads, k_norm_weight=_w(fl.layer.self_attn.k_norm), eps=self.eps)
@@ -379,7 +379,7 @@ class FusedDFlash(FusedStack):
         x = d.embed(block_ids).to(d.dtype)
         vis = Visibility("full", cache.length, s, x.device, cache.key_slots(s))  # the block sees itself and all context
         slots, end = write_slots(cache, b, s, x.device)
-        cos, sin = d.rope(slots, cache.max_len)  # so is a block token's
+        cos, sin = d.rope(slots, slots_below(cache, s))  # so is a block token's
         out, residual, _ = self.run_layers(x, cos, sin, cache, vis, slots, end)
         return d.head(self.final_norm(out, residual, d.norm.weight)[:, 1:])
 

@@ -434,7 +434,7 @@ class _TreeSteps:
         ancestors = ancestor_mask_static(parent, self.positions)
         start = self.t_cache.length.clone()
         out = self.target(token[None], self.t_cache, mask=ancestors, positions=(start + depth)[None],
-                          hidden_layers=self.layers)
+                          positions_in_cache=True, hidden_layers=self.layers)
         n, path, span = accept_tree_on_device(parent, depth, token, ancestors, out.logits[0].argmax(-1), self.block)
         compact_on_device(self.t_cache, start, path, n)
         self._commit_draft(n, span, None if out.hidden is None else out.hidden.index_select(1, path))

@@ -478,10 +478,12 @@ class HybridTransformer(nn.Module):
         mask: str | torch.Tensor = "causal",
         hidden_layers: tuple[int, ...] = (),
         positions: torch.Tensor | None = None,
+        positions_in_cache: bool = False,
         only_last: bool = False,
     ) -> ModelOutput:
         """Run T new tokens [B, T] after the cache's `length` tokens, then advance the cache by T
-        (the arguments and output of `Transformer.forward`; `mask` must be "causal")."""
+        (the arguments and output of `Transformer.forward`; `mask` must be "causal"; RoPE is
+        computed, so `positions_in_cache` changes nothing here)."""
         if not (isinstance(mask, str) and mask == "causal"):
             shown = mask if isinstance(mask, str) else f"a {tuple(mask.shape)} tensor"
             raise ValueError(

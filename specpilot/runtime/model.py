@@ -104,6 +104,15 @@ class RopeTables:
         return rows[:, None, :, 0], rows[:, None, :, 1]
 
 
+def slots_below(cache: KVCache, t: int) -> int | None:
+    """The bound RopeTables may gather below for t new tokens at cache.length..: the capacity when
+    they fit (a device length is taken to, as the kernels writing those slots take it), else None,
+    so that an overflowing forward computes its RoPE and reaches the cache's own overflow error."""
+    if isinstance(cache.length, int) and cache.length + t > cache.max_len:
+        return None
+    return cache.max_len
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -352,22 +361,25 @@ class Transformer(nn.Module):
         mask: str | torch.Tensor = "causal",
         hidden_layers: tuple[int, ...] = (),
         positions: torch.Tensor | None = None,
+        positions_in_cache: bool = False,
         only_last: bool = False,
     ) -> ModelOutput:
         """Run T new tokens [B, T] after the cache's `length` tokens, then advance the cache by T.
 
-        positions default to cache.length + arange(T) (pass [B, T] ones for trees). hidden_layers
-        selects the outputs of those decoder layers (0-based, before the final norm), concatenated.
-        only_last computes logits for the last position only (prefill).
+        positions default to cache.length + arange(T) (pass [B, T] ones for trees; with
+        `positions_in_cache` the caller vouches that each is below the cache's capacity, as a
+        tree's length + depth is, so their RoPE rows may be gathered: Transformer.rope).
+        hidden_layers selects the outputs of those decoder layers (0-based, before the final
+        norm), concatenated. only_last computes logits for the last position only (prefill).
         """
         b, t = input_ids.shape
         bad = [i for i in hidden_layers if not 0 <= i < len(self.model.layers)]
         if bad:
             raise ValueError(f"hidden_layers {bad} out of range for {len(self.model.layers)} layers")
-        below = None  # positions the caller gives are computed, not gathered: nothing vouches for their range
+        below = slots_below(cache, t) if positions_in_cache else None  # else computed: nothing vouches for them
         if positions is None:
             positions = (torch.arange(t, device=input_ids.device) + cache.length).expand(b, t)
-            below = cache.max_len  # slots
+            below = slots_below(cache, t)  # slots
         vis = Visibility(mask, cache.length, t, input_ids.device, cache.key_slots(t))
         x = self.embed(input_ids)
         cos, sin = self.rope(positions, below)

@@ -39,7 +39,8 @@ def verify_tree(
     [1, n, ...] or None, ancestor mask [n, n]). The nodes' K/V land in slots [length, +n)."""
     mask = ancestor_mask(tree)
     positions = (cache.length + tree.depth)[None]
-    out = target(tree.token[None], cache, mask=mask, positions=positions, hidden_layers=hidden_layers)
+    out = target(tree.token[None], cache, mask=mask, positions=positions, positions_in_cache=True,
+                 hidden_layers=hidden_layers)
     return out.logits[0].argmax(-1), out.hidden, mask
 
 
