@@ -31,12 +31,14 @@ import itertools
 import json
 import os
 import platform
-import statistics
 import sys
 from pathlib import Path
 
 import torch
 import triton
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the bench scripts beside this one
+import u12_linear as u12_bench  # noqa: E402  (time_graph)
 
 HEADS, KV_HEADS, HEAD_DIM, LAYERS = 32, 8, 128, 32
 CAPACITY = 4096 + 64  # cache slots (--capacity): the grid, and so the rule's splits, is planned for them
@@ -54,25 +56,10 @@ def _tree_mask(t: int) -> torch.Tensor:
 
 
 def _graph_us(step, repeats: int) -> tuple[float, list]:
-    """Median µs a layer of `step` (LAYERS calls) replayed as one CUDA graph, and its outputs."""
-    step()  # compile outside the capture
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        step()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs = step()
-    times = []
-    for _ in range(repeats):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / LAYERS)
-    return statistics.median(times), outs
+    """Median µs a layer of `step` (LAYERS calls) replayed as one CUDA graph (bench/u12_linear.py's
+    time_graph), and its outputs (an eager call's: the same kernels on the same inputs)."""
+    outs = step()  # also compiles outside the capture
+    return u12_bench.time_graph([step], repeats) * 1e3 / LAYERS, outs
 
 
 _PARTIALS: dict = {}
