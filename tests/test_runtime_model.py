@@ -129,7 +129,7 @@ def test_rope_table_rows_equal_the_computed_ones(rows, b, t, bf16, seed):
     (or not vouched for) are computed."""
     dtype = torch.bfloat16 if bf16 else torch.float32
     inv_freq = rope_inv_freq(_LLAMA3_ROPE, "cpu")
-    tables = RopeTables(lambda device: inv_freq)
+    tables = RopeTables(_LLAMA3_ROPE)
     tables.cover(rows, torch.device("cpu"), dtype)
     positions = torch.randint(0, rows, (b, t), generator=torch.Generator().manual_seed(seed))
     want = rope_cos_sin(inv_freq, positions, dtype)

@@ -22,7 +22,7 @@ from torch import nn
 
 from specpilot.runtime.cache import DeviceKVCache, KVCache
 from specpilot.runtime.config import DrafterConfig
-from specpilot.runtime.model import DecoderLayer, RMSNorm, RopeTables, Visibility, rope_inv_freq, slots_below
+from specpilot.runtime.model import DecoderLayer, RMSNorm, RopeTables, Visibility, slots_below
 
 
 class ContextProjection(nn.Module):
@@ -55,8 +55,7 @@ class DFlashDrafter(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg.model) for _ in range(cfg.model.num_layers))
         self.norm = RMSNorm(cfg.model.hidden_size, cfg.model.rms_norm_eps)
         self._shared = (embed, head)  # a plain tuple: never registered as submodules or parameters
-        self._inv_freq: dict[torch.device, torch.Tensor] = {}
-        self._rope = RopeTables(self._freqs)
+        self._rope = RopeTables(cfg.model)
         self.fused = None  # a FusedDFlash serving add_context and forward (runtime/fused.py), when installed
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
@@ -90,11 +89,6 @@ class DFlashDrafter(nn.Module):
         kind = DeviceKVCache if device_length else KVCache
         self._rope.cover(max_len, self.device, self.dtype)
         return kind.for_model(self.cfg.model, batch, max_len, self.dtype, self.device)
-
-    def _freqs(self, device: torch.device) -> torch.Tensor:
-        if device not in self._inv_freq:
-            self._inv_freq[device] = rope_inv_freq(self.cfg.model, device)
-        return self._inv_freq[device]
 
     def rope(self, positions: torch.Tensor, below: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [B, 1, T, D] for positions [B, T] (Transformer.rope: `below` lets the rows

@@ -76,12 +76,18 @@ class RopeTables:
     each is a launch of 1-2 µs. Tables are built by `cover`, called from new_cache, so never
     inside a graph capture."""
 
-    def __init__(self, inv_freq: Callable[[torch.device], torch.Tensor]) -> None:
-        self._inv_freq = inv_freq
+    def __init__(self, cfg: ModelConfig) -> None:
+        self._cfg = cfg
+        self._freqs: dict[torch.device, torch.Tensor] = {}  # rope_inv_freq by device
         self._tables: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
         # Every table ever built stays alive: a CUDA graph captured over a gather reads the table
         # it was captured with at every replay, after a larger one has replaced it here.
         self._kept: list[torch.Tensor] = []
+
+    def _inv_freq(self, device: torch.device) -> torch.Tensor:
+        if device not in self._freqs:
+            self._freqs[device] = rope_inv_freq(self._cfg, device)
+        return self._freqs[device]
 
     def cover(self, rows: int, device: torch.device, dtype: torch.dtype) -> None:
         """Make the table of (device, dtype) hold positions 0..rows-1 (built anew, for the next
@@ -312,8 +318,7 @@ class Transformer(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
             self.register_load_state_dict_pre_hook(_fill_tied_head)
-        self._inv_freq: dict[torch.device, torch.Tensor] = {}
-        self._rope = RopeTables(self._freqs)
+        self._rope = RopeTables(cfg)
         self.fused = None  # a FusedDecoder serving the layers (runtime/fused.py), when installed
 
     @property
@@ -329,11 +334,6 @@ class Transformer(nn.Module):
         kind = DeviceKVCache if device_length else KVCache
         self._rope.cover(max_len, self.device, self.dtype)
         return kind.for_model(self.cfg, batch, max_len, self.dtype, self.device)
-
-    def _freqs(self, device: torch.device) -> torch.Tensor:
-        if device not in self._inv_freq:
-            self._inv_freq[device] = rope_inv_freq(self.cfg, device)
-        return self._inv_freq[device]
 
     def rope(self, positions: torch.Tensor, below: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [B, 1, T, D] for positions [B, T]; `below`: every position is smaller (cache
@@ -376,13 +376,12 @@ class Transformer(nn.Module):
         bad = [i for i in hidden_layers if not 0 <= i < len(self.model.layers)]
         if bad:
             raise ValueError(f"hidden_layers {bad} out of range for {len(self.model.layers)} layers")
-        below = slots_below(cache, t) if positions_in_cache else None  # else computed: nothing vouches for them
+        vouched = positions is None or positions_in_cache  # slots, or a tree's: below the capacity
         if positions is None:
             positions = (torch.arange(t, device=input_ids.device) + cache.length).expand(b, t)
-            below = slots_below(cache, t)  # slots
         vis = Visibility(mask, cache.length, t, input_ids.device, cache.key_slots(t))
         x = self.embed(input_ids)
-        cos, sin = self.rope(positions, below)
+        cos, sin = self.rope(positions, slots_below(cache, t) if vouched else None)
         if self.fused is not None:  # the same stack with fused kernels (runtime/fused.py)
             x, picked = self.fused(x, cos, sin, cache, vis, hidden_layers)
         else:
