@@ -65,7 +65,7 @@ SHAPES = {
 }
 DEVICE = "cuda"
 VERIFY_Q = (4, 8, 16, 32, 64)
-TREE_BUDGETS = (15, 16, 32, 64, 128)  # 15: q = 16, the most rows the fused linears serve
+TREE_BUDGETS = (15, 16, 31, 32, 64, 128)  # 31: q = 32, the most rows the fused linears serve
 CACHE_LEN = 512
 CAPACITY = 2048  # the fused path's device-length cache
 DRAFT_LAYERS, DRAFT_BLOCK, DRAFT_NEW_CONTEXT = 5, 16, 4

@@ -68,7 +68,8 @@ calls in one graph 1.08x the unfused sequence at M = 1, 0.80x at M = 4 (the gate
 and the norm's per-element work), 0.94x at M = 16. Timed in CUDA graphs with the norms' sums of
 squares handed on (RowSquares, below; bench/results/fused_linear_m16_32_graph_h200.json and
 fused_linear_m4_8_graph_h200.json, commit 4cea20f): 0.86x at M = 4, 1.01x at 8 and 16 (3.95 ms against
-3.98; 4.10 without RowSquares), 0.97x at 32; hence runtime/fused.py serves 1 and 5..16 rows. Every
+3.98; 4.10 without RowSquares), 0.97x at 32 with the 16-row configs (its own, TUNED's M = 32 rows, since:
+verify(32) 4.920 ms against 5.005 on cuBLAS); hence runtime/fused.py serves 1 and 5..32 rows. Every
 kernel variant compiles for sm_90 (triton 3.9, by triton.compile without a GPU); there the gemv
 loop on the word path is loads, shifts/masks and FMAs, no shared memory and no spills. The norm
 costs each thread about 6 instructions per x element it holds (two multiplies, two roundings and
@@ -502,19 +503,25 @@ SPLIT_KS = (1, 2, 4, 8)
 # e0b3034): qkv 18.56 µs against 18.71 for the config before, o 11.86 against 12.39, down 32.33
 # against 32.59 (split_k 2 at 5-6 stages where 4 at 3-4 stages had won before the unrolled sum);
 # verify(16) interleaved (bench/results/step_ab_verify16_h200.json, bf16-sweep): 4.529 ms against 4.559.
+# M = 32 (17..32 rows): the graph-timed sweep at 32 rows (bench/results/fused_linear_m32_graph_h200.json,
+# commit 17069f4): qkv, o and gate_up keep their 16-row tiles, down takes split-K 4 on 64x64 tiles.
 TUNED: dict[tuple[int, int, int, bool], FusedLinearConfig] = {
     (1, 6144, 4096, False): FusedLinearConfig("gemv", 8, 1024, num_warps=4, num_stages=1),  # qkv
     (4, 6144, 4096, False): FusedLinearConfig("gemv", 8, 1024, num_warps=4, num_stages=1),  # qkv
     (16, 6144, 4096, False): FusedLinearConfig("dot", 128, 64, split_k=2, num_warps=4, num_stages=6),  # qkv
+    (32, 6144, 4096, False): FusedLinearConfig("dot", 128, 64, split_k=2, num_warps=4, num_stages=6),  # qkv
     (1, 4096, 4096, False): FusedLinearConfig("gemv", 4, 1024, num_warps=2, num_stages=3, maxnreg=128),  # o
     (4, 4096, 4096, False): FusedLinearConfig("gemv", 4, 1024, num_warps=2, num_stages=3),  # o
     (16, 4096, 4096, False): FusedLinearConfig("dot", 64, 128, split_k=2, num_warps=4, num_stages=5),  # o
+    (32, 4096, 4096, False): FusedLinearConfig("dot", 64, 128, split_k=2, num_warps=4, num_stages=5),  # o
     (1, 28672, 4096, True): FusedLinearConfig("gemv", 2, 1024, num_warps=2, num_stages=1, maxnreg=128),  # gate_up
     (4, 28672, 4096, True): FusedLinearConfig("gemv", 4, 512, num_warps=2, num_stages=1),  # gate_up
     (16, 28672, 4096, True): FusedLinearConfig("dot", 128, 128, num_warps=8, num_stages=3),  # gate_up
+    (32, 28672, 4096, True): FusedLinearConfig("dot", 128, 128, num_warps=8, num_stages=3),  # gate_up
     (1, 4096, 14336, False): FusedLinearConfig("gemv", 4, 1024, num_warps=2, num_stages=1, maxnreg=128),  # down
     (4, 4096, 14336, False): FusedLinearConfig("dot", 64, 128, split_k=4, num_warps=4, num_stages=3),  # down
     (16, 4096, 14336, False): FusedLinearConfig("dot", 64, 128, split_k=2, num_warps=4, num_stages=5),  # down
+    (32, 4096, 14336, False): FusedLinearConfig("dot", 64, 64, split_k=4, num_warps=4, num_stages=4),  # down
 }
 
 # Small tiles under the interpreter: several chunks, a masked last one, and split-K on the CPU too.

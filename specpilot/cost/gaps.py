@@ -28,7 +28,7 @@ from ..ir.lower import SHARED
 from ..ir.verify import expected_verify_length
 
 U12_MIN_NUMEL = 1 << 20  # weights-u12's default: smaller matrices stay bf16
-TREE_BUDGETS = (8, 15, 16, 24, 32, 48, 64, 96, 128, 192, 256)  # 15: q = 16, the fused stacks' row limit
+TREE_BUDGETS = (8, 15, 16, 24, 31, 32, 48, 64, 96, 128, 192, 256)  # 31: q = 32, the fused stacks' row limit
 NO_PASS = ""
 
 

@@ -266,7 +266,7 @@ FUSED_LINEAR_KERNEL = "triton-fused-linear"
 # Rows at which the fused stacks run fused_linear (runtime/fused.py's LINEAR_GEMV_MAX_M, LINEAR_MAX_M and
 # GEMV_ROWS, FusedOps.linear_serves): the layer's norms ride in the q|k|v and gate|up GEMMs'
 # prologues, SiLU·mul in gate|up's epilogue. tests/test_cost_model.py checks they agree.
-LINEAR_MAX_M, LINEAR_GEMV_MAX_M, GEMV_ROWS = 16, 1, 4
+LINEAR_MAX_M, LINEAR_GEMV_MAX_M, GEMV_ROWS = 32, 1, 4
 
 
 def linear_serves(rows: int, u12: bool) -> bool:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from ..ir import Node, Program
 from .base import Pass, PassResult, register
 
-CANDIDATE_BUDGETS = (15, 16, 32, 64, 128)  # 15: q = 16, the most rows the fused stacks serve (cost/roofline.py linear_serves)
+CANDIDATE_BUDGETS = (15, 16, 31, 32, 64, 128)  # 31: q = 32, the most rows the fused stacks serve (cost/roofline.py linear_serves)
 CANDIDATE_TOPK = (2, 4, 8)
 
 

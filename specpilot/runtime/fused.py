@@ -13,7 +13,7 @@ kernels/rope_attention.py does qk-norm, RoPE, the cache write and attention in o
 split kernel; its combine is a second): the Llama-3.1-8B AR step ran 4.21 ms against 4.40 with
 rope_qkv apart (bench/results/step_times_llama_h200.json, fused-rope-apart).
 
-At one row and at 5..16 rows (LINEAR_GEMV_MAX_M, LINEAR_MAX_M) of plain (bf16/fp32) weights,
+At one row and at 5..32 rows (LINEAR_GEMV_MAX_M, LINEAR_MAX_M) of plain (bf16/fp32) weights,
 kernels/fused_linear.py takes the norms into the q|k|v and gate|up GEMMs' prologues, SiLU·mul into
 gate|up's epilogue and the residual adds into o's and down's (the residual stream updated in
 place): seven launches a layer (run_layers_linear). o's and down's epilogues also leave the
@@ -85,18 +85,21 @@ class FusedOps:
 # u12_fused_linear has only the GEMV kernel (more rows run its unfused composition).
 GEMV_ROWS = 4
 
-# Rows at which fused_linear serves the layers: one (the GEMV kernel, LINEAR_GEMV_MAX_M) and 5..16
+# Rows at which fused_linear serves the layers: one (the GEMV kernel, LINEAR_GEMV_MAX_M) and 5..32
 # (the dot kernel, LINEAR_MAX_M). Llama-3.1-8B on the H200, interleaved against cuBLAS with the separate
 # norm, SiLU·mul and add kernels (bench/step_ab.py --q, commit 4cea20f, bench/results/step_ab_verify*_h200.json,
 # verify(16) in bench/results/tried/step_ab_verify16_4cea20f_h200.json; at 35c93f7 4.737 against 4.900,
 # bench/results/tried/step_ab_verify16_35c93f7_h200.json; at e0b3034 4.559 against 4.782):
 # verify(8) 4.516 ms against 4.643, verify(16) 4.680 against 4.838, both with the norms' sums of squares
-# handed on by RowSquares (without: 4.673 and 4.823); verify(32) 5.127 against 5.120 (so 32 stays on
-# cuBLAS); verify(4), the GEMV kernel at four rows, 5.089 against 4.572 (so 2..4 rows stay unfused). At
+# handed on by RowSquares (without: 4.673 and 4.823); verify(32) 4.920 against 5.005 with its own
+# configs (TUNED's M = 32 rows; at 17069f4, after the split-K sums were unrolled:
+# bench/results/step_ab_verify32_h200.json; 5.127 against 5.120 with the 16-row configs before,
+# bench/results/tried/step_ab_verify32_4cea20f_h200.json); verify(4), the GEMV kernel at four rows,
+# 5.089 against 4.572 (so 2..4 rows stay unfused). At
 # one row the AR step runs 4.02 ms against 4.77 on cuBLAS (bench/results/step_times_llama_h200.json, 817637c).
 # Before RowSquares and the norm prologue's whole-row words (af8fe61), verify(16) ran 5.20 ms against 4.96
 # (bench/results/tried/step_ab_verify16_h200.json).
-LINEAR_MAX_M = 16
+LINEAR_MAX_M = 32
 LINEAR_GEMV_MAX_M = 1
 # Whether u12 layers run u12_fused_linear at LINEAR_GEMV_MAX_M rows: yes, with their norms apart
 # (U12_NORMS_APART). On the H200, the Llama-3.1-8B u12 AR step interleaved with the bf16 one
