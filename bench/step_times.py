@@ -23,7 +23,8 @@ median of the repeats. Paths of the same model:
           kernels; fused+u12-prologue: with u12_fused_linear's norm prologue too.
 
 Steps: AR q=1; chain verify q=4..64; tree verify of k-ary trees (top-4) with 16..128 nodes plus
-the anchor; the DFlash-style drafter step (5 layers, block 16). The floor is the bytes of weights
+the anchor; the DFlash-style drafter step (5 layers, block 16), also with its head over DRAFT_VOCAB
+token ids (path fused-vocab: the draft-vocab pass). The floor is the bytes of weights
 the step reads / the read bandwidth measured in the same run. One eager fused AR step is also
 profiled (kernels by GPU time). Writes a results file (GPU, versions, commit) and a table last.
 """
@@ -47,6 +48,7 @@ import triton
 from specpilot.kernels.overlap import overlap
 from specpilot.runtime.config import DrafterConfig, ModelConfig
 from specpilot.runtime.dflash import DFlashDrafter
+from specpilot.runtime.draft_vocab import SubsetHead
 from specpilot.runtime.fused import fused_path
 from specpilot.runtime.model import Transformer
 
@@ -69,6 +71,7 @@ TREE_BUDGETS = (15, 16, 31, 32, 64, 128)  # 31: q = 32, the most rows the fused 
 CACHE_LEN = 512
 CAPACITY = 2048  # the fused path's device-length cache
 DRAFT_LAYERS, DRAFT_BLOCK, DRAFT_NEW_CONTEXT = 5, 16, 4
+DRAFT_VOCAB = 32768  # the draft-vocab pass's subset at 8B shapes (FR-Spec's 32k of Llama-3's 128k)
 
 
 def read_bandwidth(device: torch.device | str = "cuda", gib: float = 4, repeats: int = 20) -> float:
@@ -306,6 +309,20 @@ def bench_shape(name: str, bw: float, repeats: int, with_u12: bool = True) -> tu
                              weight_bytes=d_bytes, floor_ms=d_bytes / bw * 1e3, drafter_layers=DRAFT_LAYERS))
             if path == "fused":
                 profile["draft"] = profile_step(draft_step)
+                # the draft-vocab pass: the head over DRAFT_VOCAB ids (which ones does not move the time)
+                full_head = drafter.head
+                sub_head = SubsetHead(model.lm_head.weight, torch.arange(DRAFT_VOCAB, device=DEVICE), cfg.vocab_size)
+                drafter.set_head(sub_head)
+                try:
+                    sub_bytes = weight_bytes(drafter) + sub_head.weight.numel() * 2
+                    t = statistics.median(time_fn(graphed(draft_step), repeats))
+                    rows.append(dict(shape=name, path="fused-vocab", what="draft", q=DRAFT_BLOCK, cache_len=CACHE_LEN,
+                                     ms=t * 1e3, weight_bytes=sub_bytes, floor_ms=sub_bytes / bw * 1e3,
+                                     drafter_layers=DRAFT_LAYERS, draft_vocab=DRAFT_VOCAB))
+                    profile["draft-vocab"] = profile_step(draft_step)
+                finally:
+                    drafter.set_head(full_head)
+                    sub_head = None
     if with_u12:  # the weights-u12 pass over the fused stack: every linear and lm_head in u12
         u12_bytes = to_u12(model)
         with fused_path(model):

@@ -26,6 +26,7 @@ from .ir import Program, lower, print_program
 from .passes import PassRecord, pipeline_string, run_passes
 from .passes.base import Pass
 from .runtime.builtin import is_builtin, resolve_builtin
+from .runtime.draft_vocab import VOCAB_FILE, save_vocab
 from .runtime.load import load_target
 from .runtime.tokenizer import load_tokenizer
 from .runtime.u12 import save_u12
@@ -180,6 +181,10 @@ def compile_pipeline(spec: PipelineSpec, *, out_dir: Path | None, passes: str | 
     validation = validate_outputs(dirs, engine, m)
     env = environment(dev)
     report = build_report(spec, program, pipeline, m, validation, env)
+    if engine.draft_vocab is not None:
+        v = engine.draft_vocab
+        report["drafter"]["vocab_subset"] = {"size": int(v.ids.numel()), "corpus": v.corpus,
+                                             "corpus_coverage": round(v.coverage, 4)}
 
     written = None
     if out_dir is not None and validation.passed:
@@ -190,6 +195,10 @@ def compile_pipeline(spec: PipelineSpec, *, out_dir: Path | None, passes: str | 
             copy_checkpoint(dirs.target, tmp / "target")
             copy_checkpoint(dirs.drafter, tmp / "drafter")
             save_packed_weights(engine, tmp)
+            if engine.draft_vocab is not None:
+                v = engine.draft_vocab
+                save_vocab(tmp / "drafter" / VOCAB_FILE, v.ids, corpus=v.corpus, coverage_share=v.coverage,
+                           vocab_size=engine.target_cfg.vocab_size)
             write_cost_view(program, spec.gpu, m.tau, report, tmp)
             (tmp / "validation.json").write_text(json.dumps(validation.to_dict(), indent=2) + "\n")
             (tmp / "report.json").write_text(json.dumps(report, indent=2) + "\n")

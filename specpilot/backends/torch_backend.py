@@ -24,7 +24,10 @@ from ..passes.fused_decoder import is_fused
 from ..runtime import decode, graph_decode
 from ..runtime.fused import install_fused
 from ..runtime.hybrid import GatedAttention, HybridTransformer
+from ..runtime.dflash import DFlashDrafter
+from ..runtime.draft_vocab import STDLIB, VOCAB_FILE, DraftVocab, SubsetHead, build_vocab, head_weight, load_vocab
 from ..runtime.load import load_drafter, load_target
+from ..runtime.tokenizer import load_tokenizer
 from ..runtime.u12 import U12Tensor, load_u12, pack_u12
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -175,6 +178,29 @@ def install_attention_kernels(graph: Graph, root: nn.Module, device: torch.devic
     return len(chosen)
 
 
+def install_draft_vocab(program: Program, drafter, target: nn.Module, target_dir: Path, drafter_dir: Path,
+                        eos_token_id: int | None) -> DraftVocab | None:
+    """Serve the drafter's logits from a token subset where its lm_head node asks for one
+    (passes/draft_vocab.py): the subset stored beside the drafter (an engine's), else counted from
+    the node's corpus with the target's tokenizer."""
+    heads = program.drafter.find("lm_head", lambda node: node.get("vocab_subset", 0) > 0)
+    if not heads:
+        return None
+    node = program.drafter.node(heads[0])
+    size, corpus, vocab_size = node["vocab_subset"], node.get("vocab_corpus", STDLIB), node["out_features"]
+    stored = Path(drafter_dir) / VOCAB_FILE
+    if stored.is_file():
+        vocab = DraftVocab(load_vocab(stored, size, vocab_size, corpus), corpus)
+    else:
+        vocab = build_vocab(load_tokenizer(target_dir), corpus, size, vocab_size, eos_token_id)
+    if isinstance(drafter, DFlashDrafter):  # the target's head, borrowed
+        drafter.set_head(SubsetHead(head_weight(target.lm_head), vocab.ids, vocab_size))
+    else:
+        root = drafter_root(drafter)
+        root.lm_head = SubsetHead(head_weight(root.lm_head), vocab.ids, vocab_size)
+    return vocab
+
+
 def drafter_root(drafter) -> nn.Module:
     """The module whose submodule paths match the drafter graph's weight names."""
     return getattr(drafter, "model", drafter)
@@ -191,6 +217,7 @@ class Engine:
     device: torch.device
     dtype: str
     eos_token_id: int | None
+    draft_vocab: DraftVocab | None = None  # the drafter head's token subset (draft-vocab pass)
 
     @property
     def kind(self) -> str:
@@ -260,8 +287,9 @@ def build_engine(program: Program, target_dir: Path, drafter_dir: Path, device: 
     materialize_weights(program.drafter.items(), drafter_root(drafter), compute, _stored_u12(drafter_dir, device))
     install_attention_kernels(program.target, target, device)
     install_attention_kernels(program.drafter, drafter_root(drafter), device)
+    draft_vocab = install_draft_vocab(program, drafter, target, target_dir, drafter_dir, target_cfg.eos_token_id)
     if is_fused(program.target):
         install_fused(target)
     if is_fused(program.drafter):
         install_fused(drafter_root(drafter))
-    return Engine(program, target, target_cfg, drafter, device, dtype, target_cfg.eos_token_id)
+    return Engine(program, target, target_cfg, drafter, device, dtype, target_cfg.eos_token_id, draft_vocab)

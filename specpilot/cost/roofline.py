@@ -208,8 +208,9 @@ def weight_bits(fmt: str) -> int:
 
 
 def matmul_weight_bytes(node: Node, escape_rate: float = U12_ESCAPE_RATE) -> tuple[float, float]:
-    """(planes, escapes) bytes of a linear / lm_head weight in its format."""
-    n, k = node["out_features"], node["in_features"]
+    """(planes, escapes) bytes of a linear / lm_head weight in its format (a head with a
+    `vocab_subset` reads only those rows)."""
+    n, k = node.get("vocab_subset") or node["out_features"], node["in_features"]
     fmt = node["format"]
     if fmt != "u12":
         return n * k * weight_bits(fmt) / 8, 0.0
@@ -238,7 +239,9 @@ class GraphPlan:
 
         def resolve(node: Node) -> Node:
             weight = node.get("weight", "")
-            if node.op in MATMUL_OPS and weight.startswith(SHARED) and weight[len(SHARED):] in owners:
+            # a head over a token subset holds its own rows, in the compute dtype (runtime/draft_vocab.py)
+            if (node.op in MATMUL_OPS and weight.startswith(SHARED) and weight[len(SHARED):] in owners
+                    and not node.get("vocab_subset")):
                 owner = owners[weight[len(SHARED):]]
                 return node.replace(format=owner["format"], kernel=owner["kernel"])
             return node
@@ -405,7 +408,7 @@ def node_cost(name: str, node: Node, out: tuple[int, int], ins: list[tuple[int, 
     elif op in MATMUL_OPS:
         c["weight_bytes"], c["escape_bytes"] = matmul_weight_bytes(node, escape_rate)
         c["act_bytes"] = rows * node["in_features"] * a + written
-        c["tensor_flops"] = 2.0 * rows * node["in_features"] * node["out_features"]
+        c["tensor_flops"] = 2.0 * rows * node["in_features"] * (node.get("vocab_subset") or node["out_features"])
         if node["format"] == "u12":
             kernel_eff = gpu.efficiency_of_kernel(node["kernel"], rows)
         elif served_by:
@@ -515,6 +518,9 @@ def weight_footprint(program: Program, escape_rate: float = U12_ESCAPE_RATE) -> 
     for graph in (program.target, program.drafter):
         for _, node in graph.items():
             weight = node.get("weight", "")
+            if node.op == "lm_head" and node.get("vocab_subset"):  # its own copy of the subset's rows
+                total += sum(matmul_weight_bytes(node, escape_rate))
+                continue
             if graph is program.drafter and str(weight).startswith(SHARED):
                 continue
             if node.op in MATMUL_OPS:

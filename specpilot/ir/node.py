@@ -134,6 +134,8 @@ OPS: dict[str, OpSchema] = {
     # `{weight}.{e}.{gate,up,down}_proj.weight`; output width `hidden`.
     "moe": OpSchema("model", {"experts": int, "topk": int, "dim": int, "hidden": int, "dtype": DTYPES, "weight": str}),
     "add": OpSchema("model", {}),
-    "lm_head": OpSchema("model", {**_matmul, "tied": bool}),
+    # vocab_subset N > 0: the head scores only N token ids (passes/draft_vocab.py), chosen from
+    # vocab_corpus; its logits stay V wide, -inf at the other ids
+    "lm_head": OpSchema("model", {**_matmul, "tied": bool}, {"vocab_subset": int, "vocab_corpus": str}),
     "argmax": OpSchema("model", {"vocab": int}),
 }

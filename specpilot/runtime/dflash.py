@@ -64,6 +64,10 @@ class DFlashDrafter(nn.Module):
     def head(self, h: torch.Tensor) -> torch.Tensor:
         return self._shared[1](h)
 
+    def set_head(self, head: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Serve the logits with `head` instead of the target's (a reduced draft vocabulary)."""
+        self._shared = (self._shared[0], head)
+
     @property
     def target_layer_ids(self) -> tuple[int, ...]:
         return self.cfg.target_layer_ids

@@ -1,0 +1,78 @@
+"""τ of the zoo's drafters with their heads over a token subset (the draft-vocab pass), through `compile`.
+
+    python bench/draft_vocab.py [--pair code-qwen3] [--sizes 0,4096,2048,1024,512,256] [--corpus stdlib]
+                                [--num-prompts 8] [--max-new-tokens 64] [--device auto] [--passes ...]
+
+For each drafter (dflash, pard), subset size (0: the whole vocabulary, no pass) and prompt set
+(humaneval, code-heldout) the whole compile pipeline runs: chain at the drafter's trained block
+size, `draft-vocab{size=N, corpus=C}`, then `--passes`; no engine is written. Recorded: τ, the
+corpus share the subset covers, and token forcing of every output token (the pass must stay
+lossless). The subset comes from the corpus, never from the prompts. Writes
+bench/results/draft_vocab_<device>.json (device "cpu" or the GPU's name) with versions and commit.
+The step time a subset saves at 8B shapes is bench/step_times.py's `fused-vocab` draft row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from specpilot.compiler import compile_pipeline
+from specpilot.runtime.draft_vocab import STDLIB
+from specpilot.spec import parse_spec
+
+ROOT = Path(__file__).resolve().parent.parent
+PROMPT_SETS = ("humaneval", "code-heldout")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--pair", default="code-qwen3")
+    ap.add_argument("--sizes", default="0,4096,2048,1024,512,256", help="subset sizes; 0 = the whole vocabulary")
+    ap.add_argument("--corpus", default=STDLIB)
+    ap.add_argument("--num-prompts", type=int, default=8)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--drafters", default="dflash,pard", help="comma-separated drafter kinds of the pair")
+    ap.add_argument("--passes", default="", help="passes after draft-vocab (e.g. cuda-graphs on a GPU)")
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args()
+    rows, env = [], None
+    print(f"{'drafter':8} {'size':>6} {'prompts':13} {'coverage':>8} {'τ':>6}  outputs = AR  token forcing", flush=True)
+    for kind in args.drafters.split(","):
+        for size in (int(s) for s in args.sizes.split(",")):
+            pipeline = ", ".join(p for p in (f'draft-vocab{{size={size}, corpus="{args.corpus}"}}' if size else "",
+                                             args.passes) if p)
+            for prompts in PROMPT_SETS:
+                spec = parse_spec({"name": f"{args.pair}-{kind}-{size}-{prompts}", "target": args.pair,
+                                   "drafter": {"kind": kind}, "serving": {"max_new_tokens": args.max_new_tokens},
+                                   "benchmark": {"prompts": prompts, "num_prompts": args.num_prompts},
+                                   **({"passes": pipeline} if pipeline else {})}, "draft_vocab")
+                r = compile_pipeline(spec, out_dir=None, device=args.device)
+                env = r.report["environment"]
+                subset = r.report["drafter"].get("vocab_subset")
+                rows.append({"drafter": kind, "size": size, "corpus": args.corpus if size else None,
+                             "corpus_coverage": subset["corpus_coverage"] if subset else 1.0,
+                             "pipeline": r.report["pipeline"], "block_size": r.report["drafter"]["block_size"],
+                             "prompts": prompts, "num_prompts": args.num_prompts,
+                             "max_new_tokens": args.max_new_tokens, "tau": r.report["tau"],
+                             "acceptance_histogram": r.report["acceptance_histogram"],
+                             "outputs_equal_ar": r.report["outputs_equal_ar"],
+                             "token_forcing": r.report["token_forcing"],
+                             "passed": r.validation.passed})
+                row = rows[-1]
+                print(f"{kind:8} {size or 'all':>6} {prompts:13} {row['corpus_coverage']:8.4f} {row['tau']:6.3f}  "
+                      f"{row['outputs_equal_ar']:>12}  {row['token_forcing']}", flush=True)
+    device = env.get("gpu_name", "cpu") if env else "cpu"
+    slug = "cpu" if device == "cpu" else device.lower().replace(" ", "_")
+    out = args.out or ROOT / "bench" / "results" / f"draft_vocab_{slug}.json"
+    out.write_text(json.dumps({"benchmark": "draft_vocab", "pair": args.pair, "corpus": args.corpus,
+                               "environment": env, "rows": rows}, indent=2) + "\n")
+    print(f"-> {out}")
+    return 0 if all(r["passed"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
