@@ -47,7 +47,7 @@ def step_times() -> str:
         "stacks (target and DFlash drafter) with split-KV attention over a device-length cache; fused+u12: the "
         "same with every linear and lm_head in the 12-bit format; fused-cublas: the fused path with fused_linear off "
         "(cuBLAS GEMMs beside separate norm, SiLU·mul and add kernels); at q = 4 both paths run cuBLAS "
-        "(fused_linear serves 1 and 5..32 rows), so that pair shows the run's spread; RoPE apart: the fused step with rope_qkv and "
+        "(fused_linear serves 1, 5..16 and 32 rows), so that pair shows the run's spread; RoPE apart: the fused step with rope_qkv and "
         "split-KV attention as separate launches (what kernels/rope_attention.py does in one); fused-pdl: the fused "
         "AR step with programmatic "
         "dependent launch (kernels/overlap.py, off by default); u12 unfused: the fused+u12 AR step with u12_linear "

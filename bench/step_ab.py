@@ -113,7 +113,7 @@ def capture(shape: str, variants: bool, extra_bf16: dict | None = None, extra_u1
                     graphs[name] = capture_step()
         if q > 1:  # fused_linear (norm prologue, SiLU·mul and residual epilogues) at q rows, and cuBLAS
             ops = model.fused.ops
-            at_q = dict(linear_max_m=q, linear_gemv_max_m=min(q, GEMV_ROWS))
+            at_q = dict(linear_max_m=q, linear_gemv_max_m=min(q, GEMV_ROWS), linear_gap=(0, 0))
             model.fused.ops = dataclasses.replace(ops, linear_max_m=1)  # cuBLAS with the separate kernels
             graphs["bf16-cublas"] = capture_step()
             model.fused.ops = dataclasses.replace(ops, **at_q)

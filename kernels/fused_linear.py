@@ -69,7 +69,8 @@ and the norm's per-element work), 0.94x at M = 16. Timed in CUDA graphs with the
 squares handed on (RowSquares, below; bench/results/fused_linear_m16_32_graph_h200.json and
 fused_linear_m4_8_graph_h200.json, commit 4cea20f): 0.86x at M = 4, 1.01x at 8 and 16 (3.95 ms against
 3.98; 4.10 without RowSquares), 0.97x at 32 with the 16-row configs (its own, TUNED's M = 32 rows, since:
-verify(32) 4.920 ms against 5.005 on cuBLAS); hence runtime/fused.py serves 1 and 5..32 rows. Every
+verify(32) 4.920 ms against 5.005 on cuBLAS); hence runtime/fused.py serves 1, 5..16 and 32 rows (17..31
+run the 32-row tiles at 32 rows' cost, more than cuBLAS's 24-row ones: runtime/fused.py LINEAR_GAP). Every
 kernel variant compiles for sm_90 (triton 3.9, by triton.compile without a GPU); there the gemv
 loop on the word path is loads, shifts/masks and FMAs, no shared memory and no spills. The norm
 costs each thread about 6 instructions per x element it holds (two multiplies, two roundings and

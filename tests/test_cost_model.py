@@ -415,7 +415,7 @@ def test_fused_layers_count_the_launches_the_runtime_makes(llama8b):
     fused = FusedDecoder().apply(llama8b).program
     layers = 32
 
-    def per_layer(program, q=2):  # 2 rows: fused_linear serves 1 and 5..32
+    def per_layer(program, q=2):  # 2 rows: fused_linear serves 1, 5..16 and 32
         return step_time(program.target, gpu, q=q, cache_len=512).kernels
 
     before, after = per_layer(llama8b), per_layer(fused)
@@ -434,8 +434,8 @@ def test_fused_layers_count_the_launches_the_runtime_makes(llama8b):
     # and leaves its norms apart (runtime/fused.py's U12_LINEAR, U12_NORMS_APART); a layer with
     # q alone in u12 (q|k|v not joined) stays unfused
     assert per_layer(fused, q=1) == after - 3 * layers and per_layer(fused, q=2) == after
-    assert per_layer(fused, q=8) == per_layer(fused, q=17) == per_layer(fused, q=32) == after - 3 * layers  # the dot kernel's rows
-    assert per_layer(fused, q=33) == after
+    assert per_layer(fused, q=8) == per_layer(fused, q=16) == per_layer(fused, q=32) == after - 3 * layers  # the dot kernel's rows
+    assert per_layer(fused, q=17) == per_layer(fused, q=31) == per_layer(fused, q=33) == after
     assert step_time(graph, gpu, q=1, cache_len=512).kernels == after + 2 * layers
     u12 = to_u12(fused, "triton-u12")
     assert per_layer(u12, q=1) == per_layer(u12, q=2) - layers == per_layer(u12, q=8) - layers  # GEMV rows only
@@ -462,7 +462,7 @@ def test_fused_linear_prices_the_plain_projections_of_fused_layers_at_the_rows_i
         eff = gpu.efficiency_of_kernel(FUSED_LINEAR_KERNEL, q)
         assert eff > 1.0  # faster than the stock pricing at every served row (1.21 at one, 1.10 at 16)
         for name, t in priced.items():
-            if q in (2, 33):  # cuBLAS rows
+            if q in (2, 17, 33):  # cuBLAS rows
                 assert t == plain[name], (q, name)
             else:
                 assert t < plain[name] and t == pytest.approx(plain[name] / eff, rel=0.02), (q, name)
@@ -476,8 +476,8 @@ def test_the_cost_model_folds_at_the_rows_the_runtime_fuses():
     from specpilot.runtime import fused
 
     ops = fused.fused_ops("torch")
-    assert (roofline.LINEAR_MAX_M, roofline.LINEAR_GEMV_MAX_M, roofline.GEMV_ROWS) == (
-        fused.LINEAR_MAX_M, fused.LINEAR_GEMV_MAX_M, fused.GEMV_ROWS)
+    assert (roofline.LINEAR_MAX_M, roofline.LINEAR_GEMV_MAX_M, roofline.GEMV_ROWS, roofline.LINEAR_GAP) == (
+        fused.LINEAR_MAX_M, fused.LINEAR_GEMV_MAX_M, fused.GEMV_ROWS, fused.LINEAR_GAP)
     for rows in range(1, 70):
         for u12 in (False, True):
             assert roofline.linear_serves(rows, u12) == ops.linear_serves(rows, u12), (rows, u12)

@@ -314,7 +314,7 @@ def _count_linear(stack, field: str = "linear") -> list[tuple[bool, bool, bool]]
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_linear_layers_match_the_unfused_stack(family, dtype, tiny_model_dirs):
-    """The rows linear_serves takes (1 and 5..32 by default) run fused_linear (4 calls a layer: qkv
+    """The rows linear_serves takes (1, 5..16 and 32 by default) run fused_linear (4 calls a layer: qkv
     with the input norm, o into the stream, gate|up with the post-attention norm and SiLU·mul, down
     into the stream); other rows (2) run the kernels one by one. Logits, picked hidden states and
     caches as the unfused stack's."""

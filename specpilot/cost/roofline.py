@@ -266,15 +266,17 @@ FUSED_LINEAR = "fused_linear_layer"  # a plain projection of a layer fused_linea
 # The kernel name of fused_linear's launches, whose measured efficiency (gpus.yaml kernel_efficiency)
 # prices those projections at the rows it serves.
 FUSED_LINEAR_KERNEL = "triton-fused-linear"
-# Rows at which the fused stacks run fused_linear (runtime/fused.py's LINEAR_GEMV_MAX_M, LINEAR_MAX_M and
-# GEMV_ROWS, FusedOps.linear_serves): the layer's norms ride in the q|k|v and gate|up GEMMs'
+# Rows at which the fused stacks run fused_linear (runtime/fused.py's LINEAR_GEMV_MAX_M, LINEAR_MAX_M,
+# LINEAR_GAP and GEMV_ROWS, FusedOps.linear_serves): the layer's norms ride in the q|k|v and gate|up GEMMs'
 # prologues, SiLU·mul in gate|up's epilogue. tests/test_cost_model.py checks they agree.
-LINEAR_MAX_M, LINEAR_GEMV_MAX_M, GEMV_ROWS = 32, 1, 4
+LINEAR_MAX_M, LINEAR_GEMV_MAX_M, GEMV_ROWS, LINEAR_GAP = 32, 1, 4, (17, 31)
 
 
 def linear_serves(rows: int, u12: bool) -> bool:
     """runtime/fused.py's FusedOps.linear_serves at its defaults."""
-    return rows <= LINEAR_MAX_M and (rows <= LINEAR_GEMV_MAX_M or (rows > GEMV_ROWS and not u12))
+    if rows > LINEAR_MAX_M or LINEAR_GAP[0] <= rows <= LINEAR_GAP[1]:
+        return False
+    return rows <= LINEAR_GEMV_MAX_M or (rows > GEMV_ROWS and not u12)
 
 
 # Whether the fused stacks serve u12 layers (runtime/fused.py's U12_LINEAR: u12_fused_linear, for

@@ -13,7 +13,7 @@ kernels/rope_attention.py does qk-norm, RoPE, the cache write and attention in o
 split kernel; its combine is a second): the Llama-3.1-8B AR step ran 4.21 ms against 4.40 with
 rope_qkv apart (bench/results/step_times_llama_h200.json, fused-rope-apart).
 
-At one row and at 5..32 rows (LINEAR_GEMV_MAX_M, LINEAR_MAX_M) of plain (bf16/fp32) weights,
+At one row, at 5..16 rows and at 32 (LINEAR_GEMV_MAX_M, LINEAR_MAX_M, LINEAR_GAP) of plain (bf16/fp32) weights,
 kernels/fused_linear.py takes the norms into the q|k|v and gate|up GEMMs' prologues, SiLU·mul into
 gate|up's epilogue and the residual adds into o's and down's (the residual stream updated in
 place): seven launches a layer (run_layers_linear). o's and down's epilogues also leave the
@@ -73,10 +73,11 @@ class FusedOps:
     row_squares: bool = True  # `linear`'s residual epilogues hand the stream's Σ y² to the next norm (RowSquares)
     linear_gemv_max_m: int = 0  # of linear_max_m, the GEMV kernels' rows (<= GEMV_ROWS) served: the rest of
     # 1..GEMV_ROWS stays unfused; above GEMV_ROWS only plain layers are served (`linear_serves`)
+    linear_gap: tuple[int, int] = (0, 0)  # rows lo..hi (inclusive) of those that stay unfused; (0, 0): none
 
     def linear_serves(self, rows: int, u12: bool) -> bool:
         """Whether `linear` (`linear_u12` for u12 layers) serves a forward of `rows` rows (B·T)."""
-        if self.linear is None or rows > self.linear_max_m:
+        if self.linear is None or rows > self.linear_max_m or self.linear_gap[0] <= rows <= self.linear_gap[1]:
             return False
         return rows <= self.linear_gemv_max_m or (rows > GEMV_ROWS and not u12)
 
@@ -85,8 +86,11 @@ class FusedOps:
 # u12_fused_linear has only the GEMV kernel (more rows run its unfused composition).
 GEMV_ROWS = 4
 
-# Rows at which fused_linear serves the layers: one (the GEMV kernel, LINEAR_GEMV_MAX_M) and 5..32
-# (the dot kernel, LINEAR_MAX_M). Llama-3.1-8B on the H200, interleaved against cuBLAS with the separate
+# Rows at which fused_linear serves the layers: one (the GEMV kernel, LINEAR_GEMV_MAX_M), 5..16 and 32
+# (the dot kernel, LINEAR_MAX_M, but not LINEAR_GAP: 17..31 rows run its 32-row tiles at 32 rows' cost,
+# where cuBLAS's 24-row tiles cost less: the 17-node tree verify ran 5.020 ms fused against 4.941 and
+# 4.899 on cuBLAS in the two runs before, bench/results/step_times_llama_h200.json, ba6038c, while
+# verify(32) ran 4.834 against 5.004). Llama-3.1-8B on the H200, interleaved against cuBLAS with the separate
 # norm, SiLU·mul and add kernels (bench/step_ab.py --q, commit 4cea20f, bench/results/step_ab_verify*_h200.json,
 # verify(16) in bench/results/tried/step_ab_verify16_4cea20f_h200.json; at 35c93f7 4.737 against 4.900,
 # bench/results/tried/step_ab_verify16_35c93f7_h200.json; at e0b3034 4.559 against 4.782):
@@ -100,6 +104,7 @@ GEMV_ROWS = 4
 # Before RowSquares and the norm prologue's whole-row words (af8fe61), verify(16) ran 5.20 ms against 4.96
 # (bench/results/tried/step_ab_verify16_h200.json).
 LINEAR_MAX_M = 32
+LINEAR_GAP = (17, 31)
 LINEAR_GEMV_MAX_M = 1
 # Whether u12 layers run u12_fused_linear at LINEAR_GEMV_MAX_M rows: yes, with their norms apart
 # (U12_NORMS_APART). On the H200, the Llama-3.1-8B u12 AR step interleaved with the bf16 one
@@ -114,7 +119,8 @@ U12_NORMS_APART = True
 
 
 def fused_ops(kind: str, linear_max_m: int = LINEAR_MAX_M, u12_linear: bool = U12_LINEAR,
-              u12_norms_apart: bool = U12_NORMS_APART, linear_gemv_max_m: int = LINEAR_GEMV_MAX_M) -> FusedOps:
+              u12_norms_apart: bool = U12_NORMS_APART, linear_gemv_max_m: int = LINEAR_GEMV_MAX_M,
+              linear_gap: tuple[int, int] = LINEAR_GAP) -> FusedOps:
     """"triton": the kernels; "torch": their references (same signatures). u12_linear: u12 layers
     take the fused linear too (else their projections run u12_linear with the separate kernels),
     with their norms as rmsnorm kernels where u12_norms_apart."""
@@ -124,12 +130,12 @@ def fused_ops(kind: str, linear_max_m: int = LINEAR_MAX_M, u12_linear: bool = U1
         return FusedOps(rmsnorm.rmsnorm, rope_kv.rope_qkv, silu_mul.silu_mul, kind,
                         fused_linear.fused_linear, linear_max_m, u12_fused_linear.u12_fused_linear,
                         "triton-u12" if u12_linear else "", rope_attention.rope_attention, u12_norms_apart,
-                        linear_gemv_max_m=linear_gemv_max_m)
+                        linear_gemv_max_m=linear_gemv_max_m, linear_gap=linear_gap)
     if kind == "torch":
         return FusedOps(rmsnorm.rmsnorm_reference, rope_kv.rope_qkv_reference, silu_mul.silu_mul_reference, kind,
                         fused_linear.fused_linear_reference, linear_max_m,
                         u12_fused_linear.u12_fused_linear_reference, "torch" if u12_linear else "",
-                        u12_norms_apart=u12_norms_apart, linear_gemv_max_m=linear_gemv_max_m)
+                        u12_norms_apart=u12_norms_apart, linear_gemv_max_m=linear_gemv_max_m, linear_gap=linear_gap)
     raise ValueError(f"fused ops are 'triton' or 'torch', got {kind!r}")
 
 
