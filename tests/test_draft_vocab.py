@@ -108,7 +108,7 @@ def test_corpus_errors(tmp_path):
     with pytest.raises(SpecError, match=r"'nope.txt' does not exist \(expected 'stdlib'"):
         dv.read_corpus("nope.txt")
     (tmp_path / "bad.jsonl").write_text('{"text": 1}\n')
-    with pytest.raises(SpecError, match=r"bad.jsonl:1: expected an object with a string 'text'"):
+    with pytest.raises(SpecError, match=r"bad.jsonl:1: expected an object with a string field 'text' or 'prompt'"):
         dv.read_corpus(str(tmp_path / "bad.jsonl"))
     (tmp_path / "empty.txt").write_text("")
     with pytest.raises(SpecError, match="holds no text"):

@@ -53,8 +53,9 @@ def load_jsonl(path: Path) -> list[str]:
     return parse_jsonl(path.read_text(), str(path))
 
 
-def parse_jsonl(text: str, path: str) -> list[str]:
-    """The 'prompt' field of each JSON line; `path` names the source in errors."""
+def parse_jsonl(text: str, path: str, fields: tuple[str, ...] = ("prompt",)) -> list[str]:
+    """The first of `fields` present in each JSON line (a prompt set: 'prompt'); `path` names the
+    source in errors."""
     prompts = []
     for n, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
@@ -63,11 +64,13 @@ def parse_jsonl(text: str, path: str) -> list[str]:
             record = json.loads(line)
         except json.JSONDecodeError as e:
             raise SpecError(f"{path}:{n}: not valid JSON ({e.msg})") from None
-        if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
-            raise SpecError(f"{path}:{n}: expected an object with a string field 'prompt'")
-        prompts.append(record["prompt"])
+        value = next((record[f] for f in fields if f in record), None) if isinstance(record, dict) else None
+        if not isinstance(value, str):
+            names = " or ".join(f"'{f}'" for f in fields)
+            raise SpecError(f"{path}:{n}: expected an object with a string field {names}")
+        prompts.append(value)
     if not prompts:
-        raise SpecError(f"{path}: no prompts")
+        raise SpecError(f"{path}: no {fields[0]}s")
     return prompts
 
 

@@ -38,6 +38,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
 
+from ..bench.prompts import parse_jsonl
 from ..errors import EngineError, SpecError
 
 VOCAB_FILE = "draft_vocab.safetensors"
@@ -70,20 +71,13 @@ def _stdlib_texts() -> Iterator[str]:
             continue
 
 
-def _jsonl_texts(path: Path, where: str) -> Iterator[str]:
+def _jsonl_texts(path: Path, where: str) -> list[str]:
     raw = path.read_bytes()
     text = (gzip.decompress(raw) if path.suffix == ".gz" else raw).decode("utf-8")
-    for n, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise SpecError(f"{where}: {path}:{n}: not JSON ({e.msg})") from None
-        field = obj.get("text", obj.get("prompt")) if isinstance(obj, dict) else None
-        if not isinstance(field, str):
-            raise SpecError(f"{where}: {path}:{n}: expected an object with a string 'text' or 'prompt'")
-        yield field
+    try:
+        return parse_jsonl(text, str(path), fields=("text", "prompt"))
+    except SpecError as e:
+        raise SpecError(f"{where}: {e}") from None
 
 
 def _path_texts(path: Path, where: str) -> Iterator[str]:

@@ -19,7 +19,7 @@ gate|up's epilogue and the residual adds into o's and down's (the residual strea
 place): seven launches a layer (run_layers_linear). o's and down's epilogues also leave the
 stream's sums of squares for the next norm (RowSquares), so at several rows a norm prologue reads
 a few KB of them instead of every row of x in each program. On the H200 the Llama-3.1-8B AR step
-runs 4.02 ms against 4.77 ms on cuBLAS with the separate kernels (bench/results/step_times_llama_h200.json,
+runs 4.075 ms against 4.794 ms on cuBLAS with the separate kernels (bench/results/step_times_llama_h200.json,
 fused-cublas), verify(16) 4.559 against 4.782 interleaved (bench/results/step_ab_verify16_h200.json, e0b3034).
 kernels/u12_fused_linear.py serves u12 layers the same way, but with their norms kept as rmsnorm
 kernels (its norm prologue measured slower: U12_LINEAR, U12_NORMS_APART).
@@ -89,7 +89,7 @@ GEMV_ROWS = 4
 # Rows at which fused_linear serves the layers: one (the GEMV kernel, LINEAR_GEMV_MAX_M), 5..16 and 32
 # (the dot kernel, LINEAR_MAX_M, but not LINEAR_GAP: 17..31 rows run its 32-row tiles at 32 rows' cost,
 # where cuBLAS's 24-row tiles cost less: the 17-node tree verify ran 5.020 ms fused against 4.941 and
-# 4.899 on cuBLAS in the two runs before, bench/results/step_times_llama_h200.json, ba6038c, while
+# 4.899 on cuBLAS in the two runs before, bench/results/tried/step_times_llama_ba6038c_h200.json, while
 # verify(32) ran 4.834 against 5.004). Llama-3.1-8B on the H200, interleaved against cuBLAS with the separate
 # norm, SiLU·mul and add kernels (bench/step_ab.py --q, commit 4cea20f, bench/results/step_ab_verify*_h200.json,
 # verify(16) in bench/results/tried/step_ab_verify16_4cea20f_h200.json; at 35c93f7 4.737 against 4.900,
@@ -100,7 +100,7 @@ GEMV_ROWS = 4
 # bench/results/step_ab_verify32_h200.json; 5.127 against 5.120 with the 16-row configs before,
 # bench/results/tried/step_ab_verify32_4cea20f_h200.json); verify(4), the GEMV kernel at four rows,
 # 5.089 against 4.572 (so 2..4 rows stay unfused). At
-# one row the AR step runs 4.02 ms against 4.77 on cuBLAS (bench/results/step_times_llama_h200.json, 817637c).
+# one row the AR step runs 4.075 ms against 4.794 on cuBLAS (bench/results/step_times_llama_h200.json, dfb50d4).
 # Before RowSquares and the norm prologue's whole-row words (af8fe61), verify(16) ran 5.20 ms against 4.96
 # (bench/results/tried/step_ab_verify16_h200.json).
 LINEAR_MAX_M = 32
