@@ -58,6 +58,10 @@ epilogue, stores and resets its counter. One launch, no memset, no host sync, de
 Counters live with the weight's storage (u12_linear's ``split_counters``), so two streams must not run one
 weight (or two views of one concatenated weight) at the same time.
 
+Tried and dropped: W's tiles by TMA (a host tensor descriptor, commit e842f23): at 16 rows the best
+TMA config lost to the pointer loads' cp.async pipeline on every layer shape, by 0.1-4.6% (H200,
+bench/results/tried/fused_linear_m16_tma_e842f23_h200.json).
+
 Configs are data (``FusedLinearConfig``); ``default_config(m, n, k, gated)`` takes ``TUNED`` first
 (keyed by the M bucket, weight rows, K, gated), else a heuristic; bench/fused_linear.py sweeps
 ``SWEEP_GEMV`` / ``SWEEP_DOT`` × ``SPLIT_KS`` at the Llama-3.1-8B shapes against the unfused
