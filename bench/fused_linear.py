@@ -92,10 +92,9 @@ def check_close(y: torch.Tensor, ref: torch.Tensor, bound: torch.Tensor) -> None
         raise AssertionError(f"differs from the reference at {int(bad.sum())} of {y.numel()} outputs")
 
 
-def sweep_configs(m: int, n: int, k: int, gated: bool, smoke: bool, tma: bool = False) -> list:
+def sweep_configs(m: int, n: int, k: int, gated: bool, smoke: bool) -> list:
     """The default config first; then for M <= 4 SWEEP_GEMV within 64 accumulator registers a
-    thread, each also at 128 registers (maxnreg); for M >= 5, or K >= 8192, SWEEP_DOT x SPLIT_KS (at least two K tiles a split). --smoke: two.
-    tma: the default, then SWEEP_DOT_TMA x SPLIT_KS only."""
+    thread, each also at 128 registers (maxnreg); for M >= 5, or K >= 8192, SWEEP_DOT x SPLIT_KS (at least two K tiles a split). --smoke: two."""
     from specpilot.kernels import fused_linear as fl
 
     default = fl.default_config(m, n, k, gated, on_gpu=torch.cuda.is_available() and not smoke)
@@ -108,13 +107,11 @@ def sweep_configs(m: int, n: int, k: int, gated: bool, smoke: bool, tma: bool = 
         out += [c for c in (dataclasses.replace(c, maxnreg=128) for c in gemv) if c not in out]  # TUNED's o and down budget
     # the dot tiles at every M: their split-K is the only one (the GEMV has none), which a long K
     # such as down's (14336) may need at M = 1 as well (cuBLAS splits it)
-    if tma:
-        out = out[:1]
     if m >= 5 or k >= 8192:
-        for tile in fl.SWEEP_DOT_TMA if tma else fl.SWEEP_DOT:
+        for tile in fl.SWEEP_DOT:
             for split in fl.SPLIT_KS:
                 cfg = fl.FusedLinearConfig("dot", tile.block_n, tile.block_k, split_k=split,
-                                           num_warps=tile.num_warps, num_stages=tile.num_stages, tma=tile.tma)
+                                           num_warps=tile.num_warps, num_stages=tile.num_stages)
                 if (split == 1 or k // tile.block_k >= 2 * split) and cfg not in out:
                     out.append(cfg)
     return out
@@ -219,7 +216,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget-s", type=float, default=150.0, help="sweep time budget; later rows are skipped")
     parser.add_argument("--ms", default=",".join(map(str, MS)), help="rows of x, comma-separated")
     parser.add_argument("--no-layer", action="store_true", help="skip the 32-layer CUDA graphs")
-    parser.add_argument("--tma", action="store_true", help="sweep only the dot tiles loading W by TMA (SWEEP_DOT_TMA)")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, two configs each, 2 layers (runs on a CPU)")
     parser.add_argument("--graph", action="store_true",
                         help="time each config in a CUDA graph over distinct copies of the weight (no host "
@@ -279,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
             sq = RowSquares.of(x, k // 64) if norm and k % 64 == 0 else None
             base = {"name": name, "N": n, "K": k, "M": m, "norm": norm, "gated": gated, "residual": residual,
                     "unfused_us": unfused_us, "cublas_us": cublas_us}
-            for i, cfg in enumerate(sweep_configs(m, n, k, gated, args.smoke, args.tma)):
+            for i, cfg in enumerate(sweep_configs(m, n, k, gated, args.smoke)):
                 row = {**base, "config": str(cfg), "default": i == 0, "squares": sq is not None and cfg.kernel == "dot"}
                 if i > 0 and time.monotonic() - t0 > args.budget_s:  # the default always runs: every row has one
                     sweep.append({**row, "skipped": "time budget"})
@@ -322,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
 
     tuned = [{"key": [m_bucket(m), shapes[name][0], shapes[name][1], shapes[name][3]], "shape": name, "M": m,
               "config": str(cfg), **{f: getattr(cfg, f) for f in ("kernel", "block_n", "block_k", "block_m", "split_k",
-                                                                  "num_warps", "num_stages", "maxnreg", "tma")}}
+                                                                  "num_warps", "num_stages", "maxnreg")}}
              for (name, m), (cfg, _) in best.items()]
     result = {
         "what": "fused_linear (norm prologue, SiLU·mul / residual epilogues) vs the unfused kernels, "

@@ -16,7 +16,7 @@
 #   hmma     the hmma kernel's GPU tests, then its M = 16 sweep against cuBLAS (and TUNED's config)
 #   bf16tune fused_linear's one-row sweep in CUDA graphs, then the AR step with its best configs (bf16-sweep)
 #   u12tune  u12_linear's one-row gemv2 sweep in CUDA graphs, then the AR step with its best configs (u12-sweep)
-#   verify16 fused_linear's sweep at VERIFY_QS rows (default 16; LINEAR_ARGS=--tma: the TMA tiles) in CUDA graphs, then verify(q) with it
+#   verify16 fused_linear's sweep at VERIFY_QS rows (default 16) in CUDA graphs, then verify(q) with it
 #            (bf16-linear, and bf16-linear-nosq without RowSquares) beside cuBLAS
 #   linear   fused_linear and u12_mma: GPU tests and sweeps (u12's mma sweep: U12_ARGS="--ms 16 --kernels mma")
 #   peers    AR against HF transformers on 8B-shaped weights
@@ -104,7 +104,7 @@ verify16() {  # fused_linear at the verify rows VERIFY_QS (default 16) timed in 
   local qs=${VERIFY_QS:-16} sweep
   sweep="$OUT/fused_linear_m${qs// /_}_graph_h200.json"
   TAIL=24 run fused_linear_verify 330 python bench/fused_linear.py --ms "${qs// /,}" --graph \
-    --budget-s "${VERIFY_BUDGET:-100}" ${LINEAR_ARGS:-} --out "$sweep"
+    --budget-s "${VERIFY_BUDGET:-100}" --out "$sweep"
   for q in $qs; do
     TAIL=16 run "step_ab_verify$q" 240 python bench/step_ab.py --q "$q" --bf16-tuned "$sweep" \
       --out "$OUT/step_ab_verify${q}_h200.json"

@@ -310,7 +310,7 @@ def _gemv_kernel(
 
 @triton.jit
 def _dot_kernel(
-    x_ptr, w_ptr, w_desc, nw_ptr, y_ptr, part_ptr, count_ptr, sq_ptr,
+    x_ptr, w_ptr, nw_ptr, y_ptr, part_ptr, count_ptr, sq_ptr,
     M, N, K, k_per_split, part_stride, inv_k, eps, stride_xm, stride_wn, stride_ym, sq_parts,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: no masks
@@ -323,7 +323,6 @@ def _dot_kernel(
     SQ_BLOCK: tl.constexpr,  # SQ_IN: parts summed a chunk
     ROUND_BF16: tl.constexpr, EXPF: tl.constexpr,
     PDL: tl.constexpr,  # programmatic dependent launch (kernels/overlap.py)
-    W_TMA: tl.constexpr = False,  # W's tiles by the tensor descriptor w_desc (TMA; rows and K past the end read 0)
 ):
     """BLOCK_M rows of x against BLOCK_N output rows over K range pid_k of SPLIT_K."""
     pdl_enter(PDL)
@@ -353,16 +352,12 @@ def _dot_kernel(
     k_end = tl.minimum(k_begin + k_per_split, K)
     for k0 in range(k_begin, k_end, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)[None, :]  # k_per_split is a multiple of BLOCK_K: masks need only K
-        if W_TMA:
-            wg = w_desc.load([pid_n * BLOCK_N, k0])
-        elif EVEN_K:
-            wg = tl.load(wg_rows + k)
-        else:
-            wg = tl.load(wg_rows + k, mask=k < K, other=0.0)
         if EVEN_K:
             xt = tl.load(x_rows + k)
+            wg = tl.load(wg_rows + k)
         else:
             xt = tl.load(x_rows + k, mask=k < K, other=0.0)
+            wg = tl.load(wg_rows + k, mask=k < K, other=0.0)
         if NORM:
             if EVEN_K:
                 nw = tl.load(nw_ptr + k)
@@ -376,9 +371,7 @@ def _dot_kernel(
             xb = tl.trans(xt.to(tl.float32))
             acc_g = tl.dot(wg.to(tl.float32), xb, acc_g, input_precision="ieee")
         if GATED:
-            if W_TMA:
-                wu = w_desc.load([N + pid_n * BLOCK_N, k0])
-            elif EVEN_K:
+            if EVEN_K:
                 wu = tl.load(wu_rows + k)
             else:
                 wu = tl.load(wu_rows + k, mask=k < K, other=0.0)
@@ -433,7 +426,6 @@ class FusedLinearConfig:
     num_warps: int = 4
     num_stages: int = 1
     maxnreg: int = 0  # registers a thread ptxas may use (PTX .maxnreg, on the GPU); 0: its choice
-    tma: bool = False  # dot: W's tiles by a TMA tensor descriptor (where W's rows are 16-byte aligned)
 
     def __post_init__(self) -> None:
         pow2 = lambda v: v > 0 and v & (v - 1) == 0  # noqa: E731
@@ -455,15 +447,13 @@ class FusedLinearConfig:
                 raise ValueError(f"FusedLinearConfig.block_m: dot takes 0, 16, 32 or 64, got {self.block_m}")
             if self.split_k < 1:
                 raise ValueError(f"FusedLinearConfig.split_k: expected >= 1, got {self.split_k}")
-        if self.tma and self.kernel != "dot":
-            raise ValueError(f"FusedLinearConfig.tma: only the dot kernel loads by TMA, got {self}")
 
     def __str__(self) -> str:
         regs = f"-r{self.maxnreg}" if self.maxnreg else ""
         if self.kernel == "gemv":
             return f"gemv-bn{self.block_n}-bk{self.block_k}-w{self.num_warps}-s{self.num_stages}{regs}"
         return (f"dot-bm{self.block_m or 'auto'}-bn{self.block_n}-bk{self.block_k}-sk{self.split_k}"
-                f"-w{self.num_warps}-s{self.num_stages}{regs}{'-tma' if self.tma else ''}")
+                f"-w{self.num_warps}-s{self.num_stages}{regs}")
 
 
 def _block_m(m: int, cfg: FusedLinearConfig) -> int:
@@ -501,8 +491,6 @@ SWEEP_DOT = [
     )
 ]
 SPLIT_KS = (1, 2, 4, 8)
-# The dot tiles again with W loaded by TMA (bench/fused_linear.py --tma sweeps them alone).
-SWEEP_DOT_TMA = [dataclasses.replace(c, tma=True) for c in SWEEP_DOT if c.num_stages >= 3]
 
 # Best configs measured by bench/fused_linear.py on the H200, keyed (m_bucket(M), weight rows N, K,
 # gated): Llama-3.1-8B's layer shapes (bench/results/fused_linear_h200.json).
@@ -736,28 +724,15 @@ def fused_linear(
         counters = part.view(torch.int32)
     sq_parts = squares.parts if sq_in else 0
     sq_buf = squares.buf if sq_in else squares._writer(residual, grid[0]) if sq_out else part
-    w_desc = _w_descriptor(weight, cfg) if cfg.tma else None
     _dot_kernel[grid](
-        x, weight, w_desc, norm_weight if norm else x, y, part, counters, sq_buf,
+        x, weight, norm_weight if norm else x, y, part, counters, sq_buf,
         m, n_out, k, k_per_split, m * n_out, 1.0 / k, eps, x.stride(0), weight.stride(0), y.stride(0),
         sq_parts,
         BLOCK_M=bm, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=k % cfg.block_k == 0, SPLIT_K=split,
         DOT_BF16=native and x.dtype == torch.bfloat16, NORM_WORDS=norm_words_chunk,
-        SQ_IN=sq_in, SQ_OUT=sq_out, SQ_BLOCK=min(128, triton.next_power_of_2(max(1, sq_parts))),
-        W_TMA=w_desc is not None, **flags, **launch,
+        SQ_IN=sq_in, SQ_OUT=sq_out, SQ_BLOCK=min(128, triton.next_power_of_2(max(1, sq_parts))), **flags, **launch,
     )
     return y
-
-
-def _w_descriptor(weight: torch.Tensor, cfg: FusedLinearConfig):
-    """A TMA descriptor over W's rows in [block_n, block_k] tiles, or None where TMA cannot read
-    them (its base and row stride must be 16-byte aligned, its rows contiguous)."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    size = weight.element_size()
-    if weight.stride(1) != 1 or (weight.stride(0) * size) % 16 or weight.data_ptr() % 16:
-        return None
-    return TensorDescriptor(weight, list(weight.shape), [weight.stride(0), 1], [cfg.block_n, cfg.block_k])
 
 
 def fused_linear_reference(
@@ -788,7 +763,6 @@ _CHECK_CONFIGS = {
     "gemv-bn64": FusedLinearConfig("gemv", 64, 64, num_warps=4),  # N < BN: all rows in one program
     "dot-sk1": FusedLinearConfig("dot", 16, 16),  # no split; BM 16 at any M
     "dot-sk3": FusedLinearConfig("dot", 16, 16, block_m=32, split_k=3),
-    "dot-tma": FusedLinearConfig("dot", 16, 16, split_k=2, tma=True),  # W by TMA where its rows are aligned
 }
 
 
@@ -872,13 +846,6 @@ register(KernelSpec(
         _case(17, 50, 100, BF16, norm=1, gated=1, residual=1, config="dot-sk3"),
         _case(2, 20, 64, BF16, norm=1, gated=1, config="dot-sk3"),  # dot at M = 2
         _case(16, 9, 1100, BF16, norm=1, config="dot-sk1"),  # the norm's words in 2 chunks, the last masked
-        # W by TMA: rows and K past the end read as 0 (K = 104: a partial last tile); a gated
-        # block past N reads up rows into outputs it never stores; K = 100 (rows not 16-byte
-        # aligned) falls back to pointer loads
-        _case(17, 50, 104, BF16, norm=1, gated=1, residual=1, config="dot-tma"),
-        _case(16, 33, 104, BF16, residual=1, view=8, config="dot-tma"),
-        _case(5, 34, 64, F32, norm=1, gated=1, config="dot-tma"),
-        _case(6, 20, 100, BF16, norm=1, config="dot-tma"),
     ],
     # fp32: summation order only, with atol 5e-5: a gated output is silu(g) · u with |u| up to ~7
     # here (x rows × 30), so g's order error (~1e-6) reaches 2.3e-5 at 2 torch threads. bf16: the fp32 sums differ from torch's in order, so a rounding to
