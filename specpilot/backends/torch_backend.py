@@ -22,10 +22,10 @@ from ..ir import node as ir_node
 from ..ir.lower import SHARED
 from ..passes.fused_decoder import is_fused
 from ..runtime import decode, graph_decode
-from ..runtime.fused import install_fused
-from ..runtime.hybrid import GatedAttention, HybridTransformer
 from ..runtime.dflash import DFlashDrafter
 from ..runtime.draft_vocab import STDLIB, VOCAB_FILE, DraftVocab, SubsetHead, build_vocab, head_weight, load_vocab
+from ..runtime.fused import install_fused
+from ..runtime.hybrid import GatedAttention, HybridTransformer
 from ..runtime.load import load_drafter, load_target
 from ..runtime.tokenizer import load_tokenizer
 from ..runtime.u12 import U12Tensor, load_u12, pack_u12
