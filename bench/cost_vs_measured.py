@@ -73,8 +73,9 @@ def main() -> int:
             rows.append(dict(source="step_times_llama_h200.json (fused)", model=model, what=what, q=q,
                              measured_ms=fused[(what, q)], predicted_ms=step.time * 1e3,
                              predicted_kernels=step.kernels, measured_kernels=measured_kernels))
-        # trees of 15 nodes (q = 16: on the fused linears) and 16 (q = 17: past their 16 rows)
-        for budget in (15, 16):
+        # trees of 15 nodes (q = 16: on the fused linears), 16 (q = 17: in LINEAR_GAP, on cuBLAS) and 31
+        # (q = 32: fused again), those the file measured
+        for budget in (b for b in (15, 16, 31) if ("tree-verify", b + 1) in fused):
             q = budget + 1
             tree = step_time(with_tree(fused_program, budget).target, g, 1, q, 512, cuda_graphs=True)
             rows.append(dict(source="step_times_llama_h200.json (fused)", model=model, what="tree-verify", q=q,
