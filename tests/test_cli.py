@@ -116,6 +116,9 @@ def test_bad_drafter_kind(tmp_path):
     ("no-such-pass", ["unknown pass 'no-such-pass'"]),
     ("draft-block-size{size=\"big\"}", ["parameter 'size' expects int"]),
     ("draft-block-size{size=4", ["--passes:1:"]),
+    ("draft-vocab{size=0}", ["pass 'draft-vocab': size must be >= 1, got 0"]),
+    ('draft-vocab{size=8, corpus="nowhere.txt"}', ["draft-vocab{corpus='nowhere.txt'}", "does not exist",
+                                                   "expected 'stdlib'"]),
 ])
 def test_bad_passes_exit_2_and_write_nothing(tmp_path, passes, fragments):
     r = invoke("compile", write_spec(tmp_path), "--passes", passes, "-o", tmp_path / "e")
