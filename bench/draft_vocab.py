@@ -19,12 +19,10 @@ import json
 import sys
 from pathlib import Path
 
-from specpilot.compiler import compile_pipeline
 from specpilot.runtime.draft_vocab import STDLIB
-from specpilot.spec import parse_spec
 
-ROOT = Path(__file__).resolve().parent.parent
-PROMPT_SETS = ("humaneval", "code-heldout")
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the bench scripts beside this one
+from zoo_tau import PROMPT_SETS, compile_zoo, results_path, tau_row  # noqa: E402
 
 
 def main() -> int:
@@ -46,28 +44,17 @@ def main() -> int:
             pipeline = ", ".join(p for p in (f'draft-vocab{{size={size}, corpus="{args.corpus}"}}' if size else "",
                                              args.passes) if p)
             for prompts in PROMPT_SETS:
-                spec = parse_spec({"name": f"{args.pair}-{kind}-{size}-{prompts}", "target": args.pair,
-                                   "drafter": {"kind": kind}, "serving": {"max_new_tokens": args.max_new_tokens},
-                                   "benchmark": {"prompts": prompts, "num_prompts": args.num_prompts},
-                                   **({"passes": pipeline} if pipeline else {})}, "draft_vocab")
-                r = compile_pipeline(spec, out_dir=None, device=args.device)
+                r = compile_zoo(args.pair, kind, prompts, args.num_prompts, args.max_new_tokens, pipeline, args.device,
+                                "draft_vocab")
                 env = r.report["environment"]
                 subset = r.report["drafter"].get("vocab_subset")
-                rows.append({"drafter": kind, "size": size, "corpus": args.corpus if size else None,
+                rows.append({**tau_row(r, kind, prompts), "size": size, "corpus": args.corpus if size else None,
                              "corpus_coverage": subset["corpus_coverage"] if subset else 1.0,
-                             "pipeline": r.report["pipeline"], "block_size": r.report["drafter"]["block_size"],
-                             "prompts": prompts, "num_prompts": args.num_prompts,
-                             "max_new_tokens": args.max_new_tokens, "tau": r.report["tau"],
-                             "acceptance_histogram": r.report["acceptance_histogram"],
-                             "outputs_equal_ar": r.report["outputs_equal_ar"],
-                             "token_forcing": r.report["token_forcing"],
                              "passed": r.validation.passed})
                 row = rows[-1]
                 print(f"{kind:8} {size or 'all':>6} {prompts:13} {row['corpus_coverage']:8.4f} {row['tau']:6.3f}  "
                       f"{row['outputs_equal_ar']:>12}  {row['token_forcing']}", flush=True)
-    device = env.get("gpu_name", "cpu") if env else "cpu"
-    slug = "cpu" if device == "cpu" else device.lower().replace(" ", "_")
-    out = args.out or ROOT / "bench" / "results" / f"draft_vocab_{slug}.json"
+    out = args.out or results_path("draft_vocab", env)
     out.write_text(json.dumps({"benchmark": "draft_vocab", "pair": args.pair, "corpus": args.corpus,
                                "environment": env, "rows": rows}, indent=2) + "\n")
     print(f"-> {out}")

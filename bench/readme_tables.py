@@ -306,7 +306,7 @@ def draft_vocab() -> str:
     if d is None:
         return "_no results file yet: run `python bench/draft_vocab.py`_"
     env = d["environment"]
-    sizes = sorted({r["size"] for r in d["rows"]}, key=lambda s: -s if s else -1e9)
+    sizes = sorted({r["size"] for r in d["rows"]}, key=lambda s: (s != 0, -s))  # 0 (the whole vocabulary) first
     lines = [f"The zoo pair {d['pair']} (vocabulary 8192) on the CPU in fp32, commit {_short(env['commit'])}; corpus "
              f"`{d['corpus']}`; chains at the drafters' trained blocks, {d['rows'][0]['num_prompts']} prompts × "
              f"{d['rows'][0]['max_new_tokens']} tokens a set. Coverage: the corpus tokens the subset holds. Source: "

@@ -322,7 +322,6 @@ def bench_shape(name: str, bw: float, repeats: int, with_u12: bool = True) -> tu
                     profile["draft-vocab"] = profile_step(draft_step)
                 finally:
                     drafter.set_head(full_head)
-                    sub_head = None
     if with_u12:  # the weights-u12 pass over the fused stack: every linear and lm_head in u12
         u12_bytes = to_u12(model)
         with fused_path(model):

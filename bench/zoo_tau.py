@@ -23,6 +23,32 @@ ROOT = Path(__file__).resolve().parent.parent
 PROMPT_SETS = ("humaneval", "code-heldout")
 
 
+def compile_zoo(pair: str, kind: str, prompts: str, num_prompts: int, max_new_tokens: int, passes: str,
+                device: str, source: str):
+    """The whole compile pipeline on the zoo pair's `kind` drafter over one prompt set, no engine written."""
+    spec = parse_spec({"name": f"{pair}-{kind}-{prompts}", "target": pair, "drafter": {"kind": kind},
+                       "serving": {"max_new_tokens": max_new_tokens},
+                       "benchmark": {"prompts": prompts, "num_prompts": num_prompts},
+                       **({"passes": passes} if passes else {})}, source)
+    return compile_pipeline(spec, out_dir=None, device=device)
+
+
+def tau_row(r, kind: str, prompts: str) -> dict:
+    """A results row of a compile: τ, acceptance, speedup and token forcing."""
+    rep = r.report
+    return {"drafter": kind, "pipeline": rep["pipeline"], "block_size": rep["drafter"]["block_size"], "prompts": prompts,
+            "num_prompts": rep["prompts"], "max_new_tokens": rep["max_new_tokens"], "tau": rep["tau"],
+            "acceptance_histogram": rep["acceptance_histogram"], "speedup_over_ar": rep["speedup_over_ar"],
+            "outputs_equal_ar": rep["outputs_equal_ar"], "token_forcing": rep["token_forcing"]}
+
+
+def results_path(stem: str, env: dict | None) -> Path:
+    """bench/results/<stem>_<device>.json: "cpu" or the GPU's name."""
+    device = env.get("gpu_name", "cpu") if env else "cpu"
+    slug = "cpu" if device == "cpu" else device.lower().replace(" ", "_")
+    return ROOT / "bench" / "results" / f"{stem}_{slug}.json"
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--pair", default="code-qwen3")
@@ -36,22 +62,13 @@ def main() -> int:
     rows, env = [], None
     for kind in args.drafters.split(","):
         for prompts in PROMPT_SETS:
-            spec = parse_spec({"name": f"{args.pair}-{kind}-{prompts}", "target": args.pair, "drafter": {"kind": kind},
-                               "serving": {"max_new_tokens": args.max_new_tokens},
-                               "benchmark": {"prompts": prompts, "num_prompts": args.num_prompts},
-                               **({"passes": args.passes} if args.passes else {})}, "zoo_tau")
-            r = compile_pipeline(spec, out_dir=None, device=args.device)
+            r = compile_zoo(args.pair, kind, prompts, args.num_prompts, args.max_new_tokens, args.passes, args.device,
+                            "zoo_tau")
             env = r.report["environment"]
-            rows.append({"drafter": kind, "pipeline": r.report["pipeline"], "block_size": r.report["drafter"]["block_size"], "prompts": prompts,
-                         "num_prompts": args.num_prompts, "max_new_tokens": args.max_new_tokens,
-                         "tau": r.report["tau"], "acceptance_histogram": r.report["acceptance_histogram"],
-                         "speedup_over_ar": r.report["speedup_over_ar"], "outputs_equal_ar": r.report["outputs_equal_ar"],
-                         "token_forcing": r.report["token_forcing"]})
+            rows.append(tau_row(r, kind, prompts))
             print(f"{kind:7} {prompts:13} τ {rows[-1]['tau']:.3f}  speedup {rows[-1]['speedup_over_ar']:.2f}x  "
                   f"{rows[-1]['token_forcing']}", flush=True)
-    device = env.get("gpu_name", "cpu") if env else "cpu"
-    slug = "cpu" if device == "cpu" else device.lower().replace(" ", "_")
-    out = args.out or ROOT / "bench" / "results" / f"zoo_tau_{slug}.json"
+    out = args.out or results_path("zoo_tau", env)
     out.write_text(json.dumps({"pair": args.pair, "environment": env, "rows": rows}, indent=2) + "\n")
     print(f"-> {out}")
     return 0

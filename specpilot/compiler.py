@@ -26,7 +26,7 @@ from .ir import Program, lower, print_program
 from .passes import PassRecord, pipeline_string, run_passes
 from .passes.base import Pass
 from .runtime.builtin import is_builtin, resolve_builtin
-from .runtime.draft_vocab import VOCAB_FILE, save_vocab
+from .runtime.draft_vocab import VOCAB_FILE, DraftVocab, save_vocab
 from .runtime.load import load_target
 from .runtime.tokenizer import load_tokenizer
 from .runtime.u12 import save_u12
@@ -100,13 +100,18 @@ def write_cost_view(program: Program, gpu: str, tau: float, report: dict, root: 
     plot_gaps(estimate, root / "explain.png")
 
 
-def save_packed_weights(engine: Engine, root: Path) -> None:
-    """Store the u12 planes the passes asked for beside each checkpoint (checksummed safetensors)."""
+def save_pass_artifacts(engine: Engine, root: Path) -> None:
+    """Store what the passes built beside each checkpoint (checksummed safetensors): the u12 planes,
+    the drafter head's token subset."""
     for part, model, graph in (("target", engine.target, engine.program.target),
                                ("drafter", drafter_root(engine.drafter), engine.program.drafter)):
         packed = packed_weights(model, graph.items())
         if packed:
             save_u12({k: v.to("cpu") for k, v in packed.items()}, root / part / U12_FILE)
+    if engine.draft_vocab is not None:
+        v = engine.draft_vocab
+        save_vocab(root / "drafter" / VOCAB_FILE, v.ids, corpus=v.corpus, coverage_share=v.coverage,
+                   vocab_size=engine.target_cfg.vocab_size)
 
 
 @dataclass
@@ -122,14 +127,18 @@ class CompileResult:
 
 
 def build_report(spec: PipelineSpec, program: Program, pipeline: str, m: Measurement,
-                 validation: TokenForcingReport, env: dict) -> dict:
+                 validation: TokenForcingReport, env: dict, draft_vocab: DraftVocab | None = None) -> dict:
     draft = program.step.one("draft")[1]
+    drafter = {"kind": draft["kind"], "block_size": draft["block_size"]}
+    if draft_vocab is not None:
+        drafter["vocab_subset"] = {"size": int(draft_vocab.ids.numel()), "corpus": draft_vocab.corpus,
+                                   "corpus_coverage": round(draft_vocab.coverage, 4)}
     return {
         "name": spec.name,
         "gpu_target": spec.gpu,
         "pipeline": pipeline,
         "ir_hash": program.structural_hash(),
-        "drafter": {"kind": draft["kind"], "block_size": draft["block_size"]},
+        "drafter": drafter,
         "prompts": len(m.prompts),
         "max_new_tokens": spec.serving.max_new_tokens,
         "tau": round(m.tau, 4),
@@ -180,11 +189,7 @@ def compile_pipeline(spec: PipelineSpec, *, out_dir: Path | None, passes: str | 
     m = measure(engine, baseline, prompts, spec.serving.max_new_tokens, progress=progress)
     validation = validate_outputs(dirs, engine, m)
     env = environment(dev)
-    report = build_report(spec, program, pipeline, m, validation, env)
-    if engine.draft_vocab is not None:
-        v = engine.draft_vocab
-        report["drafter"]["vocab_subset"] = {"size": int(v.ids.numel()), "corpus": v.corpus,
-                                             "corpus_coverage": round(v.coverage, 4)}
+    report = build_report(spec, program, pipeline, m, validation, env, engine.draft_vocab)
 
     written = None
     if out_dir is not None and validation.passed:
@@ -194,11 +199,7 @@ def compile_pipeline(spec: PipelineSpec, *, out_dir: Path | None, passes: str | 
             (tmp / "ir.txt").write_text(print_program(program))
             copy_checkpoint(dirs.target, tmp / "target")
             copy_checkpoint(dirs.drafter, tmp / "drafter")
-            save_packed_weights(engine, tmp)
-            if engine.draft_vocab is not None:
-                v = engine.draft_vocab
-                save_vocab(tmp / "drafter" / VOCAB_FILE, v.ids, corpus=v.corpus, coverage_share=v.coverage,
-                           vocab_size=engine.target_cfg.vocab_size)
+            save_pass_artifacts(engine, tmp)
             write_cost_view(program, spec.gpu, m.tau, report, tmp)
             (tmp / "validation.json").write_text(json.dumps(validation.to_dict(), indent=2) + "\n")
             (tmp / "report.json").write_text(json.dumps(report, indent=2) + "\n")

@@ -25,10 +25,10 @@ by the engine's checksums like every file.
 from __future__ import annotations
 
 import gzip
-import json
 import sysconfig
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from fnmatch import fnmatch
 from importlib import resources
 from pathlib import Path
 
@@ -44,18 +44,16 @@ from ..errors import EngineError, SpecError
 VOCAB_FILE = "draft_vocab.safetensors"
 CORPUS_BYTES = 8 << 20  # the frequency table's text: top-N ranks settle within a few MB of code
 STDLIB = "stdlib"
-_STDLIB_SKIP = ("site-packages", "lib-dynload", "__pycache__", "pydoc_data", "encodings")
+# Folders of Lib/ never read (train/corpus.py's EXCLUDED_DIRS: packages, compiled and generated files)
+_STDLIB_SKIP = ("site-packages", "lib-dynload", "__pycache__", "pydoc_data", "encodings", "config-*")
 
 
 def _heldout_sources() -> frozenset[str]:
     """Stdlib files the bundled prompt sets are drawn from (and their tests): kept out of "stdlib"."""
     data = resources.files("specpilot.bench") / "data" / "code-heldout.jsonl"
-    names = set()
-    for line in data.read_text(encoding="utf-8").splitlines():
-        if line.strip():
-            module = json.loads(line)["source"].split(":")[0].removesuffix(".py")
-            names |= {f"{module}.py", f"test/test_{module}.py"}
-    return frozenset(names)
+    sources = parse_jsonl(data.read_text(encoding="utf-8"), "specpilot/bench/data/code-heldout.jsonl", ("source",))
+    modules = {s.split(":")[0].removesuffix(".py") for s in sources}  # "base64.py:b64encode"
+    return frozenset(p for m in modules for p in (f"{m}.py", f"test/test_{m}.py"))
 
 
 def _stdlib_texts() -> Iterator[str]:
@@ -63,7 +61,7 @@ def _stdlib_texts() -> Iterator[str]:
     skip = _heldout_sources()
     for path in sorted(root.rglob("*.py")):
         rel = path.relative_to(root).as_posix()
-        if rel in skip or any(part in _STDLIB_SKIP for part in path.relative_to(root).parts[:-1]):
+        if rel in skip or any(fnmatch(part, d) for part in path.relative_to(root).parts[:-1] for d in _STDLIB_SKIP):
             continue
         try:
             yield path.read_text(encoding="utf-8")
