@@ -89,8 +89,8 @@ GEMV_ROWS = 4
 # Rows at which fused_linear serves the layers: one (the GEMV kernel, LINEAR_GEMV_MAX_M), 5..16 and 32
 # (the dot kernel, LINEAR_MAX_M, but not LINEAR_GAP: 17..31 rows run its 32-row tiles at 32 rows' cost,
 # where cuBLAS's 24-row tiles cost less: the 17-node tree verify ran 5.020 ms fused against 4.941 and
-# 4.899 on cuBLAS in the two runs before, bench/results/tried/step_times_llama_ba6038c_h200.json, while
-# verify(32) ran 4.834 against 5.004). Llama-3.1-8B on the H200, interleaved against cuBLAS with the separate
+# 4.899 on cuBLAS in the two runs before, while verify(32) ran 4.834 against 5.004; H200,
+# bench/results/tried/step_times_llama_{ba6038c,17069f4,817637c}_h200.json). Llama-3.1-8B on the H200, interleaved against cuBLAS with the separate
 # norm, SiLU·mul and add kernels (bench/step_ab.py --q, commit 4cea20f, bench/results/step_ab_verify*_h200.json,
 # verify(16) in bench/results/tried/step_ab_verify16_4cea20f_h200.json; at 35c93f7 4.737 against 4.900,
 # bench/results/tried/step_ab_verify16_35c93f7_h200.json; at e0b3034 4.559 against 4.782):
