@@ -95,6 +95,7 @@ def main() -> None:
     ap.add_argument("--warps", default="4", help="comma-separated warps a program")
     ap.add_argument("--capacity", type=int, default=CAPACITY,
                     help="cache slots (bench/step_times.py's steps: 2048); shapes past it are skipped")
+    ap.add_argument("--shapes", help="comma-separated WHAT:T:PAST of SHAPES to run (default: all of them)")
     ap.add_argument("--parts", action="store_true", help="the combine launch alone beside the whole (module docstring)")
     args = ap.parse_args()
     if not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
@@ -112,7 +113,13 @@ def main() -> None:
     inv_freq = 1.0 / (500000.0 ** (torch.arange(0, HEAD_DIM, 2, device=dev).float() / HEAD_DIM))
     rows, reference = [], {}
     sms = ask.sm_count(dev)
-    for what, t, past in [shape for shape in SHAPES if shape[1] + shape[2] <= cap]:
+    wanted = SHAPES
+    if args.shapes:
+        wanted = [(w, int(t), int(p)) for w, t, p in (s.split(":") for s in args.shapes.split(","))]
+        unknown = [s for s in wanted if s not in SHAPES]
+        if unknown:
+            sys.exit(f"bench/attention_variants.py: --shapes: {unknown} not among {list(SHAPES)}")
+    for what, t, past in [shape for shape in wanted if shape[1] + shape[2] <= cap]:
         qkv = [torch.randn(1, t, (HEADS + 2 * KV_HEADS) * HEAD_DIM, device=dev, dtype=dt, generator=g) for _ in range(LAYERS)]
         mask = _tree_mask(t).to(dev) if what == "tree" else "causal"
         cos, sin = rope_cos_sin(inv_freq, (past + torch.arange(t, device=dev))[None], dt)
