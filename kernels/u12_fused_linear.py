@@ -75,8 +75,11 @@ from .silu_mul import silu_mul
 from .u12_linear import (
     _ESC_BLOCK,
     U12Config,
-    _apply_escapes,
     _block_m,
+    _escape_ahead_init,
+    _escape_stage,
+    _escape_stages_left,
+    _escapes_ahead,
     _fma_planes,
     _nonempty,
     _x_planes,
@@ -163,24 +166,46 @@ def _u12_fused_gemv_kernel(
         x_rows = tl.broadcast_to(x_ptr + rows_m[:, None, None] * stride_xm, shape)
         nw_rows = tl.broadcast_to(nw_ptr + 0 * rows_n, shape)
 
+    # The escapes' loads run under the loop, one round trip a chunk (u12_linear's ``_escape_stage``):
+    # the gate block's (rows n0.. of t) and, gated, the up block's (rows N + n0..).
+    eg0, eg_end, idx_g, val_g, xg_g, nw_g = _escape_ahead_init(esc_idx_ptr, BLOCK_M, ESC_BLOCK)
+    eu0, eu_end, idx_u, val_u, xg_u, nw_u = _escape_ahead_init(esc_idx_ptr, BLOCK_M, ESC_BLOCK)
     acc_g = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_W), dtype=tl.float32)  # reduced once, after the loop
     acc_u = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_W), dtype=tl.float32)  # GATED only (else unused)
     full_words = n_words - n_words % BLOCK_W
     for start in range(0, full_words, BLOCK_W):
         acc_g, acc_u = _fused_chunk(acc_g, acc_u, start, x_rows, nw_rows, inv, gate_sm, gate_codes, up_sm, up_codes,
                                     n_words, BLOCK_W, X_WORDS, False, NORM, GATED, DTYPE, ROUND_BF16, ASM)
+        eg0, eg_end, idx_g, val_g, xg_g, nw_g = _escape_stage(
+            start // BLOCK_W, eg0, eg_end, idx_g, val_g, xg_g, nw_g, esc_row_ptr, n0, N, esc_idx_ptr, esc_val_ptr,
+            x_ptr, nw_ptr, offs_m, mask_m, K, stride_xm, 1, BLOCK_N, ESC_BLOCK, NORM,
+        )
+        if GATED:
+            eu0, eu_end, idx_u, val_u, xg_u, nw_u = _escape_stage(
+                start // BLOCK_W, eu0, eu_end, idx_u, val_u, xg_u, nw_u, esc_row_ptr, n0 + N, 2 * N, esc_idx_ptr,
+                esc_val_ptr, x_ptr, nw_ptr, offs_m, mask_m, K, stride_xm, 1, BLOCK_N, ESC_BLOCK, NORM,
+            )
+    eg0, eg_end, idx_g, val_g, xg_g, nw_g = _escape_stages_left(
+        full_words // BLOCK_W, eg0, eg_end, idx_g, val_g, xg_g, nw_g, esc_row_ptr, n0, N, esc_idx_ptr, esc_val_ptr,
+        x_ptr, nw_ptr, offs_m, mask_m, K, stride_xm, 1, BLOCK_N, ESC_BLOCK, NORM,
+    )
+    if GATED:
+        eu0, eu_end, idx_u, val_u, xg_u, nw_u = _escape_stages_left(
+            full_words // BLOCK_W, eu0, eu_end, idx_u, val_u, xg_u, nw_u, esc_row_ptr, n0 + N, 2 * N, esc_idx_ptr,
+            esc_val_ptr, x_ptr, nw_ptr, offs_m, mask_m, K, stride_xm, 1, BLOCK_N, ESC_BLOCK, NORM,
+        )
     if not EVEN_K:
         acc_g, acc_u = _fused_chunk(acc_g, acc_u, full_words, x_rows, nw_rows, inv, gate_sm, gate_codes, up_sm,
                                     up_codes, n_words, BLOCK_W, X_WORDS, True, NORM, GATED, DTYPE,
                                     ROUND_BF16, ASM)
-    g = _apply_escapes(  # scales the sums to y's
-        tl.sum(acc_g, axis=2), x_ptr, esc_idx_ptr, esc_val_ptr, esc_row_ptr, offs_m, mask_m, offs_n, n0, N, K,
-        stride_xm, 1, BLOCK_N, ESC_BLOCK, False, nw_ptr, inv_m, NORM, DTYPE, ROUND_BF16, True, y_scale,
+    g = _escapes_ahead(  # scales the sums to y's
+        tl.sum(acc_g, axis=2), eg0, eg_end, idx_g, val_g, xg_g, nw_g, x_ptr, esc_idx_ptr, esc_val_ptr, offs_m,
+        mask_m, offs_n, K, stride_xm, 1, ESC_BLOCK, nw_ptr, inv_m, NORM, DTYPE, ROUND_BF16, y_scale,
     )
     if GATED:
-        u = _apply_escapes(  # the up block: rows N + n of t
-            tl.sum(acc_u, axis=2), x_ptr, esc_idx_ptr, esc_val_ptr, esc_row_ptr, offs_m, mask_m, offs_n + N, n0 + N, 2 * N, K,
-            stride_xm, 1, BLOCK_N, ESC_BLOCK, False, nw_ptr, inv_m, NORM, DTYPE, ROUND_BF16, True, y_scale,
+        u = _escapes_ahead(  # the up block: rows N + n of t
+            tl.sum(acc_u, axis=2), eu0, eu_end, idx_u, val_u, xg_u, nw_u, x_ptr, esc_idx_ptr, esc_val_ptr, offs_m,
+            mask_m, offs_n + N, K, stride_xm, 1, ESC_BLOCK, nw_ptr, inv_m, NORM, DTYPE, ROUND_BF16, y_scale,
         )
     else:
         u = g

@@ -190,6 +190,183 @@ def _scatter_escapes(acc, contrib, rows, offs_n, USE_DOT: tl.constexpr):
 
 
 @triton.jit
+def _escape_range(esc_row_ptr, n0, N, BLOCK_N: tl.constexpr):
+    """[start, end): the escapes of rows [n0, min(n0 + BLOCK_N, N)) of W in its side table (CSR row pointers)."""
+    return tl.load(esc_row_ptr + n0), tl.load(esc_row_ptr + tl.minimum(n0 + BLOCK_N, N))
+
+
+@triton.jit
+def _escape_load(esc_idx_ptr, esc_val_ptr, offs_e, mask_e):
+    """The flat indices and fp32 values of escapes offs_e (0 where not mask_e)."""
+    idx = tl.load(esc_idx_ptr + offs_e, mask=mask_e, other=0)
+    val = (tl.load(esc_val_ptr + offs_e, mask=mask_e, other=0).to(tl.int32) << 16).to(tl.float32, bitcast=True)
+    return idx, val
+
+
+@triton.jit
+def _escape_gather(x_ptr, nw_ptr, idx, mask_e, offs_m, mask_m, K, stride_xm, stride_xk,
+                   ESC_BLOCK: tl.constexpr, NORM: tl.constexpr):
+    """x [BM, ESC_BLOCK] (fp32) at the columns of the escapes idx (``_escape_load``), and NORM
+    the norm weight there (else zeros)."""
+    cols = idx % K
+    xg = tl.load(
+        x_ptr + offs_m[:, None] * stride_xm + cols[None, :] * stride_xk,
+        mask=mask_m[:, None] & mask_e[None, :], other=0.0,
+    ).to(tl.float32)
+    if NORM:
+        nw = tl.load(nw_ptr + cols, mask=mask_e, other=0.0).to(tl.float32)
+    else:
+        nw = tl.zeros((ESC_BLOCK,), dtype=tl.float32)
+    return xg, nw
+
+
+@triton.jit
+def _escape_block(
+    esc, spur, idx, val, xg, nw, e0, end, x_ptr, esc_idx_ptr, esc_val_ptr, offs_m, mask_m, offs_n, K,
+    stride_xm, stride_xk, ESC_BLOCK: tl.constexpr, USE_DOT: tl.constexpr,
+    nw_ptr, inv, NORM: tl.constexpr, DTYPE: tl.constexpr, ROUND_BF16: tl.constexpr, BIASED: tl.constexpr,
+):
+    """Escapes e0 .. e0 + ESC_BLOCK - 1 (< end), loaded and gathered (``_escape_load``,
+    ``_escape_gather``), into esc (Σ x · w) and, BIASED, spur (Σ x · 2^-15), both [BM, BN] by the
+    rows offs_n. One escape at a time, reloaded, when the block holds inf/NaN contributions."""
+    mask_e = e0 + tl.arange(0, ESC_BLOCK) < end
+    rows = tl.where(mask_e, idx // K, -1)
+    if NORM:
+        xg = _normalize(xg, inv[:, None], nw[None, :], DTYPE, ROUND_BF16)
+    contrib = xg * val[None, :]
+    n_nonfinite = tl.sum(tl.sum((contrib - contrib != 0).to(tl.int32), axis=1), axis=0)
+    if n_nonfinite == 0:
+        esc = _scatter_escapes(esc, contrib, rows, offs_n, USE_DOT)
+        if BIASED:  # finite too: x is finite wherever x · w is
+            spur = _scatter_escapes(spur, xg * ESC_DECODED, rows, offs_n, USE_DOT)
+    else:
+        for e in range(e0, tl.minimum(e0 + ESC_BLOCK, end)):
+            i = tl.load(esc_idx_ptr + e)
+            v = (tl.load(esc_val_ptr + e).to(tl.int32) << 16).to(tl.float32, bitcast=True)
+            xcol = tl.load(x_ptr + offs_m * stride_xm + (i % K) * stride_xk, mask=mask_m, other=0.0).to(tl.float32)
+            if NORM:
+                xcol = _normalize(xcol, inv, tl.load(nw_ptr + i % K).to(tl.float32), DTYPE, ROUND_BF16)
+            hit = offs_n[None, :] == i // K
+            esc += tl.where(hit, (xcol * v)[:, None], 0.0)
+            if BIASED:
+                spur += tl.where(hit, (xcol * ESC_DECODED)[:, None], 0.0)
+    return esc, spur
+
+
+@triton.jit
+def _escape_blocks(
+    esc, spur, first, end, x_ptr, esc_idx_ptr, esc_val_ptr, offs_m, mask_m, offs_n, K,
+    stride_xm, stride_xk, ESC_BLOCK: tl.constexpr, USE_DOT: tl.constexpr,
+    nw_ptr, inv, NORM: tl.constexpr, DTYPE: tl.constexpr, ROUND_BF16: tl.constexpr, BIASED: tl.constexpr,
+):
+    """``_escape_block`` over escapes first .. end - 1, ESC_BLOCK at a time, each loaded and gathered in turn."""
+    for e0 in range(first, end, ESC_BLOCK):
+        offs_e = e0 + tl.arange(0, ESC_BLOCK)
+        idx, val = _escape_load(esc_idx_ptr, esc_val_ptr, offs_e, offs_e < end)
+        xg, nw = _escape_gather(x_ptr, nw_ptr, idx, offs_e < end, offs_m, mask_m, K, stride_xm, stride_xk,
+                                ESC_BLOCK, NORM)
+        esc, spur = _escape_block(
+            esc, spur, idx, val, xg, nw, e0, end, x_ptr, esc_idx_ptr, esc_val_ptr, offs_m, mask_m, offs_n, K,
+            stride_xm, stride_xk, ESC_BLOCK, USE_DOT, nw_ptr, inv, NORM, DTYPE, ROUND_BF16, BIASED,
+        )
+    return esc, spur
+
+
+@triton.jit
+def _escape_sums(acc, BIASED: tl.constexpr):
+    """The escape step's two sums, esc and spur (``_escape_block``): zeros for the biased decode;
+    else esc is acc itself (y's units already, the escapes decoded to +0.0) and spur unused."""
+    if BIASED:
+        return tl.zeros_like(acc), tl.zeros_like(acc)
+    else:
+        return acc, acc
+
+
+@triton.jit
+def _escape_finish(acc, esc, spur, y_scale, BIASED: tl.constexpr):
+    """y from the loop's sums and the escape sums: (acc - spur) · y_scale + esc for the biased
+    decode (the scale exact: a power of two), else esc (acc with the escapes added)."""
+    if BIASED:
+        return (acc - spur) * y_scale + esc
+    else:
+        return esc
+
+
+@triton.jit
+def _escape_ahead_init(idx_ptr, BLOCK_M: tl.constexpr, ESC_BLOCK: tl.constexpr):
+    """The first escape block's registers before its loads (``_escape_stage``): offs_e, end, idx, val, x, nw."""
+    zeros = tl.zeros((ESC_BLOCK,), dtype=tl.int32)
+    return (zeros, zeros, tl.zeros((ESC_BLOCK,), dtype=idx_ptr.dtype.element_ty),
+            tl.zeros((ESC_BLOCK,), dtype=tl.float32), tl.zeros((BLOCK_M, ESC_BLOCK), dtype=tl.float32),
+            tl.zeros((ESC_BLOCK,), dtype=tl.float32))
+
+
+@triton.jit
+def _escape_stage(
+    step, offs_e, end, idx, val, xg, nw, esc_row_ptr, n0, N, esc_idx_ptr, esc_val_ptr, x_ptr, nw_ptr, offs_m,
+    mask_m, K, stride_xm, stride_xk, BLOCK_N: tl.constexpr, ESC_BLOCK: tl.constexpr, NORM: tl.constexpr,
+):
+    """Step ``step`` of the loads of the first ESC_BLOCK escapes of rows [n0, min(n0 + BLOCK_N, N)),
+    run by a GEMV's loop one chunk apart: 0 the row pointers (offs_e, the escapes' offsets in the
+    table, and end, each as an [ESC_BLOCK] tensor), 1 the indices and values (``_escape_load``), 2 x
+    and NORM the norm weight at their columns (``_escape_gather``), any other step nothing.
+
+    Each round trip runs under a chunk's loads instead of after the last one (the u12 AR step:
+    3.437 ms with no escape step at all against 3.676 with it after the loop,
+    bench/results/tried/step_ab_u12_noesc_ablation_h200.json). Loop-carried, so the compiler cannot
+    sink the loads below the loop (as it did loads placed before it: 24bcbab); the row pointers are
+    tensors, not scalars, since a scalar goes to a uniform register, whose move waits for the load
+    on the spot (sm_90 SASS)."""
+    if step == 0:
+        zero = tl.zeros((ESC_BLOCK,), dtype=tl.int32)
+        offs_e = tl.load(esc_row_ptr + n0 + zero) + tl.arange(0, ESC_BLOCK)
+        end = tl.load(esc_row_ptr + tl.minimum(n0 + BLOCK_N, N) + zero)
+    if step == 1:
+        idx, val = _escape_load(esc_idx_ptr, esc_val_ptr, offs_e, offs_e < end)
+    if step == 2:
+        xg, nw = _escape_gather(x_ptr, nw_ptr, idx, offs_e < end, offs_m, mask_m, K, stride_xm, stride_xk,
+                                ESC_BLOCK, NORM)
+    return offs_e, end, idx, val, xg, nw
+
+
+@triton.jit
+def _escape_stages_left(
+    chunks, offs_e, end, idx, val, xg, nw, esc_row_ptr, n0, N, esc_idx_ptr, esc_val_ptr, x_ptr, nw_ptr, offs_m,
+    mask_m, K, stride_xm, stride_xk, BLOCK_N: tl.constexpr, ESC_BLOCK: tl.constexpr, NORM: tl.constexpr,
+):
+    """The ``_escape_stage`` steps that a loop of ``chunks`` iterations did not reach (K under three chunks)."""
+    for step in range(chunks, 3):
+        offs_e, end, idx, val, xg, nw = _escape_stage(
+            step, offs_e, end, idx, val, xg, nw, esc_row_ptr, n0, N, esc_idx_ptr, esc_val_ptr, x_ptr, nw_ptr, offs_m,
+            mask_m, K, stride_xm, stride_xk, BLOCK_N, ESC_BLOCK, NORM,
+        )
+    return offs_e, end, idx, val, xg, nw
+
+
+@triton.jit
+def _escapes_ahead(
+    acc, offs_e, end, idx, val, xg, nw, x_ptr, esc_idx_ptr, esc_val_ptr, offs_m, mask_m, offs_n, K,
+    stride_xm, stride_xk, ESC_BLOCK: tl.constexpr, nw_ptr, inv, NORM: tl.constexpr, DTYPE: tl.constexpr,
+    ROUND_BF16: tl.constexpr, y_scale,
+):
+    """``_apply_escapes`` (biased decode, no dot) for a GEMV whose loop loaded the first ESC_BLOCK
+    escapes of its rows (``_escape_stage``): that block from its registers, any further ones loaded
+    here (past ESC_BLOCK escapes in a program's rows: rare, about 0.6 a row of 4096 N(0, 0.02) weights)."""
+    e0 = tl.min(offs_e, 0)
+    e_end = tl.max(end, 0)
+    esc, spur = _escape_sums(acc, True)
+    esc, spur = _escape_block(
+        esc, spur, idx, val, xg, nw, e0, e_end, x_ptr, esc_idx_ptr, esc_val_ptr, offs_m, mask_m, offs_n, K,
+        stride_xm, stride_xk, ESC_BLOCK, False, nw_ptr, inv, NORM, DTYPE, ROUND_BF16, True,
+    )
+    esc, spur = _escape_blocks(
+        esc, spur, e0 + ESC_BLOCK, e_end, x_ptr, esc_idx_ptr, esc_val_ptr, offs_m, mask_m, offs_n, K,
+        stride_xm, stride_xk, ESC_BLOCK, False, nw_ptr, inv, NORM, DTYPE, ROUND_BF16, True,
+    )
+    return _escape_finish(acc, esc, spur, y_scale, True)
+
+
+@triton.jit
 def _apply_escapes(
     acc, x_ptr, esc_idx_ptr, esc_val_ptr, esc_row_ptr, offs_m, mask_m, offs_n, n0, N, K,
     stride_xm, stride_xk, BLOCK_N: tl.constexpr, ESC_BLOCK: tl.constexpr, USE_DOT: tl.constexpr,
@@ -204,50 +381,17 @@ def _apply_escapes(
     BIASED: acc holds the biased decode's sums (its units: y / y_scale), in which every escape
     decoded to 2^-15 (``ESC_DECODED``). That term is taken back in those units, where it is the
     exact product the loop added, before the scale: y = (acc - Σ x 2^-15) · y_scale + Σ x w. Else
-    acc is y's sums already and the escapes decoded to +0.0: y = acc + Σ x w."""
-    if BIASED:
-        spur = tl.zeros_like(acc)  # Σ x · 2^-15 over a row's escapes, in acc's units
-        esc = tl.zeros_like(acc)  # Σ x · w over a row's escapes, in y's units
-    else:
-        spur = acc  # unused
-        esc = acc  # the contributions go straight into acc (y's units already)
-    start = tl.load(esc_row_ptr + n0)
-    end = tl.load(esc_row_ptr + tl.minimum(n0 + BLOCK_N, N))
-    for e0 in range(start, end, ESC_BLOCK):
-        offs_e = e0 + tl.arange(0, ESC_BLOCK)
-        mask_e = offs_e < end
-        idx = tl.load(esc_idx_ptr + offs_e, mask=mask_e, other=0)
-        val = (tl.load(esc_val_ptr + offs_e, mask=mask_e, other=0).to(tl.int32) << 16).to(tl.float32, bitcast=True)
-        rows = tl.where(mask_e, idx // K, -1)
-        cols = idx % K
-        xg = tl.load(
-            x_ptr + offs_m[:, None] * stride_xm + cols[None, :] * stride_xk,
-            mask=mask_m[:, None] & mask_e[None, :], other=0.0,
-        ).to(tl.float32)
-        if NORM:
-            nw = tl.load(nw_ptr + cols, mask=mask_e, other=0.0).to(tl.float32)
-            xg = _normalize(xg, inv[:, None], nw[None, :], DTYPE, ROUND_BF16)
-        contrib = xg * val[None, :]
-        n_nonfinite = tl.sum(tl.sum((contrib - contrib != 0).to(tl.int32), axis=1), axis=0)
-        if n_nonfinite == 0:
-            esc = _scatter_escapes(esc, contrib, rows, offs_n, USE_DOT)
-            if BIASED:  # finite too: x is finite wherever x · w is
-                spur = _scatter_escapes(spur, xg * ESC_DECODED, rows, offs_n, USE_DOT)
-        else:
-            for e in range(e0, tl.minimum(e0 + ESC_BLOCK, end)):
-                i = tl.load(esc_idx_ptr + e)
-                v = (tl.load(esc_val_ptr + e).to(tl.int32) << 16).to(tl.float32, bitcast=True)
-                xcol = tl.load(x_ptr + offs_m * stride_xm + (i % K) * stride_xk, mask=mask_m, other=0.0).to(tl.float32)
-                if NORM:
-                    xcol = _normalize(xcol, inv, tl.load(nw_ptr + i % K).to(tl.float32), DTYPE, ROUND_BF16)
-                hit = offs_n[None, :] == i // K
-                esc += tl.where(hit, (xcol * v)[:, None], 0.0)
-                if BIASED:
-                    spur += tl.where(hit, (xcol * ESC_DECODED)[:, None], 0.0)
-    if BIASED:
-        return (acc - spur) * y_scale + esc  # the scale: exact (a power of two)
-    else:
-        return esc
+    acc is y's sums already and the escapes decoded to +0.0: y = acc + Σ x w.
+
+    Three dependent memory round trips (row pointers, then indices and values, then x at their
+    columns) after the loop: the GEMVs run them under their loops instead (``_escape_stage``)."""
+    esc, spur = _escape_sums(acc, BIASED)
+    start, end = _escape_range(esc_row_ptr, n0, N, BLOCK_N)
+    esc, spur = _escape_blocks(
+        esc, spur, start, end, x_ptr, esc_idx_ptr, esc_val_ptr, offs_m, mask_m, offs_n, K,
+        stride_xm, stride_xk, ESC_BLOCK, USE_DOT, nw_ptr, inv, NORM, DTYPE, ROUND_BF16, BIASED,
+    )
+    return _escape_finish(acc, esc, spur, y_scale, BIASED)
 
 
 @triton.jit
@@ -527,15 +671,25 @@ def _u12_gemv_kernel(
     else:
         x_rows = tl.broadcast_to(x_ptr + rows_m * stride_xm, shape)
 
+    # The escapes' loads run under the loop, one round trip a chunk (``_escape_stage``).
+    e0, e_end, idx, val, xg, nw = _escape_ahead_init(esc_idx_ptr, BLOCK_M, ESC_BLOCK)
     acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_W), dtype=tl.float32)  # reduced once, after the loop
     full_words = n_words - n_words % BLOCK_W
     for start in range(0, full_words, BLOCK_W):
         acc = _gemv_chunk(acc, start, sm_rows, code_rows, x_rows, n_words, BLOCK_W, X_WORDS, False, ASM)
+        e0, e_end, idx, val, xg, nw = _escape_stage(
+            start // BLOCK_W, e0, e_end, idx, val, xg, nw, esc_row_ptr, n0, N, esc_idx_ptr, esc_val_ptr, x_ptr, x_ptr,
+            offs_m, mask_m, K, stride_xm, stride_xk, BLOCK_N, ESC_BLOCK, False,
+        )
+    e0, e_end, idx, val, xg, nw = _escape_stages_left(
+        full_words // BLOCK_W, e0, e_end, idx, val, xg, nw, esc_row_ptr, n0, N, esc_idx_ptr, esc_val_ptr, x_ptr, x_ptr,
+        offs_m, mask_m, K, stride_xm, stride_xk, BLOCK_N, ESC_BLOCK, False,
+    )
     if not EVEN_K:
         acc = _gemv_chunk(acc, full_words, sm_rows, code_rows, x_rows, n_words, BLOCK_W, X_WORDS, True, ASM)
-    out = _apply_escapes(  # scales the sums to y's
-        tl.sum(acc, axis=2), x_ptr, esc_idx_ptr, esc_val_ptr, esc_row_ptr, offs_m, mask_m, offs_n, n0, N, K,
-        stride_xm, stride_xk, BLOCK_N, ESC_BLOCK, False, x_ptr, 1.0, False, y_ptr.dtype.element_ty, False, True, y_scale,
+    out = _escapes_ahead(  # scales the sums to y's
+        tl.sum(acc, axis=2), e0, e_end, idx, val, xg, nw, x_ptr, esc_idx_ptr, esc_val_ptr, offs_m, mask_m, offs_n,
+        K, stride_xm, stride_xk, ESC_BLOCK, x_ptr, 1.0, False, y_ptr.dtype.element_ty, False, y_scale,
     )
     y = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
     tl.store(y, out.to(y_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
