@@ -15,7 +15,8 @@ Variants (runtime/fused.py): bf16 (the fused path: fused_linear with its norm pr
 epilogues); u12-unfused (u12_linear beside the separate rmsnorm, SiLU·mul and add kernels: the
 default u12 layers until this comparison); u12-epilogues (u12_fused_linear's SiLU·mul and residual
 epilogues, the norms as rmsnorm kernels: the default since); u12-prologue (u12_fused_linear with
-its norm prologue too); bf16-default, bf16-r128 (the bf16 step at other register budgets:
+its norm prologue too); u12-esc-after (the default with every load of the GEMVs' escapes after
+their loops: ``u12_linear.ESC_AHEAD`` off); bf16-default, bf16-r128 (the bf16 step at other register budgets:
 ``BF16_VARIANTS``; not under --smoke, whose tiny shapes TUNED does not hold). With --q above 1 (a
 chain verify step): bf16-cublas (cuBLAS with the separate norm, SiLU·mul and add kernels),
 bf16-linear (fused_linear at those rows, --bf16-tuned's configs), bf16-linear-nosq (the same with
@@ -57,6 +58,11 @@ U12_VARIANTS = {  # name: FusedOps fields over the default ops
     "u12-unfused": dict(u12_kernel=""),
     "u12-epilogues": dict(u12_kernel="triton-u12", u12_norms_apart=True),  # the default
     "u12-prologue": dict(u12_kernel="triton-u12", u12_norms_apart=False),
+}
+
+
+U12_ESC_VARIANTS = {  # name: u12_linear.ESC_AHEAD (where the u12 GEMVs load their first escape block)
+    "u12-esc-after": False,
 }
 
 
@@ -131,6 +137,10 @@ def capture(shape: str, variants: bool, extra_bf16: dict | None = None, extra_u1
             model.fused.ops = dataclasses.replace(ops, **fields)
             graphs[name] = capture_step()
         model.fused.ops = ops
+        for name, mode in U12_ESC_VARIANTS.items():  # the default u12 step, its escapes' loads elsewhere
+            u12_linear.ESC_AHEAD, default = mode, u12_linear.ESC_AHEAD
+            graphs[name] = capture_step()
+            u12_linear.ESC_AHEAD = default
         for name, override in (extra_u12 or {}).items():  # the default u12 step at other one-row configs
             with _tuned(u12_linear.TUNED, override):
                 graphs[name] = capture_step()

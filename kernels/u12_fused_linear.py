@@ -67,6 +67,7 @@ import triton.language as tl
 
 from specpilot.runtime.u12 import U12Tensor, pack_u12, unpack_u12
 
+from . import u12_linear as u12_linear_module
 from .fused_linear import _check, _epilogue, _plant_wrong_weight, _row_inv_words, fused_linear_reference, norm_words
 from .overlap import pdl_args, pdl_enter
 from .registry import KernelSpec, register
@@ -130,6 +131,7 @@ def _u12_fused_gemv_kernel(
     EXPF: tl.constexpr,  # libdevice's expf (GPU); else tl.exp (the interpreter has no libdevice)
     ASM: tl.constexpr,  # PTX prmt/lop3 (GPU); else their shift-and-mask emulation (interpreter)
     PDL: tl.constexpr,  # programmatic dependent launch (kernels/overlap.py)
+    ESC_AHEAD: tl.constexpr = False,  # u12_linear's ESC_AHEAD
 ):
     """All M (<= 4) rows of x against BLOCK_N output rows (N: output columns; gated: rows n and N + n of t)."""
     pdl_enter(PDL)
@@ -166,32 +168,34 @@ def _u12_fused_gemv_kernel(
         x_rows = tl.broadcast_to(x_ptr + rows_m[:, None, None] * stride_xm, shape)
         nw_rows = tl.broadcast_to(nw_ptr + 0 * rows_n, shape)
 
-    # The escapes' loads run under the loop, one round trip a chunk (u12_linear's ``_escape_stage``):
-    # the gate block's (rows n0.. of t) and, gated, the up block's (rows N + n0..).
+    # The first escape block's row pointers load before the loop (ESC_AHEAD), the rest after it
+    # (u12_linear's ``_escape_stage``): the gate block's (rows n0.. of t) and, gated, the up block's
+    # (rows N + n0..).
     eg0, eg_end, idx_g, val_g, xg_g, nw_g = _escape_ahead_init(esc_idx_ptr, BLOCK_M, ESC_BLOCK)
     eu0, eu_end, idx_u, val_u, xg_u, nw_u = _escape_ahead_init(esc_idx_ptr, BLOCK_M, ESC_BLOCK)
+    if ESC_AHEAD:
+        eg0, eg_end, idx_g, val_g, xg_g, nw_g = _escape_stage(
+            0, eg0, eg_end, idx_g, val_g, xg_g, nw_g, esc_row_ptr, n0, N, esc_idx_ptr, esc_val_ptr,
+            x_ptr, nw_ptr, offs_m, mask_m, K, stride_xm, 1, BLOCK_N, ESC_BLOCK, NORM,
+        )
+        if GATED:
+            eu0, eu_end, idx_u, val_u, xg_u, nw_u = _escape_stage(
+                0, eu0, eu_end, idx_u, val_u, xg_u, nw_u, esc_row_ptr, n0 + N, 2 * N, esc_idx_ptr,
+                esc_val_ptr, x_ptr, nw_ptr, offs_m, mask_m, K, stride_xm, 1, BLOCK_N, ESC_BLOCK, NORM,
+            )
     acc_g = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_W), dtype=tl.float32)  # reduced once, after the loop
     acc_u = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_W), dtype=tl.float32)  # GATED only (else unused)
     full_words = n_words - n_words % BLOCK_W
     for start in range(0, full_words, BLOCK_W):
         acc_g, acc_u = _fused_chunk(acc_g, acc_u, start, x_rows, nw_rows, inv, gate_sm, gate_codes, up_sm, up_codes,
                                     n_words, BLOCK_W, X_WORDS, False, NORM, GATED, DTYPE, ROUND_BF16, ASM)
-        eg0, eg_end, idx_g, val_g, xg_g, nw_g = _escape_stage(
-            start // BLOCK_W, eg0, eg_end, idx_g, val_g, xg_g, nw_g, esc_row_ptr, n0, N, esc_idx_ptr, esc_val_ptr,
-            x_ptr, nw_ptr, offs_m, mask_m, K, stride_xm, 1, BLOCK_N, ESC_BLOCK, NORM,
-        )
-        if GATED:
-            eu0, eu_end, idx_u, val_u, xg_u, nw_u = _escape_stage(
-                start // BLOCK_W, eu0, eu_end, idx_u, val_u, xg_u, nw_u, esc_row_ptr, n0 + N, 2 * N, esc_idx_ptr,
-                esc_val_ptr, x_ptr, nw_ptr, offs_m, mask_m, K, stride_xm, 1, BLOCK_N, ESC_BLOCK, NORM,
-            )
     eg0, eg_end, idx_g, val_g, xg_g, nw_g = _escape_stages_left(
-        full_words // BLOCK_W, eg0, eg_end, idx_g, val_g, xg_g, nw_g, esc_row_ptr, n0, N, esc_idx_ptr, esc_val_ptr,
-        x_ptr, nw_ptr, offs_m, mask_m, K, stride_xm, 1, BLOCK_N, ESC_BLOCK, NORM,
+        1 if ESC_AHEAD else 0, eg0, eg_end, idx_g, val_g, xg_g, nw_g, esc_row_ptr, n0, N, esc_idx_ptr,
+        esc_val_ptr, x_ptr, nw_ptr, offs_m, mask_m, K, stride_xm, 1, BLOCK_N, ESC_BLOCK, NORM,
     )
     if GATED:
         eu0, eu_end, idx_u, val_u, xg_u, nw_u = _escape_stages_left(
-            full_words // BLOCK_W, eu0, eu_end, idx_u, val_u, xg_u, nw_u, esc_row_ptr, n0 + N, 2 * N, esc_idx_ptr,
+            1 if ESC_AHEAD else 0, eu0, eu_end, idx_u, val_u, xg_u, nw_u, esc_row_ptr, n0 + N, 2 * N, esc_idx_ptr,
             esc_val_ptr, x_ptr, nw_ptr, offs_m, mask_m, K, stride_xm, 1, BLOCK_N, ESC_BLOCK, NORM,
         )
     if not EVEN_K:
@@ -268,6 +272,7 @@ def _launch_fused(x, t: U12Tensor, norm_weight, eps, gated, y, residual: bool, c
         X_WORDS=x_words, EVEN_K=n_words % cfg.block_w == 0,
         NORM=norm, GATED=bool(gated), RESIDUAL=residual,
         ROUND_BF16=not native and x.dtype == torch.bfloat16, EXPF=native, ASM=native, **launch, **pdl_args(x.device),
+        ESC_AHEAD=u12_linear_module.ESC_AHEAD,
     )
 
 

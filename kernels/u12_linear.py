@@ -37,7 +37,16 @@ run the same weight at the same time.
 Escapes: after the sum, the program that writes an output block adds the exact contributions
 ``x[:, k] * w[n, k]`` of its rows' escapes, gathered from the CSR row pointers
 (``U12Tensor.esc_row_ptr``) and scattered by a one-hot product (one escape at a time when a chunk
-holds inf/NaN contributions). Escapes are about 0.015% of N(0, 0.02) weights.
+holds inf/NaN contributions). Escapes are about 0.015% of N(0, 0.02) weights, yet their three
+dependent loads (row pointers, then indices and values, then x at their columns) cost a GEMV a
+memory round trip each after its loop, where a one-wave launch has nothing else in flight: the u12
+AR step ran 3.437 ms with no escape step at all (an ablation, wrong outputs) against 3.676 with it
+(bench/results/tried/step_ab_u12_noesc_ablation_h200.json). The GEMVs load the row pointers before
+their loop (``ESC_AHEAD``: 3.600 ms against 3.618 with all three after it, interleaved,
+bench/results/tried/step_ab_u12_escapes_h200.json). Issuing the other two under the loop cost more
+than it hid, every way tried there: a chunk apart inside the loop by branches (4.063 ms) or by
+predicated loads (4.352), or between the loop's thirds (3.823), since anything in or around the
+loop body changes how ptxas schedules it.
 
 gemv2. One program owns BLOCK_N rows of W and every row of x (M ≤ 4), so each weight is decoded
 once and used M times, and loops over K in chunks of BLOCK_W words. The 4 weights of a word
@@ -307,35 +316,32 @@ def _escape_stage(
     mask_m, K, stride_xm, stride_xk, BLOCK_N: tl.constexpr, ESC_BLOCK: tl.constexpr, NORM: tl.constexpr,
 ):
     """Step ``step`` of the loads of the first ESC_BLOCK escapes of rows [n0, min(n0 + BLOCK_N, N)),
-    run by a GEMV's loop one chunk apart: 0 the row pointers (offs_e, the escapes' offsets in the
-    table, and end, each as an [ESC_BLOCK] tensor), 1 the indices and values (``_escape_load``), 2 x
-    and NORM the norm weight at their columns (``_escape_gather``), any other step nothing.
-
-    Each round trip runs under a chunk's loads instead of after the last one (the u12 AR step:
-    3.437 ms with no escape step at all against 3.676 with it after the loop,
-    bench/results/tried/step_ab_u12_noesc_ablation_h200.json). Loop-carried, so the compiler cannot
-    sink the loads below the loop (as it did loads placed before it: 24bcbab); the row pointers are
-    tensors, not scalars, since a scalar goes to a uniform register, whose move waits for the load
-    on the spot (sm_90 SASS)."""
+    three dependent round trips: 0 the row pointers (offs_e, the first escape's offset in the table,
+    and end, each an [ESC_BLOCK] tensor), 1 the indices and values (``_escape_load``), 2 x and NORM
+    the norm weight at their columns (``_escape_gather``). The GEMVs issue the first ``ESC_AHEAD``
+    steps between parts of their loop (``_gemv_parts``), the rest after it. The row pointers are
+    tensors, not scalars: a scalar goes to a uniform register, whose move waited for the load on
+    the spot (sm_90 SASS)."""
     if step == 0:
         zero = tl.zeros((ESC_BLOCK,), dtype=tl.int32)
-        offs_e = tl.load(esc_row_ptr + n0 + zero) + tl.arange(0, ESC_BLOCK)
+        offs_e = tl.load(esc_row_ptr + n0 + zero)
         end = tl.load(esc_row_ptr + tl.minimum(n0 + BLOCK_N, N) + zero)
     if step == 1:
-        idx, val = _escape_load(esc_idx_ptr, esc_val_ptr, offs_e, offs_e < end)
+        offs = offs_e + tl.arange(0, ESC_BLOCK)
+        idx, val = _escape_load(esc_idx_ptr, esc_val_ptr, offs, offs < end)
     if step == 2:
-        xg, nw = _escape_gather(x_ptr, nw_ptr, idx, offs_e < end, offs_m, mask_m, K, stride_xm, stride_xk,
-                                ESC_BLOCK, NORM)
+        xg, nw = _escape_gather(x_ptr, nw_ptr, idx, offs_e + tl.arange(0, ESC_BLOCK) < end, offs_m, mask_m, K,
+                                stride_xm, stride_xk, ESC_BLOCK, NORM)
     return offs_e, end, idx, val, xg, nw
 
 
 @triton.jit
 def _escape_stages_left(
-    chunks, offs_e, end, idx, val, xg, nw, esc_row_ptr, n0, N, esc_idx_ptr, esc_val_ptr, x_ptr, nw_ptr, offs_m,
+    FIRST: tl.constexpr, offs_e, end, idx, val, xg, nw, esc_row_ptr, n0, N, esc_idx_ptr, esc_val_ptr, x_ptr, nw_ptr, offs_m,
     mask_m, K, stride_xm, stride_xk, BLOCK_N: tl.constexpr, ESC_BLOCK: tl.constexpr, NORM: tl.constexpr,
 ):
-    """The ``_escape_stage`` steps that a loop of ``chunks`` iterations did not reach (K under three chunks)."""
-    for step in range(chunks, 3):
+    """The ``_escape_stage`` steps from ``FIRST`` on (those the kernel did not issue before its loop)."""
+    for step in tl.static_range(FIRST, 3):
         offs_e, end, idx, val, xg, nw = _escape_stage(
             step, offs_e, end, idx, val, xg, nw, esc_row_ptr, n0, N, esc_idx_ptr, esc_val_ptr, x_ptr, nw_ptr, offs_m,
             mask_m, K, stride_xm, stride_xk, BLOCK_N, ESC_BLOCK, NORM,
@@ -349,9 +355,9 @@ def _escapes_ahead(
     stride_xm, stride_xk, ESC_BLOCK: tl.constexpr, nw_ptr, inv, NORM: tl.constexpr, DTYPE: tl.constexpr,
     ROUND_BF16: tl.constexpr, y_scale,
 ):
-    """``_apply_escapes`` (biased decode, no dot) for a GEMV whose loop loaded the first ESC_BLOCK
-    escapes of its rows (``_escape_stage``): that block from its registers, any further ones loaded
-    here (past ESC_BLOCK escapes in a program's rows: rare, about 0.6 a row of 4096 N(0, 0.02) weights)."""
+    """``_apply_escapes`` (biased decode, no dot) for a GEMV that loaded the first ESC_BLOCK escapes
+    of its rows by ``_escape_stage``: that block from its registers, any further ones loaded here
+    (past ESC_BLOCK escapes in a program's rows: rare, about 0.6 a row of 4096 N(0, 0.02) weights)."""
     e0 = tl.min(offs_e, 0)
     e_end = tl.max(end, 0)
     esc, spur = _escape_sums(acc, True)
@@ -384,7 +390,7 @@ def _apply_escapes(
     acc is y's sums already and the escapes decoded to +0.0: y = acc + Σ x w.
 
     Three dependent memory round trips (row pointers, then indices and values, then x at their
-    columns) after the loop: the GEMVs run them under their loops instead (``_escape_stage``)."""
+    columns); the GEMVs issue the first before their loops (``_escape_stage``, ``_escapes_ahead``)."""
     esc, spur = _escape_sums(acc, BIASED)
     start, end = _escape_range(esc_row_ptr, n0, N, BLOCK_N)
     esc, spur = _escape_blocks(
@@ -649,6 +655,7 @@ def _u12_gemv_kernel(
     EVEN_K: tl.constexpr,  # n_words % BLOCK_W == 0: no masked last chunk
     ASM: tl.constexpr,  # PTX prmt/lop3 (GPU); else their shift-and-mask emulation (interpreter)
     PDL: tl.constexpr,  # programmatic dependent launch (kernels/overlap.py)
+    ESC_AHEAD: tl.constexpr = False,  # the escapes' row pointers loaded before the loop (module ESC_AHEAD)
 ):
     """All M (<= 4) rows of x against BLOCK_N rows of W by the biased decode (K % 4 == 0, 1 <= base <= 240)."""
     pdl_enter(PDL)
@@ -671,19 +678,20 @@ def _u12_gemv_kernel(
     else:
         x_rows = tl.broadcast_to(x_ptr + rows_m * stride_xm, shape)
 
-    # The escapes' loads run under the loop, one round trip a chunk (``_escape_stage``).
+    # The first escape block's row pointers load before the loop (ESC_AHEAD), the rest after it.
     e0, e_end, idx, val, xg, nw = _escape_ahead_init(esc_idx_ptr, BLOCK_M, ESC_BLOCK)
+    if ESC_AHEAD:
+        e0, e_end, idx, val, xg, nw = _escape_stage(
+            0, e0, e_end, idx, val, xg, nw, esc_row_ptr, n0, N, esc_idx_ptr, esc_val_ptr, x_ptr, x_ptr,
+            offs_m, mask_m, K, stride_xm, stride_xk, BLOCK_N, ESC_BLOCK, False,
+        )
     acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_W), dtype=tl.float32)  # reduced once, after the loop
     full_words = n_words - n_words % BLOCK_W
     for start in range(0, full_words, BLOCK_W):
         acc = _gemv_chunk(acc, start, sm_rows, code_rows, x_rows, n_words, BLOCK_W, X_WORDS, False, ASM)
-        e0, e_end, idx, val, xg, nw = _escape_stage(
-            start // BLOCK_W, e0, e_end, idx, val, xg, nw, esc_row_ptr, n0, N, esc_idx_ptr, esc_val_ptr, x_ptr, x_ptr,
-            offs_m, mask_m, K, stride_xm, stride_xk, BLOCK_N, ESC_BLOCK, False,
-        )
     e0, e_end, idx, val, xg, nw = _escape_stages_left(
-        full_words // BLOCK_W, e0, e_end, idx, val, xg, nw, esc_row_ptr, n0, N, esc_idx_ptr, esc_val_ptr, x_ptr, x_ptr,
-        offs_m, mask_m, K, stride_xm, stride_xk, BLOCK_N, ESC_BLOCK, False,
+        1 if ESC_AHEAD else 0, e0, e_end, idx, val, xg, nw, esc_row_ptr, n0, N, esc_idx_ptr, esc_val_ptr, x_ptr,
+        x_ptr, offs_m, mask_m, K, stride_xm, stride_xk, BLOCK_N, ESC_BLOCK, False,
     )
     if not EVEN_K:
         acc = _gemv_chunk(acc, full_words, sm_rows, code_rows, x_rows, n_words, BLOCK_W, X_WORDS, True, ASM)
@@ -862,6 +870,10 @@ TUNED: dict[tuple[int, int, int], U12Config] = {
 
 _INTERPRETER_CONFIG = U12Config(16, 8, split_k=2)  # small tiles; split-K exercised on the CPU too
 _ESC_BLOCK = 16
+# The GEMVs (gemv2, u12_fused_linear) load their first escape block's row pointers before the loop
+# (``_escape_stage``); off, all three of its loads run after it. Read at launch (bench/step_ab.py
+# compares the two).
+ESC_AHEAD = True
 
 
 def _block_m(m: int) -> int:
@@ -974,7 +986,7 @@ def _launch_gemv2(x: torch.Tensor, t: U12Tensor, y: torch.Tensor, cfg: U12Config
         BLOCK_M=_block_m(m), BLOCK_N=cfg.block_n, BLOCK_W=cfg.block_w, ESC_BLOCK=_ESC_BLOCK,
         X_WORDS=x_words, EVEN_K=n_words % cfg.block_w == 0,
         # inline PTX on the GPU; the interpreter (TRITON_INTERPRET=1, read by Triton at import) runs none
-        ASM=native, **cfg.launch_options(native), **pdl_args(x.device),
+        ASM=native, **cfg.launch_options(native), **pdl_args(x.device), ESC_AHEAD=ESC_AHEAD,
     )
 
 
