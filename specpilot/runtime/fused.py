@@ -100,7 +100,7 @@ GEMV_ROWS = 4
 # bench/results/step_ab_verify32_h200.json; 5.127 against 5.120 with the 16-row configs before,
 # bench/results/tried/step_ab_verify32_4cea20f_h200.json); verify(4), the GEMV kernel at four rows,
 # 5.089 against 4.572 (so 2..4 rows stay unfused). At
-# one row the AR step runs 4.075 ms against 4.794 on cuBLAS (bench/results/step_times_llama_h200.json, dfb50d4).
+# one row the AR step runs 4.057 ms against 4.808 on cuBLAS (bench/results/step_times_llama_h200.json, 7fc9b85).
 # Before RowSquares and the norm prologue's whole-row words (af8fe61), verify(16) ran 5.20 ms against 4.96
 # (bench/results/tried/step_ab_verify16_h200.json).
 LINEAR_MAX_M = 32
