@@ -77,9 +77,10 @@ from .u12_linear import (
     _ESC_BLOCK,
     U12Config,
     _block_m,
-    _apply_escapes,
-    _escape_slots_load,
-    _escapes_from_slots,
+    _escape_ahead_init,
+    _escape_stage,
+    _escape_stages_left,
+    _escapes_ahead,
     _fma_planes,
     _nonempty,
     _x_planes,
@@ -118,7 +119,7 @@ def _fused_chunk(
 
 @triton.jit
 def _u12_fused_gemv_kernel(
-    x_ptr, nw_ptr, sm_ptr, codes_ptr, esc_idx_ptr, esc_val_ptr, esc_row_ptr, slot_col_ptr, slot_val_ptr, y_ptr,
+    x_ptr, nw_ptr, sm_ptr, codes_ptr, esc_idx_ptr, esc_val_ptr, esc_row_ptr, y_ptr,
     M, N, K, n_words, y_scale, inv_k, eps,
     stride_xm, stride_sm, stride_codes, stride_ym,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, ESC_BLOCK: tl.constexpr,
@@ -130,8 +131,7 @@ def _u12_fused_gemv_kernel(
     EXPF: tl.constexpr,  # libdevice's expf (GPU); else tl.exp (the interpreter has no libdevice)
     ASM: tl.constexpr,  # PTX prmt/lop3 (GPU); else their shift-and-mask emulation (interpreter)
     PDL: tl.constexpr,  # programmatic dependent launch (kernels/overlap.py)
-    SLOTS: tl.constexpr,  # escape slots a row (U12Tensor.esc_slots)
-    ESC_AHEAD: tl.constexpr,  # u12_linear's ESC_AHEAD
+    ESC_AHEAD: tl.constexpr = False,  # u12_linear's ESC_AHEAD
 ):
     """All M (<= 4) rows of x against BLOCK_N output rows (N: output columns; gated: rows n and N + n of t)."""
     pdl_enter(PDL)
@@ -168,43 +168,48 @@ def _u12_fused_gemv_kernel(
         x_rows = tl.broadcast_to(x_ptr + rows_m[:, None, None] * stride_xm, shape)
         nw_rows = tl.broadcast_to(nw_ptr + 0 * rows_n, shape)
 
-    # The escapes' row pointers and slots load before the loop (u12_linear's ``_escape_slots_load``):
-    # the gate block's (rows n0.. of t) and, gated, the up block's (rows N + n0..).
+    # The first escape block's row pointers load before the loop (ESC_AHEAD), the rest after it
+    # (u12_linear's ``_escape_stage``): the gate block's (rows n0.. of t) and, gated, the up block's
+    # (rows N + n0..).
+    eg0, eg_end, idx_g, val_g, xg_g, nw_g = _escape_ahead_init(esc_idx_ptr, BLOCK_M, ESC_BLOCK)
+    eu0, eu_end, idx_u, val_u, xg_u, nw_u = _escape_ahead_init(esc_idx_ptr, BLOCK_M, ESC_BLOCK)
     if ESC_AHEAD:
-        lo_g, hi_g, col_g, val_g = _escape_slots_load(esc_row_ptr, slot_col_ptr, slot_val_ptr, n0, N, BLOCK_N, SLOTS)
+        eg0, eg_end, idx_g, val_g, xg_g, nw_g = _escape_stage(
+            0, eg0, eg_end, idx_g, val_g, xg_g, nw_g, esc_row_ptr, n0, N, esc_idx_ptr, esc_val_ptr,
+            x_ptr, nw_ptr, offs_m, mask_m, K, stride_xm, 1, BLOCK_N, ESC_BLOCK, NORM,
+        )
         if GATED:
-            lo_u, hi_u, col_u, val_u = _escape_slots_load(esc_row_ptr, slot_col_ptr, slot_val_ptr, n0 + N, 2 * N,
-                                                          BLOCK_N, SLOTS)
+            eu0, eu_end, idx_u, val_u, xg_u, nw_u = _escape_stage(
+                0, eu0, eu_end, idx_u, val_u, xg_u, nw_u, esc_row_ptr, n0 + N, 2 * N, esc_idx_ptr,
+                esc_val_ptr, x_ptr, nw_ptr, offs_m, mask_m, K, stride_xm, 1, BLOCK_N, ESC_BLOCK, NORM,
+            )
     acc_g = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_W), dtype=tl.float32)  # reduced once, after the loop
     acc_u = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_W), dtype=tl.float32)  # GATED only (else unused)
     full_words = n_words - n_words % BLOCK_W
     for start in range(0, full_words, BLOCK_W):
         acc_g, acc_u = _fused_chunk(acc_g, acc_u, start, x_rows, nw_rows, inv, gate_sm, gate_codes, up_sm, up_codes,
                                     n_words, BLOCK_W, X_WORDS, False, NORM, GATED, DTYPE, ROUND_BF16, ASM)
+    eg0, eg_end, idx_g, val_g, xg_g, nw_g = _escape_stages_left(
+        1 if ESC_AHEAD else 0, eg0, eg_end, idx_g, val_g, xg_g, nw_g, esc_row_ptr, n0, N, esc_idx_ptr,
+        esc_val_ptr, x_ptr, nw_ptr, offs_m, mask_m, K, stride_xm, 1, BLOCK_N, ESC_BLOCK, NORM,
+    )
+    if GATED:
+        eu0, eu_end, idx_u, val_u, xg_u, nw_u = _escape_stages_left(
+            1 if ESC_AHEAD else 0, eu0, eu_end, idx_u, val_u, xg_u, nw_u, esc_row_ptr, n0 + N, 2 * N, esc_idx_ptr,
+            esc_val_ptr, x_ptr, nw_ptr, offs_m, mask_m, K, stride_xm, 1, BLOCK_N, ESC_BLOCK, NORM,
+        )
     if not EVEN_K:
         acc_g, acc_u = _fused_chunk(acc_g, acc_u, full_words, x_rows, nw_rows, inv, gate_sm, gate_codes, up_sm,
                                     up_codes, n_words, BLOCK_W, X_WORDS, True, NORM, GATED, DTYPE,
                                     ROUND_BF16, ASM)
-    if ESC_AHEAD:  # scales the sums to y's
-        g = _escapes_from_slots(
-            tl.sum(acc_g, axis=2), lo_g, hi_g, col_g, val_g, n0, x_ptr, esc_idx_ptr, esc_val_ptr, offs_m, mask_m,
-            offs_n, K, stride_xm, 1, ESC_BLOCK, nw_ptr, inv_m, NORM, DTYPE, ROUND_BF16, y_scale, BLOCK_N, SLOTS,
-        )
-    else:
-        g = _apply_escapes(
-            tl.sum(acc_g, axis=2), x_ptr, esc_idx_ptr, esc_val_ptr, esc_row_ptr, offs_m, mask_m, offs_n, n0, N, K,
-            stride_xm, 1, BLOCK_N, ESC_BLOCK, False, nw_ptr, inv_m, NORM, DTYPE, ROUND_BF16, True, y_scale,
-        )
-    if GATED and ESC_AHEAD:  # the up block: rows N + n of t
-        u = _escapes_from_slots(
-            tl.sum(acc_u, axis=2), lo_u, hi_u, col_u, val_u, n0 + N, x_ptr, esc_idx_ptr, esc_val_ptr, offs_m,
+    g = _escapes_ahead(  # scales the sums to y's
+        tl.sum(acc_g, axis=2), eg0, eg_end, idx_g, val_g, xg_g, nw_g, x_ptr, esc_idx_ptr, esc_val_ptr, offs_m,
+        mask_m, offs_n, K, stride_xm, 1, ESC_BLOCK, nw_ptr, inv_m, NORM, DTYPE, ROUND_BF16, y_scale,
+    )
+    if GATED:
+        u = _escapes_ahead(  # the up block: rows N + n of t
+            tl.sum(acc_u, axis=2), eu0, eu_end, idx_u, val_u, xg_u, nw_u, x_ptr, esc_idx_ptr, esc_val_ptr, offs_m,
             mask_m, offs_n + N, K, stride_xm, 1, ESC_BLOCK, nw_ptr, inv_m, NORM, DTYPE, ROUND_BF16, y_scale,
-            BLOCK_N, SLOTS,
-        )
-    elif GATED:
-        u = _apply_escapes(
-            tl.sum(acc_u, axis=2), x_ptr, esc_idx_ptr, esc_val_ptr, esc_row_ptr, offs_m, mask_m, offs_n + N, n0 + N,
-            2 * N, K, stride_xm, 1, BLOCK_N, ESC_BLOCK, False, nw_ptr, inv_m, NORM, DTYPE, ROUND_BF16, True, y_scale,
         )
     else:
         u = g
@@ -257,10 +262,9 @@ def _launch_fused(x, t: U12Tensor, norm_weight, eps, gated, y, residual: bool, c
     sm, codes = t.sm.contiguous(), t.codes.contiguous()
     # fp fusion off, as in fused_linear: sum · (1/K) + eps and 1 + exp(-g) round as torch's do.
     launch = {**cfg.launch_options(native), "enable_fp_fusion": False} if native else {}
-    slot_cols, slot_vals = t.esc_slots
     _u12_fused_gemv_kernel[(triton.cdiv(n_out, cfg.block_n),)](
         x, nw, sm.view(torch.int32), codes.view(torch.int16),
-        _nonempty(t.esc_idx), _nonempty(t.esc_val), t.esc_row_ptr, slot_cols, slot_vals, y,
+        _nonempty(t.esc_idx), _nonempty(t.esc_val), t.esc_row_ptr, y,
         m, n_out, k, n_words, biased_scale(t.base), 1.0 / k, eps,
         x.stride(0), n_words, n_words, y.stride(0),
         BLOCK_M=_block_m(m), BLOCK_N=cfg.block_n, BLOCK_W=cfg.block_w, ESC_BLOCK=_ESC_BLOCK,
@@ -268,7 +272,7 @@ def _launch_fused(x, t: U12Tensor, norm_weight, eps, gated, y, residual: bool, c
         X_WORDS=x_words, EVEN_K=n_words % cfg.block_w == 0,
         NORM=norm, GATED=bool(gated), RESIDUAL=residual,
         ROUND_BF16=not native and x.dtype == torch.bfloat16, EXPF=native, ASM=native, **launch, **pdl_args(x.device),
-        SLOTS=slot_cols.shape[1], ESC_AHEAD=u12_linear_module.ESC_AHEAD,
+        ESC_AHEAD=u12_linear_module.ESC_AHEAD,
     )
 
 

@@ -230,26 +230,6 @@ def _escape_gather(x_ptr, nw_ptr, idx, mask_e, offs_m, mask_m, K, stride_xm, str
 
 
 @triton.jit
-def _escape_scatter(
-    esc, spur, rows, val, xg, nw, offs_n, inv, USE_DOT: tl.constexpr, NORM: tl.constexpr, DTYPE: tl.constexpr,
-    ROUND_BF16: tl.constexpr, BIASED: tl.constexpr,
-):
-    """esc += Σ x · w and, BIASED, spur += Σ x · 2^-15 over escapes of W rows ``rows`` (-1: none)
-    with values ``val`` and x ``xg`` [BM, E] at their columns (NORM: normalised here with the norm
-    weight ``nw``), scattered onto offs_n; only if every contribution is finite. Returns (esc, spur,
-    the count of non-finite contributions): with any, esc and spur are returned unchanged."""
-    if NORM:
-        xg = _normalize(xg, inv[:, None], nw[None, :], DTYPE, ROUND_BF16)
-    contrib = xg * val[None, :]
-    n_nonfinite = tl.sum(tl.sum((contrib - contrib != 0).to(tl.int32), axis=1), axis=0)
-    if n_nonfinite == 0:
-        esc = _scatter_escapes(esc, contrib, rows, offs_n, USE_DOT)
-        if BIASED:  # finite too: x is finite wherever x · w is
-            spur = _scatter_escapes(spur, xg * ESC_DECODED, rows, offs_n, USE_DOT)
-    return esc, spur, n_nonfinite
-
-
-@triton.jit
 def _escape_block(
     esc, spur, idx, val, xg, nw, e0, end, x_ptr, esc_idx_ptr, esc_val_ptr, offs_m, mask_m, offs_n, K,
     stride_xm, stride_xk, ESC_BLOCK: tl.constexpr, USE_DOT: tl.constexpr,
@@ -260,9 +240,15 @@ def _escape_block(
     rows offs_n. One escape at a time, reloaded, when the block holds inf/NaN contributions."""
     mask_e = e0 + tl.arange(0, ESC_BLOCK) < end
     rows = tl.where(mask_e, idx // K, -1)
-    esc, spur, n_nonfinite = _escape_scatter(esc, spur, rows, val, xg, nw, offs_n, inv, USE_DOT, NORM, DTYPE,
-                                             ROUND_BF16, BIASED)
-    if n_nonfinite != 0:
+    if NORM:
+        xg = _normalize(xg, inv[:, None], nw[None, :], DTYPE, ROUND_BF16)
+    contrib = xg * val[None, :]
+    n_nonfinite = tl.sum(tl.sum((contrib - contrib != 0).to(tl.int32), axis=1), axis=0)
+    if n_nonfinite == 0:
+        esc = _scatter_escapes(esc, contrib, rows, offs_n, USE_DOT)
+        if BIASED:  # finite too: x is finite wherever x · w is
+            spur = _scatter_escapes(spur, xg * ESC_DECODED, rows, offs_n, USE_DOT)
+    else:
         for e in range(e0, tl.minimum(e0 + ESC_BLOCK, end)):
             i = tl.load(esc_idx_ptr + e)
             v = (tl.load(esc_val_ptr + e).to(tl.int32) << 16).to(tl.float32, bitcast=True)
@@ -316,56 +302,73 @@ def _escape_finish(acc, esc, spur, y_scale, BIASED: tl.constexpr):
 
 
 @triton.jit
-def _escape_slots_load(esc_row_ptr, slot_col_ptr, slot_val_ptr, n0, N, BLOCK_N: tl.constexpr, SLOTS: tl.constexpr):
-    """What a GEMV loads before its loop for the escapes of W rows [n0, min(n0 + BLOCK_N, N)): their
-    row pointers (lo, hi [BLOCK_N]: row n0 + i's escapes are lo[i]:hi[i] of the table) and their
-    slots (``U12Tensor.esc_slots``: each row's first SLOTS escapes, column and bf16 bits,
-    [BLOCK_N · SLOTS], column -1 where a row has fewer). Every address is known before any load
-    returns, so none waits on another, and none is used before the loop's end."""
-    r = n0 + tl.arange(0, BLOCK_N)
-    lo = tl.load(esc_row_ptr + tl.minimum(r, N))
-    hi = tl.load(esc_row_ptr + tl.minimum(r + 1, N))
-    offs_s = n0 * SLOTS + tl.arange(0, BLOCK_N * SLOTS)
-    in_rows = offs_s < N * SLOTS
-    s_col = tl.load(slot_col_ptr + offs_s, mask=in_rows, other=-1)
-    s_val = tl.load(slot_val_ptr + offs_s, mask=in_rows, other=0)
-    return lo, hi, s_col, s_val
+def _escape_ahead_init(idx_ptr, BLOCK_M: tl.constexpr, ESC_BLOCK: tl.constexpr):
+    """The first escape block's registers before its loads (``_escape_stage``): offs_e, end, idx, val, x, nw."""
+    zeros = tl.zeros((ESC_BLOCK,), dtype=tl.int32)
+    return (zeros, zeros, tl.zeros((ESC_BLOCK,), dtype=idx_ptr.dtype.element_ty),
+            tl.zeros((ESC_BLOCK,), dtype=tl.float32), tl.zeros((BLOCK_M, ESC_BLOCK), dtype=tl.float32),
+            tl.zeros((ESC_BLOCK,), dtype=tl.float32))
 
 
 @triton.jit
-def _escapes_from_slots(
-    acc, lo, hi, s_col, s_val, n0, x_ptr, esc_idx_ptr, esc_val_ptr, offs_m, mask_m, offs_n, K,
-    stride_xm, stride_xk, ESC_BLOCK: tl.constexpr, nw_ptr, inv, NORM: tl.constexpr, DTYPE: tl.constexpr,
-    ROUND_BF16: tl.constexpr, y_scale, BLOCK_N: tl.constexpr, SLOTS: tl.constexpr,
+def _escape_stage(
+    step, offs_e, end, idx, val, xg, nw, esc_row_ptr, n0, N, esc_idx_ptr, esc_val_ptr, x_ptr, nw_ptr, offs_m,
+    mask_m, K, stride_xm, stride_xk, BLOCK_N: tl.constexpr, ESC_BLOCK: tl.constexpr, NORM: tl.constexpr,
 ):
-    """``_apply_escapes`` (biased decode, no dot) for a GEMV that loaded its rows' escape slots
-    before its loop (``_escape_slots_load``): when every row's escapes fit its slots, one gather of
-    x at their columns is the only memory round trip left after the loop; when a row has more than
-    SLOTS, or a slot's contribution is inf/NaN, the program walks its rows' escapes in the table
-    instead (``_escape_blocks``: rare, about 0.6 escapes a row of 4096 N(0, 0.02) weights)."""
-    esc, spur = _escape_sums(acc, True)
-    e0 = tl.min(lo, 0)
-    e_end = tl.max(hi, 0)
-    redo = (tl.max(hi - lo, 0) > SLOTS).to(tl.int32)
-    if redo == 0:
-        ok = s_col >= 0
-        cols = tl.maximum(s_col, 0)
-        xg = tl.load(x_ptr + offs_m[:, None] * stride_xm + cols[None, :] * stride_xk,
-                     mask=mask_m[:, None] & ok[None, :], other=0.0).to(tl.float32)
-        if NORM:
-            nw = tl.load(nw_ptr + cols, mask=ok, other=0.0).to(tl.float32)
-        else:
-            nw = tl.zeros((BLOCK_N * SLOTS,), dtype=tl.float32)
-        rows = tl.where(ok, n0 + tl.arange(0, BLOCK_N * SLOTS) // SLOTS, -1)
-        val = (s_val.to(tl.int32) << 16).to(tl.float32, bitcast=True)
-        esc, spur, n_nonfinite = _escape_scatter(esc, spur, rows, val, xg, nw, offs_n, inv, False, NORM, DTYPE,
-                                                 ROUND_BF16, True)
-        redo = (n_nonfinite != 0).to(tl.int32)
-    if redo != 0:
-        esc, spur = _escape_blocks(
-            esc, spur, e0, e_end, x_ptr, esc_idx_ptr, esc_val_ptr, offs_m, mask_m, offs_n, K,
-            stride_xm, stride_xk, ESC_BLOCK, False, nw_ptr, inv, NORM, DTYPE, ROUND_BF16, True,
+    """Step ``step`` of the loads of the first ESC_BLOCK escapes of rows [n0, min(n0 + BLOCK_N, N)),
+    three dependent round trips: 0 the row pointers (offs_e, the first escape's offset in the table,
+    and end, each an [ESC_BLOCK] tensor), 1 the indices and values (``_escape_load``), 2 x and NORM
+    the norm weight at their columns (``_escape_gather``). The GEMVs issue the first ``ESC_AHEAD``
+    steps between parts of their loop (``_gemv_parts``), the rest after it. The row pointers are
+    tensors, not scalars: a scalar goes to a uniform register, whose move waited for the load on
+    the spot (sm_90 SASS)."""
+    if step == 0:
+        zero = tl.zeros((ESC_BLOCK,), dtype=tl.int32)
+        offs_e = tl.load(esc_row_ptr + n0 + zero)
+        end = tl.load(esc_row_ptr + tl.minimum(n0 + BLOCK_N, N) + zero)
+    if step == 1:
+        offs = offs_e + tl.arange(0, ESC_BLOCK)
+        idx, val = _escape_load(esc_idx_ptr, esc_val_ptr, offs, offs < end)
+    if step == 2:
+        xg, nw = _escape_gather(x_ptr, nw_ptr, idx, offs_e + tl.arange(0, ESC_BLOCK) < end, offs_m, mask_m, K,
+                                stride_xm, stride_xk, ESC_BLOCK, NORM)
+    return offs_e, end, idx, val, xg, nw
+
+
+@triton.jit
+def _escape_stages_left(
+    FIRST: tl.constexpr, offs_e, end, idx, val, xg, nw, esc_row_ptr, n0, N, esc_idx_ptr, esc_val_ptr, x_ptr, nw_ptr, offs_m,
+    mask_m, K, stride_xm, stride_xk, BLOCK_N: tl.constexpr, ESC_BLOCK: tl.constexpr, NORM: tl.constexpr,
+):
+    """The ``_escape_stage`` steps from ``FIRST`` on (those the kernel did not issue before its loop)."""
+    for step in tl.static_range(FIRST, 3):
+        offs_e, end, idx, val, xg, nw = _escape_stage(
+            step, offs_e, end, idx, val, xg, nw, esc_row_ptr, n0, N, esc_idx_ptr, esc_val_ptr, x_ptr, nw_ptr, offs_m,
+            mask_m, K, stride_xm, stride_xk, BLOCK_N, ESC_BLOCK, NORM,
         )
+    return offs_e, end, idx, val, xg, nw
+
+
+@triton.jit
+def _escapes_ahead(
+    acc, offs_e, end, idx, val, xg, nw, x_ptr, esc_idx_ptr, esc_val_ptr, offs_m, mask_m, offs_n, K,
+    stride_xm, stride_xk, ESC_BLOCK: tl.constexpr, nw_ptr, inv, NORM: tl.constexpr, DTYPE: tl.constexpr,
+    ROUND_BF16: tl.constexpr, y_scale,
+):
+    """``_apply_escapes`` (biased decode, no dot) for a GEMV that loaded the first ESC_BLOCK escapes
+    of its rows by ``_escape_stage``: that block from its registers, any further ones loaded here
+    (past ESC_BLOCK escapes in a program's rows: rare, about 0.6 a row of 4096 N(0, 0.02) weights)."""
+    e0 = tl.min(offs_e, 0)
+    e_end = tl.max(end, 0)
+    esc, spur = _escape_sums(acc, True)
+    esc, spur = _escape_block(
+        esc, spur, idx, val, xg, nw, e0, e_end, x_ptr, esc_idx_ptr, esc_val_ptr, offs_m, mask_m, offs_n, K,
+        stride_xm, stride_xk, ESC_BLOCK, False, nw_ptr, inv, NORM, DTYPE, ROUND_BF16, True,
+    )
+    esc, spur = _escape_blocks(
+        esc, spur, e0 + ESC_BLOCK, e_end, x_ptr, esc_idx_ptr, esc_val_ptr, offs_m, mask_m, offs_n, K,
+        stride_xm, stride_xk, ESC_BLOCK, False, nw_ptr, inv, NORM, DTYPE, ROUND_BF16, True,
+    )
     return _escape_finish(acc, esc, spur, y_scale, True)
 
 
@@ -387,8 +390,7 @@ def _apply_escapes(
     acc is y's sums already and the escapes decoded to +0.0: y = acc + Σ x w.
 
     Three dependent memory round trips (row pointers, then indices and values, then x at their
-    columns); the GEMVs load the row pointers and the escape slots before their loops instead
-    (``_escape_slots_load``, ``_escapes_from_slots``)."""
+    columns); the GEMVs issue the first before their loops (``_escape_stage``, ``_escapes_ahead``)."""
     esc, spur = _escape_sums(acc, BIASED)
     start, end = _escape_range(esc_row_ptr, n0, N, BLOCK_N)
     esc, spur = _escape_blocks(
@@ -645,7 +647,7 @@ def _gemv_chunk(
 
 @triton.jit
 def _u12_gemv_kernel(
-    x_ptr, sm_ptr, codes_ptr, esc_idx_ptr, esc_val_ptr, esc_row_ptr, slot_col_ptr, slot_val_ptr, y_ptr,
+    x_ptr, sm_ptr, codes_ptr, esc_idx_ptr, esc_val_ptr, esc_row_ptr, y_ptr,
     M, N, K, n_words, y_scale,
     stride_xm, stride_xk, stride_sm, stride_codes, stride_ym,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, ESC_BLOCK: tl.constexpr,
@@ -653,8 +655,7 @@ def _u12_gemv_kernel(
     EVEN_K: tl.constexpr,  # n_words % BLOCK_W == 0: no masked last chunk
     ASM: tl.constexpr,  # PTX prmt/lop3 (GPU); else their shift-and-mask emulation (interpreter)
     PDL: tl.constexpr,  # programmatic dependent launch (kernels/overlap.py)
-    SLOTS: tl.constexpr,  # escape slots a row (U12Tensor.esc_slots)
-    ESC_AHEAD: tl.constexpr,  # the escapes' row pointers and slots loaded before the loop (module ESC_AHEAD)
+    ESC_AHEAD: tl.constexpr = False,  # the escapes' row pointers loaded before the loop (module ESC_AHEAD)
 ):
     """All M (<= 4) rows of x against BLOCK_N rows of W by the biased decode (K % 4 == 0, 1 <= base <= 240)."""
     pdl_enter(PDL)
@@ -677,26 +678,27 @@ def _u12_gemv_kernel(
     else:
         x_rows = tl.broadcast_to(x_ptr + rows_m * stride_xm, shape)
 
-    if ESC_AHEAD:  # the escapes' row pointers and slots, ahead of the loop (``_escape_slots_load``)
-        lo, hi, s_col, s_val = _escape_slots_load(esc_row_ptr, slot_col_ptr, slot_val_ptr, n0, N, BLOCK_N, SLOTS)
+    # The first escape block's row pointers load before the loop (ESC_AHEAD), the rest after it.
+    e0, e_end, idx, val, xg, nw = _escape_ahead_init(esc_idx_ptr, BLOCK_M, ESC_BLOCK)
+    if ESC_AHEAD:
+        e0, e_end, idx, val, xg, nw = _escape_stage(
+            0, e0, e_end, idx, val, xg, nw, esc_row_ptr, n0, N, esc_idx_ptr, esc_val_ptr, x_ptr, x_ptr,
+            offs_m, mask_m, K, stride_xm, stride_xk, BLOCK_N, ESC_BLOCK, False,
+        )
     acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_W), dtype=tl.float32)  # reduced once, after the loop
     full_words = n_words - n_words % BLOCK_W
     for start in range(0, full_words, BLOCK_W):
         acc = _gemv_chunk(acc, start, sm_rows, code_rows, x_rows, n_words, BLOCK_W, X_WORDS, False, ASM)
+    e0, e_end, idx, val, xg, nw = _escape_stages_left(
+        1 if ESC_AHEAD else 0, e0, e_end, idx, val, xg, nw, esc_row_ptr, n0, N, esc_idx_ptr, esc_val_ptr, x_ptr,
+        x_ptr, offs_m, mask_m, K, stride_xm, stride_xk, BLOCK_N, ESC_BLOCK, False,
+    )
     if not EVEN_K:
         acc = _gemv_chunk(acc, full_words, sm_rows, code_rows, x_rows, n_words, BLOCK_W, X_WORDS, True, ASM)
-    if ESC_AHEAD:  # scales the sums to y's
-        out = _escapes_from_slots(
-            tl.sum(acc, axis=2), lo, hi, s_col, s_val, n0, x_ptr, esc_idx_ptr, esc_val_ptr, offs_m, mask_m, offs_n,
-            K, stride_xm, stride_xk, ESC_BLOCK, x_ptr, 1.0, False, y_ptr.dtype.element_ty, False, y_scale,
-            BLOCK_N, SLOTS,
-        )
-    else:
-        out = _apply_escapes(
-            tl.sum(acc, axis=2), x_ptr, esc_idx_ptr, esc_val_ptr, esc_row_ptr, offs_m, mask_m, offs_n, n0, N, K,
-            stride_xm, stride_xk, BLOCK_N, ESC_BLOCK, False, x_ptr, 1.0, False, y_ptr.dtype.element_ty, False, True,
-            y_scale,
-        )
+    out = _escapes_ahead(  # scales the sums to y's
+        tl.sum(acc, axis=2), e0, e_end, idx, val, xg, nw, x_ptr, esc_idx_ptr, esc_val_ptr, offs_m, mask_m, offs_n,
+        K, stride_xm, stride_xk, ESC_BLOCK, x_ptr, 1.0, False, y_ptr.dtype.element_ty, False, y_scale,
+    )
     y = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
     tl.store(y, out.to(y_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
@@ -868,9 +870,9 @@ TUNED: dict[tuple[int, int, int], U12Config] = {
 
 _INTERPRETER_CONFIG = U12Config(16, 8, split_k=2)  # small tiles; split-K exercised on the CPU too
 _ESC_BLOCK = 16
-# The GEMVs (gemv2, u12_fused_linear) load their rows' escape row pointers and slots before the loop
-# (``_escape_slots_load``); off, the escape step's three dependent loads run after it
-# (``_apply_escapes``). Read at launch (bench/step_ab.py compares the two).
+# The GEMVs (gemv2, u12_fused_linear) load their first escape block's row pointers before the loop
+# (``_escape_stage``); off, all three of its loads run after it. Read at launch (bench/step_ab.py
+# compares the two).
 ESC_AHEAD = True
 
 
@@ -976,16 +978,15 @@ def _launch_gemv2(x: torch.Tensor, t: U12Tensor, y: torch.Tensor, cfg: U12Config
     x = aligned_rows(x, x_words)  # the kernel reads x[m, 4 w + j] at unit k stride, bf16 x as int64 words
     sm, codes = t.sm.contiguous(), t.codes.contiguous()
     native = x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1"
-    slot_cols, slot_vals = t.esc_slots
     _u12_gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
         x, sm.view(torch.int32), codes.view(torch.int16),
-        _nonempty(t.esc_idx), _nonempty(t.esc_val), t.esc_row_ptr, slot_cols, slot_vals, y,
+        _nonempty(t.esc_idx), _nonempty(t.esc_val), t.esc_row_ptr, y,
         m, n, k, n_words, biased_scale(t.base),
         x.stride(0), x.stride(1), n_words, n_words, y.stride(0),
         BLOCK_M=_block_m(m), BLOCK_N=cfg.block_n, BLOCK_W=cfg.block_w, ESC_BLOCK=_ESC_BLOCK,
         X_WORDS=x_words, EVEN_K=n_words % cfg.block_w == 0,
         # inline PTX on the GPU; the interpreter (TRITON_INTERPRET=1, read by Triton at import) runs none
-        ASM=native, **cfg.launch_options(native), **pdl_args(x.device), SLOTS=slot_cols.shape[1], ESC_AHEAD=ESC_AHEAD,
+        ASM=native, **cfg.launch_options(native), **pdl_args(x.device), ESC_AHEAD=ESC_AHEAD,
     )
 
 

@@ -13,7 +13,6 @@ import triton
 import triton.language as tl
 
 from specpilot.kernels import KERNELS
-from specpilot.kernels import u12_linear as u12_linear_module
 from specpilot.kernels.u12_linear import (
     SWEEP_GEMV2,
     U12Config,
@@ -26,7 +25,6 @@ from specpilot.kernels.u12_linear import (
     u12_linear,
     u12_linear_reference,
 )
-from specpilot.runtime.u12 import ESC_SLOTS, pack_u12
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 ASM_MODES = [False, True] if torch.cuda.is_available() else [False]
@@ -110,32 +108,6 @@ def test_gemv2_matches_reference(m, n, k, dtype, escapes, block_n, block_w):
     y_bad = u12_linear(*_plant_wrong_weight((x, t)), cfg)
     with pytest.raises(AssertionError):
         _assert_matches(y_bad, x, t)
-
-
-@pytest.mark.parametrize("ahead", [True, False], ids=["ahead", "after"])
-@pytest.mark.parametrize("per_row", [(0, 1, ESC_SLOTS, 2), (ESC_SLOTS + 1, 0, 1, ESC_SLOTS)], ids=["slots", "overflow"])
-def test_gemv2_escapes_in_slots_and_past_them(monkeypatch, ahead, per_row):
-    """Programs of 4 rows whose escapes all fit the rows' slots (up to ESC_SLOTS a row), and
-    programs with a row of ESC_SLOTS + 1 (their escapes walked in the table), with the escapes'
-    loads ahead of the loop (``ESC_AHEAD``) and after it."""
-    monkeypatch.setattr(u12_linear_module, "ESC_AHEAD", ahead)
-    g = torch.Generator().manual_seed(21)
-    m, n, k = 2, 10, 96  # the last program holds 2 rows
-    x = torch.randn(m, k, generator=g).to(torch.bfloat16)
-    w = 0.02 * torch.randn(n, k, generator=g)
-    base = pack_u12(w.to(torch.bfloat16)).base
-    for row in range(n):
-        cols = torch.randperm(k, generator=g)[: per_row[row % 4]]
-        w[row, cols] = 0.5 * torch.randn(len(cols), generator=g).sign()  # outside the window: escapes
-    t = pack_u12(w.to(torch.bfloat16), base=base)
-    counts = (t.esc_row_ptr[1:] - t.esc_row_ptr[:-1]).tolist()
-    assert [counts[r] >= per_row[r % 4] for r in range(n)] == [True] * n
-    assert (max(counts) > ESC_SLOTS) == (max(per_row) > ESC_SLOTS)
-    x, t = x.to(DEVICE), t.to(DEVICE)
-    cfg = U12Config(4, 8, num_warps=1, kernel="gemv2")
-    _assert_matches(u12_linear(x, t, cfg), x, t)
-    with pytest.raises(AssertionError):
-        _assert_matches(u12_linear(*_plant_wrong_weight((x, t)), cfg), x, t)
 
 
 def test_gemv2_reads_strided_bf16_x():

@@ -32,7 +32,6 @@ from safetensors.torch import save_file
 
 WINDOW = 15  # exponent values a 4-bit code can name; code 0 is the escape
 MAX_BASE = 255 - (WINDOW - 1)
-ESC_SLOTS = 4  # escapes a row in ``U12Tensor.esc_slots`` (N(0, 0.02) rows of 4096: 0.6 on average)
 FORMAT_VERSION = "1"
 _PLANES = ("sm", "codes", "esc_idx", "esc_val")
 
@@ -90,23 +89,6 @@ class U12Tensor:
         n, k = self.shape
         row_starts = torch.arange(n + 1, device=self.device, dtype=torch.int64) * k
         return torch.searchsorted(self.esc_idx.to(torch.int64), row_starts).to(torch.int32)
-
-    @functools.cached_property
-    def esc_slots(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(columns int32 [N, ESC_SLOTS], bf16 bits int16 [N, ESC_SLOTS]): each row's first
-        ESC_SLOTS escapes in table order, column -1 (and bits 0) where the row has fewer (derived,
-        not stored). A GEMV loads its rows' slots before its loop, whose addresses it knows, where the
-        table's need the row pointers first (kernels/u12_linear.py, ``_escape_slots_load``)."""
-        n, k = self.shape
-        cols = torch.full((n, ESC_SLOTS), -1, dtype=torch.int32, device=self.device)
-        vals = torch.zeros((n, ESC_SLOTS), dtype=torch.int16, device=self.device)
-        idx = self.esc_idx.to(torch.int64)
-        rows = idx // k
-        pos = torch.arange(idx.numel(), device=self.device) - self.esc_row_ptr.to(torch.int64)[rows]
-        kept = pos < ESC_SLOTS
-        cols[rows[kept], pos[kept]] = (idx[kept] % k).to(torch.int32)
-        vals[rows[kept], pos[kept]] = self.esc_val[kept]
-        return cols, vals
 
     def rows(self, start: int, stop: int) -> U12Tensor:
         """Rows [start, stop) as a U12Tensor whose planes view this one's (the escapes of those
