@@ -46,7 +46,10 @@ their loop (``ESC_AHEAD``: 3.600 ms against 3.618 with all three after it, inter
 bench/results/tried/step_ab_u12_escapes_h200.json). Issuing the other two under the loop cost more
 than it hid, every way tried there: a chunk apart inside the loop by branches (4.063 ms) or by
 predicated loads (4.352), or between the loop's thirds (3.823), since anything in or around the
-loop body changes how ptxas schedules it.
+loop body changes how ptxas schedules it. Nor did a slot table (each row's first 4 escapes at fixed
+places, loaded with the row pointers before the loop, leaving one gather after it: commit 75db576,
+reverted): 3.718 ms against 3.644, its registers up (gate_up 90 -> 124)
+(bench/results/tried/step_ab_u12_escape_slots_h200.json).
 
 gemv2. One program owns BLOCK_N rows of W and every row of x (M ≤ 4), so each weight is decoded
 once and used M times, and loops over K in chunks of BLOCK_W words. The 4 weights of a word

@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import specpilot.kernels.u12_fused_linear as ufl
+import specpilot.kernels.u12_linear as u12_linear_module
 from specpilot.kernels.registry import KERNELS
 from specpilot.kernels.rmsnorm import rmsnorm_reference
 from specpilot.kernels.u12_linear import TUNED, U12Config, gemv2_acc_registers, gemv2_applies
@@ -120,10 +121,13 @@ def test_escapes_use_the_normalised_x(dtype, nonfinite):
     assert not _close(wrong[:, 1:], ref[:, 1:]), "the test cannot tell x from x' at the escapes"
 
 
+@pytest.mark.parametrize("ahead", [True, False], ids=["ahead", "after"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_gated_escapes_in_both_halves(dtype):
+def test_gated_escapes_in_both_halves(monkeypatch, dtype, ahead):
     """Escapes in gate and up rows (more than ESC_BLOCK in one 4-row up block): each half's go to
-    its own sums; dropping either half's changes the reference, so both are checked."""
+    its own sums; dropping either half's changes the reference, so both are checked. With the
+    escapes' row pointers loaded ahead of the loop (u12_linear's ``ESC_AHEAD``) and after it."""
+    monkeypatch.setattr(u12_linear_module, "ESC_AHEAD", ahead)
     g = torch.Generator().manual_seed(12)
     m, i, k = 2, 6, 48
     x = torch.randn(m, k, generator=g).to(dtype).to(DEVICE)

@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from specpilot.kernels import KERNELS
+from specpilot.kernels import u12_linear as u12_linear_module
 from specpilot.kernels.u12_linear import (
     SWEEP_GEMV2,
     U12Config,
@@ -25,6 +26,7 @@ from specpilot.kernels.u12_linear import (
     u12_linear,
     u12_linear_reference,
 )
+from specpilot.runtime.u12 import pack_u12
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 ASM_MODES = [False, True] if torch.cuda.is_available() else [False]
@@ -108,6 +110,31 @@ def test_gemv2_matches_reference(m, n, k, dtype, escapes, block_n, block_w):
     y_bad = u12_linear(*_plant_wrong_weight((x, t)), cfg)
     with pytest.raises(AssertionError):
         _assert_matches(y_bad, x, t)
+
+
+@pytest.mark.parametrize("ahead", [True, False], ids=["ahead", "after"])
+@pytest.mark.parametrize("per_row", [(0, 1, 3, 2), (9, 0, 1, 8)], ids=["one-block", "two-blocks"])
+def test_gemv2_escapes_both_ways(monkeypatch, ahead, per_row):
+    """Programs of 4 rows with up to ESC_BLOCK (16) escapes, and with more (a second block, loaded
+    after the first), with the escapes' row pointers loaded ahead of the loop (``ESC_AHEAD``) and
+    after it."""
+    monkeypatch.setattr(u12_linear_module, "ESC_AHEAD", ahead)
+    g = torch.Generator().manual_seed(21)
+    m, n, k = 2, 10, 96  # the last program holds 2 rows
+    x = torch.randn(m, k, generator=g).to(torch.bfloat16)
+    w = 0.02 * torch.randn(n, k, generator=g)
+    base = pack_u12(w.to(torch.bfloat16)).base
+    for row in range(n):
+        cols = torch.randperm(k, generator=g)[: per_row[row % 4]]
+        w[row, cols] = 0.5 * torch.randn(len(cols), generator=g).sign()  # outside the window: escapes
+    t = pack_u12(w.to(torch.bfloat16), base=base)
+    per_program = [int(t.esc_row_ptr[min(p + 4, n)] - t.esc_row_ptr[p]) for p in range(0, n, 4)]
+    assert (max(per_program) > 16) == (sum(per_row) > 16)
+    x, t = x.to(DEVICE), t.to(DEVICE)
+    cfg = U12Config(4, 8, num_warps=1, kernel="gemv2")
+    _assert_matches(u12_linear(x, t, cfg), x, t)
+    with pytest.raises(AssertionError):
+        _assert_matches(u12_linear(*_plant_wrong_weight((x, t)), cfg), x, t)
 
 
 def test_gemv2_reads_strided_bf16_x():
