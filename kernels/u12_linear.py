@@ -321,8 +321,11 @@ def _escape_stage(
     """Step ``step`` of the loads of the first ESC_BLOCK escapes of rows [n0, min(n0 + BLOCK_N, N)),
     three dependent round trips: 0 the row pointers (offs_e, the first escape's offset in the table,
     and end, each an [ESC_BLOCK] tensor), 1 the indices and values (``_escape_load``), 2 x and NORM
-    the norm weight at their columns (``_escape_gather``). The GEMVs issue the first ``ESC_AHEAD``
-    steps between parts of their loop (``_gemv_parts``), the rest after it. The row pointers are
+    the norm weight at their columns (``_escape_gather``). With ``ESC_AHEAD`` the GEMVs issue step 0
+    before their loop and the rest after it (``_escape_stages_left``); without, all three after it.
+    (Written for any split of the steps around the loop; the splits that put steps 1 and 2 under
+    it measured slower and are gone, see the module docstring. Folding this into two plain helpers
+    changed the kernels' sm_90 SASS, so the measured form stays.) The row pointers are
     tensors, not scalars: a scalar goes to a uniform register, whose move waited for the load on
     the spot (sm_90 SASS)."""
     if step == 0:
