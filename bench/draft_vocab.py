@@ -22,20 +22,14 @@ from pathlib import Path
 from specpilot.runtime.draft_vocab import STDLIB
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the bench scripts beside this one
-from zoo_tau import PROMPT_SETS, compile_zoo, results_path, tau_row  # noqa: E402
+from zoo_tau import PROMPT_SETS, compile_zoo, results_path, tau_row, zoo_arguments  # noqa: E402
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--pair", default="code-qwen3")
+    zoo_arguments(ap, 8, "passes after draft-vocab (e.g. cuda-graphs on a GPU)")
     ap.add_argument("--sizes", default="0,4096,2048,1024,512,256", help="subset sizes; 0 = the whole vocabulary")
     ap.add_argument("--corpus", default=STDLIB)
-    ap.add_argument("--num-prompts", type=int, default=8)
-    ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--device", default="auto")
-    ap.add_argument("--drafters", default="dflash,pard", help="comma-separated drafter kinds of the pair")
-    ap.add_argument("--passes", default="", help="passes after draft-vocab (e.g. cuda-graphs on a GPU)")
-    ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     rows, env = [], None
     print(f"{'drafter':8} {'size':>6} {'prompts':13} {'coverage':>8} {'τ':>6}  outputs = AR  token forcing", flush=True)

@@ -49,15 +49,20 @@ def results_path(stem: str, env: dict | None) -> Path:
     return ROOT / "bench" / "results" / f"{stem}_{slug}.json"
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def zoo_arguments(ap: argparse.ArgumentParser, num_prompts: int, passes_help: str) -> None:
+    """The options of a script that compiles a zoo pair's drafters (`compile_zoo`) and writes a results file."""
     ap.add_argument("--pair", default="code-qwen3")
-    ap.add_argument("--num-prompts", type=int, default=16)
+    ap.add_argument("--num-prompts", type=int, default=num_prompts)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--device", default="auto")
     ap.add_argument("--drafters", default="dflash,pard", help="comma-separated drafter kinds of the pair")
-    ap.add_argument("--passes", default="", help="a pass pipeline for every compile (e.g. cuda-graphs on a GPU)")
+    ap.add_argument("--passes", default="", help=passes_help)
     ap.add_argument("--out", type=Path)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    zoo_arguments(ap, 16, "a pass pipeline for every compile (e.g. cuda-graphs on a GPU)")
     args = ap.parse_args()
     rows, env = [], None
     for kind in args.drafters.split(","):
