@@ -272,6 +272,7 @@ def _u12_hmma_kernel(
     EVEN_K: tl.constexpr,  # n_words % BLOCK_W == 0: no split has a masked last chunk
     ASM: tl.constexpr,  # PTX mma.sync and prmt (GPU); else their emulation (interpreter)
     PDL: tl.constexpr,  # programmatic dependent launch (kernels/overlap.py)
+    STAGES: tl.constexpr,  # > 1: the loop's loads run STAGES - 1 chunks ahead through shared memory (cp.async)
 ):
     pdl_enter(PDL)
     TILES: tl.constexpr = BLOCK_N // (16 * WARPS)  # m-tiles a warp: 1 or 2
@@ -307,7 +308,7 @@ def _u12_hmma_kernel(
     zero = tl.zeros((T,), dtype=tl.float32)
     d0, d1, d2, d3, e0, e1, e2, e3 = zero, zero, zero, zero, zero, zero, zero, zero
     f0, f1, f2, f3, h0, h1, h2, h3 = zero, zero, zero, zero, zero, zero, zero, zero
-    for start in range(w_begin, full_end, BLOCK_W):
+    for start in tl.range(w_begin, full_end, BLOCK_W, num_stages=STAGES):
         for u in tl.static_range(BLOCK_W // 16):
             d0, d1, d2, d3, e0, e1, e2, e3, f0, f1, f2, f3, h0, h1, h2, h3 = _group(
                 d0, d1, d2, d3, e0, e1, e2, e3, f0, f1, f2, f3, h0, h1, h2, h3, start + 4 * u, w_end, lane_w,
@@ -378,7 +379,8 @@ def launch_hmma(x: torch.Tensor, t: U12Tensor, y: torch.Tensor, cfg: U12Config) 
         m, n, k, n_words, biased_scale(t.base), words_per_split,
         x.stride(0), n_words, n_words, y.stride(0),
         BLOCK_N=cfg.block_n, BLOCK_W=cfg.block_w, WARPS=cfg.num_warps, SPLIT_K=grid[1],
-        EVEN_K=n_words % cfg.block_w == 0, ASM=native, **cfg.launch_options(native), **pdl_args(x.device),
+        EVEN_K=n_words % cfg.block_w == 0, ASM=native, STAGES=cfg.num_stages, **cfg.launch_options(native),
+        **pdl_args(x.device),
     )
 
 
