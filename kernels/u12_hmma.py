@@ -159,13 +159,13 @@ def _four(v):
 
 
 @triton.jit
-def _load4(ptrs, w, w_end, lane_w, MASKED: tl.constexpr):
+def _load4(ptrs, w, w_end, lane_w, MASKED: tl.constexpr, CACHE: tl.constexpr = ""):
     """The 4 words ptrs + w [T, 4] (ptrs at the lane's words lane_w; masked at words past w_end: 0) as
-    4 tensors [T]."""
+    4 tensors [T]; CACHE: the load's cache modifier."""
     if MASKED:
-        return _four(tl.load(ptrs + w, mask=w + lane_w < w_end, other=0))
+        return _four(tl.load(ptrs + w, mask=w + lane_w < w_end, other=0, cache_modifier=CACHE))
     else:
-        return _four(tl.load(ptrs + w))
+        return _four(tl.load(ptrs + w, cache_modifier=CACHE))
 
 
 @triton.jit
@@ -215,12 +215,12 @@ def _tile_group(
 def _group(
     d0, d1, d2, d3, e0, e1, e2, e3, f0, f1, f2, f3, h0, h1, h2, h3, w, w_end, lane_w,
     x_row0, x_row1, sm_lo, code_lo, sm_hi, code_hi, sm_lo2, code_lo2, sm_hi2, code_hi2,
-    TILES: tl.constexpr, MASKED: tl.constexpr, ASM: tl.constexpr,
+    TILES: tl.constexpr, MASKED: tl.constexpr, ASM: tl.constexpr, X_CACHE: tl.constexpr,
 ):
     """A 16-word group of the warp's m-tiles (accumulators d, e: tile 0; f, h: tile 1), x's words
     loaded once for both."""
-    x00, x01, x02, x03 = _load4(x_row0, w, w_end, lane_w, MASKED)
-    x10, x11, x12, x13 = _load4(x_row1, w, w_end, lane_w, MASKED)
+    x00, x01, x02, x03 = _load4(x_row0, w, w_end, lane_w, MASKED, X_CACHE)
+    x10, x11, x12, x13 = _load4(x_row1, w, w_end, lane_w, MASKED, X_CACHE)
     d0, d1, d2, d3, e0, e1, e2, e3 = _tile_group(
         d0, d1, d2, d3, e0, e1, e2, e3, sm_lo, code_lo, sm_hi, code_hi, w, w_end, lane_w,
         x00, x01, x02, x03, x10, x11, x12, x13, MASKED, ASM)
@@ -302,6 +302,10 @@ def _u12_hmma_kernel(
     x_row0 = x64 + tl.minimum(pid_m * BLOCK_M + g, M - 1)[:, None] * (stride_xm // 4) + lane_w
     x_row1 = x64 + tl.minimum(pid_m * BLOCK_M + 8 + g, M - 1)[:, None] * (stride_xm // 4) + lane_w
 
+    # Pipelined (STAGES > 1), x's copies keep L1 (cp.async.ca): every warp of a program reads the same
+    # x words, where the weights' 16-byte copies bypass it (.cg).
+    X_CACHE: tl.constexpr = ".ca" if STAGES > 1 else ""
+
     w_begin = pid_k * words_per_split
     w_end = tl.minimum(w_begin + words_per_split, n_words)
     full_end = w_begin + (w_end - w_begin) // BLOCK_W * BLOCK_W
@@ -313,14 +317,14 @@ def _u12_hmma_kernel(
             d0, d1, d2, d3, e0, e1, e2, e3, f0, f1, f2, f3, h0, h1, h2, h3 = _group(
                 d0, d1, d2, d3, e0, e1, e2, e3, f0, f1, f2, f3, h0, h1, h2, h3, start + 4 * u, w_end, lane_w,
                 x_row0, x_row1, sm_lo, code_lo, sm_hi, code_hi, sm_lo2, code_lo2, sm_hi2, code_hi2,
-                TILES, False, ASM)
+                TILES, False, ASM, X_CACHE)
     if not EVEN_K:
         if full_end < w_end:  # only the last split has a partial chunk: its words past w_end masked
             for u in tl.static_range(BLOCK_W // 16):
                 d0, d1, d2, d3, e0, e1, e2, e3, f0, f1, f2, f3, h0, h1, h2, h3 = _group(
                     d0, d1, d2, d3, e0, e1, e2, e3, f0, f1, f2, f3, h0, h1, h2, h3, full_end + 4 * u, w_end, lane_w,
                     x_row0, x_row1, sm_lo, code_lo, sm_hi, code_hi, sm_lo2, code_lo2, sm_hi2, code_hi2,
-                    TILES, True, ASM)
+                    TILES, True, ASM, X_CACHE)
 
     # Each accumulator's x row mm and W row nn, stacked as the accumulators are.
     mb = pid_m * BLOCK_M + 2 * q
