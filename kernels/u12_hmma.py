@@ -159,13 +159,25 @@ def _four(v):
 
 
 @triton.jit
-def _load4(ptrs, w, w_end, lane_w, MASKED: tl.constexpr, CACHE: tl.constexpr = ""):
-    """The 4 words ptrs + w [T, 4] (ptrs at the lane's words lane_w; masked at words past w_end: 0) as
-    4 tensors [T]; CACHE: the load's cache modifier."""
-    if MASKED:
-        return _four(tl.load(ptrs + w, mask=w + lane_w < w_end, other=0, cache_modifier=CACHE))
+def _load(ptrs, mask, MASKED: tl.constexpr, L1: tl.constexpr):
+    """tl.load of ptrs (masked: 0 where not mask); L1: cache modifier .ca."""
+    if L1:
+        if MASKED:
+            return tl.load(ptrs, mask=mask, other=0, cache_modifier=".ca")
+        else:
+            return tl.load(ptrs, cache_modifier=".ca")
     else:
-        return _four(tl.load(ptrs + w, cache_modifier=CACHE))
+        if MASKED:
+            return tl.load(ptrs, mask=mask, other=0)
+        else:
+            return tl.load(ptrs)
+
+
+@triton.jit
+def _load4(ptrs, w, w_end, lane_w, MASKED: tl.constexpr, L1: tl.constexpr):
+    """The 4 words ptrs + w [T, 4] (ptrs at the lane's words lane_w; masked at words past w_end: 0) as
+    4 tensors [T]; L1: loaded with cache modifier .ca."""
+    return _four(_load(ptrs + w, w + lane_w < w_end, MASKED, L1))
 
 
 @triton.jit
@@ -196,10 +208,10 @@ def _tile_group(
     x00, x01, x02, x03, x10, x11, x12, x13, MASKED: tl.constexpr, ASM: tl.constexpr,
 ):
     """One m-tile over a group of 16 words a row: 4 k-steps, k-step s on word s of each lane's 4."""
-    s_lo0, s_lo1, s_lo2, s_lo3 = _load4(sm_lo, w, w_end, lane_w, MASKED)
-    s_hi0, s_hi1, s_hi2, s_hi3 = _load4(sm_hi, w, w_end, lane_w, MASKED)
-    c_lo0, c_lo1, c_lo2, c_lo3 = _load4(code_lo, w, w_end, lane_w, MASKED)
-    c_hi0, c_hi1, c_hi2, c_hi3 = _load4(code_hi, w, w_end, lane_w, MASKED)
+    s_lo0, s_lo1, s_lo2, s_lo3 = _load4(sm_lo, w, w_end, lane_w, MASKED, False)
+    s_hi0, s_hi1, s_hi2, s_hi3 = _load4(sm_hi, w, w_end, lane_w, MASKED, False)
+    c_lo0, c_lo1, c_lo2, c_lo3 = _load4(code_lo, w, w_end, lane_w, MASKED, False)
+    c_hi0, c_hi1, c_hi2, c_hi3 = _load4(code_hi, w, w_end, lane_w, MASKED, False)
     d0, d1, d2, d3, e0, e1, e2, e3 = _tile_step(
         d0, d1, d2, d3, e0, e1, e2, e3, s_lo0, c_lo0, s_hi0, c_hi0, x00, x10, ASM)
     d0, d1, d2, d3, e0, e1, e2, e3 = _tile_step(
@@ -215,12 +227,13 @@ def _tile_group(
 def _group(
     d0, d1, d2, d3, e0, e1, e2, e3, f0, f1, f2, f3, h0, h1, h2, h3, w, w_end, lane_w,
     x_row0, x_row1, sm_lo, code_lo, sm_hi, code_hi, sm_lo2, code_lo2, sm_hi2, code_hi2,
-    TILES: tl.constexpr, MASKED: tl.constexpr, ASM: tl.constexpr, X_CACHE: tl.constexpr,
+    TILES: tl.constexpr, MASKED: tl.constexpr, ASM: tl.constexpr, X_L1: tl.constexpr,
 ):
     """A 16-word group of the warp's m-tiles (accumulators d, e: tile 0; f, h: tile 1), x's words
-    loaded once for both."""
-    x00, x01, x02, x03 = _load4(x_row0, w, w_end, lane_w, MASKED, X_CACHE)
-    x10, x11, x12, x13 = _load4(x_row1, w, w_end, lane_w, MASKED, X_CACHE)
+    loaded once for both. X_L1 (pipelined loops): x's copies keep L1 (cp.async.ca), since every warp
+    of a program reads the same x words, where the weights' 16-byte copies bypass it (.cg)."""
+    x00, x01, x02, x03 = _load4(x_row0, w, w_end, lane_w, MASKED, X_L1)
+    x10, x11, x12, x13 = _load4(x_row1, w, w_end, lane_w, MASKED, X_L1)
     d0, d1, d2, d3, e0, e1, e2, e3 = _tile_group(
         d0, d1, d2, d3, e0, e1, e2, e3, sm_lo, code_lo, sm_hi, code_hi, w, w_end, lane_w,
         x00, x01, x02, x03, x10, x11, x12, x13, MASKED, ASM)
@@ -302,10 +315,6 @@ def _u12_hmma_kernel(
     x_row0 = x64 + tl.minimum(pid_m * BLOCK_M + g, M - 1)[:, None] * (stride_xm // 4) + lane_w
     x_row1 = x64 + tl.minimum(pid_m * BLOCK_M + 8 + g, M - 1)[:, None] * (stride_xm // 4) + lane_w
 
-    # Pipelined (STAGES > 1), x's copies keep L1 (cp.async.ca): every warp of a program reads the same
-    # x words, where the weights' 16-byte copies bypass it (.cg).
-    X_CACHE: tl.constexpr = ".ca" if STAGES > 1 else ""
-
     w_begin = pid_k * words_per_split
     w_end = tl.minimum(w_begin + words_per_split, n_words)
     full_end = w_begin + (w_end - w_begin) // BLOCK_W * BLOCK_W
@@ -317,14 +326,14 @@ def _u12_hmma_kernel(
             d0, d1, d2, d3, e0, e1, e2, e3, f0, f1, f2, f3, h0, h1, h2, h3 = _group(
                 d0, d1, d2, d3, e0, e1, e2, e3, f0, f1, f2, f3, h0, h1, h2, h3, start + 4 * u, w_end, lane_w,
                 x_row0, x_row1, sm_lo, code_lo, sm_hi, code_hi, sm_lo2, code_lo2, sm_hi2, code_hi2,
-                TILES, False, ASM, X_CACHE)
+                TILES, False, ASM, STAGES > 1)
     if not EVEN_K:
         if full_end < w_end:  # only the last split has a partial chunk: its words past w_end masked
             for u in tl.static_range(BLOCK_W // 16):
                 d0, d1, d2, d3, e0, e1, e2, e3, f0, f1, f2, f3, h0, h1, h2, h3 = _group(
                     d0, d1, d2, d3, e0, e1, e2, e3, f0, f1, f2, f3, h0, h1, h2, h3, full_end + 4 * u, w_end, lane_w,
                     x_row0, x_row1, sm_lo, code_lo, sm_hi, code_hi, sm_lo2, code_lo2, sm_hi2, code_hi2,
-                    TILES, True, ASM, X_CACHE)
+                    TILES, True, ASM, STAGES > 1)
 
     # Each accumulator's x row mm and W row nn, stacked as the accumulators are.
     mb = pid_m * BLOCK_M + 2 * q
