@@ -14,7 +14,7 @@
 #   attnvar  the decode step's attention launch: rope_attention or apart, combine, warps, splits
 #   u12      the u12 kernels' GPU tests, then their sweep against cuBLAS
 #   hmma     the hmma kernel's GPU tests, then its M = 16 sweep against cuBLAS (and TUNED's config);
-#            HMMA_KERNELS (default hmma; hmma-stages: the pipelined loops), HMMA_BUDGET_S (default 170)
+#            HMMA_KERNELS (bench/u12_linear.py --kernels, default hmma), HMMA_BUDGET_S (default 170)
 #   bf16tune fused_linear's one-row sweep in CUDA graphs, then the AR step with its best configs (bf16-sweep)
 #   u12tune  u12_linear's one-row gemv2 sweep in CUDA graphs, then the AR step with its best configs (u12-sweep)
 #   verify16 fused_linear's sweep at VERIFY_QS rows (default 16) in CUDA graphs, then verify(q) with it

@@ -40,12 +40,25 @@ the chunk instead (word 4 q + 16 u: a quad read 64 B of a row at a time) every c
 ran within a few percent of the others, lm_head 341 µs and gate_up 86
 (bench/results/tried/u12_linear_hmma_strided_h200.json).
 
-Tried and dropped: a register double buffer (commit 462a452: chunk c + 1's words loaded while
-chunk c decodes and multiplies, all of a chunk's loads before its first MMA, 134 registers against
-105): within the run's spread or slower at every shape (best configs o 17.4 µs against 16.9, down
-40.1 / 39.1, gate_up 66.3 / 63.7, lm_head 250 / 235; bench/results/tried/u12_linear_stages_h200.json),
-so more loads in flight a warp is not what this kernel lacks. Nor is an L2 look-ahead
-(kernels/overlap.py).
+Tried and dropped: a register double buffer (commit 462a452: chunk c + 1's words loaded while chunk
+c decodes and multiplies, all of a chunk's loads before its first MMA, 134 registers against 105):
+within the run's spread or slower at every shape (best configs o 17.4 µs against 16.9, down 40.1 /
+39.1, gate_up 66.3 / 63.7, lm_head 250 / 235; bench/results/tried/u12_linear_stages_h200.json), so
+more loads in flight a warp is not what this kernel lacks. Nor is an L2 look-ahead
+(kernels/overlap.py). Nor shared memory: the loop's loads pipelined by cp.async (``tl.range(...,
+num_stages=2..4)``: Triton then copies every word, code and x load STAGES - 1 chunks ahead, 28 KB a
+stage at 64 rows, 32 words, 4 warps; commits ed63f5c-45a785f, reverted): each shape's best pipelined
+config ran 1.24-2.0x the best one-stage one (o 20.4 µs against 16.4, down 62.5 against 38.8, lm_head
+474 against 236), with x's copies bypassing L1 (.cg) or keeping it (.ca) alike
+(bench/results/tried/u12_linear_hmma_cp_async_cg_h200.json and u12_linear_hmma_cp_async_h200.json).
+Nsight Compute at M = 16 (bench/results/tried/linear_ncu_u12_m16_h200.txt, TUNED's configs): down
+reads 2.28 TB/s with L1 throughput at 79%, 70% L1 hits (x's loads, which every warp
+repeats, and, we think, the second half of each weight sector, read by the next group), 21% occupancy (128 registers: 4 programs an SM) and 10 of the 13.9 cycles
+between a warp's instructions waiting on L1. x's share of that: an ablation that pointed each warp's
+x loads at one contiguous 512-byte run (wrong sums) ran qkv 18.9 µs against 20.3, o 15.0 / 16.4,
+gate_up 58.2 / 64.1, down 36.7 / 38.8
+(bench/results/tried/u12_linear_hmma_x_contiguous_ablation_h200.json): 5-9%, far from the 1.3x the
+issue's 1.15x at M = 16 needs.
 
 Numerics: the biased decode (w · 2^(113-base), an escape 2^-15), bf16 x unscaled, fp32 accumulation
 in the tensor cores. The epilogue stays in the fragments' layout (``_finish``, elementwise): each
@@ -159,25 +172,13 @@ def _four(v):
 
 
 @triton.jit
-def _load(ptrs, mask, MASKED: tl.constexpr, L1: tl.constexpr):
-    """tl.load of ptrs (masked: 0 where not mask); L1: cache modifier .ca."""
-    if L1:
-        if MASKED:
-            return tl.load(ptrs, mask=mask, other=0, cache_modifier=".ca")
-        else:
-            return tl.load(ptrs, cache_modifier=".ca")
-    else:
-        if MASKED:
-            return tl.load(ptrs, mask=mask, other=0)
-        else:
-            return tl.load(ptrs)
-
-
-@triton.jit
-def _load4(ptrs, w, w_end, lane_w, MASKED: tl.constexpr, L1: tl.constexpr):
+def _load4(ptrs, w, w_end, lane_w, MASKED: tl.constexpr):
     """The 4 words ptrs + w [T, 4] (ptrs at the lane's words lane_w; masked at words past w_end: 0) as
-    4 tensors [T]; L1: loaded with cache modifier .ca."""
-    return _four(_load(ptrs + w, w + lane_w < w_end, MASKED, L1))
+    4 tensors [T]."""
+    if MASKED:
+        return _four(tl.load(ptrs + w, mask=w + lane_w < w_end, other=0))
+    else:
+        return _four(tl.load(ptrs + w))
 
 
 @triton.jit
@@ -208,10 +209,10 @@ def _tile_group(
     x00, x01, x02, x03, x10, x11, x12, x13, MASKED: tl.constexpr, ASM: tl.constexpr,
 ):
     """One m-tile over a group of 16 words a row: 4 k-steps, k-step s on word s of each lane's 4."""
-    s_lo0, s_lo1, s_lo2, s_lo3 = _load4(sm_lo, w, w_end, lane_w, MASKED, False)
-    s_hi0, s_hi1, s_hi2, s_hi3 = _load4(sm_hi, w, w_end, lane_w, MASKED, False)
-    c_lo0, c_lo1, c_lo2, c_lo3 = _load4(code_lo, w, w_end, lane_w, MASKED, False)
-    c_hi0, c_hi1, c_hi2, c_hi3 = _load4(code_hi, w, w_end, lane_w, MASKED, False)
+    s_lo0, s_lo1, s_lo2, s_lo3 = _load4(sm_lo, w, w_end, lane_w, MASKED)
+    s_hi0, s_hi1, s_hi2, s_hi3 = _load4(sm_hi, w, w_end, lane_w, MASKED)
+    c_lo0, c_lo1, c_lo2, c_lo3 = _load4(code_lo, w, w_end, lane_w, MASKED)
+    c_hi0, c_hi1, c_hi2, c_hi3 = _load4(code_hi, w, w_end, lane_w, MASKED)
     d0, d1, d2, d3, e0, e1, e2, e3 = _tile_step(
         d0, d1, d2, d3, e0, e1, e2, e3, s_lo0, c_lo0, s_hi0, c_hi0, x00, x10, ASM)
     d0, d1, d2, d3, e0, e1, e2, e3 = _tile_step(
@@ -227,13 +228,12 @@ def _tile_group(
 def _group(
     d0, d1, d2, d3, e0, e1, e2, e3, f0, f1, f2, f3, h0, h1, h2, h3, w, w_end, lane_w,
     x_row0, x_row1, sm_lo, code_lo, sm_hi, code_hi, sm_lo2, code_lo2, sm_hi2, code_hi2,
-    TILES: tl.constexpr, MASKED: tl.constexpr, ASM: tl.constexpr, X_L1: tl.constexpr,
+    TILES: tl.constexpr, MASKED: tl.constexpr, ASM: tl.constexpr,
 ):
     """A 16-word group of the warp's m-tiles (accumulators d, e: tile 0; f, h: tile 1), x's words
-    loaded once for both. X_L1 (pipelined loops): x's copies keep L1 (cp.async.ca), since every warp
-    of a program reads the same x words, where the weights' 16-byte copies bypass it (.cg)."""
-    x00, x01, x02, x03 = _load4(x_row0, w, w_end, lane_w, MASKED, X_L1)
-    x10, x11, x12, x13 = _load4(x_row1, w, w_end, lane_w, MASKED, X_L1)
+    loaded once for both."""
+    x00, x01, x02, x03 = _load4(x_row0, w, w_end, lane_w, MASKED)
+    x10, x11, x12, x13 = _load4(x_row1, w, w_end, lane_w, MASKED)
     d0, d1, d2, d3, e0, e1, e2, e3 = _tile_group(
         d0, d1, d2, d3, e0, e1, e2, e3, sm_lo, code_lo, sm_hi, code_hi, w, w_end, lane_w,
         x00, x01, x02, x03, x10, x11, x12, x13, MASKED, ASM)
@@ -285,7 +285,6 @@ def _u12_hmma_kernel(
     EVEN_K: tl.constexpr,  # n_words % BLOCK_W == 0: no split has a masked last chunk
     ASM: tl.constexpr,  # PTX mma.sync and prmt (GPU); else their emulation (interpreter)
     PDL: tl.constexpr,  # programmatic dependent launch (kernels/overlap.py)
-    STAGES: tl.constexpr,  # > 1: the loop's loads run STAGES - 1 chunks ahead through shared memory (cp.async)
 ):
     pdl_enter(PDL)
     TILES: tl.constexpr = BLOCK_N // (16 * WARPS)  # m-tiles a warp: 1 or 2
@@ -321,19 +320,19 @@ def _u12_hmma_kernel(
     zero = tl.zeros((T,), dtype=tl.float32)
     d0, d1, d2, d3, e0, e1, e2, e3 = zero, zero, zero, zero, zero, zero, zero, zero
     f0, f1, f2, f3, h0, h1, h2, h3 = zero, zero, zero, zero, zero, zero, zero, zero
-    for start in tl.range(w_begin, full_end, BLOCK_W, num_stages=STAGES):
+    for start in range(w_begin, full_end, BLOCK_W):
         for u in tl.static_range(BLOCK_W // 16):
             d0, d1, d2, d3, e0, e1, e2, e3, f0, f1, f2, f3, h0, h1, h2, h3 = _group(
                 d0, d1, d2, d3, e0, e1, e2, e3, f0, f1, f2, f3, h0, h1, h2, h3, start + 4 * u, w_end, lane_w,
                 x_row0, x_row1, sm_lo, code_lo, sm_hi, code_hi, sm_lo2, code_lo2, sm_hi2, code_hi2,
-                TILES, False, ASM, STAGES > 1)
+                TILES, False, ASM)
     if not EVEN_K:
         if full_end < w_end:  # only the last split has a partial chunk: its words past w_end masked
             for u in tl.static_range(BLOCK_W // 16):
                 d0, d1, d2, d3, e0, e1, e2, e3, f0, f1, f2, f3, h0, h1, h2, h3 = _group(
                     d0, d1, d2, d3, e0, e1, e2, e3, f0, f1, f2, f3, h0, h1, h2, h3, full_end + 4 * u, w_end, lane_w,
                     x_row0, x_row1, sm_lo, code_lo, sm_hi, code_hi, sm_lo2, code_lo2, sm_hi2, code_hi2,
-                    TILES, True, ASM, STAGES > 1)
+                    TILES, True, ASM)
 
     # Each accumulator's x row mm and W row nn, stacked as the accumulators are.
     mb = pid_m * BLOCK_M + 2 * q
@@ -392,8 +391,7 @@ def launch_hmma(x: torch.Tensor, t: U12Tensor, y: torch.Tensor, cfg: U12Config) 
         m, n, k, n_words, biased_scale(t.base), words_per_split,
         x.stride(0), n_words, n_words, y.stride(0),
         BLOCK_N=cfg.block_n, BLOCK_W=cfg.block_w, WARPS=cfg.num_warps, SPLIT_K=grid[1],
-        EVEN_K=n_words % cfg.block_w == 0, ASM=native, STAGES=cfg.num_stages, **cfg.launch_options(native),
-        **pdl_args(x.device),
+        EVEN_K=n_words % cfg.block_w == 0, ASM=native, **cfg.launch_options(native), **pdl_args(x.device),
     )
 
 

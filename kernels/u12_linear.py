@@ -827,17 +827,6 @@ SWEEP_HMMA = [
     )
 ]
 SPLIT_KS_HMMA = (1, 2, 4, 8)
-# hmma with its loop's loads pipelined through shared memory (num_stages > 1: cp.async, STAGES - 1
-# chunks ahead, no registers held for them). Shared memory a stage: 32 lanes a warp times 96 bytes
-# of words and codes an m-tile and 128 of x, a 32-word chunk (sm_90 ptxas, triton 3.9: 28 KB at
-# 64 rows, 32 words, 4 warps; the loop adds 19 LDS, 2 BAR and the cp.async waits to the 16 LDG
-# it replaces). ``--kernels hmma-stages`` in bench/u12_linear.py.
-SWEEP_HMMA_STAGES = [
-    U12Config(bn, bw, num_warps=w, num_stages=s, kernel="hmma", maxnreg=r) for bn, bw, w, r, s in (
-        (64, 32, 4, 128, 2), (64, 32, 4, 128, 3), (64, 16, 4, 0, 3), (64, 16, 4, 0, 4), (16, 32, 1, 0, 3),
-        (16, 32, 1, 0, 4), (16, 64, 1, 0, 3), (32, 32, 1, 0, 3), (32, 64, 2, 0, 2), (128, 32, 4, 128, 2),
-    )
-]
 
 # Best configs measured by bench/u12_linear.py on the H200, keyed (BLOCK_M, N, K): Llama-3.1-8B's
 # linear shapes. M = 1, 4: the gemv2 sweep (commit 34c2fbf; bench/results/u12_linear_gemv2_h200.json),
