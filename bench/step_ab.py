@@ -14,19 +14,22 @@ spread; per u12 variant, the median of the per-round ratios bf16 / u12.
 Variants (runtime/fused.py): bf16 (the fused path: fused_linear with its norm prologues and
 epilogues); u12-unfused (u12_linear beside the separate rmsnorm, SiLU·mul and add kernels: the
 default u12 layers until this comparison); u12-epilogues (u12_fused_linear's SiLU·mul and residual
-epilogues, the norms as rmsnorm kernels: the default since); u12-prologue (u12_fused_linear with
-its norm prologue too); u12-esc-after (the default with every load of the GEMVs' escapes after
-their loops: ``u12_linear.ESC_AHEAD`` off); bf16-default, bf16-r128 (the bf16 step at other register budgets:
+epilogues, the norms as rmsnorm kernels: the default since); u12-prologue (u12_fused_linear with its
+norm prologue too); u12-handoff (the epilogues' step with each norm after o and down handed on to
+the next GEMV: u12_fused_linear's NormHandoff, no rmsnorm kernel between them), u12-handoff-after
+(the same with the handoff's parts loaded after the consumer's loop: ``HAND_AHEAD`` off);
+u12-esc-after (the default with every load of the GEMVs' escapes after their loops:
+``u12_linear.ESC_AHEAD`` off); bf16-default, bf16-r128 (the bf16 step at other register budgets:
 ``BF16_VARIANTS``; not under --smoke, whose tiny shapes TUNED does not hold). With --q above 1 (a
 chain verify step): bf16-cublas (cuBLAS with the separate norm, SiLU·mul and add kernels),
 bf16-linear (fused_linear at those rows, --bf16-tuned's configs), bf16-linear-nosq (the same with
-each norm prologue reading x: no RowSquares). Tried here and kept
-out (bench/results/tried/step_ab_*.json): the u12 step with other gemv2 tiles for qkv, o and down
-(two rows a thread, one-warp programs, BLOCK_N 8: 3.671, 3.756, 3.755 ms against 3.673, f6a43e7)
-and with ptxas allowed 80 or 128 registers (3.86, 3.99 against 3.71, ef655ec; 80 for o and down,
-qkv or gate_up alone: 3.719, 3.712, 3.812 against 3.702, e2a0b5e), though then every load of the
-BLOCK_N 4 loop is issued before its first FMA; 4 words a thread for every linear or gate_up alone
-(3.870, 3.745 against 3.701, ac79ccb; for qkv and o 3.674, which TUNED took).
+each norm prologue reading x: no RowSquares). Tried here and kept out
+(bench/results/tried/step_ab_*.json): the u12 step with other gemv2 tiles for qkv, o and down (two
+rows a thread, one-warp programs, BLOCK_N 8: 3.671, 3.756, 3.755 ms against 3.673, f6a43e7) and with
+ptxas allowed 80 or 128 registers (3.86, 3.99 against 3.71, ef655ec; 80 for o and down, qkv or
+gate_up alone: 3.719, 3.712, 3.812 against 3.702, e2a0b5e), though then every load of the BLOCK_N 4
+loop is issued before its first FMA; 4 words a thread for every linear or gate_up alone (3.870,
+3.745 against 3.701, ac79ccb; for qkv and o 3.674, which TUNED took).
 Batch 1, a 512-token context, a device-length cache of 2048 slots; random
 bf16 weights N(0, 0.02).
 """
@@ -49,7 +52,7 @@ import triton
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the bench scripts beside this one
 import step_times as st  # noqa: E402  (SHAPES, graphed, random_, time_fn, to_u12)
 
-from specpilot.kernels import fused_linear, u12_linear  # noqa: E402
+from specpilot.kernels import fused_linear, u12_fused_linear, u12_linear  # noqa: E402
 from specpilot.runtime.config import ModelConfig  # noqa: E402
 from specpilot.runtime.fused import GEMV_ROWS, fused_path  # noqa: E402
 from specpilot.runtime.model import Transformer  # noqa: E402
@@ -58,6 +61,7 @@ U12_VARIANTS = {  # name: FusedOps fields over the default ops
     "u12-unfused": dict(u12_kernel=""),
     "u12-epilogues": dict(u12_kernel="triton-u12", u12_norms_apart=True),  # the default
     "u12-prologue": dict(u12_kernel="triton-u12", u12_norms_apart=False),
+    "u12-handoff": dict(u12_kernel="triton-u12", u12_norms_apart=True, u12_norm_handoff=True),
 }
 
 
@@ -136,6 +140,11 @@ def capture(shape: str, variants: bool, extra_bf16: dict | None = None, extra_u1
         for name, fields in U12_VARIANTS.items():
             model.fused.ops = dataclasses.replace(ops, **fields)
             graphs[name] = capture_step()
+        model.fused.ops = ops
+        model.fused.ops = dataclasses.replace(ops, **U12_VARIANTS["u12-handoff"])
+        u12_fused_linear.HAND_AHEAD = False  # the handoff's parts loaded after the loop
+        graphs["u12-handoff-after"] = capture_step()
+        u12_fused_linear.HAND_AHEAD = True
         model.fused.ops = ops
         for name, mode in U12_ESC_VARIANTS.items():  # the default u12 step, its escapes' loads elsewhere
             u12_linear.ESC_AHEAD, default = mode, u12_linear.ESC_AHEAD

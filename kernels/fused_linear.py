@@ -130,7 +130,8 @@ def _epilogue(
 ):
     """Store dtype(g), or silu_mul's dtype(dtype(silu(g)) · u) (GATED); RESIDUAL: add it to the
     residual that y_ptrs points at, rounded as torch's add. SQ_OUT: also store Σ y² of each row's
-    stored values at sq_ptrs [BM] (this program's part of RowSquares)."""
+    stored values at sq_ptrs [BM] (this program's part of RowSquares). Returns the stored values
+    (fp32, each exactly its stored dtype value)."""
     y = _to_dtype(g, DTYPE, ROUND_BF16)
     if GATED:
         up = _to_dtype(u, DTYPE, ROUND_BF16)
@@ -147,6 +148,7 @@ def _epilogue(
     if SQ_OUT:
         ys = tl.where(mask, y, 0.0)
         tl.store(sq_ptrs, tl.sum(ys * ys, axis=1), mask=tl.max(mask.to(tl.int32), axis=1) > 0)
+    return y
 
 
 @triton.jit

@@ -68,10 +68,18 @@ import triton.language as tl
 from specpilot.runtime.u12 import U12Tensor, pack_u12, unpack_u12
 
 from . import u12_linear as u12_linear_module
-from .fused_linear import _check, _epilogue, _plant_wrong_weight, _row_inv_words, fused_linear_reference, norm_words
+from .fused_linear import (
+    _check,
+    _epilogue,
+    _plant_wrong_weight,
+    _row_inv_parts,
+    _row_inv_words,
+    fused_linear_reference,
+    norm_words,
+)
 from .overlap import pdl_args, pdl_enter
 from .registry import KernelSpec, register
-from .rmsnorm import _normalize, _row_inv, rmsnorm
+from .rmsnorm import _normalize, _row_inv, _to_dtype, rmsnorm
 from .silu_mul import silu_mul
 from .u12_linear import (
     _ESC_BLOCK,
@@ -120,8 +128,9 @@ def _fused_chunk(
 @triton.jit
 def _u12_fused_gemv_kernel(
     x_ptr, nw_ptr, sm_ptr, codes_ptr, esc_idx_ptr, esc_val_ptr, esc_row_ptr, y_ptr,
-    M, N, K, n_words, y_scale, inv_k, eps,
-    stride_xm, stride_sm, stride_codes, stride_ym,
+    hw_ptr, xg_ptr, parts_ptr,  # the norm handoff (NormHandoff): its weight, dtype(stream · weight), Σ parts
+    M, N, K, n_words, y_scale, inv_k, eps, n_parts,
+    stride_xm, stride_sm, stride_codes, stride_ym, stride_xg,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, ESC_BLOCK: tl.constexpr,
     X_WORDS: tl.constexpr,  # bf16 x and norm weight read as int64 words of 4; else fp32 elements
     EVEN_K: tl.constexpr,  # n_words % BLOCK_W == 0: no masked last chunk
@@ -132,6 +141,10 @@ def _u12_fused_gemv_kernel(
     ASM: tl.constexpr,  # PTX prmt/lop3 (GPU); else their shift-and-mask emulation (interpreter)
     PDL: tl.constexpr,  # programmatic dependent launch (kernels/overlap.py)
     ESC_AHEAD: tl.constexpr = False,  # u12_linear's ESC_AHEAD
+    HAND_OUT: tl.constexpr = False,  # RESIDUAL: hand the updated stream's norm on (xg, Σ parts)
+    HAND_IN: tl.constexpr = False,  # x is a handoff's xg: the sums times its rows' inv (from n_parts parts)
+    BLOCK_P: tl.constexpr = 16,  # HAND_IN: parts summed a chunk (all of them in one: their loads in flight at once)
+    HAND_AHEAD: tl.constexpr = True,  # HAND_IN: the parts loaded before the loop; else after it, beside the escapes'
 ):
     """All M (<= 4) rows of x against BLOCK_N output rows (N: output columns; gated: rows n and N + n of t)."""
     pdl_enter(PDL)
@@ -154,6 +167,8 @@ def _u12_fused_gemv_kernel(
     else:
         inv_m = 1.0
         inv = 1.0
+    if HAND_IN and HAND_AHEAD:  # the norm's inv from the producer's parts (a few KB from L2), before the loop
+        hand_inv = _row_inv_parts(parts_ptr, rows_m, M, n_parts, inv_k, eps, BLOCK_M, BLOCK_P)
     # Every load has the accumulator's shape [BM, BN, 1 -> BW], so Triton gives them all its layout:
     # no layout conversion in the loop (as in gemv2 and fused_linear's gemv).
     shape: tl.constexpr = (BLOCK_M, BLOCK_N, 1)
@@ -189,6 +204,8 @@ def _u12_fused_gemv_kernel(
     for start in range(0, full_words, BLOCK_W):
         acc_g, acc_u = _fused_chunk(acc_g, acc_u, start, x_rows, nw_rows, inv, gate_sm, gate_codes, up_sm, up_codes,
                                     n_words, BLOCK_W, X_WORDS, False, NORM, GATED, DTYPE, ROUND_BF16, ASM)
+    if HAND_IN and not HAND_AHEAD:
+        hand_inv = _row_inv_parts(parts_ptr, rows_m, M, n_parts, inv_k, eps, BLOCK_M, BLOCK_P)
     eg0, eg_end, idx_g, val_g, xg_g, nw_g = _escape_stages_left(
         1 if ESC_AHEAD else 0, eg0, eg_end, idx_g, val_g, xg_g, nw_g, esc_row_ptr, n0, N, esc_idx_ptr,
         esc_val_ptr, x_ptr, nw_ptr, offs_m, mask_m, K, stride_xm, 1, BLOCK_N, ESC_BLOCK, NORM,
@@ -213,12 +230,24 @@ def _u12_fused_gemv_kernel(
         )
     else:
         u = g
+    if HAND_IN:  # rmsnorm's inv, factored out of the sums (x = dtype(stream · weight))
+        g = g * hand_inv[:, None]
+        u = u * hand_inv[:, None]
     mask = mask_m[:, None] & mask_n[None, :]
     y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
-    _epilogue(g, u, y_ptrs, mask, DTYPE, GATED, RESIDUAL, ROUND_BF16, EXPF)
+    y = _epilogue(g, u, y_ptrs, mask, DTYPE, GATED, RESIDUAL, ROUND_BF16, EXPF,
+                  parts_ptr + pid_n * M + offs_m, HAND_OUT)  # HAND_OUT: this program's Σ y² part
+    if HAND_OUT:  # and dtype(y · weight) at these columns, the next GEMV's x
+        hw = tl.load(hw_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+        tl.store(xg_ptr + offs_m[:, None] * stride_xg + offs_n[None, :],
+                 _to_dtype(y * hw[None, :], DTYPE, ROUND_BF16).to(DTYPE), mask=mask)
 
 
 # --- configs and host -------------------------------------------------------------------------
+
+# A NormHandoff's consumer sums the producer's parts before its loop (else after it, beside the
+# escapes' loads). Read at launch (bench/step_ab.py compares the two).
+HAND_AHEAD = True
 
 # Small tiles under the interpreter: several N blocks and chunks, and a masked last one.
 _INTERPRETER_CONFIG = U12Config(4, 8, num_warps=1, num_stages=1, kernel="gemv2")
@@ -249,9 +278,40 @@ def _u12_check(x, t: U12Tensor, norm_weight, gated, residual) -> tuple[int, int,
         raise ValueError(f"u12_{e}") from None
 
 
-def _launch_fused(x, t: U12Tensor, norm_weight, eps, gated, y, residual: bool, cfg: U12Config, native: bool) -> None:
+@dataclasses.dataclass
+class NormHandoff:
+    """An RMSNorm handed from one u12 GEMV to the next over the same residual stream, in place of an
+    rmsnorm kernel between them (M <= 4 rows, the fused kernel on both sides).
+
+    The producer, ``u12_fused_linear(x, t, residual=stream, hand_out=h)``, adds its output into the
+    stream and also stores ``h.xg`` = dtype(stream · h.weight) and each program's Σ stream² per row
+    (``h.parts``, [programs, M] fp32, as RowSquares' parts). The consumer, ``u12_fused_linear(h.xg,
+    t2, hand_in=h)``, runs on xg and multiplies its fp32 sums by inv = rsqrt(Σ parts · fp32(1/K) +
+    eps) before its epilogue: rmsnorm's scale, a per-row factor, taken out of the dot product, so no
+    kernel normalises x and the consumer's loop is the plain one. Not rmsnorm's roundings: rmsnorm
+    rounds x · inv to dtype and then its product with the weight, this rounds stream · weight once
+    and scales the fp32 sums (``u12_fused_linear_reference`` computes the same). The stream must not
+    change in between; make one per norm (the buffers are allocated by the producer)."""
+
+    weight: torch.Tensor  # [K] the norm's weight (K: the stream's width)
+    eps: float = 1e-6
+    xg: torch.Tensor | None = None  # [M, K] dtype(stream · weight), the consumer's x
+    parts: torch.Tensor | None = None  # [programs, M] fp32 Σ stream² of each producer program's columns
+
+    def _alloc(self, y: torch.Tensor, programs: int) -> None:
+        if self.weight.shape != (y.shape[1],):
+            raise ValueError(f"u12_fused_linear: hand_out.weight must have shape ({y.shape[1]},) (the residual's "
+                             f"width), got {tuple(self.weight.shape)}")
+        self.xg = torch.empty_like(y)
+        self.parts = torch.empty((programs, y.shape[0]), dtype=torch.float32, device=y.device)
+
+
+def _launch_fused(
+    x, t: U12Tensor, norm_weight, eps, gated, y, residual: bool, cfg: U12Config, native: bool,
+    hand_out: NormHandoff | None = None, hand_in: NormHandoff | None = None,
+) -> None:
     """y from ``_u12_fused_gemv_kernel`` (residual: y is the residual, added into), one program per
-    block_n output columns."""
+    block_n output columns; hand_out: also the stream's norm handed on; hand_in: x is a handoff's xg."""
     m, k = x.shape
     n_out = y.shape[1]
     n_words = k // 4
@@ -260,32 +320,65 @@ def _launch_fused(x, t: U12Tensor, norm_weight, eps, gated, y, residual: bool, c
     norm = norm_weight is not None
     nw = aligned_rows(norm_weight, x_words) if norm else x
     sm, codes = t.sm.contiguous(), t.codes.contiguous()
+    programs = triton.cdiv(n_out, cfg.block_n)
+    if hand_out is not None:
+        hand_out._alloc(y, programs)
+        hw, xg, parts, n_parts = hand_out.weight.contiguous(), hand_out.xg, hand_out.parts, programs
+        eps = hand_out.eps
+    elif hand_in is not None:
+        hw, xg, parts, n_parts = x, x, hand_in.parts, hand_in.parts.shape[0]
+        eps = hand_in.eps
+    else:
+        hw, xg, parts, n_parts = x, x, y, 0
     # fp fusion off, as in fused_linear: sum · (1/K) + eps and 1 + exp(-g) round as torch's do.
     launch = {**cfg.launch_options(native), "enable_fp_fusion": False} if native else {}
-    _u12_fused_gemv_kernel[(triton.cdiv(n_out, cfg.block_n),)](
+    _u12_fused_gemv_kernel[(programs,)](
         x, nw, sm.view(torch.int32), codes.view(torch.int16),
-        _nonempty(t.esc_idx), _nonempty(t.esc_val), t.esc_row_ptr, y,
-        m, n_out, k, n_words, biased_scale(t.base), 1.0 / k, eps,
-        x.stride(0), n_words, n_words, y.stride(0),
+        _nonempty(t.esc_idx), _nonempty(t.esc_val), t.esc_row_ptr, y, hw, xg, parts,
+        m, n_out, k, n_words, biased_scale(t.base), 1.0 / k, eps, n_parts,
+        x.stride(0), n_words, n_words, y.stride(0), xg.stride(0),
         BLOCK_M=_block_m(m), BLOCK_N=cfg.block_n, BLOCK_W=cfg.block_w, ESC_BLOCK=_ESC_BLOCK,
         NORM_WORDS=norm_words(k, _block_m(m), cfg.num_warps),
         X_WORDS=x_words, EVEN_K=n_words % cfg.block_w == 0,
         NORM=norm, GATED=bool(gated), RESIDUAL=residual,
         ROUND_BF16=not native and x.dtype == torch.bfloat16, EXPF=native, ASM=native, **launch, **pdl_args(x.device),
-        ESC_AHEAD=u12_linear_module.ESC_AHEAD,
+        ESC_AHEAD=u12_linear_module.ESC_AHEAD, HAND_OUT=hand_out is not None, HAND_IN=hand_in is not None,
+        BLOCK_P=min(1024, triton.next_power_of_2(max(1, n_parts))), HAND_AHEAD=HAND_AHEAD,
     )
+
+
+def _check_handoff(x, t: U12Tensor, norm_weight, gated, residual, hand_out, hand_in) -> None:
+    """The handoff's conditions (``NormHandoff``), as ValueErrors naming the argument."""
+    if hand_out is None and hand_in is None:
+        return
+    if hand_out is not None and hand_in is not None:
+        raise ValueError("u12_fused_linear: hand_out and hand_in cannot both be given")
+    if not gemv2_applies(x.shape[0], x.shape[1], t.base):
+        raise ValueError(f"u12_fused_linear: a norm handoff needs the fused kernel (M <= 4 rows, K % 4 == 0, "
+                         f"a scaled base), got M = {x.shape[0]}, K = {x.shape[1]}, base {t.base}")
+    if norm_weight is not None:
+        raise ValueError("u12_fused_linear: norm_weight must be None with a norm handoff (the handoff holds the norm)")
+    if hand_out is not None and (residual is None or gated):
+        raise ValueError("u12_fused_linear: hand_out needs residual= (the stream) and gated=False")
+    if hand_in is not None and (hand_in.xg is None or x.data_ptr() != hand_in.xg.data_ptr()
+                                or x.shape != hand_in.xg.shape):
+        raise ValueError("u12_fused_linear: with hand_in, x must be hand_in.xg as its producer wrote it")
 
 
 def u12_fused_linear(
     x: torch.Tensor, t: U12Tensor, *, norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
     gated: bool = False, residual: torch.Tensor | None = None, config: U12Config | None = None,
+    hand_out: NormHandoff | None = None, hand_in: NormHandoff | None = None,
 ) -> torch.Tensor:
     """x [M, K] (bf16 or fp32) · t [N, K]ᵀ (u12) in x's dtype, fp32 sums; norm_weight: x replaced by
     rmsnorm(x, norm_weight, eps) first; gated: t is [gate; up] (N = 2I) and the output [M, I] is
     silu(gate) · up; residual [M, N_out]: the output is added into it in place and it is returned.
     One fused launch where gemv2 applies (M <= 4, K % 4 == 0, a scaled base), else the unfused
-    rmsnorm, u12_linear, silu_mul and torch add. config: a gemv2 U12Config (default_config)."""
+    rmsnorm, u12_linear, silu_mul and torch add. config: a gemv2 U12Config (default_config).
+    hand_out (with residual) / hand_in (x = hand_in.xg): a ``NormHandoff`` from this GEMV to the
+    next, fused kernel only."""
     m, k, n_out = _u12_check(x, t, norm_weight, gated, residual)
+    _check_handoff(x, t, norm_weight, gated, residual, hand_out, hand_in)
     if config is not None and config.kernel != "gemv2":
         raise ValueError(f"u12_fused_linear: config must be a gemv2 U12Config, got kernel {config.kernel!r}")
     y = residual if residual is not None else torch.empty((m, n_out), dtype=x.dtype, device=x.device)
@@ -301,18 +394,39 @@ def u12_fused_linear(
         return out if residual is None else residual.add_(out)
     native = x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1"
     cfg = config or default_config(m, t.shape[0], k, gated, on_gpu=native)
-    _launch_fused(x, t, norm_weight, eps, gated, y, residual is not None, cfg, native)
+    _launch_fused(x, t, norm_weight, eps, gated, y, residual is not None, cfg, native, hand_out, hand_in)
     return y
 
 
 def u12_fused_linear_reference(
     x: torch.Tensor, t: U12Tensor, *, norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
     gated: bool = False, residual: torch.Tensor | None = None,
+    hand_out: NormHandoff | None = None, hand_in: NormHandoff | None = None,
 ) -> torch.Tensor:
-    """fused_linear_reference on the unpacked weight in x's dtype (bf16 -> fp32 is exact)."""
+    """fused_linear_reference on the unpacked weight in x's dtype (bf16 -> fp32 is exact); with a
+    ``NormHandoff``, its math in torch: hand_out stores xg = dtype(stream · weight) and the whole
+    row's Σ stream² as one part; hand_in scales the fp32 sums by rsqrt(Σ parts · fp32(1/K) + eps)
+    before the epilogue's roundings."""
     _u12_check(x, t, norm_weight, gated, residual)
-    return fused_linear_reference(x, unpack_u12(t).to(x.dtype), norm_weight=norm_weight, eps=eps, gated=gated,
-                                  residual=residual)
+    w = unpack_u12(t).to(x.dtype)
+    if hand_in is None:
+        y = fused_linear_reference(x, w, norm_weight=norm_weight, eps=eps, gated=gated, residual=residual)
+    else:
+        inv = torch.rsqrt(hand_in.parts.sum(0) * torch.tensor(1.0 / x.shape[1], dtype=torch.float32) + hand_in.eps)
+        sums = (x.float() @ w.float().T) * inv[:, None]
+        if gated:
+            g, u = sums.chunk(2, dim=1)
+            g, u = g.to(x.dtype).float(), u.to(x.dtype).float()
+            y = ((g / (1 + torch.exp(-g))).to(x.dtype).float() * u).to(x.dtype)
+        else:
+            y = sums.to(x.dtype)
+        if residual is not None:
+            y = residual.add_(y)
+    if hand_out is not None:
+        s = residual.float()
+        hand_out.xg = (s * hand_out.weight.float()).to(residual.dtype)
+        hand_out.parts = (s * s).sum(1)[None, :]
+    return y
 
 
 # --- registry entry -----------------------------------------------------------------------------

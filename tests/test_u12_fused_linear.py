@@ -233,3 +233,94 @@ def test_default_config_halves_the_tile_when_gated():
     assert ufl.default_config(1, 28672, 4096, False) == TUNED[(1, 28672, 4096)]
     assert ufl.default_config(1, 28672, 4096, True).block_n == TUNED[(1, 28672, 4096)].block_n // 2
     assert ufl.default_config(4, 28672, 4096, True).block_w == TUNED[(4, 28672, 4096)].block_w // 2  # block_n is 4
+
+
+# --- NormHandoff: a residual GEMV hands the stream's norm to the next GEMV ---------------------
+
+def _handoff_pair(m, k, n, i, dtype, seed, gated=True):
+    """A producer (x [m, k] · W [n, k] into the stream [m, n]) and a consumer weight ([2 i or i, n]),
+    escapes planted in both, and the norm's weight."""
+    g = torch.Generator().manual_seed(seed)
+    x = (3 * torch.randn(m, k, generator=g)).to(dtype).to(DEVICE)
+    w = 0.02 * torch.randn(n, k, generator=g)
+    ufl.plant_escapes(w, g, False)
+    w2 = 0.02 * torch.randn((2 if gated else 1) * i, n, generator=g)
+    ufl.plant_escapes(w2, g, gated)
+    stream = (4 * torch.randn(m, n, generator=g)).to(dtype).to(DEVICE)
+    gamma = (1 + 0.1 * torch.randn(n, generator=g)).to(dtype).to(DEVICE)
+    return x, pack_u12(w.to(torch.bfloat16)).to(DEVICE), pack_u12(w2.to(torch.bfloat16)).to(DEVICE), stream, gamma
+
+
+@settings(max_examples=6, deadline=None)
+@given(m=st.integers(1, 4), words=st.integers(1, 20), n_words=st.integers(1, 12), i=st.integers(1, 9),
+       dtype=st.sampled_from([torch.bfloat16, torch.float32]), gated=st.booleans(),
+       config=st.sampled_from(_CONFIGS), ahead=st.booleans(), seed=st.integers(0, 2**16))
+def test_norm_handoff_matches_reference(m, words, n_words, i, dtype, gated, config, ahead, seed):
+    """The producer's stream, xg and Σ parts, then the consumer on them, against the reference's
+    math (NormHandoff), at odd shapes, with the parts summed before the consumer's loop or after it."""
+    default, ufl.HAND_AHEAD = ufl.HAND_AHEAD, ahead
+    try:
+        _check_handoff(m, words, n_words, i, dtype, gated, config, seed)
+    finally:
+        ufl.HAND_AHEAD = default
+
+
+def _check_handoff(m, words, n_words, i, dtype, gated, config, seed):
+    k, n = 4 * words, 4 * n_words
+    x, t, t2, stream, gamma = _handoff_pair(m, k, n, i, dtype, seed, gated)
+    s_out, s_ref = stream.clone(), stream.clone()
+    h_out, h_ref = ufl.NormHandoff(gamma, 1e-5), ufl.NormHandoff(gamma, 1e-5)
+    assert ufl.u12_fused_linear(x, t, residual=s_out, hand_out=h_out, config=config) is s_out
+    ufl.u12_fused_linear_reference(x, t, residual=s_ref, hand_out=h_ref)
+    atol, rtol = TOLERANCE[dtype]
+    torch.testing.assert_close(s_out, s_ref, atol=atol, rtol=rtol)
+    # xg from the kernel's own stream: exactly dtype(stream · weight)
+    torch.testing.assert_close(h_out.xg, (s_out.float() * gamma.float()).to(dtype), atol=0, rtol=0)
+    assert h_out.parts.shape[1] == m and h_out.parts.shape[0] >= 1
+    torch.testing.assert_close(h_out.parts.sum(0), (s_out.float() ** 2).sum(1), atol=1e-4, rtol=1e-5)
+    y = ufl.u12_fused_linear(h_out.xg, t2, gated=gated, hand_in=h_out, config=config)
+    y_ref = ufl.u12_fused_linear_reference(h_out.xg, t2, gated=gated, hand_in=h_out)
+    torch.testing.assert_close(y, y_ref, atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_norm_handoff_is_rmsnorm_up_to_rounding(dtype):
+    """Producer then consumer equal the rmsnorm path (the stream normalised, then the GEMV) up to
+    where each rounds: within one bf16 step of the result in bf16, to fp32 order in fp32; a lost
+    or wrong scale (inv of the wrong row, no eps) is far outside that."""
+    x, t, t2, stream, gamma = _handoff_pair(3, 40, 36, 7, dtype, 5)
+    hand = ufl.NormHandoff(gamma, 1e-5)
+    ufl.u12_fused_linear(x, t, residual=stream, hand_out=hand)
+    y = ufl.u12_fused_linear(hand.xg, t2, gated=True, hand_in=hand)
+    want = ufl.u12_fused_linear_reference(stream, t2, gated=True, norm_weight=gamma, eps=1e-5)
+    tol = dict(atol=2e-3, rtol=1.6e-2) if dtype == torch.bfloat16 else dict(atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(y, want, **tol)
+
+
+def _bad_handoffs():
+    bf = torch.bfloat16
+    g = torch.Generator().manual_seed(0)
+    x, t = torch.zeros(2, 8, dtype=bf), pack_u12((0.02 * torch.randn(6, 8, generator=g)).to(bf))
+    stream = torch.zeros(2, 6, dtype=bf)
+    hand = ufl.NormHandoff(torch.ones(6, dtype=bf))
+    return [
+        (dict(x=x, t=t, hand_out=hand), "hand_out needs residual"),
+        (dict(x=x, t=pack_u12((0.02 * torch.randn(12, 8, generator=g)).to(bf)), gated=True, residual=stream,
+              hand_out=hand),
+         "hand_out needs residual= \\(the stream\\) and gated=False"),
+        (dict(x=x, t=t, residual=stream, hand_out=ufl.NormHandoff(torch.ones(5, dtype=bf))),
+         "hand_out.weight must have shape \\(6,\\)"),
+        (dict(x=x, t=t, residual=stream, hand_out=hand, norm_weight=torch.ones(8, dtype=bf)), "norm_weight must be None"),
+        (dict(x=x, t=t, hand_in=hand), "x must be hand_in.xg"),
+        (dict(x=x, t=t, residual=stream, hand_out=hand, hand_in=hand), "cannot both be given"),
+        (dict(x=torch.zeros(5, 8, dtype=bf), t=t, residual=torch.zeros(5, 6, dtype=bf), hand_out=hand),
+         "needs the fused kernel"),
+    ]
+
+
+@pytest.mark.parametrize("kwargs,match", _bad_handoffs(), ids=lambda v: v if isinstance(v, str) else "")
+def test_bad_handoffs_raise_value_errors(kwargs, match):
+    kwargs = dict(kwargs)
+    x, t = kwargs.pop("x"), kwargs.pop("t")
+    with pytest.raises(ValueError, match=f"^u12_fused_linear: .*{match}"):
+        ufl.u12_fused_linear(x, t, **kwargs)

@@ -70,6 +70,8 @@ class FusedOps:
     u12_kernel: str = ""  # the u12 modules' kernel that `linear_u12` stands in for; "": u12 layers unfused
     rope_attention: Callable | None = None  # rope_qkv + split-KV attention in one launch, where layers use that kernel
     u12_norms_apart: bool = False  # u12 layers under `linear_u12`: their RMSNorms as rmsnorm kernels, no prologue
+    u12_norm_handoff: bool = False  # and where o or down and the GEMV after them are u12 GEMVs: the norm between
+    # them handed on (u12_fused_linear's NormHandoff) instead of an rmsnorm kernel
     row_squares: bool = True  # `linear`'s residual epilogues hand the stream's Σ y² to the next norm (RowSquares)
     linear_gemv_max_m: int = 0  # of linear_max_m, the GEMV kernels' rows (<= GEMV_ROWS) served: the rest of
     # 1..GEMV_ROWS stays unfused; above GEMV_ROWS only plain layers are served (`linear_serves`)
@@ -116,26 +118,32 @@ U12_LINEAR = True
 # With u12_linear on, whether the norms stay rmsnorm kernels (u12_fused_linear keeping only its
 # SiLU·mul and residual epilogues: one launch a layer fewer than the unfused u12 layers).
 U12_NORMS_APART = True
+# With the norms apart, whether a residual u12 GEMV hands the stream's norm to the u12 GEMV after
+# it (NormHandoff: no rmsnorm kernel between them; 62 of a 32-layer step's 65 norms).
+U12_NORM_HANDOFF = False
 
 
 def fused_ops(kind: str, linear_max_m: int = LINEAR_MAX_M, u12_linear: bool = U12_LINEAR,
               u12_norms_apart: bool = U12_NORMS_APART, linear_gemv_max_m: int = LINEAR_GEMV_MAX_M,
-              linear_gap: tuple[int, int] = LINEAR_GAP) -> FusedOps:
+              linear_gap: tuple[int, int] = LINEAR_GAP, u12_norm_handoff: bool | None = None) -> FusedOps:
     """"triton": the kernels; "torch": their references (same signatures). u12_linear: u12 layers
     take the fused linear too (else their projections run u12_linear with the separate kernels),
-    with their norms as rmsnorm kernels where u12_norms_apart."""
+    with their norms as rmsnorm kernels where u12_norms_apart, handed from GEMV to GEMV where
+    u12_norm_handoff (default U12_NORM_HANDOFF)."""
+    handoff = U12_NORM_HANDOFF if u12_norm_handoff is None else u12_norm_handoff
     from specpilot.kernels import fused_linear, rmsnorm, rope_attention, rope_kv, silu_mul, u12_fused_linear
 
     if kind == "triton":
         return FusedOps(rmsnorm.rmsnorm, rope_kv.rope_qkv, silu_mul.silu_mul, kind,
                         fused_linear.fused_linear, linear_max_m, u12_fused_linear.u12_fused_linear,
                         "triton-u12" if u12_linear else "", rope_attention.rope_attention, u12_norms_apart,
-                        linear_gemv_max_m=linear_gemv_max_m, linear_gap=linear_gap)
+                        u12_norm_handoff=handoff, linear_gemv_max_m=linear_gemv_max_m, linear_gap=linear_gap)
     if kind == "torch":
         return FusedOps(rmsnorm.rmsnorm_reference, rope_kv.rope_qkv_reference, silu_mul.silu_mul_reference, kind,
                         fused_linear.fused_linear_reference, linear_max_m,
                         u12_fused_linear.u12_fused_linear_reference, "torch" if u12_linear else "",
-                        u12_norms_apart=u12_norms_apart, linear_gemv_max_m=linear_gemv_max_m, linear_gap=linear_gap)
+                        u12_norms_apart=u12_norms_apart, u12_norm_handoff=handoff,
+                        linear_gemv_max_m=linear_gemv_max_m, linear_gap=linear_gap)
     raise ValueError(f"fused ops are 'triton' or 'torch', got {kind!r}")
 
 
@@ -278,17 +286,27 @@ class FusedStack:
         x) is updated in place by the o and down projections' epilogues, so it returns (None, the
         stream, picked layer outputs)."""
         from specpilot.kernels.fused_linear import RowSquares
+        from specpilot.kernels.u12_fused_linear import NormHandoff
 
         ops, (b, t, hidden) = self.ops, x.shape
         stream = x.reshape(b * t, hidden).clone()
         picked: dict[int, torch.Tensor] = {}
         squares = RowSquares() if ops.row_squares else None  # the stream's Σ y²: o's and down's epilogues to the next norm
 
-        def linear(h, w, norm_weight=None, **kw):
+        handoff: list = [None]  # the NormHandoff a residual u12 GEMV left for the next norm's GEMV
+
+        def linear(h, w, norm_weight=None, hand_to=None, **kw):
+            """hand_to (a residual GEMV): (the next norm's weight, the weight of the GEMV after it)."""
             if not isinstance(w, U12Tensor):
                 return ops.linear(h, w, norm_weight=norm_weight, eps=self.eps, squares=squares, **kw)
+            if norm_weight is not None and handoff[0] is not None:  # the norm handed on by the GEMV before
+                hand, handoff[0] = handoff[0], None
+                return ops.linear_u12(hand.xg, w, hand_in=hand, **kw)
             if norm_weight is not None and ops.u12_norms_apart:  # the stream holds every add already
                 h, norm_weight = ops.rmsnorm(h, norm_weight, self.eps), None
+            if hand_to is not None and self._hands_norm(h, w, hand_to[1]):
+                handoff[0] = NormHandoff(hand_to[0], self.eps)
+                return ops.linear_u12(h, w, eps=self.eps, hand_out=handoff[0], **kw)
             return ops.linear_u12(h, w, norm_weight=norm_weight, eps=self.eps, **kw)
 
         for i, (fl, (w_qkv, w_o, w_gate_up, w_down)) in enumerate(zip(self.layers, weights)):
@@ -297,12 +315,23 @@ class FusedStack:
             # with the L2 prefetch on, o's weight streams into L2 while RoPE and attention run
             o = self.attend(i, qkv.view(b, t, -1), cos, sin, cache, vis, slots, end,
                             prefetch=(w_o.sm, w_o.codes) if isinstance(w_o, U12Tensor) else w_o)  # [B, heads, T, D]
-            linear(o.transpose(1, 2).reshape(b * t, -1), w_o, residual=stream)
+            linear(o.transpose(1, 2).reshape(b * t, -1), w_o, residual=stream,
+                   hand_to=(layer.post_attention_layernorm.weight, w_gate_up))
             act = linear(stream, w_gate_up, norm_weight=layer.post_attention_layernorm.weight, gated=True)
-            linear(act, w_down, residual=stream)
+            after = (self.layers[i + 1].layer.input_layernorm.weight, weights[i + 1][0]) if i + 1 < len(weights) else None
+            linear(act, w_down, residual=stream, hand_to=after)
             if i in hidden_layers:
                 picked[i] = stream.view(b, t, hidden).clone()
         return None, stream.view(b, t, hidden), picked
+
+    def _hands_norm(self, h: torch.Tensor, w: U12Tensor, w_next) -> bool:
+        """Whether the residual u12 GEMV of w over h hands the next norm on to the GEMV of w_next
+        (ops.u12_norm_handoff, both u12 GEMVs that u12_fused_linear fuses at h's rows)."""
+        from specpilot.kernels.u12_linear import gemv2_applies
+
+        rows = h.shape[0]
+        return (self.ops.u12_norm_handoff and self.ops.u12_norms_apart and isinstance(w_next, U12Tensor)
+                and gemv2_applies(rows, w.shape[1], w.base) and gemv2_applies(rows, w_next.shape[1], w_next.base))
 
     def attend(
         self, i: int, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, vis: Visibility,
