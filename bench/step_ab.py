@@ -14,9 +14,10 @@ spread; per u12 variant, the median of the per-round ratios bf16 / u12.
 Variants (runtime/fused.py): bf16 (the fused path: fused_linear with its norm prologues and
 epilogues); u12-unfused (u12_linear beside the separate rmsnorm, SiLU·mul and add kernels: the
 default u12 layers until this comparison); u12-epilogues (u12_fused_linear's SiLU·mul and residual
-epilogues, the norms as rmsnorm kernels: the default since); u12-prologue (u12_fused_linear with its
-norm prologue too); u12-handoff (the epilogues' step with each norm after o and down handed on to
-the next GEMV: u12_fused_linear's NormHandoff, no rmsnorm kernel between them), u12-handoff-after
+epilogues, the norms as rmsnorm kernels: the default until the handoff); u12-prologue (u12_fused_linear
+with its norm prologue too); u12-handoff (the epilogues' step with each norm after o and down handed
+on to the next GEMV: u12_fused_linear's NormHandoff, no rmsnorm kernel between them; the default),
+u12-handoff-after
 (the same with the handoff's parts loaded after the consumer's loop: ``HAND_AHEAD`` off);
 u12-esc-after (the default with every load of the GEMVs' escapes after their loops:
 ``u12_linear.ESC_AHEAD`` off); bf16-default, bf16-r128 (the bf16 step at other register budgets:
@@ -59,9 +60,9 @@ from specpilot.runtime.model import Transformer  # noqa: E402
 
 U12_VARIANTS = {  # name: FusedOps fields over the default ops
     "u12-unfused": dict(u12_kernel=""),
-    "u12-epilogues": dict(u12_kernel="triton-u12", u12_norms_apart=True),  # the default
-    "u12-prologue": dict(u12_kernel="triton-u12", u12_norms_apart=False),
-    "u12-handoff": dict(u12_kernel="triton-u12", u12_norms_apart=True, u12_norm_handoff=True),
+    "u12-epilogues": dict(u12_kernel="triton-u12", u12_norms_apart=True, u12_norm_handoff=False),
+    "u12-prologue": dict(u12_kernel="triton-u12", u12_norms_apart=False, u12_norm_handoff=False),
+    "u12-handoff": dict(u12_kernel="triton-u12", u12_norms_apart=True, u12_norm_handoff=True),  # the default
 }
 
 
@@ -142,7 +143,7 @@ def capture(shape: str, variants: bool, extra_bf16: dict | None = None, extra_u1
             graphs[name] = capture_step()
         model.fused.ops = ops
         model.fused.ops = dataclasses.replace(ops, **U12_VARIANTS["u12-handoff"])
-        u12_fused_linear.HAND_AHEAD = False  # the handoff's parts loaded after the loop
+        u12_fused_linear.HAND_AHEAD = False  # the handoff's parts loaded after the consumer's loop
         graphs["u12-handoff-after"] = capture_step()
         u12_fused_linear.HAND_AHEAD = True
         model.fused.ops = ops

@@ -27,6 +27,19 @@ sums. Epilogues (fused_linear's ``_epilogue``), in fp32 from the fp32 sums: gate
 dtype(sums), y = dtype(dtype(g / (1 + exp(-g))) · u); residual: residual = dtype(y + residual), in
 place.
 
+Norm handoff (``NormHandoff``). The fused stacks run no prologue: a residual GEMV (o, down) hands
+the updated stream's norm to the GEMV after it (gate|up, the next layer's q|k|v). Its epilogue also
+stores xg = dtype(stream · norm weight) at its columns and its Σ stream² per row (one part a
+program, fused_linear's RowSquares parts); the consumer runs its plain loop on xg, sums the parts
+(before its loop, ``HAND_AHEAD``, or after it: the same time on the H200) and multiplies its fp32
+sums by rsqrt(Σ · fp32(1/K) + eps), rmsnorm's per-row scale factored out of the dot product, before
+its epilogue. So no kernel normalises x and the consumer's loop is unchanged; the roundings differ
+from rmsnorm's (xg rounds stream · weight once; rmsnorm rounds x · inv, then its product with the
+weight), within one bf16 step of the rmsnorm path for a GEMV and a few on the tiny zoo models' logits
+(tests/test_fused_decoder.py); token forcing judges. H200, the Llama-3.1-8B u12 AR step interleaved
+(bench/results/step_ab_h200.json, a05f9d3): 3.540 ms against 3.631 with the norms as rmsnorm
+kernels, the bf16 step 4.09.
+
 Numerics. The decoded weights are u12_linear's, bit for bit (the same decode and scales), so the
 kernel computes fused_linear on unpack_u12(t): the roundings are the unfused kernels' (and
 torch's) at every point, and what differs is order, as fused_linear's docstring says (the fp32
@@ -48,7 +61,7 @@ at 9c5e61f, before the sum read the row in one load; its chunks of 512 x element
 round trips), 3.77 ms with the epilogues only and the norms as rmsnorm kernels, 3.80 ms with
 u12_linear beside the separate kernels (interleaved, bench/step_ab.py: 4.277, 3.704, 3.723). Each
 program normalises every x element it holds, loading the norm weight beside x, so the fused
-stacks leave the prologue off (runtime/fused.py's U12_LINEAR).
+stacks leave the prologue off (runtime/fused.py's U12_LINEAR) and hand the norms on instead.
 Every variant compiles for sm_90 with triton 3.6 and 3.9 (triton.compile without a GPU); with bf16
 x at the default tiles (Llama-3.1-8B shapes, M = 1, 2, 4) the loop has no spills and no shared
 memory. Spills seen: fp32 x at M = 4 gated in the loop (triton 3.6), and a masked last chunk at

@@ -431,14 +431,16 @@ def test_fused_layers_count_the_launches_the_runtime_makes(llama8b):
     assert step_time(graph, gpu, q=2, cache_len=512).kernels == after + 2 * layers
     # at the rows it serves (linear_serves) fused_linear takes both norms and silu_mul into the GEMMs of a layer
     # whose projections are all plain; u12_fused_linear takes silu_mul into a u12 layer's gate|up
-    # and leaves its norms apart (runtime/fused.py's U12_LINEAR, U12_NORMS_APART); a layer with
-    # q alone in u12 (q|k|v not joined) stays unfused
+    # and leaves its norms apart (runtime/fused.py's U12_LINEAR, U12_NORMS_APART) but hands each on
+    # from the residual GEMV before it (U12_NORM_HANDOFF: all but the first layer's input norm); a
+    # layer with q alone in u12 (q|k|v not joined) stays unfused
     assert per_layer(fused, q=1) == after - 3 * layers and per_layer(fused, q=2) == after
     assert per_layer(fused, q=8) == per_layer(fused, q=16) == per_layer(fused, q=32) == after - 3 * layers  # the dot kernel's rows
     assert per_layer(fused, q=17) == per_layer(fused, q=31) == per_layer(fused, q=33) == after
     assert step_time(graph, gpu, q=1, cache_len=512).kernels == after + 2 * layers
     u12 = to_u12(fused, "triton-u12")
-    assert per_layer(u12, q=1) == per_layer(u12, q=2) - layers == per_layer(u12, q=8) - layers  # GEMV rows only
+    # GEMV rows only: silu_mul a layer, the post norms, the input norms after the first layer's
+    assert per_layer(u12, q=1) == per_layer(u12, q=2) - 3 * layers + 1 == per_layer(u12, q=8) - 3 * layers + 1
     assert per_layer(to_u12(fused, "torch"), q=1) == per_layer(u12, q=2)  # not the fused stacks' kernel
 
 
@@ -471,13 +473,16 @@ def test_fused_linear_prices_the_plain_projections_of_fused_layers_at_the_rows_i
 
 
 def test_the_cost_model_folds_at_the_rows_the_runtime_fuses():
-    """roofline's mirror of runtime/fused.py's row rule agrees with FusedOps.linear_serves."""
+    """roofline's mirror of runtime/fused.py's row rule agrees with FusedOps.linear_serves, and its
+    u12 switches with the runtime's."""
     from specpilot.cost import roofline
     from specpilot.runtime import fused
 
     ops = fused.fused_ops("torch")
     assert (roofline.LINEAR_MAX_M, roofline.LINEAR_GEMV_MAX_M, roofline.GEMV_ROWS, roofline.LINEAR_GAP) == (
         fused.LINEAR_MAX_M, fused.LINEAR_GEMV_MAX_M, fused.GEMV_ROWS, fused.LINEAR_GAP)
+    assert (roofline.U12_LINEAR, roofline.U12_NORMS_APART, roofline.U12_NORM_HANDOFF) == (
+        fused.U12_LINEAR, fused.U12_NORMS_APART, fused.U12_NORM_HANDOFF)
     for rows in range(1, 70):
         for u12 in (False, True):
             assert roofline.linear_serves(rows, u12) == ops.linear_serves(rows, u12), (rows, u12)

@@ -280,8 +280,9 @@ def linear_serves(rows: int, u12: bool) -> bool:
 
 
 # Whether the fused stacks serve u12 layers (runtime/fused.py's U12_LINEAR: u12_fused_linear, for
-# weights of the "triton-u12" kernel) and keep their norms as rmsnorm kernels (U12_NORMS_APART).
-U12_LINEAR, U12_NORMS_APART = True, True
+# weights of the "triton-u12" kernel), keep their norms as rmsnorm kernels (U12_NORMS_APART) and hand
+# a norm from the residual u12 GEMV before it to the u12 GEMV after it instead (U12_NORM_HANDOFF).
+U12_LINEAR, U12_NORMS_APART, U12_NORM_HANDOFF = True, True, True
 _LAYER_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _JOINED = {"k_proj": "q_proj", "v_proj": "q_proj", "up_proj": "gate_proj"}  # concatenated GEMMs of a fused layer
 
@@ -339,15 +340,30 @@ def _fused_layers(nodes: dict[str, tuple[Node, tuple[str, ...]]]) -> dict[str, s
 def _folded_at_few_rows(nodes: dict[str, tuple[Node, tuple[str, ...]]], layers: dict[str, str]) -> dict[str, str]:
     """Nodes of a fused-decoder graph that launch nothing at the rows `linear_serves` takes, in the
     fused linears' `layers` (`_fused_layers`): the SiLU·mul (in gate|up's epilogue), and each norm
-    whose GEMM (q|k|v's, gate|up's) is plain or takes u12 norms as prologues (not U12_NORMS_APART).
-    Maps each to its layer's kind: "plain" or "u12"."""
+    whose GEMM (q|k|v's, gate|up's) is plain or takes u12 norms as prologues (not U12_NORMS_APART),
+    or (U12_NORM_HANDOFF) is a u12 GEMV whose norm the u12 residual GEMV before it hands on: a
+    layer's o_proj to its gate|up, the previous served layer's down_proj to its q|k|v. Maps each to
+    its layer's kind: "plain" or "u12"."""
+
+    def u12(name):
+        node = nodes.get(name, (None,))[0]
+        return node is not None and node["format"] != node["dtype"]
+
+    def handed(prefix, part):
+        if part == "post_norm":
+            return u12(f"{prefix}.o_proj") and u12(f"{prefix}.gate_proj")
+        base, _, index = prefix.rpartition(".")
+        before = f"{base}.{int(index) - 1}" if index.isdigit() else ""
+        return before in layers and u12(f"{before}.down_proj") and u12(f"{prefix}.q_proj")
+
     out: dict[str, str] = {}
     for name, (node, _) in nodes.items():
         prefix, _, part = name.rpartition(".")
         if part not in ("input_norm", "post_norm", "mlp") or prefix not in layers:
             continue
         gemm = {"input_norm": f"{prefix}.q_proj", "post_norm": f"{prefix}.gate_proj"}.get(part)
-        if gemm is None or nodes[gemm][0]["format"] == nodes[gemm][0]["dtype"] or not U12_NORMS_APART:
+        if (gemm is None or not u12(gemm) or not U12_NORMS_APART
+                or (U12_NORM_HANDOFF and handed(prefix, part))):
             out[name] = layers[prefix]
     return out
 

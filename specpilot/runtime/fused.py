@@ -21,8 +21,10 @@ stream's sums of squares for the next norm (RowSquares), so at several rows a no
 a few KB of them instead of every row of x in each program. On the H200 the Llama-3.1-8B AR step
 runs 4.075 ms against 4.794 ms on cuBLAS with the separate kernels (bench/results/step_times_llama_h200.json,
 fused-cublas), verify(16) 4.559 against 4.782 interleaved (bench/results/step_ab_verify16_h200.json, e0b3034).
-kernels/u12_fused_linear.py serves u12 layers the same way, but with their norms kept as rmsnorm
-kernels (its norm prologue measured slower: U12_LINEAR, U12_NORMS_APART).
+kernels/u12_fused_linear.py serves u12 layers the same way, but without its norm prologue (measured
+slower: U12_LINEAR, U12_NORMS_APART): o's and down's residual epilogues hand the stream's norm to
+the GEMV after them (NormHandoff, U12_NORM_HANDOFF), which scales its sums by the norm's inv, so
+only the first layer's input norm and the final norm stay rmsnorm kernels.
 
 q/k/v and gate/up are concatenated once at install; the original projections become views of the
 concatenated weights, so no memory is doubled. u12 projections are concatenated the same way (one
@@ -119,8 +121,12 @@ U12_LINEAR = True
 # SiLU·mul and residual epilogues: one launch a layer fewer than the unfused u12 layers).
 U12_NORMS_APART = True
 # With the norms apart, whether a residual u12 GEMV hands the stream's norm to the u12 GEMV after
-# it (NormHandoff: no rmsnorm kernel between them; 62 of a 32-layer step's 65 norms).
-U12_NORM_HANDOFF = False
+# it (u12_fused_linear's NormHandoff: no rmsnorm kernel between them; 63 of a 32-layer step's 65
+# norms). On the H200, the Llama-3.1-8B u12 AR step interleaved (bench/step_ab.py, commit a05f9d3,
+# bench/results/step_ab_h200.json): 3.540 ms handed on against 3.631 with the rmsnorm kernels
+# (1.156x and 1.129x the bf16 step's 4.09); an ablation without any norm kernel ran 1.177x
+# (bench/results/tried/step_ab_u12_norm_escape_ablation_h200.json).
+U12_NORM_HANDOFF = True
 
 
 def fused_ops(kind: str, linear_max_m: int = LINEAR_MAX_M, u12_linear: bool = U12_LINEAR,
