@@ -51,8 +51,9 @@ def step_times() -> str:
         "split-KV attention as separate launches (what kernels/rope_attention.py does in one); fused-pdl: the fused "
         "AR step with programmatic "
         "dependent launch (kernels/overlap.py, off by default); u12 unfused: the fused+u12 AR step with u12_linear "
-        "beside separate norm, SiLU·mul and add kernels (the default is u12_fused_linear's epilogues, the norms "
-        "apart); u12 norm prologue: with u12_fused_linear's norm prologue too. Tree rows: k-ary top-4 trees, "
+        "beside separate norm, SiLU·mul and add kernels (the default is u12_fused_linear's epilogues, each norm "
+        "after o and down handed to the next GEMV: NormHandoff); u12 norm prologue: with u12_fused_linear's norm "
+        "prologue instead. Tree rows: k-ary top-4 trees, "
         "q = nodes + anchor.",
         "",
         "| step | q | floor ms | torch ms | fused ms | fused × floor | fused × fused AR | fused-cublas ms "
