@@ -35,8 +35,8 @@ program, fused_linear's RowSquares parts); the consumer runs its plain loop on x
 sums by rsqrt(Σ · fp32(1/K) + eps), rmsnorm's per-row scale factored out of the dot product, before
 its epilogue. So no kernel normalises x and the consumer's loop is unchanged; the roundings differ
 from rmsnorm's (xg rounds stream · weight once; rmsnorm rounds x · inv, then its product with the
-weight), within one bf16 step of the rmsnorm path for a GEMV and a few on the tiny zoo models' logits
-(tests/test_fused_decoder.py); token forcing judges. H200, the Llama-3.1-8B u12 AR step interleaved
+weight): about one bf16 step from the rmsnorm path for a GEMV (tests/test_u12_fused_linear.py allows
+two), up to three on the tiny test pairs' logits (tests/test_fused_decoder.py); token forcing judges. H200, the Llama-3.1-8B u12 AR step interleaved
 (bench/results/step_ab_h200.json, a05f9d3): 3.540 ms against 3.631 with the norms as rmsnorm
 kernels, the bf16 step 4.09.
 
