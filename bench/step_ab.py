@@ -16,9 +16,7 @@ epilogues); u12-unfused (u12_linear beside the separate rmsnorm, SiLU·mul and a
 default u12 layers until this comparison); u12-epilogues (u12_fused_linear's SiLU·mul and residual
 epilogues, the norms as rmsnorm kernels: the default until the handoff); u12-prologue (u12_fused_linear
 with its norm prologue too); u12-handoff (the epilogues' step with each norm after o and down handed
-on to the next GEMV: u12_fused_linear's NormHandoff, no rmsnorm kernel between them; the default),
-u12-handoff-after
-(the same with the handoff's parts loaded after the consumer's loop: ``HAND_AHEAD`` off);
+on to the next GEMV: u12_fused_linear's NormHandoff, no rmsnorm kernel between them; the default);
 u12-esc-after (the default with every load of the GEMVs' escapes after their loops:
 ``u12_linear.ESC_AHEAD`` off); bf16-default, bf16-r128 (the bf16 step at other register budgets:
 ``BF16_VARIANTS``; not under --smoke, whose tiny shapes TUNED does not hold). With --q above 1 (a
@@ -53,7 +51,7 @@ import triton
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the bench scripts beside this one
 import step_times as st  # noqa: E402  (SHAPES, graphed, random_, time_fn, to_u12)
 
-from specpilot.kernels import fused_linear, u12_fused_linear, u12_linear  # noqa: E402
+from specpilot.kernels import fused_linear, u12_linear  # noqa: E402
 from specpilot.runtime.config import ModelConfig  # noqa: E402
 from specpilot.runtime.fused import GEMV_ROWS, fused_path  # noqa: E402
 from specpilot.runtime.model import Transformer  # noqa: E402
@@ -141,11 +139,6 @@ def capture(shape: str, variants: bool, extra_bf16: dict | None = None, extra_u1
         for name, fields in U12_VARIANTS.items():
             model.fused.ops = dataclasses.replace(ops, **fields)
             graphs[name] = capture_step()
-        model.fused.ops = ops
-        model.fused.ops = dataclasses.replace(ops, **U12_VARIANTS["u12-handoff"])
-        u12_fused_linear.HAND_AHEAD = False  # the handoff's parts loaded after the consumer's loop
-        graphs["u12-handoff-after"] = capture_step()
-        u12_fused_linear.HAND_AHEAD = True
         model.fused.ops = ops
         for name, mode in U12_ESC_VARIANTS.items():  # the default u12 step, its escapes' loads elsewhere
             u12_linear.ESC_AHEAD, default = mode, u12_linear.ESC_AHEAD

@@ -31,14 +31,15 @@ Norm handoff (``NormHandoff``). The fused stacks run no prologue: a residual GEM
 the updated stream's norm to the GEMV after it (gate|up, the next layer's q|k|v). Its epilogue also
 stores xg = dtype(stream · norm weight) at its columns and its Σ stream² per row (one part a
 program, fused_linear's RowSquares parts); the consumer runs its plain loop on xg, sums the parts
-(before its loop, ``HAND_AHEAD``, or after it: the same time on the H200) and multiplies its fp32
-sums by rsqrt(Σ · fp32(1/K) + eps), rmsnorm's per-row scale factored out of the dot product, before
-its epilogue. So no kernel normalises x and the consumer's loop is unchanged; the roundings differ
-from rmsnorm's (xg rounds stream · weight once; rmsnorm rounds x · inv, then its product with the
-weight): about one bf16 step from the rmsnorm path for a GEMV (tests/test_u12_fused_linear.py allows
-two), up to three on the tiny test pairs' logits (tests/test_fused_decoder.py); token forcing judges. H200, the Llama-3.1-8B u12 AR step interleaved
-(bench/results/step_ab_h200.json, a05f9d3): 3.540 ms against 3.631 with the norms as rmsnorm
-kernels, the bf16 step 4.09.
+before its loop and multiplies its fp32 sums by rsqrt(Σ · fp32(1/K) + eps), rmsnorm's per-row scale
+factored out of the dot product, before its epilogue. So no kernel normalises x and the consumer's
+loop is unchanged; the roundings differ from rmsnorm's (xg rounds stream · weight once; rmsnorm
+rounds x · inv, then its product with the weight): about one bf16 step from the rmsnorm path for a
+GEMV (tests/test_u12_fused_linear.py allows two), up to three on the tiny test pairs' logits
+(tests/test_fused_decoder.py); token forcing judges. H200, the Llama-3.1-8B u12 AR step
+interleaved (bench/results/step_ab_h200.json, a05f9d3): 3.540 ms against 3.631 with the norms as
+rmsnorm kernels, the bf16 step 4.09; the parts summed after the consumer's loop instead (beside the
+escapes' loads, a variant since removed) ran the same, 3.539.
 
 Numerics. The decoded weights are u12_linear's, bit for bit (the same decode and scales), so the
 kernel computes fused_linear on unpack_u12(t): the roundings are the unfused kernels' (and
@@ -93,7 +94,7 @@ from .fused_linear import (
 from .overlap import pdl_args, pdl_enter
 from .registry import KernelSpec, register
 from .rmsnorm import _normalize, _row_inv, _to_dtype, rmsnorm
-from .silu_mul import silu_mul
+from .silu_mul import silu_mul, silu_mul_reference
 from .u12_linear import (
     _ESC_BLOCK,
     U12Config,
@@ -157,7 +158,6 @@ def _u12_fused_gemv_kernel(
     HAND_OUT: tl.constexpr = False,  # RESIDUAL: hand the updated stream's norm on (xg, Σ parts)
     HAND_IN: tl.constexpr = False,  # x is a handoff's xg: the sums times its rows' inv (from n_parts parts)
     BLOCK_P: tl.constexpr = 16,  # HAND_IN: parts summed a chunk (all of them in one: their loads in flight at once)
-    HAND_AHEAD: tl.constexpr = True,  # HAND_IN: the parts loaded before the loop; else after it, beside the escapes'
 ):
     """All M (<= 4) rows of x against BLOCK_N output rows (N: output columns; gated: rows n and N + n of t)."""
     pdl_enter(PDL)
@@ -180,7 +180,7 @@ def _u12_fused_gemv_kernel(
     else:
         inv_m = 1.0
         inv = 1.0
-    if HAND_IN and HAND_AHEAD:  # the norm's inv from the producer's parts (a few KB from L2), before the loop
+    if HAND_IN:  # the norm's inv from the producer's parts (a few KB from L2), before the loop
         hand_inv = _row_inv_parts(parts_ptr, rows_m, M, n_parts, inv_k, eps, BLOCK_M, BLOCK_P)
     # Every load has the accumulator's shape [BM, BN, 1 -> BW], so Triton gives them all its layout:
     # no layout conversion in the loop (as in gemv2 and fused_linear's gemv).
@@ -217,8 +217,6 @@ def _u12_fused_gemv_kernel(
     for start in range(0, full_words, BLOCK_W):
         acc_g, acc_u = _fused_chunk(acc_g, acc_u, start, x_rows, nw_rows, inv, gate_sm, gate_codes, up_sm, up_codes,
                                     n_words, BLOCK_W, X_WORDS, False, NORM, GATED, DTYPE, ROUND_BF16, ASM)
-    if HAND_IN and not HAND_AHEAD:
-        hand_inv = _row_inv_parts(parts_ptr, rows_m, M, n_parts, inv_k, eps, BLOCK_M, BLOCK_P)
     eg0, eg_end, idx_g, val_g, xg_g, nw_g = _escape_stages_left(
         1 if ESC_AHEAD else 0, eg0, eg_end, idx_g, val_g, xg_g, nw_g, esc_row_ptr, n0, N, esc_idx_ptr,
         esc_val_ptr, x_ptr, nw_ptr, offs_m, mask_m, K, stride_xm, 1, BLOCK_N, ESC_BLOCK, NORM,
@@ -257,10 +255,6 @@ def _u12_fused_gemv_kernel(
 
 
 # --- configs and host -------------------------------------------------------------------------
-
-# A NormHandoff's consumer sums the producer's parts before its loop (else after it, beside the
-# escapes' loads). Read at launch (bench/step_ab.py compares the two).
-HAND_AHEAD = True
 
 # Small tiles under the interpreter: several N blocks and chunks, and a masked last one.
 _INTERPRETER_CONFIG = U12Config(4, 8, num_warps=1, num_stages=1, kernel="gemv2")
@@ -356,7 +350,7 @@ def _launch_fused(
         NORM=norm, GATED=bool(gated), RESIDUAL=residual,
         ROUND_BF16=not native and x.dtype == torch.bfloat16, EXPF=native, ASM=native, **launch, **pdl_args(x.device),
         ESC_AHEAD=u12_linear_module.ESC_AHEAD, HAND_OUT=hand_out is not None, HAND_IN=hand_in is not None,
-        BLOCK_P=min(1024, triton.next_power_of_2(max(1, n_parts))), HAND_AHEAD=HAND_AHEAD,
+        BLOCK_P=min(1024, triton.next_power_of_2(max(1, n_parts))),
     )
 
 
@@ -426,13 +420,9 @@ def u12_fused_linear_reference(
         y = fused_linear_reference(x, w, norm_weight=norm_weight, eps=eps, gated=gated, residual=residual)
     else:
         inv = torch.rsqrt(hand_in.parts.sum(0) * torch.tensor(1.0 / x.shape[1], dtype=torch.float32) + hand_in.eps)
-        sums = (x.float() @ w.float().T) * inv[:, None]
+        y = ((x.float() @ w.float().T) * inv[:, None]).to(x.dtype)
         if gated:
-            g, u = sums.chunk(2, dim=1)
-            g, u = g.to(x.dtype).float(), u.to(x.dtype).float()
-            y = ((g / (1 + torch.exp(-g))).to(x.dtype).float() * u).to(x.dtype)
-        else:
-            y = sums.to(x.dtype)
+            y = silu_mul_reference(y)
         if residual is not None:
             y = residual.add_(y)
     if hand_out is not None:

@@ -131,24 +131,23 @@ U12_NORM_HANDOFF = True
 
 def fused_ops(kind: str, linear_max_m: int = LINEAR_MAX_M, u12_linear: bool = U12_LINEAR,
               u12_norms_apart: bool = U12_NORMS_APART, linear_gemv_max_m: int = LINEAR_GEMV_MAX_M,
-              linear_gap: tuple[int, int] = LINEAR_GAP, u12_norm_handoff: bool | None = None) -> FusedOps:
+              linear_gap: tuple[int, int] = LINEAR_GAP, u12_norm_handoff: bool = U12_NORM_HANDOFF) -> FusedOps:
     """"triton": the kernels; "torch": their references (same signatures). u12_linear: u12 layers
     take the fused linear too (else their projections run u12_linear with the separate kernels),
     with their norms as rmsnorm kernels where u12_norms_apart, handed from GEMV to GEMV where
-    u12_norm_handoff (default U12_NORM_HANDOFF)."""
-    handoff = U12_NORM_HANDOFF if u12_norm_handoff is None else u12_norm_handoff
+    u12_norm_handoff."""
     from specpilot.kernels import fused_linear, rmsnorm, rope_attention, rope_kv, silu_mul, u12_fused_linear
 
     if kind == "triton":
         return FusedOps(rmsnorm.rmsnorm, rope_kv.rope_qkv, silu_mul.silu_mul, kind,
                         fused_linear.fused_linear, linear_max_m, u12_fused_linear.u12_fused_linear,
                         "triton-u12" if u12_linear else "", rope_attention.rope_attention, u12_norms_apart,
-                        u12_norm_handoff=handoff, linear_gemv_max_m=linear_gemv_max_m, linear_gap=linear_gap)
+                        u12_norm_handoff=u12_norm_handoff, linear_gemv_max_m=linear_gemv_max_m, linear_gap=linear_gap)
     if kind == "torch":
         return FusedOps(rmsnorm.rmsnorm_reference, rope_kv.rope_qkv_reference, silu_mul.silu_mul_reference, kind,
                         fused_linear.fused_linear_reference, linear_max_m,
                         u12_fused_linear.u12_fused_linear_reference, "torch" if u12_linear else "",
-                        u12_norms_apart=u12_norms_apart, u12_norm_handoff=handoff,
+                        u12_norms_apart=u12_norms_apart, u12_norm_handoff=u12_norm_handoff,
                         linear_gemv_max_m=linear_gemv_max_m, linear_gap=linear_gap)
     raise ValueError(f"fused ops are 'triton' or 'torch', got {kind!r}")
 
