@@ -104,11 +104,14 @@ from .u12_linear import (
     _escape_stages_left,
     _escapes_ahead,
     _fma_planes,
+    _lanes_finish,
+    _lanes_load,
     _nonempty,
     _x_planes,
     aligned_rows,
     biased_scale,
     gemv2_applies,
+    lanes_args,
     u12_linear,
 )
 from .u12_linear import default_config as u12_default_config
@@ -141,7 +144,7 @@ def _fused_chunk(
 
 @triton.jit
 def _u12_fused_gemv_kernel(
-    x_ptr, nw_ptr, sm_ptr, codes_ptr, esc_idx_ptr, esc_val_ptr, esc_row_ptr, y_ptr,
+    x_ptr, nw_ptr, sm_ptr, codes_ptr, esc_idx_ptr, esc_val_ptr, esc_row_ptr, lanes_ptr, y_ptr,
     hw_ptr, xg_ptr, parts_ptr,  # the norm handoff (NormHandoff): its weight, dtype(stream · weight), Σ parts
     M, N, K, n_words, y_scale, inv_k, eps, n_parts,
     stride_xm, stride_sm, stride_codes, stride_ym, stride_xg,
@@ -158,6 +161,9 @@ def _u12_fused_gemv_kernel(
     HAND_OUT: tl.constexpr = False,  # RESIDUAL: hand the updated stream's norm on (xg, Σ parts)
     HAND_IN: tl.constexpr = False,  # x is a handoff's xg: the sums times its rows' inv (from n_parts parts)
     BLOCK_P: tl.constexpr = 16,  # HAND_IN: parts summed a chunk (all of them in one: their loads in flight at once)
+    LANES: tl.constexpr = 0,  # u12_linear's gemv2: the escapes from t's lanes (LANES a row), not the table
+    LANE_W: tl.constexpr = 1,
+    LANES_AHEAD: tl.constexpr = False,
 ):
     """All M (<= 4) rows of x against BLOCK_N output rows (N: output columns; gated: rows n and N + n of t)."""
     pdl_enter(PDL)
@@ -201,7 +207,11 @@ def _u12_fused_gemv_kernel(
     # (rows N + n0..).
     eg0, eg_end, idx_g, val_g, xg_g, nw_g = _escape_ahead_init(esc_idx_ptr, BLOCK_M, ESC_BLOCK)
     eu0, eu_end, idx_u, val_u, xg_u, nw_u = _escape_ahead_init(esc_idx_ptr, BLOCK_M, ESC_BLOCK)
-    if ESC_AHEAD:
+    if LANES and LANES_AHEAD:  # u12_linear's ``_lanes_load``: the gate rows' and, gated, the up rows'
+        lanes_g = _lanes_load(lanes_ptr, rows_n, LANES, LANE_W, BLOCK_M, BLOCK_N)
+        if GATED:
+            lanes_u = _lanes_load(lanes_ptr, rows_n + N, LANES, LANE_W, BLOCK_M, BLOCK_N)
+    if ESC_AHEAD and not LANES:
         eg0, eg_end, idx_g, val_g, xg_g, nw_g = _escape_stage(
             0, eg0, eg_end, idx_g, val_g, xg_g, nw_g, esc_row_ptr, n0, N, esc_idx_ptr, esc_val_ptr,
             x_ptr, nw_ptr, offs_m, mask_m, K, stride_xm, 1, BLOCK_N, ESC_BLOCK, NORM,
@@ -217,11 +227,16 @@ def _u12_fused_gemv_kernel(
     for start in range(0, full_words, BLOCK_W):
         acc_g, acc_u = _fused_chunk(acc_g, acc_u, start, x_rows, nw_rows, inv, gate_sm, gate_codes, up_sm, up_codes,
                                     n_words, BLOCK_W, X_WORDS, False, NORM, GATED, DTYPE, ROUND_BF16, ASM)
-    eg0, eg_end, idx_g, val_g, xg_g, nw_g = _escape_stages_left(
-        1 if ESC_AHEAD else 0, eg0, eg_end, idx_g, val_g, xg_g, nw_g, esc_row_ptr, n0, N, esc_idx_ptr,
-        esc_val_ptr, x_ptr, nw_ptr, offs_m, mask_m, K, stride_xm, 1, BLOCK_N, ESC_BLOCK, NORM,
-    )
-    if GATED:
+    if LANES and not LANES_AHEAD:
+        lanes_g = _lanes_load(lanes_ptr, rows_n, LANES, LANE_W, BLOCK_M, BLOCK_N)
+        if GATED:
+            lanes_u = _lanes_load(lanes_ptr, rows_n + N, LANES, LANE_W, BLOCK_M, BLOCK_N)
+    if not LANES:
+        eg0, eg_end, idx_g, val_g, xg_g, nw_g = _escape_stages_left(
+            1 if ESC_AHEAD else 0, eg0, eg_end, idx_g, val_g, xg_g, nw_g, esc_row_ptr, n0, N, esc_idx_ptr,
+            esc_val_ptr, x_ptr, nw_ptr, offs_m, mask_m, K, stride_xm, 1, BLOCK_N, ESC_BLOCK, NORM,
+        )
+    if GATED and not LANES:
         eu0, eu_end, idx_u, val_u, xg_u, nw_u = _escape_stages_left(
             1 if ESC_AHEAD else 0, eu0, eu_end, idx_u, val_u, xg_u, nw_u, esc_row_ptr, n0 + N, 2 * N, esc_idx_ptr,
             esc_val_ptr, x_ptr, nw_ptr, offs_m, mask_m, K, stride_xm, 1, BLOCK_N, ESC_BLOCK, NORM,
@@ -230,16 +245,25 @@ def _u12_fused_gemv_kernel(
         acc_g, acc_u = _fused_chunk(acc_g, acc_u, full_words, x_rows, nw_rows, inv, gate_sm, gate_codes, up_sm,
                                     up_codes, n_words, BLOCK_W, X_WORDS, True, NORM, GATED, DTYPE,
                                     ROUND_BF16, ASM)
-    g = _escapes_ahead(  # scales the sums to y's
-        tl.sum(acc_g, axis=2), eg0, eg_end, idx_g, val_g, xg_g, nw_g, x_ptr, esc_idx_ptr, esc_val_ptr, offs_m,
-        mask_m, offs_n, K, stride_xm, 1, ESC_BLOCK, nw_ptr, inv_m, NORM, DTYPE, ROUND_BF16, y_scale,
-    )
-    if GATED:
+    if LANES:  # scales the sums to y's
+        rows_m3 = rows_m[:, None, None]
+        g = _lanes_finish(acc_g, lanes_g, x_ptr, nw_ptr, rows_m3, stride_xm, K, inv, y_scale, NORM, DTYPE, ROUND_BF16)
+        if GATED:
+            u = _lanes_finish(acc_u, lanes_u, x_ptr, nw_ptr, rows_m3, stride_xm, K, inv, y_scale, NORM, DTYPE,
+                              ROUND_BF16)
+        else:
+            u = g
+    else:
+        g = _escapes_ahead(  # scales the sums to y's
+            tl.sum(acc_g, axis=2), eg0, eg_end, idx_g, val_g, xg_g, nw_g, x_ptr, esc_idx_ptr, esc_val_ptr, offs_m,
+            mask_m, offs_n, K, stride_xm, 1, ESC_BLOCK, nw_ptr, inv_m, NORM, DTYPE, ROUND_BF16, y_scale,
+        )
+    if GATED and not LANES:
         u = _escapes_ahead(  # the up block: rows N + n of t
             tl.sum(acc_u, axis=2), eu0, eu_end, idx_u, val_u, xg_u, nw_u, x_ptr, esc_idx_ptr, esc_val_ptr, offs_m,
             mask_m, offs_n + N, K, stride_xm, 1, ESC_BLOCK, nw_ptr, inv_m, NORM, DTYPE, ROUND_BF16, y_scale,
         )
-    else:
+    elif not LANES:
         u = g
     if HAND_IN:  # rmsnorm's inv, factored out of the sums (x = dtype(stream · weight))
         g = g * hand_inv[:, None]
@@ -339,9 +363,10 @@ def _launch_fused(
         hw, xg, parts, n_parts = x, x, y, 0
     # fp fusion off, as in fused_linear: sum · (1/K) + eps and 1 + exp(-g) round as torch's do.
     launch = {**cfg.launch_options(native), "enable_fp_fusion": False} if native else {}
+    lanes, lane_kw = lanes_args(t, cfg.block_w)
     _u12_fused_gemv_kernel[(programs,)](
         x, nw, sm.view(torch.int32), codes.view(torch.int16),
-        _nonempty(t.esc_idx), _nonempty(t.esc_val), t.esc_row_ptr, y, hw, xg, parts,
+        _nonempty(t.esc_idx), _nonempty(t.esc_val), t.esc_row_ptr, lanes, y, hw, xg, parts,
         m, n_out, k, n_words, biased_scale(t.base), 1.0 / k, eps, n_parts,
         x.stride(0), n_words, n_words, y.stride(0), xg.stride(0),
         BLOCK_M=_block_m(m), BLOCK_N=cfg.block_n, BLOCK_W=cfg.block_w, ESC_BLOCK=_ESC_BLOCK,
@@ -350,7 +375,7 @@ def _launch_fused(
         NORM=norm, GATED=bool(gated), RESIDUAL=residual,
         ROUND_BF16=not native and x.dtype == torch.bfloat16, EXPF=native, ASM=native, **launch, **pdl_args(x.device),
         ESC_AHEAD=u12_linear_module.ESC_AHEAD, HAND_OUT=hand_out is not None, HAND_IN=hand_in is not None,
-        BLOCK_P=min(1024, triton.next_power_of_2(max(1, n_parts))),
+        BLOCK_P=min(1024, triton.next_power_of_2(max(1, n_parts))), **lane_kw,
     )
 
 

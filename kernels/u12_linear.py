@@ -407,6 +407,50 @@ def _apply_escapes(
 
 
 @triton.jit
+def _lane_sums(a0, b0, a1, b1):
+    return a0 + a1, b0 + b1
+
+
+@triton.jit
+def _lanes_load(lanes_ptr, rows_n, LANES: tl.constexpr, LANE_W: tl.constexpr, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr):
+    """The escape lanes (``U12Tensor.esc_lanes``, LANES a row) of the W rows rows_n [1, BN, 1], as
+    [BM, BN, LANE_W] int32: lane l of row n at [:, n, l], empty (0xFFFF) past LANES. LANE_W is
+    BLOCK_W (the accumulator's shape, so its layout) or LANES."""
+    offs_l = tl.arange(0, LANE_W)[None, None, :]
+    ptrs = tl.broadcast_to(lanes_ptr + rows_n * LANES + offs_l, (BLOCK_M, BLOCK_N, LANE_W))
+    if LANE_W == LANES:
+        return tl.load(ptrs)
+    else:
+        return tl.load(ptrs, mask=offs_l < LANES, other=0xFFFF)
+
+
+@triton.jit
+def _lanes_finish(acc, lanes, x_ptr, nw_ptr, rows_m, stride_xm, K, inv, y_scale,
+                  NORM: tl.constexpr, DTYPE: tl.constexpr, ROUND_BF16: tl.constexpr):
+    """y [BM, BN] from the biased decode's sums acc [BM, BN, BW] and the escapes in ``lanes``
+    (``_lanes_load``): x at each lane's column (rows_m [BM, 1, 1]; NORM: normalised as the loop's x,
+    with inv [BM, 1, 1] and the norm weight there), y = Σ (acc - x · 2^-15) · y_scale + Σ x · w,
+    the 2^-15 the loop added for an escape taken back in the lane's slot of the same reduction
+    (lanes in acc's shape) or beside it. Empty lanes add nothing; inf/NaN flow as IEEE has them."""
+    col = lanes & 0xFFFF
+    ok = col < K
+    xv = tl.load(x_ptr + rows_m * stride_xm + col, mask=ok, other=0.0).to(tl.float32)
+    if NORM:
+        nw = tl.load(nw_ptr + col, mask=ok, other=0.0).to(tl.float32)
+        xv = _normalize(xv, inv, nw, DTYPE, ROUND_BF16)
+    w = (lanes & -0x10000).to(tl.float32, bitcast=True)
+    spur = tl.where(ok, xv * ESC_DECODED, 0.0)
+    esc = tl.where(ok, xv * w, 0.0)
+    if lanes.shape[2] == acc.shape[2]:
+        s, e = tl.reduce((acc - spur, esc), 2, _lane_sums)
+    else:
+        s, e = tl.reduce((spur, esc), 2, _lane_sums)
+        s = tl.sum(acc, axis=2) - s
+    return s * y_scale + e
+
+
+@triton.jit
 def _u12_linear_kernel(
     x_ptr, sm_ptr, codes_ptr, esc_idx_ptr, esc_val_ptr, esc_row_ptr, y_ptr, part_ptr, count_ptr,
     M, N, K, n_words, base, x_scale, y_scale_lo, y_scale_hi, words_per_split,
@@ -653,7 +697,7 @@ def _gemv_chunk(
 
 @triton.jit
 def _u12_gemv_kernel(
-    x_ptr, sm_ptr, codes_ptr, esc_idx_ptr, esc_val_ptr, esc_row_ptr, y_ptr,
+    x_ptr, sm_ptr, codes_ptr, esc_idx_ptr, esc_val_ptr, esc_row_ptr, lanes_ptr, y_ptr,
     M, N, K, n_words, y_scale,
     stride_xm, stride_xk, stride_sm, stride_codes, stride_ym,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, ESC_BLOCK: tl.constexpr,
@@ -662,6 +706,9 @@ def _u12_gemv_kernel(
     ASM: tl.constexpr,  # PTX prmt/lop3 (GPU); else their shift-and-mask emulation (interpreter)
     PDL: tl.constexpr,  # programmatic dependent launch (kernels/overlap.py)
     ESC_AHEAD: tl.constexpr = False,  # the escapes' row pointers loaded before the loop (module ESC_AHEAD)
+    LANES: tl.constexpr = 0,  # > 0: the escapes from W's lanes (U12Tensor.esc_lanes, LANES a row), not the table
+    LANE_W: tl.constexpr = 1,  # LANES: the lanes' tensor width (BLOCK_W: the accumulator's shape; or LANES)
+    LANES_AHEAD: tl.constexpr = False,  # LANES: loaded before the loop (else after it)
 ):
     """All M (<= 4) rows of x against BLOCK_N rows of W by the biased decode (K % 4 == 0, 1 <= base <= 240)."""
     pdl_enter(PDL)
@@ -686,25 +733,34 @@ def _u12_gemv_kernel(
 
     # The first escape block's row pointers load before the loop (ESC_AHEAD), the rest after it.
     e0, e_end, idx, val, xg, nw = _escape_ahead_init(esc_idx_ptr, BLOCK_M, ESC_BLOCK)
-    if ESC_AHEAD:
+    if ESC_AHEAD and not LANES:
         e0, e_end, idx, val, xg, nw = _escape_stage(
             0, e0, e_end, idx, val, xg, nw, esc_row_ptr, n0, N, esc_idx_ptr, esc_val_ptr, x_ptr, x_ptr,
             offs_m, mask_m, K, stride_xm, stride_xk, BLOCK_N, ESC_BLOCK, False,
         )
+    if LANES and LANES_AHEAD:
+        lanes = _lanes_load(lanes_ptr, rows_n, LANES, LANE_W, BLOCK_M, BLOCK_N)
     acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_W), dtype=tl.float32)  # reduced once, after the loop
     full_words = n_words - n_words % BLOCK_W
     for start in range(0, full_words, BLOCK_W):
         acc = _gemv_chunk(acc, start, sm_rows, code_rows, x_rows, n_words, BLOCK_W, X_WORDS, False, ASM)
-    e0, e_end, idx, val, xg, nw = _escape_stages_left(
-        1 if ESC_AHEAD else 0, e0, e_end, idx, val, xg, nw, esc_row_ptr, n0, N, esc_idx_ptr, esc_val_ptr, x_ptr,
-        x_ptr, offs_m, mask_m, K, stride_xm, stride_xk, BLOCK_N, ESC_BLOCK, False,
-    )
+    if LANES and not LANES_AHEAD:
+        lanes = _lanes_load(lanes_ptr, rows_n, LANES, LANE_W, BLOCK_M, BLOCK_N)
+    if not LANES:
+        e0, e_end, idx, val, xg, nw = _escape_stages_left(
+            1 if ESC_AHEAD else 0, e0, e_end, idx, val, xg, nw, esc_row_ptr, n0, N, esc_idx_ptr, esc_val_ptr, x_ptr,
+            x_ptr, offs_m, mask_m, K, stride_xm, stride_xk, BLOCK_N, ESC_BLOCK, False,
+        )
     if not EVEN_K:
         acc = _gemv_chunk(acc, full_words, sm_rows, code_rows, x_rows, n_words, BLOCK_W, X_WORDS, True, ASM)
-    out = _escapes_ahead(  # scales the sums to y's
-        tl.sum(acc, axis=2), e0, e_end, idx, val, xg, nw, x_ptr, esc_idx_ptr, esc_val_ptr, offs_m, mask_m, offs_n,
-        K, stride_xm, stride_xk, ESC_BLOCK, x_ptr, 1.0, False, y_ptr.dtype.element_ty, False, y_scale,
-    )
+    if LANES:  # scales the sums to y's
+        out = _lanes_finish(acc, lanes, x_ptr, x_ptr, rows_m, stride_xm, K, 1.0, y_scale, False,
+                            y_ptr.dtype.element_ty, False)
+    else:
+        out = _escapes_ahead(  # scales the sums to y's
+            tl.sum(acc, axis=2), e0, e_end, idx, val, xg, nw, x_ptr, esc_idx_ptr, esc_val_ptr, offs_m, mask_m, offs_n,
+            K, stride_xm, stride_xk, ESC_BLOCK, x_ptr, 1.0, False, y_ptr.dtype.element_ty, False, y_scale,
+        )
     y = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
     tl.store(y, out.to(y_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
@@ -880,6 +936,25 @@ _ESC_BLOCK = 16
 # (``_escape_stage``); off, all three of its loads run after it. Read at launch (bench/step_ab.py
 # compares the two).
 ESC_AHEAD = True
+# Where the GEMVs find their escapes: "table" (the CSR side table, as ESC_AHEAD says) or the rows'
+# lanes (``U12Tensor.esc_lanes``, when it has them): "acc" / "compact" in the accumulator's shape or
+# the lanes' own, "-ahead" loaded before the loop. Read at launch (bench/step_ab.py compares them).
+ESC_LANES = os.environ.get("SPECPILOT_ESC_LANES", "acc")
+_LANE_MODES = ("table", "acc", "acc-ahead", "compact", "compact-ahead")
+
+
+def lanes_args(t: U12Tensor, block_w: int) -> tuple[torch.Tensor, dict]:
+    """(the lanes pointer, the launch's LANES, LANE_W and LANES_AHEAD) for a GEMV of block_w words
+    a chunk on t, by ESC_LANES: LANES 0 (the table) where t has no lanes or, in the accumulator's
+    shape, more lanes a row than block_w."""
+    if ESC_LANES not in _LANE_MODES:
+        raise ValueError(f"u12_linear.ESC_LANES: expected one of {_LANE_MODES}, got {ESC_LANES!r}")
+    lanes = None if ESC_LANES == "table" else t.esc_lanes
+    acc_shape = ESC_LANES.startswith("acc")
+    if lanes is None or (acc_shape and lanes.shape[1] > block_w):
+        return t.esc_row_ptr, {"LANES": 0}  # an int32 pointer the kernel does not read
+    s = lanes.shape[1]
+    return lanes, {"LANES": s, "LANE_W": block_w if acc_shape else s, "LANES_AHEAD": ESC_LANES.endswith("ahead")}
 
 
 def _block_m(m: int) -> int:
@@ -984,15 +1059,16 @@ def _launch_gemv2(x: torch.Tensor, t: U12Tensor, y: torch.Tensor, cfg: U12Config
     x = aligned_rows(x, x_words)  # the kernel reads x[m, 4 w + j] at unit k stride, bf16 x as int64 words
     sm, codes = t.sm.contiguous(), t.codes.contiguous()
     native = x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1"
+    lanes, lane_kw = lanes_args(t, cfg.block_w)
     _u12_gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
         x, sm.view(torch.int32), codes.view(torch.int16),
-        _nonempty(t.esc_idx), _nonempty(t.esc_val), t.esc_row_ptr, y,
+        _nonempty(t.esc_idx), _nonempty(t.esc_val), t.esc_row_ptr, lanes, y,
         m, n, k, n_words, biased_scale(t.base),
         x.stride(0), x.stride(1), n_words, n_words, y.stride(0),
         BLOCK_M=_block_m(m), BLOCK_N=cfg.block_n, BLOCK_W=cfg.block_w, ESC_BLOCK=_ESC_BLOCK,
         X_WORDS=x_words, EVEN_K=n_words % cfg.block_w == 0,
         # inline PTX on the GPU; the interpreter (TRITON_INTERPRET=1, read by Triton at import) runs none
-        ASM=native, **cfg.launch_options(native), **pdl_args(x.device), ESC_AHEAD=ESC_AHEAD,
+        ASM=native, **cfg.launch_options(native), **pdl_args(x.device), ESC_AHEAD=ESC_AHEAD, **lane_kw,
     )
 
 
