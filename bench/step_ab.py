@@ -64,14 +64,12 @@ U12_VARIANTS = {  # name: FusedOps fields over the default ops
 }
 
 
-U12_ESC_VARIANTS = {  # name: u12_linear.ESC_AHEAD (where the u12 GEMVs load their first escape block)
-    "u12-esc-after": False,
-}
-U12_LANE_VARIANTS = {  # name: u12_linear.ESC_LANES (where the u12 GEMVs find their escapes)
-    "u12-esc-table": "table",
-    "u12-lanes-acc-ahead": "acc-ahead",
-    "u12-lanes-compact": "compact",
-    "u12-lanes-compact-ahead": "compact-ahead",
+U12_KNOB_VARIANTS = {  # name: u12_linear's launch-time settings over the default u12 step
+    "u12-esc-table": dict(ESC_LANES="table"),  # the escapes from the side table, row pointers ahead
+    "u12-esc-after": dict(ESC_LANES="table", ESC_AHEAD=False),  # every load of the table after the loop
+    "u12-gather-ahead": dict(GATHER_AHEAD=True),
+    "u12-w-cg": dict(W_LOAD=1),
+    "u12-w-evict-first": dict(W_LOAD=2),
 }
 
 
@@ -146,15 +144,13 @@ def capture(shape: str, variants: bool, extra_bf16: dict | None = None, extra_u1
             model.fused.ops = dataclasses.replace(ops, **fields)
             graphs[name] = capture_step()
         model.fused.ops = ops
-        for name, mode in U12_LANE_VARIANTS.items():  # the default u12 step, its escapes found elsewhere
-            u12_linear.ESC_LANES, default = mode, u12_linear.ESC_LANES
+        for name, knobs in U12_KNOB_VARIANTS.items():
+            saved = {k: getattr(u12_linear, k) for k in knobs}
+            for k, v in knobs.items():
+                setattr(u12_linear, k, v)
             graphs[name] = capture_step()
-            u12_linear.ESC_LANES = default
-        for name, mode in U12_ESC_VARIANTS.items():  # the table's loads elsewhere
-            u12_linear.ESC_AHEAD, default = mode, u12_linear.ESC_AHEAD
-            u12_linear.ESC_LANES, default_lanes = "table", u12_linear.ESC_LANES
-            graphs[name] = capture_step()
-            u12_linear.ESC_AHEAD, u12_linear.ESC_LANES = default, default_lanes
+            for k, v in saved.items():
+                setattr(u12_linear, k, v)
         for name, override in (extra_u12 or {}).items():  # the default u12 step at other one-row configs
             with _tuned(u12_linear.TUNED, override):
                 graphs[name] = capture_step()

@@ -412,27 +412,20 @@ def _lane_sums(a0, b0, a1, b1):
 
 
 @triton.jit
-def _lanes_load(lanes_ptr, rows_n, LANES: tl.constexpr, LANE_W: tl.constexpr, BLOCK_M: tl.constexpr,
-                BLOCK_N: tl.constexpr):
-    """The escape lanes (``U12Tensor.esc_lanes``, LANES a row) of the W rows rows_n [1, BN, 1], as
-    [BM, BN, LANE_W] int32: lane l of row n at [:, n, l], empty (0xFFFF) past LANES. LANE_W is
-    BLOCK_W (the accumulator's shape, so its layout) or LANES."""
-    offs_l = tl.arange(0, LANE_W)[None, None, :]
-    ptrs = tl.broadcast_to(lanes_ptr + rows_n * LANES + offs_l, (BLOCK_M, BLOCK_N, LANE_W))
-    if LANE_W == LANES:
-        return tl.load(ptrs)
-    else:
-        return tl.load(ptrs, mask=offs_l < LANES, other=0xFFFF)
+def _lanes_load(lanes_ptr, rows_n, LANES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The escape lanes (``U12Tensor.esc_lanes``: LANES a row, ``column | bf16 bits << 16``) of
+    the W rows rows_n [1, BN, 1], as [BM, BN, LANES] int32. Their addresses need no other load,
+    so the GEMVs issue this before their loop and use it after."""
+    offs_l = tl.arange(0, LANES)[None, None, :]
+    return tl.load(tl.broadcast_to(lanes_ptr + rows_n * LANES + offs_l, (BLOCK_M, BLOCK_N, LANES)))
 
 
 @triton.jit
-def _lanes_finish(acc, lanes, x_ptr, nw_ptr, rows_m, stride_xm, K, inv, y_scale,
+def _lanes_gather(lanes, x_ptr, nw_ptr, rows_m, stride_xm, K, inv,
                   NORM: tl.constexpr, DTYPE: tl.constexpr, ROUND_BF16: tl.constexpr):
-    """y [BM, BN] from the biased decode's sums acc [BM, BN, BW] and the escapes in ``lanes``
-    (``_lanes_load``): x at each lane's column (rows_m [BM, 1, 1]; NORM: normalised as the loop's x,
-    with inv [BM, 1, 1] and the norm weight there), y = Σ (acc - x · 2^-15) · y_scale + Σ x · w,
-    the 2^-15 the loop added for an escape taken back in the lane's slot of the same reduction
-    (lanes in acc's shape) or beside it. Empty lanes add nothing; inf/NaN flow as IEEE has them."""
+    """(x · 2^-15, x · w) [BM, BN, LANES] fp32 for the escapes in ``lanes`` (``_lanes_load``), 0 in
+    empty lanes (column 0xFFFF >= K): x at each lane's column (rows_m [BM, 1, 1]; NORM: normalised
+    as the loop's x, with inv [BM, 1, 1] and the norm weight there). One memory round trip (x, from L2)."""
     col = lanes & 0xFFFF
     ok = col < K
     xv = tl.load(x_ptr + rows_m * stride_xm + col, mask=ok, other=0.0).to(tl.float32)
@@ -440,14 +433,17 @@ def _lanes_finish(acc, lanes, x_ptr, nw_ptr, rows_m, stride_xm, K, inv, y_scale,
         nw = tl.load(nw_ptr + col, mask=ok, other=0.0).to(tl.float32)
         xv = _normalize(xv, inv, nw, DTYPE, ROUND_BF16)
     w = (lanes & -0x10000).to(tl.float32, bitcast=True)
-    spur = tl.where(ok, xv * ESC_DECODED, 0.0)
-    esc = tl.where(ok, xv * w, 0.0)
-    if lanes.shape[2] == acc.shape[2]:
-        s, e = tl.reduce((acc - spur, esc), 2, _lane_sums)
-    else:
-        s, e = tl.reduce((spur, esc), 2, _lane_sums)
-        s = tl.sum(acc, axis=2) - s
-    return s * y_scale + e
+    return tl.where(ok, xv * ESC_DECODED, 0.0), tl.where(ok, xv * w, 0.0)
+
+
+@triton.jit
+def _lanes_finish(acc, spur, esc, y_scale):
+    """y [BM, BN] from the biased decode's sums acc [BM, BN, BW] and the escapes' terms
+    (``_lanes_gather``): y = (Σ acc - Σ x · 2^-15) · y_scale + Σ x · w, the 2^-15 the loop added for
+    each escape taken back before the scale (as ``_apply_escapes``). Both escape sums in one
+    reduction; inf/NaN flow as IEEE has them (no one-hot product mixes rows here)."""
+    spur, esc = tl.reduce((spur, esc), 2, _lane_sums)
+    return (tl.sum(acc, axis=2) - spur) * y_scale + esc
 
 
 @triton.jit
@@ -666,14 +662,29 @@ def _x_planes(x_rows, offs_w, mask, X_WORDS: tl.constexpr, MASKED: tl.constexpr)
 
 
 @triton.jit
-def _fma_planes(acc, sm_rows, code_rows, offs_w, mask, x0, x1, x2, x3, MASKED: tl.constexpr, ASM: tl.constexpr):
-    """acc += Σ_j x_j · plane j of the decoded words offs_w of the rows sm_rows / code_rows."""
-    if MASKED:
-        s = tl.load(sm_rows + offs_w, mask=mask, other=0)
-        c = tl.load(code_rows + offs_w, mask=mask, other=0).to(tl.int32)
+def _weight_load(ptrs, mask, MASKED: tl.constexpr, W_LOAD: tl.constexpr):
+    """A chunk of weight words (MASKED: 0 where not mask); W_LOAD 0: a plain load, 1: .cg (cached in
+    L2 only), 2: L1 evict_first."""
+    if W_LOAD == 1:
+        if MASKED:
+            return tl.load(ptrs, mask=mask, other=0, cache_modifier=".cg")
+        return tl.load(ptrs, cache_modifier=".cg")
+    elif W_LOAD == 2:
+        if MASKED:
+            return tl.load(ptrs, mask=mask, other=0, eviction_policy="evict_first")
+        return tl.load(ptrs, eviction_policy="evict_first")
     else:
-        s = tl.load(sm_rows + offs_w)
-        c = tl.load(code_rows + offs_w).to(tl.int32)
+        if MASKED:
+            return tl.load(ptrs, mask=mask, other=0)
+        return tl.load(ptrs)
+
+
+@triton.jit
+def _fma_planes(acc, sm_rows, code_rows, offs_w, mask, x0, x1, x2, x3, MASKED: tl.constexpr, ASM: tl.constexpr,
+                W_LOAD: tl.constexpr = 0):
+    """acc += Σ_j x_j · plane j of the decoded words offs_w of the rows sm_rows / code_rows."""
+    s = _weight_load(sm_rows + offs_w, mask, MASKED, W_LOAD)
+    c = _weight_load(code_rows + offs_w, mask, MASKED, W_LOAD).to(tl.int32)
     w0, w1, w2, w3 = _decode_planes(s, c, ASM)
     acc = tl.fma(x0, w0, acc)
     acc = tl.fma(x1, w1, acc)
@@ -685,14 +696,14 @@ def _fma_planes(acc, sm_rows, code_rows, offs_w, mask, x0, x1, x2, x3, MASKED: t
 @triton.jit
 def _gemv_chunk(
     acc, start, sm_rows, code_rows, x_rows, n_words,
-    BLOCK_W: tl.constexpr, X_WORDS: tl.constexpr, MASKED: tl.constexpr, ASM: tl.constexpr,
+    BLOCK_W: tl.constexpr, X_WORDS: tl.constexpr, MASKED: tl.constexpr, ASM: tl.constexpr, W_LOAD: tl.constexpr = 0,
 ):
     """acc[m, n, w] += sum over j of x[m, 4 w + j] · w[n, 4 w + j] 2^(113-base), for the words
     w in [start, start + BLOCK_W); MASKED: words past K read as 0 (2^-15 weights, 0 activations)."""
     offs_w = (start + tl.arange(0, BLOCK_W))[None, None, :]
     mask = offs_w < n_words
     x0, x1, x2, x3 = _x_planes(x_rows, offs_w, mask, X_WORDS, MASKED)
-    return _fma_planes(acc, sm_rows, code_rows, offs_w, mask, x0, x1, x2, x3, MASKED, ASM)
+    return _fma_planes(acc, sm_rows, code_rows, offs_w, mask, x0, x1, x2, x3, MASKED, ASM, W_LOAD)
 
 
 @triton.jit
@@ -707,8 +718,8 @@ def _u12_gemv_kernel(
     PDL: tl.constexpr,  # programmatic dependent launch (kernels/overlap.py)
     ESC_AHEAD: tl.constexpr = False,  # the escapes' row pointers loaded before the loop (module ESC_AHEAD)
     LANES: tl.constexpr = 0,  # > 0: the escapes from W's lanes (U12Tensor.esc_lanes, LANES a row), not the table
-    LANE_W: tl.constexpr = 1,  # LANES: the lanes' tensor width (BLOCK_W: the accumulator's shape; or LANES)
-    LANES_AHEAD: tl.constexpr = False,  # LANES: loaded before the loop (else after it)
+    GATHER_AHEAD: tl.constexpr = False,  # LANES: x at the lanes gathered after the first chunk (n_words >= BLOCK_W)
+    W_LOAD: tl.constexpr = 0,  # the weight words' loads: 0 plain, 1 .cg (L2 only), 2 L1 evict_first
 ):
     """All M (<= 4) rows of x against BLOCK_N rows of W by the biased decode (K % 4 == 0, 1 <= base <= 240)."""
     pdl_enter(PDL)
@@ -738,24 +749,28 @@ def _u12_gemv_kernel(
             0, e0, e_end, idx, val, xg, nw, esc_row_ptr, n0, N, esc_idx_ptr, esc_val_ptr, x_ptr, x_ptr,
             offs_m, mask_m, K, stride_xm, stride_xk, BLOCK_N, ESC_BLOCK, False,
         )
-    if LANES and LANES_AHEAD:
-        lanes = _lanes_load(lanes_ptr, rows_n, LANES, LANE_W, BLOCK_M, BLOCK_N)
+    if LANES:
+        lanes = _lanes_load(lanes_ptr, rows_n, LANES, BLOCK_M, BLOCK_N)
     acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_W), dtype=tl.float32)  # reduced once, after the loop
     full_words = n_words - n_words % BLOCK_W
-    for start in range(0, full_words, BLOCK_W):
-        acc = _gemv_chunk(acc, start, sm_rows, code_rows, x_rows, n_words, BLOCK_W, X_WORDS, False, ASM)
-    if LANES and not LANES_AHEAD:
-        lanes = _lanes_load(lanes_ptr, rows_n, LANES, LANE_W, BLOCK_M, BLOCK_N)
+    first = 0
+    if LANES and GATHER_AHEAD:  # the first chunk's loads in flight while the lanes arrive, then x's gather
+        acc = _gemv_chunk(acc, 0, sm_rows, code_rows, x_rows, n_words, BLOCK_W, X_WORDS, False, ASM, W_LOAD)
+        spur, esc = _lanes_gather(lanes, x_ptr, x_ptr, rows_m, stride_xm, K, 1.0, False, y_ptr.dtype.element_ty, False)
+        first = BLOCK_W
+    for start in range(first, full_words, BLOCK_W):
+        acc = _gemv_chunk(acc, start, sm_rows, code_rows, x_rows, n_words, BLOCK_W, X_WORDS, False, ASM, W_LOAD)
+    if LANES and not GATHER_AHEAD:
+        spur, esc = _lanes_gather(lanes, x_ptr, x_ptr, rows_m, stride_xm, K, 1.0, False, y_ptr.dtype.element_ty, False)
     if not LANES:
         e0, e_end, idx, val, xg, nw = _escape_stages_left(
             1 if ESC_AHEAD else 0, e0, e_end, idx, val, xg, nw, esc_row_ptr, n0, N, esc_idx_ptr, esc_val_ptr, x_ptr,
             x_ptr, offs_m, mask_m, K, stride_xm, stride_xk, BLOCK_N, ESC_BLOCK, False,
         )
     if not EVEN_K:
-        acc = _gemv_chunk(acc, full_words, sm_rows, code_rows, x_rows, n_words, BLOCK_W, X_WORDS, True, ASM)
+        acc = _gemv_chunk(acc, full_words, sm_rows, code_rows, x_rows, n_words, BLOCK_W, X_WORDS, True, ASM, W_LOAD)
     if LANES:  # scales the sums to y's
-        out = _lanes_finish(acc, lanes, x_ptr, x_ptr, rows_m, stride_xm, K, 1.0, y_scale, False,
-                            y_ptr.dtype.element_ty, False)
+        out = _lanes_finish(acc, spur, esc, y_scale)
     else:
         out = _escapes_ahead(  # scales the sums to y's
             tl.sum(acc, axis=2), e0, e_end, idx, val, xg, nw, x_ptr, esc_idx_ptr, esc_val_ptr, offs_m, mask_m, offs_n,
@@ -936,25 +951,27 @@ _ESC_BLOCK = 16
 # (``_escape_stage``); off, all three of its loads run after it. Read at launch (bench/step_ab.py
 # compares the two).
 ESC_AHEAD = True
-# Where the GEMVs find their escapes: "table" (the CSR side table, as ESC_AHEAD says) or the rows'
-# lanes (``U12Tensor.esc_lanes``, when it has them): "acc" / "compact" in the accumulator's shape or
-# the lanes' own, "-ahead" loaded before the loop. Read at launch (bench/step_ab.py compares them).
-ESC_LANES = os.environ.get("SPECPILOT_ESC_LANES", "acc")
-_LANE_MODES = ("table", "acc", "acc-ahead", "compact", "compact-ahead")
+# Where the GEMVs (gemv2, u12_fused_linear) find their escapes: "lanes" (``U12Tensor.esc_lanes``,
+# where the weight has them; else the table) or "table" (the CSR side table, as ESC_AHEAD says).
+# Read at launch (bench/step_ab.py compares the two); SPECPILOT_ESC_LANES sets it for a process.
+ESC_LANES = os.environ.get("SPECPILOT_ESC_LANES", "lanes")
+_LANE_MODES = ("lanes", "table")
+GATHER_AHEAD = os.environ.get("SPECPILOT_GATHER_AHEAD", "0") == "1"
+W_LOAD = int(os.environ.get("SPECPILOT_W_LOAD", "0"))
 
 
-def lanes_args(t: U12Tensor, block_w: int) -> tuple[torch.Tensor, dict]:
-    """(the lanes pointer, the launch's LANES, LANE_W and LANES_AHEAD) for a GEMV of block_w words
-    a chunk on t, by ESC_LANES: LANES 0 (the table) where t has no lanes or, in the accumulator's
-    shape, more lanes a row than block_w."""
+def lanes_args(t: U12Tensor) -> tuple[torch.Tensor, int]:
+    """(the lanes pointer, the launch's LANES) for a GEMV on t by ESC_LANES: LANES 0 (the table,
+    and a pointer the kernel does not read) where t has no lanes or has not derived them yet
+    inside a CUDA graph capture."""
     if ESC_LANES not in _LANE_MODES:
         raise ValueError(f"u12_linear.ESC_LANES: expected one of {_LANE_MODES}, got {ESC_LANES!r}")
-    lanes = None if ESC_LANES == "table" else t.esc_lanes
-    acc_shape = ESC_LANES.startswith("acc")
-    if lanes is None or (acc_shape and lanes.shape[1] > block_w):
-        return t.esc_row_ptr, {"LANES": 0}  # an int32 pointer the kernel does not read
-    s = lanes.shape[1]
-    return lanes, {"LANES": s, "LANE_W": block_w if acc_shape else s, "LANES_AHEAD": ESC_LANES.endswith("ahead")}
+    # Lanes are derived on first use, with a host sync a CUDA graph capture does not allow: a launch
+    # captured before any eager one walks the table (as exact, slower).
+    capturing = t.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    use = ESC_LANES == "lanes" and (not capturing or "esc_lanes" in t.__dict__)
+    lanes = t.esc_lanes if use else None
+    return (t.esc_row_ptr, 0) if lanes is None else (lanes, lanes.shape[1])
 
 
 def _block_m(m: int) -> int:
@@ -1059,7 +1076,7 @@ def _launch_gemv2(x: torch.Tensor, t: U12Tensor, y: torch.Tensor, cfg: U12Config
     x = aligned_rows(x, x_words)  # the kernel reads x[m, 4 w + j] at unit k stride, bf16 x as int64 words
     sm, codes = t.sm.contiguous(), t.codes.contiguous()
     native = x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1"
-    lanes, lane_kw = lanes_args(t, cfg.block_w)
+    lanes, n_lanes = lanes_args(t)
     _u12_gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
         x, sm.view(torch.int32), codes.view(torch.int16),
         _nonempty(t.esc_idx), _nonempty(t.esc_val), t.esc_row_ptr, lanes, y,
@@ -1068,7 +1085,8 @@ def _launch_gemv2(x: torch.Tensor, t: U12Tensor, y: torch.Tensor, cfg: U12Config
         BLOCK_M=_block_m(m), BLOCK_N=cfg.block_n, BLOCK_W=cfg.block_w, ESC_BLOCK=_ESC_BLOCK,
         X_WORDS=x_words, EVEN_K=n_words % cfg.block_w == 0,
         # inline PTX on the GPU; the interpreter (TRITON_INTERPRET=1, read by Triton at import) runs none
-        ASM=native, **cfg.launch_options(native), **pdl_args(x.device), ESC_AHEAD=ESC_AHEAD, **lane_kw,
+        ASM=native, **cfg.launch_options(native), **pdl_args(x.device), ESC_AHEAD=ESC_AHEAD, LANES=n_lanes,
+        GATHER_AHEAD=GATHER_AHEAD and n_words >= cfg.block_w, W_LOAD=W_LOAD,
     )
 
 

@@ -8,6 +8,7 @@ import math
 from pathlib import Path
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -17,10 +18,13 @@ from specpilot.cost import (
     weight_footprint,
 )
 from specpilot.cost.gaps import with_block_size, with_tree
-from specpilot.cost.roofline import KERNELS, SPLIT_KV_KERNELS, U12_ESCAPE_BYTES
+from specpilot.cost.roofline import (
+    KERNELS, SPLIT_KV_KERNELS, U12_ESCAPE_BYTES, U12_ESCAPE_RATE, U12_MAX_LANES, u12_lanes,
+)
 from specpilot.errors import SpecError
 from specpilot.ir import MATMUL_OPS, Graph, Node, Program, lower
 from specpilot.passes.fused_decoder import FusedDecoder
+from specpilot.runtime.u12 import MAX_LANES, pack_u12
 
 LLAMA_8B = dict(model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
                 num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
@@ -129,9 +133,21 @@ def test_u12_weights_are_twelve_bits_plus_escapes():
     u12 = bf16.replace(format="u12")
     planes, escapes = matmul_weight_bytes(u12, escape_rate=0.0)
     assert planes == pytest.approx(matmul_weight_bytes(bf16)[0] * 12 / 16)
-    assert escapes == 4 * (6144 + 1)  # CSR row pointers only
-    _, escapes = matmul_weight_bytes(u12, escape_rate=1e-3)
-    assert escapes == pytest.approx(4096 * 6144 * 1e-3 * U12_ESCAPE_BYTES + 4 * 6145)
+    assert escapes == 4 * 6144  # one empty lane a row
+    _, escapes = matmul_weight_bytes(u12, escape_rate=U12_ESCAPE_RATE)  # N(0, 0.02): 5 at most a row
+    assert escapes == 4 * 6144 * 8
+    _, escapes = matmul_weight_bytes(u12, escape_rate=3e-3)  # 12 a row on average: past 16 lanes
+    assert escapes == pytest.approx(4096 * 6144 * 3e-3 * U12_ESCAPE_BYTES + 4 * 6145)
+
+
+def test_u12_lanes_match_packed_weights():
+    """The cost model's lanes a row against U12Tensor.esc_lanes on N(0, 0.02) weights (its rate)."""
+    assert U12_MAX_LANES == MAX_LANES
+    g = torch.Generator().manual_seed(0)
+    for n, k in ((512, 4096), (256, 14336)):
+        t = pack_u12((0.02 * torch.randn(n, k, generator=g)).to(torch.bfloat16))
+        assert u12_lanes(n, k, t.esc_idx.numel() / (n * k)) == t.esc_lanes.shape[1]
+    assert u12_lanes(4096, 70000, 0.0) == 0  # a lane's column is 16 bits
 
 
 def test_u12_program_reads_three_quarters_of_the_weight_bytes(llama8b):

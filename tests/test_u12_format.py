@@ -21,6 +21,7 @@ from specpilot.kernels.u12_linear import (
 )
 from specpilot.runtime.u12 import (
     MAX_BASE,
+    MAX_LANES,
     WINDOW,
     U12Tensor,
     load_u12,
@@ -133,6 +134,39 @@ def test_planes_and_escape_table_are_consistent(w):
     ptr = t.esc_row_ptr
     assert ptr.shape == (n + 1,) and int(ptr[-1]) == idx.numel()
     assert torch.equal(ptr[1:] - ptr[:-1], escaped.view(n, k).sum(1).to(torch.int32))
+
+
+@settings(max_examples=200, deadline=None)
+@given(tensors)
+def test_escape_lanes_hold_each_rows_escapes(w):
+    """Row r's lanes: its escapes in table order as column | bf16 bits << 16, then 0xFFFF; as many
+    lanes as the fullest row needs, rounded up to a power of two; none past MAX_LANES."""
+    t = pack_u12(w)
+    n, k = t.shape
+    ptr, idx, val = t.esc_row_ptr.tolist(), t.esc_idx.tolist(), t.esc_val.tolist()
+    counts = [ptr[r + 1] - ptr[r] for r in range(n)]
+    most = max(counts)
+    if most > MAX_LANES:
+        assert t.esc_lanes is None
+        return
+    lanes = t.esc_lanes
+    s = lanes.shape[1]
+    assert lanes.dtype == torch.int32 and lanes.shape == (n, s)
+    assert s & (s - 1) == 0 and s >= most and (s == 1 or s // 2 < most)
+    for r in range(n):
+        expected = [idx[e] % k | (val[e] & 0xFFFF) << 16 for e in range(ptr[r], ptr[r + 1])]
+        assert [v & 0xFFFFFFFF for v in lanes[r].tolist()] == expected + [0xFFFF] * (s - counts[r])
+
+
+@pytest.mark.parametrize("n,k,per_row,lanes", [(3, 40, 16, 16), (3, 40, 17, None), (1, 65536, 1, None),
+                                              (2, 65535, 1, 1), (4, 8, 0, 1)])
+def test_escape_lanes_bounds(n, k, per_row, lanes):
+    """16 escapes a row fit the lanes, 17 do not; nor does K past 65535 (a lane's 16-bit column)."""
+    w = torch.full((n, k), 0.02)
+    w[:, :per_row] = 1e-30  # far below the window of 0.02: escapes
+    t = pack_u12(w.to(torch.bfloat16))
+    assert t.esc_idx.numel() == n * per_row
+    assert (None if t.esc_lanes is None else t.esc_lanes.shape[1]) == lanes
 
 
 @settings(max_examples=100, deadline=None)

@@ -92,12 +92,15 @@ def _escape_part(t) -> torch.Tensor:
     return esc
 
 
+@pytest.mark.parametrize("lanes", ["lanes", "table"])
 @pytest.mark.parametrize("nonfinite", [False, True], ids=["finite", "inf-in-block"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_escapes_use_the_normalised_x(dtype, nonfinite):
+def test_escapes_use_the_normalised_x(monkeypatch, dtype, nonfinite, lanes):
     """Escapes in every row at the columns where x' = rmsnorm(x) is largest: the result matches the
-    reference, and would not with x in place of x' there. With an inf weight in the first N block,
-    that block's escapes go one at a time (the non-finite path), normalised as well."""
+    reference, and would not with x in place of x' there. With an inf weight in the first N block:
+    in the table, that block's escapes go one at a time (the non-finite path), normalised as well;
+    in the lanes, the inf contribution stays in its row."""
+    monkeypatch.setattr(u12_linear_module, "ESC_LANES", lanes)
     g = torch.Generator().manual_seed(11)
     m, n, k = 3, 9, 64
     x = (30 * torch.randn(m, k, generator=g)).to(dtype).to(DEVICE)
@@ -121,13 +124,16 @@ def test_escapes_use_the_normalised_x(dtype, nonfinite):
     assert not _close(wrong[:, 1:], ref[:, 1:]), "the test cannot tell x from x' at the escapes"
 
 
-@pytest.mark.parametrize("ahead", [True, False], ids=["ahead", "after"])
+@pytest.mark.parametrize("way", [("lanes", True), ("table", True), ("table", False)],
+                         ids=["lanes", "table-ahead", "table-after"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_gated_escapes_in_both_halves(monkeypatch, dtype, ahead):
+def test_gated_escapes_in_both_halves(monkeypatch, dtype, way):
     """Escapes in gate and up rows (more than ESC_BLOCK in one 4-row up block): each half's go to
-    its own sums; dropping either half's changes the reference, so both are checked. With the
-    escapes' row pointers loaded ahead of the loop (u12_linear's ``ESC_AHEAD``) and after it."""
-    monkeypatch.setattr(u12_linear_module, "ESC_AHEAD", ahead)
+    its own sums; dropping either half's changes the reference, so both are checked. Found in the
+    rows' lanes (u12_linear's ``ESC_LANES``) or in the table, its row pointers loaded ahead of the
+    loop (``ESC_AHEAD``) or after it."""
+    monkeypatch.setattr(u12_linear_module, "ESC_LANES", way[0])
+    monkeypatch.setattr(u12_linear_module, "ESC_AHEAD", way[1])
     g = torch.Generator().manual_seed(12)
     m, i, k = 2, 6, 48
     x = torch.randn(m, k, generator=g).to(dtype).to(DEVICE)
@@ -139,6 +145,7 @@ def test_gated_escapes_in_both_halves(monkeypatch, dtype, ahead):
         w[row, torch.randperm(k, generator=g)[:5]] = 0.25 * torch.randn(5, generator=g).sign()
     w[2 * i - 1, 7] = -0.5  # the up row of the last, partial block
     t = pack_u12(w.to(torch.bfloat16), base=base).to(DEVICE)
+    assert (u12_linear_module.lanes_args(t)[1] > 0) == (way[0] == "lanes"), "the way the test means to walk"
     out, ref = _both(x, t, norm_weight=nw, gated=True)
     atol, rtol = TOLERANCE[dtype]
     torch.testing.assert_close(out, ref, atol=atol, rtol=rtol)

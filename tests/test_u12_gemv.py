@@ -112,12 +112,19 @@ def test_gemv2_matches_reference(m, n, k, dtype, escapes, block_n, block_w):
         _assert_matches(y_bad, x, t)
 
 
-@pytest.mark.parametrize("ahead", [True, False], ids=["ahead", "after"])
-@pytest.mark.parametrize("per_row", [(0, 1, 3, 2), (9, 0, 1, 8)], ids=["one-block", "two-blocks"])
-def test_gemv2_escapes_both_ways(monkeypatch, ahead, per_row):
+ESCAPE_WAYS = {"lanes": ("lanes", True), "table-ahead": ("table", True), "table-after": ("table", False)}
+
+
+@pytest.mark.parametrize("way", list(ESCAPE_WAYS))
+@pytest.mark.parametrize("per_row", [(0, 1, 3, 2), (9, 0, 1, 8), (17, 0, 1, 2)],
+                         ids=["one-block", "two-blocks", "past-lanes"])
+def test_gemv2_escapes_every_way(monkeypatch, way, per_row):
     """Programs of 4 rows with up to ESC_BLOCK (16) escapes, and with more (a second block, loaded
-    after the first), with the escapes' row pointers loaded ahead of the loop (``ESC_AHEAD``) and
-    after it."""
+    after the first), found in the rows' lanes (``ESC_LANES``) or in the table with its row pointers
+    loaded ahead of the loop (``ESC_AHEAD``) or after it; a row of 17 escapes has no lanes, so
+    there the kernel walks the table whatever ESC_LANES says."""
+    lanes_mode, ahead = ESCAPE_WAYS[way]
+    monkeypatch.setattr(u12_linear_module, "ESC_LANES", lanes_mode)
     monkeypatch.setattr(u12_linear_module, "ESC_AHEAD", ahead)
     g = torch.Generator().manual_seed(21)
     m, n, k = 2, 10, 96  # the last program holds 2 rows
@@ -131,6 +138,9 @@ def test_gemv2_escapes_both_ways(monkeypatch, ahead, per_row):
     per_program = [int(t.esc_row_ptr[min(p + 4, n)] - t.esc_row_ptr[p]) for p in range(0, n, 4)]
     assert (max(per_program) > 16) == (sum(per_row) > 16)
     x, t = x.to(DEVICE), t.to(DEVICE)
+    lanes = u12_linear_module.lanes_args(t)[1]
+    expected = {(0, 1, 3, 2): 4, (9, 0, 1, 8): 16}.get(per_row, 0) if lanes_mode == "lanes" else 0
+    assert lanes == expected, "the way the test means to walk"
     cfg = U12Config(4, 8, num_warps=1, kernel="gemv2")
     _assert_matches(u12_linear(x, t, cfg), x, t)
     with pytest.raises(AssertionError):

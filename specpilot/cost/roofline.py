@@ -35,8 +35,13 @@ ACT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 WEIGHT_BITS = {"float32": 32, "bfloat16": 16, "float16": 16, "u12": 12}
 
 # u12 (specpilot/runtime/u12.py): a sign/mantissa byte plane, a 4-bit exponent-code plane, and a
-# side table of escapes (int32 flat index + int16 bit pattern) with int32 CSR row pointers.
+# side table of escapes (int32 flat index + int16 bit pattern) with int32 CSR row pointers. The
+# GEMVs read each row's escapes from its lanes instead (U12Tensor.esc_lanes: int32 lanes a row, as
+# many as the fullest row needs rounded up to a power of two, at most U12_MAX_LANES), the table
+# only where a row has more.
 U12_ESCAPE_BYTES = 6
+U12_LANE_BYTES = 4
+U12_MAX_LANES = 16  # runtime/u12.py's MAX_LANES
 # Measured on N(0, 0.02) bf16 weights (GPU-FACTS.md: the best 15-exponent window covers 99.985%).
 U12_ESCAPE_RATE = 1.5e-4
 
@@ -207,16 +212,34 @@ def weight_bits(fmt: str) -> int:
     return WEIGHT_BITS[fmt]
 
 
+def u12_lanes(n: int, k: int, escape_rate: float) -> int:
+    """Lanes a row of an [n, k] u12 weight whose escapes fall at `escape_rate` independently: the
+    most a row is expected to hold (Poisson, the least s with n · P(X > s) < 1/2), rounded up to a
+    power of two as U12Tensor.esc_lanes does; 0 (the table) past U12_MAX_LANES or k > 65535."""
+    lam = k * escape_rate
+    term = cdf = math.exp(-lam)
+    s = 0
+    while n * (1.0 - cdf) >= 0.5 and s <= U12_MAX_LANES:
+        s += 1
+        term *= lam / s
+        cdf += term
+    if s > U12_MAX_LANES or k > 0xFFFF:
+        return 0
+    return 1 << max(0, s - 1).bit_length()
+
+
 def matmul_weight_bytes(node: Node, escape_rate: float = U12_ESCAPE_RATE) -> tuple[float, float]:
     """(planes, escapes) bytes of a linear / lm_head weight in its format (a head with a
-    `vocab_subset` reads only those rows)."""
+    `vocab_subset` reads only those rows); u12's escapes as its GEMVs read them, from the rows'
+    lanes (``u12_lanes``) or, where a row would need more, the side table and its row pointers."""
     n, k = node.get("vocab_subset") or node["out_features"], node["in_features"]
     fmt = node["format"]
     if fmt != "u12":
         return n * k * weight_bits(fmt) / 8, 0.0
     planes = n * k + n * ((k + 1) // 2)  # sign/mantissa bytes + two 4-bit codes a byte
-    escapes = n * k * escape_rate * U12_ESCAPE_BYTES + 4 * (n + 1)
-    return float(planes), escapes
+    lanes = u12_lanes(n, k, escape_rate)
+    escapes = n * lanes * U12_LANE_BYTES if lanes else n * k * escape_rate * U12_ESCAPE_BYTES + 4 * (n + 1)
+    return float(planes), float(escapes)
 
 
 @dataclass(frozen=True)
