@@ -67,9 +67,6 @@ U12_VARIANTS = {  # name: FusedOps fields over the default ops
 U12_KNOB_VARIANTS = {  # name: u12_linear's launch-time settings over the default u12 step
     "u12-esc-table": dict(ESC_LANES="table"),  # the escapes from the side table, row pointers ahead
     "u12-esc-after": dict(ESC_LANES="table", ESC_AHEAD=False),  # every load of the table after the loop
-    "u12-gather-ahead": dict(GATHER_AHEAD=True),
-    "u12-w-cg": dict(W_LOAD=1),
-    "u12-w-evict-first": dict(W_LOAD=2),
 }
 
 

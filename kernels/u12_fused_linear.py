@@ -124,7 +124,7 @@ from .u12_linear import default_config as u12_default_config
 def _fused_chunk(
     acc_g, acc_u, start, x_rows, nw_rows, inv, gate_sm, gate_codes, up_sm, up_codes, n_words,
     BLOCK_W: tl.constexpr, X_WORDS: tl.constexpr, MASKED: tl.constexpr, NORM: tl.constexpr,
-    GATED: tl.constexpr, DTYPE: tl.constexpr, ROUND_BF16: tl.constexpr, ASM: tl.constexpr, W_LOAD: tl.constexpr = 0,
+    GATED: tl.constexpr, DTYPE: tl.constexpr, ROUND_BF16: tl.constexpr, ASM: tl.constexpr,
 ):
     """acc[m, n, w] += Σ_j x'[m, 4 w + j] · W[n, 4 w + j] 2^(113-base) over the words w in
     [start, start + BLOCK_W), for the gate rows and (GATED) the up rows; MASKED: words past K read as 0."""
@@ -137,9 +137,9 @@ def _fused_chunk(
         x1 = _normalize(x1, inv, n1, DTYPE, ROUND_BF16)
         x2 = _normalize(x2, inv, n2, DTYPE, ROUND_BF16)
         x3 = _normalize(x3, inv, n3, DTYPE, ROUND_BF16)
-    acc_g = _fma_planes(acc_g, gate_sm, gate_codes, offs_w, mask, x0, x1, x2, x3, MASKED, ASM, W_LOAD)
+    acc_g = _fma_planes(acc_g, gate_sm, gate_codes, offs_w, mask, x0, x1, x2, x3, MASKED, ASM)
     if GATED:
-        acc_u = _fma_planes(acc_u, up_sm, up_codes, offs_w, mask, x0, x1, x2, x3, MASKED, ASM, W_LOAD)
+        acc_u = _fma_planes(acc_u, up_sm, up_codes, offs_w, mask, x0, x1, x2, x3, MASKED, ASM)
     return acc_g, acc_u
 
 
@@ -163,8 +163,6 @@ def _u12_fused_gemv_kernel(
     HAND_IN: tl.constexpr = False,  # x is a handoff's xg: the sums times its rows' inv (from n_parts parts)
     BLOCK_P: tl.constexpr = 16,  # HAND_IN: parts summed a chunk (all of them in one: their loads in flight at once)
     LANES: tl.constexpr = 0,  # > 0: the escapes from t's lanes (U12Tensor.esc_lanes, LANES a row), not the table
-    GATHER_AHEAD: tl.constexpr = False,  # u12_linear's gemv2's
-    W_LOAD: tl.constexpr = 0,  # u12_linear's gemv2's
 ):
     """All M (<= 4) rows of x against BLOCK_N output rows (N: output columns; gated: rows n and N + n of t)."""
     pdl_enter(PDL)
@@ -225,54 +223,43 @@ def _u12_fused_gemv_kernel(
     acc_g = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_W), dtype=tl.float32)  # reduced once, after the loop
     acc_u = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_W), dtype=tl.float32)  # GATED only (else unused)
     full_words = n_words - n_words % BLOCK_W
-    first = 0
-    rows_m3 = rows_m[:, None, None]
-    if LANES and GATHER_AHEAD:  # u12_linear's gemv2's: the first chunk, then x at the lanes
-        acc_g, acc_u = _fused_chunk(acc_g, acc_u, 0, x_rows, nw_rows, inv, gate_sm, gate_codes, up_sm, up_codes,
-                                    n_words, BLOCK_W, X_WORDS, False, NORM, GATED, DTYPE, ROUND_BF16, ASM, W_LOAD)
-        spur_g, esc_g = _lanes_gather(lanes_g, x_ptr, nw_ptr, rows_m3, stride_xm, K, inv, NORM, DTYPE, ROUND_BF16)
-        if GATED:
-            spur_u, esc_u = _lanes_gather(lanes_u, x_ptr, nw_ptr, rows_m3, stride_xm, K, inv, NORM, DTYPE, ROUND_BF16)
-        first = BLOCK_W
-    for start in range(first, full_words, BLOCK_W):
+    for start in range(0, full_words, BLOCK_W):
         acc_g, acc_u = _fused_chunk(acc_g, acc_u, start, x_rows, nw_rows, inv, gate_sm, gate_codes, up_sm, up_codes,
-                                    n_words, BLOCK_W, X_WORDS, False, NORM, GATED, DTYPE, ROUND_BF16, ASM, W_LOAD)
-    if LANES and not GATHER_AHEAD:
+                                    n_words, BLOCK_W, X_WORDS, False, NORM, GATED, DTYPE, ROUND_BF16, ASM)
+    if LANES:  # u12_linear's ``_lanes_gather``: x (NORM: x') at the lanes' columns
+        rows_m3 = rows_m[:, None, None]
         spur_g, esc_g = _lanes_gather(lanes_g, x_ptr, nw_ptr, rows_m3, stride_xm, K, inv, NORM, DTYPE, ROUND_BF16)
         if GATED:
             spur_u, esc_u = _lanes_gather(lanes_u, x_ptr, nw_ptr, rows_m3, stride_xm, K, inv, NORM, DTYPE, ROUND_BF16)
-    if not LANES:
+    else:
         eg0, eg_end, idx_g, val_g, xg_g, nw_g = _escape_stages_left(
             1 if ESC_AHEAD else 0, eg0, eg_end, idx_g, val_g, xg_g, nw_g, esc_row_ptr, n0, N, esc_idx_ptr,
             esc_val_ptr, x_ptr, nw_ptr, offs_m, mask_m, K, stride_xm, 1, BLOCK_N, ESC_BLOCK, NORM,
         )
-    if GATED and not LANES:
-        eu0, eu_end, idx_u, val_u, xg_u, nw_u = _escape_stages_left(
-            1 if ESC_AHEAD else 0, eu0, eu_end, idx_u, val_u, xg_u, nw_u, esc_row_ptr, n0 + N, 2 * N, esc_idx_ptr,
-            esc_val_ptr, x_ptr, nw_ptr, offs_m, mask_m, K, stride_xm, 1, BLOCK_N, ESC_BLOCK, NORM,
-        )
+        if GATED:
+            eu0, eu_end, idx_u, val_u, xg_u, nw_u = _escape_stages_left(
+                1 if ESC_AHEAD else 0, eu0, eu_end, idx_u, val_u, xg_u, nw_u, esc_row_ptr, n0 + N, 2 * N,
+                esc_idx_ptr, esc_val_ptr, x_ptr, nw_ptr, offs_m, mask_m, K, stride_xm, 1, BLOCK_N, ESC_BLOCK, NORM,
+            )
     if not EVEN_K:
         acc_g, acc_u = _fused_chunk(acc_g, acc_u, full_words, x_rows, nw_rows, inv, gate_sm, gate_codes, up_sm,
                                     up_codes, n_words, BLOCK_W, X_WORDS, True, NORM, GATED, DTYPE,
-                                    ROUND_BF16, ASM, W_LOAD)
+                                    ROUND_BF16, ASM)
     if LANES:  # scales the sums to y's
         g = _lanes_finish(acc_g, spur_g, esc_g, y_scale)
-        if GATED:
-            u = _lanes_finish(acc_u, spur_u, esc_u, y_scale)
-        else:
-            u = g
+        u = _lanes_finish(acc_u, spur_u, esc_u, y_scale) if GATED else g
     else:
         g = _escapes_ahead(  # scales the sums to y's
             tl.sum(acc_g, axis=2), eg0, eg_end, idx_g, val_g, xg_g, nw_g, x_ptr, esc_idx_ptr, esc_val_ptr, offs_m,
             mask_m, offs_n, K, stride_xm, 1, ESC_BLOCK, nw_ptr, inv_m, NORM, DTYPE, ROUND_BF16, y_scale,
         )
-    if GATED and not LANES:
-        u = _escapes_ahead(  # the up block: rows N + n of t
-            tl.sum(acc_u, axis=2), eu0, eu_end, idx_u, val_u, xg_u, nw_u, x_ptr, esc_idx_ptr, esc_val_ptr, offs_m,
-            mask_m, offs_n + N, K, stride_xm, 1, ESC_BLOCK, nw_ptr, inv_m, NORM, DTYPE, ROUND_BF16, y_scale,
-        )
-    elif not LANES:
-        u = g
+        if GATED:
+            u = _escapes_ahead(  # the up block: rows N + n of t
+                tl.sum(acc_u, axis=2), eu0, eu_end, idx_u, val_u, xg_u, nw_u, x_ptr, esc_idx_ptr, esc_val_ptr,
+                offs_m, mask_m, offs_n + N, K, stride_xm, 1, ESC_BLOCK, nw_ptr, inv_m, NORM, DTYPE, ROUND_BF16, y_scale,
+            )
+        else:
+            u = g
     if HAND_IN:  # rmsnorm's inv, factored out of the sums (x = dtype(stream · weight))
         g = g * hand_inv[:, None]
         u = u * hand_inv[:, None]
@@ -384,7 +371,6 @@ def _launch_fused(
         ROUND_BF16=not native and x.dtype == torch.bfloat16, EXPF=native, ASM=native, **launch, **pdl_args(x.device),
         ESC_AHEAD=u12_linear_module.ESC_AHEAD, HAND_OUT=hand_out is not None, HAND_IN=hand_in is not None,
         BLOCK_P=min(1024, triton.next_power_of_2(max(1, n_parts))), LANES=n_lanes,
-        GATHER_AHEAD=u12_linear_module.GATHER_AHEAD and n_words >= cfg.block_w, W_LOAD=u12_linear_module.W_LOAD,
     )
 
 

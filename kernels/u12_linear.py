@@ -662,29 +662,14 @@ def _x_planes(x_rows, offs_w, mask, X_WORDS: tl.constexpr, MASKED: tl.constexpr)
 
 
 @triton.jit
-def _weight_load(ptrs, mask, MASKED: tl.constexpr, W_LOAD: tl.constexpr):
-    """A chunk of weight words (MASKED: 0 where not mask); W_LOAD 0: a plain load, 1: .cg (cached in
-    L2 only), 2: L1 evict_first."""
-    if W_LOAD == 1:
-        if MASKED:
-            return tl.load(ptrs, mask=mask, other=0, cache_modifier=".cg")
-        return tl.load(ptrs, cache_modifier=".cg")
-    elif W_LOAD == 2:
-        if MASKED:
-            return tl.load(ptrs, mask=mask, other=0, eviction_policy="evict_first")
-        return tl.load(ptrs, eviction_policy="evict_first")
-    else:
-        if MASKED:
-            return tl.load(ptrs, mask=mask, other=0)
-        return tl.load(ptrs)
-
-
-@triton.jit
-def _fma_planes(acc, sm_rows, code_rows, offs_w, mask, x0, x1, x2, x3, MASKED: tl.constexpr, ASM: tl.constexpr,
-                W_LOAD: tl.constexpr = 0):
+def _fma_planes(acc, sm_rows, code_rows, offs_w, mask, x0, x1, x2, x3, MASKED: tl.constexpr, ASM: tl.constexpr):
     """acc += Σ_j x_j · plane j of the decoded words offs_w of the rows sm_rows / code_rows."""
-    s = _weight_load(sm_rows + offs_w, mask, MASKED, W_LOAD)
-    c = _weight_load(code_rows + offs_w, mask, MASKED, W_LOAD).to(tl.int32)
+    if MASKED:
+        s = tl.load(sm_rows + offs_w, mask=mask, other=0)
+        c = tl.load(code_rows + offs_w, mask=mask, other=0).to(tl.int32)
+    else:
+        s = tl.load(sm_rows + offs_w)
+        c = tl.load(code_rows + offs_w).to(tl.int32)
     w0, w1, w2, w3 = _decode_planes(s, c, ASM)
     acc = tl.fma(x0, w0, acc)
     acc = tl.fma(x1, w1, acc)
@@ -696,14 +681,14 @@ def _fma_planes(acc, sm_rows, code_rows, offs_w, mask, x0, x1, x2, x3, MASKED: t
 @triton.jit
 def _gemv_chunk(
     acc, start, sm_rows, code_rows, x_rows, n_words,
-    BLOCK_W: tl.constexpr, X_WORDS: tl.constexpr, MASKED: tl.constexpr, ASM: tl.constexpr, W_LOAD: tl.constexpr = 0,
+    BLOCK_W: tl.constexpr, X_WORDS: tl.constexpr, MASKED: tl.constexpr, ASM: tl.constexpr,
 ):
     """acc[m, n, w] += sum over j of x[m, 4 w + j] · w[n, 4 w + j] 2^(113-base), for the words
     w in [start, start + BLOCK_W); MASKED: words past K read as 0 (2^-15 weights, 0 activations)."""
     offs_w = (start + tl.arange(0, BLOCK_W))[None, None, :]
     mask = offs_w < n_words
     x0, x1, x2, x3 = _x_planes(x_rows, offs_w, mask, X_WORDS, MASKED)
-    return _fma_planes(acc, sm_rows, code_rows, offs_w, mask, x0, x1, x2, x3, MASKED, ASM, W_LOAD)
+    return _fma_planes(acc, sm_rows, code_rows, offs_w, mask, x0, x1, x2, x3, MASKED, ASM)
 
 
 @triton.jit
@@ -718,8 +703,6 @@ def _u12_gemv_kernel(
     PDL: tl.constexpr,  # programmatic dependent launch (kernels/overlap.py)
     ESC_AHEAD: tl.constexpr = False,  # the escapes' row pointers loaded before the loop (module ESC_AHEAD)
     LANES: tl.constexpr = 0,  # > 0: the escapes from W's lanes (U12Tensor.esc_lanes, LANES a row), not the table
-    GATHER_AHEAD: tl.constexpr = False,  # LANES: x at the lanes gathered after the first chunk (n_words >= BLOCK_W)
-    W_LOAD: tl.constexpr = 0,  # the weight words' loads: 0 plain, 1 .cg (L2 only), 2 L1 evict_first
 ):
     """All M (<= 4) rows of x against BLOCK_N rows of W by the biased decode (K % 4 == 0, 1 <= base <= 240)."""
     pdl_enter(PDL)
@@ -753,22 +736,17 @@ def _u12_gemv_kernel(
         lanes = _lanes_load(lanes_ptr, rows_n, LANES, BLOCK_M, BLOCK_N)
     acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_W), dtype=tl.float32)  # reduced once, after the loop
     full_words = n_words - n_words % BLOCK_W
-    first = 0
-    if LANES and GATHER_AHEAD:  # the first chunk's loads in flight while the lanes arrive, then x's gather
-        acc = _gemv_chunk(acc, 0, sm_rows, code_rows, x_rows, n_words, BLOCK_W, X_WORDS, False, ASM, W_LOAD)
+    for start in range(0, full_words, BLOCK_W):
+        acc = _gemv_chunk(acc, start, sm_rows, code_rows, x_rows, n_words, BLOCK_W, X_WORDS, False, ASM)
+    if LANES:  # x at the lanes' columns, after the loop (before it, the lanes' load would stall the loop's start)
         spur, esc = _lanes_gather(lanes, x_ptr, x_ptr, rows_m, stride_xm, K, 1.0, False, y_ptr.dtype.element_ty, False)
-        first = BLOCK_W
-    for start in range(first, full_words, BLOCK_W):
-        acc = _gemv_chunk(acc, start, sm_rows, code_rows, x_rows, n_words, BLOCK_W, X_WORDS, False, ASM, W_LOAD)
-    if LANES and not GATHER_AHEAD:
-        spur, esc = _lanes_gather(lanes, x_ptr, x_ptr, rows_m, stride_xm, K, 1.0, False, y_ptr.dtype.element_ty, False)
-    if not LANES:
+    else:
         e0, e_end, idx, val, xg, nw = _escape_stages_left(
             1 if ESC_AHEAD else 0, e0, e_end, idx, val, xg, nw, esc_row_ptr, n0, N, esc_idx_ptr, esc_val_ptr, x_ptr,
             x_ptr, offs_m, mask_m, K, stride_xm, stride_xk, BLOCK_N, ESC_BLOCK, False,
         )
     if not EVEN_K:
-        acc = _gemv_chunk(acc, full_words, sm_rows, code_rows, x_rows, n_words, BLOCK_W, X_WORDS, True, ASM, W_LOAD)
+        acc = _gemv_chunk(acc, full_words, sm_rows, code_rows, x_rows, n_words, BLOCK_W, X_WORDS, True, ASM)
     if LANES:  # scales the sums to y's
         out = _lanes_finish(acc, spur, esc, y_scale)
     else:
@@ -956,8 +934,6 @@ ESC_AHEAD = True
 # Read at launch (bench/step_ab.py compares the two); SPECPILOT_ESC_LANES sets it for a process.
 ESC_LANES = os.environ.get("SPECPILOT_ESC_LANES", "lanes")
 _LANE_MODES = ("lanes", "table")
-GATHER_AHEAD = os.environ.get("SPECPILOT_GATHER_AHEAD", "0") == "1"
-W_LOAD = int(os.environ.get("SPECPILOT_W_LOAD", "0"))
 
 
 def lanes_args(t: U12Tensor) -> tuple[torch.Tensor, int]:
@@ -1086,7 +1062,6 @@ def _launch_gemv2(x: torch.Tensor, t: U12Tensor, y: torch.Tensor, cfg: U12Config
         X_WORDS=x_words, EVEN_K=n_words % cfg.block_w == 0,
         # inline PTX on the GPU; the interpreter (TRITON_INTERPRET=1, read by Triton at import) runs none
         ASM=native, **cfg.launch_options(native), **pdl_args(x.device), ESC_AHEAD=ESC_AHEAD, LANES=n_lanes,
-        GATHER_AHEAD=GATHER_AHEAD and n_words >= cfg.block_w, W_LOAD=W_LOAD,
     )
 
 
