@@ -150,7 +150,7 @@ def u12_stats() -> str:
     return "\n".join(lines)
 
 
-U12_LINEAR_FILES = ("u12_linear_hmma_h200.json", "u12_linear_gemv2_graph_h200.json", "u12_linear_mma_h200.json", "u12_linear_gemv2_m1_h200.json", "u12_linear_gemv2_h200.json", "u12_linear_nvidia_h200.json")
+U12_LINEAR_FILES = ("u12_linear_gemv2_graph_h200.json", "u12_linear_hmma_h200.json", "u12_linear_mma_h200.json", "u12_linear_gemv2_m1_h200.json", "u12_linear_gemv2_h200.json", "u12_linear_nvidia_h200.json")
 
 
 def _timing(d: dict) -> str:

@@ -17,8 +17,9 @@ default u12 layers until this comparison); u12-epilogues (u12_fused_linear's SiL
 epilogues, the norms as rmsnorm kernels: the default until the handoff); u12-prologue (u12_fused_linear
 with its norm prologue too); u12-handoff (the epilogues' step with each norm after o and down handed
 on to the next GEMV: u12_fused_linear's NormHandoff, no rmsnorm kernel between them; the default);
-u12-esc-after (the default with every load of the GEMVs' escapes after their loops:
-``u12_linear.ESC_AHEAD`` off); bf16-default, bf16-r128 (the bf16 step at other register budgets:
+u12-esc-table (the default with the GEMVs' escapes from the side table, its row pointers loaded
+before the loops, in place of the rows' lanes: ``u12_linear.ESC_LANES``); u12-esc-after (the same
+with every load of the table after the loops: ``u12_linear.ESC_AHEAD`` off); bf16-default, bf16-r128 (the bf16 step at other register budgets:
 ``BF16_VARIANTS``; not under --smoke, whose tiny shapes TUNED does not hold). With --q above 1 (a
 chain verify step): bf16-cublas (cuBLAS with the separate norm, SiLU·mul and add kernels),
 bf16-linear (fused_linear at those rows, --bf16-tuned's configs), bf16-linear-nosq (the same with
@@ -28,7 +29,10 @@ rows a thread, one-warp programs, BLOCK_N 8: 3.671, 3.756, 3.755 ms against 3.67
 ptxas allowed 80 or 128 registers (3.86, 3.99 against 3.71, ef655ec; 80 for o and down, qkv or
 gate_up alone: 3.719, 3.712, 3.812 against 3.702, e2a0b5e), though then every load of the BLOCK_N 4
 loop is issued before its first FMA; 4 words a thread for every linear or gate_up alone (3.870,
-3.745 against 3.701, ac79ccb; for qkv and o 3.674, which TUNED took).
+3.745 against 3.701, ac79ccb; for qkv and o 3.674, which TUNED took); the lanes in the
+accumulator's shape (4.041 ms, or 3.925 loaded before the loop, against 3.439, 2840cfa), x's
+gather after a peeled first chunk, the weight loads .cg or L1 evict_first (3.629, 3.523, 3.529
+against 3.427, 0cf1235).
 Batch 1, a 512-token context, a device-length cache of 2048 slots; random
 bf16 weights N(0, 0.02).
 """

@@ -35,21 +35,41 @@ host sync, deterministic; counters live with the weight (per U12Tensor), so two 
 run the same weight at the same time.
 
 Escapes: after the sum, the program that writes an output block adds the exact contributions
-``x[:, k] * w[n, k]`` of its rows' escapes, gathered from the CSR row pointers
-(``U12Tensor.esc_row_ptr``) and scattered by a one-hot product (one escape at a time when a chunk
-holds inf/NaN contributions). Escapes are about 0.015% of N(0, 0.02) weights, yet their three
-dependent loads (row pointers, then indices and values, then x at their columns) cost a GEMV a
-memory round trip each after its loop, where a one-wave launch has nothing else in flight: the u12
-AR step ran 3.437 ms with no escape step at all (an ablation, wrong outputs) against 3.676 with it
-(bench/results/tried/step_ab_u12_noesc_ablation_h200.json). The GEMVs load the row pointers before
-their loop (``ESC_AHEAD``: 3.600 ms against 3.618 with all three after it, interleaved,
-bench/results/tried/step_ab_u12_escapes_h200.json). Issuing the other two under the loop cost more
-than it hid, every way tried there: a chunk apart inside the loop by branches (4.063 ms) or by
-predicated loads (4.352), or between the loop's thirds (3.823), since anything in or around the
-loop body changes how ptxas schedules it. Nor did a slot table (each row's first 4 escapes at fixed
-places, loaded with the row pointers before the loop, leaving one gather after it: commit 75db576,
-reverted): 3.718 ms against 3.644, its registers up (gate_up 90 -> 124)
-(bench/results/tried/step_ab_u12_escape_slots_h200.json).
+``x[:, k] * w[n, k]`` of its rows' escapes. Escapes are about 0.015% of N(0, 0.02) weights, yet
+finding them cost a GEMV memory round trips after its loop, where a one-wave launch has nothing
+else in flight. The tile and mma kernels (and the GEMVs where a weight has no lanes) walk the
+side table: CSR row pointers (``U12Tensor.esc_row_ptr``), then indices and values, then x at
+their columns, three dependent loads, scattered by a one-hot product (one escape at a time when a
+chunk holds inf/NaN contributions). The u12 AR step ran 3.437 ms with no escape step at all (an
+ablation, wrong outputs) against 3.676 with it
+(bench/results/tried/step_ab_u12_noesc_ablation_h200.json); the GEMVs load the row pointers
+before their loop (``ESC_AHEAD``: 3.600 ms against 3.618 with all three after it,
+bench/results/tried/step_ab_u12_escapes_h200.json). Issuing the other two under the loop cost
+more than it hid, every way tried there: a chunk apart inside the loop by branches (4.063 ms) or
+by predicated loads (4.352), or between the loop's thirds (3.823). Nor did a slot table (each
+row's first 4 escapes at fixed places, loaded with the row pointers before the loop and
+scattered as the table's: commit 75db576, reverted): 3.718 ms against 3.644, its registers up
+(gate_up 90 -> 124) (bench/results/tried/step_ab_u12_escape_slots_h200.json).
+
+Lanes (``ESC_LANES``, the GEMVs' default). ``U12Tensor.esc_lanes`` holds every escape of a row in
+the row's lanes, one int32 each (``column | bf16 bits << 16``), as many as the fullest row needs
+rounded up to a power of two (8 for N(0, 0.02) rows of 4096, 16 of 14336: 0.35% more bytes than
+the planes), none past 16 a row or K = 65535, where the table stays. A GEMV loads its rows'
+lanes [BM, BN, LANES] before its loop at addresses it knows up front (``_lanes_load``: nothing
+waits on it there), gathers x at their columns after it (``_lanes_gather``: one round trip, from
+L2) and reduces both escape sums in one pass, with no row pointers, no one-hot product and no
+non-finite path: each lane belongs to one row, so inf/NaN stay in it (``_lanes_finish``). sm_90
+(the fused GEMV at the step's tiles): 384-856 instructions a kernel against 736-1856 with the
+table, 3-5 barriers against 9-19, registers the same or fewer (qkv 40 -> 34, gate_up 96 -> 79).
+The u12 AR step, interleaved (bench/results/tried/step_ab_u12_lanes_knobs_h200.json, 0cf1235):
+3.427 ms against 3.546 with the table and bf16's 4.098 (1.196x). Tried and dropped there: x's
+gather issued after a peeled first chunk, so the loop hides it (3.629: the peel costs the loop
+more than the round trip), and the weight loads ``.cg`` or L1 ``evict_first`` (3.523, 3.529);
+and, at 2840cfa (bench/results/tried/step_ab_u12_escape_lanes_h200.json), the lanes in the
+accumulator's shape, so the escapes fold into its own reduction (4.041 ms after the loop, 3.925
+before it: masked [BM, BN, BW] loads and gathers for a few lanes), and in their own shape loaded
+after the loop (3.452 against 3.439 before it). Lanes are derived on first use with a host sync:
+a launch captured in a CUDA graph before any eager one walks the table (``lanes_args``).
 
 gemv2. One program owns BLOCK_N rows of W and every row of x (M ≤ 4), so each weight is decoded
 once and used M times, and loops over K in chunks of BLOCK_W words. The 4 weights of a word
@@ -79,9 +99,11 @@ against cuBLAS. TUNED's M = 16 rows are mma configs from its H200 sweep.
 Speed (H200, triton 3.6). gemv2 at M = 1 (bench/results/u12_linear_gemv2_m1_h200.json, commit
 b170131): 1.27x (qkv), 1.30x (o), 1.23x (gate_up), 1.22x (down), 1.31x (lm_head) of cuBLAS bf16,
 up to 4.14 TB/s of packed bytes; all linears of a Llama-3.1-8B step in one CUDA graph: 3.14 ms
-against 3.97 ms (1.26x). Each config timed in a CUDA graph instead (bench/results/
-u12_linear_gemv2_graph_h200.json, commit 1f0a597): 1.20x, 1.29x, 1.36x, 1.20x, 1.54x, up to 4.37 TB/s
-(lm_head: two rows a one-warp program). The whole fused AR step with every linear in u12 (u12_fused_linear's
+against 3.97 ms (1.26x). Each config timed in a CUDA graph instead, with the escapes from the
+lanes (bench/results/u12_linear_gemv2_graph_h200.json, commit 0cf1235): 1.37x, 1.38x, 1.30x (TUNED's
+tile 1.25x), 1.29x, 1.57x, up to 4.38 TB/s (lm_head: two rows a one-warp program), all linears in one
+graph 1.32x (3.01 ms against 3.99); with the table (bench/results/tried/
+u12_linear_gemv2_graph_1f0a597_h200.json): 1.20x, 1.29x, 1.36x, 1.20x, 1.54x. The whole fused AR step with every linear in u12 (u12_fused_linear's
 epilogues around this loop, the norms apart) runs 3.704 ms against 4.138 ms for the bf16 step with
 fused_linear, interleaved in one run (1.117x; bench/results/tried/step_ab_5b12e69_h200.json, commit 5b12e69;
 3.674 against 4.131, 1.124x, with qkv and o at TUNED's 4 words a thread, ac79ccb;
@@ -888,9 +910,12 @@ SPLIT_KS_HMMA = (1, 2, 4, 8)
 # 16-byte loads side by side) from the whole u12 step interleaved (bench/step_ab.py, commit ac79ccb:
 # 3.674 ms against 3.701 with 8 words; 4 words for every linear ran 3.870, for gate_up alone 3.745).
 # M = 1 o, gate_up and lm_head: the gemv2 sweep timed in CUDA graphs (bench/u12_linear.py --ms 1
-# --graph, bench/results/u12_linear_gemv2_graph_h200.json, commit 1f0a597: 9.9, 45.4 and 180.3 µs
+# --graph, bench/results/tried/u12_linear_gemv2_graph_1f0a597_h200.json, commit 1f0a597: 9.9, 45.4 and 180.3 µs
 # against 10.1, 46.2 and 207.5), taken after the AR step interleaved (bench/step_ab.py --u12-tuned,
-# bench/results/step_ab_u12_tuned_h200.json): 3.626 ms against 3.648.
+# bench/results/step_ab_u12_tuned_h200.json): 3.626 ms against 3.648. The sweep again with the
+# escapes from the lanes (bench/results/u12_linear_gemv2_graph_h200.json, 0cf1235) kept every M = 1
+# tile but gate_up's (bn4-bw256-w2, 44.3 µs against 46.0); the step with it ran 3.501 ms against
+# 3.427 (bench/results/tried/step_ab_u12_lanes_knobs_h200.json), so TUNED keeps gate_up's.
 # M = 32 and 64: the mma and tile sweep timed in CUDA graphs (bench/u12_linear.py --ms 32,64 --kernels
 # mma,tile --graph, bench/results/u12_linear_mma_m32_64_graph_h200.json, commit 4cea20f): the mma
 # kernel won every row, 0.41-1.13x cuBLAS against 0.30-0.68x for the tile kernel's configs before

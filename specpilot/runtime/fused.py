@@ -123,7 +123,7 @@ U12_NORMS_APART = True
 # With the norms apart, whether a residual u12 GEMV hands the stream's norm to the u12 GEMV after
 # it (u12_fused_linear's NormHandoff: no rmsnorm kernel between them; 63 of a 32-layer step's 65
 # norms). On the H200, the Llama-3.1-8B u12 AR step interleaved (bench/step_ab.py, commit a05f9d3,
-# bench/results/step_ab_h200.json): 3.540 ms handed on against 3.631 with the rmsnorm kernels
+# bench/results/tried/step_ab_a05f9d3_h200.json): 3.540 ms handed on against 3.631 with the rmsnorm kernels
 # (1.156x and 1.129x the bf16 step's 4.09); an ablation without any norm kernel ran 1.177x
 # (bench/results/tried/step_ab_u12_norm_escape_ablation_h200.json).
 U12_NORM_HANDOFF = True

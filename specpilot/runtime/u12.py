@@ -11,7 +11,9 @@ nearly all of them. u12 stores each weight as
 and every weight whose exponent falls outside the window ``[base, base + 14]`` goes to an exact
 side table (flat index, bf16 bit pattern), its code and sign/mantissa byte set to 0. The base is per tensor, chosen to cover the most
 weights, so the side table is as small as the data allows. Every bf16 bit pattern (±0,
-subnormals, ±inf, NaN payloads) round-trips bit-exactly.
+subnormals, ±inf, NaN payloads) round-trips bit-exactly. Kernels read the table through two
+views derived from it on the device, never stored: CSR row pointers (``esc_row_ptr``) and each
+row's escapes in fixed lanes (``esc_lanes``), which the GEMVs load at addresses known up front.
 
 Files are safetensors; the metadata holds each tensor's shape, base and a sha256 over its
 planes, checked on load.
