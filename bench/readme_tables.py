@@ -368,6 +368,12 @@ def targets() -> str:
     if u12_ar:
         lines.append(f"| #5 | whole AR step, bf16 ÷ u12 | ≥ 1.20 | {ar['ms'] / u12_ar['ms']:.3f} | "
                      f"{verdict([ar['ms'] / u12_ar['ms'] >= 1.20])} | {step} |")
+    ab = _load("step_ab_h200.json")
+    default = next((r for r in ab["rows"] if r["variant"] == "u12-handoff"), None) if ab else None
+    if default:  # bench/step_ab.py's default u12 step against bf16's, interleaved in one run
+        x = default["speedup_vs_bf16"]
+        lines.append(f"| #5 | whole AR step, bf16 ÷ u12, interleaved in one run (`bench/step_ab.py`) | ≥ 1.20 | "
+                     f"{x:.3f} | {verdict([x >= 1.20])} | `step_ab_h200.json` ({_short(ab['commit'])}) |")
     if u12_v16:
         lines.append(f"| #5 | verify(16) step (M = 16), bf16 ÷ u12 | ≥ 1.15 | {v16['ms'] / u12_v16['ms']:.3f} | "
                      f"{verdict([v16['ms'] / u12_v16['ms'] >= 1.15])} | {step} |")

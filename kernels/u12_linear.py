@@ -61,7 +61,7 @@ L2) and reduces both escape sums in one pass, with no row pointers, no one-hot p
 non-finite path: each lane belongs to one row, so inf/NaN stay in it (``_lanes_finish``). sm_90
 (the fused GEMV at the step's tiles): 384-856 instructions a kernel against 736-1856 with the
 table, 3-5 barriers against 9-19, registers the same or fewer (qkv 40 -> 34, gate_up 96 -> 79).
-The u12 AR step, interleaved (bench/results/tried/step_ab_u12_lanes_knobs_h200.json, 0cf1235):
+The u12 AR step, interleaved (bench/results/step_ab_h200.json, 0cf1235):
 3.427 ms against 3.546 with the table and bf16's 4.098 (1.196x). Tried and dropped there: x's
 gather issued after a peeled first chunk, so the loop hides it (3.629: the peel costs the loop
 more than the round trip), and the weight loads ``.cg`` or L1 ``evict_first`` (3.523, 3.529);
@@ -915,7 +915,7 @@ SPLIT_KS_HMMA = (1, 2, 4, 8)
 # bench/results/step_ab_u12_tuned_h200.json): 3.626 ms against 3.648. The sweep again with the
 # escapes from the lanes (bench/results/u12_linear_gemv2_graph_h200.json, 0cf1235) kept every M = 1
 # tile but gate_up's (bn4-bw256-w2, 44.3 µs against 46.0); the step with it ran 3.501 ms against
-# 3.427 (bench/results/tried/step_ab_u12_lanes_knobs_h200.json), so TUNED keeps gate_up's.
+# 3.427 (bench/results/step_ab_h200.json), so TUNED keeps gate_up's.
 # M = 32 and 64: the mma and tile sweep timed in CUDA graphs (bench/u12_linear.py --ms 32,64 --kernels
 # mma,tile --graph, bench/results/u12_linear_mma_m32_64_graph_h200.json, commit 4cea20f): the mma
 # kernel won every row, 0.41-1.13x cuBLAS against 0.30-0.68x for the tile kernel's configs before
