@@ -141,12 +141,14 @@ def u12_stats() -> str:
     lines = [
         f"N(0, {d['sigma']}) bf16 weights at Llama-3.1-8B shapes ({d['device']}). Source: `bench/results/u12_stats.json`.",
         "",
-        "| tensor | shape | bits/weight | escape rate | window coverage |",
-        "|---|---|---:|---:|---:|",
+        "| tensor | shape | bits/weight (stored) | escape rate | window coverage | lanes a row | bits/weight a GEMV reads |",
+        "|---|---|---:|---:|---:|---:|---:|",
     ]
     for t in d["tensors"]:
+        lanes = (f"{t['lanes']} | {t['read_bits_per_weight']:.3f}" if t.get("lanes")
+                 else "table | " + (f"{t['read_bits_per_weight']:.3f}" if "read_bits_per_weight" in t else "—"))
         lines.append(f"| {t['name']} | {t['shape'][0]}×{t['shape'][1]} | {t['bits_per_weight']:.3f} | "
-                     f"{t['escape_rate']:.2e} | {100 * t['window_coverage']:.3f}% |")
+                     f"{t['escape_rate']:.2e} | {100 * t['window_coverage']:.3f}% | {lanes} |")
     return "\n".join(lines)
 
 

@@ -74,10 +74,12 @@ def main() -> None:
     OUT.parent.mkdir(parents=True, exist_ok=True)
     OUT.write_text(json.dumps(result, indent=2) + "\n")
 
-    print(f"{'tensor':<8} {'shape':>13} {'rows':>6} {'bits/w':>8} {'escape rate':>12} {'exps':>5} {'H(exp)':>7} {'coverage':>10}")
+    print(f"{'tensor':<8} {'shape':>13} {'rows':>6} {'bits/w':>8} {'escape rate':>12} {'exps':>5} {'H(exp)':>7} "
+          f"{'coverage':>10} {'lanes':>5} {'read b/w':>8}")
     for r in rows:
         print(f"{r['name']:<8} {'x'.join(map(str, r['shape'])):>13} {r['rows_measured']:>6} {r['bits_per_weight']:>8.4f} "
-              f"{r['escape_rate']:>12.3e} {r['distinct_exponents']:>5} {r['exponent_entropy_bits']:>7.3f} {r['window_coverage']:>10.5%}")
+              f"{r['escape_rate']:>12.3e} {r['distinct_exponents']:>5} {r['exponent_entropy_bits']:>7.3f} "
+              f"{r['window_coverage']:>10.5%} {r['lanes']:>5} {r['read_bits_per_weight']:>8.4f}")
     m = result["model"]
     print(f"model linears: {m['linear_weights'] / 1e9:.2f} G weights, {m['bits_per_weight']:.4f} bits/weight, "
           f"{m['bytes_u12'] / 1e9:.2f} GB vs {m['bytes_bf16'] / 1e9:.2f} GB bf16 ({m['ratio_to_bf16']:.4f}x)")

@@ -53,8 +53,9 @@ scattered as the table's: commit 75db576, reverted): 3.718 ms against 3.644, its
 
 Lanes (``ESC_LANES``, the GEMVs' default). ``U12Tensor.esc_lanes`` holds every escape of a row in
 the row's lanes, one int32 each (``column | bf16 bits << 16``), as many as the fullest row needs
-rounded up to a power of two (8 for N(0, 0.02) rows of 4096, 16 of 14336: 0.35% more bytes than
-the planes), none past 16 a row or K = 65535, where the table stays. A GEMV loads its rows'
+rounded up to a power of two (8 for N(0, 0.02) rows of 4096, 16 of 14336: 0.3-0.5% more bytes
+than the planes, bench/results/u12_stats.json; the table read about 0.1%), none past 16 a row or
+K = 65535, where the table stays. A GEMV loads its rows'
 lanes [BM, BN, LANES] before its loop at addresses it knows up front (``_lanes_load``: nothing
 waits on it there), gathers x at their columns after it (``_lanes_gather``: one round trip, from
 L2) and reduces both escape sums in one pass, with no row pointers, no one-hot product and no

@@ -213,6 +213,10 @@ def test_stats_of_normal_weights():
     assert 1.0e-4 < s["escape_rate"] < 2.0e-4
     # 12 bits, plus 6 bytes (int32 index, int16 value) per escape.
     assert s["bits_per_weight"] == pytest.approx(12 + 48 * s["escape_rate"])
+    # A GEMV reads the planes and each row's lanes: 4 bytes a lane, 2 lanes (at most 2 escapes a row
+    # here: 0.15 a row on average).
+    assert int(pack_u12(w).esc_row_ptr.diff().max()) == 2
+    assert s["lanes"] == 2 and s["read_bits_per_weight"] == pytest.approx(12 + 32 * 2 / 1024)
     assert 12.0 < s["bits_per_weight"] < 12.01
     assert 20 <= s["distinct_exponents"] <= 30
     assert s["exponent_entropy_bits"] == pytest.approx(2.55, abs=0.02)

@@ -190,15 +190,22 @@ def unpack_u12(t: U12Tensor) -> torch.Tensor:
 def u12_stats(w: torch.Tensor) -> dict[str, float | int]:
     """Cost and exponent statistics of ``w`` (2-D bf16) in u12 form.
 
-    bits_per_weight counts the real bytes of both planes and the side table.
+    bits_per_weight counts the real bytes of both planes and the side table (what is stored);
+    lanes is ``esc_lanes``' width (0: none, the GEMVs walk the table) and read_bits_per_weight what a
+    GEMV reads: the planes and the lanes, or the table and its row pointers.
     """
     t = pack_u12(w)
+    lanes = t.esc_lanes
+    planes = t.sm.numel() + t.codes.numel()
+    read = planes + (lanes.numel() * 4 if lanes is not None else t.nbytes - planes + t.esc_row_ptr.numel() * 4)
     exponent = (_bf16_bits(w) >> 7) & 0xFF
     hist = torch.bincount(exponent.flatten().to(torch.int64), minlength=256).double()
     p = hist[hist > 0] / hist.sum().clamp(min=1)
     numel = max(w.numel(), 1)
     return {
         "bits_per_weight": 8 * t.nbytes / numel,
+        "lanes": 0 if lanes is None else lanes.shape[1],
+        "read_bits_per_weight": 8 * read / numel,
         "escape_rate": t.esc_idx.numel() / numel,
         "escapes": t.esc_idx.numel(),
         "base": t.base,
