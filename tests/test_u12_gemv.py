@@ -147,6 +147,16 @@ def test_gemv2_escapes_every_way(monkeypatch, way, per_row):
         _assert_matches(u12_linear(*_plant_wrong_weight((x, t)), cfg), x, t)
 
 
+def test_escape_lanes_setting_is_checked(monkeypatch):
+    """ESC_LANES names where the GEMVs find their escapes; anything else is refused by name."""
+    t = pack_u12((0.02 * torch.randn(8, 64, generator=torch.Generator().manual_seed(3))).to(torch.bfloat16))
+    monkeypatch.setattr(u12_linear_module, "ESC_LANES", "table")
+    assert u12_linear_module.lanes_args(t) == (t.esc_row_ptr, 0)
+    monkeypatch.setattr(u12_linear_module, "ESC_LANES", "lane")
+    with pytest.raises(ValueError, match=r"ESC_LANES: expected one of \('lanes', 'table'\), got 'lane'"):
+        u12_linear_module.lanes_args(t)
+
+
 def test_gemv2_reads_strided_bf16_x():
     """bf16 x is read as int64 words; a transposed view is copied to contiguous rows first."""
     x, t = _make_inputs({"M": 3, "N": 9, "K": 40, "dtype": torch.bfloat16, "escapes": "few"}, DEVICE, seed=5)
