@@ -23,9 +23,9 @@ normalises every x chunk in registers as rmsnorm does (``_normalize``): inv = rs
 + eps), x' = dtype(norm_weight · dtype(x · inv)). Escapes (code 0 weights, exact in t's lanes or
 side table; the decode's 2^-15 for them taken back before the scale) are added as in u12_linear,
 from the lanes where t has them (``ESC_LANES``), with x' at their columns: the gate block's
-escapes to the gate sums, the up block's (rows I + n) to the up sums. Epilogues (fused_linear's ``_epilogue``), in fp32 from the fp32 sums: gated: g, u =
-dtype(sums), y = dtype(dtype(g / (1 + exp(-g))) · u); residual: residual = dtype(y + residual), in
-place.
+escapes to the gate sums, the up block's (rows I + n) to the up sums. Epilogues (fused_linear's
+``_epilogue``), in fp32 from the fp32 sums: gated: g, u = dtype(sums), y = dtype(dtype(g / (1 +
+exp(-g))) · u); residual: residual = dtype(y + residual), in place.
 
 Norm handoff (``NormHandoff``). The fused stacks run no prologue: a residual GEMV (o, down) hands
 the updated stream's norm to the GEMV after it (gate|up, the next layer's q|k|v). Its epilogue also
@@ -37,9 +37,11 @@ loop is unchanged; the roundings differ from rmsnorm's (xg rounds stream · weig
 rounds x · inv, then its product with the weight): about one bf16 step from the rmsnorm path for a
 GEMV (tests/test_u12_fused_linear.py allows two), up to three on the tiny test pairs' logits
 (tests/test_fused_decoder.py); token forcing judges. H200, the Llama-3.1-8B u12 AR step
-interleaved (bench/results/tried/step_ab_a05f9d3_h200.json, a05f9d3, escapes from the table): 3.540 ms against 3.631 with the norms as
-rmsnorm kernels, the bf16 step 4.09; the parts summed after the consumer's loop instead (beside the
-escapes' loads, a variant since removed) ran the same, 3.539.
+interleaved, escapes from the table (bench/results/tried/step_ab_a05f9d3_h200.json, a05f9d3):
+3.540 ms against 3.631 with the norms as rmsnorm kernels, the bf16 step 4.09; the parts summed
+after the consumer's loop instead (beside the escapes' loads, a variant since removed) ran the
+same, 3.539. With the escapes from the lanes, 3.427 against 4.098
+(bench/results/step_ab_h200.json, 0cf1235).
 
 Numerics. The decoded weights are u12_linear's, bit for bit (the same decode and scales), so the
 kernel computes fused_linear on unpack_u12(t): the roundings are the unfused kernels' (and

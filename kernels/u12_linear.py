@@ -101,11 +101,12 @@ Speed (H200, triton 3.6). gemv2 at M = 1 (bench/results/u12_linear_gemv2_m1_h200
 b170131): 1.27x (qkv), 1.30x (o), 1.23x (gate_up), 1.22x (down), 1.31x (lm_head) of cuBLAS bf16,
 up to 4.14 TB/s of packed bytes; all linears of a Llama-3.1-8B step in one CUDA graph: 3.14 ms
 against 3.97 ms (1.26x). Each config timed in a CUDA graph instead, with the escapes from the
-lanes (bench/results/u12_linear_gemv2_graph_h200.json, commit 0cf1235): 1.37x, 1.38x, 1.30x (TUNED's
-tile 1.25x), 1.29x, 1.57x, up to 4.38 TB/s (lm_head: two rows a one-warp program), all linears in one
-graph 1.32x (3.01 ms against 3.99); with the table (bench/results/tried/
-u12_linear_gemv2_graph_1f0a597_h200.json): 1.20x, 1.29x, 1.36x, 1.20x, 1.54x. The whole fused AR step with every linear in u12 (u12_fused_linear's
-epilogues around this loop, the norms apart) runs 3.704 ms against 4.138 ms for the bf16 step with
+lanes (bench/results/u12_linear_gemv2_graph_h200.json, commit 0cf1235): 1.37x, 1.38x, 1.30x
+(TUNED's tile 1.25x), 1.29x, 1.57x, up to 4.38 TB/s (lm_head: two rows a one-warp program), all
+linears in one graph 1.32x (3.01 ms against 3.99); with the table
+(bench/results/tried/u12_linear_gemv2_graph_1f0a597_h200.json): 1.20x, 1.29x, 1.36x, 1.20x,
+1.54x. The whole fused AR step with every linear in u12 (u12_fused_linear's epilogues around
+this loop, the norms apart, the escapes from the table) runs 3.704 ms against 4.138 ms for the bf16 step with
 fused_linear, interleaved in one run (1.117x; bench/results/tried/step_ab_5b12e69_h200.json, commit 5b12e69;
 3.674 against 4.131, 1.124x, with qkv and o at TUNED's 4 words a thread, ac79ccb;
 3.673 against 4.176, 1.137x, at f6a43e7 before the bf16 step's o and down took 128 registers;
@@ -911,8 +912,8 @@ SPLIT_KS_HMMA = (1, 2, 4, 8)
 # 16-byte loads side by side) from the whole u12 step interleaved (bench/step_ab.py, commit ac79ccb:
 # 3.674 ms against 3.701 with 8 words; 4 words for every linear ran 3.870, for gate_up alone 3.745).
 # M = 1 o, gate_up and lm_head: the gemv2 sweep timed in CUDA graphs (bench/u12_linear.py --ms 1
-# --graph, bench/results/tried/u12_linear_gemv2_graph_1f0a597_h200.json, commit 1f0a597: 9.9, 45.4 and 180.3 µs
-# against 10.1, 46.2 and 207.5), taken after the AR step interleaved (bench/step_ab.py --u12-tuned,
+# --graph, bench/results/tried/u12_linear_gemv2_graph_1f0a597_h200.json, commit 1f0a597: 9.9, 45.4
+# and 180.3 µs against 10.1, 46.2 and 207.5), taken after the AR step interleaved (bench/step_ab.py --u12-tuned,
 # bench/results/step_ab_u12_tuned_h200.json): 3.626 ms against 3.648. The sweep again with the
 # escapes from the lanes (bench/results/u12_linear_gemv2_graph_h200.json, 0cf1235) kept every M = 1
 # tile but gate_up's (bn4-bw256-w2, 44.3 µs against 46.0); the step with it ran 3.501 ms against
