@@ -139,7 +139,8 @@ def u12_stats() -> str:
     if d is None:
         return "_no results file yet: run `python bench/u12_stats.py`_"
     lines = [
-        f"N(0, {d['sigma']}) bf16 weights at Llama-3.1-8B shapes ({d['device']}). Source: `bench/results/u12_stats.json`.",
+        f"N(0, {d['sigma']}) bf16 weights at Llama-3.1-8B shapes ({d['device']}). Source: `bench/results/u12_stats.json` "
+        "(`python bench/u12_stats.py`).",
         "",
         "| tensor | shape | bits/weight (stored) | escape rate | window coverage | lanes a row | bits/weight a GEMV reads |",
         "|---|---|---:|---:|---:|---:|---:|",
@@ -149,6 +150,13 @@ def u12_stats() -> str:
                  else "table | " + (f"{t['read_bits_per_weight']:.3f}" if "read_bits_per_weight" in t else "—"))
         lines.append(f"| {t['name']} | {t['shape'][0]}×{t['shape'][1]} | {t['bits_per_weight']:.3f} | "
                      f"{t['escape_rate']:.2e} | {100 * t['window_coverage']:.3f}% | {lanes} |")
+    if d.get("zoo"):
+        lines += ["", "The zoo's trained models (every 2-D weight matrix, summed; lanes: the widest tensor's):", "",
+                  "| model | matrices | weights | bits/weight (stored) | escape rate | lanes a row | bits/weight a GEMV reads |",
+                  "|---|---:|---:|---:|---:|---:|---:|"]
+        for z in d["zoo"]:
+            lines.append(f"| {z['model']} | {z['tensors']} | {z['weights']} | {z['bits_per_weight']:.3f} | "
+                         f"{z['escape_rate']:.2e} | {z['lanes'] or 'table'} | {z['read_bits_per_weight']:.3f} |")
     return "\n".join(lines)
 
 

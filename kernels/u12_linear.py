@@ -53,15 +53,13 @@ scattered as the table's: commit 75db576, reverted): 3.718 ms against 3.644, its
 
 Lanes (``ESC_LANES``, the GEMVs' default). ``U12Tensor.esc_lanes`` holds every escape of a row in
 the row's lanes, one int32 each (``column | bf16 bits << 16``), as many as the fullest row needs
-rounded up to a power of two (8 for N(0, 0.02) rows of 4096, 16 of 14336: 0.3-0.5% more bytes
-than the planes, bench/results/u12_stats.json; the table read about 0.1%), none past 16 a row or
-K = 65535, where the table stays. A GEMV loads its rows'
+rounded up to a power of two (8 for N(0, 0.02) rows of 4096, 16 of 14336: a GEMV reads
+12.036-12.062 bits a weight, the zoo's narrow rows up to 12.49, bench/results/u12_stats.json),
+none past 16 a row or K past 65535 (a lane's column is 16 bits), where the table stays. A GEMV loads its rows'
 lanes [BM, BN, LANES] before its loop at addresses it knows up front (``_lanes_load``: nothing
 waits on it there), gathers x at their columns after it (``_lanes_gather``: one round trip, from
 L2) and reduces both escape sums in one pass, with no row pointers, no one-hot product and no
-non-finite path: each lane belongs to one row, so inf/NaN stay in it (``_lanes_finish``). sm_90
-(the fused GEMV at the step's tiles): 384-856 instructions a kernel against 736-1856 with the
-table, 3-5 barriers against 9-19, registers the same or fewer (qkv 40 -> 34, gate_up 96 -> 79).
+non-finite path: each lane belongs to one row, so inf/NaN stay in it (``_lanes_finish``).
 The u12 AR step, interleaved (bench/results/step_ab_h200.json, 0cf1235):
 3.427 ms against 3.546 with the table and bf16's 4.098 (1.196x). Tried and dropped there: x's
 gather issued after a peeled first chunk, so the loop hides it (3.629: the peel costs the loop

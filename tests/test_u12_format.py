@@ -217,6 +217,11 @@ def test_stats_of_normal_weights():
     # here: 0.15 a row on average).
     assert int(pack_u12(w).esc_row_ptr.diff().max()) == 2
     assert s["lanes"] == 2 and s["read_bits_per_weight"] == pytest.approx(12 + 32 * 2 / 1024)
+    # A row of 17 escapes has no lanes: a GEMV reads the table and its int32 row pointers.
+    w[0, :17] = 1e-30
+    s = u12_stats(w)
+    assert s["lanes"] == 0
+    assert s["read_bits_per_weight"] == pytest.approx(s["bits_per_weight"] + 32 * 1025 / 1024**2)
     assert 12.0 < s["bits_per_weight"] < 12.01
     assert 20 <= s["distinct_exponents"] <= 30
     assert s["exponent_entropy_bits"] == pytest.approx(2.55, abs=0.02)
