@@ -17,9 +17,11 @@ default u12 layers until this comparison); u12-epilogues (u12_fused_linear's SiL
 epilogues, the norms as rmsnorm kernels: the default until the handoff); u12-prologue (u12_fused_linear
 with its norm prologue too); u12-handoff (the epilogues' step with each norm after o and down handed
 on to the next GEMV: u12_fused_linear's NormHandoff, no rmsnorm kernel between them; the default);
-u12-esc-table (the default with the GEMVs' escapes from the side table, its row pointers loaded
-before the loops, in place of the rows' lanes: ``u12_linear.ESC_LANES``); u12-esc-after (the same
-with every load of the table after the loops: ``u12_linear.ESC_AHEAD`` off); bf16-default, bf16-r128 (the bf16 step at other register budgets:
+u12-esc-table (the default with the escapes from the side table, the GEMVs' row pointers loaded
+before their loops, in place of the rows' lanes: ``u12_linear.ESC_LANES``); u12-esc-after (the same
+with every load of the table after the loops: ``u12_linear.ESC_AHEAD`` off; AR only);
+u12-lanes-g8, u12-lanes-g16 (a verify step's mma and hmma kernels walking the lanes 8 or 16 a
+step, ``u12_linear.LANE_GROUP``, against the default 4; --q above 1 only); bf16-default, bf16-r128 (the bf16 step at other register budgets:
 ``BF16_VARIANTS``; not under --smoke, whose tiny shapes TUNED does not hold). With --q above 1 (a
 chain verify step): bf16-cublas (cuBLAS with the separate norm, SiLU·mul and add kernels),
 bf16-linear (fused_linear at those rows, --bf16-tuned's configs), bf16-linear-nosq (the same with
@@ -71,6 +73,11 @@ U12_VARIANTS = {  # name: FusedOps fields over the default ops
 U12_KNOB_VARIANTS = {  # name: u12_linear's launch-time settings over the default u12 step
     "u12-esc-table": dict(ESC_LANES="table"),  # the escapes from the side table, row pointers ahead
     "u12-esc-after": dict(ESC_LANES="table", ESC_AHEAD=False),  # every load of the table after the loop
+}
+U12_VERIFY_KNOB_VARIANTS = {  # the same, for a verify step (--q above 1: the mma and hmma kernels)
+    "u12-esc-table": dict(ESC_LANES="table"),
+    "u12-lanes-g8": dict(LANE_GROUP=8),  # the lanes walked 8 a step (the default 4)
+    "u12-lanes-g16": dict(LANE_GROUP=16),  # all of a row's lanes at once (16 at most)
 }
 
 
@@ -145,7 +152,7 @@ def capture(shape: str, variants: bool, extra_bf16: dict | None = None, extra_u1
             model.fused.ops = dataclasses.replace(ops, **fields)
             graphs[name] = capture_step()
         model.fused.ops = ops
-        for name, knobs in U12_KNOB_VARIANTS.items():
+        for name, knobs in (U12_KNOB_VARIANTS if q == 1 else U12_VERIFY_KNOB_VARIANTS).items():
             saved = {k: getattr(u12_linear, k) for k in knobs}
             for k, v in knobs.items():
                 setattr(u12_linear, k, v)

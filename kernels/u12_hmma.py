@@ -62,8 +62,9 @@ issue's 1.15x at M = 16 needs.
 
 Numerics: the biased decode (w · 2^(113-base), an escape 2^-15), bf16 x unscaled, fp32 accumulation
 in the tensor cores. The epilogue stays in the fragments' layout (``_finish``, elementwise): each
-accumulator walks the escapes of its W row, takes back their spurious x · 2^-15 and adds x · w
-exactly, then the scale 2^(base-113); split-K by the serial semaphore, partials summed in split
+accumulator reads the escapes of its W row (from the row's lanes, ``LANE_GROUP`` a step, or where
+the weight has none from the table), takes back their spurious x · 2^-15 and adds x · w exactly,
+then the scale 2^(base-113); split-K by the serial semaphore, partials summed in split
 order. (The mma kernel's 2-D epilogue, ``_store_block``, cost about 80 registers a thread here:
 168 against 90 for the loop, sm_90 ptxas.) bf16 x only (fp32 x, K % 4 != 0 or a base past 240 run the tile
 kernel: ``hmma_applies``).
@@ -94,6 +95,8 @@ from .u12_linear import (
     _split_k_plan,
     aligned_rows,
     biased_scale,
+    lane_group,
+    lanes_args,
     u12_linear,
     u12_linear_reference,
     words_and_scales,
@@ -252,32 +255,46 @@ def _stack(d0, d1, d2, d3, e0, e1, e2, e3):
 
 @triton.jit
 def _finish(
-    acc, mm, nn, x_ptr, esc_idx_ptr, esc_val_ptr, esc_row_ptr, y_ptr, M, N, K, stride_xm, stride_ym, y_scale,
+    acc, mm, nn, x_ptr, esc_idx_ptr, esc_val_ptr, esc_row_ptr, lanes_ptr, y_ptr, M, N, K, stride_xm, stride_ym,
+    y_scale, LANES: tl.constexpr, LANE_GROUP: tl.constexpr,
 ):
     """y[mm, nn] from the biased sums acc (each element: x row mm, W row nn): per element, the escapes
-    of W row nn (CSR esc_row_ptr) take back their spurious x · 2^-15 and add x · w exactly, then the
-    scale. Elementwise in the accumulators' own layout: no layout change, few registers."""
+    of W row nn take back their spurious x · 2^-15 and add x · w exactly, then the scale. The
+    escapes from the row's lanes (LANES > 0: LANE_GROUP lanes of every element at once, so no load
+    waits on another but x's on its lane), else from the table (CSR esc_row_ptr, then each escape's index
+    and value, then x: a walk as long as the longest row's). Elementwise in the accumulators' own
+    layout: no layout change, few registers."""
     ok_n = nn < N
     rows = tl.minimum(nn, N - 1)
-    start = tl.load(esc_row_ptr + rows)
-    count = tl.where(ok_n, tl.load(esc_row_ptr + rows + 1) - start, 0)
     x_row = x_ptr + tl.minimum(mm, M - 1) * stride_xm
     spur = tl.zeros_like(acc)
     esc = tl.zeros_like(acc)
-    for j in range(0, tl.max(count)):  # a row's escapes, the longest row's count for all
-        has = j < count
-        idx = tl.load(esc_idx_ptr + start + j, mask=has, other=0)
-        val = (tl.load(esc_val_ptr + start + j, mask=has, other=0).to(tl.int32) << 16).to(tl.float32, bitcast=True)
-        xv = tl.load(x_row + idx % K, mask=has, other=0.0).to(tl.float32)
-        esc += tl.where(has, xv * val, 0.0)
-        spur += xv * ESC_DECODED
+    if LANES:
+        for j0 in range(0, LANES, LANE_GROUP):
+            for j in tl.static_range(LANE_GROUP):
+                lane = tl.load(lanes_ptr + rows * LANES + j0 + j)
+                col = lane & 0xFFFF
+                has = ok_n & (col < K)  # an empty lane's column 0xFFFF is never < K
+                xv = tl.load(x_row + col, mask=has, other=0.0).to(tl.float32)
+                esc += tl.where(has, xv * (lane & -0x10000).to(tl.float32, bitcast=True), 0.0)
+                spur += xv * ESC_DECODED
+    else:
+        start = tl.load(esc_row_ptr + rows)
+        count = tl.where(ok_n, tl.load(esc_row_ptr + rows + 1) - start, 0)
+        for j in range(0, tl.max(count)):  # a row's escapes, the longest row's count for all
+            has = j < count
+            idx = tl.load(esc_idx_ptr + start + j, mask=has, other=0)
+            val = (tl.load(esc_val_ptr + start + j, mask=has, other=0).to(tl.int32) << 16).to(tl.float32, bitcast=True)
+            xv = tl.load(x_row + idx % K, mask=has, other=0.0).to(tl.float32)
+            esc += tl.where(has, xv * val, 0.0)
+            spur += xv * ESC_DECODED
     y = (acc - spur) * y_scale + esc  # the scale: exact (a power of two)
     tl.store(y_ptr + mm * stride_ym + nn, y.to(y_ptr.dtype.element_ty), mask=(mm < M) & ok_n)
 
 
 @triton.jit
 def _u12_hmma_kernel(
-    x_ptr, sm_ptr, codes_ptr, esc_idx_ptr, esc_val_ptr, esc_row_ptr, y_ptr, part_ptr, count_ptr,
+    x_ptr, sm_ptr, codes_ptr, esc_idx_ptr, esc_val_ptr, esc_row_ptr, lanes_ptr, y_ptr, part_ptr, count_ptr,
     M, N, K, n_words, y_scale, words_per_split,
     stride_xm, stride_sm, stride_codes, stride_ym,
     BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, WARPS: tl.constexpr,
@@ -285,6 +302,8 @@ def _u12_hmma_kernel(
     EVEN_K: tl.constexpr,  # n_words % BLOCK_W == 0: no split has a masked last chunk
     ASM: tl.constexpr,  # PTX mma.sync and prmt (GPU); else their emulation (interpreter)
     PDL: tl.constexpr,  # programmatic dependent launch (kernels/overlap.py)
+    LANES: tl.constexpr = 0,  # > 0: the escapes from W's lanes (U12Tensor.esc_lanes, LANES a row), not the table
+    LANE_GROUP: tl.constexpr = 4,  # lanes a step of the epilogue's walk (u12_linear.LANE_GROUP)
 ):
     pdl_enter(PDL)
     TILES: tl.constexpr = BLOCK_N // (16 * WARPS)  # m-tiles a warp: 1 or 2
@@ -341,11 +360,11 @@ def _u12_hmma_kernel(
     acc = _stack(d0, d1, d2, d3, e0, e1, e2, e3)
     acc2 = _stack(f0, f1, f2, f3, h0, h1, h2, h3)  # TILES 2: rows nn + 16
     if SPLIT_K == 1:
-        _finish(acc, mm, nn, x_ptr, esc_idx_ptr, esc_val_ptr, esc_row_ptr, y_ptr, M, N, K, stride_xm, stride_ym,
-                y_scale)
+        _finish(acc, mm, nn, x_ptr, esc_idx_ptr, esc_val_ptr, esc_row_ptr, lanes_ptr, y_ptr, M, N, K, stride_xm, stride_ym,
+                y_scale, LANES, LANE_GROUP)
         if TILES == 2:
-            _finish(acc2, mm, nn + 16, x_ptr, esc_idx_ptr, esc_val_ptr, esc_row_ptr, y_ptr, M, N, K, stride_xm,
-                    stride_ym, y_scale)
+            _finish(acc2, mm, nn + 16, x_ptr, esc_idx_ptr, esc_val_ptr, esc_row_ptr, lanes_ptr, y_ptr, M, N, K, stride_xm,
+                    stride_ym, y_scale, LANES, LANE_GROUP)
     else:  # the serial split-K semaphore (as _store_block): the last program sums the partials in split order
         ok = (mm < M) & (nn < N)
         part = part_ptr + mm * N + nn  # [SPLIT_K, M, N] fp32
@@ -359,15 +378,15 @@ def _u12_hmma_kernel(
             total = tl.zeros_like(acc)
             for ks in tl.static_range(SPLIT_K):  # unrolled: every partial's load in flight at once
                 total += tl.load(part + ks * M * N, mask=ok, other=0.0, cache_modifier=".cg")
-            _finish(total, mm, nn, x_ptr, esc_idx_ptr, esc_val_ptr, esc_row_ptr, y_ptr, M, N, K, stride_xm, stride_ym,
-                    y_scale)
+            _finish(total, mm, nn, x_ptr, esc_idx_ptr, esc_val_ptr, esc_row_ptr, lanes_ptr, y_ptr, M, N, K, stride_xm, stride_ym,
+                    y_scale, LANES, LANE_GROUP)
             if TILES == 2:
                 total = tl.zeros_like(acc)
                 for ks in tl.static_range(SPLIT_K):
                     total += tl.load(part + 16 + ks * M * N, mask=(mm < M) & (nn + 16 < N), other=0.0,
                                      cache_modifier=".cg")
-                _finish(total, mm, nn + 16, x_ptr, esc_idx_ptr, esc_val_ptr, esc_row_ptr, y_ptr, M, N, K, stride_xm,
-                        stride_ym, y_scale)
+                _finish(total, mm, nn + 16, x_ptr, esc_idx_ptr, esc_val_ptr, esc_row_ptr, lanes_ptr, y_ptr, M, N, K, stride_xm,
+                        stride_ym, y_scale, LANES, LANE_GROUP)
             tl.atomic_xchg(counter, 0)  # ready for the next launch (and CUDA graph replays)
 
 
@@ -385,13 +404,15 @@ def launch_hmma(x: torch.Tensor, t: U12Tensor, y: torch.Tensor, cfg: U12Config) 
     grid, words_per_split, part, counters = _split_k_plan(t, cfg, m, n_words, BLOCK_M.value)
     native = x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1"  # the interpreter runs no PTX
     sm, codes = t.sm.contiguous(), t.codes.contiguous()
+    lanes, n_lanes = lanes_args(t)
     _u12_hmma_kernel[grid](
         x, sm.view(torch.int32), codes.view(torch.int16),
-        _nonempty(t.esc_idx), _nonempty(t.esc_val), t.esc_row_ptr, y, part, counters,
+        _nonempty(t.esc_idx), _nonempty(t.esc_val), t.esc_row_ptr, lanes, y, part, counters,
         m, n, k, n_words, biased_scale(t.base), words_per_split,
         x.stride(0), n_words, n_words, y.stride(0),
         BLOCK_N=cfg.block_n, BLOCK_W=cfg.block_w, WARPS=cfg.num_warps, SPLIT_K=grid[1],
         EVEN_K=n_words % cfg.block_w == 0, ASM=native, **cfg.launch_options(native), **pdl_args(x.device),
+        LANES=n_lanes, LANE_GROUP=lane_group(n_lanes),
     )
 
 

@@ -37,7 +37,7 @@ run the same weight at the same time.
 Escapes: after the sum, the program that writes an output block adds the exact contributions
 ``x[:, k] * w[n, k]`` of its rows' escapes. Escapes are about 0.015% of N(0, 0.02) weights, yet
 finding them cost a GEMV memory round trips after its loop, where a one-wave launch has nothing
-else in flight. The tile and mma kernels (and the GEMVs where a weight has no lanes) walk the
+else in flight. Where a weight has no lanes (below) or ``ESC_LANES`` says "table", the kernels walk the
 side table: CSR row pointers (``U12Tensor.esc_row_ptr``), then indices and values, then x at
 their columns, three dependent loads, scattered by a one-hot product (one escape at a time when a
 chunk holds inf/NaN contributions). The u12 AR step ran 3.437 ms with no escape step at all (an
@@ -51,7 +51,7 @@ row's first 4 escapes at fixed places, loaded with the row pointers before the l
 scattered as the table's: commit 75db576, reverted): 3.718 ms against 3.644, its registers up
 (gate_up 90 -> 124) (bench/results/tried/step_ab_u12_escape_slots_h200.json).
 
-Lanes (``ESC_LANES``, the GEMVs' default). ``U12Tensor.esc_lanes`` holds every escape of a row in
+Lanes (``ESC_LANES``, every kernel's default). ``U12Tensor.esc_lanes`` holds every escape of a row in
 the row's lanes, one int32 each (``column | bf16 bits << 16``), as many as the fullest row needs
 rounded up to a power of two (8 for N(0, 0.02) rows of 4096, 16 of 14336: a GEMV reads
 12.036-12.062 bits a weight, the zoo's narrow rows up to 12.49, bench/results/u12_stats.json),
@@ -67,8 +67,14 @@ more than the round trip), and the weight loads ``.cg`` or L1 ``evict_first`` (3
 and, at 2840cfa (bench/results/tried/step_ab_u12_escape_lanes_h200.json), the lanes in the
 accumulator's shape, so the escapes fold into its own reduction (4.041 ms after the loop, 3.925
 before it: masked [BM, BN, BW] loads and gathers for a few lanes), and in their own shape loaded
-after the loop (3.452 against 3.439 before it). Lanes are derived on first use with a host sync:
-a launch captured in a CUDA graph before any eager one walks the table (``lanes_args``).
+after the loop (3.452 against 3.439 before it). The M >= 5 kernels (tile, mma: ``_store_block``'s
+``_lanes_block``; hmma: its ``_finish``) add the escapes in the program that stores the block, after
+the loop and, with split-K, after the partials: ``LANE_GROUP`` lanes of every row a step, the
+step's lane loads at known addresses, then x at their columns, all of a step in flight at once, in
+place of the table walk's row pointers, then one more pair of round trips per ``ESC_BLOCK`` escapes
+of the block (not yet timed on a GPU: bench/step_ab.py --q 16 compares it with the table and with 8
+and 16 lanes a step). Lanes are derived on first use with a host sync: a launch captured in a CUDA
+graph before any eager one walks the table (``lanes_args``).
 
 gemv2. One program owns BLOCK_N rows of W and every row of x (M ≤ 4), so each weight is decoded
 once and used M times, and loops over K in chunks of BLOCK_W words. The 4 weights of a word
@@ -469,8 +475,36 @@ def _lanes_finish(acc, spur, esc, y_scale):
 
 
 @triton.jit
+def _lanes_block(out, lanes_ptr, rows_n, x_ptr, offs_m, mask_m, stride_xm, stride_xk, K, LANES: tl.constexpr,
+                 GROUP: tl.constexpr, BIASED: tl.constexpr, y_scale):
+    """y [BM, BN] from a program's fp32 sums out [BM, BN] and the escapes of its W rows rows_n [BN]
+    (clamped to N - 1) read from their lanes, GROUP lanes of every row a step: the step's lane
+    loads need no other load, then x at their columns, all in flight at once (two round trips a
+    step, where the table walk takes one and two more per ``ESC_BLOCK`` escapes of the block).
+    Each output sums its own row's escapes, so inf/NaN stay in it. BIASED: out is the biased decode's
+    sums, y = (out - Σ x · 2^-15) · y_scale + Σ x · w (``_lanes_finish``); else y's units with the
+    escapes decoded to +0.0, y = out + Σ x · w."""
+    esc = tl.zeros_like(out)
+    spur = tl.zeros_like(out)
+    x_rows = x_ptr + offs_m[:, None] * stride_xm
+    for j0 in range(0, LANES, GROUP):
+        for jj in tl.static_range(GROUP):
+            lane = tl.load(lanes_ptr + rows_n * LANES + j0 + jj)
+            col = lane & 0xFFFF
+            ok = mask_m[:, None] & (col < K)[None, :]  # an empty lane's column 0xFFFF is never < K
+            xv = tl.load(x_rows + col[None, :] * stride_xk, mask=ok, other=0.0).to(tl.float32)
+            esc += tl.where(ok, xv * (lane & -0x10000).to(tl.float32, bitcast=True)[None, :], 0.0)
+            if BIASED:
+                spur += tl.where(ok, xv * ESC_DECODED, 0.0)
+    if BIASED:
+        return (out - spur) * y_scale + esc
+    else:
+        return out + esc
+
+
+@triton.jit
 def _u12_linear_kernel(
-    x_ptr, sm_ptr, codes_ptr, esc_idx_ptr, esc_val_ptr, esc_row_ptr, y_ptr, part_ptr, count_ptr,
+    x_ptr, sm_ptr, codes_ptr, esc_idx_ptr, esc_val_ptr, esc_row_ptr, lanes_ptr, y_ptr, part_ptr, count_ptr,
     M, N, K, n_words, base, x_scale, y_scale_lo, y_scale_hi, words_per_split,
     stride_xm, stride_xk, stride_sm, stride_codes, stride_ym,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, ESC_BLOCK: tl.constexpr,
@@ -481,6 +515,8 @@ def _u12_linear_kernel(
     USE_DOT: tl.constexpr,  # tl.dot on decoded tiles (BLOCK_M >= 16), else multiply-and-sum
     DOT_BF16: tl.constexpr,  # bf16 tiles for a bf16 dot (GPU, bf16 x); else fp32 tiles
     PDL: tl.constexpr,  # programmatic dependent launch (kernels/overlap.py)
+    LANES: tl.constexpr = 0,  # > 0: the escapes from W's lanes (U12Tensor.esc_lanes, LANES a row), not the table
+    LANE_GROUP: tl.constexpr = 4,  # lanes a step of the epilogue's walk (module LANE_GROUP)
 ):
     pdl_enter(PDL)
     pid_n = tl.program_id(0)
@@ -534,8 +570,25 @@ def _u12_linear_kernel(
     _store_block(
         out, x_ptr, esc_idx_ptr, esc_val_ptr, esc_row_ptr, y_ptr, part_ptr, count_ptr, offs_m, mask_m, offs_n, mask_n,
         n0, pid_n, pid_k, pid_m, M, N, K, SPLIT_K, stride_xm, stride_xk, stride_ym,
-        BLOCK_M, BLOCK_N, ESC_BLOCK, USE_DOT,
+        BLOCK_M, BLOCK_N, ESC_BLOCK, USE_DOT, False, 1.0, lanes_ptr, LANES, LANE_GROUP,
     )
+
+
+@triton.jit
+def _block_escapes(
+    out, x_ptr, esc_idx_ptr, esc_val_ptr, esc_row_ptr, lanes_ptr, offs_m, mask_m, offs_n, n0, N, K,
+    stride_xm, stride_xk, BLOCK_N: tl.constexpr, ESC_BLOCK: tl.constexpr, USE_DOT: tl.constexpr,
+    DTYPE: tl.constexpr, BIASED: tl.constexpr, y_scale, LANES: tl.constexpr, LANE_GROUP: tl.constexpr,
+):
+    """``_store_block``'s escape step: from the lanes (LANES > 0, LANE_GROUP at a time) or from the table."""
+    if LANES:
+        return _lanes_block(out, lanes_ptr, tl.minimum(offs_n, N - 1), x_ptr, offs_m, mask_m, stride_xm, stride_xk,
+                            K, LANES, LANE_GROUP, BIASED, y_scale)
+    else:
+        return _apply_escapes(
+            out, x_ptr, esc_idx_ptr, esc_val_ptr, esc_row_ptr, offs_m, mask_m, offs_n, n0, N, K,
+            stride_xm, stride_xk, BLOCK_N, ESC_BLOCK, USE_DOT, x_ptr, 1.0, False, DTYPE, False, BIASED, y_scale,
+        )
 
 
 @triton.jit
@@ -543,20 +596,21 @@ def _store_block(
     out, x_ptr, esc_idx_ptr, esc_val_ptr, esc_row_ptr, y_ptr, part_ptr, count_ptr, offs_m, mask_m, offs_n, mask_n,
     n0, pid_n, pid_k, pid_m, M, N, K, SPLIT_K: tl.constexpr, stride_xm, stride_xk, stride_ym,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ESC_BLOCK: tl.constexpr, USE_DOT: tl.constexpr,
-    BIASED: tl.constexpr = False, y_scale=1.0,
+    BIASED: tl.constexpr = False, y_scale=1.0, lanes_ptr=None, LANES: tl.constexpr = 0,
+    LANE_GROUP: tl.constexpr = 4,
 ):
     """Store a program's fp32 sums ``out`` [BM, BN] (y's units, or BIASED the biased decode's, which
     the escape step scales by y_scale; ``_apply_escapes``): with SPLIT_K 1 add the escapes and
     store y; else store the partial, and the last program of the block (the serial split-K semaphore)
-    sums the partials in split order, adds the escapes, stores y and resets the counter. Shared by
-    the tile kernel and the mma kernel (kernels/u12_mma.py)."""
+    sums the partials in split order, adds the escapes, stores y and resets the counter. The
+    escapes from W's lanes where LANES > 0 (``_lanes_block``), else from the table. Shared by the
+    tile kernel and the mma kernel (kernels/u12_mma.py)."""
     mask_out = mask_m[:, None] & mask_n[None, :]
     y = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
     if SPLIT_K == 1:
-        out = _apply_escapes(
-            out, x_ptr, esc_idx_ptr, esc_val_ptr, esc_row_ptr, offs_m, mask_m, offs_n, n0, N, K,
-            stride_xm, stride_xk, BLOCK_N, ESC_BLOCK, USE_DOT, x_ptr, 1.0, False, y_ptr.dtype.element_ty, False,
-            BIASED, y_scale,
+        out = _block_escapes(
+            out, x_ptr, esc_idx_ptr, esc_val_ptr, esc_row_ptr, lanes_ptr, offs_m, mask_m, offs_n, n0, N, K,
+            stride_xm, stride_xk, BLOCK_N, ESC_BLOCK, USE_DOT, y_ptr.dtype.element_ty, BIASED, y_scale, LANES, LANE_GROUP,
         )
         tl.store(y, out.to(y_ptr.dtype.element_ty), mask=mask_out)
     else:
@@ -569,10 +623,9 @@ def _store_block(
             total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for ks in tl.static_range(SPLIT_K):  # unrolled: every partial's load in flight at once
                 total += tl.load(part + ks * M * N, mask=mask_out, other=0.0, cache_modifier=".cg")
-            total = _apply_escapes(
-                total, x_ptr, esc_idx_ptr, esc_val_ptr, esc_row_ptr, offs_m, mask_m, offs_n, n0, N, K,
-                stride_xm, stride_xk, BLOCK_N, ESC_BLOCK, USE_DOT, x_ptr, 1.0, False, y_ptr.dtype.element_ty, False,
-                BIASED, y_scale,
+            total = _block_escapes(
+                total, x_ptr, esc_idx_ptr, esc_val_ptr, esc_row_ptr, lanes_ptr, offs_m, mask_m, offs_n, n0, N, K,
+                stride_xm, stride_xk, BLOCK_N, ESC_BLOCK, USE_DOT, y_ptr.dtype.element_ty, BIASED, y_scale, LANES, LANE_GROUP,
             )
             tl.store(y, total.to(y_ptr.dtype.element_ty), mask=mask_out)
             tl.atomic_xchg(counter, 0)  # ready for the next launch (and CUDA graph replays)
@@ -954,11 +1007,23 @@ _ESC_BLOCK = 16
 # (``_escape_stage``); off, all three of its loads run after it. Read at launch (bench/step_ab.py
 # compares the two).
 ESC_AHEAD = True
-# Where the GEMVs (gemv2, u12_fused_linear) find their escapes: "lanes" (``U12Tensor.esc_lanes``,
-# where the weight has them; else the table) or "table" (the CSR side table, as ESC_AHEAD says).
-# Read at launch (bench/step_ab.py compares the two); SPECPILOT_ESC_LANES sets it for a process.
+# Where every u12 kernel finds its escapes: "lanes" (``U12Tensor.esc_lanes``, where the weight has
+# them; else the table) or "table" (the CSR side table; in the GEMVs as ESC_AHEAD says). Read at
+# launch (bench/step_ab.py compares the two); SPECPILOT_ESC_LANES sets it for a process.
 ESC_LANES = os.environ.get("SPECPILOT_ESC_LANES", "lanes")
 _LANE_MODES = ("lanes", "table")
+# The M >= 5 kernels (tile, mma, hmma) walk a block's lanes this many at a time after their loop:
+# each step's lane loads, then its x gathers, all in flight at once. More lanes a step, fewer round
+# trips and more registers, which with split-K 1 the loop's occupancy pays for. Read at launch;
+# bench/step_ab.py's verify variants compare.
+LANE_GROUP = 4
+
+
+def lane_group(n_lanes: int) -> int:
+    """Lanes a step of the M >= 5 kernels' escape walk (``LANE_GROUP``, at most the weight's)."""
+    if LANE_GROUP not in (1, 2, 4, 8, 16):
+        raise ValueError(f"u12_linear.LANE_GROUP: expected 1, 2, 4, 8 or 16, got {LANE_GROUP!r}")
+    return max(1, min(n_lanes, LANE_GROUP))
 
 
 def lanes_args(t: U12Tensor) -> tuple[torch.Tensor, int]:
@@ -1146,15 +1211,17 @@ def u12_linear(x: torch.Tensor, t: U12Tensor, config: U12Config | None = None) -
     grid, words_per_split, part, counters = _split_k_plan(t, cfg, m, n_words, block_m)
     split = grid[1]
     sm, codes = t.sm.contiguous(), t.codes.contiguous()
+    lanes, n_lanes = lanes_args(t)
     _u12_linear_kernel[grid](
         x, sm.view(torch.int32) if words else sm, codes.view(torch.int16) if words else codes,
-        _nonempty(t.esc_idx), _nonempty(t.esc_val), t.esc_row_ptr, y, part, counters,
+        _nonempty(t.esc_idx), _nonempty(t.esc_val), t.esc_row_ptr, lanes, y, part, counters,
         m, n, k, n_words, t.base, x_scale, y_lo, y_hi, words_per_split,
         x.stride(0), x.stride(1), n_words if words else k, n_words if words else codes.shape[1], y.stride(0),
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_W=cfg.block_w, ESC_BLOCK=_ESC_BLOCK, SPLIT_K=split,
         PAIRS=cfg.decode == "pairs", WORDS=words, SCALED=scaled, USE_DOT=use_dot,
         DOT_BF16=use_dot and x.is_cuda and x.dtype == torch.bfloat16,
         **cfg.launch_options(x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1"), **pdl_args(x.device),
+        LANES=n_lanes, LANE_GROUP=lane_group(n_lanes),
     )
     return y
 

@@ -62,6 +62,8 @@ from .u12_linear import (
     U12Config,
     _block_m,
     aligned_rows,
+    lane_group,
+    lanes_args,
     _case,
     _decode_planes,
     _make_inputs,
@@ -148,7 +150,7 @@ def _mma_chunk(
 
 @triton.jit
 def _u12_mma_kernel(
-    x_ptr, sm_ptr, codes_ptr, esc_idx_ptr, esc_val_ptr, esc_row_ptr, y_ptr, part_ptr, count_ptr,
+    x_ptr, sm_ptr, codes_ptr, esc_idx_ptr, esc_val_ptr, esc_row_ptr, lanes_ptr, y_ptr, part_ptr, count_ptr,
     M, N, K, n_words, x_scale, y_scale_lo, y_scale_hi, words_per_split,
     stride_xm, stride_xk, stride_sm, stride_codes, stride_ym,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, ESC_BLOCK: tl.constexpr,
@@ -158,6 +160,8 @@ def _u12_mma_kernel(
     DOT_BF16: tl.constexpr,  # bf16 planes and dots (GPU, bf16 x); else fp32
     ASM: tl.constexpr,  # PTX prmt/lop3 (GPU); else their shift-and-mask emulation (interpreter)
     PDL: tl.constexpr,  # programmatic dependent launch (kernels/overlap.py)
+    LANES: tl.constexpr = 0,  # > 0: the escapes from W's lanes (U12Tensor.esc_lanes, LANES a row), not the table
+    LANE_GROUP: tl.constexpr = 4,  # lanes a step of the epilogue's walk (u12_linear.LANE_GROUP)
 ):
     pdl_enter(PDL)
     pid_n = tl.program_id(0)
@@ -192,6 +196,7 @@ def _u12_mma_kernel(
     _store_block(
         out, x_ptr, esc_idx_ptr, esc_val_ptr, esc_row_ptr, y_ptr, part_ptr, count_ptr, offs_m, mask_m, offs_n, mask_n,
         n0, pid_n, pid_k, pid_m, M, N, K, SPLIT_K, stride_xm, stride_xk, stride_ym, BLOCK_M, BLOCK_N, ESC_BLOCK, True,
+        False, 1.0, lanes_ptr, LANES, LANE_GROUP,
     )
 
 
@@ -212,15 +217,17 @@ def launch_mma(x: torch.Tensor, t: U12Tensor, y: torch.Tensor, cfg: U12Config) -
     grid, words_per_split, part, counters = _split_k_plan(t, cfg, m, n_words, block_m)
     native = x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1"  # the interpreter runs no PTX, no bf16 dot
     sm, codes = t.sm.contiguous(), t.codes.contiguous()
+    lanes, n_lanes = lanes_args(t)
     _u12_mma_kernel[grid](
         x, sm.view(torch.int32), codes.view(torch.int16),
-        _nonempty(t.esc_idx), _nonempty(t.esc_val), t.esc_row_ptr, y, part, counters,
+        _nonempty(t.esc_idx), _nonempty(t.esc_val), t.esc_row_ptr, lanes, y, part, counters,
         m, n, k, n_words, x_scale, y_lo, y_hi, words_per_split,
         x.stride(0), x.stride(1), n_words, n_words, y.stride(0),
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_W=cfg.block_w, ESC_BLOCK=_ESC_BLOCK, SPLIT_K=grid[1],
         X_WORDS=x_words, EVEN_K=n_words % cfg.block_w == 0,
         DOT_BF16=native and x.dtype == torch.bfloat16, ASM=native,
         **cfg.launch_options(native), **pdl_args(x.device),
+        LANES=n_lanes, LANE_GROUP=lane_group(n_lanes),
     )
 
 

@@ -18,7 +18,16 @@ import triton.language as tl
 
 from specpilot.kernels import u12_mma
 from specpilot.kernels.registry import KERNELS
-from specpilot.kernels.u12_linear import SPLIT_KS_MMA, SWEEP_MMA, U12Config, _make_inputs, default_config, u12_linear
+from specpilot.kernels.u12_linear import (
+    SPLIT_KS_MMA,
+    SWEEP_MMA,
+    U12Config,
+    _make_inputs,
+    _plant_wrong_weight,
+    default_config,
+    u12_linear,
+    u12_linear_reference,
+)
 from specpilot.kernels.u12_mma import _mma_planes, _w_in_dot_order, _x_in_dot_order, mma_applies
 from specpilot.runtime.u12 import pack_u12, unpack_u12
 
@@ -178,3 +187,66 @@ def test_bench_sweeps_mma_configs_for_five_rows_and_more():
     assert {cfg.split_k for cfg in mma} == set(SPLIT_KS_MMA)
     assert not [cfg for cfg in bench.sweep_configs(4, 6144, 4096, ("mma",)) if cfg.kernel == "mma"]
     assert not [cfg for cfg in bench.sweep_configs(16, 6144, 4096)[1:] if cfg.kernel == "mma"]  # the default run as before
+
+
+# --- the escapes of the kernels for M >= 5 ----------------------------------------------------
+
+_DOT_CONFIGS = {  # split-K 2: the last program of a block adds the escapes
+    "tile": U12Config(16, 8, split_k=2, num_warps=4),  # 7 rows: BLOCK_M 16, tl.dot
+    "mma": U12Config(64, 16, split_k=2, num_warps=4, kernel="mma"),
+    "hmma": U12Config(32, 32, split_k=2, num_warps=1, num_stages=1, kernel="hmma"),
+}
+
+
+@pytest.mark.parametrize("kernel", list(_DOT_CONFIGS))
+@pytest.mark.parametrize("lanes_mode", ["lanes", "table"])
+@pytest.mark.parametrize("most", [3, 16, 17], ids=["4-lanes", "16-lanes", "past-lanes"])
+def test_dot_kernels_find_escapes_both_ways(monkeypatch, kernel, lanes_mode, most):
+    """The tile (tl.dot), mma and hmma kernels add a row's escapes from its lanes (``ESC_LANES``)
+    or from the table: rows of 0..most escapes, one row's holding inf (it stays in that row), and
+    17 a row has no lanes, so there the table serves whatever ESC_LANES says; the lanes walked in
+    several steps (``LANE_GROUP``). Each run asserts the kernel and the way it took."""
+    from specpilot.kernels import u12_hmma, u12_linear as u12_linear_module
+
+    monkeypatch.setattr(u12_linear_module, "ESC_LANES", lanes_mode)
+    launched = []
+    for module, name in ((u12_mma, "launch_mma"), (u12_hmma, "launch_hmma")):
+        launch = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, _l=launch, _n=name, **k: (launched.append(_n), _l(*a, **k))[1])
+    g = torch.Generator().manual_seed(most)
+    m, n, k = 7, 20, 96
+    x = torch.randn(m, k, generator=g).to(torch.bfloat16)
+    w = 0.02 * torch.randn(n, k, generator=g)
+    base = pack_u12(w.to(torch.bfloat16)).base
+    for row in range(n):
+        cols = torch.randperm(k, generator=g)[: (most, 0, 1, 2)[row % 4]]
+        w[row, cols] = 0.5 * torch.randn(len(cols), generator=g).sign()  # outside the window: escapes
+    w[5, 7] = float("inf")
+    t = pack_u12(w.to(torch.bfloat16), base=base).to(DEVICE)
+    x = x.to(DEVICE)
+    monkeypatch.setattr(u12_linear_module, "LANE_GROUP", 2 if most == 3 else 4)  # 2 or 4 steps a walk
+    expected_lanes = {3: 4, 16: 16}.get(most, 0) if lanes_mode == "lanes" else 0
+    assert u12_linear_module.lanes_args(t)[1] == expected_lanes, "the way the test means to walk"
+    cfg = _DOT_CONFIGS[kernel]
+    y = u12_linear(x, t, cfg)
+    assert launched == ([] if kernel == "tile" else [f"launch_{kernel}"])
+    ref = u12_linear_reference(x, t)
+    atol, rtol = KERNELS["u12_linear"].tolerance[torch.bfloat16]
+    torch.testing.assert_close(y, ref, atol=atol, rtol=rtol, equal_nan=True)
+    assert y[:, 5].isinf().all() and torch.isfinite(y[:, [r for r in range(n) if r != 5]]).all()
+    with pytest.raises(AssertionError):
+        torch.testing.assert_close(u12_linear(*_plant_wrong_weight((x, t)), cfg), ref, atol=atol, rtol=rtol,
+                                   equal_nan=True)
+
+
+def test_lane_group_is_checked_and_bounded_by_the_lanes(monkeypatch):
+    """LANE_GROUP is how many lanes a step of the M >= 5 kernels' escape walk takes: at most the
+    weight's lanes, and a power of two up to 16, else refused by name."""
+    from specpilot.kernels import u12_linear as u12_linear_module
+
+    assert [u12_linear_module.lane_group(n) for n in (0, 1, 2, 4, 8, 16)] == [1, 1, 2, 4, 4, 4]
+    monkeypatch.setattr(u12_linear_module, "LANE_GROUP", 16)
+    assert u12_linear_module.lane_group(8) == 8
+    monkeypatch.setattr(u12_linear_module, "LANE_GROUP", 3)
+    with pytest.raises(ValueError, match=r"LANE_GROUP: expected 1, 2, 4, 8 or 16, got 3"):
+        u12_linear_module.lane_group(8)

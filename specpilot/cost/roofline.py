@@ -230,7 +230,7 @@ def u12_lanes(n: int, k: int, escape_rate: float) -> int:
 
 def matmul_weight_bytes(node: Node, escape_rate: float = U12_ESCAPE_RATE) -> tuple[float, float]:
     """(planes, escapes) bytes of a linear / lm_head weight in its format (a head with a
-    `vocab_subset` reads only those rows); u12's escapes as its GEMVs read them, from the rows'
+    `vocab_subset` reads only those rows); u12's escapes as its kernels read them, from the rows'
     lanes (``u12_lanes``) or, where a row would need more, the side table and its row pointers."""
     n, k = node.get("vocab_subset") or node["out_features"], node["in_features"]
     fmt = node["format"]
