@@ -203,3 +203,27 @@ def test_sweep_fits_the_register_budget_at_m1():
     assert len(set(SWEEP_GEMV2)) == len(SWEEP_GEMV2)
     assert all(gemv2_acc_registers(cfg, 1) <= 64 for cfg in SWEEP_GEMV2)
     assert sum(gemv2_acc_registers(cfg, 4) <= 64 for cfg in SWEEP_GEMV2) >= 12  # enough left for M = 4
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need CUDA")
+@pytest.mark.parametrize("m", [1, 16])
+def test_launch_captured_before_any_eager_one_walks_the_table(monkeypatch, m):
+    """Lanes take a host sync to derive, which a CUDA graph capture does not allow: a weight whose
+    first launch is captured runs the table in that graph (exact all the same), and a later eager
+    launch derives the lanes."""
+    x, t = _make_inputs({"M": m, "N": 40, "K": 256, "dtype": torch.bfloat16, "escapes": "few"}, DEVICE, seed=8)
+    assert "esc_lanes" not in t.__dict__
+    cfg = U12Config(8, 16, num_warps=1, kernel="gemv2") if m == 1 else \
+        U12Config(32, 32, split_k=2, num_warps=1, num_stages=1, kernel="hmma")
+    with monkeypatch.context() as patch:  # compiles the table's kernel and derives the row pointers, not the lanes
+        patch.setattr(u12_linear_module, "ESC_LANES", "table")
+        _assert_matches(u12_linear(x, t, cfg), x, t)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        y = u12_linear(x, t, cfg)
+    assert "esc_lanes" not in t.__dict__, "the capture must not have derived the lanes"
+    g.replay()
+    torch.cuda.synchronize()
+    _assert_matches(y, x, t)
+    _assert_matches(u12_linear(x, t, cfg), x, t)
+    assert t.esc_lanes is not None and u12_linear_module.lanes_args(t)[1] > 0
