@@ -20,7 +20,8 @@ on to the next GEMV: u12_fused_linear's NormHandoff, no rmsnorm kernel between t
 u12-esc-table (the default with the escapes from the side table, the GEMVs' row pointers loaded
 before their loops, in place of the rows' lanes: ``u12_linear.ESC_LANES``); u12-esc-after (the same
 with every load of the table after the loops: ``u12_linear.ESC_AHEAD`` off; AR only);
-u12-lanes-g8, u12-lanes-g16 (a verify step's mma and hmma kernels walking the lanes 8 or 16 a
+bf16-pdl, bf16-pdl-wait, u12-pdl, u12-pdl-wait (each step with programmatic dependent launch,
+kernels/overlap.py's modes 1 and 2; AR only, not under --smoke); u12-lanes-g8, u12-lanes-g16 (a verify step's mma and hmma kernels walking the lanes 8 or 16 a
 step, ``u12_linear.LANE_GROUP``, against the default 4; --q above 1 only); bf16-default, bf16-r128 (the bf16 step at other register budgets:
 ``BF16_VARIANTS``; not under --smoke, whose tiny shapes TUNED does not hold). With --q above 1 (a
 chain verify step): bf16-cublas (cuBLAS with the separate norm, SiLU·mul and add kernels),
@@ -58,6 +59,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # the bench scripts be
 import step_times as st  # noqa: E402  (SHAPES, graphed, random_, time_fn, to_u12)
 
 from specpilot.kernels import fused_linear, u12_linear  # noqa: E402
+from specpilot.kernels.overlap import overlap  # noqa: E402
 from specpilot.runtime.config import ModelConfig  # noqa: E402
 from specpilot.runtime.fused import GEMV_ROWS, fused_path  # noqa: E402
 from specpilot.runtime.model import Transformer  # noqa: E402
@@ -79,6 +81,15 @@ U12_VERIFY_KNOB_VARIANTS = {  # the same, for a verify step (--q above 1: the mm
     "u12-lanes-g8": dict(LANE_GROUP=8),  # the lanes walked 8 a step (the default 4)
     "u12-lanes-g16": dict(LANE_GROUP=16),  # all of a row's lanes at once (16 at most)
 }
+
+
+# Programmatic dependent launch (kernels/overlap.py), off by default since the bf16 step measured
+# slower with it in CUDA graphs; the u12 step's GEMVs are shorter, so their launch ramps weigh more.
+# Both steps with each mode, AR only: (name, the step it varies, overlap's keywords).
+OVERLAP_VARIANTS = (
+    ("bf16-pdl", "bf16", dict(pdl=1)), ("bf16-pdl-wait", "bf16", dict(pdl=2)),
+    ("u12-pdl", "u12", dict(pdl=1)), ("u12-pdl-wait", "u12", dict(pdl=2)),
+)
 
 
 def _bf16_registers(maxnreg: int, names: tuple[str, ...]) -> dict:
@@ -132,6 +143,11 @@ def capture(shape: str, variants: bool, extra_bf16: dict | None = None, extra_u1
             for name, override in {**(BF16_VARIANTS if q == 1 else {}), **(extra_bf16 or {})}.items():
                 with _tuned(fused_linear.TUNED, override):
                     graphs[name] = capture_step()
+        if variants and q == 1:
+            for name, step, kw in OVERLAP_VARIANTS:
+                if step == "bf16":
+                    with overlap(**kw):
+                        graphs[name] = capture_step()
         if q > 1:  # fused_linear (norm prologue, SiLU·mul and residual epilogues) at q rows, and cuBLAS
             ops = model.fused.ops
             at_q = dict(linear_max_m=q, linear_gemv_max_m=min(q, GEMV_ROWS), linear_gap=(0, 0))
@@ -159,6 +175,11 @@ def capture(shape: str, variants: bool, extra_bf16: dict | None = None, extra_u1
             graphs[name] = capture_step()
             for k, v in saved.items():
                 setattr(u12_linear, k, v)
+        if variants and q == 1:
+            for name, step, kw in OVERLAP_VARIANTS:
+                if step == "u12":
+                    with overlap(**kw):
+                        graphs[name] = capture_step()
         for name, override in (extra_u12 or {}).items():  # the default u12 step at other one-row configs
             with _tuned(u12_linear.TUNED, override):
                 graphs[name] = capture_step()
