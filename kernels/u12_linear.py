@@ -592,6 +592,29 @@ def _block_escapes(
 
 
 @triton.jit
+def _split_k_sum(out, part_ptr, count_ptr, offs_m, offs_n, mask_out, pid_n, pid_k, pid_m, M, N,
+                 SPLIT_K: tl.constexpr):
+    """(last, total) for a program's fp32 sums out [BM, BN] of W rows offs_n: with SPLIT_K 1 (true,
+    out); else its partial stored, and for the last program of the block to arrive (the serial
+    split-K semaphore) true and the partials summed in split order, its counter reset to 0 (ready
+    for the next launch and CUDA graph replays); false for the others, which load nothing."""
+    if SPLIT_K == 1:
+        return pid_k == 0, out
+    else:
+        part = part_ptr + offs_m[:, None] * N + offs_n[None, :]  # [SPLIT_K, M, N] fp32
+        tl.store(part + pid_k * M * N, out, mask=mask_out)
+        tl.debug_barrier()  # every thread's partial is written before the release below
+        counter = count_ptr + pid_m * tl.num_programs(0) + pid_n
+        last = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1
+        total = tl.zeros_like(out)
+        for ks in tl.static_range(SPLIT_K):  # unrolled: every partial's load in flight at once
+            total += tl.load(part + ks * M * N, mask=tl.where(last, mask_out, False), other=0.0, cache_modifier=".cg")
+        if last:
+            tl.atomic_xchg(counter, 0)
+        return last, total
+
+
+@triton.jit
 def _store_block(
     out, x_ptr, esc_idx_ptr, esc_val_ptr, esc_row_ptr, y_ptr, part_ptr, count_ptr, offs_m, mask_m, offs_n, mask_n,
     n0, pid_n, pid_k, pid_m, M, N, K, SPLIT_K: tl.constexpr, stride_xm, stride_xk, stride_ym,
@@ -600,35 +623,18 @@ def _store_block(
     LANE_GROUP: tl.constexpr = 4,
 ):
     """Store a program's fp32 sums ``out`` [BM, BN] (y's units, or BIASED the biased decode's, which
-    the escape step scales by y_scale; ``_apply_escapes``): with SPLIT_K 1 add the escapes and
-    store y; else store the partial, and the last program of the block (the serial split-K semaphore)
-    sums the partials in split order, adds the escapes, stores y and resets the counter. The
-    escapes from W's lanes where LANES > 0 (``_lanes_block``), else from the table. Shared by the
-    tile kernel and the mma kernel (kernels/u12_mma.py)."""
+    the escape step scales by y_scale; ``_apply_escapes``): the program that holds the block's
+    whole sum (``_split_k_sum``) adds the escapes, from W's lanes where LANES > 0
+    (``_lanes_block``), else from the table, and stores y. Shared by the tile kernel and the mma
+    kernel (kernels/u12_mma.py)."""
     mask_out = mask_m[:, None] & mask_n[None, :]
-    y = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
-    if SPLIT_K == 1:
-        out = _block_escapes(
-            out, x_ptr, esc_idx_ptr, esc_val_ptr, esc_row_ptr, lanes_ptr, offs_m, mask_m, offs_n, n0, N, K,
+    last, total = _split_k_sum(out, part_ptr, count_ptr, offs_m, offs_n, mask_out, pid_n, pid_k, pid_m, M, N, SPLIT_K)
+    if last:
+        total = _block_escapes(
+            total, x_ptr, esc_idx_ptr, esc_val_ptr, esc_row_ptr, lanes_ptr, offs_m, mask_m, offs_n, n0, N, K,
             stride_xm, stride_xk, BLOCK_N, ESC_BLOCK, USE_DOT, y_ptr.dtype.element_ty, BIASED, y_scale, LANES, LANE_GROUP,
         )
-        tl.store(y, out.to(y_ptr.dtype.element_ty), mask=mask_out)
-    else:
-        part = part_ptr + offs_m[:, None] * N + offs_n[None, :]  # [SPLIT_K, M, N] fp32
-        tl.store(part + pid_k * M * N, out, mask=mask_out)
-        tl.debug_barrier()  # every thread's partial is written before the release below
-        counter = count_ptr + pid_m * tl.num_programs(0) + pid_n
-        arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-        if arrived == SPLIT_K - 1:  # the last program of this block sums, in split order
-            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for ks in tl.static_range(SPLIT_K):  # unrolled: every partial's load in flight at once
-                total += tl.load(part + ks * M * N, mask=mask_out, other=0.0, cache_modifier=".cg")
-            total = _block_escapes(
-                total, x_ptr, esc_idx_ptr, esc_val_ptr, esc_row_ptr, lanes_ptr, offs_m, mask_m, offs_n, n0, N, K,
-                stride_xm, stride_xk, BLOCK_N, ESC_BLOCK, USE_DOT, y_ptr.dtype.element_ty, BIASED, y_scale, LANES, LANE_GROUP,
-            )
-            tl.store(y, total.to(y_ptr.dtype.element_ty), mask=mask_out)
-            tl.atomic_xchg(counter, 0)  # ready for the next launch (and CUDA graph replays)
+        tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], total.to(y_ptr.dtype.element_ty), mask=mask_out)
 
 
 # --- the GEMV kernel for M <= 4 ("gemv2") ----------------------------------------------------
