@@ -50,11 +50,21 @@ GEMM sums, with the escapes added last; the prologue's Σx²). fp fusion is off 
 fused_linear; the loop's sums are explicit FMAs. The interpreter truncates fp32 -> bf16 casts, so
 under it every such cast rounds first, and exp is numpy's.
 
-Fallback. Where gemv2 does not apply (M > 4, K % 4 != 0, or a base outside the scaled range:
-``gemv2_applies``), ``u12_fused_linear`` runs the unfused composition: rmsnorm, u12_linear,
-silu_mul and a torch add into the residual (the same roundings, up to those kernels' orders; under
-the interpreter u12_linear truncates its bf16 output, so there a bf16 result can land a step
-further off, two where gated).
+Five rows and more (verify and tree steps). The epilogue runs in kernels/u12_mma.py's launch
+(``_fused_store``): after the block's split-K sum the program that holds it adds the escapes, scales
+by a handed-in norm's inv, and runs fused_linear's ``_epilogue`` (SiLU·mul, the residual add, a
+handoff's Σ y² part) and a handoff's xg store, as the GEMV kernel does. Gated, a program's rows are
+half gate rows and half their up rows (one dot over both; the sums split in registers), so the
+tiles are the plain weight's. The norm prologue is not fused there: norm_weight runs an rmsnorm
+kernel first. Configs: TUNED's where its rows are the mma kernel's (qkv, gate_up, lm_head at 16
+rows), else ``_MMA_DEFAULT_CONFIG`` (``tensor_core_config``; TUNED's hmma rows, o and down, take it
+too, since the hmma kernel has no epilogue). Not yet timed on a GPU.
+
+Fallback. Where neither applies (K % 4 != 0, or a base outside the scaled range: ``fused_applies``),
+``u12_fused_linear`` runs the unfused composition: rmsnorm, u12_linear, silu_mul and a torch add
+into the residual (the same roundings, up to those kernels' orders; under the interpreter
+u12_linear truncates its bf16 output, so there a bf16 result can land a step further off, two
+where gated).
 
 Configs: a gemv2 ``U12Config``; by default u12_linear's for the weight's rows (t.shape[0], 2I when
 gated), with the tile halved when gated (``default_config``). Untuned. H200: correct (the registry
@@ -376,15 +386,36 @@ def _launch_fused(
     )
 
 
+# M >= 5: the mma kernel's tiles under the interpreter (partial blocks, split-K, a masked chunk), and
+# on the GPU where TUNED's config for the rows is not one that takes the epilogue.
+_MMA_INTERPRETER_CONFIG = U12Config(64, 16, split_k=2, num_warps=4, num_stages=2, kernel="mma")
+_MMA_DEFAULT_CONFIG = U12Config(64, 32, num_warps=4, num_stages=3, kernel="mma")
+
+
+def fused_applies(m: int, k: int, base: int) -> bool:
+    """Whether u12_fused_linear runs its epilogue in the GEMM's own launch: gemv2's fused kernel
+    (M <= 4) or the mma kernel's epilogue (M >= 5), both on the scaled word path."""
+    return u12_linear_module.words_and_scales(k, base)
+
+
+def tensor_core_config(m: int, n: int, k: int, on_gpu: bool = True) -> U12Config:
+    """For M >= 5: u12_linear's config for the weight's n rows where it is the mma kernel's (TUNED's
+    qkv, gate_up and lm_head rows at M = 16), else the mma kernel's default tile."""
+    if not on_gpu:
+        return _MMA_INTERPRETER_CONFIG
+    cfg = u12_default_config(m, n, k)
+    return cfg if cfg.kernel == "mma" else _MMA_DEFAULT_CONFIG
+
+
 def _check_handoff(x, t: U12Tensor, norm_weight, gated, residual, hand_out, hand_in) -> None:
     """The handoff's conditions (``NormHandoff``), as ValueErrors naming the argument."""
     if hand_out is None and hand_in is None:
         return
     if hand_out is not None and hand_in is not None:
         raise ValueError("u12_fused_linear: hand_out and hand_in cannot both be given")
-    if not gemv2_applies(x.shape[0], x.shape[1], t.base):
-        raise ValueError(f"u12_fused_linear: a norm handoff needs the fused kernel (M <= 4 rows, K % 4 == 0, "
-                         f"a scaled base), got M = {x.shape[0]}, K = {x.shape[1]}, base {t.base}")
+    if not fused_applies(x.shape[0], x.shape[1], t.base):
+        raise ValueError(f"u12_fused_linear: a norm handoff needs a fused kernel (K % 4 == 0 and a scaled base), "
+                         f"got K = {x.shape[1]}, base {t.base}")
     if norm_weight is not None:
         raise ValueError("u12_fused_linear: norm_weight must be None with a norm handoff (the handoff holds the norm)")
     if hand_out is not None and (residual is None or gated):
@@ -408,20 +439,28 @@ def u12_fused_linear(
     next, fused kernel only."""
     m, k, n_out = _u12_check(x, t, norm_weight, gated, residual)
     _check_handoff(x, t, norm_weight, gated, residual, hand_out, hand_in)
-    if config is not None and config.kernel != "gemv2":
-        raise ValueError(f"u12_fused_linear: config must be a gemv2 U12Config, got kernel {config.kernel!r}")
+    want = "gemv2" if m <= 4 else "mma"
+    if config is not None and config.kernel != want:
+        raise ValueError(f"u12_fused_linear: config must be a {want} U12Config at {m} rows, got kernel {config.kernel!r}")
     y = residual if residual is not None else torch.empty((m, n_out), dtype=x.dtype, device=x.device)
     if m == 0 or n_out == 0:
         return y
     if norm_weight is not None and norm_weight.stride(0) != 1:
         norm_weight = norm_weight.contiguous()
+    native = x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1"
+    if m > 4 and fused_applies(m, k, t.base):  # the mma kernel with the epilogue; the norm as an rmsnorm kernel
+        from .u12_mma import launch_mma  # here: u12_mma imports fused_linear's epilogue, as this module does
+
+        h = rmsnorm(x, norm_weight, eps) if norm_weight is not None else x
+        launch_mma(h, t, y, config or tensor_core_config(m, t.shape[0], k, on_gpu=native), gated=bool(gated),
+                   residual=residual is not None, hand_in=hand_in, hand_out=hand_out)
+        return y
     if not gemv2_applies(m, k, t.base):
         h = rmsnorm(x, norm_weight, eps) if norm_weight is not None else x
         out = u12_linear(h, t)
         if gated:
             out = silu_mul(out)
         return out if residual is None else residual.add_(out)
-    native = x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1"
     cfg = config or default_config(m, t.shape[0], k, gated, on_gpu=native)
     _launch_fused(x, t, norm_weight, eps, gated, y, residual is not None, cfg, native, hand_out, hand_in)
     return y
@@ -542,9 +581,14 @@ register(KernelSpec(
         _case(3, 9, 36, BF16, norm=1, escapes="nonfinite", config="bn16-bw4"),
         _case(2, 13, 52, F32, residual=1, escapes="nonfinite"),
         _case(4, 10, 1100, BF16, norm=1, gated=1),  # the norm's words in 3 chunks, the last masked
-        # the unfused fallback: M > 4, K % 4 != 0
+        # the mma kernel's epilogue: M > 4 (interpreter tiles of 64 rows, 16 words, split-K 2)
         _case(5, 42, 64, F32, norm=1, gated=1, residual=1),
+        _case(7, 140, 136, BF16, gated=1, residual=1),  # 70 output columns: a partial second block
+        _case(16, 67, 100, BF16, norm=1, residual=1),
+        _case(17, 30, 68, F32, residual=1, escapes="nonfinite"),
+        # the unfused fallback: K % 4 != 0
         _case(2, 17, 66, BF16, norm=1),  # bf16 ungated, no residual: u12_linear truncates under the interpreter
+        _case(6, 34, 66, F32, norm=1, gated=1, residual=1),
     ],
     # As fused_linear's: fp32 summation order only; bf16 one rounding step where an fp32 sum (or a
     # normalised x element) sits near a rounding boundary; atol for the fp32 order error near zero.

@@ -17,7 +17,8 @@ register of wgmma's A fragment, and x's matching planes (x[m, 4 w + j], bf16 x r
 word per (w, m)) in the same order: acc[BN, BM] += W · X. W is the wide side (BN >= 64 fills a warp
 group's wgmma, M = 64), x the narrow one. After the loop the tile kernel's epilogue
 (``_store_block``): the scales, the escapes, and split-K by the serial semaphore with the counters
-kept per weight (``split_counters``). Rows past M and N re-read the last row (their outputs are
+kept per weight (``split_counters``); or, for kernels/u12_fused_linear.py at M >= 5, its epilogue
+(``_fused_store``: SiLU·mul over rows taken half gate, half up; the residual add; the norm handoff). Rows past M and N re-read the last row (their outputs are
 not stored), so only a last partial chunk of K is masked.
 
 Numerics: as the tile kernel's dot path. The decoded weight is w · 2^-(base-1) (exponent field =
@@ -55,8 +56,10 @@ import triton.language as tl
 
 from specpilot.runtime.u12 import U12Tensor
 
+from .fused_linear import _epilogue, _row_inv_parts
 from .overlap import pdl_args, pdl_enter
 from .registry import KernelSpec, register
+from .rmsnorm import _to_dtype
 from .u12_linear import (
     _ESC_BLOCK,
     U12Config,
@@ -71,7 +74,9 @@ from .u12_linear import (
     _pair_patterns,
     _plant_wrong_weight,
     _scales,
+    _block_escapes,
     _split_k_plan,
+    _split_k_sum,
     _store_block,
     _x_planes,
     u12_linear,
@@ -151,8 +156,9 @@ def _mma_chunk(
 @triton.jit
 def _u12_mma_kernel(
     x_ptr, sm_ptr, codes_ptr, esc_idx_ptr, esc_val_ptr, esc_row_ptr, lanes_ptr, y_ptr, part_ptr, count_ptr,
-    M, N, K, n_words, x_scale, y_scale_lo, y_scale_hi, words_per_split,
-    stride_xm, stride_xk, stride_sm, stride_codes, stride_ym,
+    hw_ptr, xg_ptr, parts_ptr,  # the epilogue's norm handoff (u12_fused_linear's NormHandoff); else unused
+    M, N, K, n_words, x_scale, y_scale_lo, y_scale_hi, words_per_split, n_out, inv_k, eps, n_parts,
+    stride_xm, stride_xk, stride_sm, stride_codes, stride_ym, stride_xg,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, ESC_BLOCK: tl.constexpr,
     SPLIT_K: tl.constexpr,  # ways over K (u12_linear._store_block)
     X_WORDS: tl.constexpr,  # bf16 x as int64 words of 4 (contiguous, 8-byte aligned rows); else elements, stride_xk 1
@@ -162,6 +168,15 @@ def _u12_mma_kernel(
     PDL: tl.constexpr,  # programmatic dependent launch (kernels/overlap.py)
     LANES: tl.constexpr = 0,  # > 0: the escapes from W's lanes (U12Tensor.esc_lanes, LANES a row), not the table
     LANE_GROUP: tl.constexpr = 4,  # lanes a step of the epilogue's walk (u12_linear.LANE_GROUP)
+    # u12_fused_linear's epilogue (``_fused_store``): GATED (W is [gate; up], n_out = N / 2 output
+    # columns, a program's rows half gate, half the matching up), RESIDUAL (y is the residual, added
+    # into), HAND_IN (x is a handoff's xg: the sums times its rows' inv), HAND_OUT (the updated
+    # stream's norm handed on); none: u12_linear's plain store (``_store_block``).
+    GATED: tl.constexpr = False, RESIDUAL: tl.constexpr = False,
+    HAND_IN: tl.constexpr = False, HAND_OUT: tl.constexpr = False,
+    BLOCK_P: tl.constexpr = 16,  # HAND_IN: parts summed a chunk
+    ROUND_BF16: tl.constexpr = False,  # bf16 under the interpreter: round before casting
+    EXPF: tl.constexpr = False,  # GATED: libdevice's expf (GPU); else tl.exp
 ):
     pdl_enter(PDL)
     pid_n = tl.program_id(0)
@@ -169,10 +184,19 @@ def _u12_mma_kernel(
     pid_m = tl.program_id(2)
     n0 = pid_n * BLOCK_N
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = n0 + tl.arange(0, BLOCK_N)
     mask_m = offs_m < M
-    mask_n = offs_n < N
-    rows_n = tl.minimum(offs_n, N - 1)[:, None]
+    if GATED:  # rows i < BN / 2: gate rows c = pid_n BN / 2 + i; the rest: their up rows n_out + c
+        HALF: tl.constexpr = BLOCK_N // 2
+        i = tl.arange(0, BLOCK_N)
+        c = pid_n * HALF + i % HALF
+        up = (i >= HALF).to(tl.int32)
+        offs_n = c + up * n_out
+        mask_n = c < n_out
+        rows_n = (tl.minimum(c, n_out - 1) + up * n_out)[:, None]
+    else:
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < N
+        rows_n = tl.minimum(offs_n, N - 1)[:, None]
     rows_m = tl.minimum(offs_m, M - 1)[None, :]
     sm_rows = sm_ptr + rows_n * stride_sm
     code_rows = codes_ptr + rows_n * stride_codes
@@ -193,11 +217,69 @@ def _u12_mma_kernel(
                              BLOCK_W, X_WORDS, DOT_BF16, True, ASM)
     out = tl.trans(acc) * y_scale_lo * y_scale_hi  # exact: powers of two
 
-    _store_block(
-        out, x_ptr, esc_idx_ptr, esc_val_ptr, esc_row_ptr, y_ptr, part_ptr, count_ptr, offs_m, mask_m, offs_n, mask_n,
-        n0, pid_n, pid_k, pid_m, M, N, K, SPLIT_K, stride_xm, stride_xk, stride_ym, BLOCK_M, BLOCK_N, ESC_BLOCK, True,
-        False, 1.0, lanes_ptr, LANES, LANE_GROUP,
-    )
+    if GATED or RESIDUAL or HAND_IN or HAND_OUT:
+        _fused_store(
+            out, offs_m, mask_m, offs_n, mask_n, pid_n, pid_k, pid_m, M, N, K, n_out,
+            x_ptr, esc_idx_ptr, esc_val_ptr, esc_row_ptr, lanes_ptr, y_ptr, part_ptr, count_ptr,
+            hw_ptr, xg_ptr, parts_ptr, inv_k, eps, n_parts, stride_xm, stride_xk, stride_ym, stride_xg,
+            BLOCK_M, BLOCK_N, ESC_BLOCK, SPLIT_K, LANES, LANE_GROUP,
+            GATED, RESIDUAL, HAND_IN, HAND_OUT, BLOCK_P, ROUND_BF16, EXPF,
+        )
+    else:
+        _store_block(
+            out, x_ptr, esc_idx_ptr, esc_val_ptr, esc_row_ptr, y_ptr, part_ptr, count_ptr, offs_m, mask_m, offs_n,
+            mask_n, n0, pid_n, pid_k, pid_m, M, N, K, SPLIT_K, stride_xm, stride_xk, stride_ym, BLOCK_M, BLOCK_N,
+            ESC_BLOCK, True, False, 1.0, lanes_ptr, LANES, LANE_GROUP,
+        )
+
+
+@triton.jit
+def _fused_store(
+    out, offs_m, mask_m, offs_n, mask_n, pid_n, pid_k, pid_m, M, N, K, n_out,
+    x_ptr, esc_idx_ptr, esc_val_ptr, esc_row_ptr, lanes_ptr, y_ptr, part_ptr, count_ptr,
+    hw_ptr, xg_ptr, parts_ptr, inv_k, eps, n_parts, stride_xm, stride_xk, stride_ym, stride_xg,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ESC_BLOCK: tl.constexpr, SPLIT_K: tl.constexpr,
+    LANES: tl.constexpr, LANE_GROUP: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr,
+    HAND_IN: tl.constexpr, HAND_OUT: tl.constexpr, BLOCK_P: tl.constexpr, ROUND_BF16: tl.constexpr,
+    EXPF: tl.constexpr,
+):
+    """kernels/u12_fused_linear.py's epilogue after the block's whole sum (``_split_k_sum``) of W
+    rows offs_n: the escapes (gated: the gate half's and the up half's, each from its own rows),
+    HAND_IN the rows' inv from the producer's parts, then fused_linear's ``_epilogue`` (SiLU·mul,
+    the residual add, and HAND_OUT this program's Σ y² part, parts[pid_n, m]) and HAND_OUT xg =
+    dtype(y · the norm's weight) at these columns."""
+    DTYPE: tl.constexpr = y_ptr.dtype.element_ty
+    last, total = _split_k_sum(out, part_ptr, count_ptr, offs_m, offs_n, mask_m[:, None] & mask_n[None, :],
+                               pid_n, pid_k, pid_m, M, N, SPLIT_K)
+    if last:
+        if GATED:
+            HALF: tl.constexpr = BLOCK_N // 2
+            g, u = tl.split(tl.permute(tl.reshape(total, (BLOCK_M, 2, HALF)), (0, 2, 1)))
+            c0 = pid_n * HALF
+            cols = c0 + tl.arange(0, HALF)
+            g = _block_escapes(g, x_ptr, esc_idx_ptr, esc_val_ptr, esc_row_ptr, lanes_ptr, offs_m, mask_m, cols, c0,
+                               n_out, K, stride_xm, stride_xk, HALF, ESC_BLOCK, True, DTYPE, False, 1.0, LANES,
+                               LANE_GROUP)
+            u = _block_escapes(u, x_ptr, esc_idx_ptr, esc_val_ptr, esc_row_ptr, lanes_ptr, offs_m, mask_m,
+                               cols + n_out, c0 + n_out, 2 * n_out, K, stride_xm, stride_xk, HALF, ESC_BLOCK, True,
+                               DTYPE, False, 1.0, LANES, LANE_GROUP)
+        else:
+            cols = offs_n
+            g = _block_escapes(total, x_ptr, esc_idx_ptr, esc_val_ptr, esc_row_ptr, lanes_ptr, offs_m, mask_m, cols,
+                               pid_n * BLOCK_N, N, K, stride_xm, stride_xk, BLOCK_N, ESC_BLOCK, True, DTYPE, False,
+                               1.0, LANES, LANE_GROUP)
+            u = g
+        if HAND_IN:  # rmsnorm's inv, factored out of the sums (x = dtype(stream · weight))
+            inv = _row_inv_parts(parts_ptr, tl.minimum(offs_m, M - 1), M, n_parts, inv_k, eps, BLOCK_M, BLOCK_P)
+            g = g * inv[:, None]
+            u = u * inv[:, None]
+        mask = mask_m[:, None] & (cols < n_out)[None, :]
+        y = _epilogue(g, u, y_ptr + offs_m[:, None] * stride_ym + cols[None, :], mask, DTYPE, GATED, RESIDUAL,
+                      ROUND_BF16, EXPF, parts_ptr + pid_n * M + offs_m, HAND_OUT)
+        if HAND_OUT:
+            hw = tl.load(hw_ptr + cols, mask=cols < n_out, other=0.0).to(tl.float32)
+            tl.store(xg_ptr + offs_m[:, None] * stride_xg + cols[None, :],
+                     _to_dtype(y * hw[None, :], DTYPE, ROUND_BF16).to(DTYPE), mask=mask)
 
 
 def mma_applies(m: int, k: int, base: int) -> bool:
@@ -205,8 +287,12 @@ def mma_applies(m: int, k: int, base: int) -> bool:
     return m >= 5 and words_and_scales(k, base)
 
 
-def launch_mma(x: torch.Tensor, t: U12Tensor, y: torch.Tensor, cfg: U12Config) -> None:
-    """y = x · Wᵀ by ``_u12_mma_kernel`` (``mma_applies`` holds); grid (N blocks, splits, M blocks)."""
+def launch_mma(x: torch.Tensor, t: U12Tensor, y: torch.Tensor, cfg: U12Config, gated: bool = False,
+               residual: bool = False, hand_in=None, hand_out=None) -> None:
+    """y = x · Wᵀ by ``_u12_mma_kernel`` (``mma_applies`` holds); grid (N blocks, splits, M blocks).
+    With kernels/u12_fused_linear.py's epilogue: gated (t is [gate; up], y [M, N / 2] is
+    silu(gate) · up), residual (y is the residual, added into in place), hand_in / hand_out (a
+    ``NormHandoff`` consumed, or produced: its xg and parts allocated here)."""
     _, x_scale, y_lo, y_hi = _scales(t.base)
     m, k = x.shape
     n = t.shape[0]
@@ -218,16 +304,30 @@ def launch_mma(x: torch.Tensor, t: U12Tensor, y: torch.Tensor, cfg: U12Config) -
     native = x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1"  # the interpreter runs no PTX, no bf16 dot
     sm, codes = t.sm.contiguous(), t.codes.contiguous()
     lanes, n_lanes = lanes_args(t)
+    if gated and cfg.block_n % 2:
+        raise ValueError(f"launch_mma: a gated launch splits block_n into gate and up rows, got {cfg.block_n}")
+    options = cfg.launch_options(native)
+    if native and (gated or residual or hand_in is not None or hand_out is not None):
+        options["enable_fp_fusion"] = False  # as fused_linear: Σ · (1/K) + eps and 1 + exp(-g) round as torch's do
+    hw, xg, parts, n_parts, eps = x, x, y, 0, 0.0  # placeholders of the right types where unused
+    if hand_out is not None:
+        hand_out._alloc(y, grid[0])
+        hw, xg, parts, n_parts, eps = hand_out.weight.contiguous(), hand_out.xg, hand_out.parts, grid[0], hand_out.eps
+    elif hand_in is not None:
+        parts, n_parts, eps = hand_in.parts, hand_in.parts.shape[0], hand_in.eps
     _u12_mma_kernel[grid](
         x, sm.view(torch.int32), codes.view(torch.int16),
-        _nonempty(t.esc_idx), _nonempty(t.esc_val), t.esc_row_ptr, lanes, y, part, counters,
-        m, n, k, n_words, x_scale, y_lo, y_hi, words_per_split,
-        x.stride(0), x.stride(1), n_words, n_words, y.stride(0),
+        _nonempty(t.esc_idx), _nonempty(t.esc_val), t.esc_row_ptr, lanes, y, part, counters, hw, xg, parts,
+        m, n, k, n_words, x_scale, y_lo, y_hi, words_per_split, y.shape[1], 1.0 / k, eps, n_parts,
+        x.stride(0), x.stride(1), n_words, n_words, y.stride(0), xg.stride(0),
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_W=cfg.block_w, ESC_BLOCK=_ESC_BLOCK, SPLIT_K=grid[1],
         X_WORDS=x_words, EVEN_K=n_words % cfg.block_w == 0,
         DOT_BF16=native and x.dtype == torch.bfloat16, ASM=native,
-        **cfg.launch_options(native), **pdl_args(x.device),
+        **options, **pdl_args(x.device),
         LANES=n_lanes, LANE_GROUP=lane_group(n_lanes),
+        GATED=gated, RESIDUAL=residual, HAND_IN=hand_in is not None, HAND_OUT=hand_out is not None,
+        BLOCK_P=min(1024, triton.next_power_of_2(max(1, n_parts))),
+        ROUND_BF16=not native and x.dtype == torch.bfloat16, EXPF=native,
     )
 
 

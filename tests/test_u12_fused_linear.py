@@ -1,9 +1,13 @@
 """u12_fused_linear (kernels/u12_fused_linear.py) against its reference: random shapes and options,
 escapes under the norm prologue and in both halves of a gated weight, the in-place residual, the
-unfused fallback, and input errors (tests/test_kernels.py runs the registry's cases).
+mma kernel's epilogue at 5 rows and more, the unfused fallback, the norm handoff, and input errors
+(tests/test_kernels.py runs the registry's cases).
 
 On a machine without CUDA the kernel runs in Triton's interpreter (conftest.py), on small shapes.
 """
+
+import contextlib
+from unittest import mock
 
 import pytest
 import torch
@@ -37,6 +41,29 @@ def _both(x, t, **kwargs):
     out = ufl.u12_fused_linear(x, t, residual=None if r is None else r.clone(), **kwargs)
     kwargs.pop("config", None)
     return out, ufl.u12_fused_linear_reference(x, t, residual=None if r is None else r.clone(), **kwargs)
+
+
+@contextlib.contextmanager
+def counting_mma_launches():
+    """(config, epilogue keywords) of each launch of the mma kernel inside (u12_fused_linear imports
+    the launcher on each call)."""
+    from specpilot.kernels import u12_mma
+
+    calls = []
+    launch = u12_mma.launch_mma
+
+    def counted(x, t, y, cfg, **kwargs):
+        calls.append((cfg, kwargs))
+        return launch(x, t, y, cfg, **kwargs)
+
+    with mock.patch.object(u12_mma, "launch_mma", counted):
+        yield calls
+
+
+@pytest.fixture
+def mma_launches():
+    with counting_mma_launches() as calls:
+        yield calls
 
 
 @pytest.fixture
@@ -173,13 +200,13 @@ def test_residual_is_updated_in_place_and_returned(fused_launches):
 
 
 @pytest.mark.parametrize("m,k,base,dtype,gated", [
-    (5, 64, None, torch.float32, True),  # M > 4
-    (5, 64, None, torch.bfloat16, False),
     (2, 66, None, torch.float32, True),  # K % 4 != 0
+    (6, 66, None, torch.float32, False),
     (3, 64, 241, torch.float32, True),  # a base outside the scaled range: every weight escapes
+    (7, 64, 241, torch.float32, False),
 ])
-def test_fallback_matches_reference(fused_launches, m, k, base, dtype, gated):
-    """Where gemv2 does not apply: rmsnorm, u12_linear, silu_mul and the torch add (bf16 only
+def test_fallback_matches_reference(fused_launches, mma_launches, m, k, base, dtype, gated):
+    """Where no fused kernel applies: rmsnorm, u12_linear, silu_mul and the torch add (bf16 only
     ungated: under the interpreter u12_linear truncates its bf16 output, the module docstring says)."""
     g = torch.Generator().manual_seed(m + k)
     n_out = 7
@@ -190,9 +217,35 @@ def test_fallback_matches_reference(fused_launches, m, k, base, dtype, gated):
     nw = (1 + 0.1 * torch.randn(k, generator=g)).to(dtype).to(DEVICE)
     r = torch.randn(m, n_out, generator=g).to(dtype).to(DEVICE)
     out, ref = _both(x, t, norm_weight=nw, gated=gated, residual=r)
-    assert not fused_launches
+    assert not fused_launches and not mma_launches
     atol, rtol = TOLERANCE[dtype]
     torch.testing.assert_close(out, ref, atol=atol, rtol=rtol)
+
+
+@settings(max_examples=8, deadline=None)
+@given(
+    m=st.integers(5, 20), n_out=st.integers(1, 40), words=st.integers(1, 24),
+    dtype=st.sampled_from([torch.bfloat16, torch.float32]),
+    norm=st.booleans(), gated=st.booleans(), residual=st.booleans(), seed=st.integers(0, 2**16),
+)
+def test_many_rows_run_the_mma_kernel_with_the_epilogue(m, n_out, words, dtype, norm, gated, residual, seed):
+    """At 5 rows and more the epilogue (SiLU·mul of the gate and up halves, each with its own
+    escapes; the residual add) runs in the mma kernel's launch after its split-K sum, the norm
+    as an rmsnorm kernel before it: against the reference at odd shapes (partial blocks of rows
+    and columns, masked chunks)."""
+    g = torch.Generator().manual_seed(seed)
+    k = 4 * words
+    x = torch.randn(m, k, generator=g)
+    x[::3] *= 30
+    w = 0.02 * torch.randn((2 if gated else 1) * n_out, k, generator=g)
+    ufl.plant_escapes(w, g, gated)
+    t = pack_u12(w.to(torch.bfloat16)).to(DEVICE)
+    nw = (1 + 0.1 * torch.randn(k, generator=g)).to(dtype).to(DEVICE) if norm else None
+    r = torch.randn(m, n_out, generator=g).to(dtype).to(DEVICE) if residual else None
+    with counting_mma_launches() as launches:
+        out, ref = _both(x.to(dtype).to(DEVICE), t, norm_weight=nw, gated=gated, residual=r)
+    assert [(c.kernel, kw["gated"], kw["residual"]) for c, kw in launches] == [("mma", gated, residual)]
+    assert _close(out, ref)
 
 
 def test_empty_inputs():
@@ -224,10 +277,22 @@ def test_bad_inputs_raise_value_errors(fn, kwargs, match):
         fn(x, t, **kwargs)
 
 
-def test_config_must_be_gemv2():
-    x, t = torch.zeros(1, 8), pack_u12(torch.zeros(4, 8, dtype=torch.bfloat16))
-    with pytest.raises(ValueError, match="config must be a gemv2 U12Config"):
-        ufl.u12_fused_linear(x, t, config=U12Config(8, 64))
+def test_config_must_fit_the_rows():
+    """gemv2's fused kernel takes M <= 4 rows, the mma kernel's epilogue M >= 5."""
+    t = pack_u12(torch.zeros(4, 8, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="config must be a gemv2 U12Config at 1 rows, got kernel 'tile'"):
+        ufl.u12_fused_linear(torch.zeros(1, 8), t, config=U12Config(8, 64))
+    with pytest.raises(ValueError, match="config must be a mma U12Config at 5 rows, got kernel 'gemv2'"):
+        ufl.u12_fused_linear(torch.zeros(5, 8), t, config=U12Config(8, 64, kernel="gemv2"))
+
+
+def test_tensor_core_config_takes_tuned_mma_tiles_only():
+    """At M >= 5 the epilogue runs in the mma kernel: TUNED's tile where TUNED has the mma kernel for
+    the rows (qkv and gate_up at 16), else the mma default (TUNED's hmma rows: o, down)."""
+    assert ufl.tensor_core_config(16, 6144, 4096) == TUNED[(16, 6144, 4096)]
+    assert ufl.tensor_core_config(16, 28672, 4096) == TUNED[(16, 28672, 4096)]
+    assert TUNED[(16, 4096, 4096)].kernel == "hmma" and ufl.tensor_core_config(16, 4096, 4096).kernel == "mma"
+    assert ufl.tensor_core_config(16, 4096, 4096, on_gpu=False) == ufl._MMA_INTERPRETER_CONFIG
 
 
 def test_default_config_halves_the_tile_when_gated():
@@ -282,6 +347,28 @@ def test_norm_handoff_matches_reference(m, words, n_words, i, dtype, gated, conf
     torch.testing.assert_close(y, y_ref, atol=atol, rtol=rtol)
 
 
+@pytest.mark.parametrize("m,dtype,gated", [(5, torch.float32, True), (16, torch.bfloat16, True),
+                                           (9, torch.bfloat16, False)])
+def test_norm_handoff_at_many_rows(mma_launches, m, dtype, gated):
+    """At 5 rows and more the mma kernel's epilogue hands the norm on (its parts a program of N
+    columns) and takes it in, as the reference's math says."""
+    x, t, t2, stream, gamma = _handoff_pair(m, 40, 68, 9, dtype, m, gated)
+    s_out, s_ref = stream.clone(), stream.clone()
+    h_out, h_ref = ufl.NormHandoff(gamma, 1e-5), ufl.NormHandoff(gamma, 1e-5)
+    ufl.u12_fused_linear(x, t, residual=s_out, hand_out=h_out)
+    ufl.u12_fused_linear_reference(x, t, residual=s_ref, hand_out=h_ref)
+    atol, rtol = TOLERANCE[dtype]
+    torch.testing.assert_close(s_out, s_ref, atol=atol, rtol=rtol)
+    torch.testing.assert_close(h_out.xg, (s_out.float() * gamma.float()).to(dtype), atol=0, rtol=0)
+    assert h_out.parts.shape == (2, m)  # 68 columns in blocks of 64
+    torch.testing.assert_close(h_out.parts.sum(0), (s_out.float() ** 2).sum(1), atol=1e-4, rtol=1e-5)
+    y = ufl.u12_fused_linear(h_out.xg, t2, gated=gated, hand_in=h_out)
+    torch.testing.assert_close(y, ufl.u12_fused_linear_reference(h_out.xg, t2, gated=gated, hand_in=h_out),
+                               atol=atol, rtol=rtol)
+    assert [(kw["hand_out"] is h_out, kw["hand_in"] is h_out) for _, kw in mma_launches] == [(True, False),
+                                                                                            (False, True)]
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_norm_handoff_is_rmsnorm_up_to_rounding(dtype):
     """Producer then consumer equal the rmsnorm path (the stream normalised, then the GEMV) up to
@@ -312,8 +399,9 @@ def _bad_handoffs():
         (dict(x=x, t=t, residual=stream, hand_out=hand, norm_weight=torch.ones(8, dtype=bf)), "norm_weight must be None"),
         (dict(x=x, t=t, hand_in=hand), "x must be hand_in.xg"),
         (dict(x=x, t=t, residual=stream, hand_out=hand, hand_in=hand), "cannot both be given"),
-        (dict(x=torch.zeros(5, 8, dtype=bf), t=t, residual=torch.zeros(5, 6, dtype=bf), hand_out=hand),
-         "needs the fused kernel"),
+        (dict(x=torch.zeros(2, 6, dtype=bf), t=pack_u12(torch.zeros(6, 6, dtype=bf)), residual=stream,
+              hand_out=hand),
+         "needs a fused kernel \\(K % 4 == 0 and a scaled base\\), got K = 6"),
     ]
 
 
