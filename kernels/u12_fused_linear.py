@@ -56,9 +56,9 @@ by a handed-in norm's inv, and runs fused_linear's ``_epilogue`` (SiLU·mul, the
 handoff's Σ y² part) and a handoff's xg store, as the GEMV kernel does. Gated, a program's rows are
 half gate rows and half their up rows (one dot over both; the sums split in registers), so the
 tiles are the plain weight's. The norm prologue is not fused there: norm_weight runs an rmsnorm
-kernel first. Configs: TUNED's where its rows are the mma kernel's (qkv, gate_up, lm_head at 16
-rows), else ``_MMA_DEFAULT_CONFIG`` (``tensor_core_config``; TUNED's hmma rows, o and down, take it
-too, since the hmma kernel has no epilogue). Not yet timed on a GPU.
+kernel first. kernels/u12_hmma.py takes the residual add and a handoff out (``_finish``; its Σ y²
+parts one a warp): TUNED's o and down rows at 16. Configs: TUNED's where its kernel takes the
+epilogue, else ``_MMA_DEFAULT_CONFIG`` (``tensor_core_config``). Not yet timed on a GPU.
 
 Fallback. Where neither applies (K % 4 != 0, or a base outside the scaled range: ``fused_applies``),
 ``u12_fused_linear`` runs the unfused composition: rmsnorm, u12_linear, silu_mul and a torch add
@@ -398,13 +398,16 @@ def fused_applies(m: int, k: int, base: int) -> bool:
     return u12_linear_module.words_and_scales(k, base)
 
 
-def tensor_core_config(m: int, n: int, k: int, on_gpu: bool = True) -> U12Config:
-    """For M >= 5: u12_linear's config for the weight's n rows where it is the mma kernel's (TUNED's
-    qkv, gate_up and lm_head rows at M = 16), else the mma kernel's default tile."""
+def tensor_core_config(m: int, n: int, k: int, gated: bool = False, hand_in: bool = False,
+                       on_gpu: bool = True) -> U12Config:
+    """For M >= 5: u12_linear's config for the weight's n rows where its kernel takes the epilogue
+    (mma: all of it, TUNED's qkv, gate_up and lm_head rows at M = 16; hmma: the residual add and a
+    handoff out, TUNED's o and down rows), else the mma kernel's default tile."""
     if not on_gpu:
         return _MMA_INTERPRETER_CONFIG
     cfg = u12_default_config(m, n, k)
-    return cfg if cfg.kernel == "mma" else _MMA_DEFAULT_CONFIG
+    takes = cfg.kernel == "mma" or (cfg.kernel == "hmma" and not gated and not hand_in)
+    return cfg if takes else _MMA_DEFAULT_CONFIG
 
 
 def _check_handoff(x, t: U12Tensor, norm_weight, gated, residual, hand_out, hand_in) -> None:
@@ -439,21 +442,27 @@ def u12_fused_linear(
     next, fused kernel only."""
     m, k, n_out = _u12_check(x, t, norm_weight, gated, residual)
     _check_handoff(x, t, norm_weight, gated, residual, hand_out, hand_in)
-    want = "gemv2" if m <= 4 else "mma"
-    if config is not None and config.kernel != want:
-        raise ValueError(f"u12_fused_linear: config must be a {want} U12Config at {m} rows, got kernel {config.kernel!r}")
+    want = ("gemv2",) if m <= 4 else ("mma",) if gated or hand_in is not None else ("mma", "hmma")
+    if config is not None and config.kernel not in want:
+        raise ValueError(f"u12_fused_linear: config must be a {' or '.join(want)} U12Config at {m} rows"
+                         f"{' with this epilogue' if m > 4 else ''}, got kernel {config.kernel!r}")
     y = residual if residual is not None else torch.empty((m, n_out), dtype=x.dtype, device=x.device)
     if m == 0 or n_out == 0:
         return y
     if norm_weight is not None and norm_weight.stride(0) != 1:
         norm_weight = norm_weight.contiguous()
     native = x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1"
-    if m > 4 and fused_applies(m, k, t.base):  # the mma kernel with the epilogue; the norm as an rmsnorm kernel
-        from .u12_mma import launch_mma  # here: u12_mma imports fused_linear's epilogue, as this module does
+    if m > 4 and fused_applies(m, k, t.base):  # a tensor-core kernel with the epilogue; the norm as an rmsnorm kernel
+        from .u12_hmma import hmma_applies, launch_hmma  # here: they import fused_linear's epilogue, as this module does
+        from .u12_mma import launch_mma
 
         h = rmsnorm(x, norm_weight, eps) if norm_weight is not None else x
-        launch_mma(h, t, y, config or tensor_core_config(m, t.shape[0], k, on_gpu=native), gated=bool(gated),
-                   residual=residual is not None, hand_in=hand_in, hand_out=hand_out)
+        cfg = config or tensor_core_config(m, t.shape[0], k, bool(gated), hand_in is not None, on_gpu=native)
+        if cfg.kernel == "hmma" and hmma_applies(h, k, t.base):
+            launch_hmma(h, t, y, cfg, residual=residual is not None, hand_out=hand_out)
+        else:
+            launch_mma(h, t, y, cfg if cfg.kernel == "mma" else _MMA_DEFAULT_CONFIG, gated=bool(gated),
+                       residual=residual is not None, hand_in=hand_in, hand_out=hand_out)
         return y
     if not gemv2_applies(m, k, t.base):
         h = rmsnorm(x, norm_weight, eps) if norm_weight is not None else x

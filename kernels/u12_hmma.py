@@ -65,7 +65,10 @@ in the tensor cores. The epilogue stays in the fragments' layout (``_finish``, e
 accumulator reads the escapes of its W row (from the row's lanes, ``LANE_GROUP`` a step, or where
 the weight has none from the table), takes back their spurious x · 2^-15 and adds x · w exactly,
 then the scale 2^(base-113); split-K by the serial semaphore, partials summed in split
-order. (The mma kernel's 2-D epilogue, ``_store_block``, cost about 80 registers a thread here:
+order. For kernels/u12_fused_linear.py (``RESIDUAL``, ``HAND_OUT``) ``_finish`` adds each output into
+the residual as fused_linear's epilogue does and stores the handoff's xg, and ``_parts_out`` its Σ y²
+parts, one a warp (a lane's two rows of each m-tile, then across the quad column's 8 lanes), each
+(part, row of x) stored by one thread. (The mma kernel's 2-D epilogue, ``_store_block``, cost about 80 registers a thread here:
 168 against 90 for the loop, sm_90 ptxas.) bf16 x only (fp32 x, K % 4 != 0 or a base past 240 run the tile
 kernel: ``hmma_applies``).
 """
@@ -81,8 +84,10 @@ import triton.language as tl
 
 from specpilot.runtime.u12 import U12Tensor
 
+from .fused_linear import _epilogue
 from .overlap import pdl_args, pdl_enter
 from .registry import KernelSpec, register
+from .rmsnorm import _to_dtype
 from .u12_linear import (
     ESC_DECODED,
     U12Config,
@@ -257,6 +262,8 @@ def _stack(d0, d1, d2, d3, e0, e1, e2, e3):
 def _finish(
     acc, mm, nn, x_ptr, esc_idx_ptr, esc_val_ptr, esc_row_ptr, lanes_ptr, y_ptr, M, N, K, stride_xm, stride_ym,
     y_scale, LANES: tl.constexpr, LANE_GROUP: tl.constexpr,
+    hw_ptr=None, xg_ptr=None, stride_xg=0, RESIDUAL: tl.constexpr = False, HAND_OUT: tl.constexpr = False,
+    ROUND_BF16: tl.constexpr = False,
 ):
     """y[mm, nn] from the biased sums acc (each element: x row mm, W row nn): per element, the escapes
     of W row nn take back their spurious x · 2^-15 and add x · w exactly, then the scale. The
@@ -289,14 +296,42 @@ def _finish(
             esc += tl.where(has, xv * val, 0.0)
             spur += xv * ESC_DECODED
     y = (acc - spur) * y_scale + esc  # the scale: exact (a power of two)
-    tl.store(y_ptr + mm * stride_ym + nn, y.to(y_ptr.dtype.element_ty), mask=(mm < M) & ok_n)
+    mask = (mm < M) & ok_n
+    if RESIDUAL:  # u12_fused_linear's epilogue: y added into the residual; HAND_OUT: xg = dtype(y · weight)
+        DTYPE: tl.constexpr = y_ptr.dtype.element_ty
+        y = _epilogue(y, y, y_ptr + mm * stride_ym + nn, mask, DTYPE, False, True, ROUND_BF16, False)
+        if HAND_OUT:
+            hw = tl.load(hw_ptr + rows).to(tl.float32)
+            tl.store(xg_ptr + mm * stride_xg + nn, _to_dtype(y * hw, DTYPE, ROUND_BF16).to(DTYPE), mask=mask)
+    else:
+        tl.store(y_ptr + mm * stride_ym + nn, y.to(y_ptr.dtype.element_ty), mask=mask)
+    return tl.where(mask, y, 0.0)
+
+
+@triton.jit
+def _parts_out(y, y2, parts_ptr, pid_n, pid_m, M, WARPS: tl.constexpr, TILES: tl.constexpr):
+    """A norm handoff's Σ y² parts from the stored values y (and TILES 2: y2) [T, 2 (p), 2 (h), 2
+    (n-tile)] (``_finish``): one part a warp, parts[pid_n · WARPS + warp, m] summed over the warp's
+    rows (its lanes' two rows of each m-tile, then across the 8 lanes g of a quad column), each
+    (part, m) stored by one thread."""
+    sq = tl.sum(y * y, axis=2)  # [T, 2 (p), 2 (n-tile)]: rows g and g + 8
+    if TILES == 2:
+        sq += tl.sum(y2 * y2, axis=2)
+    sq = tl.sum(tl.reshape(sq, (WARPS, 8, 4, 2, 2)), axis=1)  # over g: [warp, q, p, n-tile]
+    q = tl.arange(0, 4)[None, :, None, None]
+    p = tl.arange(0, 2)[None, None, :, None]
+    nt = tl.arange(0, 2)[None, None, None, :]
+    m = pid_m * BLOCK_M + 2 * q + p + 8 * nt
+    part = pid_n * WARPS + tl.arange(0, WARPS)[:, None, None, None]
+    tl.store(parts_ptr + part * M + m, sq, mask=m < M)
 
 
 @triton.jit
 def _u12_hmma_kernel(
     x_ptr, sm_ptr, codes_ptr, esc_idx_ptr, esc_val_ptr, esc_row_ptr, lanes_ptr, y_ptr, part_ptr, count_ptr,
+    hw_ptr, xg_ptr, parts_ptr,  # HAND_OUT: the norm handoff's weight, xg and parts (u12_fused_linear); else unused
     M, N, K, n_words, y_scale, words_per_split,
-    stride_xm, stride_sm, stride_codes, stride_ym,
+    stride_xm, stride_sm, stride_codes, stride_ym, stride_xg,
     BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, WARPS: tl.constexpr,
     SPLIT_K: tl.constexpr,  # ways over K (constexpr: the last program's sum of the partials unrolls)
     EVEN_K: tl.constexpr,  # n_words % BLOCK_W == 0: no split has a masked last chunk
@@ -304,6 +339,9 @@ def _u12_hmma_kernel(
     PDL: tl.constexpr,  # programmatic dependent launch (kernels/overlap.py)
     LANES: tl.constexpr = 0,  # > 0: the escapes from W's lanes (U12Tensor.esc_lanes, LANES a row), not the table
     LANE_GROUP: tl.constexpr = 4,  # lanes a step of the epilogue's walk (u12_linear.LANE_GROUP)
+    RESIDUAL: tl.constexpr = False,  # u12_fused_linear's residual epilogue: y is the residual, added into
+    HAND_OUT: tl.constexpr = False,  # RESIDUAL: the updated stream's norm handed on (xg, a part a warp)
+    ROUND_BF16: tl.constexpr = False,  # bf16 under the interpreter: round before casting
 ):
     pdl_enter(PDL)
     TILES: tl.constexpr = BLOCK_N // (16 * WARPS)  # m-tiles a warp: 1 or 2
@@ -359,12 +397,16 @@ def _u12_hmma_kernel(
     nn = _stack(row, row, row + 8, row + 8, row, row, row + 8, row + 8)
     acc = _stack(d0, d1, d2, d3, e0, e1, e2, e3)
     acc2 = _stack(f0, f1, f2, f3, h0, h1, h2, h3)  # TILES 2: rows nn + 16
+    epi = (hw_ptr, xg_ptr, stride_xg, RESIDUAL, HAND_OUT, ROUND_BF16)
     if SPLIT_K == 1:
-        _finish(acc, mm, nn, x_ptr, esc_idx_ptr, esc_val_ptr, esc_row_ptr, lanes_ptr, y_ptr, M, N, K, stride_xm, stride_ym,
-                y_scale, LANES, LANE_GROUP)
+        y1 = _finish(acc, mm, nn, x_ptr, esc_idx_ptr, esc_val_ptr, esc_row_ptr, lanes_ptr, y_ptr, M, N, K, stride_xm,
+                     stride_ym, y_scale, LANES, LANE_GROUP, *epi)
+        y2 = y1
         if TILES == 2:
-            _finish(acc2, mm, nn + 16, x_ptr, esc_idx_ptr, esc_val_ptr, esc_row_ptr, lanes_ptr, y_ptr, M, N, K, stride_xm,
-                    stride_ym, y_scale, LANES, LANE_GROUP)
+            y2 = _finish(acc2, mm, nn + 16, x_ptr, esc_idx_ptr, esc_val_ptr, esc_row_ptr, lanes_ptr, y_ptr, M, N, K,
+                         stride_xm, stride_ym, y_scale, LANES, LANE_GROUP, *epi)
+        if HAND_OUT:
+            _parts_out(y1, y2, parts_ptr, pid_n, pid_m, M, WARPS, TILES)
     else:  # the serial split-K semaphore (as _store_block): the last program sums the partials in split order
         ok = (mm < M) & (nn < N)
         part = part_ptr + mm * N + nn  # [SPLIT_K, M, N] fp32
@@ -378,15 +420,18 @@ def _u12_hmma_kernel(
             total = tl.zeros_like(acc)
             for ks in tl.static_range(SPLIT_K):  # unrolled: every partial's load in flight at once
                 total += tl.load(part + ks * M * N, mask=ok, other=0.0, cache_modifier=".cg")
-            _finish(total, mm, nn, x_ptr, esc_idx_ptr, esc_val_ptr, esc_row_ptr, lanes_ptr, y_ptr, M, N, K, stride_xm, stride_ym,
-                    y_scale, LANES, LANE_GROUP)
+            y1 = _finish(total, mm, nn, x_ptr, esc_idx_ptr, esc_val_ptr, esc_row_ptr, lanes_ptr, y_ptr, M, N, K,
+                         stride_xm, stride_ym, y_scale, LANES, LANE_GROUP, *epi)
+            y2 = y1
             if TILES == 2:
                 total = tl.zeros_like(acc)
                 for ks in tl.static_range(SPLIT_K):
                     total += tl.load(part + 16 + ks * M * N, mask=(mm < M) & (nn + 16 < N), other=0.0,
                                      cache_modifier=".cg")
-                _finish(total, mm, nn + 16, x_ptr, esc_idx_ptr, esc_val_ptr, esc_row_ptr, lanes_ptr, y_ptr, M, N, K, stride_xm,
-                        stride_ym, y_scale, LANES, LANE_GROUP)
+                y2 = _finish(total, mm, nn + 16, x_ptr, esc_idx_ptr, esc_val_ptr, esc_row_ptr, lanes_ptr, y_ptr, M, N,
+                             K, stride_xm, stride_ym, y_scale, LANES, LANE_GROUP, *epi)
+            if HAND_OUT:
+                _parts_out(y1, y2, parts_ptr, pid_n, pid_m, M, WARPS, TILES)
             tl.atomic_xchg(counter, 0)  # ready for the next launch (and CUDA graph replays)
 
 
@@ -395,8 +440,11 @@ def hmma_applies(x: torch.Tensor, k: int, base: int) -> bool:
     return x.dtype == torch.bfloat16 and 5 <= x.shape[0] <= BLOCK_M.value and words_and_scales(k, base)
 
 
-def launch_hmma(x: torch.Tensor, t: U12Tensor, y: torch.Tensor, cfg: U12Config) -> None:
-    """y = x · Wᵀ by ``_u12_hmma_kernel`` (``hmma_applies`` holds); grid (N blocks, splits, 1)."""
+def launch_hmma(x: torch.Tensor, t: U12Tensor, y: torch.Tensor, cfg: U12Config, residual: bool = False,
+                hand_out=None) -> None:
+    """y = x · Wᵀ by ``_u12_hmma_kernel`` (``hmma_applies`` holds); grid (N blocks, splits, 1).
+    kernels/u12_fused_linear.py's residual epilogue (y is the residual, added into in place) and
+    hand_out (a ``NormHandoff`` produced: its xg and parts, one a warp, allocated here)."""
     m, k = x.shape
     n = t.shape[0]
     n_words = k // 4
@@ -405,14 +453,24 @@ def launch_hmma(x: torch.Tensor, t: U12Tensor, y: torch.Tensor, cfg: U12Config) 
     native = x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1"  # the interpreter runs no PTX
     sm, codes = t.sm.contiguous(), t.codes.contiguous()
     lanes, n_lanes = lanes_args(t)
+    if hand_out is not None and not residual:
+        raise ValueError("launch_hmma: hand_out needs the residual epilogue")
+    hw, xg, parts = x, x, y  # placeholders of the right types where unused
+    if hand_out is not None:
+        hand_out._alloc(y, grid[0] * cfg.num_warps)
+        hw, xg, parts = hand_out.weight.contiguous(), hand_out.xg, hand_out.parts
+    options = cfg.launch_options(native)
+    if native and residual:
+        options["enable_fp_fusion"] = False  # as fused_linear's epilogue
     _u12_hmma_kernel[grid](
         x, sm.view(torch.int32), codes.view(torch.int16),
-        _nonempty(t.esc_idx), _nonempty(t.esc_val), t.esc_row_ptr, lanes, y, part, counters,
+        _nonempty(t.esc_idx), _nonempty(t.esc_val), t.esc_row_ptr, lanes, y, part, counters, hw, xg, parts,
         m, n, k, n_words, biased_scale(t.base), words_per_split,
-        x.stride(0), n_words, n_words, y.stride(0),
+        x.stride(0), n_words, n_words, y.stride(0), xg.stride(0),
         BLOCK_N=cfg.block_n, BLOCK_W=cfg.block_w, WARPS=cfg.num_warps, SPLIT_K=grid[1],
-        EVEN_K=n_words % cfg.block_w == 0, ASM=native, **cfg.launch_options(native), **pdl_args(x.device),
+        EVEN_K=n_words % cfg.block_w == 0, ASM=native, **options, **pdl_args(x.device),
         LANES=n_lanes, LANE_GROUP=lane_group(n_lanes),
+        RESIDUAL=residual, HAND_OUT=hand_out is not None, ROUND_BF16=not native,
     )
 
 

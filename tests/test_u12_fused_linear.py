@@ -278,20 +278,28 @@ def test_bad_inputs_raise_value_errors(fn, kwargs, match):
 
 
 def test_config_must_fit_the_rows():
-    """gemv2's fused kernel takes M <= 4 rows, the mma kernel's epilogue M >= 5."""
+    """gemv2's fused kernel takes M <= 4 rows, the mma kernel's epilogue M >= 5, the hmma kernel's
+    only the residual add and a handoff out."""
     t = pack_u12(torch.zeros(4, 8, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="config must be a gemv2 U12Config at 1 rows, got kernel 'tile'"):
         ufl.u12_fused_linear(torch.zeros(1, 8), t, config=U12Config(8, 64))
-    with pytest.raises(ValueError, match="config must be a mma U12Config at 5 rows, got kernel 'gemv2'"):
+    with pytest.raises(ValueError, match="config must be a mma or hmma U12Config at 5 rows with this epilogue, "
+                                         "got kernel 'gemv2'"):
         ufl.u12_fused_linear(torch.zeros(5, 8), t, config=U12Config(8, 64, kernel="gemv2"))
+    with pytest.raises(ValueError, match="config must be a mma U12Config at 5 rows with this epilogue, got kernel 'hmma'"):
+        ufl.u12_fused_linear(torch.zeros(5, 8), t, gated=True, config=U12Config(32, 16, kernel="hmma", num_warps=2))
 
 
-def test_tensor_core_config_takes_tuned_mma_tiles_only():
-    """At M >= 5 the epilogue runs in the mma kernel: TUNED's tile where TUNED has the mma kernel for
-    the rows (qkv and gate_up at 16), else the mma default (TUNED's hmma rows: o, down)."""
-    assert ufl.tensor_core_config(16, 6144, 4096) == TUNED[(16, 6144, 4096)]
-    assert ufl.tensor_core_config(16, 28672, 4096) == TUNED[(16, 28672, 4096)]
-    assert TUNED[(16, 4096, 4096)].kernel == "hmma" and ufl.tensor_core_config(16, 4096, 4096).kernel == "mma"
+def test_tensor_core_config_takes_tuned_tiles_whose_kernel_takes_the_epilogue():
+    """At M >= 5 the epilogue runs in the mma kernel (all of it) or the hmma kernel (the residual
+    add and a handoff out): TUNED's tile where its kernel takes the call's epilogue, else the mma
+    default."""
+    assert ufl.tensor_core_config(16, 6144, 4096, hand_in=True) == TUNED[(16, 6144, 4096)]
+    assert ufl.tensor_core_config(16, 28672, 4096, gated=True, hand_in=True) == TUNED[(16, 28672, 4096)]
+    assert TUNED[(16, 4096, 4096)].kernel == "hmma"  # o: the residual epilogue and a handoff out, not in
+    assert ufl.tensor_core_config(16, 4096, 4096) == TUNED[(16, 4096, 4096)]
+    assert ufl.tensor_core_config(16, 4096, 4096, hand_in=True) == ufl._MMA_DEFAULT_CONFIG
+    assert ufl.tensor_core_config(16, 4096, 4096, gated=True) == ufl._MMA_DEFAULT_CONFIG
     assert ufl.tensor_core_config(16, 4096, 4096, on_gpu=False) == ufl._MMA_INTERPRETER_CONFIG
 
 
@@ -347,26 +355,52 @@ def test_norm_handoff_matches_reference(m, words, n_words, i, dtype, gated, conf
     torch.testing.assert_close(y, y_ref, atol=atol, rtol=rtol)
 
 
-@pytest.mark.parametrize("m,dtype,gated", [(5, torch.float32, True), (16, torch.bfloat16, True),
-                                           (9, torch.bfloat16, False)])
-def test_norm_handoff_at_many_rows(mma_launches, m, dtype, gated):
-    """At 5 rows and more the mma kernel's epilogue hands the norm on (its parts a program of N
-    columns) and takes it in, as the reference's math says."""
+_HMMA_T2 = U12Config(32, 32, split_k=2, num_warps=1, num_stages=1, kernel="hmma")  # two m-tiles a warp, split-K
+_HMMA_T1 = U12Config(32, 16, num_warps=2, num_stages=1, kernel="hmma")  # one m-tile a warp, two warps
+
+
+@pytest.mark.parametrize("m,dtype,gated,producer", [
+    (5, torch.float32, True, None), (16, torch.bfloat16, True, None), (9, torch.bfloat16, False, None),
+    (16, torch.bfloat16, True, _HMMA_T2), (7, torch.bfloat16, False, _HMMA_T1),
+], ids=["mma-5", "mma-16", "mma-9-plain", "hmma-tiles2", "hmma-warps2"])
+def test_norm_handoff_at_many_rows(mma_launches, m, dtype, gated, producer):
+    """At 5 rows and more the mma kernel's epilogue (its parts one a program of output columns) or
+    the hmma kernel's (one a warp) hands the norm on, and the mma kernel's takes it in, as the
+    reference's math says."""
     x, t, t2, stream, gamma = _handoff_pair(m, 40, 68, 9, dtype, m, gated)
     s_out, s_ref = stream.clone(), stream.clone()
     h_out, h_ref = ufl.NormHandoff(gamma, 1e-5), ufl.NormHandoff(gamma, 1e-5)
-    ufl.u12_fused_linear(x, t, residual=s_out, hand_out=h_out)
+    ufl.u12_fused_linear(x, t, residual=s_out, hand_out=h_out, config=producer)
     ufl.u12_fused_linear_reference(x, t, residual=s_ref, hand_out=h_ref)
     atol, rtol = TOLERANCE[dtype]
     torch.testing.assert_close(s_out, s_ref, atol=atol, rtol=rtol)
     torch.testing.assert_close(h_out.xg, (s_out.float() * gamma.float()).to(dtype), atol=0, rtol=0)
-    assert h_out.parts.shape == (2, m)  # 68 columns in blocks of 64
+    programs = 2 if producer is None else (68 + producer.block_n - 1) // producer.block_n * producer.num_warps
+    assert h_out.parts.shape == (programs, m)  # mma: 68 columns in blocks of 64; hmma: a part a warp
     torch.testing.assert_close(h_out.parts.sum(0), (s_out.float() ** 2).sum(1), atol=1e-4, rtol=1e-5)
     y = ufl.u12_fused_linear(h_out.xg, t2, gated=gated, hand_in=h_out)
     torch.testing.assert_close(y, ufl.u12_fused_linear_reference(h_out.xg, t2, gated=gated, hand_in=h_out),
                                atol=atol, rtol=rtol)
-    assert [(kw["hand_out"] is h_out, kw["hand_in"] is h_out) for _, kw in mma_launches] == [(True, False),
-                                                                                            (False, True)]
+    expected = [(True, False), (False, True)] if producer is None else [(False, True)]  # the hmma producer apart
+    assert [(kw["hand_out"] is h_out, kw["hand_in"] is h_out) for _, kw in mma_launches] == expected
+
+
+@pytest.mark.parametrize("m,n_out,k,config", [(5, 33, 64, _HMMA_T2), (16, 70, 136, _HMMA_T1), (11, 9, 96, _HMMA_T1)])
+def test_hmma_residual_epilogue(m, n_out, k, config):
+    """The hmma kernel's residual add at odd shapes (partial row blocks and chunks, split-K), each
+    output added into the residual in place as the reference's torch add does."""
+    g = torch.Generator().manual_seed(m * n_out)
+    x = (3 * torch.randn(m, k, generator=g)).to(torch.bfloat16).to(DEVICE)
+    w = 0.02 * torch.randn(n_out, k, generator=g)
+    ufl.plant_escapes(w, g, False)
+    t = pack_u12(w.to(torch.bfloat16)).to(DEVICE)
+    r = torch.randn(m, n_out, generator=g).to(torch.bfloat16).to(DEVICE)
+    from specpilot.kernels import u12_hmma
+
+    with mock.patch.object(u12_hmma, "launch_hmma", wraps=u12_hmma.launch_hmma) as launches:
+        out, ref = _both(x, t, residual=r, config=config)
+    assert launches.call_count == 1 and launches.call_args.kwargs["residual"]
+    assert _close(out, ref)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
