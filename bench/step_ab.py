@@ -21,7 +21,9 @@ u12-esc-table (the default with the escapes from the side table, the GEMVs' row 
 before their loops, in place of the rows' lanes: ``u12_linear.ESC_LANES``); u12-esc-after (the same
 with every load of the table after the loops: ``u12_linear.ESC_AHEAD`` off; AR only);
 bf16-pdl, bf16-pdl-wait, u12-pdl, u12-pdl-wait (each step with programmatic dependent launch,
-kernels/overlap.py's modes 1 and 2; AR only, not under --smoke); u12-lanes-g8, u12-lanes-g16 (a verify step's mma and hmma kernels walking the lanes 8 or 16 a
+kernels/overlap.py's modes 1 and 2; AR only, not under --smoke); u12-many-rows (a verify step's u12 layers through u12_fused_linear: the mma and hmma kernels'
+epilogues and the norm handoff, runtime/fused.py's U12_MANY_ROWS; --q above 1 only);
+u12-lanes-g8, u12-lanes-g16 (a verify step's mma and hmma kernels walking the lanes 8 or 16 a
 step, ``u12_linear.LANE_GROUP``, against the default 4; --q above 1 only); bf16-default, bf16-r128 (the bf16 step at other register budgets:
 ``BF16_VARIANTS``; not under --smoke, whose tiny shapes TUNED does not hold). With --q above 1 (a
 chain verify step): bf16-cublas (cuBLAS with the separate norm, SiLU·mul and add kernels),
@@ -69,6 +71,9 @@ U12_VARIANTS = {  # name: FusedOps fields over the default ops
     "u12-epilogues": dict(u12_kernel="triton-u12", u12_norms_apart=True, u12_norm_handoff=False),
     "u12-prologue": dict(u12_kernel="triton-u12", u12_norms_apart=False, u12_norm_handoff=False),
     "u12-handoff": dict(u12_kernel="triton-u12", u12_norms_apart=True, u12_norm_handoff=True),  # the default
+}
+U12_VERIFY_VARIANTS = {  # a verify step (--q above 1) only: its u12 layers through u12_fused_linear too
+    "u12-many-rows": dict(u12_kernel="triton-u12", u12_norms_apart=True, u12_norm_handoff=True, u12_many_rows=True),
 }
 
 
@@ -164,7 +169,7 @@ def capture(shape: str, variants: bool, extra_bf16: dict | None = None, extra_u1
     st.to_u12(model)
     with fused_path(model):
         ops = model.fused.ops
-        for name, fields in U12_VARIANTS.items():
+        for name, fields in {**U12_VARIANTS, **(U12_VERIFY_VARIANTS if q > 1 else {})}.items():
             model.fused.ops = dataclasses.replace(ops, **fields)
             graphs[name] = capture_step()
         model.fused.ops = ops

@@ -497,8 +497,8 @@ def test_the_cost_model_folds_at_the_rows_the_runtime_fuses():
     ops = fused.fused_ops("torch")
     assert (roofline.LINEAR_MAX_M, roofline.LINEAR_GEMV_MAX_M, roofline.GEMV_ROWS, roofline.LINEAR_GAP) == (
         fused.LINEAR_MAX_M, fused.LINEAR_GEMV_MAX_M, fused.GEMV_ROWS, fused.LINEAR_GAP)
-    assert (roofline.U12_LINEAR, roofline.U12_NORMS_APART, roofline.U12_NORM_HANDOFF) == (
-        fused.U12_LINEAR, fused.U12_NORMS_APART, fused.U12_NORM_HANDOFF)
+    assert (roofline.U12_LINEAR, roofline.U12_NORMS_APART, roofline.U12_NORM_HANDOFF, roofline.U12_MANY_ROWS) == (
+        fused.U12_LINEAR, fused.U12_NORMS_APART, fused.U12_NORM_HANDOFF, fused.U12_MANY_ROWS)
     for rows in range(1, 70):
         for u12 in (False, True):
             assert roofline.linear_serves(rows, u12) == ops.linear_serves(rows, u12), (rows, u12)

@@ -540,10 +540,53 @@ def test_u12_layers_run_the_fused_u12_linear(family, norms_apart, handoff, tiny_
     assert all(fl.linear_weights("torch") is None for fl in other.layers)
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_u12_layers_at_many_rows(family, tiny_model_dirs):
+    """With ops.u12_many_rows, u12 layers run ops.linear_u12 above GEMV_ROWS rows too (a 9-token
+    chunk: the mma and hmma kernels' epilogues), the norms handed on as at one row; 2..4 rows stay
+    unfused. The logits, hidden states and caches are the unfused u12 stack's, within the handoff's
+    roundings."""
+    _, plain, cfg = _pair(tiny_model_dirs[family], torch.bfloat16)
+    _, fused, _ = _pair(tiny_model_dirs[family], torch.bfloat16)
+    unfused = install_fused(_to_u12(plain, "torch"), "torch")
+    unfused.ops = dataclasses.replace(unfused.ops, linear_max_m=0, u12_kernel="")
+    stack = install_fused(_to_u12(fused, "torch"), "torch")
+    assert not stack.ops.u12_many_rows and not stack.ops.linear_serves(9, u12=True)  # off by default
+    stack.ops = dataclasses.replace(stack.ops, u12_many_rows=True)
+    assert stack.ops.linear_serves(9, u12=True) and not stack.ops.linear_serves(3, u12=True)
+    hands = []
+    linear_u12 = stack.ops.linear_u12
+    stack.ops = dataclasses.replace(stack.ops, linear_u12=lambda x, *a, hand_in=None, hand_out=None, **kw: (
+        hands.append((x.shape[0], hand_in is not None, hand_out is not None)),
+        linear_u12(x, *a, hand_in=hand_in, hand_out=hand_out, **kw))[1])
+    ids = torch.randint(0, cfg.vocab_size, (1, 12), generator=torch.Generator().manual_seed(4))
+    layers = (0, cfg.num_layers - 1)
+    c_plain, c_fused = plain.new_cache(1, 24, device_length=True), fused.new_cache(1, 24, device_length=True)
+    tol = dict(rtol=5e-2, atol=0.125)  # the handoff's roundings (test_u12_layers_run_the_fused_u12_linear)
+    for chunk in (ids[:, :9], ids[:, 9:11], ids[:, 11:12]):
+        hands.clear()
+        a = plain(chunk, c_plain, hidden_layers=layers)
+        b = fused(chunk, c_fused, hidden_layers=layers)
+        rows = chunk.shape[1]
+        expected = [] if rows in (2, 3, 4) else [
+            (rows, i > 0, False) if j == 0 else (rows, False, True) if j == 1 else (rows, True, False) if j == 2
+            else (rows, False, i + 1 < cfg.num_layers) for i in range(cfg.num_layers) for j in range(4)]
+        assert hands == expected
+        torch.testing.assert_close(a.logits, b.logits, **tol)
+        torch.testing.assert_close(a.hidden, b.hidden, rtol=5e-2, atol=1.0)
+        top2 = a.logits.float().topk(2, dim=-1).values
+        clear = (top2[..., 0] - top2[..., 1]) > 0.25  # no near-tie within the roundings: the same token
+        assert torch.equal(a.logits.argmax(-1)[clear], b.logits.argmax(-1)[clear]) and clear.any()
+    for i in range(cfg.num_layers):
+        torch.testing.assert_close(c_plain.k[i], c_fused.k[i], rtol=5e-2, atol=0.25)
+
+
 @interpreter_only
-def test_u12_fused_linear_greedy_tokens_equal_the_unfused_u12_stack(tiny_model_dirs):
+@pytest.mark.parametrize("many_rows", [False, True], ids=["one-row", "prompt-too"])
+def test_u12_fused_linear_greedy_tokens_equal_the_unfused_u12_stack(many_rows, tiny_model_dirs):
     """The AR loop with u12 layers and u12_fused_linear under the interpreter gives the tokens of
-    the same u12 model on the unfused kernels' references (token forcing judges near-ties)."""
+    the same u12 model on the unfused kernels' references (token forcing judges near-ties); with
+    ops.u12_many_rows the 6-token prompt's forward runs it too (the mma and hmma epilogues)."""
     from specpilot.validate.forcing import check_prompt
 
     dirs = tiny_model_dirs["qwen3"]
@@ -552,12 +595,12 @@ def test_u12_fused_linear_greedy_tokens_equal_the_unfused_u12_stack(tiny_model_d
     unfused = install_fused(_to_u12(ref, "torch"), "torch")
     unfused.ops = dataclasses.replace(unfused.ops, linear_max_m=0)
     stack = install_fused(_to_u12(fused, "triton-u12"), "triton")
-    stack.ops = dataclasses.replace(stack.ops, u12_kernel="triton-u12")
+    stack.ops = dataclasses.replace(stack.ops, u12_kernel="triton-u12", u12_many_rows=many_rows)
     calls = _count_linear(stack, "linear_u12")
     prompt = [5, 9, 2, 6, 5, 3]
     # 2 tokens: the prompt's forward, then one one-row step through u12_fused_linear in every layer
     # (the suite's slowest test at more under the interpreter; the registry cases check the kernel)
     want = decode.generate_ar(ref, prompt, max_new_tokens=2, eos_token_id=None).tokens
     got = decode.generate_ar(fused, prompt, max_new_tokens=2, eos_token_id=None).tokens
-    assert len(calls) >= 4 * len(fused.model.layers)
+    assert len(calls) == 4 * len(fused.model.layers) * (2 if many_rows else 1)
     assert got == want or not check_prompt(ref, cfg, prompt, got, "bfloat16").hard_failures

@@ -299,13 +299,14 @@ def linear_serves(rows: int, u12: bool) -> bool:
     """runtime/fused.py's FusedOps.linear_serves at its defaults."""
     if rows > LINEAR_MAX_M or LINEAR_GAP[0] <= rows <= LINEAR_GAP[1]:
         return False
-    return rows <= LINEAR_GEMV_MAX_M or (rows > GEMV_ROWS and not u12)
+    return rows <= LINEAR_GEMV_MAX_M or (rows > GEMV_ROWS and (not u12 or U12_MANY_ROWS))
 
 
 # Whether the fused stacks serve u12 layers (runtime/fused.py's U12_LINEAR: u12_fused_linear, for
 # weights of the "triton-u12" kernel), keep their norms as rmsnorm kernels (U12_NORMS_APART) and hand
 # a norm from the residual u12 GEMV before it to the u12 GEMV after it instead (U12_NORM_HANDOFF).
 U12_LINEAR, U12_NORMS_APART, U12_NORM_HANDOFF = True, True, True
+U12_MANY_ROWS = False  # runtime/fused.py's U12_MANY_ROWS: u12 layers served above GEMV_ROWS rows too
 _LAYER_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _JOINED = {"k_proj": "q_proj", "v_proj": "q_proj", "up_proj": "gate_proj"}  # concatenated GEMMs of a fused layer
 

@@ -24,7 +24,10 @@ fused-cublas), verify(16) 4.559 against 4.782 interleaved (bench/results/step_ab
 kernels/u12_fused_linear.py serves u12 layers the same way, but without its norm prologue (measured
 slower: U12_LINEAR, U12_NORMS_APART): o's and down's residual epilogues hand the stream's norm to
 the GEMV after them (NormHandoff, U12_NORM_HANDOFF), which scales its sums by the norm's inv, so
-only the first layer's input norm and the final norm stay rmsnorm kernels.
+only the first layer's input norm and the final norm stay rmsnorm kernels. Above GEMV_ROWS rows
+(verify and tree steps) u12 layers run u12_linear beside the rmsnorm and silu_mul kernels unless
+U12_MANY_ROWS, where u12_fused_linear's mma and hmma epilogues and the handoff serve them too (off
+until timed on a GPU).
 
 q/k/v and gate/up are concatenated once at install; the original projections become views of the
 concatenated weights, so no memory is doubled. u12 projections are concatenated the same way (one
@@ -78,16 +81,17 @@ class FusedOps:
     linear_gemv_max_m: int = 0  # of linear_max_m, the GEMV kernels' rows (<= GEMV_ROWS) served: the rest of
     # 1..GEMV_ROWS stays unfused; above GEMV_ROWS only plain layers are served (`linear_serves`)
     linear_gap: tuple[int, int] = (0, 0)  # rows lo..hi (inclusive) of those that stay unfused; (0, 0): none
+    u12_many_rows: bool = False  # u12 layers above GEMV_ROWS too (u12_fused_linear's mma and hmma epilogues)
 
     def linear_serves(self, rows: int, u12: bool) -> bool:
         """Whether `linear` (`linear_u12` for u12 layers) serves a forward of `rows` rows (B·T)."""
         if self.linear is None or rows > self.linear_max_m or self.linear_gap[0] <= rows <= self.linear_gap[1]:
             return False
-        return rows <= self.linear_gemv_max_m or (rows > GEMV_ROWS and not u12)
+        return rows <= self.linear_gemv_max_m or (rows > GEMV_ROWS and (not u12 or self.u12_many_rows))
 
 
 # fused_linear's GEMV kernel serves up to this many rows, its tensor-core kernel more (m_bucket);
-# u12_fused_linear has only the GEMV kernel (more rows run its unfused composition).
+# so do u12_fused_linear's (its mma and hmma epilogues: U12_MANY_ROWS).
 GEMV_ROWS = 4
 
 # Rows at which fused_linear serves the layers: one (the GEMV kernel, LINEAR_GEMV_MAX_M), 5..16 and 32
@@ -127,28 +131,34 @@ U12_NORMS_APART = True
 # (1.156x and 1.129x the bf16 step's 4.09); an ablation without any norm kernel ran 1.177x
 # (bench/results/tried/step_ab_u12_norm_escape_ablation_h200.json).
 U12_NORM_HANDOFF = True
+# Whether u12 layers run u12_fused_linear above GEMV_ROWS too (verify and tree steps: the mma and hmma
+# kernels' epilogues and the norm handoff, in place of u12_linear beside rmsnorm and silu_mul
+# kernels). Off until timed on a GPU (bench/step_ab.py --q 16: u12-many-rows).
+U12_MANY_ROWS = False
 
 
 def fused_ops(kind: str, linear_max_m: int = LINEAR_MAX_M, u12_linear: bool = U12_LINEAR,
               u12_norms_apart: bool = U12_NORMS_APART, linear_gemv_max_m: int = LINEAR_GEMV_MAX_M,
-              linear_gap: tuple[int, int] = LINEAR_GAP, u12_norm_handoff: bool = U12_NORM_HANDOFF) -> FusedOps:
+              linear_gap: tuple[int, int] = LINEAR_GAP, u12_norm_handoff: bool = U12_NORM_HANDOFF,
+              u12_many_rows: bool = U12_MANY_ROWS) -> FusedOps:
     """"triton": the kernels; "torch": their references (same signatures). u12_linear: u12 layers
     take the fused linear too (else their projections run u12_linear with the separate kernels),
     with their norms as rmsnorm kernels where u12_norms_apart, handed from GEMV to GEMV where
-    u12_norm_handoff."""
+    u12_norm_handoff, above GEMV_ROWS rows too where u12_many_rows."""
     from specpilot.kernels import fused_linear, rmsnorm, rope_attention, rope_kv, silu_mul, u12_fused_linear
 
     if kind == "triton":
         return FusedOps(rmsnorm.rmsnorm, rope_kv.rope_qkv, silu_mul.silu_mul, kind,
                         fused_linear.fused_linear, linear_max_m, u12_fused_linear.u12_fused_linear,
                         "triton-u12" if u12_linear else "", rope_attention.rope_attention, u12_norms_apart,
-                        u12_norm_handoff=u12_norm_handoff, linear_gemv_max_m=linear_gemv_max_m, linear_gap=linear_gap)
+                        u12_norm_handoff=u12_norm_handoff, linear_gemv_max_m=linear_gemv_max_m, linear_gap=linear_gap,
+                        u12_many_rows=u12_many_rows)
     if kind == "torch":
         return FusedOps(rmsnorm.rmsnorm_reference, rope_kv.rope_qkv_reference, silu_mul.silu_mul_reference, kind,
                         fused_linear.fused_linear_reference, linear_max_m,
                         u12_fused_linear.u12_fused_linear_reference, "torch" if u12_linear else "",
                         u12_norms_apart=u12_norms_apart, u12_norm_handoff=u12_norm_handoff,
-                        linear_gemv_max_m=linear_gemv_max_m, linear_gap=linear_gap)
+                        linear_gemv_max_m=linear_gemv_max_m, linear_gap=linear_gap, u12_many_rows=u12_many_rows)
     raise ValueError(f"fused ops are 'triton' or 'torch', got {kind!r}")
 
 
@@ -332,11 +342,11 @@ class FusedStack:
     def _hands_norm(self, h: torch.Tensor, w: U12Tensor, w_next) -> bool:
         """Whether the residual u12 GEMV of w over h hands the next norm on to the GEMV of w_next
         (ops.u12_norm_handoff, both u12 GEMVs that u12_fused_linear fuses at h's rows)."""
-        from specpilot.kernels.u12_linear import gemv2_applies
+        from specpilot.kernels.u12_fused_linear import fused_applies
 
         rows = h.shape[0]
         return (self.ops.u12_norm_handoff and self.ops.u12_norms_apart and isinstance(w_next, U12Tensor)
-                and gemv2_applies(rows, w.shape[1], w.base) and gemv2_applies(rows, w_next.shape[1], w_next.base))
+                and fused_applies(rows, w.shape[1], w.base) and fused_applies(rows, w_next.shape[1], w_next.base))
 
     def attend(
         self, i: int, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, vis: Visibility,
