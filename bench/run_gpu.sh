@@ -22,7 +22,7 @@
 #   verifyab the Llama-3.1-8B verify(16) step, bf16 against the u12 variants, interleaved (bench/step_ab.py
 #            --q 16; bf16-sweep from the committed M = 16 sweep, bench/results/fused_linear_m16_graph_h200.json)
 #   u12verify  the u12 kernel tests on the GPU (escapes every way, a CUDA graph capture, the M >= 5
-#            epilogues, the registry), then verifyab and ab
+#            epilogues, the registry), then verifyab
 #   linear   fused_linear and u12_mma: GPU tests and sweeps (u12's mma sweep: U12_ARGS="--ms 16 --kernels mma")
 #   peers    AR against HF transformers on 8B-shaped weights
 #   ncu      Nsight Compute's counters for each layer linear at NCU_MS rows (default 1,16), fused_linear and cuBLAS
@@ -120,11 +120,10 @@ verifyab() {  # verify(16) interleaved, without a new fused_linear sweep
   TAIL=16 run step_ab_verify16 240 python bench/step_ab.py --q 16 \
     --bf16-tuned bench/results/fused_linear_m16_graph_h200.json --out "$OUT/step_ab_verify16_h200.json"
 }
-u12verify() {  # the u12 kernels on the GPU, then both steps interleaved
+u12verify() {  # the u12 kernels on the GPU, then the verify(16) step interleaved
   TAIL=4 run u12_tests 240 python -m pytest -q -x -p no:cacheprovider tests/test_u12_mma.py tests/test_u12_hmma.py \
     tests/test_u12_gemv.py tests/test_u12_fused_linear.py tests/test_kernels.py -k "u12 or lane or escape"
   verifyab
-  ab
 }
 linear() {  # the fused_linear and u12_mma kernels: GPU tests, then their sweeps against cuBLAS
   TAIL=4 run linear_tests 150 python -m pytest -q -x -p no:cacheprovider tests/test_fused_linear.py \
