@@ -319,7 +319,8 @@ def _u12_check(x, t: U12Tensor, norm_weight, gated, residual) -> tuple[int, int,
 @dataclasses.dataclass
 class NormHandoff:
     """An RMSNorm handed from one u12 GEMV to the next over the same residual stream, in place of an
-    rmsnorm kernel between them (M <= 4 rows, the fused kernel on both sides).
+    rmsnorm kernel between them (a fused kernel on both sides: gemv2's at M <= 4 rows, the mma or
+    hmma kernel's epilogue at more; parts one a program of output columns, the hmma kernel's one a warp).
 
     The producer, ``u12_fused_linear(x, t, residual=stream, hand_out=h)``, adds its output into the
     stream and also stores ``h.xg`` = dtype(stream · h.weight) and each program's Σ stream² per row
@@ -436,10 +437,12 @@ def u12_fused_linear(
     """x [M, K] (bf16 or fp32) · t [N, K]ᵀ (u12) in x's dtype, fp32 sums; norm_weight: x replaced by
     rmsnorm(x, norm_weight, eps) first; gated: t is [gate; up] (N = 2I) and the output [M, I] is
     silu(gate) · up; residual [M, N_out]: the output is added into it in place and it is returned.
-    One fused launch where gemv2 applies (M <= 4, K % 4 == 0, a scaled base), else the unfused
-    rmsnorm, u12_linear, silu_mul and torch add. config: a gemv2 U12Config (default_config).
-    hand_out (with residual) / hand_in (x = hand_in.xg): a ``NormHandoff`` from this GEMV to the
-    next, fused kernel only."""
+    One fused launch where gemv2 applies (M <= 4, K % 4 == 0, a scaled base); at M >= 5 on that
+    path an rmsnorm kernel (norm_weight) and the mma or hmma kernel with the epilogue; else the
+    unfused rmsnorm, u12_linear, silu_mul and torch add. config: a gemv2 U12Config at M <= 4
+    (default_config), an mma one (or hmma, for the residual add and a handoff out) above
+    (tensor_core_config). hand_out (with residual) / hand_in (x = hand_in.xg): a ``NormHandoff``
+    from this GEMV to the next, fused kernels only."""
     m, k, n_out = _u12_check(x, t, norm_weight, gated, residual)
     _check_handoff(x, t, norm_weight, gated, residual, hand_out, hand_in)
     want = ("gemv2",) if m <= 4 else ("mma",) if gated or hand_in is not None else ("mma", "hmma")
