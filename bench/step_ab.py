@@ -14,17 +14,18 @@ spread; per u12 variant, the median of the per-round ratios bf16 / u12.
 Variants (runtime/fused.py): bf16 (the fused path: fused_linear with its norm prologues and
 epilogues); u12-unfused (u12_linear beside the separate rmsnorm, SiLU·mul and add kernels: the
 default u12 layers until this comparison); u12-epilogues (u12_fused_linear's SiLU·mul and residual
-epilogues, the norms as rmsnorm kernels: the default until the handoff); u12-prologue (u12_fused_linear
-with its norm prologue too); u12-handoff (the epilogues' step with each norm after o and down handed
-on to the next GEMV: u12_fused_linear's NormHandoff, no rmsnorm kernel between them; the default);
-u12-esc-table (the default with the escapes from the side table, the GEMVs' row pointers loaded
-before their loops, in place of the rows' lanes: ``u12_linear.ESC_LANES``); u12-esc-after (the same
-with every load of the table after the loops: ``u12_linear.ESC_AHEAD`` off; AR only);
-bf16-pdl, bf16-pdl-wait, u12-pdl, u12-pdl-wait (each step with programmatic dependent launch,
-kernels/overlap.py's modes 1 and 2; AR only, not under --smoke); u12-many-rows (a verify step's u12 layers through u12_fused_linear: the mma and hmma kernels'
-epilogues and the norm handoff, runtime/fused.py's U12_MANY_ROWS; --q above 1 only);
-u12-lanes-g8, u12-lanes-g16 (a verify step's mma and hmma kernels walking the lanes 8 or 16 a
-step, ``u12_linear.LANE_GROUP``, against the default 4; --q above 1 only); bf16-default, bf16-r128 (the bf16 step at other register budgets:
+epilogues, the norms as rmsnorm kernels: the default until the handoff); u12-prologue
+(u12_fused_linear with its norm prologue too); u12-handoff (the epilogues' step with each norm after
+o and down handed on to the next GEMV: u12_fused_linear's NormHandoff, no rmsnorm kernel between
+them; the default); u12-esc-table (the default with the escapes from the side table, the GEMVs' row
+pointers loaded before their loops, in place of the rows' lanes: ``u12_linear.ESC_LANES``);
+u12-esc-after (the same with every load of the table after the loops: ``u12_linear.ESC_AHEAD`` off;
+AR only); bf16-pdl, bf16-pdl-wait, u12-pdl, u12-pdl-wait (each step with programmatic dependent
+launch, kernels/overlap.py's modes 1 and 2; AR only, not under --smoke); u12-many-rows (a verify
+step's u12 layers through u12_fused_linear: the mma and hmma kernels' epilogues and the norm
+handoff, runtime/fused.py's U12_MANY_ROWS; --q above 1 only); u12-lanes-g8, u12-lanes-g16 (a verify
+step's mma and hmma kernels walking the lanes 8 or 16 a step, ``u12_linear.LANE_GROUP``, against the
+default 4; --q above 1 only); bf16-default, bf16-r128 (the bf16 step at other register budgets:
 ``BF16_VARIANTS``; not under --smoke, whose tiny shapes TUNED does not hold). With --q above 1 (a
 chain verify step): bf16-cublas (cuBLAS with the separate norm, SiLU·mul and add kernels),
 bf16-linear (fused_linear at those rows, --bf16-tuned's configs), bf16-linear-nosq (the same with

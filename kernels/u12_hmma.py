@@ -64,14 +64,13 @@ Numerics: the biased decode (w · 2^(113-base), an escape 2^-15), bf16 x unscale
 in the tensor cores. The epilogue stays in the fragments' layout (``_finish``, elementwise): each
 accumulator reads the escapes of its W row (from the row's lanes, ``LANE_GROUP`` a step, or where
 the weight has none from the table), takes back their spurious x · 2^-15 and adds x · w exactly,
-then the scale 2^(base-113); split-K by the serial semaphore, partials summed in split
-order. For kernels/u12_fused_linear.py (``RESIDUAL``, ``HAND_OUT``) ``_finish`` adds each output into
-the residual as fused_linear's epilogue does and stores the handoff's xg, and ``_parts_out`` its Σ y²
+then the scale 2^(base-113); split-K by the serial semaphore, partials summed in split order. For
+kernels/u12_fused_linear.py (``RESIDUAL``, ``HAND_OUT``) ``_finish`` adds each output into the
+residual as fused_linear's epilogue does and stores the handoff's xg, and ``_parts_out`` its Σ y²
 parts, one a warp (a lane's two rows of each m-tile, then across the quad column's 8 lanes), each
-(part, row of x) stored by one thread. (The mma kernel's 2-D epilogue, ``_store_block``, cost about 80 registers a thread here:
-168 against 90 for the loop, sm_90 ptxas.) bf16 x only (fp32 x, K % 4 != 0 or a base past 240 run the tile
-kernel: ``hmma_applies``).
-"""
+(part, row of x) stored by one thread. (The mma kernel's 2-D epilogue, ``_store_block``, cost about
+80 registers a thread here: 168 against 90 for the loop, sm_90 ptxas.) bf16 x only (fp32 x, K % 4 !=
+0 or a base past 240 run the tile kernel: ``hmma_applies``). """
 
 from __future__ import annotations
 

@@ -8,18 +8,18 @@ bench/results/u12_linear_mma_h200.json, 320 configs): at M = 16 0.74x (qkv), 1.0
 one graph 0.86x, the u12 verify(16) step 0.87x the bf16 one. Short of the issue's 1.15x: see the wgmma wait below.
 
 Design. A program owns BLOCK_N rows of W and BLOCK_M (16..64) rows of x and loops over K in chunks
-of BLOCK_W int32 words (4 weights each). The words decode as in gemv2 (``_pair_patterns``: prmt,
-two multiplies and lop3 by inline PTX) into the bf16 patterns of weights (0, 2) and (1, 3) of each
-word, one 32-bit register each; the four bf16 planes (plane j: weight 4 w + j) are their 16-bit
-halves, bitcast. The K order inside a dot does not matter, so nothing is reordered to k order: one
-dot a chunk takes the four planes in ``_w_in_dot_order``, where each pair register is one bf16x2
-register of wgmma's A fragment, and x's matching planes (x[m, 4 w + j], bf16 x read as one int64
-word per (w, m)) in the same order: acc[BN, BM] += W · X. W is the wide side (BN >= 64 fills a warp
-group's wgmma, M = 64), x the narrow one. After the loop the tile kernel's epilogue
-(``_store_block``): the scales, the escapes, and split-K by the serial semaphore with the counters
-kept per weight (``split_counters``); or, for kernels/u12_fused_linear.py at M >= 5, its epilogue
-(``_fused_store``: SiLU·mul over rows taken half gate, half up; the residual add; the norm handoff). Rows past M and N re-read the last row (their outputs are
-not stored), so only a last partial chunk of K is masked.
+of BLOCK_W int32 words (4 weights each). The words decode as in gemv2 (``_pair_patterns``: prmt, two
+multiplies and lop3 by inline PTX) into the bf16 patterns of weights (0, 2) and (1, 3) of each word,
+one 32-bit register each; the four bf16 planes (plane j: weight 4 w + j) are their 16-bit halves,
+bitcast. The K order inside a dot does not matter, so nothing is reordered to k order: one dot a
+chunk takes the four planes in ``_w_in_dot_order``, where each pair register is one bf16x2 register
+of wgmma's A fragment, and x's matching planes (x[m, 4 w + j], bf16 x read as one int64 word per (w,
+m)) in the same order: acc[BN, BM] += W · X. W is the wide side (BN >= 64 fills a warp group's
+wgmma, M = 64), x the narrow one. After the loop the tile kernel's epilogue (``_store_block``): the
+scales, the escapes, and split-K by the serial semaphore with the counters kept per weight
+(``split_counters``); or, for kernels/u12_fused_linear.py at M >= 5, its epilogue (``_fused_store``:
+SiLU·mul over rows taken half gate, half up; the residual add; the norm handoff). Rows past M and N
+re-read the last row (their outputs are not stored), so only a last partial chunk of K is masked.
 
 Numerics: as the tile kernel's dot path. The decoded weight is w · 2^-(base-1) (exponent field =
 code; escapes +0.0), x is scaled by 2^64 and the fp32 sums by 2^(base-65): powers of two, exact
