@@ -70,7 +70,8 @@ residual as fused_linear's epilogue does and stores the handoff's xg, and ``_par
 parts, one a warp (a lane's two rows of each m-tile, then across the quad column's 8 lanes), each
 (part, row of x) stored by one thread. (The mma kernel's 2-D epilogue, ``_store_block``, cost about
 80 registers a thread here: 168 against 90 for the loop, sm_90 ptxas.) bf16 x only (fp32 x, K % 4 !=
-0 or a base past 240 run the tile kernel: ``hmma_applies``). """
+0 or a base past 240 run the tile kernel: ``hmma_applies``).
+"""
 
 from __future__ import annotations
 
