@@ -397,14 +397,15 @@ def _u12_hmma_kernel(
     nn = _stack(row, row, row + 8, row + 8, row, row, row + 8, row + 8)
     acc = _stack(d0, d1, d2, d3, e0, e1, e2, e3)
     acc2 = _stack(f0, f1, f2, f3, h0, h1, h2, h3)  # TILES 2: rows nn + 16
-    epi = (hw_ptr, xg_ptr, stride_xg, RESIDUAL, HAND_OUT, ROUND_BF16)
     if SPLIT_K == 1:
         y1 = _finish(acc, mm, nn, x_ptr, esc_idx_ptr, esc_val_ptr, esc_row_ptr, lanes_ptr, y_ptr, M, N, K, stride_xm,
-                     stride_ym, y_scale, LANES, LANE_GROUP, *epi)
+                     stride_ym, y_scale, LANES, LANE_GROUP,
+                     hw_ptr, xg_ptr, stride_xg, RESIDUAL, HAND_OUT, ROUND_BF16)
         y2 = y1
         if TILES == 2:
             y2 = _finish(acc2, mm, nn + 16, x_ptr, esc_idx_ptr, esc_val_ptr, esc_row_ptr, lanes_ptr, y_ptr, M, N, K,
-                         stride_xm, stride_ym, y_scale, LANES, LANE_GROUP, *epi)
+                         stride_xm, stride_ym, y_scale, LANES, LANE_GROUP,
+                         hw_ptr, xg_ptr, stride_xg, RESIDUAL, HAND_OUT, ROUND_BF16)
         if HAND_OUT:
             _parts_out(y1, y2, parts_ptr, pid_n, pid_m, M, WARPS, TILES)
     else:  # the serial split-K semaphore (as _store_block): the last program sums the partials in split order
@@ -421,7 +422,8 @@ def _u12_hmma_kernel(
             for ks in tl.static_range(SPLIT_K):  # unrolled: every partial's load in flight at once
                 total += tl.load(part + ks * M * N, mask=ok, other=0.0, cache_modifier=".cg")
             y1 = _finish(total, mm, nn, x_ptr, esc_idx_ptr, esc_val_ptr, esc_row_ptr, lanes_ptr, y_ptr, M, N, K,
-                         stride_xm, stride_ym, y_scale, LANES, LANE_GROUP, *epi)
+                         stride_xm, stride_ym, y_scale, LANES, LANE_GROUP,
+                         hw_ptr, xg_ptr, stride_xg, RESIDUAL, HAND_OUT, ROUND_BF16)
             y2 = y1
             if TILES == 2:
                 total = tl.zeros_like(acc)
@@ -429,7 +431,8 @@ def _u12_hmma_kernel(
                     total += tl.load(part + 16 + ks * M * N, mask=(mm < M) & (nn + 16 < N), other=0.0,
                                      cache_modifier=".cg")
                 y2 = _finish(total, mm, nn + 16, x_ptr, esc_idx_ptr, esc_val_ptr, esc_row_ptr, lanes_ptr, y_ptr, M, N,
-                             K, stride_xm, stride_ym, y_scale, LANES, LANE_GROUP, *epi)
+                             K, stride_xm, stride_ym, y_scale, LANES, LANE_GROUP,
+                             hw_ptr, xg_ptr, stride_xg, RESIDUAL, HAND_OUT, ROUND_BF16)
             if HAND_OUT:
                 _parts_out(y1, y2, parts_ptr, pid_n, pid_m, M, WARPS, TILES)
             tl.atomic_xchg(counter, 0)  # ready for the next launch (and CUDA graph replays)
