@@ -304,8 +304,9 @@ def launch_mma(x: torch.Tensor, t: U12Tensor, y: torch.Tensor, cfg: U12Config, g
     native = x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1"  # the interpreter runs no PTX, no bf16 dot
     sm, codes = t.sm.contiguous(), t.codes.contiguous()
     lanes, n_lanes = lanes_args(t)
-    if gated and cfg.block_n % 2:
-        raise ValueError(f"launch_mma: a gated launch splits block_n into gate and up rows, got {cfg.block_n}")
+    if gated and cfg.block_n % 32:  # each half at least 16 rows: the table's one-hot dot over them
+        raise ValueError(f"launch_mma: a gated launch splits block_n into gate and up rows, a multiple of 16 "
+                         f"each; got block_n {cfg.block_n}")
     options = cfg.launch_options(native)
     if native and (gated or residual or hand_in is not None or hand_out is not None):
         options["enable_fp_fusion"] = False  # as fused_linear: Σ · (1/K) + eps and 1 + exp(-g) round as torch's do

@@ -290,6 +290,13 @@ def test_config_must_fit_the_rows():
         ufl.u12_fused_linear(torch.zeros(5, 8), t, gated=True, config=U12Config(32, 16, kernel="hmma", num_warps=2))
 
 
+def test_gated_mma_tile_halves_are_whole_dot_tiles():
+    """A gated mma launch takes block_n / 2 gate and up rows, each a multiple of 16 (tl.dot's tile)."""
+    x, t = torch.zeros(5, 8), pack_u12(torch.zeros(4, 8, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="a multiple of 16 each; got block_n 16"):
+        ufl.u12_fused_linear(x, t, gated=True, config=U12Config(16, 16, kernel="mma"))
+
+
 def test_tensor_core_config_takes_tuned_tiles_whose_kernel_takes_the_epilogue():
     """At M >= 5 the epilogue runs in the mma kernel (all of it) or the hmma kernel (the residual
     add and a handoff out): TUNED's tile where its kernel takes the call's epilogue, else the mma
