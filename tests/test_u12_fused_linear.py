@@ -292,7 +292,9 @@ def test_config_must_fit_the_rows():
 
 def test_gated_mma_tile_halves_are_whole_dot_tiles():
     """A gated mma launch takes block_n / 2 gate and up rows, each a multiple of 16 (tl.dot's tile)."""
-    x, t = torch.zeros(5, 8), pack_u12(torch.zeros(4, 8, dtype=torch.bfloat16))
+    w = 0.02 * torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+    x, t = torch.zeros(5, 8), pack_u12(w.to(torch.bfloat16))
+    assert ufl.fused_applies(5, 8, t.base)
     with pytest.raises(ValueError, match="a multiple of 16 each; got block_n 16"):
         ufl.u12_fused_linear(x, t, gated=True, config=U12Config(16, 16, kernel="mma"))
 
