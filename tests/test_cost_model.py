@@ -3,9 +3,11 @@ calibration records, the GPU database, and the report (table, PNG). No timed tes
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -502,6 +504,11 @@ def test_the_cost_model_folds_at_the_rows_the_runtime_fuses():
     for rows in range(1, 70):
         for u12 in (False, True):
             assert roofline.linear_serves(rows, u12) == ops.linear_serves(rows, u12), (rows, u12)
+    many = dataclasses.replace(ops, u12_many_rows=True)
+    with mock.patch.object(roofline, "U12_MANY_ROWS", True):
+        for rows in range(1, 70):
+            for u12 in (False, True):
+                assert roofline.linear_serves(rows, u12) == many.linear_serves(rows, u12), (rows, u12)
 
 
 def test_a_fused_dflash_layer_keeps_its_context_kv_launch(llama8b):

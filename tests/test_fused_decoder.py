@@ -554,6 +554,9 @@ def test_u12_layers_at_many_rows(family, tiny_model_dirs):
     assert not stack.ops.u12_many_rows and not stack.ops.linear_serves(9, u12=True)  # off by default
     stack.ops = dataclasses.replace(stack.ops, u12_many_rows=True)
     assert stack.ops.linear_serves(9, u12=True) and not stack.ops.linear_serves(3, u12=True)
+    # fused_linear's gap (17..31 rows: its tiles against cuBLAS's) is not the u12 kernels'
+    assert stack.ops.linear_serves(17, u12=True) and not stack.ops.linear_serves(17, u12=False)
+    assert not stack.ops.linear_serves(stack.ops.linear_max_m + 1, u12=True)
     hands = []
     linear_u12 = stack.ops.linear_u12
     stack.ops = dataclasses.replace(stack.ops, linear_u12=lambda x, *a, hand_in=None, hand_out=None, **kw: (

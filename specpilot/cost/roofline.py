@@ -297,9 +297,13 @@ LINEAR_MAX_M, LINEAR_GEMV_MAX_M, GEMV_ROWS, LINEAR_GAP = 32, 1, 4, (17, 31)
 
 def linear_serves(rows: int, u12: bool) -> bool:
     """runtime/fused.py's FusedOps.linear_serves at its defaults."""
-    if rows > LINEAR_MAX_M or LINEAR_GAP[0] <= rows <= LINEAR_GAP[1]:
+    if rows > LINEAR_MAX_M:
         return False
-    return rows <= LINEAR_GEMV_MAX_M or (rows > GEMV_ROWS and (not u12 or U12_MANY_ROWS))
+    if u12 and U12_MANY_ROWS and rows > GEMV_ROWS:
+        return True
+    if LINEAR_GAP[0] <= rows <= LINEAR_GAP[1]:
+        return False
+    return rows <= LINEAR_GEMV_MAX_M or (rows > GEMV_ROWS and not u12)
 
 
 # Whether the fused stacks serve u12 layers (runtime/fused.py's U12_LINEAR: u12_fused_linear, for

@@ -84,10 +84,16 @@ class FusedOps:
     u12_many_rows: bool = False  # u12 layers above GEMV_ROWS too (u12_fused_linear's mma and hmma epilogues)
 
     def linear_serves(self, rows: int, u12: bool) -> bool:
-        """Whether `linear` (`linear_u12` for u12 layers) serves a forward of `rows` rows (B·T)."""
-        if self.linear is None or rows > self.linear_max_m or self.linear_gap[0] <= rows <= self.linear_gap[1]:
+        """Whether `linear` (`linear_u12` for u12 layers) serves a forward of `rows` rows (B·T). The
+        gap is fused_linear's (its 32-row tiles against cuBLAS's); u12 layers above GEMV_ROWS run
+        the same mma and hmma tiles fused or not, so with u12_many_rows no gap applies to them."""
+        if self.linear is None or rows > self.linear_max_m:
             return False
-        return rows <= self.linear_gemv_max_m or (rows > GEMV_ROWS and (not u12 or self.u12_many_rows))
+        if u12 and self.u12_many_rows and rows > GEMV_ROWS:
+            return True
+        if self.linear_gap[0] <= rows <= self.linear_gap[1]:
+            return False
+        return rows <= self.linear_gemv_max_m or (rows > GEMV_ROWS and not u12)
 
 
 # fused_linear's GEMV kernel serves up to this many rows, its tensor-core kernel more (m_bucket);
@@ -133,7 +139,8 @@ U12_NORMS_APART = True
 U12_NORM_HANDOFF = True
 # Whether u12 layers run u12_fused_linear above GEMV_ROWS too (verify and tree steps: the mma and hmma
 # kernels' epilogues and the norm handoff, in place of u12_linear beside rmsnorm and silu_mul
-# kernels). Off until timed on a GPU (bench/step_ab.py --q 16: u12-many-rows).
+# kernels), up to linear_max_m rows and through LINEAR_GAP (17-node trees too): fused or not they run
+# the same tiles. Off until timed on a GPU (bench/step_ab.py --q 16: u12-many-rows).
 U12_MANY_ROWS = False
 
 
