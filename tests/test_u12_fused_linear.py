@@ -364,6 +364,32 @@ def test_norm_handoff_matches_reference(m, words, n_words, i, dtype, gated, conf
     torch.testing.assert_close(y, y_ref, atol=atol, rtol=rtol)
 
 
+@pytest.mark.parametrize("lanes_mode", ["lanes", "table"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_mma_epilogue_escapes_both_ways(monkeypatch, mma_launches, lanes_mode, dtype):
+    """The mma epilogue's escapes from the lanes or the table (``ESC_LANES``), in both halves of a
+    gated weight (rows taken half gate, half up) and in a plain residual one; a row of 20 escapes
+    has no lanes, so its weight walks the table either way."""
+    monkeypatch.setattr(u12_linear_module, "ESC_LANES", lanes_mode)
+    g = torch.Generator().manual_seed(11)
+    m, n_out, k = 7, 37, 96
+    x = (3 * torch.randn(m, k, generator=g)).to(dtype).to(DEVICE)
+    for gated, crowded in ((True, False), (True, True), (False, False)):
+        w = 0.02 * torch.randn((2 if gated else 1) * n_out, k, generator=g)
+        ufl.plant_escapes(w, g, gated)
+        if crowded:
+            w[n_out + 3, torch.randperm(k, generator=g)[:20]] = 3.0  # an up row of 20 escapes: no lanes
+        t = pack_u12(w.to(torch.bfloat16)).to(DEVICE)
+        assert (u12_linear_module.lanes_args(t)[1] > 0) == (lanes_mode == "lanes" and not crowded)
+        r = None if gated else torch.randn(m, n_out, generator=g).to(dtype).to(DEVICE)
+        out, ref = _both(x, t, gated=gated, residual=r)
+        assert _close(out, ref), (gated, crowded)
+        bad = ufl.u12_fused_linear(*ufl._plant_wrong_u12_weight((x, t, None, gated, r, "default"))[:2], gated=gated,
+                                   residual=None if r is None else r.clone())
+        assert not _close(bad, ref)
+    assert [kw["gated"] for _, kw in mma_launches] == [True, True, True, True, False, False]
+
+
 _HMMA_T2 = U12Config(32, 32, split_k=2, num_warps=1, num_stages=1, kernel="hmma")  # two m-tiles a warp, split-K
 _HMMA_T1 = U12Config(32, 16, num_warps=2, num_stages=1, kernel="hmma")  # one m-tile a warp, two warps
 
