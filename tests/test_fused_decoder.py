@@ -562,15 +562,22 @@ def test_u12_layers_at_many_rows(family, tiny_model_dirs):
     stack.ops = dataclasses.replace(stack.ops, linear_u12=lambda x, *a, hand_in=None, hand_out=None, **kw: (
         hands.append((x.shape[0], hand_in is not None, hand_out is not None)),
         linear_u12(x, *a, hand_in=hand_in, hand_out=hand_out, **kw))[1])
+    norms, silus, rmsnorm, silu_mul = [], [], stack.ops.rmsnorm, stack.ops.silu_mul
+    stack.ops = dataclasses.replace(stack.ops, rmsnorm=lambda *a, **kw: (norms.append(1), rmsnorm(*a, **kw))[1],
+                                    silu_mul=lambda *a, **kw: (silus.append(1), silu_mul(*a, **kw))[1])
     ids = torch.randint(0, cfg.vocab_size, (1, 12), generator=torch.Generator().manual_seed(4))
     layers = (0, cfg.num_layers - 1)
     c_plain, c_fused = plain.new_cache(1, 24, device_length=True), fused.new_cache(1, 24, device_length=True)
     tol = dict(rtol=5e-2, atol=0.125)  # the handoff's roundings (test_u12_layers_run_the_fused_u12_linear)
     for chunk in (ids[:, :9], ids[:, 9:11], ids[:, 11:12]):
         hands.clear()
+        norms.clear()
+        silus.clear()
         a = plain(chunk, c_plain, hidden_layers=layers)
         b = fused(chunk, c_fused, hidden_layers=layers)
         rows = chunk.shape[1]
+        if rows not in (2, 3, 4):  # the first layer's input norm and the final one; no SiLU·mul launch
+            assert (len(norms), len(silus)) == (2, 0)
         expected = [] if rows in (2, 3, 4) else [
             (rows, i > 0, False) if j == 0 else (rows, False, True) if j == 1 else (rows, True, False) if j == 2
             else (rows, False, i + 1 < cfg.num_layers) for i in range(cfg.num_layers) for j in range(4)]
