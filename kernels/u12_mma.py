@@ -327,7 +327,7 @@ def launch_mma(x: torch.Tensor, t: U12Tensor, y: torch.Tensor, cfg: U12Config, g
         **options, **pdl_args(x.device),
         LANES=n_lanes, LANE_GROUP=lane_group(n_lanes),
         GATED=gated, RESIDUAL=residual, HAND_IN=hand_in is not None, HAND_OUT=hand_out is not None,
-        BLOCK_P=min(1024, triton.next_power_of_2(max(1, n_parts))),
+        BLOCK_P=min(256, triton.next_power_of_2(max(1, n_parts))),  # a chunk of parts: all 1024 at once held the registers of a tile
         ROUND_BF16=not native and x.dtype == torch.bfloat16, EXPF=native,
     )
 

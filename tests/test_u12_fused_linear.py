@@ -390,6 +390,24 @@ def test_mma_epilogue_escapes_both_ways(monkeypatch, mma_launches, lanes_mode, d
     assert [kw["gated"] for _, kw in mma_launches] == [True, True, True, True, False, False]
 
 
+def test_mma_epilogue_sums_many_parts_in_chunks(mma_launches):
+    """A handed-in norm from 300 parts (more than a chunk of 256): the mma epilogue's inv sums them
+    all, chunk by chunk, as the reference sums them."""
+    g = torch.Generator().manual_seed(12)
+    m, k, i = 6, 64, 20
+    parts = torch.rand(300, m, generator=g) * 50
+    xg = (2 * torch.randn(m, k, generator=g)).to(torch.bfloat16)
+    w = 0.02 * torch.randn(2 * i, k, generator=g)
+    ufl.plant_escapes(w, g, True)
+    t = pack_u12(w.to(torch.bfloat16)).to(DEVICE)
+    hand = ufl.NormHandoff(torch.ones(k, dtype=torch.bfloat16, device=DEVICE), 1e-5, xg.to(DEVICE), parts.to(DEVICE))
+    y = ufl.u12_fused_linear(hand.xg, t, gated=True, hand_in=hand)
+    assert _close(y, ufl.u12_fused_linear_reference(hand.xg, t, gated=True, hand_in=hand))
+    hand.parts = hand.parts[:256].clone()  # a sum short of the last 44 parts is another scale
+    assert not _close(y, ufl.u12_fused_linear_reference(hand.xg, t, gated=True, hand_in=hand))
+    assert len(mma_launches) == 1
+
+
 _HMMA_T2 = U12Config(32, 32, split_k=2, num_warps=1, num_stages=1, kernel="hmma")  # two m-tiles a warp, split-K
 _HMMA_T1 = U12Config(32, 16, num_warps=2, num_stages=1, kernel="hmma")  # one m-tile a warp, two warps
 
