@@ -56,9 +56,10 @@ by a handed-in norm's inv, and runs fused_linear's ``_epilogue`` (SiLU·mul, the
 handoff's Σ y² part) and a handoff's xg store, as the GEMV kernel does. Gated, a program's rows are
 half gate rows and half their up rows (one dot over both; the sums split in registers), so the
 tiles are the plain weight's. The norm prologue is not fused there: norm_weight runs an rmsnorm
-kernel first. kernels/u12_hmma.py takes the residual add and a handoff out (``_finish``; its Σ y²
-parts one a warp): TUNED's o and down rows at 16. Configs: TUNED's where its kernel takes the
-epilogue, else ``_MMA_DEFAULT_CONFIG`` (``tensor_core_config``). Not yet timed on a GPU.
+kernel first. kernels/u12_hmma.py takes the same epilogue in its fragments' layout (``_finish``:
+gated, an m-tile's rows g are gate rows and rows g + 8 their up rows; its Σ y² parts one a warp).
+Configs: TUNED's where it is a tensor-core kernel's (hmma: o and down at 16 rows), else
+``_MMA_DEFAULT_CONFIG`` (``tensor_core_config``). Not yet timed on a GPU.
 
 Fallback. Where neither applies (K % 4 != 0, or a base outside the scaled range: ``fused_applies``),
 ``u12_fused_linear`` runs the unfused composition: rmsnorm, u12_linear, silu_mul and a torch add
@@ -399,16 +400,14 @@ def fused_applies(m: int, k: int, base: int) -> bool:
     return u12_linear_module.words_and_scales(k, base)
 
 
-def tensor_core_config(m: int, n: int, k: int, gated: bool = False, hand_in: bool = False,
-                       on_gpu: bool = True) -> U12Config:
-    """For M >= 5: u12_linear's config for the weight's n rows where its kernel takes the epilogue
-    (mma: all of it, TUNED's qkv, gate_up and lm_head rows at M = 16; hmma: the residual add and a
-    handoff out, TUNED's o and down rows), else the mma kernel's default tile."""
+def tensor_core_config(m: int, n: int, k: int, on_gpu: bool = True) -> U12Config:
+    """For M >= 5: u12_linear's config for the weight's n rows where it is a tensor-core kernel's
+    (TUNED at M = 16: mma for qkv, gate_up and lm_head, hmma for o and down), both of which take the
+    epilogue, else the mma kernel's default tile."""
     if not on_gpu:
         return _MMA_INTERPRETER_CONFIG
     cfg = u12_default_config(m, n, k)
-    takes = cfg.kernel == "mma" or (cfg.kernel == "hmma" and not gated and not hand_in)
-    return cfg if takes else _MMA_DEFAULT_CONFIG
+    return cfg if cfg.kernel in ("mma", "hmma") else _MMA_DEFAULT_CONFIG
 
 
 def _check_handoff(x, t: U12Tensor, norm_weight, gated, residual, hand_out, hand_in) -> None:
@@ -440,15 +439,14 @@ def u12_fused_linear(
     One fused launch where gemv2 applies (M <= 4, K % 4 == 0, a scaled base); at M >= 5 on that
     path an rmsnorm kernel (norm_weight) and the mma or hmma kernel with the epilogue; else the
     unfused rmsnorm, u12_linear, silu_mul and torch add. config: a gemv2 U12Config at M <= 4
-    (default_config), an mma one (or hmma, for the residual add and a handoff out) above
-    (tensor_core_config). hand_out (with residual) / hand_in (x = hand_in.xg): a ``NormHandoff``
+    (default_config), an mma or hmma one above (tensor_core_config). hand_out (with residual) / hand_in (x = hand_in.xg): a ``NormHandoff``
     from this GEMV to the next, fused kernels only."""
     m, k, n_out = _u12_check(x, t, norm_weight, gated, residual)
     _check_handoff(x, t, norm_weight, gated, residual, hand_out, hand_in)
-    want = ("gemv2",) if m <= 4 else ("mma",) if gated or hand_in is not None else ("mma", "hmma")
+    want = ("gemv2",) if m <= 4 else ("mma", "hmma")
     if config is not None and config.kernel not in want:
-        raise ValueError(f"u12_fused_linear: config must be a {' or '.join(want)} U12Config at {m} rows"
-                         f"{' with this epilogue' if m > 4 else ''}, got kernel {config.kernel!r}")
+        raise ValueError(f"u12_fused_linear: config must be a {' or '.join(want)} U12Config at {m} rows, "
+                         f"got kernel {config.kernel!r}")
     y = residual if residual is not None else torch.empty((m, n_out), dtype=x.dtype, device=x.device)
     if m == 0 or n_out == 0:
         return y
@@ -460,9 +458,10 @@ def u12_fused_linear(
         from .u12_mma import launch_mma
 
         h = rmsnorm(x, norm_weight, eps) if norm_weight is not None else x
-        cfg = config or tensor_core_config(m, t.shape[0], k, bool(gated), hand_in is not None, on_gpu=native)
+        cfg = config or tensor_core_config(m, t.shape[0], k, on_gpu=native)
         if cfg.kernel == "hmma" and hmma_applies(h, k, t.base):
-            launch_hmma(h, t, y, cfg, residual=residual is not None, hand_out=hand_out)
+            launch_hmma(h, t, y, cfg, gated=bool(gated), residual=residual is not None, hand_in=hand_in,
+                        hand_out=hand_out)
         else:
             launch_mma(h, t, y, cfg if cfg.kernel == "mma" else _MMA_DEFAULT_CONFIG, gated=bool(gated),
                        residual=residual is not None, hand_in=hand_in, hand_out=hand_out)

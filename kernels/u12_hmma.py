@@ -65,12 +65,14 @@ in the tensor cores. The epilogue stays in the fragments' layout (``_finish``, e
 accumulator reads the escapes of its W row (from the row's lanes, ``LANE_GROUP`` a step, or where
 the weight has none from the table), takes back their spurious x · 2^-15 and adds x · w exactly,
 then the scale 2^(base-113); split-K by the serial semaphore, partials summed in split order. For
-kernels/u12_fused_linear.py (``RESIDUAL``, ``HAND_OUT``) ``_finish`` adds each output into the
-residual as fused_linear's epilogue does and stores the handoff's xg, and ``_parts_out`` its Σ y²
-parts, one a warp (a lane's two rows of each m-tile, then across the quad column's 8 lanes), each
-(part, row of x) stored by one thread. (The mma kernel's 2-D epilogue, ``_store_block``, cost about
-80 registers a thread here: 168 against 90 for the loop, sm_90 ptxas.) bf16 x only (fp32 x, K % 4 !=
-0 or a base past 240 run the tile kernel: ``hmma_applies``).
+kernels/u12_fused_linear.py ``_finish`` runs its epilogue in the same layout: gated, an m-tile's
+rows g are 8 gate rows and rows g + 8 their up rows (``_half`` splits a lane's elements in the
+thread); a handed-in norm's inv is computed for the block's 16 rows once and gathered to the
+elements (``_inv_rows``); the residual add and the handoff's xg as fused_linear's epilogue does; and
+``_parts_out`` stores its Σ y² parts, one a warp (a lane's two rows of each m-tile, then across the
+quad column's 8 lanes), each (part, row of x) by one thread. (The mma kernel's 2-D epilogue,
+``_store_block``, cost about 80 registers a thread here: 168 against 90 for the loop, sm_90 ptxas.)
+bf16 x only (fp32 x, K % 4 != 0 or a base past 240 run the tile kernel: ``hmma_applies``).
 """
 
 from __future__ import annotations
@@ -84,7 +86,7 @@ import triton.language as tl
 
 from specpilot.runtime.u12 import U12Tensor
 
-from .fused_linear import _epilogue
+from .fused_linear import _epilogue, _row_inv_parts
 from .overlap import pdl_args, pdl_enter
 from .registry import KernelSpec, register
 from .rmsnorm import _to_dtype
@@ -259,20 +261,43 @@ def _stack(d0, d1, d2, d3, e0, e1, e2, e3):
 
 
 @triton.jit
+def _inv_rows(parts_ptr, mm, pid_m, M, n_parts, inv_k, eps, BLOCK_P: tl.constexpr):
+    """A handed-in norm's inv (``_row_inv_parts``) at each element's x row mm: the block's 16 rows'
+    once, then gathered to the elements (a gather through shared memory, once a program)."""
+    inv16 = _row_inv_parts(parts_ptr, tl.minimum(pid_m * BLOCK_M + tl.arange(0, BLOCK_M), M - 1), M, n_parts,
+                           inv_k, eps, BLOCK_M, BLOCK_P)
+    idx = tl.reshape(mm - pid_m * BLOCK_M, (mm.numel,))
+    return tl.reshape(tl.gather(inv16, idx, 0), mm.shape)
+
+
+@triton.jit
+def _half(v, h: tl.constexpr):
+    """Elements [T, 2 (p), 2 (h), 2 (n-tile)] of rows h (0: g, 1: g + 8) as [T, 2 (p), 2 (n-tile)]."""
+    lo, hi = tl.split(tl.permute(v, (0, 1, 3, 2)))
+    if h == 0:
+        return lo
+    else:
+        return hi
+
+
+@triton.jit
 def _finish(
-    acc, mm, nn, x_ptr, esc_idx_ptr, esc_val_ptr, esc_row_ptr, lanes_ptr, y_ptr, M, N, K, stride_xm, stride_ym,
+    acc, mm, rows, ok_n, x_ptr, esc_idx_ptr, esc_val_ptr, esc_row_ptr, lanes_ptr, y_ptr, M, K, stride_xm, stride_ym,
     y_scale, LANES: tl.constexpr, LANE_GROUP: tl.constexpr,
-    hw_ptr=None, xg_ptr=None, stride_xg=0, RESIDUAL: tl.constexpr = False, HAND_OUT: tl.constexpr = False,
-    ROUND_BF16: tl.constexpr = False,
+    hw_ptr, xg_ptr, stride_xg, parts_ptr, n_parts, inv_k, eps, pid_m,
+    GATED: tl.constexpr, RESIDUAL: tl.constexpr, HAND_IN: tl.constexpr, HAND_OUT: tl.constexpr,
+    BLOCK_P: tl.constexpr, ROUND_BF16: tl.constexpr, EXPF: tl.constexpr,
 ):
-    """y[mm, nn] from the biased sums acc (each element: x row mm, W row nn): per element, the escapes
-    of W row nn take back their spurious x · 2^-15 and add x · w exactly, then the scale. The
-    escapes from the row's lanes (LANES > 0: LANE_GROUP lanes of every element at once, so no load
-    waits on another but x's on its lane), else from the table (CSR esc_row_ptr, then each escape's index
-    and value, then x: a walk as long as the longest row's). Elementwise in the accumulators' own
-    layout: no layout change, few registers."""
-    ok_n = nn < N
-    rows = tl.minimum(nn, N - 1)
+    """y from the biased sums acc (each element: x row mm, W row rows, ok_n where that row is one of
+    the block's): per element, the escapes of its W row take back their spurious x · 2^-15 and add
+    x · w exactly, then the scale. The escapes from the row's lanes (LANES > 0: LANE_GROUP lanes of
+    every element at once, so no load waits on another but x's on its lane), else from the table
+    (CSR esc_row_ptr, then each escape's index and value, then x: a walk as long as the longest
+    row's). Elementwise in the accumulators' own layout: no layout change, few registers. Then
+    kernels/u12_fused_linear.py's epilogue where asked: GATED (rows g gate rows, rows g + 8 their up
+    rows: SiLU·mul of the two halves, in the thread), HAND_IN (the sums times the rows' inv),
+    RESIDUAL (added into the residual) and HAND_OUT (the handoff's xg). Returns the stored values,
+    0 where not stored (HAND_OUT's parts)."""
     x_row = x_ptr + tl.minimum(mm, M - 1) * stride_xm
     spur = tl.zeros_like(acc)
     esc = tl.zeros_like(acc)
@@ -297,14 +322,22 @@ def _finish(
             spur += xv * ESC_DECODED
     y = (acc - spur) * y_scale + esc  # the scale: exact (a power of two)
     mask = (mm < M) & ok_n
-    if RESIDUAL:  # u12_fused_linear's epilogue: y added into the residual; HAND_OUT: xg = dtype(y · weight)
+    if GATED or RESIDUAL or HAND_IN:  # u12_fused_linear's epilogue
         DTYPE: tl.constexpr = y_ptr.dtype.element_ty
-        y = _epilogue(y, y, y_ptr + mm * stride_ym + nn, mask, DTYPE, False, True, ROUND_BF16, False)
-        if HAND_OUT:
-            hw = tl.load(hw_ptr + rows).to(tl.float32)
-            tl.store(xg_ptr + mm * stride_xg + nn, _to_dtype(y * hw, DTYPE, ROUND_BF16).to(DTYPE), mask=mask)
+        if GATED:  # the output column is the gate row's
+            g, u, mm, cols, mask = _half(y, 0), _half(y, 1), _half(mm, 0), _half(rows, 0), _half(mask, 0)
+        else:
+            g, u, cols = y, y, rows
+        if HAND_IN:  # rmsnorm's inv, factored out of the sums (x = dtype(stream · weight))
+            inv = _inv_rows(parts_ptr, mm, pid_m, M, n_parts, inv_k, eps, BLOCK_P)
+            g = g * inv
+            u = u * inv
+        y = _epilogue(g, u, y_ptr + mm * stride_ym + cols, mask, DTYPE, GATED, RESIDUAL, ROUND_BF16, EXPF)
+        if HAND_OUT:  # xg = dtype(y · the norm's weight)
+            hw = tl.load(hw_ptr + cols).to(tl.float32)
+            tl.store(xg_ptr + mm * stride_xg + cols, _to_dtype(y * hw, DTYPE, ROUND_BF16).to(DTYPE), mask=mask)
     else:
-        tl.store(y_ptr + mm * stride_ym + nn, y.to(y_ptr.dtype.element_ty), mask=mask)
+        tl.store(y_ptr + mm * stride_ym + rows, y.to(y_ptr.dtype.element_ty), mask=mask)
     return tl.where(mask, y, 0.0)
 
 
@@ -329,8 +362,8 @@ def _parts_out(y, y2, parts_ptr, pid_n, pid_m, M, WARPS: tl.constexpr, TILES: tl
 @triton.jit
 def _u12_hmma_kernel(
     x_ptr, sm_ptr, codes_ptr, esc_idx_ptr, esc_val_ptr, esc_row_ptr, lanes_ptr, y_ptr, part_ptr, count_ptr,
-    hw_ptr, xg_ptr, parts_ptr,  # HAND_OUT: the norm handoff's weight, xg and parts (u12_fused_linear); else unused
-    M, N, K, n_words, y_scale, words_per_split,
+    hw_ptr, xg_ptr, parts_ptr,  # the epilogue's norm handoff (u12_fused_linear's NormHandoff); else unused
+    M, N, K, n_words, y_scale, words_per_split, n_out, inv_k, eps, n_parts,
     stride_xm, stride_sm, stride_codes, stride_ym, stride_xg,
     BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, WARPS: tl.constexpr,
     SPLIT_K: tl.constexpr,  # ways over K (constexpr: the last program's sum of the partials unrolls)
@@ -339,9 +372,15 @@ def _u12_hmma_kernel(
     PDL: tl.constexpr,  # programmatic dependent launch (kernels/overlap.py)
     LANES: tl.constexpr = 0,  # > 0: the escapes from W's lanes (U12Tensor.esc_lanes, LANES a row), not the table
     LANE_GROUP: tl.constexpr = 4,  # lanes a step of the epilogue's walk (u12_linear.LANE_GROUP)
-    RESIDUAL: tl.constexpr = False,  # u12_fused_linear's residual epilogue: y is the residual, added into
-    HAND_OUT: tl.constexpr = False,  # RESIDUAL: the updated stream's norm handed on (xg, a part a warp)
+    # u12_fused_linear's epilogue (``_finish``): GATED (W is [gate; up], n_out = N / 2 output columns;
+    # an m-tile's rows g are 8 gate rows, rows g + 8 their up rows), RESIDUAL (y is the residual, added
+    # into), HAND_IN (x is a handoff's xg: the sums times its rows' inv), HAND_OUT (the updated
+    # stream's norm handed on: xg, a Σ y² part a warp)
+    GATED: tl.constexpr = False, RESIDUAL: tl.constexpr = False,
+    HAND_IN: tl.constexpr = False, HAND_OUT: tl.constexpr = False,
+    BLOCK_P: tl.constexpr = 16,  # HAND_IN: parts summed a chunk
     ROUND_BF16: tl.constexpr = False,  # bf16 under the interpreter: round before casting
+    EXPF: tl.constexpr = False,  # GATED: libdevice's expf (GPU); else tl.exp
 ):
     pdl_enter(PDL)
     TILES: tl.constexpr = BLOCK_N // (16 * WARPS)  # m-tiles a warp: 1 or 2
@@ -354,19 +393,32 @@ def _u12_hmma_kernel(
     lane = t % 32
     g = lane // 4
     q = lane % 4
-    # Rows past N or M re-read the last row (their outputs are not stored).
-    row = n0 + (t // 32) * (16 * TILES) + g  # m-tile 0's row g; + 8, + 16, + 24 for the others
+    # Each m-tile's W rows of a lane: lo (its row g) and hi (g + 8); rows past N (gated: columns past
+    # n_out) re-read the last one (their outputs are not stored). Plain: the warp's 16 · TILES rows in
+    # order. Gated: an m-tile holds 8 output columns c, lo their gate rows c and hi their up rows
+    # n_out + c, so each lane holds both halves of its outputs.
+    if GATED:
+        c0 = pid_n * (BLOCK_N // 2) + (t // 32) * (8 * TILES) + g  # m-tile 0's column; m-tile 1's: + 8
+        lo0, hi0, lo1, hi1 = c0, c0 + n_out, c0 + 8, c0 + 8 + n_out
+        ok0, ok1 = c0 < n_out, c0 + 8 < n_out
+        rl0, rl1 = tl.minimum(c0, n_out - 1), tl.minimum(c0 + 8, n_out - 1)
+        rh0, rh1 = rl0 + n_out, rl1 + n_out
+    else:
+        row = n0 + (t // 32) * (16 * TILES) + g  # m-tile 0's row g; + 8, + 16, + 24 for the others
+        lo0, hi0, lo1, hi1 = row, row + 8, row + 16, row + 24
+        rl0, rh0 = tl.minimum(row, N - 1), tl.minimum(row + 8, N - 1)
+        rl1, rh1 = tl.minimum(row + 16, N - 1), tl.minimum(row + 24, N - 1)
     # A lane's 4 words of each 16-word group u of a chunk: BLOCK_W / 4 q + 4 u + (0..3), so that a
     # lane's groups are contiguous and a quad reads BLOCK_W contiguous words of each row.
     lane_w = ((BLOCK_W // 4) * q)[:, None] + tl.arange(0, 4)[None, :]  # [T, 4]
-    sm_lo = sm_ptr + tl.minimum(row, N - 1)[:, None] * stride_sm + lane_w
-    sm_hi = sm_ptr + tl.minimum(row + 8, N - 1)[:, None] * stride_sm + lane_w
-    code_lo = codes_ptr + tl.minimum(row, N - 1)[:, None] * stride_codes + lane_w
-    code_hi = codes_ptr + tl.minimum(row + 8, N - 1)[:, None] * stride_codes + lane_w
-    sm_lo2 = sm_ptr + tl.minimum(row + 16, N - 1)[:, None] * stride_sm + lane_w
-    sm_hi2 = sm_ptr + tl.minimum(row + 24, N - 1)[:, None] * stride_sm + lane_w
-    code_lo2 = codes_ptr + tl.minimum(row + 16, N - 1)[:, None] * stride_codes + lane_w
-    code_hi2 = codes_ptr + tl.minimum(row + 24, N - 1)[:, None] * stride_codes + lane_w
+    sm_lo = sm_ptr + rl0[:, None] * stride_sm + lane_w
+    sm_hi = sm_ptr + rh0[:, None] * stride_sm + lane_w
+    code_lo = codes_ptr + rl0[:, None] * stride_codes + lane_w
+    code_hi = codes_ptr + rh0[:, None] * stride_codes + lane_w
+    sm_lo2 = sm_ptr + rl1[:, None] * stride_sm + lane_w
+    sm_hi2 = sm_ptr + rh1[:, None] * stride_sm + lane_w
+    code_lo2 = codes_ptr + rl1[:, None] * stride_codes + lane_w
+    code_hi2 = codes_ptr + rh1[:, None] * stride_codes + lane_w
     x64 = x_ptr.to(tl.pointer_type(tl.int64))
     x_row0 = x64 + tl.minimum(pid_m * BLOCK_M + g, M - 1)[:, None] * (stride_xm // 4) + lane_w
     x_row1 = x64 + tl.minimum(pid_m * BLOCK_M + 8 + g, M - 1)[:, None] * (stride_xm // 4) + lane_w
@@ -391,51 +443,53 @@ def _u12_hmma_kernel(
                     x_row0, x_row1, sm_lo, code_lo, sm_hi, code_hi, sm_lo2, code_lo2, sm_hi2, code_hi2,
                     TILES, True, ASM)
 
-    # Each accumulator's x row mm and W row nn, stacked as the accumulators are.
+    # Each accumulator's x row mm and W row (nn unclamped, rows clamped, ok: one of the block's),
+    # stacked as the accumulators are; m-tile 1's apart.
     mb = pid_m * BLOCK_M + 2 * q
     mm = _stack(mb, mb + 1, mb, mb + 1, mb + 8, mb + 9, mb + 8, mb + 9)
-    nn = _stack(row, row, row + 8, row + 8, row, row, row + 8, row + 8)
+    nn0 = _stack(lo0, lo0, hi0, hi0, lo0, lo0, hi0, hi0)
+    nn1 = _stack(lo1, lo1, hi1, hi1, lo1, lo1, hi1, hi1)
+    rows0 = _stack(rl0, rl0, rh0, rh0, rl0, rl0, rh0, rh0)
+    rows1 = _stack(rl1, rl1, rh1, rh1, rl1, rl1, rh1, rh1)
+    if GATED:
+        v0 = _stack(ok0, ok0, ok0, ok0, ok0, ok0, ok0, ok0)
+        v1 = _stack(ok1, ok1, ok1, ok1, ok1, ok1, ok1, ok1)
+    else:
+        v0, v1 = nn0 < N, nn1 < N
     acc = _stack(d0, d1, d2, d3, e0, e1, e2, e3)
-    acc2 = _stack(f0, f1, f2, f3, h0, h1, h2, h3)  # TILES 2: rows nn + 16
-    if SPLIT_K == 1:
-        y1 = _finish(acc, mm, nn, x_ptr, esc_idx_ptr, esc_val_ptr, esc_row_ptr, lanes_ptr, y_ptr, M, N, K, stride_xm,
-                     stride_ym, y_scale, LANES, LANE_GROUP,
-                     hw_ptr, xg_ptr, stride_xg, RESIDUAL, HAND_OUT, ROUND_BF16)
-        y2 = y1
+    acc2 = _stack(f0, f1, f2, f3, h0, h1, h2, h3)  # TILES 2: m-tile 1
+    if SPLIT_K > 1:  # the serial split-K semaphore (as _store_block): the last program sums the partials in split order
+        part0 = part_ptr + mm * N + nn0  # [SPLIT_K, M, N] fp32
+        part1 = part_ptr + mm * N + nn1
+        tl.store(part0 + pid_k * M * N, acc, mask=(mm < M) & v0)
         if TILES == 2:
-            y2 = _finish(acc2, mm, nn + 16, x_ptr, esc_idx_ptr, esc_val_ptr, esc_row_ptr, lanes_ptr, y_ptr, M, N, K,
-                         stride_xm, stride_ym, y_scale, LANES, LANE_GROUP,
-                         hw_ptr, xg_ptr, stride_xg, RESIDUAL, HAND_OUT, ROUND_BF16)
-        if HAND_OUT:
-            _parts_out(y1, y2, parts_ptr, pid_n, pid_m, M, WARPS, TILES)
-    else:  # the serial split-K semaphore (as _store_block): the last program sums the partials in split order
-        ok = (mm < M) & (nn < N)
-        part = part_ptr + mm * N + nn  # [SPLIT_K, M, N] fp32
-        tl.store(part + pid_k * M * N, acc, mask=ok)
-        if TILES == 2:
-            tl.store(part + 16 + pid_k * M * N, acc2, mask=(mm < M) & (nn + 16 < N))
+            tl.store(part1 + pid_k * M * N, acc2, mask=(mm < M) & v1)
         tl.debug_barrier()  # every thread's partial is written before the release below
         counter = count_ptr + pid_m * tl.num_programs(0) + pid_n
-        arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-        if arrived == SPLIT_K - 1:
-            total = tl.zeros_like(acc)
-            for ks in tl.static_range(SPLIT_K):  # unrolled: every partial's load in flight at once
-                total += tl.load(part + ks * M * N, mask=ok, other=0.0, cache_modifier=".cg")
-            y1 = _finish(total, mm, nn, x_ptr, esc_idx_ptr, esc_val_ptr, esc_row_ptr, lanes_ptr, y_ptr, M, N, K,
-                         stride_xm, stride_ym, y_scale, LANES, LANE_GROUP,
-                         hw_ptr, xg_ptr, stride_xg, RESIDUAL, HAND_OUT, ROUND_BF16)
-            y2 = y1
+        last = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1
+        acc = tl.zeros_like(acc)
+        acc2 = tl.zeros_like(acc2)
+        for ks in tl.static_range(SPLIT_K):  # unrolled: every partial's load in flight at once
+            acc += tl.load(part0 + ks * M * N, mask=tl.where(last, (mm < M) & v0, False), other=0.0,
+                           cache_modifier=".cg")
             if TILES == 2:
-                total = tl.zeros_like(acc)
-                for ks in tl.static_range(SPLIT_K):
-                    total += tl.load(part + 16 + ks * M * N, mask=(mm < M) & (nn + 16 < N), other=0.0,
-                                     cache_modifier=".cg")
-                y2 = _finish(total, mm, nn + 16, x_ptr, esc_idx_ptr, esc_val_ptr, esc_row_ptr, lanes_ptr, y_ptr, M, N,
-                             K, stride_xm, stride_ym, y_scale, LANES, LANE_GROUP,
-                             hw_ptr, xg_ptr, stride_xg, RESIDUAL, HAND_OUT, ROUND_BF16)
-            if HAND_OUT:
-                _parts_out(y1, y2, parts_ptr, pid_n, pid_m, M, WARPS, TILES)
+                acc2 += tl.load(part1 + ks * M * N, mask=tl.where(last, (mm < M) & v1, False), other=0.0,
+                                cache_modifier=".cg")
+        if last:
             tl.atomic_xchg(counter, 0)  # ready for the next launch (and CUDA graph replays)
+    else:
+        last = pid_k == 0
+    if last:
+        y1 = _finish(acc, mm, rows0, v0, x_ptr, esc_idx_ptr, esc_val_ptr, esc_row_ptr, lanes_ptr, y_ptr, M, K,
+                     stride_xm, stride_ym, y_scale, LANES, LANE_GROUP, hw_ptr, xg_ptr, stride_xg, parts_ptr,
+                     n_parts, inv_k, eps, pid_m, GATED, RESIDUAL, HAND_IN, HAND_OUT, BLOCK_P, ROUND_BF16, EXPF)
+        y2 = y1
+        if TILES == 2:
+            y2 = _finish(acc2, mm, rows1, v1, x_ptr, esc_idx_ptr, esc_val_ptr, esc_row_ptr, lanes_ptr, y_ptr, M, K,
+                         stride_xm, stride_ym, y_scale, LANES, LANE_GROUP, hw_ptr, xg_ptr, stride_xg, parts_ptr,
+                         n_parts, inv_k, eps, pid_m, GATED, RESIDUAL, HAND_IN, HAND_OUT, BLOCK_P, ROUND_BF16, EXPF)
+        if HAND_OUT:
+            _parts_out(y1, y2, parts_ptr, pid_n, pid_m, M, WARPS, TILES)
 
 
 def hmma_applies(x: torch.Tensor, k: int, base: int) -> bool:
@@ -443,11 +497,12 @@ def hmma_applies(x: torch.Tensor, k: int, base: int) -> bool:
     return x.dtype == torch.bfloat16 and 5 <= x.shape[0] <= BLOCK_M.value and words_and_scales(k, base)
 
 
-def launch_hmma(x: torch.Tensor, t: U12Tensor, y: torch.Tensor, cfg: U12Config, residual: bool = False,
-                hand_out=None) -> None:
+def launch_hmma(x: torch.Tensor, t: U12Tensor, y: torch.Tensor, cfg: U12Config, gated: bool = False,
+                residual: bool = False, hand_in=None, hand_out=None) -> None:
     """y = x · Wᵀ by ``_u12_hmma_kernel`` (``hmma_applies`` holds); grid (N blocks, splits, 1).
-    kernels/u12_fused_linear.py's residual epilogue (y is the residual, added into in place) and
-    hand_out (a ``NormHandoff`` produced: its xg and parts, one a warp, allocated here)."""
+    With kernels/u12_fused_linear.py's epilogue: gated (t is [gate; up], y [M, N / 2] is
+    silu(gate) · up), residual (y is the residual, added into in place), hand_in / hand_out (a
+    ``NormHandoff`` consumed, or produced: its xg and parts, one a warp, allocated here)."""
     m, k = x.shape
     n = t.shape[0]
     n_words = k // 4
@@ -456,24 +511,26 @@ def launch_hmma(x: torch.Tensor, t: U12Tensor, y: torch.Tensor, cfg: U12Config, 
     native = x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1"  # the interpreter runs no PTX
     sm, codes = t.sm.contiguous(), t.codes.contiguous()
     lanes, n_lanes = lanes_args(t)
-    if hand_out is not None and not residual:
-        raise ValueError("launch_hmma: hand_out needs the residual epilogue")
-    hw, xg, parts = x, x, y  # placeholders of the right types where unused
+    fused = gated or residual or hand_in is not None or hand_out is not None
+    hw, xg, parts, n_parts, eps = x, x, y, 0, 0.0  # placeholders of the right types where unused
     if hand_out is not None:
         hand_out._alloc(y, grid[0] * cfg.num_warps)
-        hw, xg, parts = hand_out.weight.contiguous(), hand_out.xg, hand_out.parts
+        hw, xg, parts, eps = hand_out.weight.contiguous(), hand_out.xg, hand_out.parts, hand_out.eps
+    elif hand_in is not None:
+        parts, n_parts, eps = hand_in.parts, hand_in.parts.shape[0], hand_in.eps
     options = cfg.launch_options(native)
-    if native and residual:
-        options["enable_fp_fusion"] = False  # as fused_linear's epilogue
+    if native and fused:
+        options["enable_fp_fusion"] = False  # as fused_linear: Σ · (1/K) + eps and 1 + exp(-g) round as torch's do
     _u12_hmma_kernel[grid](
         x, sm.view(torch.int32), codes.view(torch.int16),
         _nonempty(t.esc_idx), _nonempty(t.esc_val), t.esc_row_ptr, lanes, y, part, counters, hw, xg, parts,
-        m, n, k, n_words, biased_scale(t.base), words_per_split,
+        m, n, k, n_words, biased_scale(t.base), words_per_split, y.shape[1], 1.0 / k, eps, n_parts,
         x.stride(0), n_words, n_words, y.stride(0), xg.stride(0),
         BLOCK_N=cfg.block_n, BLOCK_W=cfg.block_w, WARPS=cfg.num_warps, SPLIT_K=grid[1],
         EVEN_K=n_words % cfg.block_w == 0, ASM=native, **options, **pdl_args(x.device),
         LANES=n_lanes, LANE_GROUP=lane_group(n_lanes),
-        RESIDUAL=residual, HAND_OUT=hand_out is not None, ROUND_BF16=not native,
+        GATED=gated, RESIDUAL=residual, HAND_IN=hand_in is not None, HAND_OUT=hand_out is not None,
+        BLOCK_P=min(256, triton.next_power_of_2(max(1, n_parts))), ROUND_BF16=not native, EXPF=native,
     )
 
 

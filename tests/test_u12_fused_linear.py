@@ -278,16 +278,12 @@ def test_bad_inputs_raise_value_errors(fn, kwargs, match):
 
 
 def test_config_must_fit_the_rows():
-    """gemv2's fused kernel takes M <= 4 rows, the mma kernel's epilogue M >= 5, the hmma kernel's
-    only the residual add and a handoff out."""
+    """gemv2's fused kernel takes M <= 4 rows, the mma and hmma kernels' epilogues M >= 5."""
     t = pack_u12(torch.zeros(4, 8, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="config must be a gemv2 U12Config at 1 rows, got kernel 'tile'"):
         ufl.u12_fused_linear(torch.zeros(1, 8), t, config=U12Config(8, 64))
-    with pytest.raises(ValueError, match="config must be a mma or hmma U12Config at 5 rows with this epilogue, "
-                                         "got kernel 'gemv2'"):
+    with pytest.raises(ValueError, match="config must be a mma or hmma U12Config at 5 rows, got kernel 'gemv2'"):
         ufl.u12_fused_linear(torch.zeros(5, 8), t, config=U12Config(8, 64, kernel="gemv2"))
-    with pytest.raises(ValueError, match="config must be a mma U12Config at 5 rows with this epilogue, got kernel 'hmma'"):
-        ufl.u12_fused_linear(torch.zeros(5, 8), t, gated=True, config=U12Config(32, 16, kernel="hmma", num_warps=2))
 
 
 def test_gated_mma_tile_halves_are_whole_dot_tiles():
@@ -299,16 +295,12 @@ def test_gated_mma_tile_halves_are_whole_dot_tiles():
         ufl.u12_fused_linear(x, t, gated=True, config=U12Config(16, 16, kernel="mma"))
 
 
-def test_tensor_core_config_takes_tuned_tiles_whose_kernel_takes_the_epilogue():
-    """At M >= 5 the epilogue runs in the mma kernel (all of it) or the hmma kernel (the residual
-    add and a handoff out): TUNED's tile where its kernel takes the call's epilogue, else the mma
-    default."""
-    assert ufl.tensor_core_config(16, 6144, 4096, hand_in=True) == TUNED[(16, 6144, 4096)]
-    assert ufl.tensor_core_config(16, 28672, 4096, gated=True, hand_in=True) == TUNED[(16, 28672, 4096)]
-    assert TUNED[(16, 4096, 4096)].kernel == "hmma"  # o: the residual epilogue and a handoff out, not in
-    assert ufl.tensor_core_config(16, 4096, 4096) == TUNED[(16, 4096, 4096)]
-    assert ufl.tensor_core_config(16, 4096, 4096, hand_in=True) == ufl._MMA_DEFAULT_CONFIG
-    assert ufl.tensor_core_config(16, 4096, 4096, gated=True) == ufl._MMA_DEFAULT_CONFIG
+def test_tensor_core_config_takes_tuned_tensor_core_tiles():
+    """At M >= 5 the epilogue runs in TUNED's tensor-core kernel for the rows (mma for qkv and
+    gate_up at 16, hmma for o and down), else the mma default."""
+    assert ufl.tensor_core_config(16, 6144, 4096) == TUNED[(16, 6144, 4096)]
+    assert ufl.tensor_core_config(16, 28672, 4096) == TUNED[(16, 28672, 4096)]
+    assert TUNED[(16, 4096, 4096)].kernel == "hmma" and ufl.tensor_core_config(16, 4096, 4096) == TUNED[(16, 4096, 4096)]
     assert ufl.tensor_core_config(16, 4096, 4096, on_gpu=False) == ufl._MMA_INTERPRETER_CONFIG
 
 
@@ -412,14 +404,16 @@ _HMMA_T2 = U12Config(32, 32, split_k=2, num_warps=1, num_stages=1, kernel="hmma"
 _HMMA_T1 = U12Config(32, 16, num_warps=2, num_stages=1, kernel="hmma")  # one m-tile a warp, two warps
 
 
-@pytest.mark.parametrize("m,dtype,gated,producer", [
-    (5, torch.float32, True, None), (16, torch.bfloat16, True, None), (9, torch.bfloat16, False, None),
-    (16, torch.bfloat16, True, _HMMA_T2), (7, torch.bfloat16, False, _HMMA_T1),
-], ids=["mma-5", "mma-16", "mma-9-plain", "hmma-tiles2", "hmma-warps2"])
-def test_norm_handoff_at_many_rows(mma_launches, m, dtype, gated, producer):
+@pytest.mark.parametrize("m,dtype,gated,producer,consumer", [
+    (5, torch.float32, True, None, None), (16, torch.bfloat16, True, None, None),
+    (9, torch.bfloat16, False, None, None), (16, torch.bfloat16, True, _HMMA_T2, None),
+    (7, torch.bfloat16, False, _HMMA_T1, None), (13, torch.bfloat16, True, _HMMA_T1, _HMMA_T2),
+    (6, torch.bfloat16, False, None, _HMMA_T1),
+], ids=["mma-5", "mma-16", "mma-9-plain", "hmma-tiles2", "hmma-warps2", "hmma-both", "hmma-in-plain"])
+def test_norm_handoff_at_many_rows(mma_launches, m, dtype, gated, producer, consumer):
     """At 5 rows and more the mma kernel's epilogue (its parts one a program of output columns) or
-    the hmma kernel's (one a warp) hands the norm on, and the mma kernel's takes it in, as the
-    reference's math says."""
+    the hmma kernel's (one a warp) hands the norm on, and either takes it in (the hmma kernel
+    gated too: an m-tile's rows g gate rows, g + 8 their up rows), as the reference's math says."""
     x, t, t2, stream, gamma = _handoff_pair(m, 40, 68, 9, dtype, m, gated)
     s_out, s_ref = stream.clone(), stream.clone()
     h_out, h_ref = ufl.NormHandoff(gamma, 1e-5), ufl.NormHandoff(gamma, 1e-5)
@@ -431,29 +425,39 @@ def test_norm_handoff_at_many_rows(mma_launches, m, dtype, gated, producer):
     programs = 2 if producer is None else (68 + producer.block_n - 1) // producer.block_n * producer.num_warps
     assert h_out.parts.shape == (programs, m)  # mma: 68 columns in blocks of 64; hmma: a part a warp
     torch.testing.assert_close(h_out.parts.sum(0), (s_out.float() ** 2).sum(1), atol=1e-4, rtol=1e-5)
-    y = ufl.u12_fused_linear(h_out.xg, t2, gated=gated, hand_in=h_out)
+    y = ufl.u12_fused_linear(h_out.xg, t2, gated=gated, hand_in=h_out, config=consumer)
     torch.testing.assert_close(y, ufl.u12_fused_linear_reference(h_out.xg, t2, gated=gated, hand_in=h_out),
                                atol=atol, rtol=rtol)
-    expected = [(True, False), (False, True)] if producer is None else [(False, True)]  # the hmma producer apart
+    expected = [(True, False)] * (producer is None) + [(False, True)] * (consumer is None)  # the mma launches
     assert [(kw["hand_out"] is h_out, kw["hand_in"] is h_out) for _, kw in mma_launches] == expected
 
 
-@pytest.mark.parametrize("m,n_out,k,config", [(5, 33, 64, _HMMA_T2), (16, 70, 136, _HMMA_T1), (11, 9, 96, _HMMA_T1)])
-def test_hmma_residual_epilogue(m, n_out, k, config):
-    """The hmma kernel's residual add at odd shapes (partial row blocks and chunks, split-K), each
-    output added into the residual in place as the reference's torch add does."""
+@pytest.mark.parametrize("m,n_out,k,config,gated,residual", [
+    (5, 33, 64, _HMMA_T2, False, True), (16, 70, 136, _HMMA_T1, False, True), (11, 9, 96, _HMMA_T1, False, True),
+    (7, 21, 64, _HMMA_T2, True, False), (16, 40, 136, _HMMA_T1, True, True), (9, 5, 96, _HMMA_T1, True, False),
+])
+@pytest.mark.parametrize("lanes_mode", ["lanes", "table"])
+def test_hmma_epilogue(monkeypatch, lanes_mode, m, n_out, k, config, gated, residual):
+    """The hmma kernel's SiLU·mul (an m-tile's rows g gate rows, g + 8 their up rows, each with its
+    own escapes, from the lanes or the table) and residual add at odd shapes (partial row blocks and
+    chunks, split-K), as the reference computes them."""
+    monkeypatch.setattr(u12_linear_module, "ESC_LANES", lanes_mode)
     g = torch.Generator().manual_seed(m * n_out)
     x = (3 * torch.randn(m, k, generator=g)).to(torch.bfloat16).to(DEVICE)
-    w = 0.02 * torch.randn(n_out, k, generator=g)
-    ufl.plant_escapes(w, g, False)
+    w = 0.02 * torch.randn((2 if gated else 1) * n_out, k, generator=g)
+    ufl.plant_escapes(w, g, gated)
     t = pack_u12(w.to(torch.bfloat16)).to(DEVICE)
-    r = torch.randn(m, n_out, generator=g).to(torch.bfloat16).to(DEVICE)
+    r = torch.randn(m, n_out, generator=g).to(torch.bfloat16).to(DEVICE) if residual else None
     from specpilot.kernels import u12_hmma
 
     with mock.patch.object(u12_hmma, "launch_hmma", wraps=u12_hmma.launch_hmma) as launches:
-        out, ref = _both(x, t, residual=r, config=config)
-    assert launches.call_count == 1 and launches.call_args.kwargs["residual"]
+        out, ref = _both(x, t, gated=gated, residual=r, config=config)
+    assert launches.call_count == 1
+    assert (launches.call_args.kwargs["gated"], launches.call_args.kwargs["residual"]) == (gated, residual)
     assert _close(out, ref)
+    bad = ufl.u12_fused_linear(*ufl._plant_wrong_u12_weight((x, t, None, gated, r, "default"))[:2], gated=gated,
+                               residual=None if r is None else r.clone(), config=config)
+    assert not _close(bad, ref)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
