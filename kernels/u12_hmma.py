@@ -94,6 +94,7 @@ from .u12_linear import (
     ESC_DECODED,
     U12Config,
     _case,
+    _lane_walk,
     _make_inputs,
     _nonempty,
     _pair_patterns,
@@ -102,6 +103,7 @@ from .u12_linear import (
     _split_k_plan,
     aligned_rows,
     biased_scale,
+    epilogue_args,
     lane_group,
     lanes_args,
     u12_linear,
@@ -302,14 +304,7 @@ def _finish(
     spur = tl.zeros_like(acc)
     esc = tl.zeros_like(acc)
     if LANES:
-        for j0 in range(0, LANES, LANE_GROUP):
-            for j in tl.static_range(LANE_GROUP):
-                lane = tl.load(lanes_ptr + rows * LANES + j0 + j)
-                col = lane & 0xFFFF
-                has = ok_n & (col < K)  # an empty lane's column 0xFFFF is never < K
-                xv = tl.load(x_row + col, mask=has, other=0.0).to(tl.float32)
-                esc += tl.where(has, xv * (lane & -0x10000).to(tl.float32, bitcast=True), 0.0)
-                spur += xv * ESC_DECODED
+        spur, esc = _lane_walk(acc, lanes_ptr, rows, x_row, 1, ok_n, K, LANES, LANE_GROUP)
     else:
         start = tl.load(esc_row_ptr + rows)
         count = tl.where(ok_n, tl.load(esc_row_ptr + rows + 1) - start, 0)
@@ -511,26 +506,17 @@ def launch_hmma(x: torch.Tensor, t: U12Tensor, y: torch.Tensor, cfg: U12Config, 
     native = x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1"  # the interpreter runs no PTX
     sm, codes = t.sm.contiguous(), t.codes.contiguous()
     lanes, n_lanes = lanes_args(t)
-    fused = gated or residual or hand_in is not None or hand_out is not None
-    hw, xg, parts, n_parts, eps = x, x, y, 0, 0.0  # placeholders of the right types where unused
-    if hand_out is not None:
-        hand_out._alloc(y, grid[0] * cfg.num_warps)
-        hw, xg, parts, eps = hand_out.weight.contiguous(), hand_out.xg, hand_out.parts, hand_out.eps
-    elif hand_in is not None:
-        parts, n_parts, eps = hand_in.parts, hand_in.parts.shape[0], hand_in.eps
-    options = cfg.launch_options(native)
-    if native and fused:
-        options["enable_fp_fusion"] = False  # as fused_linear: Σ · (1/K) + eps and 1 + exp(-g) round as torch's do
+    epi, flags, fused = epilogue_args(x, y, native, grid[0] * cfg.num_warps, gated, residual, hand_in, hand_out)
+    hw, xg, parts, n_out, inv_k, eps, n_parts, stride_xg = epi
     _u12_hmma_kernel[grid](
         x, sm.view(torch.int32), codes.view(torch.int16),
         _nonempty(t.esc_idx), _nonempty(t.esc_val), t.esc_row_ptr, lanes, y, part, counters, hw, xg, parts,
-        m, n, k, n_words, biased_scale(t.base), words_per_split, y.shape[1], 1.0 / k, eps, n_parts,
-        x.stride(0), n_words, n_words, y.stride(0), xg.stride(0),
+        m, n, k, n_words, biased_scale(t.base), words_per_split, n_out, inv_k, eps, n_parts,
+        x.stride(0), n_words, n_words, y.stride(0), stride_xg,
         BLOCK_N=cfg.block_n, BLOCK_W=cfg.block_w, WARPS=cfg.num_warps, SPLIT_K=grid[1],
-        EVEN_K=n_words % cfg.block_w == 0, ASM=native, **options, **pdl_args(x.device),
-        LANES=n_lanes, LANE_GROUP=lane_group(n_lanes),
-        GATED=gated, RESIDUAL=residual, HAND_IN=hand_in is not None, HAND_OUT=hand_out is not None,
-        BLOCK_P=min(256, triton.next_power_of_2(max(1, n_parts))), ROUND_BF16=not native, EXPF=native,
+        EVEN_K=n_words % cfg.block_w == 0, ASM=native,
+        **cfg.launch_options(native, fp_fusion=not fused),
+        **pdl_args(x.device), LANES=n_lanes, LANE_GROUP=lane_group(n_lanes), **flags,
     )
 
 

@@ -475,27 +475,36 @@ def _lanes_finish(acc, spur, esc, y_scale):
 
 
 @triton.jit
+def _lane_walk(acc, lanes_ptr, rows, x_rows, stride_xk, ok, K, LANES: tl.constexpr, GROUP: tl.constexpr):
+    """(Σ x · 2^-15, Σ x · w) shaped as acc over the escapes in the lanes of W rows `rows` (clamped;
+    ok where the output is the block's), x from x_rows (pointers to the outputs' x rows; rows and
+    x_rows broadcast to acc's shape), GROUP lanes of every row a step: the step's lane loads need no
+    other load, then x at their columns, all in flight at once (two round trips a step, where the
+    table walk takes one and two more per ``ESC_BLOCK`` escapes of the block). Each output sums its
+    own row's escapes, so inf/NaN stay in it. The M >= 5 kernels' escape step (``_lanes_block``,
+    kernels/u12_hmma.py's ``_finish``)."""
+    esc = tl.zeros_like(acc)
+    spur = tl.zeros_like(acc)
+    for j0 in range(0, LANES, GROUP):
+        for jj in tl.static_range(GROUP):
+            lane = tl.load(lanes_ptr + rows * LANES + j0 + jj)
+            col = lane & 0xFFFF
+            has = ok & (col < K)  # an empty lane's column 0xFFFF is never < K
+            xv = tl.load(x_rows + col * stride_xk, mask=has, other=0.0).to(tl.float32)
+            esc += tl.where(has, xv * (lane & -0x10000).to(tl.float32, bitcast=True), 0.0)
+            spur += tl.where(has, xv * ESC_DECODED, 0.0)
+    return spur, esc
+
+
+@triton.jit
 def _lanes_block(out, lanes_ptr, rows_n, x_ptr, offs_m, mask_m, stride_xm, stride_xk, K, LANES: tl.constexpr,
                  GROUP: tl.constexpr, BIASED: tl.constexpr, y_scale):
     """y [BM, BN] from a program's fp32 sums out [BM, BN] and the escapes of its W rows rows_n [BN]
-    (clamped to N - 1) read from their lanes, GROUP lanes of every row a step: the step's lane
-    loads need no other load, then x at their columns, all in flight at once (two round trips a
-    step, where the table walk takes one and two more per ``ESC_BLOCK`` escapes of the block).
-    Each output sums its own row's escapes, so inf/NaN stay in it. BIASED: out is the biased decode's
+    (clamped to N - 1) read from their lanes (``_lane_walk``). BIASED: out is the biased decode's
     sums, y = (out - Σ x · 2^-15) · y_scale + Σ x · w (``_lanes_finish``); else y's units with the
     escapes decoded to +0.0, y = out + Σ x · w."""
-    esc = tl.zeros_like(out)
-    spur = tl.zeros_like(out)
-    x_rows = x_ptr + offs_m[:, None] * stride_xm
-    for j0 in range(0, LANES, GROUP):
-        for jj in tl.static_range(GROUP):
-            lane = tl.load(lanes_ptr + rows_n * LANES + j0 + jj)
-            col = lane & 0xFFFF
-            ok = mask_m[:, None] & (col < K)[None, :]  # an empty lane's column 0xFFFF is never < K
-            xv = tl.load(x_rows + col[None, :] * stride_xk, mask=ok, other=0.0).to(tl.float32)
-            esc += tl.where(ok, xv * (lane & -0x10000).to(tl.float32, bitcast=True)[None, :], 0.0)
-            if BIASED:
-                spur += tl.where(ok, xv * ESC_DECODED, 0.0)
+    spur, esc = _lane_walk(out, lanes_ptr, rows_n[None, :], x_ptr + offs_m[:, None] * stride_xm, stride_xk,
+                           mask_m[:, None], K, LANES, GROUP)
     if BIASED:
         return (out - spur) * y_scale + esc
     else:
@@ -875,13 +884,15 @@ class U12Config:
         if self.maxnreg and not 24 <= self.maxnreg <= 255:
             raise ValueError(f"U12Config.maxnreg: expected 0 (the compiler's choice) or 24..255, got {self.maxnreg}")
 
-    def launch_options(self, native: bool) -> dict:
-        """num_warps, num_stages and (native) fp fusion on and maxnreg where set, as Triton's launch
+    def launch_options(self, native: bool, fp_fusion: bool = True) -> dict:
+        """num_warps, num_stages and (native) fp fusion and maxnreg where set, as Triton's launch
         options. Fusion is the default Triton 3.6-3.9 compiles with, asked for by name because 3.10
-        turns the default off (3.9 warns): the loops' multiply-adds stay FMAs."""
+        turns the default off (3.9 warns): the loops' multiply-adds stay FMAs. Off (fp_fusion False)
+        for u12_fused_linear's epilogues, as fused_linear: Σ · (1/K) + eps and 1 + exp(-g) round as
+        torch's do."""
         opts = dict(num_warps=self.num_warps, num_stages=self.num_stages)
         if native:
-            opts["enable_fp_fusion"] = True
+            opts["enable_fp_fusion"] = fp_fusion
         if native and self.maxnreg:
             opts["maxnreg"] = self.maxnreg
         return opts
@@ -1044,6 +1055,27 @@ def lanes_args(t: U12Tensor) -> tuple[torch.Tensor, int]:
     use = ESC_LANES == "lanes" and (not capturing or "esc_lanes" in t.__dict__)
     lanes = t.esc_lanes if use else None
     return (t.esc_row_ptr, 0) if lanes is None else (lanes, lanes.shape[1])
+
+
+def epilogue_args(x: torch.Tensor, y: torch.Tensor, native: bool, parts_out: int, gated: bool = False,
+                  residual: bool = False, hand_in=None, hand_out=None) -> tuple[tuple, dict, bool]:
+    """The mma and hmma kernels' arguments for kernels/u12_fused_linear.py's epilogue: (hw, xg, parts,
+    n_out, inv_k, eps, n_parts, stride_xg) in their order, placeholders of the right types where
+    unused; the constexpr flags; and whether any epilogue runs (then without fp fusion:
+    ``U12Config.launch_options``). hand_out (a ``NormHandoff``) gets its xg and `parts_out` parts
+    allocated here."""
+    hw, xg, parts, n_parts, eps = x, x, y, 0, 0.0
+    if hand_out is not None:
+        hand_out._alloc(y, parts_out)
+        hw, xg, parts, eps = hand_out.weight.contiguous(), hand_out.xg, hand_out.parts, hand_out.eps
+    elif hand_in is not None:
+        parts, n_parts, eps = hand_in.parts, hand_in.parts.shape[0], hand_in.eps
+    flags = dict(GATED=gated, RESIDUAL=residual, HAND_IN=hand_in is not None, HAND_OUT=hand_out is not None,
+                 # a chunk of parts: all 1024 at once held the registers of a tile
+                 BLOCK_P=min(256, triton.next_power_of_2(max(1, n_parts))),
+                 ROUND_BF16=not native and x.dtype == torch.bfloat16, EXPF=native)
+    fused = gated or residual or hand_in is not None or hand_out is not None
+    return (hw, xg, parts, y.shape[1], 1.0 / x.shape[1], eps, n_parts, xg.stride(0)), flags, fused
 
 
 def _block_m(m: int) -> int:

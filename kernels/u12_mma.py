@@ -65,6 +65,7 @@ from .u12_linear import (
     U12Config,
     _block_m,
     aligned_rows,
+    epilogue_args,
     lane_group,
     lanes_args,
     _case,
@@ -307,28 +308,18 @@ def launch_mma(x: torch.Tensor, t: U12Tensor, y: torch.Tensor, cfg: U12Config, g
     if gated and cfg.block_n % 32:  # each half at least 16 rows: the table's one-hot dot over them
         raise ValueError(f"launch_mma: a gated launch splits block_n into gate and up rows, a multiple of 16 "
                          f"each; got block_n {cfg.block_n}")
-    options = cfg.launch_options(native)
-    if native and (gated or residual or hand_in is not None or hand_out is not None):
-        options["enable_fp_fusion"] = False  # as fused_linear: Σ · (1/K) + eps and 1 + exp(-g) round as torch's do
-    hw, xg, parts, n_parts, eps = x, x, y, 0, 0.0  # placeholders of the right types where unused
-    if hand_out is not None:
-        hand_out._alloc(y, grid[0])
-        hw, xg, parts, n_parts, eps = hand_out.weight.contiguous(), hand_out.xg, hand_out.parts, grid[0], hand_out.eps
-    elif hand_in is not None:
-        parts, n_parts, eps = hand_in.parts, hand_in.parts.shape[0], hand_in.eps
+    epi, flags, fused = epilogue_args(x, y, native, grid[0], gated, residual, hand_in, hand_out)
+    hw, xg, parts, n_out, inv_k, eps, n_parts, stride_xg = epi
     _u12_mma_kernel[grid](
         x, sm.view(torch.int32), codes.view(torch.int16),
         _nonempty(t.esc_idx), _nonempty(t.esc_val), t.esc_row_ptr, lanes, y, part, counters, hw, xg, parts,
-        m, n, k, n_words, x_scale, y_lo, y_hi, words_per_split, y.shape[1], 1.0 / k, eps, n_parts,
-        x.stride(0), x.stride(1), n_words, n_words, y.stride(0), xg.stride(0),
+        m, n, k, n_words, x_scale, y_lo, y_hi, words_per_split, n_out, inv_k, eps, n_parts,
+        x.stride(0), x.stride(1), n_words, n_words, y.stride(0), stride_xg,
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_W=cfg.block_w, ESC_BLOCK=_ESC_BLOCK, SPLIT_K=grid[1],
         X_WORDS=x_words, EVEN_K=n_words % cfg.block_w == 0,
         DOT_BF16=native and x.dtype == torch.bfloat16, ASM=native,
-        **options, **pdl_args(x.device),
-        LANES=n_lanes, LANE_GROUP=lane_group(n_lanes),
-        GATED=gated, RESIDUAL=residual, HAND_IN=hand_in is not None, HAND_OUT=hand_out is not None,
-        BLOCK_P=min(256, triton.next_power_of_2(max(1, n_parts))),  # a chunk of parts: all 1024 at once held the registers of a tile
-        ROUND_BF16=not native and x.dtype == torch.bfloat16, EXPF=native,
+        **cfg.launch_options(native, fp_fusion=not fused),
+        **pdl_args(x.device), LANES=n_lanes, LANE_GROUP=lane_group(n_lanes), **flags,
     )
 
 
