@@ -108,6 +108,7 @@ from .overlap import pdl_args, pdl_enter
 from .registry import KernelSpec, register
 from .rmsnorm import _normalize, _row_inv, _to_dtype, rmsnorm
 from .silu_mul import silu_mul, silu_mul_reference
+from .tuning import nearest_tuned
 from .u12_linear import (
     _ESC_BLOCK,
     U12Config,
@@ -125,6 +126,7 @@ from .u12_linear import (
     aligned_rows,
     biased_scale,
     gemv2_applies,
+    gemv_config,
     lanes_args,
     u12_linear,
 )
@@ -291,16 +293,26 @@ def _u12_fused_gemv_kernel(
 # Small tiles under the interpreter: several N blocks and chunks, and a masked last one.
 _INTERPRETER_CONFIG = U12Config(4, 8, num_warps=1, num_stages=1, kernel="gemv2")
 
+# This kernel's own best configs, keyed (rows bucket, N weight rows, K, gated), from
+# bench/u12_fused_linear.py's sweep in the u12 AR step's modes (each with its handoff and epilogue):
+# none measured yet, so default_config derives the tiles from u12_linear's (bench/run_gpu.sh
+# u12fusedtune sweeps them, then times the AR step with the best beside the default).
+TUNED: dict[tuple[int, int, int, bool], U12Config] = {}
+
 
 def default_config(m: int, n: int, k: int, gated: bool, on_gpu: bool = True) -> U12Config:
-    """For M <= 4: u12_linear's gemv2 config for the weight's n rows (2I when gated: TUNED's
-    gate_up rows). A gated program holds two accumulators, so it takes half the tile: block_n
-    halved from 8 up (never below 4), else block_w halved; the accumulator registers a thread
-    holds are then the plain tile's (sm_90: TUNED's M = 4 gate_up tile, 4 x 256 words, spills when
-    gated at full size, and runs in 168 registers at 4 x 128)."""
+    """For M <= 4: TUNED's config where measured, or at the nearest measured shape
+    (kernels/tuning.py); else u12_linear's gemv2 config for the weight's n rows (2I when gated:
+    TUNED's gate_up rows). A gated program holds two accumulators, so it takes half that tile:
+    block_n halved from 8 up (never below 4), else block_w halved; the accumulator registers a
+    thread holds are then the plain tile's (sm_90: TUNED's M = 4 gate_up tile, 4 x 256 words,
+    spills when gated at full size, and runs in 168 registers at 4 x 128)."""
     if not on_gpu:
         return _INTERPRETER_CONFIG
-    cfg = u12_default_config(m, n, k)
+    tuned = nearest_tuned(TUNED, (_block_m(m), n, k, bool(gated)))
+    if tuned is not None:
+        return tuned
+    cfg = gemv_config(m, n, k)
     if gated:
         half = dict(block_n=cfg.block_n // 2) if cfg.block_n >= 8 else dict(block_w=max(1, cfg.block_w // 2))
         cfg = dataclasses.replace(cfg, **half)

@@ -1,4 +1,4 @@
-"""y = x · Wᵀ with W in the u12 format by warp-level tensor-core MMAs (mma.sync), for 5..16 rows ("hmma").
+"""y = x · Wᵀ with W in the u12 format by warp-level tensor-core MMAs (mma.sync), for 1..16 rows ("hmma").
 
 Why a second tensor-core kernel. kernels/u12_mma.py goes through tl.dot, which on sm_90 is wgmma:
 its words pass through shared memory (cp.async, then ldmatrix), x is stored to shared memory as
@@ -9,8 +9,10 @@ memory, decodes them (gemv2's biased decode, ``_pair_patterns``) directly into t
 ``mma.sync.aligned.m16n8k16`` and multiplies by x's B fragments, loaded as words too. No shared
 memory, no barrier; a warp's MMAs are asynchronous to its next decode.
 
-Fragments. A warp owns 16 · TILES rows of W and the 16 rows of x of its M block (two n-tiles of 8)
-over the program's K range. Lane l (g = l // 4, q = l % 4) of m-tile r holds rows g and g + 8 of
+Fragments. A warp owns 16 · TILES rows of W and the BLOCK_M rows of x of its M block over the
+program's K range: two n-tiles of 8 (BLOCK_M 16), or at most 8 rows one (BLOCK_M 8, ``NARROW``:
+half the x loads and MMAs of two whose second re-reads the last row; the W traffic is the same;
+sm_90 ptxas, triton 3.6, TUNED's o/down tile: 80 registers against 127, so more programs an SM). Lane l (g = l // 4, q = l % 4) of m-tile r holds rows g and g + 8 of
 the tile. A chunk of BLOCK_W words a row is BLOCK_W / 16 groups u of 16 words; in group u lane q
 reads the 4 words BLOCK_W / 4 · q + 4 u .. + 3 of each of its rows (one 16-byte load a row) and
 their codes (8 bytes), so a lane's groups are contiguous and a quad reads the chunk's words of a
@@ -72,7 +74,10 @@ elements (``_inv_rows``); the residual add and the handoff's xg as fused_linear'
 ``_parts_out`` stores its Σ y² parts, one a warp (a lane's two rows of each m-tile, then across the
 quad column's 8 lanes), each (part, row of x) by one thread. (The mma kernel's 2-D epilogue,
 ``_store_block``, cost about 80 registers a thread here: 168 against 90 for the loop, sm_90 ptxas.)
-bf16 x only (fp32 x, K % 4 != 0 or a base past 240 run the tile kernel: ``hmma_applies``).
+bf16 x only (fp32 x, K % 4 != 0 or a base past 240 run the tile kernel: ``hmma_applies``). By
+default u12_linear runs it from TENSOR_CORE_ROWS (3) rows up where TUNED's 16-row config is an hmma
+one (o and down); the one-n-tile kernel at 3..8 rows is not yet timed on a GPU (bench/run_gpu.sh
+fewrows: verify(4) and verify(8) beside u12-hmma-wide and u12-gemv-rows).
 """
 
 from __future__ import annotations
@@ -111,7 +116,11 @@ from .u12_linear import (
     words_and_scales,
 )
 
-BLOCK_M = tl.constexpr(16)  # rows of x a program: two n-tiles of mma.m16n8k16
+MAX_ROWS = 16  # rows of x a program at most: two n-tiles of mma.m16n8k16 (x rows 0..7 and 8..15)
+# At most 8 rows of x, whether a program multiplies one n-tile (8 rows) rather than two with the
+# second's 8 rows re-reading the last: half the x loads and MMAs, the same W traffic. Read at launch
+# (bench/step_ab.py's verify variants compare).
+NARROW = True
 
 
 @triton.jit
@@ -202,23 +211,25 @@ def _b_fragment(xw, ASM: tl.constexpr):
 
 
 @triton.jit
-def _tile_step(d0, d1, d2, d3, e0, e1, e2, e3, s_lo, c_lo, s_hi, c_hi, x0, x1, ASM: tl.constexpr):
+def _tile_step(d0, d1, d2, d3, e0, e1, e2, e3, s_lo, c_lo, s_hi, c_hi, x0, x1, NT: tl.constexpr,
+               ASM: tl.constexpr):
     """One k-step of one m-tile: decode the word of rows g (s_lo, c_lo: int16 codes) and g + 8 into
-    the A fragment, multiply by the B fragments of x's word in both n-tiles (x0 -> d: x rows 0..7,
-    x1 -> e: 8..15)."""
+    the A fragment, multiply by the B fragments of x's word in each of the NT n-tiles (x0 -> d: x
+    rows 0..7, x1 -> e: 8..15)."""
     b00, b01 = _b_fragment(x0, ASM)
-    b10, b11 = _b_fragment(x1, ASM)
     p02_lo, p13_lo = _pair_patterns(s_lo, c_lo.to(tl.int32), ASM)
     p02_hi, p13_hi = _pair_patterns(s_hi, c_hi.to(tl.int32), ASM)
     d0, d1, d2, d3 = _mma(p02_lo, p02_hi, p13_lo, p13_hi, b00, b01, d0, d1, d2, d3, ASM)
-    e0, e1, e2, e3 = _mma(p02_lo, p02_hi, p13_lo, p13_hi, b10, b11, e0, e1, e2, e3, ASM)
+    if NT == 2:
+        b10, b11 = _b_fragment(x1, ASM)
+        e0, e1, e2, e3 = _mma(p02_lo, p02_hi, p13_lo, p13_hi, b10, b11, e0, e1, e2, e3, ASM)
     return d0, d1, d2, d3, e0, e1, e2, e3
 
 
 @triton.jit
 def _tile_group(
     d0, d1, d2, d3, e0, e1, e2, e3, sm_lo, code_lo, sm_hi, code_hi, w, w_end, lane_w,
-    x00, x01, x02, x03, x10, x11, x12, x13, MASKED: tl.constexpr, ASM: tl.constexpr,
+    x00, x01, x02, x03, x10, x11, x12, x13, NT: tl.constexpr, MASKED: tl.constexpr, ASM: tl.constexpr,
 ):
     """One m-tile over a group of 16 words a row: 4 k-steps, k-step s on word s of each lane's 4."""
     s_lo0, s_lo1, s_lo2, s_lo3 = _load4(sm_lo, w, w_end, lane_w, MASKED)
@@ -226,13 +237,13 @@ def _tile_group(
     c_lo0, c_lo1, c_lo2, c_lo3 = _load4(code_lo, w, w_end, lane_w, MASKED)
     c_hi0, c_hi1, c_hi2, c_hi3 = _load4(code_hi, w, w_end, lane_w, MASKED)
     d0, d1, d2, d3, e0, e1, e2, e3 = _tile_step(
-        d0, d1, d2, d3, e0, e1, e2, e3, s_lo0, c_lo0, s_hi0, c_hi0, x00, x10, ASM)
+        d0, d1, d2, d3, e0, e1, e2, e3, s_lo0, c_lo0, s_hi0, c_hi0, x00, x10, NT, ASM)
     d0, d1, d2, d3, e0, e1, e2, e3 = _tile_step(
-        d0, d1, d2, d3, e0, e1, e2, e3, s_lo1, c_lo1, s_hi1, c_hi1, x01, x11, ASM)
+        d0, d1, d2, d3, e0, e1, e2, e3, s_lo1, c_lo1, s_hi1, c_hi1, x01, x11, NT, ASM)
     d0, d1, d2, d3, e0, e1, e2, e3 = _tile_step(
-        d0, d1, d2, d3, e0, e1, e2, e3, s_lo2, c_lo2, s_hi2, c_hi2, x02, x12, ASM)
+        d0, d1, d2, d3, e0, e1, e2, e3, s_lo2, c_lo2, s_hi2, c_hi2, x02, x12, NT, ASM)
     d0, d1, d2, d3, e0, e1, e2, e3 = _tile_step(
-        d0, d1, d2, d3, e0, e1, e2, e3, s_lo3, c_lo3, s_hi3, c_hi3, x03, x13, ASM)
+        d0, d1, d2, d3, e0, e1, e2, e3, s_lo3, c_lo3, s_hi3, c_hi3, x03, x13, NT, ASM)
     return d0, d1, d2, d3, e0, e1, e2, e3
 
 
@@ -240,41 +251,49 @@ def _tile_group(
 def _group(
     d0, d1, d2, d3, e0, e1, e2, e3, f0, f1, f2, f3, h0, h1, h2, h3, w, w_end, lane_w,
     x_row0, x_row1, sm_lo, code_lo, sm_hi, code_hi, sm_lo2, code_lo2, sm_hi2, code_hi2,
-    TILES: tl.constexpr, MASKED: tl.constexpr, ASM: tl.constexpr,
+    TILES: tl.constexpr, NT: tl.constexpr, MASKED: tl.constexpr, ASM: tl.constexpr,
 ):
-    """A 16-word group of the warp's m-tiles (accumulators d, e: tile 0; f, h: tile 1), x's words
-    loaded once for both."""
+    """A 16-word group of the warp's m-tiles (accumulators d, e: tile 0; f, h: tile 1; e and h the
+    second n-tile's), x's words loaded once for all."""
     x00, x01, x02, x03 = _load4(x_row0, w, w_end, lane_w, MASKED)
-    x10, x11, x12, x13 = _load4(x_row1, w, w_end, lane_w, MASKED)
+    if NT == 2:
+        x10, x11, x12, x13 = _load4(x_row1, w, w_end, lane_w, MASKED)
+    else:  # one n-tile: no second x row, its accumulators stay 0
+        x10, x11, x12, x13 = x00, x01, x02, x03
     d0, d1, d2, d3, e0, e1, e2, e3 = _tile_group(
         d0, d1, d2, d3, e0, e1, e2, e3, sm_lo, code_lo, sm_hi, code_hi, w, w_end, lane_w,
-        x00, x01, x02, x03, x10, x11, x12, x13, MASKED, ASM)
+        x00, x01, x02, x03, x10, x11, x12, x13, NT, MASKED, ASM)
     if TILES == 2:
         f0, f1, f2, f3, h0, h1, h2, h3 = _tile_group(
             f0, f1, f2, f3, h0, h1, h2, h3, sm_lo2, code_lo2, sm_hi2, code_hi2, w, w_end, lane_w,
-            x00, x01, x02, x03, x10, x11, x12, x13, MASKED, ASM)
+            x00, x01, x02, x03, x10, x11, x12, x13, NT, MASKED, ASM)
     return d0, d1, d2, d3, e0, e1, e2, e3, f0, f1, f2, f3, h0, h1, h2, h3
 
 
 @triton.jit
-def _stack(d0, d1, d2, d3, e0, e1, e2, e3):
-    """A tile's 8 accumulators of a lane as one [T, 2 (p), 2 (h), 2 (n-tile)] tensor, in the thread."""
-    return tl.join(tl.join(tl.join(d0, d1), tl.join(d2, d3)), tl.join(tl.join(e0, e1), tl.join(e2, e3)))
+def _stack(d0, d1, d2, d3, e0, e1, e2, e3, NT: tl.constexpr):
+    """A tile's accumulators of a lane (n-tile 0's d, 1's e) as one [T, 2 (p), 2 (h), NT (n-tile)]
+    tensor, in the thread."""
+    d = tl.join(tl.join(d0, d1), tl.join(d2, d3))
+    if NT == 2:
+        return tl.join(d, tl.join(tl.join(e0, e1), tl.join(e2, e3)))
+    else:
+        return d[:, :, :, None]
 
 
 @triton.jit
-def _inv_rows(parts_ptr, mm, pid_m, M, n_parts, inv_k, eps, BLOCK_P: tl.constexpr):
-    """A handed-in norm's inv (``_row_inv_parts``) at each element's x row mm: the block's 16 rows'
-    once, then gathered to the elements (a gather through shared memory, once a program)."""
-    inv16 = _row_inv_parts(parts_ptr, tl.minimum(pid_m * BLOCK_M + tl.arange(0, BLOCK_M), M - 1), M, n_parts,
-                           inv_k, eps, BLOCK_M, BLOCK_P)
+def _inv_rows(parts_ptr, mm, pid_m, M, n_parts, inv_k, eps, BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr):
+    """A handed-in norm's inv (``_row_inv_parts``) at each element's x row mm: the block's BLOCK_M
+    rows' once, then gathered to the elements (a gather through shared memory, once a program)."""
+    inv = _row_inv_parts(parts_ptr, tl.minimum(pid_m * BLOCK_M + tl.arange(0, BLOCK_M), M - 1), M, n_parts,
+                         inv_k, eps, BLOCK_M, BLOCK_P)
     idx = tl.reshape(mm - pid_m * BLOCK_M, (mm.numel,))
-    return tl.reshape(tl.gather(inv16, idx, 0), mm.shape)
+    return tl.reshape(tl.gather(inv, idx, 0), mm.shape)
 
 
 @triton.jit
 def _half(v, h: tl.constexpr):
-    """Elements [T, 2 (p), 2 (h), 2 (n-tile)] of rows h (0: g, 1: g + 8) as [T, 2 (p), 2 (n-tile)]."""
+    """Elements [T, 2 (p), 2 (h), NT (n-tile)] of rows h (0: g, 1: g + 8) as [T, 2 (p), NT]."""
     lo, hi = tl.split(tl.permute(v, (0, 1, 3, 2)))
     if h == 0:
         return lo
@@ -286,7 +305,7 @@ def _half(v, h: tl.constexpr):
 def _finish(
     acc, mm, rows, ok_n, x_ptr, esc_idx_ptr, esc_val_ptr, esc_row_ptr, lanes_ptr, y_ptr, M, K, stride_xm, stride_ym,
     y_scale, LANES: tl.constexpr, LANE_GROUP: tl.constexpr,
-    hw_ptr, xg_ptr, stride_xg, parts_ptr, n_parts, inv_k, eps, pid_m,
+    hw_ptr, xg_ptr, stride_xg, parts_ptr, n_parts, inv_k, eps, pid_m, BLOCK_M: tl.constexpr,
     GATED: tl.constexpr, RESIDUAL: tl.constexpr, HAND_IN: tl.constexpr, HAND_OUT: tl.constexpr,
     BLOCK_P: tl.constexpr, ROUND_BF16: tl.constexpr, EXPF: tl.constexpr,
 ):
@@ -324,7 +343,7 @@ def _finish(
         else:
             g, u, cols = y, y, rows
         if HAND_IN:  # rmsnorm's inv, factored out of the sums (x = dtype(stream · weight))
-            inv = _inv_rows(parts_ptr, mm, pid_m, M, n_parts, inv_k, eps, BLOCK_P)
+            inv = _inv_rows(parts_ptr, mm, pid_m, M, n_parts, inv_k, eps, BLOCK_M, BLOCK_P)
             g = g * inv
             u = u * inv
         y = _epilogue(g, u, y_ptr + mm * stride_ym + cols, mask, DTYPE, GATED, RESIDUAL, ROUND_BF16, EXPF)
@@ -337,18 +356,20 @@ def _finish(
 
 
 @triton.jit
-def _parts_out(y, y2, parts_ptr, pid_n, pid_m, M, WARPS: tl.constexpr, TILES: tl.constexpr):
-    """A norm handoff's Σ y² parts from the stored values y (and TILES 2: y2) [T, 2 (p), 2 (h), 2
+def _parts_out(y, y2, parts_ptr, pid_n, pid_m, M, WARPS: tl.constexpr, TILES: tl.constexpr,
+               BLOCK_M: tl.constexpr):
+    """A norm handoff's Σ y² parts from the stored values y (and TILES 2: y2) [T, 2 (p), 2 (h), NT
     (n-tile)] (``_finish``): one part a warp, parts[pid_n · WARPS + warp, m] summed over the warp's
     rows (its lanes' two rows of each m-tile, then across the 8 lanes g of a quad column), each
     (part, m) stored by one thread."""
-    sq = tl.sum(y * y, axis=2)  # [T, 2 (p), 2 (n-tile)]: rows g and g + 8
+    NT: tl.constexpr = BLOCK_M // 8
+    sq = tl.sum(y * y, axis=2)  # [T, 2 (p), NT (n-tile)]: rows g and g + 8
     if TILES == 2:
         sq += tl.sum(y2 * y2, axis=2)
-    sq = tl.sum(tl.reshape(sq, (WARPS, 8, 4, 2, 2)), axis=1)  # over g: [warp, q, p, n-tile]
+    sq = tl.sum(tl.reshape(sq, (WARPS, 8, 4, 2, NT)), axis=1)  # over g: [warp, q, p, n-tile]
     q = tl.arange(0, 4)[None, :, None, None]
     p = tl.arange(0, 2)[None, None, :, None]
-    nt = tl.arange(0, 2)[None, None, None, :]
+    nt = tl.arange(0, NT)[None, None, None, :]
     m = pid_m * BLOCK_M + 2 * q + p + 8 * nt
     part = pid_n * WARPS + tl.arange(0, WARPS)[:, None, None, None]
     tl.store(parts_ptr + part * M + m, sq, mask=m < M)
@@ -360,6 +381,7 @@ def _u12_hmma_kernel(
     hw_ptr, xg_ptr, parts_ptr,  # the epilogue's norm handoff (u12_fused_linear's NormHandoff); else unused
     M, N, K, n_words, y_scale, words_per_split, n_out, inv_k, eps, n_parts,
     stride_xm, stride_sm, stride_codes, stride_ym, stride_xg,
+    BLOCK_M: tl.constexpr,  # rows of x a program: 8 (one n-tile of mma.m16n8k16) or 16 (two)
     BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, WARPS: tl.constexpr,
     SPLIT_K: tl.constexpr,  # ways over K (constexpr: the last program's sum of the partials unrolls)
     EVEN_K: tl.constexpr,  # n_words % BLOCK_W == 0: no split has a masked last chunk
@@ -379,6 +401,7 @@ def _u12_hmma_kernel(
 ):
     pdl_enter(PDL)
     TILES: tl.constexpr = BLOCK_N // (16 * WARPS)  # m-tiles a warp: 1 or 2
+    NT: tl.constexpr = BLOCK_M // 8  # n-tiles (8 rows of x each) a warp: 1 or 2
     T: tl.constexpr = 32 * WARPS
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -429,30 +452,30 @@ def _u12_hmma_kernel(
             d0, d1, d2, d3, e0, e1, e2, e3, f0, f1, f2, f3, h0, h1, h2, h3 = _group(
                 d0, d1, d2, d3, e0, e1, e2, e3, f0, f1, f2, f3, h0, h1, h2, h3, start + 4 * u, w_end, lane_w,
                 x_row0, x_row1, sm_lo, code_lo, sm_hi, code_hi, sm_lo2, code_lo2, sm_hi2, code_hi2,
-                TILES, False, ASM)
+                TILES, NT, False, ASM)
     if not EVEN_K:
         if full_end < w_end:  # only the last split has a partial chunk: its words past w_end masked
             for u in tl.static_range(BLOCK_W // 16):
                 d0, d1, d2, d3, e0, e1, e2, e3, f0, f1, f2, f3, h0, h1, h2, h3 = _group(
                     d0, d1, d2, d3, e0, e1, e2, e3, f0, f1, f2, f3, h0, h1, h2, h3, full_end + 4 * u, w_end, lane_w,
                     x_row0, x_row1, sm_lo, code_lo, sm_hi, code_hi, sm_lo2, code_lo2, sm_hi2, code_hi2,
-                    TILES, True, ASM)
+                    TILES, NT, True, ASM)
 
     # Each accumulator's x row mm and W row (nn unclamped, rows clamped, ok: one of the block's),
     # stacked as the accumulators are; m-tile 1's apart.
     mb = pid_m * BLOCK_M + 2 * q
-    mm = _stack(mb, mb + 1, mb, mb + 1, mb + 8, mb + 9, mb + 8, mb + 9)
-    nn0 = _stack(lo0, lo0, hi0, hi0, lo0, lo0, hi0, hi0)
-    nn1 = _stack(lo1, lo1, hi1, hi1, lo1, lo1, hi1, hi1)
-    rows0 = _stack(rl0, rl0, rh0, rh0, rl0, rl0, rh0, rh0)
-    rows1 = _stack(rl1, rl1, rh1, rh1, rl1, rl1, rh1, rh1)
+    mm = _stack(mb, mb + 1, mb, mb + 1, mb + 8, mb + 9, mb + 8, mb + 9, NT)
+    nn0 = _stack(lo0, lo0, hi0, hi0, lo0, lo0, hi0, hi0, NT)
+    nn1 = _stack(lo1, lo1, hi1, hi1, lo1, lo1, hi1, hi1, NT)
+    rows0 = _stack(rl0, rl0, rh0, rh0, rl0, rl0, rh0, rh0, NT)
+    rows1 = _stack(rl1, rl1, rh1, rh1, rl1, rl1, rh1, rh1, NT)
     if GATED:
-        v0 = _stack(ok0, ok0, ok0, ok0, ok0, ok0, ok0, ok0)
-        v1 = _stack(ok1, ok1, ok1, ok1, ok1, ok1, ok1, ok1)
+        v0 = _stack(ok0, ok0, ok0, ok0, ok0, ok0, ok0, ok0, NT)
+        v1 = _stack(ok1, ok1, ok1, ok1, ok1, ok1, ok1, ok1, NT)
     else:
         v0, v1 = nn0 < N, nn1 < N
-    acc = _stack(d0, d1, d2, d3, e0, e1, e2, e3)
-    acc2 = _stack(f0, f1, f2, f3, h0, h1, h2, h3)  # TILES 2: m-tile 1
+    acc = _stack(d0, d1, d2, d3, e0, e1, e2, e3, NT)
+    acc2 = _stack(f0, f1, f2, f3, h0, h1, h2, h3, NT)  # TILES 2: m-tile 1
     if SPLIT_K > 1:  # the serial split-K semaphore (as _store_block): the last program sums the partials in split order
         part0 = part_ptr + mm * N + nn0  # [SPLIT_K, M, N] fp32
         part1 = part_ptr + mm * N + nn1
@@ -477,19 +500,26 @@ def _u12_hmma_kernel(
     if last:
         y1 = _finish(acc, mm, rows0, v0, x_ptr, esc_idx_ptr, esc_val_ptr, esc_row_ptr, lanes_ptr, y_ptr, M, K,
                      stride_xm, stride_ym, y_scale, LANES, LANE_GROUP, hw_ptr, xg_ptr, stride_xg, parts_ptr,
-                     n_parts, inv_k, eps, pid_m, GATED, RESIDUAL, HAND_IN, HAND_OUT, BLOCK_P, ROUND_BF16, EXPF)
+                     n_parts, inv_k, eps, pid_m, BLOCK_M, GATED, RESIDUAL, HAND_IN, HAND_OUT, BLOCK_P, ROUND_BF16,
+                     EXPF)
         y2 = y1
         if TILES == 2:
             y2 = _finish(acc2, mm, rows1, v1, x_ptr, esc_idx_ptr, esc_val_ptr, esc_row_ptr, lanes_ptr, y_ptr, M, K,
                          stride_xm, stride_ym, y_scale, LANES, LANE_GROUP, hw_ptr, xg_ptr, stride_xg, parts_ptr,
-                         n_parts, inv_k, eps, pid_m, GATED, RESIDUAL, HAND_IN, HAND_OUT, BLOCK_P, ROUND_BF16, EXPF)
+                         n_parts, inv_k, eps, pid_m, BLOCK_M, GATED, RESIDUAL, HAND_IN, HAND_OUT, BLOCK_P, ROUND_BF16,
+                     EXPF)
         if HAND_OUT:
-            _parts_out(y1, y2, parts_ptr, pid_n, pid_m, M, WARPS, TILES)
+            _parts_out(y1, y2, parts_ptr, pid_n, pid_m, M, WARPS, TILES, BLOCK_M)
 
 
 def hmma_applies(x: torch.Tensor, k: int, base: int) -> bool:
-    """Whether an hmma config runs this kernel: 5 <= M <= 16 rows of bf16 x, and ``words_and_scales``."""
-    return x.dtype == torch.bfloat16 and 5 <= x.shape[0] <= BLOCK_M.value and words_and_scales(k, base)
+    """Whether an hmma config runs this kernel: 1..16 rows of bf16 x, and ``words_and_scales``."""
+    return x.dtype == torch.bfloat16 and 1 <= x.shape[0] <= MAX_ROWS and words_and_scales(k, base)
+
+
+def hmma_rows(m: int) -> int:
+    """Rows of x a program of M: 8 (one n-tile) where NARROW and M <= 8, else 16."""
+    return 8 if NARROW and m <= 8 else MAX_ROWS
 
 
 def launch_hmma(x: torch.Tensor, t: U12Tensor, y: torch.Tensor, cfg: U12Config, gated: bool = False,
@@ -502,7 +532,8 @@ def launch_hmma(x: torch.Tensor, t: U12Tensor, y: torch.Tensor, cfg: U12Config, 
     n = t.shape[0]
     n_words = k // 4
     x = aligned_rows(x, True)
-    grid, words_per_split, part, counters = _split_k_plan(t, cfg, m, n_words, BLOCK_M.value)
+    block_m = hmma_rows(m)
+    grid, words_per_split, part, counters = _split_k_plan(t, cfg, m, n_words, block_m)
     native = x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1"  # the interpreter runs no PTX
     sm, codes = t.sm.contiguous(), t.codes.contiguous()
     lanes, n_lanes = lanes_args(t)
@@ -513,7 +544,7 @@ def launch_hmma(x: torch.Tensor, t: U12Tensor, y: torch.Tensor, cfg: U12Config, 
         _nonempty(t.esc_idx), _nonempty(t.esc_val), t.esc_row_ptr, lanes, y, part, counters, hw, xg, parts,
         m, n, k, n_words, biased_scale(t.base), words_per_split, n_out, inv_k, eps, n_parts,
         x.stride(0), n_words, n_words, y.stride(0), stride_xg,
-        BLOCK_N=cfg.block_n, BLOCK_W=cfg.block_w, WARPS=cfg.num_warps, SPLIT_K=grid[1],
+        BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_W=cfg.block_w, WARPS=cfg.num_warps, SPLIT_K=grid[1],
         EVEN_K=n_words % cfg.block_w == 0, ASM=native,
         **cfg.launch_options(native, fp_fusion=not fused),
         **pdl_args(x.device), LANES=n_lanes, LANE_GROUP=lane_group(n_lanes), **flags,
@@ -531,7 +562,8 @@ register(KernelSpec(
     reference=u12_linear_reference,
     make_inputs=_make_inputs,
     cases=[
-        _case(5, 17, 64, torch.bfloat16, "few"),  # 16 words: one masked chunk (BLOCK_W 32); 11 re-read x rows
+        _case(5, 17, 64, torch.bfloat16, "few"),  # 16 words: one masked chunk (BLOCK_W 32); one n-tile, 3 re-read x rows
+        _case(3, 40, 96, torch.bfloat16, "special"),  # 3 rows (TENSOR_CORE_ROWS): one n-tile; 24 words, 2 splits
         _case(16, 64, 128, torch.bfloat16, "special"),  # 32 words: one full chunk a split, 2 N blocks
         _case(13, 17, 136, torch.bfloat16, "few"),  # 34 words: the second split a masked chunk of 2 words
         _case(9, 40, 96, torch.bfloat16, "special"),  # 24 words: a full chunk, then a split of one masked group

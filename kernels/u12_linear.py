@@ -4,10 +4,11 @@ Four kernels. ``_u12_linear_kernel`` ("tile") multiplies M ≤ 4 rows of x on th
 and feeds M ≥ 5 decoded [BLOCK_N, BLOCK_K] tiles to ``tl.dot`` (bf16 operands on the GPU, fp32
 under the interpreter) with up to 64 rows of x per program, so each weight is decoded once per
 program. ``_u12_gemv_kernel`` ("gemv2", chosen by ``U12Config.kernel``) is a second GEMV for M ≤ 4
-on the scaled path with K % 4 == 0; kernels/u12_mma.py ("mma") is a tensor-core kernel for M ≥ 5 on
-that path, its decoded planes fed to wgmma from registers, and kernels/u12_hmma.py ("hmma") one for
-5..16 rows by mma.sync on fragments decoded in registers; ``u12_linear`` gives other cases to the
-tile kernel.
+on the scaled path with K % 4 == 0; kernels/u12_mma.py ("mma") is a tensor-core kernel on that
+path (16 rows of x a program at least), its decoded planes fed to wgmma from registers, and
+kernels/u12_hmma.py ("hmma") one for 1..16 rows by mma.sync on fragments decoded in registers; by
+default they serve TENSOR_CORE_ROWS rows and more, gemv2 fewer. ``u12_linear`` gives other cases to
+the tile kernel.
 
 Loads. The sign/mantissa plane is read as int32 words (4 weights) and the code plane as int16
 words (their 4 codes) when K % 4 == 0, so both planes load contiguously and one thread's code
@@ -853,8 +854,8 @@ class U12Config:
     """One launch configuration; block_w counts 32-bit words of the byte plane (4 weights each).
 
     kernel "tile": ``_u12_linear_kernel`` (any M, split-K, both decodes); "gemv2": ``_u12_gemv_kernel``
-    (M <= 4, no split-K, ``decode`` unused); "mma": ``kernels/u12_mma.py`` (M >= 5, split-K, ``decode``
-    unused); "hmma": ``kernels/u12_hmma.py`` (5 <= M <= 16 rows of bf16 x, split-K, block_n 16 or 32
+    (M <= 4, no split-K, ``decode`` unused); "mma": ``kernels/u12_mma.py`` (any M, split-K, ``decode``
+    unused); "hmma": ``kernels/u12_hmma.py`` (1 <= M <= 16 rows of bf16 x, split-K, block_n 16 or 32
     rows a warp, block_w a multiple of 16). ``u12_linear`` runs gemv2, mma and hmma where they apply
     (K % 4 == 0, 1 <= base <= 240, and their M) and otherwise replaces them by the tile kernel's
     default config.
@@ -1085,18 +1086,45 @@ def _block_m(m: int) -> int:
     return min(64, max(16, triton.next_power_of_2(m)))
 
 
-def default_config(m: int, n: int, k: int, on_gpu: bool = True) -> U12Config:
-    """TUNED where measured, or at the nearest measured shape (kernels/tuning.py); else for M <= 4
-    on a GPU the gemv2 kernel with the tiles that won most of the H200 sweep (u12_linear falls
-    back to the tile kernel where gemv2 does not apply), else the tile kernel's heuristic
-    (``_tile_config``)."""
-    tuned = nearest_tuned(TUNED, (_block_m(m), n, k)) if on_gpu else None
-    if tuned is not None:
+# From this many rows of x up, default_config takes the tensor-core configs (TUNED's 16-row ones:
+# mma for qkv, gate_up and lm_head, hmma for o and down) where the shape has them, not gemv2's, whose
+# per-row FMAs grow with M while a tensor-core kernel's cost barely moves below 16 rows. On the H200
+# the u12 verify(4) step, gemv2 at four rows, ran 6.344 ms against the bf16 step's 4.572 (0.72x), and
+# verify(8), the 16-row configs at eight rows, 5.109 against 4.643 (0.91x), interleaved at 4cea20f
+# (bench/results/step_ab_verify{4,8}_h200.json): the 16-row configs at 8 rows took 1.2 ms less
+# than gemv2 at 4 (and verify(8) does more attention). Three rows run gemv2's 4-row block (the same
+# cost as four), two its 2-row one, which no step has timed against them. Read at call time
+# (bench/step_ab.py's verify(4) variants compare).
+TENSOR_CORE_ROWS = 3
+
+
+def gemv_config(m: int, n: int, k: int) -> U12Config:
+    """gemv2's config at M <= 4 rows: TUNED's at the rows' bucket where measured, or at the nearest
+    measured shape (kernels/tuning.py), else the tiles that won most of the H200 sweep (u12_linear
+    falls back to the tile kernel where gemv2 does not apply)."""
+    tuned = nearest_tuned(TUNED, (_block_m(m), n, k))
+    if tuned is not None and tuned.kernel == "gemv2":
         return tuned
-    if on_gpu and m <= 4:
-        return U12Config(8, 128, num_warps=2, num_stages=1, kernel="gemv2") if m == 1 else \
-            U12Config(4, 256, num_warps=2, num_stages=1, kernel="gemv2")
-    return _tile_config(m, n, k, on_gpu)
+    return U12Config(8, 128, num_warps=2, num_stages=1, kernel="gemv2") if m == 1 else \
+        U12Config(4, 256, num_warps=2, num_stages=1, kernel="gemv2")
+
+
+def default_config(m: int, n: int, k: int, on_gpu: bool = True) -> U12Config:
+    """On a GPU: below TENSOR_CORE_ROWS rows gemv2 (``gemv_config``); from there to 4 rows TUNED's
+    tensor-core config at the rows' bucket or else at 16 rows where the shape has one, else gemv2;
+    above, TUNED at the rows' bucket where measured or at the nearest measured shape
+    (kernels/tuning.py), else the tile kernel's heuristic (``_tile_config``). Under the
+    interpreter the tile kernel's small tiles."""
+    if not on_gpu:
+        return _tile_config(m, n, k, on_gpu)
+    if m <= 4:
+        for bucket in (_block_m(m), 16) if m >= TENSOR_CORE_ROWS else ():  # a few-row entry first
+            tuned = nearest_tuned(TUNED, (bucket, n, k))
+            if tuned is not None and tuned.kernel in ("mma", "hmma"):
+                return tuned
+        return gemv_config(m, n, k)
+    tuned = nearest_tuned(TUNED, (_block_m(m), n, k))
+    return tuned if tuned is not None else _tile_config(m, n, k, on_gpu)
 
 
 def _tile_config(m: int, n: int, k: int, on_gpu: bool) -> U12Config:

@@ -1,4 +1,4 @@
-"""y = x · Wᵀ with W in the u12 format on the tensor cores, for M >= 5 rows ("mma").
+"""y = x · Wᵀ with W in the u12 format on the tensor cores, 16 rows of x a program at least ("mma").
 
 H200, each config timed in a CUDA graph over distinct weight copies (bench/results/
 u12_linear_hmma_h200.json, commit 89d4609; TUNED's M = 16 rows from the earlier do_bench sweep,
@@ -29,8 +29,9 @@ raised the kernel's registers from 167 to 254 (64 x 64 words, 4 warps; sm_90 ptx
 verify(16) step ran 6.53 and 6.64 ms (step_times at f6a43e7 and 5b12e69) against 5.86 before
 (83b702e); with the scaled decode restored it ran 5.84 ms (2455f2e). bf16 x on the GPU: bf16 operands, fp32
 accumulation; fp32 x, or the interpreter (whose bf16 tl.dot is wrong): fp32 planes and fp32 dots
-(input_precision "ieee"). Only the scaled path with word loads runs here (``mma_applies``: M >= 5,
-K % 4 == 0, 1 <= base <= 240); ``u12_linear`` gives other cases to the tile kernel.
+(input_precision "ieee"). Only the scaled path with word loads runs here (``mma_applies``: K % 4 ==
+0, 1 <= base <= 240; any M, a program's rows past M re-reading the last); ``u12_linear`` gives other
+cases to the tile kernel. By default u12_linear runs it from TENSOR_CORE_ROWS (3) rows up.
 
 sm_90 compile (triton 3.6 and 3.9, no GPU run): the dot is wgmma with A from registers (SASS
 ``HGMMA R, gdesc``): the decode runs in the dot operand layout, no decoded weight goes through
@@ -284,8 +285,9 @@ def _fused_store(
 
 
 def mma_applies(m: int, k: int, base: int) -> bool:
-    """Whether an mma config runs the mma kernel: M >= 5, word loads (K % 4 == 0) and the scaled decode."""
-    return m >= 5 and words_and_scales(k, base)
+    """Whether an mma config runs the mma kernel: word loads (K % 4 == 0) and the scaled decode (any
+    M: below 16 rows a program's rows past M re-read the last)."""
+    return m >= 1 and words_and_scales(k, base)
 
 
 def launch_mma(x: torch.Tensor, t: U12Tensor, y: torch.Tensor, cfg: U12Config, gated: bool = False,
@@ -300,7 +302,7 @@ def launch_mma(x: torch.Tensor, t: U12Tensor, y: torch.Tensor, cfg: U12Config, g
     n_words = k // 4
     x_words = x.dtype == torch.bfloat16
     x = aligned_rows(x, x_words)
-    block_m = _block_m(m)
+    block_m = max(16, _block_m(m))  # tl.dot's narrowest side
     grid, words_per_split, part, counters = _split_k_plan(t, cfg, m, n_words, block_m)
     native = x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1"  # the interpreter runs no PTX, no bf16 dot
     sm, codes = t.sm.contiguous(), t.codes.contiguous()
@@ -335,6 +337,7 @@ register(KernelSpec(
     make_inputs=_make_inputs,
     cases=[
         _case(5, 17, 64, torch.bfloat16, "few"),  # 16 words: one chunk, no split; BLOCK_M 16, 11 re-read rows
+        _case(3, 40, 96, torch.bfloat16, "special"),  # 3 rows (TENSOR_CORE_ROWS): 13 re-read rows, 2 splits
         _case(16, 64, 128, torch.float32, "special"),  # every block full, 2 splits
         _case(17, 33, 300, torch.bfloat16, "few"),  # 75 words: the second split ends in a masked chunk
         _case(33, 40, 96, torch.float32, "few"),  # 24 words: a full chunk, then a split of one masked chunk
@@ -345,5 +348,6 @@ register(KernelSpec(
     ],
     tolerance={torch.float32: (1e-5, 1e-5), torch.bfloat16: (1e-4, 8e-3)},  # as u12_linear's
     corrupt=_plant_wrong_weight,
-    description="u12_linear with an mma config: M >= 5 rows by tensor-core dots on decoded planes, escapes exact",
+    description="u12_linear with an mma config: tensor-core dots on decoded planes, 16 rows a program "
+                "at least, escapes exact",
 ))

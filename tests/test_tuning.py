@@ -15,8 +15,8 @@ def test_measured_shapes_take_their_own_entry():
     for key, cfg in fused_linear.TUNED.items():
         assert nearest_tuned(fused_linear.TUNED, key) is cfg
         assert fused_linear.default_config(key[0], key[1], key[2], key[3]) is cfg
-    for key, cfg in u12_linear.TUNED.items():
-        assert u12_linear.default_config(*key) is cfg
+    for key, cfg in u12_linear.TUNED.items():  # M = 4: gemv2's entries (the tensor-core kernels take 3..4 rows)
+        assert (u12_linear.gemv_config if key[0] == 4 else u12_linear.default_config)(*key) is cfg
 
 
 def test_qwen3_8b_layers_take_llama_3_1_8b_configs():
@@ -27,9 +27,35 @@ def test_qwen3_8b_layers_take_llama_3_1_8b_configs():
         n, k, gated = QWEN3_8B["down"]
         assert fused_linear.default_config(m, n, k, gated) is fused_linear.TUNED[(m, 4096, 14336, False)]
     for m in (1, 4, 16, 32, 64):
-        assert u12_linear.default_config(m, 24576, 4096) is u12_linear.TUNED[(m, 28672, 4096)]
-        assert u12_linear.default_config(m, 4096, 12288) is u12_linear.TUNED[(m, 4096, 14336)]
-        assert u12_linear.default_config(m, 151936, 4096) is u12_linear.TUNED[(m, 128256, 4096)]  # lm_head
+        pick = u12_linear.gemv_config if m == 4 else u12_linear.default_config
+        assert pick(m, 24576, 4096) is u12_linear.TUNED[(m, 28672, 4096)]
+        assert pick(m, 4096, 12288) is u12_linear.TUNED[(m, 4096, 14336)]
+        assert pick(m, 151936, 4096) is u12_linear.TUNED[(m, 128256, 4096)]  # lm_head
+        if m == 4:
+            assert u12_linear.default_config(m, 4096, 12288) is u12_linear.TUNED[(16, 4096, 14336)]
+
+
+LLAMA_U12 = ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096))
+
+
+def test_u12_tensor_core_kernels_take_three_and_four_rows(monkeypatch):
+    """From TENSOR_CORE_ROWS (3) to 4 rows u12_linear takes the 16-row tensor-core configs, below it
+    gemv2; with the threshold at 5, gemv2's 4-row entries again; a few-row tensor-core entry first
+    where TUNED has one; shapes without tensor-core entries keep gemv2."""
+    tuned = u12_linear.TUNED
+    for n, k in LLAMA_U12:
+        assert u12_linear.default_config(3, n, k) is u12_linear.default_config(4, n, k) is tuned[(16, n, k)]
+        assert tuned[(16, n, k)].kernel in ("mma", "hmma")
+        assert u12_linear.default_config(2, n, k).kernel == "gemv2"
+        assert u12_linear.default_config(1, n, k) is tuned[(1, n, k)]
+    assert u12_linear.default_config(4, 768, 256).kernel == "gemv2"  # the zoo's size: nothing measured near
+    monkeypatch.setattr(u12_linear, "TENSOR_CORE_ROWS", 5)
+    assert u12_linear.default_config(4, 4096, 4096) is tuned[(4, 4096, 4096)]
+    monkeypatch.setattr(u12_linear, "TENSOR_CORE_ROWS", 3)
+    few = u12_linear.U12Config(32, 32, split_k=2, num_warps=1, num_stages=1, kernel="hmma")
+    monkeypatch.setitem(tuned, (4, 4096, 4096), few)
+    assert u12_linear.default_config(4, 4096, 4096) is few
+    assert u12_linear.gemv_config(4, 4096, 4096).kernel == "gemv2"  # not the few-row hmma entry
 
 
 def test_far_shapes_and_other_flags_take_the_heuristic():

@@ -314,6 +314,19 @@ def test_default_config_halves_the_tile_when_gated():
     assert ufl.default_config(1, 28672, 4096, False) == TUNED[(1, 28672, 4096)]
     assert ufl.default_config(1, 28672, 4096, True).block_n == TUNED[(1, 28672, 4096)].block_n // 2
     assert ufl.default_config(4, 28672, 4096, True).block_w == TUNED[(4, 28672, 4096)].block_w // 2  # block_n is 4
+    for m in (3, 4):  # u12_linear takes the tensor-core configs there, this kernel gemv2's
+        assert ufl.default_config(m, 4096, 4096, False) == TUNED[(4, 4096, 4096)]
+
+
+def test_default_config_takes_its_own_tuned_entries_first(monkeypatch):
+    """This kernel's TUNED (its own sweep, keyed by gated) before the tiles derived from u12_linear's,
+    at the measured shape and at one near it (Qwen3-8B's gate_up), for that gated flag only."""
+    cfg = U12Config(8, 128, num_warps=4, num_stages=1, kernel="gemv2")
+    monkeypatch.setitem(ufl.TUNED, (1, 28672, 4096, True), cfg)
+    assert ufl.default_config(1, 28672, 4096, True) is cfg
+    assert ufl.default_config(1, 24576, 4096, True) is cfg
+    assert ufl.default_config(1, 28672, 4096, False) == TUNED[(1, 28672, 4096)]
+    assert ufl.default_config(4, 28672, 4096, True) != cfg  # another rows bucket
 
 
 # --- NormHandoff: a residual GEMV hands the stream's norm to the next GEMV ---------------------

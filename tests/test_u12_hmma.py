@@ -82,14 +82,40 @@ def test_registry_cases_run_the_hmma_kernel(monkeypatch):
     torch.testing.assert_close(y.float(), ref.float(), rtol=8e-3, atol=1e-4)
 
 
-def test_hmma_applies_to_bf16_x_of_5_to_16_rows_with_word_loads_and_a_scaled_base():
+def test_hmma_applies_to_bf16_x_of_1_to_16_rows_with_word_loads_and_a_scaled_base():
     assert u12_hmma.hmma_applies(torch.zeros(8, 64, dtype=torch.bfloat16), 64, 120)
     assert u12_hmma.hmma_applies(torch.zeros(16, 64, dtype=torch.bfloat16), 64, 1)
+    assert u12_hmma.hmma_applies(torch.zeros(3, 64, dtype=torch.bfloat16), 64, 120)
     assert not u12_hmma.hmma_applies(torch.zeros(8, 64, dtype=torch.float32), 64, 120)  # fp32 x
-    assert not u12_hmma.hmma_applies(torch.zeros(4, 64, dtype=torch.bfloat16), 64, 120)  # M < 5
     assert not u12_hmma.hmma_applies(torch.zeros(17, 64, dtype=torch.bfloat16), 64, 120)  # M > 16
     assert not u12_hmma.hmma_applies(torch.zeros(8, 30, dtype=torch.bfloat16), 30, 120)  # K % 4 != 0
     assert not u12_hmma.hmma_applies(torch.zeros(8, 64, dtype=torch.bfloat16), 64, 241)  # not scaled
+
+
+@pytest.mark.parametrize("m,narrow,rows", [(1, True, 8), (8, True, 8), (9, True, 16), (3, False, 16), (16, False, 16)])
+def test_hmma_rows_a_program(monkeypatch, m, narrow, rows):
+    """At most 8 rows of x take one n-tile (8 rows a program) where NARROW, else two (16)."""
+    monkeypatch.setattr(u12_hmma, "NARROW", narrow)
+    assert u12_hmma.hmma_rows(m) == rows
+
+
+@pytest.mark.parametrize("m", [1, 3, 8])
+@pytest.mark.parametrize("kind", ["few", "special"])
+def test_one_n_tile_against_two(monkeypatch, m, kind):
+    """1..8 rows of x give the reference's sums through one n-tile (NARROW: 8 rows a program) and
+    through two (rows 8..15 re-reading the last row), with escapes (±inf and NaN among them) and
+    split-K (3 ways, a masked last chunk)."""
+    cfg = U12Config(64, 16, split_k=3, num_warps=2, num_stages=1, kernel="hmma")
+    x, t = _make_inputs(_case(m, 40, 160, torch.bfloat16, kind), DEVICE, m)
+    ref = u12_linear_reference(x, t).float()
+    plan = u12_hmma._split_k_plan
+    for narrow, rows in ((True, 8), (False, 16)):
+        monkeypatch.setattr(u12_hmma, "NARROW", narrow)
+        block_ms = []
+        monkeypatch.setattr(u12_hmma, "_split_k_plan", lambda *a: block_ms.append(a[-1]) or plan(*a))
+        y = u12_linear(x, t, cfg).float()
+        assert block_ms == [rows]
+        torch.testing.assert_close(y, ref, rtol=8e-3, atol=1e-4, equal_nan=True)
 
 
 @pytest.mark.parametrize("kw", [dict(block_n=48, block_w=16, num_warps=2), dict(block_n=64, block_w=24, num_warps=2),
@@ -99,7 +125,7 @@ def test_hmma_config_rejects_tiles_it_cannot_run(kw):
         U12Config(kernel="hmma", num_stages=1, **kw)
 
 
-def test_bench_sweeps_hmma_configs_for_5_to_16_rows():
+def test_bench_sweeps_hmma_configs_for_3_to_16_rows():
     import dataclasses
     import importlib.util
     from pathlib import Path
@@ -113,5 +139,6 @@ def test_bench_sweeps_hmma_configs_for_5_to_16_rows():
     hmma = [cfg for cfg in bench.sweep_configs(16, 4096, 4096, ("hmma",)) if cfg.kernel == "hmma"]
     assert {dataclasses.replace(cfg, split_k=1) for cfg in hmma} == set(SWEEP_HMMA)
     assert {cfg.split_k for cfg in hmma} == set(SPLIT_KS_HMMA)
-    for m in (4, 17, 64):
+    assert [cfg for cfg in bench.sweep_configs(3, 4096, 4096, ("hmma",)) if cfg.kernel == "hmma"]
+    for m in (2, 17, 64):
         assert not [cfg for cfg in bench.sweep_configs(m, 4096, 4096, ("hmma",)) if cfg.kernel == "hmma"]

@@ -68,15 +68,18 @@ def test_mma_cases_match_reference(param, mma_launches):
 
 def test_mma_applies_only_to_the_scaled_word_path():
     assert mma_applies(5, 64, 120) and mma_applies(64, 4096, 1) and mma_applies(300, 4, 240)
-    assert not mma_applies(4, 64, 120)  # gemv2's and the tile kernel's rows
+    assert mma_applies(1, 64, 120) and mma_applies(4, 64, 120)  # a 16-row program, the rest re-read
     assert not mma_applies(16, 30, 120) and not mma_applies(16, 0, 120)  # byte loads
     assert not mma_applies(16, 64, 0) and not mma_applies(16, 64, 241)  # unscaled windows
 
 
-def test_mma_config_falls_back_below_five_rows(mma_launches):
-    x, t = _make_inputs({"M": 4, "N": 9, "K": 64, "dtype": torch.float32, "escapes": "few"}, DEVICE, seed=3)
+@pytest.mark.parametrize("m", [1, 4])
+def test_mma_config_runs_few_rows_in_a_16_row_program(mma_launches, m):
+    """Below 16 rows (TENSOR_CORE_ROWS's 3 and 4 among them) one program of 16 rows, those past M
+    re-reading the last: the reference's sums, and only M rows written."""
+    x, t = _make_inputs({"M": m, "N": 9, "K": 64, "dtype": torch.float32, "escapes": "few"}, DEVICE, seed=3)
     y = u12_linear(x, t, U12Config(64, 16, kernel="mma"))
-    assert not mma_launches
+    assert len(mma_launches) == 1 and y.shape == (m, 9)
     torch.testing.assert_close(y, x @ unpack_u12(t).float().T, atol=1e-5, rtol=1e-5)
 
 
@@ -174,7 +177,7 @@ def test_sweep_and_names():
         U12Config(64, 16, kernel="wgmma")
 
 
-def test_bench_sweeps_mma_configs_for_five_rows_and_more():
+def test_bench_sweeps_mma_configs_for_three_rows_and_more():
     path = Path(__file__).parent.parent / "bench" / "u12_linear.py"
     spec = importlib.util.spec_from_file_location("bench_u12_linear", path)
     bench = importlib.util.module_from_spec(spec)
@@ -185,7 +188,8 @@ def test_bench_sweeps_mma_configs_for_five_rows_and_more():
     assert configs[0] == default_config(16, 6144, 4096)
     assert {dataclasses.replace(cfg, split_k=1) for cfg in mma} == set(SWEEP_MMA)
     assert {cfg.split_k for cfg in mma} == set(SPLIT_KS_MMA)
-    assert not [cfg for cfg in bench.sweep_configs(4, 6144, 4096, ("mma",)) if cfg.kernel == "mma"]
+    assert [cfg for cfg in bench.sweep_configs(3, 6144, 4096, ("mma",)) if cfg.kernel == "mma"]
+    assert not [cfg for cfg in bench.sweep_configs(2, 6144, 4096, ("mma",)) if cfg.kernel == "mma"]
     assert not [cfg for cfg in bench.sweep_configs(16, 6144, 4096)[1:] if cfg.kernel == "mma"]  # the default run as before
 
 
