@@ -23,6 +23,9 @@
 #            --q 16; bf16-sweep from the committed M = 16 sweep, bench/results/fused_linear_m16_graph_h200.json)
 #   u12verify  the u12 kernel tests on the GPU (escapes every way, a CUDA graph capture, the M >= 5
 #            epilogues, the registry), then verifyab
+#   fewrows  the hmma and mma kernels' GPU tests, then verify(4) and verify(8) interleaved (bench/step_ab.py
+#            --q 4 and 8: the tensor-core kernels at 3..8 rows against gemv2 at 4 and the hmma kernel's two n-tiles)
+#   fewsweep u12_linear at 4 and 8 rows in CUDA graphs: gemv2, mma and hmma configs against cuBLAS
 #   linear   fused_linear and u12_mma: GPU tests and sweeps (u12's mma sweep: U12_ARGS="--ms 16 --kernels mma")
 #   peers    AR against HF transformers on 8B-shaped weights
 #   ncu      Nsight Compute's counters for each layer linear at NCU_MS rows (default 1,16), fused_linear and cuBLAS
@@ -125,6 +128,17 @@ u12verify() {  # the u12 kernels on the GPU, then the verify(16) step interleave
     tests/test_u12_gemv.py tests/test_u12_fused_linear.py tests/test_kernels.py -k "u12 or lane or escape"
   verifyab
 }
+fewrows() {  # the tensor-core kernels at few rows: GPU tests, then verify(4) and verify(8) interleaved
+  TAIL=4 run fewrows_tests 150 python -m pytest -q -x -p no:cacheprovider tests/test_u12_hmma.py tests/test_u12_mma.py \
+    tests/test_kernels.py -k "hmma or mma"
+  for q in 4 8; do
+    TAIL=16 run "step_ab_verify$q" 240 python bench/step_ab.py --q "$q" --out "$OUT/step_ab_verify${q}_h200.json"
+  done
+}
+fewsweep() {  # u12_linear's few-row configs in CUDA graphs against cuBLAS
+  TAIL=30 run u12_linear_few_rows 330 python bench/u12_linear.py --ms 4,8 --kernels gemv2,mma,hmma --graph \
+    --no-step --budget-s 220 --out "$OUT/u12_linear_few_rows_graph_h200.json"
+}
 linear() {  # the fused_linear and u12_mma kernels: GPU tests, then their sweeps against cuBLAS
   TAIL=4 run linear_tests 150 python -m pytest -q -x -p no:cacheprovider tests/test_fused_linear.py \
     tests/test_u12_mma.py tests/test_kernels.py -k "fused_linear or u12_mma"
@@ -164,7 +178,8 @@ zoo() {
 for group in "${@:?group...}"; do
   case "$group" in
     ncu) ncu_linear ;;
-    tests | attntests | lineartests | ab | attention | attnvar | u12 | hmma | bf16tune | u12tune | verify16 | linear | peers | train | trees | e2e | tau | zoo) "$group" ;;
+    tests | attntests | lineartests | ab | attention | attnvar | u12 | hmma | bf16tune | u12tune | verify16 | verifyab | \
+      u12verify | fewrows | fewsweep | linear | peers | train | trees | e2e | tau | zoo) "$group" ;;
     steps) steps ;;
     qwen) steps qwen qwen3-8b ;;
     kernels) tests; steps both llama-3.1-8b qwen3-8b; attention ;;

@@ -25,7 +25,9 @@ launch, kernels/overlap.py's modes 1 and 2; AR only, not under --smoke); u12-man
 step's u12 layers through u12_fused_linear: the mma and hmma kernels' epilogues and the norm
 handoff, runtime/fused.py's U12_MANY_ROWS; --q above 1 only); u12-lanes-g8, u12-lanes-g16 (a verify
 step's mma and hmma kernels walking the lanes 8 or 16 a step, ``u12_linear.LANE_GROUP``, against the
-default 4; --q above 1 only); bf16-default, bf16-r128 (the bf16 step at other register budgets:
+default 4; --q above 1 only); u12-gemv-rows (gemv2 at 3..4 rows, the default before the tensor-core
+kernels took them: ``u12_linear.TENSOR_CORE_ROWS``; --q 3 or 4); u12-hmma-wide (the hmma kernel's
+two n-tiles at up to 8 rows, ``u12_hmma.NARROW`` off; --q 2..8); bf16-default, bf16-r128 (the bf16 step at other register budgets:
 ``BF16_VARIANTS``; not under --smoke, whose tiny shapes TUNED does not hold). With --q above 1 (a
 chain verify step): bf16-cublas (cuBLAS with the separate norm, SiLU·mul and add kernels),
 bf16-linear (fused_linear at those rows, --bf16-tuned's configs), bf16-linear-nosq (the same with
@@ -61,7 +63,7 @@ import triton
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the bench scripts beside this one
 import step_times as st  # noqa: E402  (SHAPES, graphed, random_, time_fn, to_u12)
 
-from specpilot.kernels import fused_linear, u12_linear  # noqa: E402
+from specpilot.kernels import fused_linear, u12_hmma, u12_linear  # noqa: E402
 from specpilot.kernels.overlap import overlap  # noqa: E402
 from specpilot.runtime.config import ModelConfig  # noqa: E402
 from specpilot.runtime.fused import GEMV_ROWS, fused_path  # noqa: E402
@@ -87,6 +89,38 @@ U12_VERIFY_KNOB_VARIANTS = {  # the same, for a verify step (--q above 1: the mm
     "u12-lanes-g8": dict(LANE_GROUP=8),  # the lanes walked 8 a step (the default 4)
     "u12-lanes-g16": dict(LANE_GROUP=16),  # all of a row's lanes at once (16 at most)
 }
+U12_FEW_ROWS_KNOB_VARIANTS = {  # name: (the rows q it applies to, settings): verify steps of few rows
+    "u12-gemv-rows": ((3, 4), dict(TENSOR_CORE_ROWS=5)),  # gemv2 at 3..4 rows, the default before
+    "u12-hmma-wide": ((2, 8), {"u12_hmma.NARROW": False}),  # the hmma kernel's two n-tiles at <= 8 rows
+}
+KNOB_MODULES = {"u12_linear": u12_linear, "u12_hmma": u12_hmma}
+
+
+def knob_variants(q: int) -> dict[str, dict]:
+    """The u12 knob variants of a step of q rows: {name: {"module.attr" or u12_linear's attr: value}}."""
+    if q == 1:
+        return dict(U12_KNOB_VARIANTS)
+    few = {name: knobs for name, ((lo, hi), knobs) in U12_FEW_ROWS_KNOB_VARIANTS.items() if lo <= q <= hi}
+    return {**U12_VERIFY_KNOB_VARIANTS, **few}
+
+
+@contextlib.contextmanager
+def knobs_set(knobs: dict):
+    """Kernel modules' launch-time settings (``KNOB_MODULES``; a bare name is u12_linear's) set, then restored."""
+    targets = {}
+    for name in knobs:
+        module, _, attr = name.rpartition(".")
+        targets[name] = (KNOB_MODULES[module or "u12_linear"], attr)
+    saved = {name: getattr(mod, attr) for name, (mod, attr) in targets.items()}
+    try:
+        for name, value in knobs.items():
+            mod, attr = targets[name]
+            setattr(mod, attr, value)
+        yield
+    finally:
+        for name, value in saved.items():
+            mod, attr = targets[name]
+            setattr(mod, attr, value)
 
 
 # Programmatic dependent launch (kernels/overlap.py), off by default since the bf16 step measured
@@ -174,13 +208,9 @@ def capture(shape: str, variants: bool, extra_bf16: dict | None = None, extra_u1
             model.fused.ops = dataclasses.replace(ops, **fields)
             graphs[name] = capture_step()
         model.fused.ops = ops
-        for name, knobs in (U12_KNOB_VARIANTS if q == 1 else U12_VERIFY_KNOB_VARIANTS).items():
-            saved = {k: getattr(u12_linear, k) for k in knobs}
-            for k, v in knobs.items():
-                setattr(u12_linear, k, v)
-            graphs[name] = capture_step()
-            for k, v in saved.items():
-                setattr(u12_linear, k, v)
+        for name, knobs in knob_variants(q).items():
+            with knobs_set(knobs):
+                graphs[name] = capture_step()
         if variants and q == 1:
             for name, step, kw in OVERLAP_VARIANTS:
                 if step == "u12":

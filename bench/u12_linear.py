@@ -10,7 +10,7 @@ timed with triton.testing.do_bench (CUDA events, L2 flushed before each call, me
 `--graph` as the median replay of a CUDA graph of one call per distinct copy of the weight (about
 2 GB of copies): do_bench's single launches include the host's launch overhead wherever it exceeds
 the kernel (cuBLAS's qkv at M = 16: 22.5 µs there, 15.2 in a graph). `--kernels hmma` adds
-kernels/u12_hmma.py's SWEEP_HMMA for 5 <= M <= 16. A config
+kernels/u12_hmma.py's SWEEP_HMMA for 3 <= M <= 16 (`--kernels mma` from 3 rows up too). A config
 that fails to compile, run or match is recorded with its error, not timed. A time budget skips the
 rest of the sweep (rows marked "skipped") so the run stays within about four minutes on an H200.
 
@@ -83,13 +83,14 @@ def check_close(y: torch.Tensor, ref: torch.Tensor, scale: torch.Tensor) -> None
 
 def sweep_configs(m: int, n: int, k: int, kernels: tuple[str, ...] = ("tile", "gemv2")) -> list:
     """The default config first, then each sweep tile crossed with SPLIT_KS (splits that fit K),
-    for M <= 4 the gemv2 configs whose accumulator fits 64 registers a thread, for M >= 5 the mma
-    configs crossed with SPLIT_KS_MMA, for 5 <= M <= 16 the hmma configs crossed with SPLIT_KS_HMMA,
+    for M <= 4 the gemv2 configs whose accumulator fits 64 registers a thread, from TENSOR_CORE_ROWS
+    (3) rows up the mma configs crossed with SPLIT_KS_MMA, and up to 16 rows the hmma configs crossed
+    with SPLIT_KS_HMMA,
     then the tile kernel's default with the one-weight-per-op
     decode (what the pair decode saves). `kernels` picks the sweeps (the default config always runs)."""
     from specpilot.kernels.u12_linear import (
-        SPLIT_KS, SPLIT_KS_HMMA, SPLIT_KS_MMA, SWEEP_DOT, SWEEP_GEMV, SWEEP_GEMV2, SWEEP_HMMA, SWEEP_MMA, _block_m,
-        _tile_config, default_config, gemv2_acc_registers,
+        SPLIT_KS, SPLIT_KS_HMMA, SPLIT_KS_MMA, SWEEP_DOT, SWEEP_GEMV, SWEEP_GEMV2, SWEEP_HMMA, SWEEP_MMA,
+        TENSOR_CORE_ROWS, _block_m, _tile_config, default_config, gemv2_acc_registers,
     )
 
     default = default_config(m, n, k)
@@ -108,9 +109,9 @@ def sweep_configs(m: int, n: int, k: int, kernels: tuple[str, ...] = ("tile", "g
         del out[1:]
     if m <= 4 and "gemv2" in kernels:
         out += [cfg for cfg in SWEEP_GEMV2 if cfg not in out and gemv2_acc_registers(cfg, _block_m(m)) <= 64]
-    if m >= 5 and "mma" in kernels:
+    if m >= TENSOR_CORE_ROWS and "mma" in kernels:
         add_splits(SWEEP_MMA, SPLIT_KS_MMA)
-    if 5 <= m <= 16 and "hmma" in kernels:
+    if TENSOR_CORE_ROWS <= m <= 16 and "hmma" in kernels:
         add_splits(SWEEP_HMMA, SPLIT_KS_HMMA)
     tile_default = default if default.kernel == "tile" else _tile_config(m, n, k, on_gpu=True)
     return out + ([dataclasses.replace(tile_default, decode="single")] if "tile" in kernels else [])

@@ -104,6 +104,41 @@ def test_step_ab_reads_u12_sweep_configs_back(tmp_path: Path) -> None:
     assert back == {key: cfg for key, cfg in TUNED.items() if key[0] == 1}
 
 
+def test_step_ab_knob_variants_set_each_module_and_restore_it() -> None:
+    """bench/step_ab.py's knob variants: the few-row ones only at their rows, each setting landing on
+    its module (u12_linear by default, u12_hmma by prefix) while its step is captured, then undone."""
+    import step_ab
+    from specpilot.kernels import u12_hmma, u12_linear
+
+    assert set(step_ab.knob_variants(1)) == set(step_ab.U12_KNOB_VARIANTS)
+    assert {"u12-gemv-rows", "u12-hmma-wide"} <= set(step_ab.knob_variants(4))
+    assert "u12-gemv-rows" not in step_ab.knob_variants(8) and "u12-hmma-wide" in step_ab.knob_variants(8)
+    assert not {"u12-gemv-rows", "u12-hmma-wide"} & set(step_ab.knob_variants(16))
+    rows, narrow = u12_linear.TENSOR_CORE_ROWS, u12_hmma.NARROW
+    with step_ab.knobs_set({"TENSOR_CORE_ROWS": 5, "u12_hmma.NARROW": not narrow}):
+        assert (u12_linear.TENSOR_CORE_ROWS, u12_hmma.NARROW) == (5, not narrow)
+    assert (u12_linear.TENSOR_CORE_ROWS, u12_hmma.NARROW) == (rows, narrow)
+    with pytest.raises(RuntimeError), step_ab.knobs_set({"LANE_GROUP": 16}):
+        assert u12_linear.LANE_GROUP == 16
+        raise RuntimeError("a capture failing")
+    assert u12_linear.LANE_GROUP == 4
+
+
+def test_run_gpu_runs_every_group_it_documents() -> None:
+    """bench/run_gpu.sh: each group its header lists is a case the script dispatches (a listed group
+    missing there exits "unknown group" on the GPU machine, after the install), and no more."""
+    import re
+
+    text = (BENCH / "run_gpu.sh").read_text()
+    header = text[:text.index("set -u")]
+    listed = set(re.findall(r"^#   ([a-z0-9]+)\s", header, re.M))
+    case = text[text.index('case "$group" in'):text.index("esac")]
+    dispatched = {name for pattern in re.findall(r"^\s+([a-z0-9 |\\\n]+)\)", case, re.M)
+                  for name in re.split(r"[\s|\\]+", pattern) if name}
+    assert {"tests", "ncu", "refresh", "u12verify", "fewrows"} <= listed
+    assert listed == dispatched
+
+
 def test_readme_tables_are_generated_from_the_results_files() -> None:
     """README.md's results sections are what bench/readme_tables.py renders from bench/results/ now:
     a results file changed without regenerating them (or a table typed by hand) fails here."""
