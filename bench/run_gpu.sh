@@ -17,6 +17,8 @@
 #            HMMA_KERNELS (bench/u12_linear.py --kernels, default hmma), HMMA_BUDGET_S (default 170)
 #   bf16tune fused_linear's one-row sweep in CUDA graphs, then the AR step with its best configs (bf16-sweep)
 #   u12tune  u12_linear's one-row gemv2 sweep in CUDA graphs, then the AR step with its best configs (u12-sweep)
+#   u12fusedtune  u12_fused_linear's one-row sweep in the AR step's modes (handoffs, epilogues) in CUDA graphs,
+#            then the AR step with its best configs (u12-fused-sweep)
 #   verify16 fused_linear's sweep at VERIFY_QS rows (default 16) in CUDA graphs, then verify(q) with it
 #            (bf16-linear, and bf16-linear-nosq without RowSquares) beside cuBLAS
 #   verifyab the Llama-3.1-8B verify(16) step, bf16 against the u12 variants, interleaved (bench/step_ab.py
@@ -108,6 +110,12 @@ u12tune() {  # u12_linear's one-row configs timed in CUDA graphs, then the AR st
   TAIL=16 run step_ab 240 python bench/step_ab.py --u12-tuned "$OUT/u12_linear_gemv2_graph_h200.json" \
     --out "$OUT/step_ab_h200.json"
 }
+u12fusedtune() {  # u12_fused_linear's one-row configs in the step's modes, then the AR step with the best of them
+  TAIL=24 run u12_fused_linear 330 python bench/u12_fused_linear.py --budget-s 200 \
+    --out "$OUT/u12_fused_linear_h200.json"
+  TAIL=16 run step_ab 240 python bench/step_ab.py --u12-fused-tuned "$OUT/u12_fused_linear_h200.json" \
+    --out "$OUT/step_ab_h200.json"
+}
 verify16() {  # fused_linear at the verify rows VERIFY_QS (default 16) timed in CUDA graphs (and its layer
   # proxy), then verify(q) for each q with it beside cuBLAS
   local qs=${VERIFY_QS:-16} sweep
@@ -179,7 +187,7 @@ for group in "${@:?group...}"; do
   case "$group" in
     ncu) ncu_linear ;;
     tests | attntests | lineartests | ab | attention | attnvar | u12 | hmma | bf16tune | u12tune | verify16 | verifyab | \
-      u12verify | fewrows | fewsweep | linear | peers | train | trees | e2e | tau | zoo) "$group" ;;
+      u12verify | fewrows | fewsweep | u12fusedtune | linear | peers | train | trees | e2e | tau | zoo) "$group" ;;
     steps) steps ;;
     qwen) steps qwen qwen3-8b ;;
     kernels) tests; steps both llama-3.1-8b qwen3-8b; attention ;;

@@ -1,7 +1,7 @@
 """Interleaved A/B of the Llama-3.1-8B fused AR step: bf16 against the u12 variants, on one GPU.
 
     python bench/step_ab.py [--rounds 12] [--repeats 25] [--q 1] [--bf16-tuned FILE] [--u12-tuned FILE]
-                            [--out bench/results/step_ab_<gpu>.json]
+                            [--u12-fused-tuned FILE] [--out bench/results/step_ab_<gpu>.json]
 
 bench/step_times.py measures each path once, one after another, and between its runs the u12
 rows moved by up to 8% while the bf16 rows moved by 1% (the u12 GEMVs decode on the CUDA cores,
@@ -27,7 +27,9 @@ handoff, runtime/fused.py's U12_MANY_ROWS; --q above 1 only); u12-lanes-g8, u12-
 step's mma and hmma kernels walking the lanes 8 or 16 a step, ``u12_linear.LANE_GROUP``, against the
 default 4; --q above 1 only); u12-gemv-rows (gemv2 at 3..4 rows, the default before the tensor-core
 kernels took them: ``u12_linear.TENSOR_CORE_ROWS``; --q 3 or 4); u12-hmma-wide (the hmma kernel's
-two n-tiles at up to 8 rows, ``u12_hmma.NARROW`` off; --q 2..8); bf16-default, bf16-r128 (the bf16 step at other register budgets:
+two n-tiles at up to 8 rows, ``u12_hmma.NARROW`` off; --q 2..8); u12-sweep and u12-fused-sweep
+(the default u12 step with u12_linear's, or u12_fused_linear's, TUNED entries for the step's rows
+taken from a sweep's results file: --u12-tuned, --u12-fused-tuned); bf16-default, bf16-r128 (the bf16 step at other register budgets:
 ``BF16_VARIANTS``; not under --smoke, whose tiny shapes TUNED does not hold). With --q above 1 (a
 chain verify step): bf16-cublas (cuBLAS with the separate norm, SiLU·mul and add kernels),
 bf16-linear (fused_linear at those rows, --bf16-tuned's configs), bf16-linear-nosq (the same with
@@ -63,7 +65,7 @@ import triton
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the bench scripts beside this one
 import step_times as st  # noqa: E402  (SHAPES, graphed, random_, time_fn, to_u12)
 
-from specpilot.kernels import fused_linear, u12_hmma, u12_linear  # noqa: E402
+from specpilot.kernels import fused_linear, u12_fused_linear, u12_hmma, u12_linear  # noqa: E402
 from specpilot.kernels.overlap import overlap  # noqa: E402
 from specpilot.runtime.config import ModelConfig  # noqa: E402
 from specpilot.runtime.fused import GEMV_ROWS, fused_path  # noqa: E402
@@ -150,7 +152,7 @@ BF16_VARIANTS = {
 
 def tuned_from_sweep(path: Path, config_type: type, m_key: int = 1) -> dict:
     """TUNED entries of the rows key m_key (a kernel module's bucket of M) from a sweep's results file
-    (bench/fused_linear.py or bench/u12_linear.py): its "tuned" list, each entry's fields of
+    (bench/fused_linear.py, bench/u12_linear.py or bench/u12_fused_linear.py): its "tuned" list, each entry's fields of
     config_type (FusedLinearConfig or U12Config) made a config again."""
     names = {f.name for f in dataclasses.fields(config_type)}
     return {tuple(e["key"]): config_type(**{k: v for k, v in e.items() if k in names})
@@ -159,7 +161,7 @@ def tuned_from_sweep(path: Path, config_type: type, m_key: int = 1) -> dict:
 
 @torch.inference_mode()
 def capture(shape: str, variants: bool, extra_bf16: dict | None = None, extra_u12: dict | None = None,
-            q: int = 1) -> tuple[dict, list]:
+            q: int = 1, extra_u12_fused: dict | None = None) -> tuple[dict, list]:
     """({variant: graph replay} over one model's weights, what the graphs read and must outlive:
     the caches, and the bf16 weights that the u12 modules replaced). q: the step's new tokens (1:
     AR; more: a chain verify, where bf16-linear runs fused_linear at those rows too)."""
@@ -219,6 +221,9 @@ def capture(shape: str, variants: bool, extra_bf16: dict | None = None, extra_u1
         for name, override in (extra_u12 or {}).items():  # the default u12 step at other one-row configs
             with _tuned(u12_linear.TUNED, override):
                 graphs[name] = capture_step()
+        for name, override in (extra_u12_fused or {}).items():  # and with u12_fused_linear's own
+            with _tuned(u12_fused_linear.TUNED, override):
+                graphs[name] = capture_step()
     return graphs, keep
 
 
@@ -243,6 +248,9 @@ def main() -> int:
                     help="a bench/fused_linear.py results file: its configs for the step's rows as the variant bf16-sweep")
     ap.add_argument("--u12-tuned", type=Path,
                     help="a bench/u12_linear.py results file: its M = 1 configs as the variant u12-sweep")
+    ap.add_argument("--u12-fused-tuned", type=Path,
+                    help="a bench/u12_fused_linear.py results file: its configs for the step's rows as the variant "
+                         "u12-fused-sweep")
     ap.add_argument("--q", type=int, default=1, help="new tokens a step: 1 (AR) or a chain verify's q")
     ap.add_argument("--smoke", action="store_true",
                     help="a tiny shape on the CPU under TRITON_INTERPRET=1: checks the script, measures nothing")
@@ -259,7 +267,10 @@ def main() -> int:
     extra = {"bf16-sweep": tuned_from_sweep(args.bf16_tuned, fused_linear.FusedLinearConfig,
                                             fused_linear.m_bucket(args.q))} if args.bf16_tuned else None
     extra_u12 = {"u12-sweep": tuned_from_sweep(args.u12_tuned, u12_linear.U12Config)} if args.u12_tuned else None
-    graphs, _keep = capture(shape, variants=not args.smoke, extra_bf16=extra, extra_u12=extra_u12, q=args.q)
+    extra_u12_fused = {"u12-fused-sweep": tuned_from_sweep(args.u12_fused_tuned, u12_linear.U12Config,
+                                                           u12_linear._block_m(args.q))} if args.u12_fused_tuned else None
+    graphs, _keep = capture(shape, variants=not args.smoke, extra_bf16=extra, extra_u12=extra_u12, q=args.q,
+                            extra_u12_fused=extra_u12_fused)
     names = list(graphs)
     per_round: dict[str, list[float]] = {n: [] for n in names}
     with torch.inference_mode():  # (--smoke replays the steps themselves)

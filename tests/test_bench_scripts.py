@@ -104,6 +104,39 @@ def test_step_ab_reads_u12_sweep_configs_back(tmp_path: Path) -> None:
     assert back == {key: cfg for key, cfg in TUNED.items() if key[0] == 1}
 
 
+def test_u12_fused_linear_sweep_smoke(tmp_path: Path) -> None:
+    """bench/u12_fused_linear.py --smoke: every call of a layer (handoffs in and out, gated) at 1 and
+    3 rows checked and timed at each config without an error, its best as u12_fused_linear's TUNED
+    keys (rows bucket, N, K, gated) that bench/step_ab.py --u12-fused-tuned reads back, and the
+    chained layers at the default and the best configs."""
+    import step_ab
+    import u12_fused_linear as bench
+
+    from specpilot.kernels.u12_linear import U12Config
+
+    out = tmp_path / "u12_fused_linear.json"
+    assert bench.main(["--smoke", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert not [r for r in result["sweep"] if "error" in r or "skipped" in r]
+    assert {(r["name"], r["M"]) for r in result["rows"]} == {(n, m) for n in bench.SMOKE_SHAPES for m in (1, 3)}
+    assert [r["M"] for r in result["layer"]] == [1, 3] and all(r["best_ms"] > 0 for r in result["layer"])
+    back = step_ab.tuned_from_sweep(out, U12Config, 1)
+    assert set(back) == {(1, n, k, gated) for n, k, gated, _ in bench.SMOKE_SHAPES.values()}
+    assert all(cfg.kernel == "gemv2" for cfg in back.values())
+    assert set(step_ab.tuned_from_sweep(out, U12Config, 4)) == {(4, n, k, g) for n, k, g, _ in bench.SMOKE_SHAPES.values()}
+
+
+def test_u12_fused_linear_parts_split_the_rows_squares() -> None:
+    import torch
+    import u12_fused_linear as bench
+
+    stream = torch.randn(3, 10)
+    parts = bench.parts_of(stream, 4)  # widths 3, 3, 3, 1
+    assert parts.shape == (4, 3)
+    torch.testing.assert_close(parts.sum(0), (stream ** 2).sum(1))
+    torch.testing.assert_close(parts[3], stream[:, 9] ** 2)
+
+
 def test_step_ab_knob_variants_set_each_module_and_restore_it() -> None:
     """bench/step_ab.py's knob variants: the few-row ones only at their rows, each setting landing on
     its module (u12_linear by default, u12_hmma by prefix) while its step is captured, then undone."""
