@@ -160,7 +160,7 @@ def u12_stats() -> str:
     return "\n".join(lines)
 
 
-U12_LINEAR_FILES = ("u12_linear_gemv2_graph_h200.json", "u12_linear_hmma_h200.json", "u12_linear_mma_h200.json", "u12_linear_gemv2_m1_h200.json", "u12_linear_gemv2_h200.json", "u12_linear_nvidia_h200.json")
+U12_LINEAR_FILES = ("u12_linear_gemv2_graph_h200.json", "u12_linear_mma_m32_64_graph_h200.json", "u12_linear_hmma_h200.json", "u12_linear_mma_h200.json", "u12_linear_gemv2_m1_h200.json", "u12_linear_gemv2_h200.json", "u12_linear_nvidia_h200.json")
 
 
 def _timing(d: dict) -> str:
@@ -179,7 +179,7 @@ def u12_linear() -> str:
     order = {name: i for i, name in enumerate(("qkv", "o", "gate_up", "down", "lm_head"))}
     lines = [
         "H200; per row the best configuration of the newest sweep that covers it (its file and commit "
-        "beside it). Sources: " + ", ".join(f"`bench/results/{name}` (commit {d.get('git_commit', '?')}, "
+        "beside it). Sources: " + ", ".join(f"`bench/results/{name}` (commit {_short(d.get('git_commit', '?'))}, "
                                            f"triton {d.get('triton', '?')}, {_timing(d)})" for name, d in files) + ".",
         "",
         "| shape | M | cuBLAS bf16 µs | u12 µs | speedup | u12 TB/s (packed bytes) | config | file |",
