@@ -27,7 +27,7 @@
 #            epilogues, the registry), then verifyab
 #   fewrows  the hmma and mma kernels' GPU tests, then verify(4) and verify(8) interleaved (bench/step_ab.py
 #            --q 4 and 8: the tensor-core kernels at 3..8 rows against gemv2 at 4 and the hmma kernel's two n-tiles)
-#   fewsweep u12_linear at 4 and 8 rows in CUDA graphs: gemv2, mma and hmma configs against cuBLAS
+#   fewsweep u12_linear at 4 and 8 rows in CUDA graphs: gemv2 and hmma configs (and the default) against cuBLAS
 #   linear   fused_linear and u12_mma: GPU tests and sweeps (u12's mma sweep: U12_ARGS="--ms 16 --kernels mma")
 #   peers    AR against HF transformers on 8B-shaped weights
 #   ncu      Nsight Compute's counters for each layer linear at NCU_MS rows (default 1,16), fused_linear and cuBLAS
@@ -143,9 +143,10 @@ fewrows() {  # the tensor-core kernels at few rows: GPU tests, then verify(4) an
     TAIL=16 run "step_ab_verify$q" 240 python bench/step_ab.py --q "$q" --out "$OUT/step_ab_verify${q}_h200.json"
   done
 }
-fewsweep() {  # u12_linear's few-row configs in CUDA graphs against cuBLAS
-  TAIL=30 run u12_linear_few_rows 330 python bench/u12_linear.py --ms 4,8 --kernels gemv2,mma,hmma --graph \
-    --no-step --budget-s 220 --out "$OUT/u12_linear_few_rows_graph_h200.json"
+fewsweep() {  # u12_linear's few-row configs in CUDA graphs against cuBLAS (the mma kernel at TUNED's 16-row
+  # configs only: its programs are 16 rows whatever M is)
+  TAIL=30 run u12_linear_few_rows 560 python bench/u12_linear.py --ms 4,8 --kernels gemv2,hmma --graph \
+    --no-step --budget-s 400 --out "$OUT/u12_linear_few_rows_graph_h200.json"
 }
 linear() {  # the fused_linear and u12_mma kernels: GPU tests, then their sweeps against cuBLAS
   TAIL=4 run linear_tests 150 python -m pytest -q -x -p no:cacheprovider tests/test_fused_linear.py \

@@ -953,7 +953,7 @@ SWEEP_MMA = [
     )
 ]
 SPLIT_KS_MMA = (1, 2, 4)
-# The hmma sweep (5 <= M <= 16; bench/u12_linear.py crosses each with SPLIT_KS_HMMA): one or two
+# The hmma sweep (3 <= M <= 16; bench/u12_linear.py crosses each with SPLIT_KS_HMMA): one or two
 # m-tiles (16 rows of W) a warp, 1 to 4 warps, chunks of 16 to 64 words a row (a quad reads them
 # contiguous), and register budgets. sm_90 ptxas (triton 3.6): 12.6-14.8 loop instructions a word,
 # no shared memory, shuffle or barrier in the loop; at its own choice 79-90 registers (one m-tile a
@@ -966,6 +966,7 @@ SWEEP_HMMA = [
         (64, 32, 4, 168),
         (32, 16, 1, 0), (64, 16, 2, 0), (32, 64, 1, 0), (64, 64, 2, 0), (32, 64, 1, 200), (64, 64, 2, 200),  # 2
         (64, 32, 2, 128), (128, 32, 4, 128), (128, 32, 4, 168),
+        (64, 32, 4, 96), (64, 32, 4, 80),  # 5 and 6 programs an SM (sm_90 ptxas, triton 3.6: no spill at either)
     )
 ]
 SPLIT_KS_HMMA = (1, 2, 4, 8)
