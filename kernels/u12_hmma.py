@@ -11,9 +11,10 @@ memory, no barrier; a warp's MMAs are asynchronous to its next decode.
 
 Fragments. A warp owns 16 · TILES rows of W and the BLOCK_M rows of x of its M block over the
 program's K range: two n-tiles of 8 (BLOCK_M 16), or at most 8 rows one (BLOCK_M 8, ``NARROW``:
-half the x loads and MMAs of two whose second re-reads the last row; the W traffic is the same;
-sm_90 ptxas, triton 3.6, TUNED's o/down tile: 80 registers against 127, so more programs an SM). Lane l (g = l // 4, q = l % 4) of m-tile r holds rows g and g + 8 of
-the tile. A chunk of BLOCK_W words a row is BLOCK_W / 16 groups u of 16 words; in group u lane q
+half the x loads and MMAs of two whose second re-reads the last row, the same W traffic; sm_90
+ptxas, triton 3.6, TUNED's o/down tile under its 128-register cap: 80 registers against 127, so 6
+programs an SM against 4). Lane l (g = l // 4, q = l % 4) of m-tile r holds rows g and g + 8 of the
+tile. A chunk of BLOCK_W words a row is BLOCK_W / 16 groups u of 16 words; in group u lane q
 reads the 4 words BLOCK_W / 4 · q + 4 u .. + 3 of each of its rows (one 16-byte load a row) and
 their codes (8 bytes), so a lane's groups are contiguous and a quad reads the chunk's words of a
 row as one run. K's order inside the sum is free, so k-step s (0..3) of a group takes the lane's
