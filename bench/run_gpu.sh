@@ -111,7 +111,7 @@ u12tune() {  # u12_linear's one-row configs timed in CUDA graphs, then the AR st
     --out "$OUT/step_ab_h200.json"
 }
 u12fusedtune() {  # u12_fused_linear's one-row configs in the step's modes, then the AR step with the best of them
-  TAIL=24 run u12_fused_linear 330 python bench/u12_fused_linear.py --budget-s 200 \
+  TAIL=24 run u12_fused_linear 330 python bench/u12_fused_linear.py --budget-s 240 \
     --out "$OUT/u12_fused_linear_h200.json"
   TAIL=16 run step_ab 240 python bench/step_ab.py --u12-fused-tuned "$OUT/u12_fused_linear_h200.json" \
     --out "$OUT/step_ab_h200.json"
