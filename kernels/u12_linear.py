@@ -1269,6 +1269,9 @@ def u12_linear(x: torch.Tensor, t: U12Tensor, config: U12Config | None = None) -
         if hmma_applies(x, k, t.base):
             launch_hmma(x, t, y, cfg)
             return y
+        if config is None and gemv2_applies(m, k, t.base):  # the default's hmma at few rows of fp32 x: gemv2's
+            _launch_gemv2(x, t, y, gemv_config(m, n, k))
+            return y
     if cfg.kernel != "tile":  # gemv2, mma or hmma where they do not apply (M, K % 4, base): the tile kernel's default
         cfg = _tile_config(m, n, k, x.is_cuda)
     block_m = _block_m(m)

@@ -118,6 +118,25 @@ def test_one_n_tile_against_two(monkeypatch, m, kind):
         torch.testing.assert_close(y, ref, rtol=8e-3, atol=1e-4, equal_nan=True)
 
 
+def test_default_hmma_config_leaves_fp32_x_at_few_rows_to_gemv2(monkeypatch):
+    """The default config's hmma kernel takes bf16 x only: fp32 x at 3..4 rows runs gemv2, as it did
+    before the tensor-core kernels took those rows (not the tile kernel's fallback); given
+    explicitly, the config falls back to the tile kernel as any other that does not apply."""
+    from specpilot.kernels import u12_linear as ul
+
+    hmma = U12Config(32, 32, split_k=2, num_warps=1, num_stages=1, kernel="hmma")
+    monkeypatch.setattr(ul, "default_config", lambda *a: hmma)
+    gemv2 = []
+    launch = ul._launch_gemv2
+    monkeypatch.setattr(ul, "_launch_gemv2", lambda *a: gemv2.append(a[3]) or launch(*a))
+    x, t = _make_inputs(_case(4, 40, 64, torch.float32, "few"), DEVICE, 4)
+    ref = u12_linear_reference(x, t)
+    torch.testing.assert_close(u12_linear(x, t), ref, rtol=1e-5, atol=1e-5)
+    assert [c.kernel for c in gemv2] == ["gemv2"]
+    torch.testing.assert_close(u12_linear(x, t, hmma), ref, rtol=1e-5, atol=1e-5)
+    assert len(gemv2) == 1  # the tile kernel ran
+
+
 @pytest.mark.parametrize("kw", [dict(block_n=48, block_w=16, num_warps=2), dict(block_n=64, block_w=24, num_warps=2),
                                 dict(block_n=128, block_w=16, num_warps=2)])
 def test_hmma_config_rejects_tiles_it_cannot_run(kw):
