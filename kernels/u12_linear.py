@@ -1255,6 +1255,8 @@ def u12_linear(x: torch.Tensor, t: U12Tensor, config: U12Config | None = None) -
         return y
 
     cfg = config or default_config(m, n, k, x.is_cuda)
+    if config is None and m <= 4 and cfg.kernel in ("mma", "hmma") and x.dtype != torch.bfloat16:
+        cfg = gemv_config(m, n, k)  # TENSOR_CORE_ROWS's configs are bf16 x's (hmma takes no other): gemv2, as before
     scaled, x_scale, y_lo, y_hi = _scales(t.base)
     if cfg.kernel == "gemv2" and gemv2_applies(m, k, t.base):
         _launch_gemv2(x, t, y, cfg)
@@ -1268,9 +1270,6 @@ def u12_linear(x: torch.Tensor, t: U12Tensor, config: U12Config | None = None) -
         from .u12_hmma import hmma_applies, launch_hmma
         if hmma_applies(x, k, t.base):
             launch_hmma(x, t, y, cfg)
-            return y
-        if config is None and gemv2_applies(m, k, t.base):  # the default's hmma at few rows of fp32 x: gemv2's
-            _launch_gemv2(x, t, y, gemv_config(m, n, k))
             return y
     if cfg.kernel != "tile":  # gemv2, mma or hmma where they do not apply (M, K % 4, base): the tile kernel's default
         cfg = _tile_config(m, n, k, x.is_cuda)

@@ -118,14 +118,16 @@ def test_one_n_tile_against_two(monkeypatch, m, kind):
         torch.testing.assert_close(y, ref, rtol=8e-3, atol=1e-4, equal_nan=True)
 
 
-def test_default_hmma_config_leaves_fp32_x_at_few_rows_to_gemv2(monkeypatch):
-    """The default config's hmma kernel takes bf16 x only: fp32 x at 3..4 rows runs gemv2, as it did
-    before the tensor-core kernels took those rows (not the tile kernel's fallback); given
-    explicitly, the config falls back to the tile kernel as any other that does not apply."""
+@pytest.mark.parametrize("kernel", ["hmma", "mma"])
+def test_default_tensor_core_config_leaves_fp32_x_at_few_rows_to_gemv2(monkeypatch, kernel):
+    """The default's tensor-core configs at 3..4 rows are bf16 x's: fp32 x there runs gemv2, as
+    before the tensor-core kernels took those rows; given explicitly, a config runs as asked (the
+    mma kernel) or falls back to the tile kernel (hmma, which takes bf16 x only)."""
     from specpilot.kernels import u12_linear as ul
 
-    hmma = U12Config(32, 32, split_k=2, num_warps=1, num_stages=1, kernel="hmma")
-    monkeypatch.setattr(ul, "default_config", lambda *a: hmma)
+    cfg = U12Config(32 if kernel == "hmma" else 64, 32 if kernel == "hmma" else 16, split_k=2,
+                    num_warps=1 if kernel == "hmma" else 4, num_stages=1, kernel=kernel)
+    monkeypatch.setattr(ul, "default_config", lambda *a: cfg)
     gemv2 = []
     launch = ul._launch_gemv2
     monkeypatch.setattr(ul, "_launch_gemv2", lambda *a: gemv2.append(a[3]) or launch(*a))
@@ -133,8 +135,12 @@ def test_default_hmma_config_leaves_fp32_x_at_few_rows_to_gemv2(monkeypatch):
     ref = u12_linear_reference(x, t)
     torch.testing.assert_close(u12_linear(x, t), ref, rtol=1e-5, atol=1e-5)
     assert [c.kernel for c in gemv2] == ["gemv2"]
-    torch.testing.assert_close(u12_linear(x, t, hmma), ref, rtol=1e-5, atol=1e-5)
-    assert len(gemv2) == 1  # the tile kernel ran
+    torch.testing.assert_close(u12_linear(x, t, cfg), ref, rtol=1e-5, atol=1e-5)
+    assert len(gemv2) == 1
+    xb = x.to(torch.bfloat16)
+    torch.testing.assert_close(u12_linear(xb, t).float(), u12_linear_reference(xb, t).float(),
+                               rtol=8e-3, atol=1e-4)
+    assert len(gemv2) == 1  # bf16 x: the tensor-core config
 
 
 @pytest.mark.parametrize("kw", [dict(block_n=48, block_w=16, num_warps=2), dict(block_n=64, block_w=24, num_warps=2),
