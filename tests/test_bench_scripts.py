@@ -172,6 +172,24 @@ def test_run_gpu_runs_every_group_it_documents() -> None:
     assert listed == dispatched
 
 
+def test_run_gpu_commands_name_scripts_flags_and_tests_that_exist() -> None:
+    """bench/run_gpu.sh runs only on the GPU machine, where a misspelt script, flag or test path
+    costs a device run: each `python bench/X.py` it runs exists and takes every --flag given it,
+    and each tests/ path it names exists."""
+    import re
+
+    root = BENCH.parent
+    text = (BENCH / "run_gpu.sh").read_text().replace("\\\n", " ")
+    commands = re.findall(r"python (bench/\w+\.py)([^;|\n]*)", text)
+    assert len(commands) >= 20
+    for script, args in commands:
+        source = (root / script).read_text()
+        for flag in re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]*)", args):
+            assert f'"{flag}"' in source, f"{script} takes no {flag}"
+    for path in set(re.findall(r"tests/\w+\.py", text)):
+        assert (root / path).is_file(), path
+
+
 def test_readme_tables_are_generated_from_the_results_files() -> None:
     """README.md's results sections are what bench/readme_tables.py renders from bench/results/ now:
     a results file changed without regenerating them (or a table typed by hand) fails here."""
