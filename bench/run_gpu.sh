@@ -25,6 +25,8 @@
 #            --q 16; bf16-sweep from the committed M = 16 sweep, bench/results/fused_linear_m16_graph_h200.json)
 #   u12verify  the u12 kernel tests on the GPU (escapes every way, a CUDA graph capture, the M >= 5
 #            epilogues, the registry), then verifyab
+#   tiles    the hmma kernel's GPU tests, then its M = 16 sweep on the tiled planes beside the row planes
+#            (bench/u12_linear.py --kernels tiles); verifyab's u12-hmma-tiles times them in the step
 #   fewrows  the hmma and mma kernels' GPU tests, then verify(4) and verify(8) interleaved (bench/step_ab.py
 #            --q 4 and 8: the tensor-core kernels at 3..8 rows against gemv2 at 4 and the hmma kernel's two n-tiles)
 #   fewsweep u12_linear at 4 and 8 rows in CUDA graphs: gemv2 and hmma configs (and the default) against cuBLAS
@@ -136,6 +138,11 @@ u12verify() {  # the u12 kernels on the GPU, then the verify(16) step interleave
     tests/test_u12_gemv.py tests/test_u12_fused_linear.py tests/test_kernels.py -k "u12 or lane or escape"
   verifyab
 }
+tiles() {  # W's tiled planes for the hmma kernel: does a warp reading contiguous memory lift M = 16?
+  TAIL=4 run hmma_tests 150 python -m pytest -q -x -p no:cacheprovider tests/test_u12_hmma.py tests/test_kernels.py -k hmma
+  TAIL=40 run u12_linear_tiles 330 python bench/u12_linear.py --ms 16 --kernels tiles --graph --no-step \
+    --budget-s 220 --out "$OUT/u12_linear_hmma_tiles_h200.json"
+}
 fewrows() {  # the tensor-core kernels at few rows: GPU tests, then verify(4) and verify(8) interleaved
   TAIL=4 run fewrows_tests 150 python -m pytest -q -x -p no:cacheprovider tests/test_u12_hmma.py tests/test_u12_mma.py \
     tests/test_kernels.py -k "hmma or mma"
@@ -188,7 +195,7 @@ for group in "${@:?group...}"; do
   case "$group" in
     ncu) ncu_linear ;;
     tests | attntests | lineartests | ab | attention | attnvar | u12 | hmma | bf16tune | u12tune | verify16 | verifyab | \
-      u12verify | fewrows | fewsweep | u12fusedtune | linear | peers | train | trees | e2e | tau | zoo) "$group" ;;
+      u12verify | tiles | fewrows | fewsweep | u12fusedtune | linear | peers | train | trees | e2e | tau | zoo) "$group" ;;
     steps) steps ;;
     qwen) steps qwen qwen3-8b ;;
     kernels) tests; steps both llama-3.1-8b qwen3-8b; attention ;;

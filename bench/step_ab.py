@@ -27,7 +27,8 @@ handoff, runtime/fused.py's U12_MANY_ROWS; --q above 1 only); u12-lanes-g8, u12-
 step's mma and hmma kernels walking the lanes 8 or 16 a step, ``u12_linear.LANE_GROUP``, against the
 default 4; --q above 1 only); u12-gemv-rows (gemv2 at 3..4 rows, the default before the tensor-core
 kernels took them: ``u12_linear.TENSOR_CORE_ROWS``; --q 3 or 4); u12-hmma-wide (the hmma kernel's
-two n-tiles at up to 8 rows, ``u12_hmma.NARROW`` off; --q 2..8); u12-sweep and u12-fused-sweep
+two n-tiles at up to 8 rows, ``u12_hmma.NARROW`` off; --q 2..8); u12-hmma-tiles (TUNED's hmma configs,
+o's and down's, on W's tiled planes: ``U12Config.layout``; --q 3..16); u12-sweep and u12-fused-sweep
 (the default u12 step with u12_linear's, or u12_fused_linear's, TUNED entries for the step's rows
 taken from a sweep's results file: --u12-tuned, --u12-fused-tuned); bf16-default, bf16-r128 (the bf16 step at other register budgets:
 ``BF16_VARIANTS``; not under --smoke, whose tiny shapes TUNED does not hold). With --q above 1 (a
@@ -104,6 +105,12 @@ def knob_variants(q: int) -> dict[str, dict]:
         return dict(U12_KNOB_VARIANTS)
     few = {name: knobs for name, ((lo, hi), knobs) in U12_FEW_ROWS_KNOB_VARIANTS.items() if lo <= q <= hi}
     return {**U12_VERIFY_KNOB_VARIANTS, **few}
+
+
+def hmma_tiles_override() -> dict:
+    """TUNED's hmma entries for 3..16 rows (their bucket 16) with layout "tiles"."""
+    return {key: dataclasses.replace(cfg, layout="tiles") for key, cfg in u12_linear.TUNED.items()
+            if key[0] == 16 and cfg.kernel == "hmma"}
 
 
 @contextlib.contextmanager
@@ -213,6 +220,9 @@ def capture(shape: str, variants: bool, extra_bf16: dict | None = None, extra_u1
         for name, knobs in knob_variants(q).items():
             with knobs_set(knobs):
                 graphs[name] = capture_step()
+        if 3 <= q <= 16:  # the hmma kernel's configs on W's tiled planes (twice those weights' memory)
+            with _tuned(u12_linear.TUNED, hmma_tiles_override()):
+                graphs["u12-hmma-tiles"] = capture_step()
         if variants and q == 1:
             for name, step, kw in OVERLAP_VARIANTS:
                 if step == "u12":

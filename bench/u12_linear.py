@@ -10,7 +10,7 @@ timed with triton.testing.do_bench (CUDA events, L2 flushed before each call, me
 `--graph` as the median replay of a CUDA graph of one call per distinct copy of the weight (about
 2 GB of copies): do_bench's single launches include the host's launch overhead wherever it exceeds
 the kernel (cuBLAS's qkv at M = 16: 22.5 µs there, 15.2 in a graph). `--kernels hmma` adds
-kernels/u12_hmma.py's SWEEP_HMMA for 3 <= M <= 16 (`--kernels mma` from 3 rows up too). A config
+kernels/u12_hmma.py's SWEEP_HMMA for 3 <= M <= 16 (`--kernels tiles`: SWEEP_HMMA_TILES, the tiled planes, each beside its row-planes twin) (`--kernels mma` from 3 rows up too). A config
 that fails to compile, run or match is recorded with its error, not timed. A time budget skips the
 rest of the sweep (rows marked "skipped") so the run stays within about four minutes on an H200.
 
@@ -85,12 +85,12 @@ def sweep_configs(m: int, n: int, k: int, kernels: tuple[str, ...] = ("tile", "g
     """The default config first, then each sweep tile crossed with SPLIT_KS (splits that fit K),
     for M <= 4 the gemv2 configs whose accumulator fits 64 registers a thread, from TENSOR_CORE_ROWS
     (3) rows up the mma configs crossed with SPLIT_KS_MMA, and up to 16 rows the hmma configs crossed
-    with SPLIT_KS_HMMA,
-    then the tile kernel's default with the one-weight-per-op
-    decode (what the pair decode saves). `kernels` picks the sweeps (the default config always runs)."""
+    with SPLIT_KS_HMMA ("tiles": the tiled-planes ones, each beside its twin on the row planes), then
+    the tile kernel's default with the one-weight-per-op decode (what the pair decode saves).
+    `kernels` picks the sweeps (the default config always runs)."""
     from specpilot.kernels.u12_linear import (
-        SPLIT_KS, SPLIT_KS_HMMA, SPLIT_KS_MMA, SWEEP_DOT, SWEEP_GEMV, SWEEP_GEMV2, SWEEP_HMMA, SWEEP_MMA,
-        TENSOR_CORE_ROWS, _block_m, _tile_config, default_config, gemv2_acc_registers,
+        SPLIT_KS, SPLIT_KS_HMMA, SPLIT_KS_MMA, SWEEP_DOT, SWEEP_GEMV, SWEEP_GEMV2, SWEEP_HMMA, SWEEP_HMMA_TILES,
+        SWEEP_MMA, TENSOR_CORE_ROWS, _block_m, _tile_config, default_config, gemv2_acc_registers,
     )
 
     default = default_config(m, n, k)
@@ -113,6 +113,9 @@ def sweep_configs(m: int, n: int, k: int, kernels: tuple[str, ...] = ("tile", "g
         add_splits(SWEEP_MMA, SPLIT_KS_MMA)
     if TENSOR_CORE_ROWS <= m <= 16 and "hmma" in kernels:
         add_splits(SWEEP_HMMA, SPLIT_KS_HMMA)
+    if TENSOR_CORE_ROWS <= m <= 16 and "tiles" in kernels:  # each tiled config beside its row-planes twin
+        add_splits([c for tiled in SWEEP_HMMA_TILES for c in (dataclasses.replace(tiled, layout="rows"), tiled)],
+                   SPLIT_KS_HMMA)
     tile_default = default if default.kernel == "tile" else _tile_config(m, n, k, on_gpu=True)
     return out + ([dataclasses.replace(tile_default, decode="single")] if "tile" in kernels else [])
 
@@ -196,7 +199,8 @@ def main() -> None:
                         help="time each config in a CUDA graph over distinct copies of the weight (no host "
                              "overhead, no L2 reuse) instead of do_bench's single launches")
     parser.add_argument("--kernels", default="tile,gemv2",
-                        help="kernels to sweep: tile, gemv2, mma, hmma (the default config always runs)")
+                        help="kernels to sweep: tile, gemv2, mma, hmma, tiles (hmma on the tiled planes and its "
+                             "twins; the default config always runs)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench/u12_linear.py times CUDA kernels and needs a CUDA GPU; none is visible here.")
@@ -276,7 +280,7 @@ def main() -> None:
     tuned = [{"key": [_block_m(m), SHAPES[name][0], SHAPES[name][1]], "shape": name, "M": m, "config": str(cfg),
               "block_n": cfg.block_n, "block_w": cfg.block_w, "split_k": cfg.split_k,
               "num_warps": cfg.num_warps, "num_stages": cfg.num_stages, "decode": cfg.decode, "kernel": cfg.kernel,
-              "maxnreg": cfg.maxnreg}
+              "maxnreg": cfg.maxnreg, "layout": cfg.layout}
              for (name, m), (cfg, _, _) in best.items()]
     result = {
         "what": "u12_linear vs cuBLAS bf16 x @ W.T, Llama-3.1-8B linear shapes, N(0, 0.02) weights",

@@ -75,6 +75,17 @@ elements (``_inv_rows``); the residual add and the handoff's xg as fused_linear'
 ``_parts_out`` stores its Σ y² parts, one a warp (a lane's two rows of each m-tile, then across the
 quad column's 8 lanes), each (part, row of x) by one thread. (The mma kernel's 2-D epilogue,
 ``_store_block``, cost about 80 registers a thread here: 168 against 90 for the loop, sm_90 ptxas.)
+Tiled planes (``U12Config.layout`` "tiles", ``TILED``): with the row planes each load instruction
+of a warp touches 8 rows (a quad's 4 lanes read 64 bytes of each, half of a 128-byte line, the
+next group the other half), and Nsight Compute has the M = 16 kernel's L1 busy 79% with 70% hits
+(above). ``U12Tensor.tiled_planes`` stores each m-tile's 16-word groups in the order the lanes hold
+them (Marlin's idea for int4 weights): a warp's word loads read 512 contiguous bytes, its code
+loads 256, and its groups follow each other, with the same instructions and registers (sm_90
+SASS, triton 3.6) and the same sums up to their fp32 order (a lane's words of group u are 16 u +
+4 q + (0..3), x's likewise). A copy beside the row planes that gemv2 reads at one row, so not a
+default: plain weights only (a gated launch pairs gate and up rows), N % 16 == 0 and whole chunks
+(``tiles_apply``). Not yet timed (bench/run_gpu.sh tiles, and verifyab's u12-hmma-tiles).
+
 bf16 x only (fp32 x, K % 4 != 0 or a base past 240 run the tile kernel: ``hmma_applies``). By
 default u12_linear runs it from TENSOR_CORE_ROWS (3) rows up where TUNED's 16-row config is an hmma
 one (o and down); the one-n-tile kernel at 3..8 rows is not yet timed on a GPU (bench/run_gpu.sh
@@ -229,14 +240,16 @@ def _tile_step(d0, d1, d2, d3, e0, e1, e2, e3, s_lo, c_lo, s_hi, c_hi, x0, x1, N
 
 @triton.jit
 def _tile_group(
-    d0, d1, d2, d3, e0, e1, e2, e3, sm_lo, code_lo, sm_hi, code_hi, w, w_end, lane_w,
+    d0, d1, d2, d3, e0, e1, e2, e3, sm_lo, code_lo, sm_hi, code_hi, ww, w, w_end, lane_w,
     x00, x01, x02, x03, x10, x11, x12, x13, NT: tl.constexpr, MASKED: tl.constexpr, ASM: tl.constexpr,
 ):
-    """One m-tile over a group of 16 words a row: 4 k-steps, k-step s on word s of each lane's 4."""
-    s_lo0, s_lo1, s_lo2, s_lo3 = _load4(sm_lo, w, w_end, lane_w, MASKED)
-    s_hi0, s_hi1, s_hi2, s_hi3 = _load4(sm_hi, w, w_end, lane_w, MASKED)
-    c_lo0, c_lo1, c_lo2, c_lo3 = _load4(code_lo, w, w_end, lane_w, MASKED)
-    c_hi0, c_hi1, c_hi2, c_hi3 = _load4(code_hi, w, w_end, lane_w, MASKED)
+    """One m-tile over a group of 16 words a row (the group's word w; its weights at offset ww of
+    the planes' pointers): 4 k-steps, k-step s on word s of each lane's 4."""
+    shift = ww - w  # 0 in rows; the tiled planes' offset (the masks stay x's)
+    s_lo0, s_lo1, s_lo2, s_lo3 = _load4(sm_lo + shift, w, w_end, lane_w, MASKED)
+    s_hi0, s_hi1, s_hi2, s_hi3 = _load4(sm_hi + shift, w, w_end, lane_w, MASKED)
+    c_lo0, c_lo1, c_lo2, c_lo3 = _load4(code_lo + shift, w, w_end, lane_w, MASKED)
+    c_hi0, c_hi1, c_hi2, c_hi3 = _load4(code_hi + shift, w, w_end, lane_w, MASKED)
     d0, d1, d2, d3, e0, e1, e2, e3 = _tile_step(
         d0, d1, d2, d3, e0, e1, e2, e3, s_lo0, c_lo0, s_hi0, c_hi0, x00, x10, NT, ASM)
     d0, d1, d2, d3, e0, e1, e2, e3 = _tile_step(
@@ -250,7 +263,7 @@ def _tile_group(
 
 @triton.jit
 def _group(
-    d0, d1, d2, d3, e0, e1, e2, e3, f0, f1, f2, f3, h0, h1, h2, h3, w, w_end, lane_w,
+    d0, d1, d2, d3, e0, e1, e2, e3, f0, f1, f2, f3, h0, h1, h2, h3, ww, w, w_end, lane_w,
     x_row0, x_row1, sm_lo, code_lo, sm_hi, code_hi, sm_lo2, code_lo2, sm_hi2, code_hi2,
     TILES: tl.constexpr, NT: tl.constexpr, MASKED: tl.constexpr, ASM: tl.constexpr,
 ):
@@ -262,11 +275,11 @@ def _group(
     else:  # one n-tile: no second x row, its accumulators stay 0
         x10, x11, x12, x13 = x00, x01, x02, x03
     d0, d1, d2, d3, e0, e1, e2, e3 = _tile_group(
-        d0, d1, d2, d3, e0, e1, e2, e3, sm_lo, code_lo, sm_hi, code_hi, w, w_end, lane_w,
+        d0, d1, d2, d3, e0, e1, e2, e3, sm_lo, code_lo, sm_hi, code_hi, ww, w, w_end, lane_w,
         x00, x01, x02, x03, x10, x11, x12, x13, NT, MASKED, ASM)
     if TILES == 2:
         f0, f1, f2, f3, h0, h1, h2, h3 = _tile_group(
-            f0, f1, f2, f3, h0, h1, h2, h3, sm_lo2, code_lo2, sm_hi2, code_hi2, w, w_end, lane_w,
+            f0, f1, f2, f3, h0, h1, h2, h3, sm_lo2, code_lo2, sm_hi2, code_hi2, ww, w, w_end, lane_w,
             x00, x01, x02, x03, x10, x11, x12, x13, NT, MASKED, ASM)
     return d0, d1, d2, d3, e0, e1, e2, e3, f0, f1, f2, f3, h0, h1, h2, h3
 
@@ -397,6 +410,7 @@ def _u12_hmma_kernel(
     GATED: tl.constexpr = False, RESIDUAL: tl.constexpr = False,
     HAND_IN: tl.constexpr = False, HAND_OUT: tl.constexpr = False,
     BLOCK_P: tl.constexpr = 16,  # HAND_IN: parts summed a chunk
+    TILED: tl.constexpr = False,  # W's planes in U12Tensor.tiled_planes' order (not GATED; N % 16 == 0, EVEN_K)
     ROUND_BF16: tl.constexpr = False,  # bf16 under the interpreter: round before casting
     EXPF: tl.constexpr = False,  # GATED: libdevice's expf (GPU); else tl.exp
 ):
@@ -427,17 +441,34 @@ def _u12_hmma_kernel(
         lo0, hi0, lo1, hi1 = row, row + 8, row + 16, row + 24
         rl0, rh0 = tl.minimum(row, N - 1), tl.minimum(row + 8, N - 1)
         rl1, rh1 = tl.minimum(row + 16, N - 1), tl.minimum(row + 24, N - 1)
-    # A lane's 4 words of each 16-word group u of a chunk: BLOCK_W / 4 q + 4 u + (0..3), so that a
-    # lane's groups are contiguous and a quad reads BLOCK_W contiguous words of each row.
-    lane_w = ((BLOCK_W // 4) * q)[:, None] + tl.arange(0, 4)[None, :]  # [T, 4]
-    sm_lo = sm_ptr + rl0[:, None] * stride_sm + lane_w
-    sm_hi = sm_ptr + rh0[:, None] * stride_sm + lane_w
-    code_lo = codes_ptr + rl0[:, None] * stride_codes + lane_w
-    code_hi = codes_ptr + rh0[:, None] * stride_codes + lane_w
-    sm_lo2 = sm_ptr + rl1[:, None] * stride_sm + lane_w
-    sm_hi2 = sm_ptr + rh1[:, None] * stride_sm + lane_w
-    code_lo2 = codes_ptr + rl1[:, None] * stride_codes + lane_w
-    code_hi2 = codes_ptr + rh1[:, None] * stride_codes + lane_w
+    j = tl.arange(0, 4)[None, :]
+    if TILED:
+        # Tiled planes: m-tile i's 16-word group G is 256 words at (i · n_words / 16 + G) · 256, rows g
+        # (128 words) then g + 8, lane l's 4 words at 4 l; so each load instruction of a warp reads 512
+        # contiguous bytes (codes 256) and a warp's groups follow each other. A lane's 4 words of
+        # group u of a chunk are 16 u + 4 q + (0..3); an m-tile past N re-reads the last one.
+        tl.static_assert(EVEN_K and not GATED, "the tiled planes take unmasked chunks of plain weights")
+        lane_w = (4 * q)[:, None] + j  # [T, 4]: x's words (and the masks')
+        tile0 = tl.minimum(row // 16, N // 16 - 1)
+        tile1 = tl.minimum(row // 16 + 1, N // 16 - 1)
+        w_lane = (4 * lane)[:, None] + j
+        sm_lo = sm_ptr + tile0[:, None] * (16 * stride_sm) + w_lane
+        sm_lo2 = sm_ptr + tile1[:, None] * (16 * stride_sm) + w_lane
+        code_lo = codes_ptr + tile0[:, None] * (16 * stride_codes) + w_lane
+        code_lo2 = codes_ptr + tile1[:, None] * (16 * stride_codes) + w_lane
+        sm_hi, sm_hi2, code_hi, code_hi2 = sm_lo + 128, sm_lo2 + 128, code_lo + 128, code_lo2 + 128
+    else:
+        # A lane's 4 words of each 16-word group u of a chunk: BLOCK_W / 4 q + 4 u + (0..3), so that a
+        # lane's groups are contiguous and a quad reads BLOCK_W contiguous words of each row.
+        lane_w = ((BLOCK_W // 4) * q)[:, None] + j  # [T, 4]
+        sm_lo = sm_ptr + rl0[:, None] * stride_sm + lane_w
+        sm_hi = sm_ptr + rh0[:, None] * stride_sm + lane_w
+        code_lo = codes_ptr + rl0[:, None] * stride_codes + lane_w
+        code_hi = codes_ptr + rh0[:, None] * stride_codes + lane_w
+        sm_lo2 = sm_ptr + rl1[:, None] * stride_sm + lane_w
+        sm_hi2 = sm_ptr + rh1[:, None] * stride_sm + lane_w
+        code_lo2 = codes_ptr + rl1[:, None] * stride_codes + lane_w
+        code_hi2 = codes_ptr + rh1[:, None] * stride_codes + lane_w
     x64 = x_ptr.to(tl.pointer_type(tl.int64))
     x_row0 = x64 + tl.minimum(pid_m * BLOCK_M + g, M - 1)[:, None] * (stride_xm // 4) + lane_w
     x_row1 = x64 + tl.minimum(pid_m * BLOCK_M + 8 + g, M - 1)[:, None] * (stride_xm // 4) + lane_w
@@ -450,15 +481,22 @@ def _u12_hmma_kernel(
     f0, f1, f2, f3, h0, h1, h2, h3 = zero, zero, zero, zero, zero, zero, zero, zero
     for start in range(w_begin, full_end, BLOCK_W):
         for u in tl.static_range(BLOCK_W // 16):
+            if TILED:  # the group's words start + 16 u ..: its weights at 16 times that in the tile
+                w = start + 16 * u
+                ww = 16 * w
+            else:
+                w = start + 4 * u
+                ww = w
             d0, d1, d2, d3, e0, e1, e2, e3, f0, f1, f2, f3, h0, h1, h2, h3 = _group(
-                d0, d1, d2, d3, e0, e1, e2, e3, f0, f1, f2, f3, h0, h1, h2, h3, start + 4 * u, w_end, lane_w,
+                d0, d1, d2, d3, e0, e1, e2, e3, f0, f1, f2, f3, h0, h1, h2, h3, ww, w, w_end, lane_w,
                 x_row0, x_row1, sm_lo, code_lo, sm_hi, code_hi, sm_lo2, code_lo2, sm_hi2, code_hi2,
                 TILES, NT, False, ASM)
     if not EVEN_K:
         if full_end < w_end:  # only the last split has a partial chunk: its words past w_end masked
             for u in tl.static_range(BLOCK_W // 16):
                 d0, d1, d2, d3, e0, e1, e2, e3, f0, f1, f2, f3, h0, h1, h2, h3 = _group(
-                    d0, d1, d2, d3, e0, e1, e2, e3, f0, f1, f2, f3, h0, h1, h2, h3, full_end + 4 * u, w_end, lane_w,
+                    d0, d1, d2, d3, e0, e1, e2, e3, f0, f1, f2, f3, h0, h1, h2, h3, full_end + 4 * u,
+                    full_end + 4 * u, w_end, lane_w,
                     x_row0, x_row1, sm_lo, code_lo, sm_hi, code_hi, sm_lo2, code_lo2, sm_hi2, code_hi2,
                     TILES, NT, True, ASM)
 
@@ -536,20 +574,34 @@ def launch_hmma(x: torch.Tensor, t: U12Tensor, y: torch.Tensor, cfg: U12Config, 
     block_m = hmma_rows(m)
     grid, words_per_split, part, counters = _split_k_plan(t, cfg, m, n_words, block_m)
     native = x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1"  # the interpreter runs no PTX
-    sm, codes = t.sm.contiguous(), t.codes.contiguous()
+    tiled = cfg.layout == "tiles" and tiles_apply(t, cfg, gated)
+    sm, codes = t.tiled_planes if tiled else (t.sm.contiguous().view(torch.int32), t.codes.contiguous().view(torch.int16))
     lanes, n_lanes = lanes_args(t)
     epi, flags, fused = epilogue_args(x, y, native, grid[0] * cfg.num_warps, gated, residual, hand_in, hand_out)
     hw, xg, parts, n_out, inv_k, eps, n_parts, stride_xg = epi
     _u12_hmma_kernel[grid](
-        x, sm.view(torch.int32), codes.view(torch.int16),
+        x, sm, codes,
         _nonempty(t.esc_idx), _nonempty(t.esc_val), t.esc_row_ptr, lanes, y, part, counters, hw, xg, parts,
         m, n, k, n_words, biased_scale(t.base), words_per_split, n_out, inv_k, eps, n_parts,
         x.stride(0), n_words, n_words, y.stride(0), stride_xg,
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_W=cfg.block_w, WARPS=cfg.num_warps, SPLIT_K=grid[1],
         EVEN_K=n_words % cfg.block_w == 0, ASM=native,
         **cfg.launch_options(native, fp_fusion=not fused),
-        **pdl_args(x.device), LANES=n_lanes, LANE_GROUP=lane_group(n_lanes), **flags,
+        **pdl_args(x.device), LANES=n_lanes, LANE_GROUP=lane_group(n_lanes), TILED=tiled, **flags,
     )
+
+
+def tiles_apply(t: U12Tensor, cfg: U12Config, gated: bool = False) -> bool:
+    """Whether a "tiles" config reads ``U12Tensor.tiled_planes``: a plain weight (not gated) of N % 16 == 0
+    rows whose K / 4 words are whole chunks (block_w; so every split is too), its tiled planes made
+    already where a CUDA graph is being captured (a capture records their copy without running
+    it); else the row planes."""
+    n, k = t.shape
+    if gated or n % 16 or k % 4 or (k // 4) % cfg.block_w:
+        return False
+    if t.device.type == "cuda" and torch.cuda.is_current_stream_capturing() and "tiled_planes" not in t.__dict__:
+        return False
+    return t.tiled_planes is not None
 
 
 # --- registry entry -------------------------------------------------------------------------

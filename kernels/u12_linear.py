@@ -869,6 +869,7 @@ class U12Config:
     decode: str = "pairs"  # or "single": one weight per 32-bit op (the scaled decode only)
     kernel: str = "tile"  # or "gemv2", "mma", "hmma"
     maxnreg: int = 0  # registers a thread ptxas may use (PTX .maxnreg; gemv2, mma, hmma on the GPU); 0: its choice
+    layout: str = "rows"  # or "tiles" (hmma: W's planes as U12Tensor.tiled_planes, where they apply)
 
     def __post_init__(self) -> None:
         if self.decode not in ("pairs", "single"):
@@ -882,6 +883,9 @@ class U12Config:
                              f"block_w a multiple of 16, got block_n {self.block_n}, block_w {self.block_w}")
         if self.kernel == "gemv2" and self.split_k != 1:
             raise ValueError(f"U12Config.split_k: the gemv2 kernel has no split-K, got {self.split_k}")
+        if self.layout not in ("rows", "tiles") or (self.layout == "tiles" and self.kernel != "hmma"):
+            raise ValueError(f"U12Config.layout: expected 'rows', or 'tiles' with the hmma kernel, got "
+                             f"{self.layout!r} with {self.kernel!r}")
         if self.maxnreg and not 24 <= self.maxnreg <= 255:
             raise ValueError(f"U12Config.maxnreg: expected 0 (the compiler's choice) or 24..255, got {self.maxnreg}")
 
@@ -903,7 +907,9 @@ class U12Config:
         if self.kernel == "gemv2":
             return f"gemv2-bn{self.block_n}-bw{self.block_w}-w{self.num_warps}-s{self.num_stages}{regs}"
         if self.kernel in ("mma", "hmma"):
-            return f"{self.kernel}-bn{self.block_n}-bw{self.block_w}-sk{self.split_k}-w{self.num_warps}-s{self.num_stages}{regs}"
+            tiles = "-tiles" if self.layout == "tiles" else ""
+            return (f"{self.kernel}-bn{self.block_n}-bw{self.block_w}-sk{self.split_k}-w{self.num_warps}"
+                    f"-s{self.num_stages}{regs}{tiles}")
         return f"bn{self.block_n}-bw{self.block_w}-sk{self.split_k}-w{self.num_warps}-s{self.num_stages}-{self.decode}"
 
 
@@ -969,6 +975,10 @@ SWEEP_HMMA = [
         (64, 32, 4, 96), (64, 32, 4, 80),  # 5 and 6 programs an SM (sm_90 ptxas, triton 3.6: no spill at either)
     )
 ]
+# The same kernel on W's tiled planes (U12Tensor.tiled_planes: each warp load instruction reads 512
+# contiguous bytes, where the row planes' touch 8 rows at once) at the tiles that won or came close.
+SWEEP_HMMA_TILES = [dataclasses.replace(c, layout="tiles") for c in SWEEP_HMMA
+                    if (c.block_n, c.block_w, c.num_warps) in ((64, 32, 4), (64, 64, 4), (64, 32, 2), (128, 32, 4))]
 SPLIT_KS_HMMA = (1, 2, 4, 8)
 
 # Best configs measured by bench/u12_linear.py on the H200, keyed (BLOCK_M, N, K): Llama-3.1-8B's

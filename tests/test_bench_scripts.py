@@ -151,6 +151,9 @@ def test_step_ab_knob_variants_set_each_module_and_restore_it() -> None:
     with step_ab.knobs_set({"TENSOR_CORE_ROWS": 5, "u12_hmma.NARROW": not narrow}):
         assert (u12_linear.TENSOR_CORE_ROWS, u12_hmma.NARROW) == (5, not narrow)
     assert (u12_linear.TENSOR_CORE_ROWS, u12_hmma.NARROW) == (rows, narrow)
+    tiles = step_ab.hmma_tiles_override()
+    assert tiles and all(cfg.layout == "tiles" and key[0] == 16 for key, cfg in tiles.items())
+    assert {key for key, cfg in u12_linear.TUNED.items() if key[0] == 16 and cfg.kernel == "hmma"} == set(tiles)
     with pytest.raises(RuntimeError), step_ab.knobs_set({"LANE_GROUP": 16}):
         assert u12_linear.LANE_GROUP == 16
         raise RuntimeError("a capture failing")

@@ -11,6 +11,8 @@ import os
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import triton
 import triton.language as tl
 
@@ -143,6 +145,61 @@ def test_default_tensor_core_config_leaves_fp32_x_at_few_rows_to_gemv2(monkeypat
     assert len(gemv2) == 1  # bf16 x: the tensor-core config
 
 
+_TILES = dict(num_stages=1, kernel="hmma", layout="tiles")
+
+
+@pytest.mark.parametrize("m,n,k,kind,cfg", [
+    (16, 64, 256, "special", U12Config(64, 16, split_k=2, num_warps=2, **_TILES)),  # one m-tile a warp, 2 splits
+    (5, 48, 128, "few", U12Config(32, 32, num_warps=1, **_TILES)),  # two m-tiles, the last program's second past N
+    (9, 80, 512, "special", U12Config(32, 32, split_k=3, num_warps=1, **_TILES)),  # 3 splits of whole chunks
+    (3, 32, 192, "few", U12Config(32, 16, split_k=2, num_warps=2, **_TILES)),  # one n-tile (NARROW)
+])
+def test_tiled_planes_give_the_reference(monkeypatch, m, n, k, kind, cfg):
+    """The hmma kernel on the tiled planes (U12Tensor.tiled_planes: each warp's loads contiguous)
+    gives the reference's sums, escapes and non-finite values included, as the row planes do; the
+    launch really reads the tiled copy."""
+    x, t = _make_inputs(_case(m, n, k, torch.bfloat16, kind), DEVICE, n)
+    assert u12_hmma.tiles_apply(t, cfg)
+    ref = u12_linear_reference(x, t).float()
+    torch.testing.assert_close(u12_linear(x, t, cfg).float(), ref, rtol=8e-3, atol=1e-4, equal_nan=True)
+    words, codes = t.tiled_planes
+    t.__dict__["tiled_planes"] = (words.roll(4), codes)  # a wrong order must show
+    assert not torch.allclose(u12_linear(x, t, cfg).float().nan_to_num(), ref.nan_to_num(), rtol=8e-3, atol=1e-4)
+
+
+@given(st.integers(1, 4), st.integers(1, 3), st.data())
+@settings(max_examples=25, deadline=None)
+def test_tiled_planes_order(tiles, groups, data):
+    """Word (row 16 i + 8 h + g, column 16 G + 4 q + j) of the row planes sits at (i · K / 64 + G) ·
+    256 + 128 h + 4 (4 g + q) + j of the tiled ones, its code likewise."""
+    from specpilot.runtime.u12 import pack_u12
+
+    n, k = 16 * tiles, 64 * groups
+    w = (0.02 * torch.randn(n, k, generator=torch.Generator().manual_seed(n * k))).to(torch.bfloat16)
+    t = pack_u12(w)
+    words, codes = t.tiled_planes
+    row, col = data.draw(st.integers(0, n - 1)), data.draw(st.integers(0, k // 4 - 1))
+    i, h, g = row // 16, row % 16 // 8, row % 8
+    big, q, j = col // 16, col % 16 // 4, col % 4
+    at = (i * (k // 64) + big) * 256 + 128 * h + 4 * (4 * g + q) + j
+    assert words[at] == t.sm.view(torch.int32)[row, col] and codes[at] == t.codes.view(torch.int16)[row, col]
+
+
+def test_tiles_fall_back_to_the_row_planes():
+    """A "tiles" config reads the row planes where the tiled ones do not fit: N % 16 != 0, K / 4 not
+    whole chunks, or a gated launch (its m-tiles pair gate and up rows)."""
+    cfg = U12Config(32, 32, num_warps=1, **_TILES)
+    _, t = _make_inputs(_case(5, 40, 128, torch.bfloat16, "few"), "cpu", 0)
+    assert t.tiled_planes is None and not u12_hmma.tiles_apply(t, cfg)
+    _, t = _make_inputs(_case(5, 48, 192, torch.bfloat16, "few"), "cpu", 0)  # 48 words: a chunk and a half
+    assert t.tiled_planes is not None and not u12_hmma.tiles_apply(t, cfg)
+    _, t = _make_inputs(_case(5, 48, 256, torch.bfloat16, "few"), "cpu", 0)
+    assert u12_hmma.tiles_apply(t, cfg) and not u12_hmma.tiles_apply(t, cfg, gated=True)
+    with pytest.raises(ValueError, match="layout"):
+        U12Config(64, 32, kernel="mma", layout="tiles")
+    assert str(cfg).endswith("-tiles")
+
+
 @pytest.mark.parametrize("kw", [dict(block_n=48, block_w=16, num_warps=2), dict(block_n=64, block_w=24, num_warps=2),
                                 dict(block_n=128, block_w=16, num_warps=2)])
 def test_hmma_config_rejects_tiles_it_cannot_run(kw):
@@ -155,7 +212,7 @@ def test_bench_sweeps_hmma_configs_for_3_to_16_rows():
     import importlib.util
     from pathlib import Path
 
-    from specpilot.kernels.u12_linear import SPLIT_KS_HMMA, SWEEP_HMMA
+    from specpilot.kernels.u12_linear import SPLIT_KS_HMMA, SWEEP_HMMA, SWEEP_HMMA_TILES
 
     path = Path(__file__).parent.parent / "bench" / "u12_linear.py"
     spec = importlib.util.spec_from_file_location("bench_u12_linear_hmma", path)
@@ -163,6 +220,11 @@ def test_bench_sweeps_hmma_configs_for_3_to_16_rows():
     spec.loader.exec_module(bench)
     hmma = [cfg for cfg in bench.sweep_configs(16, 4096, 4096, ("hmma",)) if cfg.kernel == "hmma"]
     assert {dataclasses.replace(cfg, split_k=1) for cfg in hmma} == set(SWEEP_HMMA)
+    tiles = [cfg for cfg in bench.sweep_configs(16, 4096, 4096, ("tiles",)) if cfg.kernel == "hmma"]
+    assert SWEEP_HMMA_TILES and all(cfg.layout == "tiles" for cfg in SWEEP_HMMA_TILES)
+    assert {dataclasses.replace(cfg, split_k=1) for cfg in tiles if cfg.layout == "tiles"} == set(SWEEP_HMMA_TILES)
+    twins = {dataclasses.replace(cfg, layout="rows") for cfg in tiles if cfg.layout == "tiles"}
+    assert twins == {cfg for cfg in tiles if cfg.layout == "rows"}
     assert {cfg.split_k for cfg in hmma} == set(SPLIT_KS_HMMA)
     assert [cfg for cfg in bench.sweep_configs(3, 4096, 4096, ("hmma",)) if cfg.kernel == "hmma"]
     for m in (2, 17, 64):

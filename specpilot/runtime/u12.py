@@ -116,6 +116,22 @@ class U12Tensor:
         lanes[rows, pos] = torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
         return lanes
 
+    @functools.cached_property
+    def tiled_planes(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The sign/mantissa words (int32) and their codes (int16, one a word) reordered for
+        kernels/u12_hmma.py's tiled layout, flat: m-tile i (rows 16 i ..) and 16-word group G (words
+        16 G ..) are 256 words at (i · K / 64 + G) · 256, rows 16 i + g (128 words) then 16 i + 8 + g,
+        each row's 4 words 4 q .. 4 q + 3 of the group at 4 (4 g + q): the order in which a warp's
+        lanes hold them, so each of its loads reads contiguous memory. None where N % 16 or (K / 4)
+        % 16 is not 0. A copy (derived, not stored): the weight's bytes again while it is kept."""
+        n, k = self.shape
+        if n % 16 or k % 64:
+            return None
+        words = self.sm.view(torch.int32).view(n // 16, 2, 8, k // 64, 4, 4)  # [i, h, g, G, q, j]
+        codes = self.codes.view(torch.int16).view(n // 16, 2, 8, k // 64, 4, 4)
+        order = (0, 3, 1, 2, 4, 5)  # [i, G, h, g, q, j]
+        return words.permute(order).reshape(-1).contiguous(), codes.permute(order).reshape(-1).contiguous()
+
     def rows(self, start: int, stop: int) -> U12Tensor:
         """Rows [start, stop) as a U12Tensor whose planes view this one's (the escapes of those
         rows are re-indexed: a small new table). Exact: the same base and the same bits."""
