@@ -7,6 +7,7 @@ the config checks. On the CPU the MMA is the kernel's emulation; on a GPU the PT
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -185,6 +186,26 @@ def test_tiled_planes_order(tiles, groups, data):
     assert words[at] == t.sm.view(torch.int32)[row, col] and codes[at] == t.codes.view(torch.int16)[row, col]
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need CUDA")
+def test_tiles_captured_before_any_eager_launch_read_the_row_planes():
+    """A capture records the tiled copy's permute without running it, so a "tiles" launch captured
+    before the copy exists reads the row planes in that graph (the same sums) and makes no copy; an
+    eager launch after makes it and reads it."""
+    cfg = U12Config(64, 16, split_k=2, num_warps=2, **_TILES)
+    x, t = _make_inputs(_case(16, 64, 256, torch.bfloat16, "few"), DEVICE, 2)
+    ref = u12_linear_reference(x, t).float()
+    u12_linear(x, t, dataclasses.replace(cfg, layout="rows"))  # compiles, derives the lanes and counters
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        y = u12_linear(x, t, cfg)
+    assert "tiled_planes" not in t.__dict__, "the capture must not have made the tiled copy"
+    g.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(y.float(), ref, rtol=8e-3, atol=1e-4)
+    torch.testing.assert_close(u12_linear(x, t, cfg).float(), ref, rtol=8e-3, atol=1e-4)
+    assert "tiled_planes" in t.__dict__ and u12_hmma.tiles_apply(t, cfg)
+
+
 def test_tiles_fall_back_to_the_row_planes():
     """A "tiles" config reads the row planes where the tiled ones do not fit: N % 16 != 0, K / 4 not
     whole chunks, or a gated launch (its m-tiles pair gate and up rows)."""
@@ -208,7 +229,6 @@ def test_hmma_config_rejects_tiles_it_cannot_run(kw):
 
 
 def test_bench_sweeps_hmma_configs_for_3_to_16_rows():
-    import dataclasses
     import importlib.util
     from pathlib import Path
 
