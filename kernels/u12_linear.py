@@ -983,8 +983,8 @@ SPLIT_KS_HMMA = (1, 2, 4, 8)
 
 # Best configs measured by bench/u12_linear.py on the H200, keyed (BLOCK_M, N, K): Llama-3.1-8B's
 # linear shapes. (The 4-row entries are gemv2's at 3..4 rows: ``gemv_config``, for u12_fused_linear's
-# GEMV, fp32 x, and bf16 x where TENSOR_CORE_ROWS is raised past 4.) M = 1, 4: the gemv2 sweep (commit 34c2fbf; bench/results/u12_linear_gemv2_h200.json),
-# where gemv2 beat the tile kernel on every row; its o rows are not used: every config there, the tile
+# GEMV, fp32 x, and bf16 x where TENSOR_CORE_ROWS is raised past 4.) M = 1, 4: the gemv2 sweep
+# (commit 34c2fbf; bench/results/u12_linear_gemv2_h200.json), where gemv2 beat the tile kernel on every row; its o rows are not used: every config there, the tile
 # kernel's included, ran ~75 µs where the tile kernel had run 26 µs before and o in the whole-step
 # graph runs far below that. M = 16: the mma sweep (bench/results/u12_linear_mma_h200.json), o and
 # down from the hmma sweep timed in CUDA graphs (bench/results/tried/u12_linear_hmma_ed31e59_h200.json:
