@@ -25,8 +25,8 @@
 #            --q 16; bf16-sweep from the committed M = 16 sweep, bench/results/fused_linear_m16_graph_h200.json)
 #   u12verify  the u12 kernel tests on the GPU (escapes every way, a CUDA graph capture, the M >= 5
 #            epilogues, the registry), then verifyab
-#   tiles    the hmma kernel's GPU tests, then its M = 16 sweep on the tiled planes beside the row planes
-#            (bench/u12_linear.py --kernels tiles); verifyab's u12-hmma-tiles times them in the step
+#   tiles    the hmma kernel's M = 16 sweep on the tiled planes beside the row planes (bench/u12_linear.py
+#            --kernels tiles), then verify(16) interleaved with the sweep's best (u12-sweep) and u12-hmma-tiles
 #   fewrows  the hmma and mma kernels' GPU tests, then verify(4) and verify(8) interleaved (bench/step_ab.py
 #            --q 4 and 8: the tensor-core kernels at 3..8 rows against gemv2 at 4 and the hmma kernel's two n-tiles)
 #   fewsweep u12_linear at 4 and 8 rows in CUDA graphs: gemv2 and hmma configs (and the default) against cuBLAS
@@ -139,9 +139,11 @@ u12verify() {  # the u12 kernels on the GPU, then the verify(16) step interleave
   verifyab
 }
 tiles() {  # W's tiled planes for the hmma kernel: does a warp reading contiguous memory lift M = 16?
-  TAIL=4 run hmma_tests 150 python -m pytest -q -x -p no:cacheprovider tests/test_u12_hmma.py tests/test_kernels.py -k hmma
-  TAIL=40 run u12_linear_tiles 330 python bench/u12_linear.py --ms 16 --kernels tiles --graph --no-step \
-    --budget-s 220 --out "$OUT/u12_linear_hmma_tiles_h200.json"
+  # (its GPU tests run in u12verify; each swept config is checked against the reference first)
+  TAIL=40 run u12_linear_tiles 300 python bench/u12_linear.py --ms 16 --kernels tiles --graph --no-step \
+    --budget-s 200 --out "$OUT/u12_linear_hmma_tiles_h200.json"
+  TAIL=16 run step_ab_verify16 240 python bench/step_ab.py --q 16 --u12-tuned "$OUT/u12_linear_hmma_tiles_h200.json" \
+    --out "$OUT/step_ab_verify16_tiles_h200.json"
 }
 fewrows() {  # the tensor-core kernels at few rows: GPU tests, then verify(4) and verify(8) interleaved
   TAIL=4 run fewrows_tests 150 python -m pytest -q -x -p no:cacheprovider tests/test_u12_hmma.py tests/test_u12_mma.py \

@@ -228,7 +228,7 @@ def capture(shape: str, variants: bool, extra_bf16: dict | None = None, extra_u1
                 if step == "u12":
                     with overlap(**kw):
                         graphs[name] = capture_step()
-        for name, override in (extra_u12 or {}).items():  # the default u12 step at other one-row configs
+        for name, override in (extra_u12 or {}).items():  # the default u12 step at a sweep's configs for its rows
             with _tuned(u12_linear.TUNED, override):
                 graphs[name] = capture_step()
         for name, override in (extra_u12_fused or {}).items():  # and with u12_fused_linear's own
@@ -257,7 +257,7 @@ def main() -> int:
     ap.add_argument("--bf16-tuned", type=Path,
                     help="a bench/fused_linear.py results file: its configs for the step's rows as the variant bf16-sweep")
     ap.add_argument("--u12-tuned", type=Path,
-                    help="a bench/u12_linear.py results file: its M = 1 configs as the variant u12-sweep")
+                    help="a bench/u12_linear.py results file: its configs for the step's rows as the variant u12-sweep")
     ap.add_argument("--u12-fused-tuned", type=Path,
                     help="a bench/u12_fused_linear.py results file: its configs for the step's rows as the variant "
                          "u12-fused-sweep")
@@ -276,7 +276,8 @@ def main() -> int:
         return 2
     extra = {"bf16-sweep": tuned_from_sweep(args.bf16_tuned, fused_linear.FusedLinearConfig,
                                             fused_linear.m_bucket(args.q))} if args.bf16_tuned else None
-    extra_u12 = {"u12-sweep": tuned_from_sweep(args.u12_tuned, u12_linear.U12Config)} if args.u12_tuned else None
+    extra_u12 = {"u12-sweep": tuned_from_sweep(args.u12_tuned, u12_linear.U12Config, u12_linear._block_m(args.q))
+                 } if args.u12_tuned else None
     extra_u12_fused = {"u12-fused-sweep": tuned_from_sweep(args.u12_fused_tuned, u12_linear.U12Config,
                                                            u12_linear._block_m(args.q))} if args.u12_fused_tuned else None
     graphs, _keep = capture(shape, variants=not args.smoke, extra_bf16=extra, extra_u12=extra_u12, q=args.q,
