@@ -3,7 +3,7 @@
 Sweep: for each shape and M in 1, 4, 16, 64, random N(0, 0.02) bf16 weights; every config of
 kernels/u12_linear.py's SWEEP_GEMV (M <= 4) or SWEEP_DOT (M >= 16) crossed with SPLIT_KS, for M <= 4
 the gemv2 kernel's SWEEP_GEMV2 (those within 64 accumulator registers a thread at that M), with
-`--kernels mma` for M >= 5 the mma kernel's SWEEP_MMA crossed with SPLIT_KS_MMA (not in the default
+`--kernels mma` from 3 rows the mma kernel's SWEEP_MMA crossed with SPLIT_KS_MMA (not in the default
 run: `--kernels mma --ms 16,64` is about 600 configs and 40 compiles, beyond the default budget), plus
 the default config, is first checked against the reference (one bf16 step, see check_close) and then
 timed with triton.testing.do_bench (CUDA events, L2 flushed before each call, median), or with

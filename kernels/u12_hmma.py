@@ -626,6 +626,6 @@ register(KernelSpec(
     ],
     tolerance={torch.float32: (1e-5, 1e-5), torch.bfloat16: (1e-4, 8e-3)},  # as u12_linear's
     corrupt=_plant_wrong_weight,
-    description="u12_linear with an hmma config: 5..16 rows by mma.sync on fragments decoded in registers, "
+    description="u12_linear with an hmma config: 1..16 rows by mma.sync on fragments decoded in registers, "
                 "escapes exact",
 ))

@@ -68,7 +68,7 @@ more than the round trip), and the weight loads ``.cg`` or L1 ``evict_first`` (3
 and, at 2840cfa (bench/results/tried/step_ab_u12_escape_lanes_h200.json), the lanes in the
 accumulator's shape, so the escapes fold into its own reduction (4.041 ms after the loop, 3.925
 before it: masked [BM, BN, BW] loads and gathers for a few lanes), and in their own shape loaded
-after the loop (3.452 against 3.439 before it). The M >= 5 kernels (tile, mma: ``_store_block``'s
+after the loop (3.452 against 3.439 before it). The block kernels (tile, mma: ``_store_block``'s
 ``_lanes_block``; hmma: its ``_finish``) add the escapes in the program that stores the block, after
 the loop and, with split-K, after the partials: ``LANE_GROUP`` lanes of every row a step, the
 step's lane loads at known addresses, then x at their columns, all of a step in flight at once, in
@@ -99,7 +99,7 @@ its reshape and issues about twice gemv2's instructions a weight; gemv2 touches 
 Configs are data (``U12Config``: block_n, block_w words = 4 weights each, split_k, warps, stages,
 decode, kernel); ``default_config`` picks one per (M, N, K) (``TUNED`` first, filled from the H200
 sweep) and bench/u12_linear.py sweeps ``SWEEP_GEMV`` / ``SWEEP_DOT`` × ``SPLIT_KS``, for
-M ≤ 4 ``SWEEP_GEMV2`` and, asked for (``--kernels mma``), for M ≥ 5 ``SWEEP_MMA`` × ``SPLIT_KS_MMA``
+M ≤ 4 ``SWEEP_GEMV2`` and, asked for (``--kernels mma``), from 3 rows ``SWEEP_MMA`` × ``SPLIT_KS_MMA``
 against cuBLAS. TUNED's M = 16 rows are mma configs from its H200 sweep.
 
 Speed (H200, triton 3.6). gemv2 at M = 1 (bench/results/u12_linear_gemv2_m1_h200.json, commit
@@ -482,7 +482,7 @@ def _lane_walk(acc, lanes_ptr, rows, x_rows, stride_xk, ok, K, LANES: tl.constex
     x_rows broadcast to acc's shape), GROUP lanes of every row a step: the step's lane loads need no
     other load, then x at their columns, all in flight at once (two round trips a step, where the
     table walk takes one and two more per ``ESC_BLOCK`` escapes of the block). Each output sums its
-    own row's escapes, so inf/NaN stay in it. The M >= 5 kernels' escape step (``_lanes_block``,
+    own row's escapes, so inf/NaN stay in it. The block kernels' escape step (``_lanes_block``,
     kernels/u12_hmma.py's ``_finish``)."""
     esc = tl.zeros_like(acc)
     spur = tl.zeros_like(acc)
@@ -944,7 +944,7 @@ SWEEP_GEMV2 = [
     U12Config(16, 256, num_warps=4, num_stages=3, kernel="gemv2"),
     U12Config(8, 256, num_warps=4, num_stages=3, kernel="gemv2"),
 ]
-# The mma sweep (M >= 5; bench/u12_linear.py crosses each with SPLIT_KS_MMA), chosen from the sm_90
+# The mma sweep (3 rows up; bench/u12_linear.py crosses each with SPLIT_KS_MMA), chosen from the sm_90
 # compile (triton 3.6) and swept on the H200 at M = 16 (bench/results/u12_linear_mma_h200.json). block_n >= 64 a warp group (wgmma's M), so block_n 64 runs
 # 4 warps only (8 would decode each weight twice). No loop spills at BLOCK_M 16, 32 or 64; at 64 the
 # block_n 128 (4 warps) and 256 tiles spill in the epilogue. The loop issues 12-19 instructions a word
@@ -1042,7 +1042,7 @@ ESC_AHEAD = True
 # launch (bench/step_ab.py compares the two); SPECPILOT_ESC_LANES sets it for a process.
 ESC_LANES = os.environ.get("SPECPILOT_ESC_LANES", "lanes")
 _LANE_MODES = ("lanes", "table")
-# The M >= 5 kernels (tile, mma, hmma) walk a block's lanes this many at a time after their loop:
+# The block kernels (tile, mma, hmma) walk a block's lanes this many at a time after their loop:
 # each step's lane loads, then its x gathers, all in flight at once. More lanes a step, fewer round
 # trips and more registers, which with split-K 1 the loop's occupancy pays for. Read at launch;
 # bench/step_ab.py's verify variants compare.
@@ -1050,7 +1050,7 @@ LANE_GROUP = 4
 
 
 def lane_group(n_lanes: int) -> int:
-    """Lanes a step of the M >= 5 kernels' escape walk (``LANE_GROUP``, at most the weight's)."""
+    """Lanes a step of the block kernels' escape walk (``LANE_GROUP``, at most the weight's)."""
     if LANE_GROUP not in (1, 2, 4, 8, 16):
         raise ValueError(f"u12_linear.LANE_GROUP: expected 1, 2, 4, 8 or 16, got {LANE_GROUP!r}")
     return max(1, min(n_lanes, LANE_GROUP))
