@@ -137,6 +137,29 @@ def test_u12_fused_linear_parts_split_the_rows_squares() -> None:
     torch.testing.assert_close(parts[3], stream[:, 9] ** 2)
 
 
+def test_step_ab_verify_smoke(tmp_path: Path, monkeypatch) -> None:
+    """bench/step_ab.py --smoke at q = 4 (the interpreter, a tiny model): every verify variant is
+    captured and timed, the knob variants, the tiled hmma configs and a sweep's configs
+    (--u12-tuned) included, into one results file; its settings are restored after."""
+    import step_ab
+
+    from specpilot.kernels import u12_hmma, u12_linear
+
+    sweep = tmp_path / "sweep.json"
+    cfg = {"block_n": 64, "block_w": 32, "split_k": 8, "num_warps": 4, "num_stages": 1, "kernel": "hmma",
+           "maxnreg": 128, "layout": "tiles"}
+    sweep.write_text(json.dumps({"tuned": [{"key": [16, 4096, 4096], **cfg}, {"key": [1, 4096, 4096], **cfg}]}))
+    tuned = dict(u12_linear.TUNED)
+    out = tmp_path / "ab.json"
+    monkeypatch.setattr(sys, "argv", ["step_ab.py", "--smoke", "--q", "4", "--u12-tuned", str(sweep), "--out", str(out)])
+    assert step_ab.main() == 0
+    rows = {r["variant"]: r for r in json.loads(out.read_text())["rows"]}
+    assert {"bf16", "bf16-cublas", "bf16-linear", "u12-handoff", "u12-gemv-rows", "u12-hmma-wide", "u12-hmma-tiles",
+            "u12-sweep", "u12-lanes-g16"} <= set(rows)
+    assert all(r["ms"] > 0 for r in rows.values())
+    assert u12_linear.TUNED == tuned and u12_linear.TENSOR_CORE_ROWS == 3 and u12_hmma.NARROW
+
+
 def test_step_ab_knob_variants_set_each_module_and_restore_it() -> None:
     """bench/step_ab.py's knob variants: the few-row ones only at their rows, each setting landing on
     its module (u12_linear by default, u12_hmma by prefix) while its step is captured, then undone."""
