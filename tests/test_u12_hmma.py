@@ -152,7 +152,7 @@ _TILES = dict(num_stages=1, kernel="hmma", layout="tiles")
 @pytest.mark.parametrize("m,n,k,kind,cfg", [
     (16, 64, 256, "special", U12Config(64, 16, split_k=2, num_warps=2, **_TILES)),  # one m-tile a warp, 2 splits
     (5, 48, 128, "few", U12Config(32, 32, num_warps=1, **_TILES)),  # two m-tiles, the last program's second past N
-    (9, 80, 512, "special", U12Config(32, 32, split_k=3, num_warps=1, **_TILES)),  # 3 splits of whole chunks
+    (9, 80, 384, "special", U12Config(32, 32, split_k=3, num_warps=1, **_TILES)),  # 3 splits of one whole chunk
     (3, 32, 192, "few", U12Config(32, 16, split_k=2, num_warps=2, **_TILES)),  # one n-tile (NARROW)
 ])
 def test_tiled_planes_give_the_reference(monkeypatch, m, n, k, kind, cfg):
