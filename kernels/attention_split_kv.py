@@ -52,7 +52,6 @@ BLOCK_N 64, 2 stages, NUM_WARPS 4; bench/attention_variants.py measures the choi
 from __future__ import annotations
 
 import math
-import os
 from typing import NamedTuple
 
 import torch
@@ -61,6 +60,7 @@ import triton.language as tl
 
 from .overlap import pdl_args, pdl_enter
 from .registry import KernelSpec, register
+from .target import native as on_native
 from .rope_kv import _head_norm, _rope_halves
 from .rounding import _round_bf16
 
@@ -493,7 +493,7 @@ def launch(
         kw = kw if qk_norm else out
         qw = qw if qw is not None else kw
     qk_scale = (d ** -0.5 if scale is None else scale) * math.log2(math.e)
-    native = device.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1"
+    native = on_native(device)
     round_bf16 = not native and dtype == torch.bfloat16
     launch_opts = dict(num_warps=NUM_WARPS, num_stages=2) if native else {}
     # RoPE must not fuse a product into the sum: torch rounds each (with fusion on, the H200 wrote

@@ -98,7 +98,6 @@ the cp.async pipeline's fill, the split-K semaphore's tail) dominate, not the no
 from __future__ import annotations
 
 import dataclasses
-import os
 from dataclasses import dataclass
 
 import torch
@@ -108,6 +107,7 @@ from triton.language.extra import libdevice
 
 from .overlap import pdl_args, pdl_enter
 from .registry import KernelSpec, register
+from .target import native as on_native
 from .rmsnorm import _normalize, _row_inv, _to_dtype, rmsnorm_reference
 from .silu_mul import silu_mul_reference
 from .tuning import nearest_tuned
@@ -675,7 +675,7 @@ def fused_linear(
     y = residual if residual is not None else torch.empty((m, n_out), dtype=x.dtype, device=x.device)
     if m == 0 or n_out == 0:
         return y
-    native = x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1"
+    native = on_native(x)
     cfg = config or default_config(m, weight.shape[0], k, gated, on_gpu=native)
     if x.stride(1) != 1:
         x = x.contiguous()

@@ -19,7 +19,6 @@ CUDA graphs: no host sync; the grid is the row count.
 
 from __future__ import annotations
 
-import os
 
 import torch
 import triton
@@ -28,6 +27,7 @@ import triton.language as tl
 from .rounding import _round_bf16
 from .overlap import pdl_args, pdl_enter
 from .registry import KernelSpec, register
+from .target import native as on_native
 
 MAX_H = 16384
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -123,7 +123,7 @@ def rmsnorm(
     if rows:
         r2 = _rows(residual, hdim) if residual is not None else x2
         y2, h2 = y.view(-1, hdim), (h.view(-1, hdim) if h is not None else y.view(-1, hdim))
-        native = x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1"
+        native = on_native(x)
         block = triton.next_power_of_2(hdim)
         warps = 4 if block <= 1024 else 8 if block <= 4096 else 16
         launch = dict(num_warps=warps, enable_fp_fusion=False) if native else {}  # torch: no fma in sum·(1/H) + eps

@@ -28,7 +28,6 @@ caller keeps slots < S (not checked: that would sync).
 
 from __future__ import annotations
 
-import os
 
 import torch
 import triton
@@ -38,6 +37,7 @@ from specpilot.runtime.model import apply_rope
 
 from .overlap import overlap_enter, pdl_args, prefetch_args
 from .registry import KernelSpec, register
+from .target import native as on_native
 from .rounding import _rn
 
 
@@ -179,7 +179,7 @@ def rope_qkv(
     kw = k_norm_weight if norm else qkv
     qw = q_norm_weight if q_norm_weight is not None else kw
     q_out = q if num_heads else qkv
-    native = qkv.is_cuda and os.environ.get("TRITON_INTERPRET") != "1"
+    native = on_native(qkv)
     pf, *pf_ranges = prefetch_args(qkv.device, prefetch)
     _rope_qkv_kernel[(b * t, num_heads + num_kv_heads)](
         qkv, cos, sin, qw, kw, slots, q_out, k_cache, v_cache,

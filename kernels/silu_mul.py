@@ -16,7 +16,6 @@ Launch: 1-D over the I output columns in BLOCK = 1024 tiles (grid rows × cdiv(I
 
 from __future__ import annotations
 
-import os
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +26,7 @@ from triton.language.extra import libdevice
 from .rounding import _round_bf16
 from .overlap import pdl_args, pdl_enter
 from .registry import KernelSpec, register
+from .target import native as on_native
 
 BLOCK = 1024
 
@@ -71,7 +71,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
         return out
     gu = gate_up.reshape(-1, two_i) if gate_up.stride(-1) == 1 else gate_up.contiguous().view(-1, two_i)
     out2 = out.view(-1, i)
-    native = gate_up.is_cuda and os.environ.get("TRITON_INTERPRET") != "1"
+    native = on_native(gate_up)
     _silu_mul_kernel[(gu.shape[0], triton.cdiv(i, BLOCK))](
         gu, out2, i, gu.stride(0), out2.stride(0),
         BLOCK=BLOCK, ROUND_BF16=not native and gate_up.dtype == torch.bfloat16, EXPF=native,

@@ -86,7 +86,6 @@ programmatic dependent launch as fused_linear's.
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import torch
 import triton
@@ -106,6 +105,7 @@ from .fused_linear import (
 )
 from .overlap import pdl_args, pdl_enter
 from .registry import KernelSpec, register
+from .target import native as on_native
 from .rmsnorm import _normalize, _row_inv, _to_dtype, rmsnorm
 from .silu_mul import silu_mul, silu_mul_reference
 from .tuning import nearest_tuned
@@ -464,7 +464,7 @@ def u12_fused_linear(
         return y
     if norm_weight is not None and norm_weight.stride(0) != 1:
         norm_weight = norm_weight.contiguous()
-    native = x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1"
+    native = on_native(x)
     if m > 4 and fused_applies(m, k, t.base):  # a tensor-core kernel with the epilogue; the norm as an rmsnorm kernel
         from .u12_hmma import hmma_applies, launch_hmma  # here: they import fused_linear's epilogue, as this module does
         from .u12_mma import launch_mma

@@ -158,6 +158,7 @@ from specpilot.runtime.u12 import MAX_BASE, U12Tensor, pack_u12, unpack_u12
 
 from .overlap import pdl_args, pdl_enter
 from .registry import KernelSpec, register
+from .target import native as on_native
 from .rmsnorm import _normalize
 from .tuning import nearest_tuned
 
@@ -1219,7 +1220,7 @@ def _launch_gemv2(x: torch.Tensor, t: U12Tensor, y: torch.Tensor, cfg: U12Config
     x_words = x.dtype == torch.bfloat16
     x = aligned_rows(x, x_words)  # the kernel reads x[m, 4 w + j] at unit k stride, bf16 x as int64 words
     sm, codes = t.sm.contiguous(), t.codes.contiguous()
-    native = x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1"
+    native = on_native(x)
     lanes, n_lanes = lanes_args(t)
     _u12_gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
         x, sm.view(torch.int32), codes.view(torch.int16),
@@ -1265,7 +1266,7 @@ def u12_linear(x: torch.Tensor, t: U12Tensor, config: U12Config | None = None) -
     if m == 0 or n == 0:
         return y
 
-    cfg = config or default_config(m, n, k, x.is_cuda)
+    cfg = config or default_config(m, n, k, on_native(x))
     if config is None and m <= 4 and cfg.kernel in ("mma", "hmma") and x.dtype != torch.bfloat16:
         cfg = gemv_config(m, n, k)  # TENSOR_CORE_ROWS's configs are bf16 x's (hmma takes no other): gemv2, as before
     scaled, x_scale, y_lo, y_hi = _scales(t.base)
@@ -1283,7 +1284,7 @@ def u12_linear(x: torch.Tensor, t: U12Tensor, config: U12Config | None = None) -
             launch_hmma(x, t, y, cfg)
             return y
     if cfg.kernel != "tile":  # gemv2, mma or hmma where they do not apply (M, K % 4, base): the tile kernel's default
-        cfg = _tile_config(m, n, k, x.is_cuda)
+        cfg = _tile_config(m, n, k, on_native(x))
     block_m = _block_m(m)
     use_dot = block_m >= 16
     words = k % 4 == 0 and k > 0
@@ -1299,8 +1300,8 @@ def u12_linear(x: torch.Tensor, t: U12Tensor, config: U12Config | None = None) -
         x.stride(0), x.stride(1), n_words if words else k, n_words if words else codes.shape[1], y.stride(0),
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_W=cfg.block_w, ESC_BLOCK=_ESC_BLOCK, SPLIT_K=split,
         PAIRS=cfg.decode == "pairs", WORDS=words, SCALED=scaled, USE_DOT=use_dot,
-        DOT_BF16=use_dot and x.is_cuda and x.dtype == torch.bfloat16,
-        **cfg.launch_options(x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1"), **pdl_args(x.device),
+        DOT_BF16=use_dot and on_native(x) and x.dtype == torch.bfloat16,
+        **cfg.launch_options(on_native(x)), **pdl_args(x.device),
         LANES=n_lanes, LANE_GROUP=lane_group(n_lanes),
     )
     return y

@@ -49,7 +49,6 @@ PRMT a register to pack the A fragment: 329 loop instructions against 272 (BN 64
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
@@ -60,6 +59,7 @@ from specpilot.runtime.u12 import U12Tensor
 from .fused_linear import _epilogue, _row_inv_parts
 from .overlap import pdl_args, pdl_enter
 from .registry import KernelSpec, register
+from .target import native as on_native
 from .rmsnorm import _to_dtype
 from .u12_linear import (
     _ESC_BLOCK,
@@ -304,7 +304,7 @@ def launch_mma(x: torch.Tensor, t: U12Tensor, y: torch.Tensor, cfg: U12Config, g
     x = aligned_rows(x, x_words)
     block_m = max(16, _block_m(m))  # tl.dot's narrowest side
     grid, words_per_split, part, counters = _split_k_plan(t, cfg, m, n_words, block_m)
-    native = x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1"  # the interpreter runs no PTX, no bf16 dot
+    native = on_native(x)  # the interpreter runs no PTX, no bf16 dot
     sm, codes = t.sm.contiguous(), t.codes.contiguous()
     lanes, n_lanes = lanes_args(t)
     if gated and cfg.block_n % 32:  # each half at least 16 rows: the table's one-hot dot over them
