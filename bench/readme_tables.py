@@ -397,9 +397,35 @@ def targets() -> str:
     return "\n".join(lines)
 
 
+def kernel_static() -> str:
+    present = _load_present(["kernel_static_sm90_triton36.json", "kernel_static_sm90_triton39.json"])
+    if not present:
+        return "_no results file yet: run `python bench/kernel_static.py`_"
+    (name, d), others = present[0], present[1:]
+    budget = d["issue_budget_per_weight"]
+    also = "".join(f" (Triton {o['triton']}'s: `bench/results/{n}`)" for n, o in others)
+    lines = [
+        f"{d['target']}; triton {d['triton']} (the GPU machine's), commit {_short(d['commit'])}. Source: "
+        f"`bench/results/{name}`{also}. "
+        "prog/SM: programs an SM holds (registers, warps, shared memory); loop: the K loop's SASS instructions; "
+        f"/weight: its warp instructions a weight, against at most {budget['u12']:.3f} (u12) and {budget['bf16']:.3f} "
+        "(bf16) that the H200 issues a weight at the weight-read floor. M = 1 and 16 here; the file has 4 and 64 too.",
+        "",
+        "| path | shape | M | kernel | warps | registers | spill B | prog/SM | loop | /weight |",
+        "|---|---|---:|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in d["rows"]:
+        if r["m"] in (1, 16):
+            per = r["warp_instructions_per_weight"]
+            per = f"{per:.3f}" if per is not None else "-"
+            lines.append(f"| {r['what']} | {r['shape']} | {r['m']} | `{r['kernel']}` | {r['num_warps']} | {r['registers']} | "
+                         f"{r['spill_bytes']} | {r['programs_per_sm']} | {r['loop_instructions']} | {per} |")
+    return "\n".join(lines)
+
+
 RENDERERS = {"draft_vocab": draft_vocab, "zoo_tau": zoo_tau, "zoo_e2e": zoo_e2e, "tree_tau": tree_tau, "cost_vs_measured": cost_vs_measured, "step_times": step_times,
              "hf_peers": hf_peers, "attention_split_kv": attention_split_kv, "u12_stats": u12_stats, "u12_linear": u12_linear,
-             "targets": targets}
+             "kernel_static": kernel_static, "targets": targets}
 
 
 def render(text: str) -> str:

@@ -1,0 +1,270 @@
+"""What the GPU would run, read without one: the linear kernels of the Llama-3.1-8B step compiled
+for sm_90 (kernels/target.py's ``compile_only``: Triton's own ptxas, no GPU), with each kernel's
+registers, spills, shared memory, the programs an SM holds, and the SASS of its main loop.
+
+Launches, for each of bench/u12_linear.py's shapes at M rows (default 1, 4, 16, 64), random N(0,
+0.02) weights packed as the pass packs them:
+  u12          u12_linear's default config: what the fused step's u12 GEMMs run (gemv2 below
+               TENSOR_CORE_ROWS rows, TUNED's hmma / mma / tile configs above)
+  u12-fused    the AR step's u12_fused_linear calls at one row, in the step's order: o with the
+               residual add handing the norm on, gate_up gated with the norm handed in, down handing
+               on, qkv handed in (the lm_head has no fused call)
+  u12-tiles    at 16 rows, TUNED's hmma config on the tiled planes (U12Config.layout "tiles")
+  bf16         fused_linear's default config on the bf16 weight (the path u12 is compared with)
+
+Per compiled kernel: REG, LOCAL (spill bytes a thread; 0 is the aim) and SHARED from cuobjdump's
+resource usage; programs an SM by the H200's limits (65536 registers allocated 8 a thread at a
+time, 64 warps, 32 programs, 228 KB of shared memory, 1 KB of it reserved a program); the SASS
+(nvdisasm) instruction count and its main loop: the longest span from a label back to a branch
+that returns to it. The loop's opcode counts (LDG, LDS, STS, BAR, SHFL, HMMA, FFMA, PRMT, LOP3,
+...) say what a warp issues a chunk. No timing: these are the static facts behind the timed files,
+checked before spending GPU time on a variant (a config that spills, or a loop that went through
+shared memory, shows here).
+
+Writes bench/results/kernel_static_sm90_triton<version>.json (Triton version, ptxas target, commit);
+prints a table. The GPU machine runs Triton 3.6, this project's CPU machine 3.9: each compiles its
+own SASS, so the 3.6 file is the one beside the timed results (a Triton 3.6 wheel unpacked
+somewhere, then PYTHONPATH=that folder python bench/kernel_static.py).
+
+    python bench/kernel_static.py [--ms 1,4,16,64] [--shapes qkv,o,gate_up,down,lm_head] [--only u12,u12-fused,u12-tiles,bf16] [--out FILE]
+    python bench/kernel_static.py --smoke --out FILE    # small shapes: the tests' run
+Run it in a process without TRITON_INTERPRET=1 (under the interpreter Triton compiles nothing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import datetime
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+from u12_linear import SHAPES, git_commit  # noqa: E402
+
+import torch  # noqa: E402
+
+SMOKE_SHAPES = {"qkv": (384, 256), "o": (256, 256), "gate_up": (1024, 256), "down": (256, 512)}  # a coherent stack
+OPCODES = ("LDG", "STG", "LDS", "STS", "LDSM", "BAR", "SHFL", "HMMA", "HGMMA", "FFMA", "FMUL", "FADD", "PRMT",
+           "LOP3", "IMAD", "I2F", "F2F", "ATOM", "RED")
+SM = dict(registers=65536, warps=64, programs=32, shared=228 * 1024, reserved=1024)  # an H200 (sm_90) SM
+# Warp instructions the H200 issues a second (132 SMs, 4 schedulers each, 1.98 GHz boost) over the
+# weights it reads a second at the measured 4.06 TB/s: the most a K loop may issue a weight and still
+# run at the weight-read floor (a ceiling: a loop that also waits on memory needs less).
+ISSUE_PER_S = 132 * 4 * 1.98e9
+BUDGET = {"u12": ISSUE_PER_S / (4.06e12 / 1.5), "bf16": ISSUE_PER_S / (4.06e12 / 2.0)}
+KERNEL_FILES = ("bench/kernel_static.py", "kernels/target.py", "kernels/u12_linear.py", "kernels/u12_hmma.py",
+                "kernels/u12_mma.py", "kernels/u12_fused_linear.py", "kernels/fused_linear.py")
+
+
+def tool(name: str) -> str:
+    """Triton's bundled CUDA binary `name` (cuobjdump, nvdisasm)."""
+    import triton
+
+    path = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name
+    if not path.exists():
+        raise SystemExit(f"kernel_static: Triton's {name} is missing at {path}")
+    return str(path)
+
+
+def resources(cubin: Path) -> dict[str, int]:
+    """REG, STACK, SHARED, LOCAL of the cubin's kernel (cuobjdump --dump-resource-usage)."""
+    out = subprocess.run([tool("cuobjdump"), "--dump-resource-usage", str(cubin)], capture_output=True, text=True,
+                         check=True).stdout
+    found = dict(re.findall(r"\b(REG|STACK|SHARED|LOCAL):(\d+)", out))
+    return {k.lower(): int(v) for k, v in found.items()}
+
+
+def sass(cubin: Path) -> list[tuple[str, str]]:
+    """The kernel's SASS as (label or "", instruction) pairs in order: a label heads the instruction after it."""
+    out = subprocess.run([tool("nvdisasm"), "-c", str(cubin)], capture_output=True, text=True, check=True).stdout
+    code, label = [], ""
+    for line in out.splitlines():
+        if m := re.match(r"^(\.L_\w+):", line.strip()):
+            label = m.group(1)
+        elif m := re.match(r"^\s*/\*[0-9a-f]+\*/\s+(.*?)\s*;", line):
+            code.append((label, m.group(1)))
+            label = ""
+    return code
+
+
+def opcode(instruction: str) -> str:
+    """The instruction's opcode without predicate or modifiers: "@!P0 LDG.E.128 R4, ..." -> "LDG"."""
+    words = instruction.split()
+    if words and words[0].startswith("@"):
+        words = words[1:]
+    return words[0].split(".")[0] if words else ""
+
+
+# kernels whose BLOCK_N counts output columns: gated, a program's W rows are its gate and up rows, 2 BLOCK_N
+COLUMN_BLOCKS = ("_u12_fused_gemv_kernel",)
+MACS = ("HMMA", "HGMMA", "FFMA")  # the multiply-adds of a GEMM's K loop
+
+
+def loops(code: list[tuple[str, str]]) -> list[tuple[int, int]]:
+    """[start, end] of every span from a label to a branch back to it (a loop's body), in order."""
+    where = {label: i for i, (label, _) in enumerate(code) if label}
+    found = []
+    for i, (_, ins) in enumerate(code):
+        if opcode(ins) == "BRA" and (m := re.search(r"`\((\.L_\w+)\)", ins)) and where.get(m.group(1), i + 1) <= i:
+            found.append((where[m.group(1)], i))
+    return found
+
+
+def main_loop(code: list[tuple[str, str]]) -> tuple[int, int] | None:
+    """The K loop: of the loops, the one with the most multiply-adds (MACS), then the longest; None
+    without a loop. (Not simply the longest: an epilogue's escape walk can outgrow the K loop.)"""
+    def weight(span):
+        return sum(opcode(ins) in MACS for _, ins in code[span[0]:span[1] + 1]), span[1] - span[0]
+    return max(loops(code), key=weight, default=None)
+
+
+def programs_per_sm(registers: int, warps: int, shared: int) -> int:
+    """Programs an SM holds at once by registers (8 a thread at a time), warps, programs and shared memory."""
+    by_regs = SM["registers"] // (max(8, -(-registers // 8) * 8) * 32 * warps)
+    by_shared = SM["shared"] // (shared + SM["reserved"])
+    return min(by_regs, SM["warps"] // warps, SM["programs"], by_shared)
+
+
+def describe(compiled, workdir: Path) -> dict:
+    """The static facts of one compiled launch (kernels/target.Compiled)."""
+    cubin = workdir / f"{compiled.name}.cubin"
+    cubin.write_bytes(compiled.cubin)
+    res, code = resources(cubin), sass(cubin)
+    loop = main_loop(code)
+    body = [opcode(ins) for _, ins in code[loop[0]:loop[1] + 1]] if loop else []
+    counts = collections.Counter(body)
+    c = compiled.constexprs
+    chunk = c.get("BLOCK_K") or 4 * c.get("BLOCK_W", 0)  # weights of a row a loop iteration (GEMVs: words of 4)
+    rows = c.get("BLOCK_N", 0) * (2 if c.get("GATED") and compiled.name in COLUMN_BLOCKS else 1)
+    per_warp = rows * chunk / compiled.num_warps
+    keep = ("BLOCK_M", "BLOCK_N", "BLOCK_W", "BLOCK_K", "SPLIT_K", "TILES", "NARROW", "TILED", "GATED", "HAND_IN",
+            "HAND_OUT", "RESIDUAL", "NORM", "X_WORDS", "LANES", "LANE_GROUP", "EVEN_K", "ASM", "PDL")
+    return {
+        "kernel": compiled.name,
+        "constexprs": {k: v for k, v in compiled.constexprs.items() if k in keep},
+        "num_warps": compiled.num_warps,
+        "registers": res.get("reg"),
+        "spill_bytes": res.get("local", 0),
+        "stack_bytes": res.get("stack", 0),
+        "shared_bytes": max(res.get("shared", 0), compiled.shared),
+        "programs_per_sm": programs_per_sm(res.get("reg", 0), compiled.num_warps,
+                                           max(res.get("shared", 0), compiled.shared)),
+        "sass_instructions": len(code),
+        "loop_instructions": len(body),
+        "loop_opcodes": {op: counts[op] for op in OPCODES if counts[op]},
+        "loop_weights_per_warp": per_warp,  # BLOCK_N rows x the chunk, over the warps
+        "warp_instructions_per_weight": round(len(body) / per_warp, 4) if body and per_warp else None,
+    }
+
+
+def launches(shapes: dict[str, tuple[int, int]], ms: tuple[int, ...], only: tuple[str, ...]):
+    """(what, shape name, M, callable) for every launch this run compiles."""
+    from specpilot.kernels.fused_linear import fused_linear
+    from specpilot.kernels.u12_fused_linear import NormHandoff, u12_fused_linear
+    from specpilot.kernels.u12_linear import default_config, u12_linear
+    from specpilot.runtime.u12 import pack_u12
+
+    gen = torch.Generator().manual_seed(0)
+    weights = {name: (torch.randn(n, k, generator=gen) * 0.02).to(torch.bfloat16) for name, (n, k) in shapes.items()}
+    packed = {name: pack_u12(w) for name, w in weights.items()}
+    x = lambda m, k: torch.randn(m, k, generator=gen).to(torch.bfloat16)  # noqa: E731
+    for name, (n, k) in shapes.items():
+        for m in ms:
+            if "u12" in only:
+                yield "u12", name, m, lambda m=m, name=name, k=k: u12_linear(x(m, k), packed[name])
+            if "bf16" in only:
+                yield "bf16", name, m, lambda m=m, name=name, k=k: fused_linear(x(m, k), weights[name])
+            cfg = default_config(16, n, k)
+            if "u12-tiles" in only and m == 16 and cfg.kernel == "hmma":
+                tiles = dataclasses.replace(cfg, layout="tiles")
+                yield "u12-tiles", name, m, lambda name=name, k=k, tiles=tiles: u12_linear(x(16, k), packed[name], tiles)
+    if "u12-fused" in only and {"qkv", "o", "gate_up", "down"} <= packed.keys():
+        hidden = shapes["o"][0]
+        stream = x(1, hidden)
+        norm = torch.ones(hidden, dtype=torch.bfloat16)
+        hands: list = []
+
+        def hand_out(name, source):
+            hands.append(NormHandoff(norm))
+            return u12_fused_linear(source, packed[name], residual=stream, hand_out=hands[-1])
+
+        def hand_in(name, **kw):
+            return u12_fused_linear(hands[-1].xg, packed[name], hand_in=hands[-1], **kw)
+
+        yield "u12-fused", "o", 1, lambda: hand_out("o", x(1, shapes["o"][1]))
+        yield "u12-fused", "gate_up", 1, lambda: hand_in("gate_up", gated=True)
+        yield "u12-fused", "down", 1, lambda: hand_out("down", x(1, shapes["down"][1]))
+        yield "u12-fused", "qkv", 1, lambda: hand_in("qkv")
+
+
+def run(shapes, ms, only, arch: int = 90) -> list[dict]:
+    from specpilot.kernels.target import compile_only
+
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp, torch.inference_mode():
+        for what, name, m, launch in launches(shapes, ms, only):
+            with compile_only(arch) as compiled:
+                launch()
+            for c in compiled:
+                rows.append({"what": what, "shape": name, "n_k": list(shapes[name]), "m": m, **describe(c, Path(tmp))})
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--ms", default="1,4,16,64")
+    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--only", default="u12,u12-fused,u12-tiles,bf16")
+    ap.add_argument("--smoke", action="store_true", help="small shapes (the tests' run)")
+    ap.add_argument("--out", type=Path, help="default bench/results/kernel_static_sm90_triton<major><minor>.json")
+    args = ap.parse_args()
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        raise SystemExit("kernel_static: unset TRITON_INTERPRET (the interpreter compiles no kernel)")
+    table = SMOKE_SHAPES if args.smoke else SHAPES
+    names = [s for s in args.shapes.split(",") if s in table] if not args.smoke else list(table)
+    unknown = sorted(set(args.shapes.split(",")) - set(table)) if not args.smoke else []
+    if unknown:
+        raise SystemExit(f"kernel_static: --shapes: unknown {unknown}; expected some of {list(table)}")
+    only = tuple(args.only.split(","))
+    ms = tuple(int(v) for v in args.ms.split(","))
+    import triton
+
+    out = args.out or ROOT / "bench" / "results" / f"kernel_static_sm90_triton{''.join(triton.__version__.split('.')[:2])}.json"
+    rows = run({s: table[s] for s in names}, ms, only)
+
+    result = {
+        "benchmark": "kernel_static",
+        "target": "sm_90a (H200), compiled by Triton's ptxas without a GPU (kernels/target.py compile_only)",
+        "triton": triton.__version__,
+        "torch": torch.__version__,
+        "commit": git_commit(KERNEL_FILES),
+        "date": datetime.date.today().isoformat(),
+        "smoke": args.smoke,
+        "issue_budget_per_weight": {k: round(v, 4) for k, v in BUDGET.items()},
+        "rows": rows,
+    }
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"{'what':10} {'shape':8} {'M':>3} {'kernel':24} {'warps':>5} {'regs':>4} {'spill':>5} {'smem':>6} "
+          f"{'prog/SM':>7} {'loop':>5} {'/weight':>7}  loop opcodes")
+    for r in rows:
+        ops = " ".join(f"{k}:{v}" for k, v in r["loop_opcodes"].items())
+        per = r["warp_instructions_per_weight"]
+        print(f"{r['what']:10} {r['shape']:8} {r['m']:>3} {r['kernel'][:24]:24} {r['num_warps']:>5} {r['registers']:>4} "
+              f"{r['spill_bytes']:>5} {r['shared_bytes']:>6} {r['programs_per_sm']:>7} {r['loop_instructions']:>5} "
+              f"{per if per is not None else '-':>7}  {ops}")
+    print(f"/weight: the K loop's warp instructions a weight; at the weight-read floor the H200 issues at most "
+          f"{BUDGET['u12']:.3f} (u12) and {BUDGET['bf16']:.3f} (bf16)")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,149 @@
+"""kernels/target.py's compile_only and bench/kernel_static.py: kernels compiled for sm_90 on a
+machine without a GPU, and what their SASS must (not) contain.
+
+The claims checked here are the kernels' docstrings': the hmma kernel's loop runs from registers
+(no shared memory, shuffle or barrier) and its tiled-planes variant compiles to the same loop;
+gemv2 and the fused GEMV keep everything in registers without spilling. Compiling needs a process
+whose Triton was imported without the interpreter (conftest sets TRITON_INTERPRET=1 for the rest of
+the suite), so those run in a subprocess.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+import kernel_static  # noqa: E402
+
+# a CUDA machine compiles for its own GPU through the same path; the check is for machines without one
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="compile_only is the no-GPU path")
+
+
+def _compiled_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"  # Triton 3.9 warns while the default is unset
+    return env
+
+
+HMMA_SCRIPT = r"""
+import dataclasses, json, sys, tempfile
+from pathlib import Path
+import torch
+sys.path.insert(0, "bench")
+import kernel_static
+from specpilot.kernels.target import compile_only, native
+from specpilot.kernels.u12_linear import U12Config, u12_linear
+from specpilot.runtime.u12 import pack_u12
+from triton.runtime import driver
+
+before = driver._active
+w = pack_u12((torch.randn(256, 1024, generator=torch.Generator().manual_seed(0)) * 0.02).bfloat16())
+x = torch.randn(16, 1024).bfloat16()
+rows = U12Config(64, 32, num_warps=4, num_stages=1, kernel="hmma", maxnreg=128)
+out = {}
+with tempfile.TemporaryDirectory() as tmp:
+    for name, m, cfg in (("rows", 16, rows), ("tiles", 16, dataclasses.replace(rows, layout="tiles")),
+                         ("narrow", 8, rows)):
+        with compile_only(90) as compiled:
+            assert native(x)
+            u12_linear(x[:m], w, cfg)
+        out[name] = [kernel_static.describe(c, Path(tmp)) for c in compiled]
+out["native_after"] = native(x)
+out["driver_restored"] = driver._active is before
+print(json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def hmma_facts() -> dict:
+    done = subprocess.run([sys.executable, "-c", HMMA_SCRIPT], cwd=ROOT, env=_compiled_env(), capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_hmma_loop_runs_from_registers(hmma_facts):
+    for name in ("rows", "tiles", "narrow"):
+        (k,) = hmma_facts[name]  # one launch: no split-K reduction kernel at one split
+        # an m16n8k16 MMA takes 256 weights, each in every n-tile's MMA (BLOCK_M / 8 of them)
+        assert k["loop_opcodes"]["HMMA"] * 256 == k["loop_weights_per_warp"] * k["constexprs"]["BLOCK_M"] // 8
+        assert k["kernel"] == "_u12_hmma_kernel" and k["constexprs"]["ASM"] is True
+        ops = k["loop_opcodes"]
+        assert ops.get("HMMA", 0) > 0 and ops.get("LDG", 0) > 0, (name, ops)
+        assert not {"LDS", "STS", "LDSM", "BAR", "SHFL", "HGMMA"} & ops.keys(), (name, ops)
+        assert k["spill_bytes"] == 0 and k["registers"] <= 128, (name, k)  # the config's maxnreg
+
+
+def test_tiled_planes_compile_to_the_rows_loop(hmma_facts):
+    """The tiled layout changes addresses only: the same loads, MMAs and loop length (a7c7e4b's claim)."""
+    (rows,), (tiles,) = hmma_facts["rows"], hmma_facts["tiles"]
+    assert tiles["constexprs"]["TILED"] is True and rows["constexprs"]["TILED"] is False
+    assert tiles["loop_opcodes"]["LDG"] == rows["loop_opcodes"]["LDG"]
+    assert tiles["loop_opcodes"]["HMMA"] == rows["loop_opcodes"]["HMMA"]
+    assert abs(tiles["loop_instructions"] - rows["loop_instructions"]) <= 0.1 * rows["loop_instructions"]
+
+
+def test_narrow_hmma_halves_the_mmas(hmma_facts):
+    """At <= 8 rows one n-tile (u12_hmma.NARROW: BLOCK_M 8): half the MMAs of two, and fewer registers."""
+    (wide,), (narrow,) = hmma_facts["rows"], hmma_facts["narrow"]
+    assert narrow["constexprs"]["BLOCK_M"] == 8 and wide["constexprs"]["BLOCK_M"] == 16
+    assert 2 * narrow["loop_opcodes"]["HMMA"] == wide["loop_opcodes"]["HMMA"]
+    assert narrow["registers"] < wide["registers"]
+
+
+def test_compile_only_leaves_the_launch_state_as_it_was(hmma_facts):
+    assert hmma_facts["native_after"] is False and hmma_facts["driver_restored"] is True
+
+
+def test_kernel_static_smoke_run(tmp_path):
+    out = tmp_path / "static.json"
+    done = subprocess.run([sys.executable, "bench/kernel_static.py", "--smoke", "--ms", "1", "--out", str(out)],
+                          cwd=ROOT, env=_compiled_env(), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    rows = result["rows"]
+    assert {(r["what"], r["shape"]) for r in rows} >= {("u12", s) for s in kernel_static.SMOKE_SHAPES}
+    fused = [(r["shape"], r["kernel"]) for r in rows if r["what"] == "u12-fused"]
+    assert fused == [(s, "_u12_fused_gemv_kernel") for s in ("o", "gate_up", "down", "qkv")]  # the AR step's order
+    for r in rows:
+        assert r["registers"] > 0 and r["spill_bytes"] == 0 and r["programs_per_sm"] >= 1, r
+        if r["kernel"] in ("_u12_gemv_kernel", "_u12_fused_gemv_kernel"):  # gemv2: decode and FMAs in registers
+            assert r["loop_opcodes"].get("FFMA", 0) > 0 and r["loop_opcodes"].get("PRMT", 0) > 0, r
+            assert not {"LDS", "STS", "BAR"} & r["loop_opcodes"].keys(), r
+            # one row: one FMA a weight, so a warp's FMAs an iteration are the weights its config says
+            assert r["loop_opcodes"]["FFMA"] * 32 == r["loop_weights_per_warp"], r
+            assert r["warp_instructions_per_weight"] == pytest.approx(r["loop_instructions"] / r["loop_weights_per_warp"],
+                                                                      abs=1e-4)
+
+
+def test_kernel_static_refuses_the_interpreter(tmp_path):
+    env = _compiled_env() | {"TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, "bench/kernel_static.py", "--smoke", "--out", str(tmp_path / "x.json")],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0 and "TRITON_INTERPRET" in done.stderr and "Traceback" not in done.stderr
+    assert not (tmp_path / "x.json").exists()
+
+
+SASS = [("", "S2R R0, SR_TID.X"), (".L_x_1", "@!P0 LDG.E.128 R4, desc[UR6][R2.64]"), ("", "HMMA.16816.F32.BF16 R8, R4, R6, R8"),
+        (".L_x_2", "IADD3 R2, R2, 0x10, RZ"), ("", "@P1 BRA `(.L_x_2)"), ("", "@P0 BRA `(.L_x_1)"),
+        ("", "BRA `(.L_x_3)"), (".L_x_3", "EXIT")]
+
+
+def test_main_loop_is_the_longest_backward_branch():
+    assert kernel_static.main_loop(SASS) == (1, 5)
+    assert kernel_static.main_loop([("", "EXIT")]) is None
+    assert [kernel_static.opcode(i) for _, i in SASS[:3]] == ["S2R", "LDG", "HMMA"]
+
+
+@pytest.mark.parametrize("regs, warps, shared, programs", [
+    (128, 4, 0, 4), (80, 4, 0, 6), (255, 2, 1024, 4), (40, 4, 40960, 5), (16, 1, 0, 32), (96, 2, 1024, 10)])
+def test_programs_per_sm(regs, warps, shared, programs):
+    assert kernel_static.programs_per_sm(regs, warps, shared) == programs
