@@ -80,8 +80,9 @@ of a warp touches 8 rows (a quad's 4 lanes read 64 bytes of each, half of a 128-
 next group the other half), and Nsight Compute has the M = 16 kernel's L1 busy 79% with 70% hits
 (above). ``U12Tensor.tiled_planes`` stores each m-tile's 16-word groups in the order the lanes hold
 them (Marlin's idea for int4 weights): a warp's word loads read 512 contiguous bytes, its code
-loads 256, and its groups follow each other, with the same instructions and registers (sm_90
-SASS, triton 3.6) and the same sums up to their fp32 order (a lane's words of group u are 16 u +
+loads 256, and its groups follow each other, with the same loads, MMAs and registers (sm_90
+SASS; the loop 19-21 address instructions longer, bench/results/kernel_static_sm90_triton36.json, and
+tests/test_kernel_static.py) and the same sums up to their fp32 order (a lane's words of group u are 16 u +
 4 q + (0..3), x's likewise). A copy beside the row planes that gemv2 reads at one row, so not a
 default: plain weights only (a gated launch pairs gate and up rows), N % 16 == 0 and whole chunks
 (``tiles_apply``). Not yet timed (bench/run_gpu.sh tiles, and verifyab's u12-hmma-tiles).
@@ -95,7 +96,6 @@ fewrows: verify(4) and verify(8) beside u12-hmma-wide and u12-gemv-rows).
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
@@ -106,6 +106,7 @@ from specpilot.runtime.u12 import U12Tensor
 from .fused_linear import _epilogue, _row_inv_parts
 from .overlap import pdl_args, pdl_enter
 from .registry import KernelSpec, register
+from .target import native as on_native
 from .rmsnorm import _to_dtype
 from .u12_linear import (
     ESC_DECODED,
@@ -573,7 +574,7 @@ def launch_hmma(x: torch.Tensor, t: U12Tensor, y: torch.Tensor, cfg: U12Config, 
     x = aligned_rows(x, True)
     block_m = hmma_rows(m)
     grid, words_per_split, part, counters = _split_k_plan(t, cfg, m, n_words, block_m)
-    native = x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1"  # the interpreter runs no PTX
+    native = on_native(x)  # the interpreter runs no PTX
     tiled = cfg.layout == "tiles" and tiles_apply(t, cfg, gated)
     sm, codes = t.tiled_planes if tiled else (t.sm.contiguous().view(torch.int32), t.codes.contiguous().view(torch.int16))
     lanes, n_lanes = lanes_args(t)
