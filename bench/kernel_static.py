@@ -6,11 +6,16 @@ Launches, for each of bench/u12_linear.py's shapes at M rows (default 1, 4, 16, 
 0.02) weights packed as the pass packs them:
   u12          u12_linear's default config: what the fused step's u12 GEMMs run (gemv2 below
                TENSOR_CORE_ROWS rows, TUNED's hmma / mma / tile configs above)
-  u12-fused    the AR step's u12_fused_linear calls at one row, in the step's order: o with the
-               residual add handing the norm on, gate_up gated with the norm handed in, down handing
-               on, qkv handed in (the lm_head has no fused call)
+  u12-fused    the step's u12_fused_linear calls in its order, at one row (the AR step) and 16 (the
+               verify step with runtime/fused.py's U12_MANY_ROWS: the mma and hmma epilogues): o
+               with the residual add handing the norm on, gate_up gated with the norm handed in,
+               down handing on, qkv handed in (the lm_head has no fused call)
   u12-tiles    at 16 rows, TUNED's hmma config on the tiled planes (U12Config.layout "tiles")
   bf16         fused_linear's default config on the bf16 weight (the path u12 is compared with)
+
+--step-variants compiles the launches again under each of bench/step_ab.py's u12 knob variants
+(escapes from the table, lanes walked 8 or 16 a step, gemv2 at 4 rows, the wide hmma kernel) at
+the rows step_ab times it: a variant that fails to compile or spills shows here, not on the GPU.
 
 Per compiled kernel: REG, LOCAL (spill bytes a thread; 0 is the aim) and SHARED from cuobjdump's
 resource usage; programs an SM by the H200's limits (65536 registers allocated 8 a thread at a
@@ -26,7 +31,7 @@ prints a table. The GPU machine runs Triton 3.6, this project's CPU machine 3.9:
 own SASS, so the 3.6 file is the one beside the timed results (a Triton 3.6 wheel unpacked
 somewhere, then PYTHONPATH=that folder python bench/kernel_static.py).
 
-    python bench/kernel_static.py [--ms 1,4,16,64] [--shapes qkv,o,gate_up,down,lm_head] [--only u12,u12-fused,u12-tiles,bf16] [--out FILE]
+    python bench/kernel_static.py [--ms 1,4,16,64] [--shapes qkv,o,gate_up,down,lm_head] [--only u12,u12-fused,u12-tiles,bf16] [--step-variants] [--out FILE]
     python bench/kernel_static.py --smoke --out FILE    # small shapes: the tests' run
 Run it in a process without TRITON_INTERPRET=1 (under the interpreter Triton compiles nothing).
 """
@@ -37,6 +42,7 @@ import argparse
 import collections
 import dataclasses
 import datetime
+import functools
 import json
 import os
 import re
@@ -51,6 +57,7 @@ from u12_linear import SHAPES, git_commit  # noqa: E402
 
 import torch  # noqa: E402
 
+FUSED_MS = (1, 16)  # u12_fused_linear's rows: the AR step's, and verify(16)'s under U12_MANY_ROWS
 SMOKE_SHAPES = {"qkv": (384, 256), "o": (256, 256), "gate_up": (1024, 256), "down": (256, 512)}  # a coherent stack
 OPCODES = ("LDG", "STG", "LDS", "STS", "LDSM", "BAR", "SHFL", "HMMA", "HGMMA", "FFMA", "FMUL", "FADD", "PRMT",
            "LOP3", "IMAD", "I2F", "F2F", "ATOM", "RED")
@@ -165,16 +172,24 @@ def describe(compiled, workdir: Path) -> dict:
     }
 
 
+@functools.cache
+def _weights(shapes: tuple[tuple[str, tuple[int, int]], ...]) -> tuple[dict, dict]:
+    """Random N(0, 0.02) bf16 weights of `shapes` and their u12 packing, made once a run."""
+    from specpilot.runtime.u12 import pack_u12
+
+    gen = torch.Generator().manual_seed(0)
+    weights = {name: (torch.randn(n, k, generator=gen) * 0.02).to(torch.bfloat16) for name, (n, k) in shapes}
+    return weights, {name: pack_u12(w) for name, w in weights.items()}
+
+
 def launches(shapes: dict[str, tuple[int, int]], ms: tuple[int, ...], only: tuple[str, ...]):
     """(what, shape name, M, callable) for every launch this run compiles."""
     from specpilot.kernels.fused_linear import fused_linear
     from specpilot.kernels.u12_fused_linear import NormHandoff, u12_fused_linear
     from specpilot.kernels.u12_linear import default_config, u12_linear
-    from specpilot.runtime.u12 import pack_u12
 
-    gen = torch.Generator().manual_seed(0)
-    weights = {name: (torch.randn(n, k, generator=gen) * 0.02).to(torch.bfloat16) for name, (n, k) in shapes.items()}
-    packed = {name: pack_u12(w) for name, w in weights.items()}
+    weights, packed = _weights(tuple(shapes.items()))
+    gen = torch.Generator().manual_seed(1)
     x = lambda m, k: torch.randn(m, k, generator=gen).to(torch.bfloat16)  # noqa: E731
     for name, (n, k) in shapes.items():
         for m in ms:
@@ -188,33 +203,54 @@ def launches(shapes: dict[str, tuple[int, int]], ms: tuple[int, ...], only: tupl
                 yield "u12-tiles", name, m, lambda name=name, k=k, tiles=tiles: u12_linear(x(16, k), packed[name], tiles)
     if "u12-fused" in only and {"qkv", "o", "gate_up", "down"} <= packed.keys():
         hidden = shapes["o"][0]
-        stream = x(1, hidden)
         norm = torch.ones(hidden, dtype=torch.bfloat16)
-        hands: list = []
+        for m in (m for m in ms if m in FUSED_MS):
+            stream, hands = x(m, hidden), []
 
-        def hand_out(name, source):
-            hands.append(NormHandoff(norm))
-            return u12_fused_linear(source, packed[name], residual=stream, hand_out=hands[-1])
+            def hand_out(name, source, stream=stream, hands=hands):
+                hands.append(NormHandoff(norm))
+                return u12_fused_linear(source, packed[name], residual=stream, hand_out=hands[-1])
 
-        def hand_in(name, **kw):
-            return u12_fused_linear(hands[-1].xg, packed[name], hand_in=hands[-1], **kw)
+            def hand_in(name, hands=hands, **kw):
+                return u12_fused_linear(hands[-1].xg, packed[name], hand_in=hands[-1], **kw)
 
-        yield "u12-fused", "o", 1, lambda: hand_out("o", x(1, shapes["o"][1]))
-        yield "u12-fused", "gate_up", 1, lambda: hand_in("gate_up", gated=True)
-        yield "u12-fused", "down", 1, lambda: hand_out("down", x(1, shapes["down"][1]))
-        yield "u12-fused", "qkv", 1, lambda: hand_in("qkv")
+            yield "u12-fused", "o", m, lambda m=m, hand_out=hand_out: hand_out("o", x(m, shapes["o"][1]))
+            yield "u12-fused", "gate_up", m, lambda hand_in=hand_in: hand_in("gate_up", gated=True)
+            yield "u12-fused", "down", m, lambda m=m, hand_out=hand_out: hand_out("down", x(m, shapes["down"][1]))
+            yield "u12-fused", "qkv", m, lambda hand_in=hand_in: hand_in("qkv")
 
 
-def run(shapes, ms, only, arch: int = 90) -> list[dict]:
+def step_variants() -> dict[str, tuple[tuple[int, ...], dict]]:
+    """bench/step_ab.py's u12 knob variants: name -> (the rows they are timed at, their settings)."""
+    import step_ab
+
+    out = {name: ((1, 16), knobs) for name, knobs in step_ab.U12_KNOB_VARIANTS.items()}
+    out |= {name: ((16,), knobs) for name, knobs in step_ab.U12_VERIFY_KNOB_VARIANTS.items() if name not in out}
+    few = (4, 8)  # the verify steps bench/run_gpu.sh fewrows times them in
+    out |= {name: (tuple(q for q in few if lo <= q <= hi), knobs)
+            for name, ((lo, hi), knobs) in step_ab.U12_FEW_ROWS_KNOB_VARIANTS.items()}
+    return out
+
+
+def run(shapes, ms, only, arch: int = 90, variants: bool = False) -> list[dict]:
+    """Every launch compiled and described; with `variants`, again under each of step_variants()."""
+    import step_ab
     from specpilot.kernels.target import compile_only
 
+    plan = [("default", ms, only, {})]
+    if variants:  # the knobs are u12_linear's and u12_hmma's: the bf16 launches and the tiled planes stay as they are
+        u12 = tuple(w for w in only if w in ("u12", "u12-fused"))
+        plan += [(name, rows, u12, knobs) for name, (rows, knobs) in step_variants().items()]
     rows = []
     with tempfile.TemporaryDirectory() as tmp, torch.inference_mode():
-        for what, name, m, launch in launches(shapes, ms, only):
-            with compile_only(arch) as compiled:
-                launch()
-            for c in compiled:
-                rows.append({"what": what, "shape": name, "n_k": list(shapes[name]), "m": m, **describe(c, Path(tmp))})
+        for variant, variant_ms, variant_only, knobs in plan:
+            with step_ab.knobs_set(knobs):
+                for what, name, m, launch in launches(shapes, variant_ms, variant_only):
+                    with compile_only(arch) as compiled:
+                        launch()
+                    for c in compiled:
+                        rows.append({"variant": variant, "what": what, "shape": name, "n_k": list(shapes[name]), "m": m,
+                                     **describe(c, Path(tmp))})
     return rows
 
 
@@ -224,6 +260,8 @@ def main() -> None:
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--only", default="u12,u12-fused,u12-tiles,bf16")
     ap.add_argument("--smoke", action="store_true", help="small shapes (the tests' run)")
+    ap.add_argument("--step-variants", action="store_true",
+                    help="also each of bench/step_ab.py's u12 knob variants, at the rows it is timed at")
     ap.add_argument("--out", type=Path, help="default bench/results/kernel_static_sm90_triton<major><minor>.json")
     args = ap.parse_args()
     if os.environ.get("TRITON_INTERPRET") == "1":
@@ -238,7 +276,7 @@ def main() -> None:
     import triton
 
     out = args.out or ROOT / "bench" / "results" / f"kernel_static_sm90_triton{''.join(triton.__version__.split('.')[:2])}.json"
-    rows = run({s: table[s] for s in names}, ms, only)
+    rows = run({s: table[s] for s in names}, ms, only, variants=args.step_variants)
 
     result = {
         "benchmark": "kernel_static",
@@ -253,12 +291,12 @@ def main() -> None:
     }
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"{'what':10} {'shape':8} {'M':>3} {'kernel':24} {'warps':>5} {'regs':>4} {'spill':>5} {'smem':>6} "
+    print(f"{'variant':14} {'what':10} {'shape':8} {'M':>3} {'kernel':24} {'warps':>5} {'regs':>4} {'spill':>5} {'smem':>6} "
           f"{'prog/SM':>7} {'loop':>5} {'/weight':>7}  loop opcodes")
     for r in rows:
         ops = " ".join(f"{k}:{v}" for k, v in r["loop_opcodes"].items())
         per = r["warp_instructions_per_weight"]
-        print(f"{r['what']:10} {r['shape']:8} {r['m']:>3} {r['kernel'][:24]:24} {r['num_warps']:>5} {r['registers']:>4} "
+        print(f"{r['variant'][:14]:14} {r['what']:10} {r['shape']:8} {r['m']:>3} {r['kernel'][:24]:24} {r['num_warps']:>5} {r['registers']:>4} "
               f"{r['spill_bytes']:>5} {r['shared_bytes']:>6} {r['programs_per_sm']:>7} {r['loop_instructions']:>5} "
               f"{per if per is not None else '-':>7}  {ops}")
     print(f"/weight: the K loop's warp instructions a weight; at the weight-read floor the H200 issues at most "

@@ -409,13 +409,14 @@ def kernel_static() -> str:
         f"`bench/results/{name}`{also}. "
         "prog/SM: programs an SM holds (registers, warps, shared memory); loop: the K loop's SASS instructions; "
         f"/weight: its warp instructions a weight, against at most {budget['u12']:.3f} (u12) and {budget['bf16']:.3f} "
-        "(bf16) that the H200 issues a weight at the weight-read floor. M = 1 and 16 here; the file has 4 and 64 too.",
+        "(bf16) that the H200 issues a weight at the weight-read floor. M = 1 and 16 here; the file has 4 and 64 too, "
+        "and bench/step_ab.py's knob variants (`--step-variants`).",
         "",
         "| path | shape | M | kernel | warps | registers | spill B | prog/SM | loop | /weight |",
         "|---|---|---:|---|---:|---:|---:|---:|---:|---:|",
     ]
     for r in d["rows"]:
-        if r["m"] in (1, 16):
+        if r["m"] in (1, 16) and r.get("variant", "default") == "default":
             per = r["warp_instructions_per_weight"]
             per = f"{per:.3f}" if per is not None else "-"
             lines.append(f"| {r['what']} | {r['shape']} | {r['m']} | `{r['kernel']}` | {r['num_warps']} | {r['registers']} | "

@@ -105,11 +105,20 @@ def test_compile_only_leaves_the_launch_state_as_it_was(hmma_facts):
 
 def test_kernel_static_smoke_run(tmp_path):
     out = tmp_path / "static.json"
-    done = subprocess.run([sys.executable, "bench/kernel_static.py", "--smoke", "--ms", "1", "--out", str(out)],
-                          cwd=ROOT, env=_compiled_env(), capture_output=True, text=True, timeout=600)
+    done = subprocess.run([sys.executable, "bench/kernel_static.py", "--smoke", "--ms", "1", "--step-variants",
+                           "--out", str(out)], cwd=ROOT, env=_compiled_env(), capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(out.read_text())
     rows = result["rows"]
+    # every step_ab knob variant compiled at the rows it is timed at, after the default launches
+    variants = kernel_static.step_variants()
+    assert [r["variant"] for r in rows][0] == "default"
+    for name, (ms, _) in variants.items():
+        assert {r["m"] for r in rows if r["variant"] == name and r["what"] == "u12"} == set(ms), name
+    esc_table = [r for r in rows if r["variant"] == "u12-esc-table" and r["what"] == "u12"]
+    assert esc_table and all(r["constexprs"]["LANES"] == 0 for r in esc_table)  # the side table, not lanes
+    assert all(r["constexprs"]["LANES"] > 0 for r in rows if r["variant"] == "default" and r["what"] == "u12")
+    rows = [r for r in rows if r["variant"] == "default"]
     assert {(r["what"], r["shape"]) for r in rows} >= {("u12", s) for s in kernel_static.SMOKE_SHAPES}
     fused = [(r["shape"], r["kernel"]) for r in rows if r["what"] == "u12-fused"]
     assert fused == [(s, "_u12_fused_gemv_kernel") for s in ("o", "gate_up", "down", "qkv")]  # the AR step's order
