@@ -33,6 +33,7 @@ somewhere, then PYTHONPATH=that folder python bench/kernel_static.py).
 
     python bench/kernel_static.py [--ms 1,4,16,64] [--shapes qkv,o,gate_up,down,lm_head] [--only u12,u12-fused,u12-tiles,bf16] [--step-variants] [--out FILE]
     python bench/kernel_static.py --smoke --out FILE    # small shapes: the tests' run
+    python bench/kernel_static.py --sweep hmma,tiles --ms 16 --shapes o,down --timed bench/results/u12_linear_hmma_h200.json
 Run it in a process without TRITON_INTERPRET=1 (under the interpreter Triton compiles nothing).
 """
 
@@ -148,6 +149,7 @@ def describe(compiled, workdir: Path) -> dict:
     loop = main_loop(code)
     body = [opcode(ins) for _, ins in code[loop[0]:loop[1] + 1]] if loop else []
     counts = collections.Counter(body)
+    first_mac = next((i for i, op in enumerate(body) if op in MACS), len(body))
     c = compiled.constexprs
     chunk = c.get("BLOCK_K") or 4 * c.get("BLOCK_W", 0)  # weights of a row a loop iteration (GEMVs: words of 4)
     rows = c.get("BLOCK_N", 0) * (2 if c.get("GATED") and compiled.name in COLUMN_BLOCKS else 1)
@@ -167,6 +169,9 @@ def describe(compiled, workdir: Path) -> dict:
         "sass_instructions": len(code),
         "loop_instructions": len(body),
         "loop_opcodes": {op: counts[op] for op in OPCODES if counts[op]},
+        # global loads the loop issues after its first multiply-add: each is a second memory round
+        # trip an iteration unless the loads before it cover the latency (ptxas's placement)
+        "loop_loads_after_first_mac": sum(op == "LDG" for op in body[first_mac:]),
         "loop_weights_per_warp": per_warp,  # BLOCK_N rows x the chunk, over the warps
         "warp_instructions_per_weight": round(len(body) / per_warp, 4) if body and per_warp else None,
     }
@@ -254,6 +259,82 @@ def run(shapes, ms, only, arch: int = 90, variants: bool = False) -> list[dict]:
     return rows
 
 
+def sweep(shapes, m: int, kernels: tuple[str, ...], timed: Path | None, arch: int = 90) -> list[dict]:
+    """The configs bench/u12_linear.py sweeps at `m` rows (its sweep_configs: the default first),
+    each compiled and described; with `timed` (that script's results file) each row gets the
+    config's measured "us" where the file timed it (same shape, rows and config string)."""
+    from u12_linear import sweep_configs
+
+    from specpilot.kernels.target import compile_only
+    from specpilot.kernels.u12_linear import u12_linear
+
+    times = {}
+    if timed is not None:
+        times = {(r["name"], r["M"], r["config"]): r["us"] for r in json.loads(timed.read_text())["sweep"]
+                 if r.get("us") is not None}
+    _, packed = _weights(tuple(shapes.items()))
+    x = torch.randn(m, max(k for _, k in shapes.values()), generator=torch.Generator().manual_seed(1))
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp, torch.inference_mode():
+        for name, (n, k) in shapes.items():
+            for cfg in sweep_configs(m, n, k, kernels):
+                with compile_only(arch) as compiled:
+                    u12_linear(x[:, :k].to(torch.bfloat16), packed[name], cfg)
+                main = [describe(c, Path(tmp)) for c in compiled][0]  # the GEMM (a split-K sum kernel may follow)
+                rows.append({"variant": "sweep", "what": "u12", "shape": name, "n_k": [n, k], "m": m,
+                             "config": str(cfg), "us": times.get((name, m, str(cfg))), **main})
+    return rows
+
+
+def _ranks(values: list[float]) -> list[float]:
+    """Ranks from 0, ties sharing their mean rank."""
+    order = sorted(range(len(values)), key=values.__getitem__)
+    ranks = [0.0] * len(values)
+    i = 0
+    while i < len(order):
+        j = i
+        while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
+            j += 1
+        for t in order[i:j + 1]:
+            ranks[t] = (i + j) / 2
+        i = j + 1
+    return ranks
+
+
+def spearman(a: list[float], b: list[float]) -> float | None:
+    """Spearman's rank correlation of two equal-length lists (None where either is constant)."""
+    ra, rb = _ranks(a), _ranks(b)
+    ma, mb = sum(ra) / len(ra), sum(rb) / len(rb)
+    va, vb = sum((x - ma) ** 2 for x in ra), sum((y - mb) ** 2 for y in rb)
+    if not va or not vb:
+        return None
+    return sum((x - ma) * (y - mb) for x, y in zip(ra, rb)) / (va * vb) ** 0.5
+
+
+def sweep_correlations(rows: list[dict]) -> list[dict]:
+    """Per shape and split-K, over the timed configs of one kernel: how the measured time ranks
+    with the static facts (Spearman): late loads, resident warps an SM, loop instructions a weight."""
+    groups = collections.defaultdict(list)
+    for r in rows:
+        if r.get("us") is not None:
+            groups[r["shape"], r["kernel"], r["constexprs"].get("SPLIT_K", 1)].append(r)
+    out = []
+    for (shape, kernel, split), g in sorted(groups.items()):
+        if len(g) < 4:
+            continue
+        us = [r["us"] for r in g]
+        rho = {
+            "late_loads": spearman([r["loop_loads_after_first_mac"] for r in g], us),
+            "warps_per_sm": spearman([r["programs_per_sm"] * r["num_warps"] for r in g], us),
+            "instructions_per_weight": spearman([r["warp_instructions_per_weight"] or 0 for r in g], us),
+        }
+        best = min(g, key=lambda r: r["us"])
+        out.append({"shape": shape, "kernel": kernel, "split_k": split, "configs": len(g),
+                    "spearman_vs_us": {k: None if v is None else round(v, 3) for k, v in rho.items()},
+                    "best": best["config"], "best_us": best["us"]})
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--ms", default="1,4,16,64")
@@ -262,21 +343,30 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="small shapes (the tests' run)")
     ap.add_argument("--step-variants", action="store_true",
                     help="also each of bench/step_ab.py's u12 knob variants, at the rows it is timed at")
-    ap.add_argument("--out", type=Path, help="default bench/results/kernel_static_sm90_triton<major><minor>.json")
+    ap.add_argument("--sweep", help="instead: bench/u12_linear.py's sweep of these kernels (e.g. hmma,tiles) at "
+                                    "the first of --ms, every config compiled")
+    ap.add_argument("--timed", type=Path, help="with --sweep: a bench/u12_linear.py results file whose times to join")
+    ap.add_argument("--out", type=Path, help="default bench/results/kernel_static[_sweep]_sm90_triton<major><minor>.json")
     args = ap.parse_args()
+    if args.timed is not None and not args.timed.is_file():
+        raise SystemExit(f"kernel_static: --timed: no such file {args.timed}")
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise SystemExit("kernel_static: unset TRITON_INTERPRET (the interpreter compiles no kernel)")
     table = SMOKE_SHAPES if args.smoke else SHAPES
-    names = [s for s in args.shapes.split(",") if s in table] if not args.smoke else list(table)
-    unknown = sorted(set(args.shapes.split(",")) - set(table)) if not args.smoke else []
+    names = [s for s in args.shapes.split(",") if s in table]
+    unknown = sorted(set(args.shapes.split(",")) - set(SHAPES))
     if unknown:
-        raise SystemExit(f"kernel_static: --shapes: unknown {unknown}; expected some of {list(table)}")
+        raise SystemExit(f"kernel_static: --shapes: unknown {unknown}; expected some of {list(SHAPES)}")
     only = tuple(args.only.split(","))
     ms = tuple(int(v) for v in args.ms.split(","))
     import triton
 
-    out = args.out or ROOT / "bench" / "results" / f"kernel_static_sm90_triton{''.join(triton.__version__.split('.')[:2])}.json"
-    rows = run({s: table[s] for s in names}, ms, only, variants=args.step_variants)
+    kind = "kernel_static_sweep" if args.sweep else "kernel_static"
+    out = args.out or ROOT / "bench" / "results" / f"{kind}_sm90_triton{''.join(triton.__version__.split('.')[:2])}.json"
+    if args.sweep:
+        rows = sweep({s: table[s] for s in names}, ms[0], tuple(args.sweep.split(",")), args.timed)
+    else:
+        rows = run({s: table[s] for s in names}, ms, only, variants=args.step_variants)
 
     result = {
         "benchmark": "kernel_static",
@@ -286,21 +376,31 @@ def main() -> None:
         "commit": git_commit(KERNEL_FILES),
         "date": datetime.date.today().isoformat(),
         "smoke": args.smoke,
+        "timed": str(args.timed.resolve().relative_to(ROOT)) if args.timed and args.timed.resolve().is_relative_to(ROOT)
+        else (str(args.timed) if args.timed else None),
         "issue_budget_per_weight": {k: round(v, 4) for k, v in BUDGET.items()},
         "rows": rows,
     }
+    if args.sweep:
+        result["correlations"] = sweep_correlations(rows)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"{'variant':14} {'what':10} {'shape':8} {'M':>3} {'kernel':24} {'warps':>5} {'regs':>4} {'spill':>5} {'smem':>6} "
-          f"{'prog/SM':>7} {'loop':>5} {'/weight':>7}  loop opcodes")
+    print(f"{'variant or config':30} {'what':10} {'shape':8} {'M':>3} {'kernel':24} {'warps':>5} {'regs':>4} "
+          f"{'spill':>5} {'smem':>6} {'prog/SM':>7} {'loop':>5} {'/weight':>7} {'late':>4} {'timed':>9}  loop opcodes")
     for r in rows:
         ops = " ".join(f"{k}:{v}" for k, v in r["loop_opcodes"].items())
         per = r["warp_instructions_per_weight"]
-        print(f"{r['variant'][:14]:14} {r['what']:10} {r['shape']:8} {r['m']:>3} {r['kernel'][:24]:24} {r['num_warps']:>5} {r['registers']:>4} "
-              f"{r['spill_bytes']:>5} {r['shared_bytes']:>6} {r['programs_per_sm']:>7} {r['loop_instructions']:>5} "
-              f"{per if per is not None else '-':>7}  {ops}")
+        timed = f"{r['us']:.1f} us" if r.get("us") is not None else ""
+        print(f"{r.get('config', r['variant'])[:30]:30} {r['what']:10} {r['shape']:8} {r['m']:>3} {r['kernel'][:24]:24} "
+              f"{r['num_warps']:>5} {r['registers']:>4} {r['spill_bytes']:>5} {r['shared_bytes']:>6} "
+              f"{r['programs_per_sm']:>7} {r['loop_instructions']:>5} {per if per is not None else '-':>7} "
+              f"{r['loop_loads_after_first_mac']:>4} {timed:>9}  {ops}")
     print(f"/weight: the K loop's warp instructions a weight; at the weight-read floor the H200 issues at most "
-          f"{BUDGET['u12']:.3f} (u12) and {BUDGET['bf16']:.3f} (bf16)")
+          f"{BUDGET['u12']:.3f} (u12) and {BUDGET['bf16']:.3f} (bf16). late: its global loads after its first "
+          f"multiply-add")
+    for c in result.get("correlations", []):
+        rho = ", ".join(f"{k} {v}" for k, v in c["spearman_vs_us"].items())
+        print(f"{c['shape']} {c['kernel']} split {c['split_k']}: {c['configs']} timed configs, Spearman with us: {rho}")
     print(f"wrote {out}")
 
 

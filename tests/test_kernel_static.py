@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
@@ -156,3 +158,48 @@ def test_main_loop_is_the_longest_backward_branch():
     (128, 4, 0, 4), (80, 4, 0, 6), (255, 2, 1024, 4), (40, 4, 40960, 5), (16, 1, 0, 32), (96, 2, 1024, 10)])
 def test_programs_per_sm(regs, warps, shared, programs):
     assert kernel_static.programs_per_sm(regs, warps, shared) == programs
+
+
+def test_sweep_mode_joins_the_timed_configs(tmp_path):
+    """--sweep compiles bench/u12_linear.py's own config list and takes each config's time from a
+    results file by (shape, rows, config string); the correlations cover the timed groups only."""
+    sys_path = str(ROOT / "bench")
+    code = (f"import sys; sys.path.insert(0, {sys_path!r}); from u12_linear import sweep_configs; "
+            "print('\\n'.join(str(c) for c in sweep_configs(16, *" + repr(kernel_static.SMOKE_SHAPES["o"]) + ", ('hmma',))))")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=_compiled_env(), capture_output=True, text=True)
+    configs = done.stdout.split()
+    hmma = [c for c in configs if c.startswith("hmma") and "-sk1-" in c]
+    assert len(hmma) >= 4, done.stderr[-2000:]
+    timed = tmp_path / "timed.json"  # a made-up sweep: four split-1 hmma configs timed, slower down the list
+    timed.write_text(json.dumps({"sweep": [{"name": "o", "M": 16, "config": c, "us": 10.0 + i}
+                                           for i, c in enumerate(hmma[:4])]}))
+    out = tmp_path / "sweep.json"
+    done = subprocess.run([sys.executable, "bench/kernel_static.py", "--smoke", "--sweep", "hmma", "--ms", "16",
+                           "--shapes", "o", "--timed", str(timed), "--out", str(out)],
+                          cwd=ROOT, env=_compiled_env(), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert [r["config"] for r in result["rows"]] == configs  # every swept config, in the sweep's order
+    assert {r["config"]: r["us"] for r in result["rows"] if r["us"] is not None} == {c: 10.0 + i for i, c in
+                                                                                     enumerate(hmma[:4])}
+    assert all(r["spill_bytes"] == 0 for r in result["rows"])
+    (corr,) = result["correlations"]  # one group timed: o, the hmma kernel, split 1
+    assert (corr["shape"], corr["kernel"], corr["split_k"], corr["configs"]) == ("o", "_u12_hmma_kernel", 1, 4)
+    assert corr["best"] == hmma[0] and corr["best_us"] == 10.0
+
+
+@given(st.lists(st.integers(-50, 50), min_size=3, max_size=12, unique=True),
+       st.lists(st.integers(-50, 50), min_size=3, max_size=12, unique=True))
+def test_spearman_matches_the_distinct_values_formula(a, b):
+    n = min(len(a), len(b))
+    a, b = a[:n], b[:n]
+    ra, rb = sorted(a).index, sorted(b).index
+    d2 = sum((ra(x) - rb(y)) ** 2 for x, y in zip(a, b))
+    assert kernel_static.spearman(a, b) == pytest.approx(1 - 6 * d2 / (n * (n * n - 1)), abs=1e-9)
+    assert kernel_static.spearman(a, [3 * y + 7 for y in b]) == pytest.approx(kernel_static.spearman(a, b))
+
+
+def test_spearman_with_ties_and_constants():
+    assert kernel_static.spearman([1, 2, 2, 3], [1, 3, 2, 4]) == pytest.approx(4.5 / 22.5 ** 0.5)
+    assert kernel_static.spearman([1, 1, 1], [1, 2, 3]) is None
+    assert kernel_static._ranks([5, 1, 5, 2]) == [2.5, 0.0, 2.5, 1.0]
