@@ -412,21 +412,54 @@ def kernel_static() -> str:
         "(bf16) that the H200 issues a weight at the weight-read floor. M = 1 and 16 here; the file has 4 and 64 too, "
         "and bench/step_ab.py's knob variants (`--step-variants`).",
         "",
-        "| path | shape | M | kernel | warps | registers | spill B | prog/SM | loop | /weight |",
-        "|---|---|---:|---|---:|---:|---:|---:|---:|---:|",
+        "| path | shape | M | kernel | warps | registers | spill B | prog/SM | loop | /weight | late loads |",
+        "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in d["rows"]:
         if r["m"] in (1, 16) and r.get("variant", "default") == "default":
             per = r["warp_instructions_per_weight"]
             per = f"{per:.3f}" if per is not None else "-"
             lines.append(f"| {r['what']} | {r['shape']} | {r['m']} | `{r['kernel']}` | {r['num_warps']} | {r['registers']} | "
-                         f"{r['spill_bytes']} | {r['programs_per_sm']} | {r['loop_instructions']} | {per} |")
+                         f"{r['spill_bytes']} | {r['programs_per_sm']} | {r['loop_instructions']} | {per} | "
+                         f"{r.get('loop_loads_after_first_mac', '-')} |")
+    return "\n".join(lines)
+
+
+def kernel_static_sweep() -> str:
+    d = _load("kernel_static_sweep_sm90_triton36.json")
+    if d is None:
+        return "_no results file yet: run `python bench/kernel_static.py --sweep hmma,tiles --ms 16 --timed ...`_"
+    lines = [
+        f"{d['target']}; triton {d['triton']}, commit {_short(d['commit'])}; times from `{d['timed']}` (the H200 "
+        "sweep, each config in a CUDA graph). Source: `bench/results/kernel_static_sweep_sm90_triton36.json`. "
+        "Spearman's rank correlation, over the hmma configs timed at each split-K, of the time with: late loads "
+        "(the K loop's global loads after its first MMA), resident warps an SM, and the loop's instructions a weight.",
+        "",
+        "| shape | split-K | configs | late loads | warps/SM | instructions/weight | best config | µs |",
+        "|---|---:|---:|---:|---:|---:|---|---:|",
+    ]
+    fmt = lambda v: "-" if v is None else f"{v:+.2f}"  # noqa: E731
+    for c in d["correlations"]:
+        if c["kernel"] != "_u12_hmma_kernel":
+            continue
+        rho = c["spearman_vs_us"]
+        lines.append(f"| {c['shape']} | {c['split_k']} | {c['configs']} | {fmt(rho['late_loads'])} | "
+                     f"{fmt(rho['warps_per_sm'])} | {fmt(rho['instructions_per_weight'])} | {c['best']} | "
+                     f"{c['best_us']:.1f} |")
+    o8 = sorted((r for r in d["rows"] if r["shape"] == "o" and r["us"] is not None and "-sk8-" in r["config"]
+                 and r["config"].startswith("hmma")), key=lambda r: r["us"])
+    if o8:
+        lines += ["", "o at 16 rows, split-K 8 (TUNED's), fastest first:", "",
+                  "| config | registers | warps/SM | late loads | loop | µs |", "|---|---:|---:|---:|---:|---:|"]
+        lines += [f"| {r['config']} | {r['registers']} | {r['programs_per_sm'] * r['num_warps']} | "
+                  f"{r['loop_loads_after_first_mac']} | {r['loop_instructions']} | {r['us']:.1f} |" for r in o8]
     return "\n".join(lines)
 
 
 RENDERERS = {"draft_vocab": draft_vocab, "zoo_tau": zoo_tau, "zoo_e2e": zoo_e2e, "tree_tau": tree_tau, "cost_vs_measured": cost_vs_measured, "step_times": step_times,
              "hf_peers": hf_peers, "attention_split_kv": attention_split_kv, "u12_stats": u12_stats, "u12_linear": u12_linear,
-             "kernel_static": kernel_static, "targets": targets}
+             "kernel_static": kernel_static,
+             "kernel_static_sweep": kernel_static_sweep, "targets": targets}
 
 
 def render(text: str) -> str:
