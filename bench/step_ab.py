@@ -89,8 +89,9 @@ U12_KNOB_VARIANTS = {  # name: u12_linear's launch-time settings over the defaul
 }
 U12_VERIFY_KNOB_VARIANTS = {  # the same, for a verify step (--q above 1: the mma and hmma kernels)
     "u12-esc-table": dict(ESC_LANES="table"),
-    "u12-lanes-g8": dict(LANE_GROUP=8),  # the lanes walked 8 a step (the default 4)
-    "u12-lanes-g16": dict(LANE_GROUP=16),  # all of a row's lanes at once (16 at most)
+    "u12-esc-lanes": dict(ESC_LANES="lanes"),  # the block kernels from the lanes too (the default before)
+    "u12-lanes-g8": dict(ESC_LANES="lanes", LANE_GROUP=8),  # the lanes walked 8 a step (the default 4)
+    "u12-lanes-g16": dict(ESC_LANES="lanes", LANE_GROUP=16),  # all of a row's lanes at once (16 at most)
 }
 U12_FEW_ROWS_KNOB_VARIANTS = {  # name: (the rows q it applies to, settings): verify steps of few rows
     "u12-gemv-rows": ((3, 4), dict(TENSOR_CORE_ROWS=5)),  # gemv2 at 3..4 rows, the default before

@@ -577,7 +577,7 @@ def launch_hmma(x: torch.Tensor, t: U12Tensor, y: torch.Tensor, cfg: U12Config, 
     native = on_native(x)  # the interpreter runs no PTX
     tiled = cfg.layout == "tiles" and tiles_apply(t, cfg, gated)
     sm, codes = t.tiled_planes if tiled else (t.sm.contiguous().view(torch.int32), t.codes.contiguous().view(torch.int16))
-    lanes, n_lanes = lanes_args(t)
+    lanes, n_lanes = lanes_args(t, block=True)
     epi, flags, fused = epilogue_args(x, y, native, grid[0] * cfg.num_warps, gated, residual, hand_in, hand_out)
     hw, xg, parts, n_out, inv_k, eps, n_parts, stride_xg = epi
     _u12_hmma_kernel[grid](

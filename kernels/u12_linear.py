@@ -1038,11 +1038,14 @@ _ESC_BLOCK = 16
 # (``_escape_stage``); off, all three of its loads run after it. Read at launch (bench/step_ab.py
 # compares the two).
 ESC_AHEAD = True
-# Where every u12 kernel finds its escapes: "lanes" (``U12Tensor.esc_lanes``, where the weight has
-# them; else the table) or "table" (the CSR side table; in the GEMVs as ESC_AHEAD says). Read at
-# launch (bench/step_ab.py compares the two); SPECPILOT_ESC_LANES sets it for a process.
-ESC_LANES = os.environ.get("SPECPILOT_ESC_LANES", "lanes")
-_LANE_MODES = ("lanes", "table")
+# Where the u12 kernels find their escapes: "gemv" (the GEMVs from ``U12Tensor.esc_lanes`` where the
+# weight has them, the block kernels tile, mma and hmma from the table), "lanes" (every kernel from
+# the lanes) or "table" (every kernel from the CSR side table; in the GEMVs as ESC_AHEAD says). On the
+# H200 (bench/step_ab.py, 451e309) the lanes won the AR step (3.438 ms against 3.551 from the table,
+# step_ab_h200.json) and lost verify(16) (5.543 against 5.250, step_ab_verify16_h200.json), hence
+# "gemv". Read at launch; SPECPILOT_ESC_LANES sets it for a process.
+ESC_LANES = os.environ.get("SPECPILOT_ESC_LANES", "gemv")
+_LANE_MODES = ("gemv", "lanes", "table")
 # The block kernels (tile, mma, hmma) walk a block's lanes this many at a time after their loop:
 # each step's lane loads, then its x gathers, all in flight at once. More lanes a step, fewer round
 # trips and more registers, which with split-K 1 the loop's occupancy pays for. Read at launch;
@@ -1057,16 +1060,17 @@ def lane_group(n_lanes: int) -> int:
     return max(1, min(n_lanes, LANE_GROUP))
 
 
-def lanes_args(t: U12Tensor) -> tuple[torch.Tensor, int]:
-    """(the lanes pointer, the launch's LANES) for a GEMV on t by ESC_LANES: LANES 0 (the table,
-    and a pointer the kernel does not read) where t has no lanes or has not derived them yet
-    inside a CUDA graph capture."""
+def lanes_args(t: U12Tensor, block: bool = False) -> tuple[torch.Tensor, int]:
+    """(the lanes pointer, the launch's LANES) for a kernel on t by ESC_LANES (`block`: a tile, mma
+    or hmma launch, else a GEMV): LANES 0 (the table, and a pointer the kernel does not read) where
+    the mode says the table, t has no lanes or has not derived them yet inside a CUDA graph capture."""
     if ESC_LANES not in _LANE_MODES:
         raise ValueError(f"u12_linear.ESC_LANES: expected one of {_LANE_MODES}, got {ESC_LANES!r}")
     # Lanes are derived on first use, with a host sync a CUDA graph capture does not allow: a launch
     # captured before any eager one walks the table (as exact, slower).
     capturing = t.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-    use = ESC_LANES == "lanes" and (not capturing or "esc_lanes" in t.__dict__)
+    wanted = ESC_LANES == "lanes" or (ESC_LANES == "gemv" and not block)
+    use = wanted and (not capturing or "esc_lanes" in t.__dict__)
     lanes = t.esc_lanes if use else None
     return (t.esc_row_ptr, 0) if lanes is None else (lanes, lanes.shape[1])
 
@@ -1292,7 +1296,7 @@ def u12_linear(x: torch.Tensor, t: U12Tensor, config: U12Config | None = None) -
     grid, words_per_split, part, counters = _split_k_plan(t, cfg, m, n_words, block_m)
     split = grid[1]
     sm, codes = t.sm.contiguous(), t.codes.contiguous()
-    lanes, n_lanes = lanes_args(t)
+    lanes, n_lanes = lanes_args(t, block=True)
     _u12_linear_kernel[grid](
         x, sm.view(torch.int32) if words else sm, codes.view(torch.int16) if words else codes,
         _nonempty(t.esc_idx), _nonempty(t.esc_val), t.esc_row_ptr, lanes, y, part, counters,

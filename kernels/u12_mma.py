@@ -306,7 +306,7 @@ def launch_mma(x: torch.Tensor, t: U12Tensor, y: torch.Tensor, cfg: U12Config, g
     grid, words_per_split, part, counters = _split_k_plan(t, cfg, m, n_words, block_m)
     native = on_native(x)  # the interpreter runs no PTX, no bf16 dot
     sm, codes = t.sm.contiguous(), t.codes.contiguous()
-    lanes, n_lanes = lanes_args(t)
+    lanes, n_lanes = lanes_args(t, block=True)
     if gated and cfg.block_n % 32:  # each half at least 16 rows: the table's one-hot dot over them
         raise ValueError(f"launch_mma: a gated launch splits block_n into gate and up rows, a multiple of 16 "
                          f"each; got block_n {cfg.block_n}")

@@ -153,7 +153,7 @@ def test_escape_lanes_setting_is_checked(monkeypatch):
     monkeypatch.setattr(u12_linear_module, "ESC_LANES", "table")
     assert u12_linear_module.lanes_args(t) == (t.esc_row_ptr, 0)
     monkeypatch.setattr(u12_linear_module, "ESC_LANES", "lane")
-    with pytest.raises(ValueError, match=r"ESC_LANES: expected one of \('lanes', 'table'\), got 'lane'"):
+    with pytest.raises(ValueError, match=r"ESC_LANES: expected one of \('gemv', 'lanes', 'table'\), got 'lane'"):
         u12_linear_module.lanes_args(t)
 
 
