@@ -509,7 +509,7 @@ SPLIT_KS = (1, 2, 4, 8)
 # sum unrolled, deep-pipeline tiles added (bench/results/fused_linear_m16_graph_h200.json, commit
 # e0b3034): qkv 18.56 µs against 18.71 for the config before, o 11.86 against 12.39, down 32.33
 # against 32.59 (split_k 2 at 5-6 stages where 4 at 3-4 stages had won before the unrolled sum);
-# verify(16) interleaved (bench/results/step_ab_verify16_h200.json, bf16-sweep): 4.529 ms against 4.559.
+# verify(16) interleaved (bench/results/tried/step_ab_verify16_e0b3034_h200.json, bf16-sweep): 4.529 ms against 4.559.
 # M = 32 (17..32 rows): the graph-timed sweep at 32 rows (bench/results/fused_linear_m32_graph_h200.json,
 # commit 17069f4): qkv, o and gate_up keep their 16-row tiles, down takes split-K 4 on 64x64 tiles.
 TUNED: dict[tuple[int, int, int, bool], FusedLinearConfig] = {

@@ -41,7 +41,7 @@ interleaved, escapes from the table (bench/results/tried/step_ab_a05f9d3_h200.js
 3.540 ms against 3.631 with the norms as rmsnorm kernels, the bf16 step 4.09; the parts summed
 after the consumer's loop instead (beside the escapes' loads, a variant since removed) ran the
 same, 3.539. With the escapes from the lanes, 3.427 against 4.098
-(bench/results/step_ab_h200.json, 0cf1235).
+(bench/results/tried/step_ab_0cf1235_h200.json).
 
 Numerics. The decoded weights are u12_linear's, bit for bit (the same decode and scales), so the
 kernel computes fused_linear on unpack_u12(t): the roundings are the unfused kernels' (and

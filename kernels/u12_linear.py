@@ -61,7 +61,8 @@ lanes [BM, BN, LANES] before its loop at addresses it knows up front (``_lanes_l
 waits on it there), gathers x at their columns after it (``_lanes_gather``: one round trip, from
 L2) and reduces both escape sums in one pass, with no row pointers, no one-hot product and no
 non-finite path: each lane belongs to one row, so inf/NaN stay in it (``_lanes_finish``).
-The u12 AR step, interleaved (bench/results/step_ab_h200.json, 0cf1235):
+The u12 AR step, interleaved (bench/results/tried/step_ab_0cf1235_h200.json; 3.438 against 4.117 at 451e309,
+bench/results/step_ab_h200.json):
 3.427 ms against 3.546 with the table and bf16's 4.098 (1.196x). Tried and dropped there: x's
 gather issued after a peeled first chunk, so the loop hides it (3.629: the peel costs the loop
 more than the round trip), and the weight loads ``.cg`` or L1 ``evict_first`` (3.523, 3.529);
@@ -999,7 +1000,7 @@ SPLIT_KS_HMMA = (1, 2, 4, 8)
 # bench/results/step_ab_u12_tuned_h200.json): 3.626 ms against 3.648. The sweep again with the
 # escapes from the lanes (bench/results/u12_linear_gemv2_graph_h200.json, 0cf1235) kept every M = 1
 # tile but gate_up's (bn4-bw256-w2, 44.3 µs against 46.0); the step with it ran 3.501 ms against
-# 3.427 (bench/results/step_ab_h200.json), so TUNED keeps gate_up's.
+# 3.427 (bench/results/tried/step_ab_0cf1235_h200.json), so TUNED keeps gate_up's.
 # M = 32 and 64: the mma and tile sweep timed in CUDA graphs (bench/u12_linear.py --ms 32,64 --kernels
 # mma,tile --graph, bench/results/u12_linear_mma_m32_64_graph_h200.json, commit 4cea20f): the mma
 # kernel won every row, 0.41-1.13x cuBLAS against 0.30-0.68x for the tile kernel's configs before
@@ -1042,7 +1043,8 @@ ESC_AHEAD = True
 # weight has them, the block kernels tile, mma and hmma from the table), "lanes" (every kernel from
 # the lanes) or "table" (every kernel from the CSR side table; in the GEMVs as ESC_AHEAD says). On the
 # H200 (bench/step_ab.py, 451e309) the lanes won the AR step (3.438 ms against 3.551 from the table,
-# step_ab_h200.json) and lost verify(16) (5.543 against 5.250, step_ab_verify16_h200.json), hence
+# bench/results/step_ab_h200.json) and lost verify(16) (5.543 against 5.250,
+# bench/results/step_ab_verify16_h200.json), hence
 # "gemv". Read at launch; SPECPILOT_ESC_LANES sets it for a process.
 ESC_LANES = os.environ.get("SPECPILOT_ESC_LANES", "gemv")
 _LANE_MODES = ("gemv", "lanes", "table")

@@ -26,7 +26,7 @@ from specpilot.kernels.u12_linear import (
     u12_linear,
     u12_linear_reference,
 )
-from specpilot.runtime.u12 import pack_u12
+from specpilot.runtime.u12 import pack_u12, unpack_u12
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 ASM_MODES = [False, True] if torch.cuda.is_available() else [False]
@@ -227,3 +227,20 @@ def test_launch_captured_before_any_eager_one_walks_the_table(monkeypatch, m):
     _assert_matches(y, x, t)
     _assert_matches(u12_linear(x, t, cfg), x, t)
     assert t.esc_lanes is not None and u12_linear_module.lanes_args(t)[1] > 0
+
+
+def test_default_escapes_lanes_in_the_gemvs_table_in_the_block_kernels(monkeypatch):
+    """ESC_LANES "gemv" (the default): a GEMV launch gets the rows' lanes, a block kernel (tile,
+    mma, hmma) the table; "lanes" and "table" give every kernel the same."""
+    t = pack_u12((0.02 * torch.randn(8, 64, generator=torch.Generator().manual_seed(3))).to(torch.bfloat16))
+    w = unpack_u12(t)
+    w[2, 5] = float("inf")
+    t = pack_u12(w)
+    assert u12_linear_module.ESC_LANES == "gemv"
+    lanes, n = u12_linear_module.lanes_args(t)
+    assert n > 0 and lanes.data_ptr() == t.esc_lanes.data_ptr()
+    assert u12_linear_module.lanes_args(t, block=True) == (t.esc_row_ptr, 0)
+    monkeypatch.setattr(u12_linear_module, "ESC_LANES", "lanes")
+    assert u12_linear_module.lanes_args(t, block=True)[1] == n
+    monkeypatch.setattr(u12_linear_module, "ESC_LANES", "table")
+    assert u12_linear_module.lanes_args(t) == (t.esc_row_ptr, 0)

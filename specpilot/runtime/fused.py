@@ -20,7 +20,7 @@ place): seven launches a layer (run_layers_linear). o's and down's epilogues als
 stream's sums of squares for the next norm (RowSquares), so at several rows a norm prologue reads
 a few KB of them instead of every row of x in each program. On the H200 the Llama-3.1-8B AR step
 runs 4.075 ms against 4.794 ms on cuBLAS with the separate kernels (bench/results/step_times_llama_h200.json,
-fused-cublas), verify(16) 4.559 against 4.782 interleaved (bench/results/step_ab_verify16_h200.json, e0b3034).
+fused-cublas), verify(16) 4.559 against 4.782 interleaved (bench/results/tried/step_ab_verify16_e0b3034_h200.json).
 kernels/u12_fused_linear.py serves u12 layers the same way, but without its norm prologue (measured
 slower: U12_LINEAR, U12_NORMS_APART): o's and down's residual epilogues hand the stream's norm to
 the GEMV after them (NormHandoff, U12_NORM_HANDOFF), which scales its sums by the norm's inv, so
