@@ -127,10 +127,13 @@ def loops(code: list[tuple[str, str]]) -> list[tuple[int, int]]:
 
 
 def main_loop(code: list[tuple[str, str]]) -> tuple[int, int] | None:
-    """The K loop: of the loops, the one with the most multiply-adds (MACS), then the longest; None
-    without a loop. (Not simply the longest: an epilogue's escape walk can outgrow the K loop.)"""
+    """The K loop: of the loops, the one with the most tensor-core MMAs, then the most FMAs, then
+    the longest; None without a loop. (Not simply the longest, nor the most multiply-adds of any
+    kind: an epilogue's escape walk can outgrow the K loop and, walking the side table, issue more
+    FMAs than the K loop issues MMAs.)"""
     def weight(span):
-        return sum(opcode(ins) in MACS for _, ins in code[span[0]:span[1] + 1]), span[1] - span[0]
+        ops = [opcode(ins) for _, ins in code[span[0]:span[1] + 1]]
+        return sum(op in ("HMMA", "HGMMA") for op in ops), ops.count("FFMA"), span[1] - span[0]
     return max(loops(code), key=weight, default=None)
 
 

@@ -150,6 +150,10 @@ SASS = [("", "S2R R0, SR_TID.X"), (".L_x_1", "@!P0 LDG.E.128 R4, desc[UR6][R2.64
 
 def test_main_loop_is_the_longest_backward_branch():
     assert kernel_static.main_loop(SASS) == (1, 5)
+    # an escape walk with more FMAs than the K loop has MMAs is not the K loop
+    walk = [(".L_x_9", "FFMA R1, R2, R3, R1"), ("", "FFMA R1, R2, R3, R1"), ("", "FFMA R1, R2, R3, R1"),
+            ("", "@P2 BRA `(.L_x_9)")]
+    assert kernel_static.main_loop(SASS[:6] + walk) == (1, 5)
     assert kernel_static.main_loop([("", "EXIT")]) is None
     assert [kernel_static.opcode(i) for _, i in SASS[:3]] == ["S2R", "LDG", "HMMA"]
 
