@@ -85,12 +85,13 @@ SASS; the loop 19-21 address instructions longer, bench/results/kernel_static_sm
 tests/test_kernel_static.py) and the same sums up to their fp32 order (a lane's words of group u are 16 u +
 4 q + (0..3), x's likewise). A copy beside the row planes that gemv2 reads at one row, so not a
 default: plain weights only (a gated launch pairs gate and up rows), N % 16 == 0 and whole chunks
-(``tiles_apply``). Not yet timed (bench/run_gpu.sh tiles, and verifyab's u12-hmma-tiles).
+(``tiles_apply``). TUNED's o and down configs on them ran verify(16) 4.983 ms against 5.158 on the
+row planes (3353acd, u12-hmma-tiles in bench/results/step_ab_verify16_h200.json); not the default
+while the copy doubles those weights' memory (README, u12 section).
 
 bf16 x only (fp32 x, K % 4 != 0 or a base past 240 run the tile kernel: ``hmma_applies``). By
 default u12_linear runs it from TENSOR_CORE_ROWS (3) rows up where TUNED's 16-row config is an hmma
-one (o and down); the one-n-tile kernel at 3..8 rows is not yet timed on a GPU (bench/run_gpu.sh
-fewrows: verify(4) and verify(8) beside u12-hmma-wide and u12-gemv-rows).
+one (o and down); the one-n-tile kernel at 3..8 rows: see NARROW.
 """
 
 from __future__ import annotations
@@ -131,8 +132,9 @@ from .u12_linear import (
 
 MAX_ROWS = 16  # rows of x a program at most: two n-tiles of mma.m16n8k16 (x rows 0..7 and 8..15)
 # At most 8 rows of x, whether a program multiplies one n-tile (8 rows) rather than two with the
-# second's 8 rows re-reading the last: half the x loads and MMAs, the same W traffic. Read at launch
-# (bench/step_ab.py's verify variants compare).
+# second's 8 rows re-reading the last: half the x loads and MMAs, the same W traffic. On the H200 at
+# 3353acd: verify(4) 4.877 ms against 5.092 with two n-tiles, verify(8) 4.876 against 5.143
+# (bench/results/step_ab_verify{4,8}_h200.json). Read at launch (bench/step_ab.py's verify variants compare).
 NARROW = True
 
 

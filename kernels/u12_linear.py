@@ -1044,7 +1044,7 @@ ESC_AHEAD = True
 # the lanes) or "table" (every kernel from the CSR side table; in the GEMVs as ESC_AHEAD says). On the
 # H200 (bench/step_ab.py, 451e309) the lanes won the AR step (3.438 ms against 3.551 from the table,
 # bench/results/step_ab_h200.json) and lost verify(16) (5.543 against 5.250,
-# bench/results/step_ab_verify16_h200.json), hence
+# bench/results/tried/step_ab_verify16_451e309_h200.json; again at 3353acd, 5.158 against 5.442: bench/results/step_ab_verify16_h200.json), hence
 # "gemv". Read at launch; SPECPILOT_ESC_LANES sets it for a process.
 ESC_LANES = os.environ.get("SPECPILOT_ESC_LANES", "gemv")
 _LANE_MODES = ("gemv", "lanes", "table")
@@ -1110,10 +1110,11 @@ def _block_m(m: int) -> int:
 # per-row FMAs grow with M while a tensor-core kernel's cost barely moves below 16 rows. On the H200
 # the u12 verify(4) step, gemv2 at four rows, ran 6.344 ms against the bf16 step's 4.572 (0.72x), and
 # verify(8), the 16-row configs at eight rows, 5.109 against 4.643 (0.91x), interleaved at 4cea20f
-# (bench/results/step_ab_verify{4,8}_h200.json): the 16-row configs at 8 rows took 1.2 ms less
+# (bench/results/tried/step_ab_verify{4,8}_4cea20f_h200.json): the 16-row configs at 8 rows took 1.2 ms less
 # than gemv2 at 4 (and verify(8) does more attention). Three rows run gemv2's 4-row block (the same
-# cost as four), two its 2-row one, which no step has timed against them. Read at call time
-# (bench/step_ab.py's verify(4) variants compare).
+# cost as four), two its 2-row one, which no step has timed against them. At 3353acd verify(4) ran
+# 4.877 ms this way against 6.009 with gemv2 (bench/results/step_ab_verify4_h200.json). Read at call
+# time (bench/step_ab.py's verify(4) variants compare).
 TENSOR_CORE_ROWS = 3
 
 
