@@ -157,7 +157,7 @@ def describe(compiled, workdir: Path) -> dict:
     chunk = c.get("BLOCK_K") or 4 * c.get("BLOCK_W", 0)  # weights of a row a loop iteration (GEMVs: words of 4)
     rows = c.get("BLOCK_N", 0) * (2 if c.get("GATED") and compiled.name in COLUMN_BLOCKS else 1)
     per_warp = rows * chunk / compiled.num_warps
-    keep = ("BLOCK_M", "BLOCK_N", "BLOCK_W", "BLOCK_K", "SPLIT_K", "TILES", "NARROW", "TILED", "GATED", "HAND_IN",
+    keep = ("BLOCK_M", "BLOCK_N", "BLOCK_W", "BLOCK_K", "SPLIT_K", "TILED", "GATED", "HAND_IN",
             "HAND_OUT", "RESIDUAL", "NORM", "X_WORDS", "LANES", "LANE_GROUP", "EVEN_K", "ASM", "PDL")
     return {
         "kernel": compiled.name,

@@ -81,7 +81,7 @@ next group the other half), and Nsight Compute has the M = 16 kernel's L1 busy 7
 (above). ``U12Tensor.tiled_planes`` stores each m-tile's 16-word groups in the order the lanes hold
 them (Marlin's idea for int4 weights): a warp's word loads read 512 contiguous bytes, its code
 loads 256, and its groups follow each other, with the same loads, MMAs and registers (sm_90
-SASS; the loop 19-21 address instructions longer, bench/results/kernel_static_sm90_triton36.json, and
+SASS; the loop 21 address instructions longer, bench/results/kernel_static_sm90_triton36.json, and
 tests/test_kernel_static.py) and the same sums up to their fp32 order (a lane's words of group u are 16 u +
 4 q + (0..3), x's likewise). A copy beside the row planes that gemv2 reads at one row, so not a
 default: plain weights only (a gated launch pairs gate and up rows), N % 16 == 0 and whole chunks
