@@ -27,9 +27,6 @@
 #            epilogues, the registry), then verifyab
 #   tiles    the hmma kernel's M = 16 sweep on the tiled planes beside the row planes (bench/u12_linear.py
 #            --kernels tiles), then verify(16) interleaved with the sweep's best (u12-sweep) and u12-hmma-tiles
-#   stream   the mma kernel's stream-K: GPU tests, then the M = 16 sweep (stream-K and tiled-planes configs
-#            beside TUNED's) with the step's linears in one graph
-#   streamab verify(16) interleaved with a stream sweep's best (u12-sweep; STREAM_SWEEP names the file)
 #   fewrows  the hmma and mma kernels' GPU tests, then verify(4) and verify(8) interleaved (bench/step_ab.py
 #            --q 4 and 8: the tensor-core kernels at 3..8 rows against gemv2 at 4 and the hmma kernel's two n-tiles)
 #   fewsweep u12_linear at 4 and 8 rows in CUDA graphs: gemv2 and hmma configs (and the default) against cuBLAS
@@ -148,18 +145,6 @@ tiles() {  # W's tiled planes for the hmma kernel: does a warp reading contiguou
   TAIL=16 run step_ab_verify16 240 python bench/step_ab.py --q 16 --u12-tuned "$OUT/u12_linear_hmma_tiles_h200.json" \
     --out "$OUT/step_ab_verify16_tiles_h200.json"
 }
-stream() {  # stream-K for the mma kernel at M = 16: its GPU tests, then the sweep (the stream-K configs
-  # beside TUNED's, and the hmma kernel on the tiled planes beside the row planes), the linears of a
-  # step in one graph with the best, then verify(16) interleaved with them (u12-sweep)
-  TAIL=4 run stream_tests 200 python -m pytest -q -x -p no:cacheprovider tests/test_u12_mma.py \
-    tests/test_u12_fused_linear.py -k "stream or bit_exactly or handoff_at_many or cases_match"
-  TAIL=40 run u12_linear_stream 330 python bench/u12_linear.py --ms 16 --kernels stream,tiles --graph \
-    --budget-s 220 --out "$OUT/u12_linear_stream_h200.json"
-}
-streamab() {  # verify(16) interleaved with a stream sweep's best (STREAM_SWEEP, default the committed file)
-  TAIL=16 run step_ab_verify16 300 python bench/step_ab.py --q 16 \
-    --u12-tuned "${STREAM_SWEEP:-bench/results/u12_linear_stream_h200.json}" --out "$OUT/step_ab_verify16_h200.json"
-}
 fewrows() {  # the tensor-core kernels at few rows: GPU tests, then verify(4) and verify(8) interleaved
   TAIL=4 run fewrows_tests 150 python -m pytest -q -x -p no:cacheprovider tests/test_u12_hmma.py tests/test_u12_mma.py \
     tests/test_kernels.py -k "hmma or mma"
@@ -212,7 +197,7 @@ for group in "${@:?group...}"; do
   case "$group" in
     ncu) ncu_linear ;;
     tests | attntests | lineartests | ab | attention | attnvar | u12 | hmma | bf16tune | u12tune | verify16 | verifyab | \
-      u12verify | tiles | stream | streamab | fewrows | fewsweep | u12fusedtune | linear | peers | train | trees | e2e | tau | zoo) "$group" ;;
+      u12verify | tiles | fewrows | fewsweep | u12fusedtune | linear | peers | train | trees | e2e | tau | zoo) "$group" ;;
     steps) steps ;;
     qwen) steps qwen qwen3-8b ;;
     kernels) tests; steps both llama-3.1-8b qwen3-8b; attention ;;

@@ -10,8 +10,7 @@ timed with triton.testing.do_bench (CUDA events, L2 flushed before each call, me
 `--graph` as the median replay of a CUDA graph of one call per distinct copy of the weight (about
 2 GB of copies): do_bench's single launches include the host's launch overhead wherever it exceeds
 the kernel (cuBLAS's qkv at M = 16: 22.5 µs there, 15.2 in a graph). `--kernels hmma` adds
-kernels/u12_hmma.py's SWEEP_HMMA for 3 <= M <= 16 (`--kernels tiles`: SWEEP_HMMA_TILES, the tiled planes, each beside its row-planes twin) (`--kernels mma` from 3 rows up too);
-`--kernels stream` the mma kernel's stream-K configs, SWEEP_MMA_STREAM, from 3 rows up. A config
+kernels/u12_hmma.py's SWEEP_HMMA for 3 <= M <= 16 (`--kernels tiles`: SWEEP_HMMA_TILES, the tiled planes, each beside its row-planes twin) (`--kernels mma` from 3 rows up too). A config
 that fails to compile, run or match is recorded with its error, not timed. A time budget skips the
 rest of the sweep (rows marked "skipped") so the run stays within about four minutes on an H200.
 
@@ -91,7 +90,7 @@ def sweep_configs(m: int, n: int, k: int, kernels: tuple[str, ...] = ("tile", "g
     `kernels` picks the sweeps (the default config always runs)."""
     from specpilot.kernels.u12_linear import (
         SPLIT_KS, SPLIT_KS_HMMA, SPLIT_KS_MMA, SWEEP_DOT, SWEEP_GEMV, SWEEP_GEMV2, SWEEP_HMMA, SWEEP_HMMA_TILES,
-        SWEEP_MMA, SWEEP_MMA_STREAM, TENSOR_CORE_ROWS, _block_m, _tile_config, default_config, gemv2_acc_registers,
+        SWEEP_MMA, TENSOR_CORE_ROWS, _block_m, _tile_config, default_config, gemv2_acc_registers,
     )
 
     default = default_config(m, n, k)
@@ -112,8 +111,6 @@ def sweep_configs(m: int, n: int, k: int, kernels: tuple[str, ...] = ("tile", "g
         out += [cfg for cfg in SWEEP_GEMV2 if cfg not in out and gemv2_acc_registers(cfg, _block_m(m)) <= 64]
     if m >= TENSOR_CORE_ROWS and "mma" in kernels:
         add_splits(SWEEP_MMA, SPLIT_KS_MMA)
-    if m >= TENSOR_CORE_ROWS and "stream" in kernels:  # stream-K: no split to cross with
-        out += [cfg for cfg in SWEEP_MMA_STREAM if cfg not in out]
     if TENSOR_CORE_ROWS <= m <= 16 and "hmma" in kernels:
         add_splits(SWEEP_HMMA, SPLIT_KS_HMMA)
     if TENSOR_CORE_ROWS <= m <= 16 and "tiles" in kernels:  # each tiled config beside its row-planes twin
@@ -202,8 +199,8 @@ def main() -> None:
                         help="time each config in a CUDA graph over distinct copies of the weight (no host "
                              "overhead, no L2 reuse) instead of do_bench's single launches")
     parser.add_argument("--kernels", default="tile,gemv2",
-                        help="kernels to sweep: tile, gemv2, mma, stream (the mma kernel's stream-K configs), hmma, "
-                             "tiles (hmma on the tiled planes and its twins; the default config always runs)")
+                        help="kernels to sweep: tile, gemv2, mma, hmma, tiles (hmma on the tiled planes and its "
+                             "twins; the default config always runs)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench/u12_linear.py times CUDA kernels and needs a CUDA GPU; none is visible here.")

@@ -3,8 +3,7 @@
 ``native(device)``: whether launches on `device` take the GPU's paths (inline PTX, libdevice, fp
 fusion, register caps, the GPU's tile configs): a CUDA device outside ``TRITON_INTERPRET=1``, or
 any device inside ``compile_only``. Every kernel wrapper asks this, so the two modes below see
-the same launches a GPU would. ``sm_count(device)``: the SMs a persistent grid is sized by, in each
-of the three modes.
+the same launches a GPU would.
 
 ``compile_only(arch)``: inside it every Triton launch compiles its kernel for that NVIDIA GPU
 (Triton's bundled ptxas; no GPU, no driver) and returns without running it; CPU tensors stand for
@@ -19,7 +18,6 @@ the interpreter: under ``TRITON_INTERPRET=1`` a kernel is not compiled at all.
 
 from __future__ import annotations
 
-import functools
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -36,28 +34,6 @@ def native(device: torch.device | torch.Tensor) -> bool:
         return True
     device = device.device if isinstance(device, torch.Tensor) else device
     return device.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1"
-
-
-# SMs stream-K kernels size their grids by: what compile_only's launches assume (sm_90: the H100's
-# and H200's 132), and the interpreter's few, so that tiles split among several programs there.
-COMPILE_ONLY_SMS = 132
-INTERPRETER_SMS = 2
-
-
-def sm_count(device: torch.device | torch.Tensor) -> int:
-    """Streaming multiprocessors of `device` for grid sizing: the CUDA device's count, COMPILE_ONLY_SMS
-    inside ``compile_only``, else (the interpreter) INTERPRETER_SMS."""
-    if _compile_only:
-        return COMPILE_ONLY_SMS
-    device = device.device if isinstance(device, torch.Tensor) else device
-    if not native(device):
-        return INTERPRETER_SMS
-    return _cuda_sms(device.index if device.index is not None else torch.cuda.current_device())
-
-
-@functools.cache
-def _cuda_sms(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 @dataclass

@@ -872,7 +872,6 @@ class U12Config:
     kernel: str = "tile"  # or "gemv2", "mma", "hmma"
     maxnreg: int = 0  # registers a thread ptxas may use (PTX .maxnreg; gemv2, mma, hmma on the GPU); 0: its choice
     layout: str = "rows"  # or "tiles" (hmma: W's planes as U12Tensor.tiled_planes, where they apply)
-    stream: int = 0  # mma: > 0 runs stream-K, this many programs an SM sharing the chunks evenly (split_k 1)
 
     def __post_init__(self) -> None:
         if self.decode not in ("pairs", "single"):
@@ -889,9 +888,6 @@ class U12Config:
         if self.layout not in ("rows", "tiles") or (self.layout == "tiles" and self.kernel != "hmma"):
             raise ValueError(f"U12Config.layout: expected 'rows', or 'tiles' with the hmma kernel, got "
                              f"{self.layout!r} with {self.kernel!r}")
-        if self.stream and (self.kernel != "mma" or self.split_k != 1 or self.stream < 0):
-            raise ValueError(f"U12Config.stream: stream-K takes the mma kernel with split_k 1 and stream >= 1 "
-                             f"programs an SM, got stream {self.stream} with {self.kernel!r}, split_k {self.split_k}")
         if self.maxnreg and not 24 <= self.maxnreg <= 255:
             raise ValueError(f"U12Config.maxnreg: expected 0 (the compiler's choice) or 24..255, got {self.maxnreg}")
 
@@ -914,8 +910,7 @@ class U12Config:
             return f"gemv2-bn{self.block_n}-bw{self.block_w}-w{self.num_warps}-s{self.num_stages}{regs}"
         if self.kernel in ("mma", "hmma"):
             tiles = "-tiles" if self.layout == "tiles" else ""
-            ways = f"st{self.stream}" if self.stream else f"sk{self.split_k}"
-            return (f"{self.kernel}-bn{self.block_n}-bw{self.block_w}-{ways}-w{self.num_warps}"
+            return (f"{self.kernel}-bn{self.block_n}-bw{self.block_w}-sk{self.split_k}-w{self.num_warps}"
                     f"-s{self.num_stages}{regs}{tiles}")
         return f"bn{self.block_n}-bw{self.block_w}-sk{self.split_k}-w{self.num_warps}-s{self.num_stages}-{self.decode}"
 
@@ -966,17 +961,6 @@ SWEEP_MMA = [
     )
 ]
 SPLIT_KS_MMA = (1, 2, 4)
-# The mma kernel's stream-K sweep (``U12Config.stream``, 3 rows up; bench/u12_linear.py --kernels
-# stream): TUNED's 16-row mma tiles and their neighbours at several programs an SM. The tile loop
-# around the K loop costs registers (sm_90 ptxas, triton 3.9: 64 x 32 words at 3 stages 130 against
-# 123, 3 programs an SM against 4; 64 x 64 255 against 162), so each carries the cap that keeps its
-# split-K twin's occupancy without a spill: 128 (4 programs an SM; 8 warps: 2), 168 at 64 words (3).
-SWEEP_MMA_STREAM = [
-    U12Config(bn, bw, num_warps=w, num_stages=s, kernel="mma", maxnreg=r, stream=st)
-    for bn, bw, w, s, r in ((64, 32, 4, 3, 128), (64, 32, 4, 2, 128), (64, 16, 4, 4, 128), (64, 64, 4, 3, 168),
-                            (64, 64, 4, 2, 168), (128, 32, 8, 3, 128))
-    for st in (2, 3, 4, 8)
-]
 # The hmma sweep (3 <= M <= 16; bench/u12_linear.py crosses each with SPLIT_KS_HMMA): one or two
 # m-tiles (16 rows of W) a warp, 1 to 4 warps, chunks of 16 to 64 words a row (a quad reads them
 # contiguous), and register budgets. sm_90 ptxas (triton 3.6): 12.6-14.8 loop instructions a word,

@@ -44,6 +44,13 @@ group does not overlap its dot with the next decode; other programs on the SM ca
 instructions a word at BLOCK_M 16 (kernels/u12_linear.py's SWEEP_MMA). Tried: one dot a plane
 (acc += W_j · X_j, j = 0..3): four B stores, eight barriers and four wgmma waits a chunk, and a
 PRMT a register to pack the A fragment: 329 loop instructions against 272 (BN 64, BW 32, 4 warps).
+Tried and dropped (commit a291905, reverted): stream-K, SMs x 2..8 programs each running an even
+share of the tiles' chunks, a tile's pieces summed in program order by the last to arrive. The
+guess was wave quantization (gate_up's 448 programs on 528 slots). Slower at every shape than the
+split-K or one-split config it was to replace, each at a register cap that kept its occupancy
+(H200, M = 16, CUDA graphs; bench/results/u12_linear_tiles_h200.json): qkv 23.0 µs against 19.5,
+o 20.4 / 16.9 (hmma), gate_up 66.1 / 64.4, down 49.3 / 40.4 (hmma), lm_head 234 / 218. The same
+sweep had the hmma kernel on tiled planes win every shape (kernels/u12_hmma.py).
 """
 
 from __future__ import annotations
@@ -60,7 +67,6 @@ from .fused_linear import _epilogue, _row_inv_parts
 from .overlap import pdl_args, pdl_enter
 from .registry import KernelSpec, register
 from .target import native as on_native
-from .target import sm_count
 from .rmsnorm import _to_dtype
 from .u12_linear import (
     _ESC_BLOCK,
@@ -80,7 +86,6 @@ from .u12_linear import (
     _block_escapes,
     _split_k_plan,
     _split_k_sum,
-    split_counters,
     _store_block,
     _x_planes,
     u12_linear,
@@ -181,61 +186,11 @@ def _u12_mma_kernel(
     BLOCK_P: tl.constexpr = 16,  # HAND_IN: parts summed a chunk
     ROUND_BF16: tl.constexpr = False,  # bf16 under the interpreter: round before casting
     EXPF: tl.constexpr = False,  # GATED: libdevice's expf (GPU); else tl.exp
-    STREAM: tl.constexpr = False,  # stream-K: a 1-D grid of programs, each an even share of (tile, chunk) steps
-    n_blocks=1, chunks=1,  # STREAM: N blocks, and chunks of BLOCK_W words a tile (the last maybe partial)
 ):
     pdl_enter(PDL)
-    if STREAM:
-        # Tile b = pid_m · n_blocks + pid_n owns steps [b · chunks, (b + 1) · chunks); program p runs
-        # steps [p S / P, (p + 1) S / P) of all S, tile by tile: whole tiles alone, and the pieces
-        # of the at most two tiles it shares with its neighbours through ``_stream_sum``.
-        pid = tl.program_id(0)
-        programs = tl.num_programs(0)
-        steps = n_blocks * tl.cdiv(M, BLOCK_M) * chunks
-        s0 = pid * steps // programs
-        s1 = (pid + 1) * steps // programs
-        for tile in range(s0 // chunks, (s1 - 1) // chunks + 1):
-            t0 = tile * chunks
-            c_lo = tl.maximum(s0, t0) - t0
-            c_hi = tl.minimum(s1, t0 + chunks) - t0
-            _mma_block(
-                tile % n_blocks, 0, tile // n_blocks, c_lo * BLOCK_W, tl.minimum(c_hi * BLOCK_W, n_words), tile,
-                pid, programs, steps, chunks,
-                x_ptr, sm_ptr, codes_ptr, esc_idx_ptr, esc_val_ptr, esc_row_ptr, lanes_ptr, y_ptr, part_ptr,
-                count_ptr, hw_ptr, xg_ptr, parts_ptr, M, N, K, x_scale, y_scale_lo, y_scale_hi, n_out, inv_k, eps,
-                n_parts, stride_xm, stride_xk, stride_sm, stride_codes, stride_ym, stride_xg,
-                BLOCK_M, BLOCK_N, BLOCK_W, ESC_BLOCK, SPLIT_K, X_WORDS, EVEN_K, DOT_BF16, ASM, LANES, LANE_GROUP,
-                GATED, RESIDUAL, HAND_IN, HAND_OUT, BLOCK_P, ROUND_BF16, EXPF, True,
-            )
-    else:
-        pid_k = tl.program_id(1)
-        w_begin = pid_k * words_per_split
-        _mma_block(
-            tl.program_id(0), pid_k, tl.program_id(2), w_begin, tl.minimum(w_begin + words_per_split, n_words), 0,
-            0, 1, 1, 1,
-            x_ptr, sm_ptr, codes_ptr, esc_idx_ptr, esc_val_ptr, esc_row_ptr, lanes_ptr, y_ptr, part_ptr,
-            count_ptr, hw_ptr, xg_ptr, parts_ptr, M, N, K, x_scale, y_scale_lo, y_scale_hi, n_out, inv_k, eps,
-            n_parts, stride_xm, stride_xk, stride_sm, stride_codes, stride_ym, stride_xg,
-            BLOCK_M, BLOCK_N, BLOCK_W, ESC_BLOCK, SPLIT_K, X_WORDS, EVEN_K, DOT_BF16, ASM, LANES, LANE_GROUP,
-            GATED, RESIDUAL, HAND_IN, HAND_OUT, BLOCK_P, ROUND_BF16, EXPF, False,
-        )
-
-
-@triton.jit
-def _mma_block(
-    pid_n, pid_k, pid_m, w_begin, w_end, tile, pid, programs, steps, chunks,
-    x_ptr, sm_ptr, codes_ptr, esc_idx_ptr, esc_val_ptr, esc_row_ptr, lanes_ptr, y_ptr, part_ptr, count_ptr,
-    hw_ptr, xg_ptr, parts_ptr, M, N, K, x_scale, y_scale_lo, y_scale_hi, n_out, inv_k, eps, n_parts,
-    stride_xm, stride_xk, stride_sm, stride_codes, stride_ym, stride_xg,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, ESC_BLOCK: tl.constexpr,
-    SPLIT_K: tl.constexpr, X_WORDS: tl.constexpr, EVEN_K: tl.constexpr, DOT_BF16: tl.constexpr, ASM: tl.constexpr,
-    LANES: tl.constexpr, LANE_GROUP: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr,
-    HAND_IN: tl.constexpr, HAND_OUT: tl.constexpr, BLOCK_P: tl.constexpr, ROUND_BF16: tl.constexpr,
-    EXPF: tl.constexpr, STREAM: tl.constexpr,
-):
-    """The sums of block (pid_n, pid_m) over words [w_begin, w_end), then its store: split-K's
-    (``_split_k_sum`` inside the stores), or STREAM the piece's (``_stream_sum``, then the stores
-    as for one split, run by the program that holds the tile's whole sum)."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    pid_m = tl.program_id(2)
     n0 = pid_n * BLOCK_N
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     mask_m = offs_m < M
@@ -259,18 +214,17 @@ def _mma_block(
     else:
         x_cols = x_ptr + rows_m * stride_xm
 
+    w_begin = pid_k * words_per_split
+    w_end = tl.minimum(w_begin + words_per_split, n_words)
     full_end = w_begin + (w_end - w_begin) // BLOCK_W * BLOCK_W
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # yᵀ: W is the dot's wide side
     for start in range(w_begin, full_end, BLOCK_W):
         acc = _mma_chunk(acc, start, w_end, sm_rows, code_rows, x_cols, x_scale, BLOCK_W, X_WORDS, DOT_BF16, False, ASM)
     if not EVEN_K:
-        if full_end < w_end:  # only a block's last chunk is partial
+        if full_end < w_end:  # only the last split has a partial chunk
             acc = _mma_chunk(acc, full_end, w_end, sm_rows, code_rows, x_cols, x_scale,
                              BLOCK_W, X_WORDS, DOT_BF16, True, ASM)
     out = tl.trans(acc) * y_scale_lo * y_scale_hi  # exact: powers of two
-    if STREAM:  # the stores below then see one split (SPLIT_K 1): pid_k 0 where the program holds the whole sum
-        last, out = _stream_sum(out, part_ptr, count_ptr, tile, pid, programs, steps, chunks, BLOCK_M, BLOCK_N)
-        pid_k = 1 - last.to(tl.int32)
 
     if GATED or RESIDUAL or HAND_IN or HAND_OUT:
         _fused_store(
@@ -286,35 +240,6 @@ def _mma_block(
             mask_n, n0, pid_n, pid_k, pid_m, M, N, K, SPLIT_K, stride_xm, stride_xk, stride_ym, BLOCK_M, BLOCK_N,
             ESC_BLOCK, True, False, 1.0, lanes_ptr, LANES, LANE_GROUP,
         )
-
-
-@triton.jit
-def _stream_sum(out, part_ptr, count_ptr, tile, pid, programs, steps, chunks,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """(last, total) for program pid's sums `out` [BM, BN] over its piece of `tile` (steps t0 ..
-    t0 + chunks - 1): a tile one program runs whole is (true, out); else each piece is stored in
-    its program's slot (2 p for the piece a program starts with, 2 p + 1 for the one it ends with)
-    and the last piece to arrive (u12_linear's serial semaphore, a counter per tile) sums them all
-    in program order, so the sum does not depend on who arrives last, and resets the counter."""
-    t0 = tile * chunks
-    first = ((t0 + 1) * programs - 1) // steps  # the programs whose steps hold t0 and t0 + chunks - 1
-    final = ((t0 + chunks) * programs - 1) // steps
-    last = first == final
-    total = out
-    if first != final:
-        local = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-        mine = 2 * pid + (pid * steps // programs < t0).to(tl.int32)
-        tl.store(part_ptr + mine * (BLOCK_M * BLOCK_N) + local, out)
-        tl.debug_barrier()  # every thread's piece is written before the release below
-        last = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu") == final - first
-        total = tl.zeros_like(out)
-        for p in range(first, final + 1):
-            slot = 2 * p + (p * steps // programs < t0).to(tl.int32)
-            total += tl.load(part_ptr + slot * (BLOCK_M * BLOCK_N) + local, mask=tl.where(last, local >= 0, False), other=0.0,
-                             cache_modifier=".cg")
-        if last:
-            tl.atomic_xchg(count_ptr + tile, 0)
-    return last, total
 
 
 @triton.jit
@@ -385,46 +310,26 @@ def launch_mma(x: torch.Tensor, t: U12Tensor, y: torch.Tensor, cfg: U12Config, g
     x_words = x.dtype == torch.bfloat16
     x = aligned_rows(x, x_words)
     block_m = max(16, _block_m(m))  # tl.dot's narrowest side
+    grid, words_per_split, part, counters = _split_k_plan(t, cfg, m, n_words, block_m)
     native = on_native(x)  # the interpreter runs no PTX, no bf16 dot
-    if cfg.stream:
-        grid, part, counters, stream_args = _stream_plan(t, cfg, m, n_words, block_m)
-        words_per_split = n_words
-    else:
-        grid, words_per_split, part, counters = _split_k_plan(t, cfg, m, n_words, block_m)
-        stream_args = {}
     sm, codes = t.sm.contiguous(), t.codes.contiguous()
     lanes, n_lanes = lanes_args(t, block=True)
     if gated and cfg.block_n % 32:  # each half at least 16 rows: the table's one-hot dot over them
         raise ValueError(f"launch_mma: a gated launch splits block_n into gate and up rows, a multiple of 16 "
                          f"each; got block_n {cfg.block_n}")
-    n_blocks = stream_args.get("n_blocks", grid[0])
-    epi, flags, fused = epilogue_args(x, y, native, n_blocks, gated, residual, hand_in, hand_out)
+    epi, flags, fused = epilogue_args(x, y, native, grid[0], gated, residual, hand_in, hand_out)
     hw, xg, parts, n_out, inv_k, eps, n_parts, stride_xg = epi
     _u12_mma_kernel[grid](
         x, sm.view(torch.int32), codes.view(torch.int16),
         _nonempty(t.esc_idx), _nonempty(t.esc_val), t.esc_row_ptr, lanes, y, part, counters, hw, xg, parts,
         m, n, k, n_words, x_scale, y_lo, y_hi, words_per_split, n_out, inv_k, eps, n_parts,
         x.stride(0), x.stride(1), n_words, n_words, y.stride(0), stride_xg,
-        BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_W=cfg.block_w, ESC_BLOCK=_ESC_BLOCK,
-        SPLIT_K=1 if cfg.stream else grid[1], **stream_args,
+        BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_W=cfg.block_w, ESC_BLOCK=_ESC_BLOCK, SPLIT_K=grid[1],
         X_WORDS=x_words, EVEN_K=n_words % cfg.block_w == 0,
         DOT_BF16=native and x.dtype == torch.bfloat16, ASM=native,
         **cfg.launch_options(native, fp_fusion=not fused),
         **pdl_args(x.device), LANES=n_lanes, LANE_GROUP=lane_group(n_lanes), **flags,
     )
-
-
-def _stream_plan(t: U12Tensor, cfg: U12Config, m: int, n_words: int, block_m: int):
-    """(grid, pieces' fp32 slots, per-tile counters, the kernel's stream arguments) of a stream-K
-    launch: SMs x cfg.stream programs (at most one a step), each running an even share of the
-    tiles' chunks; two slots a program for the pieces of the tiles it shares."""
-    n_blocks = triton.cdiv(t.shape[0], cfg.block_n)
-    tiles = n_blocks * triton.cdiv(m, block_m)
-    chunks = max(1, triton.cdiv(n_words, cfg.block_w))
-    programs = max(1, min(sm_count(t.device) * cfg.stream, tiles * chunks))
-    part = torch.empty((2 * programs, block_m, cfg.block_n), dtype=torch.float32, device=t.device)
-    counters = split_counters(t, tiles, t.device)
-    return (programs, 1, 1), part, counters, dict(STREAM=True, n_blocks=n_blocks, chunks=chunks)
 
 
 # --- registry entry -------------------------------------------------------------------------

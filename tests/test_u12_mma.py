@@ -15,8 +15,6 @@ import pytest
 import torch
 import triton
 import triton.language as tl
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from specpilot.kernels import u12_mma
 from specpilot.kernels.registry import KERNELS
@@ -30,8 +28,6 @@ from specpilot.kernels.u12_linear import (
     u12_linear,
     u12_linear_reference,
 )
-from specpilot.kernels.target import INTERPRETER_SMS, sm_count
-from specpilot.kernels.u12_linear import SWEEP_MMA_STREAM, split_counters
 from specpilot.kernels.u12_mma import _mma_planes, _w_in_dot_order, _x_in_dot_order, mma_applies
 from specpilot.runtime.u12 import pack_u12, unpack_u12
 
@@ -97,87 +93,22 @@ def test_mma_reads_strided_x(mma_launches):
     torch.testing.assert_close(y, u12_linear(x, t, U12Config(64, 16, kernel="mma")), atol=0, rtol=0)
 
 
-@pytest.mark.parametrize("k,split_k,stream", [(64, 1, 0), (72, 2, 0), (200, 1, 3)])
-def test_mma_decodes_bit_exactly(k, split_k, stream, mma_launches):
+@pytest.mark.parametrize("k,split_k", [(64, 1), (72, 2)])
+def test_mma_decodes_bit_exactly(k, split_k, mma_launches):
     """x = I (fp32): each output is one weight times 1 plus zeros, through the planes' K order, the
-    scales, split-K (72: a full chunk, then a split of one masked chunk) and the escapes; stream-K
-    (200: 4 chunks a tile, the last masked, 2 tiles over 6 programs, so every tile in pieces): a
-    chunk summed twice or missed would double or zero its weights."""
+    scales, split-K (72: a full chunk, then a split of one masked chunk) and the escapes."""
     g = torch.Generator().manual_seed(k)
     w = (torch.randn(70, k, generator=g) * 0.02).to(torch.bfloat16)
     flat = w.view(torch.int16).view(-1)
     flat[::7] = torch.randint(-0x8000, 0x8000, (len(flat[::7]),), generator=g, dtype=torch.int16)  # any pattern
     t = pack_u12(w).to(DEVICE)
     x = torch.eye(k, device=DEVICE)
-    y = u12_linear(x, t, U12Config(64, 16, split_k=split_k, kernel="mma", stream=stream))
+    y = u12_linear(x, t, U12Config(64, 16, split_k=split_k, kernel="mma"))
     assert len(mma_launches) == 1
     ref = x @ unpack_u12(t).float().T  # same 0·inf = NaN as the kernel where a weight is inf or NaN
     finite = torch.isfinite(ref)
     assert torch.equal(y[finite].view(torch.int32), ref[finite].view(torch.int32))
     assert torch.equal(y.isnan(), ref.isnan()) and torch.equal(y[ref.isinf()], ref[ref.isinf()])
-
-
-# --- stream-K ---------------------------------------------------------------------------------
-
-def _stream_pieces(tiles: int, chunks: int, programs: int) -> list[list[int]]:
-    """The programs that run a piece of each tile, as the kernel assigns them (steps p S / P ..)."""
-    steps = tiles * chunks
-    owner = [p for p in range(programs) for _ in range(p * steps // programs, (p + 1) * steps // programs)]
-    return [sorted(set(owner[b * chunks:(b + 1) * chunks])) for b in range(tiles)]
-
-
-@settings(max_examples=12, deadline=None)
-@given(m=st.integers(1, 40), n=st.integers(1, 150), words=st.integers(1, 40), block_w=st.sampled_from([8, 16]),
-       stream=st.integers(1, 6), dtype=st.sampled_from([torch.float32, torch.bfloat16]), seed=st.integers(0, 2**16))
-def test_stream_k_matches_reference(m, n, words, block_w, stream, dtype, seed):
-    """Stream-K at odd shapes (partial row and column blocks, a masked last chunk, more programs than
-    a tile has chunks and fewer): the reference's result, the same bits on a second launch (the pieces
-    summed in program order, the counters left at 0), and as split-K's sum where one program runs
-    each tile whole."""
-    g = torch.Generator().manual_seed(seed)
-    k = 4 * words
-    w = 0.02 * torch.randn(n, k, generator=g)
-    w.view(-1)[torch.randint(0, n * k, (3,), generator=g)] = 7.0  # escapes: the tile's last piece adds them
-    t = pack_u12(w.to(torch.bfloat16)).to(DEVICE)
-    x = torch.randn(m, k, generator=g).to(dtype).to(DEVICE)
-    cfg = U12Config(64, block_w, kernel="mma", stream=stream)
-    y = u12_linear(x, t, cfg)
-    ref = u12_linear_reference(x, t)
-    atol, rtol = SPEC.tolerance[dtype]
-    torch.testing.assert_close(y, ref, atol=atol, rtol=rtol)
-    assert torch.equal(u12_linear(x, t, cfg), y)
-    tiles = triton.cdiv(n, 64) * triton.cdiv(m, max(16, triton.next_power_of_2(m)) if m > 4 else 16)
-    assert not split_counters(t, tiles, t.device)[:tiles].any(), "every tile's counter back at 0"
-    chunks = triton.cdiv(words, block_w)
-    if all(len(p) == 1 for p in _stream_pieces(tiles, chunks, min(sm_count(x) * stream, tiles * chunks))):
-        assert torch.equal(y, u12_linear(x, t, dataclasses.replace(cfg, stream=0)))
-
-
-def test_stream_k_grid_and_pieces(monkeypatch):
-    """The launch's grid: SMs x stream programs, at most one a chunk; the plan splits tiles among
-    neighbours and covers every chunk once (a tile's pieces are consecutive programs)."""
-    grids = []
-    plan = u12_mma._stream_plan
-    monkeypatch.setattr(u12_mma, "_stream_plan", lambda *a: (lambda r: (grids.append(r[0]), r)[1])(plan(*a)))
-    t = pack_u12((0.02 * torch.randn(200, 256)).to(torch.bfloat16)).to(DEVICE)  # 4 tiles of 64 rows, 4 chunks
-    x = torch.randn(5, 256, device=DEVICE)
-    for stream in (1, 3, 100):
-        y = u12_linear(x, t, U12Config(64, 16, kernel="mma", stream=stream))
-        torch.testing.assert_close(y, u12_linear_reference(x, t), atol=1e-5, rtol=1e-5)
-    assert grids == [(sm_count(x), 1, 1), (min(16, 3 * sm_count(x)), 1, 1), (16, 1, 1)]
-    assert _stream_pieces(4, 4, 6) == [[0, 1], [1, 2], [3, 4], [4, 5]]
-    assert _stream_pieces(2, 4, 8) == [[0, 1, 2, 3], [4, 5, 6, 7]]
-    assert DEVICE == "cuda" or sm_count(x) == INTERPRETER_SMS
-
-
-def test_stream_config_is_checked_and_named():
-    assert str(U12Config(64, 32, num_warps=4, num_stages=3, kernel="mma", maxnreg=128, stream=4)) == \
-        "mma-bn64-bw32-st4-w4-s3-r128"
-    for bad in (dict(kernel="hmma", block_n=64, block_w=32), dict(kernel="mma", split_k=2), dict(kernel="gemv2")):
-        with pytest.raises(ValueError, match="stream-K takes the mma kernel"):
-            U12Config(**{"block_n": 64, "block_w": 16, **bad}, stream=2)
-    assert all(cfg.kernel == "mma" and cfg.stream and cfg.maxnreg for cfg in SWEEP_MMA_STREAM)
-    assert len(set(SWEEP_MMA_STREAM)) == len(SWEEP_MMA_STREAM)
 
 
 @triton.jit
