@@ -10,7 +10,8 @@ Launches, for each of bench/u12_linear.py's shapes at M rows (default 1, 4, 16, 
                verify step with runtime/fused.py's U12_MANY_ROWS: the mma and hmma epilogues): o
                with the residual add handing the norm on, gate_up gated with the norm handed in,
                down handing on, qkv handed in (the lm_head has no fused call)
-  u12-tiles    at 16 rows, TUNED's hmma config on the tiled planes (U12Config.layout "tiles")
+  u12-tiles    u12_linear's default on the tiled weight (U12Tensor.layout "tiles"): gemv2 at one row,
+               TUNED_TILES' hmma configs at 4 and 16
   bf16         fused_linear's default config on the bf16 weight (the path u12 is compared with)
 
 --step-variants compiles the launches again under each of bench/step_ab.py's u12 knob variants
@@ -205,10 +206,9 @@ def launches(shapes: dict[str, tuple[int, int]], ms: tuple[int, ...], only: tupl
                 yield "u12", name, m, lambda m=m, name=name, k=k: u12_linear(x(m, k), packed[name])
             if "bf16" in only:
                 yield "bf16", name, m, lambda m=m, name=name, k=k: fused_linear(x(m, k), weights[name])
-            cfg = default_config(16, n, k)
-            if "u12-tiles" in only and m == 16 and cfg.kernel == "hmma":
-                tiles = dataclasses.replace(cfg, layout="tiles")
-                yield "u12-tiles", name, m, lambda name=name, k=k, tiles=tiles: u12_linear(x(16, k), packed[name], tiles)
+            if "u12-tiles" in only and m <= 16:
+                tiled = packed[name].with_layout("tiles")
+                yield "u12-tiles", name, m, lambda m=m, k=k, tiled=tiled: u12_linear(x(m, k), tiled)
     if "u12-fused" in only and {"qkv", "o", "gate_up", "down"} <= packed.keys():
         hidden = shapes["o"][0]
         norm = torch.ones(hidden, dtype=torch.bfloat16)

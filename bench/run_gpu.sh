@@ -25,8 +25,10 @@
 #            --q 16; bf16-sweep from the committed M = 16 sweep, bench/results/fused_linear_m16_graph_h200.json)
 #   u12verify  the u12 kernel tests on the GPU (escapes every way, a CUDA graph capture, the M >= 5
 #            epilogues, the registry), then verifyab
-#   tiles    the hmma kernel's M = 16 sweep on the tiled planes beside the row planes (bench/u12_linear.py
-#            --kernels tiles), then verify(16) interleaved with the sweep's best (u12-sweep) and u12-hmma-tiles
+#   tiles    the M = 16 sweep (mma and hmma) on tiled weights beside row planes (bench/u12_linear.py --layouts
+#            rows,tiles), then verify(16) interleaved with the sweep's best (u12-sweep, u12-tiles-sweep)
+#   tilesab  the tiled layout's GPU tests, then the AR and verify(16) steps interleaved (u12-tiles beside u12)
+#   tiles1   the one-row gemv2 sweep on tiled weights beside row planes, in CUDA graphs
 #   fewrows  the hmma and mma kernels' GPU tests, then verify(4) and verify(8) interleaved (bench/step_ab.py
 #            --q 4 and 8: the tensor-core kernels at 3..8 rows against gemv2 at 4 and the hmma kernel's two n-tiles)
 #   fewsweep u12_linear at 4 and 8 rows in CUDA graphs: gemv2 and hmma configs (and the default) against cuBLAS
@@ -138,12 +140,21 @@ u12verify() {  # the u12 kernels on the GPU, then the verify(16) step interleave
     tests/test_u12_gemv.py tests/test_u12_fused_linear.py tests/test_kernels.py -k "u12 or lane or escape"
   verifyab
 }
-tiles() {  # W's tiled planes for the hmma kernel: does a warp reading contiguous memory lift M = 16?
-  # (its GPU tests run in u12verify; each swept config is checked against the reference first)
-  TAIL=40 run u12_linear_tiles 300 python bench/u12_linear.py --ms 16 --kernels tiles --graph --no-step \
-    --budget-s 200 --out "$OUT/u12_linear_hmma_tiles_h200.json"
-  TAIL=16 run step_ab_verify16 240 python bench/step_ab.py --q 16 --u12-tuned "$OUT/u12_linear_hmma_tiles_h200.json" \
-    --out "$OUT/step_ab_verify16_tiles_h200.json"
+tiles() {  # tiled weights at M = 16: the tensor-core kernels on both layouts, then verify(16) with the best
+  # (each swept config is checked against the reference first)
+  TAIL=40 run u12_linear_tiles 330 python bench/u12_linear.py --ms 16 --kernels mma,hmma --layouts rows,tiles --graph \
+    --budget-s 220 --out "$OUT/u12_linear_tiles_h200.json"
+  TAIL=18 run step_ab_verify16 240 python bench/step_ab.py --q 16 --u12-tuned "$OUT/u12_linear_tiles_h200.json" \
+    --out "$OUT/step_ab_verify16_h200.json"
+}
+tilesab() {  # the tiled layout on the GPU: its tests, then the AR and verify(16) steps with u12-tiles
+  TAIL=4 run tiles_tests 150 python -m pytest -q -x -p no:cacheprovider tests/test_u12_layout.py
+  TAIL=24 run step_ab 260 python bench/step_ab.py --out "$OUT/step_ab_h200.json"
+  TAIL=18 run step_ab_verify16 170 python bench/step_ab.py --q 16 --out "$OUT/step_ab_verify16_h200.json"
+}
+tiles1() {  # one row on tiled weights: gemv2's configs on both layouts in CUDA graphs
+  TAIL=24 run u12_linear_tiles1 330 python bench/u12_linear.py --ms 1 --kernels gemv2 --layouts rows,tiles --graph \
+    --budget-s 220 --out "$OUT/u12_linear_gemv2_tiles_h200.json"
 }
 fewrows() {  # the tensor-core kernels at few rows: GPU tests, then verify(4) and verify(8) interleaved
   TAIL=4 run fewrows_tests 150 python -m pytest -q -x -p no:cacheprovider tests/test_u12_hmma.py tests/test_u12_mma.py \
@@ -197,7 +208,7 @@ for group in "${@:?group...}"; do
   case "$group" in
     ncu) ncu_linear ;;
     tests | attntests | lineartests | ab | attention | attnvar | u12 | hmma | bf16tune | u12tune | verify16 | verifyab | \
-      u12verify | tiles | fewrows | fewsweep | u12fusedtune | linear | peers | train | trees | e2e | tau | zoo) "$group" ;;
+      u12verify | tiles | tilesab | tiles1 | fewrows | fewsweep | u12fusedtune | linear | peers | train | trees | e2e | tau | zoo) "$group" ;;
     steps) steps ;;
     qwen) steps qwen qwen3-8b ;;
     kernels) tests; steps both llama-3.1-8b qwen3-8b; attention ;;

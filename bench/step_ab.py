@@ -27,8 +27,9 @@ handoff, runtime/fused.py's U12_MANY_ROWS; --q above 1 only); u12-lanes-g8, u12-
 step's mma and hmma kernels walking the lanes 8 or 16 a step, ``u12_linear.LANE_GROUP``, against the
 default 4; --q above 1 only); u12-gemv-rows (gemv2 at 3..4 rows, the default before the tensor-core
 kernels took them: ``u12_linear.TENSOR_CORE_ROWS``; --q 3 or 4); u12-hmma-wide (the hmma kernel's
-two n-tiles at up to 8 rows, ``u12_hmma.NARROW`` off; --q 2..8); u12-hmma-tiles (TUNED's hmma configs,
-o's and down's, on W's tiled planes: ``U12Config.layout``; --q 3..16); u12-sweep and u12-fused-sweep
+two n-tiles at up to 8 rows, ``u12_hmma.NARROW`` off; --q 2..8); u12-tiles (the default u12 step with
+every weight tiled, ``U12Tensor.layout``: gemv2 and the fused GEMV on the tiles at one row, TUNED_TILES'
+hmma configs from 3 rows; u12-tiles-sweep: with a --u12-tuned file's tiled configs); u12-sweep and u12-fused-sweep
 (the default u12 step with u12_linear's, or u12_fused_linear's, TUNED entries for the step's rows
 taken from a sweep's results file: --u12-tuned, --u12-fused-tuned); bf16-default, bf16-r128 (the bf16 step at other register budgets:
 ``BF16_VARIANTS``; not under --smoke, whose tiny shapes TUNED does not hold). With --q above 1 (a
@@ -108,10 +109,17 @@ def knob_variants(q: int) -> dict[str, dict]:
     return {**U12_VERIFY_KNOB_VARIANTS, **few}
 
 
-def hmma_tiles_override() -> dict:
-    """TUNED's hmma entries for 3..16 rows (their bucket 16) with layout "tiles"."""
-    return {key: dataclasses.replace(cfg, layout="tiles") for key, cfg in u12_linear.TUNED.items()
-            if key[0] == 16 and cfg.kernel == "hmma"}
+def tile_u12(model) -> None:
+    """Every u12 projection of `model` (st.to_u12's) with its weight tiled (U12Tensor.layout); the
+    fused decoder dropped, so the next fused_path installs it over them (concatenated, still tiled)."""
+    from specpilot.backends.torch_backend import U12Linear
+    from specpilot.runtime.model import swap_projection
+    from specpilot.runtime.u12 import tiles_fit
+
+    for name, module in model.linear_modules().items():
+        if tiles_fit(module.packed.shape):  # (the smoke test's tiny shapes: some stay rows)
+            swap_projection(model, name, U12Linear(module.packed.with_layout("tiles"), module.kernel))
+    model._fused_kept = None
 
 
 @contextlib.contextmanager
@@ -158,18 +166,20 @@ BF16_VARIANTS = {
 }
 
 
-def tuned_from_sweep(path: Path, config_type: type, m_key: int = 1) -> dict:
+def tuned_from_sweep(path: Path, config_type: type, m_key: int = 1, layout: str = "rows") -> dict:
     """TUNED entries of the rows key m_key (a kernel module's bucket of M) from a sweep's results file
     (bench/fused_linear.py, bench/u12_linear.py or bench/u12_fused_linear.py): its "tuned" list, each entry's fields of
-    config_type (FusedLinearConfig or U12Config) made a config again."""
+    config_type (FusedLinearConfig or U12Config) made a config again; those measured on weights in
+    `layout` (bench/u12_linear.py's entries say; others are rows')."""
     names = {f.name for f in dataclasses.fields(config_type)}
     return {tuple(e["key"]): config_type(**{k: v for k, v in e.items() if k in names})
-            for e in json.loads(path.read_text())["tuned"] if e["key"][0] == m_key}
+            for e in json.loads(path.read_text())["tuned"]
+            if e["key"][0] == m_key and e.get("layout", "rows") == layout}
 
 
 @torch.inference_mode()
 def capture(shape: str, variants: bool, extra_bf16: dict | None = None, extra_u12: dict | None = None,
-            q: int = 1, extra_u12_fused: dict | None = None) -> tuple[dict, list]:
+            q: int = 1, extra_u12_fused: dict | None = None, extra_u12_tiles: dict | None = None) -> tuple[dict, list]:
     """({variant: graph replay} over one model's weights, what the graphs read and must outlive:
     the caches, and the bf16 weights that the u12 modules replaced). q: the step's new tokens (1:
     AR; more: a chain verify, where bf16-linear runs fused_linear at those rows too)."""
@@ -221,9 +231,6 @@ def capture(shape: str, variants: bool, extra_bf16: dict | None = None, extra_u1
         for name, knobs in knob_variants(q).items():
             with knobs_set(knobs):
                 graphs[name] = capture_step()
-        if 3 <= q <= 16:  # the hmma kernel's configs on W's tiled planes (twice those weights' memory)
-            with _tuned(u12_linear.TUNED, hmma_tiles_override()):
-                graphs["u12-hmma-tiles"] = capture_step()
         if variants and q == 1:
             for name, step, kw in OVERLAP_VARIANTS:
                 if step == "u12":
@@ -234,6 +241,13 @@ def capture(shape: str, variants: bool, extra_bf16: dict | None = None, extra_u1
                 graphs[name] = capture_step()
         for name, override in (extra_u12_fused or {}).items():  # and with u12_fused_linear's own
             with _tuned(u12_fused_linear.TUNED, override):
+                graphs[name] = capture_step()
+    keep += [model._fused_kept, list(model.linear_modules().values())]  # the row planes the graphs read
+    tile_u12(model)
+    with fused_path(model):  # the default u12 step on tiled weights: TUNED_TILES from 3 rows
+        graphs["u12-tiles"] = capture_step()
+        for name, override in (extra_u12_tiles or {}).items():  # at a sweep's configs for tiled weights
+            with _tuned(u12_linear.TUNED_TILES, override):
                 graphs[name] = capture_step()
     return graphs, keep
 
@@ -279,10 +293,12 @@ def main() -> int:
                                             fused_linear.m_bucket(args.q))} if args.bf16_tuned else None
     extra_u12 = {"u12-sweep": tuned_from_sweep(args.u12_tuned, u12_linear.U12Config, u12_linear._block_m(args.q))
                  } if args.u12_tuned else None
+    extra_u12_tiles = {"u12-tiles-sweep": tuned_from_sweep(args.u12_tuned, u12_linear.U12Config, 16, "tiles")
+                       } if args.u12_tuned and 3 <= args.q <= 16 else None
     extra_u12_fused = {"u12-fused-sweep": tuned_from_sweep(args.u12_fused_tuned, u12_linear.U12Config,
                                                            u12_linear._block_m(args.q))} if args.u12_fused_tuned else None
     graphs, _keep = capture(shape, variants=not args.smoke, extra_bf16=extra, extra_u12=extra_u12, q=args.q,
-                            extra_u12_fused=extra_u12_fused)
+                            extra_u12_fused=extra_u12_fused, extra_u12_tiles=extra_u12_tiles)
     names = list(graphs)
     per_round: dict[str, list[float]] = {n: [] for n in names}
     with torch.inference_mode():  # (--smoke replays the steps themselves)

@@ -272,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
         if cuda:
             torch.cuda.empty_cache()
 
-    fields = ("block_n", "block_w", "split_k", "num_warps", "num_stages", "decode", "kernel", "maxnreg", "layout")
+    fields = ("block_n", "block_w", "split_k", "num_warps", "num_stages", "decode", "kernel", "maxnreg")
     tuned = [{"key": [_block_m(m), shapes[name][0], shapes[name][1], shapes[name][2]], "shape": name, "M": m,
               "config": str(cfg), **{f: getattr(cfg, f) for f in fields}}
              for (name, m), (cfg, _) in best.items()]

@@ -10,7 +10,8 @@ timed with triton.testing.do_bench (CUDA events, L2 flushed before each call, me
 `--graph` as the median replay of a CUDA graph of one call per distinct copy of the weight (about
 2 GB of copies): do_bench's single launches include the host's launch overhead wherever it exceeds
 the kernel (cuBLAS's qkv at M = 16: 22.5 µs there, 15.2 in a graph). `--kernels hmma` adds
-kernels/u12_hmma.py's SWEEP_HMMA for 3 <= M <= 16 (`--kernels tiles`: SWEEP_HMMA_TILES, the tiled planes, each beside its row-planes twin) (`--kernels mma` from 3 rows up too). A config
+kernels/u12_hmma.py's SWEEP_HMMA for 3 <= M <= 16 (`--kernels mma` from 3 rows up too). `--layouts rows,tiles`
+sweeps each config on the weight in each layout (U12Tensor.layout; rows' "layout" says which). A config
 that fails to compile, run or match is recorded with its error, not timed. A time budget skips the
 rest of the sweep (rows marked "skipped") so the run stays within about four minutes on an H200.
 
@@ -85,11 +86,11 @@ def sweep_configs(m: int, n: int, k: int, kernels: tuple[str, ...] = ("tile", "g
     """The default config first, then each sweep tile crossed with SPLIT_KS (splits that fit K),
     for M <= 4 the gemv2 configs whose accumulator fits 64 registers a thread, from TENSOR_CORE_ROWS
     (3) rows up the mma configs crossed with SPLIT_KS_MMA, and up to 16 rows the hmma configs crossed
-    with SPLIT_KS_HMMA ("tiles": the tiled-planes ones, each beside its twin on the row planes), then
+    with SPLIT_KS_HMMA, then
     the tile kernel's default with the one-weight-per-op decode (what the pair decode saves).
     `kernels` picks the sweeps (the default config always runs)."""
     from specpilot.kernels.u12_linear import (
-        SPLIT_KS, SPLIT_KS_HMMA, SPLIT_KS_MMA, SWEEP_DOT, SWEEP_GEMV, SWEEP_GEMV2, SWEEP_HMMA, SWEEP_HMMA_TILES,
+        SPLIT_KS, SPLIT_KS_HMMA, SPLIT_KS_MMA, SWEEP_DOT, SWEEP_GEMV, SWEEP_GEMV2, SWEEP_HMMA,
         SWEEP_MMA, TENSOR_CORE_ROWS, _block_m, _tile_config, default_config, gemv2_acc_registers,
     )
 
@@ -113,9 +114,6 @@ def sweep_configs(m: int, n: int, k: int, kernels: tuple[str, ...] = ("tile", "g
         add_splits(SWEEP_MMA, SPLIT_KS_MMA)
     if TENSOR_CORE_ROWS <= m <= 16 and "hmma" in kernels:
         add_splits(SWEEP_HMMA, SPLIT_KS_HMMA)
-    if TENSOR_CORE_ROWS <= m <= 16 and "tiles" in kernels:  # each tiled config beside its row-planes twin
-        add_splits([c for tiled in SWEEP_HMMA_TILES for c in (dataclasses.replace(tiled, layout="rows"), tiled)],
-                   SPLIT_KS_HMMA)
     tile_default = default if default.kernel == "tile" else _tile_config(m, n, k, on_gpu=True)
     return out + ([dataclasses.replace(tile_default, decode="single")] if "tile" in kernels else [])
 
@@ -164,7 +162,8 @@ def time_graph(fns, reps: int = 20) -> float:
 
 
 def whole_step(best: dict, gen: torch.Generator) -> list[dict]:
-    """The 32 layers' linears + lm_head in one CUDA graph, cuBLAS bf16 vs u12 (best configs)."""
+    """The 32 layers' linears + lm_head in one CUDA graph, cuBLAS bf16 vs u12 (best: (config, layout) by
+    (shape, M); each M's weights in its best layouts)."""
     from specpilot.kernels.u12_linear import u12_linear
     from specpilot.runtime.u12 import pack_u12
 
@@ -177,7 +176,11 @@ def whole_step(best: dict, gen: torch.Generator) -> list[dict]:
     for m in STEP_MS:
         xs = {k: torch.randn(m, k, device="cuda", generator=gen).to(torch.bfloat16) for k in (4096, 14336)}
         bf16 = [lambda x=xs[w.shape[1]], w=w: x @ w.T for _, w, _ in weights]
-        u12 = [lambda x=xs[t.shape[1]], t=t, c=best.get((name, m)): u12_linear(x, t, c) for name, _, t in weights]
+        cfg, layout = {}, {}
+        for name, _, _ in weights:
+            cfg[name], layout[name] = best.get((name, m), (None, "rows"))
+        laid = [(name, t.with_layout(layout[name])) for name, _, t in weights]
+        u12 = [lambda x=xs[t.shape[1]], t=t, c=cfg[name]: u12_linear(x, t, c) for name, t in laid]
         cublas_ms, u12_ms = time_graph(bf16), time_graph(u12)
         out.append({
             "what": "32 layers' qkv/o/gate_up/down + lm_head linears of Llama-3.1-8B in one CUDA graph "
@@ -199,9 +202,13 @@ def main() -> None:
                         help="time each config in a CUDA graph over distinct copies of the weight (no host "
                              "overhead, no L2 reuse) instead of do_bench's single launches")
     parser.add_argument("--kernels", default="tile,gemv2",
-                        help="kernels to sweep: tile, gemv2, mma, hmma, tiles (hmma on the tiled planes and its "
-                             "twins; the default config always runs)")
+                        help="kernels to sweep: tile, gemv2, mma, hmma (the default config always runs)")
+    parser.add_argument("--layouts", default="rows",
+                        help="the weight's layouts (U12Tensor.layout) to run every config on: rows, tiles")
     args = parser.parse_args()
+    layouts = tuple(args.layouts.split(","))
+    if not set(layouts) <= {"rows", "tiles"}:
+        parser.error(f"--layouts: expected rows and/or tiles, got {args.layouts!r}")
     if not torch.cuda.is_available():
         sys.exit("bench/u12_linear.py times CUDA kernels and needs a CUDA GPU; none is visible here.")
 
@@ -225,6 +232,7 @@ def main() -> None:
         while args.graph and len(copies) < max(2, min(LAYERS, int(2e9 // (2 * n * k)))):
             wc = (torch.randn(n, k, device="cuda", generator=g) * SIGMA).to(torch.bfloat16)
             copies.append((wc, pack_u12(wc)))
+        tiled = {lay: (t.with_layout(lay), [tc.with_layout(lay) for _, tc in copies]) for lay in layouts}
         for m in [int(v) for v in args.ms.split(",")]:
             x = torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16)
             ref = u12_linear_reference(x, t)
@@ -235,8 +243,10 @@ def main() -> None:
                 t_cublas = do_bench(lambda x=x, w=w: x @ w.T, warmup=10, rep=40, return_mode="median") * 1e3
             io = 2 * m * k + 2 * m * n  # x read, y written
             base = {"name": name, "N": n, "K": k, "M": m, "cublas_us": t_cublas}
-            for i, cfg in enumerate(sweep_configs(m, n, k, tuple(args.kernels.split(",")))):
-                row = {**base, "config": str(cfg), "default": i == 0}
+            configs = sweep_configs(m, n, k, tuple(args.kernels.split(",")))
+            for i, (cfg, layout) in enumerate((c, lay) for c in configs for lay in layouts):
+                row = {**base, "config": str(cfg), "layout": layout, "default": i == 0}
+                t, tcopies = tiled[layout]
                 if time.monotonic() - t0 > args.budget_s:
                     sweep.append({**row, "skipped": "time budget"})
                     continue
@@ -244,7 +254,7 @@ def main() -> None:
                     y = u12_linear(x, t, cfg)
                     check_close(y, ref, scale)
                     if args.graph:
-                        us = time_graph([lambda x=x, t=tc, c=cfg: u12_linear(x, t, c) for _, tc in copies]) * 1e3 / len(copies)
+                        us = time_graph([lambda x=x, t=tc, c=cfg: u12_linear(x, t, c) for tc in tcopies]) * 1e3 / len(copies)
                     else:
                         us = do_bench(lambda x=x, t=t, cfg=cfg: u12_linear(x, t, cfg), warmup=5, rep=20,
                                       return_mode="median") * 1e3
@@ -254,31 +264,31 @@ def main() -> None:
                 err = float((y.float() - ref.float()).norm() / ref.float().norm())
                 sweep.append({**row, "us": us, "speedup": t_cublas / us, "rel_err_vs_reference": err})
                 if (name, m) not in best or us < best[(name, m)][1]:
-                    best[(name, m)] = (cfg, us, err)
+                    best[(name, m)] = (cfg, us, err, layout)
             if (name, m) in best:
-                cfg, us, err = best[(name, m)]
+                cfg, us, err, layout = best[(name, m)]
                 default = next((r for r in sweep if r["name"] == name and r["M"] == m and r["default"]), {})
                 rows.append({
                     **base, "u12_us": us, "speedup": t_cublas / us,
                     "cublas_tb_s": (2 * n * k + io) / t_cublas / 1e6, "u12_tb_s": (t.nbytes + io) / us / 1e6,
                     "u12_bytes": t.nbytes, "bf16_bytes": 2 * n * k, "escapes": t.esc_idx.numel(),
-                    "rel_err_vs_reference": err, "config": str(cfg),
+                    "rel_err_vs_reference": err, "config": str(cfg), "layout": layout,
                     "default_config": default.get("config"), "default_us": default.get("us"),
                 })
-        del w, t, scale, copies
+        del w, t, scale, copies, tiled
         torch.cuda.empty_cache()
     sweep_s = time.monotonic() - t0
 
     step = []
     if not args.no_step:
         try:
-            step = whole_step({key: v[0] for key, v in best.items()}, g)
+            step = whole_step({key: (v[0], v[3]) for key, v in best.items()}, g)
         except Exception as e:  # e.g. out of memory on a smaller GPU: the sweep still counts
             step = [{"error": f"{type(e).__name__}: {str(e)[:300]}"}]
         torch.cuda.empty_cache()
 
     tuned = [{"key": [_block_m(m), SHAPES[name][0], SHAPES[name][1]], "shape": name, "M": m, "config": str(cfg),
-              **dataclasses.asdict(cfg)} for (name, m), (cfg, _, _) in best.items()]
+              **dataclasses.asdict(cfg), "layout": layout} for (name, m), (cfg, _, _, layout) in best.items()]
     result = {
         "what": "u12_linear vs cuBLAS bf16 x @ W.T, Llama-3.1-8B linear shapes, N(0, 0.02) weights",
         "timing": "median replay of a CUDA graph of one call per distinct copy of the weight (about 2 GB of bf16 "

@@ -122,6 +122,7 @@ from .u12_linear import (
     _lanes_gather,
     _lanes_load,
     _nonempty,
+    _row_words,
     _x_planes,
     aligned_rows,
     biased_scale,
@@ -139,7 +140,7 @@ from .u12_linear import default_config as u12_default_config
 def _fused_chunk(
     acc_g, acc_u, start, x_rows, nw_rows, inv, gate_sm, gate_codes, up_sm, up_codes, n_words,
     BLOCK_W: tl.constexpr, X_WORDS: tl.constexpr, MASKED: tl.constexpr, NORM: tl.constexpr,
-    GATED: tl.constexpr, DTYPE: tl.constexpr, ROUND_BF16: tl.constexpr, ASM: tl.constexpr,
+    GATED: tl.constexpr, DTYPE: tl.constexpr, ROUND_BF16: tl.constexpr, ASM: tl.constexpr, TILED: tl.constexpr,
 ):
     """acc[m, n, w] += Σ_j x'[m, 4 w + j] · W[n, 4 w + j] 2^(113-base) over the words w in
     [start, start + BLOCK_W), for the gate rows and (GATED) the up rows; MASKED: words past K read as 0."""
@@ -152,9 +153,9 @@ def _fused_chunk(
         x1 = _normalize(x1, inv, n1, DTYPE, ROUND_BF16)
         x2 = _normalize(x2, inv, n2, DTYPE, ROUND_BF16)
         x3 = _normalize(x3, inv, n3, DTYPE, ROUND_BF16)
-    acc_g = _fma_planes(acc_g, gate_sm, gate_codes, offs_w, mask, x0, x1, x2, x3, MASKED, ASM)
+    acc_g = _fma_planes(acc_g, gate_sm, gate_codes, offs_w, mask, x0, x1, x2, x3, MASKED, ASM, TILED)
     if GATED:
-        acc_u = _fma_planes(acc_u, up_sm, up_codes, offs_w, mask, x0, x1, x2, x3, MASKED, ASM)
+        acc_u = _fma_planes(acc_u, up_sm, up_codes, offs_w, mask, x0, x1, x2, x3, MASKED, ASM, TILED)
     return acc_g, acc_u
 
 
@@ -178,6 +179,7 @@ def _u12_fused_gemv_kernel(
     HAND_IN: tl.constexpr = False,  # x is a handoff's xg: the sums times its rows' inv (from n_parts parts)
     BLOCK_P: tl.constexpr = 16,  # HAND_IN: parts summed a chunk (all of them in one: their loads in flight at once)
     LANES: tl.constexpr = 0,  # > 0: the escapes from t's lanes (U12Tensor.esc_lanes, LANES a row), not the table
+    TILED: tl.constexpr = False,  # t's planes in tiles (U12Tensor.layout)
 ):
     """All M (<= 4) rows of x against BLOCK_N output rows (N: output columns; gated: rows n and N + n of t)."""
     pdl_enter(PDL)
@@ -205,10 +207,10 @@ def _u12_fused_gemv_kernel(
     # Every load has the accumulator's shape [BM, BN, 1 -> BW], so Triton gives them all its layout:
     # no layout conversion in the loop (as in gemv2 and fused_linear's gemv).
     shape: tl.constexpr = (BLOCK_M, BLOCK_N, 1)
-    gate_sm = tl.broadcast_to(sm_ptr + rows_n * stride_sm, shape)
-    gate_codes = tl.broadcast_to(codes_ptr + rows_n * stride_codes, shape)
-    up_sm = tl.broadcast_to(sm_ptr + (rows_n + N) * stride_sm, shape)
-    up_codes = tl.broadcast_to(codes_ptr + (rows_n + N) * stride_codes, shape)
+    gate_sm = tl.broadcast_to(sm_ptr + _row_words(rows_n, stride_sm, TILED), shape)
+    gate_codes = tl.broadcast_to(codes_ptr + _row_words(rows_n, stride_codes, TILED), shape)
+    up_sm = tl.broadcast_to(sm_ptr + _row_words(rows_n + N, stride_sm, TILED), shape)
+    up_codes = tl.broadcast_to(codes_ptr + _row_words(rows_n + N, stride_codes, TILED), shape)
     if X_WORDS:
         x_rows = tl.broadcast_to(x_ptr.to(tl.pointer_type(tl.int64)) + rows_m[:, None, None] * (stride_xm // 4), shape)
         nw_rows = tl.broadcast_to(nw_ptr.to(tl.pointer_type(tl.int64)) + 0 * rows_n, shape)
@@ -240,7 +242,7 @@ def _u12_fused_gemv_kernel(
     full_words = n_words - n_words % BLOCK_W
     for start in range(0, full_words, BLOCK_W):
         acc_g, acc_u = _fused_chunk(acc_g, acc_u, start, x_rows, nw_rows, inv, gate_sm, gate_codes, up_sm, up_codes,
-                                    n_words, BLOCK_W, X_WORDS, False, NORM, GATED, DTYPE, ROUND_BF16, ASM)
+                                    n_words, BLOCK_W, X_WORDS, False, NORM, GATED, DTYPE, ROUND_BF16, ASM, TILED)
     if LANES:  # u12_linear's ``_lanes_gather``: x (NORM: x') at the lanes' columns
         rows_m3 = rows_m[:, None, None]
         spur_g, esc_g = _lanes_gather(lanes_g, x_ptr, nw_ptr, rows_m3, stride_xm, K, inv, NORM, DTYPE, ROUND_BF16)
@@ -259,7 +261,7 @@ def _u12_fused_gemv_kernel(
     if not EVEN_K:
         acc_g, acc_u = _fused_chunk(acc_g, acc_u, full_words, x_rows, nw_rows, inv, gate_sm, gate_codes, up_sm,
                                     up_codes, n_words, BLOCK_W, X_WORDS, True, NORM, GATED, DTYPE,
-                                    ROUND_BF16, ASM)
+                                    ROUND_BF16, ASM, TILED)
     if LANES:  # scales the sums to y's
         g = _lanes_finish(acc_g, spur_g, esc_g, y_scale)
         u = _lanes_finish(acc_u, spur_u, esc_u, y_scale) if GATED else g
@@ -396,7 +398,7 @@ def _launch_fused(
         NORM=norm, GATED=bool(gated), RESIDUAL=residual,
         ROUND_BF16=not native and x.dtype == torch.bfloat16, EXPF=native, ASM=native, **launch, **pdl_args(x.device),
         ESC_AHEAD=u12_linear_module.ESC_AHEAD, HAND_OUT=hand_out is not None, HAND_IN=hand_in is not None,
-        BLOCK_P=min(1024, triton.next_power_of_2(max(1, n_parts))), LANES=n_lanes,
+        BLOCK_P=min(1024, triton.next_power_of_2(max(1, n_parts))), LANES=n_lanes, TILED=t.layout == "tiles",
     )
 
 
@@ -412,13 +414,13 @@ def fused_applies(m: int, k: int, base: int) -> bool:
     return u12_linear_module.words_and_scales(k, base)
 
 
-def tensor_core_config(m: int, n: int, k: int, on_gpu: bool = True) -> U12Config:
-    """For M >= 5: u12_linear's config for the weight's n rows where it is a tensor-core kernel's
-    (TUNED at M = 16: mma for qkv, gate_up and lm_head, hmma for o and down), both of which take the
-    epilogue, else the mma kernel's default tile."""
+def tensor_core_config(m: int, n: int, k: int, on_gpu: bool = True, layout: str = "rows") -> U12Config:
+    """For M >= 5: u12_linear's config for the weight's n rows (and layout) where it is a tensor-core
+    kernel's (TUNED at M = 16: mma for qkv, gate_up and lm_head, hmma for o and down; TUNED_TILES:
+    hmma), both of which take the epilogue, else the mma kernel's default tile."""
     if not on_gpu:
         return _MMA_INTERPRETER_CONFIG
-    cfg = u12_default_config(m, n, k)
+    cfg = u12_default_config(m, n, k, layout=layout)
     return cfg if cfg.kernel in ("mma", "hmma") else _MMA_DEFAULT_CONFIG
 
 
@@ -470,7 +472,7 @@ def u12_fused_linear(
         from .u12_mma import launch_mma
 
         h = rmsnorm(x, norm_weight, eps) if norm_weight is not None else x
-        cfg = config or tensor_core_config(m, t.shape[0], k, on_gpu=native)
+        cfg = config or tensor_core_config(m, t.shape[0], k, on_gpu=native, layout=t.layout)
         if cfg.kernel == "hmma" and hmma_applies(h, k, t.base):
             launch_hmma(h, t, y, cfg, gated=bool(gated), residual=residual is not None, hand_in=hand_in,
                         hand_out=hand_out)

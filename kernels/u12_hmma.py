@@ -75,19 +75,22 @@ elements (``_inv_rows``); the residual add and the handoff's xg as fused_linear'
 ``_parts_out`` stores its Σ y² parts, one a warp (a lane's two rows of each m-tile, then across the
 quad column's 8 lanes), each (part, row of x) by one thread. (The mma kernel's 2-D epilogue,
 ``_store_block``, cost about 80 registers a thread here: 168 against 90 for the loop, sm_90 ptxas.)
-Tiled planes (``U12Config.layout`` "tiles", ``TILED``): with the row planes each load instruction
+Tiled weights (``U12Tensor.layout`` "tiles", ``TILED``): with the row planes each load instruction
 of a warp touches 8 rows (a quad's 4 lanes read 64 bytes of each, half of a 128-byte line, the
 next group the other half), and Nsight Compute has the M = 16 kernel's L1 busy 79% with 70% hits
-(above). ``U12Tensor.tiled_planes`` stores each m-tile's 16-word groups in the order the lanes hold
-them (Marlin's idea for int4 weights): a warp's word loads read 512 contiguous bytes, its code
-loads 256, and its groups follow each other, with the same loads, MMAs and registers (sm_90
-SASS; the loop 21 address instructions longer, bench/results/kernel_static_sm90_triton36.json, and
-tests/test_kernel_static.py) and the same sums up to their fp32 order (a lane's words of group u are 16 u +
-4 q + (0..3), x's likewise). A copy beside the row planes that gemv2 reads at one row, so not a
-default: plain weights only (a gated launch pairs gate and up rows), N % 16 == 0 and whole chunks
-(``tiles_apply``). TUNED's o and down configs on them ran verify(16) 4.983 ms against 5.158 on the
-row planes (3353acd, u12-hmma-tiles in bench/results/step_ab_verify16_h200.json); not the default
-while the copy doubles those weights' memory (README, u12 section).
+(above). A tiled weight stores each 16-row tile's 16-word groups row after row (Marlin's idea for
+int4 weights, specpilot/runtime/u12.py): a warp's word loads read 512 contiguous bytes, its code
+loads 256, and its groups follow each other, with the same loads, MMAs and registers (sm_90 SASS;
+the loop's address arithmetic a little longer: bench/results/kernel_static_sm90_triton36.json,
+tests/test_kernel_static.py) and, since a lane's words of group u are 16 u + 4 q + (0..3) and x's
+likewise, the row planes' sums bit for bit (tests/test_u12_layout.py). Gated, a lane's gate and up
+rows come from two tiles (256 contiguous bytes each). It is the weight's own layout, not a copy:
+every u12 kernel reads it (u12_linear's ``_row_words`` / ``_col_words``). H200, M = 16, CUDA graphs
+(bench/results/u12_linear_tiles_h200.json, a291905): on tiles this kernel won every Llama-3.1-8B
+shape, against the best on row planes: qkv 19.1 µs (mma 19.5), o 15.9 (16.9), gate_up 52.0 (mma
+64.4), down 35.6 (40.4), lm_head 202 (mma 218); hence u12_linear.TUNED_TILES. verify(16)
+interleaved with those configs on tiled weights: 4.651 ms against the bf16 step's 4.520 (0.97x;
+the row planes' default 5.281; bench/results/step_ab_verify16_h200.json, u12-sweep).
 
 bf16 x only (fp32 x, K % 4 != 0 or a base past 240 run the tile kernel: ``hmma_applies``). By
 default u12_linear runs it from TENSOR_CORE_ROWS (3) rows up where TUNED's 16-row config is an hmma
@@ -119,6 +122,7 @@ from .u12_linear import (
     _pair_patterns,
     _plant_wrong_weight,
     _prmt,
+    _row_words,
     _split_k_plan,
     aligned_rows,
     biased_scale,
@@ -413,7 +417,7 @@ def _u12_hmma_kernel(
     GATED: tl.constexpr = False, RESIDUAL: tl.constexpr = False,
     HAND_IN: tl.constexpr = False, HAND_OUT: tl.constexpr = False,
     BLOCK_P: tl.constexpr = 16,  # HAND_IN: parts summed a chunk
-    TILED: tl.constexpr = False,  # W's planes in U12Tensor.tiled_planes' order (not GATED; N % 16 == 0, EVEN_K)
+    TILED: tl.constexpr = False,  # W's planes in tiles (U12Tensor.layout)
     ROUND_BF16: tl.constexpr = False,  # bf16 under the interpreter: round before casting
     EXPF: tl.constexpr = False,  # GATED: libdevice's expf (GPU); else tl.exp
 ):
@@ -446,20 +450,19 @@ def _u12_hmma_kernel(
         rl1, rh1 = tl.minimum(row + 16, N - 1), tl.minimum(row + 24, N - 1)
     j = tl.arange(0, 4)[None, :]
     if TILED:
-        # Tiled planes: m-tile i's 16-word group G is 256 words at (i · n_words / 16 + G) · 256, rows g
-        # (128 words) then g + 8, lane l's 4 words at 4 l; so each load instruction of a warp reads 512
-        # contiguous bytes (codes 256) and a warp's groups follow each other. A lane's 4 words of
-        # group u of a chunk are 16 u + 4 q + (0..3); an m-tile past N re-reads the last one.
-        tl.static_assert(EVEN_K and not GATED, "the tiled planes take unmasked chunks of plain weights")
+        # W's tiles (U12Tensor.layout): a 16-row tile's 16-word group is 256 words, rows 0..15 of 16
+        # words each; a lane's 4 words of group u of a chunk are 16 u + 4 q + (0..3) of its rows, so
+        # each load instruction of a warp whose rows g are one tile's reads 512 contiguous bytes
+        # (codes 256; gated, the gate and up halves 256 each) and a warp's groups follow each other.
         lane_w = (4 * q)[:, None] + j  # [T, 4]: x's words (and the masks')
-        tile0 = tl.minimum(row // 16, N // 16 - 1)
-        tile1 = tl.minimum(row // 16 + 1, N // 16 - 1)
-        w_lane = (4 * lane)[:, None] + j
-        sm_lo = sm_ptr + tile0[:, None] * (16 * stride_sm) + w_lane
-        sm_lo2 = sm_ptr + tile1[:, None] * (16 * stride_sm) + w_lane
-        code_lo = codes_ptr + tile0[:, None] * (16 * stride_codes) + w_lane
-        code_lo2 = codes_ptr + tile1[:, None] * (16 * stride_codes) + w_lane
-        sm_hi, sm_hi2, code_hi, code_hi2 = sm_lo + 128, sm_lo2 + 128, code_lo + 128, code_lo2 + 128
+        sm_lo = sm_ptr + _row_words(rl0, stride_sm, True)[:, None] + lane_w
+        sm_hi = sm_ptr + _row_words(rh0, stride_sm, True)[:, None] + lane_w
+        code_lo = codes_ptr + _row_words(rl0, stride_codes, True)[:, None] + lane_w
+        code_hi = codes_ptr + _row_words(rh0, stride_codes, True)[:, None] + lane_w
+        sm_lo2 = sm_ptr + _row_words(rl1, stride_sm, True)[:, None] + lane_w
+        sm_hi2 = sm_ptr + _row_words(rh1, stride_sm, True)[:, None] + lane_w
+        code_lo2 = codes_ptr + _row_words(rl1, stride_codes, True)[:, None] + lane_w
+        code_hi2 = codes_ptr + _row_words(rh1, stride_codes, True)[:, None] + lane_w
     else:
         # A lane's 4 words of each 16-word group u of a chunk: BLOCK_W / 4 q + 4 u + (0..3), so that a
         # lane's groups are contiguous and a quad reads BLOCK_W contiguous words of each row.
@@ -484,7 +487,7 @@ def _u12_hmma_kernel(
     f0, f1, f2, f3, h0, h1, h2, h3 = zero, zero, zero, zero, zero, zero, zero, zero
     for start in range(w_begin, full_end, BLOCK_W):
         for u in tl.static_range(BLOCK_W // 16):
-            if TILED:  # the group's words start + 16 u ..: its weights at 16 times that in the tile
+            if TILED:  # the group's words start + 16 u ..: at 16 times that after the rows' starts
                 w = start + 16 * u
                 ww = 16 * w
             else:
@@ -497,9 +500,15 @@ def _u12_hmma_kernel(
     if not EVEN_K:
         if full_end < w_end:  # only the last split has a partial chunk: its words past w_end masked
             for u in tl.static_range(BLOCK_W // 16):
+                if TILED:  # whole groups (K % 64 == 0): a group past w_end is masked whole
+                    w = full_end + 16 * u
+                    ww = 16 * w
+                else:
+                    w = full_end + 4 * u
+                    ww = w
                 d0, d1, d2, d3, e0, e1, e2, e3, f0, f1, f2, f3, h0, h1, h2, h3 = _group(
-                    d0, d1, d2, d3, e0, e1, e2, e3, f0, f1, f2, f3, h0, h1, h2, h3, full_end + 4 * u,
-                    full_end + 4 * u, w_end, lane_w,
+                    d0, d1, d2, d3, e0, e1, e2, e3, f0, f1, f2, f3, h0, h1, h2, h3, ww,
+                    w, w_end, lane_w,
                     x_row0, x_row1, sm_lo, code_lo, sm_hi, code_hi, sm_lo2, code_lo2, sm_hi2, code_hi2,
                     TILES, NT, True, ASM)
 
@@ -577,8 +586,7 @@ def launch_hmma(x: torch.Tensor, t: U12Tensor, y: torch.Tensor, cfg: U12Config, 
     block_m = hmma_rows(m)
     grid, words_per_split, part, counters = _split_k_plan(t, cfg, m, n_words, block_m)
     native = on_native(x)  # the interpreter runs no PTX
-    tiled = cfg.layout == "tiles" and tiles_apply(t, cfg, gated)
-    sm, codes = t.tiled_planes if tiled else (t.sm.contiguous().view(torch.int32), t.codes.contiguous().view(torch.int16))
+    sm, codes = t.sm.contiguous().view(torch.int32), t.codes.contiguous().view(torch.int16)
     lanes, n_lanes = lanes_args(t, block=True)
     epi, flags, fused = epilogue_args(x, y, native, grid[0] * cfg.num_warps, gated, residual, hand_in, hand_out)
     hw, xg, parts, n_out, inv_k, eps, n_parts, stride_xg = epi
@@ -590,21 +598,8 @@ def launch_hmma(x: torch.Tensor, t: U12Tensor, y: torch.Tensor, cfg: U12Config, 
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_W=cfg.block_w, WARPS=cfg.num_warps, SPLIT_K=grid[1],
         EVEN_K=n_words % cfg.block_w == 0, ASM=native,
         **cfg.launch_options(native, fp_fusion=not fused),
-        **pdl_args(x.device), LANES=n_lanes, LANE_GROUP=lane_group(n_lanes), TILED=tiled, **flags,
+        **pdl_args(x.device), LANES=n_lanes, LANE_GROUP=lane_group(n_lanes), TILED=t.layout == "tiles", **flags,
     )
-
-
-def tiles_apply(t: U12Tensor, cfg: U12Config, gated: bool = False) -> bool:
-    """Whether a "tiles" config reads ``U12Tensor.tiled_planes``: a plain weight (not gated) of N % 16 == 0
-    rows whose K / 4 words are whole chunks (block_w; so every split is too), its tiled planes made
-    already where a CUDA graph is being captured (a capture records their copy without running
-    it); else the row planes."""
-    n, k = t.shape
-    if gated or n % 16 or k % 4 or (k // 4) % cfg.block_w:
-        return False
-    if t.device.type == "cuda" and torch.cuda.is_current_stream_capturing() and "tiled_planes" not in t.__dict__:
-        return False
-    return t.tiled_planes is not None
 
 
 # --- registry entry -------------------------------------------------------------------------

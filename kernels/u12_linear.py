@@ -529,6 +529,7 @@ def _u12_linear_kernel(
     PDL: tl.constexpr,  # programmatic dependent launch (kernels/overlap.py)
     LANES: tl.constexpr = 0,  # > 0: the escapes from W's lanes (U12Tensor.esc_lanes, LANES a row), not the table
     LANE_GROUP: tl.constexpr = 4,  # lanes a step of the epilogue's walk (module LANE_GROUP)
+    TILED: tl.constexpr = False,  # W's planes in tiles (U12Tensor.layout; WORDS)
 ):
     pdl_enter(PDL)
     pid_n = tl.program_id(0)
@@ -551,8 +552,10 @@ def _u12_linear_kernel(
         offs_w = w0 + tl.arange(0, BLOCK_W)
         w_mask = mask_n[:, None] & (offs_w < w_end)[None, :]
         if WORDS:
-            s = tl.load(sm_ptr + offs_n[:, None] * stride_sm + offs_w[None, :], mask=w_mask, other=0)
-            c = tl.load(codes_ptr + offs_n[:, None] * stride_codes + offs_w[None, :], mask=w_mask, other=0).to(tl.int32)
+            at = _col_words(offs_w, TILED)[None, :]
+            s = tl.load(sm_ptr + _row_words(offs_n, stride_sm, TILED)[:, None] + at, mask=w_mask, other=0)
+            c = tl.load(codes_ptr + _row_words(offs_n, stride_codes, TILED)[:, None] + at, mask=w_mask,
+                        other=0).to(tl.int32)
         else:  # bytes beyond K (and the padding nibble) read as 0, which decodes to +0.0
             sm_row = sm_ptr + offs_n[:, None] * stride_sm + 4 * offs_w[None, :]
             s = tl.zeros((BLOCK_N, BLOCK_W), dtype=tl.int32)
@@ -755,14 +758,37 @@ def _x_planes(x_rows, offs_w, mask, X_WORDS: tl.constexpr, MASKED: tl.constexpr)
 
 
 @triton.jit
-def _fma_planes(acc, sm_rows, code_rows, offs_w, mask, x0, x1, x2, x3, MASKED: tl.constexpr, ASM: tl.constexpr):
-    """acc += Σ_j x_j · plane j of the decoded words offs_w of the rows sm_rows / code_rows."""
-    if MASKED:
-        s = tl.load(sm_rows + offs_w, mask=mask, other=0)
-        c = tl.load(code_rows + offs_w, mask=mask, other=0).to(tl.int32)
+def _row_words(rows, stride, TILED: tl.constexpr):
+    """Where each row starts in a plane, in words: rows · stride; TILED (U12Tensor.layout "tiles"), its
+    16-row tile's start plus its 16 words of a group (specpilot/runtime/u12.py)."""
+    if TILED:
+        return (rows // 16) * (16 * stride) + (rows % 16) * 16
     else:
-        s = tl.load(sm_rows + offs_w)
-        c = tl.load(code_rows + offs_w).to(tl.int32)
+        return rows * stride
+
+
+@triton.jit
+def _col_words(w, TILED: tl.constexpr):
+    """Where word w of a row sits after the row's start: w; TILED, 256 words (16 rows) a 16-word
+    group, so runs of 16 words stay contiguous."""
+    if TILED:
+        return (w // 16) * 256 + w % 16
+    else:
+        return w
+
+
+@triton.jit
+def _fma_planes(acc, sm_rows, code_rows, offs_w, mask, x0, x1, x2, x3, MASKED: tl.constexpr, ASM: tl.constexpr,
+                TILED: tl.constexpr = False):
+    """acc += Σ_j x_j · plane j of the decoded words offs_w of the rows sm_rows / code_rows (the
+    rows' starts, ``_row_words``)."""
+    at = _col_words(offs_w, TILED)
+    if MASKED:
+        s = tl.load(sm_rows + at, mask=mask, other=0)
+        c = tl.load(code_rows + at, mask=mask, other=0).to(tl.int32)
+    else:
+        s = tl.load(sm_rows + at)
+        c = tl.load(code_rows + at).to(tl.int32)
     w0, w1, w2, w3 = _decode_planes(s, c, ASM)
     acc = tl.fma(x0, w0, acc)
     acc = tl.fma(x1, w1, acc)
@@ -774,14 +800,14 @@ def _fma_planes(acc, sm_rows, code_rows, offs_w, mask, x0, x1, x2, x3, MASKED: t
 @triton.jit
 def _gemv_chunk(
     acc, start, sm_rows, code_rows, x_rows, n_words,
-    BLOCK_W: tl.constexpr, X_WORDS: tl.constexpr, MASKED: tl.constexpr, ASM: tl.constexpr,
+    BLOCK_W: tl.constexpr, X_WORDS: tl.constexpr, MASKED: tl.constexpr, ASM: tl.constexpr, TILED: tl.constexpr,
 ):
     """acc[m, n, w] += sum over j of x[m, 4 w + j] · w[n, 4 w + j] 2^(113-base), for the words
     w in [start, start + BLOCK_W); MASKED: words past K read as 0 (2^-15 weights, 0 activations)."""
     offs_w = (start + tl.arange(0, BLOCK_W))[None, None, :]
     mask = offs_w < n_words
     x0, x1, x2, x3 = _x_planes(x_rows, offs_w, mask, X_WORDS, MASKED)
-    return _fma_planes(acc, sm_rows, code_rows, offs_w, mask, x0, x1, x2, x3, MASKED, ASM)
+    return _fma_planes(acc, sm_rows, code_rows, offs_w, mask, x0, x1, x2, x3, MASKED, ASM, TILED)
 
 
 @triton.jit
@@ -796,6 +822,7 @@ def _u12_gemv_kernel(
     PDL: tl.constexpr,  # programmatic dependent launch (kernels/overlap.py)
     ESC_AHEAD: tl.constexpr = False,  # the escapes' row pointers loaded before the loop (module ESC_AHEAD)
     LANES: tl.constexpr = 0,  # > 0: the escapes from W's lanes (U12Tensor.esc_lanes, LANES a row), not the table
+    TILED: tl.constexpr = False,  # W's planes in tiles (U12Tensor.layout)
 ):
     """All M (<= 4) rows of x against BLOCK_N rows of W by the biased decode (K % 4 == 0, 1 <= base <= 240)."""
     pdl_enter(PDL)
@@ -811,8 +838,8 @@ def _u12_gemv_kernel(
     # Every load has the accumulator's shape [BM, BN, 1 -> BW] (LLVM merges the repeated loads and
     # their decode), so Triton gives them all its layout: no layout conversion in the loop (sm_90 SASS).
     shape: tl.constexpr = (BLOCK_M, BLOCK_N, 1)
-    sm_rows = tl.broadcast_to(sm_ptr + rows_n * stride_sm, shape)
-    code_rows = tl.broadcast_to(codes_ptr + rows_n * stride_codes, shape)
+    sm_rows = tl.broadcast_to(sm_ptr + _row_words(rows_n, stride_sm, TILED), shape)
+    code_rows = tl.broadcast_to(codes_ptr + _row_words(rows_n, stride_codes, TILED), shape)
     if X_WORDS:
         x_rows = tl.broadcast_to(x_ptr.to(tl.pointer_type(tl.int64)) + rows_m * (stride_xm // 4), shape)
     else:
@@ -830,7 +857,7 @@ def _u12_gemv_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_W), dtype=tl.float32)  # reduced once, after the loop
     full_words = n_words - n_words % BLOCK_W
     for start in range(0, full_words, BLOCK_W):
-        acc = _gemv_chunk(acc, start, sm_rows, code_rows, x_rows, n_words, BLOCK_W, X_WORDS, False, ASM)
+        acc = _gemv_chunk(acc, start, sm_rows, code_rows, x_rows, n_words, BLOCK_W, X_WORDS, False, ASM, TILED)
     if LANES:  # x at the lanes' columns, after the loop (before it, the lanes' load would stall the loop's start)
         spur, esc = _lanes_gather(lanes, x_ptr, x_ptr, rows_m, stride_xm, K, 1.0, False, y_ptr.dtype.element_ty, False)
     else:
@@ -839,7 +866,7 @@ def _u12_gemv_kernel(
             x_ptr, offs_m, mask_m, K, stride_xm, stride_xk, BLOCK_N, ESC_BLOCK, False,
         )
     if not EVEN_K:
-        acc = _gemv_chunk(acc, full_words, sm_rows, code_rows, x_rows, n_words, BLOCK_W, X_WORDS, True, ASM)
+        acc = _gemv_chunk(acc, full_words, sm_rows, code_rows, x_rows, n_words, BLOCK_W, X_WORDS, True, ASM, TILED)
     if LANES:  # scales the sums to y's
         out = _lanes_finish(acc, spur, esc, y_scale)
     else:
@@ -871,7 +898,6 @@ class U12Config:
     decode: str = "pairs"  # or "single": one weight per 32-bit op (the scaled decode only)
     kernel: str = "tile"  # or "gemv2", "mma", "hmma"
     maxnreg: int = 0  # registers a thread ptxas may use (PTX .maxnreg; gemv2, mma, hmma on the GPU); 0: its choice
-    layout: str = "rows"  # or "tiles" (hmma: W's planes as U12Tensor.tiled_planes, where they apply)
 
     def __post_init__(self) -> None:
         if self.decode not in ("pairs", "single"):
@@ -885,9 +911,6 @@ class U12Config:
                              f"block_w a multiple of 16, got block_n {self.block_n}, block_w {self.block_w}")
         if self.kernel == "gemv2" and self.split_k != 1:
             raise ValueError(f"U12Config.split_k: the gemv2 kernel has no split-K, got {self.split_k}")
-        if self.layout not in ("rows", "tiles") or (self.layout == "tiles" and self.kernel != "hmma"):
-            raise ValueError(f"U12Config.layout: expected 'rows', or 'tiles' with the hmma kernel, got "
-                             f"{self.layout!r} with {self.kernel!r}")
         if self.maxnreg and not 24 <= self.maxnreg <= 255:
             raise ValueError(f"U12Config.maxnreg: expected 0 (the compiler's choice) or 24..255, got {self.maxnreg}")
 
@@ -909,9 +932,8 @@ class U12Config:
         if self.kernel == "gemv2":
             return f"gemv2-bn{self.block_n}-bw{self.block_w}-w{self.num_warps}-s{self.num_stages}{regs}"
         if self.kernel in ("mma", "hmma"):
-            tiles = "-tiles" if self.layout == "tiles" else ""
             return (f"{self.kernel}-bn{self.block_n}-bw{self.block_w}-sk{self.split_k}-w{self.num_warps}"
-                    f"-s{self.num_stages}{regs}{tiles}")
+                    f"-s{self.num_stages}{regs}")
         return f"bn{self.block_n}-bw{self.block_w}-sk{self.split_k}-w{self.num_warps}-s{self.num_stages}-{self.decode}"
 
 
@@ -977,10 +999,6 @@ SWEEP_HMMA = [
         (64, 32, 4, 96), (64, 32, 4, 80),  # 5 and 6 programs an SM (sm_90 ptxas, triton 3.6: no spill at either)
     )
 ]
-# The same kernel on W's tiled planes (U12Tensor.tiled_planes: each warp load instruction reads 512
-# contiguous bytes, where the row planes' touch 8 rows at once) at the tiles that won or came close.
-SWEEP_HMMA_TILES = [dataclasses.replace(c, layout="tiles") for c in SWEEP_HMMA
-                    if (c.block_n, c.block_w, c.num_warps) in ((64, 32, 4), (64, 64, 4), (64, 32, 2), (128, 32, 4))]
 SPLIT_KS_HMMA = (1, 2, 4, 8)
 
 # Best configs measured by bench/u12_linear.py on the H200, keyed (BLOCK_M, N, K): Llama-3.1-8B's
@@ -1031,6 +1049,21 @@ TUNED: dict[tuple[int, int, int], U12Config] = {
     (16, 128256, 4096): U12Config(64, 64, num_warps=4, num_stages=3, kernel="mma"),  # lm_head
     (32, 128256, 4096): U12Config(64, 64, split_k=1, num_warps=4, num_stages=3, kernel="mma"),  # lm_head
     (64, 128256, 4096): U12Config(64, 32, split_k=1, num_warps=4, num_stages=4, kernel="mma"),  # lm_head
+}
+
+# The best configs for tiled weights (U12Tensor.layout "tiles") at 3..16 rows, keyed (16, N, K): the
+# hmma kernel won every Llama-3.1-8B shape on them at M = 16, each against cuBLAS bf16 and the row
+# planes' best (H200, CUDA graphs, bench/u12_linear.py --ms 16 --kernels mma,hmma,stream at a291905;
+# bench/results/u12_linear_tiles_h200.json): qkv 19.1 µs (rows: mma 19.5), o 15.9 (hmma 16.9),
+# gate_up 52.0 (mma 64.4), down 35.6 (hmma 40.4), lm_head 202 (mma 218); cuBLAS 15.4, 12.7, 58.5,
+# 32.4, 284. The step's linears in one graph: 4.10 ms against cuBLAS's 4.08; verify(16) interleaved
+# 4.651 ms against the bf16 step's 4.520 (bench/results/step_ab_verify16_h200.json, u12-sweep).
+TUNED_TILES: dict[tuple[int, int, int], U12Config] = {
+    (16, 6144, 4096): U12Config(64, 64, split_k=4, num_warps=4, num_stages=1, kernel="hmma", maxnreg=168),  # qkv
+    (16, 4096, 4096): U12Config(64, 32, split_k=8, num_warps=4, num_stages=1, kernel="hmma", maxnreg=128),  # o
+    (16, 28672, 4096): U12Config(64, 32, num_warps=4, num_stages=1, kernel="hmma", maxnreg=128),  # gate_up
+    (16, 4096, 14336): U12Config(64, 32, split_k=8, num_warps=4, num_stages=1, kernel="hmma", maxnreg=128),  # down
+    (16, 128256, 4096): U12Config(128, 32, num_warps=4, num_stages=1, kernel="hmma", maxnreg=128),  # lm_head
 }
 
 _INTERPRETER_CONFIG = U12Config(16, 8, split_k=2)  # small tiles; split-K exercised on the CPU too
@@ -1129,14 +1162,19 @@ def gemv_config(m: int, n: int, k: int) -> U12Config:
         U12Config(4, 256, num_warps=2, num_stages=1, kernel="gemv2")
 
 
-def default_config(m: int, n: int, k: int, on_gpu: bool = True) -> U12Config:
+def default_config(m: int, n: int, k: int, on_gpu: bool = True, layout: str = "rows") -> U12Config:
     """On a GPU: below TENSOR_CORE_ROWS rows gemv2 (``gemv_config``); from there to 4 rows TUNED's
     tensor-core config at the rows' bucket or else at 16 rows where the shape has one, else gemv2;
     above, TUNED at the rows' bucket where measured or at the nearest measured shape
-    (kernels/tuning.py), else the tile kernel's heuristic (``_tile_config``). Under the
-    interpreter the tile kernel's small tiles."""
+    (kernels/tuning.py), else the tile kernel's heuristic (``_tile_config``). A tiled weight
+    (`layout` "tiles") takes TUNED_TILES' entry first from TENSOR_CORE_ROWS rows up to 16. Under
+    the interpreter the tile kernel's small tiles."""
     if not on_gpu:
         return _tile_config(m, n, k, on_gpu)
+    if layout == "tiles" and TENSOR_CORE_ROWS <= m <= 16:
+        tuned = nearest_tuned(TUNED_TILES, (16, n, k))
+        if tuned is not None:
+            return tuned
     if m <= 4:
         for bucket in (_block_m(m), 16) if m >= TENSOR_CORE_ROWS else ():  # a few-row entry first
             tuned = nearest_tuned(TUNED, (bucket, n, k))
@@ -1238,6 +1276,7 @@ def _launch_gemv2(x: torch.Tensor, t: U12Tensor, y: torch.Tensor, cfg: U12Config
         X_WORDS=x_words, EVEN_K=n_words % cfg.block_w == 0,
         # inline PTX on the GPU; the interpreter (TRITON_INTERPRET=1, read by Triton at import) runs none
         ASM=native, **cfg.launch_options(native), **pdl_args(x.device), ESC_AHEAD=ESC_AHEAD, LANES=n_lanes,
+        TILED=t.layout == "tiles",
     )
 
 
@@ -1273,7 +1312,7 @@ def u12_linear(x: torch.Tensor, t: U12Tensor, config: U12Config | None = None) -
     if m == 0 or n == 0:
         return y
 
-    cfg = config or default_config(m, n, k, on_native(x))
+    cfg = config or default_config(m, n, k, on_native(x), t.layout)
     if config is None and m <= 4 and cfg.kernel in ("mma", "hmma") and x.dtype != torch.bfloat16:
         cfg = gemv_config(m, n, k)  # TENSOR_CORE_ROWS's configs are bf16 x's (hmma takes no other): gemv2, as before
     scaled, x_scale, y_lo, y_hi = _scales(t.base)
@@ -1309,7 +1348,7 @@ def u12_linear(x: torch.Tensor, t: U12Tensor, config: U12Config | None = None) -
         PAIRS=cfg.decode == "pairs", WORDS=words, SCALED=scaled, USE_DOT=use_dot,
         DOT_BF16=use_dot and on_native(x) and x.dtype == torch.bfloat16,
         **cfg.launch_options(on_native(x)), **pdl_args(x.device),
-        LANES=n_lanes, LANE_GROUP=lane_group(n_lanes),
+        LANES=n_lanes, LANE_GROUP=lane_group(n_lanes), TILED=t.layout == "tiles",
     )
     return y
 

@@ -84,6 +84,8 @@ from .u12_linear import (
     _plant_wrong_weight,
     _scales,
     _block_escapes,
+    _col_words,
+    _row_words,
     _split_k_plan,
     _split_k_sum,
     _store_block,
@@ -145,18 +147,20 @@ def _plane_dot(w, x, x_scale, acc, DOT_BF16: tl.constexpr):
 def _mma_chunk(
     acc, start, w_end, sm_rows, code_rows, x_cols, x_scale,
     BLOCK_W: tl.constexpr, X_WORDS: tl.constexpr, DOT_BF16: tl.constexpr, MASKED: tl.constexpr, ASM: tl.constexpr,
+    TILED: tl.constexpr,
 ):
     """acc[n, m] += sum over the words w in [start, start + BLOCK_W) and j of w[n, 4 w + j] x[m, 4 w + j]
     (scaled); MASKED: words at or past w_end read as 0 (+0.0 weights, 0 activations)."""
     offs_w = start + tl.arange(0, BLOCK_W)
     w_of_n = offs_w[None, :]  # [1, BW]: W's chunk is [BN, BW]
     w_of_x = offs_w[:, None]  # [BW, 1]: x's planes are [BW, BM]
+    at = _col_words(w_of_n, TILED)
     if MASKED:
-        s = tl.load(sm_rows + w_of_n, mask=w_of_n < w_end, other=0)
-        c = tl.load(code_rows + w_of_n, mask=w_of_n < w_end, other=0).to(tl.int32)
+        s = tl.load(sm_rows + at, mask=w_of_n < w_end, other=0)
+        c = tl.load(code_rows + at, mask=w_of_n < w_end, other=0).to(tl.int32)
     else:
-        s = tl.load(sm_rows + w_of_n)
-        c = tl.load(code_rows + w_of_n).to(tl.int32)
+        s = tl.load(sm_rows + at)
+        c = tl.load(code_rows + at).to(tl.int32)
     w0, w1, w2, w3 = _mma_planes(s, c, DOT_BF16, ASM)
     x0, x1, x2, x3 = _x_planes(x_cols, w_of_x, w_of_x < w_end, X_WORDS, MASKED)
     return _plane_dot(_w_in_dot_order(w0, w1, w2, w3), _x_in_dot_order(x0, x1, x2, x3), x_scale, acc, DOT_BF16)
@@ -186,6 +190,7 @@ def _u12_mma_kernel(
     BLOCK_P: tl.constexpr = 16,  # HAND_IN: parts summed a chunk
     ROUND_BF16: tl.constexpr = False,  # bf16 under the interpreter: round before casting
     EXPF: tl.constexpr = False,  # GATED: libdevice's expf (GPU); else tl.exp
+    TILED: tl.constexpr = False,  # W's planes in tiles (U12Tensor.layout)
 ):
     pdl_enter(PDL)
     pid_n = tl.program_id(0)
@@ -207,8 +212,8 @@ def _u12_mma_kernel(
         mask_n = offs_n < N
         rows_n = tl.minimum(offs_n, N - 1)[:, None]
     rows_m = tl.minimum(offs_m, M - 1)[None, :]
-    sm_rows = sm_ptr + rows_n * stride_sm
-    code_rows = codes_ptr + rows_n * stride_codes
+    sm_rows = sm_ptr + _row_words(rows_n, stride_sm, TILED)
+    code_rows = codes_ptr + _row_words(rows_n, stride_codes, TILED)
     if X_WORDS:
         x_cols = x_ptr.to(tl.pointer_type(tl.int64)) + rows_m * (stride_xm // 4)
     else:
@@ -219,11 +224,12 @@ def _u12_mma_kernel(
     full_end = w_begin + (w_end - w_begin) // BLOCK_W * BLOCK_W
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # yᵀ: W is the dot's wide side
     for start in range(w_begin, full_end, BLOCK_W):
-        acc = _mma_chunk(acc, start, w_end, sm_rows, code_rows, x_cols, x_scale, BLOCK_W, X_WORDS, DOT_BF16, False, ASM)
+        acc = _mma_chunk(acc, start, w_end, sm_rows, code_rows, x_cols, x_scale, BLOCK_W, X_WORDS, DOT_BF16, False, ASM,
+                         TILED)
     if not EVEN_K:
         if full_end < w_end:  # only the last split has a partial chunk
             acc = _mma_chunk(acc, full_end, w_end, sm_rows, code_rows, x_cols, x_scale,
-                             BLOCK_W, X_WORDS, DOT_BF16, True, ASM)
+                             BLOCK_W, X_WORDS, DOT_BF16, True, ASM, TILED)
     out = tl.trans(acc) * y_scale_lo * y_scale_hi  # exact: powers of two
 
     if GATED or RESIDUAL or HAND_IN or HAND_OUT:
@@ -328,7 +334,7 @@ def launch_mma(x: torch.Tensor, t: U12Tensor, y: torch.Tensor, cfg: U12Config, g
         X_WORDS=x_words, EVEN_K=n_words % cfg.block_w == 0,
         DOT_BF16=native and x.dtype == torch.bfloat16, ASM=native,
         **cfg.launch_options(native, fp_fusion=not fused),
-        **pdl_args(x.device), LANES=n_lanes, LANE_GROUP=lane_group(n_lanes), **flags,
+        **pdl_args(x.device), LANES=n_lanes, LANE_GROUP=lane_group(n_lanes), TILED=t.layout == "tiles", **flags,
     )
 
 

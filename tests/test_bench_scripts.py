@@ -139,7 +139,7 @@ def test_u12_fused_linear_parts_split_the_rows_squares() -> None:
 
 def test_step_ab_verify_smoke(tmp_path: Path, monkeypatch) -> None:
     """bench/step_ab.py --smoke at q = 4 (the interpreter, a tiny model): every verify variant is
-    captured and timed, the knob variants, the tiled hmma configs and a sweep's configs
+    captured and timed, the knob variants, the tiled weights and a sweep's configs for each layout
     (--u12-tuned) included, into one results file; its settings are restored after."""
     import step_ab
 
@@ -147,17 +147,21 @@ def test_step_ab_verify_smoke(tmp_path: Path, monkeypatch) -> None:
 
     sweep = tmp_path / "sweep.json"
     cfg = {"block_n": 64, "block_w": 32, "split_k": 8, "num_warps": 4, "num_stages": 1, "kernel": "hmma",
-           "maxnreg": 128, "layout": "tiles"}
-    sweep.write_text(json.dumps({"tuned": [{"key": [16, 4096, 4096], **cfg}, {"key": [1, 4096, 4096], **cfg}]}))
-    tuned = dict(u12_linear.TUNED)
+           "maxnreg": 128}
+    sweep.write_text(json.dumps({"tuned": [{"key": [16, 4096, 4096], **cfg, "layout": "tiles"},
+                                           {"key": [4, 4096, 4096], **cfg, "layout": "rows"}]}))
+    tuned, tuned_tiles = dict(u12_linear.TUNED), dict(u12_linear.TUNED_TILES)
+    assert set(step_ab.tuned_from_sweep(sweep, u12_linear.U12Config, 16, "tiles")) == {(16, 4096, 4096)}
+    assert set(step_ab.tuned_from_sweep(sweep, u12_linear.U12Config, 4)) == {(4, 4096, 4096)}
     out = tmp_path / "ab.json"
     monkeypatch.setattr(sys, "argv", ["step_ab.py", "--smoke", "--q", "4", "--u12-tuned", str(sweep), "--out", str(out)])
     assert step_ab.main() == 0
     rows = {r["variant"]: r for r in json.loads(out.read_text())["rows"]}
-    assert {"bf16", "bf16-cublas", "bf16-linear", "u12-handoff", "u12-gemv-rows", "u12-hmma-wide", "u12-hmma-tiles",
-            "u12-sweep", "u12-lanes-g16"} <= set(rows)
+    assert {"bf16", "bf16-cublas", "bf16-linear", "u12-handoff", "u12-gemv-rows", "u12-hmma-wide", "u12-tiles",
+            "u12-tiles-sweep", "u12-sweep", "u12-lanes-g16"} <= set(rows)
     assert all(r["ms"] > 0 for r in rows.values())
-    assert u12_linear.TUNED == tuned and u12_linear.TENSOR_CORE_ROWS == 3 and u12_hmma.NARROW
+    assert u12_linear.TUNED == tuned and u12_linear.TUNED_TILES == tuned_tiles
+    assert u12_linear.TENSOR_CORE_ROWS == 3 and u12_hmma.NARROW
 
 
 def test_step_ab_knob_variants_set_each_module_and_restore_it() -> None:
@@ -174,9 +178,6 @@ def test_step_ab_knob_variants_set_each_module_and_restore_it() -> None:
     with step_ab.knobs_set({"TENSOR_CORE_ROWS": 5, "u12_hmma.NARROW": not narrow}):
         assert (u12_linear.TENSOR_CORE_ROWS, u12_hmma.NARROW) == (5, not narrow)
     assert (u12_linear.TENSOR_CORE_ROWS, u12_hmma.NARROW) == (rows, narrow)
-    tiles = step_ab.hmma_tiles_override()
-    assert tiles and all(cfg.layout == "tiles" and key[0] == 16 for key, cfg in tiles.items())
-    assert {key for key, cfg in u12_linear.TUNED.items() if key[0] == 16 and cfg.kernel == "hmma"} == set(tiles)
     with pytest.raises(RuntimeError), step_ab.knobs_set({"LANE_GROUP": 16}):
         assert u12_linear.LANE_GROUP == 16
         raise RuntimeError("a capture failing")

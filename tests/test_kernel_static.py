@@ -52,11 +52,12 @@ x = torch.randn(16, 1024).bfloat16()
 rows = U12Config(64, 32, num_warps=4, num_stages=1, kernel="hmma", maxnreg=128)
 out = {}
 with tempfile.TemporaryDirectory() as tmp:
-    for name, m, cfg in (("rows", 16, rows), ("tiles", 16, dataclasses.replace(rows, layout="tiles")),
-                         ("narrow", 8, rows)):
+    gemv = U12Config(4, 128, num_warps=4, num_stages=1, kernel="gemv2")
+    for name, m, cfg, t in (("rows", 16, rows, w), ("tiles", 16, rows, w.with_layout("tiles")), ("narrow", 8, rows, w),
+                            ("gemv", 1, gemv, w), ("gemv-tiles", 1, gemv, w.with_layout("tiles"))):
         with compile_only(90) as compiled:
             assert native(x)
-            u12_linear(x[:m], w, cfg)
+            u12_linear(x[:m], t, cfg)
         out[name] = [kernel_static.describe(c, Path(tmp)) for c in compiled]
 out["native_after"] = native(x)
 out["driver_restored"] = driver._active is before
@@ -91,6 +92,16 @@ def test_tiled_planes_compile_to_the_rows_loop(hmma_facts):
     assert tiles["loop_opcodes"]["LDG"] == rows["loop_opcodes"]["LDG"]
     assert tiles["loop_opcodes"]["HMMA"] == rows["loop_opcodes"]["HMMA"]
     assert abs(tiles["loop_instructions"] - rows["loop_instructions"]) <= 0.1 * rows["loop_instructions"]
+
+
+def test_tiled_gemv_keeps_its_vector_loads(hmma_facts):
+    """gemv2 on a tiled weight (runs of 16 words, 256 apart): the same loads (16-byte vectors of 4 words),
+    FMAs and loop as on the row planes; only the addresses differ."""
+    (rows,), (tiles,) = hmma_facts["gemv"], hmma_facts["gemv-tiles"]
+    assert tiles["constexprs"]["TILED"] is True and rows["constexprs"]["TILED"] is False
+    for op in ("LDG", "FFMA"):
+        assert tiles["loop_opcodes"][op] == rows["loop_opcodes"][op], op
+    assert tiles["spill_bytes"] == 0 and tiles["loop_instructions"] <= rows["loop_instructions"] + 16
 
 
 def test_narrow_hmma_halves_the_mmas(hmma_facts):

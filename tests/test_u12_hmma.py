@@ -146,79 +146,48 @@ def test_default_tensor_core_config_leaves_fp32_x_at_few_rows_to_gemv2(monkeypat
     assert len(gemv2) == 1  # bf16 x: the tensor-core config
 
 
-_TILES = dict(num_stages=1, kernel="hmma", layout="tiles")
+_HMMA = dict(num_stages=1, kernel="hmma")
 
 
 @pytest.mark.parametrize("m,n,k,kind,cfg", [
-    (16, 64, 256, "special", U12Config(64, 16, split_k=2, num_warps=2, **_TILES)),  # one m-tile a warp, 2 splits
-    (5, 48, 128, "few", U12Config(32, 32, num_warps=1, **_TILES)),  # two m-tiles, the last program's second past N
-    (9, 80, 384, "special", U12Config(32, 32, split_k=3, num_warps=1, **_TILES)),  # 3 splits of one whole chunk
-    (3, 32, 192, "few", U12Config(32, 16, split_k=2, num_warps=2, **_TILES)),  # one n-tile (NARROW)
+    (16, 64, 256, "special", U12Config(64, 16, split_k=2, num_warps=2, **_HMMA)),  # one m-tile a warp, 2 splits
+    (5, 48, 128, "few", U12Config(32, 32, num_warps=1, **_HMMA)),  # two m-tiles, the last program's second past N
+    (9, 80, 384, "special", U12Config(32, 32, split_k=3, num_warps=1, **_HMMA)),  # 3 splits of one whole chunk
+    (3, 32, 192, "few", U12Config(32, 16, split_k=2, num_warps=2, **_HMMA)),  # one n-tile (NARROW)
+    (12, 48, 320, "special", U12Config(32, 48, num_warps=1, **_HMMA)),  # 80 words: a chunk, then one masked
 ])
-def test_tiled_planes_give_the_reference(monkeypatch, m, n, k, kind, cfg):
-    """The hmma kernel on the tiled planes (U12Tensor.tiled_planes: each warp's loads contiguous)
-    gives the reference's sums, escapes and non-finite values included, as the row planes do; the
-    launch really reads the tiled copy."""
+def test_tiled_weights_give_the_row_planes_sums(monkeypatch, m, n, k, kind, cfg):
+    """The hmma kernel on a tiled weight (U12Tensor.layout "tiles": each warp's loads contiguous)
+    gives the row planes' outputs bit for bit (the same words meet the same x, in the same order),
+    escapes and non-finite values included; a wrong order of the tiles must show."""
     x, t = _make_inputs(_case(m, n, k, torch.bfloat16, kind), DEVICE, n)
-    assert u12_hmma.tiles_apply(t, cfg)
+    tiled = t.with_layout("tiles")
+    y = u12_linear(x, t, cfg)
+    torch.testing.assert_close(u12_linear(x, tiled, cfg), y, rtol=0, atol=0, equal_nan=True)
     ref = u12_linear_reference(x, t).float()
-    torch.testing.assert_close(u12_linear(x, t, cfg).float(), ref, rtol=8e-3, atol=1e-4, equal_nan=True)
-    words, codes = t.tiled_planes
-    t.__dict__["tiled_planes"] = (words.roll(4), codes)  # a wrong order must show
-    assert not torch.allclose(u12_linear(x, t, cfg).float().nan_to_num(), ref.nan_to_num(), rtol=8e-3, atol=1e-4)
+    torch.testing.assert_close(y.float(), ref, rtol=8e-3, atol=1e-4, equal_nan=True)
+    rolled = dataclasses.replace(tiled, sm=tiled.sm.view(-1).roll(16).view(tiled.sm.shape))
+    assert not torch.allclose(u12_linear(x, rolled, cfg).float().nan_to_num(), ref.nan_to_num(), rtol=8e-3, atol=1e-4)
 
 
-@given(st.integers(1, 4), st.integers(1, 3), st.data())
-@settings(max_examples=25, deadline=None)
-def test_tiled_planes_order(tiles, groups, data):
-    """Word (row 16 i + 8 h + g, column 16 G + 4 q + j) of the row planes sits at (i · K / 64 + G) ·
-    256 + 128 h + 4 (4 g + q) + j of the tiled ones, its code likewise."""
+@pytest.mark.parametrize("m,gated,residual", [(5, True, False), (16, False, True), (8, True, True)])
+def test_tiled_weights_in_the_fused_epilogues(m, gated, residual):
+    """u12_fused_linear at 5+ rows on a tiled weight (the hmma kernel; gated, an m-tile's gate rows
+    and up rows from two tiles): the row planes' outputs bit for bit."""
+    from specpilot.kernels import u12_fused_linear as ufl
     from specpilot.runtime.u12 import pack_u12
 
-    n, k = 16 * tiles, 64 * groups
-    w = (0.02 * torch.randn(n, k, generator=torch.Generator().manual_seed(n * k))).to(torch.bfloat16)
-    t = pack_u12(w)
-    words, codes = t.tiled_planes
-    row, col = data.draw(st.integers(0, n - 1)), data.draw(st.integers(0, k // 4 - 1))
-    i, h, g = row // 16, row % 16 // 8, row % 8
-    big, q, j = col // 16, col % 16 // 4, col % 4
-    at = (i * (k // 64) + big) * 256 + 128 * h + 4 * (4 * g + q) + j
-    assert words[at] == t.sm.view(torch.int32)[row, col] and codes[at] == t.codes.view(torch.int16)[row, col]
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need CUDA")
-def test_tiles_captured_before_any_eager_launch_read_the_row_planes():
-    """A capture records the tiled copy's permute without running it, so a "tiles" launch captured
-    before the copy exists reads the row planes in that graph (the same sums) and makes no copy; an
-    eager launch after makes it and reads it."""
-    cfg = U12Config(64, 16, split_k=2, num_warps=2, **_TILES)
-    x, t = _make_inputs(_case(16, 64, 256, torch.bfloat16, "few"), DEVICE, 2)
-    ref = u12_linear_reference(x, t).float()
-    u12_linear(x, t, dataclasses.replace(cfg, layout="rows"))  # compiles, derives the lanes and counters
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        y = u12_linear(x, t, cfg)
-    assert "tiled_planes" not in t.__dict__, "the capture must not have made the tiled copy"
-    g.replay()
-    torch.cuda.synchronize()
-    torch.testing.assert_close(y.float(), ref, rtol=8e-3, atol=1e-4)
-    torch.testing.assert_close(u12_linear(x, t, cfg).float(), ref, rtol=8e-3, atol=1e-4)
-    assert "tiled_planes" in t.__dict__ and u12_hmma.tiles_apply(t, cfg)
-
-
-def test_tiles_fall_back_to_the_row_planes():
-    """A "tiles" config reads the row planes where the tiled ones do not fit: N % 16 != 0, K / 4 not
-    whole chunks, or a gated launch (its m-tiles pair gate and up rows)."""
-    cfg = U12Config(32, 32, num_warps=1, **_TILES)
-    _, t = _make_inputs(_case(5, 40, 128, torch.bfloat16, "few"), "cpu", 0)
-    assert t.tiled_planes is None and not u12_hmma.tiles_apply(t, cfg)
-    _, t = _make_inputs(_case(5, 48, 192, torch.bfloat16, "few"), "cpu", 0)  # 48 words: a chunk and a half
-    assert t.tiled_planes is not None and not u12_hmma.tiles_apply(t, cfg)
-    _, t = _make_inputs(_case(5, 48, 256, torch.bfloat16, "few"), "cpu", 0)
-    assert u12_hmma.tiles_apply(t, cfg) and not u12_hmma.tiles_apply(t, cfg, gated=True)
-    with pytest.raises(ValueError, match="layout"):
-        U12Config(64, 32, kernel="mma", layout="tiles")
-    assert str(cfg).endswith("-tiles")
+    g = torch.Generator().manual_seed(m)
+    n_out, k = 24 if gated else 48, 192  # gated: 2 x 24 rows, the halves' tiles shared
+    w = 0.02 * torch.randn((2 if gated else 1) * n_out, k, generator=g)
+    ufl.plant_escapes(w, g, gated)
+    t = pack_u12(w.to(torch.bfloat16)).to(DEVICE)
+    x = torch.randn(m, k, generator=g).to(torch.bfloat16).to(DEVICE)
+    r = torch.randn(m, n_out, generator=g).to(torch.bfloat16).to(DEVICE) if residual else None
+    cfg = U12Config(32, 32, num_warps=1, **_HMMA)
+    out = [ufl.u12_fused_linear(x, tt, gated=gated, residual=None if r is None else r.clone(), config=cfg)
+           for tt in (t, t.with_layout("tiles"))]
+    torch.testing.assert_close(out[1], out[0], rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("kw", [dict(block_n=48, block_w=16, num_warps=2), dict(block_n=64, block_w=24, num_warps=2),
@@ -232,7 +201,7 @@ def test_bench_sweeps_hmma_configs_for_3_to_16_rows():
     import importlib.util
     from pathlib import Path
 
-    from specpilot.kernels.u12_linear import SPLIT_KS_HMMA, SWEEP_HMMA, SWEEP_HMMA_TILES
+    from specpilot.kernels.u12_linear import SPLIT_KS_HMMA, SWEEP_HMMA
 
     path = Path(__file__).parent.parent / "bench" / "u12_linear.py"
     spec = importlib.util.spec_from_file_location("bench_u12_linear_hmma", path)
@@ -240,11 +209,6 @@ def test_bench_sweeps_hmma_configs_for_3_to_16_rows():
     spec.loader.exec_module(bench)
     hmma = [cfg for cfg in bench.sweep_configs(16, 4096, 4096, ("hmma",)) if cfg.kernel == "hmma"]
     assert {dataclasses.replace(cfg, split_k=1) for cfg in hmma} == set(SWEEP_HMMA)
-    tiles = [cfg for cfg in bench.sweep_configs(16, 4096, 4096, ("tiles",)) if cfg.kernel == "hmma"]
-    assert SWEEP_HMMA_TILES and all(cfg.layout == "tiles" for cfg in SWEEP_HMMA_TILES)
-    assert {dataclasses.replace(cfg, split_k=1) for cfg in tiles if cfg.layout == "tiles"} == set(SWEEP_HMMA_TILES)
-    twins = {dataclasses.replace(cfg, layout="rows") for cfg in tiles if cfg.layout == "tiles"}
-    assert twins == {cfg for cfg in tiles if cfg.layout == "rows"}
     assert {cfg.split_k for cfg in hmma} == set(SPLIT_KS_HMMA)
     assert [cfg for cfg in bench.sweep_configs(3, 4096, 4096, ("hmma",)) if cfg.kernel == "hmma"]
     for m in (2, 17, 64):

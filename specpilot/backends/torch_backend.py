@@ -75,7 +75,7 @@ class U12Linear(nn.Module):
 def _u12(node: Node, weight: torch.Tensor, compute: torch.dtype) -> nn.Module:
     if weight.dtype != torch.bfloat16:
         raise EngineError(f"u12 encodes bf16 weights; {node['weight']} is {weight.dtype}")
-    return U12Linear(pack_u12(weight), node["kernel"])
+    return U12Linear(pack_u12(weight, layout=node.get("layout", "rows")), node["kernel"])
 
 
 WEIGHT_FORMATS: dict[str, Callable[[Node, torch.Tensor, torch.dtype], nn.Module]] = {

@@ -108,7 +108,7 @@ OPS: dict[str, OpSchema] = {
     # kernel "triton-fused": the decoder stack's fused kernels serve it (runtime/fused.py)
     "rmsnorm": OpSchema("model", {"dim": int, "eps": float, "weight": str},
                         {"weight_offset": float, "kernel": {"torch", "triton-fused"}}),
-    "linear": OpSchema("model", _matmul),
+    "linear": OpSchema("model", _matmul, {"layout": {"rows", "tiles"}}),  # layout: a u12 weight's planes
     "rope": OpSchema("model", {"head_dim": int, "theta": float}, {"kernel": {"torch", "triton-fused"}}),
     "attention": OpSchema(
         "model",
@@ -136,6 +136,7 @@ OPS: dict[str, OpSchema] = {
     "add": OpSchema("model", {}),
     # vocab_subset N > 0: the head scores only N token ids (passes/draft_vocab.py), chosen from
     # vocab_corpus; its logits stay V wide, -inf at the other ids
-    "lm_head": OpSchema("model", {**_matmul, "tied": bool}, {"vocab_subset": int, "vocab_corpus": str}),
+    "lm_head": OpSchema("model", {**_matmul, "tied": bool}, {"vocab_subset": int, "vocab_corpus": str,
+                                                              "layout": {"rows", "tiles"}}),
     "argmax": OpSchema("model", {"vocab": int}),
 }

@@ -1,4 +1,4 @@
-"""`weights-u12{min-numel=N, kernel=K}`: store large bf16 matmul weights in the 12-bit format.
+"""`weights-u12{min-numel=N, kernel=K, layout=L}`: store large bf16 matmul weights in the 12-bit format.
 
 Changes the `format` (to "u12") and `kernel` of every `linear`/`lm_head` node of the target and
 drafter graphs whose weight is bf16 and has at least `min-numel` elements; weights the drafter
@@ -9,6 +9,11 @@ order; token forcing is the judge of the output tokens.
 
 Kernels: "triton-u12" (fused decode-GEMV/GEMM, GPU) or "torch" (unpack then matmul: the
 reference, runs anywhere). Applies only to bfloat16 deployments (u12 encodes bf16 values).
+
+Layout (the node's `layout`, U12Tensor.layout): "rows" (the planes row by row) or "tiles" (16 rows
+by 64 weights at a time, where N % 16 == 0 and K % 64 == 0; other weights stay rows). Both hold the
+same bytes; the tensor-core kernel of verify and tree steps reads tiles faster (H200, Llama-3.1-8B
+verify(16): bench/results/step_ab_verify16_h200.json), and every kernel reads either.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from ..ir.lower import SHARED
 from .base import Pass, PassResult, register
 
 KERNELS = ("triton-u12", "torch")
+LAYOUTS = ("rows", "tiles")
 
 
 @register
@@ -29,12 +35,15 @@ class WeightsU12(Pass):
     lossless = True
     min_numel: int = 1 << 20
     kernel: str = "triton-u12"
+    layout: str = "rows"
 
     def __post_init__(self):
         if self.min_numel < 1:
             raise ValueError(f"min-numel must be >= 1, got {self.min_numel}")
         if self.kernel not in KERNELS:
             raise ValueError(f"kernel must be one of {', '.join(KERNELS)}, got {self.kernel!r}")
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}, got {self.layout!r}")
 
     def _eligible(self, node: Node) -> bool:
         return (node.op in MATMUL_OPS and not node["weight"].startswith(SHARED) and node["format"] == "bfloat16"
@@ -46,7 +55,8 @@ class WeightsU12(Pass):
         total = 0
         for level in ("target", "drafter"):
             graph, n = program.graph(level).map_nodes(
-                lambda _, node: node.replace(format="u12", kernel=self.kernel) if self._eligible(node) else None)
+                lambda _, node: node.replace(format="u12", kernel=self.kernel, layout=self.layout)
+                if self._eligible(node) else None)
             program, total = program.with_graph(level, graph), total + n
         return PassResult(program, total > 0, f"{total} matmul weights in u12")
 

@@ -15,7 +15,16 @@ subnormals, ±inf, NaN payloads) round-trips bit-exactly. Kernels read the table
 views derived from it on the device, never stored: CSR row pointers (``esc_row_ptr``) and each
 row's escapes in fixed lanes (``esc_lanes``), which the GEMVs load at addresses known up front.
 
-Files are safetensors; the metadata holds each tensor's shape, base and a sha256 over its
+Layout. The planes hold the weights row by row ("rows"), or, where N % 16 == 0 and K % 64 == 0,
+in tiles ("tiles"): 16 rows by 16 words (64 weights) at a time, each row's 16 words (64 bytes of
+``sm``, 32 of ``codes``) after the other's, tile after tile along K, then the next 16 rows. Word w
+of row r (4 weights, the unit the kernels load) is then at word offset (r - r % 16) · K/4 + (w - w %
+16) · 16 + (r % 16) · 16 + w % 16 (``tiled_word_offsets``). The tensor-core kernel reads a
+warp's fragments from such a tile as contiguous runs (kernels/u12_hmma.py), and the other kernels
+read 64-byte runs; one copy serves every kernel. The side table keeps row-major flat indices in
+either layout, so the escapes do not depend on it.
+
+Files are safetensors; the metadata holds each tensor's shape, base, layout and a sha256 over its
 planes, checked on load.
 """
 
@@ -37,6 +46,17 @@ MAX_BASE = 255 - (WINDOW - 1)
 FORMAT_VERSION = "1"
 _PLANES = ("sm", "codes", "esc_idx", "esc_val")
 MAX_LANES = 16  # escapes a row in U12Tensor.esc_lanes (N(0, 0.02) rows of 4096: 0.6 on average)
+LAYOUTS = ("rows", "tiles")
+
+
+def tiles_fit(shape: tuple[int, int]) -> bool:
+    """Whether a weight of `shape` [N, K] can be tiled: N % 16 == 0 and K % 64 == 0."""
+    return shape[0] % 16 == 0 and shape[1] % 64 == 0
+
+
+def tiled_word_offsets(rows: torch.Tensor, words: torch.Tensor, k: int) -> torch.Tensor:
+    """Word offsets of (row, word) pairs in tiled planes of K columns (K / 4 words a row)."""
+    return (rows - rows % 16) * (k // 4) + (words - words % 16) * 16 + (rows % 16) * 16 + words % 16
 
 
 @dataclass(frozen=True, eq=False)
@@ -54,6 +74,7 @@ class U12Tensor:
     codes: torch.Tensor  # uint8 [N, ceil(K / 2)]
     esc_idx: torch.Tensor  # int32 or int64 [E]
     esc_val: torch.Tensor  # int16 [E]
+    layout: str = "rows"  # or "tiles" (the module docstring): the order of sm's and codes' words
 
     def __post_init__(self) -> None:
         n, k = self.shape
@@ -73,6 +94,9 @@ class U12Tensor:
             raise ValueError(f"U12Tensor.esc_idx: expected 1-D int32/int64, got {self.esc_idx.dtype}")
         if not 0 <= self.base <= MAX_BASE:
             raise ValueError(f"U12Tensor.base: expected 0..{MAX_BASE}, got {self.base}")
+        if self.layout not in LAYOUTS or (self.layout == "tiles" and not tiles_fit(self.shape)):
+            raise ValueError(f"U12Tensor.layout: expected one of {LAYOUTS} ('tiles' needs N % 16 == 0 and "
+                             f"K % 64 == 0), got {self.layout!r} at shape {list(self.shape)}")
 
     @property
     def device(self) -> torch.device:
@@ -116,31 +140,40 @@ class U12Tensor:
         lanes[rows, pos] = torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
         return lanes
 
-    @functools.cached_property
-    def tiled_planes(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The sign/mantissa words (int32) and their codes (int16, one a word) reordered for
-        kernels/u12_hmma.py's tiled layout, flat: m-tile i (rows 16 i ..) and 16-word group G (words
-        16 G ..) are 256 words at (i · K / 64 + G) · 256, rows 16 i + g (128 words) then 16 i + 8 + g,
-        each row's 4 words 4 q .. 4 q + 3 of the group at 4 (4 g + q): the order in which a warp's
-        lanes hold them, so each of its loads reads contiguous memory. None where N % 16 or (K / 4)
-        % 16 is not 0. A copy (derived, not stored): the weight's bytes again while it is kept."""
+    def with_layout(self, layout: str) -> U12Tensor:
+        """This tensor with its planes in `layout` ("rows" or "tiles"; the same tensor where it is
+        already): exact, the same base and side table; a new copy of the planes otherwise."""
+        if layout == self.layout:
+            return self
+        if layout not in LAYOUTS or (layout == "tiles" and not tiles_fit(self.shape)):
+            raise ValueError(f"U12Tensor.with_layout: expected one of {LAYOUTS} ('tiles' needs N % 16 == 0 and "
+                             f"K % 64 == 0), got {layout!r} at shape {list(self.shape)}")
         n, k = self.shape
-        if n % 16 or k % 64:
-            return None
-        words = self.sm.view(torch.int32).view(n // 16, 2, 8, k // 64, 4, 4)  # [i, h, g, G, q, j]
-        codes = self.codes.view(torch.int16).view(n // 16, 2, 8, k // 64, 4, 4)
-        order = (0, 3, 1, 2, 4, 5)  # [i, G, h, g, q, j]
-        return words.permute(order).reshape(-1).contiguous(), codes.permute(order).reshape(-1).contiguous()
+        # words of 4 weights (4 bytes of sm, 2 of codes) as [i, h, G, j] <-> [i, G, h, j]: i the 16-row
+        # tile, h its row, G the 16-word group, j the word in the group
+        tiled = (n // 16, k // 64, 16, 16)
+        rows = (n // 16, 16, k // 64, 16)
+        src, dst = (rows, tiled) if layout == "tiles" else (tiled, rows)
+
+        def move(plane: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+            words = plane.contiguous().view(dtype).view(src).permute(0, 2, 1, 3)
+            return words.reshape(dst).contiguous().view(plane.dtype).view(plane.shape)
+
+        return dataclasses.replace(self, sm=move(self.sm, torch.int32), codes=move(self.codes, torch.int16),
+                                   layout=layout)
 
     def rows(self, start: int, stop: int) -> U12Tensor:
         """Rows [start, stop) as a U12Tensor whose planes view this one's (the escapes of those
-        rows are re-indexed: a small new table). Exact: the same base and the same bits."""
+        rows are re-indexed: a small new table). Exact: the same base and the same bits. Tiled, the
+        rows of whole tiles are a view in the same layout; others a copy in rows."""
         n, k = self.shape
         if not 0 <= start <= stop <= n:
             raise ValueError(f"U12Tensor.rows: expected 0 <= start <= stop <= {n}, got {start}, {stop}")
+        if self.layout == "tiles" and (start % 16 or stop % 16):  # not whole tiles: a row-planes copy
+            return self.with_layout("rows").rows(start, stop)
         lo, hi = (int(v) for v in self.esc_row_ptr[[start, stop]])
         return U12Tensor((stop - start, k), self.base, self.sm[start:stop], self.codes[start:stop],
-                         self.esc_idx[lo:hi] - start * k, self.esc_val[lo:hi])
+                         self.esc_idx[lo:hi] - start * k, self.esc_val[lo:hi], self.layout)
 
     def to(self, device: torch.device | str) -> U12Tensor:
         return dataclasses.replace(self, **{p: getattr(self, p).to(device) for p in _PLANES})
@@ -157,8 +190,9 @@ def best_base(exponents: torch.Tensor) -> int:
     return int(hist.unfold(0, WINDOW, 1).sum(1).argmax())
 
 
-def pack_u12(w: torch.Tensor, base: int | None = None) -> U12Tensor:
-    """Pack a 2-D bf16 tensor; ``base`` defaults to the window covering the most weights."""
+def pack_u12(w: torch.Tensor, base: int | None = None, layout: str = "rows") -> U12Tensor:
+    """Pack a 2-D bf16 tensor; ``base`` defaults to the window covering the most weights; ``layout``
+    "tiles" where the shape allows it (``tiles_fit``), else rows."""
     if w.dtype != torch.bfloat16 or w.dim() != 2:
         raise ValueError(f"pack_u12: expected a 2-D bfloat16 tensor, got {w.dtype} {list(w.shape)}")
     n, k = w.shape
@@ -179,20 +213,23 @@ def pack_u12(w: torch.Tensor, base: int | None = None) -> U12Tensor:
     index_dtype = torch.int32 if n * k < 2**31 else torch.int64
     esc_idx = torch.nonzero(~in_window.flatten()).flatten()
     esc_val = w.contiguous().view(torch.int16).flatten()[esc_idx]
-    return U12Tensor((n, k), base, sm, codes, esc_idx.to(index_dtype), esc_val)
+    t = U12Tensor((n, k), base, sm, codes, esc_idx.to(index_dtype), esc_val)
+    return t.with_layout(layout) if layout == "rows" or tiles_fit((n, k)) else t
 
 
 def concat_u12(tensors: list[U12Tensor]) -> U12Tensor:
     """The tensors' rows stacked as one u12 tensor (same K), re-packed with the window that suits
-    the whole: exact, like any packing."""
+    the whole: exact, like any packing; tiled where they all are (and the whole fits)."""
     widths = {t.shape[1] for t in tensors}
     if len(widths) != 1:
         raise ValueError(f"concat_u12: the tensors must share K, got {sorted(widths)}")
-    return pack_u12(torch.cat([unpack_u12(t) for t in tensors]))
+    layout = "tiles" if all(t.layout == "tiles" for t in tensors) else "rows"
+    return pack_u12(torch.cat([unpack_u12(t) for t in tensors]), layout=layout)
 
 
 def unpack_u12(t: U12Tensor) -> torch.Tensor:
     """The exact bf16 tensor that was packed."""
+    t = t.with_layout("rows")
     n, k = t.shape
     sm = t.sm.to(torch.int32)
     codes = t.codes.to(torch.int32)
@@ -231,8 +268,9 @@ def u12_stats(w: torch.Tensor) -> dict[str, float | int]:
 
 
 def _checksum(t: U12Tensor) -> str:
-    """sha256 over shape, base and every plane's dtype and bytes."""
-    h = hashlib.sha256(json.dumps({"shape": list(t.shape), "base": t.base}).encode())
+    """sha256 over shape, base, layout (where not rows) and every plane's dtype and bytes."""
+    tiled = {"layout": t.layout} if t.layout != "rows" else {}  # files written before layouts: rows
+    h = hashlib.sha256(json.dumps({"shape": list(t.shape), "base": t.base, **tiled}).encode())
     for name in _PLANES:
         plane = getattr(t, name).detach().contiguous().cpu()
         h.update(f"{name}:{plane.dtype}:{plane.numel()}".encode())
@@ -247,7 +285,7 @@ def save_u12(tensors: dict[str, U12Tensor], path: str | os.PathLike) -> None:
     for name, t in tensors.items():
         for plane in _PLANES:
             planes[f"{name}.{plane}"] = getattr(t, plane).detach().to("cpu", copy=True)  # views (rows) share storage
-        meta[name] = {"shape": list(t.shape), "base": t.base, "sha256": _checksum(t)}
+        meta[name] = {"shape": list(t.shape), "base": t.base, "layout": t.layout, "sha256": _checksum(t)}
     save_file(planes, os.fspath(path), metadata={"format": "u12", "version": FORMAT_VERSION, "u12": json.dumps(meta)})
 
 
@@ -266,7 +304,7 @@ def load_u12(path: str | os.PathLike, device: torch.device | str = "cpu") -> dic
         for name, m in meta.items():
             try:
                 planes = {p: f.get_tensor(f"{name}.{p}") for p in _PLANES}
-                t = U12Tensor(tuple(m["shape"]), int(m["base"]), **planes)
+                t = U12Tensor(tuple(m["shape"]), int(m["base"]), **planes, layout=m.get("layout", "rows"))
             except (KeyError, ValueError, TypeError) as e:
                 raise ValueError(f"{path}: tensor {name!r}: malformed u12 entry: {e}") from e
             digest = _checksum(t)
