@@ -967,6 +967,11 @@ SWEEP_GEMV2 = [
 ] + [
     U12Config(16, 256, num_warps=4, num_stages=3, kernel="gemv2"),
     U12Config(8, 256, num_warps=4, num_stages=3, kernel="gemv2"),
+] + [  # for tiled weights: 16 or 32 words a row, so a warp's load covers 8 (4) rows' 64-byte runs of a tile
+    U12Config(bn, bw, num_warps=w, num_stages=s, kernel="gemv2") for bn, bw, w, s in (
+        (16, 16, 2, 1), (32, 16, 4, 1), (64, 16, 8, 1), (32, 16, 2, 1), (64, 16, 4, 1),
+        (32, 16, 4, 3), (64, 16, 8, 3), (16, 32, 4, 1), (32, 32, 8, 1),
+    )
 ]
 # The mma sweep (3 rows up; bench/u12_linear.py crosses each with SPLIT_KS_MMA), chosen from the sm_90
 # compile (triton 3.6) and swept on the H200 at M = 16 (bench/results/u12_linear_mma_h200.json). block_n >= 64 a warp group (wgmma's M), so block_n 64 runs

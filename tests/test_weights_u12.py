@@ -10,7 +10,7 @@ from specpilot.passes import lookup, run_passes
 from specpilot.passes.weights_u12 import WeightsU12
 from specpilot.runtime.builtin import resolve_builtin
 from specpilot.runtime.load import load_target
-from specpilot.runtime.u12 import unpack_u12
+from specpilot.runtime.u12 import tiles_fit, unpack_u12
 
 from test_ir import DFLASH, TARGET
 
@@ -42,16 +42,34 @@ def test_no_change_outside_bf16():
 def test_parameters_are_checked():
     with pytest.raises(PipelineError, match="kernel must be one of"):
         lookup("weights-u12").from_params({"kernel": "cuda"})
-    assert WeightsU12(min_numel=5, kernel="torch").spec() == 'weights-u12{min-numel=5, kernel="torch"}'
+    with pytest.raises(PipelineError, match="layout must be one of rows, tiles"):
+        lookup("weights-u12").from_params({"layout": "columns"})
+    assert WeightsU12(min_numel=5, kernel="torch").spec() == 'weights-u12{min-numel=5, kernel="torch", layout="rows"}'
 
 
-def test_engine_weights_are_bit_identical(tmp_path, monkeypatch):
+def test_tiles_layout_marks_the_nodes_and_rows_leaves_them():
+    p = lower(TARGET, DFLASH, dtype="bfloat16")
+    rows, _ = run_passes(p, [WeightsU12(min_numel=8192, kernel="torch")])
+    tiles, _ = run_passes(p, [WeightsU12(min_numel=8192, kernel="torch", layout="tiles")])
+    for level in ("target", "drafter"):
+        for name, node in rows.graph(level).items():
+            tiled = tiles.graph(level).node(name)
+            assert "layout" not in dict(node.attrs)
+            if node.op in MATMUL_OPS and node["format"] == "u12":
+                assert tiled["layout"] == "tiles"
+                assert {k: v for k, v in tiled.attrs if k != "layout"} == dict(node.attrs)  # nothing else moved
+            else:
+                assert tiled == node
+
+
+@pytest.mark.parametrize("layout", ["rows", "tiles"])
+def test_engine_weights_are_bit_identical(tmp_path, monkeypatch, layout):
     monkeypatch.setenv("SPECPILOT_CACHE", str(tmp_path))
     target_dir, drafter_dir = resolve_builtin("tiny-qwen3"), resolve_builtin("tiny-qwen3/dflash")
     import json
     p = lower(json.loads((target_dir / "config.json").read_text()),
               json.loads((drafter_dir / "config.json").read_text()), dtype="bfloat16")
-    p, _ = run_passes(p, [WeightsU12(min_numel=1, kernel="torch")])
+    p, _ = run_passes(p, [WeightsU12(min_numel=1, kernel="torch", layout=layout)])
     engine = build_engine(p, target_dir, drafter_dir, torch.device("cpu"))
     reference, _ = load_target(target_dir, dtype=torch.bfloat16, device="cpu")
     packed = packed_weights(engine.target, p.target.items())
@@ -60,6 +78,8 @@ def test_engine_weights_are_bit_identical(tmp_path, monkeypatch):
     for name, t in packed.items():
         w = ref["lm_head.weight" if name == "model.embed_tokens.weight" else name]
         assert torch.equal(unpack_u12(t).view(torch.int16), w.detach().view(torch.int16)), name
+        assert t.layout == (layout if tiles_fit(t.shape) else "rows"), name
+    assert layout == "rows" or any(t.layout == "tiles" for t in packed.values())
     assert isinstance(engine.target.lm_head, U12Linear)
     # the engine generates exactly what AR greedy on the reference generates
     prompt = list(range(60, 80))

@@ -49,13 +49,18 @@ class WeightsU12(Pass):
         return (node.op in MATMUL_OPS and not node["weight"].startswith(SHARED) and node["format"] == "bfloat16"
                 and node["in_features"] * node["out_features"] >= self.min_numel)
 
+    def _layout(self) -> dict:
+        """The node's `layout` attribute: absent for rows (the default), so row-layout programs are
+        the programs they were."""
+        return {"layout": self.layout} if self.layout != "rows" else {}
+
     def apply(self, program: Program) -> PassResult:
         if program.attr("dtype") != "bfloat16":
             return PassResult(program, False, f"no change: u12 encodes bf16 weights, deployment is {program.attr('dtype')}")
         total = 0
         for level in ("target", "drafter"):
             graph, n = program.graph(level).map_nodes(
-                lambda _, node: node.replace(format="u12", kernel=self.kernel, layout=self.layout)
+                lambda _, node: node.replace(format="u12", kernel=self.kernel, **self._layout())
                 if self._eligible(node) else None)
             program, total = program.with_graph(level, graph), total + n
         return PassResult(program, total > 0, f"{total} matmul weights in u12")
