@@ -1061,8 +1061,11 @@ TUNED: dict[tuple[int, int, int], U12Config] = {
 # planes' best (H200, CUDA graphs, bench/u12_linear.py --ms 16 --kernels mma,hmma,stream at a291905;
 # bench/results/u12_linear_tiles_h200.json): qkv 19.1 µs (rows: mma 19.5), o 15.9 (hmma 16.9),
 # gate_up 52.0 (mma 64.4), down 35.6 (hmma 40.4), lm_head 202 (mma 218); cuBLAS 15.4, 12.7, 58.5,
-# 32.4, 284. The step's linears in one graph: 4.10 ms against cuBLAS's 4.08; verify(16) interleaved
-# 4.651 ms against the bf16 step's 4.520 (bench/results/step_ab_verify16_h200.json, u12-sweep).
+# 32.4, 284. The step's linears in one graph: 4.10 ms against cuBLAS's 4.08. verify(16) interleaved
+# with every weight tiled (bench/step_ab.py's u12-tiles, 753d9c4): 4.613 ms against the bf16 step's
+# 4.446 and the row planes' 5.151 (bench/results/step_ab_verify16_h200.json); the AR step on tiles
+# ran 3.820 against 3.405 (step_ab_h200.json): gemv2 reads tiles 6-13% slower at one row
+# (bench/results/u12_linear_gemv2_tiles_h200.json), hence a layout per deployment (weights-u12).
 TUNED_TILES: dict[tuple[int, int, int], U12Config] = {
     (16, 6144, 4096): U12Config(64, 64, split_k=4, num_warps=4, num_stages=1, kernel="hmma", maxnreg=168),  # qkv
     (16, 4096, 4096): U12Config(64, 32, split_k=8, num_warps=4, num_stages=1, kernel="hmma", maxnreg=128),  # o
