@@ -17,7 +17,7 @@ from test_ir import DFLASH, TARGET
 
 def test_changes_exactly_the_large_bf16_matmuls():
     p = lower(TARGET, DFLASH, dtype="bfloat16")
-    q, [rec] = run_passes(p, [WeightsU12(min_numel=8192, kernel="torch")])
+    q, [rec] = run_passes(p, [WeightsU12(min_numel=8192, kernel="torch", layout="rows")])
     assert rec.changed and rec.lossless
     for level in ("target", "drafter"):
         before, after = p.graph(level), q.graph(level)
@@ -42,15 +42,20 @@ def test_no_change_outside_bf16():
 def test_parameters_are_checked():
     with pytest.raises(PipelineError, match="kernel must be one of"):
         lookup("weights-u12").from_params({"kernel": "cuda"})
-    with pytest.raises(PipelineError, match="layout must be one of rows, tiles"):
+    with pytest.raises(PipelineError, match="layout must be one of auto, rows, tiles"):
         lookup("weights-u12").from_params({"layout": "columns"})
-    assert WeightsU12(min_numel=5, kernel="torch").spec() == 'weights-u12{min-numel=5, kernel="torch", layout="rows"}'
+    assert WeightsU12(min_numel=5, kernel="torch").spec() == 'weights-u12{min-numel=5, kernel="torch", layout="auto"}'
 
 
-def test_tiles_layout_marks_the_nodes_and_rows_leaves_them():
+@pytest.mark.parametrize("explicit", [True, False])
+def test_tiles_layout_marks_the_nodes_and_rows_leaves_them(explicit):
+    """layout=tiles (or auto, where the step verifies a block: DFLASH's 16 tokens) adds each u12
+    node's layout and changes nothing else; rows adds nothing."""
     p = lower(TARGET, DFLASH, dtype="bfloat16")
-    rows, _ = run_passes(p, [WeightsU12(min_numel=8192, kernel="torch")])
-    tiles, _ = run_passes(p, [WeightsU12(min_numel=8192, kernel="torch", layout="tiles")])
+    assert max(n["q"] for _, n in p.step.items() if n.op == "verify") >= 3
+    rows, _ = run_passes(p, [WeightsU12(min_numel=8192, kernel="torch", layout="rows")])
+    tiles, [rec] = run_passes(p, [WeightsU12(min_numel=8192, kernel="torch", layout="tiles" if explicit else "auto")])
+    assert "tiled" in rec.summary
     for level in ("target", "drafter"):
         for name, node in rows.graph(level).items():
             tiled = tiles.graph(level).node(name)
@@ -60,6 +65,18 @@ def test_tiles_layout_marks_the_nodes_and_rows_leaves_them():
                 assert {k: v for k, v in tiled.attrs if k != "layout"} == dict(node.attrs)  # nothing else moved
             else:
                 assert tiled == node
+
+
+def test_auto_keeps_rows_for_narrow_steps(monkeypatch):
+    """auto: a deployment verifying fewer tokens a step than TILES_FROM_ROWS keeps the row planes."""
+    from specpilot.passes import weights_u12
+
+    p = lower(TARGET, DFLASH, dtype="bfloat16")
+    q = max(n["q"] for _, n in p.step.items() if n.op == "verify")
+    monkeypatch.setattr(weights_u12, "TILES_FROM_ROWS", q + 1)
+    out, [rec] = run_passes(p, [WeightsU12(min_numel=8192, kernel="torch")])
+    assert rec.changed and "tiled" not in rec.summary
+    assert not any("layout" in dict(n.attrs) for level in ("target", "drafter") for _, n in out.graph(level).items())
 
 
 @pytest.mark.parametrize("layout", ["rows", "tiles"])

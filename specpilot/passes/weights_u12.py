@@ -10,8 +10,11 @@ order; token forcing is the judge of the output tokens.
 Kernels: "triton-u12" (fused decode-GEMV/GEMM, GPU) or "torch" (unpack then matmul: the
 reference, runs anywhere). Applies only to bfloat16 deployments (u12 encodes bf16 values).
 
-Layout (the node's `layout`, U12Tensor.layout): "rows" (the planes row by row) or "tiles" (16 rows
-by 64 weights at a time, where N % 16 == 0 and K % 64 == 0; other weights stay rows). Both hold the
+Layout (the node's `layout`, U12Tensor.layout): "rows" (the planes row by row), "tiles" (16 rows
+by 64 weights at a time, where N % 16 == 0 and K % 64 == 0; other weights stay rows), or "auto"
+(the default): tiles where the deployment's step verifies TILES_FROM_ROWS or more tokens a call
+(its verify node's q: the rows the target's matmuls take; the drafter's block as wide), else rows.
+Both hold the
 same bytes and every kernel reads either. On the H200 (Llama-3.1-8B, bench/results/step_ab*_h200.json,
 753d9c4) the verify(16) step ran 4.613 ms on tiles against 5.151 on rows, the AR step 3.820 against
 3.405: tiles for a target that verifies blocks, rows for one-row decoding.
@@ -26,7 +29,8 @@ from ..ir.lower import SHARED
 from .base import Pass, PassResult, register
 
 KERNELS = ("triton-u12", "torch")
-LAYOUTS = ("rows", "tiles")
+LAYOUTS = ("auto", "rows", "tiles")
+TILES_FROM_ROWS = 3  # kernels/u12_linear.py's TENSOR_CORE_ROWS: from here the hmma kernel, tiles' gainer
 
 
 @register
@@ -36,7 +40,7 @@ class WeightsU12(Pass):
     lossless = True
     min_numel: int = 1 << 20
     kernel: str = "triton-u12"
-    layout: str = "rows"
+    layout: str = "auto"
 
     def __post_init__(self):
         if self.min_numel < 1:
@@ -50,21 +54,26 @@ class WeightsU12(Pass):
         return (node.op in MATMUL_OPS and not node["weight"].startswith(SHARED) and node["format"] == "bfloat16"
                 and node["in_features"] * node["out_features"] >= self.min_numel)
 
-    def _layout(self) -> dict:
-        """The node's `layout` attribute: absent for rows (the default), so row-layout programs are
-        the programs they were."""
-        return {"layout": self.layout} if self.layout != "rows" else {}
+    def _layout(self, program: Program) -> dict:
+        """The nodes' `layout` attribute: "tiles", or absent for rows (so row-layout programs are the
+        programs they were); "auto" decided by the step's verify width."""
+        layout = self.layout
+        if layout == "auto":
+            q = max((node["q"] for _, node in program.step.items() if node.op == "verify"), default=1)
+            layout = "tiles" if q >= TILES_FROM_ROWS else "rows"
+        return {"layout": layout} if layout == "tiles" else {}
 
     def apply(self, program: Program) -> PassResult:
         if program.attr("dtype") != "bfloat16":
             return PassResult(program, False, f"no change: u12 encodes bf16 weights, deployment is {program.attr('dtype')}")
-        total = 0
+        total, layout = 0, self._layout(program)
         for level in ("target", "drafter"):
             graph, n = program.graph(level).map_nodes(
-                lambda _, node: node.replace(format="u12", kernel=self.kernel, **self._layout())
+                lambda _, node: node.replace(format="u12", kernel=self.kernel, **layout)
                 if self._eligible(node) else None)
             program, total = program.with_graph(level, graph), total + n
-        return PassResult(program, total > 0, f"{total} matmul weights in u12")
+        return PassResult(program, total > 0, f"{total} matmul weights in u12"
+                          + (", tiled" if layout else ""))
 
     @classmethod
     def schedule_space(cls, program: Program) -> list[Pass]:
