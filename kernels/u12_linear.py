@@ -967,12 +967,11 @@ SWEEP_GEMV2 = [
 ] + [
     U12Config(16, 256, num_warps=4, num_stages=3, kernel="gemv2"),
     U12Config(8, 256, num_warps=4, num_stages=3, kernel="gemv2"),
-] + [  # for tiled weights: 16 or 32 words a row, so a warp's load covers 8 (4) rows' 64-byte runs of a tile
-    U12Config(bn, bw, num_warps=w, num_stages=s, kernel="gemv2") for bn, bw, w, s in (
-        (16, 16, 2, 1), (32, 16, 4, 1), (64, 16, 8, 1), (32, 16, 2, 1), (64, 16, 4, 1),
-        (32, 16, 4, 3), (64, 16, 8, 3), (16, 32, 4, 1), (32, 32, 8, 1),
-    )
 ]
+# Tried for tiled weights and dropped (5ba8e66): 16 and 32 words a row, so that a warp's load covers 8
+# (4) rows' 64-byte runs of a tile, at 16-64 rows and 2-8 warps. Far slower at one row on the H200
+# (bench/results/u12_linear_gemv2_tiles_h200.json: down 64-164 µs against 26.8 at the best tiled
+# config and 23.8 on rows; gate_up 47.7-60.8 against 46.8 and 43.4).
 # The mma sweep (3 rows up; bench/u12_linear.py crosses each with SPLIT_KS_MMA), chosen from the sm_90
 # compile (triton 3.6) and swept on the H200 at M = 16 (bench/results/u12_linear_mma_h200.json). block_n >= 64 a warp group (wgmma's M), so block_n 64 runs
 # 4 warps only (8 would decode each weight twice). No loop spills at BLOCK_M 16, 32 or 64; at 64 the
@@ -1064,8 +1063,11 @@ TUNED: dict[tuple[int, int, int], U12Config] = {
 # 32.4, 284. The step's linears in one graph: 4.10 ms against cuBLAS's 4.08. verify(16) interleaved
 # with every weight tiled (bench/step_ab.py's u12-tiles, 753d9c4): 4.613 ms against the bf16 step's
 # 4.446 and the row planes' 5.151 (bench/results/step_ab_verify16_h200.json); the AR step on tiles
-# ran 3.820 against 3.405 (step_ab_h200.json): gemv2 reads tiles 6-13% slower at one row
-# (bench/results/u12_linear_gemv2_tiles_h200.json), hence a layout per deployment (weights-u12).
+# ran 3.820 against 3.405 (step_ab_h200.json): gemv2 reads tiles 4-12% slower at one row, each shape
+# at its best config on either (bench/results/u12_linear_gemv2_tiles_h200.json, 5ba8e66), hence a
+# layout per deployment (weights-u12's auto). From 32 rows the mma kernel reads both alike (qkv's
+# best: 21.9 µs on tiles against 21.4 at 32 rows, 38.8 against 38.9 at 64;
+# bench/results/u12_linear_mma_tiles_m32_64_h200.json, the other shapes past its time budget).
 TUNED_TILES: dict[tuple[int, int, int], U12Config] = {
     (16, 6144, 4096): U12Config(64, 64, split_k=4, num_warps=4, num_stages=1, kernel="hmma", maxnreg=168),  # qkv
     (16, 4096, 4096): U12Config(64, 32, split_k=8, num_warps=4, num_stages=1, kernel="hmma", maxnreg=128),  # o
