@@ -343,6 +343,7 @@ def targets() -> str:
     rows = {(r["path"], r["what"], r["q"]): r for r in d["rows"]}
     ar, v16, draft = rows["fused", "ar", 1], rows["fused", "verify", 16], rows["fused", "draft", 16]
     u12_ar, u12_v16 = rows.get(("fused+u12", "ar", 1)), rows.get(("fused+u12", "verify", 16))
+    u12_tiles_v16 = rows.get(("fused+u12-tiles", "verify", 16))  # weights-u12's layout=auto for a verifying target
     issue_floor = ar["weight_bytes"] / ISSUE_BANDWIDTH
     step = f"`step_times_llama_h200.json` ({_short(d['commit'].split()[0])})"
 
@@ -394,6 +395,10 @@ def targets() -> str:
     if u12_v16:
         lines.append(f"| #5 | verify(16) step (M = 16), bf16 ÷ u12 | ≥ 1.15 | {v16['ms'] / u12_v16['ms']:.3f} | "
                      f"{verdict([v16['ms'] / u12_v16['ms'] >= 1.15])} | {step} |")
+    if u12_tiles_v16:
+        x = v16["ms"] / u12_tiles_v16["ms"]
+        lines.append(f"| #5 | verify(16) step, bf16 ÷ u12 on tiled weights (weights-u12's layout=auto) | ≥ 1.15 | "
+                     f"{x:.3f} | {verdict([x >= 1.15])} | {step} |")
     ab16 = _load("step_ab_verify16_h200.json")
     rows16 = {r["variant"]: r for r in ab16["rows"]} if ab16 else {}
     if "u12-handoff" in rows16:  # the default u12 step against the fastest bf16 variant of the same run

@@ -65,7 +65,7 @@ import torch
 import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the bench scripts beside this one
-import step_times as st  # noqa: E402  (SHAPES, graphed, random_, time_fn, to_u12)
+import step_times as st  # noqa: E402  (SHAPES, graphed, random_, time_fn, to_u12, tile_u12)
 
 from specpilot.kernels import fused_linear, u12_fused_linear, u12_hmma, u12_linear  # noqa: E402
 from specpilot.kernels.overlap import overlap  # noqa: E402
@@ -107,19 +107,6 @@ def knob_variants(q: int) -> dict[str, dict]:
         return dict(U12_KNOB_VARIANTS)
     few = {name: knobs for name, ((lo, hi), knobs) in U12_FEW_ROWS_KNOB_VARIANTS.items() if lo <= q <= hi}
     return {**U12_VERIFY_KNOB_VARIANTS, **few}
-
-
-def tile_u12(model) -> None:
-    """Every u12 projection of `model` (st.to_u12's) with its weight tiled (U12Tensor.layout); the
-    fused decoder dropped, so the next fused_path installs it over them (concatenated, still tiled)."""
-    from specpilot.backends.torch_backend import U12Linear
-    from specpilot.runtime.model import swap_projection
-    from specpilot.runtime.u12 import tiles_fit
-
-    for name, module in model.linear_modules().items():
-        if tiles_fit(module.packed.shape):  # (the smoke test's tiny shapes: some stay rows)
-            swap_projection(model, name, U12Linear(module.packed.with_layout("tiles"), module.kernel))
-    model._fused_kept = None
 
 
 @contextlib.contextmanager
@@ -243,7 +230,7 @@ def capture(shape: str, variants: bool, extra_bf16: dict | None = None, extra_u1
             with _tuned(u12_fused_linear.TUNED, override):
                 graphs[name] = capture_step()
     keep += [model._fused_kept, list(model.linear_modules().values())]  # the row planes the graphs read
-    tile_u12(model)
+    st.tile_u12(model)
     with fused_path(model):  # the default u12 step on tiled weights: TUNED_TILES from 3 rows
         graphs["u12-tiles"] = capture_step()
         for name, override in (extra_u12_tiles or {}).items():  # at a sweep's configs for tiled weights
