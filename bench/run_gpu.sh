@@ -24,7 +24,8 @@
 #   verifyab the Llama-3.1-8B verify(16) step, bf16 against the u12 variants, interleaved (bench/step_ab.py
 #            --q 16; bf16-sweep from the committed M = 16 sweep, bench/results/fused_linear_m16_graph_h200.json)
 #   u12verify  the u12 kernel tests on the GPU (escapes every way, a CUDA graph capture, the M >= 5
-#            epilogues, the registry), then verifyab
+#            epilogues, tiled weights, the registry): a command of its own (its 240 s limit cut it at
+#            about 45% at 3353acd); run verifyab after
 #   tiles    the M = 16 sweep (mma and hmma) on tiled weights beside row planes (bench/u12_linear.py --layouts
 #            rows,tiles), then verify(16) interleaved with the sweep's best (u12-sweep, u12-tiles-sweep)
 #   tilesab  the tiled layout's GPU tests, then the AR and verify(16) steps interleaved (u12-tiles beside u12)
@@ -135,10 +136,10 @@ verifyab() {  # verify(16) interleaved, without a new fused_linear sweep
   TAIL=16 run step_ab_verify16 240 python bench/step_ab.py --q 16 \
     --bf16-tuned bench/results/fused_linear_m16_graph_h200.json --out "$OUT/step_ab_verify16_h200.json"
 }
-u12verify() {  # the u12 kernels on the GPU, then the verify(16) step interleaved
-  TAIL=4 run u12_tests 240 python -m pytest -q -x -p no:cacheprovider tests/test_u12_mma.py tests/test_u12_hmma.py \
-    tests/test_u12_gemv.py tests/test_u12_fused_linear.py tests/test_kernels.py -k "u12 or lane or escape"
-  verifyab
+u12verify() {  # the u12 kernels on the GPU (about 9 minutes of compiles: their own command), then verifyab
+  TAIL=4 run u12_tests 540 python -m pytest -q -x -p no:cacheprovider tests/test_u12_mma.py tests/test_u12_hmma.py \
+    tests/test_u12_gemv.py tests/test_u12_fused_linear.py tests/test_u12_layout.py tests/test_kernels.py \
+    -k "u12 or lane or escape or tile"
 }
 tiles() {  # tiled weights at M = 16: the tensor-core kernels on both layouts, then verify(16) with the best
   # (each swept config is checked against the reference first)
