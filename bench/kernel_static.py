@@ -34,7 +34,7 @@ somewhere, then PYTHONPATH=that folder python bench/kernel_static.py).
 
     python bench/kernel_static.py [--ms 1,4,16,64] [--shapes qkv,o,gate_up,down,lm_head] [--only u12,u12-fused,u12-tiles,bf16] [--step-variants] [--out FILE]
     python bench/kernel_static.py --smoke --out FILE    # small shapes: the tests' run
-    python bench/kernel_static.py --sweep hmma,tiles --ms 16 --shapes o,down --timed bench/results/u12_linear_hmma_h200.json
+    python bench/kernel_static.py --sweep hmma --layouts rows,tiles --ms 16 --timed bench/results/u12_linear_hmma_h200.json
 Run it in a process without TRITON_INTERPRET=1 (under the interpreter Triton compiles nothing).
 """
 
@@ -262,10 +262,21 @@ def run(shapes, ms, only, arch: int = 90, variants: bool = False) -> list[dict]:
     return rows
 
 
-def sweep(shapes, m: int, kernels: tuple[str, ...], timed: Path | None, arch: int = 90) -> list[dict]:
+def _timed_layout(row: dict) -> tuple[str, str]:
+    """(config, layout) of a bench/u12_linear.py sweep row: its "layout" key, or in files written
+    before weights had layouts (a291905) a "-tiles" suffix on the config string."""
+    config = row["config"]
+    if "layout" in row:
+        return config, row["layout"]
+    return (config[: -len("-tiles")], "tiles") if config.endswith("-tiles") else (config, "rows")
+
+
+def sweep(shapes, m: int, kernels: tuple[str, ...], timed: Path | None, arch: int = 90,
+          layouts: tuple[str, ...] = ("rows",)) -> list[dict]:
     """The configs bench/u12_linear.py sweeps at `m` rows (its sweep_configs: the default first),
-    each compiled and described; with `timed` (that script's results file) each row gets the
-    config's measured "us" where the file timed it (same shape, rows and config string)."""
+    each compiled on the weight in each of `layouts` (U12Tensor.layout) and described; with `timed`
+    (that script's results file) each row gets the config's measured "us" where the file timed it
+    (same shape, rows, config string and layout)."""
     from u12_linear import sweep_configs
 
     from specpilot.kernels.target import compile_only
@@ -273,7 +284,7 @@ def sweep(shapes, m: int, kernels: tuple[str, ...], timed: Path | None, arch: in
 
     times = {}
     if timed is not None:
-        times = {(r["name"], r["M"], r["config"]): r["us"] for r in json.loads(timed.read_text())["sweep"]
+        times = {(r["name"], r["M"], *_timed_layout(r)): r["us"] for r in json.loads(timed.read_text())["sweep"]
                  if r.get("us") is not None}
     _, packed = _weights(tuple(shapes.items()))
     x = torch.randn(m, max(k for _, k in shapes.values()), generator=torch.Generator().manual_seed(1))
@@ -281,11 +292,13 @@ def sweep(shapes, m: int, kernels: tuple[str, ...], timed: Path | None, arch: in
     with tempfile.TemporaryDirectory() as tmp, torch.inference_mode():
         for name, (n, k) in shapes.items():
             for cfg in sweep_configs(m, n, k, kernels):
-                with compile_only(arch) as compiled:
-                    u12_linear(x[:, :k].to(torch.bfloat16), packed[name], cfg)
-                main = [describe(c, Path(tmp)) for c in compiled][0]  # the GEMM (a split-K sum kernel may follow)
-                rows.append({"variant": "sweep", "what": "u12", "shape": name, "n_k": [n, k], "m": m,
-                             "config": str(cfg), "us": times.get((name, m, str(cfg))), **main})
+                for layout in layouts:
+                    with compile_only(arch) as compiled:
+                        u12_linear(x[:, :k].to(torch.bfloat16), packed[name].with_layout(layout), cfg)
+                    main = [describe(c, Path(tmp)) for c in compiled][0]  # the GEMM (a split-K sum kernel may follow)
+                    rows.append({"variant": "sweep", "what": "u12", "shape": name, "n_k": [n, k], "m": m,
+                                 "config": str(cfg), "layout": layout, "us": times.get((name, m, str(cfg), layout)),
+                                 **main})
     return rows
 
 
@@ -320,9 +333,9 @@ def sweep_correlations(rows: list[dict]) -> list[dict]:
     groups = collections.defaultdict(list)
     for r in rows:
         if r.get("us") is not None:
-            groups[r["shape"], r["kernel"], r["constexprs"].get("SPLIT_K", 1)].append(r)
+            groups[r["shape"], r["kernel"], r.get("layout", "rows"), r["constexprs"].get("SPLIT_K", 1)].append(r)
     out = []
-    for (shape, kernel, split), g in sorted(groups.items()):
+    for (shape, kernel, layout, split), g in sorted(groups.items()):
         if len(g) < 4:
             continue
         us = [r["us"] for r in g]
@@ -332,7 +345,7 @@ def sweep_correlations(rows: list[dict]) -> list[dict]:
             "instructions_per_weight": spearman([r["warp_instructions_per_weight"] or 0 for r in g], us),
         }
         best = min(g, key=lambda r: r["us"])
-        out.append({"shape": shape, "kernel": kernel, "split_k": split, "configs": len(g),
+        out.append({"shape": shape, "kernel": kernel, "layout": layout, "split_k": split, "configs": len(g),
                     "spearman_vs_us": {k: None if v is None else round(v, 3) for k, v in rho.items()},
                     "best": best["config"], "best_us": best["us"]})
     return out
@@ -346,9 +359,10 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="small shapes (the tests' run)")
     ap.add_argument("--step-variants", action="store_true",
                     help="also each of bench/step_ab.py's u12 knob variants, at the rows it is timed at")
-    ap.add_argument("--sweep", help="instead: bench/u12_linear.py's sweep of these kernels (e.g. hmma,tiles) at "
+    ap.add_argument("--sweep", help="instead: bench/u12_linear.py's sweep of these kernels (e.g. hmma,mma) at "
                                     "the first of --ms, every config compiled")
     ap.add_argument("--timed", type=Path, help="with --sweep: a bench/u12_linear.py results file whose times to join")
+    ap.add_argument("--layouts", default="rows", help="with --sweep: the weight's layouts to compile each config on")
     ap.add_argument("--out", type=Path, help="default bench/results/kernel_static[_sweep]_sm90_triton<major><minor>.json")
     args = ap.parse_args()
     if args.timed is not None and not args.timed.is_file():
@@ -367,7 +381,8 @@ def main() -> None:
     kind = "kernel_static_sweep" if args.sweep else "kernel_static"
     out = args.out or ROOT / "bench" / "results" / f"{kind}_sm90_triton{''.join(triton.__version__.split('.')[:2])}.json"
     if args.sweep:
-        rows = sweep({s: table[s] for s in names}, ms[0], tuple(args.sweep.split(",")), args.timed)
+        rows = sweep({s: table[s] for s in names}, ms[0], tuple(args.sweep.split(",")), args.timed,
+                     layouts=tuple(args.layouts.split(",")))
     else:
         rows = run({s: table[s] for s in names}, ms, only, variants=args.step_variants)
 

@@ -335,6 +335,11 @@ def draft_vocab() -> str:
     return "\n".join(lines)
 
 
+def verdict(ok: list[bool]) -> str:
+    """A scorecard's word for its checks: all met, none, or (two bandwidths) one."""
+    return "met" if all(ok) else "not met" if not any(ok) else "met at one bandwidth"
+
+
 def targets() -> str:
     """The issues' benchmark targets beside the newest results files' figures."""
     d = _load("step_times_llama_h200.json")
@@ -346,9 +351,6 @@ def targets() -> str:
     u12_tiles_v16 = rows.get(("fused+u12-tiles", "verify", 16))  # weights-u12's layout=auto for a verifying target
     issue_floor = ar["weight_bytes"] / ISSUE_BANDWIDTH
     step = f"`step_times_llama_h200.json` ({_short(d['commit'].split()[0])})"
-
-    def verdict(ok: list[bool]) -> str:
-        return "met" if all(ok) else "not met" if not any(ok) else "met at one bandwidth"
 
     lines = [
         "Llama-3.1-8B shapes on the H200, batch 1, CUDA graphs; each figure from the newest results file named. "
@@ -379,19 +381,7 @@ def targets() -> str:
     if u12_ar:
         lines.append(f"| #5 | whole AR step, bf16 ÷ u12 | ≥ 1.20 | {ar['ms'] / u12_ar['ms']:.3f} | "
                      f"{verdict([ar['ms'] / u12_ar['ms'] >= 1.20])} | {step} |")
-    ab = _load("step_ab_h200.json")
-    rows1 = {r["variant"]: r for r in ab["rows"]} if ab else {}
-    if "u12-handoff" in rows1:  # the default u12 step against the fastest bf16 variant, interleaved in one run
-        best = min((r for name, r in rows1.items() if name.startswith("bf16")), key=lambda r: r["ms"])
-        x = best["ms"] / rows1["u12-handoff"]["ms"]
-        lines.append(f"| #5 | whole AR step, fastest bf16 ({best['variant']}) ÷ u12, interleaved in one run "
-                     f"(`bench/step_ab.py`) | ≥ 1.20 | {x:.3f} | {verdict([x >= 1.20])} | "
-                     f"`step_ab_h200.json` ({_short(ab['commit'])}) |")
-        fast = min((r for name, r in rows1.items() if name.startswith("u12")), key=lambda r: r["ms"])
-        if fast["variant"] != "u12-handoff":  # a variant the default does not run, named
-            x = best["ms"] / fast["ms"]
-            lines.append(f"| #5 | whole AR step, the same run's fastest u12 variant ({fast['variant']}) | ≥ 1.20 | "
-                         f"{x:.3f} | {verdict([x >= 1.20])} | `step_ab_h200.json` ({_short(ab['commit'])}) |")
+    lines += _interleaved("step_ab_h200.json", "whole AR step", 1.20)
     if u12_v16:
         lines.append(f"| #5 | verify(16) step (M = 16), bf16 ÷ u12 | ≥ 1.15 | {v16['ms'] / u12_v16['ms']:.3f} | "
                      f"{verdict([v16['ms'] / u12_v16['ms'] >= 1.15])} | {step} |")
@@ -399,19 +389,29 @@ def targets() -> str:
         x = v16["ms"] / u12_tiles_v16["ms"]
         lines.append(f"| #5 | verify(16) step, bf16 ÷ u12 on tiled weights (weights-u12's layout=auto) | ≥ 1.15 | "
                      f"{x:.3f} | {verdict([x >= 1.15])} | {step} |")
-    ab16 = _load("step_ab_verify16_h200.json")
-    rows16 = {r["variant"]: r for r in ab16["rows"]} if ab16 else {}
-    if "u12-handoff" in rows16:  # the default u12 step against the fastest bf16 variant of the same run
-        best = min((r for name, r in rows16.items() if name.startswith("bf16")), key=lambda r: r["ms"])
-        x = best["ms"] / rows16["u12-handoff"]["ms"]
-        lines.append(f"| #5 | verify(16) step, fastest bf16 ({best['variant']}) ÷ u12, interleaved in one run | ≥ 1.15 | "
-                     f"{x:.3f} | {verdict([x >= 1.15])} | `step_ab_verify16_h200.json` ({_short(ab16['commit'])}) |")
-        fast = min((r for name, r in rows16.items() if name.startswith("u12")), key=lambda r: r["ms"])
-        if fast["variant"] != "u12-handoff":  # a variant the default does not run yet, named
-            x = best["ms"] / fast["ms"]
-            lines.append(f"| #5 | verify(16) step, the same run's fastest u12 variant ({fast['variant']}) | ≥ 1.15 | "
-                         f"{x:.3f} | {verdict([x >= 1.15])} | `step_ab_verify16_h200.json` ({_short(ab16['commit'])}) |")
+    lines += _interleaved("step_ab_verify16_h200.json", "verify(16) step", 1.15)
     return "\n".join(lines)
+
+
+def _interleaved(name: str, step: str, target: float) -> list[str]:
+    """Scorecard lines from a bench/step_ab.py file: the default u12 step (u12-handoff) against the
+    fastest bf16 variant of the same interleaved run, and the run's fastest u12 variant where that is
+    not the default (named: the default does not run it)."""
+    ab = _load(name)
+    rows = {r["variant"]: r for r in ab["rows"]} if ab else {}
+    if "u12-handoff" not in rows:
+        return []
+    best = min((r for v, r in rows.items() if v.startswith("bf16")), key=lambda r: r["ms"])
+    fast = min((r for v, r in rows.items() if v.startswith("u12")), key=lambda r: r["ms"])
+    source = f"`{name}` ({_short(ab['commit'])})"
+    x = best["ms"] / rows["u12-handoff"]["ms"]
+    out = [f"| #5 | {step}, fastest bf16 ({best['variant']}) ÷ u12, interleaved in one run (`bench/step_ab.py`) | "
+           f"≥ {target:.2f} | {x:.3f} | {verdict([x >= target])} | {source} |"]
+    if fast["variant"] != "u12-handoff":
+        x = best["ms"] / fast["ms"]
+        out.append(f"| #5 | {step}, the same run's fastest u12 variant ({fast['variant']}) | ≥ {target:.2f} | "
+                   f"{x:.3f} | {verdict([x >= target])} | {source} |")
+    return out
 
 
 def kernel_static() -> str:
@@ -445,26 +445,26 @@ def kernel_static() -> str:
 def kernel_static_sweep() -> str:
     d = _load("kernel_static_sweep_sm90_triton36.json")
     if d is None:
-        return "_no results file yet: run `python bench/kernel_static.py --sweep hmma,tiles --ms 16 --timed ...`_"
+        return "_no results file yet: run `python bench/kernel_static.py --sweep hmma --layouts rows,tiles --ms 16 --timed ...`_"
     lines = [
         f"{d['target']}; triton {d['triton']}, commit {_short(d['commit'])}; times from `{d['timed']}` (the H200 "
         "sweep, each config in a CUDA graph). Source: `bench/results/kernel_static_sweep_sm90_triton36.json`. "
         "Spearman's rank correlation, over the hmma configs timed at each split-K, of the time with: late loads "
         "(the K loop's global loads after its first MMA), resident warps an SM, and the loop's instructions a weight.",
         "",
-        "| shape | split-K | configs | late loads | warps/SM | instructions/weight | best config | µs |",
-        "|---|---:|---:|---:|---:|---:|---|---:|",
+        "| shape | layout | split-K | configs | late loads | warps/SM | instructions/weight | best config | µs |",
+        "|---|---|---:|---:|---:|---:|---:|---|---:|",
     ]
     fmt = lambda v: "-" if v is None else f"{v:+.2f}"  # noqa: E731
     for c in d["correlations"]:
         if c["kernel"] != "_u12_hmma_kernel":
             continue
         rho = c["spearman_vs_us"]
-        lines.append(f"| {c['shape']} | {c['split_k']} | {c['configs']} | {fmt(rho['late_loads'])} | "
+        lines.append(f"| {c['shape']} | {c.get('layout', 'rows')} | {c['split_k']} | {c['configs']} | {fmt(rho['late_loads'])} | "
                      f"{fmt(rho['warps_per_sm'])} | {fmt(rho['instructions_per_weight'])} | {c['best']} | "
                      f"{c['best_us']:.1f} |")
     o8 = sorted((r for r in d["rows"] if r["shape"] == "o" and r["us"] is not None and "-sk8-" in r["config"]
-                 and r["config"].startswith("hmma")), key=lambda r: r["us"])
+                 and r["config"].startswith("hmma") and r.get("layout", "rows") == "rows"), key=lambda r: r["us"])
     if o8:
         lines += ["", "o at 16 rows, split-K 8 (TUNED's), fastest first:", "",
                   "| config | registers | warps/SM | late loads | loop | µs |", "|---|---:|---:|---:|---:|---:|"]

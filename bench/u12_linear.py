@@ -232,7 +232,7 @@ def main() -> None:
         while args.graph and len(copies) < max(2, min(LAYERS, int(2e9 // (2 * n * k)))):
             wc = (torch.randn(n, k, device="cuda", generator=g) * SIGMA).to(torch.bfloat16)
             copies.append((wc, pack_u12(wc)))
-        tiled = {lay: (t.with_layout(lay), [tc.with_layout(lay) for _, tc in copies]) for lay in layouts}
+        laid = {lay: (t.with_layout(lay), [tc.with_layout(lay) for _, tc in copies]) for lay in layouts}
         for m in [int(v) for v in args.ms.split(",")]:
             x = torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16)
             ref = u12_linear_reference(x, t)
@@ -246,17 +246,17 @@ def main() -> None:
             configs = sweep_configs(m, n, k, tuple(args.kernels.split(",")))
             for i, (cfg, layout) in enumerate((c, lay) for c in configs for lay in layouts):
                 row = {**base, "config": str(cfg), "layout": layout, "default": i == 0}
-                t, tcopies = tiled[layout]
+                wt, wcopies = laid[layout]  # the weight (and its copies) in this row's layout
                 if time.monotonic() - t0 > args.budget_s:
                     sweep.append({**row, "skipped": "time budget"})
                     continue
                 try:
-                    y = u12_linear(x, t, cfg)
+                    y = u12_linear(x, wt, cfg)
                     check_close(y, ref, scale)
                     if args.graph:
-                        us = time_graph([lambda x=x, t=tc, c=cfg: u12_linear(x, t, c) for tc in tcopies]) * 1e3 / len(copies)
+                        us = time_graph([lambda x=x, t=tc, c=cfg: u12_linear(x, t, c) for tc in wcopies]) * 1e3 / len(copies)
                     else:
-                        us = do_bench(lambda x=x, t=t, cfg=cfg: u12_linear(x, t, cfg), warmup=5, rep=20,
+                        us = do_bench(lambda x=x, t=wt, cfg=cfg: u12_linear(x, t, cfg), warmup=5, rep=20,
                                       return_mode="median") * 1e3
                 except Exception as e:  # a config that does not compile, run or match: recorded, not fatal
                     sweep.append({**row, "error": f"{type(e).__name__}: {str(e)[:300]}"})
@@ -275,7 +275,7 @@ def main() -> None:
                     "rel_err_vs_reference": err, "config": str(cfg), "layout": layout,
                     "default_config": default.get("config"), "default_us": default.get("us"),
                 })
-        del w, t, scale, copies, tiled
+        del w, t, scale, copies, laid
         torch.cuda.empty_cache()
     sweep_s = time.monotonic() - t0
 

@@ -67,6 +67,14 @@ def test_tiles_layout_marks_the_nodes_and_rows_leaves_them(explicit):
                 assert tiled == node
 
 
+def test_auto_tiles_from_the_rows_the_tensor_core_kernels_take():
+    """TILES_FROM_ROWS is the kernels' TENSOR_CORE_ROWS (where TUNED_TILES' hmma configs start)."""
+    from specpilot.kernels.u12_linear import TENSOR_CORE_ROWS
+    from specpilot.passes.weights_u12 import TILES_FROM_ROWS
+
+    assert TILES_FROM_ROWS == TENSOR_CORE_ROWS
+
+
 def test_auto_keeps_rows_for_narrow_steps(monkeypatch):
     """auto: a deployment verifying fewer tokens a step than TILES_FROM_ROWS keeps the row planes."""
     from specpilot.passes import weights_u12
