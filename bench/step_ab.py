@@ -21,7 +21,10 @@ them; the default); u12-esc-table (the default with the escapes from the side ta
 pointers loaded before their loops, in place of the rows' lanes: ``u12_linear.ESC_LANES``);
 u12-esc-after (the same with every load of the table after the loops: ``u12_linear.ESC_AHEAD`` off;
 AR only); bf16-pdl, bf16-pdl-wait, u12-pdl, u12-pdl-wait (each step with programmatic dependent
-launch, kernels/overlap.py's modes 1 and 2; AR only, not under --smoke); u12-many-rows (a verify
+launch, kernels/overlap.py's modes 1 and 2; AR only, not under --smoke); u12-pdl-wait-late,
+u12-pdl-wait-r72, u12-pdl-r72, u12-early (the GEMVs' escape lanes loaded before the PDL wait and x
+gathered at them before the loop, ``u12_linear.EARLY_LANES``, or not: ``U12_PDL_VARIANTS``; AR
+only, not under --smoke); u12-many-rows (a verify
 step's u12 layers through u12_fused_linear: the mma and hmma kernels' epilogues and the norm
 handoff, runtime/fused.py's U12_MANY_ROWS; --q above 1 only); u12-lanes-g8, u12-lanes-g16 (a verify
 step's mma and hmma kernels walking the lanes 8 or 16 a step, ``u12_linear.LANE_GROUP``, against the
@@ -137,6 +140,21 @@ OVERLAP_VARIANTS = (
 )
 
 
+# u12_linear's EARLY_LANES under PDL: the GEMVs' lanes loaded before the PDL wait and x gathered at
+# them right after it (the default "pdl"), against the gather after the loop (late). Early, ptxas
+# gives the gated gate|up GEMV 95 registers (72 late): 10 programs an SM, so its 1792 no longer fit
+# one wave; r72 caps it at 72 (no spills, 14 an SM; bench/kernel_static.py). AR only.
+# name: (overlap's keywords, knobs, u12_fused_linear TUNED entries).
+_GATE_UP_R72 = {(1, 28672, 4096, True): u12_linear.U12Config(8, 64, num_warps=2, num_stages=1, kernel="gemv2",
+                                                              maxnreg=72)}
+U12_PDL_VARIANTS = {
+    "u12-pdl-wait-late": (dict(pdl=2), dict(EARLY_LANES="never"), {}),
+    "u12-pdl-wait-r72": (dict(pdl=2), {}, _GATE_UP_R72),
+    "u12-pdl-r72": (dict(pdl=1), {}, _GATE_UP_R72),
+    "u12-early": ({}, dict(EARLY_LANES="always"), _GATE_UP_R72),  # early without PDL: the gather waits for the lanes
+}
+
+
 def _bf16_registers(maxnreg: int, names: tuple[str, ...]) -> dict:
     """fused_linear's M = 1 TUNED entries of the layers `names` with ptxas allowed `maxnreg` registers."""
     keys = {"qkv": (1, 6144, 4096, False), "o": (1, 4096, 4096, False), "gate_up": (1, 28672, 4096, True),
@@ -223,6 +241,10 @@ def capture(shape: str, variants: bool, extra_bf16: dict | None = None, extra_u1
                 if step == "u12":
                     with overlap(**kw):
                         graphs[name] = capture_step()
+        if variants and q == 1:
+            for name, (kw, knobs, fused) in U12_PDL_VARIANTS.items():
+                with overlap(**kw), knobs_set(knobs), _tuned(u12_fused_linear.TUNED, fused):
+                    graphs[name] = capture_step()
         for name, override in (extra_u12 or {}).items():  # the default u12 step at a sweep's configs for its rows
             with _tuned(u12_linear.TUNED, override):
                 graphs[name] = capture_step()

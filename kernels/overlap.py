@@ -193,7 +193,20 @@ def overlap_enter(
 def pdl_enter(PDL: tl.constexpr):
     """A PDL kernel's first step: mode 1 lets the next kernel launch, then (modes 1, 2) waits for
     the kernel before; nothing in mode 0."""
+    pdl_trigger(PDL)
+    pdl_wait(PDL)
+
+
+@triton.jit
+def pdl_trigger(PDL: tl.constexpr):
+    """``pdl_enter``'s first half: mode 1 lets the next kernel launch."""
     if PDL == 1:
         gdc_launch_dependents()
+
+
+@triton.jit
+def pdl_wait(PDL: tl.constexpr):
+    """``pdl_enter``'s second half: modes 1, 2 wait for the kernel before. Loads of what that kernel
+    cannot have written (weights) may come before it, in a program launched early."""
     if PDL >= 1:
         gdc_wait()

@@ -103,7 +103,7 @@ from .fused_linear import (
     fused_linear_reference,
     norm_words,
 )
-from .overlap import pdl_args, pdl_enter
+from .overlap import pdl_args, pdl_enter, pdl_trigger, pdl_wait
 from .registry import KernelSpec, register
 from .target import native as on_native
 from .rmsnorm import _normalize, _row_inv, _to_dtype, rmsnorm
@@ -121,11 +121,14 @@ from .u12_linear import (
     _lanes_finish,
     _lanes_gather,
     _lanes_load,
+    _lanes_terms,
+    _lanes_x,
     _nonempty,
     _row_words,
     _x_planes,
     aligned_rows,
     biased_scale,
+    early_lanes,
     gemv2_applies,
     gemv_config,
     lanes_args,
@@ -180,9 +183,11 @@ def _u12_fused_gemv_kernel(
     BLOCK_P: tl.constexpr = 16,  # HAND_IN: parts summed a chunk (all of them in one: their loads in flight at once)
     LANES: tl.constexpr = 0,  # > 0: the escapes from t's lanes (U12Tensor.esc_lanes, LANES a row), not the table
     TILED: tl.constexpr = False,  # t's planes in tiles (U12Tensor.layout)
+    EARLY_LANES: tl.constexpr = False,  # LANES and PDL: lanes loaded before the PDL wait, x at them after it
 ):
     """All M (<= 4) rows of x against BLOCK_N output rows (N: output columns; gated: rows n and N + n of t)."""
-    pdl_enter(PDL)
+    if not EARLY_LANES:
+        pdl_enter(PDL)
     pid_n = tl.program_id(0)
     DTYPE: tl.constexpr = y_ptr.dtype.element_ty
     n0 = pid_n * BLOCK_N
@@ -193,6 +198,15 @@ def _u12_fused_gemv_kernel(
     # Rows past M or N re-read the last row (their outputs are not stored), so only K needs masks.
     rows_m = tl.minimum(offs_m, M - 1)
     rows_n = tl.minimum(offs_n, N - 1)[None, :, None]
+    if EARLY_LANES:  # u12_linear's EARLY_LANES: the lanes (weights) before the wait, x (and NORM's weight) at them after
+        pdl_trigger(PDL)
+        lanes_g = _lanes_load(lanes_ptr, rows_n, LANES, BLOCK_M, BLOCK_N)
+        if GATED:
+            lanes_u = _lanes_load(lanes_ptr, rows_n + N, LANES, BLOCK_M, BLOCK_N)
+        pdl_wait(PDL)
+        xl_g, nl_g = _lanes_x(lanes_g, x_ptr, nw_ptr, rows_m[:, None, None], stride_xm, K, NORM)
+        if GATED:
+            xl_u, nl_u = _lanes_x(lanes_u, x_ptr, nw_ptr, rows_m[:, None, None], stride_xm, K, NORM)
     if NORM:
         if X_WORDS:
             inv_m = _row_inv_words(x_ptr, rows_m, stride_xm // 4, n_words, inv_k, eps, BLOCK_M, NORM_WORDS)
@@ -223,7 +237,7 @@ def _u12_fused_gemv_kernel(
     # (rows N + n0..).
     eg0, eg_end, idx_g, val_g, xg_g, nw_g = _escape_ahead_init(esc_idx_ptr, BLOCK_M, ESC_BLOCK)
     eu0, eu_end, idx_u, val_u, xg_u, nw_u = _escape_ahead_init(esc_idx_ptr, BLOCK_M, ESC_BLOCK)
-    if LANES:  # u12_linear's ``_lanes_load``: the gate rows' and, gated, the up rows'
+    if LANES and not EARLY_LANES:  # u12_linear's ``_lanes_load``: the gate rows' and, gated, the up rows'
         lanes_g = _lanes_load(lanes_ptr, rows_n, LANES, BLOCK_M, BLOCK_N)
         if GATED:
             lanes_u = _lanes_load(lanes_ptr, rows_n + N, LANES, BLOCK_M, BLOCK_N)
@@ -243,7 +257,11 @@ def _u12_fused_gemv_kernel(
     for start in range(0, full_words, BLOCK_W):
         acc_g, acc_u = _fused_chunk(acc_g, acc_u, start, x_rows, nw_rows, inv, gate_sm, gate_codes, up_sm, up_codes,
                                     n_words, BLOCK_W, X_WORDS, False, NORM, GATED, DTYPE, ROUND_BF16, ASM, TILED)
-    if LANES:  # u12_linear's ``_lanes_gather``: x (NORM: x') at the lanes' columns
+    if EARLY_LANES:  # the terms of the gathers issued before the loop
+        spur_g, esc_g = _lanes_terms(lanes_g, xl_g, nl_g, K, inv, NORM, DTYPE, ROUND_BF16)
+        if GATED:
+            spur_u, esc_u = _lanes_terms(lanes_u, xl_u, nl_u, K, inv, NORM, DTYPE, ROUND_BF16)
+    elif LANES:  # u12_linear's ``_lanes_gather``: x (NORM: x') at the lanes' columns
         rows_m3 = rows_m[:, None, None]
         spur_g, esc_g = _lanes_gather(lanes_g, x_ptr, nw_ptr, rows_m3, stride_xm, K, inv, NORM, DTYPE, ROUND_BF16)
         if GATED:
@@ -399,6 +417,7 @@ def _launch_fused(
         ROUND_BF16=not native and x.dtype == torch.bfloat16, EXPF=native, ASM=native, **launch, **pdl_args(x.device),
         ESC_AHEAD=u12_linear_module.ESC_AHEAD, HAND_OUT=hand_out is not None, HAND_IN=hand_in is not None,
         BLOCK_P=min(1024, triton.next_power_of_2(max(1, n_parts))), LANES=n_lanes, TILED=t.layout == "tiles",
+        EARLY_LANES=early_lanes(n_lanes, x.device),
     )
 
 

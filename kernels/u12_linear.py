@@ -157,7 +157,7 @@ import triton.language as tl
 
 from specpilot.runtime.u12 import MAX_BASE, U12Tensor, pack_u12, unpack_u12
 
-from .overlap import pdl_args, pdl_enter
+from .overlap import pdl_args, pdl_enter, pdl_mode, pdl_trigger, pdl_wait
 from .registry import KernelSpec, register
 from .target import native as on_native
 from .rmsnorm import _normalize
@@ -452,19 +452,37 @@ def _lanes_load(lanes_ptr, rows_n, LANES: tl.constexpr, BLOCK_M: tl.constexpr, B
 
 
 @triton.jit
+def _lanes_x(lanes, x_ptr, nw_ptr, rows_m, stride_xm, K, NORM: tl.constexpr):
+    """x (rows_m [BM, 1, 1]) and, NORM, the norm weight at the columns of ``lanes``
+    (``_lanes_load``) as loaded, 0 in empty lanes (column 0xFFFF >= K): the loads of
+    ``_lanes_gather``, one memory round trip (x, from L2), apart from its arithmetic so a kernel
+    can issue them early and use them late (``_u12_gemv_kernel``'s EARLY_LANES)."""
+    col = lanes & 0xFFFF
+    ok = col < K
+    xv = tl.load(x_ptr + rows_m * stride_xm + col, mask=ok, other=0.0)
+    nw = tl.load(nw_ptr + col, mask=ok, other=0.0) if NORM else xv
+    return xv, nw
+
+
+@triton.jit
+def _lanes_terms(lanes, xv, nw, K, inv, NORM: tl.constexpr, DTYPE: tl.constexpr, ROUND_BF16: tl.constexpr):
+    """``_lanes_gather``'s terms from ``_lanes_x``'s loads."""
+    ok = (lanes & 0xFFFF) < K
+    xv = xv.to(tl.float32)
+    if NORM:
+        xv = _normalize(xv, inv, nw.to(tl.float32), DTYPE, ROUND_BF16)
+    w = (lanes & -0x10000).to(tl.float32, bitcast=True)
+    return tl.where(ok, xv * ESC_DECODED, 0.0), tl.where(ok, xv * w, 0.0)
+
+
+@triton.jit
 def _lanes_gather(lanes, x_ptr, nw_ptr, rows_m, stride_xm, K, inv,
                   NORM: tl.constexpr, DTYPE: tl.constexpr, ROUND_BF16: tl.constexpr):
     """(x · 2^-15, x · w) [BM, BN, LANES] fp32 for the escapes in ``lanes`` (``_lanes_load``), 0 in
     empty lanes (column 0xFFFF >= K): x at each lane's column (rows_m [BM, 1, 1]; NORM: normalised
     as the loop's x, with inv [BM, 1, 1] and the norm weight there). One memory round trip (x, from L2)."""
-    col = lanes & 0xFFFF
-    ok = col < K
-    xv = tl.load(x_ptr + rows_m * stride_xm + col, mask=ok, other=0.0).to(tl.float32)
-    if NORM:
-        nw = tl.load(nw_ptr + col, mask=ok, other=0.0).to(tl.float32)
-        xv = _normalize(xv, inv, nw, DTYPE, ROUND_BF16)
-    w = (lanes & -0x10000).to(tl.float32, bitcast=True)
-    return tl.where(ok, xv * ESC_DECODED, 0.0), tl.where(ok, xv * w, 0.0)
+    xv, nw = _lanes_x(lanes, x_ptr, nw_ptr, rows_m, stride_xm, K, NORM)
+    return _lanes_terms(lanes, xv, nw, K, inv, NORM, DTYPE, ROUND_BF16)
 
 
 @triton.jit
@@ -823,9 +841,11 @@ def _u12_gemv_kernel(
     ESC_AHEAD: tl.constexpr = False,  # the escapes' row pointers loaded before the loop (module ESC_AHEAD)
     LANES: tl.constexpr = 0,  # > 0: the escapes from W's lanes (U12Tensor.esc_lanes, LANES a row), not the table
     TILED: tl.constexpr = False,  # W's planes in tiles (U12Tensor.layout)
+    EARLY_LANES: tl.constexpr = False,  # LANES and PDL: lanes loaded before the PDL wait, x at them after it
 ):
     """All M (<= 4) rows of x against BLOCK_N rows of W by the biased decode (K % 4 == 0, 1 <= base <= 240)."""
-    pdl_enter(PDL)
+    if not EARLY_LANES:
+        pdl_enter(PDL)
     pid_n = tl.program_id(0)
     n0 = pid_n * BLOCK_N
     offs_m = tl.arange(0, BLOCK_M)
@@ -852,13 +872,20 @@ def _u12_gemv_kernel(
             0, e0, e_end, idx, val, xg, nw, esc_row_ptr, n0, N, esc_idx_ptr, esc_val_ptr, x_ptr, x_ptr,
             offs_m, mask_m, K, stride_xm, stride_xk, BLOCK_N, ESC_BLOCK, False,
         )
-    if LANES:
+    if EARLY_LANES:  # the lanes are weights: loaded while the kernel before still runs, x at them after it
+        pdl_trigger(PDL)
+        lanes = _lanes_load(lanes_ptr, rows_n, LANES, BLOCK_M, BLOCK_N)
+        pdl_wait(PDL)
+        xl, _ = _lanes_x(lanes, x_ptr, x_ptr, rows_m, stride_xm, K, False)  # in flight under the loop
+    elif LANES:
         lanes = _lanes_load(lanes_ptr, rows_n, LANES, BLOCK_M, BLOCK_N)
     acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_W), dtype=tl.float32)  # reduced once, after the loop
     full_words = n_words - n_words % BLOCK_W
     for start in range(0, full_words, BLOCK_W):
         acc = _gemv_chunk(acc, start, sm_rows, code_rows, x_rows, n_words, BLOCK_W, X_WORDS, False, ASM, TILED)
-    if LANES:  # x at the lanes' columns, after the loop (before it, the lanes' load would stall the loop's start)
+    if EARLY_LANES:
+        spur, esc = _lanes_terms(lanes, xl, xl, K, 1.0, False, y_ptr.dtype.element_ty, False)
+    elif LANES:  # x at the lanes' columns, after the loop (before it, the lanes' load would stall the loop's start)
         spur, esc = _lanes_gather(lanes, x_ptr, x_ptr, rows_m, stride_xm, K, 1.0, False, y_ptr.dtype.element_ty, False)
     else:
         e0, e_end, idx, val, xg, nw = _escape_stages_left(
@@ -1091,6 +1118,25 @@ ESC_AHEAD = True
 # "gemv". Read at launch; SPECPILOT_ESC_LANES sets it for a process.
 ESC_LANES = os.environ.get("SPECPILOT_ESC_LANES", "gemv")
 _LANE_MODES = ("gemv", "lanes", "table")
+# When the GEMVs (gemv2, u12_fused_linear) load their lanes and gather x at them: "pdl" (early where
+# launches use PDL, kernels/overlap.py: the lanes before the PDL wait, in a program that may start
+# while the kernel before still runs, x at their columns right after it, so the gather's round trip
+# runs under the loop instead of after it; late otherwise), "always" (early without PDL too: the
+# gather then waits for the lanes before the loop can start) or "never" (the lanes before the loop,
+# x after it). Read at launch; bench/step_ab.py compares.
+EARLY_LANES = os.environ.get("SPECPILOT_EARLY_LANES", "pdl")
+_EARLY_MODES = ("pdl", "always", "never")
+
+
+def early_lanes(n_lanes: int, device: torch.device) -> bool:
+    """Whether a GEMV with n_lanes lanes a row, launched on `device` now, loads them early (``EARLY_LANES``)."""
+    if EARLY_LANES not in _EARLY_MODES:
+        raise ValueError(f"SPECPILOT_EARLY_LANES: expected one of {', '.join(_EARLY_MODES)}, got {EARLY_LANES!r}")
+    if not n_lanes or EARLY_LANES == "never":
+        return False
+    return EARLY_LANES == "always" or pdl_mode(device) >= 1
+
+
 # The block kernels (tile, mma, hmma) walk a block's lanes this many at a time after their loop:
 # each step's lane loads, then its x gathers, all in flight at once. More lanes a step, fewer round
 # trips and more registers, which with split-K 1 the loop's occupancy pays for. Read at launch;
@@ -1286,7 +1332,7 @@ def _launch_gemv2(x: torch.Tensor, t: U12Tensor, y: torch.Tensor, cfg: U12Config
         X_WORDS=x_words, EVEN_K=n_words % cfg.block_w == 0,
         # inline PTX on the GPU; the interpreter (TRITON_INTERPRET=1, read by Triton at import) runs none
         ASM=native, **cfg.launch_options(native), **pdl_args(x.device), ESC_AHEAD=ESC_AHEAD, LANES=n_lanes,
-        TILED=t.layout == "tiles",
+        TILED=t.layout == "tiles", EARLY_LANES=early_lanes(n_lanes, x.device),
     )
 
 

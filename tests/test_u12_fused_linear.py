@@ -119,15 +119,17 @@ def _escape_part(t) -> torch.Tensor:
     return esc
 
 
-@pytest.mark.parametrize("lanes", ["lanes", "table"])
+@pytest.mark.parametrize("lanes", ["lanes", "lanes-early", "table"])
 @pytest.mark.parametrize("nonfinite", [False, True], ids=["finite", "inf-in-block"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_escapes_use_the_normalised_x(monkeypatch, dtype, nonfinite, lanes):
     """Escapes in every row at the columns where x' = rmsnorm(x) is largest: the result matches the
     reference, and would not with x in place of x' there. With an inf weight in the first N block:
     in the table, that block's escapes go one at a time (the non-finite path), normalised as well;
-    in the lanes, the inf contribution stays in its row."""
-    monkeypatch.setattr(u12_linear_module, "ESC_LANES", lanes)
+    in the lanes, the inf contribution stays in its row. lanes-early: x and the norm weight at the
+    lanes loaded before the loop (u12_linear's ``EARLY_LANES``), normalised after it."""
+    monkeypatch.setattr(u12_linear_module, "ESC_LANES", lanes.removesuffix("-early"))
+    monkeypatch.setattr(u12_linear_module, "EARLY_LANES", "always" if lanes.endswith("-early") else "never")
     g = torch.Generator().manual_seed(11)
     m, n, k = 3, 9, 64
     x = (30 * torch.randn(m, k, generator=g)).to(dtype).to(DEVICE)
@@ -151,16 +153,17 @@ def test_escapes_use_the_normalised_x(monkeypatch, dtype, nonfinite, lanes):
     assert not _close(wrong[:, 1:], ref[:, 1:]), "the test cannot tell x from x' at the escapes"
 
 
-@pytest.mark.parametrize("way", [("lanes", True), ("table", True), ("table", False)],
-                         ids=["lanes", "table-ahead", "table-after"])
+@pytest.mark.parametrize("way", [("lanes", True), ("lanes", True, "always"), ("table", True), ("table", False)],
+                         ids=["lanes", "lanes-early", "table-ahead", "table-after"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_gated_escapes_in_both_halves(monkeypatch, dtype, way):
     """Escapes in gate and up rows (more than ESC_BLOCK in one 4-row up block): each half's go to
     its own sums; dropping either half's changes the reference, so both are checked. Found in the
     rows' lanes (u12_linear's ``ESC_LANES``) or in the table, its row pointers loaded ahead of the
-    loop (``ESC_AHEAD``) or after it."""
+    loop (``ESC_AHEAD``) or after it; the lanes' x gathered after the loop or before it (``EARLY_LANES``)."""
     monkeypatch.setattr(u12_linear_module, "ESC_LANES", way[0])
     monkeypatch.setattr(u12_linear_module, "ESC_AHEAD", way[1])
+    monkeypatch.setattr(u12_linear_module, "EARLY_LANES", way[2] if len(way) > 2 else "never")
     g = torch.Generator().manual_seed(12)
     m, i, k = 2, 6, 48
     x = torch.randn(m, k, generator=g).to(dtype).to(DEVICE)
@@ -348,10 +351,17 @@ def _handoff_pair(m, k, n, i, dtype, seed, gated=True):
 @settings(max_examples=6, deadline=None)
 @given(m=st.integers(1, 4), words=st.integers(1, 20), n_words=st.integers(1, 12), i=st.integers(1, 9),
        dtype=st.sampled_from([torch.bfloat16, torch.float32]), gated=st.booleans(),
-       config=st.sampled_from(_CONFIGS), seed=st.integers(0, 2**16))
-def test_norm_handoff_matches_reference(m, words, n_words, i, dtype, gated, config, seed):
+       config=st.sampled_from(_CONFIGS), seed=st.integers(0, 2**16), early=st.sampled_from(["never", "always"]))
+def test_norm_handoff_matches_reference(m, words, n_words, i, dtype, gated, config, seed, early):
     """The producer's stream, xg and Σ parts, then the consumer on them, against the reference's
-    math (NormHandoff), at odd shapes."""
+    math (NormHandoff), at odd shapes; the lanes' x gathered after the loop or before it
+    (u12_linear's ``EARLY_LANES``)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(u12_linear_module, "EARLY_LANES", early)
+        _check_handoff_pair(m, words, n_words, i, dtype, gated, config, seed)
+
+
+def _check_handoff_pair(m, words, n_words, i, dtype, gated, config, seed):
     k, n = 4 * words, 4 * n_words
     x, t, t2, stream, gamma = _handoff_pair(m, k, n, i, dtype, seed, gated)
     s_out, s_ref = stream.clone(), stream.clone()
