@@ -133,6 +133,17 @@ def overlap(pdl: int | None = None, prefetch: bool | None = None):
         _override.update(before)
 
 
+@contextmanager
+def default_pdl(mode: int):
+    """Launches inside use PDL mode `mode` where neither overlap() nor SPECPILOT_PDL chose one: a
+    deployment's own default (runtime/fused.py's U12_PDL), which the benchmarks' settings override."""
+    if not mode or "pdl" in _override or _ENV["pdl"] in os.environ:
+        yield
+        return
+    with overlap(pdl=mode):
+        yield
+
+
 # Prefetch at most this many bytes, of the H200's 50 MB L2 (the GEMV's weight must still be there
 # when it runs; Llama-3.1-8B's o_proj is 32 MiB in bf16, 24 in u12).
 MAX_PREFETCH_BYTES = 40 << 20

@@ -625,3 +625,44 @@ def test_u12_fused_linear_greedy_tokens_equal_the_unfused_u12_stack(many_rows, t
     got = decode.generate_ar(fused, prompt, max_new_tokens=2, eos_token_id=None).tokens
     assert len(calls) == 4 * len(fused.model.layers) * (2 if many_rows else 1)
     assert got == want or not check_prompt(ref, cfg, prompt, got, "bfloat16").hard_failures
+
+
+def test_default_pdl_yields_to_the_benchmarks_settings(monkeypatch):
+    """kernels/overlap.py's default_pdl: a deployment's PDL mode inside, unless overlap() or
+    SPECPILOT_PDL chose one; mode 0 changes nothing."""
+    from specpilot.kernels import overlap as ov
+
+    monkeypatch.delenv("SPECPILOT_PDL", raising=False)
+    with ov.default_pdl(2):
+        assert ov._setting("pdl") == 2
+    assert ov._setting("pdl") == 0
+    with ov.overlap(pdl=1), ov.default_pdl(2):
+        assert ov._setting("pdl") == 1
+    monkeypatch.setenv("SPECPILOT_PDL", "0")
+    with ov.default_pdl(2):
+        assert ov._setting("pdl") == 0
+
+
+@pytest.mark.parametrize("u12", [True, False], ids=["u12", "bf16"])
+def test_u12_ar_forwards_take_the_u12_pdl_mode(u12, tiny_model_dirs, monkeypatch):
+    """ops.u12_pdl (runtime/fused.py's U12_PDL) is the PDL mode of a u12 stack's forwards of
+    GEMV_ROWS rows or fewer, every kernel of the layers and the final norm inside it; more rows,
+    or plain weights, keep the process's mode."""
+    from specpilot.kernels import overlap as ov
+
+    monkeypatch.delenv("SPECPILOT_PDL", raising=False)
+    _, model, cfg = _pair(tiny_model_dirs["llama"], torch.bfloat16)
+    stack = install_fused(_to_u12(model, "torch") if u12 else model, "torch")
+    assert stack.ops.u12_pdl == 0  # the default: U12_PDL
+    modes = []
+    rmsnorm = stack.ops.rmsnorm
+    stack.ops = dataclasses.replace(stack.ops, u12_pdl=2, rmsnorm=lambda *a, **kw: (
+        modes.append(ov._setting("pdl")), rmsnorm(*a, **kw))[1])
+    assert stack.serves_u12() == u12
+    cache = model.new_cache(1, 24, device_length=True)
+    ids = torch.randint(0, cfg.vocab_size, (1, 9), generator=torch.Generator().manual_seed(4))
+    for chunk, want in ((ids[:, :5], 0), (ids[:, 5:6], 2 if u12 else 0), (ids[:, 6:9], 2 if u12 else 0)):
+        modes.clear()
+        model(chunk, cache)
+        assert modes and set(modes) == {want}
+    assert ov._setting("pdl") == 0

@@ -82,6 +82,7 @@ class FusedOps:
     # 1..GEMV_ROWS stays unfused; above GEMV_ROWS only plain layers are served (`linear_serves`)
     linear_gap: tuple[int, int] = (0, 0)  # rows lo..hi (inclusive) of those that stay unfused; (0, 0): none
     u12_many_rows: bool = False  # u12 layers above GEMV_ROWS too (u12_fused_linear's mma and hmma epilogues)
+    u12_pdl: int = 0  # the PDL mode of a u12 stack's forwards of GEMV_ROWS rows or fewer (U12_PDL)
 
     def linear_serves(self, rows: int, u12: bool) -> bool:
         """Whether `linear` (`linear_u12` for u12 layers) serves a forward of `rows` rows (B·T). The
@@ -137,6 +138,11 @@ U12_NORMS_APART = True
 # (1.156x and 1.129x the bf16 step's 4.09); an ablation without any norm kernel ran 1.177x
 # (bench/results/tried/step_ab_u12_norm_escape_ablation_h200.json).
 U12_NORM_HANDOFF = True
+# The PDL mode (kernels/overlap.py: 0 off, 2 each kernel waits for the one before, launched as its
+# programs exit) of the u12 layers' launches at GEMV_ROWS rows or fewer (the AR step), where the GPU
+# has PDL (sm_90+) and neither SPECPILOT_PDL nor overlap() chose one. The GEMVs then load their
+# escape lanes before the wait (u12_linear's EARLY_LANES).
+U12_PDL = 0
 # Whether u12 layers run u12_fused_linear above GEMV_ROWS too (verify and tree steps: the mma and hmma
 # kernels' epilogues and the norm handoff, in place of u12_linear beside rmsnorm and silu_mul
 # kernels), up to linear_max_m rows and through LINEAR_GAP (17-node trees too): fused or not they run
@@ -147,11 +153,12 @@ U12_MANY_ROWS = False
 def fused_ops(kind: str, linear_max_m: int = LINEAR_MAX_M, u12_linear: bool = U12_LINEAR,
               u12_norms_apart: bool = U12_NORMS_APART, linear_gemv_max_m: int = LINEAR_GEMV_MAX_M,
               linear_gap: tuple[int, int] = LINEAR_GAP, u12_norm_handoff: bool = U12_NORM_HANDOFF,
-              u12_many_rows: bool = U12_MANY_ROWS) -> FusedOps:
+              u12_many_rows: bool = U12_MANY_ROWS, u12_pdl: int = U12_PDL) -> FusedOps:
     """"triton": the kernels; "torch": their references (same signatures). u12_linear: u12 layers
     take the fused linear too (else their projections run u12_linear with the separate kernels),
     with their norms as rmsnorm kernels where u12_norms_apart, handed from GEMV to GEMV where
-    u12_norm_handoff, above GEMV_ROWS rows too where u12_many_rows."""
+    u12_norm_handoff, above GEMV_ROWS rows too where u12_many_rows; a u12 stack's AR forwards with
+    PDL mode u12_pdl (the kernels only)."""
     from specpilot.kernels import fused_linear, rmsnorm, rope_attention, rope_kv, silu_mul, u12_fused_linear
 
     if kind == "triton":
@@ -159,7 +166,7 @@ def fused_ops(kind: str, linear_max_m: int = LINEAR_MAX_M, u12_linear: bool = U1
                         fused_linear.fused_linear, linear_max_m, u12_fused_linear.u12_fused_linear,
                         "triton-u12" if u12_linear else "", rope_attention.rope_attention, u12_norms_apart,
                         u12_norm_handoff=u12_norm_handoff, linear_gemv_max_m=linear_gemv_max_m, linear_gap=linear_gap,
-                        u12_many_rows=u12_many_rows)
+                        u12_many_rows=u12_many_rows, u12_pdl=u12_pdl)
     if kind == "torch":
         return FusedOps(rmsnorm.rmsnorm_reference, rope_kv.rope_qkv_reference, silu_mul.silu_mul_reference, kind,
                         fused_linear.fused_linear_reference, linear_max_m,
@@ -398,9 +405,18 @@ class FusedDecoder(FusedStack):
         """x: embeddings [B, T, H]; cos, sin: the new tokens' RoPE tables (Transformer.rope, once a
         forward for every layer). Returns (final-normed hidden states, picked layer outputs).
         Writes the new tokens' K/V at slots cache.length.. (the caller advances the length)."""
+        from specpilot.kernels.overlap import default_pdl
+
         slots, end = write_slots(cache, *x.shape[:2], x.device)
-        out, residual, picked = self.run_layers(x, cos, sin, cache, vis, slots, end, hidden_layers)
-        return self.final_norm(out, residual, self.model.model.norm.weight), picked
+        few_rows = x.shape[0] * x.shape[1] <= GEMV_ROWS
+        with default_pdl(self.ops.u12_pdl if few_rows and self.serves_u12() else 0):
+            out, residual, picked = self.run_layers(x, cos, sin, cache, vis, slots, end, hidden_layers)
+            return self.final_norm(out, residual, self.model.model.norm.weight), picked
+
+    def serves_u12(self) -> bool:
+        """Whether the layers' projections are u12 weights that ops.linear_u12 serves (the first layer's say)."""
+        weights = self.layers[0].linear_weights(self.ops.u12_kernel) if self.layers else None
+        return weights is not None and any(isinstance(w, U12Tensor) for w in weights)
 
 
 class FusedDFlash(FusedStack):
