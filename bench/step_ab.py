@@ -21,10 +21,11 @@ them; the default); u12-esc-table (the default with the escapes from the side ta
 pointers loaded before their loops, in place of the rows' lanes: ``u12_linear.ESC_LANES``);
 u12-esc-after (the same with every load of the table after the loops: ``u12_linear.ESC_AHEAD`` off;
 AR only); bf16-pdl, bf16-pdl-wait, u12-pdl, u12-pdl-wait (each step with programmatic dependent
-launch, kernels/overlap.py's modes 1 and 2; AR only, not under --smoke); u12-pdl-wait-late,
-u12-pdl-wait-r72, u12-pdl-r72, u12-early (the GEMVs' escape lanes loaded before the PDL wait and x
-gathered at them before the loop, ``u12_linear.EARLY_LANES``, or not: ``U12_PDL_VARIANTS``; AR
-only, not under --smoke); u12-many-rows (a verify
+launch, kernels/overlap.py's modes 1 and 2; AR only, not under --smoke); u12-parts-before, u12-gate-up-free,
+u12-pdl-wait-late, u12-pdl-wait-parts-before, u12-early (the handed-in norm's parts summed before
+the loop, ``u12_fused_linear.PARTS_IN_LOOP`` off; gate|up without its register cap; the GEMVs'
+escape lanes gathered after the loop under PDL, ``u12_linear.EARLY_LANES``, or before it without:
+``U12_PDL_VARIANTS``; AR only, not under --smoke); u12-many-rows (a verify
 step's u12 layers through u12_fused_linear: the mma and hmma kernels' epilogues and the norm
 handoff, runtime/fused.py's U12_MANY_ROWS; --q above 1 only); u12-lanes-g8, u12-lanes-g16 (a verify
 step's mma and hmma kernels walking the lanes 8 or 16 a step, ``u12_linear.LANE_GROUP``, against the
@@ -101,7 +102,7 @@ U12_FEW_ROWS_KNOB_VARIANTS = {  # name: (the rows q it applies to, settings): ve
     "u12-gemv-rows": ((3, 4), dict(TENSOR_CORE_ROWS=5)),  # gemv2 at 3..4 rows, the default before
     "u12-hmma-wide": ((2, 8), {"u12_hmma.NARROW": False}),  # the hmma kernel's two n-tiles at <= 8 rows
 }
-KNOB_MODULES = {"u12_linear": u12_linear, "u12_hmma": u12_hmma}
+KNOB_MODULES = {"u12_linear": u12_linear, "u12_hmma": u12_hmma, "u12_fused_linear": u12_fused_linear}
 
 
 def knob_variants(q: int) -> dict[str, dict]:
@@ -140,18 +141,18 @@ OVERLAP_VARIANTS = (
 )
 
 
-# u12_linear's EARLY_LANES under PDL: the GEMVs' lanes loaded before the PDL wait and x gathered at
-# them right after it (the default "pdl"), against the gather after the loop (late). Early, ptxas
-# gives the gated gate|up GEMV 95 registers (72 late): 10 programs an SM, so its 1792 no longer fit
-# one wave; r72 caps it at 72 (no spills, 14 an SM; bench/kernel_static.py). AR only.
+# The GEMVs' early lanes under PDL (u12_linear.EARLY_LANES "pdl": the lanes loaded before the PDL
+# wait, x gathered at them right after it) and the handed-in norm's parts summed in the loop
+# (u12_fused_linear.PARTS_IN_LOOP), each against its old way; AR only. The gated gate|up GEMV at
+# 72 registers (u12_fused_linear.TUNED) in every one; u12-gate-up-free without that cap.
 # name: (overlap's keywords, knobs, u12_fused_linear TUNED entries).
-_GATE_UP_R72 = {(1, 28672, 4096, True): u12_linear.U12Config(8, 64, num_warps=2, num_stages=1, kernel="gemv2",
-                                                              maxnreg=72)}
+_GATE_UP_FREE = {(1, 28672, 4096, True): u12_linear.U12Config(8, 64, num_warps=2, num_stages=1, kernel="gemv2")}
 U12_PDL_VARIANTS = {
+    "u12-parts-before": ({}, {"u12_fused_linear.PARTS_IN_LOOP": False}, {}),
+    "u12-gate-up-free": ({}, {}, _GATE_UP_FREE),
     "u12-pdl-wait-late": (dict(pdl=2), dict(EARLY_LANES="never"), {}),
-    "u12-pdl-wait-r72": (dict(pdl=2), {}, _GATE_UP_R72),
-    "u12-pdl-r72": (dict(pdl=1), {}, _GATE_UP_R72),
-    "u12-early": ({}, dict(EARLY_LANES="always"), _GATE_UP_R72),  # early without PDL: the gather waits for the lanes
+    "u12-pdl-wait-parts-before": (dict(pdl=2), {"u12_fused_linear.PARTS_IN_LOOP": False}, {}),
+    "u12-early": ({}, dict(EARLY_LANES="always"), {}),  # early without PDL: the gather waits for the lanes
 }
 
 

@@ -181,6 +181,7 @@ def _u12_fused_gemv_kernel(
     HAND_OUT: tl.constexpr = False,  # RESIDUAL: hand the updated stream's norm on (xg, Σ parts)
     HAND_IN: tl.constexpr = False,  # x is a handoff's xg: the sums times its rows' inv (from n_parts parts)
     BLOCK_P: tl.constexpr = 16,  # HAND_IN: parts summed a chunk (all of them in one: their loads in flight at once)
+    P_STEP: tl.constexpr = 0,  # HAND_IN: > 0, P_STEP parts loaded with each chunk of the loop and summed after it
     LANES: tl.constexpr = 0,  # > 0: the escapes from t's lanes (U12Tensor.esc_lanes, LANES a row), not the table
     TILED: tl.constexpr = False,  # t's planes in tiles (U12Tensor.layout)
     EARLY_LANES: tl.constexpr = False,  # LANES and PDL: lanes loaded before the PDL wait, x at them after it
@@ -216,8 +217,13 @@ def _u12_fused_gemv_kernel(
     else:
         inv_m = 1.0
         inv = 1.0
-    if HAND_IN:  # the norm's inv from the producer's parts (a few KB from L2), before the loop
+    if HAND_IN and P_STEP == 0:  # the norm's inv from the producer's parts (a few KB from L2), before the loop
         hand_inv = _row_inv_parts(parts_ptr, rows_m, M, n_parts, inv_k, eps, BLOCK_M, BLOCK_P)
+    if HAND_IN and P_STEP > 0:  # PARTS_IN_LOOP: share c of the parts loaded before chunk c, summed after it
+        p_idx = tl.arange(0, P_STEP)[:, None]
+        p_rows = parts_ptr + rows_m[None, :]
+        p_acc = tl.zeros((P_STEP, BLOCK_M), dtype=tl.float32)
+        p_next = tl.load(p_rows + p_idx * M, mask=p_idx < n_parts, other=0.0)
     # Every load has the accumulator's shape [BM, BN, 1 -> BW], so Triton gives them all its layout:
     # no layout conversion in the loop (as in gemv2 and fused_linear's gemv).
     shape: tl.constexpr = (BLOCK_M, BLOCK_N, 1)
@@ -257,6 +263,16 @@ def _u12_fused_gemv_kernel(
     for start in range(0, full_words, BLOCK_W):
         acc_g, acc_u = _fused_chunk(acc_g, acc_u, start, x_rows, nw_rows, inv, gate_sm, gate_codes, up_sm, up_codes,
                                     n_words, BLOCK_W, X_WORDS, False, NORM, GATED, DTYPE, ROUND_BF16, ASM, TILED)
+        if HAND_IN and P_STEP > 0:  # a whole chunk after its load: no wait, then the next share's load
+            p_acc += p_next
+            p = (start // BLOCK_W + 1) * P_STEP + p_idx
+            p_next = tl.load(p_rows + p * M, mask=p < n_parts, other=0.0)
+    if HAND_IN and P_STEP > 0:  # the last share loaded, the parts past it, then the inv (_row_inv_parts' math)
+        p_acc += p_next
+        for p0 in range((full_words // BLOCK_W + 1) * P_STEP, n_parts, P_STEP):
+            p = p0 + p_idx
+            p_acc += tl.load(p_rows + p * M, mask=p < n_parts, other=0.0)
+        hand_inv = tl.math.rsqrt(tl.sum(p_acc, axis=0) * inv_k + eps)
     if EARLY_LANES:  # the terms of the gathers issued before the loop
         spur_g, esc_g = _lanes_terms(lanes_g, xl_g, nl_g, K, inv, NORM, DTYPE, ROUND_BF16)
         if GATED:
@@ -313,11 +329,17 @@ def _u12_fused_gemv_kernel(
 # Small tiles under the interpreter: several N blocks and chunks, and a masked last one.
 _INTERPRETER_CONFIG = U12Config(4, 8, num_warps=1, num_stages=1, kernel="gemv2")
 
-# This kernel's own best configs, keyed (rows bucket, N weight rows, K, gated), from
-# bench/u12_fused_linear.py's sweep in the u12 AR step's modes (each with its handoff and epilogue):
-# none measured yet, so default_config derives the tiles from u12_linear's (bench/run_gpu.sh
-# u12fusedtune sweeps them, then times the AR step with the best beside the default).
-TUNED: dict[tuple[int, int, int, bool], U12Config] = {}
+# This kernel's own configs, keyed (rows bucket, N weight rows, K, gated); bench/u12_fused_linear.py
+# sweeps them in the u12 AR step's modes (each with its handoff and epilogue; bench/run_gpu.sh
+# u12fusedtune, then the AR step with the best beside the default). Elsewhere default_config derives
+# the tiles from u12_linear's. Llama-3.1-8B's gate|up at one row: u12_linear's tile halved (8 rows
+# of 64 words, 2 warps), held to 72 registers, the most at which its 1792 programs fit one wave of
+# the H200's 132 SMs (14 an SM). With its parts summed in the loop (PARTS_IN_LOOP) or its lanes
+# loaded early (u12_linear.EARLY_LANES) ptxas takes 76-96, without spilling at 72 (sm_90 SASS,
+# Triton 3.6: bench/kernel_static.py).
+TUNED: dict[tuple[int, int, int, bool], U12Config] = {
+    (1, 28672, 4096, True): U12Config(8, 64, num_warps=2, num_stages=1, kernel="gemv2", maxnreg=72),
+}
 
 
 def default_config(m: int, n: int, k: int, gated: bool, on_gpu: bool = True) -> U12Config:
@@ -417,8 +439,27 @@ def _launch_fused(
         ROUND_BF16=not native and x.dtype == torch.bfloat16, EXPF=native, ASM=native, **launch, **pdl_args(x.device),
         ESC_AHEAD=u12_linear_module.ESC_AHEAD, HAND_OUT=hand_out is not None, HAND_IN=hand_in is not None,
         BLOCK_P=min(1024, triton.next_power_of_2(max(1, n_parts))), LANES=n_lanes, TILED=t.layout == "tiles",
-        EARLY_LANES=early_lanes(n_lanes, x.device),
+        EARLY_LANES=early_lanes(n_lanes, x.device), P_STEP=parts_step(n_parts, n_words // cfg.block_w, cfg.num_warps),
     )
+
+
+# Where a GEMV that takes a handed-in norm (NormHandoff) sums the producer's parts: False, all of
+# them before its loop (``_row_inv_parts``: their loads and the sum wait for each other there, so
+# the loop's first weight loads issue an L2 round trip late); True, a share of them loaded before
+# each chunk of the loop (``parts_step``: at most one a thread) and added after that chunk, so no
+# load waits on them.
+# The sum's order differs (each share in order, then a tree): the inv rounds differently. Read at
+# launch; bench/step_ab.py compares.
+PARTS_IN_LOOP = True
+
+
+def parts_step(n_parts: int, chunks: int, warps: int) -> int:
+    """Parts a loop chunk loads (``PARTS_IN_LOOP``): enough that the loop's full chunks take them
+    all, a power of two, at least a warp's and at most one a thread; 0 where they are summed before
+    the loop (PARTS_IN_LOOP off, or no full chunk)."""
+    if not PARTS_IN_LOOP or chunks < 1 or n_parts < 1:
+        return 0
+    return min(32 * warps, max(32, triton.next_power_of_2(triton.cdiv(n_parts, chunks))))
 
 
 # M >= 5: the mma kernel's tiles under the interpreter (partial blocks, split-K, a masked chunk), and

@@ -379,6 +379,43 @@ def _check_handoff_pair(m, words, n_words, i, dtype, gated, config, seed):
     torch.testing.assert_close(y, y_ref, atol=atol, rtol=rtol)
 
 
+@pytest.mark.parametrize("in_loop", [True, False], ids=["parts-in-loop", "parts-before"])
+@pytest.mark.parametrize("gated", [False, True])
+@pytest.mark.parametrize("consumer_w", [8, 64], ids=["many-chunks", "one-chunk-and-rest"])
+def test_handed_in_parts_summed_in_the_loop(monkeypatch, in_loop, gated, consumer_w):
+    """``PARTS_IN_LOOP``: a consumer GEMV sums the producer's parts (64 here) a share a chunk of its
+    loop, or all before it. With 64-word chunks over K = 256 its one chunk takes 32 (a warp's), the
+    rest after the loop; with 8-word chunks the loop takes them all. Either way the output is the
+    reference's, and the parts' sum moves it: halving one part is caught."""
+    monkeypatch.setattr(ufl, "PARTS_IN_LOOP", in_loop)
+    m, k, n, i = 2, 48, 256, 5
+    x, t, t2, stream, gamma = _handoff_pair(m, k, n, i, torch.float32, 7, gated)
+    h = ufl.NormHandoff(gamma, 1e-5)
+    ufl.u12_fused_linear(x, t, residual=stream, hand_out=h)
+    assert h.parts.shape == (64, m)  # the producer's 64 programs of 4 rows
+    consumer = U12Config(4, consumer_w, num_warps=1, num_stages=1, kernel="gemv2")
+    step = ufl.parts_step(64, n // 4 // consumer_w, 1)
+    assert step == (32 if in_loop else 0)
+    y = ufl.u12_fused_linear(h.xg, t2, gated=gated, hand_in=h, config=consumer)
+    ref = ufl.u12_fused_linear_reference(h.xg, t2, gated=gated, hand_in=h)
+    atol, rtol = TOLERANCE[torch.float32]
+    torch.testing.assert_close(y, ref, atol=atol, rtol=rtol)
+    h.parts[40] *= 0.5  # a part the one-chunk loop leaves for after it
+    with pytest.raises(AssertionError):
+        torch.testing.assert_close(ufl.u12_fused_linear(h.xg, t2, gated=gated, hand_in=h, config=consumer), ref,
+                                   atol=atol, rtol=rtol)
+
+
+def test_parts_step():
+    """A chunk's share of the parts: all of them over the loop's chunks, a power of two between a
+    warp's (32) and one a thread; 0 without full chunks or with PARTS_IN_LOOP off."""
+    assert ufl.parts_step(1024, 8, 4) == 128  # qkv after down: 1024 parts, 8 chunks, 4 warps
+    assert ufl.parts_step(512, 16, 2) == 32  # gate|up after o: 512 parts, 16 chunks, 2 warps
+    assert ufl.parts_step(1024, 2, 2) == 64  # one a thread at most: the rest after the loop
+    assert ufl.parts_step(3, 4, 4) == 32
+    assert ufl.parts_step(64, 0, 4) == 0
+
+
 @pytest.mark.parametrize("lanes_mode", ["lanes", "table"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_mma_epilogue_escapes_both_ways(monkeypatch, mma_launches, lanes_mode, dtype):
