@@ -10,7 +10,7 @@
 #   steps    Llama-3.1-8B step times with kernel profiles
 #   qwen     the same for Qwen3-8B
 #   ab       the Llama-3.1-8B AR step, bf16 against the u12 variants, interleaved (bench/step_ab.py)
-#   earlyab  the GEMVs' early escape lanes: their GPU tests under PDL, then ab
+#   earlyab  the GEMVs' early escape lanes and handed-in parts: their GPU tests under PDL, then ab
 #   attention  split-KV attention against SDPA
 #   attnvar  the decode step's attention launch: rope_attention or apart, combine, warps, splits
 #   u12      the u12 kernels' GPU tests, then their sweep against cuBLAS
@@ -89,7 +89,7 @@ steps() {  # steps [NAME SHAPE...]
 ab() { TAIL=8 run step_ab 300 python bench/step_ab.py --out "$OUT/step_ab_h200.json"; }
 earlyab() {  # the GEMVs' early lanes checked on the GPU under PDL (SPECPILOT_PDL=2), then the AR step interleaved
   TAIL=4 SPECPILOT_PDL=2 run early_tests 150 python -m pytest -q -x -p no:cacheprovider tests/test_u12_gemv.py \
-    tests/test_u12_fused_linear.py -k "early or norm_handoff_matches or gated_escapes or normalised"
+    tests/test_u12_fused_linear.py -k "early or parts or norm_handoff or gated_escapes or normalised"
   ab
 }
 attention() { run attention 100 python bench/attention_split_kv.py --out "$OUT/attention_split_kv_h200.json"; }
