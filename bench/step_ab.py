@@ -21,10 +21,11 @@ them; the default); u12-esc-table (the default with the escapes from the side ta
 pointers loaded before their loops, in place of the rows' lanes: ``u12_linear.ESC_LANES``);
 u12-esc-after (the same with every load of the table after the loops: ``u12_linear.ESC_AHEAD`` off;
 AR only); bf16-pdl, bf16-pdl-wait, u12-pdl, u12-pdl-wait (each step with programmatic dependent
-launch, kernels/overlap.py's modes 1 and 2; AR only, not under --smoke); u12-parts-before, u12-gate-up-free,
-u12-pdl-wait-late, u12-pdl-wait-parts-before, u12-early (the handed-in norm's parts summed before
-the loop, ``u12_fused_linear.PARTS_IN_LOOP`` off; gate|up without its register cap; the GEMVs'
-escape lanes gathered after the loop under PDL, ``u12_linear.EARLY_LANES``, or before it without:
+launch, kernels/overlap.py's modes 1 and 2; AR only, not under --smoke; the u12 AR step's default is mode 2, runtime/fused.py's U12_PDL);
+u12-plain, u12-plain-parts-before, u12-parts-before, u12-gate-up-free, u12-pdl-wait-late,
+u12-pdl-wait-parts-before, u12-early (plain launches; the handed-in norm's parts summed before the
+loop, ``u12_fused_linear.PARTS_IN_LOOP`` off; gate|up without its register cap; the GEMVs' escape
+lanes gathered after the loop under PDL, ``u12_linear.EARLY_LANES``, or before it without:
 ``U12_PDL_VARIANTS``; AR only, not under --smoke); u12-many-rows (a verify
 step's u12 layers through u12_fused_linear: the mma and hmma kernels' epilogues and the norm
 handoff, runtime/fused.py's U12_MANY_ROWS; --q above 1 only); u12-lanes-g8, u12-lanes-g16 (a verify
@@ -141,18 +142,21 @@ OVERLAP_VARIANTS = (
 )
 
 
-# The GEMVs' early lanes under PDL (u12_linear.EARLY_LANES "pdl": the lanes loaded before the PDL
-# wait, x gathered at them right after it) and the handed-in norm's parts summed in the loop
+# The u12 AR step's PDL mode 2 (runtime/fused.py's U12_PDL: the default step and u12-pdl-wait run
+# it), the GEMVs' early lanes under it (u12_linear.EARLY_LANES "pdl": the lanes loaded before the
+# PDL wait, x gathered at them right after it) and the handed-in norm's parts summed in the loop
 # (u12_fused_linear.PARTS_IN_LOOP), each against its old way; AR only. The gated gate|up GEMV at
 # 72 registers (u12_fused_linear.TUNED) in every one; u12-gate-up-free without that cap.
 # name: (overlap's keywords, knobs, u12_fused_linear TUNED entries).
 _GATE_UP_FREE = {(1, 28672, 4096, True): u12_linear.U12Config(8, 64, num_warps=2, num_stages=1, kernel="gemv2")}
 U12_PDL_VARIANTS = {
+    "u12-plain": (dict(pdl=0), {}, {}),  # runtime/fused.py's U12_PDL off: plain launches, the lanes late
+    "u12-plain-parts-before": (dict(pdl=0), {"u12_fused_linear.PARTS_IN_LOOP": False}, {}),  # the old default
     "u12-parts-before": ({}, {"u12_fused_linear.PARTS_IN_LOOP": False}, {}),
     "u12-gate-up-free": ({}, {}, _GATE_UP_FREE),
     "u12-pdl-wait-late": (dict(pdl=2), dict(EARLY_LANES="never"), {}),
     "u12-pdl-wait-parts-before": (dict(pdl=2), {"u12_fused_linear.PARTS_IN_LOOP": False}, {}),
-    "u12-early": ({}, dict(EARLY_LANES="always"), {}),  # early without PDL: the gather waits for the lanes
+    "u12-early": (dict(pdl=0), dict(EARLY_LANES="always"), {}),  # early without PDL: the gather waits for the lanes
 }
 
 

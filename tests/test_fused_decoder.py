@@ -653,7 +653,9 @@ def test_u12_ar_forwards_take_the_u12_pdl_mode(u12, tiny_model_dirs, monkeypatch
     monkeypatch.delenv("SPECPILOT_PDL", raising=False)
     _, model, cfg = _pair(tiny_model_dirs["llama"], torch.bfloat16)
     stack = install_fused(_to_u12(model, "torch") if u12 else model, "torch")
-    assert stack.ops.u12_pdl == 0  # the default: U12_PDL
+    from specpilot.runtime.fused import U12_PDL, fused_ops
+
+    assert stack.ops.u12_pdl == 0 and fused_ops("triton").u12_pdl == U12_PDL == 2  # the references launch nothing
     modes = []
     rmsnorm = stack.ops.rmsnorm
     stack.ops = dataclasses.replace(stack.ops, u12_pdl=2, rmsnorm=lambda *a, **kw: (

@@ -141,8 +141,9 @@ U12_NORM_HANDOFF = True
 # The PDL mode (kernels/overlap.py: 0 off, 2 each kernel waits for the one before, launched as its
 # programs exit) of the u12 layers' launches at GEMV_ROWS rows or fewer (the AR step), where the GPU
 # has PDL (sm_90+) and neither SPECPILOT_PDL nor overlap() chose one. The GEMVs then load their
-# escape lanes before the wait (u12_linear's EARLY_LANES).
-U12_PDL = 0
+# escape lanes before the wait (u12_linear's EARLY_LANES). On the H200 the u12 AR step ran 3.367 ms
+# in mode 2 against 3.405 plain, interleaved at 753d9c4 (bench/results/step_ab_h200.json).
+U12_PDL = 2
 # Whether u12 layers run u12_fused_linear above GEMV_ROWS too (verify and tree steps: the mma and hmma
 # kernels' epilogues and the norm handoff, in place of u12_linear beside rmsnorm and silu_mul
 # kernels), up to linear_max_m rows and through LINEAR_GAP (17-node trees too): fused or not they run
