@@ -31,8 +31,10 @@ Norm handoff (``NormHandoff``). The fused stacks run no prologue: a residual GEM
 the updated stream's norm to the GEMV after it (gate|up, the next layer's q|k|v). Its epilogue also
 stores xg = dtype(stream · norm weight) at its columns and its Σ stream² per row (one part a
 program, fused_linear's RowSquares parts); the consumer runs its plain loop on xg, sums the parts
-before its loop and multiplies its fp32 sums by rsqrt(Σ · fp32(1/K) + eps), rmsnorm's per-row scale
-factored out of the dot product, before its epilogue. So no kernel normalises x and the consumer's
+(``PARTS_IN_LOOP``: a share of them loaded before each chunk of its loop and added after that
+chunk, so no load waits on them; else all of them before the loop) and multiplies its fp32 sums by
+rsqrt(Σ · fp32(1/K) + eps), rmsnorm's per-row scale factored out of the dot product, before its
+epilogue. So no kernel normalises x and the consumer's
 loop is unchanged; the roundings differ from rmsnorm's (xg rounds stream · weight once; rmsnorm
 rounds x · inv, then its product with the weight): about one bf16 step from the rmsnorm path for a
 GEMV (tests/test_u12_fused_linear.py allows two), up to three on the tiny test pairs' logits

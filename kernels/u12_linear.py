@@ -78,6 +78,14 @@ of the block (not yet timed on a GPU: bench/step_ab.py --q 16 compares it with t
 and 16 lanes a step). Lanes are derived on first use with a host sync: a launch captured in a CUDA
 graph before any eager one walks the table (``lanes_args``).
 
+Early lanes (``EARLY_LANES``). Under programmatic dependent launch (kernels/overlap.py) a GEMV's
+programs may start while the kernel before still runs, waiting at the PDL wait for its writes.
+The lanes are weights, which that kernel does not write: the GEMVs ("pdl", the default) load them
+before the wait and gather x at their columns right after it, so the gather's round trip runs
+under the loop instead of after it, and add the terms after the loop (bit for bit the late
+gather's sums: tests/test_u12_gemv.py). Without PDL the gather would wait for the lanes' load
+before the loop could start, so they stay late there ("always" forces it, for the A/B).
+
 gemv2. One program owns BLOCK_N rows of W and every row of x (M ≤ 4), so each weight is decoded
 once and used M times, and loops over K in chunks of BLOCK_W words. The 4 weights of a word
 decode into four fp32 planes (plane j: weight 4 w + j), each multiplied with the matching plane
