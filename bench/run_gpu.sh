@@ -87,12 +87,12 @@ steps() {  # steps [NAME SHAPE...]
   TAIL=40 run step_times 260 python bench/step_times.py --shapes "${@:-llama-3.1-8b}" --out "$OUT/step_times_${name}_h200.json"
 }
 ab() { TAIL=8 run step_ab 360 python bench/step_ab.py --out "$OUT/step_ab_h200.json"; }
-earlyab() {  # the GEMVs' early lanes checked on the GPU under PDL (SPECPILOT_PDL=2), then the AR step interleaved
+earlyab() {  # the AR step interleaved, then the GEMVs' early lanes and parts checked on the GPU under PDL (SPECPILOT_PDL=2)
+  ab
   TAIL=4 SPECPILOT_PDL=2 run early_tests 150 python -m pytest -q -x -p no:cacheprovider tests/test_u12_gemv.py \
     tests/test_u12_fused_linear.py -k "early or parts or norm_handoff or gated_escapes or normalised"
   TAIL=4 run u12_stack_tests 150 python -m pytest -q -x -p no:cacheprovider tests/test_fused_decoder.py \
     -k "u12_fused_linear_greedy or pdl"  # the u12 stack at its default PDL mode, against the unfused one
-  ab
 }
 attention() { run attention 100 python bench/attention_split_kv.py --out "$OUT/attention_split_kv_h200.json"; }
 attnvar() {  # ATTN_ARGS, e.g. "--capacity 2048" (the step bench's cache)
