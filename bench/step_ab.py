@@ -22,11 +22,11 @@ pointers loaded before their loops, in place of the rows' lanes: ``u12_linear.ES
 u12-esc-after (the same with every load of the table after the loops: ``u12_linear.ESC_AHEAD`` off;
 AR only); bf16-pdl, bf16-pdl-wait, u12-pdl, u12-pdl-wait (each step with programmatic dependent
 launch, kernels/overlap.py's modes 1 and 2; AR only, not under --smoke; the u12 AR step's default is mode 2, runtime/fused.py's U12_PDL);
-u12-plain, u12-plain-parts-before, u12-parts-before, u12-gate-up-free, u12-pdl-wait-late,
-u12-pdl-wait-parts-before, u12-early (plain launches; the handed-in norm's parts summed before the
-loop, ``u12_fused_linear.PARTS_IN_LOOP`` off; gate|up without its register cap; the GEMVs' escape
-lanes gathered after the loop under PDL, ``u12_linear.EARLY_LANES``, or before it without:
-``U12_PDL_VARIANTS``; AR only, not under --smoke); u12-many-rows (a verify
+u12-plain, u12-plain-parts-loop, u12-pdl-wait-late, u12-pdl-wait-early, u12-pdl-wait-parts-loop,
+u12-pdl-wait-both, u12-early, u12-gate-up-free (plain launches or PDL mode 2; the GEMVs' escape
+lanes gathered after the loop or before it, ``u12_linear.EARLY_LANES``; the handed-in norm's parts
+summed before the loop or in it, ``u12_fused_linear.PARTS_IN_LOOP``; gate|up without its register
+cap: ``U12_PDL_VARIANTS``; AR only, not under --smoke); u12-many-rows (a verify
 step's u12 layers through u12_fused_linear: the mma and hmma kernels' epilogues and the norm
 handoff, runtime/fused.py's U12_MANY_ROWS; --q above 1 only); u12-lanes-g8, u12-lanes-g16 (a verify
 step's mma and hmma kernels walking the lanes 8 or 16 a step, ``u12_linear.LANE_GROUP``, against the
@@ -142,21 +142,28 @@ OVERLAP_VARIANTS = (
 )
 
 
-# The u12 AR step's PDL mode 2 (runtime/fused.py's U12_PDL: the default step and u12-pdl-wait run
-# it), the GEMVs' early lanes under it (u12_linear.EARLY_LANES "pdl": the lanes loaded before the
-# PDL wait, x gathered at them right after it) and the handed-in norm's parts summed in the loop
-# (u12_fused_linear.PARTS_IN_LOOP), each against its old way; AR only. The gated gate|up GEMV at
-# 72 registers (u12_fused_linear.TUNED) in every one; u12-gate-up-free without that cap.
+# The u12 AR step's PDL mode (runtime/fused.py's U12_PDL), the GEMVs' early lanes under PDL
+# (u12_linear.EARLY_LANES "pdl": the lanes loaded before the PDL wait, x gathered at them right
+# after it) and the handed-in norm's parts summed in the loop (u12_fused_linear.PARTS_IN_LOOP),
+# each variant with all three set, whatever the defaults are; AR only. The gated gate|up GEMV at
+# 72 registers (u12_fused_linear.TUNED) in every one; u12-gate-up-free is the default without it.
 # name: (overlap's keywords, knobs, u12_fused_linear TUNED entries).
 _GATE_UP_FREE = {(1, 28672, 4096, True): u12_linear.U12Config(8, 64, num_warps=2, num_stages=1, kernel="gemv2")}
+
+
+def _u12_way(pdl: int, early: str, parts_in_loop: bool) -> tuple[dict, dict, dict]:
+    return dict(pdl=pdl), {"EARLY_LANES": early, "u12_fused_linear.PARTS_IN_LOOP": parts_in_loop}, {}
+
+
 U12_PDL_VARIANTS = {
-    "u12-plain": (dict(pdl=0), {}, {}),  # runtime/fused.py's U12_PDL off: plain launches, the lanes late
-    "u12-plain-parts-before": (dict(pdl=0), {"u12_fused_linear.PARTS_IN_LOOP": False}, {}),  # the old default
-    "u12-parts-before": ({}, {"u12_fused_linear.PARTS_IN_LOOP": False}, {}),
+    "u12-plain": _u12_way(0, "never", False),  # the default step until 3cf2c55
+    "u12-plain-parts-loop": _u12_way(0, "never", True),
+    "u12-pdl-wait-late": _u12_way(2, "never", False),  # 753d9c4's u12-pdl-wait
+    "u12-pdl-wait-early": _u12_way(2, "pdl", False),
+    "u12-pdl-wait-parts-loop": _u12_way(2, "never", True),
+    "u12-pdl-wait-both": _u12_way(2, "pdl", True),
+    "u12-early": _u12_way(0, "always", False),  # early without PDL: the gather waits for the lanes
     "u12-gate-up-free": ({}, {}, _GATE_UP_FREE),
-    "u12-pdl-wait-late": (dict(pdl=2), dict(EARLY_LANES="never"), {}),
-    "u12-pdl-wait-parts-before": (dict(pdl=2), {"u12_fused_linear.PARTS_IN_LOOP": False}, {}),
-    "u12-early": (dict(pdl=0), dict(EARLY_LANES="always"), {}),  # early without PDL: the gather waits for the lanes
 }
 
 
