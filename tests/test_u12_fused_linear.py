@@ -406,14 +406,17 @@ def test_handed_in_parts_summed_in_the_loop(monkeypatch, in_loop, gated, consume
                                    atol=atol, rtol=rtol)
 
 
-def test_parts_step():
+def test_parts_step(monkeypatch):
     """A chunk's share of the parts: all of them over the loop's chunks, a power of two between a
     warp's (32) and one a thread; 0 without full chunks or with PARTS_IN_LOOP off."""
+    monkeypatch.setattr(ufl, "PARTS_IN_LOOP", True)
     assert ufl.parts_step(1024, 8, 4) == 128  # qkv after down: 1024 parts, 8 chunks, 4 warps
     assert ufl.parts_step(512, 16, 2) == 32  # gate|up after o: 512 parts, 16 chunks, 2 warps
     assert ufl.parts_step(1024, 2, 2) == 64  # one a thread at most: the rest after the loop
     assert ufl.parts_step(3, 4, 4) == 32
     assert ufl.parts_step(64, 0, 4) == 0
+    monkeypatch.setattr(ufl, "PARTS_IN_LOOP", False)
+    assert ufl.parts_step(1024, 8, 4) == 0
 
 
 @pytest.mark.parametrize("lanes_mode", ["lanes", "table"])
