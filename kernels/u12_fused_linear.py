@@ -31,8 +31,8 @@ Norm handoff (``NormHandoff``). The fused stacks run no prologue: a residual GEM
 the updated stream's norm to the GEMV after it (gate|up, the next layer's q|k|v). Its epilogue also
 stores xg = dtype(stream · norm weight) at its columns and its Σ stream² per row (one part a
 program, fused_linear's RowSquares parts); the consumer runs its plain loop on xg, sums the parts
-(``PARTS_IN_LOOP``: a share of them loaded before each chunk of its loop and added after that
-chunk, so no load waits on them; else all of them before the loop) and multiplies its fp32 sums by
+(all of them before the loop; ``PARTS_IN_LOOP``, off: a share of them loaded before each chunk of
+its loop and added after that chunk, so no load waits on them, which measured slower) and multiplies its fp32 sums by
 rsqrt(Σ · fp32(1/K) + eps), rmsnorm's per-row scale factored out of the dot product, before its
 epilogue. So no kernel normalises x and the consumer's
 loop is unchanged; the roundings differ from rmsnorm's (xg rounds stream · weight once; rmsnorm
@@ -338,7 +338,7 @@ _INTERPRETER_CONFIG = U12Config(4, 8, num_warps=1, num_stages=1, kernel="gemv2")
 # of 64 words, 2 warps), held to 72 registers, the most at which its 1792 programs fit one wave of
 # the H200's 132 SMs (14 an SM). With its parts summed in the loop (PARTS_IN_LOOP) or its lanes
 # loaded early (u12_linear.EARLY_LANES) ptxas takes 76-96, without spilling at 72 (sm_90 SASS,
-# Triton 3.6: bench/kernel_static.py).
+# Triton 3.6: bench/kernel_static.py); both are off, and the late default stays at 72 uncapped.
 TUNED: dict[tuple[int, int, int, bool], U12Config] = {
     (1, 28672, 4096, True): U12Config(8, 64, num_warps=2, num_stages=1, kernel="gemv2", maxnreg=72),
 }
@@ -451,8 +451,10 @@ def _launch_fused(
 # each chunk of the loop (``parts_step``: at most one a thread) and added after that chunk, so no
 # load waits on them.
 # The sum's order differs (each share in order, then a tree): the inv rounds differently. Read at
-# launch; bench/step_ab.py compares.
-PARTS_IN_LOOP = True
+# launch; bench/step_ab.py compares. In the loop lost: the u12 AR step in PDL mode 2 ran 4.525 ms
+# against 4.487 with the sum before the loop, plain 4.559 against 4.517 (H100, interleaved at
+# 8cc6200, bench/results/tried/step_ab_early_lanes_parts_h100.json).
+PARTS_IN_LOOP = False
 
 
 def parts_step(n_parts: int, chunks: int, warps: int) -> int:

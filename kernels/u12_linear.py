@@ -80,11 +80,12 @@ graph before any eager one walks the table (``lanes_args``).
 
 Early lanes (``EARLY_LANES``). Under programmatic dependent launch (kernels/overlap.py) a GEMV's
 programs may start while the kernel before still runs, waiting at the PDL wait for its writes.
-The lanes are weights, which that kernel does not write: the GEMVs ("pdl", the default) load them
+The lanes are weights, which that kernel does not write: the GEMVs can ("pdl") load them
 before the wait and gather x at their columns right after it, so the gather's round trip runs
 under the loop instead of after it, and add the terms after the loop (bit for bit the late
 gather's sums: tests/test_u12_gemv.py). Without PDL the gather would wait for the lanes' load
-before the loop could start, so they stay late there ("always" forces it, for the A/B).
+before the loop could start ("always" forces it, for the A/B). Measured, early lost by 7% on the
+AR step (H100: 4.792 ms against 4.487), so the default is "never".
 
 gemv2. One program owns BLOCK_N rows of W and every row of x (M ≤ 4), so each weight is decoded
 once and used M times, and loops over K in chunks of BLOCK_W words. The 4 weights of a word
@@ -1131,8 +1132,11 @@ _LANE_MODES = ("gemv", "lanes", "table")
 # while the kernel before still runs, x at their columns right after it, so the gather's round trip
 # runs under the loop instead of after it; late otherwise), "always" (early without PDL too: the
 # gather then waits for the lanes before the loop can start) or "never" (the lanes before the loop,
-# x after it). Read at launch; bench/step_ab.py compares.
-EARLY_LANES = os.environ.get("SPECPILOT_EARLY_LANES", "pdl")
+# x after it). Read at launch; bench/step_ab.py compares. Early lost: the u12 AR step in PDL mode 2
+# ran 4.792 ms with the lanes early against 4.487 late (H100, interleaved at 8cc6200,
+# bench/results/tried/step_ab_early_lanes_parts_h100.json; the early loads hold a gate|up program's registers
+# through its loop), hence "never".
+EARLY_LANES = os.environ.get("SPECPILOT_EARLY_LANES", "never")
 _EARLY_MODES = ("pdl", "always", "never")
 
 
