@@ -145,7 +145,8 @@ OVERLAP_VARIANTS = (
 # The u12 AR step's PDL mode (runtime/fused.py's U12_PDL), the GEMVs' early lanes under PDL
 # (u12_linear.EARLY_LANES "pdl": the lanes loaded before the PDL wait, x gathered at them right
 # after it) and the handed-in norm's parts summed in the loop (u12_fused_linear.PARTS_IN_LOOP),
-# each variant with all three set, whatever the defaults are; AR only. The gated gate|up GEMV at
+# each variant with all three set, whatever the defaults are; AR only. On the H100 at 8cc6200 early
+# lanes and parts in the loop both lost (bench/results/tried/step_ab_early_lanes_parts_h100.json). The gated gate|up GEMV at
 # 72 registers (u12_fused_linear.TUNED) in every one; u12-gate-up-free is the default without it.
 # name: (overlap's keywords, knobs, u12_fused_linear TUNED entries).
 _GATE_UP_FREE = {(1, 28672, 4096, True): u12_linear.U12Config(8, 64, num_warps=2, num_stages=1, kernel="gemv2")}
@@ -158,7 +159,7 @@ def _u12_way(pdl: int, early: str, parts_in_loop: bool) -> tuple[dict, dict, dic
 U12_PDL_VARIANTS = {
     "u12-plain": _u12_way(0, "never", False),  # the default step until 3cf2c55
     "u12-plain-parts-loop": _u12_way(0, "never", True),
-    "u12-pdl-wait-late": _u12_way(2, "never", False),  # 753d9c4's u12-pdl-wait
+    "u12-pdl-wait-late": _u12_way(2, "never", False),  # 753d9c4's u12-pdl-wait; the default since fce8229
     "u12-pdl-wait-early": _u12_way(2, "pdl", False),
     "u12-pdl-wait-parts-loop": _u12_way(2, "never", True),
     "u12-pdl-wait-both": _u12_way(2, "pdl", True),
