@@ -23,10 +23,9 @@ u12-esc-after (the same with every load of the table after the loops: ``u12_line
 AR only); bf16-pdl, bf16-pdl-wait, u12-pdl, u12-pdl-wait (each step with programmatic dependent
 launch, kernels/overlap.py's modes 1 and 2; AR only, not under --smoke; the u12 AR step's default is mode 2, runtime/fused.py's U12_PDL);
 u12-plain, u12-plain-parts-loop, u12-pdl-wait-late, u12-pdl-wait-early, u12-pdl-wait-parts-loop,
-u12-pdl-wait-both, u12-early, u12-gate-up-free (plain launches or PDL mode 2; the GEMVs' escape
+u12-pdl-wait-both, u12-early (plain launches or PDL mode 2; the GEMVs' escape
 lanes gathered after the loop or before it, ``u12_linear.EARLY_LANES``; the handed-in norm's parts
-summed before the loop or in it, ``u12_fused_linear.PARTS_IN_LOOP``; gate|up without its register
-cap: ``U12_PDL_VARIANTS``; AR only, not under --smoke); u12-many-rows (a verify
+summed before the loop or in it, ``u12_fused_linear.PARTS_IN_LOOP``: ``U12_PDL_VARIANTS``; AR only, not under --smoke); u12-many-rows (a verify
 step's u12 layers through u12_fused_linear: the mma and hmma kernels' epilogues and the norm
 handoff, runtime/fused.py's U12_MANY_ROWS; --q above 1 only); u12-lanes-g8, u12-lanes-g16 (a verify
 step's mma and hmma kernels walking the lanes 8 or 16 a step, ``u12_linear.LANE_GROUP``, against the
@@ -146,14 +145,12 @@ OVERLAP_VARIANTS = (
 # (u12_linear.EARLY_LANES "pdl": the lanes loaded before the PDL wait, x gathered at them right
 # after it) and the handed-in norm's parts summed in the loop (u12_fused_linear.PARTS_IN_LOOP),
 # each variant with all three set, whatever the defaults are; AR only. On the H100 at 8cc6200 early
-# lanes and parts in the loop both lost (bench/results/tried/step_ab_early_lanes_parts_h100.json). The gated gate|up GEMV at
-# 72 registers (u12_fused_linear.TUNED) in every one; u12-gate-up-free is the default without it.
-# name: (overlap's keywords, knobs, u12_fused_linear TUNED entries).
-_GATE_UP_FREE = {(1, 28672, 4096, True): u12_linear.U12Config(8, 64, num_warps=2, num_stages=1, kernel="gemv2")}
+# lanes and parts in the loop both lost (bench/results/tried/step_ab_early_lanes_parts_h100.json).
+# name: (overlap's keywords, knobs).
 
 
-def _u12_way(pdl: int, early: str, parts_in_loop: bool) -> tuple[dict, dict, dict]:
-    return dict(pdl=pdl), {"EARLY_LANES": early, "u12_fused_linear.PARTS_IN_LOOP": parts_in_loop}, {}
+def _u12_way(pdl: int, early: str, parts_in_loop: bool) -> tuple[dict, dict]:
+    return dict(pdl=pdl), {"EARLY_LANES": early, "u12_fused_linear.PARTS_IN_LOOP": parts_in_loop}
 
 
 U12_PDL_VARIANTS = {
@@ -164,7 +161,6 @@ U12_PDL_VARIANTS = {
     "u12-pdl-wait-parts-loop": _u12_way(2, "never", True),
     "u12-pdl-wait-both": _u12_way(2, "pdl", True),
     "u12-early": _u12_way(0, "always", False),  # early without PDL: the gather waits for the lanes
-    "u12-gate-up-free": ({}, {}, _GATE_UP_FREE),
 }
 
 
@@ -255,8 +251,8 @@ def capture(shape: str, variants: bool, extra_bf16: dict | None = None, extra_u1
                     with overlap(**kw):
                         graphs[name] = capture_step()
         if variants and q == 1:
-            for name, (kw, knobs, fused) in U12_PDL_VARIANTS.items():
-                with overlap(**kw), knobs_set(knobs), _tuned(u12_fused_linear.TUNED, fused):
+            for name, (kw, knobs) in U12_PDL_VARIANTS.items():
+                with overlap(**kw), knobs_set(knobs):
                     graphs[name] = capture_step()
         for name, override in (extra_u12 or {}).items():  # the default u12 step at a sweep's configs for its rows
             with _tuned(u12_linear.TUNED, override):

@@ -334,14 +334,12 @@ _INTERPRETER_CONFIG = U12Config(4, 8, num_warps=1, num_stages=1, kernel="gemv2")
 # This kernel's own configs, keyed (rows bucket, N weight rows, K, gated); bench/u12_fused_linear.py
 # sweeps them in the u12 AR step's modes (each with its handoff and epilogue; bench/run_gpu.sh
 # u12fusedtune, then the AR step with the best beside the default). Elsewhere default_config derives
-# the tiles from u12_linear's. Llama-3.1-8B's gate|up at one row: u12_linear's tile halved (8 rows
-# of 64 words, 2 warps), held to 72 registers, the most at which its 1792 programs fit one wave of
-# the H200's 132 SMs (14 an SM). With its parts summed in the loop (PARTS_IN_LOOP) or its lanes
-# loaded early (u12_linear.EARLY_LANES) ptxas takes 76-96, without spilling at 72 (sm_90 SASS,
-# Triton 3.6: bench/kernel_static.py); both are off, and the late default stays at 72 uncapped.
-TUNED: dict[tuple[int, int, int, bool], U12Config] = {
-    (1, 28672, 4096, True): U12Config(8, 64, num_warps=2, num_stages=1, kernel="gemv2", maxnreg=72),
-}
+# the tiles from u12_linear's. Tried: Llama-3.1-8B's gate|up at one row (the derived 8 rows of 64
+# words, 2 warps) held to 72 registers, the most at which its 1792 programs fit one wave: with early
+# lanes and the parts in the loop on, where ptxas takes 76-96, the cap made the AR step slower
+# (4.809 ms against 4.673, H100, bench/results/tried/step_ab_early_lanes_parts_h100.json); without
+# them ptxas takes 72 anyway (4.490 against 4.490, bench/results/step_ab_h100.json).
+TUNED: dict[tuple[int, int, int, bool], U12Config] = {}
 
 
 def default_config(m: int, n: int, k: int, gated: bool, on_gpu: bool = True) -> U12Config:

@@ -1134,8 +1134,7 @@ _LANE_MODES = ("gemv", "lanes", "table")
 # gather then waits for the lanes before the loop can start) or "never" (the lanes before the loop,
 # x after it). Read at launch; bench/step_ab.py compares. Early lost: the u12 AR step in PDL mode 2
 # ran 4.792 ms with the lanes early against 4.487 late (H100, interleaved at 8cc6200,
-# bench/results/tried/step_ab_early_lanes_parts_h100.json; the early loads hold a gate|up program's registers
-# through its loop), hence "never".
+# bench/results/tried/step_ab_early_lanes_parts_h100.json), hence "never".
 EARLY_LANES = os.environ.get("SPECPILOT_EARLY_LANES", "never")
 _EARLY_MODES = ("pdl", "always", "never")
 
