@@ -62,7 +62,7 @@ waits on it there), gathers x at their columns after it (``_lanes_gather``: one 
 L2) and reduces both escape sums in one pass, with no row pointers, no one-hot product and no
 non-finite path: each lane belongs to one row, so inf/NaN stay in it (``_lanes_finish``).
 The u12 AR step, interleaved (bench/results/tried/step_ab_0cf1235_h200.json; 3.438 against 4.117 at 451e309,
-bench/results/step_ab_h200.json):
+bench/results/tried/step_ab_451e309_h200.json):
 3.427 ms against 3.546 with the table and bf16's 4.098 (1.196x). Tried and dropped there: x's
 gather issued after a peeled first chunk, so the loop hides it (3.629: the peel costs the loop
 more than the round trip), and the weight loads ``.cg`` or L1 ``evict_first`` (3.523, 3.529);
@@ -1098,8 +1098,9 @@ TUNED: dict[tuple[int, int, int], U12Config] = {
 # gate_up 52.0 (mma 64.4), down 35.6 (hmma 40.4), lm_head 202 (mma 218); cuBLAS 15.4, 12.7, 58.5,
 # 32.4, 284. The step's linears in one graph: 4.10 ms against cuBLAS's 4.08. verify(16) interleaved
 # with every weight tiled (bench/step_ab.py's u12-tiles, 753d9c4): 4.613 ms against the bf16 step's
-# 4.446 and the row planes' 5.151 (bench/results/step_ab_verify16_h200.json); the AR step on tiles
-# ran 3.820 against 3.405 (step_ab_h200.json): gemv2 reads tiles 4-12% slower at one row, each shape
+# 4.446 and the row planes' 5.151 (bench/results/tried/step_ab_verify16_753d9c4_h200.json; at 0bc2353
+# 4.637, 4.510 and 5.262: bench/results/step_ab_verify16_h200.json); the AR step on tiles ran 3.820
+# against 3.405 (tried/step_ab_753d9c4_h200.json; 3.811 against 3.402 at 0bc2353): gemv2 reads tiles 4-12% slower at one row, each shape
 # at its best config on either (bench/results/u12_linear_gemv2_tiles_h200.json, 5ba8e66), hence a
 # layout per deployment (weights-u12's auto). From 32 rows the mma kernel reads both alike (qkv's
 # best: 21.9 µs on tiles against 21.4 at 32 rows, 38.8 against 38.9 at 64;
@@ -1122,8 +1123,10 @@ ESC_AHEAD = True
 # weight has them, the block kernels tile, mma and hmma from the table), "lanes" (every kernel from
 # the lanes) or "table" (every kernel from the CSR side table; in the GEMVs as ESC_AHEAD says). On the
 # H200 (bench/step_ab.py, 451e309) the lanes won the AR step (3.438 ms against 3.551 from the table,
-# bench/results/step_ab_h200.json) and lost verify(16) (5.543 against 5.250,
-# bench/results/tried/step_ab_verify16_451e309_h200.json; again at 3353acd, 5.158 against 5.442: bench/results/step_ab_verify16_h200.json), hence
+# bench/results/tried/step_ab_451e309_h200.json) and lost verify(16) (5.543 against 5.250,
+# bench/results/tried/step_ab_verify16_451e309_h200.json; again at 3353acd, 5.158 against 5.442:
+# bench/results/tried/step_ab_verify16_3353acd_h200.json; at 0bc2353 5.262 against 5.555,
+# bench/results/step_ab_verify16_h200.json), hence
 # "gemv". Read at launch; SPECPILOT_ESC_LANES sets it for a process.
 ESC_LANES = os.environ.get("SPECPILOT_ESC_LANES", "gemv")
 _LANE_MODES = ("gemv", "lanes", "table")
