@@ -10,7 +10,6 @@
 #   steps    Llama-3.1-8B step times with kernel profiles
 #   qwen     the same for Qwen3-8B
 #   ab       the Llama-3.1-8B AR step, bf16 against the u12 variants, interleaved (bench/step_ab.py)
-#   earlyab  the GEMVs' early escape lanes and handed-in parts: their GPU tests under PDL, then ab
 #   attention  split-KV attention against SDPA
 #   attnvar  the decode step's attention launch: rope_attention or apart, combine, warps, splits
 #   u12      the u12 kernels' GPU tests, then their sweep against cuBLAS
@@ -87,13 +86,6 @@ steps() {  # steps [NAME SHAPE...]
   TAIL=40 run step_times 260 python bench/step_times.py --shapes "${@:-llama-3.1-8b}" --out "$OUT/step_times_${name}_h200.json"
 }
 ab() { TAIL=8 run step_ab 360 python bench/step_ab.py --out "$OUT/step_ab_h200.json"; }
-earlyab() {  # the AR step interleaved, then the GEMVs' early lanes and parts checked on the GPU under PDL (SPECPILOT_PDL=2)
-  ab
-  TAIL=4 SPECPILOT_PDL=2 run early_tests 150 python -m pytest -q -x -p no:cacheprovider tests/test_u12_gemv.py \
-    tests/test_u12_fused_linear.py -k "early or parts or norm_handoff or gated_escapes or normalised"
-  TAIL=4 run u12_stack_tests 150 python -m pytest -q -x -p no:cacheprovider tests/test_fused_decoder.py \
-    -k "u12_fused_linear_greedy or pdl"  # the u12 stack at its default PDL mode, against the unfused one
-}
 attention() { run attention 100 python bench/attention_split_kv.py --out "$OUT/attention_split_kv_h200.json"; }
 attnvar() {  # ATTN_ARGS, e.g. "--capacity 2048" (the step bench's cache)
   TAIL=90 run attention_variants 300 python bench/attention_variants.py ${ATTN_ARGS:-} --out "$OUT/attention_variants_h200.json"
@@ -216,7 +208,7 @@ zoo() {
 for group in "${@:?group...}"; do
   case "$group" in
     ncu) ncu_linear ;;
-    tests | attntests | lineartests | ab | earlyab | attention | attnvar | u12 | hmma | bf16tune | u12tune | verify16 | verifyab | \
+    tests | attntests | lineartests | ab | attention | attnvar | u12 | hmma | bf16tune | u12tune | verify16 | verifyab | \
       u12verify | tiles | tilesab | tiles1 | fewrows | fewsweep | u12fusedtune | linear | peers | train | trees | e2e | tau | zoo) "$group" ;;
     steps) steps ;;
     qwen) steps qwen qwen3-8b ;;

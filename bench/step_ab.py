@@ -21,11 +21,9 @@ them; the default); u12-esc-table (the default with the escapes from the side ta
 pointers loaded before their loops, in place of the rows' lanes: ``u12_linear.ESC_LANES``);
 u12-esc-after (the same with every load of the table after the loops: ``u12_linear.ESC_AHEAD`` off;
 AR only); bf16-pdl, bf16-pdl-wait, u12-pdl, u12-pdl-wait (each step with programmatic dependent
-launch, kernels/overlap.py's modes 1 and 2; AR only, not under --smoke; the u12 AR step's default is mode 2, runtime/fused.py's U12_PDL);
-u12-plain, u12-plain-parts-loop, u12-pdl-wait-late, u12-pdl-wait-early, u12-pdl-wait-parts-loop,
-u12-pdl-wait-both, u12-early (plain launches or PDL mode 2; the GEMVs' escape
-lanes gathered after the loop or before it, ``u12_linear.EARLY_LANES``; the handed-in norm's parts
-summed before the loop or in it, ``u12_fused_linear.PARTS_IN_LOOP``: ``U12_PDL_VARIANTS``; AR only, not under --smoke); u12-many-rows (a verify
+launch, kernels/overlap.py's modes 1 and 2; AR only, not under --smoke; the u12 AR step's default is mode 2,
+runtime/fused.py's U12_PDL, so u12-pdl-wait is the default step captured again); u12-plain (the u12 step
+with PDL off, mode 0: the default until 3cf2c55; AR only, not under --smoke); u12-many-rows (a verify
 step's u12 layers through u12_fused_linear: the mma and hmma kernels' epilogues and the norm
 handoff, runtime/fused.py's U12_MANY_ROWS; --q above 1 only); u12-lanes-g8, u12-lanes-g16 (a verify
 step's mma and hmma kernels walking the lanes 8 or 16 a step, ``u12_linear.LANE_GROUP``, against the
@@ -48,7 +46,11 @@ loop is issued before its first FMA; 4 words a thread for every linear or gate_u
 3.745 against 3.701, ac79ccb; for qkv and o 3.674, which TUNED took); the lanes in the
 accumulator's shape (4.041 ms, or 3.925 loaded before the loop, against 3.439, 2840cfa), x's
 gather after a peeled first chunk, the weight loads .cg or L1 evict_first (3.629, 3.523, 3.529
-against 3.427, 0cf1235).
+against 3.427, 0cf1235); the GEMVs' escape lanes gathered before the PDL wait and the handed-in
+norm's parts summed in the loop (u12-pdl-wait-early, u12-pdl-wait-parts-loop, u12-pdl-wait-both,
+u12-early, u12-plain-parts-loop: 4.792, 4.525, 4.809, 4.823, 4.559 ms against 4.487 on the H100,
+8cc6200, bench/results/tried/step_ab_early_lanes_parts_h100.json; 3.750, 3.658, 3.708, 3.771, 3.716
+against 3.411 on the H200, 0bc2353, bench/results/step_ab_h200.json; both knobs since removed).
 Batch 1, a 512-token context, a device-length cache of 2048 slots; random
 bf16 weights N(0, 0.02).
 """
@@ -102,7 +104,7 @@ U12_FEW_ROWS_KNOB_VARIANTS = {  # name: (the rows q it applies to, settings): ve
     "u12-gemv-rows": ((3, 4), dict(TENSOR_CORE_ROWS=5)),  # gemv2 at 3..4 rows, the default before
     "u12-hmma-wide": ((2, 8), {"u12_hmma.NARROW": False}),  # the hmma kernel's two n-tiles at <= 8 rows
 }
-KNOB_MODULES = {"u12_linear": u12_linear, "u12_hmma": u12_hmma, "u12_fused_linear": u12_fused_linear}
+KNOB_MODULES = {"u12_linear": u12_linear, "u12_hmma": u12_hmma}
 
 
 def knob_variants(q: int) -> dict[str, dict]:
@@ -134,34 +136,14 @@ def knobs_set(knobs: dict):
 
 # Programmatic dependent launch (kernels/overlap.py), off by default since the bf16 step measured
 # slower with it in CUDA graphs; the u12 step's GEMVs are shorter, so their launch ramps weigh more.
-# Both steps with each mode, AR only: (name, the step it varies, overlap's keywords).
+# Both steps with each mode, AR only: (name, the step it varies, overlap's keywords). The u12 AR
+# step's default is mode 2 (runtime/fused.py's U12_PDL), so u12-plain forces mode 0 (overlap's
+# setting wins over the deployment's default: kernels/overlap.py's default_pdl).
 OVERLAP_VARIANTS = (
     ("bf16-pdl", "bf16", dict(pdl=1)), ("bf16-pdl-wait", "bf16", dict(pdl=2)),
     ("u12-pdl", "u12", dict(pdl=1)), ("u12-pdl-wait", "u12", dict(pdl=2)),
+    ("u12-plain", "u12", dict(pdl=0)),  # the default step until 3cf2c55
 )
-
-
-# The u12 AR step's PDL mode (runtime/fused.py's U12_PDL), the GEMVs' early lanes under PDL
-# (u12_linear.EARLY_LANES "pdl": the lanes loaded before the PDL wait, x gathered at them right
-# after it) and the handed-in norm's parts summed in the loop (u12_fused_linear.PARTS_IN_LOOP),
-# each variant with all three set, whatever the defaults are; AR only. On the H100 at 8cc6200 early
-# lanes and parts in the loop both lost (bench/results/tried/step_ab_early_lanes_parts_h100.json).
-# name: (overlap's keywords, knobs).
-
-
-def _u12_way(pdl: int, early: str, parts_in_loop: bool) -> tuple[dict, dict]:
-    return dict(pdl=pdl), {"EARLY_LANES": early, "u12_fused_linear.PARTS_IN_LOOP": parts_in_loop}
-
-
-U12_PDL_VARIANTS = {
-    "u12-plain": _u12_way(0, "never", False),  # the default step until 3cf2c55
-    "u12-plain-parts-loop": _u12_way(0, "never", True),
-    "u12-pdl-wait-late": _u12_way(2, "never", False),  # 753d9c4's u12-pdl-wait; the default since fce8229
-    "u12-pdl-wait-early": _u12_way(2, "pdl", False),
-    "u12-pdl-wait-parts-loop": _u12_way(2, "never", True),
-    "u12-pdl-wait-both": _u12_way(2, "pdl", True),
-    "u12-early": _u12_way(0, "always", False),  # early without PDL: the gather waits for the lanes
-}
 
 
 def _bf16_registers(maxnreg: int, names: tuple[str, ...]) -> dict:
@@ -250,10 +232,6 @@ def capture(shape: str, variants: bool, extra_bf16: dict | None = None, extra_u1
                 if step == "u12":
                     with overlap(**kw):
                         graphs[name] = capture_step()
-        if variants and q == 1:
-            for name, (kw, knobs) in U12_PDL_VARIANTS.items():
-                with overlap(**kw), knobs_set(knobs):
-                    graphs[name] = capture_step()
         for name, override in (extra_u12 or {}).items():  # the default u12 step at a sweep's configs for its rows
             with _tuned(u12_linear.TUNED, override):
                 graphs[name] = capture_step()

@@ -31,19 +31,22 @@ Norm handoff (``NormHandoff``). The fused stacks run no prologue: a residual GEM
 the updated stream's norm to the GEMV after it (gate|up, the next layer's q|k|v). Its epilogue also
 stores xg = dtype(stream · norm weight) at its columns and its Σ stream² per row (one part a
 program, fused_linear's RowSquares parts); the consumer runs its plain loop on xg, sums the parts
-(all of them before the loop; ``PARTS_IN_LOOP``, off: a share of them loaded before each chunk of
-its loop and added after that chunk, so no load waits on them, which measured slower) and multiplies its fp32 sums by
-rsqrt(Σ · fp32(1/K) + eps), rmsnorm's per-row scale factored out of the dot product, before its
-epilogue. So no kernel normalises x and the consumer's
-loop is unchanged; the roundings differ from rmsnorm's (xg rounds stream · weight once; rmsnorm
-rounds x · inv, then its product with the weight): about one bf16 step from the rmsnorm path for a
-GEMV (tests/test_u12_fused_linear.py allows two), up to three on the tiny test pairs' logits
-(tests/test_fused_decoder.py); token forcing judges. H200, the Llama-3.1-8B u12 AR step
+(all of them before the loop) and multiplies its fp32 sums by rsqrt(Σ · fp32(1/K) + eps), rmsnorm's
+per-row scale factored out of the dot product, before its epilogue. So no kernel normalises x and
+the consumer's loop is unchanged; the roundings differ from rmsnorm's (xg rounds stream · weight
+once; rmsnorm rounds x · inv, then its product with the weight): about one bf16 step from the
+rmsnorm path for a GEMV (tests/test_u12_fused_linear.py allows two), up to three on the tiny test
+pairs' logits (tests/test_fused_decoder.py); token forcing judges. H200, the Llama-3.1-8B u12 AR step
 interleaved, escapes from the table (bench/results/tried/step_ab_a05f9d3_h200.json, a05f9d3):
 3.540 ms against 3.631 with the norms as rmsnorm kernels, the bf16 step 4.09; the parts summed
 after the consumer's loop instead (beside the escapes' loads, a variant since removed) ran the
 same, 3.539. With the escapes from the lanes, 3.427 against 4.098
-(bench/results/tried/step_ab_0cf1235_h200.json).
+(bench/results/tried/step_ab_0cf1235_h200.json). Tried and dropped (removed in the commit after
+d954724): the parts summed inside the consumer's loop (``PARTS_IN_LOOP``: a share loaded before each
+chunk and added after it, so no load waited on them) and u12_linear's early lanes in this kernel
+too; the AR step in PDL mode 2 ran 4.525 ms with the parts in the loop and 4.792 with early lanes
+against 4.487 (H100, 8cc6200, bench/results/tried/step_ab_early_lanes_parts_h100.json), 3.658 and
+3.750 against 3.411 (H200, 0bc2353, bench/results/step_ab_h200.json).
 
 Numerics. The decoded weights are u12_linear's, bit for bit (the same decode and scales), so the
 kernel computes fused_linear on unpack_u12(t): the roundings are the unfused kernels' (and
@@ -105,7 +108,7 @@ from .fused_linear import (
     fused_linear_reference,
     norm_words,
 )
-from .overlap import pdl_args, pdl_enter, pdl_trigger, pdl_wait
+from .overlap import pdl_args, pdl_enter
 from .registry import KernelSpec, register
 from .target import native as on_native
 from .rmsnorm import _normalize, _row_inv, _to_dtype, rmsnorm
@@ -123,14 +126,11 @@ from .u12_linear import (
     _lanes_finish,
     _lanes_gather,
     _lanes_load,
-    _lanes_terms,
-    _lanes_x,
     _nonempty,
     _row_words,
     _x_planes,
     aligned_rows,
     biased_scale,
-    early_lanes,
     gemv2_applies,
     gemv_config,
     lanes_args,
@@ -183,14 +183,11 @@ def _u12_fused_gemv_kernel(
     HAND_OUT: tl.constexpr = False,  # RESIDUAL: hand the updated stream's norm on (xg, Σ parts)
     HAND_IN: tl.constexpr = False,  # x is a handoff's xg: the sums times its rows' inv (from n_parts parts)
     BLOCK_P: tl.constexpr = 16,  # HAND_IN: parts summed a chunk (all of them in one: their loads in flight at once)
-    P_STEP: tl.constexpr = 0,  # HAND_IN: > 0, P_STEP parts loaded with each chunk of the loop and summed after it
     LANES: tl.constexpr = 0,  # > 0: the escapes from t's lanes (U12Tensor.esc_lanes, LANES a row), not the table
     TILED: tl.constexpr = False,  # t's planes in tiles (U12Tensor.layout)
-    EARLY_LANES: tl.constexpr = False,  # LANES and PDL: lanes loaded before the PDL wait, x at them after it
 ):
     """All M (<= 4) rows of x against BLOCK_N output rows (N: output columns; gated: rows n and N + n of t)."""
-    if not EARLY_LANES:
-        pdl_enter(PDL)
+    pdl_enter(PDL)
     pid_n = tl.program_id(0)
     DTYPE: tl.constexpr = y_ptr.dtype.element_ty
     n0 = pid_n * BLOCK_N
@@ -201,15 +198,6 @@ def _u12_fused_gemv_kernel(
     # Rows past M or N re-read the last row (their outputs are not stored), so only K needs masks.
     rows_m = tl.minimum(offs_m, M - 1)
     rows_n = tl.minimum(offs_n, N - 1)[None, :, None]
-    if EARLY_LANES:  # u12_linear's EARLY_LANES: the lanes (weights) before the wait, x (and NORM's weight) at them after
-        pdl_trigger(PDL)
-        lanes_g = _lanes_load(lanes_ptr, rows_n, LANES, BLOCK_M, BLOCK_N)
-        if GATED:
-            lanes_u = _lanes_load(lanes_ptr, rows_n + N, LANES, BLOCK_M, BLOCK_N)
-        pdl_wait(PDL)
-        xl_g, nl_g = _lanes_x(lanes_g, x_ptr, nw_ptr, rows_m[:, None, None], stride_xm, K, NORM)
-        if GATED:
-            xl_u, nl_u = _lanes_x(lanes_u, x_ptr, nw_ptr, rows_m[:, None, None], stride_xm, K, NORM)
     if NORM:
         if X_WORDS:
             inv_m = _row_inv_words(x_ptr, rows_m, stride_xm // 4, n_words, inv_k, eps, BLOCK_M, NORM_WORDS)
@@ -219,13 +207,8 @@ def _u12_fused_gemv_kernel(
     else:
         inv_m = 1.0
         inv = 1.0
-    if HAND_IN and P_STEP == 0:  # the norm's inv from the producer's parts (a few KB from L2), before the loop
+    if HAND_IN:  # the norm's inv from the producer's parts (a few KB from L2), before the loop
         hand_inv = _row_inv_parts(parts_ptr, rows_m, M, n_parts, inv_k, eps, BLOCK_M, BLOCK_P)
-    if HAND_IN and P_STEP > 0:  # PARTS_IN_LOOP: share c of the parts loaded before chunk c, summed after it
-        p_idx = tl.arange(0, P_STEP)[:, None]
-        p_rows = parts_ptr + rows_m[None, :]
-        p_acc = tl.zeros((P_STEP, BLOCK_M), dtype=tl.float32)
-        p_next = tl.load(p_rows + p_idx * M, mask=p_idx < n_parts, other=0.0)
     # Every load has the accumulator's shape [BM, BN, 1 -> BW], so Triton gives them all its layout:
     # no layout conversion in the loop (as in gemv2 and fused_linear's gemv).
     shape: tl.constexpr = (BLOCK_M, BLOCK_N, 1)
@@ -245,7 +228,7 @@ def _u12_fused_gemv_kernel(
     # (rows N + n0..).
     eg0, eg_end, idx_g, val_g, xg_g, nw_g = _escape_ahead_init(esc_idx_ptr, BLOCK_M, ESC_BLOCK)
     eu0, eu_end, idx_u, val_u, xg_u, nw_u = _escape_ahead_init(esc_idx_ptr, BLOCK_M, ESC_BLOCK)
-    if LANES and not EARLY_LANES:  # u12_linear's ``_lanes_load``: the gate rows' and, gated, the up rows'
+    if LANES:  # u12_linear's ``_lanes_load``: the gate rows' and, gated, the up rows'
         lanes_g = _lanes_load(lanes_ptr, rows_n, LANES, BLOCK_M, BLOCK_N)
         if GATED:
             lanes_u = _lanes_load(lanes_ptr, rows_n + N, LANES, BLOCK_M, BLOCK_N)
@@ -265,21 +248,7 @@ def _u12_fused_gemv_kernel(
     for start in range(0, full_words, BLOCK_W):
         acc_g, acc_u = _fused_chunk(acc_g, acc_u, start, x_rows, nw_rows, inv, gate_sm, gate_codes, up_sm, up_codes,
                                     n_words, BLOCK_W, X_WORDS, False, NORM, GATED, DTYPE, ROUND_BF16, ASM, TILED)
-        if HAND_IN and P_STEP > 0:  # a whole chunk after its load: no wait, then the next share's load
-            p_acc += p_next
-            p = (start // BLOCK_W + 1) * P_STEP + p_idx
-            p_next = tl.load(p_rows + p * M, mask=p < n_parts, other=0.0)
-    if HAND_IN and P_STEP > 0:  # the last share loaded, the parts past it, then the inv (_row_inv_parts' math)
-        p_acc += p_next
-        for p0 in range((full_words // BLOCK_W + 1) * P_STEP, n_parts, P_STEP):
-            p = p0 + p_idx
-            p_acc += tl.load(p_rows + p * M, mask=p < n_parts, other=0.0)
-        hand_inv = tl.math.rsqrt(tl.sum(p_acc, axis=0) * inv_k + eps)
-    if EARLY_LANES:  # the terms of the gathers issued before the loop
-        spur_g, esc_g = _lanes_terms(lanes_g, xl_g, nl_g, K, inv, NORM, DTYPE, ROUND_BF16)
-        if GATED:
-            spur_u, esc_u = _lanes_terms(lanes_u, xl_u, nl_u, K, inv, NORM, DTYPE, ROUND_BF16)
-    elif LANES:  # u12_linear's ``_lanes_gather``: x (NORM: x') at the lanes' columns
+    if LANES:  # u12_linear's ``_lanes_gather``: x (NORM: x') at the lanes' columns
         rows_m3 = rows_m[:, None, None]
         spur_g, esc_g = _lanes_gather(lanes_g, x_ptr, nw_ptr, rows_m3, stride_xm, K, inv, NORM, DTYPE, ROUND_BF16)
         if GATED:
@@ -336,9 +305,9 @@ _INTERPRETER_CONFIG = U12Config(4, 8, num_warps=1, num_stages=1, kernel="gemv2")
 # u12fusedtune, then the AR step with the best beside the default). Elsewhere default_config derives
 # the tiles from u12_linear's. Tried: Llama-3.1-8B's gate|up at one row (the derived 8 rows of 64
 # words, 2 warps) held to 72 registers, the most at which its 1792 programs fit one wave: with early
-# lanes and the parts in the loop on, where ptxas takes 76-96, the cap made the AR step slower
-# (4.809 ms against 4.673, H100, bench/results/tried/step_ab_early_lanes_parts_h100.json); without
-# them ptxas takes 72 anyway (4.490 against 4.490, bench/results/step_ab_h100.json).
+# lanes and the parts in the loop on (both since removed), where ptxas takes 76-96, the cap made the
+# AR step slower (4.809 ms against 4.673, H100, bench/results/tried/step_ab_early_lanes_parts_h100.json);
+# without them ptxas takes 72 anyway (4.490 against 4.490, bench/results/step_ab_h100.json).
 TUNED: dict[tuple[int, int, int, bool], U12Config] = {}
 
 
@@ -439,29 +408,7 @@ def _launch_fused(
         ROUND_BF16=not native and x.dtype == torch.bfloat16, EXPF=native, ASM=native, **launch, **pdl_args(x.device),
         ESC_AHEAD=u12_linear_module.ESC_AHEAD, HAND_OUT=hand_out is not None, HAND_IN=hand_in is not None,
         BLOCK_P=min(1024, triton.next_power_of_2(max(1, n_parts))), LANES=n_lanes, TILED=t.layout == "tiles",
-        EARLY_LANES=early_lanes(n_lanes, x.device), P_STEP=parts_step(n_parts, n_words // cfg.block_w, cfg.num_warps),
     )
-
-
-# Where a GEMV that takes a handed-in norm (NormHandoff) sums the producer's parts: False, all of
-# them before its loop (``_row_inv_parts``: their loads and the sum wait for each other there, so
-# the loop's first weight loads issue an L2 round trip late); True, a share of them loaded before
-# each chunk of the loop (``parts_step``: at most one a thread) and added after that chunk, so no
-# load waits on them.
-# The sum's order differs (each share in order, then a tree): the inv rounds differently. Read at
-# launch; bench/step_ab.py compares. In the loop lost: the u12 AR step in PDL mode 2 ran 4.525 ms
-# against 4.487 with the sum before the loop, plain 4.559 against 4.517 (H100, interleaved at
-# 8cc6200, bench/results/tried/step_ab_early_lanes_parts_h100.json).
-PARTS_IN_LOOP = False
-
-
-def parts_step(n_parts: int, chunks: int, warps: int) -> int:
-    """Parts a loop chunk loads (``PARTS_IN_LOOP``): enough that the loop's full chunks take them
-    all, a power of two, at least a warp's and at most one a thread; 0 where they are summed before
-    the loop (PARTS_IN_LOOP off, or no full chunk)."""
-    if not PARTS_IN_LOOP or chunks < 1 or n_parts < 1:
-        return 0
-    return min(32 * warps, max(32, triton.next_power_of_2(triton.cdiv(n_parts, chunks))))
 
 
 # M >= 5: the mma kernel's tiles under the interpreter (partial blocks, split-K, a masked chunk), and

@@ -78,14 +78,11 @@ of the block (not yet timed on a GPU: bench/step_ab.py --q 16 compares it with t
 and 16 lanes a step). Lanes are derived on first use with a host sync: a launch captured in a CUDA
 graph before any eager one walks the table (``lanes_args``).
 
-Early lanes (``EARLY_LANES``). Under programmatic dependent launch (kernels/overlap.py) a GEMV's
-programs may start while the kernel before still runs, waiting at the PDL wait for its writes.
-The lanes are weights, which that kernel does not write: the GEMVs can ("pdl") load them
-before the wait and gather x at their columns right after it, so the gather's round trip runs
-under the loop instead of after it, and add the terms after the loop (bit for bit the late
-gather's sums: tests/test_u12_gemv.py). Without PDL the gather would wait for the lanes' load
-before the loop could start ("always" forces it, for the A/B). Measured, early lost by 7% on the
-AR step (H100: 4.792 ms against 4.487), so the default is "never".
+Tried and dropped: early lanes (``EARLY_LANES``, removed in the commit after d954724): under PDL
+the lanes loaded before the PDL wait and x gathered at them right after it, so the gather's round
+trip ran under the loop; the AR step in PDL mode 2 ran 4.792 ms against 4.487 late (H100, 8cc6200,
+bench/results/tried/step_ab_early_lanes_parts_h100.json) and 3.750 against 3.411 (H200, 0bc2353,
+bench/results/step_ab_h200.json).
 
 gemv2. One program owns BLOCK_N rows of W and every row of x (M ≤ 4), so each weight is decoded
 once and used M times, and loops over K in chunks of BLOCK_W words. The 4 weights of a word
@@ -166,7 +163,7 @@ import triton.language as tl
 
 from specpilot.runtime.u12 import MAX_BASE, U12Tensor, pack_u12, unpack_u12
 
-from .overlap import pdl_args, pdl_enter, pdl_mode, pdl_trigger, pdl_wait
+from .overlap import pdl_args, pdl_enter
 from .registry import KernelSpec, register
 from .target import native as on_native
 from .rmsnorm import _normalize
@@ -464,8 +461,7 @@ def _lanes_load(lanes_ptr, rows_n, LANES: tl.constexpr, BLOCK_M: tl.constexpr, B
 def _lanes_x(lanes, x_ptr, nw_ptr, rows_m, stride_xm, K, NORM: tl.constexpr):
     """x (rows_m [BM, 1, 1]) and, NORM, the norm weight at the columns of ``lanes``
     (``_lanes_load``) as loaded, 0 in empty lanes (column 0xFFFF >= K): the loads of
-    ``_lanes_gather``, one memory round trip (x, from L2), apart from its arithmetic so a kernel
-    can issue them early and use them late (``_u12_gemv_kernel``'s EARLY_LANES)."""
+    ``_lanes_gather``, one memory round trip (x, from L2)."""
     col = lanes & 0xFFFF
     ok = col < K
     xv = tl.load(x_ptr + rows_m * stride_xm + col, mask=ok, other=0.0)
@@ -850,11 +846,9 @@ def _u12_gemv_kernel(
     ESC_AHEAD: tl.constexpr = False,  # the escapes' row pointers loaded before the loop (module ESC_AHEAD)
     LANES: tl.constexpr = 0,  # > 0: the escapes from W's lanes (U12Tensor.esc_lanes, LANES a row), not the table
     TILED: tl.constexpr = False,  # W's planes in tiles (U12Tensor.layout)
-    EARLY_LANES: tl.constexpr = False,  # LANES and PDL: lanes loaded before the PDL wait, x at them after it
 ):
     """All M (<= 4) rows of x against BLOCK_N rows of W by the biased decode (K % 4 == 0, 1 <= base <= 240)."""
-    if not EARLY_LANES:
-        pdl_enter(PDL)
+    pdl_enter(PDL)
     pid_n = tl.program_id(0)
     n0 = pid_n * BLOCK_N
     offs_m = tl.arange(0, BLOCK_M)
@@ -881,20 +875,13 @@ def _u12_gemv_kernel(
             0, e0, e_end, idx, val, xg, nw, esc_row_ptr, n0, N, esc_idx_ptr, esc_val_ptr, x_ptr, x_ptr,
             offs_m, mask_m, K, stride_xm, stride_xk, BLOCK_N, ESC_BLOCK, False,
         )
-    if EARLY_LANES:  # the lanes are weights: loaded while the kernel before still runs, x at them after it
-        pdl_trigger(PDL)
-        lanes = _lanes_load(lanes_ptr, rows_n, LANES, BLOCK_M, BLOCK_N)
-        pdl_wait(PDL)
-        xl, _ = _lanes_x(lanes, x_ptr, x_ptr, rows_m, stride_xm, K, False)  # in flight under the loop
-    elif LANES:
+    if LANES:
         lanes = _lanes_load(lanes_ptr, rows_n, LANES, BLOCK_M, BLOCK_N)
     acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_W), dtype=tl.float32)  # reduced once, after the loop
     full_words = n_words - n_words % BLOCK_W
     for start in range(0, full_words, BLOCK_W):
         acc = _gemv_chunk(acc, start, sm_rows, code_rows, x_rows, n_words, BLOCK_W, X_WORDS, False, ASM, TILED)
-    if EARLY_LANES:
-        spur, esc = _lanes_terms(lanes, xl, xl, K, 1.0, False, y_ptr.dtype.element_ty, False)
-    elif LANES:  # x at the lanes' columns, after the loop (before it, the lanes' load would stall the loop's start)
+    if LANES:  # x at the lanes' columns, after the loop (before it, the lanes' load would stall the loop's start)
         spur, esc = _lanes_gather(lanes, x_ptr, x_ptr, rows_m, stride_xm, K, 1.0, False, y_ptr.dtype.element_ty, False)
     else:
         e0, e_end, idx, val, xg, nw = _escape_stages_left(
@@ -1130,27 +1117,6 @@ ESC_AHEAD = True
 # "gemv". Read at launch; SPECPILOT_ESC_LANES sets it for a process.
 ESC_LANES = os.environ.get("SPECPILOT_ESC_LANES", "gemv")
 _LANE_MODES = ("gemv", "lanes", "table")
-# When the GEMVs (gemv2, u12_fused_linear) load their lanes and gather x at them: "pdl" (early where
-# launches use PDL, kernels/overlap.py: the lanes before the PDL wait, in a program that may start
-# while the kernel before still runs, x at their columns right after it, so the gather's round trip
-# runs under the loop instead of after it; late otherwise), "always" (early without PDL too: the
-# gather then waits for the lanes before the loop can start) or "never" (the lanes before the loop,
-# x after it). Read at launch; bench/step_ab.py compares. Early lost: the u12 AR step in PDL mode 2
-# ran 4.792 ms with the lanes early against 4.487 late (H100, interleaved at 8cc6200,
-# bench/results/tried/step_ab_early_lanes_parts_h100.json), hence "never".
-EARLY_LANES = os.environ.get("SPECPILOT_EARLY_LANES", "never")
-_EARLY_MODES = ("pdl", "always", "never")
-
-
-def early_lanes(n_lanes: int, device: torch.device) -> bool:
-    """Whether a GEMV with n_lanes lanes a row, launched on `device` now, loads them early (``EARLY_LANES``)."""
-    if EARLY_LANES not in _EARLY_MODES:
-        raise ValueError(f"SPECPILOT_EARLY_LANES: expected one of {', '.join(_EARLY_MODES)}, got {EARLY_LANES!r}")
-    if not n_lanes or EARLY_LANES == "never":
-        return False
-    return EARLY_LANES == "always" or pdl_mode(device) >= 1
-
-
 # The block kernels (tile, mma, hmma) walk a block's lanes this many at a time after their loop:
 # each step's lane loads, then its x gathers, all in flight at once. More lanes a step, fewer round
 # trips and more registers, which with split-K 1 the loop's occupancy pays for. Read at launch;
@@ -1346,7 +1312,7 @@ def _launch_gemv2(x: torch.Tensor, t: U12Tensor, y: torch.Tensor, cfg: U12Config
         X_WORDS=x_words, EVEN_K=n_words % cfg.block_w == 0,
         # inline PTX on the GPU; the interpreter (TRITON_INTERPRET=1, read by Triton at import) runs none
         ASM=native, **cfg.launch_options(native), **pdl_args(x.device), ESC_AHEAD=ESC_AHEAD, LANES=n_lanes,
-        TILED=t.layout == "tiles", EARLY_LANES=early_lanes(n_lanes, x.device),
+        TILED=t.layout == "tiles",
     )
 
 

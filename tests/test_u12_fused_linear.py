@@ -119,17 +119,15 @@ def _escape_part(t) -> torch.Tensor:
     return esc
 
 
-@pytest.mark.parametrize("lanes", ["lanes", "lanes-early", "table"])
+@pytest.mark.parametrize("lanes", ["lanes", "table"])
 @pytest.mark.parametrize("nonfinite", [False, True], ids=["finite", "inf-in-block"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_escapes_use_the_normalised_x(monkeypatch, dtype, nonfinite, lanes):
     """Escapes in every row at the columns where x' = rmsnorm(x) is largest: the result matches the
     reference, and would not with x in place of x' there. With an inf weight in the first N block:
     in the table, that block's escapes go one at a time (the non-finite path), normalised as well;
-    in the lanes, the inf contribution stays in its row. lanes-early: x and the norm weight at the
-    lanes loaded before the loop (u12_linear's ``EARLY_LANES``), normalised after it."""
-    monkeypatch.setattr(u12_linear_module, "ESC_LANES", lanes.removesuffix("-early"))
-    monkeypatch.setattr(u12_linear_module, "EARLY_LANES", "always" if lanes.endswith("-early") else "never")
+    in the lanes, the inf contribution stays in its row."""
+    monkeypatch.setattr(u12_linear_module, "ESC_LANES", lanes)
     g = torch.Generator().manual_seed(11)
     m, n, k = 3, 9, 64
     x = (30 * torch.randn(m, k, generator=g)).to(dtype).to(DEVICE)
@@ -153,17 +151,16 @@ def test_escapes_use_the_normalised_x(monkeypatch, dtype, nonfinite, lanes):
     assert not _close(wrong[:, 1:], ref[:, 1:]), "the test cannot tell x from x' at the escapes"
 
 
-@pytest.mark.parametrize("way", [("lanes", True), ("lanes", True, "always"), ("table", True), ("table", False)],
-                         ids=["lanes", "lanes-early", "table-ahead", "table-after"])
+@pytest.mark.parametrize("way", [("lanes", True), ("table", True), ("table", False)],
+                         ids=["lanes", "table-ahead", "table-after"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_gated_escapes_in_both_halves(monkeypatch, dtype, way):
     """Escapes in gate and up rows (more than ESC_BLOCK in one 4-row up block): each half's go to
     its own sums; dropping either half's changes the reference, so both are checked. Found in the
     rows' lanes (u12_linear's ``ESC_LANES``) or in the table, its row pointers loaded ahead of the
-    loop (``ESC_AHEAD``) or after it; the lanes' x gathered after the loop or before it (``EARLY_LANES``)."""
+    loop (``ESC_AHEAD``) or after it."""
     monkeypatch.setattr(u12_linear_module, "ESC_LANES", way[0])
     monkeypatch.setattr(u12_linear_module, "ESC_AHEAD", way[1])
-    monkeypatch.setattr(u12_linear_module, "EARLY_LANES", way[2] if len(way) > 2 else "never")
     g = torch.Generator().manual_seed(12)
     m, i, k = 2, 6, 48
     x = torch.randn(m, k, generator=g).to(dtype).to(DEVICE)
@@ -351,14 +348,11 @@ def _handoff_pair(m, k, n, i, dtype, seed, gated=True):
 @settings(max_examples=6, deadline=None)
 @given(m=st.integers(1, 4), words=st.integers(1, 20), n_words=st.integers(1, 12), i=st.integers(1, 9),
        dtype=st.sampled_from([torch.bfloat16, torch.float32]), gated=st.booleans(),
-       config=st.sampled_from(_CONFIGS), seed=st.integers(0, 2**16), early=st.sampled_from(["never", "always"]))
-def test_norm_handoff_matches_reference(m, words, n_words, i, dtype, gated, config, seed, early):
+       config=st.sampled_from(_CONFIGS), seed=st.integers(0, 2**16))
+def test_norm_handoff_matches_reference(m, words, n_words, i, dtype, gated, config, seed):
     """The producer's stream, xg and Σ parts, then the consumer on them, against the reference's
-    math (NormHandoff), at odd shapes; the lanes' x gathered after the loop or before it
-    (u12_linear's ``EARLY_LANES``)."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(u12_linear_module, "EARLY_LANES", early)
-        _check_handoff_pair(m, words, n_words, i, dtype, gated, config, seed)
+    math (NormHandoff), at odd shapes."""
+    _check_handoff_pair(m, words, n_words, i, dtype, gated, config, seed)
 
 
 def _check_handoff_pair(m, words, n_words, i, dtype, gated, config, seed):
@@ -379,44 +373,26 @@ def _check_handoff_pair(m, words, n_words, i, dtype, gated, config, seed):
     torch.testing.assert_close(y, y_ref, atol=atol, rtol=rtol)
 
 
-@pytest.mark.parametrize("in_loop", [True, False], ids=["parts-in-loop", "parts-before"])
 @pytest.mark.parametrize("gated", [False, True])
-@pytest.mark.parametrize("consumer_w", [8, 64], ids=["many-chunks", "one-chunk-and-rest"])
-def test_handed_in_parts_summed_in_the_loop(monkeypatch, in_loop, gated, consumer_w):
-    """``PARTS_IN_LOOP``: a consumer GEMV sums the producer's parts (64 here) a share a chunk of its
-    loop, or all before it. With 64-word chunks over K = 256 its one chunk takes 32 (a warp's), the
-    rest after the loop; with 8-word chunks the loop takes them all. Either way the output is the
-    reference's, and the parts' sum moves it: halving one part is caught."""
-    monkeypatch.setattr(ufl, "PARTS_IN_LOOP", in_loop)
+@pytest.mark.parametrize("consumer_w", [8, 64], ids=["many-chunks", "one-chunk"])
+def test_handed_in_parts_summed_before_the_loop(gated, consumer_w):
+    """A consumer GEMV sums the producer's parts (64 here) before its loop, of 8 chunks of 8 words
+    over K = 256 or one of 64: the output is the reference's, and the parts' sum moves it: halving
+    one part is caught."""
     m, k, n, i = 2, 48, 256, 5
     x, t, t2, stream, gamma = _handoff_pair(m, k, n, i, torch.float32, 7, gated)
     h = ufl.NormHandoff(gamma, 1e-5)
     ufl.u12_fused_linear(x, t, residual=stream, hand_out=h)
     assert h.parts.shape == (64, m)  # the producer's 64 programs of 4 rows
     consumer = U12Config(4, consumer_w, num_warps=1, num_stages=1, kernel="gemv2")
-    step = ufl.parts_step(64, n // 4 // consumer_w, 1)
-    assert step == (32 if in_loop else 0)
     y = ufl.u12_fused_linear(h.xg, t2, gated=gated, hand_in=h, config=consumer)
     ref = ufl.u12_fused_linear_reference(h.xg, t2, gated=gated, hand_in=h)
     atol, rtol = TOLERANCE[torch.float32]
     torch.testing.assert_close(y, ref, atol=atol, rtol=rtol)
-    h.parts[40] *= 0.5  # a part the one-chunk loop leaves for after it
+    h.parts[40] *= 0.5
     with pytest.raises(AssertionError):
         torch.testing.assert_close(ufl.u12_fused_linear(h.xg, t2, gated=gated, hand_in=h, config=consumer), ref,
                                    atol=atol, rtol=rtol)
-
-
-def test_parts_step(monkeypatch):
-    """A chunk's share of the parts: all of them over the loop's chunks, a power of two between a
-    warp's (32) and one a thread; 0 without full chunks or with PARTS_IN_LOOP off."""
-    monkeypatch.setattr(ufl, "PARTS_IN_LOOP", True)
-    assert ufl.parts_step(1024, 8, 4) == 128  # qkv after down: 1024 parts, 8 chunks, 4 warps
-    assert ufl.parts_step(512, 16, 2) == 32  # gate|up after o: 512 parts, 16 chunks, 2 warps
-    assert ufl.parts_step(1024, 2, 2) == 64  # one a thread at most: the rest after the loop
-    assert ufl.parts_step(3, 4, 4) == 32
-    assert ufl.parts_step(64, 0, 4) == 0
-    monkeypatch.setattr(ufl, "PARTS_IN_LOOP", False)
-    assert ufl.parts_step(1024, 8, 4) == 0
 
 
 @pytest.mark.parametrize("lanes_mode", ["lanes", "table"])

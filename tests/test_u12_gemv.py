@@ -9,8 +9,6 @@ import dataclasses
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 import triton
 import triton.language as tl
 
@@ -114,8 +112,7 @@ def test_gemv2_matches_reference(m, n, k, dtype, escapes, block_n, block_w):
         _assert_matches(y_bad, x, t)
 
 
-ESCAPE_WAYS = {"lanes": ("lanes", True, "never"), "lanes-early": ("lanes", True, "always"),
-               "table-ahead": ("table", True, "never"), "table-after": ("table", False, "never")}
+ESCAPE_WAYS = {"lanes": ("lanes", True), "table-ahead": ("table", True), "table-after": ("table", False)}
 
 
 @pytest.mark.parametrize("way", list(ESCAPE_WAYS))
@@ -125,11 +122,9 @@ def test_gemv2_escapes_every_way(monkeypatch, way, per_row):
     """Programs of 4 rows with up to ESC_BLOCK (16) escapes, and with more (a second block, loaded
     after the first), found in the rows' lanes (``ESC_LANES``) or in the table with its row pointers
     loaded ahead of the loop (``ESC_AHEAD``) or after it; a row of 17 escapes has no lanes, so
-    there the kernel walks the table whatever ESC_LANES says. The lanes' x gathered after the loop
-    or before it (``EARLY_LANES``)."""
-    lanes_mode, ahead, early = ESCAPE_WAYS[way]
+    there the kernel walks the table whatever ESC_LANES says."""
+    lanes_mode, ahead = ESCAPE_WAYS[way]
     monkeypatch.setattr(u12_linear_module, "ESC_LANES", lanes_mode)
-    monkeypatch.setattr(u12_linear_module, "EARLY_LANES", early)
     monkeypatch.setattr(u12_linear_module, "ESC_AHEAD", ahead)
     g = torch.Generator().manual_seed(21)
     m, n, k = 2, 10, 96  # the last program holds 2 rows
@@ -160,42 +155,6 @@ def test_escape_lanes_setting_is_checked(monkeypatch):
     monkeypatch.setattr(u12_linear_module, "ESC_LANES", "lane")
     with pytest.raises(ValueError, match=r"ESC_LANES: expected one of \('gemv', 'lanes', 'table'\), got 'lane'"):
         u12_linear_module.lanes_args(t)
-
-
-def test_early_lanes_setting(monkeypatch):
-    """EARLY_LANES: "pdl" loads the lanes early only where launches use PDL (never on the CPU),
-    "always" wherever the weight has lanes, "never" nowhere; anything else is refused by name."""
-    cpu = torch.device("cpu")
-    for mode, with_lanes in (("pdl", False), ("always", True), ("never", False)):
-        monkeypatch.setattr(u12_linear_module, "EARLY_LANES", mode)
-        assert u12_linear_module.early_lanes(8, cpu) == with_lanes
-        assert not u12_linear_module.early_lanes(0, cpu)  # no lanes: the table's walk
-    monkeypatch.setattr(u12_linear_module, "EARLY_LANES", "soon")
-    with pytest.raises(ValueError, match=r"SPECPILOT_EARLY_LANES: expected one of pdl, always, never, got 'soon'"):
-        u12_linear_module.early_lanes(8, cpu)
-
-
-@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(m=st.integers(1, 4), n=st.integers(1, 21), k4=st.integers(1, 40), seed=st.integers(0, 2**16))
-def test_early_lanes_change_no_bit(m, n, k4, seed):
-    """The lanes' x gathered before the loop (``EARLY_LANES``) is the same arithmetic in the same
-    order as after it: gemv2's output is bit for bit the late gather's, with escapes planted."""
-    g = torch.Generator().manual_seed(seed)
-    k = 4 * k4
-    x = torch.randn(m, k, generator=g).to(torch.bfloat16).to(DEVICE)
-    w = 0.02 * torch.randn(n, k, generator=g)
-    base = pack_u12(w.to(torch.bfloat16)).base
-    w[torch.rand(n, k, generator=g) < 0.02] = 0.5  # outside the window: escapes in most rows
-    t = pack_u12(w.to(torch.bfloat16), base=base).to(DEVICE)
-    assert u12_linear_module.lanes_args(t)[1] > 0 or t.esc_idx.numel() == 0
-    cfg = U12Config(4, 8, num_warps=1, kernel="gemv2")
-    ys = {}
-    with pytest.MonkeyPatch.context() as patch:
-        for mode in ("never", "always"):
-            patch.setattr(u12_linear_module, "EARLY_LANES", mode)
-            ys[mode] = u12_linear(x, t, cfg)
-    assert torch.equal(ys["never"], ys["always"])
-    _assert_matches(ys["always"], x, t)
 
 
 def test_gemv2_reads_strided_bf16_x():
