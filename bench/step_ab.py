@@ -75,6 +75,7 @@ import step_times as st  # noqa: E402  (SHAPES, graphed, random_, time_fn, to_u1
 
 from specpilot.kernels import fused_linear, u12_fused_linear, u12_hmma, u12_linear  # noqa: E402
 from specpilot.kernels.overlap import overlap  # noqa: E402
+from specpilot.kernels.u12_linear import U12Config  # noqa: E402
 from specpilot.runtime.config import ModelConfig  # noqa: E402
 from specpilot.runtime.fused import GEMV_ROWS, fused_path  # noqa: E402
 from specpilot.runtime.model import Transformer  # noqa: E402
@@ -90,7 +91,16 @@ U12_VERIFY_VARIANTS = {  # a verify step (--q above 1) only: its u12 layers thro
 }
 
 
+_QKV = {(1, 6144, 4096, False): U12Config(4, 128, num_warps=4, num_stages=1, kernel="gemv2")}  # qkv at its default
 U12_KNOB_VARIANTS = {  # name: u12_linear's launch-time settings over the default u12 step
+    "u12-parts-after": {"u12_fused_linear.PARTS_AFTER": True},
+    "u12-lanes-last": {"u12_fused_linear.LANES_LAST": True},
+    "u12-both-after": {"u12_fused_linear.PARTS_AFTER": True, "u12_fused_linear.LANES_LAST": True},
+    "u12-lanes-last-ungated": {"u12_fused_linear.LANES_LAST": "ungated"},
+    "u12-both-ungated": {"u12_fused_linear.PARTS_AFTER": True, "u12_fused_linear.LANES_LAST": "ungated"},
+    "u12-o-bn4": {"u12_fused_linear.TUNED": {**_QKV, (1, 4096, 4096, False): U12Config(4, 256, num_warps=4, num_stages=1, kernel="gemv2")}},
+    "u12-o-r64": {"u12_fused_linear.TUNED": {**_QKV, (1, 4096, 4096, False): U12Config(8, 256, num_warps=4, num_stages=1, kernel="gemv2", maxnreg=64)}},
+    "u12-default-again": {},  # the default captured again: the spread between captures
     "u12-esc-table": dict(ESC_LANES="table"),  # the escapes from the side table, row pointers ahead
     "u12-esc-after": dict(ESC_LANES="table", ESC_AHEAD=False),  # every load of the table after the loop
 }
@@ -104,7 +114,7 @@ U12_FEW_ROWS_KNOB_VARIANTS = {  # name: (the rows q it applies to, settings): ve
     "u12-gemv-rows": ((3, 4), dict(TENSOR_CORE_ROWS=5)),  # gemv2 at 3..4 rows, the default before
     "u12-hmma-wide": ((2, 8), {"u12_hmma.NARROW": False}),  # the hmma kernel's two n-tiles at <= 8 rows
 }
-KNOB_MODULES = {"u12_linear": u12_linear, "u12_hmma": u12_hmma}
+KNOB_MODULES = {"u12_linear": u12_linear, "u12_hmma": u12_hmma, "u12_fused_linear": u12_fused_linear}
 
 
 def knob_variants(q: int) -> dict[str, dict]:

@@ -126,6 +126,7 @@ from .u12_linear import (
     _lanes_finish,
     _lanes_gather,
     _lanes_load,
+    _lanes_terms,
     _nonempty,
     _row_words,
     _x_planes,
@@ -185,6 +186,8 @@ def _u12_fused_gemv_kernel(
     BLOCK_P: tl.constexpr = 16,  # HAND_IN: parts summed a chunk (all of them in one: their loads in flight at once)
     LANES: tl.constexpr = 0,  # > 0: the escapes from t's lanes (U12Tensor.esc_lanes, LANES a row), not the table
     TILED: tl.constexpr = False,  # t's planes in tiles (U12Tensor.layout)
+    PARTS_AFTER: tl.constexpr = False,  # HAND_IN (n_parts <= BLOCK_P): the parts loaded before the loop, summed after it
+    LANES_LAST: tl.constexpr = False,  # LANES, not NORM, a full chunk: x at the lanes gathered in the loop's last chunk
 ):
     """All M (<= 4) rows of x against BLOCK_N output rows (N: output columns; gated: rows n and N + n of t)."""
     pdl_enter(PDL)
@@ -207,7 +210,10 @@ def _u12_fused_gemv_kernel(
     else:
         inv_m = 1.0
         inv = 1.0
-    if HAND_IN:  # the norm's inv from the producer's parts (a few KB from L2), before the loop
+    if HAND_IN and PARTS_AFTER:  # one load in flight under the loop, its sum after it
+        p_all = tl.arange(0, BLOCK_P)[:, None]
+        parts_v = tl.load(parts_ptr + p_all * M + rows_m[None, :], mask=p_all < n_parts, other=0.0)
+    elif HAND_IN:  # the norm's inv from the producer's parts (a few KB from L2), before the loop
         hand_inv = _row_inv_parts(parts_ptr, rows_m, M, n_parts, inv_k, eps, BLOCK_M, BLOCK_P)
     # Every load has the accumulator's shape [BM, BN, 1 -> BW], so Triton gives them all its layout:
     # no layout conversion in the loop (as in gemv2 and fused_linear's gemv).
@@ -245,10 +251,29 @@ def _u12_fused_gemv_kernel(
     acc_g = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_W), dtype=tl.float32)  # reduced once, after the loop
     acc_u = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_W), dtype=tl.float32)  # GATED only (else unused)
     full_words = n_words - n_words % BLOCK_W
+    if LANES_LAST:  # x at the lanes' columns, loaded with the last full chunk (masked off before it)
+        rows_m3 = rows_m[:, None, None]
+        col_g = lanes_g & 0xFFFF
+        xl_g = tl.zeros(lanes_g.shape, dtype=x_ptr.dtype.element_ty)
+        if GATED:
+            col_u = lanes_u & 0xFFFF
+            xl_u = tl.zeros(lanes_u.shape, dtype=x_ptr.dtype.element_ty)
     for start in range(0, full_words, BLOCK_W):
+        if LANES_LAST:
+            last = full_words - BLOCK_W - start  # 0 in the last full chunk
+            xl_g = tl.load(x_ptr + rows_m3 * stride_xm + col_g, mask=(col_g < K) & (col_g * 0 + last == 0), other=xl_g)
+            if GATED:
+                xl_u = tl.load(x_ptr + rows_m3 * stride_xm + col_u, mask=(col_u < K) & (col_u * 0 + last == 0),
+                               other=xl_u)
         acc_g, acc_u = _fused_chunk(acc_g, acc_u, start, x_rows, nw_rows, inv, gate_sm, gate_codes, up_sm, up_codes,
                                     n_words, BLOCK_W, X_WORDS, False, NORM, GATED, DTYPE, ROUND_BF16, ASM, TILED)
-    if LANES:  # u12_linear's ``_lanes_gather``: x (NORM: x') at the lanes' columns
+    if HAND_IN and PARTS_AFTER:
+        hand_inv = tl.math.rsqrt(tl.sum(parts_v, axis=0) * inv_k + eps)
+    if LANES_LAST:  # the terms of the gathers issued in the last chunk
+        spur_g, esc_g = _lanes_terms(lanes_g, xl_g, xl_g, K, inv, False, DTYPE, ROUND_BF16)
+        if GATED:
+            spur_u, esc_u = _lanes_terms(lanes_u, xl_u, xl_u, K, inv, False, DTYPE, ROUND_BF16)
+    elif LANES:  # u12_linear's ``_lanes_gather``: x (NORM: x') at the lanes' columns
         rows_m3 = rows_m[:, None, None]
         spur_g, esc_g = _lanes_gather(lanes_g, x_ptr, nw_ptr, rows_m3, stride_xm, K, inv, NORM, DTYPE, ROUND_BF16)
         if GATED:
@@ -408,7 +433,19 @@ def _launch_fused(
         ROUND_BF16=not native and x.dtype == torch.bfloat16, EXPF=native, ASM=native, **launch, **pdl_args(x.device),
         ESC_AHEAD=u12_linear_module.ESC_AHEAD, HAND_OUT=hand_out is not None, HAND_IN=hand_in is not None,
         BLOCK_P=min(1024, triton.next_power_of_2(max(1, n_parts))), LANES=n_lanes, TILED=t.layout == "tiles",
+        PARTS_AFTER=PARTS_AFTER and hand_in is not None and n_parts <= 1024
+        and n_parts * _block_m(m) <= 8 * 32 * cfg.num_warps and cfg.num_warps >= 4,
+        LANES_LAST=bool(LANES_LAST) and bool(n_lanes) and not norm and n_words >= cfg.block_w
+        and not (LANES_LAST == "ungated" and gated),
     )
+
+
+# Experiments (bench/step_ab.py): the handed-in parts loaded before the loop and summed after it
+# where they take at most 8 registers a thread (PARTS_AFTER), and x at the escape lanes gathered
+# with the loop's last full chunk (LANES_LAST; "ungated": not in gate|up, whose registers it
+# takes past one wave). Read at launch.
+PARTS_AFTER = False
+LANES_LAST = False
 
 
 # M >= 5: the mma kernel's tiles under the interpreter (partial blocks, split-K, a masked chunk), and
