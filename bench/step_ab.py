@@ -17,7 +17,11 @@ default u12 layers until this comparison); u12-epilogues (u12_fused_linear's SiL
 epilogues, the norms as rmsnorm kernels: the default until the handoff); u12-prologue
 (u12_fused_linear with its norm prologue too); u12-handoff (the epilogues' step with each norm after
 o and down handed on to the next GEMV: u12_fused_linear's NormHandoff, no rmsnorm kernel between
-them; the default); u12-esc-table (the default with the escapes from the side table, the GEMVs' row
+them; the default); u12-parts-before, u12-o-bn8, u12-before-bn8 (a handed-in norm's parts summed
+before the consumer's loop instead of after it, ``u12_fused_linear.PARTS_AFTER``; o at the derived
+8-row blocks instead of TUNED's 4; both: the default until 8726774; AR only); u12-default-again (the
+default captured again: on the H200 graphs of one configuration captured apart ran up to 2% apart at
+0bc2353); u12-esc-table (the default with the escapes from the side table, the GEMVs' row
 pointers loaded before their loops, in place of the rows' lanes: ``u12_linear.ESC_LANES``);
 u12-esc-after (the same with every load of the table after the loops: ``u12_linear.ESC_AHEAD`` off;
 AR only); bf16-pdl, bf16-pdl-wait, u12-pdl, u12-pdl-wait (each step with programmatic dependent
@@ -91,15 +95,12 @@ U12_VERIFY_VARIANTS = {  # a verify step (--q above 1) only: its u12 layers thro
 }
 
 
-_QKV = {(1, 6144, 4096, False): U12Config(4, 128, num_warps=4, num_stages=1, kernel="gemv2")}  # qkv at its default
 U12_KNOB_VARIANTS = {  # name: u12_linear's launch-time settings over the default u12 step
-    "u12-parts-after": {"u12_fused_linear.PARTS_AFTER": True},
-    "u12-lanes-last": {"u12_fused_linear.LANES_LAST": True},
-    "u12-both-after": {"u12_fused_linear.PARTS_AFTER": True, "u12_fused_linear.LANES_LAST": True},
-    "u12-lanes-last-ungated": {"u12_fused_linear.LANES_LAST": "ungated"},
-    "u12-both-ungated": {"u12_fused_linear.PARTS_AFTER": True, "u12_fused_linear.LANES_LAST": "ungated"},
-    "u12-o-bn4": {"u12_fused_linear.TUNED": {**_QKV, (1, 4096, 4096, False): U12Config(4, 256, num_warps=4, num_stages=1, kernel="gemv2")}},
-    "u12-o-r64": {"u12_fused_linear.TUNED": {**_QKV, (1, 4096, 4096, False): U12Config(8, 256, num_warps=4, num_stages=1, kernel="gemv2", maxnreg=64)}},
+    "u12-parts-before": {"u12_fused_linear.PARTS_AFTER": False},  # a handed-in norm's parts summed before the loop
+    "u12-o-bn8": {"u12_fused_linear.TUNED": {**u12_fused_linear.TUNED,  # o at the derived 8-row blocks
+                                             (1, 4096, 4096, False): U12Config(8, 256, num_warps=4, num_stages=1,
+                                                                               kernel="gemv2")}},
+    "u12-before-bn8": {"u12_fused_linear.PARTS_AFTER": False, "u12_fused_linear.TUNED": {}},  # the default until 8726774
     "u12-default-again": {},  # the default captured again: the spread between captures
     "u12-esc-table": dict(ESC_LANES="table"),  # the escapes from the side table, row pointers ahead
     "u12-esc-after": dict(ESC_LANES="table", ESC_AHEAD=False),  # every load of the table after the loop

@@ -126,7 +126,6 @@ from .u12_linear import (
     _lanes_finish,
     _lanes_gather,
     _lanes_load,
-    _lanes_terms,
     _nonempty,
     _row_words,
     _x_planes,
@@ -187,7 +186,6 @@ def _u12_fused_gemv_kernel(
     LANES: tl.constexpr = 0,  # > 0: the escapes from t's lanes (U12Tensor.esc_lanes, LANES a row), not the table
     TILED: tl.constexpr = False,  # t's planes in tiles (U12Tensor.layout)
     PARTS_AFTER: tl.constexpr = False,  # HAND_IN (n_parts <= BLOCK_P): the parts loaded before the loop, summed after it
-    LANES_LAST: tl.constexpr = False,  # LANES, not NORM, a full chunk: x at the lanes gathered in the loop's last chunk
 ):
     """All M (<= 4) rows of x against BLOCK_N output rows (N: output columns; gated: rows n and N + n of t)."""
     pdl_enter(PDL)
@@ -251,29 +249,12 @@ def _u12_fused_gemv_kernel(
     acc_g = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_W), dtype=tl.float32)  # reduced once, after the loop
     acc_u = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_W), dtype=tl.float32)  # GATED only (else unused)
     full_words = n_words - n_words % BLOCK_W
-    if LANES_LAST:  # x at the lanes' columns, loaded with the last full chunk (masked off before it)
-        rows_m3 = rows_m[:, None, None]
-        col_g = lanes_g & 0xFFFF
-        xl_g = tl.zeros(lanes_g.shape, dtype=x_ptr.dtype.element_ty)
-        if GATED:
-            col_u = lanes_u & 0xFFFF
-            xl_u = tl.zeros(lanes_u.shape, dtype=x_ptr.dtype.element_ty)
     for start in range(0, full_words, BLOCK_W):
-        if LANES_LAST:
-            last = full_words - BLOCK_W - start  # 0 in the last full chunk
-            xl_g = tl.load(x_ptr + rows_m3 * stride_xm + col_g, mask=(col_g < K) & (col_g * 0 + last == 0), other=xl_g)
-            if GATED:
-                xl_u = tl.load(x_ptr + rows_m3 * stride_xm + col_u, mask=(col_u < K) & (col_u * 0 + last == 0),
-                               other=xl_u)
         acc_g, acc_u = _fused_chunk(acc_g, acc_u, start, x_rows, nw_rows, inv, gate_sm, gate_codes, up_sm, up_codes,
                                     n_words, BLOCK_W, X_WORDS, False, NORM, GATED, DTYPE, ROUND_BF16, ASM, TILED)
     if HAND_IN and PARTS_AFTER:
         hand_inv = tl.math.rsqrt(tl.sum(parts_v, axis=0) * inv_k + eps)
-    if LANES_LAST:  # the terms of the gathers issued in the last chunk
-        spur_g, esc_g = _lanes_terms(lanes_g, xl_g, xl_g, K, inv, False, DTYPE, ROUND_BF16)
-        if GATED:
-            spur_u, esc_u = _lanes_terms(lanes_u, xl_u, xl_u, K, inv, False, DTYPE, ROUND_BF16)
-    elif LANES:  # u12_linear's ``_lanes_gather``: x (NORM: x') at the lanes' columns
+    if LANES:  # u12_linear's ``_lanes_gather``: x (NORM: x') at the lanes' columns
         rows_m3 = rows_m[:, None, None]
         spur_g, esc_g = _lanes_gather(lanes_g, x_ptr, nw_ptr, rows_m3, stride_xm, K, inv, NORM, DTYPE, ROUND_BF16)
         if GATED:
@@ -333,7 +314,15 @@ _INTERPRETER_CONFIG = U12Config(4, 8, num_warps=1, num_stages=1, kernel="gemv2")
 # lanes and the parts in the loop on (both since removed), where ptxas takes 76-96, the cap made the
 # AR step slower (4.809 ms against 4.673, H100, bench/results/tried/step_ab_early_lanes_parts_h100.json);
 # without them ptxas takes 72 anyway (4.490 against 4.490, bench/results/step_ab_h100.json).
-TUNED: dict[tuple[int, int, int, bool], U12Config] = {}
+# o at one row takes 4-row blocks (1024 programs of 48 registers, 10 an SM: one wave, where the
+# derived 8-row blocks are 512 of 72, under 4 an SM): the sweep's best in its own graph (9.81 µs
+# against 9.96, bench/results/u12_fused_linear_h200.json) and in the AR step on the H100, 4.477 ms
+# against 4.489 (bench/results/tried/step_ab_parts_after_h100.json, 8726774). qkv's entry is its
+# derived tile, so the nearest-shape lookup (kernels/tuning.py) does not hand it o's.
+TUNED: dict[tuple[int, int, int, bool], U12Config] = {
+    (1, 6144, 4096, False): U12Config(4, 128, num_warps=4, num_stages=1, kernel="gemv2"),  # qkv
+    (1, 4096, 4096, False): U12Config(4, 256, num_warps=4, num_stages=1, kernel="gemv2"),  # o
+}
 
 
 def default_config(m: int, n: int, k: int, gated: bool, on_gpu: bool = True) -> U12Config:
@@ -433,19 +422,28 @@ def _launch_fused(
         ROUND_BF16=not native and x.dtype == torch.bfloat16, EXPF=native, ASM=native, **launch, **pdl_args(x.device),
         ESC_AHEAD=u12_linear_module.ESC_AHEAD, HAND_OUT=hand_out is not None, HAND_IN=hand_in is not None,
         BLOCK_P=min(1024, triton.next_power_of_2(max(1, n_parts))), LANES=n_lanes, TILED=t.layout == "tiles",
-        PARTS_AFTER=PARTS_AFTER and hand_in is not None and n_parts <= 1024
-        and n_parts * _block_m(m) <= 8 * 32 * cfg.num_warps and cfg.num_warps >= 4,
-        LANES_LAST=bool(LANES_LAST) and bool(n_lanes) and not norm and n_words >= cfg.block_w
-        and not (LANES_LAST == "ungated" and gated),
+        PARTS_AFTER=parts_after(n_parts, _block_m(m), cfg.num_warps) if hand_in is not None else False,
     )
 
 
-# Experiments (bench/step_ab.py): the handed-in parts loaded before the loop and summed after it
-# where they take at most 8 registers a thread (PARTS_AFTER), and x at the escape lanes gathered
-# with the loop's last full chunk (LANES_LAST; "ungated": not in gate|up, whose registers it
-# takes past one wave). Read at launch.
-PARTS_AFTER = False
-LANES_LAST = False
+# Where a GEMV that takes a handed-in norm (NormHandoff) sums the producer's parts: True, their
+# one load issued before its loop and their sum after it (``parts_after``: where that holds at most
+# 8 registers a thread, with 4 warps or more, else all of it before the loop, ``_row_inv_parts``,
+# whose sum waits for the load, so the loop's first weight loads issue an L2 round trip late).
+# The same sum in the same order, bit for bit. Llama-3.1-8B's qkv takes it (1024 parts of down's,
+# 4 warps; gate|up's 2 warps would hold 8-16 more registers and lose its one wave): the AR step
+# interleaved on the H100, 4.475 ms against 4.489 (8726774,
+# bench/results/tried/step_ab_parts_after_h100.json). Summing a share of the parts in each chunk
+# of the loop instead lost (removed after d954724: 3.658 ms against 3.411 on the H200). Read at
+# launch; bench/step_ab.py's u12-parts-before times the other way.
+PARTS_AFTER = True
+
+
+def parts_after(n_parts: int, block_m: int, warps: int) -> bool:
+    """Whether a consumer GEMV of `warps` warps loads n_parts parts of block_m rows before its loop
+    and sums them after it (``PARTS_AFTER``): one load of them all (BLOCK_P <= 1024), at most 8 a
+    thread, 4 warps or more."""
+    return PARTS_AFTER and 1 <= n_parts <= 1024 and n_parts * block_m <= 8 * 32 * warps and warps >= 4
 
 
 # M >= 5: the mma kernel's tiles under the interpreter (partial blocks, split-K, a masked chunk), and

@@ -66,6 +66,10 @@ bench/results/tried/step_ab_451e309_h200.json):
 3.427 ms against 3.546 with the table and bf16's 4.098 (1.196x). Tried and dropped there: x's
 gather issued after a peeled first chunk, so the loop hides it (3.629: the peel costs the loop
 more than the round trip), and the weight loads ``.cg`` or L1 ``evict_first`` (3.523, 3.529);
+x's gather in u12_fused_linear's loop, a load masked off but in its last chunk, the values carried
+through the loop (o and gate|up then take 94 registers against 72, gate|up past its one wave: the
+H100's AR step 4.772 ms against 4.489, 4.563 with gate|up left out; 8726774,
+bench/results/tried/step_ab_parts_after_h100.json);
 and, at 2840cfa (bench/results/tried/step_ab_u12_escape_lanes_h200.json), the lanes in the
 accumulator's shape, so the escapes fold into its own reduction (4.041 ms after the loop, 3.925
 before it: masked [BM, BN, BW] loads and gathers for a few lanes), and in their own shape loaded

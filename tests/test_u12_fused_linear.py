@@ -375,17 +375,23 @@ def _check_handoff_pair(m, words, n_words, i, dtype, gated, config, seed):
 
 @pytest.mark.parametrize("gated", [False, True])
 @pytest.mark.parametrize("consumer_w", [8, 64], ids=["many-chunks", "one-chunk"])
-def test_handed_in_parts_summed_before_the_loop(gated, consumer_w):
-    """A consumer GEMV sums the producer's parts (64 here) before its loop, of 8 chunks of 8 words
-    over K = 256 or one of 64: the output is the reference's, and the parts' sum moves it: halving
-    one part is caught."""
+@pytest.mark.parametrize("warps", [1, 4], ids=["sum-before", "sum-after"])
+def test_handed_in_parts_summed_around_the_loop(monkeypatch, gated, consumer_w, warps):
+    """A consumer GEMV sums the producer's parts (64 here), of 8 chunks of 8 words over K = 256 or
+    one of 64: before its loop with one warp, loaded before it and summed after it with four
+    (``PARTS_AFTER``: bit for bit the same output); the output is the reference's, and the parts'
+    sum moves it: halving one part is caught."""
     m, k, n, i = 2, 48, 256, 5
     x, t, t2, stream, gamma = _handoff_pair(m, k, n, i, torch.float32, 7, gated)
     h = ufl.NormHandoff(gamma, 1e-5)
     ufl.u12_fused_linear(x, t, residual=stream, hand_out=h)
     assert h.parts.shape == (64, m)  # the producer's 64 programs of 4 rows
-    consumer = U12Config(4, consumer_w, num_warps=1, num_stages=1, kernel="gemv2")
+    assert ufl.parts_after(64, m, warps) == (warps == 4)
+    consumer = U12Config(4, consumer_w, num_warps=warps, num_stages=1, kernel="gemv2")
     y = ufl.u12_fused_linear(h.xg, t2, gated=gated, hand_in=h, config=consumer)
+    monkeypatch.setattr(ufl, "PARTS_AFTER", False)
+    assert torch.equal(ufl.u12_fused_linear(h.xg, t2, gated=gated, hand_in=h, config=consumer), y)
+    monkeypatch.setattr(ufl, "PARTS_AFTER", True)
     ref = ufl.u12_fused_linear_reference(h.xg, t2, gated=gated, hand_in=h)
     atol, rtol = TOLERANCE[torch.float32]
     torch.testing.assert_close(y, ref, atol=atol, rtol=rtol)
@@ -393,6 +399,23 @@ def test_handed_in_parts_summed_before_the_loop(gated, consumer_w):
     with pytest.raises(AssertionError):
         torch.testing.assert_close(ufl.u12_fused_linear(h.xg, t2, gated=gated, hand_in=h, config=consumer), ref,
                                    atol=atol, rtol=rtol)
+
+
+def test_parts_after_bounds():
+    """The handed-in parts wait for the loop's end only where one load takes them all (1024 at
+    most), at most 8 a thread, with 4 warps or more, and never with none."""
+    assert ufl.parts_after(1024, 1, 4) and ufl.parts_after(512, 2, 4) and ufl.parts_after(2048 // 2, 2, 8)
+    assert not ufl.parts_after(1025, 1, 8)  # past one load
+    assert not ufl.parts_after(1024, 2, 4)  # 16 a thread
+    assert not ufl.parts_after(64, 1, 2)  # 2 warps (gate|up's)
+    assert not ufl.parts_after(0, 1, 4)
+
+
+def test_tuned_pins_qkv_apart_from_o():
+    """TUNED's o entry (4-row blocks) does not reach qkv through the nearest-shape lookup."""
+    assert ufl.default_config(1, 4096, 4096, False).block_n == 4
+    assert ufl.default_config(1, 6144, 4096, False) == ufl.TUNED[(1, 6144, 4096, False)]
+    assert ufl.default_config(1, 6144, 4096, False).block_w == 128
 
 
 @pytest.mark.parametrize("lanes_mode", ["lanes", "table"])
