@@ -54,7 +54,7 @@ against 3.427, 0cf1235); the GEMVs' escape lanes gathered before the PDL wait an
 norm's parts summed in the loop (u12-pdl-wait-early, u12-pdl-wait-parts-loop, u12-pdl-wait-both,
 u12-early, u12-plain-parts-loop: 4.792, 4.525, 4.809, 4.823, 4.559 ms against 4.487 on the H100,
 8cc6200, bench/results/tried/step_ab_early_lanes_parts_h100.json; 3.750, 3.658, 3.708, 3.771, 3.716
-against 3.411 on the H200, 0bc2353, bench/results/step_ab_h200.json; both knobs since removed).
+against 3.411 on the H200, 0bc2353, bench/results/tried/step_ab_0bc2353_h200.json; both knobs since removed).
 Batch 1, a 512-token context, a device-length cache of 2048 slots; random
 bf16 weights N(0, 0.02).
 """

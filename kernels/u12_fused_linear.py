@@ -46,7 +46,7 @@ d954724): the parts summed inside the consumer's loop (``PARTS_IN_LOOP``: a shar
 chunk and added after it, so no load waited on them) and u12_linear's early lanes in this kernel
 too; the AR step in PDL mode 2 ran 4.525 ms with the parts in the loop and 4.792 with early lanes
 against 4.487 (H100, 8cc6200, bench/results/tried/step_ab_early_lanes_parts_h100.json), 3.658 and
-3.750 against 3.411 (H200, 0bc2353, bench/results/step_ab_h200.json).
+3.750 against 3.411 (H200, 0bc2353, bench/results/tried/step_ab_0bc2353_h200.json).
 
 Numerics. The decoded weights are u12_linear's, bit for bit (the same decode and scales), so the
 kernel computes fused_linear on unpack_u12(t): the roundings are the unfused kernels' (and

@@ -86,7 +86,7 @@ Tried and dropped: early lanes (``EARLY_LANES``, removed in the commit after d95
 the lanes loaded before the PDL wait and x gathered at them right after it, so the gather's round
 trip ran under the loop; the AR step in PDL mode 2 ran 4.792 ms against 4.487 late (H100, 8cc6200,
 bench/results/tried/step_ab_early_lanes_parts_h100.json) and 3.750 against 3.411 (H200, 0bc2353,
-bench/results/step_ab_h200.json).
+bench/results/tried/step_ab_0bc2353_h200.json).
 
 gemv2. One program owns BLOCK_N rows of W and every row of x (M ≤ 4), so each weight is decoded
 once and used M times, and loops over K in chunks of BLOCK_W words. The 4 weights of a word

@@ -142,7 +142,8 @@ U12_NORM_HANDOFF = True
 # programs exit) of the u12 layers' launches at GEMV_ROWS rows or fewer (the AR step), where the GPU
 # has PDL (sm_90+) and neither SPECPILOT_PDL nor overlap() chose one. On the H200 the u12 AR step ran
 # 3.367 ms in mode 2 against 3.405 plain, interleaved at 753d9c4
-# (bench/results/tried/step_ab_753d9c4_h200.json), and 3.411 against 3.511 at 0bc2353
+# (bench/results/tried/step_ab_753d9c4_h200.json), 3.411 against 3.511 at 0bc2353
+# (bench/results/tried/step_ab_0bc2353_h200.json) and 3.336 against 3.372 at 7db51f5
 # (bench/results/step_ab_h200.json); on the H100 4.487 against 4.517 at 8cc6200
 # (bench/results/tried/step_ab_early_lanes_parts_h100.json).
 U12_PDL = 2
