@@ -318,10 +318,15 @@ _INTERPRETER_CONFIG = U12Config(4, 8, num_warps=1, num_stages=1, kernel="gemv2")
 # derived 8-row blocks are 512 of 72, under 4 an SM): the sweep's best in its own graph (9.81 µs
 # against 9.96, bench/results/u12_fused_linear_h200.json) and in the AR step on the H100, 4.477 ms
 # against 4.489 (bench/results/tried/step_ab_parts_after_h100.json, 8726774). qkv's entry is its
-# derived tile, so the nearest-shape lookup (kernels/tuning.py) does not hand it o's.
+# derived tile, so the nearest-shape lookup (kernels/tuning.py) does not hand it o's. gate|up takes
+# 16 rows in 4 warps held to 72 registers (896 programs, 7 an SM: one wave, no spills), the derived
+# tile's work a thread, so that its handed-in parts too wait for the loop's end (``parts_after``
+# wants 4 warps): 4.448 ms against 4.467 for the 8-row, 2-warp tile, and 4.477 with the parts
+# summed before the loop (H100, a092850, bench/results/tried/step_ab_gate_up_w4_h100.json).
 TUNED: dict[tuple[int, int, int, bool], U12Config] = {
     (1, 6144, 4096, False): U12Config(4, 128, num_warps=4, num_stages=1, kernel="gemv2"),  # qkv
     (1, 4096, 4096, False): U12Config(4, 256, num_warps=4, num_stages=1, kernel="gemv2"),  # o
+    (1, 28672, 4096, True): U12Config(16, 64, num_warps=4, num_stages=1, kernel="gemv2", maxnreg=72),  # gate|up
 }
 
 
@@ -430,8 +435,8 @@ def _launch_fused(
 # one load issued before its loop and their sum after it (``parts_after``: where that holds at most
 # 8 registers a thread, with 4 warps or more, else all of it before the loop, ``_row_inv_parts``,
 # whose sum waits for the load, so the loop's first weight loads issue an L2 round trip late).
-# The same sum in the same order, bit for bit. Llama-3.1-8B's qkv takes it (1024 parts of down's,
-# 4 warps; gate|up's 2 warps would hold 8-16 more registers and lose its one wave): the AR step
+# The same sum in the same order, bit for bit. Llama-3.1-8B's qkv and gate|up take it (1024 parts
+# of down's and o's, 4 warps: gate|up's TUNED tile is 4 warps for it): the AR step
 # interleaved on the H100, 4.475 ms against 4.489 (8726774,
 # bench/results/tried/step_ab_parts_after_h100.json). Summing a share of the parts in each chunk
 # of the loop instead lost (removed after d954724: 3.658 ms against 3.411 on the H200). Read at

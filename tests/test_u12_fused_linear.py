@@ -304,7 +304,9 @@ def test_tensor_core_config_takes_tuned_tensor_core_tiles():
     assert ufl.tensor_core_config(16, 4096, 4096, on_gpu=False) == ufl._MMA_INTERPRETER_CONFIG
 
 
-def test_default_config_halves_the_tile_when_gated():
+def test_default_config_halves_the_tile_when_gated(monkeypatch):
+    """Where this kernel's TUNED has no entry, a gated weight takes u12_linear's tile halved."""
+    monkeypatch.setattr(ufl, "TUNED", {})
     assert ufl.default_config(1, 6144, 4096, False, on_gpu=False) == ufl._INTERPRETER_CONFIG
     for m in (1, 2, 4):
         plain = ufl.default_config(m, 28672, 4096, False)
@@ -412,10 +414,14 @@ def test_parts_after_bounds():
 
 
 def test_tuned_pins_qkv_apart_from_o():
-    """TUNED's o entry (4-row blocks) does not reach qkv through the nearest-shape lookup."""
+    """TUNED's o entry (4-row blocks) does not reach qkv through the nearest-shape lookup, and
+    gate|up's tile takes its parts after the loop."""
     assert ufl.default_config(1, 4096, 4096, False).block_n == 4
     assert ufl.default_config(1, 6144, 4096, False) == ufl.TUNED[(1, 6144, 4096, False)]
     assert ufl.default_config(1, 6144, 4096, False).block_w == 128
+    # gate|up's 4 warps let its 1024 handed-in parts (o's programs) wait for the loop's end
+    assert ufl.parts_after(4096 // ufl.default_config(1, 4096, 4096, False).block_n, 1,
+                           ufl.default_config(1, 28672, 4096, True).num_warps)
 
 
 @pytest.mark.parametrize("lanes_mode", ["lanes", "table"])
