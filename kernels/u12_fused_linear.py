@@ -72,8 +72,9 @@ into the residual (the same roundings, up to those kernels' orders; under the in
 u12_linear truncates its bf16 output, so there a bf16 result can land a step further off, two
 where gated).
 
-Configs: a gemv2 ``U12Config``; by default u12_linear's for the weight's rows (t.shape[0], 2I when
-gated), with the tile halved when gated (``default_config``). Untuned. H200: correct (the registry
+Configs: a gemv2 ``U12Config``; TUNED's where it has the shape (or one near it), else u12_linear's
+for the weight's rows (t.shape[0], 2I when gated), with the tile halved when gated
+(``default_config``). H200: correct (the registry
 cases pass on the GPU), but slower in the Llama-3.1-8B u12 AR step
 (bench/results/step_times_llama_h200.json, commit 5b12e69): 4.33 ms with the norm prologue (4.58
 at 9c5e61f, before the sum read the row in one load; its chunks of 512 x elements were eight
