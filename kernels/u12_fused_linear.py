@@ -41,8 +41,8 @@ interleaved, escapes from the table (bench/results/tried/step_ab_a05f9d3_h200.js
 3.540 ms against 3.631 with the norms as rmsnorm kernels, the bf16 step 4.09; the parts summed
 after the consumer's loop instead (beside the escapes' loads, a variant since removed) ran the
 same, 3.539. With the escapes from the lanes, 3.427 against 4.098
-(bench/results/tried/step_ab_0cf1235_h200.json). Tried and dropped (removed in the commit after
-d954724): the parts summed inside the consumer's loop (``PARTS_IN_LOOP``: a share loaded before each
+(bench/results/tried/step_ab_0cf1235_h200.json). Tried and dropped (removed in
+08fbe99): the parts summed inside the consumer's loop (``PARTS_IN_LOOP``: a share loaded before each
 chunk and added after it, so no load waited on them) and u12_linear's early lanes in this kernel
 too; the AR step in PDL mode 2 ran 4.525 ms with the parts in the loop and 4.792 with early lanes
 against 4.487 (H100, 8cc6200, bench/results/tried/step_ab_early_lanes_parts_h100.json), 3.658 and
@@ -440,7 +440,7 @@ def _launch_fused(
 # of down's and o's, 4 warps: gate|up's TUNED tile is 4 warps for it): the AR step
 # interleaved on the H100, 4.475 ms against 4.489 (8726774,
 # bench/results/tried/step_ab_parts_after_h100.json). Summing a share of the parts in each chunk
-# of the loop instead lost (removed after d954724: 3.658 ms against 3.411 on the H200). Read at
+# of the loop instead lost (removed in 08fbe99: 3.658 ms against 3.411 on the H200). Read at
 # launch; bench/step_ab.py's u12-parts-before times the other way.
 PARTS_AFTER = True
 

@@ -82,7 +82,7 @@ of the block (not yet timed on a GPU: bench/step_ab.py --q 16 compares it with t
 and 16 lanes a step). Lanes are derived on first use with a host sync: a launch captured in a CUDA
 graph before any eager one walks the table (``lanes_args``).
 
-Tried and dropped: early lanes (``EARLY_LANES``, removed in the commit after d954724): under PDL
+Tried and dropped: early lanes (``EARLY_LANES``, removed in 08fbe99): under PDL
 the lanes loaded before the PDL wait and x gathered at them right after it, so the gather's round
 trip ran under the loop; the AR step in PDL mode 2 ran 4.792 ms against 4.487 late (H100, 8cc6200,
 bench/results/tried/step_ab_early_lanes_parts_h100.json) and 3.750 against 3.411 (H200, 0bc2353,
