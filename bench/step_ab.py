@@ -19,12 +19,11 @@ epilogues, the norms as rmsnorm kernels: the default until the handoff); u12-pro
 o and down handed on to the next GEMV: u12_fused_linear's NormHandoff, no rmsnorm kernel between
 them; the default); u12-parts-before, u12-o-bn8, u12-before-bn8 (a handed-in norm's parts summed
 before the consumer's loop instead of after it, ``u12_fused_linear.PARTS_AFTER``; o at the derived
-8-row blocks instead of TUNED's 4; both, with gate|up's derived tile: the default until 8726774;
+8-row blocks instead of TUNED's 4; both, with gate|up's derived tile: the default before 7db51f5;
 AR only); u12-gu-bn8-w2 (gate|up at its derived 8-row, 2-warp tile, whose parts are summed
 before its loop, in place of TUNED's 16 rows and 4 warps: the default at 7db51f5; AR only);
-u12-default-again (the
-default captured again: on the H200 graphs of one configuration captured apart ran up to 2% apart at
-0bc2353); u12-esc-table (the default with the escapes from the side table, the GEMVs' row
+u12-default-again (the default captured again: on the H200 graphs of one configuration captured
+apart ran up to 2% apart at 0bc2353); u12-esc-table (the default with the escapes from the side table, the GEMVs' row
 pointers loaded before their loops, in place of the rows' lanes: ``u12_linear.ESC_LANES``);
 u12-esc-after (the same with every load of the table after the loops: ``u12_linear.ESC_AHEAD`` off;
 AR only); bf16-pdl, bf16-pdl-wait, u12-pdl, u12-pdl-wait (each step with programmatic dependent
@@ -98,12 +97,12 @@ U12_VERIFY_VARIANTS = {  # a verify step (--q above 1) only: its u12 layers thro
 }
 
 
-U12_KNOB_VARIANTS = {  # name: u12_linear's launch-time settings over the default u12 step
+U12_KNOB_VARIANTS = {  # name: kernel modules' launch-time settings (knobs_set) over the default u12 step
     "u12-parts-before": {"u12_fused_linear.PARTS_AFTER": False},  # a handed-in norm's parts summed before the loop
     "u12-o-bn8": {"u12_fused_linear.TUNED": {**u12_fused_linear.TUNED,  # o at the derived 8-row blocks
                                              (1, 4096, 4096, False): U12Config(8, 256, num_warps=4, num_stages=1,
                                                                                kernel="gemv2")}},
-    "u12-before-bn8": {"u12_fused_linear.PARTS_AFTER": False, "u12_fused_linear.TUNED": {}},  # the default until 8726774
+    "u12-before-bn8": {"u12_fused_linear.PARTS_AFTER": False, "u12_fused_linear.TUNED": {}},  # the default before 7db51f5
     "u12-gu-bn8-w2": {"u12_fused_linear.TUNED": {  # gate|up at the derived 8-row, 2-warp tile: the default at 7db51f5
         k: v for k, v in u12_fused_linear.TUNED.items() if k != (1, 28672, 4096, True)}},
     "u12-default-again": {},  # the default captured again: the spread between captures

@@ -160,6 +160,12 @@ def _row_inv_parts(sq_ptr, rows, M, parts, inv_k, eps, BLOCK_M: tl.constexpr, BL
     for p0 in range(0, parts, BLOCK_P):
         p = p0 + tl.arange(0, BLOCK_P)[:, None]
         acc += tl.load(sq_ptr + p * M + rows[None, :], mask=p < parts, other=0.0)
+    return _parts_inv(acc, inv_k, eps)
+
+
+@triton.jit
+def _parts_inv(acc, inv_k, eps):
+    """``_row_inv_parts``' last step: rsqrt(Σ over the parts axis of acc [BLOCK_P, BM] · inv_k + eps)."""
     return tl.math.rsqrt(tl.sum(acc, axis=0) * inv_k + eps)
 
 

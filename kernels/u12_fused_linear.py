@@ -103,6 +103,7 @@ from . import u12_linear as u12_linear_module
 from .fused_linear import (
     _check,
     _epilogue,
+    _parts_inv,
     _plant_wrong_weight,
     _row_inv_parts,
     _row_inv_words,
@@ -254,7 +255,7 @@ def _u12_fused_gemv_kernel(
         acc_g, acc_u = _fused_chunk(acc_g, acc_u, start, x_rows, nw_rows, inv, gate_sm, gate_codes, up_sm, up_codes,
                                     n_words, BLOCK_W, X_WORDS, False, NORM, GATED, DTYPE, ROUND_BF16, ASM, TILED)
     if HAND_IN and PARTS_AFTER:
-        hand_inv = tl.math.rsqrt(tl.sum(parts_v, axis=0) * inv_k + eps)
+        hand_inv = _parts_inv(parts_v, inv_k, eps)  # _row_inv_parts' sum of one chunk, bit for bit
     if LANES:  # u12_linear's ``_lanes_gather``: x (NORM: x') at the lanes' columns
         rows_m3 = rows_m[:, None, None]
         spur_g, esc_g = _lanes_gather(lanes_g, x_ptr, nw_ptr, rows_m3, stride_xm, K, inv, NORM, DTYPE, ROUND_BF16)
@@ -437,9 +438,10 @@ def _launch_fused(
 # 8 registers a thread, with 4 warps or more, else all of it before the loop, ``_row_inv_parts``,
 # whose sum waits for the load, so the loop's first weight loads issue an L2 round trip late).
 # The same sum in the same order, bit for bit. Llama-3.1-8B's qkv and gate|up take it (1024 parts
-# of down's and o's, 4 warps: gate|up's TUNED tile is 4 warps for it): the AR step
+# of down's and o's, 4 warps: gate|up's TUNED tile is 4 warps for it). qkv's alone: the AR step
 # interleaved on the H100, 4.475 ms against 4.489 (8726774,
-# bench/results/tried/step_ab_parts_after_h100.json). Summing a share of the parts in each chunk
+# bench/results/tried/step_ab_parts_after_h100.json), on the H200 3.337 against 3.356 (7db51f5,
+# bench/results/step_ab_h200.json); gate|up's: TUNED's comment. Summing a share of the parts in each chunk
 # of the loop instead lost (removed in 08fbe99: 3.658 ms against 3.411 on the H200). Read at
 # launch; bench/step_ab.py's u12-parts-before times the other way.
 PARTS_AFTER = True
