@@ -153,13 +153,14 @@ def describe(compiled, workdir: Path) -> dict:
     loop = main_loop(code)
     body = [opcode(ins) for _, ins in code[loop[0]:loop[1] + 1]] if loop else []
     counts = collections.Counter(body)
+    whole = collections.Counter(opcode(ins) for _, ins in code)
     first_mac = next((i for i, op in enumerate(body) if op in MACS), len(body))
     c = compiled.constexprs
     chunk = c.get("BLOCK_K") or 4 * c.get("BLOCK_W", 0)  # weights of a row a loop iteration (GEMVs: words of 4)
     rows = c.get("BLOCK_N", 0) * (2 if c.get("GATED") and compiled.name in COLUMN_BLOCKS else 1)
     per_warp = rows * chunk / compiled.num_warps
     keep = ("BLOCK_M", "BLOCK_N", "BLOCK_W", "BLOCK_K", "SPLIT_K", "TILED", "GATED", "HAND_IN",
-            "HAND_OUT", "RESIDUAL", "NORM", "X_WORDS", "LANES", "LANE_GROUP", "EVEN_K", "ASM", "PDL")
+            "HAND_OUT", "RESIDUAL", "NORM", "X_WORDS", "LANES", "LANE_GROUP", "EVEN_K", "ASM", "PDL", "AHEAD")
     return {
         "kernel": compiled.name,
         "constexprs": {k: v for k, v in compiled.constexprs.items() if k in keep},
@@ -171,6 +172,8 @@ def describe(compiled, workdir: Path) -> dict:
         "programs_per_sm": programs_per_sm(res.get("reg", 0), compiled.num_warps,
                                            max(res.get("shared", 0), compiled.shared)),
         "sass_instructions": len(code),
+        # the whole kernel's: what runs once a program (prologue, epilogue) shows here, not in the loop's
+        "kernel_opcodes": {op: whole[op] for op in OPCODES if whole[op]},
         "loop_instructions": len(body),
         "loop_opcodes": {op: counts[op] for op in OPCODES if counts[op]},
         # global loads the loop issues after its first multiply-add: each is a second memory round

@@ -64,16 +64,23 @@ gate_up 58.2 / 64.1, down 36.7 / 38.8
 issue's 1.15x at M = 16 needs.
 
 Numerics: the biased decode (w · 2^(113-base), an escape 2^-15), bf16 x unscaled, fp32 accumulation
-in the tensor cores. The epilogue stays in the fragments' layout (``_finish``, elementwise): each
-accumulator reads the escapes of its W row (from the row's lanes, ``LANE_GROUP`` a step, or where
-the weight has none from the table), takes back their spurious x · 2^-15 and adds x · w exactly,
-then the scale 2^(base-113); split-K by the serial semaphore, partials summed in split order. For
-kernels/u12_fused_linear.py ``_finish`` runs its epilogue in the same layout: gated, an m-tile's
-rows g are 8 gate rows and rows g + 8 their up rows (``_half`` splits a lane's elements in the
-thread); a handed-in norm's inv is computed for the block's 16 rows once and gathered to the
-elements (``_inv_rows``); the residual add and the handoff's xg as fused_linear's epilogue does; and
-``_parts_out`` stores its Σ y² parts, one a warp (a lane's two rows of each m-tile, then across the
-quad column's 8 lanes), each (part, row of x) by one thread. (The mma kernel's 2-D epilogue,
+in the tensor cores. The epilogue stays in the fragments' layout, every tensor [T] with one element a
+thread (``_finish``): each accumulator reads the escapes of its W row (from the row's lanes,
+``LANE_GROUP`` a step, or where the weight has none from the table, ``ESC_UNROLL`` escapes a step),
+takes back their spurious x · 2^-15 and adds x · w exactly, then the scale 2^(base-113); split-K by
+the serial semaphore, partials summed in split order. For kernels/u12_fused_linear.py ``_finish``
+runs its epilogue in the same layout: gated, an m-tile's rows g are 8 gate rows and rows g + 8 their
+up rows, so a lane's elements pair up in the thread; a handed-in norm's inv is computed for the
+block's 16 rows once and gathered to the elements; the residual add and the handoff's xg as
+fused_linear's epilogue does; and ``_parts_out`` stores its Σ y² parts, one a warp (a lane's two
+rows of each m-tile, then across the quad column's 8 lanes). The epilogue used to stack the
+accumulators into one [T, 2, 2, 2] tensor: Triton's coalescing pass gave its stores another layout
+and converted the sums and every index tensor to it through shared memory, 20 rounds of st.shared,
+bar.sync, ld.shared, bar.sync a program (sm_90, triton 3.9, tiled M = 16 launches: o's program 1440
+SASS instructions and 33 barriers, 1072 and 6 now; bench/results/tried/kernel_static_sm90_triton39_stacked_0a8d453.json
+against bench/results/kernel_static_sm90_triton39.json). H100, M = 16, tiled weights, CUDA graphs: qkv 20.94 µs
+against 22.04, o 16.71 / 17.63, gate_up 66.07 / 66.64, down 41.52 / 43.85, lm_head 274 / 277
+(bench/results/tried/u12_hmma_flat_epilogue_h100.json). (The mma kernel's 2-D epilogue,
 ``_store_block``, cost about 80 registers a thread here: 168 against 90 for the loop, sm_90 ptxas.)
 Tiled weights (``U12Tensor.layout`` "tiles", ``TILED``): with the row planes each load instruction
 of a warp touches 8 rows (a quad's 4 lanes read 64 bytes of each, half of a 128-byte line, the
@@ -141,6 +148,21 @@ MAX_ROWS = 16  # rows of x a program at most: two n-tiles of mma.m16n8k16 (x row
 # 3353acd: verify(4) 4.877 ms against 5.092 with two n-tiles, verify(8) 4.876 against 5.143
 # (bench/results/step_ab_verify{4,8}_h200.json). Read at launch (bench/step_ab.py's verify variants compare).
 NARROW = True
+# Escapes a step of the epilogue's table walk (``_table_walk``): their loads in flight together. H100,
+# M = 16: o 16.32 µs against 16.64 one a step, down 41.26 / 41.85, the others within noise
+# (bench/results/tried/u12_hmma_flat_epilogue_h100.json).
+ESC_UNROLL = 2
+# A register double buffer (one m-tile a warp, block_w 16 or 32): each chunk's loop iteration first
+# issues the next chunk's words and codes, then decodes and multiplies its own, so a warp keeps a
+# chunk in flight while it computes. Tried on the row planes (462a452) it did not pay: their loads
+# kept L1 79% busy. On tiles Nsight Compute has L1 at 36% and 8.2 of the 13.7 cycles between a
+# warp's instructions waiting on global loads, DRAM 45% busy (o at M = 16, H100,
+# bench/results/tried/linear_ncu_u12_m16_tiles_h100.txt), so more bytes in flight a warp is the
+# next thing to try. At o's tile (64 rows, 32 words, 4 warps) it holds the carried words in 128
+# registers without spilling, with the one-stage loop's loads and MMAs (sm_90 ptxas,
+# tests/test_kernel_static.py). Bit for bit the one-stage sums (tests/test_u12_hmma.py). Untimed:
+# `bench/run_gpu.sh ahead` (bench/hmma_ahead.py) times it. Read at launch.
+AHEAD = False
 
 
 @triton.jit
@@ -247,17 +269,10 @@ def _tile_step(d0, d1, d2, d3, e0, e1, e2, e3, s_lo, c_lo, s_hi, c_hi, x0, x1, N
 
 
 @triton.jit
-def _tile_group(
-    d0, d1, d2, d3, e0, e1, e2, e3, sm_lo, code_lo, sm_hi, code_hi, ww, w, w_end, lane_w,
-    x00, x01, x02, x03, x10, x11, x12, x13, NT: tl.constexpr, MASKED: tl.constexpr, ASM: tl.constexpr,
-):
-    """One m-tile over a group of 16 words a row (the group's word w; its weights at offset ww of
-    the planes' pointers): 4 k-steps, k-step s on word s of each lane's 4."""
-    shift = ww - w  # 0 in rows; the tiled planes' offset (the masks stay x's)
-    s_lo0, s_lo1, s_lo2, s_lo3 = _load4(sm_lo + shift, w, w_end, lane_w, MASKED)
-    s_hi0, s_hi1, s_hi2, s_hi3 = _load4(sm_hi + shift, w, w_end, lane_w, MASKED)
-    c_lo0, c_lo1, c_lo2, c_lo3 = _load4(code_lo + shift, w, w_end, lane_w, MASKED)
-    c_hi0, c_hi1, c_hi2, c_hi3 = _load4(code_hi + shift, w, w_end, lane_w, MASKED)
+def _tile_steps(d0, d1, d2, d3, e0, e1, e2, e3, s_lo0, s_lo1, s_lo2, s_lo3, s_hi0, s_hi1, s_hi2, s_hi3,
+                c_lo0, c_lo1, c_lo2, c_lo3, c_hi0, c_hi1, c_hi2, c_hi3,
+                x00, x01, x02, x03, x10, x11, x12, x13, NT: tl.constexpr, ASM: tl.constexpr):
+    """One m-tile's 4 k-steps over a loaded group: k-step s on word s of each lane's 4."""
     d0, d1, d2, d3, e0, e1, e2, e3 = _tile_step(
         d0, d1, d2, d3, e0, e1, e2, e3, s_lo0, c_lo0, s_hi0, c_hi0, x00, x10, NT, ASM)
     d0, d1, d2, d3, e0, e1, e2, e3 = _tile_step(
@@ -270,6 +285,35 @@ def _tile_group(
 
 
 @triton.jit
+def _tile_group(
+    d0, d1, d2, d3, e0, e1, e2, e3, sm_lo, code_lo, sm_hi, code_hi, ww, w, w_end, lane_w,
+    x00, x01, x02, x03, x10, x11, x12, x13, NT: tl.constexpr, MASKED: tl.constexpr, ASM: tl.constexpr,
+):
+    """One m-tile over a group of 16 words a row (the group's word w; its weights at offset ww of
+    the planes' pointers): its words loaded, then ``_tile_steps``."""
+    shift = ww - w  # 0 in rows; the tiled planes' offset (the masks stay x's)
+    s_lo0, s_lo1, s_lo2, s_lo3 = _load4(sm_lo + shift, w, w_end, lane_w, MASKED)
+    s_hi0, s_hi1, s_hi2, s_hi3 = _load4(sm_hi + shift, w, w_end, lane_w, MASKED)
+    c_lo0, c_lo1, c_lo2, c_lo3 = _load4(code_lo + shift, w, w_end, lane_w, MASKED)
+    c_hi0, c_hi1, c_hi2, c_hi3 = _load4(code_hi + shift, w, w_end, lane_w, MASKED)
+    return _tile_steps(d0, d1, d2, d3, e0, e1, e2, e3, s_lo0, s_lo1, s_lo2, s_lo3, s_hi0, s_hi1, s_hi2, s_hi3,
+                       c_lo0, c_lo1, c_lo2, c_lo3, c_hi0, c_hi1, c_hi2, c_hi3,
+                       x00, x01, x02, x03, x10, x11, x12, x13, NT, ASM)
+
+
+@triton.jit
+def _x_words(x_row0, x_row1, w, w_end, lane_w, NT: tl.constexpr, MASKED: tl.constexpr):
+    """x's words of a group for the n-tiles: rows 0..7 (and 8..15); one n-tile: no second x row,
+    its accumulators stay 0."""
+    x00, x01, x02, x03 = _load4(x_row0, w, w_end, lane_w, MASKED)
+    if NT == 2:
+        x10, x11, x12, x13 = _load4(x_row1, w, w_end, lane_w, MASKED)
+    else:
+        x10, x11, x12, x13 = x00, x01, x02, x03
+    return x00, x01, x02, x03, x10, x11, x12, x13
+
+
+@triton.jit
 def _group(
     d0, d1, d2, d3, e0, e1, e2, e3, f0, f1, f2, f3, h0, h1, h2, h3, ww, w, w_end, lane_w,
     x_row0, x_row1, sm_lo, code_lo, sm_hi, code_hi, sm_lo2, code_lo2, sm_hi2, code_hi2,
@@ -277,11 +321,7 @@ def _group(
 ):
     """A 16-word group of the warp's m-tiles (accumulators d, e: tile 0; f, h: tile 1; e and h the
     second n-tile's), x's words loaded once for all."""
-    x00, x01, x02, x03 = _load4(x_row0, w, w_end, lane_w, MASKED)
-    if NT == 2:
-        x10, x11, x12, x13 = _load4(x_row1, w, w_end, lane_w, MASKED)
-    else:  # one n-tile: no second x row, its accumulators stay 0
-        x10, x11, x12, x13 = x00, x01, x02, x03
+    x00, x01, x02, x03, x10, x11, x12, x13 = _x_words(x_row0, x_row1, w, w_end, lane_w, NT, MASKED)
     d0, d1, d2, d3, e0, e1, e2, e3 = _tile_group(
         d0, d1, d2, d3, e0, e1, e2, e3, sm_lo, code_lo, sm_hi, code_hi, ww, w, w_end, lane_w,
         x00, x01, x02, x03, x10, x11, x12, x13, NT, MASKED, ASM)
@@ -293,108 +333,262 @@ def _group(
 
 
 @triton.jit
-def _stack(d0, d1, d2, d3, e0, e1, e2, e3, NT: tl.constexpr):
-    """A tile's accumulators of a lane (n-tile 0's d, 1's e) as one [T, 2 (p), 2 (h), NT (n-tile)]
-    tensor, in the thread."""
-    d = tl.join(tl.join(d0, d1), tl.join(d2, d3))
+def _group_at(start, u: tl.constexpr, BLOCK_W: tl.constexpr, TILED: tl.constexpr):
+    """Group u of the chunk at word start: (w, its first word in x and the masks; ww, its offset in
+    the planes): tiled, the group's words start + 16 u .. at 16 times that after the rows' starts."""
+    if TILED:
+        w = start + 16 * u
+        return w, 16 * w
+    else:
+        return start + 4 * u, start + 4 * u
+
+
+@triton.jit
+def _words_ahead(sm_lo, code_lo, sm_hi, code_hi, ww, live):
+    """A group's [T, 4] words and codes of rows g and g + 8 at offset ww, loaded a chunk ahead of
+    their use (``AHEAD``): zeros, and no memory access, where live [T, 4] is false."""
+    return (tl.load(sm_lo + ww, mask=live, other=0), tl.load(code_lo + ww, mask=live, other=0),
+            tl.load(sm_hi + ww, mask=live, other=0), tl.load(code_hi + ww, mask=live, other=0))
+
+
+@triton.jit
+def _tile_loaded(d0, d1, d2, d3, e0, e1, e2, e3, s_lo, c_lo, s_hi, c_hi, x_row0, x_row1, w, w_end, lane_w,
+                 NT: tl.constexpr, ASM: tl.constexpr):
+    """``_tile_steps`` on a group loaded by ``_words_ahead``, x's words loaded here."""
+    x00, x01, x02, x03, x10, x11, x12, x13 = _x_words(x_row0, x_row1, w, w_end, lane_w, NT, False)
+    s_lo0, s_lo1, s_lo2, s_lo3 = _four(s_lo)
+    s_hi0, s_hi1, s_hi2, s_hi3 = _four(s_hi)
+    c_lo0, c_lo1, c_lo2, c_lo3 = _four(c_lo)
+    c_hi0, c_hi1, c_hi2, c_hi3 = _four(c_hi)
+    return _tile_steps(d0, d1, d2, d3, e0, e1, e2, e3, s_lo0, s_lo1, s_lo2, s_lo3, s_hi0, s_hi1, s_hi2, s_hi3,
+                       c_lo0, c_lo1, c_lo2, c_lo3, c_hi0, c_hi1, c_hi2, c_hi3,
+                       x00, x01, x02, x03, x10, x11, x12, x13, NT, ASM)
+
+
+# --- the epilogue: every tensor [T], one element a thread ----------------------------------------
+# The accumulators d0..d3 (n-tile 0) and e0..e3 (n-tile 1) of an m-tile are [T] tensors in the 1-D
+# layout the loop leaves them in; element c of a lane is (W row g for c0, c1, g + 8 for c2, c3; x row
+# 2 q for c0, c2, 2 q + 1 for c1, c3; n-tile 1: x rows + 8). A [T] load or store is already in the
+# layout Triton's coalescing pass wants, so nothing here converts layouts (the module docstring).
+
+
+@triton.jit
+def _part_store(pk, a0, a1, a2, a3, b0, b1, b2, b3, m0, m1, m2, m3, lo, hi, vl, vh, M, N, NT: tl.constexpr):
+    """An m-tile's split-K partials at pk ([M, N] fp32: rows lo (a0, a1, b0, b1) and hi, x rows m0..m3)."""
+    tl.store(pk + m0 * N + lo, a0, mask=(m0 < M) & vl)
+    tl.store(pk + m1 * N + lo, a1, mask=(m1 < M) & vl)
+    tl.store(pk + m0 * N + hi, a2, mask=(m0 < M) & vh)
+    tl.store(pk + m1 * N + hi, a3, mask=(m1 < M) & vh)
     if NT == 2:
-        return tl.join(d, tl.join(tl.join(e0, e1), tl.join(e2, e3)))
-    else:
-        return d[:, :, :, None]
+        tl.store(pk + m2 * N + lo, b0, mask=(m2 < M) & vl)
+        tl.store(pk + m3 * N + lo, b1, mask=(m3 < M) & vl)
+        tl.store(pk + m2 * N + hi, b2, mask=(m2 < M) & vh)
+        tl.store(pk + m3 * N + hi, b3, mask=(m3 < M) & vh)
 
 
 @triton.jit
-def _inv_rows(parts_ptr, mm, pid_m, M, n_parts, inv_k, eps, BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr):
-    """A handed-in norm's inv (``_row_inv_parts``) at each element's x row mm: the block's BLOCK_M
-    rows' once, then gathered to the elements (a gather through shared memory, once a program)."""
-    inv = _row_inv_parts(parts_ptr, tl.minimum(pid_m * BLOCK_M + tl.arange(0, BLOCK_M), M - 1), M, n_parts,
-                         inv_k, eps, BLOCK_M, BLOCK_P)
-    idx = tl.reshape(mm - pid_m * BLOCK_M, (mm.numel,))
-    return tl.reshape(tl.gather(inv, idx, 0), mm.shape)
+def _part_sum1(part_ptr, m, n, ok, M, N, SPLIT_K: tl.constexpr):
+    """Σ over the splits, in split order, of the partials at (m, n) (ok: the last program's, in range)."""
+    acc = tl.zeros(m.shape, dtype=tl.float32)
+    for ks in tl.static_range(SPLIT_K):  # unrolled: every partial's load in flight at once
+        acc += tl.load(part_ptr + ks * M * N + m * N + n, mask=ok, other=0.0, cache_modifier=".cg")
+    return acc
 
 
 @triton.jit
-def _half(v, h: tl.constexpr):
-    """Elements [T, 2 (p), 2 (h), NT (n-tile)] of rows h (0: g, 1: g + 8) as [T, 2 (p), NT]."""
-    lo, hi = tl.split(tl.permute(v, (0, 1, 3, 2)))
-    if h == 0:
-        return lo
-    else:
-        return hi
+def _part_sum(part_ptr, last, m0, m1, m2, m3, lo, hi, vl, vh, M, N, SPLIT_K: tl.constexpr, NT: tl.constexpr):
+    """An m-tile's sums from the partials (``_part_store``), in split order; 0 but in the last program."""
+    a0 = _part_sum1(part_ptr, m0, lo, tl.where(last, (m0 < M) & vl, False), M, N, SPLIT_K)
+    a1 = _part_sum1(part_ptr, m1, lo, tl.where(last, (m1 < M) & vl, False), M, N, SPLIT_K)
+    a2 = _part_sum1(part_ptr, m0, hi, tl.where(last, (m0 < M) & vh, False), M, N, SPLIT_K)
+    a3 = _part_sum1(part_ptr, m1, hi, tl.where(last, (m1 < M) & vh, False), M, N, SPLIT_K)
+    b0, b1, b2, b3 = a0, a1, a2, a3
+    if NT == 2:
+        b0 = _part_sum1(part_ptr, m2, lo, tl.where(last, (m2 < M) & vl, False), M, N, SPLIT_K)
+        b1 = _part_sum1(part_ptr, m3, lo, tl.where(last, (m3 < M) & vl, False), M, N, SPLIT_K)
+        b2 = _part_sum1(part_ptr, m2, hi, tl.where(last, (m2 < M) & vh, False), M, N, SPLIT_K)
+        b3 = _part_sum1(part_ptr, m3, hi, tl.where(last, (m3 < M) & vh, False), M, N, SPLIT_K)
+    return a0, a1, a2, a3, b0, b1, b2, b3
 
 
 @triton.jit
-def _finish(
-    acc, mm, rows, ok_n, x_ptr, esc_idx_ptr, esc_val_ptr, esc_row_ptr, lanes_ptr, y_ptr, M, K, stride_xm, stride_ym,
-    y_scale, LANES: tl.constexpr, LANE_GROUP: tl.constexpr,
-    hw_ptr, xg_ptr, stride_xg, parts_ptr, n_parts, inv_k, eps, pid_m, BLOCK_M: tl.constexpr,
-    GATED: tl.constexpr, RESIDUAL: tl.constexpr, HAND_IN: tl.constexpr, HAND_OUT: tl.constexpr,
-    BLOCK_P: tl.constexpr, ROUND_BF16: tl.constexpr, EXPF: tl.constexpr,
-):
-    """y from the biased sums acc (each element: x row mm, W row rows, ok_n where that row is one of
-    the block's): per element, the escapes of its W row take back their spurious x · 2^-15 and add
-    x · w exactly, then the scale. The escapes from the row's lanes (LANES > 0: LANE_GROUP lanes of
-    every element at once, so no load waits on another but x's on its lane), else from the table
-    (CSR esc_row_ptr, then each escape's index and value, then x: a walk as long as the longest
-    row's). Elementwise in the accumulators' own layout: no layout change, few registers. Then
-    kernels/u12_fused_linear.py's epilogue where asked: GATED (rows g gate rows, rows g + 8 their up
-    rows: SiLU·mul of the two halves, in the thread), HAND_IN (the sums times the rows' inv),
-    RESIDUAL (added into the residual) and HAND_OUT (the handoff's xg). Returns the stored values,
-    0 where not stored (HAND_OUT's parts)."""
-    x_row = x_ptr + tl.minimum(mm, M - 1) * stride_xm
-    spur = tl.zeros_like(acc)
-    esc = tl.zeros_like(acc)
+def _esc_step(e, s, xr, col, val, has):
+    """One escape of an element's row: + x · w exactly, and its spurious x · 2^-15."""
+    xv = tl.load(xr + col, mask=has, other=0.0).to(tl.float32)
+    return e + tl.where(has, xv * val, 0.0), s + xv * ESC_DECODED
+
+
+@triton.jit
+def _esc_rows(esc_row_ptr, rl, rh, vl, vh):
+    """Where rows rl and rh's escapes start in the CSR table, and how many (0 where not the block's)."""
+    start_l = tl.load(esc_row_ptr + rl)
+    cnt_l = tl.where(vl, tl.load(esc_row_ptr + rl + 1) - start_l, 0)
+    start_h = tl.load(esc_row_ptr + rh)
+    cnt_h = tl.where(vh, tl.load(esc_row_ptr + rh + 1) - start_h, 0)
+    return start_l, cnt_l, start_h, cnt_h
+
+
+@triton.jit
+def _table_walk(start_l, cnt_l, start_h, cnt_h, xr0, xr1, xr2, xr3, esc_idx_ptr, esc_val_ptr, K,
+                NT: tl.constexpr, UNROLL: tl.constexpr):
+    """The escapes of rows rl and rh (``_esc_rows``) from the CSR table for x rows xr0..xr3
+    (pointers): (Σ x · w, Σ x · 2^-15) of each of the m-tile's 8 elements, each row's escapes in
+    order, one walk as long as the block's longest row, UNROLL escapes a step (their loads in
+    flight at once)."""
+    z = tl.zeros(start_l.shape, dtype=tl.float32)
+    e0, e1, e2, e3, e4, e5, e6, e7 = z, z, z, z, z, z, z, z
+    s0, s1, s2, s3, s4, s5, s6, s7 = z, z, z, z, z, z, z, z
+    for j0 in range(0, tl.max(tl.maximum(cnt_l, cnt_h)), UNROLL):
+        for jj in tl.static_range(UNROLL):  # in order: the sums as one escape a step
+            j = j0 + jj
+            has_l = j < cnt_l
+            has_h = j < cnt_h
+            idx_l = tl.load(esc_idx_ptr + start_l + j, mask=has_l, other=0)
+            idx_h = tl.load(esc_idx_ptr + start_h + j, mask=has_h, other=0)
+            val_l = (tl.load(esc_val_ptr + start_l + j, mask=has_l, other=0).to(tl.int32) << 16).to(tl.float32, bitcast=True)
+            val_h = (tl.load(esc_val_ptr + start_h + j, mask=has_h, other=0).to(tl.int32) << 16).to(tl.float32, bitcast=True)
+            col_l = idx_l % K
+            col_h = idx_h % K
+            e0, s0 = _esc_step(e0, s0, xr0, col_l, val_l, has_l)  # row g, x rows 2 q and 2 q + 1
+            e1, s1 = _esc_step(e1, s1, xr1, col_l, val_l, has_l)
+            e2, s2 = _esc_step(e2, s2, xr0, col_h, val_h, has_h)  # row g + 8
+            e3, s3 = _esc_step(e3, s3, xr1, col_h, val_h, has_h)
+            if NT == 2:
+                e4, s4 = _esc_step(e4, s4, xr2, col_l, val_l, has_l)
+                e5, s5 = _esc_step(e5, s5, xr3, col_l, val_l, has_l)
+                e6, s6 = _esc_step(e6, s6, xr2, col_h, val_h, has_h)
+                e7, s7 = _esc_step(e7, s7, xr3, col_h, val_h, has_h)
+    return e0, e1, e2, e3, e4, e5, e6, e7, s0, s1, s2, s3, s4, s5, s6, s7
+
+
+@triton.jit
+def _escaped(a, xr, row, ok, lanes_ptr, K, y_scale, LANES: tl.constexpr, LANE_GROUP: tl.constexpr, e, s):
+    """One element's y from its biased sum a: the lanes' walk where LANES, else the table's (e, s)."""
     if LANES:
-        spur, esc = _lane_walk(acc, lanes_ptr, rows, x_row, 1, ok_n, K, LANES, LANE_GROUP)
-    else:
-        start = tl.load(esc_row_ptr + rows)
-        count = tl.where(ok_n, tl.load(esc_row_ptr + rows + 1) - start, 0)
-        for j in range(0, tl.max(count)):  # a row's escapes, the longest row's count for all
-            has = j < count
-            idx = tl.load(esc_idx_ptr + start + j, mask=has, other=0)
-            val = (tl.load(esc_val_ptr + start + j, mask=has, other=0).to(tl.int32) << 16).to(tl.float32, bitcast=True)
-            xv = tl.load(x_row + idx % K, mask=has, other=0.0).to(tl.float32)
-            esc += tl.where(has, xv * val, 0.0)
-            spur += xv * ESC_DECODED
-    y = (acc - spur) * y_scale + esc  # the scale: exact (a power of two)
-    mask = (mm < M) & ok_n
+        s, e = _lane_walk(a, lanes_ptr, row, xr, 1, ok, K, LANES, LANE_GROUP)
+    return (a - s) * y_scale + e
+
+
+@triton.jit
+def _out1(g, u, m, col, ok, inv_blk, pid_m, y_ptr, stride_ym, hw_ptr, xg_ptr, stride_xg, M,
+          BLOCK_M: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr, HAND_IN: tl.constexpr,
+          HAND_OUT: tl.constexpr, ROUND_BF16: tl.constexpr, EXPF: tl.constexpr):
+    """Store one element (gated: g and u its gate and up sums) of x row m at output column col; the
+    stored value where stored, else 0."""
+    mask = (m < M) & ok
     if GATED or RESIDUAL or HAND_IN:  # u12_fused_linear's epilogue
         DTYPE: tl.constexpr = y_ptr.dtype.element_ty
-        if GATED:  # the output column is the gate row's
-            g, u, mm, cols, mask = _half(y, 0), _half(y, 1), _half(mm, 0), _half(rows, 0), _half(mask, 0)
-        else:
-            g, u, cols = y, y, rows
         if HAND_IN:  # rmsnorm's inv, factored out of the sums (x = dtype(stream · weight))
-            inv = _inv_rows(parts_ptr, mm, pid_m, M, n_parts, inv_k, eps, BLOCK_M, BLOCK_P)
+            inv = tl.gather(inv_blk, tl.minimum(m - pid_m * BLOCK_M, BLOCK_M - 1), 0)
             g = g * inv
             u = u * inv
-        y = _epilogue(g, u, y_ptr + mm * stride_ym + cols, mask, DTYPE, GATED, RESIDUAL, ROUND_BF16, EXPF)
+        y = _epilogue(g, u, y_ptr + m * stride_ym + col, mask, DTYPE, GATED, RESIDUAL, ROUND_BF16, EXPF)
         if HAND_OUT:  # xg = dtype(y · the norm's weight)
-            hw = tl.load(hw_ptr + cols).to(tl.float32)
-            tl.store(xg_ptr + mm * stride_xg + cols, _to_dtype(y * hw, DTYPE, ROUND_BF16).to(DTYPE), mask=mask)
+            hw = tl.load(hw_ptr + col).to(tl.float32)
+            tl.store(xg_ptr + m * stride_xg + col, _to_dtype(y * hw, DTYPE, ROUND_BF16).to(DTYPE), mask=mask)
     else:
-        tl.store(y_ptr + mm * stride_ym + rows, y.to(y_ptr.dtype.element_ty), mask=mask)
+        y = g
+        tl.store(y_ptr + m * stride_ym + col, y.to(y_ptr.dtype.element_ty), mask=mask)
     return tl.where(mask, y, 0.0)
 
 
 @triton.jit
-def _parts_out(y, y2, parts_ptr, pid_n, pid_m, M, WARPS: tl.constexpr, TILES: tl.constexpr,
-               BLOCK_M: tl.constexpr):
-    """A norm handoff's Σ y² parts from the stored values y (and TILES 2: y2) [T, 2 (p), 2 (h), NT
-    (n-tile)] (``_finish``): one part a warp, parts[pid_n · WARPS + warp, m] summed over the warp's
-    rows (its lanes' two rows of each m-tile, then across the 8 lanes g of a quad column), each
-    (part, m) stored by one thread."""
-    NT: tl.constexpr = BLOCK_M // 8
-    sq = tl.sum(y * y, axis=2)  # [T, 2 (p), NT (n-tile)]: rows g and g + 8
+def _finish(
+    a0, a1, a2, a3, b0, b1, b2, b3, m0, m1, m2, m3, rl, rh, vl, vh, inv_blk, sl, cl, sh, ch,
+    x_ptr, esc_idx_ptr, esc_val_ptr, lanes_ptr, y_ptr, M, K, stride_xm, stride_ym, y_scale,
+    LANES: tl.constexpr, LANE_GROUP: tl.constexpr, hw_ptr, xg_ptr, stride_xg, pid_m, BLOCK_M: tl.constexpr,
+    GATED: tl.constexpr, RESIDUAL: tl.constexpr, HAND_IN: tl.constexpr, HAND_OUT: tl.constexpr,
+    ROUND_BF16: tl.constexpr, EXPF: tl.constexpr, NT: tl.constexpr, ESC_UNROLL: tl.constexpr,
+):
+    """y from one m-tile's biased sums a (n-tile 0) and b (n-tile 1), [T] tensors: per element, the
+    escapes of its W row take back their spurious x · 2^-15 and add x · w exactly, then the scale,
+    then kernels/u12_fused_linear.py's epilogue where asked (``_out1``). Rows rl and rh are clamped,
+    vl and vh where they are the block's; gated, rl is the output column's gate row and rh its up
+    row; sl, cl, sh, ch their escapes' ``_esc_rows``. Returns the stored values of x rows m0..m3 at
+    rows rl (and, not gated, rh): 0 where not stored."""
+    xr0 = x_ptr + tl.minimum(m0, M - 1) * stride_xm
+    xr1 = x_ptr + tl.minimum(m1, M - 1) * stride_xm
+    xr2 = x_ptr + tl.minimum(m2, M - 1) * stride_xm
+    xr3 = x_ptr + tl.minimum(m3, M - 1) * stride_xm
+    z = tl.zeros(rl.shape, dtype=tl.float32)
+    e0, e1, e2, e3, e4, e5, e6, e7, s0, s1, s2, s3, s4, s5, s6, s7 = z, z, z, z, z, z, z, z, z, z, z, z, z, z, z, z
+    if not LANES:
+        e0, e1, e2, e3, e4, e5, e6, e7, s0, s1, s2, s3, s4, s5, s6, s7 = _table_walk(
+            sl, cl, sh, ch, xr0, xr1, xr2, xr3, esc_idx_ptr, esc_val_ptr, K, NT, ESC_UNROLL)
+    a0 = _escaped(a0, xr0, rl, vl, lanes_ptr, K, y_scale, LANES, LANE_GROUP, e0, s0)
+    a1 = _escaped(a1, xr1, rl, vl, lanes_ptr, K, y_scale, LANES, LANE_GROUP, e1, s1)
+    a2 = _escaped(a2, xr0, rh, vh, lanes_ptr, K, y_scale, LANES, LANE_GROUP, e2, s2)
+    a3 = _escaped(a3, xr1, rh, vh, lanes_ptr, K, y_scale, LANES, LANE_GROUP, e3, s3)
+    if NT == 2:
+        b0 = _escaped(b0, xr2, rl, vl, lanes_ptr, K, y_scale, LANES, LANE_GROUP, e4, s4)
+        b1 = _escaped(b1, xr3, rl, vl, lanes_ptr, K, y_scale, LANES, LANE_GROUP, e5, s5)
+        b2 = _escaped(b2, xr2, rh, vh, lanes_ptr, K, y_scale, LANES, LANE_GROUP, e6, s6)
+        b3 = _escaped(b3, xr3, rh, vh, lanes_ptr, K, y_scale, LANES, LANE_GROUP, e7, s7)
+    if GATED:  # row g's gate sums with row g + 8's up sums: output column rl
+        y0 = _out1(a0, a2, m0, rl, vl, inv_blk, pid_m, y_ptr, stride_ym, hw_ptr, xg_ptr, stride_xg, M,
+                   BLOCK_M, GATED, RESIDUAL, HAND_IN, HAND_OUT, ROUND_BF16, EXPF)
+        y1 = _out1(a1, a3, m1, rl, vl, inv_blk, pid_m, y_ptr, stride_ym, hw_ptr, xg_ptr, stride_xg, M,
+                   BLOCK_M, GATED, RESIDUAL, HAND_IN, HAND_OUT, ROUND_BF16, EXPF)
+        y2, y3 = z, z
+        y4, y5, y6, y7 = z, z, z, z
+        if NT == 2:
+            y4 = _out1(b0, b2, m2, rl, vl, inv_blk, pid_m, y_ptr, stride_ym, hw_ptr, xg_ptr, stride_xg, M,
+                       BLOCK_M, GATED, RESIDUAL, HAND_IN, HAND_OUT, ROUND_BF16, EXPF)
+            y5 = _out1(b1, b3, m3, rl, vl, inv_blk, pid_m, y_ptr, stride_ym, hw_ptr, xg_ptr, stride_xg, M,
+                       BLOCK_M, GATED, RESIDUAL, HAND_IN, HAND_OUT, ROUND_BF16, EXPF)
+    else:
+        y0 = _out1(a0, a0, m0, rl, vl, inv_blk, pid_m, y_ptr, stride_ym, hw_ptr, xg_ptr, stride_xg, M,
+                   BLOCK_M, GATED, RESIDUAL, HAND_IN, HAND_OUT, ROUND_BF16, EXPF)
+        y1 = _out1(a1, a1, m1, rl, vl, inv_blk, pid_m, y_ptr, stride_ym, hw_ptr, xg_ptr, stride_xg, M,
+                   BLOCK_M, GATED, RESIDUAL, HAND_IN, HAND_OUT, ROUND_BF16, EXPF)
+        y2 = _out1(a2, a2, m0, rh, vh, inv_blk, pid_m, y_ptr, stride_ym, hw_ptr, xg_ptr, stride_xg, M,
+                   BLOCK_M, GATED, RESIDUAL, HAND_IN, HAND_OUT, ROUND_BF16, EXPF)
+        y3 = _out1(a3, a3, m1, rh, vh, inv_blk, pid_m, y_ptr, stride_ym, hw_ptr, xg_ptr, stride_xg, M,
+                   BLOCK_M, GATED, RESIDUAL, HAND_IN, HAND_OUT, ROUND_BF16, EXPF)
+        y4, y5, y6, y7 = z, z, z, z
+        if NT == 2:
+            y4 = _out1(b0, b0, m2, rl, vl, inv_blk, pid_m, y_ptr, stride_ym, hw_ptr, xg_ptr, stride_xg, M,
+                       BLOCK_M, GATED, RESIDUAL, HAND_IN, HAND_OUT, ROUND_BF16, EXPF)
+            y5 = _out1(b1, b1, m3, rl, vl, inv_blk, pid_m, y_ptr, stride_ym, hw_ptr, xg_ptr, stride_xg, M,
+                       BLOCK_M, GATED, RESIDUAL, HAND_IN, HAND_OUT, ROUND_BF16, EXPF)
+            y6 = _out1(b2, b2, m2, rh, vh, inv_blk, pid_m, y_ptr, stride_ym, hw_ptr, xg_ptr, stride_xg, M,
+                       BLOCK_M, GATED, RESIDUAL, HAND_IN, HAND_OUT, ROUND_BF16, EXPF)
+            y7 = _out1(b3, b3, m3, rh, vh, inv_blk, pid_m, y_ptr, stride_ym, hw_ptr, xg_ptr, stride_xg, M,
+                       BLOCK_M, GATED, RESIDUAL, HAND_IN, HAND_OUT, ROUND_BF16, EXPF)
+    return y0, y1, y2, y3, y4, y5, y6, y7
+
+
+@triton.jit
+def _warp_part(sq, parts_ptr, part, m, M, WARPS: tl.constexpr):
+    """Σ over a quad column's 8 lanes (rows g) of sq [T]: one part a warp at x row m (a lane's, [T])."""
+    s = tl.sum(tl.reshape(sq, (WARPS, 8, 4)), axis=1)  # [warp, q]
+    mq = tl.max(tl.reshape(m, (WARPS, 8, 4)), axis=1)  # the same for every g
+    tl.store(parts_ptr + part[:, None] * M + mq, s, mask=mq < M)
+
+
+@triton.jit
+def _parts_out(y0, y1, y2, y3, y4, y5, y6, y7, z0, z1, z2, z3, z4, z5, z6, z7, m0, m1, m2, m3,
+                    parts_ptr, pid_n, M, WARPS: tl.constexpr, TILES: tl.constexpr, NT: tl.constexpr):
+    """A norm handoff's Σ y² parts from ``_finish``'s stored values (y: m-tile 0, z: m-tile 1 where
+    TILES 2): one part a warp, parts[pid_n · WARPS + warp, m] summed over the warp's rows (a lane's two
+    rows of each m-tile, then across the 8 lanes g of a quad column)."""
+    part = pid_n * WARPS + tl.arange(0, WARPS)
+    sq0 = y0 * y0 + y2 * y2  # x row m0: rows g and g + 8
+    sq1 = y1 * y1 + y3 * y3
     if TILES == 2:
-        sq += tl.sum(y2 * y2, axis=2)
-    sq = tl.sum(tl.reshape(sq, (WARPS, 8, 4, 2, NT)), axis=1)  # over g: [warp, q, p, n-tile]
-    q = tl.arange(0, 4)[None, :, None, None]
-    p = tl.arange(0, 2)[None, None, :, None]
-    nt = tl.arange(0, NT)[None, None, None, :]
-    m = pid_m * BLOCK_M + 2 * q + p + 8 * nt
-    part = pid_n * WARPS + tl.arange(0, WARPS)[:, None, None, None]
-    tl.store(parts_ptr + part * M + m, sq, mask=m < M)
+        sq0 += z0 * z0 + z2 * z2
+        sq1 += z1 * z1 + z3 * z3
+    _warp_part(sq0, parts_ptr, part, m0, M, WARPS)
+    _warp_part(sq1, parts_ptr, part, m1, M, WARPS)
+    if NT == 2:
+        sq2 = y4 * y4 + y6 * y6
+        sq3 = y5 * y5 + y7 * y7
+        if TILES == 2:
+            sq2 += z4 * z4 + z6 * z6
+            sq3 += z5 * z5 + z7 * z7
+        _warp_part(sq2, parts_ptr, part, m2, M, WARPS)
+        _warp_part(sq3, parts_ptr, part, m3, M, WARPS)
+
 
 
 @triton.jit
@@ -421,6 +615,8 @@ def _u12_hmma_kernel(
     TILED: tl.constexpr = False,  # W's planes in tiles (U12Tensor.layout)
     ROUND_BF16: tl.constexpr = False,  # bf16 under the interpreter: round before casting
     EXPF: tl.constexpr = False,  # GATED: libdevice's expf (GPU); else tl.exp
+    ESC_UNROLL: tl.constexpr = 2,  # escapes a step of the table's walk (``_table_walk``)
+    AHEAD: tl.constexpr = False,  # the next chunk's words loaded before this one's MMAs (one m-tile, BLOCK_W <= 32)
 ):
     pdl_enter(PDL)
     TILES: tl.constexpr = BLOCK_N // (16 * WARPS)  # m-tiles a warp: 1 or 2
@@ -480,24 +676,52 @@ def _u12_hmma_kernel(
     x_row0 = x64 + tl.minimum(pid_m * BLOCK_M + g, M - 1)[:, None] * (stride_xm // 4) + lane_w
     x_row1 = x64 + tl.minimum(pid_m * BLOCK_M + 8 + g, M - 1)[:, None] * (stride_xm // 4) + lane_w
 
+    if GATED:
+        vl0, vh0, vl1, vh1 = ok0, ok0, ok1, ok1
+    else:
+        vl0, vh0, vl1, vh1 = lo0 < N, hi0 < N, lo1 < N, hi1 < N
+
     w_begin = pid_k * words_per_split
     w_end = tl.minimum(w_begin + words_per_split, n_words)
     full_end = w_begin + (w_end - w_begin) // BLOCK_W * BLOCK_W
     zero = tl.zeros((T,), dtype=tl.float32)
     d0, d1, d2, d3, e0, e1, e2, e3 = zero, zero, zero, zero, zero, zero, zero, zero
     f0, f1, f2, f3, h0, h1, h2, h3 = zero, zero, zero, zero, zero, zero, zero, zero
-    for start in range(w_begin, full_end, BLOCK_W):
-        for u in tl.static_range(BLOCK_W // 16):
-            if TILED:  # the group's words start + 16 u ..: at 16 times that after the rows' starts
-                w = start + 16 * u
-                ww = 16 * w
-            else:
-                w = start + 4 * u
-                ww = w
-            d0, d1, d2, d3, e0, e1, e2, e3, f0, f1, f2, f3, h0, h1, h2, h3 = _group(
-                d0, d1, d2, d3, e0, e1, e2, e3, f0, f1, f2, f3, h0, h1, h2, h3, ww, w, w_end, lane_w,
-                x_row0, x_row1, sm_lo, code_lo, sm_hi, code_hi, sm_lo2, code_lo2, sm_hi2, code_hi2,
-                TILES, NT, False, ASM)
+    if AHEAD:  # a register double buffer: chunk c + 1's words in flight while chunk c decodes and multiplies
+        tl.static_assert(TILES == 1 and BLOCK_W <= 32, "AHEAD: one m-tile a warp, at most 2 groups a chunk")
+        live = (lane_w * 0 + w_begin) < full_end  # [T, 4] (a scalar mask does not run in the interpreter)
+        w, ww = _group_at(w_begin, 0, BLOCK_W, TILED)
+        a0, a1, a2, a3 = _words_ahead(sm_lo, code_lo, sm_hi, code_hi, ww, live)
+        b0, b1, b2, b3 = a0, a1, a2, a3
+        if BLOCK_W == 32:
+            w, ww = _group_at(w_begin, 1, BLOCK_W, TILED)
+            b0, b1, b2, b3 = _words_ahead(sm_lo, code_lo, sm_hi, code_hi, ww, live)
+        for start in range(w_begin, full_end, BLOCK_W):
+            nxt = start + BLOCK_W
+            live = (lane_w * 0 + nxt) < full_end
+            w, ww = _group_at(nxt, 0, BLOCK_W, TILED)
+            na0, na1, na2, na3 = _words_ahead(sm_lo, code_lo, sm_hi, code_hi, ww, live)
+            nb0, nb1, nb2, nb3 = b0, b1, b2, b3
+            if BLOCK_W == 32:
+                w, ww = _group_at(nxt, 1, BLOCK_W, TILED)
+                nb0, nb1, nb2, nb3 = _words_ahead(sm_lo, code_lo, sm_hi, code_hi, ww, live)
+            w, ww = _group_at(start, 0, BLOCK_W, TILED)
+            d0, d1, d2, d3, e0, e1, e2, e3 = _tile_loaded(d0, d1, d2, d3, e0, e1, e2, e3, a0, a1, a2, a3,
+                                                          x_row0, x_row1, w, w_end, lane_w, NT, ASM)
+            if BLOCK_W == 32:
+                w, ww = _group_at(start, 1, BLOCK_W, TILED)
+                d0, d1, d2, d3, e0, e1, e2, e3 = _tile_loaded(d0, d1, d2, d3, e0, e1, e2, e3, b0, b1, b2, b3,
+                                                              x_row0, x_row1, w, w_end, lane_w, NT, ASM)
+            a0, a1, a2, a3 = na0, na1, na2, na3
+            b0, b1, b2, b3 = nb0, nb1, nb2, nb3
+    else:
+        for start in range(w_begin, full_end, BLOCK_W):
+            for u in tl.static_range(BLOCK_W // 16):
+                w, ww = _group_at(start, u, BLOCK_W, TILED)
+                d0, d1, d2, d3, e0, e1, e2, e3, f0, f1, f2, f3, h0, h1, h2, h3 = _group(
+                    d0, d1, d2, d3, e0, e1, e2, e3, f0, f1, f2, f3, h0, h1, h2, h3, ww, w, w_end, lane_w,
+                    x_row0, x_row1, sm_lo, code_lo, sm_hi, code_hi, sm_lo2, code_lo2, sm_hi2, code_hi2,
+                    TILES, NT, False, ASM)
     if not EVEN_K:
         if full_end < w_end:  # only the last split has a partial chunk: its words past w_end masked
             for u in tl.static_range(BLOCK_W // 16):
@@ -513,55 +737,49 @@ def _u12_hmma_kernel(
                     x_row0, x_row1, sm_lo, code_lo, sm_hi, code_hi, sm_lo2, code_lo2, sm_hi2, code_hi2,
                     TILES, NT, True, ASM)
 
-    # Each accumulator's x row mm and W row (nn unclamped, rows clamped, ok: one of the block's),
-    # stacked as the accumulators are; m-tile 1's apart.
     mb = pid_m * BLOCK_M + 2 * q
-    mm = _stack(mb, mb + 1, mb, mb + 1, mb + 8, mb + 9, mb + 8, mb + 9, NT)
-    nn0 = _stack(lo0, lo0, hi0, hi0, lo0, lo0, hi0, hi0, NT)
-    nn1 = _stack(lo1, lo1, hi1, hi1, lo1, lo1, hi1, hi1, NT)
-    rows0 = _stack(rl0, rl0, rh0, rh0, rl0, rl0, rh0, rh0, NT)
-    rows1 = _stack(rl1, rl1, rh1, rh1, rl1, rl1, rh1, rh1, NT)
-    if GATED:
-        v0 = _stack(ok0, ok0, ok0, ok0, ok0, ok0, ok0, ok0, NT)
-        v1 = _stack(ok1, ok1, ok1, ok1, ok1, ok1, ok1, ok1, NT)
-    else:
-        v0, v1 = nn0 < N, nn1 < N
-    acc = _stack(d0, d1, d2, d3, e0, e1, e2, e3, NT)
-    acc2 = _stack(f0, f1, f2, f3, h0, h1, h2, h3, NT)  # TILES 2: m-tile 1
-    if SPLIT_K > 1:  # the serial split-K semaphore (as _store_block): the last program sums the partials in split order
-        part0 = part_ptr + mm * N + nn0  # [SPLIT_K, M, N] fp32
-        part1 = part_ptr + mm * N + nn1
-        tl.store(part0 + pid_k * M * N, acc, mask=(mm < M) & v0)
+    m0, m1, m2, m3 = mb, mb + 1, mb + 8, mb + 9  # x rows of d0 / d2, d1 / d3, e0 / e2, e1 / e3
+    if SPLIT_K > 1:  # the serial split-K semaphore: the last program sums the partials in split order
+        pk = part_ptr + pid_k * M * N
+        _part_store(pk, d0, d1, d2, d3, e0, e1, e2, e3, m0, m1, m2, m3, lo0, hi0, vl0, vh0, M, N, NT)
         if TILES == 2:
-            tl.store(part1 + pid_k * M * N, acc2, mask=(mm < M) & v1)
+            _part_store(pk, f0, f1, f2, f3, h0, h1, h2, h3, m0, m1, m2, m3, lo1, hi1, vl1, vh1, M, N, NT)
         tl.debug_barrier()  # every thread's partial is written before the release below
         counter = count_ptr + pid_m * tl.num_programs(0) + pid_n
         last = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1
-        acc = tl.zeros_like(acc)
-        acc2 = tl.zeros_like(acc2)
-        for ks in tl.static_range(SPLIT_K):  # unrolled: every partial's load in flight at once
-            acc += tl.load(part0 + ks * M * N, mask=tl.where(last, (mm < M) & v0, False), other=0.0,
-                           cache_modifier=".cg")
-            if TILES == 2:
-                acc2 += tl.load(part1 + ks * M * N, mask=tl.where(last, (mm < M) & v1, False), other=0.0,
-                                cache_modifier=".cg")
+        d0, d1, d2, d3, e0, e1, e2, e3 = _part_sum(part_ptr, last, m0, m1, m2, m3, lo0, hi0, vl0, vh0, M, N,
+                                                   SPLIT_K, NT)
+        if TILES == 2:
+            f0, f1, f2, f3, h0, h1, h2, h3 = _part_sum(part_ptr, last, m0, m1, m2, m3, lo1, hi1, vl1, vh1,
+                                                       M, N, SPLIT_K, NT)
         if last:
             tl.atomic_xchg(counter, 0)  # ready for the next launch (and CUDA graph replays)
     else:
         last = pid_k == 0
     if last:
-        y1 = _finish(acc, mm, rows0, v0, x_ptr, esc_idx_ptr, esc_val_ptr, esc_row_ptr, lanes_ptr, y_ptr, M, K,
-                     stride_xm, stride_ym, y_scale, LANES, LANE_GROUP, hw_ptr, xg_ptr, stride_xg, parts_ptr,
-                     n_parts, inv_k, eps, pid_m, BLOCK_M, GATED, RESIDUAL, HAND_IN, HAND_OUT, BLOCK_P, ROUND_BF16,
-                     EXPF)
-        y2 = y1
+        inv_blk = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        if HAND_IN:  # the block's rows' inv once; each element gathers its row's
+            inv_blk = _row_inv_parts(parts_ptr, tl.minimum(pid_m * BLOCK_M + tl.arange(0, BLOCK_M), M - 1), M,
+                                     n_parts, inv_k, eps, BLOCK_M, BLOCK_P)
+        sl0, cl0, sh0, ch0 = _esc_rows(esc_row_ptr, rl0, rh0, vl0, vh0)
+        sl1, cl1, sh1, ch1 = sl0, cl0, sh0, ch0
         if TILES == 2:
-            y2 = _finish(acc2, mm, rows1, v1, x_ptr, esc_idx_ptr, esc_val_ptr, esc_row_ptr, lanes_ptr, y_ptr, M, K,
-                         stride_xm, stride_ym, y_scale, LANES, LANE_GROUP, hw_ptr, xg_ptr, stride_xg, parts_ptr,
-                         n_parts, inv_k, eps, pid_m, BLOCK_M, GATED, RESIDUAL, HAND_IN, HAND_OUT, BLOCK_P, ROUND_BF16,
-                     EXPF)
+            sl1, cl1, sh1, ch1 = _esc_rows(esc_row_ptr, rl1, rh1, vl1, vh1)
+        y0, y1, y2, y3, y4, y5, y6, y7 = _finish(
+            d0, d1, d2, d3, e0, e1, e2, e3, m0, m1, m2, m3, rl0, rh0, vl0, vh0, inv_blk, sl0, cl0, sh0, ch0,
+            x_ptr, esc_idx_ptr, esc_val_ptr, lanes_ptr, y_ptr, M, K, stride_xm, stride_ym, y_scale,
+            LANES, LANE_GROUP, hw_ptr, xg_ptr, stride_xg, pid_m, BLOCK_M, GATED, RESIDUAL, HAND_IN, HAND_OUT,
+            ROUND_BF16, EXPF, NT, ESC_UNROLL)
+        z0, z1, z2, z3, z4, z5, z6, z7 = y0, y1, y2, y3, y4, y5, y6, y7
+        if TILES == 2:
+            z0, z1, z2, z3, z4, z5, z6, z7 = _finish(
+                f0, f1, f2, f3, h0, h1, h2, h3, m0, m1, m2, m3, rl1, rh1, vl1, vh1, inv_blk, sl1, cl1, sh1, ch1,
+                x_ptr, esc_idx_ptr, esc_val_ptr, lanes_ptr, y_ptr, M, K, stride_xm, stride_ym,
+                y_scale, LANES, LANE_GROUP, hw_ptr, xg_ptr, stride_xg, pid_m, BLOCK_M, GATED, RESIDUAL, HAND_IN,
+                HAND_OUT, ROUND_BF16, EXPF, NT, ESC_UNROLL)
         if HAND_OUT:
-            _parts_out(y1, y2, parts_ptr, pid_n, pid_m, M, WARPS, TILES, BLOCK_M)
+            _parts_out(y0, y1, y2, y3, y4, y5, y6, y7, z0, z1, z2, z3, z4, z5, z6, z7, m0, m1, m2, m3,
+                       parts_ptr, pid_n, M, WARPS, TILES, NT)
 
 
 def hmma_applies(x: torch.Tensor, k: int, base: int) -> bool:
@@ -600,6 +818,7 @@ def launch_hmma(x: torch.Tensor, t: U12Tensor, y: torch.Tensor, cfg: U12Config, 
         EVEN_K=n_words % cfg.block_w == 0, ASM=native,
         **cfg.launch_options(native, fp_fusion=not fused),
         **pdl_args(x.device), LANES=n_lanes, LANE_GROUP=lane_group(n_lanes), TILED=t.layout == "tiles", **flags,
+        ESC_UNROLL=ESC_UNROLL, AHEAD=AHEAD and cfg.block_n == 16 * cfg.num_warps and cfg.block_w <= 32,
     )
 
 

@@ -53,12 +53,20 @@ rows = U12Config(64, 32, num_warps=4, num_stages=1, kernel="hmma", maxnreg=128)
 out = {}
 with tempfile.TemporaryDirectory() as tmp:
     gemv = U12Config(4, 128, num_warps=4, num_stages=1, kernel="gemv2")
+    split = dataclasses.replace(rows, split_k=4)
     for name, m, cfg, t in (("rows", 16, rows, w), ("tiles", 16, rows, w.with_layout("tiles")), ("narrow", 8, rows, w),
+                            ("split", 16, split, w.with_layout("tiles")),
                             ("gemv", 1, gemv, w), ("gemv-tiles", 1, gemv, w.with_layout("tiles"))):
         with compile_only(90) as compiled:
             assert native(x)
             u12_linear(x[:m], t, cfg)
         out[name] = [kernel_static.describe(c, Path(tmp)) for c in compiled]
+    from specpilot.kernels import u12_hmma
+    u12_hmma.AHEAD = True  # the register double buffer on the tiled split-K launch
+    with compile_only(90) as compiled:
+        u12_linear(x, w.with_layout("tiles"), split)
+    out["ahead"] = [kernel_static.describe(c, Path(tmp)) for c in compiled]
+    u12_hmma.AHEAD = False
 out["native_after"] = native(x)
 out["driver_restored"] = driver._active is before
 print(json.dumps(out))
@@ -83,6 +91,33 @@ def test_hmma_loop_runs_from_registers(hmma_facts):
         assert ops.get("HMMA", 0) > 0 and ops.get("LDG", 0) > 0, (name, ops)
         assert not {"LDS", "STS", "LDSM", "BAR", "SHFL", "HGMMA"} & ops.keys(), (name, ops)
         assert k["spill_bytes"] == 0 and k["registers"] <= 128, (name, k)  # the config's maxnreg
+
+
+def test_hmma_epilogue_converts_no_layouts(hmma_facts):
+    """The epilogue works on [T] tensors in the loop's layout (kernels/u12_hmma.py), so neither the
+    split-K partials nor the escapes and stores pass through shared memory: the barriers left are
+    the split-K release and the walk's block-wide max, where the stacked epilogue's layout
+    conversions took 33 (sm_90, triton 3.9)."""
+    for name in ("rows", "split", "narrow"):
+        (k,) = hmma_facts[name]
+        ops = k["kernel_opcodes"]
+        assert ops.get("BAR", 0) <= 8 and ops.get("STS", 0) <= 4, (name, ops)
+    (split,) = hmma_facts["split"]
+    assert split["constexprs"]["SPLIT_K"] == 4  # the partials' path compiled, not one split
+
+
+def test_words_ahead_stay_in_registers(hmma_facts):
+    """``u12_hmma.AHEAD`` at o's tile (64 rows, 32 words, 4 warps, 128 registers): the next chunk's
+    words held in registers without spilling, the same loads and MMAs a chunk as the one-stage
+    loop, still no shared memory in the loop, and a longer loop (the carried words' moves)."""
+    (ahead,), (one,) = hmma_facts["ahead"], hmma_facts["split"]
+    assert ahead["constexprs"]["AHEAD"] is True and one["constexprs"]["AHEAD"] is False
+    assert ahead["constexprs"]["TILED"] and ahead["constexprs"]["SPLIT_K"] == 4
+    assert ahead["spill_bytes"] == 0 and ahead["registers"] <= 128, ahead
+    ops = ahead["loop_opcodes"]
+    assert ops["LDG"] == one["loop_opcodes"]["LDG"] and ops["HMMA"] == one["loop_opcodes"]["HMMA"], (ops, one)
+    assert not {"LDS", "STS", "BAR", "SHFL"} & ops.keys(), ops
+    assert ahead["loop_instructions"] > one["loop_instructions"], (ahead["loop_instructions"], one["loop_instructions"])
 
 
 def test_tiled_planes_compile_to_the_rows_loop(hmma_facts):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from unittest import mock
 
 import pytest
 import torch
@@ -213,3 +214,68 @@ def test_bench_sweeps_hmma_configs_for_3_to_16_rows():
     assert [cfg for cfg in bench.sweep_configs(3, 4096, 4096, ("hmma",)) if cfg.kernel == "hmma"]
     for m in (2, 17, 64):
         assert not [cfg for cfg in bench.sweep_configs(m, 4096, 4096, ("hmma",)) if cfg.kernel == "hmma"]
+
+
+@pytest.mark.parametrize("unroll", [1, 3])
+def test_escape_walk_unrolled_gives_the_same_sums(monkeypatch, unroll):
+    """ESC_UNROLL escapes a step of the epilogue's table walk: the same sums bit for bit as the
+    default's (each row's escapes in order), with rows of 0 to 7 escapes so the walk's last step is
+    partial; against the reference too, and a wrong escape value must show."""
+    from specpilot.runtime.u12 import pack_u12
+
+    g = torch.Generator().manual_seed(unroll)
+    w = 0.02 * torch.randn(48, 256, generator=g)
+    for r in range(48):  # row r: r % 8 escapes (values below the exponent window)
+        w[r, torch.randperm(256, generator=g)[: r % 8]] = 1e-30
+    t = pack_u12(w.to(torch.bfloat16), layout="tiles").to(DEVICE)
+    assert t.esc_idx.numel() >= sum(r % 8 for r in range(48))  # and the normal draws' few
+    x = torch.randn(16, 256, generator=g).to(torch.bfloat16).to(DEVICE)
+    cfg = U12Config(32, 32, split_k=2, num_warps=1, **_HMMA)
+    y = u12_linear(x, t, cfg)
+    monkeypatch.setattr(u12_hmma, "ESC_UNROLL", unroll)
+    assert torch.equal(u12_linear(x, t, cfg).view(torch.int16), y.view(torch.int16))
+    torch.testing.assert_close(y.float(), u12_linear_reference(x, t).float(), rtol=8e-3, atol=1e-4)
+    bad = dataclasses.replace(t, esc_val=t.esc_val.clone())
+    bad.esc_val[-1] = torch.tensor(4.0, dtype=torch.bfloat16).view(torch.int16)
+    assert not torch.equal(u12_linear(x, bad, cfg).view(torch.int16), y.view(torch.int16))
+
+
+@pytest.mark.parametrize("m,n,k,kind,cfg", [
+    (16, 64, 256, "special", U12Config(32, 16, split_k=2, num_warps=2, **_HMMA)),  # one group a chunk, 2 splits
+    (5, 48, 384, "few", U12Config(16, 32, num_warps=1, **_HMMA)),  # two groups a chunk, one n-tile
+    (9, 80, 384, "special", U12Config(32, 32, split_k=3, num_warps=2, **_HMMA)),  # 3 splits of one chunk each
+    (13, 16, 448, "few", U12Config(16, 32, split_k=2, num_warps=1, **_HMMA)),  # 112 words: 2 splits, a masked tail
+])
+def test_words_loaded_a_chunk_ahead_give_the_same_sums(monkeypatch, m, n, k, kind, cfg):
+    """``AHEAD`` (the next chunk's words loaded while this one decodes and multiplies): the one-stage
+    loop's outputs bit for bit on both layouts, split-K and a masked last chunk included; a config it
+    does not take (two m-tiles a warp) runs the one-stage loop."""
+    x, t = _make_inputs(_case(m, n, k, torch.bfloat16, kind), DEVICE, n)
+    launches = []
+    kernel = u12_hmma._u12_hmma_kernel
+    for layout in ("rows", "tiles"):
+        w = t.with_layout(layout)
+        monkeypatch.setattr(u12_hmma, "AHEAD", False)
+        y = u12_linear(x, w, cfg)
+        monkeypatch.setattr(u12_hmma, "AHEAD", True)
+        with mock.patch.object(u12_hmma, "_u12_hmma_kernel", _Spy(kernel, launches)):
+            assert torch.equal(u12_linear(x, w, cfg).view(torch.int16), y.view(torch.int16))
+    assert launches == [True, True]
+    torch.testing.assert_close(y.float(), u12_linear_reference(x, t).float(), rtol=8e-3, atol=1e-4, equal_nan=True)
+    two_tiles = dataclasses.replace(cfg, block_n=2 * cfg.block_n)
+    with mock.patch.object(u12_hmma, "_u12_hmma_kernel", _Spy(kernel, launches)):
+        u12_linear(x, t, two_tiles)
+    assert launches[-1] is False
+
+
+class _Spy:
+    """A launcher's stand-in that records each launch's AHEAD and launches the kernel."""
+
+    def __init__(self, kernel, seen: list) -> None:
+        self.kernel, self.seen = kernel, seen
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.seen.append(kwargs.get("AHEAD"))
+            return self.kernel[grid](*args, **kwargs)
+        return launch
