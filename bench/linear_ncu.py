@@ -28,6 +28,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ms", default="1,16")
     ap.add_argument("--u12", action="store_true", help="also the u12 kernels on the packed weights")
+    ap.add_argument("--layout", choices=("rows", "tiles"), default="rows",
+                    help="the packed weights' U12Tensor.layout (tiles: TUNED_TILES' configs at more than one row)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench/linear_ncu.py launches CUDA kernels for ncu: it needs a GPU.")
@@ -40,7 +42,7 @@ def main() -> int:
     g = torch.Generator(device=dev).manual_seed(0)
     weights = {name: (torch.randn(n, k, device=dev, generator=g) * 0.02).to(dt) for name, (n, k, *_) in SHAPES.items()}
     norm_w = 1 + 0.1 * torch.randn(4096, device=dev, generator=g).to(dt)
-    packed = {name: pack_u12(w) for name, w in weights.items()} if args.u12 else {}
+    packed = {name: pack_u12(w, layout=args.layout) for name, w in weights.items()} if args.u12 else {}
     for m in (int(v) for v in args.ms.split(",")):
         calls = []
         for name, (n, k, norm, gated, residual) in SHAPES.items():

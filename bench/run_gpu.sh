@@ -29,6 +29,7 @@
 #   tiles    the M = 16 sweep (mma and hmma) on tiled weights beside row planes (bench/u12_linear.py --layouts
 #            rows,tiles), then verify(16) interleaved with the sweep's best (u12-sweep, u12-tiles-sweep)
 #   tilesab  the tiled layout's GPU tests, then the AR and verify(16) steps interleaved (u12-tiles beside u12)
+#   ahead    the hmma kernel's register double buffer (u12_hmma.AHEAD) at M = 16 on tiles (bench/hmma_ahead.py), its GPU tests
 #   tiles1   the one-row gemv2 sweep on tiled weights beside row planes, in CUDA graphs
 #   fewrows  the hmma and mma kernels' GPU tests, then verify(4) and verify(8) interleaved (bench/step_ab.py
 #            --q 4 and 8: the tensor-core kernels at 3..8 rows against gemv2 at 4 and the hmma kernel's two n-tiles)
@@ -153,6 +154,10 @@ tilesab() {  # the tiled layout on the GPU: its tests, then the AR and verify(16
   TAIL=24 run step_ab 260 python bench/step_ab.py --out "$OUT/step_ab_h200.json"
   TAIL=18 run step_ab_verify16 170 python bench/step_ab.py --q 16 --out "$OUT/step_ab_verify16_h200.json"
 }
+ahead() {  # the hmma kernel's register double buffer (u12_hmma.AHEAD) at M = 16 on tiles, then its GPU tests
+  TAIL=6 run hmma_ahead 300 python bench/hmma_ahead.py --out "$OUT/u12_hmma_ahead_h200.json"
+  TAIL=4 run ahead_tests 200 python -m pytest -q -x -p no:cacheprovider tests/test_u12_hmma.py -k ahead
+}
 tiles1() {  # one row on tiled weights: gemv2's configs on both layouts in CUDA graphs
   TAIL=24 run u12_linear_tiles1 330 python bench/u12_linear.py --ms 1 --kernels gemv2 --layouts rows,tiles --graph \
     --budget-s 220 --out "$OUT/u12_linear_gemv2_tiles_h200.json"
@@ -208,7 +213,7 @@ zoo() {
 for group in "${@:?group...}"; do
   case "$group" in
     ncu) ncu_linear ;;
-    tests | attntests | lineartests | ab | attention | attnvar | u12 | hmma | bf16tune | u12tune | verify16 | verifyab | \
+    tests | attntests | lineartests | ab | ahead | attention | attnvar | u12 | hmma | bf16tune | u12tune | verify16 | verifyab | \
       u12verify | tiles | tilesab | tiles1 | fewrows | fewsweep | u12fusedtune | linear | peers | train | trees | e2e | tau | zoo) "$group" ;;
     steps) steps ;;
     qwen) steps qwen qwen3-8b ;;

@@ -114,6 +114,7 @@ U12_VERIFY_KNOB_VARIANTS = {  # the same, for a verify step (--q above 1: the mm
     "u12-esc-lanes": dict(ESC_LANES="lanes"),  # the block kernels from the lanes too (the default before)
     "u12-lanes-g8": dict(ESC_LANES="lanes", LANE_GROUP=8),  # the lanes walked 8 a step (the default 4)
     "u12-lanes-g16": dict(ESC_LANES="lanes", LANE_GROUP=16),  # all of a row's lanes at once (16 at most)
+    "u12-walk-1": {"u12_hmma.ESC_UNROLL": 1},  # the hmma epilogue's table walk one escape a step
 }
 U12_FEW_ROWS_KNOB_VARIANTS = {  # name: (the rows q it applies to, settings): verify steps of few rows
     "u12-gemv-rows": ((3, 4), dict(TENSOR_CORE_ROWS=5)),  # gemv2 at 3..4 rows, the default before

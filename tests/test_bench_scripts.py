@@ -225,3 +225,21 @@ def test_readme_tables_are_generated_from_the_results_files() -> None:
     readme = (BENCH.parent / "README.md").read_text()
     assert "<!-- results:targets -->" in readme
     assert readme_tables.render(readme) == readme
+
+
+def test_hmma_ahead_bench_times_the_double_buffer_where_it_says_so():
+    """bench/hmma_ahead.py: every "-ahead" config is one AHEAD takes (one m-tile a warp, block_w at
+    most 32; launch_hmma otherwise runs the one-stage loop and the row would time that), every other
+    config is timed without it, and TUNED_TILES holds each shape it times."""
+    import hmma_ahead
+
+    from specpilot.kernels.u12_linear import TUNED_TILES
+
+    for name, (n, k) in {s: hmma_ahead.SHAPES[s] for s in hmma_ahead.SPLIT}.items():
+        cfgs = hmma_ahead.configs(name, TUNED_TILES[(16, n, k)])
+        assert len({label for label, _, _ in cfgs}) == len(cfgs)
+        for label, cfg, ahead in cfgs:
+            assert ahead == label.endswith("-ahead"), label
+            if ahead:
+                assert cfg.block_n == 16 * cfg.num_warps and cfg.block_w <= 32, (name, label, cfg)
+            assert cfg.kernel == "hmma" and cfg.split_k == hmma_ahead.SPLIT[name]
