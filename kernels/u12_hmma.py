@@ -161,8 +161,18 @@ ESC_UNROLL = 2
 # next thing to try. At o's tile (64 rows, 32 words, 4 warps) it holds the carried words in 128
 # registers without spilling, with the one-stage loop's loads and MMAs (sm_90 ptxas,
 # tests/test_kernel_static.py). Bit for bit the one-stage sums (tests/test_u12_hmma.py). Untimed:
-# `bench/run_gpu.sh ahead` (bench/hmma_ahead.py) times it. Read at launch.
+# `bench/run_gpu.sh knobs` (bench/hmma_knobs.py, bench/step_ab.py's u12-tiles-ahead) times it. Read at launch.
 AHEAD = False
+# The table's escapes walked by the splits of a split-K launch (the table, not the lanes): split s
+# takes escapes s, s + SPLIT_K, ... of each of its rows, subtracts their spurious x · 2^-15 from its
+# partial and stores their Σ x · w as a second partial, so the last program only sums partials
+# where it used to walk every escape of its rows after the semaphore, with the other SMs idle.
+# Escape-free weights ran down (K = 14336, the longest rows' walk) at M = 16 in 38.69 µs against
+# 41.52 with its escapes (H100, tiles, bench/results/tried/u12_hmma_flat_epilogue_h100.json); o and
+# qkv within noise. Rounds otherwise than the one walk (each split's share subtracted before the
+# splits are summed): same weights, another order. Untimed: `bench/run_gpu.sh knobs` times it
+# (bench/hmma_knobs.py's "-escsplit" rows, bench/step_ab.py's u12-tiles-esc-split). Read at launch.
+ESC_SPLIT = False
 
 
 @triton.jit
@@ -430,17 +440,18 @@ def _esc_rows(esc_row_ptr, rl, rh, vl, vh):
 
 @triton.jit
 def _table_walk(start_l, cnt_l, start_h, cnt_h, xr0, xr1, xr2, xr3, esc_idx_ptr, esc_val_ptr, K,
-                NT: tl.constexpr, UNROLL: tl.constexpr):
+                NT: tl.constexpr, UNROLL: tl.constexpr, first, STRIDE: tl.constexpr):
     """The escapes of rows rl and rh (``_esc_rows``) from the CSR table for x rows xr0..xr3
     (pointers): (Σ x · w, Σ x · 2^-15) of each of the m-tile's 8 elements, each row's escapes in
     order, one walk as long as the block's longest row, UNROLL escapes a step (their loads in
-    flight at once)."""
+    flight at once). Escapes first, first + STRIDE, ... of each row: all of them from 0 a stride
+    of 1, one split's share (``ESC_SPLIT``) from the split's index a stride of the splits."""
     z = tl.zeros(start_l.shape, dtype=tl.float32)
     e0, e1, e2, e3, e4, e5, e6, e7 = z, z, z, z, z, z, z, z
     s0, s1, s2, s3, s4, s5, s6, s7 = z, z, z, z, z, z, z, z
-    for j0 in range(0, tl.max(tl.maximum(cnt_l, cnt_h)), UNROLL):
+    for j0 in range(first, tl.max(tl.maximum(cnt_l, cnt_h)), UNROLL * STRIDE):
         for jj in tl.static_range(UNROLL):  # in order: the sums as one escape a step
-            j = j0 + jj
+            j = j0 + jj * STRIDE
             has_l = j < cnt_l
             has_h = j < cnt_h
             idx_l = tl.load(esc_idx_ptr + start_l + j, mask=has_l, other=0)
@@ -467,6 +478,24 @@ def _escaped(a, xr, row, ok, lanes_ptr, K, y_scale, LANES: tl.constexpr, LANE_GR
     if LANES:
         s, e = _lane_walk(a, lanes_ptr, row, xr, 1, ok, K, LANES, LANE_GROUP)
     return (a - s) * y_scale + e
+
+
+@triton.jit
+def _walk_share(a0, a1, a2, a3, b0, b1, b2, b3, m0, m1, m2, m3, rl, rh, vl, vh, x_ptr, stride_xm, esc_row_ptr,
+                esc_idx_ptr, esc_val_ptr, M, K, pid_k, SPLIT_K: tl.constexpr, NT: tl.constexpr,
+                UNROLL: tl.constexpr):
+    """``ESC_SPLIT``: split pid_k's share of the table's escapes of rows rl and rh (escapes pid_k,
+    pid_k + SPLIT_K, ... of each row): the m-tile's sums a, b with the share's spurious x · 2^-15
+    taken back, then the share's Σ x · w of each element (8 [T] tensors, the partials' order)."""
+    xr0 = x_ptr + tl.minimum(m0, M - 1) * stride_xm
+    xr1 = x_ptr + tl.minimum(m1, M - 1) * stride_xm
+    xr2 = x_ptr + tl.minimum(m2, M - 1) * stride_xm
+    xr3 = x_ptr + tl.minimum(m3, M - 1) * stride_xm
+    sl, cl, sh, ch = _esc_rows(esc_row_ptr, rl, rh, vl, vh)
+    e0, e1, e2, e3, e4, e5, e6, e7, s0, s1, s2, s3, s4, s5, s6, s7 = _table_walk(
+        sl, cl, sh, ch, xr0, xr1, xr2, xr3, esc_idx_ptr, esc_val_ptr, K, NT, UNROLL, pid_k, SPLIT_K)
+    return (a0 - s0, a1 - s1, a2 - s2, a3 - s3, b0 - s4, b1 - s5, b2 - s6, b3 - s7,
+            e0, e1, e2, e3, e4, e5, e6, e7)
 
 
 @triton.jit
@@ -499,22 +528,27 @@ def _finish(
     LANES: tl.constexpr, LANE_GROUP: tl.constexpr, hw_ptr, xg_ptr, stride_xg, pid_m, BLOCK_M: tl.constexpr,
     GATED: tl.constexpr, RESIDUAL: tl.constexpr, HAND_IN: tl.constexpr, HAND_OUT: tl.constexpr,
     ROUND_BF16: tl.constexpr, EXPF: tl.constexpr, NT: tl.constexpr, ESC_UNROLL: tl.constexpr,
+    WALKED: tl.constexpr, w0, w1, w2, w3, w4, w5, w6, w7,
 ):
     """y from one m-tile's biased sums a (n-tile 0) and b (n-tile 1), [T] tensors: per element, the
     escapes of its W row take back their spurious x · 2^-15 and add x · w exactly, then the scale,
     then kernels/u12_fused_linear.py's epilogue where asked (``_out1``). Rows rl and rh are clamped,
     vl and vh where they are the block's; gated, rl is the output column's gate row and rh its up
-    row; sl, cl, sh, ch their escapes' ``_esc_rows``. Returns the stored values of x rows m0..m3 at
-    rows rl (and, not gated, rh): 0 where not stored."""
+    row; sl, cl, sh, ch their escapes' ``_esc_rows`` (unused where WALKED). WALKED (``ESC_SPLIT``):
+    a and b are the splits' sums with their spurious terms taken back, w0..w7 their escapes' summed
+    Σ x · w. Returns the stored values of x rows m0..m3 at rows rl (and, not gated, rh): 0 where not
+    stored."""
     xr0 = x_ptr + tl.minimum(m0, M - 1) * stride_xm
     xr1 = x_ptr + tl.minimum(m1, M - 1) * stride_xm
     xr2 = x_ptr + tl.minimum(m2, M - 1) * stride_xm
     xr3 = x_ptr + tl.minimum(m3, M - 1) * stride_xm
     z = tl.zeros(rl.shape, dtype=tl.float32)
     e0, e1, e2, e3, e4, e5, e6, e7, s0, s1, s2, s3, s4, s5, s6, s7 = z, z, z, z, z, z, z, z, z, z, z, z, z, z, z, z
-    if not LANES:
+    if WALKED:  # ESC_SPLIT: the splits took back their spurious terms; the escapes' Σ x · w handed in
+        e0, e1, e2, e3, e4, e5, e6, e7 = w0, w1, w2, w3, w4, w5, w6, w7
+    elif not LANES:
         e0, e1, e2, e3, e4, e5, e6, e7, s0, s1, s2, s3, s4, s5, s6, s7 = _table_walk(
-            sl, cl, sh, ch, xr0, xr1, xr2, xr3, esc_idx_ptr, esc_val_ptr, K, NT, ESC_UNROLL)
+            sl, cl, sh, ch, xr0, xr1, xr2, xr3, esc_idx_ptr, esc_val_ptr, K, NT, ESC_UNROLL, 0, 1)
     a0 = _escaped(a0, xr0, rl, vl, lanes_ptr, K, y_scale, LANES, LANE_GROUP, e0, s0)
     a1 = _escaped(a1, xr1, rl, vl, lanes_ptr, K, y_scale, LANES, LANE_GROUP, e1, s1)
     a2 = _escaped(a2, xr0, rh, vh, lanes_ptr, K, y_scale, LANES, LANE_GROUP, e2, s2)
@@ -617,6 +651,7 @@ def _u12_hmma_kernel(
     EXPF: tl.constexpr = False,  # GATED: libdevice's expf (GPU); else tl.exp
     ESC_UNROLL: tl.constexpr = 2,  # escapes a step of the table's walk (``_table_walk``)
     AHEAD: tl.constexpr = False,  # the next chunk's words loaded before this one's MMAs (one m-tile, BLOCK_W <= 32)
+    ESC_SPLIT: tl.constexpr = False,  # SPLIT_K > 1, the table: each split walks its share of the escapes
 ):
     pdl_enter(PDL)
     TILES: tl.constexpr = BLOCK_N // (16 * WARPS)  # m-tiles a warp: 1 or 2
@@ -739,8 +774,22 @@ def _u12_hmma_kernel(
 
     mb = pid_m * BLOCK_M + 2 * q
     m0, m1, m2, m3 = mb, mb + 1, mb + 8, mb + 9  # x rows of d0 / d2, d1 / d3, e0 / e2, e1 / e3
+    w0, w1, w2, w3, w4, w5, w6, w7 = zero, zero, zero, zero, zero, zero, zero, zero  # ESC_SPLIT: the escapes'
+    v0, v1, v2, v3, v4, v5, v6, v7 = zero, zero, zero, zero, zero, zero, zero, zero  # Σ x · w, m-tiles 0 and 1
     if SPLIT_K > 1:  # the serial split-K semaphore: the last program sums the partials in split order
         pk = part_ptr + pid_k * M * N
+        if ESC_SPLIT:  # this split's share of the escapes: its Σ x · w a second partial, SPLIT_K slots on
+            tl.static_assert(LANES == 0, "ESC_SPLIT walks the table")
+            pe = pk + SPLIT_K * M * N
+            d0, d1, d2, d3, e0, e1, e2, e3, w0, w1, w2, w3, w4, w5, w6, w7 = _walk_share(
+                d0, d1, d2, d3, e0, e1, e2, e3, m0, m1, m2, m3, rl0, rh0, vl0, vh0, x_ptr, stride_xm, esc_row_ptr,
+                esc_idx_ptr, esc_val_ptr, M, K, pid_k, SPLIT_K, NT, ESC_UNROLL)
+            _part_store(pe, w0, w1, w2, w3, w4, w5, w6, w7, m0, m1, m2, m3, lo0, hi0, vl0, vh0, M, N, NT)
+            if TILES == 2:
+                f0, f1, f2, f3, h0, h1, h2, h3, v0, v1, v2, v3, v4, v5, v6, v7 = _walk_share(
+                    f0, f1, f2, f3, h0, h1, h2, h3, m0, m1, m2, m3, rl1, rh1, vl1, vh1, x_ptr, stride_xm,
+                    esc_row_ptr, esc_idx_ptr, esc_val_ptr, M, K, pid_k, SPLIT_K, NT, ESC_UNROLL)
+                _part_store(pe, v0, v1, v2, v3, v4, v5, v6, v7, m0, m1, m2, m3, lo1, hi1, vl1, vh1, M, N, NT)
         _part_store(pk, d0, d1, d2, d3, e0, e1, e2, e3, m0, m1, m2, m3, lo0, hi0, vl0, vh0, M, N, NT)
         if TILES == 2:
             _part_store(pk, f0, f1, f2, f3, h0, h1, h2, h3, m0, m1, m2, m3, lo1, hi1, vl1, vh1, M, N, NT)
@@ -752,6 +801,13 @@ def _u12_hmma_kernel(
         if TILES == 2:
             f0, f1, f2, f3, h0, h1, h2, h3 = _part_sum(part_ptr, last, m0, m1, m2, m3, lo1, hi1, vl1, vh1,
                                                        M, N, SPLIT_K, NT)
+        if ESC_SPLIT:
+            pe = part_ptr + SPLIT_K * M * N
+            w0, w1, w2, w3, w4, w5, w6, w7 = _part_sum(pe, last, m0, m1, m2, m3, lo0, hi0, vl0, vh0, M, N,
+                                                       SPLIT_K, NT)
+            if TILES == 2:
+                v0, v1, v2, v3, v4, v5, v6, v7 = _part_sum(pe, last, m0, m1, m2, m3, lo1, hi1, vl1, vh1,
+                                                           M, N, SPLIT_K, NT)
         if last:
             tl.atomic_xchg(counter, 0)  # ready for the next launch (and CUDA graph replays)
     else:
@@ -761,22 +817,25 @@ def _u12_hmma_kernel(
         if HAND_IN:  # the block's rows' inv once; each element gathers its row's
             inv_blk = _row_inv_parts(parts_ptr, tl.minimum(pid_m * BLOCK_M + tl.arange(0, BLOCK_M), M - 1), M,
                                      n_parts, inv_k, eps, BLOCK_M, BLOCK_P)
-        sl0, cl0, sh0, ch0 = _esc_rows(esc_row_ptr, rl0, rh0, vl0, vh0)
+        WALKED: tl.constexpr = ESC_SPLIT and SPLIT_K > 1
+        sl0, cl0, sh0, ch0 = rl0, rl0, rl0, rl0  # (unused where WALKED or LANES)
+        if not WALKED and not LANES:
+            sl0, cl0, sh0, ch0 = _esc_rows(esc_row_ptr, rl0, rh0, vl0, vh0)
         sl1, cl1, sh1, ch1 = sl0, cl0, sh0, ch0
-        if TILES == 2:
+        if TILES == 2 and not WALKED and not LANES:
             sl1, cl1, sh1, ch1 = _esc_rows(esc_row_ptr, rl1, rh1, vl1, vh1)
         y0, y1, y2, y3, y4, y5, y6, y7 = _finish(
             d0, d1, d2, d3, e0, e1, e2, e3, m0, m1, m2, m3, rl0, rh0, vl0, vh0, inv_blk, sl0, cl0, sh0, ch0,
             x_ptr, esc_idx_ptr, esc_val_ptr, lanes_ptr, y_ptr, M, K, stride_xm, stride_ym, y_scale,
             LANES, LANE_GROUP, hw_ptr, xg_ptr, stride_xg, pid_m, BLOCK_M, GATED, RESIDUAL, HAND_IN, HAND_OUT,
-            ROUND_BF16, EXPF, NT, ESC_UNROLL)
+            ROUND_BF16, EXPF, NT, ESC_UNROLL, WALKED, w0, w1, w2, w3, w4, w5, w6, w7)
         z0, z1, z2, z3, z4, z5, z6, z7 = y0, y1, y2, y3, y4, y5, y6, y7
         if TILES == 2:
             z0, z1, z2, z3, z4, z5, z6, z7 = _finish(
                 f0, f1, f2, f3, h0, h1, h2, h3, m0, m1, m2, m3, rl1, rh1, vl1, vh1, inv_blk, sl1, cl1, sh1, ch1,
                 x_ptr, esc_idx_ptr, esc_val_ptr, lanes_ptr, y_ptr, M, K, stride_xm, stride_ym,
                 y_scale, LANES, LANE_GROUP, hw_ptr, xg_ptr, stride_xg, pid_m, BLOCK_M, GATED, RESIDUAL, HAND_IN,
-                HAND_OUT, ROUND_BF16, EXPF, NT, ESC_UNROLL)
+                HAND_OUT, ROUND_BF16, EXPF, NT, ESC_UNROLL, WALKED, v0, v1, v2, v3, v4, v5, v6, v7)
         if HAND_OUT:
             _parts_out(y0, y1, y2, y3, y4, y5, y6, y7, z0, z1, z2, z3, z4, z5, z6, z7, m0, m1, m2, m3,
                        parts_ptr, pid_n, M, WARPS, TILES, NT)
@@ -803,10 +862,11 @@ def launch_hmma(x: torch.Tensor, t: U12Tensor, y: torch.Tensor, cfg: U12Config, 
     n_words = k // 4
     x = aligned_rows(x, True)
     block_m = hmma_rows(m)
-    grid, words_per_split, part, counters = _split_k_plan(t, cfg, m, n_words, block_m)
+    lanes, n_lanes = lanes_args(t, block=True)
+    esc_split = ESC_SPLIT and not n_lanes and t.esc_idx.numel() > 0
+    grid, words_per_split, part, counters = _split_k_plan(t, cfg, m, n_words, block_m, slots=1 + esc_split)
     native = on_native(x)  # the interpreter runs no PTX
     sm, codes = t.sm.contiguous().view(torch.int32), t.codes.contiguous().view(torch.int16)
-    lanes, n_lanes = lanes_args(t, block=True)
     epi, flags, fused = epilogue_args(x, y, native, grid[0] * cfg.num_warps, gated, residual, hand_in, hand_out)
     hw, xg, parts, n_out, inv_k, eps, n_parts, stride_xg = epi
     _u12_hmma_kernel[grid](
@@ -819,6 +879,7 @@ def launch_hmma(x: torch.Tensor, t: U12Tensor, y: torch.Tensor, cfg: U12Config, 
         **cfg.launch_options(native, fp_fusion=not fused),
         **pdl_args(x.device), LANES=n_lanes, LANE_GROUP=lane_group(n_lanes), TILED=t.layout == "tiles", **flags,
         ESC_UNROLL=ESC_UNROLL, AHEAD=AHEAD and cfg.block_n == 16 * cfg.num_warps and cfg.block_w <= 32,
+        ESC_SPLIT=esc_split and grid[1] > 1,
     )
 
 

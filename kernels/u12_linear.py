@@ -1320,17 +1320,18 @@ def _launch_gemv2(x: torch.Tensor, t: U12Tensor, y: torch.Tensor, cfg: U12Config
     )
 
 
-def _split_k_plan(t: U12Tensor, cfg: U12Config, m: int, n_words: int, block_m: int):
+def _split_k_plan(t: U12Tensor, cfg: U12Config, m: int, n_words: int, block_m: int, slots: int = 1):
     """(grid (N blocks, splits, M blocks), words per split, fp32 partials, counters) of a split-K launch:
-    each split a whole number of block_w chunks, none empty; with one split the two buffers are
-    placeholders (unused; an fp32 and an int32 pointer keep the compiled types)."""
+    each split a whole number of block_w chunks, none empty; slots partials a split (2: the hmma
+    kernel's ``ESC_SPLIT``); with one split the two buffers are placeholders (unused; an fp32 and an
+    int32 pointer keep the compiled types)."""
     n = t.shape[0]
     split = max(1, min(cfg.split_k, triton.cdiv(n_words, cfg.block_w)))
     words_per_split = triton.cdiv(triton.cdiv(n_words, split), cfg.block_w) * cfg.block_w if n_words else 1
     split = max(1, triton.cdiv(n_words, words_per_split))  # no empty splits
     grid = (triton.cdiv(n, cfg.block_n), split, triton.cdiv(m, block_m))
     if split > 1:
-        part = torch.empty((split, m, n), dtype=torch.float32, device=t.device)
+        part = torch.empty((slots * split, m, n), dtype=torch.float32, device=t.device)
         counters = split_counters(t, grid[0] * grid[2], t.device)
     else:
         counters = t.esc_row_ptr

@@ -67,6 +67,11 @@ with tempfile.TemporaryDirectory() as tmp:
         u12_linear(x, w.with_layout("tiles"), split)
     out["ahead"] = [kernel_static.describe(c, Path(tmp)) for c in compiled]
     u12_hmma.AHEAD = False
+    u12_hmma.ESC_SPLIT = True  # the splits walk their shares of the escapes
+    with compile_only(90) as compiled:
+        u12_linear(x, w.with_layout("tiles"), split)
+    out["esc_split"] = [kernel_static.describe(c, Path(tmp)) for c in compiled]
+    u12_hmma.ESC_SPLIT = False
 out["native_after"] = native(x)
 out["driver_restored"] = driver._active is before
 print(json.dumps(out))
@@ -118,6 +123,21 @@ def test_words_ahead_stay_in_registers(hmma_facts):
     assert ops["LDG"] == one["loop_opcodes"]["LDG"] and ops["HMMA"] == one["loop_opcodes"]["HMMA"], (ops, one)
     assert not {"LDS", "STS", "BAR", "SHFL"} & ops.keys(), ops
     assert ahead["loop_instructions"] > one["loop_instructions"], (ahead["loop_instructions"], one["loop_instructions"])
+
+
+def test_escapes_walked_by_the_splits_leave_the_loop_alone(hmma_facts):
+    """``u12_hmma.ESC_SPLIT`` on the tiled split-K launch: the loop compiles to the same loads and
+    MMAs, no shared memory, about as long (the walk runs after it; ptxas schedules the addresses a
+    little otherwise), nothing spills at o's 128 registers, and the epilogue converts no layouts."""
+    (esc,), (one,) = hmma_facts["esc_split"], hmma_facts["split"]
+    assert esc["constexprs"]["SPLIT_K"] == 4 and esc["spill_bytes"] == 0 and esc["registers"] <= 128, esc
+    ops, base = esc["loop_opcodes"], one["loop_opcodes"]
+    assert ops["LDG"] == base["LDG"] and ops["HMMA"] == base["HMMA"], (ops, base)
+    assert not {"LDS", "STS", "BAR", "SHFL"} & ops.keys(), ops
+    assert abs(esc["loop_instructions"] - one["loop_instructions"]) <= 8, (esc["loop_instructions"], one["loop_instructions"])
+    ops = esc["kernel_opcodes"]
+    assert ops.get("BAR", 0) <= 8 and ops.get("STS", 0) <= 4, ops
+    assert esc["sass_instructions"] != one["sass_instructions"]  # the knob reached the kernel
 
 
 def test_tiled_planes_compile_to_the_rows_loop(hmma_facts):

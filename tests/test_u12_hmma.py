@@ -116,7 +116,7 @@ def test_one_n_tile_against_two(monkeypatch, m, kind):
     for narrow, rows in ((True, 8), (False, 16)):
         monkeypatch.setattr(u12_hmma, "NARROW", narrow)
         block_ms = []
-        monkeypatch.setattr(u12_hmma, "_split_k_plan", lambda *a: block_ms.append(a[-1]) or plan(*a))
+        monkeypatch.setattr(u12_hmma, "_split_k_plan", lambda *a, **kw: block_ms.append(a[4]) or plan(*a, **kw))
         y = u12_linear(x, t, cfg).float()
         assert block_ms == [rows]
         torch.testing.assert_close(y, ref, rtol=8e-3, atol=1e-4, equal_nan=True)
@@ -269,13 +269,87 @@ def test_words_loaded_a_chunk_ahead_give_the_same_sums(monkeypatch, m, n, k, kin
 
 
 class _Spy:
-    """A launcher's stand-in that records each launch's AHEAD and launches the kernel."""
+    """A launcher's stand-in that records each launch's `key` setting and launches the kernel."""
 
-    def __init__(self, kernel, seen: list) -> None:
-        self.kernel, self.seen = kernel, seen
+    def __init__(self, kernel, seen: list, key: str = "AHEAD") -> None:
+        self.kernel, self.seen, self.key = kernel, seen, key
 
     def __getitem__(self, grid):
         def launch(*args, **kwargs):
-            self.seen.append(kwargs.get("AHEAD"))
+            self.seen.append(kwargs.get(self.key))
             return self.kernel[grid](*args, **kwargs)
         return launch
+
+
+@pytest.mark.parametrize("m,n,k,cfg", [
+    (16, 64, 256, U12Config(32, 16, split_k=2, num_warps=2, **_HMMA)),  # 2 splits of one chunk
+    (9, 80, 384, U12Config(32, 32, split_k=3, num_warps=2, **_HMMA)),  # 3 splits, 9 rows: two n-tiles
+    (13, 48, 448, U12Config(32, 32, split_k=2, num_warps=1, **_HMMA)),  # two m-tiles a warp, a masked tail
+])
+def test_escapes_walked_by_the_splits(monkeypatch, m, n, k, cfg):
+    """``ESC_SPLIT`` (each split of a split-K launch walks escapes s, s + SPLIT_K, ... of its rows):
+    the reference's outputs within the kernel's tolerance on both layouts, non-finite weights
+    included; a wrong escape value shows; without a split (nothing to share) the one walk, bit for
+    bit."""
+    x, t = _make_inputs(_case(m, n, k, torch.bfloat16, "special"), DEVICE, n)
+    assert t.esc_row_ptr.diff().max() > cfg.split_k * u12_hmma.ESC_UNROLL  # some split walks more than a step
+    ref = u12_linear_reference(x, t).float()
+    launches = []
+    kernel = u12_hmma._u12_hmma_kernel
+    for layout in ("rows", "tiles"):
+        w = t.with_layout(layout)
+        monkeypatch.setattr(u12_hmma, "ESC_SPLIT", True)
+        with mock.patch.object(u12_hmma, "_u12_hmma_kernel", _Spy(kernel, launches, "ESC_SPLIT")):
+            y = u12_linear(x, w, cfg)
+        torch.testing.assert_close(y.float(), ref, rtol=8e-3, atol=1e-4, equal_nan=True)
+        bad = dataclasses.replace(w, esc_val=w.esc_val.clone())
+        lo, hi = int(w.esc_row_ptr[n // 2]), int(w.esc_row_ptr[n // 2 + 1])  # a middle row's escapes
+        assert hi > lo
+        bad.esc_val[lo:hi] = torch.tensor(4.0, dtype=torch.bfloat16).view(torch.int16)
+        assert not torch.equal(u12_linear(x, bad, cfg).view(torch.int16), y.view(torch.int16))
+        one = dataclasses.replace(cfg, split_k=1)
+        with mock.patch.object(u12_hmma, "_u12_hmma_kernel", _Spy(kernel, launches, "ESC_SPLIT")):
+            y1 = u12_linear(x, w, one)
+        monkeypatch.setattr(u12_hmma, "ESC_SPLIT", False)
+        assert torch.equal(y1.view(torch.int16), u12_linear(x, w, one).view(torch.int16))
+    assert launches == [True, False, True, False]
+
+
+@pytest.mark.parametrize("mode", ["residual", "hand_out", "hand_in"])
+def test_escapes_walked_by_the_splits_in_the_fused_epilogue(monkeypatch, mode):
+    """``ESC_SPLIT`` under u12_fused_linear's residual epilogue (o and down at 5+ rows), a norm handed
+    on (its parts) or handed in (its inv times the sums): the one walk's outputs to its rounding,
+    the reference's within the kernel's tolerance."""
+    from specpilot.kernels import u12_fused_linear as ufl
+    from specpilot.runtime.u12 import pack_u12
+
+    g = torch.Generator().manual_seed(7)
+    n, k, m = 48, 384, 16
+    w = 0.02 * torch.randn(n, k, generator=g)
+    ufl.plant_escapes(w, g, False)
+    t = pack_u12(w.to(torch.bfloat16)).with_layout("tiles").to(DEVICE)
+    x = torch.randn(m, k, generator=g).to(torch.bfloat16).to(DEVICE)
+    r = torch.randn(m, n, generator=g).to(torch.bfloat16).to(DEVICE)
+    parts = (0.5 + torch.rand(3, m, generator=g)).to(DEVICE) * k
+
+    def handoffs():
+        h_out = ufl.NormHandoff((1 + 0.1 * torch.randn(n, generator=torch.Generator().manual_seed(1))).to(
+            torch.bfloat16).to(DEVICE)) if mode == "hand_out" else None
+        h_in = ufl.NormHandoff(torch.ones(k, dtype=torch.bfloat16, device=DEVICE), 1e-6, xg=x,
+                               parts=parts.clone()) if mode == "hand_in" else None
+        return h_out, h_in
+
+    cfg = U12Config(32, 32, split_k=3, num_warps=1, **_HMMA)
+    outs = []
+    for esc_split in (False, True):
+        monkeypatch.setattr(u12_hmma, "ESC_SPLIT", esc_split)
+        h_out, h_in = handoffs()
+        outs.append((ufl.u12_fused_linear(x, t, residual=r.clone(), config=cfg, hand_out=h_out, hand_in=h_in), h_out))
+    (y0, h0), (y1, h1) = outs
+    torch.testing.assert_close(y1.float(), y0.float(), rtol=8e-3, atol=1e-3)
+    h_out, h_in = handoffs()
+    ref = ufl.u12_fused_linear_reference(x, t, residual=r.clone(), hand_out=h_out, hand_in=h_in)
+    torch.testing.assert_close(y1.float(), ref.float(), rtol=8e-3, atol=1e-3)
+    if mode == "hand_out":
+        torch.testing.assert_close(h1.parts.sum(0), h0.parts.sum(0), rtol=1e-3, atol=1e-3)
+        torch.testing.assert_close(h1.xg.float(), h0.xg.float(), rtol=8e-3, atol=1e-3)
