@@ -1,16 +1,18 @@
-"""The hmma kernel's register double buffer (kernels/u12_hmma.py's ``AHEAD``) at M = 16 on tiled
-weights, against the same kernel without it and cuBLAS bf16, at the Llama-3.1-8B layer shapes.
+"""The hmma kernel's untimed knobs (kernels/u12_hmma.py's ``AHEAD``, a register double buffer, and
+``ESC_SPLIT``, the escapes walked by the splits) at M = 16 on tiled weights, against the same kernel
+without them and cuBLAS bf16, at the Llama-3.1-8B layer shapes.
 
-Per shape (qkv, o, gate_up, down; random N(0, 0.02) weights, distinct copies of about 2 GB so every
-call reads HBM): cuBLAS; TUNED_TILES' config as it is ("tuned") and with AHEAD (its block_w at 32,
-the most AHEAD takes); 64-row programs of 4 warps held to 168 registers, and 16-row programs of one
-warp, each without and with AHEAD; 32-row programs of 2 warps at 128 registers with AHEAD. Each
-config is checked against x · Wᵀ in fp32 first (relative error under 1e-2), then timed as the median
-replay of a CUDA graph of one call per copy, twice, the minimum kept (bench/u12_linear.py's
-time_graph). Writes bench/results/u12_hmma_ahead_<gpu>.json (GPU, versions, commit) and prints a
-line a shape.
+Per shape (qkv, o, gate_up, down; random N(0, 0.02) weights, whose small values give escapes at
+about the real models' rate; distinct copies of about 2 GB so every call reads HBM): cuBLAS;
+TUNED_TILES' config as it is ("tuned"), with AHEAD (its block_w at 32, the most AHEAD takes), with
+ESC_SPLIT (split-K shapes) and with both; 64-row programs of 4 warps held to 168 registers, and
+16-row programs of one warp, each without and with AHEAD; 32-row programs of 2 warps at 128
+registers with AHEAD. Each config is checked against x · Wᵀ in fp32 first (relative error under
+1e-2), then timed as the median replay of a CUDA graph of one call per copy, twice, the minimum
+kept (bench/u12_linear.py's time_graph). Writes bench/results/u12_hmma_knobs_<gpu>.json (GPU,
+versions, commit) and prints a line a shape.
 
-    python bench/hmma_ahead.py [--shapes o,down,qkv,gate_up] [--out FILE]
+    python bench/hmma_knobs.py [--shapes o,down,qkv,gate_up] [--out FILE]
     (SPECPILOT_COMMIT=... names the commit where the tree has no .git)
 """
 
@@ -32,19 +34,25 @@ from u12_linear import SHAPES, git_commit, time_graph, write_result  # noqa: E40
 SPLIT = {"qkv": 4, "o": 8, "gate_up": 1, "down": 8}  # TUNED_TILES' splits
 
 
-def configs(name: str, tuned) -> list[tuple[str, object, bool]]:
+def configs(name: str, tuned) -> list[tuple[str, object, dict]]:
+    """(label, config, the u12_hmma knobs it runs with): a label ends in "-ahead" where AHEAD is on,
+    holds "-escsplit" where ESC_SPLIT is."""
     from specpilot.kernels.u12_linear import U12Config
 
     hmma = dict(num_stages=1, kernel="hmma", split_k=SPLIT[name])
-    return [
-        ("tuned", tuned, False),
-        ("tuned-ahead", dataclasses.replace(tuned, block_w=32), True),
-        ("w4-r168", U12Config(64, 32, num_warps=4, maxnreg=168, **hmma), False),
-        ("w4-r168-ahead", U12Config(64, 32, num_warps=4, maxnreg=168, **hmma), True),
-        ("w1-r168", U12Config(16, 32, num_warps=1, maxnreg=168, **hmma), False),
-        ("w1-r168-ahead", U12Config(16, 32, num_warps=1, maxnreg=168, **hmma), True),
-        ("w2-r128-ahead", U12Config(32, 32, num_warps=2, maxnreg=128, **hmma), True),
+    off, ahead, esc, both = (dict(AHEAD=a, ESC_SPLIT=e) for a, e in ((0, 0), (1, 0), (0, 1), (1, 1)))
+    rows = [
+        ("tuned", tuned, off),
+        ("tuned-ahead", dataclasses.replace(tuned, block_w=32), ahead),
+        ("w4-r168", U12Config(64, 32, num_warps=4, maxnreg=168, **hmma), off),
+        ("w4-r168-ahead", U12Config(64, 32, num_warps=4, maxnreg=168, **hmma), ahead),
+        ("w1-r168", U12Config(16, 32, num_warps=1, maxnreg=168, **hmma), off),
+        ("w1-r168-ahead", U12Config(16, 32, num_warps=1, maxnreg=168, **hmma), ahead),
+        ("w2-r128-ahead", U12Config(32, 32, num_warps=2, maxnreg=128, **hmma), ahead),
     ]
+    if SPLIT[name] > 1:  # ESC_SPLIT takes split-K launches only
+        rows += [("tuned-escsplit", tuned, esc), ("tuned-escsplit-ahead", dataclasses.replace(tuned, block_w=32), both)]
+    return [(label, cfg, {k: bool(v) for k, v in knobs.items()}) for label, cfg, knobs in rows]
 
 
 def main() -> int:
@@ -53,7 +61,7 @@ def main() -> int:
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     if not torch.cuda.is_available():
-        sys.exit("bench/hmma_ahead.py times CUDA kernels: it needs a GPU.")
+        sys.exit("bench/hmma_knobs.py times CUDA kernels: it needs a GPU.")
     import specpilot.kernels.u12_hmma as hm
     from specpilot.kernels.u12_linear import TUNED_TILES, u12_linear
     from specpilot.runtime.u12 import pack_u12
@@ -71,14 +79,14 @@ def main() -> int:
         times: dict[str, list[float]] = {}
         for _ in range(2):
             times.setdefault("cublas", []).append(time_graph([lambda w=w: torch.matmul(x, w.T) for w in ws]) * 1e3 / copies)
-            for label, cfg, ahead in cfgs:
-                hm.AHEAD = ahead
+            for label, cfg, knobs in cfgs:
+                hm.AHEAD, hm.ESC_SPLIT = knobs["AHEAD"], knobs["ESC_SPLIT"]
                 err = ((u12_linear(x, packed[0], cfg).float() - ref).abs().max() / ref.abs().max()).item()
                 if not err < 1e-2:
                     sys.exit(f"{name} {label} ({cfg}): relative error {err:.3g} against x · Wᵀ")
                 times.setdefault(label, []).append(
                     time_graph([lambda t=t, cfg=cfg: u12_linear(x, t, cfg) for t in packed]) * 1e3 / copies)
-        hm.AHEAD = False
+        hm.AHEAD, hm.ESC_SPLIT = False, False
         best = {label: min(v) for label, v in times.items()}
         rows.append(dict(name=name, N=n, K=k, M=16, us=best, configs={label: str(c) for label, c, _ in cfgs}))
         print(f"{name:8}" + " ".join(f" {label} {us:.2f}" for label, us in best.items()), flush=True)
@@ -86,12 +94,12 @@ def main() -> int:
         torch.cuda.empty_cache()
     gpu = torch.cuda.get_device_name()
     result = dict(
-        benchmark="hmma_ahead", what=__doc__.split("\n\n")[0].replace("\n", " "),
+        benchmark="hmma_knobs", what=__doc__.split("\n\n")[0].replace("\n", " "),
         timing="median replay of a CUDA graph of one call per distinct weight copy (about 2 GB), min of two; us",
         gpu=gpu, torch=torch.__version__, triton=triton.__version__, python=platform.python_version(),
-        git_commit=git_commit(("kernels/u12_hmma.py", "bench/hmma_ahead.py")),
+        git_commit=git_commit(("kernels/u12_hmma.py", "bench/hmma_knobs.py")),
         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), rows=rows)
-    print("wrote", write_result(result, args.out, "u12_hmma_ahead", gpu))
+    print("wrote", write_result(result, args.out, "u12_hmma_knobs", gpu))
     return 0
 
 

@@ -29,7 +29,8 @@
 #   tiles    the M = 16 sweep (mma and hmma) on tiled weights beside row planes (bench/u12_linear.py --layouts
 #            rows,tiles), then verify(16) interleaved with the sweep's best (u12-sweep, u12-tiles-sweep)
 #   tilesab  the tiled layout's GPU tests, then the AR and verify(16) steps interleaved (u12-tiles beside u12)
-#   ahead    the hmma kernel's register double buffer (u12_hmma.AHEAD) at M = 16 on tiles (bench/hmma_ahead.py), its GPU tests
+#   knobs    the hmma kernel's untimed knobs (u12_hmma.AHEAD, ESC_SPLIT) at M = 16 on tiles (bench/hmma_knobs.py),
+#            their GPU tests, then verify(16) interleaved (u12-tiles-ahead, u12-tiles-esc-split beside u12-tiles)
 #   tiles1   the one-row gemv2 sweep on tiled weights beside row planes, in CUDA graphs
 #   fewrows  the hmma and mma kernels' GPU tests, then verify(4) and verify(8) interleaved (bench/step_ab.py
 #            --q 4 and 8: the tensor-core kernels at 3..8 rows against gemv2 at 4 and the hmma kernel's two n-tiles)
@@ -60,6 +61,10 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   export PYTHONPATH=/tmp/site
 fi
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+# the results files' suffix: the GPU they were measured on (h100 or h200 from this tool's machines)
+GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1 | grep -oiE 'h100|h200|a100|b200|l40s' | head -n 1 \
+  | tr '[:upper:]' '[:lower:]')
+: "${GPU:=gpu}"
 
 run() {  # run NAME SECONDS CMD...: output to $LOGS/NAME.log, its last lines here
   local name=$1 limit=$2; shift 2
@@ -84,58 +89,58 @@ tests() {
 }
 steps() {  # steps [NAME SHAPE...]
   local name=${1:-llama}; shift || true
-  TAIL=40 run step_times 260 python bench/step_times.py --shapes "${@:-llama-3.1-8b}" --out "$OUT/step_times_${name}_h200.json"
+  TAIL=40 run step_times 260 python bench/step_times.py --shapes "${@:-llama-3.1-8b}" --out "$OUT/step_times_${name}_${GPU}.json"
 }
-ab() { TAIL=8 run step_ab 360 python bench/step_ab.py --out "$OUT/step_ab_h200.json"; }
-attention() { run attention 100 python bench/attention_split_kv.py --out "$OUT/attention_split_kv_h200.json"; }
+ab() { TAIL=8 run step_ab 360 python bench/step_ab.py --out "$OUT/step_ab_${GPU}.json"; }
+attention() { run attention 100 python bench/attention_split_kv.py --out "$OUT/attention_split_kv_${GPU}.json"; }
 attnvar() {  # ATTN_ARGS, e.g. "--capacity 2048" (the step bench's cache)
-  TAIL=90 run attention_variants 300 python bench/attention_variants.py ${ATTN_ARGS:-} --out "$OUT/attention_variants_h200.json"
+  TAIL=90 run attention_variants 300 python bench/attention_variants.py ${ATTN_ARGS:-} --out "$OUT/attention_variants_${GPU}.json"
 }
 u12() {
   TAIL=4 run u12_tests 200 python -m pytest -q -x -p no:cacheprovider tests/test_u12_gemv.py tests/test_u12_format.py \
     tests/test_u12_mma.py tests/test_u12_fused_linear.py
   TAIL=4 run u12_registry 150 python -m pytest -q -x -p no:cacheprovider tests/test_kernels.py -k u12
   # U12_ARGS narrows the sweep, e.g. "--ms 1,4 --kernels gemv2 --budget-s 150"
-  TAIL=30 run u12_linear 280 python bench/u12_linear.py --budget-s 110 ${U12_ARGS:-} --out "$OUT/u12_linear_nvidia_h200.json"
+  TAIL=30 run u12_linear 280 python bench/u12_linear.py --budget-s 110 ${U12_ARGS:-} --out "$OUT/u12_linear_nvidia_${GPU}.json"
 }
 hmma() {
   TAIL=4 run hmma_tests 150 python -m pytest -q -x -p no:cacheprovider tests/test_u12_hmma.py tests/test_kernels.py -k hmma
   TAIL=40 run u12_linear_hmma "$((HMMA_BUDGET_S + 130))" python bench/u12_linear.py --ms 16 --kernels "$HMMA_KERNELS" \
     --graph --budget-s "$HMMA_BUDGET_S" \
-    --out "$OUT/u12_linear_hmma_h200.json"
+    --out "$OUT/u12_linear_hmma_${GPU}.json"
 }
 bf16tune() {  # fused_linear's one-row configs timed in CUDA graphs, then the AR step with the best of them beside TUNED's
   TAIL=24 run fused_linear_graph 330 python bench/fused_linear.py --ms 1 --graph --no-layer --budget-s 220 \
-    --out "$OUT/fused_linear_graph_h200.json"
-  TAIL=16 run step_ab 240 python bench/step_ab.py --bf16-tuned "$OUT/fused_linear_graph_h200.json" \
-    --out "$OUT/step_ab_h200.json"
+    --out "$OUT/fused_linear_graph_${GPU}.json"
+  TAIL=16 run step_ab 240 python bench/step_ab.py --bf16-tuned "$OUT/fused_linear_graph_${GPU}.json" \
+    --out "$OUT/step_ab_${GPU}.json"
 }
 u12tune() {  # u12_linear's one-row configs timed in CUDA graphs, then the AR step with the best of them beside TUNED's
   TAIL=24 run u12_linear_graph 330 python bench/u12_linear.py --ms 1 --kernels gemv2 --graph --budget-s 200 \
-    --out "$OUT/u12_linear_gemv2_graph_h200.json"
-  TAIL=16 run step_ab 240 python bench/step_ab.py --u12-tuned "$OUT/u12_linear_gemv2_graph_h200.json" \
-    --out "$OUT/step_ab_h200.json"
+    --out "$OUT/u12_linear_gemv2_graph_${GPU}.json"
+  TAIL=16 run step_ab 240 python bench/step_ab.py --u12-tuned "$OUT/u12_linear_gemv2_graph_${GPU}.json" \
+    --out "$OUT/step_ab_${GPU}.json"
 }
 u12fusedtune() {  # u12_fused_linear's one-row configs in the step's modes, then the AR step with the best of them
   TAIL=24 run u12_fused_linear 330 python bench/u12_fused_linear.py --budget-s 240 \
-    --out "$OUT/u12_fused_linear_h200.json"
-  TAIL=16 run step_ab 240 python bench/step_ab.py --u12-fused-tuned "$OUT/u12_fused_linear_h200.json" \
-    --out "$OUT/step_ab_h200.json"
+    --out "$OUT/u12_fused_linear_${GPU}.json"
+  TAIL=16 run step_ab 240 python bench/step_ab.py --u12-fused-tuned "$OUT/u12_fused_linear_${GPU}.json" \
+    --out "$OUT/step_ab_${GPU}.json"
 }
 verify16() {  # fused_linear at the verify rows VERIFY_QS (default 16) timed in CUDA graphs (and its layer
   # proxy), then verify(q) for each q with it beside cuBLAS
   local qs=${VERIFY_QS:-16} sweep
-  sweep="$OUT/fused_linear_m${qs// /_}_graph_h200.json"
+  sweep="$OUT/fused_linear_m${qs// /_}_graph_${GPU}.json"
   TAIL=24 run fused_linear_verify 330 python bench/fused_linear.py --ms "${qs// /,}" --graph \
     --budget-s "${VERIFY_BUDGET:-100}" --out "$sweep"
   for q in $qs; do
     TAIL=16 run "step_ab_verify$q" 240 python bench/step_ab.py --q "$q" --bf16-tuned "$sweep" \
-      --out "$OUT/step_ab_verify${q}_h200.json"
+      --out "$OUT/step_ab_verify${q}_${GPU}.json"
   done
 }
 verifyab() {  # verify(16) interleaved, without a new fused_linear sweep
   TAIL=16 run step_ab_verify16 240 python bench/step_ab.py --q 16 \
-    --bf16-tuned bench/results/fused_linear_m16_graph_h200.json --out "$OUT/step_ab_verify16_h200.json"
+    --bf16-tuned bench/results/fused_linear_m16_graph_h200.json --out "$OUT/step_ab_verify16_${GPU}.json"
 }
 u12verify() {  # the u12 kernels on the GPU (about 9 minutes of compiles: their own command), then verifyab
   TAIL=4 run u12_tests 540 python -m pytest -q -x -p no:cacheprovider tests/test_u12_mma.py tests/test_u12_hmma.py \
@@ -145,40 +150,42 @@ u12verify() {  # the u12 kernels on the GPU (about 9 minutes of compiles: their 
 tiles() {  # tiled weights at M = 16: the tensor-core kernels on both layouts, then verify(16) with the best
   # (each swept config is checked against the reference first)
   TAIL=40 run u12_linear_tiles 330 python bench/u12_linear.py --ms 16 --kernels mma,hmma --layouts rows,tiles --graph \
-    --budget-s 220 --out "$OUT/u12_linear_tiles_h200.json"
-  TAIL=18 run step_ab_verify16 240 python bench/step_ab.py --q 16 --u12-tuned "$OUT/u12_linear_tiles_h200.json" \
-    --out "$OUT/step_ab_verify16_h200.json"
+    --budget-s 220 --out "$OUT/u12_linear_tiles_${GPU}.json"
+  TAIL=18 run step_ab_verify16 240 python bench/step_ab.py --q 16 --u12-tuned "$OUT/u12_linear_tiles_${GPU}.json" \
+    --out "$OUT/step_ab_verify16_${GPU}.json"
 }
 tilesab() {  # the tiled layout on the GPU: its tests, then the AR and verify(16) steps with u12-tiles
   TAIL=4 run tiles_tests 150 python -m pytest -q -x -p no:cacheprovider tests/test_u12_layout.py
-  TAIL=24 run step_ab 260 python bench/step_ab.py --out "$OUT/step_ab_h200.json"
-  TAIL=18 run step_ab_verify16 170 python bench/step_ab.py --q 16 --out "$OUT/step_ab_verify16_h200.json"
+  TAIL=24 run step_ab 260 python bench/step_ab.py --out "$OUT/step_ab_${GPU}.json"
+  TAIL=18 run step_ab_verify16 170 python bench/step_ab.py --q 16 --out "$OUT/step_ab_verify16_${GPU}.json"
 }
-ahead() {  # the hmma kernel's register double buffer (u12_hmma.AHEAD) at M = 16 on tiles, then its GPU tests
-  TAIL=6 run hmma_ahead 300 python bench/hmma_ahead.py --out "$OUT/u12_hmma_ahead_h200.json"
-  TAIL=4 run ahead_tests 200 python -m pytest -q -x -p no:cacheprovider tests/test_u12_hmma.py -k ahead
+knobs() {  # the hmma kernel's untimed knobs at M = 16 on tiles, their GPU tests, then verify(16) interleaved
+  TAIL=6 run hmma_knobs 240 python bench/hmma_knobs.py --out "$OUT/u12_hmma_knobs_${GPU}.json"
+  TAIL=4 run knob_tests 150 python -m pytest -q -x -p no:cacheprovider tests/test_u12_hmma.py \
+    -k "ahead or walked_by_the_splits"
+  verifyab
 }
 tiles1() {  # one row on tiled weights: gemv2's configs on both layouts in CUDA graphs
   TAIL=24 run u12_linear_tiles1 330 python bench/u12_linear.py --ms 1 --kernels gemv2 --layouts rows,tiles --graph \
-    --budget-s 220 --out "$OUT/u12_linear_gemv2_tiles_h200.json"
+    --budget-s 220 --out "$OUT/u12_linear_gemv2_tiles_${GPU}.json"
 }
 fewrows() {  # the tensor-core kernels at few rows: GPU tests, then verify(4) and verify(8) interleaved
   TAIL=4 run fewrows_tests 150 python -m pytest -q -x -p no:cacheprovider tests/test_u12_hmma.py tests/test_u12_mma.py \
     tests/test_kernels.py -k "hmma or mma"
   for q in 4 8; do
-    TAIL=16 run "step_ab_verify$q" 240 python bench/step_ab.py --q "$q" --out "$OUT/step_ab_verify${q}_h200.json"
+    TAIL=16 run "step_ab_verify$q" 240 python bench/step_ab.py --q "$q" --out "$OUT/step_ab_verify${q}_${GPU}.json"
   done
 }
 fewsweep() {  # u12_linear's few-row configs in CUDA graphs against cuBLAS (the mma kernel at TUNED's 16-row
   # configs only: its programs are 16 rows whatever M is)
   TAIL=30 run u12_linear_few_rows 560 python bench/u12_linear.py --ms 4,8 --kernels gemv2,hmma --graph \
-    --no-step --budget-s 400 --out "$OUT/u12_linear_few_rows_graph_h200.json"
+    --no-step --budget-s 400 --out "$OUT/u12_linear_few_rows_graph_${GPU}.json"
 }
 linear() {  # the fused_linear and u12_mma kernels: GPU tests, then their sweeps against cuBLAS
   TAIL=4 run linear_tests 150 python -m pytest -q -x -p no:cacheprovider tests/test_fused_linear.py \
     tests/test_u12_mma.py tests/test_kernels.py -k "fused_linear or u12_mma"
   TAIL=30 run fused_linear 240 python bench/fused_linear.py --budget-s "${LINEAR_BUDGET:-110}" \
-    --out "$OUT/fused_linear_h200.json"
+    --out "$OUT/fused_linear_${GPU}.json"
 }
 ncu_linear() {  # Nsight Compute's counters for one launch of each layer linear, fused_linear and cuBLAS
   local bin
@@ -188,14 +195,14 @@ ncu_linear() {  # Nsight Compute's counters for one launch of each layer linear,
     --section MemoryWorkloadAnalysis --section WarpStateStats --section LaunchStats --section Occupancy \
     --log-file "$OUT/linear_ncu.txt" python bench/linear_ncu.py --ms "${NCU_MS:-1,16}" ${NCU_ARGS:-}
 }
-peers() { run hf_peers 260 python bench/hf_peers.py --out "$OUT/hf_peers_h200.json"; }
+peers() { run hf_peers 260 python bench/hf_peers.py --out "$OUT/hf_peers_${GPU}.json"; }
 train() { TAIL=40 run train 560 python -m train.train_zoo --data .cache/zoo --out /tmp/zoo --pack "$OUT"; }
 trees() {
   run tree_tau_fused 120 python bench/tree_tau.py examples/pipeline.yaml examples/pard.yaml --device cuda \
-    --repeats 1 --graphs --fused --out "$OUT/tree_tau_fused_h200.json"
+    --repeats 1 --graphs --fused --out "$OUT/tree_tau_fused_${GPU}.json"
 }
-tau() { run zoo_tau 100 python bench/zoo_tau.py --num-prompts 8 --device cuda --passes cuda-graphs --out "$OUT/zoo_tau_h200.json"; }
-e2e() { run zoo_e2e 150 python bench/zoo_e2e.py --num-prompts 8 --max-new-tokens 64 --out "$OUT/zoo_e2e_h200.json"; }
+tau() { run zoo_tau 100 python bench/zoo_tau.py --num-prompts 8 --device cuda --passes cuda-graphs --out "$OUT/zoo_tau_${GPU}.json"; }
+e2e() { run zoo_e2e 150 python bench/zoo_e2e.py --num-prompts 8 --max-new-tokens 64 --out "$OUT/zoo_e2e_${GPU}.json"; }
 zoo() {
   if [ -n "${ZOO_DIR:-}" ]; then
     for pair in "$ZOO_DIR"/*/; do rm -rf "zoo/$(basename "$pair")"; cp -r "$pair" "zoo/$(basename "$pair")"; done
@@ -204,16 +211,16 @@ zoo() {
   e2e
   tau
   run tree_tau 150 python bench/tree_tau.py examples/pipeline.yaml examples/pard.yaml --device cuda --repeats 1 \
-    --graphs --out "$OUT/tree_tau_graphs_h200.json"
+    --graphs --out "$OUT/tree_tau_graphs_${GPU}.json"
   trees
   run zoo_tau_next 60 python bench/zoo_tau.py --pair code-qwen3-next --drafters dflash --num-prompts 8 \
-    --device cuda --out "$OUT/zoo_tau_next_h200.json"
+    --device cuda --out "$OUT/zoo_tau_next_${GPU}.json"
 }
 
 for group in "${@:?group...}"; do
   case "$group" in
     ncu) ncu_linear ;;
-    tests | attntests | lineartests | ab | ahead | attention | attnvar | u12 | hmma | bf16tune | u12tune | verify16 | verifyab | \
+    tests | attntests | lineartests | ab | knobs | attention | attnvar | u12 | hmma | bf16tune | u12tune | verify16 | verifyab | \
       u12verify | tiles | tilesab | tiles1 | fewrows | fewsweep | u12fusedtune | linear | peers | train | trees | e2e | tau | zoo) "$group" ;;
     steps) steps ;;
     qwen) steps qwen qwen3-8b ;;

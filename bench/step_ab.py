@@ -37,7 +37,8 @@ default 4; --q above 1 only); u12-gemv-rows (gemv2 at 3..4 rows, the default bef
 kernels took them: ``u12_linear.TENSOR_CORE_ROWS``; --q 3 or 4); u12-hmma-wide (the hmma kernel's
 two n-tiles at up to 8 rows, ``u12_hmma.NARROW`` off; --q 2..8); u12-tiles (the default u12 step with
 every weight tiled, ``U12Tensor.layout``: gemv2 and the fused GEMV on the tiles at one row, TUNED_TILES'
-hmma configs from 3 rows; u12-tiles-sweep: with a --u12-tuned file's tiled configs); u12-sweep and u12-fused-sweep
+hmma configs from 3 rows; u12-tiles-sweep: with a --u12-tuned file's tiled configs; u12-tiles-ahead and
+u12-tiles-esc-split: with ``u12_hmma.AHEAD`` or ``u12_hmma.ESC_SPLIT``, --q above 1); u12-sweep and u12-fused-sweep
 (the default u12 step with u12_linear's, or u12_fused_linear's, TUNED entries for the step's rows
 taken from a sweep's results file: --u12-tuned, --u12-fused-tuned); bf16-default, bf16-r128 (the bf16 step at other register budgets:
 ``BF16_VARIANTS``; not under --smoke, whose tiny shapes TUNED does not hold). With --q above 1 (a
@@ -119,6 +120,10 @@ U12_VERIFY_KNOB_VARIANTS = {  # the same, for a verify step (--q above 1: the mm
 U12_FEW_ROWS_KNOB_VARIANTS = {  # name: (the rows q it applies to, settings): verify steps of few rows
     "u12-gemv-rows": ((3, 4), dict(TENSOR_CORE_ROWS=5)),  # gemv2 at 3..4 rows, the default before
     "u12-hmma-wide": ((2, 8), {"u12_hmma.NARROW": False}),  # the hmma kernel's two n-tiles at <= 8 rows
+}
+TILES_KNOB_VARIANTS = {  # name: knobs over u12-tiles (--q above 1)
+    "u12-tiles-ahead": {"u12_hmma.AHEAD": True},  # the hmma loop's register double buffer
+    "u12-tiles-esc-split": {"u12_hmma.ESC_SPLIT": True},  # a split-K launch's escapes walked by its splits
 }
 KNOB_MODULES = {"u12_linear": u12_linear, "u12_hmma": u12_hmma, "u12_fused_linear": u12_fused_linear}
 
@@ -258,6 +263,10 @@ def capture(shape: str, variants: bool, extra_bf16: dict | None = None, extra_u1
     st.tile_u12(model)
     with fused_path(model):  # the default u12 step on tiled weights: TUNED_TILES from 3 rows
         graphs["u12-tiles"] = capture_step()
+        if q > 1:  # the hmma kernel's knobs, not yet defaults, on the tiles they were built for
+            for name, knobs in TILES_KNOB_VARIANTS.items():
+                with knobs_set(knobs):
+                    graphs[name] = capture_step()
         for name, override in (extra_u12_tiles or {}).items():  # at a sweep's configs for tiled weights
             with _tuned(u12_linear.TUNED_TILES, override):
                 graphs[name] = capture_step()

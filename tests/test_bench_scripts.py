@@ -227,19 +227,23 @@ def test_readme_tables_are_generated_from_the_results_files() -> None:
     assert readme_tables.render(readme) == readme
 
 
-def test_hmma_ahead_bench_times_the_double_buffer_where_it_says_so():
-    """bench/hmma_ahead.py: every "-ahead" config is one AHEAD takes (one m-tile a warp, block_w at
-    most 32; launch_hmma otherwise runs the one-stage loop and the row would time that), every other
-    config is timed without it, and TUNED_TILES holds each shape it times."""
-    import hmma_ahead
+def test_hmma_knobs_bench_times_each_knob_where_it_says_so():
+    """bench/hmma_knobs.py: every "-ahead" config is one AHEAD takes (one m-tile a warp, block_w at
+    most 32; launch_hmma otherwise runs the one-stage loop and the row would time that), every
+    "-escsplit" config a split-K launch (ESC_SPLIT's only), each other config timed without the
+    knob, and TUNED_TILES holds each shape it times."""
+    import hmma_knobs
 
     from specpilot.kernels.u12_linear import TUNED_TILES
 
-    for name, (n, k) in {s: hmma_ahead.SHAPES[s] for s in hmma_ahead.SPLIT}.items():
-        cfgs = hmma_ahead.configs(name, TUNED_TILES[(16, n, k)])
+    for name, (n, k) in {s: hmma_knobs.SHAPES[s] for s in hmma_knobs.SPLIT}.items():
+        cfgs = hmma_knobs.configs(name, TUNED_TILES[(16, n, k)])
         assert len({label for label, _, _ in cfgs}) == len(cfgs)
-        for label, cfg, ahead in cfgs:
-            assert ahead == label.endswith("-ahead"), label
-            if ahead:
+        for label, cfg, knobs in cfgs:
+            assert knobs["AHEAD"] == label.endswith("-ahead"), label
+            assert knobs["ESC_SPLIT"] == ("-escsplit" in label), label
+            if knobs["AHEAD"]:
                 assert cfg.block_n == 16 * cfg.num_warps and cfg.block_w <= 32, (name, label, cfg)
-            assert cfg.kernel == "hmma" and cfg.split_k == hmma_ahead.SPLIT[name]
+            assert cfg.kernel == "hmma" and cfg.split_k == hmma_knobs.SPLIT[name]
+            assert not knobs["ESC_SPLIT"] or cfg.split_k > 1, (name, label)
+        assert any(knobs["ESC_SPLIT"] for _, _, knobs in cfgs) == (hmma_knobs.SPLIT[name] > 1)
