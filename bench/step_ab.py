@@ -38,7 +38,9 @@ kernels took them: ``u12_linear.TENSOR_CORE_ROWS``; --q 3 or 4); u12-hmma-wide (
 two n-tiles at up to 8 rows, ``u12_hmma.NARROW`` off; --q 2..8); u12-tiles (the default u12 step with
 every weight tiled, ``U12Tensor.layout``: gemv2 and the fused GEMV on the tiles at one row, TUNED_TILES'
 hmma configs from 3 rows; u12-tiles-sweep: with a --u12-tuned file's tiled configs; u12-tiles-ahead and
-u12-tiles-esc-split: with ``u12_hmma.AHEAD`` or ``u12_hmma.ESC_SPLIT``, --q above 1); u12-sweep and u12-fused-sweep
+u12-tiles-esc-split: with ``u12_hmma.AHEAD`` or ``u12_hmma.ESC_SPLIT``; u12-tiles-many-rows: with U12_MANY_ROWS, the
+fused epilogues and norm handoff on the tiles; u12-tiles-pdl-wait, u12-tiles-many-rows-pdl-wait and
+bf16-linear-pdl-wait: those steps in PDL mode 2, not under --smoke; all --q above 1); u12-sweep and u12-fused-sweep
 (the default u12 step with u12_linear's, or u12_fused_linear's, TUNED entries for the step's rows
 taken from a sweep's results file: --u12-tuned, --u12-fused-tuned); bf16-default, bf16-r128 (the bf16 step at other register budgets:
 ``BF16_VARIANTS``; not under --smoke, whose tiny shapes TUNED does not hold). With --q above 1 (a
@@ -194,6 +196,41 @@ def tuned_from_sweep(path: Path, config_type: type, m_key: int = 1, layout: str 
             if e["key"][0] == m_key and e.get("layout", "rows") == layout}
 
 
+class Replay:
+    """A captured step: calling it replays the graph; ``logits()`` is what the last replay wrote."""
+
+    def __init__(self, replay, held: dict) -> None:
+        self.replay, self.held = replay, held
+
+    def __call__(self) -> None:
+        self.replay()
+
+    def logits(self) -> torch.Tensor:
+        return self.held["logits"]
+
+
+def check_outputs(graphs: dict) -> dict[str, dict]:
+    """Each variant's logits after one replay against the bf16 step's (the same weights, u12's
+    lossless): the largest difference, and the share of positions whose greedy token agrees. A
+    variant whose kernels raced or read the wrong buffers shows here; rounding alone moves random
+    weights' logits by a few hundredths and may flip a near tie."""
+    def replayed(g) -> torch.Tensor:
+        g()
+        if st.DEVICE == "cuda":
+            torch.cuda.synchronize()
+        return g.logits().float().clone()
+
+    out = {}
+    with torch.inference_mode():
+        ref = replayed(graphs["bf16"])
+        for name, g in graphs.items():
+            y = replayed(g)
+            out[name] = dict(max_abs_diff_vs_bf16=(y - ref).abs().max().item(),
+                             greedy_agree_vs_bf16=(y.argmax(-1) == ref.argmax(-1)).float().mean().item(),
+                             finite=bool(torch.isfinite(y).all()))
+    return out
+
+
 @torch.inference_mode()
 def capture(shape: str, variants: bool, extra_bf16: dict | None = None, extra_u12: dict | None = None,
             q: int = 1, extra_u12_fused: dict | None = None, extra_u12_tiles: dict | None = None) -> tuple[dict, list]:
@@ -212,7 +249,12 @@ def capture(shape: str, variants: bool, extra_bf16: dict | None = None, extra_u1
     def capture_step():
         cache = model.new_cache(1, st.CAPACITY, device_length=True)
         keep.append(cache)
-        return st.graphed(lambda: (cache.length.copy_(start), model(ids, cache))[1])
+        held = {}
+
+        def step():
+            cache.length.copy_(start)
+            held["logits"] = model(ids, cache).logits  # a graph's output: its last capture's tensor
+        return Replay(st.graphed(step), held)
 
     with fused_path(model):
         graphs["bf16"] = capture_step()
@@ -233,6 +275,9 @@ def capture(shape: str, variants: bool, extra_bf16: dict | None = None, extra_u1
             model.fused.ops = dataclasses.replace(ops, **at_q)
             with _tuned(fused_linear.TUNED, (extra_bf16 or {}).get("bf16-sweep", {})):
                 graphs["bf16-linear"] = capture_step()
+                if variants:  # the same in PDL mode 2 (beside u12-tiles-pdl-wait)
+                    with overlap(pdl=2):
+                        graphs["bf16-linear-pdl-wait"] = capture_step()
                 if variants:  # each norm prologue reading x, as before RowSquares
                     model.fused.ops = dataclasses.replace(ops, **at_q, row_squares=False)
                     graphs["bf16-linear-nosq"] = capture_step()
@@ -267,6 +312,16 @@ def capture(shape: str, variants: bool, extra_bf16: dict | None = None, extra_u1
             for name, knobs in TILES_KNOB_VARIANTS.items():
                 with knobs_set(knobs):
                     graphs[name] = capture_step()
+            ops = model.fused.ops  # u12_fused_linear's epilogues and norm handoff on the tiles (U12_MANY_ROWS)
+            model.fused.ops = dataclasses.replace(ops, **U12_VERIFY_VARIANTS["u12-many-rows"])
+            graphs["u12-tiles-many-rows"] = capture_step()
+            model.fused.ops = ops
+            if variants:  # PDL mode 2 at q rows (the forward's default is mode 0 above GEMV_ROWS)
+                with overlap(pdl=2):
+                    graphs["u12-tiles-pdl-wait"] = capture_step()
+                    model.fused.ops = dataclasses.replace(ops, **U12_VERIFY_VARIANTS["u12-many-rows"])
+                    graphs["u12-tiles-many-rows-pdl-wait"] = capture_step()
+                    model.fused.ops = ops
         for name, override in (extra_u12_tiles or {}).items():  # at a sweep's configs for tiled weights
             with _tuned(u12_linear.TUNED_TILES, override):
                 graphs[name] = capture_step()
@@ -327,10 +382,11 @@ def main() -> int:
             order = names[r % len(names):] + names[: r % len(names)]  # rotated: no variant always first
             for n in order:
                 per_round[n].append(statistics.median(st.time_fn(graphs[n], args.repeats)) * 1e3)
+    checks = check_outputs(graphs)
     rows = []
     for n in names:
         ms = per_round[n]
-        row = dict(variant=n, ms=statistics.median(ms), min_ms=min(ms), max_ms=max(ms), rounds=ms)
+        row = dict(variant=n, ms=statistics.median(ms), min_ms=min(ms), max_ms=max(ms), rounds=ms, **checks[n])
         if n != "bf16":
             row["speedup_vs_bf16"] = statistics.median(b / u for b, u in zip(per_round["bf16"], ms))
         rows.append(row)
@@ -348,10 +404,11 @@ def main() -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"{gpu} -> {out}")
-    print(f"{'variant':15} {'ms':>7} {'min':>7} {'max':>7} {'x bf16':>7}")
+    print(f"{'variant':15} {'ms':>7} {'min':>7} {'max':>7} {'x bf16':>7} {'|dlogit|':>8} {'greedy':>6}")
     for r in rows:
         print(f"{r['variant']:15} {r['ms']:7.3f} {r['min_ms']:7.3f} {r['max_ms']:7.3f} "
-              f"{r.get('speedup_vs_bf16', 1.0):7.3f}")
+              f"{r.get('speedup_vs_bf16', 1.0):7.3f} {r['max_abs_diff_vs_bf16']:8.3g} {r['greedy_agree_vs_bf16']:6.2f}"
+              + ("" if r["finite"] else " NOT FINITE"))
     return 0
 
 
