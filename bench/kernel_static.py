@@ -12,6 +12,8 @@ Launches, for each of bench/u12_linear.py's shapes at M rows (default 1, 4, 16, 
                down handing on, qkv handed in (the lm_head has no fused call)
   u12-tiles    u12_linear's default on the tiled weight (U12Tensor.layout "tiles"): gemv2 at one row,
                TUNED_TILES' hmma configs at 4 and 16
+  u12-fused-tiles  the u12-fused calls on tiled weights at 16 rows: TUNED_TILES' hmma configs with the
+               epilogues (bench/step_ab.py's u12-tiles-many-rows); not in the default --only
   bf16         fused_linear's default config on the bf16 weight (the path u12 is compared with)
 
 --step-variants compiles the launches again under each of bench/step_ab.py's u12 knob variants
@@ -212,23 +214,26 @@ def launches(shapes: dict[str, tuple[int, int]], ms: tuple[int, ...], only: tupl
             if "u12-tiles" in only and m <= 16:
                 tiled = packed[name].with_layout("tiles")
                 yield "u12-tiles", name, m, lambda m=m, k=k, tiled=tiled: u12_linear(x(m, k), tiled)
-    if "u12-fused" in only and {"qkv", "o", "gate_up", "down"} <= packed.keys():
+    for what, layout, rows in (("u12-fused", "rows", FUSED_MS), ("u12-fused-tiles", "tiles", (16,))):
+        if what not in only or not {"qkv", "o", "gate_up", "down"} <= packed.keys():
+            continue
+        ws = {name: packed[name].with_layout(layout) for name in ("qkv", "o", "gate_up", "down")}
         hidden = shapes["o"][0]
         norm = torch.ones(hidden, dtype=torch.bfloat16)
-        for m in (m for m in ms if m in FUSED_MS):
+        for m in (m for m in ms if m in rows):
             stream, hands = x(m, hidden), []
 
-            def hand_out(name, source, stream=stream, hands=hands):
+            def hand_out(name, source, stream=stream, hands=hands, ws=ws):
                 hands.append(NormHandoff(norm))
-                return u12_fused_linear(source, packed[name], residual=stream, hand_out=hands[-1])
+                return u12_fused_linear(source, ws[name], residual=stream, hand_out=hands[-1])
 
-            def hand_in(name, hands=hands, **kw):
-                return u12_fused_linear(hands[-1].xg, packed[name], hand_in=hands[-1], **kw)
+            def hand_in(name, hands=hands, ws=ws, **kw):
+                return u12_fused_linear(hands[-1].xg, ws[name], hand_in=hands[-1], **kw)
 
-            yield "u12-fused", "o", m, lambda m=m, hand_out=hand_out: hand_out("o", x(m, shapes["o"][1]))
-            yield "u12-fused", "gate_up", m, lambda hand_in=hand_in: hand_in("gate_up", gated=True)
-            yield "u12-fused", "down", m, lambda m=m, hand_out=hand_out: hand_out("down", x(m, shapes["down"][1]))
-            yield "u12-fused", "qkv", m, lambda hand_in=hand_in: hand_in("qkv")
+            yield what, "o", m, lambda m=m, hand_out=hand_out: hand_out("o", x(m, shapes["o"][1]))
+            yield what, "gate_up", m, lambda hand_in=hand_in: hand_in("gate_up", gated=True)
+            yield what, "down", m, lambda m=m, hand_out=hand_out: hand_out("down", x(m, shapes["down"][1]))
+            yield what, "qkv", m, lambda hand_in=hand_in: hand_in("qkv")
 
 
 def step_variants() -> dict[str, tuple[tuple[int, ...], dict]]:
@@ -250,7 +255,7 @@ def run(shapes, ms, only, arch: int = 90, variants: bool = False) -> list[dict]:
 
     plan = [("default", ms, only, {})]
     if variants:  # the knobs are u12_linear's and u12_hmma's: the bf16 launches and the tiled planes stay as they are
-        u12 = tuple(w for w in only if w in ("u12", "u12-fused"))
+        u12 = tuple(w for w in only if w in ("u12", "u12-fused", "u12-fused-tiles"))
         plan += [(name, rows, u12, knobs) for name, (rows, knobs) in step_variants().items()]
     rows = []
     with tempfile.TemporaryDirectory() as tmp, torch.inference_mode():

@@ -201,6 +201,25 @@ def test_kernel_static_smoke_run(tmp_path):
                                                                       abs=1e-4)
 
 
+def test_kernel_static_compiles_the_fused_calls_on_tiles(tmp_path):
+    """--only u12-fused-tiles (bench/step_ab.py's u12-tiles-many-rows): the verify step's four fused
+    calls on tiled weights, each a tensor-core kernel reading the tiles with its epilogue, in the
+    step's order, nothing spilled (at the smoke shapes the mma kernel's default tile; at Llama's
+    TUNED_TILES gives the hmma kernel)."""
+    out = tmp_path / "static.json"
+    done = subprocess.run([sys.executable, "bench/kernel_static.py", "--smoke", "--ms", "16", "--only", "u12-fused-tiles",
+                           "--out", str(out)], cwd=ROOT, env=_compiled_env(), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["what"], r["shape"]) for r in rows] == [("u12-fused-tiles", s) for s in ("o", "gate_up", "down", "qkv")]
+    assert {r["kernel"] for r in rows} <= {"_u12_mma_kernel", "_u12_hmma_kernel"}
+    for r in rows:
+        assert r["constexprs"]["TILED"] and r["spill_bytes"] == 0, r
+    flags = {r["shape"]: r["constexprs"] for r in rows}
+    assert flags["gate_up"]["GATED"] and flags["gate_up"]["HAND_IN"] and flags["qkv"]["HAND_IN"]
+    assert flags["o"]["HAND_OUT"] and flags["o"]["RESIDUAL"] and flags["down"]["HAND_OUT"]
+
+
 def test_kernel_static_refuses_the_interpreter(tmp_path):
     env = _compiled_env() | {"TRITON_INTERPRET": "1"}
     done = subprocess.run([sys.executable, "bench/kernel_static.py", "--smoke", "--out", str(tmp_path / "x.json")],
