@@ -18,7 +18,9 @@ Launches, for each of bench/u12_linear.py's shapes at M rows (default 1, 4, 16, 
 
 --step-variants compiles the launches again under each of bench/step_ab.py's u12 knob variants
 (escapes from the table, lanes walked 8 or 16 a step, gemv2 at 4 rows, the wide hmma kernel) at
-the rows step_ab times it: a variant that fails to compile or spills shows here, not on the GPU.
+the rows step_ab times it, and the tiled launches at 16 rows under its TILES_KNOB_VARIANTS (the
+hmma kernel's AHEAD and ESC_SPLIT): a variant that fails to compile or spills shows here, not on
+the GPU.
 
 Per compiled kernel: REG, LOCAL (spill bytes a thread; 0 is the aim) and SHARED from cuobjdump's
 resource usage; programs an SM by the H200's limits (65536 registers allocated 8 a thread at a
@@ -254,9 +256,11 @@ def run(shapes, ms, only, arch: int = 90, variants: bool = False) -> list[dict]:
     from specpilot.kernels.target import compile_only
 
     plan = [("default", ms, only, {})]
-    if variants:  # the knobs are u12_linear's and u12_hmma's: the bf16 launches and the tiled planes stay as they are
-        u12 = tuple(w for w in only if w in ("u12", "u12-fused", "u12-fused-tiles"))
+    if variants:  # the knobs are u12_linear's and u12_hmma's: the bf16 launches stay as they are
+        u12 = tuple(w for w in only if w in ("u12", "u12-fused"))
         plan += [(name, rows, u12, knobs) for name, (rows, knobs) in step_variants().items()]
+        tiles = tuple(w for w in only if w in ("u12-tiles", "u12-fused-tiles"))  # the hmma knobs on the tiles
+        plan += [(name, (16,), tiles, knobs) for name, knobs in step_ab.TILES_KNOB_VARIANTS.items() if tiles]
     rows = []
     with tempfile.TemporaryDirectory() as tmp, torch.inference_mode():
         for variant, variant_ms, variant_only, knobs in plan:
