@@ -158,10 +158,15 @@ def test_step_ab_verify_smoke(tmp_path: Path, monkeypatch) -> None:
     assert step_ab.main() == 0
     rows = {r["variant"]: r for r in json.loads(out.read_text())["rows"]}
     assert {"bf16", "bf16-cublas", "bf16-linear", "u12-handoff", "u12-gemv-rows", "u12-hmma-wide", "u12-tiles",
-            "u12-tiles-sweep", "u12-sweep", "u12-lanes-g16"} <= set(rows)
+            "u12-tiles-sweep", "u12-sweep", "u12-lanes-g16", "u12-tiles-ahead", "u12-tiles-esc-split",
+            "u12-tiles-many-rows"} <= set(rows)
     assert all(r["ms"] > 0 for r in rows.values())
+    # each variant's logits checked against bf16's: the same weights, so close and finite
+    assert all(r["finite"] and r["max_abs_diff_vs_bf16"] < 0.05 for r in rows.values()), rows
+    assert rows["bf16"]["max_abs_diff_vs_bf16"] == 0 and rows["bf16"]["greedy_agree_vs_bf16"] == 1
     assert u12_linear.TUNED == tuned and u12_linear.TUNED_TILES == tuned_tiles
     assert u12_linear.TENSOR_CORE_ROWS == 3 and u12_hmma.NARROW
+    assert not u12_hmma.AHEAD and not u12_hmma.ESC_SPLIT
 
 
 def test_step_ab_knob_variants_set_each_module_and_restore_it() -> None:

@@ -283,8 +283,8 @@ class _Spy:
 
 @pytest.mark.parametrize("m,n,k,cfg", [
     (16, 64, 256, U12Config(32, 16, split_k=2, num_warps=2, **_HMMA)),  # 2 splits of one chunk
-    (9, 80, 384, U12Config(32, 32, split_k=3, num_warps=2, **_HMMA)),  # 3 splits, 9 rows: two n-tiles
-    (13, 48, 448, U12Config(32, 32, split_k=2, num_warps=1, **_HMMA)),  # two m-tiles a warp, a masked tail
+    (9, 48, 192, U12Config(32, 16, split_k=3, num_warps=2, **_HMMA)),  # 3 splits, 9 rows: two n-tiles
+    (13, 32, 320, U12Config(32, 32, split_k=2, num_warps=1, **_HMMA)),  # two m-tiles a warp, a masked last split
 ])
 def test_escapes_walked_by_the_splits(monkeypatch, m, n, k, cfg):
     """``ESC_SPLIT`` (each split of a split-K launch walks escapes s, s + SPLIT_K, ... of its rows):
