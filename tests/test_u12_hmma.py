@@ -315,18 +315,20 @@ def test_escapes_walked_by_the_splits(monkeypatch, m, n, k, cfg):
     assert launches == [True, False, True, False]
 
 
-@pytest.mark.parametrize("mode", ["residual", "hand_out", "hand_in"])
+@pytest.mark.parametrize("mode", ["residual", "hand_out", "hand_in", "gated"])
 def test_escapes_walked_by_the_splits_in_the_fused_epilogue(monkeypatch, mode):
     """``ESC_SPLIT`` under u12_fused_linear's residual epilogue (o and down at 5+ rows), a norm handed
-    on (its parts) or handed in (its inv times the sums): the one walk's outputs to its rounding,
-    the reference's within the kernel's tolerance."""
+    on (its parts) or handed in (its inv times the sums), and gated (an element's gate and up rows
+    each walked by the splits): the one walk's outputs to its rounding, the reference's within the
+    kernel's tolerance."""
     from specpilot.kernels import u12_fused_linear as ufl
     from specpilot.runtime.u12 import pack_u12
 
     g = torch.Generator().manual_seed(7)
     n, k, m = 48, 384, 16
-    w = 0.02 * torch.randn(n, k, generator=g)
-    ufl.plant_escapes(w, g, False)
+    gated = mode == "gated"
+    w = 0.02 * torch.randn(2 * n if gated else n, k, generator=g)  # gated: [gate; up], n outputs
+    ufl.plant_escapes(w, g, gated)
     t = pack_u12(w.to(torch.bfloat16)).with_layout("tiles").to(DEVICE)
     x = torch.randn(m, k, generator=g).to(torch.bfloat16).to(DEVICE)
     r = torch.randn(m, n, generator=g).to(torch.bfloat16).to(DEVICE)
@@ -344,11 +346,13 @@ def test_escapes_walked_by_the_splits_in_the_fused_epilogue(monkeypatch, mode):
     for esc_split in (False, True):
         monkeypatch.setattr(u12_hmma, "ESC_SPLIT", esc_split)
         h_out, h_in = handoffs()
-        outs.append((ufl.u12_fused_linear(x, t, residual=r.clone(), config=cfg, hand_out=h_out, hand_in=h_in), h_out))
+        outs.append((ufl.u12_fused_linear(x, t, gated=gated, residual=None if gated else r.clone(), config=cfg,
+                                          hand_out=h_out, hand_in=h_in), h_out))
     (y0, h0), (y1, h1) = outs
     torch.testing.assert_close(y1.float(), y0.float(), rtol=8e-3, atol=1e-3)
     h_out, h_in = handoffs()
-    ref = ufl.u12_fused_linear_reference(x, t, residual=r.clone(), hand_out=h_out, hand_in=h_in)
+    ref = ufl.u12_fused_linear_reference(x, t, gated=gated, residual=None if gated else r.clone(), hand_out=h_out,
+                                         hand_in=h_in)
     torch.testing.assert_close(y1.float(), ref.float(), rtol=8e-3, atol=1e-3)
     if mode == "hand_out":
         torch.testing.assert_close(h1.parts.sum(0), h0.parts.sum(0), rtol=1e-3, atol=1e-3)
