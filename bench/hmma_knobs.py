@@ -1,16 +1,18 @@
-"""The hmma kernel's untimed knobs (kernels/u12_hmma.py's ``AHEAD``, a register double buffer, and
-``ESC_SPLIT``, the escapes walked by the splits) at M = 16 on tiled weights, against the same kernel
-without them and cuBLAS bf16, at the Llama-3.1-8B layer shapes.
+"""The hmma kernel's untimed knobs (kernels/u12_hmma.py's ``AHEAD``, a register double buffer,
+with ``AHEAD_X``'s x prefetch or without, and ``ESC_SPLIT``, the escapes walked by the splits) at
+M = 16 on tiled weights, against the same kernel without them and cuBLAS bf16, at the Llama-3.1-8B
+layer shapes.
 
-Per shape (qkv, o, gate_up, down; random N(0, 0.02) weights, whose small values give escapes at
-about the real models' rate; distinct copies of about 2 GB so every call reads HBM): cuBLAS;
+Per shape (qkv, o, gate_up, down; random N(0, 0.02) weights, escapes about 1.5e-4 of them,
+bench/results/u12_stats.json; distinct copies of about 2 GB so every call reads HBM): cuBLAS;
 TUNED_TILES' config as it is ("tuned"), with AHEAD (its block_w at 32, the most AHEAD takes), with
-ESC_SPLIT (split-K shapes) and with both; 64-row programs of 4 warps held to 168 registers, and
-16-row programs of one warp, each without and with AHEAD; 32-row programs of 2 warps at 128
-registers with AHEAD. Each config is checked against x · Wᵀ in fp32 first (relative error under
-1e-2), then timed as the median replay of a CUDA graph of one call per copy, twice, the minimum
-kept (bench/u12_linear.py's time_graph). Writes bench/results/u12_hmma_knobs_<gpu>.json (GPU,
-versions, commit) and prints a line a shape.
+AHEAD and AHEAD_X, with ESC_SPLIT (split-K shapes) and with ESC_SPLIT and AHEAD; 64-row programs of
+4 warps held to 168 registers, and 16-row programs of one warp, each without and with AHEAD (the
+one-warp ones with AHEAD_X too); 32-row programs of 2 warps at 128 registers with AHEAD. Each
+config is checked against x · Wᵀ in fp32 first (relative error under 1e-2), then timed as the
+median replay of a CUDA graph of one call per copy, twice, the minimum kept (bench/u12_linear.py's
+time_graph). Writes bench/results/u12_hmma_knobs_<gpu>.json (GPU, versions, commit) and prints a
+line a shape.
 
     python bench/hmma_knobs.py [--shapes o,down,qkv,gate_up] [--out FILE]
     (SPECPILOT_COMMIT=... names the commit where the tree has no .git)
@@ -35,19 +37,22 @@ SPLIT = {"qkv": 4, "o": 8, "gate_up": 1, "down": 8}  # TUNED_TILES' splits
 
 
 def configs(name: str, tuned) -> list[tuple[str, object, dict]]:
-    """(label, config, the u12_hmma knobs it runs with): a label ends in "-ahead" where AHEAD is on,
-    holds "-escsplit" where ESC_SPLIT is."""
+    """(label, config, the u12_hmma knobs it runs with): a label holds "-ahead" where AHEAD is on,
+    ends in "-ahead-x" where AHEAD_X is too, holds "-escsplit" where ESC_SPLIT is."""
     from specpilot.kernels.u12_linear import U12Config
 
     hmma = dict(num_stages=1, kernel="hmma", split_k=SPLIT[name])
-    off, ahead, esc, both = (dict(AHEAD=a, ESC_SPLIT=e) for a, e in ((0, 0), (1, 0), (0, 1), (1, 1)))
+    off, ahead, esc, both, ahead_x = (dict(AHEAD=a, ESC_SPLIT=e, AHEAD_X=x)
+                                      for a, e, x in ((0, 0, 0), (1, 0, 0), (0, 1, 0), (1, 1, 0), (1, 0, 1)))
     rows = [
         ("tuned", tuned, off),
         ("tuned-ahead", dataclasses.replace(tuned, block_w=32), ahead),
+        ("tuned-ahead-x", dataclasses.replace(tuned, block_w=32), ahead_x),
         ("w4-r168", U12Config(64, 32, num_warps=4, maxnreg=168, **hmma), off),
         ("w4-r168-ahead", U12Config(64, 32, num_warps=4, maxnreg=168, **hmma), ahead),
         ("w1-r168", U12Config(16, 32, num_warps=1, maxnreg=168, **hmma), off),
         ("w1-r168-ahead", U12Config(16, 32, num_warps=1, maxnreg=168, **hmma), ahead),
+        ("w1-r168-ahead-x", U12Config(16, 32, num_warps=1, maxnreg=168, **hmma), ahead_x),
         ("w2-r128-ahead", U12Config(32, 32, num_warps=2, maxnreg=128, **hmma), ahead),
     ]
     if SPLIT[name] > 1:  # ESC_SPLIT takes split-K launches only
@@ -80,13 +85,13 @@ def main() -> int:
         for _ in range(2):
             times.setdefault("cublas", []).append(time_graph([lambda w=w: torch.matmul(x, w.T) for w in ws]) * 1e3 / copies)
             for label, cfg, knobs in cfgs:
-                hm.AHEAD, hm.ESC_SPLIT = knobs["AHEAD"], knobs["ESC_SPLIT"]
+                hm.AHEAD, hm.ESC_SPLIT, hm.AHEAD_X = knobs["AHEAD"], knobs["ESC_SPLIT"], knobs["AHEAD_X"]
                 err = ((u12_linear(x, packed[0], cfg).float() - ref).abs().max() / ref.abs().max()).item()
                 if not err < 1e-2:
                     sys.exit(f"{name} {label} ({cfg}): relative error {err:.3g} against x · Wᵀ")
                 times.setdefault(label, []).append(
                     time_graph([lambda t=t, cfg=cfg: u12_linear(x, t, cfg) for t in packed]) * 1e3 / copies)
-        hm.AHEAD, hm.ESC_SPLIT = False, False
+        hm.AHEAD, hm.ESC_SPLIT, hm.AHEAD_X = False, False, False
         best = {label: min(v) for label, v in times.items()}
         rows.append(dict(name=name, N=n, K=k, M=16, us=best, configs={label: str(c) for label, c, _ in cfgs}))
         print(f"{name:8}" + " ".join(f" {label} {us:.2f}" for label, us in best.items()), flush=True)

@@ -66,7 +66,7 @@ import torch  # noqa: E402
 FUSED_MS = (1, 16)  # u12_fused_linear's rows: the AR step's, and verify(16)'s under U12_MANY_ROWS
 SMOKE_SHAPES = {"qkv": (384, 256), "o": (256, 256), "gate_up": (1024, 256), "down": (256, 512)}  # a coherent stack
 OPCODES = ("LDG", "STG", "LDS", "STS", "LDSM", "BAR", "SHFL", "HMMA", "HGMMA", "FFMA", "FMUL", "FADD", "PRMT",
-           "LOP3", "IMAD", "I2F", "F2F", "ATOM", "RED")
+           "LOP3", "IMAD", "I2F", "F2F", "ATOM", "RED", "CCTL")
 SM = dict(registers=65536, warps=64, programs=32, shared=228 * 1024, reserved=1024)  # an H200 (sm_90) SM
 # Warp instructions the H200 issues a second (132 SMs, 4 schedulers each, 1.98 GHz boost) over the
 # weights it reads a second at the measured 4.06 TB/s: the most a K loop may issue a weight and still

@@ -162,7 +162,7 @@ tilesab() {  # the tiled layout on the GPU: its tests, then the AR and verify(16
 knobs() {  # the hmma kernel's untimed knobs at M = 16 on tiles, their GPU tests, then verify(16) interleaved
   TAIL=6 run hmma_knobs 240 python bench/hmma_knobs.py --out "$OUT/u12_hmma_knobs_${GPU}.json"
   TAIL=4 run knob_tests 150 python -m pytest -q -x -p no:cacheprovider tests/test_u12_hmma.py \
-    -k "ahead or walked_by_the_splits"
+    -k "ahead or x_prefetch or walked_by_the_splits"
   verifyab
 }
 tiles1() {  # one row on tiled weights: gemv2's configs on both layouts in CUDA graphs

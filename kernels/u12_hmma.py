@@ -163,6 +163,11 @@ ESC_UNROLL = 2
 # tests/test_kernel_static.py). Bit for bit the one-stage sums (tests/test_u12_hmma.py). Untimed:
 # `bench/run_gpu.sh knobs` (bench/hmma_knobs.py, bench/step_ab.py's u12-tiles-ahead) times it. Read at launch.
 AHEAD = False
+# With AHEAD, each lane also asks L1 for the next chunk's x words (prefetch.global.L1, no registers
+# held) when it issues the chunk's weights: AHEAD alone loads x with the chunk it multiplies, so the
+# warp still waits an L2 round trip for x each chunk (x's rows are in L2; an SM's programs read other
+# splits' columns). Untimed as AHEAD is (bench/hmma_knobs.py's "-ahead-x" rows). Read at launch.
+AHEAD_X = False
 # The table's escapes walked by the splits of a split-K launch (the table, not the lanes): split s
 # takes escapes s, s + SPLIT_K, ... of each of its rows, subtracts their spurious x · 2^-15 from its
 # partial and stores their Σ x · w as a second partial, so the last program only sums partials
@@ -359,6 +364,16 @@ def _words_ahead(sm_lo, code_lo, sm_hi, code_hi, ww, live):
     their use (``AHEAD``): zeros, and no memory access, where live [T, 4] is false."""
     return (tl.load(sm_lo + ww, mask=live, other=0), tl.load(code_lo + ww, mask=live, other=0),
             tl.load(sm_hi + ww, mask=live, other=0), tl.load(code_hi + ww, mask=live, other=0))
+
+
+@triton.jit
+def _prefetch_l1(ptr, live):
+    """Ask L1 for the line holding each lane's ptr [T] where live [T] (int32) is nonzero; a hint,
+    nothing held in registers (GPU only: the interpreter runs no PTX)."""
+    tl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.ne.s32 p, $2, 0; @p prefetch.global.L1 [$1]; mov.b32 $0, 0; }",
+        "=r,l,r", [ptr.to(tl.int64, bitcast=True), live], dtype=tl.int32, is_pure=False, pack=1,
+    )
 
 
 @triton.jit
@@ -651,6 +666,7 @@ def _u12_hmma_kernel(
     EXPF: tl.constexpr = False,  # GATED: libdevice's expf (GPU); else tl.exp
     ESC_UNROLL: tl.constexpr = 2,  # escapes a step of the table's walk (``_table_walk``)
     AHEAD: tl.constexpr = False,  # the next chunk's words loaded before this one's MMAs (one m-tile, BLOCK_W <= 32)
+    AHEAD_X: tl.constexpr = False,  # AHEAD: the next chunk's x words prefetched into L1 too (GPU only)
     ESC_SPLIT: tl.constexpr = False,  # SPLIT_K > 1, the table: each split walks its share of the escapes
 ):
     pdl_enter(PDL)
@@ -731,6 +747,9 @@ def _u12_hmma_kernel(
         if BLOCK_W == 32:
             w, ww = _group_at(w_begin, 1, BLOCK_W, TILED)
             b0, b1, b2, b3 = _words_ahead(sm_lo, code_lo, sm_hi, code_hi, ww, live)
+        lane_x = 4 * q if TILED else (BLOCK_W // 4) * q  # a lane's first x word of a group (lane_w's column 0)
+        xb0 = x64 + tl.minimum(pid_m * BLOCK_M + g, M - 1) * (stride_xm // 4) + lane_x
+        xb1 = x64 + tl.minimum(pid_m * BLOCK_M + 8 + g, M - 1) * (stride_xm // 4) + lane_x
         for start in range(w_begin, full_end, BLOCK_W):
             nxt = start + BLOCK_W
             live = (lane_w * 0 + nxt) < full_end
@@ -740,6 +759,13 @@ def _u12_hmma_kernel(
             if BLOCK_W == 32:
                 w, ww = _group_at(nxt, 1, BLOCK_W, TILED)
                 nb0, nb1, nb2, nb3 = _words_ahead(sm_lo, code_lo, sm_hi, code_hi, ww, live)
+            if AHEAD_X and ASM:  # the next chunk's x lines into L1, a group at a time
+                x_live = ((lane_x * 0 + nxt) < full_end).to(tl.int32)
+                for u in tl.static_range(BLOCK_W // 16):
+                    w, ww = _group_at(nxt, u, BLOCK_W, TILED)
+                    _prefetch_l1(xb0 + w, x_live)
+                    if NT == 2:
+                        _prefetch_l1(xb1 + w, x_live)
             w, ww = _group_at(start, 0, BLOCK_W, TILED)
             d0, d1, d2, d3, e0, e1, e2, e3 = _tile_loaded(d0, d1, d2, d3, e0, e1, e2, e3, a0, a1, a2, a3,
                                                           x_row0, x_row1, w, w_end, lane_w, NT, ASM)
@@ -863,6 +889,7 @@ def launch_hmma(x: torch.Tensor, t: U12Tensor, y: torch.Tensor, cfg: U12Config, 
     x = aligned_rows(x, True)
     block_m = hmma_rows(m)
     lanes, n_lanes = lanes_args(t, block=True)
+    ahead = AHEAD and cfg.block_n == 16 * cfg.num_warps and cfg.block_w <= 32
     esc_split = ESC_SPLIT and not n_lanes and t.esc_idx.numel() > 0
     grid, words_per_split, part, counters = _split_k_plan(t, cfg, m, n_words, block_m, slots=1 + esc_split)
     native = on_native(x)  # the interpreter runs no PTX
@@ -878,7 +905,7 @@ def launch_hmma(x: torch.Tensor, t: U12Tensor, y: torch.Tensor, cfg: U12Config, 
         EVEN_K=n_words % cfg.block_w == 0, ASM=native,
         **cfg.launch_options(native, fp_fusion=not fused),
         **pdl_args(x.device), LANES=n_lanes, LANE_GROUP=lane_group(n_lanes), TILED=t.layout == "tiles", **flags,
-        ESC_UNROLL=ESC_UNROLL, AHEAD=AHEAD and cfg.block_n == 16 * cfg.num_warps and cfg.block_w <= 32,
+        ESC_UNROLL=ESC_UNROLL, AHEAD=ahead, AHEAD_X=ahead and AHEAD_X,
         ESC_SPLIT=esc_split and grid[1] > 1,
     )
 

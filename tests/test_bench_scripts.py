@@ -233,7 +233,7 @@ def test_readme_tables_are_generated_from_the_results_files() -> None:
 
 
 def test_hmma_knobs_bench_times_each_knob_where_it_says_so():
-    """bench/hmma_knobs.py: every "-ahead" config is one AHEAD takes (one m-tile a warp, block_w at
+    """bench/hmma_knobs.py: every "-ahead" (and "-ahead-x") config is one AHEAD takes (one m-tile a warp, block_w at
     most 32; launch_hmma otherwise runs the one-stage loop and the row would time that), every
     "-escsplit" config a split-K launch (ESC_SPLIT's only), each other config timed without the
     knob, and TUNED_TILES holds each shape it times."""
@@ -245,7 +245,8 @@ def test_hmma_knobs_bench_times_each_knob_where_it_says_so():
         cfgs = hmma_knobs.configs(name, TUNED_TILES[(16, n, k)])
         assert len({label for label, _, _ in cfgs}) == len(cfgs)
         for label, cfg, knobs in cfgs:
-            assert knobs["AHEAD"] == label.endswith("-ahead"), label
+            assert knobs["AHEAD"] == ("-ahead" in label), label
+            assert knobs["AHEAD_X"] == label.endswith("-ahead-x"), label
             assert knobs["ESC_SPLIT"] == ("-escsplit" in label), label
             if knobs["AHEAD"]:
                 assert cfg.block_n == 16 * cfg.num_warps and cfg.block_w <= 32, (name, label, cfg)

@@ -66,7 +66,11 @@ with tempfile.TemporaryDirectory() as tmp:
     with compile_only(90) as compiled:
         u12_linear(x, w.with_layout("tiles"), split)
     out["ahead"] = [kernel_static.describe(c, Path(tmp)) for c in compiled]
-    u12_hmma.AHEAD = False
+    u12_hmma.AHEAD_X = True  # and the next chunk's x prefetched into L1
+    with compile_only(90) as compiled:
+        u12_linear(x, w.with_layout("tiles"), split)
+    out["ahead_x"] = [kernel_static.describe(c, Path(tmp)) for c in compiled]
+    u12_hmma.AHEAD, u12_hmma.AHEAD_X = False, False
     u12_hmma.ESC_SPLIT = True  # the splits walk their shares of the escapes
     with compile_only(90) as compiled:
         u12_linear(x, w.with_layout("tiles"), split)
@@ -123,6 +127,16 @@ def test_words_ahead_stay_in_registers(hmma_facts):
     assert ops["LDG"] == one["loop_opcodes"]["LDG"] and ops["HMMA"] == one["loop_opcodes"]["HMMA"], (ops, one)
     assert not {"LDS", "STS", "BAR", "SHFL"} & ops.keys(), ops
     assert ahead["loop_instructions"] > one["loop_instructions"], (ahead["loop_instructions"], one["loop_instructions"])
+
+
+def test_x_prefetched_a_chunk_ahead(hmma_facts):
+    """``u12_hmma.AHEAD_X``: AHEAD's loop with one L1 prefetch (CCTL.E.PF1) of x a group and n-tile
+    row (2 groups of o's 32 words, 2 n-tiles: 4), the same loads and MMAs, still in 128 registers."""
+    (ax,), (ahead,) = hmma_facts["ahead_x"], hmma_facts["ahead"]
+    assert ax["constexprs"]["AHEAD"] is True and ax["spill_bytes"] == 0 and ax["registers"] <= 128, ax
+    ops, base = ax["loop_opcodes"], ahead["loop_opcodes"]
+    assert ops.get("CCTL") == 4 and "CCTL" not in base, (ops, base)
+    assert ops["LDG"] == base["LDG"] and ops["HMMA"] == base["HMMA"], (ops, base)
 
 
 def test_escapes_walked_by_the_splits_leave_the_loop_alone(hmma_facts):

@@ -268,6 +268,23 @@ def test_words_loaded_a_chunk_ahead_give_the_same_sums(monkeypatch, m, n, k, kin
     assert launches[-1] is False
 
 
+def test_x_prefetch_goes_with_the_double_buffer(monkeypatch):
+    """``AHEAD_X`` reaches the kernel only with AHEAD (a hint: the outputs stay the one-stage loop's
+    bit for bit; on the GPU the prefetches run, under the interpreter they are skipped)."""
+    x, t = _make_inputs(_case(16, 64, 256, torch.bfloat16, "special"), DEVICE, 64)
+    cfg = U12Config(32, 16, split_k=2, num_warps=2, **_HMMA)
+    w = t.with_layout("tiles")
+    y = u12_linear(x, w, cfg)
+    launches = []
+    kernel = u12_hmma._u12_hmma_kernel
+    monkeypatch.setattr(u12_hmma, "AHEAD_X", True)
+    for ahead in (False, True):
+        monkeypatch.setattr(u12_hmma, "AHEAD", ahead)
+        with mock.patch.object(u12_hmma, "_u12_hmma_kernel", _Spy(kernel, launches, "AHEAD_X")):
+            assert torch.equal(u12_linear(x, w, cfg).view(torch.int16), y.view(torch.int16))
+    assert launches == [False, True]
+
+
 class _Spy:
     """A launcher's stand-in that records each launch's `key` setting and launches the kernel."""
 
