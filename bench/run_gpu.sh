@@ -29,8 +29,9 @@
 #   tiles    the M = 16 sweep (mma and hmma) on tiled weights beside row planes (bench/u12_linear.py --layouts
 #            rows,tiles), then verify(16) interleaved with the sweep's best (u12-sweep, u12-tiles-sweep)
 #   tilesab  the tiled layout's GPU tests, then the AR and verify(16) steps interleaved (u12-tiles beside u12)
-#   knobs    the hmma kernel's untimed knobs (u12_hmma.AHEAD, ESC_SPLIT) at M = 16 on tiles (bench/hmma_knobs.py),
-#            their GPU tests, then verify(16) interleaved (u12-tiles-ahead, u12-tiles-esc-split beside u12-tiles)
+#   knobs    the hmma kernel's untimed knobs (u12_hmma.AHEAD, AHEAD_X, ESC_SPLIT) at M = 16 on tiles
+#            (bench/hmma_knobs.py), then their GPU tests; verifyab, a command of its own after it, times them
+#            in the verify(16) step (u12-tiles-ahead, -ahead-x, -esc-split, -many-rows, -pdl-wait)
 #   tiles1   the one-row gemv2 sweep on tiled weights beside row planes, in CUDA graphs
 #   fewrows  the hmma and mma kernels' GPU tests, then verify(4) and verify(8) interleaved (bench/step_ab.py
 #            --q 4 and 8: the tensor-core kernels at 3..8 rows against gemv2 at 4 and the hmma kernel's two n-tiles)
@@ -159,11 +160,10 @@ tilesab() {  # the tiled layout on the GPU: its tests, then the AR and verify(16
   TAIL=24 run step_ab 260 python bench/step_ab.py --out "$OUT/step_ab_${GPU}.json"
   TAIL=18 run step_ab_verify16 170 python bench/step_ab.py --q 16 --out "$OUT/step_ab_verify16_${GPU}.json"
 }
-knobs() {  # the hmma kernel's untimed knobs at M = 16 on tiles, their GPU tests, then verify(16) interleaved
-  TAIL=6 run hmma_knobs 240 python bench/hmma_knobs.py --out "$OUT/u12_hmma_knobs_${GPU}.json"
-  TAIL=4 run knob_tests 150 python -m pytest -q -x -p no:cacheprovider tests/test_u12_hmma.py \
+knobs() {  # the hmma kernel's untimed knobs at M = 16 on tiles (the file written after each shape), their GPU tests
+  TAIL=8 run hmma_knobs 330 python bench/hmma_knobs.py --out "$OUT/u12_hmma_knobs_${GPU}.json"
+  TAIL=4 run knob_tests 180 python -m pytest -q -x -p no:cacheprovider tests/test_u12_hmma.py \
     -k "ahead or x_prefetch or walked_by_the_splits"
-  verifyab
 }
 tiles1() {  # one row on tiled weights: gemv2's configs on both layouts in CUDA graphs
   TAIL=24 run u12_linear_tiles1 330 python bench/u12_linear.py --ms 1 --kernels gemv2 --layouts rows,tiles --graph \

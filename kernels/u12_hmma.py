@@ -161,7 +161,7 @@ ESC_UNROLL = 2
 # next thing to try. At o's tile (64 rows, 32 words, 4 warps) it holds the carried words in 128
 # registers without spilling, with the one-stage loop's loads and MMAs (sm_90 ptxas,
 # tests/test_kernel_static.py). Bit for bit the one-stage sums (tests/test_u12_hmma.py). Untimed:
-# `bench/run_gpu.sh knobs` (bench/hmma_knobs.py, bench/step_ab.py's u12-tiles-ahead) times it. Read at launch.
+# `bench/run_gpu.sh knobs` (bench/hmma_knobs.py) and `verifyab` (bench/step_ab.py's u12-tiles-ahead) time it. Read at launch.
 AHEAD = False
 # With AHEAD, each lane also asks L1 for the next chunk's x words (prefetch.global.L1, no registers
 # held) when it issues the chunk's weights: AHEAD alone loads x with the chunk it multiplies, so the
@@ -175,7 +175,7 @@ AHEAD_X = False
 # Escape-free weights ran down (K = 14336, the longest rows' walk) at M = 16 in 38.69 µs against
 # 41.52 with its escapes (H100, tiles, bench/results/tried/u12_hmma_flat_epilogue_h100.json); o and
 # qkv within noise. Rounds otherwise than the one walk (each split's share subtracted before the
-# splits are summed): same weights, another order. Untimed: `bench/run_gpu.sh knobs` times it
+# splits are summed): same weights, another order. Untimed: `bench/run_gpu.sh knobs` and `verifyab` time it
 # (bench/hmma_knobs.py's "-escsplit" rows, bench/step_ab.py's u12-tiles-esc-split). Read at launch.
 ESC_SPLIT = False
 
