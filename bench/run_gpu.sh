@@ -140,7 +140,7 @@ verify16() {  # fused_linear at the verify rows VERIFY_QS (default 16) timed in 
   done
 }
 verifyab() {  # verify(16) interleaved, without a new fused_linear sweep
-  TAIL=30 run step_ab_verify16 300 python bench/step_ab.py --q 16 \
+  TAIL=30 run step_ab_verify16 480 python bench/step_ab.py --q 16 \
     --bf16-tuned bench/results/fused_linear_m16_graph_h200.json --out "$OUT/step_ab_verify16_${GPU}.json"
 }
 u12verify() {  # the u12 kernels on the GPU (about 9 minutes of compiles: their own command), then verifyab
