@@ -260,7 +260,7 @@ def run(shapes, ms, only, arch: int = 90, variants: bool = False) -> list[dict]:
         u12 = tuple(w for w in only if w in ("u12", "u12-fused"))
         plan += [(name, rows, u12, knobs) for name, (rows, knobs) in step_variants().items()]
         tiles = tuple(w for w in only if w in ("u12-tiles", "u12-fused-tiles"))  # the hmma knobs on the tiles
-        plan += [(name, (16,), tiles, knobs) for name, knobs in step_ab.TILES_KNOB_VARIANTS.items() if tiles]
+        plan += [(name, (16,), tiles, knobs) for name, knobs in step_ab.TILES_KNOB_VARIANTS.items() if tiles and 16 in ms]
     rows = []
     with tempfile.TemporaryDirectory() as tmp, torch.inference_mode():
         for variant, variant_ms, variant_only, knobs in plan:

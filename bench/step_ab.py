@@ -363,7 +363,7 @@ def main() -> int:
         if os.environ.get("TRITON_INTERPRET") != "1":
             print("--smoke runs the Triton kernels in the interpreter: set TRITON_INTERPRET=1", file=sys.stderr)
             return 2
-        st.DEVICE, st.CACHE_LEN, st.CAPACITY, shape, args.rounds, args.repeats = "cpu", 24, 96, "tiny", 2, 1
+        st.DEVICE, st.CACHE_LEN, st.CAPACITY, shape, args.rounds, args.repeats = "cpu", 24, 96, "tiny", 1, 1
     elif not torch.cuda.is_available():
         print("bench/step_ab.py needs a CUDA GPU (or --smoke)", file=sys.stderr)
         return 2

@@ -298,14 +298,14 @@ class _Spy:
         return launch
 
 
-@pytest.mark.parametrize("m,n,k,cfg", [
-    (16, 64, 256, U12Config(32, 16, split_k=2, num_warps=2, **_HMMA)),  # 2 splits of one chunk
-    (9, 48, 192, U12Config(32, 16, split_k=3, num_warps=2, **_HMMA)),  # 3 splits, 9 rows: two n-tiles
-    (13, 32, 320, U12Config(32, 32, split_k=2, num_warps=1, **_HMMA)),  # two m-tiles a warp, a masked last split
+@pytest.mark.parametrize("m,n,k,layout,cfg", [
+    (16, 64, 256, "rows", U12Config(32, 16, split_k=2, num_warps=2, **_HMMA)),  # 2 splits of one chunk
+    (9, 48, 192, "tiles", U12Config(32, 16, split_k=3, num_warps=2, **_HMMA)),  # 3 splits, 9 rows: two n-tiles
+    (13, 32, 320, "tiles", U12Config(32, 32, split_k=2, num_warps=1, **_HMMA)),  # two m-tiles a warp, a masked last split
 ])
-def test_escapes_walked_by_the_splits(monkeypatch, m, n, k, cfg):
+def test_escapes_walked_by_the_splits(monkeypatch, m, n, k, layout, cfg):
     """``ESC_SPLIT`` (each split of a split-K launch walks escapes s, s + SPLIT_K, ... of its rows):
-    the reference's outputs within the kernel's tolerance on both layouts, non-finite weights
+    the reference's outputs within the kernel's tolerance on either layout, non-finite weights
     included; a wrong escape value shows; without a split (nothing to share) the one walk, bit for
     bit."""
     x, t = _make_inputs(_case(m, n, k, torch.bfloat16, "special"), DEVICE, n)
@@ -313,23 +313,22 @@ def test_escapes_walked_by_the_splits(monkeypatch, m, n, k, cfg):
     ref = u12_linear_reference(x, t).float()
     launches = []
     kernel = u12_hmma._u12_hmma_kernel
-    for layout in ("rows", "tiles"):
-        w = t.with_layout(layout)
-        monkeypatch.setattr(u12_hmma, "ESC_SPLIT", True)
-        with mock.patch.object(u12_hmma, "_u12_hmma_kernel", _Spy(kernel, launches, "ESC_SPLIT")):
-            y = u12_linear(x, w, cfg)
-        torch.testing.assert_close(y.float(), ref, rtol=8e-3, atol=1e-4, equal_nan=True)
-        bad = dataclasses.replace(w, esc_val=w.esc_val.clone())
-        lo, hi = int(w.esc_row_ptr[n // 2]), int(w.esc_row_ptr[n // 2 + 1])  # a middle row's escapes
-        assert hi > lo
-        bad.esc_val[lo:hi] = torch.tensor(4.0, dtype=torch.bfloat16).view(torch.int16)
-        assert not torch.equal(u12_linear(x, bad, cfg).view(torch.int16), y.view(torch.int16))
-        one = dataclasses.replace(cfg, split_k=1)
-        with mock.patch.object(u12_hmma, "_u12_hmma_kernel", _Spy(kernel, launches, "ESC_SPLIT")):
-            y1 = u12_linear(x, w, one)
-        monkeypatch.setattr(u12_hmma, "ESC_SPLIT", False)
-        assert torch.equal(y1.view(torch.int16), u12_linear(x, w, one).view(torch.int16))
-    assert launches == [True, False, True, False]
+    w = t.with_layout(layout)
+    monkeypatch.setattr(u12_hmma, "ESC_SPLIT", True)
+    with mock.patch.object(u12_hmma, "_u12_hmma_kernel", _Spy(kernel, launches, "ESC_SPLIT")):
+        y = u12_linear(x, w, cfg)
+    torch.testing.assert_close(y.float(), ref, rtol=8e-3, atol=1e-4, equal_nan=True)
+    bad = dataclasses.replace(w, esc_val=w.esc_val.clone())
+    lo, hi = int(w.esc_row_ptr[n // 2]), int(w.esc_row_ptr[n // 2 + 1])  # a middle row's escapes
+    assert hi > lo
+    bad.esc_val[lo:hi] = torch.tensor(4.0, dtype=torch.bfloat16).view(torch.int16)
+    assert not torch.equal(u12_linear(x, bad, cfg).view(torch.int16), y.view(torch.int16))
+    one = dataclasses.replace(cfg, split_k=1)
+    with mock.patch.object(u12_hmma, "_u12_hmma_kernel", _Spy(kernel, launches, "ESC_SPLIT")):
+        y1 = u12_linear(x, w, one)
+    monkeypatch.setattr(u12_hmma, "ESC_SPLIT", False)
+    assert torch.equal(y1.view(torch.int16), u12_linear(x, w, one).view(torch.int16))
+    assert launches == [True, False]
 
 
 @pytest.mark.parametrize("mode", ["residual", "hand_out", "hand_in", "gated"])
