@@ -15,6 +15,7 @@ time_graph). Writes bench/results/u12_hmma_knobs_<gpu>.json (GPU, versions, comm
 line a shape.
 
     python bench/hmma_knobs.py [--shapes o,down,qkv,gate_up] [--out FILE]
+    python bench/hmma_knobs.py --smoke --out FILE   # o at 32 x 256 on the CPU (TRITON_INTERPRET=1): checks the script
     (SPECPILOT_COMMIT=... names the commit where the tree has no .git)
 """
 
@@ -23,8 +24,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import os
 import platform
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -60,18 +63,31 @@ def configs(name: str, tuned) -> list[tuple[str, object, dict]]:
     return [(label, cfg, {k: bool(v) for k, v in knobs.items()}) for label, cfg, knobs in rows]
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default="o,down,qkv,gate_up")
     ap.add_argument("--out", type=Path)
-    args = ap.parse_args()
-    if not torch.cuda.is_available():
+    ap.add_argument("--smoke", action="store_true", help="o at 32 x 256 under the interpreter: the script's check, no timing")
+    args = ap.parse_args(argv)
+    if args.smoke and os.environ.get("TRITON_INTERPRET") != "1":
+        sys.exit("bench/hmma_knobs.py --smoke runs the kernels in Triton's interpreter: set TRITON_INTERPRET=1")
+    if not args.smoke and not torch.cuda.is_available():
         sys.exit("bench/hmma_knobs.py times CUDA kernels: it needs a GPU.")
     import specpilot.kernels.u12_hmma as hm
-    from specpilot.kernels.u12_linear import TUNED_TILES, u12_linear
+    from specpilot.kernels.u12_linear import TUNED_TILES, U12Config, u12_linear
     from specpilot.runtime.u12 import pack_u12
 
-    gpu = torch.cuda.get_device_name()
+    device = "cpu" if args.smoke else "cuda"
+    shapes = {"o": (32, 256)} if args.smoke else {name: SHAPES[name] for name in args.shapes.split(",")}
+    gpu = "cpu" if args.smoke else torch.cuda.get_device_name()
+
+    def timed(fns) -> float:  # ms a call: a CUDA graph's median replay; --smoke: one pass's wall clock
+        if args.smoke:
+            t0 = time.perf_counter()
+            for f in fns:
+                f()
+            return (time.perf_counter() - t0) * 1e3
+        return time_graph(fns)
 
     def save(rows: list[dict]) -> Path:  # after every shape: a run cut by its time limit keeps what it timed
         result = dict(
@@ -82,20 +98,21 @@ def main() -> int:
             date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), rows=rows)
         return write_result(result, args.out, "u12_hmma_knobs", gpu)
 
-    gen = torch.Generator(device="cuda").manual_seed(0)
+    gen = torch.Generator(device=device).manual_seed(0)
     rows, wrong = [], []
-    for name in args.shapes.split(","):
-        n, k = SHAPES[name]
-        cfgs = configs(name, TUNED_TILES[(16, n, k)])
-        copies = max(2, int(2e9 // (n * k * 2)))
-        ws = [(torch.randn(n, k, device="cuda", generator=gen) * 0.02).to(torch.bfloat16) for _ in range(copies)]
+    for name, (n, k) in shapes.items():
+        tuned = (U12Config(64, 32, split_k=SPLIT[name], num_warps=4, num_stages=1, kernel="hmma", maxnreg=128)
+                 if args.smoke else TUNED_TILES[(16, n, k)])
+        cfgs = configs(name, tuned)
+        copies = 1 if args.smoke else max(2, int(2e9 // (n * k * 2)))
+        ws = [(torch.randn(n, k, device=device, generator=gen) * 0.02).to(torch.bfloat16) for _ in range(copies)]
         packed = [pack_u12(w, layout="tiles") for w in ws]
-        x = torch.randn(16, k, device="cuda", generator=gen).to(torch.bfloat16)
+        x = torch.randn(16, k, device=device, generator=gen).to(torch.bfloat16)
         ref = x.float() @ ws[0].float().T
         times: dict[str, list[float]] = {}
         errors: dict[str, float] = {}
-        for _ in range(2):
-            times.setdefault("cublas", []).append(time_graph([lambda w=w: torch.matmul(x, w.T) for w in ws]) * 1e3 / copies)
+        for _ in range(1 if args.smoke else 2):
+            times.setdefault("cublas", []).append(timed([lambda w=w: torch.matmul(x, w.T) for w in ws]) * 1e3 / copies)
             for label, cfg, knobs in cfgs:
                 hm.AHEAD, hm.ESC_SPLIT, hm.AHEAD_X = knobs["AHEAD"], knobs["ESC_SPLIT"], knobs["AHEAD_X"]
                 errors[label] = err = ((u12_linear(x, packed[0], cfg).float() - ref).abs().max() / ref.abs().max()).item()
@@ -103,7 +120,7 @@ def main() -> int:
                     wrong.append(f"{name} {label} ({cfg}): relative error {err:.3g} against x · Wᵀ")
                     continue
                 times.setdefault(label, []).append(
-                    time_graph([lambda t=t, cfg=cfg: u12_linear(x, t, cfg) for t in packed]) * 1e3 / copies)
+                    timed([lambda t=t, cfg=cfg: u12_linear(x, t, cfg) for t in packed]) * 1e3 / copies)
         hm.AHEAD, hm.ESC_SPLIT, hm.AHEAD_X = False, False, False
         best = {label: min(v) for label, v in times.items()}
         rows.append(dict(name=name, N=n, K=k, M=16, us=best, rel_err=errors,
@@ -111,7 +128,8 @@ def main() -> int:
         print(f"{name:8}" + " ".join(f" {label} {us:.2f}" for label, us in best.items()), flush=True)
         out = save(rows)
         del ws, packed
-        torch.cuda.empty_cache()
+        if not args.smoke:
+            torch.cuda.empty_cache()
     print("wrote", out)
     for line in dict.fromkeys(wrong):
         print("WRONG", line)

@@ -253,3 +253,18 @@ def test_hmma_knobs_bench_times_each_knob_where_it_says_so():
             assert cfg.kernel == "hmma" and cfg.split_k == hmma_knobs.SPLIT[name]
             assert not knobs["ESC_SPLIT"] or cfg.split_k > 1, (name, label)
         assert any(knobs["ESC_SPLIT"] for _, _, knobs in cfgs) == (hmma_knobs.SPLIT[name] > 1)
+
+
+def test_hmma_knobs_smoke(tmp_path: Path) -> None:
+    """bench/hmma_knobs.py --smoke (o at 32 x 256, the interpreter): every config of the knob table
+    checked against x · Wᵀ and run with its knobs set, the file written, the knobs restored."""
+    import hmma_knobs
+
+    from specpilot.kernels import u12_hmma
+
+    out = tmp_path / "knobs.json"
+    assert hmma_knobs.main(["--smoke", "--out", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["name"] == "o" and set(row["us"]) == {"cublas", *row["configs"]}
+    assert all(err < 1e-2 for err in row["rel_err"].values())
+    assert not (u12_hmma.AHEAD or u12_hmma.AHEAD_X or u12_hmma.ESC_SPLIT)
