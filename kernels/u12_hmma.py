@@ -573,33 +573,27 @@ def _finish(
         b1 = _escaped(b1, xr3, rl, vl, lanes_ptr, K, y_scale, LANES, LANE_GROUP, e5, s5)
         b2 = _escaped(b2, xr2, rh, vh, lanes_ptr, K, y_scale, LANES, LANE_GROUP, e6, s6)
         b3 = _escaped(b3, xr3, rh, vh, lanes_ptr, K, y_scale, LANES, LANE_GROUP, e7, s7)
-    if GATED:  # row g's gate sums with row g + 8's up sums: output column rl
-        y0 = _out1(a0, a2, m0, rl, vl, inv_blk, pid_m, y_ptr, stride_ym, hw_ptr, xg_ptr, stride_xg, M,
-                   BLOCK_M, GATED, RESIDUAL, HAND_IN, HAND_OUT, ROUND_BF16, EXPF)
-        y1 = _out1(a1, a3, m1, rl, vl, inv_blk, pid_m, y_ptr, stride_ym, hw_ptr, xg_ptr, stride_xg, M,
-                   BLOCK_M, GATED, RESIDUAL, HAND_IN, HAND_OUT, ROUND_BF16, EXPF)
-        y2, y3 = z, z
-        y4, y5, y6, y7 = z, z, z, z
-        if NT == 2:
-            y4 = _out1(b0, b2, m2, rl, vl, inv_blk, pid_m, y_ptr, stride_ym, hw_ptr, xg_ptr, stride_xg, M,
-                       BLOCK_M, GATED, RESIDUAL, HAND_IN, HAND_OUT, ROUND_BF16, EXPF)
-            y5 = _out1(b1, b3, m3, rl, vl, inv_blk, pid_m, y_ptr, stride_ym, hw_ptr, xg_ptr, stride_xg, M,
-                       BLOCK_M, GATED, RESIDUAL, HAND_IN, HAND_OUT, ROUND_BF16, EXPF)
-    else:
-        y0 = _out1(a0, a0, m0, rl, vl, inv_blk, pid_m, y_ptr, stride_ym, hw_ptr, xg_ptr, stride_xg, M,
-                   BLOCK_M, GATED, RESIDUAL, HAND_IN, HAND_OUT, ROUND_BF16, EXPF)
-        y1 = _out1(a1, a1, m1, rl, vl, inv_blk, pid_m, y_ptr, stride_ym, hw_ptr, xg_ptr, stride_xg, M,
-                   BLOCK_M, GATED, RESIDUAL, HAND_IN, HAND_OUT, ROUND_BF16, EXPF)
+    # gated: an element's gate sum with row g + 8's up sum at output column rl (rows g + 8 store
+    # nothing of their own); else every element its own sum at its own row
+    u0, u1, u4, u5 = a0, a1, b0, b1
+    if GATED:
+        u0, u1, u4, u5 = a2, a3, b2, b3
+    y0 = _out1(a0, u0, m0, rl, vl, inv_blk, pid_m, y_ptr, stride_ym, hw_ptr, xg_ptr, stride_xg, M,
+               BLOCK_M, GATED, RESIDUAL, HAND_IN, HAND_OUT, ROUND_BF16, EXPF)
+    y1 = _out1(a1, u1, m1, rl, vl, inv_blk, pid_m, y_ptr, stride_ym, hw_ptr, xg_ptr, stride_xg, M,
+               BLOCK_M, GATED, RESIDUAL, HAND_IN, HAND_OUT, ROUND_BF16, EXPF)
+    y2, y3, y4, y5, y6, y7 = z, z, z, z, z, z
+    if not GATED:
         y2 = _out1(a2, a2, m0, rh, vh, inv_blk, pid_m, y_ptr, stride_ym, hw_ptr, xg_ptr, stride_xg, M,
                    BLOCK_M, GATED, RESIDUAL, HAND_IN, HAND_OUT, ROUND_BF16, EXPF)
         y3 = _out1(a3, a3, m1, rh, vh, inv_blk, pid_m, y_ptr, stride_ym, hw_ptr, xg_ptr, stride_xg, M,
                    BLOCK_M, GATED, RESIDUAL, HAND_IN, HAND_OUT, ROUND_BF16, EXPF)
-        y4, y5, y6, y7 = z, z, z, z
-        if NT == 2:
-            y4 = _out1(b0, b0, m2, rl, vl, inv_blk, pid_m, y_ptr, stride_ym, hw_ptr, xg_ptr, stride_xg, M,
-                       BLOCK_M, GATED, RESIDUAL, HAND_IN, HAND_OUT, ROUND_BF16, EXPF)
-            y5 = _out1(b1, b1, m3, rl, vl, inv_blk, pid_m, y_ptr, stride_ym, hw_ptr, xg_ptr, stride_xg, M,
-                       BLOCK_M, GATED, RESIDUAL, HAND_IN, HAND_OUT, ROUND_BF16, EXPF)
+    if NT == 2:
+        y4 = _out1(b0, u4, m2, rl, vl, inv_blk, pid_m, y_ptr, stride_ym, hw_ptr, xg_ptr, stride_xg, M,
+                   BLOCK_M, GATED, RESIDUAL, HAND_IN, HAND_OUT, ROUND_BF16, EXPF)
+        y5 = _out1(b1, u5, m3, rl, vl, inv_blk, pid_m, y_ptr, stride_ym, hw_ptr, xg_ptr, stride_xg, M,
+                   BLOCK_M, GATED, RESIDUAL, HAND_IN, HAND_OUT, ROUND_BF16, EXPF)
+        if not GATED:
             y6 = _out1(b2, b2, m2, rh, vh, inv_blk, pid_m, y_ptr, stride_ym, hw_ptr, xg_ptr, stride_xg, M,
                        BLOCK_M, GATED, RESIDUAL, HAND_IN, HAND_OUT, ROUND_BF16, EXPF)
             y7 = _out1(b3, b3, m3, rh, vh, inv_blk, pid_m, y_ptr, stride_ym, hw_ptr, xg_ptr, stride_xg, M,
