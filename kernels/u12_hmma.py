@@ -454,6 +454,13 @@ def _esc_rows(esc_row_ptr, rl, rh, vl, vh):
 
 
 @triton.jit
+def _x_rows(x_ptr, m0, m1, m2, m3, M, stride_xm):
+    """Pointers to x rows m0..m3 (clamped to M - 1: rows past M are never stored)."""
+    return (x_ptr + tl.minimum(m0, M - 1) * stride_xm, x_ptr + tl.minimum(m1, M - 1) * stride_xm,
+            x_ptr + tl.minimum(m2, M - 1) * stride_xm, x_ptr + tl.minimum(m3, M - 1) * stride_xm)
+
+
+@triton.jit
 def _table_walk(start_l, cnt_l, start_h, cnt_h, xr0, xr1, xr2, xr3, esc_idx_ptr, esc_val_ptr, K,
                 NT: tl.constexpr, UNROLL: tl.constexpr, first, STRIDE: tl.constexpr):
     """The escapes of rows rl and rh (``_esc_rows``) from the CSR table for x rows xr0..xr3
@@ -502,10 +509,7 @@ def _walk_share(a0, a1, a2, a3, b0, b1, b2, b3, m0, m1, m2, m3, rl, rh, vl, vh, 
     """``ESC_SPLIT``: split pid_k's share of the table's escapes of rows rl and rh (escapes pid_k,
     pid_k + SPLIT_K, ... of each row): the m-tile's sums a, b with the share's spurious x · 2^-15
     taken back, then the share's Σ x · w of each element (8 [T] tensors, the partials' order)."""
-    xr0 = x_ptr + tl.minimum(m0, M - 1) * stride_xm
-    xr1 = x_ptr + tl.minimum(m1, M - 1) * stride_xm
-    xr2 = x_ptr + tl.minimum(m2, M - 1) * stride_xm
-    xr3 = x_ptr + tl.minimum(m3, M - 1) * stride_xm
+    xr0, xr1, xr2, xr3 = _x_rows(x_ptr, m0, m1, m2, m3, M, stride_xm)
     sl, cl, sh, ch = _esc_rows(esc_row_ptr, rl, rh, vl, vh)
     e0, e1, e2, e3, e4, e5, e6, e7, s0, s1, s2, s3, s4, s5, s6, s7 = _table_walk(
         sl, cl, sh, ch, xr0, xr1, xr2, xr3, esc_idx_ptr, esc_val_ptr, K, NT, UNROLL, pid_k, SPLIT_K)
@@ -553,10 +557,7 @@ def _finish(
     a and b are the splits' sums with their spurious terms taken back, w0..w7 their escapes' summed
     Σ x · w. Returns the stored values of x rows m0..m3 at rows rl (and, not gated, rh): 0 where not
     stored."""
-    xr0 = x_ptr + tl.minimum(m0, M - 1) * stride_xm
-    xr1 = x_ptr + tl.minimum(m1, M - 1) * stride_xm
-    xr2 = x_ptr + tl.minimum(m2, M - 1) * stride_xm
-    xr3 = x_ptr + tl.minimum(m3, M - 1) * stride_xm
+    xr0, xr1, xr2, xr3 = _x_rows(x_ptr, m0, m1, m2, m3, M, stride_xm)
     z = tl.zeros(rl.shape, dtype=tl.float32)
     e0, e1, e2, e3, e4, e5, e6, e7, s0, s1, s2, s3, s4, s5, s6, s7 = z, z, z, z, z, z, z, z, z, z, z, z, z, z, z, z
     if WALKED:  # ESC_SPLIT: the splits took back their spurious terms; the escapes' Σ x · w handed in
