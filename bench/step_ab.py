@@ -277,10 +277,10 @@ def capture(shape: str, variants: bool, extra_bf16: dict | None = None, extra_u1
             model.fused.ops = dataclasses.replace(ops, **at_q)
             with _tuned(fused_linear.TUNED, (extra_bf16 or {}).get("bf16-sweep", {})):
                 graphs["bf16-linear"] = capture_step()
-                if variants:  # the same in PDL mode 2 (beside u12-tiles-pdl-wait)
-                    with overlap(pdl=2):
+                if variants:
+                    with overlap(pdl=2):  # the same in PDL mode 2 (beside u12-tiles-pdl-wait)
                         graphs["bf16-linear-pdl-wait"] = capture_step()
-                if variants:  # each norm prologue reading x, as before RowSquares
+                    # each norm prologue reading x, as before RowSquares
                     model.fused.ops = dataclasses.replace(ops, **at_q, row_squares=False)
                     graphs["bf16-linear-nosq"] = capture_step()
             model.fused.ops = ops
@@ -314,16 +314,18 @@ def capture(shape: str, variants: bool, extra_bf16: dict | None = None, extra_u1
             for name, knobs in TILES_KNOB_VARIANTS.items():
                 with knobs_set(knobs):
                     graphs[name] = capture_step()
-            ops = model.fused.ops  # u12_fused_linear's epilogues and norm handoff on the tiles (U12_MANY_ROWS)
-            model.fused.ops = dataclasses.replace(ops, **U12_VERIFY_VARIANTS["u12-many-rows"])
-            graphs["u12-tiles-many-rows"] = capture_step()
+            # u12_fused_linear's epilogues and norm handoff on the tiles (U12_MANY_ROWS), and PDL mode 2
+            # at q rows (the forward's default is mode 0 above GEMV_ROWS; GPU only, not under --smoke)
+            ops = model.fused.ops
+            many_rows = dataclasses.replace(ops, **U12_VERIFY_VARIANTS["u12-many-rows"])
+            for name, step_ops, pdl in (("u12-tiles-many-rows", many_rows, None), ("u12-tiles-pdl-wait", ops, 2),
+                                        ("u12-tiles-many-rows-pdl-wait", many_rows, 2)):
+                if pdl and not variants:
+                    continue
+                model.fused.ops = step_ops
+                with overlap(pdl=pdl):
+                    graphs[name] = capture_step()
             model.fused.ops = ops
-            if variants:  # PDL mode 2 at q rows (the forward's default is mode 0 above GEMV_ROWS)
-                with overlap(pdl=2):
-                    graphs["u12-tiles-pdl-wait"] = capture_step()
-                    model.fused.ops = dataclasses.replace(ops, **U12_VERIFY_VARIANTS["u12-many-rows"])
-                    graphs["u12-tiles-many-rows-pdl-wait"] = capture_step()
-                    model.fused.ops = ops
         for name, override in (extra_u12_tiles or {}).items():  # at a sweep's configs for tiled weights
             with _tuned(u12_linear.TUNED_TILES, override):
                 graphs[name] = capture_step()
