@@ -884,8 +884,8 @@ def launch_hmma(x: torch.Tensor, t: U12Tensor, y: torch.Tensor, cfg: U12Config, 
     x = aligned_rows(x, True)
     block_m = hmma_rows(m)
     lanes, n_lanes = lanes_args(t, block=True)
-    ahead = AHEAD and cfg.block_n == 16 * cfg.num_warps and cfg.block_w <= 32
-    esc_split = ESC_SPLIT and not n_lanes and t.esc_idx.numel() > 0
+    ahead = cfg.ahead or (AHEAD and cfg.block_n == 16 * cfg.num_warps and cfg.block_w <= 32)
+    esc_split = (cfg.esc_split or ESC_SPLIT) and not n_lanes and t.esc_idx.numel() > 0
     grid, words_per_split, part, counters = _split_k_plan(t, cfg, m, n_words, block_m, slots=1 + esc_split)
     native = on_native(x)  # the interpreter runs no PTX
     sm, codes = t.sm.contiguous().view(torch.int32), t.codes.contiguous().view(torch.int16)

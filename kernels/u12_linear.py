@@ -925,6 +925,8 @@ class U12Config:
     decode: str = "pairs"  # or "single": one weight per 32-bit op (the scaled decode only)
     kernel: str = "tile"  # or "gemv2", "mma", "hmma"
     maxnreg: int = 0  # registers a thread ptxas may use (PTX .maxnreg; gemv2, mma, hmma on the GPU); 0: its choice
+    ahead: bool = False  # hmma: the register double buffer (kernels/u12_hmma.py's AHEAD) for this shape
+    esc_split: bool = False  # hmma, split-K: the splits walk the table's escapes (u12_hmma.ESC_SPLIT) for this shape
 
     def __post_init__(self) -> None:
         if self.decode not in ("pairs", "single"):
@@ -936,6 +938,12 @@ class U12Config:
             raise ValueError(f"U12Config: the hmma kernel takes block_n 16 or 32 rows a warp "
                              f"({16 * self.num_warps} or {32 * self.num_warps} at {self.num_warps} warps) and "
                              f"block_w a multiple of 16, got block_n {self.block_n}, block_w {self.block_w}")
+        if (self.ahead or self.esc_split) and self.kernel != "hmma":
+            raise ValueError(f"U12Config: ahead and esc_split are the hmma kernel's, got kernel {self.kernel!r}")
+        if self.ahead and (self.block_n != 16 * self.num_warps or self.block_w > 32):
+            raise ValueError(f"U12Config.ahead: the double buffer takes one m-tile a warp (block_n "
+                             f"{16 * self.num_warps} at {self.num_warps} warps) and block_w <= 32, got block_n "
+                             f"{self.block_n}, block_w {self.block_w}")
         if self.kernel == "gemv2" and self.split_k != 1:
             raise ValueError(f"U12Config.split_k: the gemv2 kernel has no split-K, got {self.split_k}")
         if self.maxnreg and not 24 <= self.maxnreg <= 255:
@@ -959,8 +967,9 @@ class U12Config:
         if self.kernel == "gemv2":
             return f"gemv2-bn{self.block_n}-bw{self.block_w}-w{self.num_warps}-s{self.num_stages}{regs}"
         if self.kernel in ("mma", "hmma"):
+            knobs = "-ahead" * self.ahead + "-escsplit" * self.esc_split
             return (f"{self.kernel}-bn{self.block_n}-bw{self.block_w}-sk{self.split_k}-w{self.num_warps}"
-                    f"-s{self.num_stages}{regs}")
+                    f"-s{self.num_stages}{regs}{knobs}")
         return f"bn{self.block_n}-bw{self.block_w}-sk{self.split_k}-w{self.num_warps}-s{self.num_stages}-{self.decode}"
 
 
