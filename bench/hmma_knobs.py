@@ -11,8 +11,9 @@ AHEAD and AHEAD_X, with ESC_SPLIT (split-K shapes) and with ESC_SPLIT and AHEAD;
 one-warp ones with AHEAD_X too); 32-row programs of 2 warps at 128 registers with AHEAD. Each
 config is checked against x · Wᵀ in fp32 first (relative error under 1e-2), then timed as the
 median replay of a CUDA graph of one call per copy, twice, the minimum kept (bench/u12_linear.py's
-time_graph). Writes bench/results/u12_hmma_knobs_<gpu>.json (GPU, versions, commit) and prints a
-line a shape.
+time_graph). Writes bench/results/u12_hmma_knobs_<gpu>.json (GPU, versions, commit; its "tuned"
+list: each shape's fastest config, a TUNED_TILES entry with its knobs as U12Config fields, which
+bench/step_ab.py --tiles-tuned times in the verify step) and prints a line a shape.
 
     python bench/hmma_knobs.py [--shapes o,down,qkv,gate_up] [--out FILE]
     python bench/hmma_knobs.py --smoke --out FILE   # o at 32 x 256 on the CPU (TRITON_INTERPRET=1): checks the script
@@ -39,28 +40,30 @@ from u12_linear import SHAPES, git_commit, time_graph, write_result  # noqa: E40
 SPLIT = {"qkv": 4, "o": 8, "gate_up": 1, "down": 8}  # TUNED_TILES' splits
 
 
-def configs(name: str, tuned) -> list[tuple[str, object, dict]]:
-    """(label, config, the u12_hmma knobs it runs with): a label holds "-ahead" where AHEAD is on,
-    ends in "-ahead-x" where AHEAD_X is too, holds "-escsplit" where ESC_SPLIT is."""
+def configs(name: str, tuned) -> list[tuple[str, object]]:
+    """(label, config): a label holds "-ahead" where the config's ahead is on, ends in "-ahead-x"
+    where its ahead_x is too, holds "-escsplit" where its esc_split is."""
     from specpilot.kernels.u12_linear import U12Config
 
     hmma = dict(num_stages=1, kernel="hmma", split_k=SPLIT[name])
-    off, ahead, esc, both, ahead_x = (dict(AHEAD=a, ESC_SPLIT=e, AHEAD_X=x)
-                                      for a, e, x in ((0, 0, 0), (1, 0, 0), (0, 1, 0), (1, 1, 0), (1, 0, 1)))
+    ahead, ahead_x = dict(ahead=True), dict(ahead=True, ahead_x=True)
+    at32 = dataclasses.replace(tuned, block_w=32)  # the most AHEAD takes
+    w4, w1 = U12Config(64, 32, num_warps=4, maxnreg=168, **hmma), U12Config(16, 32, num_warps=1, maxnreg=168, **hmma)
     rows = [
-        ("tuned", tuned, off),
-        ("tuned-ahead", dataclasses.replace(tuned, block_w=32), ahead),
-        ("tuned-ahead-x", dataclasses.replace(tuned, block_w=32), ahead_x),
-        ("w4-r168", U12Config(64, 32, num_warps=4, maxnreg=168, **hmma), off),
-        ("w4-r168-ahead", U12Config(64, 32, num_warps=4, maxnreg=168, **hmma), ahead),
-        ("w1-r168", U12Config(16, 32, num_warps=1, maxnreg=168, **hmma), off),
-        ("w1-r168-ahead", U12Config(16, 32, num_warps=1, maxnreg=168, **hmma), ahead),
-        ("w1-r168-ahead-x", U12Config(16, 32, num_warps=1, maxnreg=168, **hmma), ahead_x),
-        ("w2-r128-ahead", U12Config(32, 32, num_warps=2, maxnreg=128, **hmma), ahead),
+        ("tuned", tuned),
+        ("tuned-ahead", dataclasses.replace(at32, **ahead)),
+        ("tuned-ahead-x", dataclasses.replace(at32, **ahead_x)),
+        ("w4-r168", w4),
+        ("w4-r168-ahead", dataclasses.replace(w4, **ahead)),
+        ("w1-r168", w1),
+        ("w1-r168-ahead", dataclasses.replace(w1, **ahead)),
+        ("w1-r168-ahead-x", dataclasses.replace(w1, **ahead_x)),
+        ("w2-r128-ahead", U12Config(32, 32, num_warps=2, maxnreg=128, **ahead, **hmma)),
     ]
     if SPLIT[name] > 1:  # ESC_SPLIT takes split-K launches only
-        rows += [("tuned-escsplit", tuned, esc), ("tuned-escsplit-ahead", dataclasses.replace(tuned, block_w=32), both)]
-    return [(label, cfg, {k: bool(v) for k, v in knobs.items()}) for label, cfg, knobs in rows]
+        rows += [("tuned-escsplit", dataclasses.replace(tuned, esc_split=True)),
+                 ("tuned-escsplit-ahead", dataclasses.replace(at32, esc_split=True, **ahead))]
+    return rows
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -73,7 +76,6 @@ def main(argv: list[str] | None = None) -> int:
         sys.exit("bench/hmma_knobs.py --smoke runs the kernels in Triton's interpreter: set TRITON_INTERPRET=1")
     if not args.smoke and not torch.cuda.is_available():
         sys.exit("bench/hmma_knobs.py times CUDA kernels: it needs a GPU.")
-    import specpilot.kernels.u12_hmma as hm
     from specpilot.kernels.u12_linear import TUNED_TILES, U12Config, u12_linear
     from specpilot.runtime.u12 import pack_u12
 
@@ -95,11 +97,12 @@ def main(argv: list[str] | None = None) -> int:
             timing="median replay of a CUDA graph of one call per distinct weight copy (about 2 GB), min of two; us",
             gpu=gpu, torch=torch.__version__, triton=triton.__version__, python=platform.python_version(),
             git_commit=git_commit(("kernels/u12_hmma.py", "bench/hmma_knobs.py")),
-            date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), rows=rows)
+            date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), rows=rows,
+            tuned=tuned_rows)
         return write_result(result, args.out, "u12_hmma_knobs", gpu)
 
     gen = torch.Generator(device=device).manual_seed(0)
-    rows, wrong = [], []
+    rows, wrong, tuned_rows = [], [], []
     for name, (n, k) in shapes.items():
         tuned = (U12Config(64, 32, split_k=SPLIT[name], num_warps=4, num_stages=1, kernel="hmma", maxnreg=128)
                  if args.smoke else TUNED_TILES[(16, n, k)])
@@ -113,18 +116,21 @@ def main(argv: list[str] | None = None) -> int:
         errors: dict[str, float] = {}
         for _ in range(1 if args.smoke else 2):
             times.setdefault("cublas", []).append(timed([lambda w=w: torch.matmul(x, w.T) for w in ws]) * 1e3 / copies)
-            for label, cfg, knobs in cfgs:
-                hm.AHEAD, hm.ESC_SPLIT, hm.AHEAD_X = knobs["AHEAD"], knobs["ESC_SPLIT"], knobs["AHEAD_X"]
+            for label, cfg in cfgs:
                 errors[label] = err = ((u12_linear(x, packed[0], cfg).float() - ref).abs().max() / ref.abs().max()).item()
                 if not err < 1e-2:  # wrong: reported, never timed
                     wrong.append(f"{name} {label} ({cfg}): relative error {err:.3g} against x · Wᵀ")
                     continue
                 times.setdefault(label, []).append(
                     timed([lambda t=t, cfg=cfg: u12_linear(x, t, cfg) for t in packed]) * 1e3 / copies)
-        hm.AHEAD, hm.ESC_SPLIT, hm.AHEAD_X = False, False, False
         best = {label: min(v) for label, v in times.items()}
         rows.append(dict(name=name, N=n, K=k, M=16, us=best, rel_err=errors,
-                         configs={label: str(c) for label, c, _ in cfgs}))
+                         configs={label: str(c) for label, c in cfgs}))
+        win = min((label for label in best if label != "cublas"), key=best.get, default=None)
+        if win is not None:  # the shape's fastest config as a TUNED_TILES entry (bench/step_ab.py --tiles-tuned)
+            cfg = dict(cfgs)[win]
+            tuned_rows.append(dict(key=[16, n, k], layout="tiles", label=win, us=best[win], cublas_us=best["cublas"],
+                                   config=str(cfg), **dataclasses.asdict(cfg)))
         print(f"{name:8}" + " ".join(f" {label} {us:.2f}" for label, us in best.items()), flush=True)
         out = save(rows)
         del ws, packed

@@ -31,7 +31,8 @@
 #   tilesab  the tiled layout's GPU tests, then the AR and verify(16) steps interleaved (u12-tiles beside u12)
 #   knobs    the hmma kernel's untimed knobs (u12_hmma.AHEAD, AHEAD_X, ESC_SPLIT) at M = 16 on tiles
 #            (bench/hmma_knobs.py), then their GPU tests; verifyab, a command of its own after it, times them
-#            in the verify(16) step (u12-tiles-ahead, -ahead-x, -esc-split, -many-rows, -pdl-wait)
+#            in the verify(16) step (u12-tiles-ahead, -ahead-x, -esc-split, -many-rows, -pdl-wait), and with the
+#            knobs file committed as bench/results/u12_hmma_knobs_<gpu>.json each shape's winner (u12-tiles-sweep)
 #   tiles1   the one-row gemv2 sweep on tiled weights beside row planes, in CUDA graphs
 #   fewrows  the hmma and mma kernels' GPU tests, then verify(4) and verify(8) interleaved (bench/step_ab.py
 #            --q 4 and 8: the tensor-core kernels at 3..8 rows against gemv2 at 4 and the hmma kernel's two n-tiles)
@@ -139,9 +140,11 @@ verify16() {  # fused_linear at the verify rows VERIFY_QS (default 16) timed in 
       --out "$OUT/step_ab_verify${q}_${GPU}.json"
   done
 }
-verifyab() {  # verify(16) interleaved, without a new fused_linear sweep
+verifyab() {  # verify(16) interleaved, without a new fused_linear sweep; with this GPU's knobs file, its winners too
+  local knobs=bench/results/u12_hmma_knobs_${GPU}.json
   TAIL=30 run step_ab_verify16 480 python bench/step_ab.py --q 16 \
-    --bf16-tuned bench/results/fused_linear_m16_graph_h200.json --out "$OUT/step_ab_verify16_${GPU}.json"
+    --bf16-tuned bench/results/fused_linear_m16_graph_h200.json --out "$OUT/step_ab_verify16_${GPU}.json" \
+    $([ -f "$knobs" ] && echo --tiles-tuned "$knobs")
 }
 u12verify() {  # the u12 kernels on the GPU (about 9 minutes of compiles: their own command), then verifyab
   TAIL=4 run u12_tests 540 python -m pytest -q -x -p no:cacheprovider tests/test_u12_mma.py tests/test_u12_hmma.py \

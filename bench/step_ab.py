@@ -37,7 +37,8 @@ default 4; --q above 1 only); u12-gemv-rows (gemv2 at 3..4 rows, the default bef
 kernels took them: ``u12_linear.TENSOR_CORE_ROWS``; --q 3 or 4); u12-hmma-wide (the hmma kernel's
 two n-tiles at up to 8 rows, ``u12_hmma.NARROW`` off; --q 2..8); u12-tiles (the default u12 step with
 every weight tiled, ``U12Tensor.layout``: gemv2 and the fused GEMV on the tiles at one row, TUNED_TILES'
-hmma configs from 3 rows; u12-tiles-sweep: with a --u12-tuned file's tiled configs; u12-tiles-ahead and
+hmma configs from 3 rows; u12-tiles-sweep: with the tiled configs of a --tiles-tuned file (bench/hmma_knobs.py's
+per-shape winners) or else a --u12-tuned one; u12-tiles-ahead and
 u12-tiles-esc-split: with ``u12_hmma.AHEAD`` or ``u12_hmma.ESC_SPLIT``; u12-tiles-ahead-x: AHEAD with
 ``u12_hmma.AHEAD_X``; u12-tiles-many-rows: with U12_MANY_ROWS, the
 fused epilogues and norm handoff on the tiles; u12-tiles-pdl-wait, u12-tiles-many-rows-pdl-wait and
@@ -356,6 +357,9 @@ def main() -> int:
     ap.add_argument("--u12-fused-tuned", type=Path,
                     help="a bench/u12_fused_linear.py results file: its configs for the step's rows as the variant "
                          "u12-fused-sweep")
+    ap.add_argument("--tiles-tuned", type=Path,
+                    help="a bench/u12_linear.py or bench/hmma_knobs.py results file: its configs for tiled weights "
+                         "(M = 16 key) as the variant u12-tiles-sweep (in place of --u12-tuned's)")
     ap.add_argument("--q", type=int, default=1, help="new tokens a step: 1 (AR) or a chain verify's q")
     ap.add_argument("--smoke", action="store_true",
                     help="a tiny shape on the CPU under TRITON_INTERPRET=1: checks the script, measures nothing")
@@ -373,8 +377,9 @@ def main() -> int:
                                             fused_linear.m_bucket(args.q))} if args.bf16_tuned else None
     extra_u12 = {"u12-sweep": tuned_from_sweep(args.u12_tuned, u12_linear.U12Config, u12_linear._block_m(args.q))
                  } if args.u12_tuned else None
-    extra_u12_tiles = {"u12-tiles-sweep": tuned_from_sweep(args.u12_tuned, u12_linear.U12Config, 16, "tiles")
-                       } if args.u12_tuned and 3 <= args.q <= 16 else None
+    tiles_file = args.tiles_tuned or args.u12_tuned
+    extra_u12_tiles = {"u12-tiles-sweep": tuned_from_sweep(tiles_file, u12_linear.U12Config, 16, "tiles")
+                       } if tiles_file and 3 <= args.q <= 16 else None
     extra_u12_fused = {"u12-fused-sweep": tuned_from_sweep(args.u12_fused_tuned, u12_linear.U12Config,
                                                            u12_linear._block_m(args.q))} if args.u12_fused_tuned else None
     graphs, _keep = capture(shape, variants=not args.smoke, extra_bf16=extra, extra_u12=extra_u12, q=args.q,

@@ -900,7 +900,7 @@ def launch_hmma(x: torch.Tensor, t: U12Tensor, y: torch.Tensor, cfg: U12Config, 
         EVEN_K=n_words % cfg.block_w == 0, ASM=native,
         **cfg.launch_options(native, fp_fusion=not fused),
         **pdl_args(x.device), LANES=n_lanes, LANE_GROUP=lane_group(n_lanes), TILED=t.layout == "tiles", **flags,
-        ESC_UNROLL=ESC_UNROLL, AHEAD=ahead, AHEAD_X=ahead and AHEAD_X,
+        ESC_UNROLL=ESC_UNROLL, AHEAD=ahead, AHEAD_X=cfg.ahead_x or (ahead and AHEAD_X),
         ESC_SPLIT=esc_split and grid[1] > 1,
     )
 

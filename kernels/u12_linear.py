@@ -926,6 +926,7 @@ class U12Config:
     kernel: str = "tile"  # or "gemv2", "mma", "hmma"
     maxnreg: int = 0  # registers a thread ptxas may use (PTX .maxnreg; gemv2, mma, hmma on the GPU); 0: its choice
     ahead: bool = False  # hmma: the register double buffer (kernels/u12_hmma.py's AHEAD) for this shape
+    ahead_x: bool = False  # hmma with ahead: the next chunk's x prefetched into L1 (u12_hmma.AHEAD_X)
     esc_split: bool = False  # hmma, split-K: the splits walk the table's escapes (u12_hmma.ESC_SPLIT) for this shape
 
     def __post_init__(self) -> None:
@@ -938,8 +939,10 @@ class U12Config:
             raise ValueError(f"U12Config: the hmma kernel takes block_n 16 or 32 rows a warp "
                              f"({16 * self.num_warps} or {32 * self.num_warps} at {self.num_warps} warps) and "
                              f"block_w a multiple of 16, got block_n {self.block_n}, block_w {self.block_w}")
-        if (self.ahead or self.esc_split) and self.kernel != "hmma":
-            raise ValueError(f"U12Config: ahead and esc_split are the hmma kernel's, got kernel {self.kernel!r}")
+        if (self.ahead or self.ahead_x or self.esc_split) and self.kernel != "hmma":
+            raise ValueError(f"U12Config: ahead, ahead_x and esc_split are the hmma kernel's, got kernel {self.kernel!r}")
+        if self.ahead_x and not self.ahead:
+            raise ValueError("U12Config.ahead_x: the x prefetch goes with the double buffer: expected ahead=True")
         if self.ahead and (self.block_n != 16 * self.num_warps or self.block_w > 32):
             raise ValueError(f"U12Config.ahead: the double buffer takes one m-tile a warp (block_n "
                              f"{16 * self.num_warps} at {self.num_warps} warps) and block_w <= 32, got block_n "
@@ -967,7 +970,7 @@ class U12Config:
         if self.kernel == "gemv2":
             return f"gemv2-bn{self.block_n}-bw{self.block_w}-w{self.num_warps}-s{self.num_stages}{regs}"
         if self.kernel in ("mma", "hmma"):
-            knobs = "-ahead" * self.ahead + "-escsplit" * self.esc_split
+            knobs = "-ahead" * self.ahead + "-x" * self.ahead_x + "-escsplit" * self.esc_split
             return (f"{self.kernel}-bn{self.block_n}-bw{self.block_w}-sk{self.split_k}-w{self.num_warps}"
                     f"-s{self.num_stages}{regs}{knobs}")
         return f"bn{self.block_n}-bw{self.block_w}-sk{self.split_k}-w{self.num_warps}-s{self.num_stages}-{self.decode}"

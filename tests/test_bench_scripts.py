@@ -233,31 +233,30 @@ def test_readme_tables_are_generated_from_the_results_files() -> None:
 
 
 def test_hmma_knobs_bench_times_each_knob_where_it_says_so():
-    """bench/hmma_knobs.py: every "-ahead" (and "-ahead-x") config is one AHEAD takes (one m-tile a warp, block_w at
-    most 32; launch_hmma otherwise runs the one-stage loop and the row would time that), every
-    "-escsplit" config a split-K launch (ESC_SPLIT's only), each other config timed without the
-    knob, and TUNED_TILES holds each shape it times."""
+    """bench/hmma_knobs.py: each label names its config's knobs ("-ahead", "-ahead-x", "-escsplit");
+    every config is one the hmma kernel takes (U12Config refuses AHEAD where it cannot run, so a row
+    never times the one-stage loop under an "-ahead" label), "-escsplit" only on split-K launches,
+    and TUNED_TILES holds each shape it times."""
     import hmma_knobs
 
     from specpilot.kernels.u12_linear import TUNED_TILES
 
     for name, (n, k) in {s: hmma_knobs.SHAPES[s] for s in hmma_knobs.SPLIT}.items():
         cfgs = hmma_knobs.configs(name, TUNED_TILES[(16, n, k)])
-        assert len({label for label, _, _ in cfgs}) == len(cfgs)
-        for label, cfg, knobs in cfgs:
-            assert knobs["AHEAD"] == ("-ahead" in label), label
-            assert knobs["AHEAD_X"] == label.endswith("-ahead-x"), label
-            assert knobs["ESC_SPLIT"] == ("-escsplit" in label), label
-            if knobs["AHEAD"]:
-                assert cfg.block_n == 16 * cfg.num_warps and cfg.block_w <= 32, (name, label, cfg)
+        assert len({label for label, _ in cfgs}) == len(cfgs)
+        for label, cfg in cfgs:
+            assert cfg.ahead == ("-ahead" in label), label
+            assert cfg.ahead_x == label.endswith("-ahead-x"), label
+            assert cfg.esc_split == ("-escsplit" in label), label
             assert cfg.kernel == "hmma" and cfg.split_k == hmma_knobs.SPLIT[name]
-            assert not knobs["ESC_SPLIT"] or cfg.split_k > 1, (name, label)
-        assert any(knobs["ESC_SPLIT"] for _, _, knobs in cfgs) == (hmma_knobs.SPLIT[name] > 1)
+            assert not cfg.esc_split or cfg.split_k > 1, (name, label)
+        assert any(cfg.esc_split for _, cfg in cfgs) == (hmma_knobs.SPLIT[name] > 1)
 
 
 def test_hmma_knobs_smoke(tmp_path: Path) -> None:
     """bench/hmma_knobs.py --smoke (o at 32 x 256, the interpreter): every config of the knob table
-    checked against x · Wᵀ and run with its knobs set, the file written, the knobs restored."""
+    checked against x · Wᵀ and run, the file written with the shape's fastest config as a "tuned"
+    entry that bench/step_ab.py --tiles-tuned reads back as that config, the module switches left off."""
     import hmma_knobs
 
     from specpilot.kernels import u12_hmma
@@ -268,3 +267,10 @@ def test_hmma_knobs_smoke(tmp_path: Path) -> None:
     assert row["name"] == "o" and set(row["us"]) == {"cublas", *row["configs"]}
     assert all(err < 1e-2 for err in row["rel_err"].values())
     assert not (u12_hmma.AHEAD or u12_hmma.AHEAD_X or u12_hmma.ESC_SPLIT)
+    (win,) = json.loads(out.read_text())["tuned"]
+    assert win["us"] == min(us for label, us in row["us"].items() if label != "cublas")
+    import step_ab
+    from specpilot.kernels.u12_linear import U12Config
+
+    (cfg,) = step_ab.tuned_from_sweep(out, U12Config, 16, "tiles").values()
+    assert str(cfg) == row["configs"][win["label"]] == win["config"]

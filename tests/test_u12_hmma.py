@@ -286,7 +286,7 @@ def test_x_prefetch_goes_with_the_double_buffer(monkeypatch):
 
 
 def test_the_knobs_a_config_carries_reach_the_kernel():
-    """``U12Config.ahead`` and ``esc_split`` turn AHEAD and ESC_SPLIT on for one config (a TUNED_TILES
+    """``U12Config.ahead`` (with ``ahead_x``) and ``esc_split`` turn AHEAD and ESC_SPLIT on for one config (a TUNED_TILES
     entry) with the module's switches off: the same launch settings, the same sums as the switches;
     a config the double buffer does not take, or another kernel's, is refused at construction."""
     x, t = _make_inputs(_case(16, 64, 256, torch.bfloat16, "special"), DEVICE, 64)
@@ -294,22 +294,24 @@ def test_the_knobs_a_config_carries_reach_the_kernel():
     assert not (u12_hmma.AHEAD or u12_hmma.ESC_SPLIT)
     cfg = U12Config(32, 16, split_k=2, num_warps=2, **_HMMA)
     y = u12_linear(x, w, cfg)
-    kernel, seen = u12_hmma._u12_hmma_kernel, {"AHEAD": [], "ESC_SPLIT": []}
-    for knobs in (dict(ahead=True), dict(esc_split=True)):
-        knob = "AHEAD" if "ahead" in knobs else "ESC_SPLIT"
+    kernel, seen = u12_hmma._u12_hmma_kernel, {"AHEAD": [], "AHEAD_X": [], "ESC_SPLIT": []}
+    for knob, knobs in (("AHEAD", dict(ahead=True)), ("AHEAD_X", dict(ahead=True, ahead_x=True)),
+                        ("ESC_SPLIT", dict(esc_split=True))):
         with mock.patch.object(u12_hmma, "_u12_hmma_kernel", _Spy(kernel, seen[knob], knob)):
             yk = u12_linear(x, w, dataclasses.replace(cfg, **knobs))
-        if knob == "AHEAD":  # the double buffer: bit for bit; the shared walk: another rounding order
+        if knob != "ESC_SPLIT":  # the double buffer: bit for bit; the shared walk: another rounding order
             assert torch.equal(yk.view(torch.int16), y.view(torch.int16))
         torch.testing.assert_close(yk.float(), y.float(), rtol=8e-3, atol=1e-4, equal_nan=True)
-    assert seen == {"AHEAD": [True], "ESC_SPLIT": [True]}
-    assert str(dataclasses.replace(cfg, ahead=True, esc_split=True)).endswith("-ahead-escsplit")
+    assert seen == {"AHEAD": [True], "AHEAD_X": [True], "ESC_SPLIT": [True]}
+    assert str(dataclasses.replace(cfg, ahead=True, ahead_x=True, esc_split=True)).endswith("-ahead-x-escsplit")
     with pytest.raises(ValueError, match="one m-tile a warp"):
         U12Config(32, 32, num_warps=1, ahead=True, **_HMMA)
     with pytest.raises(ValueError, match="one m-tile a warp"):
         U12Config(16, 64, num_warps=1, ahead=True, **_HMMA)
     with pytest.raises(ValueError, match="hmma kernel's"):
         U12Config(64, 32, split_k=2, kernel="mma", esc_split=True)
+    with pytest.raises(ValueError, match="expected ahead=True"):
+        U12Config(32, 32, num_warps=2, ahead_x=True, **_HMMA)
 
 
 class _Spy:
