@@ -8,7 +8,9 @@ bench/results/u12_stats.json; distinct copies of about 2 GB so every call reads 
 TUNED_TILES' config as it is ("tuned"), with AHEAD (its block_w at 32, the most AHEAD takes), with
 AHEAD and AHEAD_X, with ESC_SPLIT (split-K shapes) and with ESC_SPLIT and AHEAD; 64-row programs of
 4 warps held to 168 registers, and 16-row programs of one warp, each without and with AHEAD (the
-one-warp ones with AHEAD_X too); 32-row programs of 2 warps at 128 registers with AHEAD. Each
+one-warp ones with AHEAD_X too); 32-row programs of 2 warps at 128 registers with AHEAD; WARP_K's
+programs ("wk" rows: the warps on a program's 16 or 32 rows, each its share of the words, no split
+or 2), 8 warps on 16 rows without and with AHEAD, 4 warps of 2 splits, 8 warps on 32 rows. Each
 config is checked against x · Wᵀ in fp32 first (relative error under 1e-2), then timed as the
 median replay of a CUDA graph of one call per copy, twice, the minimum kept (bench/u12_linear.py's
 time_graph). Writes bench/results/u12_hmma_knobs_<gpu>.json (GPU, versions, commit; its "tuned"
@@ -59,6 +61,14 @@ def configs(name: str, tuned) -> list[tuple[str, object]]:
         ("w1-r168-ahead", dataclasses.replace(w1, **ahead)),
         ("w1-r168-ahead-x", dataclasses.replace(w1, **ahead_x)),
         ("w2-r128-ahead", U12Config(32, 32, num_warps=2, maxnreg=128, **ahead, **hmma)),
+    ]
+    wk = dict(num_stages=1, kernel="hmma", warp_k=True)  # WARP_K: the warps split a program's words, fewer splits
+    wk8 = U12Config(16, 32, num_warps=8, maxnreg=128, **wk)
+    rows += [
+        ("wk8-bn16", wk8),
+        ("wk8-bn16-ahead", dataclasses.replace(wk8, ahead=True)),
+        ("wk4-bn16-sk2", U12Config(16, 32, split_k=2, num_warps=4, maxnreg=128, **wk)),
+        ("wk8-bn32", U12Config(32, 32, num_warps=8, maxnreg=168, **wk)),
     ]
     if SPLIT[name] > 1:  # ESC_SPLIT takes split-K launches only
         rows += [("tuned-escsplit", dataclasses.replace(tuned, esc_split=True)),

@@ -107,6 +107,7 @@ one (o and down); the one-n-tile kernel at 3..8 rows: see NARROW.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
@@ -130,6 +131,7 @@ from .u12_linear import (
     _pair_patterns,
     _plant_wrong_weight,
     _prmt,
+    _col_words,
     _row_words,
     _split_k_plan,
     aligned_rows,
@@ -603,6 +605,13 @@ def _finish(
 
 
 @triton.jit
+def _warp_sum(v, WARPS: tl.constexpr):
+    """``WARP_K``: each lane's v [T] summed over the warps (in shared memory), every warp holding the sum."""
+    s = tl.sum(tl.reshape(v, (WARPS, 32)), axis=0)
+    return tl.reshape(tl.broadcast_to(s[None, :], (WARPS, 32)), (WARPS * 32,))
+
+
+@triton.jit
 def _warp_part(sq, parts_ptr, part, m, M, WARPS: tl.constexpr):
     """Σ over a quad column's 8 lanes (rows g) of sq [T]: one part a warp at x row m (a lane's, [T])."""
     s = tl.sum(tl.reshape(sq, (WARPS, 8, 4)), axis=1)  # [warp, q]
@@ -663,9 +672,10 @@ def _u12_hmma_kernel(
     AHEAD: tl.constexpr = False,  # the next chunk's words loaded before this one's MMAs (one m-tile, BLOCK_W <= 32)
     AHEAD_X: tl.constexpr = False,  # AHEAD: the next chunk's x words prefetched into L1 too (GPU only)
     ESC_SPLIT: tl.constexpr = False,  # SPLIT_K > 1, the table: each split walks its share of the escapes
+    WARP_K: tl.constexpr = False,  # the warps share the program's rows and split its words (``WARP_K``)
 ):
     pdl_enter(PDL)
-    TILES: tl.constexpr = BLOCK_N // (16 * WARPS)  # m-tiles a warp: 1 or 2
+    TILES: tl.constexpr = BLOCK_N // 16 if WARP_K else BLOCK_N // (16 * WARPS)  # m-tiles a warp: 1 or 2
     NT: tl.constexpr = BLOCK_M // 8  # n-tiles (8 rows of x each) a warp: 1 or 2
     T: tl.constexpr = 32 * WARPS
     pid_n = tl.program_id(0)
@@ -676,18 +686,19 @@ def _u12_hmma_kernel(
     lane = t % 32
     g = lane // 4
     q = lane % 4
+    warp_rows = 0 if WARP_K else t // 32  # WARP_K: every warp on the program's rows
     # Each m-tile's W rows of a lane: lo (its row g) and hi (g + 8); rows past N (gated: columns past
     # n_out) re-read the last one (their outputs are not stored). Plain: the warp's 16 · TILES rows in
     # order. Gated: an m-tile holds 8 output columns c, lo their gate rows c and hi their up rows
     # n_out + c, so each lane holds both halves of its outputs.
     if GATED:
-        c0 = pid_n * (BLOCK_N // 2) + (t // 32) * (8 * TILES) + g  # m-tile 0's column; m-tile 1's: + 8
+        c0 = pid_n * (BLOCK_N // 2) + warp_rows * (8 * TILES) + g  # m-tile 0's column; m-tile 1's: + 8
         lo0, hi0, lo1, hi1 = c0, c0 + n_out, c0 + 8, c0 + 8 + n_out
         ok0, ok1 = c0 < n_out, c0 + 8 < n_out
         rl0, rl1 = tl.minimum(c0, n_out - 1), tl.minimum(c0 + 8, n_out - 1)
         rh0, rh1 = rl0 + n_out, rl1 + n_out
     else:
-        row = n0 + (t // 32) * (16 * TILES) + g  # m-tile 0's row g; + 8, + 16, + 24 for the others
+        row = n0 + warp_rows * (16 * TILES) + g  # m-tile 0's row g; + 8, + 16, + 24 for the others
         lo0, hi0, lo1, hi1 = row, row + 8, row + 16, row + 24
         rl0, rh0 = tl.minimum(row, N - 1), tl.minimum(row + 8, N - 1)
         rl1, rh1 = tl.minimum(row + 16, N - 1), tl.minimum(row + 24, N - 1)
@@ -730,6 +741,16 @@ def _u12_hmma_kernel(
     w_begin = pid_k * words_per_split
     w_end = tl.minimum(w_begin + words_per_split, n_words)
     full_end = w_begin + (w_end - w_begin) // BLOCK_W * BLOCK_W
+    if WARP_K:  # warp i takes words i · span .. of the split (launch_hmma: whole chunks each), from its pointers
+        tl.static_assert(EVEN_K, "WARP_K: every warp's share whole chunks")
+        span = words_per_split // WARPS
+        koff = (t // 32) * span  # [T]: the warp's first word after the split's
+        kw = _col_words(koff, TILED)[:, None]
+        sm_lo, sm_hi, code_lo, code_hi = sm_lo + kw, sm_hi + kw, code_lo + kw, code_hi + kw
+        sm_lo2, sm_hi2, code_lo2, code_hi2 = sm_lo2 + kw, sm_hi2 + kw, code_lo2 + kw, code_hi2 + kw
+        x_row0, x_row1 = x_row0 + koff[:, None], x_row1 + koff[:, None]
+        full_end = w_begin + span
+        w_end = full_end
     zero = tl.zeros((T,), dtype=tl.float32)
     d0, d1, d2, d3, e0, e1, e2, e3 = zero, zero, zero, zero, zero, zero, zero, zero
     f0, f1, f2, f3, h0, h1, h2, h3 = zero, zero, zero, zero, zero, zero, zero, zero
@@ -745,6 +766,8 @@ def _u12_hmma_kernel(
         lane_x = 4 * q if TILED else (BLOCK_W // 4) * q  # a lane's first x word of a group (lane_w's column 0)
         xb0 = x64 + tl.minimum(pid_m * BLOCK_M + g, M - 1) * (stride_xm // 4) + lane_x
         xb1 = x64 + tl.minimum(pid_m * BLOCK_M + 8 + g, M - 1) * (stride_xm // 4) + lane_x
+        if WARP_K:
+            xb0, xb1 = xb0 + koff, xb1 + koff
         for start in range(w_begin, full_end, BLOCK_W):
             nxt = start + BLOCK_W
             live = (lane_w * 0 + nxt) < full_end
@@ -793,6 +816,17 @@ def _u12_hmma_kernel(
                     x_row0, x_row1, sm_lo, code_lo, sm_hi, code_hi, sm_lo2, code_lo2, sm_hi2, code_hi2,
                     TILES, NT, True, ASM)
 
+    if WARP_K:  # the warps' sums, held by every warp; warp 0 stores them (the others' rows masked)
+        d0, d1, d2, d3 = _warp_sum(d0, WARPS), _warp_sum(d1, WARPS), _warp_sum(d2, WARPS), _warp_sum(d3, WARPS)
+        if NT == 2:
+            e0, e1, e2, e3 = _warp_sum(e0, WARPS), _warp_sum(e1, WARPS), _warp_sum(e2, WARPS), _warp_sum(e3, WARPS)
+        if TILES == 2:
+            f0, f1, f2, f3 = _warp_sum(f0, WARPS), _warp_sum(f1, WARPS), _warp_sum(f2, WARPS), _warp_sum(f3, WARPS)
+            if NT == 2:
+                h0, h1, h2, h3 = (_warp_sum(h0, WARPS), _warp_sum(h1, WARPS), _warp_sum(h2, WARPS),
+                                  _warp_sum(h3, WARPS))
+        first = t < 32
+        vl0, vh0, vl1, vh1 = vl0 & first, vh0 & first, vl1 & first, vh1 & first
     mb = pid_m * BLOCK_M + 2 * q
     m0, m1, m2, m3 = mb, mb + 1, mb + 8, mb + 9  # x rows of d0 / d2, d1 / d3, e0 / e2, e1 / e3
     w0, w1, w2, w3, w4, w5, w6, w7 = zero, zero, zero, zero, zero, zero, zero, zero  # ESC_SPLIT: the escapes'
@@ -884,9 +918,12 @@ def launch_hmma(x: torch.Tensor, t: U12Tensor, y: torch.Tensor, cfg: U12Config, 
     x = aligned_rows(x, True)
     block_m = hmma_rows(m)
     lanes, n_lanes = lanes_args(t, block=True)
-    ahead = cfg.ahead or (AHEAD and cfg.block_n == 16 * cfg.num_warps and cfg.block_w <= 32)
+    if cfg.warp_k and n_words % (cfg.split_k * cfg.num_warps * cfg.block_w):  # shares of whole chunks only:
+        cfg = dataclasses.replace(cfg, warp_k=False, block_n=cfg.block_n * cfg.num_warps)  # the warps on rows
+    ahead = cfg.ahead or (AHEAD and cfg.rows_a_warp() == 16 and cfg.block_w <= 32)
     esc_split = (cfg.esc_split or ESC_SPLIT) and not n_lanes and t.esc_idx.numel() > 0
-    grid, words_per_split, part, counters = _split_k_plan(t, cfg, m, n_words, block_m, slots=1 + esc_split)
+    chunk = cfg.block_w * cfg.num_warps if cfg.warp_k else cfg.block_w  # a split's words a multiple of it
+    grid, words_per_split, part, counters = _split_k_plan(t, cfg, m, n_words, block_m, 1 + esc_split, chunk)
     native = on_native(x)  # the interpreter runs no PTX
     sm, codes = t.sm.contiguous().view(torch.int32), t.codes.contiguous().view(torch.int16)
     epi, flags, fused = epilogue_args(x, y, native, grid[0] * cfg.num_warps, gated, residual, hand_in, hand_out)
@@ -901,7 +938,7 @@ def launch_hmma(x: torch.Tensor, t: U12Tensor, y: torch.Tensor, cfg: U12Config, 
         **cfg.launch_options(native, fp_fusion=not fused),
         **pdl_args(x.device), LANES=n_lanes, LANE_GROUP=lane_group(n_lanes), TILED=t.layout == "tiles", **flags,
         ESC_UNROLL=ESC_UNROLL, AHEAD=ahead, AHEAD_X=cfg.ahead_x or (ahead and AHEAD_X),
-        ESC_SPLIT=esc_split and grid[1] > 1,
+        ESC_SPLIT=esc_split and grid[1] > 1, WARP_K=cfg.warp_k,
     )
 
 

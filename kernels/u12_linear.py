@@ -928,29 +928,33 @@ class U12Config:
     ahead: bool = False  # hmma: the register double buffer (kernels/u12_hmma.py's AHEAD) for this shape
     ahead_x: bool = False  # hmma with ahead: the next chunk's x prefetched into L1 (u12_hmma.AHEAD_X)
     esc_split: bool = False  # hmma, split-K: the splits walk the table's escapes (u12_hmma.ESC_SPLIT) for this shape
+    warp_k: bool = False  # hmma: the warps share block_n rows (16 or 32) and split the words (u12_hmma.WARP_K)
 
     def __post_init__(self) -> None:
         if self.decode not in ("pairs", "single"):
             raise ValueError(f"U12Config.decode: expected 'pairs' or 'single', got {self.decode!r}")
         if self.kernel not in ("tile", "gemv2", "mma", "hmma"):
             raise ValueError(f"U12Config.kernel: expected 'tile', 'gemv2', 'mma' or 'hmma', got {self.kernel!r}")
-        if self.kernel == "hmma" and (self.block_n not in (16 * self.num_warps, 32 * self.num_warps)
-                                      or self.block_w % 16 or self.block_w <= 0):
-            raise ValueError(f"U12Config: the hmma kernel takes block_n 16 or 32 rows a warp "
-                             f"({16 * self.num_warps} or {32 * self.num_warps} at {self.num_warps} warps) and "
+        if (self.ahead or self.ahead_x or self.esc_split or self.warp_k) and self.kernel != "hmma":
+            raise ValueError(f"U12Config: ahead, ahead_x, esc_split and warp_k are the hmma kernel's, "
+                             f"got kernel {self.kernel!r}")
+        if self.kernel == "hmma" and (self.rows_a_warp() not in (16, 32) or self.block_w % 16 or self.block_w <= 0):
+            rows = "16 or 32" if self.warp_k else f"{16 * self.num_warps} or {32 * self.num_warps} at {self.num_warps} warps"
+            raise ValueError(f"U12Config: the hmma kernel takes block_n 16 or 32 rows a warp ({rows}) and "
                              f"block_w a multiple of 16, got block_n {self.block_n}, block_w {self.block_w}")
-        if (self.ahead or self.ahead_x or self.esc_split) and self.kernel != "hmma":
-            raise ValueError(f"U12Config: ahead, ahead_x and esc_split are the hmma kernel's, got kernel {self.kernel!r}")
         if self.ahead_x and not self.ahead:
             raise ValueError("U12Config.ahead_x: the x prefetch goes with the double buffer: expected ahead=True")
-        if self.ahead and (self.block_n != 16 * self.num_warps or self.block_w > 32):
-            raise ValueError(f"U12Config.ahead: the double buffer takes one m-tile a warp (block_n "
-                             f"{16 * self.num_warps} at {self.num_warps} warps) and block_w <= 32, got block_n "
-                             f"{self.block_n}, block_w {self.block_w}")
+        if self.ahead and (self.rows_a_warp() != 16 or self.block_w > 32):
+            raise ValueError(f"U12Config.ahead: the double buffer takes one m-tile a warp (16 rows) and "
+                             f"block_w <= 32, got {self.rows_a_warp()} rows a warp, block_w {self.block_w}")
         if self.kernel == "gemv2" and self.split_k != 1:
             raise ValueError(f"U12Config.split_k: the gemv2 kernel has no split-K, got {self.split_k}")
         if self.maxnreg and not 24 <= self.maxnreg <= 255:
             raise ValueError(f"U12Config.maxnreg: expected 0 (the compiler's choice) or 24..255, got {self.maxnreg}")
+
+    def rows_a_warp(self) -> float:
+        """W rows each warp multiplies (hmma): block_n with warp_k (every warp on them), else its share."""
+        return self.block_n if self.warp_k else self.block_n / self.num_warps
 
     def launch_options(self, native: bool, fp_fusion: bool = True) -> dict:
         """num_warps, num_stages and (native) fp fusion and maxnreg where set, as Triton's launch
@@ -970,7 +974,7 @@ class U12Config:
         if self.kernel == "gemv2":
             return f"gemv2-bn{self.block_n}-bw{self.block_w}-w{self.num_warps}-s{self.num_stages}{regs}"
         if self.kernel in ("mma", "hmma"):
-            knobs = "-ahead" * self.ahead + "-x" * self.ahead_x + "-escsplit" * self.esc_split
+            knobs = "-wk" * self.warp_k + "-ahead" * self.ahead + "-x" * self.ahead_x + "-escsplit" * self.esc_split
             return (f"{self.kernel}-bn{self.block_n}-bw{self.block_w}-sk{self.split_k}-w{self.num_warps}"
                     f"-s{self.num_stages}{regs}{knobs}")
         return f"bn{self.block_n}-bw{self.block_w}-sk{self.split_k}-w{self.num_warps}-s{self.num_stages}-{self.decode}"
@@ -1332,14 +1336,16 @@ def _launch_gemv2(x: torch.Tensor, t: U12Tensor, y: torch.Tensor, cfg: U12Config
     )
 
 
-def _split_k_plan(t: U12Tensor, cfg: U12Config, m: int, n_words: int, block_m: int, slots: int = 1):
+def _split_k_plan(t: U12Tensor, cfg: U12Config, m: int, n_words: int, block_m: int, slots: int = 1,
+                  chunk: int = 0):
     """(grid (N blocks, splits, M blocks), words per split, fp32 partials, counters) of a split-K launch:
-    each split a whole number of block_w chunks, none empty; slots partials a split (2: the hmma
-    kernel's ``ESC_SPLIT``); with one split the two buffers are placeholders (unused; an fp32 and an
-    int32 pointer keep the compiled types)."""
+    each split a whole number of chunks (block_w words unless `chunk` says), none empty; slots
+    partials a split (2: the hmma kernel's ``ESC_SPLIT``); with one split the two buffers are
+    placeholders (unused; an fp32 and an int32 pointer keep the compiled types)."""
     n = t.shape[0]
-    split = max(1, min(cfg.split_k, triton.cdiv(n_words, cfg.block_w)))
-    words_per_split = triton.cdiv(triton.cdiv(n_words, split), cfg.block_w) * cfg.block_w if n_words else 1
+    chunk = chunk or cfg.block_w
+    split = max(1, min(cfg.split_k, triton.cdiv(n_words, chunk)))
+    words_per_split = triton.cdiv(triton.cdiv(n_words, split), chunk) * chunk if n_words else 1
     split = max(1, triton.cdiv(n_words, words_per_split))  # no empty splits
     grid = (triton.cdiv(n, cfg.block_n), split, triton.cdiv(m, block_m))
     if split > 1:

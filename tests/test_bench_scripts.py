@@ -233,7 +233,7 @@ def test_readme_tables_are_generated_from_the_results_files() -> None:
 
 
 def test_hmma_knobs_bench_times_each_knob_where_it_says_so():
-    """bench/hmma_knobs.py: each label names its config's knobs ("-ahead", "-ahead-x", "-escsplit");
+    """bench/hmma_knobs.py: each label names its config's knobs ("-ahead", "-ahead-x", "-escsplit", "wk");
     every config is one the hmma kernel takes (U12Config refuses AHEAD where it cannot run, so a row
     never times the one-stage loop under an "-ahead" label), "-escsplit" only on split-K launches,
     and TUNED_TILES holds each shape it times."""
@@ -248,7 +248,9 @@ def test_hmma_knobs_bench_times_each_knob_where_it_says_so():
             assert cfg.ahead == ("-ahead" in label), label
             assert cfg.ahead_x == label.endswith("-ahead-x"), label
             assert cfg.esc_split == ("-escsplit" in label), label
-            assert cfg.kernel == "hmma" and cfg.split_k == hmma_knobs.SPLIT[name]
+            assert cfg.warp_k == label.startswith("wk"), label
+            assert cfg.kernel == "hmma" and (cfg.warp_k or cfg.split_k == hmma_knobs.SPLIT[name])
+            assert cfg.warp_k or "-sk" not in label
             assert not cfg.esc_split or cfg.split_k > 1, (name, label)
         assert any(cfg.esc_split for _, cfg in cfgs) == (hmma_knobs.SPLIT[name] > 1)
 

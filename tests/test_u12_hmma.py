@@ -402,3 +402,78 @@ def test_escapes_walked_by_the_splits_in_the_fused_epilogue(monkeypatch, mode):
     if mode == "hand_out":
         torch.testing.assert_close(h1.parts.sum(0), h0.parts.sum(0), rtol=1e-3, atol=1e-3)
         torch.testing.assert_close(h1.xg.float(), h0.xg.float(), rtol=8e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("m,n,k,cfg", [
+    (16, 48, 512, U12Config(16, 16, num_warps=4, warp_k=True, **_HMMA)),  # 4 warps of 32 words a row each
+    (9, 48, 768, U12Config(32, 16, split_k=2, num_warps=2, warp_k=True, **_HMMA)),  # two m-tiles a warp, 2 splits
+    (16, 64, 512, U12Config(16, 32, num_warps=2, warp_k=True, ahead=True, **_HMMA)),  # with the double buffer
+])
+def test_warps_splitting_the_words(m, n, k, cfg):
+    """``WARP_K`` (the warps share the program's rows and each multiplies its share of the words,
+    summed across the warps after the loop): the reference's outputs within the kernel's tolerance
+    and the warps-on-rows config's to its rounding, on either layout, non-finite weights included;
+    a wrong escape shows."""
+    x, t = _make_inputs(_case(m, n, k, torch.bfloat16, "special"), DEVICE, n)
+    ref = u12_linear_reference(x, t).float()
+    rows = dataclasses.replace(cfg, warp_k=False, block_n=cfg.block_n * cfg.num_warps)
+    launches = []
+    kernel = u12_hmma._u12_hmma_kernel
+    for layout in ("rows", "tiles"):
+        w = t.with_layout(layout)
+        with mock.patch.object(u12_hmma, "_u12_hmma_kernel", _Spy(kernel, launches, "WARP_K")):
+            y = u12_linear(x, w, cfg)
+        torch.testing.assert_close(y.float(), ref, rtol=8e-3, atol=1e-4, equal_nan=True)
+        torch.testing.assert_close(y.float(), u12_linear(x, w, rows).float(), rtol=8e-3, atol=1e-4, equal_nan=True)
+    assert launches == [True, True]
+    bad = dataclasses.replace(w, esc_val=w.esc_val.clone())
+    lo, hi = int(w.esc_row_ptr[n // 2]), int(w.esc_row_ptr[n // 2 + 1])
+    assert hi > lo
+    bad.esc_val[lo:hi] = torch.tensor(4.0, dtype=torch.bfloat16).view(torch.int16)
+    assert not torch.equal(u12_linear(x, bad, cfg).view(torch.int16), y.view(torch.int16))
+
+
+def test_warps_on_rows_where_the_words_do_not_share_out():
+    """A ``WARP_K`` config on a shape whose words do not split into whole chunks a warp (160 words,
+    4 warps of 16) runs the warps on rows (block_n times the warps): the same sums bit for bit."""
+    x, t = _make_inputs(_case(5, 48, 640, torch.bfloat16, "few"), DEVICE, 48)
+    cfg = U12Config(16, 16, num_warps=4, warp_k=True, **_HMMA)
+    launches = []
+    with mock.patch.object(u12_hmma, "_u12_hmma_kernel", _Spy(u12_hmma._u12_hmma_kernel, launches, "WARP_K")):
+        y = u12_linear(x, t, cfg)
+    assert launches == [False]
+    rows = U12Config(64, 16, num_warps=4, **_HMMA)
+    assert torch.equal(y.view(torch.int16), u12_linear(x, t, rows).view(torch.int16))
+
+
+@pytest.mark.parametrize("mode", ["residual", "hand_out", "gated"])
+def test_warps_splitting_the_words_in_the_fused_epilogue(mode):
+    """``WARP_K`` under u12_fused_linear's epilogues (warp 0 stores; a norm handed on gets the other
+    warps' zero parts): the warps-on-rows outputs to their rounding, the reference's within the
+    kernel's tolerance."""
+    from specpilot.kernels import u12_fused_linear as ufl
+    from specpilot.runtime.u12 import pack_u12
+
+    g = torch.Generator().manual_seed(11)
+    n, k, m = 48, 512, 16
+    gated = mode == "gated"
+    w = 0.02 * torch.randn(2 * n if gated else n, k, generator=g)
+    ufl.plant_escapes(w, g, gated)
+    t = pack_u12(w.to(torch.bfloat16)).with_layout("tiles").to(DEVICE)
+    x = torch.randn(m, k, generator=g).to(torch.bfloat16).to(DEVICE)
+    r = torch.randn(m, n, generator=g).to(torch.bfloat16).to(DEVICE)
+    norm_w = (1 + 0.1 * torch.randn(n, generator=g)).to(torch.bfloat16).to(DEVICE)
+    outs = []
+    for cfg in (U12Config(16, 16, split_k=2, num_warps=2, warp_k=True, **_HMMA),
+                U12Config(32, 16, split_k=2, num_warps=2, **_HMMA)):
+        h_out = ufl.NormHandoff(norm_w) if mode == "hand_out" else None
+        outs.append((ufl.u12_fused_linear(x, t, gated=gated, residual=None if gated else r.clone(), config=cfg,
+                                          hand_out=h_out), h_out))
+    (y1, h1), (y0, h0) = outs
+    torch.testing.assert_close(y1.float(), y0.float(), rtol=8e-3, atol=1e-3)
+    h_out = ufl.NormHandoff(norm_w) if mode == "hand_out" else None
+    ref = ufl.u12_fused_linear_reference(x, t, gated=gated, residual=None if gated else r.clone(), hand_out=h_out)
+    torch.testing.assert_close(y1.float(), ref.float(), rtol=8e-3, atol=1e-3)
+    if mode == "hand_out":
+        torch.testing.assert_close(h1.parts.sum(0), h0.parts.sum(0), rtol=1e-3, atol=1e-3)
+        torch.testing.assert_close(h1.xg.float(), h0.xg.float(), rtol=8e-3, atol=1e-3)
