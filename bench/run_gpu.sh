@@ -164,9 +164,9 @@ tilesab() {  # the tiled layout on the GPU: its tests, then the AR and verify(16
   TAIL=18 run step_ab_verify16 170 python bench/step_ab.py --q 16 --out "$OUT/step_ab_verify16_${GPU}.json"
 }
 knobs() {  # the hmma kernel's untimed knobs at M = 16 on tiles (the file written after each shape), their GPU tests
-  TAIL=8 run hmma_knobs 330 python bench/hmma_knobs.py --out "$OUT/u12_hmma_knobs_${GPU}.json"
-  TAIL=4 run knob_tests 180 python -m pytest -q -x -p no:cacheprovider tests/test_u12_hmma.py \
-    -k "ahead or x_prefetch or walked_by_the_splits"
+  TAIL=8 run hmma_knobs 400 python bench/hmma_knobs.py --out "$OUT/u12_hmma_knobs_${GPU}.json"
+  TAIL=4 run knob_tests 140 python -m pytest -q -x -p no:cacheprovider tests/test_u12_hmma.py \
+    -k "ahead or x_prefetch or walked_by_the_splits or warps_splitting or warps_on_rows or knobs_a_config"
 }
 tiles1() {  # one row on tiled weights: gemv2's configs on both layouts in CUDA graphs
   TAIL=24 run u12_linear_tiles1 330 python bench/u12_linear.py --ms 1 --kernels gemv2 --layouts rows,tiles --graph \
