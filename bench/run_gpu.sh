@@ -33,6 +33,9 @@
 #            (bench/hmma_knobs.py), then their GPU tests; verifyab, a command of its own after it, times them
 #            in the verify(16) step (u12-tiles-ahead, -ahead-x, -esc-split, -many-rows, -pdl-wait), and with the
 #            knobs file committed as bench/results/u12_hmma_knobs_<gpu>.json each shape's winner (u12-tiles-sweep)
+#   knobstep hmma_knobs.py at KNOB_SHAPES (default o,down,qkv: the split-K shapes), then verify(16) with its
+#            per-shape winners (u12-tiles-sweep) beside u12-tiles, the AHEAD / ESC_SPLIT switches and PDL
+#            mode 2, bf16-linear (step_ab.py --only): one command, under the device's 10 minutes
 #   tiles1   the one-row gemv2 sweep on tiled weights beside row planes, in CUDA graphs
 #   fewrows  the hmma and mma kernels' GPU tests, then verify(4) and verify(8) interleaved (bench/step_ab.py
 #            --q 4 and 8: the tensor-core kernels at 3..8 rows against gemv2 at 4 and the hmma kernel's two n-tiles)
@@ -167,6 +170,16 @@ knobs() {  # the hmma kernel's untimed knobs at M = 16 on tiles (the file writte
   TAIL=8 run hmma_knobs 400 python bench/hmma_knobs.py --out "$OUT/u12_hmma_knobs_${GPU}.json"
   TAIL=4 run knob_tests 140 python -m pytest -q -x -p no:cacheprovider tests/test_u12_hmma.py \
     -k "ahead or x_prefetch or walked_by_the_splits or warps_splitting or warps_on_rows or knobs_a_config"
+}
+knobstep() {  # one command: the knob table at the split-K shapes, then verify(16) with its winners beside the
+  # knobs that are module switches and PDL, the rest of verifyab's variants left out (each config checked
+  # against x · Wᵀ by hmma_knobs, each step's logits against bf16's by step_ab)
+  TAIL=8 run hmma_knobs 300 python bench/hmma_knobs.py --shapes "${KNOB_SHAPES:-o,down,qkv}" \
+    --out "$OUT/u12_hmma_knobs_${GPU}.json"
+  TAIL=16 run step_ab_verify16_knobs 260 python bench/step_ab.py --q 16 \
+    --bf16-tuned bench/results/fused_linear_m16_graph_h200.json --tiles-tuned "$OUT/u12_hmma_knobs_${GPU}.json" \
+    --only bf16-linear,bf16-linear-pdl-wait,u12-tiles,u12-tiles-sweep,u12-tiles-pdl-wait,u12-tiles-ahead,u12-tiles-esc-split \
+    --out "$OUT/step_ab_verify16_knobs_${GPU}.json"
 }
 tiles1() {  # one row on tiled weights: gemv2's configs on both layouts in CUDA graphs
   TAIL=24 run u12_linear_tiles1 330 python bench/u12_linear.py --ms 1 --kernels gemv2 --layouts rows,tiles --graph \

@@ -236,10 +236,12 @@ def check_outputs(graphs: dict) -> dict[str, dict]:
 
 @torch.inference_mode()
 def capture(shape: str, variants: bool, extra_bf16: dict | None = None, extra_u12: dict | None = None,
-            q: int = 1, extra_u12_fused: dict | None = None, extra_u12_tiles: dict | None = None) -> tuple[dict, list]:
+            q: int = 1, extra_u12_fused: dict | None = None, extra_u12_tiles: dict | None = None,
+            only: frozenset | None = None) -> tuple[dict, list]:
     """({variant: graph replay} over one model's weights, what the graphs read and must outlive:
     the caches, and the bf16 weights that the u12 modules replaced). q: the step's new tokens (1:
-    AR; more: a chain verify, where bf16-linear runs fused_linear at those rows too)."""
+    AR; more: a chain verify, where bf16-linear runs fused_linear at those rows too). only: the
+    variants to capture (bf16, the baseline, always), else all."""
     cfg = ModelConfig.from_hf(st.SHAPES[shape], shape)
     torch.manual_seed(0)
     with torch.device(st.DEVICE):
@@ -259,31 +261,35 @@ def capture(shape: str, variants: bool, extra_bf16: dict | None = None, extra_u1
             held["logits"] = model(ids, cache).logits  # a graph's output: its last capture's tensor
         return Replay(st.graphed(step), held)
 
+    def add(name: str) -> None:
+        if only is None or name == "bf16" or name in only:
+            graphs[name] = capture_step()
+
     with fused_path(model):
-        graphs["bf16"] = capture_step()
+        add("bf16")
         if variants:
             for name, override in {**(BF16_VARIANTS if q == 1 else {}), **(extra_bf16 or {})}.items():
                 with _tuned(fused_linear.TUNED, override):
-                    graphs[name] = capture_step()
+                    add(name)
         if variants and q == 1:
             for name, step, kw in OVERLAP_VARIANTS:
                 if step == "bf16":
                     with overlap(**kw):
-                        graphs[name] = capture_step()
+                        add(name)
         if q > 1:  # fused_linear (norm prologue, SiLU·mul and residual epilogues) at q rows, and cuBLAS
             ops = model.fused.ops
             at_q = dict(linear_max_m=q, linear_gemv_max_m=min(q, GEMV_ROWS), linear_gap=(0, 0))
             model.fused.ops = dataclasses.replace(ops, linear_max_m=1)  # cuBLAS with the separate kernels
-            graphs["bf16-cublas"] = capture_step()
+            add("bf16-cublas")
             model.fused.ops = dataclasses.replace(ops, **at_q)
             with _tuned(fused_linear.TUNED, (extra_bf16 or {}).get("bf16-sweep", {})):
-                graphs["bf16-linear"] = capture_step()
+                add("bf16-linear")
                 if variants:
                     with overlap(pdl=2):  # the same in PDL mode 2 (beside u12-tiles-pdl-wait)
-                        graphs["bf16-linear-pdl-wait"] = capture_step()
+                        add("bf16-linear-pdl-wait")
                     # each norm prologue reading x, as before RowSquares
                     model.fused.ops = dataclasses.replace(ops, **at_q, row_squares=False)
-                    graphs["bf16-linear-nosq"] = capture_step()
+                    add("bf16-linear-nosq")
             model.fused.ops = ops
     keep += [model._fused_kept, list(model.linear_modules().values())]  # the bf16 graph reads these
     st.to_u12(model)
@@ -291,30 +297,30 @@ def capture(shape: str, variants: bool, extra_bf16: dict | None = None, extra_u1
         ops = model.fused.ops
         for name, fields in {**U12_VARIANTS, **(U12_VERIFY_VARIANTS if q > 1 else {})}.items():
             model.fused.ops = dataclasses.replace(ops, **fields)
-            graphs[name] = capture_step()
+            add(name)
         model.fused.ops = ops
         for name, knobs in knob_variants(q).items():
             with knobs_set(knobs):
-                graphs[name] = capture_step()
+                add(name)
         if variants and q == 1:
             for name, step, kw in OVERLAP_VARIANTS:
                 if step == "u12":
                     with overlap(**kw):
-                        graphs[name] = capture_step()
+                        add(name)
         for name, override in (extra_u12 or {}).items():  # the default u12 step at a sweep's configs for its rows
             with _tuned(u12_linear.TUNED, override):
-                graphs[name] = capture_step()
+                add(name)
         for name, override in (extra_u12_fused or {}).items():  # and with u12_fused_linear's own
             with _tuned(u12_fused_linear.TUNED, override):
-                graphs[name] = capture_step()
+                add(name)
     keep += [model._fused_kept, list(model.linear_modules().values())]  # the row planes the graphs read
     st.tile_u12(model)
     with fused_path(model):  # the default u12 step on tiled weights: TUNED_TILES from 3 rows
-        graphs["u12-tiles"] = capture_step()
+        add("u12-tiles")
         if q > 1:  # the hmma kernel's knobs, not yet defaults, on the tiles they were built for
             for name, knobs in TILES_KNOB_VARIANTS.items():
                 with knobs_set(knobs):
-                    graphs[name] = capture_step()
+                    add(name)
             # u12_fused_linear's epilogues and norm handoff on the tiles (U12_MANY_ROWS), and PDL mode 2
             # at q rows (the forward's default is mode 0 above GEMV_ROWS; GPU only, not under --smoke)
             ops = model.fused.ops
@@ -325,11 +331,11 @@ def capture(shape: str, variants: bool, extra_bf16: dict | None = None, extra_u1
                     continue
                 model.fused.ops = step_ops
                 with overlap(pdl=pdl):
-                    graphs[name] = capture_step()
+                    add(name)
             model.fused.ops = ops
         for name, override in (extra_u12_tiles or {}).items():  # at a sweep's configs for tiled weights
             with _tuned(u12_linear.TUNED_TILES, override):
-                graphs[name] = capture_step()
+                add(name)
     return graphs, keep
 
 
@@ -360,6 +366,7 @@ def main() -> int:
     ap.add_argument("--tiles-tuned", type=Path,
                     help="a bench/u12_linear.py or bench/hmma_knobs.py results file: its configs for tiled weights "
                          "(M = 16 key) as the variant u12-tiles-sweep (in place of --u12-tuned's)")
+    ap.add_argument("--only", help="comma-separated variants to capture and time (bf16 always): a short run")
     ap.add_argument("--q", type=int, default=1, help="new tokens a step: 1 (AR) or a chain verify's q")
     ap.add_argument("--smoke", action="store_true",
                     help="a tiny shape on the CPU under TRITON_INTERPRET=1: checks the script, measures nothing")
@@ -383,7 +390,8 @@ def main() -> int:
     extra_u12_fused = {"u12-fused-sweep": tuned_from_sweep(args.u12_fused_tuned, u12_linear.U12Config,
                                                            u12_linear._block_m(args.q))} if args.u12_fused_tuned else None
     graphs, _keep = capture(shape, variants=not args.smoke, extra_bf16=extra, extra_u12=extra_u12, q=args.q,
-                            extra_u12_fused=extra_u12_fused, extra_u12_tiles=extra_u12_tiles)
+                            extra_u12_fused=extra_u12_fused, extra_u12_tiles=extra_u12_tiles,
+                            only=frozenset(args.only.split(",")) if args.only else None)
     names = list(graphs)
     per_round: dict[str, list[float]] = {n: [] for n in names}
     with torch.inference_mode():  # (--smoke replays the steps themselves)

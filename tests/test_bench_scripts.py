@@ -169,6 +169,26 @@ def test_step_ab_verify_smoke(tmp_path: Path, monkeypatch) -> None:
     assert not u12_hmma.AHEAD and not u12_hmma.ESC_SPLIT
 
 
+def test_step_ab_only_the_variants_asked_for(tmp_path: Path, monkeypatch) -> None:
+    """bench/step_ab.py --only (a short GPU run) captures and times the named variants and bf16 alone;
+    --tiles-tuned (a bench/hmma_knobs.py file's winners, knobs among their fields) is u12-tiles-sweep."""
+    import step_ab
+
+    knobs = tmp_path / "knobs.json"
+    cfg = {"block_n": 16, "block_w": 32, "split_k": 2, "num_warps": 4, "num_stages": 1, "kernel": "hmma",
+           "maxnreg": 128, "warp_k": True, "ahead": True}
+    knobs.write_text(json.dumps({"tuned": [{"key": [16, 4096, 4096], **cfg, "layout": "tiles", "label": "wk"}]}))
+    (tuned,) = step_ab.tuned_from_sweep(knobs, step_ab.u12_linear.U12Config, 16, "tiles").values()
+    assert tuned.warp_k and tuned.ahead
+    out = tmp_path / "ab.json"
+    monkeypatch.setattr(sys, "argv", ["step_ab.py", "--smoke", "--q", "4", "--only", "u12-tiles,u12-tiles-sweep",
+                                      "--tiles-tuned", str(knobs), "--out", str(out)])
+    assert step_ab.main() == 0
+    rows = {r["variant"]: r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"bf16", "u12-tiles", "u12-tiles-sweep"}
+    assert all(r["finite"] and r["max_abs_diff_vs_bf16"] < 0.05 for r in rows.values()), rows
+
+
 def test_step_ab_knob_variants_set_each_module_and_restore_it() -> None:
     """bench/step_ab.py's knob variants: the few-row ones only at their rows, each setting landing on
     its module (u12_linear by default, u12_hmma by prefix) while its step is captured, then undone."""
