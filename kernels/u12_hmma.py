@@ -180,6 +180,16 @@ AHEAD_X = False
 # splits are summed): same weights, another order. Untimed: `bench/run_gpu.sh knobs` and `verifyab` time it
 # (bench/hmma_knobs.py's "-escsplit" rows, bench/step_ab.py's u12-tiles-esc-split). Read at launch.
 ESC_SPLIT = False
+# WARP_K (``U12Config.warp_k``, a config's, no module switch): a program's warps share its 16 or 32
+# rows and each multiplies a contiguous share of the split's words, then walks its share of the
+# escapes (as ESC_SPLIT's splits do); the sums meet in shared memory after the loop (``_warp_sums``:
+# one [T, 8] reduction an m-tile). The split-K shapes at M = 16 (qkv, o, down) spend their time in
+# fixed costs (u12_linear_tiles_h200.json: 1.6-2.5 TB/s against gate_up's 3.4): a global split's
+# partials, semaphore and serial last program are what WARP_K replaces, at the same warps in flight.
+# sm_90 (Triton 3.9): at 2 or 4 warps the loop is the tuned one's (231-234 instructions, no spills);
+# at 8 warps it goes through shared memory (48 LDS, 48 barriers), so the sweeps stop at 4. Words
+# that do not share out in whole chunks run the warps on rows (launch_hmma). Untimed: bench/hmma_knobs.py's
+# "wk" rows time it.
 
 
 @triton.jit
@@ -469,13 +479,14 @@ def _table_walk(start_l, cnt_l, start_h, cnt_h, xr0, xr1, xr2, xr3, esc_idx_ptr,
     (pointers): (Σ x · w, Σ x · 2^-15) of each of the m-tile's 8 elements, each row's escapes in
     order, one walk as long as the block's longest row, UNROLL escapes a step (their loads in
     flight at once). Escapes first, first + STRIDE, ... of each row: all of them from 0 a stride
-    of 1, one split's share (``ESC_SPLIT``) from the split's index a stride of the splits."""
+    of 1, one share (``ESC_SPLIT``) from its index a stride of the shares (first a scalar, or [T]
+    with ``WARP_K``: each warp's own)."""
     z = tl.zeros(start_l.shape, dtype=tl.float32)
     e0, e1, e2, e3, e4, e5, e6, e7 = z, z, z, z, z, z, z, z
     s0, s1, s2, s3, s4, s5, s6, s7 = z, z, z, z, z, z, z, z
-    for j0 in range(first, tl.max(tl.maximum(cnt_l, cnt_h)), UNROLL * STRIDE):
+    for j0 in range(0, tl.max(tl.maximum(cnt_l, cnt_h)), UNROLL * STRIDE):
         for jj in tl.static_range(UNROLL):  # in order: the sums as one escape a step
-            j = j0 + jj * STRIDE
+            j = j0 + jj * STRIDE + first
             has_l = j < cnt_l
             has_h = j < cnt_h
             idx_l = tl.load(esc_idx_ptr + start_l + j, mask=has_l, other=0)
@@ -508,9 +519,10 @@ def _escaped(a, xr, row, ok, lanes_ptr, K, y_scale, LANES: tl.constexpr, LANE_GR
 def _walk_share(a0, a1, a2, a3, b0, b1, b2, b3, m0, m1, m2, m3, rl, rh, vl, vh, x_ptr, stride_xm, esc_row_ptr,
                 esc_idx_ptr, esc_val_ptr, M, K, pid_k, SPLIT_K: tl.constexpr, NT: tl.constexpr,
                 UNROLL: tl.constexpr):
-    """``ESC_SPLIT``: split pid_k's share of the table's escapes of rows rl and rh (escapes pid_k,
-    pid_k + SPLIT_K, ... of each row): the m-tile's sums a, b with the share's spurious x · 2^-15
-    taken back, then the share's Σ x · w of each element (8 [T] tensors, the partials' order)."""
+    """``ESC_SPLIT``: share pid_k's part of the table's escapes of rows rl and rh (escapes pid_k,
+    pid_k + SPLIT_K, ... of each row; with ``WARP_K`` pid_k is each warp's share, SPLIT_K the shares):
+    the m-tile's sums a, b with the share's spurious x · 2^-15 taken back, then the share's Σ x · w
+    of each element (8 [T] tensors, the partials' order)."""
     xr0, xr1, xr2, xr3 = _x_rows(x_ptr, m0, m1, m2, m3, M, stride_xm)
     sl, cl, sh, ch = _esc_rows(esc_row_ptr, rl, rh, vl, vh)
     e0, e1, e2, e3, e4, e5, e6, e7, s0, s1, s2, s3, s4, s5, s6, s7 = _table_walk(
@@ -681,7 +693,7 @@ def _u12_hmma_kernel(
     ESC_UNROLL: tl.constexpr = 2,  # escapes a step of the table's walk (``_table_walk``)
     AHEAD: tl.constexpr = False,  # the next chunk's words loaded before this one's MMAs (one m-tile, BLOCK_W <= 32)
     AHEAD_X: tl.constexpr = False,  # AHEAD: the next chunk's x words prefetched into L1 too (GPU only)
-    ESC_SPLIT: tl.constexpr = False,  # SPLIT_K > 1, the table: each split walks its share of the escapes
+    ESC_SPLIT: tl.constexpr = False,  # SPLIT_K > 1 or WARP_K, the table: each split (warp) walks its share of the escapes
     WARP_K: tl.constexpr = False,  # the warps share the program's rows and split its words (``WARP_K``)
 ):
     pdl_enter(PDL)
@@ -826,29 +838,39 @@ def _u12_hmma_kernel(
                     x_row0, x_row1, sm_lo, code_lo, sm_hi, code_hi, sm_lo2, code_lo2, sm_hi2, code_hi2,
                     TILES, NT, True, ASM)
 
-    if WARP_K:  # the warps' sums, held by every warp; warp 0 stores them (the others' rows masked)
-        d0, d1, d2, d3, e0, e1, e2, e3 = _warp_sums(d0, d1, d2, d3, e0, e1, e2, e3, WARPS)
-        if TILES == 2:
-            f0, f1, f2, f3, h0, h1, h2, h3 = _warp_sums(f0, f1, f2, f3, h0, h1, h2, h3, WARPS)
-        first = t < 32
-        vl0, vh0, vl1, vh1 = vl0 & first, vh0 & first, vl1 & first, vh1 & first
     mb = pid_m * BLOCK_M + 2 * q
     m0, m1, m2, m3 = mb, mb + 1, mb + 8, mb + 9  # x rows of d0 / d2, d1 / d3, e0 / e2, e1 / e3
     w0, w1, w2, w3, w4, w5, w6, w7 = zero, zero, zero, zero, zero, zero, zero, zero  # ESC_SPLIT: the escapes'
     v0, v1, v2, v3, v4, v5, v6, v7 = zero, zero, zero, zero, zero, zero, zero, zero  # Σ x · w, m-tiles 0 and 1
+    if ESC_SPLIT:  # this split's share of the escapes (WARP_K: each warp's share of its split's)
+        tl.static_assert(LANES == 0, "ESC_SPLIT walks the table")
+        share = pid_k
+        WAYS: tl.constexpr = SPLIT_K * WARPS if WARP_K else SPLIT_K
+        if WARP_K:
+            share = pid_k * WARPS + t // 32
+        d0, d1, d2, d3, e0, e1, e2, e3, w0, w1, w2, w3, w4, w5, w6, w7 = _walk_share(
+            d0, d1, d2, d3, e0, e1, e2, e3, m0, m1, m2, m3, rl0, rh0, vl0, vh0, x_ptr, stride_xm, esc_row_ptr,
+            esc_idx_ptr, esc_val_ptr, M, K, share, WAYS, NT, ESC_UNROLL)
+        if TILES == 2:
+            f0, f1, f2, f3, h0, h1, h2, h3, v0, v1, v2, v3, v4, v5, v6, v7 = _walk_share(
+                f0, f1, f2, f3, h0, h1, h2, h3, m0, m1, m2, m3, rl1, rh1, vl1, vh1, x_ptr, stride_xm,
+                esc_row_ptr, esc_idx_ptr, esc_val_ptr, M, K, share, WAYS, NT, ESC_UNROLL)
+    if WARP_K:  # the warps' sums, held by every warp; warp 0 stores them (the others' rows masked)
+        d0, d1, d2, d3, e0, e1, e2, e3 = _warp_sums(d0, d1, d2, d3, e0, e1, e2, e3, WARPS)
+        if ESC_SPLIT:
+            w0, w1, w2, w3, w4, w5, w6, w7 = _warp_sums(w0, w1, w2, w3, w4, w5, w6, w7, WARPS)
+        if TILES == 2:
+            f0, f1, f2, f3, h0, h1, h2, h3 = _warp_sums(f0, f1, f2, f3, h0, h1, h2, h3, WARPS)
+            if ESC_SPLIT:
+                v0, v1, v2, v3, v4, v5, v6, v7 = _warp_sums(v0, v1, v2, v3, v4, v5, v6, v7, WARPS)
+        first = t < 32
+        vl0, vh0, vl1, vh1 = vl0 & first, vh0 & first, vl1 & first, vh1 & first
     if SPLIT_K > 1:  # the serial split-K semaphore: the last program sums the partials in split order
         pk = part_ptr + pid_k * M * N
-        if ESC_SPLIT:  # this split's share of the escapes: its Σ x · w a second partial, SPLIT_K slots on
-            tl.static_assert(LANES == 0, "ESC_SPLIT walks the table")
+        if ESC_SPLIT:  # the share's Σ x · w a second partial, SPLIT_K slots on
             pe = pk + SPLIT_K * M * N
-            d0, d1, d2, d3, e0, e1, e2, e3, w0, w1, w2, w3, w4, w5, w6, w7 = _walk_share(
-                d0, d1, d2, d3, e0, e1, e2, e3, m0, m1, m2, m3, rl0, rh0, vl0, vh0, x_ptr, stride_xm, esc_row_ptr,
-                esc_idx_ptr, esc_val_ptr, M, K, pid_k, SPLIT_K, NT, ESC_UNROLL)
             _part_store(pe, w0, w1, w2, w3, w4, w5, w6, w7, m0, m1, m2, m3, lo0, hi0, vl0, vh0, M, N, NT)
             if TILES == 2:
-                f0, f1, f2, f3, h0, h1, h2, h3, v0, v1, v2, v3, v4, v5, v6, v7 = _walk_share(
-                    f0, f1, f2, f3, h0, h1, h2, h3, m0, m1, m2, m3, rl1, rh1, vl1, vh1, x_ptr, stride_xm,
-                    esc_row_ptr, esc_idx_ptr, esc_val_ptr, M, K, pid_k, SPLIT_K, NT, ESC_UNROLL)
                 _part_store(pe, v0, v1, v2, v3, v4, v5, v6, v7, m0, m1, m2, m3, lo1, hi1, vl1, vh1, M, N, NT)
         _part_store(pk, d0, d1, d2, d3, e0, e1, e2, e3, m0, m1, m2, m3, lo0, hi0, vl0, vh0, M, N, NT)
         if TILES == 2:
@@ -877,7 +899,7 @@ def _u12_hmma_kernel(
         if HAND_IN:  # the block's rows' inv once; each element gathers its row's
             inv_blk = _row_inv_parts(parts_ptr, tl.minimum(pid_m * BLOCK_M + tl.arange(0, BLOCK_M), M - 1), M,
                                      n_parts, inv_k, eps, BLOCK_M, BLOCK_P)
-        WALKED: tl.constexpr = ESC_SPLIT and SPLIT_K > 1
+        WALKED: tl.constexpr = ESC_SPLIT
         sl0, cl0, sh0, ch0 = rl0, rl0, rl0, rl0  # (unused where WALKED or LANES)
         if not WALKED and not LANES:
             sl0, cl0, sh0, ch0 = _esc_rows(esc_row_ptr, rl0, rh0, vl0, vh0)
@@ -926,7 +948,8 @@ def launch_hmma(x: torch.Tensor, t: U12Tensor, y: torch.Tensor, cfg: U12Config, 
     if cfg.warp_k and n_words % (cfg.split_k * cfg.num_warps * cfg.block_w):  # shares of whole chunks only:
         cfg = dataclasses.replace(cfg, warp_k=False, block_n=cfg.block_n * cfg.num_warps)  # the warps on rows
     ahead = cfg.ahead or (AHEAD and cfg.rows_a_warp() == 16 and cfg.block_w <= 32)
-    esc_split = (cfg.esc_split or ESC_SPLIT) and not n_lanes and t.esc_idx.numel() > 0
+    # the escapes walked in shares: by the splits where asked, and by WARP_K's warps (else idle in the walk)
+    esc_split = (cfg.esc_split or ESC_SPLIT or cfg.warp_k) and not n_lanes and t.esc_idx.numel() > 0
     chunk = cfg.block_w * cfg.num_warps if cfg.warp_k else cfg.block_w  # a split's words a multiple of it
     grid, words_per_split, part, counters = _split_k_plan(t, cfg, m, n_words, block_m, 1 + esc_split, chunk)
     native = on_native(x)  # the interpreter runs no PTX
@@ -943,7 +966,7 @@ def launch_hmma(x: torch.Tensor, t: U12Tensor, y: torch.Tensor, cfg: U12Config, 
         **cfg.launch_options(native, fp_fusion=not fused),
         **pdl_args(x.device), LANES=n_lanes, LANE_GROUP=lane_group(n_lanes), TILED=t.layout == "tiles", **flags,
         ESC_UNROLL=ESC_UNROLL, AHEAD=ahead, AHEAD_X=cfg.ahead_x or (ahead and AHEAD_X),
-        ESC_SPLIT=esc_split and grid[1] > 1, WARP_K=cfg.warp_k,
+        ESC_SPLIT=esc_split and (grid[1] > 1 or cfg.warp_k), WARP_K=cfg.warp_k,
     )
 
 

@@ -410,8 +410,8 @@ def test_escapes_walked_by_the_splits_in_the_fused_epilogue(monkeypatch, mode):
     (16, 64, 512, U12Config(16, 32, num_warps=2, warp_k=True, ahead=True, **_HMMA)),  # with the double buffer
 ])
 def test_warps_splitting_the_words(m, n, k, cfg):
-    """``WARP_K`` (the warps share the program's rows and each multiplies its share of the words,
-    summed across the warps after the loop): the reference's outputs within the kernel's tolerance
+    """``WARP_K`` (the warps share the program's rows and each multiplies its share of the words and
+    walks its share of the escapes, summed across the warps after the loop): the reference's outputs within the kernel's tolerance
     and the warps-on-rows config's to its rounding, on either layout, non-finite weights included;
     a wrong escape shows."""
     x, t = _make_inputs(_case(m, n, k, torch.bfloat16, "special"), DEVICE, n)
@@ -426,6 +426,10 @@ def test_warps_splitting_the_words(m, n, k, cfg):
         torch.testing.assert_close(y.float(), ref, rtol=8e-3, atol=1e-4, equal_nan=True)
         torch.testing.assert_close(y.float(), u12_linear(x, w, rows).float(), rtol=8e-3, atol=1e-4, equal_nan=True)
     assert launches == [True, True]
+    walks = []  # the warps walk the escapes in shares (each its own, summed with the sums)
+    with mock.patch.object(u12_hmma, "_u12_hmma_kernel", _Spy(kernel, walks, "ESC_SPLIT")):
+        u12_linear(x, w, cfg)
+    assert walks == [True]
     bad = dataclasses.replace(w, esc_val=w.esc_val.clone())
     lo, hi = int(w.esc_row_ptr[n // 2]), int(w.esc_row_ptr[n // 2 + 1])
     assert hi > lo
