@@ -236,7 +236,7 @@ zoo() {
 for group in "${@:?group...}"; do
   case "$group" in
     ncu) ncu_linear ;;
-    tests | attntests | lineartests | ab | knobs | attention | attnvar | u12 | hmma | bf16tune | u12tune | verify16 | verifyab | \
+    tests | attntests | lineartests | ab | knobs | knobstep | attention | attnvar | u12 | hmma | bf16tune | u12tune | verify16 | verifyab | \
       u12verify | tiles | tilesab | tiles1 | fewrows | fewsweep | u12fusedtune | linear | peers | train | trees | e2e | tau | zoo) "$group" ;;
     steps) steps ;;
     qwen) steps qwen qwen3-8b ;;
