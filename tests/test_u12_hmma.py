@@ -404,32 +404,27 @@ def test_escapes_walked_by_the_splits_in_the_fused_epilogue(monkeypatch, mode):
         torch.testing.assert_close(h1.xg.float(), h0.xg.float(), rtol=8e-3, atol=1e-3)
 
 
-@pytest.mark.parametrize("m,n,k,cfg", [
-    (16, 48, 512, U12Config(16, 16, num_warps=4, warp_k=True, **_HMMA)),  # 4 warps of 32 words a row each
-    (9, 48, 768, U12Config(32, 16, split_k=2, num_warps=2, warp_k=True, **_HMMA)),  # two m-tiles a warp, 2 splits
-    (16, 64, 512, U12Config(16, 32, num_warps=2, warp_k=True, ahead=True, **_HMMA)),  # with the double buffer
+@pytest.mark.parametrize("m,n,k,layout,cfg", [
+    (16, 48, 512, "rows", U12Config(16, 16, num_warps=4, warp_k=True, **_HMMA)),  # 4 warps of 32 words a row each
+    (9, 32, 512, "tiles", U12Config(32, 16, split_k=2, num_warps=2, warp_k=True, **_HMMA)),  # 2 m-tiles a warp, 2 splits
+    (16, 64, 512, "tiles", U12Config(16, 32, num_warps=2, warp_k=True, ahead=True, **_HMMA)),  # the double buffer
 ])
-def test_warps_splitting_the_words(m, n, k, cfg):
-    """``WARP_K`` (the warps share the program's rows and each multiplies its share of the words and
-    walks its share of the escapes, summed across the warps after the loop): the reference's outputs within the kernel's tolerance
-    and the warps-on-rows config's to its rounding, on either layout, non-finite weights included;
-    a wrong escape shows."""
+def test_warps_splitting_the_words(m, n, k, layout, cfg):
+    """``WARP_K`` (the warps share the program's rows; each multiplies its share of the words and
+    walks its share of the escapes, summed across the warps after the loop): the reference's outputs
+    within the kernel's tolerance and the warps-on-rows config's to its rounding (each layout in
+    some case), non-finite weights included; a wrong escape shows."""
     x, t = _make_inputs(_case(m, n, k, torch.bfloat16, "special"), DEVICE, n)
     ref = u12_linear_reference(x, t).float()
     rows = dataclasses.replace(cfg, warp_k=False, block_n=cfg.block_n * cfg.num_warps)
-    launches = []
-    kernel = u12_hmma._u12_hmma_kernel
-    for layout in ("rows", "tiles"):
-        w = t.with_layout(layout)
-        with mock.patch.object(u12_hmma, "_u12_hmma_kernel", _Spy(kernel, launches, "WARP_K")):
-            y = u12_linear(x, w, cfg)
-        torch.testing.assert_close(y.float(), ref, rtol=8e-3, atol=1e-4, equal_nan=True)
-        torch.testing.assert_close(y.float(), u12_linear(x, w, rows).float(), rtol=8e-3, atol=1e-4, equal_nan=True)
-    assert launches == [True, True]
-    walks = []  # the warps walk the escapes in shares (each its own, summed with the sums)
-    with mock.patch.object(u12_hmma, "_u12_hmma_kernel", _Spy(kernel, walks, "ESC_SPLIT")):
-        u12_linear(x, w, cfg)
-    assert walks == [True]
+    launches, walks = [], []  # WARP_K, and the warps walking the escapes in shares (ESC_SPLIT's walk)
+    w = t.with_layout(layout)
+    with mock.patch.object(u12_hmma, "_u12_hmma_kernel",
+                           _Spy(_Spy(u12_hmma._u12_hmma_kernel, walks, "ESC_SPLIT"), launches, "WARP_K")):
+        y = u12_linear(x, w, cfg)
+    assert launches == [True] and walks == [True]
+    torch.testing.assert_close(y.float(), ref, rtol=8e-3, atol=1e-4, equal_nan=True)
+    torch.testing.assert_close(y.float(), u12_linear(x, w, rows).float(), rtol=8e-3, atol=1e-4, equal_nan=True)
     bad = dataclasses.replace(w, esc_val=w.esc_val.clone())
     lo, hi = int(w.esc_row_ptr[n // 2]), int(w.esc_row_ptr[n // 2 + 1])
     assert hi > lo
