@@ -174,9 +174,9 @@ knobs() {  # the hmma kernel's untimed knobs at M = 16 on tiles (the file writte
 knobstep() {  # one command: the knob table at the split-K shapes, then verify(16) with its winners beside the
   # knobs that are module switches and PDL, the rest of verifyab's variants left out (each config checked
   # against x · Wᵀ by hmma_knobs, each step's logits against bf16's by step_ab)
-  TAIL=8 run hmma_knobs 300 python bench/hmma_knobs.py --shapes "${KNOB_SHAPES:-o,down,qkv}" \
+  TAIL=8 run hmma_knobs "${KNOB_S:-300}" python bench/hmma_knobs.py --shapes "${KNOB_SHAPES:-o,down,qkv}" \
     --out "$OUT/u12_hmma_knobs_${GPU}.json"
-  TAIL=16 run step_ab_verify16_knobs 260 python bench/step_ab.py --q 16 \
+  TAIL=16 run step_ab_verify16_knobs "${STEP_S:-260}" python bench/step_ab.py --q 16 \
     --bf16-tuned bench/results/fused_linear_m16_graph_h200.json --tiles-tuned "$OUT/u12_hmma_knobs_${GPU}.json" \
     --only bf16-linear,bf16-linear-pdl-wait,u12-tiles,u12-tiles-sweep,u12-tiles-pdl-wait,u12-tiles-ahead,u12-tiles-esc-split \
     --out "$OUT/step_ab_verify16_knobs_${GPU}.json"
