@@ -44,7 +44,7 @@ SPLIT = {"qkv": 4, "o": 8, "gate_up": 1, "down": 8}  # TUNED_TILES' splits
 
 def configs(name: str, tuned) -> list[tuple[str, object]]:
     """(label, config): a label holds "-ahead" where the config's ahead is on, ends in "-ahead-x"
-    where its ahead_x is too, holds "-escsplit" where its esc_split is."""
+    where its ahead_x is too, holds "-escsplit" where its esc_split is, starts "wk" where its warp_k is."""
     from specpilot.kernels.u12_linear import U12Config
 
     hmma = dict(num_stages=1, kernel="hmma", split_k=SPLIT[name])

@@ -39,6 +39,7 @@ somewhere, then PYTHONPATH=that folder python bench/kernel_static.py).
     python bench/kernel_static.py [--ms 1,4,16,64] [--shapes qkv,o,gate_up,down,lm_head] [--only u12,u12-fused,u12-tiles,bf16] [--step-variants] [--out FILE]
     python bench/kernel_static.py --smoke --out FILE    # small shapes: the tests' run
     python bench/kernel_static.py --sweep hmma --layouts rows,tiles --ms 16 --timed bench/results/u12_linear_hmma_h200.json
+    python bench/kernel_static.py --sweep knobs --layouts tiles --ms 16 --shapes qkv,o,gate_up,down   # hmma_knobs.py's table
 Run it in a process without TRITON_INTERPRET=1 (under the interpreter Triton compiles nothing).
 """
 
@@ -292,7 +293,15 @@ def sweep(shapes, m: int, kernels: tuple[str, ...], timed: Path | None, arch: in
     from u12_linear import sweep_configs
 
     from specpilot.kernels.target import compile_only
-    from specpilot.kernels.u12_linear import u12_linear
+    from specpilot.kernels.u12_linear import TUNED_TILES, u12_linear
+
+    def configs(n: int, k: int) -> list:  # "knobs": bench/hmma_knobs.py's table (TUNED_TILES' shapes, 16 rows)
+        if kernels == ("knobs",):
+            import hmma_knobs
+
+            name = next(s for s, nk in hmma_knobs.SHAPES.items() if nk == (n, k))
+            return [cfg for _, cfg in hmma_knobs.configs(name, TUNED_TILES[(16, n, k)])]
+        return sweep_configs(m, n, k, kernels)
 
     times = {}
     if timed is not None:
@@ -303,7 +312,7 @@ def sweep(shapes, m: int, kernels: tuple[str, ...], timed: Path | None, arch: in
     rows = []
     with tempfile.TemporaryDirectory() as tmp, torch.inference_mode():
         for name, (n, k) in shapes.items():
-            for cfg in sweep_configs(m, n, k, kernels):
+            for cfg in configs(n, k):
                 for layout in layouts:
                     with compile_only(arch) as compiled:
                         u12_linear(x[:, :k].to(torch.bfloat16), packed[name].with_layout(layout), cfg)
@@ -372,7 +381,7 @@ def main() -> None:
     ap.add_argument("--step-variants", action="store_true",
                     help="also each of bench/step_ab.py's u12 knob variants, at the rows it is timed at")
     ap.add_argument("--sweep", help="instead: bench/u12_linear.py's sweep of these kernels (e.g. hmma,mma) at "
-                                    "the first of --ms, every config compiled")
+                                    "the first of --ms, every config compiled; 'knobs': bench/hmma_knobs.py's table")
     ap.add_argument("--timed", type=Path, help="with --sweep: a bench/u12_linear.py results file whose times to join")
     ap.add_argument("--layouts", default="rows", help="with --sweep: the weight's layouts to compile each config on")
     ap.add_argument("--out", type=Path, help="default bench/results/kernel_static[_sweep]_sm90_triton<major><minor>.json")

@@ -392,6 +392,10 @@ def main() -> int:
     graphs, _keep = capture(shape, variants=not args.smoke, extra_bf16=extra, extra_u12=extra_u12, q=args.q,
                             extra_u12_fused=extra_u12_fused, extra_u12_tiles=extra_u12_tiles,
                             only=frozenset(args.only.split(",")) if args.only else None)
+    missing = sorted(set(args.only.split(",")) - set(graphs)) if args.only else []
+    if missing:  # a misspelt name, or one these flags do not capture (the PDL variants under --smoke)
+        print(f"bench/step_ab.py --only: no variant {missing} in this run; it captured {sorted(graphs)}", file=sys.stderr)
+        return 2
     names = list(graphs)
     per_round: dict[str, list[float]] = {n: [] for n in names}
     with torch.inference_mode():  # (--smoke replays the steps themselves)

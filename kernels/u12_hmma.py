@@ -125,13 +125,13 @@ from .u12_linear import (
     ESC_DECODED,
     U12Config,
     _case,
+    _col_words,
     _lane_walk,
     _make_inputs,
     _nonempty,
     _pair_patterns,
     _plant_wrong_weight,
     _prmt,
-    _col_words,
     _row_words,
     _split_k_plan,
     aligned_rows,
@@ -186,10 +186,11 @@ ESC_SPLIT = False
 # one [T, 8] reduction an m-tile). The split-K shapes at M = 16 (qkv, o, down) spend their time in
 # fixed costs (u12_linear_tiles_h200.json: 1.6-2.5 TB/s against gate_up's 3.4): a global split's
 # partials, semaphore and serial last program are what WARP_K replaces, at the same warps in flight.
-# sm_90 (Triton 3.9): at 2 or 4 warps the loop is the tuned one's (231-234 instructions, no spills);
-# at 8 warps it goes through shared memory (48 LDS, 48 barriers), so the sweeps stop at 4. Words
-# that do not share out in whole chunks run the warps on rows (launch_hmma). Untimed: bench/hmma_knobs.py's
-# "wk" rows time it.
+# sm_90 (Triton 3.9, bench/results/kernel_static_knobs_sm90_triton39.json): at 2 or 4 warps the loop
+# is the tuned config's (o: 232-234 instructions against 235, 105-108 registers, no spills; 17-22
+# barriers in the kernel against 6). A one-off compile at 8 warps put shared memory into the loop,
+# so the knob table stops at 4. Words that do not share out in whole chunks run the warps on rows
+# (launch_hmma). Untimed: bench/hmma_knobs.py's "wk" rows time it.
 
 
 @triton.jit
@@ -619,7 +620,7 @@ def _finish(
 @triton.jit
 def _warp_sums(a0, a1, a2, a3, b0, b1, b2, b3, WARPS: tl.constexpr):
     """``WARP_K``: an m-tile's 8 accumulators [T], each lane's summed over the warps, every warp holding
-    the sums: one [T, 8] reduction through shared memory (8 apart took 33 barriers in o's sm_90 SASS)."""
+    the sums: one [T, 8] reduction through shared memory (8 reductions apart each took barriers of their own)."""
     T: tl.constexpr = 32 * WARPS
     v = tl.join(tl.join(tl.join(a0, a1), tl.join(a2, a3)), tl.join(tl.join(b0, b1), tl.join(b2, b3)))
     s = tl.sum(tl.reshape(v, (WARPS, 32, 8)), axis=0)  # [lane, 8]

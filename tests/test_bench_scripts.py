@@ -170,8 +170,8 @@ def test_step_ab_verify_smoke(tmp_path: Path, monkeypatch) -> None:
 
 
 def test_step_ab_only_the_variants_asked_for(tmp_path: Path, monkeypatch) -> None:
-    """bench/step_ab.py --only (a short GPU run) captures and times the named variants and bf16 alone;
-    --tiles-tuned (a bench/hmma_knobs.py file's winners, knobs among their fields) is u12-tiles-sweep."""
+    """bench/step_ab.py --only (a short GPU run) captures and times the named variants and bf16 alone,
+    and refuses a name it did not capture; --tiles-tuned (a bench/hmma_knobs.py file's winners, knobs among their fields) is u12-tiles-sweep."""
     import step_ab
 
     knobs = tmp_path / "knobs.json"
@@ -187,6 +187,9 @@ def test_step_ab_only_the_variants_asked_for(tmp_path: Path, monkeypatch) -> Non
     rows = {r["variant"]: r for r in json.loads(out.read_text())["rows"]}
     assert set(rows) == {"bf16", "u12-tiles", "u12-tiles-sweep"}
     assert all(r["finite"] and r["max_abs_diff_vs_bf16"] < 0.05 for r in rows.values()), rows
+    monkeypatch.setattr(sys, "argv", ["step_ab.py", "--smoke", "--q", "4", "--only", "u12-tiles,u12-tile-sweep",
+                                      "--out", str(tmp_path / "typo.json")])
+    assert step_ab.main() == 2 and not (tmp_path / "typo.json").exists()  # a misspelt variant: refused, nothing timed
 
 
 def test_step_ab_knob_variants_set_each_module_and_restore_it() -> None:
