@@ -17,7 +17,7 @@ time_graph). Writes bench/results/u12_hmma_knobs_<gpu>.json (GPU, versions, comm
 list: each shape's fastest config, a TUNED_TILES entry with its knobs as U12Config fields, which
 bench/step_ab.py --tiles-tuned times in the verify step) and prints a line a shape.
 
-    python bench/hmma_knobs.py [--shapes o,down,qkv,gate_up] [--out FILE]
+    python bench/hmma_knobs.py [--shapes o,down,qkv,gate_up] [--labels tuned,wk4-bn16,...] [--out FILE]
     python bench/hmma_knobs.py --smoke --out FILE   # o at 32 x 256 on the CPU (TRITON_INTERPRET=1): checks the script
     (SPECPILOT_COMMIT=... names the commit where the tree has no .git)
 """
@@ -77,12 +77,29 @@ def configs(name: str, tuned) -> list[tuple[str, object]]:
     return rows
 
 
+def pick(rows: list[tuple[str, object]], labels: str | None, name: str) -> list[tuple[str, object]]:
+    """The rows named in labels (comma-separated, the table's order kept), all where None; a label the
+    shape's table lacks is refused by name (a short run's typo would time nothing of it)."""
+    if labels is None:
+        return rows
+    wanted = [s for s in labels.split(",") if s]
+    missing = [s for s in wanted if s not in dict(rows)]
+    if missing:
+        raise SystemExit(f"bench/hmma_knobs.py --labels: {', '.join(missing)} not in {name}'s table "
+                         f"(expected some of: {', '.join(label for label, _ in rows)})")
+    return [(label, cfg) for label, cfg in rows if label in wanted]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default="o,down,qkv,gate_up")
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--labels", help="time only these rows of each shape's table (comma-separated), for a short run")
     ap.add_argument("--smoke", action="store_true", help="o at 32 x 256 under the interpreter: the script's check, no timing")
     args = ap.parse_args(argv)
+    unknown = [name for name in args.shapes.split(",") if name not in SPLIT]
+    if unknown:
+        sys.exit(f"bench/hmma_knobs.py --shapes: {', '.join(unknown)} unknown (expected some of: {', '.join(SPLIT)})")
     if args.smoke and os.environ.get("TRITON_INTERPRET") != "1":
         sys.exit("bench/hmma_knobs.py --smoke runs the kernels in Triton's interpreter: set TRITON_INTERPRET=1")
     if not args.smoke and not torch.cuda.is_available():
@@ -112,12 +129,16 @@ def main(argv: list[str] | None = None) -> int:
             tuned=tuned_rows)
         return write_result(result, args.out, "u12_hmma_knobs", gpu)
 
+    def table(name: str, n: int, k: int) -> list[tuple[str, object]]:
+        tuned = (U12Config(64, 32, split_k=SPLIT[name], num_warps=4, num_stages=1, kernel="hmma", maxnreg=128)
+                 if args.smoke else TUNED_TILES[(16, n, k)])
+        return pick(configs(name, tuned), args.labels, name)
+
+    tables = {name: table(name, n, k) for name, (n, k) in shapes.items()}  # every --labels checked first
     gen = torch.Generator(device=device).manual_seed(0)
     rows, wrong, tuned_rows = [], [], []
     for name, (n, k) in shapes.items():
-        tuned = (U12Config(64, 32, split_k=SPLIT[name], num_warps=4, num_stages=1, kernel="hmma", maxnreg=128)
-                 if args.smoke else TUNED_TILES[(16, n, k)])
-        cfgs = configs(name, tuned)
+        cfgs = tables[name]
         copies = 1 if args.smoke else max(2, int(2e9 // (n * k * 2)))
         ws = [(torch.randn(n, k, device=device, generator=gen) * 0.02).to(torch.bfloat16) for _ in range(copies)]
         packed = [pack_u12(w, layout="tiles") for w in ws]

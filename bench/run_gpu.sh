@@ -35,7 +35,9 @@
 #            knobs file committed as bench/results/u12_hmma_knobs_<gpu>.json each shape's winner (u12-tiles-sweep)
 #   knobstep hmma_knobs.py at KNOB_SHAPES (default o,down,qkv: the split-K shapes), then verify(16) with its
 #            per-shape winners (u12-tiles-sweep) beside u12-tiles, the AHEAD / ESC_SPLIT switches and PDL
-#            mode 2, bf16-linear (step_ab.py --only): one command, under the device's 10 minutes
+#            mode 2, bf16-linear (step_ab.py --only): one command, under the device's 10 minutes; KNOB_S and
+#            STEP_S its two time limits, KNOB_LABELS the knob table's rows to time and STEP_ONLY the step's
+#            variants (a short budget)
 #   tiles1   the one-row gemv2 sweep on tiled weights beside row planes, in CUDA graphs
 #   fewrows  the hmma and mma kernels' GPU tests, then verify(4) and verify(8) interleaved (bench/step_ab.py
 #            --q 4 and 8: the tensor-core kernels at 3..8 rows against gemv2 at 4 and the hmma kernel's two n-tiles)
@@ -175,10 +177,11 @@ knobstep() {  # one command: the knob table at the split-K shapes, then verify(1
   # knobs that are module switches and PDL, the rest of verifyab's variants left out (each config checked
   # against x · Wᵀ by hmma_knobs, each step's logits against bf16's by step_ab)
   TAIL=8 run hmma_knobs "${KNOB_S:-300}" python bench/hmma_knobs.py --shapes "${KNOB_SHAPES:-o,down,qkv}" \
+    ${KNOB_LABELS:+--labels "$KNOB_LABELS"} \
     --out "$OUT/u12_hmma_knobs_${GPU}.json"
   TAIL=16 run step_ab_verify16_knobs "${STEP_S:-260}" python bench/step_ab.py --q 16 \
     --bf16-tuned bench/results/fused_linear_m16_graph_h200.json --tiles-tuned "$OUT/u12_hmma_knobs_${GPU}.json" \
-    --only bf16-linear,bf16-linear-pdl-wait,u12-tiles,u12-tiles-sweep,u12-tiles-pdl-wait,u12-tiles-ahead,u12-tiles-esc-split \
+    --only "${STEP_ONLY:-bf16-linear,bf16-linear-pdl-wait,u12-tiles,u12-tiles-sweep,u12-tiles-pdl-wait,u12-tiles-ahead,u12-tiles-esc-split}" \
     --out "$OUT/step_ab_verify16_knobs_${GPU}.json"
 }
 tiles1() {  # one row on tiled weights: gemv2's configs on both layouts in CUDA graphs

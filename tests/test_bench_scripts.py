@@ -278,6 +278,26 @@ def test_hmma_knobs_bench_times_each_knob_where_it_says_so():
         assert any(cfg.esc_split for _, cfg in cfgs) == (hmma_knobs.SPLIT[name] > 1)
 
 
+def test_hmma_knobs_labels_pick_rows_and_refuse_typos():
+    """bench/hmma_knobs.py --labels: the named rows in the table's order; a label or shape the table
+    lacks exits before anything is timed, naming it and what it expected."""
+    import hmma_knobs
+
+    from specpilot.kernels.u12_linear import TUNED_TILES
+
+    n, k = hmma_knobs.SHAPES["o"]
+    rows = hmma_knobs.configs("o", TUNED_TILES[(16, n, k)])
+    assert hmma_knobs.pick(rows, None, "o") == rows
+    assert [label for label, _ in hmma_knobs.pick(rows, "wk4-bn16,tuned", "o")] == ["tuned", "wk4-bn16"]
+    with pytest.raises(SystemExit, match="wk9 not in o's table.*tuned"):
+        hmma_knobs.pick(rows, "tuned,wk9", "o")
+    with pytest.raises(SystemExit, match="gate_up's table"):  # ESC_SPLIT's rows: split-K shapes only
+        hmma_knobs.pick(hmma_knobs.configs("gate_up", TUNED_TILES[(16, *hmma_knobs.SHAPES["gate_up"])]),
+                        "tuned-escsplit", "gate_up")
+    with pytest.raises(SystemExit, match="--shapes: ov unknown"):
+        hmma_knobs.main(["--shapes", "o,ov"])
+
+
 def test_hmma_knobs_smoke(tmp_path: Path) -> None:
     """bench/hmma_knobs.py --smoke (o at 32 x 256, the interpreter): every config of the knob table
     checked against x · Wᵀ and run, the file written with the shape's fastest config as a "tuned"
