@@ -179,9 +179,15 @@ knobstep() {  # one command: the knob table at the split-K shapes, then verify(1
   TAIL=8 run hmma_knobs "${KNOB_S:-300}" python bench/hmma_knobs.py --shapes "${KNOB_SHAPES:-o,down,qkv}" \
     ${KNOB_LABELS:+--labels "$KNOB_LABELS"} \
     --out "$OUT/u12_hmma_knobs_${GPU}.json"
+  local knobs="$OUT/u12_hmma_knobs_${GPU}.json"
+  local only="${STEP_ONLY:-bf16-linear,bf16-linear-pdl-wait,u12-tiles,u12-tiles-sweep,u12-tiles-pdl-wait,u12-tiles-ahead,u12-tiles-esc-split}"
+  local tuned=(--tiles-tuned "$knobs")
+  if [ ! -s "$knobs" ]; then  # the table timed no shape: the step without its winners
+    echo "knobstep: no $knobs, so no u12-tiles-sweep"
+    tuned=() only=$(echo ",$only," | sed 's/,u12-tiles-sweep,/,/; s/^,//; s/,$//')
+  fi
   TAIL=16 run step_ab_verify16_knobs "${STEP_S:-260}" python bench/step_ab.py --q 16 \
-    --bf16-tuned bench/results/fused_linear_m16_graph_h200.json --tiles-tuned "$OUT/u12_hmma_knobs_${GPU}.json" \
-    --only "${STEP_ONLY:-bf16-linear,bf16-linear-pdl-wait,u12-tiles,u12-tiles-sweep,u12-tiles-pdl-wait,u12-tiles-ahead,u12-tiles-esc-split}" \
+    --bf16-tuned bench/results/fused_linear_m16_graph_h200.json "${tuned[@]}" --only "$only" \
     --out "$OUT/step_ab_verify16_knobs_${GPU}.json"
 }
 tiles1() {  # one row on tiled weights: gemv2's configs on both layouts in CUDA graphs
