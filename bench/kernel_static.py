@@ -163,9 +163,10 @@ def describe(compiled, workdir: Path) -> dict:
     c = compiled.constexprs
     chunk = c.get("BLOCK_K") or 4 * c.get("BLOCK_W", 0)  # weights of a row a loop iteration (GEMVs: words of 4)
     rows = c.get("BLOCK_N", 0) * (2 if c.get("GATED") and compiled.name in COLUMN_BLOCKS else 1)
-    per_warp = rows * chunk / compiled.num_warps
+    per_warp = rows * chunk / (1 if c.get("WARP_K") else compiled.num_warps)  # WARP_K: each warp every row
     keep = ("BLOCK_M", "BLOCK_N", "BLOCK_W", "BLOCK_K", "SPLIT_K", "TILED", "GATED", "HAND_IN",
-            "HAND_OUT", "RESIDUAL", "NORM", "X_WORDS", "LANES", "LANE_GROUP", "EVEN_K", "ASM", "PDL", "AHEAD")
+            "HAND_OUT", "RESIDUAL", "NORM", "X_WORDS", "LANES", "LANE_GROUP", "EVEN_K", "ASM", "PDL", "AHEAD", "AHEAD_X",
+            "ESC_SPLIT", "WARP_K")
     return {
         "kernel": compiled.name,
         "constexprs": {k: v for k, v in compiled.constexprs.items() if k in keep},
@@ -184,7 +185,7 @@ def describe(compiled, workdir: Path) -> dict:
         # global loads the loop issues after its first multiply-add: each is a second memory round
         # trip an iteration unless the loads before it cover the latency (ptxas's placement)
         "loop_loads_after_first_mac": sum(op == "LDG" for op in body[first_mac:]),
-        "loop_weights_per_warp": per_warp,  # BLOCK_N rows x the chunk, over the warps
+        "loop_weights_per_warp": per_warp,  # BLOCK_N rows x the chunk, over the warps (WARP_K: not over them)
         "warp_instructions_per_weight": round(len(body) / per_warp, 4) if body and per_warp else None,
     }
 

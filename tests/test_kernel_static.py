@@ -76,6 +76,10 @@ with tempfile.TemporaryDirectory() as tmp:
         u12_linear(x, w.with_layout("tiles"), split)
     out["esc_split"] = [kernel_static.describe(c, Path(tmp)) for c in compiled]
     u12_hmma.ESC_SPLIT = False
+    wk = U12Config(16, 32, num_warps=4, num_stages=1, kernel="hmma", maxnreg=128, warp_k=True)
+    with compile_only(90) as compiled:  # WARP_K: 4 warps on 16 rows, each a quarter of the words
+        u12_linear(x, w.with_layout("tiles"), wk)
+    out["warp_k"] = [kernel_static.describe(c, Path(tmp)) for c in compiled]
 out["native_after"] = native(x)
 out["driver_restored"] = driver._active is before
 print(json.dumps(out))
@@ -152,6 +156,20 @@ def test_escapes_walked_by_the_splits_leave_the_loop_alone(hmma_facts):
     ops = esc["kernel_opcodes"]
     assert ops.get("BAR", 0) <= 8 and ops.get("STS", 0) <= 4, ops
     assert esc["sass_instructions"] != one["sass_instructions"]  # the knob reached the kernel
+
+
+def test_warps_splitting_the_words_keep_the_loop_in_registers(hmma_facts):
+    """``U12Config.warp_k`` (16 rows, 4 warps): each warp's loop multiplies all 16 rows of its share
+    of the words, so a loop iteration's weights a warp are BLOCK_N x the chunk, not over the warps
+    (kernel_static's /weight had divided them, showing WARP_K 4x the instructions a weight); the loop
+    runs from registers, the warps' sums meet in shared memory after it."""
+    (wk,), (rows,) = hmma_facts["warp_k"], hmma_facts["tiles"]
+    assert wk["constexprs"]["WARP_K"] is True and wk["constexprs"]["BLOCK_N"] == 16 and wk["num_warps"] == 4
+    assert wk["loop_opcodes"]["HMMA"] * 256 == wk["loop_weights_per_warp"] * wk["constexprs"]["BLOCK_M"] // 8
+    assert wk["loop_opcodes"]["HMMA"] == rows["loop_opcodes"]["HMMA"]  # 16 rows a warp in both
+    assert abs(wk["warp_instructions_per_weight"] - rows["warp_instructions_per_weight"]) < 0.02, (wk, rows)
+    assert not {"LDS", "STS", "BAR", "SHFL"} & wk["loop_opcodes"].keys(), wk["loop_opcodes"]
+    assert wk["spill_bytes"] == 0 and wk["shared_bytes"] > 0 and wk["kernel_opcodes"].get("BAR", 0) > 0, wk
 
 
 def test_tiled_planes_compile_to_the_rows_loop(hmma_facts):
