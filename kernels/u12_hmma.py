@@ -186,9 +186,10 @@ ESC_SPLIT = False
 # one [T, 8] reduction an m-tile). The split-K shapes at M = 16 (qkv, o, down) spend their time in
 # fixed costs (u12_linear_tiles_h200.json: 1.6-2.5 TB/s against gate_up's 3.4): a global split's
 # partials, semaphore and serial last program are what WARP_K replaces, at the same warps in flight.
-# sm_90 (Triton 3.9, bench/results/kernel_static_knobs_sm90_triton39.json): on 16 rows at 2 or 4 warps the loop
-# is the tuned config's (o: 232-234 instructions against 235, 105-108 registers, no spills; 17-22
-# barriers in the kernel against 6). A one-off compile at 8 warps put shared memory into the loop,
+# sm_90 (bench/results/kernel_static_knobs_sm90_triton39.json and _triton36, the GPU's): on 16 rows at 2 or 4
+# warps the loop is the tuned config's (o, Triton 3.9: 232-234 instructions against 235, 105-108 registers;
+# 3.6: 239-241 against 241, 103-105; no spills; barriers in the kernel 17-22 against 6 on 3.9, 8-10 against 5
+# on 3.6). A one-off compile at 8 warps put shared memory into the loop,
 # so the knob table stops at 4. Words that do not share out in whole chunks run the warps on rows
 # (launch_hmma). Untimed: bench/hmma_knobs.py's "wk" rows time it.
 
