@@ -10,7 +10,8 @@ AHEAD and AHEAD_X, with ESC_SPLIT (split-K shapes) and with ESC_SPLIT and AHEAD;
 4 warps held to 168 registers, and 16-row programs of one warp, each without and with AHEAD (the
 one-warp ones with AHEAD_X too); 32-row programs of 2 warps at 128 registers with AHEAD; WARP_K's
 programs ("wk" rows: the warps on a program's 16 or 32 rows, each its share of the words), 4 warps
-on 16 rows without a split (and with AHEAD) or with 2, 2 warps of 4 splits, 4 warps on 32 rows. Each
+on 16 rows without a split (and with AHEAD) or with 2, 2 warps of 4 splits, 4 warps on 32 rows, 8 warps
+on 16 or 32 rows. Each
 config is checked against x · Wᵀ in fp32 first (relative error under 1e-2), then timed as the
 median replay of a CUDA graph of one call per copy, twice, the minimum kept (bench/u12_linear.py's
 time_graph). Writes bench/results/u12_hmma_knobs_<gpu>.json (GPU, versions, commit; its "tuned"
@@ -63,13 +64,15 @@ def configs(name: str, tuned) -> list[tuple[str, object]]:
         ("w2-r128-ahead", U12Config(32, 32, num_warps=2, maxnreg=128, **ahead, **hmma)),
     ]
     wk = dict(num_stages=1, kernel="hmma", warp_k=True)  # WARP_K: the warps split a program's words, fewer splits
-    wk4 = U12Config(16, 32, num_warps=4, maxnreg=128, **wk)  # (8 warps put shared memory in the sm_90 loop)
+    wk4 = U12Config(16, 32, num_warps=4, maxnreg=128, **wk)
     rows += [
         ("wk4-bn16", wk4),
         ("wk4-bn16-ahead", dataclasses.replace(wk4, ahead=True)),
         ("wk4-bn16-sk2", dataclasses.replace(wk4, split_k=2)),
         ("wk2-bn16-sk4", U12Config(16, 32, split_k=4, num_warps=2, maxnreg=128, **wk)),
         ("wk4-bn32", U12Config(32, 32, num_warps=4, maxnreg=168, **wk)),
+        ("wk8-bn16", dataclasses.replace(wk4, num_warps=8)),
+        ("wk8-bn32", U12Config(32, 32, num_warps=8, maxnreg=168, **wk)),
     ]
     if SPLIT[name] > 1:  # ESC_SPLIT takes split-K launches only
         rows += [("tuned-escsplit", dataclasses.replace(tuned, esc_split=True)),

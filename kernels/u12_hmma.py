@@ -189,9 +189,9 @@ ESC_SPLIT = False
 # sm_90 (bench/results/kernel_static_knobs_sm90_triton39.json and _triton36, the GPU's): on 16 rows at 2 or 4
 # warps the loop is the tuned config's (o, Triton 3.9: 232-234 instructions against 235, 105-108 registers;
 # 3.6: 239-241 against 241, 103-105; no spills; barriers in the kernel 17-22 against 6 on 3.9, 8-10 against 5
-# on 3.6). A one-off compile at 8 warps put shared memory into the loop,
-# so the knob table stops at 4. Words that do not share out in whole chunks run the warps on rows
-# (launch_hmma). Untimed: bench/hmma_knobs.py's "wk" rows time it.
+# on 3.6), and at 8 warps since the warps' share is declared whole chunks (tl.multiple_of below; before,
+# the loads' layout split and the loop went through shared memory). Words that do not share out in
+# whole chunks run the warps on rows (launch_hmma). Untimed: bench/hmma_knobs.py's "wk" rows time it.
 
 
 @triton.jit
@@ -767,7 +767,9 @@ def _u12_hmma_kernel(
     full_end = w_begin + (w_end - w_begin) // BLOCK_W * BLOCK_W
     if WARP_K:  # warp i takes words i · span .. of the split (launch_hmma: whole chunks each), from its pointers
         tl.static_assert(EVEN_K, "WARP_K: every warp's share whole chunks")
-        span = words_per_split // WARPS
+        # whole chunks (launch_hmma), said so: Triton's alignment analysis divides words_per_split's
+        # divisibility (16) by WARPS, and at 8 warps the 2 words left split the loop's [T, 4] loads in two
+        span = tl.multiple_of(words_per_split // WARPS, BLOCK_W)
         koff = (t // 32) * span  # [T]: the warp's first word after the split's
         kw = _col_words(koff, TILED)[:, None]
         sm_lo, sm_hi, code_lo, code_hi = sm_lo + kw, sm_hi + kw, code_lo + kw, code_hi + kw

@@ -80,6 +80,9 @@ with tempfile.TemporaryDirectory() as tmp:
     with compile_only(90) as compiled:  # WARP_K: 4 warps on 16 rows, each a quarter of the words
         u12_linear(x, w.with_layout("tiles"), wk)
     out["warp_k"] = [kernel_static.describe(c, Path(tmp)) for c in compiled]
+    with compile_only(90) as compiled:  # 8 warps: one 32-word chunk each of the 256 words
+        u12_linear(x, w.with_layout("tiles"), dataclasses.replace(wk, num_warps=8))
+    out["warp_k8"] = [kernel_static.describe(c, Path(tmp)) for c in compiled]
 out["native_after"] = native(x)
 out["driver_restored"] = driver._active is before
 print(json.dumps(out))
@@ -170,6 +173,10 @@ def test_warps_splitting_the_words_keep_the_loop_in_registers(hmma_facts):
     assert abs(wk["warp_instructions_per_weight"] - rows["warp_instructions_per_weight"]) < 0.02, (wk, rows)
     assert not {"LDS", "STS", "BAR", "SHFL"} & wk["loop_opcodes"].keys(), wk["loop_opcodes"]
     assert wk["spill_bytes"] == 0 and wk["shared_bytes"] > 0 and wk["kernel_opcodes"].get("BAR", 0) > 0, wk
+    (wk8,) = hmma_facts["warp_k8"]  # the same loop at 8 warps (before the share was declared whole chunks:
+    assert wk8["num_warps"] == 8 and wk8["spill_bytes"] == 0  # 24 loads, 48 shared loads, 48 barriers)
+    assert wk8["loop_opcodes"]["LDG"] == wk["loop_opcodes"]["LDG"] and wk8["loop_opcodes"]["HMMA"] == 16
+    assert not {"LDS", "STS", "BAR", "SHFL"} & wk8["loop_opcodes"].keys(), wk8["loop_opcodes"]
 
 
 def test_tiled_planes_compile_to_the_rows_loop(hmma_facts):
