@@ -408,6 +408,7 @@ def test_escapes_walked_by_the_splits_in_the_fused_epilogue(monkeypatch, mode):
     (16, 48, 512, "rows", U12Config(16, 16, num_warps=4, warp_k=True, **_HMMA)),  # 4 warps of 32 words a row each
     (9, 32, 512, "tiles", U12Config(32, 16, split_k=2, num_warps=2, warp_k=True, **_HMMA)),  # 2 m-tiles a warp, 2 splits
     (16, 64, 512, "tiles", U12Config(16, 32, num_warps=2, warp_k=True, ahead=True, **_HMMA)),  # the double buffer
+    (5, 16, 512, "tiles", U12Config(16, 16, num_warps=8, warp_k=True, **_HMMA)),  # 8 warps of one chunk each
 ])
 def test_warps_splitting_the_words(m, n, k, layout, cfg):
     """``WARP_K`` (the warps share the program's rows; each multiplies its share of the words and
