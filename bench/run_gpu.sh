@@ -38,6 +38,9 @@
 #            mode 2, bf16-linear (step_ab.py --only): one command, under the device's 10 minutes; KNOB_S and
 #            STEP_S its two time limits, KNOB_LABELS the knob table's rows to time and STEP_ONLY the step's
 #            variants (a short budget)
+#   layer16  the verify(16) layer's calls without attention, the u12 step's plain way (7 launches) and
+#            fused way (u12_fused_linear's epilogues and handoffs, 4), each call over 32 layers' weights
+#            and both chains (bench/layer16.py); LAYER16_S its time limit
 #   tiles1   the one-row gemv2 sweep on tiled weights beside row planes, in CUDA graphs
 #   fewrows  the hmma and mma kernels' GPU tests, then verify(4) and verify(8) interleaved (bench/step_ab.py
 #            --q 4 and 8: the tensor-core kernels at 3..8 rows against gemv2 at 4 and the hmma kernel's two n-tiles)
@@ -190,6 +193,9 @@ knobstep() {  # one command: the knob table at the split-K shapes, then verify(1
     --bf16-tuned bench/results/fused_linear_m16_graph_h200.json "${tuned[@]}" --only "$only" \
     --out "$OUT/step_ab_verify16_knobs_${GPU}.json"
 }
+layer16() {  # the verify(16) layer without attention, call by call, plain and fused (bench/layer16.py)
+  TAIL=24 run layer16 "${LAYER16_S:-240}" python bench/layer16.py --out "$OUT/layer16_${GPU}.json"
+}
 tiles1() {  # one row on tiled weights: gemv2's configs on both layouts in CUDA graphs
   TAIL=24 run u12_linear_tiles1 330 python bench/u12_linear.py --ms 1 --kernels gemv2 --layouts rows,tiles --graph \
     --budget-s 220 --out "$OUT/u12_linear_gemv2_tiles_${GPU}.json"
@@ -245,7 +251,7 @@ zoo() {
 for group in "${@:?group...}"; do
   case "$group" in
     ncu) ncu_linear ;;
-    tests | attntests | lineartests | ab | knobs | knobstep | attention | attnvar | u12 | hmma | bf16tune | u12tune | verify16 | verifyab | \
+    tests | attntests | lineartests | ab | knobs | knobstep | layer16 | attention | attnvar | u12 | hmma | bf16tune | u12tune | verify16 | verifyab | \
       u12verify | tiles | tilesab | tiles1 | fewrows | fewsweep | u12fusedtune | linear | peers | train | trees | e2e | tau | zoo) "$group" ;;
     steps) steps ;;
     qwen) steps qwen qwen3-8b ;;

@@ -278,6 +278,21 @@ def test_hmma_knobs_bench_times_each_knob_where_it_says_so():
         assert any(cfg.esc_split for _, cfg in cfgs) == (hmma_knobs.SPLIT[name] > 1)
 
 
+def test_layer16_smoke(tmp_path: Path) -> None:
+    """bench/layer16.py --smoke (2 small layers, the interpreter): every call of both ways and both
+    chains run and timed, the file written with each group's calls; a bad --layers is refused."""
+    import layer16
+
+    out = tmp_path / "layer16.json"
+    assert layer16.main(["--smoke", "--out", str(out)]) == 0
+    us = json.loads(out.read_text())["us"]
+    assert set(us) == {"plain", "fused", "fused without handoff", "chains"}
+    assert len(us["plain"]) == 6 and len(us["fused"]) == 4 and set(us["chains"]) == {"plain chain", "fused chain"}
+    assert all(t > 0 for group in us.values() for t in group.values())
+    with pytest.raises(SystemExit, match="--layers: expected a positive count, got 0"):
+        layer16.main(["--layers", "0"])
+
+
 def test_hmma_knobs_labels_pick_rows_and_refuse_typos():
     """bench/hmma_knobs.py --labels: the named rows in the table's order; a label or shape the table
     lacks exits before anything is timed, naming it and what it expected."""
