@@ -1,4 +1,4 @@
-"""The hmma kernel's untimed knobs (kernels/u12_hmma.py's ``AHEAD``, a register double buffer,
+"""The hmma kernel's knobs (kernels/u12_hmma.py's ``AHEAD``, a register double buffer,
 with ``AHEAD_X``'s x prefetch or without, and ``ESC_SPLIT``, the escapes walked by the splits) at
 M = 16 on tiled weights, against the same kernel without them and cuBLAS bf16, at the Llama-3.1-8B
 layer shapes.

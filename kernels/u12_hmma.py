@@ -162,13 +162,14 @@ ESC_UNROLL = 2
 # bench/results/tried/linear_ncu_u12_m16_tiles_h100.txt), so more bytes in flight a warp is the
 # next thing to try. At o's tile (64 rows, 32 words, 4 warps) it holds the carried words in 128
 # registers without spilling, with the one-stage loop's loads and MMAs (sm_90 ptxas,
-# tests/test_kernel_static.py). Bit for bit the one-stage sums (tests/test_u12_hmma.py). Untimed:
-# `bench/run_gpu.sh knobs` (bench/hmma_knobs.py) and `verifyab` (bench/step_ab.py's u12-tiles-ahead) time it. Read at launch.
+# tests/test_kernel_static.py). Bit for bit the one-stage sums (tests/test_u12_hmma.py). Slower on an
+# H100 (5f739f0, bench/results/u12_hmma_knobs_h100.json: o 16.63 µs against 16.00, down 42.02 against
+# 40.82; the verify(16) step 5.539 ms against 5.465, step_ab_verify16_h100.json), so off. Read at launch.
 AHEAD = False
 # With AHEAD, each lane also asks L1 for the next chunk's x words (prefetch.global.L1, no registers
 # held) when it issues the chunk's weights: AHEAD alone loads x with the chunk it multiplies, so the
 # warp still waits an L2 round trip for x each chunk (x's rows are in L2; an SM's programs read other
-# splits' columns). Untimed as AHEAD is (bench/hmma_knobs.py's "-ahead-x" rows). Read at launch.
+# splits' columns). Slower still on an H100 (o 16.81 µs, the step 5.715 ms; the same files). Read at launch.
 AHEAD_X = False
 # The table's escapes walked by the splits of a split-K launch (the table, not the lanes): split s
 # takes escapes s, s + SPLIT_K, ... of each of its rows, subtracts their spurious x · 2^-15 from its
@@ -177,8 +178,9 @@ AHEAD_X = False
 # Escape-free weights ran down (K = 14336, the longest rows' walk) at M = 16 in 38.69 µs against
 # 41.52 with its escapes (H100, tiles, bench/results/tried/u12_hmma_flat_epilogue_h100.json); o and
 # qkv within noise. Rounds otherwise than the one walk (each split's share subtracted before the
-# splits are summed): same weights, another order. Untimed: `bench/run_gpu.sh knobs` and `verifyab` time it
-# (bench/hmma_knobs.py's "-escsplit" rows, bench/step_ab.py's u12-tiles-esc-split). Read at launch.
+# splits are summed): same weights, another order. On an H100 (5f739f0, the same files) slower
+# on o (17.92 µs against 16.00) and down (42.39 against 40.82), qkv 20.66 against 21.16; the step 5.570 ms
+# against 5.465; so off. Read at launch.
 ESC_SPLIT = False
 # WARP_K (``U12Config.warp_k``, a config's, no module switch): a program's warps share its 16 or 32
 # rows and each multiplies a contiguous share of the split's words, then walks its share of the
@@ -191,7 +193,10 @@ ESC_SPLIT = False
 # 3.6: 239-241 against 241, 103-105; no spills; barriers in the kernel 17-22 against 6 on 3.9, 8-10 against 5
 # on 3.6), and at 8 warps since the warps' share is declared whole chunks (tl.multiple_of below; before,
 # the loads' layout split and the loop went through shared memory). Words that do not share out in
-# whole chunks run the warps on rows (launch_hmma). Untimed: bench/hmma_knobs.py's "wk" rows time it.
+# whole chunks run the warps on rows (launch_hmma). Slower than the split-K configs it was meant to
+# replace on an H100 (5f739f0, bench/results/u12_hmma_knobs_h100.json, best "wk" row against tuned: o
+# 17.09 µs against 16.00, down 40.92 against 40.82, qkv 22.66 against 21.16; at 8 warps, the tuned
+# warps in flight, o 20.30): TUNED_TILES takes none.
 
 
 @triton.jit
