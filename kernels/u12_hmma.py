@@ -116,7 +116,7 @@ import triton.language as tl
 
 from specpilot.runtime.u12 import U12Tensor
 
-from .fused_linear import _epilogue, _row_inv_parts
+from .fused_linear import _epilogue
 from .overlap import pdl_args, pdl_enter
 from .registry import KernelSpec, register
 from .target import native as on_native
@@ -539,7 +539,7 @@ def _walk_share(a0, a1, a2, a3, b0, b1, b2, b3, m0, m1, m2, m3, rl, rh, vl, vh, 
 
 
 @triton.jit
-def _out1(g, u, m, col, ok, inv_blk, pid_m, y_ptr, stride_ym, hw_ptr, xg_ptr, stride_xg, M,
+def _out1(g, u, m, col, ok, inv, pid_m, y_ptr, stride_ym, hw_ptr, xg_ptr, stride_xg, M,
           BLOCK_M: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr, HAND_IN: tl.constexpr,
           HAND_OUT: tl.constexpr, ROUND_BF16: tl.constexpr, EXPF: tl.constexpr):
     """Store one element (gated: g and u its gate and up sums) of x row m at output column col; the
@@ -547,8 +547,7 @@ def _out1(g, u, m, col, ok, inv_blk, pid_m, y_ptr, stride_ym, hw_ptr, xg_ptr, st
     mask = (m < M) & ok
     if GATED or RESIDUAL or HAND_IN:  # u12_fused_linear's epilogue
         DTYPE: tl.constexpr = y_ptr.dtype.element_ty
-        if HAND_IN:  # rmsnorm's inv, factored out of the sums (x = dtype(stream · weight))
-            inv = tl.gather(inv_blk, tl.minimum(m - pid_m * BLOCK_M, BLOCK_M - 1), 0)
+        if HAND_IN:  # rmsnorm's inv of row m (``_lane_invs``), factored out of the sums (x = dtype(stream · weight))
             g = g * inv
             u = u * inv
         y = _epilogue(g, u, y_ptr + m * stride_ym + col, mask, DTYPE, GATED, RESIDUAL, ROUND_BF16, EXPF)
@@ -563,7 +562,7 @@ def _out1(g, u, m, col, ok, inv_blk, pid_m, y_ptr, stride_ym, hw_ptr, xg_ptr, st
 
 @triton.jit
 def _finish(
-    a0, a1, a2, a3, b0, b1, b2, b3, m0, m1, m2, m3, rl, rh, vl, vh, inv_blk, sl, cl, sh, ch,
+    a0, a1, a2, a3, b0, b1, b2, b3, m0, m1, m2, m3, rl, rh, vl, vh, i0, i1, i2, i3, sl, cl, sh, ch,
     x_ptr, esc_idx_ptr, esc_val_ptr, lanes_ptr, y_ptr, M, K, stride_xm, stride_ym, y_scale,
     LANES: tl.constexpr, LANE_GROUP: tl.constexpr, hw_ptr, xg_ptr, stride_xg, pid_m, BLOCK_M: tl.constexpr,
     GATED: tl.constexpr, RESIDUAL: tl.constexpr, HAND_IN: tl.constexpr, HAND_OUT: tl.constexpr,
@@ -600,27 +599,62 @@ def _finish(
     u0, u1, u4, u5 = a0, a1, b0, b1
     if GATED:
         u0, u1, u4, u5 = a2, a3, b2, b3
-    y0 = _out1(a0, u0, m0, rl, vl, inv_blk, pid_m, y_ptr, stride_ym, hw_ptr, xg_ptr, stride_xg, M,
+    y0 = _out1(a0, u0, m0, rl, vl, i0, pid_m, y_ptr, stride_ym, hw_ptr, xg_ptr, stride_xg, M,
                BLOCK_M, GATED, RESIDUAL, HAND_IN, HAND_OUT, ROUND_BF16, EXPF)
-    y1 = _out1(a1, u1, m1, rl, vl, inv_blk, pid_m, y_ptr, stride_ym, hw_ptr, xg_ptr, stride_xg, M,
+    y1 = _out1(a1, u1, m1, rl, vl, i1, pid_m, y_ptr, stride_ym, hw_ptr, xg_ptr, stride_xg, M,
                BLOCK_M, GATED, RESIDUAL, HAND_IN, HAND_OUT, ROUND_BF16, EXPF)
     y2, y3, y4, y5, y6, y7 = z, z, z, z, z, z
     if not GATED:
-        y2 = _out1(a2, a2, m0, rh, vh, inv_blk, pid_m, y_ptr, stride_ym, hw_ptr, xg_ptr, stride_xg, M,
+        y2 = _out1(a2, a2, m0, rh, vh, i0, pid_m, y_ptr, stride_ym, hw_ptr, xg_ptr, stride_xg, M,
                    BLOCK_M, GATED, RESIDUAL, HAND_IN, HAND_OUT, ROUND_BF16, EXPF)
-        y3 = _out1(a3, a3, m1, rh, vh, inv_blk, pid_m, y_ptr, stride_ym, hw_ptr, xg_ptr, stride_xg, M,
+        y3 = _out1(a3, a3, m1, rh, vh, i1, pid_m, y_ptr, stride_ym, hw_ptr, xg_ptr, stride_xg, M,
                    BLOCK_M, GATED, RESIDUAL, HAND_IN, HAND_OUT, ROUND_BF16, EXPF)
     if NT == 2:
-        y4 = _out1(b0, u4, m2, rl, vl, inv_blk, pid_m, y_ptr, stride_ym, hw_ptr, xg_ptr, stride_xg, M,
+        y4 = _out1(b0, u4, m2, rl, vl, i2, pid_m, y_ptr, stride_ym, hw_ptr, xg_ptr, stride_xg, M,
                    BLOCK_M, GATED, RESIDUAL, HAND_IN, HAND_OUT, ROUND_BF16, EXPF)
-        y5 = _out1(b1, u5, m3, rl, vl, inv_blk, pid_m, y_ptr, stride_ym, hw_ptr, xg_ptr, stride_xg, M,
+        y5 = _out1(b1, u5, m3, rl, vl, i3, pid_m, y_ptr, stride_ym, hw_ptr, xg_ptr, stride_xg, M,
                    BLOCK_M, GATED, RESIDUAL, HAND_IN, HAND_OUT, ROUND_BF16, EXPF)
         if not GATED:
-            y6 = _out1(b2, b2, m2, rh, vh, inv_blk, pid_m, y_ptr, stride_ym, hw_ptr, xg_ptr, stride_xg, M,
+            y6 = _out1(b2, b2, m2, rh, vh, i2, pid_m, y_ptr, stride_ym, hw_ptr, xg_ptr, stride_xg, M,
                        BLOCK_M, GATED, RESIDUAL, HAND_IN, HAND_OUT, ROUND_BF16, EXPF)
-            y7 = _out1(b3, b3, m3, rh, vh, inv_blk, pid_m, y_ptr, stride_ym, hw_ptr, xg_ptr, stride_xg, M,
+            y7 = _out1(b3, b3, m3, rh, vh, i3, pid_m, y_ptr, stride_ym, hw_ptr, xg_ptr, stride_xg, M,
                        BLOCK_M, GATED, RESIDUAL, HAND_IN, HAND_OUT, ROUND_BF16, EXPF)
     return y0, y1, y2, y3, y4, y5, y6, y7
+
+
+@triton.jit
+def _lane_invs(parts_ptr, m0, m1, m2, m3, M, n_parts, inv_k, eps, WARPS: tl.constexpr, BLOCK_P: tl.constexpr,
+               NT: tl.constexpr):
+    """HAND_IN: rsqrt(Σ parts · inv_k + eps) of each lane's x rows m0..m3 ([T], the sums' layout), with
+    no gather: lane g of warp w loads parts w · 8 + g, + 8 · WARPS, ... of its rows (BLOCK_P at a time,
+    all in flight), then the 8 lanes g of a quad column and the warps add theirs in one [T, 4]
+    reduction. The block's [BLOCK_M] inv reduced across the program and then gathered by every sum
+    took 11 more barriers and 4.4 µs a call (bench/results/layer16_h100.json)."""
+    T: tl.constexpr = 32 * WARPS
+    STEP: tl.constexpr = 8 * WARPS
+    t = tl.arange(0, T)
+    first = (t // 32) * 8 + (t % 32) // 4  # w · 8 + g
+    r0, r1 = tl.minimum(m0, M - 1), tl.minimum(m1, M - 1)
+    r2, r3 = tl.minimum(m2, M - 1), tl.minimum(m3, M - 1)
+    z = tl.zeros((T,), dtype=tl.float32)
+    s0, s1, s2, s3 = z, z, z, z
+    for p0 in range(0, n_parts, BLOCK_P):
+        for j in tl.static_range(0, BLOCK_P, STEP):
+            p = p0 + j + first
+            ok = p < n_parts
+            s0 += tl.load(parts_ptr + p * M + r0, mask=ok, other=0.0)
+            s1 += tl.load(parts_ptr + p * M + r1, mask=ok, other=0.0)
+            if NT == 2:
+                s2 += tl.load(parts_ptr + p * M + r2, mask=ok, other=0.0)
+                s3 += tl.load(parts_ptr + p * M + r3, mask=ok, other=0.0)
+    v = tl.join(tl.join(s0, s1), tl.join(s2, s3))  # [T, 2, 2]
+    tot = tl.sum(tl.sum(tl.reshape(v, (WARPS, 8, 4, 4)), axis=1), axis=0)  # [q, row]
+    back = tl.reshape(tl.broadcast_to(tot[None, None], (WARPS, 8, 4, 4)), (T, 2, 2))
+    a, b = tl.split(back)
+    s0, s1 = tl.split(a)
+    s2, s3 = tl.split(b)
+    return (tl.math.rsqrt(s0 * inv_k + eps), tl.math.rsqrt(s1 * inv_k + eps), tl.math.rsqrt(s2 * inv_k + eps),
+            tl.math.rsqrt(s3 * inv_k + eps))
 
 
 @triton.jit
@@ -904,10 +938,9 @@ def _u12_hmma_kernel(
     else:
         last = pid_k == 0
     if last:
-        inv_blk = tl.zeros((BLOCK_M,), dtype=tl.float32)
-        if HAND_IN:  # the block's rows' inv once; each element gathers its row's
-            inv_blk = _row_inv_parts(parts_ptr, tl.minimum(pid_m * BLOCK_M + tl.arange(0, BLOCK_M), M - 1), M,
-                                     n_parts, inv_k, eps, BLOCK_M, BLOCK_P)
+        i0, i1, i2, i3 = d0, d0, d0, d0  # (unused without HAND_IN)
+        if HAND_IN:  # each lane's x rows' inv, in the sums' layout
+            i0, i1, i2, i3 = _lane_invs(parts_ptr, m0, m1, m2, m3, M, n_parts, inv_k, eps, WARPS, BLOCK_P, NT)
         WALKED: tl.constexpr = ESC_SPLIT
         sl0, cl0, sh0, ch0 = rl0, rl0, rl0, rl0  # (unused where WALKED or LANES)
         if not WALKED and not LANES:
@@ -916,14 +949,14 @@ def _u12_hmma_kernel(
         if TILES == 2 and not WALKED and not LANES:
             sl1, cl1, sh1, ch1 = _esc_rows(esc_row_ptr, rl1, rh1, vl1, vh1)
         y0, y1, y2, y3, y4, y5, y6, y7 = _finish(
-            d0, d1, d2, d3, e0, e1, e2, e3, m0, m1, m2, m3, rl0, rh0, vl0, vh0, inv_blk, sl0, cl0, sh0, ch0,
+            d0, d1, d2, d3, e0, e1, e2, e3, m0, m1, m2, m3, rl0, rh0, vl0, vh0, i0, i1, i2, i3, sl0, cl0, sh0, ch0,
             x_ptr, esc_idx_ptr, esc_val_ptr, lanes_ptr, y_ptr, M, K, stride_xm, stride_ym, y_scale,
             LANES, LANE_GROUP, hw_ptr, xg_ptr, stride_xg, pid_m, BLOCK_M, GATED, RESIDUAL, HAND_IN, HAND_OUT,
             ROUND_BF16, EXPF, NT, ESC_UNROLL, WALKED, w0, w1, w2, w3, w4, w5, w6, w7)
         z0, z1, z2, z3, z4, z5, z6, z7 = y0, y1, y2, y3, y4, y5, y6, y7
         if TILES == 2:
             z0, z1, z2, z3, z4, z5, z6, z7 = _finish(
-                f0, f1, f2, f3, h0, h1, h2, h3, m0, m1, m2, m3, rl1, rh1, vl1, vh1, inv_blk, sl1, cl1, sh1, ch1,
+                f0, f1, f2, f3, h0, h1, h2, h3, m0, m1, m2, m3, rl1, rh1, vl1, vh1, i0, i1, i2, i3, sl1, cl1, sh1, ch1,
                 x_ptr, esc_idx_ptr, esc_val_ptr, lanes_ptr, y_ptr, M, K, stride_xm, stride_ym,
                 y_scale, LANES, LANE_GROUP, hw_ptr, xg_ptr, stride_xg, pid_m, BLOCK_M, GATED, RESIDUAL, HAND_IN,
                 HAND_OUT, ROUND_BF16, EXPF, NT, ESC_UNROLL, WALKED, v0, v1, v2, v3, v4, v5, v6, v7)
