@@ -83,6 +83,12 @@ with tempfile.TemporaryDirectory() as tmp:
     with compile_only(90) as compiled:  # 8 warps: one 32-word chunk each of the 256 words
         u12_linear(x, w.with_layout("tiles"), dataclasses.replace(wk, num_warps=8))
     out["warp_k8"] = [kernel_static.describe(c, Path(tmp)) for c in compiled]
+    from specpilot.kernels.u12_fused_linear import NormHandoff, u12_fused_linear
+    hand = NormHandoff(torch.ones(1024).bfloat16(), 1e-5)
+    hand.xg, hand.parts = x.clone(), torch.rand(256, 16)  # as a producer of 64 programs of 4 warps leaves them
+    with compile_only(90) as compiled:  # a handed-in norm on the tiled split-K launch
+        u12_fused_linear(hand.xg, w.with_layout("tiles"), hand_in=hand, config=split)
+    out["hand_in"] = [kernel_static.describe(c, Path(tmp)) for c in compiled]
 out["native_after"] = native(x)
 out["driver_restored"] = driver._active is before
 print(json.dumps(out))
@@ -120,6 +126,20 @@ def test_hmma_epilogue_converts_no_layouts(hmma_facts):
         assert ops.get("BAR", 0) <= 8 and ops.get("STS", 0) <= 4, (name, ops)
     (split,) = hmma_facts["split"]
     assert split["constexprs"]["SPLIT_K"] == 4  # the partials' path compiled, not one split
+
+
+def test_handed_in_norm_takes_no_gather(hmma_facts):
+    """HAND_IN: each lane sums its own rows' parts and one reduction adds the lanes' and warps'
+    (``_lane_invs``), so the epilogue keeps within 4 barriers and 16 shared-memory ops of the plain
+    split-K launch; the block's inv reduced across the program and gathered by each of the 8 sums
+    took 11 barriers and 57 shared-memory ops more (qkv, Triton 3.6: bench/results/layer16_h100.json's
+    4.4 µs a call)."""
+    (hand,), (plain,) = hmma_facts["hand_in"], hmma_facts["split"]
+    assert hand["constexprs"]["SPLIT_K"] == 4 and hand["spill_bytes"] == 0, hand
+    ops, base = hand["kernel_opcodes"], plain["kernel_opcodes"]
+    assert ops.get("BAR", 0) <= base.get("BAR", 0) + 4, (ops, base)
+    assert ops.get("STS", 0) + ops.get("LDS", 0) <= base.get("STS", 0) + base.get("LDS", 0) + 16, (ops, base)
+    assert hand["loop_opcodes"]["HMMA"] == plain["loop_opcodes"]["HMMA"]
 
 
 def test_words_ahead_stay_in_registers(hmma_facts):
