@@ -127,11 +127,14 @@ _DTYPES = (torch.bfloat16, torch.float32)
 def _epilogue(
     g, u, y_ptrs, mask, DTYPE: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr,
     ROUND_BF16: tl.constexpr, EXPF: tl.constexpr, sq_ptrs=None, SQ_OUT: tl.constexpr = False,
+    res=0.0, RES_LOADED: tl.constexpr = False,
 ):
     """Store dtype(g), or silu_mul's dtype(dtype(silu(g)) · u) (GATED); RESIDUAL: add it to the
-    residual that y_ptrs points at, rounded as torch's add. SQ_OUT: also store Σ y² of each row's
-    stored values at sq_ptrs [BM] (this program's part of RowSquares). Returns the stored values
-    (fp32, each exactly its stored dtype value)."""
+    residual that y_ptrs points at, rounded as torch's add (RES_LOADED: `res`, the caller's fp32 load
+    of it, so that a caller storing several elements issues their loads before any store: a load
+    after a store that may alias waits for it). SQ_OUT: also store Σ y² of each row's stored values
+    at sq_ptrs [BM] (this program's part of RowSquares). Returns the stored values (fp32, each
+    exactly its stored dtype value)."""
     y = _to_dtype(g, DTYPE, ROUND_BF16)
     if GATED:
         up = _to_dtype(u, DTYPE, ROUND_BF16)
@@ -142,7 +145,9 @@ def _epilogue(
         s = _to_dtype(tl.math.div_rn(y, 1.0 + e), DTYPE, ROUND_BF16)
         y = _to_dtype(s * up, DTYPE, ROUND_BF16)
     if RESIDUAL:
-        r = tl.load(y_ptrs, mask=mask, other=0.0).to(tl.float32)
+        r = res
+        if not RES_LOADED:
+            r = tl.load(y_ptrs, mask=mask, other=0.0).to(tl.float32)
         y = _to_dtype(y + r, DTYPE, ROUND_BF16)
     tl.store(y_ptrs, y.to(DTYPE), mask=mask)
     if SQ_OUT:

@@ -539,25 +539,32 @@ def _walk_share(a0, a1, a2, a3, b0, b1, b2, b3, m0, m1, m2, m3, rl, rh, vl, vh, 
 
 
 @triton.jit
-def _out1(g, u, m, col, ok, inv, pid_m, y_ptr, stride_ym, hw_ptr, xg_ptr, stride_xg, M,
-          BLOCK_M: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr, HAND_IN: tl.constexpr,
+def _out1(g, u, m, col, ok, inv, res, hw, y_ptr, stride_ym, xg_ptr, stride_xg, M,
+          GATED: tl.constexpr, RESIDUAL: tl.constexpr, HAND_IN: tl.constexpr,
           HAND_OUT: tl.constexpr, ROUND_BF16: tl.constexpr, EXPF: tl.constexpr):
     """Store one element (gated: g and u its gate and up sums) of x row m at output column col; the
-    stored value where stored, else 0."""
+    stored value where stored, else 0. inv, res and hw: the element's handed-in inv, residual and
+    handed-out norm weight (``_finish`` loads them all before the first store)."""
     mask = (m < M) & ok
     if GATED or RESIDUAL or HAND_IN:  # u12_fused_linear's epilogue
         DTYPE: tl.constexpr = y_ptr.dtype.element_ty
         if HAND_IN:  # rmsnorm's inv of row m (``_lane_invs``), factored out of the sums (x = dtype(stream · weight))
             g = g * inv
             u = u * inv
-        y = _epilogue(g, u, y_ptr + m * stride_ym + col, mask, DTYPE, GATED, RESIDUAL, ROUND_BF16, EXPF)
+        y = _epilogue(g, u, y_ptr + m * stride_ym + col, mask, DTYPE, GATED, RESIDUAL, ROUND_BF16, EXPF,
+                      res=res, RES_LOADED=True)
         if HAND_OUT:  # xg = dtype(y · the norm's weight)
-            hw = tl.load(hw_ptr + col).to(tl.float32)
             tl.store(xg_ptr + m * stride_xg + col, _to_dtype(y * hw, DTYPE, ROUND_BF16).to(DTYPE), mask=mask)
     else:
         y = g
         tl.store(y_ptr + m * stride_ym + col, y.to(y_ptr.dtype.element_ty), mask=mask)
     return tl.where(mask, y, 0.0)
+
+
+@triton.jit
+def _res(y_ptr, m, col, ok, M, stride_ym):
+    """The residual (y, added into) at x row m, column col, fp32; 0 where not stored."""
+    return tl.load(y_ptr + m * stride_ym + col, mask=(m < M) & ok, other=0.0).to(tl.float32)
 
 
 @triton.jit
@@ -599,26 +606,42 @@ def _finish(
     u0, u1, u4, u5 = a0, a1, b0, b1
     if GATED:
         u0, u1, u4, u5 = a2, a3, b2, b3
-    y0 = _out1(a0, u0, m0, rl, vl, i0, pid_m, y_ptr, stride_ym, hw_ptr, xg_ptr, stride_xg, M,
-               BLOCK_M, GATED, RESIDUAL, HAND_IN, HAND_OUT, ROUND_BF16, EXPF)
-    y1 = _out1(a1, u1, m1, rl, vl, i1, pid_m, y_ptr, stride_ym, hw_ptr, xg_ptr, stride_xg, M,
-               BLOCK_M, GATED, RESIDUAL, HAND_IN, HAND_OUT, ROUND_BF16, EXPF)
+    # every load of the epilogue before its first store (a load after a store that may alias waits
+    # for it: 8 residual loads one after another cost o 1.5 µs a call, bench/results/layer16_h100.json)
+    r0, r1, r2, r3, r4, r5, r6, r7 = z, z, z, z, z, z, z, z
+    if RESIDUAL:
+        r0, r1 = _res(y_ptr, m0, rl, vl, M, stride_ym), _res(y_ptr, m1, rl, vl, M, stride_ym)
+        if not GATED:
+            r2, r3 = _res(y_ptr, m0, rh, vh, M, stride_ym), _res(y_ptr, m1, rh, vh, M, stride_ym)
+        if NT == 2:
+            r4, r5 = _res(y_ptr, m2, rl, vl, M, stride_ym), _res(y_ptr, m3, rl, vl, M, stride_ym)
+            if not GATED:
+                r6, r7 = _res(y_ptr, m2, rh, vh, M, stride_ym), _res(y_ptr, m3, rh, vh, M, stride_ym)
+    hl, hh = z, z
+    if HAND_OUT:
+        hl = tl.load(hw_ptr + rl).to(tl.float32)
+        if not GATED:
+            hh = tl.load(hw_ptr + rh).to(tl.float32)
+    y0 = _out1(a0, u0, m0, rl, vl, i0, r0, hl, y_ptr, stride_ym, xg_ptr, stride_xg, M,
+               GATED, RESIDUAL, HAND_IN, HAND_OUT, ROUND_BF16, EXPF)
+    y1 = _out1(a1, u1, m1, rl, vl, i1, r1, hl, y_ptr, stride_ym, xg_ptr, stride_xg, M,
+               GATED, RESIDUAL, HAND_IN, HAND_OUT, ROUND_BF16, EXPF)
     y2, y3, y4, y5, y6, y7 = z, z, z, z, z, z
     if not GATED:
-        y2 = _out1(a2, a2, m0, rh, vh, i0, pid_m, y_ptr, stride_ym, hw_ptr, xg_ptr, stride_xg, M,
-                   BLOCK_M, GATED, RESIDUAL, HAND_IN, HAND_OUT, ROUND_BF16, EXPF)
-        y3 = _out1(a3, a3, m1, rh, vh, i1, pid_m, y_ptr, stride_ym, hw_ptr, xg_ptr, stride_xg, M,
-                   BLOCK_M, GATED, RESIDUAL, HAND_IN, HAND_OUT, ROUND_BF16, EXPF)
+        y2 = _out1(a2, a2, m0, rh, vh, i0, r2, hh, y_ptr, stride_ym, xg_ptr, stride_xg, M,
+                   GATED, RESIDUAL, HAND_IN, HAND_OUT, ROUND_BF16, EXPF)
+        y3 = _out1(a3, a3, m1, rh, vh, i1, r3, hh, y_ptr, stride_ym, xg_ptr, stride_xg, M,
+                   GATED, RESIDUAL, HAND_IN, HAND_OUT, ROUND_BF16, EXPF)
     if NT == 2:
-        y4 = _out1(b0, u4, m2, rl, vl, i2, pid_m, y_ptr, stride_ym, hw_ptr, xg_ptr, stride_xg, M,
-                   BLOCK_M, GATED, RESIDUAL, HAND_IN, HAND_OUT, ROUND_BF16, EXPF)
-        y5 = _out1(b1, u5, m3, rl, vl, i3, pid_m, y_ptr, stride_ym, hw_ptr, xg_ptr, stride_xg, M,
-                   BLOCK_M, GATED, RESIDUAL, HAND_IN, HAND_OUT, ROUND_BF16, EXPF)
+        y4 = _out1(b0, u4, m2, rl, vl, i2, r4, hl, y_ptr, stride_ym, xg_ptr, stride_xg, M,
+                   GATED, RESIDUAL, HAND_IN, HAND_OUT, ROUND_BF16, EXPF)
+        y5 = _out1(b1, u5, m3, rl, vl, i3, r5, hl, y_ptr, stride_ym, xg_ptr, stride_xg, M,
+                   GATED, RESIDUAL, HAND_IN, HAND_OUT, ROUND_BF16, EXPF)
         if not GATED:
-            y6 = _out1(b2, b2, m2, rh, vh, i2, pid_m, y_ptr, stride_ym, hw_ptr, xg_ptr, stride_xg, M,
-                       BLOCK_M, GATED, RESIDUAL, HAND_IN, HAND_OUT, ROUND_BF16, EXPF)
-            y7 = _out1(b3, b3, m3, rh, vh, i3, pid_m, y_ptr, stride_ym, hw_ptr, xg_ptr, stride_xg, M,
-                       BLOCK_M, GATED, RESIDUAL, HAND_IN, HAND_OUT, ROUND_BF16, EXPF)
+            y6 = _out1(b2, b2, m2, rh, vh, i2, r6, hh, y_ptr, stride_ym, xg_ptr, stride_xg, M,
+                       GATED, RESIDUAL, HAND_IN, HAND_OUT, ROUND_BF16, EXPF)
+            y7 = _out1(b3, b3, m3, rh, vh, i3, r7, hh, y_ptr, stride_ym, xg_ptr, stride_xg, M,
+                       GATED, RESIDUAL, HAND_IN, HAND_OUT, ROUND_BF16, EXPF)
     return y0, y1, y2, y3, y4, y5, y6, y7
 
 
