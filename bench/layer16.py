@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
           for group, calls in groups.items()}
     gpu = "cpu" if args.smoke else torch.cuda.get_device_name()
     result = dict(
-        benchmark="layer16", what=__doc__.split("\n\n")[0].replace("\n", " "), layers=layers, rows=m,
+        benchmark="layer16", what=__doc__.split("\n\n")[0].replace("\n", " "), layers=layers, m=m,
         timing="us for one call per layer over all layers' distinct weights (tiled u12), a CUDA graph's median "
                "replay, min of two",
         gpu=gpu, torch=torch.__version__, triton=triton.__version__, python=platform.python_version(),

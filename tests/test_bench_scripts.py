@@ -289,6 +289,8 @@ def test_layer16_smoke(tmp_path: Path) -> None:
     assert set(us) == {"plain", "fused", "fused without handoff", "chains"}
     assert len(us["plain"]) == 6 and len(us["fused"]) == 4 and set(us["chains"]) == {"plain chain", "fused chain"}
     assert all(t > 0 for group in us.values() for t in group.values())
+    from specpilot.cost.model import parse_records  # bench/results/*.json calibrate the cost model: none here
+    assert parse_records(json.loads(out.read_text()), str(out)) == []
     with pytest.raises(SystemExit, match="--layers: expected a positive count, got 0"):
         layer16.main(["--layers", "0"])
 
@@ -314,7 +316,7 @@ def test_hmma_knobs_labels_pick_rows_and_refuse_typos():
 
 
 def test_hmma_knobs_smoke(tmp_path: Path) -> None:
-    """bench/hmma_knobs.py --smoke (o at 32 x 256, the interpreter): every config of the knob table
+    """bench/hmma_knobs.py --smoke (o at 32 x 256, the interpreter): a config of each knob of the table
     checked against x · Wᵀ and run, the file written with the shape's fastest config as a "tuned"
     entry that bench/step_ab.py --tiles-tuned reads back as that config, the module switches left off."""
     import hmma_knobs
@@ -322,8 +324,11 @@ def test_hmma_knobs_smoke(tmp_path: Path) -> None:
     from specpilot.kernels import u12_hmma
 
     out = tmp_path / "knobs.json"
-    assert hmma_knobs.main(["--smoke", "--out", str(out)]) == 0
+    # a row of each knob (the interpreter takes 75 s for the whole table; the GPU run checks every row)
+    labels = "tuned,tuned-ahead-x,w1-r168-ahead,wk4-bn16-ahead,wk2-bn16-sk4,wk8-bn16,tuned-escsplit-ahead"
+    assert hmma_knobs.main(["--smoke", "--labels", labels, "--out", str(out)]) == 0
     (row,) = json.loads(out.read_text())["rows"]
+    assert list(row["configs"]) == labels.split(",")
     assert row["name"] == "o" and set(row["us"]) == {"cublas", *row["configs"]}
     assert all(err < 1e-2 for err in row["rel_err"].values())
     assert not (u12_hmma.AHEAD or u12_hmma.AHEAD_X or u12_hmma.ESC_SPLIT)
