@@ -28,17 +28,15 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
-import os
 import platform
 import sys
-import time
 from pathlib import Path
 
 import torch
 import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from u12_linear import SHAPES, git_commit, time_graph, write_result  # noqa: E402
+from u12_linear import SHAPES, git_commit, smoke_or_gpu, time_list, write_result  # noqa: E402
 
 SPLIT = {"qkv": 4, "o": 8, "gate_up": 1, "down": 8}  # TUNED_TILES' splits
 
@@ -103,24 +101,12 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [name for name in args.shapes.split(",") if name not in SPLIT]
     if unknown:
         sys.exit(f"bench/hmma_knobs.py --shapes: {', '.join(unknown)} unknown (expected some of: {', '.join(SPLIT)})")
-    if args.smoke and os.environ.get("TRITON_INTERPRET") != "1":
-        sys.exit("bench/hmma_knobs.py --smoke runs the kernels in Triton's interpreter: set TRITON_INTERPRET=1")
-    if not args.smoke and not torch.cuda.is_available():
-        sys.exit("bench/hmma_knobs.py times CUDA kernels: it needs a GPU.")
+    device = smoke_or_gpu("bench/hmma_knobs.py", args.smoke)
     from specpilot.kernels.u12_linear import TUNED_TILES, U12Config, u12_linear
     from specpilot.runtime.u12 import pack_u12
 
-    device = "cpu" if args.smoke else "cuda"
     shapes = {"o": (32, 256)} if args.smoke else {name: SHAPES[name] for name in args.shapes.split(",")}
     gpu = "cpu" if args.smoke else torch.cuda.get_device_name()
-
-    def timed(fns) -> float:  # ms a call: a CUDA graph's median replay; --smoke: one pass's wall clock
-        if args.smoke:
-            t0 = time.perf_counter()
-            for f in fns:
-                f()
-            return (time.perf_counter() - t0) * 1e3
-        return time_graph(fns)
 
     def save(rows: list[dict]) -> Path:  # after every shape: a run cut by its time limit keeps what it timed
         result = dict(
@@ -150,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
         times: dict[str, list[float]] = {}
         errors: dict[str, float] = {}
         for _ in range(1 if args.smoke else 2):
-            times.setdefault("cublas", []).append(timed([lambda w=w: torch.matmul(x, w.T) for w in ws]) * 1e3 / copies)
+            times.setdefault("cublas", []).append(time_list([lambda w=w: torch.matmul(x, w.T) for w in ws], args.smoke) * 1e3 / copies)
             for label, cfg in cfgs:
                 try:  # a config this Triton cannot compile or launch is reported, the rest still timed
                     y = u12_linear(x, packed[0], cfg)
@@ -163,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
                     wrong.append(f"{name} {label} ({cfg}): relative error {err:.3g} against x · Wᵀ")
                     continue
                 times.setdefault(label, []).append(
-                    timed([lambda t=t, cfg=cfg: u12_linear(x, t, cfg) for t in packed]) * 1e3 / copies)
+                    time_list([lambda t=t, cfg=cfg: u12_linear(x, t, cfg) for t in packed], args.smoke) * 1e3 / copies)
         best = {label: min(v) for label, v in times.items()}
         rows.append(dict(name=name, N=n, K=k, M=16, us=best, rel_err=errors,
                          configs={label: str(c) for label, c in cfgs}))

@@ -26,17 +26,15 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import os
 import platform
 import sys
-import time
 from pathlib import Path
 
 import torch
 import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from u12_linear import SHAPES, git_commit, time_graph, write_result  # noqa: E402
+from u12_linear import SHAPES, git_commit, smoke_or_gpu, time_list, write_result  # noqa: E402
 
 EPS = 1e-5
 FILES = ("kernels/u12_hmma.py", "kernels/u12_fused_linear.py", "kernels/u12_linear.py", "bench/layer16.py")
@@ -50,17 +48,13 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.layers < 1:
         sys.exit(f"bench/layer16.py --layers: expected a positive count, got {args.layers}")
-    if args.smoke and os.environ.get("TRITON_INTERPRET") != "1":
-        sys.exit("bench/layer16.py --smoke runs the kernels in Triton's interpreter: set TRITON_INTERPRET=1")
-    if not args.smoke and not torch.cuda.is_available():
-        sys.exit("bench/layer16.py times CUDA kernels: it needs a GPU.")
+    device = smoke_or_gpu("bench/layer16.py", args.smoke)
     from specpilot.kernels.rmsnorm import rmsnorm
     from specpilot.kernels.silu_mul import silu_mul
     from specpilot.kernels.u12_fused_linear import NormHandoff, u12_fused_linear
     from specpilot.kernels.u12_linear import u12_linear
     from specpilot.runtime.u12 import pack_u12
 
-    device = "cpu" if args.smoke else "cuda"
     layers = 2 if args.smoke else args.layers
     hidden, inter = (64, 128) if args.smoke else (SHAPES["o"][1], SHAPES["down"][1])
     n_qkv = 96 if args.smoke else SHAPES["qkv"][0]
@@ -128,16 +122,8 @@ def main(argv: list[str] | None = None) -> int:
 
     chains = {"plain chain": each(plain_layer), "fused chain": each(fused_layer)}
 
-    def timed(fns) -> float:  # us for the list: a CUDA graph's median replay; --smoke: one pass's wall clock
-        if args.smoke:
-            t0 = time.perf_counter()
-            for f in fns:
-                f()
-            return (time.perf_counter() - t0) * 1e6
-        return time_graph(fns) * 1e3
-
     groups = {"plain": plain, "fused": fused, "fused without handoff": epilogues, "chains": chains}
-    us = {group: {name: min(timed(fns) for _ in range(1 if args.smoke else 2)) for name, fns in calls.items()}
+    us = {group: {name: min(time_list(fns, args.smoke) * 1e3 for _ in range(1 if args.smoke else 2)) for name, fns in calls.items()}
           for group, calls in groups.items()}
     gpu = "cpu" if args.smoke else torch.cuda.get_device_name()
     result = dict(

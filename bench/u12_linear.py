@@ -138,6 +138,27 @@ def print_sweep_summary(gpu: str, out: Path, sweep: list[dict], sweep_s: float) 
         print(f"  error {r['name']} M={r['M']} {r['config']}: {r['error'][:160]}")
 
 
+def smoke_or_gpu(script: str, smoke: bool) -> str:
+    """The device a bench script's run takes: "cpu" under --smoke (the kernels in Triton's
+    interpreter), else "cuda"; exits naming what is missing where neither holds."""
+    if smoke and os.environ.get("TRITON_INTERPRET") != "1":
+        sys.exit(f"{script} --smoke runs the kernels in Triton's interpreter: set TRITON_INTERPRET=1")
+    if not smoke and not torch.cuda.is_available():
+        sys.exit(f"{script} times CUDA kernels: it needs a GPU.")
+    return "cpu" if smoke else "cuda"
+
+
+def time_list(fns, smoke: bool) -> float:
+    """ms for fns run in order: a CUDA graph's median replay (time_graph); under --smoke one pass's
+    wall clock (the interpreter: a check of the script, no measurement)."""
+    if not smoke:
+        return time_graph(fns)
+    t0 = time.perf_counter()
+    for f in fns:
+        f()
+    return (time.perf_counter() - t0) * 1e3
+
+
 def time_graph(fns, reps: int = 20) -> float:
     """Median ms of one replay of a CUDA graph running fns in order (each warmed up first)."""
     for f in fns:

@@ -571,7 +571,7 @@ def _res(y_ptr, m, col, ok, M, stride_ym):
 def _finish(
     a0, a1, a2, a3, b0, b1, b2, b3, m0, m1, m2, m3, rl, rh, vl, vh, i0, i1, i2, i3, sl, cl, sh, ch,
     x_ptr, esc_idx_ptr, esc_val_ptr, lanes_ptr, y_ptr, M, K, stride_xm, stride_ym, y_scale,
-    LANES: tl.constexpr, LANE_GROUP: tl.constexpr, hw_ptr, xg_ptr, stride_xg, pid_m, BLOCK_M: tl.constexpr,
+    LANES: tl.constexpr, LANE_GROUP: tl.constexpr, hw_ptr, xg_ptr, stride_xg,
     GATED: tl.constexpr, RESIDUAL: tl.constexpr, HAND_IN: tl.constexpr, HAND_OUT: tl.constexpr,
     ROUND_BF16: tl.constexpr, EXPF: tl.constexpr, NT: tl.constexpr, ESC_UNROLL: tl.constexpr,
     WALKED: tl.constexpr, w0, w1, w2, w3, w4, w5, w6, w7,
@@ -974,14 +974,14 @@ def _u12_hmma_kernel(
         y0, y1, y2, y3, y4, y5, y6, y7 = _finish(
             d0, d1, d2, d3, e0, e1, e2, e3, m0, m1, m2, m3, rl0, rh0, vl0, vh0, i0, i1, i2, i3, sl0, cl0, sh0, ch0,
             x_ptr, esc_idx_ptr, esc_val_ptr, lanes_ptr, y_ptr, M, K, stride_xm, stride_ym, y_scale,
-            LANES, LANE_GROUP, hw_ptr, xg_ptr, stride_xg, pid_m, BLOCK_M, GATED, RESIDUAL, HAND_IN, HAND_OUT,
+            LANES, LANE_GROUP, hw_ptr, xg_ptr, stride_xg, GATED, RESIDUAL, HAND_IN, HAND_OUT,
             ROUND_BF16, EXPF, NT, ESC_UNROLL, WALKED, w0, w1, w2, w3, w4, w5, w6, w7)
         z0, z1, z2, z3, z4, z5, z6, z7 = y0, y1, y2, y3, y4, y5, y6, y7
         if TILES == 2:
             z0, z1, z2, z3, z4, z5, z6, z7 = _finish(
                 f0, f1, f2, f3, h0, h1, h2, h3, m0, m1, m2, m3, rl1, rh1, vl1, vh1, i0, i1, i2, i3, sl1, cl1, sh1, ch1,
                 x_ptr, esc_idx_ptr, esc_val_ptr, lanes_ptr, y_ptr, M, K, stride_xm, stride_ym,
-                y_scale, LANES, LANE_GROUP, hw_ptr, xg_ptr, stride_xg, pid_m, BLOCK_M, GATED, RESIDUAL, HAND_IN,
+                y_scale, LANES, LANE_GROUP, hw_ptr, xg_ptr, stride_xg, GATED, RESIDUAL, HAND_IN,
                 HAND_OUT, ROUND_BF16, EXPF, NT, ESC_UNROLL, WALKED, v0, v1, v2, v3, v4, v5, v6, v7)
         if HAND_OUT:
             _parts_out(y0, y1, y2, y3, y4, y5, y6, y7, z0, z1, z2, z3, z4, z5, z6, z7, m0, m1, m2, m3,
