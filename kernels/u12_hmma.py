@@ -607,7 +607,7 @@ def _finish(
     if GATED:
         u0, u1, u4, u5 = a2, a3, b2, b3
     # every load of the epilogue before its first store (a load after a store that may alias waits
-    # for it: 8 residual loads one after another cost o 1.5 µs a call, bench/results/layer16_h100.json)
+    # for it: 8 residual loads one after another cost o 1.5 µs a call, bench/results/tried/layer16_bff8915_h100.json)
     r0, r1, r2, r3, r4, r5, r6, r7 = z, z, z, z, z, z, z, z
     if RESIDUAL:
         r0, r1 = _res(y_ptr, m0, rl, vl, M, stride_ym), _res(y_ptr, m1, rl, vl, M, stride_ym)
@@ -652,7 +652,8 @@ def _lane_invs(parts_ptr, m0, m1, m2, m3, M, n_parts, inv_k, eps, WARPS: tl.cons
     no gather: lane g of warp w loads parts w · 8 + g, + 8 · WARPS, ... of its rows (BLOCK_P at a time,
     all in flight), then the 8 lanes g of a quad column and the warps add theirs in one [T, 4]
     reduction. The block's [BLOCK_M] inv reduced across the program and then gathered by every sum
-    took 11 more barriers and 4.4 µs a call (bench/results/layer16_h100.json)."""
+    took 16 barriers against 8 on qkv's consumer (bench/results/tried/kernel_static_fused_tiles_sm90_triton36_bff8915.json)
+    and 4.4 µs a call (bench/results/tried/layer16_bff8915_h100.json)."""
     T: tl.constexpr = 32 * WARPS
     STEP: tl.constexpr = 8 * WARPS
     t = tl.arange(0, T)
