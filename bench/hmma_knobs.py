@@ -72,6 +72,18 @@ def configs(name: str, tuned) -> list[tuple[str, object]]:
         ("wk8-bn16", dataclasses.replace(wk4, num_warps=8)),
         ("wk8-bn32", U12Config(32, 32, num_warps=8, maxnreg=168, **wk)),
     ]
+    # More warps an SM: a one-group chunk (block_w 16) keeps the loop's loads before its first MMA
+    # down to 64 registers where two groups (32) split them at 80 (sm_90 ptxas), so 8 programs an SM
+    # where TUNED_TILES' 128 hold 4; and twice the splits, the programs to fill them
+    sk = SPLIT[name]
+    occ = dict(num_stages=1, kernel="hmma", num_warps=4)
+    rows += [
+        ("bw16-r80", U12Config(64, 16, split_k=sk, maxnreg=80, **occ)),
+        ("bw16-sk2x-r64", U12Config(64, 16, split_k=2 * sk, maxnreg=64, **occ)),
+        ("bw16-sk2x-r80", U12Config(64, 16, split_k=2 * sk, maxnreg=80, **occ)),
+        ("bw32-sk2x-r80", U12Config(64, 32, split_k=2 * sk, maxnreg=80, **occ)),
+        ("bw32-sk2x-r128", U12Config(64, 32, split_k=2 * sk, maxnreg=128, **occ)),
+    ]
     if SPLIT[name] > 1:  # ESC_SPLIT takes split-K launches only
         rows += [("tuned-escsplit", dataclasses.replace(tuned, esc_split=True)),
                  ("tuned-escsplit-ahead", dataclasses.replace(at32, esc_split=True, **ahead))]

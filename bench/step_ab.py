@@ -38,7 +38,8 @@ kernels took them: ``u12_linear.TENSOR_CORE_ROWS``; --q 3 or 4); u12-hmma-wide (
 two n-tiles at up to 8 rows, ``u12_hmma.NARROW`` off; --q 2..8); u12-tiles (the default u12 step with
 every weight tiled, ``U12Tensor.layout``: gemv2 and the fused GEMV on the tiles at one row, TUNED_TILES'
 hmma configs from 3 rows; u12-tiles-sweep: with the tiled configs of a --tiles-tuned file (bench/hmma_knobs.py's
-per-shape winners) or else a --u12-tuned one; u12-tiles-ahead and
+per-shape winners) or else a --u12-tuned one, and u12-tiles-sweep-pdl-wait, u12-tiles-sweep-many-rows-pdl-wait
+with them in PDL mode 2 (not under --smoke); u12-tiles-ahead and
 u12-tiles-esc-split: with ``u12_hmma.AHEAD`` or ``u12_hmma.ESC_SPLIT``; u12-tiles-ahead-x: AHEAD with
 ``u12_hmma.AHEAD_X``; u12-tiles-many-rows: with U12_MANY_ROWS, the
 fused epilogues and norm handoff on the tiles; u12-tiles-pdl-wait, u12-tiles-many-rows-pdl-wait and
@@ -336,6 +337,14 @@ def capture(shape: str, variants: bool, extra_bf16: dict | None = None, extra_u1
         for name, override in (extra_u12_tiles or {}).items():  # at a sweep's configs for tiled weights
             with _tuned(u12_linear.TUNED_TILES, override):
                 add(name)
+                if variants and q > 1:  # and in PDL mode 2, the plain way and the fused one (U12_MANY_ROWS)
+                    ops = model.fused.ops
+                    many_rows = dataclasses.replace(ops, **U12_VERIFY_VARIANTS["u12-many-rows"])
+                    for suffix, step_ops in (("-pdl-wait", ops), ("-many-rows-pdl-wait", many_rows)):
+                        model.fused.ops = step_ops
+                        with overlap(pdl=2):
+                            add(name + suffix)
+                    model.fused.ops = ops
     return graphs, keep
 
 

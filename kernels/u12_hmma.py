@@ -945,19 +945,20 @@ def _u12_hmma_kernel(
         tl.debug_barrier()  # every thread's partial is written before the release below
         counter = count_ptr + pid_m * tl.num_programs(0) + pid_n
         last = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1
-        d0, d1, d2, d3, e0, e1, e2, e3 = _part_sum(part_ptr, last, m0, m1, m2, m3, lo0, hi0, vl0, vh0, M, N,
-                                                   SPLIT_K, NT)
-        if TILES == 2:
-            f0, f1, f2, f3, h0, h1, h2, h3 = _part_sum(part_ptr, last, m0, m1, m2, m3, lo1, hi1, vl1, vh1,
-                                                       M, N, SPLIT_K, NT)
-        if ESC_SPLIT:
-            pe = part_ptr + SPLIT_K * M * N
-            w0, w1, w2, w3, w4, w5, w6, w7 = _part_sum(pe, last, m0, m1, m2, m3, lo0, hi0, vl0, vh0, M, N,
+        if last:  # the sum's loads in the last program only (masked in the others, they cost every
+            # program the instructions, and at 16 splits their registers)
+            d0, d1, d2, d3, e0, e1, e2, e3 = _part_sum(part_ptr, last, m0, m1, m2, m3, lo0, hi0, vl0, vh0, M, N,
                                                        SPLIT_K, NT)
             if TILES == 2:
-                v0, v1, v2, v3, v4, v5, v6, v7 = _part_sum(pe, last, m0, m1, m2, m3, lo1, hi1, vl1, vh1,
+                f0, f1, f2, f3, h0, h1, h2, h3 = _part_sum(part_ptr, last, m0, m1, m2, m3, lo1, hi1, vl1, vh1,
                                                            M, N, SPLIT_K, NT)
-        if last:
+            if ESC_SPLIT:
+                pe = part_ptr + SPLIT_K * M * N
+                w0, w1, w2, w3, w4, w5, w6, w7 = _part_sum(pe, last, m0, m1, m2, m3, lo0, hi0, vl0, vh0, M, N,
+                                                           SPLIT_K, NT)
+                if TILES == 2:
+                    v0, v1, v2, v3, v4, v5, v6, v7 = _part_sum(pe, last, m0, m1, m2, m3, lo1, hi1, vl1, vh1,
+                                                               M, N, SPLIT_K, NT)
             tl.atomic_xchg(counter, 0)  # ready for the next launch (and CUDA graph replays)
     else:
         last = pid_k == 0

@@ -256,7 +256,8 @@ def test_readme_tables_are_generated_from_the_results_files() -> None:
 
 
 def test_hmma_knobs_bench_times_each_knob_where_it_says_so():
-    """bench/hmma_knobs.py: each label names its config's knobs ("-ahead", "-ahead-x", "-escsplit", "wk");
+    """bench/hmma_knobs.py: each label names its config's knobs ("-ahead", "-ahead-x", "-escsplit", "wk"; the
+    occupancy rows "bw<block_w>", "-sk2x" for twice the tuned splits, "-r<registers>");
     every config is one the hmma kernel takes (U12Config refuses AHEAD where it cannot run, so a row
     never times the one-stage loop under an "-ahead" label), "-escsplit" only on split-K launches,
     and TUNED_TILES holds each shape it times."""
@@ -272,8 +273,11 @@ def test_hmma_knobs_bench_times_each_knob_where_it_says_so():
             assert cfg.ahead_x == label.endswith("-ahead-x"), label
             assert cfg.esc_split == ("-escsplit" in label), label
             assert cfg.warp_k == label.startswith("wk"), label
-            assert cfg.kernel == "hmma" and (cfg.warp_k or cfg.split_k == hmma_knobs.SPLIT[name])
-            assert cfg.warp_k or "-sk" not in label
+            ways = 2 if "-sk2x" in label else 1  # the occupancy rows: twice the tuned splits
+            assert cfg.kernel == "hmma" and (cfg.warp_k or cfg.split_k == ways * hmma_knobs.SPLIT[name])
+            assert cfg.warp_k or "-sk" not in label.replace("-sk2x", "")
+            if label.startswith("bw"):  # "bw<block_w>...-r<registers>"
+                assert (cfg.block_w, cfg.maxnreg) == (int(label[2:4]), int(label.rsplit("-r", 1)[1])), label
             assert not cfg.esc_split or cfg.split_k > 1, (name, label)
         assert any(cfg.esc_split for _, cfg in cfgs) == (hmma_knobs.SPLIT[name] > 1)
 
