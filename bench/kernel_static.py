@@ -67,7 +67,7 @@ import torch  # noqa: E402
 FUSED_MS = (1, 16)  # u12_fused_linear's rows: the AR step's, and verify(16)'s under U12_MANY_ROWS
 SMOKE_SHAPES = {"qkv": (384, 256), "o": (256, 256), "gate_up": (1024, 256), "down": (256, 512)}  # a coherent stack
 OPCODES = ("LDG", "STG", "LDS", "STS", "LDSM", "BAR", "SHFL", "HMMA", "HGMMA", "FFMA", "FMUL", "FADD", "PRMT",
-           "LOP3", "IMAD", "I2F", "F2F", "ATOM", "RED", "CCTL")
+           "LOP3", "IMAD", "I2F", "F2F", "ATOM", "RED", "CCTL", "UBLKPF")
 SM = dict(registers=65536, warps=64, programs=32, shared=228 * 1024, reserved=1024)  # an H200 (sm_90) SM
 # Warp instructions the H200 issues a second (132 SMs, 4 schedulers each, 1.98 GHz boost) over the
 # weights it reads a second at the measured 4.06 TB/s: the most a K loop may issue a weight and still
@@ -166,7 +166,7 @@ def describe(compiled, workdir: Path) -> dict:
     per_warp = rows * chunk / (1 if c.get("WARP_K") else compiled.num_warps)  # WARP_K: each warp every row
     keep = ("BLOCK_M", "BLOCK_N", "BLOCK_W", "BLOCK_K", "SPLIT_K", "TILED", "GATED", "HAND_IN",
             "HAND_OUT", "RESIDUAL", "NORM", "X_WORDS", "LANES", "LANE_GROUP", "EVEN_K", "ASM", "PDL", "AHEAD", "AHEAD_X",
-            "ESC_SPLIT", "WARP_K")
+            "ESC_SPLIT", "WARP_K", "EARLY_L2")
     return {
         "kernel": compiled.name,
         "constexprs": {k: v for k, v in compiled.constexprs.items() if k in keep},

@@ -22,7 +22,8 @@
 #   verify16 fused_linear's sweep at VERIFY_QS rows (default 16) in CUDA graphs, then verify(q) with it
 #            (bf16-linear, and bf16-linear-nosq without RowSquares) beside cuBLAS
 #   verifyab the Llama-3.1-8B verify(16) step, bf16 against the u12 variants, interleaved (bench/step_ab.py
-#            --q 16; bf16-sweep from the committed M = 16 sweep, bench/results/fused_linear_m16_graph_h200.json)
+#            --q 16; bf16-sweep from the committed M = 16 sweep, bench/results/fused_linear_m16_graph_h200.json);
+#            STEP_ONLY: only those variants
 #   u12verify  the u12 kernel tests on the GPU (escapes every way, a CUDA graph capture, the M >= 5
 #            epilogues, tiled weights, the registry): a command of its own (its 240 s limit cut it at
 #            about 45% at 3353acd); run verifyab after
@@ -152,7 +153,7 @@ verifyab() {  # verify(16) interleaved, without a new fused_linear sweep; with t
   local knobs=bench/results/u12_hmma_knobs_${GPU}.json
   TAIL=30 run step_ab_verify16 480 python bench/step_ab.py --q 16 \
     --bf16-tuned bench/results/fused_linear_m16_graph_h200.json --out "$OUT/step_ab_verify16_${GPU}.json" \
-    $([ -f "$knobs" ] && echo --tiles-tuned "$knobs")
+    $([ -f "$knobs" ] && echo --tiles-tuned "$knobs") ${STEP_ONLY:+--only "$STEP_ONLY"}
 }
 u12verify() {  # the u12 kernels on the GPU (about 9 minutes of compiles: their own command), then verifyab
   TAIL=4 run u12_tests 540 python -m pytest -q -x -p no:cacheprovider tests/test_u12_mma.py tests/test_u12_hmma.py \
