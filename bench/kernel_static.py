@@ -160,6 +160,7 @@ def describe(compiled, workdir: Path) -> dict:
     counts = collections.Counter(body)
     whole = collections.Counter(opcode(ins) for _, ins in code)
     first_mac = next((i for i, op in enumerate(body) if op in MACS), len(body))
+    trigger = next((i for i, (_, ins) in enumerate(code) if opcode(ins) == "PREEXIT"), None)
     c = compiled.constexprs
     chunk = c.get("BLOCK_K") or 4 * c.get("BLOCK_W", 0)  # weights of a row a loop iteration (GEMVs: words of 4)
     rows = c.get("BLOCK_N", 0) * (2 if c.get("GATED") and compiled.name in COLUMN_BLOCKS else 1)
@@ -185,6 +186,8 @@ def describe(compiled, workdir: Path) -> dict:
         # global loads the loop issues after its first multiply-add: each is a second memory round
         # trip an iteration unless the loads before it cover the latency (ptxas's placement)
         "loop_loads_after_first_mac": sum(op == "LDG" for op in body[first_mac:]),
+        # PDL's trigger (griddepcontrol.launch_dependents): at entry in mode 1, after the loop in mode 3
+        "pdl_trigger": None if trigger is None else ("after loop" if loop and trigger > loop[1] else "before loop"),
         "loop_weights_per_warp": per_warp,  # BLOCK_N rows x the chunk, over the warps (WARP_K: not over them)
         "warp_instructions_per_weight": round(len(body) / per_warp, 4) if body and per_warp else None,
     }

@@ -43,8 +43,9 @@ with them in PDL mode 2 (not under --smoke); u12-tiles-ahead and
 u12-tiles-esc-split: with ``u12_hmma.AHEAD`` or ``u12_hmma.ESC_SPLIT``; u12-tiles-ahead-x: AHEAD with
 ``u12_hmma.AHEAD_X``; u12-tiles-many-rows: with U12_MANY_ROWS, the
 fused epilogues and norm handoff on the tiles; u12-tiles-pdl-wait, u12-tiles-many-rows-pdl-wait and
-bf16-linear-pdl-wait: those steps in PDL mode 2, u12-tiles-many-rows-pdl and bf16-linear-pdl in mode 1, and
-``EARLY_L2_VARIANTS``: u12-tiles-many-rows with ``u12_hmma.EARLY_L2`` in mode 1 or 2; not under --smoke; all
+bf16-linear-pdl-wait: those steps in PDL mode 2, u12-tiles-many-rows-pdl and bf16-linear-pdl in mode 1,
+bf16-linear-pdl-late in mode 3, and ``EARLY_L2_VARIANTS``: u12-tiles-many-rows in modes 1-3, with
+``u12_hmma.EARLY_L2`` or without; not under --smoke; all
 --q above 1); u12-sweep and u12-fused-sweep
 (the default u12 step with u12_linear's, or u12_fused_linear's, TUNED entries for the step's rows
 taken from a sweep's results file: --u12-tuned, --u12-fused-tuned); bf16-default, bf16-r128 (the bf16 step at other register budgets:
@@ -136,6 +137,8 @@ TILES_KNOB_VARIANTS = {  # name: knobs over u12-tiles (--q above 1)
 EARLY_L2_VARIANTS = {  # name: (PDL mode, u12_hmma.EARLY_L2) on u12-tiles-many-rows (--q above 1, not under --smoke)
     "u12-tiles-many-rows-pdl-early2": (1, 2), "u12-tiles-many-rows-pdl-early8": (1, 8),
     "u12-tiles-many-rows-pdl-wait-early2": (2, 2),
+    "u12-tiles-many-rows-pdl-late": (3, 0), "u12-tiles-many-rows-pdl-late-early2": (3, 2),
+    "u12-tiles-many-rows-pdl-late-early8": (3, 8),
 }
 KNOB_MODULES = {"u12_linear": u12_linear, "u12_hmma": u12_hmma, "u12_fused_linear": u12_fused_linear}
 
@@ -294,8 +297,9 @@ def capture(shape: str, variants: bool, extra_bf16: dict | None = None, extra_u1
                 if variants:
                     with overlap(pdl=2):  # the same in PDL mode 2 (beside u12-tiles-pdl-wait)
                         add("bf16-linear-pdl-wait")
-                    with overlap(pdl=1):  # and mode 1 (beside u12-tiles-many-rows-pdl and its early L2)
-                        add("bf16-linear-pdl")
+                    for mode, suffix in ((1, "-pdl"), (3, "-pdl-late")):  # modes 1 and 3 (the u12 ones beside)
+                        with overlap(pdl=mode):
+                            add("bf16-linear" + suffix)
                     # each norm prologue reading x, as before RowSquares
                     model.fused.ops = dataclasses.replace(ops, **at_q, row_squares=False)
                     add("bf16-linear-nosq")

@@ -17,8 +17,10 @@ kernel launched plainly after a PDL kernel waits for it as usual, and a PDL kern
 one (a torch op) is released when that kernel's programs exit, so the mix is safe. CUDA graphs
 capture the launches as programmatic edges (CUDA 12.3+).
 
-Modes (the kernels' ``PDL`` flag, 0-2): 1 is the above; 2 waits only (no explicit trigger: the
-next kernel may launch as this one's programs exit). ``pdl_args(device)`` gives a launch's flag
+Modes (the kernels' ``PDL`` flag, 0-3): 1 is the above; 2 waits only (no explicit trigger: the
+next kernel may launch as this one's programs exit); 3 waits at entry and triggers after the main
+loop where a kernel has one to drain after (``pdl_late_trigger``: the hmma kernel and fused_linear's
+dot kernel, the 16-row GEMMs, whose split-K sums and epilogues leave DRAM idle), else as 2. ``pdl_args(device)`` gives a launch's flag
 and option; PDL needs a CUDA GPU of compute capability 9.0 or more (not under TRITON_INTERPRET=1,
 which has no griddepcontrol).
 
@@ -26,7 +28,7 @@ Off by default, because measured slower: on the H200 the graphed Llama-3.1-8B AR
 with mode 1 against 4.40 ms plain (bench/results/step_times_pdl_h200.json), though the eager
 profile's kernels summed to less (4.29 ms against 4.34): the programmatic edges of the captured
 graph cost about 2.6 µs a kernel (244 kernels). In later runs mode 1 ran 4.45-4.55 ms and mode 2
-4.21-4.29 against 4.17-4.21 plain (bench/results/step_times_llama_h200.json and its history). ``SPECPILOT_PDL=1|2`` or ``overlap(pdl=...)`` turns it on (the
+4.21-4.29 against 4.17-4.21 plain (bench/results/step_times_llama_h200.json and its history). ``SPECPILOT_PDL=1|2|3`` or ``overlap(pdl=...)`` turns it on (the
 benchmarks measure each mode beside the default).
 
 Tried and dropped (commit 21bdd2d, bench/results/tried/step_times_warm_start_h200.json): a
@@ -98,8 +100,8 @@ def _setting(name: str) -> int:
     if name in _override:
         return _override[name]
     value = os.environ.get(_ENV[name], "0")
-    if value not in ("0", "1", "2") or (name == "prefetch" and value == "2"):
-        raise ValueError(f"{_ENV[name]}: expected 0 or 1{' or 2' if name == 'pdl' else ''}, got {value!r}")
+    if value not in ("0", "1", "2", "3") or (name == "prefetch" and value in ("2", "3")):
+        raise ValueError(f"{_ENV[name]}: expected 0 or 1{', 2 or 3' if name == 'pdl' else ''}, got {value!r}")
     return int(value)
 
 
@@ -212,6 +214,14 @@ def pdl_enter(PDL: tl.constexpr):
 def pdl_trigger(PDL: tl.constexpr):
     """``pdl_enter``'s first half: mode 1 lets the next kernel launch."""
     if PDL == 1:
+        gdc_launch_dependents()
+
+
+@triton.jit
+def pdl_late_trigger(PDL: tl.constexpr):
+    """Mode 3's trigger, after a GEMM's main loop: the next kernel may launch while this one's epilogues
+    (split-K sums, stores) drain; mode 3 kernels without one trigger as they exit (mode 2)."""
+    if PDL == 3:
         gdc_launch_dependents()
 
 

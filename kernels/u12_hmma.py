@@ -117,7 +117,7 @@ import triton.language as tl
 from specpilot.runtime.u12 import U12Tensor
 
 from .fused_linear import _epilogue
-from .overlap import pdl_args, pdl_trigger, pdl_wait
+from .overlap import pdl_args, pdl_late_trigger, pdl_trigger, pdl_wait
 from .registry import KernelSpec, register
 from .target import native as on_native
 from .rmsnorm import _to_dtype
@@ -942,6 +942,7 @@ def _u12_hmma_kernel(
                     x_row0, x_row1, sm_lo, code_lo, sm_hi, code_hi, sm_lo2, code_lo2, sm_hi2, code_hi2,
                     TILES, NT, True, ASM)
 
+    pdl_late_trigger(PDL)  # mode 3: the next kernel may launch while the sums and epilogue drain
     mb = pid_m * BLOCK_M + 2 * q
     m0, m1, m2, m3 = mb, mb + 1, mb + 8, mb + 9  # x rows of d0 / d2, d1 / d3, e0 / e2, e1 / e3
     w0, w1, w2, w3, w4, w5, w6, w7 = zero, zero, zero, zero, zero, zero, zero, zero  # ESC_SPLIT: the escapes'

@@ -140,11 +140,13 @@ def test_fused_kernels_replay_in_one_cuda_graph():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="PDL and L2 prefetch need CUDA")
-def test_overlap_changes_no_value():
-    """Programmatic dependent launch (both modes) and the L2 prefetch of o_proj (kernels/overlap.py)
-    move no value: a fused AR step (fused_linear at one row) replayed from a CUDA graph gives the
-    logits of the same step captured with plain launches, bit for bit, eagerly too. The prefetch
-    rides in rope_qkv, so with it the step runs RoPE apart from attention: its plain twin does too."""
+@pytest.mark.parametrize("q", [1, 16])
+def test_overlap_changes_no_value(q):
+    """Programmatic dependent launch (modes 1-3) and the L2 prefetch of o_proj (kernels/overlap.py)
+    move no value: a fused AR step (fused_linear at one row), and a verify step of 16 (its dot kernel,
+    mode 3's late trigger), replayed from a CUDA graph gives the logits of the same step captured with
+    plain launches, bit for bit, eagerly too. The prefetch rides in rope_qkv, so with it the step runs
+    RoPE apart from attention: its plain twin does too."""
     from specpilot.kernels.overlap import overlap, pdl_mode, prefetch_args
     from specpilot.runtime.fused import fused_path
     from specpilot.runtime.model import Transformer
@@ -152,7 +154,7 @@ def test_overlap_changes_no_value():
     cfg = dataclasses.replace(_cfg("qwen3"), num_layers=3, vocab_size=300)
     torch.manual_seed(0)
     model = _randomise(Transformer(cfg), 9)
-    ids = torch.tensor([[7]], device=DEVICE)
+    ids = torch.arange(7, 7 + q, device=DEVICE)[None]
     o_weight = model.model.layers[0].self_attn.o_proj.weight
     capable = torch.cuda.get_device_capability() >= (9, 0)
     logits = {}
@@ -165,7 +167,8 @@ def test_overlap_changes_no_value():
             cache.length.copy_(start)
             return model(ids, cache).logits
 
-        for label, pdl, prefetch, apart in (("pdl", 1, False, False), ("wait", 2, False, False), ("plain", 0, False, False),
+        for label, pdl, prefetch, apart in (("pdl", 1, False, False), ("wait", 2, False, False), ("late", 3, False, False),
+                                            ("plain", 0, False, False),
                                             ("pdl-prefetch", 1, True, True), ("plain-apart", 0, False, True)):
             model.fused.ops = dataclasses.replace(ops, rope_attention=None) if apart else ops
             with overlap(pdl=pdl, prefetch=prefetch):
@@ -179,7 +182,7 @@ def test_overlap_changes_no_value():
                 torch.cuda.synchronize()
                 logits[label] = (eager, out.clone())
         model.fused.ops = ops
-    for label, twin in (("pdl", "plain"), ("wait", "plain"), ("pdl-prefetch", "plain-apart")):
+    for label, twin in (("pdl", "plain"), ("wait", "plain"), ("late", "plain"), ("pdl-prefetch", "plain-apart")):
         for a, b in zip(logits[label], logits[twin]):
             _exact(a, b)
 

@@ -90,6 +90,10 @@ with tempfile.TemporaryDirectory() as tmp:
         with compile_only(90) as compiled:
             u12_linear(x, w.with_layout("tiles"), split)
         out[f"pdl_early{early}"] = [kernel_static.describe(c, Path(tmp)) for c in compiled]
+    u12_hmma.pdl_args = lambda device: {"PDL": 3}  # mode 3: the trigger after the loop
+    with compile_only(90) as compiled:
+        u12_linear(x, w.with_layout("tiles"), split)
+    out["pdl_late"] = [kernel_static.describe(c, Path(tmp)) for c in compiled]
     u12_hmma.pdl_args, u12_hmma.EARLY_L2 = pdl_args, 0
     from specpilot.kernels.u12_fused_linear import NormHandoff, u12_fused_linear
     hand = NormHandoff(torch.ones(1024).bfloat16(), 1e-5)
@@ -185,6 +189,14 @@ def test_early_l2_requests_come_before_the_loop(hmma_facts):
     assert early["loop_opcodes"]["LDG"] == plain["loop_opcodes"]["LDG"]
     assert early["loop_opcodes"]["HMMA"] == plain["loop_opcodes"]["HMMA"]
     assert early["spill_bytes"] == 0 and early["registers"] <= 128, early
+
+
+def test_pdl_trigger_where_the_mode_puts_it(hmma_facts):
+    """PDL mode 1 triggers the next launch at the kernel's entry, mode 3 after its loop (kernels/overlap.py),
+    the loop itself the same; without PDL no trigger."""
+    (late,), (entry,), (none,) = hmma_facts["pdl_late"], hmma_facts["pdl_early0"], hmma_facts["split"]
+    assert (late["pdl_trigger"], entry["pdl_trigger"], none["pdl_trigger"]) == ("after loop", "before loop", None)
+    assert late["loop_opcodes"] == entry["loop_opcodes"]
 
 
 def test_escapes_walked_by_the_splits_leave_the_loop_alone(hmma_facts):
