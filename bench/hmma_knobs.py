@@ -11,7 +11,8 @@ AHEAD and AHEAD_X, with ESC_SPLIT (split-K shapes) and with ESC_SPLIT and AHEAD;
 one-warp ones with AHEAD_X too); 32-row programs of 2 warps at 128 registers with AHEAD; WARP_K's
 programs ("wk" rows: the warps on a program's 16 or 32 rows, each its share of the words), 4 warps
 on 16 rows without a split (and with AHEAD) or with 2, 2 warps of 4 splits, 4 warps on 32 rows, 8 warps
-on 16 or 32 rows. Each
+on 16 or 32 rows; more warps an SM ("bw" rows: 16-word chunks at 80 registers, and 16- or 32-word chunks
+at 64-128 registers with twice the tuned splits, "-sk2x"). Each
 config is checked against x · Wᵀ in fp32 first (relative error under 1e-2), then timed as the
 median replay of a CUDA graph of one call per copy, twice, the minimum kept (bench/u12_linear.py's
 time_graph). Writes bench/results/u12_hmma_knobs_<gpu>.json (GPU, versions, commit; its "tuned"

@@ -67,7 +67,7 @@ import torch  # noqa: E402
 FUSED_MS = (1, 16)  # u12_fused_linear's rows: the AR step's, and verify(16)'s under U12_MANY_ROWS
 SMOKE_SHAPES = {"qkv": (384, 256), "o": (256, 256), "gate_up": (1024, 256), "down": (256, 512)}  # a coherent stack
 OPCODES = ("LDG", "STG", "LDS", "STS", "LDSM", "BAR", "SHFL", "HMMA", "HGMMA", "FFMA", "FMUL", "FADD", "PRMT",
-           "LOP3", "IMAD", "I2F", "F2F", "ATOM", "RED", "CCTL", "UBLKPF")
+           "LOP3", "IMAD", "I2F", "F2F", "ATOM", "RED", "CCTL")
 SM = dict(registers=65536, warps=64, programs=32, shared=228 * 1024, reserved=1024)  # an H200 (sm_90) SM
 # Warp instructions the H200 issues a second (132 SMs, 4 schedulers each, 1.98 GHz boost) over the
 # weights it reads a second at the measured 4.06 TB/s: the most a K loop may issue a weight and still
@@ -160,14 +160,13 @@ def describe(compiled, workdir: Path) -> dict:
     counts = collections.Counter(body)
     whole = collections.Counter(opcode(ins) for _, ins in code)
     first_mac = next((i for i, op in enumerate(body) if op in MACS), len(body))
-    trigger = next((i for i, (_, ins) in enumerate(code) if opcode(ins) == "PREEXIT"), None)
     c = compiled.constexprs
     chunk = c.get("BLOCK_K") or 4 * c.get("BLOCK_W", 0)  # weights of a row a loop iteration (GEMVs: words of 4)
     rows = c.get("BLOCK_N", 0) * (2 if c.get("GATED") and compiled.name in COLUMN_BLOCKS else 1)
     per_warp = rows * chunk / (1 if c.get("WARP_K") else compiled.num_warps)  # WARP_K: each warp every row
     keep = ("BLOCK_M", "BLOCK_N", "BLOCK_W", "BLOCK_K", "SPLIT_K", "TILED", "GATED", "HAND_IN",
             "HAND_OUT", "RESIDUAL", "NORM", "X_WORDS", "LANES", "LANE_GROUP", "EVEN_K", "ASM", "PDL", "AHEAD", "AHEAD_X",
-            "ESC_SPLIT", "WARP_K", "EARLY_L2")
+            "ESC_SPLIT", "WARP_K")
     return {
         "kernel": compiled.name,
         "constexprs": {k: v for k, v in compiled.constexprs.items() if k in keep},
@@ -186,8 +185,6 @@ def describe(compiled, workdir: Path) -> dict:
         # global loads the loop issues after its first multiply-add: each is a second memory round
         # trip an iteration unless the loads before it cover the latency (ptxas's placement)
         "loop_loads_after_first_mac": sum(op == "LDG" for op in body[first_mac:]),
-        # PDL's trigger (griddepcontrol.launch_dependents): at entry in mode 1, after the loop in mode 3
-        "pdl_trigger": None if trigger is None else ("after loop" if loop and trigger > loop[1] else "before loop"),
         "loop_weights_per_warp": per_warp,  # BLOCK_N rows x the chunk, over the warps (WARP_K: not over them)
         "warp_instructions_per_weight": round(len(body) / per_warp, 4) if body and per_warp else None,
     }

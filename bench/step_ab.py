@@ -43,10 +43,7 @@ with them in PDL mode 2 (not under --smoke); u12-tiles-ahead and
 u12-tiles-esc-split: with ``u12_hmma.AHEAD`` or ``u12_hmma.ESC_SPLIT``; u12-tiles-ahead-x: AHEAD with
 ``u12_hmma.AHEAD_X``; u12-tiles-many-rows: with U12_MANY_ROWS, the
 fused epilogues and norm handoff on the tiles; u12-tiles-pdl-wait, u12-tiles-many-rows-pdl-wait and
-bf16-linear-pdl-wait: those steps in PDL mode 2, u12-tiles-many-rows-pdl and bf16-linear-pdl in mode 1,
-bf16-linear-pdl-late in mode 3, and ``EARLY_L2_VARIANTS``: u12-tiles-many-rows in modes 1-3, with
-``u12_hmma.EARLY_L2`` or without; not under --smoke; all
---q above 1); u12-sweep and u12-fused-sweep
+bf16-linear-pdl-wait: those steps in PDL mode 2, not under --smoke; all --q above 1); u12-sweep and u12-fused-sweep
 (the default u12 step with u12_linear's, or u12_fused_linear's, TUNED entries for the step's rows
 taken from a sweep's results file: --u12-tuned, --u12-fused-tuned); bf16-default, bf16-r128 (the bf16 step at other register budgets:
 ``BF16_VARIANTS``; not under --smoke, whose tiny shapes TUNED does not hold). With --q above 1 (a
@@ -133,12 +130,6 @@ TILES_KNOB_VARIANTS = {  # name: knobs over u12-tiles (--q above 1)
     "u12-tiles-ahead": {"u12_hmma.AHEAD": True},  # the hmma loop's register double buffer
     "u12-tiles-ahead-x": {"u12_hmma.AHEAD": True, "u12_hmma.AHEAD_X": True},  # and the next chunk's x into L1
     "u12-tiles-esc-split": {"u12_hmma.ESC_SPLIT": True},  # a split-K launch's escapes walked by its splits
-}
-EARLY_L2_VARIANTS = {  # name: (PDL mode, u12_hmma.EARLY_L2) on u12-tiles-many-rows (--q above 1, not under --smoke)
-    "u12-tiles-many-rows-pdl-early2": (1, 2), "u12-tiles-many-rows-pdl-early8": (1, 8),
-    "u12-tiles-many-rows-pdl-wait-early2": (2, 2),
-    "u12-tiles-many-rows-pdl-late": (3, 0), "u12-tiles-many-rows-pdl-late-early2": (3, 2),
-    "u12-tiles-many-rows-pdl-late-early8": (3, 8),
 }
 KNOB_MODULES = {"u12_linear": u12_linear, "u12_hmma": u12_hmma, "u12_fused_linear": u12_fused_linear}
 
@@ -297,9 +288,6 @@ def capture(shape: str, variants: bool, extra_bf16: dict | None = None, extra_u1
                 if variants:
                     with overlap(pdl=2):  # the same in PDL mode 2 (beside u12-tiles-pdl-wait)
                         add("bf16-linear-pdl-wait")
-                    for mode, suffix in ((1, "-pdl"), (3, "-pdl-late")):  # modes 1 and 3 (the u12 ones beside)
-                        with overlap(pdl=mode):
-                            add("bf16-linear" + suffix)
                     # each norm prologue reading x, as before RowSquares
                     model.fused.ops = dataclasses.replace(ops, **at_q, row_squares=False)
                     add("bf16-linear-nosq")
@@ -339,19 +327,12 @@ def capture(shape: str, variants: bool, extra_bf16: dict | None = None, extra_u1
             ops = model.fused.ops
             many_rows = dataclasses.replace(ops, **U12_VERIFY_VARIANTS["u12-many-rows"])
             for name, step_ops, pdl in (("u12-tiles-many-rows", many_rows, None), ("u12-tiles-pdl-wait", ops, 2),
-                                        ("u12-tiles-many-rows-pdl-wait", many_rows, 2),
-                                        ("u12-tiles-many-rows-pdl", many_rows, 1)):
+                                        ("u12-tiles-many-rows-pdl-wait", many_rows, 2)):
                 if pdl and not variants:
                     continue
                 model.fused.ops = step_ops
                 with overlap(pdl=pdl):
                     add(name)
-            # the hmma launches asking L2 for their first chunks before the PDL wait (u12_hmma.EARLY_L2)
-            model.fused.ops = many_rows
-            for name, (pdl, chunks) in EARLY_L2_VARIANTS.items():
-                if variants:
-                    with overlap(pdl=pdl), knobs_set({"u12_hmma.EARLY_L2": chunks}):
-                        add(name)
             model.fused.ops = ops
         for name, override in (extra_u12_tiles or {}).items():  # at a sweep's configs for tiled weights
             with _tuned(u12_linear.TUNED_TILES, override):

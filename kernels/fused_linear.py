@@ -105,7 +105,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from .overlap import pdl_args, pdl_enter, pdl_late_trigger
+from .overlap import pdl_args, pdl_enter
 from .registry import KernelSpec, register
 from .target import native as on_native
 from .rmsnorm import _normalize, _row_inv, _to_dtype, rmsnorm_reference
@@ -392,7 +392,6 @@ def _dot_kernel(
                 acc_u = tl.dot(wu, xb, acc_u)
             else:
                 acc_u = tl.dot(wu.to(tl.float32), xb, acc_u, input_precision="ieee")
-    pdl_late_trigger(PDL)  # mode 3: the next kernel may launch while the sums and epilogue drain
     g = tl.trans(acc_g)
     u = tl.trans(acc_u) if GATED else g
 

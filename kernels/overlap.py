@@ -17,10 +17,8 @@ kernel launched plainly after a PDL kernel waits for it as usual, and a PDL kern
 one (a torch op) is released when that kernel's programs exit, so the mix is safe. CUDA graphs
 capture the launches as programmatic edges (CUDA 12.3+).
 
-Modes (the kernels' ``PDL`` flag, 0-3): 1 is the above; 2 waits only (no explicit trigger: the
-next kernel may launch as this one's programs exit); 3 waits at entry and triggers after the main
-loop where a kernel has one to drain after (``pdl_late_trigger``: the hmma kernel and fused_linear's
-dot kernel, the 16-row GEMMs, whose split-K sums and epilogues leave DRAM idle), else as 2. ``pdl_args(device)`` gives a launch's flag
+Modes (the kernels' ``PDL`` flag, 0-2): 1 is the above; 2 waits only (no explicit trigger: the
+next kernel may launch as this one's programs exit). ``pdl_args(device)`` gives a launch's flag
 and option; PDL needs a CUDA GPU of compute capability 9.0 or more (not under TRITON_INTERPRET=1,
 which has no griddepcontrol).
 
@@ -28,7 +26,7 @@ Off by default, because measured slower: on the H200 the graphed Llama-3.1-8B AR
 with mode 1 against 4.40 ms plain (bench/results/step_times_pdl_h200.json), though the eager
 profile's kernels summed to less (4.29 ms against 4.34): the programmatic edges of the captured
 graph cost about 2.6 µs a kernel (244 kernels). In later runs mode 1 ran 4.45-4.55 ms and mode 2
-4.21-4.29 against 4.17-4.21 plain (bench/results/step_times_llama_h200.json and its history). ``SPECPILOT_PDL=1|2|3`` or ``overlap(pdl=...)`` turns it on (the
+4.21-4.29 against 4.17-4.21 plain (bench/results/step_times_llama_h200.json and its history). ``SPECPILOT_PDL=1|2`` or ``overlap(pdl=...)`` turns it on (the
 benchmarks measure each mode beside the default).
 
 Tried and dropped (commit 21bdd2d, bench/results/tried/step_times_warm_start_h200.json): a
@@ -52,6 +50,16 @@ GEMVs gained 5.8 in the eager profile of step_times_pdl_h200.json, and the graph
 ms with the prefetch alone against 4.21 ms (bench/results/step_times_llama_h200.json).
 ``SPECPILOT_PREFETCH=1`` or ``overlap(prefetch=True)`` turns it on; the fused stacks then run
 rope_qkv (which issues it) apart from attention instead of kernels/rope_attention.py.
+
+Tried and dropped at 16 rows (commits d795ed5 and 2cdc46f, reverted; an H100, verify(16) interleaved):
+the split-K GEMMs leave DRAM idle in their tails (o's SMs busy 69% of its cycles in Nsight Compute),
+so (a) the hmma programs asked L2 for their first chunks of tiled words before the wait
+(cp.async.bulk.prefetch.L2, a run a plane and tile) and (b) a mode 3 triggered the next launch after
+the GEMMs' main loops rather than at entry (mode 1) or exit (mode 2), for its programs to take the
+slots the sums and epilogues leave. Mode 2's u12 step 5.272 ms; (a) 5.333, (b) 5.268, both 5.319;
+mode 1 6.449 (the next kernels' programs resident and waiting from the start, a chain of them);
+bf16-linear 5.909 in mode 2, 5.965 in mode 3 (bench/results/tried/step_ab_verify16_early_l2_d795ed5_h100.json,
+step_ab_verify16_pdl_late_2cdc46f_h100.json).
 
 Tried and dropped (commits d3d5035 and 8ec05ab, reverted): a look-ahead inside the GEMVs, each
 program issuing ``prefetch.global.L2`` for every 128-byte line of the chunk P ahead of the one it
@@ -100,8 +108,8 @@ def _setting(name: str) -> int:
     if name in _override:
         return _override[name]
     value = os.environ.get(_ENV[name], "0")
-    if value not in ("0", "1", "2", "3") or (name == "prefetch" and value in ("2", "3")):
-        raise ValueError(f"{_ENV[name]}: expected 0 or 1{', 2 or 3' if name == 'pdl' else ''}, got {value!r}")
+    if value not in ("0", "1", "2") or (name == "prefetch" and value == "2"):
+        raise ValueError(f"{_ENV[name]}: expected 0 or 1{' or 2' if name == 'pdl' else ''}, got {value!r}")
     return int(value)
 
 
@@ -214,14 +222,6 @@ def pdl_enter(PDL: tl.constexpr):
 def pdl_trigger(PDL: tl.constexpr):
     """``pdl_enter``'s first half: mode 1 lets the next kernel launch."""
     if PDL == 1:
-        gdc_launch_dependents()
-
-
-@triton.jit
-def pdl_late_trigger(PDL: tl.constexpr):
-    """Mode 3's trigger, after a GEMM's main loop: the next kernel may launch while this one's epilogues
-    (split-K sums, stores) drain; mode 3 kernels without one trigger as they exit (mode 2)."""
-    if PDL == 3:
         gdc_launch_dependents()
 
 

@@ -117,7 +117,7 @@ import triton.language as tl
 from specpilot.runtime.u12 import U12Tensor
 
 from .fused_linear import _epilogue
-from .overlap import pdl_args, pdl_late_trigger, pdl_trigger, pdl_wait
+from .overlap import pdl_args, pdl_enter
 from .registry import KernelSpec, register
 from .target import native as on_native
 from .rmsnorm import _to_dtype
@@ -182,13 +182,6 @@ AHEAD_X = False
 # on o (17.92 µs against 16.00) and down (42.39 against 40.82), qkv 20.66 against 21.16; the step 5.570 ms
 # against 5.465; so off. Read at launch.
 ESC_SPLIT = False
-# Under PDL (kernels/overlap.py, modes 1 and 2) a program asks L2 for the first EARLY_L2 chunks of its
-# tiled words before it waits for the kernel before (``_early_l2``): weights, which no kernel of the
-# step writes. At 16 rows the split-K launches leave DRAM idle in their tails (Nsight Compute on an
-# H100: o's SMs busy 69% of its cycles, bench/results/tried/linear_ncu_u12_m16_tiles_h100.txt), and in
-# mode 1 the next launch's programs take the SM slots the finished ones leave, so its first loads
-# can come from L2 rather than wait out DRAM's latency. 0: off. Read at launch.
-EARLY_L2 = 0
 # WARP_K (``U12Config.warp_k``, a config's, no module switch): a program's warps share its 16 or 32
 # rows and each multiplies a contiguous share of the split's words, then walks its share of the
 # escapes (as ESC_SPLIT's splits do); the sums meet in shared memory after the loop (``_warp_sums``:
@@ -204,6 +197,14 @@ EARLY_L2 = 0
 # replace on an H100 (5f739f0, bench/results/u12_hmma_knobs_h100.json, best "wk" row against tuned: o
 # 17.09 µs against 16.00, down 40.92 against 40.82, qkv 22.66 against 21.16; at 8 warps, the tuned
 # warps in flight, o 20.30): TUNED_TILES takes none.
+# More warps an SM do not help either. One-group chunks (block_w 16) keep the loop's loads ahead of
+# its MMAs down to 64 registers (two groups split them below 128; sm_90 ptxas, Triton 3.6), so 6-8
+# programs an SM where TUNED_TILES holds 4; with the tuned splits, and with twice them to fill the
+# slots, every such config ran slower on an H100 (a6a74c8, bench/results/tried/u12_hmma_knobs_occupancy_a6a74c8_h100.json:
+# o 16.61 µs at best against tuned 15.94, down 42.26 / 40.26, qkv 21.91 / 20.94, gate_up 68.04 /
+# 64.00); twice the splits at the tuned tile alone, o 19.43 and down 45.80, so a program's fixed
+# costs (its first loads' latency, the partial's store, release and sum) weigh more than its loop.
+# Nor does the next launch starting in the split-K tails (kernels/overlap.py's tried list).
 
 
 @triton.jit
@@ -739,31 +740,6 @@ def _parts_out(y0, y1, y2, y3, y4, y5, y6, y7, z0, z1, z2, z3, z4, z5, z6, z7, m
 
 
 @triton.jit
-def _early_l2(sm_ptr, codes_ptr, rl0, rh0, rl1, rh1, w_begin, w_stop, stride_sm, stride_codes, TILES: tl.constexpr):
-    """Ask L2 for words w_begin .. w_stop (whole groups) of the warp's tiles (``EARLY_L2``; GPU only):
-    on tiled weights an m-tile's words of a K range are one contiguous run a plane (16 rows times 16
-    words a group, the groups in order), so one cp.async.bulk.prefetch.L2 a plane and tile, issued by
-    lanes 2 i (words) and 2 i + 1 (codes) for tile i: the tiles of rows g and g + 8 (one tile, but
-    gated's gate and up), then the second m-tile's. No registers held, no value read."""
-    lane = tl.arange(0, rl0.shape[0]) % 32
-    row = tl.where(lane < 2, rl0, tl.where(lane < 4, rh0, tl.where(lane < 6, rl1, rh1)))
-    first = row // 16 * 16  # the tile's first row
-    group = _col_words(w_begin, True)
-    same = (lane >= 2) & (lane < 4) & (rh0 // 16 == rl0 // 16) | (lane >= 6) & (rh1 // 16 == rl1 // 16)
-    want = (lane < 4 * TILES) & ~same & (w_stop > w_begin)
-    is_codes = lane % 2 == 1
-    words = (sm_ptr + _row_words(first, stride_sm, True) + group).to(tl.int64, bitcast=True)
-    codes = (codes_ptr + _row_words(first, stride_codes, True) + group).to(tl.int64, bitcast=True)
-    run = 16 * (w_stop - w_begin)  # the run's words: 4 bytes each in sm, 2 in codes
-    nbytes = tl.where(want, tl.where(is_codes, 2 * run, 4 * run), 0)
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.gt.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.b32 $0, 0; }",
-        "=r,l,r", [tl.where(want, tl.where(is_codes, codes, words), 0), nbytes], dtype=tl.int32, is_pure=False,
-        pack=1,  # (ptxas runs it once a distinct address and size of the warp: the idle lanes' all alike)
-    )
-
-
-@triton.jit
 def _u12_hmma_kernel(
     x_ptr, sm_ptr, codes_ptr, esc_idx_ptr, esc_val_ptr, esc_row_ptr, lanes_ptr, y_ptr, part_ptr, count_ptr,
     hw_ptr, xg_ptr, parts_ptr,  # the epilogue's norm handoff (u12_fused_linear's NormHandoff); else unused
@@ -792,9 +768,8 @@ def _u12_hmma_kernel(
     AHEAD_X: tl.constexpr = False,  # AHEAD: the next chunk's x words prefetched into L1 too (GPU only)
     ESC_SPLIT: tl.constexpr = False,  # SPLIT_K > 1 or WARP_K, the table: each split (warp) walks its share of the escapes
     WARP_K: tl.constexpr = False,  # the warps share the program's rows and split its words (``WARP_K``)
-    EARLY_L2: tl.constexpr = 0,  # chunks of its words a program asks L2 for before the PDL wait (``EARLY_L2``)
 ):
-    pdl_trigger(PDL)  # the wait comes after the early L2 requests below (weights only: nothing the kernel before writes)
+    pdl_enter(PDL)
     TILES: tl.constexpr = BLOCK_N // 16 if WARP_K else BLOCK_N // (16 * WARPS)  # m-tiles a warp: 1 or 2
     NT: tl.constexpr = BLOCK_M // 8  # n-tiles (8 rows of x each) a warp: 1 or 2
     T: tl.constexpr = 32 * WARPS
@@ -873,10 +848,6 @@ def _u12_hmma_kernel(
         x_row0, x_row1 = x_row0 + koff[:, None], x_row1 + koff[:, None]
         full_end = w_begin + span
         w_end = full_end
-    if EARLY_L2 > 0 and PDL >= 1 and TILED and ASM and not WARP_K:
-        _early_l2(sm_ptr, codes_ptr, rl0, rh0, rl1, rh1, w_begin, tl.minimum(full_end, w_begin + EARLY_L2 * BLOCK_W),
-                  stride_sm, stride_codes, TILES)
-    pdl_wait(PDL)
     zero = tl.zeros((T,), dtype=tl.float32)
     d0, d1, d2, d3, e0, e1, e2, e3 = zero, zero, zero, zero, zero, zero, zero, zero
     f0, f1, f2, f3, h0, h1, h2, h3 = zero, zero, zero, zero, zero, zero, zero, zero
@@ -942,7 +913,6 @@ def _u12_hmma_kernel(
                     x_row0, x_row1, sm_lo, code_lo, sm_hi, code_hi, sm_lo2, code_lo2, sm_hi2, code_hi2,
                     TILES, NT, True, ASM)
 
-    pdl_late_trigger(PDL)  # mode 3: the next kernel may launch while the sums and epilogue drain
     mb = pid_m * BLOCK_M + 2 * q
     m0, m1, m2, m3 = mb, mb + 1, mb + 8, mb + 9  # x rows of d0 / d2, d1 / d3, e0 / e2, e1 / e3
     w0, w1, w2, w3, w4, w5, w6, w7 = zero, zero, zero, zero, zero, zero, zero, zero  # ESC_SPLIT: the escapes'
@@ -1071,7 +1041,7 @@ def launch_hmma(x: torch.Tensor, t: U12Tensor, y: torch.Tensor, cfg: U12Config, 
         **cfg.launch_options(native, fp_fusion=not fused),
         **pdl_args(x.device), LANES=n_lanes, LANE_GROUP=lane_group(n_lanes), TILED=t.layout == "tiles", **flags,
         ESC_UNROLL=ESC_UNROLL, AHEAD=ahead, AHEAD_X=cfg.ahead_x or (ahead and AHEAD_X),
-        ESC_SPLIT=esc_split and (grid[1] > 1 or cfg.warp_k), WARP_K=cfg.warp_k, EARLY_L2=EARLY_L2,
+        ESC_SPLIT=esc_split and (grid[1] > 1 or cfg.warp_k), WARP_K=cfg.warp_k,
     )
 
 

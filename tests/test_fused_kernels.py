@@ -142,11 +142,11 @@ def test_fused_kernels_replay_in_one_cuda_graph():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="PDL and L2 prefetch need CUDA")
 @pytest.mark.parametrize("q", [1, 16])
 def test_overlap_changes_no_value(q):
-    """Programmatic dependent launch (modes 1-3) and the L2 prefetch of o_proj (kernels/overlap.py)
-    move no value: a fused AR step (fused_linear at one row), and a verify step of 16 (its dot kernel,
-    mode 3's late trigger), replayed from a CUDA graph gives the logits of the same step captured with
-    plain launches, bit for bit, eagerly too. The prefetch rides in rope_qkv, so with it the step runs
-    RoPE apart from attention: its plain twin does too."""
+    """Programmatic dependent launch (both modes) and the L2 prefetch of o_proj (kernels/overlap.py)
+    move no value: a fused AR step (fused_linear at one row), and a verify step of 16 (its dot kernel),
+    replayed from a CUDA graph gives the logits of the same step captured with plain launches, bit for
+    bit, eagerly too. The prefetch rides in rope_qkv, so with it the step runs RoPE apart from
+    attention: its plain twin does too."""
     from specpilot.kernels.overlap import overlap, pdl_mode, prefetch_args
     from specpilot.runtime.fused import fused_path
     from specpilot.runtime.model import Transformer
@@ -167,8 +167,7 @@ def test_overlap_changes_no_value(q):
             cache.length.copy_(start)
             return model(ids, cache).logits
 
-        for label, pdl, prefetch, apart in (("pdl", 1, False, False), ("wait", 2, False, False), ("late", 3, False, False),
-                                            ("plain", 0, False, False),
+        for label, pdl, prefetch, apart in (("pdl", 1, False, False), ("wait", 2, False, False), ("plain", 0, False, False),
                                             ("pdl-prefetch", 1, True, True), ("plain-apart", 0, False, True)):
             model.fused.ops = dataclasses.replace(ops, rope_attention=None) if apart else ops
             with overlap(pdl=pdl, prefetch=prefetch):
@@ -182,7 +181,7 @@ def test_overlap_changes_no_value(q):
                 torch.cuda.synchronize()
                 logits[label] = (eager, out.clone())
         model.fused.ops = ops
-    for label, twin in (("pdl", "plain"), ("wait", "plain"), ("late", "plain"), ("pdl-prefetch", "plain-apart")):
+    for label, twin in (("pdl", "plain"), ("wait", "plain"), ("pdl-prefetch", "plain-apart")):
         for a, b in zip(logits[label], logits[twin]):
             _exact(a, b)
 

@@ -83,18 +83,6 @@ with tempfile.TemporaryDirectory() as tmp:
     with compile_only(90) as compiled:  # 8 warps: one 32-word chunk each of the 256 words
         u12_linear(x, w.with_layout("tiles"), dataclasses.replace(wk, num_warps=8))
     out["warp_k8"] = [kernel_static.describe(c, Path(tmp)) for c in compiled]
-    pdl_args = u12_hmma.pdl_args
-    u12_hmma.pdl_args = lambda device: {"PDL": 1}  # compile_only's x is on the CPU, where PDL is off
-    for early in (0, 2):  # the split launch under PDL, without and with the early L2 requests
-        u12_hmma.EARLY_L2 = early
-        with compile_only(90) as compiled:
-            u12_linear(x, w.with_layout("tiles"), split)
-        out[f"pdl_early{early}"] = [kernel_static.describe(c, Path(tmp)) for c in compiled]
-    u12_hmma.pdl_args = lambda device: {"PDL": 3}  # mode 3: the trigger after the loop
-    with compile_only(90) as compiled:
-        u12_linear(x, w.with_layout("tiles"), split)
-    out["pdl_late"] = [kernel_static.describe(c, Path(tmp)) for c in compiled]
-    u12_hmma.pdl_args, u12_hmma.EARLY_L2 = pdl_args, 0
     from specpilot.kernels.u12_fused_linear import NormHandoff, u12_fused_linear
     hand = NormHandoff(torch.ones(1024).bfloat16(), 1e-5)
     hand.xg, hand.parts = x.clone(), torch.rand(256, 16)  # as a producer of 64 programs of 4 warps leaves them
@@ -177,26 +165,6 @@ def test_x_prefetched_a_chunk_ahead(hmma_facts):
     ops, base = ax["loop_opcodes"], ahead["loop_opcodes"]
     assert ops.get("CCTL") == 4 and "CCTL" not in base, (ops, base)
     assert ops["LDG"] == base["LDG"] and ops["HMMA"] == base["HMMA"], (ops, base)
-
-
-def test_early_l2_requests_come_before_the_loop(hmma_facts):
-    """``u12_hmma.EARLY_L2`` under PDL: bulk L2 prefetches (UBLKPF, once a distinct address of the
-    warp) in the kernel, none in its loop, whose loads and MMAs stay the same; none without it."""
-    (early,), (plain,) = hmma_facts["pdl_early2"], hmma_facts["pdl_early0"]
-    assert early["constexprs"]["PDL"] == 1 and early["constexprs"]["TILED"]
-    assert early["kernel_opcodes"].get("UBLKPF", 0) >= 1 and "UBLKPF" not in plain["kernel_opcodes"], (early, plain)
-    assert "UBLKPF" not in early["loop_opcodes"]
-    assert early["loop_opcodes"]["LDG"] == plain["loop_opcodes"]["LDG"]
-    assert early["loop_opcodes"]["HMMA"] == plain["loop_opcodes"]["HMMA"]
-    assert early["spill_bytes"] == 0 and early["registers"] <= 128, early
-
-
-def test_pdl_trigger_where_the_mode_puts_it(hmma_facts):
-    """PDL mode 1 triggers the next launch at the kernel's entry, mode 3 after its loop (kernels/overlap.py),
-    the loop itself the same; without PDL no trigger."""
-    (late,), (entry,), (none,) = hmma_facts["pdl_late"], hmma_facts["pdl_early0"], hmma_facts["split"]
-    assert (late["pdl_trigger"], entry["pdl_trigger"], none["pdl_trigger"]) == ("after loop", "before loop", None)
-    assert late["loop_opcodes"] == entry["loop_opcodes"]
 
 
 def test_escapes_walked_by_the_splits_leave_the_loop_alone(hmma_facts):

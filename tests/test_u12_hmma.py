@@ -191,34 +191,6 @@ def test_tiled_weights_in_the_fused_epilogues(m, gated, residual):
     torch.testing.assert_close(out[1], out[0], rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("gated", [False, True])
-@pytest.mark.parametrize("cfg", [U12Config(32, 16, split_k=3, num_warps=2, **_HMMA),  # 3 splits of one or two chunks
-                                 U12Config(32, 32, split_k=2, num_warps=1, **_HMMA)])  # two m-tiles a warp
-def test_early_l2_requests_leave_the_sums_alone(monkeypatch, cfg, gated):
-    """``u12_hmma.EARLY_L2`` (L2 asked for a program's first chunks before the PDL wait) reaches the
-    kernel, and the outputs are its absence's bit for bit, plain and gated, split-K, a partial N block
-    (on the GPU under PDL mode 1 the bulk prefetches run on those addresses; the interpreter skips them)."""
-    from specpilot.kernels import u12_fused_linear as ufl
-    from specpilot.kernels.overlap import overlap
-    from specpilot.runtime.u12 import pack_u12
-
-    g = torch.Generator().manual_seed(7)
-    n_out, k = 48, 320  # 48 rows: a partial second block of 32; 80 words, 3 splits
-    w = 0.02 * torch.randn((2 if gated else 1) * n_out, k, generator=g)
-    ufl.plant_escapes(w, g, gated)
-    t = pack_u12(w.to(torch.bfloat16)).to(DEVICE).with_layout("tiles")
-    x = torch.randn(16, k, generator=g).to(torch.bfloat16).to(DEVICE)
-    launches = []
-    outs = []
-    with overlap(pdl=1):
-        for early in (0, 2):
-            monkeypatch.setattr(u12_hmma, "EARLY_L2", early)
-            with mock.patch.object(u12_hmma, "_u12_hmma_kernel", _Spy(u12_hmma._u12_hmma_kernel, launches, "EARLY_L2")):
-                outs.append(ufl.u12_fused_linear(x, t, gated=gated, config=cfg))
-    assert launches == [0, 2]
-    assert torch.equal(outs[1].view(torch.int16), outs[0].view(torch.int16))
-
-
 @pytest.mark.parametrize("kw", [dict(block_n=48, block_w=16, num_warps=2), dict(block_n=64, block_w=24, num_warps=2),
                                 dict(block_n=128, block_w=16, num_warps=2)])
 def test_hmma_config_rejects_tiles_it_cannot_run(kw):
