@@ -74,8 +74,9 @@ def configs(name: str, tuned) -> list[tuple[str, object]]:
         ("wk8-bn32", U12Config(32, 32, num_warps=8, maxnreg=168, **wk)),
     ]
     # More warps an SM: a one-group chunk (block_w 16) keeps the loop's loads before its first MMA
-    # down to 64 registers where two groups (32) split them at 80 (sm_90 ptxas), so 8 programs an SM
-    # where TUNED_TILES' 128 hold 4; and twice the splits, the programs to fill them
+    # at 80 registers where two groups (32) issue 8 after it (bench/results/kernel_static_knobs_sm90_triton36.json),
+    # so 6-8 programs an SM where TUNED_TILES' 128 hold 4; and twice the splits, the programs to fill
+    # them. Each slower than tuned on an H100 (bench/results/tried/u12_hmma_knobs_occupancy_a6a74c8_h100.json)
     sk = SPLIT[name]
     occ = dict(num_stages=1, kernel="hmma", num_warps=4)
     rows += [

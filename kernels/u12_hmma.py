@@ -189,8 +189,8 @@ ESC_SPLIT = False
 # fixed costs (u12_linear_tiles_h200.json: 1.6-2.5 TB/s against gate_up's 3.4): a global split's
 # partials, semaphore and serial last program are what WARP_K replaces, at the same warps in flight.
 # sm_90 (bench/results/kernel_static_knobs_sm90_triton39.json and _triton36, the GPU's): on 16 rows at 2 or 4
-# warps the loop is the tuned config's (o, Triton 3.9: 232-234 instructions against 235, 105-108 registers;
-# 3.6: 239-241 against 241, 103-105; no spills; barriers in the kernel 17-22 against 6 on 3.9, 8-10 against 5
+# warps the loop is the tuned config's (o, Triton 3.9: 232-234 instructions against 232, 105-108 registers;
+# 3.6: 239-241 against 238, 103-105; no spills; barriers in the kernel 17-22 against 6 on 3.9, 8-10 against 5
 # on 3.6), and at 8 warps since the warps' share is declared whole chunks (tl.multiple_of below; before,
 # the loads' layout split and the loop went through shared memory). Words that do not share out in
 # whole chunks run the warps on rows (launch_hmma). Slower than the split-K configs it was meant to
@@ -198,9 +198,10 @@ ESC_SPLIT = False
 # 17.09 µs against 16.00, down 40.92 against 40.82, qkv 22.66 against 21.16; at 8 warps, the tuned
 # warps in flight, o 20.30): TUNED_TILES takes none.
 # More warps an SM do not help either. One-group chunks (block_w 16) keep the loop's loads ahead of
-# its MMAs down to 64 registers (two groups split them below 128; sm_90 ptxas, Triton 3.6), so 6-8
-# programs an SM where TUNED_TILES holds 4; with the tuned splits, and with twice them to fill the
-# slots, every such config ran slower on an H100 (a6a74c8, bench/results/tried/u12_hmma_knobs_occupancy_a6a74c8_h100.json:
+# its MMAs at 80 registers (at 64, 3 of qkv's after the first MMA), where two groups issue 8 after it
+# (bench/results/kernel_static_knobs_sm90_triton36.json, the GPU's Triton), so 6-8 programs an SM
+# where TUNED_TILES holds 4; with the tuned splits, and with twice them to fill the slots (the sum
+# then spills 16-168 bytes a thread below 128 registers), every such config ran slower on an H100 (a6a74c8, bench/results/tried/u12_hmma_knobs_occupancy_a6a74c8_h100.json:
 # o 16.61 µs at best against tuned 15.94, down 42.26 / 40.26, qkv 21.91 / 20.94, gate_up 68.04 /
 # 64.00); twice the splits at the tuned tile alone, o 19.43 and down 45.80, so a program's fixed
 # costs (its first loads' latency, the partial's store, release and sum) weigh more than its loop.
