@@ -131,6 +131,9 @@ TILES_KNOB_VARIANTS = {  # name: knobs over u12-tiles (--q above 1)
     "u12-tiles-ahead-x": {"u12_hmma.AHEAD": True, "u12_hmma.AHEAD_X": True},  # and the next chunk's x into L1
     "u12-tiles-esc-split": {"u12_hmma.ESC_SPLIT": True},  # a split-K launch's escapes walked by its splits
 }
+# u12-tiles' twins at q rows (the forward's PDL default is mode 0 above GEMV_ROWS): (suffix, through
+# u12_fused_linear's epilogues and norm handoff on the tiles (U12_MANY_ROWS), PDL mode)
+TILES_WAYS = (("-many-rows", True, None), ("-pdl-wait", False, 2), ("-many-rows-pdl-wait", True, 2))
 KNOB_MODULES = {"u12_linear": u12_linear, "u12_hmma": u12_hmma, "u12_fused_linear": u12_fused_linear}
 
 
@@ -317,34 +320,28 @@ def capture(shape: str, variants: bool, extra_bf16: dict | None = None, extra_u1
     keep += [model._fused_kept, list(model.linear_modules().values())]  # the row planes the graphs read
     st.tile_u12(model)
     with fused_path(model):  # the default u12 step on tiled weights: TUNED_TILES from 3 rows
+        ops = model.fused.ops
+
+        def add_ways(prefix: str, ways) -> None:  # prefix + each suffix: the step's ops and PDL mode
+            for suffix, many_rows, pdl in ways:
+                if pdl and not variants:  # PDL: GPU only, not under --smoke
+                    continue
+                model.fused.ops = dataclasses.replace(ops, **U12_VERIFY_VARIANTS["u12-many-rows"]) if many_rows else ops
+                with overlap(pdl=pdl):
+                    add(prefix + suffix)
+            model.fused.ops = ops
+
         add("u12-tiles")
         if q > 1:  # the hmma kernel's knobs, not yet defaults, on the tiles they were built for
             for name, knobs in TILES_KNOB_VARIANTS.items():
                 with knobs_set(knobs):
                     add(name)
-            # u12_fused_linear's epilogues and norm handoff on the tiles (U12_MANY_ROWS), and PDL mode 2
-            # at q rows (the forward's default is mode 0 above GEMV_ROWS; GPU only, not under --smoke)
-            ops = model.fused.ops
-            many_rows = dataclasses.replace(ops, **U12_VERIFY_VARIANTS["u12-many-rows"])
-            for name, step_ops, pdl in (("u12-tiles-many-rows", many_rows, None), ("u12-tiles-pdl-wait", ops, 2),
-                                        ("u12-tiles-many-rows-pdl-wait", many_rows, 2)):
-                if pdl and not variants:
-                    continue
-                model.fused.ops = step_ops
-                with overlap(pdl=pdl):
-                    add(name)
-            model.fused.ops = ops
+            add_ways("u12-tiles", TILES_WAYS)
         for name, override in (extra_u12_tiles or {}).items():  # at a sweep's configs for tiled weights
             with _tuned(u12_linear.TUNED_TILES, override):
                 add(name)
-                if variants and q > 1:  # and in PDL mode 2, the plain way and the fused one (U12_MANY_ROWS)
-                    ops = model.fused.ops
-                    many_rows = dataclasses.replace(ops, **U12_VERIFY_VARIANTS["u12-many-rows"])
-                    for suffix, step_ops in (("-pdl-wait", ops), ("-many-rows-pdl-wait", many_rows)):
-                        model.fused.ops = step_ops
-                        with overlap(pdl=2):
-                            add(name + suffix)
-                    model.fused.ops = ops
+                if q > 1:  # and in PDL mode 2, the plain way and the fused one
+                    add_ways(name, TILES_WAYS[1:])
     return graphs, keep
 
 

@@ -201,9 +201,9 @@ ESC_SPLIT = False
 # its MMAs at 80 registers (at 64, 3 of qkv's after the first MMA), where two groups issue 8 after it
 # (bench/results/kernel_static_knobs_sm90_triton36.json, the GPU's Triton), so 6-8 programs an SM
 # where TUNED_TILES holds 4; with the tuned splits, and with twice them to fill the slots (the sum
-# then spills 16-168 bytes a thread below 128 registers), every such config ran slower on an H100 (a6a74c8, bench/results/tried/u12_hmma_knobs_occupancy_a6a74c8_h100.json:
-# o 16.61 µs at best against tuned 15.94, down 42.26 / 40.26, qkv 21.91 / 20.94, gate_up 68.04 /
-# 64.00); twice the splits at the tuned tile alone, o 19.43 and down 45.80, so a program's fixed
+# then spills 16-168 bytes a thread below 128 registers), every such config ran slower on an H100
+# (a6a74c8, bench/results/tried/u12_hmma_knobs_occupancy_a6a74c8_h100.json: o 16.61 µs at best
+# against tuned 15.94, down 42.26 / 40.26, qkv 21.91 / 20.94, gate_up 68.04 / 64.00); twice the splits at the tuned tile alone, o 19.43 and down 45.80, so a program's fixed
 # costs (its first loads' latency, the partial's store, release and sum) weigh more than its loop.
 # Nor does the next launch starting in the split-K tails (kernels/overlap.py's tried list).
 
