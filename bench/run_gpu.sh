@@ -39,6 +39,8 @@
 #            mode 2, bf16-linear (step_ab.py --only): one command, under the device's 10 minutes; KNOB_S and
 #            STEP_S its two time limits, KNOB_LABELS the knob table's rows to time and STEP_ONLY the step's
 #            variants (a short budget)
+#   readbound  kernels that only read each linear's u12 and bf16 bytes: register loads, cp.async, TMA
+#            (bench/read_bound.py); READBOUND_S its time limit
 #   layer16  the verify(16) layer's calls without attention, the u12 step's plain way (7 launches) and
 #            fused way (u12_fused_linear's epilogues and handoffs, 4), each call over 32 layers' weights
 #            and both chains (bench/layer16.py); LAYER16_S its time limit
@@ -194,6 +196,7 @@ knobstep() {  # one command: the knob table at the split-K shapes, then verify(1
     --bf16-tuned bench/results/fused_linear_m16_graph_h200.json "${tuned[@]}" --only "$only" \
     --out "$OUT/step_ab_verify16_knobs_${GPU}.json"
 }
+readbound() { TAIL=14 run read_bound "${READBOUND_S:-300}" python bench/read_bound.py --out "$OUT/read_bound_${GPU}.json"; }
 layer16() {  # the verify(16) layer without attention, call by call, plain and fused (bench/layer16.py)
   TAIL=24 run layer16 "${LAYER16_S:-240}" python bench/layer16.py --out "$OUT/layer16_${GPU}.json"
 }
@@ -252,7 +255,7 @@ zoo() {
 for group in "${@:?group...}"; do
   case "$group" in
     ncu) ncu_linear ;;
-    tests | attntests | lineartests | ab | knobs | knobstep | layer16 | attention | attnvar | u12 | hmma | bf16tune | u12tune | verify16 | verifyab | \
+    tests | attntests | lineartests | ab | knobs | knobstep | layer16 | readbound | attention | attnvar | u12 | hmma | bf16tune | u12tune | verify16 | verifyab | \
       u12verify | tiles | tilesab | tiles1 | fewrows | fewsweep | u12fusedtune | linear | peers | train | trees | e2e | tau | zoo) "$group" ;;
     steps) steps ;;
     qwen) steps qwen qwen3-8b ;;

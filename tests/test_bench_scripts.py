@@ -343,3 +343,25 @@ def test_hmma_knobs_smoke(tmp_path: Path) -> None:
 
     (cfg,) = step_ab.tuned_from_sweep(out, U12Config, 16, "tiles").values()
     assert str(cfg) == row["configs"][win["label"]] == win["config"]
+
+
+@pytest.mark.parametrize("way", ["lsu", "cp", "tma"])
+def test_read_bound_kernels_read_every_word_once(way: str) -> None:
+    """bench/read_bound.py's read kernels (the interpreter): each config of its grid, at program counts
+    that do not divide the chunks, sums every word of the buffer once (torch's sum mod 2^32); so a
+    config's time is the time to read exactly the bytes it reports."""
+    import torch
+    import triton
+
+    import read_bound
+
+    triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8))
+    buf = torch.randint(-2**31, 2**31 - 1, (3 * 16 * 1024 // 4,), dtype=torch.int32,
+                        generator=torch.Generator().manual_seed(1))
+    want = int(buf.sum(dtype=torch.int64)) & 0xFFFFFFFF
+    cfgs = read_bound.configs(way, sms=5)
+    assert len({read_bound.label(way, c) for c in cfgs}) == len(cfgs)
+    for cfg in cfgs[:: max(1, len(cfgs) // 6)]:
+        out = torch.zeros(cfg["programs"], dtype=torch.int32)
+        read_bound.launcher(way, cfg, buf, out)()
+        assert int(out.sum(dtype=torch.int64)) & 0xFFFFFFFF == want, (way, cfg)
