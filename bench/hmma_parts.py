@@ -13,12 +13,14 @@ distinct weight copy of about 2 GB, median replay, min of two):
   twin-noesc     the twin without escapes: the loop, its decode and MMAs, and one store;
   read-grid      bench/read_bound.py's register-load kernel over the same bytes with the tuned grid's
                  programs and warps (one chunk of 16 bytes a thread in flight, and two);
-  read-best      its fastest config (8 programs of 8 warps an SM).
+  read-best      its fastest config (8 programs of 8 warps an SM);
+  tuned-u<E>     with --esc-unroll: tuned at u12_hmma.ESC_UNROLL = E (escapes a step of the last
+                 program's walk, their loads in flight at once; the default 2).
 
 So tuned - tuned-noesc is the escapes, tuned - twin the split-K sum, twin-noesc - read-grid the loop's
 decode and MMAs beyond its loads. Writes bench/results/hmma_parts_<gpu>.json, prints a line a shape.
 
-    python bench/hmma_parts.py [--shapes o,down,qkv,gate_up] [--out FILE]
+    python bench/hmma_parts.py [--shapes o,down,qkv,gate_up] [--esc-unroll 4,8] [--out FILE]
 """
 
 from __future__ import annotations
@@ -50,12 +52,20 @@ def without_escapes(w: torch.Tensor) -> torch.Tensor:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default="o,down,qkv,gate_up")
+    ap.add_argument("--esc-unroll", default="", help="tuned also at these u12_hmma.ESC_UNROLL values (comma-separated)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
+    try:
+        unrolls = [int(v) for v in args.esc_unroll.split(",") if v]
+    except ValueError:
+        sys.exit(f"--esc-unroll: expected comma-separated counts, got {args.esc_unroll!r}")
+    if any(v < 1 for v in unrolls):
+        sys.exit(f"--esc-unroll: expected counts of 1 or more, got {args.esc_unroll!r}")
     if not torch.cuda.is_available():
         sys.exit("bench/hmma_parts.py times CUDA kernels: it needs a GPU.")
+    from specpilot.kernels import u12_hmma
     from specpilot.kernels.u12_linear import TUNED_TILES, u12_linear
-    from specpilot.runtime.u12 import pack_u12
+    from specpilot.runtime.u12 import pack_u12, unpack_u12
 
     names = [s for s in args.shapes.split(",") if s]
     for s in names:
@@ -83,11 +93,14 @@ def main(argv: list[str] | None = None) -> int:
         x = torch.randn(16, k, device="cuda", generator=gen).to(torch.bfloat16)
         xt = x.view(16, s, k // s)[:, 0].contiguous()  # the twin's x: any K / S columns
         us, escapes = {}, {}
-        cases = {"tuned": (n, k, cfg, False), "tuned-noesc": (n, k, cfg, True)}
+        cases = {"tuned": (n, k, cfg, False, None), "tuned-noesc": (n, k, cfg, True, None)}
+        cases.update({f"tuned-u{v}": (n, k, cfg, False, v) for v in unrolls})
         if s > 1:
             twin = dataclasses.replace(cfg, split_k=1)
-            cases.update({"twin": (n * s, k // s, twin, False), "twin-noesc": (n * s, k // s, twin, True)})
-        for label, (nn, kk, c, clean) in cases.items():
+            cases.update({"twin": (n * s, k // s, twin, False, None), "twin-noesc": (n * s, k // s, twin, True, None)})
+        default_unroll = u12_hmma.ESC_UNROLL
+        for label, (nn, kk, c, clean, unroll) in cases.items():
+            u12_hmma.ESC_UNROLL = unroll or default_unroll  # read at launch
             packed = []
             for _ in range(copies):
                 w = (torch.randn(nn, kk, device="cuda", generator=gen) * 0.02).to(torch.bfloat16)
@@ -97,10 +110,7 @@ def main(argv: list[str] | None = None) -> int:
                 sys.exit(f"{name} {label}: {escapes[label]} escapes left (expected none)")
             xx = x if kk == k else xt
             y = u12_linear(xx, packed[0], c)
-            w0 = packed[0]
-            from specpilot.runtime.u12 import unpack_u12
-
-            ref = xx.float() @ unpack_u12(w0).float().T
+            ref = xx.float() @ unpack_u12(packed[0]).float().T
             err = ((y.float() - ref).abs().max() / ref.abs().max()).item()
             if not err < 1e-2:
                 sys.exit(f"{name} {label}: relative error {err:.3g} against x · Wᵀ")
@@ -108,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
             us[label] = min(time_graph(calls), time_graph(calls)) * 1e3 / copies
             del packed
             torch.cuda.empty_cache()
+        u12_hmma.ESC_UNROLL = default_unroll
         # the read kernel over the same bytes (the planes' 1.5 bytes a weight) at the tuned grid and its best
         nbytes = math.ceil(n * k * 1.5 / (16 * 1024)) * 16 * 1024
         grid = (n // cfg.block_n) * s
