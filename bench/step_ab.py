@@ -41,7 +41,8 @@ hmma configs from 3 rows; u12-tiles-sweep: with the tiled configs of a --tiles-t
 per-shape winners) or else a --u12-tuned one, and u12-tiles-sweep-pdl-wait, u12-tiles-sweep-many-rows-pdl-wait
 with them in PDL mode 2 (not under --smoke); u12-tiles-ahead and
 u12-tiles-esc-split: with ``u12_hmma.AHEAD`` or ``u12_hmma.ESC_SPLIT``; u12-tiles-ahead-x: AHEAD with
-``u12_hmma.AHEAD_X``; u12-tiles-many-rows: with U12_MANY_ROWS, the
+``u12_hmma.AHEAD_X``; u12-tiles-walk4, u12-tiles-walk8: ``u12_hmma.ESC_UNROLL`` 4 or 8 (each of these knob
+variants also as <name>-many-rows-pdl-wait, not under --smoke); u12-tiles-many-rows: with U12_MANY_ROWS, the
 fused epilogues and norm handoff on the tiles; u12-tiles-pdl-wait, u12-tiles-many-rows-pdl-wait and
 bf16-linear-pdl-wait: those steps in PDL mode 2, not under --smoke; all --q above 1); u12-sweep and u12-fused-sweep
 (the default u12 step with u12_linear's, or u12_fused_linear's, TUNED entries for the step's rows
@@ -130,6 +131,8 @@ TILES_KNOB_VARIANTS = {  # name: knobs over u12-tiles (--q above 1)
     "u12-tiles-ahead": {"u12_hmma.AHEAD": True},  # the hmma loop's register double buffer
     "u12-tiles-ahead-x": {"u12_hmma.AHEAD": True, "u12_hmma.AHEAD_X": True},  # and the next chunk's x into L1
     "u12-tiles-esc-split": {"u12_hmma.ESC_SPLIT": True},  # a split-K launch's escapes walked by its splits
+    "u12-tiles-walk4": {"u12_hmma.ESC_UNROLL": 4},  # the last program's table walk 4 escapes a step (default 2)
+    "u12-tiles-walk8": {"u12_hmma.ESC_UNROLL": 8},
 }
 # u12-tiles' twins at q rows (the forward's PDL default is mode 0 above GEMV_ROWS): (suffix, through
 # u12_fused_linear's epilogues and norm handoff on the tiles (U12_MANY_ROWS), PDL mode)
@@ -336,6 +339,7 @@ def capture(shape: str, variants: bool, extra_bf16: dict | None = None, extra_u1
             for name, knobs in TILES_KNOB_VARIANTS.items():
                 with knobs_set(knobs):
                     add(name)
+                    add_ways(name, TILES_WAYS[2:])  # and the fused way in PDL mode 2 (the fastest way on an H100)
             add_ways("u12-tiles", TILES_WAYS)
         for name, override in (extra_u12_tiles or {}).items():  # at a sweep's configs for tiled weights
             with _tuned(u12_linear.TUNED_TILES, override):
