@@ -41,9 +41,8 @@ hmma configs from 3 rows; u12-tiles-sweep: with the tiled configs of a --tiles-t
 per-shape winners) or else a --u12-tuned one, and u12-tiles-sweep-pdl-wait, u12-tiles-sweep-many-rows-pdl-wait
 with them in PDL mode 2 (not under --smoke); u12-tiles-ahead and
 u12-tiles-esc-split: with ``u12_hmma.AHEAD`` or ``u12_hmma.ESC_SPLIT``; u12-tiles-ahead-x: AHEAD with
-``u12_hmma.AHEAD_X``; u12-tiles-walk4, u12-tiles-walk8: ``u12_hmma.ESC_UNROLL`` 4 or 8 (each of these knob
-variants also as <name>-many-rows-pdl-wait, not under --smoke); u12-tiles-many-rows: with U12_MANY_ROWS, the
-fused epilogues and norm handoff on the tiles; u12-tiles-pdl-wait, u12-tiles-many-rows-pdl-wait and
+``u12_hmma.AHEAD_X`` (each of these knob variants also as <name>-many-rows-pdl-wait, not under --smoke);
+u12-tiles-many-rows: with U12_MANY_ROWS, the fused epilogues and norm handoff on the tiles; u12-tiles-pdl-wait, u12-tiles-many-rows-pdl-wait and
 bf16-linear-pdl-wait: those steps in PDL mode 2, not under --smoke; all --q above 1); u12-sweep and u12-fused-sweep
 (the default u12 step with u12_linear's, or u12_fused_linear's, TUNED entries for the step's rows
 taken from a sweep's results file: --u12-tuned, --u12-fused-tuned); bf16-default, bf16-r128 (the bf16 step at other register budgets:
@@ -63,7 +62,10 @@ against 3.427, 0cf1235); the GEMVs' escape lanes gathered before the PDL wait an
 norm's parts summed in the loop (u12-pdl-wait-early, u12-pdl-wait-parts-loop, u12-pdl-wait-both,
 u12-early, u12-plain-parts-loop: 4.792, 4.525, 4.809, 4.823, 4.559 ms against 4.487 on the H100,
 8cc6200, bench/results/tried/step_ab_early_lanes_parts_h100.json; 3.750, 3.658, 3.708, 3.771, 3.716
-against 3.411 on the H200, 0bc2353, bench/results/tried/step_ab_0bc2353_h200.json; both knobs since removed).
+against 3.411 on the H200, 0bc2353, bench/results/tried/step_ab_0bc2353_h200.json; both knobs since removed);
+the hmma epilogue's table walk 4 or 8 escapes a step (``u12_hmma.ESC_UNROLL``, default 2): u12-tiles-walk4
+5.379 ms against u12-tiles' 5.356, and in the fused way in PDL mode 2 5.289 (walk4) and 5.385 (walk8) against
+5.272, on an H100 (524e331, bench/results/tried/step_ab_verify16_walk_524e331_h100.json).
 Batch 1, a 512-token context, a device-length cache of 2048 slots; random
 bf16 weights N(0, 0.02).
 """
@@ -131,8 +133,6 @@ TILES_KNOB_VARIANTS = {  # name: knobs over u12-tiles (--q above 1)
     "u12-tiles-ahead": {"u12_hmma.AHEAD": True},  # the hmma loop's register double buffer
     "u12-tiles-ahead-x": {"u12_hmma.AHEAD": True, "u12_hmma.AHEAD_X": True},  # and the next chunk's x into L1
     "u12-tiles-esc-split": {"u12_hmma.ESC_SPLIT": True},  # a split-K launch's escapes walked by its splits
-    "u12-tiles-walk4": {"u12_hmma.ESC_UNROLL": 4},  # the last program's table walk 4 escapes a step (default 2)
-    "u12-tiles-walk8": {"u12_hmma.ESC_UNROLL": 8},
 }
 # u12-tiles' twins at q rows (the forward's PDL default is mode 0 above GEMV_ROWS): (suffix, through
 # u12_fused_linear's epilogues and norm handoff on the tiles (U12_MANY_ROWS), PDL mode)

@@ -152,7 +152,11 @@ MAX_ROWS = 16  # rows of x a program at most: two n-tiles of mma.m16n8k16 (x row
 NARROW = True
 # Escapes a step of the epilogue's table walk (``_table_walk``): their loads in flight together. H100,
 # M = 16: o 16.32 µs against 16.64 one a step, down 41.26 / 41.85, the others within noise
-# (bench/results/tried/u12_hmma_flat_epilogue_h100.json).
+# (bench/results/tried/u12_hmma_flat_epilogue_h100.json). 4 and 8 a step did not pay (H100, 524e331,
+# bench/results/hmma_parts_h100.json: o 16.20 and 17.05 µs against 15.91, down 40.05 and 40.37 against
+# 40.21, qkv 20.71 and 21.48 against 20.79; verify(16) in the fused way in PDL mode 2 5.289 and 5.385 ms
+# against 5.272, bench/results/tried/step_ab_verify16_walk_524e331_h100.json): the walk's steps are not
+# what the split-K shapes' tails cost (bench/hmma_parts.py; the README's #5 notes).
 ESC_UNROLL = 2
 # A register double buffer (one m-tile a warp, block_w 16 or 32): each chunk's loop iteration first
 # issues the next chunk's words and codes, then decodes and multiplies its own, so a warp keeps a
