@@ -186,6 +186,12 @@ AHEAD_X = False
 # on o (17.92 µs against 16.00) and down (42.39 against 40.82), qkv 20.66 against 21.16; the step 5.570 ms
 # against 5.465; so off. Read at launch.
 ESC_SPLIT = False
+# Phase stamps for bench/hmma_trace.py: with a trace buffer (``launch_hmma``'s ``trace``, int64
+# [programs, TRACE_SLOTS], zeroed), thread 0 of each program stores %globaltimer at entry (after the
+# PDL wait), after the main loop (its last MMA done), after the split-K semaphore, after the last
+# program's sum of the partials and after its epilogue's stores are issued (slots 0-4; the last two in the
+# program that sums only). Off (no buffer): the kernel has none of it.
+TRACE_SLOTS = 8
 # WARP_K (``U12Config.warp_k``, a config's, no module switch): a program's warps share its 16 or 32
 # rows and each multiplies a contiguous share of the split's words, then walks its share of the
 # escapes (as ESC_SPLIT's splits do); the sums meet in shared memory after the loop (``_warp_sums``:
@@ -406,6 +412,19 @@ def _prefetch_l1(ptr, live):
         "{ .reg .pred p; setp.ne.s32 p, $2, 0; @p prefetch.global.L1 [$1]; mov.b32 $0, 0; }",
         "=r,l,r", [ptr.to(tl.int64, bitcast=True), live], dtype=tl.int32, is_pure=False, pack=1,
     )
+
+
+@triton.jit
+def _stamp(trace_ptr, slot: tl.constexpr, dep, t, TRACE: tl.constexpr):
+    """TRACE: thread 0 of the program stores %globaltimer (ns) at its row's `slot` once dep ([T],
+    32-bit) is ready: the read is predicated on dep, so ptxas cannot hoist it above what dep waits for."""
+    if TRACE:
+        ns = tl.inline_asm_elementwise(
+            "{ .reg .pred p; setp.ne.s32 p, $1, 2147483647; @p mov.u64 $0, %globaltimer; @!p mov.u64 $0, 1; }",
+            "=l,r", [dep.to(tl.int32, bitcast=True)], dtype=tl.int64, is_pure=False, pack=1,
+        )
+        prog = (tl.program_id(2) * tl.num_programs(1) + tl.program_id(1)) * tl.num_programs(0) + tl.program_id(0)
+        tl.store(trace_ptr + prog * TRACE_SLOTS + slot + t * 0, ns, mask=t == 0)
 
 
 @triton.jit
@@ -748,6 +767,7 @@ def _parts_out(y0, y1, y2, y3, y4, y5, y6, y7, z0, z1, z2, z3, z4, z5, z6, z7, m
 def _u12_hmma_kernel(
     x_ptr, sm_ptr, codes_ptr, esc_idx_ptr, esc_val_ptr, esc_row_ptr, lanes_ptr, y_ptr, part_ptr, count_ptr,
     hw_ptr, xg_ptr, parts_ptr,  # the epilogue's norm handoff (u12_fused_linear's NormHandoff); else unused
+    trace_ptr,  # TRACE: int64 [programs, TRACE_SLOTS] phase stamps; else unused
     M, N, K, n_words, y_scale, words_per_split, n_out, inv_k, eps, n_parts,
     stride_xm, stride_sm, stride_codes, stride_ym, stride_xg,
     BLOCK_M: tl.constexpr,  # rows of x a program: 8 (one n-tile of mma.m16n8k16) or 16 (two)
@@ -773,6 +793,7 @@ def _u12_hmma_kernel(
     AHEAD_X: tl.constexpr = False,  # AHEAD: the next chunk's x words prefetched into L1 too (GPU only)
     ESC_SPLIT: tl.constexpr = False,  # SPLIT_K > 1 or WARP_K, the table: each split (warp) walks its share of the escapes
     WARP_K: tl.constexpr = False,  # the warps share the program's rows and split its words (``WARP_K``)
+    TRACE: tl.constexpr = False,  # phase stamps into trace_ptr (``TRACE_SLOTS``; GPU only)
 ):
     pdl_enter(PDL)
     TILES: tl.constexpr = BLOCK_N // 16 if WARP_K else BLOCK_N // (16 * WARPS)  # m-tiles a warp: 1 or 2
@@ -783,6 +804,7 @@ def _u12_hmma_kernel(
     pid_m = tl.program_id(2)
     n0 = pid_n * BLOCK_N
     t = tl.arange(0, T)
+    _stamp(trace_ptr, 0, t, t, TRACE)
     lane = t % 32
     g = lane // 4
     q = lane % 4
@@ -918,6 +940,7 @@ def _u12_hmma_kernel(
                     x_row0, x_row1, sm_lo, code_lo, sm_hi, code_hi, sm_lo2, code_lo2, sm_hi2, code_hi2,
                     TILES, NT, True, ASM)
 
+    _stamp(trace_ptr, 1, d0, t, TRACE)
     mb = pid_m * BLOCK_M + 2 * q
     m0, m1, m2, m3 = mb, mb + 1, mb + 8, mb + 9  # x rows of d0 / d2, d1 / d3, e0 / e2, e1 / e3
     w0, w1, w2, w3, w4, w5, w6, w7 = zero, zero, zero, zero, zero, zero, zero, zero  # ESC_SPLIT: the escapes'
@@ -958,6 +981,7 @@ def _u12_hmma_kernel(
         tl.debug_barrier()  # every thread's partial is written before the release below
         counter = count_ptr + pid_m * tl.num_programs(0) + pid_n
         last = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1
+        _stamp(trace_ptr, 2, t * 0 + last.to(tl.int32), t, TRACE)
         if last:  # the sum's loads in the last program only (masked in the others, they cost every
             # program the instructions, and at 16 splits their registers)
             d0, d1, d2, d3, e0, e1, e2, e3 = _part_sum(part_ptr, last, m0, m1, m2, m3, lo0, hi0, vl0, vh0, M, N,
@@ -972,6 +996,7 @@ def _u12_hmma_kernel(
                 if TILES == 2:
                     v0, v1, v2, v3, v4, v5, v6, v7 = _part_sum(pe, last, m0, m1, m2, m3, lo1, hi1, vl1, vh1,
                                                                M, N, SPLIT_K, NT)
+            _stamp(trace_ptr, 3, d0, t, TRACE)
             tl.atomic_xchg(counter, 0)  # ready for the next launch (and CUDA graph replays)
     else:
         last = pid_k == 0
@@ -1001,6 +1026,7 @@ def _u12_hmma_kernel(
         if HAND_OUT:
             _parts_out(y0, y1, y2, y3, y4, y5, y6, y7, z0, z1, z2, z3, z4, z5, z6, z7, m0, m1, m2, m3,
                        parts_ptr, pid_n, M, WARPS, TILES, NT)
+        _stamp(trace_ptr, 4, y0 + z7, t, TRACE)
 
 
 def hmma_applies(x: torch.Tensor, k: int, base: int) -> bool:
@@ -1014,11 +1040,12 @@ def hmma_rows(m: int) -> int:
 
 
 def launch_hmma(x: torch.Tensor, t: U12Tensor, y: torch.Tensor, cfg: U12Config, gated: bool = False,
-                residual: bool = False, hand_in=None, hand_out=None) -> None:
+                residual: bool = False, hand_in=None, hand_out=None, trace: torch.Tensor | None = None) -> None:
     """y = x · Wᵀ by ``_u12_hmma_kernel`` (``hmma_applies`` holds); grid (N blocks, splits, 1).
     With kernels/u12_fused_linear.py's epilogue: gated (t is [gate; up], y [M, N / 2] is
     silu(gate) · up), residual (y is the residual, added into in place), hand_in / hand_out (a
-    ``NormHandoff`` consumed, or produced: its xg and parts, one a warp, allocated here)."""
+    ``NormHandoff`` consumed, or produced: its xg and parts, one a warp, allocated here). trace: an
+    int64 [programs, TRACE_SLOTS] buffer for the phase stamps (``TRACE_SLOTS``; a CUDA GPU only)."""
     m, k = x.shape
     n = t.shape[0]
     n_words = k // 4
@@ -1036,9 +1063,13 @@ def launch_hmma(x: torch.Tensor, t: U12Tensor, y: torch.Tensor, cfg: U12Config, 
     sm, codes = t.sm.contiguous().view(torch.int32), t.codes.contiguous().view(torch.int16)
     epi, flags, fused = epilogue_args(x, y, native, grid[0] * cfg.num_warps, gated, residual, hand_in, hand_out)
     hw, xg, parts, n_out, inv_k, eps, n_parts, stride_xg = epi
+    if trace is not None and (not native or trace.dtype != torch.int64 or trace.numel() < grid[0] * grid[1] * grid[2] * TRACE_SLOTS):
+        raise ValueError(f"launch_hmma: trace: expected a CUDA int64 buffer of {grid[0] * grid[1] * grid[2]} x "
+                         f"{TRACE_SLOTS} stamps, got {trace.dtype} {list(trace.shape)} on {trace.device}")
     _u12_hmma_kernel[grid](
         x, sm, codes,
         _nonempty(t.esc_idx), _nonempty(t.esc_val), t.esc_row_ptr, lanes, y, part, counters, hw, xg, parts,
+        trace if trace is not None else part,
         m, n, k, n_words, biased_scale(t.base), words_per_split, n_out, inv_k, eps, n_parts,
         x.stride(0), n_words, n_words, y.stride(0), stride_xg,
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_W=cfg.block_w, WARPS=cfg.num_warps, SPLIT_K=grid[1],
@@ -1046,7 +1077,7 @@ def launch_hmma(x: torch.Tensor, t: U12Tensor, y: torch.Tensor, cfg: U12Config, 
         **cfg.launch_options(native, fp_fusion=not fused),
         **pdl_args(x.device), LANES=n_lanes, LANE_GROUP=lane_group(n_lanes), TILED=t.layout == "tiles", **flags,
         ESC_UNROLL=ESC_UNROLL, AHEAD=ahead, AHEAD_X=cfg.ahead_x or (ahead and AHEAD_X),
-        ESC_SPLIT=esc_split and (grid[1] > 1 or cfg.warp_k), WARP_K=cfg.warp_k,
+        ESC_SPLIT=esc_split and (grid[1] > 1 or cfg.warp_k), WARP_K=cfg.warp_k, TRACE=trace is not None,
     )
 
 

@@ -365,3 +365,21 @@ def test_read_bound_kernels_read_every_word_once(way: str) -> None:
         out = torch.zeros(cfg["programs"], dtype=torch.int32)
         read_bound.launcher(way, cfg, buf, out)()
         assert int(out.sum(dtype=torch.int64)) & 0xFFFFFFFF == want, (way, cfg)
+
+
+def test_hmma_trace_phases_from_stamps() -> None:
+    """bench/hmma_trace.py's phases: from stamps in ns (entry, loop end, semaphore, sum, epilogue; 0 where
+    a program did not stamp), a split-K call's spans in µs, and the gap between calls in the summary."""
+    import hmma_trace
+    import torch
+
+    ns = lambda *v: [int(1000 * x) for x in v] + [0, 0, 0]  # noqa: E731
+    call = torch.tensor([ns(10, 20, 21, 0, 0), ns(11, 22, 22.5, 23, 26), ns(12, 19, 20, 0, 0)], dtype=torch.int64)
+    p = hmma_trace.phases(call, split_k=2)
+    assert p["summing"] == 1 and p["call"] == pytest.approx(16) and p["entries"] == pytest.approx(2)
+    assert p["loops_end"] == pytest.approx(12) and p["tail"] == pytest.approx(4) and p["loop_max"] == pytest.approx(11)
+    assert (p["sem"], p["sum"], p["finish"]) == pytest.approx((0.5, 0.5, 3))
+    one = hmma_trace.phases(torch.tensor([ns(0, 5, 0, 0, 7)], dtype=torch.int64), split_k=1)
+    assert one["finish"] == pytest.approx(2) and "sem" not in one
+    calls = [dict(p, begin=p["begin"] + 30 * i, end=p["end"] + 30 * i) for i in range(4)]
+    assert hmma_trace.summarize(calls)["gap"] == pytest.approx(30 - 16)

@@ -477,3 +477,39 @@ def test_warps_splitting_the_words_in_the_fused_epilogue(mode):
     if mode == "hand_out":
         torch.testing.assert_close(h1.parts.sum(0), h0.parts.sum(0), rtol=1e-3, atol=1e-3)
         torch.testing.assert_close(h1.xg.float(), h0.xg.float(), rtol=8e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("split_k,residual", [(1, False), (3, True)])
+def test_phase_stamps_change_no_value_and_run_in_order(split_k, residual):
+    """``TRACE_SLOTS`` (bench/hmma_trace.py): a launch with a stamp buffer gives the same y bit for bit
+    as one without; every program stamps its entry and loop end in order, the programs that sum
+    (one a row block) the semaphore, sum and epilogue after them, the others no more. Without a GPU
+    the buffer is refused by name (the interpreter has no %globaltimer)."""
+    from specpilot.runtime.u12 import pack_u12
+
+    g = torch.Generator().manual_seed(split_k)
+    w = (0.02 * torch.randn(96, 384, generator=g)).to(torch.bfloat16)
+    t = pack_u12(w, layout="tiles").to(DEVICE)
+    x = torch.randn(16, 384, generator=g).to(torch.bfloat16).to(DEVICE)
+    cfg = U12Config(32, 32, split_k=split_k, num_warps=2, **_HMMA)
+    base = torch.randn(16, 96, generator=g).to(torch.bfloat16).to(DEVICE)
+    programs = (96 // 32) * split_k
+    trace = torch.zeros(programs, u12_hmma.TRACE_SLOTS, dtype=torch.int64, device=DEVICE)
+    if not NATIVE:
+        with pytest.raises(ValueError, match="launch_hmma: trace: expected a CUDA int64 buffer"):
+            u12_hmma.launch_hmma(x, t, base.clone(), cfg, residual=residual, trace=trace)
+        return
+    y0, y1 = base.clone(), base.clone()
+    u12_hmma.launch_hmma(x, t, y0, cfg, residual=residual)
+    u12_hmma.launch_hmma(x, t, y1, cfg, residual=residual, trace=trace)
+    assert torch.equal(y0.view(torch.int16), y1.view(torch.int16))
+    s = trace.cpu()
+    assert (s[:, 0] > 0).all() and (s[:, 1] >= s[:, 0]).all()
+    summing = s[:, 4] > 0
+    assert int(summing.sum()) == 96 // 32  # one a row block
+    if split_k > 1:
+        assert (s[:, 2] >= s[:, 1]).all()
+        assert (s[summing, 3] >= s[summing, 2]).all() and (s[summing, 4] >= s[summing, 3]).all()
+        assert (s[~summing, 3] == 0).all()
+    else:
+        assert (s[:, 4] >= s[:, 1]).all() and (s[:, 2] == 0).all()

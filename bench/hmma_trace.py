@@ -1,0 +1,132 @@
+"""The hmma kernel's phases at M = 16, from %globaltimer stamps in every program (u12_hmma.TRACE_SLOTS).
+
+bench/hmma_parts.py has each split-K shape's tail (everything after the main loops) at 3.2-6.5 µs
+of a 16-41 µs call. Here each TUNED_TILES config runs on tiled weights in a CUDA graph of one call
+per distinct weight copy (about 2 GB, so every call reads HBM), each call with its own stamp
+buffer: per program its entry, the end of its loop, the end of its split-K semaphore, and, in the
+program that sums, the end of the sum and of the epilogue. Per shape, medians over the calls
+(the first two left out), in µs:
+
+  call         first entry to last epilogue stamp (the kernel as its programs see it)
+  gap          the previous call's last stamp to this call's first entry (launch, drain, PDL wait)
+  entries      first to last entry (programs placed as slots free)
+  loop         a program's entry to its loop's end: median and max
+  loops_end    the call's first entry to its last loop's end
+  sem          in the summing programs, loop end to semaphore passed: median (the last to arrive
+               passes at once; the partials' stores, release and acquire are in it)
+  sum, finish  in the summing programs: the partials' sum, then the escape walk and epilogue
+  tail         the last loop's end to the last epilogue stamp
+
+Writes bench/results/hmma_trace_<gpu>.json (GPU, versions, commit) and prints a line a shape.
+
+    python bench/hmma_trace.py [--shapes o,down,qkv,gate_up] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import platform
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+import triton
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from u12_linear import SHAPES, git_commit, time_graph, write_result  # noqa: E402
+
+
+def phases(stamps: torch.Tensor, split_k: int) -> dict:
+    """One call's phases (µs) from its stamps ([programs, slots] int64 ns; 0 where not stamped)."""
+    s = stamps.double() / 1e3
+    entry, loop_end = s[:, 0], s[:, 1]
+    summed = s[:, 4] > 0  # the programs that ran the epilogue
+    end = s[summed, 4].max()
+    out = dict(begin=entry.min().item(), end=end.item(), call=(end - entry.min()).item(),
+               entries=(entry.max() - entry.min()).item(),
+               loop=(loop_end - entry).median().item(), loop_max=(loop_end - entry).max().item(),
+               loops_end=(loop_end.max() - entry.min()).item(), tail=(end - loop_end.max()).item(),
+               summing=int(summed.sum()))
+    if split_k > 1:
+        out.update(sem=(s[summed, 2] - s[summed, 1]).median().item(),
+                   sum=(s[summed, 3] - s[summed, 2]).median().item(),
+                   finish=(s[summed, 4] - s[summed, 3]).median().item())
+    else:
+        out.update(finish=(s[summed, 4] - s[summed, 1]).median().item())
+    return out
+
+
+def summarize(calls: list[dict]) -> dict:
+    """Medians over the calls after the first two, with each call's gap to the one before."""
+    for before, this in zip(calls, calls[1:]):
+        this["gap"] = this["begin"] - before["end"]
+    kept = calls[2:]
+    keys = [k for k in kept[0] if k not in ("begin", "end")]
+    return {k: statistics.median(c[k] for c in kept) for k in keys}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shapes", default="o,down,qkv,gate_up")
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.exit("bench/hmma_trace.py reads %globaltimer in CUDA kernels: it needs a GPU.")
+    from specpilot.kernels import u12_hmma
+    from specpilot.kernels.u12_linear import TUNED_TILES
+    from specpilot.runtime.u12 import pack_u12
+
+    names = [s for s in args.shapes.split(",") if s]
+    for s in names:
+        if s not in SHAPES or s == "lm_head":
+            sys.exit(f"--shapes: {s!r} is not one of qkv, o, gate_up, down")
+    gpu = torch.cuda.get_device_name()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    rows = []
+    for name in names:
+        n, k = SHAPES[name]
+        cfg = TUNED_TILES[(16, n, k)]
+        copies = max(4, min(48, int(2e9 // (n * k * 2))))
+        packed = [pack_u12((torch.randn(n, k, device="cuda", generator=gen) * 0.02).to(torch.bfloat16), layout="tiles")
+                  for _ in range(copies)]
+        x = torch.randn(16, k, device="cuda", generator=gen).to(torch.bfloat16)
+        programs = (n // cfg.block_n) * cfg.split_k
+        traces = [torch.zeros(programs, u12_hmma.TRACE_SLOTS, dtype=torch.int64, device="cuda") for _ in packed]
+        ys = [torch.empty(16, n, dtype=torch.bfloat16, device="cuda") for _ in packed]
+        traced = [lambda t=t, y=y, b=b: u12_hmma.launch_hmma(x, t, y, cfg, trace=b) for t, y, b in zip(packed, ys, traces)]
+        plain = [lambda t=t, y=y: u12_hmma.launch_hmma(x, t, y, cfg) for t, y in zip(packed, ys)]
+        us_plain = time_graph(plain) * 1e3 / copies
+        us_traced = time_graph(traced) * 1e3 / copies  # the stamps' own cost: traced against plain
+        for b in traces:
+            b.zero_()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for f in traced:
+                f()
+        g.replay()
+        torch.cuda.synchronize()
+        calls = [phases(b.cpu(), cfg.split_k) for b in traces]
+        row = dict(name=name, N=n, K=k, M=16, config=str(cfg), programs=programs, copies=copies,
+                   us_plain=us_plain, us_traced=us_traced, phases=summarize(calls))
+        rows.append(row)
+        p = row["phases"]
+        print(f"{name:8} plain {us_plain:6.2f} traced {us_traced:6.2f} | " + " ".join(f"{key} {v:.2f}" for key, v in p.items()
+                                                                                  if key != "summing"), flush=True)
+        del packed, traces, ys, g
+        torch.cuda.empty_cache()
+    out = write_result(dict(
+        benchmark="hmma_trace", what=__doc__.split("\n\n")[0],
+        timing="µs: %globaltimer stamps of one CUDA graph replay, medians over the calls after the first two; "
+               "us_plain and us_traced: median replay of the same graph without and with stamps, a call",
+        gpu=gpu, torch=torch.__version__, triton=triton.__version__, python=platform.python_version(),
+        git_commit=git_commit(("kernels/u12_hmma.py", "bench/hmma_trace.py")),
+        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), rows=rows),
+        args.out, "hmma_trace", gpu)
+    print("wrote", out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
