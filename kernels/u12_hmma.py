@@ -191,7 +191,8 @@ ESC_SPLIT = False
 # PDL wait), after the main loop (its last MMA done), after the split-K semaphore, after the last
 # program's sum of the partials and after its epilogue's stores are issued (slots 0-4; the last two in the
 # program that sums only). Off (no buffer): the kernel has none of it.
-TRACE_SLOTS = 8
+_SLOTS = tl.constexpr(8)  # the kernel's view (a jit function reads only constexpr globals)
+TRACE_SLOTS = _SLOTS.value
 # WARP_K (``U12Config.warp_k``, a config's, no module switch): a program's warps share its 16 or 32
 # rows and each multiplies a contiguous share of the split's words, then walks its share of the
 # escapes (as ESC_SPLIT's splits do); the sums meet in shared memory after the loop (``_warp_sums``:
@@ -424,7 +425,7 @@ def _stamp(trace_ptr, slot: tl.constexpr, dep, t, TRACE: tl.constexpr):
             "=l,r", [dep.to(tl.int32, bitcast=True)], dtype=tl.int64, is_pure=False, pack=1,
         )
         prog = (tl.program_id(2) * tl.num_programs(1) + tl.program_id(1)) * tl.num_programs(0) + tl.program_id(0)
-        tl.store(trace_ptr + prog * TRACE_SLOTS + slot + t * 0, ns, mask=t == 0)
+        tl.store(trace_ptr + prog * _SLOTS + slot + t * 0, ns, mask=t == 0)
 
 
 @triton.jit
