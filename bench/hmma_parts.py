@@ -15,12 +15,14 @@ distinct weight copy of about 2 GB, median replay, min of two):
                  programs and warps (one chunk of 16 bytes a thread in flight, and two);
   read-best      its fastest config (8 programs of 8 warps an SM);
   tuned-u<E>     with --esc-unroll: tuned at u12_hmma.ESC_UNROLL = E (escapes a step of the last
-                 program's walk, their loads in flight at once; the default 2).
+                 program's walk, their loads in flight at once; the default 2);
+  tuned-early    with --esc-early: tuned at u12_hmma.ESC_EARLY "all" (escape pointers before the
+                 loop, each row's first 4 escapes after it).
 
 So tuned - tuned-noesc is the escapes, tuned - twin the split-K sum, twin-noesc - read-grid the loop's
 decode and MMAs beyond its loads. Writes bench/results/hmma_parts_<gpu>.json, prints a line a shape.
 
-    python bench/hmma_parts.py [--shapes o,down,qkv,gate_up] [--esc-unroll 4,8] [--out FILE]
+    python bench/hmma_parts.py [--shapes o,down,qkv,gate_up] [--esc-unroll 4,8] [--esc-early] [--out FILE]
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default="o,down,qkv,gate_up")
     ap.add_argument("--esc-unroll", default="", help="tuned also at these u12_hmma.ESC_UNROLL values (comma-separated)")
+    ap.add_argument("--esc-early", action="store_true", help="tuned also with u12_hmma.ESC_EARLY \"all\"")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
     try:
@@ -95,12 +98,15 @@ def main(argv: list[str] | None = None) -> int:
         us, escapes = {}, {}
         cases = {"tuned": (n, k, cfg, False, None), "tuned-noesc": (n, k, cfg, True, None)}
         cases.update({f"tuned-u{v}": (n, k, cfg, False, v) for v in unrolls})
+        if args.esc_early:
+            cases["tuned-early"] = (n, k, cfg, False, "early")
         if s > 1:
             twin = dataclasses.replace(cfg, split_k=1)
             cases.update({"twin": (n * s, k // s, twin, False, None), "twin-noesc": (n * s, k // s, twin, True, None)})
         default_unroll = u12_hmma.ESC_UNROLL
         for label, (nn, kk, c, clean, unroll) in cases.items():
-            u12_hmma.ESC_UNROLL = unroll or default_unroll  # read at launch
+            u12_hmma.ESC_UNROLL = unroll if isinstance(unroll, int) else default_unroll  # read at launch
+            u12_hmma.ESC_EARLY = "all" if unroll == "early" else "off"
             packed = []
             for _ in range(copies):
                 w = (torch.randn(nn, kk, device="cuda", generator=gen) * 0.02).to(torch.bfloat16)
@@ -118,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
             us[label] = min(time_graph(calls), time_graph(calls)) * 1e3 / copies
             del packed
             torch.cuda.empty_cache()
-        u12_hmma.ESC_UNROLL = default_unroll
+        u12_hmma.ESC_UNROLL, u12_hmma.ESC_EARLY = default_unroll, "off"
         # the read kernel over the same bytes (the planes' 1.5 bytes a weight) at the tuned grid and its best
         nbytes = math.ceil(n * k * 1.5 / (16 * 1024)) * 16 * 1024
         grid = (n // cfg.block_n) * s

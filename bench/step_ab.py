@@ -40,7 +40,8 @@ every weight tiled, ``U12Tensor.layout``: gemv2 and the fused GEMV on the tiles 
 hmma configs from 3 rows; u12-tiles-sweep: with the tiled configs of a --tiles-tuned file (bench/hmma_knobs.py's
 per-shape winners) or else a --u12-tuned one, and u12-tiles-sweep-pdl-wait, u12-tiles-sweep-many-rows-pdl-wait
 with them in PDL mode 2 (not under --smoke); u12-tiles-ahead and
-u12-tiles-esc-split: with ``u12_hmma.AHEAD`` or ``u12_hmma.ESC_SPLIT``; u12-tiles-ahead-x: AHEAD with
+u12-tiles-esc-split, u12-tiles-esc-early(-all): with ``u12_hmma.AHEAD``, ``ESC_SPLIT`` or ``ESC_EARLY`` ("split-k",
+"all"); u12-tiles-ahead-x: AHEAD with
 ``u12_hmma.AHEAD_X`` (each of these knob variants also as <name>-many-rows-pdl-wait, not under --smoke);
 u12-tiles-many-rows: with U12_MANY_ROWS, the fused epilogues and norm handoff on the tiles; u12-tiles-pdl-wait, u12-tiles-many-rows-pdl-wait and
 bf16-linear-pdl-wait: those steps in PDL mode 2, not under --smoke; all --q above 1); u12-sweep and u12-fused-sweep
@@ -133,6 +134,8 @@ TILES_KNOB_VARIANTS = {  # name: knobs over u12-tiles (--q above 1)
     "u12-tiles-ahead": {"u12_hmma.AHEAD": True},  # the hmma loop's register double buffer
     "u12-tiles-ahead-x": {"u12_hmma.AHEAD": True, "u12_hmma.AHEAD_X": True},  # and the next chunk's x into L1
     "u12-tiles-esc-split": {"u12_hmma.ESC_SPLIT": True},  # a split-K launch's escapes walked by its splits
+    "u12-tiles-esc-early": {"u12_hmma.ESC_EARLY": "split-k"},  # the rows' escape pointers and first escapes early
+    "u12-tiles-esc-early-all": {"u12_hmma.ESC_EARLY": "all"},  # and in the one-split launches (gate_up)
 }
 # u12-tiles' twins at q rows (the forward's PDL default is mode 0 above GEMV_ROWS): (suffix, through
 # u12_fused_linear's epilogues and norm handoff on the tiles (U12_MANY_ROWS), PDL mode)

@@ -158,6 +158,17 @@ NARROW = True
 # against 5.272, bench/results/tried/step_ab_verify16_walk_524e331_h100.json): the walk's steps are not
 # what the split-K shapes' tails cost (bench/hmma_parts.py; the README's #5 notes).
 ESC_UNROLL = 2
+# The table's escapes early (one m-tile a warp, no ESC_SPLIT or WARP_K): every program loads its rows'
+# escape pointers before its loop (4 registers through it) and their first 4 escapes a row after it,
+# before the split-K semaphore, so the program that sums finds them in registers and sends their x
+# gathers out with the partials' loads; the walk then goes on from the 5th. The same sums bit for bit
+# (tests/test_u12_hmma.py). Why: bench/hmma_trace.py on the H200 (293ce94) has the summing program's
+# escape walk and epilogue at o 2.75 µs, qkv 2.75, down 4.25 and gate_up 2.5 of calls of 13-49 µs, about
+# 2 dependent round trips a step after a round trip for the pointers. "split-k": split-K launches only
+# (the 4 pointers' registers cost gate_up's one-split launch a program an SM: 105 registers against 96,
+# sm_90, Triton 3.6); "all": every launch; "off". Read at launch.
+ESC_EARLY = "off"
+_EARLY_MODES = ("off", "split-k", "all")
 # A register double buffer (one m-tile a warp, block_w 16 or 32): each chunk's loop iteration first
 # issues the next chunk's words and codes, then decodes and multiplies its own, so a warp keeps a
 # chunk in flight while it computes. Tried on the row planes (462a452) it did not pay: their loads
@@ -513,6 +524,50 @@ def _x_rows(x_ptr, m0, m1, m2, m3, M, stride_xm):
 
 
 @triton.jit
+def _entry(esc_idx_ptr, esc_val_ptr, start, j, cnt, K):
+    """Escape j of a row whose escapes start at `start` in the table (``_esc_rows``): its column and
+    value (fp32), where j < cnt (else 0 and 0: masked, no load)."""
+    has = j < cnt
+    idx = tl.load(esc_idx_ptr + start + j, mask=has, other=0)
+    val = (tl.load(esc_val_ptr + start + j, mask=has, other=0).to(tl.int32) << 16).to(tl.float32, bitcast=True)
+    return idx % K, val, has
+
+
+@triton.jit
+def _walk_one(e0, e1, e2, e3, e4, e5, e6, e7, s0, s1, s2, s3, s4, s5, s6, s7, xr0, xr1, xr2, xr3,
+              col_l, val_l, has_l, col_h, val_h, has_h, NT: tl.constexpr):
+    """One escape of rows rl and rh (``_entry``'s) into the m-tile's 8 elements' (Σ x · w, Σ x · 2^-15)."""
+    e0, s0 = _esc_step(e0, s0, xr0, col_l, val_l, has_l)  # row g, x rows 2 q and 2 q + 1
+    e1, s1 = _esc_step(e1, s1, xr1, col_l, val_l, has_l)
+    e2, s2 = _esc_step(e2, s2, xr0, col_h, val_h, has_h)  # row g + 8
+    e3, s3 = _esc_step(e3, s3, xr1, col_h, val_h, has_h)
+    if NT == 2:
+        e4, s4 = _esc_step(e4, s4, xr2, col_l, val_l, has_l)
+        e5, s5 = _esc_step(e5, s5, xr3, col_l, val_l, has_l)
+        e6, s6 = _esc_step(e6, s6, xr2, col_h, val_h, has_h)
+        e7, s7 = _esc_step(e7, s7, xr3, col_h, val_h, has_h)
+    return e0, e1, e2, e3, e4, e5, e6, e7, s0, s1, s2, s3, s4, s5, s6, s7
+
+
+@triton.jit
+def _walk_from(e0, e1, e2, e3, e4, e5, e6, e7, s0, s1, s2, s3, s4, s5, s6, s7, begin,
+               start_l, cnt_l, start_h, cnt_h, xr0, xr1, xr2, xr3, esc_idx_ptr, esc_val_ptr, K,
+               NT: tl.constexpr, UNROLL: tl.constexpr, first, STRIDE: tl.constexpr):
+    """The sums (e, s) carried on through escapes begin + first, begin + first + STRIDE, ... of rows rl
+    and rh (``_esc_rows``), each row's in order, one walk as long as the block's longest row, UNROLL
+    escapes a step (their loads in flight at once)."""
+    for j0 in range(begin, tl.max(tl.maximum(cnt_l, cnt_h)), UNROLL * STRIDE):
+        for jj in tl.static_range(UNROLL):  # in order: the sums as one escape a step
+            j = j0 + jj * STRIDE + first
+            col_l, val_l, has_l = _entry(esc_idx_ptr, esc_val_ptr, start_l, j, cnt_l, K)
+            col_h, val_h, has_h = _entry(esc_idx_ptr, esc_val_ptr, start_h, j, cnt_h, K)
+            e0, e1, e2, e3, e4, e5, e6, e7, s0, s1, s2, s3, s4, s5, s6, s7 = _walk_one(
+                e0, e1, e2, e3, e4, e5, e6, e7, s0, s1, s2, s3, s4, s5, s6, s7, xr0, xr1, xr2, xr3,
+                col_l, val_l, has_l, col_h, val_h, has_h, NT)
+    return e0, e1, e2, e3, e4, e5, e6, e7, s0, s1, s2, s3, s4, s5, s6, s7
+
+
+@triton.jit
 def _table_walk(start_l, cnt_l, start_h, cnt_h, xr0, xr1, xr2, xr3, esc_idx_ptr, esc_val_ptr, K,
                 NT: tl.constexpr, UNROLL: tl.constexpr, first, STRIDE: tl.constexpr):
     """The escapes of rows rl and rh (``_esc_rows``) from the CSR table for x rows xr0..xr3
@@ -522,29 +577,40 @@ def _table_walk(start_l, cnt_l, start_h, cnt_h, xr0, xr1, xr2, xr3, esc_idx_ptr,
     of 1, one share (``ESC_SPLIT``) from its index a stride of the shares (first a scalar, or [T]
     with ``WARP_K``: each warp's own)."""
     z = tl.zeros(start_l.shape, dtype=tl.float32)
-    e0, e1, e2, e3, e4, e5, e6, e7 = z, z, z, z, z, z, z, z
-    s0, s1, s2, s3, s4, s5, s6, s7 = z, z, z, z, z, z, z, z
-    for j0 in range(0, tl.max(tl.maximum(cnt_l, cnt_h)), UNROLL * STRIDE):
-        for jj in tl.static_range(UNROLL):  # in order: the sums as one escape a step
-            j = j0 + jj * STRIDE + first
-            has_l = j < cnt_l
-            has_h = j < cnt_h
-            idx_l = tl.load(esc_idx_ptr + start_l + j, mask=has_l, other=0)
-            idx_h = tl.load(esc_idx_ptr + start_h + j, mask=has_h, other=0)
-            val_l = (tl.load(esc_val_ptr + start_l + j, mask=has_l, other=0).to(tl.int32) << 16).to(tl.float32, bitcast=True)
-            val_h = (tl.load(esc_val_ptr + start_h + j, mask=has_h, other=0).to(tl.int32) << 16).to(tl.float32, bitcast=True)
-            col_l = idx_l % K
-            col_h = idx_h % K
-            e0, s0 = _esc_step(e0, s0, xr0, col_l, val_l, has_l)  # row g, x rows 2 q and 2 q + 1
-            e1, s1 = _esc_step(e1, s1, xr1, col_l, val_l, has_l)
-            e2, s2 = _esc_step(e2, s2, xr0, col_h, val_h, has_h)  # row g + 8
-            e3, s3 = _esc_step(e3, s3, xr1, col_h, val_h, has_h)
-            if NT == 2:
-                e4, s4 = _esc_step(e4, s4, xr2, col_l, val_l, has_l)
-                e5, s5 = _esc_step(e5, s5, xr3, col_l, val_l, has_l)
-                e6, s6 = _esc_step(e6, s6, xr2, col_h, val_h, has_h)
-                e7, s7 = _esc_step(e7, s7, xr3, col_h, val_h, has_h)
-    return e0, e1, e2, e3, e4, e5, e6, e7, s0, s1, s2, s3, s4, s5, s6, s7
+    return _walk_from(z, z, z, z, z, z, z, z, z, z, z, z, z, z, z, z, 0, start_l, cnt_l, start_h, cnt_h,
+                      xr0, xr1, xr2, xr3, esc_idx_ptr, esc_val_ptr, K, NT, UNROLL, first, STRIDE)
+
+
+@triton.jit
+def _early_entries(esc_idx_ptr, esc_val_ptr, start_l, cnt_l, start_h, cnt_h, K):
+    """``ESC_EARLY``: the first 4 escapes of rows rl and rh, their loads in flight together: (column,
+    value, present) of each, row rl's then rh's (``_early_walk`` takes them)."""
+    a = _entry(esc_idx_ptr, esc_val_ptr, start_l, 0, cnt_l, K)
+    b = _entry(esc_idx_ptr, esc_val_ptr, start_l, 1, cnt_l, K)
+    c = _entry(esc_idx_ptr, esc_val_ptr, start_l, 2, cnt_l, K)
+    d = _entry(esc_idx_ptr, esc_val_ptr, start_l, 3, cnt_l, K)
+    e = _entry(esc_idx_ptr, esc_val_ptr, start_h, 0, cnt_h, K)
+    f = _entry(esc_idx_ptr, esc_val_ptr, start_h, 1, cnt_h, K)
+    g = _entry(esc_idx_ptr, esc_val_ptr, start_h, 2, cnt_h, K)
+    h = _entry(esc_idx_ptr, esc_val_ptr, start_h, 3, cnt_h, K)
+    return a, b, c, d, e, f, g, h
+
+
+@triton.jit
+def _early_walk(ents, start_l, cnt_l, start_h, cnt_h, xr0, xr1, xr2, xr3, esc_idx_ptr, esc_val_ptr, K,
+                NT: tl.constexpr, UNROLL: tl.constexpr):
+    """``_table_walk``'s sums, bit for bit, from ``_early_entries``' first 4 escapes of each row (already
+    in registers: only their x gathers left), then the rest of the walk from the 5th."""
+    z = tl.zeros(start_l.shape, dtype=tl.float32)
+    e0, e1, e2, e3, e4, e5, e6, e7, s0, s1, s2, s3, s4, s5, s6, s7 = z, z, z, z, z, z, z, z, z, z, z, z, z, z, z, z
+    for j in tl.static_range(4):
+        col_l, val_l, has_l = ents[j]
+        col_h, val_h, has_h = ents[4 + j]
+        e0, e1, e2, e3, e4, e5, e6, e7, s0, s1, s2, s3, s4, s5, s6, s7 = _walk_one(
+            e0, e1, e2, e3, e4, e5, e6, e7, s0, s1, s2, s3, s4, s5, s6, s7, xr0, xr1, xr2, xr3,
+            col_l, val_l, has_l, col_h, val_h, has_h, NT)
+    return _walk_from(e0, e1, e2, e3, e4, e5, e6, e7, s0, s1, s2, s3, s4, s5, s6, s7, 4, start_l, cnt_l,
+                      start_h, cnt_h, xr0, xr1, xr2, xr3, esc_idx_ptr, esc_val_ptr, K, NT, UNROLL, 0, 1)
 
 
 @triton.jit
@@ -795,6 +861,7 @@ def _u12_hmma_kernel(
     ESC_SPLIT: tl.constexpr = False,  # SPLIT_K > 1 or WARP_K, the table: each split (warp) walks its share of the escapes
     WARP_K: tl.constexpr = False,  # the warps share the program's rows and split its words (``WARP_K``)
     TRACE: tl.constexpr = False,  # phase stamps into trace_ptr (``TRACE_SLOTS``; GPU only)
+    EARLY: tl.constexpr = False,  # the table's escapes: pointers before the loop, first 4 a row after it (``ESC_EARLY``)
 ):
     pdl_enter(PDL)
     TILES: tl.constexpr = BLOCK_N // 16 if WARP_K else BLOCK_N // (16 * WARPS)  # m-tiles a warp: 1 or 2
@@ -879,6 +946,10 @@ def _u12_hmma_kernel(
     zero = tl.zeros((T,), dtype=tl.float32)
     d0, d1, d2, d3, e0, e1, e2, e3 = zero, zero, zero, zero, zero, zero, zero, zero
     f0, f1, f2, f3, h0, h1, h2, h3 = zero, zero, zero, zero, zero, zero, zero, zero
+    esl, ecl, esh, ech = rl0, rl0, rl0, rl0  # EARLY: rows rl0 and rh0's escapes in the table (``_esc_rows``)
+    if EARLY:  # 4 registers through the loop, so the escapes' loads after it need no round trip for them
+        tl.static_assert(TILES == 1 and not LANES and not ESC_SPLIT and not WARP_K, "EARLY: one m-tile a warp, the table")
+        esl, ecl, esh, ech = _esc_rows(esc_row_ptr, rl0, rh0, vl0, vh0)
     if AHEAD:  # a register double buffer: chunk c + 1's words in flight while chunk c decodes and multiplies
         tl.static_assert(TILES == 1 and BLOCK_W <= 32, "AHEAD: one m-tile a warp, at most 2 groups a chunk")
         live = (lane_w * 0 + w_begin) < full_end  # [T, 4] (a scalar mask does not run in the interpreter)
@@ -942,6 +1013,7 @@ def _u12_hmma_kernel(
                     TILES, NT, True, ASM)
 
     _stamp(trace_ptr, 1, d0, t, TRACE)
+    ents = _early_entries(esc_idx_ptr, esc_val_ptr, esl, ecl, esh, ech, K) if EARLY else 0
     mb = pid_m * BLOCK_M + 2 * q
     m0, m1, m2, m3 = mb, mb + 1, mb + 8, mb + 9  # x rows of d0 / d2, d1 / d3, e0 / e2, e1 / e3
     w0, w1, w2, w3, w4, w5, w6, w7 = zero, zero, zero, zero, zero, zero, zero, zero  # ESC_SPLIT: the escapes'
@@ -1005,7 +1077,13 @@ def _u12_hmma_kernel(
         i0, i1, i2, i3 = d0, d0, d0, d0  # (unused without HAND_IN)
         if HAND_IN:  # each lane's x rows' inv, in the sums' layout
             i0, i1, i2, i3 = _lane_invs(parts_ptr, m0, m1, m2, m3, M, n_parts, inv_k, eps, WARPS, BLOCK_P, NT)
-        WALKED: tl.constexpr = ESC_SPLIT
+        WALKED: tl.constexpr = ESC_SPLIT or EARLY
+        if EARLY:  # the rows' first escapes in registers since the loop: their x gathers go out with the
+            # partials' loads; the walk's sums bit for bit, the spurious terms taken back here (as ESC_SPLIT's)
+            xr0, xr1, xr2, xr3 = _x_rows(x_ptr, m0, m1, m2, m3, M, stride_xm)
+            w0, w1, w2, w3, w4, w5, w6, w7, s0, s1, s2, s3, s4, s5, s6, s7 = _early_walk(
+                ents, esl, ecl, esh, ech, xr0, xr1, xr2, xr3, esc_idx_ptr, esc_val_ptr, K, NT, ESC_UNROLL)
+            d0, d1, d2, d3, e0, e1, e2, e3 = d0 - s0, d1 - s1, d2 - s2, d3 - s3, e0 - s4, e1 - s5, e2 - s6, e3 - s7
         sl0, cl0, sh0, ch0 = rl0, rl0, rl0, rl0  # (unused where WALKED or LANES)
         if not WALKED and not LANES:
             sl0, cl0, sh0, ch0 = _esc_rows(esc_row_ptr, rl0, rh0, vl0, vh0)
@@ -1079,7 +1157,15 @@ def launch_hmma(x: torch.Tensor, t: U12Tensor, y: torch.Tensor, cfg: U12Config, 
         **pdl_args(x.device), LANES=n_lanes, LANE_GROUP=lane_group(n_lanes), TILED=t.layout == "tiles", **flags,
         ESC_UNROLL=ESC_UNROLL, AHEAD=ahead, AHEAD_X=cfg.ahead_x or (ahead and AHEAD_X),
         ESC_SPLIT=esc_split and (grid[1] > 1 or cfg.warp_k), WARP_K=cfg.warp_k, TRACE=trace is not None,
+        EARLY=_early(grid[1]) and cfg.block_n == 16 * cfg.num_warps and not cfg.warp_k and not n_lanes and not esc_split,
     )
+
+
+def _early(splits: int) -> bool:
+    """Whether a launch of `splits` ways over K takes its escapes early (``ESC_EARLY``)."""
+    if ESC_EARLY not in _EARLY_MODES:
+        raise ValueError(f"u12_hmma.ESC_EARLY: expected one of {', '.join(_EARLY_MODES)}, got {ESC_EARLY!r}")
+    return ESC_EARLY == "all" or (ESC_EARLY == "split-k" and splits > 1)
 
 
 # --- registry entry -------------------------------------------------------------------------

@@ -513,3 +513,58 @@ def test_phase_stamps_change_no_value_and_run_in_order(split_k, residual):
         assert (s[~summing, 3] == 0).all()
     else:
         assert (s[:, 4] >= s[:, 1]).all() and (s[:, 2] == 0).all()
+
+
+@pytest.mark.parametrize("m,n,k,split_k,residual", [
+    (16, 48, 256, 2, False),  # rows of 0 to 7 escapes: past the 4 taken early, the walk goes on
+    (9, 64, 384, 1, True),  # no split: the summing program is every program; a residual epilogue
+    (16, 32, 448, 3, False),  # 112 words in 3 splits: a masked last chunk
+])
+def test_escapes_taken_early_give_the_same_sums(monkeypatch, m, n, k, split_k, residual):
+    """``ESC_EARLY`` (escape pointers before the loop, each row's first 4 escapes after it): y bit
+    for bit the default walk's, with rows of 0 to 7 escapes; against the reference; a wrong escape
+    value among the first 4 of a row, and one past them, must show."""
+    from specpilot.runtime.u12 import pack_u12
+
+    g = torch.Generator().manual_seed(k + split_k)
+    w = 0.02 * torch.randn(n, k, generator=g)
+    for r in range(n):  # row r: r % 8 escapes (values below the exponent window)
+        w[r, torch.randperm(k, generator=g)[: r % 8]] = 1e-30
+    t = pack_u12(w.to(torch.bfloat16), layout="tiles").to(DEVICE)
+    x = torch.randn(m, k, generator=g).to(torch.bfloat16).to(DEVICE)
+    cfg = U12Config(32, 32, split_k=split_k, num_warps=2, **_HMMA)
+    base = torch.randn(m, n, generator=g).to(torch.bfloat16).to(DEVICE)
+
+    def run(tt):
+        y = base.clone()
+        u12_hmma.launch_hmma(x, tt, y, cfg, residual=residual)
+        return y
+
+    want = run(t)
+    monkeypatch.setattr(u12_hmma, "ESC_EARLY", "split-k" if split_k > 1 else "all")
+    kernel, taken = u12_hmma._u12_hmma_kernel, []
+
+    class Spy:  # the launch's EARLY flag, then the kernel itself
+        def __getitem__(self, grid):
+            return lambda *a, **kw: (taken.append(kw["EARLY"]), kernel[grid](*a, **kw))
+
+    monkeypatch.setattr(u12_hmma, "_u12_hmma_kernel", Spy())
+    got = run(t)
+    assert taken == [True]
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    ref = u12_linear_reference(x, t).float() + (base.float() if residual else 0)
+    torch.testing.assert_close(got.float(), ref, rtol=8e-3, atol=1e-2 if residual else 1e-4)
+    if split_k == 1:  # "split-k" leaves a one-split launch as it was
+        monkeypatch.setattr(u12_hmma, "ESC_EARLY", "split-k")
+        taken.clear()
+        assert torch.equal(run(t).view(torch.int16), want.view(torch.int16)) and taken == [False]
+        monkeypatch.setattr(u12_hmma, "ESC_EARLY", "all")
+    monkeypatch.setattr(u12_hmma, "ESC_EARLY", "early")
+    with pytest.raises(ValueError, match="u12_hmma.ESC_EARLY: expected one of off, split-k, all, got 'early'"):
+        run(t)
+    monkeypatch.setattr(u12_hmma, "ESC_EARLY", "all")
+    row7 = int(t.esc_row_ptr[7])  # row 7: 7 escapes (and maybe a normal draw's), so the 2nd and the 6th
+    for j in (1, 5):
+        bad = dataclasses.replace(t, esc_val=t.esc_val.clone())
+        bad.esc_val[row7 + j] = torch.tensor(4.0, dtype=torch.bfloat16).view(torch.int16)
+        assert not torch.equal(run(bad).view(torch.int16), want.view(torch.int16)), j
