@@ -98,7 +98,7 @@ shape, against the best on row planes: qkv 19.1 µs (mma 19.5), o 15.9 (16.9), g
 64.4), down 35.6 (40.4), lm_head 202 (mma 218); hence u12_linear.TUNED_TILES. verify(16)
 interleaved with every weight tiled (u12-tiles, 753d9c4): 4.613 ms against the bf16 step's 4.446
 (0.96x; the row planes' 5.151, 0.86x; bench/results/tried/step_ab_verify16_753d9c4_h200.json; at 0bc2353
-4.637 against 4.510, 0.97x: bench/results/step_ab_verify16_h200.json).
+4.637 against 4.510, 0.97x: bench/results/tried/step_ab_verify16_0bc2353_h200.json).
 
 bf16 x only (fp32 x, K % 4 != 0 or a base past 240 run the tile kernel: ``hmma_applies``). By
 default u12_linear runs it from TENSOR_CORE_ROWS (3) rows up where TUNED's 16-row config is an hmma

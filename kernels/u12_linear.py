@@ -1106,7 +1106,7 @@ TUNED: dict[tuple[int, int, int], U12Config] = {
 # 32.4, 284. The step's linears in one graph: 4.10 ms against cuBLAS's 4.08. verify(16) interleaved
 # with every weight tiled (bench/step_ab.py's u12-tiles, 753d9c4): 4.613 ms against the bf16 step's
 # 4.446 and the row planes' 5.151 (bench/results/tried/step_ab_verify16_753d9c4_h200.json; at 0bc2353
-# 4.637, 4.510 and 5.262: bench/results/step_ab_verify16_h200.json); the AR step on tiles ran 3.820
+# 4.637, 4.510 and 5.262: bench/results/tried/step_ab_verify16_0bc2353_h200.json); the AR step on tiles ran 3.820
 # against 3.405 (tried/step_ab_753d9c4_h200.json; 3.811 against 3.402 at 0bc2353): gemv2 reads tiles 4-12% slower at one row, each shape
 # at its best config on either (bench/results/u12_linear_gemv2_tiles_h200.json, 5ba8e66), hence a
 # layout per deployment (weights-u12's auto). From 32 rows the mma kernel reads both alike (qkv's
@@ -1133,7 +1133,7 @@ ESC_AHEAD = True
 # bench/results/tried/step_ab_451e309_h200.json) and lost verify(16) (5.543 against 5.250,
 # bench/results/tried/step_ab_verify16_451e309_h200.json; again at 3353acd, 5.158 against 5.442:
 # bench/results/tried/step_ab_verify16_3353acd_h200.json; at 0bc2353 5.262 against 5.555,
-# bench/results/step_ab_verify16_h200.json), hence
+# bench/results/tried/step_ab_verify16_0bc2353_h200.json), hence
 # "gemv". Read at launch; SPECPILOT_ESC_LANES sets it for a process.
 ESC_LANES = os.environ.get("SPECPILOT_ESC_LANES", "gemv")
 _LANE_MODES = ("gemv", "lanes", "table")
