@@ -5,7 +5,9 @@ grid (11.6 at the tuned kernel's 16 warps an SM), where the hmma kernel takes 16
 tiled weights, TUNED_TILES' config, each timed like bench/hmma_knobs.py (a CUDA graph of one call per
 distinct weight copy of about 2 GB, median replay, min of two):
 
-  tuned          the config as it is, on N(0, 0.02) weights (escapes about 1.5e-4 of them);
+  tuned          the config as it is, on N(0, 0.02) weights (escapes about 1.5e-4 of them), with
+                 u12_hmma.ESC_EARLY "off" (the whole escape walk after the loop; every case but
+                 tuned-early runs so);
   tuned-noesc    the same on the same weights with every magnitude under 2^-17 raised to it: no
                  escapes (checked), so the difference is what the escape walk costs;
   twin           a split-K config's programs without the split: the shape (N · S, K / S) at split 1,

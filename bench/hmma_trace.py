@@ -70,7 +70,7 @@ def summarize(calls: list[dict]) -> dict:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default="o,down,qkv,gate_up")
-    ap.add_argument("--esc-early", default="off", choices=("off", "split-k", "all"), help="u12_hmma.ESC_EARLY")
+    ap.add_argument("--esc-early", choices=("off", "split-k", "all"), help="u12_hmma.ESC_EARLY (default: the module's)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     from specpilot.kernels.u12_linear import TUNED_TILES
     from specpilot.runtime.u12 import pack_u12
 
-    u12_hmma.ESC_EARLY = args.esc_early
+    u12_hmma.ESC_EARLY = args.esc_early or u12_hmma.ESC_EARLY
     names = [s for s in args.shapes.split(",") if s]
     for s in names:
         if s not in SHAPES or s == "lm_head":
@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         calls = [phases(b.cpu(), cfg.split_k) for b in traces]
         row = dict(name=name, N=n, K=k, M=16, config=str(cfg), programs=programs, copies=copies,
                    us_plain=us_plain, us_traced=us_traced, phases=summarize(calls))
-        row["esc_early"] = args.esc_early
+        row["esc_early"] = u12_hmma.ESC_EARLY
         rows.append(row)
         p = row["phases"]
         print(f"{name:8} plain {us_plain:6.2f} traced {us_traced:6.2f} | " + " ".join(f"{key} {v:.2f}" for key, v in p.items()

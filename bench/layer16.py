@@ -7,7 +7,7 @@ The u12 verify(16) step runs its layers one of two ways (runtime/fused.py):
   fused   run_layers_linear with U12_MANY_ROWS (u12-tiles-many-rows): u12_fused_linear's hmma
           epilogues, four launches: qkv taking the norm down handed on, o adding into the stream and
           handing the next norm on, gate_up gated taking it, down adding and handing on
-and the fused way measured slower in the step (bench/results/step_ab_verify16_h100.json, 5f739f0)
+and the fused way measured slower in the step (bench/results/tried/step_ab_verify16_5f739f0_h100.json, 5f739f0)
 though it launches three kernels fewer; this found why (its epilogues' serial loads). Each call of each way is timed here as a CUDA graph of the call over
 the 32 layers' distinct weights (about 10.5 GB packed, so every call reads HBM), then the two ways'
 whole chains; and the fused calls once more without their handoffs (o and down with the residual

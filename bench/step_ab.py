@@ -40,8 +40,9 @@ every weight tiled, ``U12Tensor.layout``: gemv2 and the fused GEMV on the tiles 
 hmma configs from 3 rows; u12-tiles-sweep: with the tiled configs of a --tiles-tuned file (bench/hmma_knobs.py's
 per-shape winners) or else a --u12-tuned one, and u12-tiles-sweep-pdl-wait, u12-tiles-sweep-many-rows-pdl-wait
 with them in PDL mode 2 (not under --smoke); u12-tiles-ahead and
-u12-tiles-esc-split, u12-tiles-esc-early(-all): with ``u12_hmma.AHEAD``, ``ESC_SPLIT`` or ``ESC_EARLY`` ("split-k",
-"all"); u12-tiles-esc-early-w2: "all" with the layer shapes' TUNED_TILES configs at 32 rows and 2 warps; u12-tiles-ahead-x: AHEAD with
+u12-tiles-esc-split, u12-tiles-esc-late, u12-tiles-esc-early-split: with ``u12_hmma.AHEAD``, ``ESC_SPLIT``, or
+``ESC_EARLY`` "off" (the default before) or "split-k" (the default "all"); u12-tiles-w2: the layer shapes' TUNED_TILES
+configs at 32 rows and 2 warps (dd0190b's u12-tiles-esc-early-w2); u12-tiles-ahead-x: AHEAD with
 ``u12_hmma.AHEAD_X`` (each of these knob variants also as <name>-many-rows-pdl-wait, not under --smoke);
 u12-tiles-many-rows: with U12_MANY_ROWS, the fused epilogues and norm handoff on the tiles; u12-tiles-pdl-wait, u12-tiles-many-rows-pdl-wait and
 bf16-linear-pdl-wait: those steps in PDL mode 2, not under --smoke; all --q above 1); u12-sweep and u12-fused-sweep
@@ -134,9 +135,9 @@ TILES_KNOB_VARIANTS = {  # name: knobs over u12-tiles (--q above 1)
     "u12-tiles-ahead": {"u12_hmma.AHEAD": True},  # the hmma loop's register double buffer
     "u12-tiles-ahead-x": {"u12_hmma.AHEAD": True, "u12_hmma.AHEAD_X": True},  # and the next chunk's x into L1
     "u12-tiles-esc-split": {"u12_hmma.ESC_SPLIT": True},  # a split-K launch's escapes walked by its splits
-    "u12-tiles-esc-early": {"u12_hmma.ESC_EARLY": "split-k"},  # the rows' escape pointers and first escapes early
-    "u12-tiles-esc-early-all": {"u12_hmma.ESC_EARLY": "all"},  # and in the one-split launches (gate_up)
-    "u12-tiles-esc-early-w2": {"u12_hmma.ESC_EARLY": "all", "u12_linear.TUNED_TILES": {  # and 32-row programs of 2 warps
+    "u12-tiles-esc-late": {"u12_hmma.ESC_EARLY": "off"},  # the escape walk all after the loop (the default before)
+    "u12-tiles-esc-early-split": {"u12_hmma.ESC_EARLY": "split-k"},  # early in the split-K launches only
+    "u12-tiles-w2": {"u12_linear.TUNED_TILES": {  # the layer shapes at 32-row programs of 2 warps
         **u12_linear.TUNED_TILES, **{(16, n, k): dataclasses.replace(u12_linear.TUNED_TILES[(16, n, k)], block_n=32, num_warps=2,
                                                                      maxnreg=128)
                                      for n, k in ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336))}}},

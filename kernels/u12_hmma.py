@@ -162,12 +162,18 @@ ESC_UNROLL = 2
 # escape pointers before its loop (4 registers through it) and their first 4 escapes a row after it,
 # before the split-K semaphore, so the program that sums finds them in registers and sends their x
 # gathers out with the partials' loads; the walk then goes on from the 5th. The same sums bit for bit
-# (tests/test_u12_hmma.py). Why: bench/hmma_trace.py on the H200 (293ce94) has the summing program's
-# escape walk and epilogue at o 2.75 µs, qkv 2.75, down 4.25 and gate_up 2.5 of calls of 13-49 µs, about
-# 2 dependent round trips a step after a round trip for the pointers. "split-k": split-K launches only
-# (the 4 pointers' registers cost gate_up's one-split launch a program an SM: 105 registers against 96,
-# sm_90, Triton 3.6); "all": every launch; "off". Read at launch.
-ESC_EARLY = "off"
+# (tests/test_u12_hmma.py, on the H100 too). Why: bench/hmma_trace.py on the H200 (293ce94,
+# bench/results/hmma_trace_h200.json) had the summing program's escape walk and epilogue at o 2.75 µs,
+# qkv 2.75, down 4.25 and gate_up 2.5 of calls of 13-49 µs: two dependent round trips a step after one
+# for the pointers. On an H100 (6cef207, bench/results/hmma_trace_early_h100.json) they take o 1.0,
+# qkv 1.25, down 2.5; the tuned configs ran o 15.32 µs against 16.03, qkv 19.53 / 20.78, down 39.74 /
+# 40.50, gate_up 64.28 / 64.71 (bench/results/hmma_parts_early_h100.json), and verify(16) 5.154 ms
+# ("split-k") and 5.140 ("all") against 5.276 in the fused way in PDL mode 2
+# (bench/results/tried/step_ab_verify16_esc_early_6cef207_h100.json). "split-k": split-K launches only
+# (the pointers' registers cost gate_up's one-split launch a program an SM: 105 registers against 96,
+# sm_90, Triton 3.6, though it still ran faster); "all": every launch (the default); "off". Not yet
+# timed on the H200. Read at launch.
+ESC_EARLY = "all"
 _EARLY_MODES = ("off", "split-k", "all")
 # A register double buffer (one m-tile a warp, block_w 16 or 32): each chunk's loop iteration first
 # issues the next chunk's words and codes, then decodes and multiplies its own, so a warp keeps a
@@ -179,7 +185,7 @@ _EARLY_MODES = ("off", "split-k", "all")
 # registers without spilling, with the one-stage loop's loads and MMAs (sm_90 ptxas,
 # tests/test_kernel_static.py). Bit for bit the one-stage sums (tests/test_u12_hmma.py). Slower on an
 # H100 (5f739f0, bench/results/u12_hmma_knobs_h100.json: o 16.63 µs against 16.00, down 42.02 against
-# 40.82; the verify(16) step 5.539 ms against 5.465, step_ab_verify16_h100.json), so off. Read at launch.
+# 40.82; the verify(16) step 5.539 ms against 5.465, tried/step_ab_verify16_5f739f0_h100.json), so off. Read at launch.
 AHEAD = False
 # With AHEAD, each lane also asks L1 for the next chunk's x words (prefetch.global.L1, no registers
 # held) when it issues the chunk's weights: AHEAD alone loads x with the chunk it multiplies, so the
