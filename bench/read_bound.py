@@ -44,30 +44,22 @@ COPY_BYTES = 2e9  # distinct copies of each byte count, so every call of a graph
 
 
 @triton.jit
-def _read_lsu(src, out, n_chunks, per, CHUNK: tl.constexpr, UNROLL: tl.constexpr):
-    """Program p sums chunks p · per .. (p + 1) · per - 1 of CHUNK words, UNROLL chunks' loads at once."""
+def _read_words(src, out, n_chunks, per, CHUNK: tl.constexpr, UNROLL: tl.constexpr, STAGES: tl.constexpr):
+    """Program p sums chunks p · per .. (p + 1) · per - 1 of CHUNK words: UNROLL chunks' loads at once
+    (lsu), or with STAGES one chunk an iteration of a loop Triton pipelines STAGES deep (cp: cp.async)."""
     pid = tl.program_id(0)
     first = pid * per
     last = tl.minimum(first + per, n_chunks)
     offs = tl.arange(0, CHUNK)
     acc = tl.zeros([CHUNK], tl.int32)
-    for c in range(first, last, UNROLL):
-        for u in tl.static_range(UNROLL):
-            ptr = src + (c + u) * CHUNK + offs  # under 2^31 words: int32 offsets
-            acc += tl.load(tl.multiple_of(ptr, 16), mask=(c + u) * CHUNK + offs < last * CHUNK, other=0)
-    tl.store(out + pid, tl.sum(acc, 0))
-
-
-@triton.jit
-def _read_cp(src, out, n_chunks, per, CHUNK: tl.constexpr, STAGES: tl.constexpr):
-    """As _read_lsu, one chunk an iteration of a loop Triton pipelines STAGES deep (cp.async)."""
-    pid = tl.program_id(0)
-    first = pid * per
-    last = tl.minimum(first + per, n_chunks)
-    offs = tl.arange(0, CHUNK)
-    acc = tl.zeros([CHUNK], tl.int32)
-    for c in tl.range(first, last, num_stages=STAGES):
-        acc += tl.load(tl.multiple_of(src + c * CHUNK + offs, 16))
+    if STAGES:
+        for c in tl.range(first, last, num_stages=STAGES):
+            acc += tl.load(tl.multiple_of(src + c * CHUNK + offs, 16))
+    else:
+        for c in range(first, last, UNROLL):
+            for u in tl.static_range(UNROLL):
+                ptr = src + (c + u) * CHUNK + offs  # under 2^31 words: int32 offsets
+                acc += tl.load(tl.multiple_of(ptr, 16), mask=(c + u) * CHUNK + offs < last * CHUNK, other=0)
     tl.store(out + pid, tl.sum(acc, 0))
 
 
@@ -108,11 +100,9 @@ def launcher(way: str, cfg: dict, buf: torch.Tensor, out: torch.Tensor):
     chunk = 32 * w * 4  # 16 bytes a thread
     n_chunks = buf.numel() // chunk
     per = math.ceil(n_chunks / p)
-    if way == "lsu":
-        u = cfg["unroll"]
-        per = math.ceil(per / u) * u
-        return lambda: _read_lsu[(p,)](buf, out, n_chunks, per, CHUNK=chunk, UNROLL=u, num_warps=w)
-    return lambda: _read_cp[(p,)](buf, out, n_chunks, per, CHUNK=chunk, STAGES=cfg["stages"], num_warps=w)
+    u, stages = cfg.get("unroll", 1), cfg.get("stages", 0)  # lsu: unroll; cp: stages
+    per = math.ceil(per / u) * u
+    return lambda: _read_words[(p,)](buf, out, n_chunks, per, CHUNK=chunk, UNROLL=u, STAGES=stages, num_warps=w)
 
 
 def label(way: str, cfg: dict) -> str:
