@@ -171,7 +171,8 @@ ESC_UNROLL = 2
 # ("split-k") and 5.140 ("all") against 5.276 in the fused way in PDL mode 2
 # (bench/results/tried/step_ab_verify16_esc_early_6cef207_h100.json). "split-k": split-K launches only
 # (the pointers' registers cost gate_up's one-split launch a program an SM: 105 registers against 96,
-# sm_90, Triton 3.6, though it still ran faster); "all": every launch (the default); "off". Not yet
+# sm_90, Triton 3.6, bench/results/kernel_static_esc_early_sm90_triton36.json; no launch spills; it
+# still ran faster); "all": every launch (the default); "off". Not yet
 # timed on the H200. Read at launch.
 ESC_EARLY = "all"
 _EARLY_MODES = ("off", "split-k", "all")
