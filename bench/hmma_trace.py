@@ -16,15 +16,23 @@ program that sums, the end of the sum and of the epilogue. Per shape, medians ov
                passes at once; the partials' stores, release and acquire are in it)
   sum, finish  in the summing programs: the partials' sum, then the escape walk and epilogue
   tail         the last loop's end to the last epilogue stamp
+  by_load      per number of the call's programs on one SM (%smid, slot 5): how many SMs held that
+               many, and their programs' median loop and slowest loop end (from the call's first entry)
+
+--pdl runs the calls in a PDL mode (kernels/overlap.py; the entry stamps come after the wait), and
+--words-before-wait with u12_hmma.WORDS_BEFORE_WAIT on; --w2 the layer shapes' TUNED_TILES configs at
+32-row programs of 2 warps (bench/step_ab.py's u12-tiles-w2).
 
 Writes bench/results/hmma_trace_<gpu>.json (GPU, versions, commit) and prints a line a shape.
 
-    python bench/hmma_trace.py [--shapes o,down,qkv,gate_up] [--esc-early off|split-k|all] [--out FILE]
+    python bench/hmma_trace.py [--shapes o,down,qkv,gate_up] [--esc-early off|split-k|all] [--pdl 0|1|2]
+                               [--words-before-wait] [--w2] [--out FILE]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import platform
 import statistics
@@ -49,6 +57,12 @@ def phases(stamps: torch.Tensor, split_k: int) -> dict:
                loop=(loop_end - entry).median().item(), loop_max=(loop_end - entry).max().item(),
                loops_end=(loop_end.max() - entry.min()).item(), tail=(end - loop_end.max()).item(),
                summing=int(summed.sum()))
+    sm = stamps[:, 5]
+    load = torch.bincount(sm)[sm]  # each program's SM's count of the call's programs
+    loop = loop_end - entry
+    out["by_load"] = {int(c): dict(sms=int((torch.bincount(sm) == c).sum()), loop=loop[load == c].median().item(),
+                                   loops_end=(loop_end[load == c].max() - entry.min()).item())
+                      for c in load.unique().tolist()}
     if split_k > 1:
         out.update(sem=(s[summed, 2] - s[summed, 1]).median().item(),
                    sum=(s[summed, 3] - s[summed, 2]).median().item(),
@@ -63,14 +77,21 @@ def summarize(calls: list[dict]) -> dict:
     for before, this in zip(calls, calls[1:]):
         this["gap"] = this["begin"] - before["end"]
     kept = calls[2:]
-    keys = [k for k in kept[0] if k not in ("begin", "end")]
-    return {k: statistics.median(c[k] for c in kept) for k in keys}
+    keys = [k for k in kept[0] if k not in ("begin", "end", "by_load")]
+    out = {k: statistics.median(c[k] for c in kept) for k in keys}
+    loads = sorted({c for call in kept for c in call["by_load"]})
+    out["by_load"] = {c: {k: statistics.median(call["by_load"][c][k] for call in kept if c in call["by_load"])
+                          for k in ("sms", "loop", "loops_end")} for c in loads}
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default="o,down,qkv,gate_up")
     ap.add_argument("--esc-early", choices=("off", "split-k", "all"), help="u12_hmma.ESC_EARLY (default: the module's)")
+    ap.add_argument("--pdl", type=int, choices=(0, 1, 2), default=0, help="the calls' PDL mode (kernels/overlap.py)")
+    ap.add_argument("--words-before-wait", action="store_true", help="u12_hmma.WORDS_BEFORE_WAIT on")
+    ap.add_argument("--w2", action="store_true", help="the configs at 32-row programs of 2 warps")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -79,7 +100,10 @@ def main(argv: list[str] | None = None) -> int:
     from specpilot.kernels.u12_linear import TUNED_TILES
     from specpilot.runtime.u12 import pack_u12
 
+    from specpilot.kernels.overlap import overlap
+
     u12_hmma.ESC_EARLY = args.esc_early or u12_hmma.ESC_EARLY
+    u12_hmma.WORDS_BEFORE_WAIT = args.words_before_wait or u12_hmma.WORDS_BEFORE_WAIT
     names = [s for s in args.shapes.split(",") if s]
     for s in names:
         if s not in SHAPES or s == "lm_head":
@@ -90,6 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     for name in names:
         n, k = SHAPES[name]
         cfg = TUNED_TILES[(16, n, k)]
+        if args.w2:
+            cfg = dataclasses.replace(cfg, block_n=32, num_warps=2, maxnreg=128)
         copies = max(4, min(48, int(2e9 // (n * k * 2))))
         packed = [pack_u12((torch.randn(n, k, device="cuda", generator=gen) * 0.02).to(torch.bfloat16), layout="tiles")
                   for _ in range(copies)]
@@ -99,24 +125,27 @@ def main(argv: list[str] | None = None) -> int:
         ys = [torch.empty(16, n, dtype=torch.bfloat16, device="cuda") for _ in packed]
         traced = [lambda t=t, y=y, b=b: u12_hmma.launch_hmma(x, t, y, cfg, trace=b) for t, y, b in zip(packed, ys, traces)]
         plain = [lambda t=t, y=y: u12_hmma.launch_hmma(x, t, y, cfg) for t, y in zip(packed, ys)]
-        us_plain = time_graph(plain) * 1e3 / copies
-        us_traced = time_graph(traced) * 1e3 / copies  # the stamps' own cost: traced against plain
-        for b in traces:
-            b.zero_()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            for f in traced:
-                f()
+        with overlap(pdl=args.pdl):
+            us_plain = time_graph(plain) * 1e3 / copies
+            us_traced = time_graph(traced) * 1e3 / copies  # the stamps' own cost: traced against plain
+            for b in traces:
+                b.zero_()
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                for f in traced:
+                    f()
         g.replay()
         torch.cuda.synchronize()
         calls = [phases(b.cpu(), cfg.split_k) for b in traces]
         row = dict(name=name, N=n, K=k, M=16, config=str(cfg), programs=programs, copies=copies,
                    us_plain=us_plain, us_traced=us_traced, phases=summarize(calls))
-        row["esc_early"] = u12_hmma.ESC_EARLY
+        row.update(esc_early=u12_hmma.ESC_EARLY, pdl=args.pdl, words_before_wait=u12_hmma.WORDS_BEFORE_WAIT)
         rows.append(row)
         p = row["phases"]
-        print(f"{name:8} plain {us_plain:6.2f} traced {us_traced:6.2f} | " + " ".join(f"{key} {v:.2f}" for key, v in p.items()
-                                                                                  if key != "summing"), flush=True)
+        print(f"{name:8} plain {us_plain:6.2f} traced {us_traced:6.2f} | " + " ".join(
+            f"{key} {v:.2f}" for key, v in p.items() if key not in ("summing", "by_load")), flush=True)
+        print("         by programs an SM: " + ", ".join(f"{c}: {v['sms']:.0f} SMs loop {v['loop']:.2f} end {v['loops_end']:.2f}"
+                                                     for c, v in p["by_load"].items()), flush=True)
         del packed, traces, ys, g
         torch.cuda.empty_cache()
     out = write_result(dict(

@@ -204,11 +204,20 @@ AHEAD_X = False
 # on o (17.92 µs against 16.00) and down (42.39 against 40.82), qkv 20.66 against 21.16; the step 5.570 ms
 # against 5.465; so off. Read at launch.
 ESC_SPLIT = False
+# Each program's first chunk of words and codes (one m-tile a warp, block_w 16 or 32, no AHEAD or
+# WARP_K) loaded before its PDL wait, and the escape row pointers with them: weights, which no
+# kernel before writes. In PDL mode 2 a launch's programs take the slots its predecessor's programs
+# leave, so during a split-K tail (bench/hmma_trace.py on the H200: o 3.5 µs after its loops, down
+# 6.25, qkv 3.25, the SMs mostly idle) the next GEMM's first chunks stream from HBM, and after the
+# wait its first MMAs need only x (in L2). An L2 prefetch of the same chunks (kernels/overlap.py's
+# tried list) left the round trip to L2 after the wait. Bit for bit the loop's sums (the chunk is
+# multiplied first, as the loop would; tests/test_u12_hmma.py). Read at launch.
+WORDS_BEFORE_WAIT = False
 # Phase stamps for bench/hmma_trace.py: with a trace buffer (``launch_hmma``'s ``trace``, int64
 # [programs, TRACE_SLOTS], zeroed), thread 0 of each program stores %globaltimer at entry (after the
 # PDL wait), after the main loop (its last MMA done), after the split-K semaphore, after the last
 # program's sum of the partials and after its epilogue's stores are issued (slots 0-4; the last two in the
-# program that sums only). Off (no buffer): the kernel has none of it.
+# program that sums only), and its SM's id at slot 5. Off (no buffer): the kernel has none of it.
 _SLOTS = tl.constexpr(8)  # the kernel's view (a jit function reads only constexpr globals)
 TRACE_SLOTS = _SLOTS.value
 # WARP_K (``U12Config.warp_k``, a config's, no module switch): a program's warps share its 16 or 32
@@ -444,6 +453,15 @@ def _stamp(trace_ptr, slot: tl.constexpr, dep, t, TRACE: tl.constexpr):
         )
         prog = (tl.program_id(2) * tl.num_programs(1) + tl.program_id(1)) * tl.num_programs(0) + tl.program_id(0)
         tl.store(trace_ptr + prog * _SLOTS + slot + t * 0, ns, mask=t == 0)
+
+
+@triton.jit
+def _stamp_sm(trace_ptr, t, TRACE: tl.constexpr):
+    """TRACE: thread 0 of the program stores its SM (%smid) at its row's slot 5."""
+    if TRACE:
+        sm = tl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r,r", [t], dtype=tl.int32, is_pure=False, pack=1)
+        prog = (tl.program_id(2) * tl.num_programs(1) + tl.program_id(1)) * tl.num_programs(0) + tl.program_id(0)
+        tl.store(trace_ptr + prog * _SLOTS + 5 + t * 0, sm.to(tl.int64), mask=t == 0)
 
 
 @triton.jit
@@ -869,8 +887,10 @@ def _u12_hmma_kernel(
     WARP_K: tl.constexpr = False,  # the warps share the program's rows and split its words (``WARP_K``)
     TRACE: tl.constexpr = False,  # phase stamps into trace_ptr (``TRACE_SLOTS``; GPU only)
     EARLY: tl.constexpr = False,  # the table's escapes: pointers before the loop, first 4 a row after it (``ESC_EARLY``)
+    PRE: tl.constexpr = False,  # the first chunk's words and codes loaded before the PDL wait (``WORDS_BEFORE_WAIT``)
 ):
-    pdl_enter(PDL)
+    if not PRE:
+        pdl_enter(PDL)
     TILES: tl.constexpr = BLOCK_N // 16 if WARP_K else BLOCK_N // (16 * WARPS)  # m-tiles a warp: 1 or 2
     NT: tl.constexpr = BLOCK_M // 8  # n-tiles (8 rows of x each) a warp: 1 or 2
     T: tl.constexpr = 32 * WARPS
@@ -879,7 +899,6 @@ def _u12_hmma_kernel(
     pid_m = tl.program_id(2)
     n0 = pid_n * BLOCK_N
     t = tl.arange(0, T)
-    _stamp(trace_ptr, 0, t, t, TRACE)
     lane = t % 32
     g = lane // 4
     q = lane % 4
@@ -957,6 +976,19 @@ def _u12_hmma_kernel(
     if EARLY:  # 4 registers through the loop, so the escapes' loads after it need no round trip for them
         tl.static_assert(TILES == 1 and not LANES and not ESC_SPLIT and not WARP_K, "EARLY: one m-tile a warp, the table")
         esl, ecl, esh, ech = _esc_rows(esc_row_ptr, rl0, rh0, vl0, vh0)
+    if PRE:  # weights and their escapes, which no kernel before this one writes: loaded before its wait
+        tl.static_assert(TILES == 1 and BLOCK_W <= 32 and not AHEAD and not WARP_K,
+                         "PRE: one m-tile a warp, at most 2 groups a chunk, no AHEAD or WARP_K")
+        live = (lane_w * 0 + w_begin) < full_end  # [T, 4]: a split without a whole chunk loads nothing here
+        w, ww = _group_at(w_begin, 0, BLOCK_W, TILED)
+        a0, a1, a2, a3 = _words_ahead(sm_lo, code_lo, sm_hi, code_hi, ww, live)
+        b0, b1, b2, b3 = a0, a1, a2, a3
+        if BLOCK_W == 32:
+            w, ww = _group_at(w_begin, 1, BLOCK_W, TILED)
+            b0, b1, b2, b3 = _words_ahead(sm_lo, code_lo, sm_hi, code_hi, ww, live)
+        pdl_enter(PDL)  # every load above reads weights; x, the partials and the counters come after
+    _stamp(trace_ptr, 0, t, t, TRACE)
+    _stamp_sm(trace_ptr, t, TRACE)
     if AHEAD:  # a register double buffer: chunk c + 1's words in flight while chunk c decodes and multiplies
         tl.static_assert(TILES == 1 and BLOCK_W <= 32, "AHEAD: one m-tile a warp, at most 2 groups a chunk")
         live = (lane_w * 0 + w_begin) < full_end  # [T, 4] (a scalar mask does not run in the interpreter)
@@ -997,7 +1029,18 @@ def _u12_hmma_kernel(
             a0, a1, a2, a3 = na0, na1, na2, na3
             b0, b1, b2, b3 = nb0, nb1, nb2, nb3
     else:
-        for start in range(w_begin, full_end, BLOCK_W):
+        begin = w_begin
+        if PRE:  # the chunk loaded before the wait, multiplied first as the loop would
+            if w_begin < full_end:
+                w, ww = _group_at(w_begin, 0, BLOCK_W, TILED)
+                d0, d1, d2, d3, e0, e1, e2, e3 = _tile_loaded(d0, d1, d2, d3, e0, e1, e2, e3, a0, a1, a2, a3,
+                                                              x_row0, x_row1, w, w_end, lane_w, NT, ASM)
+                if BLOCK_W == 32:
+                    w, ww = _group_at(w_begin, 1, BLOCK_W, TILED)
+                    d0, d1, d2, d3, e0, e1, e2, e3 = _tile_loaded(d0, d1, d2, d3, e0, e1, e2, e3, b0, b1, b2, b3,
+                                                                  x_row0, x_row1, w, w_end, lane_w, NT, ASM)
+                begin = w_begin + BLOCK_W
+        for start in range(begin, full_end, BLOCK_W):
             for u in tl.static_range(BLOCK_W // 16):
                 w, ww = _group_at(start, u, BLOCK_W, TILED)
                 d0, d1, d2, d3, e0, e1, e2, e3, f0, f1, f2, f3, h0, h1, h2, h3 = _group(
@@ -1165,6 +1208,7 @@ def launch_hmma(x: torch.Tensor, t: U12Tensor, y: torch.Tensor, cfg: U12Config, 
         ESC_UNROLL=ESC_UNROLL, AHEAD=ahead, AHEAD_X=cfg.ahead_x or (ahead and AHEAD_X),
         ESC_SPLIT=esc_split and (grid[1] > 1 or cfg.warp_k), WARP_K=cfg.warp_k, TRACE=trace is not None,
         EARLY=_early(grid[1]) and cfg.block_n == 16 * cfg.num_warps and not cfg.warp_k and not n_lanes and not esc_split,
+        PRE=WORDS_BEFORE_WAIT and cfg.block_n == 16 * cfg.num_warps and cfg.block_w <= 32 and not ahead and not cfg.warp_k,
     )
 
 

@@ -373,13 +373,17 @@ def test_hmma_trace_phases_from_stamps() -> None:
     import hmma_trace
     import torch
 
-    ns = lambda *v: [int(1000 * x) for x in v] + [0, 0, 0]  # noqa: E731
-    call = torch.tensor([ns(10, 20, 21, 0, 0), ns(11, 22, 22.5, 23, 26), ns(12, 19, 20, 0, 0)], dtype=torch.int64)
+    ns = lambda *v, sm=0: [int(1000 * x) for x in v] + [sm, 0, 0]  # noqa: E731  (slot 5: the program's SM)
+    call = torch.tensor([ns(10, 20, 21, 0, 0), ns(11, 22, 22.5, 23, 26), ns(12, 19, 20, 0, 0, sm=3)], dtype=torch.int64)
     p = hmma_trace.phases(call, split_k=2)
+    # SM 0 held two programs (loops 10 and 11 µs, torch's median the lower; the last ended 12 µs in), SM 3 one
+    assert p["by_load"] == {2: dict(sms=1, loop=pytest.approx(10), loops_end=pytest.approx(12)),
+                            1: dict(sms=1, loop=pytest.approx(7), loops_end=pytest.approx(9))}
     assert p["summing"] == 1 and p["call"] == pytest.approx(16) and p["entries"] == pytest.approx(2)
     assert p["loops_end"] == pytest.approx(12) and p["tail"] == pytest.approx(4) and p["loop_max"] == pytest.approx(11)
     assert (p["sem"], p["sum"], p["finish"]) == pytest.approx((0.5, 0.5, 3))
     one = hmma_trace.phases(torch.tensor([ns(0, 5, 0, 0, 7)], dtype=torch.int64), split_k=1)
     assert one["finish"] == pytest.approx(2) and "sem" not in one
     calls = [dict(p, begin=p["begin"] + 30 * i, end=p["end"] + 30 * i) for i in range(4)]
-    assert hmma_trace.summarize(calls)["gap"] == pytest.approx(30 - 16)
+    summary = hmma_trace.summarize(calls)
+    assert summary["gap"] == pytest.approx(30 - 16) and summary["by_load"][2]["loop"] == pytest.approx(10)

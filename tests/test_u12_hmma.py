@@ -268,6 +268,39 @@ def test_words_loaded_a_chunk_ahead_give_the_same_sums(monkeypatch, m, n, k, kin
     assert launches[-1] is False
 
 
+@pytest.mark.parametrize("m,n,k,kind,cfg,residual", [
+    (16, 64, 256, "special", U12Config(32, 16, split_k=2, num_warps=2, **_HMMA), False),  # one group a chunk, 2 splits
+    (5, 48, 384, "few", U12Config(16, 32, num_warps=1, **_HMMA), True),  # two groups a chunk, one n-tile, a residual
+    (13, 16, 448, "few", U12Config(16, 32, split_k=2, num_warps=1, **_HMMA), False),  # 112 words: a masked tail
+    (9, 48, 192, "special", U12Config(16, 32, split_k=2, num_warps=1, **_HMMA), False),  # 48 words: split 1 no whole chunk
+])
+def test_words_loaded_before_the_wait_give_the_same_sums(monkeypatch, m, n, k, kind, cfg, residual):
+    """``WORDS_BEFORE_WAIT`` (the first chunk's words loaded before the PDL wait, multiplied first):
+    y bit for bit the loop's on both layouts, split-K, a masked last chunk and a split without a whole
+    chunk included; a config it does not take (two m-tiles a warp) runs without it."""
+    x, t = _make_inputs(_case(m, n, k, torch.bfloat16, kind), DEVICE, n)
+    base = torch.randn(m, n, generator=torch.Generator().manual_seed(n)).to(torch.bfloat16).to(DEVICE)
+    kernel, launches = u12_hmma._u12_hmma_kernel, []
+
+    def run(w, c):
+        y = base.clone() if residual else torch.empty_like(base)
+        with mock.patch.object(u12_hmma, "_u12_hmma_kernel", _Spy(kernel, launches, "PRE")):
+            u12_hmma.launch_hmma(x, w, y, c, residual=residual)
+        return y
+
+    for layout in ("rows", "tiles"):
+        w = t.with_layout(layout)
+        monkeypatch.setattr(u12_hmma, "WORDS_BEFORE_WAIT", False)
+        y = run(w, cfg)
+        monkeypatch.setattr(u12_hmma, "WORDS_BEFORE_WAIT", True)
+        assert torch.equal(run(w, cfg).view(torch.int16), y.view(torch.int16))
+    assert launches == [False, True, False, True]
+    ref = u12_linear_reference(x, t).float() + (base.float() if residual else 0)
+    torch.testing.assert_close(y.float(), ref, rtol=8e-3, atol=1e-2 if residual else 1e-4, equal_nan=True)
+    run(t, dataclasses.replace(cfg, block_n=2 * cfg.block_n))
+    assert launches[-1] is False
+
+
 def test_x_prefetch_goes_with_the_double_buffer(monkeypatch):
     """``AHEAD_X`` reaches the kernel only with AHEAD (a hint: the outputs stay the one-stage loop's
     bit for bit; on the GPU the prefetches run, under the interpreter they are skipped)."""
@@ -484,7 +517,7 @@ def test_phase_stamps_change_no_value_and_run_in_order(split_k, residual):
     """``TRACE_SLOTS`` (bench/hmma_trace.py): a launch with a stamp buffer gives the same y bit for bit
     as one without; every program stamps its entry and loop end in order, the programs that sum
     (one a row block) the semaphore, sum and epilogue after them, the others no more. Without a GPU
-    the buffer is refused by name (the interpreter has no %globaltimer)."""
+    the buffer is refused by name (the interpreter has no %globaltimer). Slot 5: each program's SM."""
     from specpilot.runtime.u12 import pack_u12
 
     g = torch.Generator().manual_seed(split_k)
@@ -507,6 +540,8 @@ def test_phase_stamps_change_no_value_and_run_in_order(split_k, residual):
     assert (s[:, 0] > 0).all() and (s[:, 1] >= s[:, 0]).all()
     summing = s[:, 4] > 0
     assert int(summing.sum()) == 96 // 32  # one a row block
+    sms = torch.cuda.get_device_properties(DEVICE).multi_processor_count
+    assert ((s[:, 5] >= 0) & (s[:, 5] < sms)).all()  # each program's SM
     if split_k > 1:
         assert (s[:, 2] >= s[:, 1]).all()
         assert (s[summing, 3] >= s[summing, 2]).all() and (s[summing, 4] >= s[summing, 3]).all()
