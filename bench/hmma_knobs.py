@@ -63,8 +63,10 @@ def configs(name: str, tuned) -> list[tuple[str, object]]:
         ("w2-r128-ahead", U12Config(32, 32, num_warps=2, maxnreg=128, **ahead, **hmma)),
         # 32-row programs of 2 warps, the tuned warps in flight in twice the programs: gate_up's 448
         # 64-row programs leave 52 of 132 SMs a fourth (bench/hmma_trace.py on the H200: its slowest
-        # loop 46.5 µs against a median 40.75), its 896 of 32 rows 7 or 6 an SM
+        # loop 46.5 µs against a median 40.75), its 896 of 32 rows 7 or 6 an SM. TUNED_TILES' since
+        # (qkv at block_w 64); "w4-r128" the 64-row, 4-warp configs before (qkv's at 168 registers: "w4-r168")
         ("w2-r128", U12Config(32, 32, num_warps=2, maxnreg=128, **hmma)),
+        ("w4-r128", U12Config(64, 32, num_warps=4, maxnreg=128, **hmma)),
     ]
     wk = dict(num_stages=1, kernel="hmma", warp_k=True)  # WARP_K: the warps split a program's words, fewer splits
     wk4 = U12Config(16, 32, num_warps=4, maxnreg=128, **wk)

@@ -19,14 +19,14 @@ program that sums, the end of the sum and of the epilogue. Per shape, medians ov
   by_load      per number of the call's programs on one SM (%smid, slot 5): how many SMs held that
                many, and their programs' median loop and slowest loop end (from the call's first entry)
 
---pdl runs the calls in a PDL mode (kernels/overlap.py; the entry stamps come after the wait), and
---words-before-wait with u12_hmma.WORDS_BEFORE_WAIT on; --w2 the layer shapes' TUNED_TILES configs at
-32-row programs of 2 warps (bench/step_ab.py's u12-tiles-w2).
+--pdl runs the calls in a PDL mode (kernels/overlap.py; the entry stamps come after the wait); --w4
+the layer shapes at 64-row programs of 4 warps, TUNED_TILES' configs before its 32-row ones
+(bench/step_ab.py's u12-tiles-w4).
 
 Writes bench/results/hmma_trace_<gpu>.json (GPU, versions, commit) and prints a line a shape.
 
-    python bench/hmma_trace.py [--shapes o,down,qkv,gate_up] [--esc-early off|split-k|all] [--pdl 0|1|2]
-                               [--words-before-wait] [--w2] [--out FILE]
+    python bench/hmma_trace.py [--shapes o,down,qkv,gate_up] [--esc-early off|split-k|all] [--esc-early-n 4|8]
+                               [--pdl 0|1|2] [--w4] [--out FILE]
 """
 
 from __future__ import annotations
@@ -89,9 +89,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default="o,down,qkv,gate_up")
     ap.add_argument("--esc-early", choices=("off", "split-k", "all"), help="u12_hmma.ESC_EARLY (default: the module's)")
+    ap.add_argument("--esc-early-n", type=int, choices=(4, 8), help="u12_hmma.ESC_EARLY_N (default: the module's)")
     ap.add_argument("--pdl", type=int, choices=(0, 1, 2), default=0, help="the calls' PDL mode (kernels/overlap.py)")
-    ap.add_argument("--words-before-wait", action="store_true", help="u12_hmma.WORDS_BEFORE_WAIT on")
-    ap.add_argument("--w2", action="store_true", help="the configs at 32-row programs of 2 warps")
+    ap.add_argument("--w4", action="store_true", help="the configs at 64-row programs of 4 warps (the ones before)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     from specpilot.kernels.overlap import overlap
 
     u12_hmma.ESC_EARLY = args.esc_early or u12_hmma.ESC_EARLY
-    u12_hmma.WORDS_BEFORE_WAIT = args.words_before_wait or u12_hmma.WORDS_BEFORE_WAIT
+    u12_hmma.ESC_EARLY_N = args.esc_early_n or u12_hmma.ESC_EARLY_N
     names = [s for s in args.shapes.split(",") if s]
     for s in names:
         if s not in SHAPES or s == "lm_head":
@@ -114,8 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     for name in names:
         n, k = SHAPES[name]
         cfg = TUNED_TILES[(16, n, k)]
-        if args.w2:
-            cfg = dataclasses.replace(cfg, block_n=32, num_warps=2, maxnreg=128)
+        if args.w4:
+            cfg = dataclasses.replace(cfg, block_n=64, num_warps=4, maxnreg=168 if name == "qkv" else 128)
         copies = max(4, min(48, int(2e9 // (n * k * 2))))
         packed = [pack_u12((torch.randn(n, k, device="cuda", generator=gen) * 0.02).to(torch.bfloat16), layout="tiles")
                   for _ in range(copies)]
@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         calls = [phases(b.cpu(), cfg.split_k) for b in traces]
         row = dict(name=name, N=n, K=k, M=16, config=str(cfg), programs=programs, copies=copies,
                    us_plain=us_plain, us_traced=us_traced, phases=summarize(calls))
-        row.update(esc_early=u12_hmma.ESC_EARLY, pdl=args.pdl, words_before_wait=u12_hmma.WORDS_BEFORE_WAIT)
+        row.update(esc_early=u12_hmma.ESC_EARLY, esc_early_n=u12_hmma.ESC_EARLY_N, pdl=args.pdl, w4=args.w4)
         rows.append(row)
         p = row["phases"]
         print(f"{name:8} plain {us_plain:6.2f} traced {us_traced:6.2f} | " + " ".join(

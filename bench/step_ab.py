@@ -41,9 +41,10 @@ hmma configs from 3 rows; u12-tiles-sweep: with the tiled configs of a --tiles-t
 per-shape winners) or else a --u12-tuned one, and u12-tiles-sweep-pdl-wait, u12-tiles-sweep-many-rows-pdl-wait
 with them in PDL mode 2 (not under --smoke); u12-tiles-ahead and
 u12-tiles-esc-split, u12-tiles-esc-late, u12-tiles-esc-early-split: with ``u12_hmma.AHEAD``, ``ESC_SPLIT``, or
-``ESC_EARLY`` "off" (the default before) or "split-k" (the default "all"); u12-tiles-w2: the layer shapes' TUNED_TILES
-configs at 32 rows and 2 warps (dd0190b's u12-tiles-esc-early-w2); u12-tiles-before-wait, u12-tiles-w2-before-wait:
-with ``u12_hmma.WORDS_BEFORE_WAIT`` (in effect in their -many-rows-pdl-wait twins); u12-tiles-ahead-x: AHEAD with
+``ESC_EARLY`` "off" (the default before) or "split-k" (the default "all"); u12-tiles-esc-early8: ``ESC_EARLY_N`` 8
+(8 escapes a row early, the default 4); u12-tiles-w4: the layer shapes at
+64-row programs of 4 warps (TUNED_TILES' configs before the 32-row ones; c566ca9's u12-tiles, whose
+u12-tiles-w2 is the default since); u12-tiles-ahead-x: AHEAD with
 ``u12_hmma.AHEAD_X`` (each of these knob variants also as <name>-many-rows-pdl-wait, not under --smoke);
 u12-tiles-many-rows: with U12_MANY_ROWS, the fused epilogues and norm handoff on the tiles; u12-tiles-pdl-wait, u12-tiles-many-rows-pdl-wait and
 bf16-linear-pdl-wait: those steps in PDL mode 2, not under --smoke; all --q above 1); u12-sweep and u12-fused-sweep
@@ -132,9 +133,9 @@ U12_FEW_ROWS_KNOB_VARIANTS = {  # name: (the rows q it applies to, settings): ve
     "u12-gemv-rows": ((3, 4), dict(TENSOR_CORE_ROWS=5)),  # gemv2 at 3..4 rows, the default before
     "u12-hmma-wide": ((2, 8), {"u12_hmma.NARROW": False}),  # the hmma kernel's two n-tiles at <= 8 rows
 }
-W2 = {"u12_linear.TUNED_TILES": {  # the layer shapes at 32-row programs of 2 warps
-    **u12_linear.TUNED_TILES, **{(16, n, k): dataclasses.replace(u12_linear.TUNED_TILES[(16, n, k)], block_n=32, num_warps=2,
-                                                                 maxnreg=128)
+W4 = {"u12_linear.TUNED_TILES": {  # the layer shapes at 64-row programs of 4 warps (TUNED_TILES' before c566ca9's child)
+    **u12_linear.TUNED_TILES, **{(16, n, k): dataclasses.replace(u12_linear.TUNED_TILES[(16, n, k)], block_n=64, num_warps=4,
+                                                                 maxnreg=168 if n == 6144 else 128)
                                  for n, k in ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336))}}}
 TILES_KNOB_VARIANTS = {  # name: knobs over u12-tiles (--q above 1)
     "u12-tiles-ahead": {"u12_hmma.AHEAD": True},  # the hmma loop's register double buffer
@@ -142,10 +143,8 @@ TILES_KNOB_VARIANTS = {  # name: knobs over u12-tiles (--q above 1)
     "u12-tiles-esc-split": {"u12_hmma.ESC_SPLIT": True},  # a split-K launch's escapes walked by its splits
     "u12-tiles-esc-late": {"u12_hmma.ESC_EARLY": "off"},  # the escape walk all after the loop (the default before)
     "u12-tiles-esc-early-split": {"u12_hmma.ESC_EARLY": "split-k"},  # early in the split-K launches only
-    "u12-tiles-w2": W2,
-    # the first chunk's words loaded before the PDL wait (takes effect with PDL: the -pdl-wait twins)
-    "u12-tiles-before-wait": {"u12_hmma.WORDS_BEFORE_WAIT": True},
-    "u12-tiles-w2-before-wait": {**W2, "u12_hmma.WORDS_BEFORE_WAIT": True},
+    "u12-tiles-esc-early8": {"u12_hmma.ESC_EARLY_N": 8},  # 8 escapes a row early (the default 4)
+    "u12-tiles-w4": W4,
 }
 # u12-tiles' twins at q rows (the forward's PDL default is mode 0 above GEMV_ROWS): (suffix, through
 # u12_fused_linear's epilogues and norm handoff on the tiles (U12_MANY_ROWS), PDL mode)

@@ -176,6 +176,12 @@ ESC_UNROLL = 2
 # timed on the H200. Read at launch.
 ESC_EARLY = "all"
 _EARLY_MODES = ("off", "split-k", "all")
+# Escapes a row ESC_EARLY takes after the loop: 4 or 8. A block walks as long as its longest row, so
+# with random N(0, 0.02) weights (0.6 escapes a row at K = 4096, 2.2 at down's 14336) almost every
+# 32-row block of down has a row past 4 and walks one or two more steps after its sum (hmma_trace on
+# the H200: down's finish 2.5 µs against o's 1.0); 8 leaves about 1 block in 70 walking, for 16
+# more registers a thread in the tail. Read at launch.
+ESC_EARLY_N = 4
 # A register double buffer (one m-tile a warp, block_w 16 or 32): each chunk's loop iteration first
 # issues the next chunk's words and codes, then decodes and multiplies its own, so a warp keeps a
 # chunk in flight while it computes. Tried on the row planes (462a452) it did not pay: their loads
@@ -204,15 +210,13 @@ AHEAD_X = False
 # on o (17.92 µs against 16.00) and down (42.39 against 40.82), qkv 20.66 against 21.16; the step 5.570 ms
 # against 5.465; so off. Read at launch.
 ESC_SPLIT = False
-# Each program's first chunk of words and codes (one m-tile a warp, block_w 16 or 32, no AHEAD or
-# WARP_K) loaded before its PDL wait, and the escape row pointers with them: weights, which no
-# kernel before writes. In PDL mode 2 a launch's programs take the slots its predecessor's programs
-# leave, so during a split-K tail (bench/hmma_trace.py on the H200: o 3.5 µs after its loops, down
-# 6.25, qkv 3.25, the SMs mostly idle) the next GEMM's first chunks stream from HBM, and after the
-# wait its first MMAs need only x (in L2). An L2 prefetch of the same chunks (kernels/overlap.py's
-# tried list) left the round trip to L2 after the wait. Bit for bit the loop's sums (the chunk is
-# multiplied first, as the loop would; tests/test_u12_hmma.py). Read at launch.
-WORDS_BEFORE_WAIT = False
+# Tried and dropped (b0165d5, reverted): each program's first chunk of words and codes (and the
+# escape row pointers) loaded before its PDL wait, so that in PDL mode 2 the next GEMM's first
+# chunks stream from HBM during a split-K tail and its first MMAs after the wait need only x. The
+# same sums bit for bit, no faster on the H200: verify(16) in the fused way in PDL mode 2 4.217 ms
+# against 4.221, with the 32-row configs 4.188 against 4.175 (bench/results/tried/step_ab_verify16_before_wait_b0165d5_h200.json);
+# hmma_trace --pdl 2 had each shape's gap between calls (the grid's completion to the next wait's
+# release) at 1.0-1.5 µs with it or without (tried/hmma_trace_pdl2_before_wait_b0165d5_h200.json).
 # Phase stamps for bench/hmma_trace.py: with a trace buffer (``launch_hmma``'s ``trace``, int64
 # [programs, TRACE_SLOTS], zeroed), thread 0 of each program stores %globaltimer at entry (after the
 # PDL wait), after the main loop (its last MMA done), after the split-K semaphore, after the last
@@ -607,34 +611,42 @@ def _table_walk(start_l, cnt_l, start_h, cnt_h, xr0, xr1, xr2, xr3, esc_idx_ptr,
 
 
 @triton.jit
-def _early_entries(esc_idx_ptr, esc_val_ptr, start_l, cnt_l, start_h, cnt_h, K):
-    """``ESC_EARLY``: the first 4 escapes of rows rl and rh, their loads in flight together: (column,
-    value, present) of each, row rl's then rh's (``_early_walk`` takes them)."""
-    a = _entry(esc_idx_ptr, esc_val_ptr, start_l, 0, cnt_l, K)
-    b = _entry(esc_idx_ptr, esc_val_ptr, start_l, 1, cnt_l, K)
-    c = _entry(esc_idx_ptr, esc_val_ptr, start_l, 2, cnt_l, K)
-    d = _entry(esc_idx_ptr, esc_val_ptr, start_l, 3, cnt_l, K)
-    e = _entry(esc_idx_ptr, esc_val_ptr, start_h, 0, cnt_h, K)
-    f = _entry(esc_idx_ptr, esc_val_ptr, start_h, 1, cnt_h, K)
-    g = _entry(esc_idx_ptr, esc_val_ptr, start_h, 2, cnt_h, K)
-    h = _entry(esc_idx_ptr, esc_val_ptr, start_h, 3, cnt_h, K)
-    return a, b, c, d, e, f, g, h
+def _early4(esc_idx_ptr, esc_val_ptr, start, cnt, K, first: tl.constexpr):
+    """Escapes first .. first + 3 of a row (``_entry``'s), their loads in flight together."""
+    return (_entry(esc_idx_ptr, esc_val_ptr, start, first, cnt, K), _entry(esc_idx_ptr, esc_val_ptr, start, first + 1, cnt, K),
+            _entry(esc_idx_ptr, esc_val_ptr, start, first + 2, cnt, K), _entry(esc_idx_ptr, esc_val_ptr, start, first + 3, cnt, K))
+
+
+@triton.jit
+def _early_entries(esc_idx_ptr, esc_val_ptr, start_l, cnt_l, start_h, cnt_h, K, N: tl.constexpr):
+    """``ESC_EARLY``: the first N (4 or 8, ``ESC_EARLY_N``) escapes of rows rl and rh, their loads in
+    flight together: (column, value, present) of each, row rl's then rh's (``_early_walk`` takes them)."""
+    a0, a1, a2, a3 = _early4(esc_idx_ptr, esc_val_ptr, start_l, cnt_l, K, 0)
+    b0, b1, b2, b3 = _early4(esc_idx_ptr, esc_val_ptr, start_h, cnt_h, K, 0)
+    if N == 8:
+        a4, a5, a6, a7 = _early4(esc_idx_ptr, esc_val_ptr, start_l, cnt_l, K, 4)
+        b4, b5, b6, b7 = _early4(esc_idx_ptr, esc_val_ptr, start_h, cnt_h, K, 4)
+        ents = (a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7)
+    else:
+        tl.static_assert(N == 4, "ESC_EARLY_N: 4 or 8")
+        ents = (a0, a1, a2, a3, b0, b1, b2, b3)
+    return ents
 
 
 @triton.jit
 def _early_walk(ents, start_l, cnt_l, start_h, cnt_h, xr0, xr1, xr2, xr3, esc_idx_ptr, esc_val_ptr, K,
-                NT: tl.constexpr, UNROLL: tl.constexpr):
-    """``_table_walk``'s sums, bit for bit, from ``_early_entries``' first 4 escapes of each row (already
-    in registers: only their x gathers left), then the rest of the walk from the 5th."""
+                NT: tl.constexpr, UNROLL: tl.constexpr, N: tl.constexpr):
+    """``_table_walk``'s sums, bit for bit, from ``_early_entries``' first N escapes of each row (already
+    in registers: only their x gathers left), then the rest of the walk from the (N + 1)th."""
     z = tl.zeros(start_l.shape, dtype=tl.float32)
     e0, e1, e2, e3, e4, e5, e6, e7, s0, s1, s2, s3, s4, s5, s6, s7 = z, z, z, z, z, z, z, z, z, z, z, z, z, z, z, z
-    for j in tl.static_range(4):
+    for j in tl.static_range(N):
         col_l, val_l, has_l = ents[j]
-        col_h, val_h, has_h = ents[4 + j]
+        col_h, val_h, has_h = ents[N + j]
         e0, e1, e2, e3, e4, e5, e6, e7, s0, s1, s2, s3, s4, s5, s6, s7 = _walk_one(
             e0, e1, e2, e3, e4, e5, e6, e7, s0, s1, s2, s3, s4, s5, s6, s7, xr0, xr1, xr2, xr3,
             col_l, val_l, has_l, col_h, val_h, has_h, NT)
-    return _walk_from(e0, e1, e2, e3, e4, e5, e6, e7, s0, s1, s2, s3, s4, s5, s6, s7, 4, start_l, cnt_l,
+    return _walk_from(e0, e1, e2, e3, e4, e5, e6, e7, s0, s1, s2, s3, s4, s5, s6, s7, N, start_l, cnt_l,
                       start_h, cnt_h, xr0, xr1, xr2, xr3, esc_idx_ptr, esc_val_ptr, K, NT, UNROLL, 0, 1)
 
 
@@ -886,11 +898,10 @@ def _u12_hmma_kernel(
     ESC_SPLIT: tl.constexpr = False,  # SPLIT_K > 1 or WARP_K, the table: each split (warp) walks its share of the escapes
     WARP_K: tl.constexpr = False,  # the warps share the program's rows and split its words (``WARP_K``)
     TRACE: tl.constexpr = False,  # phase stamps into trace_ptr (``TRACE_SLOTS``; GPU only)
-    EARLY: tl.constexpr = False,  # the table's escapes: pointers before the loop, first 4 a row after it (``ESC_EARLY``)
-    PRE: tl.constexpr = False,  # the first chunk's words and codes loaded before the PDL wait (``WORDS_BEFORE_WAIT``)
+    EARLY: tl.constexpr = False,  # the table's escapes: pointers before the loop, first EARLY_N a row after it (``ESC_EARLY``)
+    EARLY_N: tl.constexpr = 4,  # EARLY: escapes a row taken after the loop, before the semaphore (``ESC_EARLY_N``)
 ):
-    if not PRE:
-        pdl_enter(PDL)
+    pdl_enter(PDL)
     TILES: tl.constexpr = BLOCK_N // 16 if WARP_K else BLOCK_N // (16 * WARPS)  # m-tiles a warp: 1 or 2
     NT: tl.constexpr = BLOCK_M // 8  # n-tiles (8 rows of x each) a warp: 1 or 2
     T: tl.constexpr = 32 * WARPS
@@ -899,6 +910,8 @@ def _u12_hmma_kernel(
     pid_m = tl.program_id(2)
     n0 = pid_n * BLOCK_N
     t = tl.arange(0, T)
+    _stamp(trace_ptr, 0, t, t, TRACE)
+    _stamp_sm(trace_ptr, t, TRACE)
     lane = t % 32
     g = lane // 4
     q = lane % 4
@@ -976,19 +989,6 @@ def _u12_hmma_kernel(
     if EARLY:  # 4 registers through the loop, so the escapes' loads after it need no round trip for them
         tl.static_assert(TILES == 1 and not LANES and not ESC_SPLIT and not WARP_K, "EARLY: one m-tile a warp, the table")
         esl, ecl, esh, ech = _esc_rows(esc_row_ptr, rl0, rh0, vl0, vh0)
-    if PRE:  # weights and their escapes, which no kernel before this one writes: loaded before its wait
-        tl.static_assert(TILES == 1 and BLOCK_W <= 32 and not AHEAD and not WARP_K,
-                         "PRE: one m-tile a warp, at most 2 groups a chunk, no AHEAD or WARP_K")
-        live = (lane_w * 0 + w_begin) < full_end  # [T, 4]: a split without a whole chunk loads nothing here
-        w, ww = _group_at(w_begin, 0, BLOCK_W, TILED)
-        a0, a1, a2, a3 = _words_ahead(sm_lo, code_lo, sm_hi, code_hi, ww, live)
-        b0, b1, b2, b3 = a0, a1, a2, a3
-        if BLOCK_W == 32:
-            w, ww = _group_at(w_begin, 1, BLOCK_W, TILED)
-            b0, b1, b2, b3 = _words_ahead(sm_lo, code_lo, sm_hi, code_hi, ww, live)
-        pdl_enter(PDL)  # every load above reads weights; x, the partials and the counters come after
-    _stamp(trace_ptr, 0, t, t, TRACE)
-    _stamp_sm(trace_ptr, t, TRACE)
     if AHEAD:  # a register double buffer: chunk c + 1's words in flight while chunk c decodes and multiplies
         tl.static_assert(TILES == 1 and BLOCK_W <= 32, "AHEAD: one m-tile a warp, at most 2 groups a chunk")
         live = (lane_w * 0 + w_begin) < full_end  # [T, 4] (a scalar mask does not run in the interpreter)
@@ -1029,18 +1029,7 @@ def _u12_hmma_kernel(
             a0, a1, a2, a3 = na0, na1, na2, na3
             b0, b1, b2, b3 = nb0, nb1, nb2, nb3
     else:
-        begin = w_begin
-        if PRE:  # the chunk loaded before the wait, multiplied first as the loop would
-            if w_begin < full_end:
-                w, ww = _group_at(w_begin, 0, BLOCK_W, TILED)
-                d0, d1, d2, d3, e0, e1, e2, e3 = _tile_loaded(d0, d1, d2, d3, e0, e1, e2, e3, a0, a1, a2, a3,
-                                                              x_row0, x_row1, w, w_end, lane_w, NT, ASM)
-                if BLOCK_W == 32:
-                    w, ww = _group_at(w_begin, 1, BLOCK_W, TILED)
-                    d0, d1, d2, d3, e0, e1, e2, e3 = _tile_loaded(d0, d1, d2, d3, e0, e1, e2, e3, b0, b1, b2, b3,
-                                                                  x_row0, x_row1, w, w_end, lane_w, NT, ASM)
-                begin = w_begin + BLOCK_W
-        for start in range(begin, full_end, BLOCK_W):
+        for start in range(w_begin, full_end, BLOCK_W):
             for u in tl.static_range(BLOCK_W // 16):
                 w, ww = _group_at(start, u, BLOCK_W, TILED)
                 d0, d1, d2, d3, e0, e1, e2, e3, f0, f1, f2, f3, h0, h1, h2, h3 = _group(
@@ -1063,7 +1052,7 @@ def _u12_hmma_kernel(
                     TILES, NT, True, ASM)
 
     _stamp(trace_ptr, 1, d0, t, TRACE)
-    ents = _early_entries(esc_idx_ptr, esc_val_ptr, esl, ecl, esh, ech, K) if EARLY else 0
+    ents = _early_entries(esc_idx_ptr, esc_val_ptr, esl, ecl, esh, ech, K, EARLY_N) if EARLY else 0
     mb = pid_m * BLOCK_M + 2 * q
     m0, m1, m2, m3 = mb, mb + 1, mb + 8, mb + 9  # x rows of d0 / d2, d1 / d3, e0 / e2, e1 / e3
     w0, w1, w2, w3, w4, w5, w6, w7 = zero, zero, zero, zero, zero, zero, zero, zero  # ESC_SPLIT: the escapes'
@@ -1132,7 +1121,7 @@ def _u12_hmma_kernel(
             # partials' loads; the walk's sums bit for bit, the spurious terms taken back here (as ESC_SPLIT's)
             xr0, xr1, xr2, xr3 = _x_rows(x_ptr, m0, m1, m2, m3, M, stride_xm)
             w0, w1, w2, w3, w4, w5, w6, w7, s0, s1, s2, s3, s4, s5, s6, s7 = _early_walk(
-                ents, esl, ecl, esh, ech, xr0, xr1, xr2, xr3, esc_idx_ptr, esc_val_ptr, K, NT, ESC_UNROLL)
+                ents, esl, ecl, esh, ech, xr0, xr1, xr2, xr3, esc_idx_ptr, esc_val_ptr, K, NT, ESC_UNROLL, EARLY_N)
             d0, d1, d2, d3, e0, e1, e2, e3 = d0 - s0, d1 - s1, d2 - s2, d3 - s3, e0 - s4, e1 - s5, e2 - s6, e3 - s7
         sl0, cl0, sh0, ch0 = rl0, rl0, rl0, rl0  # (unused where WALKED or LANES)
         if not WALKED and not LANES:
@@ -1208,7 +1197,7 @@ def launch_hmma(x: torch.Tensor, t: U12Tensor, y: torch.Tensor, cfg: U12Config, 
         ESC_UNROLL=ESC_UNROLL, AHEAD=ahead, AHEAD_X=cfg.ahead_x or (ahead and AHEAD_X),
         ESC_SPLIT=esc_split and (grid[1] > 1 or cfg.warp_k), WARP_K=cfg.warp_k, TRACE=trace is not None,
         EARLY=_early(grid[1]) and cfg.block_n == 16 * cfg.num_warps and not cfg.warp_k and not n_lanes and not esc_split,
-        PRE=WORDS_BEFORE_WAIT and cfg.block_n == 16 * cfg.num_warps and cfg.block_w <= 32 and not ahead and not cfg.warp_k,
+        EARLY_N=ESC_EARLY_N,
     )
 
 
@@ -1216,6 +1205,8 @@ def _early(splits: int) -> bool:
     """Whether a launch of `splits` ways over K takes its escapes early (``ESC_EARLY``)."""
     if ESC_EARLY not in _EARLY_MODES:
         raise ValueError(f"u12_hmma.ESC_EARLY: expected one of {', '.join(_EARLY_MODES)}, got {ESC_EARLY!r}")
+    if ESC_EARLY_N not in (4, 8):
+        raise ValueError(f"u12_hmma.ESC_EARLY_N: expected 4 or 8, got {ESC_EARLY_N!r}")
     return ESC_EARLY == "all" or (ESC_EARLY == "split-k" and splits > 1)
 
 

@@ -268,39 +268,6 @@ def test_words_loaded_a_chunk_ahead_give_the_same_sums(monkeypatch, m, n, k, kin
     assert launches[-1] is False
 
 
-@pytest.mark.parametrize("m,n,k,kind,cfg,residual", [
-    (16, 64, 256, "special", U12Config(32, 16, split_k=2, num_warps=2, **_HMMA), False),  # one group a chunk, 2 splits
-    (5, 48, 384, "few", U12Config(16, 32, num_warps=1, **_HMMA), True),  # two groups a chunk, one n-tile, a residual
-    (13, 16, 448, "few", U12Config(16, 32, split_k=2, num_warps=1, **_HMMA), False),  # 112 words: a masked tail
-    (9, 48, 192, "special", U12Config(16, 32, split_k=2, num_warps=1, **_HMMA), False),  # 48 words: split 1 no whole chunk
-])
-def test_words_loaded_before_the_wait_give_the_same_sums(monkeypatch, m, n, k, kind, cfg, residual):
-    """``WORDS_BEFORE_WAIT`` (the first chunk's words loaded before the PDL wait, multiplied first):
-    y bit for bit the loop's on both layouts, split-K, a masked last chunk and a split without a whole
-    chunk included; a config it does not take (two m-tiles a warp) runs without it."""
-    x, t = _make_inputs(_case(m, n, k, torch.bfloat16, kind), DEVICE, n)
-    base = torch.randn(m, n, generator=torch.Generator().manual_seed(n)).to(torch.bfloat16).to(DEVICE)
-    kernel, launches = u12_hmma._u12_hmma_kernel, []
-
-    def run(w, c):
-        y = base.clone() if residual else torch.empty_like(base)
-        with mock.patch.object(u12_hmma, "_u12_hmma_kernel", _Spy(kernel, launches, "PRE")):
-            u12_hmma.launch_hmma(x, w, y, c, residual=residual)
-        return y
-
-    for layout in ("rows", "tiles"):
-        w = t.with_layout(layout)
-        monkeypatch.setattr(u12_hmma, "WORDS_BEFORE_WAIT", False)
-        y = run(w, cfg)
-        monkeypatch.setattr(u12_hmma, "WORDS_BEFORE_WAIT", True)
-        assert torch.equal(run(w, cfg).view(torch.int16), y.view(torch.int16))
-    assert launches == [False, True, False, True]
-    ref = u12_linear_reference(x, t).float() + (base.float() if residual else 0)
-    torch.testing.assert_close(y.float(), ref, rtol=8e-3, atol=1e-2 if residual else 1e-4, equal_nan=True)
-    run(t, dataclasses.replace(cfg, block_n=2 * cfg.block_n))
-    assert launches[-1] is False
-
-
 def test_x_prefetch_goes_with_the_double_buffer(monkeypatch):
     """``AHEAD_X`` reaches the kernel only with AHEAD (a hint: the outputs stay the one-stage loop's
     bit for bit; on the GPU the prefetches run, under the interpreter they are skipped)."""
@@ -550,21 +517,22 @@ def test_phase_stamps_change_no_value_and_run_in_order(split_k, residual):
         assert (s[:, 4] >= s[:, 1]).all() and (s[:, 2] == 0).all()
 
 
-@pytest.mark.parametrize("m,n,k,split_k,residual", [
-    (16, 48, 256, 2, False),  # rows of 0 to 7 escapes: past the 4 taken early, the walk goes on
-    (9, 64, 384, 1, True),  # no split: the summing program is every program; a residual epilogue
-    (16, 32, 448, 3, False),  # 112 words in 3 splits: a masked last chunk
+@pytest.mark.parametrize("m,n,k,split_k,residual,early_n", [
+    (16, 48, 256, 2, False, 4),  # rows of 0 to 10 escapes: past those taken early, the walk goes on
+    (16, 48, 256, 2, False, 8),  # 8 a row early (ESC_EARLY_N)
+    (9, 64, 384, 1, True, 4),  # no split: the summing program is every program; a residual epilogue
+    (16, 32, 448, 3, False, 8),  # 112 words in 3 splits: a masked last chunk
 ])
-def test_escapes_taken_early_give_the_same_sums(monkeypatch, m, n, k, split_k, residual):
-    """``ESC_EARLY`` (escape pointers before the loop, each row's first 4 escapes after it): y bit
-    for bit the default walk's, with rows of 0 to 7 escapes; against the reference; a wrong escape
-    value among the first 4 of a row, and one past them, must show."""
+def test_escapes_taken_early_give_the_same_sums(monkeypatch, m, n, k, split_k, residual, early_n):
+    """``ESC_EARLY`` (escape pointers before the loop, each row's first ``ESC_EARLY_N`` escapes after
+    it): y bit for bit the default walk's, with rows of 0 to 10 escapes; against the reference; a
+    wrong escape value among the first 4 of a row, the next 4 and past 8 must show."""
     from specpilot.runtime.u12 import pack_u12
 
     g = torch.Generator().manual_seed(k + split_k)
     w = 0.02 * torch.randn(n, k, generator=g)
-    for r in range(n):  # row r: r % 8 escapes (values below the exponent window)
-        w[r, torch.randperm(k, generator=g)[: r % 8]] = 1e-30
+    for r in range(n):  # row r: r % 11 escapes (values below the exponent window)
+        w[r, torch.randperm(k, generator=g)[: r % 11]] = 1e-30
     t = pack_u12(w.to(torch.bfloat16), layout="tiles").to(DEVICE)
     x = torch.randn(m, k, generator=g).to(torch.bfloat16).to(DEVICE)
     cfg = U12Config(32, 32, split_k=split_k, num_warps=2, **_HMMA)
@@ -577,6 +545,7 @@ def test_escapes_taken_early_give_the_same_sums(monkeypatch, m, n, k, split_k, r
 
     monkeypatch.setattr(u12_hmma, "ESC_EARLY", "off")  # the walk all after the loop
     want = run(t)
+    monkeypatch.setattr(u12_hmma, "ESC_EARLY_N", early_n)
     monkeypatch.setattr(u12_hmma, "ESC_EARLY", "split-k" if split_k > 1 else "all")
     kernel, taken = u12_hmma._u12_hmma_kernel, []
 
@@ -599,8 +568,12 @@ def test_escapes_taken_early_give_the_same_sums(monkeypatch, m, n, k, split_k, r
     with pytest.raises(ValueError, match="u12_hmma.ESC_EARLY: expected one of off, split-k, all, got 'early'"):
         run(t)
     monkeypatch.setattr(u12_hmma, "ESC_EARLY", "all")
-    row7 = int(t.esc_row_ptr[7])  # row 7: 7 escapes (and maybe a normal draw's), so the 2nd and the 6th
-    for j in (1, 5):
+    monkeypatch.setattr(u12_hmma, "ESC_EARLY_N", 6)
+    with pytest.raises(ValueError, match="u12_hmma.ESC_EARLY_N: expected 4 or 8, got 6"):
+        run(t)
+    monkeypatch.setattr(u12_hmma, "ESC_EARLY_N", early_n)
+    row10 = int(t.esc_row_ptr[10])  # row 10: 10 escapes (and maybe a normal draw's): the 2nd, 6th and 10th
+    for j in (1, 5, 9):
         bad = dataclasses.replace(t, esc_val=t.esc_val.clone())
-        bad.esc_val[row7 + j] = torch.tensor(4.0, dtype=torch.bfloat16).view(torch.int16)
+        bad.esc_val[row10 + j] = torch.tensor(4.0, dtype=torch.bfloat16).view(torch.int16)
         assert not torch.equal(run(bad).view(torch.int16), want.view(torch.int16)), j
