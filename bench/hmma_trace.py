@@ -25,8 +25,8 @@ the layer shapes at 64-row programs of 4 warps, TUNED_TILES' configs before its 
 
 Writes bench/results/hmma_trace_<gpu>.json (GPU, versions, commit) and prints a line a shape.
 
-    python bench/hmma_trace.py [--shapes o,down,qkv,gate_up] [--esc-early off|split-k|all] [--esc-early-n 4|8]
-                               [--pdl 0|1|2] [--w4] [--out FILE]
+    python bench/hmma_trace.py [--shapes o,down,qkv,gate_up] [--esc-early off|split-k|all] [--pdl 0|1|2] [--w4]
+                               [--out FILE]
 """
 
 from __future__ import annotations
@@ -89,7 +89,6 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default="o,down,qkv,gate_up")
     ap.add_argument("--esc-early", choices=("off", "split-k", "all"), help="u12_hmma.ESC_EARLY (default: the module's)")
-    ap.add_argument("--esc-early-n", type=int, choices=(4, 8), help="u12_hmma.ESC_EARLY_N (default: the module's)")
     ap.add_argument("--pdl", type=int, choices=(0, 1, 2), default=0, help="the calls' PDL mode (kernels/overlap.py)")
     ap.add_argument("--w4", action="store_true", help="the configs at 64-row programs of 4 warps (the ones before)")
     ap.add_argument("--out", type=Path)
@@ -103,7 +102,6 @@ def main(argv: list[str] | None = None) -> int:
     from specpilot.kernels.overlap import overlap
 
     u12_hmma.ESC_EARLY = args.esc_early or u12_hmma.ESC_EARLY
-    u12_hmma.ESC_EARLY_N = args.esc_early_n or u12_hmma.ESC_EARLY_N
     names = [s for s in args.shapes.split(",") if s]
     for s in names:
         if s not in SHAPES or s == "lm_head":
@@ -139,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
         calls = [phases(b.cpu(), cfg.split_k) for b in traces]
         row = dict(name=name, N=n, K=k, M=16, config=str(cfg), programs=programs, copies=copies,
                    us_plain=us_plain, us_traced=us_traced, phases=summarize(calls))
-        row.update(esc_early=u12_hmma.ESC_EARLY, esc_early_n=u12_hmma.ESC_EARLY_N, pdl=args.pdl, w4=args.w4)
+        row.update(esc_early=u12_hmma.ESC_EARLY, pdl=args.pdl, w4=args.w4)
         rows.append(row)
         p = row["phases"]
         print(f"{name:8} plain {us_plain:6.2f} traced {us_traced:6.2f} | " + " ".join(

@@ -41,8 +41,7 @@ hmma configs from 3 rows; u12-tiles-sweep: with the tiled configs of a --tiles-t
 per-shape winners) or else a --u12-tuned one, and u12-tiles-sweep-pdl-wait, u12-tiles-sweep-many-rows-pdl-wait
 with them in PDL mode 2 (not under --smoke); u12-tiles-ahead and
 u12-tiles-esc-split, u12-tiles-esc-late, u12-tiles-esc-early-split: with ``u12_hmma.AHEAD``, ``ESC_SPLIT``, or
-``ESC_EARLY`` "off" (the default before) or "split-k" (the default "all"); u12-tiles-esc-early8: ``ESC_EARLY_N`` 8
-(8 escapes a row early, the default 4); u12-tiles-w4: the layer shapes at
+``ESC_EARLY`` "off" (the default before) or "split-k" (the default "all"); u12-tiles-w4: the layer shapes at
 64-row programs of 4 warps (TUNED_TILES' configs before the 32-row ones; c566ca9's u12-tiles, whose
 u12-tiles-w2 is the default since); u12-tiles-ahead-x: AHEAD with
 ``u12_hmma.AHEAD_X`` (each of these knob variants also as <name>-many-rows-pdl-wait, not under --smoke);
@@ -143,7 +142,6 @@ TILES_KNOB_VARIANTS = {  # name: knobs over u12-tiles (--q above 1)
     "u12-tiles-esc-split": {"u12_hmma.ESC_SPLIT": True},  # a split-K launch's escapes walked by its splits
     "u12-tiles-esc-late": {"u12_hmma.ESC_EARLY": "off"},  # the escape walk all after the loop (the default before)
     "u12-tiles-esc-early-split": {"u12_hmma.ESC_EARLY": "split-k"},  # early in the split-K launches only
-    "u12-tiles-esc-early8": {"u12_hmma.ESC_EARLY_N": 8},  # 8 escapes a row early (the default 4)
     "u12-tiles-w4": W4,
 }
 # u12-tiles' twins at q rows (the forward's PDL default is mode 0 above GEMV_ROWS): (suffix, through

@@ -176,12 +176,13 @@ ESC_UNROLL = 2
 # timed on the H200. Read at launch.
 ESC_EARLY = "all"
 _EARLY_MODES = ("off", "split-k", "all")
-# Escapes a row ESC_EARLY takes after the loop: 4 or 8. A block walks as long as its longest row, so
-# with random N(0, 0.02) weights (0.6 escapes a row at K = 4096, 2.2 at down's 14336) almost every
-# 32-row block of down has a row past 4 and walks one or two more steps after its sum (hmma_trace on
-# the H200: down's finish 2.5 µs against o's 1.0); 8 leaves about 1 block in 70 walking, for 16
-# more registers a thread in the tail. Read at launch.
-ESC_EARLY_N = 4
+# Tried: 8 escapes a row early (b5fd050, reverted). A block walks as long as its longest row, so with
+# random N(0, 0.02) weights (0.6 escapes a row at K = 4096, 2.2 at down's 14336) 9 in 10 of down's
+# 32-row blocks have a row past 4 and walk one or two more steps after their sum (hmma_trace: down's
+# finish 2.25-2.5 µs against o's 1.0); at 8, about 1 in 70. down's finish went to 1.75 µs on an H100,
+# but o ran 16.63 µs against 14.69, gate_up 65.61 / 64.46 (gate_up's one-split launch 128 registers
+# against 105: 8 programs an SM against 9; sm_90, Triton 3.6), and verify(16) 5.414 ms against 5.153
+# (bench/results/step_ab_verify16_h100.json at b5fd050, tried/hmma_trace_early8_b5fd050_h100.json).
 # A register double buffer (one m-tile a warp, block_w 16 or 32): each chunk's loop iteration first
 # issues the next chunk's words and codes, then decodes and multiplies its own, so a warp keeps a
 # chunk in flight while it computes. Tried on the row planes (462a452) it did not pay: their loads
@@ -611,42 +612,34 @@ def _table_walk(start_l, cnt_l, start_h, cnt_h, xr0, xr1, xr2, xr3, esc_idx_ptr,
 
 
 @triton.jit
-def _early4(esc_idx_ptr, esc_val_ptr, start, cnt, K, first: tl.constexpr):
-    """Escapes first .. first + 3 of a row (``_entry``'s), their loads in flight together."""
-    return (_entry(esc_idx_ptr, esc_val_ptr, start, first, cnt, K), _entry(esc_idx_ptr, esc_val_ptr, start, first + 1, cnt, K),
-            _entry(esc_idx_ptr, esc_val_ptr, start, first + 2, cnt, K), _entry(esc_idx_ptr, esc_val_ptr, start, first + 3, cnt, K))
-
-
-@triton.jit
-def _early_entries(esc_idx_ptr, esc_val_ptr, start_l, cnt_l, start_h, cnt_h, K, N: tl.constexpr):
-    """``ESC_EARLY``: the first N (4 or 8, ``ESC_EARLY_N``) escapes of rows rl and rh, their loads in
-    flight together: (column, value, present) of each, row rl's then rh's (``_early_walk`` takes them)."""
-    a0, a1, a2, a3 = _early4(esc_idx_ptr, esc_val_ptr, start_l, cnt_l, K, 0)
-    b0, b1, b2, b3 = _early4(esc_idx_ptr, esc_val_ptr, start_h, cnt_h, K, 0)
-    if N == 8:
-        a4, a5, a6, a7 = _early4(esc_idx_ptr, esc_val_ptr, start_l, cnt_l, K, 4)
-        b4, b5, b6, b7 = _early4(esc_idx_ptr, esc_val_ptr, start_h, cnt_h, K, 4)
-        ents = (a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7)
-    else:
-        tl.static_assert(N == 4, "ESC_EARLY_N: 4 or 8")
-        ents = (a0, a1, a2, a3, b0, b1, b2, b3)
-    return ents
+def _early_entries(esc_idx_ptr, esc_val_ptr, start_l, cnt_l, start_h, cnt_h, K):
+    """``ESC_EARLY``: the first 4 escapes of rows rl and rh, their loads in flight together: (column,
+    value, present) of each, row rl's then rh's (``_early_walk`` takes them)."""
+    a = _entry(esc_idx_ptr, esc_val_ptr, start_l, 0, cnt_l, K)
+    b = _entry(esc_idx_ptr, esc_val_ptr, start_l, 1, cnt_l, K)
+    c = _entry(esc_idx_ptr, esc_val_ptr, start_l, 2, cnt_l, K)
+    d = _entry(esc_idx_ptr, esc_val_ptr, start_l, 3, cnt_l, K)
+    e = _entry(esc_idx_ptr, esc_val_ptr, start_h, 0, cnt_h, K)
+    f = _entry(esc_idx_ptr, esc_val_ptr, start_h, 1, cnt_h, K)
+    g = _entry(esc_idx_ptr, esc_val_ptr, start_h, 2, cnt_h, K)
+    h = _entry(esc_idx_ptr, esc_val_ptr, start_h, 3, cnt_h, K)
+    return a, b, c, d, e, f, g, h
 
 
 @triton.jit
 def _early_walk(ents, start_l, cnt_l, start_h, cnt_h, xr0, xr1, xr2, xr3, esc_idx_ptr, esc_val_ptr, K,
-                NT: tl.constexpr, UNROLL: tl.constexpr, N: tl.constexpr):
-    """``_table_walk``'s sums, bit for bit, from ``_early_entries``' first N escapes of each row (already
-    in registers: only their x gathers left), then the rest of the walk from the (N + 1)th."""
+                NT: tl.constexpr, UNROLL: tl.constexpr):
+    """``_table_walk``'s sums, bit for bit, from ``_early_entries``' first 4 escapes of each row (already
+    in registers: only their x gathers left), then the rest of the walk from the 5th."""
     z = tl.zeros(start_l.shape, dtype=tl.float32)
     e0, e1, e2, e3, e4, e5, e6, e7, s0, s1, s2, s3, s4, s5, s6, s7 = z, z, z, z, z, z, z, z, z, z, z, z, z, z, z, z
-    for j in tl.static_range(N):
+    for j in tl.static_range(4):
         col_l, val_l, has_l = ents[j]
-        col_h, val_h, has_h = ents[N + j]
+        col_h, val_h, has_h = ents[4 + j]
         e0, e1, e2, e3, e4, e5, e6, e7, s0, s1, s2, s3, s4, s5, s6, s7 = _walk_one(
             e0, e1, e2, e3, e4, e5, e6, e7, s0, s1, s2, s3, s4, s5, s6, s7, xr0, xr1, xr2, xr3,
             col_l, val_l, has_l, col_h, val_h, has_h, NT)
-    return _walk_from(e0, e1, e2, e3, e4, e5, e6, e7, s0, s1, s2, s3, s4, s5, s6, s7, N, start_l, cnt_l,
+    return _walk_from(e0, e1, e2, e3, e4, e5, e6, e7, s0, s1, s2, s3, s4, s5, s6, s7, 4, start_l, cnt_l,
                       start_h, cnt_h, xr0, xr1, xr2, xr3, esc_idx_ptr, esc_val_ptr, K, NT, UNROLL, 0, 1)
 
 
@@ -898,8 +891,7 @@ def _u12_hmma_kernel(
     ESC_SPLIT: tl.constexpr = False,  # SPLIT_K > 1 or WARP_K, the table: each split (warp) walks its share of the escapes
     WARP_K: tl.constexpr = False,  # the warps share the program's rows and split its words (``WARP_K``)
     TRACE: tl.constexpr = False,  # phase stamps into trace_ptr (``TRACE_SLOTS``; GPU only)
-    EARLY: tl.constexpr = False,  # the table's escapes: pointers before the loop, first EARLY_N a row after it (``ESC_EARLY``)
-    EARLY_N: tl.constexpr = 4,  # EARLY: escapes a row taken after the loop, before the semaphore (``ESC_EARLY_N``)
+    EARLY: tl.constexpr = False,  # the table's escapes: pointers before the loop, first 4 a row after it (``ESC_EARLY``)
 ):
     pdl_enter(PDL)
     TILES: tl.constexpr = BLOCK_N // 16 if WARP_K else BLOCK_N // (16 * WARPS)  # m-tiles a warp: 1 or 2
@@ -1052,7 +1044,7 @@ def _u12_hmma_kernel(
                     TILES, NT, True, ASM)
 
     _stamp(trace_ptr, 1, d0, t, TRACE)
-    ents = _early_entries(esc_idx_ptr, esc_val_ptr, esl, ecl, esh, ech, K, EARLY_N) if EARLY else 0
+    ents = _early_entries(esc_idx_ptr, esc_val_ptr, esl, ecl, esh, ech, K) if EARLY else 0
     mb = pid_m * BLOCK_M + 2 * q
     m0, m1, m2, m3 = mb, mb + 1, mb + 8, mb + 9  # x rows of d0 / d2, d1 / d3, e0 / e2, e1 / e3
     w0, w1, w2, w3, w4, w5, w6, w7 = zero, zero, zero, zero, zero, zero, zero, zero  # ESC_SPLIT: the escapes'
@@ -1121,7 +1113,7 @@ def _u12_hmma_kernel(
             # partials' loads; the walk's sums bit for bit, the spurious terms taken back here (as ESC_SPLIT's)
             xr0, xr1, xr2, xr3 = _x_rows(x_ptr, m0, m1, m2, m3, M, stride_xm)
             w0, w1, w2, w3, w4, w5, w6, w7, s0, s1, s2, s3, s4, s5, s6, s7 = _early_walk(
-                ents, esl, ecl, esh, ech, xr0, xr1, xr2, xr3, esc_idx_ptr, esc_val_ptr, K, NT, ESC_UNROLL, EARLY_N)
+                ents, esl, ecl, esh, ech, xr0, xr1, xr2, xr3, esc_idx_ptr, esc_val_ptr, K, NT, ESC_UNROLL)
             d0, d1, d2, d3, e0, e1, e2, e3 = d0 - s0, d1 - s1, d2 - s2, d3 - s3, e0 - s4, e1 - s5, e2 - s6, e3 - s7
         sl0, cl0, sh0, ch0 = rl0, rl0, rl0, rl0  # (unused where WALKED or LANES)
         if not WALKED and not LANES:
@@ -1197,7 +1189,6 @@ def launch_hmma(x: torch.Tensor, t: U12Tensor, y: torch.Tensor, cfg: U12Config, 
         ESC_UNROLL=ESC_UNROLL, AHEAD=ahead, AHEAD_X=cfg.ahead_x or (ahead and AHEAD_X),
         ESC_SPLIT=esc_split and (grid[1] > 1 or cfg.warp_k), WARP_K=cfg.warp_k, TRACE=trace is not None,
         EARLY=_early(grid[1]) and cfg.block_n == 16 * cfg.num_warps and not cfg.warp_k and not n_lanes and not esc_split,
-        EARLY_N=ESC_EARLY_N,
     )
 
 
@@ -1205,8 +1196,6 @@ def _early(splits: int) -> bool:
     """Whether a launch of `splits` ways over K takes its escapes early (``ESC_EARLY``)."""
     if ESC_EARLY not in _EARLY_MODES:
         raise ValueError(f"u12_hmma.ESC_EARLY: expected one of {', '.join(_EARLY_MODES)}, got {ESC_EARLY!r}")
-    if ESC_EARLY_N not in (4, 8):
-        raise ValueError(f"u12_hmma.ESC_EARLY_N: expected 4 or 8, got {ESC_EARLY_N!r}")
     return ESC_EARLY == "all" or (ESC_EARLY == "split-k" and splits > 1)
 
 

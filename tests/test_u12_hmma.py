@@ -517,16 +517,15 @@ def test_phase_stamps_change_no_value_and_run_in_order(split_k, residual):
         assert (s[:, 4] >= s[:, 1]).all() and (s[:, 2] == 0).all()
 
 
-@pytest.mark.parametrize("m,n,k,split_k,residual,early_n", [
-    (16, 48, 256, 2, False, 4),  # rows of 0 to 10 escapes: past those taken early, the walk goes on
-    (16, 48, 256, 2, False, 8),  # 8 a row early (ESC_EARLY_N)
-    (9, 64, 384, 1, True, 4),  # no split: the summing program is every program; a residual epilogue
-    (16, 32, 448, 3, False, 8),  # 112 words in 3 splits: a masked last chunk
+@pytest.mark.parametrize("m,n,k,split_k,residual", [
+    (16, 48, 256, 2, False),  # rows of 0 to 10 escapes: past the 4 taken early, the walk goes on
+    (9, 64, 384, 1, True),  # no split: the summing program is every program; a residual epilogue
+    (16, 32, 448, 3, False),  # 112 words in 3 splits: a masked last chunk
 ])
-def test_escapes_taken_early_give_the_same_sums(monkeypatch, m, n, k, split_k, residual, early_n):
-    """``ESC_EARLY`` (escape pointers before the loop, each row's first ``ESC_EARLY_N`` escapes after
-    it): y bit for bit the default walk's, with rows of 0 to 10 escapes; against the reference; a
-    wrong escape value among the first 4 of a row, the next 4 and past 8 must show."""
+def test_escapes_taken_early_give_the_same_sums(monkeypatch, m, n, k, split_k, residual):
+    """``ESC_EARLY`` (escape pointers before the loop, each row's first 4 escapes after it): y bit
+    for bit the default walk's, with rows of 0 to 10 escapes; against the reference; a wrong escape
+    value among the first 4 of a row, and past them, must show."""
     from specpilot.runtime.u12 import pack_u12
 
     g = torch.Generator().manual_seed(k + split_k)
@@ -545,7 +544,6 @@ def test_escapes_taken_early_give_the_same_sums(monkeypatch, m, n, k, split_k, r
 
     monkeypatch.setattr(u12_hmma, "ESC_EARLY", "off")  # the walk all after the loop
     want = run(t)
-    monkeypatch.setattr(u12_hmma, "ESC_EARLY_N", early_n)
     monkeypatch.setattr(u12_hmma, "ESC_EARLY", "split-k" if split_k > 1 else "all")
     kernel, taken = u12_hmma._u12_hmma_kernel, []
 
@@ -568,10 +566,6 @@ def test_escapes_taken_early_give_the_same_sums(monkeypatch, m, n, k, split_k, r
     with pytest.raises(ValueError, match="u12_hmma.ESC_EARLY: expected one of off, split-k, all, got 'early'"):
         run(t)
     monkeypatch.setattr(u12_hmma, "ESC_EARLY", "all")
-    monkeypatch.setattr(u12_hmma, "ESC_EARLY_N", 6)
-    with pytest.raises(ValueError, match="u12_hmma.ESC_EARLY_N: expected 4 or 8, got 6"):
-        run(t)
-    monkeypatch.setattr(u12_hmma, "ESC_EARLY_N", early_n)
     row10 = int(t.esc_row_ptr[10])  # row 10: 10 escapes (and maybe a normal draw's): the 2nd, 6th and 10th
     for j in (1, 5, 9):
         bad = dataclasses.replace(t, esc_val=t.esc_val.clone())
