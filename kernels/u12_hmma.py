@@ -182,7 +182,7 @@ _EARLY_MODES = ("off", "split-k", "all")
 # finish 2.25-2.5 µs against o's 1.0); at 8, about 1 in 70. down's finish went to 1.75 µs on an H100,
 # but o ran 16.63 µs against 14.69, gate_up 65.61 / 64.46 (gate_up's one-split launch 128 registers
 # against 105: 8 programs an SM against 9; sm_90, Triton 3.6), and verify(16) 5.414 ms against 5.153
-# (bench/results/step_ab_verify16_h100.json at b5fd050, tried/hmma_trace_early8_b5fd050_h100.json).
+# (bench/results/tried/step_ab_verify16_esc_early8_b5fd050_h100.json, tried/hmma_trace_early8_b5fd050_h100.json).
 # A register double buffer (one m-tile a warp, block_w 16 or 32): each chunk's loop iteration first
 # issues the next chunk's words and codes, then decodes and multiplies its own, so a warp keeps a
 # chunk in flight while it computes. Tried on the row planes (462a452) it did not pay: their loads
