@@ -13,7 +13,7 @@ Launches, for each of bench/u12_linear.py's shapes at M rows (default 1, 4, 16, 
   u12-tiles    u12_linear's default on the tiled weight (U12Tensor.layout "tiles"): gemv2 at one row,
                TUNED_TILES' hmma configs at 4 and 16
   u12-fused-tiles  the u12-fused calls on tiled weights at 16 rows: TUNED_TILES' hmma configs with the
-               epilogues (bench/step_ab.py's u12-tiles-many-rows); not in the default --only
+               epilogues (bench/step_ab.py's u12-tiles, the default way up to 16 rows); not in the default --only
   bf16         fused_linear's default config on the bf16 weight (the path u12 is compared with)
 
 --step-variants compiles the launches again under each of bench/step_ab.py's u12 knob variants

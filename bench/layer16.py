@@ -4,7 +4,7 @@ the weight reads goes, on tiled u12 weights at 16 rows, one GPU.
 The u12 verify(16) step runs its layers one of two ways (runtime/fused.py):
   plain   run_layers (u12-tiles, the default): rmsnorm with the residual add, qkv, o, rmsnorm with
           the residual add, gate_up, silu_mul, down: seven launches a layer, the linears u12_linear's
-  fused   run_layers_linear with U12_MANY_ROWS (u12-tiles-many-rows): u12_fused_linear's hmma
+  fused   run_layers_linear with U12_MANY_ROWS (u12-tiles, the default): u12_fused_linear's hmma
           epilogues, four launches: qkv taking the norm down handed on, o adding into the stream and
           handing the next norm on, gate_up gated taking it, down adding and handing on
 and the fused way measured slower in the step (bench/results/tried/step_ab_verify16_5f739f0_h100.json, 5f739f0)

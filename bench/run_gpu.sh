@@ -32,7 +32,7 @@
 #   tilesab  the tiled layout's GPU tests, then the AR and verify(16) steps interleaved (u12-tiles beside u12)
 #   knobs    the hmma kernel's untimed knobs (u12_hmma.AHEAD, AHEAD_X, ESC_SPLIT) at M = 16 on tiles
 #            (bench/hmma_knobs.py), then their GPU tests; verifyab, a command of its own after it, times them
-#            in the verify(16) step (u12-tiles-ahead, -ahead-x, -esc-split, -many-rows, -pdl-wait), and with the
+#            in the verify(16) step (u12-tiles-ahead, -ahead-x, -esc-split, -many-rows-off, -pdl-off), and with the
 #            knobs file committed as bench/results/u12_hmma_knobs_<gpu>.json each shape's winner (u12-tiles-sweep)
 #   knobstep hmma_knobs.py at KNOB_SHAPES (default o,down,qkv: the split-K shapes), then verify(16) with its
 #            per-shape winners (u12-tiles-sweep) beside u12-tiles, the AHEAD / ESC_SPLIT switches and PDL
@@ -186,7 +186,7 @@ knobstep() {  # one command: the knob table at the split-K shapes, then verify(1
     ${KNOB_LABELS:+--labels "$KNOB_LABELS"} \
     --out "$OUT/u12_hmma_knobs_${GPU}.json"
   local knobs="$OUT/u12_hmma_knobs_${GPU}.json"
-  local only="${STEP_ONLY:-bf16-linear,bf16-linear-pdl-wait,u12-tiles,u12-tiles-sweep,u12-tiles-pdl-wait,u12-tiles-ahead,u12-tiles-esc-split}"
+  local only="${STEP_ONLY:-bf16-linear,bf16-linear-pdl-wait,u12-tiles,u12-tiles-sweep,u12-tiles-ahead,u12-tiles-esc-split}"
   local tuned=(--tiles-tuned "$knobs")
   if [ ! -s "$knobs" ]; then  # the table timed no shape: the step without its winners
     echo "knobstep: no $knobs, so no u12-tiles-sweep"

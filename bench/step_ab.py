@@ -29,24 +29,25 @@ u12-esc-after (the same with every load of the table after the loops: ``u12_line
 AR only); bf16-pdl, bf16-pdl-wait, u12-pdl, u12-pdl-wait (each step with programmatic dependent
 launch, kernels/overlap.py's modes 1 and 2; AR only, not under --smoke; the u12 AR step's default is mode 2,
 runtime/fused.py's U12_PDL, so u12-pdl-wait is the default step captured again); u12-plain (the u12 step
-with PDL off, mode 0: the default until 3cf2c55; AR only, not under --smoke); u12-many-rows (a verify
-step's u12 layers through u12_fused_linear: the mma and hmma kernels' epilogues and the norm
-handoff, runtime/fused.py's U12_MANY_ROWS; --q above 1 only); u12-lanes-g8, u12-lanes-g16 (a verify
+with PDL off, mode 0: the default until 3cf2c55; AR only, not under --smoke); u12-many-rows-off (a verify
+step's u12 layers through u12_linear beside the rmsnorm and silu_mul kernels, where by default up to
+16 rows run u12_fused_linear's mma and hmma epilogues and the norm handoff: runtime/fused.py's
+U12_MANY_ROWS; --q above 1 only); u12-lanes-g8, u12-lanes-g16 (a verify
 step's mma and hmma kernels walking the lanes 8 or 16 a step, ``u12_linear.LANE_GROUP``, against the
 default 4; --q above 1 only); u12-gemv-rows (gemv2 at 3..4 rows, the default before the tensor-core
 kernels took them: ``u12_linear.TENSOR_CORE_ROWS``; --q 3 or 4); u12-hmma-wide (the hmma kernel's
 two n-tiles at up to 8 rows, ``u12_hmma.NARROW`` off; --q 2..8); u12-tiles (the default u12 step with
 every weight tiled, ``U12Tensor.layout``: gemv2 and the fused GEMV on the tiles at one row, TUNED_TILES'
-hmma configs from 3 rows; u12-tiles-sweep: with the tiled configs of a --tiles-tuned file (bench/hmma_knobs.py's
-per-shape winners) or else a --u12-tuned one, and u12-tiles-sweep-pdl-wait, u12-tiles-sweep-many-rows-pdl-wait
-with them in PDL mode 2 (not under --smoke); u12-tiles-ahead and
+hmma configs from 3 rows, and at up to 16 rows u12_fused_linear in PDL mode 2, U12_MANY_ROWS and
+U12_PDL_ROWS; u12-tiles-sweep: with the tiled configs of a --tiles-tuned file (bench/hmma_knobs.py's
+per-shape winners) or else a --u12-tuned one; u12-tiles-ahead and
 u12-tiles-esc-split, u12-tiles-esc-late, u12-tiles-esc-early-split: with ``u12_hmma.AHEAD``, ``ESC_SPLIT``, or
 ``ESC_EARLY`` "off" (the default before) or "split-k" (the default "all"); u12-tiles-w4: the layer shapes at
 64-row programs of 4 warps (TUNED_TILES' configs before the 32-row ones; c566ca9's u12-tiles, whose
 u12-tiles-w2 is the default since); u12-tiles-ahead-x: AHEAD with
-``u12_hmma.AHEAD_X`` (each of these knob variants also as <name>-many-rows-pdl-wait, not under --smoke);
-u12-tiles-many-rows: with U12_MANY_ROWS, the fused epilogues and norm handoff on the tiles; u12-tiles-pdl-wait, u12-tiles-many-rows-pdl-wait and
-bf16-linear-pdl-wait: those steps in PDL mode 2, not under --smoke; all --q above 1); u12-sweep and u12-fused-sweep
+``u12_hmma.AHEAD_X``; u12-tiles-many-rows-off, u12-tiles-pdl-off, u12-tiles-many-rows-off-pdl-off: u12-tiles
+with u12_linear beside the norm kernels, PDL off, or both (the default verify step before 17a03ab's child),
+not under --smoke; bf16-linear-pdl-wait: bf16-linear in PDL mode 2, not under --smoke; all --q above 1); u12-sweep and u12-fused-sweep
 (the default u12 step with u12_linear's, or u12_fused_linear's, TUNED entries for the step's rows
 taken from a sweep's results file: --u12-tuned, --u12-fused-tuned); bf16-default, bf16-r128 (the bf16 step at other register budgets:
 ``BF16_VARIANTS``; not under --smoke, whose tiny shapes TUNED does not hold). With --q above 1 (a
@@ -104,8 +105,8 @@ U12_VARIANTS = {  # name: FusedOps fields over the default ops
     "u12-prologue": dict(u12_kernel="triton-u12", u12_norms_apart=False, u12_norm_handoff=False),
     "u12-handoff": dict(u12_kernel="triton-u12", u12_norms_apart=True, u12_norm_handoff=True),  # the default
 }
-U12_VERIFY_VARIANTS = {  # a verify step (--q above 1) only: its u12 layers through u12_fused_linear too
-    "u12-many-rows": dict(u12_kernel="triton-u12", u12_norms_apart=True, u12_norm_handoff=True, u12_many_rows=True),
+U12_VERIFY_VARIANTS = {  # a verify step (--q above 1) only: its u12 layers through u12_linear beside the norm kernels
+    "u12-many-rows-off": dict(u12_many_rows=0),
 }
 
 
@@ -144,9 +145,9 @@ TILES_KNOB_VARIANTS = {  # name: knobs over u12-tiles (--q above 1)
     "u12-tiles-esc-early-split": {"u12_hmma.ESC_EARLY": "split-k"},  # early in the split-K launches only
     "u12-tiles-w4": W4,
 }
-# u12-tiles' twins at q rows (the forward's PDL default is mode 0 above GEMV_ROWS): (suffix, through
-# u12_fused_linear's epilogues and norm handoff on the tiles (U12_MANY_ROWS), PDL mode)
-TILES_WAYS = (("-many-rows", True, None), ("-pdl-wait", False, 2), ("-many-rows-pdl-wait", True, 2))
+# u12-tiles' twins at q rows, GPU only: (suffix, ops.u12_many_rows, PDL mode; None: the default's, which
+# for a verify step of up to 16 rows is u12_fused_linear's epilogues and norm handoff in PDL mode 2)
+TILES_WAYS = (("-many-rows-off", 0, None), ("-pdl-off", None, 0), ("-many-rows-off-pdl-off", 0, 0))
 KNOB_MODULES = {"u12_linear": u12_linear, "u12_hmma": u12_hmma, "u12_fused_linear": u12_fused_linear}
 
 
@@ -302,7 +303,7 @@ def capture(shape: str, variants: bool, extra_bf16: dict | None = None, extra_u1
             with _tuned(fused_linear.TUNED, (extra_bf16 or {}).get("bf16-sweep", {})):
                 add("bf16-linear")
                 if variants:
-                    with overlap(pdl=2):  # the same in PDL mode 2 (beside u12-tiles-pdl-wait)
+                    with overlap(pdl=2):  # the same in PDL mode 2 (the u12 verify step's default mode)
                         add("bf16-linear-pdl-wait")
                     # each norm prologue reading x, as before RowSquares
                     model.fused.ops = dataclasses.replace(ops, **at_q, row_squares=False)
@@ -335,27 +336,20 @@ def capture(shape: str, variants: bool, extra_bf16: dict | None = None, extra_u1
     with fused_path(model):  # the default u12 step on tiled weights: TUNED_TILES from 3 rows
         ops = model.fused.ops
 
-        def add_ways(prefix: str, ways) -> None:  # prefix + each suffix: the step's ops and PDL mode
-            for suffix, many_rows, pdl in ways:
-                if pdl and not variants:  # PDL: GPU only, not under --smoke
-                    continue
-                model.fused.ops = dataclasses.replace(ops, **U12_VERIFY_VARIANTS["u12-many-rows"]) if many_rows else ops
-                with overlap(pdl=pdl):
-                    add(prefix + suffix)
-            model.fused.ops = ops
-
         add("u12-tiles")
         if q > 1:  # the hmma kernel's knobs, not yet defaults, on the tiles they were built for
             for name, knobs in TILES_KNOB_VARIANTS.items():
                 with knobs_set(knobs):
                     add(name)
-                    add_ways(name, TILES_WAYS[2:])  # and the fused way in PDL mode 2 (the fastest way on an H100)
-            add_ways("u12-tiles", TILES_WAYS)
+            for suffix, many_rows, pdl in TILES_WAYS if variants else ():  # not under --smoke (at its 4 rows
+                # all alike; PDL: GPU only)
+                model.fused.ops = ops if many_rows is None else dataclasses.replace(ops, u12_many_rows=many_rows)
+                with overlap(pdl=pdl):
+                    add("u12-tiles" + suffix)
+            model.fused.ops = ops
         for name, override in (extra_u12_tiles or {}).items():  # at a sweep's configs for tiled weights
             with _tuned(u12_linear.TUNED_TILES, override):
                 add(name)
-                if q > 1:  # and in PDL mode 2, the plain way and the fused one
-                    add_ways(name, TILES_WAYS[1:])
     return graphs, keep
 
 

@@ -457,8 +457,10 @@ def test_fused_layers_count_the_launches_the_runtime_makes(llama8b):
     assert per_layer(fused, q=17) == per_layer(fused, q=31) == per_layer(fused, q=33) == after
     assert step_time(graph, gpu, q=1, cache_len=512).kernels == after + 2 * layers
     u12 = to_u12(fused, "triton-u12")
-    # GEMV rows only: silu_mul a layer, the post norms, the input norms after the first layer's
-    assert per_layer(u12, q=1) == per_layer(u12, q=2) - 3 * layers + 1 == per_layer(u12, q=8) - 3 * layers + 1
+    # at the GEMV rows and 5..16 (U12_MANY_ROWS: the hmma kernel's): silu_mul a layer, the post norms, the
+    # input norms after the first layer's; 2..4 and past 16 unfused
+    assert per_layer(u12, q=1) == per_layer(u12, q=8) == per_layer(u12, q=16) == per_layer(u12, q=2) - 3 * layers + 1
+    assert per_layer(u12, q=2) == per_layer(u12, q=17) == per_layer(u12, q=32)
     assert per_layer(to_u12(fused, "torch"), q=1) == per_layer(u12, q=2)  # not the fused stacks' kernel
 
 
@@ -504,11 +506,12 @@ def test_the_cost_model_folds_at_the_rows_the_runtime_fuses():
     for rows in range(1, 70):
         for u12 in (False, True):
             assert roofline.linear_serves(rows, u12) == ops.linear_serves(rows, u12), (rows, u12)
-    many = dataclasses.replace(ops, u12_many_rows=True)
-    with mock.patch.object(roofline, "U12_MANY_ROWS", True):
-        for rows in range(1, 70):
-            for u12 in (False, True):
-                assert roofline.linear_serves(rows, u12) == many.linear_serves(rows, u12), (rows, u12)
+    for limit in (0, 9, 32):  # none above GEMV_ROWS, some, and all the stack's rows
+        many = dataclasses.replace(ops, u12_many_rows=limit)
+        with mock.patch.object(roofline, "U12_MANY_ROWS", limit):
+            for rows in range(1, 70):
+                for u12 in (False, True):
+                    assert roofline.linear_serves(rows, u12) == many.linear_serves(rows, u12), (limit, rows, u12)
 
 
 def test_a_fused_dflash_layer_keeps_its_context_kv_launch(llama8b):

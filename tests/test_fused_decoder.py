@@ -509,7 +509,7 @@ def test_u12_layers_run_the_fused_u12_linear(family, norms_apart, handoff, tiny_
     unfused.ops = dataclasses.replace(unfused.ops, linear_max_m=0, u12_kernel="")
     stack = install_fused(_to_u12(fused, "torch"), "torch")
     stack.ops = dataclasses.replace(stack.ops, u12_kernel="torch", u12_norms_apart=norms_apart,
-                                    u12_norm_handoff=handoff)
+                                    u12_norm_handoff=handoff, u12_many_rows=0)  # rows above 4: test_u12_layers_at_many_rows
     calls, plain_calls = _count_linear(stack, "linear_u12"), _count_linear(stack)
     hands = []
     linear_u12 = stack.ops.linear_u12
@@ -553,17 +553,21 @@ def test_u12_layers_run_the_fused_u12_linear(family, norms_apart, handoff, tiny_
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_u12_layers_at_many_rows(family, tiny_model_dirs):
-    """With ops.u12_many_rows, u12 layers run ops.linear_u12 above GEMV_ROWS rows too (a 9-token
-    chunk: the mma and hmma kernels' epilogues), the norms handed on as at one row; 2..4 rows stay
-    unfused. The logits, hidden states and caches are the unfused u12 stack's, within the handoff's
-    roundings."""
+    """Up to ops.u12_many_rows rows (16 by default; 0: none), u12 layers run ops.linear_u12 above
+    GEMV_ROWS rows too (a 9-token chunk: the mma and hmma kernels' epilogues), the norms handed on as
+    at one row; 2..4 rows stay unfused. The logits, hidden states and caches are the unfused u12
+    stack's, within the handoff's roundings. A bool for the row count is refused."""
     _, plain, cfg = _pair(tiny_model_dirs[family], torch.bfloat16)
     _, fused, _ = _pair(tiny_model_dirs[family], torch.bfloat16)
     unfused = install_fused(_to_u12(plain, "torch"), "torch")
     unfused.ops = dataclasses.replace(unfused.ops, linear_max_m=0, u12_kernel="")
     stack = install_fused(_to_u12(fused, "torch"), "torch")
-    assert not stack.ops.u12_many_rows and not stack.ops.linear_serves(9, u12=True)  # off by default
-    stack.ops = dataclasses.replace(stack.ops, u12_many_rows=True)
+    assert stack.ops.u12_many_rows == 16 and stack.ops.linear_serves(16, u12=True)  # the default: up to 16
+    assert not stack.ops.linear_serves(17, u12=True) and not stack.ops.linear_serves(3, u12=True)
+    assert not dataclasses.replace(stack.ops, u12_many_rows=0).linear_serves(9, u12=True)
+    with pytest.raises(ValueError, match="FusedOps.u12_many_rows: expected a row count"):
+        dataclasses.replace(stack.ops, u12_many_rows=True)
+    stack.ops = dataclasses.replace(stack.ops, u12_many_rows=stack.ops.linear_max_m)
     assert stack.ops.linear_serves(9, u12=True) and not stack.ops.linear_serves(3, u12=True)
     # fused_linear's gap (17..31 rows: its tiles against cuBLAS's) is not the u12 kernels'
     assert stack.ops.linear_serves(17, u12=True) and not stack.ops.linear_serves(17, u12=False)
@@ -616,7 +620,7 @@ def test_u12_fused_linear_greedy_tokens_equal_the_unfused_u12_stack(many_rows, t
     unfused = install_fused(_to_u12(ref, "torch"), "torch")
     unfused.ops = dataclasses.replace(unfused.ops, linear_max_m=0)
     stack = install_fused(_to_u12(fused, "triton-u12"), "triton")
-    stack.ops = dataclasses.replace(stack.ops, u12_kernel="triton-u12", u12_many_rows=many_rows)
+    stack.ops = dataclasses.replace(stack.ops, u12_kernel="triton-u12", u12_many_rows=16 if many_rows else 0)
     calls = _count_linear(stack, "linear_u12")
     prompt = [5, 9, 2, 6, 5, 3]
     # 2 tokens: the prompt's forward, then one one-row step through u12_fused_linear in every layer
@@ -646,16 +650,19 @@ def test_default_pdl_yields_to_the_benchmarks_settings(monkeypatch):
 @pytest.mark.parametrize("u12", [True, False], ids=["u12", "bf16"])
 def test_u12_ar_forwards_take_the_u12_pdl_mode(u12, tiny_model_dirs, monkeypatch):
     """ops.u12_pdl (runtime/fused.py's U12_PDL) is the PDL mode of a u12 stack's forwards of
-    GEMV_ROWS rows or fewer, every kernel of the layers and the final norm inside it; more rows,
-    or plain weights, keep the process's mode."""
+    U12_PDL_ROWS rows or fewer (32; 4 here), every kernel of the layers and the final norm inside it;
+    more rows, or plain weights, keep the process's mode."""
     from specpilot.kernels import overlap as ov
 
     monkeypatch.delenv("SPECPILOT_PDL", raising=False)
     _, model, cfg = _pair(tiny_model_dirs["llama"], torch.bfloat16)
     stack = install_fused(_to_u12(model, "torch") if u12 else model, "torch")
+    from specpilot.runtime import fused
     from specpilot.runtime.fused import U12_PDL, fused_ops
 
     assert stack.ops.u12_pdl == 0 and fused_ops("triton").u12_pdl == U12_PDL == 2  # the references launch nothing
+    assert fused.U12_PDL_ROWS == 32
+    monkeypatch.setattr(fused, "U12_PDL_ROWS", 4)  # a 5-token chunk past it
     modes = []
     rmsnorm = stack.ops.rmsnorm
     stack.ops = dataclasses.replace(stack.ops, u12_pdl=2, rmsnorm=lambda *a, **kw: (

@@ -262,7 +262,7 @@ def test_kernel_static_smoke_run(tmp_path):
 
 
 def test_kernel_static_compiles_the_fused_calls_on_tiles(tmp_path):
-    """--only u12-fused-tiles (bench/step_ab.py's u12-tiles-many-rows): the verify step's four fused
+    """--only u12-fused-tiles (bench/step_ab.py's u12-tiles, the default way): the verify step's four fused
     calls on tiled weights, each a tensor-core kernel reading the tiles with its epilogue, in the
     step's order, nothing spilled (at the smoke shapes the mma kernel's default tile; at Llama's
     TUNED_TILES gives the hmma kernel)."""

@@ -299,7 +299,7 @@ def linear_serves(rows: int, u12: bool) -> bool:
     """runtime/fused.py's FusedOps.linear_serves at its defaults."""
     if rows > LINEAR_MAX_M:
         return False
-    if u12 and U12_MANY_ROWS and rows > GEMV_ROWS:
+    if u12 and GEMV_ROWS < rows <= U12_MANY_ROWS:
         return True
     if LINEAR_GAP[0] <= rows <= LINEAR_GAP[1]:
         return False
@@ -310,7 +310,7 @@ def linear_serves(rows: int, u12: bool) -> bool:
 # weights of the "triton-u12" kernel), keep their norms as rmsnorm kernels (U12_NORMS_APART) and hand
 # a norm from the residual u12 GEMV before it to the u12 GEMV after it instead (U12_NORM_HANDOFF).
 U12_LINEAR, U12_NORMS_APART, U12_NORM_HANDOFF = True, True, True
-U12_MANY_ROWS = False  # runtime/fused.py's U12_MANY_ROWS: u12 layers served above GEMV_ROWS rows too
+U12_MANY_ROWS = 16  # runtime/fused.py's U12_MANY_ROWS: u12 layers served above GEMV_ROWS rows up to this many too
 _LAYER_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _JOINED = {"k_proj": "q_proj", "v_proj": "q_proj", "up_proj": "gate_proj"}  # concatenated GEMMs of a fused layer
 

@@ -25,9 +25,9 @@ kernels/u12_fused_linear.py serves u12 layers the same way, but without its norm
 slower: U12_LINEAR, U12_NORMS_APART): o's and down's residual epilogues hand the stream's norm to
 the GEMV after them (NormHandoff, U12_NORM_HANDOFF), which scales its sums by the norm's inv, so
 only the first layer's input norm and the final norm stay rmsnorm kernels. Above GEMV_ROWS rows
-(verify and tree steps) u12 layers run u12_linear beside the rmsnorm and silu_mul kernels unless
-U12_MANY_ROWS, where u12_fused_linear's mma and hmma epilogues and the handoff serve them too (off
-until timed on a GPU).
+(verify and tree steps) u12_fused_linear's mma and hmma epilogues and the handoff serve them too up
+to U12_MANY_ROWS rows (16: the hmma kernel's); more rows run u12_linear beside the rmsnorm and
+silu_mul kernels. u12 stacks' forwards of up to U12_PDL_ROWS rows launch in PDL mode U12_PDL.
 
 q/k/v and gate/up are concatenated once at install; the original projections become views of the
 concatenated weights, so no memory is doubled. u12 projections are concatenated the same way (one
@@ -81,16 +81,21 @@ class FusedOps:
     linear_gemv_max_m: int = 0  # of linear_max_m, the GEMV kernels' rows (<= GEMV_ROWS) served: the rest of
     # 1..GEMV_ROWS stays unfused; above GEMV_ROWS only plain layers are served (`linear_serves`)
     linear_gap: tuple[int, int] = (0, 0)  # rows lo..hi (inclusive) of those that stay unfused; (0, 0): none
-    u12_many_rows: bool = False  # u12 layers above GEMV_ROWS too (u12_fused_linear's mma and hmma epilogues)
-    u12_pdl: int = 0  # the PDL mode of a u12 stack's forwards of GEMV_ROWS rows or fewer (U12_PDL)
+    u12_many_rows: int = 0  # u12 layers served above GEMV_ROWS up to this many rows too (u12_fused_linear's
+    # mma and hmma epilogues); 0: none (U12_MANY_ROWS)
+    u12_pdl: int = 0  # the PDL mode of a u12 stack's forwards of U12_PDL_ROWS rows or fewer (U12_PDL)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.u12_many_rows, bool) or self.u12_many_rows < 0:
+            raise ValueError(f"FusedOps.u12_many_rows: expected a row count (0: none), got {self.u12_many_rows!r}")
 
     def linear_serves(self, rows: int, u12: bool) -> bool:
         """Whether `linear` (`linear_u12` for u12 layers) serves a forward of `rows` rows (B·T). The
         gap is fused_linear's (its 32-row tiles against cuBLAS's); u12 layers above GEMV_ROWS run
-        the same mma and hmma tiles fused or not, so with u12_many_rows no gap applies to them."""
+        the same mma and hmma tiles fused or not, so up to u12_many_rows no gap applies to them."""
         if self.linear is None or rows > self.linear_max_m:
             return False
-        if u12 and self.u12_many_rows and rows > GEMV_ROWS:
+        if u12 and GEMV_ROWS < rows <= self.u12_many_rows:
             return True
         if self.linear_gap[0] <= rows <= self.linear_gap[1]:
             return False
@@ -139,7 +144,7 @@ U12_NORMS_APART = True
 # (bench/results/tried/step_ab_u12_norm_escape_ablation_h200.json).
 U12_NORM_HANDOFF = True
 # The PDL mode (kernels/overlap.py: 0 off, 2 each kernel waits for the one before, launched as its
-# programs exit) of the u12 layers' launches at GEMV_ROWS rows or fewer (the AR step), where the GPU
+# programs exit) of the u12 layers' launches at U12_PDL_ROWS rows or fewer (AR, verify and tree steps), where the GPU
 # has PDL (sm_90+) and neither SPECPILOT_PDL nor overlap() chose one. On the H200 the u12 AR step ran
 # 3.367 ms in mode 2 against 3.405 plain, interleaved at 753d9c4
 # (bench/results/tried/step_ab_753d9c4_h200.json), 3.411 against 3.511 at 0bc2353
@@ -147,22 +152,32 @@ U12_NORM_HANDOFF = True
 # (bench/results/step_ab_h200.json); on the H100 4.487 against 4.517 at 8cc6200
 # (bench/results/tried/step_ab_early_lanes_parts_h100.json).
 U12_PDL = 2
-# Whether u12 layers run u12_fused_linear above GEMV_ROWS too (verify and tree steps: the mma and hmma
-# kernels' epilogues and the norm handoff, in place of u12_linear beside rmsnorm and silu_mul
-# kernels), up to linear_max_m rows and through LINEAR_GAP (17-node trees too): fused or not they run
-# the same tiles. Off until timed on a GPU (bench/step_ab.py --q 16: u12-many-rows).
-U12_MANY_ROWS = False
+# Verify steps on tiled weights (bench/step_ab.py, interleaved), PDL mode 2 against none, u12_linear
+# beside the norm kernels (U12_MANY_ROWS 0): H200 verify(16) 4.383 ms against 4.435 at 293ce94
+# (bench/results/tried/step_ab_verify16_293ce94_h200.json); H100 (17a03ab) verify(8) 4.984 against 5.032,
+# verify(32) 7.156 against 7.196 (bench/results/step_ab_verify8_ways_h100.json, step_ab_verify32_ways_h100.json).
+U12_PDL_ROWS = 32
+# Up to how many rows u12 layers run u12_fused_linear above GEMV_ROWS (verify and tree steps: the mma
+# and hmma kernels' epilogues and the norm handoff, in place of u12_linear beside the rmsnorm and
+# silu_mul kernels; through LINEAR_GAP: fused or not they run the same tiles); 0: none. Interleaved on
+# tiled weights, both in PDL mode 2, the fused way against u12_linear's: H200 verify(16) 4.365 ms
+# against 4.383 (293ce94, bench/results/tried/step_ab_verify16_293ce94_h200.json); H100 verify(16)
+# 5.289 against 5.323 (e9090f0, step_ab_verify16_many_rows_h100.json), verify(8) 4.889 against 4.984,
+# but verify(32), where the mma kernel serves, 7.420 against 7.156 (17a03ab, the _ways_ files above):
+# hence 16. With the 32-row configs, on the H200 the fused way in PDL mode 2 ran 4.175-4.177 ms against
+# 4.238 for the plain way without PDL (the default before; c566ca9's step_ab_verify16_h200.json, u12-tiles-w2).
+U12_MANY_ROWS = 16
 
 
 def fused_ops(kind: str, linear_max_m: int = LINEAR_MAX_M, u12_linear: bool = U12_LINEAR,
               u12_norms_apart: bool = U12_NORMS_APART, linear_gemv_max_m: int = LINEAR_GEMV_MAX_M,
               linear_gap: tuple[int, int] = LINEAR_GAP, u12_norm_handoff: bool = U12_NORM_HANDOFF,
-              u12_many_rows: bool = U12_MANY_ROWS, u12_pdl: int = U12_PDL) -> FusedOps:
+              u12_many_rows: int = U12_MANY_ROWS, u12_pdl: int = U12_PDL) -> FusedOps:
     """"triton": the kernels; "torch": their references (same signatures). u12_linear: u12 layers
     take the fused linear too (else their projections run u12_linear with the separate kernels),
     with their norms as rmsnorm kernels where u12_norms_apart, handed from GEMV to GEMV where
-    u12_norm_handoff, above GEMV_ROWS rows too where u12_many_rows; a u12 stack's AR forwards with
-    PDL mode u12_pdl (the kernels only)."""
+    u12_norm_handoff, above GEMV_ROWS rows too up to u12_many_rows; a u12 stack's forwards of up to
+    U12_PDL_ROWS rows with PDL mode u12_pdl (the kernels only)."""
     from specpilot.kernels import fused_linear, rmsnorm, rope_attention, rope_kv, silu_mul, u12_fused_linear
 
     if kind == "triton":
@@ -412,7 +427,7 @@ class FusedDecoder(FusedStack):
         from specpilot.kernels.overlap import default_pdl
 
         slots, end = write_slots(cache, *x.shape[:2], x.device)
-        few_rows = x.shape[0] * x.shape[1] <= GEMV_ROWS
+        few_rows = x.shape[0] * x.shape[1] <= U12_PDL_ROWS
         with default_pdl(self.ops.u12_pdl if few_rows and self.serves_u12() else 0):
             out, residual, picked = self.run_layers(x, cos, sin, cache, vis, slots, end, hidden_layers)
             return self.final_norm(out, residual, self.model.model.norm.weight), picked
