@@ -43,10 +43,10 @@ U12_PDL_ROWS; u12-tiles-sweep: with the tiled configs of a --tiles-tuned file (b
 per-shape winners) or else a --u12-tuned one; u12-tiles-ahead and
 u12-tiles-esc-split, u12-tiles-esc-late, u12-tiles-esc-early-split: with ``u12_hmma.AHEAD``, ``ESC_SPLIT``, or
 ``ESC_EARLY`` "off" (the default before) or "split-k" (the default "all"); u12-tiles-w4: the layer shapes at
-64-row programs of 4 warps (TUNED_TILES' configs before the 32-row ones; c566ca9's u12-tiles, whose
+64-row programs of 4 warps (TUNED_TILES' configs before b5fd050; c566ca9's u12-tiles, whose
 u12-tiles-w2 is the default since); u12-tiles-ahead-x: AHEAD with
 ``u12_hmma.AHEAD_X``; u12-tiles-many-rows-off, u12-tiles-pdl-off, u12-tiles-many-rows-off-pdl-off: u12-tiles
-with u12_linear beside the norm kernels, PDL off, or both (the default verify step before 17a03ab's child),
+with u12_linear beside the norm kernels, PDL off, or both (the default verify step before 407086e),
 not under --smoke; bf16-linear-pdl-wait: bf16-linear in PDL mode 2, not under --smoke; all --q above 1); u12-sweep and u12-fused-sweep
 (the default u12 step with u12_linear's, or u12_fused_linear's, TUNED entries for the step's rows
 taken from a sweep's results file: --u12-tuned, --u12-fused-tuned); bf16-default, bf16-r128 (the bf16 step at other register budgets:
@@ -133,7 +133,7 @@ U12_FEW_ROWS_KNOB_VARIANTS = {  # name: (the rows q it applies to, settings): ve
     "u12-gemv-rows": ((3, 4), dict(TENSOR_CORE_ROWS=5)),  # gemv2 at 3..4 rows, the default before
     "u12-hmma-wide": ((2, 8), {"u12_hmma.NARROW": False}),  # the hmma kernel's two n-tiles at <= 8 rows
 }
-W4 = {"u12_linear.TUNED_TILES": {  # the layer shapes at 64-row programs of 4 warps (TUNED_TILES' before c566ca9's child)
+W4 = {"u12_linear.TUNED_TILES": {  # the layer shapes at 64-row programs of 4 warps (TUNED_TILES' before b5fd050)
     **u12_linear.TUNED_TILES, **{(16, n, k): dataclasses.replace(u12_linear.TUNED_TILES[(16, n, k)], block_n=64, num_warps=4,
                                                                  maxnreg=168 if n == 6144 else 128)
                                  for n, k in ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336))}}}

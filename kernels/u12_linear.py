@@ -1112,13 +1112,14 @@ TUNED: dict[tuple[int, int, int], U12Config] = {
 # layout per deployment (weights-u12's auto). From 32 rows the mma kernel reads both alike (qkv's
 # best: 21.9 µs on tiles against 21.4 at 32 rows, 38.8 against 38.9 at 64;
 # bench/results/u12_linear_mma_tiles_m32_64_h200.json, the other shapes past its time budget).
-# The layer shapes in 32-row programs of 2 warps since this commit's parent's measurements (the same
-# warps in flight, twice the programs; 64 rows and 4 warps before, qkv at 168 registers): on the H200
+# The layer shapes in 32-row programs of 2 warps since b5fd050 (the same warps in flight, twice the
+# programs; 64 rows and 4 warps before, qkv at 168 registers): on the H200
 # (c566ca9, bench/results/u12_hmma_knobs_w2_h200.json, CUDA graphs) o 12.32 µs against 12.67, down
 # 30.33 / 31.16, qkv 16.16 / 16.28, gate_up 51.05 / 51.13; on an H100 each shape faster too
 # (u12_hmma_knobs_w2_h100.json); verify(16) interleaved on the H200 4.238 ms against 4.306 the plain
 # way, 4.175-4.177 against 4.219-4.221 in the fused way in PDL mode 2 (bench/results/step_ab_verify16_h200.json
-# and tried/step_ab_verify16_before_wait_b0165d5_h200.json; bench/step_ab.py's u12-tiles-w4 keeps the 64-row configs).
+# and tried/step_ab_verify16_before_wait_b0165d5_h200.json); on an H100 5.151 against 5.272 the plain way
+# (aceaf62, step_ab_verify16_h100.json). bench/step_ab.py's u12-tiles-w4 keeps the 64-row configs.
 TUNED_TILES: dict[tuple[int, int, int], U12Config] = {
     (16, 6144, 4096): U12Config(32, 64, split_k=4, num_warps=2, num_stages=1, kernel="hmma", maxnreg=128),  # qkv
     (16, 4096, 4096): U12Config(32, 32, split_k=8, num_warps=2, num_stages=1, kernel="hmma", maxnreg=128),  # o
