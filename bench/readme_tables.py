@@ -393,8 +393,6 @@ def targets() -> str:
     lines += _interleaved("step_ab_verify16_h200.json", "verify(16) step", 1.15, default="u12-tiles")
     lines += _interleaved("step_ab_verify16_h100.json", "verify(16) step on the H100 (the issue asks the H200)", 1.15,
                           default="u12-tiles")
-    lines += _interleaved("step_ab_verify16_many_rows_h100.json",
-                          "verify(16) step on the H100 (the issue asks the H200)", 1.15, default="u12-tiles")
     return "\n".join(lines)
 
 

@@ -1119,7 +1119,7 @@ TUNED: dict[tuple[int, int, int], U12Config] = {
 # (u12_hmma_knobs_w2_h100.json); verify(16) interleaved on the H200 4.238 ms against 4.306 the plain
 # way, 4.175-4.177 against 4.219-4.221 in the fused way in PDL mode 2 (bench/results/step_ab_verify16_h200.json
 # and tried/step_ab_verify16_before_wait_b0165d5_h200.json); on an H100 5.151 against 5.272 the plain way
-# (aceaf62, step_ab_verify16_h100.json). bench/step_ab.py's u12-tiles-w4 keeps the 64-row configs.
+# (aceaf62, tried/step_ab_verify16_aceaf62_h100.json). bench/step_ab.py's u12-tiles-w4 keeps the 64-row configs.
 TUNED_TILES: dict[tuple[int, int, int], U12Config] = {
     (16, 6144, 4096): U12Config(32, 64, split_k=4, num_warps=2, num_stages=1, kernel="hmma", maxnreg=128),  # qkv
     (16, 4096, 4096): U12Config(32, 32, split_k=8, num_warps=2, num_stages=1, kernel="hmma", maxnreg=128),  # o
