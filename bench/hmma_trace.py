@@ -96,10 +96,9 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         sys.exit("bench/hmma_trace.py reads %globaltimer in CUDA kernels: it needs a GPU.")
     from specpilot.kernels import u12_hmma
+    from specpilot.kernels.overlap import overlap
     from specpilot.kernels.u12_linear import TUNED_TILES
     from specpilot.runtime.u12 import pack_u12
-
-    from specpilot.kernels.overlap import overlap
 
     u12_hmma.ESC_EARLY = args.esc_early or u12_hmma.ESC_EARLY
     names = [s for s in args.shapes.split(",") if s]
