@@ -32,7 +32,6 @@ Writes bench/results/hmma_trace_<gpu>.json (GPU, versions, commit) and prints a 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
 import platform
 import statistics
@@ -99,6 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     from specpilot.kernels.overlap import overlap
     from specpilot.kernels.u12_linear import TUNED_TILES
     from specpilot.runtime.u12 import pack_u12
+    from step_ab import W4  # the 64-row, 4-warp configs (u12-tiles-w4)
 
     u12_hmma.ESC_EARLY = args.esc_early or u12_hmma.ESC_EARLY
     names = [s for s in args.shapes.split(",") if s]
@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         n, k = SHAPES[name]
         cfg = TUNED_TILES[(16, n, k)]
         if args.w4:
-            cfg = dataclasses.replace(cfg, block_n=64, num_warps=4, maxnreg=168 if name == "qkv" else 128)
+            cfg = W4["u12_linear.TUNED_TILES"][(16, n, k)]
         copies = max(4, min(48, int(2e9 // (n * k * 2))))
         packed = [pack_u12((torch.randn(n, k, device="cuda", generator=gen) * 0.02).to(torch.bfloat16), layout="tiles")
                   for _ in range(copies)]

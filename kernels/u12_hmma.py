@@ -182,7 +182,9 @@ _EARLY_MODES = ("off", "split-k", "all")
 # finish 2.25-2.5 µs against o's 1.0); at 8, about 1 in 70. down's finish went to 1.75 µs on an H100,
 # but o ran 16.63 µs against 14.69, gate_up 65.61 / 64.46 (gate_up's one-split launch 128 registers
 # against 105: 8 programs an SM against 9; sm_90, Triton 3.6), and verify(16) 5.414 ms against 5.153
-# (bench/results/tried/step_ab_verify16_esc_early8_b5fd050_h100.json, tried/hmma_trace_early8_b5fd050_h100.json).
+# (bench/results/tried/step_ab_verify16_esc_early8_b5fd050_h100.json, tried/hmma_trace_early8_b5fd050_h100.json
+# against tried/hmma_trace_b5fd050_h100.json;
+# the registers: tried/kernel_static_esc_early8_b5fd050_sm90_triton36.json, bench/kernel_static.py --step-variants).
 # A register double buffer (one m-tile a warp, block_w 16 or 32): each chunk's loop iteration first
 # issues the next chunk's words and codes, then decodes and multiplies its own, so a warp keeps a
 # chunk in flight while it computes. Tried on the row planes (462a452) it did not pay: their loads
@@ -456,8 +458,7 @@ def _stamp(trace_ptr, slot: tl.constexpr, dep, t, TRACE: tl.constexpr):
             "{ .reg .pred p; setp.ne.s32 p, $1, 2147483647; @p mov.u64 $0, %globaltimer; @!p mov.u64 $0, 1; }",
             "=l,r", [dep.to(tl.int32, bitcast=True)], dtype=tl.int64, is_pure=False, pack=1,
         )
-        prog = (tl.program_id(2) * tl.num_programs(1) + tl.program_id(1)) * tl.num_programs(0) + tl.program_id(0)
-        tl.store(trace_ptr + prog * _SLOTS + slot + t * 0, ns, mask=t == 0)
+        tl.store(trace_ptr + _program() * _SLOTS + slot + t * 0, ns, mask=t == 0)
 
 
 @triton.jit
@@ -465,8 +466,13 @@ def _stamp_sm(trace_ptr, t, TRACE: tl.constexpr):
     """TRACE: thread 0 of the program stores its SM (%smid) at its row's slot 5."""
     if TRACE:
         sm = tl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r,r", [t], dtype=tl.int32, is_pure=False, pack=1)
-        prog = (tl.program_id(2) * tl.num_programs(1) + tl.program_id(1)) * tl.num_programs(0) + tl.program_id(0)
-        tl.store(trace_ptr + prog * _SLOTS + 5 + t * 0, sm.to(tl.int64), mask=t == 0)
+        tl.store(trace_ptr + _program() * _SLOTS + 5 + t * 0, sm.to(tl.int64), mask=t == 0)
+
+
+@triton.jit
+def _program():
+    """The program's row of the trace buffer: its index in the launch's grid."""
+    return (tl.program_id(2) * tl.num_programs(1) + tl.program_id(1)) * tl.num_programs(0) + tl.program_id(0)
 
 
 @triton.jit
