@@ -146,8 +146,6 @@ TILES_KNOB_VARIANTS = {  # name: knobs over u12-tiles (--q above 1)
     "u12-tiles-w4": W4,
     # the hmma launches' tail prefetch of the next GEMM's split heads, about 8, 16 or 32 MiB a launch
     **{f"u12-tiles-tail-pf{mib}": {"u12_hmma.TAIL_PREFETCH": mib << 20} for mib in (8, 16, 32)},
-    **{f"u12-tiles-tail-lines{mib}": {"u12_hmma.TAIL_PREFETCH": mib << 20, "u12_hmma.TAIL_PREFETCH_LINES": True}
-       for mib in (4, 8, 16)},
 }
 # u12-tiles' twins at q rows, GPU only: (suffix, ops.u12_many_rows, PDL mode; None: the default's, which
 # for a verify step of up to 16 rows is u12_fused_linear's epilogues and norm handoff in PDL mode 2)

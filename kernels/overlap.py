@@ -198,30 +198,16 @@ def _prefetch_l2(addr, nbytes, pid, programs, SLICES: tl.constexpr):
 @triton.jit
 def prefetch_split_heads(
     pid, programs, plane_addr, bands, splits, band_bytes, split_bytes, run_bytes, T: tl.constexpr, ASM: tl.constexpr,
-    record_ptr=None, LINES: tl.constexpr = False,
+    record_ptr=None,
 ):
     """Program `pid` of `programs` asks L2 for its share of the heads of a plane's split ranges: the
     first `run_bytes` of each of `splits` ranges (`split_bytes` apart; the last one cut at its band's
     end) of each of `bands` bands (`band_bytes` apart) from `plane_addr` (an int64 address). Run r
     (band r // splits, split r % splits) goes to program r % programs, a thread a run. ASM off (the
     interpreter, which has no bulk prefetch): each run's (offset, bytes) is stored at record_ptr + 2 r
-    instead, for the tests. LINES (GPU): a ``prefetch.global.L2`` a 128-byte line instead of a bulk
-    prefetch a run (run_bytes a multiple of 128, no run cut), line l of the runs to program l % programs."""
+    instead, for the tests."""
     runs = bands * splits
     t = tl.arange(0, T)
-    if LINES:
-        per_run = run_bytes // 128
-        for first in range(pid, runs * per_run, programs * T):
-            li = first + t * programs
-            r = li // per_run
-            b = r // splits
-            off = b.to(tl.int64) * band_bytes + (r - b * splits).to(tl.int64) * split_bytes + (li - r * per_run) * 128
-            tl.inline_asm_elementwise(
-                "{ .reg .pred p; setp.ne.s32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.b32 $0, 0; }",
-                "=r,l,r", [plane_addr + off, (li < runs * per_run).to(tl.int32)], dtype=tl.int32, is_pure=False,
-                pack=1,
-            )
-        return
     for first in range(pid, runs, programs * T):
         r = first + t * programs
         b = r // splits

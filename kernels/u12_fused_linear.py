@@ -549,12 +549,11 @@ def u12_fused_linear_reference(
     x: torch.Tensor, t: U12Tensor, *, norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
     gated: bool = False, residual: torch.Tensor | None = None,
     hand_out: NormHandoff | None = None, hand_in: NormHandoff | None = None,
-    prefetch_next: U12Tensor | None = None,
 ) -> torch.Tensor:
     """fused_linear_reference on the unpacked weight in x's dtype (bf16 -> fp32 is exact); with a
     ``NormHandoff``, its math in torch: hand_out stores xg = dtype(stream · weight) and the whole
     row's Σ stream² as one part; hand_in scales the fp32 sums by rsqrt(Σ parts · fp32(1/K) + eps)
-    before the epilogue's roundings. prefetch_next (u12_fused_linear's L2 hint) changes nothing here."""
+    before the epilogue's roundings."""
     _u12_check(x, t, norm_weight, gated, residual)
     w = unpack_u12(t).to(x.dtype)
     if hand_in is None:

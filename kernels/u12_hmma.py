@@ -235,7 +235,6 @@ ESC_SPLIT = False
 # idle (bench/results/hmma_trace_pdl2_h200.json: o's tail 3.75 µs after loops of 6.25, down's 6.25).
 # Exact: a prefetch moves no value. 0: off. Read at launch.
 TAIL_PREFETCH = 0
-TAIL_PREFETCH_LINES = False  # a prefetch.global.L2 a line instead of a bulk prefetch a run
 _SLOTS = tl.constexpr(8)  # the kernel's view (a jit function reads only constexpr globals)
 TRACE_SLOTS = _SLOTS.value
 # WARP_K (``U12Config.warp_k``, a config's, no module switch): a program's warps share its 16 or 32
@@ -911,7 +910,6 @@ def _u12_hmma_kernel(
     TRACE: tl.constexpr = False,  # phase stamps into trace_ptr (``TRACE_SLOTS``; GPU only)
     EARLY: tl.constexpr = False,  # the table's escapes: pointers before the loop, first 4 a row after it (``ESC_EARLY``)
     TAIL_PF: tl.constexpr = False,  # the next weight's split heads asked of L2 at the end (``TAIL_PREFETCH``; GPU only)
-    TAIL_PF_LINES: tl.constexpr = False,  # TAIL_PF a line at a time (``TAIL_PREFETCH_LINES``)
 ):
     pdl_enter(PDL)
     TILES: tl.constexpr = BLOCK_N // 16 if WARP_K else BLOCK_N // (16 * WARPS)  # m-tiles a warp: 1 or 2
@@ -1160,10 +1158,9 @@ def _u12_hmma_kernel(
     if TAIL_PF:  # this program's part done: its share of the next weight's split heads into L2
         grid0, grid1 = tl.num_programs(0), tl.num_programs(1)
         pid, programs = pid_n + grid0 * (pid_k + grid1 * pid_m), grid0 * grid1 * tl.num_programs(2)
-        prefetch_split_heads(pid, programs, pf_sm, pf_bands, pf_splits, pf_band, pf_split, pf_run, T, True,
-                             LINES=TAIL_PF_LINES)
+        prefetch_split_heads(pid, programs, pf_sm, pf_bands, pf_splits, pf_band, pf_split, pf_run, T, True)
         prefetch_split_heads(pid, programs, pf_codes, pf_bands, pf_splits, pf_band // 2, pf_split // 2,
-                             pf_run_codes, T, True, LINES=TAIL_PF_LINES)
+                             pf_run_codes, T, True)
 
 
 def hmma_applies(x: torch.Tensor, k: int, base: int) -> bool:
@@ -1241,7 +1238,7 @@ def launch_hmma(x: torch.Tensor, t: U12Tensor, y: torch.Tensor, cfg: U12Config, 
         ESC_UNROLL=ESC_UNROLL, AHEAD=ahead, AHEAD_X=cfg.ahead_x or (ahead and AHEAD_X),
         ESC_SPLIT=esc_split and (grid[1] > 1 or cfg.warp_k), WARP_K=cfg.warp_k, TRACE=trace is not None,
         EARLY=_early(grid[1]) and cfg.block_n == 16 * cfg.num_warps and not cfg.warp_k and not n_lanes and not esc_split,
-        TAIL_PF=plan is not None, TAIL_PF_LINES=plan is not None and TAIL_PREFETCH_LINES,
+        TAIL_PF=plan is not None,
     )
 
 
