@@ -144,8 +144,6 @@ TILES_KNOB_VARIANTS = {  # name: knobs over u12-tiles (--q above 1)
     "u12-tiles-esc-late": {"u12_hmma.ESC_EARLY": "off"},  # the escape walk all after the loop (the default before)
     "u12-tiles-esc-early-split": {"u12_hmma.ESC_EARLY": "split-k"},  # early in the split-K launches only
     "u12-tiles-w4": W4,
-    # the hmma launches' tail prefetch of the next GEMM's split heads, about 8, 16 or 32 MiB a launch
-    **{f"u12-tiles-tail-pf{mib}": {"u12_hmma.TAIL_PREFETCH": mib << 20} for mib in (8, 16, 32)},
 }
 # u12-tiles' twins at q rows, GPU only: (suffix, ops.u12_many_rows, PDL mode; None: the default's, which
 # for a verify step of up to 16 rows is u12_fused_linear's epilogues and norm handoff in PDL mode 2)

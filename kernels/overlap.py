@@ -196,36 +196,6 @@ def _prefetch_l2(addr, nbytes, pid, programs, SLICES: tl.constexpr):
 
 
 @triton.jit
-def prefetch_split_heads(
-    pid, programs, plane_addr, bands, splits, band_bytes, split_bytes, run_bytes, T: tl.constexpr, ASM: tl.constexpr,
-    record_ptr=None,
-):
-    """Program `pid` of `programs` asks L2 for its share of the heads of a plane's split ranges: the
-    first `run_bytes` of each of `splits` ranges (`split_bytes` apart; the last one cut at its band's
-    end) of each of `bands` bands (`band_bytes` apart) from `plane_addr` (an int64 address). Run r
-    (band r // splits, split r % splits) goes to program r % programs, a thread a run. ASM off (the
-    interpreter, which has no bulk prefetch): each run's (offset, bytes) is stored at record_ptr + 2 r
-    instead, for the tests."""
-    runs = bands * splits
-    t = tl.arange(0, T)
-    for first in range(pid, runs, programs * T):
-        r = first + t * programs
-        b = r // splits
-        s = r - b * splits
-        off = b.to(tl.int64) * band_bytes + s.to(tl.int64) * split_bytes
-        size = tl.minimum(run_bytes, band_bytes - s.to(tl.int64) * split_bytes)
-        size = tl.where(r < runs, size, 0).to(tl.int32)
-        if ASM:
-            tl.inline_asm_elementwise(
-                "{ .reg .pred p; setp.gt.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.b32 $0, 0; }",
-                "=r,l,r", [plane_addr + off, size], dtype=tl.int32, is_pure=False, pack=1,
-            )
-        else:
-            tl.store(record_ptr + 2 * r, off, mask=r < runs)
-            tl.store(record_ptr + 2 * r + 1, size.to(tl.int64), mask=r < runs)
-
-
-@triton.jit
 def overlap_enter(
     PDL: tl.constexpr, PREFETCH: tl.constexpr, addr0, bytes0, addr1, bytes1, pid, programs, SLICES: tl.constexpr,
 ):

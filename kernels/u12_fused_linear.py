@@ -498,7 +498,6 @@ def u12_fused_linear(
     x: torch.Tensor, t: U12Tensor, *, norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
     gated: bool = False, residual: torch.Tensor | None = None, config: U12Config | None = None,
     hand_out: NormHandoff | None = None, hand_in: NormHandoff | None = None,
-    prefetch_next: U12Tensor | None = None,
 ) -> torch.Tensor:
     """x [M, K] (bf16 or fp32) · t [N, K]ᵀ (u12) in x's dtype, fp32 sums; norm_weight: x replaced by
     rmsnorm(x, norm_weight, eps) first; gated: t is [gate; up] (N = 2I) and the output [M, I] is
@@ -507,8 +506,7 @@ def u12_fused_linear(
     path an rmsnorm kernel (norm_weight) and the mma or hmma kernel with the epilogue; else the
     unfused rmsnorm, u12_linear, silu_mul and torch add. config: a gemv2 U12Config at M <= 4
     (default_config), an mma or hmma one above (tensor_core_config). hand_out (with residual) / hand_in (x = hand_in.xg): a ``NormHandoff``
-    from this GEMV to the next, fused kernels only. prefetch_next: the weight of the GEMM after this
-    one, for the hmma kernel's tail prefetch (u12_hmma.TAIL_PREFETCH; the other kernels ignore it)."""
+    from this GEMV to the next, fused kernels only."""
     m, k, n_out = _u12_check(x, t, norm_weight, gated, residual)
     _check_handoff(x, t, norm_weight, gated, residual, hand_out, hand_in)
     want = ("gemv2",) if m <= 4 else ("mma", "hmma")
@@ -529,7 +527,7 @@ def u12_fused_linear(
         cfg = config or tensor_core_config(m, t.shape[0], k, on_gpu=native, layout=t.layout)
         if cfg.kernel == "hmma" and hmma_applies(h, k, t.base):
             launch_hmma(h, t, y, cfg, gated=bool(gated), residual=residual is not None, hand_in=hand_in,
-                        hand_out=hand_out, prefetch_next=prefetch_next)
+                        hand_out=hand_out)
         else:
             launch_mma(h, t, y, cfg if cfg.kernel == "mma" else _MMA_DEFAULT_CONFIG, gated=bool(gated),
                        residual=residual is not None, hand_in=hand_in, hand_out=hand_out)

@@ -117,7 +117,7 @@ import triton.language as tl
 from specpilot.runtime.u12 import U12Tensor
 
 from .fused_linear import _epilogue
-from .overlap import pdl_args, pdl_capable, pdl_enter, prefetch_split_heads
+from .overlap import pdl_args, pdl_enter
 from .registry import KernelSpec, register
 from .target import native as on_native
 from .rmsnorm import _to_dtype
@@ -135,8 +135,6 @@ from .u12_linear import (
     _row_words,
     _split_k_plan,
     aligned_rows,
-    default_config as u12_default_config,
-    split_ways,
     biased_scale,
     epilogue_args,
     lane_group,
@@ -227,14 +225,6 @@ ESC_SPLIT = False
 # PDL wait), after the main loop (its last MMA done), after the split-K semaphore, after the last
 # program's sum of the partials and after its epilogue's stores are issued (slots 0-4; the last two in the
 # program that sums only), and its SM's id at slot 5. Off (no buffer): the kernel has none of it.
-# The tail prefetch: a launch handed the next GEMM's weight (``launch_hmma``'s prefetch_next, a tiled
-# u12 weight) has each program, its own part done (a split past the semaphore, the summing one after
-# its stores), ask L2 for a share of the heads of that weight's split ranges, about TAIL_PREFETCH bytes
-# in all (``tail_prefetch_plan``): the next launch's programs all start at the heads of their ranges,
-# and the split-K tails, the stragglers of a one-split launch and the gaps between launches leave DRAM
-# idle (bench/results/hmma_trace_pdl2_h200.json: o's tail 3.75 µs after loops of 6.25, down's 6.25).
-# Exact: a prefetch moves no value. 0: off. Read at launch.
-TAIL_PREFETCH = 0
 _SLOTS = tl.constexpr(8)  # the kernel's view (a jit function reads only constexpr globals)
 TRACE_SLOTS = _SLOTS.value
 # WARP_K (``U12Config.warp_k``, a config's, no module switch): a program's warps share its 16 or 32
@@ -881,7 +871,6 @@ def _u12_hmma_kernel(
     x_ptr, sm_ptr, codes_ptr, esc_idx_ptr, esc_val_ptr, esc_row_ptr, lanes_ptr, y_ptr, part_ptr, count_ptr,
     hw_ptr, xg_ptr, parts_ptr,  # the epilogue's norm handoff (u12_fused_linear's NormHandoff); else unused
     trace_ptr,  # TRACE: int64 [programs, TRACE_SLOTS] phase stamps; else unused
-    pf_sm, pf_codes, pf_bands, pf_splits, pf_band, pf_split, pf_run, pf_run_codes,  # TAIL_PF (``tail_prefetch_plan``)
     M, N, K, n_words, y_scale, words_per_split, n_out, inv_k, eps, n_parts,
     stride_xm, stride_sm, stride_codes, stride_ym, stride_xg,
     BLOCK_M: tl.constexpr,  # rows of x a program: 8 (one n-tile of mma.m16n8k16) or 16 (two)
@@ -909,7 +898,6 @@ def _u12_hmma_kernel(
     WARP_K: tl.constexpr = False,  # the warps share the program's rows and split its words (``WARP_K``)
     TRACE: tl.constexpr = False,  # phase stamps into trace_ptr (``TRACE_SLOTS``; GPU only)
     EARLY: tl.constexpr = False,  # the table's escapes: pointers before the loop, first 4 a row after it (``ESC_EARLY``)
-    TAIL_PF: tl.constexpr = False,  # the next weight's split heads asked of L2 at the end (``TAIL_PREFETCH``; GPU only)
 ):
     pdl_enter(PDL)
     TILES: tl.constexpr = BLOCK_N // 16 if WARP_K else BLOCK_N // (16 * WARPS)  # m-tiles a warp: 1 or 2
@@ -1155,12 +1143,6 @@ def _u12_hmma_kernel(
             _parts_out(y0, y1, y2, y3, y4, y5, y6, y7, z0, z1, z2, z3, z4, z5, z6, z7, m0, m1, m2, m3,
                        parts_ptr, pid_n, M, WARPS, TILES, NT)
         _stamp(trace_ptr, 4, y0 + z7, t, TRACE)
-    if TAIL_PF:  # this program's part done: its share of the next weight's split heads into L2
-        grid0, grid1 = tl.num_programs(0), tl.num_programs(1)
-        pid, programs = pid_n + grid0 * (pid_k + grid1 * pid_m), grid0 * grid1 * tl.num_programs(2)
-        prefetch_split_heads(pid, programs, pf_sm, pf_bands, pf_splits, pf_band, pf_split, pf_run, T, True)
-        prefetch_split_heads(pid, programs, pf_codes, pf_bands, pf_splits, pf_band // 2, pf_split // 2,
-                             pf_run_codes, T, True)
 
 
 def hmma_applies(x: torch.Tensor, k: int, base: int) -> bool:
@@ -1173,34 +1155,13 @@ def hmma_rows(m: int) -> int:
     return 8 if NARROW and m <= 8 else MAX_ROWS
 
 
-def tail_prefetch_plan(t: U12Tensor, m: int, nbytes: int) -> tuple[int, ...] | None:
-    """(bands, splits, band bytes, split bytes, run bytes, codes run bytes) of sm's plane for a tail
-    prefetch of about `nbytes` of the tiled weight `t` (``TAIL_PREFETCH``) ahead of its launch at m
-    rows: the heads of its split ranges (codes' plane at half the bytes), the same whole number of
-    16-word groups of each (a band's group is 16 rows of 16 words: 1 KiB of sm). None where there is nothing to ask (rows layout, nbytes <= 0)."""
-    if t.layout != "tiles" or nbytes <= 0:
-        return None
-    n, k = t.shape
-    cfg = u12_default_config(m, n, k, layout=t.layout)
-    splits, words = (1, k // 4)
-    if cfg.kernel in ("mma", "hmma"):
-        splits, words = split_ways(cfg, k // 4, cfg.block_w * (cfg.num_warps if cfg.warp_k else 1))
-    band, split = 16 * k, 64 * words  # sm bytes of a 16-row band and of a split's words in it
-    frac = min(1.0, nbytes / (t.sm.numel() + t.codes.numel()))
-    run = int(frac * split) // 1024 * 1024  # whole 16-word groups of the band (1 KiB of sm, 512 B of codes)
-    return (n // 16, splits, band, split, run, run // 2) if run else None
-
-
 def launch_hmma(x: torch.Tensor, t: U12Tensor, y: torch.Tensor, cfg: U12Config, gated: bool = False,
-                residual: bool = False, hand_in=None, hand_out=None, trace: torch.Tensor | None = None,
-                prefetch_next: U12Tensor | None = None) -> None:
+                residual: bool = False, hand_in=None, hand_out=None, trace: torch.Tensor | None = None) -> None:
     """y = x · Wᵀ by ``_u12_hmma_kernel`` (``hmma_applies`` holds); grid (N blocks, splits, 1).
     With kernels/u12_fused_linear.py's epilogue: gated (t is [gate; up], y [M, N / 2] is
     silu(gate) · up), residual (y is the residual, added into in place), hand_in / hand_out (a
     ``NormHandoff`` consumed, or produced: its xg and parts, one a warp, allocated here). trace: an
-    int64 [programs, TRACE_SLOTS] buffer for the phase stamps (``TRACE_SLOTS``; a CUDA GPU only).
-    prefetch_next: the weight the next GEMM reads, whose split heads the programs ask of L2 as they
-    finish where ``TAIL_PREFETCH`` is on (sm_90 and later)."""
+    int64 [programs, TRACE_SLOTS] buffer for the phase stamps (``TRACE_SLOTS``; a CUDA GPU only)."""
     m, k = x.shape
     n = t.shape[0]
     n_words = k // 4
@@ -1221,14 +1182,10 @@ def launch_hmma(x: torch.Tensor, t: U12Tensor, y: torch.Tensor, cfg: U12Config, 
     if trace is not None and (not native or trace.dtype != torch.int64 or trace.numel() < grid[0] * grid[1] * grid[2] * TRACE_SLOTS):
         raise ValueError(f"launch_hmma: trace: expected a CUDA int64 buffer of {grid[0] * grid[1] * grid[2]} x "
                          f"{TRACE_SLOTS} stamps, got {trace.dtype} {list(trace.shape)} on {trace.device}")
-    plan = None
-    if prefetch_next is not None and native and pdl_capable(x.device):
-        plan = tail_prefetch_plan(prefetch_next, m, TAIL_PREFETCH)
-    pf = (prefetch_next.sm.data_ptr(), prefetch_next.codes.data_ptr(), *plan) if plan else (0,) * 8
     _u12_hmma_kernel[grid](
         x, sm, codes,
         _nonempty(t.esc_idx), _nonempty(t.esc_val), t.esc_row_ptr, lanes, y, part, counters, hw, xg, parts,
-        trace if trace is not None else part, *pf,
+        trace if trace is not None else part,
         m, n, k, n_words, biased_scale(t.base), words_per_split, n_out, inv_k, eps, n_parts,
         x.stride(0), n_words, n_words, y.stride(0), stride_xg,
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_W=cfg.block_w, WARPS=cfg.num_warps, SPLIT_K=grid[1],
@@ -1238,7 +1195,6 @@ def launch_hmma(x: torch.Tensor, t: U12Tensor, y: torch.Tensor, cfg: U12Config, 
         ESC_UNROLL=ESC_UNROLL, AHEAD=ahead, AHEAD_X=cfg.ahead_x or (ahead and AHEAD_X),
         ESC_SPLIT=esc_split and (grid[1] > 1 or cfg.warp_k), WARP_K=cfg.warp_k, TRACE=trace is not None,
         EARLY=_early(grid[1]) and cfg.block_n == 16 * cfg.num_warps and not cfg.warp_k and not n_lanes and not esc_split,
-        TAIL_PF=plan is not None,
     )
 
 

@@ -1344,15 +1344,6 @@ def _launch_gemv2(x: torch.Tensor, t: U12Tensor, y: torch.Tensor, cfg: U12Config
     )
 
 
-def split_ways(cfg: U12Config, n_words: int, chunk: int = 0) -> tuple[int, int]:
-    """(splits, words a split) of a launch of `cfg` over rows of n_words words: each split a whole
-    number of chunks (block_w words unless `chunk` says), none empty."""
-    chunk = chunk or cfg.block_w
-    split = max(1, min(cfg.split_k, triton.cdiv(n_words, chunk)))
-    words_per_split = triton.cdiv(triton.cdiv(n_words, split), chunk) * chunk if n_words else 1
-    return max(1, triton.cdiv(n_words, words_per_split)), words_per_split
-
-
 def _split_k_plan(t: U12Tensor, cfg: U12Config, m: int, n_words: int, block_m: int, slots: int = 1,
                   chunk: int = 0):
     """(grid (N blocks, splits, M blocks), words per split, fp32 partials, counters) of a split-K launch:
@@ -1360,7 +1351,10 @@ def _split_k_plan(t: U12Tensor, cfg: U12Config, m: int, n_words: int, block_m: i
     partials a split (2: the hmma kernel's ``ESC_SPLIT``); with one split the two buffers are
     placeholders (unused; an fp32 and an int32 pointer keep the compiled types)."""
     n = t.shape[0]
-    split, words_per_split = split_ways(cfg, n_words, chunk)
+    chunk = chunk or cfg.block_w
+    split = max(1, min(cfg.split_k, triton.cdiv(n_words, chunk)))
+    words_per_split = triton.cdiv(triton.cdiv(n_words, split), chunk) * chunk if n_words else 1
+    split = max(1, triton.cdiv(n_words, words_per_split))  # no empty splits
     grid = (triton.cdiv(n, cfg.block_n), split, triton.cdiv(m, block_m))
     if split > 1:
         part = torch.empty((slots * split, m, n), dtype=torch.float32, device=t.device)

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 import triton
 import triton.language as tl
 
-from specpilot.kernels import overlap, u12_hmma
+from specpilot.kernels import u12_hmma
 from specpilot.kernels.u12_linear import U12Config, _case, _make_inputs, u12_linear, u12_linear_reference
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -571,98 +571,3 @@ def test_escapes_taken_early_give_the_same_sums(monkeypatch, m, n, k, split_k, r
         bad = dataclasses.replace(t, esc_val=t.esc_val.clone())
         bad.esc_val[row10 + j] = torch.tensor(4.0, dtype=torch.bfloat16).view(torch.int16)
         assert not torch.equal(run(bad).view(torch.int16), want.view(torch.int16)), j
-
-
-@triton.jit
-def _record_heads(rec_ptr, pid_base, programs, bands, splits, band, split, run, T: tl.constexpr):
-    from_pid = pid_base + tl.program_id(0)
-    overlap.prefetch_split_heads(from_pid, programs, 0, bands, splits, band, split, run, T, False, rec_ptr)
-
-
-@settings(max_examples=25, deadline=None)
-@given(bands=st.integers(1, 9), splits=st.integers(1, 5), split16=st.integers(1, 40), last16=st.integers(1, 40),
-       run16=st.integers(1, 50), programs=st.integers(1, 7), threads=st.sampled_from([1, 2, 8]))
-def test_prefetch_split_heads_asks_each_head_once(bands, splits, split16, last16, run16, programs, threads):
-    """``overlap.prefetch_split_heads`` (the hmma kernel's tail prefetch): the programs together ask
-    for run bytes at the head of every split range of every band, each once, the last split's run
-    cut at its band's end, whatever the programs and threads a program."""
-    split, run = 16 * split16, 16 * run16
-    band = split * (splits - 1) + 16 * last16  # the last split shorter or longer than the others
-    rec = torch.full((bands * splits, 2), -1, dtype=torch.int64)
-    _record_heads[(programs,)](rec, 0, programs, bands, splits, band, split, run, T=threads)
-    want = [(b * band + s * split, min(run, band - s * split)) for b in range(bands) for s in range(splits)]
-    assert [tuple(r) for r in rec.tolist()] == want
-
-
-def _zero_tiled(n: int, k: int):
-    from specpilot.runtime.u12 import U12Tensor
-
-    return U12Tensor((n, k), 120, torch.zeros(n, k, dtype=torch.uint8), torch.zeros(n, k // 2, dtype=torch.uint8),
-                     torch.zeros(0, dtype=torch.int32), torch.zeros(0, dtype=torch.int16), layout="tiles")
-
-
-@pytest.mark.parametrize("n,k,nbytes", [(4096, 4096, 8 << 20), (4096, 14336, 16 << 20), (6144, 4096, 32 << 20),
-                                        (28672, 4096, 16 << 20), (4096, 4096, 64 << 20)])
-def test_tail_prefetch_plan_covers_the_first_words_of_each_split(n, k, nbytes):
-    """``tail_prefetch_plan`` for TUNED_TILES' layer shapes at 16 rows: the split count of the launch
-    that will read the weight, nbytes in all to a group a run (all of it where nbytes exceeds it), and each
-    run the bytes of exactly the words that split's programs read first in every band
-    (runtime/u12.py's tiled_word_offsets)."""
-    from specpilot.kernels.u12_linear import TUNED_TILES, split_ways
-    from specpilot.runtime.u12 import tiled_word_offsets
-
-    t = _zero_tiled(n, k)
-    bands, splits, band, split, run, run_codes = u12_hmma.tail_prefetch_plan(t, 16, nbytes)
-    cfg = TUNED_TILES[(16, n, k)]
-    want_splits, words = split_ways(cfg, k // 4)
-    assert (bands, splits, band, split) == (n // 16, want_splits, 16 * k, 64 * words)
-    total = bands * splits * (run + run_codes)
-    want_total = min(nbytes, t.sm.numel() + t.codes.numel())
-    assert want_total - bands * splits * 1536 < total <= want_total  # within a group (sm and codes) a run
-    assert run % 1024 == 0 and run_codes == run // 2
-    first = 16 * (run // 1024)  # the words of each of the band's 16 rows a run holds: whole groups
-    for b, s in ((0, 0), (bands - 1, splits - 1), (bands // 2, splits // 2)):
-        rows = torch.arange(16 * b, 16 * b + 16).repeat_interleave(first)
-        w = s * words + torch.arange(first).repeat(16)
-        byte = 4 * tiled_word_offsets(rows, w, k)  # sm: a byte a weight, 4 a word
-        lo = b * band + s * split
-        assert int(byte.min()) == lo and int(byte.max()) + 4 == lo + run
-        assert len(set(byte.tolist())) * 4 == run  # every byte of the run one of those words'
-        assert (2 * tiled_word_offsets(rows, w, k)).max() + 2 == (lo + run) // 2  # codes: 2 bytes a word
-
-
-def test_tail_prefetch_asks_nothing_of_row_planes_or_when_off():
-    from specpilot.runtime.u12 import U12Tensor
-
-    t = _zero_tiled(64, 256)
-    assert u12_hmma.tail_prefetch_plan(t, 16, 0) is None
-    rows = U12Tensor(t.shape, t.base, t.sm, t.codes, t.esc_idx, t.esc_val)
-    assert u12_hmma.tail_prefetch_plan(rows, 16, 1 << 20) is None
-
-
-@pytest.mark.skipif(not NATIVE or not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
-                    reason="the bulk L2 prefetch: sm_90 and later")
-@pytest.mark.parametrize("split_k,residual", [(1, False), (3, True)])
-def test_tail_prefetch_changes_no_value(monkeypatch, split_k, residual):
-    """A launch with the tail prefetch on (``TAIL_PREFETCH``) compiles with it and gives y bit for bit."""
-    from specpilot.runtime.u12 import pack_u12
-
-    g = torch.Generator().manual_seed(7 + split_k)
-    t = pack_u12((0.02 * torch.randn(96, 384, generator=g)).to(torch.bfloat16), layout="tiles").to(DEVICE)
-    nxt = pack_u12((0.02 * torch.randn(160, 512, generator=g)).to(torch.bfloat16), layout="tiles").to(DEVICE)
-    x = torch.randn(16, 384, generator=g).to(torch.bfloat16).to(DEVICE)
-    cfg = U12Config(32, 32, split_k=split_k, num_warps=2, **_HMMA)
-    base = torch.randn(16, 96, generator=g).to(torch.bfloat16).to(DEVICE)
-    y0, y1 = base.clone(), base.clone()
-    u12_hmma.launch_hmma(x, t, y0, cfg, residual=residual)
-    monkeypatch.setattr(u12_hmma, "TAIL_PREFETCH", 1 << 20)
-    kernel, taken = u12_hmma._u12_hmma_kernel, []
-
-    class Spy:
-        def __getitem__(self, grid):
-            return lambda *a, **kw: (taken.append(kw["TAIL_PF"]), kernel[grid](*a, **kw))
-
-    monkeypatch.setattr(u12_hmma, "_u12_hmma_kernel", Spy())
-    u12_hmma.launch_hmma(x, t, y1, cfg, residual=residual, prefetch_next=nxt)
-    assert taken == [True]
-    assert torch.equal(y0.view(torch.int16), y1.view(torch.int16))

@@ -343,13 +343,10 @@ class FusedStack:
 
         handoff: list = [None]  # the NormHandoff a residual u12 GEMV left for the next norm's GEMV
 
-        def linear(h, w, norm_weight=None, hand_to=None, after=None, **kw):
-            """hand_to (a residual GEMV): (the next norm's weight, the weight of the GEMV after it);
-            after: the weight of the GEMM after this one, a u12 GEMM's to prefetch (u12_hmma.TAIL_PREFETCH)."""
+        def linear(h, w, norm_weight=None, hand_to=None, **kw):
+            """hand_to (a residual GEMV): (the next norm's weight, the weight of the GEMV after it)."""
             if not isinstance(w, U12Tensor):
                 return ops.linear(h, w, norm_weight=norm_weight, eps=self.eps, squares=squares, **kw)
-            if isinstance(after, U12Tensor):
-                kw["prefetch_next"] = after
             if norm_weight is not None and handoff[0] is not None:  # the norm handed on by the GEMV before
                 hand, handoff[0] = handoff[0], None
                 return ops.linear_u12(hand.xg, w, hand_in=hand, **kw)
@@ -362,15 +359,15 @@ class FusedStack:
 
         for i, (fl, (w_qkv, w_o, w_gate_up, w_down)) in enumerate(zip(self.layers, weights)):
             layer = fl.layer
-            qkv = linear(stream, w_qkv, norm_weight=layer.input_layernorm.weight, after=w_o)
+            qkv = linear(stream, w_qkv, norm_weight=layer.input_layernorm.weight)
             # with the L2 prefetch on, o's weight streams into L2 while RoPE and attention run
             o = self.attend(i, qkv.view(b, t, -1), cos, sin, cache, vis, slots, end,
                             prefetch=(w_o.sm, w_o.codes) if isinstance(w_o, U12Tensor) else w_o)  # [B, heads, T, D]
             linear(o.transpose(1, 2).reshape(b * t, -1), w_o, residual=stream,
-                   hand_to=(layer.post_attention_layernorm.weight, w_gate_up), after=w_gate_up)
-            act = linear(stream, w_gate_up, norm_weight=layer.post_attention_layernorm.weight, gated=True, after=w_down)
-            hand = (self.layers[i + 1].layer.input_layernorm.weight, weights[i + 1][0]) if i + 1 < len(weights) else None
-            linear(act, w_down, residual=stream, hand_to=hand, after=hand[1] if hand else None)
+                   hand_to=(layer.post_attention_layernorm.weight, w_gate_up))
+            act = linear(stream, w_gate_up, norm_weight=layer.post_attention_layernorm.weight, gated=True)
+            after = (self.layers[i + 1].layer.input_layernorm.weight, weights[i + 1][0]) if i + 1 < len(weights) else None
+            linear(act, w_down, residual=stream, hand_to=after)
             if i in hidden_layers:
                 picked[i] = stream.view(b, t, hidden).clone()
         return None, stream.view(b, t, hidden), picked
