@@ -61,6 +61,19 @@ mode 1 6.449 (the next kernels' programs resident and waiting from the start, a 
 bf16-linear 5.909 in mode 2, 5.965 in mode 3 (bench/results/tried/step_ab_verify16_early_l2_d795ed5_h100.json,
 step_ab_verify16_pdl_late_2cdc46f_h100.json).
 
+Tried and dropped at 16 rows (commits 93cb56d and 77043aa, reverted; an H100, verify(16) interleaved):
+a tail prefetch, each hmma program, its own part done (a split past the semaphore, the summing one
+after its stores), asking L2 for a share of the next GEMM's weight (qkv's program for o's, o's for
+gate|up's, gate|up's for down's, down's for the next layer's qkv): the heads of every split range of
+every 16-row band, the words the next launch's programs read first, about 8, 16 or 32 MiB a launch
+as bulk prefetches, or 4, 8, 16 MiB a 128-byte line at a time (prefetch.global.L2). The idea: o's,
+qkv's and down's split-K tails (3.75-6.25 µs on the H200, bench/results/hmma_trace_pdl2_h200.json)
+and the gaps after them leave DRAM idle. Against the default's 5.182 ms: bulk 5.176, 5.267, 5.367;
+against 5.187 in a second run: bulk 8 MiB 5.181, lines 5.198, 5.166, 5.238
+(bench/results/tried/step_ab_verify16_tail_prefetch_93cb56d_h100.json, and _lines_77043aa_h100.json).
+At best 0.4%, and the more it asked the slower, as at one row: the prefetches queue ahead of the
+summing programs' loads and the next launch's first ones.
+
 Tried and dropped (commits d3d5035 and 8ec05ab, reverted): a look-ahead inside the GEMVs, each
 program issuing ``prefetch.global.L2`` for every 128-byte line of the chunk P ahead of the one it
 loads (chunks 1..P-1 on entry), for DRAM bytes in flight beyond what its registers hold. Slower
