@@ -24,6 +24,7 @@
 #   verifyab the Llama-3.1-8B verify(16) step, bf16 against the u12 variants, interleaved (bench/step_ab.py
 #            --q 16; bf16-sweep from the committed M = 16 sweep, bench/results/fused_linear_m16_graph_h200.json);
 #            STEP_ONLY: only those variants
+#   verify32 the verify(32) step interleaved (bench/step_ab.py --q 32); STEP_ONLY: only those variants
 #   u12verify  the u12 kernel tests on the GPU (escapes every way, a CUDA graph capture, the M >= 5
 #            epilogues, tiled weights, the registry): a command of its own (its 240 s limit cut it at
 #            about 45% at 3353acd); run verifyab after
@@ -157,6 +158,10 @@ verifyab() {  # verify(16) interleaved, without a new fused_linear sweep; with t
     --bf16-tuned bench/results/fused_linear_m16_graph_h200.json --out "$OUT/step_ab_verify16_${GPU}.json" \
     $([ -f "$knobs" ] && echo --tiles-tuned "$knobs") ${STEP_ONLY:+--only "$STEP_ONLY"}
 }
+verify32() {  # verify(32) interleaved: tiled weights' hmma blocks side by side, the mma kernel, the fused way
+  TAIL=14 run step_ab_verify32 480 python bench/step_ab.py --q 32 --out "$OUT/step_ab_verify32_${GPU}.json" \
+    ${STEP_ONLY:+--only "$STEP_ONLY"}
+}
 u12verify() {  # the u12 kernels on the GPU (about 9 minutes of compiles: their own command), then verifyab
   TAIL=4 run u12_tests 540 python -m pytest -q -x -p no:cacheprovider tests/test_u12_mma.py tests/test_u12_hmma.py \
     tests/test_u12_gemv.py tests/test_u12_fused_linear.py tests/test_u12_layout.py tests/test_kernels.py \
@@ -255,7 +260,7 @@ zoo() {
 for group in "${@:?group...}"; do
   case "$group" in
     ncu) ncu_linear ;;
-    tests | attntests | lineartests | ab | knobs | knobstep | layer16 | readbound | attention | attnvar | u12 | hmma | bf16tune | u12tune | verify16 | verifyab | \
+    tests | attntests | lineartests | ab | knobs | knobstep | layer16 | readbound | attention | attnvar | u12 | hmma | bf16tune | u12tune | verify16 | verifyab | verify32 | \
       u12verify | tiles | tilesab | tiles1 | fewrows | fewsweep | u12fusedtune | linear | peers | train | trees | e2e | tau | zoo) "$group" ;;
     steps) steps ;;
     qwen) steps qwen qwen3-8b ;;

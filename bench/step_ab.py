@@ -144,10 +144,12 @@ TILES_KNOB_VARIANTS = {  # name: knobs over u12-tiles (--q above 1)
     "u12-tiles-esc-late": {"u12_hmma.ESC_EARLY": "off"},  # the escape walk all after the loop (the default before)
     "u12-tiles-esc-early-split": {"u12_hmma.ESC_EARLY": "split-k"},  # early in the split-K launches only
     "u12-tiles-w4": W4,
+    "u12-tiles-mma-past-16": {"u12_linear.TILES_MAX_ROWS": 16},  # past 16 rows the mma kernel (the default before)
 }
 # u12-tiles' twins at q rows, GPU only: (suffix, ops.u12_many_rows, PDL mode; None: the default's, which
 # for a verify step of up to 16 rows is u12_fused_linear's epilogues and norm handoff in PDL mode 2)
-TILES_WAYS = (("-many-rows-off", 0, None), ("-pdl-off", None, 0), ("-many-rows-off-pdl-off", 0, 0))
+TILES_WAYS = (("-many-rows-off", 0, None), ("-pdl-off", None, 0), ("-many-rows-off-pdl-off", 0, 0),
+              ("-many-rows-32", 32, None))  # the fused way up to 32 rows
 KNOB_MODULES = {"u12_linear": u12_linear, "u12_hmma": u12_hmma, "u12_fused_linear": u12_fused_linear}
 
 

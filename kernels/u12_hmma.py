@@ -145,6 +145,10 @@ from .u12_linear import (
 )
 
 MAX_ROWS = 16  # rows of x a program at most: two n-tiles of mma.m16n8k16 (x rows 0..7 and 8..15)
+# Rows of x a launch at most: past MAX_ROWS, blocks of 16 rows side by side, the programs of one W
+# block and split neighbours in the grid (its first axis), so that they run at the same time and
+# W's bytes come from DRAM once, the other blocks' reads hitting L2 (``launch_hmma``).
+MAX_M = 64
 # At most 8 rows of x, whether a program multiplies one n-tile (8 rows) rather than two with the
 # second's 8 rows re-reading the last: half the x loads and MMAs, the same W traffic. On the H200 at
 # 3353acd: verify(4) 4.877 ms against 5.092 with two n-tiles, verify(8) 4.876 against 5.143
@@ -903,9 +907,9 @@ def _u12_hmma_kernel(
     TILES: tl.constexpr = BLOCK_N // 16 if WARP_K else BLOCK_N // (16 * WARPS)  # m-tiles a warp: 1 or 2
     NT: tl.constexpr = BLOCK_M // 8  # n-tiles (8 rows of x each) a warp: 1 or 2
     T: tl.constexpr = 32 * WARPS
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    pid_m = tl.program_id(2)
+    pid_m = tl.program_id(0)  # the M blocks of a W block and split side by side (``MAX_M``)
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
     n0 = pid_n * BLOCK_N
     t = tl.arange(0, T)
     _stamp(trace_ptr, 0, t, t, TRACE)
@@ -1089,7 +1093,7 @@ def _u12_hmma_kernel(
         if TILES == 2:
             _part_store(pk, f0, f1, f2, f3, h0, h1, h2, h3, m0, m1, m2, m3, lo1, hi1, vl1, vh1, M, N, NT)
         tl.debug_barrier()  # every thread's partial is written before the release below
-        counter = count_ptr + pid_m * tl.num_programs(0) + pid_n
+        counter = count_ptr + pid_m * tl.num_programs(1) + pid_n
         last = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1
         _stamp(trace_ptr, 2, t * 0 + last.to(tl.int32), t, TRACE)
         if last:  # the sum's loads in the last program only (masked in the others, they cost every
@@ -1146,8 +1150,8 @@ def _u12_hmma_kernel(
 
 
 def hmma_applies(x: torch.Tensor, k: int, base: int) -> bool:
-    """Whether an hmma config runs this kernel: 1..16 rows of bf16 x, and ``words_and_scales``."""
-    return x.dtype == torch.bfloat16 and 1 <= x.shape[0] <= MAX_ROWS and words_and_scales(k, base)
+    """Whether an hmma config runs this kernel: 1..MAX_M rows of bf16 x, and ``words_and_scales``."""
+    return x.dtype == torch.bfloat16 and 1 <= x.shape[0] <= MAX_M and words_and_scales(k, base)
 
 
 def hmma_rows(m: int) -> int:
@@ -1157,7 +1161,7 @@ def hmma_rows(m: int) -> int:
 
 def launch_hmma(x: torch.Tensor, t: U12Tensor, y: torch.Tensor, cfg: U12Config, gated: bool = False,
                 residual: bool = False, hand_in=None, hand_out=None, trace: torch.Tensor | None = None) -> None:
-    """y = x · Wᵀ by ``_u12_hmma_kernel`` (``hmma_applies`` holds); grid (N blocks, splits, 1).
+    """y = x · Wᵀ by ``_u12_hmma_kernel`` (``hmma_applies`` holds); grid (M blocks, N blocks, splits).
     With kernels/u12_fused_linear.py's epilogue: gated (t is [gate; up], y [M, N / 2] is
     silu(gate) · up), residual (y is the residual, added into in place), hand_in / hand_out (a
     ``NormHandoff`` consumed, or produced: its xg and parts, one a warp, allocated here). trace: an
@@ -1182,7 +1186,7 @@ def launch_hmma(x: torch.Tensor, t: U12Tensor, y: torch.Tensor, cfg: U12Config, 
     if trace is not None and (not native or trace.dtype != torch.int64 or trace.numel() < grid[0] * grid[1] * grid[2] * TRACE_SLOTS):
         raise ValueError(f"launch_hmma: trace: expected a CUDA int64 buffer of {grid[0] * grid[1] * grid[2]} x "
                          f"{TRACE_SLOTS} stamps, got {trace.dtype} {list(trace.shape)} on {trace.device}")
-    _u12_hmma_kernel[grid](
+    _u12_hmma_kernel[(grid[2], grid[0], grid[1])](  # M blocks first: a W block's programs neighbours (``MAX_M``)
         x, sm, codes,
         _nonempty(t.esc_idx), _nonempty(t.esc_val), t.esc_row_ptr, lanes, y, part, counters, hw, xg, parts,
         trace if trace is not None else part,

@@ -1213,6 +1213,11 @@ def _block_m(m: int) -> int:
 # 4.877 ms this way against 6.009 with gemv2 (bench/results/step_ab_verify4_h200.json). Read at call
 # time (bench/step_ab.py's verify(4) variants compare).
 TENSOR_CORE_ROWS = 3
+# Up to this many rows a tiled weight takes TUNED_TILES' (16-row) hmma config: past 16 the hmma
+# kernel runs blocks of 16 rows side by side, each W block's programs neighbours so that W comes
+# from DRAM once (u12_hmma.MAX_M), where the mma kernel (TUNED's 32-row configs) reads it once but
+# through shared memory. Read at call time.
+TILES_MAX_ROWS = 32
 
 
 def gemv_config(m: int, n: int, k: int) -> U12Config:
@@ -1231,11 +1236,11 @@ def default_config(m: int, n: int, k: int, on_gpu: bool = True, layout: str = "r
     tensor-core config at the rows' bucket or else at 16 rows where the shape has one, else gemv2;
     above, TUNED at the rows' bucket where measured or at the nearest measured shape
     (kernels/tuning.py), else the tile kernel's heuristic (``_tile_config``). A tiled weight
-    (`layout` "tiles") takes TUNED_TILES' entry first from TENSOR_CORE_ROWS rows up to 16. Under
+    (`layout` "tiles") takes TUNED_TILES' entry first from TENSOR_CORE_ROWS rows up to TILES_MAX_ROWS. Under
     the interpreter the tile kernel's small tiles."""
     if not on_gpu:
         return _tile_config(m, n, k, on_gpu)
-    if layout == "tiles" and TENSOR_CORE_ROWS <= m <= 16:
+    if layout == "tiles" and TENSOR_CORE_ROWS <= m <= TILES_MAX_ROWS:
         tuned = nearest_tuned(TUNED_TILES, (16, n, k))
         if tuned is not None:
             return tuned

@@ -86,12 +86,14 @@ def test_registry_cases_run_the_hmma_kernel(monkeypatch):
     torch.testing.assert_close(y.float(), ref.float(), rtol=8e-3, atol=1e-4)
 
 
-def test_hmma_applies_to_bf16_x_of_1_to_16_rows_with_word_loads_and_a_scaled_base():
+def test_hmma_applies_to_bf16_x_of_1_to_64_rows_with_word_loads_and_a_scaled_base():
     assert u12_hmma.hmma_applies(torch.zeros(8, 64, dtype=torch.bfloat16), 64, 120)
     assert u12_hmma.hmma_applies(torch.zeros(16, 64, dtype=torch.bfloat16), 64, 1)
     assert u12_hmma.hmma_applies(torch.zeros(3, 64, dtype=torch.bfloat16), 64, 120)
     assert not u12_hmma.hmma_applies(torch.zeros(8, 64, dtype=torch.float32), 64, 120)  # fp32 x
-    assert not u12_hmma.hmma_applies(torch.zeros(17, 64, dtype=torch.bfloat16), 64, 120)  # M > 16
+    assert u12_hmma.hmma_applies(torch.zeros(17, 64, dtype=torch.bfloat16), 64, 120)  # 16-row blocks side by side
+    assert u12_hmma.hmma_applies(torch.zeros(64, 64, dtype=torch.bfloat16), 64, 120)
+    assert not u12_hmma.hmma_applies(torch.zeros(65, 64, dtype=torch.bfloat16), 64, 120)  # past MAX_M
     assert not u12_hmma.hmma_applies(torch.zeros(8, 30, dtype=torch.bfloat16), 30, 120)  # K % 4 != 0
     assert not u12_hmma.hmma_applies(torch.zeros(8, 64, dtype=torch.bfloat16), 64, 241)  # not scaled
 
@@ -571,3 +573,50 @@ def test_escapes_taken_early_give_the_same_sums(monkeypatch, m, n, k, split_k, r
         bad = dataclasses.replace(t, esc_val=t.esc_val.clone())
         bad.esc_val[row10 + j] = torch.tensor(4.0, dtype=torch.bfloat16).view(torch.int16)
         assert not torch.equal(run(bad).view(torch.int16), want.view(torch.int16)), j
+
+
+@pytest.mark.parametrize("m,split_k,mode", [(27, 2, "residual"), (32, 1, "gated"), (21, 3, "hand_out"),
+                                            (37, 2, "hand_in"), (17, 1, "plain"), (64, 2, "plain")])
+def test_row_blocks_side_by_side_give_each_block_alone(m, split_k, mode):
+    """Past 16 rows (``MAX_M``) a launch runs 16-row blocks side by side: each block's outputs bit for
+    bit those of a launch of its rows alone (their sums and epilogues do not meet), split-K, the
+    residual, gated and handoff epilogues included (a handed-on norm's xg and the row sums of its
+    parts too); and the reference's within the kernel's tolerance. (The fused blocks hold 5+ rows:
+    u12_fused_linear runs gemv2 below.)"""
+    from specpilot.kernels import u12_fused_linear as ufl
+    from specpilot.runtime.u12 import pack_u12
+
+    g = torch.Generator().manual_seed(m)
+    n, k = 48, 384
+    gated = mode == "gated"
+    w = 0.02 * torch.randn(2 * n if gated else n, k, generator=g)
+    ufl.plant_escapes(w, g, gated)
+    t = pack_u12(w.to(torch.bfloat16)).with_layout("tiles").to(DEVICE)
+    x = torch.randn(m, k, generator=g).to(torch.bfloat16).to(DEVICE)
+    r = torch.randn(m, n, generator=g).to(torch.bfloat16).to(DEVICE)
+    parts = (0.5 + torch.rand(3, m, generator=g)).to(DEVICE) * k
+    nw = (1 + 0.1 * torch.randn(n, generator=g)).to(torch.bfloat16).to(DEVICE)
+    cfg = U12Config(32, 32, split_k=split_k, num_warps=1, **_HMMA)
+
+    def run(rows):
+        h_out = ufl.NormHandoff(nw) if mode == "hand_out" else None
+        h_in = (ufl.NormHandoff(torch.ones(k, dtype=torch.bfloat16, device=DEVICE), 1e-6, xg=x[rows],
+                                parts=parts[:, rows].clone()) if mode == "hand_in" else None)
+        res = r[rows].clone() if mode in ("residual", "hand_out") else None
+        if mode == "plain":  # u12_linear: the kernel at any rows (a block of 1 row: one n-tile, NARROW)
+            return u12_linear(x[rows], t, cfg), None
+        y = ufl.u12_fused_linear(x[rows], t, gated=gated, residual=res, config=cfg, hand_out=h_out, hand_in=h_in)
+        return y, h_out
+
+    y, h = run(slice(0, m))
+    blocks = [run(slice(lo, min(lo + 16, m))) for lo in range(0, m, 16)]
+    assert torch.equal(y.view(torch.int16), torch.cat([b[0] for b in blocks]).view(torch.int16))
+    if mode == "hand_out":
+        assert torch.equal(h.xg.view(torch.int16), torch.cat([b[1].xg for b in blocks]).view(torch.int16))
+        torch.testing.assert_close(h.parts.sum(0), torch.cat([b[1].parts.sum(0) for b in blocks]), rtol=1e-6, atol=0)
+    h_in = (ufl.NormHandoff(torch.ones(k, dtype=torch.bfloat16, device=DEVICE), 1e-6, xg=x, parts=parts.clone())
+            if mode == "hand_in" else None)
+    h_out = ufl.NormHandoff(nw) if mode == "hand_out" else None
+    ref = ufl.u12_fused_linear_reference(x, t, gated=gated, residual=r.clone() if mode in ("residual", "hand_out")
+                                         else None, hand_in=h_in, hand_out=h_out)
+    torch.testing.assert_close(y.float(), ref.float(), rtol=8e-3, atol=1e-3)
