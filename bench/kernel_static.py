@@ -11,7 +11,7 @@ Launches, for each of bench/u12_linear.py's shapes at M rows (default 1, 4, 16, 
                with the residual add handing the norm on, gate_up gated with the norm handed in,
                down handing on, qkv handed in (the lm_head has no fused call)
   u12-tiles    u12_linear's default on the tiled weight (U12Tensor.layout "tiles"): gemv2 at one row,
-               TUNED_TILES' hmma configs at 4 and 16
+               TUNED_TILES' hmma configs from 4 rows to u12_linear.TILES_MAX_ROWS (32: 32-row programs)
   u12-fused-tiles  the u12-fused calls on tiled weights at 16 rows: TUNED_TILES' hmma configs with the
                epilogues (bench/step_ab.py's u12-tiles, the default way up to 16 rows); not in the default --only
   bf16         fused_linear's default config on the bf16 weight (the path u12 is compared with)
@@ -204,6 +204,7 @@ def launches(shapes: dict[str, tuple[int, int]], ms: tuple[int, ...], only: tupl
     """(what, shape name, M, callable) for every launch this run compiles."""
     from specpilot.kernels.fused_linear import fused_linear
     from specpilot.kernels.u12_fused_linear import NormHandoff, u12_fused_linear
+    from specpilot.kernels import u12_linear as u12_linear_mod
     from specpilot.kernels.u12_linear import default_config, u12_linear
 
     weights, packed = _weights(tuple(shapes.items()))
@@ -215,7 +216,7 @@ def launches(shapes: dict[str, tuple[int, int]], ms: tuple[int, ...], only: tupl
                 yield "u12", name, m, lambda m=m, name=name, k=k: u12_linear(x(m, k), packed[name])
             if "bf16" in only:
                 yield "bf16", name, m, lambda m=m, name=name, k=k: fused_linear(x(m, k), weights[name])
-            if "u12-tiles" in only and m <= 16:
+            if "u12-tiles" in only and m <= u12_linear_mod.TILES_MAX_ROWS:
                 tiled = packed[name].with_layout("tiles")
                 yield "u12-tiles", name, m, lambda m=m, k=k, tiled=tiled: u12_linear(x(m, k), tiled)
     for what, layout, rows in (("u12-fused", "rows", FUSED_MS), ("u12-fused-tiles", "tiles", (16,))):

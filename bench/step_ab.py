@@ -145,6 +145,7 @@ TILES_KNOB_VARIANTS = {  # name: knobs over u12-tiles (--q above 1)
     "u12-tiles-esc-early-split": {"u12_hmma.ESC_EARLY": "split-k"},  # early in the split-K launches only
     "u12-tiles-w4": W4,
     "u12-tiles-mma-past-16": {"u12_linear.TILES_MAX_ROWS": 16},  # past 16 rows the mma kernel (the default before)
+    "u12-tiles-wide-off": {"u12_hmma.WIDE": False},  # past 16 rows hmma blocks of 16 rows, not 32
 }
 # u12-tiles' twins at q rows, GPU only: (suffix, ops.u12_many_rows, PDL mode; None: the default's, which
 # for a verify step of up to 16 rows is u12_fused_linear's epilogues and norm handoff in PDL mode 2)

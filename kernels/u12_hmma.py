@@ -149,6 +149,10 @@ MAX_ROWS = 16  # rows of x a program at most: two n-tiles of mma.m16n8k16 (x row
 # block and split neighbours in the grid (its first axis), so that they run at the same time and
 # W's bytes come from DRAM once, the other blocks' reads hitting L2 (``launch_hmma``).
 MAX_M = 64
+# Past 16 rows, whether a program takes 32 rows of x where its warps hold one m-tile each: every word
+# decoded once into the A fragment for 4 n-tiles (f and h the second 16 rows' accumulators), the
+# blocks of 32 side by side; off, blocks of 16 side by side (each decoding W again). Read at launch.
+WIDE = True
 # At most 8 rows of x, whether a program multiplies one n-tile (8 rows) rather than two with the
 # second's 8 rows re-reading the last: half the x loads and MMAs, the same W traffic. On the H200 at
 # 3353acd: verify(4) 4.877 ms against 5.092 with two n-tiles, verify(8) 4.876 against 5.143
@@ -394,6 +398,48 @@ def _tile_group(
 
 
 @triton.jit
+def _tile_step_wide(d0, d1, d2, d3, e0, e1, e2, e3, f0, f1, f2, f3, h0, h1, h2, h3, s_lo, c_lo, s_hi, c_hi,
+                    x0, x1, x2, x3, ASM: tl.constexpr):
+    """``_tile_step`` for 32 rows of x (``WIDE``): the word decoded once into the A fragment, then
+    multiplied by the B fragments of 4 n-tiles (x0 -> d: x rows 0..7, x1 -> e: 8..15, x2 -> f:
+    16..23, x3 -> h: 24..31)."""
+    p02_lo, p13_lo = _pair_patterns(s_lo, c_lo.to(tl.int32), ASM)
+    p02_hi, p13_hi = _pair_patterns(s_hi, c_hi.to(tl.int32), ASM)
+    b0, b1 = _b_fragment(x0, ASM)
+    d0, d1, d2, d3 = _mma(p02_lo, p02_hi, p13_lo, p13_hi, b0, b1, d0, d1, d2, d3, ASM)
+    b0, b1 = _b_fragment(x1, ASM)
+    e0, e1, e2, e3 = _mma(p02_lo, p02_hi, p13_lo, p13_hi, b0, b1, e0, e1, e2, e3, ASM)
+    b0, b1 = _b_fragment(x2, ASM)
+    f0, f1, f2, f3 = _mma(p02_lo, p02_hi, p13_lo, p13_hi, b0, b1, f0, f1, f2, f3, ASM)
+    b0, b1 = _b_fragment(x3, ASM)
+    h0, h1, h2, h3 = _mma(p02_lo, p02_hi, p13_lo, p13_hi, b0, b1, h0, h1, h2, h3, ASM)
+    return d0, d1, d2, d3, e0, e1, e2, e3, f0, f1, f2, f3, h0, h1, h2, h3
+
+
+@triton.jit
+def _tile_group_wide(
+    d0, d1, d2, d3, e0, e1, e2, e3, f0, f1, f2, f3, h0, h1, h2, h3, sm_lo, code_lo, sm_hi, code_hi, ww, w, w_end,
+    lane_w, x_row0, x_row1, x_row2, x_row3, MASKED: tl.constexpr, ASM: tl.constexpr,
+):
+    """``_tile_group`` for 32 rows of x (``WIDE``): the group's words loaded and each decoded once for
+    the 4 n-tiles."""
+    shift = ww - w
+    s_lo = _load4(sm_lo + shift, w, w_end, lane_w, MASKED)
+    s_hi = _load4(sm_hi + shift, w, w_end, lane_w, MASKED)
+    c_lo = _load4(code_lo + shift, w, w_end, lane_w, MASKED)
+    c_hi = _load4(code_hi + shift, w, w_end, lane_w, MASKED)
+    x0 = _load4(x_row0, w, w_end, lane_w, MASKED)
+    x1 = _load4(x_row1, w, w_end, lane_w, MASKED)
+    x2 = _load4(x_row2, w, w_end, lane_w, MASKED)
+    x3 = _load4(x_row3, w, w_end, lane_w, MASKED)
+    for s in tl.static_range(4):  # k-step s on word s of each lane's 4
+        d0, d1, d2, d3, e0, e1, e2, e3, f0, f1, f2, f3, h0, h1, h2, h3 = _tile_step_wide(
+            d0, d1, d2, d3, e0, e1, e2, e3, f0, f1, f2, f3, h0, h1, h2, h3, s_lo[s], c_lo[s], s_hi[s], c_hi[s],
+            x0[s], x1[s], x2[s], x3[s], ASM)
+    return d0, d1, d2, d3, e0, e1, e2, e3, f0, f1, f2, f3, h0, h1, h2, h3
+
+
+@triton.jit
 def _x_words(x_row0, x_row1, w, w_end, lane_w, NT: tl.constexpr, MASKED: tl.constexpr):
     """x's words of a group for the n-tiles: rows 0..7 (and 8..15); one n-tile: no second x row,
     its accumulators stay 0."""
@@ -410,13 +456,19 @@ def _group(
     d0, d1, d2, d3, e0, e1, e2, e3, f0, f1, f2, f3, h0, h1, h2, h3, ww, w, w_end, lane_w,
     x_row0, x_row1, sm_lo, code_lo, sm_hi, code_hi, sm_lo2, code_lo2, sm_hi2, code_hi2,
     TILES: tl.constexpr, NT: tl.constexpr, MASKED: tl.constexpr, ASM: tl.constexpr,
+    x_row2=None, x_row3=None, WIDE: tl.constexpr = False,
 ):
     """A 16-word group of the warp's m-tiles (accumulators d, e: tile 0; f, h: tile 1; e and h the
-    second n-tile's), x's words loaded once for all."""
-    x00, x01, x02, x03, x10, x11, x12, x13 = _x_words(x_row0, x_row1, w, w_end, lane_w, NT, MASKED)
-    d0, d1, d2, d3, e0, e1, e2, e3 = _tile_group(
-        d0, d1, d2, d3, e0, e1, e2, e3, sm_lo, code_lo, sm_hi, code_hi, ww, w, w_end, lane_w,
-        x00, x01, x02, x03, x10, x11, x12, x13, NT, MASKED, ASM)
+    second n-tile's), x's words loaded once for all. WIDE (one m-tile): f and h x rows 16..31's."""
+    if WIDE:
+        d0, d1, d2, d3, e0, e1, e2, e3, f0, f1, f2, f3, h0, h1, h2, h3 = _tile_group_wide(
+            d0, d1, d2, d3, e0, e1, e2, e3, f0, f1, f2, f3, h0, h1, h2, h3, sm_lo, code_lo, sm_hi, code_hi, ww, w,
+            w_end, lane_w, x_row0, x_row1, x_row2, x_row3, MASKED, ASM)
+    else:
+        x00, x01, x02, x03, x10, x11, x12, x13 = _x_words(x_row0, x_row1, w, w_end, lane_w, NT, MASKED)
+        d0, d1, d2, d3, e0, e1, e2, e3 = _tile_group(
+            d0, d1, d2, d3, e0, e1, e2, e3, sm_lo, code_lo, sm_hi, code_hi, ww, w, w_end, lane_w,
+            x00, x01, x02, x03, x10, x11, x12, x13, NT, MASKED, ASM)
     if TILES == 2:
         f0, f1, f2, f3, h0, h1, h2, h3 = _tile_group(
             f0, f1, f2, f3, h0, h1, h2, h3, sm_lo2, code_lo2, sm_hi2, code_hi2, ww, w, w_end, lane_w,
@@ -877,7 +929,7 @@ def _u12_hmma_kernel(
     trace_ptr,  # TRACE: int64 [programs, TRACE_SLOTS] phase stamps; else unused
     M, N, K, n_words, y_scale, words_per_split, n_out, inv_k, eps, n_parts,
     stride_xm, stride_sm, stride_codes, stride_ym, stride_xg,
-    BLOCK_M: tl.constexpr,  # rows of x a program: 8 (one n-tile of mma.m16n8k16) or 16 (two)
+    BLOCK_M: tl.constexpr,  # rows of x a program: 8 (one n-tile of mma.m16n8k16), 16 (two) or 32 (four: ``WIDE``)
     BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, WARPS: tl.constexpr,
     SPLIT_K: tl.constexpr,  # ways over K (constexpr: the last program's sum of the partials unrolls)
     EVEN_K: tl.constexpr,  # n_words % BLOCK_W == 0: no split has a masked last chunk
@@ -905,7 +957,10 @@ def _u12_hmma_kernel(
 ):
     pdl_enter(PDL)
     TILES: tl.constexpr = BLOCK_N // 16 if WARP_K else BLOCK_N // (16 * WARPS)  # m-tiles a warp: 1 or 2
-    NT: tl.constexpr = BLOCK_M // 8  # n-tiles (8 rows of x each) a warp: 1 or 2
+    WIDE: tl.constexpr = BLOCK_M == 32  # x rows 16..31 in f and h, each word decoded once for all 32 (``WIDE``)
+    NT: tl.constexpr = 2 if WIDE else BLOCK_M // 8  # n-tiles (8 rows of x each) of a 16-row half: 1 or 2
+    tl.static_assert(not WIDE or (TILES == 1 and not WARP_K and not ESC_SPLIT and not AHEAD),
+                     "WIDE: one m-tile a warp, no WARP_K, ESC_SPLIT or AHEAD")
     T: tl.constexpr = 32 * WARPS
     pid_m = tl.program_id(0)  # the M blocks of a W block and split side by side (``MAX_M``)
     pid_n = tl.program_id(1)
@@ -963,6 +1018,10 @@ def _u12_hmma_kernel(
     x64 = x_ptr.to(tl.pointer_type(tl.int64))
     x_row0 = x64 + tl.minimum(pid_m * BLOCK_M + g, M - 1)[:, None] * (stride_xm // 4) + lane_w
     x_row1 = x64 + tl.minimum(pid_m * BLOCK_M + 8 + g, M - 1)[:, None] * (stride_xm // 4) + lane_w
+    x_row2, x_row3 = x_row0, x_row1  # WIDE: x rows 16..31
+    if WIDE:
+        x_row2 = x64 + tl.minimum(pid_m * BLOCK_M + 16 + g, M - 1)[:, None] * (stride_xm // 4) + lane_w
+        x_row3 = x64 + tl.minimum(pid_m * BLOCK_M + 24 + g, M - 1)[:, None] * (stride_xm // 4) + lane_w
 
     if GATED:
         vl0, vh0, vl1, vh1 = ok0, ok0, ok1, ok1
@@ -1037,7 +1096,7 @@ def _u12_hmma_kernel(
                 d0, d1, d2, d3, e0, e1, e2, e3, f0, f1, f2, f3, h0, h1, h2, h3 = _group(
                     d0, d1, d2, d3, e0, e1, e2, e3, f0, f1, f2, f3, h0, h1, h2, h3, ww, w, w_end, lane_w,
                     x_row0, x_row1, sm_lo, code_lo, sm_hi, code_hi, sm_lo2, code_lo2, sm_hi2, code_hi2,
-                    TILES, NT, False, ASM)
+                    TILES, NT, False, ASM, x_row2, x_row3, WIDE)
     if not EVEN_K:
         if full_end < w_end:  # only the last split has a partial chunk: its words past w_end masked
             for u in tl.static_range(BLOCK_W // 16):
@@ -1051,12 +1110,13 @@ def _u12_hmma_kernel(
                     d0, d1, d2, d3, e0, e1, e2, e3, f0, f1, f2, f3, h0, h1, h2, h3, ww,
                     w, w_end, lane_w,
                     x_row0, x_row1, sm_lo, code_lo, sm_hi, code_hi, sm_lo2, code_lo2, sm_hi2, code_hi2,
-                    TILES, NT, True, ASM)
+                    TILES, NT, True, ASM, x_row2, x_row3, WIDE)
 
     _stamp(trace_ptr, 1, d0, t, TRACE)
     ents = _early_entries(esc_idx_ptr, esc_val_ptr, esl, ecl, esh, ech, K) if EARLY else 0
     mb = pid_m * BLOCK_M + 2 * q
     m0, m1, m2, m3 = mb, mb + 1, mb + 8, mb + 9  # x rows of d0 / d2, d1 / d3, e0 / e2, e1 / e3
+    n0, n1, n2, n3 = m0 + 16, m1 + 16, m2 + 16, m3 + 16  # WIDE: those of f and h
     w0, w1, w2, w3, w4, w5, w6, w7 = zero, zero, zero, zero, zero, zero, zero, zero  # ESC_SPLIT: the escapes'
     v0, v1, v2, v3, v4, v5, v6, v7 = zero, zero, zero, zero, zero, zero, zero, zero  # Σ x · w, m-tiles 0 and 1
     if ESC_SPLIT:  # this split's share of the escapes (WARP_K: each warp's share of its split's)
@@ -1090,6 +1150,8 @@ def _u12_hmma_kernel(
             if TILES == 2:
                 _part_store(pe, v0, v1, v2, v3, v4, v5, v6, v7, m0, m1, m2, m3, lo1, hi1, vl1, vh1, M, N, NT)
         _part_store(pk, d0, d1, d2, d3, e0, e1, e2, e3, m0, m1, m2, m3, lo0, hi0, vl0, vh0, M, N, NT)
+        if WIDE:
+            _part_store(pk, f0, f1, f2, f3, h0, h1, h2, h3, n0, n1, n2, n3, lo0, hi0, vl0, vh0, M, N, NT)
         if TILES == 2:
             _part_store(pk, f0, f1, f2, f3, h0, h1, h2, h3, m0, m1, m2, m3, lo1, hi1, vl1, vh1, M, N, NT)
         tl.debug_barrier()  # every thread's partial is written before the release below
@@ -1100,6 +1162,9 @@ def _u12_hmma_kernel(
             # program the instructions, and at 16 splits their registers)
             d0, d1, d2, d3, e0, e1, e2, e3 = _part_sum(part_ptr, last, m0, m1, m2, m3, lo0, hi0, vl0, vh0, M, N,
                                                        SPLIT_K, NT)
+            if WIDE:
+                f0, f1, f2, f3, h0, h1, h2, h3 = _part_sum(part_ptr, last, n0, n1, n2, n3, lo0, hi0, vl0, vh0,
+                                                           M, N, SPLIT_K, NT)
             if TILES == 2:
                 f0, f1, f2, f3, h0, h1, h2, h3 = _part_sum(part_ptr, last, m0, m1, m2, m3, lo1, hi1, vl1, vh1,
                                                            M, N, SPLIT_K, NT)
@@ -1137,13 +1202,33 @@ def _u12_hmma_kernel(
             LANES, LANE_GROUP, hw_ptr, xg_ptr, stride_xg, GATED, RESIDUAL, HAND_IN, HAND_OUT,
             ROUND_BF16, EXPF, NT, ESC_UNROLL, WALKED, w0, w1, w2, w3, w4, w5, w6, w7)
         z0, z1, z2, z3, z4, z5, z6, z7 = y0, y1, y2, y3, y4, y5, y6, y7
+        if WIDE:  # x rows 16..31 (f, h) at the same W rows: their invs, early escapes' x gathers and epilogue
+            j0, j1, j2, j3 = i0, i1, i2, i3
+            if HAND_IN:
+                j0, j1, j2, j3 = _lane_invs(parts_ptr, n0, n1, n2, n3, M, n_parts, inv_k, eps, WARPS, BLOCK_P, NT)
+            wz0, wz1, wz2, wz3, wz4, wz5, wz6, wz7 = w0, w1, w2, w3, w4, w5, w6, w7
+            if EARLY:
+                xq0, xq1, xq2, xq3 = _x_rows(x_ptr, n0, n1, n2, n3, M, stride_xm)
+                wz0, wz1, wz2, wz3, wz4, wz5, wz6, wz7, sz0, sz1, sz2, sz3, sz4, sz5, sz6, sz7 = _early_walk(
+                    ents, esl, ecl, esh, ech, xq0, xq1, xq2, xq3, esc_idx_ptr, esc_val_ptr, K, NT, ESC_UNROLL)
+                f0, f1, f2, f3, h0, h1, h2, h3 = f0 - sz0, f1 - sz1, f2 - sz2, f3 - sz3, h0 - sz4, h1 - sz5, h2 - sz6, h3 - sz7
+            z0, z1, z2, z3, z4, z5, z6, z7 = _finish(
+                f0, f1, f2, f3, h0, h1, h2, h3, n0, n1, n2, n3, rl0, rh0, vl0, vh0, j0, j1, j2, j3, sl0, cl0, sh0, ch0,
+                x_ptr, esc_idx_ptr, esc_val_ptr, lanes_ptr, y_ptr, M, K, stride_xm, stride_ym,
+                y_scale, LANES, LANE_GROUP, hw_ptr, xg_ptr, stride_xg, GATED, RESIDUAL, HAND_IN,
+                HAND_OUT, ROUND_BF16, EXPF, NT, ESC_UNROLL, WALKED, wz0, wz1, wz2, wz3, wz4, wz5, wz6, wz7)
         if TILES == 2:
             z0, z1, z2, z3, z4, z5, z6, z7 = _finish(
                 f0, f1, f2, f3, h0, h1, h2, h3, m0, m1, m2, m3, rl1, rh1, vl1, vh1, i0, i1, i2, i3, sl1, cl1, sh1, ch1,
                 x_ptr, esc_idx_ptr, esc_val_ptr, lanes_ptr, y_ptr, M, K, stride_xm, stride_ym,
                 y_scale, LANES, LANE_GROUP, hw_ptr, xg_ptr, stride_xg, GATED, RESIDUAL, HAND_IN,
                 HAND_OUT, ROUND_BF16, EXPF, NT, ESC_UNROLL, WALKED, v0, v1, v2, v3, v4, v5, v6, v7)
-        if HAND_OUT:
+        if HAND_OUT and WIDE:  # each half's rows their own parts
+            _parts_out(y0, y1, y2, y3, y4, y5, y6, y7, y0, y1, y2, y3, y4, y5, y6, y7, m0, m1, m2, m3,
+                       parts_ptr, pid_n, M, WARPS, 1, NT)
+            _parts_out(z0, z1, z2, z3, z4, z5, z6, z7, z0, z1, z2, z3, z4, z5, z6, z7, n0, n1, n2, n3,
+                       parts_ptr, pid_n, M, WARPS, 1, NT)
+        elif HAND_OUT:
             _parts_out(y0, y1, y2, y3, y4, y5, y6, y7, z0, z1, z2, z3, z4, z5, z6, z7, m0, m1, m2, m3,
                        parts_ptr, pid_n, M, WARPS, TILES, NT)
         _stamp(trace_ptr, 4, y0 + z7, t, TRACE)
@@ -1154,8 +1239,11 @@ def hmma_applies(x: torch.Tensor, k: int, base: int) -> bool:
     return x.dtype == torch.bfloat16 and 1 <= x.shape[0] <= MAX_M and words_and_scales(k, base)
 
 
-def hmma_rows(m: int) -> int:
-    """Rows of x a program of M: 8 (one n-tile) where NARROW and M <= 8, else 16."""
+def hmma_rows(m: int, tiles: int = 1) -> int:
+    """Rows of x a program of M: 8 (one n-tile) where NARROW and M <= 8, 32 (``WIDE``) past 16 where the
+    warps hold one m-tile (tiles 1), else 16."""
+    if m > MAX_ROWS and WIDE and tiles == 1:
+        return 2 * MAX_ROWS
     return 8 if NARROW and m <= 8 else MAX_ROWS
 
 
@@ -1170,7 +1258,6 @@ def launch_hmma(x: torch.Tensor, t: U12Tensor, y: torch.Tensor, cfg: U12Config, 
     n = t.shape[0]
     n_words = k // 4
     x = aligned_rows(x, True)
-    block_m = hmma_rows(m)
     lanes, n_lanes = lanes_args(t, block=True)
     if cfg.warp_k and n_words % (cfg.split_k * cfg.num_warps * cfg.block_w):  # shares of whole chunks only:
         cfg = dataclasses.replace(cfg, warp_k=False, block_n=cfg.block_n * cfg.num_warps)  # the warps on rows
@@ -1178,6 +1265,8 @@ def launch_hmma(x: torch.Tensor, t: U12Tensor, y: torch.Tensor, cfg: U12Config, 
     # the escapes walked in shares: by the splits where asked, and by WARP_K's warps (else idle in the walk)
     esc_split = (cfg.esc_split or ESC_SPLIT or cfg.warp_k) and not n_lanes and t.esc_idx.numel() > 0
     chunk = cfg.block_w * cfg.num_warps if cfg.warp_k else cfg.block_w  # a split's words a multiple of it
+    one_tile = cfg.rows_a_warp() == 16 and not cfg.warp_k and not esc_split and not ahead  # WIDE's
+    block_m = hmma_rows(m, 1 if one_tile else 2)
     grid, words_per_split, part, counters = _split_k_plan(t, cfg, m, n_words, block_m, 1 + esc_split, chunk)
     native = on_native(x)  # the interpreter runs no PTX
     sm, codes = t.sm.contiguous().view(torch.int32), t.codes.contiguous().view(torch.int16)

@@ -575,14 +575,18 @@ def test_escapes_taken_early_give_the_same_sums(monkeypatch, m, n, k, split_k, r
         assert not torch.equal(run(bad).view(torch.int16), want.view(torch.int16)), j
 
 
-@pytest.mark.parametrize("m,split_k,mode", [(27, 2, "residual"), (32, 1, "gated"), (21, 3, "hand_out"),
-                                            (37, 2, "hand_in"), (17, 1, "plain"), (64, 2, "plain")])
-def test_row_blocks_side_by_side_give_each_block_alone(m, split_k, mode):
-    """Past 16 rows (``MAX_M``) a launch runs 16-row blocks side by side: each block's outputs bit for
-    bit those of a launch of its rows alone (their sums and epilogues do not meet), split-K, the
-    residual, gated and handoff epilogues included (a handed-on norm's xg and the row sums of its
-    parts too); and the reference's within the kernel's tolerance. (The fused blocks hold 5+ rows:
-    u12_fused_linear runs gemv2 below.)"""
+@pytest.mark.parametrize("m,split_k,mode,warps", [
+    (27, 2, "residual", 2), (32, 1, "gated", 2), (21, 3, "hand_out", 2), (37, 2, "hand_in", 2),
+    (17, 1, "plain", 2),  # one m-tile a warp: blocks of 32 rows (WIDE), the last of 5 or 1 rows
+    (27, 2, "residual", 1),  # two m-tiles a warp: blocks of 16
+])
+def test_row_blocks_side_by_side_give_each_block_alone(monkeypatch, m, split_k, mode, warps):
+    """Past 16 rows (``MAX_M``) a launch runs row blocks side by side, of 32 rows where each warp holds
+    one m-tile (``WIDE``: each word decoded once for them all), else of 16: every 16 rows' outputs
+    bit for bit those of a launch of those rows alone (their sums and epilogues do not meet), split-K,
+    the residual, gated and handoff epilogues included (a handed-on norm's xg and the row sums of its
+    parts too); and the reference's within the kernel's tolerance. (The fused launches of the rows
+    alone hold 5+ rows: u12_fused_linear runs gemv2 below.)"""
     from specpilot.kernels import u12_fused_linear as ufl
     from specpilot.runtime.u12 import pack_u12
 
@@ -596,7 +600,14 @@ def test_row_blocks_side_by_side_give_each_block_alone(m, split_k, mode):
     r = torch.randn(m, n, generator=g).to(torch.bfloat16).to(DEVICE)
     parts = (0.5 + torch.rand(3, m, generator=g)).to(DEVICE) * k
     nw = (1 + 0.1 * torch.randn(n, generator=g)).to(torch.bfloat16).to(DEVICE)
-    cfg = U12Config(32, 32, split_k=split_k, num_warps=1, **_HMMA)
+    cfg = U12Config(32, 32, split_k=split_k, num_warps=warps, **_HMMA)
+    kernel, block_ms = u12_hmma._u12_hmma_kernel, []
+
+    class Spy:  # each launch's rows a program
+        def __getitem__(self, grid):
+            return lambda *a, **kw: (block_ms.append(kw["BLOCK_M"]), kernel[grid](*a, **kw))
+
+    monkeypatch.setattr(u12_hmma, "_u12_hmma_kernel", Spy())
 
     def run(rows):
         h_out = ufl.NormHandoff(nw) if mode == "hand_out" else None
@@ -609,6 +620,7 @@ def test_row_blocks_side_by_side_give_each_block_alone(m, split_k, mode):
         return y, h_out
 
     y, h = run(slice(0, m))
+    assert block_ms == [32 if warps == 2 else 16]
     blocks = [run(slice(lo, min(lo + 16, m))) for lo in range(0, m, 16)]
     assert torch.equal(y.view(torch.int16), torch.cat([b[0] for b in blocks]).view(torch.int16))
     if mode == "hand_out":
