@@ -1,4 +1,4 @@
-"""y = x · Wᵀ with W in the u12 format by warp-level tensor-core MMAs (mma.sync), for 1..16 rows ("hmma").
+"""y = x · Wᵀ with W in the u12 format by warp-level tensor-core MMAs (mma.sync), for 1..64 rows ("hmma").
 
 Why a second tensor-core kernel. kernels/u12_mma.py goes through tl.dot, which on sm_90 is wgmma:
 its words pass through shared memory (cp.async, then ldmatrix), x is stored to shared memory as
@@ -102,7 +102,8 @@ interleaved with every weight tiled (u12-tiles, 753d9c4): 4.613 ms against the b
 
 bf16 x only (fp32 x, K % 4 != 0 or a base past 240 run the tile kernel: ``hmma_applies``). By
 default u12_linear runs it from TENSOR_CORE_ROWS (3) rows up where TUNED's 16-row config is an hmma
-one (o and down); the one-n-tile kernel at 3..8 rows: see NARROW.
+one (o and down); the one-n-tile kernel at 3..8 rows: see NARROW. On tiled weights up to 32 rows
+(u12_linear.TILES_MAX_ROWS): past 16, 32-row programs (``WIDE``) side by side (``MAX_M``).
 """
 
 from __future__ import annotations
@@ -145,13 +146,18 @@ from .u12_linear import (
 )
 
 MAX_ROWS = 16  # rows of x a program at most: two n-tiles of mma.m16n8k16 (x rows 0..7 and 8..15)
-# Rows of x a launch at most: past MAX_ROWS, blocks of 16 rows side by side, the programs of one W
-# block and split neighbours in the grid (its first axis), so that they run at the same time and
+# Rows of x a launch at most: past a program's rows, blocks of them side by side, the programs of one
+# W block and split neighbours in the grid (its first axis), so that they run at the same time and
 # W's bytes come from DRAM once, the other blocks' reads hitting L2 (``launch_hmma``).
 MAX_M = 64
 # Past 16 rows, whether a program takes 32 rows of x where its warps hold one m-tile each: every word
-# decoded once into the A fragment for 4 n-tiles (f and h the second 16 rows' accumulators), the
-# blocks of 32 side by side; off, blocks of 16 side by side (each decoding W again). Read at launch.
+# decoded once into the A fragment for 4 n-tiles (f and h the second 16 rows' accumulators), blocks of
+# 32 side by side; off, blocks of 16 (each decoding W again). 128 registers, no spills at the layer
+# shapes (TUNED_TILES' 32-row, 2-warp configs; sm_90, Triton 3.6: 0.146 loop instructions a weight
+# against 0.116 at 16 rows, bench/results/kernel_static_wide_sm90_triton36.json). H100 verify(32)
+# interleaved (c82ea2b, bench/results/step_ab_verify32_wide_h100.json): 6.333 ms against 6.557 with
+# blocks of 16 and 7.021 with the mma kernel (u12_linear.TILES_MAX_ROWS 16, the default before);
+# cuBLAS's bf16 step 6.326, bf16-linear-pdl-wait 6.251. Read at launch.
 WIDE = True
 # At most 8 rows of x, whether a program multiplies one n-tile (8 rows) rather than two with the
 # second's 8 rows re-reading the last: half the x loads and MMAs, the same W traffic. On the H200 at
@@ -1315,11 +1321,11 @@ register(KernelSpec(
         _case(13, 17, 136, torch.bfloat16, "few"),  # 34 words: the second split a masked chunk of 2 words
         _case(9, 40, 96, torch.bfloat16, "special"),  # 24 words: a full chunk, then a split of one masked group
         _case(16, 17, 64, torch.float32, "few"),  # fp32 x: the tile kernel
-        _case(17, 9, 32, torch.bfloat16, "few"),  # M past 16: the tile kernel
+        _case(17, 9, 32, torch.bfloat16, "few"),  # M past 16: two 16-row blocks side by side (MAX_M)
         _case(8, 17, 64, torch.bfloat16, "all"),  # base 241, not biased: the tile kernel
     ],
     tolerance={torch.float32: (1e-5, 1e-5), torch.bfloat16: (1e-4, 8e-3)},  # as u12_linear's
     corrupt=_plant_wrong_weight,
-    description="u12_linear with an hmma config: 1..16 rows by mma.sync on fragments decoded in registers, "
+    description="u12_linear with an hmma config: 1..64 rows by mma.sync on fragments decoded in registers, "
                 "escapes exact",
 ))

@@ -6,7 +6,7 @@ under the interpreter) with up to 64 rows of x per program, so each weight is de
 program. ``_u12_gemv_kernel`` ("gemv2", chosen by ``U12Config.kernel``) is a second GEMV for M ≤ 4
 on the scaled path with K % 4 == 0; kernels/u12_mma.py ("mma") is a tensor-core kernel on that
 path (16 rows of x a program at least), its decoded planes fed to wgmma from registers, and
-kernels/u12_hmma.py ("hmma") one for 1..16 rows by mma.sync on fragments decoded in registers; by
+kernels/u12_hmma.py ("hmma") one for 1..64 rows (16 or 32 a program) by mma.sync on fragments decoded in registers; by
 default they serve TENSOR_CORE_ROWS rows and more, gemv2 fewer. ``u12_linear`` gives other cases to
 the tile kernel.
 
@@ -1216,7 +1216,8 @@ TENSOR_CORE_ROWS = 3
 # Up to this many rows a tiled weight takes TUNED_TILES' (16-row) hmma config: past 16 the hmma
 # kernel runs blocks of 16 rows side by side, each W block's programs neighbours so that W comes
 # from DRAM once (u12_hmma.MAX_M), where the mma kernel (TUNED's 32-row configs) reads it once but
-# through shared memory. Read at call time.
+# through shared memory. H100 verify(32) (c82ea2b, bench/results/step_ab_verify32_wide_h100.json):
+# 6.333 ms against 7.021 with the mma kernel past 16 rows. Read at call time.
 TILES_MAX_ROWS = 32
 
 

@@ -157,16 +157,20 @@ def test_fused_gemv_reads_tiles_as_rows(m, gated, hand):
 
 
 def test_tiled_weights_take_their_own_tensor_core_configs(monkeypatch):
-    """From TENSOR_CORE_ROWS to 16 rows a tiled weight takes TUNED_TILES' entry (the hmma kernel at
-    every Llama-3.1-8B shape), a row-planes one TUNED's; one row stays gemv2's either way."""
+    """From TENSOR_CORE_ROWS to TILES_MAX_ROWS (32) rows a tiled weight takes TUNED_TILES' entry (the
+    hmma kernel at every Llama-3.1-8B shape; past 16 rows its 32-row programs), a row-planes one
+    TUNED's, as tiles do above; one row stays gemv2's either way."""
     for (bucket, n, k), cfg in ul.TUNED_TILES.items():
         assert bucket == 16 and cfg.kernel == "hmma"
         assert default_config(16, n, k, layout="tiles") is cfg
         assert default_config(3, n, k, layout="tiles") is cfg
         assert default_config(16, n, k) is ul.TUNED[(16, n, k)]
         assert default_config(1, n, k, layout="tiles") is default_config(1, n, k)
-        assert default_config(32, n, k, layout="tiles") is default_config(32, n, k)
+        assert default_config(32, n, k, layout="tiles") is cfg
+        assert default_config(33, n, k, layout="tiles") is default_config(33, n, k)
         assert ufl.tensor_core_config(16, n, k, layout="tiles") is cfg
-    monkeypatch.setattr(ul, "TENSOR_CORE_ROWS", 5)
     n, k = next(iter(ul.TUNED_TILES))[1:]
+    monkeypatch.setattr(ul, "TILES_MAX_ROWS", 16)  # past 16 rows the mma kernel's configs (the default before)
+    assert default_config(32, n, k, layout="tiles") is default_config(32, n, k)
+    monkeypatch.setattr(ul, "TENSOR_CORE_ROWS", 5)
     assert default_config(4, n, k, layout="tiles").kernel == "gemv2"

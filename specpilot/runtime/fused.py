@@ -163,8 +163,9 @@ U12_PDL_ROWS = 32
 # tiled weights, both in PDL mode 2, the fused way against u12_linear's: H200 verify(16) 4.365 ms
 # against 4.383 (293ce94, bench/results/tried/step_ab_verify16_293ce94_h200.json); H100 verify(16)
 # 5.289 against 5.323 (e9090f0, step_ab_verify16_many_rows_h100.json), verify(8) 4.889 against 4.984,
-# but verify(32), where the mma kernel serves, 7.420 against 7.156 (17a03ab, the _ways_ files above):
-# hence 16. With the 32-row configs, on the H200 the fused way in PDL mode 2 ran 4.175-4.177 ms against
+# but verify(32), where the mma kernel served, 7.420 against 7.156 (17a03ab, the _ways_ files above),
+# and with the hmma kernel's 32-row programs there (u12_hmma.WIDE) 6.589 against 6.333 (c82ea2b,
+# bench/results/step_ab_verify32_wide_h100.json): hence 16. With the 32-row configs, on the H200 the fused way in PDL mode 2 ran 4.175-4.177 ms against
 # 4.238 for the plain way without PDL (the default before; c566ca9's step_ab_verify16_h200.json, u12-tiles-w2).
 U12_MANY_ROWS = 16
 
