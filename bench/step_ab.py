@@ -47,7 +47,9 @@ u12-tiles-esc-split, u12-tiles-esc-late, u12-tiles-esc-early-split: with ``u12_h
 u12-tiles-w2 is the default since); u12-tiles-ahead-x: AHEAD with
 ``u12_hmma.AHEAD_X``; u12-tiles-many-rows-off, u12-tiles-pdl-off, u12-tiles-many-rows-off-pdl-off: u12-tiles
 with u12_linear beside the norm kernels, PDL off, or both (the default verify step before 407086e),
-not under --smoke; bf16-linear-pdl-wait: bf16-linear in PDL mode 2, not under --smoke; all --q above 1); u12-sweep and u12-fused-sweep
+not under --smoke; at --q above 16 also u12-tiles-mma-past-16 (the mma kernel past 16 rows, the default
+before 994ddd1), u12-tiles-wide-off (the hmma kernel's blocks of 16 rows, not 32) and u12-tiles-many-rows-32
+(the fused way at 32 rows, not under --smoke); bf16-linear-pdl-wait: bf16-linear in PDL mode 2, not under --smoke; all --q above 1); u12-sweep and u12-fused-sweep
 (the default u12 step with u12_linear's, or u12_fused_linear's, TUNED entries for the step's rows
 taken from a sweep's results file: --u12-tuned, --u12-fused-tuned); bf16-default, bf16-r128 (the bf16 step at other register budgets:
 ``BF16_VARIANTS``; not under --smoke, whose tiny shapes TUNED does not hold). With --q above 1 (a
@@ -144,13 +146,15 @@ TILES_KNOB_VARIANTS = {  # name: knobs over u12-tiles (--q above 1)
     "u12-tiles-esc-late": {"u12_hmma.ESC_EARLY": "off"},  # the escape walk all after the loop (the default before)
     "u12-tiles-esc-early-split": {"u12_hmma.ESC_EARLY": "split-k"},  # early in the split-K launches only
     "u12-tiles-w4": W4,
+}
+TILES_PAST_16_VARIANTS = {  # name: knobs over u12-tiles, at --q above 16 only (at fewer rows the default step)
     "u12-tiles-mma-past-16": {"u12_linear.TILES_MAX_ROWS": 16},  # past 16 rows the mma kernel (the default before)
     "u12-tiles-wide-off": {"u12_hmma.WIDE": False},  # past 16 rows hmma blocks of 16 rows, not 32
 }
 # u12-tiles' twins at q rows, GPU only: (suffix, ops.u12_many_rows, PDL mode; None: the default's, which
 # for a verify step of up to 16 rows is u12_fused_linear's epilogues and norm handoff in PDL mode 2)
 TILES_WAYS = (("-many-rows-off", 0, None), ("-pdl-off", None, 0), ("-many-rows-off-pdl-off", 0, 0),
-              ("-many-rows-32", 32, None))  # the fused way up to 32 rows
+              ("-many-rows-32", 32, None))  # the fused way up to 32 rows (at --q above 16 only)
 KNOB_MODULES = {"u12_linear": u12_linear, "u12_hmma": u12_hmma, "u12_fused_linear": u12_fused_linear}
 
 
@@ -341,11 +345,13 @@ def capture(shape: str, variants: bool, extra_bf16: dict | None = None, extra_u1
 
         add("u12-tiles")
         if q > 1:  # the hmma kernel's knobs, not yet defaults, on the tiles they were built for
-            for name, knobs in TILES_KNOB_VARIANTS.items():
+            for name, knobs in {**TILES_KNOB_VARIANTS, **(TILES_PAST_16_VARIANTS if q > 16 else {})}.items():
                 with knobs_set(knobs):
                     add(name)
             for suffix, many_rows, pdl in TILES_WAYS if variants else ():  # not under --smoke (at its 4 rows
                 # all alike; PDL: GPU only)
+                if many_rows == 32 and q <= 16:  # the default's way at q rows
+                    continue
                 model.fused.ops = ops if many_rows is None else dataclasses.replace(ops, u12_many_rows=many_rows)
                 with overlap(pdl=pdl):
                     add("u12-tiles" + suffix)

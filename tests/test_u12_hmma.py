@@ -576,9 +576,9 @@ def test_escapes_taken_early_give_the_same_sums(monkeypatch, m, n, k, split_k, r
 
 
 @pytest.mark.parametrize("m,split_k,mode,warps", [
-    (27, 2, "residual", 2), (32, 1, "gated", 2), (21, 3, "hand_out", 2), (37, 2, "hand_in", 2),
-    (17, 1, "plain", 2),  # one m-tile a warp: blocks of 32 rows (WIDE), the last of 5 or 1 rows
-    (27, 2, "residual", 1),  # two m-tiles a warp: blocks of 16
+    (27, 2, "residual", 2), (32, 1, "gated", 2), (21, 3, "hand_out", 2),
+    (37, 2, "hand_in", 2),  # one m-tile a warp: blocks of 32 rows (WIDE), the last of 5
+    (27, 2, "residual", 1),  # two m-tiles a warp: blocks of 16 (17 rows, u12_linear: the registry's case)
 ])
 def test_row_blocks_side_by_side_give_each_block_alone(monkeypatch, m, split_k, mode, warps):
     """Past 16 rows (``MAX_M``) a launch runs row blocks side by side, of 32 rows where each warp holds
@@ -614,8 +614,6 @@ def test_row_blocks_side_by_side_give_each_block_alone(monkeypatch, m, split_k, 
         h_in = (ufl.NormHandoff(torch.ones(k, dtype=torch.bfloat16, device=DEVICE), 1e-6, xg=x[rows],
                                 parts=parts[:, rows].clone()) if mode == "hand_in" else None)
         res = r[rows].clone() if mode in ("residual", "hand_out") else None
-        if mode == "plain":  # u12_linear: the kernel at any rows (a block of 1 row: one n-tile, NARROW)
-            return u12_linear(x[rows], t, cfg), None
         y = ufl.u12_fused_linear(x[rows], t, gated=gated, residual=res, config=cfg, hand_out=h_out, hand_in=h_in)
         return y, h_out
 
