@@ -911,7 +911,7 @@ class U12Config:
 
     kernel "tile": ``_u12_linear_kernel`` (any M, split-K, both decodes); "gemv2": ``_u12_gemv_kernel``
     (M <= 4, no split-K, ``decode`` unused); "mma": ``kernels/u12_mma.py`` (any M, split-K, ``decode``
-    unused); "hmma": ``kernels/u12_hmma.py`` (1 <= M <= 16 rows of bf16 x, split-K, block_n 16 or 32
+    unused); "hmma": ``kernels/u12_hmma.py`` (1 <= M <= 64 rows of bf16 x, split-K, block_n 16 or 32
     rows a warp, block_w a multiple of 16). ``u12_linear`` runs gemv2, mma and hmma where they apply
     (K % 4 == 0, 1 <= base <= 240, and their M) and otherwise replaces them by the tile kernel's
     default config.
