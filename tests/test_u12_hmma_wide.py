@@ -31,16 +31,13 @@ def test_row_blocks_side_by_side_give_each_block_alone(monkeypatch, m, split_k, 
     parts too); and the reference's within the kernel's tolerance. (The fused launches of the rows
     alone hold 5+ rows: u12_fused_linear runs gemv2 below.)"""
     from specpilot.kernels import u12_fused_linear as ufl
-    from specpilot.runtime.u12 import pack_u12
 
-    g = torch.Generator().manual_seed(m)
     n, k = 48, 256  # two N blocks (the second half past N); 64 words: splits of whole 32-word chunks
     gated = mode == "gated"
-    w = 0.02 * torch.randn(2 * n if gated else n, k, generator=g)
-    ufl.plant_escapes(w, g, gated)
-    t = pack_u12(w.to(torch.bfloat16)).with_layout("tiles").to(DEVICE)
-    x = torch.randn(m, k, generator=g).to(torch.bfloat16).to(DEVICE)
-    r = torch.randn(m, n, generator=g).to(torch.bfloat16).to(DEVICE)
+    case = ufl._case(m, 2 * n if gated else n, k, torch.bfloat16, gated=int(gated), residual=1)
+    x, t, _, _, r, _ = ufl._make_inputs(case, DEVICE, m)  # u12_fused_linear's registry inputs, escapes planted
+    t = t.with_layout("tiles")
+    g = torch.Generator().manual_seed(m)
     parts = (0.5 + torch.rand(3, m, generator=g)).to(DEVICE) * k
     nw = (1 + 0.1 * torch.randn(n, generator=g)).to(torch.bfloat16).to(DEVICE)
     cfg = U12Config(32, 32, split_k=split_k, num_warps=warps, **_HMMA)
