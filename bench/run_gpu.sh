@@ -25,6 +25,10 @@
 #            --q 16; bf16-sweep from the committed M = 16 sweep, bench/results/fused_linear_m16_graph_h200.json);
 #            STEP_ONLY: only those variants
 #   verify32 the verify(32) step interleaved (bench/step_ab.py --q 32); STEP_ONLY: only those variants
+#   rows64   u12_linear on tiled weights at ROWS64_MS rows (default 1,4,16,32,64) in CUDA graphs against cuBLAS:
+#            the default config and TUNED_TILES' hmma config (--kernels tuned), then verify(64) interleaved
+#            (bench/step_ab.py --q 64: u12-tiles, the mma kernel past 32 rows, against u12-tiles-hmma-to-64);
+#            STEP_ONLY: the step's variants
 #   u12verify  the u12 kernel tests on the GPU (escapes every way, a CUDA graph capture, the M >= 5
 #            epilogues, tiled weights, the registry): a command of its own (its 240 s limit cut it at
 #            about 45% at 3353acd); run verifyab after
@@ -162,6 +166,12 @@ verify32() {  # verify(32) interleaved: tiled weights' hmma blocks side by side,
   TAIL=14 run step_ab_verify32 480 python bench/step_ab.py --q 32 --out "$OUT/step_ab_verify32_${GPU}.json" \
     ${STEP_ONLY:+--only "$STEP_ONLY"}
 }
+rows64() {  # the u12 kernels at 1..64 rows against cuBLAS on tiled weights, then verify(64): mma or hmma past 32 rows
+  TAIL=40 run u12_linear_rows64 300 python bench/u12_linear.py --ms "${ROWS64_MS:-1,4,16,32,64}" --kernels tuned \
+    --layouts tiles --graph --no-step --budget-s 200 --out "$OUT/u12_linear_tuned_tiles_${GPU}.json"
+  TAIL=14 run step_ab_verify64 300 python bench/step_ab.py --q 64 --out "$OUT/step_ab_verify64_${GPU}.json" \
+    ${STEP_ONLY:+--only "$STEP_ONLY"}
+}
 u12verify() {  # the u12 kernels on the GPU (about 9 minutes of compiles: their own command), then verifyab
   TAIL=4 run u12_tests 540 python -m pytest -q -x -p no:cacheprovider tests/test_u12_mma.py tests/test_u12_hmma.py \
     tests/test_u12_gemv.py tests/test_u12_fused_linear.py tests/test_u12_layout.py tests/test_kernels.py \
@@ -260,7 +270,7 @@ zoo() {
 for group in "${@:?group...}"; do
   case "$group" in
     ncu) ncu_linear ;;
-    tests | attntests | lineartests | ab | knobs | knobstep | layer16 | readbound | attention | attnvar | u12 | hmma | bf16tune | u12tune | verify16 | verifyab | verify32 | \
+    tests | attntests | lineartests | ab | knobs | knobstep | layer16 | readbound | attention | attnvar | u12 | hmma | bf16tune | u12tune | verify16 | verifyab | verify32 | rows64 | \
       u12verify | tiles | tilesab | tiles1 | fewrows | fewsweep | u12fusedtune | linear | peers | train | trees | e2e | tau | zoo) "$group" ;;
     steps) steps ;;
     qwen) steps qwen qwen3-8b ;;

@@ -49,7 +49,8 @@ u12-tiles-w2 is the default since); u12-tiles-ahead-x: AHEAD with
 with u12_linear beside the norm kernels, PDL off, or both (the default verify step before 407086e),
 not under --smoke; at --q above 16 also u12-tiles-mma-past-16 (the mma kernel past 16 rows, the default
 before 994ddd1), u12-tiles-wide-off (the hmma kernel's blocks of 16 rows, not 32) and u12-tiles-many-rows-32
-(the fused way at 32 rows, not under --smoke); bf16-linear-pdl-wait: bf16-linear in PDL mode 2, not under --smoke; all --q above 1); u12-sweep and u12-fused-sweep
+(the fused way at 32 rows, not under --smoke); at --q above 32 also u12-tiles-hmma-to-64 (the hmma kernel's
+32-row programs side by side up to 64 rows, where the mma kernel serves by default); bf16-linear-pdl-wait: bf16-linear in PDL mode 2, not under --smoke; all --q above 1); u12-sweep and u12-fused-sweep
 (the default u12 step with u12_linear's, or u12_fused_linear's, TUNED entries for the step's rows
 taken from a sweep's results file: --u12-tuned, --u12-fused-tuned); bf16-default, bf16-r128 (the bf16 step at other register budgets:
 ``BF16_VARIANTS``; not under --smoke, whose tiny shapes TUNED does not hold). With --q above 1 (a
@@ -151,6 +152,16 @@ TILES_PAST_16_VARIANTS = {  # name: knobs over u12-tiles, at --q above 16 only (
     "u12-tiles-mma-past-16": {"u12_linear.TILES_MAX_ROWS": 16},  # past 16 rows the mma kernel (the default before)
     "u12-tiles-wide-off": {"u12_hmma.WIDE": False},  # past 16 rows hmma blocks of 16 rows, not 32
 }
+TILES_PAST_32_VARIANTS = {  # the same, at --q above u12_linear.TILES_MAX_ROWS (32) only
+    "u12-tiles-hmma-to-64": {"u12_linear.TILES_MAX_ROWS": 64},  # 32-row hmma programs side by side, not mma
+}
+
+
+def tiles_knob_variants(q: int) -> dict[str, dict]:
+    """The knob variants over u12-tiles of a step of q rows (above 1): the past-16 and past-32 ones only
+    where they differ from the default step."""
+    return {**TILES_KNOB_VARIANTS, **(TILES_PAST_16_VARIANTS if q > 16 else {}),
+            **(TILES_PAST_32_VARIANTS if q > u12_linear.TILES_MAX_ROWS else {})}
 # u12-tiles' twins at q rows, GPU only: (suffix, ops.u12_many_rows, PDL mode; None: the default's, which
 # for a verify step of up to 16 rows is u12_fused_linear's epilogues and norm handoff in PDL mode 2)
 TILES_WAYS = (("-many-rows-off", 0, None), ("-pdl-off", None, 0), ("-many-rows-off-pdl-off", 0, 0),
@@ -345,7 +356,7 @@ def capture(shape: str, variants: bool, extra_bf16: dict | None = None, extra_u1
 
         add("u12-tiles")
         if q > 1:  # the hmma kernel's knobs, not yet defaults, on the tiles they were built for
-            for name, knobs in {**TILES_KNOB_VARIANTS, **(TILES_PAST_16_VARIANTS if q > 16 else {})}.items():
+            for name, knobs in tiles_knob_variants(q).items():
                 with knobs_set(knobs):
                     add(name)
             for suffix, many_rows, pdl in TILES_WAYS if variants else ():  # not under --smoke (at its 4 rows

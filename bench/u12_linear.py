@@ -10,8 +10,10 @@ timed with triton.testing.do_bench (CUDA events, L2 flushed before each call, me
 `--graph` as the median replay of a CUDA graph of one call per distinct copy of the weight (about
 2 GB of copies): do_bench's single launches include the host's launch overhead wherever it exceeds
 the kernel (cuBLAS's qkv at M = 16: 22.5 µs there, 15.2 in a graph). `--kernels hmma` adds
-kernels/u12_hmma.py's SWEEP_HMMA for 3 <= M <= 16 (`--kernels mma` from 3 rows up too). `--layouts rows,tiles`
-sweeps each config on the weight in each layout (U12Tensor.layout; rows' "layout" says which). A config
+kernels/u12_hmma.py's SWEEP_HMMA for 3 <= M <= 16 (`--kernels mma` from 3 rows up too); `--kernels tuned`
+TUNED_TILES' hmma config from 3 rows to the kernel's 64 (past u12_linear.TILES_MAX_ROWS too: what raising
+it would run). `--layouts rows,tiles` sweeps each config on the weight in each layout (U12Tensor.layout;
+rows' "layout" says which), each layout's default config first (default_config's `layout`). A config
 that fails to compile, run or match is recorded with its error, not timed. A time budget skips the
 rest of the sweep (rows marked "skipped") so the run stays within about four minutes on an H200.
 
@@ -24,7 +26,8 @@ Writes bench/results/u12_linear_<gpu>.json: "rows" (the best config per shape an
 specpilot/cost and bench/readme_tables read), "sweep" (every row, for the next round), "tuned"
 (the best configs as kernels/u12_linear.py's TUNED keys), "whole_step"; prints a short table last.
 
-    python bench/u12_linear.py [--out FILE] [--budget-s 150] [--no-step] [--ms 1,4] [--kernels gemv2,mma,hmma] [--graph]
+    python bench/u12_linear.py [--out FILE] [--budget-s 150] [--no-step] [--ms 1,4] [--kernels gemv2,mma,hmma,tuned] [--graph]
+    [--layouts rows,tiles]
     (SPECPILOT_COMMIT=... names the commit where the tree has no .git)
 """
 
@@ -82,19 +85,22 @@ def check_close(y: torch.Tensor, ref: torch.Tensor, scale: torch.Tensor) -> None
         raise AssertionError(f"differs from the reference at {int(bad.sum())} of {y.numel()} outputs")
 
 
-def sweep_configs(m: int, n: int, k: int, kernels: tuple[str, ...] = ("tile", "gemv2")) -> list:
-    """The default config first, then each sweep tile crossed with SPLIT_KS (splits that fit K),
-    for M <= 4 the gemv2 configs whose accumulator fits 64 registers a thread, from TENSOR_CORE_ROWS
-    (3) rows up the mma configs crossed with SPLIT_KS_MMA, and up to 16 rows the hmma configs crossed
-    with SPLIT_KS_HMMA, then
-    the tile kernel's default with the one-weight-per-op decode (what the pair decode saves).
-    `kernels` picks the sweeps (the default config always runs)."""
+def sweep_configs(m: int, n: int, k: int, kernels: tuple[str, ...] = ("tile", "gemv2"), layout: str = "rows") -> list:
+    """The default config for a weight in `layout` first, then each sweep tile crossed with SPLIT_KS
+    (splits that fit K), for M <= 4 the gemv2 configs whose accumulator fits 64 registers a thread,
+    from TENSOR_CORE_ROWS (3) rows up the mma configs crossed with SPLIT_KS_MMA, and up to 16 rows the
+    hmma configs crossed with SPLIT_KS_HMMA, then the tile kernel's default with the one-weight-per-op
+    decode (what the pair decode saves). `kernels` picks the sweeps (the default config always runs);
+    "tuned" adds TUNED_TILES' hmma config from TENSOR_CORE_ROWS rows to u12_hmma.MAX_M, past
+    TILES_MAX_ROWS too (what raising it would run: 32-row programs side by side)."""
+    from specpilot.kernels.u12_hmma import MAX_M
     from specpilot.kernels.u12_linear import (
         SPLIT_KS, SPLIT_KS_HMMA, SPLIT_KS_MMA, SWEEP_DOT, SWEEP_GEMV, SWEEP_GEMV2, SWEEP_HMMA,
-        SWEEP_MMA, TENSOR_CORE_ROWS, _block_m, _tile_config, default_config, gemv2_acc_registers,
+        SWEEP_MMA, TENSOR_CORE_ROWS, TUNED_TILES, _block_m, _tile_config, default_config,
+        gemv2_acc_registers, nearest_tuned,
     )
 
-    default = default_config(m, n, k)
+    default = default_config(m, n, k, layout=layout)
     out = [default]
 
     def add_splits(tiles, splits):  # each tile at each split that leaves at least two word blocks a split
@@ -108,6 +114,9 @@ def sweep_configs(m: int, n: int, k: int, kernels: tuple[str, ...] = ("tile", "g
     add_splits(SWEEP_GEMV if m <= 4 else SWEEP_DOT, SPLIT_KS)
     if "tile" not in kernels:
         del out[1:]
+    tuned = nearest_tuned(TUNED_TILES, (16, n, k))
+    if "tuned" in kernels and tuned is not None and TENSOR_CORE_ROWS <= m <= MAX_M and tuned not in out:
+        out.append(tuned)
     if m <= 4 and "gemv2" in kernels:
         out += [cfg for cfg in SWEEP_GEMV2 if cfg not in out and gemv2_acc_registers(cfg, _block_m(m)) <= 64]
     if m >= TENSOR_CORE_ROWS and "mma" in kernels:
@@ -223,7 +232,7 @@ def main() -> None:
                         help="time each config in a CUDA graph over distinct copies of the weight (no host "
                              "overhead, no L2 reuse) instead of do_bench's single launches")
     parser.add_argument("--kernels", default="tile,gemv2",
-                        help="kernels to sweep: tile, gemv2, mma, hmma (the default config always runs)")
+                        help="kernels to sweep: tile, gemv2, mma, hmma, tuned (the default config always runs)")
     parser.add_argument("--layouts", default="rows",
                         help="the weight's layouts (U12Tensor.layout) to run every config on: rows, tiles")
     args = parser.parse_args()
@@ -264,9 +273,12 @@ def main() -> None:
                 t_cublas = do_bench(lambda x=x, w=w: x @ w.T, warmup=10, rep=40, return_mode="median") * 1e3
             io = 2 * m * k + 2 * m * n  # x read, y written
             base = {"name": name, "N": n, "K": k, "M": m, "cublas_us": t_cublas}
-            configs = sweep_configs(m, n, k, tuple(args.kernels.split(",")))
-            for i, (cfg, layout) in enumerate((c, lay) for c in configs for lay in layouts):
-                row = {**base, "config": str(cfg), "layout": layout, "default": i == 0}
+            kernels = tuple(args.kernels.split(","))
+            configs = {lay: sweep_configs(m, n, k, kernels, lay) for lay in layouts}  # each layout's default first
+            pairs = list(dict.fromkeys((c, lay) for i in range(max(map(len, configs.values())))
+                                       for lay in layouts for c in configs[lay][i:i + 1]))
+            for cfg, layout in pairs:
+                row = {**base, "config": str(cfg), "layout": layout, "default": cfg == configs[layout][0]}
                 wt, wcopies = laid[layout]  # the weight (and its copies) in this row's layout
                 if time.monotonic() - t0 > args.budget_s:
                     sweep.append({**row, "skipped": "time budget"})
@@ -288,13 +300,15 @@ def main() -> None:
                     best[(name, m)] = (cfg, us, err, layout)
             if (name, m) in best:
                 cfg, us, err, layout = best[(name, m)]
-                default = next((r for r in sweep if r["name"] == name and r["M"] == m and r["default"]), {})
+                defaults = {r["layout"]: r for r in sweep if r["name"] == name and r["M"] == m and r["default"]}
+                default = defaults.get(layouts[0], {})
                 rows.append({
                     **base, "u12_us": us, "speedup": t_cublas / us,
                     "cublas_tb_s": (2 * n * k + io) / t_cublas / 1e6, "u12_tb_s": (t.nbytes + io) / us / 1e6,
                     "u12_bytes": t.nbytes, "bf16_bytes": 2 * n * k, "escapes": t.esc_idx.numel(),
                     "rel_err_vs_reference": err, "config": str(cfg), "layout": layout,
                     "default_config": default.get("config"), "default_us": default.get("us"),
+                    "defaults": {lay: {"config": r.get("config"), "us": r.get("us")} for lay, r in defaults.items()},
                 })
         del w, t, scale, copies, laid
         torch.cuda.empty_cache()

@@ -212,6 +212,46 @@ def test_step_ab_knob_variants_set_each_module_and_restore_it() -> None:
     assert u12_linear.LANE_GROUP == 4
 
 
+def test_step_ab_past_16_and_32_variants_only_where_they_differ() -> None:
+    """bench/step_ab.py's tiled-weight knob variants: the past-16 ones from 17 rows, the past-32 one
+    (the hmma kernel up to 64 rows) only above u12_linear.TILES_MAX_ROWS, where its setting changes
+    the kernel a layer runs (default_config's choice at those rows)."""
+    import step_ab
+    from specpilot.kernels import u12_linear
+
+    assert set(step_ab.tiles_knob_variants(16)) == set(step_ab.TILES_KNOB_VARIANTS)
+    assert set(step_ab.tiles_knob_variants(32)) == {*step_ab.TILES_KNOB_VARIANTS, *step_ab.TILES_PAST_16_VARIANTS}
+    assert set(step_ab.tiles_knob_variants(64)) >= {"u12-tiles-mma-past-16", "u12-tiles-hmma-to-64"}
+    n, k = 4096, 4096
+    for m, want in ((32, "hmma"), (64, "mma")):
+        assert u12_linear.default_config(m, n, k, layout="tiles").kernel == want
+        with step_ab.knobs_set(step_ab.TILES_PAST_32_VARIANTS["u12-tiles-hmma-to-64"]):
+            assert u12_linear.default_config(m, n, k, layout="tiles").kernel == "hmma"
+    assert u12_linear.TILES_MAX_ROWS == 32
+
+
+def test_u12_linear_bench_times_each_layouts_default_and_the_tuned_hmma_config() -> None:
+    """bench/u12_linear.py: each layout's sweep starts at default_config's choice for that layout
+    (tiled weights: TUNED_TILES' hmma config up to TILES_MAX_ROWS rows, then the mma kernel), and
+    `--kernels tuned` adds TUNED_TILES' hmma config wherever the kernel takes the rows (3..64)."""
+    import importlib.util
+
+    from specpilot.kernels.u12_linear import TUNED_TILES
+
+    spec = importlib.util.spec_from_file_location("bench_u12_linear_layouts", BENCH / "u12_linear.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    tuned = TUNED_TILES[(16, 4096, 4096)]
+    assert bench.sweep_configs(32, 4096, 4096, ("tuned",), "tiles") == [tuned]
+    rows = bench.sweep_configs(32, 4096, 4096, ("tuned",), "rows")
+    assert rows[0].kernel == "mma" and rows[1:] == [tuned]
+    at64 = bench.sweep_configs(64, 4096, 4096, ("tuned",), "tiles")
+    assert at64[0].kernel == "mma" and at64[1:] == [tuned]
+    assert bench.sweep_configs(16, 4096, 4096, ("hmma",), "tiles")[0] == tuned
+    for m in (1, 2, 65):
+        assert tuned not in bench.sweep_configs(m, 4096, 4096, ("tuned",), "tiles")
+
+
 def test_run_gpu_runs_every_group_it_documents() -> None:
     """bench/run_gpu.sh: each group its header lists is a case the script dispatches (a listed group
     missing there exits "unknown group" on the GPU machine, after the install), and no more."""
