@@ -10,7 +10,9 @@ timed with triton.testing.do_bench (CUDA events, L2 flushed before each call, me
 `--graph` as the median replay of a CUDA graph of one call per distinct copy of the weight (about
 2 GB of copies): do_bench's single launches include the host's launch overhead wherever it exceeds
 the kernel (cuBLAS's qkv at M = 16: 22.5 µs there, 15.2 in a graph). `--kernels hmma` adds
-kernels/u12_hmma.py's SWEEP_HMMA for 3 <= M <= 16 (`--kernels mma` from 3 rows up too); `--kernels tuned`
+kernels/u12_hmma.py's SWEEP_HMMA for 3 <= M <= 16 and, past 16 rows to the kernel's 64, its 32-row programs
+(one m-tile a warp; 128 registers at 32 words a chunk, 168 at 64) and TUNED_TILES' tile at half, once and twice its splits
+(`--kernels mma` from 3 rows up too); `--kernels tuned`
 TUNED_TILES' hmma config from 3 rows to the kernel's 64 (past u12_linear.TILES_MAX_ROWS too: what raising
 it would run). `--layouts rows,tiles` sweeps each config on the weight in each layout (U12Tensor.layout;
 rows' "layout" says which), each layout's default config first (default_config's `layout`). A config
@@ -112,9 +114,9 @@ def sweep_configs(m: int, n: int, k: int, kernels: tuple[str, ...] = ("tile", "g
                         out.append(cfg)
 
     add_splits(SWEEP_GEMV if m <= 4 else SWEEP_DOT, SPLIT_KS)
+    tuned = nearest_tuned(TUNED_TILES, (16, n, k))
     if "tile" not in kernels:
         del out[1:]
-    tuned = nearest_tuned(TUNED_TILES, (16, n, k))
     if "tuned" in kernels and tuned is not None and TENSOR_CORE_ROWS <= m <= MAX_M and tuned not in out:
         out.append(tuned)
     if m <= 4 and "gemv2" in kernels:
@@ -123,6 +125,14 @@ def sweep_configs(m: int, n: int, k: int, kernels: tuple[str, ...] = ("tile", "g
         add_splits(SWEEP_MMA, SPLIT_KS_MMA)
     if TENSOR_CORE_ROWS <= m <= 16 and "hmma" in kernels:
         add_splits(SWEEP_HMMA, SPLIT_KS_HMMA)
+    if 16 < m <= MAX_M and "hmma" in kernels:  # 32-row programs (u12_hmma.WIDE: a warp one m-tile) that
+        # keep 128 registers (168 at 64 words a chunk) for the 4 n-tiles' accumulators, and TUNED_TILES'
+        # tile at half, once and twice its splits
+        add_splits([c for c in SWEEP_HMMA if c.block_n == 16 * c.num_warps and c.block_w >= 32
+                    and c.maxnreg == (128 if c.block_w == 32 else 168)], SPLIT_KS_HMMA)
+        if tuned is not None:
+            add_splits([dataclasses.replace(tuned, split_k=1)], sorted({1, tuned.split_k // 2, tuned.split_k,
+                                                                       2 * tuned.split_k} - {0}))
     tile_default = default if default.kernel == "tile" else _tile_config(m, n, k, on_gpu=True)
     return out + ([dataclasses.replace(tile_default, decode="single")] if "tile" in kernels else [])
 

@@ -200,7 +200,7 @@ def test_hmma_config_rejects_tiles_it_cannot_run(kw):
         U12Config(kernel="hmma", num_stages=1, **kw)
 
 
-def test_bench_sweeps_hmma_configs_for_3_to_16_rows():
+def test_bench_sweeps_hmma_configs_for_3_to_64_rows():
     import importlib.util
     from pathlib import Path
 
@@ -214,8 +214,12 @@ def test_bench_sweeps_hmma_configs_for_3_to_16_rows():
     assert {dataclasses.replace(cfg, split_k=1) for cfg in hmma} == set(SWEEP_HMMA)
     assert {cfg.split_k for cfg in hmma} == set(SPLIT_KS_HMMA)
     assert [cfg for cfg in bench.sweep_configs(3, 4096, 4096, ("hmma",)) if cfg.kernel == "hmma"]
-    for m in (2, 17, 64):
+    for m in (2, 65):
         assert not [cfg for cfg in bench.sweep_configs(m, 4096, 4096, ("hmma",)) if cfg.kernel == "hmma"]
+    for m in (17, 64):  # past 16 rows: 32-row programs, a warp one m-tile, and the tuned tile at its splits
+        wide = [cfg for cfg in bench.sweep_configs(m, 4096, 4096, ("hmma",)) if cfg.kernel == "hmma"]
+        assert wide and all(cfg.block_n == 16 * cfg.num_warps for cfg in wide)
+        assert {cfg.split_k for cfg in wide if cfg.block_n == 32 and cfg.block_w == 32} == {1, 4, 8, 16}
 
 
 @pytest.mark.parametrize("unroll", [1, 3])
