@@ -48,7 +48,8 @@ u12-tiles-w2 is the default since); u12-tiles-ahead-x: AHEAD with
 ``u12_hmma.AHEAD_X``; u12-tiles-many-rows-off, u12-tiles-pdl-off, u12-tiles-many-rows-off-pdl-off: u12-tiles
 with u12_linear beside the norm kernels, PDL off, or both (the default verify step before 407086e),
 not under --smoke; at --q above 16 also u12-tiles-mma-past-16 (the mma kernel past 16 rows, the default
-before 994ddd1), u12-tiles-wide-off (the hmma kernel's blocks of 16 rows, not 32) and u12-tiles-many-rows-32
+before 994ddd1), u12-tiles-wide-off (the hmma kernel's blocks of 16 rows, not 32), u12-tiles-r168 and
+u12-tiles-w1-r168 (the layer shapes' programs at 168 registers, of 2 warps or of 1) and u12-tiles-many-rows-32
 (the fused way at 32 rows, not under --smoke); at --q above 32 also u12-tiles-hmma-to-64 (the hmma kernel's
 32-row programs side by side up to 64 rows, where the mma kernel serves by default); bf16-linear-pdl-wait: bf16-linear in PDL mode 2, not under --smoke; all --q above 1); u12-sweep and u12-fused-sweep
 (the default u12 step with u12_linear's, or u12_fused_linear's, TUNED entries for the step's rows
@@ -151,6 +152,14 @@ TILES_KNOB_VARIANTS = {  # name: knobs over u12-tiles (--q above 1)
 TILES_PAST_16_VARIANTS = {  # name: knobs over u12-tiles, at --q above 16 only (at fewer rows the default step)
     "u12-tiles-mma-past-16": {"u12_linear.TILES_MAX_ROWS": 16},  # past 16 rows the mma kernel (the default before)
     "u12-tiles-wide-off": {"u12_hmma.WIDE": False},  # past 16 rows hmma blocks of 16 rows, not 32
+    # the layer shapes' 32-row programs at 168 registers, not 128 (an H100's qkv at 32 rows: 22.19 µs
+    # against 23.76, bench/results/tried/u12_linear_hmma_m32_tiles_h100.json); and at one warp a program
+    "u12-tiles-r168": {"u12_linear.TUNED_TILES": {
+        **u12_linear.TUNED_TILES, **{key: dataclasses.replace(cfg, maxnreg=168) for key, cfg in u12_linear.TUNED_TILES.items()
+                                     if key[1] != 128256}}},
+    "u12-tiles-w1-r168": {"u12_linear.TUNED_TILES": {
+        **u12_linear.TUNED_TILES, **{key: dataclasses.replace(cfg, block_n=16, num_warps=1, maxnreg=168)
+                                     for key, cfg in u12_linear.TUNED_TILES.items() if key[1] != 128256}}},
 }
 TILES_PAST_32_VARIANTS = {  # the same, at --q above u12_linear.TILES_MAX_ROWS (32) only
     "u12-tiles-hmma-to-64": {"u12_linear.TILES_MAX_ROWS": 64},  # 32-row hmma programs side by side, not mma
