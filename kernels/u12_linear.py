@@ -1237,14 +1237,16 @@ def default_config(m: int, n: int, k: int, on_gpu: bool = True, layout: str = "r
     tensor-core config at the rows' bucket or else at 16 rows where the shape has one, else gemv2;
     above, TUNED at the rows' bucket where measured or at the nearest measured shape
     (kernels/tuning.py), else the tile kernel's heuristic (``_tile_config``). A tiled weight
-    (`layout` "tiles") takes TUNED_TILES' entry first from TENSOR_CORE_ROWS rows up to TILES_MAX_ROWS. Under
+    (`layout` "tiles") takes TUNED_TILES' entry first from TENSOR_CORE_ROWS rows up to TILES_MAX_ROWS (past
+    16 rows its 32-row entry where it has one, else the 16-row one). Under
     the interpreter the tile kernel's small tiles."""
     if not on_gpu:
         return _tile_config(m, n, k, on_gpu)
     if layout == "tiles" and TENSOR_CORE_ROWS <= m <= TILES_MAX_ROWS:
-        tuned = nearest_tuned(TUNED_TILES, (16, n, k))
-        if tuned is not None:
-            return tuned
+        for bucket in (32, 16) if m > 16 else (16,):  # past 16 rows a 32-row entry where measured
+            tuned = nearest_tuned(TUNED_TILES, (bucket, n, k))
+            if tuned is not None:
+                return tuned
     if m <= 4:
         for bucket in (_block_m(m), 16) if m >= TENSOR_CORE_ROWS else ():  # a few-row entry first
             tuned = nearest_tuned(TUNED, (bucket, n, k))

@@ -174,3 +174,9 @@ def test_tiled_weights_take_their_own_tensor_core_configs(monkeypatch):
     assert default_config(32, n, k, layout="tiles") is default_config(32, n, k)
     monkeypatch.setattr(ul, "TENSOR_CORE_ROWS", 5)
     assert default_config(4, n, k, layout="tiles").kernel == "gemv2"
+    monkeypatch.setattr(ul, "TILES_MAX_ROWS", 32)  # a 32-row entry serves 17..32 rows, the 16-row one up to 16
+    at16 = ul.TUNED_TILES[(16, n, k)]
+    at32 = dataclasses.replace(at16, maxnreg=168)
+    monkeypatch.setattr(ul, "TUNED_TILES", {**ul.TUNED_TILES, (32, n, k): at32})
+    assert default_config(16, n, k, layout="tiles") is at16
+    assert default_config(17, n, k, layout="tiles") is at32 and default_config(32, n, k, layout="tiles") is at32
