@@ -153,7 +153,9 @@ TILES_PAST_16_VARIANTS = {  # name: knobs over u12-tiles, at --q above 16 only (
     "u12-tiles-mma-past-16": {"u12_linear.TILES_MAX_ROWS": 16},  # past 16 rows the mma kernel (the default before)
     "u12-tiles-wide-off": {"u12_hmma.WIDE": False},  # past 16 rows hmma blocks of 16 rows, not 32
     # the layer shapes' 32-row programs at 168 registers, not 128 (an H100's qkv at 32 rows: 22.19 µs
-    # against 23.76, bench/results/tried/u12_linear_hmma_m32_tiles_h100.json); and at one warp a program
+    # against 23.76, bench/results/tried/u12_linear_hmma_m32_tiles_h100.json); and at one warp a program.
+    # In the H100's verify(32) both lost: 7.443 and 7.460 ms against u12-tiles' 6.490
+    # (bench/results/tried/step_ab_verify32_r168_3d6c5d9_h100.json)
     "u12-tiles-r168": {"u12_linear.TUNED_TILES": {
         **u12_linear.TUNED_TILES, **{key: dataclasses.replace(cfg, maxnreg=168) for key, cfg in u12_linear.TUNED_TILES.items()
                                      if key[1] != 128256}}},
