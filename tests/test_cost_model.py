@@ -400,6 +400,25 @@ def test_kernel_rows_replace_the_u12_efficiency(small, tmp_path):
     assert model.gpu.source_of("kernel_efficiency") == "measured"
 
 
+def test_kernel_rows_at_each_m_the_newest_file_wins_and_other_rows_stay(tmp_path):
+    """Files read together: at each M the newest file's rows (by "date"), whatever the files' names'
+    order; at M no file measures, the database's figure stays (a file used to replace the whole
+    entry: the last file read, by name, then priced every M)."""
+    def row(m, u12_us):  # cuBLAS 10 µs on 0.75x the bytes: efficiency 7.5 / u12_us
+        return {"name": "o", "N": 1024, "K": 1024, "M": m, "cublas_us": 10.0, "u12_us": u12_us,
+                "u12_bytes": 750, "bf16_bytes": 1000}
+    (tmp_path / "a_new.json").write_text(json.dumps(
+        {"gpu": "NVIDIA H200", "date": "2026-12-06T00:00:00+00:00", "rows": [row(16, 7.5), row(16, 15.0)]}))
+    (tmp_path / "b_old.json").write_text(json.dumps(
+        {"gpu": "NVIDIA H200", "date": "2026-12-01T00:00:00+00:00", "rows": [row(16, 30.0), row(1, 10.0)]}))
+    model = CostModel("h200")
+    at64 = model.gpu.efficiency_of_kernel("triton-u12", 64)
+    assert model.update_from_results([tmp_path]) == 4
+    assert model.gpu.efficiency_of_kernel("triton-u12", 16) == pytest.approx((1.0 + 0.5) / 2)  # a_new's two rows
+    assert model.gpu.efficiency_of_kernel("triton-u12", 1) == pytest.approx(0.75)  # only b_old measures M = 1
+    assert model.gpu.efficiency_of_kernel("triton-u12", 64) == pytest.approx(at64)  # the database's
+
+
 def test_bad_records_name_the_file_and_field(tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps([{"kind": "step", "what": "verify", "ms": 1.0, "gpu": "h200", "shape": "x"}]))

@@ -224,6 +224,7 @@ class KernelRecord:
     m: int
     efficiency: float
     origin: str = ""
+    date: str = ""  # when measured (the results file's ISO "date"): the newest measurement at M wins
 
 
 def _kind(d: Mapping[str, Any]) -> str | None:
@@ -270,10 +271,11 @@ def _record(d: Mapping[str, Any], origin: str, index: int) -> StepRecord | Accep
             raise SpecError(f"{where}: an acceptance record needs 'histogram' or 'tau' (with 'k')")
         return AcceptanceRecord(shape, model, str(d.get("drafter", "")), origin)
     if kind == "kernel":
-        return KernelRecord(str(need("kernel")), str(need("gpu")), int(need("M")), float(need("efficiency")), origin)
+        return KernelRecord(str(need("kernel")), str(need("gpu")), int(need("M")), float(need("efficiency")), origin,
+                            date=str(d.get("date", "")))
     if kind == "u12-linear":  # achieved bandwidth of u12_linear over that of cuBLAS on the bf16 weight
         eff = float(d["cublas_us"]) / float(d["u12_us"]) * float(need("u12_bytes")) / float(need("bf16_bytes"))
-        return KernelRecord("triton-u12", str(need("gpu")), int(need("M")), eff, origin)
+        return KernelRecord("triton-u12", str(need("gpu")), int(need("M")), eff, origin, date=str(d.get("date", "")))
     return None  # other kinds (speedups, statistics, ...) are not calibration input
 
 
@@ -281,7 +283,7 @@ def parse_records(data: Any, origin: str = "") -> list[StepRecord | AcceptanceRe
     """Records from the JSON of one results file (a list, or an object with "records")."""
     defaults: dict = {}
     if isinstance(data, Mapping):
-        defaults = {k: v for k, v in data.items() if k in ("gpu", "shape", "ir_hash", "drafter", "cuda_graphs")}
+        defaults = {k: v for k, v in data.items() if k in ("gpu", "shape", "ir_hash", "drafter", "cuda_graphs", "date")}
         if "gpu" not in defaults and isinstance(data.get("device"), str):
             defaults["gpu"] = data["device"]
         data = data.get("records", data.get("rows", []))
@@ -455,9 +457,11 @@ class CostModel:
 
         With `program`, step records that name no "ir_hash" are taken to measure that program,
         and their ratio to the prediction is fixed now (it then calibrates every program).
-        Kernel records replace the database's efficiency of that kernel (mean per M)."""
+        Kernel records replace the database's efficiency of that kernel at the rows they measure: at
+        each M the mean of the newest records (by "date"; undated ones count as oldest; each shape
+        alike); the database's figures at other rows stay."""
         taken = 0
-        kernels: dict[str, dict[int, list[float]]] = {}
+        kernels: dict[str, dict[int, list[KernelRecord]]] = {}
         for i, rec in enumerate(records):
             if isinstance(rec, Mapping):
                 rec = _record(rec, "", i)
@@ -469,7 +473,7 @@ class CostModel:
                 continue
             if isinstance(rec, KernelRecord):
                 if gpu_key(rec.gpu) == self.gpu.name:
-                    kernels.setdefault(rec.kernel, {}).setdefault(rec.m, []).append(rec.efficiency)
+                    kernels.setdefault(rec.kernel, {}).setdefault(rec.m, []).append(rec)
                     taken += 1
                 continue
             if gpu_key(rec.gpu) != self.gpu.name:
@@ -480,13 +484,21 @@ class CostModel:
                 self._bound.append((rec, rec.ms * 1e-3 / self._raw(program, rec)))
         if kernels:
             table = dict(self.gpu.kernel_efficiency)
-            table.update({k: {m: sum(v) / len(v) for m, v in per_m.items()} for k, per_m in kernels.items()})
+            for kernel, per_m in kernels.items():
+                old = table.get(kernel, {})
+                entry = dict(old) if isinstance(old, Mapping) else {}  # one number: measured rows replace it
+                for m, recs in per_m.items():
+                    newest = max(r.date for r in recs)
+                    recs = [r for r in recs if r.date == newest]
+                    entry[m] = sum(r.efficiency for r in recs) / len(recs)
+                table[kernel] = entry
             self.gpu = self.gpu.with_(kernel_efficiency=table, sources={**self.gpu.sources, "kernel_efficiency": "measured"})
         return taken
 
     def update_from_results(self, paths: Iterable[str | Path], program: Program | None = None) -> int:
         """`update` from results files (JSON, see the module docstring); directories are globbed for *.json."""
         taken = 0
+        kernel_records: list[KernelRecord] = []  # taken together: the newest file at each M wins
         for path in paths:
             path = Path(path)
             files = sorted(path.glob("*.json")) if path.is_dir() else [path]
@@ -495,8 +507,10 @@ class CostModel:
                     data = json.loads(f.read_text())
                 except (OSError, json.JSONDecodeError) as e:
                     raise SpecError(f"{f}: cannot read results ({e})") from None
-                taken += self.update(parse_records(data, str(f)), program)
-        return taken
+                records = parse_records(data, str(f))
+                kernel_records += [r for r in records if isinstance(r, KernelRecord)]
+                taken += self.update([r for r in records if not isinstance(r, KernelRecord)], program)
+        return taken + self.update(kernel_records, program)
 
     def step(self, program: Program, what: str, q: int = 1, *, batch: int = 1, cache_len: int = DEFAULT_CACHE_LEN,
              cuda_graphs: bool = True, calibrated: bool = True) -> StepEstimate:
