@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import itertools
 import json
 import os
 import platform
@@ -285,8 +286,9 @@ def main() -> None:
             base = {"name": name, "N": n, "K": k, "M": m, "cublas_us": t_cublas}
             kernels = tuple(args.kernels.split(","))
             configs = {lay: sweep_configs(m, n, k, kernels, lay) for lay in layouts}  # each layout's default first
-            pairs = list(dict.fromkeys((c, lay) for i in range(max(map(len, configs.values())))
-                                       for lay in layouts for c in configs[lay][i:i + 1]))
+            # the layouts' lists interleaved, so that a budget cut leaves each layout its first configs
+            pairs = [(c, lay) for row in itertools.zip_longest(*configs.values()) for c, lay in zip(row, configs)
+                     if c is not None]
             for cfg, layout in pairs:
                 row = {**base, "config": str(cfg), "layout": layout, "default": cfg == configs[layout][0]}
                 wt, wcopies = laid[layout]  # the weight (and its copies) in this row's layout
