@@ -227,6 +227,17 @@ AHEAD_X = False
 # on o (17.92 µs against 16.00) and down (42.39 against 40.82), qkv 20.66 against 21.16; the step 5.570 ms
 # against 5.465; so off. Read at launch.
 ESC_SPLIT = False
+# The weight loads' cache policy (x's and the escapes' keep the default). Each weight byte is read
+# once, but by default its lines are allocated in L1, where x's words, which every warp of an SM
+# reads again, live too. On the H200 the loops stay short of the read bound where the split-K tails
+# do not apply: gate_up at 16 rows ran 51.05 µs (bench/results/u12_hmma_knobs_w2_h200.json) against
+# 41.0 for a kernel that only reads its u12 bytes (bench/results/read_bound_h200.json), 80%, and an
+# ablation that made every x load hit one 512-byte run ran the layer shapes 5-9% faster
+# (tried/u12_linear_hmma_x_contiguous_ablation_h200.json). "" (both caches, the default), "cg" (L2
+# only: ld.global.cg), "cs" (streaming: evict first in both) or "ef" (L1 evict first). A config's
+# ``U12Config.w_cache`` takes precedence. Read at launch.
+W_CACHE = ""
+W_CACHE_MODES = {"": ("", ""), "cg": (".cg", ""), "cs": (".cs", ""), "ef": ("", "evict_first")}
 # Tried and dropped (b0165d5, reverted): each program's first chunk of words and codes (and the
 # escape row pointers) loaded before its PDL wait, so that in PDL mode 2 the next GEMM's first
 # chunks stream from HBM during a split-K tail and its first MMAs after the wait need only x. The
@@ -337,13 +348,13 @@ def _four(v):
 
 
 @triton.jit
-def _load4(ptrs, w, w_end, lane_w, MASKED: tl.constexpr):
+def _load4(ptrs, w, w_end, lane_w, MASKED: tl.constexpr, CM: tl.constexpr = "", EV: tl.constexpr = ""):
     """The 4 words ptrs + w [T, 4] (ptrs at the lane's words lane_w; masked at words past w_end: 0) as
-    4 tensors [T]."""
+    4 tensors [T]; CM and EV the load's cache modifier and eviction policy (the weights', ``W_CACHE``)."""
     if MASKED:
-        return _four(tl.load(ptrs + w, mask=w + lane_w < w_end, other=0))
+        return _four(tl.load(ptrs + w, mask=w + lane_w < w_end, other=0, cache_modifier=CM, eviction_policy=EV))
     else:
-        return _four(tl.load(ptrs + w))
+        return _four(tl.load(ptrs + w, cache_modifier=CM, eviction_policy=EV))
 
 
 @triton.jit
@@ -390,14 +401,15 @@ def _tile_steps(d0, d1, d2, d3, e0, e1, e2, e3, s_lo0, s_lo1, s_lo2, s_lo3, s_hi
 def _tile_group(
     d0, d1, d2, d3, e0, e1, e2, e3, sm_lo, code_lo, sm_hi, code_hi, ww, w, w_end, lane_w,
     x00, x01, x02, x03, x10, x11, x12, x13, NT: tl.constexpr, MASKED: tl.constexpr, ASM: tl.constexpr,
+    CM: tl.constexpr = "", EV: tl.constexpr = "",
 ):
     """One m-tile over a group of 16 words a row (the group's word w; its weights at offset ww of
-    the planes' pointers): its words loaded, then ``_tile_steps``."""
+    the planes' pointers): its words loaded (CM, EV: ``W_CACHE``), then ``_tile_steps``."""
     shift = ww - w  # 0 in rows; the tiled planes' offset (the masks stay x's)
-    s_lo0, s_lo1, s_lo2, s_lo3 = _load4(sm_lo + shift, w, w_end, lane_w, MASKED)
-    s_hi0, s_hi1, s_hi2, s_hi3 = _load4(sm_hi + shift, w, w_end, lane_w, MASKED)
-    c_lo0, c_lo1, c_lo2, c_lo3 = _load4(code_lo + shift, w, w_end, lane_w, MASKED)
-    c_hi0, c_hi1, c_hi2, c_hi3 = _load4(code_hi + shift, w, w_end, lane_w, MASKED)
+    s_lo0, s_lo1, s_lo2, s_lo3 = _load4(sm_lo + shift, w, w_end, lane_w, MASKED, CM, EV)
+    s_hi0, s_hi1, s_hi2, s_hi3 = _load4(sm_hi + shift, w, w_end, lane_w, MASKED, CM, EV)
+    c_lo0, c_lo1, c_lo2, c_lo3 = _load4(code_lo + shift, w, w_end, lane_w, MASKED, CM, EV)
+    c_hi0, c_hi1, c_hi2, c_hi3 = _load4(code_hi + shift, w, w_end, lane_w, MASKED, CM, EV)
     return _tile_steps(d0, d1, d2, d3, e0, e1, e2, e3, s_lo0, s_lo1, s_lo2, s_lo3, s_hi0, s_hi1, s_hi2, s_hi3,
                        c_lo0, c_lo1, c_lo2, c_lo3, c_hi0, c_hi1, c_hi2, c_hi3,
                        x00, x01, x02, x03, x10, x11, x12, x13, NT, ASM)
@@ -426,14 +438,15 @@ def _tile_step_wide(d0, d1, d2, d3, e0, e1, e2, e3, f0, f1, f2, f3, h0, h1, h2, 
 def _tile_group_wide(
     d0, d1, d2, d3, e0, e1, e2, e3, f0, f1, f2, f3, h0, h1, h2, h3, sm_lo, code_lo, sm_hi, code_hi, ww, w, w_end,
     lane_w, x_row0, x_row1, x_row2, x_row3, MASKED: tl.constexpr, ASM: tl.constexpr,
+    CM: tl.constexpr = "", EV: tl.constexpr = "",
 ):
     """``_tile_group`` for 32 rows of x (``WIDE``): the group's words loaded and each decoded once for
     the 4 n-tiles."""
     shift = ww - w
-    s_lo = _load4(sm_lo + shift, w, w_end, lane_w, MASKED)
-    s_hi = _load4(sm_hi + shift, w, w_end, lane_w, MASKED)
-    c_lo = _load4(code_lo + shift, w, w_end, lane_w, MASKED)
-    c_hi = _load4(code_hi + shift, w, w_end, lane_w, MASKED)
+    s_lo = _load4(sm_lo + shift, w, w_end, lane_w, MASKED, CM, EV)
+    s_hi = _load4(sm_hi + shift, w, w_end, lane_w, MASKED, CM, EV)
+    c_lo = _load4(code_lo + shift, w, w_end, lane_w, MASKED, CM, EV)
+    c_hi = _load4(code_hi + shift, w, w_end, lane_w, MASKED, CM, EV)
     x0 = _load4(x_row0, w, w_end, lane_w, MASKED)
     x1 = _load4(x_row1, w, w_end, lane_w, MASKED)
     x2 = _load4(x_row2, w, w_end, lane_w, MASKED)
@@ -462,23 +475,23 @@ def _group(
     d0, d1, d2, d3, e0, e1, e2, e3, f0, f1, f2, f3, h0, h1, h2, h3, ww, w, w_end, lane_w,
     x_row0, x_row1, sm_lo, code_lo, sm_hi, code_hi, sm_lo2, code_lo2, sm_hi2, code_hi2,
     TILES: tl.constexpr, NT: tl.constexpr, MASKED: tl.constexpr, ASM: tl.constexpr,
-    x_row2=None, x_row3=None, WIDE: tl.constexpr = False,
+    x_row2=None, x_row3=None, WIDE: tl.constexpr = False, CM: tl.constexpr = "", EV: tl.constexpr = "",
 ):
     """A 16-word group of the warp's m-tiles (accumulators d, e: tile 0; f, h: tile 1; e and h the
     second n-tile's), x's words loaded once for all. WIDE (one m-tile): f and h x rows 16..31's."""
     if WIDE:
         d0, d1, d2, d3, e0, e1, e2, e3, f0, f1, f2, f3, h0, h1, h2, h3 = _tile_group_wide(
             d0, d1, d2, d3, e0, e1, e2, e3, f0, f1, f2, f3, h0, h1, h2, h3, sm_lo, code_lo, sm_hi, code_hi, ww, w,
-            w_end, lane_w, x_row0, x_row1, x_row2, x_row3, MASKED, ASM)
+            w_end, lane_w, x_row0, x_row1, x_row2, x_row3, MASKED, ASM, CM, EV)
     else:
         x00, x01, x02, x03, x10, x11, x12, x13 = _x_words(x_row0, x_row1, w, w_end, lane_w, NT, MASKED)
         d0, d1, d2, d3, e0, e1, e2, e3 = _tile_group(
             d0, d1, d2, d3, e0, e1, e2, e3, sm_lo, code_lo, sm_hi, code_hi, ww, w, w_end, lane_w,
-            x00, x01, x02, x03, x10, x11, x12, x13, NT, MASKED, ASM)
+            x00, x01, x02, x03, x10, x11, x12, x13, NT, MASKED, ASM, CM, EV)
     if TILES == 2:
         f0, f1, f2, f3, h0, h1, h2, h3 = _tile_group(
             f0, f1, f2, f3, h0, h1, h2, h3, sm_lo2, code_lo2, sm_hi2, code_hi2, ww, w, w_end, lane_w,
-            x00, x01, x02, x03, x10, x11, x12, x13, NT, MASKED, ASM)
+            x00, x01, x02, x03, x10, x11, x12, x13, NT, MASKED, ASM, CM, EV)
     return d0, d1, d2, d3, e0, e1, e2, e3, f0, f1, f2, f3, h0, h1, h2, h3
 
 
@@ -494,11 +507,13 @@ def _group_at(start, u: tl.constexpr, BLOCK_W: tl.constexpr, TILED: tl.constexpr
 
 
 @triton.jit
-def _words_ahead(sm_lo, code_lo, sm_hi, code_hi, ww, live):
+def _words_ahead(sm_lo, code_lo, sm_hi, code_hi, ww, live, CM: tl.constexpr = "", EV: tl.constexpr = ""):
     """A group's [T, 4] words and codes of rows g and g + 8 at offset ww, loaded a chunk ahead of
     their use (``AHEAD``): zeros, and no memory access, where live [T, 4] is false."""
-    return (tl.load(sm_lo + ww, mask=live, other=0), tl.load(code_lo + ww, mask=live, other=0),
-            tl.load(sm_hi + ww, mask=live, other=0), tl.load(code_hi + ww, mask=live, other=0))
+    return (tl.load(sm_lo + ww, mask=live, other=0, cache_modifier=CM, eviction_policy=EV),
+            tl.load(code_lo + ww, mask=live, other=0, cache_modifier=CM, eviction_policy=EV),
+            tl.load(sm_hi + ww, mask=live, other=0, cache_modifier=CM, eviction_policy=EV),
+            tl.load(code_hi + ww, mask=live, other=0, cache_modifier=CM, eviction_policy=EV))
 
 
 @triton.jit
@@ -960,6 +975,8 @@ def _u12_hmma_kernel(
     WARP_K: tl.constexpr = False,  # the warps share the program's rows and split its words (``WARP_K``)
     TRACE: tl.constexpr = False,  # phase stamps into trace_ptr (``TRACE_SLOTS``; GPU only)
     EARLY: tl.constexpr = False,  # the table's escapes: pointers before the loop, first 4 a row after it (``ESC_EARLY``)
+    W_CM: tl.constexpr = "",  # the weight loads' cache modifier (``W_CACHE``: "" L1 and L2, ".cg" L2 only, ".cs" streaming)
+    W_EV: tl.constexpr = "",  # and their eviction policy ("" or "evict_first")
 ):
     pdl_enter(PDL)
     TILES: tl.constexpr = BLOCK_N // 16 if WARP_K else BLOCK_N // (16 * WARPS)  # m-tiles a warp: 1 or 2
@@ -1060,11 +1077,11 @@ def _u12_hmma_kernel(
         tl.static_assert(TILES == 1 and BLOCK_W <= 32, "AHEAD: one m-tile a warp, at most 2 groups a chunk")
         live = (lane_w * 0 + w_begin) < full_end  # [T, 4] (a scalar mask does not run in the interpreter)
         w, ww = _group_at(w_begin, 0, BLOCK_W, TILED)
-        a0, a1, a2, a3 = _words_ahead(sm_lo, code_lo, sm_hi, code_hi, ww, live)
+        a0, a1, a2, a3 = _words_ahead(sm_lo, code_lo, sm_hi, code_hi, ww, live, W_CM, W_EV)
         b0, b1, b2, b3 = a0, a1, a2, a3
         if BLOCK_W == 32:
             w, ww = _group_at(w_begin, 1, BLOCK_W, TILED)
-            b0, b1, b2, b3 = _words_ahead(sm_lo, code_lo, sm_hi, code_hi, ww, live)
+            b0, b1, b2, b3 = _words_ahead(sm_lo, code_lo, sm_hi, code_hi, ww, live, W_CM, W_EV)
         lane_x = 4 * q if TILED else (BLOCK_W // 4) * q  # a lane's first x word of a group (lane_w's column 0)
         xb0 = x64 + tl.minimum(pid_m * BLOCK_M + g, M - 1) * (stride_xm // 4) + lane_x
         xb1 = x64 + tl.minimum(pid_m * BLOCK_M + 8 + g, M - 1) * (stride_xm // 4) + lane_x
@@ -1074,11 +1091,11 @@ def _u12_hmma_kernel(
             nxt = start + BLOCK_W
             live = (lane_w * 0 + nxt) < full_end
             w, ww = _group_at(nxt, 0, BLOCK_W, TILED)
-            na0, na1, na2, na3 = _words_ahead(sm_lo, code_lo, sm_hi, code_hi, ww, live)
+            na0, na1, na2, na3 = _words_ahead(sm_lo, code_lo, sm_hi, code_hi, ww, live, W_CM, W_EV)
             nb0, nb1, nb2, nb3 = b0, b1, b2, b3
             if BLOCK_W == 32:
                 w, ww = _group_at(nxt, 1, BLOCK_W, TILED)
-                nb0, nb1, nb2, nb3 = _words_ahead(sm_lo, code_lo, sm_hi, code_hi, ww, live)
+                nb0, nb1, nb2, nb3 = _words_ahead(sm_lo, code_lo, sm_hi, code_hi, ww, live, W_CM, W_EV)
             if AHEAD_X and ASM:  # the next chunk's x lines into L1, a group at a time
                 x_live = ((lane_x * 0 + nxt) < full_end).to(tl.int32)
                 for u in tl.static_range(BLOCK_W // 16):
@@ -1102,7 +1119,7 @@ def _u12_hmma_kernel(
                 d0, d1, d2, d3, e0, e1, e2, e3, f0, f1, f2, f3, h0, h1, h2, h3 = _group(
                     d0, d1, d2, d3, e0, e1, e2, e3, f0, f1, f2, f3, h0, h1, h2, h3, ww, w, w_end, lane_w,
                     x_row0, x_row1, sm_lo, code_lo, sm_hi, code_hi, sm_lo2, code_lo2, sm_hi2, code_hi2,
-                    TILES, NT, False, ASM, x_row2, x_row3, WIDE)
+                    TILES, NT, False, ASM, x_row2, x_row3, WIDE, W_CM, W_EV)
     if not EVEN_K:
         if full_end < w_end:  # only the last split has a partial chunk: its words past w_end masked
             for u in tl.static_range(BLOCK_W // 16):
@@ -1116,7 +1133,7 @@ def _u12_hmma_kernel(
                     d0, d1, d2, d3, e0, e1, e2, e3, f0, f1, f2, f3, h0, h1, h2, h3, ww,
                     w, w_end, lane_w,
                     x_row0, x_row1, sm_lo, code_lo, sm_hi, code_hi, sm_lo2, code_lo2, sm_hi2, code_hi2,
-                    TILES, NT, True, ASM, x_row2, x_row3, WIDE)
+                    TILES, NT, True, ASM, x_row2, x_row3, WIDE, W_CM, W_EV)
 
     _stamp(trace_ptr, 1, d0, t, TRACE)
     ents = _early_entries(esc_idx_ptr, esc_val_ptr, esl, ecl, esh, ech, K) if EARLY else 0
@@ -1294,7 +1311,16 @@ def launch_hmma(x: torch.Tensor, t: U12Tensor, y: torch.Tensor, cfg: U12Config, 
         ESC_UNROLL=ESC_UNROLL, AHEAD=ahead, AHEAD_X=cfg.ahead_x or (ahead and AHEAD_X),
         ESC_SPLIT=esc_split and (grid[1] > 1 or cfg.warp_k), WARP_K=cfg.warp_k, TRACE=trace is not None,
         EARLY=_early(grid[1]) and cfg.block_n == 16 * cfg.num_warps and not cfg.warp_k and not n_lanes and not esc_split,
+        **_w_cache(cfg.w_cache or W_CACHE),
     )
+
+
+def _w_cache(mode: str) -> dict:
+    """The kernel's W_CM and W_EV for a ``W_CACHE`` mode."""
+    if mode not in W_CACHE_MODES:
+        raise ValueError(f"u12_hmma.W_CACHE: expected one of {', '.join(map(repr, W_CACHE_MODES))}, got {mode!r}")
+    cm, ev = W_CACHE_MODES[mode]
+    return dict(W_CM=cm, W_EV=ev)
 
 
 def _early(splits: int) -> bool:

@@ -296,7 +296,8 @@ def test_readme_tables_are_generated_from_the_results_files() -> None:
 
 
 def test_hmma_knobs_bench_times_each_knob_where_it_says_so():
-    """bench/hmma_knobs.py: each label names its config's knobs ("-ahead", "-ahead-x", "-escsplit", "wk"; the
+    """bench/hmma_knobs.py: each label names its config's knobs ("-ahead", "-ahead-x", "-escsplit", "wk",
+    "tuned-w<cache>" the weight loads' cache policy; the
     occupancy rows "bw<block_w>", "-sk2x" for twice the tuned splits, "-r<registers>");
     every config is one the hmma kernel takes (U12Config refuses AHEAD where it cannot run, so a row
     never times the one-stage loop under an "-ahead" label), "-escsplit" only on split-K launches,
@@ -313,6 +314,7 @@ def test_hmma_knobs_bench_times_each_knob_where_it_says_so():
             assert cfg.ahead_x == label.endswith("-ahead-x"), label
             assert cfg.esc_split == ("-escsplit" in label), label
             assert cfg.warp_k == label.startswith("wk"), label
+            assert cfg.w_cache == (label.removeprefix("tuned-w") if label.startswith("tuned-w") else ""), label
             ways = 2 if "-sk2x" in label else 1  # the occupancy rows: twice the tuned splits
             assert cfg.kernel == "hmma" and (cfg.warp_k or cfg.split_k == ways * hmma_knobs.SPLIT[name])
             assert cfg.warp_k or "-sk" not in label.replace("-sk2x", "")

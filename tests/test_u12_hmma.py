@@ -320,6 +320,43 @@ def test_the_knobs_a_config_carries_reach_the_kernel():
         U12Config(32, 32, num_warps=2, ahead_x=True, **_HMMA)
 
 
+_W_CACHE_CASES = [  # (m, n, k, cfg): the interpreter runs the first (its loads take no cache policy); the GPU all
+    (16, 32, 128, U12Config(32, 16, split_k=2, num_warps=2, **_HMMA)),  # one m-tile a warp, 2 splits
+    (13, 48, 448, U12Config(32, 32, num_warps=1, **_HMMA)),  # two m-tiles a warp, a masked last chunk
+    (16, 48, 448, U12Config(32, 32, num_warps=2, ahead=True, **_HMMA)),  # the double buffer's loads
+    (27, 48, 448, U12Config(32, 32, num_warps=2, **_HMMA)),  # 32-row programs (WIDE)
+]
+
+
+@pytest.mark.parametrize("m,n,k,cfg", _W_CACHE_CASES if NATIVE else _W_CACHE_CASES[:1])
+def test_the_weight_loads_cache_policy_keeps_the_sums(monkeypatch, m, n, k, cfg):
+    """``W_CACHE`` (the weight loads' cache modifier and eviction policy), from the module switch or a
+    config's ``w_cache`` (which wins), reaches the kernel as W_CM and W_EV and leaves every sum bit
+    for bit; an unknown mode is refused by name."""
+    x, t = _make_inputs(_case(m, n, k, torch.bfloat16, "special"), DEVICE, n)
+    w = t.with_layout("tiles")
+    y = u12_linear(x, w, cfg)
+    kernel, seen = u12_hmma._u12_hmma_kernel, []
+    for mode, (cm, ev) in u12_hmma.W_CACHE_MODES.items():
+        other = "cs" if mode != "cs" else "cg"  # a module switch the config's mode overrides
+        for switch, field in [(mode, "")] + ([(other, mode)] if mode else []):
+            monkeypatch.setattr(u12_hmma, "W_CACHE", switch)
+            with mock.patch.object(u12_hmma, "_u12_hmma_kernel", _Spy(kernel, seen, "W_CM")), \
+                    mock.patch.object(u12_hmma, "_w_cache", wraps=u12_hmma._w_cache) as policy:
+                assert torch.equal(u12_linear(x, w, dataclasses.replace(cfg, w_cache=field)).view(torch.int16),
+                                   y.view(torch.int16)), (switch, field)
+            assert policy.call_args.args == (mode,) and seen[-1] == cm, (switch, field)
+            assert u12_hmma._w_cache(mode) == dict(W_CM=cm, W_EV=ev)
+    assert str(dataclasses.replace(cfg, w_cache="cg")).endswith("-wcg")
+    monkeypatch.setattr(u12_hmma, "W_CACHE", "ca")
+    with pytest.raises(ValueError, match="u12_hmma.W_CACHE: expected one of"):
+        u12_linear(x, w, cfg)
+    with pytest.raises(ValueError, match="w_cache: expected"):
+        U12Config(32, 32, num_warps=2, w_cache="ca", **_HMMA)
+    with pytest.raises(ValueError, match="hmma kernel's"):
+        U12Config(64, 32, kernel="mma", w_cache="cg")
+
+
 class _Spy:
     """A launcher's stand-in that records each launch's `key` setting and launches the kernel."""
 
