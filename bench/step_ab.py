@@ -43,7 +43,8 @@ U12_PDL_ROWS; u12-tiles-sweep: with the tiled configs of a --tiles-tuned file (b
 per-shape winners) or else a --u12-tuned one; u12-tiles-ahead and
 u12-tiles-esc-split, u12-tiles-esc-late, u12-tiles-esc-early-split: with ``u12_hmma.AHEAD``, ``ESC_SPLIT``, or
 ``ESC_EARLY`` "off" (the default before) or "split-k" (the default "all"); u12-tiles-wcg, u12-tiles-wcs,
-u12-tiles-wef: the hmma kernel's weight loads L2 only, streaming or L1 evict-first (``u12_hmma.W_CACHE``); u12-tiles-w4: the layer shapes at
+u12-tiles-wef: the hmma kernel's weight loads L2 only, streaming or L1 evict-first (``u12_hmma.W_CACHE``; not
+under --smoke); u12-tiles-w4: the layer shapes at
 64-row programs of 4 warps (TUNED_TILES' configs before b5fd050; c566ca9's u12-tiles, whose
 u12-tiles-w2 is the default since); u12-tiles-ahead-x: AHEAD with
 ``u12_hmma.AHEAD_X``; u12-tiles-many-rows-off, u12-tiles-pdl-off, u12-tiles-many-rows-off-pdl-off: u12-tiles
@@ -149,7 +150,9 @@ TILES_KNOB_VARIANTS = {  # name: knobs over u12-tiles (--q above 1)
     "u12-tiles-esc-late": {"u12_hmma.ESC_EARLY": "off"},  # the escape walk all after the loop (the default before)
     "u12-tiles-esc-early-split": {"u12_hmma.ESC_EARLY": "split-k"},  # early in the split-K launches only
     "u12-tiles-w4": W4,
-    # the hmma kernel's weight loads past L1 (L2 only), streaming, or first out of L1 (u12_hmma.W_CACHE)
+}
+TILES_CACHE_VARIANTS = {  # the hmma kernel's weight loads past L1 (L2 only), streaming, or first out of L1
+    # (u12_hmma.W_CACHE): --q above 1, not under --smoke (the interpreter's loads take no cache policy)
     "u12-tiles-wcg": {"u12_hmma.W_CACHE": "cg"},
     "u12-tiles-wcs": {"u12_hmma.W_CACHE": "cs"},
     "u12-tiles-wef": {"u12_hmma.W_CACHE": "ef"},
@@ -372,7 +375,7 @@ def capture(shape: str, variants: bool, extra_bf16: dict | None = None, extra_u1
 
         add("u12-tiles")
         if q > 1:  # the hmma kernel's knobs, not yet defaults, on the tiles they were built for
-            for name, knobs in tiles_knob_variants(q).items():
+            for name, knobs in {**tiles_knob_variants(q), **(TILES_CACHE_VARIANTS if variants else {})}.items():
                 with knobs_set(knobs):
                     add(name)
             for suffix, many_rows, pdl in TILES_WAYS if variants else ():  # not under --smoke (at its 4 rows

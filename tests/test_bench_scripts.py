@@ -210,6 +210,10 @@ def test_step_ab_knob_variants_set_each_module_and_restore_it() -> None:
         assert u12_linear.LANE_GROUP == 16
         raise RuntimeError("a capture failing")
     assert u12_linear.LANE_GROUP == 4
+    for name, knobs in step_ab.TILES_CACHE_VARIANTS.items():  # each a W_CACHE mode the kernel takes
+        with step_ab.knobs_set(knobs):
+            assert u12_hmma.W_CACHE == name.removeprefix("u12-tiles-w") and u12_hmma._w_cache(u12_hmma.W_CACHE)
+    assert u12_hmma.W_CACHE == ""
 
 
 def test_step_ab_past_16_and_32_variants_only_where_they_differ() -> None:
