@@ -237,7 +237,7 @@ ESC_SPLIT = False
 # only: ld.global.cg), "cs" (streaming: evict first in both) or "ef" (L1 evict first). A config's
 # ``U12Config.w_cache`` takes precedence. Read at launch.
 W_CACHE = ""
-W_CACHE_MODES = {"": ("", ""), "cg": (".cg", ""), "cs": (".cs", ""), "ef": ("", "evict_first")}
+W_CACHE_MODES = {"": 0, "cg": 1, "cs": 2, "ef": 3}  # the kernel's W_POLICY: ld.global, .cg, .cs, .L1::evict_first
 # Tried and dropped (b0165d5, reverted): each program's first chunk of words and codes (and the
 # escape row pointers) loaded before its PDL wait, so that in PDL mode 2 the next GEMM's first
 # chunks stream from HBM during a split-K tail and its first MMAs after the wait need only x. The
@@ -348,13 +348,27 @@ def _four(v):
 
 
 @triton.jit
-def _load4(ptrs, w, w_end, lane_w, MASKED: tl.constexpr, CM: tl.constexpr = "", EV: tl.constexpr = ""):
-    """The 4 words ptrs + w [T, 4] (ptrs at the lane's words lane_w; masked at words past w_end: 0) as
-    4 tensors [T]; CM and EV the load's cache modifier and eviction policy (the weights', ``W_CACHE``)."""
-    if MASKED:
-        return _four(tl.load(ptrs + w, mask=w + lane_w < w_end, other=0, cache_modifier=CM, eviction_policy=EV))
+def _wload(ptrs, mask, MASKED: tl.constexpr, POLICY: tl.constexpr):
+    """tl.load(ptrs) (masked: 0 where mask is false) under the weights' cache policy POLICY
+    (``W_CACHE_MODES``: 0 the default, 1 L2 only, 2 streaming, 3 L1 evict-first). Ints, not the
+    modifier strings: Triton 3.6 does not take a str default of a constexpr parameter."""
+    if POLICY == 1:
+        return tl.load(ptrs, mask=mask, other=0, cache_modifier=".cg") if MASKED else tl.load(ptrs, cache_modifier=".cg")
+    elif POLICY == 2:
+        return tl.load(ptrs, mask=mask, other=0, cache_modifier=".cs") if MASKED else tl.load(ptrs, cache_modifier=".cs")
+    elif POLICY == 3:
+        if MASKED:
+            return tl.load(ptrs, mask=mask, other=0, eviction_policy="evict_first")
+        return tl.load(ptrs, eviction_policy="evict_first")
     else:
-        return _four(tl.load(ptrs + w, cache_modifier=CM, eviction_policy=EV))
+        return tl.load(ptrs, mask=mask, other=0) if MASKED else tl.load(ptrs)
+
+
+@triton.jit
+def _load4(ptrs, w, w_end, lane_w, MASKED: tl.constexpr, POLICY: tl.constexpr = 0):
+    """The 4 words ptrs + w [T, 4] (ptrs at the lane's words lane_w; masked at words past w_end: 0) as
+    4 tensors [T]; POLICY the weights' cache policy (``_wload``)."""
+    return _four(_wload(ptrs + w, w + lane_w < w_end, MASKED, POLICY))
 
 
 @triton.jit
@@ -401,15 +415,15 @@ def _tile_steps(d0, d1, d2, d3, e0, e1, e2, e3, s_lo0, s_lo1, s_lo2, s_lo3, s_hi
 def _tile_group(
     d0, d1, d2, d3, e0, e1, e2, e3, sm_lo, code_lo, sm_hi, code_hi, ww, w, w_end, lane_w,
     x00, x01, x02, x03, x10, x11, x12, x13, NT: tl.constexpr, MASKED: tl.constexpr, ASM: tl.constexpr,
-    CM: tl.constexpr = "", EV: tl.constexpr = "",
+    POLICY: tl.constexpr = 0,
 ):
     """One m-tile over a group of 16 words a row (the group's word w; its weights at offset ww of
-    the planes' pointers): its words loaded (CM, EV: ``W_CACHE``), then ``_tile_steps``."""
+    the planes' pointers): its words loaded (POLICY: ``W_CACHE``), then ``_tile_steps``."""
     shift = ww - w  # 0 in rows; the tiled planes' offset (the masks stay x's)
-    s_lo0, s_lo1, s_lo2, s_lo3 = _load4(sm_lo + shift, w, w_end, lane_w, MASKED, CM, EV)
-    s_hi0, s_hi1, s_hi2, s_hi3 = _load4(sm_hi + shift, w, w_end, lane_w, MASKED, CM, EV)
-    c_lo0, c_lo1, c_lo2, c_lo3 = _load4(code_lo + shift, w, w_end, lane_w, MASKED, CM, EV)
-    c_hi0, c_hi1, c_hi2, c_hi3 = _load4(code_hi + shift, w, w_end, lane_w, MASKED, CM, EV)
+    s_lo0, s_lo1, s_lo2, s_lo3 = _load4(sm_lo + shift, w, w_end, lane_w, MASKED, POLICY)
+    s_hi0, s_hi1, s_hi2, s_hi3 = _load4(sm_hi + shift, w, w_end, lane_w, MASKED, POLICY)
+    c_lo0, c_lo1, c_lo2, c_lo3 = _load4(code_lo + shift, w, w_end, lane_w, MASKED, POLICY)
+    c_hi0, c_hi1, c_hi2, c_hi3 = _load4(code_hi + shift, w, w_end, lane_w, MASKED, POLICY)
     return _tile_steps(d0, d1, d2, d3, e0, e1, e2, e3, s_lo0, s_lo1, s_lo2, s_lo3, s_hi0, s_hi1, s_hi2, s_hi3,
                        c_lo0, c_lo1, c_lo2, c_lo3, c_hi0, c_hi1, c_hi2, c_hi3,
                        x00, x01, x02, x03, x10, x11, x12, x13, NT, ASM)
@@ -438,15 +452,15 @@ def _tile_step_wide(d0, d1, d2, d3, e0, e1, e2, e3, f0, f1, f2, f3, h0, h1, h2, 
 def _tile_group_wide(
     d0, d1, d2, d3, e0, e1, e2, e3, f0, f1, f2, f3, h0, h1, h2, h3, sm_lo, code_lo, sm_hi, code_hi, ww, w, w_end,
     lane_w, x_row0, x_row1, x_row2, x_row3, MASKED: tl.constexpr, ASM: tl.constexpr,
-    CM: tl.constexpr = "", EV: tl.constexpr = "",
+    POLICY: tl.constexpr = 0,
 ):
     """``_tile_group`` for 32 rows of x (``WIDE``): the group's words loaded and each decoded once for
     the 4 n-tiles."""
     shift = ww - w
-    s_lo = _load4(sm_lo + shift, w, w_end, lane_w, MASKED, CM, EV)
-    s_hi = _load4(sm_hi + shift, w, w_end, lane_w, MASKED, CM, EV)
-    c_lo = _load4(code_lo + shift, w, w_end, lane_w, MASKED, CM, EV)
-    c_hi = _load4(code_hi + shift, w, w_end, lane_w, MASKED, CM, EV)
+    s_lo = _load4(sm_lo + shift, w, w_end, lane_w, MASKED, POLICY)
+    s_hi = _load4(sm_hi + shift, w, w_end, lane_w, MASKED, POLICY)
+    c_lo = _load4(code_lo + shift, w, w_end, lane_w, MASKED, POLICY)
+    c_hi = _load4(code_hi + shift, w, w_end, lane_w, MASKED, POLICY)
     x0 = _load4(x_row0, w, w_end, lane_w, MASKED)
     x1 = _load4(x_row1, w, w_end, lane_w, MASKED)
     x2 = _load4(x_row2, w, w_end, lane_w, MASKED)
@@ -475,23 +489,23 @@ def _group(
     d0, d1, d2, d3, e0, e1, e2, e3, f0, f1, f2, f3, h0, h1, h2, h3, ww, w, w_end, lane_w,
     x_row0, x_row1, sm_lo, code_lo, sm_hi, code_hi, sm_lo2, code_lo2, sm_hi2, code_hi2,
     TILES: tl.constexpr, NT: tl.constexpr, MASKED: tl.constexpr, ASM: tl.constexpr,
-    x_row2=None, x_row3=None, WIDE: tl.constexpr = False, CM: tl.constexpr = "", EV: tl.constexpr = "",
+    x_row2=None, x_row3=None, WIDE: tl.constexpr = False, POLICY: tl.constexpr = 0,
 ):
     """A 16-word group of the warp's m-tiles (accumulators d, e: tile 0; f, h: tile 1; e and h the
     second n-tile's), x's words loaded once for all. WIDE (one m-tile): f and h x rows 16..31's."""
     if WIDE:
         d0, d1, d2, d3, e0, e1, e2, e3, f0, f1, f2, f3, h0, h1, h2, h3 = _tile_group_wide(
             d0, d1, d2, d3, e0, e1, e2, e3, f0, f1, f2, f3, h0, h1, h2, h3, sm_lo, code_lo, sm_hi, code_hi, ww, w,
-            w_end, lane_w, x_row0, x_row1, x_row2, x_row3, MASKED, ASM, CM, EV)
+            w_end, lane_w, x_row0, x_row1, x_row2, x_row3, MASKED, ASM, POLICY)
     else:
         x00, x01, x02, x03, x10, x11, x12, x13 = _x_words(x_row0, x_row1, w, w_end, lane_w, NT, MASKED)
         d0, d1, d2, d3, e0, e1, e2, e3 = _tile_group(
             d0, d1, d2, d3, e0, e1, e2, e3, sm_lo, code_lo, sm_hi, code_hi, ww, w, w_end, lane_w,
-            x00, x01, x02, x03, x10, x11, x12, x13, NT, MASKED, ASM, CM, EV)
+            x00, x01, x02, x03, x10, x11, x12, x13, NT, MASKED, ASM, POLICY)
     if TILES == 2:
         f0, f1, f2, f3, h0, h1, h2, h3 = _tile_group(
             f0, f1, f2, f3, h0, h1, h2, h3, sm_lo2, code_lo2, sm_hi2, code_hi2, ww, w, w_end, lane_w,
-            x00, x01, x02, x03, x10, x11, x12, x13, NT, MASKED, ASM, CM, EV)
+            x00, x01, x02, x03, x10, x11, x12, x13, NT, MASKED, ASM, POLICY)
     return d0, d1, d2, d3, e0, e1, e2, e3, f0, f1, f2, f3, h0, h1, h2, h3
 
 
@@ -507,13 +521,11 @@ def _group_at(start, u: tl.constexpr, BLOCK_W: tl.constexpr, TILED: tl.constexpr
 
 
 @triton.jit
-def _words_ahead(sm_lo, code_lo, sm_hi, code_hi, ww, live, CM: tl.constexpr = "", EV: tl.constexpr = ""):
+def _words_ahead(sm_lo, code_lo, sm_hi, code_hi, ww, live, POLICY: tl.constexpr = 0):
     """A group's [T, 4] words and codes of rows g and g + 8 at offset ww, loaded a chunk ahead of
     their use (``AHEAD``): zeros, and no memory access, where live [T, 4] is false."""
-    return (tl.load(sm_lo + ww, mask=live, other=0, cache_modifier=CM, eviction_policy=EV),
-            tl.load(code_lo + ww, mask=live, other=0, cache_modifier=CM, eviction_policy=EV),
-            tl.load(sm_hi + ww, mask=live, other=0, cache_modifier=CM, eviction_policy=EV),
-            tl.load(code_hi + ww, mask=live, other=0, cache_modifier=CM, eviction_policy=EV))
+    return (_wload(sm_lo + ww, live, True, POLICY), _wload(code_lo + ww, live, True, POLICY),
+            _wload(sm_hi + ww, live, True, POLICY), _wload(code_hi + ww, live, True, POLICY))
 
 
 @triton.jit
@@ -975,8 +987,7 @@ def _u12_hmma_kernel(
     WARP_K: tl.constexpr = False,  # the warps share the program's rows and split its words (``WARP_K``)
     TRACE: tl.constexpr = False,  # phase stamps into trace_ptr (``TRACE_SLOTS``; GPU only)
     EARLY: tl.constexpr = False,  # the table's escapes: pointers before the loop, first 4 a row after it (``ESC_EARLY``)
-    W_CM: tl.constexpr = "",  # the weight loads' cache modifier (``W_CACHE``: "" L1 and L2, ".cg" L2 only, ".cs" streaming)
-    W_EV: tl.constexpr = "",  # and their eviction policy ("" or "evict_first")
+    W_POLICY: tl.constexpr = 0,  # the weight loads' cache policy (``W_CACHE_MODES``: 0 L1 and L2, 1 L2 only, 2 streaming, 3 L1 evict-first)
 ):
     pdl_enter(PDL)
     TILES: tl.constexpr = BLOCK_N // 16 if WARP_K else BLOCK_N // (16 * WARPS)  # m-tiles a warp: 1 or 2
@@ -1077,11 +1088,11 @@ def _u12_hmma_kernel(
         tl.static_assert(TILES == 1 and BLOCK_W <= 32, "AHEAD: one m-tile a warp, at most 2 groups a chunk")
         live = (lane_w * 0 + w_begin) < full_end  # [T, 4] (a scalar mask does not run in the interpreter)
         w, ww = _group_at(w_begin, 0, BLOCK_W, TILED)
-        a0, a1, a2, a3 = _words_ahead(sm_lo, code_lo, sm_hi, code_hi, ww, live, W_CM, W_EV)
+        a0, a1, a2, a3 = _words_ahead(sm_lo, code_lo, sm_hi, code_hi, ww, live, W_POLICY)
         b0, b1, b2, b3 = a0, a1, a2, a3
         if BLOCK_W == 32:
             w, ww = _group_at(w_begin, 1, BLOCK_W, TILED)
-            b0, b1, b2, b3 = _words_ahead(sm_lo, code_lo, sm_hi, code_hi, ww, live, W_CM, W_EV)
+            b0, b1, b2, b3 = _words_ahead(sm_lo, code_lo, sm_hi, code_hi, ww, live, W_POLICY)
         lane_x = 4 * q if TILED else (BLOCK_W // 4) * q  # a lane's first x word of a group (lane_w's column 0)
         xb0 = x64 + tl.minimum(pid_m * BLOCK_M + g, M - 1) * (stride_xm // 4) + lane_x
         xb1 = x64 + tl.minimum(pid_m * BLOCK_M + 8 + g, M - 1) * (stride_xm // 4) + lane_x
@@ -1091,11 +1102,11 @@ def _u12_hmma_kernel(
             nxt = start + BLOCK_W
             live = (lane_w * 0 + nxt) < full_end
             w, ww = _group_at(nxt, 0, BLOCK_W, TILED)
-            na0, na1, na2, na3 = _words_ahead(sm_lo, code_lo, sm_hi, code_hi, ww, live, W_CM, W_EV)
+            na0, na1, na2, na3 = _words_ahead(sm_lo, code_lo, sm_hi, code_hi, ww, live, W_POLICY)
             nb0, nb1, nb2, nb3 = b0, b1, b2, b3
             if BLOCK_W == 32:
                 w, ww = _group_at(nxt, 1, BLOCK_W, TILED)
-                nb0, nb1, nb2, nb3 = _words_ahead(sm_lo, code_lo, sm_hi, code_hi, ww, live, W_CM, W_EV)
+                nb0, nb1, nb2, nb3 = _words_ahead(sm_lo, code_lo, sm_hi, code_hi, ww, live, W_POLICY)
             if AHEAD_X and ASM:  # the next chunk's x lines into L1, a group at a time
                 x_live = ((lane_x * 0 + nxt) < full_end).to(tl.int32)
                 for u in tl.static_range(BLOCK_W // 16):
@@ -1119,7 +1130,7 @@ def _u12_hmma_kernel(
                 d0, d1, d2, d3, e0, e1, e2, e3, f0, f1, f2, f3, h0, h1, h2, h3 = _group(
                     d0, d1, d2, d3, e0, e1, e2, e3, f0, f1, f2, f3, h0, h1, h2, h3, ww, w, w_end, lane_w,
                     x_row0, x_row1, sm_lo, code_lo, sm_hi, code_hi, sm_lo2, code_lo2, sm_hi2, code_hi2,
-                    TILES, NT, False, ASM, x_row2, x_row3, WIDE, W_CM, W_EV)
+                    TILES, NT, False, ASM, x_row2, x_row3, WIDE, W_POLICY)
     if not EVEN_K:
         if full_end < w_end:  # only the last split has a partial chunk: its words past w_end masked
             for u in tl.static_range(BLOCK_W // 16):
@@ -1133,7 +1144,7 @@ def _u12_hmma_kernel(
                     d0, d1, d2, d3, e0, e1, e2, e3, f0, f1, f2, f3, h0, h1, h2, h3, ww,
                     w, w_end, lane_w,
                     x_row0, x_row1, sm_lo, code_lo, sm_hi, code_hi, sm_lo2, code_lo2, sm_hi2, code_hi2,
-                    TILES, NT, True, ASM, x_row2, x_row3, WIDE, W_CM, W_EV)
+                    TILES, NT, True, ASM, x_row2, x_row3, WIDE, W_POLICY)
 
     _stamp(trace_ptr, 1, d0, t, TRACE)
     ents = _early_entries(esc_idx_ptr, esc_val_ptr, esl, ecl, esh, ech, K) if EARLY else 0
@@ -1316,11 +1327,10 @@ def launch_hmma(x: torch.Tensor, t: U12Tensor, y: torch.Tensor, cfg: U12Config, 
 
 
 def _w_cache(mode: str) -> dict:
-    """The kernel's W_CM and W_EV for a ``W_CACHE`` mode."""
+    """The kernel's W_POLICY for a ``W_CACHE`` mode."""
     if mode not in W_CACHE_MODES:
         raise ValueError(f"u12_hmma.W_CACHE: expected one of {', '.join(map(repr, W_CACHE_MODES))}, got {mode!r}")
-    cm, ev = W_CACHE_MODES[mode]
-    return dict(W_CM=cm, W_EV=ev)
+    return dict(W_POLICY=W_CACHE_MODES[mode])
 
 
 def _early(splits: int) -> bool:
