@@ -6,7 +6,7 @@ layer shapes.
 Per shape (qkv, o, gate_up, down; random N(0, 0.02) weights, escapes about 1.5e-4 of them,
 bench/results/u12_stats.json; distinct copies of about 2 GB so every call reads HBM): cuBLAS;
 TUNED_TILES' config as it is ("tuned"), with AHEAD (its block_w at 32, the most AHEAD takes), with
-AHEAD and AHEAD_X, with the weight loads' cache policy (``W_CACHE``: "-wcg", "-wcs", "-wef"), with
+AHEAD and AHEAD_X, with the weight loads' cache policy (``W_CACHE``: "-wca", "-wcg", "-wef"), with
 ESC_SPLIT (split-K shapes) and with ESC_SPLIT and AHEAD; 64-row programs of 4 warps held to 168
 registers, and 16-row programs of one warp, each without and with AHEAD (the one-warp ones with
 AHEAD_X too); 32-row programs of 2 warps at 128 registers with AHEAD; WARP_K's
@@ -68,9 +68,10 @@ def configs(name: str, tuned) -> list[tuple[str, object]]:
         # (qkv at block_w 64); "w4-r128" the 64-row, 4-warp configs before (qkv's at 168 registers: "w4-r168")
         ("w2-r128", U12Config(32, 32, num_warps=2, maxnreg=128, **hmma)),
         ("w4-r128", U12Config(64, 32, num_warps=4, maxnreg=128, **hmma)),
-        # the weight loads' cache policy (u12_hmma.W_CACHE): L2 only, streaming, L1 evict-first
+        # the weight loads' cache policy (u12_hmma.W_CACHE, whose default "tuned" runs): both caches, L2 only,
+        # L1 evict-first
+        ("tuned-wca", dataclasses.replace(tuned, w_cache="ca")),
         ("tuned-wcg", dataclasses.replace(tuned, w_cache="cg")),
-        ("tuned-wcs", dataclasses.replace(tuned, w_cache="cs")),
         ("tuned-wef", dataclasses.replace(tuned, w_cache="ef")),
     ]
     wk = dict(num_stages=1, kernel="hmma", warp_k=True)  # WARP_K: the warps split a program's words, fewer splits

@@ -42,9 +42,9 @@ hmma configs from 3 rows, and at up to 16 rows u12_fused_linear in PDL mode 2, U
 U12_PDL_ROWS; u12-tiles-sweep: with the tiled configs of a --tiles-tuned file (bench/hmma_knobs.py's
 per-shape winners) or else a --u12-tuned one; u12-tiles-ahead and
 u12-tiles-esc-split, u12-tiles-esc-late, u12-tiles-esc-early-split: with ``u12_hmma.AHEAD``, ``ESC_SPLIT``, or
-``ESC_EARLY`` "off" (the default before) or "split-k" (the default "all"); u12-tiles-wcg, u12-tiles-wcs,
-u12-tiles-wef: the hmma kernel's weight loads L2 only, streaming or L1 evict-first (``u12_hmma.W_CACHE``; not
-under --smoke); u12-tiles-w4: the layer shapes at
+``ESC_EARLY`` "off" (the default before) or "split-k" (the default "all"); u12-tiles-wcache-off,
+u12-tiles-wcg: the hmma kernel's weight loads through L1 and L2 (the default before) or L2 only, not L1
+evict-first (``u12_hmma.W_CACHE``; not under --smoke); u12-tiles-w4: the layer shapes at
 64-row programs of 4 warps (TUNED_TILES' configs before b5fd050; c566ca9's u12-tiles, whose
 u12-tiles-w2 is the default since); u12-tiles-ahead-x: AHEAD with
 ``u12_hmma.AHEAD_X``; u12-tiles-many-rows-off, u12-tiles-pdl-off, u12-tiles-many-rows-off-pdl-off: u12-tiles
@@ -151,11 +151,11 @@ TILES_KNOB_VARIANTS = {  # name: knobs over u12-tiles (--q above 1)
     "u12-tiles-esc-early-split": {"u12_hmma.ESC_EARLY": "split-k"},  # early in the split-K launches only
     "u12-tiles-w4": W4,
 }
-TILES_CACHE_VARIANTS = {  # the hmma kernel's weight loads past L1 (L2 only), streaming, or first out of L1
-    # (u12_hmma.W_CACHE): --q above 1, not under --smoke (the interpreter's loads take no cache policy)
+TILES_CACHE_VARIANTS = {  # the hmma kernel's weight loads through both caches (the default before 2ed6199) or
+    # L2 only, where by default they leave L1 first (u12_hmma.W_CACHE): --q above 1, not under --smoke (the
+    # interpreter's loads take no cache policy)
+    "u12-tiles-wcache-off": {"u12_hmma.W_CACHE": "ca"},
     "u12-tiles-wcg": {"u12_hmma.W_CACHE": "cg"},
-    "u12-tiles-wcs": {"u12_hmma.W_CACHE": "cs"},
-    "u12-tiles-wef": {"u12_hmma.W_CACHE": "ef"},
 }
 TILES_PAST_16_VARIANTS = {  # name: knobs over u12-tiles, at --q above 16 only (at fewer rows the default step)
     "u12-tiles-mma-past-16": {"u12_linear.TILES_MAX_ROWS": 16},  # past 16 rows the mma kernel (the default before)

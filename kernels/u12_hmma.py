@@ -233,11 +233,15 @@ ESC_SPLIT = False
 # do not apply: gate_up at 16 rows ran 51.05 µs (bench/results/u12_hmma_knobs_w2_h200.json) against
 # 41.0 for a kernel that only reads its u12 bytes (bench/results/read_bound_h200.json), 80%, and an
 # ablation that made every x load hit one 512-byte run ran the layer shapes 5-9% faster
-# (tried/u12_linear_hmma_x_contiguous_ablation_h200.json). "" (both caches, the default), "cg" (L2
-# only: ld.global.cg), "cs" (streaming: evict first in both) or "ef" (L1 evict first). A config's
-# ``U12Config.w_cache`` takes precedence. Read at launch.
-W_CACHE = ""
-W_CACHE_MODES = {"": 0, "cg": 1, "cs": 2, "ef": 3}  # the kernel's W_POLICY: ld.global, .cg, .cs, .L1::evict_first
+# (tried/u12_linear_hmma_x_contiguous_ablation_h200.json). "ef" (the default: ld.global.L1::evict_first,
+# the weights' lines first out of L1), "cg" (L2 only: ld.global.cg) or "ca" (both caches, plain
+# ld.global: the default before). On an H100 at 16 rows on tiles (2ed6199, bench/results/u12_hmma_knobs_wcache_h100.json,
+# µs): gate_up 62.64 against 64.11 ("ca"), down 36.81 / 38.18, o 14.30 / 14.69 ("cg": 63.41, 38.17, 14.65);
+# verify(16) interleaved 4.910 ms against 5.064 (bench/results/step_ab_verify16_wcache_h100.json).
+# Triton 3.6 takes no ".cs" for a load. Not yet timed on the H200. A config's ``U12Config.w_cache``
+# takes precedence. Read at launch.
+W_CACHE = "ef"
+W_CACHE_MODES = {"ca": 0, "cg": 1, "ef": 2}  # the kernel's W_POLICY: ld.global, ld.global.cg, ld.global.L1::evict_first
 # Tried and dropped (b0165d5, reverted): each program's first chunk of words and codes (and the
 # escape row pointers) loaded before its PDL wait, so that in PDL mode 2 the next GEMM's first
 # chunks stream from HBM during a split-K tail and its first MMAs after the wait need only x. The
@@ -350,13 +354,11 @@ def _four(v):
 @triton.jit
 def _wload(ptrs, mask, MASKED: tl.constexpr, POLICY: tl.constexpr):
     """tl.load(ptrs) (masked: 0 where mask is false) under the weights' cache policy POLICY
-    (``W_CACHE_MODES``: 0 the default, 1 L2 only, 2 streaming, 3 L1 evict-first). Ints, not the
-    modifier strings: Triton 3.6 does not take a str default of a constexpr parameter."""
+    (``W_CACHE_MODES``: 0 both caches, 1 L2 only, 2 L1 evict-first). Ints, not the modifier strings:
+    Triton 3.6 does not take a str default of a constexpr parameter."""
     if POLICY == 1:
         return tl.load(ptrs, mask=mask, other=0, cache_modifier=".cg") if MASKED else tl.load(ptrs, cache_modifier=".cg")
     elif POLICY == 2:
-        return tl.load(ptrs, mask=mask, other=0, cache_modifier=".cs") if MASKED else tl.load(ptrs, cache_modifier=".cs")
-    elif POLICY == 3:
         if MASKED:
             return tl.load(ptrs, mask=mask, other=0, eviction_policy="evict_first")
         return tl.load(ptrs, eviction_policy="evict_first")
@@ -987,7 +989,7 @@ def _u12_hmma_kernel(
     WARP_K: tl.constexpr = False,  # the warps share the program's rows and split its words (``WARP_K``)
     TRACE: tl.constexpr = False,  # phase stamps into trace_ptr (``TRACE_SLOTS``; GPU only)
     EARLY: tl.constexpr = False,  # the table's escapes: pointers before the loop, first 4 a row after it (``ESC_EARLY``)
-    W_POLICY: tl.constexpr = 0,  # the weight loads' cache policy (``W_CACHE_MODES``: 0 L1 and L2, 1 L2 only, 2 streaming, 3 L1 evict-first)
+    W_POLICY: tl.constexpr = 0,  # the weight loads' cache policy (``W_CACHE_MODES``: 0 L1 and L2, 1 L2 only, 2 L1 evict-first)
 ):
     pdl_enter(PDL)
     TILES: tl.constexpr = BLOCK_N // 16 if WARP_K else BLOCK_N // (16 * WARPS)  # m-tiles a warp: 1 or 2

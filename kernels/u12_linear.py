@@ -929,7 +929,7 @@ class U12Config:
     ahead_x: bool = False  # hmma with ahead: the next chunk's x prefetched into L1 (u12_hmma.AHEAD_X)
     esc_split: bool = False  # hmma, split-K: the splits walk the table's escapes (u12_hmma.ESC_SPLIT) for this shape
     warp_k: bool = False  # hmma: the warps share block_n rows (16 or 32) and split the words (u12_hmma.WARP_K)
-    w_cache: str = ""  # hmma: the weight loads' cache policy (u12_hmma.W_CACHE: "", "cg", "cs", "ef"); "": the module's
+    w_cache: str = ""  # hmma: the weight loads' cache policy (u12_hmma.W_CACHE_MODES: "ca", "cg", "ef"); "": the module's
 
     def __post_init__(self) -> None:
         if self.decode not in ("pairs", "single"):
@@ -939,8 +939,8 @@ class U12Config:
         if (self.ahead or self.ahead_x or self.esc_split or self.warp_k or self.w_cache) and self.kernel != "hmma":
             raise ValueError(f"U12Config: ahead, ahead_x, esc_split, warp_k and w_cache are the hmma kernel's, "
                              f"got kernel {self.kernel!r}")
-        if self.w_cache not in ("", "cg", "cs", "ef"):
-            raise ValueError(f"U12Config.w_cache: expected '', 'cg', 'cs' or 'ef', got {self.w_cache!r}")
+        if self.w_cache not in ("", "ca", "cg", "ef"):
+            raise ValueError(f"U12Config.w_cache: expected '' (u12_hmma.W_CACHE's), 'ca', 'cg' or 'ef', got {self.w_cache!r}")
         if self.kernel == "hmma" and (self.rows_a_warp() not in (16, 32) or self.block_w % 16 or self.block_w <= 0):
             rows = "16 or 32" if self.warp_k else f"{16 * self.num_warps} or {32 * self.num_warps} at {self.num_warps} warps"
             raise ValueError(f"U12Config: the hmma kernel takes block_n 16 or 32 rows a warp ({rows}) and "

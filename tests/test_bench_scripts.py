@@ -210,10 +210,10 @@ def test_step_ab_knob_variants_set_each_module_and_restore_it() -> None:
         assert u12_linear.LANE_GROUP == 16
         raise RuntimeError("a capture failing")
     assert u12_linear.LANE_GROUP == 4
-    for name, knobs in step_ab.TILES_CACHE_VARIANTS.items():  # each a W_CACHE mode the kernel takes
+    for name, knobs in step_ab.TILES_CACHE_VARIANTS.items():  # each a W_CACHE mode the kernel takes, not the default
         with step_ab.knobs_set(knobs):
-            assert u12_hmma.W_CACHE == name.removeprefix("u12-tiles-w") and u12_hmma._w_cache(u12_hmma.W_CACHE)
-    assert u12_hmma.W_CACHE == ""
+            assert u12_hmma.W_CACHE in u12_hmma.W_CACHE_MODES and u12_hmma.W_CACHE != "ef", name
+    assert u12_hmma.W_CACHE == "ef"
 
 
 def test_step_ab_past_16_and_32_variants_only_where_they_differ() -> None:
@@ -308,6 +308,7 @@ def test_hmma_knobs_bench_times_each_knob_where_it_says_so():
     and TUNED_TILES holds each shape it times."""
     import hmma_knobs
 
+    from specpilot.kernels import u12_hmma
     from specpilot.kernels.u12_linear import TUNED_TILES
 
     for name, (n, k) in {s: hmma_knobs.SHAPES[s] for s in hmma_knobs.SPLIT}.items():
@@ -319,6 +320,7 @@ def test_hmma_knobs_bench_times_each_knob_where_it_says_so():
             assert cfg.esc_split == ("-escsplit" in label), label
             assert cfg.warp_k == label.startswith("wk"), label
             assert cfg.w_cache == (label.removeprefix("tuned-w") if label.startswith("tuned-w") else ""), label
+            assert not cfg.w_cache or cfg.w_cache in u12_hmma.W_CACHE_MODES, label
             ways = 2 if "-sk2x" in label else 1  # the occupancy rows: twice the tuned splits
             assert cfg.kernel == "hmma" and (cfg.warp_k or cfg.split_k == ways * hmma_knobs.SPLIT[name])
             assert cfg.warp_k or "-sk" not in label.replace("-sk2x", "")

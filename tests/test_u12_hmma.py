@@ -330,16 +330,17 @@ _W_CACHE_CASES = [  # (m, n, k, cfg): the interpreter runs the first (its loads 
 
 @pytest.mark.parametrize("m,n,k,cfg", _W_CACHE_CASES if NATIVE else _W_CACHE_CASES[:1])
 def test_the_weight_loads_cache_policy_keeps_the_sums(monkeypatch, m, n, k, cfg):
-    """``W_CACHE`` (the weight loads' cache modifier and eviction policy), from the module switch or a
-    config's ``w_cache`` (which wins), reaches the kernel as W_POLICY and leaves every sum bit
-    for bit; an unknown mode is refused by name."""
+    """``W_CACHE`` (the weight loads' cache modifier or eviction policy; by default L1 evict-first), from
+    the module switch or a config's ``w_cache`` (which wins), reaches the kernel as W_POLICY and leaves
+    every sum bit for bit; an unknown mode is refused by name."""
     x, t = _make_inputs(_case(m, n, k, torch.bfloat16, "special"), DEVICE, n)
     w = t.with_layout("tiles")
     y = u12_linear(x, w, cfg)
+    assert u12_hmma.W_CACHE == "ef"
     kernel, seen = u12_hmma._u12_hmma_kernel, []
     for mode, policy in u12_hmma.W_CACHE_MODES.items():
-        other = "cs" if mode != "cs" else "cg"  # a module switch the config's mode overrides
-        for switch, field in [(mode, "")] + ([(other, mode)] if mode else []):
+        other = "cg" if mode != "cg" else "ca"  # a module switch the config's mode overrides
+        for switch, field in ((mode, ""), (other, mode)):
             monkeypatch.setattr(u12_hmma, "W_CACHE", switch)
             with mock.patch.object(u12_hmma, "_u12_hmma_kernel", _Spy(kernel, seen, "W_POLICY")), \
                     mock.patch.object(u12_hmma, "_w_cache", wraps=u12_hmma._w_cache) as chooser:
@@ -347,22 +348,20 @@ def test_the_weight_loads_cache_policy_keeps_the_sums(monkeypatch, m, n, k, cfg)
                                    y.view(torch.int16)), (switch, field)
             assert chooser.call_args.args == (mode,) and seen[-1] == policy, (switch, field)
     if NATIVE:  # the compiled PTX: the weight loads carry the modifier, x's and the partials' keep theirs
-        monkeypatch.setattr(u12_hmma, "W_CACHE", "")
         ptx = {}
         for mode in u12_hmma.W_CACHE_MODES:
             compiled = []
             with mock.patch.object(u12_hmma, "_u12_hmma_kernel", _Keep(kernel, compiled)):
                 u12_linear(x, w, dataclasses.replace(cfg, w_cache=mode))
             ptx[mode] = compiled[-1].asm["ptx"]
-        assert ptx["cg"].count("ld.global.cg") > ptx[""].count("ld.global.cg")
-        assert ptx["cs"].count("ld.global.cs") > ptx[""].count("ld.global.cs") == 0
-        assert ptx["ef"].count("evict_first") > ptx[""].count("evict_first") == 0
+        assert ptx["cg"].count("ld.global.cg") > ptx["ca"].count("ld.global.cg")
+        assert ptx["ef"].count("evict_first") > ptx["ca"].count("evict_first") == 0
     assert str(dataclasses.replace(cfg, w_cache="cg")).endswith("-wcg")
-    monkeypatch.setattr(u12_hmma, "W_CACHE", "ca")
+    monkeypatch.setattr(u12_hmma, "W_CACHE", "cs")
     with pytest.raises(ValueError, match="u12_hmma.W_CACHE: expected one of"):
         u12_linear(x, w, cfg)
     with pytest.raises(ValueError, match="w_cache: expected"):
-        U12Config(32, 32, num_warps=2, w_cache="ca", **_HMMA)
+        U12Config(32, 32, num_warps=2, w_cache="cs", **_HMMA)
     with pytest.raises(ValueError, match="hmma kernel's"):
         U12Config(64, 32, kernel="mma", w_cache="cg")
 
