@@ -237,7 +237,9 @@ ESC_SPLIT = False
 # the weights' lines first out of L1), "cg" (L2 only: ld.global.cg) or "ca" (both caches, plain
 # ld.global: the default before). On an H100 at 16 rows on tiles (2ed6199, bench/results/u12_hmma_knobs_wcache_h100.json,
 # µs): gate_up 62.64 against 64.11 ("ca"), down 36.81 / 38.18, o 14.30 / 14.69 ("cg": 63.41, 38.17, 14.65);
-# verify(16) interleaved 4.910 ms against 5.064 (bench/results/step_ab_verify16_wcache_h100.json).
+# verify(16) interleaved 4.910 ms against 5.064 (bench/results/step_ab_verify16_wcache_h100.json); as the
+# default (4f39eb1) 4.909 against 5.069 (step_ab_verify16_h100.json), and verify(32) 5.892 against 6.354
+# (step_ab_verify32_wcache_h100.json).
 # Triton 3.6 takes no ".cs" for a load. Not yet timed on the H200. A config's ``U12Config.w_cache``
 # takes precedence. Read at launch.
 W_CACHE = "ef"
