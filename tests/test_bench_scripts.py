@@ -139,7 +139,7 @@ def test_u12_fused_linear_parts_split_the_rows_squares() -> None:
 
 def test_step_ab_verify_smoke(tmp_path: Path, monkeypatch) -> None:
     """bench/step_ab.py --smoke at q = 4 (the interpreter, a tiny model): every verify variant is
-    captured and timed, the knob variants, the tiled weights and a sweep's configs for each layout
+    captured (run once, under its own settings) and timed, the knob variants, the tiled weights and a sweep's configs for each layout
     (--u12-tuned) included, into one results file; its settings are restored after."""
     import step_ab
 
@@ -164,6 +164,11 @@ def test_step_ab_verify_smoke(tmp_path: Path, monkeypatch) -> None:
     # each variant's logits checked against bf16's: the same weights, so close and finite
     assert all(r["finite"] and r["max_abs_diff_vs_bf16"] < 0.05 for r in rows.values()), rows
     assert rows["bf16"]["max_abs_diff_vs_bf16"] == 0 and rows["bf16"]["greedy_agree_vs_bf16"] == 1
+    # each step ran as it was captured (step_ab.Ran): the bf16 ones on the bf16 weights, the u12 ones on
+    # the u12 weights through the u12 kernels, whose rounding is not bf16's (before Ran, every step ran
+    # after the last capture, on the tiled u12 weights, and all matched bit for bit)
+    assert rows["bf16-cublas"]["max_abs_diff_vs_bf16"] == 0
+    assert all(r["max_abs_diff_vs_bf16"] > 0 for n, r in rows.items() if n.startswith("u12")), rows
     assert u12_linear.TUNED == tuned and u12_linear.TUNED_TILES == tuned_tiles
     assert u12_linear.TENSOR_CORE_ROWS == 3 and u12_hmma.NARROW
     assert not u12_hmma.AHEAD and not u12_hmma.ESC_SPLIT
