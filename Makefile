@@ -20,7 +20,7 @@ demo: setup
 	$(VENV)/bin/specpilot compile examples/pipeline.yaml --gpu h200 -o engines/demo
 
 test: setup
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist worksteal
 
 clean:
 	rm -rf engines .pytest_cache

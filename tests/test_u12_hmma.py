@@ -155,7 +155,7 @@ _HMMA = dict(num_stages=1, kernel="hmma")
 @pytest.mark.parametrize("m,n,k,kind,cfg", [
     (16, 64, 256, "special", U12Config(64, 16, split_k=2, num_warps=2, **_HMMA)),  # one m-tile a warp, 2 splits
     (5, 48, 128, "few", U12Config(32, 32, num_warps=1, **_HMMA)),  # two m-tiles, the last program's second past N
-    (9, 80, 384, "special", U12Config(32, 32, split_k=3, num_warps=1, **_HMMA)),  # 3 splits of one whole chunk
+    (9, 48, 384, "special", U12Config(32, 32, split_k=3, num_warps=1, **_HMMA)),  # 3 splits of one whole chunk
     (3, 32, 192, "few", U12Config(32, 16, split_k=2, num_warps=2, **_HMMA)),  # one n-tile (NARROW)
     (12, 48, 320, "special", U12Config(32, 48, num_warps=1, **_HMMA)),  # 80 words: a chunk, then one masked
 ])
@@ -249,7 +249,7 @@ def test_escape_walk_unrolled_gives_the_same_sums(monkeypatch, unroll):
 @pytest.mark.parametrize("m,n,k,kind,cfg", [
     (16, 64, 256, "special", U12Config(32, 16, split_k=2, num_warps=2, **_HMMA)),  # one group a chunk, 2 splits
     (5, 48, 384, "few", U12Config(16, 32, num_warps=1, **_HMMA)),  # two groups a chunk, one n-tile
-    (9, 80, 384, "special", U12Config(32, 32, split_k=3, num_warps=2, **_HMMA)),  # 3 splits of one chunk each
+    (9, 48, 384, "special", U12Config(32, 32, split_k=3, num_warps=2, **_HMMA)),  # 3 splits of one chunk each
     (13, 16, 448, "few", U12Config(16, 32, split_k=2, num_warps=1, **_HMMA)),  # 112 words: 2 splits, a masked tail
 ])
 def test_words_loaded_a_chunk_ahead_give_the_same_sums(monkeypatch, m, n, k, kind, cfg):
