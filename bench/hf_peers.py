@@ -45,7 +45,7 @@ import transformers
 from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from specpilot.runtime import decode, graph_decode
-from specpilot.runtime.config import ModelConfig
+from specpilot.hf.config import ModelConfig
 from specpilot.runtime.model import Transformer
 from specpilot.validate.forcing import check_prompt
 

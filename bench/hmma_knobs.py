@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
         sys.exit(f"bench/hmma_knobs.py --shapes: {', '.join(unknown)} unknown (expected some of: {', '.join(SPLIT)})")
     device = smoke_or_gpu("bench/hmma_knobs.py", args.smoke)
     from specpilot.kernels.u12_linear import TUNED_TILES, U12Config, u12_linear
-    from specpilot.runtime.u12 import pack_u12
+    from specpilot.formats.u12 import pack_u12
 
     shapes = {"o": (32, 256)} if args.smoke else {name: SHAPES[name] for name in args.shapes.split(",")}
     gpu = "cpu" if args.smoke else torch.cuda.get_device_name()

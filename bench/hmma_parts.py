@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
         sys.exit("bench/hmma_parts.py times CUDA kernels: it needs a GPU.")
     from specpilot.kernels import u12_hmma
     from specpilot.kernels.u12_linear import TUNED_TILES, u12_linear
-    from specpilot.runtime.u12 import pack_u12, unpack_u12
+    from specpilot.formats.u12 import pack_u12, unpack_u12
 
     names = [s for s in args.shapes.split(",") if s]
     for s in names:

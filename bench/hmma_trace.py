@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     from specpilot.kernels import u12_hmma
     from specpilot.kernels.overlap import overlap
     from specpilot.kernels.u12_linear import TUNED_TILES
-    from specpilot.runtime.u12 import pack_u12
+    from specpilot.formats.u12 import pack_u12
     from step_ab import W4  # the 64-row, 4-warp configs (u12-tiles-w4)
 
     u12_hmma.ESC_EARLY = args.esc_early or u12_hmma.ESC_EARLY

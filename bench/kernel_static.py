@@ -193,7 +193,7 @@ def describe(compiled, workdir: Path) -> dict:
 @functools.cache
 def _weights(shapes: tuple[tuple[str, tuple[int, int]], ...]) -> tuple[dict, dict]:
     """Random N(0, 0.02) bf16 weights of `shapes` and their u12 packing, made once a run."""
-    from specpilot.runtime.u12 import pack_u12
+    from specpilot.formats.u12 import pack_u12
 
     gen = torch.Generator().manual_seed(0)
     weights = {name: (torch.randn(n, k, generator=gen) * 0.02).to(torch.bfloat16) for name, (n, k) in shapes}

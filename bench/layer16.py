@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     from specpilot.kernels.silu_mul import silu_mul
     from specpilot.kernels.u12_fused_linear import NormHandoff, u12_fused_linear
     from specpilot.kernels.u12_linear import u12_linear
-    from specpilot.runtime.u12 import pack_u12
+    from specpilot.formats.u12 import pack_u12
 
     layers = 2 if args.smoke else args.layers
     hidden, inter = (64, 128) if args.smoke else (SHAPES["o"][1], SHAPES["down"][1])

@@ -36,7 +36,7 @@ def main() -> int:
     from specpilot.kernels.fused_linear import RowSquares, fused_linear
     from specpilot.kernels.u12_fused_linear import u12_fused_linear
     from specpilot.kernels.u12_linear import u12_linear
-    from specpilot.runtime.u12 import pack_u12
+    from specpilot.formats.u12 import pack_u12
 
     dev, dt = torch.device("cuda"), torch.bfloat16
     g = torch.Generator(device=dev).manual_seed(0)

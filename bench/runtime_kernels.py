@@ -6,7 +6,7 @@ from torch.profiler import profile, ProfilerActivity
 sys.path.insert(0, os.getcwd())
 spec = importlib.util.spec_from_file_location("st", "bench/step_times.py")
 st = importlib.util.module_from_spec(spec); spec.loader.exec_module(st)
-from specpilot.runtime.config import DrafterConfig, ModelConfig
+from specpilot.hf.config import DrafterConfig, ModelConfig
 from specpilot.runtime.dflash import DFlashDrafter
 from specpilot.runtime.model import Transformer
 

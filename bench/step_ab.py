@@ -101,7 +101,7 @@ import step_times as st  # noqa: E402  (SHAPES, graphed, random_, time_fn, to_u1
 from specpilot.kernels import fused_linear, u12_fused_linear, u12_hmma, u12_linear  # noqa: E402
 from specpilot.kernels.overlap import overlap  # noqa: E402
 from specpilot.kernels.u12_linear import U12Config  # noqa: E402
-from specpilot.runtime.config import ModelConfig  # noqa: E402
+from specpilot.hf.config import ModelConfig  # noqa: E402
 from specpilot.runtime.fused import GEMV_ROWS, fused_path  # noqa: E402
 from specpilot.runtime.model import Transformer  # noqa: E402
 

@@ -46,7 +46,7 @@ import torch
 import triton
 
 from specpilot.kernels.overlap import overlap
-from specpilot.runtime.config import DrafterConfig, ModelConfig
+from specpilot.hf.config import DrafterConfig, ModelConfig
 from specpilot.runtime.dflash import DFlashDrafter
 from specpilot.runtime.draft_vocab import SubsetHead
 from specpilot.runtime.fused import fused_path
@@ -180,7 +180,7 @@ def to_u12(model: Transformer) -> int:
     fused_path installs it over the u12 modules (called one by one: no concatenated GEMMs)."""
     from specpilot.backends.torch_backend import U12Linear
     from specpilot.runtime.model import swap_projection
-    from specpilot.runtime.u12 import pack_u12
+    from specpilot.formats.u12 import pack_u12
 
     total = 0
     for name, linear in model.linear_modules().items():
@@ -197,7 +197,7 @@ def tile_u12(model: Transformer) -> None:
     blocks); the fused decoder dropped, so the next fused_path installs it over them."""
     from specpilot.backends.torch_backend import U12Linear
     from specpilot.runtime.model import swap_projection
-    from specpilot.runtime.u12 import tiles_fit
+    from specpilot.formats.u12 import tiles_fit
 
     for name, module in model.linear_modules().items():
         if tiles_fit(module.packed.shape):

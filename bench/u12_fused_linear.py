@@ -63,7 +63,7 @@ COPY_BYTES = 1.5e9  # packed weight copies a timed graph cycles through (no L2 r
 
 def git_commit() -> str:
     return u12_bench.git_commit(("bench/u12_fused_linear.py", "kernels/u12_fused_linear.py", "kernels/u12_linear.py",
-                                 "specpilot/runtime/u12.py"))
+                                 "specpilot/formats/u12.py"))
 
 
 def sweep_configs(m: int, n: int, k: int, gated: bool, smoke: bool) -> list:
@@ -145,7 +145,7 @@ class Call:
 def layer_rows(shapes: dict, ms, best: dict, device: str, gen: torch.Generator, layers: int) -> list[dict]:
     """The four calls of `layers` layers chained with their handoffs in one graph: default configs against the best."""
     from specpilot.kernels import u12_fused_linear as ufl
-    from specpilot.runtime.u12 import pack_u12
+    from specpilot.formats.u12 import pack_u12
 
     cuda = device == "cuda"
     weights = []
@@ -206,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     import triton
 
     from specpilot.kernels.u12_linear import _block_m, u12_linear
-    from specpilot.runtime.u12 import pack_u12
+    from specpilot.formats.u12 import pack_u12
 
     t0 = time.monotonic()
     device = "cuda" if cuda else "cpu"

@@ -66,7 +66,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 U12_FILES = ("bench/u12_linear.py", "kernels/u12_linear.py", "kernels/u12_mma.py", "kernels/u12_hmma.py",
-             "specpilot/runtime/u12.py")
+             "specpilot/formats/u12.py")
 
 
 def git_commit(files: tuple[str, ...] = U12_FILES) -> str:
@@ -206,7 +206,7 @@ def whole_step(best: dict, gen: torch.Generator) -> list[dict]:
     """The 32 layers' linears + lm_head in one CUDA graph, cuBLAS bf16 vs u12 (best: (config, layout) by
     (shape, M); each M's weights in its best layouts)."""
     from specpilot.kernels.u12_linear import u12_linear
-    from specpilot.runtime.u12 import pack_u12
+    from specpilot.formats.u12 import pack_u12
 
     weights = []  # (name, bf16 weight, u12 weight)
     for name in [s for _ in range(LAYERS) for s in LAYER_SHAPES] + ["lm_head"]:
@@ -257,7 +257,7 @@ def main() -> None:
     from triton.testing import do_bench
 
     from specpilot.kernels.u12_linear import _block_m, u12_linear, u12_linear_reference
-    from specpilot.runtime.u12 import pack_u12
+    from specpilot.formats.u12 import pack_u12
 
     t0 = time.monotonic()
     gpu = torch.cuda.get_device_name()

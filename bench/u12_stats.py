@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from specpilot.runtime.u12 import u12_stats
+from specpilot.formats.u12 import u12_stats
 
 SIGMA = 0.02
 SEED = 0
@@ -44,7 +44,7 @@ def git_commit() -> str:
     root = Path(__file__).resolve().parent.parent
     run = lambda *a: subprocess.run(["git", *a], cwd=root, capture_output=True, text=True).stdout.strip()
     commit = run("rev-parse", "HEAD") or "unknown"
-    return commit + ("-dirty" if run("status", "--porcelain", "--", "bench/u12_stats.py", "specpilot/runtime/u12.py") else "")
+    return commit + ("-dirty" if run("status", "--porcelain", "--", "bench/u12_stats.py", "specpilot/formats/u12.py") else "")
 
 
 def zoo_rows() -> list[dict]:

@@ -1,7 +1,7 @@
 """y = x · Wᵀ for a u12 weight, with an RMSNorm prologue and a SiLU·mul or residual-add epilogue.
 
 `u12_fused_linear(x, t, norm_weight=, gated=, residual=)` is kernels/fused_linear.py's
-`fused_linear` with the weight in the u12 format (specpilot/runtime/u12.py): in one launch what a
+`fused_linear` with the weight in the u12 format (specpilot/formats/u12.py): in one launch what a
 decoder layer runs as up to three, rmsnorm(x) (kernels/rmsnorm.py), u12_linear (kernels/u12_linear.py)
 and silu_mul (kernels/silu_mul.py) on the gate|up output or the residual add.
 
@@ -97,7 +97,7 @@ import torch
 import triton
 import triton.language as tl
 
-from specpilot.runtime.u12 import U12Tensor, pack_u12, unpack_u12
+from specpilot.formats.u12 import U12Tensor, pack_u12, unpack_u12
 
 from . import u12_linear as u12_linear_module
 from .fused_linear import (

@@ -86,7 +86,7 @@ Tiled weights (``U12Tensor.layout`` "tiles", ``TILED``): with the row planes eac
 of a warp touches 8 rows (a quad's 4 lanes read 64 bytes of each, half of a 128-byte line, the
 next group the other half), and Nsight Compute has the M = 16 kernel's L1 busy 79% with 70% hits
 (above). A tiled weight stores each 16-row tile's 16-word groups row after row (Marlin's idea for
-int4 weights, specpilot/runtime/u12.py): a warp's word loads read 512 contiguous bytes, its code
+int4 weights, specpilot/formats/u12.py): a warp's word loads read 512 contiguous bytes, its code
 loads 256, and its groups follow each other, with the same loads, MMAs and registers (sm_90 SASS;
 the loop's address arithmetic a little longer: bench/results/kernel_static_sm90_triton36.json,
 tests/test_kernel_static.py) and, since a lane's words of group u are 16 u + 4 q + (0..3) and x's
@@ -115,7 +115,7 @@ import torch
 import triton
 import triton.language as tl
 
-from specpilot.runtime.u12 import U12Tensor
+from specpilot.formats.u12 import U12Tensor
 
 from .fused_linear import _epilogue
 from .overlap import pdl_args, pdl_enter

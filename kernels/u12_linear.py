@@ -165,7 +165,7 @@ import torch
 import triton
 import triton.language as tl
 
-from specpilot.runtime.u12 import MAX_BASE, U12Tensor, pack_u12, unpack_u12
+from specpilot.formats.u12 import MAX_BASE, U12Tensor, pack_u12, unpack_u12
 
 from .overlap import pdl_args, pdl_enter
 from .registry import KernelSpec, register
@@ -787,7 +787,7 @@ def _x_planes(x_rows, offs_w, mask, X_WORDS: tl.constexpr, MASKED: tl.constexpr)
 @triton.jit
 def _row_words(rows, stride, TILED: tl.constexpr):
     """Where each row starts in a plane, in words: rows · stride; TILED (U12Tensor.layout "tiles"), its
-    16-row tile's start plus its 16 words of a group (specpilot/runtime/u12.py)."""
+    16-row tile's start plus its 16 words of a group (specpilot/formats/u12.py)."""
     if TILED:
         return (rows // 16) * (16 * stride) + (rows % 16) * 16
     else:

@@ -61,7 +61,7 @@ import torch
 import triton
 import triton.language as tl
 
-from specpilot.runtime.u12 import U12Tensor
+from specpilot.formats.u12 import U12Tensor
 
 from .fused_linear import _epilogue, _row_inv_parts
 from .overlap import pdl_args, pdl_enter

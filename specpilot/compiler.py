@@ -29,7 +29,7 @@ from .runtime.builtin import is_builtin, resolve_builtin
 from .runtime.draft_vocab import VOCAB_FILE, DraftVocab, save_vocab
 from .runtime.load import load_target
 from .runtime.tokenizer import load_tokenizer
-from .runtime.u12 import save_u12
+from .formats.u12 import save_u12
 from .spec import PipelineSpec
 from .validate.forcing import TokenForcingReport, force_tokens
 

@@ -30,7 +30,7 @@ settings.register_profile("ci", derandomize=True)
 settings.register_profile("explore", derandomize=False)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
-from specpilot.runtime.config import ModelConfig  # noqa: E402
+from specpilot.hf.config import ModelConfig  # noqa: E402
 from specpilot.runtime.dflash import DFlashDrafter  # noqa: E402
 from specpilot.runtime.load import load_drafter, load_target  # noqa: E402
 from specpilot.runtime.model import PardDrafter, Transformer  # noqa: E402

@@ -26,18 +26,15 @@ from specpilot.cost.roofline import (
 from specpilot.errors import SpecError
 from specpilot.ir import MATMUL_OPS, Graph, Node, Program, lower
 from specpilot.passes.fused_decoder import FusedDecoder
-from specpilot.runtime.u12 import MAX_LANES, pack_u12
+from specpilot.formats.u12 import MAX_LANES, pack_u12
+from specpilot.hf.known import dflash_config, model_config
 
-LLAMA_8B = dict(model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
-                num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
-                rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=False)
-DFLASH_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=5, num_attention_heads=32,
-                 num_key_value_heads=8, head_dim=128, target_layer_ids=[1, 9, 17, 25, 31], block_size=16,
-                 mask_token_id=128002)
+LLAMA_8B = model_config("llama-3.1-8b")
+DFLASH_8B = dflash_config("llama-3.1-8b")
 # Small enough to cost quickly, large enough that weights-u12 (min-numel 2^20) applies.
 SMALL = dict(model_type="llama", vocab_size=4096, hidden_size=1024, intermediate_size=2048, num_hidden_layers=2,
              num_attention_heads=8, num_key_value_heads=4, head_dim=128, rms_norm_eps=1e-5, rope_theta=10000.0)
-SMALL_DFLASH = dict(hidden_size=1024, intermediate_size=2048, num_hidden_layers=1, num_attention_heads=8,
+SMALL_DFLASH = dict(model_type="qwen3", rope_theta=10000.0, hidden_size=1024, intermediate_size=2048, num_hidden_layers=1, num_attention_heads=8,
                     num_key_value_heads=4, head_dim=128, target_layer_ids=[0, 1], block_size=8, mask_token_id=4095)
 SMALL_SHAPE = "llama-2x1024-v4096"
 

@@ -22,7 +22,7 @@ from specpilot.passes.block_size import DraftBlockSize
 TARGET = dict(model_type="qwen3", vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
               num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6, rope_theta=1e6,
               tie_word_embeddings=True)
-DFLASH = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+DFLASH = dict(model_type="qwen3", rope_theta=1e6, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
               num_key_value_heads=2, target_layer_ids=[0, 1], block_size=8, mask_token_id=299)
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "rules" / "lm_head_bf16.rules"
 

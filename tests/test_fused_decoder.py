@@ -283,7 +283,7 @@ def test_u12_projections_are_concatenated_over_shared_planes(tiny_model_dirs):
     """u12 q|k|v and gate|up run as one projection each, exactly the separate projections' values,
     and the original modules view the concatenated planes (no memory doubled)."""
     from specpilot.runtime.fused import FusedLayer
-    from specpilot.runtime.u12 import pack_u12, unpack_u12
+    from specpilot.formats.u12 import pack_u12, unpack_u12
 
     model, cfg = load_target(tiny_model_dirs["qwen3"]["target"], dtype=torch.bfloat16, device="cpu")
     layer = model.model.layers[0]
@@ -478,7 +478,7 @@ _PROJECTIONS = (("self_attn", "q_proj"), ("self_attn", "k_proj"), ("self_attn", 
 
 def _to_u12(model, kernel: str):
     """Every layer projection of `model` (bf16) as a u12 module of `kernel`, as weights-u12 builds them."""
-    from specpilot.runtime.u12 import pack_u12
+    from specpilot.formats.u12 import pack_u12
 
     for layer in model.model.layers:
         for part, name in _PROJECTIONS:

@@ -14,7 +14,7 @@ import torch
 from specpilot.kernels.rmsnorm import rmsnorm, rmsnorm_reference
 from specpilot.kernels.rope_kv import rope_qkv, rope_qkv_reference
 from specpilot.kernels.silu_mul import silu_mul, silu_mul_reference
-from specpilot.runtime.config import ModelConfig
+from specpilot.hf.config import ModelConfig
 from specpilot.runtime.model import MLP, Attention, RMSNorm, rope_cos_sin, rope_inv_freq
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -21,7 +21,7 @@ from specpilot.dsl import parse_pipeline
 from specpilot.errors import CheckpointError
 from specpilot.ir import lower, parse_program, print_program, verify_program
 from specpilot.passes import run_passes
-from specpilot.runtime.config import HybridConfig
+from specpilot.hf.config import HybridConfig
 from specpilot.runtime.decode import generate_ar, generate_dflash, generate_pard
 from specpilot.runtime.hybrid import RECORD_LIMIT, HybridCache, HybridTransformer, SparseMoE, unfuse_experts
 from specpilot.runtime.load import load_drafter, load_target

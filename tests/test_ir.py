@@ -11,8 +11,8 @@ from specpilot.ir.text import format_literal
 TARGET = dict(model_type="qwen3", vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
               num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6, rope_theta=1e6,
               tie_word_embeddings=True)
-DFLASH = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
-              num_key_value_heads=2, target_layer_ids=[0, 1], block_size=8, mask_token_id=299)
+DFLASH = dict(model_type="qwen3", hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+              num_key_value_heads=2, rope_theta=1e6, target_layer_ids=[0, 1], block_size=8, mask_token_id=299)
 PARD = dict(TARGET, num_hidden_layers=1, pard_token=299, pard_k=4)
 
 
@@ -91,15 +91,15 @@ def test_verifier_catches_broken_programs():
 
 
 def test_lowering_errors_name_the_file_and_field():
-    with pytest.raises(CheckpointError, match="t.json: model_type='gpt2'"):
+    with pytest.raises(CheckpointError, match="t.json: field 'model_type' is 'gpt2'"):
         lower(dict(TARGET, model_type="gpt2"), DFLASH, target_source="t.json")
     bad = dict(TARGET)
     del bad["hidden_size"]
     with pytest.raises(CheckpointError, match="missing field 'hidden_size'"):
         lower(bad, DFLASH)
-    with pytest.raises(CheckpointError, match="vocab_size=301 does not match"):
+    with pytest.raises(CheckpointError, match="'vocab_size' is 301; expected the target's vocabulary size 300"):
         lower(TARGET, dict(PARD, vocab_size=301))
     with pytest.raises(CheckpointError, match="target_layer_ids"):
         lower(TARGET, dict(DFLASH, target_layer_ids=[0, 5]))
-    with pytest.raises(CheckpointError, match="not a parallel drafter"):
+    with pytest.raises(CheckpointError, match="not a drafter config"):
         lower(TARGET, dict(TARGET))

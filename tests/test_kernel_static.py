@@ -43,7 +43,7 @@ sys.path.insert(0, "bench")
 import kernel_static
 from specpilot.kernels.target import compile_only, native
 from specpilot.kernels.u12_linear import U12Config, u12_linear
-from specpilot.runtime.u12 import pack_u12
+from specpilot.formats.u12 import pack_u12
 from triton.runtime import driver
 
 before = driver._active

@@ -60,7 +60,7 @@ def test_every_kernel_has_odd_cases():
 def test_u12_linear_decodes_bit_exactly(k, base):
     """With x = I (fp32) each output is one weight times 1 plus zeros: the decode must be exact."""
     from specpilot.kernels.u12_linear import u12_linear
-    from specpilot.runtime.u12 import pack_u12, unpack_u12
+    from specpilot.formats.u12 import pack_u12, unpack_u12
 
     g = torch.Generator().manual_seed(k)
     w = (torch.randn(37, k, generator=g) * 0.02).to(torch.bfloat16)

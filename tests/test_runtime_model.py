@@ -15,7 +15,7 @@ from torch import nn
 
 from specpilot.errors import CheckpointError
 from specpilot.runtime.cache import KVCache
-from specpilot.runtime.config import DrafterConfig, ModelConfig
+from specpilot.hf.config import DrafterConfig, ModelConfig
 from specpilot.runtime.decode import generate_ar
 from specpilot.runtime.load import load_drafter, load_target
 from specpilot.runtime.model import RopeTables, Transformer, rope_cos_sin, rope_inv_freq

@@ -19,7 +19,7 @@ from specpilot.kernels.u12_linear import (
     u12_linear,
     u12_linear_reference,
 )
-from specpilot.runtime.u12 import (
+from specpilot.formats.u12 import (
     MAX_BASE,
     MAX_LANES,
     WINDOW,
@@ -429,7 +429,7 @@ def test_decode_planes_bit_exact(asm):
 
 
 def test_rows_and_concat_are_exact():
-    from specpilot.runtime.u12 import concat_u12
+    from specpilot.formats.u12 import concat_u12
 
     g = torch.Generator().manual_seed(3)
     a = (torch.randn(7, 10, generator=g) * 0.02).to(torch.bfloat16)

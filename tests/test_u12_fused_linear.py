@@ -19,7 +19,7 @@ import specpilot.kernels.u12_linear as u12_linear_module
 from specpilot.kernels.registry import KERNELS
 from specpilot.kernels.rmsnorm import rmsnorm_reference
 from specpilot.kernels.u12_linear import TUNED, U12Config, gemv2_acc_registers, gemv2_applies
-from specpilot.runtime.u12 import pack_u12, unpack_u12
+from specpilot.formats.u12 import pack_u12, unpack_u12
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOLERANCE = KERNELS["u12_fused_linear"].tolerance

@@ -26,7 +26,7 @@ from specpilot.kernels.u12_linear import (
     u12_linear,
     u12_linear_reference,
 )
-from specpilot.runtime.u12 import pack_u12, unpack_u12
+from specpilot.formats.u12 import pack_u12, unpack_u12
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 ASM_MODES = [False, True] if torch.cuda.is_available() else [False]

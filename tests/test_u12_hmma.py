@@ -178,7 +178,7 @@ def test_tiled_weights_in_the_fused_epilogues(m, gated, residual):
     """u12_fused_linear at 5+ rows on a tiled weight (the hmma kernel; gated, an m-tile's gate rows
     and up rows from two tiles): the row planes' outputs bit for bit."""
     from specpilot.kernels import u12_fused_linear as ufl
-    from specpilot.runtime.u12 import pack_u12
+    from specpilot.formats.u12 import pack_u12
 
     g = torch.Generator().manual_seed(m)
     n_out, k = 24 if gated else 48, 192  # gated: 2 x 24 rows, the halves' tiles shared
@@ -227,7 +227,7 @@ def test_escape_walk_unrolled_gives_the_same_sums(monkeypatch, unroll):
     """ESC_UNROLL escapes a step of the epilogue's table walk: the same sums bit for bit as the
     default's (each row's escapes in order), with rows of 0 to 7 escapes so the walk's last step is
     partial; against the reference too, and a wrong escape value must show."""
-    from specpilot.runtime.u12 import pack_u12
+    from specpilot.formats.u12 import pack_u12
 
     g = torch.Generator().manual_seed(unroll)
     w = 0.02 * torch.randn(48, 256, generator=g)
@@ -432,7 +432,7 @@ def test_escapes_walked_by_the_splits_in_the_fused_epilogue(monkeypatch, mode):
     each walked by the splits): the one walk's outputs to its rounding, the reference's within the
     kernel's tolerance."""
     from specpilot.kernels import u12_fused_linear as ufl
-    from specpilot.runtime.u12 import pack_u12
+    from specpilot.formats.u12 import pack_u12
 
     g = torch.Generator().manual_seed(7)
     n, k, m = 48, 384, 16
@@ -517,7 +517,7 @@ def test_warps_splitting_the_words_in_the_fused_epilogue(mode):
     warps' zero parts): the warps-on-rows outputs to their rounding, the reference's within the
     kernel's tolerance."""
     from specpilot.kernels import u12_fused_linear as ufl
-    from specpilot.runtime.u12 import pack_u12
+    from specpilot.formats.u12 import pack_u12
 
     g = torch.Generator().manual_seed(11)
     n, k, m = 48, 512, 16
@@ -550,7 +550,7 @@ def test_phase_stamps_change_no_value_and_run_in_order(split_k, residual):
     as one without; every program stamps its entry and loop end in order, the programs that sum
     (one a row block) the semaphore, sum and epilogue after them, the others no more. Without a GPU
     the buffer is refused by name (the interpreter has no %globaltimer). Slot 5: each program's SM."""
-    from specpilot.runtime.u12 import pack_u12
+    from specpilot.formats.u12 import pack_u12
 
     g = torch.Generator().manual_seed(split_k)
     w = (0.02 * torch.randn(96, 384, generator=g)).to(torch.bfloat16)
@@ -591,7 +591,7 @@ def test_escapes_taken_early_give_the_same_sums(monkeypatch, m, n, k, split_k, r
     """``ESC_EARLY`` (escape pointers before the loop, each row's first 4 escapes after it): y bit
     for bit the default walk's, with rows of 0 to 10 escapes; against the reference; a wrong escape
     value among the first 4 of a row, and past them, must show."""
-    from specpilot.runtime.u12 import pack_u12
+    from specpilot.formats.u12 import pack_u12
 
     g = torch.Generator().manual_seed(k + split_k)
     w = 0.02 * torch.randn(n, k, generator=g)

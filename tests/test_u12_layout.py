@@ -1,4 +1,4 @@
-"""The u12 weight's tiled layout (specpilot/runtime/u12.py, U12Tensor.layout "tiles"): the planes'
+"""The u12 weight's tiled layout (specpilot/formats/u12.py, U12Tensor.layout "tiles"): the planes'
 order both ways, bit-exact for every pattern; views of whole tiles; files; and every u12 kernel on
 a tiled weight giving the row planes' outputs bit for bit (the same words meet the same x in the
 same order), so one copy of the weight serves them all."""
@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from specpilot.kernels import u12_fused_linear as ufl
 from specpilot.kernels import u12_linear as ul
 from specpilot.kernels.u12_linear import U12Config, default_config, u12_linear, u12_linear_reference
-from specpilot.runtime.u12 import (
+from specpilot.formats.u12 import (
     concat_u12,
     load_u12,
     pack_u12,

@@ -29,7 +29,7 @@ from specpilot.kernels.u12_linear import (
     u12_linear_reference,
 )
 from specpilot.kernels.u12_mma import _mma_planes, _w_in_dot_order, _x_in_dot_order, mma_applies
-from specpilot.runtime.u12 import pack_u12, unpack_u12
+from specpilot.formats.u12 import pack_u12, unpack_u12
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # inf/NaN weights are planted on purpose; the interpreter's numpy warns about them.

@@ -10,7 +10,7 @@ from specpilot.passes import lookup, run_passes
 from specpilot.passes.weights_u12 import WeightsU12
 from specpilot.runtime.builtin import resolve_builtin
 from specpilot.runtime.load import load_target
-from specpilot.runtime.u12 import tiles_fit, unpack_u12
+from specpilot.formats.u12 import tiles_fit, unpack_u12
 
 from test_ir import DFLASH, TARGET
 

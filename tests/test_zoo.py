@@ -16,7 +16,7 @@ import torch
 from specpilot.bench import prompts as prompt_sets
 from specpilot.bench.prompts import load_prompts
 from specpilot.errors import CheckpointError, SpecError
-from specpilot.runtime.config import DrafterConfig, ModelConfig
+from specpilot.hf.config import DrafterConfig, ModelConfig
 from specpilot.runtime.dflash import DFlashDrafter
 from specpilot.runtime.load import load_drafter, load_target
 from specpilot.runtime.model import PardDrafter, Transformer

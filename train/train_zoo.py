@@ -55,7 +55,7 @@ from safetensors.torch import load_file
 from tokenizers import Tokenizer
 
 from specpilot.bench.prompts import load_prompts
-from specpilot.runtime.config import DrafterConfig, ModelConfig
+from specpilot.hf.config import DrafterConfig, ModelConfig
 from specpilot.runtime.decode import generate_ar, generate_dflash, generate_pard
 from specpilot.runtime.dflash import DFlashDrafter
 from specpilot.runtime.load import load_drafter, load_target

@@ -28,7 +28,7 @@ from ..runtime.fused import install_fused
 from ..runtime.hybrid import GatedAttention, HybridTransformer
 from ..runtime.load import load_drafter, load_target
 from ..runtime.tokenizer import load_tokenizer
-from ..runtime.u12 import U12Tensor, load_u12, pack_u12
+from ..formats.u12 import U12Tensor, load_u12, pack_u12
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -54,6 +54,7 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
 from ..errors import SpecError
+from ..hf.known import name_of
 from ..ir import MATMUL_OPS, Graph, Node, Program
 from .acceptance import AcceptanceModel
 from .gaps import (
@@ -68,17 +69,6 @@ DEFAULT_ALPHA = 0.8  # per-position acceptance assumed when nothing is measured 
 DEFAULT_CACHE_LEN = 512
 WHATS = ("ar", "draft", "verify")
 TREE_WIDTH = 8  # ranks per position a tree may use when the proposal names no top-k
-
-# Known target shapes: (family, layers, hidden, intermediate, vocab) -> name used in results files.
-SHAPES = {
-    ("llama", 32, 4096, 14336, 128256): "llama-3.1-8b",
-    ("llama", 16, 2048, 8192, 128256): "llama-3.2-1b",
-    ("llama", 28, 3072, 8192, 128256): "llama-3.2-3b",
-    ("qwen3", 28, 2048, 6144, 151936): "qwen3-1.7b",
-    ("qwen3", 36, 2560, 9728, 151936): "qwen3-4b",
-    ("qwen3", 36, 4096, 12288, 151936): "qwen3-8b",
-}
-
 
 # -- inputs and outputs
 
@@ -311,7 +301,7 @@ def shape_name(program: Program) -> str:
     mlp = t.node(t.find("mlp")[0]) if t.find("mlp") else None
     family = str(program.attr("family", "?"))
     key = (family, layers, embed["dim"] if embed else 0, mlp["dim"] if mlp else 0, embed["vocab"] if embed else 0)
-    return SHAPES.get(key, f"{family}-{layers}x{key[2]}-v{key[4]}")
+    return name_of(*key) or f"{family}-{layers}x{key[2]}-v{key[4]}"
 
 
 # -- evaluation

@@ -34,14 +34,14 @@ from .gpu import GPU
 ACT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 WEIGHT_BITS = {"float32": 32, "bfloat16": 16, "float16": 16, "u12": 12}
 
-# u12 (specpilot/runtime/u12.py): a sign/mantissa byte plane, a 4-bit exponent-code plane, and a
+# u12 (specpilot/formats/u12.py): a sign/mantissa byte plane, a 4-bit exponent-code plane, and a
 # side table of escapes (int32 flat index + int16 bit pattern) with int32 CSR row pointers. The
 # GEMVs read each row's escapes from its lanes instead (U12Tensor.esc_lanes: int32 lanes a row, as
 # many as the fullest row needs rounded up to a power of two, at most U12_MAX_LANES), the table
 # only where a row has more.
 U12_ESCAPE_BYTES = 6
 U12_LANE_BYTES = 4
-U12_MAX_LANES = 16  # runtime/u12.py's MAX_LANES
+U12_MAX_LANES = 16  # formats/u12.py's MAX_LANES
 # Measured on N(0, 0.02) bf16 weights (GPU-FACTS.md: the best 15-exponent window covers 99.985%).
 U12_ESCAPE_RATE = 1.5e-4
 

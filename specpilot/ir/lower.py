@@ -12,19 +12,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..errors import CheckpointError
-from ..runtime.config import HYBRID_FAMILIES, HybridConfig
+from ..hf.config import HYBRID_FAMILIES, DrafterConfig, HybridConfig, ModelConfig, check_drafter_fits
 from .graph import Graph, Program
 from .node import Node
 from .verify import expected_verify_length, verify_program
 
-FAMILIES = ("llama", "qwen3")
 SHARED = "target/"
 
 
 @dataclass(frozen=True)
 class Shapes:
-    """The few numbers of an HF config that fix a decoder's graph."""
+    """The few numbers of a parsed HF config (specpilot.hf.config) that fix a decoder's graph."""
 
     family: str
     vocab: int
@@ -37,33 +35,15 @@ class Shapes:
     eps: float
     theta: float
     tied: bool
+    qk_norm: bool
 
     @staticmethod
-    def from_hf(cfg: dict, source: str, family: str | None = None) -> "Shapes":
-        family = family or cfg.get("model_type")
-        if family not in FAMILIES:
-            raise CheckpointError(f"{source}: model_type={family!r} is not supported (expected one of {', '.join(FAMILIES)})")
-
-        def need(key):
-            if key not in cfg:
-                raise CheckpointError(f"{source}: missing field {key!r}")
-            return cfg[key]
-
-        hidden, heads = int(need("hidden_size")), int(need("num_attention_heads"))
-        theta = cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta") or 10000.0
-        return Shapes(
-            family=family,
-            vocab=int(need("vocab_size")),
-            hidden=hidden,
-            intermediate=int(need("intermediate_size")),
-            layers=int(need("num_hidden_layers")),
-            heads=heads,
-            kv_heads=int(cfg.get("num_key_value_heads") or heads),
-            head_dim=int(cfg.get("head_dim") or hidden // heads),
-            eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            theta=float(theta),
-            tied=bool(cfg.get("tie_word_embeddings", False)),
-        )
+    def of(c: ModelConfig, vocab: int | None = None) -> "Shapes":
+        """`vocab` stands in for a DFlash drafter's, which shares the target's."""
+        return Shapes(family=c.family, vocab=vocab or c.vocab_size, hidden=c.hidden_size,
+                      intermediate=c.intermediate_size, layers=c.num_layers, heads=c.num_heads,
+                      kv_heads=c.num_kv_heads, head_dim=c.head_dim, eps=c.rms_norm_eps, theta=c.rope_theta,
+                      tied=c.tie_word_embeddings, qk_norm=c.qk_norm)
 
 
 def _matmul(op: str, inp: int, out: int, weight: str, dtype: str, **extra) -> Node:
@@ -86,7 +66,7 @@ def _decoder_layers(g: Graph, s: Shapes, x: str, prefix: str, dtype: str, *, mas
         attn = g.add(
             f"{p}.attention",
             Node.make("attention", heads=s.heads, kv_heads=s.kv_heads, head_dim=s.head_dim, mask=mask,
-                      kernel="sdpa", qk_norm=s.family == "qwen3",
+                      kernel="sdpa", qk_norm=s.qk_norm,
                       context="self" if context is None else "target-hidden"),
             [rope, v],
         )
@@ -129,7 +109,7 @@ def hybrid_shapes(h: HybridConfig) -> Shapes:
     """The attention/MLP numbers of a hybrid config (its full-attention layers' heads)."""
     return Shapes(family=h.family, vocab=h.vocab_size, hidden=h.hidden_size, intermediate=h.intermediate_size,
                   layers=h.num_layers, heads=h.num_heads, kv_heads=h.num_kv_heads, head_dim=h.head_dim,
-                  eps=h.rms_norm_eps, theta=h.rope_theta, tied=h.tie_word_embeddings)
+                  eps=h.rms_norm_eps, theta=h.rope_theta, tied=h.tie_word_embeddings, qk_norm=True)
 
 
 def lower_hybrid_lm(name: str, h: HybridConfig, dtype: str) -> Graph:
@@ -222,50 +202,28 @@ def _step_graph(kind: str, block_size: int, drafter: str) -> Graph:
     return g
 
 
-def drafter_kind(cfg: dict) -> str:
-    if "target_layer_ids" in cfg or "target_layer_ids" in cfg.get("dflash_config", {}):
-        return "dflash"
-    if "pard_token" in cfg:
-        return "pard"
-    return "unknown"
-
-
 def lower(target_cfg: dict, drafter_cfg: dict, *, dtype: str = "float32", block_size: int | None = None,
           target_source: str = "target/config.json", drafter_source: str = "drafter/config.json") -> Program:
-    """Lower a target and a drafter (HF config dicts) to a verified Program.
-
-    `block_size` overrides the drafter config's own (DFlash: block incl. the anchor; PARD: k)."""
+    """Lower a target and a drafter (HF config dicts, parsed by specpilot.hf.config as the runtime
+    parses them) to a verified Program. `block_size` overrides the drafter config's own (DFlash:
+    block incl. the anchor; PARD: k)."""
+    tcfg: ModelConfig | HybridConfig
     if target_cfg.get("model_type") in HYBRID_FAMILIES:
-        hybrid = HybridConfig.from_hf(target_cfg, target_source)
-        t, target = hybrid_shapes(hybrid), lower_hybrid_lm("target", hybrid, dtype)
+        tcfg = HybridConfig.from_hf(target_cfg, target_source)
+        t, target = hybrid_shapes(tcfg), lower_hybrid_lm("target", tcfg, dtype)
     else:
-        t = Shapes.from_hf(target_cfg, target_source)
+        tcfg = ModelConfig.from_hf(target_cfg, target_source)
+        t = Shapes.of(tcfg)
         target = lower_causal_lm("target", t, dtype)
-    kind = drafter_kind(drafter_cfg)
-    drafter_cfg = {**drafter_cfg, **drafter_cfg.get("dflash_config", {})}
-    if kind == "dflash":
-        # DFlash layers are qwen3-like whatever the target (a hybrid target's drafter has no recurrence)
-        family = t.family if t.family in FAMILIES else "qwen3"
-        d = Shapes.from_hf({**target_cfg, **drafter_cfg}, drafter_source, family=family)
-        if d.hidden != t.hidden:
-            raise CheckpointError(f"{drafter_source}: hidden_size={d.hidden} must equal the target's {t.hidden} (shared embedding)")
-        layer_ids = tuple(int(i) for i in drafter_cfg["target_layer_ids"])
-        bad = [i for i in layer_ids if not 0 <= i < t.layers]
-        if bad:
-            raise CheckpointError(f"{drafter_source}: target_layer_ids {bad} outside the target's {t.layers} layers")
-        drafter = lower_dflash(d, t, layer_ids, dtype)
-        block = int(block_size or drafter_cfg.get("block_size", 16))
-    elif kind == "pard":
-        d = Shapes.from_hf(drafter_cfg, drafter_source)
-        drafter = lower_causal_lm("drafter", d, dtype)
-        block = int(block_size or drafter_cfg.get("pard_k", 8))
+    dcfg = DrafterConfig.from_hf(drafter_cfg, drafter_source)
+    check_drafter_fits(dcfg, tcfg, drafter_source)
+    if dcfg.kind == "dflash":
+        drafter = lower_dflash(Shapes.of(dcfg.model, vocab=t.vocab), t, dcfg.target_layer_ids, dtype)
     else:
-        raise CheckpointError(
-            f"{drafter_source}: not a parallel drafter (expected 'target_layer_ids' for DFlash or 'pard_token' for PARD)")
-    if d.vocab != t.vocab:
-        raise CheckpointError(f"{drafter_source}: vocab_size={d.vocab} does not match the target's {t.vocab}")
+        drafter = lower_causal_lm("drafter", Shapes.of(dcfg.model), dtype)
+    block = int(block_size or dcfg.block_size)
     program = Program(
-        step=_step_graph(kind, block, kind),
+        step=_step_graph(dcfg.kind, block, dcfg.kind),
         target=target,
         drafter=drafter,
         attrs=(("dtype", dtype), ("family", t.family)),

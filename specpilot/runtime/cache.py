@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from specpilot.runtime.config import ModelConfig
+from specpilot.hf.config import ModelConfig
 
 
 class KVCache:

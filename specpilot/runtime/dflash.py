@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from specpilot.runtime.cache import DeviceKVCache, KVCache
-from specpilot.runtime.config import DrafterConfig
+from specpilot.hf.config import DrafterConfig
 from specpilot.runtime.model import DecoderLayer, RMSNorm, RopeTables, Visibility, slots_below
 
 

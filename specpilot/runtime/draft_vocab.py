@@ -170,7 +170,7 @@ class SubsetHead(nn.Module):
 
 def head_weight(module: nn.Module) -> torch.Tensor:
     """The [V, hidden] weight a head module serves, in its values (u12 planes unpacked: exact)."""
-    from .u12 import U12Tensor, unpack_u12
+    from ..formats.u12 import U12Tensor, unpack_u12
 
     packed = getattr(module, "packed", None)
     if isinstance(packed, U12Tensor):

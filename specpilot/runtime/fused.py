@@ -57,10 +57,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from specpilot.runtime.cache import KVCache
-from specpilot.runtime.config import ModelConfig
+from specpilot.hf.config import ModelConfig
 from specpilot.runtime.dflash import DFlashDrafter
 from specpilot.runtime.model import Attention, DecoderLayer, Transformer, Visibility, slots_below
-from specpilot.runtime.u12 import U12Tensor, concat_u12
+from specpilot.formats.u12 import U12Tensor, concat_u12
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specpilot.runtime.cache import KVCache
-from specpilot.runtime.config import HybridConfig
+from specpilot.hf.config import HybridConfig
 from specpilot.runtime.model import (
     ATTENTION_PROJ,
     MLP,

@@ -22,7 +22,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from specpilot.runtime.cache import DeviceKVCache, KVCache
-from specpilot.runtime.config import ModelConfig
+from specpilot.hf.config import ModelConfig
 
 ATTENTION_PROJ = ("q_proj", "k_proj", "v_proj", "o_proj")
 SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]

@@ -425,3 +425,32 @@ class HybridConfig:
             "eos_token_id": self.eos_token_id,
             "attention_bias": False,
         }
+
+
+def check_drafter_fits(dcfg: DrafterConfig, target_cfg: ModelConfig | HybridConfig, source: str) -> None:
+    """A CheckpointError (quoting `source`, the drafter's config.json) where the drafter cannot serve the target."""
+    vocab = target_cfg.vocab_size
+    if dcfg.kind == "pard" and dcfg.model.vocab_size != vocab:
+        raise CheckpointError(
+            f"{source}: field 'vocab_size' is {dcfg.model.vocab_size}; expected the target's vocabulary size {vocab}"
+        )
+    if dcfg.kind == "dflash" and dcfg.model.vocab_size not in (0, vocab):
+        raise CheckpointError(
+            f"{source}: field 'vocab_size' is {dcfg.model.vocab_size}; expected the target's vocabulary size {vocab}"
+        )
+    mask_field = "pard_token" if dcfg.kind == "pard" else "mask_token_id"
+    if not 0 <= dcfg.mask_token_id < vocab:
+        raise CheckpointError(
+            f"{source}: field '{mask_field}' is {dcfg.mask_token_id}; expected a token id below the target's vocabulary size {vocab}"
+        )
+    if dcfg.kind == "dflash":
+        if dcfg.model.hidden_size != target_cfg.hidden_size:
+            raise CheckpointError(
+                f"{source}: field 'hidden_size' is {dcfg.model.hidden_size}; a DFlash drafter shares the target's "
+                f"embedding, expected {target_cfg.hidden_size}"
+            )
+        bad = [i for i in dcfg.target_layer_ids if i >= target_cfg.num_layers]
+        if bad:
+            raise CheckpointError(
+                f"{source}: field 'target_layer_ids' has {bad}; the target has layers 0..{target_cfg.num_layers - 1}"
+            )
