@@ -71,7 +71,7 @@ AR_IMPLS["specpilot-graphed"] = graph_decode.generate_ar_graphed
 def fused_graphed(target: Transformer, prompt_ids, **kw) -> decode.Generation:
     """The graphed loop over the fused decoder stack and split-KV attention (what the fused-decoder,
     attention-split-kv and cuda-graphs passes build), on the same weights."""
-    from specpilot.runtime.fused import fused_path
+    from specpilot.backends.kernel_hooks import fused_path
 
     with fused_path(target):
         return graph_decode.generate_ar_graphed(target, prompt_ids, **kw)

@@ -102,7 +102,8 @@ from specpilot.kernels import fused_linear, u12_fused_linear, u12_hmma, u12_line
 from specpilot.kernels.overlap import overlap  # noqa: E402
 from specpilot.kernels.u12_linear import U12Config  # noqa: E402
 from specpilot.hf.config import ModelConfig  # noqa: E402
-from specpilot.runtime.fused import GEMV_ROWS, fused_path  # noqa: E402
+from specpilot.backends.kernel_hooks import fused_path  # noqa: E402
+from specpilot.runtime.fused import GEMV_ROWS  # noqa: E402
 from specpilot.runtime.model import Transformer  # noqa: E402
 
 U12_VARIANTS = {  # name: FusedOps fields over the default ops

@@ -49,7 +49,7 @@ from specpilot.kernels.overlap import overlap
 from specpilot.hf.config import DrafterConfig, ModelConfig
 from specpilot.runtime.dflash import DFlashDrafter
 from specpilot.runtime.draft_vocab import SubsetHead
-from specpilot.runtime.fused import fused_path
+from specpilot.backends.kernel_hooks import fused_path
 from specpilot.runtime.model import Transformer
 
 SHAPES = {

@@ -66,7 +66,7 @@ IMPLS["dflash-graphed"] = (graph_decode.generate_dflash_graphed, "dflash")
 
 def _fused(loop: Callable[..., decode.Generation]) -> Callable[..., decode.Generation]:
     """`loop` with the target on the fused decoder stack and every model on split-KV attention."""
-    from specpilot.runtime.fused import fused_path
+    from specpilot.backends.kernel_hooks import fused_path
 
     def run(target, *args, **kw):
         drafters = [a for a in args[:1] if isinstance(a, torch.nn.Module)]

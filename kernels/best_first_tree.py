@@ -5,8 +5,8 @@ log-probabilities (descending per row) and tokens at D positions; anchor is a 1-
 tensor (the last committed token). Returns parent, depth, token [budget + 1] (int64) and score
 [budget + 1] (float32): node 0 is the anchor, nodes 1.. the `budget` highest-scoring paths of the
 top-K lattice in the order a heap pops them, padding (a lattice smaller than the budget) hanging
-from nothing (parent -1, depth 0, the anchor's token, score -inf) — exactly
-`specpilot.runtime.tree.best_first_tree(...).padded(budget + 1)`, the reference.
+from nothing (parent -1, depth 0, the anchor's token, score -inf), as the reference's host
+heap builds it (and the runtime's own, `runtime.tree.best_first_tree`).
 
 One program holds the frontier in registers: each of the `budget` rounds pops the best entry (the
 first slot among equal scores, i.e. the earliest pushed, as the heap's push counter breaks ties),
@@ -17,6 +17,10 @@ the tree step of a graphed decode loop captures it (runtime/graph_decode.py).
 """
 
 from __future__ import annotations
+
+import heapq
+import itertools
+import math
 
 import torch
 import triton
@@ -108,12 +112,30 @@ def best_first_tree(logp: torch.Tensor, ids: torch.Tensor, anchor: torch.Tensor,
 
 def best_first_tree_reference(logp: torch.Tensor, ids: torch.Tensor, anchor: torch.Tensor, budget: int
                               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """runtime.tree.best_first_tree (a heap on the host), padded to budget + 1 nodes."""
-    from specpilot.runtime.tree import best_first_tree as heap_tree
+    """The same tree by a heap on the host: pop the best frontier path (ties: the earlier push),
+    then push its next sibling and its first child; padding hangs from nothing (parent -1)."""
+    lp, tok = logp.float().cpu().tolist(), ids.long().cpu().tolist()
+    d, k = len(lp), len(lp[0]) if lp else 0
+    root = int(anchor.reshape(-1)[0])
+    parent, depth, token, score = [-1], [0], [root], [0.0]
+    frontier: list[tuple[float, int, int, int, int]] = []  # (-score, push order, parent, depth, rank)
+    order = itertools.count()
 
-    tree = heap_tree(logp.float().cpu(), ids.long().cpu(), int(anchor.reshape(-1)[0]), budget=budget)
-    tree = tree.padded(budget + 1).to(logp.device)
-    return tree.parent, tree.depth, tree.token, tree.score
+    def push(up: int, depth_: int, rank: int) -> None:
+        if depth_ <= d and rank < k:
+            heapq.heappush(frontier, (-(score[up] + lp[depth_ - 1][rank]), next(order), up, depth_, rank))
+
+    push(0, 1, 0)
+    while frontier and len(parent) <= budget:
+        neg, _, up, depth_, rank = heapq.heappop(frontier)
+        parent.append(up), depth.append(depth_), token.append(tok[depth_ - 1][rank]), score.append(-neg)
+        push(up, depth_, rank + 1)  # next sibling
+        push(len(parent) - 1, depth_ + 1, 0)  # first child
+    pad = budget + 1 - len(parent)
+    parent, depth, token, score = parent + [-1] * pad, depth + [0] * pad, token + [root] * pad, score + [-math.inf] * pad
+    as_long = dict(dtype=torch.long, device=logp.device)
+    return (torch.tensor(parent, **as_long), torch.tensor(depth, **as_long), torch.tensor(token, **as_long),
+            torch.tensor(score, dtype=torch.float32, device=logp.device))
 
 
 # --- registry entry -------------------------------------------------------------------------

@@ -35,7 +35,7 @@ import torch
 from .attention_split_kv import _check_past, attention_split_kv_reference, launch
 from .registry import KernelSpec, register
 from .rope_kv import _check as _check_rope
-from .rope_kv import _table, rope_qkv_reference
+from .rope_kv import _table, rope_qkv_reference, rope_table_reference
 
 _WHO = "rope_attention"
 
@@ -94,8 +94,6 @@ def _make_inputs(case, device, seed):
     """qkv ~ N(0, 1); caches N(0, 1) up to past + T, NaN beyond (never to be read, except the new
     tokens' slots, which the kernel writes); positions around 1000 + past (chain) or past + depth
     (tree); past an int, or a device tensor of kind `past` as attention_split_kv's cases."""
-    from specpilot.runtime.model import rope_cos_sin
-
     g = torch.Generator().manual_seed(seed)
     b, t, hkv, d, s, cap, dtype = case["B"], case["T"], case["Hkv"], case["D"], case["S"], case["cap"], case["dtype"]
     h = hkv * case["group"]
@@ -114,8 +112,7 @@ def _make_inputs(case, device, seed):
                 mask[row, u] |= mask[row, parent]
                 depth[row, u] = depth[row, parent] + 1
         mask = mask.to(device)
-    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, d, 2).float() / d))
-    cos, sin = rope_cos_sin(inv_freq, 1000 + torch.tensor(pasts)[:, None] + depth, dtype)
+    cos, sin = rope_table_reference(1000 + torch.tensor(pasts)[:, None] + depth, d, dtype)
     norm = [(1 + 0.2 * torch.randn(d, generator=g)).to(dtype).to(device) for _ in range(2)] if case["qk_norm"] else [None, None]
     kind = case["past"]
     past = pasts[0] if kind == "int" else torch.tensor(pasts[0] if kind == "scalar" else pasts, dtype=torch.int32).to(device)

@@ -33,8 +33,6 @@ import torch
 import triton
 import triton.language as tl
 
-from specpilot.runtime.model import apply_rope
-
 from .overlap import overlap_enter, pdl_args, prefetch_args
 from .registry import KernelSpec, register
 from .target import native as on_native
@@ -202,6 +200,21 @@ def _rmsnorm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
     return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
+def rotate_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE by halves (HF's rotate_half): x · cos + [-x₂, x₁] · sin."""
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+def rope_table_reference(positions: torch.Tensor, head_dim: int, dtype: torch.dtype, theta: float = 10000.0
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [B, 1, T, head_dim] of positions [B, T], in float32 then cast to `dtype`."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    freqs = positions.float()[..., None] * inv_freq
+    emb = torch.cat((freqs, freqs), dim=-1)[:, None]
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
 def rope_qkv_reference(
     qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     slots: torch.Tensor, *, num_heads: int, num_kv_heads: int,
@@ -216,7 +229,7 @@ def rope_qkv_reference(
         q = _rmsnorm_reference(q, q_norm_weight, eps)
     if k_norm_weight is not None:
         k = _rmsnorm_reference(k, k_norm_weight, eps)
-    q, k, v = apply_rope(q.transpose(1, 2), cos, sin), apply_rope(k.transpose(1, 2), cos, sin), v.transpose(1, 2)
+    q, k, v = rotate_reference(q.transpose(1, 2), cos, sin), rotate_reference(k.transpose(1, 2), cos, sin), v.transpose(1, 2)
     for row in range(b):
         k_cache[row][:, slots[row].long()] = k[row]
         v_cache[row][:, slots[row].long()] = v[row]
@@ -227,10 +240,8 @@ def rope_qkv_reference(
 
 def _make_inputs(case, device, seed):
     """qkv ~ N(0, 1); positions past + depth with past around 1000 (a chain's depth is t, a tree's a
-    random parent's + 1) and slots past + t; cos, sin from model.rope_cos_sin; caches random, so
+    random parent's + 1) and slots past + t; cos, sin from rope_table_reference; caches random, so
     that a write to a wrong slot shows."""
-    from specpilot.runtime.model import rope_cos_sin
-
     g = torch.Generator().manual_seed(seed)
     b, t, h, hkv, d, s, dtype = case["B"], case["T"], case["H"], case["Hkv"], case["D"], case["S"], case["dtype"]
     qkv = torch.randn(b, t, (h + 2 * hkv) * d, generator=g)
@@ -239,8 +250,7 @@ def _make_inputs(case, device, seed):
     for u in range(1, t):
         depth[:, u] = depth[torch.arange(b), torch.randint(0, u, (b,), generator=g)] + 1 if case["tree"] else u
     positions = 1000 + past + depth
-    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, d, 2).float() / d))
-    cos, sin = rope_cos_sin(inv_freq, positions, dtype)
+    cos, sin = rope_table_reference(positions, d, dtype)
     k_cache, v_cache = (torch.randn(b, hkv, s, d, generator=g).to(dtype).to(device) for _ in range(2))
     slots = (past + torch.arange(t)).to(torch.int32)
     norm = [(1 + 0.2 * torch.randn(d, generator=g)).to(dtype).to(device) for _ in range(2)] if case["qk_norm"] else [None, None]

@@ -511,14 +511,15 @@ def test_fused_linear_prices_the_plain_projections_of_fused_layers_at_the_rows_i
 def test_the_cost_model_folds_at_the_rows_the_runtime_fuses():
     """roofline's mirror of runtime/fused.py's row rule agrees with FusedOps.linear_serves, and its
     u12 switches with the runtime's."""
+    from specpilot.backends.kernel_hooks import fused_ops
     from specpilot.cost import roofline
     from specpilot.runtime import fused
 
-    ops = fused.fused_ops("torch")
+    ops = fused_ops("torch")
     assert (roofline.LINEAR_MAX_M, roofline.LINEAR_GEMV_MAX_M, roofline.GEMV_ROWS, roofline.LINEAR_GAP) == (
-        fused.LINEAR_MAX_M, fused.LINEAR_GEMV_MAX_M, fused.GEMV_ROWS, fused.LINEAR_GAP)
+        ops.linear_max_m, ops.linear_gemv_max_m, fused.GEMV_ROWS, ops.linear_gap)
     assert (roofline.U12_LINEAR, roofline.U12_NORMS_APART, roofline.U12_NORM_HANDOFF, roofline.U12_MANY_ROWS) == (
-        fused.U12_LINEAR, fused.U12_NORMS_APART, fused.U12_NORM_HANDOFF, fused.U12_MANY_ROWS)
+        bool(ops.u12_kernel), ops.u12_norms_apart, ops.u12_norm_handoff, ops.u12_many_rows)
     for rows in range(1, 70):
         for u12 in (False, True):
             assert roofline.linear_serves(rows, u12) == ops.linear_serves(rows, u12), (rows, u12)

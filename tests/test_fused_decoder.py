@@ -16,7 +16,8 @@ import torch
 
 from specpilot.runtime import decode
 from specpilot.runtime import graph_decode as gd
-from specpilot.runtime.fused import FusedDecoder, FusedDFlash, fused_path, install_fused
+from specpilot.backends.kernel_hooks import fused_path, install
+from specpilot.runtime.fused import FusedDecoder, FusedDFlash
 from specpilot.runtime.load import load_drafter, load_target
 
 from conftest import FAMILIES
@@ -33,7 +34,7 @@ def _pair(dirs, dtype):
     concatenated weights too (then served unfused): a CPU BLAS can round a GEMV over a slice of
     a larger matrix differently from one over its own copy, which is not what is tested here."""
     ref, cfg = load_target(dirs["target"], dtype=dtype, device="cpu")
-    install_fused(ref, "torch")
+    install(ref, "torch")
     ref.fused = None
     fused, _ = load_target(dirs["target"], dtype=dtype, device="cpu")
     return ref, fused, cfg
@@ -59,7 +60,7 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtyp
 @pytest.mark.parametrize("concat", [False, True])
 def test_fused_references_match_the_forward(family, dtype, device_length, concat, tiny_model_dirs):
     ref, fused, cfg = _pair(tiny_model_dirs[family], dtype)
-    decoder = install_fused(fused, "torch")
+    decoder = install(fused, "torch")
     if not concat:  # project one by one: what is left is the wiring, which must be exact
         for layer in decoder.layers:
             layer.qkv = layer.gate_up = None
@@ -81,7 +82,7 @@ def test_fused_references_match_the_forward(family, dtype, device_length, concat
 @pytest.mark.parametrize("family", FAMILIES)
 def test_fused_greedy_tokens_equal_ar(family, tiny_model_dirs):
     ref, fused, _ = _pair(tiny_model_dirs[family], torch.float32)
-    install_fused(fused, "torch")
+    install(fused, "torch")
     prompt = [7, 3, 9, 1, 4]
     assert (decode.generate_ar(fused, prompt, max_new_tokens=24, eos_token_id=None).tokens
             == decode.generate_ar(ref, prompt, max_new_tokens=24, eos_token_id=None).tokens)
@@ -89,7 +90,7 @@ def test_fused_greedy_tokens_equal_ar(family, tiny_model_dirs):
 
 def test_fused_projections_share_storage(tiny_model_dirs):
     _, fused, _ = _pair(tiny_model_dirs["qwen3"], torch.float32)
-    decoder = install_fused(fused, "torch")
+    decoder = install(fused, "torch")
     layer = decoder.layers[0]
     attn, mlp = layer.layer.self_attn, layer.layer.mlp
     storage = lambda m: m.weight.untyped_storage().data_ptr()  # noqa: E731
@@ -105,7 +106,7 @@ def test_fused_projections_share_storage(tiny_model_dirs):
 def test_fused_triton_kernels_in_a_graphed_dflash_loop(family, tiny_model_dirs):
     dirs = tiny_model_dirs[family]
     ref, fused, cfg = _pair(dirs, torch.float32)
-    install_fused(fused, "triton")
+    install(fused, "triton")
     drafter = load_drafter(dirs["dflash"], fused, cfg, dtype=torch.float32, device="cpu")
     prompt = [5, 9, 2, 6, 5, 3]
     ar = decode.generate_ar(ref, prompt, max_new_tokens=4, eos_token_id=None)
@@ -121,7 +122,7 @@ def _drafters(dirs):
     re-pointed at concatenated weights too, as in _pair."""
     target, cfg = load_target(dirs["target"], dtype=torch.float32, device="cpu")
     ref = load_drafter(dirs["dflash"], target, cfg, dtype=torch.float32, device="cpu")
-    install_fused(ref, "torch")
+    install(ref, "torch")
     ref.fused = None
     fused = load_drafter(dirs["dflash"], target, cfg, dtype=torch.float32, device="cpu")
     return target, ref, fused
@@ -173,7 +174,7 @@ def _count_heads(stack) -> list[int]:
 def test_fused_dflash_matches_the_drafter(family, device_length, ops, concat, tiny_model_dirs):
     """Logits, cache lengths and every cache slot (the block's scratch too) as DFlashDrafter's own."""
     _, ref, fused = _drafters(tiny_model_dirs[family])
-    stack = install_fused(fused, ops)
+    stack = install(fused, ops)
     if not concat:
         _unconcat(stack)
     heads = _count_heads(stack)
@@ -197,7 +198,7 @@ def test_a_planted_drafter_weight_changes_the_fused_output(tiny_model_dirs):
     """A k row of the first layer (planted through k_proj, a view of the concatenated weight that
     the context's k|v GEMM reads) moves the logits past the tolerance above."""
     _, ref, fused = _drafters(tiny_model_dirs["qwen3"])
-    install_fused(fused, "torch")
+    install(fused, "torch")
     want = _draft_steps(ref, device_length=True)[0]
     with torch.no_grad():
         fused.layers[0].self_attn.k_proj.weight[0] += 0.5
@@ -221,7 +222,7 @@ def test_fused_dflash_with_projections_of_other_modules(tiny_model_dirs):
     attn, mlp = fused.layers[0].self_attn, fused.layers[0].mlp
     attn.v_proj, mlp.up_proj = _Projection(attn.v_proj), _Projection(mlp.up_proj)
     fused.encoder.fc = _Projection(fused.encoder.fc)
-    stack = install_fused(fused, "torch")
+    stack = install(fused, "torch")
     assert stack.layers[0].qkv is None and stack.layers[0].kv is None and stack.layers[0].gate_up is None
     for a, b in zip(_draft_steps(ref, device_length=False)[0], _draft_steps(fused, device_length=False)[0]):
         torch.testing.assert_close(a, b, **TOLERANCE[torch.float32])
@@ -252,7 +253,7 @@ def test_fused_dflash_greedy_tokens_equal_ar(family, ops, tiny_model_dirs):
     drafter's own forward (the tiny drafter's drafts are rarely accepted: the drafts themselves
     are what shows a broken drafter). The target is not fused here."""
     target, ref, fused = _drafters(tiny_model_dirs[family])
-    stack = install_fused(fused, ops)
+    stack = install(fused, ops)
     if ops == "torch":  # bit-exact drafts
         _unconcat(stack)
     prompt, n = [5, 9, 2, 6, 5, 3], 5 if ops == "triton" else 12
@@ -331,9 +332,9 @@ def test_fused_linear_layers_match_the_unfused_stack(family, dtype, tiny_model_d
     caches as the unfused stack's."""
     _, plain, cfg = _pair(tiny_model_dirs[family], dtype)
     _, fused, _ = _pair(tiny_model_dirs[family], dtype)
-    unfused = install_fused(plain, "torch")
+    unfused = install(plain, "torch")
     unfused.ops = dataclasses.replace(unfused.ops, linear_max_m=0)
-    calls = _count_linear(install_fused(fused, "torch"))
+    calls = _count_linear(install(fused, "torch"))
     ids = torch.randint(0, cfg.vocab_size, (1, 9), generator=torch.Generator().manual_seed(3))
     layers = (0, cfg.num_layers - 1)
     c_plain, c_fused = plain.new_cache(1, 24, device_length=True), fused.new_cache(1, 24, device_length=True)
@@ -358,13 +359,13 @@ def test_row_squares_carry_each_norm_from_the_residual_epilogue_before_it(tiny_m
     input norm takes its sums of squares from the o or down epilogue before it (RowSquares): the
     logits match the unfused stack's and the stack's without the hand-off."""
     _, plain, cfg = _pair(tiny_model_dirs["llama"], torch.float32)
-    unfused = install_fused(plain, "torch")
+    unfused = install(plain, "torch")
     unfused.ops = dataclasses.replace(unfused.ops, linear_max_m=0)
     ids = torch.randint(0, cfg.vocab_size, (1, 9), generator=torch.Generator().manual_seed(5))
     want = plain(ids, plain.new_cache(1, 16)).logits
     for row_squares in (True, False):
         _, fused, _ = _pair(tiny_model_dirs["llama"], torch.float32)
-        stack = install_fused(fused, "triton")
+        stack = install(fused, "triton")
         stack.ops = dataclasses.replace(stack.ops, linear_max_m=16, row_squares=row_squares)
         read = []
         linear = stack.ops.linear
@@ -385,7 +386,7 @@ def test_fused_linear_serves_plain_and_u12_weights_only(tiny_model_dirs):
     unfused kernels."""
     _, fused, _ = _pair(tiny_model_dirs["llama"], torch.float32)
     fused.model.layers[0].mlp.down_proj = _Projection(fused.model.layers[0].mlp.down_proj)
-    stack = install_fused(fused, "torch")
+    stack = install(fused, "torch")
     kernel = stack.ops.u12_kernel
     assert stack.layers[0].linear_weights(kernel) is None and stack.layers[1].linear_weights(kernel) is not None
     calls = _count_linear(stack)
@@ -402,7 +403,7 @@ def test_fused_linear_greedy_tokens_equal_ar(family, tiny_model_dirs):
     keep CI short."""
     dirs = tiny_model_dirs[family]
     ref, fused, cfg = _pair(dirs, torch.float32)
-    calls = _count_linear(install_fused(fused, "triton"))
+    calls = _count_linear(install(fused, "triton"))
     prompt = [5, 9, 2, 6, 5, 3]
     ar = decode.generate_ar(ref, prompt, max_new_tokens=4, eos_token_id=None).tokens
     assert decode.generate_ar(fused, prompt, max_new_tokens=4, eos_token_id=None).tokens == ar
@@ -503,11 +504,11 @@ def test_u12_layers_run_the_fused_u12_linear(family, norms_apart, handoff, tiny_
     layers stay unfused."""
     _, plain, cfg = _pair(tiny_model_dirs[family], torch.bfloat16)
     _, fused, _ = _pair(tiny_model_dirs[family], torch.bfloat16)
-    unfused = install_fused(_to_u12(plain, "torch"), "torch")
+    unfused = install(_to_u12(plain, "torch"), "torch")
     assert (unfused.ops.u12_kernel, unfused.ops.u12_norms_apart) == ("torch", True)  # the default
     assert all(fl.linear_weights(unfused.ops.u12_kernel) is not None for fl in unfused.layers)
     unfused.ops = dataclasses.replace(unfused.ops, linear_max_m=0, u12_kernel="")
-    stack = install_fused(_to_u12(fused, "torch"), "torch")
+    stack = install(_to_u12(fused, "torch"), "torch")
     stack.ops = dataclasses.replace(stack.ops, u12_kernel="torch", u12_norms_apart=norms_apart,
                                     u12_norm_handoff=handoff, u12_many_rows=0)  # rows above 4: test_u12_layers_at_many_rows
     calls, plain_calls = _count_linear(stack, "linear_u12"), _count_linear(stack)
@@ -547,7 +548,7 @@ def test_u12_layers_run_the_fused_u12_linear(family, norms_apart, handoff, tiny_
     for i in range(cfg.num_layers):
         torch.testing.assert_close(c_plain.k[i], c_fused.k[i], **(dict(rtol=5e-2, atol=0.25) if handoff else tol))
     # modules of the Triton kernel: not what torch ops stand in for
-    other = install_fused(_to_u12(_pair(tiny_model_dirs[family], torch.bfloat16)[1], "triton-u12"), "torch")
+    other = install(_to_u12(_pair(tiny_model_dirs[family], torch.bfloat16)[1], "triton-u12"), "torch")
     assert all(fl.linear_weights("torch") is None for fl in other.layers)
 
 
@@ -559,9 +560,9 @@ def test_u12_layers_at_many_rows(family, tiny_model_dirs):
     stack's, within the handoff's roundings. A bool for the row count is refused."""
     _, plain, cfg = _pair(tiny_model_dirs[family], torch.bfloat16)
     _, fused, _ = _pair(tiny_model_dirs[family], torch.bfloat16)
-    unfused = install_fused(_to_u12(plain, "torch"), "torch")
+    unfused = install(_to_u12(plain, "torch"), "torch")
     unfused.ops = dataclasses.replace(unfused.ops, linear_max_m=0, u12_kernel="")
-    stack = install_fused(_to_u12(fused, "torch"), "torch")
+    stack = install(_to_u12(fused, "torch"), "torch")
     assert stack.ops.u12_many_rows == 16 and stack.ops.linear_serves(16, u12=True)  # the default: up to 16
     assert not stack.ops.linear_serves(17, u12=True) and not stack.ops.linear_serves(3, u12=True)
     assert not dataclasses.replace(stack.ops, u12_many_rows=0).linear_serves(9, u12=True)
@@ -617,9 +618,9 @@ def test_u12_fused_linear_greedy_tokens_equal_the_unfused_u12_stack(many_rows, t
     dirs = tiny_model_dirs["qwen3"]
     _, ref, cfg = _pair(dirs, torch.bfloat16)
     _, fused, _ = _pair(dirs, torch.bfloat16)
-    unfused = install_fused(_to_u12(ref, "torch"), "torch")
+    unfused = install(_to_u12(ref, "torch"), "torch")
     unfused.ops = dataclasses.replace(unfused.ops, linear_max_m=0)
-    stack = install_fused(_to_u12(fused, "triton-u12"), "triton")
+    stack = install(_to_u12(fused, "triton-u12"), "triton")
     stack.ops = dataclasses.replace(stack.ops, u12_kernel="triton-u12", u12_many_rows=16 if many_rows else 0)
     calls = _count_linear(stack, "linear_u12")
     prompt = [5, 9, 2, 6, 5, 3]
@@ -656,16 +657,15 @@ def test_u12_ar_forwards_take_the_u12_pdl_mode(u12, tiny_model_dirs, monkeypatch
 
     monkeypatch.delenv("SPECPILOT_PDL", raising=False)
     _, model, cfg = _pair(tiny_model_dirs["llama"], torch.bfloat16)
-    stack = install_fused(_to_u12(model, "torch") if u12 else model, "torch")
-    from specpilot.runtime import fused
-    from specpilot.runtime.fused import U12_PDL, fused_ops
+    stack = install(_to_u12(model, "torch") if u12 else model, "torch")
+    from specpilot.backends.kernel_hooks import U12_PDL, fused_ops
 
     assert stack.ops.u12_pdl == 0 and fused_ops("triton").u12_pdl == U12_PDL == 2  # the references launch nothing
-    assert fused.U12_PDL_ROWS == 32
-    monkeypatch.setattr(fused, "U12_PDL_ROWS", 4)  # a 5-token chunk past it
+    assert stack.ops.u12_pdl_rows == 32
     modes = []
     rmsnorm = stack.ops.rmsnorm
-    stack.ops = dataclasses.replace(stack.ops, u12_pdl=2, rmsnorm=lambda *a, **kw: (
+    stack.ops = dataclasses.replace(stack.ops, u12_pdl=2, u12_pdl_rows=4, launch_scope=ov.default_pdl,  # 5 rows: past it
+                                    rmsnorm=lambda *a, **kw: (
         modes.append(ov._setting("pdl")), rmsnorm(*a, **kw))[1])
     assert stack.serves_u12() == u12
     cache = model.new_cache(1, 24, device_length=True)

@@ -148,7 +148,7 @@ def test_overlap_changes_no_value(q):
     bit, eagerly too. The prefetch rides in rope_qkv, so with it the step runs RoPE apart from
     attention: its plain twin does too."""
     from specpilot.kernels.overlap import overlap, pdl_mode, prefetch_args
-    from specpilot.runtime.fused import fused_path
+    from specpilot.backends.kernel_hooks import fused_path
     from specpilot.runtime.model import Transformer
 
     cfg = dataclasses.replace(_cfg("qwen3"), num_layers=3, vocab_size=300)

@@ -8,7 +8,6 @@ This is the reference backend: plain PyTorch everywhere, the yardstick for faste
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -20,11 +19,10 @@ from ..errors import EngineError
 from ..ir import MATMUL_OPS, Graph, Node, Program
 from ..ir import node as ir_node
 from ..ir.lower import SHARED
-from ..passes.fused_decoder import is_fused
+from . import kernel_hooks
 from ..runtime import decode, graph_decode
 from ..runtime.dflash import DFlashDrafter
 from ..runtime.draft_vocab import STDLIB, VOCAB_FILE, DraftVocab, SubsetHead, build_vocab, head_weight, load_vocab
-from ..runtime.fused import install_fused
 from ..runtime.hybrid import GatedAttention, HybridTransformer
 from ..runtime.load import load_drafter, load_target
 from ..runtime.tokenizer import load_tokenizer
@@ -61,7 +59,7 @@ class U12Linear(nn.Module):
     def __init__(self, packed: U12Tensor, kernel: str):
         super().__init__()
         self.packed, self.kernel = packed, kernel
-        if kernel == "triton-u12" and packed.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        if kernel == "triton-u12" and not kernel_hooks.triton_runs(packed.device):
             raise EngineError("kernel 'triton-u12' needs a CUDA GPU (or TRITON_INTERPRET=1); "
                               "use weights-u12{kernel=torch} on CPU")
 
@@ -154,14 +152,13 @@ def install_attention_kernels(graph: Graph, root: nn.Module, device: torch.devic
     chosen = graph.find("attention", lambda node: node["kernel"] == "triton-split-kv")
     if not chosen:
         return 0
-    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+    if not kernel_hooks.triton_runs(device):
         raise EngineError("attention kernel 'triton-split-kv' needs a CUDA GPU (or TRITON_INTERPRET=1); "
                           "leave out the attention-split-kv pass on CPU")
-    from ..runtime.fused import split_kv_attention
     from ..runtime.model import Attention, attend_visible
 
     def split_kv(q, k, v, vis):
-        return attend_visible(q, k, v, vis) if q.shape[2] > SHORT_QUERIES else split_kv_attention(q, k, v, vis)
+        return attend_visible(q, k, v, vis) if q.shape[2] > SHORT_QUERIES else kernel_hooks.split_kv_attention(q, k, v, vis)
 
     for name in chosen:
         o_proj = [graph.node(u)["weight"] for u in graph.users(name) if graph.node(u).op == "linear"]
@@ -243,6 +240,8 @@ class Engine:
                                   "tree-verify pass (chain verification)")
             propose = self.program.step.one("propose")[1]
             common.update(budget=propose["budget"], topk=propose.get("topk", 4))
+            if self.graphed:
+                common.update(build=kernel_hooks.tree_builder(self.device))
             if self.kind == "pard":
                 loop = graph_decode.generate_pard_tree_graphed if self.graphed else tree_decode.generate_pard_tree
                 return loop(self.target, self.drafter, prompt_ids, k=self.block_size, **common)
@@ -267,6 +266,14 @@ class Engine:
         return loop(self.target, prompt_ids, max_new_tokens=max_new_tokens, eos_token_id=self.eos_token_id)
 
 
+FUSED_KERNEL = "triton-fused"  # the rmsnorm/rope/mlp kernel attribute the fused-decoder pass sets
+
+
+def fused_stack(graph: Graph) -> bool:
+    """Whether the graph asks for the fused decoder stack (its norms' kernel attribute)."""
+    return bool(graph.find("rmsnorm", lambda node: node.get("kernel") == FUSED_KERNEL))
+
+
 def pick_device(device: str | None = None) -> torch.device:
     if device in (None, "auto"):
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -288,8 +295,8 @@ def build_engine(program: Program, target_dir: Path, drafter_dir: Path, device: 
     install_attention_kernels(program.target, target, device)
     install_attention_kernels(program.drafter, drafter_root(drafter), device)
     draft_vocab = install_draft_vocab(program, drafter, target, target_dir, drafter_dir, target_cfg.eos_token_id)
-    if is_fused(program.target):
-        install_fused(target)
-    if is_fused(program.drafter):
-        install_fused(drafter_root(drafter))
+    if fused_stack(program.target):
+        kernel_hooks.install(target)
+    if fused_stack(program.drafter):
+        kernel_hooks.install(drafter_root(drafter))
     return Engine(program, target, target_cfg, drafter, device, dtype, target_cfg.eos_token_id, draft_vocab)

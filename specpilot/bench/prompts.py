@@ -8,11 +8,11 @@ of standard-library functions the model zoo never trained on; built by train/hel
 from __future__ import annotations
 
 import gzip
-import json
 from importlib import resources
 from pathlib import Path
 
 from ..errors import SpecError
+from ..jsonl import parse_jsonl
 
 # A few code prompts that need no package and no file: the default for smoke runs.
 CODE_SMOKE = [
@@ -51,27 +51,6 @@ PROMPT_SETS = {"code-smoke": lambda: list(CODE_SMOKE), "humaneval": humaneval, "
 
 def load_jsonl(path: Path) -> list[str]:
     return parse_jsonl(path.read_text(), str(path))
-
-
-def parse_jsonl(text: str, path: str, fields: tuple[str, ...] = ("prompt",)) -> list[str]:
-    """The first of `fields` present in each JSON line (a prompt set: 'prompt'); `path` names the
-    source in errors."""
-    prompts = []
-    for n, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise SpecError(f"{path}:{n}: not valid JSON ({e.msg})") from None
-        value = next((record[f] for f in fields if f in record), None) if isinstance(record, dict) else None
-        if not isinstance(value, str):
-            names = " or ".join(f"'{f}'" for f in fields)
-            raise SpecError(f"{path}:{n}: expected an object with a string field {names}")
-        prompts.append(value)
-    if not prompts:
-        raise SpecError(f"{path}: no {fields[0]}s")
-    return prompts
 
 
 def load_prompts(name_or_path: str, limit: int | None = None, source: str = "pipeline.yaml") -> list[str]:

@@ -38,8 +38,8 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from ..bench.prompts import parse_jsonl
 from ..errors import EngineError, SpecError
+from ..jsonl import parse_jsonl
 
 VOCAB_FILE = "draft_vocab.safetensors"
 CORPUS_BYTES = 8 << 20  # the frequency table's text: top-N ranks settle within a few MB of code

@@ -1,54 +1,41 @@
-"""The decoder stack with fused kernels: ten launches a layer instead of about forty.
+"""The decoder stack with fused kernels: about ten launches a layer instead of about forty.
 
 At batch 1 a decoder step is latency-bound: each small torch op (RMSNorm's fp32 pieces, RoPE's
-cat/mul/add, separate q/k/v and gate/up projections, SiLU·mul, cache writes) is a kernel launch
-of a few microseconds, and at Llama-3.1-8B shapes those cost as much as reading the weights
-(the torch rows of bench/results/step_times_llama_h200.json: 7.00 ms against a 3.62 ms floor). Per layer here:
+cat/mul/add, separate q/k/v and gate/up projections, SiLU·mul, cache writes) is a launch of a few
+microseconds, and at 8B shapes those cost as much as reading the weights. Per layer here:
 
   rmsnorm (+ the previous residual add) -> q|k|v in one GEMM -> qk-norm + RoPE + KV-cache write
   -> attention -> o_proj -> rmsnorm + residual add -> gate|up in one GEMM -> SiLU·mul -> down_proj
 
-Where a layer's attention is the split-KV kernel (fused_path, the attention-split-kv pass),
-kernels/rope_attention.py does qk-norm, RoPE, the cache write and attention in one launch (the
-split kernel; its combine is a second): the Llama-3.1-8B AR step ran 4.21 ms against 4.40 with
-rope_qkv apart (bench/results/step_times_llama_h200.json, fused-rope-apart).
-
-At one row, at 5..16 rows and at 32 (LINEAR_GEMV_MAX_M, LINEAR_MAX_M, LINEAR_GAP) of plain (bf16/fp32) weights,
-kernels/fused_linear.py takes the norms into the q|k|v and gate|up GEMMs' prologues, SiLU·mul into
-gate|up's epilogue and the residual adds into o's and down's (the residual stream updated in
-place): seven launches a layer (run_layers_linear). o's and down's epilogues also leave the
-stream's sums of squares for the next norm (RowSquares), so at several rows a norm prologue reads
-a few KB of them instead of every row of x in each program. On the H200 the Llama-3.1-8B AR step
-runs 4.075 ms against 4.794 ms on cuBLAS with the separate kernels (bench/results/step_times_llama_h200.json,
-fused-cublas), verify(16) 4.559 against 4.782 interleaved (bench/results/tried/step_ab_verify16_e0b3034_h200.json).
-kernels/u12_fused_linear.py serves u12 layers the same way, but without its norm prologue (measured
-slower: U12_LINEAR, U12_NORMS_APART): o's and down's residual epilogues hand the stream's norm to
-the GEMV after them (NormHandoff, U12_NORM_HANDOFF), which scales its sums by the norm's inv, so
-only the first layer's input norm and the final norm stay rmsnorm kernels. Above GEMV_ROWS rows
-(verify and tree steps) u12_fused_linear's mma and hmma epilogues and the handoff serve them too up
-to U12_MANY_ROWS rows (16: the hmma kernel's); more rows run u12_linear beside the rmsnorm and
-silu_mul kernels. u12 stacks' forwards of up to U12_PDL_ROWS rows launch in PDL mode U12_PDL.
+Where a layer's attention is the split-KV kernel, `rope_attention` does qk-norm, RoPE, the cache
+write and attention in one launch. At the rows `FusedOps.linear_serves` takes, `linear`
+(fused_linear) takes the norms into the q|k|v and gate|up GEMMs' prologues, SiLU·mul into gate|up's
+epilogue and the residual adds into o's and down's (the residual stream updated in place): seven
+launches a layer (`run_layers_linear`); o's and down's epilogues also leave the stream's sums of
+squares for the next norm (RowSquares). u12 layers run `linear_u12` (u12_fused_linear) the same
+way but with their norms apart: o's and down's residual epilogues hand the stream's norm to the GEMV
+after them (NormHandoff), so only the first layer's input norm and the final norm stay rmsnorm
+kernels.
 
 q/k/v and gate/up are concatenated once at install; the original projections become views of the
-concatenated weights, so no memory is doubled. u12 projections are concatenated the same way (one
-re-packed tensor, whose row ranges the original modules then view); projections served by any
-other module are called one by one. The residual stream is carried beside the layer
-output, so each residual add happens inside the next RMSNorm kernel, rounded where the reference
-rounds it: in bf16 the result equals Transformer's own forward bit for bit wherever the kernels
-do (see each kernel's docstring), and token forcing judges the rest.
+concatenated weights (bf16 or u12), so no memory is doubled. The residual stream is carried beside
+the layer output, so each residual add happens inside the next RMSNorm kernel, rounded where the
+reference rounds it: in bf16 the result equals Transformer's own forward bit for bit wherever the
+kernels do, and token forcing judges the rest.
 
 The DFlash drafter's block layers run the same loop (`FusedStack.run_layers`) over [context ;
 block] with full visibility; its context K/V come from one k|v GEMM a layer (the rows of the
-concatenated q|k|v weight after q's) into rope_qkv with no q heads (k-norm + RoPE + cache write).
+concatenated q|k|v weight after q's) into rope_qkv with no q heads.
 
-`ops` picks the implementations: the Triton kernels on a GPU (or under TRITON_INTERPRET=1), their
-torch references elsewhere, so the CPU tests run exactly this wiring.
+`FusedOps` is the hook point: the stack calls only what it holds. The runtime imports no kernel;
+a backend (specpilot/backends/kernel_hooks.py) fills it with the Triton kernels on a GPU (or under
+TRITON_INTERPRET=1) or with their torch references, so the CPU tests run exactly this wiring.
+Measurements behind the policy defaults: docs/experiments/fused-stack.md.
 """
 
 from __future__ import annotations
 
-import os
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Callable
 
@@ -63,27 +50,42 @@ from specpilot.runtime.model import Attention, DecoderLayer, Transformer, Visibi
 from specpilot.formats.u12 import U12Tensor, concat_u12
 
 
+# fused_linear's GEMV kernel serves up to this many rows, its tensor-core kernel more; so do
+# u12_fused_linear's (its mma and hmma epilogues: FusedOps.u12_many_rows).
+GEMV_ROWS = 4
+
+
 @dataclass(frozen=True)
 class FusedOps:
+    """What the fused stacks call, and at which rows. The callables are a backend's (the kernels or
+    their torch references, same signatures); the row limits are the serving policy, each default
+    chosen by an interleaved step measurement (docs/experiments/fused-stack.md names the files)."""
+
     rmsnorm: Callable
     rope_qkv: Callable
     silu_mul: Callable
     name: str
     linear: Callable | None = None  # fused_linear: RMSNorm prologue, SiLU·mul / residual-add epilogues
-    linear_max_m: int = 0  # rows (B·T) up to which `linear` (`linear_u12`) may serve the layers; 0: never
+    linear_max_m: int = 32  # rows (B·T) up to which `linear` (`linear_u12`) may serve the layers; 0: never
     linear_u12: Callable | None = None  # u12_fused_linear: the same over u12 weights
     u12_kernel: str = ""  # the u12 modules' kernel that `linear_u12` stands in for; "": u12 layers unfused
-    rope_attention: Callable | None = None  # rope_qkv + split-KV attention in one launch, where layers use that kernel
-    u12_norms_apart: bool = False  # u12 layers under `linear_u12`: their RMSNorms as rmsnorm kernels, no prologue
-    u12_norm_handoff: bool = False  # and where o or down and the GEMV after them are u12 GEMVs: the norm between
-    # them handed on (u12_fused_linear's NormHandoff) instead of an rmsnorm kernel
-    row_squares: bool = True  # `linear`'s residual epilogues hand the stream's Σ y² to the next norm (RowSquares)
-    linear_gemv_max_m: int = 0  # of linear_max_m, the GEMV kernels' rows (<= GEMV_ROWS) served: the rest of
+    rope_attention: Callable | None = None  # rope_qkv + split-KV attention in one launch, for layers whose
+    split_kv: Callable | None = None  # attention is this split-KV kernel
+    u12_norms_apart: bool = True  # u12 layers under `linear_u12`: their RMSNorms as rmsnorm kernels, no prologue
+    u12_norm_handoff: bool = True  # and where o or down and the GEMV after them are u12 GEMVs: the norm between
+    # them handed on (`norm_handoff`) instead of an rmsnorm kernel
+    row_squares: bool = True  # `linear`'s residual epilogues hand the stream's Σ y² to the next norm
+    linear_gemv_max_m: int = 1  # of linear_max_m, the GEMV kernels' rows (<= GEMV_ROWS) served: the rest of
     # 1..GEMV_ROWS stays unfused; above GEMV_ROWS only plain layers are served (`linear_serves`)
-    linear_gap: tuple[int, int] = (0, 0)  # rows lo..hi (inclusive) of those that stay unfused; (0, 0): none
-    u12_many_rows: int = 0  # u12 layers served above GEMV_ROWS up to this many rows too (u12_fused_linear's
-    # mma and hmma epilogues); 0: none (U12_MANY_ROWS)
-    u12_pdl: int = 0  # the PDL mode of a u12 stack's forwards of U12_PDL_ROWS rows or fewer (U12_PDL)
+    linear_gap: tuple[int, int] = (17, 31)  # rows lo..hi (inclusive) that stay unfused; (0, 0): none
+    u12_many_rows: int = 16  # u12 layers served above GEMV_ROWS up to this many rows too; 0: none
+    u12_pdl: int = 0  # the PDL mode of a u12 stack's forwards of u12_pdl_rows rows or fewer (`launch_scope`)
+    u12_pdl_rows: int = 32
+    new_row_squares: Callable[[], object] | None = None  # the kernels' RowSquares (None: a norm reads x)
+    norm_handoff: Callable[[torch.Tensor, float], object] | None = None  # u12_fused_linear's NormHandoff
+    u12_fuses: Callable[[int, int, int], bool] | None = None  # whether linear_u12 fuses (rows, K, base)
+    launch_scope: Callable[[int], AbstractContextManager] | None = None  # launches inside use this PDL mode
+    prefetch_on: Callable[[], bool] | None = None  # whether launches prefetch the next weight into L2
 
     def __post_init__(self) -> None:
         if isinstance(self.u12_many_rows, bool) or self.u12_many_rows < 0:
@@ -101,99 +103,11 @@ class FusedOps:
             return False
         return rows <= self.linear_gemv_max_m or (rows > GEMV_ROWS and not u12)
 
-
-# fused_linear's GEMV kernel serves up to this many rows, its tensor-core kernel more (m_bucket);
-# so do u12_fused_linear's (its mma and hmma epilogues: U12_MANY_ROWS).
-GEMV_ROWS = 4
-
-# Rows at which fused_linear serves the layers: one (the GEMV kernel, LINEAR_GEMV_MAX_M), 5..16 and 32
-# (the dot kernel, LINEAR_MAX_M, but not LINEAR_GAP: 17..31 rows run its 32-row tiles at 32 rows' cost,
-# where cuBLAS's 24-row tiles cost less: the 17-node tree verify ran 5.020 ms fused against 4.941 and
-# 4.899 on cuBLAS in the two runs before, while verify(32) ran 4.834 against 5.004; H200,
-# bench/results/tried/step_times_llama_{ba6038c,17069f4,817637c}_h200.json). Llama-3.1-8B on the H200, interleaved against cuBLAS with the separate
-# norm, SiLU·mul and add kernels (bench/step_ab.py --q, commit 4cea20f, bench/results/step_ab_verify*_h200.json,
-# verify(16) in bench/results/tried/step_ab_verify16_4cea20f_h200.json; at 35c93f7 4.737 against 4.900,
-# bench/results/tried/step_ab_verify16_35c93f7_h200.json; at e0b3034 4.559 against 4.782):
-# verify(8) 4.516 ms against 4.643, verify(16) 4.680 against 4.838, both with the norms' sums of squares
-# handed on by RowSquares (without: 4.673 and 4.823); verify(32) 4.920 against 5.005 with its own
-# configs (TUNED's M = 32 rows; at 17069f4, after the split-K sums were unrolled:
-# bench/results/step_ab_verify32_h200.json; 5.127 against 5.120 with the 16-row configs before,
-# bench/results/tried/step_ab_verify32_4cea20f_h200.json); verify(4), the GEMV kernel at four rows,
-# 5.089 against 4.572 (so 2..4 rows stay unfused). At
-# one row the AR step runs 4.057 ms against 4.808 on cuBLAS (bench/results/step_times_llama_h200.json, 7fc9b85).
-# Before RowSquares and the norm prologue's whole-row words (af8fe61), verify(16) ran 5.20 ms against 4.96
-# (bench/results/tried/step_ab_verify16_h200.json).
-LINEAR_MAX_M = 32
-LINEAR_GAP = (17, 31)
-LINEAR_GEMV_MAX_M = 1
-# Whether u12 layers run u12_fused_linear at LINEAR_GEMV_MAX_M rows: yes, with their norms apart
-# (U12_NORMS_APART). On the H200, the Llama-3.1-8B u12 AR step interleaved with the bf16 one
-# (bench/results/tried/step_ab_5b12e69_h200.json, commit 5b12e69, 12 rounds, spreads under 0.02 ms): 3.704 ms
-# with its SiLU·mul and residual epilogues, 3.723 ms with u12_linear beside the separate norm,
-# SiLU·mul and add kernels, 4.277 ms with its norm prologue too, against 4.138 ms in bf16. The
-# prologue's per-element normalising adds the norm weight's loads and roundings to the u12 loop.
-U12_LINEAR = True
-# With u12_linear on, whether the norms stay rmsnorm kernels (u12_fused_linear keeping only its
-# SiLU·mul and residual epilogues: one launch a layer fewer than the unfused u12 layers).
-U12_NORMS_APART = True
-# With the norms apart, whether a residual u12 GEMV hands the stream's norm to the u12 GEMV after
-# it (u12_fused_linear's NormHandoff: no rmsnorm kernel between them; 63 of a 32-layer step's 65
-# norms). On the H200, the Llama-3.1-8B u12 AR step interleaved (bench/step_ab.py, commit a05f9d3,
-# bench/results/tried/step_ab_a05f9d3_h200.json): 3.540 ms handed on against 3.631 with the rmsnorm kernels
-# (1.156x and 1.129x the bf16 step's 4.09); an ablation without any norm kernel ran 1.177x
-# (bench/results/tried/step_ab_u12_norm_escape_ablation_h200.json).
-U12_NORM_HANDOFF = True
-# The PDL mode (kernels/overlap.py: 0 off, 2 each kernel waits for the one before, launched as its
-# programs exit) of the u12 layers' launches at U12_PDL_ROWS rows or fewer (AR, verify and tree steps), where the GPU
-# has PDL (sm_90+) and neither SPECPILOT_PDL nor overlap() chose one. On the H200 the u12 AR step ran
-# 3.367 ms in mode 2 against 3.405 plain, interleaved at 753d9c4
-# (bench/results/tried/step_ab_753d9c4_h200.json), 3.411 against 3.511 at 0bc2353
-# (bench/results/tried/step_ab_0bc2353_h200.json) and 3.336 against 3.372 at 7db51f5
-# (bench/results/step_ab_h200.json); on the H100 4.487 against 4.517 at 8cc6200
-# (bench/results/tried/step_ab_early_lanes_parts_h100.json).
-U12_PDL = 2
-# Verify steps on tiled weights (bench/step_ab.py, interleaved), PDL mode 2 against none, u12_linear
-# beside the norm kernels (U12_MANY_ROWS 0): H200 verify(16) 4.383 ms against 4.435 at 293ce94
-# (bench/results/tried/step_ab_verify16_293ce94_h200.json); H100 (17a03ab) verify(8) 4.984 against 5.032,
-# verify(32) 7.156 against 7.196 (bench/results/step_ab_verify8_ways_h100.json, step_ab_verify32_ways_h100.json).
-U12_PDL_ROWS = 32
-# Up to how many rows u12 layers run u12_fused_linear above GEMV_ROWS (verify and tree steps: the mma
-# and hmma kernels' epilogues and the norm handoff, in place of u12_linear beside the rmsnorm and
-# silu_mul kernels; through LINEAR_GAP: fused or not they run the same tiles); 0: none. Interleaved on
-# tiled weights, both in PDL mode 2, the fused way against u12_linear's: H200 verify(16) 4.365 ms
-# against 4.383 (293ce94, bench/results/tried/step_ab_verify16_293ce94_h200.json); H100 verify(16)
-# 5.289 against 5.323 (e9090f0, step_ab_verify16_many_rows_h100.json), verify(8) 4.889 against 4.984,
-# but verify(32), where the mma kernel served, 7.420 against 7.156 (17a03ab, the _ways_ files above),
-# and with the hmma kernel's 32-row programs there (u12_hmma.WIDE) 6.589 against 6.333 (c82ea2b,
-# bench/results/step_ab_verify32_wide_h100.json): hence 16. With the 32-row configs, on the H200 the fused way in PDL mode 2 ran 4.175-4.177 ms against
-# 4.238 for the plain way without PDL (the default before; c566ca9's step_ab_verify16_h200.json, u12-tiles-w2).
-U12_MANY_ROWS = 16
-
-
-def fused_ops(kind: str, linear_max_m: int = LINEAR_MAX_M, u12_linear: bool = U12_LINEAR,
-              u12_norms_apart: bool = U12_NORMS_APART, linear_gemv_max_m: int = LINEAR_GEMV_MAX_M,
-              linear_gap: tuple[int, int] = LINEAR_GAP, u12_norm_handoff: bool = U12_NORM_HANDOFF,
-              u12_many_rows: int = U12_MANY_ROWS, u12_pdl: int = U12_PDL) -> FusedOps:
-    """"triton": the kernels; "torch": their references (same signatures). u12_linear: u12 layers
-    take the fused linear too (else their projections run u12_linear with the separate kernels),
-    with their norms as rmsnorm kernels where u12_norms_apart, handed from GEMV to GEMV where
-    u12_norm_handoff, above GEMV_ROWS rows too up to u12_many_rows; a u12 stack's forwards of up to
-    U12_PDL_ROWS rows with PDL mode u12_pdl (the kernels only)."""
-    from specpilot.kernels import fused_linear, rmsnorm, rope_attention, rope_kv, silu_mul, u12_fused_linear
-
-    if kind == "triton":
-        return FusedOps(rmsnorm.rmsnorm, rope_kv.rope_qkv, silu_mul.silu_mul, kind,
-                        fused_linear.fused_linear, linear_max_m, u12_fused_linear.u12_fused_linear,
-                        "triton-u12" if u12_linear else "", rope_attention.rope_attention, u12_norms_apart,
-                        u12_norm_handoff=u12_norm_handoff, linear_gemv_max_m=linear_gemv_max_m, linear_gap=linear_gap,
-                        u12_many_rows=u12_many_rows, u12_pdl=u12_pdl)
-    if kind == "torch":
-        return FusedOps(rmsnorm.rmsnorm_reference, rope_kv.rope_qkv_reference, silu_mul.silu_mul_reference, kind,
-                        fused_linear.fused_linear_reference, linear_max_m,
-                        u12_fused_linear.u12_fused_linear_reference, "torch" if u12_linear else "",
-                        u12_norms_apart=u12_norms_apart, u12_norm_handoff=u12_norm_handoff,
-                        linear_gemv_max_m=linear_gemv_max_m, linear_gap=linear_gap, u12_many_rows=u12_many_rows)
-    raise ValueError(f"fused ops are 'triton' or 'torch', got {kind!r}")
+    def scope(self, rows: int, serves_u12: bool) -> AbstractContextManager:
+        """The launch settings of a forward of `rows` rows: PDL mode u12_pdl for a u12 stack's few rows."""
+        if self.launch_scope is None or not (serves_u12 and rows <= self.u12_pdl_rows):
+            return nullcontext()
+        return self.launch_scope(self.u12_pdl)
 
 
 Project = Callable[[torch.Tensor], torch.Tensor]
@@ -334,13 +248,10 @@ class FusedStack:
         layers keep their norms as rmsnorm kernels: one fewer, SiLU·mul's). The residual stream (a copy of
         x) is updated in place by the o and down projections' epilogues, so it returns (None, the
         stream, picked layer outputs)."""
-        from specpilot.kernels.fused_linear import RowSquares
-        from specpilot.kernels.u12_fused_linear import NormHandoff
-
         ops, (b, t, hidden) = self.ops, x.shape
         stream = x.reshape(b * t, hidden).clone()
         picked: dict[int, torch.Tensor] = {}
-        squares = RowSquares() if ops.row_squares else None  # the stream's Σ y²: o's and down's epilogues to the next norm
+        squares = ops.new_row_squares() if ops.row_squares and ops.new_row_squares else None  # the stream's Σ y²
 
         handoff: list = [None]  # the NormHandoff a residual u12 GEMV left for the next norm's GEMV
 
@@ -354,7 +265,7 @@ class FusedStack:
             if norm_weight is not None and ops.u12_norms_apart:  # the stream holds every add already
                 h, norm_weight = ops.rmsnorm(h, norm_weight, self.eps), None
             if hand_to is not None and self._hands_norm(h, w, hand_to[1]):
-                handoff[0] = NormHandoff(hand_to[0], self.eps)
+                handoff[0] = ops.norm_handoff(hand_to[0], self.eps)
                 return ops.linear_u12(h, w, eps=self.eps, hand_out=handoff[0], **kw)
             return ops.linear_u12(h, w, norm_weight=norm_weight, eps=self.eps, **kw)
 
@@ -376,11 +287,10 @@ class FusedStack:
     def _hands_norm(self, h: torch.Tensor, w: U12Tensor, w_next) -> bool:
         """Whether the residual u12 GEMV of w over h hands the next norm on to the GEMV of w_next
         (ops.u12_norm_handoff, both u12 GEMVs that u12_fused_linear fuses at h's rows)."""
-        from specpilot.kernels.u12_fused_linear import fused_applies
-
-        rows = h.shape[0]
-        return (self.ops.u12_norm_handoff and self.ops.u12_norms_apart and isinstance(w_next, U12Tensor)
-                and fused_applies(rows, w.shape[1], w.base) and fused_applies(rows, w_next.shape[1], w_next.base))
+        ops, rows = self.ops, h.shape[0]
+        return (ops.u12_norm_handoff and ops.u12_norms_apart and ops.norm_handoff is not None
+                and ops.u12_fuses is not None and isinstance(w_next, U12Tensor)
+                and ops.u12_fuses(rows, w.shape[1], w.base) and ops.u12_fuses(rows, w_next.shape[1], w_next.base))
 
     def attend(
         self, i: int, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, vis: Visibility,
@@ -392,10 +302,8 @@ class FusedStack:
         issues it), else rope_qkv and the layer's attention."""
         ops, attn = self.ops, self.layers[i].layer.self_attn
         norms = dict(q_norm_weight=_w(attn.q_norm), k_norm_weight=_w(attn.k_norm), eps=self.eps)
-        if ops.rope_attention is not None and attn.attention is split_kv_attention:
-            from specpilot.kernels.overlap import prefetch_on
-
-            if not prefetch_on():
+        if ops.rope_attention is not None and ops.split_kv is not None and attn.attention is ops.split_kv:
+            if not (ops.prefetch_on and ops.prefetch_on()):
                 return ops.rope_attention(qkv, cos, sin, cache.k[i], cache.v[i], past=vis.past, mask=vis.new,
                                           num_heads=self.heads, num_kv_heads=self.kv_heads,
                                           scale=attn.head_dim ** -0.5, **norms)
@@ -425,11 +333,8 @@ class FusedDecoder(FusedStack):
         """x: embeddings [B, T, H]; cos, sin: the new tokens' RoPE tables (Transformer.rope, once a
         forward for every layer). Returns (final-normed hidden states, picked layer outputs).
         Writes the new tokens' K/V at slots cache.length.. (the caller advances the length)."""
-        from specpilot.kernels.overlap import default_pdl
-
         slots, end = write_slots(cache, *x.shape[:2], x.device)
-        few_rows = x.shape[0] * x.shape[1] <= U12_PDL_ROWS
-        with default_pdl(self.ops.u12_pdl if few_rows and self.serves_u12() else 0):
+        with self.ops.scope(x.shape[0] * x.shape[1], self.serves_u12()):
             out, residual, picked = self.run_layers(x, cos, sin, cache, vis, slots, end, hidden_layers)
             return self.final_norm(out, residual, self.model.model.norm.weight), picked
 
@@ -495,44 +400,8 @@ def _w(norm: nn.Module | None) -> torch.Tensor | None:
     return None if norm is None else norm.weight
 
 
-def install_fused(model: Transformer | DFlashDrafter, kind: str | None = None) -> FusedDecoder | FusedDFlash:
-    """Serve `model`'s forward (a DFlash drafter's add_context too) with the fused stack (kernels on
-    CUDA or under the interpreter, references elsewhere, unless `kind` says)."""
-    if kind is None:
-        on_gpu = model.device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
-        kind = "triton" if on_gpu else "torch"
+def install_fused(model: Transformer | DFlashDrafter, ops: FusedOps) -> FusedDecoder | FusedDFlash:
+    """Serve `model`'s forward (a DFlash drafter's add_context too) with the fused stack over `ops`."""
     stack = FusedDFlash if isinstance(model, DFlashDrafter) else FusedDecoder
-    model.fused = stack(model, fused_ops(kind))
+    model.fused = stack(model, ops)
     return model.fused
-
-
-def split_kv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vis: Visibility) -> torch.Tensor:
-    """The split-KV Triton kernel under `vis` (an `Attention.attention` implementation)."""
-    from specpilot.kernels.attention_split_kv import attention_split_kv
-
-    return attention_split_kv(q, k, v, past=vis.past, mask=vis.new, scale=q.shape[-1] ** -0.5)
-
-
-@contextmanager
-def fused_path(model: Transformer, *others: nn.Module):
-    """For the duration: `model` and the DFlash drafters among `others` served by their fused
-    stacks (installed once, kept) and split-KV attention, as the fused-decoder and
-    attention-split-kv passes would build them; the other `others` (PARD drafters' models) get
-    split-KV attention only. Restored after, so benchmarks can compare paths on one set of
-    weights. Graphed runners are keyed by this setup (graph_decode.runner_for)."""
-    fused = [model, *(m for m in others if isinstance(m, DFlashDrafter))]
-    for m in fused:
-        m._fused_kept = getattr(m, "_fused_kept", None) or install_fused(m)
-    attentions = [m for root in (model, *others) for m in root.modules() if isinstance(m, Attention)]
-    before = [a.attention for a in attentions]
-    for m in fused:
-        m.fused = m._fused_kept
-    for a in attentions:
-        a.attention = split_kv_attention
-    try:
-        yield model
-    finally:
-        for m in fused:
-            m.fused = None
-        for a, fn in zip(attentions, before):
-            a.attention = fn

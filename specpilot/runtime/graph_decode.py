@@ -14,8 +14,8 @@ the target's argmax back every step. Here the whole step lives on the device:
             cross once, at the end.
 
 Trees (`GraphedTreeDFlash`, `GraphedTreePard`): the drafter's top-k -> a best-first tree of a
-static node budget built by one Triton program (kernels/best_first_tree.py; the host heap of
-tree.py on a plain CPU) -> one verify forward under the ancestor mask -> `accept_tree_on_device`
+static node budget, built by the builder a backend installs (one Triton program on a GPU; the
+host heap of tree.py by default) -> one verify forward under the ancestor mask -> `accept_tree_on_device`
 -> KV compaction by device indices; the same trees and acceptances as tree_decode.py.
 
 The prefill is eager (its length varies) on the same caches. Token accounting matches `decode`
@@ -27,7 +27,6 @@ the last one (`last`), which is the next verify's first input.
 
 from __future__ import annotations
 
-import os
 import weakref
 from collections.abc import Callable, Sequence
 
@@ -38,6 +37,7 @@ from specpilot.runtime.cache import DeviceKVCache
 from specpilot.runtime.decode import Generation, OutputTokens, _check_max_new, _Clock, _prompt_tensor
 from specpilot.runtime.dflash import DFlashDrafter
 from specpilot.runtime.model import Attention, PardDrafter, Transformer
+from specpilot.runtime.tree import best_first_tree_padded
 
 # Capacity buckets: a runner (and its graphs) serves every request that fits.
 MIN_CAPACITY = 256
@@ -409,23 +409,19 @@ def compact_on_device(cache: DeviceKVCache, start: torch.Tensor, path: torch.Ten
     cache.rollback(start + n + 1)
 
 
-def _tree_builder(device: torch.device):
-    """The best-first builder: the Triton kernel where Triton runs, else the host heap (CPU)."""
-    from specpilot.kernels.best_first_tree import best_first_tree, best_first_tree_reference
-
-    on_triton = device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
-    return best_first_tree if on_triton else best_first_tree_reference
+TreeBuilder = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int],
+                       tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]
 
 
 class _TreeSteps:
     """Mixed into a chain runner: the same drafting, verified as a best-first tree of `budget`
     nodes (plus the anchor) from the drafter's top-k; the KV of the accepted path is compacted."""
 
-    def _init_tree(self, positions: int, budget: int, topk: int) -> None:
+    def _init_tree(self, positions: int, budget: int, topk: int, build: TreeBuilder | None) -> None:
         if budget < 1 or topk < 1:
             raise ValueError(f"budget and topk must be >= 1, got {budget}, {topk}")
         self.positions, self.budget, self.topk = positions, budget, topk
-        self.build = _tree_builder(self.device)
+        self.build = build or best_first_tree_padded
 
     def _step(self) -> None:
         logits = self._draft()
@@ -444,37 +440,38 @@ class GraphedTreeDFlash(_TreeSteps, GraphedDFlash):
     """DFlash-style drafting verified as a best-first tree, one CUDA graph a step."""
 
     def __init__(self, target: Transformer, drafter: DFlashDrafter, capacity: int, block_size: int, budget: int,
-                 topk: int, mask_token_id: int, eos_token_id: int | None) -> None:
+                 topk: int, mask_token_id: int, eos_token_id: int | None, build: TreeBuilder | None = None) -> None:
         super().__init__(target, drafter, capacity, block_size, mask_token_id, eos_token_id, extra_slots=budget + 1)
-        self._init_tree(block_size - 1, budget, topk)
+        self._init_tree(block_size - 1, budget, topk, build)
 
 
 class GraphedTreePard(_TreeSteps, GraphedPard):
     """PARD-style drafting (as GraphedPard) verified as a best-first tree, one CUDA graph a step."""
 
     def __init__(self, target: Transformer, drafter: Transformer, capacity: int, k: int, budget: int, topk: int,
-                 mask_token_id: int, eos_token_id: int | None) -> None:
+                 mask_token_id: int, eos_token_id: int | None, build: TreeBuilder | None = None) -> None:
         super().__init__(target, drafter, capacity, k, mask_token_id, eos_token_id, extra_slots=budget + 1)
-        self._init_tree(k, budget, topk)
+        self._init_tree(k, budget, topk, build)
 
 
 def generate_dflash_tree_graphed(target: Transformer, drafter: DFlashDrafter, prompt_ids, *, block_size: int,
                                  budget: int, topk: int, mask_token_id: int, max_new_tokens: int,
-                                 eos_token_id: int | None) -> Generation:
-    """`tree_decode.generate_dflash_tree` (best-first), one CUDA graph a step."""
-    key = ("dflash-tree", id(drafter), block_size, budget, topk, mask_token_id, eos_token_id)
+                                 eos_token_id: int | None, build: TreeBuilder | None = None) -> Generation:
+    """`tree_decode.generate_dflash_tree` (best-first), one CUDA graph a step; `build` the tree
+    builder (default: the host heap, `tree.best_first_tree_padded`)."""
+    key = ("dflash-tree", id(drafter), block_size, budget, topk, mask_token_id, eos_token_id, build)
     make = lambda cap: GraphedTreeDFlash(target, drafter, cap, block_size, budget, topk, mask_token_id,  # noqa: E731
-                                         eos_token_id)
+                                         eos_token_id, build)
     runner = runner_for(target, key, make, _length(prompt_ids) + max_new_tokens, drafter)
     return runner.generate(prompt_ids, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id)
 
 
 def generate_pard_tree_graphed(target: Transformer, drafter: Transformer | PardDrafter, prompt_ids, *, k: int,
                                budget: int, topk: int, mask_token_id: int, max_new_tokens: int,
-                               eos_token_id: int | None) -> Generation:
-    """`tree_decode.generate_pard_tree` (best-first), one CUDA graph a step."""
+                               eos_token_id: int | None, build: TreeBuilder | None = None) -> Generation:
+    """`tree_decode.generate_pard_tree` (best-first), one CUDA graph a step; `build` as above."""
     model = drafter.model if isinstance(drafter, PardDrafter) else drafter
-    key = ("pard-tree", id(model), k, budget, topk, mask_token_id, eos_token_id)
-    make = lambda cap: GraphedTreePard(target, model, cap, k, budget, topk, mask_token_id, eos_token_id)  # noqa: E731
+    key = ("pard-tree", id(model), k, budget, topk, mask_token_id, eos_token_id, build)
+    make = lambda cap: GraphedTreePard(target, model, cap, k, budget, topk, mask_token_id, eos_token_id, build)  # noqa: E731
     runner = runner_for(target, key, make, _length(prompt_ids) + max_new_tokens, model)
     return runner.generate(prompt_ids, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id)

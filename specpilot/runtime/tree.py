@@ -222,3 +222,13 @@ def compact_kv(cache: KVCache, start: int, path_slots: torch.Tensor | Sequence[i
             k[:, :, start : start + n] = k[:, :, src]  # the gather copies first: overlapping moves are safe
             v[:, :, start : start + n] = v[:, :, src]
     cache.length = start + n
+
+
+def best_first_tree_padded(logp: torch.Tensor, ids: torch.Tensor, anchor: torch.Tensor, budget: int
+                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`best_first_tree` (a heap on the host) as a graphed loop's tree builder takes it: the anchor
+    a 1-element tensor, the tree padded to budget + 1 nodes, returned as (parent, depth, token,
+    score) on logp's device. A backend may install a device builder of the same signature."""
+    tree = best_first_tree(logp.float().cpu(), ids.long().cpu(), int(anchor.reshape(-1)[0]), budget=budget)
+    tree = tree.padded(budget + 1).to(logp.device)
+    return tree.parent, tree.depth, tree.token, tree.score

@@ -1,0 +1,97 @@
+"""Where the kernels meet the runtime: the one module that imports both.
+
+The runtime is pure torch with hook points (`FusedOps` for the fused decoder stacks, an
+`Attention.attention` function per layer, a tree builder for the graphed tree loops). This module
+fills them: with the Triton kernels where Triton runs (a CUDA GPU, or the interpreter under
+TRITON_INTERPRET=1), or with the kernels' own torch references elsewhere, which share their
+signatures, so a CPU run exercises the same wiring.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+
+from ..kernels import (attention_split_kv, best_first_tree, fused_linear, overlap, rmsnorm, rope_attention,
+                       rope_kv, silu_mul, u12_fused_linear)
+from ..runtime.dflash import DFlashDrafter
+from ..runtime.fused import FusedDecoder, FusedDFlash, FusedOps, install_fused
+from ..runtime.model import Attention, Transformer, Visibility
+
+KINDS = ("triton", "torch")
+# The PDL mode (kernels/overlap.py: 0 off, 2 each kernel waits for the one before) of a u12 stack's
+# forwards of few rows, where the GPU has PDL (docs/experiments/fused-stack.md: U12_PDL).
+U12_PDL = 2
+
+
+def triton_runs(device: torch.device) -> bool:
+    """Whether Triton kernels run for tensors on `device`: a CUDA GPU, or anything under the interpreter."""
+    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def fused_ops(kind: str, u12_linear: bool = True, **fields) -> FusedOps:
+    """"triton": the kernels; "torch": their references (same signatures). u12_linear: u12 layers
+    take the fused linear too (else their projections run u12_linear with the separate kernels).
+    `fields` override FusedOps' policy defaults."""
+    if kind == "triton":
+        ops = FusedOps(rmsnorm.rmsnorm, rope_kv.rope_qkv, silu_mul.silu_mul, kind,
+                       linear=fused_linear.fused_linear, linear_u12=u12_fused_linear.u12_fused_linear,
+                       u12_kernel="triton-u12" if u12_linear else "", rope_attention=rope_attention.rope_attention,
+                       split_kv=split_kv_attention, u12_pdl=U12_PDL, launch_scope=overlap.default_pdl,
+                       prefetch_on=overlap.prefetch_on)
+    elif kind == "torch":
+        ops = FusedOps(rmsnorm.rmsnorm_reference, rope_kv.rope_qkv_reference, silu_mul.silu_mul_reference, kind,
+                       linear=fused_linear.fused_linear_reference,
+                       linear_u12=u12_fused_linear.u12_fused_linear_reference,
+                       u12_kernel="torch" if u12_linear else "")
+    else:
+        raise ValueError(f"fused ops are one of {KINDS}, got {kind!r}")
+    ops = dataclasses.replace(ops, new_row_squares=fused_linear.RowSquares, norm_handoff=u12_fused_linear.NormHandoff,
+                              u12_fuses=u12_fused_linear.fused_applies)
+    return dataclasses.replace(ops, **fields) if fields else ops
+
+
+def install(model: Transformer | DFlashDrafter, kind: str | None = None) -> FusedDecoder | FusedDFlash:
+    """Serve `model` with the fused stack: the kernels where Triton runs, the references elsewhere,
+    unless `kind` says."""
+    return install_fused(model, fused_ops(kind or ("triton" if triton_runs(model.device) else "torch")))
+
+
+def split_kv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vis: Visibility) -> torch.Tensor:
+    """The split-KV Triton kernel under `vis` (an `Attention.attention` implementation)."""
+    return attention_split_kv.attention_split_kv(q, k, v, past=vis.past, mask=vis.new, scale=q.shape[-1] ** -0.5)
+
+
+def tree_builder(device: torch.device):
+    """The best-first tree builder of the graphed tree loops: the Triton kernel where Triton runs,
+    else its reference (a heap on the host)."""
+    return best_first_tree.best_first_tree if triton_runs(device) else best_first_tree.best_first_tree_reference
+
+
+@contextmanager
+def fused_path(model: Transformer, *others: nn.Module):
+    """For the duration: `model` and the DFlash drafters among `others` served by their fused
+    stacks (installed once, kept) and split-KV attention, as the fused-decoder and
+    attention-split-kv passes would build them; the other `others` (PARD drafters' models) get
+    split-KV attention only. Restored after, so benchmarks can compare paths on one set of
+    weights. Graphed runners are keyed by this setup (graph_decode.runner_for)."""
+    fused = [model, *(m for m in others if isinstance(m, DFlashDrafter))]
+    for m in fused:
+        m.fused_kept = getattr(m, "fused_kept", None) or install(m)
+    attentions = [m for root in (model, *others) for m in root.modules() if isinstance(m, Attention)]
+    before = [a.attention for a in attentions]
+    for m in fused:
+        m.fused = m.fused_kept
+    for a in attentions:
+        a.attention = split_kv_attention
+    try:
+        yield model
+    finally:
+        for m in fused:
+            m.fused = None
+        for a, fn in zip(attentions, before):
+            a.attention = fn
