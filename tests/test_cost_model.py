@@ -534,10 +534,10 @@ def test_the_cost_model_folds_at_the_rows_the_runtime_fuses():
 def test_a_fused_dflash_layer_keeps_its_context_kv_launch(llama8b):
     """FusedDFlash runs a k|v GEMM over the target context and a q|k|v GEMM over the block: of a
     layer's q, k and v nodes two launch (the k node, which reads the context, keeps its own)."""
-    from specpilot.cost.roofline import GraphPlan, _folded_launches
+    from specpilot.cost.roofline import GraphPlan, folded_launches
 
     fused = FusedDecoder().apply(llama8b).program
     nodes = {n: (node, inputs) for n, node, inputs in GraphPlan.of(fused.drafter, fused.target).entries}
-    folded = _folded_launches(nodes)
+    folded = folded_launches(nodes)
     assert "layers.0.v_proj" in folded and "layers.0.up_proj" in folded
     assert "layers.0.k_proj" not in folded and "layers.0.q_proj" not in folded

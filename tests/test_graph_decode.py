@@ -21,7 +21,7 @@ from specpilot.runtime.model import build_mask, build_mask_device
 from conftest import FAMILIES
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")
-ZOO = "zoo/code-qwen3"
+ZOO = "specpilot/zoo/code-qwen3"
 
 
 @settings(max_examples=200, deadline=None)

@@ -272,7 +272,7 @@ class GraphPlan:
         entries = tuple((n, resolve(node), tuple(graph.inputs(n))) for n, node in graph.items())
         nodes = {n: (node, inputs) for n, node, inputs in entries}
         layers = _fused_layers(nodes)
-        folded, folded_few = _folded_launches(nodes), _folded_at_few_rows(nodes, layers)
+        folded, folded_few = folded_launches(nodes), _folded_at_few_rows(nodes, layers)
         fused_linears = {n for n, node, _ in entries
                          if node.op == "linear" and layers.get(n.rpartition(".")[0]) == "plain"}
         keys = tuple(Node(node.op, tuple(kv for kv in node.attrs if kv[0] != "weight")
@@ -315,7 +315,7 @@ _LAYER_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj"
 _JOINED = {"k_proj": "q_proj", "v_proj": "q_proj", "up_proj": "gate_proj"}  # concatenated GEMMs of a fused layer
 
 
-def _folded_launches(nodes: dict[str, tuple[Node, tuple[str, ...]]]) -> set[str]:
+def folded_launches(nodes: dict[str, tuple[Node, tuple[str, ...]]]) -> set[str]:
     """Nodes of a fused-decoder graph (runtime/fused.py) that launch nothing of their own: residual
     adds (inside the next RMSNorm kernel), a layer's rope where its attention is the split-KV
     kernel (kernels/rope_attention.py) and the k, v and up projections (one GEMM with q's or

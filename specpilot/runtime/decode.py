@@ -84,7 +84,7 @@ class OutputTokens:
         return kept
 
 
-class _Clock:
+class DecodeClock:
     """perf_counter, synchronising the device first so queued GPU work is counted."""
 
     def __init__(self, device: torch.device) -> None:
@@ -96,7 +96,7 @@ class _Clock:
         return time.perf_counter()
 
 
-def _prompt_tensor(prompt_ids: Sequence[int] | torch.Tensor, device: torch.device) -> torch.Tensor:
+def prompt_tensor(prompt_ids: Sequence[int] | torch.Tensor, device: torch.device) -> torch.Tensor:
     ids = torch.as_tensor(prompt_ids, dtype=torch.long, device=device)
     ids = ids[None] if ids.dim() == 1 else ids
     if ids.dim() != 2 or ids.shape[0] != 1 or ids.shape[1] == 0:
@@ -104,7 +104,7 @@ def _prompt_tensor(prompt_ids: Sequence[int] | torch.Tensor, device: torch.devic
     return ids
 
 
-def _check_max_new(max_new_tokens: int) -> None:
+def check_max_new(max_new_tokens: int) -> None:
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
 
@@ -113,14 +113,14 @@ def generate_ar(
     target: Transformer, prompt_ids: Sequence[int] | torch.Tensor, *, max_new_tokens: int, eos_token_id: int | None
 ) -> Generation:
     """Greedy autoregressive decoding with the static KV cache: prefill, then one token per step."""
-    _check_max_new(max_new_tokens)
+    check_max_new(max_new_tokens)
     target.eval()
-    clock = _Clock(target.device)
+    clock = DecodeClock(target.device)
     out = OutputTokens(max_new_tokens, eos_token_id)
     if out.done:
         return Generation(tokens=[])
     with torch.inference_mode():
-        prompt = _prompt_tensor(prompt_ids, target.device)
+        prompt = prompt_tensor(prompt_ids, target.device)
         cache = target.new_cache(1, prompt.shape[1] + max_new_tokens)
         t0 = clock()
         token = target(prompt, cache, only_last=True).logits[:, -1].argmax(-1, keepdim=True)
@@ -170,19 +170,19 @@ def generate_pard(
     [committed tokens not yet in its cache] + [mask x (k-1)] in one forward: the logits at the last
     real token give draft 1, at mask i draft i+1; then its cache is rolled back past the masks.
     """
-    _check_max_new(max_new_tokens)
+    check_max_new(max_new_tokens)
     if k < 1:
         raise ValueError(f"k must be >= 1, got {k}")
     draft_model = drafter.model if isinstance(drafter, PardDrafter) else drafter
     target.eval()
     draft_model.eval()
-    clock = _Clock(target.device)
+    clock = DecodeClock(target.device)
     out = OutputTokens(max_new_tokens, eos_token_id)
     if out.done:
         return Generation(tokens=[])
     accepted: list[int] = []
     with torch.inference_mode():
-        prompt = _prompt_tensor(prompt_ids, target.device)
+        prompt = prompt_tensor(prompt_ids, target.device)
         capacity = prompt.shape[1] + max_new_tokens + k + 1
         t_cache = target.new_cache(1, capacity)
         d_cache = draft_model.new_cache(1, capacity)
@@ -227,19 +227,19 @@ def generate_dflash(
     The drafter keeps the accepted positions' features as context (context-only KV) and drafts
     block_size-1 tokens in one non-causal pass over [last token, mask x (block_size-1)].
     """
-    _check_max_new(max_new_tokens)
+    check_max_new(max_new_tokens)
     if block_size < 2:
         raise ValueError(f"block_size must be >= 2 (anchor + drafts), got {block_size}")
     target.eval()
     drafter.eval()
     layers = tuple(drafter.target_layer_ids)
-    clock = _Clock(target.device)
+    clock = DecodeClock(target.device)
     out = OutputTokens(max_new_tokens, eos_token_id)
     if out.done:
         return Generation(tokens=[])
     accepted: list[int] = []
     with torch.inference_mode():
-        prompt = _prompt_tensor(prompt_ids, target.device)
+        prompt = prompt_tensor(prompt_ids, target.device)
         capacity = prompt.shape[1] + max_new_tokens + block_size + 1
         t_cache = target.new_cache(1, capacity)
         d_cache = drafter.new_cache(1, capacity)

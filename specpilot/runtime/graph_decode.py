@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from specpilot.runtime.cache import DeviceKVCache
-from specpilot.runtime.decode import Generation, OutputTokens, _check_max_new, _Clock, _prompt_tensor
+from specpilot.runtime.decode import Generation, OutputTokens, check_max_new, DecodeClock, prompt_tensor
 from specpilot.runtime.dflash import DFlashDrafter
 from specpilot.runtime.model import Attention, PardDrafter, Transformer
 from specpilot.runtime.tree import best_first_tree_padded
@@ -133,17 +133,17 @@ class _Runner:
         self.status.zero_()
 
     def generate(self, prompt_ids, *, max_new_tokens: int, eos_token_id: int | None) -> Generation:
-        _check_max_new(max_new_tokens)
+        check_max_new(max_new_tokens)
         if (-1 if eos_token_id is None else eos_token_id) != self.eos:
             raise ValueError(f"this runner was built for eos_token_id={self.eos}, got {eos_token_id}")
         if max_new_tokens == 0:
             return Generation(tokens=[])
-        prompt = _prompt_tensor(prompt_ids, self.device)
+        prompt = prompt_tensor(prompt_ids, self.device)
         if prompt.shape[1] + max_new_tokens > self.capacity:
             raise ValueError(f"prompt {prompt.shape[1]} + {max_new_tokens} new tokens exceed the capacity {self.capacity}")
         self.target.eval()
         self._capture()
-        clock = _Clock(self.device)
+        clock = DecodeClock(self.device)
         with torch.inference_mode():
             self._reset()
             t0 = clock()

@@ -33,7 +33,7 @@ from specpilot.runtime.model import (
     MLP_PROJ,
     ModelOutput,
     Visibility,
-    _fill_tied_head,
+    fill_tied_head,
     apply_rope,
     attend_visible,
     rope_cos_sin,
@@ -431,7 +431,7 @@ class HybridTransformer(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-            self.register_load_state_dict_pre_hook(_fill_tied_head)
+            self.register_load_state_dict_pre_hook(fill_tied_head)
         # layer index -> its index among the attention layers (KV slots) or the linear layers (states)
         self._slot = {i: cfg.attention_layers.index(i) if t == "full_attention" else cfg.linear_layers.index(i)
                       for i, t in enumerate(cfg.layer_types)}

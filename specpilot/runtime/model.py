@@ -317,7 +317,7 @@ class Transformer(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-            self.register_load_state_dict_pre_hook(_fill_tied_head)
+            self.register_load_state_dict_pre_hook(fill_tied_head)
         self._rope = RopeTables(cfg)
         self.fused = None  # a FusedDecoder serving the layers (runtime/fused.py), when installed
 
@@ -425,7 +425,7 @@ def swap_projection(model: nn.Module, weight_name: str, module: nn.Module) -> No
     setattr(parent, attr, module)
 
 
-def _fill_tied_head(module: Transformer, state_dict: dict, prefix: str, *args) -> None:
+def fill_tied_head(module: Transformer, state_dict: dict, prefix: str, *args) -> None:
     """HF files of tied models omit lm_head.weight: take the embedding's."""
     head, embed = prefix + "lm_head.weight", prefix + "model.embed_tokens.weight"
     if head not in state_dict and embed in state_dict:

@@ -75,13 +75,13 @@ def build_tiny_models(out_dir: Path, family: str = "qwen3", seed: int = 0, **ove
 
     tokenizer = build_byte_tokenizer(SPECIAL_TOKENS)
     vocab = tokenizer.get_vocab_size()
-    with _quiet_transformers():
-        _save_causal_lm(paths["target"], family, seed, vocab, opts, num_layers=opts["num_layers"])
-        _save_causal_lm(
+    with quiet_transformers():
+        save_causal_lm(paths["target"], family, seed, vocab, opts, num_layers=opts["num_layers"])
+        save_causal_lm(
             paths["pard"], family, seed + 1, vocab, opts, num_layers=opts["pard_layers"],
             extra={"pard_token": MASK_TOKEN_ID, "pard_k": opts["pard_k"]},
         )
-        _save_dflash(paths["dflash"], seed + 2, opts)
+        save_dflash(paths["dflash"], seed + 2, opts)
     for p in paths.values():
         tokenizer.save(str(p / "tokenizer.json"))
     stamp_path.write_text(json.dumps(stamp, indent=1))
@@ -89,7 +89,7 @@ def build_tiny_models(out_dir: Path, family: str = "qwen3", seed: int = 0, **ove
 
 
 @contextmanager
-def _quiet_transformers() -> Iterator[None]:
+def quiet_transformers() -> Iterator[None]:
     """No shard-writing progress bars in test logs; the previous setting is restored."""
     from transformers.utils import logging
 
@@ -102,7 +102,8 @@ def _quiet_transformers() -> Iterator[None]:
             logging.enable_progress_bar()
 
 
-def _common(opts: dict[str, Any]) -> dict[str, Any]:
+def common_hf_fields(opts: dict[str, Any]) -> dict[str, Any]:
+    """The HF config fields every tiny model shares, from the build options."""
     return dict(
         hidden_size=opts["hidden_size"],
         intermediate_size=opts["intermediate_size"],
@@ -118,7 +119,7 @@ def _common(opts: dict[str, Any]) -> dict[str, Any]:
     )
 
 
-def _save_causal_lm(
+def save_causal_lm(
     path: Path, family: str, seed: int, vocab: int, opts: dict[str, Any], *, num_layers: int, extra: dict | None = None
 ) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
@@ -129,7 +130,7 @@ def _save_causal_lm(
         num_hidden_layers=num_layers,
         tie_word_embeddings=opts["tie_word_embeddings"],
         rope_parameters={"rope_type": "default", "rope_theta": opts["rope_theta"]},
-        **_common(opts),
+        **common_hf_fields(opts),
     )
     torch.manual_seed(seed)
     model_cls(config).save_pretrained(path)
@@ -137,7 +138,7 @@ def _save_causal_lm(
         _update_config(path, extra)
 
 
-def _save_dflash(path: Path, seed: int, opts: dict[str, Any]) -> None:
+def save_dflash(path: Path, seed: int, opts: dict[str, Any]) -> None:
     from transformers import MuseGlimmerAssistantConfig, MuseGlimmerAssistantModel
 
     config = MuseGlimmerAssistantConfig(
@@ -147,7 +148,7 @@ def _save_dflash(path: Path, seed: int, opts: dict[str, Any]) -> None:
         block_size=opts["block_size"],
         mask_token_id=MASK_TOKEN_ID,
         target_layer_ids=opts["target_layer_ids"],
-        **_common(opts),
+        **common_hf_fields(opts),
     )
     torch.manual_seed(seed)
     MuseGlimmerAssistantModel(config).save_pretrained(path)

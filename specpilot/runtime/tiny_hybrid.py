@@ -17,10 +17,10 @@ from specpilot.runtime.tiny import (
     EOS_TOKEN_ID,
     MASK_TOKEN_ID,
     SPECIAL_TOKENS,
-    _common,
-    _quiet_transformers,
-    _save_causal_lm,
-    _save_dflash,
+    common_hf_fields,
+    quiet_transformers,
+    save_causal_lm,
+    save_dflash,
 )
 from specpilot.runtime.tokenizer import build_byte_tokenizer
 
@@ -69,7 +69,7 @@ def tiny_hybrid_config(vocab: int, **overrides: Any):
         moe_intermediate_size=opts["moe_intermediate_size"],
         shared_expert_intermediate_size=opts["shared_expert_intermediate_size"],
         decoder_sparse_step=1,
-        **_common(opts),
+        **common_hf_fields(opts),
     )
 
 
@@ -98,14 +98,14 @@ def build_tiny_hybrid(out_dir: Path, seed: int = 0, **overrides: Any) -> dict[st
     paths = {name: out_dir / name for name in ("target", "dflash", "pard")}
     tokenizer = build_byte_tokenizer(SPECIAL_TOKENS)
     vocab = tokenizer.get_vocab_size()
-    with _quiet_transformers():
+    with quiet_transformers():
         config = tiny_hybrid_config(vocab, **{k: v for k, v in opts.items() if k in HYBRID_DEFAULTS})
         random_hybrid(config, seed, opts["norm_std"]).save_pretrained(paths["target"])
-        _save_causal_lm(
+        save_causal_lm(
             paths["pard"], "qwen3", seed + 1, vocab, {**opts, "tie_word_embeddings": True},
             num_layers=opts["pard_layers"], extra={"pard_token": MASK_TOKEN_ID, "pard_k": opts["pard_k"]},
         )
-        _save_dflash(paths["dflash"], seed + 2, opts)
+        save_dflash(paths["dflash"], seed + 2, opts)
     for p in paths.values():
         tokenizer.save(str(p / "tokenizer.json"))
     return paths

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 import torch
 
 from specpilot.runtime.cache import KVCache
-from specpilot.runtime.decode import Generation, OutputTokens, _check_max_new, _Clock, _prompt_tensor
+from specpilot.runtime.decode import Generation, OutputTokens, check_max_new, DecodeClock, prompt_tensor
 from specpilot.runtime.dflash import DFlashDrafter
 from specpilot.runtime.model import PardDrafter, Transformer
 from specpilot.runtime.tree import TREE_SHAPES, Tree, accept_tree, ancestor_mask, compact_kv, draft_topk
@@ -95,19 +95,19 @@ def generate_dflash_tree(
     shape: str = "best-first",
 ) -> Generation:
     """DFlash-style drafting (block_size-1 positions per block) verified as a tree of `budget` nodes."""
-    _check_max_new(max_new_tokens)
+    check_max_new(max_new_tokens)
     _check_tree_args(budget, topk)
     if block_size < 2:
         raise ValueError(f"block_size must be >= 2 (anchor + drafts), got {block_size}")
     target.eval()
     drafter.eval()
     layers = tuple(drafter.target_layer_ids)
-    clock = _Clock(target.device)
+    clock = DecodeClock(target.device)
     out = OutputTokens(max_new_tokens, eos_token_id)
     if out.done:
         return Generation(tokens=[])
     with torch.inference_mode():
-        prompt = _prompt_tensor(prompt_ids, target.device)
+        prompt = prompt_tensor(prompt_ids, target.device)
         t_cache = target.new_cache(1, prompt.shape[1] + max_new_tokens + budget + 1)
         d_cache = drafter.new_cache(1, prompt.shape[1] + max_new_tokens + block_size + 1)
         step = _TreeStep(target, t_cache, out, layers)
@@ -145,19 +145,19 @@ def generate_pard_tree(
     shape: str = "best-first",
 ) -> Generation:
     """PARD-style drafting (k positions per forward, see decode.generate_pard) verified as a tree."""
-    _check_max_new(max_new_tokens)
+    check_max_new(max_new_tokens)
     _check_tree_args(budget, topk)
     if k < 1:
         raise ValueError(f"k must be >= 1, got {k}")
     draft_model = drafter.model if isinstance(drafter, PardDrafter) else drafter
     target.eval()
     draft_model.eval()
-    clock = _Clock(target.device)
+    clock = DecodeClock(target.device)
     out = OutputTokens(max_new_tokens, eos_token_id)
     if out.done:
         return Generation(tokens=[])
     with torch.inference_mode():
-        prompt = _prompt_tensor(prompt_ids, target.device)
+        prompt = prompt_tensor(prompt_ids, target.device)
         t_cache = target.new_cache(1, prompt.shape[1] + max_new_tokens + budget + 1)
         d_cache = draft_model.new_cache(1, prompt.shape[1] + max_new_tokens + k + 1)
         step = _TreeStep(target, t_cache, out)
