@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 # Triton interpreter); `make test TEST_WORKERS=0` runs it in one process.
 TEST_WORKERS ?= auto
 
-.PHONY: setup demo test clean
+.PHONY: setup demo test test-fast clean
 
 $(STAMP): pyproject.toml requirements.lock
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -21,6 +21,10 @@ demo: setup
 
 test: setup
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist worksteal
+
+# For iteration: everything but the tests marked slow.
+test-fast: setup
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist worksteal -m "not slow"
 
 clean:
 	rm -rf engines .pytest_cache

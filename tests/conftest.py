@@ -13,9 +13,12 @@ from pathlib import Path
 
 import torch
 
-# Triton runs in its interpreter without a GPU; Triton reads this when a kernel module is first
-# imported, so it is set here, before any test module (or what it imports) can import one.
-if not torch.cuda.is_available():
+# The device of the whole run, chosen once: the GPU where there is one. Without one Triton runs in
+# its interpreter; Triton reads this when a kernel module is first imported, so it is set here,
+# before any test module (or what it imports) can import one.
+ON_GPU = torch.cuda.is_available()
+DEVICE = torch.device("cuda" if ON_GPU else "cpu")
+if not ON_GPU:
     os.environ["TRITON_INTERPRET"] = "1"
 
 # Under pytest-xdist each core runs its own worker process; one intra-op thread per worker keeps
@@ -37,6 +40,22 @@ from specpilot.runtime.model import PardDrafter, Transformer  # noqa: E402
 from specpilot.runtime.tiny import build_tiny_models  # noqa: E402
 
 FAMILIES = ("llama", "qwen3")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked gpu need a CUDA GPU: skipped, with the reason, where there is none."""
+    if ON_GPU:
+        return
+    no_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(no_gpu)
+
+
+@pytest.fixture(scope="session")
+def device() -> torch.device:
+    """The run's device (conftest.DEVICE): kernels run natively there, or under the interpreter."""
+    return DEVICE
 
 
 def tiny_spec(kind: str, family: str = "qwen3", extra: str = "") -> str:
