@@ -1,20 +1,34 @@
-"""The benchmark harness: run the AR baseline and an engine over prompts, and record where.
+"""The benchmark harness: one place for how specpilot measures and records.
 
-Times exclude prefill (the loops time it separately) and come from the runtime's own clocks,
-which synchronise the GPU when there is one.
+- `measure`: the AR baseline and an engine over prompts (what `specpilot compile` reports). Times
+  exclude prefill (the loops time it separately) and come from the runtime's own clocks, which
+  synchronise the GPU when there is one.
+- `time_graph` / `time_events`: a step or kernel captured in a CUDA graph (or run eagerly), timed
+  by CUDA events, median of repeats; wall clock on a CPU (a check, never a figure to quote).
+- `write_results`: every bench/ script's results file, one schema, with commit, date, device and
+  versions inside, named `bench/results/<bench>_<gpu>[_<tag>].json`.
 """
 
 from __future__ import annotations
 
+import datetime
+import importlib
+import json
 import os
 import platform
+import re
+import statistics
 import subprocess
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from .. import __version__
+
+ROOT = Path(__file__).resolve().parents[2]  # the checkout (bench/results lives here)
 
 
 @dataclass
@@ -76,24 +90,187 @@ def measure(engine, baseline, prompts: list[list[int]], max_new_tokens: int, pro
     return m
 
 
-def _git_commit() -> str:
-    """SPECPILOT_COMMIT / GIT_COMMIT where set (a copied tree on a GPU machine), else HEAD."""
+def git_commit(short: bool = True) -> str:
+    """SPECPILOT_COMMIT / GIT_COMMIT where set (a copied tree on a GPU machine has no .git), else
+    HEAD, with "-dirty" when the tracked files differ from it."""
     for name in ("SPECPILOT_COMMIT", "GIT_COMMIT"):
         if os.environ.get(name):
             return os.environ[name]
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                             cwd=Path(__file__).parent, timeout=5)
-        return out.stdout.strip() or "unknown"
-    except (OSError, subprocess.SubprocessError):
+
+    def git(*args: str) -> str:
+        try:
+            return subprocess.run(["git", *args], capture_output=True, text=True, cwd=ROOT, timeout=10).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return ""
+
+    head = git("rev-parse", *(["--short"] if short else []), "HEAD")
+    if not head:
         return "unknown"
+    return head + ("-dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
+
+
+def versions() -> dict[str, str | None]:
+    """The versions a measurement depends on (None: not installed)."""
+    out: dict[str, str | None] = {"python": platform.python_version(), "torch": torch.__version__,
+                                  "specpilot": __version__, "cuda": torch.version.cuda}
+    for name in ("triton", "transformers"):
+        try:
+            out[name] = importlib.import_module(name).__version__
+        except ImportError:
+            out[name] = None
+    return out
+
+
+def device_name(device: torch.device | str) -> str:
+    """The card's name ("NVIDIA H100 80GB HBM3"), or the CPU's."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return platform.processor() or platform.machine() or "cpu"
+
+
+GPU_SLUGS = ("h200", "h100", "h20", "b200", "gh200", "a100", "a10g", "l40s", "l4", "rtx-4090")
+
+
+def gpu_slug(device: torch.device | str) -> str:
+    """The short name results files use for the device: "h200", "h100", ..., "cpu"."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return "cpu"
+    name = device_name(device).lower().replace(" ", "-")
+    return next((s for s in sorted(GPU_SLUGS, key=len, reverse=True) if s in name), re.sub(r"[^a-z0-9]+", "-", name))
 
 
 def environment(device: torch.device) -> dict:
-    env = {"python": platform.python_version(), "torch": torch.__version__, "specpilot": __version__,
-           "commit": _git_commit(), "device": str(device)}
+    """Where a measurement ran: versions, commit, device (the compile report's `environment`)."""
+    env = {**versions(), "commit": git_commit(), "device": str(device), "device_name": device_name(device)}
     if device.type == "cuda":
-        env["gpu_name"] = torch.cuda.get_device_name(device)
-    else:
-        env["cpu"] = platform.processor() or platform.machine()
+        env["gpu_name"] = env["device_name"]
     return env
+
+
+# --- timing -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Milliseconds of one call over repeats: median, p20 and p80. On a CPU, wall clock: a check
+    that the code runs, never a measurement to quote."""
+
+    median_ms: float
+    p20_ms: float
+    p80_ms: float
+    repeats: int
+    how: str  # "cuda-graph", "cuda-events" or "cpu-wall"
+
+    @staticmethod
+    def of(samples_ms: list[float], how: str) -> "Timing":
+        q = sorted(samples_ms)
+        at = lambda f: q[min(len(q) - 1, int(f * len(q)))]  # noqa: E731
+        return Timing(statistics.median(q), at(0.2), at(0.8), len(q), how)
+
+    def row(self) -> dict:
+        return {"ms": self.median_ms, "p20_ms": self.p20_ms, "p80_ms": self.p80_ms, "repeats": self.repeats,
+                "timing": self.how}
+
+
+def _event_ms(fn: Callable[[], object]) -> float:
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    fn()
+    b.record()
+    b.synchronize()
+    return a.elapsed_time(b)
+
+
+def _wall_ms(fn: Callable[[], object]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t0) * 1e3
+
+
+def _on_cuda(cuda: bool | None) -> bool:
+    return torch.cuda.is_available() if cuda is None else cuda
+
+
+def capture(fns: Callable[[], object] | Sequence[Callable[[], object]], warmup: int = 3,
+            cuda: bool | None = None) -> Callable[[], None]:
+    """`fns` (one or several, run in order) captured in one CUDA graph after `warmup` runs on a side
+    stream; returns the replay. Off CUDA (`cuda` False, or no GPU), returns a function running them."""
+    fns = [fns] if callable(fns) else list(fns)
+
+    def run() -> None:
+        for f in fns:
+            f()
+
+    if not _on_cuda(cuda):
+        return run
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            run()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    return graph.replay
+
+
+def time_graph(fns: Callable[[], object] | Sequence[Callable[[], object]], repeats: int = 20,
+               warmup: int = 3, cuda: bool | None = None) -> Timing:
+    """`fns` captured in one CUDA graph (`capture`), each replay timed by CUDA events; off CUDA one
+    wall-clock run a repeat."""
+    replay = capture(fns, warmup, cuda)
+    if not _on_cuda(cuda):
+        return Timing.of([_wall_ms(replay) for _ in range(repeats)], "cpu-wall")
+    for _ in range(warmup):
+        replay()
+    return Timing.of([_event_ms(replay) for _ in range(repeats)], "cuda-graph")
+
+
+def time_events(fn: Callable[[], object], repeats: int = 20, warmup: int = 3, cuda: bool | None = None) -> Timing:
+    """`fn` run eagerly, each call timed by CUDA events (wall clock off CUDA)."""
+    for _ in range(warmup):
+        fn()
+    if not _on_cuda(cuda):
+        return Timing.of([_wall_ms(fn) for _ in range(repeats)], "cpu-wall")
+    torch.cuda.synchronize()
+    return Timing.of([_event_ms(fn) for _ in range(repeats)], "cuda-events")
+
+
+def read_bandwidth(device: torch.device | str = "cuda", gib: float = 4, repeats: int = 20) -> float:
+    """Bytes/s of a full read (a sum) over a `gib` GiB tensor: the card's practical read ceiling."""
+    device = torch.device(device)
+    x = torch.empty(int(gib * 2**30) // 2, device=device, dtype=torch.bfloat16).normal_()
+    t = time_events(lambda: x.sum(), repeats, cuda=device.type == "cuda")
+    return x.numel() * x.element_size() / (t.median_ms * 1e-3)
+
+
+# --- results files ----------------------------------------------------------------------------
+
+RESULTS = ROOT / "bench" / "results"
+SCHEMA = 1
+
+
+def results_path(bench: str, device: torch.device | str, tag: str = "") -> Path:
+    """bench/results/<bench>_<gpu>[_<tag>].json: one name scheme for every results file."""
+    return RESULTS / f"{bench}_{gpu_slug(device)}{'_' + tag if tag else ''}.json"
+
+
+def write_results(bench: str, device: torch.device | str, records: list[dict], *, args: dict | None = None,
+                  out: str | Path | None = None, tag: str = "", **summary) -> Path:
+    """Write one results file (schema 1): what ran (bench, args), where (commit, date, device, gpu,
+    versions), its `records` (one dict a measured row) and any `summary` keys. Written whole or not
+    at all (a temporary file renamed into place); returns its path."""
+    device = torch.device(device)
+    doc = {"bench": bench, "schema": SCHEMA, "commit": git_commit(),
+           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "device": device_name(device), "gpu": gpu_slug(device), "versions": versions(),
+           "args": args or {}, **summary, "records": records}
+    path = Path(out) if out else results_path(bench, device, tag)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(doc, indent=2, default=str) + "\n")
+    os.replace(tmp, path)
+    return path
