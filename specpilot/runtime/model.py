@@ -343,7 +343,7 @@ class Transformer(nn.Module):
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows of the embedding by advanced indexing: the same copy as nn.Embedding, whose CUDA
         index_select for a few ids loops over them in each thread (16 ids: 11 µs of an 8B verify
-        step on the H200, against 2 for one; bench/results/tried/step_times_llama_25dece0_h200.json)."""
+        step on the H200, against 2 for one; docs/experiments/tried/step_times_h200_llama-25dece0.json)."""
         return self.model.embed_tokens.weight[ids]
 
     def final_norm(self, h: torch.Tensor) -> torch.Tensor:
