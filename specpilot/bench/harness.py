@@ -5,12 +5,18 @@
   synchronise the GPU when there is one.
 - `time_graph` / `time_events`: a step or kernel captured in a CUDA graph (or run eagerly), timed
   by CUDA events, median of repeats; wall clock on a CPU (a check, never a figure to quote).
+  `time_interleaved`: several variants timed round by round in rotated order, so that a drift of
+  the card's clocks or temperature lands on all of them alike (the A/B comparisons).
 - `write_results`: every bench/ script's results file, one schema, with commit, date, device and
-  versions inside, named `bench/results/<bench>_<gpu>[_<tag>].json`.
+  versions inside, named `bench/results/<bench>_<gpu>[_<tag>].json`; `add_results_args` gives a
+  script its `--out` (a file, or a folder to write the named file into) and `--tag`, and
+  `refuse_device` the one check of where a script can run (`--smoke`: the CPU under the Triton
+  interpreter; otherwise a CUDA GPU).
 """
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import importlib
 import json
@@ -20,7 +26,7 @@ import re
 import statistics
 import subprocess
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -229,14 +235,37 @@ def time_graph(fns: Callable[[], object] | Sequence[Callable[[], object]], repea
     return Timing.of([_event_ms(replay) for _ in range(repeats)], "cuda-graph")
 
 
-def time_events(fn: Callable[[], object], repeats: int = 20, warmup: int = 3, cuda: bool | None = None) -> Timing:
-    """`fn` run eagerly, each call timed by CUDA events (wall clock off CUDA)."""
+def event_samples(fn: Callable[[], object], repeats: int = 20, warmup: int = 3, cuda: bool | None = None) -> list[float]:
+    """Milliseconds of each of `repeats` calls of `fn` after `warmup` calls: CUDA events around each
+    call on a GPU, the wall clock elsewhere."""
     for _ in range(warmup):
         fn()
     if not _on_cuda(cuda):
-        return Timing.of([_wall_ms(fn) for _ in range(repeats)], "cpu-wall")
+        return [_wall_ms(fn) for _ in range(repeats)]
     torch.cuda.synchronize()
-    return Timing.of([_event_ms(fn) for _ in range(repeats)], "cuda-events")
+    return [_event_ms(fn) for _ in range(repeats)]
+
+
+def time_events(fn: Callable[[], object], repeats: int = 20, warmup: int = 3, cuda: bool | None = None) -> Timing:
+    """`fn` run eagerly, each call timed by CUDA events (wall clock off CUDA)."""
+    return Timing.of(event_samples(fn, repeats, warmup, cuda), "cuda-events" if _on_cuda(cuda) else "cpu-wall")
+
+
+def time_interleaved(variants: Mapping[str, Callable[[], object]], rounds: int = 10, repeats: int = 5,
+                     warmup: int = 3, cuda: bool | None = None) -> dict[str, list[float]]:
+    """Each variant's per-round medians (ms): every round times each variant `repeats` times, the
+    variants in an order rotated by one each round, so that no variant always runs first or after
+    the same one. Pass replays (`capture`) to compare graphed steps. Compare variants round by
+    round (the same round's medians ran seconds apart) rather than by their overall medians alone."""
+    names = list(variants)
+    for fn in variants.values():
+        for _ in range(warmup):
+            fn()
+    out: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(rounds):
+        for n in names[r % len(names):] + names[:r % len(names)]:
+            out[n].append(statistics.median(event_samples(variants[n], repeats, 0, cuda)))
+    return out
 
 
 def read_bandwidth(device: torch.device | str = "cuda", gib: float = 4, repeats: int = 20) -> float:
@@ -261,16 +290,43 @@ def results_path(bench: str, device: torch.device | str, tag: str = "") -> Path:
 def write_results(bench: str, device: torch.device | str, records: list[dict], *, args: dict | None = None,
                   out: str | Path | None = None, tag: str = "", **summary) -> Path:
     """Write one results file (schema 1): what ran (bench, args), where (commit, date, device, gpu,
-    versions), its `records` (one dict a measured row) and any `summary` keys. Written whole or not
-    at all (a temporary file renamed into place); returns its path."""
+    versions), its `records` (one dict a measured row) and any `summary` keys. `out`: the file, or a
+    folder to write `results_path`'s name into; default `results_path`. Written whole or not at all
+    (a temporary file renamed into place); returns its path."""
     device = torch.device(device)
     doc = {"bench": bench, "schema": SCHEMA, "commit": git_commit(),
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "device": device_name(device), "gpu": gpu_slug(device), "versions": versions(),
            "args": args or {}, **summary, "records": records}
     path = Path(out) if out else results_path(bench, device, tag)
+    if path.is_dir():  # a folder (run_gpu.sh's $OUT): the file named as in bench/results
+        path = path / results_path(bench, device, tag).name
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(doc, indent=2, default=str) + "\n")
     os.replace(tmp, path)
     return path
+
+
+def add_results_args(ap: argparse.ArgumentParser, smoke: bool = True) -> argparse.ArgumentParser:
+    """A bench script's common flags: --out (a results file, or a folder to write its named file
+    into), --tag (the name's tag: `<bench>_<gpu>_<tag>.json`) and, with `smoke`, --smoke."""
+    ap.add_argument("--out", type=Path, help="results file, or a folder for <bench>_<gpu>[_<tag>].json "
+                    "(default: bench/results/)")
+    ap.add_argument("--tag", default="", help="the results file name's tag: <bench>_<gpu>_<tag>.json")
+    if smoke:
+        ap.add_argument("--smoke", action="store_true",
+                        help="tiny shapes on the CPU (Triton under TRITON_INTERPRET=1): checks the script, measures nothing")
+    return ap
+
+
+def refuse_device(script: str, smoke: bool, interpreter: bool = True) -> str | None:
+    """Why `script` cannot run here, or None: a --smoke run of Triton kernels needs TRITON_INTERPRET=1
+    (`interpreter`), any other run a CUDA GPU. The caller prints it and exits 2."""
+    if smoke:
+        if interpreter and os.environ.get("TRITON_INTERPRET") != "1":
+            return f"{script} --smoke runs the Triton kernels in the interpreter: set TRITON_INTERPRET=1"
+        return None
+    if not torch.cuda.is_available():
+        return f"{script} needs a CUDA GPU (or --smoke)"
+    return None
