@@ -186,6 +186,7 @@ def test_heldout_prompts_end_at_the_docstring() -> None:
 # --- the whole script, smoke-sized ----------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_train_zoo_smoke_run_writes_loadable_models(small_data: Path, tmp_path: Path) -> None:
     from train.train_zoo import CODE_PAIR, HYBRID_PAIR, PHASE_SECONDS
 
