@@ -282,25 +282,33 @@ RESULTS = ROOT / "bench" / "results"
 SCHEMA = 1
 
 
+def results_name(bench: str, gpu: str, tag: str = "") -> str:
+    """<bench>_<gpu>[_<tag>].json: one name scheme for every results file (`gpu` a slug: "h200", "cpu")."""
+    return f"{bench}_{gpu}{'_' + tag if tag else ''}.json"
+
+
 def results_path(bench: str, device: torch.device | str, tag: str = "") -> Path:
-    """bench/results/<bench>_<gpu>[_<tag>].json: one name scheme for every results file."""
-    return RESULTS / f"{bench}_{gpu_slug(device)}{'_' + tag if tag else ''}.json"
+    """bench/results/<bench>_<gpu>[_<tag>].json for a run on `device`."""
+    return RESULTS / results_name(bench, gpu_slug(device), tag)
 
 
 def write_results(bench: str, device: torch.device | str, records: list[dict], *, args: dict | None = None,
-                  out: str | Path | None = None, tag: str = "", **summary) -> Path:
+                  out: str | Path | None = None, tag: str = "", gpu: str | None = None, **summary) -> Path:
     """Write one results file (schema 1): what ran (bench, args), where (commit, date, device, gpu,
     versions), its `records` (one dict a measured row) and any `summary` keys. `out`: the file, or a
-    folder to write `results_path`'s name into; default `results_path`. Written whole or not at all
-    (a temporary file renamed into place); returns its path."""
+    folder to write the file's name into; default bench/results/. `gpu`: the card the records
+    describe where that is not the device the script ran on (a model's predictions priced for a
+    card, on a CPU). Written whole or not at all (a temporary file renamed into place); returns its path."""
     device = torch.device(device)
+    gpu = gpu or gpu_slug(device)
     doc = {"bench": bench, "schema": SCHEMA, "commit": git_commit(),
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           "device": device_name(device), "gpu": gpu_slug(device), "versions": versions(),
+           "device": device_name(device), "gpu": gpu, "versions": versions(),
            "args": args or {}, **summary, "records": records}
-    path = Path(out) if out else results_path(bench, device, tag)
+    name = results_name(bench, gpu, tag)
+    path = Path(out) if out else RESULTS / name
     if path.is_dir():  # a folder (run_gpu.sh's $OUT): the file named as in bench/results
-        path = path / results_path(bench, device, tag).name
+        path = path / name
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(doc, indent=2, default=str) + "\n")
@@ -318,6 +326,16 @@ def add_results_args(ap: argparse.ArgumentParser, smoke: bool = True) -> argpars
         ap.add_argument("--smoke", action="store_true",
                         help="tiny shapes on the CPU (Triton under TRITON_INTERPRET=1): checks the script, measures nothing")
     return ap
+
+
+def write_run(args: argparse.Namespace, bench: str, device: torch.device | str, records: list[dict],
+              **summary) -> Path | None:
+    """`write_results` for a script run with `add_results_args`' flags: its --out and --tag, every
+    flag recorded as `args`. A --smoke run checks the script and measures nothing, so it writes only
+    where --out says (None when it wrote nothing)."""
+    if getattr(args, "smoke", False) and args.out is None:
+        return None
+    return write_results(bench, device, records, args=vars(args), out=args.out, tag=args.tag, **summary)
 
 
 def refuse_device(script: str, smoke: bool, interpreter: bool = True) -> str | None:

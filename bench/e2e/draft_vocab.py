@@ -1,37 +1,35 @@
 """τ of the zoo's drafters with their heads over a token subset (the draft-vocab pass), through `compile`.
 
-    python bench/draft_vocab.py [--pair code-qwen3] [--sizes 0,4096,2048,1024,512,256] [--corpus stdlib]
-                                [--num-prompts 8] [--max-new-tokens 64] [--device auto] [--passes ...]
+    python -m bench.e2e.draft_vocab [--pair code-qwen3] [--sizes 0,4096,2048,1024,512,256] [--corpus stdlib]
+                                    [--num-prompts 8] [--max-new-tokens 64] [--device auto] [--passes ...]
+                                    [--out FILE|DIR] [--tag TAG]
 
 For each drafter (dflash, pard), subset size (0: the whole vocabulary, no pass) and prompt set
 (humaneval, code-heldout) the whole compile pipeline runs: chain at the drafter's trained block
 size, `draft-vocab{size=N, corpus=C}`, then `--passes`; no engine is written. Recorded: τ, the
 corpus share the subset covers, and token forcing of every output token (the pass must stay
 lossless). The subset comes from the corpus, never from the prompts. Writes
-bench/results/draft_vocab_<device>.json (device "cpu" or the GPU's name) with versions and commit.
-The step time a subset saves at 8B shapes is bench/step_times.py's `fused-vocab` draft row.
+bench/results/draft_vocab_<gpu|cpu>[_<tag>].json through the harness. The step time a subset saves
+at 8B shapes is bench.steps.step_times' `fused-vocab` draft row.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-from pathlib import Path
 
+from bench.e2e.zoo_tau import PROMPT_SETS, compile_zoo, tau_row, zoo_arguments
+from specpilot.bench import harness
 from specpilot.runtime.draft_vocab import STDLIB
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # the bench scripts beside this one
-from zoo_tau import PROMPT_SETS, compile_zoo, results_path, tau_row, zoo_arguments  # noqa: E402
 
-
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     zoo_arguments(ap, 8, "passes after draft-vocab (e.g. cuda-graphs on a GPU)")
     ap.add_argument("--sizes", default="0,4096,2048,1024,512,256", help="subset sizes; 0 = the whole vocabulary")
     ap.add_argument("--corpus", default=STDLIB)
-    args = ap.parse_args()
-    rows, env = [], None
+    args = ap.parse_args(argv)
+    rows, env = [], {}
     print(f"{'drafter':8} {'size':>6} {'prompts':13} {'coverage':>8} {'τ':>6}  outputs = AR  token forcing", flush=True)
     for kind in args.drafters.split(","):
         for size in (int(s) for s in args.sizes.split(",")):
@@ -48,9 +46,7 @@ def main() -> int:
                 row = rows[-1]
                 print(f"{kind:8} {size or 'all':>6} {prompts:13} {row['corpus_coverage']:8.4f} {row['tau']:6.3f}  "
                       f"{row['outputs_equal_ar']:>12}  {row['token_forcing']}", flush=True)
-    out = args.out or results_path("draft_vocab", env)
-    out.write_text(json.dumps({"benchmark": "draft_vocab", "pair": args.pair, "corpus": args.corpus,
-                               "environment": env, "rows": rows}, indent=2) + "\n")
+    out = harness.write_run(args, "draft_vocab", env.get("device", "cpu"), rows, pair=args.pair, corpus=args.corpus)
     print(f"-> {out}")
     return 0 if all(r["passed"] for r in rows) else 1
 

@@ -1,7 +1,8 @@
 """AR tokens/s of specpilot against HF transformers (eager, and static cache + torch.compile) on the same weights.
 
-    python bench/hf_peers.py [--shape llama-3.1-8b] [--prompt-len 128] [--max-new-tokens 128] [--repeats 2] [--out PATH]
-    python bench/hf_peers.py --smoke          # tiny llama on the CPU, fp32: what the tests run
+    python -m bench.steps.hf_peers [--shape llama-3.1-8b] [--prompt-len 128] [--max-new-tokens 128] [--repeats 2]
+                                   [--out FILE|DIR] [--tag TAG]
+    python -m bench.steps.hf_peers --smoke --out DIR   # tiny llama on the CPU, fp32: what the tests run
 
 One HF `LlamaForCausalLM` built from a config (no hub), random weights N(0, 0.02) (never zeros; bf16 on
 a GPU, fp32 on the CPU); our runtime's `Transformer` is loaded from its state dict with storage shared,
@@ -22,46 +23,37 @@ once as warm-up (full length where a cache, a compile or graphs are sized by the
 the eager HF loops), then `--repeats` timed runs; medians are kept.
 Agreement is the common prefix with specpilot-eager's tokens (bf16 near-ties may flip a token late).
 The weight-read floor is the bytes of all linears and lm_head over a read bandwidth measured in the run.
-Writes bench/results/hf_peers_<gpu>.json (or _cpu) with versions and commit; a table is printed last.
+Writes bench/results/hf_peers_<gpu>[_<tag>].json through the harness; a table is printed last.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import statistics
-import subprocess
 import sys
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 import transformers
 from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig, LlamaForCausalLM
 
-from specpilot.runtime import decode, graph_decode
+from bench import shapes
+from bench.hf_timing import Run, common_prefix, hf_generate, sync
+from specpilot.bench import harness
 from specpilot.hf.config import ModelConfig
+from specpilot.runtime import decode, graph_decode
 from specpilot.runtime.model import Transformer
 from specpilot.validate.forcing import check_prompt
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # the bench scripts beside this one
-from step_times import SHAPES as STEP_SHAPES  # noqa: E402
-from step_times import read_bandwidth  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
+def _llama(config: dict) -> dict:
+    """`config` as a llama (HF's LlamaForCausalLM) without special tokens: generate never stops early."""
+    return {k: v for k, v in config.items() if k not in ("bos_token_id", "eos_token_id")} | {"model_type": "llama"}
 
 
-SHAPES = {
-    "llama-3.1-8b": STEP_SHAPES["llama-3.1-8b"],
-    "smoke": dict(model_type="llama", vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-5, rope_theta=10000.0,
-                  tie_word_embeddings=False, max_position_embeddings=512),
-}
+SHAPES = {shapes.LLAMA_8B: _llama(shapes.config(shapes.LLAMA_8B)), "smoke": _llama(shapes.config(shapes.TINY))}
 
 # (target, prompt_ids, *, max_new_tokens, eos_token_id) -> decode.Generation
 AR_IMPLS: dict[str, Callable[..., decode.Generation]] = {"specpilot-eager": decode.generate_ar}
@@ -79,120 +71,6 @@ def fused_graphed(target: Transformer, prompt_ids, **kw) -> decode.Generation:
 
 if torch.cuda.is_available():  # Triton kernels: a GPU (the interpreter is too slow here)
     AR_IMPLS["specpilot-fused-graphed"] = fused_graphed
-
-
-# --- shared with bench/zoo_e2e.py ------------------------------------------------------------
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-@dataclass
-class StepClock:
-    """A `generate` streamer that timestamps every put with the device synchronised.
-
-    generate puts the prompt first, then the prefill's token, then each decode step's new tokens
-    (one for AR, accepted drafts + bonus for assisted generation), and calls end() last.
-    """
-
-    device: torch.device
-    start: float = 0.0
-    puts: list[float] = field(default_factory=list)
-    counts: list[int] = field(default_factory=list)
-    stop: float = 0.0
-
-    def begin(self) -> StepClock:
-        sync(self.device)
-        self.start, self.puts, self.counts, self.stop = time.perf_counter(), [], [], 0.0
-        return self
-
-    def put(self, value: torch.Tensor) -> None:
-        sync(self.device)
-        self.puts.append(time.perf_counter())
-        self.counts.append(value.numel())
-
-    def end(self) -> None:
-        sync(self.device)
-        self.stop = time.perf_counter()
-
-    @property
-    def prefill_s(self) -> float:
-        return self.puts[1] - self.start
-
-    @property
-    def decode_s(self) -> float:
-        return self.stop - self.puts[1]
-
-    @property
-    def step_tokens(self) -> list[int]:
-        """New tokens of each decode step (the prompt's and the prefill's puts left out)."""
-        return self.counts[2:]
-
-
-@dataclass
-class Run:
-    """One timed generation, whichever stack produced it."""
-
-    tokens: list[int]
-    prefill_s: float
-    decode_s: float
-    step_tokens: list[int] = field(default_factory=list)  # tokens per decode step; empty when unknown
-
-    @property
-    def decode_tokens(self) -> int:
-        return max(0, len(self.tokens) - 1)
-
-
-def hf_generate(model, prompt: torch.Tensor, max_new_tokens: int, **kwargs) -> Run:
-    """Greedy HF `generate` timed through a StepClock (prefill apart from decode)."""
-    clock = StepClock(prompt.device).begin()
-    out = model.generate(prompt, max_new_tokens=max_new_tokens, do_sample=False, use_cache=True, streamer=clock,
-                         **kwargs)
-    if not clock.stop:
-        clock.end()
-    tokens = out[0, prompt.shape[1]:].tolist()
-    return Run(tokens=tokens, prefill_s=clock.prefill_s, decode_s=clock.decode_s, step_tokens=clock.step_tokens)
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
-def commit_id() -> str:
-    for var in ("SPECPILOT_COMMIT", "GIT_COMMIT"):
-        if os.environ.get(var):
-            return os.environ[var]
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT,
-                             timeout=5)
-        return out.stdout.strip() or "unknown"
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-
-
-def versions() -> dict:
-    try:
-        import triton
-        triton_version = triton.__version__
-    except ImportError:
-        triton_version = None
-    return {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
-            "triton": triton_version}
-
-
-def device_name(device: torch.device) -> str:
-    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-
-
-def result_slug(name: str) -> str:
-    return "h200" if "H200" in name else name.lower().replace(" ", "-")
 
 
 # --- the models -------------------------------------------------------------------------------
@@ -263,9 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="auto", help="auto (cuda when available), cuda or cpu")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-compile", action="store_true", help="static cache without HF's auto-compile")
-    ap.add_argument("--smoke", action="store_true", help="tiny llama, CPU, fp32, 16 prompt + 12 new tokens, 1 repeat")
-    ap.add_argument("--out", type=Path)
-    args = ap.parse_args(argv)
+    args = harness.add_results_args(ap).parse_args(argv)  # --smoke: tiny llama, CPU, fp32, 16 + 12 tokens, 1 repeat
     if args.smoke:
         args.shape, args.device, args.prompt_len, args.max_new_tokens, args.repeats = "smoke", "cpu", 16, 12, 1
         torch.set_num_threads(1)  # tiny models on a shared CPU: more threads made decode loops far slower (tests/conftest.py)
@@ -280,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     prompt = torch.randint(0, vocab, (1, args.prompt_len), generator=torch.Generator().manual_seed(args.seed)).to(device)
     weight_bytes = sum(p.numel() * p.element_size() for n, p in ours.named_parameters()
                        if not n.startswith("model.embed_tokens"))  # a step reads q embedding rows only
-    bw = read_bandwidth(device, gib=4 if device.type == "cuda" else 0.0625)
+    bw = harness.read_bandwidth(device, gib=4 if device.type == "cuda" else 0.0625)
     n = args.max_new_tokens
 
     # name -> (run(new tokens), warm-up tokens): the static cache (and HF's compile) and our graphs are
@@ -325,23 +201,17 @@ def main(argv: list[str] | None = None) -> int:
         row["token_forcing"] = {"tokens": check.tokens_checked, "hard_failures": len(check.hard_failures),
                                 "near_ties": len(check.near_ties)}
 
-    gpu = device_name(device)
-    result = {
-        "benchmark": "hf_peers", "shape": args.shape, "gpu": gpu, "dtype": str(dtype).removeprefix("torch."),
-        **versions(), "commit": commit_id(),
-        "method": "batch 1, greedy, random N(0,0.02) weights shared by HF and specpilot; decode only (prefill apart), "
-                  "ms_per_token = decode time / (new tokens - 1); warm-up run then median of repeats; "
-                  f"agree_prefix against {reference_name}; token_forcing of every path's tokens by our eager "
-                  "model (specpilot/validate/forcing.py: hard failures vs near-ties)",
-        "reference": reference_name, "prompt_len": args.prompt_len, "max_new_tokens": n, "repeats": args.repeats,
-        "read_bandwidth_Bps": bw, "weight_bytes": weight_bytes, "floor_ms_per_token": floor_ms,
-        "floor_tokens_per_s": 1e3 / floor_ms, "wall_s": time.perf_counter() - started, "rows": rows,
-    }
-    out = args.out or ROOT / "bench" / "results" / f"hf_peers_{result_slug(gpu)}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"\n{gpu} {args.shape} {dtype}: read bandwidth {bw / 1e9:.1f} GB/s, weight-read floor {floor_ms:.3f} ms/token "
-          f"-> {out}")
+    out = harness.write_run(
+        args, "hf_peers", device, rows, shape=args.shape, dtype=row_dtype,
+        method="batch 1, greedy, random N(0,0.02) weights shared by HF and specpilot; decode only (prefill apart), "
+               "ms_per_token = decode time / (new tokens - 1); warm-up run then median of repeats; "
+               f"agree_prefix against {reference_name}; token_forcing of every path's tokens by our eager "
+               "model (specpilot/validate/forcing.py: hard failures vs near-ties)",
+        reference=reference_name, prompt_len=args.prompt_len, max_new_tokens=n, repeats=args.repeats,
+        read_bandwidth_Bps=bw, weight_bytes=weight_bytes, floor_ms_per_token=floor_ms,
+        floor_tokens_per_s=1e3 / floor_ms, wall_s=time.perf_counter() - started)
+    print(f"\n{harness.device_name(device)} {args.shape} {dtype}: read bandwidth {bw / 1e9:.1f} GB/s, weight-read floor "
+          f"{floor_ms:.3f} ms/token -> {out or 'no file (--smoke)'}")
     print(f"{'impl':18} {'ms/token':>9} {'tok/s':>8} {'x floor':>8} {'prefill ms':>10} {'compile s':>9} {'agree':>7} "
           "forced: hard/near-ties")
     for r in rows:

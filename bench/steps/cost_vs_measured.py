@@ -1,10 +1,11 @@
 """The cost model's predictions beside the H200 step times measured at Llama-3.1-8B shapes.
 
-    python bench/cost_vs_measured.py      # writes bench/results/cost_vs_measured_h200.json, prints a table
+    python -m bench.steps.cost_vs_measured   # writes bench/results/cost_vs_measured_h200.json, prints a table
 
-Two measured sources: `h200_steps_2026-12-02.json` (steps shaped as the IR lowers them,
-bench/step_bench.py) is compared with the UNcalibrated model; the torch rows of
-`step_times_llama_h200.json` (the runtime's own forward, bench/step_times.py) both uncalibrated
+Runs on a CPU: it prices the H200 and reads its results files. Two measured sources:
+`step_bench_h200.json` (steps shaped as the IR lowers them, bench.steps.step_bench) is compared with
+the UNcalibrated model; the torch rows of `step_times_h200_llama.json` (the runtime's own forward,
+bench.steps.step_times) both uncalibrated
 and after `update_from_results` on that same file (which only shows the calibration mechanism, not
 predictive power); and its fused rows (fused-decoder + attention-split-kv, uncalibrated), with the
 kernels a step launches beside those its profile counted.
@@ -12,11 +13,12 @@ kernels a step launches beside those its profile counted.
 
 from __future__ import annotations
 
+import argparse
 import json
-import subprocess
 import sys
-from pathlib import Path
 
+from bench import shapes
+from specpilot.bench import harness
 from specpilot.cost import CostModel, load_gpu, step_time
 from specpilot.cost.gaps import with_tree
 from specpilot.cost.roofline import FUSED_LINEAR_KERNEL, combine
@@ -24,45 +26,40 @@ from specpilot.ir import lower
 from specpilot.passes.attention_split_kv import AttentionSplitKV
 from specpilot.passes.fused_decoder import FusedDecoder
 
-ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "bench" / "results"
-LLAMA_8B = dict(model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
-                num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
-                rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=False)
-DFLASH_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=5, num_attention_heads=32,
-                 num_key_value_heads=8, head_dim=128, target_layer_ids=[1, 9, 17, 25, 31], block_size=16,
-                 mask_token_id=128002)
+RESULTS = harness.RESULTS
+IR_STEPS, RUNTIME_STEPS = "step_bench_h200.json", "step_times_h200_llama.json"  # the measured sources
 STEPS = (("ar", 1), ("verify", 16), ("draft", 16))
 
 
-def main() -> int:
-    program = lower(LLAMA_8B, DFLASH_8B, dtype="bfloat16")
+def main(argv: list[str] | None = None) -> int:
+    args = harness.add_results_args(argparse.ArgumentParser(description=__doc__.splitlines()[0]), smoke=False).parse_args(argv)
+    program = lower(shapes.config(shapes.LLAMA_8B), shapes.dflash_config(shapes.LLAMA_8B), dtype="bfloat16")
     gpu = load_gpu("h200")
     rows = []
 
-    ir_steps = json.loads((RESULTS / "h200_steps_2026-12-02.json").read_text())["records"]
+    ir_steps = json.loads((RESULTS / IR_STEPS).read_text())["records"]
     for what, q in STEPS:
         r = next(r for r in ir_steps if r["what"] == what and r["q"] == q and r["batch"] == 1
                  and r["cache_len"] == 512 and r["cuda_graphs"])
         graph = program.drafter if what == "draft" else program.target
         predicted = step_time(graph, gpu, 1, q, 512, cuda_graphs=True).time * 1e3
-        rows.append(dict(source="h200_steps_2026-12-02.json", model="uncalibrated", what=what, q=q,
+        rows.append(dict(source=IR_STEPS, model="uncalibrated", what=what, q=q,
                          measured_ms=r["ms"], predicted_ms=predicted))
 
-    runtime = {(r["what"], r["q"]): r["ms"] for r in json.loads((RESULTS / "step_times_llama_h200.json").read_text())["rows"]
-               if r["shape"] == "llama-3.1-8b" and r.get("path", "torch") == "torch"}
+    runtime_file = json.loads((RESULTS / RUNTIME_STEPS).read_text())
+    runtime = {(r["what"], r["q"]): r["ms"] for r in runtime_file["records"]
+               if r["shape"] == shapes.LLAMA_8B and r.get("path", "torch") == "torch"}
     raw, calibrated = CostModel("h200"), CostModel("h200")
-    calibrated.update_from_results([RESULTS / "step_times_llama_h200.json"])
+    calibrated.update_from_results([RESULTS / RUNTIME_STEPS])
     for name, model in (("uncalibrated", raw), ("calibrated on this file", calibrated)):
         for what, q in STEPS:
             predicted = model.step(program, what, q, cache_len=512).time * 1e3
-            rows.append(dict(source="step_times_llama_h200.json", model=name, what=what, q=q,
+            rows.append(dict(source=RUNTIME_STEPS, model=name, what=what, q=q,
                              measured_ms=runtime[(what, q)], predicted_ms=predicted))
     # the fast path: the fused stacks with split-KV attention, uncalibrated (calibration reads torch rows only)
     fused_program = AttentionSplitKV().apply(FusedDecoder().apply(program).program).program
-    fused_file = json.loads((RESULTS / "step_times_llama_h200.json").read_text())
-    fused = {(r["what"], r["q"]): r["ms"] for r in fused_file["rows"] if r["path"] == "fused"}
-    profiled = fused_file["profiles_fused"]["llama-3.1-8b"]
+    fused = {(r["what"], r["q"]): r["ms"] for r in runtime_file["records"] if r["path"] == "fused"}
+    profiled = runtime_file["profiles_fused"][shapes.LLAMA_8B]
     # ... priced with fused_linear's measured efficiency (the model), and with the stock GEMM pricing
     stock = gpu.with_(kernel_efficiency={k: v for k, v in gpu.kernel_efficiency.items() if k != FUSED_LINEAR_KERNEL})
     for model, g in (("uncalibrated", gpu), ("uncalibrated, stock GEMM pricing", stock)):
@@ -70,7 +67,7 @@ def main() -> int:
             graph = fused_program.drafter if what == "draft" else fused_program.target
             step = step_time(graph, g, 1, q, 512, cuda_graphs=True, shared=fused_program.target)
             measured_kernels = profiled.get({"ar": "ar", "verify": f"verify-{q}", "draft": "draft"}[what], {}).get("kernels")
-            rows.append(dict(source="step_times_llama_h200.json (fused)", model=model, what=what, q=q,
+            rows.append(dict(source=f"{RUNTIME_STEPS} (fused)", model=model, what=what, q=q,
                              measured_ms=fused[(what, q)], predicted_ms=step.time * 1e3,
                              predicted_kernels=step.kernels, measured_kernels=measured_kernels))
         # trees of 15 nodes (q = 16: on the fused linears), 16 (q = 17: in LINEAR_GAP, on cuBLAS) and 31
@@ -78,18 +75,16 @@ def main() -> int:
         for budget in (b for b in (15, 16, 31) if ("tree-verify", b + 1) in fused):
             q = budget + 1
             tree = step_time(with_tree(fused_program, budget).target, g, 1, q, 512, cuda_graphs=True)
-            rows.append(dict(source="step_times_llama_h200.json (fused)", model=model, what="tree-verify", q=q,
+            rows.append(dict(source=f"{RUNTIME_STEPS} (fused)", model=model, what="tree-verify", q=q,
                              budget=budget, measured_ms=fused[("tree-verify", q)], predicted_ms=tree.time * 1e3))
     for r in rows:
         r["error"] = r["predicted_ms"] / r["measured_ms"] - 1
 
     fit = fused_linear_fit(fused_program, stock, profiled)
 
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout
-    out = RESULTS / "cost_vs_measured_h200.json"
-    out.write_text(json.dumps({"gpu": "NVIDIA H200 (measured files)", "shape": "llama-3.1-8b", "cache_len": 512,
-                               "commit": commit.strip() or "unknown", "rows": rows,
-                               "fused_linear_fit": fit}, indent=2) + "\n")
+    out = harness.write_run(args, "cost_vs_measured", "cpu", rows, gpu="h200", shape=shapes.LLAMA_8B, cache_len=512,
+                            measured_files=[IR_STEPS, RUNTIME_STEPS], fused_linear_fit=fit)
+    print(f"-> {out}")
     print(f"{'source':36} {'model':32} {'step':11} {'q':>3} {'measured':>9} {'predicted':>9} {'error':>7}")
     for r in rows:
         print(f"{r['source']:36} {r['model']:32} {r['what']:11} {r['q']:>3} {r['measured_ms']:9.3f} "

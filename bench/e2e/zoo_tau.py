@@ -1,25 +1,23 @@
 """τ and per-position acceptance of the zoo's drafters on each prompt set, through `compile`.
 
-    python bench/zoo_tau.py [--pair code-qwen3] [--drafters dflash,pard] [--passes cuda-graphs]
-                            [--num-prompts 16] [--max-new-tokens 64] [--device auto]
+    python -m bench.e2e.zoo_tau [--pair code-qwen3] [--drafters dflash,pard] [--passes cuda-graphs]
+                                [--num-prompts 16] [--max-new-tokens 64] [--device auto] [--out FILE|DIR] [--tag TAG]
 
 For each drafter (dflash, pard) and prompt set (humaneval, code-heldout) the whole compile
 pipeline runs (chain at the drafter's trained block size, plus `--passes`, no engine written): τ counts the
 bonus token, the histogram counts steps by accepted drafts, every output token is token-forced.
-Writes bench/results/zoo_tau_<device>.json (device "cpu" or the GPU's name) with versions and commit.
+Writes bench/results/zoo_tau_<gpu|cpu>[_<tag>].json through the harness.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-from pathlib import Path
 
+from specpilot.bench import harness
 from specpilot.compiler import compile_pipeline
 from specpilot.spec import parse_spec
 
-ROOT = Path(__file__).resolve().parent.parent
 PROMPT_SETS = ("humaneval", "code-heldout")
 
 
@@ -42,29 +40,23 @@ def tau_row(r, kind: str, prompts: str) -> dict:
             "outputs_equal_ar": rep["outputs_equal_ar"], "token_forcing": rep["token_forcing"]}
 
 
-def results_path(stem: str, env: dict | None) -> Path:
-    """bench/results/<stem>_<device>.json: "cpu" or the GPU's name."""
-    device = env.get("gpu_name", "cpu") if env else "cpu"
-    slug = "cpu" if device == "cpu" else device.lower().replace(" ", "_")
-    return ROOT / "bench" / "results" / f"{stem}_{slug}.json"
-
-
 def zoo_arguments(ap: argparse.ArgumentParser, num_prompts: int, passes_help: str) -> None:
-    """The options of a script that compiles a zoo pair's drafters (`compile_zoo`) and writes a results file."""
+    """The options of a script that compiles a zoo pair's drafters (`compile_zoo`) and writes a results file
+    (the harness's --out and --tag)."""
     ap.add_argument("--pair", default="code-qwen3")
     ap.add_argument("--num-prompts", type=int, default=num_prompts)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--device", default="auto")
     ap.add_argument("--drafters", default="dflash,pard", help="comma-separated drafter kinds of the pair")
     ap.add_argument("--passes", default="", help=passes_help)
-    ap.add_argument("--out", type=Path)
+    harness.add_results_args(ap, smoke=False)
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     zoo_arguments(ap, 16, "a pass pipeline for every compile (e.g. cuda-graphs on a GPU)")
-    args = ap.parse_args()
-    rows, env = [], None
+    args = ap.parse_args(argv)
+    rows, env = [], {}
     for kind in args.drafters.split(","):
         for prompts in PROMPT_SETS:
             r = compile_zoo(args.pair, kind, prompts, args.num_prompts, args.max_new_tokens, args.passes, args.device,
@@ -73,9 +65,7 @@ def main() -> int:
             rows.append(tau_row(r, kind, prompts))
             print(f"{kind:7} {prompts:13} τ {rows[-1]['tau']:.3f}  speedup {rows[-1]['speedup_over_ar']:.2f}x  "
                   f"{rows[-1]['token_forcing']}", flush=True)
-    out = args.out or results_path("zoo_tau", env)
-    out.write_text(json.dumps({"pair": args.pair, "environment": env, "rows": rows}, indent=2) + "\n")
-    print(f"-> {out}")
+    print(f"-> {harness.write_run(args, 'zoo_tau', env.get('device', 'cpu'), rows, pair=args.pair)}")
     return 0
 
 

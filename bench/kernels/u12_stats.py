@@ -1,50 +1,39 @@
 """u12 cost of N(0, 0.02) bf16 weights at the Llama-3.1-8B linear shapes, and of the zoo's trained
 models (CPU).
 
-Prints a table and writes bench/results/u12_stats.json. The weights are i.i.d., so the statistics
+Prints a table and writes bench/results/u12_stats_cpu.json (records: the Llama-3.1-8B shapes; zoo:
+the trained models; model: the whole target's linears) through the harness. The weights are i.i.d., so the statistics
 do not depend on the shape beyond sampling noise; to bound memory (pack_u12 keeps a few int32
 copies of its input) tensors of more than MAX_ROWS rows are measured on their first MAX_ROWS
 rows, which the file records as "rows_measured". Zoo: every 2-D weight matrix of each committed
 model (zoo/<pair>/<model>/model.safetensors; the embedding, which a tied head reads too), summed
 per model; "lanes" is the widest tensor's (``U12Tensor.esc_lanes``; 0: some tensor has none).
 
-    python bench/u12_stats.py
+    python -m bench.kernels.u12_stats [--out FILE|DIR]
 """
 
 from __future__ import annotations
 
-import datetime
-import json
-import platform
-import subprocess
-from pathlib import Path
+import argparse
+import sys
 
 import torch
 from safetensors.torch import load_file
 
+from bench import shapes
+from specpilot.bench import harness
 from specpilot.formats.u12 import u12_stats
 
 SIGMA = 0.02
 SEED = 0
 MAX_ROWS = 16384
-# name: (N, K, instances in the model)
-LLAMA_31_8B = {
-    "qkv": (6144, 4096, 32),
-    "o": (4096, 4096, 32),
-    "gate_up": (28672, 4096, 32),
-    "down": (4096, 14336, 32),
-    "lm_head": (128256, 4096, 1),
-}
-OUT = Path(__file__).resolve().parent / "results" / "u12_stats.json"
-ZOO = Path(__file__).resolve().parent.parent / "specpilot" / "zoo"
+ZOO = harness.ROOT / "specpilot" / "zoo"
 
 
-def git_commit() -> str:
-    """HEAD, marked dirty when the files behind these numbers differ from it."""
-    root = Path(__file__).resolve().parent.parent
-    run = lambda *a: subprocess.run(["git", *a], cwd=root, capture_output=True, text=True).stdout.strip()
-    commit = run("rev-parse", "HEAD") or "unknown"
-    return commit + ("-dirty" if run("status", "--porcelain", "--", "bench/u12_stats.py", "specpilot/formats/u12.py") else "")
+def linears(name: str = shapes.LLAMA_8B) -> dict[str, tuple[int, int, int]]:
+    """name: (N, K, instances in the model) of the target's linears: each layer's, and the head once."""
+    layers = shapes.config(name)["num_hidden_layers"]
+    return {lin: (n, k, 1 if lin == "lm_head" else layers) for lin, (n, k) in shapes.layer_linears(name).items()}
 
 
 def zoo_rows() -> list[dict]:
@@ -68,10 +57,12 @@ def zoo_rows() -> list[dict]:
     return rows
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
+    args = harness.add_results_args(argparse.ArgumentParser(description=__doc__.splitlines()[0]),
+                                    smoke=False).parse_args(argv)
     g = torch.Generator().manual_seed(SEED)
     rows, total_weights, total_bits = [], 0, 0.0
-    for name, (n, k, count) in LLAMA_31_8B.items():
+    for name, (n, k, count) in linears().items():
         measured = min(n, MAX_ROWS)
         w = (torch.randn(measured, k, generator=g) * SIGMA).to(torch.bfloat16)
         s = u12_stats(w)
@@ -83,23 +74,13 @@ def main() -> None:
         total_bits += n * k * count * s["bits_per_weight"]
         del w
 
-    result = {
-        "what": "u12 format cost of N(0, 0.02) bf16 weights at Llama-3.1-8B linear shapes",
-        "sigma": SIGMA, "seed": SEED, "device": "cpu",
-        "torch": torch.__version__, "python": platform.python_version(), "git_commit": git_commit(),
-        "date": datetime.date.today().isoformat(),
-        "tensors": rows,
-        "zoo": zoo_rows(),
-        "model": {
-            "linear_weights": total_weights,
-            "bits_per_weight": total_bits / total_weights,
-            "bytes_bf16": 2 * total_weights,
-            "bytes_u12": total_bits / 8,
-            "ratio_to_bf16": total_bits / (16 * total_weights),
-        },
-    }
-    OUT.parent.mkdir(parents=True, exist_ok=True)
-    OUT.write_text(json.dumps(result, indent=2) + "\n")
+    zoo = zoo_rows()
+    model = {"linear_weights": total_weights, "bits_per_weight": total_bits / total_weights,
+             "bytes_bf16": 2 * total_weights, "bytes_u12": total_bits / 8,
+             "ratio_to_bf16": total_bits / (16 * total_weights)}
+    out = harness.write_run(args, "u12_stats", "cpu", rows,
+                            what="u12 format cost of N(0, 0.02) bf16 weights at Llama-3.1-8B linear shapes",
+                            sigma=SIGMA, seed=SEED, zoo=zoo, model=model)
 
     print(f"{'tensor':<8} {'shape':>13} {'rows':>6} {'bits/w':>8} {'escape rate':>12} {'exps':>5} {'H(exp)':>7} "
           f"{'coverage':>10} {'lanes':>5} {'read b/w':>8}")
@@ -108,14 +89,15 @@ def main() -> None:
               f"{r['escape_rate']:>12.3e} {r['distinct_exponents']:>5} {r['exponent_entropy_bits']:>7.3f} "
               f"{r['window_coverage']:>10.5%} {r['lanes']:>5} {r['read_bits_per_weight']:>8.4f}")
     print(f"{'zoo model':<22} {'tensors':>7} {'weights':>9} {'bits/w':>8} {'escape rate':>12} {'lanes':>5} {'read b/w':>8}")
-    for z in result["zoo"]:
+    for z in zoo:
         print(f"{z['model']:<22} {z['tensors']:>7} {z['weights']:>9} {z['bits_per_weight']:>8.4f} "
               f"{z['escape_rate']:>12.3e} {z['lanes']:>5} {z['read_bits_per_weight']:>8.4f}")
-    m = result["model"]
+    m = model
     print(f"model linears: {m['linear_weights'] / 1e9:.2f} G weights, {m['bits_per_weight']:.4f} bits/weight, "
           f"{m['bytes_u12'] / 1e9:.2f} GB vs {m['bytes_bf16'] / 1e9:.2f} GB bf16 ({m['ratio_to_bf16']:.4f}x)")
-    print(f"wrote {OUT}")
+    print(f"wrote {out}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,6 +1,6 @@
 """Step times of the runtime at 8B shapes on a GPU, beside the weight-read floor.
 
-    python bench/step_times.py [--shapes llama-3.1-8b qwen3-8b] [--out bench/results/step_times_<gpu>.json]
+    python -m bench.steps.step_times [--shapes llama-3.1-8b qwen3-8b] [--out FILE|DIR] [--tag TAG]
 
 Random bf16 weights N(0, 0.02) (never zeros), batch 1, a 512-token context. Each step is captured
 once in a CUDA graph and replayed; times are CUDA events around single replays after warm-up,
@@ -26,113 +26,54 @@ Steps: AR q=1; chain verify q=4..64; tree verify of k-ary trees (top-4) with 16.
 the anchor; the DFlash-style drafter step (5 layers, block 16), also with its head over DRAFT_VOCAB
 token ids (path fused-vocab: the draft-vocab pass). The floor is the bytes of weights
 the step reads / the read bandwidth measured in the same run. One eager fused AR step is also
-profiled (kernels by GPU time). Writes a results file (GPU, versions, commit) and a table last.
+profiled (kernels by GPU time). Writes bench/results/step_times_<gpu>_<tag>.json through the
+harness (the tag: the shapes' families, "llama", "qwen", "llama-qwen", unless --tag names one) and
+a table last. bench/steps/step_ab.py builds its steps from this module's SHAPES, DEVICE,
+CACHE_LEN, CAPACITY, graphed, time_fn, random_, to_u12 and tile_u12.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
-import os
-import platform
 import statistics
 import sys
-import time
 from contextlib import nullcontext
-from pathlib import Path
 
 import torch
-import triton
 
+from bench import shapes
+from specpilot.bench import harness
 from specpilot.kernels.overlap import overlap
 from specpilot.hf.config import DrafterConfig, ModelConfig
+from specpilot.hf.known import DFLASH_BLOCK, DFLASH_LAYERS
 from specpilot.runtime.dflash import DFlashDrafter
 from specpilot.runtime.draft_vocab import SubsetHead
 from specpilot.backends.kernel_hooks import fused_path
 from specpilot.runtime.model import Transformer
 
-SHAPES = {
-    "llama-3.1-8b": dict(model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
-                         num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
-                         rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=False,
-                         max_position_embeddings=131072),
-    "qwen3-8b": dict(model_type="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
-                     num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
-                     rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=False,
-                     max_position_embeddings=40960),
-    "tiny": dict(model_type="qwen3", vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6, rope_theta=10000.0,
-                 tie_word_embeddings=False, max_position_embeddings=512),
-}
+SHAPES = {name: shapes.config(name) for name in (shapes.LLAMA_8B, shapes.QWEN3_8B, shapes.TINY)}
+FAMILY_TAGS = {shapes.LLAMA_8B: "llama", shapes.QWEN3_8B: "qwen", shapes.TINY: "tiny"}  # results names' tags
 DEVICE = "cuda"
 VERIFY_Q = (4, 8, 16, 32, 64)
 TREE_BUDGETS = (15, 16, 31, 32, 64, 128)  # 31: q = 32, the most rows the fused linears serve
 CACHE_LEN = 512
 CAPACITY = 2048  # the fused path's device-length cache
-DRAFT_LAYERS, DRAFT_BLOCK, DRAFT_NEW_CONTEXT = 5, 16, 4
+DRAFT_LAYERS, DRAFT_BLOCK, DRAFT_NEW_CONTEXT = DFLASH_LAYERS, DFLASH_BLOCK, 4  # the DFlash recipe (hf.known)
 DRAFT_VOCAB = 32768  # the draft-vocab pass's subset at 8B shapes (FR-Spec's 32k of Llama-3's 128k)
 
 
-def read_bandwidth(device: torch.device | str = "cuda", gib: float = 4, repeats: int = 20) -> float:
-    """Bytes/s of a full read (a sum) over a `gib` GiB tensor: CUDA events on a GPU, perf_counter elsewhere."""
-    device = torch.device(device)
-    x = torch.randn(int(gib * 2**30) // 2, device=device, dtype=torch.bfloat16 if device.type == "cuda" else torch.float16)
-    for _ in range(3):
-        x.sum()
-    times = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            x.sum()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b) / 1e3)
-        else:
-            t0 = time.perf_counter()
-            x.sum()
-            times.append(time.perf_counter() - t0)
-    return x.numel() * x.element_size() / statistics.median(times)
-
-
 def time_fn(fn, repeats: int) -> list[float]:
-    if DEVICE == "cpu":  # --smoke: a correctness run of this script, not a measurement
-        return [_cpu_time(fn) for _ in range(repeats)]
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(repeats):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        out.append(a.elapsed_time(b) / 1e3)
-    return out
-
-
-def _cpu_time(fn) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
+    """Seconds of each of `repeats` calls: CUDA events after three warm-up calls on the GPU; one
+    wall-clock run a repeat, no warm-up, under --smoke (a correctness run, not a measurement)."""
+    cuda = DEVICE == "cuda"
+    return [ms / 1e3 for ms in harness.event_samples(fn, repeats, warmup=3 if cuda else 0, cuda=cuda)]
 
 
 def graphed(step):
-    """Capture `step` in a CUDA graph (after warm-up on a side stream); return the replay function."""
-    if DEVICE == "cpu":
-        return step
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            step()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        step()
-    return g.replay
+    """`step` captured in a CUDA graph (after warm-up on a side stream): the replay function; under
+    --smoke, a function running it."""
+    return harness.capture(step, cuda=DEVICE == "cuda")
 
 
 def random_(module: torch.nn.Module) -> None:
@@ -294,11 +235,12 @@ def bench_shape(name: str, bw: float, repeats: int, with_u12: bool = True) -> tu
                 profile[f"tree-verify-{nodes + 1}"] = profile_step(
                     lambda: (at_context(), model(inputs[nodes + 1], cache, mask=mask, positions=(depth + CACHE_LEN)[None])))
 
-    dcfg = DrafterConfig.from_hf(
-        {**SHAPES[name], "num_hidden_layers": DRAFT_LAYERS, "block_size": DRAFT_BLOCK,
-         "mask_token_id": cfg.vocab_size - 1,
-         "target_layer_ids": [1, cfg.num_layers // 4, cfg.num_layers // 2, 3 * cfg.num_layers // 4, cfg.num_layers - 1]},
-        name + "-dflash")
+    # the DFlash recipe's drafter (hf.known.dflash_config's layers and reads), its layers in the
+    # target's family as in every committed run
+    dflash = {**SHAPES[name], "num_hidden_layers": DRAFT_LAYERS, "block_size": DRAFT_BLOCK,
+              "mask_token_id": cfg.vocab_size - 1,
+              "target_layer_ids": [1, cfg.num_layers // 4, cfg.num_layers // 2, 3 * cfg.num_layers // 4, cfg.num_layers - 1]}
+    dcfg = DrafterConfig.from_hf(dflash, name + "-dflash")
     with torch.device(DEVICE):
         drafter = DFlashDrafter(dcfg, model.embed, model.head).to(torch.bfloat16)
     random_(drafter)
@@ -374,49 +316,31 @@ def bench_shape(name: str, bw: float, repeats: int, with_u12: bool = True) -> tu
     return rows, profile
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--shapes", nargs="+", default=["llama-3.1-8b", "qwen3-8b"], choices=list(SHAPES))
+    ap.add_argument("--shapes", nargs="+", default=[shapes.LLAMA_8B, shapes.QWEN3_8B], choices=list(SHAPES))
     ap.add_argument("--repeats", type=int, default=50)
-    ap.add_argument("--out", type=Path)
     ap.add_argument("--no-u12", action="store_true", help="skip the fused+u12 rows (AR and verify(16) with every "
                     "linear in the 12-bit format)")
-    ap.add_argument("--smoke", action="store_true",
-                    help="tiny shapes on the CPU under TRITON_INTERPRET=1: checks the script, measures nothing")
-    args = ap.parse_args()
+    args = harness.add_results_args(ap).parse_args(argv)
     global DEVICE, CACHE_LEN, CAPACITY, TREE_BUDGETS, VERIFY_Q
-    if args.smoke:
-        if os.environ.get("TRITON_INTERPRET") != "1":
-            print("--smoke runs the Triton kernels in the interpreter: set TRITON_INTERPRET=1", file=sys.stderr)
-            return 2
-        DEVICE, CACHE_LEN, CAPACITY, TREE_BUDGETS, VERIFY_Q = "cpu", 24, 96, (4,), (4,)
-        args.shapes, args.repeats = ["tiny"], 1
-    elif not torch.cuda.is_available():
-        print("bench/step_times.py needs a CUDA GPU (or --smoke)", file=sys.stderr)
+    if (reason := harness.refuse_device("bench.steps.step_times", args.smoke)) is not None:
+        print(reason, file=sys.stderr)
         return 2
-    gpu = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu"
-    bw = read_bandwidth() if DEVICE == "cuda" else 1e11
+    if args.smoke:
+        DEVICE, CACHE_LEN, CAPACITY, TREE_BUDGETS, VERIFY_Q = "cpu", 24, 96, (4,), (4,)
+        args.shapes, args.repeats = [shapes.TINY], 1
+    bw = harness.read_bandwidth() if DEVICE == "cuda" else 1e11
     rows, profiles = [], {}
     for shape in args.shapes:
         shape_rows, profiles[shape] = bench_shape(shape, bw, args.repeats, not args.no_u12)
         rows += shape_rows
-    result = {
-        "benchmark": "step_times",
-        "gpu": gpu,
-        "read_bandwidth_Bps": bw,
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "commit": os.environ.get("SPECPILOT_COMMIT", "unknown"),
-        "triton": triton.__version__,
-        "method": "CUDA graph per step, CUDA events, median of repeats; random bf16 N(0,0.02) weights; batch 1",
-        "rows": rows,
-        "profiles_fused": profiles,  # per shape: kernels of the fused AR, verify and tree-verify steps
-    }
-    slug = "h200" if "H200" in gpu else gpu.lower().replace(" ", "-")
-    out = args.out or Path(__file__).parent / "results" / f"step_times_{slug}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"{gpu}: read bandwidth {bw / 1e12:.2f} TB/s -> {out}")
+    args.tag = args.tag or "-".join(FAMILY_TAGS[s] for s in args.shapes)
+    out = harness.write_run(args, "step_times", DEVICE, rows, read_bandwidth_Bps=bw,
+                            method="CUDA graph per step, CUDA events, median of repeats; random bf16 N(0,0.02) "
+                                   "weights; batch 1",
+                            profiles_fused=profiles)  # per shape: the fused steps' kernels
+    print(f"{harness.device_name(DEVICE)}: read bandwidth {bw / 1e12:.2f} TB/s -> {out or 'no file (--smoke)'}")
     for shape, steps in profiles.items():
         for step, prof in steps.items():
             if prof:
