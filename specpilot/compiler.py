@@ -24,6 +24,7 @@ from .dsl import load_rules, parse_pipeline
 from .errors import CheckpointError
 from .ir import Program, lower, print_program
 from .passes import PassRecord, pipeline_string, run_passes
+from .passes.what_if import what_ifs
 from .passes.base import Pass
 from .runtime.builtin import is_builtin, resolve_builtin
 from .runtime.draft_vocab import VOCAB_FILE, DraftVocab, save_vocab
@@ -95,7 +96,7 @@ def write_cost_view(program: Program, gpu: str, tau: float, report: dict, root: 
     report, and as a roofline/gap chart beside it."""
     from .cost import Workload, explain, plot_gaps
 
-    estimate = explain(program, gpu, Workload(tau=tau))
+    estimate = explain(program, gpu, Workload(tau=tau), what_ifs=what_ifs)
     report["cost_model"] = estimate.to_dict()
     plot_gaps(estimate, root / "explain.png")
 
@@ -260,4 +261,4 @@ def explain_pipeline(spec: PipelineSpec, *, passes: str | None = None, tau: floa
     dirs = resolve_models(spec)
     program = lower_spec(spec, dirs, "bfloat16" if spec.dtype == "auto" else spec.dtype)
     program, _ = run_passes(program, resolve_passes(spec, passes))
-    return explain(program, spec.gpu, Workload(tau=tau), results=[str(r) for r in results])
+    return explain(program, spec.gpu, Workload(tau=tau), results=[str(r) for r in results], what_ifs=what_ifs)

@@ -6,7 +6,7 @@
       kind: dflash                  # dflash | pard
       path: tiny-qwen3/dflash       # built-in drafter or local directory (default: the built-in pair's)
       block_size: 8                 # optional: overrides the drafter config's own
-    gpu: h200                       # a name from the GPU database (`--gpu` overrides it)
+    gpu: h200                       # a GPU of the database, or an alias such as a100 (`--gpu` overrides it)
     serving:
       batch_sizes: [1]
       max_new_tokens: 64
@@ -30,6 +30,7 @@ from typing import Any
 
 import yaml
 
+from .cost.gpu import resolve_gpu
 from .errors import SpecError
 
 DRAFTER_KINDS = ("dflash", "pard")
@@ -70,8 +71,14 @@ class PipelineSpec:
     rules: tuple[str, ...] = ()
     dtype: str = "auto"
 
-    def with_gpu(self, gpu: str | None) -> "PipelineSpec":
-        return self if gpu is None else replace(self, gpu=gpu)
+    def with_gpu(self, gpu: str | None, where: str = "--gpu") -> "PipelineSpec":
+        """The spec for another GPU (its database name; `where` names the source in an error)."""
+        if gpu is None:
+            return self
+        try:
+            return replace(self, gpu=resolve_gpu(gpu))
+        except SpecError as e:
+            raise SpecError(f"{where}: {e}") from None
 
     def to_dict(self) -> dict:
         return {
@@ -148,6 +155,10 @@ def parse_spec(data: Any, source: str) -> PipelineSpec:
     )
     d.finish()
     gpu = r.get("gpu", str, "a GPU name such as h200", default="h200")
+    try:
+        gpu = resolve_gpu(gpu)
+    except SpecError as e:
+        raise SpecError(f"{source}: field 'gpu': {e}") from None
     s = r.sub("serving")
     batch = s.get("batch_sizes", list, "a list of integers >= 1", default=[1],
                   check=lambda v: bool(v) and all(isinstance(b, int) and not isinstance(b, bool) and b >= 1 for b in v))

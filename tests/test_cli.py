@@ -3,6 +3,7 @@
 import json
 import textwrap
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,6 +15,8 @@ from specpilot.ir import node as ir_node
 from specpilot.passes import REGISTRY, Pass, PassResult, register
 
 from conftest import tiny_spec
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 
 @pytest.fixture(autouse=True)
@@ -39,12 +42,13 @@ def assert_user_error(result, *fragments):
         assert f in result.output, result.output
 
 
-@pytest.mark.parametrize("kind", ["pard", "dflash"])
-def test_compile_run_verify(tmp_path, kind):
+@pytest.mark.parametrize("kind, gpu, resolved", [("pard", "a100", "a100-80gb"), ("dflash", "h200", "h200")])
+def test_compile_run_verify(tmp_path, kind, gpu, resolved):
     out = tmp_path / "engine"
     r = invoke("compile", write_spec(tmp_path, kind=kind, extra='passes: "draft-block-size{size=3}"'),
-               "--gpu", "h200", "-o", out, "--device", "cpu")
+               "--gpu", gpu, "-o", out, "--device", "cpu")
     assert r.exit_code == 0, r.output
+    assert json.loads((out / "report.json").read_text())["gpu_target"] == resolved
     for name in ("engine.json", "spec.yaml", "pipeline.txt", "ir.txt", "validation.json", "report.json",
                  "report.md", "target/config.json", "drafter/config.json"):
         assert (out / name).is_file(), name
@@ -129,7 +133,38 @@ def test_bad_passes_exit_2_and_write_nothing(tmp_path, passes, fragments):
 
 def test_unknown_gpu(tmp_path):
     assert_user_error(invoke("compile", write_spec(tmp_path), "--gpu", "tpu9", "-o", tmp_path / "e"),
-                      "unknown GPU 'tpu9'")
+                      "--gpu: unknown GPU 'tpu9'", "a100 = a100-80gb")
+    text = tiny_spec("pard").replace("gpu: h200", "gpu: tpu9")
+    assert_user_error(invoke("compile", write_spec(tmp_path, text=text), "-o", tmp_path / "e"),
+                      "pipeline.yaml: field 'gpu': unknown GPU 'tpu9'")
+    assert not (tmp_path / "e").exists()
+
+
+@pytest.mark.slow
+def test_the_brief_command_compiles_for_an_a100(tmp_path):
+    """`specpilot compile pipeline.yaml --gpu a100` (the project's brief): the shipped example on the
+    CPU, one prompt of 8 tokens (about 20 s: the zoo pair); the alias names the a100-80gb.
+    test_compile_run_verify[pard-a100] runs the same command on the tiny pair."""
+    example = (EXAMPLES / "pipeline.yaml").read_text()
+    text = example.replace("max_new_tokens: 64", "max_new_tokens: 8").replace("num_prompts: 8", "num_prompts: 1")
+    assert text != example and "target: code-qwen3" in text
+    out = tmp_path / "engine"
+    r = invoke("compile", write_spec(tmp_path, text=text), "--gpu", "a100", "-o", out, "--device", "cpu")
+    assert r.exit_code == 0, r.output
+    report = json.loads((out / "report.json").read_text())
+    assert report["gpu_target"] == "a100-80gb" and report["cost_model"]["gpu"] == "a100-80gb"
+    assert report["outputs_equal_ar"] == "1/1"
+
+
+@pytest.mark.parametrize("name, resolved", [("a100", "a100-80gb"), ("H100", "h100-sxm"),
+                                            ("NVIDIA A100-SXM4-40GB", "a100-40gb")])
+def test_gpu_aliases_resolve_in_the_spec_and_on_the_command_line(tmp_path, name, resolved):
+    r = invoke("explain", EXAMPLES / "pipeline.yaml", "--gpu", name, "--tau", "3")
+    assert r.exit_code == 0, r.output
+    assert f"on {resolved}" in r.output
+    r = invoke("explain", write_spec(tmp_path, text=tiny_spec("dflash").replace("gpu: h200", f"gpu: {name}")),
+               "--tau", "3")
+    assert r.exit_code == 0 and f"on {resolved}" in r.output, r.output
 
 
 def test_missing_model_dir(tmp_path):

@@ -19,13 +19,18 @@ from specpilot.cost import (
     explain, gpu_names, load_gpu, matmul_weight_bytes, plot_gaps, render_table, step_time, tau_for_alpha,
     weight_footprint,
 )
-from specpilot.cost.gaps import with_block_size, with_tree
+from specpilot.cost.gaps import CEILING_BEAM, Reached, pipeline_string, search_ceiling
+from specpilot.dsl import parse_pipeline
 from specpilot.cost.roofline import (
     KERNELS, SPLIT_KV_KERNELS, U12_ESCAPE_BYTES, U12_ESCAPE_RATE, U12_MAX_LANES, u12_lanes,
 )
 from specpilot.errors import SpecError
 from specpilot.ir import MATMUL_OPS, Graph, Node, Program, lower
+from specpilot.passes import run_passes
 from specpilot.passes.fused_decoder import FusedDecoder
+from specpilot.passes.tree_verify import TreeVerify
+from specpilot.passes.weights_u12 import WeightsU12
+from specpilot.passes.what_if import what_ifs
 from specpilot.formats.u12 import MAX_LANES, pack_u12
 from specpilot.hf.known import dflash_config, model_config
 
@@ -194,7 +199,7 @@ def test_attention_reads_the_cache_and_split_kv_helps_long_caches(small):
 
 def test_u12_lowers_the_prediction(llama8b):
     model = CostModel("h100-sxm")  # no measured u12 kernel: the format's bytes alone count
-    w = Workload(tau=5.0, search=False)
+    w = Workload(tau=5.0)
     before, after = model.predict(llama8b, w), model.predict(to_u12(llama8b), w)
     assert after.t_verify.value < before.t_verify.value
     assert after.t_draft.value < before.t_draft.value
@@ -228,7 +233,7 @@ def test_speedup_formula_by_hand():
 
 
 def test_predicted_speedup_is_the_formula(small):
-    e = CostModel(ROUND).predict(small, Workload(tau=4.0, search=False))
+    e = CostModel(ROUND).predict(small, Workload(tau=4.0))
     assert e.tau.value == pytest.approx(4.0)
     t_spec = e.t_draft.value + e.t_verify.value + e.overhead.value
     assert e.speedup.value == pytest.approx(e.tau.value * e.t_ar.value / t_spec)
@@ -274,67 +279,143 @@ def test_best_first_tree_by_hand():
 
 def test_tree_verify_raises_tau_in_the_model(small):
     model = CostModel(ROUND)
-    chain = model.predict(small, Workload(tau=4.0, search=False))
-    tree = model.predict(with_tree(small, 32), Workload(tau=4.0, search=False))
+    chain = model.predict(small, Workload(tau=4.0))
+    tree = model.predict(TreeVerify(budget=32, topk=4).apply(small).program, Workload(tau=4.0))
     assert tree.tau.value > chain.tau.value
     assert tree.t_verify.value > chain.t_verify.value  # 33 tokens verified instead of 8
 
 
 # -- gaps
 
+ONE_CHOICE = ("weights-u12", "cuda-graphs", "fused-decoder", "attention-split-kv")
+
+
+def only(*names):
+    """The passes' what-if provider limited to `names` (a cost model asked about those passes only)."""
+    def provider(program, passes=None):
+        return what_ifs(program, [n for n in names if passes is None or n in passes])
+    return provider
+
+
 def test_gaps_are_ranked_and_add_up_to_the_ceiling(llama8b):
-    e = CostModel("h200").predict(llama8b, Workload(tau=6.0))
+    e = CostModel("h200").predict(llama8b, Workload(tau=6.0), what_ifs)
     savings = [g.saving for g in e.gaps]
     assert savings == sorted(savings, reverse=True) and all(s > 0 for s in savings)
     assert sum(savings) == pytest.approx(e.t_token.value - e.ceiling.t_token, rel=1e-6)
     passes = {g.pass_name for g in e.gaps}
     assert {"cuda-graphs", "tree-verify", "fused-decoder"} <= passes
     assert e.ceiling.speedup > e.speedup.value and e.ceiling.tau >= e.tau.value
+    # every pass gap's pipeline element reproduces its pass, and the pipeline of them all runs
+    for g in e.gaps:
+        if g.pass_name:
+            assert [p.name for p in parse_pipeline(g.pipeline)] == [g.pass_name]
+    assert run_passes(llama8b, parse_pipeline(pipeline_string(e.gaps)))[0]
+
+
+def test_without_what_ifs_there_are_no_pass_gaps_and_the_ceiling_is_the_program_at_its_floor(small):
+    e = CostModel("h200").predict(small, Workload(tau=4.0))
+    assert {g.pass_name for g in e.gaps} == {""}  # kernels below the roofline only
+    assert e.ceiling.pipeline == "" and e.ceiling.t_token == pytest.approx(e.t_token.floor)
+    assert e.gaps[0].saving == pytest.approx(e.t_token.value - e.t_token.floor)
+
+
+def test_any_provider_of_what_ifs_names_the_gaps(small):
+    """The cost model knows what-ifs only through their four properties: a provider from anywhere works."""
+    @dataclasses.dataclass(frozen=True)
+    class HandMade:
+        pass_name: str = "hand-made-u12"
+        pipeline: str = "hand-made-u12{x=1}"
+        closes: str = "weight bytes, by hand"
+        program: Program = dataclasses.field(default_factory=lambda: to_u12(small))
+
+    heavy = ROUND.with_(bandwidth=1e9)  # weight bytes dominate: u12 saves a quarter of the time
+    e = CostModel(heavy).predict(small, Workload(tau=4.0), lambda program, passes=None: (
+        [HandMade()] if program is small and (passes is None or "hand-made-u12" in passes) else []))
+    [gap] = [g for g in e.gaps if g.pass_name]
+    assert (gap.what, gap.pipeline) == ("weight bytes, by hand", "hand-made-u12{x=1}")
+    assert gap.saving == pytest.approx(e.t_token.value - CostModel(heavy).predict(to_u12(small), Workload(tau=4.0)).t_token.value)
+    assert e.ceiling.pipeline == "hand-made-u12{x=1}"
 
 
 def test_gap_order_follows_the_costs(small):
-    w = Workload(tau=4.0, search=False)
-    launches = CostModel(ROUND.with_(launch_s=1e-3, host_sync_s=1e-6)).predict(small, w)
+    w = Workload(tau=4.0)
+    launches = CostModel(ROUND.with_(launch_s=1e-3, host_sync_s=1e-6)).predict(small, w, only(*ONE_CHOICE))
     assert launches.gaps[0].pass_name == "cuda-graphs"
-    syncs = CostModel(ROUND.with_(launch_s=1e-6, host_sync_s=1.0)).predict(small, w)
+    syncs = CostModel(ROUND.with_(launch_s=1e-6, host_sync_s=1.0)).predict(small, w, only(*ONE_CHOICE))
     assert syncs.gaps[0].pass_name == "cuda-graphs"  # it also moves acceptance to the device
-    fused = CostModel("h200").predict(FusedDecoder().apply(small).program, w)
+    fused = CostModel("h200").predict(FusedDecoder().apply(small).program, w, only(*ONE_CHOICE))
     assert "fused-decoder" not in {g.pass_name for g in fused.gaps}
     assert fused.steps.verify.kernels < CostModel("h200").predict(small, w).steps.verify.kernels
     heavy = ROUND.with_(bandwidth=1e9)  # weight bytes dominate everything
-    assert CostModel(heavy).predict(small, w).gaps[0].pass_name == "weights-u12"
+    assert CostModel(heavy).predict(small, w, only(*ONE_CHOICE)).gaps[0].pipeline == WeightsU12(min_numel=1 << 20).spec()
 
 
 def test_block_size_gap_when_the_block_is_too_long(small):
     # acceptance collapses after 2 positions: a block of 8 drafts 5 tokens for nothing, and a block of
     # 2 leaves a likely second token undrafted
     acc = AcceptanceModel((0.9, 0.9, 0.0, 0.0, 0.0, 0.0, 0.0))
-    e = CostModel(ROUND).predict(small, Workload(acceptance=acc))
+    e = CostModel(ROUND).predict(small, Workload(acceptance=acc), what_ifs)
     blocks = [g.pipeline for g in e.gaps if g.pass_name == "draft-block-size"]
     assert blocks == ["draft-block-size{size=3}"]
-    assert with_block_size(small, 3).step.one("verify")[1]["q"] == 3
+    assert e.ceiling.block_size == 3  # deeper drafts earn nothing, at the floor too
+
+
+def test_the_ceiling_search_finds_the_best_of_every_block_and_candidate_set(small):
+    """The beam search against brute force at the floor: u12 weights (fewer bytes: always faster at
+    the floor), every block size of draft-block-size's space, every tree of tree-verify's or the chain."""
+    model, w = CostModel("h200"), Workload(acceptance=AcceptanceModel.from_tau(4.0, 7))
+    e = model.predict(small, w, what_ifs)
+    u12 = WeightsU12(min_numel=1 << 20).apply(small).program
+    assert model.predict(u12, w).t_token.floor < model.predict(small, w).t_token.floor
+    best = math.inf
+    for block in [u12] + [x.program for x in what_ifs(u12, ["draft-block-size"])]:
+        for cand in [block] + [x.program for x in what_ifs(block, ["tree-verify"])]:
+            best = min(best, model.predict(cand, w).t_token.floor)
+    assert e.ceiling.t_token == pytest.approx(best, rel=1e-9)
+    assert e.ceiling.t_token <= e.t_token.floor
+    assert "weights-u12{min-numel=1048576" in e.ceiling.pipeline and e.ceiling.proposal.startswith("tree{")
+
+
+def test_a_narrow_beam_keeps_the_fastest_and_the_seeds():
+    """search_ceiling on numbers: programs stand in as labels, what-ifs step along a line."""
+    @dataclasses.dataclass(frozen=True)
+    class Step:
+        pass_name: str
+        pipeline: str
+        program: object
+        closes: str = ""
+
+    times = {"p": 5.0, "a1": 4.0, "a2": 3.0, "a1b": 1.0, "a2b": 2.5, "seed": 2.0}
+
+    def provider(program, passes=None):
+        offers = {"p": [Step("a", "a{1}", "a1"), Step("a", "a{2}", "a2")], "a1": [Step("b", "b", "a1b")],
+                  "a2": [Step("b", "b", "a2b")]}.get(program, [])
+        return [o for o in offers if passes is None or o.pass_name in passes]
+
+    # stage a keeps a{2} (3.0) and a{1} (4.0); b, which only they offer, is the next stage
+    assert search_ceiling("p", times.get, provider, beam=CEILING_BEAM).pipeline == ("a{1}", "b")
+    assert search_ceiling("p", times.get, provider, beam=1).pipeline == ("a{2}", "b")  # a{1} fell out of a beam of one
+    assert search_ceiling("p", times.get, provider, seeds=[Reached(2.0, "seed", ("s",))]).program == "seed"
 
 
 # -- calibration
 
 RESULTS = Path(__file__).resolve().parents[1] / "bench" / "results"
-H200_STEPS = RESULTS / "h200_steps_2026-12-02.json"  # an IR-shaped plain torch step (cost-model calibration)
-RUNTIME_STEPS = RESULTS / "step_times_llama_h200.json"  # the project runtime's forward (bench/step_times.py)
+H200_STEPS = RESULTS / "step_bench_h200.json"  # an IR-shaped plain torch step (cost-model calibration)
+RUNTIME_STEPS = RESULTS / "step_times_h200_llama.json"  # the project runtime's forward (bench/steps/step_times.py)
 
 
-@pytest.mark.skipif(not RUNTIME_STEPS.exists(), reason="bench/results/step_times_llama_h200.json not present")
 def test_h200_calibrated_by_the_runtime_step_times(llama8b):
     """Calibrated by the runtime's results file, AR, verify(16) and draft(16) at 8B shapes within 15%."""
     model = CostModel("h200")
     assert model.update_from_results([RUNTIME_STEPS]) > 0
-    rows = {(r["what"], r["q"]): r["ms"] * 1e-3 for r in json.loads(RUNTIME_STEPS.read_text())["rows"]
+    rows = {(r["what"], r["q"]): r["ms"] * 1e-3 for r in json.loads(RUNTIME_STEPS.read_text())["records"]
             if r["shape"] == "llama-3.1-8b" and r["cache_len"] == 512 and r.get("path", "torch") == "torch"}
     for what, q in (("ar", 1), ("verify", 16), ("draft", 16)):
         predicted = model.step(llama8b, what, q, cache_len=512).time
         assert predicted == pytest.approx(rows[(what, q)], rel=0.15), (what, q)
 
 
-@pytest.mark.skipif(not H200_STEPS.exists(), reason="bench/results/h200_steps_2026-12-02.json not present")
 def test_h200_predictions_within_15_percent_of_measured(llama8b):
     """Uncalibrated predictions against the measured AR, verify(16) and draft(16) steps at 8B shapes."""
     records = json.loads(H200_STEPS.read_text())["records"]
@@ -352,7 +433,7 @@ def test_h200_predictions_within_15_percent_of_measured(llama8b):
 
 def test_update_scales_each_step_kind(small):
     model = CostModel(ROUND)
-    w = Workload(tau=4.0, search=False)
+    w = Workload(tau=4.0)
     raw = model.predict(small, w)
     n = model.update([{"kind": "step", "what": "ar", "q": 1, "ms": raw.t_ar.value * 2e3, "gpu": "round",
                        "shape": SMALL_SHAPE},
@@ -376,7 +457,7 @@ def test_update_from_results_files(small, tmp_path):
                     {"kind": "speedup", "value": 3.0}, {"note": "provenance"}]}))
     model = CostModel("h200")
     assert model.update_from_results([results]) == 2
-    e = model.predict(small, Workload(search=False, cuda_graphs=True))
+    e = model.predict(small, Workload(cuda_graphs=True))
     assert e.t_draft.source == "measured" and e.t_draft.value == pytest.approx(0.25e-3)
     assert e.tau.source == "measured" and e.tau.value == pytest.approx(1 + (3 + 4 + 5 + 6 + 7) / 5)
     assert explain(small, "h200", Workload(cuda_graphs=True), results=[results]).t_draft.source == "measured"

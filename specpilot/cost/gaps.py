@@ -1,35 +1,41 @@
 """Gaps between the current pipeline and its ceiling, each named by the pass that would close it.
 
-The cost model may not import the passes (it sits below them), so each pass's effect on the IR is
-restated here as a small what-if: the same node rewrite the pass performs, applied to a copy of
-the program. A gap is what a what-if saves in time per output token when it is applied on top of
-the ones already taken. The ranking is a greedy waterfall: at each stage the what-if that saves
-the most is taken, until none saves anything; what is left between that program and the ceiling
-(every op at its floor, the best candidate set) is kernels running below the roofline, which no
-pass closes yet. The savings therefore add up to current - ceiling per output token.
+The cost model sits below the passes and imports none: what a pass would do is asked of the pass
+through a narrow interface. The caller hands `predict` a provider of what-ifs (`WhatIfs`: program
+-> what-ifs, the compiler passes `specpilot.passes.what_if.what_ifs`); a `WhatIf` is a pass as a
+pipeline element, the gap it closes in words, and the program it would produce. Without a provider
+there are no what-ifs: no pass gaps, and the ceiling is the program itself at its floor.
 
-| what-if | gap it closes | pass |
-|---|---|---|
-| linear/lm_head bf16 weights -> u12 | weight bytes | `weights-u12` |
-| CUDA graphs on, accept on the device | launch overhead, host round trips | `cuda-graphs` |
-| norms, RoPE, SiLU·mul on fused kernels | small kernels' latency | `fused-decoder` |
-| chain -> best-first tree of the best budget | τ below what the candidates allow | `tree-verify{budget=N}` |
-| block size -> the best one | block size off the optimum | `draft-block-size{size=N}` |
-| attention kernel -> split-KV | attention over long caches | `attention-split-kv` |
+Gaps are a greedy waterfall in time per output token: at each stage every what-if of a pass not yet
+taken is costed on top of those taken, the one that saves the most is taken, until none saves
+anything. What is left between that program and the ceiling is kernels running below the roofline,
+which no pass closes yet (`remainder_gap`). The savings add up to current - ceiling per token.
+
+The ceiling (`search_ceiling`) is the fastest program at the floor (every op at bytes / bandwidth
+or FLOPs / rate) the what-ifs reach, found stage by stage, one pass a stage: the passes the starting
+program offers, those with the fewest what-ifs first (ties in the provider's order), then any pass
+the best program so far offers that no stage searched. At a stage each program of the beam stays as
+it is and is also extended by each what-if of that pass it offers; the `beam` fastest at the floor,
+distinct in time, go on. With the built-in passes the one-choice passes
+(split-KV, CUDA graphs, fused decoder) and the two u12 thresholds come first, so the beam holds
+every combination of them when the block sizes and then the tree budgets are searched; the search
+is exhaustive over a stage whenever the beam holds every program the stage makes. Seeds (the
+waterfall's last program) start in the beam, so the ceiling is never slower than what the waterfall
+reached.
 """
 
 from __future__ import annotations
 
+import math
+from collections import Counter
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Protocol
 
-from ..ir import MATMUL_OPS, Node, Program
-from ..ir.lower import SHARED
-from ..ir.verify import expected_verify_length
+from ..ir import Node, Program
 
-U12_MIN_NUMEL = 1 << 20  # weights-u12's default: smaller matrices stay bf16
-TREE_BUDGETS = (8, 15, 16, 24, 31, 32, 48, 64, 96, 128, 192, 256)  # 31: q = 32, the fused stacks' row limit
 NO_PASS = ""
+CEILING_BEAM = 24  # programs kept per stage of the ceiling search (see the module docstring)
 
 
 @dataclass(frozen=True)
@@ -45,127 +51,36 @@ class Gap:
     source: str = "predicted"
 
 
-@dataclass(frozen=True)
-class WhatIf:
-    """A pass's effect, restated: the pass as a pipeline element and the program it would produce."""
+class WhatIf(Protocol):
+    """A pass asked of one program: what the cost model needs to know of it, and no more."""
 
-    what: str
-    pass_name: str
-    pipeline: str
-    program: Program
+    @property
+    def pass_name(self) -> str: ...  # the pass's registered name ("tree-verify")
+
+    @property
+    def pipeline(self) -> str: ...  # the pass as a pipeline element ("tree-verify{budget=64, topk=4}")
+
+    @property
+    def closes(self) -> str: ...  # the gap it closes, in words
+
+    @property
+    def program(self) -> Program: ...  # the program the pass would produce
+
+
+class WhatIfs(Protocol):
+    """A provider of what-ifs: those `program` offers, limited to the pass names in `passes`."""
+
+    def __call__(self, program: Program, passes: Collection[str] | None = None) -> Sequence[WhatIf]: ...
+
+
+def no_what_ifs(program: Program, passes: Collection[str] | None = None) -> list[WhatIf]:
+    """The provider of a cost model asked without passes: nothing to try."""
+    return []
 
 
 def step_ops(program: Program) -> dict[str, Node]:
     """The step graph's nodes by op (each op appears once in a valid step graph)."""
     return {node.op: node for _, node in program.step.dag.nodes(data="node")}
-
-
-# -- program edits (each returns None when the pass would change nothing)
-
-def _with_attr(program: Program, key: str, value) -> Program:
-    attrs = dict(program.attrs)
-    attrs[key] = value
-    return Program(program.step, program.target, program.drafter, attrs=tuple(sorted(attrs.items())))
-
-
-def _map(program: Program, level: str, fn: Callable[[str, Node], Node | None]) -> tuple[Program, int]:
-    graph, changed = program.graph(level).map_nodes(fn)
-    return (program.with_graph(level, graph) if changed else program), changed
-
-
-def with_u12(program: Program, min_numel: int = U12_MIN_NUMEL) -> Program | None:
-    """As `weights-u12`: bf16 matmul weights of min_numel or more -> u12; borrowed `target/` weights
-    keep their drafter node (they follow the target's)."""
-    if program.attr("dtype") != "bfloat16":
-        return None
-
-    def fn(_, node: Node):
-        if (node.op in MATMUL_OPS and node["format"] == "bfloat16" and not node["weight"].startswith(SHARED)
-                and node["in_features"] * node["out_features"] >= min_numel):
-            return node.replace(format="u12", kernel="triton-u12")
-        return None
-
-    program, a = _map(program, "target", fn)
-    program, b = _map(program, "drafter", fn)
-    return program if a + b else None
-
-
-def with_cuda_graphs(program: Program) -> Program | None:
-    """What `cuda-graphs` does: accept on the device, every step one graph replay (chains, trees)."""
-    ops = step_ops(program)
-    if ops["verify"]["mode"] not in ("chain", "tree") or program.target.find("gated_deltanet"):
-        return None
-
-    def fn(_, node: Node):
-        if node.op == "accept" and node["on"] != "device":
-            return node.replace(on="device")
-        if node.op == "schedule" and not node.get("graphs"):
-            return node.replace(graphs=True)
-        return None
-
-    program, n = _map(program, "step", fn)
-    return program if n else None
-
-
-def with_fused_decoder(program: Program) -> Program | None:
-    """What `fused-decoder` does (the pass itself): norms, RoPE and SiLU·mul on fused kernels."""
-    from ..passes.fused_decoder import FusedDecoder
-
-    result = FusedDecoder().apply(program)
-    return result.program if result.changed else None
-
-
-def with_split_kv(program: Program) -> Program | None:
-    def fn(_, node: Node):
-        return node.replace(kernel="triton-split-kv") if node.op == "attention" else None
-
-    program, a = _map(program, "target", fn)
-    program, b = _map(program, "drafter", fn)
-    return program if a + b else None
-
-
-def with_tree(program: Program, budget: int) -> Program | None:
-    """Chain (or another budget) -> a best-first tree of `budget` candidates."""
-    propose = step_ops(program)["propose"]
-    if propose["shape"] == "tree" and propose["budget"] == budget:
-        return None
-
-    def fn(_, node: Node):
-        if node.op == "propose":
-            return node.replace(shape="tree", budget=budget)
-        if node.op == "verify":
-            mode = node["mode"] if node["mode"] != "chain" else "tree"
-            return node.replace(mode=mode, q=budget + 1)
-        if node.op == "accept":
-            return node.replace(rule="tree-path")
-        if node.op == "commit":
-            return node.replace(kv="compact")
-        return None
-
-    return _map(program, "step", fn)[0]
-
-
-def with_block_size(program: Program, block: int) -> Program | None:
-    """The drafter's block size -> `block` (a chain's proposal and verify length follow)."""
-    ops = step_ops(program)
-    draft, propose = ops["draft"], ops["propose"]
-    if draft["block_size"] == block:
-        return None
-    new_draft = draft.replace(block_size=block)
-    if propose["shape"] == "chain":
-        propose = propose.replace(budget=block - 1 if draft["kind"] == "dflash" else block)
-    q = expected_verify_length(new_draft, propose)
-
-    def fn(_, node: Node):
-        if node.op == "draft":
-            return new_draft
-        if node.op == "propose":
-            return propose
-        if node.op == "verify":
-            return node.replace(q=q)
-        return None
-
-    return _map(program, "step", fn)[0]
 
 
 def draft_positions(program: Program) -> int:
@@ -174,48 +89,19 @@ def draft_positions(program: Program) -> int:
     return draft["block_size"] - 1 if draft["kind"] == "dflash" else draft["block_size"]
 
 
-def block_sizes(program: Program, max_positions: int) -> list[int]:
-    """Block sizes worth trying: up to what the drafter was measured (or built) for."""
-    draft = step_ops(program)["draft"]
-    lo = 2 if draft["kind"] == "dflash" else 1
-    hi = max(draft["block_size"], max_positions + (1 if draft["kind"] == "dflash" else 0))
-    return list(range(lo, hi + 1))
+def rank_gaps(program: Program, t_token: Callable[[Program], float],
+              what_ifs: WhatIfs) -> tuple[list[Gap], Program]:
+    """The greedy waterfall from `program`: the pass gaps in the order taken, and the program reached.
 
-
-def what_ifs(program: Program, *, max_positions: int, search: bool = True) -> list[WhatIf]:
-    """Every pass effect that changes `program`, tree budgets and block sizes enumerated."""
-    out: list[WhatIf] = []
-    if (p := with_u12(program)) is not None:
-        out.append(WhatIf("weight bytes (bf16 -> u12)", "weights-u12", f"weights-u12{{min-numel={U12_MIN_NUMEL}}}", p))
-    if (p := with_cuda_graphs(program)) is not None:
-        out.append(WhatIf("launch overhead and host round trips", "cuda-graphs", "cuda-graphs", p))
-    if (p := with_fused_decoder(program)) is not None:
-        out.append(WhatIf("small kernels of the decoder layers", "fused-decoder", "fused-decoder", p))
-    if (p := with_split_kv(program)) is not None:
-        out.append(WhatIf("attention over the cache", "attention-split-kv", "attention-split-kv", p))
-    if search:
-        for budget in TREE_BUDGETS:
-            if (p := with_tree(program, budget)) is not None:
-                out.append(WhatIf("τ below what the candidates allow", "tree-verify", f"tree-verify{{budget={budget}}}", p))
-        for block in block_sizes(program, max_positions):
-            if (p := with_block_size(program, block)) is not None:
-                out.append(WhatIf("block size off the optimum", "draft-block-size", f"draft-block-size{{size={block}}}", p))
-    return out
-
-
-def rank_gaps(program: Program, t_token: Callable[[Program], float], ceiling_t_token: float, *,
-              max_positions: int, search: bool = True) -> tuple[list[Gap], Program]:
-    """The greedy waterfall from `program` toward the ceiling; returns (gaps, best program found).
-
-    `t_token(program)` is the model's time per output token. Each pass is taken at most once
-    (tree-verify and draft-block-size with their best parameter at that stage)."""
+    `t_token(program)` is the model's time per output token. Each pass is taken at most once (a
+    pass with parameters, such as tree-verify, with its best instance at that stage)."""
     base = t_token(program)
     current, now = program, base
     taken: set[str] = set()
     gaps: list[Gap] = []
     while True:
         best: tuple[float, WhatIf] | None = None
-        for w in what_ifs(current, max_positions=max_positions, search=search):
+        for w in what_ifs(current):
             if w.pass_name in taken:
                 continue
             t = t_token(w.program)
@@ -224,18 +110,61 @@ def rank_gaps(program: Program, t_token: Callable[[Program], float], ceiling_t_t
         if best is None:
             break
         t, w = best
-        gaps.append(Gap(w.what, w.pass_name, w.pipeline, now - t, (now - t) / base if base else 0.0))
+        gaps.append(Gap(w.closes, w.pass_name, w.pipeline, now - t, (now - t) / base if base else 0.0))
         taken.add(w.pass_name)
         current, now = w.program, t
-    rest = now - ceiling_t_token
-    if rest > 1e-12:
-        gaps.append(Gap("kernels below the roofline (efficiency, per-kernel latency)", NO_PASS, "",
-                        rest, rest / base if base else 0.0,
-                        "what the best pipeline found still loses to every op at its floor"))
-    gaps.sort(key=lambda g: -g.saving)
     return gaps, current
 
 
+def remainder_gap(t_reached: float, ceiling_t_token: float, base: float) -> Gap | None:
+    """What the best program found still loses to the ceiling: kernels below the roofline."""
+    rest = t_reached - ceiling_t_token
+    if rest <= 1e-12:
+        return None
+    return Gap("kernels below the roofline (efficiency, per-kernel latency)", NO_PASS, "", rest,
+               rest / base if base else 0.0, "what the best pipeline found still loses to every op at its floor")
+
+
+@dataclass(frozen=True)
+class Reached:
+    """A program the ceiling search reached: its time per token at the floor and the pipeline elements taken."""
+
+    t_token: float
+    program: Program
+    pipeline: tuple[str, ...] = ()
+
+
+def search_ceiling(program: Program, t_floor: Callable[[Program], float], what_ifs: WhatIfs, *,
+                   seeds: Iterable[Reached] = (), beam: int = CEILING_BEAM) -> Reached:
+    """The fastest program at the floor the what-ifs reach from `program` (module docstring)."""
+    def best(rs: list[Reached]) -> Reached:
+        return min(rs, key=lambda r: (r.t_token, len(r.pipeline)))
+
+    offered = what_ifs(program)
+    frontier = [Reached(t_floor(program), program), *seeds]
+    searched: set[str] = set()
+    while True:
+        counts = Counter(w.pass_name for w in offered if w.pass_name not in searched)
+        if not counts:
+            return best(frontier)
+        for stage in sorted(counts, key=lambda name: counts[name]):  # stable: ties keep the provider's order
+            candidates = list(frontier)
+            for r in frontier:
+                options = ([w for w in offered if w.pass_name == stage] if r.program is program
+                           else what_ifs(r.program, (stage,)))
+                candidates += [Reached(t_floor(w.program), w.program, r.pipeline + (w.pipeline,)) for w in options]
+            candidates.sort(key=lambda r: (r.t_token, len(r.pipeline)))
+            frontier = []
+            for r in candidates:
+                if not any(math.isclose(r.t_token, kept.t_token, rel_tol=1e-12) for kept in frontier):
+                    frontier.append(r)
+                if len(frontier) == beam:
+                    break
+            searched.add(stage)
+        program = best(frontier).program  # passes the best program offers that no stage searched yet
+        offered = what_ifs(program)
+
+
 def pipeline_string(gaps: Iterable[Gap]) -> str:
-    """The passes of a gap list as one pipeline string (what the agent would try)."""
+    """The passes of a gap list as one pipeline string (what a search would try)."""
     return ",".join(g.pipeline for g in gaps if g.pass_name)

@@ -4,6 +4,10 @@
 uses the measured value when the card was measured and the published one otherwise, and
 `GPU.source_of(field)` says which: "measured", "published", or "default" (the database's
 estimate for a figure nobody published or measured for this card).
+
+`resolve_gpu(name)` is the one place a GPU's name is read: a database name, an alias (gpus.yaml
+`aliases`: "a100", "h100"), or a device name as torch reports it ("NVIDIA A100-SXM4-40GB"). The
+spec loader, the CLI's --gpu, the cost model and results files' "gpu" keys all go through it.
 """
 
 from __future__ import annotations
@@ -31,7 +35,6 @@ _DERIVED = {
     # measured against 4.06e12 / 132 = 3.1e10)
     "attention_program_bw": lambda v: 0.25 * v["bandwidth"] / v["sms"],
 }
-_ALIASES = {"h200-sxm": "h200", "h100": "h100-sxm", "a100": "a100-80gb", "4090": "rtx-4090"}
 
 
 @dataclass(frozen=True)
@@ -133,11 +136,41 @@ def gpu_names(path: str | Path = DATABASE) -> list[str]:
     return list(_database(str(path))["gpus"])
 
 
+def gpu_aliases(path: str | Path = DATABASE) -> dict[str, str]:
+    """Other names for the database's cards (gpus.yaml `aliases`): alias -> database name."""
+    return {str(k).lower(): str(v) for k, v in (_database(str(path)).get("aliases") or {}).items()}
+
+
+def _spellings(key: str):
+    """`key` as given, then as torch names a device ("nvidia a100-sxm4-40gb"): the vendor words
+    dropped, the words joined, the model with each qualifier (a100-40gb, h100-pcie), the model."""
+    yield key
+    words = key.replace("nvidia", " ").replace("geforce", " ").replace("-", " ").replace("_", " ").split()
+    if not words:
+        return
+    if words[0] == "rtx" and len(words) > 1:
+        words = [f"rtx-{words[1]}", *words[2:]]
+    yield "-".join(words)
+    for qualifier in words[1:]:
+        yield f"{words[0]}-{qualifier}"
+    yield words[0]
+
+
+def resolve_gpu(name: str, path: str | Path = DATABASE) -> str:
+    """The database name of the GPU called `name` (case-insensitive; database names, aliases and
+    torch's device names); SpecError naming the known names and aliases if there is none."""
+    known, aliases = gpu_names(path), gpu_aliases(path)
+    for spelling in _spellings(str(name).strip().lower()):
+        if spelling in known:
+            return spelling
+        if spelling in aliases:
+            return aliases[spelling]
+    alias_list = ", ".join(f"{a} = {n}" for a, n in aliases.items())
+    raise SpecError(f"unknown GPU {name!r}; expected one of {', '.join(known)} (or an alias: {alias_list})")
+
+
 def load_gpu(name: str, path: str | Path = DATABASE) -> GPU:
-    """The GPU called `name` (case-insensitive; a few aliases such as "h100"); SpecError if unknown."""
+    """The GPU called `name` (see `resolve_gpu`); SpecError if unknown."""
     data = _database(str(path))
-    key = name.strip().lower()
-    key = _ALIASES.get(key, key)
-    if key not in data["gpus"]:
-        raise SpecError(f"unknown GPU {name!r}; known GPUs: {', '.join(data['gpus'])}")
+    key = resolve_gpu(name, path)
     return GPU.from_entry(key, data["gpus"][key], data.get("defaults") or {})

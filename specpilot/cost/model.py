@@ -11,8 +11,8 @@ own work, host round trips included); one AR step is the baseline target at q = 
 
 The AR baseline is the strongest plain decoder we have on the same GPU: the target with its
 weights in the checkpoint dtype (weight-format passes speed up the engine, not the baseline),
-under CUDA graphs, with the program's attention kernel. The ceiling applies every pass's effect
-(u12 weights, the best block size and candidate set) with every op at its floor (bytes / measured
+under CUDA graphs, with the program's attention kernel. The ceiling is the fastest program the
+passes' what-ifs reach (given by the caller, gaps.py) with every op at its floor (bytes / measured
 bandwidth or FLOPs / measured rate, no latency, no launches, no host round trips); its speedup is
 against the same predicted t_AR. Every figure of an `Estimate` says whether it is "measured" (a
 benchmark record of exactly this step, or acceptance measured on this shape) or "predicted".
@@ -58,9 +58,9 @@ from ..hf.known import name_of
 from ..ir import MATMUL_OPS, Graph, Node, Program
 from .acceptance import AcceptanceModel
 from .gaps import (
-    TREE_BUDGETS, Gap, block_sizes, draft_positions, rank_gaps, step_ops, with_block_size, with_tree, with_u12,
+    Gap, Reached, WhatIfs, draft_positions, no_what_ifs, rank_gaps, remainder_gap, search_ceiling, step_ops,
 )
-from .gpu import GPU, load_gpu
+from .gpu import GPU, load_gpu, resolve_gpu
 from .roofline import (
     ACT_BYTES, U12_ESCAPE_RATE, GraphPlan, NodeCost, StepEstimate, at_floor, combine, step_time,
 )
@@ -82,7 +82,6 @@ class Workload:
     tau: float | None = None  # τ of the program's chain as stated in the spec (counts the bonus token)
     acceptance: AcceptanceModel | None = None  # wins over tau and over measured records
     escape_rate: float = U12_ESCAPE_RATE
-    search: bool = True  # search tree budgets and block sizes for the gaps and the ceiling
 
 
 @dataclass(frozen=True)
@@ -135,7 +134,8 @@ class Ceiling:
     speedup_at_floor_ar: float  # against the AR baseline at its floor too
     t_token: float
     block_size: int
-    proposal: str  # "chain" or "tree{budget=N}"
+    proposal: str  # "chain" or "tree{budget=N, topk=K}"
+    pipeline: str = ""  # the what-ifs that reach it, as a pipeline string ("" : the program as it is)
 
 
 @dataclass(frozen=True)
@@ -326,6 +326,7 @@ class _Evaluator:
         self._plans: dict[tuple, tuple[Graph, Graph | None, GraphPlan]] = {}
         self._steps: dict[tuple, StepEstimate] = {}
         self._info: dict[int, tuple[Graph, tuple[int, int]]] = {}
+        self._taus: dict[tuple, float] = {}
 
     def plan(self, graph: Graph, shared: Graph | None = None) -> GraphPlan:
         key = (id(graph), id(shared))
@@ -369,9 +370,13 @@ class _Evaluator:
         ops = step_ops(program)
         propose, verify = ops["propose"], ops["verify"]
         if propose["shape"] == "tree":
-            width = propose.get("topk", TREE_WIDTH)
-            return self.acceptance.tau_tree(propose["budget"], draft_positions(program), width)
-        return self.acceptance.tau_chain(min(verify["q"] - 1, draft_positions(program)))
+            key = ("tree", propose["budget"], draft_positions(program), propose.get("topk", TREE_WIDTH))
+        else:
+            key = ("chain", min(verify["q"] - 1, draft_positions(program)))
+        if key not in self._taus:
+            self._taus[key] = (self.acceptance.tau_tree(*key[1:]) if key[0] == "tree"
+                               else self.acceptance.tau_chain(key[1]))
+        return self._taus[key]
 
     def spec(self, program: Program, floor: bool = False) -> SpecStep:
         dtype = str(program.attr("dtype", "bfloat16"))
@@ -562,7 +567,10 @@ class CostModel:
         return hits[len(hits) // 2]
 
     # -- prediction
-    def predict(self, program: Program, workload: Workload | None = None) -> Estimate:
+    def predict(self, program: Program, workload: Workload | None = None,
+                what_ifs: WhatIfs = no_what_ifs) -> Estimate:
+        """The estimate for `program`; `what_ifs` offers the passes' effects for the gaps and the
+        ceiling (see gaps.py; without it there are no pass gaps and the ceiling is `program` at its floor)."""
         w = workload or Workload()
         program_hash = program.structural_hash()
         acceptance, acc_note = self.acceptance_for(program, w)
@@ -570,9 +578,11 @@ class CostModel:
         ev = _Evaluator(self.gpu, w, acceptance, factors, stock_target(program.target))
         now = ev.spec(program)
         floor = ev.spec(program, floor=True)
-        ceiling = self._ceiling(program, ev, now)
-        gaps, _ = rank_gaps(program, lambda p: ev.spec(p).t_token, ceiling.t_token,
-                            max_positions=max(acceptance.positions, draft_positions(program)), search=w.search)
+        taken, reached = rank_gaps(program, lambda p: ev.spec(p).t_token, what_ifs)
+        seed = Reached(ev.spec(reached, floor=True).t_token, reached, tuple(g.pipeline for g in taken))
+        ceiling = self._ceiling(program, ev, now, what_ifs, seed)
+        rest = remainder_gap(ev.spec(reached).t_token, ceiling.t_token, now.t_token)
+        gaps = sorted([*taken, *([rest] if rest else [])], key=lambda g: -g.saving)
 
         figs: dict[str, Figure] = {}
         for what, step, fl in (("ar", now.ar, floor.ar), ("draft", now.draft, floor.draft),
@@ -600,55 +610,34 @@ class CostModel:
             ceiling=ceiling, gaps=tuple(gaps), steps=now, calibration=factors, notes=tuple(notes),
         )
 
-    def _ceiling(self, program: Program, ev: _Evaluator, now: SpecStep) -> Ceiling:
-        """Every op at its floor, u12 weights, and the best block size and candidate set."""
-        base = with_u12(program) or program
-        positions = max(ev.acceptance.positions, draft_positions(program))
-        blocks = block_sizes(base, positions) if ev.workload.search else [step_ops(program)["draft"]["block_size"]]
-        best: tuple[float, SpecStep, int, str] | None = None
-        for block in blocks:
-            p = with_block_size(base, block) or base
-            shape = step_ops(p)["propose"]
-            candidates = [(p, "chain" if shape["shape"] == "chain" else f"tree{{budget={shape['budget']}}}")]
-            if ev.workload.search:
-                candidates += [(t, f"tree{{budget={b}}}") for b in TREE_BUDGETS if (t := with_tree(p, b)) is not None]
-            for cand, label in candidates:
-                s = ev.spec(cand, floor=True)
-                if best is None or s.t_token < best[0]:
-                    best = (s.t_token, s, block, label)
-        _, s, block, label = best
+    def _ceiling(self, program: Program, ev: _Evaluator, now: SpecStep, what_ifs: WhatIfs, seed: Reached) -> Ceiling:
+        """Every op at its floor, over the programs the what-ifs reach (gaps.search_ceiling); `seed`,
+        the waterfall's last program, starts in the beam."""
+        best = search_ceiling(program, lambda p: ev.spec(p, floor=True).t_token, what_ifs, seeds=[seed])
+        s = ev.spec(best.program, floor=True)
+        ops = step_ops(best.program)
+        propose = ops["propose"]
+        proposal = "chain" if propose["shape"] == "chain" else \
+            f"tree{{budget={propose['budget']}, topk={propose.get('topk', TREE_WIDTH)}}}"
         return Ceiling(t_ar=s.ar.time, t_draft=s.draft.time, t_verify=s.verify.time, overhead=s.overhead, tau=s.tau,
                        speedup=s.tau * now.ar.time / s.t_spec, speedup_at_floor_ar=s.speedup, t_token=s.t_token,
-                       block_size=block, proposal=label)
+                       block_size=ops["draft"]["block_size"], proposal=proposal, pipeline=",".join(best.pipeline))
 
 
 def gpu_key(name: str) -> str:
-    """The database name of a GPU as a record names it ("h200", "NVIDIA H200", "NVIDIA A100-SXM4-40GB")."""
+    """The database name of a GPU as a record names it ("h200", "NVIDIA H200"), or the name itself
+    lower-cased where the database has no such card (its records then calibrate nothing)."""
     try:
-        return load_gpu(name).name
-    except SpecError:
-        pass
-    words = name.lower().replace("nvidia", " ").replace("geforce", " ").replace("-", " ").replace("_", " ").split()
-    if not words:
-        return name.lower()
-    head = words[0]
-    if head == "a100":
-        return "a100-40gb" if "40gb" in words else "a100-80gb"
-    if head == "h100":
-        return "h100-pcie" if "pcie" in words else "h100-sxm"
-    if head == "rtx" and len(words) > 1:
-        head = f"rtx-{words[1]}"
-    try:
-        return load_gpu(head).name
+        return resolve_gpu(name)
     except SpecError:
         return name.lower()
 
 
 def explain(program: Program, gpu_name: str, workload: Workload | None = None,
-            results: Iterable[str | Path] = ()) -> Estimate:
+            results: Iterable[str | Path] = (), what_ifs: WhatIfs = no_what_ifs) -> Estimate:
     """What `specpilot explain` shows: the estimate for `program` on `gpu_name`, calibrated by the
-    results files or folders given (bench/results/*.json)."""
+    results files or folders given, its gaps and ceiling over the what-ifs offered."""
     model = CostModel(gpu_name)
     if results:
         model.update_from_results(results)
-    return model.predict(program, workload)
+    return model.predict(program, workload, what_ifs)

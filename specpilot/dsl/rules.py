@@ -302,14 +302,10 @@ class RemoveNode:
         if len(srcs) != 1:
             raise RewriteError(f"{context}: remove needs a node with exactly one input, it has {len(srcs)}")
         (src,) = srcs
-        dag = graph.dag
-        users = [(u, dag.edges[name, u]["index"]) for u in graph.users(name)]
-        for user, _ in users:
-            if dag.has_edge(src, user):
+        for user in graph.users(name):
+            if graph.dag.has_edge(src, user):
                 raise RewriteError(f"{context}: its user {user!r} already reads {src!r}")
-        dag.remove_node(name)
-        for user, index in users:
-            dag.add_edge(src, user, index=index)
+        graph.bypass(name)
         return True
 
 

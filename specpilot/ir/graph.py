@@ -25,17 +25,30 @@ class Graph:
     def __init__(self, name: str, dag: nx.DiGraph | None = None):
         self.name = name
         self._g = dag if dag is not None else nx.DiGraph()
+        self._names: list[str] | None = None  # the topological order, kept until the structure changes
 
     # -- building (used by lowering and by passes on their own fresh copies)
     def add(self, name: str, node: Node, inputs: Iterable[str] = ()) -> str:
         if name in self._g:
             raise ValueError(f"graph {self.name}: node {name!r} already exists")
+        self._names = None
         self._g.add_node(name, node=node, order=self._g.number_of_nodes())
         for index, src in enumerate(inputs):
             if src not in self._g:
                 raise ValueError(f"graph {self.name}: input {src!r} of {name!r} does not exist")
             self._g.add_edge(src, name, index=index)
         return name
+
+    def bypass(self, name: str) -> str:
+        """Remove `name`, a node with exactly one input, in place: its users read that input instead,
+        at the same input positions. Returns the input's name."""
+        (src,) = self.inputs(name)
+        users = [(u, self._g.edges[name, u]["index"]) for u in self.users(name)]
+        self._names = None
+        self._g.remove_node(name)
+        for user, index in users:
+            self._g.add_edge(src, user, index=index)
+        return src
 
     # -- reading
     def __contains__(self, name: str) -> bool:
@@ -55,8 +68,10 @@ class Graph:
         return sorted(self._g.successors(name), key=lambda n: self._g.nodes[n]["order"])
 
     def names(self) -> list[str]:
-        order = nx.get_node_attributes(self._g, "order")
-        return list(nx.lexicographical_topological_sort(self._g, key=lambda n: order[n]))
+        if self._names is None:
+            order = nx.get_node_attributes(self._g, "order")
+            self._names = list(nx.lexicographical_topological_sort(self._g, key=lambda n: order[n]))
+        return list(self._names)
 
     def items(self) -> Iterator[tuple[str, Node]]:
         for name in self.names():
@@ -74,11 +89,14 @@ class Graph:
 
     @property
     def dag(self) -> nx.DiGraph:
+        """The networkx graph underneath, to read; change the structure through `add` and `bypass`."""
         return self._g
 
     # -- editing (returns new graphs)
     def copy(self) -> "Graph":
-        return Graph(self.name, self._g.copy())
+        g = Graph(self.name, self._g.copy())
+        g._names = self._names
+        return g
 
     def with_node(self, name: str, node: Node) -> "Graph":
         """A copy with the payload of `name` replaced."""

@@ -32,6 +32,7 @@ def _rewrite(_: str, node: Node) -> Node | None:
 class AttentionSplitKV(Pass):
     name = "attention-split-kv"
     lossless = True
+    closes = "attention over the cache"
 
     def apply(self, program: Program) -> PassResult:
         total = 0

@@ -5,6 +5,9 @@ its fields are its parameters (spelled kebab-case in pipelines: `min_numel` is `
 `apply(program)` returns a new program and whether anything changed. `schedule_space(program)`
 lists the parameterised instances that would change this program: what a search may try.
 `lossless` is the contract: True means the engine's output tokens must equal AR greedy.
+`closes` names the gap a pass closes, in words ("weight bytes"): a pass that declares one (and is
+lossless) is offered to searches as what-ifs (what_if.py: the cost model's gaps and ceiling); a pass
+without one runs only where a pipeline names it.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ class PassResult:
 class Pass:
     name: ClassVar[str] = ""
     lossless: ClassVar[bool] = True
+    closes: ClassVar[str] = ""
 
     def apply(self, program: Program) -> PassResult:
         raise NotImplementedError

@@ -32,6 +32,7 @@ def _rewrite(_: str, node: Node) -> Node | None:
 class CudaGraphs(Pass):
     name = "cuda-graphs"
     lossless = True
+    closes = "launch overhead and host round trips"
 
     def apply(self, program: Program) -> PassResult:
         verify = program.step.one("verify")[1]

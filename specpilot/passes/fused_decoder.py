@@ -46,6 +46,7 @@ def is_fused(graph: Graph) -> bool:
 class FusedDecoder(Pass):
     name = "fused-decoder"
     lossless = True
+    closes = "small kernels of the decoder layers"
 
     def apply(self, program: Program) -> PassResult:
         total, done = 0, []

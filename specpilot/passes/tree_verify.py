@@ -28,6 +28,7 @@ CANDIDATE_TOPK = (2, 4, 8)
 class TreeVerify(Pass):
     name = "tree-verify"
     lossless = True
+    closes = "τ below what the candidates allow"
     budget: int = 64
     topk: int = 4
 

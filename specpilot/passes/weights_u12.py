@@ -38,6 +38,7 @@ TILES_FROM_ROWS = 3  # kernels/u12_linear.py's TENSOR_CORE_ROWS: from here the h
 class WeightsU12(Pass):
     name = "weights-u12"
     lossless = True
+    closes = "weight bytes (bf16 -> u12)"
     min_numel: int = 1 << 20
     kernel: str = "triton-u12"
     layout: str = "auto"
