@@ -1,8 +1,10 @@
-"""Regenerate the README's result tables from bench/results/*.json (never typed by hand).
+"""Regenerate every table that quotes a results file, from the results files (never typed by hand).
 
-    python bench/readme_tables.py          # rewrites the marked sections of README.md in place
+    python -m bench.readme_tables      # rewrites the marked regions of README.md and docs/experiments/*.md
 
-A section is `<!-- results:NAME -->` ... `<!-- /results:NAME -->`; NAME picks the renderer below.
+A region is `<!-- results:NAME -->` ... `<!-- /results:NAME -->`; NAME picks the renderer in RENDERERS
+(each renderer's region lives in one document: README.md holds `headline`, each study's page in
+docs/experiments/ its own). Each renderer reads named files of bench/results/ and says which.
 """
 
 from __future__ import annotations
@@ -12,13 +14,17 @@ import re
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "bench" / "results"
+from specpilot.bench.harness import RESULTS, ROOT
+
+DOCUMENTS = ("README.md", "docs/experiments")  # the files, or folders of *.md, whose regions are rendered
+REGION = re.compile(r"<!-- results:(\w+) -->.*?<!-- /results:\1 -->", re.S)
 
 
 def _short(commit: str) -> str:
-    """A hash shortened to 12 digits; anything else (a run from a commit plus a named change) whole."""
-    return commit[:12] if all(c in "0123456789abcdef" for c in commit) else commit
+    """A full hash shortened to 12 digits, any suffix kept ("-dirty"); anything else (a run from a commit
+    plus a named change) whole."""
+    head = re.match(r"[0-9a-f]{13,}", commit)
+    return commit[:12] + commit[head.end():] if head else commit
 
 
 def _load(name: str) -> dict | None:
@@ -31,19 +37,32 @@ def _load_present(names) -> list[tuple[str, dict]]:
     return [(name, d) for name in names if (d := _load(name)) is not None]
 
 
+def _missing(command: str, where: str = "") -> str:
+    return f"_no results file yet: run `{command}`{' ' + where if where else ''}_"
+
+
+def _where(d: dict) -> str:
+    """The card a file was measured on, or "cpu"."""
+    return "cpu" if d["gpu"] == "cpu" else d["device"]
+
+
+def _version(d: dict, package: str) -> str:
+    return d["versions"].get(package) or "?"
+
+
+STEP_TIMES, STEP_TIMES_QWEN = "step_times_h200_llama.json", "step_times_h200_qwen.json"
+
+
 def step_times() -> str:
-    d = _load("step_times_llama_h200.json")
+    d = _load(STEP_TIMES)
     if d is None:
-        return "_no results file yet: run `python bench/step_times.py` on a GPU_"
-    rows = {(r["path"], r["what"], r["q"]): r for r in d["rows"]}
-    if ("fused+u12-epilogues", "ar", 1) in rows:  # a file from before 8a05d8d: its AR fused+u12 was the prologue
-        rows["fused+u12-prologue", "ar", 1] = rows["fused+u12", "ar", 1]
-        rows["fused+u12", "ar", 1] = rows.pop(("fused+u12-epilogues", "ar", 1))
+        return _missing("python -m bench.steps.step_times --shapes llama-3.1-8b", "on a GPU")
+    rows = {(r["path"], r["what"], r["q"]): r for r in d["records"]}
     ar = rows["fused", "ar", 1]["ms"]
     lines = [
-        f"{d['gpu']}, Llama-3.1-8B shapes, torch {d['torch']}, triton {d.get('triton', '?')}, commit "
+        f"{d['device']}, Llama-3.1-8B shapes, torch {_version(d, 'torch')}, triton {_version(d, 'triton')}, commit "
         f"{d['commit'].split()[0]}; read bandwidth measured in the same run: {d['read_bandwidth_Bps'] / 1e12:.2f} TB/s. "
-        "Source: `bench/results/step_times_llama_h200.json`. torch: the reference stack; fused: the fused-decoder "
+        f"Source: `bench/results/{STEP_TIMES}`. torch: the reference stack; fused: the fused-decoder "
         "stacks (target and DFlash drafter) with split-KV attention over a device-length cache; fused+u12: the "
         "same with every linear and lm_head in the 12-bit format; fused-cublas: the fused path with fused_linear off "
         "(cuBLAS GEMMs beside separate norm, SiLU·mul and add kernels); at q = 4 both paths run cuBLAS "
@@ -74,19 +93,19 @@ def step_times() -> str:
                      f"{r['ms'] / r['floor_ms']:.2f} | {of_ar} | {col('fused-cublas', what, q)} | "
                      f"{col('fused-rope-apart', what, q)} | {col('fused-pdl', what, q)} | {u12_cols} | "
                      f"{col('fused+u12-unfused', what, q)} | {col('fused+u12-prologue', what, q)} |")
-    qwen_file = _load("step_times_qwen_h200.json")
+    qwen_file = _load(STEP_TIMES_QWEN)
     if qwen_file:
-        qwen = {(r["what"], r["q"]): r for r in qwen_file["rows"] if r["shape"] == "qwen3-8b" and r["path"] == "fused"}
+        qwen = {(r["what"], r["q"]): r for r in qwen_file["records"] if r["shape"] == "qwen3-8b" and r["path"] == "fused"}
         lines += ["", f"Qwen3-8B shapes (36 layers, qk-norm, vocabulary 151936), another run: commit "
                   f"{qwen_file['commit'].split()[0]}, read bandwidth {qwen_file['read_bandwidth_Bps'] / 1e12:.2f} TB/s; "
                   "TUNED holds Llama-3.1-8B's shapes, and Qwen3-8B's gate_up and down take the nearest of them "
-                  "(kernels/tuning.py). Source: `bench/results/step_times_qwen_h200.json`.", "",
+                  f"(kernels/tuning.py). Source: `bench/results/{STEP_TIMES_QWEN}`.", "",
                   "| step | q | floor ms | fused ms | fused × floor | fused × fused AR | fused+u12 ms | u12 speedup |",
                   "|---|---:|---:|---:|---:|---:|---:|---:|"]
         for (what, q), r in qwen.items():
             if what in ("ar", "draft") or q in (16, 17, 64):
                 of_ar = f"{r['ms'] / qwen['ar', 1]['ms']:.2f}" + (" (of the target AR)" if what == "draft" else "")
-                u12 = next((u for u in qwen_file["rows"] if u["path"] == "fused+u12" and u["what"] == what
+                u12 = next((u for u in qwen_file["records"] if u["path"] == "fused+u12" and u["what"] == what
                             and u["q"] == q), None)
                 u12_cols = f"{u12['ms']:.2f} | {r['ms'] / u12['ms']:.2f}×" if u12 else " | "
                 lines.append(f"| {what} | {q} | {r['floor_ms']:.2f} | {r['ms']:.2f} | {r['ms'] / r['floor_ms']:.2f} | "
@@ -94,19 +113,23 @@ def step_times() -> str:
     return "\n".join(lines)
 
 
+HF_PEERS = "hf_peers_h200.json"
+
+
 def hf_peers() -> str:
-    d = _load("hf_peers_h200.json")
+    d = _load(HF_PEERS)
     if d is None:
-        return "_no results file yet: run `python bench/hf_peers.py` on a GPU_"
+        return _missing("python -m bench.steps.hf_peers", "on a GPU")
     lines = [
-        f"{d['gpu']}, {d['shape']} random bf16 weights shared by every path, torch {d['torch']}, transformers "
-        f"{d['transformers']}, commit {d['commit']}; {d['prompt_len']}-token prompt, {d['max_new_tokens']} new tokens, "
-        f"decode only; weight-read floor {d['floor_ms_per_token']:.2f} ms/token. Source: `bench/results/hf_peers_h200.json`.",
+        f"{d['device']}, {d['shape']} random bf16 weights shared by every path, torch {_version(d, 'torch')}, "
+        f"transformers {_version(d, 'transformers')}, commit {d['commit']}; {d['prompt_len']}-token prompt, "
+        f"{d['max_new_tokens']} new tokens, decode only; weight-read floor {d['floor_ms_per_token']:.2f} ms/token. "
+        f"Source: `bench/results/{HF_PEERS}`.",
         "",
         "| implementation | ms/token | tokens/s | × floor | same tokens as specpilot-eager | token forcing: hard / near-ties |",
         "|---|---:|---:|---:|---|---|",
     ]
-    for r in d["rows"]:
+    for r in d["records"]:
         if "error" in r:
             lines.append(f"| {r['impl']} | error: {r['error'][:60]} | | | | |")
             continue
@@ -120,32 +143,32 @@ def hf_peers() -> str:
 def attention_split_kv() -> str:
     d = _load("attention_split_kv_h200.json")
     if d is None:
-        return "_no results file yet: run `python bench/attention_split_kv.py` on a GPU_"
+        return _missing("python -m bench.kernels.attention_split_kv", "on a GPU")
     lines = [
-        f"{d['gpu']}, triton {d['triton']}, commit {d['git_commit']} (before the combine fix); {d['timing']}. "
+        f"{d['device']}, triton {_version(d, 'triton')}, commit {d['commit']} (before the combine fix); {d['timing']}. "
         "Source: `bench/results/attention_split_kv_h200.json`.",
         "",
         "| cache S | new T | SDPA µs | kernel µs | speedup | splits |",
         "|---:|---:|---:|---:|---:|---:|",
     ]
-    for r in d["rows"]:
+    for r in d["records"]:
         lines.append(f"| {r['S']} | {r['T']} | {r['sdpa_us']:.1f} | {r['kernel_us']:.1f} | {r['speedup']:.2f}× | "
                      f"{r['plan']['splits']} |")
     return "\n".join(lines)
 
 
 def u12_stats() -> str:
-    d = _load("u12_stats.json")
+    d = _load("u12_stats_cpu.json")
     if d is None:
-        return "_no results file yet: run `python bench/u12_stats.py`_"
+        return _missing("python -m bench.kernels.u12_stats")
     lines = [
-        f"N(0, {d['sigma']}) bf16 weights at Llama-3.1-8B shapes ({d['device']}). Source: `bench/results/u12_stats.json` "
-        "(`python bench/u12_stats.py`).",
+        f"N(0, {d['sigma']}) bf16 weights at Llama-3.1-8B shapes ({_where(d)}, commit {_short(d['commit'])}). "
+        "Source: `bench/results/u12_stats_cpu.json` (`python -m bench.kernels.u12_stats`).",
         "",
         "| tensor | shape | bits/weight (stored) | escape rate | window coverage | lanes a row | bits/weight a GEMV reads |",
         "|---|---|---:|---:|---:|---:|---:|",
     ]
-    for t in d["tensors"]:
+    for t in d["records"]:
         lanes = (f"{t['lanes']} | {t['read_bits_per_weight']:.3f}" if t.get("lanes")
                  else "table | " + (f"{t['read_bits_per_weight']:.3f}" if "read_bits_per_weight" in t else "—"))
         lines.append(f"| {t['name']} | {t['shape'][0]}×{t['shape'][1]} | {t['bits_per_weight']:.3f} | "
@@ -160,7 +183,10 @@ def u12_stats() -> str:
     return "\n".join(lines)
 
 
-U12_LINEAR_FILES = ("u12_linear_gemv2_tiles_h200.json", "u12_linear_tiles_h200.json", "u12_linear_gemv2_graph_h200.json", "u12_linear_mma_m32_64_graph_h200.json", "u12_linear_hmma_h200.json", "u12_linear_mma_h200.json", "u12_linear_gemv2_m1_h200.json", "u12_linear_gemv2_h200.json", "u12_linear_nvidia_h200.json")
+U12_LINEAR_FILES = ("u12_linear_h200_gemv2-tiles.json", "u12_linear_h200_tiles.json", "u12_linear_h200_gemv2-graph.json",
+                    "u12_linear_h200_mma-m32-64-graph.json", "u12_linear_h200_hmma.json", "u12_linear_h200_mma.json",
+                    "u12_linear_h200_gemv2-m1.json", "u12_linear_h200_gemv2.json", "u12_linear_h200_nvidia.json")
+U12_TILE_KERNEL_RUN = "u12_linear_h200_nvidia.json"  # the tile kernel's run (da24869), before gemv2
 
 
 def _timing(d: dict) -> str:
@@ -171,16 +197,16 @@ def _timing(d: dict) -> str:
 def u12_linear() -> str:
     files = _load_present(U12_LINEAR_FILES)
     if not files:
-        return "_no results file yet: run `python bench/u12_linear.py` on a GPU_"
+        return _missing("python -m bench.kernels.u12_linear", "on a GPU")
     best: dict[tuple[str, int], tuple[dict, str]] = {}
     for name, d in files:  # the newest sweep of each (shape, M) first
-        for r in d.get("rows", []):
+        for r in d["records"]:
             best.setdefault((r["name"], r["M"]), (r, name))
     order = {name: i for i, name in enumerate(("qkv", "o", "gate_up", "down", "lm_head"))}
     lines = [
         "H200; per row the best configuration of the newest sweep that covers it (its file and commit "
-        "beside it). Sources: " + ", ".join(f"`bench/results/{name}` (commit {_short(d.get('git_commit', '?'))}, "
-                                           f"triton {d.get('triton', '?')}, {_timing(d)})" for name, d in files) + ".",
+        "beside it). Sources: " + ", ".join(f"`bench/results/{name}` (commit {_short(d['commit'])}, "
+                                           f"triton {_version(d, 'triton')}, {_timing(d)})" for name, d in files) + ".",
         "",
         "| shape | M | cuBLAS bf16 µs | u12 µs | speedup | u12 TB/s (packed bytes) | config | file |",
         "|---|---:|---:|---:|---:|---:|---|---|",
@@ -199,14 +225,14 @@ def u12_linear() -> str:
 def cost_vs_measured() -> str:
     d = _load("cost_vs_measured_h200.json")
     if d is None:
-        return "_no results file yet: run `python bench/cost_vs_measured.py`_"
+        return _missing("python -m bench.steps.cost_vs_measured")
     lines = [
         "Llama-3.1-8B shapes, batch 1, 512-token cache, CUDA graphs. Source: `bench/results/cost_vs_measured_h200.json`.",
         "",
         "| measured in | model | step | q | measured ms | predicted ms | error |",
         "|---|---|---|---:|---:|---:|---:|",
     ]
-    for r in d["rows"]:
+    for r in d["records"]:
         lines.append(f"| {r['source']} | {r['model']} | {r['what']} | {r['q']} | {r['measured_ms']:.2f} | "
                      f"{r['predicted_ms']:.2f} | {100 * r['error']:+.1f}% |")
     if d.get("fused_linear_fit"):
@@ -221,13 +247,13 @@ def cost_vs_measured() -> str:
     return "\n".join(lines)
 
 
-ZOO_TAU_FILES = ("zoo_tau_cpu.json", "zoo_tau_next_cpu.json", "zoo_tau_h200.json", "zoo_tau_next_h200.json")
+ZOO_TAU_FILES = ("zoo_tau_cpu.json", "zoo_tau_cpu_next.json", "zoo_tau_h200.json", "zoo_tau_h200_next.json")
 
 
 def zoo_tau() -> str:
     files = _load_present(ZOO_TAU_FILES)
     if not files:
-        return "_no results file yet: run `python bench/zoo_tau.py`_"
+        return _missing("python -m bench.e2e.zoo_tau")
     lines = [
         "Chain verification at the drafter's trained block, greedy; CPU in fp32, H200 in bf16 (with the "
         "`cuda-graphs` pass for the attention pair: graphed steps against the graphed AR baseline; the hybrid "
@@ -238,9 +264,8 @@ def zoo_tau() -> str:
         "|---|---|---|---:|---|---:|---|---:|---|---|",
     ]
     for _, d in files:
-        env = d["environment"]
-        device = env.get("gpu_name", env["device"])
-        for r in d["rows"]:
+        device = _where(d)
+        for r in d["records"]:
             hist = r.get("acceptance_histogram") or []
             while len(hist) > 1 and hist[-1] == 0:
                 hist = hist[:-1]
@@ -251,15 +276,24 @@ def zoo_tau() -> str:
     return "\n".join(lines)
 
 
+ZOO_E2E = "zoo_e2e_h200.json"
+
+
+def _strongest_ar(d: dict) -> dict:
+    """A zoo_e2e file's fastest AR record (ours or HF's): what its speedups are against."""
+    return min((r for r in d["records"] if r["impl"].startswith(("ar", "hf-ar")) and "ms_per_token" in r),
+               key=lambda r: r["ms_per_token"])
+
+
 def zoo_e2e() -> str:
-    files = _load_present(("zoo_e2e_h200.json",))
+    files = _load_present((ZOO_E2E,))
     if not files:
-        return "_no results file yet: run `python bench/zoo_e2e.py` on a GPU_"
+        return _missing("python -m bench.e2e.zoo_e2e", "on a GPU")
     name, d = files[0]
-    ar = [r for r in d["rows"] if r["impl"].startswith(("ar", "hf-ar")) and "ms_per_token" in r]
-    best = min(ar, key=lambda r: r["ms_per_token"])
+    best = _strongest_ar(d)
     lines = [
-        f"{d['gpu']}, {d['dtype']}, torch {d['torch']}, transformers {d['transformers']}, commit {_short(d['commit'])}; "
+        f"{d['device']}, {d['dtype']}, torch {_version(d, 'torch')}, transformers {_version(d, 'transformers')}, "
+        f"commit {_short(d['commit'])}; "
         f"{d['num_prompts']} {d['prompts']} prompts × {d['max_new_tokens']} new tokens, batch 1, greedy, decode only. "
         f"Source: `bench/results/{name}`. graphed: a step a CUDA graph replay; fused: the fused decoder stacks and "
         f"split-KV attention as well. Speedup: against the strongest AR of the run (`{best['impl']}`), prefill excluded; "
@@ -269,7 +303,7 @@ def zoo_e2e() -> str:
         "| implementation | tokens/s | ms/token | speedup | τ | outputs = AR |",
         "|---|---:|---:|---:|---:|---|",
     ]
-    for r in d["rows"]:
+    for r in d["records"]:
         if "error" in r:
             lines.append(f"| {r['impl']} | failed: {r['error'][:80]} | | | | |")
             continue
@@ -281,15 +315,15 @@ def zoo_e2e() -> str:
     return "\n".join(lines)
 
 
-TREE_TAU_FILES = ("tree_tau_cpu.json", "tree_tau_h200.json", "tree_tau_graphs_h200.json", "tree_tau_fused_h200.json")
+TREE_TAU_FILES = ("tree_tau_cpu.json", "tree_tau_h200.json", "tree_tau_h200_graphs.json", "tree_tau_h200_fused.json")
 
 
 def tree_tau() -> str:
     files = _load_present(TREE_TAU_FILES)
     if not files:
-        return "_no results file yet: run `python bench/tree_tau.py`_"
+        return _missing("python -m bench.e2e.tree_tau")
     lines = ["Sources: " + ", ".join(
-        f"`bench/results/{name}` ({d.get('device_name') or d['device']}, torch {d['torch']}, commit {d['git_commit'][:12]})"
+        f"`bench/results/{name}` ({_where(d)}, torch {_version(d, 'torch')}, commit {_short(d['commit'])})"
         for name, d in files) + ". Steps: the passes beyond the spec's in each row's pipeline: none (eager host "
         "loops), `cuda-graphs` (a step a graph replay, accept on the device), or `fused-decoder` with split-KV "
         "attention as well. The AR baseline is the same engine's greedy loop (graphed on a GPU).",
@@ -298,8 +332,8 @@ def tree_tau() -> str:
         "|---|---|---|---|---:|---:|---:|---:|---|",
     ]
     for _, d in files:
-        device = d.get("device_name") or d["device"]
-        for r in d["rows"]:
+        device = _where(d)
+        for r in d["records"]:
             verify = "chain" if r["verify"] == "chain" else f"tree {r['budget']} (top-{r['topk']})"
             steps = ("fused + graphs" if "fused-decoder" in r["pipeline"] else
                      "graphs" if "cuda-graphs" in r["pipeline"] else "eager")
@@ -315,23 +349,67 @@ ISSUE_BANDWIDTH = 4.06e12  # the read bandwidth the fast-path issue states its f
 def draft_vocab() -> str:
     d = _load("draft_vocab_cpu.json")
     if d is None:
-        return "_no results file yet: run `python bench/draft_vocab.py`_"
-    env = d["environment"]
-    sizes = sorted({r["size"] for r in d["rows"]}, key=lambda s: (s != 0, -s))  # 0 (the whole vocabulary) first
-    lines = [f"The zoo pair {d['pair']} (vocabulary 8192) on the CPU in fp32, commit {_short(env['commit'])}; corpus "
-             f"`{d['corpus']}`; chains at the drafters' trained blocks, {d['rows'][0]['num_prompts']} prompts × "
-             f"{d['rows'][0]['max_new_tokens']} tokens a set. Coverage: the corpus tokens the subset holds. Source: "
+        return _missing("python -m bench.e2e.draft_vocab")
+    rows = d["records"]
+    sizes = sorted({r["size"] for r in rows}, key=lambda s: (s != 0, -s))  # 0 (the whole vocabulary) first
+    lines = [f"The zoo pair {d['pair']} (vocabulary 8192) on the CPU in fp32, commit {_short(d['commit'])}; corpus "
+             f"`{d['corpus']}`; chains at the drafters' trained blocks, {rows[0]['num_prompts']} prompts × "
+             f"{rows[0]['max_new_tokens']} tokens a set. Coverage: the corpus tokens the subset holds. Source: "
              "`bench/results/draft_vocab_cpu.json`.", "",
              "| drafter | prompts | " + " | ".join(f"τ at {s}" if s else "τ (all)" for s in sizes) + " | token forcing |",
              "|---|---|" + "---:|" * len(sizes) + "---|"]
-    coverage = {r["size"]: r["corpus_coverage"] for r in d["rows"]}
-    for kind in dict.fromkeys(r["drafter"] for r in d["rows"]):
-        for prompts in dict.fromkeys(r["prompts"] for r in d["rows"]):
-            by = {r["size"]: r for r in d["rows"] if r["drafter"] == kind and r["prompts"] == prompts}
+    coverage = {r["size"]: r["corpus_coverage"] for r in rows}
+    for kind in dict.fromkeys(r["drafter"] for r in rows):
+        for prompts in dict.fromkeys(r["prompts"] for r in rows):
+            by = {r["size"]: r for r in rows if r["drafter"] == kind and r["prompts"] == prompts}
             ok = all(r["passed"] for r in by.values())
             lines.append(f"| {kind} | {prompts} | " + " | ".join(f"{by[s]['tau']:.3f}" for s in sizes)
                          + f" | {'PASS' if ok else 'FAIL'} (all sizes) |")
     lines.append("| corpus coverage | | " + " | ".join(f"{coverage[s]:.3f}" for s in sizes) + " | |")
+    return "\n".join(lines)
+
+
+def headline() -> str:
+    """The measured figures a user should see first, each from the results file it names."""
+    lines = ["| measured | figure | card | source |", "|---|---:|---|---|"]
+
+    def row(what: str, figure: str, d: dict, name: str) -> None:
+        lines.append(f"| {what} | {figure} | {d['gpu'].upper()} | `{name}` ({_short(d['commit'].split()[0])}) |")
+
+    if (d := _load(STEP_TIMES)) is not None:
+        rows = {(r["path"], r["what"], r["q"]): r for r in d["records"]}
+        ar, v16, draft = rows["fused", "ar", 1], rows["fused", "verify", 16], rows["fused", "draft", 16]
+        row("Llama-3.1-8B AR step on the fast path (fused decoder, split-KV attention, CUDA graphs) ÷ its "
+            "weight-read floor", f"{ar['ms'] / ar['floor_ms']:.3f}× ({ar['ms']:.2f} ms)", d, STEP_TIMES)
+        row("verify(16) step (16 candidate tokens checked at once) ÷ AR step", f"{v16['ms'] / ar['ms']:.3f}×",
+            d, STEP_TIMES)
+        row("DFlash draft step (5 layers, block 16) ÷ AR step", f"{draft['ms'] / ar['ms']:.3f}×", d, STEP_TIMES)
+    if (d := _load(HF_PEERS)) is not None:
+        ok = [r for r in d["records"] if "ms_per_token" in r]
+        ours = min((r for r in ok if r["impl"].startswith("specpilot")), key=lambda r: r["ms_per_token"])
+        hf = min((r for r in ok if r["impl"].startswith("hf")), key=lambda r: r["ms_per_token"])
+        row(f"AR decoding, Llama-3.1-8B shapes: HF transformers' fastest ({hf['impl']}) ÷ specpilot's ({ours['impl']}), "
+            "ms/token", f"{hf['ms_per_token'] / ours['ms_per_token']:.2f}×", d, HF_PEERS)
+    for (step, gpu), name in STEP_AB.items():
+        ab = _load(name)
+        rows = {r["variant"]: r for r in ab["records"]} if ab else {}
+        default = "u12-handoff" if step == "ar" else "u12-tiles"
+        if default in rows:
+            best, x = _bf16_over_u12(rows, default)
+            what = "AR step" if step == "ar" else "verify(16) step"
+            row(f"{what} with lossless 12-bit weights (`weights-u12`): fastest bf16 ({best['variant']}) ÷ u12, "
+                "interleaved in one run", f"{x:.3f}×", ab, name)
+    if (d := _load(ZOO_E2E)) is not None:
+        best = _strongest_ar(d)
+        spec = [r for r in d["records"] if r["impl"].startswith(("dflash", "pard")) and "ms_per_token" in r]
+        fast = min(spec, key=lambda r: r["ms_per_token"])
+        row(f"the zoo's 12.8M-parameter pair end to end: {fast['impl']}'s speedup over the strongest AR "
+            f"({best['impl']}) at τ {fast['tau']:.2f} (models this small are launch-bound)",
+            f"{best['ms_per_token'] / fast['ms_per_token']:.2f}×", d, ZOO_E2E)
+    if (d := _load("zoo_tau_h200.json")) is not None:
+        passed = sum(r["token_forcing"].startswith("token forcing PASS") for r in d["records"])
+        row("token forcing: runs whose every output token the stock target confirmed (zoo, both drafters, "
+            "both prompt sets)", f"{passed} of {len(d['records'])}", d, "zoo_tau_h200.json")
     return "\n".join(lines)
 
 
@@ -342,15 +420,15 @@ def verdict(ok: list[bool]) -> str:
 
 def targets() -> str:
     """The issues' benchmark targets beside the newest results files' figures."""
-    d = _load("step_times_llama_h200.json")
+    d = _load(STEP_TIMES)
     if d is None:
-        return "_no results file yet: run `python bench/step_times.py` on a GPU_"
-    rows = {(r["path"], r["what"], r["q"]): r for r in d["rows"]}
+        return _missing("python -m bench.steps.step_times --shapes llama-3.1-8b", "on a GPU")
+    rows = {(r["path"], r["what"], r["q"]): r for r in d["records"]}
     ar, v16, draft = rows["fused", "ar", 1], rows["fused", "verify", 16], rows["fused", "draft", 16]
     u12_ar, u12_v16 = rows.get(("fused+u12", "ar", 1)), rows.get(("fused+u12", "verify", 16))
     u12_tiles_v16 = rows.get(("fused+u12-tiles", "verify", 16))  # weights-u12's layout=auto for a verifying target
     issue_floor = ar["weight_bytes"] / ISSUE_BANDWIDTH
-    step = f"`step_times_llama_h200.json` ({_short(d['commit'].split()[0])})"
+    step = f"`{STEP_TIMES}` ({_short(d['commit'].split()[0])})"
 
     lines = [
         "Llama-3.1-8B shapes on the H200, batch 1, CUDA graphs; each figure from the newest results file named. "
@@ -371,7 +449,7 @@ def targets() -> str:
                      f"{vocab['ms'] / ar['ms']:.3f} (its floor alone {vocab['floor_ms'] / ar['floor_ms']:.3f}) | "
                      f"{verdict([vocab['ms'] / ar['ms'] <= 0.15])} | {step} |")
     proxies = [(name, w["speedup"]) for name, f in _load_present(U12_LINEAR_FILES)
-               if name != "u12_linear_nvidia_h200.json"  # the tile kernel's run (da24869), before gemv2
+               if name != U12_TILE_KERNEL_RUN
                for w in f.get("whole_step", []) if w.get("M") == 1]
     if proxies:  # the gemv2 kernel's runs, newest first: every run's figure
         met = sum(x >= 1.25 for _, x in proxies)
@@ -381,8 +459,8 @@ def targets() -> str:
     if u12_ar:
         lines.append(f"| #5 | whole AR step, bf16 ÷ u12 | ≥ 1.20 | {ar['ms'] / u12_ar['ms']:.3f} | "
                      f"{verdict([ar['ms'] / u12_ar['ms'] >= 1.20])} | {step} |")
-    lines += _interleaved("step_ab_h200.json", "whole AR step", 1.20)
-    lines += _interleaved("step_ab_h100.json", "whole AR step on the H100 (the issue asks the H200)", 1.20)
+    lines += _interleaved(STEP_AB["ar", "h200"], "whole AR step", 1.20)
+    lines += _interleaved(STEP_AB["ar", "h100"], "whole AR step on the H100 (the issue asks the H200)", 1.20)
     if u12_v16:
         lines.append(f"| #5 | verify(16) step (M = 16), bf16 ÷ u12 | ≥ 1.15 | {v16['ms'] / u12_v16['ms']:.3f} | "
                      f"{verdict([v16['ms'] / u12_v16['ms'] >= 1.15])} | {step} |")
@@ -390,27 +468,36 @@ def targets() -> str:
         x = v16["ms"] / u12_tiles_v16["ms"]
         lines.append(f"| #5 | verify(16) step, bf16 ÷ u12 on tiled weights (weights-u12's layout=auto) | ≥ 1.15 | "
                      f"{x:.3f} | {verdict([x >= 1.15])} | {step} |")
-    lines += _interleaved("step_ab_verify16_h200.json", "verify(16) step", 1.15, default="u12-tiles")
-    lines += _interleaved("step_ab_verify16_h100.json", "verify(16) step on the H100 (the issue asks the H200)", 1.15,
+    lines += _interleaved(STEP_AB["verify16", "h200"], "verify(16) step", 1.15, default="u12-tiles")
+    lines += _interleaved(STEP_AB["verify16", "h100"], "verify(16) step on the H100 (the issue asks the H200)", 1.15,
                           default="u12-tiles")
     return "\n".join(lines)
 
 
+STEP_AB = {("ar", "h200"): "step_ab_h200.json", ("ar", "h100"): "step_ab_h100.json",
+           ("verify16", "h200"): "step_ab_h200_verify16.json", ("verify16", "h100"): "step_ab_h100_verify16.json"}
+
+
+def _bf16_over_u12(rows: dict[str, dict], default: str) -> tuple[dict, float]:
+    """An interleaved step_ab run's fastest bf16 variant, and its time over the default u12 variant's."""
+    best = min((r for v, r in rows.items() if v.startswith("bf16")), key=lambda r: r["ms"])
+    return best, best["ms"] / rows[default]["ms"]
+
+
 def _interleaved(name: str, step: str, target: float, default: str = "u12-handoff") -> list[str]:
-    """Scorecard lines from a bench/step_ab.py file: the default u12 step (u12-handoff; a short run
+    """Scorecard lines from a bench.steps.step_ab file: the default u12 step (u12-handoff; a short run
     of some variants names its own, u12-tiles for the tiled weights that weights-u12's layout=auto
     gives a verify step) against the fastest bf16 variant of the same interleaved run, and the run's
     fastest u12 variant where that is not the default (named: the default does not run it)."""
     ab = _load(name)
-    rows = {r["variant"]: r for r in ab["rows"]} if ab else {}
+    rows = {r["variant"]: r for r in ab["records"]} if ab else {}
     if default not in rows:
         return []
-    best = min((r for v, r in rows.items() if v.startswith("bf16")), key=lambda r: r["ms"])
+    best, x = _bf16_over_u12(rows, default)
     fast = min((r for v, r in rows.items() if v.startswith("u12")), key=lambda r: r["ms"])
     source = f"`{name}` ({_short(ab['commit'])})"
-    x = best["ms"] / rows[default]["ms"]
     named = "" if default == "u12-handoff" else f" ({default})"
-    out = [f"| #5 | {step}, fastest bf16 ({best['variant']}) ÷ u12{named}, interleaved in one run (`bench/step_ab.py`) | "
+    out = [f"| #5 | {step}, fastest bf16 ({best['variant']}) ÷ u12{named}, interleaved in one run (`bench.steps.step_ab`) | "
            f"≥ {target:.2f} | {x:.3f} | {verdict([x >= target])} | {source} |"]
     if fast["variant"] != default:
         x = best["ms"] / fast["ms"]
@@ -422,22 +509,22 @@ def _interleaved(name: str, step: str, target: float, default: str = "u12-handof
 def kernel_static() -> str:
     present = _load_present(["kernel_static_sm90_triton36.json", "kernel_static_sm90_triton39.json"])
     if not present:
-        return "_no results file yet: run `python bench/kernel_static.py`_"
+        return _missing("python -m bench.kernels.kernel_static")
     (name, d), others = present[0], present[1:]
     budget = d["issue_budget_per_weight"]
-    also = "".join(f" (Triton {o['triton']}'s: `bench/results/{n}`)" for n, o in others)
+    also = "".join(f" (Triton {_version(o, 'triton')}'s: `bench/results/{n}`)" for n, o in others)
     lines = [
-        f"{d['target']}; triton {d['triton']} (the GPU machine's), commit {_short(d['commit'])}. Source: "
+        f"{d['target']}; triton {_version(d, 'triton')} (the GPU machine's), commit {_short(d['commit'])}. Source: "
         f"`bench/results/{name}`{also}. "
         "prog/SM: programs an SM holds (registers, warps, shared memory); loop: the K loop's SASS instructions; "
         f"/weight: its warp instructions a weight, against at most {budget['u12']:.3f} (u12) and {budget['bf16']:.3f} "
         "(bf16) that the H200 issues a weight at the weight-read floor. M = 1 and 16 here; the file has 4 and 64 too, "
-        "and bench/step_ab.py's knob variants (`--step-variants`).",
+        "and bench.steps.step_ab's knob variants (`--step-variants`).",
         "",
         "| path | shape | M | kernel | warps | registers | spill B | prog/SM | loop | /weight | late loads |",
         "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for r in d["rows"]:
+    for r in d["records"]:
         if r["m"] in (1, 16) and r.get("variant", "default") == "default":
             per = r["warp_instructions_per_weight"]
             per = f"{per:.3f}" if per is not None else "-"
@@ -448,12 +535,12 @@ def kernel_static() -> str:
 
 
 def kernel_static_sweep() -> str:
-    d = _load("kernel_static_sweep_sm90_triton36.json")
+    d = _load("kernel_static_sm90_triton36-sweep.json")
     if d is None:
-        return "_no results file yet: run `python bench/kernel_static.py --sweep hmma --layouts rows,tiles --ms 16 --timed ...`_"
+        return _missing("python -m bench.kernels.kernel_static --sweep hmma --layouts rows,tiles --ms 16 --timed ...")
     lines = [
-        f"{d['target']}; triton {d['triton']}, commit {_short(d['commit'])}; times from `{d['timed']}` (the H200 "
-        "sweep, each config in a CUDA graph). Source: `bench/results/kernel_static_sweep_sm90_triton36.json`. "
+        f"{d['target']}; triton {_version(d, 'triton')}, commit {_short(d['commit'])}; times from `{d['timed']}` (the H200 "
+        "sweep, each config in a CUDA graph). Source: `bench/results/kernel_static_sm90_triton36-sweep.json`. "
         "Spearman's rank correlation, over the hmma configs timed at each split-K, of the time with: late loads "
         "(the K loop's global loads after its first MMA), resident warps an SM, and the loop's instructions a weight.",
         "",
@@ -468,7 +555,7 @@ def kernel_static_sweep() -> str:
         lines.append(f"| {c['shape']} | {c.get('layout', 'rows')} | {c['split_k']} | {c['configs']} | {fmt(rho['late_loads'])} | "
                      f"{fmt(rho['warps_per_sm'])} | {fmt(rho['instructions_per_weight'])} | {c['best']} | "
                      f"{c['best_us']:.1f} |")
-    o8 = sorted((r for r in d["rows"] if r["shape"] == "o" and r["us"] is not None and "-sk8-" in r["config"]
+    o8 = sorted((r for r in d["records"] if r["shape"] == "o" and r["us"] is not None and "-sk8-" in r["config"]
                  and r["config"].startswith("hmma") and r.get("layout", "rows") == "rows"), key=lambda r: r["us"])
     if o8:
         lines += ["", "o at 16 rows, split-K 8 (TUNED's), fastest first:", "",
@@ -478,24 +565,43 @@ def kernel_static_sweep() -> str:
     return "\n".join(lines)
 
 
-RENDERERS = {"draft_vocab": draft_vocab, "zoo_tau": zoo_tau, "zoo_e2e": zoo_e2e, "tree_tau": tree_tau, "cost_vs_measured": cost_vs_measured, "step_times": step_times,
-             "hf_peers": hf_peers, "attention_split_kv": attention_split_kv, "u12_stats": u12_stats, "u12_linear": u12_linear,
-             "kernel_static": kernel_static,
-             "kernel_static_sweep": kernel_static_sweep, "targets": targets}
+RENDERERS = {"headline": headline, "targets": targets, "draft_vocab": draft_vocab, "zoo_tau": zoo_tau,
+             "zoo_e2e": zoo_e2e, "tree_tau": tree_tau, "cost_vs_measured": cost_vs_measured, "step_times": step_times,
+             "hf_peers": hf_peers, "attention_split_kv": attention_split_kv, "u12_stats": u12_stats,
+             "u12_linear": u12_linear, "kernel_static": kernel_static, "kernel_static_sweep": kernel_static_sweep}
+
+
+def regions(text: str) -> list[str]:
+    """The names of the results regions in `text`, in order."""
+    return [m.group(1) for m in REGION.finditer(text)]
 
 
 def render(text: str) -> str:
+    """`text` with every results region rendered from the results files now."""
     def replace(m: re.Match) -> str:
         name = m.group(1)
         body = RENDERERS[name]() if name in RENDERERS else f"_unknown results section {name!r}_"
         return f"<!-- results:{name} -->\n{body}\n<!-- /results:{name} -->"
 
-    return re.sub(r"<!-- results:(\w+) -->.*?<!-- /results:\1 -->", replace, text, flags=re.S)
+    return REGION.sub(replace, text)
+
+
+def documents(root: Path = ROOT) -> list[Path]:
+    """The documents whose regions are rendered (DOCUMENTS: README.md and docs/experiments/*.md)."""
+    out = []
+    for entry in DOCUMENTS:
+        path = root / entry
+        out += sorted(path.glob("*.md")) if path.is_dir() else [path]
+    return out
 
 
 def main() -> int:
-    readme = ROOT / "README.md"
-    readme.write_text(render(readme.read_text()))
+    for path in documents():
+        text = path.read_text()
+        new = render(text)
+        if new != text:
+            path.write_text(new)
+            print(f"rendered {path.relative_to(ROOT)}: {', '.join(regions(new))}")
     return 0
 
 

