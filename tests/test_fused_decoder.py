@@ -275,7 +275,7 @@ class _U12(torch.nn.Module):
         self.packed, self.kernel = packed, kernel
 
     def forward(self, x):
-        from specpilot.kernels.u12_linear import u12_linear_reference
+        from specpilot.kernels.u12 import u12_linear_reference
 
         return u12_linear_reference(x.reshape(-1, x.shape[-1]), self.packed).reshape(*x.shape[:-1], -1)
 
@@ -632,46 +632,35 @@ def test_u12_fused_linear_greedy_tokens_equal_the_unfused_u12_stack(many_rows, t
     assert got == want or not check_prompt(ref, cfg, prompt, got, "bfloat16").hard_failures
 
 
-def test_default_pdl_yields_to_the_benchmarks_settings(monkeypatch):
-    """kernels/overlap.py's default_pdl: a deployment's PDL mode inside, unless overlap() or
-    SPECPILOT_PDL chose one; mode 0 changes nothing."""
-    from specpilot.kernels import overlap as ov
-
-    monkeypatch.delenv("SPECPILOT_PDL", raising=False)
-    with ov.default_pdl(2):
-        assert ov._setting("pdl") == 2
-    assert ov._setting("pdl") == 0
-    with ov.overlap(pdl=1), ov.default_pdl(2):
-        assert ov._setting("pdl") == 1
-    monkeypatch.setenv("SPECPILOT_PDL", "0")
-    with ov.default_pdl(2):
-        assert ov._setting("pdl") == 0
-
-
 @pytest.mark.parametrize("u12", [True, False], ids=["u12", "bf16"])
-def test_u12_ar_forwards_take_the_u12_pdl_mode(u12, tiny_model_dirs, monkeypatch):
-    """ops.u12_pdl (runtime/fused.py's U12_PDL) is the PDL mode of a u12 stack's forwards of
-    U12_PDL_ROWS rows or fewer (32; 4 here), every kernel of the layers and the final norm inside it;
-    more rows, or plain weights, keep the process's mode."""
-    from specpilot.kernels import overlap as ov
+def test_u12_forwards_of_few_rows_take_the_u12_launch(u12, tiny_model_dirs):
+    """FusedOps.u12_launch (kernel_hooks.U12_LAUNCH: PDL mode 2) is the launch of a u12 stack's
+    forwards of u12_launch_rows rows or fewer (32; 4 here): every kernel call of the layers, the u12
+    projections the fused linear does not serve (3 rows) and the final norm get it; more rows, or
+    plain weights, get ops.launch. kernel_hooks.with_launch sets both for a benchmark."""
+    from specpilot.backends.kernel_hooks import U12_LAUNCH, fused_ops, with_launch
+    from specpilot.kernels.overlap import Launch
 
-    monkeypatch.delenv("SPECPILOT_PDL", raising=False)
     _, model, cfg = _pair(tiny_model_dirs["llama"], torch.bfloat16)
     stack = install(_to_u12(model, "torch") if u12 else model, "torch")
-    from specpilot.backends.kernel_hooks import U12_PDL, fused_ops
+    assert stack.ops.launch is None and stack.ops.u12_launch is None  # the references launch nothing
+    triton_ops = fused_ops("triton")
+    assert (triton_ops.launch, triton_ops.u12_launch, triton_ops.u12_launch_rows) == (Launch(), U12_LAUNCH, 32)
+    assert U12_LAUNCH == Launch(pdl=2)
+    assert with_launch(triton_ops, Launch(pdl=1)).launch_for(5, serves_u12=True) == Launch(pdl=1)
+    plain, few, seen = Launch(), Launch(pdl=2), []
 
-    assert stack.ops.u12_pdl == 0 and fused_ops("triton").u12_pdl == U12_PDL == 2  # the references launch nothing
-    assert stack.ops.u12_pdl_rows == 32
-    modes = []
-    rmsnorm = stack.ops.rmsnorm
-    stack.ops = dataclasses.replace(stack.ops, u12_pdl=2, u12_pdl_rows=4, launch_scope=ov.default_pdl,  # 5 rows: past it
-                                    rmsnorm=lambda *a, **kw: (
-        modes.append(ov._setting("pdl")), rmsnorm(*a, **kw))[1])
+    def spy(fn):
+        return lambda *a, **kw: (seen.append(kw["launch"]), fn(*a, **kw))[1]
+
+    ops = stack.ops
+    stack.ops = dataclasses.replace(ops, launch=plain, u12_launch=few, u12_launch_rows=4, rmsnorm=spy(ops.rmsnorm),
+                                    silu_mul=spy(ops.silu_mul), rope_qkv=spy(ops.rope_qkv), linear=spy(ops.linear),
+                                    linear_u12=spy(ops.linear_u12), u12_project=spy(ops.u12_project))
     assert stack.serves_u12() == u12
     cache = model.new_cache(1, 24, device_length=True)
     ids = torch.randint(0, cfg.vocab_size, (1, 9), generator=torch.Generator().manual_seed(4))
-    for chunk, want in ((ids[:, :5], 0), (ids[:, 5:6], 2 if u12 else 0), (ids[:, 6:9], 2 if u12 else 0)):
-        modes.clear()
+    for chunk, want in ((ids[:, :5], plain), (ids[:, 5:6], few if u12 else plain), (ids[:, 6:9], few if u12 else plain)):
+        seen.clear()
         model(chunk, cache)
-        assert modes and set(modes) == {want}
-    assert ov._setting("pdl") == 0
+        assert seen and set(seen) == {want}

@@ -16,16 +16,16 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from ..kernels import (attention_split_kv, best_first_tree, fused_linear, overlap, rmsnorm, rope_attention,
-                       rope_kv, silu_mul, u12_fused_linear)
+from ..kernels import attention_split_kv, best_first_tree, fused_linear, rmsnorm, rope_attention, rope_kv, silu_mul, u12
+from ..kernels.overlap import Launch
 from ..runtime.dflash import DFlashDrafter
 from ..runtime.fused import FusedDecoder, FusedDFlash, FusedOps, install_fused
 from ..runtime.model import Attention, Transformer, Visibility
 
 KINDS = ("triton", "torch")
-# The PDL mode (kernels/overlap.py: 0 off, 2 each kernel waits for the one before) of a u12 stack's
-# forwards of few rows, where the GPU has PDL (docs/experiments/fused-stack.md: U12_PDL).
-U12_PDL = 2
+# The launch of a u12 stack's forwards of few rows (FusedOps.u12_launch_rows): PDL mode 2, each kernel
+# waiting for the one before, where the GPU has PDL (docs/experiments/fused-stack.md: U12_PDL).
+U12_LAUNCH = Launch(pdl=2)
 
 
 def triton_runs(device: torch.device) -> bool:
@@ -39,20 +39,25 @@ def fused_ops(kind: str, u12_linear: bool = True, **fields) -> FusedOps:
     `fields` override FusedOps' policy defaults."""
     if kind == "triton":
         ops = FusedOps(rmsnorm.rmsnorm, rope_kv.rope_qkv, silu_mul.silu_mul, kind,
-                       linear=fused_linear.fused_linear, linear_u12=u12_fused_linear.u12_fused_linear,
+                       linear=fused_linear.fused_linear, linear_u12=u12.u12_fused_linear,
                        u12_kernel="triton-u12" if u12_linear else "", rope_attention=rope_attention.rope_attention,
-                       split_kv=split_kv_attention, u12_pdl=U12_PDL, launch_scope=overlap.default_pdl,
-                       prefetch_on=overlap.prefetch_on)
+                       split_kv=split_kv_attention, u12_project=u12.u12_linear, launch=Launch(),
+                       u12_launch=U12_LAUNCH)
     elif kind == "torch":
         ops = FusedOps(rmsnorm.rmsnorm_reference, rope_kv.rope_qkv_reference, silu_mul.silu_mul_reference, kind,
-                       linear=fused_linear.fused_linear_reference,
-                       linear_u12=u12_fused_linear.u12_fused_linear_reference,
-                       u12_kernel="torch" if u12_linear else "")
+                       linear=fused_linear.fused_linear_reference, linear_u12=u12.u12_fused_linear_reference,
+                       u12_kernel="torch" if u12_linear else "", u12_project=u12.u12_linear_reference)
     else:
         raise ValueError(f"fused ops are one of {KINDS}, got {kind!r}")
-    ops = dataclasses.replace(ops, new_row_squares=fused_linear.RowSquares, norm_handoff=u12_fused_linear.NormHandoff,
-                              u12_fuses=u12_fused_linear.fused_applies)
+    ops = dataclasses.replace(ops, new_row_squares=fused_linear.RowSquares, norm_handoff=u12.NormHandoff,
+                              u12_fuses=u12.fused_applies)
     return dataclasses.replace(ops, **fields) if fields else ops
+
+
+def with_launch(ops: FusedOps, launch: Launch) -> FusedOps:
+    """`ops` with every forward's kernels launched by `launch` (a PDL mode, the L2 prefetch), the u12
+    stacks' few-row forwards included: how a benchmark times a launch setting beside the default."""
+    return dataclasses.replace(ops, launch=launch, u12_launch=launch)
 
 
 def install(model: Transformer | DFlashDrafter, kind: str | None = None) -> FusedDecoder | FusedDFlash:
@@ -61,9 +66,12 @@ def install(model: Transformer | DFlashDrafter, kind: str | None = None) -> Fuse
     return install_fused(model, fused_ops(kind or ("triton" if triton_runs(model.device) else "torch")))
 
 
-def split_kv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vis: Visibility) -> torch.Tensor:
-    """The split-KV Triton kernel under `vis` (an `Attention.attention` implementation)."""
-    return attention_split_kv.attention_split_kv(q, k, v, past=vis.past, mask=vis.new, scale=q.shape[-1] ** -0.5)
+def split_kv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vis: Visibility,
+                       launch: Launch | None = None) -> torch.Tensor:
+    """The split-KV Triton kernel under `vis` (an `Attention.attention` implementation; the fused
+    stacks pass their launch)."""
+    return attention_split_kv.attention_split_kv(q, k, v, past=vis.past, mask=vis.new, scale=q.shape[-1] ** -0.5,
+                                                 launch=launch)
 
 
 def tree_builder(device: torch.device):

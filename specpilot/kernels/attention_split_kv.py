@@ -27,9 +27,9 @@ is undefined (a tree's mask holds its diagonal). Only the new tokens' program re
 `past` is an int (then S = past + T) or an int32/int64 device tensor [], [1] or [B] (one past per
 batch row) for CUDA graphs: one captured launch serves every step. Then S is the cache capacity,
 the grid (how many splits) is planned for it, and each program reads past and cuts the past cached
-keys into those splits in whole tiles (``BALANCE_SPLITS``): cut for the capacity instead, a
-16-token verify over 512 of 2048 slots had 3 of its 11 splits stream 3 tiles each, a 64-token one
-1 of 3 split all 8. A split with no key left writes a neutral partial (m = -inf, l = 0) that the
+keys into those splits in whole tiles (cut for the capacity instead, a 16-token verify over 512
+of 2048 slots ran 14.8 µs a layer against 11.3: bench/results/attention_variants_h200.json).
+A split with no key left writes a neutral partial (m = -inf, l = 0) that the
 combine weighs 0 (past COMBINE_CHUNK splits it cuts the keys as the splits did and reads only the
 filled ones). Slots from past + T on are never read (they may hold anything, NaN included).
 
@@ -42,11 +42,9 @@ dtype, so interpreter runs check the GPU's rounding.
 Splits (`split_count`): enough programs for two per SM, but no more splits than BLOCK_N tiles
 in the cache, and few enough that the fp32 partials (written and read: 8 bytes per row per head
 dim) stay under the bf16 K/V bytes read (4 bytes per key per head dim), i.e.
-splits <= S / (2 · T · group). Each split covers a whole number of tiles (`plan`). An earlier rule
-kept the partials under 1/8 of the K/V bytes; on the H200 (Llama-3.1-8B, 512 cached tokens in a
-2048-slot cache) it left a 17-node tree verify one split, 16 programs streaming the whole cache:
-65 µs a layer against 4 µs for q = 1 (bench/results/step_times_llama_h200.json, profiles).
-BLOCK_N 64, 2 stages, NUM_WARPS 4; bench/attention_variants.py measures the choices.
+splits <= S / (2 · T · group). Each split covers a whole number of tiles (`plan`). BLOCK_N 64,
+2 stages, NUM_WARPS 4; bench/kernels/attention_variants.py measures the choices, and
+docs/experiments/attention-split-kv.md what was tried.
 """
 
 from __future__ import annotations
@@ -58,18 +56,17 @@ import torch
 import triton
 import triton.language as tl
 
-from .overlap import pdl_args, pdl_enter
+from .overlap import Launch, pdl_args, pdl_enter
 from .registry import KernelSpec, register
+from .rope_kv import head_norm, rope_halves
+from .rounding import round_bf16
 from .target import native as on_native
-from .rope_kv import _head_norm, _rope_halves
-from .rounding import _round_bf16
 
 BLOCK_M = 64  # query rows a program, at most
 BLOCK_N = 64  # keys a tile
 WAVES = 2  # programs per SM that the split rule aims for
 NUM_WARPS = 4  # 8 measured slower in every shape (bench/results/tried/attention_variants_98e7d7d_h200.json)
-BALANCE_SPLITS = True  # a device past: the kernel cuts the cached keys into its splits (module docstring)
-COMBINE_CHUNK = 16  # more splits than this: the combine reads only the filled ones, this many at a time
+COMBINE_CHUNK = 16  # more splits than this: the combine reads only the filled ones, this many at a time (_combine_kernel)
 _CPU_SMS = 4  # nominal SM count under the interpreter, so that the rule still splits
 
 _MASK_FULL, _MASK_CAUSAL, _MASK_TENSOR = 0, 1, 2
@@ -96,7 +93,7 @@ def _online_softmax(s, v, m_i, l_i, acc, DOT_FP32: tl.constexpr, ROUND_BF16: tl.
     alpha = tl.math.exp2(m_i - m_base)
     l_i = l_i * alpha + tl.sum(p, 1)
     if ROUND_BF16:
-        p = _round_bf16(p)
+        p = round_bf16(p)
     p_lo = p.to(v.dtype)  # what the tensor cores multiply (a no-op for fp32)
     if DOT_FP32:
         acc = tl.dot(p_lo.to(tl.float32), v.to(tl.float32), acc * alpha[:, None], input_precision="ieee")
@@ -115,14 +112,14 @@ def _roped(x1, x2, cos_ptr, sin_ptr, cs, ok, w_ptr, offs_h, eps, inv_d, HALF: tl
         w1 = tl.load(w_ptr + offs_h, mask=offs_h < HALF, other=0.0).to(tl.float32)
         w2 = tl.load(w_ptr + HALF + offs_h, mask=offs_h < HALF, other=0.0).to(tl.float32)
         if AXIS == 1:
-            x1, x2 = _head_norm(x1, x2, w1[None, :], w2[None, :], inv, dt, ROUND_BF16)
+            x1, x2 = head_norm(x1, x2, w1[None, :], w2[None, :], inv, dt, ROUND_BF16)
         else:
-            x1, x2 = _head_norm(x1, x2, w1[:, None], w2[:, None], inv, dt, ROUND_BF16)
+            x1, x2 = head_norm(x1, x2, w1[:, None], w2[:, None], inv, dt, ROUND_BF16)
     c1 = tl.load(cos_ptr + cs, mask=ok, other=0.0).to(tl.float32)
     c2 = tl.load(cos_ptr + cs + HALF, mask=ok, other=0.0).to(tl.float32)
     s1 = tl.load(sin_ptr + cs, mask=ok, other=0.0).to(tl.float32)
     s2 = tl.load(sin_ptr + cs + HALF, mask=ok, other=0.0).to(tl.float32)
-    return _rope_halves(x1, x2, c1, c2, s1, s2, dt, ROUND_BF16)
+    return rope_halves(x1, x2, c1, c2, s1, s2, dt, ROUND_BF16)
 
 
 @triton.jit
@@ -142,9 +139,8 @@ def _split_kernel(
     MASK: tl.constexpr,  # 0 full, 1 causal, 2 tensor [B or 1, T, T] (int8)
     DOT_FP32: tl.constexpr,  # fp32 dots (fp32 inputs, or the interpreter)
     SINGLE: tl.constexpr,  # no cached split: the new tokens' program normalises and writes the output
-    ROUND_BF16: tl.constexpr,  # bf16 under the interpreter: round before casting (_round_bf16)
+    ROUND_BF16: tl.constexpr,  # bf16 under the interpreter: round before casting (round_bf16)
     PAST_TENSOR: tl.constexpr,  # past read from past_ptr[b · stride_pb]
-    BALANCE: tl.constexpr,  # with PAST_TENSOR: split_len from that past (whole tiles), not the launch's
     ROPE: tl.constexpr,  # q_ptr is the q|k|v projection: rope it, take the new K/V from it, write them
     QK_NORM: tl.constexpr,  # with ROPE: per-head RMSNorm of q and k first (weights qw_ptr, kw_ptr)
     PDL: tl.constexpr,  # programmatic dependent launch (kernels/overlap.py)
@@ -158,8 +154,8 @@ def _split_kernel(
     kvh = bh % HKV
     if PAST_TENSOR:
         past = tl.load(past_ptr + b * stride_pb).to(tl.int32)
-        if BALANCE:  # the grid is planned for the capacity: cut the keys cached now into the splits
-            split_len = tl.cdiv(tl.cdiv(past, tl.maximum(num_splits - 1, 1)), BLOCK_N) * BLOCK_N
+        # the grid is planned for the capacity: cut the keys cached now into the splits
+        split_len = tl.cdiv(tl.cdiv(past, tl.maximum(num_splits - 1, 1)), BLOCK_N) * BLOCK_N
     dt = k_ptr.dtype.element_ty
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < T * G
@@ -258,7 +254,7 @@ def _split_kernel(
     if SINGLE:
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # l = 0 only in padding rows
         if ROUND_BF16:
-            out = _round_bf16(out)
+            out = round_bf16(out)
         tl.store(o, out.to(o_ptr.dtype.element_ty), mask=o_ok)
     else:
         part = (bh * num_splits + split) * (T * G) + rows
@@ -275,28 +271,17 @@ def _combine_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_S: tl.constexpr,  # splits a load: all of them (next power of two), or FILLED_ONLY's chunk
     FILLED_ONLY: tl.constexpr,  # read only the cached splits holding keys, BLOCK_S at a time
-    PAST_TENSOR: tl.constexpr, BALANCE: tl.constexpr, ROUND_BF16: tl.constexpr,
+    PAST_TENSOR: tl.constexpr, ROUND_BF16: tl.constexpr,
     PDL: tl.constexpr,  # programmatic dependent launch (kernels/overlap.py)
 ):
     """out = Σ_s 2^(m_s - M) acc_s / Σ_s 2^(m_s - M) l_s for one row, M the largest m_s (empty
     splits, m = -inf, weigh 0).
 
     One program per (query row, batch · kv head). Every split's partial in one load, the new
-    tokens' split last: one round trip to memory (a loop over the splits one by one took 12 µs a
-    call at 32 splits, H200, Llama-3.1-8B AR step). FILLED_ONLY (``launch``: more splits than
-    COMBINE_CHUNK): the cached splits are counted as the split kernel cut them (the device past)
-    and only those holding keys are read, COMBINE_CHUNK at a time, then the new tokens' split.
-    Over 512 cached keys in a grid of 33 splits (2048 slots, 8 of them filled) the combine alone
-    took 2.12 µs a layer against 2.94 reading all 33, the AR step's attention 7.10 against 8.07;
-    but at 4 to 12 splits, all read at once anyway, the past's load before the partials' cost
-    0.3-1.7 µs (verify(16) 10.07 against 9.52, verify(64) 19.75 against 18.07: H200,
-    bench/results/attention_parts_h200.json and tried/attention_parts_3f475bc_h200.json,
-    bench/attention_variants.py --parts). With every one of 33 splits filled (a long cache) the
-    combine alone took 2.98 µs against 2.94 reading them in one load: its later chunks wait for
-    the past, from L2, at little cost. Combining in the split
-    kernel instead (its last program, behind an atomic counter) measured slower in every shape of
-    bench/results/tried/attention_variants_98e7d7d_h200.json (an AR step's layer over 512 cached
-    tokens: 13.1 µs against 9.1 with this launch)."""
+    tokens' split last: one round trip to memory. FILLED_ONLY (more splits than COMBINE_CHUNK):
+    the cached splits are counted as the split kernel cut them (the device past) and only those
+    holding keys are read, COMBINE_CHUNK at a time, then the new tokens' split (an AR layer over 512
+    cached keys in 33 splits: 2.12 µs against 2.94 reading all 33; bench/results/attention_parts_h200.json)."""
     pdl_enter(PDL)
     row = tl.program_id(0)
     bh = tl.program_id(1)
@@ -312,8 +297,7 @@ def _combine_kernel(
         cached = NUM_SPLITS - 1
         if PAST_TENSOR:
             past = tl.load(past_ptr + b * stride_pb).to(tl.int32)
-            if BALANCE:  # as the split kernel cut them
-                split_len = tl.cdiv(tl.cdiv(past, tl.maximum(cached, 1)), BLOCK_N) * BLOCK_N
+            split_len = tl.cdiv(tl.cdiv(past, tl.maximum(cached, 1)), BLOCK_N) * BLOCK_N  # as the split kernel cut them
         filled = tl.minimum(tl.cdiv(past, split_len), cached)  # cached splits holding keys: 0..filled-1
         new = part0 + cached * rows
         m_new = tl.load(m_ptr + new)
@@ -352,7 +336,7 @@ def _combine_kernel(
         out = tl.sum(w[:, None] * acc, 0)
     out = out / tl.where(l_sum == 0.0, 1.0, l_sum)
     if ROUND_BF16:
-        out = _round_bf16(out)
+        out = round_bf16(out)
     j = row // T
     t = row % T
     o = o_ptr + b * stride_ob + (kvh * G + j) * stride_oh + t * stride_ot + offs_d
@@ -412,7 +396,7 @@ def _mask_args(mask, b: int, t: int, device: torch.device) -> tuple[int, torch.T
     return _MASK_TENSOR, m.to(device).contiguous().view(torch.int8)  # no copy when already there
 
 
-def _check_past(past: int | torch.Tensor, b: int, s: int, t: int, device: torch.device, exact: bool,
+def check_past(past: int | torch.Tensor, b: int, s: int, t: int, device: torch.device, exact: bool,
                 who: str = "attention_split_kv") -> None:
     """An int past must leave room for the T new tokens in S slots (exactly, where `exact`);
     a past tensor must be int32/int64 [], [1] or [B] on `device`."""
@@ -438,7 +422,7 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int | torch.
     if bk != b or dk != d or hkv == 0 or h % hkv:
         raise ValueError(f"attention_split_kv: q {list(q.shape)} does not fit k, v {list(k.shape)} "
                          "(same B and D, heads a multiple of kv heads)")
-    _check_past(past, b, s, t, q.device, exact=True)
+    check_past(past, b, s, t, q.device, exact=True)
     if not (q.dtype == k.dtype == v.dtype) or q.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"attention_split_kv: q, k, v must share a float32/bfloat16/float16 dtype, got "
                          f"{q.dtype}, {k.dtype}, {v.dtype}")
@@ -446,10 +430,10 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int | torch.
         raise ValueError(f"attention_split_kv: q on {q.device}, k on {k.device}, v on {v.device}")
 
 
-def launch(
+def launch_split_kv(
     q_src: torch.Tensor, q_strides: tuple[int, int, int], k: torch.Tensor, v: torch.Tensor, *,
     heads: int, t: int, past: int | torch.Tensor, mask: str | torch.Tensor, scale: float | None,
-    splits: int | None, rope: dict | None = None,
+    splits: int | None, rope: dict | None = None, launch: Launch | None = None,
 ) -> torch.Tensor:
     """The kernel over k, v [B, Hkv, S, D]: q head h, token t at q_src + b·qs[0] + h·qs[1] + t·qs[2]
     (`q_strides` qs), roped there first when `rope` (cos, sin, [B or 1, T, D] tables with unit
@@ -511,7 +495,8 @@ def launch(
         HEAD_DIM=d, HALF=half, BLOCK_H=max(16, triton.next_power_of_2(half)), BLOCK_D=block_d,
         BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_T=max(16, min(BLOCK_N, triton.next_power_of_2(t))), MASK=mode,
         DOT_FP32=dtype == torch.float32 or not native, SINGLE=single, ROUND_BF16=round_bf16,
-        PAST_TENSOR=past_tensor, BALANCE=BALANCE_SPLITS, ROPE=rope is not None, QK_NORM=qk_norm, **launch_opts, **fusion, **pdl_args(device),
+        PAST_TENSOR=past_tensor, ROPE=rope is not None, QK_NORM=qk_norm, **launch_opts, **fusion,
+        **pdl_args(device, launch),
     )
     if not single:
         filled_only = splits + 1 > COMBINE_CHUNK  # _combine_kernel: where it measured faster
@@ -519,8 +504,8 @@ def launch(
             m_part, l_part, acc_part, out, past_t, t, g, hkv, splits + 1, past, split_len, stride_pb,
             out.stride(0), out.stride(1), out.stride(2), HEAD_DIM=d, BLOCK_D=block_d, BLOCK_N=BLOCK_N,
             BLOCK_S=COMBINE_CHUNK if filled_only else triton.next_power_of_2(splits + 1), FILLED_ONLY=filled_only,
-            PAST_TENSOR=past_tensor, BALANCE=BALANCE_SPLITS, ROUND_BF16=round_bf16, **launch_opts,
-            **(dict(enable_fp_fusion=True) if native else {}), **pdl_args(device),  # Triton 3.6-3.9's default, by name
+            PAST_TENSOR=past_tensor, ROUND_BF16=round_bf16, **launch_opts,
+            **(dict(enable_fp_fusion=True) if native else {}), **pdl_args(device, launch),  # Triton 3.6-3.9's default, by name
         )
     return out
 
@@ -528,6 +513,7 @@ def launch(
 def attention_split_kv(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, past: int | torch.Tensor,
     mask: str | torch.Tensor = "causal", scale: float | None = None, splits: int | None = None,
+    launch: Launch | None = None,
 ) -> torch.Tensor:
     """q [B, H, T, D] over k, v [B, Hkv, S, D] (grouped heads) -> [B, H, T, D] in q.dtype.
 
@@ -535,12 +521,12 @@ def attention_split_kv(
     cache capacity (past + T <= S is the caller's to keep; checking it would sync). `mask`:
     visibility among the T new tokens ("causal", "full", bool [T, T] or [B, T, T]); all `past`
     cached slots are visible. `scale` defaults to D^-0.5. `splits` (of the cached keys) overrides
-    split_count.
+    split_count. `launch`: PDL (kernels/overlap.py).
     """
     _check(q, k, v, past)
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
-    return launch(q, (q.stride(0), q.stride(1), q.stride(2)), k, v, heads=q.shape[1], t=q.shape[2], past=past,
-                  mask=mask, scale=scale, splits=splits)
+    return launch_split_kv(q, (q.stride(0), q.stride(1), q.stride(2)), k, v, heads=q.shape[1], t=q.shape[2],
+                           past=past, mask=mask, scale=scale, splits=splits, launch=launch)
 
 
 def _weights(q: torch.Tensor, k: torch.Tensor, *, past: int | torch.Tensor, mask: str | torch.Tensor,
@@ -569,9 +555,10 @@ def _weights(q: torch.Tensor, k: torch.Tensor, *, past: int | torch.Tensor, mask
 
 def attention_split_kv_reference(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, past: int, mask: str | torch.Tensor = "causal",
-    scale: float | None = None,
+    scale: float | None = None, launch: Launch | None = None,
 ) -> torch.Tensor:
-    """The same math in fp32 with an explicit mask: softmax(q·kᵀ·scale) v per head, cast once."""
+    """The same math in fp32 with an explicit mask: softmax(q·kᵀ·scale) v per head, cast once
+    (`launch` is the kernel's argument, unused here)."""
     _check(q, k, v, past)
     weights = _weights(q, k, past=past, mask=mask, scale=scale)
     if isinstance(past, torch.Tensor):  # slots past + T and beyond may hold anything, inf or NaN

@@ -6,93 +6,50 @@ runs as up to three: rmsnorm(x) (kernels/rmsnorm.py), the GEMM (cuBLAS), then si
 five launches fewer: the two rmsnorms, silu_mul, and cuBLAS's split-K reduces of o and down.
 
 Kernels. ``_gemv_kernel`` ("gemv", M <= 4 rows a program) runs on the CUDA cores in the style of
-u12_linear's gemv2: one program owns BLOCK_N output rows (gated: the BLOCK_N gate rows n and the
-BLOCK_N up rows I + n, two accumulators, so the epilogue pairs them without a layout change) and
-every row of x, and loops over K in chunks of BLOCK_W words of 4 weights. bf16 weights are read as
-int64 words of 4 where K % 4 == 0, the row stride % 4 == 0 and the pointer is 8-byte aligned
-(x and the norm weight likewise, copied where misaligned: they are small), split into four fp32 planes by a
-shift or a mask each (plane j: weight 4 w + j); else (fp32, odd K, misaligned W) four contiguous
-element loads a chunk (plane j: elements 4 w0 + j BLOCK_W + w). Each plane FMAs into one
-[BM, BN, BW] fp32 accumulator, reduced once after the loop (no join or reshape in the loop: that
-costs a shared-memory round trip a chunk). Every load has the accumulator's shape, rows past M
-and N re-read the last row, and only a last partial chunk of K is masked. ``_dot_kernel`` ("dot",
-16-64 rows a program) feeds tl.dot with W as the wide side, acc[BN, BM] += W[BN, BK] · x[BM, BK]ᵀ:
-bf16 operands on the GPU for bf16 x, fp32 "ieee" ones for fp32 x and under the interpreter (its
-bf16 dot is wrong). Either kernel serves any M: the grid has a dimension of M blocks.
+u12's gemv2: one program owns BLOCK_N output rows (gated: the BLOCK_N gate rows n and the BLOCK_N
+up rows I + n, two accumulators, so the epilogue pairs them without a layout change) and every row
+of x, and loops over K in chunks of BLOCK_W words of 4 weights. bf16 weights are read as int64
+words of 4 where K % 4 == 0, the row stride % 4 == 0 and the pointer is 8-byte aligned (x and the
+norm weight likewise, copied where misaligned: kernels/bf16_words.py), split into four fp32 planes
+(plane j: weight 4 w + j); else (fp32, odd K, misaligned W) four contiguous element loads a chunk
+(plane j: elements 4 w0 + j BLOCK_W + w). Each plane FMAs into one [BM, BN, BW] fp32 accumulator,
+reduced once after the loop (no join or reshape in the loop: that costs a shared-memory round trip
+a chunk). Every load has the accumulator's shape, rows past M and N re-read the last row, and only
+a last partial chunk of K is masked. ``_dot_kernel`` ("dot", 16-64 rows a program) feeds tl.dot
+with W as the wide side, acc[BN, BM] += W[BN, BK] · x[BM, BK]ᵀ: bf16 operands on the GPU for bf16
+x, fp32 "ieee" ones for fp32 x and under the interpreter (its bf16 dot is wrong).
 
-Prologue (norm_weight). Each program first sums x² over K for its rows (x is small and stays in
-L2), then normalises every x chunk in registers as rmsnorm does: inv = rsqrt(Σx² · fp32(1/K) +
-eps), n = dtype(x · inv), x' = dtype(norm_weight · n). On the word path the sum reads the whole
-row as int64 words in one chunk (``_row_inv_words``, up to 16 words a thread: ``norm_words``), one
-memory round trip before the main loop where chunks of the tile's width waited on one load each
-(the Llama-3.1-8B AR step: 4.17 ms, bench/results/step_times_llama_h200.json, against 4.19-4.20
-in the two runs before, bench/results/tried/: within the runs' spread). Epilogues, in fp32 from the fp32 sums:
-gated: g, u = dtype(sums), s = dtype(g / (1 + exp(-g))) (IEEE division, libdevice expf on the
-GPU), y = dtype(s · u); residual: residual = dtype(dtype(y) + residual), in place.
+Prologue (norm_weight). Each program first sums x² over K for its rows, then normalises every x
+chunk in registers as rmsnorm does: inv = rsqrt(Σx² · fp32(1/K) + eps), n = dtype(x · inv),
+x' = dtype(norm_weight · n). On the word path the sum reads the whole row as int64 words in one
+chunk (rmsnorm's ``row_inv_words``): one memory round trip before the main loop. Epilogues, in
+fp32 from the fp32 sums: gated: g, u = dtype(sums), s = dtype(g / (1 + exp(-g))) (IEEE division,
+libdevice expf on the GPU), y = dtype(s · u); residual: residual = dtype(dtype(y) + residual), in
+place.
+
+Sums of squares handed on (dot only; ``RowSquares``). A call with ``residual=`` and ``squares=``
+also stores, for each output block of the updated stream, Σ y² of each row over the block's
+columns; the next call with ``norm_weight=`` over that stream and ``squares=`` sums those parts
+(rmsnorm's ``row_inv_parts``) instead of reading every row of x in every program (at 16 rows and
+K = 4096, 128 KB a program). Without them the dot prologue reads x as int64 words of whole rows
+in 2-4 chunks (``DOT_NORM_WORDS``).
+
+Split-K (dot only): kernels/split_k.py's serial semaphore; each program stores its fp32 partials
+([gate, up] × split × M × N), the last of an output block sums them in split order and runs the
+epilogue.
 
 Numerics. The roundings are the unfused kernels' (and torch's) at every point; what differs is
-order: the fp32 GEMM sums (cuBLAS or torch order there), so a bf16 output can land one bf16 step
-from the reference where the exact sum sits near a rounding boundary; and the prologue's Σx²
-(FMAs by word or chunk here, a tree of products in kernels/rmsnorm.py), so inv can differ in the last
-ulps and a normalised element one bf16 step where it sits on a boundary (never seen in the
-interpreter cases). Given the same GEMM sums the epilogues are bit-exact with silu_mul (GPU:
-libdevice expf, div_rn, fp fusion off as there) and with torch's add. The interpreter truncates
-fp32 -> bf16 casts, so under it every such cast rounds first (``_round_bf16``), and exp is numpy's.
+order: the fp32 GEMM sums, so a bf16 output can land one bf16 step from the reference where the
+exact sum sits near a rounding boundary; and the prologue's Σx², so inv can differ in the last ulps
+and a normalised element one bf16 step where it sits on a boundary. Given the same GEMM sums the
+epilogues are bit-exact with silu_mul (GPU: libdevice expf, div_rn, fp fusion off as there) and
+torch's add. The interpreter truncates fp32 -> bf16 casts, so under it every such cast rounds
+first, and exp is numpy's.
 
-Sums of squares handed on (dot only; ``RowSquares``). At 16 rows the norm prologue reads all of
-x, 128 KB at K = 4096, in every program. A call with ``residual=`` and ``squares=`` also stores,
-for each output block of the updated stream, Σ y² of each row over the block's columns (fp32, from
-the stored bf16 values); the next call with ``norm_weight=`` over that stream and ``squares=`` sums
-those parts in a fixed order (``_row_inv_parts``) instead. Its inv then differs from the
-prologue's only by the sum's order (the Numerics paragraph). Without them the prologue reads x as
-int64 words of whole rows in 2-4 chunks (``DOT_NORM_WORDS``), where chunks of BLOCK_K elements
-took 32-64 L2 round trips. H200, 16 rows, in CUDA graphs: qkv+norm 23.4 µs with those element
-chunks, 18.5 with RowSquares; gate_up+norm+SiLU·mul 73.1, 63.1 with the word chunks, 58.8 with
-RowSquares (bench/results/tried/fused_linear_m16_graph_h200.json, commit af8fe61;
-bench/results/fused_linear_m16_32_graph_h200.json, 4cea20f; 651f816's run between them).
-
-Split-K (dot only). The grid is (N blocks, SPLIT_K, M blocks); each program stores its fp32
-partial sums ([gate, up] × split × M × N) and the last program of an output block to arrive (an
-acq_rel counter per block: u12_linear's serial semaphore) sums them in split order, applies the
-epilogue, stores and resets its counter. One launch, no memset, no host sync, deterministic.
-Counters live with the weight's storage (u12_linear's ``split_counters``), so two streams must not run one
-weight (or two views of one concatenated weight) at the same time.
-
-Tried and dropped: W's tiles by TMA (a host tensor descriptor, commit e842f23): at 16 rows the best
-TMA config lost to the pointer loads' cp.async pipeline on every layer shape, by 0.1-4.6% (H200,
-bench/results/tried/fused_linear_m16_tma_e842f23_h200.json).
-
-Configs are data (``FusedLinearConfig``); ``default_config(m, n, k, gated)`` takes ``TUNED`` first
-(keyed by the M bucket, weight rows, K, gated), else a heuristic; bench/fused_linear.py sweeps
-``SWEEP_GEMV`` / ``SWEEP_DOT`` × ``SPLIT_KS`` at the Llama-3.1-8B shapes against the unfused
-kernels, per linear and for 32 layers in one CUDA graph. H200 (bench/results/fused_linear_h200.json,
-TUNED from it): at M = 1 qkv+norm 22.1 µs against 30.0 for rmsnorm + cuBLAS, o+add 18.2 against
-20.0, gate_up+norm+SiLU·mul 68.2 against 117.2, down+add 40.4 against 43.0; the 32 layers' four
-calls in one graph 1.08x the unfused sequence at M = 1, 0.80x at M = 4 (the gated GEMV at four rows
-and the norm's per-element work), 0.94x at M = 16. Timed in CUDA graphs with the norms' sums of
-squares handed on (RowSquares, below; bench/results/fused_linear_m16_32_graph_h200.json and
-fused_linear_m4_8_graph_h200.json, commit 4cea20f): 0.86x at M = 4, 1.01x at 8 and 16 (3.95 ms against
-3.98; 4.10 without RowSquares), 0.97x at 32 with the 16-row configs (its own, TUNED's M = 32 rows, since:
-verify(32) 4.920 ms against 5.005 on cuBLAS); hence runtime/fused.py serves 1, 5..16 and 32 rows (17..31
-run the 32-row tiles at 32 rows' cost, more than cuBLAS's 24-row ones: runtime/fused.py LINEAR_GAP). Every
-kernel variant compiles for sm_90 (triton 3.9, by triton.compile without a GPU); there the gemv
-loop on the word path is loads, shifts/masks and FMAs, no shared memory and no spills. The norm
-costs each thread about 6 instructions per x element it holds (two multiplies, two roundings and
-their widening), shared by the W rows it holds: cheap at M = 1, most of the loop's overhead at
-M = 4, hence 8 rows a thread there (the default). CUDA graphs: no host sync, buffers by shape only.
-
-Where the 16 rows lose (Nsight Compute, one cold launch each, caches flushed:
-bench/results/linear_ncu_h200.txt from bench/linear_ncu.py, commit 9148a7f): the dot kernel against
-the one-row GEMV on the same weights, µs and DRAM throughput, qkv 20.1 (55%) against 16.6 (66%), o
-14.3 (51%) against 10.9 (65%), gate_up 60.6 (82%) against 58.6 (84%), down 34.2 (73%) against 30.7
-(81%); cuBLAS at 16 rows 17.2, 12.0 + 3.9 (its split-K reduce), 58.9 and 31.9 + 3.7. The qkv
-grid (96 x 4 programs of 4 warps, 41 KB of shared memory each) is 0.58 of a wave and reaches 18% of
-the warps an SM could hold; its warps stall most on global loads (42% of issue cycles), gate_up's
-(8 warps) on them (41%) and at the pipeline's CTA barrier (37%). In the sm_90 PTX (triton 3.9) the
-norm's loop waits for its wgmma every chunk (wait_group 0; the normalised x goes through shared
-memory between two barriers) where o's keeps one in flight (wait_group 1), yet o moves no more
-bytes a second (ncu's memory throughput cold: 2.44 TB/s against qkv's 2.64): at these sizes the launch's fixed costs (the prologue,
-the cp.async pipeline's fill, the split-K semaphore's tail) dominate, not the norm. Not yet acted on.
+Configs are data (``FusedLinearConfig``); ``default_config`` takes ``TUNED`` first (keyed by the M
+bucket, weight rows, K, gated), else a heuristic; bench/kernels/fused_linear.py sweeps the
+Llama-3.1-8B shapes against the unfused kernels. Measurements and what was tried:
+docs/experiments/fused-linear.md.
 """
 
 from __future__ import annotations
@@ -105,13 +62,15 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from .overlap import pdl_args, pdl_enter
+from .bf16_words import aligned_rows, bf16x4_to_fp32
+from .overlap import Launch, pdl_args, pdl_enter
 from .registry import KernelSpec, register
-from .target import native as on_native
-from .rmsnorm import _normalize, _row_inv, _to_dtype, rmsnorm_reference
+from .rmsnorm import norm_words, normalize, rmsnorm_reference, row_inv, row_inv_parts, row_inv_words
+from .rounding import to_dtype
 from .silu_mul import silu_mul_reference
+from .split_k import split_counters
+from .target import native as on_native
 from .tuning import nearest_tuned
-from .u12_linear import aligned_rows, bf16x4_to_fp32, split_counters
 
 SM_COUNT_H200 = 132
 # Words of x a thread of the dot kernel's norm prologue holds a chunk: 32 (64 registers, before the
@@ -124,7 +83,7 @@ _DTYPES = (torch.bfloat16, torch.float32)
 # --- shared pieces ---------------------------------------------------------------------------
 
 @triton.jit
-def _epilogue(
+def epilogue(
     g, u, y_ptrs, mask, DTYPE: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr,
     ROUND_BF16: tl.constexpr, EXPF: tl.constexpr, sq_ptrs=None, SQ_OUT: tl.constexpr = False,
     res=0.0, RES_LOADED: tl.constexpr = False,
@@ -135,20 +94,20 @@ def _epilogue(
     after a store that may alias waits for it). SQ_OUT: also store Σ y² of each row's stored values
     at sq_ptrs [BM] (this program's part of RowSquares). Returns the stored values (fp32, each
     exactly its stored dtype value)."""
-    y = _to_dtype(g, DTYPE, ROUND_BF16)
+    y = to_dtype(g, DTYPE, ROUND_BF16)
     if GATED:
-        up = _to_dtype(u, DTYPE, ROUND_BF16)
+        up = to_dtype(u, DTYPE, ROUND_BF16)
         if EXPF:
             e = libdevice.exp(-y)
         else:
             e = tl.exp(-y)
-        s = _to_dtype(tl.math.div_rn(y, 1.0 + e), DTYPE, ROUND_BF16)
-        y = _to_dtype(s * up, DTYPE, ROUND_BF16)
+        s = to_dtype(tl.math.div_rn(y, 1.0 + e), DTYPE, ROUND_BF16)
+        y = to_dtype(s * up, DTYPE, ROUND_BF16)
     if RESIDUAL:
         r = res
         if not RES_LOADED:
             r = tl.load(y_ptrs, mask=mask, other=0.0).to(tl.float32)
-        y = _to_dtype(y + r, DTYPE, ROUND_BF16)
+        y = to_dtype(y + r, DTYPE, ROUND_BF16)
     tl.store(y_ptrs, y.to(DTYPE), mask=mask)
     if SQ_OUT:
         ys = tl.where(mask, y, 0.0)
@@ -156,50 +115,7 @@ def _epilogue(
     return y
 
 
-@triton.jit
-def _row_inv_parts(sq_ptr, rows, M, parts, inv_k, eps, BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr):
-    """rsqrt(Σ x² · fp32(1/K) + eps) for `rows` from RowSquares' parts ([parts, M] fp32), summed
-    in a fixed order (a tree within BLOCK_P parts, chunks in order): one load of a few KB where
-    the prologue would read every row of x."""
-    acc = tl.zeros((BLOCK_P, BLOCK_M), dtype=tl.float32)
-    for p0 in range(0, parts, BLOCK_P):
-        p = p0 + tl.arange(0, BLOCK_P)[:, None]
-        acc += tl.load(sq_ptr + p * M + rows[None, :], mask=p < parts, other=0.0)
-    return _parts_inv(acc, inv_k, eps)
-
-
-@triton.jit
-def _parts_inv(acc, inv_k, eps):
-    """``_row_inv_parts``' last step: rsqrt(Σ over the parts axis of acc [BLOCK_P, BM] · inv_k + eps)."""
-    return tl.math.rsqrt(tl.sum(acc, axis=0) * inv_k + eps)
-
-
 # --- the GEMV kernel for M <= 4 ("gemv") ------------------------------------------------------
-
-@triton.jit
-def _row_inv_words(x_ptr, rows, stride_words, n_words, inv_k, eps, BLOCK_M: tl.constexpr, BLOCK_W: tl.constexpr):
-    """rmsnorm's ``_row_inv`` for bf16 rows read as int64 words of 4 (K % 4 == 0, 8-byte aligned
-    rows), BLOCK_W words a chunk. A chunk's load is waited on before the next is issued, so a GEMV
-    prologue takes the whole row in one (``norm_words``): one memory round trip before its main
-    loop, where chunks of its tile's width took several. The words hold half the registers of
-    fp32 elements and the four planes share one accumulator."""
-    x_rows = x_ptr.to(tl.pointer_type(tl.int64)) + rows.to(tl.int64)[:, None] * stride_words
-    acc = tl.zeros((BLOCK_M, BLOCK_W), dtype=tl.float32)
-    for w0 in range(0, n_words, BLOCK_W):
-        w = w0 + tl.arange(0, BLOCK_W)[None, :]
-        p0, p1, p2, p3 = bf16x4_to_fp32(tl.load(x_rows + w, mask=w < n_words, other=0))
-        acc = tl.fma(p0, p0, acc)
-        acc = tl.fma(p1, p1, acc)
-        acc = tl.fma(p2, p2, acc)
-        acc = tl.fma(p3, p3, acc)
-    return tl.math.rsqrt(tl.sum(acc, axis=1) * inv_k + eps)
-
-
-def norm_words(k: int, block_m: int, num_warps: int, per_thread: int = 16) -> int:
-    """``_row_inv_words``' chunk: the whole row's K / 4 words (a power of two), up to per_thread
-    words (4 bf16 each) a thread across the program's block_m rows."""
-    return max(1, min(triton.next_power_of_2(k // 4), per_thread * 32 * num_warps // block_m))
-
 
 @triton.jit
 def _load_planes(rows, w0, K, BLOCK_W: tl.constexpr, WORDS: tl.constexpr, MASKED: tl.constexpr):
@@ -240,10 +156,10 @@ def _gemv_chunk(
     x0, x1, x2, x3 = _load_planes(x_rows, w0, K, BLOCK_W, WORDS, MASKED)
     if NORM:
         n0, n1, n2, n3 = _load_planes(nw_rows, w0, K, BLOCK_W, WORDS, MASKED)
-        x0 = _normalize(x0, inv, n0, DTYPE, ROUND_BF16)
-        x1 = _normalize(x1, inv, n1, DTYPE, ROUND_BF16)
-        x2 = _normalize(x2, inv, n2, DTYPE, ROUND_BF16)
-        x3 = _normalize(x3, inv, n3, DTYPE, ROUND_BF16)
+        x0 = normalize(x0, inv, n0, DTYPE, ROUND_BF16)
+        x1 = normalize(x1, inv, n1, DTYPE, ROUND_BF16)
+        x2 = normalize(x2, inv, n2, DTYPE, ROUND_BF16)
+        x3 = normalize(x3, inv, n3, DTYPE, ROUND_BF16)
     g0, g1, g2, g3 = _load_planes(wg_rows, w0, K, BLOCK_W, WORDS, MASKED)
     acc_g = tl.fma(x0, g0, acc_g)
     acc_g = tl.fma(x1, g1, acc_g)
@@ -282,9 +198,9 @@ def _gemv_kernel(
     rows_m = tl.minimum(offs_m, M - 1)
     rows_n = tl.minimum(offs_n, N - 1).to(tl.int64)[None, :, None]
     if NORM and WORDS:
-        inv = _row_inv_words(x_ptr, rows_m, stride_xm, K // 4, inv_k, eps, BLOCK_M, NORM_WORDS)[:, None, None]
+        inv = row_inv_words(x_ptr, rows_m, stride_xm, K // 4, inv_k, eps, BLOCK_M, NORM_WORDS)[:, None, None]
     elif NORM:
-        inv = _row_inv(x_ptr, rows_m, stride_xm, K, inv_k, eps, BLOCK_M, 4 * BLOCK_W)[:, None, None]
+        inv = row_inv(x_ptr, rows_m, stride_xm, K, inv_k, eps, BLOCK_M, 4 * BLOCK_W)[:, None, None]
     else:
         inv = 1.0
     if WORDS:
@@ -316,7 +232,7 @@ def _gemv_kernel(
     u = tl.sum(acc_u, axis=2) if GATED else g
     mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
     y_ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
-    _epilogue(g, u, y_ptrs, mask, DTYPE, GATED, RESIDUAL, ROUND_BF16, EXPF)
+    epilogue(g, u, y_ptrs, mask, DTYPE, GATED, RESIDUAL, ROUND_BF16, EXPF)
 
 
 # --- the tensor-core kernel ("dot") -----------------------------------------------------------
@@ -348,11 +264,11 @@ def _dot_kernel(
     rows_m = tl.minimum(offs_m, M - 1)
     rows_n = tl.minimum(offs_n, N - 1).to(tl.int64)
     if NORM and SQ_IN:
-        inv = _row_inv_parts(sq_ptr, rows_m, M, sq_parts, inv_k, eps, BLOCK_M, SQ_BLOCK)[:, None]
+        inv = row_inv_parts(sq_ptr, rows_m, M, sq_parts, inv_k, eps, BLOCK_M, SQ_BLOCK)[:, None]
     elif NORM and NORM_WORDS > 0:
-        inv = _row_inv_words(x_ptr, rows_m, stride_xm // 4, K // 4, inv_k, eps, BLOCK_M, NORM_WORDS)[:, None]
+        inv = row_inv_words(x_ptr, rows_m, stride_xm // 4, K // 4, inv_k, eps, BLOCK_M, NORM_WORDS)[:, None]
     elif NORM:
-        inv = _row_inv(x_ptr, rows_m, stride_xm, K, inv_k, eps, BLOCK_M, BLOCK_K)[:, None]
+        inv = row_inv(x_ptr, rows_m, stride_xm, K, inv_k, eps, BLOCK_M, BLOCK_K)[:, None]
     else:
         inv = 1.0
     x_rows = x_ptr + rows_m.to(tl.int64)[:, None] * stride_xm
@@ -376,7 +292,7 @@ def _dot_kernel(
                 nw = tl.load(nw_ptr + k)
             else:
                 nw = tl.load(nw_ptr + k, mask=k < K, other=0.0)
-            xt = _normalize(xt.to(tl.float32), inv, nw.to(tl.float32), DTYPE, ROUND_BF16)
+            xt = normalize(xt.to(tl.float32), inv, nw.to(tl.float32), DTYPE, ROUND_BF16)
         if DOT_BF16:
             xb = tl.trans(xt.to(tl.bfloat16))
             acc_g = tl.dot(wg, xb, acc_g)
@@ -417,10 +333,10 @@ def _dot_kernel(
                 if GATED:
                     u_sum += tl.load(part, mask=mask, other=0.0, cache_modifier=".cg")
                     part += part_stride
-            _epilogue(g_sum, u_sum, y_ptrs, mask, DTYPE, GATED, RESIDUAL, ROUND_BF16, EXPF, sq_ptrs, SQ_OUT)
+            epilogue(g_sum, u_sum, y_ptrs, mask, DTYPE, GATED, RESIDUAL, ROUND_BF16, EXPF, sq_ptrs, SQ_OUT)
             tl.atomic_xchg(counter, 0)  # ready for the next launch (and CUDA graph replays)
     else:
-        _epilogue(g, u, y_ptrs, mask, DTYPE, GATED, RESIDUAL, ROUND_BF16, EXPF, sq_ptrs, SQ_OUT)
+        epilogue(g, u, y_ptrs, mask, DTYPE, GATED, RESIDUAL, ROUND_BF16, EXPF, sq_ptrs, SQ_OUT)
 
 
 # --- configs ---------------------------------------------------------------------------------
@@ -486,43 +402,11 @@ def gemv_acc_registers(cfg: FusedLinearConfig, block_m: int, gated: bool) -> int
     return (2 if gated else 1) * block_m * cfg.block_n * (cfg.block_k // 4) // (32 * cfg.num_warps)
 
 
-# The benchmark's sweep: gemv tiles (bench/fused_linear.py keeps those within 64 accumulator
-# registers a thread at the row's M), dot tiles crossed with SPLIT_KS.
-SWEEP_GEMV = [
-    FusedLinearConfig("gemv", bn, bk, num_warps=w, num_stages=s) for bn, bk, w, s in (
-        (8, 512, 2, 1), (4, 1024, 2, 1), (16, 512, 4, 1), (8, 1024, 4, 1), (16, 256, 2, 1), (32, 256, 4, 1),
-        (4, 512, 2, 1), (8, 256, 2, 1), (4, 256, 1, 1), (2, 1024, 2, 1), (8, 512, 4, 1), (16, 1024, 8, 1),
-        (8, 512, 2, 3), (4, 1024, 2, 3),
-    )
-]
-SWEEP_DOT = [
-    FusedLinearConfig("dot", bn, bk, num_warps=w, num_stages=s) for bn, bk, w, s in (
-        (64, 64, 4, 4), (64, 128, 4, 3), (128, 64, 8, 3), (64, 64, 4, 6), (32, 128, 4, 4), (128, 128, 8, 3),
-        (32, 64, 2, 4), (64, 64, 4, 3), (64, 256, 4, 2), (128, 64, 4, 4), (32, 256, 4, 3),
-        # deep pipelines, as cuBLAS runs 16 rows (nvjet 128x24_64x11: 11 stages of 64-wide K chunks)
-        (64, 64, 4, 8), (128, 64, 4, 6), (64, 128, 4, 5), (128, 64, 8, 6),
-    )
-]
-SPLIT_KS = (1, 2, 4, 8)
-
-# Best configs measured by bench/fused_linear.py on the H200, keyed (m_bucket(M), weight rows N, K,
-# gated): Llama-3.1-8B's layer shapes (bench/results/fused_linear_h200.json).
-# maxnreg 128 on the M = 1 o and down rows: at ptxas's default budget (56 registers) their loops
-# issue 9 and 5 of their loads after the first FMAs, a second memory round trip a chunk; at 128
-# (71, 64 registers) all of them first (sm_90 SASS, triton 3.6). In the Llama-3.1-8B AR step
-# interleaved on the H200 (bench/step_ab.py, commit b8d00fd): 4.142 ms against 4.237 (1.023x); with
-# every M = 1 row at 128, 4.180 (qkv's and gate_up's loops issued their loads first already).
-# M = 1 gate_up and down: the one-row sweep timed in CUDA graphs (bench/fused_linear.py --graph,
-# bench/results/fused_linear_graph_h200.json, commit 5c1d840: 57.1 and 29.5 µs against 57.6 and
-# 29.8 for the configs before), taken after the AR step interleaved (bench/step_ab.py --bf16-tuned,
-# bench/results/step_ab_bf16_tuned_h200.json): 4.105 ms against 4.123.
-# M = 16 (5..16 rows): the graph-timed sweep with the norm rows reading RowSquares and the split-K
-# sum unrolled, deep-pipeline tiles added (bench/results/fused_linear_m16_graph_h200.json, commit
-# e0b3034): qkv 18.56 µs against 18.71 for the config before, o 11.86 against 12.39, down 32.33
-# against 32.59 (split_k 2 at 5-6 stages where 4 at 3-4 stages had won before the unrolled sum);
-# verify(16) interleaved (bench/results/tried/step_ab_verify16_e0b3034_h200.json, bf16-sweep): 4.529 ms against 4.559.
-# M = 32 (17..32 rows): the graph-timed sweep at 32 rows (bench/results/fused_linear_m32_graph_h200.json,
-# commit 17069f4): qkv, o and gate_up keep their 16-row tiles, down takes split-K 4 on 64x64 tiles.
+# Best configs measured by bench/kernels/fused_linear.py on the H200, keyed (m_bucket(M), weight rows
+# N, K, gated): Llama-3.1-8B's layer shapes. M = 1: fused_linear_graph_h200.json (maxnreg 128 on o and
+# down: every load before the first FMA, the AR step 4.142 ms against 4.237: step_ab_bf16_tuned_h200.json);
+# M = 4: fused_linear_h200.json; M = 16: fused_linear_m16_graph_h200.json; M = 32:
+# fused_linear_m32_graph_h200.json. docs/experiments/fused-linear.md has the figures.
 TUNED: dict[tuple[int, int, int, bool], FusedLinearConfig] = {
     (1, 6144, 4096, False): FusedLinearConfig("gemv", 8, 1024, num_warps=4, num_stages=1),  # qkv
     (4, 6144, 4096, False): FusedLinearConfig("gemv", 8, 1024, num_warps=4, num_stages=1),  # qkv
@@ -614,7 +498,7 @@ def _source(t: torch.Tensor) -> tuple:
     return (t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.device)
 
 
-def _check(x, weight, norm_weight, gated, residual, squares=None) -> tuple[int, int, int]:
+def check_linear_args(x, weight, norm_weight, gated, residual, squares=None) -> tuple[int, int, int]:
     """(M, K, output columns) of valid inputs; ValueError naming the argument otherwise."""
     if squares is not None and norm_weight is not None and residual is not None:
         raise ValueError("fused_linear: squares with both norm_weight and residual (the call would "
@@ -673,14 +557,14 @@ def _words_apply(x: torch.Tensor, weight: torch.Tensor) -> bool:
 def fused_linear(
     x: torch.Tensor, weight: torch.Tensor, *, norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
     gated: bool = False, residual: torch.Tensor | None = None, config: FusedLinearConfig | None = None,
-    squares: RowSquares | None = None,
+    squares: RowSquares | None = None, launch: Launch | None = None,
 ) -> torch.Tensor:
     """x [M, K] · weight [N, K]ᵀ in x's dtype (bf16/fp32), fp32 sums; norm_weight: x replaced by
     rmsnorm(x, norm_weight, eps) first; gated: weight is [gate; up] (N = 2I) and the output [M, I]
     is silu(gate) · up; residual [M, N_out]: the output is added into it in place and it is returned.
     squares: with residual, store the updated rows' Σ y² there; with norm_weight, take the rows' Σ x²
-    from there where a writer left them for x (RowSquares)."""
-    m, k, n_out = _check(x, weight, norm_weight, gated, residual, squares)
+    from there where a writer left them for x (RowSquares). `launch`: PDL (kernels/overlap.py)."""
+    m, k, n_out = check_linear_args(x, weight, norm_weight, gated, residual, squares)
     if squares is not None and residual is not None:
         squares.parts = 0  # until this call stores them (the dot kernel only)
     y = residual if residual is not None else torch.empty((m, n_out), dtype=x.dtype, device=x.device)
@@ -695,12 +579,12 @@ def fused_linear(
     norm = norm_weight is not None
     bm = _block_m(m, cfg)
     flags = dict(NORM=norm, GATED=bool(gated), RESIDUAL=residual is not None,
-                 ROUND_BF16=not native and x.dtype == torch.bfloat16, EXPF=native, **pdl_args(x.device))
+                 ROUND_BF16=not native and x.dtype == torch.bfloat16, EXPF=native, **pdl_args(x.device, launch))
     # fp fusion off, as in rmsnorm and silu_mul: sum · (1/K) + eps and 1 + exp(-g) round as torch's do
     # (the GEMV's sums are explicit FMAs, the dot's are tensor-core or "ieee" dots: unaffected).
-    launch = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False) if native else {}
+    opts = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False) if native else {}
     if native and cfg.maxnreg:
-        launch["maxnreg"] = cfg.maxnreg
+        opts["maxnreg"] = cfg.maxnreg
 
     if cfg.kernel == "gemv":
         words = _words_apply(x, weight)
@@ -714,7 +598,7 @@ def fused_linear(
             x, weight, norm_weight if norm else x, y,
             m, n_out, k, 1.0 / k, eps, x.stride(0) // unit, weight.stride(0) // unit, y.stride(0),
             BLOCK_M=bm, BLOCK_N=cfg.block_n, BLOCK_W=cfg.block_k // 4, WORDS=words,
-            EVEN_K=k % cfg.block_k == 0, NORM_WORDS=norm_words(k, bm, cfg.num_warps), **flags, **launch,
+            EVEN_K=k % cfg.block_k == 0, NORM_WORDS=norm_words(k, bm, cfg.num_warps), **flags, **opts,
         )
         return y
 
@@ -743,7 +627,7 @@ def fused_linear(
         sq_parts,
         BLOCK_M=bm, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=k % cfg.block_k == 0, SPLIT_K=split,
         DOT_BF16=native and x.dtype == torch.bfloat16, NORM_WORDS=norm_words_chunk,
-        SQ_IN=sq_in, SQ_OUT=sq_out, SQ_BLOCK=min(128, triton.next_power_of_2(max(1, sq_parts))), **flags, **launch,
+        SQ_IN=sq_in, SQ_OUT=sq_out, SQ_BLOCK=min(128, triton.next_power_of_2(max(1, sq_parts))), **flags, **opts,
     )
     return y
 
@@ -751,11 +635,12 @@ def fused_linear(
 def fused_linear_reference(
     x: torch.Tensor, weight: torch.Tensor, *, norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
     gated: bool = False, residual: torch.Tensor | None = None, squares: RowSquares | None = None,
+    launch: Launch | None = None,
 ) -> torch.Tensor:
     """The unfused ops: rmsnorm_reference, the GEMM in fp32 cast to x's dtype, silu_mul_reference,
     and the torch add into residual (in place, returned). squares: left unwritten (parts 0), so
-    its readers compute their norms."""
-    _check(x, weight, norm_weight, gated, residual, squares)
+    its readers compute their norms. `launch` is the kernel's argument, unused here."""
+    check_linear_args(x, weight, norm_weight, gated, residual, squares)
     if squares is not None and residual is not None:
         squares.parts = 0
     h = rmsnorm_reference(x, norm_weight, eps) if norm_weight is not None else x
@@ -805,7 +690,7 @@ def _reference(x, w, nw, gated, r, config):
     return fused_linear_reference(x, w, norm_weight=nw, gated=bool(gated), residual=None if r is None else r.clone())
 
 
-def _plant_wrong_weight(inputs):
+def plant_wrong_weight(inputs):
     """One weight moved by 4 (weights are ~0.02) where x' (x after the norm) is largest in row 0,
     in the row whose output moves most: for gated, the gate row of the largest |up| output."""
     x, w, nw, gated, r, config = inputs
@@ -865,6 +750,6 @@ register(KernelSpec(
     # bf16 may land one bf16 step apart (2^-7 relative at worst), and so may a normalised x element
     # (the Σx² order); atol covers the fp32 order error near zero. As u12_linear's.
     tolerance={F32: (5e-5, 1e-5), BF16: (1e-4, 8e-3)},
-    corrupt=_plant_wrong_weight,
+    corrupt=plant_wrong_weight,
     description="x @ W.T with an RMSNorm prologue and SiLU·mul / residual-add epilogues, bf16/fp32 W",
 ))

@@ -19,39 +19,30 @@ CUDA graphs: no host sync; the grid is the row count.
 
 from __future__ import annotations
 
-
 import torch
 import triton
 import triton.language as tl
 
-from .rounding import _round_bf16
-from .overlap import pdl_args, pdl_enter
+from .bf16_words import bf16x4_to_fp32
+from .overlap import Launch, pdl_args, pdl_enter
 from .registry import KernelSpec, register
+from .rounding import round_bf16, to_dtype
 from .target import native as on_native
 
 MAX_H = 16384
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-# --- the norm prologue pieces of kernels/fused_linear.py and kernels/u12_fused_linear.py ---------
+# --- the norm prologue pieces of kernels/fused_linear.py and kernels/u12/ ----------------------
 
 @triton.jit
-def _to_dtype(v, DTYPE: tl.constexpr, ROUND_BF16: tl.constexpr):
-    """fp32 v rounded to DTYPE (nearest even), back in fp32; ROUND_BF16: the interpreter's
-    truncating cast made exact by rounding first."""
-    if ROUND_BF16:
-        v = _round_bf16(v)
-    return v.to(DTYPE).to(tl.float32)
-
-
-@triton.jit
-def _normalize(v, inv, nw, DTYPE: tl.constexpr, ROUND_BF16: tl.constexpr):
+def normalize(v, inv, nw, DTYPE: tl.constexpr, ROUND_BF16: tl.constexpr):
     """rmsnorm's two roundings: dtype(nw · dtype(v · inv))."""
-    return _to_dtype(nw * _to_dtype(v * inv, DTYPE, ROUND_BF16), DTYPE, ROUND_BF16)
+    return to_dtype(nw * to_dtype(v * inv, DTYPE, ROUND_BF16), DTYPE, ROUND_BF16)
 
 
 @triton.jit
-def _row_inv(x_ptr, rows, stride_xm, K, inv_k, eps, BLOCK_M: tl.constexpr, BLOCK: tl.constexpr):
+def row_inv(x_ptr, rows, stride_xm, K, inv_k, eps, BLOCK_M: tl.constexpr, BLOCK: tl.constexpr):
     """rsqrt(Σ x² · fp32(1/K) + eps) for the rows `rows` [BLOCK_M] of x (fp fusion is off in the
     launch, so the product and the add round apart, as torch's mean and add do)."""
     acc = tl.zeros((BLOCK_M, BLOCK), dtype=tl.float32)
@@ -61,6 +52,49 @@ def _row_inv(x_ptr, rows, stride_xm, K, inv_k, eps, BLOCK_M: tl.constexpr, BLOCK
         v = tl.load(x_rows + k, mask=k < K, other=0.0).to(tl.float32)
         acc = tl.fma(v, v, acc)
     return tl.math.rsqrt(tl.sum(acc, axis=1) * inv_k + eps)
+
+
+@triton.jit
+def row_inv_words(x_ptr, rows, stride_words, n_words, inv_k, eps, BLOCK_M: tl.constexpr, BLOCK_W: tl.constexpr):
+    """``row_inv`` for bf16 rows read as int64 words of 4 (K % 4 == 0, 8-byte aligned rows),
+    BLOCK_W words a chunk. A chunk's load is waited on before the next is issued, so a GEMV
+    prologue takes the whole row in one (``norm_words``): one memory round trip before its main
+    loop. The words hold half the registers of fp32 elements and the four planes share one
+    accumulator."""
+    x_rows = x_ptr.to(tl.pointer_type(tl.int64)) + rows.to(tl.int64)[:, None] * stride_words
+    acc = tl.zeros((BLOCK_M, BLOCK_W), dtype=tl.float32)
+    for w0 in range(0, n_words, BLOCK_W):
+        w = w0 + tl.arange(0, BLOCK_W)[None, :]
+        p0, p1, p2, p3 = bf16x4_to_fp32(tl.load(x_rows + w, mask=w < n_words, other=0))
+        acc = tl.fma(p0, p0, acc)
+        acc = tl.fma(p1, p1, acc)
+        acc = tl.fma(p2, p2, acc)
+        acc = tl.fma(p3, p3, acc)
+    return tl.math.rsqrt(tl.sum(acc, axis=1) * inv_k + eps)
+
+
+def norm_words(k: int, block_m: int, num_warps: int, per_thread: int = 16) -> int:
+    """``row_inv_words``' chunk: the whole row's K / 4 words (a power of two), up to per_thread
+    words (4 bf16 each) a thread across the program's block_m rows."""
+    return max(1, min(triton.next_power_of_2(k // 4), per_thread * 32 * num_warps // block_m))
+
+
+@triton.jit
+def row_inv_parts(sq_ptr, rows, M, parts, inv_k, eps, BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr):
+    """rsqrt(Σ x² · fp32(1/K) + eps) for `rows` from a writer's parts of Σ x² ([parts, M] fp32:
+    fused_linear's RowSquares, u12's NormHandoff), summed in a fixed order (a tree within BLOCK_P
+    parts, chunks in order): one load of a few KB where the prologue would read every row of x."""
+    acc = tl.zeros((BLOCK_P, BLOCK_M), dtype=tl.float32)
+    for p0 in range(0, parts, BLOCK_P):
+        p = p0 + tl.arange(0, BLOCK_P)[:, None]
+        acc += tl.load(sq_ptr + p * M + rows[None, :], mask=p < parts, other=0.0)
+    return parts_inv(acc, inv_k, eps)
+
+
+@triton.jit
+def parts_inv(acc, inv_k, eps):
+    """``row_inv_parts``' last step: rsqrt(Σ over the parts axis of acc [BLOCK_P, BM] · inv_k + eps)."""
+    return tl.math.rsqrt(tl.sum(acc, axis=0) * inv_k + eps)
 
 
 @triton.jit
@@ -80,18 +114,18 @@ def _rmsnorm_kernel(
         r = tl.load(r_ptr + row * stride_r + cols, mask=ok, other=0.0)
         h = x.to(tl.float32) + r.to(tl.float32)
         if ROUND_X:
-            h = _round_bf16(h)
+            h = round_bf16(h)
         x = h.to(x_ptr.dtype.element_ty)
         tl.store(h_ptr + row * stride_h + cols, x, mask=ok)
     xf = x.to(tl.float32)
     inv = tl.math.rsqrt(tl.sum(xf * xf, 0) * inv_h + eps)  # CUDA torch's mean: sum · fp32(1/H)
     n = xf * inv
     if ROUND_X:
-        n = _round_bf16(n)
+        n = round_bf16(n)
     n = n.to(x_ptr.dtype.element_ty).to(tl.float32)
     y = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32) * n
     if ROUND_Y:
-        y = _round_bf16(y)
+        y = round_bf16(y)
     tl.store(y_ptr + row * stride_y + cols, y.to(y_ptr.dtype.element_ty), mask=ok)
 
 
@@ -100,11 +134,12 @@ def _rows(t: torch.Tensor, h: int) -> torch.Tensor:
 
 
 def rmsnorm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None, *,
+    launch: Launch | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """x [..., H], weight [H] -> y [..., H] in promote(weight, x) dtype; with `residual` (x's shape
     and dtype) -> (y of h, h = x + residual in x.dtype). Leading dims that do not flatten to rows
-    without a copy are copied."""
+    without a copy are copied. `launch`: PDL (kernels/overlap.py)."""
     hdim = x.shape[-1]
     if weight.shape != (hdim,):
         raise ValueError(f"rmsnorm: weight must be [{hdim}] for x {list(x.shape)}, got {list(weight.shape)}")
@@ -126,20 +161,22 @@ def rmsnorm(
         native = on_native(x)
         block = triton.next_power_of_2(hdim)
         warps = 4 if block <= 1024 else 8 if block <= 4096 else 16
-        launch = dict(num_warps=warps, enable_fp_fusion=False) if native else {}  # torch: no fma in sum·(1/H) + eps
+        opts = dict(num_warps=warps, enable_fp_fusion=False) if native else {}  # torch: no fma in sum·(1/H) + eps
         _rmsnorm_kernel[(rows,)](
             x2, r2, weight, y2, h2, hdim, 1.0 / hdim, eps, x2.stride(0), r2.stride(0), y2.stride(0), h2.stride(0),
             BLOCK=block, RESIDUAL=residual is not None,
             ROUND_X=not native and x.dtype == torch.bfloat16, ROUND_Y=not native and out_dtype == torch.bfloat16,
-            **launch, **pdl_args(x.device),
+            **opts, **pdl_args(x.device, launch),
         )
     return y if residual is None else (y, h)
 
 
 def rmsnorm_reference(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None, *,
+    launch: Launch | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """model.RMSNorm op for op (after the torch add x + residual, if given)."""
+    """model.RMSNorm op for op (after the torch add x + residual, if given); `launch` is the
+    kernel's argument, unused here."""
     h = x if residual is None else x + residual
     hf = h.float()
     y = weight * (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)).to(h.dtype)

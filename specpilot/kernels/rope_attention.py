@@ -13,7 +13,7 @@ every program ropes its query rows on load (and qk-norms them, qwen3), and the p
 tokens, the one that reads them anyway, ropes their keys from qkv and, in the first row block of
 each kv head, writes k and v into the cache; the programs of the cached slots read slots below
 `past` only, so no program waits on another's write. The math is rope_qkv's op for op
-(kernels/rope_kv.py's `_head_norm` and `_rope_halves`): the cache gets the same bits, and the
+(kernels/rope_kv.py's `head_norm` and `rope_halves`): the cache gets the same bits, and the
 output is attention_split_kv's on those values, bit for bit on the same splits (qk-norm's Σx²
 is reduced in another order: within a step of the dtype there). No fp fusion: a bf16 FMA would
 skip the rounding of a RoPE product (the H200 wrote roped keys one step off rope_qkv's with it).
@@ -32,10 +32,10 @@ from __future__ import annotations
 
 import torch
 
-from .attention_split_kv import _check_past, attention_split_kv_reference, launch
+from .attention_split_kv import attention_split_kv_reference, check_past, launch_split_kv
+from .overlap import Launch
 from .registry import KernelSpec, register
-from .rope_kv import _check as _check_rope
-from .rope_kv import _table, rope_qkv_reference, rope_table_reference
+from .rope_kv import check_rope_args, rope_qkv_reference, rope_table, rope_table_reference
 
 _WHO = "rope_attention"
 
@@ -44,21 +44,21 @@ def rope_attention(
     qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
     past: int | torch.Tensor, num_heads: int, num_kv_heads: int, mask: str | torch.Tensor = "causal",
     q_norm_weight: torch.Tensor | None = None, k_norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
-    scale: float | None = None, splits: int | None = None,
+    scale: float | None = None, splits: int | None = None, launch: Launch | None = None,
 ) -> torch.Tensor:
     """Attention output [B, H, T, D] of the T tokens of qkv; their K/V written into the caches
-    (module docstring)."""
+    (module docstring). `launch`: PDL (kernels/overlap.py)."""
     if num_heads < 1:
         raise ValueError(f"{_WHO}: num_heads must be >= 1, got {num_heads}")
-    b, t, d = _check_rope(qkv, cos, sin, k_cache, v_cache, None, num_heads, num_kv_heads, q_norm_weight,
+    b, t, d = check_rope_args(qkv, cos, sin, k_cache, v_cache, None, num_heads, num_kv_heads, q_norm_weight,
                           k_norm_weight, who=_WHO)
     if num_heads % num_kv_heads:
         raise ValueError(f"{_WHO}: num_heads={num_heads} must be a multiple of num_kv_heads={num_kv_heads}")
     if k_cache.shape != v_cache.shape or k_cache.device != qkv.device or v_cache.device != qkv.device:
         raise ValueError(f"{_WHO}: k_cache {list(k_cache.shape)} on {k_cache.device} and v_cache "
                          f"{list(v_cache.shape)} on {v_cache.device} must match, on qkv's {qkv.device}")
-    _check_past(past, b, k_cache.shape[2], t, qkv.device, exact=False, who=_WHO)
-    cos, sin = _table(cos, "cos", b, t, d, _WHO), _table(sin, "sin", b, t, d, _WHO)
+    check_past(past, b, k_cache.shape[2], t, qkv.device, exact=False, who=_WHO)
+    cos, sin = rope_table(cos, "cos", b, t, d, _WHO), rope_table(sin, "sin", b, t, d, _WHO)
     if cos.shape != sin.shape:
         raise ValueError(f"{_WHO}: cos {list(cos.shape)} and sin {list(sin.shape)} differ")
     if cos.stride() != sin.stride():  # the kernel indexes both with cos's strides
@@ -66,17 +66,18 @@ def rope_attention(
     if qkv.stride(-1) != 1:
         qkv = qkv.contiguous()
     rope = dict(cos=cos, sin=sin, q_norm=q_norm_weight, k_norm=k_norm_weight, eps=eps)
-    return launch(qkv, (qkv.stride(0), d, qkv.stride(1)), k_cache, v_cache, heads=num_heads, t=t, past=past,
-                  mask=mask, scale=scale, splits=splits, rope=rope)
+    return launch_split_kv(qkv, (qkv.stride(0), d, qkv.stride(1)), k_cache, v_cache, heads=num_heads, t=t,
+                           past=past, mask=mask, scale=scale, splits=splits, rope=rope, launch=launch)
 
 
 def rope_attention_reference(
     qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
     past: int | torch.Tensor, num_heads: int, num_kv_heads: int, mask: str | torch.Tensor = "causal",
     q_norm_weight: torch.Tensor | None = None, k_norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
-    scale: float | None = None, splits: int | None = None,
+    scale: float | None = None, splits: int | None = None, launch: Launch | None = None,
 ) -> torch.Tensor:
-    """rope_qkv_reference at slots past + t, then attention_split_kv_reference over the cache."""
+    """rope_qkv_reference at slots past + t, then attention_split_kv_reference over the cache
+    (`splits` and `launch` are the kernel's arguments, unused here)."""
     b, t = qkv.shape[:2]
     base = past.reshape(-1, 1).expand(b, 1) if isinstance(past, torch.Tensor) else torch.full((b, 1), past)
     slots = base.to(qkv.device) + torch.arange(t, device=qkv.device)

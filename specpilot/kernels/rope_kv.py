@@ -28,30 +28,29 @@ caller keeps slots < S (not checked: that would sync).
 
 from __future__ import annotations
 
-
 import torch
 import triton
 import triton.language as tl
 
-from .overlap import overlap_enter, pdl_args, prefetch_args
+from .overlap import Launch, overlap_enter, pdl_args, prefetch_args
 from .registry import KernelSpec, register
+from .rounding import to_dtype
 from .target import native as on_native
-from .rounding import _rn
 
 
 @triton.jit
-def _head_norm(x1, x2, w1, w2, inv, dt: tl.constexpr, ROUND_BF16: tl.constexpr):
+def head_norm(x1, x2, w1, w2, inv, dt: tl.constexpr, ROUND_BF16: tl.constexpr):
     """qk-norm of a head's fp32 halves: dt(w · dt(x · inv)), inv = rsqrt(mean(x²) + eps) of its head."""
-    return (_rn(w1 * _rn(x1 * inv, dt, ROUND_BF16), dt, ROUND_BF16),
-            _rn(w2 * _rn(x2 * inv, dt, ROUND_BF16), dt, ROUND_BF16))
+    return (to_dtype(w1 * to_dtype(x1 * inv, dt, ROUND_BF16), dt, ROUND_BF16),
+            to_dtype(w2 * to_dtype(x2 * inv, dt, ROUND_BF16), dt, ROUND_BF16))
 
 
 @triton.jit
-def _rope_halves(x1, x2, c1, c2, s1, s2, dt: tl.constexpr, ROUND_BF16: tl.constexpr):
+def rope_halves(x1, x2, c1, c2, s1, s2, dt: tl.constexpr, ROUND_BF16: tl.constexpr):
     """Rotate-half RoPE of fp32 halves (any one shape): x·cos + rotate_half(x)·sin, each product
     and the sum rounded to dt as torch rounds them. Shared with kernels/attention_split_kv.py."""
-    return (_rn(_rn(x1 * c1, dt, ROUND_BF16) - _rn(x2 * s1, dt, ROUND_BF16), dt, ROUND_BF16),
-            _rn(_rn(x2 * c2, dt, ROUND_BF16) + _rn(x1 * s2, dt, ROUND_BF16), dt, ROUND_BF16))
+    return (to_dtype(to_dtype(x1 * c1, dt, ROUND_BF16) - to_dtype(x2 * s1, dt, ROUND_BF16), dt, ROUND_BF16),
+            to_dtype(to_dtype(x2 * c2, dt, ROUND_BF16) + to_dtype(x1 * s2, dt, ROUND_BF16), dt, ROUND_BF16))
 
 
 @triton.jit
@@ -85,13 +84,13 @@ def _rope_qkv_kernel(
         else:
             w1 = tl.load(kw_ptr + offs, mask=ok, other=0.0).to(tl.float32)
             w2 = tl.load(kw_ptr + HALF + offs, mask=ok, other=0.0).to(tl.float32)
-        x1, x2 = _head_norm(x1, x2, w1, w2, inv, dt, ROUND_BF16)
+        x1, x2 = head_norm(x1, x2, w1, w2, inv, dt, ROUND_BF16)
     cs = b * s_cs_b + t * s_cs_t
     c1 = tl.load(cos_ptr + cs + offs, mask=ok, other=0.0).to(tl.float32)
     c2 = tl.load(cos_ptr + cs + HALF + offs, mask=ok, other=0.0).to(tl.float32)
     s1 = tl.load(sin_ptr + cs + offs, mask=ok, other=0.0).to(tl.float32)
     s2 = tl.load(sin_ptr + cs + HALF + offs, mask=ok, other=0.0).to(tl.float32)
-    o1, o2 = _rope_halves(x1, x2, c1, c2, s1, s2, dt, ROUND_BF16)
+    o1, o2 = rope_halves(x1, x2, c1, c2, s1, s2, dt, ROUND_BF16)
     if head < H:
         out = q_ptr + b * s_q_b + head * s_q_h + t * s_q_t
         tl.store(out + offs, o1.to(dt), mask=ok)
@@ -108,7 +107,7 @@ def _rope_qkv_kernel(
         tl.store(vout + HALF + offs, tl.load(vrow + HALF + offs, mask=ok), mask=ok)
 
 
-def _table(x: torch.Tensor, name: str, b: int, t: int, d: int, who: str = "rope_qkv") -> torch.Tensor:
+def rope_table(x: torch.Tensor, name: str, b: int, t: int, d: int, who: str = "rope_qkv") -> torch.Tensor:
     """cos or sin as [B or 1, T, D] with unit last stride."""
     if x.dim() == 4 and x.shape[1] == 1:
         x = x[:, 0]
@@ -118,7 +117,7 @@ def _table(x: torch.Tensor, name: str, b: int, t: int, d: int, who: str = "rope_
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def _check(qkv, cos, sin, k_cache, v_cache, slots, num_heads, num_kv_heads, q_norm_weight, k_norm_weight,
+def check_rope_args(qkv, cos, sin, k_cache, v_cache, slots, num_heads, num_kv_heads, q_norm_weight, k_norm_weight,
            who="rope_qkv"):
     """(B, T, D) of valid arguments (slots None: the caller places the new K/V), else ValueError."""
     if qkv.dim() != 3 or num_kv_heads < 1 or num_heads < 0 or qkv.shape[-1] % (num_heads + 2 * num_kv_heads):
@@ -155,13 +154,13 @@ def rope_qkv(
     qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     slots: torch.Tensor, *, num_heads: int, num_kv_heads: int,
     q_norm_weight: torch.Tensor | None = None, k_norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
-    prefetch: torch.Tensor | tuple[torch.Tensor, ...] | None = None,
+    prefetch: torch.Tensor | tuple[torch.Tensor, ...] | None = None, launch: Launch | None = None,
 ) -> torch.Tensor:
     """Roped q [B, H, T, D]; roped k and v written into k_cache, v_cache at `slots` (module docstring).
-    `prefetch`: weights (up to two tensors) the next kernels read, asked into L2 meanwhile
-    (kernels/overlap.py)."""
-    b, t, d = _check(qkv, cos, sin, k_cache, v_cache, slots, num_heads, num_kv_heads, q_norm_weight, k_norm_weight)
-    cos, sin = _table(cos, "cos", b, t, d), _table(sin, "sin", b, t, d)
+    `prefetch`: weights (up to two tensors) the next kernels read, asked into L2 meanwhile where
+    `launch` says (kernels/overlap.py)."""
+    b, t, d = check_rope_args(qkv, cos, sin, k_cache, v_cache, slots, num_heads, num_kv_heads, q_norm_weight, k_norm_weight)
+    cos, sin = rope_table(cos, "cos", b, t, d), rope_table(sin, "sin", b, t, d)
     if cos.shape != sin.shape:
         raise ValueError(f"rope_qkv: cos {list(cos.shape)} and sin {list(sin.shape)} differ")
     if cos.stride() != sin.stride():  # the kernel indexes both with cos's strides
@@ -178,7 +177,7 @@ def rope_qkv(
     qw = q_norm_weight if q_norm_weight is not None else kw
     q_out = q if num_heads else qkv
     native = on_native(qkv)
-    pf, *pf_ranges = prefetch_args(qkv.device, prefetch)
+    pf, *pf_ranges = prefetch_args(qkv.device, prefetch, launch)
     _rope_qkv_kernel[(b * t, num_heads + num_kv_heads)](
         qkv, cos, sin, qw, kw, slots, q_out, k_cache, v_cache,
         t, num_heads, num_kv_heads, eps, 1.0 / d, *pf_ranges,
@@ -189,7 +188,7 @@ def rope_qkv(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         HALF=d // 2, BLOCK=triton.next_power_of_2(d // 2), QK_NORM=norm,
         ROUND_BF16=not native and qkv.dtype == torch.bfloat16, PREFETCH=pf,
-        **(dict(num_warps=1, enable_fp_fusion=False) if native else {}), **pdl_args(qkv.device),
+        **(dict(num_warps=1, enable_fp_fusion=False) if native else {}), **pdl_args(qkv.device, launch),
     )
     return q
 
@@ -219,11 +218,12 @@ def rope_qkv_reference(
     qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     slots: torch.Tensor, *, num_heads: int, num_kv_heads: int,
     q_norm_weight: torch.Tensor | None = None, k_norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
-    prefetch: torch.Tensor | tuple[torch.Tensor, ...] | None = None,
+    prefetch: torch.Tensor | tuple[torch.Tensor, ...] | None = None, launch: Launch | None = None,
 ) -> torch.Tensor:
-    """model.Attention.queries / keys_values on the split projection, then the cache writes."""
-    b, t, d = _check(qkv, cos, sin, k_cache, v_cache, slots, num_heads, num_kv_heads, q_norm_weight, k_norm_weight)
-    cos, sin = _table(cos, "cos", b, t, d)[:, None], _table(sin, "sin", b, t, d)[:, None]
+    """model.Attention.queries / keys_values on the split projection, then the cache writes
+    (`prefetch` and `launch` are the kernel's arguments, unused here)."""
+    b, t, d = check_rope_args(qkv, cos, sin, k_cache, v_cache, slots, num_heads, num_kv_heads, q_norm_weight, k_norm_weight)
+    cos, sin = rope_table(cos, "cos", b, t, d)[:, None], rope_table(sin, "sin", b, t, d)[:, None]
     q, k, v = qkv.view(b, t, -1, d).split([num_heads, num_kv_heads, num_kv_heads], dim=2)
     if q_norm_weight is not None:
         q = _rmsnorm_reference(q, q_norm_weight, eps)

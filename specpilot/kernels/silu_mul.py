@@ -16,16 +16,15 @@ Launch: 1-D over the I output columns in BLOCK = 1024 tiles (grid rows × cdiv(I
 
 from __future__ import annotations
 
-
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from .rounding import _round_bf16
-from .overlap import pdl_args, pdl_enter
+from .overlap import Launch, pdl_args, pdl_enter
 from .registry import KernelSpec, register
+from .rounding import round_bf16
 from .target import native as on_native
 
 BLOCK = 1024
@@ -51,15 +50,16 @@ def _silu_mul_kernel(
         e = tl.exp(-g)
     s = tl.math.div_rn(g, 1.0 + e)
     if ROUND_BF16:
-        s = _round_bf16(s)
+        s = round_bf16(s)
     y = s.to(gate.dtype).to(tl.float32) * up.to(tl.float32)
     if ROUND_BF16:
-        y = _round_bf16(y)
+        y = round_bf16(y)
     tl.store(out_ptr + row * stride_out + cols, y.to(out_ptr.dtype.element_ty), mask=ok)
 
 
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """gate_up [..., 2·I] -> silu(gate_up[..., :I]) · gate_up[..., I:], [..., I] in the same dtype."""
+def silu_mul(gate_up: torch.Tensor, *, launch: Launch | None = None) -> torch.Tensor:
+    """gate_up [..., 2·I] -> silu(gate_up[..., :I]) · gate_up[..., I:], [..., I] in the same dtype.
+    `launch`: PDL (kernels/overlap.py)."""
     two_i = gate_up.shape[-1]
     if two_i % 2:
         raise ValueError(f"silu_mul: the last dim must be 2·I (gate then up), got {two_i}")
@@ -75,13 +75,13 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     _silu_mul_kernel[(gu.shape[0], triton.cdiv(i, BLOCK))](
         gu, out2, i, gu.stride(0), out2.stride(0),
         BLOCK=BLOCK, ROUND_BF16=not native and gate_up.dtype == torch.bfloat16, EXPF=native,
-        **(dict(num_warps=4, enable_fp_fusion=False) if native else {}), **pdl_args(gate_up.device),
+        **(dict(num_warps=4, enable_fp_fusion=False) if native else {}), **pdl_args(gate_up.device, launch),
     )
     return out
 
 
-def silu_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
-    """model.MLP's F.silu(gate) * up."""
+def silu_mul_reference(gate_up: torch.Tensor, *, launch: Launch | None = None) -> torch.Tensor:
+    """model.MLP's F.silu(gate) * up; `launch` is the kernel's argument, unused here."""
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
 

@@ -35,9 +35,8 @@ Measurements behind the policy defaults: docs/experiments/fused-stack.md.
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -79,13 +78,16 @@ class FusedOps:
     # 1..GEMV_ROWS stays unfused; above GEMV_ROWS only plain layers are served (`linear_serves`)
     linear_gap: tuple[int, int] = (17, 31)  # rows lo..hi (inclusive) that stay unfused; (0, 0): none
     u12_many_rows: int = 16  # u12 layers served above GEMV_ROWS up to this many rows too; 0: none
-    u12_pdl: int = 0  # the PDL mode of a u12 stack's forwards of u12_pdl_rows rows or fewer (`launch_scope`)
-    u12_pdl_rows: int = 32
     new_row_squares: Callable[[], object] | None = None  # the kernels' RowSquares (None: a norm reads x)
     norm_handoff: Callable[[torch.Tensor, float], object] | None = None  # u12_fused_linear's NormHandoff
     u12_fuses: Callable[[int, int, int], bool] | None = None  # whether linear_u12 fuses (rows, K, base)
-    launch_scope: Callable[[int], AbstractContextManager] | None = None  # launches inside use this PDL mode
-    prefetch_on: Callable[[], bool] | None = None  # whether launches prefetch the next weight into L2
+    u12_project: Callable | None = None  # u12_linear (x, U12Tensor, launch=): the u12 projections of
+    # ops.u12_kernel that linear_u12 does not serve, so that they take the forward's launch too
+    # How the kernels launch (the backend's kernels.overlap.Launch: PDL mode, L2 prefetch), passed to
+    # every call as launch=; None for the references, which launch nothing.
+    launch: Any = None
+    u12_launch: Any = None  # the launch of a u12 stack's forwards of u12_launch_rows rows or fewer
+    u12_launch_rows: int = 32
 
     def __post_init__(self) -> None:
         if isinstance(self.u12_many_rows, bool) or self.u12_many_rows < 0:
@@ -103,14 +105,19 @@ class FusedOps:
             return False
         return rows <= self.linear_gemv_max_m or (rows > GEMV_ROWS and not u12)
 
-    def scope(self, rows: int, serves_u12: bool) -> AbstractContextManager:
-        """The launch settings of a forward of `rows` rows: PDL mode u12_pdl for a u12 stack's few rows."""
-        if self.launch_scope is None or not (serves_u12 and rows <= self.u12_pdl_rows):
-            return nullcontext()
-        return self.launch_scope(self.u12_pdl)
+    def launch_for(self, rows: int, serves_u12: bool) -> Any:
+        """The launch of a forward of `rows` rows: u12_launch for a u12 stack's few rows, else launch."""
+        if self.u12_launch is not None and serves_u12 and rows <= self.u12_launch_rows:
+            return self.u12_launch
+        return self.launch
 
 
 Project = Callable[[torch.Tensor], torch.Tensor]
+Project2 = Callable[[Callable, torch.Tensor], torch.Tensor]  # (projection, h) -> projection's output
+
+
+def _apply(projection: Callable, h: torch.Tensor) -> torch.Tensor:
+    return projection(h)
 
 
 def _concat(modules: list[nn.Module]) -> tuple[Project, Callable[[int], Project]] | None:
@@ -170,23 +177,24 @@ class FusedLayer:
         weights = tuple(_weight(p, u12_kernel) for p in (self.qkv, attn.o_proj, self.gate_up, mlp.down_proj))
         return None if any(w is None for w in weights) else weights
 
-    def project_qkv(self, h: torch.Tensor) -> torch.Tensor:
+    def project_qkv(self, h: torch.Tensor, run: Project2 = _apply) -> torch.Tensor:
+        """q|k|v of h; `run(projection, h)` runs each projection (the stack's: with its launch)."""
         if self.qkv is not None:
-            return self.qkv(h)
+            return run(self.qkv, h)
         a = self.layer.self_attn
-        return torch.cat([a.q_proj(h), a.k_proj(h), a.v_proj(h)], dim=-1)
+        return torch.cat([run(a.q_proj, h), run(a.k_proj, h), run(a.v_proj, h)], dim=-1)
 
-    def project_kv(self, h: torch.Tensor) -> torch.Tensor:
+    def project_kv(self, h: torch.Tensor, run: Project2 = _apply) -> torch.Tensor:
         if self.kv is not None:
-            return self.kv(h)
+            return run(self.kv, h)
         a = self.layer.self_attn
-        return torch.cat([a.k_proj(h), a.v_proj(h)], dim=-1)
+        return torch.cat([run(a.k_proj, h), run(a.v_proj, h)], dim=-1)
 
-    def project_gate_up(self, h: torch.Tensor) -> torch.Tensor:
+    def project_gate_up(self, h: torch.Tensor, run: Project2 = _apply) -> torch.Tensor:
         if self.gate_up is not None:
-            return self.gate_up(h)
+            return run(self.gate_up, h)
         m = self.layer.mlp
-        return torch.cat([m.gate_proj(h), m.up_proj(h)], dim=-1)
+        return torch.cat([run(m.gate_proj, h), run(m.up_proj, h)], dim=-1)
 
 
 def write_slots(cache: KVCache, b: int, t: int, device: torch.device) -> tuple[torch.Tensor, int | torch.Tensor]:
@@ -210,38 +218,52 @@ class FusedStack:
 
     def run_layers(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, vis: Visibility,
-        slots: torch.Tensor, end: int | torch.Tensor, hidden_layers: tuple[int, ...] = (),
+        slots: torch.Tensor, end: int | torch.Tensor, hidden_layers: tuple[int, ...] = (), launch: Any = None,
     ) -> tuple[torch.Tensor, torch.Tensor, dict[int, torch.Tensor]]:
         """x [B, T, H] through every layer, writing the tokens' K/V at `slots` and attending over
         slots [0, end) under `vis`. Returns (the last MLP's output, the residual stream it adds
         to, picked layer outputs): the caller's final rmsnorm does that last add (`final_norm`).
         At the rows that ops.linear_serves takes, layers of plain weights (and u12 ones of
-        ops.u12_kernel), `run_layers_linear` serves them instead."""
+        ops.u12_kernel), `run_layers_linear` serves them instead. `launch`: every kernel call's
+        (FusedOps.launch_for)."""
         ops, rows = self.ops, x.shape[0] * x.shape[1]
         if ops.linear is not None and rows <= ops.linear_max_m:
             weights = [fl.linear_weights(ops.u12_kernel) for fl in self.layers]
             u12 = any(isinstance(w, U12Tensor) for ws in weights if ws is not None for w in ws)
             if all(w is not None for w in weights) and ops.linear_serves(rows, u12):
-                return self.run_layers_linear(x, cos, sin, cache, vis, slots, end, weights, hidden_layers)
+                return self.run_layers_linear(x, cos, sin, cache, vis, slots, end, weights, hidden_layers, launch)
+
+        def run(projection, h):
+            return self.project(projection, h, launch)
+
         picked: dict[int, torch.Tensor] = {}
         out, residual = x, None
         for i, fl in enumerate(self.layers):
             layer, attn = fl.layer, fl.layer.self_attn
             if residual is None:
-                h, residual = ops.rmsnorm(out, layer.input_layernorm.weight, self.eps), out
+                h, residual = ops.rmsnorm(out, layer.input_layernorm.weight, self.eps, launch=launch), out
             else:
-                h, residual = ops.rmsnorm(out, layer.input_layernorm.weight, self.eps, residual=residual)
-            o = attn.output(self.attend(i, fl.project_qkv(h), cos, sin, cache, vis, slots, end))
-            h, residual = ops.rmsnorm(o, layer.post_attention_layernorm.weight, self.eps, residual=residual)
-            out = layer.mlp.down_proj(ops.silu_mul(fl.project_gate_up(h)))
+                h, residual = ops.rmsnorm(out, layer.input_layernorm.weight, self.eps, residual=residual, launch=launch)
+            o = self.attend(i, fl.project_qkv(h, run), cos, sin, cache, vis, slots, end, launch=launch)
+            o = run(attn.o_proj, o.transpose(1, 2).reshape(o.shape[0], o.shape[2], -1))  # Attention.output
+            h, residual = ops.rmsnorm(o, layer.post_attention_layernorm.weight, self.eps, residual=residual,
+                                      launch=launch)
+            out = run(layer.mlp.down_proj, ops.silu_mul(fl.project_gate_up(h, run), launch=launch))
             if i in hidden_layers:
                 picked[i] = residual + out
         return out, residual, picked
 
+    def project(self, projection: Callable, h: torch.Tensor, launch: Any = None) -> torch.Tensor:
+        """projection(h); a u12 projection of ops.u12_kernel through ops.u12_project, with `launch`."""
+        w = _weight(projection, self.ops.u12_kernel) if self.ops.u12_project is not None else None
+        if isinstance(w, U12Tensor):
+            return self.ops.u12_project(h.reshape(-1, h.shape[-1]), w, launch=launch).reshape(*h.shape[:-1], -1)
+        return projection(h)
+
     def run_layers_linear(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, vis: Visibility,
         slots: torch.Tensor, end: int | torch.Tensor, weights: list[tuple[torch.Tensor, ...]],
-        hidden_layers: tuple[int, ...] = (),
+        hidden_layers: tuple[int, ...] = (), launch: Any = None,
     ) -> tuple[None, torch.Tensor, dict[int, torch.Tensor]]:
         """run_layers with ops.linear (ops.linear_u12 for u12 weights) doing the norms, SiLU·mul and
         residual adds around its GEMMs: five launches a layer fewer (with ops.u12_norms_apart, u12
@@ -258,22 +280,22 @@ class FusedStack:
         def linear(h, w, norm_weight=None, hand_to=None, **kw):
             """hand_to (a residual GEMV): (the next norm's weight, the weight of the GEMV after it)."""
             if not isinstance(w, U12Tensor):
-                return ops.linear(h, w, norm_weight=norm_weight, eps=self.eps, squares=squares, **kw)
+                return ops.linear(h, w, norm_weight=norm_weight, eps=self.eps, squares=squares, launch=launch, **kw)
             if norm_weight is not None and handoff[0] is not None:  # the norm handed on by the GEMV before
                 hand, handoff[0] = handoff[0], None
-                return ops.linear_u12(hand.xg, w, hand_in=hand, **kw)
+                return ops.linear_u12(hand.xg, w, hand_in=hand, launch=launch, **kw)
             if norm_weight is not None and ops.u12_norms_apart:  # the stream holds every add already
-                h, norm_weight = ops.rmsnorm(h, norm_weight, self.eps), None
+                h, norm_weight = ops.rmsnorm(h, norm_weight, self.eps, launch=launch), None
             if hand_to is not None and self._hands_norm(h, w, hand_to[1]):
                 handoff[0] = ops.norm_handoff(hand_to[0], self.eps)
-                return ops.linear_u12(h, w, eps=self.eps, hand_out=handoff[0], **kw)
-            return ops.linear_u12(h, w, norm_weight=norm_weight, eps=self.eps, **kw)
+                return ops.linear_u12(h, w, eps=self.eps, hand_out=handoff[0], launch=launch, **kw)
+            return ops.linear_u12(h, w, norm_weight=norm_weight, eps=self.eps, launch=launch, **kw)
 
         for i, (fl, (w_qkv, w_o, w_gate_up, w_down)) in enumerate(zip(self.layers, weights)):
             layer = fl.layer
             qkv = linear(stream, w_qkv, norm_weight=layer.input_layernorm.weight)
             # with the L2 prefetch on, o's weight streams into L2 while RoPE and attention run
-            o = self.attend(i, qkv.view(b, t, -1), cos, sin, cache, vis, slots, end,
+            o = self.attend(i, qkv.view(b, t, -1), cos, sin, cache, vis, slots, end, launch=launch,
                             prefetch=(w_o.sm, w_o.codes) if isinstance(w_o, U12Tensor) else w_o)  # [B, heads, T, D]
             linear(o.transpose(1, 2).reshape(b * t, -1), w_o, residual=stream,
                    hand_to=(layer.post_attention_layernorm.weight, w_gate_up))
@@ -294,29 +316,30 @@ class FusedStack:
 
     def attend(
         self, i: int, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, vis: Visibility,
-        slots: torch.Tensor, end: int | torch.Tensor, prefetch=None,
+        slots: torch.Tensor, end: int | torch.Tensor, prefetch=None, launch: Any = None,
     ) -> torch.Tensor:
         """Layer i's attention output [B, heads, T, D] from its q|k|v projection [B, T, ·], the new
         K/V written at `slots` (past.. under `vis`, as write_slots gives them): one rope_attention
-        launch where the layer runs the split-KV kernel (and no L2 prefetch is asked: rope_qkv
-        issues it), else rope_qkv and the layer's attention."""
+        launch where the layer runs the split-KV kernel (unless `launch` asks rope_qkv to prefetch
+        `prefetch`, the next weight, into L2), else rope_qkv and the layer's attention."""
         ops, attn = self.ops, self.layers[i].layer.self_attn
         norms = dict(q_norm_weight=_w(attn.q_norm), k_norm_weight=_w(attn.k_norm), eps=self.eps)
-        if ops.rope_attention is not None and ops.split_kv is not None and attn.attention is ops.split_kv:
-            if not (ops.prefetch_on and ops.prefetch_on()):
-                return ops.rope_attention(qkv, cos, sin, cache.k[i], cache.v[i], past=vis.past, mask=vis.new,
-                                          num_heads=self.heads, num_kv_heads=self.kv_heads,
-                                          scale=attn.head_dim ** -0.5, **norms)
+        split_kv = ops.split_kv is not None and attn.attention is ops.split_kv
+        if ops.rope_attention is not None and split_kv and not getattr(launch, "prefetch", False):
+            return ops.rope_attention(qkv, cos, sin, cache.k[i], cache.v[i], past=vis.past, mask=vis.new,
+                                      num_heads=self.heads, num_kv_heads=self.kv_heads,
+                                      scale=attn.head_dim ** -0.5, launch=launch, **norms)
         q = ops.rope_qkv(qkv, cos, sin, cache.k[i], cache.v[i], slots, num_heads=self.heads,
-                         num_kv_heads=self.kv_heads, prefetch=prefetch, **norms)
+                         num_kv_heads=self.kv_heads, prefetch=prefetch, launch=launch, **norms)
         k_all, v_all = cache.view(i, end)
-        return attn.attention(q, k_all, v_all, vis)
+        return ops.split_kv(q, k_all, v_all, vis, launch=launch) if split_kv else attn.attention(q, k_all, v_all, vis)
 
-    def final_norm(self, out: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    def final_norm(self, out: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor,
+                   launch: Any = None) -> torch.Tensor:
         """The final RMSNorm of run_layers' result, with the last residual add where it is pending."""
         if out is None:
-            return self.ops.rmsnorm(residual, weight, self.eps)
-        return self.ops.rmsnorm(out, weight, self.eps, residual=residual)[0]
+            return self.ops.rmsnorm(residual, weight, self.eps, launch=launch)
+        return self.ops.rmsnorm(out, weight, self.eps, residual=residual, launch=launch)[0]
 
 
 class FusedDecoder(FusedStack):
@@ -334,9 +357,9 @@ class FusedDecoder(FusedStack):
         forward for every layer). Returns (final-normed hidden states, picked layer outputs).
         Writes the new tokens' K/V at slots cache.length.. (the caller advances the length)."""
         slots, end = write_slots(cache, *x.shape[:2], x.device)
-        with self.ops.scope(x.shape[0] * x.shape[1], self.serves_u12()):
-            out, residual, picked = self.run_layers(x, cos, sin, cache, vis, slots, end, hidden_layers)
-            return self.final_norm(out, residual, self.model.model.norm.weight), picked
+        launch = self.ops.launch_for(x.shape[0] * x.shape[1], self.serves_u12())
+        out, residual, picked = self.run_layers(x, cos, sin, cache, vis, slots, end, hidden_layers, launch)
+        return self.final_norm(out, residual, self.model.model.norm.weight, launch), picked
 
     def serves_u12(self) -> bool:
         """Whether the layers' projections are u12 weights that ops.linear_u12 serves (the first layer's say)."""
@@ -361,12 +384,15 @@ class FusedDFlash(FusedStack):
         d, (b, n, _) = self.drafter, new_context_hidden.shape
         if n == 0:
             return
-        ctx = self.ops.rmsnorm(d.encoder.fc(new_context_hidden.to(d.dtype)), d.encoder.output_norm_enc.weight, self.eps)
+        launch = self.ops.launch
+        ctx = self.ops.rmsnorm(d.encoder.fc(new_context_hidden.to(d.dtype)), d.encoder.output_norm_enc.weight, self.eps,
+                               launch=launch)
         slots, _ = write_slots(cache, b, n, ctx.device)
         cos, sin = d.rope(slots, slots_below(cache, n))  # a context token's position is its slot
         for i, fl in enumerate(self.layers):
-            self.ops.rope_qkv(fl.project_kv(ctx), cos, sin, cache.k[i], cache.v[i], slots, num_heads=0,
-                              num_kv_heads=self.kv_heads, k_norm_weight=_w(fl.layer.self_attn.k_norm), eps=self.eps)
+            self.ops.rope_qkv(fl.project_kv(ctx, lambda p, h: self.project(p, h, launch)), cos, sin, cache.k[i],
+                              cache.v[i], slots, num_heads=0, num_kv_heads=self.kv_heads,
+                              k_norm_weight=_w(fl.layer.self_attn.k_norm), eps=self.eps, launch=launch)
         cache.advance(n if count is None else count)
 
     def __call__(
@@ -381,8 +407,8 @@ class FusedDFlash(FusedStack):
         vis = Visibility("full", cache.length, s, x.device, cache.key_slots(s))  # the block sees itself and all context
         slots, end = write_slots(cache, b, s, x.device)
         cos, sin = d.rope(slots, slots_below(cache, s))  # so is a block token's
-        out, residual, _ = self.run_layers(x, cos, sin, cache, vis, slots, end)
-        return d.head(self.final_norm(out, residual, d.norm.weight)[:, 1:])
+        out, residual, _ = self.run_layers(x, cos, sin, cache, vis, slots, end, launch=self.ops.launch)
+        return d.head(self.final_norm(out, residual, d.norm.weight, self.ops.launch)[:, 1:])
 
 
 def _weight(projection, u12_kernel: str) -> torch.Tensor | U12Tensor | None:
