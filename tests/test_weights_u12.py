@@ -69,7 +69,7 @@ def test_tiles_layout_marks_the_nodes_and_rows_leaves_them(explicit):
 
 def test_auto_tiles_from_the_rows_the_tensor_core_kernels_take():
     """TILES_FROM_ROWS is the kernels' TENSOR_CORE_ROWS (where TUNED_TILES' hmma configs start)."""
-    from specpilot.kernels.u12_linear import TENSOR_CORE_ROWS
+    from specpilot.kernels.u12 import TENSOR_CORE_ROWS
     from specpilot.passes.weights_u12 import TILES_FROM_ROWS
 
     assert TILES_FROM_ROWS == TENSOR_CORE_ROWS

@@ -64,7 +64,7 @@ class U12Linear(nn.Module):
                               "use weights-u12{kernel=torch} on CPU")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from ..kernels.u12_linear import u12_linear, u12_linear_reference
+        from ..kernels.u12 import u12_linear, u12_linear_reference
 
         fn = u12_linear if self.kernel == "triton-u12" else u12_linear_reference
         return fn(x.reshape(-1, x.shape[-1]), self.packed).reshape(*x.shape[:-1], -1)
