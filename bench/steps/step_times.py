@@ -14,9 +14,9 @@ median of the repeats. Paths of the same model:
           residual-add kernels), AR and verify(4) only: what fused_linear replaces;
   fused-rope-apart  the fused AR and verify(16) steps with rope_qkv and the split-KV attention as
           two launches a layer (what kernels/rope_attention.py does in one);
-  fused-pdl, fused-pdl-wait, fused-prefetch, fused-pdl-prefetch  the fused AR step with programmatic
-          dependent launch (mode 1: trigger then wait; mode 2: wait only) and/or the L2 prefetch of
-          o_proj (kernels/overlap.py; off by default);
+  fused-pdl, fused-pdl-wait, fused-prefetch, fused-pdl-prefetch  the fused AR step's layers with
+          programmatic dependent launch (mode 1: trigger then wait; mode 2: wait only) and/or the L2
+          prefetch of o_proj (kernels/overlap.py's Launch through FusedOps; off by default);
   fused+u12  the fused path with every linear and lm_head in the u12 format (weights-u12 pass),
           AR (u12_fused_linear's epilogues, the norms as rmsnorm kernels) and verify(16) only;
           fused+u12-unfused: the AR step with u12_linear beside the separate norm, SiLU·mul and add
@@ -44,12 +44,12 @@ import torch
 
 from bench import shapes
 from specpilot.bench import harness
-from specpilot.kernels.overlap import overlap
+from specpilot.kernels.overlap import Launch
 from specpilot.hf.config import DrafterConfig, ModelConfig
 from specpilot.hf.known import DFLASH_BLOCK, DFLASH_LAYERS
 from specpilot.runtime.dflash import DFlashDrafter
 from specpilot.runtime.draft_vocab import SubsetHead
-from specpilot.backends.kernel_hooks import fused_path
+from specpilot.backends.kernel_hooks import fused_path, with_launch
 from specpilot.runtime.model import Transformer
 
 SHAPES = {name: shapes.config(name) for name in (shapes.LLAMA_8B, shapes.QWEN3_8B, shapes.TINY)}
@@ -222,12 +222,16 @@ def bench_shape(name: str, bw: float, repeats: int, with_u12: bool = True) -> tu
                                lambda ids=inputs[q]: (at_context(), model(ids, cache))[1])
                 finally:
                     model.fused.ops = ops
-                # the AR step with programmatic dependent launch (modes 1, 2) and the L2 prefetch of
-                # o_proj, each off by default (kernels/overlap.py)
-                for label, kw in (("fused-pdl", dict(pdl=1)), ("fused-pdl-wait", dict(pdl=2)),
-                                  ("fused-prefetch", dict(prefetch=True)), ("fused-pdl-prefetch", dict(pdl=1, prefetch=True))):
-                    with overlap(**kw):
+                # the AR step's layers with programmatic dependent launch (modes 1, 2) and the L2 prefetch
+                # of o_proj, each off by default (kernels/overlap.py's Launch; the lm_head runs plain)
+                for label, launch in (("fused-pdl", Launch(pdl=1)), ("fused-pdl-wait", Launch(pdl=2)),
+                                      ("fused-prefetch", Launch(prefetch=True)),
+                                      ("fused-pdl-prefetch", Launch(pdl=1, prefetch=True))):
+                    model.fused.ops = with_launch(ops, launch)
+                    try:
                         record(label, "ar", 1, lambda ids=inputs[1]: (at_context(), model(ids, cache))[1])
+                    finally:
+                        model.fused.ops = ops
                 # chain verify of q beside a tree of q nodes + anchor: what the tree mask costs
                 q, nodes = (16, 16) if 16 in VERIFY_Q and 16 in TREE_BUDGETS else (VERIFY_Q[0], TREE_BUDGETS[0])
                 mask, depth = tree_mask(nodes, DEVICE)
