@@ -102,7 +102,7 @@ def _print_failures(validation) -> None:
 @click.option("--passes", "passes", help="Pass pipeline string (overrides the spec's `passes`).")
 @click.option("--tau", type=float, help="Acceptance length (incl. bonus) to assume; default: measured records.")
 @click.option("--results", "results", multiple=True, type=click.Path(path_type=Path),
-              help="Results files or folders to calibrate with (default: ./bench/results if present).")
+              help="Results files or folders to calibrate with (default: the files gpus.yaml lists for the GPU).")
 @click.option("--png", type=click.Path(dir_okay=False, path_type=Path), help="Write the roofline/gap chart here.")
 @user_errors
 def explain_cmd(pipeline, gpu, passes, tau, results, png):
@@ -111,9 +111,7 @@ def explain_cmd(pipeline, gpu, passes, tau, results, png):
     from .spec import load_spec
 
     spec = load_spec(pipeline).with_gpu(gpu)
-    if not results and Path("bench/results").is_dir():
-        results = (Path("bench/results"),)
-    estimate = explain_pipeline(spec, passes=passes, tau=tau, results=results)
+    estimate = explain_pipeline(spec, passes=passes, tau=tau, results=results or None)
     from .cost import plot_gaps, render_table
 
     console.print(render_table(estimate))

@@ -12,6 +12,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 import yaml
 
 from . import __version__
@@ -21,8 +22,10 @@ from .backends.torch_backend import (U12_FILE, Engine, build_engine, default_dty
 from .bench.harness import Measurement, environment, measure
 from .bench.prompts import load_prompts
 from .dsl import load_rules, parse_pipeline
-from .errors import CheckpointError
-from .ir import Program, lower, print_program
+from .errors import CheckpointError, SpecError
+from .hf.checkpoint import CONFIG, check_layer_count, read_config, read_header, weight_files
+from .ir import MATMUL_OPS, Program, limits, lower, print_program
+from .ir.node import SHARED
 from .passes import PassRecord, pipeline_string, run_passes
 from .passes.what_if import what_ifs
 from .passes.base import Pass
@@ -51,23 +54,29 @@ def resolve_models(spec: PipelineSpec) -> ModelDirs:
     else:
         raise CheckpointError(f"{spec.source}: missing field 'drafter.path' (a local drafter directory)")
     for what, path in (("target", target), ("drafter.path", drafter)):
-        if not (path / "config.json").is_file():
-            raise CheckpointError(f"{spec.source}: field '{what}': {path} is not a model directory (no config.json)")
+        if not _is_file(path / CONFIG):
+            shown = str(path) if len(str(path)) <= 80 else str(path)[:77] + "..."
+            raise CheckpointError(f"{spec.source}: field '{what}': {shown!r} is not a model directory (no config.json)")
     return ModelDirs(target, drafter)
 
 
-def _read_config(path: Path) -> dict:
+def _is_file(path: Path) -> bool:
     try:
-        return json.loads((path / "config.json").read_text())
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{path / 'config.json'}: not valid JSON ({e.msg})") from None
+        return path.is_file()
+    except (OSError, ValueError):  # a name no file system takes (too long, NUL bytes): no file
+        return False
 
 
 def lower_spec(spec: PipelineSpec, dirs: ModelDirs, dtype: str) -> Program:
-    program = lower(
-        _read_config(dirs.target), _read_config(dirs.drafter), dtype=dtype, block_size=spec.drafter.block_size,
-        target_source=str(dirs.target / "config.json"), drafter_source=str(dirs.drafter / "config.json"),
-    )
+    """The spec's deployment as a verified program. The configs are checked against the weights
+    their directories hold before anything is lowered (a config may not claim layers it lacks)."""
+    (target, target_source), (drafter, drafter_source) = read_config(dirs.target), read_config(dirs.drafter)
+    for root, cfg, source in ((dirs.target, target, target_source), (dirs.drafter, drafter, drafter_source)):
+        check_layer_count(root, cfg, source)
+    block_source = f"{spec.source}: field 'drafter.block_size'"
+    program = lower(target, drafter, dtype=dtype, block_size=spec.drafter.block_size, target_source=target_source,
+                    drafter_source=drafter_source, block_source=block_source)
+    check_weight_shapes(program, dirs, {"target": target_source, "drafter": drafter_source})
     kind = program.step.one("draft")[1]["kind"]
     if kind != spec.drafter.kind:
         raise CheckpointError(f"{spec.source}: field 'drafter.kind' is {spec.drafter.kind!r} but "
@@ -75,12 +84,52 @@ def lower_spec(spec: PipelineSpec, dirs: ModelDirs, dtype: str) -> Program:
     return program
 
 
+def _weight_shape(node) -> list[int] | None:
+    """The shape the checkpoint must give the weight a model-graph node reads (None: not one it names)."""
+    if node.op in MATMUL_OPS:
+        return [node["out_features"], node["in_features"]]
+    if node.op == "embed":
+        return [node["vocab"], node["dim"]]
+    if node.op == "rmsnorm":
+        return [node["dim"]]
+    return None
+
+
+def check_weight_shapes(program: Program, dirs: ModelDirs, sources: dict[str, str]) -> None:
+    """CheckpointError unless every weight the lowered graphs name is in its directory's safetensors
+    with the shape its config implies: read from the headers, before the runtime builds modules of
+    the sizes a config claims."""
+    for level, root in (("target", dirs.target), ("drafter", dirs.drafter)):
+        files, headers = weight_files(root), {}
+        for _, node in program.graph(level).items():
+            weight, shape = node.get("weight"), _weight_shape(node)
+            if shape is None or not isinstance(weight, str) or weight.startswith(SHARED):
+                continue
+            if weight not in files:
+                raise CheckpointError(f"{sources[level]}: describes a weight {weight!r} that no safetensors file in "
+                                      f"{root} holds")
+            path = files[weight]
+            if path not in headers:
+                headers[path] = read_header(path)
+            if weight not in headers[path]:
+                raise CheckpointError(f"{path}: tensor {weight!r} is missing (the index lists it in this file)")
+            if headers[path][weight]["shape"] != shape:
+                raise CheckpointError(f"{path}: tensor {weight!r} has shape {headers[path][weight]['shape']}; "
+                                      f"{sources[level]} makes it {shape}")
+
+
+def pipeline_source(spec: PipelineSpec, override: str | None) -> str:
+    """Where the pipeline comes from, as errors name it: --passes, or the spec's field."""
+    return "--passes" if override is not None else f"{spec.source}: field 'passes'"
+
+
 def resolve_passes(spec: PipelineSpec, override: str | None) -> list[Pass]:
     for rules in spec.rules:
+        if not _is_file(Path(rules)):
+            raise SpecError(f"{spec.source}: field 'rules': no such file {rules[:80]!r} (expected a rules file)")
         load_rules(Path(rules), source=rules)
     text = spec.passes if override is None else override
-    source = "--passes" if override is not None else f"{spec.source}: field 'passes'"
-    return parse_pipeline(text, source=source)
+    return parse_pipeline(text, source=pipeline_source(spec, override))
 
 
 def validate_outputs(dirs: ModelDirs, engine: Engine, m: Measurement) -> TokenForcingReport:
@@ -113,6 +162,28 @@ def save_pass_artifacts(engine: Engine, root: Path) -> None:
         v = engine.draft_vocab
         save_vocab(root / "drafter" / VOCAB_FILE, v.ids, corpus=v.corpus, coverage_share=v.coverage,
                    vocab_size=engine.target_cfg.vocab_size)
+
+
+def check_serving_fits(spec: PipelineSpec, program: Program, prompts: list[list[int]], target_dir: Path) -> None:
+    """SpecError, before anything is built, where a benchmark prompt with its new tokens and one
+    verify would outgrow the positions the models hold (the caches are sized to that), or where a
+    prompt gives no token or a token the model does not have."""
+    lim, q = limits(program), program.step.one("verify")[1]["q"]
+    for i, ids in enumerate(prompts):
+        if not ids:
+            raise SpecError(f"{spec.source}: field 'benchmark.prompts': prompt {i} of {spec.benchmark.prompts!r} "
+                            f"gives no tokens")
+        if max(ids) >= lim.vocab:
+            raise CheckpointError(f"{target_dir / 'tokenizer.json'}: prompt {i} gives token id {max(ids)}; the model's "
+                                  f"vocabulary has {lim.vocab}")
+    if lim.positions is None:
+        return
+    room = lim.positions - q - max(len(ids) for ids in prompts)
+    if spec.serving.max_new_tokens > room:
+        raise SpecError(f"{spec.source}: field 'serving.max_new_tokens': {spec.serving.max_new_tokens} new tokens "
+                        f"after the longest prompt ({max(len(ids) for ids in prompts)} tokens) and a verify of {q} do "
+                        f"not fit the {lim.positions} positions the models hold (max_position_embeddings): expected "
+                        f"at most {max(room, 0)}")
 
 
 @dataclass
@@ -172,21 +243,42 @@ def report_markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def compile_pipeline(spec: PipelineSpec, *, out_dir: Path | None, passes: str | None = None,
-                     device: str | None = None, progress=None) -> CompileResult:
-    """Compile and validate; write the engine directory only if token forcing passes."""
+@dataclass
+class Prepared:
+    """Everything a compile decides before it builds anything: every user mistake surfaces here."""
+
+    dirs: ModelDirs
+    device: torch.device
+    stock: Program
+    program: Program
+    records: list[PassRecord]
+    pipeline: str
+    prompts: list[list[int]]
+
+
+def prepare(spec: PipelineSpec, passes: str | None = None, device: str | None = None) -> Prepared:
+    """Models found, configs checked against their weights' headers, lowered, passes checked and run,
+    prompts tokenized and checked to fit the positions the models hold; nothing built or written."""
     dirs = resolve_models(spec)
     dev = pick_device(device)
     stock = lower_spec(spec, dirs, default_dtype(dev) if spec.dtype == "auto" else spec.dtype)
     pass_list = resolve_passes(spec, passes)
-    program, records = run_passes(stock, pass_list)
-    pipeline = pipeline_string(pass_list)
-
-    engine = build_engine(program, dirs.target, dirs.drafter, dev)
-    baseline = engine if program.target == stock.target else build_engine(stock, dirs.target, dirs.drafter, dev)
+    program, records = run_passes(stock, pass_list, where=f"{pipeline_source(spec, passes)}: ")
     tokenizer = load_tokenizer(dirs.target)
     texts = load_prompts(spec.benchmark.prompts, spec.benchmark.num_prompts, source=spec.source)
     prompts = [tokenizer.encode(t).ids for t in texts]
+    check_serving_fits(spec, program, prompts, dirs.target)
+    return Prepared(dirs, dev, stock, program, records, pipeline_string(pass_list), prompts)
+
+
+def compile_pipeline(spec: PipelineSpec, *, out_dir: Path | None, passes: str | None = None,
+                     device: str | None = None, progress=None) -> CompileResult:
+    """Compile and validate; write the engine directory only if token forcing passes."""
+    p = prepare(spec, passes, device)
+    dirs, dev, stock, program, records, pipeline, prompts = (p.dirs, p.device, p.stock, p.program, p.records,
+                                                             p.pipeline, p.prompts)
+    engine = build_engine(program, dirs.target, dirs.drafter, dev)
+    baseline = engine if program.target == stock.target else build_engine(stock, dirs.target, dirs.drafter, dev)
     m = measure(engine, baseline, prompts, spec.serving.max_new_tokens, progress=progress)
     validation = validate_outputs(dirs, engine, m)
     env = environment(dev)
@@ -254,11 +346,12 @@ def verify_engine(loaded: LoadedEngine, progress=None) -> TokenForcingReport:
 
 
 def explain_pipeline(spec: PipelineSpec, *, passes: str | None = None, tau: float | None = None,
-                     results=()):
-    """The cost model's estimate for the spec's deployment on its GPU (bf16 unless the spec says)."""
+                     results=None):
+    """The cost model's estimate for the spec's deployment on its GPU (bf16 unless the spec says),
+    calibrated by `results` (files or folders), by default by the files gpus.yaml lists for the GPU."""
     from .cost import Workload, explain
 
     dirs = resolve_models(spec)
     program = lower_spec(spec, dirs, "bfloat16" if spec.dtype == "auto" else spec.dtype)
-    program, _ = run_passes(program, resolve_passes(spec, passes))
-    return explain(program, spec.gpu, Workload(tau=tau), results=[str(r) for r in results], what_ifs=what_ifs)
+    program, _ = run_passes(program, resolve_passes(spec, passes), where=f"{pipeline_source(spec, passes)}: ")
+    return explain(program, spec.gpu, Workload(tau=tau), results=None if results is None else [str(r) for r in results], what_ifs=what_ifs)

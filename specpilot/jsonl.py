@@ -19,6 +19,8 @@ def parse_jsonl(text: str, path: str, fields: tuple[str, ...] = ("prompt",)) -> 
             record = json.loads(line)
         except json.JSONDecodeError as e:
             raise SpecError(f"{path}:{n}: not valid JSON ({e.msg})") from None
+        except RecursionError:
+            raise SpecError(f"{path}:{n}: JSON nested too deeply") from None
         value = next((record[f] for f in fields if f in record), None) if isinstance(record, dict) else None
         if not isinstance(value, str):
             names = " or ".join(f"'{f}'" for f in fields)

@@ -8,7 +8,7 @@
       block_size: 8                 # optional: overrides the drafter config's own
     gpu: h200                       # a GPU of the database, or an alias such as a100 (`--gpu` overrides it)
     serving:
-      batch_sizes: [1]
+      batch_sizes: [1]              # only [1] until batching exists
       max_new_tokens: 64
       greedy: true                  # only greedy decoding is supported
     benchmark:
@@ -19,11 +19,13 @@
     dtype: auto                     # auto (bf16 on a GPU, fp32 on CPU) | float32 | bfloat16
 
 Every error names the file, the field and what was expected. Relative paths are taken relative
-to the directory of the YAML file.
+to the directory of the YAML file. `name` names the default engine directory (engines/NAME), so
+it is one plain path component.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -36,6 +38,7 @@ from .errors import SpecError
 DRAFTER_KINDS = ("dflash", "pard")
 DTYPES = ("auto", "float32", "bfloat16")  # auto: bf16 on a GPU, fp32 on CPU
 BUILTIN_PREFIX = "builtin:"
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")  # one path component, never "." or ".."
 
 
 @dataclass(frozen=True)
@@ -127,16 +130,17 @@ class _Reader:
         return _Reader(self.source, self.data.get(key) or {}, f"{self.prefix}{key}.")
 
     def finish(self) -> None:
-        unknown = sorted(set(self.data) - self.seen)
+        unknown = sorted((str(k) for k in self.data if k not in self.seen))  # YAML keys may be numbers, dates, ...
         if unknown:
             known = ", ".join(sorted(self.seen))
-            raise SpecError(f"{self.source}: unknown field '{self.prefix}{unknown[0]}' (known fields here: {known})")
+            raise SpecError(f"{self.source}: unknown field {self.prefix + unknown[0][:40]!r} (known fields here: {known})")
 
 
 def _show(value: Any) -> str:
     if isinstance(value, (dict, list)):
         return type(value).__name__
-    return repr(value)
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _positive(v) -> bool:
@@ -145,7 +149,11 @@ def _positive(v) -> bool:
 
 def parse_spec(data: Any, source: str) -> PipelineSpec:
     r = _Reader(source, data)
-    name = r.get("name", str, "a string", default=Path(source).stem)
+    name = r.get("name", str, "a name of letters, digits, '.', '_' and '-' (it names the engine directory)",
+                 default=Path(source).stem, check=NAME.fullmatch)
+    if not NAME.fullmatch(name):  # the file's own stem, when `name` is not given
+        raise SpecError(f"{source}: missing field 'name': the file name {name!r} is no engine directory name; "
+                        f"expected a name of letters, digits, '.', '_' and '-'")
     target = r.get("target", str, "a built-in model name or a local model directory")
     d = r.sub("drafter")
     drafter = DrafterSpec(
@@ -160,8 +168,8 @@ def parse_spec(data: Any, source: str) -> PipelineSpec:
     except SpecError as e:
         raise SpecError(f"{source}: field 'gpu': {e}") from None
     s = r.sub("serving")
-    batch = s.get("batch_sizes", list, "a list of integers >= 1", default=[1],
-                  check=lambda v: bool(v) and all(isinstance(b, int) and not isinstance(b, bool) and b >= 1 for b in v))
+    batch = s.get("batch_sizes", list, "[1] (batching is not implemented yet)", default=[1],
+                  check=lambda v: v == [1] and type(v[0]) is int)
     serving = ServingSpec(
         batch_sizes=tuple(batch),
         max_new_tokens=s.get("max_new_tokens", int, "an integer >= 1", default=64, check=_positive),
@@ -195,10 +203,14 @@ def parse_spec(data: Any, source: str) -> PipelineSpec:
 
 
 def _resolve(value: str, base: Path) -> str:
-    """Paths that exist relative to the spec's folder become absolute; names stay names."""
+    """Paths that exist relative to the spec's folder become absolute; names stay names (and so do
+    strings no file system takes: too long, NUL bytes)."""
     candidate = base / value
-    if not Path(value).is_absolute() and candidate.exists():
-        return str(candidate.resolve())
+    try:
+        if not Path(value).is_absolute() and candidate.exists():
+            return str(candidate.resolve())
+    except (OSError, ValueError):
+        pass
     return value
 
 
@@ -208,10 +220,18 @@ def load_spec(path: str | Path) -> PipelineSpec:
     if not path.is_file():
         raise SpecError(f"{source}: no such file")
     try:
-        data = yaml.safe_load(path.read_text())
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise SpecError(f"{source}: not UTF-8 text (byte {e.start}); expected a YAML pipeline spec") from None
+    except OSError as e:
+        raise SpecError(f"{source}: cannot read ({e.strerror or e})") from None
+    try:
+        data = yaml.safe_load(text)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f":{mark.line + 1}:{mark.column + 1}" if mark else ""
         problem = getattr(e, "problem", None) or "not valid YAML"
         raise SpecError(f"{source}{where}: {problem}") from None
+    except RecursionError:
+        raise SpecError(f"{source}: nested too deeply to be a pipeline spec") from None
     return parse_spec(data, source)

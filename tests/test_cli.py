@@ -74,23 +74,45 @@ def test_compile_run_verify(tmp_path, kind, gpu, resolved):
     assert_user_error(invoke("verify", out, "--device", "cpu"), "ir.txt does not match its checksum")
 
 
-def test_rules_file_from_the_spec(tmp_path):
-    rules = tmp_path / "mine.rules"
-    rules.write_text(textwrap.dedent("""\
-        pass accept-on-device-test (lossless) {
-          rule device:
-            on step
-            match accept where on == "host"
-            set on = "device"
-        }
-        """))
-    spec = write_spec(tmp_path, extra='rules: [mine.rules]\npasses: "accept-on-device-test"')
-    try:
-        r = invoke("compile", spec, "-o", tmp_path / "e", "--device", "cpu")
-        assert r.exit_code == 0, r.output
-        assert 'on="device"' in (tmp_path / "e" / "ir.txt").read_text()
-    finally:
-        REGISTRY.pop("accept-on-device-test", None)
+RULES = """\
+pass accept-on-device-test (lossless) {
+  rule device:
+    on step
+    match accept where on == "host"
+    set on = "device"
+}
+pass graphed-steps-test (lossless) {
+  rule device: match accept where on == "host" set on = "device"
+  rule graphs: match schedule set graphs = true
+}
+"""
+
+
+@pytest.fixture
+def rules_file(tmp_path):
+    (tmp_path / "mine.rules").write_text(RULES)
+    yield "mine.rules"
+    for name in ("accept-on-device-test", "graphed-steps-test"):
+        REGISTRY.pop(name, None)
+
+
+def test_rules_file_from_the_spec(tmp_path, rules_file):
+    spec = write_spec(tmp_path, extra=f'rules: [{rules_file}]\npasses: "graphed-steps-test"')
+    r = invoke("compile", spec, "-o", tmp_path / "e", "--device", "cpu")
+    assert r.exit_code == 0, r.output
+    ir = (tmp_path / "e" / "ir.txt").read_text()
+    assert 'on="device"' in ir and "graphs=true" in ir
+
+
+def test_a_rule_setting_what_no_backend_runs_is_refused(tmp_path, rules_file):
+    """Accepting on the device runs only in graphed steps: a rule that moves acceptance alone would
+    make the cost model price a host round trip saved that the loops still make."""
+    spec = write_spec(tmp_path, extra=f'rules: [{rules_file}]\npasses: "accept-on-device-test"')
+    r = invoke("compile", spec, "-o", tmp_path / "e", "--device", "cpu")
+    assert_user_error(r, "invalid IR after accept-on-device-test", "step/accept: on='device' runs only in graphed steps")
+    assert len(r.output.strip().splitlines()) == 1 and not (tmp_path / "e").exists()
+    r = invoke("explain", spec, "--tau", "2")
+    assert_user_error(r, "step/accept: on='device' runs only in graphed steps")
 
 
 def test_bad_yaml_syntax(tmp_path):
@@ -121,8 +143,10 @@ def test_bad_drafter_kind(tmp_path):
     ("draft-block-size{size=\"big\"}", ["parameter 'size' expects int"]),
     ("draft-block-size{size=4", ["--passes:1:"]),
     ("draft-vocab{size=0}", ["pass 'draft-vocab': size must be >= 1, got 0"]),
-    ('draft-vocab{size=8, corpus="nowhere.txt"}', ["draft-vocab{corpus='nowhere.txt'}", "does not exist",
-                                                   "expected 'stdlib'"]),
+    ('draft-vocab{size=8, corpus="nowhere.txt"}', ["--passes: pass 'draft-vocab': parameter 'corpus' = 'nowhere.txt' "
+                                                   "does not exist", "expected 'stdlib'"]),
+    ("tree-verify{budget=100000}", ["--passes: pass 'tree-verify': parameter 'budget' = 100000 is out of range for "
+                                    "this deployment: expected 1..2046"]),
 ])
 def test_bad_passes_exit_2_and_write_nothing(tmp_path, passes, fragments):
     r = invoke("compile", write_spec(tmp_path), "--passes", passes, "-o", tmp_path / "e")
@@ -221,6 +245,20 @@ def test_u12_engine_stores_packed_weights(tmp_path):
     assert (out / "target" / "u12.safetensors").is_file()
     r = invoke("verify", out, "--device", "cpu")
     assert r.exit_code == 0 and "PASS" in r.output
+
+
+def test_explain_reads_no_results_file_gpus_yaml_does_not_list(tmp_path, monkeypatch):
+    """`specpilot explain` used to glob ./bench/results: a file dropped there changed the model."""
+    spec = write_spec(tmp_path, kind="dflash")
+    monkeypatch.chdir(tmp_path)
+    before = invoke("explain", spec, "--tau", "3")
+    stray = tmp_path / "bench" / "results" / "step_bench_h200.json"
+    stray.parent.mkdir(parents=True)
+    stray.write_text(json.dumps({"gpu": "h200", "shape": "qwen3-3x64-v258", "records": [
+        {"kind": "step", "what": "ar", "q": 1, "ms": 100.0}, {"kind": "step", "what": "verify", "q": 4, "ms": 100.0}]}))
+    after = invoke("explain", spec, "--tau", "3")
+    assert before.exit_code == after.exit_code == 0 and after.output == before.output
+    assert "measured" not in after.output
 
 
 def test_explain_prints_the_cost_table_and_chart(tmp_path):

@@ -20,6 +20,7 @@ from specpilot.cost import (
     weight_footprint,
 )
 from specpilot.cost.gaps import CEILING_BEAM, Reached, pipeline_string, search_ceiling
+from specpilot.cost.model import calibration_files, gpu_key, parse_records
 from specpilot.dsl import parse_pipeline
 from specpilot.cost.roofline import (
     KERNELS, SPLIT_KV_KERNELS, U12_ESCAPE_BYTES, U12_ESCAPE_RATE, U12_MAX_LANES, u12_lanes,
@@ -495,6 +496,46 @@ def test_kernel_rows_at_each_m_the_newest_file_wins_and_other_rows_stay(tmp_path
     assert model.gpu.efficiency_of_kernel("triton-u12", 16) == pytest.approx((1.0 + 0.5) / 2)  # a_new's two rows
     assert model.gpu.efficiency_of_kernel("triton-u12", 1) == pytest.approx(0.75)  # only b_old measures M = 1
     assert model.gpu.efficiency_of_kernel("triton-u12", 64) == pytest.approx(at64)  # the database's
+
+
+def test_each_gpu_is_calibrated_by_the_files_gpus_yaml_lists_and_no_others(llama8b):
+    """The H200's list names every results file that yields its records (what globbing bench/results
+    found before the list), and an explain calibrates by exactly those files."""
+    gpu = load_gpu("h200")
+    listed = calibration_files(gpu)
+    assert listed and all(f.is_file() for f in listed)
+    yielding = set()
+    for f in sorted(RESULTS.glob("*.json")):
+        records = parse_records(json.loads(f.read_text()), str(f))
+        if any(gpu_key(r.gpu) == "h200" for r in records if hasattr(r, "gpu")):
+            yielding.add(f)
+    assert yielding == set(listed)
+    e = explain(llama8b, "h200", Workload(tau=6.0))
+    assert set(e.calibrated_by) == {str(f) for f in listed}
+    assert e.calibration["verify"] != 1.0  # the step files calibrate it
+    assert explain(llama8b, "h200", Workload(tau=6.0), results=()).calibrated_by == ()
+
+
+def test_a_stray_results_file_changes_no_prediction(small, tmp_path, monkeypatch):
+    """A results file dropped into bench/results (here: the working directory's, which `specpilot
+    explain` used to glob) is read by nobody until gpus.yaml lists it."""
+    before = explain(small, "h200", Workload(tau=4.0)).to_dict()
+    stray = tmp_path / "bench" / "results" / "step_times_h200_stray.json"
+    stray.parent.mkdir(parents=True)
+    stray.write_text(json.dumps({"gpu": "h200", "shape": SMALL_SHAPE, "records": [
+        {"kind": "step", "what": w, "q": q, "ms": 100.0} for w, q in (("ar", 1), ("verify", 8), ("draft", 8))]}))
+    monkeypatch.chdir(tmp_path)
+    assert explain(small, "h200", Workload(tau=4.0)).to_dict() == before
+    assert explain(small, "h200", Workload(tau=4.0), results=[stray]).t_ar.source == "measured"  # when named
+
+
+def test_a_listed_file_that_moved_is_an_error_naming_it(tmp_path):
+    gpu = load_gpu("h200")
+    (tmp_path / "bench" / "results").mkdir(parents=True)
+    with pytest.raises(SpecError, match=r"gpus.yaml: gpus.h200.calibration names bench/results/step_bench_h200.json, "
+                                        r"which is not in .*renamed or moved"):
+        calibration_files(gpu, root=tmp_path)
+    assert calibration_files(gpu, root=tmp_path / "installed-without-its-repository") == []
 
 
 def test_bad_records_name_the_file_and_field(tmp_path):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -14,6 +15,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from specpilot.errors import CheckpointError
+from specpilot.hf.checkpoint import check_layer_count, read_config, read_header
 from specpilot.runtime.cache import KVCache
 from specpilot.hf.config import DrafterConfig, ModelConfig
 from specpilot.runtime.decode import generate_ar
@@ -364,6 +366,60 @@ def test_loader_errors(tiny_model_dirs, tiny_models, tmp_path):
     _edit_config(dflash_layers, target_layer_ids=[0, 7])
     with pytest.raises(CheckpointError, match="'target_layer_ids' has \\[7\\]"):
         load_drafter(dflash_layers, m.target, m.cfg, **load)
+
+
+def _header_file(tmp_path: Path, header: dict, data: bytes, length: int | None = None) -> Path:
+    raw = json.dumps(header).encode()
+    path = tmp_path / "model.safetensors"
+    path.write_bytes((len(raw) if length is None else length).to_bytes(8, "little") + raw + data)
+    return path
+
+
+@pytest.mark.parametrize("header, data, length, message", [
+    ({}, b"", 10**6, "the header claims 1000000 bytes; the file holds 2 after the length"),
+    ({}, b"", 2**64 - 1, "the header claims 18446744073709551615 bytes"),
+    ([1, 2], b"", None, "the header is a JSON list, expected an object"),
+    ({"w": {"dtype": "F99", "shape": [2], "data_offsets": [0, 8]}}, bytes(8), None, "dtype 'F99'"),
+    ({"w": {"dtype": "F32", "shape": [-2], "data_offsets": [0, 8]}}, bytes(8), None, "shape [-2]"),
+    ({"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 16]}}, bytes(8), None,
+     "data_offsets [0, 16]; expected [begin, end] within the 8 data bytes"),
+    ({"w": {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}}, bytes(8), None,
+     "data_offsets [0, 8] hold 8 bytes; shape [3] of F32 needs 12"),
+    ({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}, "b": {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]}},
+     bytes(8), None, "tensor 'b' starts at data byte 4; the tensors before it end at 8"),
+    ({"w": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}, bytes(8), None,
+     "the tensors cover 4 of the 8 data bytes"),
+    ({"w": {"dtype": "F32", "shape": [10**12, 10**12], "data_offsets": [0, 8]}}, bytes(8), None, "needs 4000000000000000000000000"),
+])
+def test_a_safetensors_header_is_checked_against_its_file_before_anything_is_read(tmp_path, header, data, length, message):
+    path = _header_file(tmp_path, header, data, length)
+    with pytest.raises(CheckpointError, match=re.escape(f"{path}: not a valid safetensors file (") + ".*" + re.escape(message)):
+        read_header(path)
+    ok = _header_file(tmp_path, {"__metadata__": {"format": "pt"}, "w": {"dtype": "F32", "shape": [2],
+                                                                         "data_offsets": [0, 8]}}, bytes(8))
+    assert read_header(ok)["w"]["shape"] == [2]
+    (tmp_path / "short.safetensors").write_bytes(b"\x01\x00")
+    with pytest.raises(CheckpointError, match="2 bytes: shorter than the 8-byte header length"):
+        read_header(tmp_path / "short.safetensors")
+    (tmp_path / "garbage.safetensors").write_bytes((4).to_bytes(8, "little") + b"\xff{[x")
+    with pytest.raises(CheckpointError, match="the header is not JSON text"):
+        read_header(tmp_path / "garbage.safetensors")
+
+
+def test_a_config_that_claims_what_its_weights_lack_fails_before_anything_is_built(tiny_model_dirs, tmp_path):
+    dirs = tiny_model_dirs["qwen3"]
+    raw, source = read_config(dirs["target"])
+    check_layer_count(dirs["target"], raw, source)
+    with pytest.raises(CheckpointError, match=r"config.json: field 'num_hidden_layers' is 10000000; the weights in "
+                                              r".* hold layers 0\.\.2"):
+        check_layer_count(dirs["target"], {**raw, "num_hidden_layers": 10**7}, source)
+    for key, value, message in (("num_attention_heads", 0, "'num_attention_heads' is 0; expected an integer >= 1"),
+                                ("rms_norm_eps", float("inf"), "'rms_norm_eps' is inf; expected a number > 0"),
+                                ("rope_theta", -1.0, "'rope_theta' is -1.0; expected a number > 0"),
+                                ("rope_parameters", 7, "a field holds a value of the wrong kind or size"),
+                                ("hidden_size", [64], "'hidden_size' is [64]; expected int")):
+        with pytest.raises(CheckpointError, match=re.escape(f"{source}: ") + ".*" + re.escape(message)):
+            ModelConfig.from_hf({**raw, key: value}, source)
 
 
 def test_sharded_checkpoint_loads(tiny_model_dirs, tiny_models, tmp_path):

@@ -50,7 +50,13 @@ PROMPT_SETS = {"code-smoke": lambda: list(CODE_SMOKE), "humaneval": humaneval, "
 
 
 def load_jsonl(path: Path) -> list[str]:
-    return parse_jsonl(path.read_text(), str(path))
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise SpecError(f"{path}: not UTF-8 text (byte {e.start}); expected JSON lines of {{\"prompt\": ...}}") from None
+    except OSError as e:
+        raise SpecError(f"{path}: cannot read ({e.strerror or e})") from None
+    return parse_jsonl(text, str(path))
 
 
 def load_prompts(name_or_path: str, limit: int | None = None, source: str = "pipeline.yaml") -> list[str]:
@@ -62,8 +68,12 @@ def load_prompts(name_or_path: str, limit: int | None = None, source: str = "pip
             raise SpecError(f"{source}: field 'benchmark.prompts': {e}") from None
     elif name_or_path.endswith(".jsonl"):
         path = Path(name_or_path)
-        if not path.is_file():
-            raise SpecError(f"{source}: field 'benchmark.prompts': no such file {name_or_path!r}")
+        try:
+            found = path.is_file()
+        except (OSError, ValueError):  # a name no file system takes
+            found = False
+        if not found:
+            raise SpecError(f"{source}: field 'benchmark.prompts': no such file {name_or_path[:80]!r}")
         prompts = load_jsonl(path)
     else:
         known = ", ".join(sorted(PROMPT_SETS))

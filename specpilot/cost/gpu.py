@@ -59,6 +59,7 @@ class GPU:
     kernel_efficiency: Mapping[str, Any] = field(default_factory=dict)  # kernel -> float | {rows: float}
     sources: Mapping[str, str] = field(default_factory=dict)  # field -> "measured" | "published" | "default"
     note: str = ""
+    calibration: tuple[str, ...] = ()  # results files that calibrate this card, from the repository root
 
     def source_of(self, name: str) -> str:
         return self.sources.get(name, "published")
@@ -109,6 +110,9 @@ class GPU:
             else:
                 values[key], sources[key] = derive(values), "default"
         notes = [published.get("source", ""), measured.get("source", "")]
+        calibration = entry.get("calibration") or []
+        if not isinstance(calibration, list) or not all(isinstance(f, str) for f in calibration):
+            raise SpecError(f"{DATABASE.name}: gpus.{name}.calibration: expected a list of results file paths")
         return GPU(
             name=name,
             full_name=str(entry.get("name", name)),
@@ -117,6 +121,7 @@ class GPU:
                                for k, v in (measured.get("kernel_efficiency") or {}).items()},
             sources=sources,
             note="; ".join(n for n in notes if n),
+            calibration=tuple(calibration),
         )
 
 

@@ -66,6 +66,7 @@ from .roofline import (
 )
 
 DEFAULT_ALPHA = 0.8  # per-position acceptance assumed when nothing is measured or given
+REPOSITORY = Path(__file__).resolve().parents[2]  # where gpus.yaml's calibration paths start (the checkout)
 DEFAULT_CACHE_LEN = 512
 WHATS = ("ar", "draft", "verify")
 TREE_WIDTH = 8  # ranks per position a tree may use when the proposal names no top-k
@@ -156,6 +157,7 @@ class Estimate:
     steps: SpecStep = field(repr=False)
     calibration: Mapping[str, float] = field(default_factory=dict)
     notes: tuple[str, ...] = ()
+    calibrated_by: tuple[str, ...] = ()  # the results files read
 
     def figures(self) -> list[tuple[str, Figure]]:
         return [("t_ar", self.t_ar), ("t_draft", self.t_draft), ("t_verify", self.t_verify),
@@ -172,6 +174,7 @@ class Estimate:
             "gaps": [{"what": g.what, "pass": g.pass_name, "pipeline": g.pipeline, "saving_s": g.saving,
                       "fraction": g.fraction, "source": g.source} for g in self.gaps],
             "calibration": dict(self.calibration),
+            "calibrated_by": list(self.calibrated_by),
             "notes": list(self.notes),
         }
 
@@ -444,6 +447,7 @@ class CostModel:
         self.step_records: list[StepRecord] = []
         self.acceptance_records: list[AcceptanceRecord] = []
         self._bound: list[tuple[StepRecord, float]] = []  # (record, measured / predicted) fixed at update
+        self.calibrated_by: list[str] = []  # results files read by update_from_results
 
     # -- calibration
     def update(self, records: Iterable[StepRecord | AcceptanceRecord | KernelRecord | Mapping],
@@ -498,9 +502,10 @@ class CostModel:
             path = Path(path)
             files = sorted(path.glob("*.json")) if path.is_dir() else [path]
             for f in files:
+                self.calibrated_by.append(str(f))
                 try:
-                    data = json.loads(f.read_text())
-                except (OSError, json.JSONDecodeError) as e:
+                    data = json.loads(f.read_bytes().decode("utf-8"))
+                except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
                     raise SpecError(f"{f}: cannot read results ({e})") from None
                 records = parse_records(data, str(f))
                 kernel_records += [r for r in records if isinstance(r, KernelRecord)]
@@ -608,6 +613,7 @@ class CostModel:
             speedup=Figure(now.tau * figs["ar"].value / t_spec, "predicted", note=mixed),
             t_token=Figure(t_spec / now.tau, "predicted", floor.t_token, mixed),
             ceiling=ceiling, gaps=tuple(gaps), steps=now, calibration=factors, notes=tuple(notes),
+            calibrated_by=tuple(self.calibrated_by),
         )
 
     def _ceiling(self, program: Program, ev: _Evaluator, now: SpecStep, what_ifs: WhatIfs, seed: Reached) -> Ceiling:
@@ -633,11 +639,29 @@ def gpu_key(name: str) -> str:
         return name.lower()
 
 
+def calibration_files(gpu: GPU, root: Path = REPOSITORY) -> list[Path]:
+    """The results files gpus.yaml lists for `gpu` (its `calibration`), under `root`: these and no
+    others calibrate it by default, so a file added to or moved within bench/results changes no
+    prediction until the list names it. A listed file that is missing is a SpecError naming it (the
+    list must follow a rename); where none of the listed folders exists (the package installed
+    without its repository) there is nothing to read."""
+    files = [root / name for name in gpu.calibration]
+    if not any(f.parent.is_dir() for f in files):
+        return []
+    missing = [name for name, f in zip(gpu.calibration, files) if not f.is_file()]
+    if missing:
+        raise SpecError(f"gpus.yaml: gpus.{gpu.name}.calibration names {missing[0]}, which is not in {root} "
+                        f"(renamed or moved? the list must name the file)")
+    return files
+
+
 def explain(program: Program, gpu_name: str, workload: Workload | None = None,
-            results: Iterable[str | Path] = (), what_ifs: WhatIfs = no_what_ifs) -> Estimate:
-    """What `specpilot explain` shows: the estimate for `program` on `gpu_name`, calibrated by the
-    results files or folders given, its gaps and ceiling over the what-ifs offered."""
+            results: Iterable[str | Path] | None = None, what_ifs: WhatIfs = no_what_ifs) -> Estimate:
+    """What `specpilot explain` shows: the estimate for `program` on `gpu_name`, its gaps and ceiling
+    over the what-ifs offered, calibrated by the results files or folders given, or by default by
+    the files gpus.yaml lists for the GPU (`calibration_files`); `results=()` for none."""
     model = CostModel(gpu_name)
-    if results:
-        model.update_from_results(results)
+    files = calibration_files(model.gpu) if results is None else list(results)
+    if files:
+        model.update_from_results(files)
     return model.predict(program, workload, what_ifs)

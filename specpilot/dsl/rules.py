@@ -44,7 +44,7 @@ from typing import ClassVar, Union
 import lark
 
 from ..errors import DSLSyntaxError, PipelineError, SpecpilotError
-from ..ir import LEVELS, OPS, Graph, IRError, Node, Program, program_problems
+from ..ir import LEVELS, OPS, Graph, IRError, Node, Program, fact_problems, program_problems
 from ..ir.node import Literal
 from ..passes.base import REGISTRY, Pass, PassResult, register
 from .pipeline import Literals, parse_tree, where
@@ -431,12 +431,13 @@ class RulePass(Pass):
 
     @classmethod
     def schedule_space(cls, program: Program) -> list[Pass]:
-        """[cls()] if the rules change this program and leave it valid, else []."""
+        """[cls()] if the rules change this program, leave it valid and change only choices, else []."""
         try:
             result = cls.rules.run(program)
         except RewriteError:
             return []
-        return [cls()] if result.changed and not program_problems(result.program) else []
+        valid = not program_problems(result.program) and not fact_problems(program, result.program)
+        return [cls()] if result.changed and valid else []
 
 
 def _class_name(pass_name: str) -> str:
@@ -629,7 +630,9 @@ def load_rules(path_or_text: str | Path, source: str | None = None) -> list[type
         path = Path(path_or_text)
         source = source or str(path)
         try:
-            text = path.read_text()
+            text = path.read_bytes().decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise PipelineError(f"{source}: not UTF-8 text (byte {e.start}); expected a rules file") from None
         except OSError as e:
             raise PipelineError(f"{source}: cannot read rules file ({e.strerror or e})") from None
     else:

@@ -8,6 +8,8 @@ Every parse error is a `CheckpointError` naming the config.json path and the fie
 
 from __future__ import annotations
 
+import functools
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,6 +18,24 @@ from specpilot.errors import CheckpointError
 FAMILIES = ("llama", "qwen3")
 # DFlash drafters saved by HF transformers carry their own model_type; their layers are qwen3-like.
 DFLASH_MODEL_TYPES = ("muse_glimmer_assistant", "dflash")
+
+# What a config.json of the wrong shape makes Python raise deep in a parser (a list where a number
+# belongs, a string where a mapping does): caught at the parsers' door and named by the file.
+_MALFORMED = (TypeError, ValueError, AttributeError, KeyError, IndexError, OverflowError, ZeroDivisionError)
+
+
+def _parser(parse):
+    """A config parser `parse(cls, cfg, source)` whose every failure is a CheckpointError naming the file."""
+    @functools.wraps(parse)
+    def checked(cls, cfg: Any, source: str):
+        if not isinstance(cfg, dict):
+            raise CheckpointError(f"{source}: expected a JSON object, got {type(cfg).__name__}")
+        try:
+            return parse(cls, cfg, source)
+        except _MALFORMED as e:
+            detail = (str(e).splitlines() or [type(e).__name__])[0][:100]
+            raise CheckpointError(f"{source}: a field holds a value of the wrong kind or size ({detail})") from None
+    return checked
 
 
 @dataclass(frozen=True)
@@ -54,6 +74,7 @@ class ModelConfig:
             raise ValueError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
 
     @classmethod
+    @_parser
     def from_hf(cls, cfg: dict[str, Any], source: str) -> ModelConfig:
         """Parse an HF config.json dict; `source` is its path, quoted in every error."""
         model_type = cfg.get("model_type")
@@ -108,6 +129,7 @@ class DrafterConfig:
     target_layer_ids: tuple[int, ...] = field(default=())  # dflash: outputs of these target layers (0-based)
 
     @classmethod
+    @_parser
     def from_hf(cls, cfg: dict[str, Any], source: str) -> DrafterConfig:
         """A DFlash config has target_layer_ids/block_size/mask_token_id (top level, or nested under
         "dflash_config"); a PARD config is a llama/qwen3 causal LM config with `pard_token` (and `pard_k`)."""
@@ -117,7 +139,7 @@ class DrafterConfig:
         if "pard_token" in cfg:
             model = ModelConfig.from_hf(cfg, source)
             k = _get(cfg, "pard_k", source, int, default=8)
-            mask = _get(cfg, "pard_token", source, int)
+            mask = _get(cfg, "pard_token", source, int, minimum=0)
             if k < 1:
                 raise CheckpointError(f"{source}: field 'pard_k' is {k}; expected an integer >= 1")
             return cls(kind="pard", block_size=k, mask_token_id=mask, model=model)
@@ -156,14 +178,15 @@ def _parse_dflash(cfg: dict[str, Any], source: str) -> DrafterConfig:
     block = _get(cfg, "block_size", source, int)
     if block < 2:
         raise CheckpointError(f"{source}: field 'block_size' is {block}; expected an integer >= 2 (anchor + drafts)")
-    mask = _get(cfg, "mask_token_id", source, int)
+    mask = _get(cfg, "mask_token_id", source, int, minimum=0)
     return DrafterConfig(kind="dflash", block_size=block, mask_token_id=mask, model=model, target_layer_ids=tuple(ids))
 
 
 _MISSING = object()
 
 
-def _get(cfg: dict[str, Any], key: str, source: str, kind: type, default: Any = _MISSING) -> Any:
+def _get(cfg: dict[str, Any], key: str, source: str, kind: type, default: Any = _MISSING, minimum: int = 1) -> Any:
+    """cfg[key] as `kind`; an int must be >= `minimum` (sizes and counts: 1), a float finite and > 0."""
     if key not in cfg or cfg[key] is None:
         if default is _MISSING:
             raise CheckpointError(f"{source}: missing field '{key}' ({kind.__name__})")
@@ -171,8 +194,17 @@ def _get(cfg: dict[str, Any], key: str, source: str, kind: type, default: Any = 
     value = cfg[key]
     accepted = (int, float) if kind is float else (kind,)
     if isinstance(value, bool) or not isinstance(value, accepted):
-        raise CheckpointError(f"{source}: field '{key}' is {value!r}; expected {kind.__name__}")
+        raise CheckpointError(f"{source}: field '{key}' is {_short(value)}; expected {kind.__name__}")
+    if kind is int and value < minimum:
+        raise CheckpointError(f"{source}: field '{key}' is {value}; expected an integer >= {minimum}")
+    if kind is float and not (math.isfinite(value) and value > 0):
+        raise CheckpointError(f"{source}: field '{key}' is {value!r}; expected a number > 0")
     return kind(value)
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _token_id(cfg: dict[str, Any], key: str, source: str) -> int | None:
@@ -190,6 +222,7 @@ def _parse_rope(cfg: dict[str, Any], source: str) -> tuple[float, RopeScaling | 
     theta = cfg.get("rope_theta", params.get("rope_theta"))
     if theta is None:
         raise CheckpointError(f"{source}: missing field 'rope_theta' (or 'rope_parameters.rope_theta')")
+    _get({"rope_theta": theta}, "rope_theta", source, float)  # a number > 0
     if params.get("partial_rotary_factor", 1.0) != 1.0:
         raise CheckpointError(f"{source}: field 'partial_rotary_factor' is {params['partial_rotary_factor']}; expected 1.0")
     rope_type = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
@@ -232,7 +265,7 @@ def _parse_layers(cfg: dict[str, Any], source: str, *, family: str, qk_norm: boo
     theta, scaling = _parse_rope(cfg, source)
     return ModelConfig(
         family=family,
-        vocab_size=_get(cfg, "vocab_size", source, int) if vocab_required else _get(cfg, "vocab_size", source, int, default=0),
+        vocab_size=_get(cfg, "vocab_size", source, int) if vocab_required else _get(cfg, "vocab_size", source, int, default=0, minimum=0),
         hidden_size=hidden,
         intermediate_size=_get(cfg, "intermediate_size", source, int),
         num_layers=_get(cfg, "num_hidden_layers", source, int),
@@ -313,6 +346,7 @@ class HybridConfig:
         return tuple(i for i, t in enumerate(self.layer_types) if t == "linear_attention")
 
     @classmethod
+    @_parser
     def from_hf(cls, cfg: dict[str, Any], source: str) -> HybridConfig:
         """Parse an HF qwen3_next config.json dict; `source` is its path, quoted in every error."""
         model_type = cfg.get("model_type")
@@ -333,7 +367,7 @@ class HybridConfig:
             raise CheckpointError(f"{source}: field 'layer_types' is {cfg.get('layer_types')!r}; expected "
                                   f"{layers} entries, each one of {list(LAYER_TYPES)}")
         mlp_only = cfg.get("mlp_only_layers") or []
-        experts = _get(cfg, "num_experts", source, int, default=0)
+        experts = _get(cfg, "num_experts", source, int, default=0, minimum=0)
         step = _get(cfg, "decoder_sparse_step", source, int, default=1)
         moe = [i for i in range(layers) if i not in mlp_only and experts > 0 and (i + 1) % step == 0]
         moe_fields = {}

@@ -12,12 +12,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..errors import CheckpointError, SpecError
 from ..hf.config import HYBRID_FAMILIES, DrafterConfig, HybridConfig, ModelConfig, check_drafter_fits
 from .graph import Graph, Program
-from .node import Node
+from .node import SHARED, Node
 from .verify import expected_verify_length, verify_program
-
-SHARED = "target/"
 
 
 @dataclass(frozen=True)
@@ -203,10 +202,11 @@ def _step_graph(kind: str, block_size: int, drafter: str) -> Graph:
 
 
 def lower(target_cfg: dict, drafter_cfg: dict, *, dtype: str = "float32", block_size: int | None = None,
-          target_source: str = "target/config.json", drafter_source: str = "drafter/config.json") -> Program:
+          target_source: str = "target/config.json", drafter_source: str = "drafter/config.json",
+          block_source: str = "block_size") -> Program:
     """Lower a target and a drafter (HF config dicts, parsed by specpilot.hf.config as the runtime
     parses them) to a verified Program. `block_size` overrides the drafter config's own (DFlash:
-    block incl. the anchor; PARD: k)."""
+    block incl. the anchor; PARD: k); `block_source` names where it came from in an error."""
     tcfg: ModelConfig | HybridConfig
     if target_cfg.get("model_type") in HYBRID_FAMILIES:
         tcfg = HybridConfig.from_hf(target_cfg, target_source)
@@ -222,10 +222,17 @@ def lower(target_cfg: dict, drafter_cfg: dict, *, dtype: str = "float32", block_
     else:
         drafter = lower_causal_lm("drafter", Shapes.of(dcfg.model), dtype)
     block = int(block_size or dcfg.block_size)
+    positions = min(tcfg.max_position_embeddings, dcfg.model.max_position_embeddings)
+    holds = block + (1 if dcfg.kind == "pard" else 0)  # tokens a verify of the block holds
+    if holds > positions - 1:
+        where = block_source if block_size else f"{drafter_source}: field '{'pard_k' if dcfg.kind == 'pard' else 'block_size'}'"
+        raise (SpecError if block_size else CheckpointError)(
+            f"{where}: a block of {block} does not fit the {positions} positions the models hold "
+            f"(max_position_embeddings): expected at most {positions - 1 - (holds - block)}")
     program = Program(
         step=_step_graph(dcfg.kind, block, dcfg.kind),
         target=target,
         drafter=drafter,
-        attrs=(("dtype", dtype), ("family", t.family)),
+        attrs=(("dtype", dtype), ("family", t.family), ("max_positions", positions)),
     )
     return verify_program(program, after="lowering")

@@ -62,11 +62,16 @@ class Node:
 
 @dataclass(frozen=True)
 class OpSchema:
-    """What an op needs: `required` attribute names with their allowed values (a type or a set)."""
+    """What an op needs: `required` attribute names with their allowed values (a type or a set).
+
+    `choices` are the attributes passes may set (how the deployment runs: formats, kernels, block
+    and tree sizes, where acceptance runs); every other attribute, and the graphs' nodes and edges,
+    describe the checkpoint and are fixed by lowering (verify.fact_problems)."""
 
     level: str  # "step" or "model"
     required: dict
     optional: dict = None
+    choices: frozenset = frozenset()
 
     def allowed(self, key: str):
         if key in self.required:
@@ -77,6 +82,8 @@ class OpSchema:
 WEIGHT_FORMATS = {"float32", "bfloat16", "float16", "u12"}
 DTYPES = {"float32", "bfloat16", "float16"}
 MATMUL_OPS = {"linear", "lm_head"}  # ops that read a weight matrix: what weight passes rewrite
+FUSED_OPS = ("rmsnorm", "rope", "mlp")  # the nodes a fused decoder stack serves (kernel "triton-fused")
+SHARED = "target/"  # prefix of a drafter weight borrowed from the target: it runs the target's module
 
 
 def register_weight_format(name: str) -> None:
@@ -92,24 +99,31 @@ _matmul = {
     "weight": str,
 }
 
+_MATMUL_CHOICES = frozenset({"format", "kernel", "layout"})
+_KERNEL_CHOICE = frozenset({"kernel"})
+
 OPS: dict[str, OpSchema] = {
     # step graph: one decode step of the deployment
-    "draft": OpSchema("step", {"kind": {"dflash", "pard"}, "block_size": int, "drafter": str}),
-    "propose": OpSchema("step", {"shape": {"chain", "tree"}, "budget": int}, {"topk": int}),
-    "verify": OpSchema("step", {"mode": {"chain", "tree", "two-level"}, "q": int}),
-    "accept": OpSchema("step", {"rule": {"greedy-prefix", "tree-path"}, "on": {"host", "device"}}),
-    "commit": OpSchema("step", {"kv": {"rollback", "compact"}}),
-    # graphs: every step one CUDA graph replay (needs accept on the device; chain verification)
-    "schedule": OpSchema("step", {"policy": {"static"}, "batch": int}, {"graphs": bool}),
+    "draft": OpSchema("step", {"kind": {"dflash", "pard"}, "block_size": int, "drafter": str},
+                      choices=frozenset({"block_size"})),
+    "propose": OpSchema("step", {"shape": {"chain", "tree"}, "budget": int}, {"topk": int},
+                        choices=frozenset({"shape", "budget", "topk"})),
+    "verify": OpSchema("step", {"mode": {"chain", "tree", "two-level"}, "q": int}, choices=frozenset({"mode", "q"})),
+    "accept": OpSchema("step", {"rule": {"greedy-prefix", "tree-path"}, "on": {"host", "device"}},
+                       choices=frozenset({"rule", "on"})),
+    "commit": OpSchema("step", {"kv": {"rollback", "compact"}}, choices=frozenset({"kv"})),
+    # graphs: every step one CUDA graph replay (needs accept on the device; chain or tree verification)
+    "schedule": OpSchema("step", {"policy": {"static"}, "batch": int}, {"graphs": bool},
+                         choices=frozenset({"policy", "batch", "graphs"})),
     # model graphs: target and drafter as ops with shapes and dtypes
     "input": OpSchema("model", {"what": {"tokens", "target_hidden"}}, {"layers": tuple, "dim": int}),
     "embed": OpSchema("model", {"vocab": int, "dim": int, "dtype": DTYPES, "weight": str}),
     # weight_offset 1.0: y = x̂ · (1 + w), the zero-centred norm of Qwen3-Next
     # kernel "triton-fused": the decoder stack's fused kernels serve it (runtime/fused.py)
     "rmsnorm": OpSchema("model", {"dim": int, "eps": float, "weight": str},
-                        {"weight_offset": float, "kernel": {"torch", "triton-fused"}}),
-    "linear": OpSchema("model", _matmul, {"layout": {"rows", "tiles"}}),  # layout: a u12 weight's planes
-    "rope": OpSchema("model", {"head_dim": int, "theta": float}, {"kernel": {"torch", "triton-fused"}}),
+                        {"weight_offset": float, "kernel": {"torch", "triton-fused"}}, _KERNEL_CHOICE),
+    "linear": OpSchema("model", _matmul, {"layout": {"rows", "tiles"}}, _MATMUL_CHOICES),  # layout: a u12 weight's planes
+    "rope": OpSchema("model", {"head_dim": int, "theta": float}, {"kernel": {"torch", "triton-fused"}}, _KERNEL_CHOICE),
     "attention": OpSchema(
         "model",
         {
@@ -121,6 +135,7 @@ OPS: dict[str, OpSchema] = {
         },
         # output_gate: q_proj also yields a gate; the output is multiplied by sigmoid(gate) (Qwen3-Next)
         {"qk_norm": bool, "context": {"self", "target-hidden"}, "output_gate": bool},
+        _KERNEL_CHOICE,
     ),
     # Gated DeltaNet token mixer (Qwen3-Next linear attention): inputs in_proj_qkvz and in_proj_ba,
     # a causal depthwise conv of `conv_kernel` taps, the gated delta rule over a float32 state
@@ -128,7 +143,7 @@ OPS: dict[str, OpSchema] = {
     "gated_deltanet": OpSchema(
         "model", {"k_heads": int, "v_heads": int, "k_head_dim": int, "v_head_dim": int, "conv_kernel": int}
     ),
-    "mlp": OpSchema("model", {"act": {"silu"}, "dim": int}, {"kernel": {"torch", "triton-fused"}}),
+    "mlp": OpSchema("model", {"act": {"silu"}, "dim": int}, {"kernel": {"torch", "triton-fused"}}, _KERNEL_CHOICE),
     # Sparse mixture of experts (Qwen3-Next): inputs [normed x, router logits, shared expert output,
     # shared expert gate]; `topk` of `experts` SwiGLU experts of width `dim` per token, weights
     # `{weight}.{e}.{gate,up,down}_proj.weight`; output width `hidden`.
@@ -137,6 +152,7 @@ OPS: dict[str, OpSchema] = {
     # vocab_subset N > 0: the head scores only N token ids (passes/draft_vocab.py), chosen from
     # vocab_corpus; its logits stay V wide, -inf at the other ids
     "lm_head": OpSchema("model", {**_matmul, "tied": bool}, {"vocab_subset": int, "vocab_corpus": str,
-                                                              "layout": {"rows", "tiles"}}),
+                                                              "layout": {"rows", "tiles"}},
+                        _MATMUL_CHOICES | {"vocab_subset", "vocab_corpus"}),
     "argmax": OpSchema("model", {"vocab": int}),
 }

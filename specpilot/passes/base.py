@@ -39,6 +39,18 @@ class Pass:
     def apply(self, program: Program) -> PassResult:
         raise NotImplementedError
 
+    def check(self, program: Program, where: str = "") -> None:
+        """Raise PipelineError if a parameter is outside what this deployment holds (ir.limits:
+        positions, vocabulary); nothing is built before every pass of a pipeline has checked."""
+
+    def out_of_range(self, param: str, lo: int, hi: int | None, why: str, where: str = "") -> None:
+        """PipelineError unless parameter `param` (its field name) lies in lo..hi (hi None: no upper bound)."""
+        value = getattr(self, param)
+        if value < lo or (hi is not None and value > hi):
+            allowed = f"{lo}..{hi}" if hi is not None else f">= {lo}"
+            raise PipelineError(f"{where}pass {self.name!r}: parameter {param.replace('_', '-')!r} = {value} is out of "
+                                f"range for this deployment: expected {allowed} ({why})")
+
     @classmethod
     def schedule_space(cls, program: Program) -> list["Pass"]:
         return []

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..ir import Program
+from ..ir import Program, limits
 from ..ir.verify import expected_verify_length
 from .base import Pass, PassResult, register
 
@@ -30,11 +30,17 @@ class DraftBlockSize(Pass):
         if self.size < 1:
             raise ValueError(f"size must be >= 1, got {self.size}")
 
+    def check(self, program: Program, where: str = "") -> None:
+        dflash = program.step.one("draft")[1]["kind"] == "dflash"
+        lim = limits(program)
+        most = lim.max_tokens_a_step  # a DFlash verify holds the block; a PARD one the k drafts and the last token
+        hi = None if most is None else most - (0 if dflash else 1)
+        why = "a DFlash block is the anchor and at least one draft" if dflash else "PARD drafts k >= 1 tokens"
+        self.out_of_range("size", 2 if dflash else 1, hi, why + ("" if most is None else f"; {lim.why_tokens()}"), where)
+
     def apply(self, program: Program) -> PassResult:
         step = program.step
         draft_name, draft = step.one("draft")
-        if draft["kind"] == "dflash" and self.size < 2:
-            raise ValueError("a DFlash block needs size >= 2 (the anchor plus at least one draft)")
         if draft["block_size"] == self.size:
             return PassResult(program, False, "block size already set")
         propose_name, propose = step.one("propose")

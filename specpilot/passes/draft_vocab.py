@@ -16,7 +16,9 @@ yet), so the search does not try this pass: a pipeline names it.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
+from ..errors import PipelineError
 from ..ir import Program
 from ..runtime.draft_vocab import STDLIB
 from .base import Pass, PassResult, register
@@ -36,6 +38,12 @@ class DraftVocab(Pass):
         if not self.corpus:
             raise ValueError(f"corpus must be {STDLIB!r} or a path, got an empty string")
 
+    def check(self, program: Program, where: str = "") -> None:
+        if self.corpus != STDLIB and not _exists(self.corpus):
+            shown = self.corpus if len(self.corpus) <= 80 else self.corpus[:77] + "..."
+            raise PipelineError(f"{where}pass {self.name!r}: parameter 'corpus' = {shown!r} does not exist (expected "
+                                f"{STDLIB!r}, a text or .jsonl file, or a folder)")
+
     def apply(self, program: Program) -> PassResult:
         heads = program.drafter.find("lm_head")
         if len(heads) != 1:
@@ -49,3 +57,10 @@ class DraftVocab(Pass):
         graph = program.drafter.with_node(name, head.replace(vocab_subset=self.size, vocab_corpus=self.corpus))
         return PassResult(program.with_graph("drafter", graph), True,
                           f"drafter head scores {self.size} of {vocab} tokens (corpus {self.corpus})")
+
+
+def _exists(path: str) -> bool:
+    try:
+        return Path(path).exists()
+    except (OSError, ValueError):  # a name no file system takes
+        return False

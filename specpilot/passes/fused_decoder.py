@@ -19,10 +19,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..ir import Graph, Node, Program
+from ..ir.node import FUSED_OPS
 from .base import Pass, PassResult, register
 
 KERNEL = "triton-fused"
-FUSED_OPS = ("rmsnorm", "rope", "mlp")
 
 
 def _rewrite(_: str, node: Node) -> Node | None:

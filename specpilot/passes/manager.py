@@ -25,13 +25,18 @@ def pipeline_string(passes: list[Pass]) -> str:
     return ",".join(p.spec() for p in passes)
 
 
-def run_passes(program: Program, passes: list[Pass], *, verify: bool = True) -> tuple[Program, list[PassRecord]]:
+def run_passes(program: Program, passes: list[Pass], *, verify: bool = True,
+               where: str = "") -> tuple[Program, list[PassRecord]]:
+    """Apply `passes` in order. Each first checks its parameters against the deployment's limits
+    (PipelineError, prefixed with `where`: the file and field the pipeline came from); the IR is
+    verified after each, including that the pass changed only what passes may choose."""
     records = []
     for p in passes:
+        p.check(program, where)
         before = program.structural_hash()
         result = p.apply(program)
         if verify:
-            verify_program(result.program, after=p.spec())
+            verify_program(result.program, after=p.spec(), before=program)
         after = result.program.structural_hash()
         if result.changed != (before != after):
             raise AssertionError(f"pass {p.spec()} reported changed={result.changed} but the hash says otherwise")

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..ir import Node, Program
+from ..errors import PipelineError
+from ..ir import Node, Program, limits
 from .base import Pass, PassResult, register
 
 CANDIDATE_BUDGETS = (15, 16, 31, 32, 64, 128)  # 31: q = 32, the most rows the fused stacks serve (cost/roofline.py linear_serves)
@@ -37,6 +38,17 @@ class TreeVerify(Pass):
             raise ValueError(f"budget must be >= 1, got {self.budget}")
         if self.topk < 1:
             raise ValueError(f"topk must be >= 1, got {self.topk}")
+
+    def check(self, program: Program, where: str = "") -> None:
+        if program.target.find("gated_deltanet"):
+            raise PipelineError(f"{where}pass {self.name!r}: this target's Gated DeltaNet layers are a recurrence over "
+                                f"one chain of tokens; trees need a target whose layers all attend (leave the pass out)")
+        lim = limits(program)
+        most = lim.max_tokens_a_step
+        self.out_of_range("budget", 1, None if most is None else most - 1,
+                          "the verify holds the anchor and every node" + ("" if most is None else f"; {lim.why_tokens()}"),
+                          where)
+        self.out_of_range("topk", 1, lim.vocab, "ranks per draft position, at most the vocabulary", where)
 
     def _rewrite(self, _: str, node: Node) -> Node | None:
         if node.op == "propose":
@@ -60,5 +72,7 @@ class TreeVerify(Pass):
 
     @classmethod
     def schedule_space(cls, program: Program) -> list[Pass]:
+        if program.target.find("gated_deltanet"):
+            return []
         candidates = [cls(budget=b, topk=k) for b in CANDIDATE_BUDGETS for k in CANDIDATE_TOPK]
         return [c for c in candidates if c.apply(program).changed]

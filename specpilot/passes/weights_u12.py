@@ -14,6 +14,7 @@ Layout (the node's `layout`, U12Tensor.layout): "rows" (the planes row by row), 
 by 64 weights at a time, where N % 16 == 0 and K % 64 == 0; other weights stay rows), or "auto"
 (the default): tiles where the deployment's step verifies TILES_FROM_ROWS or more tokens a call
 (its verify node's q: the rows the target's matmuls take; the drafter's block as wide), else rows.
+A weight whose shape does not tile keeps rows whatever the layout asked (its node says so).
 Both hold the
 same bytes and every kernel reads either. On the H200 (Llama-3.1-8B, bench/results/step_ab*_h200.json,
 753d9c4) the verify(16) step ran 4.613 ms on tiles against 5.151 on rows, the AR step 3.820 against
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..formats.u12 import tiles_fit
 from ..ir import MATMUL_OPS, Node, Program
 from ..ir.lower import SHARED
 from .base import Pass, PassResult, register
@@ -68,10 +70,15 @@ class WeightsU12(Pass):
         if program.attr("dtype") != "bfloat16":
             return PassResult(program, False, f"no change: u12 encodes bf16 weights, deployment is {program.attr('dtype')}")
         total, layout = 0, self._layout(program)
+
+        def rewrite(_: str, node: Node) -> Node | None:
+            if not self._eligible(node):
+                return None
+            tiles = layout and tiles_fit((node["out_features"], node["in_features"]))  # others stay rows
+            return node.replace(format="u12", kernel=self.kernel, **(layout if tiles else {}))
+
         for level in ("target", "drafter"):
-            graph, n = program.graph(level).map_nodes(
-                lambda _, node: node.replace(format="u12", kernel=self.kernel, **layout)
-                if self._eligible(node) else None)
+            graph, n = program.graph(level).map_nodes(rewrite)
             program, total = program.with_graph(level, graph), total + n
         return PassResult(program, total > 0, f"{total} matmul weights in u12"
                           + (", tiled" if layout else ""))

@@ -15,6 +15,7 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 from functools import cached_property
 
+from ..errors import PipelineError
 from ..ir import Program
 from .base import REGISTRY, Pass
 
@@ -50,5 +51,14 @@ def what_ifs(program: Program, passes: Collection[str] | None = None) -> list[Pa
     for name, cls in REGISTRY.items():
         if not cls.closes or not cls.lossless or (passes is not None and name not in passes):
             continue
-        out += [PassWhatIf(instance, program) for instance in cls.schedule_space(program)]
+        out += [PassWhatIf(instance, program) for instance in cls.schedule_space(program) if _fits(instance, program)]
     return out
+
+
+def _fits(instance: Pass, program: Program) -> bool:
+    """Whether the instance's parameters fit the deployment (Pass.check)."""
+    try:
+        instance.check(program)
+    except PipelineError:
+        return False
+    return True
