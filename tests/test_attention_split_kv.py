@@ -24,9 +24,8 @@ from specpilot.runtime.builtin import resolve_builtin
 from specpilot.runtime.load import load_drafter, load_target
 from specpilot.runtime.model import attend, attend_visible, build_mask
 
+from conftest import DEVICE
 from test_ir import DFLASH, PARD, TARGET
-
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 # --- the pass ---------------------------------------------------------------------------------
@@ -106,6 +105,7 @@ def test_arguments_are_checked():
         attention_split_kv(q, k[:, :, :2], k[:, :, :2], past=torch.tensor(0))
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("mask", ["causal", "full", "tree"])
 def test_past_tensor_equals_past_int(mask):
     """Over a cache of capacity 150 whose slots from past + T on hold NaN, a device past gives the
@@ -132,6 +132,7 @@ def test_past_tensor_equals_past_int(mask):
             assert torch.equal(out[i:i + 1], row)
 
 
+@pytest.mark.interpreter
 def test_past_tensor_moves_without_a_new_plan():
     """What a CUDA graph replays: the same buffers, past changed in place; every step matches the
     reference, and the grid (plan) depends on the capacity only."""
@@ -147,7 +148,7 @@ def test_past_tensor_moves_without_a_new_plan():
         torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need CUDA")
+@pytest.mark.gpu
 def test_one_cuda_graph_serves_every_past():
     g = torch.Generator().manual_seed(3)
     cap, t = 4096, 4
@@ -176,6 +177,7 @@ def tiny_llama(tmp_path, monkeypatch):
     return dirs[""], dirs["/dflash"], lower(*configs, dtype="float32")
 
 
+@pytest.mark.interpreter
 def test_kernel_installed_in_the_runtime_gives_the_default_tokens(tiny_llama):
     target_dir, dflash_dir, program = tiny_llama
     target, cfg = load_target(target_dir, dtype=torch.float32, device=DEVICE)
@@ -222,6 +224,7 @@ def test_backend_refuses_the_kernel_where_it_cannot_run(tiny_llama, monkeypatch)
         install_attention_kernels(program.target, target, torch.device("cpu"))
 
 
+@pytest.mark.interpreter
 def test_compile_with_the_pass_passes_token_forcing(tmp_path, monkeypatch):
     from specpilot.compiler import compile_pipeline
     from specpilot.spec import parse_spec
@@ -240,6 +243,7 @@ def test_compile_with_the_pass_passes_token_forcing(tmp_path, monkeypatch):
 
 # --- rope_attention: RoPE, the cache write and attention in one launch --------------------------
 
+@pytest.mark.interpreter
 @settings(max_examples=12, deadline=None)
 @given(b=st.integers(1, 2), hkv=st.integers(1, 2), group=st.integers(1, 3), t=st.integers(1, 20),
        past=st.integers(0, 90), half=st.sampled_from([8, 9, 16]), mask=st.sampled_from(["causal", "full", "tree"]),

@@ -11,13 +11,15 @@ import dataclasses
 import pytest
 import torch
 
+from conftest import DEVICE
+from specpilot.hf.config import ModelConfig
+from specpilot.kernels.overlap import Launch, pdl_mode, prefetch_args
 from specpilot.kernels.rmsnorm import rmsnorm, rmsnorm_reference
 from specpilot.kernels.rope_kv import rope_qkv, rope_qkv_reference
 from specpilot.kernels.silu_mul import silu_mul, silu_mul_reference
-from specpilot.hf.config import ModelConfig
 from specpilot.runtime.model import MLP, Attention, RMSNorm, rope_cos_sin, rope_inv_freq
 
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+pytestmark = pytest.mark.interpreter
 BF16 = torch.bfloat16
 
 
@@ -99,7 +101,7 @@ def test_rope_qkv_equals_the_model_projections_and_cache_write(family, tree, que
         assert q.is_contiguous()
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need CUDA")
+@pytest.mark.gpu
 def test_fused_kernels_replay_in_one_cuda_graph():
     """One captured step: slots and cos/sin change in place between replays, nothing else."""
     g = torch.Generator().manual_seed(6)
@@ -139,16 +141,26 @@ def test_fused_kernels_replay_in_one_cuda_graph():
     torch.testing.assert_close(act, silu_mul_reference(gate_up), atol=0, rtol=2 ** -7)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="PDL and L2 prefetch need CUDA")
+def test_launch_settings_are_checked_and_off_without_a_gpu():
+    """Launch takes PDL modes 0-2 and a bool prefetch, else a ValueError naming the field; where the
+    device has no PDL (a CPU, the interpreter, a GPU before sm_90) both are off."""
+    for bad, field in ((dict(pdl=3), "Launch.pdl"), (dict(pdl=True), "Launch.pdl"), (dict(prefetch=1), "Launch.prefetch")):
+        with pytest.raises(ValueError, match=field):
+            Launch(**bad)
+    cpu = torch.device("cpu")
+    assert pdl_mode(cpu, Launch(pdl=2)) == 0 and pdl_mode(cpu, None) == 0
+    assert prefetch_args(cpu, torch.zeros(64), Launch(prefetch=True)) == (0, 0, 0, 0, 0)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("q", [1, 16])
-def test_overlap_changes_no_value(q):
+def test_launch_settings_change_no_value(q):
     """Programmatic dependent launch (both modes) and the L2 prefetch of o_proj (kernels/overlap.py)
     move no value: a fused AR step (fused_linear at one row), and a verify step of 16 (its dot kernel),
     replayed from a CUDA graph gives the logits of the same step captured with plain launches, bit for
     bit, eagerly too. The prefetch rides in rope_qkv, so with it the step runs RoPE apart from
     attention: its plain twin does too."""
-    from specpilot.kernels.overlap import overlap, pdl_mode, prefetch_args
-    from specpilot.backends.kernel_hooks import fused_path
+    from specpilot.backends.kernel_hooks import fused_path, with_launch
     from specpilot.runtime.model import Transformer
 
     cfg = dataclasses.replace(_cfg("qwen3"), num_layers=3, vocab_size=300)
@@ -167,19 +179,20 @@ def test_overlap_changes_no_value(q):
             cache.length.copy_(start)
             return model(ids, cache).logits
 
-        for label, pdl, prefetch, apart in (("pdl", 1, False, False), ("wait", 2, False, False), ("plain", 0, False, False),
-                                            ("pdl-prefetch", 1, True, True), ("plain-apart", 0, False, True)):
-            model.fused.ops = dataclasses.replace(ops, rope_attention=None) if apart else ops
-            with overlap(pdl=pdl, prefetch=prefetch):
-                assert (pdl_mode(DEVICE), prefetch_args(DEVICE, o_weight)[0]) == (pdl * capable, int(prefetch and capable))
-                eager = step().clone()
-                torch.cuda.synchronize()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    out = step()
-                graph.replay()
-                torch.cuda.synchronize()
-                logits[label] = (eager, out.clone())
+        for label, launch, apart in (("pdl", Launch(pdl=1), False), ("wait", Launch(pdl=2), False),
+                                     ("plain", Launch(), False), ("pdl-prefetch", Launch(pdl=1, prefetch=True), True),
+                                     ("plain-apart", Launch(), True)):
+            model.fused.ops = with_launch(dataclasses.replace(ops, rope_attention=None) if apart else ops, launch)
+            assert (pdl_mode(DEVICE, launch), prefetch_args(DEVICE, o_weight, launch)[0]) == (
+                launch.pdl * capable, int(launch.prefetch and capable))
+            eager = step().clone()
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = step()
+            graph.replay()
+            torch.cuda.synchronize()
+            logits[label] = (eager, out.clone())
         model.fused.ops = ops
     for label, twin in (("pdl", "plain"), ("wait", "plain"), ("pdl-prefetch", "plain-apart")):
         for a, b in zip(logits[label], logits[twin]):

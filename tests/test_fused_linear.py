@@ -11,13 +11,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import specpilot.kernels.fused_linear as fl
+from conftest import DEVICE
 from specpilot.kernels.registry import KERNELS
-from specpilot.kernels.u12_linear import _COUNTERS
+from specpilot.kernels.split_k import counters_of
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SPEC = KERNELS["fused_linear"]
 # exp(-g) overflows to inf for very negative g in the interpreter's numpy (silu is then -0, as on the GPU).
-pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
+pytestmark = [pytest.mark.interpreter, pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")]
 
 
 _CONFIGS = [
@@ -88,7 +88,7 @@ def test_split_k_leaves_its_counters_zero_and_is_deterministic():
     first = fl.fused_linear(x, w, gated=True, config=cfg)
     second = fl.fused_linear(x, w[: 2 * 20], gated=True, config=cfg)  # a view: the same storage's counters
     assert torch.equal(first, second)
-    (counters,) = _COUNTERS[w.untyped_storage()]  # the store u12_linear keeps for every split-K kernel
+    (counters,) = counters_of(w.untyped_storage())  # kernels/split_k.py's, kept with the weight's storage
     assert counters.numel() >= 2 and not counters.any()
 
 

@@ -7,11 +7,11 @@ set by conftest.py before any kernel module is imported); with CUDA they run nat
 import pytest
 import torch
 
+from conftest import DEVICE
 from specpilot.kernels import KERNELS
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # inf/NaN weights are planted on purpose; the interpreter's numpy warns about them.
-pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+pytestmark = [pytest.mark.interpreter, pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")]
 
 CASES = [(name, i) for name, spec in KERNELS.items() for i in range(len(spec.cases))]
 CORRUPTIBLE = [(name, i) for name, i in CASES if KERNELS[name].corrupt is not None]
@@ -59,8 +59,8 @@ def test_every_kernel_has_odd_cases():
 @pytest.mark.parametrize("k,base", [(33, None), (64, None), (64, 0), (40, 241)])
 def test_u12_linear_decodes_bit_exactly(k, base):
     """With x = I (fp32) each output is one weight times 1 plus zeros: the decode must be exact."""
-    from specpilot.kernels.u12_linear import u12_linear
     from specpilot.formats.u12 import pack_u12, unpack_u12
+    from specpilot.kernels.u12 import u12_linear
 
     g = torch.Generator().manual_seed(k)
     w = (torch.randn(37, k, generator=g) * 0.02).to(torch.bfloat16)

@@ -5,8 +5,9 @@ import math
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from specpilot.kernels import fused_linear, u12_linear
+from specpilot.kernels import fused_linear
 from specpilot.kernels.tuning import MAX_RATIO, nearest_tuned
+from specpilot.kernels.u12 import dispatch as u12_linear
 
 QWEN3_8B = {"gate_up": (24576, 4096, True), "down": (4096, 12288, False)}  # N (2I when gated), K
 
@@ -40,8 +41,8 @@ LLAMA_U12 = ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 
 
 def test_u12_tensor_core_kernels_take_three_and_four_rows(monkeypatch):
     """From TENSOR_CORE_ROWS (3) to 4 rows u12_linear takes the 16-row tensor-core configs, below it
-    gemv2; with the threshold at 5, gemv2's 4-row entries again; a few-row tensor-core entry first
-    where TUNED has one; shapes without tensor-core entries keep gemv2."""
+    gemv2; a few-row tensor-core entry first where TUNED has one; shapes without tensor-core entries
+    keep gemv2."""
     tuned = u12_linear.TUNED
     for n, k in LLAMA_U12:
         assert u12_linear.default_config(3, n, k) is u12_linear.default_config(4, n, k) is tuned[(16, n, k)]
@@ -49,9 +50,6 @@ def test_u12_tensor_core_kernels_take_three_and_four_rows(monkeypatch):
         assert u12_linear.default_config(2, n, k).kernel == "gemv2"
         assert u12_linear.default_config(1, n, k) is tuned[(1, n, k)]
     assert u12_linear.default_config(4, 768, 256).kernel == "gemv2"  # the zoo's size: nothing measured near
-    monkeypatch.setattr(u12_linear, "TENSOR_CORE_ROWS", 5)
-    assert u12_linear.default_config(4, 4096, 4096) is tuned[(4, 4096, 4096)]
-    monkeypatch.setattr(u12_linear, "TENSOR_CORE_ROWS", 3)
     few = u12_linear.U12Config(32, 32, split_k=2, num_warps=1, num_stages=1, kernel="hmma")
     monkeypatch.setitem(tuned, (4, 4096, 4096), few)
     assert u12_linear.default_config(4, 4096, 4096) is few

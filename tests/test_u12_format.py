@@ -11,14 +11,10 @@ import triton.language as tl
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from specpilot.kernels.u12_linear import (
-    _COUNTERS,
-    U12Config,
-    _decode_planes,
-    _decode_words,
-    u12_linear,
-    u12_linear_reference,
-)
+from conftest import DEVICE
+from specpilot.kernels.split_k import counters_of
+from specpilot.kernels.u12 import U12Config, u12_linear, u12_linear_reference
+from specpilot.kernels.u12.decode import decode_planes, decode_words
 from specpilot.formats.u12 import (
     MAX_BASE,
     MAX_LANES,
@@ -319,10 +315,11 @@ _KERNEL_CASES = [  # (M, N, K, base, block_n, block_w, split_k, decode)
 ]
 
 
+@pytest.mark.interpreter
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
 @pytest.mark.parametrize("m,n,k,base,block_n,block_w,split_k,decode", _KERNEL_CASES)
 def test_u12_linear_configs_match_reference(m, n, k, base, block_n, block_w, split_k, decode):
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = DEVICE
     g = torch.Generator().manual_seed(m * 1000 + k)
     w = (torch.randn(n, k, generator=g) * 0.02).to(torch.bfloat16)
     flat = bits_of(w).view(-1)
@@ -342,7 +339,7 @@ def test_u12_linear_configs_match_reference(m, n, k, base, block_n, block_w, spl
     assert torch.equal(y[ref.isinf()], ref[ref.isinf()])
     y2 = u12_linear(x, t, cfg)
     assert torch.equal(y.view(torch.int32), y2.view(torch.int32)), "split-K sums in a fixed order"
-    for buf in _COUNTERS.get(t, []):
+    for buf in counters_of(t):
         assert not buf.any(), "the last program of each block resets its counter"
 
 
@@ -353,7 +350,7 @@ def _decode_kernel(sm_ptr, codes_ptr, out_ptr, base, SCALED: tl.constexpr, PAIRS
     rows, cols = tl.arange(0, BN)[:, None], tl.arange(0, BW)[None, :]
     s = tl.load(sm_ptr + rows * BW + cols)
     c = tl.load(codes_ptr + rows * BW + cols).to(tl.int32)
-    w = _decode_words(s, c, base, SCALED, PAIRS, TO_BF16, BN, BW)
+    w = decode_words(s, c, base, SCALED, PAIRS, TO_BF16, BN, BW)
     if TO_BF16:  # bits, not a conversion (the interpreter's bf16 -> fp32 flushes subnormals)
         bits = w.to(tl.int16, bitcast=True).to(tl.int32) << 16
     else:
@@ -382,6 +379,7 @@ def _assert_decoded(out: torch.Tensor, w: torch.Tensor, t: U12Tensor, scaled: bo
     assert out[~escaped & w.float().isnan()].isnan().all()
 
 
+@pytest.mark.interpreter
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
 @pytest.mark.parametrize("to_bf16", [False, True])
 @pytest.mark.parametrize("scaled,pairs", [(False, False), (True, False), (True, True)])
@@ -389,7 +387,7 @@ def test_decode_words_bit_exact(scaled, pairs, to_bf16):
     """The kernel's decode of every in-window pattern: the exact bits, or (scaled) the weight times
     2^-(base-1); escapes decode to +0. The bf16 output (the GPU's dot path) is checked here too,
     since the interpreter's bf16 dot cannot be."""
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = DEVICE
     w, t = _all_patterns(base=1 if scaled else 0)  # base 1: the window's lowest exponent is the lowest normal one
     n, k = w.shape
     out = torch.empty(n, k, dtype=torch.float32, device=device)
@@ -404,7 +402,7 @@ def _planes_kernel(sm_ptr, codes_ptr, out_ptr, ASM: tl.constexpr, BN: tl.constex
     rows, cols = tl.arange(0, BN)[:, None], tl.arange(0, BW)[None, :]
     s = tl.load(sm_ptr + rows * BW + cols)
     c = tl.load(codes_ptr + rows * BW + cols).to(tl.int32)
-    w0, w1, w2, w3 = _decode_planes(s, c, ASM)
+    w0, w1, w2, w3 = decode_planes(s, c, ASM)
     out = out_ptr + rows * 4 * BW + 4 * cols
     tl.store(out, w0)
     tl.store(out + 1, w1)
@@ -412,13 +410,14 @@ def _planes_kernel(sm_ptr, codes_ptr, out_ptr, ASM: tl.constexpr, BN: tl.constex
     tl.store(out + 3, w3)
 
 
+@pytest.mark.interpreter
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
 @pytest.mark.parametrize("asm", [False, True] if torch.cuda.is_available() else [False])
 def test_decode_planes_bit_exact(asm):
     """The gemv2 decode (biased) of every pattern: PTX prmt/lop3 (GPU) and their shift-and-mask
     emulation must give the same bits, the weight times 2^(113-base), escapes 2^-15; at the lowest
     base (the window's lowest exponent the lowest normal one) and the highest."""
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = DEVICE
     for base in (1, MAX_BASE - 1):
         w, t = _all_patterns(base=base)
         n, k = w.shape

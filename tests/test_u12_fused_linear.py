@@ -1,4 +1,4 @@
-"""u12_fused_linear (kernels/u12_fused_linear.py) against its reference: random shapes and options,
+"""u12_fused_linear (kernels/u12/fused.py) against its reference: random shapes and options,
 escapes under the norm prologue and in both halves of a gated weight, the in-place residual, the
 mma kernel's epilogue at 5 rows and more, the unfused fallback, the norm handoff, and input errors
 (tests/test_kernels.py runs the registry's cases).
@@ -14,18 +14,20 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import specpilot.kernels.u12_fused_linear as ufl
-import specpilot.kernels.u12_linear as u12_linear_module
+from conftest import DEVICE
+from specpilot.formats.u12 import pack_u12, unpack_u12
 from specpilot.kernels.registry import KERNELS
 from specpilot.kernels.rmsnorm import rmsnorm_reference
-from specpilot.kernels.u12_linear import TUNED, U12Config, gemv2_acc_registers, gemv2_applies
-from specpilot.formats.u12 import pack_u12, unpack_u12
+from specpilot.kernels.u12 import TUNED, U12Config
+from specpilot.kernels.u12 import fused as ufl
+from specpilot.kernels.u12.cases import plant_escapes, plant_wrong_fused_weight
+from specpilot.kernels.u12.escapes import lanes_args
+from specpilot.kernels.u12.gemv2 import gemv2_acc_registers, gemv2_applies
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOLERANCE = KERNELS["u12_fused_linear"].tolerance
 # inf weights are planted on purpose, and exp(-g) overflows for very negative g (silu is then -0):
 # the interpreter's numpy warns about both.
-pytestmark = [pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning"),
+pytestmark = [pytest.mark.interpreter, pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning"),
               pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")]
 
 
@@ -45,18 +47,15 @@ def _both(x, t, **kwargs):
 
 @contextlib.contextmanager
 def counting_mma_launches():
-    """(config, epilogue keywords) of each launch of the mma kernel inside (u12_fused_linear imports
-    the launcher on each call)."""
-    from specpilot.kernels import u12_mma
-
+    """(config, epilogue keywords) of each launch of the mma kernel inside."""
     calls = []
-    launch = u12_mma.launch_mma
+    launch = ufl.launch_mma
 
     def counted(x, t, y, cfg, **kwargs):
         calls.append((cfg, kwargs))
         return launch(x, t, y, cfg, **kwargs)
 
-    with mock.patch.object(u12_mma, "launch_mma", counted):
+    with mock.patch.object(ufl, "launch_mma", counted):
         yield calls
 
 
@@ -68,15 +67,15 @@ def mma_launches():
 
 @pytest.fixture
 def fused_launches(monkeypatch):
-    """Counts launches of the fused kernel (u12_fused_linear looks the launcher up on each call)."""
+    """Counts launches of the fused GEMV kernel."""
     calls = []
-    launch = ufl._launch_fused
+    launch = ufl.launch_fused_gemv
 
     def counted(*args, **kwargs):
         calls.append(args)
         return launch(*args, **kwargs)
 
-    monkeypatch.setattr(ufl, "_launch_fused", counted)
+    monkeypatch.setattr(ufl, "launch_fused_gemv", counted)
     return calls
 
 
@@ -95,7 +94,7 @@ def test_random_shapes_and_options_match_reference(m, n_out, words, dtype, norm,
     k, n = 4 * words, (2 if gated else 1) * n_out
     x = (3 * torch.randn(m, k, generator=g)).to(dtype).to(DEVICE)
     w = 0.02 * torch.randn(n, k, generator=g)
-    ufl.plant_escapes(w, g, gated)
+    plant_escapes(w, g, gated)
     t = pack_u12(w.to(torch.bfloat16)).to(DEVICE)
     assert gemv2_applies(m, k, t.base), "the fused kernel must run, not the fallback"
     nw = (1 + 0.1 * torch.randn(k, generator=g)).to(dtype).to(DEVICE) if norm else None
@@ -119,15 +118,20 @@ def _escape_part(t) -> torch.Tensor:
     return esc
 
 
-@pytest.mark.parametrize("lanes", ["lanes", "table"])
+def _past_the_lanes(w: torch.Tensor, row: int) -> None:
+    """17 escapes of about 0 in `row` of w (in place): more than the lanes take, so the GEMVs walk
+    the table for the whole weight."""
+    w[row, :17] = 1e-30
+
+
+@pytest.mark.parametrize("way", ["lanes", "table"])
 @pytest.mark.parametrize("nonfinite", [False, True], ids=["finite", "inf-in-block"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_escapes_use_the_normalised_x(monkeypatch, dtype, nonfinite, lanes):
+def test_escapes_use_the_normalised_x(dtype, nonfinite, way):
     """Escapes in every row at the columns where x' = rmsnorm(x) is largest: the result matches the
     reference, and would not with x in place of x' there. With an inf weight in the first N block:
     in the table, that block's escapes go one at a time (the non-finite path), normalised as well;
     in the lanes, the inf contribution stays in its row."""
-    monkeypatch.setattr(u12_linear_module, "ESC_LANES", lanes)
     g = torch.Generator().manual_seed(11)
     m, n, k = 3, 9, 64
     x = (30 * torch.randn(m, k, generator=g)).to(dtype).to(DEVICE)
@@ -140,8 +144,10 @@ def test_escapes_use_the_normalised_x(monkeypatch, dtype, nonfinite, lanes):
     inf_col = next(c for c in range(k) if c not in cols)
     if nonfinite:
         w[0, inf_col] = float("inf")
+    if way == "table":
+        _past_the_lanes(w, n - 1)
     t = pack_u12(w.to(torch.bfloat16), base=base).to(DEVICE)
-    assert t.esc_idx.numel() >= n * len(cols)
+    assert t.esc_idx.numel() >= n * len(cols) and (lanes_args(t)[1] > 0) == (way == "lanes")
     out, ref = _both(x, t, norm_weight=nw)
     atol, rtol = TOLERANCE[dtype]
     torch.testing.assert_close(out, ref, atol=atol, rtol=rtol, equal_nan=True)
@@ -151,16 +157,12 @@ def test_escapes_use_the_normalised_x(monkeypatch, dtype, nonfinite, lanes):
     assert not _close(wrong[:, 1:], ref[:, 1:]), "the test cannot tell x from x' at the escapes"
 
 
-@pytest.mark.parametrize("way", [("lanes", True), ("table", True), ("table", False)],
-                         ids=["lanes", "table-ahead", "table-after"])
+@pytest.mark.parametrize("way", ["lanes", "table"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_gated_escapes_in_both_halves(monkeypatch, dtype, way):
+def test_gated_escapes_in_both_halves(dtype, way):
     """Escapes in gate and up rows (more than ESC_BLOCK in one 4-row up block): each half's go to
     its own sums; dropping either half's changes the reference, so both are checked. Found in the
-    rows' lanes (u12_linear's ``ESC_LANES``) or in the table, its row pointers loaded ahead of the
-    loop (``ESC_AHEAD``) or after it."""
-    monkeypatch.setattr(u12_linear_module, "ESC_LANES", way[0])
-    monkeypatch.setattr(u12_linear_module, "ESC_AHEAD", way[1])
+    rows' lanes, or in the table where a row holds more than the lanes take."""
     g = torch.Generator().manual_seed(12)
     m, i, k = 2, 6, 48
     x = torch.randn(m, k, generator=g).to(dtype).to(DEVICE)
@@ -171,8 +173,10 @@ def test_gated_escapes_in_both_halves(monkeypatch, dtype, way):
     for row in range(i, i + 4):  # up rows of the first block: 20 escapes
         w[row, torch.randperm(k, generator=g)[:5]] = 0.25 * torch.randn(5, generator=g).sign()
     w[2 * i - 1, 7] = -0.5  # the up row of the last, partial block
+    if way == "table":
+        _past_the_lanes(w, i - 1)
     t = pack_u12(w.to(torch.bfloat16), base=base).to(DEVICE)
-    assert (u12_linear_module.lanes_args(t)[1] > 0) == (way[0] == "lanes"), "the way the test means to walk"
+    assert (lanes_args(t)[1] > 0) == (way == "lanes"), "the way the test means to walk"
     out, ref = _both(x, t, norm_weight=nw, gated=True)
     atol, rtol = TOLERANCE[dtype]
     torch.testing.assert_close(out, ref, atol=atol, rtol=rtol)
@@ -188,7 +192,7 @@ def test_residual_is_updated_in_place_and_returned(fused_launches):
     g = torch.Generator().manual_seed(2)
     x = torch.randn(2, 40, generator=g).to(torch.bfloat16).to(DEVICE)
     w = 0.05 * torch.randn(2 * 12, 40, generator=g)
-    ufl.plant_escapes(w, g, gated=True)
+    plant_escapes(w, g, gated=True)
     t = pack_u12(w.to(torch.bfloat16)).to(DEVICE)
     r = torch.randn(2, 12, generator=g).to(torch.bfloat16).to(DEVICE)
     before = r.clone()
@@ -238,7 +242,7 @@ def test_many_rows_run_the_mma_kernel_with_the_epilogue(m, n_out, words, dtype, 
     x = torch.randn(m, k, generator=g)
     x[::3] *= 30
     w = 0.02 * torch.randn((2 if gated else 1) * n_out, k, generator=g)
-    ufl.plant_escapes(w, g, gated)
+    plant_escapes(w, g, gated)
     t = pack_u12(w.to(torch.bfloat16)).to(DEVICE)
     nw = (1 + 0.1 * torch.randn(k, generator=g)).to(dtype).to(DEVICE) if norm else None
     r = torch.randn(m, n_out, generator=g).to(dtype).to(DEVICE) if residual else None
@@ -301,34 +305,34 @@ def test_tensor_core_config_takes_tuned_tensor_core_tiles():
     assert ufl.tensor_core_config(16, 6144, 4096) == TUNED[(16, 6144, 4096)]
     assert ufl.tensor_core_config(16, 28672, 4096) == TUNED[(16, 28672, 4096)]
     assert TUNED[(16, 4096, 4096)].kernel == "hmma" and ufl.tensor_core_config(16, 4096, 4096) == TUNED[(16, 4096, 4096)]
-    assert ufl.tensor_core_config(16, 4096, 4096, on_gpu=False) == ufl._MMA_INTERPRETER_CONFIG
+    assert ufl.tensor_core_config(16, 4096, 4096, on_gpu=False) == ufl.MMA_INTERPRETER_CONFIG
 
 
 def test_default_config_halves_the_tile_when_gated(monkeypatch):
     """Where this kernel's TUNED has no entry, a gated weight takes u12_linear's tile halved."""
-    monkeypatch.setattr(ufl, "TUNED", {})
-    assert ufl.default_config(1, 6144, 4096, False, on_gpu=False) == ufl._INTERPRETER_CONFIG
+    monkeypatch.setattr(ufl, "TUNED_FUSED", {})
+    assert ufl.fused_config(1, 6144, 4096, False, on_gpu=False) == ufl.INTERPRETER_CONFIG
     for m in (1, 2, 4):
-        plain = ufl.default_config(m, 28672, 4096, False)
-        gated = ufl.default_config(m, 28672, 4096, True)
+        plain = ufl.fused_config(m, 28672, 4096, False)
+        gated = ufl.fused_config(m, 28672, 4096, True)
         assert plain.kernel == gated.kernel == "gemv2" and gated.block_n >= 4
         assert 2 * gemv2_acc_registers(gated, m) == gemv2_acc_registers(plain, m)  # two accumulators, same registers
-    assert ufl.default_config(1, 28672, 4096, False) == TUNED[(1, 28672, 4096)]
-    assert ufl.default_config(1, 28672, 4096, True).block_n == TUNED[(1, 28672, 4096)].block_n // 2
-    assert ufl.default_config(4, 28672, 4096, True).block_w == TUNED[(4, 28672, 4096)].block_w // 2  # block_n is 4
+    assert ufl.fused_config(1, 28672, 4096, False) == TUNED[(1, 28672, 4096)]
+    assert ufl.fused_config(1, 28672, 4096, True).block_n == TUNED[(1, 28672, 4096)].block_n // 2
+    assert ufl.fused_config(4, 28672, 4096, True).block_w == TUNED[(4, 28672, 4096)].block_w // 2  # block_n is 4
     for m in (3, 4):  # u12_linear takes the tensor-core configs there, this kernel gemv2's
-        assert ufl.default_config(m, 4096, 4096, False) == TUNED[(4, 4096, 4096)]
+        assert ufl.fused_config(m, 4096, 4096, False) == TUNED[(4, 4096, 4096)]
 
 
 def test_default_config_takes_its_own_tuned_entries_first(monkeypatch):
     """This kernel's TUNED (its own sweep, keyed by gated) before the tiles derived from u12_linear's,
     at the measured shape and at one near it (Qwen3-8B's gate_up), for that gated flag only."""
     cfg = U12Config(8, 128, num_warps=4, num_stages=1, kernel="gemv2")
-    monkeypatch.setitem(ufl.TUNED, (1, 28672, 4096, True), cfg)
-    assert ufl.default_config(1, 28672, 4096, True) is cfg
-    assert ufl.default_config(1, 24576, 4096, True) is cfg
-    assert ufl.default_config(1, 28672, 4096, False) == TUNED[(1, 28672, 4096)]
-    assert ufl.default_config(4, 28672, 4096, True) != cfg  # another rows bucket
+    monkeypatch.setitem(ufl.TUNED_FUSED, (1, 28672, 4096, True), cfg)
+    assert ufl.fused_config(1, 28672, 4096, True) is cfg
+    assert ufl.fused_config(1, 24576, 4096, True) is cfg
+    assert ufl.fused_config(1, 28672, 4096, False) == TUNED[(1, 28672, 4096)]
+    assert ufl.fused_config(4, 28672, 4096, True) != cfg  # another rows bucket
 
 
 # --- NormHandoff: a residual GEMV hands the stream's norm to the next GEMV ---------------------
@@ -339,9 +343,9 @@ def _handoff_pair(m, k, n, i, dtype, seed, gated=True):
     g = torch.Generator().manual_seed(seed)
     x = (3 * torch.randn(m, k, generator=g)).to(dtype).to(DEVICE)
     w = 0.02 * torch.randn(n, k, generator=g)
-    ufl.plant_escapes(w, g, False)
+    plant_escapes(w, g, False)
     w2 = 0.02 * torch.randn((2 if gated else 1) * i, n, generator=g)
-    ufl.plant_escapes(w2, g, gated)
+    plant_escapes(w2, g, gated)
     stream = (4 * torch.randn(m, n, generator=g)).to(dtype).to(DEVICE)
     gamma = (1 + 0.1 * torch.randn(n, generator=g)).to(dtype).to(DEVICE)
     return x, pack_u12(w.to(torch.bfloat16)).to(DEVICE), pack_u12(w2.to(torch.bfloat16)).to(DEVICE), stream, gamma
@@ -376,24 +380,19 @@ def _check_handoff_pair(m, words, n_words, i, dtype, gated, config, seed):
 
 
 @pytest.mark.parametrize("gated", [False, True])
-@pytest.mark.parametrize("consumer_w", [8, 64], ids=["many-chunks", "one-chunk"])
 @pytest.mark.parametrize("warps", [1, 4], ids=["sum-before", "sum-after"])
-def test_handed_in_parts_summed_around_the_loop(monkeypatch, gated, consumer_w, warps):
-    """A consumer GEMV sums the producer's parts (64 here), of 8 chunks of 8 words over K = 256 or
-    one of 64: before its loop with one warp, loaded before it and summed after it with four
-    (``PARTS_AFTER``: bit for bit the same output); the output is the reference's, and the parts'
-    sum moves it: halving one part is caught."""
+def test_handed_in_parts_summed_around_the_loop(gated, warps):
+    """A consumer GEMV sums the producer's parts (64 here) before its loop with one warp, and loads
+    them before it and sums them after it with four (``parts_after``), over 8 chunks of 8 words: the
+    output is the reference's either way, and the parts' sum moves it: halving one part is caught."""
     m, k, n, i = 2, 48, 256, 5
     x, t, t2, stream, gamma = _handoff_pair(m, k, n, i, torch.float32, 7, gated)
     h = ufl.NormHandoff(gamma, 1e-5)
     ufl.u12_fused_linear(x, t, residual=stream, hand_out=h)
     assert h.parts.shape == (64, m)  # the producer's 64 programs of 4 rows
     assert ufl.parts_after(64, m, warps) == (warps == 4)
-    consumer = U12Config(4, consumer_w, num_warps=warps, num_stages=1, kernel="gemv2")
+    consumer = U12Config(4, 8, num_warps=warps, num_stages=1, kernel="gemv2")
     y = ufl.u12_fused_linear(h.xg, t2, gated=gated, hand_in=h, config=consumer)
-    monkeypatch.setattr(ufl, "PARTS_AFTER", False)
-    assert torch.equal(ufl.u12_fused_linear(h.xg, t2, gated=gated, hand_in=h, config=consumer), y)
-    monkeypatch.setattr(ufl, "PARTS_AFTER", True)
     ref = ufl.u12_fused_linear_reference(h.xg, t2, gated=gated, hand_in=h)
     atol, rtol = TOLERANCE[torch.float32]
     torch.testing.assert_close(y, ref, atol=atol, rtol=rtol)
@@ -416,38 +415,34 @@ def test_parts_after_bounds():
 def test_tuned_pins_qkv_apart_from_o():
     """TUNED's o entry (4-row blocks) does not reach qkv through the nearest-shape lookup, and
     gate|up's tile takes its parts after the loop."""
-    assert ufl.default_config(1, 4096, 4096, False).block_n == 4
-    assert ufl.default_config(1, 6144, 4096, False) == ufl.TUNED[(1, 6144, 4096, False)]
-    assert ufl.default_config(1, 6144, 4096, False).block_w == 128
+    assert ufl.fused_config(1, 4096, 4096, False).block_n == 4
+    assert ufl.fused_config(1, 6144, 4096, False) == ufl.TUNED_FUSED[(1, 6144, 4096, False)]
+    assert ufl.fused_config(1, 6144, 4096, False).block_w == 128
     # gate|up's 4 warps let its 1024 handed-in parts (o's programs) wait for the loop's end
-    assert ufl.parts_after(4096 // ufl.default_config(1, 4096, 4096, False).block_n, 1,
-                           ufl.default_config(1, 28672, 4096, True).num_warps)
+    assert ufl.parts_after(4096 // ufl.fused_config(1, 4096, 4096, False).block_n, 1,
+                           ufl.fused_config(1, 28672, 4096, True).num_warps)
 
 
-@pytest.mark.parametrize("lanes_mode", ["lanes", "table"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_mma_epilogue_escapes_both_ways(monkeypatch, mma_launches, lanes_mode, dtype):
-    """The mma epilogue's escapes from the lanes or the table (``ESC_LANES``), in both halves of a
-    gated weight (rows taken half gate, half up) and in a plain residual one; a row of 20 escapes
-    has no lanes, so its weight walks the table either way."""
-    monkeypatch.setattr(u12_linear_module, "ESC_LANES", lanes_mode)
+def test_mma_epilogue_adds_the_escapes(mma_launches, dtype):
+    """The mma epilogue's escapes from the table, in both halves of a gated weight (rows taken half
+    gate, half up; one up row of 20 escapes) and in a plain residual one; a wrong weight shows."""
     g = torch.Generator().manual_seed(11)
     m, n_out, k = 7, 37, 96
     x = (3 * torch.randn(m, k, generator=g)).to(dtype).to(DEVICE)
-    for gated, crowded in ((True, False), (True, True), (False, False)):
+    for gated, crowded in ((True, True), (False, False)):
         w = 0.02 * torch.randn((2 if gated else 1) * n_out, k, generator=g)
-        ufl.plant_escapes(w, g, gated)
+        plant_escapes(w, g, gated)
         if crowded:
-            w[n_out + 3, torch.randperm(k, generator=g)[:20]] = 3.0  # an up row of 20 escapes: no lanes
+            w[n_out + 3, torch.randperm(k, generator=g)[:20]] = 3.0  # an up row of 20 escapes
         t = pack_u12(w.to(torch.bfloat16)).to(DEVICE)
-        assert (u12_linear_module.lanes_args(t)[1] > 0) == (lanes_mode == "lanes" and not crowded)
         r = None if gated else torch.randn(m, n_out, generator=g).to(dtype).to(DEVICE)
         out, ref = _both(x, t, gated=gated, residual=r)
         assert _close(out, ref), (gated, crowded)
-        bad = ufl.u12_fused_linear(*ufl._plant_wrong_u12_weight((x, t, None, gated, r, "default"))[:2], gated=gated,
+        bad = ufl.u12_fused_linear(*plant_wrong_fused_weight((x, t, None, gated, r, "default"))[:2], gated=gated,
                                    residual=None if r is None else r.clone())
         assert not _close(bad, ref)
-    assert [kw["gated"] for _, kw in mma_launches] == [True, True, True, True, False, False]
+    assert [kw["gated"] for _, kw in mma_launches] == [True, True, False, False]
 
 
 def test_mma_epilogue_sums_many_parts_in_chunks(mma_launches):
@@ -458,7 +453,7 @@ def test_mma_epilogue_sums_many_parts_in_chunks(mma_launches):
     parts = torch.rand(300, m, generator=g) * 50
     xg = (2 * torch.randn(m, k, generator=g)).to(torch.bfloat16)
     w = 0.02 * torch.randn(2 * i, k, generator=g)
-    ufl.plant_escapes(w, g, True)
+    plant_escapes(w, g, True)
     t = pack_u12(w.to(torch.bfloat16)).to(DEVICE)
     hand = ufl.NormHandoff(torch.ones(k, dtype=torch.bfloat16, device=DEVICE), 1e-5, xg.to(DEVICE), parts.to(DEVICE))
     y = ufl.u12_fused_linear(hand.xg, t, gated=True, hand_in=hand)
@@ -504,26 +499,22 @@ def test_norm_handoff_at_many_rows(mma_launches, m, dtype, gated, producer, cons
     (5, 33, 64, _HMMA_T2, False, True), (16, 70, 136, _HMMA_T1, False, True), (11, 9, 96, _HMMA_T1, False, True),
     (7, 21, 64, _HMMA_T2, True, False), (16, 40, 136, _HMMA_T1, True, True), (9, 5, 96, _HMMA_T1, True, False),
 ])
-@pytest.mark.parametrize("lanes_mode", ["lanes", "table"])
-def test_hmma_epilogue(monkeypatch, lanes_mode, m, n_out, k, config, gated, residual):
+def test_hmma_epilogue(m, n_out, k, config, gated, residual):
     """The hmma kernel's SiLU·mul (an m-tile's rows g gate rows, g + 8 their up rows, each with its
-    own escapes, from the lanes or the table) and residual add at odd shapes (partial row blocks and
-    chunks, split-K), as the reference computes them."""
-    monkeypatch.setattr(u12_linear_module, "ESC_LANES", lanes_mode)
+    own escapes) and residual add at odd shapes (partial row blocks and chunks, split-K), as the
+    reference computes them."""
     g = torch.Generator().manual_seed(m * n_out)
     x = (3 * torch.randn(m, k, generator=g)).to(torch.bfloat16).to(DEVICE)
     w = 0.02 * torch.randn((2 if gated else 1) * n_out, k, generator=g)
-    ufl.plant_escapes(w, g, gated)
+    plant_escapes(w, g, gated)
     t = pack_u12(w.to(torch.bfloat16)).to(DEVICE)
     r = torch.randn(m, n_out, generator=g).to(torch.bfloat16).to(DEVICE) if residual else None
-    from specpilot.kernels import u12_hmma
-
-    with mock.patch.object(u12_hmma, "launch_hmma", wraps=u12_hmma.launch_hmma) as launches:
+    with mock.patch.object(ufl, "launch_hmma", wraps=ufl.launch_hmma) as launches:
         out, ref = _both(x, t, gated=gated, residual=r, config=config)
     assert launches.call_count == 1
     assert (launches.call_args.kwargs["gated"], launches.call_args.kwargs["residual"]) == (gated, residual)
     assert _close(out, ref)
-    bad = ufl.u12_fused_linear(*ufl._plant_wrong_u12_weight((x, t, None, gated, r, "default"))[:2], gated=gated,
+    bad = ufl.u12_fused_linear(*plant_wrong_fused_weight((x, t, None, gated, r, "default"))[:2], gated=gated,
                                residual=None if r is None else r.clone(), config=config)
     assert not _close(bad, ref)
 

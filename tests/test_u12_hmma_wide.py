@@ -1,53 +1,50 @@
-"""The hmma kernel past 16 rows (kernels/u12_hmma.py's ``MAX_M`` and ``WIDE``): row blocks side by side.
+"""The hmma kernel past 16 rows (kernels/u12/hmma.py's ``hmma_rows`` and ``MAX_M``): row blocks side by side.
 
 Apart from tests/test_u12_hmma.py so that the two files' interpreter runs go to two workers."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-from specpilot.kernels import u12_hmma
-from specpilot.kernels.u12_linear import U12Config
+from conftest import DEVICE
+from specpilot.kernels.u12 import U12Config, hmma
+from specpilot.kernels.u12 import fused as ufl
+from specpilot.kernels.u12.cases import fused_case, make_fused_inputs
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-    pytest.skip("Triton kernels need a GPU or TRITON_INTERPRET=1", allow_module_level=True)
+pytestmark = pytest.mark.interpreter
 _HMMA = dict(num_stages=1, kernel="hmma")
 
 
-@pytest.mark.parametrize("m,split_k,mode,warps", [
-    (27, 2, "residual", 2), (32, 1, "gated", 2), (21, 2, "hand_out", 2),
-    (37, 2, "hand_in", 2),  # one m-tile a warp: blocks of 32 rows (WIDE), the last of 5
-    (27, 2, "residual", 1),  # two m-tiles a warp: blocks of 16 (17 rows, u12_linear: the registry's case)
+@pytest.mark.parametrize("m,split_k,mode,n", [
+    (21, 2, "hand_out", 48), (32, 1, "gated", 32),  # one m-tile a warp: blocks of 32 rows
+    (37, 2, "hand_in", 32),  # the last block of 5 rows
+    (21, 2, "residual", 32),  # two m-tiles a warp (one warp of 32 rows): blocks of 16
 ])
-def test_row_blocks_side_by_side_give_each_block_alone(monkeypatch, m, split_k, mode, warps):
-    """Past 16 rows (``MAX_M``) a launch runs row blocks side by side, of 32 rows where each warp holds
-    one m-tile (``WIDE``: each word decoded once for them all), else of 16: every 16 rows' outputs
-    bit for bit those of a launch of those rows alone (their sums and epilogues do not meet), split-K,
-    the residual, gated and handoff epilogues included (a handed-on norm's xg and the row sums of its
-    parts too); and the reference's within the kernel's tolerance. (The fused launches of the rows
-    alone hold 5+ rows: u12_fused_linear runs gemv2 below.)"""
-    from specpilot.kernels import u12_fused_linear as ufl
-
-    n, k = 48, 256  # two N blocks (the second half past N); 64 words: splits of whole 32-word chunks
+def test_row_blocks_side_by_side_give_each_block_alone(monkeypatch, m, split_k, mode, n):
+    """Past 16 rows a launch runs row blocks side by side, of 32 rows where each warp holds one m-tile
+    (each word decoded once for them all), else of 16: every 16 rows' outputs bit for bit those of a
+    launch of those rows alone (their sums and epilogues do not meet), split-K, the residual, gated
+    and handoff epilogues included (a handed-on norm's xg and the row sums of its parts too); and the
+    reference's within the kernel's tolerance. (The launches of the rows alone hold 5+ rows: the
+    fused GEMV serves fewer.)"""
+    k = 256  # 64 words: splits of whole 32-word chunks (n 48: two N blocks, the second half past N)
+    warps = 1 if mode == "residual" else 2
     gated = mode == "gated"
-    case = ufl._case(m, 2 * n if gated else n, k, torch.bfloat16, gated=int(gated), residual=1)
-    x, t, _, _, r, _ = ufl._make_inputs(case, DEVICE, m)  # u12_fused_linear's registry inputs, escapes planted
+    case = fused_case(m, 2 * n if gated else n, k, torch.bfloat16, gated=int(gated), residual=1)
+    x, t, _, _, r, _ = make_fused_inputs(case, DEVICE, m)  # escapes planted
     t = t.with_layout("tiles")
     g = torch.Generator().manual_seed(m)
     parts = (0.5 + torch.rand(3, m, generator=g)).to(DEVICE) * k
     nw = (1 + 0.1 * torch.randn(n, generator=g)).to(torch.bfloat16).to(DEVICE)
     cfg = U12Config(32, 32, split_k=split_k, num_warps=warps, **_HMMA)
-    kernel, block_ms = u12_hmma._u12_hmma_kernel, []
+    kernel, block_ms = hmma._u12_hmma_kernel, []
 
     class Spy:  # each launch's rows a program
         def __getitem__(self, grid):
             return lambda *a, **kw: (block_ms.append(kw["BLOCK_M"]), kernel[grid](*a, **kw))
 
-    monkeypatch.setattr(u12_hmma, "_u12_hmma_kernel", Spy())
+    monkeypatch.setattr(hmma, "_u12_hmma_kernel", Spy())
 
     def run(rows):
         h_out = ufl.NormHandoff(nw) if mode == "hand_out" else None

@@ -1,69 +1,51 @@
-"""The mma kernel of kernels/u12_mma.py: the "u12_mma" registry cases against the reference, that
-the kernel (not the tile fallback) ran them, the K order its two dot operands share, its bf16
-planes' bits on every pattern, and an exact decode through the whole kernel (split-K, masked chunk).
+"""The mma kernel (kernels/u12/mma.py): that the registry's "u12_mma" cases run it (their numbers are
+tests/test_kernels.py's), the K order its two dot operands share, its bf16 planes' bits on every
+pattern, an exact decode through the whole kernel (split-K, masked chunk), and the escapes of the
+block kernels (tile, mma, hmma) from the table.
 
 Without a GPU the kernel runs in Triton's interpreter: fp32 planes and dots, the PTX emulated; the
 bf16 planes the GPU feeds to wgmma are checked bit for bit here, since the interpreter's bf16 dot
 cannot be. With a GPU the native path runs too.
 """
 
-import dataclasses
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
 import triton
 import triton.language as tl
 
-from specpilot.kernels import u12_mma
-from specpilot.kernels.registry import KERNELS
-from specpilot.kernels.u12_linear import (
-    SPLIT_KS_MMA,
-    SWEEP_MMA,
-    U12Config,
-    _make_inputs,
-    _plant_wrong_weight,
-    default_config,
-    u12_linear,
-    u12_linear_reference,
-)
-from specpilot.kernels.u12_mma import _mma_planes, _w_in_dot_order, _x_in_dot_order, mma_applies
+from conftest import DEVICE
 from specpilot.formats.u12 import pack_u12, unpack_u12
+from specpilot.kernels import KERNELS
+from specpilot.kernels.u12 import U12Config, dispatch, u12_linear, u12_linear_reference
+from specpilot.kernels.u12.cases import make_inputs, plant_wrong_weight
+from specpilot.kernels.u12.mma import mma_applies, mma_planes, w_in_dot_order, x_in_dot_order
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # inf/NaN weights are planted on purpose; the interpreter's numpy warns about them.
-pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
-
-SPEC = KERNELS["u12_mma"]
-CASES = list(enumerate(SPEC.cases))
-
-
-def _case_id(param):
-    return "-".join(str(v) for v in param[1].values())
+pytestmark = [pytest.mark.interpreter, pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")]
 
 
 @pytest.fixture
 def mma_launches(monkeypatch):
-    """Counts launches of the mma kernel (u12_linear looks the launcher up on each call)."""
+    """Counts launches of the mma kernel (the dispatcher looks the launcher up on each call)."""
     calls = []
-    launch = u12_mma.launch_mma
-    monkeypatch.setattr(u12_mma, "launch_mma", lambda *a, **k: (calls.append(a[3]), launch(*a, **k))[1])
+    launch = dispatch.launch_mma
+    monkeypatch.setattr(dispatch, "launch_mma", lambda *a, **k: (calls.append(a[3]), launch(*a, **k))[1])
     return calls
 
 
-@pytest.mark.parametrize("param", CASES, ids=_case_id)
-def test_mma_cases_match_reference(param, mma_launches):
-    i, case = param
-    inputs = SPEC.make_inputs(case, DEVICE, 1234 + i)
-    out, ref = SPEC.run(*inputs), SPEC.reference(*inputs)
-    atol, rtol = SPEC.tolerance[ref.dtype]
-    torch.testing.assert_close(out, ref, atol=atol, rtol=rtol, equal_nan=True)
-    x, t = inputs
-    assert len(mma_launches) == mma_applies(case["M"], case["K"], t.base), "the mma kernel ran where it applies"
-    bad = SPEC.run(*SPEC.corrupt(inputs))
-    with pytest.raises(AssertionError):
-        torch.testing.assert_close(bad, ref, atol=atol, rtol=rtol, equal_nan=True)
+def test_registry_cases_run_the_mma_kernel(monkeypatch):
+    """The registry's "u12_mma" cases launch the mma kernel wherever it applies (K % 4 == 0, a scaled
+    base), the tile kernel elsewhere."""
+    launched = []
+    monkeypatch.setattr(dispatch, "launch_mma", lambda x, t, y, cfg, **kw: launched.append(x.shape[0]))
+    spec = KERNELS["u12_mma"]
+    for i, case in enumerate(spec.cases):
+        x, t = spec.make_inputs(case, DEVICE, i)
+        if mma_applies(case["M"], case["K"], t.base):
+            before = len(launched)
+            spec.run(x, t)
+            assert launched[before:] == [case["M"]], case
+    assert len(launched) == 7  # all but the unscaled base and K % 4 != 0
 
 
 def test_mma_applies_only_to_the_scaled_word_path():
@@ -77,7 +59,7 @@ def test_mma_applies_only_to_the_scaled_word_path():
 def test_mma_config_runs_few_rows_in_a_16_row_program(mma_launches, m):
     """Below 16 rows (TENSOR_CORE_ROWS's 3 and 4 among them) one program of 16 rows, those past M
     re-reading the last: the reference's sums, and only M rows written."""
-    x, t = _make_inputs({"M": m, "N": 9, "K": 64, "dtype": torch.float32, "escapes": "few"}, DEVICE, seed=3)
+    x, t = make_inputs({"M": m, "N": 9, "K": 64, "dtype": torch.float32, "escapes": "few"}, DEVICE, seed=3)
     y = u12_linear(x, t, U12Config(64, 16, kernel="mma"))
     assert len(mma_launches) == 1 and y.shape == (m, 9)
     torch.testing.assert_close(y, x @ unpack_u12(t).float().T, atol=1e-5, rtol=1e-5)
@@ -85,7 +67,7 @@ def test_mma_config_runs_few_rows_in_a_16_row_program(mma_launches, m):
 
 def test_mma_reads_strided_x(mma_launches):
     """A transposed view is copied to contiguous rows first (word and element loads assume them)."""
-    x, t = _make_inputs({"M": 6, "N": 9, "K": 40, "dtype": torch.bfloat16, "escapes": "few"}, DEVICE, seed=5)
+    x, t = make_inputs({"M": 6, "N": 9, "K": 40, "dtype": torch.bfloat16, "escapes": "few"}, DEVICE, seed=5)
     x_t = x.T.contiguous().T
     assert x_t.stride(1) != 1
     y = u12_linear(x_t, t, U12Config(64, 16, kernel="mma"))
@@ -115,10 +97,10 @@ def test_mma_decodes_bit_exactly(k, split_k, mma_launches):
 def _dot_order_kernel(out_w_ptr, out_x_ptr, BW: tl.constexpr):
     """Weight indices 4 w + j through both operands' K order: W's row 0 and x's column 0."""
     w_row = tl.arange(0, BW)[None, :] + tl.zeros((2, BW), tl.int32)  # [BN = 2, BW] word indices
-    w = _w_in_dot_order(4 * w_row, 4 * w_row + 1, 4 * w_row + 2, 4 * w_row + 3)
+    w = w_in_dot_order(4 * w_row, 4 * w_row + 1, 4 * w_row + 2, 4 * w_row + 3)
     tl.store(out_w_ptr + tl.arange(0, 2)[:, None] * 4 * BW + tl.arange(0, 4 * BW)[None, :], w)
     x_col = tl.arange(0, BW)[:, None] + tl.zeros((BW, 2), tl.int32)  # [BW, BM = 2]
-    x = _x_in_dot_order(4 * x_col, 4 * x_col + 1, 4 * x_col + 2, 4 * x_col + 3)
+    x = x_in_dot_order(4 * x_col, 4 * x_col + 1, 4 * x_col + 2, 4 * x_col + 3)
     tl.store(out_x_ptr + tl.arange(0, 4 * BW)[:, None] * 2 + tl.arange(0, 2)[None, :], x)
 
 
@@ -141,7 +123,7 @@ def _bf16_planes_kernel(sm_ptr, codes_ptr, out_ptr, BN: tl.constexpr, BW: tl.con
     rows, cols = tl.arange(0, BN)[:, None], tl.arange(0, BW)[None, :]
     s = tl.load(sm_ptr + rows * BW + cols)
     c = tl.load(codes_ptr + rows * BW + cols).to(tl.int32)
-    w0, w1, w2, w3 = _mma_planes(s, c, True, False)
+    w0, w1, w2, w3 = mma_planes(s, c, True, False)
     out = out_ptr + rows * 4 * BW + 4 * cols
     tl.store(out, w0.to(tl.int16, bitcast=True))
     tl.store(out + 1, w1.to(tl.int16, bitcast=True))
@@ -167,30 +149,10 @@ def test_bf16_planes_bit_exact():
     assert torch.equal(out[~escaped], w.view(torch.int16)[~escaped])
 
 
-def test_sweep_and_names():
-    assert all(cfg.kernel == "mma" and cfg.split_k == 1 for cfg in SWEEP_MMA)
-    assert len(set(SWEEP_MMA)) == len(SWEEP_MMA) and 16 <= len(SWEEP_MMA) <= 24
-    assert all(cfg.block_n >= 64 and cfg.block_w >= 16 for cfg in SWEEP_MMA)  # wgmma: 64 rows a warp group
-    assert SPLIT_KS_MMA == (1, 2, 4)
+def test_config_names():
     assert str(U12Config(128, 32, split_k=2, num_warps=4, num_stages=3, kernel="mma")) == "mma-bn128-bw32-sk2-w4-s3"
     with pytest.raises(ValueError, match="'mma'"):
         U12Config(64, 16, kernel="wgmma")
-
-
-def test_bench_sweeps_mma_configs_for_three_rows_and_more():
-    path = Path(__file__).parent.parent / "bench" / "u12_linear.py"
-    spec = importlib.util.spec_from_file_location("bench_u12_linear", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    configs = bench.sweep_configs(16, 6144, 4096, ("mma",))
-    mma = [cfg for cfg in configs if cfg.kernel == "mma"]
-    # the default config first (on a GPU TUNED's, itself an mma config), then the mma sweep
-    assert configs[0] == default_config(16, 6144, 4096)
-    assert {dataclasses.replace(cfg, split_k=1) for cfg in mma} == set(SWEEP_MMA)
-    assert {cfg.split_k for cfg in mma} == set(SPLIT_KS_MMA)
-    assert [cfg for cfg in bench.sweep_configs(3, 6144, 4096, ("mma",)) if cfg.kernel == "mma"]
-    assert not [cfg for cfg in bench.sweep_configs(2, 6144, 4096, ("mma",)) if cfg.kernel == "mma"]
-    assert not [cfg for cfg in bench.sweep_configs(16, 6144, 4096)[1:] if cfg.kernel == "mma"]  # the default run as before
 
 
 # --- the escapes of the kernels for M >= 5 ----------------------------------------------------
@@ -203,20 +165,17 @@ _DOT_CONFIGS = {  # split-K 2: the last program of a block adds the escapes
 
 
 @pytest.mark.parametrize("kernel", list(_DOT_CONFIGS))
-@pytest.mark.parametrize("lanes_mode", ["lanes", "table"])
-@pytest.mark.parametrize("most", [3, 16, 17], ids=["4-lanes", "16-lanes", "past-lanes"])
-def test_dot_kernels_find_escapes_both_ways(monkeypatch, kernel, lanes_mode, most):
-    """The tile (tl.dot), mma and hmma kernels add a row's escapes from its lanes (``ESC_LANES``)
-    or from the table: rows of 0..most escapes, one row's holding inf (it stays in that row), and
-    17 a row has no lanes, so there the table serves whatever ESC_LANES says; the lanes walked in
-    several steps (``LANE_GROUP``). Each run asserts the kernel and the way it took."""
-    from specpilot.kernels import u12_hmma, u12_linear as u12_linear_module
+@pytest.mark.parametrize("most", [3, 17], ids=["one-block", "two-blocks"])
+def test_block_kernels_add_the_tables_escapes(monkeypatch, kernel, most):
+    """The tile (tl.dot), mma and hmma kernels add a row's escapes from the table after the loop:
+    rows of 0..most escapes (17: a program's block holds more than ESC_BLOCK, walked in two), one
+    row's holding inf (it stays in that row). Each run asserts the kernel it took."""
+    from specpilot.kernels.u12 import dispatch
 
-    monkeypatch.setattr(u12_linear_module, "ESC_LANES", lanes_mode)
     launched = []
-    for module, name in ((u12_mma, "launch_mma"), (u12_hmma, "launch_hmma")):
-        launch = getattr(module, name)
-        monkeypatch.setattr(module, name, lambda *a, _l=launch, _n=name, **k: (launched.append(_n), _l(*a, **k))[1])
+    for name in ("launch_mma", "launch_hmma"):
+        launch = getattr(dispatch, name)
+        monkeypatch.setattr(dispatch, name, lambda *a, _l=launch, _n=name, **k: (launched.append(_n), _l(*a, **k))[1])
     g = torch.Generator().manual_seed(most)
     m, n, k = 7, 20, 96
     x = torch.randn(m, k, generator=g).to(torch.bfloat16)
@@ -228,9 +187,6 @@ def test_dot_kernels_find_escapes_both_ways(monkeypatch, kernel, lanes_mode, mos
     w[5, 7] = float("inf")
     t = pack_u12(w.to(torch.bfloat16), base=base).to(DEVICE)
     x = x.to(DEVICE)
-    monkeypatch.setattr(u12_linear_module, "LANE_GROUP", 2 if most == 3 else 4)  # 2 or 4 steps a walk
-    expected_lanes = {3: 4, 16: 16}.get(most, 0) if lanes_mode == "lanes" else 0
-    assert u12_linear_module.lanes_args(t)[1] == expected_lanes, "the way the test means to walk"
     cfg = _DOT_CONFIGS[kernel]
     y = u12_linear(x, t, cfg)
     assert launched == ([] if kernel == "tile" else [f"launch_{kernel}"])
@@ -239,18 +195,5 @@ def test_dot_kernels_find_escapes_both_ways(monkeypatch, kernel, lanes_mode, mos
     torch.testing.assert_close(y, ref, atol=atol, rtol=rtol, equal_nan=True)
     assert y[:, 5].isinf().all() and torch.isfinite(y[:, [r for r in range(n) if r != 5]]).all()
     with pytest.raises(AssertionError):
-        torch.testing.assert_close(u12_linear(*_plant_wrong_weight((x, t)), cfg), ref, atol=atol, rtol=rtol,
+        torch.testing.assert_close(u12_linear(*plant_wrong_weight((x, t)), cfg), ref, atol=atol, rtol=rtol,
                                    equal_nan=True)
-
-
-def test_lane_group_is_checked_and_bounded_by_the_lanes(monkeypatch):
-    """LANE_GROUP is how many lanes a step of the M >= 5 kernels' escape walk takes: at most the
-    weight's lanes, and a power of two up to 16, else refused by name."""
-    from specpilot.kernels import u12_linear as u12_linear_module
-
-    assert [u12_linear_module.lane_group(n) for n in (0, 1, 2, 4, 8, 16)] == [1, 1, 2, 4, 4, 4]
-    monkeypatch.setattr(u12_linear_module, "LANE_GROUP", 16)
-    assert u12_linear_module.lane_group(8) == 8
-    monkeypatch.setattr(u12_linear_module, "LANE_GROUP", 3)
-    with pytest.raises(ValueError, match=r"LANE_GROUP: expected 1, 2, 4, 8 or 16, got 3"):
-        u12_linear_module.lane_group(8)
