@@ -18,7 +18,7 @@ against the same predicted t_AR. Every figure of an `Estimate` says whether it i
 benchmark record of exactly this step, or acceptance measured on this shape) or "predicted".
 
 Calibration records (JSON). A results file is a list of records, or an object whose "records" list
-holds them ("rows" is read the same way, as bench/step_times.py writes it); the object's keys
+holds them ("rows" is read the same way, as bench/steps/step_times.py writes it); the object's keys
 "gpu", "shape", "ir_hash", "drafter" and "cuda_graphs" are defaults for its records, the others
 ("commit", "versions", "method", ...) are provenance. "gpu" may be a device name as torch reports
 it ("NVIDIA H200"). Keys a record may have:

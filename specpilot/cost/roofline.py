@@ -47,7 +47,7 @@ U12_ESCAPE_RATE = 1.5e-4
 
 # Kernels a node launches in a plain torch implementation (HF-style rope and norms, SDPA, cache writes
 # by copy): counted with torch.profiler on the H200, 1221 kernels in a Llama-3.1-8B AR step =
-# 32 layers x 38 + 5 (.cache/costbench/step_bench.py, 2026-12-02). A fusing backend launches fewer.
+# 32 layers x 38 + 5 (.cache/costbench/steps/step_bench.py, 2026-12-02). A fusing backend launches fewer.
 KERNELS = {"input": 0, "embed": 1, "rmsnorm": 3, "linear": 1, "lm_head": 1, "rope": 16,
            "attention": 5, "mlp": 2, "add": 1, "argmax": 1,
            # counted from runtime/hybrid.py's ops at q = 1 (not profiled); its recurrent form adds
