@@ -465,7 +465,7 @@ def test_update_from_results_files(small, tmp_path):
 
 
 def test_kernel_rows_replace_the_u12_efficiency(small, tmp_path):
-    # two rows as bench/u12_linear.py writes them: u12 as fast as cuBLAS at M=1 on 0.75x the bytes
+    # two rows as bench/kernels/u12_linear.py writes them: u12 as fast as cuBLAS at M=1 on 0.75x the bytes
     rows = [{"name": "o", "N": 1024, "K": 1024, "M": 1, "cublas_us": 10.0, "u12_us": 10.0,
              "u12_bytes": 750, "bf16_bytes": 1000},
             {"name": "o", "N": 1024, "K": 1024, "M": 16, "cublas_us": 10.0, "u12_us": 7.5,

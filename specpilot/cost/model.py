@@ -24,7 +24,7 @@ holds them ("rows" is read the same way, as bench/steps/step_times.py writes it)
 it ("NVIDIA H200"). Keys a record may have:
 
     kernel:      {"kind": "kernel", "kernel": "triton-u12", "gpu": "h200", "M": 16, "efficiency": 0.57}
-                 (bandwidth relative to the stock bf16 path; rows of bench/u12_linear.py are read as such)
+                 (bandwidth relative to the stock bf16 path; rows of bench/kernels/u12_linear.py are read as such)
     step:        {"kind": "step", "what": "ar" | "verify" | "draft", "ms": 4.61, "gpu": "h200",
                   "shape": "llama-3.1-8b", "q": 16, "batch": 1, "cache_len": 512,
                   "cuda_graphs": true, "ir_hash": "<Program.structural_hash()>"}
@@ -225,7 +225,7 @@ def _kind(d: Mapping[str, Any]) -> str | None:
     if "kind" in d:
         return str(d["kind"])
     if "u12_us" in d and "cublas_us" in d:
-        return "u12-linear"  # a row of bench/u12_linear.py
+        return "u12-linear"  # a row of bench/kernels/u12_linear.py
     if "what" in d and "ms" in d:
         return "step"
     if "histogram" in d:

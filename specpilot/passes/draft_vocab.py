@@ -39,10 +39,16 @@ class DraftVocab(Pass):
             raise ValueError(f"corpus must be {STDLIB!r} or a path, got an empty string")
 
     def check(self, program: Program, where: str = "") -> None:
-        if self.corpus != STDLIB and not _exists(self.corpus):
+        """A corpus no file system could hold (a NUL byte, a name too long) is refused here; whether a
+        corpus exists is asked when the backend reads it."""
+        if self.corpus == STDLIB:
+            return
+        try:
+            Path(self.corpus).exists()
+        except (OSError, ValueError):
             shown = self.corpus if len(self.corpus) <= 80 else self.corpus[:77] + "..."
-            raise PipelineError(f"{where}pass {self.name!r}: parameter 'corpus' = {shown!r} does not exist (expected "
-                                f"{STDLIB!r}, a text or .jsonl file, or a folder)")
+            raise PipelineError(f"{where}pass {self.name!r}: parameter 'corpus' = {shown!r} is no path a file system "
+                                f"takes (expected {STDLIB!r}, a text or .jsonl file, or a folder)") from None
 
     def apply(self, program: Program) -> PassResult:
         heads = program.drafter.find("lm_head")
@@ -57,10 +63,3 @@ class DraftVocab(Pass):
         graph = program.drafter.with_node(name, head.replace(vocab_subset=self.size, vocab_corpus=self.corpus))
         return PassResult(program.with_graph("drafter", graph), True,
                           f"drafter head scores {self.size} of {vocab} tokens (corpus {self.corpus})")
-
-
-def _exists(path: str) -> bool:
-    try:
-        return Path(path).exists()
-    except (OSError, ValueError):  # a name no file system takes
-        return False
