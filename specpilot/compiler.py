@@ -69,7 +69,8 @@ def _is_file(path: Path) -> bool:
 
 def lower_spec(spec: PipelineSpec, dirs: ModelDirs, dtype: str) -> Program:
     """The spec's deployment as a verified program. The configs are checked against the weights
-    their directories hold before anything is lowered (a config may not claim layers it lacks)."""
+    their directories hold, from the safetensors headers: the layer count before anything is lowered
+    (a config claiming ten million layers is no graph to build), every named weight's shape after."""
     (target, target_source), (drafter, drafter_source) = read_config(dirs.target), read_config(dirs.drafter)
     for root, cfg, source in ((dirs.target, target, target_source), (dirs.drafter, drafter, drafter_source)):
         check_layer_count(root, cfg, source)
