@@ -97,7 +97,11 @@ def read_corpus(corpus: str, where: str = "draft-vocab corpus", max_bytes: int =
         texts = _stdlib_texts()
     else:
         path = Path(corpus)
-        if not path.exists():
+        try:
+            found = path.exists()
+        except (OSError, ValueError):  # a name no file system takes (NUL bytes, too long)
+            found = False
+        if not found:
             raise SpecError(f"{where}: {corpus!r} does not exist (expected {STDLIB!r}, a text or .jsonl file, "
                             f"or a folder)")
         texts = _path_texts(path, where)
