@@ -1,4 +1,4 @@
-"""kernels/target.py's compile_only and bench/kernel_static.py: kernels compiled for sm_90 on a
+"""kernels/target.py's compile_only and bench.kernels.kernel_static: kernels compiled for sm_90 on a
 machine without a GPU, and what their SASS must (not) contain.
 
 The claims checked here are the kernels' docstrings': the hmma kernel's loop runs from registers
@@ -17,16 +17,16 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from bench.kernels import kernel_static
+from conftest import ON_GPU
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "bench"))
-import kernel_static  # noqa: E402
 
 # a CUDA machine compiles for its own GPU through the same path; the check is for machines without one
-pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="compile_only is the no-GPU path")
+pytestmark = pytest.mark.skipif(ON_GPU, reason="compile_only is the no-GPU path")
 
 
 def _compiled_env() -> dict[str, str]:
@@ -36,13 +36,12 @@ def _compiled_env() -> dict[str, str]:
 
 
 HMMA_SCRIPT = r"""
-import dataclasses, json, sys, tempfile
+import dataclasses, json, tempfile
 from pathlib import Path
 import torch
-sys.path.insert(0, "bench")
-import kernel_static
+from bench.kernels import kernel_static
 from specpilot.kernels.target import compile_only, native
-from specpilot.kernels.u12_linear import U12Config, u12_linear
+from specpilot.kernels.u12 import NormHandoff, U12Config, u12_fused_linear, u12_linear
 from specpilot.formats.u12 import pack_u12
 from triton.runtime import driver
 
@@ -61,29 +60,6 @@ with tempfile.TemporaryDirectory() as tmp:
             assert native(x)
             u12_linear(x[:m], t, cfg)
         out[name] = [kernel_static.describe(c, Path(tmp)) for c in compiled]
-    from specpilot.kernels import u12_hmma
-    u12_hmma.AHEAD = True  # the register double buffer on the tiled split-K launch
-    with compile_only(90) as compiled:
-        u12_linear(x, w.with_layout("tiles"), split)
-    out["ahead"] = [kernel_static.describe(c, Path(tmp)) for c in compiled]
-    u12_hmma.AHEAD_X = True  # and the next chunk's x prefetched into L1
-    with compile_only(90) as compiled:
-        u12_linear(x, w.with_layout("tiles"), split)
-    out["ahead_x"] = [kernel_static.describe(c, Path(tmp)) for c in compiled]
-    u12_hmma.AHEAD, u12_hmma.AHEAD_X = False, False
-    u12_hmma.ESC_SPLIT = True  # the splits walk their shares of the escapes
-    with compile_only(90) as compiled:
-        u12_linear(x, w.with_layout("tiles"), split)
-    out["esc_split"] = [kernel_static.describe(c, Path(tmp)) for c in compiled]
-    u12_hmma.ESC_SPLIT = False
-    wk = U12Config(16, 32, num_warps=4, num_stages=1, kernel="hmma", maxnreg=128, warp_k=True)
-    with compile_only(90) as compiled:  # WARP_K: 4 warps on 16 rows, each a quarter of the words
-        u12_linear(x, w.with_layout("tiles"), wk)
-    out["warp_k"] = [kernel_static.describe(c, Path(tmp)) for c in compiled]
-    with compile_only(90) as compiled:  # 8 warps: one 32-word chunk each of the 256 words
-        u12_linear(x, w.with_layout("tiles"), dataclasses.replace(wk, num_warps=8))
-    out["warp_k8"] = [kernel_static.describe(c, Path(tmp)) for c in compiled]
-    from specpilot.kernels.u12_fused_linear import NormHandoff, u12_fused_linear
     hand = NormHandoff(torch.ones(1024).bfloat16(), 1e-5)
     hand.xg, hand.parts = x.clone(), torch.rand(256, 16)  # as a producer of 64 programs of 4 warps leaves them
     with compile_only(90) as compiled:  # a handed-in norm on the tiled split-K launch
@@ -116,7 +92,7 @@ def test_hmma_loop_runs_from_registers(hmma_facts):
 
 
 def test_hmma_epilogue_converts_no_layouts(hmma_facts):
-    """The epilogue works on [T] tensors in the loop's layout (kernels/u12_hmma.py), so neither the
+    """The epilogue works on [T] tensors in the loop's layout (kernels/u12/hmma.py), so neither the
     split-K partials nor the escapes and stores pass through shared memory: the barriers left are
     the split-K release and the walk's block-wide max, where the stacked epilogue's layout
     conversions took 33 (sm_90, triton 3.9)."""
@@ -133,71 +109,14 @@ def test_handed_in_norm_takes_no_gather(hmma_facts):
     (``_lane_invs``), so the epilogue keeps within 4 barriers and 16 shared-memory ops of the plain
     split-K launch; the block's inv reduced across the program and gathered by each of the 8 sums
     took 11 barriers and 54 shared-memory ops more (qkv, Triton 3.6:
-    bench/results/tried/kernel_static_fused_tiles_sm90_triton36_bff8915.json; 4.4 µs a call in
-    bench/results/tried/layer16_bff8915_h100.json)."""
+    docs/experiments/tried/kernel_static_sm90_triton36-fused-tiles-bff8915.json; 4.4 µs a call in
+    docs/experiments/tried/layer16_h100_bff8915.json)."""
     (hand,), (plain,) = hmma_facts["hand_in"], hmma_facts["split"]
     assert hand["constexprs"]["SPLIT_K"] == 4 and hand["spill_bytes"] == 0, hand
     ops, base = hand["kernel_opcodes"], plain["kernel_opcodes"]
     assert ops.get("BAR", 0) <= base.get("BAR", 0) + 4, (ops, base)
     assert ops.get("STS", 0) + ops.get("LDS", 0) <= base.get("STS", 0) + base.get("LDS", 0) + 16, (ops, base)
     assert hand["loop_opcodes"]["HMMA"] == plain["loop_opcodes"]["HMMA"]
-
-
-def test_words_ahead_stay_in_registers(hmma_facts):
-    """``u12_hmma.AHEAD`` at o's tile (64 rows, 32 words, 4 warps, 128 registers): the next chunk's
-    words held in registers without spilling, the same loads and MMAs a chunk as the one-stage
-    loop, still no shared memory in the loop, and a longer loop (the carried words' moves)."""
-    (ahead,), (one,) = hmma_facts["ahead"], hmma_facts["split"]
-    assert ahead["constexprs"]["AHEAD"] is True and one["constexprs"]["AHEAD"] is False
-    assert ahead["constexprs"]["TILED"] and ahead["constexprs"]["SPLIT_K"] == 4
-    assert ahead["spill_bytes"] == 0 and ahead["registers"] <= 128, ahead
-    ops = ahead["loop_opcodes"]
-    assert ops["LDG"] == one["loop_opcodes"]["LDG"] and ops["HMMA"] == one["loop_opcodes"]["HMMA"], (ops, one)
-    assert not {"LDS", "STS", "BAR", "SHFL"} & ops.keys(), ops
-    assert ahead["loop_instructions"] > one["loop_instructions"], (ahead["loop_instructions"], one["loop_instructions"])
-
-
-def test_x_prefetched_a_chunk_ahead(hmma_facts):
-    """``u12_hmma.AHEAD_X``: AHEAD's loop with one L1 prefetch (CCTL.E.PF1) of x a group and n-tile
-    row (2 groups of o's 32 words, 2 n-tiles: 4), the same loads and MMAs, still in 128 registers."""
-    (ax,), (ahead,) = hmma_facts["ahead_x"], hmma_facts["ahead"]
-    assert ax["constexprs"]["AHEAD"] is True and ax["spill_bytes"] == 0 and ax["registers"] <= 128, ax
-    ops, base = ax["loop_opcodes"], ahead["loop_opcodes"]
-    assert ops.get("CCTL") == 4 and "CCTL" not in base, (ops, base)
-    assert ops["LDG"] == base["LDG"] and ops["HMMA"] == base["HMMA"], (ops, base)
-
-
-def test_escapes_walked_by_the_splits_leave_the_loop_alone(hmma_facts):
-    """``u12_hmma.ESC_SPLIT`` on the tiled split-K launch: the loop compiles to the same loads and
-    MMAs, no shared memory, about as long (the walk runs after it; ptxas schedules the addresses a
-    little otherwise), nothing spills at o's 128 registers, and the epilogue converts no layouts."""
-    (esc,), (one,) = hmma_facts["esc_split"], hmma_facts["split"]
-    assert esc["constexprs"]["SPLIT_K"] == 4 and esc["spill_bytes"] == 0 and esc["registers"] <= 128, esc
-    ops, base = esc["loop_opcodes"], one["loop_opcodes"]
-    assert ops["LDG"] == base["LDG"] and ops["HMMA"] == base["HMMA"], (ops, base)
-    assert not {"LDS", "STS", "BAR", "SHFL"} & ops.keys(), ops
-    assert abs(esc["loop_instructions"] - one["loop_instructions"]) <= 8, (esc["loop_instructions"], one["loop_instructions"])
-    ops = esc["kernel_opcodes"]
-    assert ops.get("BAR", 0) <= 8 and ops.get("STS", 0) <= 4, ops
-    assert esc["sass_instructions"] != one["sass_instructions"]  # the knob reached the kernel
-
-
-def test_warps_splitting_the_words_keep_the_loop_in_registers(hmma_facts):
-    """``U12Config.warp_k`` (16 rows, 4 warps): each warp's loop multiplies all 16 rows of its share
-    of the words, so a loop iteration's weights a warp are BLOCK_N x the chunk, not over the warps
-    (kernel_static's /weight had divided them, showing WARP_K 4x the instructions a weight); the loop
-    runs from registers, the warps' sums meet in shared memory after it."""
-    (wk,), (rows,) = hmma_facts["warp_k"], hmma_facts["tiles"]
-    assert wk["constexprs"]["WARP_K"] is True and wk["constexprs"]["BLOCK_N"] == 16 and wk["num_warps"] == 4
-    assert wk["loop_opcodes"]["HMMA"] * 256 == wk["loop_weights_per_warp"] * wk["constexprs"]["BLOCK_M"] // 8
-    assert wk["loop_opcodes"]["HMMA"] == rows["loop_opcodes"]["HMMA"]  # 16 rows a warp in both
-    assert abs(wk["warp_instructions_per_weight"] - rows["warp_instructions_per_weight"]) < 0.02, (wk, rows)
-    assert not {"LDS", "STS", "BAR", "SHFL"} & wk["loop_opcodes"].keys(), wk["loop_opcodes"]
-    assert wk["spill_bytes"] == 0 and wk["shared_bytes"] > 0 and wk["kernel_opcodes"].get("BAR", 0) > 0, wk
-    (wk8,) = hmma_facts["warp_k8"]  # the same loop at 8 warps (before the share was declared whole
-    assert wk8["num_warps"] == 8 and wk8["spill_bytes"] == 0  # chunks, more loads and shared memory in it)
-    assert wk8["loop_opcodes"]["LDG"] == wk["loop_opcodes"]["LDG"] and wk8["loop_opcodes"]["HMMA"] == 16
-    assert not {"LDS", "STS", "BAR", "SHFL"} & wk8["loop_opcodes"].keys(), wk8["loop_opcodes"]
 
 
 def test_tiled_planes_compile_to_the_rows_loop(hmma_facts):
@@ -220,7 +139,7 @@ def test_tiled_gemv_keeps_its_vector_loads(hmma_facts):
 
 
 def test_narrow_hmma_halves_the_mmas(hmma_facts):
-    """At <= 8 rows one n-tile (u12_hmma.NARROW: BLOCK_M 8): half the MMAs of two, and fewer registers."""
+    """At <= 8 rows one n-tile (BLOCK_M 8): half the MMAs of two, and fewer registers."""
     (wide,), (narrow,) = hmma_facts["rows"], hmma_facts["narrow"]
     assert narrow["constexprs"]["BLOCK_M"] == 8 and wide["constexprs"]["BLOCK_M"] == 16
     assert 2 * narrow["loop_opcodes"]["HMMA"] == wide["loop_opcodes"]["HMMA"]
@@ -231,23 +150,27 @@ def test_compile_only_leaves_the_launch_state_as_it_was(hmma_facts):
     assert hmma_facts["native_after"] is False and hmma_facts["driver_restored"] is True
 
 
+def _kernel_static(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "bench.kernels.kernel_static", *args], cwd=ROOT,
+                          env=env or _compiled_env(), capture_output=True, text=True, timeout=600)
+
+
 def test_kernel_static_smoke_run(tmp_path):
     out = tmp_path / "static.json"
-    done = subprocess.run([sys.executable, "bench/kernel_static.py", "--smoke", "--ms", "1", "--step-variants",
-                           "--out", str(out)], cwd=ROOT, env=_compiled_env(), capture_output=True, text=True, timeout=600)
+    done = _kernel_static("--smoke", "--ms", "1", "--step-variants", "--only", "u12,u12-fused,bf16", "--out", str(out))
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(out.read_text())
-    rows = result["rows"]
-    # every step_ab knob variant compiled at the rows it is timed at, after the default launches
-    variants = kernel_static.step_variants()
+    assert (result["bench"], result["gpu"], result["smoke"]) == ("kernel_static", "sm90", True)
+    rows = result["records"]
+    # step_ab's AR TUNED variants compiled after the default launches, on the fused calls they change
     assert [r["variant"] for r in rows][0] == "default"
-    for name, (ms, _) in variants.items():
-        assert {r["m"] for r in rows if r["variant"] == name and r["what"] == "u12"} == set(ms), name
-    esc_table = [r for r in rows if r["variant"] == "u12-esc-table" and r["what"] == "u12"]
-    assert esc_table and all(r["constexprs"]["LANES"] == 0 for r in esc_table)  # the side table, not lanes
-    assert all(r["constexprs"]["LANES"] > 0 for r in rows if r["variant"] == "default" and r["what"] == "u12")
+    ar = [name for name, ms, whats, _, _ in kernel_static.step_variants() if 1 in ms and "u12-fused" in whats]
+    assert ar and {r["variant"] for r in rows} == {"default", *ar}
+    for name in ar:
+        assert {r["what"] for r in rows if r["variant"] == name} == {"u12-fused"}, name
     rows = [r for r in rows if r["variant"] == "default"]
-    assert {(r["what"], r["shape"]) for r in rows} >= {("u12", s) for s in kernel_static.SMOKE_SHAPES}
+    assert {(r["what"], r["shape"]) for r in rows} >= {(w, s) for s in kernel_static.SMOKE_SHAPES for w in ("u12", "bf16")}
+    assert all(r["constexprs"]["LANES"] > 0 for r in rows if r["what"] == "u12")  # the GEMVs' escapes from the lanes
     fused = [(r["shape"], r["kernel"]) for r in rows if r["what"] == "u12-fused"]
     assert fused == [(s, "_u12_fused_gemv_kernel") for s in ("o", "gate_up", "down", "qkv")]  # the AR step's order
     for r in rows:
@@ -262,15 +185,14 @@ def test_kernel_static_smoke_run(tmp_path):
 
 
 def test_kernel_static_compiles_the_fused_calls_on_tiles(tmp_path):
-    """--only u12-fused-tiles (bench/step_ab.py's u12-tiles, the default way): the verify step's four fused
+    """--only u12-fused-tiles (bench.steps.step_ab's u12-tiles, the default way): the verify step's four fused
     calls on tiled weights, each a tensor-core kernel reading the tiles with its epilogue, in the
     step's order, nothing spilled (at the smoke shapes the mma kernel's default tile; at Llama's
     TUNED_TILES gives the hmma kernel)."""
     out = tmp_path / "static.json"
-    done = subprocess.run([sys.executable, "bench/kernel_static.py", "--smoke", "--ms", "16", "--only", "u12-fused-tiles",
-                           "--out", str(out)], cwd=ROOT, env=_compiled_env(), capture_output=True, text=True, timeout=600)
+    done = _kernel_static("--smoke", "--ms", "16", "--only", "u12-fused-tiles", "--out", str(out))
     assert done.returncode == 0, done.stderr[-3000:]
-    rows = json.loads(out.read_text())["rows"]
+    rows = json.loads(out.read_text())["records"]
     assert [(r["what"], r["shape"]) for r in rows] == [("u12-fused-tiles", s) for s in ("o", "gate_up", "down", "qkv")]
     assert {r["kernel"] for r in rows} <= {"_u12_mma_kernel", "_u12_hmma_kernel"}
     for r in rows:
@@ -282,9 +204,8 @@ def test_kernel_static_compiles_the_fused_calls_on_tiles(tmp_path):
 
 def test_kernel_static_refuses_the_interpreter(tmp_path):
     env = _compiled_env() | {"TRITON_INTERPRET": "1"}
-    done = subprocess.run([sys.executable, "bench/kernel_static.py", "--smoke", "--out", str(tmp_path / "x.json")],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
-    assert done.returncode != 0 and "TRITON_INTERPRET" in done.stderr and "Traceback" not in done.stderr
+    done = _kernel_static("--smoke", "--out", str(tmp_path / "x.json"), env=env)
+    assert done.returncode == 2 and "TRITON_INTERPRET" in done.stderr and "Traceback" not in done.stderr
     assert not (tmp_path / "x.json").exists()
 
 
@@ -309,29 +230,40 @@ def test_programs_per_sm(regs, warps, shared, programs):
     assert kernel_static.programs_per_sm(regs, warps, shared) == programs
 
 
+# five of bench.kernels.u12_linear's sweep at o's smoke shape, 16 rows (compiling each takes seconds):
+# its default first, then four split-1 hmma configs
+PICK = ("(lambda swept: swept[:1] + [c for c in swept if str(c).startswith('hmma') and '-sk1-' in str(c)][:4])"
+        "(u12_linear.sweep_configs(16, *kernel_static.SMOKE_SHAPES['o'], ('hmma',)))")
+SWEEP_SCRIPT = f"""
+import sys
+from bench.kernels import kernel_static, u12_linear
+configs = {PICK}
+u12_linear.sweep_configs = lambda *args, **kw: configs
+sys.exit(kernel_static.main(sys.argv[1:]))
+"""
+
+
 def test_sweep_mode_joins_the_timed_configs(tmp_path):
-    """--sweep compiles bench/u12_linear.py's own config list and takes each config's time from a
-    results file by (shape, rows, config string); the correlations cover the timed groups only."""
-    sys_path = str(ROOT / "bench")
-    code = (f"import sys; sys.path.insert(0, {sys_path!r}); from u12_linear import sweep_configs; "
-            "print('\\n'.join(str(c) for c in sweep_configs(16, *" + repr(kernel_static.SMOKE_SHAPES["o"]) + ", ('hmma',))))")
-    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=_compiled_env(), capture_output=True, text=True)
-    configs = done.stdout.split()
-    hmma = [c for c in configs if c.startswith("hmma") and "-sk1-" in c]
-    assert len(hmma) >= 4, done.stderr[-2000:]
-    timed = tmp_path / "timed.json"  # a made-up sweep: four split-1 hmma configs timed, slower down the list
-    timed.write_text(json.dumps({"sweep": [{"name": "o", "M": 16, "config": c, "us": 10.0 + i}
-                                           for i, c in enumerate(hmma[:4])]}))
+    """--sweep compiles bench.kernels.u12_linear's config list (here five of it) and takes each
+    config's time from a results file by (shape, rows, config string); the correlations cover the
+    timed groups only."""
+    from bench.kernels import u12_linear  # noqa: F401  (PICK's)
+
+    configs = [str(c) for c in eval(PICK)]
+    hmma = configs[1:]
+    assert len(hmma) == 4 and not configs[0].startswith("hmma")
+    timed = tmp_path / "timed.json"  # a made-up sweep: the four hmma configs timed, slower down the list
+    timed.write_text(json.dumps({"sweep": [{"name": "o", "M": 16, "config": c, "us": 10.0 + i} for i, c in enumerate(hmma)]}))
     out = tmp_path / "sweep.json"
-    done = subprocess.run([sys.executable, "bench/kernel_static.py", "--smoke", "--sweep", "hmma", "--ms", "16",
-                           "--shapes", "o", "--timed", str(timed), "--out", str(out)],
-                          cwd=ROOT, env=_compiled_env(), capture_output=True, text=True, timeout=600)
+    done = subprocess.run([sys.executable, "-c", SWEEP_SCRIPT, "--smoke", "--sweep", "hmma", "--ms", "16", "--shapes", "o",
+                           "--timed", str(timed), "--out", str(out)], cwd=ROOT, env=_compiled_env(),
+                          capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(out.read_text())
-    assert [r["config"] for r in result["rows"]] == configs  # every swept config, in the sweep's order
-    assert {r["config"]: r["us"] for r in result["rows"] if r["us"] is not None} == {c: 10.0 + i for i, c in
-                                                                                     enumerate(hmma[:4])}
-    assert all(r["spill_bytes"] == 0 for r in result["rows"])
+    assert [r["config"] for r in result["records"]] == configs  # every swept config, in the sweep's order
+    assert {r["config"]: r["us"] for r in result["records"] if r["us"] is not None} == {c: 10.0 + i for i, c in
+                                                                                        enumerate(hmma)}
+    assert all(r["spill_bytes"] == 0 for r in result["records"])
     (corr,) = result["correlations"]  # one group timed: o, the hmma kernel, split 1
     assert (corr["shape"], corr["kernel"], corr["split_k"], corr["configs"]) == ("o", "_u12_hmma_kernel", 1, 4)
     assert corr["best"] == hmma[0] and corr["best_us"] == 10.0

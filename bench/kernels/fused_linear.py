@@ -5,8 +5,8 @@ norm weights 1 + N(0, 0.1): qkv (6144 x 4096) with the norm prologue against the
 cuBLAS; o (4096 x 4096) with the residual epilogue against cuBLAS + a torch add; gate_up
 (28672 x 4096) with norm and SiLU·mul against rmsnorm + cuBLAS + the silu_mul kernel; down
 (4096 x 14336) with the residual against cuBLAS + add. Every config (the default, then
-kernels/fused_linear.py's SWEEP_GEMV for M <= 4 within 64 accumulator registers a thread, or
-SWEEP_DOT x SPLIT_KS for M >= 5) is first checked against fused_linear_reference (check_close) and
+SWEEP_GEMV below for M <= 4 within 64 accumulator registers a thread, or SWEEP_DOT x SPLIT_KS for
+M >= 5) is first checked against fused_linear_reference (check_close) and
 then timed by triton.testing.do_bench (L2 flushed before each call, median), or with --graph as
 the median replay of a CUDA graph of one call per distinct copy of the weight (about 2 GB of
 copies; do_bench's single launches include the host's launch overhead wherever it exceeds the
@@ -20,50 +20,60 @@ cuBLAS qkv, cuBLAS o, rmsnorm with the residual add, cuBLAS gate_up, silu_mul, c
 in one graph; no attention or RoPE (the same in both). The figure that decides whether the runtime
 uses fused_linear. Fused calls use the sweep's best config per (shape, M).
 
-Writes bench/results/fused_linear_<gpu>.json: "rows" (best config per shape and M), "sweep" (every
-row), "tuned" (best configs as kernels/fused_linear.py's TUNED keys), "layer"; prints a short table
-last. --smoke runs the same code on tiny shapes (on the CPU: Triton's interpreter, wall-clock
-timing, no graph) to check the script itself.
+Writes bench/results/fused_linear_<gpu>[_<tag>].json through the harness: records (the best config
+per shape and M), "sweep" (every row), "tuned" (the best configs as kernels/fused_linear.py's TUNED
+keys, for bench/steps/step_ab.py --bf16-tuned), "layer"; prints a short table last. --smoke runs the
+same code on tiny shapes (the CPU under TRITON_INTERPRET=1, wall-clock timing, no graph) to check
+the script itself; it writes only where --out says.
 
-    python bench/fused_linear.py [--out FILE] [--budget-s 150] [--ms 1,4,16] [--no-layer] [--graph] [--smoke]
-    (SPECPILOT_COMMIT=... names the commit where the tree has no .git)
+    python -m bench.kernels.fused_linear [--budget-s 150] [--ms 1,4,16] [--no-layer] [--graph] [--smoke]
+        [--out FILE|DIR] [--tag TAG]
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
-import os
-import platform
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # the bench scripts beside this one
-import u12_linear as u12_bench  # noqa: E402  (git_commit, time_graph, write_result, print_sweep_summary)
+from bench import shapes as model_shapes
+from bench.kernels.sweep import print_sweep_summary
+from specpilot.bench import harness
+from specpilot.kernels.fused_linear import FusedLinearConfig
 
-ROOT = Path(__file__).resolve().parent.parent
-# name: (N weight rows, K, norm prologue, gated, residual epilogue)
-SHAPES = {
-    "qkv": (6144, 4096, True, False, False),
-    "o": (4096, 4096, False, False, True),
-    "gate_up": (28672, 4096, True, True, False),
-    "down": (4096, 14336, False, False, True),
-}
+LAYER_CALLS = {"qkv": (True, False, False), "o": (False, False, True), "gate_up": (True, True, False),
+               "down": (False, False, True)}  # each call's (norm prologue, gated, residual epilogue)
+# name: (N weight rows, K, norm prologue, gated, residual epilogue), Llama-3.1-8B's
+SHAPES = {name: (*model_shapes.layer_linears(model_shapes.LLAMA_8B)[name], *flags) for name, flags in LAYER_CALLS.items()}
 SMOKE_SHAPES = {"qkv": (48, 32, True, False, False), "o": (32, 48, False, False, True),  # o's key apart from down's
                 "gate_up": (64, 32, True, True, False), "down": (32, 32, False, False, True)}
 MS = (1, 4, 16)
-LAYERS = 32
+LAYERS = model_shapes.config(model_shapes.LLAMA_8B)["num_hidden_layers"]
 SIGMA = 0.02
 EPS = 1e-5
 
+# The sweep: gemv tiles (kept within 64 accumulator registers a thread at the row's M), dot tiles
+# crossed with SPLIT_KS.
+SWEEP_GEMV = [
+    FusedLinearConfig("gemv", bn, bk, num_warps=w, num_stages=s) for bn, bk, w, s in (
+        (8, 512, 2, 1), (4, 1024, 2, 1), (16, 512, 4, 1), (8, 1024, 4, 1), (16, 256, 2, 1), (32, 256, 4, 1),
+        (4, 512, 2, 1), (8, 256, 2, 1), (4, 256, 1, 1), (2, 1024, 2, 1), (8, 512, 4, 1), (16, 1024, 8, 1),
+        (8, 512, 2, 3), (4, 1024, 2, 3),
+    )
+]
+SWEEP_DOT = [
+    FusedLinearConfig("dot", bn, bk, num_warps=w, num_stages=s) for bn, bk, w, s in (
+        (64, 64, 4, 4), (64, 128, 4, 3), (128, 64, 8, 3), (64, 64, 4, 6), (32, 128, 4, 4), (128, 128, 8, 3),
+        (32, 64, 2, 4), (64, 64, 4, 3), (64, 256, 4, 2), (128, 64, 4, 4), (32, 256, 4, 3),
+        # deep pipelines, as cuBLAS runs 16 rows (nvjet 128x24_64x11: 11 stages of 64-wide K chunks)
+        (64, 64, 4, 8), (128, 64, 4, 6), (64, 128, 4, 5), (128, 64, 8, 6),
+    )
+]
+SPLIT_KS = (1, 2, 4, 8)
 
-def git_commit() -> str:
-    return u12_bench.git_commit(("bench/fused_linear.py", "kernels/fused_linear.py", "kernels/rmsnorm.py",
-                                 "kernels/silu_mul.py"))
 
 
 def error_bound(x, w, nw, gated, residual_out):
@@ -102,14 +112,14 @@ def sweep_configs(m: int, n: int, k: int, gated: bool, smoke: bool) -> list:
     if smoke:
         return out + [fl.FusedLinearConfig("dot", 16, 16, split_k=2) if m <= 4 else fl.FusedLinearConfig("gemv", 4, 16)]
     if m <= 4:
-        gemv = [c for c in fl.SWEEP_GEMV if fl.gemv_acc_registers(c, fl.m_bucket(m), gated) <= 64]
+        gemv = [c for c in SWEEP_GEMV if fl.gemv_acc_registers(c, fl.m_bucket(m), gated) <= 64]
         out += [c for c in gemv if c not in out]
         out += [c for c in (dataclasses.replace(c, maxnreg=128) for c in gemv) if c not in out]  # TUNED's o and down budget
     # the dot tiles at every M: their split-K is the only one (the GEMV has none), which a long K
     # such as down's (14336) may need at M = 1 as well (cuBLAS splits it)
     if m >= 5 or k >= 8192:
-        for tile in fl.SWEEP_DOT:
-            for split in fl.SPLIT_KS:
+        for tile in SWEEP_DOT:
+            for split in SPLIT_KS:
                 cfg = fl.FusedLinearConfig("dot", tile.block_n, tile.block_k, split_k=split,
                                            num_warps=tile.num_warps, num_stages=tile.num_stages)
                 if (split == 1 or k // tile.block_k >= 2 * split) and cfg not in out:
@@ -145,15 +155,10 @@ def unfused(name: str, x, w, nw, r):
     return lambda: r.add_(x @ w.T)  # o, down: cuBLAS + a torch add
 
 
-def time_graph(fns, cuda: bool, reps: int = 20) -> float:
-    """Median ms of one replay of a CUDA graph running fns in order (each warmed up first);
-    on the CPU, of running them once (smoke runs)."""
-    if not cuda:
-        t = time.perf_counter()
-        for f in fns:
-            f()
-        return (time.perf_counter() - t) * 1e3
-    return u12_bench.time_graph(fns, reps)  # warms each up first: compiles, split-K counters outside the capture
+def time_graph(fns, cuda: bool) -> float:
+    """Median ms of one replay of a CUDA graph running fns in order (warmed up first: compiles,
+    split-K counters outside the capture); on the CPU, of running them once (smoke runs)."""
+    return harness.time_graph(fns, repeats=20 if cuda else 1, warmup=3 if cuda else 0, cuda=cuda).median_ms
 
 
 def layer_rows(shapes: dict, ms, best: dict, device: str, gen: torch.Generator, layers: int) -> list[dict]:
@@ -212,36 +217,29 @@ def layer_rows(shapes: dict, ms, best: dict, device: str, gen: torch.Generator, 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, help="result file (default bench/results/fused_linear_<gpu>.json)")
+    harness.add_results_args(parser)
     parser.add_argument("--budget-s", type=float, default=150.0, help="sweep time budget; later rows are skipped")
     parser.add_argument("--ms", default=",".join(map(str, MS)), help="rows of x, comma-separated")
     parser.add_argument("--no-layer", action="store_true", help="skip the 32-layer CUDA graphs")
-    parser.add_argument("--smoke", action="store_true", help="tiny shapes, two configs each, 2 layers (runs on a CPU)")
     parser.add_argument("--graph", action="store_true",
                         help="time each config in a CUDA graph over distinct copies of the weight (no host "
                              "launch overhead; about 2 GB of copies) instead of do_bench")
     args = parser.parse_args(argv)
-    cuda = torch.cuda.is_available()
-    if not cuda and not args.smoke:
-        print("bench/fused_linear.py times CUDA kernels and needs a CUDA GPU; none is visible here "
-              "(--smoke runs it on tiny shapes).", file=sys.stderr)
+    if reason := harness.refuse_device("bench.kernels.fused_linear", args.smoke):
+        print(reason, file=sys.stderr)
         return 2
-
-    if not cuda:
-        os.environ.setdefault("TRITON_INTERPRET", "1")  # read when the kernel modules are first imported
-    import triton
+    cuda = not args.smoke
 
     from specpilot.kernels.fused_linear import RowSquares, fused_linear, fused_linear_reference, m_bucket
 
     t0 = time.monotonic()
     device = "cuda" if cuda else "cpu"
-    gpu = torch.cuda.get_device_name() if cuda else "cpu"
     shapes = SMOKE_SHAPES if args.smoke else SHAPES
     ms = [int(v) for v in args.ms.split(",")] if not args.smoke else [1, 5]
     gen = torch.Generator(device=device).manual_seed(0)
     timer = Timer(cuda, warmup=10, rep=40)
     config_timer = Timer(cuda, warmup=5, rep=20)
-    if cuda and not args.smoke:
+    if cuda:
         a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
         Timer(True, 200, 200)(lambda a=a: a @ a)  # clocks up from idle before the first timing
         del a
@@ -320,21 +318,13 @@ def main(argv: list[str] | None = None) -> int:
               "config": str(cfg), **{f: getattr(cfg, f) for f in ("kernel", "block_n", "block_k", "block_m", "split_k",
                                                                   "num_warps", "num_stages", "maxnreg")}}
              for (name, m), (cfg, _) in best.items()]
-    result = {
-        "what": "fused_linear (norm prologue, SiLU·mul / residual epilogues) vs the unfused kernels, "
-                "Llama-3.1-8B decoder shapes, N(0, 0.02) bf16 weights" + (" (smoke: tiny shapes)" if args.smoke else ""),
-        "timing": ("median replay of a CUDA graph of one call per distinct copy of the weight (about 2 GB, at "
-                   "least 2), divided by the copies" if args.graph else
-                   "triton.testing.do_bench, L2 flushed before each call, median; baselines warmup 10 ms, rep 40 ms; "
-                   "fused configs warmup 5 ms, rep 20 ms") + "; layer: CUDA graph replays, median of 20",
-        "gpu": gpu, "torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,
-        "python": platform.python_version(), "git_commit": git_commit(),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "sweep_seconds": sweep_s, "total_seconds": time.monotonic() - t0,
-        "rows": rows, "tuned": tuned, "layer": layer, "sweep": sweep,
-    }
-    out = u12_bench.write_result(result, args.out, "fused_linear", gpu)
-    u12_bench.print_sweep_summary(gpu, out, sweep, sweep_s)
+    timing = ("median replay of a CUDA graph of one call per distinct copy of the weight (about 2 GB, at least 2), "
+              "divided by the copies" if args.graph else
+              "triton.testing.do_bench, L2 flushed before each call, median; baselines warmup 10 ms, rep 40 ms; "
+              "fused configs warmup 5 ms, rep 20 ms") + "; layer: CUDA graph replays, median of 20"
+    out = harness.write_run(args, "fused_linear", device, rows, timing=timing, sweep_seconds=sweep_s,
+                            total_seconds=time.monotonic() - t0, tuned=tuned, layer=layer, sweep=sweep)
+    print_sweep_summary(harness.device_name(device), out, sweep, sweep_s)
     for s in layer:
         print(f"layer x{s['layers']} M={s['M']}: unfused {s['unfused_ms']:.2f} ms, fused {s['fused_ms']:.2f} ms "
               f"({s['fused_no_squares_ms']:.2f} without squares), {s['speedup']:.2f}x" if "M" in s else f"layer: {s['error']}")

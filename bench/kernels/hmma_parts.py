@@ -1,49 +1,41 @@
 """Where the hmma kernel's time goes at M = 16 beyond what reading its bytes takes, per Llama-3.1-8B shape.
 
-bench/results/read_bound_h100.json: kernels that only read o's u12 bytes take 10.2 µs at their best
-grid (11.6 at the tuned kernel's 16 warps an SM), where the hmma kernel takes 16.0. Per shape, on
-tiled weights, TUNED_TILES' config, each timed like bench/hmma_knobs.py (a CUDA graph of one call per
-distinct weight copy of about 2 GB, median replay, min of two):
+Kernels that only read o's u12 bytes take 10.2 µs at their best grid on an H100 (11.6 at the tuned
+kernel's 16 warps an SM: bench/results/read_bound_h100.json), where the hmma kernel takes 16.0. Per
+shape, on tiled weights, TUNED_TILES' config, each timed as a CUDA graph of one call per distinct
+weight copy of about 2 GB (median replay, min of two):
 
-  tuned          the config as it is, on N(0, 0.02) weights (escapes about 1.5e-4 of them), with
-                 u12_hmma.ESC_EARLY "off" (the whole escape walk after the loop; every case but
-                 tuned-early runs so);
+  tuned          the config as it is, on N(0, 0.02) weights (escapes about 1.5e-4 of them);
   tuned-noesc    the same on the same weights with every magnitude under 2^-17 raised to it: no
                  escapes (checked), so the difference is what the escape walk costs;
   twin           a split-K config's programs without the split: the shape (N · S, K / S) at split 1,
                  the same grid, tile and loop, no partials, semaphore or serial sum;
   twin-noesc     the twin without escapes: the loop, its decode and MMAs, and one store;
-  read-grid      bench/read_bound.py's register-load kernel over the same bytes with the tuned grid's
-                 programs and warps (one chunk of 16 bytes a thread in flight, and two);
-  read-best      its fastest config (8 programs of 8 warps an SM);
-  tuned-u<E>     with --esc-unroll: tuned at u12_hmma.ESC_UNROLL = E (escapes a step of the last
-                 program's walk, their loads in flight at once; the default 2);
-  tuned-early    with --esc-early: tuned at u12_hmma.ESC_EARLY "all" (escape pointers before the
-                 loop, each row's first 4 escapes after it).
+  read-grid      bench/kernels/read_bound.py's register-load kernel over the same bytes with the tuned
+                 grid's programs and warps (one chunk of 16 bytes a thread in flight, and two);
+  read-best      its fastest config (8 programs of 8 warps an SM).
 
 So tuned - tuned-noesc is the escapes, tuned - twin the split-K sum, twin-noesc - read-grid the loop's
-decode and MMAs beyond its loads. Writes bench/results/hmma_parts_<gpu>.json, prints a line a shape.
+decode and MMAs beyond its loads. Writes bench/results/hmma_parts_<gpu>[_<tag>].json through the
+harness, prints a line a shape.
 
-    python bench/hmma_parts.py [--shapes o,down,qkv,gate_up] [--esc-unroll 4,8] [--esc-early] [--out FILE]
+    python -m bench.kernels.hmma_parts [--shapes o,down,qkv,gate_up] [--out FILE|DIR] [--tag TAG]
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import math
-import platform
 import sys
-from pathlib import Path
 
 import torch
-import triton
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import read_bound  # noqa: E402
-from u12_linear import SHAPES, git_commit, time_graph, write_result  # noqa: E402
+from bench import shapes as model_shapes
+from bench.kernels import read_bound
+from specpilot.bench import harness
 
+SHAPES = model_shapes.layer_linears(model_shapes.LLAMA_8B)
 FLOOR = 2.0**-17  # magnitudes below it raised to it: inside every base's 15-exponent window here
 
 
@@ -53,42 +45,35 @@ def without_escapes(w: torch.Tensor) -> torch.Tensor:
     return torch.where(w.float().abs() < FLOOR, sign * FLOOR, w.float()).to(torch.bfloat16)
 
 
+def graph_us(calls, copies: int) -> float:
+    """µs a call: the min of two median replays of a CUDA graph of `calls` (one a weight copy)."""
+    return min(harness.time_graph(calls).median_ms, harness.time_graph(calls).median_ms) * 1e3 / copies
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    harness.add_results_args(ap, smoke=False)
     ap.add_argument("--shapes", default="o,down,qkv,gate_up")
-    ap.add_argument("--esc-unroll", default="", help="tuned also at these u12_hmma.ESC_UNROLL values (comma-separated)")
-    ap.add_argument("--esc-early", action="store_true", help="tuned also with u12_hmma.ESC_EARLY \"all\"")
-    ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
-    try:
-        unrolls = [int(v) for v in args.esc_unroll.split(",") if v]
-    except ValueError:
-        sys.exit(f"--esc-unroll: expected comma-separated counts, got {args.esc_unroll!r}")
-    if any(v < 1 for v in unrolls):
-        sys.exit(f"--esc-unroll: expected counts of 1 or more, got {args.esc_unroll!r}")
-    if not torch.cuda.is_available():
-        sys.exit("bench/hmma_parts.py times CUDA kernels: it needs a GPU.")
-    from specpilot.kernels import u12_hmma
-    from specpilot.kernels.u12_linear import TUNED_TILES, u12_linear
+    if reason := harness.refuse_device("bench.kernels.hmma_parts", smoke=False):
+        print(reason, file=sys.stderr)
+        return 2
     from specpilot.formats.u12 import pack_u12, unpack_u12
+    from specpilot.kernels.u12 import TUNED_TILES, u12_linear
 
     names = [s for s in args.shapes.split(",") if s]
     for s in names:
         if s not in SHAPES or s == "lm_head":
             sys.exit(f"--shapes: {s!r} is not one of qkv, o, gate_up, down")
     props = torch.cuda.get_device_properties(0)
-    sms, gpu = props.multi_processor_count, props.name
+    sms = props.multi_processor_count
     gen = torch.Generator(device="cuda").manual_seed(0)
     rows = []
 
-    def save() -> Path:
-        return write_result(dict(
-            benchmark="hmma_parts", what=__doc__.split("\n\n")[0],
-            timing="us a call: median replay of a CUDA graph of one call per distinct copy (about 2 GB), min of two",
-            gpu=gpu, torch=torch.__version__, triton=triton.__version__, python=platform.python_version(),
-            git_commit=git_commit(("kernels/u12_hmma.py", "bench/hmma_parts.py")),
-            date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), rows=rows),
-            args.out, "hmma_parts", gpu)
+    def save():
+        return harness.write_run(args, "hmma_parts", "cuda", rows,
+                                 timing="us a call: median replay of a CUDA graph of one call per distinct copy "
+                                        "(about 2 GB), min of two")
 
     for name in names:
         n, k = SHAPES[name]
@@ -98,17 +83,11 @@ def main(argv: list[str] | None = None) -> int:
         x = torch.randn(16, k, device="cuda", generator=gen).to(torch.bfloat16)
         xt = x.view(16, s, k // s)[:, 0].contiguous()  # the twin's x: any K / S columns
         us, escapes = {}, {}
-        cases = {"tuned": (n, k, cfg, False, None), "tuned-noesc": (n, k, cfg, True, None)}
-        cases.update({f"tuned-u{v}": (n, k, cfg, False, v) for v in unrolls})
-        if args.esc_early:
-            cases["tuned-early"] = (n, k, cfg, False, "early")
+        cases = {"tuned": (n, k, cfg, False), "tuned-noesc": (n, k, cfg, True)}
         if s > 1:
             twin = dataclasses.replace(cfg, split_k=1)
-            cases.update({"twin": (n * s, k // s, twin, False, None), "twin-noesc": (n * s, k // s, twin, True, None)})
-        default_unroll = u12_hmma.ESC_UNROLL
-        for label, (nn, kk, c, clean, unroll) in cases.items():
-            u12_hmma.ESC_UNROLL = unroll if isinstance(unroll, int) else default_unroll  # read at launch
-            u12_hmma.ESC_EARLY = "all" if unroll == "early" else "off"
+            cases.update({"twin": (n * s, k // s, twin, False), "twin-noesc": (n * s, k // s, twin, True)})
+        for label, (nn, kk, c, clean) in cases.items():
             packed = []
             for _ in range(copies):
                 w = (torch.randn(nn, kk, device="cuda", generator=gen) * 0.02).to(torch.bfloat16)
@@ -123,10 +102,9 @@ def main(argv: list[str] | None = None) -> int:
             if not err < 1e-2:
                 sys.exit(f"{name} {label}: relative error {err:.3g} against x · Wᵀ")
             calls = [lambda t=t, c=c, xx=xx: u12_linear(xx, t, c) for t in packed]
-            us[label] = min(time_graph(calls), time_graph(calls)) * 1e3 / copies
+            us[label] = graph_us(calls, copies)
             del packed
             torch.cuda.empty_cache()
-        u12_hmma.ESC_UNROLL, u12_hmma.ESC_EARLY = default_unroll, "off"
         # the read kernel over the same bytes (the planes' 1.5 bytes a weight) at the tuned grid and its best
         nbytes = math.ceil(n * k * 1.5 / (16 * 1024)) * 16 * 1024
         grid = (n // cfg.block_n) * s
@@ -138,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         for label, rc in reads.items():
             outs = [torch.zeros(rc["programs"], dtype=torch.int32, device="cuda") for _ in bufs]
             calls = [read_bound.launcher("lsu", rc, b, o) for b, o in zip(bufs, outs)]
-            us[label] = min(time_graph(calls), time_graph(calls)) * 1e3 / copies
+            us[label] = graph_us(calls, copies)
         del bufs
         torch.cuda.empty_cache()
         rows.append(dict(name=name, N=n, K=k, M=16, config=str(cfg), grid=grid, bytes=nbytes, escapes=escapes, us=us))

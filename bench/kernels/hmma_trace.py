@@ -1,6 +1,6 @@
-"""The hmma kernel's phases at M = 16, from %globaltimer stamps in every program (u12_hmma.TRACE_SLOTS).
+"""The hmma kernel's phases at M = 16, from %globaltimer stamps in every program (kernels/u12/hmma.py's TRACE_SLOTS).
 
-bench/hmma_parts.py has each split-K shape's tail (everything after the main loops) at 3.2-6.5 µs
+bench/kernels/hmma_parts.py has each split-K shape's tail (everything after the main loops) at 3.2-6.5 µs
 of a 16-41 µs call. Here each TUNED_TILES config runs on tiled weights in a CUDA graph of one call
 per distinct weight copy (about 2 GB, so every call reads HBM), each call with its own stamp
 buffer: per program its entry, the end of its loop, the end of its split-K semaphore, and, in the
@@ -19,30 +19,33 @@ program that sums, the end of the sum and of the epilogue. Per shape, medians ov
   by_load      per number of the call's programs on one SM (%smid, slot 5): how many SMs held that
                many, and their programs' median loop and slowest loop end (from the call's first entry)
 
---pdl runs the calls in a PDL mode (kernels/overlap.py; the entry stamps come after the wait); --w4
-the layer shapes at 64-row programs of 4 warps, TUNED_TILES' configs before its 32-row ones
-(bench/step_ab.py's u12-tiles-w4).
+--pdl runs the calls in a PDL mode (kernels/overlap.py's Launch; the entry stamps come after the
+wait); --w4 the layer shapes at 64-row programs of 4 warps, TUNED_TILES' configs before its 32-row ones.
 
-Writes bench/results/hmma_trace_<gpu>.json (GPU, versions, commit) and prints a line a shape.
+Writes bench/results/hmma_trace_<gpu>[_<tag>].json through the harness and prints a line a shape.
 
-    python bench/hmma_trace.py [--shapes o,down,qkv,gate_up] [--esc-early off|split-k|all] [--pdl 0|1|2] [--w4]
-                               [--out FILE]
+    python -m bench.kernels.hmma_trace [--shapes o,down,qkv,gate_up] [--pdl 0|1|2] [--w4] [--out FILE|DIR] [--tag TAG]
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
-import platform
+import dataclasses
 import statistics
 import sys
-from pathlib import Path
 
 import torch
-import triton
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from u12_linear import SHAPES, git_commit, time_graph, write_result  # noqa: E402
+from bench import shapes as model_shapes
+from specpilot.bench import harness
+
+SHAPES = model_shapes.layer_linears(model_shapes.LLAMA_8B)
+
+
+def w4(cfg, n: int):
+    """A TUNED_TILES config at 64-row programs of 4 warps (qkv's at 168 registers): the configs before
+    the 32-row, 2-warp ones."""
+    return dataclasses.replace(cfg, block_n=64, num_warps=4, maxnreg=168 if n == SHAPES["qkv"][0] else 128)
 
 
 def phases(stamps: torch.Tensor, split_k: int) -> dict:
@@ -86,57 +89,54 @@ def summarize(calls: list[dict]) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    harness.add_results_args(ap, smoke=False)
     ap.add_argument("--shapes", default="o,down,qkv,gate_up")
-    ap.add_argument("--esc-early", choices=("off", "split-k", "all"), help="u12_hmma.ESC_EARLY (default: the module's)")
     ap.add_argument("--pdl", type=int, choices=(0, 1, 2), default=0, help="the calls' PDL mode (kernels/overlap.py)")
     ap.add_argument("--w4", action="store_true", help="the configs at 64-row programs of 4 warps (the ones before)")
-    ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        sys.exit("bench/hmma_trace.py reads %globaltimer in CUDA kernels: it needs a GPU.")
-    from specpilot.kernels import u12_hmma
-    from specpilot.kernels.overlap import overlap
-    from specpilot.kernels.u12_linear import TUNED_TILES
+    if reason := harness.refuse_device("bench.kernels.hmma_trace (reads %globaltimer)", smoke=False):
+        print(reason, file=sys.stderr)
+        return 2
     from specpilot.formats.u12 import pack_u12
-    from step_ab import W4  # the 64-row, 4-warp configs (u12-tiles-w4)
+    from specpilot.kernels.overlap import Launch
+    from specpilot.kernels.u12 import TUNED_TILES, hmma
 
-    u12_hmma.ESC_EARLY = args.esc_early or u12_hmma.ESC_EARLY
+    launch = Launch(pdl=args.pdl)
     names = [s for s in args.shapes.split(",") if s]
     for s in names:
         if s not in SHAPES or s == "lm_head":
             sys.exit(f"--shapes: {s!r} is not one of qkv, o, gate_up, down")
-    gpu = torch.cuda.get_device_name()
     gen = torch.Generator(device="cuda").manual_seed(0)
     rows = []
     for name in names:
         n, k = SHAPES[name]
         cfg = TUNED_TILES[(16, n, k)]
         if args.w4:
-            cfg = W4["u12_linear.TUNED_TILES"][(16, n, k)]
+            cfg = w4(cfg, n)
         copies = max(4, min(48, int(2e9 // (n * k * 2))))
         packed = [pack_u12((torch.randn(n, k, device="cuda", generator=gen) * 0.02).to(torch.bfloat16), layout="tiles")
                   for _ in range(copies)]
         x = torch.randn(16, k, device="cuda", generator=gen).to(torch.bfloat16)
         programs = (n // cfg.block_n) * cfg.split_k
-        traces = [torch.zeros(programs, u12_hmma.TRACE_SLOTS, dtype=torch.int64, device="cuda") for _ in packed]
+        traces = [torch.zeros(programs, hmma.TRACE_SLOTS, dtype=torch.int64, device="cuda") for _ in packed]
         ys = [torch.empty(16, n, dtype=torch.bfloat16, device="cuda") for _ in packed]
-        traced = [lambda t=t, y=y, b=b: u12_hmma.launch_hmma(x, t, y, cfg, trace=b) for t, y, b in zip(packed, ys, traces)]
-        plain = [lambda t=t, y=y: u12_hmma.launch_hmma(x, t, y, cfg) for t, y in zip(packed, ys)]
-        with overlap(pdl=args.pdl):
-            us_plain = time_graph(plain) * 1e3 / copies
-            us_traced = time_graph(traced) * 1e3 / copies  # the stamps' own cost: traced against plain
-            for b in traces:
-                b.zero_()
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                for f in traced:
-                    f()
+        traced = [lambda t=t, y=y, b=b: hmma.launch_hmma(x, t, y, cfg, trace=b, launch=launch)
+                  for t, y, b in zip(packed, ys, traces)]
+        plain = [lambda t=t, y=y: hmma.launch_hmma(x, t, y, cfg, launch=launch) for t, y in zip(packed, ys)]
+        us_plain = harness.time_graph(plain).median_ms * 1e3 / copies
+        us_traced = harness.time_graph(traced).median_ms * 1e3 / copies  # the stamps' own cost: traced against plain
+        for b in traces:
+            b.zero_()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for f in traced:
+                f()
         g.replay()
         torch.cuda.synchronize()
         calls = [phases(b.cpu(), cfg.split_k) for b in traces]
         row = dict(name=name, N=n, K=k, M=16, config=str(cfg), programs=programs, copies=copies,
                    us_plain=us_plain, us_traced=us_traced, phases=summarize(calls))
-        row.update(esc_early=u12_hmma.ESC_EARLY, pdl=args.pdl, w4=args.w4)
+        row.update(pdl=args.pdl, w4=args.w4)
         rows.append(row)
         p = row["phases"]
         print(f"{name:8} plain {us_plain:6.2f} traced {us_traced:6.2f} | " + " ".join(
@@ -145,14 +145,10 @@ def main(argv: list[str] | None = None) -> int:
                                                      for c, v in p["by_load"].items()), flush=True)
         del packed, traces, ys, g
         torch.cuda.empty_cache()
-    out = write_result(dict(
-        benchmark="hmma_trace", what=__doc__.split("\n\n")[0],
+    out = harness.write_run(
+        args, "hmma_trace", "cuda", rows,
         timing="µs: %globaltimer stamps of one CUDA graph replay, medians over the calls after the first two; "
-               "us_plain and us_traced: median replay of the same graph without and with stamps, a call",
-        gpu=gpu, torch=torch.__version__, triton=triton.__version__, python=platform.python_version(),
-        git_commit=git_commit(("kernels/u12_hmma.py", "bench/hmma_trace.py")),
-        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), rows=rows),
-        args.out, "hmma_trace", gpu)
+               "us_plain and us_traced: median replay of the same graph without and with stamps, a call")
     print("wrote", out)
     return 0
 

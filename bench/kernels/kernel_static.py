@@ -2,44 +2,39 @@
 for sm_90 (kernels/target.py's ``compile_only``: Triton's own ptxas, no GPU), with each kernel's
 registers, spills, shared memory, the programs an SM holds, and the SASS of its main loop.
 
-Launches, for each of bench/u12_linear.py's shapes at M rows (default 1, 4, 16, 64), random N(0,
-0.02) weights packed as the pass packs them:
+Launches, for each of the layer's shapes (bench.shapes) at M rows (default 1, 4, 16, 64), random
+N(0, 0.02) weights packed as the pass packs them:
   u12          u12_linear's default config: what the fused step's u12 GEMMs run (gemv2 below
                TENSOR_CORE_ROWS rows, TUNED's hmma / mma / tile configs above)
   u12-fused    the step's u12_fused_linear calls in its order, at one row (the AR step) and 16 (the
-               verify step with runtime/fused.py's U12_MANY_ROWS: the mma and hmma epilogues): o
-               with the residual add handing the norm on, gate_up gated with the norm handed in,
-               down handing on, qkv handed in (the lm_head has no fused call)
-  u12-tiles    u12_linear's default on the tiled weight (U12Tensor.layout "tiles"): gemv2 at one row,
-               TUNED_TILES' hmma configs from 4 rows to u12_linear.TILES_MAX_ROWS (32: 32-row programs)
-  u12-fused-tiles  the u12-fused calls on tiled weights at 16 rows: TUNED_TILES' hmma configs with the
-               epilogues (bench/step_ab.py's u12-tiles, the default way up to 16 rows); not in the default --only
+               verify step's mma and hmma epilogues): o with the residual add handing the norm on,
+               gate_up gated with the norm handed in, down handing on, qkv handed in
+  u12-tiles    u12_linear's default on the tiled weight: gemv2 at one row, TUNED_TILES' hmma configs
+               from TENSOR_CORE_ROWS to TILES_MAX_ROWS rows
+  u12-fused-tiles  the u12-fused calls on tiled weights at 16 rows (bench.steps.step_ab's u12-tiles);
+               not in the default --only
   bf16         fused_linear's default config on the bf16 weight (the path u12 is compared with)
 
---step-variants compiles the launches again under each of bench/step_ab.py's u12 knob variants
-(escapes from the table, lanes walked 8 or 16 a step, gemv2 at 4 rows, the wide hmma kernel) at
-the rows step_ab times it, and the tiled launches at 16 rows under its TILES_KNOB_VARIANTS (the
-hmma kernel's AHEAD and ESC_SPLIT): a variant that fails to compile or spills shows here, not on
-the GPU.
+--step-variants compiles the u12 launches again under each of bench.steps.step_ab's TUNED variants
+at the rows it times them: a variant that fails to compile or spills shows here, not on the GPU.
 
 Per compiled kernel: REG, LOCAL (spill bytes a thread; 0 is the aim) and SHARED from cuobjdump's
 resource usage; programs an SM by the H200's limits (65536 registers allocated 8 a thread at a
 time, 64 warps, 32 programs, 228 KB of shared memory, 1 KB of it reserved a program); the SASS
 (nvdisasm) instruction count and its main loop: the longest span from a label back to a branch
-that returns to it. The loop's opcode counts (LDG, LDS, STS, BAR, SHFL, HMMA, FFMA, PRMT, LOP3,
-...) say what a warp issues a chunk. No timing: these are the static facts behind the timed files,
-checked before spending GPU time on a variant (a config that spills, or a loop that went through
-shared memory, shows here).
+that returns to it, and its opcode counts (LDG, LDS, HMMA, FFMA, PRMT, ...): what a warp issues a
+chunk. No timing: the static facts behind the timed files, checked before spending GPU time.
 
-Writes bench/results/kernel_static_sm90_triton<version>.json (Triton version, ptxas target, commit);
-prints a table. The GPU machine runs Triton 3.6, this project's CPU machine 3.9: each compiles its
-own SASS, so the 3.6 file is the one beside the timed results (a Triton 3.6 wheel unpacked
-somewhere, then PYTHONPATH=that folder python bench/kernel_static.py).
+Writes bench/results/kernel_static_sm90_triton<major><minor>[-<tag>].json through the harness (--sweep:
+the tag "sweep" unless --tag names one). The GPU machine runs Triton 3.6, this project's CPU machine
+3.9: each compiles its own SASS, so the 3.6 file is the one beside the timed results (a Triton 3.6
+wheel unpacked somewhere, then PYTHONPATH=that folder python -m bench.kernels.kernel_static).
 
-    python bench/kernel_static.py [--ms 1,4,16,64] [--shapes qkv,o,gate_up,down,lm_head] [--only u12,u12-fused,u12-tiles,bf16] [--step-variants] [--out FILE]
-    python bench/kernel_static.py --smoke --out FILE    # small shapes: the tests' run
-    python bench/kernel_static.py --sweep hmma --layouts rows,tiles --ms 16 --timed bench/results/u12_linear_hmma_h200.json
-    python bench/kernel_static.py --sweep knobs --layouts tiles --ms 16 --shapes qkv,o,gate_up,down   # hmma_knobs.py's table
+    python -m bench.kernels.kernel_static [--ms 1,4,16,64] [--shapes qkv,o,gate_up,down,lm_head]
+        [--only u12,u12-fused,u12-tiles,bf16] [--step-variants] [--out FILE|DIR] [--tag TAG]
+    python -m bench.kernels.kernel_static --smoke --out FILE    # small shapes: the tests' run
+    python -m bench.kernels.kernel_static --sweep hmma --layouts rows,tiles --ms 16 --timed bench/results/u12_linear_h200_hmma.json
+    python -m bench.kernels.kernel_static --sweep knobs --layouts tiles --ms 16 --shapes qkv,o,gate_up,down --tag knobs
 Run it in a process without TRITON_INTERPRET=1 (under the interpreter Triton compiles nothing).
 """
 
@@ -47,8 +42,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import dataclasses
-import datetime
 import functools
 import json
 import os
@@ -58,13 +51,13 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "bench"))
-from u12_linear import SHAPES, git_commit  # noqa: E402
+import torch
 
-import torch  # noqa: E402
+from bench import shapes as model_shapes
+from specpilot.bench import harness
 
-FUSED_MS = (1, 16)  # u12_fused_linear's rows: the AR step's, and verify(16)'s under U12_MANY_ROWS
+SHAPES = model_shapes.layer_linears(model_shapes.LLAMA_8B)
+FUSED_MS = (1, 16)  # u12_fused_linear's rows: the AR step's, and verify(16)'s mma and hmma epilogues
 SMOKE_SHAPES = {"qkv": (384, 256), "o": (256, 256), "gate_up": (1024, 256), "down": (256, 512)}  # a coherent stack
 OPCODES = ("LDG", "STG", "LDS", "STS", "LDSM", "BAR", "SHFL", "HMMA", "HGMMA", "FFMA", "FMUL", "FADD", "PRMT",
            "LOP3", "IMAD", "I2F", "F2F", "ATOM", "RED", "CCTL")
@@ -74,8 +67,6 @@ SM = dict(registers=65536, warps=64, programs=32, shared=228 * 1024, reserved=10
 # run at the weight-read floor (a ceiling: a loop that also waits on memory needs less).
 ISSUE_PER_S = 132 * 4 * 1.98e9
 BUDGET = {"u12": ISSUE_PER_S / (4.06e12 / 1.5), "bf16": ISSUE_PER_S / (4.06e12 / 2.0)}
-KERNEL_FILES = ("bench/kernel_static.py", "kernels/target.py", "kernels/u12_linear.py", "kernels/u12_hmma.py",
-                "kernels/u12_mma.py", "kernels/u12_fused_linear.py", "kernels/fused_linear.py")
 
 
 def tool(name: str) -> str:
@@ -163,10 +154,9 @@ def describe(compiled, workdir: Path) -> dict:
     c = compiled.constexprs
     chunk = c.get("BLOCK_K") or 4 * c.get("BLOCK_W", 0)  # weights of a row a loop iteration (GEMVs: words of 4)
     rows = c.get("BLOCK_N", 0) * (2 if c.get("GATED") and compiled.name in COLUMN_BLOCKS else 1)
-    per_warp = rows * chunk / (1 if c.get("WARP_K") else compiled.num_warps)  # WARP_K: each warp every row
+    per_warp = rows * chunk / compiled.num_warps
     keep = ("BLOCK_M", "BLOCK_N", "BLOCK_W", "BLOCK_K", "SPLIT_K", "TILED", "GATED", "HAND_IN",
-            "HAND_OUT", "RESIDUAL", "NORM", "X_WORDS", "LANES", "LANE_GROUP", "EVEN_K", "ASM", "PDL", "AHEAD", "AHEAD_X",
-            "ESC_SPLIT", "WARP_K")
+            "HAND_OUT", "RESIDUAL", "NORM", "X_WORDS", "LANES", "EVEN_K", "ASM", "PDL", "EARLY", "ESC_UNROLL")
     return {
         "kernel": compiled.name,
         "constexprs": {k: v for k, v in compiled.constexprs.items() if k in keep},
@@ -185,7 +175,7 @@ def describe(compiled, workdir: Path) -> dict:
         # global loads the loop issues after its first multiply-add: each is a second memory round
         # trip an iteration unless the loads before it cover the latency (ptxas's placement)
         "loop_loads_after_first_mac": sum(op == "LDG" for op in body[first_mac:]),
-        "loop_weights_per_warp": per_warp,  # BLOCK_N rows x the chunk, over the warps (WARP_K: not over them)
+        "loop_weights_per_warp": per_warp,  # BLOCK_N rows x the chunk, over the warps
         "warp_instructions_per_weight": round(len(body) / per_warp, 4) if body and per_warp else None,
     }
 
@@ -203,9 +193,7 @@ def _weights(shapes: tuple[tuple[str, tuple[int, int]], ...]) -> tuple[dict, dic
 def launches(shapes: dict[str, tuple[int, int]], ms: tuple[int, ...], only: tuple[str, ...]):
     """(what, shape name, M, callable) for every launch this run compiles."""
     from specpilot.kernels.fused_linear import fused_linear
-    from specpilot.kernels.u12_fused_linear import NormHandoff, u12_fused_linear
-    from specpilot.kernels import u12_linear as u12_linear_mod
-    from specpilot.kernels.u12_linear import default_config, u12_linear
+    from specpilot.kernels.u12 import TILES_MAX_ROWS, NormHandoff, u12_fused_linear, u12_linear
 
     weights, packed = _weights(tuple(shapes.items()))
     gen = torch.Generator().manual_seed(1)
@@ -216,7 +204,7 @@ def launches(shapes: dict[str, tuple[int, int]], ms: tuple[int, ...], only: tupl
                 yield "u12", name, m, lambda m=m, name=name, k=k: u12_linear(x(m, k), packed[name])
             if "bf16" in only:
                 yield "bf16", name, m, lambda m=m, name=name, k=k: fused_linear(x(m, k), weights[name])
-            if "u12-tiles" in only and m <= u12_linear_mod.TILES_MAX_ROWS:
+            if "u12-tiles" in only and m <= TILES_MAX_ROWS:
                 tiled = packed[name].with_layout("tiles")
                 yield "u12-tiles", name, m, lambda m=m, k=k, tiled=tiled: u12_linear(x(m, k), tiled)
     for what, layout, rows in (("u12-fused", "rows", FUSED_MS), ("u12-fused-tiles", "tiles", (16,))):
@@ -241,33 +229,37 @@ def launches(shapes: dict[str, tuple[int, int]], ms: tuple[int, ...], only: tupl
             yield what, "qkv", m, lambda hand_in=hand_in: hand_in("qkv")
 
 
-def step_variants() -> dict[str, tuple[tuple[int, ...], dict]]:
-    """bench/step_ab.py's u12 knob variants: name -> (the rows they are timed at, their settings)."""
-    import step_ab
+def step_variants() -> list[tuple[str, tuple[int, ...], tuple[str, ...], dict, dict]]:
+    """bench.steps.step_ab's TUNED variants: (name, the rows it times them at, the launches they
+    change, the kernel table, its entries over the default's)."""
+    from bench.steps import step_ab
+    from specpilot.kernels.u12 import TUNED_TILES
 
-    out = {name: ((1, 16), knobs) for name, knobs in step_ab.U12_KNOB_VARIANTS.items()}
-    out |= {name: ((16,), knobs) for name, knobs in step_ab.U12_VERIFY_KNOB_VARIANTS.items() if name not in out}
-    few = (4, 8)  # the verify steps bench/run_gpu.sh fewrows times them in
-    out |= {name: (tuple(q for q in few if lo <= q <= hi), knobs)
-            for name, ((lo, hi), knobs) in step_ab.U12_FEW_ROWS_KNOB_VARIANTS.items()}
+    out = [(name, (1,), ("u12-fused",), table, override)
+           for name, (table, override) in step_ab.U12_TUNED_VARIANTS.items() if override]
+    out += [(name, (16,), ("u12-tiles", "u12-fused-tiles"), TUNED_TILES, override)
+            for name, override in step_ab.TILES_TUNED_VARIANTS.items()]
+    out += [(name, (32,), ("u12-tiles",), TUNED_TILES, override)
+            for name, override in step_ab.TILES_PAST_16_VARIANTS.items()]
     return out
 
 
 def run(shapes, ms, only, arch: int = 90, variants: bool = False) -> list[dict]:
-    """Every launch compiled and described; with `variants`, again under each of step_variants()."""
-    import step_ab
+    """Every launch compiled and described; with `variants`, again under each of step_variants()
+    (the u12 launches of `only` they change, at those of their rows in `ms`)."""
+    from bench.steps.step_ab import tuned
     from specpilot.kernels.target import compile_only
 
-    plan = [("default", ms, only, {})]
-    if variants:  # the knobs are u12_linear's and u12_hmma's: the bf16 launches stay as they are
-        u12 = tuple(w for w in only if w in ("u12", "u12-fused"))
-        plan += [(name, rows, u12, knobs) for name, (rows, knobs) in step_variants().items()]
-        tiles = tuple(w for w in only if w in ("u12-tiles", "u12-fused-tiles"))  # the hmma knobs on the tiles
-        plan += [(name, (16,), tiles, knobs) for name, knobs in step_ab.TILES_KNOB_VARIANTS.items() if tiles and 16 in ms]
+    plan = [("default", ms, only, {}, {})]
+    if variants:
+        for name, rows, whats, table, override in step_variants():
+            variant_ms, variant_only = tuple(m for m in rows if m in ms), tuple(w for w in only if w in whats)
+            if variant_ms and variant_only:
+                plan.append((name, variant_ms, variant_only, table, override))
     rows = []
     with tempfile.TemporaryDirectory() as tmp, torch.inference_mode():
-        for variant, variant_ms, variant_only, knobs in plan:
-            with step_ab.knobs_set(knobs):
+        for variant, variant_ms, variant_only, table, override in plan:
+            with tuned(table, override):
                 for what, name, m, launch in launches(shapes, variant_ms, variant_only):
                     with compile_only(arch) as compiled:
                         launch()
@@ -278,7 +270,7 @@ def run(shapes, ms, only, arch: int = 90, variants: bool = False) -> list[dict]:
 
 
 def _timed_layout(row: dict) -> tuple[str, str]:
-    """(config, layout) of a bench/u12_linear.py sweep row: its "layout" key, or in files written
+    """(config, layout) of a bench.kernels.u12_linear sweep row: its "layout" key, or in files written
     before weights had layouts (a291905) a "-tiles" suffix on the config string."""
     config = row["config"]
     if "layout" in row:
@@ -288,18 +280,17 @@ def _timed_layout(row: dict) -> tuple[str, str]:
 
 def sweep(shapes, m: int, kernels: tuple[str, ...], timed: Path | None, arch: int = 90,
           layouts: tuple[str, ...] = ("rows",)) -> list[dict]:
-    """The configs bench/u12_linear.py sweeps at `m` rows (its sweep_configs: the default first),
+    """The configs bench.kernels.u12_linear sweeps at `m` rows (its sweep_configs: the default first),
     each compiled on the weight in each of `layouts` (U12Tensor.layout) and described; with `timed`
     (that script's results file) each row gets the config's measured "us" where the file timed it
     (same shape, rows, config string and layout)."""
-    from u12_linear import sweep_configs
-
+    from bench.kernels import hmma_knobs
+    from bench.kernels.u12_linear import sweep_configs
     from specpilot.kernels.target import compile_only
-    from specpilot.kernels.u12_linear import TUNED_TILES, u12_linear
+    from specpilot.kernels.u12 import TUNED_TILES, u12_linear
 
-    def configs(n: int, k: int) -> list:  # "knobs": bench/hmma_knobs.py's table (TUNED_TILES' shapes, 16 rows)
+    def configs(n: int, k: int) -> list:  # "knobs": bench.kernels.hmma_knobs' table (TUNED_TILES' shapes, 16 rows)
         if kernels == ("knobs",):
-            import hmma_knobs
 
             name = next(s for s, nk in hmma_knobs.SHAPES.items() if nk == (n, k))
             return [cfg for _, cfg in hmma_knobs.configs(name, TUNED_TILES[(16, n, k)])]
@@ -374,58 +365,57 @@ def sweep_correlations(rows: list[dict]) -> list[dict]:
     return out
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    harness.add_results_args(ap, smoke=False)
     ap.add_argument("--ms", default="1,4,16,64")
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--only", default="u12,u12-fused,u12-tiles,bf16")
-    ap.add_argument("--smoke", action="store_true", help="small shapes (the tests' run)")
+    ap.add_argument("--smoke", action="store_true", help="small shapes (the tests' run); writes only where --out says")
     ap.add_argument("--step-variants", action="store_true",
-                    help="also each of bench/step_ab.py's u12 knob variants, at the rows it is timed at")
-    ap.add_argument("--sweep", help="instead: bench/u12_linear.py's sweep of these kernels (e.g. hmma,mma) at "
-                                    "the first of --ms, every config compiled; 'knobs': bench/hmma_knobs.py's table")
-    ap.add_argument("--timed", type=Path, help="with --sweep: a bench/u12_linear.py results file whose times to join")
+                    help="also each of bench.steps.step_ab's TUNED variants, at the rows it times them at")
+    ap.add_argument("--sweep", help="instead: bench.kernels.u12_linear's sweep of these kernels (e.g. hmma,mma) at "
+                                    "the first of --ms, every config compiled; 'knobs': bench.kernels.hmma_knobs' table")
+    ap.add_argument("--timed", type=Path, help="with --sweep: a bench.kernels.u12_linear results file whose times to join")
     ap.add_argument("--layouts", default="rows", help="with --sweep: the weight's layouts to compile each config on")
-    ap.add_argument("--out", type=Path, help="default bench/results/kernel_static[_sweep]_sm90_triton<major><minor>.json")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.timed is not None and not args.timed.is_file():
-        raise SystemExit(f"kernel_static: --timed: no such file {args.timed}")
+        print(f"bench.kernels.kernel_static --timed: no such file {args.timed}", file=sys.stderr)
+        return 2
     if os.environ.get("TRITON_INTERPRET") == "1":
-        raise SystemExit("kernel_static: unset TRITON_INTERPRET (the interpreter compiles no kernel)")
+        print("bench.kernels.kernel_static: unset TRITON_INTERPRET (the interpreter compiles no kernel)", file=sys.stderr)
+        return 2
     table = SMOKE_SHAPES if args.smoke else SHAPES
-    names = [s for s in args.shapes.split(",") if s in table]
     unknown = sorted(set(args.shapes.split(",")) - set(SHAPES))
     if unknown:
-        raise SystemExit(f"kernel_static: --shapes: unknown {unknown}; expected some of {list(SHAPES)}")
+        print(f"bench.kernels.kernel_static --shapes: unknown {unknown}; expected some of {list(SHAPES)}", file=sys.stderr)
+        return 2
+    names = [s for s in args.shapes.split(",") if s in table]
     only = tuple(args.only.split(","))
     ms = tuple(int(v) for v in args.ms.split(","))
     import triton
 
-    kind = "kernel_static_sweep" if args.sweep else "kernel_static"
-    out = args.out or ROOT / "bench" / "results" / f"{kind}_sm90_triton{''.join(triton.__version__.split('.')[:2])}.json"
     if args.sweep:
         rows = sweep({s: table[s] for s in names}, ms[0], tuple(args.sweep.split(",")), args.timed,
                      layouts=tuple(args.layouts.split(",")))
     else:
         rows = run({s: table[s] for s in names}, ms, only, variants=args.step_variants)
 
-    result = {
-        "benchmark": "kernel_static",
+    summary = {
         "target": "sm_90a (H200), compiled by Triton's ptxas without a GPU (kernels/target.py compile_only)",
-        "triton": triton.__version__,
-        "torch": torch.__version__,
-        "commit": git_commit(KERNEL_FILES),
-        "date": datetime.date.today().isoformat(),
         "smoke": args.smoke,
-        "timed": str(args.timed.resolve().relative_to(ROOT)) if args.timed and args.timed.resolve().is_relative_to(ROOT)
-        else (str(args.timed) if args.timed else None),
+        "timed": str(args.timed.resolve().relative_to(harness.ROOT))
+        if args.timed and args.timed.resolve().is_relative_to(harness.ROOT) else (str(args.timed) if args.timed else None),
         "issue_budget_per_weight": {k: round(v, 4) for k, v in BUDGET.items()},
-        "rows": rows,
     }
     if args.sweep:
-        result["correlations"] = sweep_correlations(rows)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
+        summary["correlations"] = sweep_correlations(rows)
+    tag = "triton" + "".join(triton.__version__.split(".")[:2]) + \
+        (f"-{args.tag}" if args.tag else "-sweep" if args.sweep else "")
+    out = None
+    if not args.smoke or args.out is not None:  # a smoke run measures nothing: written only where --out says
+        out = harness.write_results("kernel_static", "cpu", rows, args=vars(args), out=args.out, tag=tag, gpu="sm90",
+                                    **summary)
     print(f"{'variant or config':30} {'what':10} {'shape':8} {'M':>3} {'kernel':24} {'warps':>5} {'regs':>4} "
           f"{'spill':>5} {'smem':>6} {'prog/SM':>7} {'loop':>5} {'/weight':>7} {'late':>4} {'timed':>9}  loop opcodes")
     for r in rows:
@@ -439,11 +429,13 @@ def main() -> None:
     print(f"/weight: the K loop's warp instructions a weight; at the weight-read floor the H200 issues at most "
           f"{BUDGET['u12']:.3f} (u12) and {BUDGET['bf16']:.3f} (bf16). late: its global loads after its first "
           f"multiply-add")
-    for c in result.get("correlations", []):
+    for c in summary.get("correlations", []):
         rho = ", ".join(f"{k} {v}" for k, v in c["spearman_vs_us"].items())
         print(f"{c['shape']} {c['kernel']} split {c['split_k']}: {c['configs']} timed configs, Spearman with us: {rho}")
-    print(f"wrote {out}")
+    if out:
+        print(f"wrote {out}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

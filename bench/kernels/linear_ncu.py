@@ -2,7 +2,7 @@
 
     ncu --clock-control none --nvtx --nvtx-include measure/ \
         --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats \
-        --section LaunchStats --section Occupancy python bench/linear_ncu.py [--ms 1,16]
+        --section LaunchStats --section Occupancy python -m bench.kernels.linear_ncu [--ms 1,16] [--u12] [--layout tiles]
 
 For each M in --ms: fused_linear (its TUNED config) on qkv (with the norm prologue, its sums of
 squares from RowSquares at more than one row, as the runtime hands them on), o (residual
@@ -12,7 +12,8 @@ one row u12_fused_linear with the SiLU·mul and residual epilogues and the norms
 u12_linear's TUNED kernel).
 Random N(0, 0.02) bf16 weights, x ~ N(0, 1). Each call runs once after a warm-up (compiles), and
 ncu replays and times each kernel on its own, caches flushed (its default), so the counters
-describe one cold launch. bench/run_gpu.sh's `ncu` group runs this under ncu and keeps the report.
+describe one cold launch. bench/run_gpu.sh's `ncu` group runs this under ncu and keeps the report
+(no results file of its own: ncu writes the report).
 """
 
 from __future__ import annotations
@@ -21,27 +22,30 @@ import argparse
 import sys
 
 import torch
-from fused_linear import SHAPES  # bench/fused_linear.py: name -> (N, K, norm, gated, residual)
+
+from bench.kernels.fused_linear import SHAPES  # name -> (N, K, norm, gated, residual)
+from specpilot.bench import harness
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ms", default="1,16")
     ap.add_argument("--u12", action="store_true", help="also the u12 kernels on the packed weights")
     ap.add_argument("--layout", choices=("rows", "tiles"), default="rows",
                     help="the packed weights' U12Tensor.layout (tiles: TUNED_TILES' configs at more than one row)")
-    args = ap.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("bench/linear_ncu.py launches CUDA kernels for ncu: it needs a GPU.")
-    from specpilot.kernels.fused_linear import RowSquares, fused_linear
-    from specpilot.kernels.u12_fused_linear import u12_fused_linear
-    from specpilot.kernels.u12_linear import u12_linear
+    args = ap.parse_args(argv)
+    if reason := harness.refuse_device("bench.kernels.linear_ncu (launches CUDA kernels for ncu)", smoke=False):
+        print(reason, file=sys.stderr)
+        return 2
     from specpilot.formats.u12 import pack_u12
+    from specpilot.kernels.fused_linear import RowSquares, fused_linear
+    from specpilot.kernels.u12 import u12_fused_linear, u12_linear
 
     dev, dt = torch.device("cuda"), torch.bfloat16
     g = torch.Generator(device=dev).manual_seed(0)
     weights = {name: (torch.randn(n, k, device=dev, generator=g) * 0.02).to(dt) for name, (n, k, *_) in SHAPES.items()}
-    norm_w = 1 + 0.1 * torch.randn(4096, device=dev, generator=g).to(dt)
+    hidden = SHAPES["o"][0]
+    norm_w = 1 + 0.1 * torch.randn(hidden, device=dev, generator=g).to(dt)
     packed = {name: pack_u12(w, layout=args.layout) for name, w in weights.items()} if args.u12 else {}
     for m in (int(v) for v in args.ms.split(",")):
         calls = []
@@ -51,7 +55,7 @@ def main() -> int:
             res = torch.randn(m, n_out, device=dev, generator=g).to(dt) if residual else None
             squares = None
             if norm and m > 1:
-                squares = RowSquares.of(x, 64)  # o's and down's epilogues leave 4096 / 64 parts
+                squares = RowSquares.of(x, 64)  # o's and down's epilogues leave hidden / 64 parts
             elif residual and m > 1:
                 squares = RowSquares()
 

@@ -15,28 +15,27 @@ shape's byte count, u12 (1.5 bytes a weight) and bf16 (2), three ways:
 
 Each way over a small grid of program counts (1-8 an SM), warps and depths; per byte count the
 fastest config is kept. Every call is timed as the median replay of a CUDA graph of one call per
-distinct copy of the bytes (about 2 GB of copies, so every call reads HBM: bench/u12_linear.py's
-time_graph), twice, the minimum kept; the sums are checked against torch's. Writes
-bench/results/read_bound_<gpu>.json (GPU, versions, commit) and prints a table.
+distinct copy of the bytes (about 2 GB of copies, so every call reads HBM), twice, the minimum
+kept; the sums are checked against torch's. Writes bench/results/read_bound_<gpu>[_<tag>].json
+through the harness and prints a table.
 
-    python bench/read_bound.py [--sizes o,qkv,down,gate_up,lm_head] [--ways lsu,cp,tma] [--out FILE]
+    python -m bench.kernels.read_bound [--sizes o,qkv,down,gate_up,lm_head] [--ways lsu,cp,tma] [--out FILE|DIR]
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import math
-import platform
 import sys
-from pathlib import Path
 
 import torch
 import triton
 import triton.language as tl
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from u12_linear import SHAPES, git_commit, time_graph, write_result  # noqa: E402
+from bench import shapes as model_shapes
+from specpilot.bench import harness
+
+SHAPES = model_shapes.layer_linears(model_shapes.LLAMA_8B)
 
 FORMATS = {"u12": 1.5, "bf16": 2.0}  # bytes a weight
 ROW = 256  # int32 words a descriptor row (1 KB)
@@ -111,12 +110,13 @@ def label(way: str, cfg: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    harness.add_results_args(ap, smoke=False)
     ap.add_argument("--sizes", default="o,qkv,down,gate_up,lm_head")
     ap.add_argument("--ways", default="lsu,cp,tma")
-    ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        sys.exit("bench/read_bound.py times CUDA kernels: it needs a GPU.")
+    if reason := harness.refuse_device("bench.kernels.read_bound", smoke=False):
+        print(reason, file=sys.stderr)
+        return 2
     sizes = [s for s in args.sizes.split(",") if s]
     ways = [w for w in args.ways.split(",") if w]
     for s in sizes:
@@ -128,19 +128,13 @@ def main(argv: list[str] | None = None) -> int:
     if "tma" in ways:
         triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
     props = torch.cuda.get_device_properties(0)
-    sms, gpu = props.multi_processor_count, props.name
+    sms = props.multi_processor_count
     gen = torch.Generator(device="cuda").manual_seed(0)
 
-    def save(rows: list[dict]) -> Path:  # after every size: a run cut by its time limit keeps what it timed
-        return write_result(dict(
-            benchmark="read_bound",
-            what="Kernels that only read a linear's weight bytes (u12 and bf16 sizes of the Llama-3.1-8B shapes): "
-                 "16-byte register loads (lsu), cp.async pipelines (cp), TMA block loads (tma); per size the fastest config.",
-            timing="us a call: median replay of a CUDA graph of one call per distinct copy (about 2 GB), min of two",
-            gpu=gpu, sms=sms, torch=torch.__version__, triton=triton.__version__, python=platform.python_version(),
-            git_commit=git_commit(("bench/read_bound.py",)),
-            date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), rows=rows),
-            args.out, "read_bound", gpu)
+    def save(rows: list[dict]):  # after every size: a run cut by its time limit keeps what it timed
+        return harness.write_run(args, "read_bound", "cuda", rows, sms=sms,
+                                 timing="us a call: median replay of a CUDA graph of one call per distinct copy "
+                                        "(about 2 GB), min of two")
 
     rows = []
     for name in sizes:
@@ -161,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
                         got = int(outs[0].sum(dtype=torch.int64)) & 0xFFFFFFFF
                         if got != want[0]:
                             raise AssertionError(f"sum {got:#x}, torch's {want[0]:#x}")
-                        ms = min(time_graph(calls), time_graph(calls)) / copies
+                        ms = min(harness.time_graph(calls).median_ms, harness.time_graph(calls).median_ms) / copies
                     except Exception as e:  # a config the GPU or Triton refuses: recorded, not fatal
                         row.setdefault("errors", {})[label(way, cfg)] = f"{type(e).__name__}: {str(e)[:200]}"
                         continue

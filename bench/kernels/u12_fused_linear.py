@@ -4,10 +4,10 @@ The Llama-3.1-8B u12 AR step (runtime/fused.py: u12 layers through u12_fused_lin
 handed on) makes four calls a layer: qkv takes the norm the down before it handed on, o adds into
 the residual stream and hands the next norm on, gate_up (gated: SiLU·mul) takes that norm, down adds
 and hands on. Their tiles are derived from u12_linear's (TUNED, swept without epilogues, ungated),
-gate_up's halved (``default_config``); this sweeps them in those modes. For each M in --ms (default
-1) and each call: the default config first, then every gemv2 config of SWEEP_GEMV2 whose
+gate_up's halved (``fused_config``); this sweeps them in those modes. For each M in --ms (default
+1) and each call: the default config first, then every gemv2 config of bench/kernels/u12_linear.py's SWEEP_GEMV2 whose
 accumulators (two a row when gated) fit 64 registers a thread. Each is checked against
-u12_fused_linear_reference (the stream within bench/fused_linear.py's bound: one bf16 step plus
+u12_fused_linear_reference (the stream within bench/kernels/fused_linear.py's bound: one bf16 step plus
 2^-16 of Σ|x'||w|; a handed-on xg exactly dtype(stream · weight) and its parts' sum Σ stream²), then
 timed as the median replay of a CUDA graph of one call per distinct copy of the weight (about
 1.5 GB of packed copies, at least 2), divided by the copies. Beside it per row, in the same graphs:
@@ -16,66 +16,57 @@ many as the producer's default config leaves (down's before qkv, o's before gate
 
 Layer: per M, the 32 layers' four calls chained with their handoffs (distinct random weights, about
 10.5 GB packed) in one CUDA graph, at the default configs and at the sweep's best: the figure for
-kernels/u12_fused_linear.py's TUNED, which bench/step_ab.py --u12-fused-tuned then times in the step.
+kernels/u12/fused.py's TUNED_FUSED, which bench/steps/step_ab.py --u12-fused-tuned then times in the step.
 
-Writes bench/results/u12_fused_linear_<gpu>.json: "rows" (the best config per call and M), "sweep"
-(every row), "tuned" (the best as u12_fused_linear's TUNED keys: rows bucket, N, K, gated),
-"layer"; prints a short table last. --smoke runs the same code on tiny shapes (on the CPU: Triton's
-interpreter, wall-clock timing, no graph) to check the script itself.
+Writes bench/results/u12_fused_linear_<gpu>[_<tag>].json through the harness: records (the best
+config per call and M), "sweep" (every row), "tuned" (the best as TUNED_FUSED's keys: rows bucket,
+N, K, gated), "layer"; prints a short table last. --smoke runs the same code on tiny shapes (the CPU
+under TRITON_INTERPRET=1, wall-clock timing, no graph) to check the script itself.
 
-    python bench/u12_fused_linear.py [--out FILE] [--budget-s 240] [--ms 1] [--no-layer] [--smoke]
-    (SPECPILOT_COMMIT=... names the commit where the tree has no .git)
+    python -m bench.kernels.u12_fused_linear [--budget-s 240] [--ms 1] [--no-layer] [--smoke] [--out FILE|DIR] [--tag TAG]
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
-import os
-import platform
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # the bench scripts beside this one
-import fused_linear as fl_bench  # noqa: E402  (error_bound, check_close, time_graph)
-import u12_linear as u12_bench  # noqa: E402  (git_commit, write_result, print_sweep_summary)
+from bench import shapes as model_shapes
+from bench.kernels import fused_linear as fl_bench  # error_bound, check_close, Timer, time_graph
+from bench.kernels.sweep import print_sweep_summary
+from bench.kernels.u12_linear import SWEEP_GEMV2
+from specpilot.bench import harness
 
 # name: (N weight rows, K, gated, mode): "in" takes a handed-in norm, "out" adds into the stream and
-# hands the next norm on; producer: the call whose handoff an "in" call takes
-SHAPES = {  # the largest first: a budget that runs out leaves the smallest calls at their defaults
-    "gate_up": (28672, 4096, True, "in"),
-    "down": (4096, 14336, False, "out"),
-    "qkv": (6144, 4096, False, "in"),
-    "o": (4096, 4096, False, "out"),
-}
+# hands the next norm on; producer: the call whose handoff an "in" call takes. The largest first: a
+# budget that runs out leaves the smallest calls at their defaults.
+_LINEARS = model_shapes.layer_linears(model_shapes.LLAMA_8B)
+SHAPES = {name: (*_LINEARS[name], gated, mode) for name, gated, mode in
+          (("gate_up", True, "in"), ("down", False, "out"), ("qkv", False, "in"), ("o", False, "out"))}
 SMOKE_SHAPES = {"qkv": (48, 32, False, "in"), "o": (32, 48, False, "out"),  # hidden 32, o's K apart from down's
                 "gate_up": (64, 32, True, "in"), "down": (32, 32, False, "out")}
 PRODUCER = {"qkv": "down", "gate_up": "o"}
 MS = (1,)
-LAYERS = 32
+LAYERS = model_shapes.config(model_shapes.LLAMA_8B)["num_hidden_layers"]
 SIGMA = 0.02
 EPS = 1e-5
 COPY_BYTES = 1.5e9  # packed weight copies a timed graph cycles through (no L2 reuse between calls)
 
 
-def git_commit() -> str:
-    return u12_bench.git_commit(("bench/u12_fused_linear.py", "kernels/u12_fused_linear.py", "kernels/u12_linear.py",
-                                 "specpilot/formats/u12.py"))
-
-
 def sweep_configs(m: int, n: int, k: int, gated: bool, smoke: bool) -> list:
     """The default config first, then SWEEP_GEMV2's configs whose accumulators (twice when gated:
     a gate and an up row each) fit 64 registers a thread. --smoke: one more, small."""
-    from specpilot.kernels import u12_fused_linear as ufl
-    from specpilot.kernels.u12_linear import SWEEP_GEMV2, U12Config, _block_m, gemv2_acc_registers
+    from specpilot.kernels.u12 import U12Config, fused_config
+    from specpilot.kernels.u12.epilogue import block_m
+    from specpilot.kernels.u12.gemv2 import gemv2_acc_registers
 
-    default = ufl.default_config(m, n, k, gated, on_gpu=torch.cuda.is_available() and not smoke)
+    default = fused_config(m, n, k, gated, on_gpu=torch.cuda.is_available() and not smoke)
     if smoke:
         return [default, U12Config(8, 4, num_warps=1, num_stages=1, kernel="gemv2")]
-    fits = [c for c in SWEEP_GEMV2 if gemv2_acc_registers(c, _block_m(m)) * (2 if gated else 1) <= 64]
+    fits = [c for c in SWEEP_GEMV2 if gemv2_acc_registers(c, block_m(m)) * (2 if gated else 1) <= 64]
     return [default] + [c for c in fits if c != default]
 
 
@@ -94,14 +85,14 @@ class Call:
     `run(t, cfg)` for any copy t of its weight."""
 
     def __init__(self, name: str, m: int, shapes: dict, w: torch.Tensor, t, device: str, gen: torch.Generator) -> None:
-        from specpilot.kernels import u12_fused_linear as ufl
+        from specpilot.kernels.u12 import fused as ufl
 
         n, k, gated, mode = shapes[name]
         self.name, self.gated, self.mode = name, gated, mode
         rnd = lambda *shape: torch.randn(*shape, device=device, generator=gen)  # noqa: E731
         if mode == "in":
             pn, pk, *_ = shapes[PRODUCER[name]]
-            programs = -(-pn // ufl.default_config(m, pn, pk, False, on_gpu=device == "cuda").block_n)
+            programs = -(-pn // ufl.fused_config(m, pn, pk, False, on_gpu=device == "cuda").block_n)
             stream = rnd(m, k).to(torch.bfloat16)
             gamma = (1 + 0.1 * rnd(k)).to(torch.bfloat16)
             self.hand = ufl.NormHandoff(gamma, EPS, (stream.float() * gamma.float()).to(torch.bfloat16),
@@ -122,7 +113,7 @@ class Call:
     def run(self, t, cfg, stream: torch.Tensor | None = None):
         """The call on weight t with config cfg; "out" adds into `stream` (default: a fresh copy)
         and returns (the stream, its NormHandoff), "in" returns (y, None)."""
-        from specpilot.kernels import u12_fused_linear as ufl
+        from specpilot.kernels.u12 import fused as ufl
 
         if self.mode == "in":
             return ufl.u12_fused_linear(self.x, t, gated=self.gated, hand_in=self.hand, config=cfg), None
@@ -144,8 +135,8 @@ class Call:
 
 def layer_rows(shapes: dict, ms, best: dict, device: str, gen: torch.Generator, layers: int) -> list[dict]:
     """The four calls of `layers` layers chained with their handoffs in one graph: default configs against the best."""
-    from specpilot.kernels import u12_fused_linear as ufl
     from specpilot.formats.u12 import pack_u12
+    from specpilot.kernels.u12 import fused as ufl
 
     cuda = device == "cuda"
     weights = []
@@ -186,34 +177,29 @@ def layer_rows(shapes: dict, ms, best: dict, device: str, gen: torch.Generator, 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, help="result file (default bench/results/u12_fused_linear_<gpu>.json)")
+    harness.add_results_args(parser)
     parser.add_argument("--budget-s", type=float, default=240.0, help="sweep time budget; later rows are skipped")
     parser.add_argument("--ms", default=",".join(map(str, MS)), help="rows of x (1..4), comma-separated")
     parser.add_argument("--no-layer", action="store_true", help="skip the 32-layer CUDA graphs")
-    parser.add_argument("--smoke", action="store_true", help="tiny shapes, two configs each, 2 layers (runs on a CPU)")
     args = parser.parse_args(argv)
-    cuda = torch.cuda.is_available()
-    if not cuda and not args.smoke:
-        print("bench/u12_fused_linear.py times CUDA kernels and needs a CUDA GPU; none is visible here "
-              "(--smoke runs it on tiny shapes).", file=sys.stderr)
+    if reason := harness.refuse_device("bench.kernels.u12_fused_linear", args.smoke):
+        print(reason, file=sys.stderr)
         return 2
+    cuda = not args.smoke
     ms = [1, 3] if args.smoke else [int(v) for v in args.ms.split(",")]
     if not all(1 <= m <= 4 for m in ms):
-        print(f"bench/u12_fused_linear.py: --ms: rows 1..4 (the gemv2 kernel's), got {args.ms}", file=sys.stderr)
+        print(f"bench.kernels.u12_fused_linear: --ms: rows 1..4 (the gemv2 kernel's), got {args.ms}", file=sys.stderr)
         return 2
-    if not cuda:
-        os.environ.setdefault("TRITON_INTERPRET", "1")  # read when the kernel modules are first imported
-    import triton
 
-    from specpilot.kernels.u12_linear import _block_m, u12_linear
     from specpilot.formats.u12 import pack_u12
+    from specpilot.kernels.u12 import u12_linear
+    from specpilot.kernels.u12.epilogue import block_m
 
     t0 = time.monotonic()
     device = "cuda" if cuda else "cpu"
-    gpu = torch.cuda.get_device_name() if cuda else "cpu"
     shapes = SMOKE_SHAPES if args.smoke else SHAPES
     gen = torch.Generator(device=device).manual_seed(0)
-    if cuda and not args.smoke:
+    if cuda:
         a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
         fl_bench.Timer(True, 200, 200)(lambda a=a: a @ a)  # clocks up from idle before the first timing
         del a
@@ -273,24 +259,15 @@ def main(argv: list[str] | None = None) -> int:
             torch.cuda.empty_cache()
 
     fields = ("block_n", "block_w", "split_k", "num_warps", "num_stages", "decode", "kernel", "maxnreg")
-    tuned = [{"key": [_block_m(m), shapes[name][0], shapes[name][1], shapes[name][2]], "shape": name, "M": m,
+    tuned = [{"key": [block_m(m), shapes[name][0], shapes[name][1], shapes[name][2]], "shape": name, "M": m,
               "config": str(cfg), **{f: getattr(cfg, f) for f in fields}}
              for (name, m), (cfg, _) in best.items()]
-    result = {
-        "what": "u12_fused_linear in the u12 AR step's modes (handoffs in and out, SiLU·mul, residual) against its "
-                "default configs, Llama-3.1-8B decoder shapes, N(0, 0.02) bf16 weights packed"
-                + (" (smoke: tiny shapes)" if args.smoke else ""),
-        "timing": ("median replay of a CUDA graph of one call per distinct copy of the weight (about 1.5 GB packed, "
-                   "at least 2), divided by the copies; layer: CUDA graph replays, median of 20") if cuda else
-                  "smoke: wall clock of one call under the interpreter",
-        "gpu": gpu, "torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,
-        "python": platform.python_version(), "git_commit": git_commit(),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "sweep_seconds": sweep_s, "total_seconds": time.monotonic() - t0,
-        "rows": rows, "tuned": tuned, "layer": layer, "sweep": sweep,
-    }
-    out = u12_bench.write_result(result, args.out, "u12_fused_linear", gpu)
-    u12_bench.print_sweep_summary(gpu, out, sweep, sweep_s)
+    timing = ("median replay of a CUDA graph of one call per distinct copy of the weight (about 1.5 GB packed, at "
+              "least 2), divided by the copies; layer: CUDA graph replays, median of 20") if cuda else \
+        "smoke: wall clock of one call under the interpreter"
+    out = harness.write_run(args, "u12_fused_linear", device, rows, timing=timing, sweep_seconds=sweep_s,
+                            total_seconds=time.monotonic() - t0, tuned=tuned, layer=layer, sweep=sweep)
+    print_sweep_summary(harness.device_name(device), out, sweep, sweep_s)
     for r in layer:
         print(f"layers M={r['M']}: default {r['default_ms']:.3f} ms, best {r['best_ms']:.3f} ms, {r['speedup']:.3f}x"
               if "M" in r else f"layers: {r['error']}")

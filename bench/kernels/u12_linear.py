@@ -1,91 +1,109 @@
-"""u12_linear against cuBLAS bf16 (x @ W.T) at the Llama-3.1-8B linear shapes, on one GPU.
+"""u12_linear against cuBLAS bf16 (x @ W.T) at Llama-3.1-8B's linear shapes, on one GPU: the sweeps
+that fill kernels/u12/dispatch.py's TUNED and TUNED_TILES.
 
-Sweep: for each shape and M in 1, 4, 16, 64, random N(0, 0.02) bf16 weights; every config of
-kernels/u12_linear.py's SWEEP_GEMV (M <= 4) or SWEEP_DOT (M >= 16) crossed with SPLIT_KS, for M <= 4
-the gemv2 kernel's SWEEP_GEMV2 (those within 64 accumulator registers a thread at that M), with
-`--kernels mma` from 3 rows the mma kernel's SWEEP_MMA crossed with SPLIT_KS_MMA (not in the default
-run: `--kernels mma --ms 16,64` is about 600 configs and 40 compiles, beyond the default budget), plus
-the default config, is first checked against the reference (one bf16 step, see check_close) and then
-timed with triton.testing.do_bench (CUDA events, L2 flushed before each call, median), or with
-`--graph` as the median replay of a CUDA graph of one call per distinct copy of the weight (about
-2 GB of copies): do_bench's single launches include the host's launch overhead wherever it exceeds
-the kernel (cuBLAS's qkv at M = 16: 22.5 µs there, 15.2 in a graph). `--kernels hmma` adds
-kernels/u12_hmma.py's SWEEP_HMMA for 3 <= M <= 16 and, past 16 rows to the kernel's 64, its 32-row programs
-(one m-tile a warp; 128 registers at 32 words a chunk, 168 at 64) and TUNED_TILES' tile at half, once and twice its splits
-(`--kernels mma` from 3 rows up too); `--kernels tuned`
-TUNED_TILES' hmma config from 3 rows to the kernel's 64 (past u12_linear.TILES_MAX_ROWS too: what raising
-it would run). `--layouts rows,tiles` sweeps each config on the weight in each layout (U12Tensor.layout;
-rows' "layout" says which), each layout's default config first (default_config's `layout`). A config
-that fails to compile, run or match is recorded with its error, not timed. A time budget skips the
-rest of the sweep (rows marked "skipped") so the run stays within about four minutes on an H200.
+Sweep: for each shape and M (default 1, 4, 16, 64), random N(0, 0.02) bf16 weights; the default
+config first, then the sweeps `--kernels` names crossed with their splits: the tile kernel's
+SWEEP_GEMV (M <= 4) or SWEEP_DOT (M >= 16) with SPLIT_KS, gemv2's SWEEP_GEMV2 (M <= 4, those
+within 64 accumulator registers a thread), the mma kernel's SWEEP_MMA with SPLIT_KS_MMA (from
+TENSOR_CORE_ROWS rows), the hmma kernel's SWEEP_HMMA with SPLIT_KS_HMMA (TENSOR_CORE_ROWS..16 rows;
+past 16, its 32-row programs and TUNED_TILES' tile at half, once and twice its splits), "tuned":
+TUNED_TILES' config from TENSOR_CORE_ROWS rows to the hmma kernel's 64. Each config is first
+checked against the reference (bench/kernels/sweep.py's check_close), then timed with
+triton.testing.do_bench (CUDA events, L2 flushed before each call, median), or with `--graph` as
+the median replay of a CUDA graph of one call per distinct copy of the weight (about 2 GB of
+copies: no host launch overhead, no L2 reuse). `--layouts rows,tiles` runs every config on the
+weight in each layout (U12Tensor.layout), each layout's default first. A config that fails to
+compile, run or match is recorded with its error; past the time budget the rest are skipped.
 
-Whole step: the issue's "whole AR step" proxy, measured once per M in 1, 16: the 32 layers'
-qkv, o, gate_up and down linears plus lm_head of Llama-3.1-8B (distinct random weights per layer,
-15 GB in bf16), issued back to back in one CUDA graph, cuBLAS bf16 against u12_linear with the
-sweep's best config per shape. No attention, norms or activations: the linears' weight traffic only.
+Whole step (M 1 and 16): the 32 layers' qkv, o, gate_up and down linears plus lm_head (distinct
+random weights, 15 GB in bf16) back to back in one CUDA graph, cuBLAS against u12_linear at the
+sweep's best config per shape: the linears' weight traffic of an AR step, nothing else.
 
-Writes bench/results/u12_linear_<gpu>.json: "rows" (the best config per shape and M, the keys
-specpilot/cost and bench/readme_tables read), "sweep" (every row, for the next round), "tuned"
-(the best configs as kernels/u12_linear.py's TUNED keys), "whole_step"; prints a short table last.
+Writes bench/results/u12_linear_<gpu>[_<tag>].json through the harness: records (the best config
+per shape and M: what specpilot/cost and bench/readme_tables read), "tuned" (those configs as
+TUNED's keys, for bench/steps/step_ab.py --u12-tuned), "sweep" (every row), "whole_step".
 
-    python bench/u12_linear.py [--out FILE] [--budget-s 150] [--no-step] [--ms 1,4] [--kernels gemv2,mma,hmma,tuned] [--graph]
-    [--layouts rows,tiles]
-    (SPECPILOT_COMMIT=... names the commit where the tree has no .git)
+    python -m bench.kernels.u12_linear [--ms 1,4] [--kernels tile,gemv2,mma,hmma,tuned] [--graph]
+        [--layouts rows,tiles] [--budget-s 150] [--no-step] [--out FILE|DIR] [--tag TAG]
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import itertools
-import json
-import os
-import platform
-import re
-import subprocess
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-SHAPES = {  # name: (N, K)
-    "qkv": (6144, 4096),
-    "o": (4096, 4096),
-    "gate_up": (28672, 4096),
-    "down": (4096, 14336),
-    "lm_head": (128256, 4096),
-}
+from bench import shapes
+from bench.kernels.sweep import check_close, print_sweep_summary
+from specpilot.bench import harness
+from specpilot.kernels.tuning import nearest_tuned
+from specpilot.kernels.u12 import TENSOR_CORE_ROWS, TUNED_TILES, U12Config, default_config
+from specpilot.kernels.u12.epilogue import block_m
+from specpilot.kernels.u12.gemv2 import gemv2_acc_registers
+from specpilot.kernels.u12.hmma import MAX_M
+from specpilot.kernels.u12.tile import tile_config
+
+SHAPES = shapes.layer_linears(shapes.LLAMA_8B)  # name: (N, K)
 LAYER_SHAPES = ("qkv", "o", "gate_up", "down")
-LAYERS = 32
+LAYERS = shapes.config(shapes.LLAMA_8B)["num_hidden_layers"]
 MS = (1, 4, 16, 64)
 STEP_MS = (1, 16)
 SIGMA = 0.02
-ROOT = Path(__file__).resolve().parent.parent
 
-
-U12_FILES = ("bench/u12_linear.py", "kernels/u12_linear.py", "kernels/u12_mma.py", "kernels/u12_hmma.py",
-             "specpilot/formats/u12.py")
-
-
-def git_commit(files: tuple[str, ...] = U12_FILES) -> str:
-    """SPECPILOT_COMMIT (or GIT_COMMIT) where set, else HEAD, marked dirty when the files behind
-    these numbers differ from it."""
-    for var in ("SPECPILOT_COMMIT", "GIT_COMMIT"):
-        if os.environ.get(var):
-            return os.environ[var]
-    run = lambda *a: subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    commit = run("rev-parse", "HEAD") or "unknown"
-    return commit + ("-dirty" if run("status", "--porcelain", "--", *files) else "")
-
-
-def check_close(y: torch.Tensor, ref: torch.Tensor, scale: torch.Tensor) -> None:
-    """y and ref (bf16) may differ by one bf16 step (2^-7 relative) after fp32 sums of different
-    order, whose error grows with K: allow 2^-16 of sum |x| |w| (``scale``; typical is sqrt(K) 2^-24 of it)."""
-    bad = (y.float() - ref.float()).abs() > 2**-7 * ref.float().abs() + 2**-16 * scale
-    if bad.any() or not torch.isfinite(y).all():
-        raise AssertionError(f"differs from the reference at {int(bad.sum())} of {y.numel()} outputs")
+# The tile kernel's sweep, crossed with SPLIT_KS; the GEMV tiles keep the [BM, BN, 4 BW] fp32
+# accumulator within 64 registers a thread at BM = 4 (16 at BM = 1).
+SWEEP_GEMV = [
+    U12Config(8, 64, num_warps=4), U12Config(16, 32, num_warps=4), U12Config(16, 64, num_warps=8),
+    U12Config(4, 128, num_warps=4), U12Config(32, 32, num_warps=8), U12Config(8, 64, num_warps=4, num_stages=3),
+]
+SWEEP_DOT = [
+    U12Config(64, 16, num_warps=4), U12Config(64, 32, num_warps=4), U12Config(128, 16, num_warps=8),
+    U12Config(128, 32, num_warps=8), U12Config(64, 32, num_warps=4, num_stages=3),
+]
+SPLIT_KS = (1, 2, 4, 8)
+# gemv2 (M <= 4), kept within 64 accumulator registers a thread at the row's M (gemv2_acc_registers);
+# grouped by the words a thread decodes a chunk
+SWEEP_GEMV2 = [
+    U12Config(bn, bw, num_warps=w, num_stages=1, kernel="gemv2") for bn, bw, w in (
+        (8, 256, 2), (16, 256, 4), (16, 128, 2), (32, 128, 4), (32, 256, 8), (32, 64, 2),  # 32 words
+        (4, 256, 2), (8, 256, 4), (8, 128, 2), (16, 128, 4), (16, 256, 8), (16, 64, 2),  # 16 words
+        (32, 64, 4), (32, 128, 8),
+        (4, 128, 2), (4, 256, 4), (8, 128, 4), (8, 256, 8), (16, 64, 4), (32, 32, 4),  # 8 words
+        (4, 128, 4), (8, 64, 4),  # 4 words
+        (4, 256, 1), (8, 128, 1), (4, 128, 1), (2, 256, 1),  # one warp a program: 32, 32, 16, 16 words
+    )
+] + [
+    U12Config(16, 256, num_warps=4, num_stages=3, kernel="gemv2"),
+    U12Config(8, 256, num_warps=4, num_stages=3, kernel="gemv2"),
+]
+# the mma kernel from TENSOR_CORE_ROWS rows, crossed with SPLIT_KS_MMA: block_n >= 64 (a warp group's
+# wgmma), no loop spills at BLOCK_M 16, 32 or 64 (sm_90, Triton 3.6)
+SWEEP_MMA = [
+    U12Config(bn, bw, num_warps=w, num_stages=s, kernel="mma") for bn, bw, w, s in (
+        (64, 16, 4, 3), (64, 16, 4, 4), (64, 32, 4, 2), (64, 32, 4, 3), (64, 32, 4, 4), (64, 64, 4, 2), (64, 64, 4, 3),
+        (128, 16, 4, 3), (128, 16, 4, 4), (128, 16, 8, 3), (128, 32, 4, 2), (128, 32, 4, 3), (128, 32, 8, 3),
+        (128, 32, 8, 4), (128, 64, 8, 2), (128, 64, 8, 3),
+        (256, 16, 4, 3), (256, 16, 8, 3), (256, 16, 8, 4), (256, 32, 8, 2), (256, 32, 8, 3),
+    )
+]
+SPLIT_KS_MMA = (1, 2, 4)
+# the hmma kernel at TENSOR_CORE_ROWS..16 rows, crossed with SPLIT_KS_HMMA: one or two m-tiles a warp,
+# 1 to 4 warps, chunks of 16 to 64 words a row, register budgets
+SWEEP_HMMA = [
+    U12Config(bn, bw, num_warps=w, num_stages=1, kernel="hmma", maxnreg=r) for bn, bw, w, r in (
+        (16, 16, 1, 0), (64, 16, 4, 0), (64, 32, 4, 0), (16, 64, 1, 0), (32, 64, 2, 0), (64, 64, 4, 0),  # 1 m-tile
+        (16, 64, 1, 168), (32, 64, 2, 168), (64, 64, 4, 168), (64, 32, 4, 128),
+        (64, 32, 4, 168),
+        (32, 16, 1, 0), (64, 16, 2, 0), (32, 64, 1, 0), (64, 64, 2, 0), (32, 64, 1, 200), (64, 64, 2, 200),  # 2
+        (64, 32, 2, 128), (128, 32, 4, 128), (128, 32, 4, 168),
+        (64, 32, 4, 96), (64, 32, 4, 80),  # 5 and 6 programs an SM (sm_90 ptxas, triton 3.6: no spill at either)
+    )
+]
+SPLIT_KS_HMMA = (1, 2, 4, 8)
 
 
 def sweep_configs(m: int, n: int, k: int, kernels: tuple[str, ...] = ("tile", "gemv2"), layout: str = "rows") -> list:
@@ -94,15 +112,8 @@ def sweep_configs(m: int, n: int, k: int, kernels: tuple[str, ...] = ("tile", "g
     from TENSOR_CORE_ROWS (3) rows up the mma configs crossed with SPLIT_KS_MMA, and up to 16 rows the
     hmma configs crossed with SPLIT_KS_HMMA, then the tile kernel's default with the one-weight-per-op
     decode (what the pair decode saves). `kernels` picks the sweeps (the default config always runs);
-    "tuned" adds TUNED_TILES' hmma config from TENSOR_CORE_ROWS rows to u12_hmma.MAX_M, past
-    TILES_MAX_ROWS too (what raising it would run: 32-row programs side by side)."""
-    from specpilot.kernels.u12_hmma import MAX_M
-    from specpilot.kernels.u12_linear import (
-        SPLIT_KS, SPLIT_KS_HMMA, SPLIT_KS_MMA, SWEEP_DOT, SWEEP_GEMV, SWEEP_GEMV2, SWEEP_HMMA,
-        SWEEP_MMA, TENSOR_CORE_ROWS, TUNED_TILES, _block_m, _tile_config, default_config,
-        gemv2_acc_registers, nearest_tuned,
-    )
-
+    "tuned" adds TUNED_TILES' hmma config from TENSOR_CORE_ROWS rows to the hmma kernel's MAX_M, past
+    TILES_MAX_ROWS too (32-row programs side by side)."""
     default = default_config(m, n, k, layout=layout)
     out = [default]
 
@@ -121,12 +132,12 @@ def sweep_configs(m: int, n: int, k: int, kernels: tuple[str, ...] = ("tile", "g
     if "tuned" in kernels and tuned is not None and TENSOR_CORE_ROWS <= m <= MAX_M and tuned not in out:
         out.append(tuned)
     if m <= 4 and "gemv2" in kernels:
-        out += [cfg for cfg in SWEEP_GEMV2 if cfg not in out and gemv2_acc_registers(cfg, _block_m(m)) <= 64]
+        out += [cfg for cfg in SWEEP_GEMV2 if cfg not in out and gemv2_acc_registers(cfg, block_m(m)) <= 64]
     if m >= TENSOR_CORE_ROWS and "mma" in kernels:
         add_splits(SWEEP_MMA, SPLIT_KS_MMA)
     if TENSOR_CORE_ROWS <= m <= 16 and "hmma" in kernels:
         add_splits(SWEEP_HMMA, SPLIT_KS_HMMA)
-    if 16 < m <= MAX_M and "hmma" in kernels:  # 32-row programs (u12_hmma.WIDE: a warp one m-tile) that
+    if 16 < m <= MAX_M and "hmma" in kernels:  # 32-row programs (a warp one m-tile) that
         # keep 128 registers (168 at 64 words a chunk) for the 4 n-tiles' accumulators, and TUNED_TILES'
         # tile at half, once and twice its splits
         add_splits([c for c in SWEEP_HMMA if c.block_n == 16 * c.num_warps and c.block_w >= 32
@@ -134,79 +145,15 @@ def sweep_configs(m: int, n: int, k: int, kernels: tuple[str, ...] = ("tile", "g
         if tuned is not None:
             add_splits([dataclasses.replace(tuned, split_k=1)], sorted({1, tuned.split_k // 2, tuned.split_k,
                                                                        2 * tuned.split_k} - {0}))
-    tile_default = default if default.kernel == "tile" else _tile_config(m, n, k, on_gpu=True)
+    tile_default = default if default.kernel == "tile" else tile_config(m, n, k, on_gpu=True)
     return out + ([dataclasses.replace(tile_default, decode="single")] if "tile" in kernels else [])
-
-
-def write_result(result: dict, out: Path | None, bench: str, gpu: str) -> Path:
-    """Write `result` to `out`, by default bench/results/<bench>_<gpu slug>.json; returns the path."""
-    out = out or ROOT / "bench" / "results" / f"{bench}_{re.sub(r'[^a-z0-9]+', '_', gpu.lower()).strip('_')}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    return out
-
-
-def print_sweep_summary(gpu: str, out: Path, sweep: list[dict], sweep_s: float) -> None:
-    """Versions, where the file went, the sweep's row, error and skip counts, its first errors."""
-    import triton
-
-    errors = [r for r in sweep if "error" in r]
-    skipped = sum("skipped" in r for r in sweep)
-    print(f"{gpu}, torch {torch.__version__}, triton {triton.__version__}; wrote {out}")
-    print(f"sweep: {len(sweep)} rows, {len(errors)} errors, {skipped} skipped, {sweep_s:.0f} s")
-    for r in errors[:5]:
-        print(f"  error {r['name']} M={r['M']} {r['config']}: {r['error'][:160]}")
-
-
-def smoke_or_gpu(script: str, smoke: bool) -> str:
-    """The device a bench script's run takes: "cpu" under --smoke (the kernels in Triton's
-    interpreter), else "cuda"; exits naming what is missing where neither holds."""
-    if smoke and os.environ.get("TRITON_INTERPRET") != "1":
-        sys.exit(f"{script} --smoke runs the kernels in Triton's interpreter: set TRITON_INTERPRET=1")
-    if not smoke and not torch.cuda.is_available():
-        sys.exit(f"{script} times CUDA kernels: it needs a GPU.")
-    return "cpu" if smoke else "cuda"
-
-
-def time_list(fns, smoke: bool) -> float:
-    """ms for fns run in order: a CUDA graph's median replay (time_graph); under --smoke one pass's
-    wall clock (the interpreter: a check of the script, no measurement)."""
-    if not smoke:
-        return time_graph(fns)
-    t0 = time.perf_counter()
-    for f in fns:
-        f()
-    return (time.perf_counter() - t0) * 1e3
-
-
-def time_graph(fns, reps: int = 20) -> float:
-    """Median ms of one replay of a CUDA graph running fns in order (each warmed up first)."""
-    for f in fns:
-        f()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for f in fns:
-            f()
-    for _ in range(3):
-        g.replay()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        g.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    del g
-    return sorted(times)[len(times) // 2]
 
 
 def whole_step(best: dict, gen: torch.Generator) -> list[dict]:
     """The 32 layers' linears + lm_head in one CUDA graph, cuBLAS bf16 vs u12 (best: (config, layout) by
     (shape, M); each M's weights in its best layouts)."""
-    from specpilot.kernels.u12_linear import u12_linear
     from specpilot.formats.u12 import pack_u12
+    from specpilot.kernels.u12 import u12_linear
 
     weights = []  # (name, bf16 weight, u12 weight)
     for name in [s for _ in range(LAYERS) for s in LAYER_SHAPES] + ["lm_head"]:
@@ -222,7 +169,7 @@ def whole_step(best: dict, gen: torch.Generator) -> list[dict]:
             cfg[name], layout[name] = best.get((name, m), (None, "rows"))
         laid = [(name, t.with_layout(layout[name])) for name, _, t in weights]
         u12 = [lambda x=xs[t.shape[1]], t=t, c=cfg[name]: u12_linear(x, t, c) for name, t in laid]
-        cublas_ms, u12_ms = time_graph(bf16), time_graph(u12)
+        cublas_ms, u12_ms = harness.time_graph(bf16).median_ms, harness.time_graph(u12).median_ms
         out.append({
             "what": "32 layers' qkv/o/gate_up/down + lm_head linears of Llama-3.1-8B in one CUDA graph "
                     "(no attention, norms or activations): the whole-AR-step proxy",
@@ -233,9 +180,14 @@ def whole_step(best: dict, gen: torch.Generator) -> list[dict]:
     return out
 
 
-def main() -> None:
+def graph_us(fns) -> float:
+    """µs of one replay of a CUDA graph running fns in order (median of 20)."""
+    return harness.time_graph(fns).median_ms * 1e3
+
+
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, help="result file (default bench/results/u12_linear_<gpu>.json)")
+    harness.add_results_args(parser, smoke=False)
     parser.add_argument("--budget-s", type=float, default=150.0, help="sweep time budget; later rows are skipped")
     parser.add_argument("--no-step", action="store_true", help="skip the whole-step CUDA graph")
     parser.add_argument("--ms", default=",".join(map(str, MS)), help="rows of x to sweep, comma-separated")
@@ -246,21 +198,20 @@ def main() -> None:
                         help="kernels to sweep: tile, gemv2, mma, hmma, tuned (the default config always runs)")
     parser.add_argument("--layouts", default="rows",
                         help="the weight's layouts (U12Tensor.layout) to run every config on: rows, tiles")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     layouts = tuple(args.layouts.split(","))
     if not set(layouts) <= {"rows", "tiles"}:
         parser.error(f"--layouts: expected rows and/or tiles, got {args.layouts!r}")
-    if not torch.cuda.is_available():
-        sys.exit("bench/u12_linear.py times CUDA kernels and needs a CUDA GPU; none is visible here.")
+    if reason := harness.refuse_device("bench.kernels.u12_linear", smoke=False):
+        print(reason, file=sys.stderr)
+        return 2
 
-    import triton
     from triton.testing import do_bench
 
-    from specpilot.kernels.u12_linear import _block_m, u12_linear, u12_linear_reference
     from specpilot.formats.u12 import pack_u12
+    from specpilot.kernels.u12 import u12_linear, u12_linear_reference
 
     t0 = time.monotonic()
-    gpu = torch.cuda.get_device_name()
     g = torch.Generator(device="cuda").manual_seed(0)
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     do_bench(lambda a=a: a @ a, warmup=200, rep=200)  # clocks up from idle before the first timing
@@ -279,7 +230,7 @@ def main() -> None:
             ref = u12_linear_reference(x, t)
             scale = x.abs().float() @ w.abs().float().T
             if args.graph:
-                t_cublas = time_graph([lambda x=x, w=wc: x @ w.T for wc, _ in copies]) * 1e3 / len(copies)
+                t_cublas = graph_us([lambda x=x, w=wc: x @ w.T for wc, _ in copies]) / len(copies)
             else:
                 t_cublas = do_bench(lambda x=x, w=w: x @ w.T, warmup=10, rep=40, return_mode="median") * 1e3
             io = 2 * m * k + 2 * m * n  # x read, y written
@@ -299,7 +250,7 @@ def main() -> None:
                     y = u12_linear(x, wt, cfg)
                     check_close(y, ref, scale)
                     if args.graph:
-                        us = time_graph([lambda x=x, t=tc, c=cfg: u12_linear(x, t, c) for tc in wcopies]) * 1e3 / len(copies)
+                        us = graph_us([lambda x=x, t=tc, c=cfg: u12_linear(x, t, c) for tc in wcopies]) / len(copies)
                     else:
                         us = do_bench(lambda x=x, t=wt, cfg=cfg: u12_linear(x, t, cfg), warmup=5, rep=20,
                                       return_mode="median") * 1e3
@@ -334,22 +285,15 @@ def main() -> None:
             step = [{"error": f"{type(e).__name__}: {str(e)[:300]}"}]
         torch.cuda.empty_cache()
 
-    tuned = [{"key": [_block_m(m), SHAPES[name][0], SHAPES[name][1]], "shape": name, "M": m, "config": str(cfg),
+    tuned = [{"key": [block_m(m), SHAPES[name][0], SHAPES[name][1]], "shape": name, "M": m, "config": str(cfg),
               **dataclasses.asdict(cfg), "layout": layout} for (name, m), (cfg, _, _, layout) in best.items()]
-    result = {
-        "what": "u12_linear vs cuBLAS bf16 x @ W.T, Llama-3.1-8B linear shapes, N(0, 0.02) weights",
-        "timing": "median replay of a CUDA graph of one call per distinct copy of the weight (about 2 GB of bf16 "
-                  "copies, at least 2), divided by the copies" if args.graph else
-                  "triton.testing.do_bench, L2 flushed before each call, median; cuBLAS warmup 10 ms, rep 40 ms; "
-                  "u12 configs warmup 5 ms, rep 20 ms",
-        "gpu": gpu, "torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,
-        "python": platform.python_version(), "git_commit": git_commit(),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "sweep_seconds": sweep_s, "total_seconds": time.monotonic() - t0,
-        "rows": rows, "tuned": tuned, "whole_step": step, "sweep": sweep,
-    }
-    out = write_result(result, args.out, "u12_linear", gpu)
-    print_sweep_summary(gpu, out, sweep, sweep_s)
+    timing = ("median replay of a CUDA graph of one call per distinct copy of the weight (about 2 GB of bf16 "
+              "copies, at least 2), divided by the copies" if args.graph else
+              "triton.testing.do_bench, L2 flushed before each call, median; cuBLAS warmup 10 ms, rep 40 ms; "
+              "u12 configs warmup 5 ms, rep 20 ms")
+    out = harness.write_run(args, "u12_linear", "cuda", rows, timing=timing, sweep_seconds=sweep_s,
+                            total_seconds=time.monotonic() - t0, tuned=tuned, whole_step=step, sweep=sweep)
+    print_sweep_summary(harness.device_name("cuda"), out, sweep, sweep_s)
     for s in step:
         print(f"whole step M={s['M']}: cuBLAS {s['cublas_ms']:.2f} ms, u12 {s['u12_ms']:.2f} ms, {s['speedup']:.2f}x"
               if "M" in s else f"whole step: {s['error']}")
@@ -358,7 +302,8 @@ def main() -> None:
         d = f"{r['cublas_us'] / r['default_us']:.2f}x" if r["default_us"] else "-"
         print(f"{r['name']:<8} {r['M']:>3} {r['cublas_us']:>10.1f} {r['cublas_tb_s']:>6.2f} {r['u12_us']:>8.1f} "
               f"{r['u12_tb_s']:>6.2f} {r['speedup']:>7.2f}x {d:>8}  {r['config']}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,79 +1,79 @@
 """The verify(16) step's layer without its attention, call by call: where the u12 step's time between
 the weight reads goes, on tiled u12 weights at 16 rows, one GPU.
 
-The u12 verify(16) step runs its layers one of two ways (runtime/fused.py):
-  plain   run_layers (u12-tiles, the default): rmsnorm with the residual add, qkv, o, rmsnorm with
-          the residual add, gate_up, silu_mul, down: seven launches a layer, the linears u12_linear's
-  fused   run_layers_linear with U12_MANY_ROWS (u12-tiles, the default): u12_fused_linear's hmma
-          epilogues, four launches: qkv taking the norm down handed on, o adding into the stream and
-          handing the next norm on, gate_up gated taking it, down adding and handing on
-and the fused way measured slower in the step (bench/results/tried/step_ab_verify16_5f739f0_h100.json, 5f739f0)
-though it launches three kernels fewer; this found why (its epilogues' serial loads). Each call of each way is timed here as a CUDA graph of the call over
-the 32 layers' distinct weights (about 10.5 GB packed, so every call reads HBM), then the two ways'
-whole chains; and the fused calls once more without their handoffs (o and down with the residual
-add alone, gate_up gated on an x already normed, qkv plain), which splits a fused call's cost
-into its epilogue's and its handoff's. o's input is a random [16, 4096] in place of attention's.
+The u12 verify(16) step can run its layers two ways (runtime/fused.py):
+  plain   rmsnorm with the residual add, qkv, o, rmsnorm with the residual add, gate_up, silu_mul,
+          down: seven launches a layer, the linears u12_linear's
+  fused   u12_fused_linear's hmma epilogues, four launches: qkv taking the norm handed on, o adding
+          into the stream and handing the next norm on, gate_up gated taking it, down adding and
+          handing on
+Each call of each way is timed as a CUDA graph of the call over the layers' distinct weights (about
+10.5 GB packed for Llama-3.1-8B's 32, so every call reads HBM), then the two ways' whole chains; and
+the fused calls once more without their handoffs (o and down with the residual add alone, gate_up
+gated on an x already normed), which splits a fused call's cost into its epilogue's and its
+handoff's. o's input is a random [16, hidden] in place of attention's. docs/experiments/step-times-8b.md
+tells what this found.
 
-Writes bench/results/layer16_<gpu>.json (GPU, versions, commit; us for 32 calls of each kind and
-for each chain) and prints a table.
+Writes bench/results/layer16_<gpu>[_<tag>].json through the harness (records: group, call, us for
+one call a layer over all layers) and prints a table.
 
-    python bench/layer16.py [--out FILE] [--layers 32]
-    python bench/layer16.py --smoke --out FILE   # 2 small layers on the CPU (TRITON_INTERPRET=1): checks the script
-    (SPECPILOT_COMMIT=... names the commit where the tree has no .git)
+    python -m bench.steps.layer16 [--layers 32] [--out FILE|DIR] [--tag TAG]
+    python -m bench.steps.layer16 --smoke   # 2 tiny layers on the CPU (TRITON_INTERPRET=1): checks the script
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
-import platform
 import sys
-from pathlib import Path
 
 import torch
-import triton
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from u12_linear import SHAPES, git_commit, smoke_or_gpu, time_list, write_result  # noqa: E402
+from bench import shapes
+from specpilot.bench import harness
 
-EPS = 1e-5
-FILES = ("kernels/u12_hmma.py", "kernels/u12_fused_linear.py", "kernels/u12_linear.py", "bench/layer16.py")
+MODEL = shapes.LLAMA_8B
+M = 16  # the verify(16) step's rows
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path)
-    ap.add_argument("--layers", type=int, default=32)
-    ap.add_argument("--smoke", action="store_true", help="2 small layers under the interpreter: the script's check")
+    harness.add_results_args(ap)
+    ap.add_argument("--layers", type=int, default=shapes.config(MODEL)["num_hidden_layers"])
     args = ap.parse_args(argv)
     if args.layers < 1:
-        sys.exit(f"bench/layer16.py --layers: expected a positive count, got {args.layers}")
-    device = smoke_or_gpu("bench/layer16.py", args.smoke)
+        print(f"bench.steps.layer16 --layers: expected a positive count, got {args.layers}", file=sys.stderr)
+        return 2
+    if reason := harness.refuse_device("bench.steps.layer16", args.smoke):
+        print(reason, file=sys.stderr)
+        return 2
+    from specpilot.formats.u12 import pack_u12
     from specpilot.kernels.rmsnorm import rmsnorm
     from specpilot.kernels.silu_mul import silu_mul
-    from specpilot.kernels.u12_fused_linear import NormHandoff, u12_fused_linear
-    from specpilot.kernels.u12_linear import u12_linear
-    from specpilot.formats.u12 import pack_u12
+    from specpilot.kernels.u12 import u12_linear
+    from specpilot.kernels.u12.fused import NormHandoff, u12_fused_linear
 
+    device = "cpu" if args.smoke else "cuda"
+    model = shapes.TINY if args.smoke else MODEL
     layers = 2 if args.smoke else args.layers
-    hidden, inter = (64, 128) if args.smoke else (SHAPES["o"][1], SHAPES["down"][1])
-    n_qkv = 96 if args.smoke else SHAPES["qkv"][0]
-    m = 16
+    linears = shapes.layer_linears(model)
+    eps = shapes.config(model)["rms_norm_eps"]
+    hidden, inter, n_qkv = linears["o"][0], linears["down"][1], linears["qkv"][0]
     gen = torch.Generator(device=device).manual_seed(0)
 
     def packed(n: int, k: int):
         return pack_u12((torch.randn(n, k, device=device, generator=gen) * 0.02).to(torch.bfloat16), layout="tiles")
 
-    ws = [dict(qkv=packed(n_qkv, hidden), o=packed(hidden, hidden), gate_up=packed(2 * inter, hidden),
+    ws = [dict(qkv=packed(n_qkv, hidden), o=packed(hidden, linears["o"][1]), gate_up=packed(2 * inter, hidden),
                down=packed(hidden, inter)) for _ in range(layers)]
     norms = [(1 + 0.1 * torch.randn(hidden, device=device, generator=gen)).to(torch.bfloat16) for _ in range(2 * layers)]
     rand = lambda *shape: torch.randn(*shape, device=device, generator=gen).to(torch.bfloat16)  # noqa: E731
-    stream, attn, h, gu, act = rand(m, hidden), rand(m, hidden), rand(m, hidden), rand(m, 2 * inter), rand(m, inter)
+    stream, attn, h, gu, act = (rand(M, hidden), rand(M, linears["o"][1]), rand(M, hidden), rand(M, 2 * inter),
+                                rand(M, inter))
 
     # the handoffs each fused consumer reads (a producer call allocates one's xg and parts)
     hands = []
     for i in range(layers):
-        ho, hd = NormHandoff(norms[2 * i + 1], EPS), NormHandoff(norms[(2 * i + 2) % (2 * layers)], EPS)
+        ho, hd = NormHandoff(norms[2 * i + 1], eps), NormHandoff(norms[(2 * i + 2) % (2 * layers)], eps)
         u12_fused_linear(attn, ws[i]["o"], residual=stream, hand_out=ho)
         u12_fused_linear(act, ws[i]["down"], residual=stream, hand_out=hd)
         hands.append((ho, hd))
@@ -82,8 +82,8 @@ def main(argv: list[str] | None = None) -> int:
         return [lambda i=i: call(i) for i in range(layers)]
 
     plain = {
-        "rmsnorm+add (x2)": each(lambda i: (rmsnorm(attn, norms[2 * i], EPS, residual=stream),
-                                            rmsnorm(attn, norms[2 * i + 1], EPS, residual=stream))),
+        "rmsnorm+add (x2)": each(lambda i: (rmsnorm(h, norms[2 * i], eps, residual=stream),
+                                            rmsnorm(h, norms[2 * i + 1], eps, residual=stream))),
         "qkv": each(lambda i: u12_linear(h, ws[i]["qkv"])),
         "o": each(lambda i: u12_linear(attn, ws[i]["o"])),
         "gate_up": each(lambda i: u12_linear(h, ws[i]["gate_up"])),
@@ -106,10 +106,10 @@ def main(argv: list[str] | None = None) -> int:
     }
 
     def plain_layer(i):
-        x, _ = rmsnorm(attn, norms[2 * i], EPS, residual=stream)
+        x, _ = rmsnorm(h, norms[2 * i], eps, residual=stream)
         u12_linear(x, ws[i]["qkv"])
         o = u12_linear(attn, ws[i]["o"])
-        x, _ = rmsnorm(o, norms[2 * i + 1], EPS, residual=stream)
+        x, _ = rmsnorm(o, norms[2 * i + 1], eps, residual=stream)
         down_in = silu_mul(u12_linear(x, ws[i]["gate_up"]))
         u12_linear(down_in, ws[i]["down"])
 
@@ -121,27 +121,28 @@ def main(argv: list[str] | None = None) -> int:
         u12_fused_linear(a, ws[i]["down"], residual=stream, hand_out=hd)
 
     chains = {"plain chain": each(plain_layer), "fused chain": each(fused_layer)}
-
     groups = {"plain": plain, "fused": fused, "fused without handoff": epilogues, "chains": chains}
-    us = {group: {name: min(time_list(fns, args.smoke) * 1e3 for _ in range(1 if args.smoke else 2)) for name, fns in calls.items()}
-          for group, calls in groups.items()}
-    gpu = "cpu" if args.smoke else torch.cuda.get_device_name()
-    result = dict(
-        benchmark="layer16", what=__doc__.split("\n\n")[0].replace("\n", " "), layers=layers, m=m,
-        timing="us for one call per layer over all layers' distinct weights (tiled u12), a CUDA graph's median "
-               "replay, min of two",
-        gpu=gpu, torch=torch.__version__, triton=triton.__version__, python=platform.python_version(),
-        git_commit=git_commit(FILES),
-        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), us=us,
-        sums={group: sum(v.values()) for group, v in us.items() if group != "chains"})
-    out = write_result(result, args.out, "layer16", gpu)
-    print(f"{gpu}, {layers} layers, M = {m}, tiled u12; us for one call a layer over all layers")
-    for group, v in us.items():
-        for name, t in v.items():
-            print(f"  {group:22} {name:24} {t:9.1f}")
-        if group != "chains":
-            print(f"  {group:22} {'sum':24} {sum(v.values()):9.1f}")
-    print("wrote", out)
+
+    def us(fns) -> float:  # min of two graphs' median replays (one wall-clock pass under --smoke)
+        if args.smoke:
+            return harness.time_graph(fns, repeats=1, warmup=0, cuda=False).median_ms * 1e3
+        return min(harness.time_graph(fns).median_ms for _ in range(2)) * 1e3
+
+    records = [{"group": group, "call": name, "us": us(fns)} for group, calls in groups.items()
+               for name, fns in calls.items()]
+    sums = {group: sum(r["us"] for r in records if r["group"] == group) for group in groups if group != "chains"}
+    out = harness.write_run(args, "layer16", device, records, model=model, layers=layers, m=M, sums_us=sums,
+                            timing="us for one call a layer over all layers' distinct weights (tiled u12), a CUDA "
+                                   "graph's median replay, min of two")
+    print(f"{harness.device_name(device)}, {model}, {layers} layers, M = {M}, tiled u12; us for one call a layer "
+          "over all layers")
+    for group in groups:
+        for r in (r for r in records if r["group"] == group):
+            print(f"  {group:22} {r['call']:24} {r['us']:9.1f}")
+        if group in sums:
+            print(f"  {group:22} {'sum':24} {sums[group]:9.1f}")
+    if out:
+        print("wrote", out)
     return 0
 
 

@@ -20,7 +20,7 @@ in tiles ("tiles"): 16 rows by 16 words (64 weights) at a time, each row's 16 wo
 ``sm``, 32 of ``codes``) after the other's, tile after tile along K, then the next 16 rows. Word w
 of row r (4 weights, the unit the kernels load) is then at word offset (r - r % 16) · K/4 + (w - w %
 16) · 16 + (r % 16) · 16 + w % 16 (``tiled_word_offsets``). The tensor-core kernel reads a
-warp's fragments from such a tile as contiguous runs (kernels/u12_hmma.py), and the other kernels
+warp's fragments from such a tile as contiguous runs (kernels/u12/hmma.py), and the other kernels
 read 64-byte runs; one copy serves every kernel. The side table keeps row-major flat indices in
 either layout, so the escapes do not depend on it.
 
@@ -126,7 +126,7 @@ class U12Tensor:
         a CUDA graph capture).
 
         A GEMV loads its rows' lanes at addresses it knows up front, in its accumulator's layout, so
-        no load waits on another and the escapes fold into its own reduction (kernels/u12_linear.py)."""
+        no load waits on another and the escapes fold into its own reduction (kernels/u12/escapes.py)."""
         n, k = self.shape
         counts = self.esc_row_ptr.diff()
         most = int(counts.max()) if n else 0

@@ -12,7 +12,7 @@ the GPU) and each launch is recorded as a ``Compiled`` (the kernel, its constexp
 cubin). What runs around the launches (torch ops on the outputs, split-K sums) runs on the CPU
 over unwritten memory: meaningless values, never read. For static checks of what the GPU would
 run, on a machine without one: registers, spills, shared memory, the SASS of the loop
-(bench/kernel_static.py, tests/test_kernel_static.py). Triton must have been imported without
+(bench.kernels.kernel_static, tests/test_kernel_static.py). Triton must have been imported without
 the interpreter: under ``TRITON_INTERPRET=1`` a kernel is not compiled at all.
 """
 

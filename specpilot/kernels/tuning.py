@@ -1,6 +1,6 @@
 """Lookup in a kernel's TUNED table: the measured shape, else the nearest measured one.
 
-TUNED tables (kernels/fused_linear.py, kernels/u12_linear.py) hold the best configs a sweep found
+TUNED tables (kernels/fused_linear.py, kernels/u12/dispatch.py and fused.py) hold the best configs a sweep found
 on the H200, keyed by (M bucket, N, K, ...) at the shapes it swept: Llama-3.1-8B's layers. Another
 model's layers of about that size want about the same tiles: a config is bound by K (the loop a
 program runs, its chunk against the row) and by the M bucket and flags (the accumulators a thread
