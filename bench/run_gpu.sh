@@ -16,48 +16,47 @@
 #   qwen     the same for Qwen3-8B (step_times_<gpu>_qwen.json)
 #   calib    the cost model's calibration runs: IR-shaped steps (bench.steps.step_bench) and the runtime's
 #            kernel counts and host round trip (bench.steps.runtime_kernels)
-#   ab       the Llama-3.1-8B AR step, bf16 against the u12 variants, interleaved (bench/step_ab.py)
+#   ab       the Llama-3.1-8B AR step, bf16 against the u12 variants, interleaved (bench.steps.step_ab)
 #   attention  split-KV attention against SDPA
 #   attnvar  the decode step's attention launch: rope_attention or apart, combine, warps, splits
 #   u12      the u12 kernels' GPU tests, then their sweep against cuBLAS
 #   hmma     the hmma kernel's GPU tests, then its M = 16 sweep against cuBLAS (and TUNED's config);
-#            HMMA_KERNELS (bench/u12_linear.py --kernels, default hmma), HMMA_BUDGET_S (default 170)
+#            HMMA_KERNELS (bench.kernels.u12_linear --kernels, default hmma), HMMA_BUDGET_S (default 170)
 #   bf16tune fused_linear's one-row sweep in CUDA graphs, then the AR step with its best configs (bf16-sweep)
 #   u12tune  u12_linear's one-row gemv2 sweep in CUDA graphs, then the AR step with its best configs (u12-sweep)
 #   u12fusedtune  u12_fused_linear's one-row sweep in the AR step's modes (handoffs, epilogues) in CUDA graphs,
 #            then the AR step with its best configs (u12-fused-sweep)
 #   verify16 fused_linear's sweep at VERIFY_QS rows (default 16) in CUDA graphs, then verify(q) with it
 #            (bf16-linear, and bf16-linear-nosq without RowSquares) beside cuBLAS
-#   verifyab the Llama-3.1-8B verify(16) step, bf16 against the u12 variants, interleaved (bench/step_ab.py
-#            --q 16; bf16-sweep from the committed M = 16 sweep, bench/results/fused_linear_m16_graph_h200.json);
+#   verifyab the Llama-3.1-8B verify(16) step, bf16 against the u12 variants, interleaved (bench.steps.step_ab
+#            --q 16; bf16-sweep from the committed M = 16 sweep, bench/results/fused_linear_h200_m16-graph.json);
 #            STEP_ONLY: only those variants
-#   verify32 the verify(32) step interleaved (bench/step_ab.py --q 32); STEP_ONLY: only those variants
+#   verify32 the verify(32) step interleaved (bench.steps.step_ab --q 32); STEP_ONLY: only those variants
 #   rows64   u12_linear on tiled weights at ROWS64_MS rows (default 1,4,16,32,64) in CUDA graphs against cuBLAS:
 #            the default config and TUNED_TILES' hmma config (--kernels tuned), then verify(64) interleaved
-#            (bench/step_ab.py --q 64: u12-tiles, the mma kernel past 32 rows, against u12-tiles-hmma-to-64);
-#            STEP_ONLY: the step's variants
+#            (bench.steps.step_ab --q 64: u12-tiles against bf16); STEP_ONLY: the step's variants
 #   u12verify  the u12 kernel tests on the GPU (escapes every way, a CUDA graph capture, the M >= 5
 #            epilogues, tiled weights, the registry): a command of its own (its 240 s limit cut it at
 #            about 45% at 3353acd); run verifyab after
-#   tiles    the M = 16 sweep (mma and hmma) on tiled weights beside row planes (bench/u12_linear.py --layouts
+#   tiles    the M = 16 sweep (mma and hmma) on tiled weights beside row planes (bench.kernels.u12_linear --layouts
 #            rows,tiles), then verify(16) interleaved with the sweep's best (u12-sweep, u12-tiles-sweep)
 #   tilesab  the tiled layout's GPU tests, then the AR and verify(16) steps interleaved (u12-tiles beside u12)
-#   knobs    the hmma kernel's untimed knobs (u12_hmma.AHEAD, AHEAD_X, ESC_SPLIT) at M = 16 on tiles
-#            (bench/hmma_knobs.py), then their GPU tests; verifyab, a command of its own after it, times them
-#            in the verify(16) step (u12-tiles-ahead, -ahead-x, -esc-split, -many-rows-off, -pdl-off), and with the
-#            knobs file committed as bench/results/u12_hmma_knobs_<gpu>.json each shape's winner (u12-tiles-sweep)
-#   knobstep hmma_knobs.py at KNOB_SHAPES (default o,down,qkv: the split-K shapes), then verify(16) with its
-#            per-shape winners (u12-tiles-sweep) beside u12-tiles, the AHEAD / ESC_SPLIT switches and PDL
-#            mode 2, bf16-linear (step_ab.py --only): one command, under the device's 10 minutes; KNOB_S and
+#   knobs    the hmma kernel's configs (tuned, w4-r128, w4-r168, w1-r168, w2-r128, bw* rows) at M = 16 on tiles
+#            (bench.kernels.hmma_knobs), then its GPU tests; verifyab, a command of its own after it, times
+#            the verify(16) step, and with the knobs file committed as bench/results/hmma_knobs_<gpu>.json each
+#            shape's winner (u12-tiles-sweep)
+#   knobstep hmma_knobs at KNOB_SHAPES (default o,down,qkv: the split-K shapes), then verify(16) with its
+#            per-shape winners (u12-tiles-sweep) beside u12-tiles, u12-tiles-w4 and bf16-linear with and
+#            without PDL (bench.steps.step_ab --only): one command, under the device's 10 minutes; KNOB_S and
 #            STEP_S its two time limits, KNOB_LABELS the knob table's rows to time and STEP_ONLY the step's
 #            variants (a short budget)
 #   readbound  kernels that only read each linear's u12 and bf16 bytes: register loads, cp.async, TMA
-#            (bench/read_bound.py); READBOUND_S its time limit
+#            (bench.kernels.read_bound); READBOUND_S its time limit
 #   layer16  the verify(16) layer's calls without attention, the u12 step's plain way (7 launches) and
 #            fused way (u12_fused_linear's epilogues and handoffs, 4), each call over 32 layers' weights
-#            and both chains (bench/layer16.py); LAYER16_S its time limit
+#            and both chains (bench.steps.layer16); LAYER16_S its time limit
 #   tiles1   the one-row gemv2 sweep on tiled weights beside row planes, in CUDA graphs
-#   fewrows  the hmma and mma kernels' GPU tests, then verify(4) and verify(8) interleaved (bench/step_ab.py
+#   fewrows  the hmma and mma kernels' GPU tests, then verify(4) and verify(8) interleaved (bench.steps.step_ab
 #            --q 4 and 8: the tensor-core kernels at 3..8 rows against gemv2 at 4 and the hmma kernel's two n-tiles)
 #   fewsweep u12_linear at 4 and 8 rows in CUDA graphs: gemv2 and hmma configs (and the default) against cuBLAS
 #   linear   fused_linear and u12_mma: GPU tests and sweeps (u12's mma sweep: U12_ARGS="--ms 16 --kernels mma")
@@ -126,67 +125,62 @@ calib() {  # the cost model's calibration files: step_bench_<gpu>.json, runtime_
   TAIL=20 run step_bench 300 python -m bench.steps.step_bench --out "$OUT"
   TAIL=4 run runtime_kernels 200 python -m bench.steps.runtime_kernels --out "$OUT"
 }
-ab() { TAIL=8 run step_ab 360 python bench/step_ab.py --out "$OUT/step_ab_${GPU}.json"; }
-attention() { run attention 100 python bench/attention_split_kv.py --out "$OUT/attention_split_kv_${GPU}.json"; }
-attnvar() {  # ATTN_ARGS, e.g. "--capacity 2048" (the step bench's cache)
-  TAIL=90 run attention_variants 300 python bench/attention_variants.py ${ATTN_ARGS:-} --out "$OUT/attention_variants_${GPU}.json"
+ab() { TAIL=8 run step_ab 360 python -m bench.steps.step_ab --out "$OUT"; }
+attention() { run attention 100 python -m bench.kernels.attention_split_kv --out "$OUT"; }
+attnvar() {  # ATTN_ARGS, e.g. "--capacity 2048" (the step bench's cache); with --parts add "--tag parts"
+  TAIL=90 run attention_variants 300 python -m bench.kernels.attention_variants ${ATTN_ARGS:-} --out "$OUT"
 }
 u12() {
   TAIL=4 run u12_tests 200 python -m pytest -q -x -p no:cacheprovider tests/test_u12_gemv.py tests/test_u12_format.py \
     tests/test_u12_mma.py tests/test_u12_fused_linear.py
   TAIL=4 run u12_registry 150 python -m pytest -q -x -p no:cacheprovider tests/test_kernels.py -k u12
   # U12_ARGS narrows the sweep, e.g. "--ms 1,4 --kernels gemv2 --budget-s 150"
-  TAIL=30 run u12_linear 280 python bench/u12_linear.py --budget-s 110 ${U12_ARGS:-} --out "$OUT/u12_linear_nvidia_${GPU}.json"
+  TAIL=30 run u12_linear 280 python -m bench.kernels.u12_linear --budget-s 110 ${U12_ARGS:-} --out "$OUT" --tag nvidia
 }
 hmma() {
   TAIL=4 run hmma_tests 150 python -m pytest -q -x -p no:cacheprovider tests/test_u12_hmma.py tests/test_kernels.py -k hmma
-  TAIL=40 run u12_linear_hmma "$((HMMA_BUDGET_S + 130))" python bench/u12_linear.py --ms 16 --kernels "$HMMA_KERNELS" \
-    --graph --budget-s "$HMMA_BUDGET_S" \
-    --out "$OUT/u12_linear_hmma_${GPU}.json"
+  TAIL=40 run u12_linear_hmma "$((HMMA_BUDGET_S + 130))" python -m bench.kernels.u12_linear --ms 16 \
+    --kernels "$HMMA_KERNELS" --graph --budget-s "$HMMA_BUDGET_S" --out "$OUT" --tag hmma
 }
 bf16tune() {  # fused_linear's one-row configs timed in CUDA graphs, then the AR step with the best of them beside TUNED's
-  TAIL=24 run fused_linear_graph 330 python bench/fused_linear.py --ms 1 --graph --no-layer --budget-s 220 \
-    --out "$OUT/fused_linear_graph_${GPU}.json"
-  TAIL=16 run step_ab 240 python bench/step_ab.py --bf16-tuned "$OUT/fused_linear_graph_${GPU}.json" \
-    --out "$OUT/step_ab_${GPU}.json"
+  TAIL=24 run fused_linear_graph 330 python -m bench.kernels.fused_linear --ms 1 --graph --no-layer --budget-s 220 \
+    --out "$OUT" --tag graph
+  TAIL=16 run step_ab 240 python -m bench.steps.step_ab --bf16-tuned "$OUT/fused_linear_${GPU}_graph.json" --out "$OUT"
 }
 u12tune() {  # u12_linear's one-row configs timed in CUDA graphs, then the AR step with the best of them beside TUNED's
-  TAIL=24 run u12_linear_graph 330 python bench/u12_linear.py --ms 1 --kernels gemv2 --graph --budget-s 200 \
-    --out "$OUT/u12_linear_gemv2_graph_${GPU}.json"
-  TAIL=16 run step_ab 240 python bench/step_ab.py --u12-tuned "$OUT/u12_linear_gemv2_graph_${GPU}.json" \
-    --out "$OUT/step_ab_${GPU}.json"
+  TAIL=24 run u12_linear_graph 330 python -m bench.kernels.u12_linear --ms 1 --kernels gemv2 --graph --budget-s 200 \
+    --out "$OUT" --tag gemv2-graph
+  TAIL=16 run step_ab 240 python -m bench.steps.step_ab --u12-tuned "$OUT/u12_linear_${GPU}_gemv2-graph.json" --out "$OUT"
 }
 u12fusedtune() {  # u12_fused_linear's one-row configs in the step's modes, then the AR step with the best of them
-  TAIL=24 run u12_fused_linear 330 python bench/u12_fused_linear.py --budget-s 240 \
-    --out "$OUT/u12_fused_linear_${GPU}.json"
-  TAIL=16 run step_ab 240 python bench/step_ab.py --u12-fused-tuned "$OUT/u12_fused_linear_${GPU}.json" \
-    --out "$OUT/step_ab_${GPU}.json"
+  TAIL=24 run u12_fused_linear 330 python -m bench.kernels.u12_fused_linear --budget-s 240 --out "$OUT"
+  TAIL=16 run step_ab 240 python -m bench.steps.step_ab --u12-fused-tuned "$OUT/u12_fused_linear_${GPU}.json" --out "$OUT"
 }
 verify16() {  # fused_linear at the verify rows VERIFY_QS (default 16) timed in CUDA graphs (and its layer
   # proxy), then verify(q) for each q with it beside cuBLAS
   local qs=${VERIFY_QS:-16} sweep
-  sweep="$OUT/fused_linear_m${qs// /_}_graph_${GPU}.json"
-  TAIL=24 run fused_linear_verify 330 python bench/fused_linear.py --ms "${qs// /,}" --graph \
-    --budget-s "${VERIFY_BUDGET:-100}" --out "$sweep"
+  sweep="$OUT/fused_linear_${GPU}_m${qs// /-}-graph.json"
+  TAIL=24 run fused_linear_verify 330 python -m bench.kernels.fused_linear --ms "${qs// /,}" --graph \
+    --budget-s "${VERIFY_BUDGET:-100}" --out "$OUT" --tag "m${qs// /-}-graph"
   for q in $qs; do
-    TAIL=16 run "step_ab_verify$q" 240 python bench/step_ab.py --q "$q" --bf16-tuned "$sweep" \
-      --out "$OUT/step_ab_verify${q}_${GPU}.json"
+    TAIL=16 run "step_ab_verify$q" 240 python -m bench.steps.step_ab --q "$q" --bf16-tuned "$sweep" --out "$OUT" \
+      --tag "verify$q"
   done
 }
 verifyab() {  # verify(16) interleaved, without a new fused_linear sweep; with this GPU's knobs file, its winners too
-  local knobs=bench/results/u12_hmma_knobs_${GPU}.json
-  TAIL=30 run step_ab_verify16 480 python bench/step_ab.py --q 16 \
-    --bf16-tuned bench/results/fused_linear_m16_graph_h200.json --out "$OUT/step_ab_verify16_${GPU}.json" \
+  local knobs=bench/results/hmma_knobs_${GPU}.json
+  TAIL=30 run step_ab_verify16 480 python -m bench.steps.step_ab --q 16 \
+    --bf16-tuned bench/results/fused_linear_h200_m16-graph.json --out "$OUT" --tag verify16 \
     $([ -f "$knobs" ] && echo --tiles-tuned "$knobs") ${STEP_ONLY:+--only "$STEP_ONLY"}
 }
 verify32() {  # verify(32) interleaved: tiled weights' hmma blocks side by side, the mma kernel, the fused way
-  TAIL=14 run step_ab_verify32 480 python bench/step_ab.py --q 32 --out "$OUT/step_ab_verify32_${GPU}.json" \
+  TAIL=14 run step_ab_verify32 480 python -m bench.steps.step_ab --q 32 --out "$OUT" --tag verify32 \
     ${STEP_ONLY:+--only "$STEP_ONLY"}
 }
 rows64() {  # the u12 kernels at 1..64 rows against cuBLAS on tiled weights, then verify(64): mma or hmma past 32 rows
-  TAIL=40 run u12_linear_rows64 300 python bench/u12_linear.py --ms "${ROWS64_MS:-1,4,16,32,64}" --kernels tuned \
-    --layouts tiles --graph --no-step --budget-s 200 --out "$OUT/u12_linear_tuned_tiles_${GPU}.json"
-  TAIL=14 run step_ab_verify64 300 python bench/step_ab.py --q 64 --out "$OUT/step_ab_verify64_${GPU}.json" \
+  TAIL=40 run u12_linear_rows64 300 python -m bench.kernels.u12_linear --ms "${ROWS64_MS:-1,4,16,32,64}" --kernels tuned \
+    --layouts tiles --graph --no-step --budget-s 200 --out "$OUT" --tag tuned-tiles
+  TAIL=14 run step_ab_verify64 300 python -m bench.steps.step_ab --q 64 --out "$OUT" --tag verify64 \
     ${STEP_ONLY:+--only "$STEP_ONLY"}
 }
 u12verify() {  # the u12 kernels on the GPU (about 9 minutes of compiles: their own command), then verifyab
@@ -196,63 +190,60 @@ u12verify() {  # the u12 kernels on the GPU (about 9 minutes of compiles: their 
 }
 tiles() {  # tiled weights at M = 16: the tensor-core kernels on both layouts, then verify(16) with the best
   # (each swept config is checked against the reference first)
-  TAIL=40 run u12_linear_tiles 330 python bench/u12_linear.py --ms 16 --kernels mma,hmma --layouts rows,tiles --graph \
-    --budget-s 220 --out "$OUT/u12_linear_tiles_${GPU}.json"
-  TAIL=18 run step_ab_verify16 240 python bench/step_ab.py --q 16 --u12-tuned "$OUT/u12_linear_tiles_${GPU}.json" \
-    --out "$OUT/step_ab_verify16_${GPU}.json"
+  TAIL=40 run u12_linear_tiles 330 python -m bench.kernels.u12_linear --ms 16 --kernels mma,hmma --layouts rows,tiles \
+    --graph --budget-s 220 --out "$OUT" --tag tiles
+  TAIL=18 run step_ab_verify16 240 python -m bench.steps.step_ab --q 16 --u12-tuned "$OUT/u12_linear_${GPU}_tiles.json" \
+    --out "$OUT" --tag verify16
 }
 tilesab() {  # the tiled layout on the GPU: its tests, then the AR and verify(16) steps with u12-tiles
   TAIL=4 run tiles_tests 150 python -m pytest -q -x -p no:cacheprovider tests/test_u12_layout.py
-  TAIL=24 run step_ab 260 python bench/step_ab.py --out "$OUT/step_ab_${GPU}.json"
-  TAIL=18 run step_ab_verify16 170 python bench/step_ab.py --q 16 --out "$OUT/step_ab_verify16_${GPU}.json"
+  TAIL=24 run step_ab 260 python -m bench.steps.step_ab --out "$OUT"
+  TAIL=18 run step_ab_verify16 170 python -m bench.steps.step_ab --q 16 --out "$OUT" --tag verify16
 }
-knobs() {  # the hmma kernel's untimed knobs at M = 16 on tiles (the file written after each shape), their GPU tests
-  TAIL=8 run hmma_knobs 400 python bench/hmma_knobs.py --out "$OUT/u12_hmma_knobs_${GPU}.json"
-  TAIL=4 run knob_tests 140 python -m pytest -q -x -p no:cacheprovider tests/test_u12_hmma.py \
-    -k "ahead or x_prefetch or walked_by_the_splits or warps_splitting or warps_on_rows or knobs_a_config"
+knobs() {  # the hmma kernel's configs at M = 16 on tiles (the file written after each shape), its GPU tests
+  TAIL=8 run hmma_knobs 400 python -m bench.kernels.hmma_knobs --out "$OUT"
+  TAIL=4 run knob_tests 140 python -m pytest -q -x -p no:cacheprovider tests/test_u12_hmma.py -m gpu
 }
 knobstep() {  # one command: the knob table at the split-K shapes, then verify(16) with its winners beside the
   # knobs that are module switches and PDL, the rest of verifyab's variants left out (each config checked
   # against x · Wᵀ by hmma_knobs, each step's logits against bf16's by step_ab)
-  TAIL=8 run hmma_knobs "${KNOB_S:-300}" python bench/hmma_knobs.py --shapes "${KNOB_SHAPES:-o,down,qkv}" \
-    ${KNOB_LABELS:+--labels "$KNOB_LABELS"} \
-    --out "$OUT/u12_hmma_knobs_${GPU}.json"
-  local knobs="$OUT/u12_hmma_knobs_${GPU}.json"
-  local only="${STEP_ONLY:-bf16-linear,bf16-linear-pdl-wait,u12-tiles,u12-tiles-sweep,u12-tiles-ahead,u12-tiles-esc-split}"
+  TAIL=8 run hmma_knobs "${KNOB_S:-300}" python -m bench.kernels.hmma_knobs --shapes "${KNOB_SHAPES:-o,down,qkv}" \
+    ${KNOB_LABELS:+--labels "$KNOB_LABELS"} --out "$OUT"
+  local knobs="$OUT/hmma_knobs_${GPU}.json"
+  local only="${STEP_ONLY:-bf16-linear,bf16-linear-pdl-wait,u12-tiles,u12-tiles-sweep,u12-tiles-w4}"
   local tuned=(--tiles-tuned "$knobs")
   if [ ! -s "$knobs" ]; then  # the table timed no shape: the step without its winners
     echo "knobstep: no $knobs, so no u12-tiles-sweep"
     tuned=() only=$(echo ",$only," | sed 's/,u12-tiles-sweep,/,/; s/^,//; s/,$//')
   fi
-  TAIL=16 run step_ab_verify16_knobs "${STEP_S:-260}" python bench/step_ab.py --q 16 \
-    --bf16-tuned bench/results/fused_linear_m16_graph_h200.json "${tuned[@]}" --only "$only" \
-    --out "$OUT/step_ab_verify16_knobs_${GPU}.json"
+  TAIL=16 run step_ab_verify16_knobs "${STEP_S:-260}" python -m bench.steps.step_ab --q 16 \
+    --bf16-tuned bench/results/fused_linear_h200_m16-graph.json "${tuned[@]}" --only "$only" \
+    --out "$OUT" --tag verify16-knobs
 }
-readbound() { TAIL=14 run read_bound "${READBOUND_S:-300}" python bench/read_bound.py --out "$OUT/read_bound_${GPU}.json"; }
-layer16() {  # the verify(16) layer without attention, call by call, plain and fused (bench/layer16.py)
-  TAIL=24 run layer16 "${LAYER16_S:-240}" python bench/layer16.py --out "$OUT/layer16_${GPU}.json"
+readbound() { TAIL=14 run read_bound "${READBOUND_S:-300}" python -m bench.kernels.read_bound --out "$OUT"; }
+layer16() {  # the verify(16) layer without attention, call by call, plain and fused (bench.steps.layer16)
+  TAIL=24 run layer16 "${LAYER16_S:-240}" python -m bench.steps.layer16 --out "$OUT"
 }
 tiles1() {  # one row on tiled weights: gemv2's configs on both layouts in CUDA graphs
-  TAIL=24 run u12_linear_tiles1 330 python bench/u12_linear.py --ms 1 --kernels gemv2 --layouts rows,tiles --graph \
-    --budget-s 220 --out "$OUT/u12_linear_gemv2_tiles_${GPU}.json"
+  TAIL=24 run u12_linear_tiles1 330 python -m bench.kernels.u12_linear --ms 1 --kernels gemv2 --layouts rows,tiles \
+    --graph --budget-s 220 --out "$OUT" --tag gemv2-tiles
 }
 fewrows() {  # the tensor-core kernels at few rows: GPU tests, then verify(4) and verify(8) interleaved
   TAIL=4 run fewrows_tests 150 python -m pytest -q -x -p no:cacheprovider tests/test_u12_hmma.py tests/test_u12_mma.py \
     tests/test_kernels.py -k "hmma or mma"
   for q in 4 8; do
-    TAIL=16 run "step_ab_verify$q" 240 python bench/step_ab.py --q "$q" --out "$OUT/step_ab_verify${q}_${GPU}.json"
+    TAIL=16 run "step_ab_verify$q" 240 python -m bench.steps.step_ab --q "$q" --out "$OUT" --tag "verify$q"
   done
 }
 fewsweep() {  # u12_linear's few-row configs in CUDA graphs against cuBLAS (the mma kernel at TUNED's 16-row
   # configs only: its programs are 16 rows whatever M is)
-  TAIL=30 run u12_linear_few_rows 560 python bench/u12_linear.py --ms 4,8 --kernels gemv2,hmma --graph \
-    --no-step --budget-s 400 --out "$OUT/u12_linear_few_rows_graph_${GPU}.json"
+  TAIL=30 run u12_linear_few_rows 560 python -m bench.kernels.u12_linear --ms 4,8 --kernels gemv2,hmma --graph \
+    --no-step --budget-s 400 --out "$OUT" --tag few-rows-graph
 }
 linear() {  # the fused_linear and u12_mma kernels: GPU tests, then their sweeps against cuBLAS
   TAIL=4 run linear_tests 150 python -m pytest -q -x -p no:cacheprovider tests/test_fused_linear.py \
     tests/test_u12_mma.py tests/test_kernels.py -k "fused_linear or u12_mma"
-  TAIL=30 run fused_linear 240 python bench/fused_linear.py --budget-s "${LINEAR_BUDGET:-110}" \
-    --out "$OUT/fused_linear_${GPU}.json"
+  TAIL=30 run fused_linear 240 python -m bench.kernels.fused_linear --budget-s "${LINEAR_BUDGET:-110}" --out "$OUT"
 }
 ncu_linear() {  # Nsight Compute's counters for one launch of each layer linear, fused_linear and cuBLAS
   local bin
@@ -260,7 +251,7 @@ ncu_linear() {  # Nsight Compute's counters for one launch of each layer linear,
   [ -n "$bin" ] || { echo "== ncu: not found"; return; }
   TAIL=6 run ncu 400 "$bin" --clock-control none --nvtx --nvtx-include measure/ --section SpeedOfLight \
     --section MemoryWorkloadAnalysis --section WarpStateStats --section LaunchStats --section Occupancy \
-    --log-file "$OUT/linear_ncu.txt" python bench/linear_ncu.py --ms "${NCU_MS:-1,16}" ${NCU_ARGS:-}
+    --log-file "$OUT/linear_ncu_${GPU}.txt" python -m bench.kernels.linear_ncu --ms "${NCU_MS:-1,16}" ${NCU_ARGS:-}
 }
 peers() { run hf_peers 260 python -m bench.steps.hf_peers --out "$OUT"; }
 train() { TAIL=40 run train 560 python -m train.train_zoo --data .cache/zoo --out /tmp/zoo --pack "$OUT"; }
