@@ -65,7 +65,7 @@ from .target import native as on_native
 BLOCK_M = 64  # query rows a program, at most
 BLOCK_N = 64  # keys a tile
 WAVES = 2  # programs per SM that the split rule aims for
-NUM_WARPS = 4  # 8 measured slower in every shape (bench/results/tried/attention_variants_98e7d7d_h200.json)
+NUM_WARPS = 4  # 8 measured slower in every shape (docs/experiments/tried/attention_variants_h200_98e7d7d.json)
 COMBINE_CHUNK = 16  # more splits than this: the combine reads only the filled ones, this many at a time (_combine_kernel)
 _CPU_SMS = 4  # nominal SM count under the interpreter, so that the rule still splits
 
@@ -281,7 +281,7 @@ def _combine_kernel(
     tokens' split last: one round trip to memory. FILLED_ONLY (more splits than COMBINE_CHUNK):
     the cached splits are counted as the split kernel cut them (the device past) and only those
     holding keys are read, COMBINE_CHUNK at a time, then the new tokens' split (an AR layer over 512
-    cached keys in 33 splits: 2.12 µs against 2.94 reading all 33; bench/results/attention_parts_h200.json)."""
+    cached keys in 33 splits: 2.12 µs against 2.94 reading all 33; bench/results/attention_variants_h200_parts.json)."""
     pdl_enter(PDL)
     row = tl.program_id(0)
     bh = tl.program_id(1)

@@ -403,10 +403,11 @@ def gemv_acc_registers(cfg: FusedLinearConfig, block_m: int, gated: bool) -> int
 
 
 # Best configs measured by bench/kernels/fused_linear.py on the H200, keyed (m_bucket(M), weight rows
-# N, K, gated): Llama-3.1-8B's layer shapes. M = 1: fused_linear_graph_h200.json (maxnreg 128 on o and
-# down: every load before the first FMA, the AR step 4.142 ms against 4.237: step_ab_bf16_tuned_h200.json);
-# M = 4: fused_linear_h200.json; M = 16: fused_linear_m16_graph_h200.json; M = 32:
-# fused_linear_m32_graph_h200.json. docs/experiments/fused-linear.md has the figures.
+# N, K, gated): Llama-3.1-8B's layer shapes. M = 1: fused_linear_h200_graph.json and the AR step
+# (step_ab_h200_bf16-tuned.json; maxnreg 128 on o and down: every load before the first FMA, the AR
+# step 4.142 ms against 4.237 at b8d00fd); M = 4: fused_linear_h200.json; M = 16:
+# fused_linear_h200_m16-graph.json; M = 32: fused_linear_h200_m32-graph.json.
+# docs/experiments/fused-linear.md has the figures.
 TUNED: dict[tuple[int, int, int, bool], FusedLinearConfig] = {
     (1, 6144, 4096, False): FusedLinearConfig("gemv", 8, 1024, num_warps=4, num_stages=1),  # qkv
     (4, 6144, 4096, False): FusedLinearConfig("gemv", 8, 1024, num_warps=4, num_stages=1),  # qkv

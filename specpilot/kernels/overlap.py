@@ -34,11 +34,11 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 class Launch:
     """A kernel launch's overlap with its neighbours (module docstring)."""
 
-    # 0 plain (the default: the bf16 step was fastest so, step_times_llama_h200.json); 1 trigger
+    # 0 plain (the default: the bf16 step was fastest so, step_times_h200_llama.json); 1 trigger
     # then wait; 2 wait only (a u12 stack's few-row forwards: step_ab_h200.json, u12-pdl-wait)
     pdl: int = 0
     # L2 prefetch of a given weight before the PDL wait; off: slower in the graphed AR step
-    # (step_times_llama_h200.json), kept to re-measure at other shapes
+    # (step_times_h200_llama.json), kept to re-measure at other shapes
     prefetch: bool = False
 
     def __post_init__(self) -> None:

@@ -21,7 +21,7 @@ skip the rounding of a RoPE product (the H200 wrote roped keys one step off rope
 Measured on the H200 (bench/results/attention_variants_h200.json, 32 layers' calls in one CUDA
 graph, the rule's splits over a 4160-slot cache): an AR layer over 512 cached tokens 8.2 µs
 against 10.5 with rope_qkv apart, verify(16) 11.3 against 13.6; the Llama-3.1-8B AR step 4.10 ms
-against 4.22 (step_times_llama_h200.json).
+against 4.22 (step_times_h200_llama.json).
 
 `past`: an int (the caches hold S >= past + T slots) or an int32/int64 device tensor [], [1] or
 [B] (CUDA graphs; past + T <= S is the caller's to keep). `mask`, `scale`, `splits` as

@@ -10,8 +10,8 @@ the nearest key with the same M bucket and flags and N and K each within 2x of i
 measured one (the zoo's hidden size 256, say) gets the kernel's own heuristic. Qwen3-8B's
 gate_up (24576 x 4096) and down (4096 x 12288) ran the heuristic's one-row GEMV tiles before this:
 its fused AR step 4.57 ms, 1.22x the weight-read floor
-(bench/results/tried/step_times_qwen_63c1b4f_h200.json), and 4.24 ms, 1.13x, on Llama-3.1-8B's
-configs (bench/results/tried/step_times_qwen_e85babb_h200.json); its u12 verify(16) 7.35 ms and 5.54.
+(docs/experiments/tried/step_times_h200_qwen-63c1b4f.json), and 4.24 ms, 1.13x, on Llama-3.1-8B's
+configs (docs/experiments/tried/step_times_h200_qwen-e85babb.json); its u12 verify(16) 7.35 ms and 5.54.
 """
 
 from __future__ import annotations

@@ -26,10 +26,10 @@ from .hmma import hmma_applies, launch_hmma
 from .mma import launch_mma, mma_applies
 from .tile import launch_tile, tile_config
 
-# Keyed (BLOCK_M, N, K). M = 1, 4: gemv2 (u12_linear_gemv2_graph_h200.json, u12_linear_gemv2_h200.json;
-# qkv and o at 4 words a thread from the AR step, step_ab_u12_tuned_h200.json); M = 16: the mma
-# sweep (u12_linear_mma_h200.json), o and down hmma (u12_linear_hmma_h200.json); M = 32, 64: the mma
-# kernel (u12_linear_mma_m32_64_graph_h200.json). All H200.
+# Keyed (BLOCK_M, N, K). M = 1, 4: gemv2 (u12_linear_h200_gemv2-graph.json, u12_linear_h200_gemv2.json;
+# qkv and o at 4 words a thread from the AR step, step_ab_h200_u12-tuned.json); M = 16: the mma
+# sweep (u12_linear_h200_mma.json), o and down hmma (u12_linear_h200_hmma.json); M = 32, 64: the mma
+# kernel (u12_linear_h200_mma-m32-64-graph.json). All H200.
 TUNED: dict[tuple[int, int, int], U12Config] = {
     (1, 6144, 4096): U12Config(4, 128, num_warps=4, num_stages=1, kernel="gemv2"),  # qkv
     (4, 6144, 4096): U12Config(4, 256, num_warps=2, num_stages=1, kernel="gemv2"),  # qkv
@@ -59,8 +59,8 @@ TUNED: dict[tuple[int, int, int], U12Config] = {
 }
 
 # Tiled weights at TENSOR_CORE_ROWS..16 rows, keyed (16, N, K): the hmma kernel won every shape on
-# tiles (H200, u12_linear_tiles_h200.json), in 32-row programs of 2 warps (u12_hmma_knobs_w2_h200.json;
-# verify(16) 4.238 ms against 4.306 with 64 rows and 4 warps, step_ab_verify16_h200.json).
+# tiles (H200, u12_linear_h200_tiles.json), in 32-row programs of 2 warps (hmma_knobs_h200_w2.json;
+# verify(16) 4.238 ms against 4.306 with 64 rows and 4 warps, step_ab_h200_verify16.json).
 TUNED_TILES: dict[tuple[int, int, int], U12Config] = {
     (16, 6144, 4096): U12Config(32, 64, split_k=4, num_warps=2, num_stages=1, kernel="hmma", maxnreg=128),  # qkv
     (16, 4096, 4096): U12Config(32, 32, split_k=8, num_warps=2, num_stages=1, kernel="hmma", maxnreg=128),  # o
@@ -71,11 +71,11 @@ TUNED_TILES: dict[tuple[int, int, int], U12Config] = {
 
 # From this many rows gemv2 yields to TUNED's tensor-core configs where the shape has them: gemv2's
 # per-row FMAs grow with M (H200 verify(4) 4.877 ms against 6.009 with gemv2 at 3..4 rows:
-# step_ab_verify4_h200.json).
+# step_ab_h200_verify4.json).
 TENSOR_CORE_ROWS = 3
 # Up to this many rows a tiled weight takes TUNED_TILES' hmma config (32-row programs past 16), past it
 # TUNED's mma configs (H100 verify(32) 6.333 ms against 7.021 with mma past 16 rows:
-# step_ab_verify32_wide_h100.json; hmma to 64 rows no faster: step_ab_verify64_h100.json).
+# step_ab_h100_verify32-wide.json; hmma to 64 rows no faster: step_ab_h100_verify64.json).
 TILES_MAX_ROWS = 32
 
 

@@ -225,10 +225,12 @@ MMA_DEFAULT_CONFIG = U12Config(64, 32, num_warps=4, num_stages=3, kernel="mma")
 
 # This kernel's own M <= 4 configs, keyed (rows bucket, N weight rows, K, gated), from
 # bench/kernels/u12_fused_linear.py and the AR step: o at 4-row blocks, one wave of 1024 programs
-# (u12_fused_linear_h200.json; H100 AR step 4.477 ms against 4.489, tried/step_ab_parts_after_h100.json);
-# gate|up at 16 rows in 4 warps so its handed-in parts wait for the loop's end (4.448 ms against 4.467,
-# tried/step_ab_gate_up_w4_h100.json); qkv its derived tile, so the nearest-shape lookup does not hand
-# it o's. Elsewhere ``fused_config`` derives the tile from the dispatcher's.
+# (u12_fused_linear_h200.json; H100 AR step 4.477 ms against 4.489,
+# docs/experiments/tried/step_ab_h100_parts-after-8726774.json); gate|up at 16 rows in 4 warps so its
+# handed-in parts wait for the loop's end (4.448 ms against 4.467,
+# docs/experiments/tried/step_ab_h100_gate-up-w4-a092850.json); qkv its derived tile, so the
+# nearest-shape lookup does not hand it o's. Elsewhere ``fused_config`` derives the tile from the
+# dispatcher's.
 TUNED_FUSED: dict[tuple[int, int, int, bool], U12Config] = {
     (1, 6144, 4096, False): U12Config(4, 128, num_warps=4, num_stages=1, kernel="gemv2"),  # qkv
     (1, 4096, 4096, False): U12Config(4, 256, num_warps=4, num_stages=1, kernel="gemv2"),  # o

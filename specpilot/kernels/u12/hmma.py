@@ -672,12 +672,13 @@ def _u12_hmma_kernel(
     ROUND_BF16: tl.constexpr = False,  # bf16 under the interpreter: round before casting
     EXPF: tl.constexpr = False,  # GATED: libdevice's expf (GPU); else tl.exp
     # escapes a step of the table's walk (``_table_walk``): 1 ran o 16.64 µs against 16.32, 4 and 8
-    # no faster (H100: tried/u12_hmma_flat_epilogue_h100.json, hmma_parts_h100.json)
+    # no faster (H100: docs/experiments/tried/hmma_epilogue_ab_h100_flat-epilogue-0a8d453.json,
+    # hmma_parts_h100.json)
     ESC_UNROLL: tl.constexpr = 2,
     TRACE: tl.constexpr = False,  # phase stamps into trace_ptr (``TRACE_SLOTS``; GPU only)
     # one m-tile a warp: the escapes' row pointers loaded before the loop, each row's first 4 escapes
     # after it, before the split-K semaphore (verify(16) 4.306 ms against 4.412 without: H200,
-    # step_ab_verify16_h200.json)
+    # step_ab_h200_verify16.json, c566ca9)
     EARLY: tl.constexpr = False,
 ):
     pdl_enter(PDL)
@@ -881,9 +882,9 @@ def hmma_rows(m: int, tiles: int = 1) -> int:
     one m-tile (`tiles` 1: every word decoded once for 4 n-tiles), else 16.
 
     At most 8 rows one n-tile halves the x loads and MMAs of two whose second re-reads the last row
-    (H200 verify(4) 4.877 ms against 5.092, verify(8) 4.876 against 5.143: step_ab_verify{4,8}_h200.json);
+    (H200 verify(4) 4.877 ms against 5.092, verify(8) 4.876 against 5.143: step_ab_h200_verify{4,8}.json);
     32-row programs past 16 rows against blocks of 16 (H100 verify(32) 6.333 ms against 6.557:
-    step_ab_verify32_wide_h100.json)."""
+    step_ab_h100_verify32-wide.json)."""
     if m > MAX_ROWS and tiles == 1:
         return 2 * MAX_ROWS
     return 8 if m <= 8 else MAX_ROWS

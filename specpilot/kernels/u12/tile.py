@@ -111,7 +111,7 @@ def tile_config(m: int, n: int, k: int, on_gpu: bool) -> U12Config:
         return INTERPRETER_CONFIG
     rows = block_m(m)
     if rows <= 4:  # 32 (BM = 1, 2) or 64 (BM = 4) accumulator registers a thread
-        # no split-K: split_k 1 won every GEMV row of the H200 sweep (u12_linear_nvidia_h200.json)
+        # no split-K: split_k 1 won every GEMV row of the H200 sweep (u12_linear_h200_nvidia.json)
         return U12Config(16 if rows <= 2 else 8, 64, num_warps=4)
     tile, per_sm = U12Config(64, 32, num_warps=4), 2
     n_blocks = triton.cdiv(n, tile.block_n) * triton.cdiv(m, rows)
