@@ -199,9 +199,8 @@ def test_launch_settings_change_no_value(q):
             _exact(a, b)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
-@pytest.mark.parametrize("mask", ["causal", "tree"])
-@pytest.mark.parametrize("past_kind", ["int", "tensor"])
+@pytest.mark.parametrize("family,mask,past_kind", [  # each pair of the three choices once
+    ("llama", "causal", "int"), ("llama", "tree", "tensor"), ("qwen3", "causal", "tensor"), ("qwen3", "tree", "int")])
 def test_rope_attention_equals_rope_qkv_then_attention(family, mask, past_kind):
     """One launch (kernels/rope_attention.py) gives what rope_qkv then attention_split_kv give on the
     same splits, bit for bit: the cache (roped k, raw v at past..past+T-1, nothing else written)

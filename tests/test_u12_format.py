@@ -11,7 +11,7 @@ import triton.language as tl
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import DEVICE
+from conftest import DEVICE, ON_GPU
 from specpilot.kernels.split_k import counters_of
 from specpilot.kernels.u12 import U12Config, u12_linear, u12_linear_reference
 from specpilot.kernels.u12.decode import decode_planes, decode_words
@@ -412,7 +412,7 @@ def _planes_kernel(sm_ptr, codes_ptr, out_ptr, ASM: tl.constexpr, BN: tl.constex
 
 @pytest.mark.interpreter
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
-@pytest.mark.parametrize("asm", [False, True] if torch.cuda.is_available() else [False])
+@pytest.mark.parametrize("asm", [False, True] if ON_GPU else [False])
 def test_decode_planes_bit_exact(asm):
     """The gemv2 decode (biased) of every pattern: PTX prmt/lop3 (GPU) and their shift-and-mask
     emulation must give the same bits, the weight times 2^(113-base), escapes 2^-15; at the lowest

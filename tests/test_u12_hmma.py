@@ -119,7 +119,7 @@ def test_default_tensor_core_config_leaves_fp32_x_at_few_rows_to_gemv2(monkeypat
 @pytest.mark.parametrize("m,n,k,kind,cfg", [
     (16, 64, 128, "special", U12Config(64, 16, split_k=2, num_warps=2, **_HMMA)),  # one m-tile a warp, 2 splits
     (3, 32, 192, "few", U12Config(32, 16, split_k=2, num_warps=2, **_HMMA)),  # one n-tile
-    (12, 32, 320, "few", U12Config(32, 48, num_warps=1, **_HMMA)),  # 80 words: a chunk, then one masked
+    (12, 32, 192, "few", U12Config(32, 32, num_warps=1, **_HMMA)),  # 48 words: a chunk, then one masked
 ])
 def test_tiled_weights_give_the_row_planes_sums(m, n, k, kind, cfg):
     """The hmma kernel on a tiled weight (U12Tensor.layout "tiles": each warp's loads contiguous)
@@ -207,11 +207,12 @@ def test_escapes_taken_early_give_the_walk_after_the_loop(monkeypatch, m, n, k, 
         assert not torch.equal(run(bad, early).view(torch.int16), want.view(torch.int16)), j
 
 
-@pytest.mark.parametrize("mode", ["residual", "hand_out", "hand_in", "gated"])
+@pytest.mark.parametrize("mode", ["hand_out", "hand_in"])
 def test_fused_epilogues_at_many_rows(mode):
-    """u12_fused_linear's epilogues in the hmma kernel at 16 rows, split-K 3, on tiles: the residual
-    add, a norm handed on (its xg and parts) or in (its inv times the sums), and gated (an element's
-    gate and up rows each with their escapes): the reference's within the kernel's tolerance."""
+    """u12_fused_linear's norm handoffs in the hmma kernel at 16 rows, split-K 3, on tiles: a norm
+    handed on (its xg and parts, with the residual add) or in (its inv times the sums): the
+    reference's within the kernel's tolerance. (The residual and gated epilogues alone:
+    test_u12_fused_linear.py's test_hmma_epilogue, and here the tiles against the rows.)"""
     g = torch.Generator().manual_seed(7)
     n, k, m = 48, 384, 16
     gated = mode == "gated"
