@@ -26,7 +26,15 @@ pytestmark = pytest.mark.usefixtures("torch_single_thread")
 # The "triton" ops here run on the CPU models under the interpreter (conftest.py sets it where there
 # is no CUDA); with a GPU they would get CPU tensors. The kernels' GPU coverage: tests/test_kernels.py,
 # test_fused_kernels.py, test_fused_linear.py and test_graph_decode.py (bench/run_gpu.sh tests).
-interpreter_only = pytest.mark.skipif(torch.cuda.is_available(), reason="Triton kernels on CPU tensors: interpreter only")
+# Triton kernels over the tiny models' CPU tensors: the interpreter only (a GPU run skips them).
+INTERPRETER_ONLY = (pytest.mark.interpreter,
+                    pytest.mark.skipif(torch.cuda.is_available(), reason="Triton kernels on CPU tensors: interpreter only"))
+
+
+def interpreter_only(test):
+    for mark in INTERPRETER_ONLY:
+        test = mark(test)
+    return test
 
 
 def _pair(dirs, dtype):
@@ -170,7 +178,7 @@ def _count_heads(stack) -> list[int]:
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("device_length", [False, True])
 @pytest.mark.parametrize("ops,concat", [("torch", False), ("torch", True),
-                                        pytest.param("triton", True, marks=interpreter_only)])
+                                        pytest.param("triton", True, marks=INTERPRETER_ONLY)])
 def test_fused_dflash_matches_the_drafter(family, device_length, ops, concat, tiny_model_dirs):
     """Logits, cache lengths and every cache slot (the block's scratch too) as DFlashDrafter's own."""
     _, ref, fused = _drafters(tiny_model_dirs[family])
@@ -247,7 +255,7 @@ def _drafts_seen(drafter) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize("family,ops", [("llama", "torch"), ("qwen3", "torch"),
-                                        pytest.param("qwen3", "triton", marks=interpreter_only)])
+                                        pytest.param("qwen3", "triton", marks=INTERPRETER_ONLY)])
 def test_fused_dflash_greedy_tokens_equal_ar(family, ops, tiny_model_dirs):
     """Eager and graphed DFlash loops with the fused drafter: the AR tokens, and every draft of the
     drafter's own forward (the tiny drafter's drafts are rarely accepted: the drafts themselves
@@ -394,6 +402,7 @@ def test_fused_linear_serves_plain_and_u12_weights_only(tiny_model_dirs):
     assert calls == []
 
 
+@pytest.mark.slow
 @interpreter_only
 @pytest.mark.parametrize("family", FAMILIES)
 def test_fused_linear_greedy_tokens_equal_ar(family, tiny_model_dirs):
@@ -429,6 +438,7 @@ def _count_calls(stack, field: str) -> list[int]:
     return calls
 
 
+@pytest.mark.slow
 @interpreter_only
 @pytest.mark.parametrize("family", FAMILIES)
 def test_rope_attention_serves_split_kv_layers(family, tiny_model_dirs):
@@ -607,6 +617,7 @@ def test_u12_layers_at_many_rows(family, tiny_model_dirs):
         torch.testing.assert_close(c_plain.k[i], c_fused.k[i], rtol=5e-2, atol=0.25)
 
 
+@pytest.mark.slow
 @interpreter_only
 @pytest.mark.parametrize("many_rows", [False, True], ids=["one-row", "prompt-too"])
 def test_u12_fused_linear_greedy_tokens_equal_the_unfused_u12_stack(many_rows, tiny_model_dirs):
