@@ -22,9 +22,11 @@ demo: setup
 test: setup
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist worksteal
 
-# For iteration: everything but the tests marked slow.
+# For iteration (about 2 minutes on 2 cores): every test neither slow nor running Triton kernels, then
+# the registry walk of every kernel against its reference (tests/test_kernels.py) under the interpreter.
 test-fast: setup
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist worksteal -m "not slow"
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist worksteal -m "not slow and not interpreter"
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist worksteal -m "not slow" tests/test_kernels.py
 
 clean:
 	rm -rf engines .pytest_cache
