@@ -32,7 +32,7 @@ from .base import Pass, PassResult, register
 
 KERNELS = ("triton-u12", "torch")
 LAYOUTS = ("auto", "rows", "tiles")
-TILES_FROM_ROWS = 3  # kernels/u12_linear.py's TENSOR_CORE_ROWS: from here the hmma kernel, tiles' gainer
+TILES_FROM_ROWS = 3  # kernels/u12's TENSOR_CORE_ROWS: from here the hmma kernel, tiles' gainer
 
 
 @register
