@@ -247,6 +247,26 @@ def test_fused_path_installs_the_dflash_drafter_once(tiny_model_dirs):
     assert kept[0][0] is kept[1][0] and kept[0][1] is kept[1][1]  # the weights are concatenated once
 
 
+
+def test_fused_path_rebuilds_the_stack_after_a_projection_is_swapped(tiny_model_dirs):
+    """A stack kept over the old projections must not serve new ones: after a projection of the
+    model is swapped (as the weights-u12 pass's modules replace plain ones), the next fused_path
+    builds the stack again over the new modules; without a swap it keeps the one it has."""
+    from specpilot.runtime.model import swap_projection
+
+    target, _, _ = _drafters(tiny_model_dirs["qwen3"])
+    with fused_path(target):
+        first = target.fused
+    with fused_path(target):
+        assert target.fused is first
+    name = next(iter(target.linear_modules()))
+    old = target.get_submodule(name.removesuffix(".weight"))
+    swap_projection(target, name, _Projection(old))
+    with fused_path(target):
+        assert target.fused is not first
+        assert target.fused.layers[0].qkv is None  # the swapped q_proj is no plain linear: no concatenation
+
+
 def _drafts_seen(drafter) -> list[torch.Tensor]:
     """Every draft (argmax) `drafter` returns from now on, in order."""
     seen: list[torch.Tensor] = []

@@ -117,8 +117,8 @@ def profile_step(step, top: int = 12) -> dict:
 
 def to_u12(model: Transformer) -> int:
     """Every projection and lm_head of `model` as the weights-u12 pass builds them (the fused u12
-    kernel, its default configs); returns the packed bytes. The fused decoder is dropped, so the next
-    fused_path installs it over the u12 modules (called one by one: no concatenated GEMMs)."""
+    kernel, its default configs); returns the packed bytes. The next fused_path installs the fused
+    decoder over the u12 modules (it keeps a stack only while the modules it was built over stay)."""
     from specpilot.backends.torch_backend import U12Linear
     from specpilot.runtime.model import swap_projection
     from specpilot.formats.u12 import pack_u12
@@ -128,14 +128,13 @@ def to_u12(model: Transformer) -> int:
         packed = pack_u12(linear.weight.detach().contiguous())
         swap_projection(model, name, U12Linear(packed, "triton-u12"))
         total += packed.nbytes
-    model._fused_kept = None
     return total
 
 
 def tile_u12(model: Transformer) -> None:
     """Every u12 projection of `model` (``to_u12``'s) with its weight tiled where the shape allows
     (U12Tensor.layout "tiles": what weights-u12{layout=auto} packs for a target that verifies
-    blocks); the fused decoder dropped, so the next fused_path installs it over them."""
+    blocks); the next fused_path installs the fused decoder over them."""
     from specpilot.backends.torch_backend import U12Linear
     from specpilot.runtime.model import swap_projection
     from specpilot.formats.u12 import tiles_fit
@@ -143,7 +142,6 @@ def tile_u12(model: Transformer) -> None:
     for name, module in model.linear_modules().items():
         if tiles_fit(module.packed.shape):
             swap_projection(model, name, U12Linear(module.packed.with_layout("tiles"), module.kernel))
-    model._fused_kept = None
 
 
 @torch.inference_mode()

@@ -80,16 +80,23 @@ def tree_builder(device: torch.device):
     return best_first_tree.best_first_tree if triton_runs(device) else best_first_tree.best_first_tree_reference
 
 
+def _modules(model: nn.Module) -> tuple[int, ...]:
+    """The identity of every module under `model`: a projection swapped for another (a u12 module
+    for a plain one) changes it, so a fused stack kept over the old modules is not reused."""
+    return tuple(id(m) for m in model.modules())
+
+
 @contextmanager
 def fused_path(model: Transformer, *others: nn.Module):
     """For the duration: `model` and the DFlash drafters among `others` served by their fused
-    stacks (installed once, kept) and split-KV attention, as the fused-decoder and
-    attention-split-kv passes would build them; the other `others` (PARD drafters' models) get
-    split-KV attention only. Restored after, so benchmarks can compare paths on one set of
-    weights. Graphed runners are keyed by this setup (graph_decode.runner_for)."""
+    stacks (installed once and kept while their modules stay the same) and split-KV attention, as
+    the fused-decoder and attention-split-kv passes would build them; the other `others` (PARD
+    drafters' models) get split-KV attention only. Restored after, so benchmarks can compare paths
+    on one set of weights. Graphed runners are keyed by this setup (graph_decode.runner_for)."""
     fused = [model, *(m for m in others if isinstance(m, DFlashDrafter))]
     for m in fused:
-        m.fused_kept = getattr(m, "fused_kept", None) or install(m)
+        if getattr(m, "fused_kept", None) is None or getattr(m, "fused_kept_over", None) != _modules(m):
+            m.fused_kept, m.fused_kept_over = install(m), _modules(m)
     attentions = [m for root in (model, *others) for m in root.modules() if isinstance(m, Attention)]
     before = [a.attention for a in attentions]
     for m in fused:
