@@ -54,7 +54,11 @@ def main():
 @click.option("--device", default="auto", show_default=True, help="cpu, cuda or auto.")
 @user_errors
 def compile_cmd(pipeline, gpu, output, passes, device):
-    """Compile PIPELINE (a pipeline.yaml) into a validated engine directory."""
+    """Compile PIPELINE (a pipeline.yaml) into a validated engine directory.
+
+    Plugins the pipeline names (its `plugins:` field, or an installed plugin's pass in the pass
+    pipeline) are imported: they are trusted Python code you install on purpose. Rules files are
+    data: nothing in them becomes Python."""
     from .compiler import compile_pipeline
     from .spec import load_spec
 
@@ -120,17 +124,49 @@ def explain_cmd(pipeline, gpu, passes, tau, results, png):
 
 
 @main.command("passes")
-def passes_cmd():
-    """List the registered passes with their parameters and contracts."""
-    from .passes import REGISTRY
+@click.option("--no-plugins", is_flag=True, help="List only what is registered without importing any installed plugin.")
+def passes_cmd(no_plugins):
+    """List the passes (built-in, from installed plugins) with where each came from, its parameters,
+    contract and how a search meets it (a what-if the cost model predicts, or measured); then the
+    plugins' weight formats and kernels.
 
+    Installed plugins are imported to list them: plugins are trusted Python code that you install
+    on purpose. A broken plugin is listed with its error; the others still load. Rules files and
+    the search agent's proposals are data and never become Python."""
+    from .passes import REGISTRY
+    from .passes.plugins import KERNELS_GROUP, PASSES, load_installed, origin_of
+
+    installed = [] if no_plugins else load_installed()
     table = Table(title="passes")
-    for col in ("name", "parameters", "contract", "what it does"):
-        table.add_column(col)
+    table.add_column("name", no_wrap=True)
+    for col in ("from", "parameters", "contract", "search", "what it does"):
+        table.add_column(col, overflow="fold")
     for name, cls in sorted(REGISTRY.items()):
         params = ", ".join(f"{f.name.replace('_', '-')}: {f.type} = {f.default!r}" for f in cls.params()) or "-"
-        table.add_row(name, params, "lossless" if cls.lossless else "lossy", _first_line(cls))
+        table.add_row(name, str(origin_of(cls)), params, "lossless" if cls.lossless else "lossy", _cost_view(cls),
+                      _first_line(cls))
     console.print(table)
+    others = [i for i in installed if i.group != PASSES and not i.error]
+    if others:
+        table = Table(title="weight formats and kernels from plugins")
+        for col in ("kind", "name", "from"):
+            table.add_column(col)
+        for i in others:
+            table.add_row("kernel" if i.group == KERNELS_GROUP else "weight format", i.name, str(i.origin))
+        console.print(table)
+    for i in installed:
+        if i.error:
+            err_console.print(f"[bold red]broken plugin:[/] {i.error}", highlight=False, soft_wrap=True)
+
+
+def _cost_view(cls) -> str:
+    """How a search meets a pass: as a what-if the cost model predicts (the gap it closes), or by
+    measuring it (no `closes`: the cost model offers no prediction); lossy passes never."""
+    if not cls.lossless:
+        return "never (lossy)"
+    if not cls.closes:
+        return "measured: the cost model offers no what-if"
+    return f"predicted: closes {cls.closes}"
 
 
 def _first_line(cls) -> str:

@@ -22,13 +22,15 @@ from .backends.torch_backend import (U12_FILE, Engine, build_engine, default_dty
 from .bench.harness import Measurement, environment, measure
 from .bench.prompts import load_prompts
 from .dsl import load_rules, parse_pipeline
-from .errors import CheckpointError, SpecError
+from .dsl.pipeline import pass_names
+from .errors import CheckpointError, PipelineError, SpecError, UnpricedError
 from .hf.checkpoint import CONFIG, check_layer_count, read_config, read_header, weight_files
 from .ir import MATMUL_OPS, Program, limits, lower, print_program
 from .ir.node import SHARED
 from .passes import PassRecord, pipeline_string, run_passes
 from .passes.what_if import what_ifs
-from .passes.base import Pass
+from .passes.base import Pass, lookup
+from .passes.plugins import load_distribution, load_module, load_weight_format
 from .runtime.builtin import is_builtin, resolve_builtin
 from .runtime.draft_vocab import VOCAB_FILE, DraftVocab, save_vocab
 from .runtime.load import load_target
@@ -124,13 +126,29 @@ def pipeline_source(spec: PipelineSpec, override: str | None) -> str:
     return "--passes" if override is not None else f"{spec.source}: field 'passes'"
 
 
+def load_plugins(spec: PipelineSpec) -> None:
+    """Import the plugins the spec names (trusted code the user chose): local module files, and
+    installed plugin distributions by name."""
+    where = f"{spec.source}: field 'plugins': "
+    for plugin in spec.plugins:
+        if not plugin.endswith(".py"):
+            load_distribution(plugin, where)
+        elif not _is_file(Path(plugin)):
+            raise SpecError(f"{where}no such file {plugin[:80]!r} (expected a Python module file)")
+        else:
+            load_module(Path(plugin), where)
+
+
 def resolve_passes(spec: PipelineSpec, override: str | None) -> list[Pass]:
+    """The spec's pass pipeline (or `override`, from --passes): its plugins and rules files loaded,
+    then the string parsed; a pass no one registered is looked up among the installed plugins."""
+    load_plugins(spec)
     for rules in spec.rules:
         if not _is_file(Path(rules)):
             raise SpecError(f"{spec.source}: field 'rules': no such file {rules[:80]!r} (expected a rules file)")
         load_rules(Path(rules), source=rules)
     text = spec.passes if override is None else override
-    return parse_pipeline(text, source=pipeline_source(spec, override))
+    return parse_pipeline(text, source=pipeline_source(spec, override), plugins=True)
 
 
 def validate_outputs(dirs: ModelDirs, engine: Engine, m: Measurement) -> TokenForcingReport:
@@ -146,7 +164,11 @@ def write_cost_view(program: Program, gpu: str, tau: float, report: dict, root: 
     report, and as a roofline/gap chart beside it."""
     from .cost import Workload, explain, plot_gaps
 
-    estimate = explain(program, gpu, Workload(tau=tau), what_ifs=what_ifs)
+    try:
+        estimate = explain(program, gpu, Workload(tau=tau), what_ifs=what_ifs)
+    except UnpricedError as e:  # a plugin's format the cost model cannot price: the engine is measured only
+        report["cost_model"] = {"gpu": gpu, "not_predicted": str(e)}
+        return
     report["cost_model"] = estimate.to_dict()
     plot_gaps(estimate, root / "explain.png")
 
@@ -324,10 +346,31 @@ def load_engine(root: Path, device: str | None = None) -> LoadedEngine:
 
     root = Path(root)
     manifest = read_manifest(root)
-    program = verify_program(parse_program((root / "ir.txt").read_text(), source=str(root / "ir.txt")))
     spec = parse_spec(yaml.safe_load((root / "spec.yaml").read_text()), str(root / "spec.yaml"))
+    program = parse_program((root / "ir.txt").read_text(), source=str(root / "ir.txt"))
+    load_engine_plugins(spec, manifest.get("pipeline", ""), program, str(root / "pipeline.txt"))
+    program = verify_program(program)
     engine = build_engine(program, root / "target", root / "drafter", pick_device(device))
     return LoadedEngine(root, manifest, spec, engine, load_tokenizer(root / "target"))
+
+
+def load_engine_plugins(spec: PipelineSpec, pipeline: str, program: Program, source: str) -> None:
+    """The plugins an engine was built with, imported again (their weight formats run it): those its
+    spec names, those that declare the passes of its pipeline, and those that declare a weight format
+    its IR holds that nothing registered."""
+    from .ir.node import WEIGHT_FORMATS
+
+    load_plugins(spec)
+    for name in pass_names(pipeline, source):
+        try:
+            lookup(name, f"{source}: ", plugins=True)
+        except PipelineError:
+            pass  # a rules pass: its rewrites are in the IR already
+    for level in ("target", "drafter"):
+        for _, node in program.graph(level).items():
+            fmt = node.get("format")
+            if isinstance(fmt, str) and fmt not in WEIGHT_FORMATS:
+                load_weight_format(fmt, f"{source}: ")
 
 
 def verify_engine(loaded: LoadedEngine, progress=None) -> TokenForcingReport:

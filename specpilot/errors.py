@@ -25,3 +25,14 @@ class CheckpointError(SpecpilotError):
 
 class EngineError(SpecpilotError):
     """An engine directory is missing, incomplete or fails its checks."""
+
+
+class PluginError(SpecpilotError):
+    """A plugin (an installed package's entry point, or a local module pipeline.yaml names) cannot be
+    loaded, or one of its passes raised, returned an invalid IR or took a name already taken. The
+    message names the plugin and the pass."""
+
+
+class UnpricedError(SpecpilotError):
+    """The cost model cannot price something a program holds (a plugin's weight format registered
+    without its bits per weight): the program can be measured, not predicted."""

@@ -16,6 +16,8 @@
       num_prompts: 4
     passes: "draft-block-size{size=8}"   # optional pass pipeline
     rules: [rules/mine.rules]       # optional DSL files defining custom passes
+    plugins: [my_passes.py]         # optional Python plugins (trusted code, imported): local module
+                                    # files, or installed plugin distributions by name
     dtype: auto                     # auto (bf16 on a GPU, fp32 on CPU) | float32 | bfloat16
 
 Every error names the file, the field and what was expected. Relative paths are taken relative
@@ -72,6 +74,7 @@ class PipelineSpec:
     benchmark: BenchmarkSpec = field(default_factory=BenchmarkSpec)
     passes: str = ""
     rules: tuple[str, ...] = ()
+    plugins: tuple[str, ...] = ()
     dtype: str = "auto"
 
     def with_gpu(self, gpu: str | None, where: str = "--gpu") -> "PipelineSpec":
@@ -94,6 +97,7 @@ class PipelineSpec:
             "benchmark": vars(self.benchmark).copy(),
             "passes": self.passes,
             "rules": list(self.rules),
+            "plugins": list(self.plugins),
             "dtype": self.dtype,
         }
 
@@ -185,6 +189,8 @@ def parse_spec(data: Any, source: str) -> PipelineSpec:
     passes = r.get("passes", str, "a pass pipeline string", default="")
     rules = r.get("rules", list, "a list of rule file paths", default=[],
                   check=lambda v: all(isinstance(x, str) for x in v))
+    plugins = r.get("plugins", list, "a list of plugins: local module files (.py) or installed plugin names",
+                    default=[], check=lambda v: all(isinstance(x, str) and x for x in v))
     dtype = r.get("dtype", str, f"one of {', '.join(DTYPES)}", default="auto", check=lambda v: v in DTYPES)
     r.finish()
     base = Path(source).parent
@@ -198,6 +204,7 @@ def parse_spec(data: Any, source: str) -> PipelineSpec:
         benchmark=replace(bench, prompts=_resolve(bench.prompts, base) if bench.prompts.endswith(".jsonl") else bench.prompts),
         passes=passes,
         rules=tuple(_resolve(x, base) for x in rules),
+        plugins=tuple(_resolve(x, base) if x.endswith(".py") else x for x in plugins),
         dtype=dtype,
     )
 

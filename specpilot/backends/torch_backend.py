@@ -85,9 +85,11 @@ WEIGHT_FORMATS: dict[str, Callable[[Node, torch.Tensor, torch.dtype], nn.Module]
 U12_FILE = "u12.safetensors"
 
 
-def register_weight_format(name: str, builder: Callable[[Node, torch.Tensor, torch.dtype], nn.Module]) -> None:
-    """Plug in a weight format: the IR admits it, and this backend runs it with `builder`."""
-    ir_node.register_weight_format(name)
+def register_weight_format(name: str, builder: Callable[[Node, torch.Tensor, torch.dtype], nn.Module],
+                           bits: float | None = None) -> None:
+    """Plug in a weight format: the IR admits it, and this backend runs it with `builder`. `bits`
+    (storage bits per weight) lets the cost model price it; without it the format is measured only."""
+    ir_node.register_weight_format(name, bits)
     WEIGHT_FORMATS[name] = builder
 
 

@@ -27,7 +27,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 from functools import cached_property
+from ..errors import UnpricedError
 from ..ir import MATMUL_OPS, Graph, Node, Program
+from ..ir.node import FORMAT_BITS
 from ..ir.lower import SHARED
 from .gpu import GPU
 
@@ -206,10 +208,16 @@ def combine(t_mem: float, t_comp: float, p: float) -> float:
     return hi * ((t_mem / hi) ** p + (t_comp / hi) ** p) ** (1.0 / p)
 
 
-def weight_bits(fmt: str) -> int:
-    if fmt not in WEIGHT_BITS:
-        raise ValueError(f"unknown weight format {fmt!r} (expected one of {', '.join(WEIGHT_BITS)})")
-    return WEIGHT_BITS[fmt]
+def weight_bits(fmt: str) -> float:
+    """Bits a weight of format `fmt` occupies: the built-in formats', or what a plugin registered
+    with its format (ir.node.FORMAT_BITS); UnpricedError for a format registered without them."""
+    if fmt in WEIGHT_BITS:
+        return WEIGHT_BITS[fmt]
+    if fmt in FORMAT_BITS:
+        return FORMAT_BITS[fmt]
+    raise UnpricedError(f"the cost model cannot price weight format {fmt!r}: it was registered without its bits per "
+                        f"weight (register_weight_format(..., bits=N)), so this program can be measured "
+                        f"(specpilot compile) but not predicted")
 
 
 def u12_lanes(n: int, k: int, escape_rate: float) -> int:

@@ -47,6 +47,7 @@ from ..errors import DSLSyntaxError, PipelineError, SpecpilotError
 from ..ir import LEVELS, OPS, Graph, IRError, Node, Program, fact_problems, program_problems
 from ..ir.node import Literal
 from ..passes.base import REGISTRY, Pass, PassResult, register
+from ..passes.plugins import BUILT_IN, origin_of
 from .pipeline import Literals, parse_tree, where
 
 
@@ -460,7 +461,8 @@ def _install(classes: list[type[RulePass]], at: dict[str, str]) -> list[type[Pas
     for cls in classes:
         old = REGISTRY.get(cls.name)
         if old is not None and not (issubclass(old, RulePass) and old.source == cls.source):
-            origin = f"the rules in {old.source}" if issubclass(old, RulePass) else "a built-in pass"
+            origin = (f"the rules in {old.source}" if issubclass(old, RulePass)
+                      else "a built-in pass" if origin_of(old) == BUILT_IN else f"the {origin_of(old)} pass")
             raise PipelineError(f"{at[cls.name]}pass {cls.name!r} is already defined by {origin}")
     installed = []
     for cls in classes:

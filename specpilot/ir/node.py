@@ -86,9 +86,16 @@ FUSED_OPS = ("rmsnorm", "rope", "mlp")  # the nodes a fused decoder stack serves
 SHARED = "target/"  # prefix of a drafter weight borrowed from the target: it runs the target's module
 
 
-def register_weight_format(name: str) -> None:
-    """Admit a new weight format in the IR (a backend must also say how to run it)."""
+FORMAT_BITS: dict[str, float] = {}  # bits per weight of the formats registered below (what the cost model reads)
+
+
+def register_weight_format(name: str, bits: float | None = None) -> None:
+    """Admit a new weight format in the IR (a backend must also say how to run it). `bits`: its
+    storage per weight, which the cost model prices; without it a program holding the format can
+    be measured but not predicted."""
     WEIGHT_FORMATS.add(name)
+    if bits is not None:
+        FORMAT_BITS[name] = float(bits)
 
 _matmul = {
     "in_features": int,

@@ -47,3 +47,26 @@ def register(spec: KernelSpec) -> KernelSpec:
         raise ValueError(f"kernel {spec.name!r}: no test cases")
     KERNELS[spec.name] = spec
     return spec
+
+
+def check_kernel(spec: KernelSpec, device: torch.device | str = "cpu", seed: int = 1234) -> list[str]:
+    """What tests/test_kernels.py checks of a registered kernel, as problems (empty: it passes): on
+    every case the kernel matches its reference within the tolerance of the output dtype, and where
+    it plants an error, the tolerance catches it. For a plugin's own test suite."""
+    problems = []
+    for i, case in enumerate(spec.cases):
+        inputs = spec.make_inputs(case, device, seed + i)
+        out, ref = spec.run(*inputs), spec.reference(*inputs)
+        if out.dtype != ref.dtype or out.shape != ref.shape:
+            problems.append(f"{spec.name} case {dict(case)}: gives {out.dtype} {tuple(out.shape)}, the reference "
+                            f"{ref.dtype} {tuple(ref.shape)}")
+            continue
+        atol, rtol = spec.tolerance[ref.dtype]
+        if not torch.allclose(out, ref, atol=atol, rtol=rtol, equal_nan=True):
+            problems.append(f"{spec.name} case {dict(case)}: differs from its reference by "
+                            f"{(out.float() - ref.float()).abs().nan_to_num().max().item():.3g} (atol {atol}, rtol {rtol})")
+        if spec.corrupt is not None:
+            planted = spec.run(*spec.corrupt(inputs))
+            if torch.allclose(planted, ref, atol=atol, rtol=rtol, equal_nan=True):
+                problems.append(f"{spec.name} case {dict(case)}: a planted error passes the tolerance")
+    return problems

@@ -86,6 +86,13 @@ class Pass:
             instance = cls(**kwargs)
         except ValueError as e:
             raise PipelineError(f"{where}pass {cls.name!r}: {e}") from None
+        except Exception as e:
+            from .plugins import plugin_fault
+
+            fault = plugin_fault(cls, "could not be built from its parameters", e, where)
+            if fault is None:
+                raise
+            raise fault from None
         return instance
 
 
@@ -104,17 +111,32 @@ def _coerce(pass_name: str, key: str, annotation: Any, value: Any, where: str) -
         f"{where}pass {pass_name!r}: parameter {key!r} expects {want.__name__}, got {format_literal(value)}")
 
 
+class NameTaken(TypeError):
+    """`register` of a pass under a name another pass holds."""
+
+    def __init__(self, name: str, holder: type[Pass]):
+        super().__init__(f"pass name {name!r} is taken by {holder.__module__}.{holder.__qualname__}")
+        self.name, self.holder = name, holder
+
+
 def register(cls: type[Pass]) -> type[Pass]:
     """Class decorator: make a pass available to pipelines under `cls.name`."""
     if not cls.name:
         raise TypeError(f"{cls.__name__} has no pass name")
     if cls.name in REGISTRY and REGISTRY[cls.name] is not cls:
-        raise TypeError(f"pass name {cls.name!r} is taken by {REGISTRY[cls.name].__name__}")
+        raise NameTaken(cls.name, REGISTRY[cls.name])
     REGISTRY[cls.name] = cls
     return cls
 
 
-def lookup(name: str, where: str = "") -> type[Pass]:
+def lookup(name: str, where: str = "", *, plugins: bool = False) -> type[Pass]:
+    """The pass registered as `name`. `plugins`: where none is, load the installed plugin that
+    declares it (plugins.py: trusted code, imported; callers allow it for the user's own pipelines,
+    never for proposals)."""
+    if name not in REGISTRY and plugins:
+        from .plugins import load_pass_plugin
+
+        load_pass_plugin(name, where)
     if name not in REGISTRY:
         known = ", ".join(sorted(REGISTRY))
         raise PipelineError(f"{where}unknown pass {name!r} (known passes: {known})")

@@ -7,6 +7,11 @@ instance its `schedule_space(program)` offers (the instances that change this pr
 compiler, above both rooms, hands `what_ifs` to the cost model; the candidate sets (tree budgets,
 block sizes, thresholds) are the passes' own schedule spaces, so a search and the cost model try
 the same ones.
+
+Plugin passes (plugins.py) are offered the same way once loaded; their what-ifs' programs are
+verified (the IR, choices only) before the cost model sees them, and a plugin that raises or
+returns an invalid IR is a PluginError naming it. A lossless pass without `closes` is not offered:
+the cost model cannot predict it, and `to_measure` lists its instances for a search to measure.
 """
 
 from __future__ import annotations
@@ -18,6 +23,8 @@ from functools import cached_property
 from ..errors import PipelineError
 from ..ir import Program
 from .base import REGISTRY, Pass
+from .manager import apply_pass, plugin_faults
+from .plugins import is_plugin
 
 
 @dataclass(frozen=True)
@@ -41,6 +48,8 @@ class PassWhatIf:
 
     @cached_property
     def program(self) -> Program:
+        if is_plugin(type(self.instance)):
+            return apply_pass(self.instance, self.before)[0].program
         return self.instance.apply(self.before).program
 
 
@@ -51,14 +60,36 @@ def what_ifs(program: Program, passes: Collection[str] | None = None) -> list[Pa
     for name, cls in REGISTRY.items():
         if not cls.closes or not cls.lossless or (passes is not None and name not in passes):
             continue
-        out += [PassWhatIf(instance, program) for instance in cls.schedule_space(program) if _fits(instance, program)]
+        out += [PassWhatIf(instance, program) for instance in _space(cls, program)]
     return out
+
+
+def to_measure(program: Program, passes: Collection[str] | None = None) -> list[Pass]:
+    """The instances of lossless passes that declare no `closes` (the cost model cannot predict
+    them) which would change `program`: what a search must build and measure to judge."""
+    out = []
+    for name, cls in REGISTRY.items():
+        if cls.closes or not cls.lossless or (passes is not None and name not in passes):
+            continue
+        out += _space(cls, program)
+    return out
+
+
+def _space(cls: type[Pass], program: Program) -> list[Pass]:
+    with plugin_faults(cls, "raised in schedule_space"):
+        space = cls.schedule_space(program)
+        if is_plugin(cls):
+            bad = [x for x in space if not isinstance(x, Pass)]
+            if bad:
+                raise TypeError(f"schedule_space gave {bad[0]!r}, expected instances of the pass")
+    return [instance for instance in space if _fits(instance, program)]
 
 
 def _fits(instance: Pass, program: Program) -> bool:
     """Whether the instance's parameters fit the deployment (Pass.check)."""
     try:
-        instance.check(program)
+        with plugin_faults(type(instance), "raised in check"):
+            instance.check(program)
     except PipelineError:
         return False
     return True
