@@ -108,13 +108,19 @@ def _print_failures(validation) -> None:
 @click.option("--results", "results", multiple=True, type=click.Path(path_type=Path),
               help="Results files or folders to calibrate with (default: the files gpus.yaml lists for the GPU).")
 @click.option("--png", type=click.Path(dir_okay=False, path_type=Path), help="Write the roofline/gap chart here.")
+@click.option("--ir", is_flag=True, help="Print the IR the passes produced (what the cost model prices) instead.")
 @user_errors
-def explain_cmd(pipeline, gpu, passes, tau, results, png):
+def explain_cmd(pipeline, gpu, passes, tau, results, png, ir):
     """Where PIPELINE's step time goes on a GPU, per the roofline cost model, and the ranked gaps."""
-    from .compiler import explain_pipeline
+    from .compiler import explain_pipeline, explained_program
     from .spec import load_spec
 
     spec = load_spec(pipeline).with_gpu(gpu)
+    if ir:
+        from .ir import print_program
+
+        click.echo(print_program(explained_program(spec, passes)), nl=False)
+        return
     estimate = explain_pipeline(spec, passes=passes, tau=tau, results=results or None)
     from .cost import plot_gaps, render_table
 

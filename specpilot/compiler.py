@@ -389,13 +389,18 @@ def verify_engine(loaded: LoadedEngine, progress=None) -> TokenForcingReport:
     return validate_outputs(ModelDirs(ref_dir, loaded.root / "drafter"), loaded.engine, m)
 
 
+def explained_program(spec: PipelineSpec, passes: str | None = None) -> Program:
+    """The program `explain` prices: the spec's deployment lowered (bf16 unless the spec says) and
+    its passes run, each verified."""
+    program = lower_spec(spec, resolve_models(spec), "bfloat16" if spec.dtype == "auto" else spec.dtype)
+    return run_passes(program, resolve_passes(spec, passes), where=f"{pipeline_source(spec, passes)}: ")[0]
+
+
 def explain_pipeline(spec: PipelineSpec, *, passes: str | None = None, tau: float | None = None,
                      results=None):
     """The cost model's estimate for the spec's deployment on its GPU (bf16 unless the spec says),
     calibrated by `results` (files or folders), by default by the files gpus.yaml lists for the GPU."""
     from .cost import Workload, explain
 
-    dirs = resolve_models(spec)
-    program = lower_spec(spec, dirs, "bfloat16" if spec.dtype == "auto" else spec.dtype)
-    program, _ = run_passes(program, resolve_passes(spec, passes), where=f"{pipeline_source(spec, passes)}: ")
+    program = explained_program(spec, passes)
     return explain(program, spec.gpu, Workload(tau=tau), results=None if results is None else [str(r) for r in results], what_ifs=what_ifs)
