@@ -108,7 +108,7 @@ def test_any_yaml_document_as_a_spec(workdir, doc):
 
 FIELDS = (("name",), ("target",), ("drafter",), ("drafter", "kind"), ("drafter", "path"), ("drafter", "block_size"),
           ("gpu",), ("serving",), ("serving", "batch_sizes"), ("serving", "max_new_tokens"), ("serving", "greedy"),
-          ("benchmark",), ("benchmark", "prompts"), ("benchmark", "num_prompts"), ("passes",), ("rules",),
+          ("benchmark",), ("benchmark", "prompts"), ("benchmark", "num_prompts"), ("passes",), ("rules",), ("plugins",),
           ("dtype",), ("no_such_field",))
 
 
