@@ -20,17 +20,22 @@ Sources:
 - `from_tau(tau, k)`: a τ measured or stated for chains of k drafted tokens, read as a geometric
   model with one alpha for every position, solving τ = (1 - alpha^(k+1)) / (1 - alpha) (bisection;
   τ is increasing in alpha from 1 at alpha = 0 to k + 1 at alpha = 1).
+- `from_profile(profile, benchmark)`: a published acceptance profile (specpilot/profiles), its
+  per-position alpha over the profile's drafts (the geometric model the profile file states).
 - Rank probabilities not measured are assumed: p_{i,r} = alpha_i (1 - alpha_i)^(r-1), i.e. each
   lower-ranked candidate catches the same share alpha_i of the probability the ranks above missed.
+
+The chain and tree math (alpha_for_tau, the best-first heap) lives in specpilot/profiles/acceptance.py,
+shared with the replay drafter, so a profile's τ and the cost model's agree by construction.
 """
 
 from __future__ import annotations
 
-import heapq
 from dataclasses import dataclass
 from typing import Sequence
 
 from ..errors import SpecError
+from ..profiles import Profile, alpha_for_tau, best_first_paths, tau_for_alpha
 
 
 @dataclass(frozen=True)
@@ -69,6 +74,15 @@ class AcceptanceModel:
         alphas = tuple(survival[i] / survival[i - 1] if survival[i - 1] > 0 else 0.0 for i in range(1, len(counts)))
         ranks = tuple(tuple(float(p) for p in row) for row in topk) if topk else None
         return AcceptanceModel(alphas, ranks, source, note or f"histogram of {int(total)} steps")
+
+    @staticmethod
+    def from_profile(profile: Profile, benchmark: str) -> "AcceptanceModel":
+        """The profile's per-position acceptance for `benchmark` over its drafts (ProfileError where
+        it gives none). "measured" where the profile's τ is a paper's, "predicted" where modeled."""
+        alpha = profile.alpha(benchmark)
+        source = "measured" if profile.status in ("published", "secondary") and profile.base is None else "predicted"
+        return AcceptanceModel.geometric(alpha, profile.drafts, source,
+                                         f"profile {profile.name} ({benchmark}): alpha={alpha:.4f}, {profile.status}")
 
     # -- chain
     @property
@@ -110,23 +124,9 @@ class AcceptanceModel:
 
     def best_tree(self, budget: int, depth: int, width: int = 8) -> list[tuple[float, tuple[int, ...]]]:
         """The `budget` most probable rank paths of length <= depth: [(P(accepted), ranks)], best first."""
-        probs = [self.rank_probs(i, width) for i in range(1, depth + 1)]
-        chosen: list[tuple[float, tuple[int, ...]]] = []
-        # Candidates: (-prob, ranks). A node's first child and its next sibling enter when it is taken.
-        frontier = [(-probs[0][0], (1,))] if depth >= 1 and width >= 1 else []
-        while frontier and len(chosen) < budget:
-            neg, ranks = heapq.heappop(frontier)
-            p = -neg
-            if p <= 0.0:
-                break
-            chosen.append((p, ranks))
-            d, r = len(ranks), ranks[-1]
-            parent_p = p / probs[d - 1][r - 1]
-            if r < width:  # next sibling
-                heapq.heappush(frontier, (-parent_p * probs[d - 1][r], ranks[:-1] + (r + 1,)))
-            if d < depth:  # first child
-                heapq.heappush(frontier, (-p * probs[d][0], ranks + (1,)))
-        return chosen
+        if depth < 1 or width < 1:
+            return []
+        return best_first_paths([self.rank_probs(i, width) for i in range(1, depth + 1)], budget)
 
     def expected_accepted_tree(self, budget: int, depth: int, width: int = 8) -> float:
         """E[drafted tokens accepted] for the best-first tree of `budget` candidates."""
@@ -136,25 +136,4 @@ class AcceptanceModel:
         return 1.0 + self.expected_accepted_tree(budget, depth, width)
 
 
-def tau_for_alpha(alpha: float, k: int) -> float:
-    """τ of a chain of k drafted tokens under a geometric acceptance alpha."""
-    # = (1 - alpha^(k+1)) / (1 - alpha), summed to stay exact near alpha = 1
-    return sum(alpha ** i for i in range(k + 1))
-
-
-def alpha_for_tau(tau: float, k: int) -> float:
-    """The geometric alpha whose chain of k drafted tokens reaches τ (1 <= τ <= k + 1)."""
-    if k < 1:
-        raise SpecError(f"acceptance: a chain needs k >= 1 drafted tokens (got {k})")
-    if not 1.0 <= tau <= k + 1:
-        raise SpecError(f"acceptance: τ={tau:g} is impossible for chains of {k} drafted tokens (need 1 <= τ <= {k + 1})")
-    if tau >= k + 1:
-        return 1.0
-    lo, hi = 0.0, 1.0
-    for _ in range(100):
-        mid = 0.5 * (lo + hi)
-        if tau_for_alpha(mid, k) < tau:
-            lo = mid
-        else:
-            hi = mid
-    return 0.5 * (lo + hi)
+__all__ = ["AcceptanceModel", "alpha_for_tau", "tau_for_alpha"]
