@@ -6,15 +6,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from specpilot.hf.known import dflash_config, model_config, pard_config
+from specpilot.hf.known import TEST_MODELS, dflash_config, model_config, pard_config
 
 LLAMA_8B = "llama-3.1-8b"
 QWEN3_8B = "qwen3-8b"
 TINY = "tiny"  # a two-layer qwen3 for --smoke runs on the CPU: no released model's, measures nothing
 
-_TINY = dict(model_type="qwen3", vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-             num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6, rope_theta=10000.0,
-             tie_word_embeddings=False, max_position_embeddings=512)
+_TINY = {k: v for k, v in TEST_MODELS["tiny"].items() if not k.endswith("_token_id")}
 
 
 def config(name: str) -> dict[str, Any]:

@@ -17,14 +17,15 @@ import yaml
 
 from . import __version__
 from .backends.engine_dir import atomic_dir, copy_checkpoint, write_manifest
-from .backends.torch_backend import (U12_FILE, Engine, build_engine, default_dtype, drafter_root, packed_weights,
-                                     pick_device)
+from .backends.torch_backend import (U12_FILE, Engine, ReplaySetup, ShapeModels, build_engine, default_dtype,
+                                     drafter_root, packed_weights, pick_device)
 from .bench.harness import Measurement, environment, measure
 from .bench.prompts import load_prompts
 from .dsl import load_rules, parse_pipeline
 from .dsl.pipeline import pass_names
 from .errors import CheckpointError, PipelineError, SpecError, UnpricedError
 from .hf.checkpoint import CONFIG, check_layer_count, read_config, read_header, weight_files
+from .hf.known import dflash_config, model_config, pard_config
 from .ir import MATMUL_OPS, Program, limits, lower, print_program
 from .ir.node import SHARED
 from .passes import PassRecord, pipeline_string, run_passes
@@ -42,11 +43,27 @@ from .validate.forcing import TokenForcingReport, force_tokens
 
 @dataclass(frozen=True)
 class ModelDirs:
-    target: Path
-    drafter: Path
+    target: Path | None
+    drafter: Path | None
+    shape: ShapeModels | None = None  # a target given by shape: random weights, a replay drafter, no directories
+
+    @property
+    def tokenizer(self):
+        """The prompts' tokenizer: the target directory's, or the byte tokenizer of a target by shape."""
+        return self.shape.tokenizer() if self.shape else load_tokenizer(self.target)
+
+
+def shape_models(spec: PipelineSpec) -> ShapeModels:
+    """The target `spec` gives by shape and its replay drafter's network (hf/known.py's recipes)."""
+    shape, d = spec.target_shape.shape, spec.drafter
+    drafter_cfg = dflash_config(shape) if d.shape == "dflash" else pard_config(shape)
+    return ShapeModels(model_config(shape), drafter_cfg, ReplaySetup(d.profile, d.benchmark, d.seed),
+                       seed=spec.target_shape.seed)
 
 
 def resolve_models(spec: PipelineSpec) -> ModelDirs:
+    if spec.target_shape is not None:
+        return ModelDirs(None, None, shape_models(spec))
     target = resolve_builtin(spec.target) if is_builtin(spec.target) else Path(spec.target)
     if spec.drafter.path:
         d = spec.drafter.path
@@ -72,11 +89,20 @@ def _is_file(path: Path) -> bool:
 def lower_spec(spec: PipelineSpec, dirs: ModelDirs, dtype: str) -> Program:
     """The spec's deployment as a verified program. The configs are checked against the weights
     their directories hold, from the safetensors headers: the layer count before anything is lowered
-    (a config claiming ten million layers is no graph to build), every named weight's shape after."""
+    (a config claiming ten million layers is no graph to build), every named weight's shape after.
+    A target by shape lowers from hf/known.py's configs; its draft node names the replay's profile."""
+    block_source = f"{spec.source}: field 'drafter.block_size'"
+    if dirs.shape is not None:
+        program = lower(dirs.shape.target_cfg, dirs.shape.drafter_cfg, dtype=dtype, block_size=spec.drafter.block_size,
+                        target_source=f"{spec.source}: field 'target.shape'",
+                        drafter_source=f"{spec.source}: field 'drafter.shape'", block_source=block_source)
+        name, draft = program.step.one("draft")
+        replay = dirs.shape.replay
+        return program.with_graph("step", program.step.with_node(
+            name, draft.replace(drafter=f"replay:{replay.profile}/{replay.benchmark}")))
     (target, target_source), (drafter, drafter_source) = read_config(dirs.target), read_config(dirs.drafter)
     for root, cfg, source in ((dirs.target, target, target_source), (dirs.drafter, drafter, drafter_source)):
         check_layer_count(root, cfg, source)
-    block_source = f"{spec.source}: field 'drafter.block_size'"
     program = lower(target, drafter, dtype=dtype, block_size=spec.drafter.block_size, target_source=target_source,
                     drafter_source=drafter_source, block_source=block_source)
     check_weight_shapes(program, dirs, {"target": target_source, "drafter": drafter_source})
@@ -152,10 +178,15 @@ def resolve_passes(spec: PipelineSpec, override: str | None) -> list[Pass]:
 
 
 def validate_outputs(dirs: ModelDirs, engine: Engine, m: Measurement) -> TokenForcingReport:
-    """Token forcing against the unmodified target checkpoint, on every output token."""
+    """Token forcing against the unmodified target (its checkpoint, or rebuilt from its shape and
+    seed), on every output token."""
     from .backends.torch_backend import TORCH_DTYPES
 
-    reference, ref_cfg = load_target(dirs.target, dtype=TORCH_DTYPES[engine.dtype], device=engine.device)
+    dtype = TORCH_DTYPES[engine.dtype]
+    if dirs.shape is not None:
+        reference, ref_cfg = dirs.shape.target(dtype, engine.device)
+    else:
+        reference, ref_cfg = load_target(dirs.target, dtype=dtype, device=engine.device)
     return force_tokens(reference, ref_cfg, m.prompts, m.spec_tokens, engine.dtype)
 
 
@@ -173,16 +204,17 @@ def write_cost_view(program: Program, gpu: str, tau: float, report: dict, root: 
     plot_gaps(estimate, root / "explain.png")
 
 
-def save_pass_artifacts(engine: Engine, root: Path) -> None:
-    """Store what the passes built beside each checkpoint (checksummed safetensors): the u12 planes,
-    the drafter head's token subset."""
+def save_pass_artifacts(engine: Engine, root: Path, weights: bool = True) -> None:
+    """Store what the passes built beside each checkpoint (checksummed safetensors): the u12 planes
+    (not for random weights, rebuilt from their seed: `weights` False), the drafter head's token subset."""
     for part, model, graph in (("target", engine.target, engine.program.target),
                                ("drafter", drafter_root(engine.drafter), engine.program.drafter)):
-        packed = packed_weights(model, graph.items())
+        packed = packed_weights(model, graph.items()) if weights else {}
         if packed:
             save_u12({k: v.to("cpu") for k, v in packed.items()}, root / part / U12_FILE)
     if engine.draft_vocab is not None:
         v = engine.draft_vocab
+        (root / "drafter").mkdir(exist_ok=True)
         save_vocab(root / "drafter" / VOCAB_FILE, v.ids, corpus=v.corpus, coverage_share=v.coverage,
                    vocab_size=engine.target_cfg.vocab_size)
 
@@ -221,14 +253,57 @@ class CompileResult:
     out_dir: Path | None
 
 
+def replay_report(engine: Engine, m: Measurement, max_new_tokens: int) -> dict:
+    """A replay engine's acceptance against its profile: the profile's τ for this program beside the
+    τ the runs measured (runtime/replay.py: Replay.summary), with the profile's source."""
+    from .profiles import load_profile
+
+    setup = engine.replay_setup
+    profile = load_profile(setup.profile)
+    out = engine.replay.summary([(acc, max_new_tokens) for acc in m.spec_accepted])
+    draft = engine.program.step.one("draft")[1]
+    drafts = draft["block_size"] - 1 if draft["kind"] == "dflash" else draft["block_size"]
+    propose = engine.program.step.one("propose")[1]
+    budget = propose["budget"] if propose["shape"] == "tree" else None
+    out.update(benchmark=setup.benchmark, seed=setup.seed, profile_status=profile.status,
+               profile_tau_source=profile.tau_source(drafts, budget),
+               published_tau=profile.tau(setup.benchmark), published_at_block=profile.block_size,
+               source=f"{profile.source.cite()} ({profile.status})")
+    return out
+
+
+def cost_prediction(program: Program, gpu: str, tau: float, engine: Engine) -> dict:
+    """The cost model's ms/token of the AR baseline and of the engine on the spec's GPU, at the
+    acceptance the engine runs at: a replay engine's profile, else the τ measured here. Compiles of
+    a target by shape report it beside the measured ms/token."""
+    from .cost import AcceptanceModel, Workload, explain
+    from .cost.gaps import draft_positions
+    from .profiles import load_profile
+
+    if engine.replay_setup is not None:
+        setup = engine.replay_setup
+        alpha = load_profile(setup.profile).alpha(setup.benchmark)
+        acceptance = AcceptanceModel.geometric(alpha, draft_positions(program), "predicted",
+                                               f"profile {setup.profile}/{setup.benchmark}")
+        workload = Workload(acceptance=acceptance)
+    else:
+        workload = Workload(tau=max(1.0, min(tau, draft_positions(program) + 1.0)))
+    est = explain(program, gpu, workload)
+    return {"gpu": est.gpu, "ar_ms_per_token": round(est.t_ar.value * 1e3, 4),
+            "engine_ms_per_token": round(est.t_token.value * 1e3, 4), "speedup_over_ar": round(est.speedup.value, 4),
+            "tau": round(est.tau.value, 4), "note": "predicted by the roofline cost model for the spec's GPU "
+            "(calibrated by the results files gpus.yaml lists), beside the ms/token measured on this machine"}
+
+
 def build_report(spec: PipelineSpec, program: Program, pipeline: str, m: Measurement,
-                 validation: TokenForcingReport, env: dict, draft_vocab: DraftVocab | None = None) -> dict:
+                 validation: TokenForcingReport, env: dict, draft_vocab: DraftVocab | None = None,
+                 engine: Engine | None = None) -> dict:
     draft = program.step.one("draft")[1]
     drafter = {"kind": draft["kind"], "block_size": draft["block_size"]}
     if draft_vocab is not None:
         drafter["vocab_subset"] = {"size": int(draft_vocab.ids.numel()), "corpus": draft_vocab.corpus,
                                    "corpus_coverage": round(draft_vocab.coverage, 4)}
-    return {
+    report = {
         "name": spec.name,
         "gpu_target": spec.gpu,
         "pipeline": pipeline,
@@ -241,12 +316,28 @@ def build_report(spec: PipelineSpec, program: Program, pipeline: str, m: Measure
         "ar_ms_per_token": round(m.ar_ms_per_token, 4),
         "engine_ms_per_token": round(m.spec_ms_per_token, 4),
         "speedup_over_ar": round(m.speedup, 4),
-        "speedup_note": "measured on this machine; prefill excluded; AR = the stock target (no passes) in the runtime's static-cache greedy loop",
+        "speedup_note": "measured on this machine; batch 1, prefill excluded; AR = the stock target (no passes) in the "
+                        "runtime's static-cache greedy loop: on a GPU the graphed loop over the fused decoder stack",
         "outputs_equal_ar": f"{m.matches_ar}/{len(m.prompts)}",
         "tokens_checked": validation.tokens_checked,
         "token_forcing": validation.summary(),
         "environment": env,
     }
+    if spec.target_shape is not None:
+        report["target"] = {"shape": spec.target_shape.shape, "weights": spec.target_shape.weights,
+                            "seed": spec.target_shape.seed, "tokenizer": "the byte tokenizer of the tiny models "
+                            "(ids 0..257: a byte each, then <|endoftext|>, <|mask|>)"}
+    if engine is not None and engine.replay is not None:  # a target by shape: what its 8B step would cost
+        report["predicted"] = cost_prediction(program, spec.gpu, m.tau, engine)
+        report["replay"] = replay_report(engine, m, spec.serving.max_new_tokens)
+    return report
+
+
+def _replay_row(r: dict) -> str:
+    if r["measured_tau"] is None:
+        return f"{r['profile']}: {r['profile_tau']:.2f} / - (no step began a block before an output's end)"
+    return (f"{r['profile']}: {r['profile_tau']:.2f} / {r['measured_tau']:.2f} ({r['measured_over_profile']:.3f}, "
+            f"{'within' if r['within_3pct'] else 'outside'} 3%)")
 
 
 def report_markdown(report: dict) -> str:
@@ -257,6 +348,10 @@ def report_markdown(report: dict) -> str:
         ("AR ms/token", f"{report['ar_ms_per_token']:.2f}"),
         ("engine ms/token", f"{report['engine_ms_per_token']:.2f}"),
         ("speedup over AR (measured)", f"{report['speedup_over_ar']:.2f}×"),
+        *([("predicted on " + report["predicted"]["gpu"] + ": AR / engine ms/token, speedup",
+            f"{report['predicted']['ar_ms_per_token']:.2f} / {report['predicted']['engine_ms_per_token']:.2f}, "
+            f"{report['predicted']['speedup_over_ar']:.2f}×")] if "predicted" in report else []),
+        *([("replay: profile τ / measured τ (ratio)", _replay_row(report["replay"]))] if "replay" in report else []),
         ("outputs equal to AR greedy", report["outputs_equal_ar"]),
         ("token forcing", report["token_forcing"]),
         ("device", report["environment"]["device"]),
@@ -287,10 +382,10 @@ def prepare(spec: PipelineSpec, passes: str | None = None, device: str | None = 
     stock = lower_spec(spec, dirs, default_dtype(dev) if spec.dtype == "auto" else spec.dtype)
     pass_list = resolve_passes(spec, passes)
     program, records = run_passes(stock, pass_list, where=f"{pipeline_source(spec, passes)}: ")
-    tokenizer = load_tokenizer(dirs.target)
+    tokenizer = dirs.tokenizer
     texts = load_prompts(spec.benchmark.prompts, spec.benchmark.num_prompts, source=spec.source)
     prompts = [tokenizer.encode(t).ids for t in texts]
-    check_serving_fits(spec, program, prompts, dirs.target)
+    check_serving_fits(spec, program, prompts, dirs.target or Path(f"target shape {spec.target}"))
     return Prepared(dirs, dev, stock, program, records, pipeline_string(pass_list), prompts)
 
 
@@ -300,12 +395,16 @@ def compile_pipeline(spec: PipelineSpec, *, out_dir: Path | None, passes: str | 
     p = prepare(spec, passes, device)
     dirs, dev, stock, program, records, pipeline, prompts = (p.dirs, p.device, p.stock, p.program, p.records,
                                                              p.pipeline, p.prompts)
-    engine = build_engine(program, dirs.target, dirs.drafter, dev)
-    baseline = engine if program.target == stock.target else build_engine(stock, dirs.target, dirs.drafter, dev)
+    engine = build_engine(program, dirs.target, dirs.drafter, dev, shape=dirs.shape)
+    baseline = engine if program.target == stock.target else build_engine(stock, dirs.target, dirs.drafter, dev,
+                                                                          shape=dirs.shape)
     m = measure(engine, baseline, prompts, spec.serving.max_new_tokens, progress=progress)
+    baseline = None  # its memory goes before token forcing builds the reference (8B shapes: 16 GB each)
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
     validation = validate_outputs(dirs, engine, m)
     env = environment(dev)
-    report = build_report(spec, program, pipeline, m, validation, env, engine.draft_vocab)
+    report = build_report(spec, program, pipeline, m, validation, env, engine.draft_vocab, engine)
 
     written = None
     if out_dir is not None and validation.passed:
@@ -313,16 +412,18 @@ def compile_pipeline(spec: PipelineSpec, *, out_dir: Path | None, passes: str | 
             (tmp / "spec.yaml").write_text(yaml.safe_dump(spec.to_dict(), sort_keys=False))
             (tmp / "pipeline.txt").write_text(pipeline + "\n")
             (tmp / "ir.txt").write_text(print_program(program))
-            copy_checkpoint(dirs.target, tmp / "target")
-            copy_checkpoint(dirs.drafter, tmp / "drafter")
-            save_pass_artifacts(engine, tmp)
+            if dirs.shape is None:
+                copy_checkpoint(dirs.target, tmp / "target")
+                copy_checkpoint(dirs.drafter, tmp / "drafter")
+            save_pass_artifacts(engine, tmp, weights=dirs.shape is None)
             write_cost_view(program, spec.gpu, m.tau, report, tmp)
             (tmp / "validation.json").write_text(json.dumps(validation.to_dict(), indent=2) + "\n")
             (tmp / "report.json").write_text(json.dumps(report, indent=2) + "\n")
             (tmp / "report.md").write_text(report_markdown(report))
             write_manifest(tmp, {"name": spec.name, "specpilot": __version__, "pipeline": pipeline,
                                  "ir_hash": program.structural_hash(), "dtype": program.attr("dtype"),
-                                 "target_source": str(dirs.target), "drafter_source": str(dirs.drafter),
+                                 "target_source": str(dirs.target or f"shape:{spec.target}"),
+                                 "drafter_source": str(dirs.drafter or f"replay:{spec.drafter.profile}"),
                                  "max_new_tokens": spec.serving.max_new_tokens,
                                  "passes": [r.__dict__ for r in records]})
         written = Path(out_dir)
@@ -350,6 +451,10 @@ def load_engine(root: Path, device: str | None = None) -> LoadedEngine:
     program = parse_program((root / "ir.txt").read_text(), source=str(root / "ir.txt"))
     load_engine_plugins(spec, manifest.get("pipeline", ""), program, str(root / "pipeline.txt"))
     program = verify_program(program)
+    if spec.target_shape is not None:  # random weights: rebuilt from the shape and seed, nothing stored but passes'
+        shape = shape_models(spec)
+        engine = build_engine(program, None, root / "drafter", pick_device(device), shape=shape)
+        return LoadedEngine(root, manifest, spec, engine, shape.tokenizer())
     engine = build_engine(program, root / "target", root / "drafter", pick_device(device))
     return LoadedEngine(root, manifest, spec, engine, load_tokenizer(root / "target"))
 
@@ -383,9 +488,11 @@ def verify_engine(loaded: LoadedEngine, progress=None) -> TokenForcingReport:
         outputs.append(loaded.engine.generate(p, spec.serving.max_new_tokens).tokens)
         if progress:
             progress()
+    m = Measurement(prompts=prompts, spec_tokens=outputs)
+    if spec.target_shape is not None:
+        return validate_outputs(ModelDirs(None, None, shape_models(spec)), loaded.engine, m)
     source = Path(loaded.manifest.get("target_source", ""))
     ref_dir = source if (source / "config.json").is_file() else loaded.root / "target"
-    m = Measurement(prompts=prompts, spec_tokens=outputs)
     return validate_outputs(ModelDirs(ref_dir, loaded.root / "drafter"), loaded.engine, m)
 
 

@@ -1,11 +1,14 @@
 """pipeline.yaml: the deployment a user asks specpilot to compile, validated on load.
 
     name: demo
-    target: tiny-qwen3              # a built-in model name, or a local HF model directory
+    target: tiny-qwen3              # a built-in model name, or a local HF model directory, or by shape:
+                                    # {shape: llama-3.1-8b | qwen3-8b | ..., weights: random, seed: 0}
     drafter:
-      kind: dflash                  # dflash | pard
+      kind: dflash                  # dflash | pard | replay
       path: tiny-qwen3/dflash       # built-in drafter or local directory (default: the built-in pair's)
       block_size: 8                 # optional: overrides the drafter config's own
+      # kind replay: profile: dflash-qwen3-8b (specpilot/profiles), shape: dflash | pard (default: the
+      # profile's), benchmark: humaneval (default: the profile's), seed: 0 (the accept-length draws)
     gpu: h200                       # a GPU of the database, or an alias such as a100 (`--gpu` overrides it)
     serving:
       batch_sizes: [1]              # only [1] until batching exists
@@ -36,11 +39,23 @@ import yaml
 
 from .cost.gpu import resolve_gpu
 from .errors import SpecError
+from .hf.known import SHAPES
+from .profiles import DRAFTER_SHAPES, ProfileError, load_profile, profile_names
 
-DRAFTER_KINDS = ("dflash", "pard")
+DRAFTER_KINDS = ("dflash", "pard", "replay")
+TARGET_WEIGHTS = ("random",)  # a target given by shape: N(0, 0.02) weights built on the device, seeded
 DTYPES = ("auto", "float32", "bfloat16")  # auto: bf16 on a GPU, fp32 on CPU
 BUILTIN_PREFIX = "builtin:"
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")  # one path component, never "." or ".."
+
+
+@dataclass(frozen=True)
+class ShapeTarget:
+    """A target given by a released model's shape (specpilot/hf/known.py) instead of its weights."""
+
+    shape: str
+    weights: str = "random"
+    seed: int = 0
 
 
 @dataclass(frozen=True)
@@ -48,6 +63,16 @@ class DrafterSpec:
     kind: str
     path: str | None = None
     block_size: int | None = None
+    profile: str | None = None  # replay: the acceptance profile its accept lengths are drawn from
+    shape: str | None = None  # replay: the drafter network it runs (random weights): dflash | pard
+    benchmark: str | None = None  # replay: the profile's benchmark
+    seed: int = 0  # replay: the seed of the accept-length draws and of the drafter's weights
+
+    def to_dict(self) -> dict:
+        out = {k: v for k, v in vars(self).items() if v is not None}
+        if self.kind != "replay":
+            out.pop("seed")
+        return out
 
 
 @dataclass(frozen=True)
@@ -76,6 +101,7 @@ class PipelineSpec:
     rules: tuple[str, ...] = ()
     plugins: tuple[str, ...] = ()
     dtype: str = "auto"
+    target_shape: ShapeTarget | None = None  # set when `target` names a shape (then `target` is its name)
 
     def with_gpu(self, gpu: str | None, where: str = "--gpu") -> "PipelineSpec":
         """The spec for another GPU (its database name; `where` names the source in an error)."""
@@ -89,8 +115,8 @@ class PipelineSpec:
     def to_dict(self) -> dict:
         return {
             "name": self.name,
-            "target": self.target,
-            "drafter": {k: v for k, v in vars(self.drafter).items() if v is not None},
+            "target": vars(self.target_shape).copy() if self.target_shape else self.target,
+            "drafter": self.drafter.to_dict(),
             "gpu": self.gpu,
             "serving": {"batch_sizes": list(self.serving.batch_sizes), "max_new_tokens": self.serving.max_new_tokens,
                         "greedy": self.serving.greedy},
@@ -158,13 +184,31 @@ def parse_spec(data: Any, source: str) -> PipelineSpec:
     if not NAME.fullmatch(name):  # the file's own stem, when `name` is not given
         raise SpecError(f"{source}: missing field 'name': the file name {name!r} is no engine directory name; "
                         f"expected a name of letters, digits, '.', '_' and '-'")
-    target = r.get("target", str, "a built-in model name or a local model directory")
+    target_shape = None
+    if isinstance(r.data.get("target"), dict):
+        t = r.sub("target")
+        target_shape = ShapeTarget(
+            shape=t.get("shape", str, f"one of {', '.join(SHAPES)}", check=lambda v: v in SHAPES),
+            weights=t.get("weights", str, f"one of {', '.join(TARGET_WEIGHTS)}", default="random",
+                          check=lambda v: v in TARGET_WEIGHTS),
+            seed=t.get("seed", int, "an integer >= 0", default=0, check=lambda v: v >= 0),
+        )
+        t.finish()
+        target = target_shape.shape
+    else:
+        target = r.get("target", str, "a built-in model name, a local model directory, or {shape: ..., weights: random}")
     d = r.sub("drafter")
     drafter = DrafterSpec(
         kind=d.get("kind", str, f"one of {', '.join(DRAFTER_KINDS)}", check=lambda v: v in DRAFTER_KINDS),
         path=d.get("path", str, "a built-in drafter name or a local model directory", default=None),
         block_size=d.get("block_size", int, "an integer >= 1", default=None, check=_positive),
+        profile=d.get("profile", str, f"one of {', '.join(profile_names())}", default=None),
+        shape=d.get("shape", str, f"one of {', '.join(DRAFTER_SHAPES)}", default=None,
+                    check=lambda v: v in DRAFTER_SHAPES),
+        benchmark=d.get("benchmark", str, "a benchmark of the profile", default=None),
+        seed=d.get("seed", int, "an integer >= 0", default=0, check=lambda v: v >= 0),
     )
+    drafter = _check_drafter(source, drafter, d, target_shape)
     d.finish()
     gpu = r.get("gpu", str, "a GPU name such as h200", default="h200")
     try:
@@ -197,7 +241,7 @@ def parse_spec(data: Any, source: str) -> PipelineSpec:
     return PipelineSpec(
         source=source,
         name=name,
-        target=_resolve(target, base),
+        target=target if target_shape else _resolve(target, base),
         drafter=replace(drafter, path=_resolve(drafter.path, base) if drafter.path else None),
         gpu=gpu,
         serving=serving,
@@ -206,7 +250,37 @@ def parse_spec(data: Any, source: str) -> PipelineSpec:
         rules=tuple(_resolve(x, base) for x in rules),
         plugins=tuple(_resolve(x, base) if x.endswith(".py") else x for x in plugins),
         dtype=dtype,
+        target_shape=target_shape,
     )
+
+
+def _check_drafter(source: str, drafter: DrafterSpec, d: _Reader, target_shape: ShapeTarget | None) -> DrafterSpec:
+    """A replay drafter's profile, benchmark and shape resolved and checked; the replay fields refused
+    on other drafters, and any drafter but a replay one on a target with random weights."""
+    replay_fields = [k for k in ("profile", "shape", "benchmark", "seed") if k in d.data]
+    if drafter.kind != "replay":
+        if replay_fields:
+            raise d.fail(replay_fields[0], "a field of drafter kind 'replay' only (this drafter is "
+                         f"{drafter.kind!r})", d.data[replay_fields[0]])
+        if target_shape is not None:
+            raise d.fail("kind", "'replay' (a target given by shape has random weights: only a replay drafter "
+                         "makes its acceptance meaningful)", drafter.kind)
+        return drafter
+    if drafter.path is not None:
+        raise d.fail("path", "no path (a replay drafter runs a random network of its `shape`)", drafter.path)
+    if target_shape is None:
+        raise d.fail("kind", "dflash or pard for a target read from a model directory ('replay' drafts for a target "
+                     "given by shape: {shape: ..., weights: random})", drafter.kind)
+    if drafter.profile is None:
+        raise SpecError(f"{source}: missing field 'drafter.profile' (one of {', '.join(profile_names())})")
+    try:
+        profile = load_profile(drafter.profile)
+        benchmark = drafter.benchmark or profile.default_benchmark
+        profile.check(benchmark)
+    except ProfileError as e:  # an unknown profile, one without τ, or a benchmark it lacks
+        where = "benchmark" if drafter.benchmark and "no benchmark" in str(e) else "profile"
+        raise SpecError(f"{source}: field 'drafter.{where}': {e}") from None
+    return replace(drafter, benchmark=benchmark, shape=drafter.shape or profile.drafter)
 
 
 def _resolve(value: str, base: Path) -> str:

@@ -4,10 +4,15 @@ It loads the target and drafter with the runtime, then makes every matmul node o
 each `linear`/`lm_head` node names its weight, and its `format` and `kernel` attributes choose
 the module that serves it (`WEIGHT_FORMATS`). The step graph chooses the decode loop.
 This is the reference backend: plain PyTorch everywhere, the yardstick for faster backends.
+
+A target given by shape (`ShapeModels`) has no checkpoint: its modules are built on the device with
+seeded N(0, 0.02) weights, and its drafter is a replay drafter (runtime/replay.py) of the stated
+network shape whose accept lengths follow an acceptance profile (specpilot/profiles).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -22,10 +27,15 @@ from ..ir.lower import SHARED
 from . import kernel_hooks
 from ..runtime import decode, graph_decode
 from ..runtime.dflash import DFlashDrafter
+from ..hf.config import DrafterConfig, ModelConfig
+from ..profiles import AcceptDistribution, load_profile
 from ..runtime.draft_vocab import STDLIB, VOCAB_FILE, DraftVocab, SubsetHead, build_vocab, head_weight, load_vocab
 from ..runtime.hybrid import GatedAttention, HybridTransformer
 from ..runtime.load import load_drafter, load_target
-from ..runtime.tokenizer import load_tokenizer
+from ..runtime.model import PardDrafter, Transformer
+from ..runtime.replay import Replay, ReplayCausalLM, ReplayDFlash, ReplayPlan
+from ..runtime.tiny import SPECIAL_TOKENS
+from ..runtime.tokenizer import build_byte_tokenizer, load_tokenizer
 from ..formats.u12 import U12Tensor, load_u12, pack_u12
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -177,21 +187,21 @@ def install_attention_kernels(graph: Graph, root: nn.Module, device: torch.devic
     return len(chosen)
 
 
-def install_draft_vocab(program: Program, drafter, target: nn.Module, target_dir: Path, drafter_dir: Path,
-                        eos_token_id: int | None) -> DraftVocab | None:
+def install_draft_vocab(program: Program, drafter, target: nn.Module, target_dir: Path | None,
+                        drafter_dir: Path | None, eos_token_id: int | None, tokenizer=None) -> DraftVocab | None:
     """Serve the drafter's logits from a token subset where its lm_head node asks for one
     (passes/draft_vocab.py): the subset stored beside the drafter (an engine's), else counted from
-    the node's corpus with the target's tokenizer."""
+    the node's corpus with the target's tokenizer (`tokenizer` where the target has no directory)."""
     heads = program.drafter.find("lm_head", lambda node: node.get("vocab_subset", 0) > 0)
     if not heads:
         return None
     node = program.drafter.node(heads[0])
     size, corpus, vocab_size = node["vocab_subset"], node.get("vocab_corpus", STDLIB), node["out_features"]
-    stored = Path(drafter_dir) / VOCAB_FILE
-    if stored.is_file():
+    stored = Path(drafter_dir) / VOCAB_FILE if drafter_dir is not None else None
+    if stored is not None and stored.is_file():
         vocab = DraftVocab(load_vocab(stored, size, vocab_size, corpus), corpus)
     else:
-        vocab = build_vocab(load_tokenizer(target_dir), corpus, size, vocab_size, eos_token_id)
+        vocab = build_vocab(tokenizer or load_tokenizer(target_dir), corpus, size, vocab_size, eos_token_id)
     if isinstance(drafter, DFlashDrafter):  # the target's head, borrowed
         drafter.set_head(SubsetHead(head_weight(target.lm_head), vocab.ids, vocab_size))
     else:
@@ -217,6 +227,14 @@ class Engine:
     dtype: str
     eos_token_id: int | None
     draft_vocab: DraftVocab | None = None  # the drafter head's token subset (draft-vocab pass)
+    replay: Replay | None = None  # a replay drafter's plans and accept-length draws (runtime/replay.py)
+    replay_setup: "ReplaySetup | None" = None
+
+    def with_program(self, program: Program) -> "Engine":
+        """This engine's modules run by another step graph (block size, chain or tree, graphs): what
+        a benchmark sweeps without rebuilding the models. A replay engine draws for the new program."""
+        replay = self.replay.reconfigured(replay_distribution(program, self.replay_setup)) if self.replay else None
+        return dataclasses.replace(self, program=program, replay=replay)
 
     @property
     def kind(self) -> str:
@@ -227,7 +245,13 @@ class Engine:
         return self.program.step.one("draft")[1]["block_size"]
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int) -> decode.Generation:
-        """Speculative decoding as the step graph says."""
+        """Speculative decoding as the step graph says (a replay drafter's run follows its plan)."""
+        if self.replay is not None:
+            return self.replay.generate(prompt_ids, max_new_tokens, lambda: self.run_loop(prompt_ids, max_new_tokens))
+        return self.run_loop(prompt_ids, max_new_tokens)
+
+    def run_loop(self, prompt_ids: list[int], max_new_tokens: int) -> decode.Generation:
+        """One run of the decode loop the step graph names."""
         from ..runtime import tree_decode
 
         verify = self.program.step.one("verify")[1]
@@ -262,10 +286,15 @@ class Engine:
         return bool(schedule) and bool(self.program.step.node(schedule[0]).get("graphs"))
 
     def generate_ar(self, prompt_ids: list[int], max_new_tokens: int) -> decode.Generation:
-        """Greedy AR, the baseline: on a GPU always the graphed loop, the strongest we have."""
-        graphs_fit = self.device.type == "cuda" and not isinstance(self.target, HybridTransformer)
-        loop = graph_decode.generate_ar_graphed if graphs_fit else decode.generate_ar
-        return loop(self.target, prompt_ids, max_new_tokens=max_new_tokens, eos_token_id=self.eos_token_id)
+        """Greedy AR, the baseline: on a GPU always the strongest loop we have, the graphed one over
+        the fused decoder stack with split-KV attention (kernel_hooks.fused_path; for the duration of
+        the call, so the engine's own modules run as its program says)."""
+        if self.device.type != "cuda" or isinstance(self.target, HybridTransformer):
+            return decode.generate_ar(self.target, prompt_ids, max_new_tokens=max_new_tokens,
+                                      eos_token_id=self.eos_token_id)
+        with kernel_hooks.fused_path(self.target):
+            return graph_decode.generate_ar_graphed(self.target, prompt_ids, max_new_tokens=max_new_tokens,
+                                                    eos_token_id=self.eos_token_id)
 
 
 FUSED_KERNEL = "triton-fused"  # the rmsnorm/rope/mlp kernel attribute the fused-decoder pass sets
@@ -287,18 +316,106 @@ def default_dtype(device: torch.device) -> str:
     return "bfloat16" if device.type == "cuda" else "float32"
 
 
-def build_engine(program: Program, target_dir: Path, drafter_dir: Path, device: torch.device) -> Engine:
+@dataclass(frozen=True)
+class ReplaySetup:
+    """A replay drafter's profile, the benchmark of it, and the seed of its draws."""
+
+    profile: str
+    benchmark: str
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class ShapeModels:
+    """A target built by shape with seeded random weights (N(0, std)), and its replay drafter: the
+    network of `drafter_cfg` (random weights too) overwritten to follow `replay`'s profile. Prompts
+    tokenize with the byte tokenizer of the tiny models (ids 0..257, inside every vocabulary here)."""
+
+    target_cfg: dict  # an HF config.json dict (hf/known.py)
+    drafter_cfg: dict  # the replay network's config: dflash_config or pard_config of the target
+    replay: ReplaySetup
+    seed: int = 0
+    std: float = 0.02
+
+    def tokenizer(self):
+        return build_byte_tokenizer(SPECIAL_TOKENS)
+
+    def target(self, dtype: torch.dtype, device: torch.device) -> tuple[Transformer, ModelConfig]:
+        """The target alone (also the reference token forcing reads: the same seed, no passes)."""
+        cfg = ModelConfig.from_hf(self.target_cfg, "target shape")
+        with torch.device("meta"):
+            model = Transformer(cfg)
+        _random(model, dtype, device, self.seed, self.std)
+        return model.eval().requires_grad_(False), cfg
+
+    def build(self, program: Program, dtype: torch.dtype, device: torch.device):
+        """(target, its config, the replay drafter, its Replay) for `program`."""
+        target, cfg = self.target(dtype, device)
+        plan = ReplayPlan(cfg.max_position_embeddings + 4 * max(64, program.step.one("verify")[1]["q"]), device)
+        dcfg = DrafterConfig.from_hf(self.drafter_cfg, "replay drafter shape")
+        if dcfg.kind == "dflash":
+            with torch.device("meta"):
+                drafter = ReplayDFlash(dcfg, embed=target.embed, head=target.head, plan=plan)
+            _random(drafter, dtype, device, self.seed + 1, self.std)
+            drafter = drafter.eval().requires_grad_(False)
+        else:
+            with torch.device("meta"):
+                model = ReplayCausalLM(dcfg.model, plan)
+            _random(model, dtype, device, self.seed + 1, self.std)
+            drafter = PardDrafter(model=model.eval().requires_grad_(False), mask_token_id=dcfg.mask_token_id,
+                                  k=dcfg.block_size)
+        replay = Replay(plan, replay_distribution(program, self.replay), self.replay.seed,
+                        f"{self.replay.profile}/{self.replay.benchmark}")
+        return target, cfg, drafter, replay
+
+
+def _random(module: nn.Module, dtype: torch.dtype, device: torch.device, seed: int, std: float) -> None:
+    """Materialize `module` (built on the meta device) on `device` in `dtype`, every parameter drawn
+    from N(0, std) by a generator seeded with `seed`, in the module's parameter order."""
+    module.to(dtype=dtype).to_empty(device=device)
+    if isinstance(module, Transformer) and module.cfg.tie_word_embeddings:  # to_empty unties shared weights
+        module.lm_head.weight = module.model.embed_tokens.weight
+    generator = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.normal_(0.0, std, generator=generator)
+
+
+def replay_distribution(program: Program, setup: ReplaySetup) -> AcceptDistribution:
+    """The accept lengths `setup`'s profile gives the program's step: a chain of its drafts, or the
+    best-first tree of its proposal's budget and top-k over them."""
+    draft, propose = program.step.one("draft")[1], program.step.one("propose")[1]
+    drafts = draft["block_size"] - 1 if draft["kind"] == "dflash" else draft["block_size"]
+    profile = load_profile(setup.profile)
+    if propose["shape"] == "tree":
+        return profile.distribution(setup.benchmark, drafts=drafts, budget=propose["budget"],
+                                    topk=propose.get("topk", 4))
+    return profile.distribution(setup.benchmark, drafts=drafts)
+
+
+def build_engine(program: Program, target_dir: Path | None, drafter_dir: Path | None, device: torch.device, *,
+                 shape: ShapeModels | None = None) -> Engine:
+    """The engine of `program` over the checkpoints in `target_dir` / `drafter_dir`, or (`shape`) over
+    a target built by shape with random weights and its replay drafter."""
     dtype = program.attr("dtype")
     compute = TORCH_DTYPES[dtype]
-    target, target_cfg = load_target(target_dir, dtype=compute, device=device)
-    drafter = load_drafter(drafter_dir, target, target_cfg, dtype=compute, device=device)
-    materialize_weights(program.target.items(), target, compute, _stored_u12(target_dir, device))
-    materialize_weights(program.drafter.items(), drafter_root(drafter), compute, _stored_u12(drafter_dir, device))
+    replay, tokenizer = None, None
+    if shape is None:
+        target, target_cfg = load_target(target_dir, dtype=compute, device=device)
+        drafter = load_drafter(drafter_dir, target, target_cfg, dtype=compute, device=device)
+    else:
+        target, target_cfg, drafter, replay = shape.build(program, compute, device)
+        tokenizer = shape.tokenizer()
+    stored = lambda d: _stored_u12(d, device) if d is not None else None  # noqa: E731
+    materialize_weights(program.target.items(), target, compute, stored(target_dir))
+    materialize_weights(program.drafter.items(), drafter_root(drafter), compute, stored(drafter_dir))
     install_attention_kernels(program.target, target, device)
     install_attention_kernels(program.drafter, drafter_root(drafter), device)
-    draft_vocab = install_draft_vocab(program, drafter, target, target_dir, drafter_dir, target_cfg.eos_token_id)
+    draft_vocab = install_draft_vocab(program, drafter, target, target_dir, drafter_dir, target_cfg.eos_token_id,
+                                      tokenizer)
     if fused_stack(program.target):
         kernel_hooks.install(target)
     if fused_stack(program.drafter):
         kernel_hooks.install(drafter_root(drafter))
-    return Engine(program, target, target_cfg, drafter, device, dtype, target_cfg.eos_token_id, draft_vocab)
+    return Engine(program, target, target_cfg, drafter, device, dtype, target_cfg.eos_token_id, draft_vocab,
+                  replay, shape.replay if shape else None)

@@ -45,6 +45,7 @@ class Measurement:
     ar_tokens: list[list[int]] = field(default_factory=list)
     spec_tokens: list[list[int]] = field(default_factory=list)
     accepted: list[int] = field(default_factory=list)
+    spec_accepted: list[list[int]] = field(default_factory=list)  # per prompt: each step's accepted drafts
     ar_decode_s: float = 0.0
     spec_decode_s: float = 0.0
 
@@ -78,17 +79,21 @@ class Measurement:
 def measure(engine, baseline, prompts: list[list[int]], max_new_tokens: int, progress=None) -> Measurement:
     """AR greedy on `baseline` (the stock deployment: no passes) beside `engine`'s speculative
     decoding, prompt by prompt. The baseline keeps the checkpoint's weights and kernels, so what a
-    pass gains on the target's own step (a weight format, a kernel) shows in the speedup."""
+    pass gains on the target's own step (a weight format, a kernel) shows in the speedup. A replay
+    engine (runtime/replay.py) takes each prompt's AR output as the first guess of its plan."""
     m = Measurement(prompts=prompts)
     warm = prompts[0][:8] or [0]
     baseline.generate_ar(warm, 4)
     engine.generate(warm, 4)
     for p in prompts:
         ar = baseline.generate_ar(p, max_new_tokens)
+        if getattr(engine, "replay", None) is not None:
+            engine.replay.suggest(p, ar.tokens)
         sp = engine.generate(p, max_new_tokens)
         m.ar_tokens.append(ar.tokens)
         m.spec_tokens.append(sp.tokens)
         m.accepted += sp.accepted
+        m.spec_accepted.append(list(sp.accepted))
         m.ar_decode_s += ar.decode_s
         m.spec_decode_s += sp.decode_s
         if progress:

@@ -23,6 +23,11 @@ The prefill is eager (its length varies) on the same caches. Token accounting ma
 
 Invariant between steps, as in `decode`: the target's cache holds every committed token except
 the last one (`last`), which is the next verify's first input.
+
+For timing, a speculative runner cuts its step in parts (`parts()`): the drafting, the tree's
+proposal, the verify forward and the whole step, each a function of the runner's state after a
+generation that puts that state back, so a benchmark can capture and replay each alone
+(specpilot/bench/loop.py: the loop's terms).
 """
 
 from __future__ import annotations
@@ -121,6 +126,36 @@ class _Runner:
     def _caches(self) -> list[DeviceKVCache]:
         return [self.t_cache]
 
+    def _state(self) -> list[torch.Tensor]:
+        """What a step rewrites besides cache slots past the lengths: what `parts` puts back."""
+        return [c.length for c in self._caches()] + [self.last, self.out_len, self.status]
+
+    def _parts(self) -> dict[str, Callable[[], object]]:
+        return {}
+
+    def parts(self) -> dict[str, Callable[[], None]]:
+        """The step in parts, for timing: functions of the runner's present state (a generation
+        already run) that each put the state back when done, so a timer may capture and replay them
+        as often as it likes: "restore" (the putting back alone), the parts ("draft", for trees
+        "propose", then "verify") and "step" (the whole step as the loop replays it)."""
+        state = self._state()
+        saved = [t.clone() for t in state]
+
+        def restore() -> None:
+            for t, s in zip(state, saved):
+                t.copy_(s)
+
+        with torch.inference_mode():
+            named = {**self._parts(), "step": self._step}
+            restore()  # a part may have run once to fix its inputs (a tree's)
+        out: dict[str, Callable[[], None]] = {"restore": restore}
+        for name, fn in named.items():
+            def run(fn=fn) -> None:
+                fn()
+                restore()
+            out[name] = run
+        return out
+
     def _capture(self) -> None:
         if self.step is None:
             with torch.inference_mode():
@@ -212,6 +247,14 @@ class GraphedDFlash(_Runner):
     def _caches(self) -> list[DeviceKVCache]:
         return [self.t_cache, self.d_cache]
 
+    def _state(self) -> list[torch.Tensor]:
+        return super()._state() + [self.context, self.context_count]
+
+    def _parts(self) -> dict[str, Callable[[], object]]:
+        drafts = torch.zeros(self.block - 1, dtype=torch.long, device=self.device)  # a verify's cost holds for any tokens
+        return {"draft": lambda: self._draft().argmax(-1),
+                "verify": lambda: self.target(torch.cat([self.last, drafts])[None], self.t_cache, hidden_layers=self.layers)}
+
     def _reset(self) -> None:
         super()._reset()
         self.context_count.zero_()
@@ -261,6 +304,14 @@ class GraphedPard(_Runner):
 
     def _caches(self) -> list[DeviceKVCache]:
         return [self.t_cache, self.d_cache]
+
+    def _state(self) -> list[torch.Tensor]:
+        return super()._state() + [self.fresh, self.fresh_count]
+
+    def _parts(self) -> dict[str, Callable[[], object]]:
+        drafts = torch.zeros(self.k, dtype=torch.long, device=self.device)
+        return {"draft": lambda: self._draft().argmax(-1),
+                "verify": lambda: self.target(torch.cat([self.last, drafts])[None], self.t_cache)}
 
     def _reset(self) -> None:
         super()._reset()
@@ -423,11 +474,25 @@ class _TreeSteps:
         self.positions, self.budget, self.topk = positions, budget, topk
         self.build = build or best_first_tree_padded
 
-    def _step(self) -> None:
-        logits = self._draft()
+    def _propose(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The drafter's logits [D, V] -> the tree (parent, depth, token) and its ancestor mask."""
         logp, ids = torch.log_softmax(logits.float(), dim=-1).topk(min(self.topk, logits.shape[-1]), dim=-1)
         parent, depth, token, _ = self.build(logp, ids, self.last, self.budget)
-        ancestors = ancestor_mask_static(parent, self.positions)
+        return parent, depth, token, ancestor_mask_static(parent, self.positions)
+
+    def _parts(self) -> dict[str, Callable[[], object]]:
+        logits = self._draft()  # one drafting fixes the proposal's input and the verified tree
+        parent, depth, token, ancestors = self._propose(logits)
+
+        def verify() -> None:
+            start = self.t_cache.length
+            self.target(token[None], self.t_cache, mask=ancestors, positions=(start + depth)[None],
+                        positions_in_cache=True, hidden_layers=self.layers)
+
+        return {"draft": self._draft, "propose": lambda: self._propose(logits), "verify": verify}
+
+    def _step(self) -> None:
+        parent, depth, token, ancestors = self._propose(self._draft())
         start = self.t_cache.length.clone()
         out = self.target(token[None], self.t_cache, mask=ancestors, positions=(start + depth)[None],
                           positions_in_cache=True, hidden_layers=self.layers)
