@@ -175,6 +175,26 @@ def _cost_view(cls) -> str:
     return f"predicted: closes {cls.closes}"
 
 
+@main.command("profiles")
+def profiles_cmd():
+    """List the acceptance profiles a replay drafter draws from, with their τ and sources."""
+    from .profiles import load_profile, profile_names
+
+    table = Table(title="acceptance profiles (specpilot/profiles/data)")
+    for col in ("name", "method", "target", "block", "status", "τ by benchmark", "source"):
+        table.add_column(col)
+    for name in profile_names():
+        p = load_profile(name)
+        if not p.usable:
+            taus = "(not entered)"
+        elif p.base is not None:
+            taus = f"modeled from {p.base.name} by tree budget"
+        else:
+            taus = ", ".join(f"{b} {t:.2f}" for b, t in p.taus.items())
+        table.add_row(name, p.method, p.target, str(p.block_size), p.status, taus, f"arXiv {p.source.arxiv}")
+    console.print(table)
+
+
 def _first_line(cls) -> str:
     """A pass's own docstring, else its module's (dataclasses invent a signature docstring)."""
     doc = cls.__doc__ or ""

@@ -276,16 +276,11 @@ def cost_prediction(program: Program, gpu: str, tau: float, engine: Engine) -> d
     """The cost model's ms/token of the AR baseline and of the engine on the spec's GPU, at the
     acceptance the engine runs at: a replay engine's profile, else the τ measured here. Compiles of
     a target by shape report it beside the measured ms/token."""
-    from .cost import AcceptanceModel, Workload, explain
+    from .cost import Workload, explain
     from .cost.gaps import draft_positions
-    from .profiles import load_profile
 
     if engine.replay_setup is not None:
-        setup = engine.replay_setup
-        alpha = load_profile(setup.profile).alpha(setup.benchmark)
-        acceptance = AcceptanceModel.geometric(alpha, draft_positions(program), "predicted",
-                                               f"profile {setup.profile}/{setup.benchmark}")
-        workload = Workload(acceptance=acceptance)
+        workload = Workload(acceptance=profile_acceptance(program, engine.replay_setup))
     else:
         workload = Workload(tau=max(1.0, min(tau, draft_positions(program) + 1.0)))
     est = explain(program, gpu, workload)
@@ -510,4 +505,20 @@ def explain_pipeline(spec: PipelineSpec, *, passes: str | None = None, tau: floa
     from .cost import Workload, explain
 
     program = explained_program(spec, passes)
-    return explain(program, spec.gpu, Workload(tau=tau), results=None if results is None else [str(r) for r in results], what_ifs=what_ifs)
+    workload = Workload(tau=tau)
+    if tau is None and spec.target_shape is not None:  # a replay drafter: the acceptance its profile publishes
+        workload = Workload(acceptance=profile_acceptance(program, shape_models(spec).replay))
+    return explain(program, spec.gpu, workload, results=None if results is None else [str(r) for r in results],
+                   what_ifs=what_ifs)
+
+
+def profile_acceptance(program: Program, replay: ReplaySetup):
+    """The cost model's acceptance of a replay drafter: its profile's per-position alpha over the
+    program's draft positions (the model the profile file states)."""
+    from .cost import AcceptanceModel
+    from .cost.gaps import draft_positions
+    from .profiles import load_profile
+
+    alpha = load_profile(replay.profile).alpha(replay.benchmark)
+    return AcceptanceModel.geometric(alpha, draft_positions(program), "predicted",
+                                     f"profile {replay.profile}/{replay.benchmark}: alpha={alpha:.4f}")

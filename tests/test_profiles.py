@@ -94,3 +94,18 @@ def test_draws_follow_their_distribution_within_the_low_discrepancy_bound(name, 
 def test_a_distribution_rejects_a_survival_function_that_rises():
     with pytest.raises(ValueError):
         AcceptDistribution((0.5, 0.7))
+
+
+def test_the_profiles_command_lists_each_profile_with_its_status_and_source(monkeypatch):
+    from click.testing import CliRunner
+    from rich.console import Console
+
+    from specpilot import cli
+
+    monkeypatch.setattr(cli, "console", Console(width=240))  # a row a profile, whatever the terminal
+    r = CliRunner().invoke(cli.main, ["profiles"])
+    assert r.exit_code == 0, r.output
+    for name in profile_names():
+        p = load_profile(name)
+        assert name in r.output and p.source.arxiv in r.output and p.status in r.output
+    assert "humaneval 6.50" in r.output and "(not entered)" in r.output
