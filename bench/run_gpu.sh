@@ -266,7 +266,7 @@ trees() {
     --repeats 1 --graphs --fused --out "$OUT" --tag fused
 }
 replay() {  # replay PROFILE VARIANTS TAG: bench.e2e.replay over one profile's rows (a command's worth, ~5 minutes)
-  TAIL=40 run "replay_$3" 580 python -m bench.e2e.replay --profile "$1" --benchmark humaneval --variants "$2" \
+  TAIL=40 run "replay_$3" 560 python -m bench.e2e.replay --profile "$1" --benchmark humaneval --variants "$2" \
     --out "$OUT" --tag "$3"
 }
 tau() { run zoo_tau 100 python -m bench.e2e.zoo_tau --num-prompts 8 --device cuda --passes cuda-graphs --out "$OUT"; }
