@@ -124,7 +124,7 @@ def bench_profile(args, profile_name: str, device: torch.device, dtype: str) -> 
     variants = dict(VARIANTS)
     if args.smoke:  # the tiny vocabulary (300) and a corpus that needs no stdlib scan
         variants = {k: v.replace("size=32768", f"size=128, corpus=\"{args.smoke_corpus}\"") for k, v in VARIANTS.items()}
-    rows, skipped, guesses = [], [], list(ar_outputs)
+    rows, skipped, failed, guesses = [], [], [], list(ar_outputs)
     for variant in args.variants.split(","):
         programs = {}
         for config in args.configs.split(","):
@@ -142,7 +142,12 @@ def bench_profile(args, profile_name: str, device: torch.device, dtype: str) -> 
                 raise SystemExit(f"{pipeline}: its model graphs differ from {programs[args.configs.split(',')[0]][0]}'s: "
                                  "one engine cannot serve both")
             eng = engine.with_program(program)
-            r = run_config(eng, prompts, guesses, n)
+            try:
+                r = run_config(eng, prompts, guesses, n)
+            except RuntimeError as e:  # a configuration that fails (a graph capture, a kernel) is recorded; the rest run
+                failed.append({"config": f"{config}/{variant}", "error": str(e).splitlines()[0][:300]})
+                print(f"{profile_name}/{benchmark} {config:8} {variant:10} FAILED: {failed[-1]['error']}", flush=True)
+                continue
             gens = r.pop("gens")
             check = forced(baseline.target, baseline.target_cfg, prompts, [g.tokens for g in gens], dtype)
             terms = loop_terms(eng, prompts[0], r["loop_step_ms"], context_tokens=min(64, n // 2),
@@ -180,7 +185,7 @@ def bench_profile(args, profile_name: str, device: torch.device, dtype: str) -> 
     info = {"profile": profile_name, "benchmark": benchmark, "profile_status": profile.status,
             "profile_source": profile.source.cite(), "target_shape": shape, "drafter_shape": profile.drafter,
             "ar_ms_per_token_before": ar_before, "ar_ms_per_token_after": ar_after, "prompts": args.prompts,
-            "skipped_over_budget": skipped,
+            "skipped_over_budget": skipped, "failed": failed,
             "num_prompts": len(prompts), "max_new_tokens": n, "dtype": dtype,
             "baseline": "stock target (bf16, no passes) in graph_decode's AR loop over the fused decoder stack "
                         "(Engine.generate_ar on a GPU)"}
