@@ -4,7 +4,9 @@ Every loop is lossless: its output equals AR greedy token for token (the tests c
 In bf16 the verify forward (q = k+1) and AR's (q = 1) round differently, so exact near-ties of the
 bf16 logits can flip: on the tiny models, 8 of 40 bf16 runs of 48 tokens diverged on CUDA, and every
 divergence checked on CPU had a teacher-forced margin of 0 or 1 bf16 ulp. Token forcing
-(specpilot.validate) reports such benign near-ties. One speculative step is draft -> verify -> accept -> commit:
+(specpilot.validate) reports such benign near-ties. With `sampling` at temperature > 0 the loops sample
+instead, losslessly in distribution (sampling.py: drafts drawn from the drafter's q, rejection
+sampling at accept). One speculative step is draft -> verify -> accept -> commit:
 
   draft    the drafter proposes k tokens in one forward;
   verify   the target runs [last committed token, d1..dk] in one forward (q = k+1);
@@ -33,6 +35,7 @@ import torch
 from specpilot.runtime.cache import KVCache
 from specpilot.runtime.dflash import DFlashDrafter
 from specpilot.runtime.model import PardDrafter, Transformer
+from specpilot.runtime.sampling import GREEDY, SamplingParams, StepRandom, accept_chain, draft_chain, sample_first
 
 
 @dataclass
@@ -110,9 +113,12 @@ def check_max_new(max_new_tokens: int) -> None:
 
 
 def generate_ar(
-    target: Transformer, prompt_ids: Sequence[int] | torch.Tensor, *, max_new_tokens: int, eos_token_id: int | None
+    target: Transformer, prompt_ids: Sequence[int] | torch.Tensor, *, max_new_tokens: int, eos_token_id: int | None,
+    sampling: SamplingParams = GREEDY,
 ) -> Generation:
-    """Greedy autoregressive decoding with the static KV cache: prefill, then one token per step."""
+    """Autoregressive decoding with the static KV cache: prefill, then one token per step; greedy, or
+    drawn from p = top_p(softmax(logits / T)) when `sampling` says (the distribution every sampled
+    speculative loop must keep)."""
     check_max_new(max_new_tokens)
     target.eval()
     clock = DecodeClock(target.device)
@@ -122,13 +128,22 @@ def generate_ar(
     with torch.inference_mode():
         prompt = prompt_tensor(prompt_ids, target.device)
         cache = target.new_cache(1, prompt.shape[1] + max_new_tokens)
+        rng = None if sampling.greedy else StepRandom.for_seed(sampling.seed, target.device)
+
+        def choose(logits: torch.Tensor) -> torch.Tensor:  # logits [1, V] -> token [1, 1]
+            if rng is None:
+                return logits.argmax(-1, keepdim=True)
+            token = sample_first(logits[0], sampling, rng)[None]
+            rng.advance()
+            return token
+
         t0 = clock()
-        token = target(prompt, cache, only_last=True).logits[:, -1].argmax(-1, keepdim=True)
+        token = choose(target(prompt, cache, only_last=True).logits[:, -1])
         out.extend(token[0].tolist())
         t1 = clock()
         steps = 0
         while not out.done:
-            token = target(token, cache).logits[:, -1].argmax(-1, keepdim=True)
+            token = choose(target(token, cache).logits[:, -1])
             out.extend(token[0].tolist())
             steps += 1
         t2 = clock()
@@ -139,9 +154,17 @@ def verify_chain(
     target: Transformer, cache: KVCache, last_token: int, drafts: torch.Tensor, hidden_layers: tuple[int, ...] = ()
 ) -> tuple[list[int], torch.Tensor | None]:
     """Target forward over [last_token, d1..dk]: (argmax at each of the k+1 positions, hidden states)."""
+    logits, hidden = verify_chain_logits(target, cache, last_token, drafts, hidden_layers)
+    return logits.argmax(-1).tolist(), hidden
+
+
+def verify_chain_logits(
+    target: Transformer, cache: KVCache, last_token: int, drafts: torch.Tensor, hidden_layers: tuple[int, ...] = ()
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Target forward over [last_token, d1..dk]: (logits [k+1, V], hidden states)."""
     ids = torch.cat([drafts.new_tensor([last_token]), drafts])[None]
     out = target(ids, cache, hidden_layers=hidden_layers)
-    return out.logits[0].argmax(-1).tolist(), out.hidden
+    return out.logits[0], out.hidden
 
 
 def _commit(
@@ -154,6 +177,46 @@ def _commit(
     return n, span
 
 
+class ChainStep:
+    """draft choice -> verify -> accept of one chain step, greedy or sampled (`sampling`)."""
+
+    def __init__(self, sampling: SamplingParams, device: torch.device) -> None:
+        self.sampling = sampling
+        self.rng = None if sampling.greedy else StepRandom.for_seed(sampling.seed, device)
+        self.q: torch.Tensor | None = None
+
+    def first(self, logits: torch.Tensor) -> int:
+        """The token after the prompt from the prefill's last logits [V]."""
+        if self.rng is None:
+            return int(logits.argmax())
+        token = int(sample_first(logits, self.sampling, self.rng)[0])
+        self.rng.advance()
+        return token
+
+    def drafts(self, draft_logits: torch.Tensor) -> torch.Tensor:
+        """The drafter's logits [k, V] -> k drafts: argmax, or drawn from each position's q."""
+        if self.rng is None:
+            return draft_logits.argmax(-1)
+        drafts, self.q = draft_chain(draft_logits, self.sampling, self.rng)
+        return drafts
+
+    def verify(self, target: Transformer, cache: KVCache, out: OutputTokens, accepted: list[int], last: int,
+               drafts: torch.Tensor, hidden_layers: tuple[int, ...] = ()) -> tuple[int, list[int], torch.Tensor | None]:
+        """Verify and accept `drafts` (on the target's device); appends to `out` and `accepted`.
+        Returns (n accepted, committed span, hidden states)."""
+        if self.rng is None:
+            target_argmax, hidden = verify_chain(target, cache, last, drafts, hidden_layers)
+            n, span = _commit(out, accepted, drafts.tolist(), target_argmax)
+            return n, span, hidden
+        logits, hidden = verify_chain_logits(target, cache, last, drafts, hidden_layers)
+        n_t, span_t = accept_chain(drafts, self.q.to(logits.device), logits, self.sampling, self.rng)
+        self.rng.advance()
+        n = int(n_t)
+        span = span_t[: n + 1].tolist()
+        accepted.append(out.extend(span) - 1)
+        return n, span, hidden
+
+
 def generate_pard(
     target: Transformer,
     drafter: Transformer | PardDrafter,
@@ -163,8 +226,9 @@ def generate_pard(
     mask_token_id: int,
     max_new_tokens: int,
     eos_token_id: int | None,
+    sampling: SamplingParams = GREEDY,
 ) -> Generation:
-    """PARD-style speculative decoding (greedy, lossless).
+    """PARD-style speculative decoding (lossless: greedy, or sampled by `sampling`).
 
     The drafter is a causal LM with its own KV cache of committed tokens. Each step it runs
     [committed tokens not yet in its cache] + [mask x (k-1)] in one forward: the logits at the last
@@ -187,11 +251,12 @@ def generate_pard(
         t_cache = target.new_cache(1, capacity)
         d_cache = draft_model.new_cache(1, capacity)
         t0 = clock()
-        first = target(prompt, t_cache, only_last=True).logits[0, -1].argmax()
+        step = ChainStep(sampling, target.device)
+        first = step.first(target(prompt, t_cache, only_last=True).logits[0, -1])
         draft_model(prompt.to(draft_model.device), d_cache, only_last=True)
         seq = prompt[0].tolist()
-        out.extend([int(first)])
-        seq.append(int(first))
+        out.extend([first])
+        seq.append(first)
         t1 = clock()
         masks = [mask_token_id] * (k - 1)
         while not out.done:
@@ -199,12 +264,11 @@ def generate_pard(
             fresh = seq[d_cache.length :]
             ids = torch.tensor([fresh + masks], dtype=torch.long, device=draft_model.device)
             logits = draft_model(ids, d_cache).logits[0, len(fresh) - 1 :]
-            drafts = logits.argmax(-1).to(target.device)
+            drafts = step.drafts(logits).to(target.device)
             d_cache.rollback(len(seq))
             # verify, accept, commit
             start = t_cache.length
-            target_argmax, _ = verify_chain(target, t_cache, seq[-1], drafts)
-            n, span = _commit(out, accepted, drafts.tolist(), target_argmax)
+            n, span, _ = step.verify(target, t_cache, out, accepted, seq[-1], drafts)
             t_cache.rollback(start + 1 + n)
             seq.extend(span)
         t2 = clock()
@@ -220,8 +284,9 @@ def generate_dflash(
     mask_token_id: int,
     max_new_tokens: int,
     eos_token_id: int | None,
+    sampling: SamplingParams = GREEDY,
 ) -> Generation:
-    """DFlash-style speculative decoding (greedy, lossless).
+    """DFlash-style speculative decoding (lossless: greedy, or sampled by `sampling`).
 
     The target's prefill and every verify also return hidden states at drafter.target_layer_ids.
     The drafter keeps the accepted positions' features as context (context-only KV) and drafts
@@ -244,8 +309,9 @@ def generate_dflash(
         t_cache = target.new_cache(1, capacity)
         d_cache = drafter.new_cache(1, capacity)
         t0 = clock()
+        step = ChainStep(sampling, target.device)
         pre = target(prompt, t_cache, hidden_layers=layers, only_last=True)
-        first = int(pre.logits[0, -1].argmax())
+        first = step.first(pre.logits[0, -1])
         drafter.add_context(pre.hidden, d_cache)
         new_context = pre.hidden[:, :0]
         seq = prompt[0].tolist()
@@ -255,10 +321,9 @@ def generate_dflash(
         masks = [mask_token_id] * (block_size - 1)
         while not out.done:
             block = torch.tensor([[seq[-1]] + masks], dtype=torch.long, device=target.device)
-            drafts = drafter(block, new_context, d_cache)[0].argmax(-1)
+            drafts = step.drafts(drafter(block, new_context, d_cache)[0])
             start = t_cache.length
-            target_argmax, hidden = verify_chain(target, t_cache, seq[-1], drafts, layers)
-            n, span = _commit(out, accepted, drafts.tolist(), target_argmax)
+            n, span, hidden = step.verify(target, t_cache, out, accepted, seq[-1], drafts, layers)
             t_cache.rollback(start + 1 + n)
             new_context = hidden[:, : n + 1]  # the last committed token and the accepted drafts
             seq.extend(span)

@@ -14,6 +14,9 @@ One step is draft -> propose -> verify -> accept -> commit, as for chains (decod
 Lossless: every accepted token is the target's greedy choice given the committed prefix, since a
 node's logits see exactly its ancestors at their sequence positions (the tests check the output
 against AR greedy in fp32 and, for DFlash, the context features against a linear forward).
+Sampled (`sampling` at temperature > 0; sampling.py, docs/SAMPLING.md): the tree stays the
+drafter's top-k tree; every node gets one independent draw from the target's p at that node, and
+acceptance follows the draws where greedy follows the argmax: lossless in distribution.
 Accounting is decode.py's: Generation.accepted[i] = drafts accepted in step i (bonus excluded,
 cut at EOS / max_new_tokens), so τ compares directly with the chain loops.
 The DFlash drafter's next context is the target's hidden states at the accepted path's nodes.
@@ -29,6 +32,7 @@ from specpilot.runtime.cache import KVCache
 from specpilot.runtime.decode import Generation, OutputTokens, check_max_new, DecodeClock, prompt_tensor
 from specpilot.runtime.dflash import DFlashDrafter
 from specpilot.runtime.model import PardDrafter, Transformer
+from specpilot.runtime.sampling import GREEDY, SamplingParams, StepRandom, sample_first, tree_draws
 from specpilot.runtime.tree import TREE_SHAPES, Tree, accept_tree, ancestor_mask, compact_kv, draft_topk
 
 
@@ -37,11 +41,19 @@ def verify_tree(
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """Target forward over the tree's nodes after the cache's prefix: (argmax [n], hidden
     [1, n, ...] or None, ancestor mask [n, n]). The nodes' K/V land in slots [length, +n)."""
+    logits, hidden, mask = verify_tree_logits(target, cache, tree, hidden_layers)
+    return logits.argmax(-1), hidden, mask
+
+
+def verify_tree_logits(
+    target: Transformer, cache: KVCache, tree: Tree, hidden_layers: tuple[int, ...] = ()
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """`verify_tree` with the logits [n, V] in place of their argmax."""
     mask = ancestor_mask(tree)
     positions = (cache.length + tree.depth)[None]
     out = target(tree.token[None], cache, mask=mask, positions=positions, positions_in_cache=True,
                  hidden_layers=hidden_layers)
-    return out.logits[0].argmax(-1), out.hidden, mask
+    return out.logits[0], out.hidden, mask
 
 
 def propose_tree(draft_logits: torch.Tensor, anchor: int, *, budget: int, topk: int, shape: str,
@@ -55,17 +67,34 @@ def propose_tree(draft_logits: torch.Tensor, anchor: int, *, budget: int, topk: 
 
 
 class _TreeStep:
-    """verify -> accept -> commit on the target, shared by both drafter kinds."""
+    """verify -> accept -> commit on the target, shared by both drafter kinds; greedy, or following
+    one draw from p a node when `sampling` samples."""
 
-    def __init__(self, target: Transformer, cache: KVCache, out: OutputTokens, layers: tuple[int, ...] = ()):
+    def __init__(self, target: Transformer, cache: KVCache, out: OutputTokens, layers: tuple[int, ...] = (),
+                 sampling: SamplingParams = GREEDY):
         self.target, self.cache, self.out, self.layers = target, cache, out, layers
         self.accepted: list[int] = []
+        self.sampling = sampling
+        self.rng = None if sampling.greedy else StepRandom.for_seed(sampling.seed, target.device)
+
+    def first(self, logits: torch.Tensor) -> int:
+        """The token after the prompt from the prefill's last logits [V]."""
+        if self.rng is None:
+            return int(logits.argmax())
+        token = int(sample_first(logits, self.sampling, self.rng)[0])
+        self.rng.advance()
+        return token
 
     def __call__(self, tree: Tree) -> tuple[list[int], torch.Tensor | None]:
         """Returns (committed span: accepted drafts + bonus, hidden states of the path's nodes)."""
         start = self.cache.length
-        argmax, hidden, mask = verify_tree(self.target, self.cache, tree, self.layers)
-        path, bonus = accept_tree(tree, argmax, mask)
+        logits, hidden, mask = verify_tree_logits(self.target, self.cache, tree, self.layers)
+        if self.rng is None:
+            choice = logits.argmax(-1)
+        else:
+            choice = tree_draws(logits, self.sampling, self.rng)
+            self.rng.advance()
+        path, bonus = accept_tree(tree, choice, mask)
         tokens = tree.token[path].tolist()
         span = tokens[1:] + [bonus]
         self.accepted.append(self.out.extend(span) - 1)
@@ -93,6 +122,7 @@ def generate_dflash_tree(
     max_new_tokens: int,
     eos_token_id: int | None,
     shape: str = "best-first",
+    sampling: SamplingParams = GREEDY,
 ) -> Generation:
     """DFlash-style drafting (block_size-1 positions per block) verified as a tree of `budget` nodes."""
     check_max_new(max_new_tokens)
@@ -110,10 +140,10 @@ def generate_dflash_tree(
         prompt = prompt_tensor(prompt_ids, target.device)
         t_cache = target.new_cache(1, prompt.shape[1] + max_new_tokens + budget + 1)
         d_cache = drafter.new_cache(1, prompt.shape[1] + max_new_tokens + block_size + 1)
-        step = _TreeStep(target, t_cache, out, layers)
+        step = _TreeStep(target, t_cache, out, layers, sampling)
         t0 = clock()
         pre = target(prompt, t_cache, hidden_layers=layers, only_last=True)
-        first = int(pre.logits[0, -1].argmax())
+        first = step.first(pre.logits[0, -1])
         drafter.add_context(pre.hidden, d_cache)
         new_context = pre.hidden[:, :0]
         last = first
@@ -143,6 +173,7 @@ def generate_pard_tree(
     max_new_tokens: int,
     eos_token_id: int | None,
     shape: str = "best-first",
+    sampling: SamplingParams = GREEDY,
 ) -> Generation:
     """PARD-style drafting (k positions per forward, see decode.generate_pard) verified as a tree."""
     check_max_new(max_new_tokens)
@@ -160,9 +191,9 @@ def generate_pard_tree(
         prompt = prompt_tensor(prompt_ids, target.device)
         t_cache = target.new_cache(1, prompt.shape[1] + max_new_tokens + budget + 1)
         d_cache = draft_model.new_cache(1, prompt.shape[1] + max_new_tokens + k + 1)
-        step = _TreeStep(target, t_cache, out)
+        step = _TreeStep(target, t_cache, out, sampling=sampling)
         t0 = clock()
-        first = int(target(prompt, t_cache, only_last=True).logits[0, -1].argmax())
+        first = step.first(target(prompt, t_cache, only_last=True).logits[0, -1])
         draft_model(prompt.to(draft_model.device), d_cache, only_last=True)
         seq = prompt[0].tolist()
         out.extend([first])
