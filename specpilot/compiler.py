@@ -23,7 +23,7 @@ from .bench.harness import Measurement, environment, measure
 from .bench.prompts import load_prompts
 from .dsl import load_rules, parse_pipeline
 from .dsl.pipeline import pass_names
-from .errors import CheckpointError, PipelineError, SpecError, UnpricedError
+from .errors import CheckpointError, EngineError, PipelineError, SpecError, UnpricedError
 from .hf.checkpoint import CONFIG, check_layer_count, read_config, read_header, weight_files
 from .hf.known import dflash_config, model_config, pard_config
 from .ir import MATMUL_OPS, Program, limits, lower, print_program
@@ -202,6 +202,25 @@ def write_cost_view(program: Program, gpu: str, tau: float, report: dict, root: 
         return
     report["cost_model"] = estimate.to_dict()
     plot_gaps(estimate, root / "explain.png")
+
+
+def write_trtllm(root: Path, dirs: ModelDirs, engine: Engine, program: Program, prompts: list[list[int]],
+                 spec: PipelineSpec) -> dict:
+    """The TensorRT-LLM artifacts (backends/trtllm.py) under root/trtllm, read back and token-forced
+    against the unmodified target; an EngineError (nothing written) when that fails."""
+    from .backends import trtllm
+    from .backends.torch_backend import TORCH_DTYPES
+
+    out = root / trtllm.TRTLLM_DIR
+    draft = program.step.one("draft")[1]
+    info = trtllm.write_artifacts(out, dirs.target, dirs.drafter, block_size=draft["block_size"])
+    reference = trtllm.reference_target(dirs.target, dtype=TORCH_DTYPES[engine.dtype], device=engine.device)
+    check = trtllm.check_checkpoint(out, reference, prompts, max_new_tokens=spec.serving.max_new_tokens,
+                                    eos_token_id=engine.target_cfg.eos_token_id, k=draft["block_size"],
+                                    mask_token_id=info["speculative_config"]["mask_token_id"], dtype=engine.dtype)
+    if not check.passed:
+        raise EngineError(f"{out}: the TensorRT-LLM checkpoint read back fails token forcing ({check.summary()})")
+    return {**info, "read_back_token_forcing": check.summary()}
 
 
 def save_pass_artifacts(engine: Engine, root: Path, weights: bool = True) -> None:
@@ -411,6 +430,8 @@ def compile_pipeline(spec: PipelineSpec, *, out_dir: Path | None, passes: str | 
                 copy_checkpoint(dirs.target, tmp / "target")
                 copy_checkpoint(dirs.drafter, tmp / "drafter")
             save_pass_artifacts(engine, tmp, weights=dirs.shape is None)
+            if spec.backend == "trtllm":
+                report["trtllm"] = write_trtllm(tmp, dirs, engine, program, prompts, spec)
             write_cost_view(program, spec.gpu, m.tau, report, tmp)
             (tmp / "validation.json").write_text(json.dumps(validation.to_dict(), indent=2) + "\n")
             (tmp / "report.json").write_text(json.dumps(report, indent=2) + "\n")

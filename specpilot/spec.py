@@ -22,6 +22,7 @@
     plugins: [my_passes.py]         # optional Python plugins (trusted code, imported): local module
                                     # files, or installed plugin distributions by name
     dtype: auto                     # auto (bf16 on a GPU, fp32 on CPU) | float32 | bfloat16
+    backend: torch                  # torch | trtllm (also writes TensorRT-LLM artifacts: PARD drafters only)
 
 Every error names the file, the field and what was expected. Relative paths are taken relative
 to the directory of the YAML file. `name` names the default engine directory (engines/NAME), so
@@ -45,6 +46,7 @@ from .profiles import DRAFTER_SHAPES, ProfileError, load_profile, profile_names
 DRAFTER_KINDS = ("dflash", "pard", "replay")
 TARGET_WEIGHTS = ("random",)  # a target given by shape: N(0, 0.02) weights built on the device, seeded
 DTYPES = ("auto", "float32", "bfloat16")  # auto: bf16 on a GPU, fp32 on CPU
+BACKENDS = ("torch", "trtllm")  # trtllm: the torch engine plus TensorRT-LLM artifacts (backends/trtllm.py)
 BUILTIN_PREFIX = "builtin:"
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")  # one path component, never "." or ".."
 
@@ -102,6 +104,7 @@ class PipelineSpec:
     plugins: tuple[str, ...] = ()
     dtype: str = "auto"
     target_shape: ShapeTarget | None = None  # set when `target` names a shape (then `target` is its name)
+    backend: str = "torch"
 
     def with_gpu(self, gpu: str | None, where: str = "--gpu") -> "PipelineSpec":
         """The spec for another GPU (its database name; `where` names the source in an error)."""
@@ -125,6 +128,7 @@ class PipelineSpec:
             "rules": list(self.rules),
             "plugins": list(self.plugins),
             "dtype": self.dtype,
+            **({"backend": self.backend} if self.backend != "torch" else {}),
         }
 
 
@@ -236,6 +240,10 @@ def parse_spec(data: Any, source: str) -> PipelineSpec:
     plugins = r.get("plugins", list, "a list of plugins: local module files (.py) or installed plugin names",
                     default=[], check=lambda v: all(isinstance(x, str) and x for x in v))
     dtype = r.get("dtype", str, f"one of {', '.join(DTYPES)}", default="auto", check=lambda v: v in DTYPES)
+    backend = r.get("backend", str, f"one of {', '.join(BACKENDS)}", default="torch", check=lambda v: v in BACKENDS)
+    if backend == "trtllm" and (drafter.kind != "pard" or target_shape is not None):
+        raise r.fail("backend", "'torch' for this drafter: 'trtllm' writes TensorRT-LLM's PARD decoding, so it needs a "
+                     "pard drafter and a target read from a model directory", backend)
     r.finish()
     base = Path(source).parent
     return PipelineSpec(
@@ -251,6 +259,7 @@ def parse_spec(data: Any, source: str) -> PipelineSpec:
         plugins=tuple(_resolve(x, base) if x.endswith(".py") else x for x in plugins),
         dtype=dtype,
         target_shape=target_shape,
+        backend=backend,
     )
 
 
