@@ -18,6 +18,11 @@ static node budget, built by the builder a backend installs (one Triton program 
 host heap of tree.py by default) -> one verify forward under the ancestor mask -> `accept_tree_on_device`
 -> KV compaction by device indices; the same trees and acceptances as tree_decode.py.
 
+Sampling (a runner built with `sampling` at temperature > 0, sampling.py): drafts drawn from the
+drafter's q and rejection sampling for chains, one draw from p a node for trees, all on the device
+with the counter-based uniforms (the step counter a device tensor, the seed put in per generation),
+so a sampled step is one graph replay as a greedy one is.
+
 The prefill is eager (its length varies) on the same caches. Token accounting matches `decode`
 (`Generation`), reconstructed at the end from the per-step accepted counts.
 
@@ -42,6 +47,8 @@ from specpilot.runtime.cache import DeviceKVCache
 from specpilot.runtime.decode import Generation, OutputTokens, check_max_new, DecodeClock, prompt_tensor
 from specpilot.runtime.dflash import DFlashDrafter
 from specpilot.runtime.model import Attention, PardDrafter, Transformer
+from specpilot.runtime.sampling import (GREEDY, SamplingParams, StepRandom, accept_chain, draft_chain, sample_first,
+                                        tree_draws)
 from specpilot.runtime.tree import best_first_tree_padded
 
 # Capacity buckets: a runner (and its graphs) serves every request that fits.
@@ -98,8 +105,10 @@ class _Runner:
     layers: tuple[int, ...] = ()  # target layers whose hidden states the drafter reads
 
     def __init__(self, target: Transformer, capacity: int, block: int, eos_token_id: int | None,
-                 extra_slots: int = 0) -> None:
+                 extra_slots: int = 0, sampling: SamplingParams = GREEDY) -> None:
         self.target = target
+        self.sampling = sampling
+        self.rng = None if sampling.greedy else StepRandom.for_seed(sampling.seed, target.device)
         self.device = target.device
         self.capacity = capacity
         self.block = block  # tokens a step may commit, at most
@@ -126,9 +135,33 @@ class _Runner:
     def _caches(self) -> list[DeviceKVCache]:
         return [self.t_cache]
 
+    def _first(self, logits: torch.Tensor) -> int:
+        """The token after the prompt from the prefill's last logits [V] (eager)."""
+        if self.rng is None:
+            return int(logits.argmax())
+        token = int(sample_first(logits, self.sampling, self.rng)[0])
+        self.rng.advance()
+        return token
+
+    def _drafts(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The drafter's logits [k, V] -> (drafts, q): argmax, or drawn from each position's q."""
+        if self.rng is None:
+            return logits.argmax(-1), None
+        return draft_chain(logits, self.sampling, self.rng)
+
+    def _accept_chain(self, drafts: torch.Tensor, q: torch.Tensor | None,
+                      logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(n, span) of a chain: greedy prefix match, or rejection sampling."""
+        if self.rng is None:
+            return accept_on_device(drafts, logits.argmax(-1))
+        n, span = accept_chain(drafts, q, logits, self.sampling, self.rng)
+        self.rng.advance()
+        return n, span
+
     def _state(self) -> list[torch.Tensor]:
         """What a step rewrites besides cache slots past the lengths: what `parts` puts back."""
-        return [c.length for c in self._caches()] + [self.last, self.out_len, self.status]
+        return [c.length for c in self._caches()] + [self.last, self.out_len, self.status] + (
+            [self.rng.step] if self.rng is not None else [])
 
     def _parts(self) -> dict[str, Callable[[], object]]:
         return {}
@@ -167,7 +200,8 @@ class _Runner:
         self.out_len.zero_()
         self.status.zero_()
 
-    def generate(self, prompt_ids, *, max_new_tokens: int, eos_token_id: int | None) -> Generation:
+    def generate(self, prompt_ids, *, max_new_tokens: int, eos_token_id: int | None, seed: int = 0) -> Generation:
+        """One generation; `seed` seeds a sampling runner's draws (ignored when greedy)."""
         check_max_new(max_new_tokens)
         if (-1 if eos_token_id is None else eos_token_id) != self.eos:
             raise ValueError(f"this runner was built for eos_token_id={self.eos}, got {eos_token_id}")
@@ -181,6 +215,8 @@ class _Runner:
         clock = DecodeClock(self.device)
         with torch.inference_mode():
             self._reset()
+            if self.rng is not None:
+                self.rng.reset(seed)
             t0 = clock()
             first = self._prefill(prompt)
             self.out[0] = first
@@ -216,14 +252,20 @@ class _Runner:
 class GraphedAR(_Runner):
     """Greedy AR: one q=1 target forward, argmax and commit per graph replay."""
 
-    def __init__(self, target: Transformer, capacity: int, eos_token_id: int | None) -> None:
-        super().__init__(target, capacity, 1, eos_token_id)
+    def __init__(self, target: Transformer, capacity: int, eos_token_id: int | None,
+                 sampling: SamplingParams = GREEDY) -> None:
+        super().__init__(target, capacity, 1, eos_token_id, sampling=sampling)
 
     def _prefill(self, prompt: torch.Tensor) -> int:
-        return int(self.target(prompt, self.t_cache, only_last=True).logits[0, -1].argmax())
+        return self._first(self.target(prompt, self.t_cache, only_last=True).logits[0, -1])
 
     def _step(self) -> None:
-        token = self.target(self.last[None], self.t_cache).logits[0, -1].argmax(-1, keepdim=True)
+        logits = self.target(self.last[None], self.t_cache).logits[0, -1]
+        if self.rng is None:
+            token = logits.argmax(-1, keepdim=True)
+        else:
+            token = sample_first(logits, self.sampling, self.rng)
+            self.rng.advance()
         self._emit(self.zero, token)
 
 
@@ -231,10 +273,11 @@ class GraphedDFlash(_Runner):
     """DFlash-style: drafter block (its pending context added first) -> verify -> accept -> commit."""
 
     def __init__(self, target: Transformer, drafter: DFlashDrafter, capacity: int, block_size: int,
-                 mask_token_id: int, eos_token_id: int | None, extra_slots: int = 0) -> None:
+                 mask_token_id: int, eos_token_id: int | None, extra_slots: int = 0,
+                 sampling: SamplingParams = GREEDY) -> None:
         if block_size < 2:
             raise ValueError(f"block_size must be >= 2 (anchor + drafts), got {block_size}")
-        super().__init__(target, capacity, block_size, eos_token_id, extra_slots)
+        super().__init__(target, capacity, block_size, eos_token_id, extra_slots, sampling)
         self.drafter = drafter
         self.layers = tuple(drafter.target_layer_ids)
         self.d_cache = drafter.new_cache(1, capacity + 3 * block_size, device_length=True)
@@ -262,7 +305,7 @@ class GraphedDFlash(_Runner):
     def _prefill(self, prompt: torch.Tensor) -> int:
         pre = self.target(prompt, self.t_cache, hidden_layers=self.layers, only_last=True)
         self.drafter.add_context(pre.hidden, self.d_cache)
-        return int(pre.logits[0, -1].argmax())
+        return self._first(pre.logits[0, -1])
 
     def _draft(self) -> torch.Tensor:
         self.drafter.eval()
@@ -275,10 +318,10 @@ class GraphedDFlash(_Runner):
         self._emit(n, span)
 
     def _step(self) -> None:
-        drafts = self._draft().argmax(-1)
+        drafts, q = self._drafts(self._draft())
         start = self.t_cache.length.clone()
         out = self.target(torch.cat([self.last, drafts])[None], self.t_cache, hidden_layers=self.layers)
-        n, span = accept_on_device(drafts, out.logits[0].argmax(-1))
+        n, span = self._accept_chain(drafts, q, out.logits[0])
         self.t_cache.rollback(start + 1 + n)
         self._commit_draft(n, span, out.hidden)
 
@@ -289,10 +332,11 @@ class GraphedPard(_Runner):
     before them (causal), so the drafts equal the eager loop's."""
 
     def __init__(self, target: Transformer, drafter: Transformer, capacity: int, k: int,
-                 mask_token_id: int, eos_token_id: int | None, extra_slots: int = 0) -> None:
+                 mask_token_id: int, eos_token_id: int | None, extra_slots: int = 0,
+                 sampling: SamplingParams = GREEDY) -> None:
         if k < 1:
             raise ValueError(f"k must be >= 1, got {k}")
-        super().__init__(target, capacity, k + 1, eos_token_id, extra_slots)
+        super().__init__(target, capacity, k + 1, eos_token_id, extra_slots, sampling)
         self.drafter = drafter
         self.k = k
         self.d_cache = drafter.new_cache(1, capacity + 4 * (k + 1), device_length=True)
@@ -318,7 +362,7 @@ class GraphedPard(_Runner):
         self.fresh_count.fill_(1)
 
     def _prefill(self, prompt: torch.Tensor) -> int:
-        first = int(self.target(prompt, self.t_cache, only_last=True).logits[0, -1].argmax())
+        first = self._first(self.target(prompt, self.t_cache, only_last=True).logits[0, -1])
         self.drafter(prompt, self.d_cache, only_last=True)
         self.fresh[0] = first
         self.fresh_count.fill_(1)
@@ -339,10 +383,10 @@ class GraphedPard(_Runner):
         self._emit(n, span)
 
     def _step(self) -> None:
-        drafts = self._draft().argmax(-1)
+        drafts, q = self._drafts(self._draft())
         start = self.t_cache.length.clone()
         verify = self.target(torch.cat([self.last, drafts])[None], self.t_cache)
-        n, span = accept_on_device(drafts, verify.logits[0].argmax(-1))
+        n, span = self._accept_chain(drafts, q, verify.logits[0])
         self.t_cache.rollback(start + 1 + n)
         self._commit_draft(n, span, None)
 
@@ -384,30 +428,41 @@ def _length(prompt_ids: Sequence[int] | torch.Tensor) -> int:
     return torch.as_tensor(prompt_ids).shape[-1]
 
 
-def generate_ar_graphed(target: Transformer, prompt_ids, *, max_new_tokens: int, eos_token_id: int | None) -> Generation:
+def _sampling_key(sampling: SamplingParams) -> tuple:
+    """What a runner bakes into its graphs of the sampling: temperature and top_p (the seed is a
+    tensor it resets per generation)."""
+    return () if sampling.greedy else (sampling.temperature, sampling.top_p)
+
+
+def generate_ar_graphed(target: Transformer, prompt_ids, *, max_new_tokens: int, eos_token_id: int | None,
+                        sampling: SamplingParams = GREEDY) -> Generation:
     """`decode.generate_ar`, one CUDA graph a step."""
-    runner = runner_for(target, ("ar", eos_token_id), lambda cap: GraphedAR(target, cap, eos_token_id),
-                        _length(prompt_ids) + max_new_tokens)
-    return runner.generate(prompt_ids, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id)
+    runner = runner_for(target, ("ar", eos_token_id, _sampling_key(sampling)),
+                        lambda cap: GraphedAR(target, cap, eos_token_id, sampling), _length(prompt_ids) + max_new_tokens)
+    return runner.generate(prompt_ids, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id, seed=sampling.seed)
 
 
 def generate_dflash_graphed(target: Transformer, drafter: DFlashDrafter, prompt_ids, *, block_size: int,
-                            mask_token_id: int, max_new_tokens: int, eos_token_id: int | None) -> Generation:
+                            mask_token_id: int, max_new_tokens: int, eos_token_id: int | None,
+                            sampling: SamplingParams = GREEDY) -> Generation:
     """`decode.generate_dflash`, one CUDA graph a speculative step."""
-    key = ("dflash", id(drafter), block_size, mask_token_id, eos_token_id)
-    runner = runner_for(target, key, lambda cap: GraphedDFlash(target, drafter, cap, block_size, mask_token_id, eos_token_id),
-                        _length(prompt_ids) + max_new_tokens, drafter)
-    return runner.generate(prompt_ids, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id)
+    key = ("dflash", id(drafter), block_size, mask_token_id, eos_token_id, _sampling_key(sampling))
+    make = lambda cap: GraphedDFlash(target, drafter, cap, block_size, mask_token_id, eos_token_id,  # noqa: E731
+                                     sampling=sampling)
+    runner = runner_for(target, key, make, _length(prompt_ids) + max_new_tokens, drafter)
+    return runner.generate(prompt_ids, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id, seed=sampling.seed)
 
 
 def generate_pard_graphed(target: Transformer, drafter: Transformer | PardDrafter, prompt_ids, *, k: int,
-                          mask_token_id: int, max_new_tokens: int, eos_token_id: int | None) -> Generation:
+                          mask_token_id: int, max_new_tokens: int, eos_token_id: int | None,
+                          sampling: SamplingParams = GREEDY) -> Generation:
     """`decode.generate_pard`, one CUDA graph a speculative step."""
     model = drafter.model if isinstance(drafter, PardDrafter) else drafter
-    key = ("pard", id(model), k, mask_token_id, eos_token_id)
-    runner = runner_for(target, key, lambda cap: GraphedPard(target, model, cap, k, mask_token_id, eos_token_id),
-                        _length(prompt_ids) + max_new_tokens, model)
-    return runner.generate(prompt_ids, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id)
+    key = ("pard", id(model), k, mask_token_id, eos_token_id, _sampling_key(sampling))
+    make = lambda cap: GraphedPard(target, model, cap, k, mask_token_id, eos_token_id,  # noqa: E731
+                                   sampling=sampling)
+    runner = runner_for(target, key, make, _length(prompt_ids) + max_new_tokens, model)
+    return runner.generate(prompt_ids, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id, seed=sampling.seed)
 
 
 # --- tree verification -------------------------------------------------------------------------
@@ -496,7 +551,12 @@ class _TreeSteps:
         start = self.t_cache.length.clone()
         out = self.target(token[None], self.t_cache, mask=ancestors, positions=(start + depth)[None],
                           positions_in_cache=True, hidden_layers=self.layers)
-        n, path, span = accept_tree_on_device(parent, depth, token, ancestors, out.logits[0].argmax(-1), self.block)
+        if self.rng is None:
+            choice = out.logits[0].argmax(-1)
+        else:  # one draw from p a node, followed where greedy follows the argmax
+            choice = tree_draws(out.logits[0], self.sampling, self.rng)
+            self.rng.advance()
+        n, path, span = accept_tree_on_device(parent, depth, token, ancestors, choice, self.block)
         compact_on_device(self.t_cache, start, path, n)
         self._commit_draft(n, span, None if out.hidden is None else out.hidden.index_select(1, path))
 
@@ -505,8 +565,10 @@ class GraphedTreeDFlash(_TreeSteps, GraphedDFlash):
     """DFlash-style drafting verified as a best-first tree, one CUDA graph a step."""
 
     def __init__(self, target: Transformer, drafter: DFlashDrafter, capacity: int, block_size: int, budget: int,
-                 topk: int, mask_token_id: int, eos_token_id: int | None, build: TreeBuilder | None = None) -> None:
-        super().__init__(target, drafter, capacity, block_size, mask_token_id, eos_token_id, extra_slots=budget + 1)
+                 topk: int, mask_token_id: int, eos_token_id: int | None, build: TreeBuilder | None = None,
+                 sampling: SamplingParams = GREEDY) -> None:
+        super().__init__(target, drafter, capacity, block_size, mask_token_id, eos_token_id, extra_slots=budget + 1,
+                         sampling=sampling)
         self._init_tree(block_size - 1, budget, topk, build)
 
 
@@ -514,29 +576,35 @@ class GraphedTreePard(_TreeSteps, GraphedPard):
     """PARD-style drafting (as GraphedPard) verified as a best-first tree, one CUDA graph a step."""
 
     def __init__(self, target: Transformer, drafter: Transformer, capacity: int, k: int, budget: int, topk: int,
-                 mask_token_id: int, eos_token_id: int | None, build: TreeBuilder | None = None) -> None:
-        super().__init__(target, drafter, capacity, k, mask_token_id, eos_token_id, extra_slots=budget + 1)
+                 mask_token_id: int, eos_token_id: int | None, build: TreeBuilder | None = None,
+                 sampling: SamplingParams = GREEDY) -> None:
+        super().__init__(target, drafter, capacity, k, mask_token_id, eos_token_id, extra_slots=budget + 1,
+                         sampling=sampling)
         self._init_tree(k, budget, topk, build)
 
 
 def generate_dflash_tree_graphed(target: Transformer, drafter: DFlashDrafter, prompt_ids, *, block_size: int,
                                  budget: int, topk: int, mask_token_id: int, max_new_tokens: int,
-                                 eos_token_id: int | None, build: TreeBuilder | None = None) -> Generation:
+                                 eos_token_id: int | None, build: TreeBuilder | None = None,
+                                 sampling: SamplingParams = GREEDY) -> Generation:
     """`tree_decode.generate_dflash_tree` (best-first), one CUDA graph a step; `build` the tree
     builder (default: the host heap, `tree.best_first_tree_padded`)."""
-    key = ("dflash-tree", id(drafter), block_size, budget, topk, mask_token_id, eos_token_id, build)
+    key = ("dflash-tree", id(drafter), block_size, budget, topk, mask_token_id, eos_token_id, build,
+           _sampling_key(sampling))
     make = lambda cap: GraphedTreeDFlash(target, drafter, cap, block_size, budget, topk, mask_token_id,  # noqa: E731
-                                         eos_token_id, build)
+                                         eos_token_id, build, sampling)
     runner = runner_for(target, key, make, _length(prompt_ids) + max_new_tokens, drafter)
-    return runner.generate(prompt_ids, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id)
+    return runner.generate(prompt_ids, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id, seed=sampling.seed)
 
 
 def generate_pard_tree_graphed(target: Transformer, drafter: Transformer | PardDrafter, prompt_ids, *, k: int,
                                budget: int, topk: int, mask_token_id: int, max_new_tokens: int,
-                               eos_token_id: int | None, build: TreeBuilder | None = None) -> Generation:
+                               eos_token_id: int | None, build: TreeBuilder | None = None,
+                               sampling: SamplingParams = GREEDY) -> Generation:
     """`tree_decode.generate_pard_tree` (best-first), one CUDA graph a step; `build` as above."""
     model = drafter.model if isinstance(drafter, PardDrafter) else drafter
-    key = ("pard-tree", id(model), k, budget, topk, mask_token_id, eos_token_id, build)
-    make = lambda cap: GraphedTreePard(target, model, cap, k, budget, topk, mask_token_id, eos_token_id, build)  # noqa: E731
+    key = ("pard-tree", id(model), k, budget, topk, mask_token_id, eos_token_id, build, _sampling_key(sampling))
+    make = lambda cap: GraphedTreePard(target, model, cap, k, budget, topk, mask_token_id, eos_token_id,  # noqa: E731
+                                       build, sampling)
     runner = runner_for(target, key, make, _length(prompt_ids) + max_new_tokens, model)
-    return runner.generate(prompt_ids, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id)
+    return runner.generate(prompt_ids, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id, seed=sampling.seed)
