@@ -208,15 +208,20 @@ def _first_line(cls) -> str:
 @click.option("--prompt", required=True, help="Prompt text.")
 @click.option("--max-new-tokens", type=int, default=None, help="Default: the engine spec's serving.max_new_tokens.")
 @click.option("--device", default="auto", show_default=True)
+@click.option("--temperature", type=click.FloatRange(0.0, 100.0), default=0.0, show_default=True,
+              help="0: greedy (token-forced); above: lossless speculative sampling.")
+@click.option("--top-p", type=click.FloatRange(0.0, 1.0, min_open=True), default=1.0, show_default=True)
+@click.option("--seed", type=click.IntRange(0, 2**64 - 1), default=0, show_default=True)
 @user_errors
-def run_cmd(engine, prompt, max_new_tokens, device):
+def run_cmd(engine, prompt, max_new_tokens, device, temperature, top_p, seed):
     """Generate from PROMPT with a compiled ENGINE."""
     from .compiler import load_engine
+    from .runtime.sampling import SamplingParams
 
     loaded = load_engine(engine, device=device)
     ids = loaded.tokenizer.encode(prompt).ids
     n = max_new_tokens or loaded.spec.serving.max_new_tokens
-    gen = loaded.engine.generate(ids, n)
+    gen = loaded.engine.generate(ids, n, SamplingParams(temperature=temperature, top_p=top_p, seed=seed))
     click.echo(prompt + loaded.tokenizer.decode(gen.tokens))
     err_console.print(f"{len(gen.tokens)} tokens, {gen.steps} steps, τ {gen.tau:.2f}", highlight=False)
 

@@ -34,6 +34,7 @@ from ..runtime.hybrid import GatedAttention, HybridTransformer
 from ..runtime.load import load_drafter, load_target
 from ..runtime.model import PardDrafter, Transformer
 from ..runtime.replay import Replay, ReplayCausalLM, ReplayDFlash, ReplayPlan
+from ..runtime.sampling import GREEDY, SamplingParams
 from ..runtime.tiny import SPECIAL_TOKENS
 from ..runtime.tokenizer import build_byte_tokenizer, load_tokenizer
 from ..formats.u12 import U12Tensor, load_u12, pack_u12
@@ -244,13 +245,19 @@ class Engine:
     def block_size(self) -> int:
         return self.program.step.one("draft")[1]["block_size"]
 
-    def generate(self, prompt_ids: list[int], max_new_tokens: int) -> decode.Generation:
-        """Speculative decoding as the step graph says (a replay drafter's run follows its plan)."""
+    def generate(self, prompt_ids: list[int], max_new_tokens: int,
+                 sampling: SamplingParams = GREEDY) -> decode.Generation:
+        """Speculative decoding as the step graph says (a replay drafter's run follows its plan);
+        greedy, or sampled losslessly by `sampling` (runtime/sampling.py)."""
         if self.replay is not None:
+            if not sampling.greedy:
+                raise EngineError("a replay drafter follows a greedy plan: sampling (temperature > 0) needs an engine "
+                                  "with a real drafter")
             return self.replay.generate(prompt_ids, max_new_tokens, lambda: self.run_loop(prompt_ids, max_new_tokens))
-        return self.run_loop(prompt_ids, max_new_tokens)
+        return self.run_loop(prompt_ids, max_new_tokens, sampling)
 
-    def run_loop(self, prompt_ids: list[int], max_new_tokens: int) -> decode.Generation:
+    def run_loop(self, prompt_ids: list[int], max_new_tokens: int,
+                 sampling: SamplingParams = GREEDY) -> decode.Generation:
         """One run of the decode loop the step graph names."""
         from ..runtime import tree_decode
 
@@ -258,7 +265,7 @@ class Engine:
         if verify["mode"] not in ("chain", "tree"):
             raise EngineError(f"the torch backend cannot run verify mode {verify['mode']!r} yet")
         common = dict(max_new_tokens=max_new_tokens, eos_token_id=self.eos_token_id,
-                      mask_token_id=self.drafter.mask_token_id)
+                      mask_token_id=self.drafter.mask_token_id, sampling=sampling)
         if verify["mode"] == "tree":
             if isinstance(self.target, HybridTransformer):
                 raise EngineError("tree verification needs a target whose layers all attend; this hybrid target's "
