@@ -13,7 +13,7 @@
     serving:
       batch_sizes: [1]              # only [1] until batching exists
       max_new_tokens: 64
-      greedy: true                  # only greedy decoding is supported
+      greedy: true                  # compiled and token-forced greedy (sampling is chosen per request)
     benchmark:
       prompts: code-smoke           # a prompt-set name, or a .jsonl file ({"prompt": ...} per line)
       num_prompts: 4
@@ -225,7 +225,8 @@ def parse_spec(data: Any, source: str) -> PipelineSpec:
     serving = ServingSpec(
         batch_sizes=tuple(batch),
         max_new_tokens=s.get("max_new_tokens", int, "an integer >= 1", default=64, check=_positive),
-        greedy=s.get("greedy", bool, "true (only greedy decoding is supported)", default=True, check=lambda v: v is True),
+        greedy=s.get("greedy", bool, "true (engines are compiled and token-forced greedy; sampling is chosen per "
+                     "request: specpilot run --temperature)", default=True, check=lambda v: v is True),
     )
     s.finish()
     b = r.sub("benchmark")
