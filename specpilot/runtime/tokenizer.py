@@ -40,3 +40,28 @@ def load_tokenizer(model_dir: str | Path) -> Tokenizer:
         return Tokenizer.from_file(str(path))
     except Exception as e:  # the tokenizers library raises plain Exceptions with a parse message
         raise CheckpointError(f"{path}: not a valid tokenizer.json: {e}") from None
+
+
+def chat_template(model_dir: str | Path) -> str | None:
+    """The chat template of a model directory's tokenizer_config.json (None where it has none)."""
+    import json
+
+    path = Path(model_dir) / "tokenizer_config.json"
+    if not path.is_file():
+        return None
+    try:
+        template = json.loads(path.read_text(encoding="utf-8")).get("chat_template")
+    except (UnicodeDecodeError, json.JSONDecodeError, AttributeError) as e:
+        raise CheckpointError(f"{path}: not a JSON object with a 'chat_template' string ({e})") from None
+    if template is not None and not isinstance(template, str):
+        raise CheckpointError(f"{path}: field 'chat_template' is not a string (one Jinja template expected)")
+    return template
+
+
+def chat_prompt(template: str, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+    """`messages` ([{"role", "content"}, ...]) rendered by a model's Jinja chat template, in a sandbox
+    (a template is data from a model file, never trusted code), as transformers' apply_chat_template does."""
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    return env.from_string(template).render(messages=messages, add_generation_prompt=add_generation_prompt)
