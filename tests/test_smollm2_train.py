@@ -50,6 +50,7 @@ def test_wheel_split_and_join_round_trip(tmp_path):
         ts.join_wheel(tmp_path / "parts", tmp_path / "out2")
 
 
+@pytest.mark.slow  # ~11 s on an idle core: the corpus, the prompts, transformers' import
 def test_smoke_run_writes_drafters_whose_outputs_equal_ar(tiny_target, tmp_path):
     data = tmp_path / "corpus"
     build_corpus(data, max_files=30)

@@ -112,7 +112,7 @@ class Shapes:
 
 
 PRESETS = {
-    "gpu": (Shapes(gen_batch=1024), {"distill": 150, "dflash": 150, "pard": 90, "eval": 30}),
+    "gpu": (Shapes(gen_batch=1024), {"distill": 130, "dflash": 140, "pard": 80, "eval": 30}),
     "cpu": (Shapes(prompt_lens=(96, 160), gen_len=64, gen_batch=48, val_rows=1, store_hidden=True, dflash_anchors=8,
                    dflash_batch=4, pard_batch=2, pard_queries=96, warmup=10, eval_prompts=6, eval_new_tokens=64,
                    filler_docs=400),
@@ -659,23 +659,27 @@ def main(argv: list[str] | None = None) -> int:
            "phases": {}, "setup_seconds": round(time.perf_counter() - t0, 1)}
     print(f"setup {time.perf_counter() - t0:.0f}s: {len(source.code)} code prompts, {len(source.instruct)} instructions, "
           f"device {args.device}, {torch.get_num_threads()} threads", flush=True)
+    def saved() -> None:  # the log and each written drafter's card, after every phase (a run cut short keeps them)
+        log["total_seconds"] = round(time.perf_counter() - t0, 1)
+        write_log(out, log)
+        for kind in ("dflash", "pard"):
+            if (out / kind / "config.json").is_file():
+                (out / kind / "MODEL_CARD.md").write_text(model_card(kind, log))
+
     data = distill(args, shapes, target, source, log)
-    write_log(out, log)
+    saved()
     drafter = train_dflash(args, shapes, target, target_cfg, data, mask_id, log)
     save_dflash(drafter, out / "dflash")
     del drafter
     for d in data.values():
         d.pop("hidden_train", None), d.pop("hidden_val", None)
-    write_log(out, log)
+    saved()
     model, pcfg = train_pard(args, shapes, target_dir, target_cfg, data, mask_id, log)
     save_pard(model, pcfg, shapes, mask_id, out / "pard")
     del model, target, data
-    write_log(out, log)
+    saved()
     evaluate(args, shapes, out, log)
-    log["total_seconds"] = round(time.perf_counter() - t0, 1)
-    write_log(out, log)
-    for kind in ("dflash", "pard"):
-        (out / kind / "MODEL_CARD.md").write_text(model_card(kind, log))
+    saved()
     print(f"done in {time.perf_counter() - t0:.0f}s -> {out}", flush=True)
     return 0
 
