@@ -25,7 +25,7 @@ demo: setup
 # A pretrained target a package ships (SmolLM2-135M-Instruct) and its trained DFlash drafter: the compile
 # report (τ, speedup over AR, token forcing), then the engine's answer to one chat prompt.
 demo-smollm2: setup
-	$(VENV)/bin/specpilot compile examples/smollm2.yaml -o engines/smollm2
+	$(VENV)/bin/specpilot compile examples/smollm2/pipeline.yaml -o engines/smollm2
 	$(VENV)/bin/specpilot run engines/smollm2 --chat --max-new-tokens 96 \
 	  --prompt "Write a Python function that returns the n-th Fibonacci number."
 

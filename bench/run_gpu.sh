@@ -299,7 +299,7 @@ smollm2bench() {
   for v in "dflash draft-block-size{size=16}" "dflash draft-block-size{size=16},$fast" \
     "dflash draft-block-size{size=16},tree-verify{budget=32,topk=4},$fast" "pard draft-block-size{size=8},$fast"; do
     kind=${v%% *} passes=${v#* } i=$((i + 1))
-    [ -z "${PRINT_ONLY:-}" ] && sed "s/kind: dflash/kind: $kind/" examples/smollm2.yaml >"/tmp/smollm2-$kind.yaml"
+    [ -z "${PRINT_ONLY:-}" ] && sed "s/kind: dflash/kind: $kind/" examples/smollm2/pipeline.yaml >"/tmp/smollm2-$kind.yaml"
     run "smollm2_${i}_$kind" 150 python -m specpilot.cli compile "/tmp/smollm2-$kind.yaml" --device cuda \
       --passes "$passes" -o "/tmp/eng-$i"
     [ -f "/tmp/eng-$i/report.json" ] && cp "/tmp/eng-$i/report.json" "$OUT/smollm2_report_${i}_$kind.json"

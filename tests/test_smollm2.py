@@ -5,6 +5,7 @@ and the drafters' training script at toy scale."""
 from __future__ import annotations
 
 import json
+import shutil
 from importlib import metadata
 
 import numpy as np
@@ -173,3 +174,45 @@ def test_smollm2_logits_equal_transformers_gguf_loading():
         x = torch.tensor([ids])
         with torch.no_grad():
             assert torch.equal(model(x, model.new_cache(1, len(ids))).logits, theirs(x).logits)
+
+
+@pytest.mark.slow  # two compiles: about 12 s
+def test_run_chat_answers_through_the_targets_chat_template(tiny, tmp_path, monkeypatch):
+    """`specpilot run --chat` on an engine whose target has a chat template prints the answer alone,
+    the tokens the engine generates from the templated prompt; without a template it is a user error."""
+    from click.testing import CliRunner
+    from safetensors.torch import load_file, save_file
+
+    from specpilot.cli import main
+    from specpilot.runtime.decode import generate_ar
+
+    monkeypatch.setenv("SPECPILOT_CACHE", str(tmp_path / "cache"))
+    _, _, target = tiny
+    pard = tmp_path / "pard"
+    pard.mkdir()
+    cfg = json.loads((target / "config.json").read_text())
+    cfg.update(num_hidden_layers=1, pard_token=3, pard_k=4)
+    (pard / "config.json").write_text(json.dumps(cfg))
+    save_file({k: v for k, v in load_file(str(target / "model.safetensors")).items() if ".layers.1." not in k},
+              str(pard / "model.safetensors"))
+    spec = tmp_path / "pipeline.yaml"
+    spec.write_text(f"name: t\ntarget: {target}\ndrafter: {{kind: pard, path: {pard}}}\n"
+                    "serving: {batch_sizes: [1], max_new_tokens: 6}\nbenchmark: {prompts: code-smoke, num_prompts: 1}\n")
+    run = CliRunner().invoke
+    assert run(main, ["compile", str(spec), "-o", str(tmp_path / "engine"), "--device", "cpu"]).exit_code == 0
+    r = run(main, ["run", str(tmp_path / "engine"), "--chat", "--prompt", "the f", "--device", "cpu"])
+    assert r.exit_code == 0, r.output
+    model, mcfg = load_target(target, dtype=torch.float32, device="cpu")
+    tok = load_tokenizer(target)
+    ids = tok.encode(chat_prompt(CHAT_TEMPLATE, [{"role": "user", "content": "the f"}])).ids
+    ar = generate_ar(model, ids, max_new_tokens=6, eos_token_id=mcfg.eos_token_id)
+    raw = generate_ar(model, tok.encode("the f").ids, max_new_tokens=6, eos_token_id=mcfg.eos_token_id)
+    assert raw.tokens != ar.tokens  # so the output tells the templated prompt from the raw one
+    assert r.stdout == tok.decode(ar.tokens) + "\n"
+    plain = tmp_path / "plain"
+    shutil.copytree(target, plain)
+    (plain / "tokenizer_config.json").unlink()
+    spec.write_text(spec.read_text().replace(str(target), str(plain)))
+    assert run(main, ["compile", str(spec), "-o", str(tmp_path / "engine2"), "--device", "cpu"]).exit_code == 0
+    r = run(main, ["run", str(tmp_path / "engine2"), "--chat", "--prompt", "x", "--device", "cpu"])
+    assert r.exit_code == 2 and "no 'chat_template'" in r.output and "Traceback" not in r.output
