@@ -189,8 +189,9 @@ class PromptSource:
         self.code = [e.ids for e in tok.encode_batch(code, add_special_tokens=False)]
         chat_texts = [chat_prompt(chat_template, m) for m in chats]
         self.instruct = [e.ids for e in tok.encode_batch(chat_texts, add_special_tokens=False)]
-        joined = "\n".join(d["text"] for d in docs[:: max(1, len(docs) // shapes.filler_docs)])
-        self.filler = tok.encode(joined, add_special_tokens=False).ids
+        filler = tok.encode_batch([d["text"] for d in docs[:: max(1, len(docs) // shapes.filler_docs)]],
+                                  add_special_tokens=False)  # in parallel, file by file
+        self.filler = [i for e in filler for i in [*e.ids, EOS_ID]]
         self.own: list[list[int]] = []
         self.counts = {"code": 0, "instruct": 0, "snippet": 0, "own": 0}
         self.used = {"code": 0, "instruct": 0}
