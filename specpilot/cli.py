@@ -252,5 +252,35 @@ def verify_cmd(engine, device):
         sys.exit(1)
 
 
+@main.command("serve")
+@click.argument("engine", type=click.Path(file_okay=False, path_type=Path))
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", type=int, default=8000, show_default=True)
+@click.option("--max-batch", type=click.IntRange(min=1), default=8, show_default=True,
+              help="Requests the engine runs at once.")
+@click.option("--max-queue", type=click.IntRange(min=0), default=64, show_default=True,
+              help="Requests waiting for a slot; more are refused with HTTP 429.")
+@click.option("--drain", type=click.FloatRange(min=0), default=30.0, show_default=True,
+              help="Seconds in-flight requests may take to finish at shutdown (SIGINT/SIGTERM).")
+@click.option("--threads", type=click.IntRange(min=1), default=None, help="torch intra-op threads (CPU).")
+@click.option("--device", default="auto", show_default=True)
+@user_errors
+def serve_cmd(engine, host, port, max_batch, max_queue, drain, threads, device):
+    """Serve ENGINE behind an OpenAI-compatible API (/v1/completions, /v1/chat/completions, /v1/models,
+    /metrics). See docs/SERVING.md."""
+    from .compiler import load_engine
+    from .serve import ServeConfig, engine_chat_template, run_server
+
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)
+    loaded = load_engine(engine, device=device)
+    config = ServeConfig(host=host, port=port, max_batch=max_batch, max_queue=max_queue, drain_s=drain)
+    err_console.print(f"serving [bold]{loaded.manifest['name']}[/] from {engine} on http://{host}:{port}/v1",
+                      highlight=False)
+    run_server(loaded.manifest["name"], loaded.engine, loaded.tokenizer, engine_chat_template(engine), config)
+
+
 if __name__ == "__main__":
     main()

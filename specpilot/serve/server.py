@@ -1,0 +1,60 @@
+"""`specpilot serve`: an engine behind the OpenAI-compatible app, run by uvicorn."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..backends.torch_backend import Engine
+from .app import ServedModel, create_app
+from .batch1 import Batch1StepEngine
+from .chat import ChatTemplate
+from .metrics import ServeMetrics
+from .scheduler import Scheduler, SchedulerConfig
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    max_batch: int = 8  # requests in flight in the engine
+    max_queue: int = 64  # requests waiting for a slot; more are refused with 429
+    drain_s: float = 30.0  # at shutdown: how long running and waiting requests may take to finish
+    log_level: str = "info"
+
+
+def served_model(name: str, engine: Engine, tokenizer, chat: ChatTemplate) -> ServedModel:
+    return ServedModel(name=name, encode=lambda text: tokenizer.encode(text).ids,
+                       decode=lambda ids: tokenizer.decode(ids), vocab_size=engine.target_cfg.vocab_size,
+                       chat=chat, context=engine.target_cfg.max_position_embeddings, created=int(time.time()))
+
+
+def build_app(name: str, engine: Engine, tokenizer, chat: ChatTemplate, config: ServeConfig):
+    """The app over `engine`: a Batch1StepEngine (compute not batched yet) under the scheduler."""
+    model = served_model(name, engine, tokenizer, chat)
+    q = engine.program.step.one("verify")[1]["q"]
+    sched_cfg = SchedulerConfig(max_batch=config.max_batch, max_queue=config.max_queue, context=model.context,
+                                verify_tokens=q)
+
+    def make_scheduler(metrics: ServeMetrics) -> Scheduler:
+        return Scheduler(Batch1StepEngine(engine, config.max_batch), model.decode, engine.eos_token_id, sched_cfg,
+                         metrics)
+
+    return create_app(model, make_scheduler, config.drain_s)
+
+
+def run_server(name: str, engine: Engine, tokenizer, chat: ChatTemplate, config: ServeConfig) -> None:
+    """Serve until SIGINT/SIGTERM; then finish (or, after drain_s, cancel) what is in flight and return."""
+    import uvicorn
+
+    app = build_app(name, engine, tokenizer, chat, config)
+    server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level,
+                                           timeout_graceful_shutdown=config.drain_s, lifespan="on"))
+    server.run()
+
+
+def engine_chat_template(root: Path) -> ChatTemplate:
+    from .chat import load_chat_template
+
+    return load_chat_template(Path(root) / "target")
