@@ -1,0 +1,116 @@
+"""The StepEngine adapter over the batch-1 loops (serve/batch1.py): interleaved requests get exactly the
+engine's own greedy output, step by step; sampling is seeded per request and keeps top-p's nucleus."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specpilot.backends.torch_backend import build_engine
+from specpilot.compiler import prepare
+from specpilot.runtime.engine_api import RequestParams
+from specpilot.runtime.tokenizer import load_tokenizer
+from specpilot.serve.batch1 import Batch1StepEngine, ChainSession, WholeRunSession, sample_token
+from specpilot.spec import load_spec
+
+PROMPTS = ["def add(a, b):", "class Stack:\n    def push(self, x):"]
+
+
+@pytest.fixture(scope="module")
+def zoo(tmp_path_factory):
+    """kind -> (engine, tokenizer) of the zoo pair, built once per module."""
+    built = {}
+
+    def get(kind: str, passes: str = ""):
+        if (kind, passes) not in built:
+            built[kind, passes] = zoo_engine(tmp_path_factory.mktemp("spec"), kind, passes)
+        return built[kind, passes]
+
+    return get
+
+
+def zoo_engine(tmp_path, kind: str, passes: str = ""):
+    spec = tmp_path / f"{kind}.yaml"
+    spec.write_text(f"name: z\ntarget: code-qwen3\ndrafter:\n  kind: {kind}\ngpu: h200\nserving:\n  max_new_tokens: 8\n"
+                    f"benchmark:\n  prompts: code-smoke\n  num_prompts: 1\npasses: \"{passes}\"\n")
+    p = prepare(load_spec(spec), None, "cpu")
+    return build_engine(p.program, p.dirs.target, p.dirs.drafter, p.device), load_tokenizer(p.dirs.target)
+
+
+def run_all(step_engine: Batch1StepEngine, requests: dict[str, tuple[list[int], RequestParams]]):
+    """Admit every request and step until a step gives no request a token; returns each request's
+    tokens and how many steps gave it some."""
+    for rid, (ids, params) in requests.items():
+        step_engine.admit(rid, ids, params)
+    out = {rid: [] for rid in requests}
+    chunks = {rid: 0 for rid in requests}
+    for _ in range(500):
+        new = step_engine.step()
+        if not any(new.values()):
+            break
+        for rid, tokens in new.items():
+            out[rid] += tokens
+            chunks[rid] += bool(tokens)
+    return out, chunks
+
+
+@pytest.mark.parametrize("kind", ["pard", "dflash"])
+def test_interleaved_chain_sessions_equal_the_engines_own_loop(zoo, kind):
+    engine, tok = zoo(kind)
+    se = Batch1StepEngine(engine, max_batch=3)
+    requests = {str(i): (tok.encode(p).ids, RequestParams(16)) for i, p in enumerate(PROMPTS)}
+    out, chunks = run_all(se, requests)
+    assert isinstance(next(iter(se.sessions.values())), ChainSession)
+    for rid, (ids, _) in requests.items():
+        ref = engine.generate(ids, 16)
+        assert out[rid] == ref.tokens
+        assert chunks[rid] == 1 + ref.steps  # the prefill's token, then one speculative step per call
+
+
+def test_a_tree_engine_hands_out_its_own_runs_steps(zoo):
+    engine, tok = zoo("dflash", "tree-verify{budget=8}")
+    se = Batch1StepEngine(engine, max_batch=2)
+    ids = tok.encode(PROMPTS[0]).ids
+    out, chunks = run_all(se, {"a": (ids, RequestParams(20))})
+    assert isinstance(se.sessions["a"], WholeRunSession)
+    ref = engine.generate(ids, 20)
+    assert out["a"] == ref.tokens and chunks["a"] == 1 + ref.steps
+
+
+def test_admission_beyond_max_batch_is_refused_and_release_frees_the_slot(zoo):
+    engine, tok = zoo("pard")
+    se = Batch1StepEngine(engine, max_batch=1)
+    se.admit("a", [5, 6], RequestParams(4))
+    with pytest.raises(ValueError, match="max_batch is 1"):
+        se.admit("b", [5, 6], RequestParams(4))
+    se.release("a")
+    se.admit("b", [5, 6], RequestParams(4))
+    assert se.active() == ["b"]
+
+
+def test_sampling_is_seeded_per_request_and_a_tiny_top_p_is_greedy(zoo):
+    engine, tok = zoo("pard")
+    ids = tok.encode(PROMPTS[0]).ids
+    se = Batch1StepEngine(engine, max_batch=4)
+    requests = {"a": (ids, RequestParams(8, temperature=0.9, seed=1)),
+                "b": (ids, RequestParams(8, temperature=0.9, seed=1)),
+                "c": (ids, RequestParams(8, temperature=0.9, seed=2)),
+                "g": (ids, RequestParams(8, temperature=0.9, top_p=1e-6, seed=3))}
+    out, _ = run_all(se, requests)
+    assert out["a"] == out["b"] and out["a"] != out["c"]
+    assert out["g"] == engine.generate_ar(ids, 8).tokens  # a nucleus of one token: the argmax
+
+
+def test_sample_token_follows_the_tempered_nucleus_distribution():
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0])
+    temperature, top_p, n = 0.7, 0.8, 4000
+    g = torch.Generator().manual_seed(0)
+    counts = torch.bincount(torch.tensor([sample_token(logits, temperature, top_p, g) for _ in range(n)]),
+                            minlength=5).float()
+    p = torch.softmax(logits / temperature, -1)
+    keep = (p.cumsum(-1) - p) < top_p  # sorted already: the nucleus
+    expected = torch.where(keep, p, torch.zeros_like(p))
+    expected /= expected.sum()
+    assert counts[~keep].sum() == 0
+    sd = (expected * (1 - expected) / n).sqrt()
+    assert ((counts / n - expected).abs() <= 5 * sd + 1e-9).all(), (counts / n, expected)
