@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,6 +52,10 @@ def run_server(name: str, engine: Engine, tokenizer, chat: ChatTemplate, config:
     app = build_app(name, engine, tokenizer, chat, config)
     server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level,
                                            timeout_graceful_shutdown=config.drain_s, lifespan="on"))
+    # uvicorn handles SIGINT/SIGTERM while it runs, then raises the signal again under the handlers it
+    # found: these make that a normal return (exit status 0) once the server has shut down cleanly.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: None)
     server.run()
 
 
