@@ -16,10 +16,10 @@ import torch
 import yaml
 
 from . import __version__
-from .backends.engine_dir import atomic_dir, copy_checkpoint, write_manifest
+from .backends.engine_dir import ENGINE_FORMAT, atomic_dir, check_compatible, copy_checkpoint, write_manifest
 from .backends.torch_backend import (U12_FILE, Engine, ReplaySetup, ShapeModels, build_engine, default_dtype,
-                                     drafter_root, packed_weights, pick_device)
-from .bench.harness import Measurement, environment, measure
+                                     drafter_root, packed_weights, pick_device, stored_weights)
+from .bench.harness import Measurement, device_name, environment, gpu_slug, measure, versions
 from .bench.prompts import load_prompts
 from .dsl import load_rules, parse_pipeline
 from .dsl.pipeline import pass_names
@@ -185,8 +185,9 @@ def validate_outputs(dirs: ModelDirs, engine: Engine, m: Measurement) -> TokenFo
     dtype = TORCH_DTYPES[engine.dtype]
     if dirs.shape is not None:
         reference, ref_cfg = dirs.shape.target(dtype, engine.device)
-    else:
-        reference, ref_cfg = load_target(dirs.target, dtype=dtype, device=engine.device)
+    else:  # an engine's checkpoint: the weights its u12 planes hold, unpacked bit for bit
+        reference, ref_cfg = load_target(dirs.target, dtype=dtype, device=engine.device,
+                                         stored=stored_weights(dirs.target, engine.device))
     return force_tokens(reference, ref_cfg, m.prompts, m.spec_tokens, engine.dtype)
 
 
@@ -221,6 +222,14 @@ def write_trtllm(root: Path, dirs: ModelDirs, engine: Engine, program: Program, 
     if not check.passed:
         raise EngineError(f"{out}: the TensorRT-LLM checkpoint read back fails token forcing ({check.summary()})")
     return {**info, "read_back_token_forcing": check.summary()}
+
+
+def final_format_weights(engine: Engine) -> dict[str, frozenset[str]]:
+    """Per part ("target", "drafter"), the weights the engine stores as u12 planes: an engine directory
+    keeps them only so (copy_checkpoint leaves them out of the checkpoint)."""
+    return {part: frozenset(packed_weights(model, graph.items()))
+            for part, model, graph in (("target", engine.target, engine.program.target),
+                                       ("drafter", drafter_root(engine.drafter), engine.program.drafter))}
 
 
 def save_pass_artifacts(engine: Engine, root: Path, weights: bool = True) -> None:
@@ -427,8 +436,9 @@ def compile_pipeline(spec: PipelineSpec, *, out_dir: Path | None, passes: str | 
             (tmp / "pipeline.txt").write_text(pipeline + "\n")
             (tmp / "ir.txt").write_text(print_program(program))
             if dirs.shape is None:
-                copy_checkpoint(dirs.target, tmp / "target")
-                copy_checkpoint(dirs.drafter, tmp / "drafter")
+                stored = final_format_weights(engine)
+                copy_checkpoint(dirs.target, tmp / "target", stored["target"])
+                copy_checkpoint(dirs.drafter, tmp / "drafter", stored["drafter"])
             save_pass_artifacts(engine, tmp, weights=dirs.shape is None)
             if spec.backend == "trtllm":
                 report["trtllm"] = write_trtllm(tmp, dirs, engine, program, prompts, spec)
@@ -436,7 +446,9 @@ def compile_pipeline(spec: PipelineSpec, *, out_dir: Path | None, passes: str | 
             (tmp / "validation.json").write_text(json.dumps(validation.to_dict(), indent=2) + "\n")
             (tmp / "report.json").write_text(json.dumps(report, indent=2) + "\n")
             (tmp / "report.md").write_text(report_markdown(report))
-            write_manifest(tmp, {"name": spec.name, "specpilot": __version__, "pipeline": pipeline,
+            write_manifest(tmp, {"format": ENGINE_FORMAT, "name": spec.name, "specpilot": __version__,
+                                 "versions": versions(), "built_on": {"device": device_name(dev), "gpu": gpu_slug(dev)},
+                                 "pipeline": pipeline,
                                  "ir_hash": program.structural_hash(), "dtype": program.attr("dtype"),
                                  "target_source": str(dirs.target or f"shape:{spec.target}"),
                                  "drafter_source": str(dirs.drafter or f"replay:{spec.drafter.profile}"),
@@ -456,13 +468,15 @@ class LoadedEngine:
 
 
 def load_engine(root: Path, device: str | None = None) -> LoadedEngine:
-    """Open an engine directory (checksums verified) and build its runnable engine."""
+    """Open an engine directory (checksums verified; refused if built by another specpilot or for
+    another GPU kind) and build its runnable engine from what it stores: no pass runs again."""
     from .backends.engine_dir import read_manifest
     from .ir import parse_program, verify_program
     from .spec import parse_spec
 
     root = Path(root)
     manifest = read_manifest(root)
+    check_compatible(root, manifest, __version__, gpu_slug(pick_device(device)))
     spec = parse_spec(yaml.safe_load((root / "spec.yaml").read_text()), str(root / "spec.yaml"))
     program = parse_program((root / "ir.txt").read_text(), source=str(root / "ir.txt"))
     load_engine_plugins(spec, manifest.get("pipeline", ""), program, str(root / "pipeline.txt"))

@@ -1,15 +1,20 @@
-"""Engine directories: written atomically, read back with their checksums verified.
+"""Engine directories: what serving an engine needs and nothing else, written atomically, read back checked.
 
 Layout:
-    engine.json       manifest: name, pipeline, IR hash, dtype, sources, sha256 of every file
+    engine.json       manifest: engine format, name, pipeline, IR hash, dtype, sources, the specpilot and
+                      library versions and the device it was built on, sha256 of every other file
     spec.yaml         the pipeline spec as compiled
     pipeline.txt      the pass pipeline string (reproduces the compilation)
     ir.txt            the optimized IR (parse_program reads it back)
-    target/, drafter/ checkpoints as the passes left them (config.json, *.safetensors, tokenizer.json)
+    target/, drafter/ config.json, tokenizer files, and each weight once, in its final format: a weight
+                      the passes stored as 12-bit planes (u12.safetensors) is left out of the checkpoint's
+                      *.safetensors (rewritten without it), so no bf16 copy sits beside its planes
     validation.json   the token-forcing report
     report.json, report.md
 A compile writes everything into a temporary sibling folder and renames it into place at the end,
-so a failed or interrupted compile leaves no half-written engine behind.
+so a failed or interrupted compile leaves no half-written engine behind. Loading refuses an engine
+whose files fail their checksums or are missing (naming the file), one of another engine format or
+specpilot version, and one built on a GPU of another kind (engine.json names what it was built for).
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from typing import Iterator
 from ..errors import EngineError
 
 MANIFEST = "engine.json"
+ENGINE_FORMAT = 2  # 2: versions and build device in the manifest; weights stored once, in their final format
 CHECKPOINT_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json")
 
 
@@ -59,15 +65,42 @@ def atomic_dir(final: Path) -> Iterator[Path]:
         raise
 
 
-def copy_checkpoint(src: Path, dst: Path) -> None:
-    """Copy a model directory's config, tokenizer and safetensors (hard links where possible)."""
+def _link_or_copy(src: Path, dst: Path) -> None:
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+
+
+def copy_checkpoint(src: Path, dst: Path, leave_out: frozenset[str] = frozenset()) -> None:
+    """Copy a model directory's config, tokenizer and safetensors (hard links where possible), without
+    the tensors named in `leave_out` (stored in another format beside it): a safetensors file holding
+    one is rewritten without it (its metadata kept), a shard left empty is dropped, and the index's
+    weight map follows."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
     dst.mkdir(parents=True)
+    kept_files: set[str] = set()
     for item in sorted(Path(src).iterdir()):
-        if item.name in CHECKPOINT_FILES or item.suffix == ".safetensors" or item.name.endswith(".safetensors.index.json"):
-            try:
-                os.link(item, dst / item.name)
-            except OSError:
-                shutil.copy2(item, dst / item.name)
+        if item.name in CHECKPOINT_FILES:
+            _link_or_copy(item, dst / item.name)
+        elif item.suffix == ".safetensors":
+            with safe_open(str(item), framework="pt") as f:
+                names, metadata = list(f.keys()), f.metadata()
+                if not leave_out.intersection(names):
+                    _link_or_copy(item, dst / item.name)
+                    kept_files.add(item.name)
+                    continue
+                tensors = {n: f.get_tensor(n) for n in names if n not in leave_out}
+            if tensors:
+                save_file(tensors, str(dst / item.name), metadata=metadata)
+                kept_files.add(item.name)
+    for index in Path(src).glob("*.safetensors.index.json"):
+        data = json.loads(index.read_text())
+        data["weight_map"] = {n: f for n, f in data.get("weight_map", {}).items()
+                              if n not in leave_out and f in kept_files}
+        (dst / index.name).write_text(json.dumps(data, indent=2) + "\n")
 
 
 def write_manifest(root: Path, info: dict) -> None:
@@ -96,3 +129,24 @@ def read_manifest(root: Path) -> dict:
         if sha256_file(f) != digest:
             raise EngineError(f"{root}: file {name} does not match its checksum in {MANIFEST}")
     return manifest
+
+
+def check_compatible(root: Path, manifest: dict, version: str, gpu: str) -> None:
+    """EngineError unless this specpilot (`version`) on this device (`gpu`: "cpu", or the GPU kind's
+    slug, "h200") may serve the engine without recompiling: the same engine format and specpilot
+    version, and for an engine built on a GPU the same kind of GPU (its kernel configurations and
+    CUDA graphs are that GPU's). An engine built on a CPU runs the torch reference path anywhere."""
+    path = Path(root) / MANIFEST
+    found = manifest.get("format")
+    if found != ENGINE_FORMAT:
+        raise EngineError(f"{path}: engine format {found if found is not None else '(none: an older specpilot)'}; "
+                          f"this specpilot reads format {ENGINE_FORMAT}: recompile the engine (specpilot compile)")
+    if manifest.get("specpilot") != version:
+        raise EngineError(f"{path}: built by specpilot {manifest.get('specpilot')}; this is specpilot {version}: "
+                          "recompile the engine with this version (specpilot compile)")
+    built = manifest.get("built_on", {})
+    built_gpu = built.get("gpu", "cpu")
+    if built_gpu != "cpu" and built_gpu != gpu:
+        here = "no GPU" if gpu == "cpu" else f"a GPU of kind {gpu!r}"
+        raise EngineError(f"{path}: field 'built_on.gpu': built for GPU kind {built_gpu!r} "
+                          f"({built.get('device', '?')}); this machine has {here}: recompile the engine here")

@@ -37,7 +37,7 @@ from ..runtime.replay import Replay, ReplayCausalLM, ReplayDFlash, ReplayPlan
 from ..runtime.sampling import GREEDY, SamplingParams
 from ..runtime.tiny import SPECIAL_TOKENS
 from ..runtime.tokenizer import build_byte_tokenizer, load_tokenizer
-from ..formats.u12 import U12Tensor, load_u12, pack_u12
+from ..formats.u12 import U12Tensor, load_u12, pack_u12, unpack_u12
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -154,6 +154,17 @@ def _stored_u12(model_dir: Path, device: torch.device) -> dict[str, U12Tensor] |
         return load_u12(path, device=device)
     except ValueError as e:
         raise EngineError(str(e)) from None
+
+
+def unpacked(planes: dict[str, U12Tensor] | None) -> dict:
+    """The bf16 weights of stored u12 planes, each unpacked bit for bit when the loader asks (an
+    engine's checkpoint leaves them out: runtime/load.py's `stored`)."""
+    return {name: (lambda t=t: unpack_u12(t)) for name, t in (planes or {}).items()}
+
+
+def stored_weights(model_dir: Path | None, device: torch.device) -> dict:
+    """`unpacked` of the u12 planes stored in `model_dir`, if any (what reading an engine's checkpoint needs)."""
+    return unpacked(_stored_u12(model_dir, device)) if model_dir is not None else {}
 
 
 SHORT_QUERIES = 128  # longer query blocks (prefill) stay with SDPA; a tree verify of budget <= 127 fits
@@ -407,15 +418,17 @@ def build_engine(program: Program, target_dir: Path | None, drafter_dir: Path | 
     dtype = program.attr("dtype")
     compute = TORCH_DTYPES[dtype]
     replay, tokenizer = None, None
-    if shape is None:
-        target, target_cfg = load_target(target_dir, dtype=compute, device=device)
-        drafter = load_drafter(drafter_dir, target, target_cfg, dtype=compute, device=device)
+    planes = {part: _stored_u12(d, device) if d is not None else None
+              for part, d in (("target", target_dir), ("drafter", drafter_dir))}
+    if shape is None:  # an engine's checkpoint leaves out the weights its u12 planes hold
+        target, target_cfg = load_target(target_dir, dtype=compute, device=device, stored=unpacked(planes["target"]))
+        drafter = load_drafter(drafter_dir, target, target_cfg, dtype=compute, device=device,
+                               stored=unpacked(planes["drafter"]))
     else:
         target, target_cfg, drafter, replay = shape.build(program, compute, device)
         tokenizer = shape.tokenizer()
-    stored = lambda d: _stored_u12(d, device) if d is not None else None  # noqa: E731
-    materialize_weights(program.target.items(), target, compute, stored(target_dir))
-    materialize_weights(program.drafter.items(), drafter_root(drafter), compute, stored(drafter_dir))
+    materialize_weights(program.target.items(), target, compute, planes["target"])
+    materialize_weights(program.drafter.items(), drafter_root(drafter), compute, planes["drafter"])
     install_attention_kernels(program.target, target, device)
     install_attention_kernels(program.drafter, drafter_root(drafter), device)
     draft_vocab = install_draft_vocab(program, drafter, target, target_dir, drafter_dir, target_cfg.eos_token_id,

@@ -1,0 +1,171 @@
+"""Deployable engine directories: each weight stored once in its final format, served from a copy in a
+fresh process with no pass run again, and bad engines (a tampered file, a missing shard, another
+specpilot version or GPU kind) refused with an error naming the file."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import torch
+from click.testing import CliRunner
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from specpilot.backends.engine_dir import copy_checkpoint
+from specpilot.cli import main
+from specpilot.compiler import compile_pipeline, load_engine
+from specpilot.formats.u12 import load_u12
+from specpilot.runtime.load import load_target
+from specpilot.spec import load_spec
+
+ROOT = Path(__file__).resolve().parents[1]
+PROMPT = "def add(a, b):"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def compile_zoo(root: Path, name: str, extra: str = "") -> Path:
+    spec = root / f"{name}.yaml"
+    spec.write_text(f"name: {name}\ntarget: code-qwen3\ndrafter:\n  kind: pard\ngpu: h200\nserving:\n"
+                    f"  max_new_tokens: 8\nbenchmark:\n  prompts: code-smoke\n  num_prompts: 1\n{extra}")
+    compile_pipeline(load_spec(spec), out_dir=root / name, device="cpu")
+    return root / name
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory) -> Path:
+    return compile_zoo(tmp_path_factory.mktemp("engines"), "zoo-pard")
+
+
+def copy_of(engine: Path, tmp_path: Path) -> Path:
+    dst = tmp_path / "copied" / "engine"
+    shutil.copytree(engine, dst)
+    return dst
+
+
+def refused(engine: Path, *fragments: str) -> None:
+    r = CliRunner().invoke(main, ["serve", str(engine), "--device", "cpu", "--port", "1"])
+    assert r.exit_code == 2, r.output
+    assert "Traceback" not in r.output
+    for f in fragments:
+        assert f in r.output, r.output
+
+
+def test_copy_checkpoint_leaves_out_what_is_stored_in_another_format(tmp_path):
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    src.mkdir()
+    (src / "config.json").write_text("{}")
+    save_file({"a": torch.ones(2), "b": torch.zeros(3)}, str(src / "model-00001-of-00002.safetensors"),
+              metadata={"format": "pt"})
+    save_file({"c": torch.ones(4)}, str(src / "model-00002-of-00002.safetensors"))
+    (src / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
+        "a": "model-00001-of-00002.safetensors", "b": "model-00001-of-00002.safetensors",
+        "c": "model-00002-of-00002.safetensors"}}))
+    copy_checkpoint(src, dst, frozenset({"b", "c"}))
+    with safe_open(str(dst / "model-00001-of-00002.safetensors"), "pt") as f:
+        assert list(f.keys()) == ["a"] and f.metadata() == {"format": "pt"}
+    assert not (dst / "model-00002-of-00002.safetensors").exists()  # left empty: dropped
+    assert json.loads((dst / "model.safetensors.index.json").read_text())["weight_map"] == {
+        "a": "model-00001-of-00002.safetensors"}
+    assert (dst / "config.json").is_file()
+
+
+@pytest.mark.slow
+def test_u12_engine_stores_each_weight_once_and_loads_bit_exact(tmp_path):
+    """weights-u12 on the tied head/embedding: the checkpoint keeps no bf16 copy of it; the engine
+    (and the reference token forcing reads) rebuild it bit for bit from the planes."""
+    engine = compile_zoo(tmp_path, "zoo-u12", 'dtype: bfloat16\npasses: "weights-u12{kernel=torch,min-numel=1000000}"\n')
+    planes = load_u12(engine / "target" / "u12.safetensors")
+    with safe_open(str(engine / "target" / "model.safetensors"), "pt") as f:
+        kept = set(f.keys())
+    assert planes and not kept & set(planes)  # no weight both in the checkpoint and as planes
+    source, _ = load_target(ROOT / "specpilot" / "zoo" / "code-qwen3" / "target", dtype=torch.bfloat16, device="cpu")
+    loaded = load_engine(copy_of(engine, tmp_path), device="cpu")
+    assert torch.equal(loaded.engine.target.model.embed_tokens.weight, source.model.embed_tokens.weight)
+    r = CliRunner().invoke(main, ["verify", str(engine), "--device", "cpu"])
+    assert r.exit_code == 0 and "PASS" in r.output, r.output
+
+
+GUARDED_SERVE = """
+import sys
+import specpilot.backends.torch_backend as backend
+import specpilot.compiler as compiler
+
+def recompiled(*args, **kwargs):
+    raise SystemExit("recompiled: " + repr(args)[:80])
+
+compiler.run_passes = compiler.compile_pipeline = compiler.lower_spec = backend.pack_u12 = recompiled
+from specpilot.cli import main
+main(sys.argv[1:])
+"""
+
+
+@pytest.mark.slow
+def test_a_copied_engine_is_served_by_a_fresh_process_without_recompiling(engine, tmp_path):
+    copied = copy_of(engine, tmp_path)
+    expected = load_engine(engine, device="cpu")
+    want = expected.tokenizer.decode(expected.engine.generate(expected.tokenizer.encode(PROMPT).ids, 12).tokens)
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "SPECPILOT_CACHE": str(tmp_path / "empty-cache")}
+    log = tmp_path / "server.log"
+    proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(GUARDED_SERVE), "serve", str(copied), "--port",
+                             str(port), "--device", "cpu", "--threads", "1"], cwd=tmp_path, env=env,
+                            stdout=log.open("w"), stderr=subprocess.STDOUT)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        for _ in range(300):
+            assert proc.poll() is None, log.read_text()
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+        r = client.completions.create(model="zoo-pard", prompt=PROMPT, max_tokens=12, temperature=0)
+        assert r.choices[0].text == want
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def test_a_tampered_file_is_refused_naming_it(engine, tmp_path):
+    copied = copy_of(engine, tmp_path)
+    weights = copied / "drafter" / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 1
+    weights.write_bytes(bytes(data))
+    refused(copied, "drafter/model.safetensors does not match its checksum")
+
+
+def test_a_missing_shard_is_refused_naming_it(engine, tmp_path):
+    copied = copy_of(engine, tmp_path)
+    (copied / "target" / "model.safetensors").unlink()
+    refused(copied, "target/model.safetensors listed in engine.json is missing")
+
+
+@pytest.mark.parametrize("field, value, fragments", [
+    ("built_on", {"device": "NVIDIA H100 80GB HBM3", "gpu": "h100"}, ("built_on.gpu", "'h100'", "no GPU")),
+    ("specpilot", "0.0.1", ("built by specpilot 0.0.1", "recompile")),
+    ("format", None, ("engine format (none", "recompile")),
+])
+def test_an_engine_for_another_gpu_or_version_is_refused(engine, tmp_path, field, value, fragments):
+    copied = copy_of(engine, tmp_path)
+    manifest = json.loads((copied / "engine.json").read_text())
+    manifest[field] = value
+    (copied / "engine.json").write_text(json.dumps(manifest))
+    refused(copied, "engine.json", *fragments)
