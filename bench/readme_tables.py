@@ -630,7 +630,32 @@ def kernel_static_sweep() -> str:
     return "\n".join(lines)
 
 
-RENDERERS = {"headline": headline, "targets": targets, "draft_vocab": draft_vocab, "zoo_tau": zoo_tau,
+SERVE_LOAD_FILES = ("serve_load_cpu.json", "serve_load_h100.json", "serve_load_h200.json")
+
+
+def serve_load() -> str:
+    """`specpilot serve` under concurrent streaming clients (bench/e2e/serve_load.py)."""
+    files = _load_present(SERVE_LOAD_FILES)
+    if not files:
+        return _missing("python -m bench.e2e.serve_load")
+    lines = ["| card | engine | streams at once / requests / tokens each | max batch | complete, none duplicated "
+             "| output tokens/s | requests/s | latency p50 / p99 s | first token p50 / p99 s | source |",
+             "|---|---|---|---:|---|---:|---:|---|---|---|"]
+    for name, d in files:
+        a = d["args"]
+        ok = f"{d['complete']}/{d['requests_sent']}, {'yes' if d['none_duplicated'] else 'NO'}"
+        lines.append(f"| {_where(d)} | {d['engine']} | {a['concurrency']} / {a['requests']} / {a['max_tokens']} | "
+                     f"{a['max_batch']} | {ok} | {d['output_tokens_per_s']:.1f} | {d['requests_per_s']:.2f} | "
+                     f"{d['latency_p50_s']:.2f} / {d['latency_p99_s']:.2f} | {d['ttft_p50_s']:.2f} / "
+                     f"{d['ttft_p99_s']:.2f} | `{name}` ({_short(d['commit'])}) |")
+    lines += ["", "Greedy streams through the official openai client against a `specpilot serve` process; each "
+              "request's text is checked against the engine's own output, and the server's token counter against "
+              "the clients' usage. Compute is not batched yet: the engine steps its requests one after another "
+              "(docs/SERVING.md)."]
+    return "\n".join(lines)
+
+
+RENDERERS = {"serve_load": serve_load, "headline": headline, "targets": targets, "draft_vocab": draft_vocab, "zoo_tau": zoo_tau,
              "zoo_e2e": zoo_e2e, "tree_tau": tree_tau, "cost_vs_measured": cost_vs_measured, "step_times": step_times,
              "hf_peers": hf_peers, "attention_split_kv": attention_split_kv, "u12_stats": u12_stats,
              "u12_linear": u12_linear, "kernel_static": kernel_static, "kernel_static_sweep": kernel_static_sweep,
