@@ -194,3 +194,18 @@ def test_close_lets_running_and_waiting_requests_finish_then_refuses_new_ones():
     results, err = run(engine, go, max_batch=1)
     assert [r[-1].finish_reason for r in results] == ["length"] * 3
     assert err.status == 503
+
+
+def test_chat_template_renders_messages_and_refuses_what_it_raises_on(tmp_path):
+    from specpilot.serve.chat import load_chat_template
+
+    assert load_chat_template(tmp_path).render([{"role": "user", "content": "hi"}]) == "user: hi\nassistant:"
+    (tmp_path / "tokenizer_config.json").write_text(
+        '{"bos_token": "<s>", "chat_template": "{{ bos_token }}{% for m in messages %}'
+        '{% if m.role == \'system\' %}{{ raise_exception(\'no system\') }}{% endif %}[{{ m.role }}]{{ m.content }}'
+        '{% endfor %}{% if add_generation_prompt %}[assistant]{% endif %}"}')
+    template = load_chat_template(tmp_path)
+    assert template.render([{"role": "user", "content": "hi"}]) == "<s>[user]hi[assistant]"
+    from jinja2 import TemplateError
+    with pytest.raises(TemplateError, match="no system"):
+        template.render([{"role": "system", "content": "x"}])

@@ -19,6 +19,7 @@ from typing import AsyncIterator, Callable
 
 import anyio
 from fastapi import FastAPI, Request
+from jinja2 import TemplateError
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -124,7 +125,11 @@ def create_app(model: ServedModel, make_scheduler: Callable[[ServeMetrics], Sche
             messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         except ValueError as e:
             raise RequestError(400, str(e), param="messages") from None
-        ids = model.encode(model.chat.render(messages))
+        try:
+            ids = model.encode(model.chat.render(messages))
+        except TemplateError as e:  # a template may refuse a conversation (roles out of order, ...)
+            raise RequestError(400, f"the chat template ({model.chat.source}) refused the messages: {e}",
+                               param="messages") from None
         scheduler = request.app.state.scheduler
         limit = body.token_limit()
         params = request_params(body, limit if limit is not None else max(1, scheduler.room(len(ids))))

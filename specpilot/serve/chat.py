@@ -12,6 +12,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from ..errors import EngineError
@@ -29,8 +30,13 @@ class ChatTemplate:
 
     def render(self, messages: list[dict]) -> str:
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = _raise  # what transformers gives templates to refuse a conversation
         return env.from_string(self.text).render(messages=messages, add_generation_prompt=True,
                                                  bos_token=self.bos_token, eos_token=self.eos_token)
+
+
+def _raise(message: str):
+    raise TemplateError(message)
 
 
 def _token_text(value) -> str:

@@ -161,7 +161,7 @@ class Scheduler:
         if self.thread.is_alive():
             with self.cv:
                 self.aborted.update(r.rid for r in self.waiting)
-                self.aborted.update(self.running)
+                self.aborted.update(list(self.running))
                 self.cv.notify()
             self.thread.join(timeout)
 
