@@ -21,17 +21,17 @@ def zoo(tmp_path_factory):
     """kind -> (engine, tokenizer) of the zoo pair, built once per module."""
     built = {}
 
-    def get(kind: str, passes: str = ""):
-        if (kind, passes) not in built:
-            built[kind, passes] = zoo_engine(tmp_path_factory.mktemp("spec"), kind, passes)
-        return built[kind, passes]
+    def get(kind: str, passes: str = "", pair: str = "code-qwen3"):
+        if (kind, passes, pair) not in built:
+            built[kind, passes, pair] = zoo_engine(tmp_path_factory.mktemp("spec"), kind, passes, pair)
+        return built[kind, passes, pair]
 
     return get
 
 
-def zoo_engine(tmp_path, kind: str, passes: str = ""):
+def zoo_engine(tmp_path, kind: str, passes: str = "", pair: str = "code-qwen3"):
     spec = tmp_path / f"{kind}.yaml"
-    spec.write_text(f"name: z\ntarget: code-qwen3\ndrafter:\n  kind: {kind}\ngpu: h200\nserving:\n  max_new_tokens: 8\n"
+    spec.write_text(f"name: z\ntarget: {pair}\ndrafter:\n  kind: {kind}\ngpu: h200\nserving:\n  max_new_tokens: 8\n"
                     f"benchmark:\n  prompts: code-smoke\n  num_prompts: 1\npasses: \"{passes}\"\n")
     p = prepare(load_spec(spec), None, "cpu")
     return build_engine(p.program, p.dirs.target, p.dirs.drafter, p.device), load_tokenizer(p.dirs.target)
@@ -54,9 +54,10 @@ def run_all(step_engine: Batch1StepEngine, requests: dict[str, tuple[list[int], 
     return out, chunks
 
 
-@pytest.mark.parametrize("kind", ["pard", "dflash"])
-def test_interleaved_chain_sessions_equal_the_engines_own_loop(zoo, kind):
-    engine, tok = zoo(kind)
+@pytest.mark.parametrize("pair, kind", [("code-qwen3", "pard"), ("code-qwen3", "dflash"), ("code-qwen3-next", "dflash")])
+def test_interleaved_chain_sessions_equal_the_engines_own_loop(zoo, pair, kind):
+    """Attention targets and the hybrid (Gated DeltaNet) one, whose rollback selects recurrent states."""
+    engine, tok = zoo(kind, pair=pair)
     se = Batch1StepEngine(engine, max_batch=3)
     requests = {str(i): (tok.encode(p).ids, RequestParams(16)) for i, p in enumerate(PROMPTS)}
     out, chunks = run_all(se, requests)
