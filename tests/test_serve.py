@@ -52,6 +52,16 @@ def start_server(engine_dir: Path, *args: str, log: Path) -> tuple[subprocess.Po
     raise AssertionError(f"server did not start:\n{log.read_text()}")
 
 
+def wait_for_metric(url: str, name: str, value: float, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        lines = httpx.get(f"{url}/metrics").text.splitlines()
+        if f"{name} {value}" in lines:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"{name} never reached {value}")
+
+
 def stop_server(proc: subprocess.Popen) -> int:
     proc.send_signal(signal.SIGTERM)
     try:
@@ -193,6 +203,7 @@ def test_metrics_count_requests_and_tokens(client, server):
     assert "specpilot_time_to_first_token_seconds_bucket" in text
 
 
+@pytest.mark.slow
 def test_full_queue_disconnect_and_shutdown(engine_dir, tmp_path):
     """One slot, one queue place: a third request is refused with 429; a client that leaves mid-stream,
     or gives up on a non-streamed request, frees its slot (the next request is served); SIGTERM lets a
@@ -205,7 +216,7 @@ def test_full_queue_disconnect_and_shutdown(engine_dir, tmp_path):
         next(iter(running))  # admitted and streaming
         with ThreadPoolExecutor(1) as pool:
             waiting = pool.submit(client.completions.create, **(long | dict(max_tokens=4)))
-            time.sleep(0.5)
+            wait_for_metric(url, "specpilot_requests_waiting", 1.0)
             with pytest.raises(openai.RateLimitError) as e:
                 client.completions.create(**long)
             assert e.value.status_code == 429 and e.value.body["code"] == "queue_full"
