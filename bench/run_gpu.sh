@@ -100,7 +100,10 @@ if [ -z "${PRINT_ONLY:-}" ]; then
   trap 'for f in "$LOGS"/*.log; do echo "===== $(basename "$f")"; cat "$f"; done >"$OUT/logs.txt" 2>/dev/null' EXIT
   python -m pip install -q --no-deps --no-build-isolation -e . >"$LOGS/install.log" 2>&1 || { tail "$LOGS/install.log"; exit 1; }
   if ls .whl/*.whl >/dev/null 2>&1; then
-    python -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl >>"$LOGS/install.log" 2>&1
+    # binary wheels of several Pythons may travel: only this Python's (cpXY) beside the pure ones
+    pyv=$(python -c 'import sys; print(f"cp{sys.version_info[0]}{sys.version_info[1]}")')
+    python -m pip install -q --no-index --no-deps --no-compile --target /tmp/site \
+      $(ls .whl/*.whl | grep -v -- '-cp3[0-9]*-'; ls .whl/*.whl | grep -- "-$pyv-") >>"$LOGS/install.log" 2>&1
     export PYTHONPATH=/tmp/site
   fi
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$LOGS/0-card.log"

@@ -121,7 +121,8 @@ def test_a_copied_engine_is_served_by_a_fresh_process_without_recompiling(engine
     expected = load_engine(engine, device="cpu")
     want = expected.tokenizer.decode(expected.engine.generate(expected.tokenizer.encode(PROMPT).ids, 12).tokens)
     port = free_port()
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "SPECPILOT_CACHE": str(tmp_path / "empty-cache")}
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))  # ours first, kept the rest
+    env = {**os.environ, "PYTHONPATH": path, "SPECPILOT_CACHE": str(tmp_path / "empty-cache")}
     log = tmp_path / "server.log"
     proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(GUARDED_SERVE), "serve", str(copied), "--port",
                              str(port), "--device", "cpu", "--threads", "1"], cwd=tmp_path, env=env,

@@ -34,7 +34,8 @@ def free_port() -> int:
 def start_server(engine_dir: Path, *args: str, log: Path) -> tuple[subprocess.Popen, str]:
     """`specpilot serve ENGINE` in a fresh process; returns it and its base URL once /health answers."""
     port = free_port()
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))  # ours first, kept the rest
+    env = {**os.environ, "PYTHONPATH": path}
     proc = subprocess.Popen([sys.executable, "-m", "specpilot.cli", "serve", str(engine_dir), "--port", str(port),
                              "--threads", "1", "--device", "cpu", *args], cwd=ROOT, env=env,
                             stdout=log.open("w"), stderr=subprocess.STDOUT)

@@ -59,7 +59,8 @@ def start_server(engine: Path, port: int, args, log: Path) -> subprocess.Popen:
            "--max-batch", str(args.max_batch), "--max-queue", str(args.requests), "--log-level", "warning"]
     if args.threads:
         cmd += ["--threads", str(args.threads)]
-    env = {**os.environ, "PYTHONPATH": str(harness.ROOT)}
+    path = os.pathsep.join(filter(None, [str(harness.ROOT), os.environ.get("PYTHONPATH")]))  # ours first, kept the rest
+    env = {**os.environ, "PYTHONPATH": path}
     proc = subprocess.Popen(cmd, cwd=harness.ROOT, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
