@@ -19,6 +19,7 @@ import openai
 import pytest
 
 from specpilot.compiler import compile_pipeline, load_engine
+from specpilot.runtime.sampling import SamplingParams
 from specpilot.spec import load_spec
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -87,10 +88,11 @@ def reference(engine_dir):
     """The engine in this process: what the server must answer, token for token."""
     loaded = load_engine(engine_dir, device="cpu")
 
-    def greedy(prompt: str, n: int) -> str:
-        return loaded.tokenizer.decode(loaded.engine.generate(loaded.tokenizer.encode(prompt).ids, n).tokens)
+    def output(prompt: str, n: int, sampling: SamplingParams = SamplingParams()) -> str:
+        ids = loaded.tokenizer.encode(prompt).ids
+        return loaded.tokenizer.decode(loaded.engine.generate(ids, n, sampling).tokens)
 
-    return greedy
+    return output
 
 
 @pytest.fixture(scope="module")
@@ -153,12 +155,12 @@ def test_stop_sequence_cuts_the_text_before_it(client, reference, stream):
     assert (text, reason) == (expected, "stop")
 
 
-def test_seeded_sampling_repeats_and_differs_by_seed(client):
+def test_sampling_is_the_engines_lossless_speculative_sampling_for_the_seed(client, reference):
     def sample(seed):
         return client.completions.create(model="zoo-pard", prompt=PROMPT, max_tokens=12, temperature=1.0,
-                                         seed=seed).choices[0].text
+                                         top_p=0.9, seed=seed).choices[0].text
 
-    assert sample(7) == sample(7)
+    assert sample(7) == sample(7) == reference(PROMPT, 12, SamplingParams(1.0, 0.9, seed=7))
     assert len({sample(s) for s in (1, 2, 3)}) > 1
 
 

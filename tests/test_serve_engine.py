@@ -1,16 +1,16 @@
 """The StepEngine adapter over the batch-1 loops (serve/batch1.py): interleaved requests get exactly the
-engine's own greedy output, step by step; sampling is seeded per request and keeps top-p's nucleus."""
+engine's own output, step by step, greedy or sampled (seeded per request)."""
 
 from __future__ import annotations
 
 import pytest
-import torch
 
 from specpilot.backends.torch_backend import build_engine
 from specpilot.compiler import prepare
 from specpilot.runtime.engine_api import RequestParams
 from specpilot.runtime.tokenizer import load_tokenizer
-from specpilot.serve.batch1 import Batch1StepEngine, ChainSession, WholeRunSession, sample_token
+from specpilot.runtime.sampling import SamplingParams
+from specpilot.serve.batch1 import Batch1StepEngine, ChainSession, WholeRunSession, sampling_params
 from specpilot.spec import load_spec
 
 PROMPTS = ["def add(a, b):", "class Stack:\n    def push(self, x):"]
@@ -89,29 +89,25 @@ def test_admission_beyond_max_batch_is_refused_and_release_frees_the_slot(zoo):
     assert se.active() == ["b"]
 
 
-def test_sampling_is_seeded_per_request_and_a_tiny_top_p_is_greedy(zoo):
-    engine, tok = zoo("pard")
+@pytest.mark.parametrize("kind, passes", [("pard", ""), ("dflash", ""), ("dflash", "tree-verify{budget=8}")])
+def test_sampled_requests_draw_what_the_engines_own_sampled_loop_draws(zoo, kind, passes):
+    """Temperature > 0: lossless speculative sampling (runtime/sampling.py), seeded per request, so a
+    request interleaved with others gets exactly the engine's own sampled run for its seed."""
+    engine, tok = zoo(kind, passes)
     ids = tok.encode(PROMPTS[0]).ids
     se = Batch1StepEngine(engine, max_batch=4)
-    requests = {"a": (ids, RequestParams(8, temperature=0.9, seed=1)),
-                "b": (ids, RequestParams(8, temperature=0.9, seed=1)),
-                "c": (ids, RequestParams(8, temperature=0.9, seed=2)),
-                "g": (ids, RequestParams(8, temperature=0.9, top_p=1e-6, seed=3))}
+    requests = {"a": (ids, RequestParams(12, temperature=0.9, top_p=0.95, seed=1)),
+                "b": (ids, RequestParams(12, temperature=0.9, top_p=0.95, seed=1)),
+                "c": (ids, RequestParams(12, temperature=0.9, top_p=0.95, seed=2)),
+                "g": (tok.encode(PROMPTS[1]).ids, RequestParams(12))}
     out, _ = run_all(se, requests)
-    assert out["a"] == out["b"] and out["a"] != out["c"]
-    assert out["g"] == engine.generate_ar(ids, 8).tokens  # a nucleus of one token: the argmax
+    assert out["a"] == out["b"] != out["c"]
+    assert out["a"] == engine.generate(ids, 12, SamplingParams(0.9, 0.95, seed=1)).tokens
+    assert out["g"] == engine.generate(tok.encode(PROMPTS[1]).ids, 12).tokens
 
 
-def test_sample_token_follows_the_tempered_nucleus_distribution():
-    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0])
-    temperature, top_p, n = 0.7, 0.8, 4000
-    g = torch.Generator().manual_seed(0)
-    counts = torch.bincount(torch.tensor([sample_token(logits, temperature, top_p, g) for _ in range(n)]),
-                            minlength=5).float()
-    p = torch.softmax(logits / temperature, -1)
-    keep = (p.cumsum(-1) - p) < top_p  # sorted already: the nucleus
-    expected = torch.where(keep, p, torch.zeros_like(p))
-    expected /= expected.sum()
-    assert counts[~keep].sum() == 0
-    sd = (expected * (1 - expected) / n).sqrt()
-    assert ((counts / n - expected).abs() <= 5 * sd + 1e-9).all(), (counts / n, expected)
+def test_seeds_map_into_the_runtimes_range():
+    assert sampling_params(RequestParams(4)).greedy
+    assert sampling_params(RequestParams(4, temperature=0.5, seed=-1)).seed == 2**64 - 1
+    a, b = (sampling_params(RequestParams(4, temperature=0.5)).seed for _ in range(2))
+    assert a != b  # no seed: a fresh one each request
