@@ -58,10 +58,19 @@ def chat_template(model_dir: str | Path) -> str | None:
     return template
 
 
-def chat_prompt(template: str, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+def chat_prompt(template: str, messages: list[dict[str, str]], add_generation_prompt: bool = True,
+                **variables: str) -> str:
     """`messages` ([{"role", "content"}, ...]) rendered by a model's Jinja chat template, in a sandbox
-    (a template is data from a model file, never trusted code), as transformers' apply_chat_template does."""
+    (a template is data from a model file, never trusted code), as transformers' apply_chat_template does:
+    `variables` (bos_token, eos_token) and `raise_exception` (a jinja2.TemplateError: the template
+    refuses the conversation) are what templates may use besides."""
+    from jinja2 import TemplateError
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+    def raise_exception(message: str):
+        raise TemplateError(message)
+
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-    return env.from_string(template).render(messages=messages, add_generation_prompt=add_generation_prompt)
+    env.globals["raise_exception"] = raise_exception
+    return env.from_string(template).render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                            **variables)

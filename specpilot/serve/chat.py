@@ -1,9 +1,10 @@
 """Chat messages -> prompt text: the tokenizer's chat template, else a documented plain one.
 
 A model directory's tokenizer_config.json may carry a Jinja `chat_template` (Hugging Face's
-convention); it is rendered in Jinja's sandbox as transformers renders it (messages,
-add_generation_prompt=True, bos_token, eos_token). A tokenizer without one (the zoo's code models)
-gets PLAIN_TEMPLATE: each message as "<role>: <content>" on its own line, then "assistant:".
+convention); runtime/tokenizer.py reads it and renders it in Jinja's sandbox as transformers does
+(messages, add_generation_prompt=True, bos_token, eos_token, raise_exception). A tokenizer without
+one (the zoo's code models) gets PLAIN_TEMPLATE: each message as "<role>: <content>" on its own
+line, then "assistant:".
 """
 
 from __future__ import annotations
@@ -12,10 +13,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from jinja2 import TemplateError
-from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-from ..errors import EngineError
+from ..runtime.tokenizer import chat_prompt, chat_template
 
 PLAIN_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
                   "{% if add_generation_prompt %}assistant:{% endif %}")
@@ -29,14 +27,8 @@ class ChatTemplate:
     eos_token: str = ""
 
     def render(self, messages: list[dict]) -> str:
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        env.globals["raise_exception"] = _raise  # what transformers gives templates to refuse a conversation
-        return env.from_string(self.text).render(messages=messages, add_generation_prompt=True,
-                                                 bos_token=self.bos_token, eos_token=self.eos_token)
-
-
-def _raise(message: str):
-    raise TemplateError(message)
+        """The prompt text; jinja2.TemplateError where the template refuses the conversation."""
+        return chat_prompt(self.text, messages, bos_token=self.bos_token, eos_token=self.eos_token)
 
 
 def _token_text(value) -> str:
@@ -44,17 +36,11 @@ def _token_text(value) -> str:
 
 
 def load_chat_template(model_dir: Path) -> ChatTemplate:
-    """The chat template of the tokenizer in `model_dir` (its tokenizer_config.json), else the plain one."""
+    """The chat template of the tokenizer in `model_dir` (its tokenizer_config.json), else the plain one;
+    a CheckpointError naming the file where that is malformed."""
+    template = chat_template(model_dir)
+    if not template:
+        return ChatTemplate("plain", PLAIN_TEMPLATE)
     path = Path(model_dir) / "tokenizer_config.json"
-    if not path.is_file():
-        return ChatTemplate("plain", PLAIN_TEMPLATE)
-    try:
-        cfg = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise EngineError(f"{path}: not valid JSON ({e.msg})") from None
-    template = cfg.get("chat_template")
-    if isinstance(template, list):  # named templates: HF picks "default"
-        template = next((t.get("template") for t in template if t.get("name") == "default"), None)
-    if not isinstance(template, str) or not template:
-        return ChatTemplate("plain", PLAIN_TEMPLATE)
+    cfg = json.loads(path.read_text(encoding="utf-8"))  # chat_template() has parsed it: a JSON object
     return ChatTemplate(str(path), template, _token_text(cfg.get("bos_token")), _token_text(cfg.get("eos_token")))
