@@ -1,0 +1,558 @@
+"""Batched speculative decoding: many requests at once, joining and leaving at every step.
+
+`BatchEngine` implements `engine_api.StepEngine` over the runtime's own models (no new model code):
+it drives their layers through `ragged_forward`, which runs the rows of many requests packed into
+one flat token batch (no padding to the longest), each request with its own KV slot, past length,
+positions and visibility.
+
+KV: one static cache of `max_batch + 1` rows (`SlotKV`: the runtime's stacked KVCache, a row a
+request, the last row scratch for padding rows of CUDA-graph buckets) with a host length per row;
+rollback is a pointer move per request, as in the batch-1 loops. A DFlash drafter keeps its context
+K/V in a SlotKV of its own, a PARD drafter its causal LM's.
+
+One `step()`:
+
+  admit     requests admitted since the last step are prefilled together (packed, causal each),
+            emitting their first token;
+  control   each running request's draft length (BatchPolicy: spec control, else the block's);
+  draft     one drafter forward over every drafting request: DFlash adds each request's new context
+            features (the target's hidden states of its last committed tokens) and drafts its block;
+            PARD runs each request's fresh committed tokens + masks, causal;
+  budget    with verify-budget, the batch-wide number of verified drafts and its split by survival
+            (batch_control.choose_verify_budget); without ragged packing every request is padded
+            to the longest share (it verifies that many of its drafts);
+  verify    one target forward over [last committed token, drafts...] of every request, packed;
+  accept    on the device: per request the longest prefix of drafts equal to the target's argmax,
+            and the bonus; one transfer of (accepted count, bonus) a step;
+  commit    each request's target cache length moves to its accepted path (a pointer move).
+
+Lossless: a request's rows see exactly its own cached prefix and its own earlier rows (the
+attention is per request; nothing of another request is visible), so each committed token is the
+target's greedy choice given that request's prefix, as in its own batch-1 AR run (tests: every
+request's output equals its batch-1 AR output in fp32, whatever shares its batch and whenever it
+joins or leaves).
+
+Attention is a hook (`attention`): `ragged_attention_reference` (SDPA per request, the default) or
+the split-KV kernel's ragged mode, which a backend installs (backends/kernel_hooks.py).
+Greedy only: temperature > 0 is refused at admission.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from functools import cached_property
+
+import torch
+
+from specpilot.runtime.batch_control import (BatchPolicy, SpecControl, choose_verify_budget, survival_from_confidence,
+                                             survival_from_rate)
+from specpilot.runtime.cache import KVCache
+from specpilot.runtime.decode import OutputTokens
+from specpilot.runtime.dflash import DFlashDrafter
+from specpilot.runtime.engine_api import RequestParams
+from specpilot.runtime.model import PardDrafter, Transformer, attend, build_mask
+
+
+@dataclass(frozen=True, eq=False)
+class Ragged:
+    """Rows of several requests packed flat: request i owns rows starts[i]..starts[i]+counts[i]-1,
+    sits in KV row slots[i], has pasts[i] cached keys (all visible to its rows), and its new rows
+    sit at key slots pasts[i].. and see each other as `mask` says ("causal", "full", or per request
+    a bool [count, count] tensor: a tree). `positions` (RoPE) default to the key slots."""
+
+    slots: tuple[int, ...]
+    pasts: tuple[int, ...]
+    counts: tuple[int, ...]
+    mask: str | tuple[torch.Tensor, ...]
+    device: torch.device
+    positions: torch.Tensor | None = None  # [N] int64, when not the key slots (trees: past + depth)
+    pad_to: int = 0  # total rows after padding (CUDA-graph buckets): extra rows go to `pad_slot`
+    pad_slot: int = -1
+
+    def __post_init__(self):
+        if not (len(self.slots) == len(self.pasts) == len(self.counts)):
+            raise ValueError("Ragged: slots, pasts and counts must have one entry per request")
+        if any(c < 1 for c in self.counts):
+            raise ValueError(f"Ragged: every request needs at least one row, got counts {self.counts}")
+
+    @cached_property
+    def starts(self) -> tuple[int, ...]:
+        out, s = [], 0
+        for c in self.counts:
+            out.append(s)
+            s += c
+        return tuple(out)
+
+    @property
+    def rows(self) -> int:
+        return sum(self.counts)
+
+    @property
+    def total(self) -> int:
+        return max(self.rows, self.pad_to)
+
+    @property
+    def max_count(self) -> int:
+        return max(self.counts)
+
+    @cached_property
+    def token_slot(self) -> torch.Tensor:
+        """[total] the KV row of every packed row (padding rows: pad_slot)."""
+        ids = [s for s, c in zip(self.slots, self.counts) for _ in range(c)]
+        ids += [self.pad_slot] * (self.total - len(ids))
+        return torch.tensor(ids, dtype=torch.long, device=self.device)
+
+    @cached_property
+    def token_key(self) -> torch.Tensor:
+        """[total] the key slot every packed row writes (padding rows: 0..)."""
+        keys = [p + j for p, c in zip(self.pasts, self.counts) for j in range(c)]
+        keys += list(range(self.total - len(keys)))
+        return torch.tensor(keys, dtype=torch.long, device=self.device)
+
+    @cached_property
+    def token_position(self) -> torch.Tensor:
+        if self.positions is None:
+            return self.token_key
+        pad = torch.arange(self.total - self.rows, device=self.device)
+        return torch.cat((self.positions.to(self.device), pad))
+
+    @cached_property
+    def device_args(self) -> dict[str, torch.Tensor]:
+        """cu_seqlens [B+1], slots [B], pasts [B] as int32 device tensors (the kernel's arguments)."""
+        i32 = dict(dtype=torch.int32, device=self.device)
+        return {"cu": torch.tensor([*self.starts, self.rows], **i32), "slots": torch.tensor(self.slots, **i32),
+                "pasts": torch.tensor(self.pasts, **i32)}
+
+    def request_mask(self, i: int) -> str | torch.Tensor:
+        return self.mask if isinstance(self.mask, str) else self.mask[i]
+
+    @cached_property
+    def tree_masks(self) -> torch.Tensor | None:
+        """[B, T, T] bool (T the longest count), each request's tree in its top-left corner."""
+        if isinstance(self.mask, str):
+            return None
+        t = self.max_count
+        out = torch.zeros(len(self.counts), t, t, dtype=torch.bool, device=self.device)
+        for i, (m, c) in enumerate(zip(self.mask, self.counts)):
+            out[i, :c, :c] = m.to(self.device)
+        return out
+
+
+RaggedAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Ragged], torch.Tensor]
+
+
+def ragged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, r: Ragged) -> torch.Tensor:
+    """q [N, H, D] packed (N >= r.rows) over k, v [slots, Hkv, cap, D] -> [N, H, D]: request i's rows
+    attend to its slot's first pasts[i] keys and its own new keys as the mask says (SDPA per
+    request, the batch-1 loops' own attention). Padding rows come out zero."""
+    out = torch.zeros_like(q)
+    for i, (slot, past, count, start) in enumerate(zip(r.slots, r.pasts, r.counts, r.starts)):
+        qi = q[start:start + count].transpose(0, 1)[None]  # [1, H, T, D]
+        k = k_cache[slot:slot + 1, :, :past + count]
+        v = v_cache[slot:slot + 1, :, :past + count]
+        o = attend(qi, k, v, build_mask(r.request_mask(i), past, count, q.device))
+        out[start:start + count] = o[0].transpose(0, 1)
+    return out
+
+
+class SlotKV:
+    """A static KV cache of `rows` request rows (the runtime's stacked KVCache) and a host length
+    per row. Row `rows - 1` is scratch (where padding rows of a bucketed forward write)."""
+
+    def __init__(self, cache: KVCache, rows: int) -> None:
+        self.cache = cache
+        self.rows = rows
+        self.lengths = [0] * rows
+
+    @property
+    def capacity(self) -> int:
+        return self.cache.max_len
+
+    @property
+    def scratch(self) -> int:
+        return self.rows - 1
+
+    def write(self, layer: int, r: Ragged, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v [1, Hkv, N, D] of the packed rows into their slots and key slots."""
+        self.cache.k[layer][r.token_slot, :, r.token_key] = k[0].transpose(0, 1)
+        self.cache.v[layer][r.token_slot, :, r.token_key] = v[0].transpose(0, 1)
+
+
+@dataclass
+class RaggedOutput:
+    x: torch.Tensor  # [N, hidden] after the final norm (the head's input)
+    hidden: torch.Tensor | None  # [N, len(layers) * hidden] of the asked layers
+
+
+def ragged_forward(model: Transformer, kv: SlotKV, ids: torch.Tensor, r: Ragged, attention: RaggedAttention,
+                   hidden_layers: tuple[int, ...] = ()) -> RaggedOutput:
+    """The model's layers over packed rows ids [N] (the batch-1 forward's ops, row for row): K/V land
+    at each row's slot and key slot; lengths are the caller's to move."""
+    x = model.embed(ids[None])  # [1, N, hidden]
+    cos, sin = model.rope(r.token_position[None], kv.capacity)
+    picked = {}
+    for i, layer in enumerate(model.model.layers):
+        attn = layer.self_attn
+        h = layer.input_layernorm(x)
+        k, v = attn.keys_values(h, cos, sin)
+        kv.write(i, r, k, v)
+        q = attn.queries(h, cos, sin)[0].transpose(0, 1)  # [N, H, D]
+        o = attention(q, kv.cache.k[i], kv.cache.v[i], r)
+        x = x + attn.output(o.transpose(0, 1)[None])
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+        if i in hidden_layers:
+            picked[i] = x
+    hidden = torch.cat([picked[i] for i in hidden_layers], dim=-1)[0] if hidden_layers else None
+    return RaggedOutput(model.final_norm(x)[0], hidden)
+
+
+def dflash_add_context(drafter: DFlashDrafter, kv: SlotKV, hidden: torch.Tensor, r: Ragged) -> None:
+    """Each request's new context features (packed rows of `hidden`) into its drafter slot, kept."""
+    ctx = drafter.encoder(hidden[None].to(drafter.dtype))
+    cos, sin = drafter.rope(r.token_position[None], kv.capacity)
+    for i, layer in enumerate(drafter.layers):
+        k, v = layer.self_attn.keys_values(ctx, cos, sin)
+        kv.write(i, r, k, v)
+
+
+def dflash_draft(drafter: DFlashDrafter, kv: SlotKV, blocks: torch.Tensor, r: Ragged,
+                 attention: RaggedAttention) -> torch.Tensor:
+    """Blocks [anchor, mask x (bs-1)] of each request (packed, `r` with mask "full" at the context
+    lengths) -> logits [B, bs-1, V]: DFlashDrafter.forward's ops per request, the block's K/V in
+    scratch slots past the context."""
+    x = drafter.embed(blocks[None]).to(drafter.dtype)
+    cos, sin = drafter.rope(r.token_position[None], kv.capacity)
+    for i, layer in enumerate(drafter.layers):
+        attn = layer.self_attn
+        h = layer.input_layernorm(x)
+        k, v = attn.keys_values(h, cos, sin)
+        kv.write(i, r, k, v)
+        q = attn.queries(h, cos, sin)[0].transpose(0, 1)
+        x = x + attn.output(attention(q, kv.cache.k[i], kv.cache.v[i], r).transpose(0, 1)[None])
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+    bs = r.counts[0]
+    x = x[0, :r.rows].view(len(r.counts), bs, -1)[:, 1:]
+    return drafter.head(drafter.norm(x))
+
+
+@dataclass
+class Request:
+    rid: str
+    slot: int
+    prompt: list[int]
+    out: OutputTokens
+    seq: list[int] = field(default_factory=list)  # prompt + committed output
+    prefilled: bool = False
+    context: torch.Tensor | None = None  # DFlash: hidden rows of committed tokens not yet in the drafter's cache
+    accepted: list[int] = field(default_factory=list)  # drafts accepted per speculative step (bonus excluded)
+    verified: list[int] = field(default_factory=list)  # drafts verified per step (0: an AR step)
+
+
+@dataclass(frozen=True)
+class BatchConfig:
+    """Sizes of a batched engine: concurrent requests and KV slots per request (prompt + output +
+    one verify block must fit), and token-count buckets of the verify forward (0: exact counts)."""
+
+    max_batch: int = 8
+    capacity: int = 1024
+    buckets: tuple[int, ...] = ()  # verify forwards padded up to the next bucket (CUDA-graph shapes)
+
+    def __post_init__(self):
+        if self.max_batch < 1 or self.capacity < 2:
+            raise ValueError(f"BatchConfig: max_batch >= 1 and capacity >= 2 expected, got {self.max_batch}, {self.capacity}")
+        if list(self.buckets) != sorted(set(self.buckets)) or any(b < 1 for b in self.buckets):
+            raise ValueError(f"BatchConfig.buckets must be increasing positive token counts, got {self.buckets}")
+
+    def bucket(self, rows: int) -> int:
+        for b in self.buckets:
+            if b >= rows:
+                return b
+        return rows
+
+
+@dataclass
+class StepStats:
+    """What the engine did, summed over steps (for benchmarks and tests)."""
+
+    steps: int = 0
+    verify_rows: int = 0  # packed verify rows, padding to buckets excluded
+    padded_rows: int = 0  # rows of padding to the longest share (ragged off) and to buckets
+    drafted_requests: int = 0
+    committed: int = 0
+    ar_steps: int = 0  # steps where no request speculated
+
+
+class BatchEngine:
+    """Continuous batching over a target and a parallel drafter (or none: batched AR)."""
+
+    def __init__(self, target: Transformer, drafter: DFlashDrafter | PardDrafter | None, *, eos_token_id: int | None,
+                 config: BatchConfig = BatchConfig(), policy: BatchPolicy | None = None,
+                 block_size: int | None = None, attention: RaggedAttention = ragged_attention_reference,
+                 draft_hook: Callable[[torch.Tensor, list["Request"], list[int]], torch.Tensor] | None = None) -> None:
+        """`block_size`: DFlash block incl. the anchor / PARD k (default the drafter's). `draft_hook`
+        (logits [B, k, V], the drafting requests, the absolute position of each one's first draft)
+        may rewrite the drafts' logits (replay drafters)."""
+        if not isinstance(target, Transformer):
+            raise TypeError(f"BatchEngine runs llama/qwen3 targets (Transformer), got {type(target).__name__}")
+        self.target = target.eval()
+        self.drafter = drafter
+        self.kind = "ar" if drafter is None else "pard" if isinstance(drafter, PardDrafter) else "dflash"
+        if block_size is None:
+            block_size = 1 if drafter is None else drafter.k if isinstance(drafter, PardDrafter) else drafter.block_size
+        self.block_size = block_size
+        drafts = 0 if drafter is None else block_size - 1 if self.kind == "dflash" else block_size
+        self.policy = policy or BatchPolicy(max_drafts=drafts)
+        if self.policy.max_drafts > drafts:
+            raise ValueError(f"BatchPolicy.max_drafts={self.policy.max_drafts} exceeds the {drafts} drafts a "
+                             f"{self.kind} block of {block_size} makes")
+        self.control = SpecControl(self.policy)
+        self.config = config
+        self.max_batch = config.max_batch
+        self.eos_token_id = eos_token_id
+        self.attention = attention
+        self.draft_hook = draft_hook
+        rows = config.max_batch + 1
+        self.kv = SlotKV(target.new_cache(rows, config.capacity), rows)
+        self.draft_kv: SlotKV | None = None
+        if self.kind == "dflash":
+            self.draft_kv = SlotKV(drafter.new_cache(rows, config.capacity), rows)
+        elif self.kind == "pard":
+            self.draft_kv = SlotKV(drafter.model.new_cache(rows, config.capacity), rows)
+        self.layers = tuple(drafter.target_layer_ids) if self.kind == "dflash" else ()
+        self.requests: dict[str, Request] = {}
+        self.free = list(range(config.max_batch))
+        self.stats = StepStats()
+
+    # --- the StepEngine interface ------------------------------------------------------------
+
+    def admit(self, rid: str, prompt_ids: list[int], params: RequestParams) -> None:
+        if rid in self.requests:
+            raise ValueError(f"request {rid!r} is already active")
+        if params.temperature > 0:
+            raise ValueError(f"request {rid!r}: temperature={params.temperature}: this batched engine decodes "
+                             "greedily only (temperature 0); sampling is speculative sampling's (runtime/sampling.py)")
+        if params.max_new_tokens < 0:
+            raise ValueError(f"request {rid!r}: max_new_tokens must be >= 0, got {params.max_new_tokens}")
+        if not prompt_ids:
+            raise ValueError(f"request {rid!r}: the prompt is empty")
+        need = len(prompt_ids) + params.max_new_tokens + self.block_size + 1
+        if need > self.config.capacity:
+            raise ValueError(f"request {rid!r}: prompt {len(prompt_ids)} + max_new_tokens {params.max_new_tokens} + "
+                             f"a block of {self.block_size} need {need} KV slots; the engine holds {self.config.capacity} "
+                             "a request (BatchConfig.capacity)")
+        if not self.free:
+            raise RuntimeError(f"request {rid!r}: all {self.max_batch} slots are taken; release one first")
+        slot = self.free.pop(0)
+        self.requests[rid] = Request(rid, slot, list(prompt_ids), OutputTokens(params.max_new_tokens, self.eos_token_id),
+                                     seq=list(prompt_ids))
+
+    def release(self, rid: str) -> None:
+        req = self.requests.pop(rid, None)
+        if req is None:
+            raise KeyError(f"request {rid!r} is not active")
+        self.kv.lengths[req.slot] = 0
+        if self.draft_kv is not None:
+            self.draft_kv.lengths[req.slot] = 0
+        self.free.append(req.slot)
+        self.free.sort()
+        self.control.forget(rid)
+
+    def active(self) -> list[str]:
+        return list(self.requests)
+
+    def done(self, rid: str) -> bool:
+        """The request has all its tokens (EOS or max_new_tokens): release it."""
+        return self.requests[rid].out.done
+
+    def output(self, rid: str) -> list[int]:
+        return list(self.requests[rid].out.tokens)
+
+    def request(self, rid: str) -> Request:
+        return self.requests[rid]
+
+    @torch.inference_mode()
+    def step(self) -> dict[str, list[int]]:
+        new: dict[str, list[int]] = {rid: [] for rid in self.requests}
+        fresh = [r for r in self.requests.values() if not r.prefilled and not r.out.done]
+        if fresh:
+            self._prefill(fresh, new)
+        running = [r for r in self.requests.values() if r.prefilled and not r.out.done and r not in fresh]
+        if running:
+            self._decode(running, new)
+        return new
+
+    # --- the step's parts --------------------------------------------------------------------
+
+    def _prefill(self, reqs: list[Request], new: dict[str, list[int]]) -> None:
+        dev = self.target.device
+        r = Ragged(tuple(q.slot for q in reqs), (0,) * len(reqs), tuple(len(q.prompt) for q in reqs), "causal", dev)
+        ids = torch.tensor([t for q in reqs for t in q.prompt], dtype=torch.long, device=dev)
+        out = ragged_forward(self.target, self.kv, ids, r, self.attention, self.layers)
+        last = torch.tensor([s + c - 1 for s, c in zip(r.starts, r.counts)], device=dev)
+        first = self.target.head(out.x[last]).argmax(-1).tolist()
+        if self.kind == "dflash":
+            dr = Ragged(r.slots, r.pasts, r.counts, "causal", dev)
+            dflash_add_context(self.drafter, self.draft_kv, out.hidden, dr)
+        elif self.kind == "pard":
+            ragged_forward(self.drafter.model, self.draft_kv, ids.to(self.drafter.model.device), r, self.attention)
+        for q, tok in zip(reqs, first):
+            n = len(q.prompt)
+            self.kv.lengths[q.slot] = n
+            if self.draft_kv is not None:
+                self.draft_kv.lengths[q.slot] = n
+            q.prefilled = True
+            new[q.rid] += [tok][:q.out.extend([tok])]
+            q.seq.append(tok)
+        self.stats.committed += len(reqs)
+
+    def _decode(self, reqs: list[Request], new: dict[str, list[int]]) -> None:
+        dev = self.target.device
+        lengths = self.control.lengths([q.rid for q in reqs]) if self.kind != "ar" else {q.rid: 0 for q in reqs}
+        drafting = [q for q in reqs if lengths[q.rid] > 0]
+        drafts: dict[str, list[int]] = {q.rid: [] for q in reqs}
+        if drafting:
+            tokens, confidence = self._draft(drafting, lengths)
+            self.stats.drafted_requests += len(drafting)
+            share = {q.rid: lengths[q.rid] for q in drafting}
+            if self.policy.verify_budget:
+                survival = []
+                for q, conf in zip(drafting, confidence):
+                    k = lengths[q.rid]
+                    survival.append(survival_from_confidence(conf[:k]) if self.policy.survival == "confidence"
+                                    else survival_from_rate(self.control.rate(q.rid).alpha, k))
+                others = len(reqs) - len(drafting)  # AR rows of this step: one each, no drafts
+                cost = self.policy.cost
+                choice = choose_verify_budget(survival + [[]] * others, cost.verify)
+                share = {q.rid: k for q, k in zip(drafting, choice.per_request)}
+            if not self.policy.ragged and share:  # pad every drafting request to the longest share
+                longest = max(share.values())
+                self.stats.padded_rows += sum(longest - k for k in share.values())
+                share = {rid: longest for rid in share}
+            for q, toks in zip(drafting, tokens):
+                drafts[q.rid] = toks[:share[q.rid]]
+        if not any(drafts.values()):
+            self.stats.ar_steps += 1
+        self._verify(reqs, drafts, new)
+
+    def _draft(self, reqs: list[Request], lengths: dict[str, int]) -> tuple[list[list[int]], list[list[float]]]:
+        """Drafts and the drafter's probability of each, per request (device work, one transfer)."""
+        dev = self.target.device
+        if self.kind == "dflash":
+            ctx = [q for q in reqs if q.context is not None and q.context.shape[0]]
+            if ctx:
+                r = Ragged(tuple(q.slot for q in ctx), tuple(self.draft_kv.lengths[q.slot] for q in ctx),
+                           tuple(q.context.shape[0] for q in ctx), "full", dev)
+                dflash_add_context(self.drafter, self.draft_kv, torch.cat([q.context for q in ctx]), r)
+                for q in ctx:
+                    self.draft_kv.lengths[q.slot] += q.context.shape[0]
+                    q.context = None
+            bs = self.block_size
+            r = Ragged(tuple(q.slot for q in reqs), tuple(self.draft_kv.lengths[q.slot] for q in reqs), (bs,) * len(reqs),
+                       "full", dev)
+            mask = self.drafter.mask_token_id
+            blocks = torch.tensor([t for q in reqs for t in [q.seq[-1]] + [mask] * (bs - 1)], dtype=torch.long, device=dev)
+            logits = dflash_draft(self.drafter, self.draft_kv, blocks, r, self.attention)  # [B, bs-1, V]
+            first = [len(q.seq) for q in reqs]
+        else:
+            model = self.drafter.model
+            mask = self.drafter.mask_token_id
+            fresh = [q.seq[self.draft_kv.lengths[q.slot]:] for q in reqs]
+            counts = tuple(len(f) + lengths[q.rid] - 1 for f, q in zip(fresh, reqs))
+            r = Ragged(tuple(q.slot for q in reqs), tuple(self.draft_kv.lengths[q.slot] for q in reqs), counts, "causal",
+                       model.device)
+            ids = torch.tensor([t for f, q in zip(fresh, reqs) for t in f + [mask] * (lengths[q.rid] - 1)],
+                               dtype=torch.long, device=model.device)
+            out = ragged_forward(model, self.draft_kv, ids, r, self.attention)
+            k = max(lengths.values())
+            rows = torch.tensor([[s + len(f) - 1 + min(j, lengths[q.rid] - 1) for j in range(k)]
+                                 for s, f, q in zip(r.starts, fresh, reqs)], device=model.device)
+            logits = model.head(out.x[rows])  # [B, k, V] (rows past a request's length repeat its last)
+            for q in reqs:
+                self.draft_kv.lengths[q.slot] = len(q.seq)
+            first = [len(q.seq) for q in reqs]
+        if self.draft_hook is not None:
+            logits = self.draft_hook(logits, reqs, first)
+        probs = logits.float().softmax(-1)
+        conf, tok = probs.max(-1)
+        both = torch.stack((tok.to(torch.float64), conf.to(torch.float64))).tolist()
+        return [[int(t) for t in row] for row in both[0]], both[1]
+
+    def _verify(self, reqs: list[Request], drafts: dict[str, list[int]], new: dict[str, list[int]]) -> None:
+        dev = self.target.device
+        counts = tuple(1 + len(drafts[q.rid]) for q in reqs)
+        rows = sum(counts)
+        bucket = self.config.bucket(rows)
+        r = Ragged(tuple(q.slot for q in reqs), tuple(self.kv.lengths[q.slot] for q in reqs), counts, "causal", dev,
+                   pad_to=bucket, pad_slot=self.kv.scratch)
+        flat = [t for q in reqs for t in [q.seq[-1]] + drafts[q.rid]]
+        ids = torch.tensor(flat + [0] * (r.total - rows), dtype=torch.long, device=dev)
+        out = ragged_forward(self.target, self.kv, ids, r, self.attention, self.layers)
+        argmax = self.target.head(out.x[:rows]).argmax(-1)  # [rows]
+        n, bonus = accept_ragged(ids[:rows], argmax, r)
+        result = torch.stack((n, bonus)).tolist()
+        self.stats.steps += 1
+        self.stats.verify_rows += rows
+        self.stats.padded_rows += r.total - rows
+        for i, q in enumerate(reqs):
+            k, acc, b = len(drafts[q.rid]), result[0][i], result[1][i]
+            span = drafts[q.rid][:acc] + [b]
+            kept = q.out.extend(span)
+            new[q.rid] += span[:kept]
+            q.seq.extend(span)
+            if k:
+                q.accepted.append(kept - 1)
+                self.control.rate(q.rid).observe(k, acc, self.policy.ema)
+            q.verified.append(k)
+            self.kv.lengths[q.slot] += 1 + acc
+            if self.kind == "dflash":
+                start = r.starts[i]
+                rows_kept = out.hidden[start:start + 1 + acc]  # the anchor and the accepted drafts
+                q.context = rows_kept if q.context is None else torch.cat((q.context, rows_kept))
+            self.stats.committed += kept
+
+
+def accept_ragged(ids: torch.Tensor, argmax: torch.Tensor, r: Ragged) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy chain acceptance of every request at once, on the device: request i's rows are
+    [anchor, d_1..d_k]; d_j is kept while it equals the target's argmax at the row before it.
+    Returns (accepted drafts [B], bonus token [B]): the target's argmax at the row after the last
+    kept draft."""
+    dev = ids.device
+    b, t = len(r.counts), r.max_count
+    counts = torch.tensor(r.counts, device=dev)
+    starts = torch.tensor(r.starts, device=dev)
+    j = torch.arange(t, device=dev)
+    valid = j[None] < counts[:, None]  # [B, T]
+    index = (starts[:, None] + j[None]).clamp(max=ids.shape[0] - 1)
+    tok = ids[index]
+    arg = argmax[index]
+    # draft at row j+1 against the argmax at row j
+    match = (tok[:, 1:] == arg[:, :-1]) & valid[:, 1:] if t > 1 else torch.zeros(b, 0, dtype=torch.bool, device=dev)
+    n = match.long().cumprod(1).sum(1) if t > 1 else torch.zeros(b, dtype=torch.long, device=dev)
+    bonus = arg.gather(1, n[:, None])[:, 0]
+    return n, bonus
+
+
+def generate_batched(engine: BatchEngine, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+                     arrivals: Sequence[int] | None = None) -> list[list[int]]:
+    """Every prompt through `engine`: prompt i is admitted at step arrivals[i] (default 0, as slots
+    allow; a request waits while all slots are taken) and released when done. Outputs in order."""
+    arrivals = list(arrivals) if arrivals is not None else [0] * len(prompts)
+    pending = sorted(range(len(prompts)), key=lambda i: (arrivals[i], i))
+    outputs: dict[int, list[int]] = {}
+    step = 0
+    params = RequestParams(max_new_tokens=max_new_tokens)
+    while pending or engine.active():
+        while pending and arrivals[pending[0]] <= step and len(engine.active()) < engine.max_batch:
+            i = pending.pop(0)
+            engine.admit(str(i), list(prompts[i]), params)
+        engine.step()
+        for rid in engine.active():
+            if engine.done(rid):
+                outputs[int(rid)] = engine.output(rid)
+                engine.release(rid)
+        step += 1
+        if step > 100_000:
+            raise RuntimeError("generate_batched: no progress")
+    return [outputs[i] for i in range(len(prompts))]

@@ -1,0 +1,215 @@
+"""How much a batched step speculates: the verify budget, ragged or padded packing, per-request control.
+
+Three decisions, each the runtime half of a pass over the step graph's `schedule` node (the passes
+only set attributes; `BatchPolicy` is what the backend reads from them):
+
+  verify budget   (`verify-budget`) the batch-wide number of drafted tokens a step verifies, chosen
+                  to maximize expected committed tokens per millisecond under a step-cost table
+                  (tokens in the verify forward -> ms, measured at compile time), and split across
+                  requests by per-position survival (`choose_verify_budget`);
+  ragged          (`ragged-verify`) each request verifies its own share, packed flat with no padding;
+                  without it every request verifies the longest share (padding to the longest);
+  spec control    (`spec-control`) each request's draft length follows its running acceptance, a
+                  request whose acceptance does not pay stops drafting (probed again every
+                  `probe_every` steps), and the whole batch runs AR steps when no budget beats AR
+                  at the current load (`SpecControl`).
+
+None of these changes a committed token: every token is still the target's argmax of a verify
+forward over the committed prefix, so all three are lossless; they move only what is verified.
+
+`choose_verify_budget` is a plain function of survival scores and a cost: two-level verification
+(a batch-wide budget too) calls it with its own survival and cost.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """Measured (or predicted) step times: verify forwards by tokens in the batch, and drafting by
+    requests drafted. Between measured points the time is interpolated linearly, past the last
+    extrapolated with the last segment's slope (compute-bound verify grows linearly in tokens)."""
+
+    verify_ms: tuple[tuple[int, float], ...]  # (tokens, ms), increasing tokens
+    draft_ms: tuple[tuple[int, float], ...] = ((0, 0.0),)  # (requests drafting, ms)
+
+    def __post_init__(self):
+        for name in ("verify_ms", "draft_ms"):
+            table = getattr(self, name)
+            if not table or any(b[0] <= a[0] for a, b in zip(table, table[1:])):
+                raise ValueError(f"StepCost.{name} must be non-empty (tokens, ms) pairs with increasing tokens, got {table}")
+
+    @staticmethod
+    def from_table(verify: Mapping[int, float], draft: Mapping[int, float] | None = None) -> "StepCost":
+        return StepCost(tuple(sorted((int(k), float(v)) for k, v in verify.items())),
+                        tuple(sorted((int(k), float(v)) for k, v in (draft or {0: 0.0}).items())))
+
+    def verify(self, tokens: int) -> float:
+        return _interpolate(self.verify_ms, tokens)
+
+    def draft(self, requests: int) -> float:
+        return 0.0 if requests <= 0 else _interpolate(self.draft_ms, requests)
+
+
+def _interpolate(table: tuple[tuple[int, float], ...], x: int) -> float:
+    xs = [p[0] for p in table]
+    if len(table) == 1:
+        return table[0][1] * (x / table[0][0] if table[0][0] else 1.0)
+    i = min(max(bisect.bisect_left(xs, x), 1), len(table) - 1)
+    (x0, y0), (x1, y1) = table[i - 1], table[i]
+    return max(0.0, y0 + (y1 - y0) * (x - x0) / (x1 - x0))
+
+
+@dataclass(frozen=True)
+class BudgetChoice:
+    """Drafts each request verifies, the step's expected committed tokens and its predicted ms."""
+
+    per_request: tuple[int, ...]
+    expected_tokens: float
+    step_ms: float
+
+    @property
+    def tokens_per_ms(self) -> float:
+        return self.expected_tokens / self.step_ms if self.step_ms > 0 else math.inf
+
+
+def choose_verify_budget(survival: Sequence[Sequence[float]], verify_ms: Callable[[int], float], *,
+                         draft_ms: float = 0.0, max_total: int | None = None) -> BudgetChoice:
+    """The batch-wide budget of verified drafts that maximizes expected committed tokens per ms.
+
+    survival[r][j]: the probability that request r's draft j+1 is accepted (all drafts before it
+    accepted too), non-increasing in j. A step verifies each request's anchor plus its first k_r
+    drafts: B + Σ k_r tokens, commits 1 + Σ_{j < k_r} survival[r][j] tokens of request r in
+    expectation, and costs verify_ms(B + Σ k_r) + draft_ms. For a total T the best split takes the
+    T highest survivals over all requests (each request's a prefix, survival being
+    non-increasing); every T from 0 to max_total is priced and the best kept (ties: the smaller T).
+    """
+    b = len(survival)
+    if b == 0:
+        return BudgetChoice((), 0.0, 0.0)
+    ranked = sorted(((s, r, j) for r, row in enumerate(survival) for j, s in enumerate(row)),
+                    key=lambda x: (-x[0], x[1], x[2]))
+    limit = len(ranked) if max_total is None else min(max_total, len(ranked))
+    best_t, best_rate, expected = 0, b / max(verify_ms(b), 1e-12), float(b)
+    best = (0, expected, verify_ms(b))
+    for t in range(1, limit + 1):
+        expected += ranked[t - 1][0]
+        ms = verify_ms(b + t) + draft_ms
+        rate = expected / max(ms, 1e-12)
+        if rate > best_rate * (1 + 1e-12):
+            best_t, best_rate, best = t, rate, (t, expected, ms)
+    per = [0] * b
+    for _, r, j in ranked[:best_t]:
+        per[r] = max(per[r], j + 1)
+    return BudgetChoice(tuple(per), best[1], best[2])
+
+
+def survival_from_confidence(confidence: Sequence[float]) -> list[float]:
+    """Per-position acceptance probabilities (the drafter's probability of its own token) -> the
+    probability that each draft and every one before it is accepted (running product)."""
+    out, s = [], 1.0
+    for c in confidence:
+        s *= min(max(float(c), 0.0), 1.0)
+        out.append(s)
+    return out
+
+
+def survival_from_rate(alpha: float, k: int) -> list[float]:
+    """Survival of k drafts under a constant per-position acceptance alpha: alpha^j."""
+    return [alpha ** (j + 1) for j in range(k)]
+
+
+@dataclass(frozen=True)
+class BatchPolicy:
+    """What a batched engine speculates, as the `schedule` node's attributes say (backend reads IR).
+
+    `verify_budget` off: every drafting request verifies `max_drafts` (or its spec-control length).
+    `ragged` off: every request verifies the longest share of the step (padding to the longest).
+    `spec_control` off: every request drafts every step with `max_drafts`.
+    """
+
+    max_drafts: int  # drafts a request may verify a step (the block's drafts)
+    verify_budget: bool = False
+    ragged: bool = True
+    spec_control: bool = False
+    survival: str = "confidence"  # "confidence": the drafter's own probabilities; "acceptance": running rates
+    cost: StepCost | None = None  # needed by verify_budget and spec_control
+    min_survival: float = 0.02  # spec control: a request drafts no deeper than where alpha^j falls below this
+    off_below: float = 0.1  # spec control: a request's per-position acceptance under this stops its drafting
+    probe_every: int = 8  # spec control: a stopped request drafts again every this many steps
+    warmup_steps: int = 2  # spec control: steps a request drafts fully before its rate counts
+    prior_alpha: float = 0.7  # the rate a request starts with
+    ema: float = 0.3  # weight of a step's observed rate in the running one
+
+    def __post_init__(self):
+        if self.max_drafts < 0:
+            raise ValueError(f"BatchPolicy.max_drafts must be >= 0, got {self.max_drafts}")
+        if self.survival not in ("confidence", "acceptance"):
+            raise ValueError(f"BatchPolicy.survival must be 'confidence' or 'acceptance', got {self.survival!r}")
+        if (self.verify_budget or self.spec_control) and self.cost is None:
+            raise ValueError("BatchPolicy: verify_budget and spec_control need a step-cost table (cost)")
+
+
+@dataclass
+class RequestRate:
+    """A request's running per-position acceptance (drafts accepted / drafts verified, smoothed)."""
+
+    alpha: float
+    steps: int = 0
+    idle: int = 0  # steps since it last drafted (spec control's probe clock)
+
+    def observe(self, verified: int, accepted: int, ema: float) -> None:
+        if verified <= 0:
+            return
+        # a chain stops at its first miss: accepted of verified drafts estimates alpha as
+        # accepted / (accepted + 1) when it missed, (accepted + 1) / (accepted + 2) when all held
+        rate = (accepted + 1) / (accepted + 2) if accepted == verified else accepted / (accepted + 1)
+        self.alpha = (1 - ema) * self.alpha + ema * rate
+        self.steps += 1
+
+
+@dataclass
+class SpecControl:
+    """Per-request draft lengths before drafting (spec-control), from running acceptance."""
+
+    policy: BatchPolicy
+    rates: dict[str, RequestRate] = field(default_factory=dict)
+
+    def rate(self, rid: str) -> RequestRate:
+        if rid not in self.rates:
+            self.rates[rid] = RequestRate(self.policy.prior_alpha)
+        return self.rates[rid]
+
+    def forget(self, rid: str) -> None:
+        self.rates.pop(rid, None)
+
+    def lengths(self, rids: Sequence[str]) -> dict[str, int]:
+        """Drafts each request may verify this step (0: it runs an AR step)."""
+        p = self.policy
+        if not p.spec_control:
+            return {r: p.max_drafts for r in rids}
+        out: dict[str, int] = {}
+        for rid in rids:
+            rate = self.rate(rid)
+            if rate.steps < p.warmup_steps:
+                out[rid] = p.max_drafts
+            elif rate.alpha < p.off_below and rate.idle < p.probe_every:
+                out[rid] = 0
+            else:
+                deep = math.log(p.min_survival) / math.log(rate.alpha) if 0 < rate.alpha < 1 else p.max_drafts
+                out[rid] = max(1, min(p.max_drafts, int(deep)))
+        drafting = [r for r in rids if out[r] > 0]
+        if drafting and p.cost is not None:  # the whole batch: does any budget beat AR at this load?
+            survival = [survival_from_rate(self.rate(r).alpha, out[r]) if r in drafting else [] for r in rids]
+            choice = choose_verify_budget(survival, p.cost.verify, draft_ms=p.cost.draft(len(drafting)))
+            if sum(choice.per_request) == 0:
+                out = {r: 0 for r in rids}
+        for rid in rids:
+            rate = self.rate(rid)
+            rate.idle = 0 if out[rid] > 0 else rate.idle + 1
+        return out
