@@ -1,0 +1,233 @@
+"""The batched engine (runtime/batch.py): every request's greedy output is its own batch-1 AR output,
+whatever shares its batch and whenever it joins or leaves; the policies (verify budget, padding,
+speculation control) move only what is verified."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from specpilot.runtime.batch import BatchConfig, BatchEngine, Ragged, generate_batched, ragged_attention_reference
+from specpilot.runtime.batch_control import BatchPolicy, StepCost
+from specpilot.runtime.decode import generate_ar
+from specpilot.runtime.engine_api import RequestParams, StepEngine
+from specpilot.runtime.model import attend, build_mask
+
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [100, 200, 30], [42] * 13, [10, 20, 30, 40], [7], [250, 3, 250, 3, 9]]
+MAX_NEW = 10
+RAISE = 1.0e4
+
+
+@pytest.fixture(scope="module")
+def models(tiny_models, torch_single_thread):
+    return tiny_models["qwen3"]
+
+
+@pytest.fixture(scope="module")
+def references(models):
+    """Each prompt's batch-1 AR output (the stock loop)."""
+    return [generate_ar(models.target, p, max_new_tokens=MAX_NEW, eos_token_id=models.cfg.eos_token_id).tokens
+            for p in PROMPTS]
+
+
+def oracle(references, right_every: int):
+    """A draft hook that plants the AR truth at every position not a multiple of `right_every`, so
+    acceptance varies per request and per step (the tiny drafters' own guesses are mostly wrong)."""
+    truths = {tuple(p): p + r for p, r in zip(PROMPTS, references)}
+
+    def hook(logits, reqs, first):
+        for b, (q, pos) in enumerate(zip(reqs, first)):
+            truth = truths[tuple(q.prompt)]
+            for j in range(logits.shape[1]):
+                p = pos + j
+                if p < len(truth) and p % right_every:
+                    logits[b, j, truth[p]] = RAISE
+        return logits
+    return hook
+
+
+def engine(models, kind, references, *, max_batch=3, policy=None, right_every=5, buckets=()):
+    drafter = {"dflash": models.dflash, "pard": models.pard, "ar": None}[kind]
+    return BatchEngine(models.target, drafter, eos_token_id=models.cfg.eos_token_id, policy=policy,
+                       config=BatchConfig(max_batch=max_batch, capacity=64, buckets=buckets),
+                       draft_hook=oracle(references, right_every) if drafter is not None else None)
+
+
+def test_engine_is_a_step_engine(models, references):
+    eng = engine(models, "dflash", references)
+    assert isinstance(eng, BatchEngine)
+    api: StepEngine = eng  # the serving helper's Protocol
+    api.admit("a", PROMPTS[0], RequestParams(max_new_tokens=4))
+    assert api.active() == ["a"] and api.max_batch == 3
+    got = []
+    while not eng.done("a"):
+        got += api.step()["a"]
+    assert got == references[0][:4]
+    api.release("a")
+    assert api.active() == []
+
+
+@settings(max_examples=8, deadline=None)
+@given(kind=st.sampled_from(["dflash", "pard", "ar"]), max_batch=st.integers(1, 4),
+       order=st.permutations(range(len(PROMPTS))), arrivals=st.lists(st.integers(0, 6), min_size=6, max_size=6),
+       right_every=st.integers(2, 7))
+def test_every_request_equals_its_batch1_ar(models, references, kind, max_batch, order, arrivals, right_every):
+    """Requests join at drawn steps (waiting while the slots are full), leave when done, in any order."""
+    prompts = [PROMPTS[i] for i in order]
+    eng = engine(models, kind, references, max_batch=max_batch, right_every=right_every)
+    outs = generate_batched(eng, prompts, MAX_NEW, arrivals=arrivals)
+    assert outs == [references[i] for i in order]
+    assert eng.free == list(range(max_batch))  # every slot came back
+
+
+def test_speculation_accepts_and_is_counted(models, references):
+    eng = engine(models, "dflash", references, right_every=1000)  # the oracle is always right
+    outs = generate_batched(eng, PROMPTS[:3], MAX_NEW)
+    assert outs == references[:3]
+    assert eng.stats.steps < 3 * MAX_NEW / 2  # many tokens a step, not one
+    assert eng.stats.committed == sum(map(len, outs))
+
+
+def test_cancel_mid_generation_frees_the_slot_and_others_continue(models, references):
+    eng = engine(models, "pard", references, max_batch=2)
+    eng.admit("x", PROMPTS[0], RequestParams(MAX_NEW))
+    eng.admit("y", PROMPTS[1], RequestParams(MAX_NEW))
+    got = {"x": [], "y": []}
+    for _ in range(2):
+        for rid, toks in eng.step().items():
+            got[rid] += toks
+    eng.release("x")  # cancelled
+    eng.admit("z", PROMPTS[2], RequestParams(MAX_NEW))
+    got["z"] = []
+    while eng.active():
+        for rid, toks in eng.step().items():
+            got[rid] += toks
+        for rid in eng.active():
+            if eng.done(rid):
+                eng.release(rid)
+    assert got["y"] == references[1] and got["z"] == references[2]
+    assert got["x"] == references[0][:len(got["x"])]
+
+
+def test_zoo_pair_dflash_batched_equals_batch1(torch_single_thread):
+    from specpilot.runtime.builtin import resolve_builtin
+    from specpilot.runtime.load import load_drafter, load_target
+
+    target, cfg = load_target(resolve_builtin("code-qwen3"), dtype=torch.float32, device="cpu")
+    drafter = load_drafter(resolve_builtin("code-qwen3/dflash"), target, cfg, dtype=torch.float32, device="cpu")
+    prompts = [[300, 301, 302, 303, 304], [1000, 17, 2000], [77] * 9]
+    refs = [generate_ar(target, p, max_new_tokens=8, eos_token_id=cfg.eos_token_id).tokens for p in prompts]
+    eng = BatchEngine(target, drafter, eos_token_id=cfg.eos_token_id, config=BatchConfig(max_batch=2, capacity=64))
+    assert generate_batched(eng, prompts, 8, arrivals=[0, 0, 1]) == refs
+
+
+def cost() -> StepCost:
+    return StepCost.from_table({1: 1.0, 8: 1.2, 16: 1.6, 64: 4.0}, {1: 0.3, 4: 0.4})
+
+
+@pytest.mark.parametrize("kind", ["dflash", "pard"])
+@pytest.mark.parametrize("policy", [
+    dict(verify_budget=True),
+    dict(verify_budget=True, ragged=False),
+    dict(ragged=False),
+    dict(spec_control=True),
+    dict(verify_budget=True, spec_control=True, survival="acceptance"),
+])
+def test_policies_are_lossless(models, references, kind, policy):
+    drafts = models.dflash.block_size - 1 if kind == "dflash" else models.pard.k
+    eng = engine(models, kind, references, policy=BatchPolicy(max_drafts=drafts, cost=cost(), **policy), right_every=3)
+    assert generate_batched(eng, PROMPTS, MAX_NEW, arrivals=[0, 0, 1, 2, 2, 5]) == references
+
+
+def test_verify_budget_cuts_verified_tokens(models, references):
+    """A steep verify cost makes the budget verify fewer drafts than the full blocks."""
+    drafts = models.dflash.block_size - 1
+    steep = StepCost.from_table({1: 1.0, 2: 2.0, 64: 64.0})
+    full = engine(models, "dflash", references, right_every=3)
+    cut = engine(models, "dflash", references, right_every=3,
+                 policy=BatchPolicy(max_drafts=drafts, verify_budget=True, cost=steep))
+    assert generate_batched(full, PROMPTS[:3], MAX_NEW) == generate_batched(cut, PROMPTS[:3], MAX_NEW) == references[:3]
+    assert cut.stats.verify_rows / cut.stats.steps < full.stats.verify_rows / full.stats.steps
+
+
+def test_padding_to_the_longest_verifies_more_than_ragged(models, references):
+    drafts = models.dflash.block_size - 1
+    common = dict(max_drafts=drafts, verify_budget=True, cost=cost())
+    ragged = engine(models, "dflash", references, policy=BatchPolicy(**common))
+    padded = engine(models, "dflash", references, policy=BatchPolicy(ragged=False, **common))
+    assert generate_batched(ragged, PROMPTS, MAX_NEW) == generate_batched(padded, PROMPTS, MAX_NEW) == references
+    assert ragged.stats.padded_rows == 0 and padded.stats.padded_rows > 0
+
+
+def test_spec_control_turns_off_a_request_that_never_accepts(models, references):
+    """With the tiny drafter's own (wrong) guesses a request stops drafting after its warm-up,
+    drafting again only to probe."""
+    drafts = models.pard.k
+    policy = BatchPolicy(max_drafts=drafts, spec_control=True, cost=cost(), warmup_steps=1, probe_every=4)
+    eng = BatchEngine(models.target, models.pard, eos_token_id=models.cfg.eos_token_id, policy=policy,
+                      config=BatchConfig(max_batch=2, capacity=64))
+    eng.admit("a", PROMPTS[0], RequestParams(MAX_NEW))
+    out = []
+    while not eng.done("a"):
+        out += eng.step()["a"]
+    assert out == references[0]
+    verified = eng.request("a").verified
+    assert verified[0] == drafts and verified.count(0) >= len(verified) // 2
+
+
+def test_spec_control_runs_the_batch_ar_when_drafting_costs_too_much(models, references):
+    drafts = models.pard.k
+    dear = StepCost.from_table({1: 1.0, 64: 64.0}, {1: 100.0})  # drafting dwarfs a verify
+    policy = BatchPolicy(max_drafts=drafts, spec_control=True, cost=dear, warmup_steps=0)
+    eng = engine(models, "pard", references, policy=policy)
+    assert generate_batched(eng, PROMPTS[:3], MAX_NEW) == references[:3]
+    assert eng.stats.drafted_requests == 0 and eng.stats.ar_steps == eng.stats.steps
+
+
+def test_buckets_pad_the_verify_and_stay_lossless(models, references):
+    eng = engine(models, "dflash", references, buckets=(8, 16, 32))
+    assert generate_batched(eng, PROMPTS[:4], MAX_NEW) == references[:4]
+    assert eng.stats.padded_rows > 0
+
+
+@pytest.mark.parametrize("params, match", [
+    (RequestParams(4, temperature=0.7), "greedily only"),
+    (RequestParams(60), "KV slots"),
+    (RequestParams(-1), "max_new_tokens"),
+])
+def test_admission_refuses_what_it_cannot_run(models, references, params, match):
+    eng = engine(models, "dflash", references)
+    with pytest.raises(ValueError, match=match):
+        eng.admit("a", PROMPTS[0], params)
+    assert eng.active() == []
+
+
+def test_admission_past_max_batch_is_refused(models, references):
+    eng = engine(models, "ar", references, max_batch=1)
+    eng.admit("a", PROMPTS[0], RequestParams(4))
+    with pytest.raises(RuntimeError, match="slots are taken"):
+        eng.admit("b", PROMPTS[1], RequestParams(4))
+    with pytest.raises(ValueError, match="already active"):
+        eng.admit("a", PROMPTS[1], RequestParams(4))
+
+
+@settings(max_examples=20, deadline=None)
+@given(counts=st.lists(st.integers(1, 5), min_size=1, max_size=4), data=st.data())
+def test_ragged_attention_reference_is_per_request_attention(counts, data):
+    """Packed rows attend exactly as each request alone would (its slot, its past, its mask)."""
+    g = torch.Generator().manual_seed(len(counts))
+    slots = data.draw(st.permutations(range(5)))[:len(counts)]
+    pasts = [data.draw(st.integers(0, 9)) for _ in counts]
+    trees = data.draw(st.booleans())
+    masks = tuple(torch.rand(c, c, generator=g).lt(0.5).tril() | torch.eye(c, dtype=torch.bool) for c in counts)
+    r = Ragged(tuple(slots), tuple(pasts), tuple(counts), masks if trees else "causal", torch.device("cpu"))
+    k = torch.randn(5, 2, 16, 8, generator=g)
+    v = torch.randn(5, 2, 16, 8, generator=g)
+    q = torch.randn(r.rows, 4, 8, generator=g)
+    out = ragged_attention_reference(q, k, v, r)
+    for i, (s, p, c, start) in enumerate(zip(slots, pasts, counts, r.starts)):
+        mask = build_mask(masks[i] if trees else "causal", p, c, q.device)
+        alone = attend(q[start:start + c].transpose(0, 1)[None], k[s:s + 1, :, :p + c], v[s:s + 1, :, :p + c], mask)
+        torch.testing.assert_close(out[start:start + c], alone[0].transpose(0, 1))
