@@ -231,3 +231,14 @@ def test_ragged_attention_reference_is_per_request_attention(counts, data):
         mask = build_mask(masks[i] if trees else "causal", p, c, q.device)
         alone = attend(q[start:start + c].transpose(0, 1)[None], k[s:s + 1, :, :p + c], v[s:s + 1, :, :p + c], mask)
         torch.testing.assert_close(out[start:start + c], alone[0].transpose(0, 1))
+
+
+@pytest.mark.interpreter
+@pytest.mark.slow
+def test_engine_on_the_ragged_split_kv_kernel_equals_batch1(models, references):
+    """The batched engine with split-KV's ragged mode (the interpreter on a CPU) as its attention."""
+    from specpilot.backends.kernel_hooks import ragged_attention
+
+    eng = engine(models, "dflash", references, max_batch=2, right_every=3)
+    eng.attention = ragged_attention(torch.device("cpu"))
+    assert generate_batched(eng, PROMPTS[:3], 5, arrivals=[0, 0, 1]) == [r[:5] for r in references[:3]]

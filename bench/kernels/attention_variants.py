@@ -75,7 +75,7 @@ def _combine_only(ask, t: int, cached_splits: int, dev) -> list:
                           for _ in range(LAYERS)]
     for m, l, acc, out in _PARTIALS[key]:
         ask._combine_kernel[(rows, KV_HEADS)](
-            m, l, acc, out, m, t, HEADS // KV_HEADS, KV_HEADS, n, cached_splits * ask.BLOCK_N, ask.BLOCK_N, 0,
+            m, l, acc, out, m, m, t, HEADS // KV_HEADS, KV_HEADS, n, cached_splits * ask.BLOCK_N, ask.BLOCK_N, 0,
             out.stride(0), out.stride(1), out.stride(2), HEAD_DIM=HEAD_DIM, BLOCK_D=HEAD_DIM, BLOCK_N=ask.BLOCK_N,
             BLOCK_S=ask.COMBINE_CHUNK if n > ask.COMBINE_CHUNK else triton.next_power_of_2(n),
             FILLED_ONLY=n > ask.COMBINE_CHUNK, PAST_TENSOR=False, ROUND_BF16=False,

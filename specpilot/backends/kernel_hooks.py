@@ -18,6 +18,7 @@ from torch import nn
 
 from ..kernels import attention_split_kv, best_first_tree, fused_linear, rmsnorm, rope_attention, rope_kv, silu_mul, u12
 from ..kernels.overlap import Launch
+from ..runtime import batch
 from ..runtime.dflash import DFlashDrafter
 from ..runtime.fused import FusedDecoder, FusedDFlash, FusedOps, install_fused
 from ..runtime.model import Attention, Transformer, Visibility
@@ -72,6 +73,20 @@ def split_kv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vis: V
     stacks pass their launch)."""
     return attention_split_kv.attention_split_kv(q, k, v, past=vis.past, mask=vis.new, scale=q.shape[-1] ** -0.5,
                                                  launch=launch)
+
+
+def ragged_attention(device: torch.device):
+    """The batched engine's attention (runtime/batch.py's RaggedAttention): split-KV's ragged mode
+    where Triton runs, else the runtime's per-request SDPA."""
+    if not triton_runs(device):
+        return batch.ragged_attention_reference
+
+    def split_kv_ragged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, r: batch.Ragged) -> torch.Tensor:
+        args = r.device_args
+        mask = r.mask if isinstance(r.mask, str) else r.tree_masks
+        return attention_split_kv.attention_split_kv_ragged(q, k, v, cu_seqlens=args["cu"], slots=args["slots"],
+                                                            past=args["pasts"], max_t=r.max_count, mask=mask)
+    return split_kv_ragged
 
 
 def tree_builder(device: torch.device):

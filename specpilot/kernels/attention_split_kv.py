@@ -125,7 +125,7 @@ def _roped(x1, x2, cos_ptr, sin_ptr, cs, ok, w_ptr, offs_h, eps, inv_d, HALF: tl
 @triton.jit
 def _split_kernel(
     q_ptr, k_ptr, v_ptr, mask_ptr, o_ptr, m_ptr, l_ptr, acc_ptr, past_ptr,
-    cos_ptr, sin_ptr, qw_ptr, kw_ptr,
+    cos_ptr, sin_ptr, qw_ptr, kw_ptr, seq_ptr, slot_ptr,
     T, past, G, HKV, split_len, qk_scale, stride_pb, eps, inv_d,
     stride_qb, stride_qh, stride_qt,
     stride_kb, stride_kh, stride_ks,
@@ -144,6 +144,7 @@ def _split_kernel(
     ROPE: tl.constexpr,  # q_ptr is the q|k|v projection: rope it, take the new K/V from it, write them
     QK_NORM: tl.constexpr,  # with ROPE: per-head RMSNorm of q and k first (weights qw_ptr, kw_ptr)
     PDL: tl.constexpr,  # programmatic dependent launch (kernels/overlap.py)
+    RAGGED: tl.constexpr = False,  # packed rows: request b's queries at seq_ptr[b].., its keys in cache row slot_ptr[b]
 ):
     pdl_enter(PDL)
     pid_m = tl.program_id(0)
@@ -152,15 +153,23 @@ def _split_kernel(
     num_splits = tl.num_programs(1)
     b = (bh // HKV).to(tl.int64)  # batch strides of a large cache pass 2^31 elements
     kvh = bh % HKV
+    if RAGGED:
+        q_start = tl.load(seq_ptr + b).to(tl.int64)
+        t_b = (tl.load(seq_ptr + b + 1) - tl.load(seq_ptr + b)).to(tl.int32)  # this request's new tokens
+        kv_b = tl.load(slot_ptr + b).to(tl.int64)
+    else:
+        q_start = 0
+        t_b = T
+        kv_b = b
     if PAST_TENSOR:
         past = tl.load(past_ptr + b * stride_pb).to(tl.int32)
         # the grid is planned for the capacity: cut the keys cached now into the splits
         split_len = tl.cdiv(tl.cdiv(past, tl.maximum(num_splits - 1, 1)), BLOCK_N) * BLOCK_N
     dt = k_ptr.dtype.element_ty
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = rows < T * G
     j = rows // T  # head within the group
     t = rows % T  # query index among the new tokens
+    row_ok = (rows < T * G) & (t < t_b)
     # q and k in the padded-halves layout: position c·BLOCK_H + h holds dim c·HALF + h (ROPE pairs
     # dims h and HALF + h); v and the output plainly, dim d at d
     offs_h = tl.arange(0, BLOCK_H)
@@ -172,7 +181,7 @@ def _split_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
 
-    q_rows = q_ptr + b * stride_qb + (kvh * G + j)[:, None] * stride_qh + t[:, None] * stride_qt
+    q_rows = q_ptr + b * stride_qb + q_start * stride_qt + (kvh * G + j)[:, None] * stride_qh + t[:, None] * stride_qt
     if ROPE:
         q1, q2 = _roped(tl.load(q_rows + offs_h[None, :], mask=row_ok[:, None] & h1_ok[None, :], other=0.0).to(tl.float32),
                         tl.load(q_rows + HALF + offs_h[None, :], mask=row_ok[:, None] & h2_ok[None, :], other=0.0).to(tl.float32),
@@ -183,8 +192,8 @@ def _split_kernel(
         q = tl.load(q_rows + dim_hh[None, :], mask=row_ok[:, None] & hh_ok[None, :], other=0.0)
     if DOT_FP32:
         q = q.to(tl.float32)
-    k_base = k_ptr + b * stride_kb + kvh * stride_kh
-    v_base = v_ptr + b * stride_vb + kvh * stride_vh
+    k_base = k_ptr + kv_b * stride_kb + kvh * stride_kh
+    v_base = v_ptr + kv_b * stride_vb + kvh * stride_vh
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max, log2 domain
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -208,7 +217,7 @@ def _split_kernel(
     else:  # the T new tokens at slots past..past+T-1: the mask decides
         for n0 in range(0, T, BLOCK_T):
             new = n0 + tl.arange(0, BLOCK_T)  # index among the new tokens
-            n_ok = new < T
+            n_ok = new < t_b
             if ROPE:  # k head kvh is q|k|v's head H + kvh, v head kvh its head H + Hkv + kvh
                 ok1 = h1_ok[:, None] & n_ok[None, :]
                 ok2 = h2_ok[:, None] & n_ok[None, :]
@@ -249,7 +258,7 @@ def _split_kernel(
             s = tl.where(visible, s, float("-inf"))
             m_i, l_i, acc = _online_softmax(s, v, m_i, l_i, acc, DOT_FP32, ROUND_BF16)
 
-    o = o_ptr + b * stride_ob + (kvh * G + j)[:, None] * stride_oh + t[:, None] * stride_ot + offs_d[None, :]
+    o = o_ptr + b * stride_ob + (q_start + t)[:, None] * stride_ot + (kvh * G + j)[:, None] * stride_oh + offs_d[None, :]
     o_ok = row_ok[:, None] & d_ok[None, :]
     if SINGLE:
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # l = 0 only in padding rows
@@ -265,7 +274,7 @@ def _split_kernel(
 
 @triton.jit
 def _combine_kernel(
-    m_ptr, l_ptr, acc_ptr, o_ptr, past_ptr,
+    m_ptr, l_ptr, acc_ptr, o_ptr, past_ptr, seq_ptr,
     T, G, HKV, NUM_SPLITS, past, split_len, stride_pb,
     stride_ob, stride_oh, stride_ot,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -273,6 +282,7 @@ def _combine_kernel(
     FILLED_ONLY: tl.constexpr,  # read only the cached splits holding keys, BLOCK_S at a time
     PAST_TENSOR: tl.constexpr, ROUND_BF16: tl.constexpr,
     PDL: tl.constexpr,  # programmatic dependent launch (kernels/overlap.py)
+    RAGGED: tl.constexpr = False,  # packed rows (the split kernel's RAGGED)
 ):
     """out = Σ_s 2^(m_s - M) acc_s / Σ_s 2^(m_s - M) l_s for one row, M the largest m_s (empty
     splits, m = -inf, weigh 0).
@@ -297,7 +307,8 @@ def _combine_kernel(
         cached = NUM_SPLITS - 1
         if PAST_TENSOR:
             past = tl.load(past_ptr + b * stride_pb).to(tl.int32)
-            split_len = tl.cdiv(tl.cdiv(past, tl.maximum(cached, 1)), BLOCK_N) * BLOCK_N  # as the split kernel cut them
+            # as the split kernel cut them (at least a tile: a request with nothing cached divides by it)
+            split_len = tl.maximum(tl.cdiv(tl.cdiv(past, tl.maximum(cached, 1)), BLOCK_N), 1) * BLOCK_N
         filled = tl.minimum(tl.cdiv(past, split_len), cached)  # cached splits holding keys: 0..filled-1
         new = part0 + cached * rows
         m_new = tl.load(m_ptr + new)
@@ -339,8 +350,14 @@ def _combine_kernel(
         out = round_bf16(out)
     j = row // T
     t = row % T
-    o = o_ptr + b * stride_ob + (kvh * G + j) * stride_oh + t * stride_ot + offs_d
-    tl.store(o, out.to(o_ptr.dtype.element_ty), mask=d_ok)
+    if RAGGED:  # rows past this request's new tokens hold no partials: nothing to write
+        q_start = tl.load(seq_ptr + b).to(tl.int64)
+        o = o_ptr + (q_start + t) * stride_ot + (kvh * G + j) * stride_oh + offs_d
+        t_ok = (offs_d * 0 + t) < tl.load(seq_ptr + b + 1) - tl.load(seq_ptr + b)
+        tl.store(o, out.to(o_ptr.dtype.element_ty), mask=d_ok & t_ok)
+    else:
+        o = o_ptr + b * stride_ob + (kvh * G + j) * stride_oh + t * stride_ot + offs_d
+        tl.store(o, out.to(o_ptr.dtype.element_ty), mask=d_ok)
 
 
 def split_count(s: int, rows: int, programs: int, sms: int) -> int:
@@ -434,16 +451,28 @@ def launch_split_kv(
     q_src: torch.Tensor, q_strides: tuple[int, int, int], k: torch.Tensor, v: torch.Tensor, *,
     heads: int, t: int, past: int | torch.Tensor, mask: str | torch.Tensor, scale: float | None,
     splits: int | None, rope: dict | None = None, launch: Launch | None = None,
+    ragged: tuple[torch.Tensor, torch.Tensor, int] | None = None,
 ) -> torch.Tensor:
     """The kernel over k, v [B, Hkv, S, D]: q head h, token t at q_src + b·qs[0] + h·qs[1] + t·qs[2]
     (`q_strides` qs), roped there first when `rope` (cos, sin, [B or 1, T, D] tables with unit
     last stride, q_norm, k_norm weights or None, eps: then q_src is q|k|v and the new K/V are
-    taken from it and written at slots past..past+T-1). Checked by the callers. -> [B, H, T, D]."""
+    taken from it and written at slots past..past+T-1). Checked by the callers. -> [B, H, T, D].
+    `ragged` (cu_seqlens [B+1], slots [B], N): packed rows, request b's queries at rows
+    cu[b]..cu[b+1]-1 (t the longest), its keys in cache row slots[b]; -> [N, H, D]."""
     (b, hkv, s, d), dtype, device = k.shape, k.dtype, k.device
     g = heads // hkv
+    if ragged is not None:
+        b = ragged[1].shape[0]
     mode, mask_t = _mask_args(mask, b, t, device)
-    # [B, H, T, D] over [B, T, H, D] memory: the o projection's [B, T, H·D] input is then a view (no copy)
-    out = torch.empty((b, t, heads, d), dtype=dtype, device=device).transpose(1, 2)
+    if ragged is None:
+        # [B, H, T, D] over [B, T, H, D] memory: the o projection's [B, T, H·D] input is then a view (no copy)
+        out = torch.empty((b, t, heads, d), dtype=dtype, device=device).transpose(1, 2)
+        o_strides = (out.stride(0), out.stride(1), out.stride(2))
+        seq_t = slot_t = out  # unused pointers
+    else:
+        out = torch.empty((ragged[2], heads, d), dtype=dtype, device=device)
+        o_strides = (0, out.stride(1), out.stride(0))
+        seq_t, slot_t = ragged[0], ragged[1]
     if out.numel() == 0:
         return out
     past_tensor = isinstance(past, torch.Tensor)
@@ -484,27 +513,27 @@ def launch_split_kv(
     # 141 of 640 bf16 keys one step off rope_qkv's in tests/test_fused_kernels.py)
     fusion = dict(enable_fp_fusion=rope is None) if native else {}
     _split_kernel[(row_blocks, splits + 1, b * hkv)](
-        q_src, k, v, mask_t, out, m_part, l_part, acc_part, past_t, cos, sin, qw, kw,
+        q_src, k, v, mask_t, out, m_part, l_part, acc_part, past_t, cos, sin, qw, kw, seq_t, slot_t,
         t, past, g, hkv, split_len, qk_scale, stride_pb, eps, 1.0 / d,
         *q_strides,
         k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
         stride_mb, stride_mt,
-        out.stride(0), out.stride(1), out.stride(2),
+        *o_strides,
         stride_cb, stride_ct,
         HEAD_DIM=d, HALF=half, BLOCK_H=max(16, triton.next_power_of_2(half)), BLOCK_D=block_d,
         BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_T=max(16, min(BLOCK_N, triton.next_power_of_2(t))), MASK=mode,
         DOT_FP32=dtype == torch.float32 or not native, SINGLE=single, ROUND_BF16=round_bf16,
-        PAST_TENSOR=past_tensor, ROPE=rope is not None, QK_NORM=qk_norm, **launch_opts, **fusion,
-        **pdl_args(device, launch),
+        PAST_TENSOR=past_tensor, ROPE=rope is not None, QK_NORM=qk_norm, RAGGED=ragged is not None,
+        **launch_opts, **fusion, **pdl_args(device, launch),
     )
     if not single:
         filled_only = splits + 1 > COMBINE_CHUNK  # _combine_kernel: where it measured faster
         _combine_kernel[(rows, b * hkv)](
-            m_part, l_part, acc_part, out, past_t, t, g, hkv, splits + 1, past, split_len, stride_pb,
-            out.stride(0), out.stride(1), out.stride(2), HEAD_DIM=d, BLOCK_D=block_d, BLOCK_N=BLOCK_N,
+            m_part, l_part, acc_part, out, past_t, seq_t, t, g, hkv, splits + 1, past, split_len, stride_pb,
+            *o_strides, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_N=BLOCK_N,
             BLOCK_S=COMBINE_CHUNK if filled_only else triton.next_power_of_2(splits + 1), FILLED_ONLY=filled_only,
-            PAST_TENSOR=past_tensor, ROUND_BF16=round_bf16, **launch_opts,
+            PAST_TENSOR=past_tensor, ROUND_BF16=round_bf16, RAGGED=ragged is not None, **launch_opts,
             **(dict(enable_fp_fusion=True) if native else {}), **pdl_args(device, launch),  # Triton 3.6-3.9's default, by name
         )
     return out
@@ -565,6 +594,68 @@ def attention_split_kv_reference(
         v = v.masked_fill((weights.view(*k.shape[:2], -1, k.shape[2]).amax(2) == 0)[..., None], 0)
     return (weights @ v.float().repeat_interleave(q.shape[1] // k.shape[1], dim=1)).to(q.dtype)
 
+
+
+def _check_ragged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, slots: torch.Tensor,
+                  past: torch.Tensor, max_t: int) -> None:
+    if q.dim() != 3 or k.dim() != 4 or k.shape != v.shape or q.shape[1] % max(k.shape[1], 1) or q.shape[2] != k.shape[3]:
+        raise ValueError(f"attention_split_kv_ragged: q must be [N, H, D] and k, v [R, Hkv, S, D] (H a multiple of "
+                         f"Hkv), got {list(q.shape)}, {list(k.shape)}, {list(v.shape)}")
+    b = slots.shape[0]
+    for name, x, n in (("cu_seqlens", cu_seqlens, b + 1), ("slots", slots, b), ("past", past, b)):
+        if not isinstance(x, torch.Tensor) or x.dtype not in (torch.int32, torch.int64) or list(x.shape) != [n] \
+                or x.device != q.device:
+            raise ValueError(f"attention_split_kv_ragged: {name} must be an int32/int64 tensor [{n}] on {q.device}, "
+                             f"got {getattr(x, 'dtype', type(x))} {list(getattr(x, 'shape', []))}")
+    if not 1 <= max_t <= k.shape[2]:
+        raise ValueError(f"attention_split_kv_ragged: max_t must be in 1..{k.shape[2]} (the cache's slots), got {max_t}")
+    if not (q.dtype == k.dtype == v.dtype) or q.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"attention_split_kv_ragged: q, k, v must share a float32/bfloat16/float16 dtype, got "
+                         f"{q.dtype}, {k.dtype}, {v.dtype}")
+
+
+def attention_split_kv_ragged(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cu_seqlens: torch.Tensor, slots: torch.Tensor,
+    past: torch.Tensor, max_t: int, mask: str | torch.Tensor = "causal", scale: float | None = None,
+    splits: int | None = None, launch: Launch | None = None,
+) -> torch.Tensor:
+    """Packed queries of B requests, q [N, H, D], over a slot cache k, v [R, Hkv, S, D] -> [N, H, D].
+
+    Request b's T_b = cu_seqlens[b+1] - cu_seqlens[b] new tokens are rows cu_seqlens[b].. of q; its
+    keys are cache row slots[b]: past[b] cached slots (all visible) and its new tokens at slots
+    past[b]..past[b]+T_b-1, already written; among them `mask` says ("causal", "full", or bool
+    [B, max_t, max_t] with request b's tree in its top-left T_b x T_b corner). `max_t` >= every T_b
+    (a host int: the grid is planned for it, so one captured launch serves every split of a CUDA-graph
+    bucket). Rows past cu_seqlens[B] are left as they are (uninitialised). No padding is computed:
+    a program's rows past its request's T_b are masked.
+    """
+    _check_ragged(q, k, v, cu_seqlens, slots, past, max_t)
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (k, v))
+    return launch_split_kv(q, (0, q.stride(1), q.stride(0)), k, v, heads=q.shape[1], t=max_t, past=past, mask=mask,
+                           scale=scale, splits=splits, launch=launch, ragged=(cu_seqlens, slots, q.shape[0]))
+
+
+def attention_split_kv_ragged_reference(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cu_seqlens: torch.Tensor, slots: torch.Tensor,
+    past: torch.Tensor, max_t: int, mask: str | torch.Tensor = "causal", scale: float | None = None,
+    splits: int | None = None, launch: Launch | None = None,
+) -> torch.Tensor:
+    """The same per request with attention_split_kv_reference (host reads of the lengths); rows past
+    cu_seqlens[B] come out zero."""
+    _check_ragged(q, k, v, cu_seqlens, slots, past, max_t)
+    out = torch.zeros_like(q)
+    cu, sl, pa = cu_seqlens.tolist(), slots.tolist(), past.tolist()
+    for i in range(len(sl)):
+        t = cu[i + 1] - cu[i]
+        if t == 0:
+            continue
+        m = mask if isinstance(mask, str) else mask[i, :t, :t]
+        qi = q[cu[i]:cu[i + 1]].transpose(0, 1)[None]
+        o = attention_split_kv_reference(qi, k[sl[i]:sl[i] + 1, :, :pa[i] + t], v[sl[i]:sl[i] + 1, :, :pa[i] + t],
+                                         past=pa[i], mask=m, scale=scale)
+        out[cu[i]:cu[i + 1]] = o[0].transpose(0, 1)
+    return out
 
 # --- registry entry -------------------------------------------------------------------------
 
@@ -664,4 +755,78 @@ register(KernelSpec(
     tolerance={F32: (1e-5, 1e-5), BF16: (4e-3, 8e-3)},
     corrupt=_plant_wrong_value,
     description="softmax(q kᵀ / √D) v for T ≤ 64 new tokens over a split KV cache (causal, full, tree)",
+))
+
+
+def _make_ragged_inputs(case, device, seed):
+    """B requests with new-token counts `counts` and pasts `pasts`, packed in drawn order into a cache
+    of `rows` rows of `cap` slots (request b in row slots[b], a permutation); slots from past + T on
+    hold NaN (never read). Masks as _make_inputs's (a "tree" per request in its corner)."""
+    g = torch.Generator().manual_seed(seed)
+    counts, pasts = case["counts"], case["pasts"]
+    b, hkv, d, cap = len(counts), case["Hkv"], case["D"], case["cap"]
+    h = hkv * case["group"]
+    rows = b + case.get("spare", 1)
+    slots = torch.randperm(rows, generator=g)[:b]
+    q = torch.randn(sum(counts) + case.get("extra_rows", 0), h, d, generator=g).to(case["dtype"])
+    k = torch.randn(rows, hkv, cap, d, generator=g).to(case["dtype"])
+    v = torch.randn(rows, hkv, cap, d, generator=g).to(case["dtype"])
+    for s, p, t in zip(slots.tolist(), pasts, counts):
+        k[s, :, p + t:] = v[s, :, p + t:] = float("nan")
+    cu = torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()], dtype=torch.int32)
+    max_t = case.get("max_t") or max(counts)
+    mask = case["mask"]
+    if mask == "tree":
+        mask = torch.zeros(b, max_t, max_t, dtype=torch.bool)
+        for i, t in enumerate(counts):
+            mask[i, :t, :t] = torch.eye(t, dtype=torch.bool)
+            for u in range(1, t):
+                mask[i, u] |= mask[i, int(torch.randint(0, u, (1,), generator=g))]
+        mask = mask.to(device)
+    return (q.to(device), k.to(device), v.to(device), cu.to(device), slots.to(torch.int32).to(device),
+            torch.tensor(pasts, dtype=torch.int32, device=device), max_t, mask, case["splits"])
+
+
+def _run_ragged(q, k, v, cu, slots, past, max_t, mask, splits):
+    out = attention_split_kv_ragged(q, k, v, cu_seqlens=cu, slots=slots, past=past, max_t=max_t, mask=mask,
+                                    splits=splits)
+    return out[:int(cu[-1])]
+
+
+def _reference_ragged(q, k, v, cu, slots, past, max_t, mask, splits):
+    return attention_split_kv_ragged_reference(q, k, v, cu_seqlens=cu, slots=slots, past=past, max_t=max_t,
+                                               mask=mask)[:int(cu[-1])]
+
+
+def _plant_ragged(inputs):
+    """Request 0's values, all of them, one higher: its rows' outputs move by exactly 1."""
+    q, k, v, cu, slots, *rest = inputs
+    v = v.clone()
+    v[int(slots[0])] += 1
+    return q, k, v, cu, slots, *rest
+
+
+def _ragged_case(counts, pasts, hkv, group, d, mask, dtype, cap=None, splits=None, **extra):
+    cap = cap or max(p + t for p, t in zip(pasts, counts)) + 5
+    return {"counts": counts, "pasts": pasts, "Hkv": hkv, "group": group, "D": d, "mask": mask, "dtype": dtype,
+            "cap": cap, "splits": splits, **extra}
+
+
+register(KernelSpec(
+    name="attention_split_kv_ragged",
+    run=_run_ragged,
+    reference=_reference_ragged,
+    make_inputs=_make_ragged_inputs,
+    cases=[
+        _ragged_case([1], [0], 1, 1, 64, "causal", F32),  # one request, one key
+        _ragged_case([3, 1, 5], [7, 0, 40], 2, 4, 64, "causal", BF16),  # a request with nothing cached
+        _ragged_case([2, 7], [100, 33], 1, 3, 33, "tree", F32, splits=3),  # odd D and group
+        _ragged_case([16, 1, 4, 9], [90, 300, 5, 61], 2, 4, 128, "tree", BF16),
+        _ragged_case([5, 5], [20, 21], 2, 2, 64, "full", BF16, max_t=16, extra_rows=3),  # a bucket's padding
+        _ragged_case([33, 2], [10, 150], 1, 4, 64, "causal", F32, splits=2),  # 132 rows: 3 row blocks
+        _ragged_case([1] * 6, [3, 70, 0, 9, 200, 31], 2, 4, 64, "causal", BF16, splits=20),  # AR rows, many splits
+    ],
+    tolerance={F32: (1e-5, 1e-5), BF16: (4e-3, 8e-3)},
+    corrupt=_plant_ragged,
+    description="attention_split_kv over packed rows of many requests (ragged lengths, a cache row each)",
 ))
