@@ -297,6 +297,44 @@ class Engine:
         loop = graph_decode.generate_dflash_graphed if self.graphed else decode.generate_dflash
         return loop(self.target, self.drafter, prompt_ids, block_size=self.block_size, **common)
 
+    def batched(self, *, max_batch: int | None = None, capacity: int = 1024, cost=None, attention=None,
+                draft_hook=None, buckets: tuple[int, ...] = ()):
+        """The batched engine (runtime/batch.py) over this engine's modules, as the schedule node says:
+        up to its `batch` requests (or `max_batch`), its mechanisms (verify_budget, ragged, spec_control)
+        in the policy. `cost` (a StepCost) prices them; None: profiled here on the engine's own forwards.
+        A replay engine's drafts follow per-request plans only through `draft_hook`."""
+        from ..runtime.batch import BatchConfig, BatchEngine, profile_step_cost
+        from ..runtime.batch_control import BatchPolicy
+
+        schedule = self.program.step.one("schedule")[1]
+        if isinstance(self.target, HybridTransformer):
+            raise EngineError("the batched engine serves attention targets; this one is a Gated DeltaNet hybrid")
+        if self.program.step.one("verify")[1]["mode"] != "chain":
+            raise EngineError("the batched engine verifies chains; this program verifies trees")
+        config = BatchConfig(max_batch=max_batch or schedule["batch"], capacity=capacity, buckets=buckets)
+        drafts = self.block_size - 1 if self.kind == "dflash" else self.block_size
+        attention = attention or kernel_hooks.ragged_attention(self.device)
+        engine = BatchEngine(self.target, self.drafter, eos_token_id=self.eos_token_id, config=config,
+                             block_size=self.block_size, attention=attention, draft_hook=draft_hook)
+        wants_cost = bool(schedule.get("verify_budget") or schedule.get("spec_control"))
+        if wants_cost and cost is None:
+            rows = sorted({config.max_batch * m for m in (1, 2, 4, 8, drafts + 1)})
+            cost = profile_step_cost(engine, tokens=rows, requests=sorted({1, config.max_batch}))
+        engine.policy = BatchPolicy(max_drafts=drafts, verify_budget=bool(schedule.get("verify_budget")),
+                                    ragged=bool(schedule.get("ragged")), spec_control=bool(schedule.get("spec_control")),
+                                    off_below=float(schedule.get("spec_off_below", 0.1)), cost=cost,
+                                    survival="acceptance" if self.replay is not None else "confidence")
+        engine.control.policy = engine.policy
+        return engine
+
+    def batched_ar(self, *, max_batch: int, capacity: int = 1024, attention=None):
+        """Batched AR, the baseline at batch: the same runtime with no drafter."""
+        from ..runtime.batch import BatchConfig, BatchEngine
+
+        return BatchEngine(self.target, None, eos_token_id=self.eos_token_id,
+                           config=BatchConfig(max_batch=max_batch, capacity=capacity),
+                           attention=attention or kernel_hooks.ragged_attention(self.device))
+
     @property
     def graphed(self) -> bool:
         """The step graph asks for CUDA-graphed steps (the cuda-graphs pass)."""

@@ -187,7 +187,7 @@ def lower_dflash(s: Shapes, target: Shapes, layer_ids: tuple[int, ...], dtype: s
     return g
 
 
-def _step_graph(kind: str, block_size: int, drafter: str) -> Graph:
+def _step_graph(kind: str, block_size: int, drafter: str, batch: int = 1) -> Graph:
     g = Graph("step")
     draft_node = Node.make("draft", kind=kind, block_size=block_size, drafter=drafter)
     budget = block_size - 1 if kind == "dflash" else block_size
@@ -197,16 +197,20 @@ def _step_graph(kind: str, block_size: int, drafter: str) -> Graph:
     v = g.add("verify", Node.make("verify", mode="chain", q=expected_verify_length(draft_node, propose_node)), [p])
     a = g.add("accept", Node.make("accept", rule="greedy-prefix", on="host"), [v])
     c = g.add("commit", Node.make("commit", kv="rollback"), [a])
-    g.add("schedule", Node.make("schedule", policy="static", batch=1), [c])
+    # one request at a time runs the batch-1 loops; more, the continuous-batching engine
+    g.add("schedule", Node.make("schedule", policy="static" if batch == 1 else "continuous", batch=batch), [c])
     return g
 
 
 def lower(target_cfg: dict, drafter_cfg: dict, *, dtype: str = "float32", block_size: int | None = None,
           target_source: str = "target/config.json", drafter_source: str = "drafter/config.json",
-          block_source: str = "block_size") -> Program:
+          block_source: str = "block_size", batch: int = 1) -> Program:
     """Lower a target and a drafter (HF config dicts, parsed by specpilot.hf.config as the runtime
     parses them) to a verified Program. `block_size` overrides the drafter config's own (DFlash:
-    block incl. the anchor; PARD: k); `block_source` names where it came from in an error."""
+    block incl. the anchor; PARD: k); `block_source` names where it came from in an error. `batch`:
+    the most requests served at once (serving.batch_sizes' largest), the schedule node's."""
+    if batch < 1:
+        raise SpecError(f"serving.batch_sizes: a batch of {batch}: expected integers >= 1")
     tcfg: ModelConfig | HybridConfig
     if target_cfg.get("model_type") in HYBRID_FAMILIES:
         tcfg = HybridConfig.from_hf(target_cfg, target_source)
@@ -230,7 +234,7 @@ def lower(target_cfg: dict, drafter_cfg: dict, *, dtype: str = "float32", block_
             f"{where}: a block of {block} does not fit the {positions} positions the models hold "
             f"(max_position_embeddings): expected at most {positions - 1 - (holds - block)}")
     program = Program(
-        step=_step_graph(dcfg.kind, block, dcfg.kind),
+        step=_step_graph(dcfg.kind, block, dcfg.kind, batch),
         target=target,
         drafter=drafter,
         attrs=(("dtype", dtype), ("family", t.family), ("max_positions", positions)),

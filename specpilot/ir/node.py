@@ -120,8 +120,13 @@ OPS: dict[str, OpSchema] = {
                        choices=frozenset({"rule", "on"})),
     "commit": OpSchema("step", {"kv": {"rollback", "compact"}}, choices=frozenset({"kv"})),
     # graphs: every step one CUDA graph replay (needs accept on the device; chain or tree verification)
-    "schedule": OpSchema("step", {"policy": {"static"}, "batch": int}, {"graphs": bool},
-                         choices=frozenset({"policy", "batch", "graphs"})),
+    # policy "continuous": the batched engine (runtime/batch.py), up to `batch` requests joining and
+    # leaving at every step; verify_budget, ragged, spec_control: its three mechanisms (passes/)
+    "schedule": OpSchema("step", {"policy": {"static", "continuous"}, "batch": int},
+                         {"graphs": bool, "verify_budget": bool, "ragged": bool, "spec_control": bool,
+                          "spec_off_below": float},
+                         choices=frozenset({"policy", "batch", "graphs", "verify_budget", "ragged", "spec_control",
+                                            "spec_off_below"})),
     # model graphs: target and drafter as ops with shapes and dtypes
     "input": OpSchema("model", {"what": {"tokens", "target_hidden"}}, {"layers": tuple, "dim": int}),
     "embed": OpSchema("model", {"vocab": int, "dim": int, "dtype": DTYPES, "weight": str}),

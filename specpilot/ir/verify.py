@@ -16,7 +16,10 @@ What the backend reads, attribute by attribute (tests/test_passes.py runs each):
   verify.mode, accept.rule,    chain or tree loops; rule and commit follow the mode (checked here);
   commit.kv                    "two-level" is refused: no backend runs it yet
   accept.on, schedule.graphs   together: graphed loops accept on the device (the cuda-graphs pass)
-  schedule.policy/batch        "static", batch 1: batching is refused until a scheduler exists
+  schedule.policy/batch        "static" (batch 1: the batch-1 loops) or "continuous" (runtime/batch.py, up to
+                               `batch` requests): chain verification, attention targets, no graphs yet
+  schedule.verify_budget/      the batched engine's mechanisms (verify-budget, ragged-verify, spec-control):
+  ragged/spec_control          only under policy "continuous"
   linear/lm_head format        the module serving the weight (bf16/fp16/fp32 cast, u12)
   linear/lm_head kernel/layout u12's kernel and plane layout: only on u12 weights
   lm_head vocab_subset/corpus  the drafter's head over a token subset (draft-vocab); not the target's
@@ -213,8 +216,24 @@ def _run_problems(program: Program) -> list[str]:
         problems.append("step/accept: on='device' runs only in graphed steps: set schedule graphs=true with it "
                         "(the cuda-graphs pass sets both); ungraphed loops accept on the host")
     if schedule is not None:
-        if schedule["batch"] != 1:
-            problems.append(f"step/schedule: batch={schedule['batch']}: batching is not implemented yet (expected 1)")
+        batched = schedule["policy"] == "continuous"
+        if schedule["batch"] < 1 or (not batched and schedule["batch"] != 1):
+            problems.append(f"step/schedule: batch={schedule['batch']} under policy {schedule['policy']!r}: expected "
+                            "1 (static) or >= 1 (continuous)")
+        mechanisms = [a for a in ("verify_budget", "ragged", "spec_control") if schedule.get(a)]
+        if mechanisms and not batched:
+            problems.append(f"step/schedule: {', '.join(mechanisms)} run in the batched engine: expected policy "
+                            "'continuous' (the passes set it)")
+        if batched:
+            if verify["mode"] != "chain":
+                problems.append(f"step/schedule: policy 'continuous' verifies chains; verify mode {verify['mode']!r} "
+                                "is not batched yet (expected chain)")
+            if graphs:
+                problems.append("step/schedule: policy 'continuous' runs its steps ungraphed (no CUDA-graph buckets "
+                                "yet): expected no graphs (leave out cuda-graphs)")
+            if recurrent:
+                problems.append("step/schedule: policy 'continuous' serves attention targets; this target's Gated "
+                                "DeltaNet layers are not batched yet (expected policy 'static', batch 1)")
         if graphs and recurrent:
             problems.append("step/schedule: graphs=true needs a cache that keeps its length on the device; this "
                             "target's Gated DeltaNet layers keep theirs on the host (expected no graphs)")

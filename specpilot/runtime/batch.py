@@ -556,3 +556,55 @@ def generate_batched(engine: BatchEngine, prompts: Sequence[Sequence[int]], max_
         if step > 100_000:
             raise RuntimeError("generate_batched: no progress")
     return [outputs[i] for i in range(len(prompts))]
+
+
+@torch.inference_mode()
+def profile_step_cost(engine: BatchEngine, *, tokens: Sequence[int], requests: Sequence[int] = (),
+                      past: int = 256, repeats: int = 3,
+                      clock: Callable[[], float] | None = None) -> "StepCost":
+    """The step-cost table of `engine` measured on its own forwards: verify forwards of `tokens`
+    rows (spread over min(rows, max_batch) requests with `past` cached keys each), and drafter
+    forwards of `requests` requests; median of `repeats` after one warm-up. Run while no request is
+    active (it writes scratch K/V into the slots; lengths are left as they are)."""
+    import statistics
+    import time
+
+    from specpilot.runtime.batch_control import StepCost
+    from specpilot.runtime.decode import DecodeClock
+
+    if engine.active():
+        raise RuntimeError("profile_step_cost: requests are active; profile an idle engine")
+    clock = clock or DecodeClock(engine.target.device)
+    dev = engine.target.device
+    cap = engine.config.capacity
+    past = min(past, cap - max(tokens) - 1)
+
+    def timed(fn) -> float:
+        fn()
+        samples = []
+        for _ in range(repeats):
+            t0 = clock()
+            fn()
+            samples.append(1e3 * (clock() - t0))
+        return statistics.median(samples)
+
+    verify = {}
+    for n in tokens:
+        b = min(n, engine.max_batch)
+        counts = tuple(n // b + (1 if i < n % b else 0) for i in range(b))
+        r = Ragged(tuple(range(b)), (past,) * b, counts, "causal", dev)
+        ids = torch.zeros(n, dtype=torch.long, device=dev)
+        verify[n] = timed(lambda: engine.target.head(ragged_forward(engine.target, engine.kv, ids, r, engine.attention,
+                                                                    engine.layers).x).argmax(-1))
+    draft = {0: 0.0}
+    for b in requests if engine.kind == "dflash" else ():
+        bs = engine.block_size
+        r = Ragged(tuple(range(b)), (past,) * b, (bs,) * b, "full", dev)
+        blocks = torch.zeros(b * bs, dtype=torch.long, device=dev)
+        draft[b] = timed(lambda: dflash_draft(engine.drafter, engine.draft_kv, blocks, r, engine.attention))
+    for b in requests if engine.kind == "pard" else ():
+        k = engine.block_size
+        r = Ragged(tuple(range(b)), (past,) * b, (k + 1,) * b, "causal", dev)
+        ids = torch.zeros(b * (k + 1), dtype=torch.long, device=dev)
+        draft[b] = timed(lambda: ragged_forward(engine.drafter.model, engine.draft_kv, ids, r, engine.attention).x)
+    return StepCost.from_table(verify, draft)

@@ -1,0 +1,60 @@
+"""`verify-budget`: capacity-aware verification in the batched engine.
+
+Changes the step graph's `schedule` node: verify_budget=true (and policy "continuous", the batched
+engine). The engine then picks, each step, the batch-wide number of drafted tokens to verify that
+maximizes expected committed tokens per millisecond under the step-cost table profiled at compile
+time (tokens in the verify forward -> ms: verification turns compute-bound as tokens grow), and
+splits it across requests by per-position survival from the drafter's confidences
+(runtime/batch_control.choose_verify_budget, which two-level verification shares).
+
+Lossless: it chooses only how many of each request's drafts are verified; every committed token is
+still the target's argmax over that request's committed prefix. Chain verification of attention
+targets, ungraphed (what the batched engine runs; the verifier says so otherwise).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..ir import Program
+from .base import Pass, PassResult, register
+
+
+def batching_refusal(program: Program) -> str:
+    """Why the batched engine cannot run this program ("" when it can): the mechanisms' shared check."""
+    if program.step.one("verify")[1]["mode"] != "chain":
+        return "the batched engine verifies chains (leave out tree-verify)"
+    if program.target.find("gated_deltanet"):
+        return "the batched engine serves attention targets, not Gated DeltaNet hybrids"
+    if program.step.one("schedule")[1].get("graphs"):
+        return "the batched engine runs ungraphed steps (leave out cuda-graphs)"
+    return ""
+
+
+def set_schedule(program: Program, pass_name: str, **attrs) -> PassResult:
+    """The schedule node with `attrs` and policy "continuous", or unchanged with the reason."""
+    why = batching_refusal(program)
+    if why:
+        return PassResult(program, False, f"{pass_name}: {why}")
+    name, node = program.step.one("schedule")
+    want = {"policy": "continuous", **attrs}
+    if all(node.get(k) == v for k, v in want.items()):
+        return PassResult(program, False, f"{pass_name}: already set")
+    step = program.step.with_node(name, node.replace(**want))
+    return PassResult(program.with_graph("step", step), True,
+                      ", ".join(f"schedule {k}={v}" for k, v in want.items()))
+
+
+@register
+@dataclass(frozen=True)
+class VerifyBudget(Pass):
+    name = "verify-budget"
+    lossless = True
+    closes = "verification past the GPU's capacity at batch"
+
+    def apply(self, program: Program) -> PassResult:
+        return set_schedule(program, self.name, verify_budget=True)
+
+    @classmethod
+    def schedule_space(cls, program: Program) -> list[Pass]:
+        return [cls()] if cls().apply(program).changed else []

@@ -1,0 +1,104 @@
+"""The batched engine's passes (verify-budget, ragged-verify, spec-control) and the schedule node:
+what each changes, where each applies, what the verifier refuses, and losslessness of the engine
+each program builds (every output token forced against the stock target)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specpilot.backends.torch_backend import build_engine
+from specpilot.dsl import parse_pipeline
+from specpilot.ir import lower, print_program
+from specpilot.ir.verify import program_problems
+from specpilot.passes import run_passes
+from specpilot.passes.cuda_graphs import CudaGraphs
+from specpilot.passes.ragged_verify import RaggedVerify
+from specpilot.passes.spec_control import SpecControl
+from specpilot.passes.tree_verify import TreeVerify
+from specpilot.passes.verify_budget import VerifyBudget
+from specpilot.runtime.batch import generate_batched
+from specpilot.runtime.batch_control import StepCost
+from specpilot.validate.forcing import force_tokens
+
+from test_ir import DFLASH, PARD, TARGET
+
+PASSES = [(VerifyBudget(), {"verify_budget": True}), (RaggedVerify(), {"ragged": True}),
+          (SpecControl(off_below=0.2), {"spec_control": True, "spec_off_below": 0.2})]
+
+
+def schedule(program):
+    return program.step.one("schedule")[1]
+
+
+def test_lowering_honours_the_batch():
+    assert schedule(lower(TARGET, DFLASH))["policy"] == "static"
+    s = schedule(lower(TARGET, DFLASH, batch=8))
+    assert (s["policy"], s["batch"]) == ("continuous", 8)
+
+
+@pytest.mark.parametrize("kind", ["dflash", "pard"])
+@pytest.mark.parametrize("pass_, attrs", PASSES, ids=[p.name for p, _ in PASSES])
+def test_each_pass_changes_the_schedule_only(kind, pass_, attrs):
+    p = lower(TARGET, DFLASH if kind == "dflash" else PARD, batch=4)
+    assert type(pass_).schedule_space(p)
+    r = pass_.apply(p)
+    assert r.changed and not program_problems(r.program)
+    before, after = print_program(p).splitlines(), print_program(r.program).splitlines()
+    changed = [(x, y) for x, y in zip(before, after) if x != y]
+    assert len(changed) == 1 and "schedule" in changed[0][0]
+    assert {k: schedule(r.program).get(k) for k in attrs} == attrs
+    assert not pass_.apply(r.program).changed  # idempotent
+    assert pass_ not in type(pass_).schedule_space(r.program)
+
+
+@pytest.mark.parametrize("pass_, _", PASSES, ids=[p.name for p, _ in PASSES])
+def test_a_batch1_program_becomes_continuous(pass_, _):
+    r = pass_.apply(lower(TARGET, DFLASH))
+    assert schedule(r.program)["policy"] == "continuous" and schedule(r.program)["batch"] == 1
+
+
+@pytest.mark.parametrize("pass_, _", PASSES, ids=[p.name for p, _ in PASSES])
+@pytest.mark.parametrize("before", ["tree", "graphs"])
+def test_passes_leave_what_the_batched_engine_cannot_run(pass_, _, before):
+    p = (TreeVerify(budget=8, topk=2) if before == "tree" else CudaGraphs()).apply(lower(TARGET, DFLASH)).program
+    r = pass_.apply(p)
+    assert not r.changed and ("trees" in r.summary or "tree" in r.summary or "graphs" in r.summary)
+    assert type(pass_).schedule_space(p) == []
+
+
+def test_verifier_refuses_batches_it_cannot_run():
+    p = lower(TARGET, DFLASH, batch=4)
+    name, node = p.step.one("schedule")
+    static = p.with_graph("step", p.step.with_node(name, node.replace(policy="static")))
+    assert any("batch=4" in e for e in program_problems(static))
+    flag = lower(TARGET, DFLASH)
+    n2, s2 = flag.step.one("schedule")
+    flagged = flag.with_graph("step", flag.step.with_node(n2, s2.replace(ragged=True)))
+    assert any("continuous" in e for e in program_problems(flagged))
+    graphed = CudaGraphs().apply(p).program
+    assert any("ungraphed" in e for e in program_problems(graphed))
+
+
+def test_pipeline_strings_parse_to_the_passes():
+    passes = parse_pipeline("verify-budget,ragged-verify,spec-control{off-below=0.3}", source="test")
+    assert [p.spec() for p in passes] == ["verify-budget", "ragged-verify", "spec-control{off-below=0.3}"]
+
+
+@pytest.mark.parametrize("kind", ["dflash", "pard"])
+def test_every_mechanism_is_lossless_under_token_forcing(tiny_model_dirs, torch_single_thread, kind):
+    """The engine the program builds serves prompts arriving over steps; every output token is
+    forced against the stock target (the passes' lossless contract)."""
+    from specpilot.hf.checkpoint import read_config
+
+    dirs = tiny_model_dirs["qwen3"]
+    program = lower(read_config(dirs["target"])[0], read_config(dirs[kind])[0], block_size=4, batch=3)
+    program, _ = run_passes(program, parse_pipeline("verify-budget,ragged-verify,spec-control", source="test"))
+    engine = build_engine(program, dirs["target"], dirs[kind], torch.device("cpu"))
+    cost = StepCost.from_table({1: 1.0, 8: 1.3, 32: 3.0}, {1: 0.2, 3: 0.3})
+    batched = engine.batched(capacity=64, cost=cost)
+    assert batched.policy.verify_budget and batched.policy.ragged and batched.policy.spec_control
+    prompts = [[5, 6, 7, 8], [100, 200], [42] * 9, [10, 20, 30], [7]]
+    outs = generate_batched(batched, prompts, 8, arrivals=[0, 0, 1, 3, 3])
+    report = force_tokens(engine.target, engine.target_cfg, prompts, outs, "float32")
+    assert report.passed and report.tokens_checked == sum(map(len, outs)) > 0
