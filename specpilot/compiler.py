@@ -19,6 +19,7 @@ from . import __version__
 from .backends.engine_dir import ENGINE_FORMAT, atomic_dir, check_compatible, copy_checkpoint, write_manifest
 from .backends.torch_backend import (U12_FILE, Engine, ReplaySetup, ShapeModels, build_engine, default_dtype,
                                      drafter_root, packed_weights, pick_device, stored_weights)
+from .bench.batch import measure_batches
 from .bench.harness import Measurement, device_name, environment, gpu_slug, measure, versions
 from .bench.prompts import load_prompts
 from .dsl import load_rules, parse_pipeline
@@ -95,7 +96,8 @@ def lower_spec(spec: PipelineSpec, dirs: ModelDirs, dtype: str) -> Program:
     if dirs.shape is not None:
         program = lower(dirs.shape.target_cfg, dirs.shape.drafter_cfg, dtype=dtype, block_size=spec.drafter.block_size,
                         target_source=f"{spec.source}: field 'target.shape'",
-                        drafter_source=f"{spec.source}: field 'drafter.shape'", block_source=block_source)
+                        drafter_source=f"{spec.source}: field 'drafter.shape'", block_source=block_source,
+                        batch=max(spec.serving.batch_sizes))
         name, draft = program.step.one("draft")
         replay = dirs.shape.replay
         return program.with_graph("step", program.step.with_node(
@@ -104,7 +106,7 @@ def lower_spec(spec: PipelineSpec, dirs: ModelDirs, dtype: str) -> Program:
     for root, cfg, source in ((dirs.target, target, target_source), (dirs.drafter, drafter, drafter_source)):
         check_layer_count(root, cfg, source)
     program = lower(target, drafter, dtype=dtype, block_size=spec.drafter.block_size, target_source=target_source,
-                    drafter_source=drafter_source, block_source=block_source)
+                    drafter_source=drafter_source, block_source=block_source, batch=max(spec.serving.batch_sizes))
     check_weight_shapes(program, dirs, {"target": target_source, "drafter": drafter_source})
     kind = program.step.one("draft")[1]["kind"]
     if kind != spec.drafter.kind:
@@ -428,6 +430,15 @@ def compile_pipeline(spec: PipelineSpec, *, out_dir: Path | None, passes: str | 
     validation = validate_outputs(dirs, engine, m)
     env = environment(dev)
     report = build_report(spec, program, pipeline, m, validation, env, engine.draft_vocab, engine)
+    if max(spec.serving.batch_sizes) > 1:  # the batched engine at each concurrency, its outputs forced too
+        batches = measure_batches(engine, m.prompts, m.spec_tokens, spec.serving.batch_sizes,
+                                  spec.serving.max_new_tokens)
+        checked = validate_outputs(dirs, engine, Measurement(prompts=batches.pop("prompts"),
+                                                             spec_tokens=batches.pop("outputs")))
+        validation.prompts += checked.prompts
+        batches["token_forcing"] = checked.summary()
+        report["batches"] = batches
+        report["tokens_checked"], report["token_forcing"] = validation.tokens_checked, validation.summary()
 
     written = None
     if out_dir is not None and validation.passed:

@@ -11,7 +11,7 @@
       # profile's), benchmark: humaneval (default: the profile's), seed: 0 (the accept-length draws)
     gpu: h200                       # a GPU of the database, or an alias such as a100 (`--gpu` overrides it)
     serving:
-      batch_sizes: [1]              # only [1] until batching exists
+      batch_sizes: [1]              # concurrencies compile measures (batched engine above 1)
       max_new_tokens: 64
       greedy: true                  # compiled and token-forced greedy (sampling is chosen per request)
     benchmark:
@@ -220,8 +220,8 @@ def parse_spec(data: Any, source: str) -> PipelineSpec:
     except SpecError as e:
         raise SpecError(f"{source}: field 'gpu': {e}") from None
     s = r.sub("serving")
-    batch = s.get("batch_sizes", list, "[1] (batching is not implemented yet)", default=[1],
-                  check=lambda v: v == [1] and type(v[0]) is int)
+    batch = s.get("batch_sizes", list, "an increasing list of distinct integers >= 1, such as [1, 8, 32]", default=[1],
+                  check=lambda v: bool(v) and all(type(x) is int and x >= 1 for x in v) and v == sorted(set(v)))
     serving = ServingSpec(
         batch_sizes=tuple(batch),
         max_new_tokens=s.get("max_new_tokens", int, "an integer >= 1", default=64, check=_positive),

@@ -102,3 +102,41 @@ def test_every_mechanism_is_lossless_under_token_forcing(tiny_model_dirs, torch_
     outs = generate_batched(batched, prompts, 8, arrivals=[0, 0, 1, 3, 3])
     report = force_tokens(engine.target, engine.target_cfg, prompts, outs, "float32")
     assert report.passed and report.tokens_checked == sum(map(len, outs)) > 0
+
+
+def test_compile_measures_each_listed_concurrency(tmp_path, tmp_path_factory, monkeypatch):
+    """serving.batch_sizes honoured: a row per concurrency (tokens/s, latency, speedup over batched
+    AR), every batched output token forced, the IR's schedule continuous at the largest batch."""
+    import json
+
+    from click.testing import CliRunner
+
+    from specpilot.cli import main
+
+    monkeypatch.setenv("SPECPILOT_CACHE", str(tmp_path_factory.getbasetemp() / "specpilot-cache"))
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the engine's attention: SDPA per request on a CPU
+    spec = tmp_path / "pipeline.yaml"
+    spec.write_text("name: t\ntarget: tiny-qwen3\ndrafter:\n  kind: dflash\n  block_size: 4\ngpu: h200\n"
+                    "serving:\n  batch_sizes: [1, 3]\n  max_new_tokens: 8\nbenchmark:\n  prompts: code-smoke\n"
+                    "  num_prompts: 2\n")
+    out = tmp_path / "engine"
+    r = CliRunner().invoke(main, ["compile", str(spec), "--passes", "verify-budget,ragged-verify,spec-control",
+                                  "-o", str(out), "--device", "cpu"])
+    assert r.exit_code == 0, r.output
+    report = json.loads((out / "report.json").read_text())
+    rows = report["batches"]["rows"]
+    assert [row["concurrency"] for row in rows] == [1, 3]
+    assert all(row["speedup_over_batched_ar"] > 0 and row["spec"]["tokens"] > 0 for row in rows)
+    assert all(row["outputs_equal_batch1"] == row["requests"] for row in rows)
+    assert json.loads((out / "validation.json").read_text())["passed"]
+    assert "policy=\"continuous\"" in (out / "ir.txt").read_text() and "batch=3" in (out / "ir.txt").read_text()
+
+
+def test_spec_refuses_bad_batch_sizes(tmp_path):
+    from specpilot.errors import SpecError
+    from specpilot.spec import load_spec
+
+    path = tmp_path / "p.yaml"
+    path.write_text("name: t\ntarget: tiny-qwen3\ndrafter:\n  kind: dflash\nserving:\n  batch_sizes: [8, 1]\n")
+    with pytest.raises(SpecError, match="batch_sizes.*increasing"):
+        load_spec(path)

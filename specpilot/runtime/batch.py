@@ -282,6 +282,13 @@ class StepStats:
     drafted_requests: int = 0
     committed: int = 0
     ar_steps: int = 0  # steps where no request speculated
+    spec_request_steps: int = 0  # (request, step) pairs that verified at least one draft
+    spec_committed: int = 0  # tokens those committed (bonus included)
+
+    @property
+    def tau(self) -> float:
+        """Tokens a request commits per step it speculated, bonus included (1.0 when none did)."""
+        return self.spec_committed / self.spec_request_steps if self.spec_request_steps else 1.0
 
 
 class BatchEngine:
@@ -502,6 +509,8 @@ class BatchEngine:
             new[q.rid] += span[:kept]
             q.seq.extend(span)
             if k:
+                self.stats.spec_request_steps += 1
+                self.stats.spec_committed += kept
                 q.accepted.append(kept - 1)
                 self.control.rate(q.rid).observe(k, acc, self.policy.ema)
             q.verified.append(k)

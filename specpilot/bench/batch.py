@@ -1,0 +1,144 @@
+"""Batched serving measured: the batched engine against batched AR on the same runtime, per concurrency.
+
+For a concurrency c, `c` requests are kept in flight (a finished one is replaced by the next prompt,
+cycling through the prompts until `requests` have been served): continuous batching as a server
+sees it under a steady load. Both runs use the same engine modules and attention (the batched AR
+is `Engine.batched_ar`: the same runtime with no drafter), and the same prompts in the same order.
+
+Per concurrency: output tokens/s over the run (prefill included: a server pays it), mean and p90
+per-request latency (admission to last token), steps, τ (tokens a request commits per step it
+speculated, bonus included), and the speedup in tokens/s over batched AR. Every request's output
+is kept, so a caller can compare it with the batch-1 outputs or force its tokens.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from specpilot.runtime.engine_api import RequestParams
+
+
+@dataclass
+class BatchRun:
+    concurrency: int
+    seconds: float
+    tokens: int
+    steps: int
+    latencies_s: list[float]
+    outputs: dict[int, list[int]] = field(default_factory=dict)  # request index -> output
+    tau: float = 1.0
+    verify_rows: int = 0
+    ar_steps: int = 0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+    def summary(self) -> dict:
+        lat = sorted(self.latencies_s)
+        return {"concurrency": self.concurrency, "tokens_per_s": round(self.tokens_per_s, 2), "tokens": self.tokens,
+                "seconds": round(self.seconds, 4), "steps": self.steps,
+                "latency_mean_ms": round(1e3 * statistics.fmean(lat), 3) if lat else None,
+                "latency_p90_ms": round(1e3 * lat[int(0.9 * (len(lat) - 1))], 3) if lat else None,
+                "tau": round(self.tau, 4), "verify_rows_per_step": round(self.verify_rows / max(1, self.steps), 2),
+                "ar_steps": self.ar_steps}
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def serve(engine, prompts: Sequence[Sequence[int]], *, concurrency: int, requests: int, max_new_tokens: int,
+          on_admit: Callable[[int, list[int]], None] | None = None) -> BatchRun:
+    """Keep `concurrency` requests in flight until `requests` (prompts cycled) have finished."""
+    device = engine.target.device
+    params = RequestParams(max_new_tokens=max_new_tokens)
+    started: dict[str, float] = {}
+    latencies, outputs = [], {}
+    next_i, steps, tokens = 0, 0, 0
+    sync(device)
+    t0 = time.perf_counter()
+    while next_i < requests or engine.active():
+        while next_i < requests and len(engine.active()) < min(concurrency, engine.max_batch):
+            prompt = list(prompts[next_i % len(prompts)])
+            if on_admit is not None:
+                on_admit(next_i, prompt)
+            engine.admit(str(next_i), prompt, params)
+            started[str(next_i)] = time.perf_counter()
+            next_i += 1
+        for toks in engine.step().values():
+            tokens += len(toks)
+        steps += 1
+        for rid in engine.active():
+            if engine.done(rid):
+                sync(device)
+                latencies.append(time.perf_counter() - started.pop(rid))
+                outputs[int(rid)] = engine.output(rid)
+                engine.release(rid)
+    sync(device)
+    seconds = time.perf_counter() - t0
+    stats = getattr(engine, "stats", None)
+    run = BatchRun(concurrency, seconds, tokens, steps, latencies, outputs)
+    if stats is not None:
+        run.verify_rows, run.ar_steps = stats.verify_rows, stats.ar_steps
+    return run
+
+
+def measure_concurrency(engine_for: Callable[[int], object], ar_for: Callable[[int], object],
+                        prompts: Sequence[Sequence[int]], concurrency: int, *, max_new_tokens: int,
+                        requests: int | None = None, on_admit=None) -> dict:
+    """Batched speculative and batched AR at one concurrency: (summary row, spec outputs, AR outputs)."""
+    requests = requests or max(2 * concurrency, len(prompts))
+    ar_engine = ar_for(concurrency)
+    warm = [list(prompts[0][:8]) or [0]]
+    serve(ar_engine, warm, concurrency=1, requests=1, max_new_tokens=4)
+    ar = serve(ar_engine, prompts, concurrency=concurrency, requests=requests, max_new_tokens=max_new_tokens)
+    spec_engine = engine_for(concurrency)
+    serve(spec_engine, warm, concurrency=1, requests=1, max_new_tokens=4, on_admit=on_admit)
+    spec_engine.stats = type(spec_engine.stats)()
+    sp = serve(spec_engine, prompts, concurrency=concurrency, requests=requests, max_new_tokens=max_new_tokens,
+               on_admit=on_admit)
+    s = spec_engine.stats
+    sp.tau = s.tau
+    row = {"concurrency": concurrency, "requests": requests, "ar": ar.summary(), "spec": sp.summary(),
+           "speedup_over_batched_ar": round(sp.tokens_per_s / ar.tokens_per_s, 4) if ar.tokens_per_s else None,
+           "outputs_equal_batched_ar": sum(sp.outputs[i] == ar.outputs.get(i) for i in sp.outputs)}
+    return {"row": row, "spec_outputs": sp.outputs, "ar_outputs": ar.outputs}
+
+
+def measure_batches(engine, prompts: Sequence[Sequence[int]], guesses: Sequence[Sequence[int]],
+                    sizes: Sequence[int], max_new_tokens: int, *, requests: int | None = None) -> dict:
+    """Every concurrency of `sizes`: the compiled engine batched (Engine.batched) against batched
+    AR. `guesses`: each prompt's batch-1 output (a replay engine's plans follow them). Returns the
+    rows and every request's output with its prompt (for token forcing)."""
+    from specpilot.runtime.batch_replay import BatchReplay
+
+    capacity = max(map(len, prompts)) + max_new_tokens + engine.block_size + 2
+    rows, forced_prompts, forced_outputs = [], [], []
+    for c in sizes:
+        hook = None
+        if engine.replay is not None:
+            hook = BatchReplay(engine.replay.distribution, slots=c + 1, size=capacity + engine.block_size + 1,
+                               device=engine.device, seed=engine.replay.seed)
+            for p, g in zip(prompts, guesses):
+                hook.suggest(p, g)
+        n = requests or max(2 * c, len(prompts))
+        got = measure_concurrency(lambda m: engine.batched(max_batch=m, capacity=capacity, draft_hook=hook),
+                                  lambda m: engine.batched_ar(max_batch=m, capacity=capacity),
+                                  prompts, c, max_new_tokens=max_new_tokens, requests=n)
+        row = got["row"]
+        row["outputs_equal_batch1"] = sum(out == list(guesses[i % len(prompts)]) for i, out in got["spec_outputs"].items())
+        rows.append(row)
+        for i, out in sorted(got["spec_outputs"].items())[: len(prompts)]:
+            forced_prompts.append(list(prompts[i % len(prompts)]))
+            forced_outputs.append(out)
+    return {"rows": rows, "prompts": forced_prompts, "outputs": forced_outputs,
+            "note": "tokens/s over each run (prefill included), latency from admission to the last token; AR = the "
+                    "same batched runtime with no drafter; outputs of the first requests at each concurrency are "
+                    "token-forced with the batch-1 outputs"}
