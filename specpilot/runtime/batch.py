@@ -586,7 +586,7 @@ def profile_step_cost(engine: BatchEngine, *, tokens: Sequence[int], requests: S
     clock = clock or DecodeClock(engine.target.device)
     dev = engine.target.device
     cap = engine.config.capacity
-    past = min(past, cap - max(tokens) - 1)
+    past = max(0, min(past, cap - math.ceil(max(tokens) / engine.max_batch) - 1))
 
     def timed(fn) -> float:
         fn()

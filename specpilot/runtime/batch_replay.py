@@ -33,7 +33,7 @@ class BatchReplay:
         self.drawn = 0
         self.truth = torch.zeros(slots, size, dtype=torch.long, device=device)
         self.bonus = torch.zeros(slots, size, dtype=torch.bool, device=device)
-        self.loaded: dict[int, str] = {}
+        self.loaded: dict[int, object] = {}  # slot -> the request whose plan it holds
         self.guesses: dict[tuple[int, ...], list[int]] = {}
 
     def suggest(self, prompt: Sequence[int], guess: Sequence[int]) -> None:
@@ -65,9 +65,9 @@ class BatchReplay:
         """The batched engine's draft hook: logits [B, k, V] of requests `reqs`, row j of request b
         drafting absolute position first[b] + j."""
         for q in reqs:
-            if self.loaded.get(q.slot) != q.rid:
+            if self.loaded.get(q.slot) is not q:  # a new request in this slot (rids may repeat)
                 self.load(q.slot, q.prompt)
-                self.loaded[q.slot] = q.rid
+                self.loaded[q.slot] = q
         b, k, _ = logits.shape
         dev = logits.device
         slots = torch.tensor([q.slot for q in reqs], device=dev)
