@@ -655,7 +655,40 @@ def serve_load() -> str:
     return "\n".join(lines)
 
 
-RENDERERS = {"serve_load": serve_load, "headline": headline, "targets": targets, "draft_vocab": draft_vocab, "zoo_tau": zoo_tau,
+BATCHED_GPUS = ("h200", "h100")  # the first present is rendered
+
+
+def batched() -> str:
+    """Issue 45: the batched engine against batched AR per concurrency (bench/e2e/batched.py)."""
+    present = _load_present(f"batched_{gpu}.json" for gpu in BATCHED_GPUS)
+    if not present:
+        return _missing("bench/run_gpu.sh batched", "on the H200")
+    name, d = present[0]
+    rows = [r for r in d["records"] if "speedup_over_batched_ar" in r]
+    lines = [f"Source: `bench/results/{name}` ({_where(d)}, commit {_short(d['commit'])}, torch "
+             f"{_version(d, 'torch')}). Continuous batching, c requests in flight; tokens/s over each run, prefill "
+             "included; AR = the same batched runtime with no drafter; eager steps. Variants: `all` = verify-budget, "
+             "ragged-verify, spec-control; `no-X` leaves one out; `none` the batched engine alone.", "",
+             "| deployment | variant | c | tokens/s | AR tokens/s | speedup | τ | verify rows/step | latency mean ms | "
+             "AR steps | token forcing |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for r in rows:
+        who = f"{r['profile']}/{r['benchmark']}" if r.get("profile") else r["pair"]
+        forced = f"{'PASS' if r['passed'] else 'FAIL'} ({r['tokens_checked']})" if "passed" in r else "-"
+        lines.append(f"| {who} | {r['variant']} | {r['concurrency']} | {r['spec']['tokens_per_s']:.1f} | "
+                     f"{r['ar']['tokens_per_s']:.1f} | {r['speedup_over_batched_ar']:.2f}× | {r['spec']['tau']:.2f} | "
+                     f"{r['spec']['verify_rows_per_step']:.1f} | {r['spec']['latency_mean_ms']:.1f} | "
+                     f"{r['spec']['ar_steps']} | {forced} |")
+    aims = d.get("aims") or {}
+    if aims:
+        lines += ["", "| aim (issue 45, DFlash HumanEval at 8B) | target | measured | verdict |", "|---|---:|---:|---|"]
+        for key, a in aims.items():
+            target = "≥ 1.0× everywhere" if key == "never_below_1" else f"≥ {a['aim']}×"
+            got = a.get("speedup", a.get("worst"))
+            lines.append(f"| {key} | {target} | {got:.2f}× | {verdict([a['met']])} |")
+    return "\n".join(lines)
+
+
+RENDERERS = {"serve_load": serve_load, "headline": headline, "batched": batched, "targets": targets, "draft_vocab": draft_vocab, "zoo_tau": zoo_tau,
              "zoo_e2e": zoo_e2e, "tree_tau": tree_tau, "cost_vs_measured": cost_vs_measured, "step_times": step_times,
              "hf_peers": hf_peers, "attention_split_kv": attention_split_kv, "u12_stats": u12_stats,
              "u12_linear": u12_linear, "kernel_static": kernel_static, "kernel_static_sweep": kernel_static_sweep,

