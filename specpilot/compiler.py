@@ -193,6 +193,30 @@ def validate_outputs(dirs: ModelDirs, engine: Engine, m: Measurement) -> TokenFo
     return force_tokens(reference, ref_cfg, m.prompts, m.spec_tokens, engine.dtype)
 
 
+def predicted_batches(program: Program, gpu: str, sizes, tau: float, rows: list[dict]) -> dict:
+    """The cost model's batch terms beside the measured rows: tokens/s per concurrency, and where the
+    engine profiled a step-cost table, its verify times against the predicted ones."""
+    from .cost import AcceptanceModel
+    from .cost.batch import batch_rows, compare_cost_table, verify_cost_table
+    from .cost.gaps import draft_positions
+    from .cost.gpu import load_gpu
+
+    k = draft_positions(program)
+    out = {"gpu": gpu, "rows": batch_rows(program, gpu, sizes, AcceptanceModel.from_tau(max(1.0, min(tau, k + 1.0)), k),
+                                          dtype=str(program.attr("dtype"))),
+           "note": "predicted by the roofline for the spec's GPU (eager steps); measured tables are this machine's"}
+    checks = {}
+    for row in rows:
+        measured = {int(t): ms for t, ms in row.get("measured_verify_ms", {}).items()}
+        if measured:
+            predicted = verify_cost_table(program, load_gpu(gpu), row["concurrency"], sorted(measured),
+                                          dtype=str(program.attr("dtype")))
+            checks[row["concurrency"]] = compare_cost_table(predicted, measured)
+    if checks:
+        out["verify_cost_check"] = checks
+    return out
+
+
 def write_cost_view(program: Program, gpu: str, tau: float, report: dict, root: Path) -> None:
     """The cost model's view of the engine on its target GPU (τ as measured here): into the
     report, and as a roofline/gap chart beside it."""
@@ -437,6 +461,7 @@ def compile_pipeline(spec: PipelineSpec, *, out_dir: Path | None, passes: str | 
                                                              spec_tokens=batches.pop("outputs")))
         validation.prompts += checked.prompts
         batches["token_forcing"] = checked.summary()
+        batches["predicted"] = predicted_batches(program, spec.gpu, spec.serving.batch_sizes, m.tau, batches["rows"])
         report["batches"] = batches
         report["tokens_checked"], report["token_forcing"] = validation.tokens_checked, validation.summary()
 

@@ -128,6 +128,9 @@ def test_compile_measures_each_listed_concurrency(tmp_path, tmp_path_factory, mo
     assert [row["concurrency"] for row in rows] == [1, 3]
     assert all(row["speedup_over_batched_ar"] > 0 and row["spec"]["tokens"] > 0 for row in rows)
     assert all(row["outputs_equal_batch1"] == row["requests"] for row in rows)
+    predicted = report["batches"]["predicted"]
+    assert [r["concurrency"] for r in predicted["rows"]] == [1, 3]
+    assert set(predicted["verify_cost_check"]) == {"1", "3"}  # the profiled tables beside the roofline's
     assert json.loads((out / "validation.json").read_text())["passed"]
     assert "policy=\"continuous\"" in (out / "ir.txt").read_text() and "batch=3" in (out / "ir.txt").read_text()
 

@@ -129,10 +129,15 @@ def measure_batches(engine, prompts: Sequence[Sequence[int]], guesses: Sequence[
             for p, g in zip(prompts, guesses):
                 hook.suggest(p, g)
         n = requests or max(2 * c, len(prompts))
-        got = measure_concurrency(lambda m: engine.batched(max_batch=m, capacity=capacity, draft_hook=hook),
+        made = {}
+        got = measure_concurrency(lambda m: made.setdefault(m, engine.batched(max_batch=m, capacity=capacity,
+                                                                              draft_hook=hook)),
                                   lambda m: engine.batched_ar(max_batch=m, capacity=capacity),
                                   prompts, c, max_new_tokens=max_new_tokens, requests=n)
         row = got["row"]
+        cost = made[c].policy.cost
+        if cost is not None:  # the step-cost table the engine profiled for its mechanisms
+            row["measured_verify_ms"] = {t: round(ms, 4) for t, ms in cost.verify_ms}
         row["outputs_equal_batch1"] = sum(out == list(guesses[i % len(prompts)]) for i, out in got["spec_outputs"].items())
         rows.append(row)
         for i, out in sorted(got["spec_outputs"].items())[: len(prompts)]:
