@@ -98,6 +98,7 @@ def test_every_mechanism_is_lossless_under_token_forcing(tiny_model_dirs, torch_
     cost = StepCost.from_table({1: 1.0, 8: 1.3, 32: 3.0}, {1: 0.2, 3: 0.3})
     batched = engine.batched(capacity=64, cost=cost)
     assert batched.policy.verify_budget and batched.policy.ragged and batched.policy.spec_control
+    assert batched.max_batch == 3 and batched.policy.off_below == 0.1 and batched.block_size == 4
     prompts = [[5, 6, 7, 8], [100, 200], [42] * 9, [10, 20, 30], [7]]
     outs = generate_batched(batched, prompts, 8, arrivals=[0, 0, 1, 3, 3])
     report = force_tokens(engine.target, engine.target_cfg, prompts, outs, "float32")

@@ -114,16 +114,19 @@ HONOURED = {
     ("linear", "format"), ("lm_head", "format"), ("linear", "kernel"), ("lm_head", "kernel"), ("linear", "layout"),
     ("lm_head", "layout"), ("lm_head", "vocab_subset"), ("lm_head", "vocab_corpus"), ("rmsnorm", "kernel"),
     ("rope", "kernel"), ("mlp", "kernel"), ("attention", "kernel"),
+    # the batched engine's (Engine.batched): tests/test_batch_passes.py runs each
+    ("schedule", "policy"), ("schedule", "batch"), ("schedule", "verify_budget"), ("schedule", "ragged"),
+    ("schedule", "spec_control"), ("schedule", "spec_off_below"),
 }
 # (op, attribute) pairs with one value a backend runs: anything else is refused (test_ir.py)
-ONE_VALUE = {("schedule", "policy"): "static", ("schedule", "batch"): 1}
+ONE_VALUE: dict[tuple[str, str], object] = {}
 
 
 def test_every_choice_in_the_schemas_is_honoured_or_has_one_value():
     """A choice added to node.OPS needs a case here (run by the backend) or a single allowed value."""
     choices = {(op, key) for op, schema in OPS.items() for key in schema.choices}
     assert choices == HONOURED | set(ONE_VALUE)
-    assert OPS["schedule"].allowed("policy") == {"static"}
+    assert OPS["schedule"].allowed("policy") == {"static", "continuous"}
 
 
 def test_block_size_and_the_tree_reach_the_loops(tiny_model_dirs, monkeypatch):
