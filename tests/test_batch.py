@@ -242,3 +242,28 @@ def test_engine_on_the_ragged_split_kv_kernel_equals_batch1(models, references):
     eng = engine(models, "dflash", references, max_batch=2, right_every=3)
     eng.attention = ragged_attention(torch.device("cpu"))
     assert generate_batched(eng, PROMPTS[:3], 5, arrivals=[0, 0, 1]) == [r[:5] for r in references[:3]]
+
+
+@pytest.mark.parametrize("alpha, accepted", [(1.0, None), (0.0, 0)])
+def test_batch_replay_plans_follow_each_request(models, references, alpha, accepted):
+    """Per-request replay plans: planned to accept every draft, each speculative step accepts the
+    whole block (but where the output ends); planned to accept none, none."""
+    from specpilot.profiles import AcceptDistribution
+    from specpilot.runtime.batch_replay import BatchReplay
+
+    drafts, n = models.dflash.block_size - 1, 30
+    truth = {i: generate_ar(models.target, PROMPTS[i], max_new_tokens=n, eos_token_id=None).tokens for i in (0, 3)}
+    hook = BatchReplay(AcceptDistribution.chain([alpha], drafts), slots=3, size=64, device="cpu")
+    for i, r in truth.items():
+        hook.suggest(PROMPTS[i], r)
+    eng = BatchEngine(models.target, models.dflash, eos_token_id=None,
+                      config=BatchConfig(max_batch=2, capacity=64), draft_hook=hook)
+    eng.admit("a", PROMPTS[0], RequestParams(n))
+    eng.admit("b", PROMPTS[3], RequestParams(n))
+    while not (eng.done("a") and eng.done("b")):
+        eng.step()
+    for rid, i in (("a", 0), ("b", 3)):
+        req = eng.request(rid)
+        assert req.out.tokens == truth[i]
+        full = req.accepted[:-1]  # the last step may be cut by max_new_tokens
+        assert full and all(n == (drafts if accepted is None else accepted) for n in full)
