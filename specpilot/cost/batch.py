@@ -71,8 +71,14 @@ def batch_rows(program: Program, gpu_name: str, sizes: Sequence[int], acceptance
         full_tokens = c * (k + 1)
         full = (c * (1 + sum(survival))) / (t_draft + verify_ms(program, gpu, c, full_tokens, cache_len=cache_len,
                                                                  dtype=dtype))
-        choice = choose_verify_budget([survival] * c, lambda t: verify_ms(program, gpu, c, t, cache_len=cache_len,
-                                                                          dtype=dtype), draft_ms=t_draft)
+        per_q: dict[int, float] = {}  # a verify of T rows costs as c requests of ceil(T / c) rows, scaled to T
+
+        def cost(t: int) -> float:
+            q = max(1, math.ceil(t / c))
+            if q not in per_q:
+                per_q[q] = verify_ms(program, gpu, c, c * q, cache_len=cache_len, dtype=dtype)
+            return per_q[q] * t / (c * q)
+        choice = choose_verify_budget([survival] * c, cost, draft_ms=t_draft)
         budget_tokens = c + sum(choice.per_request)
         budget = choice.tokens_per_ms if budget_tokens > c else c / t_ar  # no drafts pay: an AR step
         ar = c / t_ar
