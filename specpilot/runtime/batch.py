@@ -481,8 +481,10 @@ class BatchEngine:
             first = [len(q.seq) for q in reqs]
         if self.draft_hook is not None:
             logits = self.draft_hook(logits, reqs, first)
-        probs = logits.float().softmax(-1)
-        conf, tok = probs.max(-1)
+        top, tok = logits.max(-1)
+        if not (self.policy.verify_budget and self.policy.survival == "confidence"):
+            return tok.tolist(), [[1.0] * tok.shape[1]] * tok.shape[0]  # no one reads the confidences
+        conf = (top.float() - logits.float().logsumexp(-1)).exp()  # the drafter's probability of its token
         both = torch.stack((tok.to(torch.float64), conf.to(torch.float64))).tolist()
         return [[int(t) for t in row] for row in both[0]], both[1]
 
