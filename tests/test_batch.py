@@ -270,10 +270,14 @@ def test_batch_replay_plans_follow_each_request(models, references, alpha, accep
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("graphs", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_engine_on_the_gpu_kernel_passes_token_forcing(tiny_model_dirs, dtype):
-    """On a GPU: the batched engine over split-KV's ragged mode, requests joining over steps; every
-    output token forced against the stock target (bf16 near-ties are benign, as for every loop)."""
+def test_engine_on_the_gpu_kernel_passes_token_forcing(tiny_model_dirs, dtype, graphs):
+    """On a GPU: the batched engine over split-KV's ragged mode (its verifies CUDA-graph replays, or
+    eager), requests joining over steps; every output token forced against the stock target (bf16
+    near-ties are benign, as for every loop)."""
+    from specpilot.runtime.batch import graph_buckets
+
     from specpilot.backends.kernel_hooks import ragged_attention
     from specpilot.runtime.load import load_drafter, load_target
     from specpilot.validate.forcing import force_tokens
@@ -281,11 +285,25 @@ def test_engine_on_the_gpu_kernel_passes_token_forcing(tiny_model_dirs, dtype):
     dirs = tiny_model_dirs["qwen3"]
     target, cfg = load_target(dirs["target"], dtype=dtype, device="cuda")
     drafter = load_drafter(dirs["dflash"], target, cfg, dtype=dtype, device="cuda")
-    eng = BatchEngine(target, drafter, eos_token_id=cfg.eos_token_id, config=BatchConfig(max_batch=4, capacity=128),
+    config = BatchConfig(max_batch=4, capacity=128, graphs=graphs, buckets=graph_buckets(32) if graphs else ())
+    eng = BatchEngine(target, drafter, eos_token_id=cfg.eos_token_id, config=config,
                       attention=ragged_attention(torch.device("cuda")))
     outs = generate_batched(eng, PROMPTS, 24, arrivals=[0, 0, 1, 2, 5, 5])
     report = force_tokens(target, cfg, PROMPTS, outs, "float32" if dtype == torch.float32 else "bfloat16")
     assert report.passed and report.tokens_checked == sum(map(len, outs))
+    assert not graphs or all(step[3].graph is not None for step in eng.graphed.steps.values())  # captured
     if dtype == torch.float32:
         refs = [generate_ar(target, p, max_new_tokens=24, eos_token_id=cfg.eos_token_id).tokens for p in PROMPTS]
         assert outs == refs
+
+
+@pytest.mark.parametrize("kind", ["dflash", "ar"])
+def test_graphed_verify_buckets_equal_batch1(models, references, kind):
+    """The verify forward over preallocated inputs a (bucket, rows a request) shape (what a CUDA graph
+    replays; on a CPU it runs as is): the same outputs, one runner a shape."""
+    drafter = models.dflash if kind == "dflash" else None
+    eng = BatchEngine(models.target, drafter, eos_token_id=models.cfg.eos_token_id,
+                      config=BatchConfig(max_batch=3, capacity=64, buckets=(4, 8, 16, 32), graphs=True),
+                      draft_hook=oracle(references, 3) if drafter is not None else None)
+    assert generate_batched(eng, PROMPTS, MAX_NEW, arrivals=[0, 0, 1, 2, 2, 5]) == references
+    assert eng.graphed.steps and all(rows in (4, 8, 16, 32) for rows, _ in eng.graphed.steps)

@@ -3,7 +3,7 @@
     python -m bench.e2e.batched [--profile dflash-qwen3-8b] [--benchmark humaneval]
                                 [--concurrency 1,2,4,8,16,32,64] [--variants all,no-budget,no-ragged,no-control,none]
                                 [--zoo code-qwen3/dflash,code-qwen3/pard] [--num-prompts 8] [--max-new-tokens 64]
-                                [--budget-s 270] [--out FILE|DIR] [--tag TAG] [--smoke]
+                                [--budget-s 270] [--graphs] [--out FILE|DIR] [--tag TAG] [--smoke]
 
 8B shapes: the profile's target with random bf16 weights and a replay DFlash drafter of its shape
 (runtime/batch_replay.py: per-request plans drawn from the profile, following each prompt's batched
@@ -19,6 +19,8 @@ Zoo pairs (--zoo): the trained code-qwen3 drafters with their own acceptance, `a
 
 Aims (issue 45, DFlash's HumanEval profile at 8B on the H200): >= 4.0x over batched AR at c8, >= 3.0x
 at c32, never below 1.0x. The summary says met or not. Writes bench/results/batched_<gpu>.json.
+--graphs: the verify forwards of both engines as CUDA-graph replays bucketed by token count (drafting and
+prefill stay eager) -> batched_<gpu>_graphs.json.
 --smoke: the tiny shapes on the CPU (fp32), two concurrencies: checks the script, measures nothing.
 """
 
@@ -60,7 +62,7 @@ def run_variants(engine, stock, prompts, guesses, sizes, variants, args, label: 
         passes = VARIANTS[variant]
         program = run_passes(stock, parse_pipeline(passes, source="--variants"))[0] if passes else stock
         eng = engine.with_program(program)
-        got = measure_batches(eng, prompts, guesses, sizes, args.max_new_tokens)
+        got = measure_batches(eng, prompts, guesses, sizes, args.max_new_tokens, graphs=args.graphs)
         check = {}
         if variant == "all":
             report = force_tokens(engine.target, engine.target_cfg, got["prompts"], got["outputs"], dtype)
@@ -140,6 +142,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--budget-s", type=float, default=270.0, help="start no variant past this many seconds")
+    ap.add_argument("--graphs", action="store_true", help="verify forwards (and batched AR's) as CUDA-graph replays "
+                    "bucketed by token count; write batched_<gpu>_graphs.json unless --tag says otherwise")
     args = harness.add_results_args(ap).parse_args(argv)
     if args.smoke:
         torch.set_num_threads(1)
@@ -153,6 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     dtype = "float32" if args.smoke else "bfloat16"
     sizes = [int(c) for c in args.concurrency.split(",")]
     args.started = time.perf_counter()
+    args.tag = args.tag or ("graphs" if args.graphs else "")
     rows = bench_profile(args, sizes, device, dtype) if args.profile else []
     rows += bench_zoo(args, sizes, device, dtype)
     out = harness.write_run(args, "batched", device, rows, aims=aims(rows), wall_s=time.perf_counter() - args.started,

@@ -298,12 +298,13 @@ class Engine:
         return loop(self.target, self.drafter, prompt_ids, block_size=self.block_size, **common)
 
     def batched(self, *, max_batch: int | None = None, capacity: int = 1024, cost=None, attention=None,
-                draft_hook=None, buckets: tuple[int, ...] = ()):
+                draft_hook=None, graphs: bool = False):
         """The batched engine (runtime/batch.py) over this engine's modules, as the schedule node says:
         up to its `batch` requests (or `max_batch`), its mechanisms (verify_budget, ragged, spec_control)
         in the policy. `cost` (a StepCost) prices them; None: profiled here on the engine's own forwards.
-        A replay engine's drafts follow per-request plans only through `draft_hook`."""
-        from ..runtime.batch import BatchConfig, BatchEngine, profile_step_cost
+        A replay engine's drafts follow per-request plans only through `draft_hook`. `graphs`: verify
+        forwards as CUDA-graph replays bucketed by token count (runtime/batch.GraphedVerify)."""
+        from ..runtime.batch import BatchConfig, BatchEngine, graph_buckets, profile_step_cost
         from ..runtime.batch_control import BatchPolicy
 
         schedule = self.program.step.one("schedule")[1]
@@ -311,8 +312,10 @@ class Engine:
             raise EngineError("the batched engine serves attention targets; this one is a Gated DeltaNet hybrid")
         if self.program.step.one("verify")[1]["mode"] != "chain":
             raise EngineError("the batched engine verifies chains; this program verifies trees")
-        config = BatchConfig(max_batch=max_batch or schedule["batch"], capacity=capacity, buckets=buckets)
         drafts = self.block_size - 1 if self.kind == "dflash" else self.block_size
+        batch = max_batch or schedule["batch"]
+        config = BatchConfig(max_batch=batch, capacity=capacity, graphs=graphs,
+                             buckets=graph_buckets(batch * (drafts + 1)) if graphs else ())
         attention = attention or kernel_hooks.ragged_attention(self.device)
         engine = BatchEngine(self.target, self.drafter, eos_token_id=self.eos_token_id, config=config,
                              block_size=self.block_size, attention=attention, draft_hook=draft_hook)
@@ -327,12 +330,13 @@ class Engine:
         engine.control.policy = engine.policy
         return engine
 
-    def batched_ar(self, *, max_batch: int, capacity: int = 1024, attention=None):
-        """Batched AR, the baseline at batch: the same runtime with no drafter."""
-        from ..runtime.batch import BatchConfig, BatchEngine
+    def batched_ar(self, *, max_batch: int, capacity: int = 1024, attention=None, graphs: bool = False):
+        """Batched AR, the baseline at batch: the same runtime with no drafter (graphed alike)."""
+        from ..runtime.batch import BatchConfig, BatchEngine, graph_buckets
 
         return BatchEngine(self.target, None, eos_token_id=self.eos_token_id,
-                           config=BatchConfig(max_batch=max_batch, capacity=capacity),
+                           config=BatchConfig(max_batch=max_batch, capacity=capacity, graphs=graphs,
+                                              buckets=graph_buckets(max_batch, 1) if graphs else ()),
                            attention=attention or kernel_hooks.ragged_attention(self.device))
 
     @property

@@ -113,7 +113,8 @@ def measure_concurrency(engine_for: Callable[[int], object], ar_for: Callable[[i
 
 
 def measure_batches(engine, prompts: Sequence[Sequence[int]], guesses: Sequence[Sequence[int]],
-                    sizes: Sequence[int], max_new_tokens: int, *, requests: int | None = None) -> dict:
+                    sizes: Sequence[int], max_new_tokens: int, *, requests: int | None = None,
+                    graphs: bool = False) -> dict:
     """Every concurrency of `sizes`: the compiled engine batched (Engine.batched) against batched
     AR. `guesses`: each prompt's batch-1 output (a replay engine's plans follow them). Returns the
     rows and every request's output with its prompt (for token forcing)."""
@@ -131,8 +132,8 @@ def measure_batches(engine, prompts: Sequence[Sequence[int]], guesses: Sequence[
         n = requests or max(2 * c, len(prompts))
         made = {}
         got = measure_concurrency(lambda m: made.setdefault(m, engine.batched(max_batch=m, capacity=capacity,
-                                                                              draft_hook=hook)),
-                                  lambda m: engine.batched_ar(max_batch=m, capacity=capacity),
+                                                                              draft_hook=hook, graphs=graphs)),
+                                  lambda m: engine.batched_ar(max_batch=m, capacity=capacity, graphs=graphs),
                                   prompts, c, max_new_tokens=max_new_tokens, requests=n)
         row = got["row"]
         cost = made[c].policy.cost

@@ -258,12 +258,15 @@ class BatchConfig:
     max_batch: int = 8
     capacity: int = 1024
     buckets: tuple[int, ...] = ()  # verify forwards padded up to the next bucket (CUDA-graph shapes)
+    graphs: bool = False  # verify forwards as CUDA-graph replays, one graph a (bucket, rows a request) (GraphedVerify)
 
     def __post_init__(self):
         if self.max_batch < 1 or self.capacity < 2:
             raise ValueError(f"BatchConfig: max_batch >= 1 and capacity >= 2 expected, got {self.max_batch}, {self.capacity}")
         if list(self.buckets) != sorted(set(self.buckets)) or any(b < 1 for b in self.buckets):
             raise ValueError(f"BatchConfig.buckets must be increasing positive token counts, got {self.buckets}")
+        if self.graphs and not self.buckets:
+            raise ValueError("BatchConfig.graphs needs buckets: a graph serves one token count")
 
     def bucket(self, rows: int) -> int:
         for b in self.buckets:
@@ -330,6 +333,7 @@ class BatchEngine:
         self.layers = tuple(drafter.target_layer_ids) if self.kind == "dflash" else ()
         self.requests: dict[str, Request] = {}
         self.free = list(range(config.max_batch))
+        self.graphed = GraphedVerify(self) if config.graphs else None
         self.stats = StepStats()
 
     # --- the StepEngine interface ------------------------------------------------------------
@@ -497,8 +501,12 @@ class BatchEngine:
                    pad_to=bucket, pad_slot=self.kv.scratch)
         flat = [t for q in reqs for t in [q.seq[-1]] + drafts[q.rid]]
         ids = torch.tensor(flat + [0] * (r.total - rows), dtype=torch.long, device=dev)
-        out = ragged_forward(self.target, self.kv, ids, r, self.attention, self.layers)
-        argmax = self.target.head(out.x[:rows]).argmax(-1)  # [rows]
+        if self.graphed is not None and rows <= self.config.buckets[-1]:
+            argmax, hidden = self.graphed(ids, r)
+            argmax = argmax[:rows]
+        else:
+            out = ragged_forward(self.target, self.kv, ids, r, self.attention, self.layers)
+            argmax, hidden = self.target.head(out.x[:rows]).argmax(-1), out.hidden  # [rows]
         n, bonus = accept_ragged(ids[:rows], argmax, r)
         result = torch.stack((n, bonus)).tolist()
         self.stats.steps += 1
@@ -519,9 +527,84 @@ class BatchEngine:
             self.kv.lengths[q.slot] += 1 + acc
             if self.kind == "dflash":
                 start = r.starts[i]
-                rows_kept = out.hidden[start:start + 1 + acc]  # the anchor and the accepted drafts
+                rows_kept = hidden[start:start + 1 + acc].clone()  # the anchor and the accepted drafts
                 q.context = rows_kept if q.context is None else torch.cat((q.context, rows_kept))
             self.stats.committed += kept
+
+
+class StaticRagged:
+    """A Ragged whose device tensors are preallocated for one (bucket, rows a request) shape and
+    refilled each step, so a forward over it can be captured once and replayed. Requests past the
+    step's own hold no rows (their cu entries repeat) in the scratch slot; padding rows write there.
+    The host fields (slots, pasts, counts, starts) are the step's, for an attention that reads them
+    (the reference, which is never captured)."""
+
+    mask = "causal"
+
+    def __init__(self, batch: int, rows: int, max_t: int, scratch: int, device: torch.device) -> None:
+        self.batch, self.total, self.max_count, self.scratch = batch, rows, max_t, scratch
+        self.token_slot = torch.full((rows,), scratch, dtype=torch.long, device=device)
+        self.token_key = torch.zeros(rows, dtype=torch.long, device=device)
+        self.token_position = self.token_key
+        i32 = dict(dtype=torch.int32, device=device)
+        self.device_args = {"cu": torch.zeros(batch + 1, **i32), "slots": torch.full((batch,), scratch, **i32),
+                            "pasts": torch.zeros(batch, **i32)}
+        self.slots = self.pasts = self.counts = self.starts = ()
+
+    def request_mask(self, i: int) -> str:
+        return "causal"
+
+    def load(self, r: Ragged) -> None:
+        """This step's requests (r: causal, at most `batch` of them, at most max_t rows each)."""
+        pad = self.batch - len(r.counts)
+        self.slots, self.pasts, self.counts, self.starts = r.slots, r.pasts, r.counts, r.starts
+        slot = [s for s, c in zip(r.slots, r.counts) for _ in range(c)]
+        key = [p + j for p, c in zip(r.pasts, r.counts) for j in range(c)]
+        fill = self.total - len(slot)
+        host = torch.tensor([slot + [self.scratch] * fill, key + list(range(fill))], dtype=torch.long)
+        self.token_slot.copy_(host[0], non_blocking=True)
+        self.token_key.copy_(host[1], non_blocking=True)
+        args = torch.tensor([[*r.starts, r.rows] + [r.rows] * pad, list(r.slots) + [self.scratch] * pad + [0],
+                             list(r.pasts) + [0] * pad + [0]], dtype=torch.int32)
+        self.device_args["cu"].copy_(args[0], non_blocking=True)
+        self.device_args["slots"].copy_(args[1, :-1], non_blocking=True)
+        self.device_args["pasts"].copy_(args[2, :-1], non_blocking=True)
+
+
+class GraphedVerify:
+    """The batched engine's verify forward as CUDA-graph replays: one graph a (token bucket, rows a
+    request rounded up to a power of two), captured on first use over StaticRagged inputs and the
+    engine's caches (graph_decode.GraphedStep; on other devices it simply runs). Returns the
+    target's argmax [bucket] and the hidden rows the drafter reads (None without)."""
+
+    def __init__(self, engine: "BatchEngine") -> None:
+        self.engine = engine
+        self.steps: dict[tuple[int, int], tuple] = {}
+        self.pool = torch.cuda.graph_pool_handle() if engine.target.device.type == "cuda" else None
+
+    def __call__(self, ids: torch.Tensor, r: Ragged) -> tuple[torch.Tensor, torch.Tensor | None]:
+        from specpilot.runtime.graph_decode import GraphedStep
+
+        e = self.engine
+        t = 1 << max(r.max_count - 1, 0).bit_length()
+        key = (r.total, t)
+        if key not in self.steps:
+            static = StaticRagged(e.max_batch, r.total, t, e.kv.scratch, e.target.device)
+            ids_buf = torch.zeros(r.total, dtype=torch.long, device=e.target.device)
+            out: dict[str, torch.Tensor | None] = {}
+
+            def forward() -> None:
+                o = ragged_forward(e.target, e.kv, ids_buf, static, e.attention, e.layers)
+                out["argmax"] = e.target.head(o.x).argmax(-1)
+                out["hidden"] = o.hidden
+            static.load(Ragged((e.kv.scratch,), (0,), (1,), "causal", e.target.device, pad_to=r.total,
+                               pad_slot=e.kv.scratch))  # warm-up and capture over one row in the scratch slot
+            self.steps[key] = (static, ids_buf, out, GraphedStep(forward, e.target.device, self.pool))
+        static, ids_buf, out, step = self.steps[key]
+        static.load(r)
+        ids_buf.copy_(ids)
+        step()
+        return out["argmax"], out["hidden"]
 
 
 def accept_ragged(ids: torch.Tensor, argmax: torch.Tensor, r: Ragged) -> tuple[torch.Tensor, torch.Tensor]:
@@ -543,6 +626,16 @@ def accept_ragged(ids: torch.Tensor, argmax: torch.Tensor, r: Ragged) -> tuple[t
     n = match.long().cumprod(1).sum(1) if t > 1 else torch.zeros(b, dtype=torch.long, device=dev)
     bonus = arg.gather(1, n[:, None])[:, 0]
     return n, bonus
+
+
+def graph_buckets(max_rows: int, smallest: int = 8) -> tuple[int, ...]:
+    """Token-count buckets for graphed verifies: powers of two from `smallest`, the last >= max_rows."""
+    out, b = [], smallest
+    while True:
+        out.append(b)
+        if b >= max_rows:
+            return tuple(out)
+        b *= 2
 
 
 def generate_batched(engine: BatchEngine, prompts: Sequence[Sequence[int]], max_new_tokens: int,
