@@ -54,7 +54,7 @@ AIM_PROFILE = ("dflash-qwen3-8b", "humaneval")
 
 
 def run_variants(engine, stock, prompts, guesses, sizes, variants, args, label: dict, dtype: str) -> list[dict]:
-    rows = []
+    rows, ar_runs = [], {}  # batched AR measured once a concurrency, shared by the variants
     for variant in variants:
         if time.perf_counter() - args.started > args.budget_s:
             rows.append({**label, "variant": variant, "skipped": "over the time budget"})
@@ -62,7 +62,7 @@ def run_variants(engine, stock, prompts, guesses, sizes, variants, args, label: 
         passes = VARIANTS[variant]
         program = run_passes(stock, parse_pipeline(passes, source="--variants"))[0] if passes else stock
         eng = engine.with_program(program)
-        got = measure_batches(eng, prompts, guesses, sizes, args.max_new_tokens, graphs=args.graphs)
+        got = measure_batches(eng, prompts, guesses, sizes, args.max_new_tokens, graphs=args.graphs, ar_runs=ar_runs)
         check = {}
         if variant == "all":
             report = force_tokens(engine.target, engine.target_cfg, got["prompts"], got["outputs"], dtype)

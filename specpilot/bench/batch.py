@@ -92,15 +92,18 @@ def serve(engine, prompts: Sequence[Sequence[int]], *, concurrency: int, request
 
 def measure_concurrency(engine_for: Callable[[int], object], ar_for: Callable[[int], object],
                         prompts: Sequence[Sequence[int]], concurrency: int, *, max_new_tokens: int,
-                        requests: int | None = None, on_admit=None) -> dict:
-    """Batched speculative and batched AR at one concurrency: (summary row, spec outputs, AR outputs)."""
+                        requests: int | None = None, on_admit=None, ar: BatchRun | None = None) -> dict:
+    """Batched speculative and batched AR at one concurrency: (summary row, spec outputs, AR outputs).
+    Each engine first serves `concurrency` requests of a few tokens (kernels compiled, graphs of the
+    shapes a load reaches captured), unmeasured. `ar`: a batched AR run of the same load, reused."""
     requests = requests or max(2 * concurrency, len(prompts))
-    ar_engine = ar_for(concurrency)
-    warm = [list(prompts[0][:8]) or [0]]
-    serve(ar_engine, warm, concurrency=1, requests=1, max_new_tokens=4)
-    ar = serve(ar_engine, prompts, concurrency=concurrency, requests=requests, max_new_tokens=max_new_tokens)
+    warm = dict(concurrency=concurrency, requests=concurrency, max_new_tokens=min(16, max_new_tokens))
+    if ar is None:
+        ar_engine = ar_for(concurrency)
+        serve(ar_engine, prompts, **warm)
+        ar = serve(ar_engine, prompts, concurrency=concurrency, requests=requests, max_new_tokens=max_new_tokens)
     spec_engine = engine_for(concurrency)
-    serve(spec_engine, warm, concurrency=1, requests=1, max_new_tokens=4, on_admit=on_admit)
+    serve(spec_engine, prompts, **warm, on_admit=on_admit)
     spec_engine.stats = type(spec_engine.stats)()
     sp = serve(spec_engine, prompts, concurrency=concurrency, requests=requests, max_new_tokens=max_new_tokens,
                on_admit=on_admit)
@@ -109,15 +112,17 @@ def measure_concurrency(engine_for: Callable[[int], object], ar_for: Callable[[i
     row = {"concurrency": concurrency, "requests": requests, "ar": ar.summary(), "spec": sp.summary(),
            "speedup_over_batched_ar": round(sp.tokens_per_s / ar.tokens_per_s, 4) if ar.tokens_per_s else None,
            "outputs_equal_batched_ar": sum(sp.outputs[i] == ar.outputs.get(i) for i in sp.outputs)}
-    return {"row": row, "spec_outputs": sp.outputs, "ar_outputs": ar.outputs}
+    return {"row": row, "spec_outputs": sp.outputs, "ar_outputs": ar.outputs, "ar_run": ar}
 
 
 def measure_batches(engine, prompts: Sequence[Sequence[int]], guesses: Sequence[Sequence[int]],
                     sizes: Sequence[int], max_new_tokens: int, *, requests: int | None = None,
-                    graphs: bool = False) -> dict:
+                    graphs: bool = False, ar_runs: dict | None = None) -> dict:
     """Every concurrency of `sizes`: the compiled engine batched (Engine.batched) against batched
     AR. `guesses`: each prompt's batch-1 output (a replay engine's plans follow them). Returns the
-    rows and every request's output with its prompt (for token forcing)."""
+    rows and every request's output with its prompt (for token forcing). `ar_runs` (concurrency ->
+    batched AR run) is filled and reused: variants of one engine share their baseline."""
+    ar_runs = {} if ar_runs is None else ar_runs
     from specpilot.runtime.batch_replay import BatchReplay
 
     capacity = max(map(len, prompts)) + max_new_tokens + engine.block_size + 2
@@ -134,7 +139,8 @@ def measure_batches(engine, prompts: Sequence[Sequence[int]], guesses: Sequence[
         got = measure_concurrency(lambda m: made.setdefault(m, engine.batched(max_batch=m, capacity=capacity,
                                                                               draft_hook=hook, graphs=graphs)),
                                   lambda m: engine.batched_ar(max_batch=m, capacity=capacity, graphs=graphs),
-                                  prompts, c, max_new_tokens=max_new_tokens, requests=n)
+                                  prompts, c, max_new_tokens=max_new_tokens, requests=n, ar=ar_runs.get(c))
+        ar_runs[c] = got["ar_run"]
         row = got["row"]
         cost = made[c].policy.cost
         if cost is not None:  # the step-cost table the engine profiled for its mechanisms
