@@ -92,10 +92,13 @@ def serve(engine, prompts: Sequence[Sequence[int]], *, concurrency: int, request
 
 def measure_concurrency(engine_for: Callable[[int], object], ar_for: Callable[[int], object],
                         prompts: Sequence[Sequence[int]], concurrency: int, *, max_new_tokens: int,
-                        requests: int | None = None, on_admit=None, ar: BatchRun | None = None) -> dict:
+                        requests: int | None = None, on_admit=None, ar: BatchRun | None = None,
+                        settle: Callable[[dict[int, list[int]]], None] | None = None) -> dict:
     """Batched speculative and batched AR at one concurrency: (summary row, spec outputs, AR outputs).
     Each engine first serves `concurrency` requests of a few tokens (kernels compiled, graphs of the
-    shapes a load reaches captured), unmeasured. `ar`: a batched AR run of the same load, reused."""
+    shapes a load reaches captured), unmeasured. `ar`: a batched AR run of the same load, reused.
+    `settle` (replay plans): the speculative engine first serves the whole load unmeasured and
+    `settle` gets its outputs (what this load's verifies chose at bf16 near-ties) before the timed run."""
     requests = requests or max(2 * concurrency, len(prompts))
     warm = dict(concurrency=concurrency, requests=concurrency, max_new_tokens=min(16, max_new_tokens))
     if ar is None:
@@ -104,6 +107,9 @@ def measure_concurrency(engine_for: Callable[[int], object], ar_for: Callable[[i
         ar = serve(ar_engine, prompts, concurrency=concurrency, requests=requests, max_new_tokens=max_new_tokens)
     spec_engine = engine_for(concurrency)
     serve(spec_engine, prompts, **warm, on_admit=on_admit)
+    if settle is not None:
+        settle(serve(spec_engine, prompts, concurrency=concurrency, requests=requests, max_new_tokens=max_new_tokens,
+                     on_admit=on_admit).outputs)
     spec_engine.stats = type(spec_engine.stats)()
     sp = serve(spec_engine, prompts, concurrency=concurrency, requests=requests, max_new_tokens=max_new_tokens,
                on_admit=on_admit)
@@ -135,11 +141,16 @@ def measure_batches(engine, prompts: Sequence[Sequence[int]], guesses: Sequence[
             for p, g in zip(prompts, guesses):
                 hook.suggest(p, g)
         n = requests or max(2 * c, len(prompts))
+
+        def settle(outputs: dict[int, list[int]], hook=hook) -> None:  # a prompt's plan follows its last run
+            for i, out in sorted(outputs.items()):
+                hook.suggest(prompts[i % len(prompts)], out)
         made = {}
         got = measure_concurrency(lambda m: made.setdefault(m, engine.batched(max_batch=m, capacity=capacity,
                                                                               draft_hook=hook, graphs=graphs)),
                                   lambda m: engine.batched_ar(max_batch=m, capacity=capacity, graphs=graphs),
-                                  prompts, c, max_new_tokens=max_new_tokens, requests=n, ar=ar_runs.get(c))
+                                  prompts, c, max_new_tokens=max_new_tokens, requests=n, ar=ar_runs.get(c),
+                                  settle=settle if hook is not None else None)
         ar_runs[c] = got["ar_run"]
         row = got["row"]
         cost = made[c].policy.cost
