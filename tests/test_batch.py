@@ -270,11 +270,11 @@ def test_batch_replay_plans_follow_each_request(models, references, alpha, accep
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("graphs", [False, True])
+@pytest.mark.parametrize("mode", ["chain", "graphs", "tree"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_engine_on_the_gpu_kernel_passes_token_forcing(tiny_model_dirs, dtype, graphs):
-    """On a GPU: the batched engine over split-KV's ragged mode (its verifies CUDA-graph replays, or
-    eager), requests joining over steps; every output token forced against the stock target (bf16
+def test_engine_on_the_gpu_kernel_passes_token_forcing(tiny_model_dirs, dtype, mode):
+    """On a GPU: the batched engine over split-KV's ragged mode (chains eager or as CUDA-graph
+    replays, trees under their ancestor masks), requests joining over steps; every output token forced against the stock target (bf16
     near-ties are benign, as for every loop)."""
     from specpilot.runtime.batch import graph_buckets
 
@@ -285,9 +285,10 @@ def test_engine_on_the_gpu_kernel_passes_token_forcing(tiny_model_dirs, dtype, g
     dirs = tiny_model_dirs["qwen3"]
     target, cfg = load_target(dirs["target"], dtype=dtype, device="cuda")
     drafter = load_drafter(dirs["dflash"], target, cfg, dtype=dtype, device="cuda")
+    graphs = mode == "graphs"
     config = BatchConfig(max_batch=4, capacity=128, graphs=graphs, buckets=graph_buckets(32) if graphs else ())
     eng = BatchEngine(target, drafter, eos_token_id=cfg.eos_token_id, config=config,
-                      attention=ragged_attention(torch.device("cuda")))
+                      attention=ragged_attention(torch.device("cuda")), tree=(8, 2) if mode == "tree" else None)
     outs = generate_batched(eng, PROMPTS, 24, arrivals=[0, 0, 1, 2, 5, 5])
     report = force_tokens(target, cfg, PROMPTS, outs, "float32" if dtype == torch.float32 else "bfloat16")
     assert report.passed and report.tokens_checked == sum(map(len, outs))
@@ -307,3 +308,16 @@ def test_graphed_verify_buckets_equal_batch1(models, references, kind):
                       draft_hook=oracle(references, 3) if drafter is not None else None)
     assert generate_batched(eng, PROMPTS, MAX_NEW, arrivals=[0, 0, 1, 2, 2, 5]) == references
     assert eng.graphed.steps and all(rows in (4, 8, 16, 32) for rows, _ in eng.graphed.steps)
+
+
+@settings(max_examples=6, deadline=None)
+@given(kind=st.sampled_from(["dflash", "pard"]), budget=st.integers(1, 12), topk=st.integers(1, 3),
+       ragged=st.booleans(), arrivals=st.lists(st.integers(0, 4), min_size=6, max_size=6))
+def test_batched_trees_equal_batch1(models, references, kind, budget, topk, ragged, arrivals):
+    """Per-request best-first trees verified in one packed forward under their ancestor masks,
+    each request's path compacted in its own slot: every output is its batch-1 AR output."""
+    drafts = models.dflash.block_size - 1 if kind == "dflash" else models.pard.k
+    eng = engine(models, kind, references, policy=BatchPolicy(max_drafts=drafts, ragged=ragged), right_every=4)
+    eng.tree = (budget, topk)
+    assert generate_batched(eng, PROMPTS, MAX_NEW, arrivals=arrivals) == references
+    assert eng.stats.tau > 1.0  # the planted truth is the top-1 spine: trees accept it

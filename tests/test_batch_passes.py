@@ -61,9 +61,13 @@ def test_a_batch1_program_becomes_continuous(pass_, _):
 @pytest.mark.parametrize("pass_, _", PASSES, ids=[p.name for p, _ in PASSES])
 @pytest.mark.parametrize("before", ["tree", "graphs"])
 def test_passes_leave_what_the_batched_engine_cannot_run(pass_, _, before):
+    if before == "tree" and isinstance(pass_, RaggedVerify):  # trees' nodes pack raggedly too
+        r = pass_.apply(TreeVerify(budget=8, topk=2).apply(lower(TARGET, DFLASH)).program)
+        assert r.changed and not program_problems(r.program)
+        return
     p = (TreeVerify(budget=8, topk=2) if before == "tree" else CudaGraphs()).apply(lower(TARGET, DFLASH)).program
     r = pass_.apply(p)
-    assert not r.changed and ("trees" in r.summary or "tree" in r.summary or "graphs" in r.summary)
+    assert not r.changed and ("tree-verify" in r.summary or "graphs" in r.summary)
     assert type(pass_).schedule_space(p) == []
 
 
@@ -104,6 +108,24 @@ def test_every_mechanism_is_lossless_under_token_forcing(tiny_model_dirs, torch_
     outs = generate_batched(batched, prompts, 8, arrivals=[0, 0, 1, 3, 3])
     report = force_tokens(engine.target, engine.target_cfg, prompts, outs, "float32")
     assert report.passed and report.tokens_checked == sum(map(len, outs)) > 0
+
+
+def test_batched_trees_are_lossless_under_token_forcing(tiny_model_dirs, torch_single_thread, monkeypatch):
+    """tree-verify at batch: each request's tree in one packed verify; every output token forced."""
+    from specpilot.hf.checkpoint import read_config
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    dirs = tiny_model_dirs["llama"]
+    program = lower(read_config(dirs["target"])[0], read_config(dirs["pard"])[0], block_size=4, batch=3)
+    program, _ = run_passes(program, parse_pipeline("tree-verify{budget=6, topk=2},ragged-verify", source="test"))
+    engine = build_engine(program, dirs["target"], dirs["pard"], torch.device("cpu"))
+    batched = engine.batched(capacity=64)
+    assert batched.tree == (6, 2) and batched.policy.ragged
+    prompts = [[5, 6, 7, 8], [100, 200], [42] * 9, [10, 20, 30]]
+    outs = generate_batched(batched, prompts, 8, arrivals=[0, 0, 1, 3])
+    report = force_tokens(engine.target, engine.target_cfg, prompts, outs, "float32")
+    assert report.passed and report.tokens_checked == sum(map(len, outs)) > 0
+    assert batched.stats.verify_rows > batched.stats.steps * 3  # trees of several nodes were verified
 
 
 def test_compile_measures_each_listed_concurrency(tmp_path, tmp_path_factory, monkeypatch):

@@ -17,7 +17,7 @@ What the backend reads, attribute by attribute (tests/test_passes.py runs each):
   commit.kv                    "two-level" is refused: no backend runs it yet
   accept.on, schedule.graphs   together: graphed loops accept on the device (the cuda-graphs pass)
   schedule.policy/batch        "static" (batch 1: the batch-1 loops) or "continuous" (runtime/batch.py, up to
-                               `batch` requests): chain verification, attention targets, no graphs yet
+                               `batch` requests): chains or trees, attention targets, no graphs yet
   schedule.verify_budget/      the batched engine's mechanisms (verify-budget, ragged-verify, spec-control):
   ragged/spec_control          only under policy "continuous"
   linear/lm_head format        the module serving the weight (bf16/fp16/fp32 cast, u12)
@@ -225,9 +225,12 @@ def _run_problems(program: Program) -> list[str]:
             problems.append(f"step/schedule: {', '.join(mechanisms)} run in the batched engine: expected policy "
                             "'continuous' (the passes set it)")
         if batched:
-            if verify["mode"] != "chain":
-                problems.append(f"step/schedule: policy 'continuous' verifies chains; verify mode {verify['mode']!r} "
-                                "is not batched yet (expected chain)")
+            if verify["mode"] not in ("chain", "tree"):
+                problems.append(f"step/schedule: policy 'continuous' verifies chains and trees; verify mode "
+                                f"{verify['mode']!r} is not batched yet")
+            if verify["mode"] == "tree" and (schedule.get("verify_budget") or schedule.get("spec_control")):
+                problems.append("step/schedule: verify_budget and spec_control choose chain lengths; this program "
+                                "verifies trees (leave out tree-verify, or those passes)")
             if graphs:
                 problems.append("step/schedule: policy 'continuous' runs its steps ungraphed (no CUDA-graph buckets "
                                 "yet): expected no graphs (leave out cuda-graphs)")

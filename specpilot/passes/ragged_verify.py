@@ -2,13 +2,13 @@
 
 Changes the step graph's `schedule` node: ragged=true (and policy "continuous"). Without it the
 batched engine pads every request's verify to the longest of the step (each request verifies as
-many of its drafts as the longest share); with it each request's rows are packed one after
+many of its drafts as the longest share, or its tree padded to the budget); with it each request's rows are packed one after
 another into one flat token batch (runtime/batch.py `Ragged`, the split-KV kernel's ragged mode),
 so the verify forward computes no padding rows (CUDA-graph buckets by token count are the runtime's
 `BatchConfig.buckets`).
 
 Lossless: padding or not changes only how many drafts are verified, never what a committed token
-is. Chain verification of attention targets, ungraphed (as verify-budget).
+is. Chains and trees of attention targets, ungraphed.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ class RaggedVerify(Pass):
     closes = "padding of verify batches to the longest request"
 
     def apply(self, program: Program) -> PassResult:
-        return set_schedule(program, self.name, ragged=True)
+        return set_schedule(program, self.name, trees=True, ragged=True)
 
     @classmethod
     def schedule_space(cls, program: Program) -> list[Pass]:

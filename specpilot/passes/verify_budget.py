@@ -20,10 +20,12 @@ from ..ir import Program
 from .base import Pass, PassResult, register
 
 
-def batching_refusal(program: Program) -> str:
-    """Why the batched engine cannot run this program ("" when it can): the mechanisms' shared check."""
-    if program.step.one("verify")[1]["mode"] != "chain":
-        return "the batched engine verifies chains (leave out tree-verify)"
+def batching_refusal(program: Program, trees: bool = False) -> str:
+    """Why the batched engine cannot run this program under a mechanism ("" when it can): the
+    mechanisms' shared check. `trees`: the mechanism serves tree verification too."""
+    mode = program.step.one("verify")[1]["mode"]
+    if mode not in (("chain", "tree") if trees else ("chain",)):
+        return "it chooses chain lengths: the batched engine verifies chains here (leave out tree-verify)"
     if program.target.find("gated_deltanet"):
         return "the batched engine serves attention targets, not Gated DeltaNet hybrids"
     if program.step.one("schedule")[1].get("graphs"):
@@ -31,9 +33,9 @@ def batching_refusal(program: Program) -> str:
     return ""
 
 
-def set_schedule(program: Program, pass_name: str, **attrs) -> PassResult:
+def set_schedule(program: Program, pass_name: str, trees: bool = False, **attrs) -> PassResult:
     """The schedule node with `attrs` and policy "continuous", or unchanged with the reason."""
-    why = batching_refusal(program)
+    why = batching_refusal(program, trees)
     if why:
         return PassResult(program, False, f"{pass_name}: {why}")
     name, node = program.step.one("schedule")

@@ -53,6 +53,7 @@ from specpilot.runtime.decode import OutputTokens
 from specpilot.runtime.dflash import DFlashDrafter
 from specpilot.runtime.engine_api import RequestParams
 from specpilot.runtime.model import PardDrafter, Transformer, attend, build_mask
+from specpilot.runtime.tree import Tree, accept_tree, ancestor_mask, best_first_tree, draft_topk
 
 
 @dataclass(frozen=True, eq=False)
@@ -173,6 +174,17 @@ class SlotKV:
     @property
     def scratch(self) -> int:
         return self.rows - 1
+
+    def compact(self, slot: int, start: int, path_slots: Sequence[int]) -> None:
+        """Row `slot` keeps the K/V of `path_slots` (ascending, each >= its destination) at slots
+        start.. in every layer, and its length becomes start + len(path_slots) (tree.compact_kv's
+        move, for one request)."""
+        n = len(path_slots)
+        if list(path_slots) != list(range(start, start + n)):
+            src = torch.as_tensor(path_slots, dtype=torch.long, device=self.cache.stacked.device)
+            rows = self.cache.stacked[:, :, slot]  # [2, layers, Hkv, cap, D]
+            rows[:, :, :, start:start + n] = rows[:, :, :, src]  # the gather copies first
+        self.lengths[slot] = start + n
 
     def write(self, layer: int, r: Ragged, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v [1, Hkv, N, D] of the packed rows into their slots and key slots."""
@@ -300,10 +312,12 @@ class BatchEngine:
     def __init__(self, target: Transformer, drafter: DFlashDrafter | PardDrafter | None, *, eos_token_id: int | None,
                  config: BatchConfig = BatchConfig(), policy: BatchPolicy | None = None,
                  block_size: int | None = None, attention: RaggedAttention = ragged_attention_reference,
-                 draft_hook: Callable[[torch.Tensor, list["Request"], list[int]], torch.Tensor] | None = None) -> None:
+                 draft_hook: Callable[[torch.Tensor, list["Request"], list[int]], torch.Tensor] | None = None,
+                 tree: tuple[int, int] | None = None) -> None:
         """`block_size`: DFlash block incl. the anchor / PARD k (default the drafter's). `draft_hook`
         (logits [B, k, V], the drafting requests, the absolute position of each one's first draft)
-        may rewrite the drafts' logits (replay drafters)."""
+        may rewrite the drafts' logits (replay drafters). `tree` (budget, top-k): verify best-first
+        trees instead of chains (the verify budget, and CUDA graphs, serve chains only)."""
         if not isinstance(target, Transformer):
             raise TypeError(f"BatchEngine runs llama/qwen3 targets (Transformer), got {type(target).__name__}")
         self.target = target.eval()
@@ -317,6 +331,9 @@ class BatchEngine:
         if self.policy.max_drafts > drafts:
             raise ValueError(f"BatchPolicy.max_drafts={self.policy.max_drafts} exceeds the {drafts} drafts a "
                              f"{self.kind} block of {block_size} makes")
+        if tree is not None and (drafter is None or self.policy.verify_budget or config.graphs):
+            raise ValueError("BatchEngine: trees need a drafter, and run without verify_budget and graphs")
+        self.tree = tree
         self.control = SpecControl(self.policy)
         self.config = config
         self.max_batch = config.max_batch
@@ -422,6 +439,8 @@ class BatchEngine:
         dev = self.target.device
         lengths = self.control.lengths([q.rid for q in reqs]) if self.kind != "ar" else {q.rid: 0 for q in reqs}
         drafting = [q for q in reqs if lengths[q.rid] > 0]
+        if self.tree is not None:
+            return self._decode_tree(reqs, drafting, lengths, new)
         drafts: dict[str, list[int]] = {q.rid: [] for q in reqs}
         if drafting:
             tokens, confidence = self._draft(drafting, lengths)
@@ -449,6 +468,16 @@ class BatchEngine:
 
     def _draft(self, reqs: list[Request], lengths: dict[str, int]) -> tuple[list[list[int]], list[list[float]]]:
         """Drafts and the drafter's probability of each, per request (device work, one transfer)."""
+        logits = self._draft_logits(reqs, lengths)
+        top, tok = logits.max(-1)
+        if not (self.policy.verify_budget and self.policy.survival == "confidence"):
+            return tok.tolist(), [[1.0] * tok.shape[1]] * tok.shape[0]  # no one reads the confidences
+        conf = (top.float() - logits.float().logsumexp(-1)).exp()  # the drafter's probability of its token
+        both = torch.stack((tok.to(torch.float64), conf.to(torch.float64))).tolist()
+        return [[int(t) for t in row] for row in both[0]], both[1]
+
+    def _draft_logits(self, reqs: list[Request], lengths: dict[str, int]) -> torch.Tensor:
+        """The drafter's logits [B, k, V] at each request's draft positions (one drafter forward)."""
         dev = self.target.device
         if self.kind == "dflash":
             ctx = [q for q in reqs if q.context is not None and q.context.shape[0]]
@@ -485,12 +514,66 @@ class BatchEngine:
             first = [len(q.seq) for q in reqs]
         if self.draft_hook is not None:
             logits = self.draft_hook(logits, reqs, first)
-        top, tok = logits.max(-1)
-        if not (self.policy.verify_budget and self.policy.survival == "confidence"):
-            return tok.tolist(), [[1.0] * tok.shape[1]] * tok.shape[0]  # no one reads the confidences
-        conf = (top.float() - logits.float().logsumexp(-1)).exp()  # the drafter's probability of its token
-        both = torch.stack((tok.to(torch.float64), conf.to(torch.float64))).tolist()
-        return [[int(t) for t in row] for row in both[0]], both[1]
+        return logits
+
+    def _decode_tree(self, reqs: list[Request], drafting: list[Request], lengths: dict[str, int],
+                     new: dict[str, list[int]]) -> None:
+        """A tree step: each drafting request's best-first tree of `budget` nodes from its drafter's
+        top-k (tree.py), all trees verified in one packed forward under their ancestor masks at
+        positions past + depth, the longest matching root path accepted per request and its K/V
+        compacted in the request's slot (tree_decode.py's step, per request)."""
+        dev = self.target.device
+        budget, topk = self.tree
+        trees: dict[str, Tree] = {}
+        if drafting:
+            logits = self._draft_logits(drafting, lengths)
+            self.stats.drafted_requests += len(drafting)
+            for q, rows in zip(drafting, logits):
+                logp, ids = draft_topk(rows, topk)
+                trees[q.rid] = best_first_tree(logp.cpu(), ids.cpu(), q.seq[-1], budget=budget)
+            if not self.policy.ragged:  # every tree padded to the budget (nodes that are never accepted)
+                for rid, tree in trees.items():
+                    self.stats.padded_rows += budget + 1 - tree.size
+                    trees[rid] = tree.padded(budget + 1)
+        else:
+            self.stats.ar_steps += 1
+        one = torch.ones(1, 1, dtype=torch.bool, device=dev)
+        masks = [ancestor_mask(trees[q.rid]).to(dev) if q.rid in trees else one for q in reqs]
+        tokens = [trees[q.rid].token.tolist() if q.rid in trees else [q.seq[-1]] for q in reqs]
+        pasts = tuple(self.kv.lengths[q.slot] for q in reqs)
+        positions = torch.cat([p + (trees[q.rid].depth.to(dev) if q.rid in trees else torch.zeros(1, dtype=torch.long,
+                                                                                                  device=dev))
+                               for q, p in zip(reqs, pasts)])
+        r = Ragged(tuple(q.slot for q in reqs), pasts, tuple(len(t) for t in tokens), tuple(masks), dev,
+                   positions=positions)
+        ids = torch.tensor([t for ts in tokens for t in ts], dtype=torch.long, device=dev)
+        out = ragged_forward(self.target, self.kv, ids, r, self.attention, self.layers)
+        argmax = self.target.head(out.x[:r.rows]).argmax(-1).tolist()
+        self.stats.steps += 1
+        self.stats.verify_rows += r.rows
+        for i, q in enumerate(reqs):
+            start, count = r.starts[i], r.counts[i]
+            seg = argmax[start:start + count]
+            if q.rid in trees:
+                tree = trees[q.rid]
+                path, bonus = accept_tree(tree, seg, masks[i].to(tree.device))
+            else:
+                path, bonus = [0], seg[0]
+            span = [tokens[i][j] for j in path[1:]] + [bonus]
+            kept = q.out.extend(span)
+            new[q.rid] += span[:kept]
+            q.seq.extend(span)
+            if q.rid in trees:
+                self.stats.spec_request_steps += 1
+                self.stats.spec_committed += kept
+                q.accepted.append(kept - 1)
+                self.control.rate(q.rid).observe(lengths[q.rid], len(path) - 1, self.policy.ema)
+            q.verified.append(count - 1)
+            self.kv.compact(q.slot, pasts[i], [pasts[i] + j for j in path])
+            if self.kind == "dflash":
+                rows_kept = out.hidden[[start + j for j in path]]  # the anchor and the accepted path
+                q.context = rows_kept if q.context is None else torch.cat((q.context, rows_kept))
+            self.stats.committed += kept
 
     def _verify(self, reqs: list[Request], drafts: dict[str, list[int]], new: dict[str, list[int]]) -> None:
         dev = self.target.device
