@@ -120,11 +120,12 @@ def test_incremental_decoding_matches_hf(pair):
     assert cache.length == 27
 
 
-def test_causal_masks_only(pair):
+def test_causal_masks_or_trees_only(pair):
     _, ours = pair
-    for mask in ("full", torch.ones(3, 3, dtype=torch.bool)):
-        with pytest.raises(ValueError, match="causal masks only"):
-            ours(_ids(3), ours.new_cache(1, 8), mask=mask)
+    with pytest.raises(ValueError, match="causal masks or trees"):
+        ours(_ids(3), ours.new_cache(1, 8), mask="full")
+    with pytest.raises(ValueError, match=r"ancestor mask \[n, n\] \(bool\) and the nodes' positions"):
+        ours(_ids(3), ours.new_cache(1, 8), mask=torch.ones(3, 3, dtype=torch.bool))  # no positions
     with pytest.raises(ValueError, match="host"):
         ours.new_cache(1, 8, device_length=True)
 
@@ -232,15 +233,6 @@ def test_speculative_loops_equal_ar(loaded, prompt):
         assert gen.tokens == ar.tokens, name
     accepted = runs["oracle"].accepted
     assert max(accepted) >= 1 and min(accepted[:-1]) < 5  # partial blocks: the cache rolled back mid-forward
-
-
-def test_tree_decoding_is_refused(loaded):
-    from specpilot.runtime.tree_decode import generate_dflash_tree
-
-    target, _, dflash, _ = loaded
-    with pytest.raises(ValueError, match="causal masks only"):
-        generate_dflash_tree(target, dflash, list(b"def"), block_size=4, budget=6, topk=2,
-                             mask_token_id=MASK_TOKEN_ID, max_new_tokens=8, eos_token_id=None)
 
 
 # --- loading -----------------------------------------------------------------------------------
@@ -367,10 +359,10 @@ def test_compile_cli_end_to_end(hybrid_dirs, tmp_path):
     assert "gated_deltanet" in (out / "ir.txt").read_text()
 
     spec.write_text(SPEC.format(target=hybrid_dirs["target"], drafter=hybrid_dirs["dflash"],
-                                extra='passes: "tree-verify{budget=6}"'))
-    r = CliRunner().invoke(main, ["compile", str(spec), "-o", str(tmp_path / "tree"), "--device", "cpu"])
+                                extra='passes: "cuda-graphs"'))
+    r = CliRunner().invoke(main, ["compile", str(spec), "-o", str(tmp_path / "graphed"), "--device", "cpu"])
     assert r.exit_code != 0 and "Gated DeltaNet" in r.output, r.output
-    assert not (tmp_path / "tree").exists()
+    assert not (tmp_path / "graphed").exists()
 
 
 # --- mixture of experts --------------------------------------------------------------------------

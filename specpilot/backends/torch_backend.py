@@ -278,10 +278,6 @@ class Engine:
         common = dict(max_new_tokens=max_new_tokens, eos_token_id=self.eos_token_id,
                       mask_token_id=self.drafter.mask_token_id, sampling=sampling)
         if verify["mode"] == "tree":
-            if isinstance(self.target, HybridTransformer):
-                raise EngineError("tree verification needs a target whose layers all attend; this hybrid target's "
-                                  "Gated DeltaNet layers are a recurrence over one chain of tokens: leave out the "
-                                  "tree-verify pass (chain verification)")
             propose = self.program.step.one("propose")[1]
             common.update(budget=propose["budget"], topk=propose.get("topk", 4))
             if self.graphed:

@@ -209,9 +209,6 @@ def _run_problems(program: Program) -> list[str]:
         if "topk" not in propose:
             problems.append("step/propose: a tree proposal needs topk, the ranks per position it builds from "
                             "(tree-verify sets it)")
-        if recurrent:
-            problems.append("step/propose: shape 'tree' needs a target whose layers all attend; this target's Gated "
-                            "DeltaNet layers are a recurrence over one chain of tokens (expected chain)")
     if accept["on"] == "device" and not graphs:
         problems.append("step/accept: on='device' runs only in graphed steps: set schedule graphs=true with it "
                         "(the cuda-graphs pass sets both); ungraphed loops accept on the host")

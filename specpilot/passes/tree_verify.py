@@ -9,14 +9,15 @@ attention runs under the ancestor mask only in verify, which the verify node alr
 
 Lossless: a node is accepted only when its token is the target's argmax given its ancestors at
 their sequence positions, so the output equals AR greedy; budget and top-k move only τ and the
-verify cost. Runtime: specpilot.runtime.tree_decode (torch backend, CPU and GPU).
+verify cost. Runtime: specpilot.runtime.tree_decode (torch backend, CPU and GPU). Hybrid targets
+(Gated DeltaNet layers) verify trees too: their recurrence runs along each node's ancestor chain and
+commits the accepted path's state only (runtime/hybrid_tree.py); graphed steps stay attention-only.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..errors import PipelineError
 from ..ir import Node, Program, limits
 from .base import Pass, PassResult, register
 
@@ -40,9 +41,6 @@ class TreeVerify(Pass):
             raise ValueError(f"topk must be >= 1, got {self.topk}")
 
     def check(self, program: Program, where: str = "") -> None:
-        if program.target.find("gated_deltanet"):
-            raise PipelineError(f"{where}pass {self.name!r}: this target's Gated DeltaNet layers are a recurrence over "
-                                f"one chain of tokens; trees need a target whose layers all attend (leave the pass out)")
         lim = limits(program)
         most = lim.max_tokens_a_step
         self.out_of_range("budget", 1, None if most is None else most - 1,
@@ -72,7 +70,5 @@ class TreeVerify(Pass):
 
     @classmethod
     def schedule_space(cls, program: Program) -> list[Pass]:
-        if program.target.find("gated_deltanet"):
-            return []
         candidates = [cls(budget=b, topk=k) for b in CANDIDATE_BUDGETS for k in CANDIDATE_TOPK]
         return [c for c in candidates if c.apply(program).changed]

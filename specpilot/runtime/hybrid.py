@@ -27,6 +27,15 @@ from torch import nn
 
 from specpilot.runtime.cache import KVCache
 from specpilot.hf.config import HybridConfig
+from specpilot.runtime.hybrid_tree import (
+    TreePending,
+    commit_conv,
+    commit_state,
+    conv_sources,
+    conv_tree,
+    delta_rule_tree,
+    l2norm,
+)
 from specpilot.runtime.model import (
     ATTENTION_PROJ,
     MLP,
@@ -75,10 +84,6 @@ class GatedRMSNorm(nn.Module):
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         h = self.weight * h.to(dtype)
         return (h * F.silu(gate.float())).to(dtype)
-
-
-def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
 
 
 def delta_rule_recurrent(
@@ -167,6 +172,8 @@ class GatedDeltaNet(nn.Module):
         self.A_log = nn.Parameter(torch.zeros(self.v_heads))
         self.norm = GatedRMSNorm(self.dv, cfg.rms_norm_eps)
         self.out_proj = nn.Linear(self.value_dim, h, bias=False)
+        # the tree form of the rule (hybrid_tree.delta_rule_tree's signature): a backend may install a kernel
+        self.tree_rule = delta_rule_tree
 
     def _split(self, qkvz: torch.Tensor, ba: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """HF's grouped layout: per key head [q, k, v x r, z x r] and [b x r, a x r], r = v_heads / k_heads."""
@@ -177,17 +184,16 @@ class GatedDeltaNet(nn.Module):
         return (q.reshape(b, t, -1), k.reshape(b, t, -1), v.reshape(b, t, -1), z.reshape(b, t, self.v_heads, self.dv),
                 beta.reshape(b, t, self.v_heads), a.reshape(b, t, self.v_heads))
 
-    def forward(
-        self, x: torch.Tensor, conv_state: torch.Tensor, state: torch.Tensor, *, record: bool
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x [B, T, hidden] after the conv inputs `conv_state` [B, conv_dim, kernel-1] and the state
-        [B, v_heads, dk, dv] -> (output [B, T, hidden], conv inputs [B, conv_dim, kernel-1+T],
-        states [T+1, B, ...] if `record` else the final state [B, ...])."""
-        b, t, _ = x.shape
+    def _mix_inputs(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """x [B, T, hidden] -> (conv inputs [B, conv_dim, T], z, beta, a)."""
         q, k, v, z, beta, a = self._split(self.in_proj_qkvz(x), self.in_proj_ba(x))
-        window = torch.cat([conv_state, torch.cat([q, k, v], dim=-1).transpose(1, 2)], dim=-1)
-        weight = self.conv1d.weight
-        mixed = F.silu(F.conv1d(window.to(weight.dtype), weight, groups=self.conv_dim)).to(x.dtype).transpose(1, 2)
+        return torch.cat([q, k, v], dim=-1).transpose(1, 2), z, beta, a
+
+    def _rule_inputs(self, mixed: torch.Tensor, beta: torch.Tensor, a: torch.Tensor, dtype: torch.dtype
+                     ) -> tuple[torch.Tensor, ...]:
+        """The conv's output [B, T, conv_dim] (after SiLU) and the gates -> q, k, v, g, beta as the
+        delta rule takes them ([B, H, T, ...] float32, q and k repeated to the value heads)."""
+        b, t, _ = mixed.shape
         q, k, v = torch.split(mixed, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q, k = q.reshape(b, t, -1, self.dk), k.reshape(b, t, -1, self.dk)
         v = v.reshape(b, t, -1, self.dv)
@@ -196,14 +202,44 @@ class GatedDeltaNet(nn.Module):
         if self.v_heads > self.k_heads:
             q = q.repeat_interleave(self.v_heads // self.k_heads, dim=2)
             k = k.repeat_interleave(self.v_heads // self.k_heads, dim=2)
-        q, k, v, beta, g = (y.transpose(1, 2).float() for y in (q, k, v, beta, g))
+        return tuple(y.transpose(1, 2).float() for y in (q, k, v, g, beta))
+
+    def _output(self, out: torch.Tensor, z: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        b, _, t, _ = out.shape
+        out = out.transpose(1, 2).to(dtype)
+        return self.out_proj(self.norm(out.reshape(-1, self.dv), z.reshape(-1, self.dv)).reshape(b, t, -1))
+
+    def forward(
+        self, x: torch.Tensor, conv_state: torch.Tensor, state: torch.Tensor, *, record: bool
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [B, T, hidden] after the conv inputs `conv_state` [B, conv_dim, kernel-1] and the state
+        [B, v_heads, dk, dv] -> (output [B, T, hidden], conv inputs [B, conv_dim, kernel-1+T],
+        states [T+1, B, ...] if `record` else the final state [B, ...])."""
+        inputs, z, beta, a = self._mix_inputs(x)
+        window = torch.cat([conv_state, inputs], dim=-1)
+        weight = self.conv1d.weight
+        mixed = F.silu(F.conv1d(window.to(weight.dtype), weight, groups=self.conv_dim)).to(x.dtype).transpose(1, 2)
+        q, k, v, g, beta = self._rule_inputs(mixed, beta, a, x.dtype)
         if record:
             out, states = delta_rule_recurrent(q, k, v, g, beta, state)
         else:
             out, states = delta_rule_chunked(q, k, v, g, beta, state)
-        out = out.transpose(1, 2).to(x.dtype)
-        out = self.norm(out.reshape(-1, self.dv), z.reshape(-1, self.dv)).reshape(b, t, -1)
-        return self.out_proj(out), window, states
+        return self._output(out, z, x.dtype), window, states
+
+    def forward_tree(
+        self, x: torch.Tensor, conv_state: torch.Tensor, state: torch.Tensor, ancestors: torch.Tensor
+    ) -> tuple[torch.Tensor, TreePending]:
+        """x [B, n, hidden], the nodes of a tree (ancestors [n, n], inclusive; parents first) ->
+        (output [B, n, hidden], what the commit needs). conv_state and state are read, not changed:
+        every node sees its own root path only (hybrid_tree.py)."""
+        inputs, z, beta, a = self._mix_inputs(x)
+        sources = conv_sources(ancestors, self.kernel)
+        window = torch.cat([conv_state, inputs], dim=-1)
+        mixed = F.silu(conv_tree(conv_state, inputs, self.conv1d.weight, sources)).to(self.conv1d.weight.dtype)
+        mixed = mixed.to(x.dtype).transpose(1, 2)
+        q, k, v, g, beta = self._rule_inputs(mixed, beta, a, x.dtype)
+        out, k, w, cum_g = self.tree_rule(q, k, v, g, beta, state, ancestors)
+        return self._output(out, z, x.dtype), TreePending(k, w, cum_g, window, sources)
 
 
 def apply_partial_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -262,6 +298,7 @@ class HybridCache:
         self._start = 0  # where the last forward began
         self._windows: list[torch.Tensor | None] = [None] * len(state)  # conv inputs seen by the last forward
         self._states: list[torch.Tensor | None] = [None] * len(state)  # [T+1, ...] after each position, or None
+        self._tree: list[TreePending | None] = [None] * len(state)  # a tree forward's, until commit_path
 
     @classmethod
     def for_model(
@@ -293,6 +330,7 @@ class HybridCache:
         self._start = self.length
         self._windows = [None] * len(self.state)
         self._states = [None] * len(self.state)
+        self._tree = [None] * len(self.state)
 
     def update_linear(self, layer: int, window: torch.Tensor, states: torch.Tensor, recorded: bool) -> None:
         """Linear layer `layer` ran the current forward: its conv inputs and states (see GatedDeltaNet)."""
@@ -301,6 +339,43 @@ class HybridCache:
         self.conv[layer] = window[:, :, window.shape[-1] - (self.kernel - 1):]
         self.state[layer] = states[-1] if recorded else states
 
+    def update_tree(self, layer: int, pending: TreePending) -> None:
+        """Linear layer `layer` ran a tree forward: its state and conv inputs stay as committed
+        until `commit_path` picks the accepted path."""
+        self._tree[layer] = pending
+
+    @property
+    def pending_tree(self) -> bool:
+        return any(p is not None for p in self._tree)
+
+    def pending_bytes(self) -> int:
+        """Bytes the last tree forward keeps for its commit, all linear layers (per-node vectors)."""
+        return sum(p.nbytes() for p in self._tree if p is not None)
+
+    def commit_path(self, start: int, path: torch.Tensor | list[int], n: torch.Tensor | int | None = None) -> None:
+        """After a tree forward from `start`: keep the root path `path` (node indices, root first;
+        the first n + 1 of them, all when n is None). Linear layers take the state and conv inputs
+        after the path's last node (hybrid_tree.commit_state); attention layers' K/V move to slots
+        start.. (tree.compact_kv); the length becomes start + n + 1."""
+        from specpilot.runtime.tree import compact_kv
+
+        if not self.pending_tree or start != self._start:
+            raise ValueError(f"commit_path({start}, ...) needs the tree forward that began at {start}; "
+                             f"the last forward began at {self._start} and was {'a tree' if self.pending_tree else 'not a tree'}")
+        device = self.state[0].device if self.state else "cpu"
+        path = torch.as_tensor(path, dtype=torch.long, device=device)
+        n = path.shape[0] - 1 if n is None else n
+        valid = torch.arange(path.shape[0], device=device) <= torch.as_tensor(n, device=device)
+        last = path.index_select(0, torch.as_tensor(n, device=device).view(1))
+        for j, pending in enumerate(self._tree):
+            self.state[j] = commit_state(self.state[j], pending.k, pending.w, pending.cum_g, path, valid)
+            self.conv[j] = commit_conv(pending, last, self.kernel)
+        kept = int(n) + 1
+        compact_kv(self.kv, start, (start + path[:kept]).tolist())
+        self._tree = [None] * len(self.state)
+        self._states = [None] * len(self.state)
+        self._start = self.length
+
     def advance(self, n: int) -> None:
         self.kv.advance(n)
 
@@ -308,7 +383,14 @@ class HybridCache:
         """Keep the first `n` tokens: select the linear layers' states after position n of the last forward."""
         if not 0 <= n <= self.length:
             raise ValueError(f"cannot roll back a hybrid cache of length {self.length} to {n}")
-        if n == self.length:
+        if n == self.length and not self.pending_tree:
+            return
+        if self.pending_tree:
+            if n != self._start:
+                raise ValueError(f"cannot roll back a hybrid cache to {n} after a tree forward from {self._start}: "
+                                 "keep a root path with commit_path, or drop the whole tree (rollback to its start)")
+            self._tree = [None] * len(self.state)  # the committed state was never touched
+            self.kv.rollback(n)
             return
         if n < self._start:
             raise ValueError(
@@ -484,12 +566,15 @@ class HybridTransformer(nn.Module):
         """Run T new tokens [B, T] after the cache's `length` tokens, then advance the cache by T
         (the arguments and output of `Transformer.forward`; `mask` must be "causal"; RoPE is
         computed, so `positions_in_cache` changes nothing here)."""
-        if not (isinstance(mask, str) and mask == "causal"):
-            shown = mask if isinstance(mask, str) else f"a {tuple(mask.shape)} tensor"
+        tree = isinstance(mask, torch.Tensor)
+        if not tree and mask != "causal":
             raise ValueError(
-                f"a hybrid (Gated DeltaNet) target runs causal masks only, got mask={shown!r}: its linear-attention "
-                "layers are a left-to-right recurrence, so block non-causal or tree visibility has no meaning there"
+                f"a hybrid (Gated DeltaNet) target runs causal masks or trees (an ancestor mask tensor), got "
+                f"mask={mask!r}: its linear-attention layers are a left-to-right recurrence along each path"
             )
+        if tree and (mask.dim() != 2 or mask.dtype != torch.bool or positions is None):
+            raise ValueError(f"a tree forward of a hybrid target takes the ancestor mask [n, n] (bool) and the nodes' "
+                             f"positions; got a {mask.dtype} mask of shape {tuple(mask.shape)}, positions {positions is not None}")
         if not isinstance(cache, HybridCache):
             raise TypeError(f"a hybrid target needs its own cache (target.new_cache), got {type(cache).__name__}")
         b, t = input_ids.shape
@@ -500,27 +585,40 @@ class HybridTransformer(nn.Module):
         if positions is None:
             positions = torch.arange(cache.length, cache.length + t, device=input_ids.device).expand(b, t)
         cos, sin = self.rope(positions)
-        vis = Visibility("causal", cache.length, t, input_ids.device)
+        vis = Visibility(mask, cache.length, t, input_ids.device)
+        x, picked = self.run_layers(self.embed(input_ids), cache, cos, sin, vis, len(self.model.layers), hidden_layers)
+        cache.advance(t)
+        hidden = torch.cat([picked[i] for i in hidden_layers], dim=-1) if hidden_layers else None
+        if only_last:
+            x = x[:, -1:]
+        return ModelOutput(logits=self.head(self.final_norm(x)), hidden=hidden)
+
+    def run_layers(self, x: torch.Tensor, cache: HybridCache, cos: torch.Tensor, sin: torch.Tensor, vis: Visibility,
+                   upto: int, hidden_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """Decoder layers 0..upto-1 over x [B, T, hidden] (embedded) after `cache.begin(T)`: a chain
+        (vis.new "causal") or a tree (an ancestor mask). Returns the last layer's output and the
+        outputs of `hidden_layers`. The cache's length does not move."""
+        t = x.shape[1]
+        tree = isinstance(vis.new, torch.Tensor)
         record = t <= RECORD_LIMIT
-        x = self.embed(input_ids)
         picked: dict[int, torch.Tensor] = {}
-        for i, layer in enumerate(self.model.layers):
+        for i, layer in enumerate(self.model.layers[:upto]):
             h = layer.input_layernorm(x)
             slot = self._slot[i]
             if layer.layer_type == "linear_attention":
-                y, window, states = layer.linear_attn(h, cache.conv[slot], cache.state[slot], record=record)
-                cache.update_linear(slot, window, states, record)
+                if tree:
+                    y, pending = layer.linear_attn.forward_tree(h, cache.conv[slot], cache.state[slot], vis.new)
+                    cache.update_tree(slot, pending)
+                else:
+                    y, window, states = layer.linear_attn(h, cache.conv[slot], cache.state[slot], record=record)
+                    cache.update_linear(slot, window, states, record)
             else:
                 y = layer.self_attn(h, cos, sin, cache.kv, slot, vis)
             x = x + y
             x = x + layer.mlp(layer.post_attention_layernorm(x))
             if i in hidden_layers:
                 picked[i] = x
-        cache.advance(t)
-        hidden = torch.cat([picked[i] for i in hidden_layers], dim=-1) if hidden_layers else None
-        if only_last:
-            x = x[:, -1:]
-        return ModelOutput(logits=self.head(self.final_norm(x)), hidden=hidden)
+        return x, picked
 
     def linear_modules(self) -> dict[str, nn.Module]:
         """Every projection by its weight name ("model.layers.0.linear_attn.in_proj_qkvz.weight", ...)."""

@@ -31,6 +31,7 @@ import torch
 from specpilot.runtime.cache import KVCache
 from specpilot.runtime.decode import Generation, OutputTokens, check_max_new, DecodeClock, prompt_tensor
 from specpilot.runtime.dflash import DFlashDrafter
+from specpilot.runtime.hybrid import HybridCache
 from specpilot.runtime.model import PardDrafter, Transformer
 from specpilot.runtime.sampling import GREEDY, SamplingParams, StepRandom, sample_first, tree_draws
 from specpilot.runtime.tree import TREE_SHAPES, Tree, accept_tree, ancestor_mask, compact_kv, draft_topk
@@ -54,6 +55,15 @@ def verify_tree_logits(
     out = target(tree.token[None], cache, mask=mask, positions=positions, positions_in_cache=True,
                  hidden_layers=hidden_layers)
     return out.logits[0], out.hidden, mask
+
+
+def commit_tree(cache: KVCache | HybridCache, start: int, path: list[int]) -> None:
+    """Keep the accepted root path (node indices) of the tree verified from `start`: the KV moves
+    into place (`compact_kv`); a hybrid target's linear layers also take the path's state."""
+    if isinstance(cache, HybridCache):
+        cache.commit_path(start, path)
+    else:
+        compact_kv(cache, start, [start + i for i in path])
 
 
 def propose_tree(draft_logits: torch.Tensor, anchor: int, *, budget: int, topk: int, shape: str,
@@ -98,7 +108,7 @@ class _TreeStep:
         tokens = tree.token[path].tolist()
         span = tokens[1:] + [bonus]
         self.accepted.append(self.out.extend(span) - 1)
-        compact_kv(self.cache, start, [start + i for i in path])
+        commit_tree(self.cache, start, path)
         path_hidden = hidden[:, path] if hidden is not None else None
         return span, path_hidden
 
