@@ -99,7 +99,7 @@ def delta_rule_tree(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
     q, k [B, H, n, dk] (not yet normalised), v [B, H, n, dv], g (log decay) and beta [B, H, n],
     state S0 [B, H, dk, dv], ancestors [n, n] bool (inclusive; ancestors precede). Returns
     (o [B, H, n, dv], k normalised [B, H, n, dk], w [B, H, n, dv], G [B, H, n])."""
-    q = l2norm(q) * q.shape[-1] ** -0.5
+    q = l2norm(q) / (q.shape[-1] ** 0.5)
     k = l2norm(k)
     anc = ancestors.to(q.device)
     cum_g = g @ anc.to(g.dtype).transpose(0, 1)  # G_i = sum of g over i's ancestors and itself
@@ -141,7 +141,7 @@ def delta_rule_tree_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """The per-node-snapshot design: node by node, each state from its parent's (the root's from
     `state`), as `hybrid.delta_rule_recurrent` steps a chain. Returns (o [B, H, n, dv], the states
     after every node [n, B, H, dk, dv]): the memory a snapshot design holds through the step."""
-    q = l2norm(q) * q.shape[-1] ** -0.5
+    q = l2norm(q) / (q.shape[-1] ** 0.5)
     k = l2norm(k)
     states, out = [], []
     for i, p in enumerate(parent):
@@ -161,3 +161,15 @@ def parents_from_ancestors(ancestors: torch.Tensor) -> list[int]:
     hit = ancestors & (depth[None, :] == (depth - 1)[:, None])
     return torch.where(depth > 0, hit.int().argmax(dim=1), -1).tolist()
 
+
+
+def tree_state_bytes(*, nodes: int, v_heads: int, k_heads: int, dk: int, dv: int, kernel: int, linear_layers: int,
+                     conv_bytes: int = 4) -> tuple[int, int]:
+    """Bytes one request keeps from a tree verify of `nodes` nodes to its commit, all Gated DeltaNet
+    layers: (this design's `TreePending`: per node a k row, a w row and G per value head in float32,
+    the conv inputs; per-node snapshots: a float32 state [v_heads, dk, dv] and kernel-1 conv inputs
+    per node). `conv_bytes`: the model dtype's size (the conv inputs are activations)."""
+    conv_dim = 2 * k_heads * dk + v_heads * dv
+    ours = nodes * v_heads * (dk + dv + 1) * 4 + conv_dim * (kernel - 1 + nodes) * conv_bytes
+    snapshots = nodes * (v_heads * dk * dv * 4 + conv_dim * (kernel - 1) * conv_bytes)
+    return linear_layers * ours, linear_layers * snapshots
