@@ -313,3 +313,43 @@ def test_compile_zoo_hybrid_with_tree_verify_passes_token_forcing(tmp_path):
     assert report["outputs_equal_ar"] == "2/2" and report["tokens_checked"] == 32
     validation = json.loads((out / "validation.json").read_text())
     assert validation["passed"] and validation["hard_failures"] == 0
+
+
+# --- the Triton kernel in the model ------------------------------------------------------------
+
+
+@pytest.mark.interpreter
+def test_tree_forward_on_the_kernel_equals_the_reference(models, device):
+    """The kernel installed in every Gated DeltaNet layer (interpreter on CPU, native on a GPU): the
+    same tree logits as the runtime's torch form, and the same committed state."""
+    from specpilot.backends.kernel_hooks import install_gdn_tree
+
+    model = _model(**ODD).to(device)
+    assert install_gdn_tree(model, "triton") == 2
+    ref = models["odd"].to(device)
+    tree = _random_tree(11, 10, pad=1).to(device)
+    anc = ancestor_mask(tree)
+    ids = torch.tensor([[3, 1, 4, 1, 5]], device=device)
+    out = {}
+    with torch.inference_mode():
+        for name, m in (("kernel", model), ("torch", ref)):
+            cache = m.new_cache(1, 30)
+            m(ids, cache)
+            logits = m(tree.token[None], cache, mask=anc, positions=(5 + tree.depth)[None]).logits
+            cache.commit_path(5, [0] + [int(j) for j in torch.nonzero(anc[9]).flatten()[1:]])
+            out[name] = (logits, list(cache.state))
+    torch.testing.assert_close(out["kernel"][0], out["torch"][0], atol=ATOL, rtol=0)
+    for a, b in zip(out["kernel"][1], out["torch"][1]):
+        torch.testing.assert_close(a, b, atol=5e-5, rtol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [16, 33, 65])
+def test_kernel_at_8b_widths_on_the_gpu(n):
+    """Qwen3-Next / 8B-class mixer widths (32 value heads, dk = dv = 128), trees of 16-65 nodes."""
+    from specpilot.kernels import KERNELS
+    from specpilot.kernels.gdn_tree import gdn_tree, gdn_tree_reference
+
+    inputs = KERNELS["gdn_tree"].make_inputs(dict(B=1, H=32, n=n, dk=128, dv=128), "cuda", n)
+    for a, b in zip(gdn_tree(*inputs), gdn_tree_reference(*inputs)):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)

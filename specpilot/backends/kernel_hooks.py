@@ -16,7 +16,8 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from ..kernels import attention_split_kv, best_first_tree, fused_linear, rmsnorm, rope_attention, rope_kv, silu_mul, u12
+from ..kernels import (attention_split_kv, best_first_tree, fused_linear, gdn_tree, rmsnorm, rope_attention, rope_kv,
+                       silu_mul, u12)
 from ..kernels.overlap import Launch
 from ..runtime import batch
 from ..runtime.dflash import DFlashDrafter
@@ -93,6 +94,21 @@ def tree_builder(device: torch.device):
     """The best-first tree builder of the graphed tree loops: the Triton kernel where Triton runs,
     else its reference (a heap on the host)."""
     return best_first_tree.best_first_tree if triton_runs(device) else best_first_tree.best_first_tree_reference
+
+
+def install_gdn_tree(model: nn.Module, kind: str | None = None) -> int:
+    """Serve the tree verify of every Gated DeltaNet layer under `model` (GatedDeltaNet.tree_rule) by
+    the Triton kernel where Triton runs, else its reference, unless `kind` says; returns how many."""
+    from ..runtime.hybrid import GatedDeltaNet
+
+    kind = kind or ("triton" if triton_runs(next(model.parameters()).device) else "torch")
+    if kind not in KINDS:
+        raise ValueError(f"gdn tree rule is one of {KINDS}, got {kind!r}")
+    rule = gdn_tree.gdn_tree if kind == "triton" else gdn_tree.gdn_tree_reference
+    layers = [m for m in model.modules() if isinstance(m, GatedDeltaNet)]
+    for layer in layers:
+        layer.tree_rule = rule
+    return len(layers)
 
 
 def _modules(model: nn.Module) -> tuple[int, ...]:

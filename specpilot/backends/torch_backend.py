@@ -473,6 +473,8 @@ def build_engine(program: Program, target_dir: Path | None, drafter_dir: Path | 
     install_attention_kernels(program.drafter, drafter_root(drafter), device)
     draft_vocab = install_draft_vocab(program, drafter, target, target_dir, drafter_dir, target_cfg.eos_token_id,
                                       tokenizer)
+    if isinstance(target, HybridTransformer) and device.type == "cuda":
+        kernel_hooks.install_gdn_tree(target)  # tree verifies of Gated DeltaNet layers on the Triton kernel
     if fused_stack(program.target):
         kernel_hooks.install(target)
     if fused_stack(program.drafter):
