@@ -145,8 +145,11 @@ def _bf16(p):
 
 REFUSED = [
     # choices no backend runs: each refused with the node, the attribute and what is accepted
-    ("two-level", lambda p: _with(_tree(p), "step", "verify", mode="two-level"),
-     "step/verify: mode 'two-level' is not run by any backend yet (expected chain or tree)"),
+    ("two-level without its first level", lambda p: _with(_tree(p), "step", "verify", mode="two-level"),
+     "step/verify: a two-level verify needs its first level"),
+    ("an early exit past the target", lambda p: _with(_tree(p), "step", "verify", mode="two-level", first="early-exit",
+                                                      exit_layer=9),
+     "step/verify: exit_layer=9 out of range"),
     ("batching", lambda p: _with(p, "step", "schedule", batch=4),
      "step/schedule: batch=4 under policy 'static': expected 1 (static) or >= 1 (continuous)"),
     ("batched two-level", lambda p: _with(_with(_tree(p), "step", "verify", mode="two-level"), "step", "schedule",
@@ -200,15 +203,18 @@ def test_the_verifier_refuses_what_no_backend_runs(case, change, message):
         verify_program(change(p))
 
 
+def test_a_hybrid_target_verifies_trees():
+    assert not program_problems(_tree(lower(HYBRID, DFLASH)))
+
+
 @pytest.mark.parametrize("change, message", [
-    (_tree, "step/propose: shape 'tree' needs a target whose layers all attend"),
     (lambda p: _with(_with(p, "step", "accept", on="device"), "step", "schedule", graphs=True),
      "step/schedule: graphs=true needs a cache that keeps its length on the device"),
     (lambda p: _with(_with(_with(p, "target", "rmsnorm", kernel="triton-fused"), "target", "rope", kernel="triton-fused"),
                      "target", "mlp", kernel="triton-fused"),
      "target: kernel 'triton-fused' serves attention stacks; this graph has Gated DeltaNet layers"),
 ])
-def test_a_hybrid_target_refuses_trees_graphs_and_fused_stacks(change, message):
+def test_a_hybrid_target_refuses_graphs_and_fused_stacks(change, message):
     p = lower(HYBRID, DFLASH)
     assert not program_problems(p)
     assert any(message in s for s in program_problems(change(p))), program_problems(change(p))

@@ -117,6 +117,7 @@ HONOURED = {
     # the batched engine's (Engine.batched): tests/test_batch_passes.py runs each
     ("schedule", "policy"), ("schedule", "batch"), ("schedule", "verify_budget"), ("schedule", "ragged"),
     ("schedule", "spec_control"), ("schedule", "spec_off_below"),
+    ("verify", "first"), ("verify", "exit_layer"),  # tests/test_two_level.py: the first level reaches the loops
 }
 # (op, attribute) pairs with one value a backend runs: anything else is refused (test_ir.py)
 ONE_VALUE: dict[tuple[str, str], object] = {}

@@ -273,10 +273,20 @@ class Engine:
         from ..runtime import tree_decode
 
         verify = self.program.step.one("verify")[1]
-        if verify["mode"] not in ("chain", "tree"):
+        if verify["mode"] not in ("chain", "tree", "two-level"):
             raise EngineError(f"the torch backend cannot run verify mode {verify['mode']!r} yet")
         common = dict(max_new_tokens=max_new_tokens, eos_token_id=self.eos_token_id,
                       mask_token_id=self.drafter.mask_token_id, sampling=sampling)
+        if verify["mode"] == "two-level":  # the tree loops, each drafted tree pruned by the first level
+            from ..runtime.two_level import first_level
+
+            propose = self.program.step.one("propose")[1]
+            prune = first_level(verify["first"], verify["q"] - 1, self.target, verify.get("exit_layer", 0))
+            common.update(budget=propose["budget"], topk=propose.get("topk", 4), prune=prune)
+            if self.kind == "pard":
+                return tree_decode.generate_pard_tree(self.target, self.drafter, prompt_ids, k=self.block_size, **common)
+            return tree_decode.generate_dflash_tree(self.target, self.drafter, prompt_ids, block_size=self.block_size,
+                                                    **common)
         if verify["mode"] == "tree":
             propose = self.program.step.one("propose")[1]
             common.update(budget=propose["budget"], topk=propose.get("topk", 4))

@@ -115,7 +115,11 @@ OPS: dict[str, OpSchema] = {
                       choices=frozenset({"block_size"})),
     "propose": OpSchema("step", {"shape": {"chain", "tree"}, "budget": int}, {"topk": int},
                         choices=frozenset({"shape", "budget", "topk"})),
-    "verify": OpSchema("step", {"mode": {"chain", "tree", "two-level"}, "q": int}, choices=frozenset({"mode", "q"})),
+    # two-level: a first level (`first`; early-exit reads the target's first `exit_layer` layers) keeps
+    # q - 1 of the proposal's nodes, the target verifies those (passes/two_level_verify.py)
+    "verify": OpSchema("step", {"mode": {"chain", "tree", "two-level"}, "q": int},
+                       {"first": {"drafter", "early-exit"}, "exit_layer": int},
+                       choices=frozenset({"mode", "q", "first", "exit_layer"})),
     "accept": OpSchema("step", {"rule": {"greedy-prefix", "tree-path"}, "on": {"host", "device"}},
                        choices=frozenset({"rule", "on"})),
     "commit": OpSchema("step", {"kv": {"rollback", "compact"}}, choices=frozenset({"kv"})),

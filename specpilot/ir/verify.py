@@ -14,7 +14,8 @@ What the backend reads, attribute by attribute (tests/test_passes.py runs each):
   draft.block_size             the draft and verify loops' block (k for PARD)
   propose.shape/budget/topk    a tree proposal (tree loops, budget and top-k); a chain's budget is its block
   verify.mode, accept.rule,    chain or tree loops; rule and commit follow the mode (checked here);
-  commit.kv                    "two-level" is refused: no backend runs it yet
+  commit.kv                    "two-level" with verify.first/exit_layer: the tree loops, each drafted tree
+                               pruned to q - 1 nodes by the first level (runtime/two_level.py)
   accept.on, schedule.graphs   together: graphed loops accept on the device (the cuda-graphs pass)
   schedule.policy/batch        "static" (batch 1: the batch-1 loops) or "continuous" (runtime/batch.py, up to
                                `batch` requests): chains or trees, attention targets, no graphs yet
@@ -129,7 +130,11 @@ def _step_problems(step: Graph) -> list[str]:
     if verify["mode"] not in _VERIFY_FOR[propose["shape"]]:
         problems.append(f"step/verify: mode {verify['mode']!r} cannot verify a {propose['shape']} proposal")
     want_q = expected_verify_length(draft, propose)
-    if verify["q"] != want_q:
+    if verify["mode"] == "two-level":
+        if not 2 <= verify["q"] <= want_q:
+            problems.append(f"step/verify: q={verify['q']} but a two-level verify keeps 1..{want_q - 1} of the "
+                            f"proposal's nodes plus the anchor (expected 2..{want_q})")
+    elif verify["q"] != want_q:
         problems.append(f"step/verify: q={verify['q']} but the proposal needs q={want_q}")
     schedule = step.find("schedule")
     if schedule and step.node(schedule[0]).get("graphs"):
@@ -197,7 +202,15 @@ def _run_problems(program: Program) -> list[str]:
     graphs = bool(schedule is not None and schedule.get("graphs"))
     recurrent = bool(program.target.find("gated_deltanet"))
     if verify["mode"] == "two-level":
-        problems.append("step/verify: mode 'two-level' is not run by any backend yet (expected chain or tree)")
+        layers = len(program.target.find("attention")) + len(program.target.find("gated_deltanet"))
+        if "first" not in verify:
+            problems.append("step/verify: a two-level verify needs its first level (first=drafter or early-exit; "
+                            "the two-level-verify pass sets it)")
+        elif verify["first"] == "early-exit" and not 1 <= verify.get("exit_layer", 0) < layers:
+            problems.append(f"step/verify: exit_layer={verify.get('exit_layer')} out of range: the early-exit first "
+                            f"level reads 1..{layers - 1} of the target's {layers} layers")
+    elif "first" in verify or "exit_layer" in verify:
+        problems.append(f"step/verify: first and exit_layer belong to a two-level verify, not mode {verify['mode']!r}")
     if propose["shape"] == "chain":
         drafts = draft["block_size"] - 1 if draft["kind"] == "dflash" else draft["block_size"]
         if propose["budget"] != drafts:

@@ -24,7 +24,7 @@ The DFlash drafter's next context is the target's hidden states at the accepted 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -133,8 +133,10 @@ def generate_dflash_tree(
     eos_token_id: int | None,
     shape: str = "best-first",
     sampling: SamplingParams = GREEDY,
+    prune: Callable[[Tree, KVCache], Tree] | None = None,
 ) -> Generation:
-    """DFlash-style drafting (block_size-1 positions per block) verified as a tree of `budget` nodes."""
+    """DFlash-style drafting (block_size-1 positions per block) verified as a tree of `budget` nodes;
+    `prune` (two_level.first_level) first cuts each drafted tree to the nodes the target verifies."""
     check_max_new(max_new_tokens)
     _check_tree_args(budget, topk)
     if block_size < 2:
@@ -164,6 +166,8 @@ def generate_dflash_tree(
             block = torch.tensor([[last] + masks], dtype=torch.long, device=target.device)
             logits = drafter(block, new_context, d_cache)[0]
             tree = propose_tree(logits, last, budget=budget, topk=topk, shape=shape, device=target.device)
+            if prune is not None:
+                tree = prune(tree, t_cache)
             span, new_context = step(tree)  # the anchor and the accepted drafts become context
             last = span[-1]
         t2 = clock()
@@ -184,8 +188,10 @@ def generate_pard_tree(
     eos_token_id: int | None,
     shape: str = "best-first",
     sampling: SamplingParams = GREEDY,
+    prune: Callable[[Tree, KVCache], Tree] | None = None,
 ) -> Generation:
-    """PARD-style drafting (k positions per forward, see decode.generate_pard) verified as a tree."""
+    """PARD-style drafting (k positions per forward, see decode.generate_pard) verified as a tree;
+    `prune` as for generate_dflash_tree."""
     check_max_new(max_new_tokens)
     _check_tree_args(budget, topk)
     if k < 1:
@@ -216,6 +222,8 @@ def generate_pard_tree(
             logits = draft_model(ids, d_cache).logits[0, len(fresh) - 1 :]
             d_cache.rollback(len(seq))
             tree = propose_tree(logits, seq[-1], budget=budget, topk=topk, shape=shape, device=target.device)
+            if prune is not None:
+                tree = prune(tree, t_cache)
             span, _ = step(tree)
             seq.extend(span)
         t2 = clock()
