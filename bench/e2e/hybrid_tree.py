@@ -1,0 +1,164 @@
+"""Chain, one-level trees and two-level trees on a pipeline.yaml's pair: τ, ms/token and accepted
+tokens per ms at each budget (CPU or GPU).
+
+For each pipeline: its own pass pipeline is the chain; then for every budget N, `tree-verify{budget=N}`
+and `two-level-verify{budget=N, draft-budget=F*N}` with each first level (the drafter's survival
+products; the early exit over the target's first L layers for each L of --exit-layers). Every
+configuration runs through the torch backend's Engine.generate on the same prompts; the AR baseline
+runs once per repeat beside them (greedy, prefill excluded), and every configuration's outputs are
+compared with it. τ counts the bonus token; tokens/ms = output tokens per millisecond of decode
+(what two-level verification is to raise at the best one-level tree's τ). The summary sets each
+two-level row against the best one-level tree at its budget (by tokens/ms). Writes
+bench/results/hybrid_tree_<gpu|cpu>[_<tag>].json through the harness.
+
+    python -m bench.e2e.hybrid_tree [PIPELINE.yaml ...] [--budgets 16,32,64] [--topk 4] [--draft-factor 4]
+                                    [--exit-layers 2] [--repeats 1] [--num-prompts 8] [--out F|DIR] [--tag T]
+
+Default pipeline: examples/hybrid.yaml (the zoo's hybrid pair: Gated DeltaNet + attention, DFlash).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+from specpilot.backends.torch_backend import build_engine, default_dtype, pick_device
+from specpilot.bench import harness
+from specpilot.bench.prompts import load_prompts
+from specpilot.compiler import lower_spec, resolve_models, resolve_passes
+from specpilot.passes import pipeline_string, run_passes
+from specpilot.passes.tree_verify import TreeVerify
+from specpilot.passes.two_level_verify import TwoLevelVerify
+from specpilot.runtime.tokenizer import load_tokenizer
+from specpilot.spec import load_spec
+
+ROOT = harness.ROOT
+
+
+def configurations(passes: list, budgets: list[int], topk: int, factor: int, exits: list[int]) -> list[tuple]:
+    """(label, pass list) of every configuration: chain, then per budget the tree and the two-levels."""
+    out = [("chain", passes)]
+    for n in budgets:
+        out.append((f"tree-{n}", [*passes, TreeVerify(budget=n, topk=topk)]))
+        out.append((f"two-level-{n}-drafter",
+                    [*passes, TwoLevelVerify(budget=n, draft_budget=factor * n, topk=topk, first="drafter")]))
+        for layer in exits:
+            out.append((f"two-level-{n}-exit{layer}",
+                        [*passes, TwoLevelVerify(budget=n, draft_budget=factor * n, topk=topk, first="early-exit",
+                                                 exit_layer=layer)]))
+    return out
+
+
+def bench_pipeline(path: Path, args, device: torch.device) -> list[dict]:
+    spec = load_spec(path)
+    dirs = resolve_models(spec)
+    dtype = default_dtype(device) if spec.dtype == "auto" else spec.dtype
+    passes = resolve_passes(spec, None)
+    lowered = lower_spec(spec, dirs, dtype)
+    base, _ = run_passes(lowered, passes)
+    engine = build_engine(base, dirs.target, dirs.drafter, device)
+    tokenizer = load_tokenizer(dirs.target)
+    texts = load_prompts(spec.benchmark.prompts, args.num_prompts or spec.benchmark.num_prompts, source=str(path))
+    prompts = [tokenizer.encode(t).ids for t in texts]
+    n_new = args.max_new_tokens or spec.serving.max_new_tokens
+    budgets = [int(b) for b in args.budgets.split(",")]
+    exits = [int(e) for e in args.exit_layers.split(",") if e]
+    configs = [(label, ps, run_passes(lowered, ps)[0]) for label, ps in
+               configurations(passes, budgets, args.topk, args.draft_factor, exits)]
+    engines = {label: engine.with_program(program) for label, _, program in configs}
+    warm = prompts[0][:8] or [0]
+    engine.generate_ar(warm, 4)
+    for e in engines.values():
+        e.generate(warm, 4)
+    ar_tokens, ar_s = [], []
+    runs: dict[str, list[dict]] = {label: [] for label, _, _ in configs}
+    for _ in range(args.repeats):  # configurations interleaved within a repeat
+        ar = [engine.generate_ar(p, n_new) for p in prompts]
+        ar_tokens, ar_s = [g.tokens for g in ar], ar_s + [sum(g.decode_s for g in ar)]
+        for label, _, _ in configs:
+            gens = [engines[label].generate(p, n_new) for p in prompts]
+            runs[label].append({"gens": gens, "s": sum(g.decode_s for g in gens)})
+    ar_ms = statistics.median(ar_s) * 1e3 / sum(len(t) for t in ar_tokens)
+    draft = base.step.one("draft")[1]
+    rows = []
+    for label, ps, program in configs:
+        gens = runs[label][0]["gens"]
+        tokens = sum(len(g.tokens) for g in gens)
+        accepted = [a for g in gens for a in g.accepted]
+        ms = statistics.median(r["s"] for r in runs[label]) * 1e3 / tokens
+        verify = program.step.one("verify")[1]
+        rows.append({
+            "pipeline_file": str(path), "target": spec.target, "label": label, "pipeline": pipeline_string(ps),
+            "drafter": {"kind": draft["kind"], "block_size": draft["block_size"]},
+            "verify": verify["mode"], "verify_q": verify["q"], "first": verify.get("first"),
+            "exit_layer": verify.get("exit_layer"), "drafted": program.step.one("propose")[1]["budget"],
+            "prompts": len(prompts), "max_new_tokens": n_new, "steps": len(accepted),
+            "tau": round(1 + sum(accepted) / max(1, len(accepted)), 4),
+            "ms_per_token": round(ms, 4), "tokens_per_ms": round(1 / ms, 4) if ms else 0.0,
+            "ar_ms_per_token": round(ar_ms, 4), "speedup_over_ar": round(ar_ms / ms, 4) if ms else 0.0,
+            "outputs_equal_ar": f"{sum(g.tokens == a for g, a in zip(gens, ar_tokens))}/{len(prompts)}",
+        })
+        r = rows[-1]
+        print(f"{path.name:>14} {label:<24} τ={r['tau']:6.3f}  {ms:8.3f} ms/token  {r['tokens_per_ms']:7.4f} tok/ms  "
+              f"AR {ar_ms:8.3f}  ×{r['speedup_over_ar']:.3f}  equal AR {r['outputs_equal_ar']}", flush=True)
+    return rows
+
+
+def against_best_tree(rows: list[dict]) -> list[dict]:
+    """Each two-level row against the best one-level tree of its pipeline at its budget (by tokens/ms)."""
+    out = []
+    for r in rows:
+        if r["verify"] != "two-level":
+            continue
+        trees = [t for t in rows if t["pipeline_file"] == r["pipeline_file"] and t["verify"] == "tree"
+                 and t["verify_q"] == r["verify_q"]]
+        if not trees:
+            continue
+        best = max(trees, key=lambda t: t["tokens_per_ms"])
+        out.append({"pipeline_file": r["pipeline_file"], "label": r["label"], "against": best["label"],
+                    "tokens_per_ms_gain": round(r["tokens_per_ms"] / best["tokens_per_ms"] - 1, 4),
+                    "tau_change": round(r["tau"] / best["tau"] - 1, 4)})
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("pipelines", nargs="*", type=Path, default=[ROOT / "examples" / "hybrid.yaml"])
+    parser.add_argument("--budgets", default="16,32,64", help="verified nodes per step (trees; two-level survivors)")
+    parser.add_argument("--topk", type=int, default=4)
+    parser.add_argument("--draft-factor", type=int, default=4, help="a two-level step drafts factor x budget nodes")
+    parser.add_argument("--exit-layers", default="2", help="early-exit first levels: target layers read, comma-separated")
+    parser.add_argument("--repeats", type=int, default=1, help="timed runs per configuration (median)")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--threads", type=int, default=1, help="CPU intra-op threads (tiny models: 1 is fastest)")
+    parser.add_argument("--max-new-tokens", type=int, help="override the spec's serving.max_new_tokens")
+    parser.add_argument("--num-prompts", type=int, help="override the spec's benchmark.num_prompts")
+    args = harness.add_results_args(parser, smoke=False).parse_args(argv)
+
+    device = pick_device(args.device)
+    if device.type == "cpu":
+        torch.set_num_threads(args.threads)
+    rows = []
+    for path in args.pipelines:
+        rows += bench_pipeline(path, args, device)
+    summary = against_best_tree(rows)
+    for s in summary:
+        print(f"{Path(s['pipeline_file']).name:>14} {s['label']:<24} vs {s['against']:<10} tokens/ms "
+              f"{s['tokens_per_ms_gain']:+.1%}  τ {s['tau_change']:+.1%}")
+    out = harness.write_run(
+        args, "hybrid_tree", device, rows, against_best_tree=summary,
+        what="τ, ms/token and tokens/ms: chain, tree-verify{budget} and two-level-verify{budget, draft-budget, first}, "
+             "torch backend (eager loops), greedy, prefill excluded",
+        timing=f"runtime clocks (device synchronised), median of {args.repeats} interleaved runs over all prompts; AR = "
+               "the engine's generate_ar, once per repeat",
+        threads=torch.get_num_threads() if device.type == "cpu" else None)
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
