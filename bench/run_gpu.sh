@@ -79,6 +79,11 @@
 #   tau      the zoo's τ and token forcing only (zoo's zoo_tau)
 #   kernels  = tests steps attention (both shapes)
 #   refresh  the files the headline and the step and zoo pages read: steps, qwen, e2e, tau (about 5 minutes)
+#   hybridtree  issue 46: the gdn_tree kernel's GPU tests, then hybrid step times at Llama-3.1-8B widths with three of
+#            every four layers Gated DeltaNet: AR, chain verify(16), tree verify of 16/32/64 nodes on the kernel and
+#            on its torch reference, the commit (bench.steps.hybrid_tree_steps -> hybrid_tree_steps_<gpu>.json)
+#   hybridzoo  issue 46: chain, tree-verify and two-level-verify at 16/32/64 on the zoo's hybrid and attention
+#            pairs (bench.e2e.hybrid_tree -> hybrid_tree_<gpu>.json)
 #   replayq  issue 42, Qwen3-8B shape under DFlash's published HumanEval acceptance (replay drafter): chains at
 #            blocks 8 and 16, trees of 16..128 nodes, with and without draft-vocab, the bf16 weights
 #            (bench.e2e.replay -> replay_<gpu>_dflash-qwen3-8b.json); its own command (about 5 minutes)
@@ -336,12 +341,22 @@ zoo() {
     --device cuda --out "$OUT" --tag next
 }
 
+hybridtree() {  # issue 46: the gdn_tree kernel's GPU tests, then the 8B-class hybrid's AR, chain and tree steps
+  TAIL=4 run gdn_tree_tests 100 python -m pytest -q -x -p no:cacheprovider tests/test_kernels.py -k gdn_tree
+  TAIL=4 run hybrid_tree_tests 150 python -m pytest -q -x -p no:cacheprovider tests/test_hybrid_tree.py -m "gpu or interpreter"
+  TAIL=14 run hybrid_tree_steps 240 python -m bench.steps.hybrid_tree_steps --out "$OUT"
+}
+hybridzoo() {  # issue 46: chain, trees and two-level trees on the zoo pairs (eager loops), τ and tokens/ms
+  TAIL=50 run hybrid_tree 280 python -m bench.e2e.hybrid_tree examples/hybrid.yaml examples/pipeline.yaml \
+    --device cuda --budgets 16,32,64 --exit-layers 1,2 --repeats 1 --out "$OUT"
+}
+
 for group in "${@:?group...}"; do
   case "$group" in
     ncu) ncu_linear ;;
     tests | attntests | lineartests | ab | knobs | knobstep | layer16 | readbound | attention | attnvar | u12 | hmma | bf16tune | u12tune | verify16 | verifyab | verify32 | rows64 | \
       u12verify | tiles | tilesab | tiles1 | fewrows | fewsweep | u12fusedtune | linear | peers | train | trees | e2e | tau | zoo | calib | \
-      smollm2part | smollm2 | smollm2bench | serve | batched | batchedg) "$group" ;;
+      smollm2part | smollm2 | smollm2bench | serve | batched | batchedg | hybridtree | hybridzoo) "$group" ;;
     steps) steps ;;
     qwen) steps qwen3-8b ;;
     kernels) tests; steps llama-3.1-8b qwen3-8b; attention ;;
