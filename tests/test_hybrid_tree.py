@@ -301,18 +301,19 @@ def test_tree_verify_applies_to_hybrid_programs(loaded, tmp_path):
     assert rec.changed and tree.step.one("verify")[1]["mode"] == "tree"
 
 
-def test_compile_zoo_hybrid_with_tree_verify_passes_token_forcing(tmp_path):
+@pytest.mark.parametrize("passes", ["tree-verify{budget=16, topk=4}", "tree-verify{budget=16, topk=4},cuda-graphs"])
+def test_compile_zoo_hybrid_with_tree_verify_passes_token_forcing(tmp_path, passes):
     spec = tmp_path / "pipeline.yaml"
     spec.write_text("name: t\ntarget: code-qwen3-next\ndrafter:\n  kind: dflash\ngpu: h200\ndtype: float32\n"
                     "serving:\n  max_new_tokens: 16\nbenchmark:\n  prompts: code-smoke\n  num_prompts: 2\n")
     out = tmp_path / "engine"
-    r = CliRunner().invoke(main, ["compile", str(spec), "--passes", "tree-verify{budget=16, topk=4}",
-                                  "-o", str(out), "--device", "cpu"])
+    r = CliRunner().invoke(main, ["compile", str(spec), "--passes", passes, "-o", str(out), "--device", "cpu"])
     assert r.exit_code == 0, r.output
     report = json.loads((out / "report.json").read_text())
     assert report["outputs_equal_ar"] == "2/2" and report["tokens_checked"] == 32
     validation = json.loads((out / "validation.json").read_text())
     assert validation["passed"] and validation["hard_failures"] == 0
+    assert ("graphs=true" in (out / "ir.txt").read_text()) == ("cuda-graphs" in passes)
 
 
 # --- the Triton kernel in the model ------------------------------------------------------------
@@ -353,3 +354,79 @@ def test_kernel_at_8b_widths_on_the_gpu(n):
     inputs = KERNELS["gdn_tree"].make_inputs(dict(B=1, H=32, n=n, dk=128, dv=128), "cuda", n)
     for a, b in zip(gdn_tree(*inputs), gdn_tree_reference(*inputs)):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+# --- graphed loops: device-side lengths ----------------------------------------------------------
+
+
+def test_device_length_cache_commits_and_rolls_back_as_the_host_one(models):
+    """The same verifies with the length, the rollback target, the path and its accepted count as
+    device tensors (the path padded past n, as graphed steps pass it): the same caches."""
+    model = models["odd"]
+    g = torch.Generator().manual_seed(8)
+    with torch.inference_mode():
+        host, dev = model.new_cache(1, 120), model.new_cache(1, 120, device_length=True)
+        prompt = torch.randint(0, VOCAB, (1, 7), generator=g)
+        for cache in (host, dev):
+            model(prompt, cache)
+        for step in range(5):
+            tree = _random_tree(step, 9, pad=2)
+            anc = ancestor_mask(tree)
+            node = int(torch.randint(0, 9, (1,), generator=g))
+            path = torch.nonzero(anc[node]).flatten()
+            path = path[tree.depth[path].argsort()]
+            padded = torch.cat([path, torch.zeros(12 - len(path), dtype=torch.long)])
+            for cache in (host, dev):
+                start = cache.length if cache is host else cache.length.clone()
+                model(tree.token[None], cache, mask=anc, positions=(start + tree.depth)[None])
+                if cache is host:
+                    cache.commit_path(start, path.tolist())
+                else:
+                    cache.commit_path(start, padded, torch.tensor(len(path) - 1))
+            chain = torch.randint(0, VOCAB, (1, 5), generator=g)  # a chain verify, then a partial rollback
+            keep = int(torch.randint(0, 6, (1,), generator=g))
+            for cache in (host, dev):
+                start = cache.length if cache is host else cache.length.clone()
+                model(chain, cache)
+                cache.rollback(start + keep)
+        assert int(dev.length) == host.length
+        for a, b in zip(list(host.state) + list(host.conv), list(dev.state) + list(dev.conv), strict=True):
+            torch.testing.assert_close(b, a, atol=1e-6, rtol=1e-6)
+        for a, b in zip(host.kv.k, dev.kv.k):
+            torch.testing.assert_close(b[:, :, : host.length], a[:, :, : host.length], atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("prompt", [b"def f(x):", bytes(range(40, 71))])
+def test_graphed_loops_equal_ar(loaded, prompt):
+    """graph_decode's loops on the hybrid target (on a CPU the step runs uncaptured)."""
+    from specpilot.runtime import graph_decode
+
+    target, dflash, pard = loaded
+    prompt = list(prompt)
+    common = dict(max_new_tokens=20, eos_token_id=None)
+    ar = generate_ar(target, prompt, **common)
+    assert graph_decode.generate_ar_graphed(target, prompt, **common).tokens == ar.tokens
+    spec = dict(mask_token_id=MASK_TOKEN_ID, **common)
+    assert graph_decode.generate_dflash_graphed(target, dflash, prompt, block_size=4, **spec).tokens == ar.tokens
+    assert graph_decode.generate_pard_graphed(target, pard, prompt, k=4, **spec).tokens == ar.tokens
+    tree = dict(budget=9, topk=3, **spec)
+    assert graph_decode.generate_dflash_tree_graphed(target, dflash, prompt, block_size=4, **tree).tokens == ar.tokens
+    assert graph_decode.generate_pard_tree_graphed(target, pard, prompt, k=4, **tree).tokens == ar.tokens
+
+
+@pytest.mark.gpu
+def test_graphed_hybrid_tree_loop_captures_on_the_gpu(tmp_path):
+    """The hybrid pair's tree step captured in one CUDA graph (the gdn_tree kernel inside): AR's tokens."""
+    from specpilot.backends.kernel_hooks import install_gdn_tree, tree_builder
+    from specpilot.runtime import graph_decode
+
+    dirs = build_tiny_hybrid(tmp_path / "h")
+    target, cfg = load_target(dirs["target"], dtype=torch.float32, device="cuda")
+    dflash = load_drafter(dirs["dflash"], target, cfg, dtype=torch.float32, device="cuda")
+    install_gdn_tree(target, "triton")
+    prompt = list(b"def f(x):")
+    ar = generate_ar(target, prompt, max_new_tokens=24, eos_token_id=None)
+    out = graph_decode.generate_dflash_tree_graphed(target, dflash, prompt, block_size=4, budget=9, topk=3,
+                                                    mask_token_id=MASK_TOKEN_ID, max_new_tokens=24, eos_token_id=None,
+                                                    build=tree_builder(torch.device("cuda")))
+    assert out.tokens == ar.tokens

@@ -356,10 +356,14 @@ class Engine:
     def generate_ar(self, prompt_ids: list[int], max_new_tokens: int) -> decode.Generation:
         """Greedy AR, the baseline: on a GPU always the strongest loop we have, the graphed one over
         the fused decoder stack with split-KV attention (kernel_hooks.fused_path; for the duration of
-        the call, so the engine's own modules run as its program says)."""
-        if self.device.type != "cuda" or isinstance(self.target, HybridTransformer):
+        the call, so the engine's own modules run as its program says); a hybrid target's graphed loop
+        over its own modules (sparse MoE hybrids: eager)."""
+        if self.device.type != "cuda" or (isinstance(self.target, HybridTransformer) and self.target.cfg.moe_layers):
             return decode.generate_ar(self.target, prompt_ids, max_new_tokens=max_new_tokens,
                                       eos_token_id=self.eos_token_id)
+        if isinstance(self.target, HybridTransformer):  # no fused stack for Gated DeltaNet layers: graphed AR alone
+            return graph_decode.generate_ar_graphed(self.target, prompt_ids, max_new_tokens=max_new_tokens,
+                                                    eos_token_id=self.eos_token_id)
         with kernel_hooks.fused_path(self.target):
             return graph_decode.generate_ar_graphed(self.target, prompt_ids, max_new_tokens=max_new_tokens,
                                                     eos_token_id=self.eos_token_id)

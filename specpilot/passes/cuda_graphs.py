@@ -8,7 +8,8 @@ replayed; the prefill stays eager. On a CPU the same step code runs without capt
 
 Lossless: the same forwards on the same inputs, the same greedy rule. Chains and best-first trees
 (the tree built on the device by kernels/best_first_tree.py, static node budget, KV compaction by
-device indices); not for hybrid recurrent targets (their caches keep the length on the host).
+device indices); hybrid (Gated DeltaNet) targets too, their states selected and committed by device
+indices (runtime/hybrid.py), but not sparse MoE targets (the routed experts are read on the host).
 """
 
 from __future__ import annotations
@@ -38,8 +39,8 @@ class CudaGraphs(Pass):
         verify = program.step.one("verify")[1]
         if verify["mode"] not in ("chain", "tree"):
             return PassResult(program, False, f"verify mode {verify['mode']!r}: graphed steps verify chains and trees")
-        if program.target.find("gated_deltanet"):
-            return PassResult(program, False, "hybrid recurrent target: its cache keeps the length on the host")
+        if program.target.find("moe"):
+            return PassResult(program, False, "sparse MoE target: its layers read the routed experts on the host")
         step, n = program.step.map_nodes(_rewrite)
         if n == 0:
             return PassResult(program, False, "steps are already graphed")

@@ -46,6 +46,7 @@ from torch import nn
 from specpilot.runtime.cache import DeviceKVCache
 from specpilot.runtime.decode import Generation, OutputTokens, check_max_new, DecodeClock, prompt_tensor
 from specpilot.runtime.dflash import DFlashDrafter
+from specpilot.runtime.hybrid import HybridCache
 from specpilot.runtime.model import Attention, PardDrafter, Transformer
 from specpilot.runtime.sampling import (GREEDY, SamplingParams, StepRandom, accept_chain, draft_chain, sample_first,
                                         tree_draws)
@@ -501,9 +502,12 @@ def accept_tree_on_device(parent: torch.Tensor, depth: torch.Tensor, token: torc
     return n, path, span
 
 
-def compact_on_device(cache: DeviceKVCache, start: torch.Tensor, path: torch.Tensor, n: torch.Tensor) -> None:
+def compact_on_device(cache: DeviceKVCache | HybridCache, start: torch.Tensor, path: torch.Tensor, n: torch.Tensor) -> None:
     """tree.compact_kv with device indices: slot start + j takes slot start + path[j], the length
     becomes start + n + 1 (slots after it receive don't-care values)."""
+    if isinstance(cache, HybridCache):  # the linear layers take the path's state too (hybrid_tree.py)
+        cache.commit_path(start, path, n)
+        return
     src = start + path
     dst = start + torch.arange(path.shape[0], device=path.device)
     if cache.stacked is not None:  # every layer's k and v in one gather and one scatter

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specpilot.runtime.cache import KVCache
+from specpilot.runtime.cache import DeviceKVCache, KVCache
 from specpilot.hf.config import HybridConfig
 from specpilot.runtime.hybrid_tree import (
     TreePending,
@@ -288,6 +288,12 @@ class HybridCache:
 
     `length` and `rollback(n)` behave as KVCache's for any n from the start of the last forward
     to `length`; earlier targets raise ValueError (the states before the last forward are gone).
+    After a tree forward, `commit_path` keeps a root path (or `rollback` to its start drops it).
+
+    States and conv inputs are buffers updated in place, so that a captured CUDA graph, which
+    replays raw pointers, reads and writes the same memory each step. With a `DeviceKVCache`
+    (`device_length`), the length, the rollback target and a committed path's length are device
+    tensors and nothing here reads them on the host (no checks either: callers size the capacity).
     """
 
     def __init__(self, kv: KVCache, conv: list[torch.Tensor], state: list[torch.Tensor], kernel: int) -> None:
@@ -295,19 +301,22 @@ class HybridCache:
         self.conv = conv
         self.state = state
         self.kernel = kernel
-        self._start = 0  # where the last forward began
+        self.on_device = isinstance(kv, DeviceKVCache)
+        self._start: int | torch.Tensor = 0  # where the last forward began
         self._windows: list[torch.Tensor | None] = [None] * len(state)  # conv inputs seen by the last forward
         self._states: list[torch.Tensor | None] = [None] * len(state)  # [T+1, ...] after each position, or None
         self._tree: list[TreePending | None] = [None] * len(state)  # a tree forward's, until commit_path
 
     @classmethod
     def for_model(
-        cls, cfg: HybridConfig, batch: int, max_len: int, dtype: torch.dtype, device: torch.device | str
+        cls, cfg: HybridConfig, batch: int, max_len: int, dtype: torch.dtype, device: torch.device | str,
+        device_length: bool = False,
     ) -> HybridCache:
         shape = (batch, cfg.num_kv_heads, max_len, cfg.head_dim)
         n_attn, n_linear = len(cfg.attention_layers), len(cfg.linear_layers)
-        kv = KVCache([torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_attn)],
-                     [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_attn)], max_len)
+        kind = DeviceKVCache if device_length else KVCache
+        kv = kind([torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_attn)],
+                  [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_attn)], max_len)
         conv_dim = 2 * cfg.linear_num_key_heads * cfg.linear_key_head_dim + cfg.linear_num_value_heads * cfg.linear_value_head_dim
         k = cfg.linear_conv_kernel_dim
         conv = [torch.zeros(batch, conv_dim, k - 1, dtype=dtype, device=device) for _ in range(n_linear)]
@@ -316,18 +325,28 @@ class HybridCache:
         return cls(kv, conv, state, k)
 
     @property
-    def length(self) -> int:
+    def length(self) -> int | torch.Tensor:
         return self.kv.length
 
     @property
     def max_len(self) -> int:
         return self.kv.max_len
 
+    def key_slots(self, t: int) -> int:
+        return self.kv.key_slots(t)
+
+    def reset(self) -> None:
+        """Empty (device-length caches, as DeviceKVCache.reset): length 0, zero states."""
+        self.kv.reset()
+        for x in (*self.state, *self.conv):
+            x.zero_()
+        self._tree = [None] * len(self.state)
+
     def begin(self, t: int) -> None:
         """A forward of t tokens starts: check capacity before any layer's state changes."""
-        if self.length + t > self.max_len:
+        if not self.on_device and self.length + t > self.max_len:
             raise ValueError(f"KV cache overflow: length {self.length} + {t} > capacity {self.max_len}")
-        self._start = self.length
+        self._start = self.length.clone() if self.on_device else self.length
         self._windows = [None] * len(self.state)
         self._states = [None] * len(self.state)
         self._tree = [None] * len(self.state)
@@ -336,8 +355,8 @@ class HybridCache:
         """Linear layer `layer` ran the current forward: its conv inputs and states (see GatedDeltaNet)."""
         self._windows[layer] = window
         self._states[layer] = states if recorded else None
-        self.conv[layer] = window[:, :, window.shape[-1] - (self.kernel - 1):]
-        self.state[layer] = states[-1] if recorded else states
+        self.conv[layer].copy_(window[:, :, window.shape[-1] - (self.kernel - 1):])
+        self.state[layer].copy_(states[-1] if recorded else states)
 
     def update_tree(self, layer: int, pending: TreePending) -> None:
         """Linear layer `layer` ran a tree forward: its state and conv inputs stay as committed
@@ -352,35 +371,45 @@ class HybridCache:
         """Bytes the last tree forward keeps for its commit, all linear layers (per-node vectors)."""
         return sum(p.nbytes() for p in self._tree if p is not None)
 
-    def commit_path(self, start: int, path: torch.Tensor | list[int], n: torch.Tensor | int | None = None) -> None:
+    def commit_path(self, start: int | torch.Tensor, path: torch.Tensor | list[int],
+                    n: torch.Tensor | int | None = None) -> None:
         """After a tree forward from `start`: keep the root path `path` (node indices, root first;
-        the first n + 1 of them, all when n is None). Linear layers take the state and conv inputs
-        after the path's last node (hybrid_tree.commit_state); attention layers' K/V move to slots
-        start.. (tree.compact_kv); the length becomes start + n + 1."""
-        from specpilot.runtime.tree import compact_kv
-
-        if not self.pending_tree or start != self._start:
+        the first n + 1 of them, all when n is None; n may be a device tensor, the path padded past
+        it). Linear layers take the state and conv inputs after the path's last node
+        (hybrid_tree.commit_state); attention layers' K/V of the path move to slots start..; the
+        length becomes start + n + 1."""
+        if not self.pending_tree or (not self.on_device and start != self._start):
             raise ValueError(f"commit_path({start}, ...) needs the tree forward that began at {start}; "
                              f"the last forward began at {self._start} and was {'a tree' if self.pending_tree else 'not a tree'}")
-        device = self.state[0].device if self.state else "cpu"
+        device = self.state[0].device if self.state else torch.device("cpu")
         path = torch.as_tensor(path, dtype=torch.long, device=device)
-        n = path.shape[0] - 1 if n is None else n
-        valid = torch.arange(path.shape[0], device=device) <= torch.as_tensor(n, device=device)
-        last = path.index_select(0, torch.as_tensor(n, device=device).view(1))
+        n = torch.as_tensor(path.shape[0] - 1 if n is None else n, device=device)
+        valid = torch.arange(path.shape[0], device=device) <= n
+        last = path.index_select(0, n.view(1))
         for j, pending in enumerate(self._tree):
-            self.state[j] = commit_state(self.state[j], pending.k, pending.w, pending.cum_g, path, valid)
-            self.conv[j] = commit_conv(pending, last, self.kernel)
-        kept = int(n) + 1
-        compact_kv(self.kv, start, (start + path[:kept]).tolist())
+            self.state[j].copy_(commit_state(self.state[j], pending.k, pending.w, pending.cum_g, path, valid))
+            self.conv[j].copy_(commit_conv(pending, last, self.kernel))
+        if self.on_device:
+            src, dst = start + path, start + torch.arange(path.shape[0], device=device)
+            for k, v in zip(self.kv.k, self.kv.v):
+                k.index_copy_(2, dst, k.index_select(2, src))  # gathered first: overlapping moves are safe
+                v.index_copy_(2, dst, v.index_select(2, src))
+            self.kv.rollback(start + n + 1)
+        else:
+            from specpilot.runtime.tree import compact_kv
+
+            compact_kv(self.kv, start, (start + path[: int(n) + 1]).tolist())
         self._tree = [None] * len(self.state)
         self._states = [None] * len(self.state)
-        self._start = self.length
+        self._start = self.length.clone() if self.on_device else self.length
 
     def advance(self, n: int) -> None:
         self.kv.advance(n)
 
-    def rollback(self, n: int) -> None:
+    def rollback(self, n: int | torch.Tensor) -> None:
         """Keep the first `n` tokens: select the linear layers' states after position n of the last forward."""
+        if self.on_device:
+            return self._rollback_on_device(torch.as_tensor(n, device=self.kv.length.device))
         if not 0 <= n <= self.length:
             raise ValueError(f"cannot roll back a hybrid cache of length {self.length} to {n}")
         if n == self.length and not self.pending_tree:
@@ -404,8 +433,19 @@ class HybridCache:
             )
         i = n - self._start
         for j, (window, states) in enumerate(zip(self._windows, self._states)):
-            self.state[j] = states[i]
-            self.conv[j] = window[:, :, i : i + self.kernel - 1]
+            self.state[j].copy_(states[i])
+            self.conv[j].copy_(window[:, :, i : i + self.kernel - 1])
+        self.kv.rollback(n)
+
+    def _rollback_on_device(self, n: torch.Tensor) -> None:
+        """rollback with a device target inside the last (recorded) forward, or to a tree's start."""
+        if not self.pending_tree and any(s is not None for s in self._states):
+            i = (n - self._start).view(1)
+            cols = i + torch.arange(self.kernel - 1, device=n.device)
+            for j, (window, states) in enumerate(zip(self._windows, self._states)):
+                self.state[j].copy_(states.index_select(0, i)[0])
+                self.conv[j].copy_(window.index_select(2, cols))
+        self._tree = [None] * len(self.state)
         self.kv.rollback(n)
 
 
@@ -528,10 +568,12 @@ class HybridTransformer(nn.Module):
         return self.model.embed_tokens.weight.device
 
     def new_cache(self, batch: int, max_len: int, *, device_length: bool = False) -> HybridCache:
-        if device_length:
-            raise ValueError("a hybrid target's cache keeps its length on the host: rollback selects "
-                             "recorded recurrent states by position, which a device-side length cannot drive")
-        return HybridCache.for_model(self.cfg, batch, max_len, self.dtype, self.device)
+        """A static cache; `device_length` keeps its length (and rollback targets) on the device, for
+        CUDA graphs. Sparse MoE layers read routed experts on the host: not with `device_length`."""
+        if device_length and self.cfg.moe_layers:
+            raise ValueError("a device-length cache is for graphed steps, which a sparse MoE layer cannot be part of "
+                             "(it reads the experts a step routes to on the host)")
+        return HybridCache.for_model(self.cfg, batch, max_len, self.dtype, self.device, device_length)
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [B, 1, T, rotary_dim] for positions [B, T]."""
@@ -583,9 +625,9 @@ class HybridTransformer(nn.Module):
             raise ValueError(f"hidden_layers {bad} out of range for {len(self.model.layers)} layers")
         cache.begin(t)
         if positions is None:
-            positions = torch.arange(cache.length, cache.length + t, device=input_ids.device).expand(b, t)
+            positions = (torch.arange(t, device=input_ids.device) + cache.length).expand(b, t)
         cos, sin = self.rope(positions)
-        vis = Visibility(mask, cache.length, t, input_ids.device)
+        vis = Visibility(mask, cache.length, t, input_ids.device, cache.key_slots(t))
         x, picked = self.run_layers(self.embed(input_ids), cache, cos, sin, vis, len(self.model.layers), hidden_layers)
         cache.advance(t)
         hidden = torch.cat([picked[i] for i in hidden_layers], dim=-1) if hidden_layers else None
