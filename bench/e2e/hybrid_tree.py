@@ -12,7 +12,7 @@ two-level row against the best one-level tree at its budget (by tokens/ms). Writ
 bench/results/hybrid_tree_<gpu|cpu>[_<tag>].json through the harness.
 
     python -m bench.e2e.hybrid_tree [PIPELINE.yaml ...] [--budgets 16,32,64] [--topk 4] [--draft-factor 4]
-                                    [--exit-layers 2] [--repeats 1] [--num-prompts 8] [--out F|DIR] [--tag T]
+                                    [--exit-layers 2] [--repeats 1] [--num-prompts 8] [--graphs] [--out F|DIR] [--tag T]
 
 Default pipeline: examples/hybrid.yaml (the zoo's hybrid pair: Gated DeltaNet + attention, DFlash).
 """
@@ -31,6 +31,7 @@ from specpilot.bench import harness
 from specpilot.bench.prompts import load_prompts
 from specpilot.compiler import lower_spec, resolve_models, resolve_passes
 from specpilot.passes import pipeline_string, run_passes
+from specpilot.passes.cuda_graphs import CudaGraphs
 from specpilot.passes.tree_verify import TreeVerify
 from specpilot.passes.two_level_verify import TwoLevelVerify
 from specpilot.runtime.tokenizer import load_tokenizer
@@ -39,11 +40,15 @@ from specpilot.spec import load_spec
 ROOT = harness.ROOT
 
 
-def configurations(passes: list, budgets: list[int], topk: int, factor: int, exits: list[int]) -> list[tuple]:
-    """(label, pass list) of every configuration: chain, then per budget the tree and the two-levels."""
-    out = [("chain", passes)]
+def configurations(passes: list, budgets: list[int], topk: int, factor: int, exits: list[int],
+                   graphs: bool = False) -> list[tuple]:
+    """(label, pass list) of every configuration: chain, then per budget the tree and the two-levels;
+    with `graphs`, the chain and the trees also as graphed steps (two-level steps run eagerly)."""
+    out = [("chain", passes)] + ([("chain-graphed", [*passes, CudaGraphs()])] if graphs else [])
     for n in budgets:
         out.append((f"tree-{n}", [*passes, TreeVerify(budget=n, topk=topk)]))
+        if graphs:
+            out.append((f"tree-{n}-graphed", [*passes, TreeVerify(budget=n, topk=topk), CudaGraphs()]))
         out.append((f"two-level-{n}-drafter",
                     [*passes, TwoLevelVerify(budget=n, draft_budget=factor * n, topk=topk, first="drafter")]))
         for layer in exits:
@@ -68,7 +73,7 @@ def bench_pipeline(path: Path, args, device: torch.device) -> list[dict]:
     budgets = [int(b) for b in args.budgets.split(",")]
     exits = [int(e) for e in args.exit_layers.split(",") if e]
     configs = [(label, ps, run_passes(lowered, ps)[0]) for label, ps in
-               configurations(passes, budgets, args.topk, args.draft_factor, exits)]
+               configurations(passes, budgets, args.topk, args.draft_factor, exits, args.graphs)]
     engines = {label: engine.with_program(program) for label, _, program in configs}
     warm = prompts[0][:8] or [0]
     engine.generate_ar(warm, 4)
@@ -115,7 +120,7 @@ def against_best_tree(rows: list[dict]) -> list[dict]:
         if r["verify"] != "two-level":
             continue
         trees = [t for t in rows if t["pipeline_file"] == r["pipeline_file"] and t["verify"] == "tree"
-                 and t["verify_q"] == r["verify_q"]]
+                 and t["verify_q"] == r["verify_q"] and not t["label"].endswith("-graphed")]  # eager against eager
         if not trees:
             continue
         best = max(trees, key=lambda t: t["tokens_per_ms"])
@@ -137,6 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1, help="CPU intra-op threads (tiny models: 1 is fastest)")
     parser.add_argument("--max-new-tokens", type=int, help="override the spec's serving.max_new_tokens")
     parser.add_argument("--num-prompts", type=int, help="override the spec's benchmark.num_prompts")
+    parser.add_argument("--graphs", action="store_true", help="also the chain and the trees as graphed steps (cuda-graphs)")
     args = harness.add_results_args(parser, smoke=False).parse_args(argv)
 
     device = pick_device(args.device)
