@@ -12,8 +12,14 @@ a recurrence cannot drop tokens by moving a pointer, so every forward of at most
 tokens (decode, verify) runs the recurrent form and keeps the state after each of its positions;
 `rollback(n)` to any n inside the last forward selects the state after position n. Longer forwards
 (prefill) run the chunked form and keep only their final state. The price is T float32 states of
-[v_heads, dk, dv] per linear layer for a T-token verify. Causal masks only: block non-causal or
-tree masks have no meaning for a left-to-right recurrence.
+[v_heads, dk, dv] per linear layer for a T-token verify.
+
+Trees (a bool ancestor mask and the nodes' positions, as tree loops pass them): the Gated DeltaNet
+layers run `forward_tree` (hybrid_tree.py: the conv and the delta rule along each node's ancestor
+chain, in WY form, with no per-node state), the cache keeps per-node vectors until
+`HybridCache.commit_path` moves the committed state along the accepted path. Block non-causal masks
+have no meaning for a recurrence and are refused. A device-length cache (`new_cache(device_length=
+True)`) serves graphed steps: states update in place, rollbacks and commits take device indices.
 
 Numerics (fp32, tiny random models): the recurrent form is the more accurate one; at T=23 it is
 1.9e-5 from a float64 run in the logits where the chunked form (HF's prefill) is 1.9e-4.
