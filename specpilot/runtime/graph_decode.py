@@ -46,7 +46,7 @@ from torch import nn
 from specpilot.runtime.cache import DeviceKVCache
 from specpilot.runtime.decode import Generation, OutputTokens, check_max_new, DecodeClock, prompt_tensor
 from specpilot.runtime.dflash import DFlashDrafter
-from specpilot.runtime.hybrid import HybridCache
+from specpilot.runtime.hybrid import GatedAttention, GatedDeltaNet, HybridCache
 from specpilot.runtime.model import Attention, PardDrafter, Transformer
 from specpilot.runtime.sampling import (GREEDY, SamplingParams, StepRandom, accept_chain, draft_chain, sample_first,
                                         tree_draws)
@@ -402,14 +402,15 @@ def _capacity(needed: int) -> int:
 def _graph_inputs(*modules: nn.Module | None) -> tuple:
     """What a captured graph bakes in from `modules`: every weight's address (a graph replays raw
     pointers, so a weight moved to new storage, as install_fused's concatenation does, needs new
-    graphs) and the attention and fused kernels installed at capture."""
+    graphs) and the attention, fused and Gated DeltaNet tree kernels installed at capture."""
     sig: list[int] = []
     for module in modules:
         if module is None:
             continue
         sig.append(id(getattr(module, "fused", None)))
         sig += [p.data_ptr() for p in module.parameters()]
-        sig += [id(m.attention) for m in module.modules() if isinstance(m, Attention)]
+        sig += [id(m.attention) for m in module.modules() if isinstance(m, (Attention, GatedAttention))]
+        sig += [id(m.tree_rule) for m in module.modules() if isinstance(m, GatedDeltaNet)]
     return tuple(sig)
 
 
