@@ -132,7 +132,7 @@ def test_early_exit_scores_are_the_exit_head_along_each_path(which, tiny_models,
 
 
 @pytest.mark.parametrize("which", ["qwen3", "hybrid"])
-@pytest.mark.parametrize("first", ["drafter", "early-exit"])
+@pytest.mark.parametrize("first", ["drafter", "early-exit", "early-exit-drafter"])
 def test_two_level_loops_equal_ar(which, first, tiny_models, hybrid):
     if which == "qwen3":
         m = tiny_models["qwen3"]
@@ -170,14 +170,15 @@ def test_the_pass_rewrites_the_step_consistently(hybrid):
     assert not rec2.changed and again == d
     assert sum(a != b for a, b in zip(print_program(p).splitlines(), print_program(q).splitlines())) == 4
     space = TwoLevelVerify.schedule_space(p)
-    assert {c.first for c in space} == {"drafter", "early-exit"} and all(c.apply(p).changed for c in space)
+    assert {c.first for c in space} == {"drafter", "early-exit", "early-exit-drafter"}
+    assert all(c.apply(p).changed for c in space)
     assert parse_pipeline("two-level-verify{budget=8, draft-budget=24, first=drafter}") == [
         TwoLevelVerify(budget=8, draft_budget=24, first="drafter")]
 
 
 @pytest.mark.parametrize("text, fragment", [
     ("two-level-verify{budget=8, draft-budget=4}", "draft-budget must be >= budget"),
-    ("two-level-verify{first=oracle}", "first must be one of drafter, early-exit"),
+    ("two-level-verify{first=oracle}", "first must be one of drafter, early-exit, early-exit-drafter"),
     ("two-level-verify{budget=0}", "budget must be >= 1"),
 ])
 def test_bad_parameters_are_refused(text, fragment):

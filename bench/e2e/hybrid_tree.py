@@ -53,9 +53,10 @@ def configurations(passes: list, budgets: list[int], topk: int, factor: int, exi
         out.append((f"two-level-{n}-drafter",
                     [*passes, TwoLevelVerify(budget=n, draft_budget=factor * n, topk=topk, first="drafter")]))
         for layer in exits:
-            out.append((f"two-level-{n}-exit{layer}",
-                        [*passes, TwoLevelVerify(budget=n, draft_budget=factor * n, topk=topk, first="early-exit",
-                                                 exit_layer=layer)]))
+            for first, tag in (("early-exit", "exit"), ("early-exit-drafter", "exit-drafter")):
+                out.append((f"two-level-{n}-{tag}{layer}",
+                            [*passes, TwoLevelVerify(budget=n, draft_budget=factor * n, topk=topk, first=first,
+                                                     exit_layer=layer)]))
     return out
 
 

@@ -1,4 +1,4 @@
-"""`two-level-verify{budget=N, draft-budget=M, topk=K, first=drafter|early-exit, exit-layer=L}`:
+"""`two-level-verify{budget=N, draft-budget=M, topk=K, first=drafter|early-exit|early-exit-drafter, exit-layer=L}`:
 a cheap first level keeps the N nodes of a drafted tree of M worth verifying; the target verifies
 only those.
 
@@ -11,7 +11,8 @@ The model graphs are untouched.
 First levels (runtime/two_level.py): "drafter" ranks nodes by the drafter's survival product along
 their paths (on a best-first tree this is the best-first tree of N nodes: at batch 1 the one-level
 tree at budget N; the level exists for budgets shared across a batch); "early-exit" runs the target's
-first `exit_layer` layers over the drafted tree and ranks by the early-exit head's path probability.
+first `exit_layer` layers over the drafted tree and ranks by the early-exit head's path probability;
+"early-exit-drafter" by the product of both path probabilities.
 
 Lossless by construction: the first level only chooses which nodes the target sees; a node is
 accepted only when its token is the target's argmax given its ancestors, so the output equals AR
@@ -26,7 +27,8 @@ from dataclasses import dataclass
 from ..ir import Node, Program, limits
 from .base import Pass, PassResult, register
 
-FIRST = ("drafter", "early-exit")
+FIRST = ("drafter", "early-exit", "early-exit-drafter")
+EXITS = FIRST[1:]  # first levels that read the target's first exit_layer layers
 CANDIDATES = ((16, 64), (16, 32), (32, 128), (32, 64))  # (survivors, drafted)
 
 
@@ -64,13 +66,13 @@ class TwoLevelVerify(Pass):
                           "the first level's forward holds the anchor and every drafted node"
                           + ("" if most is None else f"; {lim.why_tokens()}"), where)
         self.out_of_range("topk", 1, lim.vocab, "ranks per draft position, at most the vocabulary", where)
-        if self.first == "early-exit":
+        if self.first in EXITS:
             layers = _layers(program)
             self.out_of_range("exit_layer", 1, layers - 1, f"the early exit reads some of the target's {layers} layers",
                               where)
 
     def _verify(self) -> dict:
-        extra = {"exit_layer": self.exit_layer} if self.first == "early-exit" else {}
+        extra = {"exit_layer": self.exit_layer} if self.first in EXITS else {}
         return {"mode": "two-level", "q": self.budget + 1, "first": self.first, **extra}
 
     def _rewrite(self, _: str, node: Node) -> Node | None:
@@ -90,7 +92,7 @@ class TwoLevelVerify(Pass):
         out = program.with_graph("step", step)
         if out == program:
             return PassResult(program, False, "two-level verify already set")
-        level = self.first + (f" (first {self.exit_layer} layers)" if self.first == "early-exit" else "")
+        level = self.first + (f" (first {self.exit_layer} layers)" if self.first in EXITS else "")
         return PassResult(out, True, f"draft a tree of {self.draft_budget}, keep {self.budget} by {level}, verify those")
 
     @classmethod
@@ -98,6 +100,6 @@ class TwoLevelVerify(Pass):
         layers = _layers(program)
         exits = sorted({max(1, layers // 4), max(1, layers // 2)} - {layers}) if layers > 1 else []
         candidates = [cls(budget=n, draft_budget=m, first="drafter") for n, m in CANDIDATES]
-        candidates += [cls(budget=n, draft_budget=m, first="early-exit", exit_layer=e) for n, m in CANDIDATES
-                       for e in exits]
+        candidates += [cls(budget=n, draft_budget=m, first=f, exit_layer=e) for n, m in CANDIDATES
+                       for e in exits for f in EXITS]
         return [c for c in candidates if c.apply(program).changed]

@@ -19,6 +19,8 @@ First levels (`FIRST_LEVELS`), each a node score where higher is worth more:
   early-exit   the target's first `exit_layer` layers over the whole drafted tree (ancestor mask;
                a hybrid target's Gated DeltaNet layers along each path), its final norm and head
                on their output: log p_early(token_i | ancestors) summed along the path.
+  early-exit-drafter  both: the sum of the two path log-probabilities (the early exit's view of
+               the target weighted by the drafter's own confidence).
 
 Survivors are closed under ancestors (a path product never grows along a path; ties go to the
 shallower node), re-indexed in the tree's order (parents first) and padded to N + 1 nodes.
@@ -35,7 +37,8 @@ from specpilot.runtime.hybrid import HybridCache, HybridTransformer
 from specpilot.runtime.model import Transformer, Visibility, slots_below
 from specpilot.runtime.tree import Tree, ancestor_mask
 
-FIRST_LEVELS = ("drafter", "early-exit")
+FIRST_LEVELS = ("drafter", "early-exit", "early-exit-drafter")
+EXITS = ("early-exit", "early-exit-drafter")  # the first levels that read the target's first layers
 
 
 def prune_tree(tree: Tree, scores: torch.Tensor, keep: int) -> Tree:
@@ -110,10 +113,16 @@ def first_level(kind: str, keep: int, target: Transformer | HybridTransformer | 
     """The pruning a tree loop applies to each drafted tree before the target verifies it."""
     if kind == "drafter":
         return lambda tree, cache: prune_tree(tree, drafter_scores(tree), keep)
-    if kind == "early-exit":
+    if kind in EXITS:
         if target is None:
-            raise ValueError("the early-exit first level needs the target")
-        return lambda tree, cache: prune_tree(tree, early_exit_scores(target, cache, tree, exit_layer), keep)
+            raise ValueError(f"the {kind} first level needs the target")
+        with_drafter = kind == "early-exit-drafter"
+
+        def prune(tree: Tree, cache: KVCache) -> Tree:
+            scores = early_exit_scores(target, cache, tree, exit_layer)
+            return prune_tree(tree, scores + drafter_scores(tree) if with_drafter else scores, keep)
+
+        return prune
     raise ValueError(f"first level must be one of {', '.join(FIRST_LEVELS)}, got {kind!r}")
 
 
