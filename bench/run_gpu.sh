@@ -348,7 +348,7 @@ hybridtree() {  # issue 46: the gdn_tree kernel's GPU tests, then the 8B-class h
 }
 hybridzoo() {  # issue 46: chain, trees and two-level trees on the zoo pairs (eager loops), τ and tokens/ms
   TAIL=50 run hybrid_tree 280 python -m bench.e2e.hybrid_tree examples/hybrid.yaml examples/pipeline.yaml \
-    --device cuda --budgets 16,32,64 --exit-layers 1,2 --repeats 1 --graphs --out "$OUT"
+    --device cuda --budgets 16,32,64 --exit-layers 2 --repeats 1 --graphs --out "$OUT"
 }
 
 for group in "${@:?group...}"; do
