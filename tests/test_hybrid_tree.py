@@ -35,9 +35,10 @@ from specpilot.runtime.tree_decode import generate_dflash_tree, generate_pard_tr
 pytestmark = pytest.mark.usefixtures("torch_single_thread")
 
 VOCAB = 258
-# fp32: a node's logits against a chain forward over its path. The two run the rule in different
-# forms (WY solve vs token by token) and the projections over different row counts; 1.9e-5 seen.
-ATOL = 1e-4
+# fp32: a node's logits (about 8 in size) against a chain forward over its path, the projections
+# over different row counts: 1.3e-4 seen, the same distance as either from a float64 run (with the rule
+# in WY form or node by node), so rounding, not semantics.
+ATOL = 2e-4
 ODD = {"linear_key_head_dim": 12, "linear_value_head_dim": 20, "linear_conv_kernel_dim": 3,
        "linear_num_key_heads": 1, "linear_num_value_heads": 3, "full_attention_interval": 3, "num_layers": 3}
 

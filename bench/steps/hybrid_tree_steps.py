@@ -7,7 +7,8 @@ fourth gated full attention. Random N(0, 0.02) bf16 weights, a 512-token context
 
 Steps, each the runtime's HybridTransformer forward (eager modules, captured in one CUDA graph):
   ar               one token;
-  chain-q          a causal verify of q tokens (per-position states recorded for the rollback);
+  chain-q-kernel   a causal verify of q tokens, its Gated DeltaNet layers in WY form on
+                   kernels/gdn_tree.py (a chain is a tree of one path); chain-q-torch on the reference;
   tree-n-kernel    a best-first-shaped tree of n nodes plus the anchor under its ancestor mask, the
                    Gated DeltaNet layers on kernels/gdn_tree.py; tree-n-torch the same on the torch
                    reference (a triangular solve); commit-n the accepted path's commit (eager: the
@@ -138,7 +139,10 @@ def main(argv: list[str] | None = None) -> int:
         record("ar", *time_step(forward(one), args.repeats, graphs), q=1)
         for q in chains:
             ids = torch.ones(1, q, dtype=torch.long, device=device)
-            record(f"chain-{q}", *time_step(forward(ids), args.repeats, graphs), q=q)
+            for kind in ("triton", "torch"):  # a chain verify runs the same WY rule (a tree of one path)
+                install_gdn_tree(model, kind)
+                record(f"chain-{q}-{'kernel' if kind == 'triton' else 'torch'}",
+                       *time_step(forward(ids), args.repeats, graphs), q=q)
         for n in budgets:
             tree = best_first_shape(n, min(args.depth, n), device)
             anc = ancestor_mask(tree)

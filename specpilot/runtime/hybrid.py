@@ -8,11 +8,14 @@ over a [dk, dv] state per value head, a SiLU-gated RMSNorm and out_proj. Dense M
 Parameters live under HF's weight names, so an HF safetensors state dict loads directly.
 
 Speculative rollback through the decode loops' interface (`cache.length`, `cache.rollback(n)`):
-a recurrence cannot drop tokens by moving a pointer, so every forward of at most `RECORD_LIMIT`
-tokens (decode, verify) runs the recurrent form and keeps the state after each of its positions;
-`rollback(n)` to any n inside the last forward selects the state after position n. Longer forwards
-(prefill) run the chunked form and keep only their final state. The price is T float32 states of
-[v_heads, dk, dv] per linear layer for a T-token verify.
+a recurrence cannot drop tokens by moving a pointer, so a forward of at most `RECORD_LIMIT` tokens
+keeps what it takes to recompute the state after any of its positions: a single token (decode) runs
+the recurrent form and keeps its two states; 2..RECORD_LIMIT tokens (verify) run as a tree whose
+every node hangs from the one before, in WY form (hybrid_tree.py: one triangular solve a layer, the
+Triton kernel on GPUs), keeping the state before the forward and per token a key row, an update row
+and a decay sum. `rollback(n)` to any n inside the last forward recomputes the state after position
+n from those (one rank-n update). Longer forwards (prefill) run the chunked form and keep only their
+final state.
 
 Trees (a bool ancestor mask and the nodes' positions, as tree loops pass them): the Gated DeltaNet
 layers run `forward_tree` (hybrid_tree.py: the conv and the delta rule along each node's ancestor
@@ -21,8 +24,8 @@ chain, in WY form, with no per-node state), the cache keeps per-node vectors unt
 have no meaning for a recurrence and are refused. A device-length cache (`new_cache(device_length=
 True)`) serves graphed steps: states update in place, rollbacks and commits take device indices.
 
-Numerics (fp32, tiny random models): the recurrent form is the more accurate one; at T=23 it is
-1.9e-5 from a float64 run in the logits where the chunked form (HF's prefill) is 1.9e-4.
+Numerics (fp32, tiny random models): at T=23 the WY form is 3.9e-5 from a float64 run in the logits,
+the recurrent form 1.9e-5, the chunked form (HF's prefill) 1.6e-4.
 """
 
 from __future__ import annotations
@@ -56,8 +59,8 @@ from specpilot.runtime.model import (
 )
 
 DELTANET_PROJ = ("in_proj_qkvz", "in_proj_ba", "out_proj")
-# Forwards of at most this many tokens keep the recurrent state after every position (rollback
-# targets); a verify is block_size + 1 tokens. Longer ones (prefill) keep only the final state.
+# Forwards of at most this many tokens can roll back to any of their positions (a verify is
+# block_size + 1 tokens). Longer ones (prefill) keep only the final state.
 RECORD_LIMIT = 64
 CHUNK = 64  # chunk length of the chunked delta rule (HF's default)
 
@@ -311,6 +314,8 @@ class HybridCache:
         self._start: int | torch.Tensor = 0  # where the last forward began
         self._windows: list[torch.Tensor | None] = [None] * len(state)  # conv inputs seen by the last forward
         self._states: list[torch.Tensor | None] = [None] * len(state)  # [T+1, ...] after each position, or None
+        # a chain forward in WY form: the state before it and its per-token vectors (rollback recomputes)
+        self._chain: list[tuple[torch.Tensor, TreePending] | None] = [None] * len(state)
         self._tree: list[TreePending | None] = [None] * len(state)  # a tree forward's, until commit_path
 
     @classmethod
@@ -355,7 +360,30 @@ class HybridCache:
         self._start = self.length.clone() if self.on_device else self.length
         self._windows = [None] * len(self.state)
         self._states = [None] * len(self.state)
+        self._chain = [None] * len(self.state)
         self._tree = [None] * len(self.state)
+
+    def update_chain(self, layer: int, pending: TreePending) -> None:
+        """Linear layer `layer` ran a chain forward in WY form (a chain is a tree whose every node
+        is the previous one's child): the state moves to the end of the chain now, and a rollback
+        recomputes the state after any prefix from the state before and the per-token vectors."""
+        s0 = self.state[layer].clone()
+        self._windows[layer] = pending.window
+        self._chain[layer] = (s0, pending)
+        t = pending.k.shape[2]
+        path = torch.arange(t, device=s0.device)
+        self.state[layer].copy_(commit_state(s0, pending.k, pending.w, pending.cum_g, path, path >= 0))
+        self.conv[layer].copy_(pending.window[:, :, pending.window.shape[-1] - (self.kernel - 1):])
+
+    def _chain_state(self, layer: int, i: int | torch.Tensor) -> torch.Tensor:
+        """The state after the first i tokens of the last (WY) chain forward."""
+        s0, p = self._chain[layer]
+        path = torch.arange(p.k.shape[2], device=s0.device)
+        moved = commit_state(s0, p.k, p.w, p.cum_g, path, path < i)
+        return torch.where(torch.as_tensor(i, device=s0.device) > 0, moved, s0)
+
+    def _recorded(self) -> bool:
+        return all(s is not None or c is not None for s, c in zip(self._states, self._chain))
 
     def update_linear(self, layer: int, window: torch.Tensor, states: torch.Tensor, recorded: bool) -> None:
         """Linear layer `layer` ran the current forward: its conv inputs and states (see GatedDeltaNet)."""
@@ -407,6 +435,7 @@ class HybridCache:
             compact_kv(self.kv, start, (start + path[: int(n) + 1]).tolist())
         self._tree = [None] * len(self.state)
         self._states = [None] * len(self.state)
+        self._chain = [None] * len(self.state)
         self._start = self.length.clone() if self.on_device else self.length
 
     def advance(self, n: int) -> None:
@@ -432,24 +461,24 @@ class HybridCache:
                 f"cannot roll back a hybrid cache of length {self.length} to {n}: the linear-attention layers "
                 f"keep their recurrent state only for positions {self._start}..{self.length} (the last forward)"
             )
-        if any(s is None for s in self._states):
+        if not self._recorded():
             raise ValueError(
                 f"cannot roll back a hybrid cache of length {self.length} to {n}: the last forward ran "
                 f"{self.length - self._start} tokens, more than the {RECORD_LIMIT} whose per-position states are kept"
             )
         i = n - self._start
         for j, (window, states) in enumerate(zip(self._windows, self._states)):
-            self.state[j].copy_(states[i])
+            self.state[j].copy_(states[i] if states is not None else self._chain_state(j, i))
             self.conv[j].copy_(window[:, :, i : i + self.kernel - 1])
         self.kv.rollback(n)
 
     def _rollback_on_device(self, n: torch.Tensor) -> None:
         """rollback with a device target inside the last (recorded) forward, or to a tree's start."""
-        if not self.pending_tree and any(s is not None for s in self._states):
+        if not self.pending_tree and self.state and self._recorded():
             i = (n - self._start).view(1)
             cols = i + torch.arange(self.kernel - 1, device=n.device)
             for j, (window, states) in enumerate(zip(self._windows, self._states)):
-                self.state[j].copy_(states.index_select(0, i)[0])
+                self.state[j].copy_(states.index_select(0, i)[0] if states is not None else self._chain_state(j, i[0]))
                 self.conv[j].copy_(window.index_select(2, cols))
         self._tree = [None] * len(self.state)
         self.kv.rollback(n)
@@ -649,6 +678,9 @@ class HybridTransformer(nn.Module):
         t = x.shape[1]
         tree = isinstance(vis.new, torch.Tensor)
         record = t <= RECORD_LIMIT
+        # a verify-sized chain runs as a tree whose nodes each hang from the one before (one WY solve a
+        # layer instead of t recurrent steps; no per-position states kept); one token keeps the recurrence
+        chain = torch.ones(t, t, dtype=torch.bool, device=x.device).tril() if 2 <= t <= RECORD_LIMIT and not tree else None
         picked: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.model.layers[:upto]):
             h = layer.input_layernorm(x)
@@ -657,6 +689,9 @@ class HybridTransformer(nn.Module):
                 if tree:
                     y, pending = layer.linear_attn.forward_tree(h, cache.conv[slot], cache.state[slot], vis.new)
                     cache.update_tree(slot, pending)
+                elif chain is not None:
+                    y, pending = layer.linear_attn.forward_tree(h, cache.conv[slot], cache.state[slot], chain)
+                    cache.update_chain(slot, pending)
                 else:
                     y, window, states = layer.linear_attn(h, cache.conv[slot], cache.state[slot], record=record)
                     cache.update_linear(slot, window, states, record)
