@@ -175,6 +175,86 @@ def _cost_view(cls) -> str:
     return f"predicted: closes {cls.closes}"
 
 
+@main.command("tune")
+@click.argument("pipeline", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--gpu", help="GPU name or alias the cost model prices for (overrides the spec's `gpu`).")
+@click.option("--rounds", type=click.IntRange(0), default=3, show_default=True, help="Search rounds at most.")
+@click.option("--candidates", type=click.IntRange(1), default=4, show_default=True, help="Candidates measured a round.")
+@click.option("--workers", default="1", show_default=True,
+              help="Worker processes (N), 'auto' (one a GPU), or ray://HOST:PORT for a Ray cluster.")
+@click.option("--memory", "memory", type=click.Path(dir_okay=False, path_type=Path),
+              help="SQLite memory store of trials (created if missing); seeds the search from similar deployments.")
+@click.option("--proposer", help="Base URL of an OpenAI-compatible endpoint to ask for candidates (e.g. http://127.0.0.1:8000/v1).")
+@click.option("--proposer-model", default="specpilot-proposer", show_default=True, help="Model name sent to --proposer.")
+@click.option("--min-gain", type=float, default=0.02, show_default=True, help="Stop when a round gains less than this share.")
+@click.option("--device", default="auto", show_default=True, help="cpu, cuda or auto.")
+@click.option("-o", "--output", type=click.Path(file_okay=False, path_type=Path), required=True,
+              help="Directory for the best engine (DIR/engine) and the search report (DIR/report.html).")
+@user_errors
+def tune_cmd(pipeline, gpu, rounds, candidates, workers, memory, proposer, proposer_model, min_gain, device, output):
+    """Search pass pipelines for PIPELINE: the cost model ranks gaps and prunes, workers measure,
+    token forcing gates every candidate; writes the best validated engine and a search report.
+    Ctrl-C stops with the best engine so far. Proposals (an LLM's included) are data: parsed by the
+    DSL and checked by the IR verifier, never run as Python."""
+    from .agent.llm import LLMConfig
+    from .agent.search import TuneConfig
+    from .bench.harness import git_commit
+    from .compiler import tune_pipeline
+    from .spec import load_spec
+
+    spec = load_spec(pipeline).with_gpu(gpu)
+    llm = LLMConfig(proposer, proposer_model) if proposer else None
+    config = TuneConfig(rounds=rounds, candidates=candidates, min_gain=min_gain, llm=llm, commit=git_commit())
+    with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=err_console, transient=True) as bar:
+        task = bar.add_task("tuning: trials measured", total=1 + rounds * (candidates + 1))
+        result = tune_pipeline(spec, out_dir=output, config=config, workers=workers, memory=memory, device=device,
+                               progress=lambda r: bar.advance(task))
+    s = result.search
+    console.print(f"start  [bold]{s.start or '(empty)'}[/]: {s.start_relative or float('nan'):.3f} of AR (measured)")
+    console.print(f"chosen [bold]{s.best or '(empty)'}[/]: {s.best_relative or float('nan'):.3f} of AR (measured); "
+                  f"{sum(r.status == 'validated' for r in s.trials)} validated, "
+                  f"{sum(r.status == 'rejected' for r in s.trials)} rejected, "
+                  f"{sum(r.status == 'failed' for r in s.trials)} failed; stopped: {s.stopped}")
+    if result.engine is not None and result.engine.out_dir:
+        console.print(f"engine written to [bold]{result.engine.out_dir}[/]; report: {result.report}")
+    else:
+        err_console.print(f"[bold red]no engine written:[/] the chosen pipeline failed token forcing when compiled; "
+                          f"report: {result.report}")
+        sys.exit(1)
+
+
+@main.command("memory")
+@click.argument("store", type=click.Path(dir_okay=False, exists=True, path_type=Path))
+@click.option("--trials", is_flag=True, help="List every trial rather than a summary per deployment.")
+@user_errors
+def memory_cmd(store, trials):
+    """List what the search memory STORE holds: per deployment fingerprint, its trials and mechanisms."""
+    from .agent.memory import Memory
+
+    mem = Memory(store)
+    if trials:
+        table = Table(title=f"trials in {store}")
+        for col in ("id", "run", "round", "pipeline", "proposer", "status", "engine/AR", "τ", "reason"):
+            table.add_column(col, overflow="fold")
+        for r in mem.trials():
+            table.add_row(str(r["id"]), r["run"], str(r["round"]), r["pipeline"] or "(empty)", r["proposer"], r["status"]
+                          + (" *" if r["improved"] else ""), f"{r['relative']:.3f}" if r["relative"] else "",
+                          f"{r['tau']:.2f}" if r["tau"] else "", (r["reason"] or "")[:120])
+        console.print(table)
+        return
+    table = Table(title=f"search memory {store} (* mechanism: improved speed, token forcing passed)")
+    for col in ("deployment", "runs", "trials", "validated", "rejected", "failed", "mechanisms", "best pipeline", "engine/AR"):
+        table.add_column(col, overflow="fold")
+    for s in mem.summary():
+        fp = s["fingerprint"]
+        table.add_row(f"{fp['target_shape']} + {fp['drafter_kind']} {fp['drafter_shape']} on {fp['device']}, "
+                      f"{fp['dtype']}, {fp['batch']}", str(s["runs"]), str(s["trials"]), str(s["validated"]),
+                      str(s["rejected"]), str(s["failed"]), str(s["mechanisms"]), s["best_pipeline"] or "-",
+                      f"{s['best_relative']:.3f}" if s["best_relative"] else "-")
+    console.print(table)
+
+
 @main.command("profiles")
 def profiles_cmd():
     """List the acceptance profiles a replay drafter draws from, with their τ and sources."""

@@ -9,6 +9,7 @@ Each stage is the owner room's code; this module only strings them together and 
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -593,3 +594,150 @@ def profile_acceptance(program: Program, replay: ReplaySetup):
     alpha = load_profile(replay.profile).alpha(replay.benchmark)
     return AcceptanceModel.geometric(alpha, draft_positions(program), "predicted",
                                      f"profile {replay.profile}/{replay.benchmark}: alpha={alpha:.4f}")
+
+
+# --- trials: what the search agent's workers run (the agent is handed these; it sits below us)
+
+
+def _trial_engines(job):
+    """A trial's spec prepared with the job's pipeline (its rules texts loaded first: data, parsed
+    by the DSL) and its engine and baseline built on the job's device."""
+    for source, text in job.rules:
+        load_rules(text, source=source)
+    p = prepare(job.spec, job.pipeline, job.device)
+    engine = build_engine(p.program, p.dirs.target, p.dirs.drafter, p.device, shape=p.dirs.shape)
+    baseline = engine if p.program.target == p.stock.target else build_engine(
+        p.stock, p.dirs.target, p.dirs.drafter, p.device, shape=p.dirs.shape)
+    return p, engine, baseline
+
+
+def _trial_result(job, p: Prepared, engine: Engine, m: Measurement, t0: float):
+    from .agent.trial import REJECTED, VALIDATED, TrialResult
+
+    validation = validate_outputs(p.dirs, engine, m)
+    passed, reason, extra = validation.passed, "" if validation.passed else "token forcing: " + validation.summary(), {}
+    if passed and job.strict_referee and engine.dtype == "bfloat16":
+        verdict = strict_validation(p.dirs, engine, m)
+        passed, reason = verdict.passed, verdict.reason
+        extra["strict_referee"] = verdict.summary()
+    return TrialResult(job.trial, job.pipeline, VALIDATED if passed else REJECTED, reason=reason,
+                       ar_ms=m.ar_ms_per_token, engine_ms=m.spec_ms_per_token, tau=m.tau,
+                       tokens_checked=validation.tokens_checked, hard_failures=validation.hard_failures,
+                       near_ties=validation.near_ties, forcing=validation.summary(),
+                       ir_hash=p.program.structural_hash(), device=str(p.device), wall_s=time.perf_counter() - t0,
+                       extra={"outputs_equal_ar": m.matches_ar, "prompts": len(m.prompts), **extra})
+
+
+def strict_validation(dirs: ModelDirs, engine: Engine, m: Measurement):
+    """A bf16 engine judged by the strict referee (validate/referee.py): against the target in fp32,
+    near-ties within the bf16 noise measured on these prompts, no more than the stock AR loop's."""
+    from .validate.referee import strict_referee
+
+    def reference(dtype):
+        if dirs.shape is not None:
+            return dirs.shape.target(dtype, engine.device)[0]
+        return load_target(dirs.target, dtype=dtype, device=engine.device)[0]
+
+    return strict_referee(reference(torch.float32), reference(torch.bfloat16), m.prompts, m.spec_tokens, m.ar_tokens)
+
+
+def run_trial(job):
+    """One candidate of a search: built, measured beside the AR baseline on the spec's prompts,
+    token-forced. Never raises for the candidate's own faults: they come back as a FAILED trial."""
+    from .agent.trial import TrialResult
+
+    t0 = time.perf_counter()
+    try:
+        p, engine, baseline = _trial_engines(job)
+        m = measure(engine, baseline, p.prompts, job.spec.serving.max_new_tokens)
+        baseline = None
+        return _trial_result(job, p, engine, m, t0)
+    except Exception as e:  # a candidate that does not build or run here fails its trial, not the search
+        return TrialResult.failed(job, f"{type(e).__name__}: {str(e)[:500]}")
+
+
+def run_trials_interleaved(jobs, rounds: int = 3):
+    """A round's candidates on one device in one process: each built, then all timed round-robin
+    (every round runs each engine over every prompt, the engines in an order rotated by one each
+    round), the AR baseline among them, so a drift of the card's clocks lands on all alike; then
+    each token-forced. A candidate that does not build fails alone."""
+    from .agent.trial import TrialResult
+
+    t0 = time.perf_counter()
+    built, failed = {}, {}
+    for job in jobs:
+        try:
+            built[job.trial] = (job, *_trial_engines(job))
+        except Exception as e:
+            failed[job.trial] = TrialResult.failed(job, f"{type(e).__name__}: {str(e)[:500]}")
+    ms = {t: Measurement(prompts=b[1].prompts) for t, b in built.items()}
+    ar = {t: 0.0 for t in built}
+    order = list(built)
+    for r in range(rounds):
+        for t in order[r % len(order):] + order[:r % len(order)] if order else []:
+            job, p, engine, baseline = built[t]
+            try:
+                one = measure(engine, baseline, p.prompts, job.spec.serving.max_new_tokens)
+            except Exception as e:
+                failed[t] = TrialResult.failed(job, f"{type(e).__name__}: {str(e)[:500]}")
+                continue
+            m = ms[t]
+            if r == 0:
+                m.ar_tokens, m.spec_tokens, m.accepted, m.spec_accepted = (one.ar_tokens, one.spec_tokens,
+                                                                           one.accepted, one.spec_accepted)
+            m.spec_decode_s += one.spec_decode_s / rounds
+            ar[t] += one.ar_decode_s / rounds
+    out = []
+    for job in jobs:
+        if job.trial in failed:
+            out.append(failed[job.trial])
+            continue
+        _, p, engine, _ = built[job.trial]
+        m = ms[job.trial]
+        m.ar_decode_s = ar[job.trial]
+        try:
+            out.append(_trial_result(job, p, engine, m, t0))
+        except Exception as e:
+            out.append(TrialResult.failed(job, f"{type(e).__name__}: {str(e)[:500]}"))
+    return out
+
+
+@dataclass
+class TuneResult:
+    search: object  # agent.search.SearchResult
+    engine: CompileResult | None
+    report: Path
+    out_dir: Path
+
+
+def tune_pipeline(spec: PipelineSpec, *, out_dir: Path, config=None, workers: str = "1", memory: Path | None = None,
+                  device: str | None = None, progress=None, log=None) -> TuneResult:
+    """Search pass pipelines for the spec's deployment (specpilot.agent), then compile the best
+    validated one into out_dir/engine and write the search report (out_dir/report.html,
+    search.json). Ctrl-C stops the search with the best validated pipeline so far."""
+    from .agent.fingerprint import fingerprint
+    from .agent.memory import Memory
+    from .agent.predict import Predictor
+    from .agent.report import write_report
+    from .agent.search import Search, Setup, TuneConfig
+    from .agent.workers import WorkersSpec, make_pool
+    from .bench.harness import git_commit, gpu_slug
+
+    config = config or TuneConfig(commit=git_commit())
+    dirs, dev = resolve_models(spec), pick_device(device)
+    stock = lower_spec(spec, dirs, default_dtype(dev) if spec.dtype == "auto" else spec.dtype)
+    start = pipeline_string(resolve_passes(spec, None))
+    setup = Setup(spec, stock, start, fingerprint(stock, gpu_slug(dev), spec.serving.batch_sizes), dev.type, spec.gpu,
+                  Predictor(spec.gpu, what_ifs))
+    store = Memory(memory) if memory is not None else None
+    pool = make_pool(WorkersSpec.parse(workers), run_trial, run_trials_interleaved, dev.type)
+    try:
+        result = Search(setup, pool, store, config, log).run(progress)
+    finally:
+        pool.close()
+        if store is not None:
+            store.close()
+    out_dir = Path(out_dir)
+    engine = compile_pipeline(spec, out_dir=out_dir / "engine", passes=result.best, device=device)
+    page = write_report(out_dir, result, spec.name, engine.report)
+    return TuneResult(result, engine, page, out_dir)

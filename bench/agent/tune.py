@@ -1,0 +1,77 @@
+"""What `specpilot tune` finds for a deployment, confirmed head to head.
+
+    python -m bench.agent.tune examples/pipeline.yaml --device cpu --rounds 3 --candidates 3
+    python -m bench.agent.tune examples/replay-qwen3-8b.yaml --device cuda --rounds 4 --candidates 4 --tag replay8b
+
+Runs the search (compiler.tune_pipeline: cost-model pruning, workers, token forcing, a fresh memory
+store unless --memory), then confirms the result: the starting pipeline and the chosen one built in
+one process and timed round-robin (compiler.run_trials_interleaved, --confirm-rounds rounds, the AR
+baseline measured beside each), each token-forced. Writes bench/results/agent_<gpu>[_<tag>].json
+(agent_cpu.json on a CPU): every trial (pipeline, proposer, status, reason, predicted and measured
+engine/AR, τ) and the confirmation rows, with `faster` true when the chosen pipeline's engine ms/token
+is below the start's in the confirmation and its token forcing passed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from specpilot.agent.search import TuneConfig
+from specpilot.agent.trial import TrialJob
+from specpilot.bench.harness import add_results_args, git_commit, write_run
+from specpilot.compiler import run_trials_interleaved, tune_pipeline
+from specpilot.spec import load_spec
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("pipeline", type=Path)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--candidates", type=int, default=3)
+    ap.add_argument("--workers", default="1")
+    ap.add_argument("--memory", type=Path, help="memory store (default: a fresh one in a temporary folder)")
+    ap.add_argument("--num-prompts", type=int, help="override the spec's benchmark.num_prompts")
+    ap.add_argument("--confirm-rounds", type=int, default=3)
+    ap.add_argument("--min-gain", type=float, default=0.02)
+    add_results_args(ap, smoke=False)
+    args = ap.parse_args(argv)
+    if args.device == "cpu":
+        torch.set_num_threads(max(1, torch.get_num_threads()))
+    spec = load_spec(args.pipeline)
+    if args.num_prompts:
+        from dataclasses import replace
+
+        spec = replace(spec, benchmark=replace(spec.benchmark, num_prompts=args.num_prompts))
+    with tempfile.TemporaryDirectory() as tmp:
+        memory = args.memory or Path(tmp) / "memory.db"
+        config = TuneConfig(rounds=args.rounds, candidates=args.candidates, min_gain=args.min_gain, commit=git_commit())
+        result = tune_pipeline(spec, out_dir=Path(tmp) / "tune", config=config, workers=args.workers, memory=memory,
+                               device=args.device, progress=lambda r: print(f"trial {r.trial}: {r.pipeline or '(empty)'}"
+                               f" {r.status} {r.relative or float('nan'):.3f} {r.reason[:100]}", flush=True))
+    s = result.search
+    confirm = run_trials_interleaved([TrialJob(1, spec, s.start, (), args.device),
+                                      TrialJob(2, spec, s.best, (), args.device)], rounds=args.confirm_rounds)
+    start, best = confirm
+    faster = (best.status == "validated" and start.status == "validated" and best.engine_ms < start.engine_ms)
+    records = [{"kind": "trial", **asdict(r)} for r in s.trials]
+    records += [{"kind": "confirm", "which": w, **r.to_dict()} for w, r in (("start", start), ("chosen", best))]
+    path = write_run(args, "agent", args.device, records, start=s.start, chosen=s.best, stopped=s.stopped,
+                     trials=len([r for r in s.trials if r.relative is not None]),
+                     rejected=len([r for r in s.trials if r.status == "rejected"]),
+                     start_ms_per_token=start.engine_ms, chosen_ms_per_token=best.engine_ms,
+                     chosen_over_start=(best.engine_ms / start.engine_ms) if faster or best.engine_ms else None,
+                     chosen_token_forcing=best.forcing, faster=faster,
+                     engine_report=result.engine.report if result.engine else None)
+    print(f"start {s.start!r}: {start.engine_ms:.3f} ms/token; chosen {s.best!r}: {best.engine_ms:.3f} ms/token; "
+          f"{best.forcing}; faster={faster}; wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,328 @@
+"""The search loop: rounds of propose, predict, measure, gate, integrate.
+
+    search = Search(setup, pool, memory, config)
+    result = search.run(progress)
+
+Round 0 measures the starting pipeline (the spec's own). Each round then:
+
+1. the cost model prices the incumbent: its ranked gaps and its ceiling (the round's gap report);
+2. proposers offer pipelines: every pass's schedule space placed in the incumbent's pipeline, the
+   mechanisms memory validated on the nearest deployments (first round: seeded with them), and an
+   LLM if one is configured;
+3. each proposal is vetted (proposals.vet: DSL, verifier, contract); refused ones are recorded as
+   rejected with their reason; candidates whose program was measured already are skipped;
+4. each candidate is predicted (relative to AR, calibrated by this deployment's earlier trials) and
+   the best K are kept, at most half of them introducing the same pass, memory's seeds first;
+5. the K and the incumbent (a control, measured again beside them) go to the workers;
+6. every result is recorded in memory; the fastest validated candidate that beats the round's
+   control by `min_gain` becomes the incumbent, and is marked a mechanism in memory.
+
+It stops after `rounds`, when a round gains less than `min_gain`, or when the predicted gap to the
+ceiling is below `min_gap` of the incumbent's time. Ctrl-C stops it between trials with the best
+validated pipeline so far. Measured time decides; predictions only prune.
+"""
+
+from __future__ import annotations
+
+import math
+import uuid
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from ..cost import Estimate
+from ..dsl.pipeline import pass_names
+from ..ir import Program
+from ..passes import Pass
+from ..dsl import parse_pipeline
+from .fingerprint import Fingerprint
+from .llm import LLMConfig, llm_proposals
+from .memory import Memory
+from .predict import Calibration, Predictor
+from .proposals import Candidate, Proposal, Rejection, vet
+from .proposers import memory_proposals, schedule_space_proposals
+from .trial import FAILED, REJECTED, VALIDATED, TrialJob, TrialResult
+
+
+@dataclass(frozen=True)
+class TuneConfig:
+    rounds: int = 3
+    candidates: int = 4  # K measured per round
+    min_gain: float = 0.02  # a round must beat its control by this share, or the search stops
+    min_gap: float = 0.01  # stop when the predicted gap to the ceiling is below this share of the time
+    llm: LLMConfig | None = None
+    seed_from_memory: bool = True
+    commit: str = ""
+
+    def __post_init__(self):
+        if self.rounds < 0 or self.candidates < 1:
+            raise ValueError("rounds must be >= 0 and candidates >= 1")
+
+
+@dataclass(frozen=True)
+class Setup:
+    """The deployment a search tunes: its spec, stock program and starting pipeline."""
+
+    spec: object  # PipelineSpec
+    stock: Program
+    start: str  # the starting pipeline string
+    fingerprint: Fingerprint
+    device: str  # where workers measure ("cpu", "cuda")
+    gpu: str  # the cost model's GPU (the spec's)
+    predictor: Predictor
+
+
+@dataclass
+class TrialRow:
+    """One trial as the report shows it."""
+
+    trial: int
+    round: int
+    pipeline: str
+    proposer: str
+    status: str
+    reason: str = ""
+    predicted_ms: float | None = None  # the cost model's engine ms/token on the spec's GPU
+    predicted_rel: float | None = None  # predicted engine / AR
+    calibrated_rel: float | None = None  # predicted_rel x calibration from earlier trials only
+    measured_ms: float | None = None
+    ar_ms: float | None = None
+    relative: float | None = None  # measured engine / AR
+    tau: float | None = None
+    forcing: str = ""
+    control: bool = False
+    improved: bool = False
+    note: str = ""
+
+
+@dataclass
+class RoundLog:
+    round: int
+    incumbent: str
+    incumbent_relative: float | None
+    gaps: list[dict]
+    ceiling_ms: float | None
+    predicted_ms: float | None
+    proposals: int
+    rejected: int
+    measured: int
+    chosen: str | None
+    gain: float | None
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass
+class SearchResult:
+    run: str
+    start: str
+    best: str
+    best_relative: float | None
+    start_relative: float | None
+    trials: list[TrialRow]
+    rounds: list[RoundLog]
+    stopped: str
+    gaps_before: list[dict]
+    gaps_after: list[dict]
+    interrupted: bool = False
+
+
+def gap_rows(e: Estimate) -> list[dict]:
+    return [{"what": g.what, "pass": g.pass_name, "pipeline": g.pipeline, "saving_ms": g.saving * 1e3,
+             "fraction": g.fraction} for g in e.gaps]
+
+
+def gap_report(e: Estimate) -> str:
+    lines = [f"GPU {e.gpu}; time per output token {e.t_token.value * 1e3:.4f} ms (predicted), "
+             f"ceiling {e.ceiling.t_token * 1e3:.4f} ms ({e.ceiling.pipeline or 'as is'}), "
+             f"τ {e.tau.value:.2f}"]
+    lines += [f"{i + 1}. {g.what}: {g.saving * 1e3:.4f} ms/token ({g.fraction:.0%}), closed by "
+              f"{g.pipeline or '(no pass yet)'}" for i, g in enumerate(e.gaps)]
+    return "\n".join(lines)
+
+
+class Search:
+    def __init__(self, setup: Setup, pool, memory: Memory | None, config: TuneConfig,
+                 log: Callable[[str], None] | None = None):
+        self.setup, self.pool, self.memory, self.config = setup, pool, memory, config
+        self.log = log or (lambda _: None)
+        self.run_id = uuid.uuid4().hex[:12]
+        self.calibration = Calibration()
+        self.rows: list[TrialRow] = []
+        self.rounds: list[RoundLog] = []
+        self.seen: dict[str, TrialRow] = {}  # ir hash -> first trial of that program
+        self.next_trial = 0
+        self.tried: list[tuple[str, str]] = []
+        self.predicted: dict[str, tuple[float, float] | None] = {}  # ir hash -> the cost model's (s/token, engine/AR)
+        self.estimates: dict[str, Estimate] = {}
+
+    # -- bookkeeping
+    def _record(self, row: TrialRow, rules=()) -> int | None:
+        self.rows.append(row)
+        self.tried.append((row.pipeline, row.status + (f" {row.relative:.3f} of AR" if row.relative else
+                                                       f": {row.reason[:80]}")))
+        if self.memory is None:
+            return None
+        return self.memory.record(run=self.run_id, round=row.round, trial=row.trial,
+                                  fingerprint=self.setup.fingerprint, pipeline=row.pipeline, rules=list(rules),
+                                  proposer=row.proposer, status=row.status, reason=row.reason,
+                                  predicted_ms=row.predicted_ms, calibrated_ms=None, measured_ms=row.measured_ms,
+                                  ar_ms=row.ar_ms, relative=row.relative, tau=row.tau, forcing=row.forcing,
+                                  forcing_passed=row.status == VALIDATED, commit_id=self.config.commit)
+
+    def _trial_id(self) -> int:
+        self.next_trial += 1
+        return self.next_trial
+
+    def _names(self, pipeline: str) -> frozenset[str]:
+        return frozenset(pass_names(pipeline)) if pipeline else frozenset()
+
+    def _estimate(self, c: Candidate) -> Estimate:
+        program = c.program
+        key = f"{c.ir_hash}:{self.setup.predictor.alpha}"
+        if key not in self.estimates:
+            self.estimates[key] = self.setup.predictor.estimate(program)
+        return self.estimates[key]
+
+    def _predict(self, c: Candidate) -> tuple[float | None, float | None, float | None]:
+        program, pipeline = c.program, c.pipeline
+        key = f"{c.ir_hash}:{self.setup.predictor.alpha}"
+        if key not in self.predicted:
+            self.predicted[key] = self.setup.predictor.relative(program)
+        got = self.predicted[key]
+        if got is None:
+            return None, None, None
+        t, rel = got
+        return t * 1e3, rel, rel * self.calibration.factor(self._names(pipeline))
+
+    def _measure(self, round_no: int, items: list[tuple[Candidate, bool]],
+                 progress: Callable[[TrialResult], None] | None) -> list[tuple[TrialRow, int | None, Candidate]]:
+        jobs, meta = [], {}
+        for cand, control in items:
+            job = TrialJob(self._trial_id(), self.setup.spec, cand.pipeline, cand.proposal.rules, self.setup.device)
+            jobs.append(job)
+            meta[job.trial] = (cand, control)
+        out = []
+
+        def done(r: TrialResult) -> None:
+            if progress:
+                progress(r)
+
+        results = self.pool.run(jobs, done)
+        for r in results:
+            cand, control = meta[r.trial]
+            pred_ms, pred_rel, cal_rel = self._predict(cand)
+            row = TrialRow(r.trial, round_no, cand.pipeline, cand.proposal.proposer, r.status, r.reason, pred_ms,
+                           pred_rel, cal_rel, r.engine_ms, r.ar_ms, r.relative, r.tau, r.forcing, control,
+                           note=cand.proposal.note)
+            row_id = self._record(row, cand.proposal.rules)
+            out.append((row, row_id, cand))
+            self.seen.setdefault(cand.ir_hash, row)
+        for row, _, cand in out:  # calibrate only after the round's predictions were made
+            if row.status == VALIDATED and row.predicted_rel and row.relative:
+                self.calibration.add(self._names(row.pipeline), row.predicted_rel, row.relative)
+            elif row.status == FAILED and row.predicted_rel:  # does not run here: learn it as very slow
+                self.calibration.add(self._names(row.pipeline), row.predicted_rel, row.predicted_rel * 100)
+        return out
+
+    def _select(self, candidates: list[Candidate], k: int) -> list[Candidate]:
+        """The best K by calibrated prediction, memory's seeds first, at most half introducing the same pass."""
+        scored = []
+        for c in candidates:
+            _, _, cal = self._predict(c)
+            seed = 0 if c.proposal.proposer == "memory" else 1
+            scored.append((seed, cal if cal is not None else math.inf, c))
+        scored.sort(key=lambda s: (s[0], s[1]))
+        cap, per = max(1, math.ceil(k / 2)), Counter()
+        chosen = []
+        for _, _, c in scored:
+            key = c.proposal.note.split("{")[0].split(" ")[0]
+            if per[key] >= cap:
+                continue
+            per[key] += 1
+            chosen.append(c)
+            if len(chosen) == k:
+                break
+        return chosen
+
+    # -- the loop
+    def run(self, progress: Callable[[TrialResult], None] | None = None) -> SearchResult:
+        s, cfg = self.setup, self.config
+        start_passes = parse_pipeline(s.start, source="the starting pipeline", plugins=True)
+        start = vet(Proposal(s.start, "start"), s.stock)
+        if isinstance(start, Rejection):
+            raise ValueError(f"the starting pipeline is refused: {start.reason}")
+        incumbent: Candidate = start
+        incumbent_passes: list[Pass] = list(start_passes)
+        stopped, interrupted = "rounds done", False
+        gaps_before: list[dict] = []
+        start_rel = incumbent_rel = None
+        try:
+            (row, row_id, _), = self._measure(0, [(start, True)], progress)
+            if row.status != VALIDATED:
+                raise ValueError(f"the starting pipeline {s.start!r} did not validate: {row.reason}")
+            incumbent_rel = row.relative
+            start_rel = row.relative
+            if row.tau:
+                s.predictor.learn_tau(start.program, row.tau)
+            estimate = self._estimate(incumbent)
+            gaps_before = gap_rows(estimate)
+            for round_no in range(1, cfg.rounds + 1):
+                estimate = self._estimate(incumbent)
+                log = RoundLog(round_no, incumbent.pipeline, incumbent_rel, gap_rows(estimate),
+                               estimate.ceiling.t_token * 1e3, estimate.t_token.value * 1e3, 0, 0, 0, None, None)
+                self.rounds.append(log)
+                gap_share = 1 - estimate.ceiling.t_token / estimate.t_token.value if estimate.t_token.value else 0
+                if gap_share < cfg.min_gap:
+                    stopped = f"predicted gap to the ceiling {gap_share:.1%} < {cfg.min_gap:.1%}"
+                    break
+                proposals = schedule_space_proposals(incumbent_passes, incumbent.program)
+                if self.memory is not None and (cfg.seed_from_memory or round_no > 1):
+                    proposals = memory_proposals(self.memory, s.fingerprint, incumbent_passes) + proposals
+                if cfg.llm is not None:
+                    found, note = llm_proposals(cfg.llm, gap_report(estimate), self.tried)
+                    log.notes.append(note)
+                    proposals += found
+                log.proposals = len(proposals)
+                candidates, hashes, texts = [], set(), set()
+                for p in proposals:
+                    if (p.pipeline, p.rules) in texts:
+                        continue
+                    texts.add((p.pipeline, p.rules))
+                    v = vet(p, s.stock)
+                    if isinstance(v, Rejection):
+                        log.rejected += 1
+                        self._record(TrialRow(self._trial_id(), round_no, p.pipeline, p.proposer, REJECTED, v.reason,
+                                              note=p.note), p.rules)
+                        continue
+                    if v.ir_hash in self.seen or v.ir_hash in hashes or v.ir_hash == incumbent.ir_hash:
+                        continue
+                    hashes.add(v.ir_hash)
+                    candidates.append(v)
+                chosen = self._select(candidates, cfg.candidates)
+                if not chosen:
+                    stopped = "no new candidate to measure"
+                    break
+                measured = self._measure(round_no, [(c, False) for c in chosen] + [(incumbent, True)], progress)
+                log.measured = len(measured)
+                control = next(r for r, _, _ in measured if r.control)
+                control_rel = control.relative if control.status == VALIDATED else incumbent_rel
+                best = min(((r, rid, c) for r, rid, c in measured if not r.control and r.status == VALIDATED
+                            and r.relative), key=lambda x: x[0].relative, default=None)
+                if best is None or control_rel is None or best[0].relative > control_rel * (1 - cfg.min_gain):
+                    log.gain = None if best is None or not control_rel else 1 - best[0].relative / control_rel
+                    stopped = f"round {round_no} gained less than {cfg.min_gain:.0%} over its control"
+                    break
+                row, rid, cand = best
+                row.improved = True
+                if self.memory is not None and rid is not None:
+                    self.memory.mark_improved(rid)
+                log.chosen, log.gain = row.pipeline, 1 - row.relative / control_rel
+                incumbent, incumbent_rel = cand, row.relative
+                incumbent_passes = list(cand.passes)
+                if row.tau:
+                    s.predictor.learn_tau(cand.program, row.tau)
+        except KeyboardInterrupt:
+            stopped, interrupted = "interrupted (Ctrl-C): the best validated pipeline so far", True
+        after = self._estimate(incumbent)
+        return SearchResult(self.run_id, s.start, incumbent.pipeline, incumbent_rel, start_rel, self.rows, self.rounds,
+                            stopped, gaps_before, gap_rows(after), interrupted)
