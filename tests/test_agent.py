@@ -166,7 +166,8 @@ def test_a_cheat_that_fails_token_forcing_is_never_chosen(tiny, tmp_path):
 
 
 def test_search_stops_when_a_round_gains_too_little(tiny):
-    result = Search(setup_for(tiny), InlinePool(scripted({})), None, TuneConfig(rounds=5, candidates=2)).run()
+    result = Search(setup_for(tiny), InlinePool(scripted({})), None, TuneConfig(rounds=5, candidates=2,
+                                                                                patience=1)).run()
     assert result.best == "" and "gained less" in result.stopped
     assert len(result.rounds) == 1
 

@@ -39,10 +39,11 @@ def main(argv=None) -> int:
     ap.add_argument("--num-prompts", type=int, help="override the spec's benchmark.num_prompts")
     ap.add_argument("--confirm-rounds", type=int, default=3)
     ap.add_argument("--min-gain", type=float, default=0.02)
+    ap.add_argument("--threads", type=int, default=4, help="torch threads on a CPU (the zoo's models are launch-bound)")
     add_results_args(ap, smoke=False)
     args = ap.parse_args(argv)
     if args.device == "cpu":
-        torch.set_num_threads(max(1, torch.get_num_threads()))
+        torch.set_num_threads(args.threads)
     spec = load_spec(args.pipeline)
     if args.num_prompts:
         from dataclasses import replace

@@ -17,7 +17,8 @@ Round 0 measures the starting pipeline (the spec's own). Each round then:
 6. every result is recorded in memory; the fastest validated candidate that beats the round's
    control by `min_gain` becomes the incumbent, and is marked a mechanism in memory.
 
-It stops after `rounds`, when a round gains less than `min_gain`, or when the predicted gap to the
+It stops after `rounds`, when `patience` rounds in a row gain less than `min_gain` (the calibration
+learns from each, so the next round's choice differs), or when the predicted gap to the
 ceiling is below `min_gap` of the incumbent's time. Ctrl-C stops it between trials with the best
 validated pipeline so far. Measured time decides; predictions only prune.
 """
@@ -48,7 +49,8 @@ from .trial import FAILED, REJECTED, VALIDATED, TrialJob, TrialResult
 class TuneConfig:
     rounds: int = 3
     candidates: int = 4  # K measured per round
-    min_gain: float = 0.02  # a round must beat its control by this share, or the search stops
+    min_gain: float = 0.02  # a round gains when its best beats its control by this share
+    patience: int = 2  # rounds in a row without a gain before the search stops
     min_gap: float = 0.01  # stop when the predicted gap to the ceiling is below this share of the time
     llm: LLMConfig | None = None
     seed_from_memory: bool = True
@@ -256,6 +258,7 @@ class Search:
         stopped, interrupted = "rounds done", False
         gaps_before: list[dict] = []
         start_rel = incumbent_rel = None
+        idle = 0  # rounds in a row without a gain
         try:
             (row, row_id, _), = self._measure(0, [(start, True)], progress)
             if row.status != VALIDATED:
@@ -310,8 +313,12 @@ class Search:
                             and r.relative), key=lambda x: x[0].relative, default=None)
                 if best is None or control_rel is None or best[0].relative > control_rel * (1 - cfg.min_gain):
                     log.gain = None if best is None or not control_rel else 1 - best[0].relative / control_rel
-                    stopped = f"round {round_no} gained less than {cfg.min_gain:.0%} over its control"
-                    break
+                    idle += 1
+                    if idle >= cfg.patience:
+                        stopped = f"{idle} rounds in a row gained less than {cfg.min_gain:.0%} over their control"
+                        break
+                    continue
+                idle = 0
                 row, rid, cand = best
                 row.improved = True
                 if self.memory is not None and rid is not None:

@@ -20,10 +20,12 @@ import os
 import queue
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 from ..errors import SpecError
 from .trial import TrialJob, TrialResult
 
+PACKAGE = Path(__file__).resolve().parents[1]  # the specpilot package a Ray job ships to its workers
 Evaluate = Callable[[TrialJob], TrialResult]
 EvaluateMany = Callable[[list[TrialJob]], list[TrialResult]]
 OnResult = Callable[[TrialResult], None]
@@ -150,7 +152,9 @@ class RayPool:
         except ImportError:
             raise SpecError(f"--workers {address}: Ray is not installed (pip install 'ray[client]')") from None
         self.ray = ray
-        ray.init(address=address, ignore_reinit_error=True, log_to_driver=False)
+        # the cluster runs this checkout's specpilot, shipped with the job (a cluster's own install may differ)
+        ray.init(address=address, ignore_reinit_error=True, log_to_driver=False,
+                 runtime_env={"py_modules": [str(PACKAGE)], "excludes": ["__pycache__"]})
         self.task = ray.remote(num_gpus=1 if device.startswith("cuda") else 0)(evaluate)
         self.device = device
         self.size = max(1, int(ray.cluster_resources().get("CPU", 1)))

@@ -1,0 +1,76 @@
+"""`--workers ray://ADDRESS`: candidates as Ray tasks on a local Ray instance (slow: starting a head
+node takes tens of seconds). Skipped only where Ray is not installed.
+
+The head runs with `ray start --head --block` in its own process group, stopped by that group's id
+at the end. Where the machine's Ray uses token authentication (a token in ~/.ray/auth_token), the
+client is told so through RAY_AUTH_MODE=token."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from specpilot.agent.trial import FAILED, VALIDATED, TrialJob
+from specpilot.agent.workers import RayPool
+from specpilot.compiler import run_trial
+from specpilot.spec import load_spec
+
+from conftest import tiny_spec
+
+ray = pytest.importorskip("ray")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_ray_workers_run_real_trials(tmp_path, monkeypatch):
+    if (Path.home() / ".ray" / "auth_token").exists():
+        monkeypatch.setenv("RAY_AUTH_MODE", "token")
+    gcs, client = free_port(), free_port()
+    short = Path(tempfile.mkdtemp(prefix="sp-ray-", dir="/tmp"))  # Ray's socket paths must stay short
+    exe = Path(sys.executable).with_name("ray")
+    head = subprocess.Popen([str(exe), "start", "--head", "--block", f"--port={gcs}", f"--ray-client-server-port={client}",
+                             "--min-worker-port=0", "--max-worker-port=0", "--num-cpus=2", "--include-dashboard=false",
+                             f"--temp-dir={short}", "--disable-usage-stats"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        spec_path = tmp_path / "p.yaml"
+        spec_path.write_text(tiny_spec("dflash"))
+        spec = load_spec(spec_path)
+        deadline, pool = time.time() + 120, None
+        while pool is None:
+            try:
+                pool = RayPool(run_trial, f"ray://127.0.0.1:{client}")
+            except ConnectionError:
+                if time.time() > deadline or head.poll() is not None:
+                    raise
+                time.sleep(2)
+        try:
+            results = pool.run([TrialJob(1, spec, ""), TrialJob(2, spec, "draft-block-size{size=3}"),
+                                TrialJob(3, spec, "no-such-pass")])
+        finally:
+            pool.close()
+        assert [r.status for r in results] == [VALIDATED, VALIDATED, FAILED]
+        assert results[1].tokens_checked > 0 and results[1].relative
+    finally:
+        if head.poll() is None:
+            os.killpg(head.pid, signal.SIGTERM)
+            try:
+                head.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(head.pid, signal.SIGKILL)
+                head.wait(timeout=30)
+        shutil.rmtree(short, ignore_errors=True)
