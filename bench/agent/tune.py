@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import argparse
 import tempfile
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
@@ -46,8 +46,6 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
     spec = load_spec(args.pipeline)
     if args.num_prompts:
-        from dataclasses import replace
-
         spec = replace(spec, benchmark=replace(spec.benchmark, num_prompts=args.num_prompts))
     with tempfile.TemporaryDirectory() as tmp:
         memory = args.memory or Path(tmp) / "memory.db"

@@ -82,7 +82,7 @@ def parse_answer(text: str, source: str) -> list[Proposal]:
                 i += 1
             i += 1
             rules = ((f"{source} #{len(out)}", "\n".join(body)[:MAX_RULES_CHARS + 1]),)
-        out.append(Proposal(pipeline, LLM, rules, note=f"from {source}"))
+        out.append(Proposal(pipeline, LLM, rules, note=f"from {source}", family=LLM))
     return out
 
 

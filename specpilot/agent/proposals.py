@@ -45,6 +45,7 @@ class Proposal:
     proposer: str  # "schedule-space", "memory", "llm", ...
     rules: tuple[tuple[str, str], ...] = ()  # (source, text)
     note: str = ""
+    family: str = ""  # the direction it tries ("+tree-verify", "~draft-block-size", "-cuda-graphs", "memory", "llm")
 
 
 @dataclass(frozen=True)

@@ -36,13 +36,17 @@ def schedule_space_proposals(current: list[Pass], program: Program) -> list[Prop
         if same:
             placed = list(current)
             placed[same[0]] = inst
-            out.append(Proposal(_pipeline(placed), SCHEDULE, note=f"{inst.spec()} in place of {current[same[0]].spec()}"))
+            out.append(Proposal(_pipeline(placed), SCHEDULE, note=f"{inst.spec()} in place of {current[same[0]].spec()}",
+                                family=f"~{inst.name}"))
             continue
-        out.append(Proposal(_pipeline(current + [inst]), SCHEDULE, note=f"{inst.spec()} appended"))
+        out.append(Proposal(_pipeline(current + [inst]), SCHEDULE, note=f"{inst.spec()} appended",
+                            family=f"+{inst.name}"))
         if current:
-            out.append(Proposal(_pipeline([inst] + current), SCHEDULE, note=f"{inst.spec()} first"))
+            out.append(Proposal(_pipeline([inst] + current), SCHEDULE, note=f"{inst.spec()} first",
+                                family=f"+{inst.name}"))
     for i, p in enumerate(current):
-        out.append(Proposal(_pipeline(current[:i] + current[i + 1:]), SCHEDULE, note=f"{p.spec()} dropped"))
+        out.append(Proposal(_pipeline(current[:i] + current[i + 1:]), SCHEDULE, note=f"{p.spec()} dropped",
+                            family=f"-{p.name}"))
     return out
 
 
@@ -67,12 +71,13 @@ def memory_proposals(memory: Memory, fp: Fingerprint, current: list[Pass], limit
     have = {p.name for p in current}
     for m in memory.mechanisms(fp, limit=limit):
         note = f"validated on {m.fingerprint.key} (distance {m.distance:g}, {m.relative:.3f} of AR)"
-        out.append(Proposal(m.pipeline, MEMORY, m.rules, note))
+        out.append(Proposal(m.pipeline, MEMORY, m.rules, note, family=MEMORY))
         try:
             names = pass_names(m.pipeline)
         except SpecpilotError:
             continue
         extra = [e for e, n in zip(_elements(m.pipeline), names) if n not in have]
         if extra and current:
-            out.append(Proposal(",".join([_pipeline(current)] + extra), MEMORY, m.rules, note + "; added to the current"))
+            out.append(Proposal(",".join([_pipeline(current)] + extra), MEMORY, m.rules, note + "; added to the current",
+                                family=MEMORY))
     return out

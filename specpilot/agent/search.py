@@ -14,8 +14,9 @@ Round 0 measures the starting pipeline (the spec's own). Each round then:
 4. each candidate is predicted (relative to AR, calibrated by this deployment's earlier trials) and
    the best K are kept, at most half of them introducing the same pass, memory's seeds first;
 5. the K and the incumbent (a control, measured again beside them) go to the workers;
-6. every result is recorded in memory; the fastest validated candidate that beats the round's
-   control by `min_gain` becomes the incumbent, and is marked a mechanism in memory.
+6. every result is recorded in memory; the fastest validated candidate that beats the incumbent by
+   `min_gain` (its best measurement: this round's control or an earlier one) becomes the incumbent,
+   and is marked a mechanism in memory.
 
 It stops after `rounds`, when `patience` rounds in a row gain less than `min_gain` (the calibration
 learns from each, so the next round's choice differs), or when the predicted gap to the
@@ -156,6 +157,7 @@ class Search:
         self.tried: list[tuple[str, str]] = []
         self.predicted: dict[str, tuple[float, float] | None] = {}  # ir hash -> the cost model's (s/token, engine/AR)
         self.estimates: dict[str, Estimate] = {}
+        self.outcomes: dict[str, list[str]] = {}  # pass name -> statuses of the measured trials holding it
 
     # -- bookkeeping
     def _record(self, row: TrialRow, rules=()) -> int | None:
@@ -219,6 +221,10 @@ class Search:
             row_id = self._record(row, cand.proposal.rules)
             out.append((row, row_id, cand))
             self.seen.setdefault(cand.ir_hash, row)
+        for row, _, cand in out:
+            if not row.control:
+                for name in self._names(row.pipeline) - self._names(self.setup.start):
+                    self.outcomes.setdefault(name, []).append(row.status)
         for row, _, cand in out:  # calibrate only after the round's predictions were made
             if row.status == VALIDATED and row.predicted_rel and row.relative:
                 self.calibration.add(self._names(row.pipeline), row.predicted_rel, row.relative)
@@ -227,23 +233,29 @@ class Search:
         return out
 
     def _select(self, candidates: list[Candidate], k: int) -> list[Candidate]:
-        """The best K by calibrated prediction, memory's seeds first, at most half introducing the same pass."""
+        """K candidates: memory's seeds first; then the best-predicted candidate of each direction
+        (family) in the order of their best calibrated prediction, so every direction gets measured
+        before one direction takes every slot; then the rest by prediction, at most half of the K
+        from one direction. A pass whose every trial failed to run here is not tried again."""
+        failed_here = {n for n, runs in self.outcomes.items() if runs and all(s == FAILED for s in runs)}
         scored = []
         for c in candidates:
-            _, _, cal = self._predict(c)
-            seed = 0 if c.proposal.proposer == "memory" else 1
-            scored.append((seed, cal if cal is not None else math.inf, c))
-        scored.sort(key=lambda s: (s[0], s[1]))
-        cap, per = max(1, math.ceil(k / 2)), Counter()
-        chosen = []
-        for _, _, c in scored:
-            key = c.proposal.note.split("{")[0].split(" ")[0]
-            if per[key] >= cap:
+            if self._names(c.pipeline) & failed_here:
                 continue
-            per[key] += 1
-            chosen.append(c)
-            if len(chosen) == k:
-                break
+            _, _, cal = self._predict(c)
+            scored.append((0 if c.proposal.family == "memory" else 1, cal if cal is not None else math.inf, c))
+        scored.sort(key=lambda s: (s[0], s[1]))
+        chosen: list[Candidate] = [c for seed, _, c in scored if seed == 0][:k]
+        per = Counter(c.proposal.family for c in chosen)
+        for _, _, c in scored:  # one a direction first
+            if len(chosen) < k and id(c) not in {id(x) for x in chosen} and per[c.proposal.family] == 0:
+                chosen.append(c)
+                per[c.proposal.family] += 1
+        cap = max(1, math.ceil(k / 2))
+        for _, _, c in scored:
+            if len(chosen) < k and id(c) not in {id(x) for x in chosen} and per[c.proposal.family] < cap:
+                chosen.append(c)
+                per[c.proposal.family] += 1
         return chosen
 
     # -- the loop
@@ -308,7 +320,10 @@ class Search:
                 measured = self._measure(round_no, [(c, False) for c in chosen] + [(incumbent, True)], progress)
                 log.measured = len(measured)
                 control = next(r for r, _, _ in measured if r.control)
-                control_rel = control.relative if control.status == VALIDATED else incumbent_rel
+                # the bar: the incumbent's best measurement, this round's or an earlier one, so that a
+                # control that happened to run slow does not let noise pick the winner
+                control_rel = min(x for x in (control.relative if control.status == VALIDATED else None,
+                                              incumbent_rel) if x is not None)
                 best = min(((r, rid, c) for r, rid, c in measured if not r.control and r.status == VALIDATED
                             and r.relative), key=lambda x: x[0].relative, default=None)
                 if best is None or control_rel is None or best[0].relative > control_rel * (1 - cfg.min_gain):
