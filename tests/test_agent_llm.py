@@ -95,3 +95,29 @@ def test_parse_answer_takes_text_only():
     got = parse_answer("PIPELINE: a\nnoise\nPIPELINE: b\nRULES:\npass b (lossless) { rule r: match x remove }\nEND\n", "s")
     assert [p.pipeline for p in got] == ["a", "b"]
     assert got[1].rules[0][1].startswith("pass b")
+
+
+@pytest.mark.slow
+def test_llm_proposer_against_specpilot_serve(tmp_path, tiny, registry):  # noqa: F811
+    """The project's own OpenAI-compatible server (`specpilot serve`, a real process) over a tiny
+    engine as the endpoint. The tiny model holds 2048 positions and the proposer's prompt (gap report,
+    catalogue, grammar) is about 5000 tokens: the server answers an OpenAI-shaped 400, the proposer
+    records it as the round's note with no proposals, and the search goes on without it."""
+    from specpilot.compiler import compile_pipeline
+    from specpilot.spec import load_spec
+
+    from conftest import tiny_spec
+    from test_serve import start_server, stop_server
+
+    spec = tmp_path / "p.yaml"
+    spec.write_text(tiny_spec("pard"))
+    compile_pipeline(load_spec(spec), out_dir=tmp_path / "engine", device="cpu")
+    proc, url = start_server(tmp_path / "engine", log=tmp_path / "server.log")
+    try:
+        found, note = llm_proposals(LLMConfig(f"{url}/v1", model="t", max_tokens=16), "1. launch overhead", [])
+        assert found == [] and "BadRequestError" in note and "maximum context length" in note, note
+        config = TuneConfig(rounds=1, candidates=2, llm=LLMConfig(f"{url}/v1", model="t", max_tokens=16))
+        result = Search(setup_for(tiny), InlinePool(scripted({"cuda-graphs": 0.5})), None, config).run()
+        assert "cuda-graphs" in result.best and "maximum context length" in result.rounds[0].notes[0]
+    finally:
+        assert stop_server(proc) == 0

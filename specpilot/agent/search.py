@@ -37,6 +37,7 @@ from ..dsl.pipeline import pass_names
 from ..ir import Program
 from ..passes import Pass
 from ..dsl import parse_pipeline
+from ..errors import PipelineError
 from .fingerprint import Fingerprint
 from .llm import LLMConfig, llm_proposals
 from .memory import Memory
@@ -264,7 +265,7 @@ class Search:
         start_passes = parse_pipeline(s.start, source="the starting pipeline", plugins=True)
         start = vet(Proposal(s.start, "start"), s.stock)
         if isinstance(start, Rejection):
-            raise ValueError(f"the starting pipeline is refused: {start.reason}")
+            raise PipelineError(f"the starting pipeline {s.start!r} is refused: {start.reason}")
         incumbent: Candidate = start
         incumbent_passes: list[Pass] = list(start_passes)
         stopped, interrupted = "rounds done", False
@@ -274,7 +275,7 @@ class Search:
         try:
             (row, row_id, _), = self._measure(0, [(start, True)], progress)
             if row.status != VALIDATED:
-                raise ValueError(f"the starting pipeline {s.start!r} did not validate: {row.reason}")
+                raise PipelineError(f"the starting pipeline {s.start!r} did not validate: {row.reason}")
             incumbent_rel = row.relative
             start_rel = row.relative
             if row.tau:
