@@ -15,8 +15,9 @@ Round 0 measures the starting pipeline (the spec's own). Each round then:
    the best K are kept, at most half of them introducing the same pass, memory's seeds first;
 5. the K and the incumbent (a control, measured again beside them) go to the workers;
 6. every result is recorded in memory; the fastest validated candidate that beats the incumbent by
-   `min_gain` (its best measurement: this round's control or an earlier one) becomes the incumbent,
-   and is marked a mechanism in memory.
+   `min_gain` (its best measurement: this round's control or an earlier one), and beats it again in
+   a confirmation (both measured once more side by side), becomes the incumbent and is marked a
+   mechanism in memory.
 
 It stops after `rounds`, when `patience` rounds in a row gain less than `min_gain` (the calibration
 learns from each, so the next round's choice differs), or when the predicted gap to the
@@ -53,6 +54,7 @@ class TuneConfig:
     candidates: int = 4  # K measured per round
     min_gain: float = 0.02  # a round gains when its best beats its control by this share
     patience: int = 2  # rounds in a row without a gain before the search stops
+    confirm: bool = True  # a round's winner must win again, measured beside the incumbent once more
     min_gap: float = 0.01  # stop when the predicted gap to the ceiling is below this share of the time
     llm: LLMConfig | None = None
     seed_from_memory: bool = True
@@ -327,6 +329,18 @@ class Search:
                                               incumbent_rel) if x is not None)
                 best = min(((r, rid, c) for r, rid, c in measured if not r.control and r.status == VALIDATED
                             and r.relative), key=lambda x: x[0].relative, default=None)
+                if (best is not None and control_rel is not None and cfg.confirm
+                        and best[0].relative <= control_rel * (1 - cfg.min_gain)):
+                    # a duel: the winner and the incumbent measured again side by side; it must win again
+                    duel = self._measure(round_no, [(best[2], False), (incumbent, True)], progress)
+                    again, inc_again = duel[0][0], duel[1][0]
+                    again.note = f"confirmation of trial {best[0].trial}"
+                    log.measured += 2
+                    if (again.status != VALIDATED or inc_again.relative is None or again.relative is None
+                            or again.relative > inc_again.relative * (1 - cfg.min_gain)):
+                        log.notes.append(f"trial {best[0].trial} ({best[0].pipeline}) did not win its confirmation: "
+                                         f"{again.relative} against {inc_again.relative}")
+                        best = None
                 if best is None or control_rel is None or best[0].relative > control_rel * (1 - cfg.min_gain):
                     log.gain = None if best is None or not control_rel else 1 - best[0].relative / control_rel
                     idle += 1
