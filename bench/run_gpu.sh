@@ -99,6 +99,8 @@
 #   batchedg the same with the verify forwards as CUDA-graph replays by token bucket (-> batched_<gpu>_graphs.json)
 #   agent    issue 44: specpilot tune on the zoo pair and on the Qwen3-8B replay deployment (budget: 2 rounds x 3
 #            candidates + controls), each confirmed head to head (-> agent_<gpu>_zoo.json, agent_<gpu>_replay-qwen3-8b.json)
+#   transfer issue 44: memory transfer, PARD tuned cold and after DFlash with a shared memory, the zoo pair
+#            (-> agent_transfer_<gpu>.json)
 #   ties     issue 44: the bf16 AR loops' divergences (eager, graphed, fused graphed) judged against fp32 and the
 #            measured bf16 noise, humaneval and code-heldout (-> referee_ties_<gpu>.json)
 #
@@ -309,6 +311,10 @@ agent() {
   TAIL=20 run agent_replay 560 python -m bench.agent.tune examples/replay-qwen3-8b.yaml --device cuda --rounds 2 \
     --candidates 3 --num-prompts 4 --confirm-rounds 2 --out "$OUT" --tag replay-qwen3-8b
 }
+transfer() {
+  TAIL=20 run agent_transfer 560 python -m bench.agent.transfer examples/pipeline.yaml examples/pard.yaml --device cuda \
+    --rounds 3 --candidates 3 --out "$OUT"
+}
 ties() { TAIL=20 run referee_ties 200 python -m bench.agent.referee_ties --device cuda --out "$OUT"; }
 tau() { run zoo_tau 100 python -m bench.e2e.zoo_tau --num-prompts 8 --device cuda --passes cuda-graphs --out "$OUT"; }
 e2e() { run zoo_e2e 150 python -m bench.e2e.zoo_e2e --num-prompts 8 --max-new-tokens 64 --out "$OUT"; }
@@ -367,7 +373,7 @@ for group in "${@:?group...}"; do
     ncu) ncu_linear ;;
     tests | attntests | lineartests | ab | knobs | knobstep | layer16 | readbound | attention | attnvar | u12 | hmma | bf16tune | u12tune | verify16 | verifyab | verify32 | rows64 | \
       u12verify | tiles | tilesab | tiles1 | fewrows | fewsweep | u12fusedtune | linear | peers | train | trees | e2e | tau | zoo | calib | \
-      smollm2part | smollm2 | smollm2bench | serve | batched | batchedg | hybridtree | hybridzoo | agent | ties) "$group" ;;
+      smollm2part | smollm2 | smollm2bench | serve | batched | batchedg | hybridtree | hybridzoo | agent | ties | transfer) "$group" ;;
     steps) steps ;;
     qwen) steps qwen3-8b ;;
     kernels) tests; steps llama-3.1-8b qwen3-8b; attention ;;
