@@ -98,7 +98,8 @@
 #            batched runtime's and the ragged kernel's GPU tests (bench.e2e.batched -> batched_<gpu>.json)
 #   batchedg the same with the verify forwards as CUDA-graph replays by token bucket (-> batched_<gpu>_graphs.json)
 #   agent    issue 44: specpilot tune on the zoo pair and on the Qwen3-8B replay deployment (budget: 2 rounds x 3
-#            candidates + controls), each confirmed head to head (-> agent_<gpu>_zoo.json, agent_<gpu>_replay-qwen3-8b.json)
+#            candidates + controls), each confirmed head to head (-> agent_<gpu>_zoo.json, agent_<gpu>_replay-qwen3-8b.json);
+#            the 8B run one candidate at a time and by token forcing alone (no 32 GB fp32 reference beside it)
 #   transfer issue 44: memory transfer, PARD tuned cold and after DFlash with a shared memory, the zoo pair
 #            (-> agent_transfer_<gpu>.json)
 #   ties     issue 44: the bf16 AR loops' divergences (eager, graphed, fused graphed) judged against fp32 and the
@@ -309,7 +310,7 @@ agent() {
   TAIL=20 run agent_zoo 280 python -m bench.agent.tune examples/pipeline.yaml --device cuda --rounds 3 --candidates 3 \
     --out "$OUT" --tag zoo
   TAIL=20 run agent_replay 560 python -m bench.agent.tune examples/replay-qwen3-8b.yaml --device cuda --rounds 2 \
-    --candidates 3 --num-prompts 4 --confirm-rounds 2 --out "$OUT" --tag replay-qwen3-8b
+    --candidates 3 --num-prompts 4 --sequential --no-strict --out "$OUT" --tag replay-qwen3-8b
 }
 transfer() {
   TAIL=20 run agent_transfer 560 python -m bench.agent.transfer examples/pipeline.yaml examples/pard.yaml --device cuda \

@@ -599,15 +599,18 @@ def profile_acceptance(program: Program, replay: ReplaySetup):
 # --- trials: what the search agent's workers run (the agent is handed these; it sits below us)
 
 
-def _trial_engines(job):
+def _trial_engines(job, baseline: Engine | None = None):
     """A trial's spec prepared with the job's pipeline (its rules texts loaded first: data, parsed
-    by the DSL) and its engine and baseline built on the job's device."""
+    by the DSL) and its engine and baseline built on the job's device (`baseline`: one built for an
+    earlier job of the same spec, shared)."""
     for source, text in job.rules:
         load_rules(text, source=source)
     p = prepare(job.spec, job.pipeline, job.device)
     engine = build_engine(p.program, p.dirs.target, p.dirs.drafter, p.device, shape=p.dirs.shape)
-    baseline = engine if p.program.target == p.stock.target else build_engine(
-        p.stock, p.dirs.target, p.dirs.drafter, p.device, shape=p.dirs.shape)
+    if p.program.target == p.stock.target:
+        baseline = engine
+    elif baseline is None:
+        baseline = build_engine(p.stock, p.dirs.target, p.dirs.drafter, p.device, shape=p.dirs.shape)
     return p, engine, baseline
 
 
@@ -664,10 +667,13 @@ def run_trials_interleaved(jobs, rounds: int = 3):
     from .agent.trial import TrialResult
 
     t0 = time.perf_counter()
-    built, failed = {}, {}
+    built, failed, stock = {}, {}, {}
     for job in jobs:
         try:
-            built[job.trial] = (job, *_trial_engines(job))
+            built[job.trial] = (job, *_trial_engines(job, stock.get(job.spec)))
+            p, engine, baseline = built[job.trial][1:]
+            if baseline is not engine:
+                stock[job.spec] = baseline  # the stock target's AR loop, shared by the round's candidates
         except Exception as e:
             failed[job.trial] = TrialResult.failed(job, f"{type(e).__name__}: {str(e)[:500]}")
     ms = {t: Measurement(prompts=b[1].prompts) for t, b in built.items()}
@@ -711,7 +717,7 @@ class TuneResult:
 
 
 def tune_pipeline(spec: PipelineSpec, *, out_dir: Path, config=None, workers: str = "1", memory: Path | None = None,
-                  device: str | None = None, progress=None, log=None) -> TuneResult:
+                  device: str | None = None, progress=None, log=None, interleave: bool = True) -> TuneResult:
     """Search pass pipelines for the spec's deployment (specpilot.agent), then compile the best
     validated one into out_dir/engine and write the search report (out_dir/report.html,
     search.json). Ctrl-C stops the search with the best validated pipeline so far."""
@@ -730,7 +736,8 @@ def tune_pipeline(spec: PipelineSpec, *, out_dir: Path, config=None, workers: st
     setup = Setup(spec, stock, start, fingerprint(stock, gpu_slug(dev), spec.serving.batch_sizes), dev.type, spec.gpu,
                   Predictor(spec.gpu, what_ifs))
     store = Memory(memory) if memory is not None else None
-    pool = make_pool(WorkersSpec.parse(workers), run_trial, run_trials_interleaved, dev.type)
+    # interleave False: one GPU runs a round's candidates one after another (8B engines do not fit together)
+    pool = make_pool(WorkersSpec.parse(workers), run_trial, run_trials_interleaved if interleave else None, dev.type)
     try:
         result = Search(setup, pool, store, config, log).run(progress)
     finally:

@@ -24,7 +24,7 @@ import torch
 from specpilot.agent.search import TuneConfig
 from specpilot.agent.trial import TrialJob
 from specpilot.bench.harness import add_results_args, git_commit, write_run
-from specpilot.compiler import run_trials_interleaved, tune_pipeline
+from specpilot.compiler import run_trial, run_trials_interleaved, tune_pipeline
 from specpilot.spec import load_spec
 
 
@@ -39,6 +39,10 @@ def main(argv=None) -> int:
     ap.add_argument("--num-prompts", type=int, help="override the spec's benchmark.num_prompts")
     ap.add_argument("--confirm-rounds", type=int, default=3)
     ap.add_argument("--min-gain", type=float, default=0.02)
+    ap.add_argument("--sequential", action="store_true",
+                    help="on one GPU, a round's candidates one after another (8B engines do not fit side by side)")
+    ap.add_argument("--no-strict", action="store_true",
+                    help="token forcing only: no fp32 reference (an 8B target's fp32 copy is 32 GB more on the GPU)")
     ap.add_argument("--threads", type=int, default=4, help="torch threads on a CPU (the zoo's models are launch-bound)")
     add_results_args(ap, smoke=False)
     args = ap.parse_args(argv)
@@ -49,13 +53,15 @@ def main(argv=None) -> int:
         spec = replace(spec, benchmark=replace(spec.benchmark, num_prompts=args.num_prompts))
     with tempfile.TemporaryDirectory() as tmp:
         memory = args.memory or Path(tmp) / "memory.db"
-        config = TuneConfig(rounds=args.rounds, candidates=args.candidates, min_gain=args.min_gain, commit=git_commit())
+        config = TuneConfig(rounds=args.rounds, candidates=args.candidates, min_gain=args.min_gain, commit=git_commit(),
+                            strict_referee=not args.no_strict)
         result = tune_pipeline(spec, out_dir=Path(tmp) / "tune", config=config, workers=args.workers, memory=memory,
-                               device=args.device, progress=lambda r: print(f"trial {r.trial}: {r.pipeline or '(empty)'}"
+                               device=args.device, interleave=not args.sequential, progress=lambda r: print(f"trial {r.trial}: {r.pipeline or '(empty)'}"
                                f" {r.status} {r.relative or float('nan'):.3f} {r.reason[:100]}", flush=True))
     s = result.search
-    confirm = run_trials_interleaved([TrialJob(1, spec, s.start, (), args.device),
-                                      TrialJob(2, spec, s.best, (), args.device)], rounds=args.confirm_rounds)
+    jobs = [TrialJob(1, spec, s.start, (), args.device), TrialJob(2, spec, s.best, (), args.device)]
+    confirm = ([run_trial(j) for j in jobs] if args.sequential else
+               run_trials_interleaved(jobs, rounds=args.confirm_rounds))
     start, best = confirm
     faster = (best.status == "validated" and start.status == "validated" and best.engine_ms < start.engine_ms)
     records = [{"kind": "trial", **asdict(r)} for r in s.trials]

@@ -55,6 +55,7 @@ class TuneConfig:
     min_gain: float = 0.02  # a round gains when its best beats its control by this share
     patience: int = 2  # rounds in a row without a gain before the search stops
     confirm: bool = True  # a round's winner must win again, measured beside the incumbent once more
+    strict_referee: bool = True  # bf16 candidates also judged against fp32 (validate/referee.py)
     min_gap: float = 0.01  # stop when the predicted gap to the ceiling is below this share of the time
     llm: LLMConfig | None = None
     seed_from_memory: bool = True
@@ -205,7 +206,8 @@ class Search:
                  progress: Callable[[TrialResult], None] | None) -> list[tuple[TrialRow, int | None, Candidate]]:
         jobs, meta = [], {}
         for cand, control in items:
-            job = TrialJob(self._trial_id(), self.setup.spec, cand.pipeline, cand.proposal.rules, self.setup.device)
+            job = TrialJob(self._trial_id(), self.setup.spec, cand.pipeline, cand.proposal.rules, self.setup.device,
+                           self.config.strict_referee)
             jobs.append(job)
             meta[job.trial] = (cand, control)
         out = []

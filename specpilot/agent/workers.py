@@ -207,8 +207,8 @@ def make_pool(spec: WorkersSpec, evaluate: Evaluate, evaluate_many: EvaluateMany
 
         gpus = [f"cuda:{i}" for i in range(torch.cuda.device_count())] or [device]
         n = spec.count or len(gpus)
-        if n == 1 and evaluate_many is not None:
-            return InterleavedPool(evaluate_many, gpus[0])
+        if n == 1:
+            return InterleavedPool(evaluate_many, gpus[0]) if evaluate_many is not None else InlinePool(evaluate, gpus[0])
         return ProcessPool(evaluate, n, gpus)
     n = spec.count or 1
     return InlinePool(evaluate, device) if n == 1 else ProcessPool(evaluate, n, [device])
