@@ -66,6 +66,11 @@ def _plots(result: SearchResult) -> dict[str, str]:
         ax.plot([lo, hi], [lo, hi], color="grey", lw=0.8)
         ax.set_xscale("log")
         ax.set_yscale("log")
+        from matplotlib.ticker import NullFormatter, ScalarFormatter
+
+        for axis in (ax.xaxis, ax.yaxis):
+            axis.set_major_formatter(ScalarFormatter())
+            axis.set_minor_formatter(NullFormatter())
     ax.set_xlabel("predicted engine / AR")
     ax.set_ylabel("measured engine / AR")
     ax.legend(fontsize=8)
@@ -109,7 +114,7 @@ def render_html(result: SearchResult, title: str, engine_report: dict | None = N
         f"<td>{_fmt(r.gain)}</td><td>{e('; '.join(r.notes))}</td></tr>" for r in result.rounds)
     trials = "".join(
         f"<tr class='{e(r.status)}'><td>{r.trial}</td><td>{r.round}</td><td><code>{e(r.pipeline or '(empty)')}</code></td>"
-        f"<td>{e(r.proposer)}{' (control)' if r.control else ''}</td><td>{e(r.status)}</td><td>{_fmt(r.predicted_ms, 4)}</td>"
+        f"<td>{e(r.proposer)}{' (control)' if r.control else ''}{' (confirmation)' if r.note.startswith('confirmation') else ''}</td><td>{e(r.status)}</td><td>{_fmt(r.predicted_ms, 4)}</td>"
         f"<td>{_fmt(r.predicted_rel)}</td><td>{_fmt(r.calibrated_rel)}</td><td>{_fmt(r.measured_ms)}</td>"
         f"<td>{_fmt(r.relative)}</td><td>{_fmt(r.tau, 2)}</td><td>{e(r.reason or r.forcing)[:300]}</td></tr>"
         for r in result.trials)
