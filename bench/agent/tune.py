@@ -9,7 +9,7 @@ one process and timed round-robin (compiler.run_trials_interleaved, --confirm-ro
 baseline measured beside each), each token-forced. Writes bench/results/agent_<gpu>[_<tag>].json
 (agent_cpu.json on a CPU): every trial (pipeline, proposer, status, reason, predicted and measured
 engine/AR, τ) and the confirmation rows, with `faster` true when the chosen pipeline's engine ms/token
-is below the start's in the confirmation and its token forcing passed.
+is below the start's in the confirmation, its token forcing passed, and it is not the start itself.
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ def main(argv=None) -> int:
     ap.add_argument("--num-prompts", type=int, help="override the spec's benchmark.num_prompts")
     ap.add_argument("--confirm-rounds", type=int, default=3)
     ap.add_argument("--min-gain", type=float, default=0.02)
+    ap.add_argument("--patience", type=int, default=2, help="rounds in a row without a gain before the search stops")
     ap.add_argument("--sequential", action="store_true",
                     help="on one GPU, a round's candidates one after another (8B engines do not fit side by side)")
     ap.add_argument("--no-strict", action="store_true",
@@ -53,7 +54,7 @@ def main(argv=None) -> int:
         spec = replace(spec, benchmark=replace(spec.benchmark, num_prompts=args.num_prompts))
     with tempfile.TemporaryDirectory() as tmp:
         memory = args.memory or Path(tmp) / "memory.db"
-        config = TuneConfig(rounds=args.rounds, candidates=args.candidates, min_gain=args.min_gain, commit=git_commit(),
+        config = TuneConfig(rounds=args.rounds, candidates=args.candidates, min_gain=args.min_gain, patience=args.patience, commit=git_commit(),
                             strict_referee=not args.no_strict)
         result = tune_pipeline(spec, out_dir=Path(tmp) / "tune", config=config, workers=args.workers, memory=memory,
                                device=args.device, interleave=not args.sequential, progress=lambda r: print(f"trial {r.trial}: {r.pipeline or '(empty)'}"
@@ -63,14 +64,17 @@ def main(argv=None) -> int:
     confirm = ([run_trial(j) for j in jobs] if args.sequential else
                run_trials_interleaved(jobs, rounds=args.confirm_rounds))
     start, best = confirm
-    faster = (best.status == "validated" and start.status == "validated" and best.engine_ms < start.engine_ms)
+    # the same pipeline measured twice is never "faster": the confirmation then only shows the timing noise
+    faster = (s.best != s.start and best.status == "validated" and start.status == "validated"
+              and best.engine_ms < start.engine_ms)
     records = [{"kind": "trial", **asdict(r)} for r in s.trials]
     records += [{"kind": "confirm", "which": w, **r.to_dict()} for w, r in (("start", start), ("chosen", best))]
     path = write_run(args, "agent", args.device, records, start=s.start, chosen=s.best, stopped=s.stopped,
                      trials=len([r for r in s.trials if r.relative is not None]),
                      rejected=len([r for r in s.trials if r.status == "rejected"]),
                      start_ms_per_token=start.engine_ms, chosen_ms_per_token=best.engine_ms,
-                     chosen_over_start=(best.engine_ms / start.engine_ms) if faster or best.engine_ms else None,
+                     chosen_over_start=(best.engine_ms / start.engine_ms) if best.engine_ms and start.engine_ms else None,
+                     kept_start=s.best == s.start,
                      chosen_token_forcing=best.forcing, faster=faster,
                      engine_report=result.engine.report if result.engine else None)
     print(f"start {s.start!r}: {start.engine_ms:.3f} ms/token; chosen {s.best!r}: {best.engine_ms:.3f} ms/token; "
