@@ -30,6 +30,7 @@ from specpilot.dsl.rules import RulePass
 from specpilot.errors import SpecpilotError
 from specpilot.ir.text import format_literal
 from specpilot.passes import REGISTRY
+from specpilot.passes.two_level_verify import TwoLevelVerify
 from specpilot.runtime.load import load_target
 from specpilot.spec import load_spec
 
@@ -215,20 +216,27 @@ def test_a_config_field_set_to_anything(workdir, pair, key, value):
 
 # -- pass parameters against the deployment's limits
 
-def limits_of(pair: dict[str, Path]) -> tuple[int, int]:
-    """(positions, vocabulary) of the tiny PARD deployment, read from its config files here."""
+def limits_of(pair: dict[str, Path]) -> tuple[int, int, int]:
+    """(positions, vocabulary, target layers) of the tiny PARD deployment, read from its config files here."""
     target, pard = (json.loads((pair[k] / "config.json").read_text()) for k in ("target", "pard"))
-    return min(target["max_position_embeddings"], pard["max_position_embeddings"]), target["vocab_size"]
+    return (min(target["max_position_embeddings"], pard["max_position_embeddings"]), target["vocab_size"],
+            target["num_hidden_layers"])
 
 
-def ranges(positions: int, vocab: int) -> dict[tuple[str, str], tuple[int, int | None]]:
+def ranges(positions: int, vocab: int, layers: int) -> dict[tuple[str, str], tuple[int, int | None]]:
     """Each integer parameter's allowed range on a PARD deployment: a verify of k + 1 drafts or a
     tree of budget + 1 nodes after one prompt token within the positions; ranks and token subsets
     within the vocabulary; a drafter head's subset and u12's size threshold at least 1 (a subset
-    of the whole vocabulary or more is no subset: the pass changes nothing)."""
+    of the whole vocabulary or more is no subset: the pass changes nothing). two-level-verify's
+    other parameters at their defaults (budget 16 of draft-budget 64): its budget within the drafted
+    nodes, the drafted nodes from the budget to the positions, its early exit inside the target."""
+    two_level = TwoLevelVerify()
     return {("draft-block-size", "size"): (1, positions - 2), ("tree-verify", "budget"): (1, positions - 2),
             ("tree-verify", "topk"): (1, vocab), ("draft-vocab", "size"): (1, None),
-            ("weights-u12", "min_numel"): (1, None)}
+            ("weights-u12", "min_numel"): (1, None),
+            ("two-level-verify", "budget"): (1, two_level.draft_budget),
+            ("two-level-verify", "draft_budget"): (two_level.budget, positions - 2),
+            ("two-level-verify", "topk"): (1, vocab), ("two-level-verify", "exit_layer"): (1, layers - 1)}
 
 
 def test_every_integer_parameter_of_every_pass_has_a_range(pair):
