@@ -39,9 +39,7 @@ def free_port() -> int:
 
 @pytest.mark.slow
 def test_ray_workers_run_real_trials(tmp_path, monkeypatch):
-    if (Path.home() / ".ray" / "auth_token").exists():  # read when ray is first imported: before that
-        monkeypatch.setenv("RAY_AUTH_MODE", "token")
-    assert "ray" not in sys.modules, "ray was imported before RAY_AUTH_MODE was set"
+    assert "ray" not in sys.modules, "ray must not be imported before RAY_AUTH_MODE can be set"
     gcs, client = free_port(), free_port()
     short = Path(tempfile.mkdtemp(prefix="sp-ray-", dir="/tmp"))  # Ray's socket paths must stay short
     exe = Path(sys.executable).with_name("ray")
@@ -62,6 +60,8 @@ def test_ray_workers_run_real_trials(tmp_path, monkeypatch):
             except OSError:
                 assert time.time() < deadline, "the Ray head did not come up in 150 s"
                 time.sleep(1)
+        if (Path.home() / ".ray" / "auth_token").exists():  # a head that made a token wants it; read at ray's import
+            monkeypatch.setenv("RAY_AUTH_MODE", "token")
         pool = RayPool(run_trial, f"ray://127.0.0.1:{client}")
         try:
             results = pool.run([TrialJob(1, spec, ""), TrialJob(2, spec, "draft-block-size{size=3}"),
