@@ -345,9 +345,11 @@ def verify_cmd(engine, device):
 @click.option("--threads", type=click.IntRange(min=1), default=None, help="torch intra-op threads (CPU).")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info",
               show_default=True, help="uvicorn's log level (info: a line per request).")
+@click.option("--batching/--no-batching", default=True, show_default=True,
+              help="Greedy requests share the batched engine's verify (else every request runs one after another).")
 @click.option("--device", default="auto", show_default=True)
 @user_errors
-def serve_cmd(engine, host, port, max_batch, max_queue, drain, threads, log_level, device):
+def serve_cmd(engine, host, port, max_batch, max_queue, drain, threads, log_level, batching, device):
     """Serve ENGINE behind an OpenAI-compatible API (/v1/completions, /v1/chat/completions, /v1/models,
     /metrics). See docs/SERVING.md."""
     from .compiler import load_engine
@@ -359,7 +361,7 @@ def serve_cmd(engine, host, port, max_batch, max_queue, drain, threads, log_leve
         torch.set_num_threads(threads)
     loaded = load_engine(engine, device=device)
     config = ServeConfig(host=host, port=port, max_batch=max_batch, max_queue=max_queue, drain_s=drain,
-                         log_level=log_level)
+                         log_level=log_level, batching=batching)
     err_console.print(f"serving [bold]{loaded.manifest['name']}[/] from {engine} on http://{host}:{port}/v1",
                       highlight=False)
     run_server(loaded.manifest["name"], loaded.engine, loaded.tokenizer, engine_chat_template(engine), config)

@@ -36,7 +36,8 @@ def start_server(engine_dir: Path, *args: str, log: Path) -> tuple[subprocess.Po
     """`specpilot serve ENGINE` in a fresh process; returns it and its base URL once /health answers."""
     port = free_port()
     path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))  # ours first, kept the rest
-    env = {**os.environ, "PYTHONPATH": path}
+    # a server as users start it on a CPU: no Triton interpreter (the suite's conftest sets it for the kernels)
+    env = {**{k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}, "PYTHONPATH": path}
     proc = subprocess.Popen([sys.executable, "-m", "specpilot.cli", "serve", str(engine_dir), "--port", str(port),
                              "--threads", "1", "--device", "cpu", *args], cwd=ROOT, env=env,
                             stdout=log.open("w"), stderr=subprocess.STDOUT)
