@@ -638,20 +638,21 @@ def serve_load() -> str:
     files = _load_present(SERVE_LOAD_FILES)
     if not files:
         return _missing("python -m bench.e2e.serve_load")
-    lines = ["| card | engine | streams at once / requests / tokens each | max batch | complete, none duplicated "
+    lines = ["| card | engine | greedy requests | streams at once / requests / tokens each | max batch | complete, none duplicated "
              "| output tokens/s | requests/s | latency p50 / p99 s | first token p50 / p99 s | source |",
-             "|---|---|---|---:|---|---:|---:|---|---|---|"]
+             "|---|---|---|---|---:|---|---:|---:|---|---|---|"]
     for name, d in files:
         a = d["args"]
+        way = "batched" if a.get("batching") else "one after another"  # files before the batched server: the latter
         ok = f"{d['complete']}/{d['requests_sent']}, {'yes' if d['none_duplicated'] else 'NO'}"
-        lines.append(f"| {_where(d)} | {d['engine']} | {a['concurrency']} / {a['requests']} / {a['max_tokens']} | "
+        lines.append(f"| {_where(d)} | {d['engine']} | {way} | {a['concurrency']} / {a['requests']} / {a['max_tokens']} | "
                      f"{a['max_batch']} | {ok} | {d['output_tokens_per_s']:.1f} | {d['requests_per_s']:.2f} | "
                      f"{d['latency_p50_s']:.2f} / {d['latency_p99_s']:.2f} | {d['ttft_p50_s']:.2f} / "
                      f"{d['ttft_p99_s']:.2f} | `{name}` ({_short(d['commit'])}) |")
     lines += ["", "Greedy streams through the official openai client against a `specpilot serve` process; each "
               "request's text is checked against the engine's own output, and the server's token counter against "
-              "the clients' usage. Compute is not batched yet: the engine steps its requests one after another "
-              "(docs/SERVING.md)."]
+              "the clients' usage. Greedy requests batched: the server's batched engine (one ragged verify a step, "
+              "continuous batching); one after another: the batch-1 loops, a request at a time (docs/SERVING.md)."]
     return "\n".join(lines)
 
 

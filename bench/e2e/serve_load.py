@@ -59,6 +59,8 @@ def start_server(engine: Path, port: int, args, log: Path) -> subprocess.Popen:
            "--max-batch", str(args.max_batch), "--max-queue", str(args.requests), "--log-level", "warning"]
     if args.threads:
         cmd += ["--threads", str(args.threads)]
+    if not args.batching:
+        cmd += ["--no-batching"]
     path = os.pathsep.join(filter(None, [str(harness.ROOT), os.environ.get("PYTHONPATH")]))  # ours first, kept the rest
     env = {**os.environ, "PYTHONPATH": path}
     proc = subprocess.Popen(cmd, cwd=harness.ROOT, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
@@ -136,6 +138,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget-s", type=float, default=300.0, help="no request starts after this many seconds")
     ap.add_argument("--threads", type=int, default=None, help="the server's torch threads (CPU)")
     ap.add_argument("--device", default="auto")
+    ap.add_argument("--batching", action=argparse.BooleanOptionalAction, default=True,
+                    help="greedy requests in the server's batched engine (--no-batching: one after another)")
     harness.add_results_args(ap, smoke=False)
     args = ap.parse_args(argv)
 

@@ -1,4 +1,5 @@
-"""A StepEngine (runtime/engine_api.py) over today's batch-1 decode loops, until the batched runtime lands.
+"""A StepEngine (runtime/engine_api.py) over the batch-1 decode loops: what serves sampled requests, and
+every request of an engine the batched engine does not serve (serve/routed.py).
 
 Compute is not batched: each `step()` advances every active request by one step of its own, one
 request after another (interleaved), each with its own caches. What the server gains is that many
