@@ -630,7 +630,7 @@ def kernel_static_sweep() -> str:
     return "\n".join(lines)
 
 
-SERVE_LOAD_FILES = ("serve_load_cpu.json", "serve_load_h100.json", "serve_load_h200.json")
+SERVE_LOAD_FILES = ("serve_load_cpu.json", "serve_load_cpu_sequential.json", "serve_load_h100.json", "serve_load_h200.json")
 
 
 def serve_load() -> str:
@@ -643,7 +643,7 @@ def serve_load() -> str:
              "|---|---|---|---|---:|---|---:|---:|---|---|---|"]
     for name, d in files:
         a = d["args"]
-        way = "batched" if a.get("batching") else "one after another"  # files before the batched server: the latter
+        way = "batched" if str(a.get("batching")) == "True" else "one after another"  # args as text; older files: the latter
         ok = f"{d['complete']}/{d['requests_sent']}, {'yes' if d['none_duplicated'] else 'NO'}"
         lines.append(f"| {_where(d)} | {d['engine']} | {way} | {a['concurrency']} / {a['requests']} / {a['max_tokens']} | "
                      f"{a['max_batch']} | {ok} | {d['output_tokens_per_s']:.1f} | {d['requests_per_s']:.2f} | "
