@@ -8,6 +8,7 @@ fresh ones when hunting for bugs.
 from __future__ import annotations
 
 import os
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,6 +26,22 @@ if not ON_GPU:
 # the workers from spinning against each other (the suite is interpreter- and tiny-model-bound).
 if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
+
+
+def free_port() -> int:
+    """A TCP port free on localhost now (for a server process a test starts)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def server_env(**extra: str) -> dict[str, str]:
+    """The environment of a process a test starts as users would start it: this checkout first on
+    PYTHONPATH (the rest kept), and no Triton interpreter (set above for the kernels only, it would put
+    a CPU server's batched attention through the interpreter)."""
+    path = os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH")]))
+    return {**{k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}, "PYTHONPATH": path, **extra}
+
 
 import pytest  # noqa: E402
 from hypothesis import settings  # noqa: E402

@@ -25,16 +25,10 @@ from specpilot.agent.workers import RayPool
 from specpilot.compiler import run_trial
 from specpilot.spec import load_spec
 
-from conftest import tiny_spec
+from conftest import free_port, tiny_spec
 
 if importlib.util.find_spec("ray") is None:
     pytest.skip("Ray is not installed (requirements.lock pins ray[client])", allow_module_level=True)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.slow

@@ -5,9 +5,7 @@ specpilot version or GPU kind) refused with an error naming the file."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import socket
 import subprocess
 import sys
 import textwrap
@@ -29,14 +27,10 @@ from specpilot.formats.u12 import load_u12
 from specpilot.runtime.load import load_target
 from specpilot.spec import load_spec
 
+from conftest import free_port, server_env
+
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT = "def add(a, b):"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def compile_zoo(root: Path, name: str, extra: str = "") -> Path:
@@ -121,8 +115,7 @@ def test_a_copied_engine_is_served_by_a_fresh_process_without_recompiling(engine
     expected = load_engine(engine, device="cpu")
     want = expected.tokenizer.decode(expected.engine.generate(expected.tokenizer.encode(PROMPT).ids, 12).tokens)
     port = free_port()
-    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))  # ours first, kept the rest
-    env = {**os.environ, "PYTHONPATH": path, "SPECPILOT_CACHE": str(tmp_path / "empty-cache")}
+    env = server_env(SPECPILOT_CACHE=str(tmp_path / "empty-cache"))
     log = tmp_path / "server.log"
     proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(GUARDED_SERVE), "serve", str(copied), "--port",
                              str(port), "--device", "cpu", "--threads", "1"], cwd=tmp_path, env=env,

@@ -5,9 +5,7 @@ the queue limit, a client that leaves mid-stream, and a clean shutdown on SIGTER
 from __future__ import annotations
 
 import json
-import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -22,22 +20,16 @@ from specpilot.compiler import compile_pipeline, load_engine
 from specpilot.runtime.sampling import SamplingParams
 from specpilot.spec import load_spec
 
+from conftest import free_port, server_env
+
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT = "def add(a, b):"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_server(engine_dir: Path, *args: str, log: Path) -> tuple[subprocess.Popen, str]:
     """`specpilot serve ENGINE` in a fresh process; returns it and its base URL once /health answers."""
     port = free_port()
-    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))  # ours first, kept the rest
-    # a server as users start it on a CPU: no Triton interpreter (the suite's conftest sets it for the kernels)
-    env = {**{k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}, "PYTHONPATH": path}
+    env = server_env()
     proc = subprocess.Popen([sys.executable, "-m", "specpilot.cli", "serve", str(engine_dir), "--port", str(port),
                              "--threads", "1", "--device", "cpu", *args], cwd=ROOT, env=env,
                             stdout=log.open("w"), stderr=subprocess.STDOUT)

@@ -19,7 +19,6 @@ specpilot version, and one built on a GPU of another kind (engine.json names wha
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -29,18 +28,12 @@ from pathlib import Path
 from typing import Iterator
 
 from ..errors import EngineError
+from ..formats.digest import file_sha256
 
 MANIFEST = "engine.json"
 ENGINE_FORMAT = 2  # 2: versions and build device in the manifest; weights stored once, in their final format
 CHECKPOINT_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json")
 
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 @contextmanager
@@ -105,7 +98,7 @@ def copy_checkpoint(src: Path, dst: Path, leave_out: frozenset[str] = frozenset(
 
 def write_manifest(root: Path, info: dict) -> None:
     files = {
-        str(p.relative_to(root)): sha256_file(p)
+        str(p.relative_to(root)): file_sha256(p)
         for p in sorted(root.rglob("*"))
         if p.is_file() and p.name != MANIFEST
     }
@@ -126,7 +119,7 @@ def read_manifest(root: Path) -> dict:
         f = root / name
         if not f.is_file():
             raise EngineError(f"{root}: file {name} listed in {MANIFEST} is missing")
-        if sha256_file(f) != digest:
+        if file_sha256(f) != digest:
             raise EngineError(f"{root}: file {name} does not match its checksum in {MANIFEST}")
     return manifest
 

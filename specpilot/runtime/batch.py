@@ -46,8 +46,8 @@ from functools import cached_property
 
 import torch
 
-from specpilot.runtime.batch_control import (BatchPolicy, SpecControl, choose_verify_budget, survival_from_confidence,
-                                             survival_from_rate)
+from specpilot.runtime.batch_control import (BatchPolicy, SpecControl, StepCost, choose_verify_budget,
+                                             survival_from_confidence, survival_from_rate)
 from specpilot.runtime.cache import KVCache
 from specpilot.runtime.decode import OutputTokens
 from specpilot.runtime.dflash import DFlashDrafter
@@ -436,7 +436,6 @@ class BatchEngine:
         self.stats.committed += len(reqs)
 
     def _decode(self, reqs: list[Request], new: dict[str, list[int]]) -> None:
-        dev = self.target.device
         lengths = self.control.lengths([q.rid for q in reqs]) if self.kind != "ar" else {q.rid: 0 for q in reqs}
         drafting = [q for q in reqs if lengths[q.rid] > 0]
         if self.tree is not None:
@@ -748,15 +747,13 @@ def generate_batched(engine: BatchEngine, prompts: Sequence[Sequence[int]], max_
 @torch.inference_mode()
 def profile_step_cost(engine: BatchEngine, *, tokens: Sequence[int], requests: Sequence[int] = (),
                       past: int = 256, repeats: int = 3,
-                      clock: Callable[[], float] | None = None) -> "StepCost":
+                      clock: Callable[[], float] | None = None) -> StepCost:
     """The step-cost table of `engine` measured on its own forwards: verify forwards of `tokens`
     rows (spread over min(rows, max_batch) requests with `past` cached keys each), and drafter
     forwards of `requests` requests; median of `repeats` after one warm-up. Run while no request is
     active (it writes scratch K/V into the slots; lengths are left as they are)."""
     import statistics
-    import time
 
-    from specpilot.runtime.batch_control import StepCost
     from specpilot.runtime.decode import DecodeClock
 
     if engine.active():

@@ -18,7 +18,6 @@ the cache beside the target.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -27,6 +26,7 @@ from importlib import metadata
 from pathlib import Path
 
 from ..errors import CheckpointError
+from ..formats.digest import file_sha256
 from ..hf.gguf import gguf_to_hf_dir
 from ..zoo import PAIRS as ZOO_PAIRS
 from ..zoo import pair_dir
@@ -96,13 +96,6 @@ def packaged_gguf(name: str) -> Path:
     return path
 
 
-def sha256_of(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
 
 def packaged_target(name: str) -> Path:
     """The HF directory of built-in GGUF target `name`, converted into the cache on first use (and
@@ -110,7 +103,7 @@ def packaged_target(name: str) -> Path:
     gguf = packaged_gguf(name)
     target = cache_root() / "models" / f"{name}-{GGUF_VERSION}" / "target"
     stamp = target / SOURCE_FILE
-    sha = sha256_of(gguf)
+    sha = file_sha256(gguf)
     try:
         if json.loads(stamp.read_text())["sha256"] == sha:
             return target
@@ -151,7 +144,7 @@ def assemble_shared_embedding(zoo: Path, target: Path, out: Path) -> Path:
     except (OSError, ValueError, KeyError, TypeError):
         st = (target / "model.safetensors").stat()
         target_key = f"{st.st_size}:{st.st_mtime_ns}"
-    key = {"layers": sha256_of(zoo / PARD_LAYERS_FILE), "config": sha256_of(zoo / "config.json"), "target": target_key}
+    key = {"layers": file_sha256(zoo / PARD_LAYERS_FILE), "config": file_sha256(zoo / "config.json"), "target": target_key}
     stamp = out / SOURCE_FILE
     try:
         if json.loads(stamp.read_text()) == key:

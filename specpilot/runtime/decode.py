@@ -35,7 +35,8 @@ import torch
 from specpilot.runtime.cache import KVCache
 from specpilot.runtime.dflash import DFlashDrafter
 from specpilot.runtime.model import PardDrafter, Transformer
-from specpilot.runtime.sampling import GREEDY, SamplingParams, StepRandom, accept_chain, draft_chain, sample_first
+from specpilot.runtime.sampling import (GREEDY, SamplingParams, StepRandom, accept_chain, draft_chain, first_token,
+                                        sample_first)
 
 
 @dataclass
@@ -187,11 +188,7 @@ class ChainStep:
 
     def first(self, logits: torch.Tensor) -> int:
         """The token after the prompt from the prefill's last logits [V]."""
-        if self.rng is None:
-            return int(logits.argmax())
-        token = int(sample_first(logits, self.sampling, self.rng)[0])
-        self.rng.advance()
-        return token
+        return first_token(logits, self.sampling, self.rng)
 
     def drafts(self, draft_logits: torch.Tensor) -> torch.Tensor:
         """The drafter's logits [k, V] -> k drafts: argmax, or drawn from each position's q."""

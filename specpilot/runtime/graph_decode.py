@@ -48,8 +48,8 @@ from specpilot.runtime.decode import Generation, OutputTokens, check_max_new, De
 from specpilot.runtime.dflash import DFlashDrafter
 from specpilot.runtime.hybrid import GatedAttention, GatedDeltaNet, HybridCache
 from specpilot.runtime.model import Attention, PardDrafter, Transformer
-from specpilot.runtime.sampling import (GREEDY, SamplingParams, StepRandom, accept_chain, draft_chain, sample_first,
-                                        tree_draws)
+from specpilot.runtime.sampling import (GREEDY, SamplingParams, StepRandom, accept_chain, draft_chain, first_token,
+                                        sample_first, tree_draws)
 from specpilot.runtime.tree import best_first_tree_padded
 
 # Capacity buckets: a runner (and its graphs) serves every request that fits.
@@ -138,11 +138,7 @@ class _Runner:
 
     def _first(self, logits: torch.Tensor) -> int:
         """The token after the prompt from the prefill's last logits [V] (eager)."""
-        if self.rng is None:
-            return int(logits.argmax())
-        token = int(sample_first(logits, self.sampling, self.rng)[0])
-        self.rng.advance()
-        return token
+        return first_token(logits, self.sampling, self.rng)
 
     def _drafts(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The drafter's logits [k, V] -> (drafts, q): argmax, or drawn from each position's q."""

@@ -160,6 +160,16 @@ def sample_first(logits: torch.Tensor, params: SamplingParams, rng: StepRandom) 
     return sample_tokens(probabilities(logits[None], params), rng.draw(STREAM_FIRST, 1))
 
 
+def first_token(logits: torch.Tensor, params: SamplingParams, rng: StepRandom | None) -> int:
+    """The token after the prompt from the prefill's last logits [V], as the eager loops take it: the
+    argmax where greedy (`rng` None), else drawn from p, and `rng` moved on to the next step."""
+    if rng is None:
+        return int(logits.argmax())
+    token = int(sample_first(logits, params, rng)[0])
+    rng.advance()
+    return token
+
+
 def draft_chain(draft_logits: torch.Tensor, params: SamplingParams, rng: StepRandom
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Drafter logits [k, V] -> (drafts [k], each drawn from its position's q_i, and q [k, V])."""

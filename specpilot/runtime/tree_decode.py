@@ -33,7 +33,7 @@ from specpilot.runtime.decode import Generation, OutputTokens, check_max_new, De
 from specpilot.runtime.dflash import DFlashDrafter
 from specpilot.runtime.hybrid import HybridCache
 from specpilot.runtime.model import PardDrafter, Transformer
-from specpilot.runtime.sampling import GREEDY, SamplingParams, StepRandom, sample_first, tree_draws
+from specpilot.runtime.sampling import GREEDY, SamplingParams, StepRandom, first_token, tree_draws
 from specpilot.runtime.tree import TREE_SHAPES, Tree, accept_tree, ancestor_mask, compact_kv, draft_topk
 
 
@@ -89,11 +89,7 @@ class _TreeStep:
 
     def first(self, logits: torch.Tensor) -> int:
         """The token after the prompt from the prefill's last logits [V]."""
-        if self.rng is None:
-            return int(logits.argmax())
-        token = int(sample_first(logits, self.sampling, self.rng)[0])
-        self.rng.advance()
-        return token
+        return first_token(logits, self.sampling, self.rng)
 
     def __call__(self, tree: Tree) -> tuple[list[int], torch.Tensor | None]:
         """Returns (committed span: accepted drafts + bonus, hidden states of the path's nodes)."""
