@@ -511,7 +511,7 @@ def test_each_gpu_is_calibrated_by_the_files_gpus_yaml_lists_and_no_others(llama
             yielding.add(f)
     assert yielding == set(listed)
     e = explain(llama8b, "h200", Workload(tau=6.0))
-    assert set(e.calibrated_by) == {str(f) for f in listed}
+    assert set(e.calibrated_by) == {f.name for f in listed}
     assert e.calibration["verify"] != 1.0  # the step files calibrate it
     assert explain(llama8b, "h200", Workload(tau=6.0), results=()).calibrated_by == ()
 

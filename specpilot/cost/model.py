@@ -447,7 +447,7 @@ class CostModel:
         self.step_records: list[StepRecord] = []
         self.acceptance_records: list[AcceptanceRecord] = []
         self._bound: list[tuple[StepRecord, float]] = []  # (record, measured / predicted) fixed at update
-        self.calibrated_by: list[str] = []  # results files read by update_from_results
+        self.calibrated_by: list[str] = []  # names of the results files read by update_from_results
 
     # -- calibration
     def update(self, records: Iterable[StepRecord | AcceptanceRecord | KernelRecord | Mapping],
@@ -502,7 +502,7 @@ class CostModel:
             path = Path(path)
             files = sorted(path.glob("*.json")) if path.is_dir() else [path]
             for f in files:
-                self.calibrated_by.append(str(f))
+                self.calibrated_by.append(f.name)  # results files are named uniquely; no machine path
                 try:
                     data = json.loads(f.read_bytes().decode("utf-8"))
                 except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
