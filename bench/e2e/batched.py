@@ -4,6 +4,7 @@
                                 [--concurrency 1,2,4,8,16,32,64] [--variants all,no-budget,no-ragged,no-control,none]
                                 [--zoo code-qwen3/dflash,code-qwen3/pard] [--num-prompts 8] [--max-new-tokens 64]
                                 [--budget-s 270] [--graphs] [--out FILE|DIR] [--tag TAG] [--smoke]
+    python -m bench.e2e.batched --cpu [--concurrency 1,2,4,8,16] ...   # the zoo pairs measured on the CPU
 
 8B shapes: the profile's target with random bf16 weights and a replay DFlash drafter of its shape
 (runtime/batch_replay.py: per-request plans drawn from the profile, following each prompt's batched
@@ -22,6 +23,8 @@ at c32, never below 1.0x. The summary says met or not. Writes bench/results/batc
 --graphs: the verify forwards of both engines as CUDA-graph replays bucketed by token count (drafting and
 prefill stay eager) -> batched_<gpu>_graphs.json.
 --smoke: the tiny shapes on the CPU (fp32), two concurrencies: checks the script, measures nothing.
+--cpu: a measurement on the CPU (fp32) of the zoo pairs only (8B shapes do not fit a CPU's time), every
+variant -> batched_cpu.json.
 """
 
 from __future__ import annotations
@@ -109,7 +112,8 @@ def bench_zoo(args, sizes, device, dtype) -> list[dict]:
         capacity = max(map(len, prompts)) + args.max_new_tokens + engine.block_size + 2
         guesses = generate_batched(engine.batched_ar(max_batch=len(prompts), capacity=capacity), prompts,
                                    args.max_new_tokens)
-        rows += run_variants(engine, stock, prompts, guesses, sizes, ["all", "none"], args, {"pair": pair}, dtype)
+        variants = args.variants.split(",") if args.cpu else ["all", "none"]
+        rows += run_variants(engine, stock, prompts, guesses, sizes, variants, args, {"pair": pair}, dtype)
     return rows
 
 
@@ -144,17 +148,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget-s", type=float, default=270.0, help="start no variant past this many seconds")
     ap.add_argument("--graphs", action="store_true", help="verify forwards (and batched AR's) as CUDA-graph replays "
                     "bucketed by token count; write batched_<gpu>_graphs.json unless --tag says otherwise")
+    ap.add_argument("--cpu", action="store_true", help="measure the zoo pairs on the CPU (fp32): no 8B profile")
     args = harness.add_results_args(ap).parse_args(argv)
+    if args.cpu and not args.smoke:
+        args.profile = ""
     if args.smoke:
         torch.set_num_threads(1)
         args.target, args.concurrency, args.variants, args.prompts = "tiny", "1,3", "all,none", "code-smoke"
         args.num_prompts, args.max_new_tokens, args.zoo = 2, 12, "code-qwen3/dflash"
-    why = harness.refuse_device("bench.e2e.batched", args.smoke, interpreter=False)
+    why = harness.refuse_device("bench.e2e.batched", args.smoke or args.cpu, interpreter=False)
     if why:
         print(why, file=sys.stderr)
         return 2
-    device = torch.device("cpu" if args.smoke else "cuda")
-    dtype = "float32" if args.smoke else "bfloat16"
+    on_cpu = args.smoke or args.cpu
+    device = torch.device("cpu" if on_cpu else "cuda")
+    dtype = "float32" if on_cpu else "bfloat16"
     sizes = [int(c) for c in args.concurrency.split(",")]
     args.started = time.perf_counter()
     args.tag = args.tag or ("graphs" if args.graphs else "")
@@ -162,8 +170,11 @@ def main(argv: list[str] | None = None) -> int:
     rows += bench_zoo(args, sizes, device, dtype)
     out = harness.write_run(args, "batched", device, rows, aims=aims(rows), wall_s=time.perf_counter() - args.started,
                             method="continuous batching: c requests in flight, 2c (at least the prompts) served, "
-                                   "prompts cycled; tokens/s over the run (prefill included); AR = the batched "
-                                   "runtime with no drafter, same attention; eager steps (no CUDA graphs)")
+                                   "prompts cycled; speedup in decode tokens/s (prefill forwards and their first "
+                                   "tokens left out), the whole run's tokens/s beside it; AR = the batched runtime "
+                                   "with no drafter, same attention; "
+                                   + ("verify forwards as CUDA-graph replays by token bucket" if args.graphs
+                                      else "eager steps (no CUDA graphs)"))
     print(f"\n{harness.device_name(device)}: {len(rows)} rows -> {out or 'no file (--smoke)'}")
     for name, a in aims(rows).items():
         print(f"  {name}: {a}")

@@ -40,6 +40,7 @@ Greedy only: temperature > 0 is refused at admission.
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -299,6 +300,8 @@ class StepStats:
     ar_steps: int = 0  # steps where no request speculated
     spec_request_steps: int = 0  # (request, step) pairs that verified at least one draft
     spec_committed: int = 0  # tokens those committed (bonus included)
+    prefill_s: float = 0.0  # wall time of the prefill forwards (synchronized), so benchmarks can exclude it
+    prefill_tokens: int = 0  # first tokens the prefills committed
 
     @property
     def tau(self) -> float:
@@ -405,7 +408,12 @@ class BatchEngine:
         new: dict[str, list[int]] = {rid: [] for rid in self.requests}
         fresh = [r for r in self.requests.values() if not r.prefilled and not r.out.done]
         if fresh:
+            started = time.perf_counter()
             self._prefill(fresh, new)
+            if self.target.device.type == "cuda":
+                torch.cuda.synchronize(self.target.device)
+            self.stats.prefill_s += time.perf_counter() - started
+            self.stats.prefill_tokens += len(fresh)
         running = [r for r in self.requests.values() if r.prefilled and not r.out.done and r not in fresh]
         if running:
             self._decode(running, new)
