@@ -347,7 +347,7 @@ smollm2bench() {
 }
 zoo() {
   if [ -n "${ZOO_DIR:-}" ]; then
-    for pair in "$ZOO_DIR"/*/; do rm -rf "specpilot/zoo/$(basename "$pair")"; cp -r "$pair" "specpilot/zoo/$(basename "$pair")"; done
+    run zoo_store 240 python -m train.train_zoo store "$ZOO_DIR" specpilot/zoo  # compressed, as the zoo keeps them
   fi
   TAIL=4 run tree_kernel 60 python -m pytest -q -x -p no:cacheprovider tests/test_kernels.py -k best_first
   e2e

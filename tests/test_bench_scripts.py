@@ -76,7 +76,7 @@ def test_zoo_e2e_smoke(tmp_path: Path, tiny_model_dirs: dict[str, dict[str, Path
 
 def test_zoo_e2e_defaults_name_the_zoo_pair() -> None:
     for kind in ("target", "dflash", "pard"):
-        assert (zoo_e2e.ZOO / kind / "config.json").is_file()
+        assert (zoo_e2e.zoo_part(kind) / "config.json").is_file()
 
 
 def test_step_times_writes_its_shapes_rows_through_the_harness(tmp_path: Path, monkeypatch) -> None:

@@ -24,6 +24,7 @@ from specpilot.backends.engine_dir import copy_checkpoint
 from specpilot.cli import main
 from specpilot.compiler import compile_pipeline, load_engine
 from specpilot.formats.u12 import load_u12
+from specpilot.runtime.builtin import resolve_builtin
 from specpilot.runtime.load import load_target
 from specpilot.spec import load_spec
 
@@ -88,7 +89,7 @@ def test_u12_engine_stores_each_weight_once_and_loads_bit_exact(tmp_path):
     with safe_open(str(engine / "target" / "model.safetensors"), "pt") as f:
         kept = set(f.keys())
     assert planes and not kept & set(planes)  # no weight both in the checkpoint and as planes
-    source, _ = load_target(ROOT / "specpilot" / "zoo" / "code-qwen3" / "target", dtype=torch.bfloat16, device="cpu")
+    source, _ = load_target(resolve_builtin("code-qwen3"), dtype=torch.bfloat16, device="cpu")
     loaded = load_engine(copy_of(engine, tmp_path), device="cpu")
     assert torch.equal(loaded.engine.target.model.embed_tokens.weight, source.model.embed_tokens.weight)
     r = CliRunner().invoke(main, ["verify", str(engine), "--device", "cpu"])

@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from specpilot.runtime import decode
+from specpilot.runtime.builtin import resolve_builtin
 from specpilot.runtime import graph_decode as gd
 from specpilot.runtime.load import load_drafter, load_target
 from specpilot.runtime.model import build_mask, build_mask_device
@@ -21,7 +22,6 @@ from specpilot.runtime.model import build_mask, build_mask_device
 from conftest import FAMILIES
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")
-ZOO = "specpilot/zoo/code-qwen3"
 
 
 @settings(max_examples=200, deadline=None)
@@ -53,12 +53,13 @@ def test_device_mask_is_the_host_mask_plus_hidden_stale_slots(past, t, slack, ki
 
 @pytest.fixture(scope="module")
 def zoo():
-    target, cfg = load_target(f"{ZOO}/target", dtype=torch.float32, device="cpu")
-    dflash = load_drafter(f"{ZOO}/dflash", target, cfg, dtype=torch.float32, device="cpu")
-    pard = load_drafter(f"{ZOO}/pard", target, cfg, dtype=torch.float32, device="cpu")
+    zoo = resolve_builtin("code-qwen3").parent
+    target, cfg = load_target(zoo / "target", dtype=torch.float32, device="cpu")
+    dflash = load_drafter(zoo / "dflash", target, cfg, dtype=torch.float32, device="cpu")
+    pard = load_drafter(zoo / "pard", target, cfg, dtype=torch.float32, device="cpu")
     from tokenizers import Tokenizer
 
-    tok = Tokenizer.from_file(f"{ZOO}/target/tokenizer.json")
+    tok = Tokenizer.from_file(str(zoo / "target" / "tokenizer.json"))
     prompt = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"
     return target, cfg, dflash, pard, tok.encode(prompt).ids
 

