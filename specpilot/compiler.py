@@ -37,7 +37,7 @@ from .passes.plugins import load_distribution, load_module, load_weight_format
 from .runtime.builtin import is_builtin, resolve_builtin
 from .runtime.draft_vocab import VOCAB_FILE, DraftVocab, save_vocab
 from .runtime.load import load_target
-from .runtime.tokenizer import load_tokenizer
+from .runtime.tokenizer import load_chat_template, load_tokenizer
 from .formats.u12 import save_u12
 from .spec import PipelineSpec
 from .validate.forcing import TokenForcingReport, force_tokens
@@ -433,7 +433,8 @@ def prepare(spec: PipelineSpec, passes: str | None = None, device: str | None = 
     pass_list = resolve_passes(spec, passes)
     program, records = run_passes(stock, pass_list, where=f"{pipeline_source(spec, passes)}: ")
     tokenizer = dirs.tokenizer
-    texts = load_prompts(spec.benchmark.prompts, spec.benchmark.num_prompts, source=spec.source)
+    texts = load_prompts(spec.benchmark.prompts, spec.benchmark.num_prompts, source=spec.source,
+                         chat=load_chat_template(dirs.target))
     prompts = [tokenizer.encode(t).ids for t in texts]
     check_serving_fits(spec, program, prompts, dirs.target or Path(f"target shape {spec.target}"))
     return Prepared(dirs, dev, stock, program, records, pipeline_string(pass_list), prompts)
@@ -548,7 +549,8 @@ def load_engine_plugins(spec: PipelineSpec, pipeline: str, program: Program, sou
 def verify_engine(loaded: LoadedEngine, progress=None) -> TokenForcingReport:
     """Re-run the engine on its benchmark prompts and token-force every output token."""
     spec = loaded.spec
-    texts = load_prompts(spec.benchmark.prompts, spec.benchmark.num_prompts, source=str(loaded.root / "spec.yaml"))
+    texts = load_prompts(spec.benchmark.prompts, spec.benchmark.num_prompts, source=str(loaded.root / "spec.yaml"),
+                         chat=load_chat_template(loaded.root / "target"))
     prompts = [loaded.tokenizer.encode(t).ids for t in texts]
     outputs = []
     for p in prompts:

@@ -15,7 +15,7 @@
       max_new_tokens: 64
       greedy: true                  # compiled and token-forced greedy (sampling is chosen per request)
     benchmark:
-      prompts: code-smoke           # a prompt-set name, or a .jsonl file ({"prompt": ...} per line)
+      prompts: code-smoke           # a prompt-set name (ifeval: through the target's chat template), or a .jsonl file ({"prompt": ...} per line)
       num_prompts: 4
     passes: "draft-block-size{size=8}"   # optional pass pipeline
     rules: [rules/mine.rules]       # optional DSL files defining custom passes

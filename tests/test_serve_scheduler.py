@@ -199,7 +199,7 @@ def test_close_lets_running_and_waiting_requests_finish_then_refuses_new_ones():
 def test_chat_template_renders_messages_and_refuses_what_it_raises_on(tmp_path):
     """The plain template without a tokenizer_config.json; else its template with bos_token and
     raise_exception, as transformers renders it."""
-    from specpilot.serve.chat import load_chat_template
+    from specpilot.runtime.tokenizer import load_chat_template
 
     assert load_chat_template(tmp_path).render([{"role": "user", "content": "hi"}]) == "user: hi\nassistant:"
     (tmp_path / "tokenizer_config.json").write_text(

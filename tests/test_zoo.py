@@ -168,6 +168,47 @@ def test_prompt_sets_load() -> None:
     assert load_prompts("code-heldout", limit=3) == heldout[:3]
 
 
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_the_chat_set_renders_ifeval_instructions_through_the_template(tmp_path: Path) -> None:
+    """`ifeval`: IFEval's 541 instructions, each a user message in the template given (a model's own,
+    else the plain one); without a template it is refused, not fed raw."""
+    from specpilot.runtime.tokenizer import load_chat_template
+
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHATML}))
+    chats = load_prompts("ifeval", chat=load_chat_template(tmp_path))
+    raw = [json.loads(line) for line in (REPO / "specpilot/bench/data/ifeval.jsonl").read_text().splitlines()]
+    assert len(chats) == len(raw) == 541 and len({r["key"] for r in raw}) == 541
+    assert chats[1] == f"<|im_start|>user\n{raw[1]['prompt']}<|im_end|>\n<|im_start|>assistant\n"
+    assert raw[1]["prompt"].startswith("I am planning a trip to Japan")
+    plain = load_prompts("ifeval", limit=2, chat=load_chat_template(None))
+    assert plain == [f"user: {r['prompt']}\nassistant:" for r in raw[:2]]
+    with pytest.raises(SpecError, match="'ifeval' is a chat set"):
+        load_prompts("ifeval", source="p.yaml")
+
+
+def test_compile_feeds_a_chat_set_through_the_targets_template(tiny_model_dirs, tmp_path: Path) -> None:
+    """The prompts a compile measures are the target's chat template over each instruction, tokenized."""
+    import shutil
+
+    from specpilot.compiler import prepare
+    from specpilot.runtime.tokenizer import chat_prompt
+    from specpilot.spec import parse_spec
+
+    target = tmp_path / "target"
+    shutil.copytree(tiny_model_dirs["qwen3"]["target"], target)
+    (target / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHATML}))
+    spec = parse_spec({"name": "t", "target": str(target),
+                       "drafter": {"kind": "dflash", "path": str(tiny_model_dirs["qwen3"]["dflash"]), "block_size": 4},
+                       "serving": {"max_new_tokens": 4}, "benchmark": {"prompts": "ifeval", "num_prompts": 2}}, "t.yaml")
+    prepared = prepare(spec, device="cpu")
+    tok = load_tokenizer(target)
+    raw = [json.loads(line)["prompt"] for line in (REPO / "specpilot/bench/data/ifeval.jsonl").read_text().splitlines()[:2]]
+    assert prepared.prompts == [tok.encode(chat_prompt(CHATML, [{"role": "user", "content": r}])).ids for r in raw]
+
+
 def test_humaneval_without_the_package_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
     def missing(name: str):
         raise ModuleNotFoundError(f"No module named {name!r}")

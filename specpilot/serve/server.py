@@ -11,7 +11,7 @@ from pathlib import Path
 from ..backends.torch_backend import Engine
 from .app import ServedModel, create_app
 from .batch1 import Batch1StepEngine
-from .chat import ChatTemplate
+from ..runtime.tokenizer import ChatTemplate
 from .metrics import ServeMetrics
 from .routed import RoutedStepEngine, batched_engine_for
 from .scheduler import Scheduler, SchedulerConfig
@@ -67,6 +67,6 @@ def run_server(name: str, engine: Engine, tokenizer, chat: ChatTemplate, config:
 
 
 def engine_chat_template(root: Path) -> ChatTemplate:
-    from .chat import load_chat_template
+    from ..runtime.tokenizer import load_chat_template
 
     return load_chat_template(Path(root) / "target")
