@@ -272,6 +272,16 @@ def test_train_zoo_smoke_run_writes_loadable_models(small_data: Path, tmp_path: 
     for prompt_set in ("code-heldout", "humaneval"):
         summary = log["phases"]["eval"]["sets"][prompt_set]["summary"]
         assert summary["dflash"]["prompts"] == summary["pard"]["prompts"] == 1
+    # store: the zoo's form of each pair, which materializes to OUT's files byte for byte
+    from specpilot.zoo import materialize
+    from train.train_zoo import store
+
+    for stored in store(out, tmp_path / "stored"):
+        plain = materialize(stored, tmp_path / "cache")
+        assert (stored / "target" / "model.safetensors.xz").is_file() and not (stored / "target" / "model.safetensors").exists()
+        for f in (out / stored.name).rglob("*"):
+            if f.is_file():
+                assert (plain / f.relative_to(out / stored.name)).read_bytes() == f.read_bytes()
     # --pack: what the device tool can bring back (at most 8 files of 16 MiB), and it unpacks to OUT
     packed = sorted((tmp_path / "pack").iterdir())
     assert [p.name for p in packed] == ["train_log.json", "zoo.tar.part-00"]

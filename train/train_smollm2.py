@@ -151,8 +151,9 @@ class Shapes:
 
 
 PRESETS = {
-    "gpu": (Shapes(gen_batch=1024), {"distill": 130, "dflash": 140, "pard": 80, "eval": 30}),
-    "cpu": (Shapes(prompt_lens=(96, 160), gen_len=64, gen_batch=48, val_rows=1, store_hidden=True, dflash_anchors=8,
+    "gpu": (Shapes(gen_batch=1024, dflash_layers=1, pard_layers=1), {"distill": 130, "dflash": 140, "pard": 80, "eval": 30}),
+    "cpu": (Shapes(prompt_lens=(96, 160), gen_len=64, gen_batch=48, val_rows=1, store_hidden=True, dflash_layers=1,
+                   pard_layers=1, dflash_anchors=8,
                    dflash_batch=4, pard_batch=2, pard_queries=96, warmup=10, eval_prompts=6, eval_new_tokens=64,
                    filler_docs=400),
             {"distill": 420, "dflash": 300, "pard": 150, "eval": 90}),
