@@ -97,6 +97,7 @@ def test_zoo_tau_compiles_each_variant_on_a_chat_set(tmp_path: Path, tmp_path_fa
 def test_zoo_e2e_defaults_name_the_zoo_pair() -> None:
     for kind in ("target", "dflash", "pard"):
         assert (zoo_e2e.zoo_part(kind) / "config.json").is_file()
+        assert zoo_e2e.shown(zoo_e2e.zoo_part(kind)) == f"code-qwen3/{kind}"  # not the cache's digest
 
 
 def test_step_times_writes_its_shapes_rows_through_the_harness(tmp_path: Path, monkeypatch) -> None:

@@ -1,7 +1,7 @@
 """The zoo pair end to end: our AR, stock PARD and stock DFlash, beside HF transformers' own generate.
 
     python -m bench.e2e.zoo_e2e [--prompts humaneval] [--num-prompts 16] [--max-new-tokens 128]
-                                [--target specpilot/zoo/code-qwen3/target] [--dflash ...] [--pard ...]
+                                [--target DIR] [--dflash DIR] [--pard DIR]   (default: the zoo pair code-qwen3's)
                                 [--device auto] [--out FILE|DIR] [--tag TAG]
 
 Target and drafters load through the runtime's loaders (bf16 on a GPU, fp32 on the CPU); block sizes,
@@ -44,6 +44,7 @@ from specpilot.bench import harness
 from specpilot.bench.prompts import load_prompts
 from specpilot.runtime import decode, graph_decode
 from specpilot.runtime.builtin import resolve_builtin
+from specpilot.zoo import PAIRS
 from specpilot.runtime.load import load_drafter, load_target
 from specpilot.runtime.tokenizer import load_tokenizer
 
@@ -93,9 +94,14 @@ PEERS_SKIPPED = [{
 
 
 def shown(path: Path) -> str:
-    """A checkpoint directory as the results file names it: relative to the repo, else its last two parts."""
+    """A checkpoint directory as the results file names it: relative to the repo, a zoo pair's by its built-in
+    name (materialized as <pair>-<digest>/<part> in the cache), else its last two parts."""
     path = path.resolve()
-    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else "/".join(path.parts[-2:])
+    if path.is_relative_to(ROOT):
+        return str(path.relative_to(ROOT))
+    if path.parent.parent.name == "zoo" and path.parent.name.rsplit("-", 1)[0] in PAIRS:
+        return f"{path.parent.name.rsplit('-', 1)[0]}/{path.name}"
+    return "/".join(path.parts[-2:])
 
 
 def prompt_ids(name: str, limit: int, tokenizer) -> tuple[list[list[int]], str, str | None]:
