@@ -24,7 +24,10 @@ from specpilot.runtime.load import load_drafter, load_target
 from specpilot.runtime.tiny import MASK_TOKEN_ID
 from specpilot.runtime.tiny_hybrid import build_tiny_hybrid
 from specpilot.runtime.tree import Tree, ancestor_mask, best_first_tree, draft_topk
-from specpilot.runtime.two_level import drafter_scores, early_exit_scores, first_level, prune_tree, share_budget
+from specpilot.runtime.tree_decode import commit_tree, verify_tree_logits
+from specpilot.runtime.two_level import (
+    FirstLevel, drafter_scores, early_exit_scores, first_level, prune_tree, share_budget,
+)
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")
 
@@ -128,12 +131,77 @@ def test_early_exit_scores_are_the_exit_head_along_each_path(which, tiny_models,
         early_exit_scores(target, cache, tree, len(target.model.layers))
 
 
+# --- layer reuse: the second level continues the survivors from the early exit's layer -------------
+
+
+def _cache_state(cache) -> list[torch.Tensor]:
+    """What a cache holds for the next step: every valid K/V slot (and a hybrid's committed states)."""
+    kv = getattr(cache, "kv", cache)
+    out = [t[:, :, : cache.length] for t in (*kv.k, *kv.v)]
+    return out + [t.clone() for t in (*getattr(cache, "state", []), *getattr(cache, "conv", []))]
+
+
+def _close_to_scale(got: torch.Tensor, want: torch.Tensor, rel: float = 1e-5) -> None:
+    """Every element within rel of the tensor's largest magnitude (float32 sums over different row
+    counts round differently; 1e-5 of the scale is ~80 float32 ulps)."""
+    assert got.shape == want.shape
+    assert float((got - want).abs().max()) <= rel * max(1.0, float(want.abs().max())), float((got - want).abs().max())
+
+
+@pytest.mark.parametrize("which", ["qwen3", "hybrid"])
+@pytest.mark.parametrize("seed, drafted, keep, exit_layer", [(1, 30, 7, 1), (2, 25, 11, 2), (3, 6, 9, 2)])
+def test_layer_reuse_equals_the_recompute(which, seed, drafted, keep, exit_layer, tiny_models, hybrid):
+    """Survivors continued from layer L (their layer-L rows and layer < L K/V gathered from the first
+    level's forward over the whole drafted tree) give the logits, hidden states and, after the
+    commit, the cache of a full verify of the survivors; keep > drafted pads the survivors."""
+    target = tiny_models["qwen3"].target if which == "qwen3" else hybrid[1]
+    tree = _random_tree(seed, drafted).padded(drafted + 2)
+    scores = -torch.rand(tree.size, generator=torch.Generator().manual_seed(seed))
+    hidden_layers = tuple(range(len(target.model.layers)))  # every layer's output, those below L too
+    prompt = torch.tensor([[5, 6, 7, 8, 9]])
+    with torch.inference_mode():
+        caches = [target.new_cache(1, 64) for _ in range(2)]
+        for c in caches:
+            target(prompt, c)
+        level = FirstLevel("early-exit-drafter", keep, target, exit_layer, reuse=True)
+        pruned = level(tree, caches[0])
+        assert pruned.size == keep + 1 and level.pending is not None
+        got = level.verify(target, caches[0], pruned, hidden_layers)
+        want = verify_tree_logits(target, caches[1], pruned, hidden_layers)
+        assert caches[0].length == caches[1].length == 5 + keep + 1
+        torch.testing.assert_close(got[0], want[0], atol=1e-5, rtol=1e-5)  # logits
+        _close_to_scale(got[1], want[1])  # residual streams of size ~80: fp32 rounding of other row counts
+        assert torch.equal(got[2], want[2])
+        for g, w in zip(_cache_state(caches[0]), _cache_state(caches[1])):  # every layer's K/V of every survivor
+            _close_to_scale(g, w)
+        path = [0] + [i for i in range(1, pruned.size) if int(pruned.parent[i]) == 0][:1]  # the root and a child
+        for c in caches:
+            commit_tree(c, 5, path)
+        for g, w in zip(_cache_state(caches[0]), _cache_state(caches[1])):
+            _close_to_scale(g, w)
+        nxt = torch.tensor([[11]])
+        torch.testing.assert_close(target(nxt, caches[0]).logits, target(nxt, caches[1]).logits, atol=1e-5, rtol=1e-5)
+
+
+def test_reuse_off_recomputes_and_leaves_the_cache_as_it_was(hybrid):
+    target = hybrid[1]
+    tree = _random_tree(5, 12)
+    with torch.inference_mode():
+        cache = target.new_cache(1, 40)
+        target(torch.tensor([[5, 6, 7]]), cache)
+        level = first_level("early-exit", 4, target, exit_layer=2, reuse=False)
+        pruned = level(tree, cache)
+        assert level.pending is None and not cache.pending_tree and cache.length == 3
+        logits, _, _ = level.verify(target, cache, pruned)
+    assert logits.shape[0] == 5 and cache.length == 8
+
+
 # --- lossless: the target alone accepts ------------------------------------------------------------
 
 
 @pytest.mark.parametrize("which", ["qwen3", "hybrid"])
-@pytest.mark.parametrize("first", ["drafter", "early-exit", "early-exit-drafter"])
-def test_two_level_loops_equal_ar(which, first, tiny_models, hybrid):
+@pytest.mark.parametrize("first, exit_layer", [("drafter", 1), ("early-exit", 1), ("early-exit-drafter", 2)])
+def test_two_level_loops_equal_ar(which, first, exit_layer, tiny_models, hybrid):
     if which == "qwen3":
         m = tiny_models["qwen3"]
         target, dflash, pard = m.target, m.dflash, m.pard
@@ -141,7 +209,7 @@ def test_two_level_loops_equal_ar(which, first, tiny_models, hybrid):
         target, dflash, pard = hybrid[1], hybrid[2], None
     prompt = list(b"def add(a, b):")
     ar = generate_ar(target, prompt, max_new_tokens=16, eos_token_id=None)
-    prune = first_level(first, 5, target, exit_layer=1)
+    prune = first_level(first, 5, target, exit_layer=exit_layer)
     common = dict(budget=20, topk=3, mask_token_id=MASK_TOKEN_ID, max_new_tokens=16, eos_token_id=None, prune=prune)
     assert tree_decode.generate_dflash_tree(target, dflash, prompt, block_size=4, **common).tokens == ar.tokens
     if pard is not None:
@@ -198,6 +266,7 @@ def test_an_exit_past_the_target_is_refused(hybrid):
 @pytest.mark.parametrize("target, kind, passes", [
     ("code-qwen3-next", "dflash", "two-level-verify{budget=8, draft-budget=32, first=early-exit, exit-layer=2}"),
     ("code-qwen3", "pard", "two-level-verify{budget=8, draft-budget=32, first=drafter}"),
+    ("code-qwen3", "dflash", "two-level-verify{budget=8, draft-budget=32, first=early-exit-drafter, exit-layer=3}"),
 ])
 def test_compile_with_two_level_verify_passes_token_forcing(target, kind, passes, tmp_path, monkeypatch):
     calls = []

@@ -30,6 +30,8 @@ the recurrent form 1.9e-5, the chunked form (HF's prefill) 1.6e-4.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -397,6 +399,26 @@ class HybridCache:
         until `commit_path` picks the accepted path."""
         self._tree[layer] = pending
 
+    def keep_tree_nodes(self, src: torch.Tensor, ancestors: torch.Tensor, kv_layers: Sequence[int]) -> None:
+        """After layers of a tree forward ran over a larger tree: keep its nodes `src` only, as a tree
+        whose node j is node src[j] and whose ancestor mask is `ancestors`. The pending per-node
+        vectors of the linear layers that ran and the K/V of attention slots `kv_layers` (at slots
+        start + src) move into that tree's order, as if it had been the forward's tree: exact when
+        the kept nodes are closed under ancestors (a node's vectors depend on its own path only)."""
+        if not self.pending_tree:
+            raise ValueError("keep_tree_nodes needs a pending tree forward")
+        c = self.kernel - 1
+        cols = torch.cat([torch.arange(c, device=src.device), c + src])
+        for j, p in enumerate(self._tree):
+            if p is not None:
+                self._tree[j] = TreePending(p.k.index_select(2, src), p.w.index_select(2, src),
+                                            p.cum_g.index_select(2, src), p.window.index_select(2, cols.to(p.window.device)),
+                                            conv_sources(ancestors.to(p.window.device), self.kernel))
+        start, end = self._start, self._start + src.shape[0]
+        for j in kv_layers:
+            for buf in (self.kv.k[j], self.kv.v[j]):
+                buf[:, :, start:end] = buf[:, :, start + src.to(buf.device)]  # gathered first
+
     @property
     def pending_tree(self) -> bool:
         return any(p is not None for p in self._tree)
@@ -671,10 +693,11 @@ class HybridTransformer(nn.Module):
         return ModelOutput(logits=self.head(self.final_norm(x)), hidden=hidden)
 
     def run_layers(self, x: torch.Tensor, cache: HybridCache, cos: torch.Tensor, sin: torch.Tensor, vis: Visibility,
-                   upto: int, hidden_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
-        """Decoder layers 0..upto-1 over x [B, T, hidden] (embedded) after `cache.begin(T)`: a chain
-        (vis.new "causal") or a tree (an ancestor mask). Returns the last layer's output and the
-        outputs of `hidden_layers`. The cache's length does not move."""
+                   upto: int, hidden_layers: tuple[int, ...] = (), first: int = 0
+                   ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """Decoder layers first..upto-1 over x [B, T, hidden] (embedded, or layer first-1's output)
+        after `cache.begin(T)`: a chain (vis.new "causal") or a tree (an ancestor mask). Returns the
+        last layer's output and the outputs of `hidden_layers` it ran. The cache's length does not move."""
         t = x.shape[1]
         tree = isinstance(vis.new, torch.Tensor)
         record = t <= RECORD_LIMIT
@@ -683,6 +706,8 @@ class HybridTransformer(nn.Module):
         chain = torch.ones(t, t, dtype=torch.bool, device=x.device).tril() if 2 <= t <= RECORD_LIMIT and not tree else None
         picked: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.model.layers[:upto]):
+            if i < first:
+                continue
             h = layer.input_layernorm(x)
             slot = self._slot[i]
             if layer.layer_type == "linear_attention":

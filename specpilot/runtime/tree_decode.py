@@ -25,6 +25,7 @@ The DFlash drafter's next context is the target's hidden states at the accepted 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import torch
 
@@ -35,6 +36,20 @@ from specpilot.runtime.hybrid import HybridCache
 from specpilot.runtime.model import PardDrafter, Transformer
 from specpilot.runtime.sampling import GREEDY, SamplingParams, StepRandom, first_token, tree_draws
 from specpilot.runtime.tree import TREE_SHAPES, Tree, accept_tree, ancestor_mask, compact_kv, draft_topk
+
+
+VerifyOut = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]  # logits [n, V], hidden or None, ancestor mask
+
+
+class Pruning(Protocol):
+    """A first level as the tree loops take it (two_level.FirstLevel): cuts each drafted tree to the
+    nodes the target verifies, then verifies them (`verify_tree_logits`'s contract; it may continue a
+    forward the cut began)."""
+
+    def __call__(self, tree: Tree, cache: KVCache) -> Tree: ...
+
+    def verify(self, target: Transformer, cache: KVCache, tree: Tree, hidden_layers: tuple[int, ...] = ()
+               ) -> VerifyOut: ...
 
 
 def verify_tree(
@@ -48,7 +63,7 @@ def verify_tree(
 
 def verify_tree_logits(
     target: Transformer, cache: KVCache, tree: Tree, hidden_layers: tuple[int, ...] = ()
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+) -> VerifyOut:
     """`verify_tree` with the logits [n, V] in place of their argmax."""
     mask = ancestor_mask(tree)
     positions = (cache.length + tree.depth)[None]
@@ -81,8 +96,8 @@ class _TreeStep:
     one draw from p a node when `sampling` samples."""
 
     def __init__(self, target: Transformer, cache: KVCache, out: OutputTokens, layers: tuple[int, ...] = (),
-                 sampling: SamplingParams = GREEDY):
-        self.target, self.cache, self.out, self.layers = target, cache, out, layers
+                 sampling: SamplingParams = GREEDY, verify: Callable[..., VerifyOut] = verify_tree_logits):
+        self.target, self.cache, self.out, self.layers, self.verify = target, cache, out, layers, verify
         self.accepted: list[int] = []
         self.sampling = sampling
         self.rng = None if sampling.greedy else StepRandom.for_seed(sampling.seed, target.device)
@@ -94,7 +109,7 @@ class _TreeStep:
     def __call__(self, tree: Tree) -> tuple[list[int], torch.Tensor | None]:
         """Returns (committed span: accepted drafts + bonus, hidden states of the path's nodes)."""
         start = self.cache.length
-        logits, hidden, mask = verify_tree_logits(self.target, self.cache, tree, self.layers)
+        logits, hidden, mask = self.verify(self.target, self.cache, tree, self.layers)
         if self.rng is None:
             choice = logits.argmax(-1)
         else:
@@ -129,10 +144,11 @@ def generate_dflash_tree(
     eos_token_id: int | None,
     shape: str = "best-first",
     sampling: SamplingParams = GREEDY,
-    prune: Callable[[Tree, KVCache], Tree] | None = None,
+    prune: Pruning | None = None,
 ) -> Generation:
     """DFlash-style drafting (block_size-1 positions per block) verified as a tree of `budget` nodes;
-    `prune` (two_level.first_level) first cuts each drafted tree to the nodes the target verifies."""
+    `prune` (a two-level first level, `Pruning`) first cuts each drafted tree to the nodes the target
+    verifies, and verifies them."""
     check_max_new(max_new_tokens)
     _check_tree_args(budget, topk)
     if block_size < 2:
@@ -148,7 +164,7 @@ def generate_dflash_tree(
         prompt = prompt_tensor(prompt_ids, target.device)
         t_cache = target.new_cache(1, prompt.shape[1] + max_new_tokens + budget + 1)
         d_cache = drafter.new_cache(1, prompt.shape[1] + max_new_tokens + block_size + 1)
-        step = _TreeStep(target, t_cache, out, layers, sampling)
+        step = _TreeStep(target, t_cache, out, layers, sampling, verify_tree_logits if prune is None else prune.verify)
         t0 = clock()
         pre = target(prompt, t_cache, hidden_layers=layers, only_last=True)
         first = step.first(pre.logits[0, -1])
@@ -184,7 +200,7 @@ def generate_pard_tree(
     eos_token_id: int | None,
     shape: str = "best-first",
     sampling: SamplingParams = GREEDY,
-    prune: Callable[[Tree, KVCache], Tree] | None = None,
+    prune: Pruning | None = None,
 ) -> Generation:
     """PARD-style drafting (k positions per forward, see decode.generate_pard) verified as a tree;
     `prune` as for generate_dflash_tree."""
@@ -203,7 +219,8 @@ def generate_pard_tree(
         prompt = prompt_tensor(prompt_ids, target.device)
         t_cache = target.new_cache(1, prompt.shape[1] + max_new_tokens + budget + 1)
         d_cache = draft_model.new_cache(1, prompt.shape[1] + max_new_tokens + k + 1)
-        step = _TreeStep(target, t_cache, out, sampling=sampling)
+        step = _TreeStep(target, t_cache, out, sampling=sampling,
+                         verify=verify_tree_logits if prune is None else prune.verify)
         t0 = clock()
         first = step.first(target(prompt, t_cache, only_last=True).logits[0, -1])
         draft_model(prompt.to(draft_model.device), d_cache, only_last=True)

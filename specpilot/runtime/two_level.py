@@ -1,7 +1,7 @@
 """Two-level verification: a cheap first level ranks a drafted tree's nodes and keeps the ones worth
 verifying; the target (the second level) verifies only those and alone decides acceptance.
 
-    drafted tree (budget M)  --first level-->  scores per node  --prune_tree-->  survivors (N <= M)
+    drafted tree (budget M)  --first level-->  scores per node  --survivors-->  tree of N (<= M)
                                                                       --target verify (tree loop)-->
 
 The first level sees no more than the drafter and a prefix of the target, and never accepts
@@ -14,21 +14,36 @@ First levels (`FIRST_LEVELS`), each a node score where higher is worth more:
   drafter      the drafter's own confidence: the survival product of the per-position
                probabilities along the node's path (the tree's `score`, its log). On a best-first
                tree this keeps exactly the best-first tree of N nodes, so at batch 1 it is the
-               one-level tree at the second level's budget; it earns its keep when the budget is
-               shared across a batch (`share_budget`), where scores of different requests compete.
+               one-level tree at the second level's budget (a larger drafted tree adds nothing: the
+               one-level tree is already built best-first from these confidences); it earns its
+               keep when the budget is shared across a batch (`share_budget`), where scores of
+               different requests compete.
   early-exit   the target's first `exit_layer` layers over the whole drafted tree (ancestor mask;
                a hybrid target's Gated DeltaNet layers along each path), its final norm and head
-               on their output: log p_early(token_i | ancestors) summed along the path.
+               on their output: log p_early(token_i | ancestors) summed along the path. The head
+               runs over the nodes that have children only (a leaf's own distribution scores
+               nothing).
   early-exit-drafter  both: the sum of the two path log-probabilities (the early exit's view of
                the target weighted by the drafter's own confidence).
 
 Survivors are closed under ancestors (a path product never grows along a path; ties go to the
 shallower node), re-indexed in the tree's order (parents first) and padded to N + 1 nodes.
+
+Layer reuse (`FirstLevel(reuse=True)`, the default): the second level continues the survivors from
+layer L instead of recomputing layers 0..L-1. The first level left, per drafted node, its layer
+outputs and its K/V of layers < L (a hybrid's Gated DeltaNet layers: its key, update row, decay sum
+and conv inputs, pending in the cache); the survivors' rows of these are gathered into the
+survivors' order (`continue_tree`) and layers L.. run over the survivors alone under their own
+ancestor mask. This is the recompute's value because the survivors are ancestor-closed and a node
+of layers < L sees only its ancestors and itself, which are survivors; a padding node (token and
+position of the root, seeing only itself) computes exactly as the root, so it takes the root's
+rows. The extra cost of the first level is then its head and layers < L over the pruned nodes.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -36,14 +51,15 @@ from specpilot.runtime.cache import KVCache
 from specpilot.runtime.hybrid import HybridCache, HybridTransformer
 from specpilot.runtime.model import Transformer, Visibility, slots_below
 from specpilot.runtime.tree import Tree, ancestor_mask
+from specpilot.runtime.tree_decode import VerifyOut, verify_tree_logits
 
 FIRST_LEVELS = ("drafter", "early-exit", "early-exit-drafter")
 EXITS = ("early-exit", "early-exit-drafter")  # the first levels that read the target's first layers
 
 
-def prune_tree(tree: Tree, scores: torch.Tensor, keep: int) -> Tree:
-    """The root and the `keep` best-scoring nodes of `tree` (padding, score -inf or hanging from
-    nothing, never kept), closed under ancestors, in the tree's order, padded to keep + 1 nodes."""
+def survivors(tree: Tree, scores: torch.Tensor, keep: int) -> list[int]:
+    """Node indices of the root and the `keep` best-scoring nodes of `tree` (padding, score -inf or
+    hanging from nothing, never kept), closed under ancestors, ascending (the tree's order)."""
     if keep < 1:
         raise ValueError(f"a first level keeps >= 1 node, got {keep}")
     score, up, depth = scores.float().tolist(), tree.parent.tolist(), tree.depth.tolist()  # one host read each
@@ -57,13 +73,23 @@ def prune_tree(tree: Tree, scores: torch.Tensor, keep: int) -> Tree:
     while len(chosen) > keep + 1:  # closing added ancestors: drop the worst leaves
         leaves = [i for i in chosen if i and not any(up[j] == i for j in chosen)]
         chosen.discard(max(leaves, key=rank))
-    kept = sorted(chosen)
+    return sorted(chosen)
+
+
+def subtree(tree: Tree, kept: Sequence[int], scores: torch.Tensor) -> Tree:
+    """The nodes `kept` of `tree` (ancestor-closed, ascending) as a tree of their own, scored by `scores`."""
     new_index = {old: new for new, old in enumerate(kept)}
+    up = tree.parent.tolist()
     parent = [new_index[up[i]] if i else -1 for i in kept]
-    pick = torch.tensor(kept, dtype=torch.long, device=tree.device)
-    pruned = Tree(torch.tensor(parent, dtype=torch.long, device=tree.device), tree.depth[pick], tree.token[pick],
-                  scores[pick].float())
-    return pruned.padded(keep + 1)
+    pick = torch.tensor(list(kept), dtype=torch.long, device=tree.device)
+    return Tree(torch.tensor(parent, dtype=torch.long, device=tree.device), tree.depth[pick], tree.token[pick],
+                scores[pick].float())
+
+
+def prune_tree(tree: Tree, scores: torch.Tensor, keep: int) -> Tree:
+    """The root and the `keep` best-scoring nodes of `tree` (`survivors`) as a tree in the tree's
+    order, padded to keep + 1 nodes."""
+    return subtree(tree, survivors(tree, scores, keep), scores).padded(keep + 1)
 
 
 def drafter_scores(tree: Tree) -> torch.Tensor:
@@ -71,13 +97,20 @@ def drafter_scores(tree: Tree) -> torch.Tensor:
     return tree.score
 
 
-def early_exit_scores(target: Transformer | HybridTransformer, cache: KVCache | HybridCache, tree: Tree,
-                      exit_layer: int) -> torch.Tensor:
-    """The target's first `exit_layer` layers over the tree after the cache's prefix, then its final
-    norm and head: every node scored by the log-probability of its path under these early logits.
+@dataclass(frozen=True)
+class ExitForward:
+    """The target's first layers over a drafted tree that began at cache length `start`: the
+    outputs [1, n, hidden] of layers 0..L-1 (the last is what the second level continues from)."""
 
-    The layers write their K/V at slots [length, +n) and a hybrid cache's tree data, which the
-    second level's verify overwrites; the cache's length and committed state do not move."""
+    start: int
+    layers: tuple[torch.Tensor, ...]
+
+
+def exit_forward(target: Transformer | HybridTransformer, cache: KVCache | HybridCache, tree: Tree,
+                 exit_layer: int) -> ExitForward:
+    """Layers 0..exit_layer-1 over the tree after the cache's prefix, under its ancestor mask. Their
+    K/V land at slots [length, +n) (a hybrid's Gated DeltaNet layers leave their tree data pending
+    in the cache); the cache's length and committed state do not move."""
     layers = len(target.model.layers)
     if not 1 <= exit_layer < layers:
         raise ValueError(f"exit_layer must be in 1..{layers - 1} (the target has {layers} layers), got {exit_layer}")
@@ -87,43 +120,146 @@ def early_exit_scores(target: Transformer | HybridTransformer, cache: KVCache | 
     x = target.embed(tree.token[None])
     if isinstance(target, HybridTransformer):
         cache.begin(n)
-        vis = Visibility(anc, cache.length, n, x.device)
-        cos, sin = target.rope(positions)
-        h, _ = target.run_layers(x, cache, cos, sin, vis, exit_layer)
-        cache.rollback(cache.length)  # drop the tree data: the committed state never moved
-    else:
         vis = Visibility(anc, cache.length, n, x.device, cache.key_slots(n))
-        cos, sin = target.rope(positions, slots_below(cache, n))
-        h = x
-        for i, layer in enumerate(target.model.layers[:exit_layer]):
-            h = layer(h, cos, sin, cache, i, vis)
-    logp = torch.log_softmax(target.head(target.final_norm(h))[0], dim=-1)  # [n, V]
-    local = logp[tree.parent.clamp(min=0), tree.token]  # log p(token_i | parent's path)
-    local = torch.where(tree.parent >= 0, local, torch.zeros_like(local))
-    score = anc.float() @ local  # summed along each path
-    return torch.where((tree.parent >= 0) | (torch.arange(n, device=tree.device) == 0), score,
+        cos, sin = target.rope(positions)
+        _, picked = target.run_layers(x, cache, cos, sin, vis, exit_layer, tuple(range(exit_layer)))
+        return ExitForward(cache.length, tuple(picked[i] for i in range(exit_layer)))
+    vis = Visibility(anc, cache.length, n, x.device, cache.key_slots(n))
+    cos, sin = target.rope(positions, slots_below(cache, n))
+    outs, h = [], x
+    for i, layer in enumerate(target.model.layers[:exit_layer]):
+        h = layer(h, cos, sin, cache, i, vis)
+        outs.append(h)
+    return ExitForward(cache.length, tuple(outs))
+
+
+def exit_scores(target: Transformer | HybridTransformer, tree: Tree, hidden: torch.Tensor) -> torch.Tensor:
+    """Every node's path log-probability under the target's final norm and head applied to `hidden`
+    [1, n, H] (an early layer's output): log p(token_i | parent's path) summed along the path. The
+    head runs over the rows of nodes with children only; padding nodes score -inf."""
+    n = tree.size
+    has_parent = tree.parent >= 0
+    parents = torch.unique(tree.parent[has_parent])  # sorted; empty for a lone root
+    score = torch.zeros(n, dtype=torch.float32, device=tree.device)
+    if parents.numel():
+        logits = target.head(target.final_norm(hidden[0, parents]))  # [P, V]
+        row = torch.zeros(n, dtype=torch.long, device=tree.device)
+        row[parents] = torch.arange(parents.numel(), device=tree.device)
+        r = row[tree.parent.clamp(min=0)]
+        local = logits[r, tree.token] - torch.logsumexp(logits, dim=-1)[r]
+        local = torch.where(has_parent, local, torch.zeros_like(local))
+        score = ancestor_mask(tree).float() @ local  # summed along each path
+    return torch.where(has_parent | (torch.arange(n, device=tree.device) == 0), score,
                        torch.full_like(score, float("-inf")))
 
 
-Prune = Callable[[Tree, KVCache], Tree]
+def early_exit_scores(target: Transformer | HybridTransformer, cache: KVCache | HybridCache, tree: Tree,
+                      exit_layer: int) -> torch.Tensor:
+    """The target's first `exit_layer` layers over the tree after the cache's prefix, then its final
+    norm and head: every node scored by the log-probability of its path under these early logits.
+
+    The layers write their K/V at slots [length, +n), which the next forward overwrites; a hybrid
+    cache's tree data is dropped; the cache's length and committed state do not move."""
+    fwd = exit_forward(target, cache, tree, exit_layer)
+    if isinstance(cache, HybridCache):
+        cache.rollback(cache.length)  # drop the tree data: the committed state never moved
+    return exit_scores(target, tree, fwd.layers[-1])
+
+
+def continue_tree(target: Transformer | HybridTransformer, cache: KVCache | HybridCache, tree: Tree,
+                  fwd: ExitForward, src: torch.Tensor, hidden_layers: tuple[int, ...] = ()) -> VerifyOut:
+    """The second level over the survivors `tree` (node j is node src[j] of the tree `fwd` ran over),
+    continued from layer L = len(fwd.layers): the survivors' layer-L outputs and their K/V (a hybrid's
+    pending tree data) of layers < L are gathered into slots [start, +n), then layers L.. run over
+    them alone. Returns what `verify_tree_logits` returns and advances the cache by n, as it does."""
+    start, n, depth = fwd.start, tree.size, len(fwd.layers)
+    if cache.length != start:
+        raise ValueError(f"the second level continues the first level's forward from length {start}, "
+                         f"the cache is at {cache.length}")
+    src = src.to(tree.device)
+    anc = ancestor_mask(tree)
+    positions = (start + tree.depth)[None]
+    h = fwd.layers[-1][:, src]
+    picked = {i: fwd.layers[i][:, src] for i in hidden_layers if i < depth}
+    vis = Visibility(anc, start, n, h.device, cache.key_slots(n))
+    if isinstance(target, HybridTransformer):
+        attention_below = [j for j, layer in enumerate(target.cfg.attention_layers) if layer < depth]
+        cache.keep_tree_nodes(src, anc, attention_below)
+        cos, sin = target.rope(positions)
+        h, more = target.run_layers(h, cache, cos, sin, vis, len(target.model.layers), hidden_layers, first=depth)
+        picked.update(more)
+    else:
+        move_kv(cache, start, src, depth)
+        cos, sin = target.rope(positions, slots_below(cache, n))
+        for i in range(depth, len(target.model.layers)):
+            h = target.model.layers[i](h, cos, sin, cache, i, vis)
+            if i in hidden_layers:
+                picked[i] = h
+    logits = target.head(target.final_norm(h))[0]
+    cache.advance(n)
+    hidden = torch.cat([picked[i] for i in hidden_layers], dim=-1) if hidden_layers else None
+    return logits, hidden, anc
+
+
+def move_kv(cache: KVCache, start: int, src: torch.Tensor, layers: int) -> None:
+    """K/V of layers 0..layers-1 at slots start + src move to slots [start, start + len(src)) (gathered
+    first, so overlapping moves are safe); the length does not move."""
+    slots = start + src.to(cache.k[0].device)
+    end = start + src.shape[0]
+    if cache.stacked is not None:  # every layer's k and v in one buffer: one gather, one scatter
+        cache.stacked[:, :layers, :, :, start:end] = cache.stacked[:, :layers, :, :, slots]
+        return
+    for k, v in zip(cache.k[:layers], cache.v[:layers]):
+        k[:, :, start:end] = k[:, :, slots]
+        v[:, :, start:end] = v[:, :, slots]
+
+
+class FirstLevel:
+    """A first level as the tree loops take it (tree_decode.Pruning): called on each drafted tree with
+    the target's cache, it returns the survivors padded to keep + 1 nodes; `verify` is then the
+    second level over them (with `reuse`, continued from the early exit's layer; otherwise a full
+    tree verify)."""
+
+    def __init__(self, kind: str, keep: int, target: Transformer | HybridTransformer | None = None,
+                 exit_layer: int = 0, reuse: bool = True):
+        if kind not in FIRST_LEVELS:
+            raise ValueError(f"first level must be one of {', '.join(FIRST_LEVELS)}, got {kind!r}")
+        if kind in EXITS and target is None:
+            raise ValueError(f"the {kind} first level needs the target")
+        if keep < 1:
+            raise ValueError(f"a first level keeps >= 1 node, got {keep}")
+        self.kind, self.keep, self.target, self.exit_layer, self.reuse = kind, keep, target, exit_layer, reuse
+        self.pending: tuple[ExitForward, torch.Tensor] | None = None  # the forward and the survivors' sources
+
+    def __call__(self, tree: Tree, cache: KVCache | HybridCache) -> Tree:
+        self.pending = None
+        if self.kind == "drafter":
+            return prune_tree(tree, drafter_scores(tree), self.keep)
+        fwd = exit_forward(self.target, cache, tree, self.exit_layer)
+        scores = exit_scores(self.target, tree, fwd.layers[-1])
+        if self.kind == "early-exit-drafter":
+            scores = scores + drafter_scores(tree)
+        kept = survivors(tree, scores, self.keep)
+        if self.reuse:  # padding survivors compute as the root: they take its rows
+            src = torch.tensor(kept + [0] * (self.keep + 1 - len(kept)), dtype=torch.long, device=tree.device)
+            self.pending = (fwd, src)
+        elif isinstance(cache, HybridCache):
+            cache.rollback(cache.length)  # drop the tree data: the second level recomputes it
+        return subtree(tree, kept, scores).padded(self.keep + 1)
+
+    def verify(self, target: Transformer | HybridTransformer, cache: KVCache | HybridCache, tree: Tree,
+               hidden_layers: tuple[int, ...] = ()) -> VerifyOut:
+        """The second level over the survivors this level returned last (`verify_tree_logits`'s output)."""
+        if self.pending is None:
+            return verify_tree_logits(target, cache, tree, hidden_layers)
+        (fwd, src), self.pending = self.pending, None
+        return continue_tree(target, cache, tree, fwd, src, hidden_layers)
 
 
 def first_level(kind: str, keep: int, target: Transformer | HybridTransformer | None = None,
-                exit_layer: int = 0) -> Prune:
+                exit_layer: int = 0, reuse: bool = True) -> FirstLevel:
     """The pruning a tree loop applies to each drafted tree before the target verifies it."""
-    if kind == "drafter":
-        return lambda tree, cache: prune_tree(tree, drafter_scores(tree), keep)
-    if kind in EXITS:
-        if target is None:
-            raise ValueError(f"the {kind} first level needs the target")
-        with_drafter = kind == "early-exit-drafter"
-
-        def prune(tree: Tree, cache: KVCache) -> Tree:
-            scores = early_exit_scores(target, cache, tree, exit_layer)
-            return prune_tree(tree, scores + drafter_scores(tree) if with_drafter else scores, keep)
-
-        return prune
-    raise ValueError(f"first level must be one of {', '.join(FIRST_LEVELS)}, got {kind!r}")
+    return FirstLevel(kind, keep, target, exit_layer, reuse)
 
 
 def share_budget(scores: Sequence[torch.Tensor], total: int) -> list[int]:
