@@ -26,7 +26,7 @@ from specpilot.runtime.tiny_hybrid import build_tiny_hybrid
 from specpilot.runtime.tree import Tree, ancestor_mask, best_first_tree, draft_topk
 from specpilot.runtime.tree_decode import commit_tree, verify_tree_logits
 from specpilot.runtime.two_level import (
-    FirstLevel, drafter_scores, early_exit_scores, first_level, prune_tree, share_budget,
+    FirstLevel, drafter_scores, early_exit_scores, exit_forward, first_level, prune_tree, share_budget, split_scores,
 )
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")
@@ -131,6 +131,33 @@ def test_early_exit_scores_are_the_exit_head_along_each_path(which, tiny_models,
         early_exit_scores(target, cache, tree, len(target.model.layers))
 
 
+@pytest.mark.parametrize("which", ["qwen3", "hybrid"])
+def test_split_scores_share_the_drafters_mass_among_siblings_by_the_exit(which, tiny_models, hybrid):
+    target = tiny_models["qwen3"].target if which == "qwen3" else hybrid[1]
+    base = _random_tree(11, 14)
+    local = -torch.rand(14, generator=torch.Generator().manual_seed(3))
+    local[0] = 0
+    tree = Tree(base.parent, base.depth, base.token, ancestor_mask(base).float() @ local).padded(16)
+    with torch.inference_mode():
+        cache = target.new_cache(1, 40)
+        target(torch.tensor([[5, 6, 7]]), cache)
+        hidden = exit_forward(target, cache, tree, 1).layers[-1]
+        scores = split_scores(target, tree, hidden)
+        logits = target.head(target.final_norm(hidden))[0]
+    parent = tree.parent.tolist()
+    want = [0.0] * 14
+    for i in range(1, 14):  # by loops: the drafter's mass over i's siblings (and i), split by the exit's softmax
+        sib = [j for j in range(1, 14) if parent[j] == parent[i]]
+        mass = torch.logsumexp(local[sib], 0)
+        split = logits[parent[i], tree.token[sib]].log_softmax(0)[sib.index(i)]
+        want[i] = want[parent[i]] + float(mass + split)
+    torch.testing.assert_close(scores[:14], torch.tensor(want), atol=1e-4, rtol=1e-4)
+    assert torch.isinf(scores[14:]).all()
+    lone = [i for i in range(1, 14) if sum(p == parent[i] for p in parent) == 1]
+    for i in lone:  # a lone child keeps the drafter's own step
+        assert abs(float(scores[i] - scores[parent[i]] - local[i])) < 1e-5
+
+
 # --- layer reuse: the second level continues the survivors from the early exit's layer -------------
 
 
@@ -200,7 +227,8 @@ def test_reuse_off_recomputes_and_leaves_the_cache_as_it_was(hybrid):
 
 
 @pytest.mark.parametrize("which", ["qwen3", "hybrid"])
-@pytest.mark.parametrize("first, exit_layer", [("drafter", 1), ("early-exit", 1), ("early-exit-drafter", 2)])
+@pytest.mark.parametrize("first, exit_layer", [("drafter", 1), ("early-exit", 1), ("early-exit-drafter", 2),
+                                               ("early-exit-split", 2)])
 def test_two_level_loops_equal_ar(which, first, exit_layer, tiny_models, hybrid):
     if which == "qwen3":
         m = tiny_models["qwen3"]
@@ -238,7 +266,7 @@ def test_the_pass_rewrites_the_step_consistently(hybrid):
     assert not rec2.changed and again == d
     assert sum(a != b for a, b in zip(print_program(p).splitlines(), print_program(q).splitlines())) == 4
     space = TwoLevelVerify.schedule_space(p)
-    assert {c.first for c in space} == {"drafter", "early-exit", "early-exit-drafter"}
+    assert {c.first for c in space} == {"drafter", "early-exit", "early-exit-drafter", "early-exit-split"}
     assert all(c.apply(p).changed for c in space)
     assert parse_pipeline("two-level-verify{budget=8, draft-budget=24, first=drafter}") == [
         TwoLevelVerify(budget=8, draft_budget=24, first="drafter")]

@@ -62,7 +62,9 @@ def configurations(passes: list, budgets: list[int], topk: int, factor: int, exi
     return out
 
 
-def bench_pipeline(path: Path, args, device: torch.device) -> list[dict]:
+def bench_pipeline(path: Path, args, device: torch.device, configure=None) -> list[dict]:
+    """Every configuration of the pair `path` names, interleaved within each repeat, beside AR. `configure`
+    (passes, budgets, args) -> [(label, pass list)]: this script's `configurations` by default."""
     spec = load_spec(path)
     dirs = resolve_models(spec)
     dtype = default_dtype(device) if spec.dtype == "auto" else spec.dtype
@@ -76,8 +78,9 @@ def bench_pipeline(path: Path, args, device: torch.device) -> list[dict]:
     n_new = args.max_new_tokens or spec.serving.max_new_tokens
     budgets = [int(b) for b in args.budgets.split(",")]
     exits = [int(e) for e in args.exit_layers.split(",") if e]
-    configs = [(label, ps, run_passes(lowered, ps)[0]) for label, ps in
-               configurations(passes, budgets, args.topk, args.draft_factor, exits, args.graphs)]
+    chosen = (configure(passes, budgets, args) if configure is not None else
+              configurations(passes, budgets, args.topk, args.draft_factor, exits, args.graphs))
+    configs = [(label, ps, run_passes(lowered, ps)[0]) for label, ps in chosen]
     engines = {label: engine.with_program(program) for label, _, program in configs}
     warm = prompts[0][:8] or [0]
     engine.generate_ar(warm, 4)

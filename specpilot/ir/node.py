@@ -118,7 +118,7 @@ OPS: dict[str, OpSchema] = {
     # two-level: a first level (`first`; early-exit reads the target's first `exit_layer` layers) keeps
     # q - 1 of the proposal's nodes, the target verifies those (passes/two_level_verify.py)
     "verify": OpSchema("step", {"mode": {"chain", "tree", "two-level"}, "q": int},
-                       {"first": {"drafter", "early-exit", "early-exit-drafter"}, "exit_layer": int},
+                       {"first": {"drafter", "early-exit", "early-exit-drafter", "early-exit-split"}, "exit_layer": int},
                        choices=frozenset({"mode", "q", "first", "exit_layer"})),
     "accept": OpSchema("step", {"rule": {"greedy-prefix", "tree-path"}, "on": {"host", "device"}},
                        choices=frozenset({"rule", "on"})),

@@ -204,8 +204,8 @@ def _run_problems(program: Program) -> list[str]:
     if verify["mode"] == "two-level":
         layers = len(program.target.find("attention")) + len(program.target.find("gated_deltanet"))
         if "first" not in verify:
-            problems.append("step/verify: a two-level verify needs its first level (first=drafter, early-exit or early-exit-drafter; "
-                            "the two-level-verify pass sets it)")
+            problems.append("step/verify: a two-level verify needs its first level (first=drafter, early-exit, "
+                            "early-exit-drafter or early-exit-split; the two-level-verify pass sets it)")
         elif verify["first"] != "drafter" and not 1 <= verify.get("exit_layer", 0) < layers:
             problems.append(f"step/verify: exit_layer={verify.get('exit_layer')} out of range: the early-exit first "
                             f"level reads 1..{layers - 1} of the target's {layers} layers")

@@ -1,4 +1,5 @@
-"""`two-level-verify{budget=N, draft-budget=M, topk=K, first=drafter|early-exit|early-exit-drafter, exit-layer=L}`:
+"""`two-level-verify{budget=N, draft-budget=M, topk=K, first=drafter|early-exit|early-exit-drafter|early-exit-split,
+exit-layer=L}`:
 a cheap first level keeps the N nodes of a drafted tree of M worth verifying; the target verifies
 only those.
 
@@ -12,7 +13,9 @@ First levels (runtime/two_level.py): "drafter" ranks nodes by the drafter's surv
 their paths (on a best-first tree this is the best-first tree of N nodes: at batch 1 the one-level
 tree at budget N; the level exists for budgets shared across a batch); "early-exit" runs the target's
 first `exit_layer` layers over the drafted tree and ranks by the early-exit head's path probability;
-"early-exit-drafter" by the product of both path probabilities.
+"early-exit-drafter" by the product of both path probabilities; "early-exit-split" splits the drafter's
+mass over each parent's drafted children among them by the early exit's logits for their tokens (no
+head over the vocabulary). The second level continues the survivors from layer `exit_layer`.
 
 Lossless by construction: the first level only chooses which nodes the target sees; a node is
 accepted only when its token is the target's argmax given its ancestors, so the output equals AR
@@ -27,7 +30,7 @@ from dataclasses import dataclass
 from ..ir import Node, Program, limits
 from .base import Pass, PassResult, register
 
-FIRST = ("drafter", "early-exit", "early-exit-drafter")
+FIRST = ("drafter", "early-exit", "early-exit-drafter", "early-exit-split")
 EXITS = FIRST[1:]  # first levels that read the target's first exit_layer layers
 CANDIDATES = ((16, 64), (16, 32), (32, 128), (32, 64))  # (survivors, drafted)
 

@@ -25,6 +25,10 @@ First levels (`FIRST_LEVELS`), each a node score where higher is worth more:
                nothing).
   early-exit-drafter  both: the sum of the two path log-probabilities (the early exit's view of
                the target weighted by the drafter's own confidence).
+  early-exit-split  the drafter's probability mass over a parent's drafted children, split among
+               them by the early exit's logits for those children's tokens only (a softmax over the
+               siblings): no head over the vocabulary, one dot product a node. A lone child keeps
+               the drafter's probability.
 
 Survivors are closed under ancestors (a path product never grows along a path; ties go to the
 shallower node), re-indexed in the tree's order (parents first) and padded to N + 1 nodes.
@@ -53,8 +57,8 @@ from specpilot.runtime.model import Transformer, Visibility, slots_below
 from specpilot.runtime.tree import Tree, ancestor_mask
 from specpilot.runtime.tree_decode import VerifyOut, verify_tree_logits
 
-FIRST_LEVELS = ("drafter", "early-exit", "early-exit-drafter")
-EXITS = ("early-exit", "early-exit-drafter")  # the first levels that read the target's first layers
+FIRST_LEVELS = ("drafter", "early-exit", "early-exit-drafter", "early-exit-split")
+EXITS = FIRST_LEVELS[1:]  # the first levels that read the target's first layers
 
 
 def survivors(tree: Tree, scores: torch.Tensor, keep: int) -> list[int]:
@@ -153,6 +157,35 @@ def exit_scores(target: Transformer | HybridTransformer, tree: Tree, hidden: tor
                        torch.full_like(score, float("-inf")))
 
 
+def by_parent_logsumexp(values: torch.Tensor, parent: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
+    """[n]: at each node the logsumexp of `values` over its children (`real` nodes only; -inf where none)."""
+    n = values.shape[0]
+    idx, v = parent[real], values[real]
+    top = torch.full((n,), float("-inf"), device=values.device).scatter_reduce(0, idx, v, "amax")
+    total = torch.zeros(n, device=values.device).index_add_(0, idx, (v - top[idx]).exp())
+    return top + total.log()
+
+
+def split_scores(target: Transformer | HybridTransformer, tree: Tree, hidden: torch.Tensor) -> torch.Tensor:
+    """Every node's path score where each step's probability is the drafter's mass over the parent's
+    drafted children times the early exit's softmax over those children's tokens (logits from the
+    head rows of the children's tokens only, on the parent's normalised `hidden` row [1, n, H])."""
+    n = tree.size
+    real = (tree.parent >= 0) & torch.isfinite(tree.score)
+    par = tree.parent.clamp(min=0)
+    h = target.final_norm(hidden[0])  # [n, H]
+    weight = getattr(target.lm_head, "weight", None)
+    if weight is not None:  # one head row a node: its token's
+        z = (h[par].float() * weight[tree.token].float()).sum(-1)
+    else:  # a head without a plain weight (a packed format): the parents' full rows
+        z = target.head(h)[par, tree.token]
+    local_draft = torch.where(real, tree.score - tree.score[par], torch.zeros_like(tree.score))
+    mass = by_parent_logsumexp(local_draft, par, real)  # log of the drafter's mass over each parent's children
+    local = torch.where(real, mass[par] + z - by_parent_logsumexp(z, par, real)[par], torch.zeros_like(z))
+    score = ancestor_mask(tree).float() @ local
+    return torch.where(real | (torch.arange(n, device=tree.device) == 0), score, torch.full_like(score, float("-inf")))
+
+
 def early_exit_scores(target: Transformer | HybridTransformer, cache: KVCache | HybridCache, tree: Tree,
                       exit_layer: int) -> torch.Tensor:
     """The target's first `exit_layer` layers over the tree after the cache's prefix, then its final
@@ -236,7 +269,10 @@ class FirstLevel:
         if self.kind == "drafter":
             return prune_tree(tree, drafter_scores(tree), self.keep)
         fwd = exit_forward(self.target, cache, tree, self.exit_layer)
-        scores = exit_scores(self.target, tree, fwd.layers[-1])
+        if self.kind == "early-exit-split":
+            scores = split_scores(self.target, tree, fwd.layers[-1])
+        else:
+            scores = exit_scores(self.target, tree, fwd.layers[-1])
         if self.kind == "early-exit-drafter":
             scores = scores + drafter_scores(tree)
         kept = survivors(tree, scores, self.keep)
