@@ -61,6 +61,7 @@ from .gaps import (
     Gap, Reached, WhatIfs, draft_positions, no_what_ifs, rank_gaps, remainder_gap, search_ceiling, step_ops,
 )
 from .gpu import GPU, load_gpu, resolve_gpu
+from .two_level import tau_two_level, two_level_verify
 from .roofline import (
     ACT_BYTES, U12_ESCAPE_RATE, GraphPlan, NodeCost, StepEstimate, at_floor, combine, step_time,
 )
@@ -372,6 +373,10 @@ class _Evaluator:
     def tau(self, program: Program) -> float:
         ops = step_ops(program)
         propose, verify = ops["propose"], ops["verify"]
+        if verify["mode"] == "two-level":  # between the one-level trees of the kept and the drafted nodes
+            depth, width = draft_positions(program), propose.get("topk", TREE_WIDTH)
+            kept, drafted = (self.tree_tau(b, depth, width) for b in (verify["q"] - 1, propose["budget"]))
+            return tau_two_level(kept, drafted, verify["first"])
         if propose["shape"] == "tree":
             key = ("tree", propose["budget"], draft_positions(program), propose.get("topk", TREE_WIDTH))
         else:
@@ -379,6 +384,12 @@ class _Evaluator:
         if key not in self._taus:
             self._taus[key] = (self.acceptance.tau_tree(*key[1:]) if key[0] == "tree"
                                else self.acceptance.tau_chain(key[1]))
+        return self._taus[key]
+
+    def tree_tau(self, budget: int, depth: int, width: int) -> float:
+        key = ("tree", budget, depth, width)
+        if key not in self._taus:
+            self._taus[key] = self.acceptance.tau_tree(budget, depth, width)
         return self._taus[key]
 
     def spec(self, program: Program, floor: bool = False) -> SpecStep:
@@ -391,6 +402,10 @@ class _Evaluator:
                       floor=floor, shared=program.target)
         v = self.step(program.target, "verify", q=verify["q"], batch=batch, cuda_graphs=graphs, dtype=dtype,
                       floor=floor)
+        if verify["mode"] == "two-level":  # the first level's layers over the drafted tree, the rest over the kept
+            drafted = self.step(program.target, "verify", q=ops["propose"]["budget"] + 1, batch=batch,
+                                cuda_graphs=graphs, dtype=dtype, floor=floor)
+            v = two_level_verify(drafted, v, verify["first"], verify.get("exit_layer", 0))
         tau = self.tau(program)
         rows = overhead_rows(program, self.gpu, batch=batch, tau=tau, cuda_graphs=graphs, dtype=dtype,
                              info=self.info(program.target))
@@ -419,6 +434,8 @@ def overhead_rows(program: Program, gpu: GPU, *, batch: int, tau: float, cuda_gr
     if propose["shape"] == "tree":  # top-k over the drafter's logits, then the tree and its mask
         rows.append(NodeCost("propose", "propose", batch * draft_positions(program), kernels=2,
                              act_bytes=batch * draft_positions(program) * vocab * a + batch * verify["q"] ** 2))
+    if verify["mode"] == "two-level":  # the first level's scores go to the host, which picks the survivors
+        rows.append(NodeCost("prune", "prune", batch, kernels=1, act_bytes=batch * propose["budget"] * 4))
     rows.append(NodeCost("accept", "accept", batch, kernels=1, act_bytes=batch * verify["q"] * 8 * 2))
     if commit["kv"] == "compact":  # move the accepted path's K and V rows into place, every layer
         rows.append(NodeCost("commit", "commit", batch, kernels=1, kv_bytes=2 * batch * tau * kv_per_token * a))
@@ -426,7 +443,7 @@ def overhead_rows(program: Program, gpu: GPU, *, batch: int, tau: float, cuda_gr
     for r in rows:
         t_mem = r.bytes / gpu.bandwidth
         latency = r.kernels * gpu.kernel_latency_s
-        host = gpu.host_sync_s if (r.op == "accept" and accept["on"] == "host") else 0.0
+        host = gpu.host_sync_s if (r.op == "accept" and accept["on"] == "host") or r.op == "prune" else 0.0
         out.append(replace(r, t_memory=t_mem, efficiency=gpu.bw_efficiency, t_latency=latency + host,
                            t_kernel=combine(t_mem / gpu.bw_efficiency, 0.0, gpu.overlap) + latency + host,
                            t_launch=0.0 if cuda_graphs else r.kernels * gpu.launch_s))
