@@ -298,6 +298,33 @@ def test_engine_on_the_gpu_kernel_passes_token_forcing(tiny_model_dirs, dtype, m
         assert outs == refs
 
 
+@pytest.mark.parametrize("ragged", [True, False])
+def test_a_batch_wide_first_level_verifies_what_the_budget_pays_for(models, references, ragged):
+    """Two-level verification at batch > 1 (drafter first level, verify-budget's choice): every
+    request's tree of 12 drafted nodes, then the batch's best nodes by survival, at most 4 a drafting
+    request, as many as the step-cost table pays for. A flat cost verifies the most, a steep one
+    fewer; outputs stay each request's batch-1 AR output."""
+    drafts = models.dflash.block_size - 1
+    rows = {}
+    for name, cost in (("flat", StepCost.from_table({1: 1.0, 512: 1.0})),
+                       ("steep", StepCost.from_table({1: 1.0, 512: 512.0}))):
+        policy = BatchPolicy(max_drafts=drafts, verify_budget=True, ragged=ragged, cost=cost)
+        eng = engine(models, "dflash", references, policy=policy, right_every=4)
+        eng.tree, eng.keep = (12, 3), 4
+        assert generate_batched(eng, PROMPTS, MAX_NEW, arrivals=[0, 0, 0, 1, 2, 2]) == references
+        assert eng.stats.pruned_nodes > 0
+        # ragged: anchors + at most keep a request on average; padded: every request to the longest kept tree
+        assert eng.stats.verify_rows <= eng.stats.steps * eng.max_batch * (1 + (4 if ragged else 12))
+        rows[name] = eng.stats.verify_rows / eng.stats.steps
+    assert rows["steep"] < rows["flat"]
+    with pytest.raises(ValueError, match="keep=0"):
+        BatchEngine(models.target, models.dflash, eos_token_id=None, tree=(8, 2), keep=0)
+    eng = engine(models, "dflash", references, policy=BatchPolicy(max_drafts=drafts, ragged=True), right_every=4)
+    eng.tree, eng.keep = (12, 3), 4  # no verify budget: keep a request on average, the batch's best survivals
+    assert generate_batched(eng, PROMPTS, MAX_NEW, arrivals=[0, 0, 0, 1, 2, 2]) == references
+    assert eng.stats.pruned_nodes > 0 and eng.stats.verify_rows <= eng.stats.steps * eng.max_batch * (1 + 4)
+
+
 @pytest.mark.parametrize("kind", ["dflash", "ar"])
 def test_graphed_verify_buckets_equal_batch1(models, references, kind):
     """The verify forward over preallocated inputs a (bucket, rows a request) shape (what a CUDA graph

@@ -28,7 +28,7 @@ class RaggedVerify(Pass):
     closes = "padding of verify batches to the longest request"
 
     def apply(self, program: Program) -> PassResult:
-        return set_schedule(program, self.name, trees=True, ragged=True)
+        return set_schedule(program, self.name, trees=True, two_level=True, ragged=True)
 
     @classmethod
     def schedule_space(cls, program: Program) -> list[Pass]:

@@ -9,7 +9,9 @@ splits it across requests by per-position survival from the drafter's confidence
 
 Lossless: it chooses only how many of each request's drafts are verified; every committed token is
 still the target's argmax over that request's committed prefix. Chain verification of attention
-targets, ungraphed (what the batched engine runs; the verifier says so otherwise).
+targets, ungraphed (what the batched engine runs; the verifier says so otherwise); after
+`two-level-verify{first=drafter}` the same choice is the batch-wide first level over every request's
+drafted tree (runtime/batch.BatchEngine.keep_batch_wide).
 """
 
 from __future__ import annotations
@@ -20,12 +22,16 @@ from ..ir import Program
 from .base import Pass, PassResult, register
 
 
-def batching_refusal(program: Program, trees: bool = False) -> str:
+def batching_refusal(program: Program, trees: bool = False, two_level: bool = False) -> str:
     """Why the batched engine cannot run this program under a mechanism ("" when it can): the
-    mechanisms' shared check. `trees`: the mechanism serves tree verification too."""
-    mode = program.step.one("verify")[1]["mode"]
-    if mode not in (("chain", "tree") if trees else ("chain",)):
-        return "it chooses chain lengths: the batched engine verifies chains here (leave out tree-verify)"
+    mechanisms' shared check. `trees`: the mechanism serves tree verification too; `two_level`: a
+    two-level verify with the drafter first level (its batch-wide budget is verify-budget's choice
+    over the drafted trees' nodes)."""
+    verify = program.step.one("verify")[1]
+    drafter_first = two_level and verify["mode"] == "two-level" and verify.get("first") == "drafter"
+    if verify["mode"] not in (("chain", "tree") if trees else ("chain",)) and not drafter_first:
+        return ("it chooses chain lengths: the batched engine verifies chains here, or two-level trees with the "
+                "drafter first level (leave out tree-verify)")
     if program.target.find("gated_deltanet"):
         return "the batched engine serves attention targets, not Gated DeltaNet hybrids"
     if program.step.one("schedule")[1].get("graphs"):
@@ -33,9 +39,10 @@ def batching_refusal(program: Program, trees: bool = False) -> str:
     return ""
 
 
-def set_schedule(program: Program, pass_name: str, trees: bool = False, **attrs) -> PassResult:
+def set_schedule(program: Program, pass_name: str, trees: bool = False, two_level: bool = False,
+                 **attrs) -> PassResult:
     """The schedule node with `attrs` and policy "continuous", or unchanged with the reason."""
-    why = batching_refusal(program, trees)
+    why = batching_refusal(program, trees, two_level)
     if why:
         return PassResult(program, False, f"{pass_name}: {why}")
     name, node = program.step.one("schedule")
@@ -55,7 +62,7 @@ class VerifyBudget(Pass):
     closes = "verification past the GPU's capacity at batch"
 
     def apply(self, program: Program) -> PassResult:
-        return set_schedule(program, self.name, verify_budget=True)
+        return set_schedule(program, self.name, two_level=True, verify_budget=True)
 
     @classmethod
     def schedule_space(cls, program: Program) -> list[Pass]:

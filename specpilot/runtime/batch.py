@@ -20,7 +20,8 @@ One `step()`:
             PARD runs each request's fresh committed tokens + masks, causal;
   budget    with verify-budget, the batch-wide number of verified drafts and its split by survival
             (batch_control.choose_verify_budget); without ragged packing every request is padded
-            to the longest share (it verifies that many of its drafts);
+            to the longest share (it verifies that many of its drafts); with trees and `keep` (two-level
+            verification, drafter first level) the same choice over every request's tree nodes;
   verify    one target forward over [last committed token, drafts...] of every request, packed;
   accept    on the device: per request the longest prefix of drafts equal to the target's argmax,
             and the bonus; one transfer of (accepted count, bonus) a step;
@@ -55,6 +56,7 @@ from specpilot.runtime.dflash import DFlashDrafter
 from specpilot.runtime.engine_api import RequestParams
 from specpilot.runtime.model import PardDrafter, Transformer, attend, build_mask
 from specpilot.runtime.tree import Tree, accept_tree, ancestor_mask, best_first_tree, draft_topk
+from specpilot.runtime.two_level import share_budget
 
 
 @dataclass(frozen=True, eq=False)
@@ -302,6 +304,7 @@ class StepStats:
     spec_committed: int = 0  # tokens those committed (bonus included)
     prefill_s: float = 0.0  # wall time of the prefill forwards (synchronized), so benchmarks can exclude it
     prefill_tokens: int = 0  # first tokens the prefills committed
+    pruned_nodes: int = 0  # drafted tree nodes a batch-wide first level did not verify (keep)
 
     @property
     def tau(self) -> float:
@@ -316,11 +319,14 @@ class BatchEngine:
                  config: BatchConfig = BatchConfig(), policy: BatchPolicy | None = None,
                  block_size: int | None = None, attention: RaggedAttention = ragged_attention_reference,
                  draft_hook: Callable[[torch.Tensor, list["Request"], list[int]], torch.Tensor] | None = None,
-                 tree: tuple[int, int] | None = None) -> None:
+                 tree: tuple[int, int] | None = None, keep: int | None = None) -> None:
         """`block_size`: DFlash block incl. the anchor / PARD k (default the drafter's). `draft_hook`
         (logits [B, k, V], the drafting requests, the absolute position of each one's first draft)
         may rewrite the drafts' logits (replay drafters). `tree` (budget, top-k): verify best-first
-        trees instead of chains (the verify budget, and CUDA graphs, serve chains only)."""
+        trees instead of chains (CUDA graphs serve chains only). `keep`: two-level verification's
+        drafter first level with a batch-wide budget: each step verifies at most `keep` drafted nodes
+        a drafting request on average, the best of all requests' trees, as many as the verify budget
+        pays for with the policy's verify_budget (`keep_batch_wide`)."""
         if not isinstance(target, Transformer):
             raise TypeError(f"BatchEngine runs llama/qwen3 targets (Transformer), got {type(target).__name__}")
         self.target = target.eval()
@@ -334,9 +340,13 @@ class BatchEngine:
         if self.policy.max_drafts > drafts:
             raise ValueError(f"BatchPolicy.max_drafts={self.policy.max_drafts} exceeds the {drafts} drafts a "
                              f"{self.kind} block of {block_size} makes")
-        if tree is not None and (drafter is None or self.policy.verify_budget or config.graphs):
-            raise ValueError("BatchEngine: trees need a drafter, and run without verify_budget and graphs")
+        if tree is not None and (drafter is None or config.graphs):
+            raise ValueError("BatchEngine: trees need a drafter, and run without graphs")
+        if keep is not None and (tree is None or keep < 1):
+            raise ValueError(f"BatchEngine: keep={keep} is a two-level first level's budget over drafted trees: "
+                             "expected keep >= 1 with tree=(budget, topk)")
         self.tree = tree
+        self.keep = keep
         self.control = SpecControl(self.policy)
         self.config = config
         self.max_batch = config.max_batch
@@ -538,10 +548,13 @@ class BatchEngine:
             for q, rows in zip(drafting, logits):
                 logp, ids = draft_topk(rows, topk)
                 trees[q.rid] = best_first_tree(logp.cpu(), ids.cpu(), q.seq[-1], budget=budget)
-            if not self.policy.ragged:  # every tree padded to the budget (nodes that are never accepted)
+            if self.keep is not None:
+                self.keep_batch_wide(trees, drafting, len(reqs) - len(drafting))
+            if not self.policy.ragged:  # every tree padded to the budget, or the longest kept (nodes never accepted)
+                width = budget + 1 if self.keep is None else max(t.size for t in trees.values())
                 for rid, tree in trees.items():
-                    self.stats.padded_rows += budget + 1 - tree.size
-                    trees[rid] = tree.padded(budget + 1)
+                    self.stats.padded_rows += width - tree.size
+                    trees[rid] = tree.padded(width)
         else:
             self.stats.ar_steps += 1
         one = torch.ones(1, 1, dtype=torch.bool, device=dev)
@@ -581,6 +594,28 @@ class BatchEngine:
                 rows_kept = out.hidden[[start + j for j in path]]  # the anchor and the accepted path
                 q.context = rows_kept if q.context is None else torch.cat((q.context, rows_kept))
             self.stats.committed += kept
+
+    def keep_batch_wide(self, trees: dict[str, Tree], drafting: list[Request], others: int) -> None:
+        """Two-level verification's drafter first level over the whole batch: a drafted node's
+        survival is its path's confidence product (exp of its score; a best-first tree lists its
+        nodes in non-increasing score, parents first) and the batch keeps the best survivals of all
+        requests, keep a drafting request in all (two_level.share_budget); with verify-budget, as
+        many of those as pay under the step-cost table (`choose_verify_budget`, at most that total).
+        Each request keeps that many of its first nodes: its best-first tree of that size,
+        ancestor-closed (`others` requests verify their anchor only this step)."""
+        total = self.keep * len(drafting)
+        if self.policy.verify_budget:
+            if self.policy.cost is None or self.policy.survival != "confidence":
+                raise ValueError("BatchEngine: a batch-wide first level under verify-budget chooses by the drafter's "
+                                 "confidences and the step-cost table: expected a cost and survival 'confidence'")
+            survival = [trees[q.rid].score[1:].exp().tolist() for q in drafting]
+            per = choose_verify_budget(survival + [[]] * others, self.policy.cost.verify, max_total=total).per_request
+        else:
+            per = share_budget([trees[q.rid].score for q in drafting], total)
+        for q, k in zip(drafting, per):
+            t = trees[q.rid]
+            trees[q.rid] = Tree(t.parent[: k + 1], t.depth[: k + 1], t.token[: k + 1], t.score[: k + 1])
+            self.stats.pruned_nodes += t.size - 1 - k
 
     def _verify(self, reqs: list[Request], drafts: dict[str, list[int]], new: dict[str, list[int]]) -> None:
         dev = self.target.device
