@@ -88,6 +88,9 @@
 #            on its torch reference, the commit (bench.steps.hybrid_tree_steps -> hybrid_tree_steps_<gpu>.json)
 #   hybridzoo  issue 46: chain, tree-verify and two-level-verify at 16/32/64 on the zoo's hybrid and attention
 #            pairs (bench.e2e.hybrid_tree -> hybrid_tree_<gpu>.json)
+#   twolevel issue 46: two-level (layer reuse; drafter, early-exit-drafter and early-exit-split first levels) against
+#            the best one-level tree at 16/32 and the perfect first level's ceiling, with each step term timed, on the
+#            zoo's attention and hybrid pairs (bench.e2e.two_level -> two_level_<gpu>.json)
 #   replayq  issue 42, Qwen3-8B shape under DFlash's published HumanEval acceptance (replay drafter): chains at
 #            blocks 8 and 16, trees of 16..128 nodes, with and without draft-vocab, the bf16 weights
 #            (bench.e2e.replay -> replay_<gpu>_dflash-qwen3-8b.json); its own command (about 5 minutes)
@@ -372,13 +375,18 @@ hybridzoo() {  # issue 46: chain, trees and two-level trees on the zoo pairs (ea
   TAIL=50 run hybrid_tree 280 python -m bench.e2e.hybrid_tree examples/hybrid.yaml examples/pipeline.yaml \
     --device cuda --budgets 16,32,64 --exit-layers 2 --repeats 1 --graphs --out "$OUT"
 }
+twolevel() {  # issue 46: two-level against the best one-level tree at the same verify budget, zoo pairs (eager loops)
+  TAIL=50 run two_level 280 python -m bench.e2e.two_level examples/pipeline.yaml examples/hybrid.yaml \
+    --device cuda --budgets 16,32 --draft-factors 2,4 --exit-layers 2 --firsts early-exit-drafter,early-exit-split \
+    --repeats 2 --out "$OUT"
+}
 
 for group in "${@:?group...}"; do
   case "$group" in
     ncu) ncu_linear ;;
     tests | attntests | lineartests | ab | knobs | knobstep | layer16 | readbound | attention | attnvar | u12 | hmma | bf16tune | u12tune | verify16 | verifyab | verify32 | rows64 | \
       u12verify | tiles | tilesab | tiles1 | fewrows | fewsweep | u12fusedtune | linear | peers | train | trees | e2e | tau | zoo | calib | \
-      smollm2part | smollm2install | smollm2 | smollm2bench | serve | batched | batchedg | hybridtree | hybridzoo | agent | ties | transfer) "$group" ;;
+      smollm2part | smollm2install | smollm2 | smollm2bench | serve | batched | batchedg | hybridtree | hybridzoo | twolevel | agent | ties | transfer) "$group" ;;
     steps) steps ;;
     qwen) steps qwen3-8b ;;
     kernels) tests; steps llama-3.1-8b qwen3-8b; attention ;;

@@ -11,8 +11,8 @@ interleaved within each repeat, beside AR, through the torch backend's Engine (b
 loop); every output is compared with AR. On a CPU tokens/ms is per ms of the loop thread's CPU time.
 
 Then one more, untimed-for-the-table run of each configuration with every term of the step timed
-(thread CPU ms a step): draft, propose, the first level's layers and head, the target's verify, accept
-and commit, the rest (host). The summary sets each two-level row against the best one-level tree at
+(thread CPU ms a step; on a GPU the host's share only, unsynchronised): draft, propose, the first
+level's layers and head, the target's verify, accept and commit, the rest (host, prefill included). The summary sets each two-level row against the best one-level tree at
 its budget and against the ceiling: tree-N's tokens/ms × τ(tree-M) / τ(tree-N), a perfect first level
 that costs nothing. Writes bench/results/two_level_<gpu|cpu>[_<tag>].json through the harness.
 
@@ -124,7 +124,7 @@ def step_terms(path: Path, args, device: torch.device, configs: list[tuple[str, 
             steps = sum(e.generate(p, n_new).steps for p in prompts)
         total = time.thread_time() - t0
         terms = {k: round(v * 1e3 / steps, 4) for k, v in totals.items()}
-        terms["host and the rest"] = round((total - sum(totals.values())) * 1e3 / steps, 4)
+        terms["prefill, host and the rest"] = round((total - sum(totals.values())) * 1e3 / steps, 4)
         out[label] = {"steps": steps, "ms_per_step": round(total * 1e3 / steps, 4), "terms": terms}
         print(f"{path.name:>14} {label:<34} " + "  ".join(f"{k} {v:.2f}" for k, v in terms.items()), flush=True)
     return out
