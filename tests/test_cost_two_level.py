@@ -58,16 +58,19 @@ def test_the_first_level_costs_only_its_layers_over_the_pruned_nodes(llama8b):
     assert split.steps.verify.time < exit_.steps.verify.time < deeper.steps.verify.time
 
 
-def test_tau_lies_between_the_kept_and_the_drafted_trees(llama8b):
+def test_tau_moves_by_each_first_levels_measured_reach(llama8b):
+    """τ = τ(N) + reach · (τ(M) − τ(N)): a perfect first level (reach 1) gets the tree of M's τ, the
+    drafter's ranking (0) the tree of N's, a worse one (negative, as measured on the hybrid pair) less."""
     model = CostModel("h200")
     small = _predict(model, llama8b, TreeVerify(budget=16, topk=4)).tau.value
     big = _predict(model, llama8b, TreeVerify(budget=64, topk=4)).tau.value
     assert big > small
+    assert tau_two_level(small, big, "drafter") == small
     for first in REACH:
         extra = {"exit_layer": 4} if first != "drafter" else {}
         got = _predict(model, llama8b, TwoLevelVerify(budget=16, draft_budget=64, first=first, **extra)).tau.value
-        assert got == pytest.approx(tau_two_level(small, big, first))
-        assert small <= got <= big
+        assert got == pytest.approx(small + REACH[first] * (big - small))
+        assert (got > small) == (REACH[first] > 0) or REACH[first] == 0
     # the drafter first level at batch 1 keeps the one-level tree of N: the same τ and the same verify
     drafter = _predict(model, llama8b, TwoLevelVerify(budget=16, draft_budget=64, first="drafter"))
     tree = _predict(model, llama8b, TreeVerify(budget=16, topk=4))
@@ -80,7 +83,7 @@ def test_tau_lies_between_the_kept_and_the_drafted_trees(llama8b):
 def test_the_model_ranks_two_level_against_one_level_trees(llama8b):
     """At batch 1 on the H200 the 8B verify is memory-bound: 65 rows through two layers cost little
     beside 17 rows through 32, so a first level with no head over the vocabulary is priced below the
-    one-level tree of 64 and above the one of 16; its t_token is what ranks it."""
+    one-level tree of 64 and above the one of 16; its t_token (with its measured reach) ranks it."""
     model = CostModel("h200")
     t = {label: _predict(model, llama8b, p) for label, p in (
         ("tree-16", TreeVerify(budget=16, topk=4)), ("tree-64", TreeVerify(budget=64, topk=4)),

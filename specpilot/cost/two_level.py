@@ -12,14 +12,17 @@ Its verify costs
 and the drafter first level costs nothing on the target (at batch 1 it keeps the one-level tree of N).
 The choice of survivors is made on the host: one round trip (an overhead row of the model).
 
-τ lies between the one-level tree of N (a first level no better than the drafter's own ranking) and
-the tree of M (a perfect first level: the accepted path is in the drafted tree, and it keeps it):
+τ is measured against the one-level tree of N (the drafter's own ranking, best-first) and the tree of M
+(a perfect first level: when the accepted path is in the drafted tree, it keeps it):
 
     τ = τ(N) + reach · (τ(M) − τ(N))
 
-`REACH` is each first level's measured fraction of that gap (bench/results/two_level_cpu.json: the
-zoo pairs' ratios, 8 HumanEval prompts; the smaller of the attention and hybrid pairs', at the exit
-layer that measured best there).
+`REACH` is each first level's measured fraction of that gap, negative where it ranks worse than the
+drafter's own confidences: the mean over budgets 16/32 and drafted 2N/4N of the zoo pairs at exit
+layer 2 of 8 (8 HumanEval prompts), the smaller of the two pairs' (bench/results/two_level_cpu.json:
+early-exit-drafter +0.67 on the attention pair, -0.51 on the hybrid; early-exit-split +0.36, -1.09;
+early-exit, bench/results/hybrid_tree_cpu_zoo-*.json at 16 of 64: +0.37, -0.80). The drafter level
+keeps the one-level tree of N at batch 1: 0.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from dataclasses import replace
 from .roofline import NodeCost, StepEstimate
 
 # fraction of τ(M) − τ(N) each first level reaches (see the module docstring)
-REACH = {"drafter": 0.0, "early-exit": 0.2, "early-exit-drafter": 0.3, "early-exit-split": 0.3}
+REACH = {"drafter": 0.0, "early-exit": -0.80, "early-exit-drafter": -0.51, "early-exit-split": -1.09}
 HEAD_OPS = ("rmsnorm", "lm_head")  # what an early exit's head reads after its layers (the final norm, the head)
 _LAYER = re.compile(r"layers\.(\d+)\.")
 
