@@ -193,7 +193,7 @@ def test_buckets_pad_the_verify_and_stay_lossless(models, references):
 
 
 @pytest.mark.parametrize("params, match", [
-    (RequestParams(4, temperature=0.7), "greedily only"),
+    (RequestParams(4, temperature=0.7, top_p=1.5), "top_p must be in"),
     (RequestParams(60), "KV slots"),
     (RequestParams(-1), "max_new_tokens"),
 ])

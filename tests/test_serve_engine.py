@@ -7,12 +7,12 @@ import pytest
 
 from specpilot.backends.torch_backend import build_engine
 from specpilot.compiler import prepare
-from specpilot.runtime.batch import ragged_attention_reference
+from specpilot.runtime.batch import BatchEngine, ragged_attention_reference
 from specpilot.runtime.engine_api import RequestParams
 from specpilot.runtime.tokenizer import load_tokenizer
 from specpilot.runtime.sampling import SamplingParams
 from specpilot.serve.batch1 import Batch1StepEngine, ChainSession, WholeRunSession, sampling_params
-from specpilot.serve.routed import RoutedStepEngine, batched_engine_for
+from specpilot.serve.routed import batched_engine_for, step_engine_for
 from specpilot.spec import load_spec
 
 PROMPTS = ["def add(a, b):", "class Stack:\n    def push(self, x):"]
@@ -116,29 +116,33 @@ def test_seeds_map_into_the_runtimes_range():
 
 
 @pytest.mark.parametrize("kind", ["pard", "dflash"])
-def test_the_routed_engine_batches_greedy_requests_and_samples_beside_them(zoo, kind):
-    """serve/routed.py: greedy requests share the batched engine (runtime/batch.py) and get each its own
-    engine output; a sampled request runs in the batch-1 loops beside them and draws its seed's tokens."""
+def test_greedy_and_sampled_requests_share_the_batched_engine(zoo, kind):
+    """serve/routed.py: every request goes to the batched engine (runtime/batch.py); greedy ones get
+    each its own engine output, a sampled one its seed's tokens of the engine's own sampled loop."""
     engine, tok = zoo(kind)
     # the runtime's ragged SDPA: the suite's TRITON_INTERPRET would run the split-KV kernel in the interpreter
-    batched, why = batched_engine_for(engine, 3, engine.target_cfg.max_position_embeddings,
-                                      attention=ragged_attention_reference)
-    assert batched is not None, why
-    routed = RoutedStepEngine(batched, Batch1StepEngine(engine, 3), max_batch=3)
+    step_engine, how = step_engine_for(engine, 3, engine.target_cfg.max_position_embeddings,
+                                       attention=ragged_attention_reference)
+    assert isinstance(step_engine, BatchEngine), how
     greedy = {str(i): (tok.encode(p).ids, RequestParams(12)) for i, p in enumerate(PROMPTS)}
     sampled = (tok.encode(PROMPTS[0]).ids, RequestParams(12, temperature=0.9, top_p=0.95, seed=3))
-    out, _ = run_all(routed, {**greedy, "s": sampled})
-    assert sorted(batched.active()) == sorted(greedy) and routed.sequential.active() == ["s"]
+    for rid, (ids, params) in {**greedy, "s": sampled}.items():
+        step_engine.admit(rid, ids, params)
+    assert sorted(step_engine.active()) == sorted([*greedy, "s"])
+    out = {rid: [] for rid in step_engine.active()}
+    while any(not step_engine.done(rid) for rid in step_engine.active()):
+        for rid, tokens in step_engine.step().items():
+            out[rid] += tokens
     for rid, (ids, _) in greedy.items():
         assert out[rid] == engine.generate(ids, 12).tokens
     assert out["s"] == engine.generate(sampled[0], 12, SamplingParams(0.9, 0.95, seed=3)).tokens
-    with pytest.raises(ValueError, match="max_batch is 3"):
-        routed.admit("x", [5, 6], RequestParams(4))
-    routed.release("0")
-    assert "0" not in batched.active() and "0" not in routed.active()
+    step_engine.release("0")
+    assert "0" not in step_engine.active()
 
 
 def test_engines_the_batched_engine_does_not_serve_run_one_after_another(zoo):
     engine, _ = zoo("dflash", pair="code-qwen3-next")
     batched, why = batched_engine_for(engine, 2, 256)
     assert batched is None and "hybrid" in why
+    step_engine, how = step_engine_for(engine, 2, 256)
+    assert isinstance(step_engine, Batch1StepEngine) and "hybrid" in how

@@ -35,7 +35,16 @@ joins or leaves).
 
 Attention is a hook (`attention`): `ragged_attention_reference` (SDPA per request, the default) or
 the split-KV kernel's ragged mode, which a backend installs (backends/kernel_hooks.py).
-Greedy only: temperature > 0 is refused at admission.
+
+Sampling: a request at temperature > 0 shares the batch with greedy ones and samples losslessly as
+the batch-1 loops do (runtime/sampling.py, docs/SAMPLING.md): its drafts drawn from the drafter's
+q and rejection sampling at accept for chains (`sampling.accept_chains`, all sampled requests of a
+step at once, each with its own temperature and top_p), one draw from p a node for trees. Each
+request draws from its own counter-based uniforms (its seed, its own step counter), and its number
+of verified drafts is its own (the verify budget, spec control's batch-wide AR switch and two-level's
+batch-wide first level leave it alone; padding rows are verified but not accepted), so its tokens do not depend on what shares
+its batch: they are the batch-1 loop's for its seed (tests/test_batch_sampling.py). Steps with a
+sampled request run the verify eagerly (graphed verifies return only the argmax).
 """
 
 from __future__ import annotations
@@ -55,6 +64,8 @@ from specpilot.runtime.decode import OutputTokens
 from specpilot.runtime.dflash import DFlashDrafter
 from specpilot.runtime.engine_api import RequestParams
 from specpilot.runtime.model import PardDrafter, Transformer, attend, build_mask
+from specpilot.runtime.sampling import (GREEDY, STREAM_DRAFT, SamplingParams, StepRandom, accept_chains, first_token,
+                                        probabilities_at, request_sampling, sample_tokens, tree_draws, uniforms)
 from specpilot.runtime.tree import Tree, accept_tree, ancestor_mask, best_first_tree, draft_topk
 from specpilot.runtime.two_level import share_budget
 
@@ -263,6 +274,8 @@ class Request:
     context: torch.Tensor | None = None  # DFlash: hidden rows of committed tokens not yet in the drafter's cache
     accepted: list[int] = field(default_factory=list)  # drafts accepted per speculative step (bonus excluded)
     verified: list[int] = field(default_factory=list)  # drafts verified per step (0: an AR step)
+    sampling: SamplingParams = GREEDY
+    rng: StepRandom | None = None  # a sampled request's uniforms (its seed, its step counter)
 
 
 @dataclass(frozen=True)
@@ -371,9 +384,10 @@ class BatchEngine:
     def admit(self, rid: str, prompt_ids: list[int], params: RequestParams) -> None:
         if rid in self.requests:
             raise ValueError(f"request {rid!r} is already active")
-        if params.temperature > 0:
-            raise ValueError(f"request {rid!r}: temperature={params.temperature}: this batched engine decodes "
-                             "greedily only (temperature 0); sampling is speculative sampling's (runtime/sampling.py)")
+        try:
+            sampling = request_sampling(params.temperature, params.top_p, params.seed)
+        except ValueError as e:
+            raise ValueError(f"request {rid!r}: {e}") from None
         if params.max_new_tokens < 0:
             raise ValueError(f"request {rid!r}: max_new_tokens must be >= 0, got {params.max_new_tokens}")
         if not prompt_ids:
@@ -386,8 +400,9 @@ class BatchEngine:
         if not self.free:
             raise RuntimeError(f"request {rid!r}: all {self.max_batch} slots are taken; release one first")
         slot = self.free.pop(0)
+        rng = None if sampling.greedy else StepRandom.for_seed(sampling.seed, self.target.device)
         self.requests[rid] = Request(rid, slot, list(prompt_ids), OutputTokens(params.max_new_tokens, self.eos_token_id),
-                                     seq=list(prompt_ids))
+                                     seq=list(prompt_ids), sampling=sampling, rng=rng)
 
     def release(self, rid: str) -> None:
         req = self.requests.pop(rid, None)
@@ -437,7 +452,11 @@ class BatchEngine:
         ids = torch.tensor([t for q in reqs for t in q.prompt], dtype=torch.long, device=dev)
         out = ragged_forward(self.target, self.kv, ids, r, self.attention, self.layers)
         last = torch.tensor([s + c - 1 for s, c in zip(r.starts, r.counts)], device=dev)
-        first = self.target.head(out.x[last]).argmax(-1).tolist()
+        logits = self.target.head(out.x[last])
+        first = logits.argmax(-1).tolist()
+        for i, q in enumerate(reqs):
+            if q.rng is not None:
+                first[i] = first_token(logits[i], q.sampling, q.rng)
         if self.kind == "dflash":
             dr = Ragged(r.slots, r.pasts, r.counts, "causal", dev)
             dflash_add_context(self.drafter, self.draft_kv, out.hidden, dr)
@@ -454,44 +473,76 @@ class BatchEngine:
         self.stats.committed += len(reqs)
 
     def _decode(self, reqs: list[Request], new: dict[str, list[int]]) -> None:
-        lengths = self.control.lengths([q.rid for q in reqs]) if self.kind != "ar" else {q.rid: 0 for q in reqs}
+        sampled = {q.rid for q in reqs if q.rng is not None}
+        lengths = self.control.lengths([q.rid for q in reqs], sampled) if self.kind != "ar" else \
+            {q.rid: 0 for q in reqs}
         drafting = [q for q in reqs if lengths[q.rid] > 0]
         if self.tree is not None:
             return self._decode_tree(reqs, drafting, lengths, new)
         drafts: dict[str, list[int]] = {q.rid: [] for q in reqs}
+        q_rows: dict[str, torch.Tensor] = {}
+        limit = {q.rid: 0 for q in reqs}  # drafts a request may accept (its own share; padding is not)
         if drafting:
-            tokens, confidence = self._draft(drafting, lengths)
+            tokens, confidence, q_rows = self._draft(drafting, lengths)
             self.stats.drafted_requests += len(drafting)
             share = {q.rid: lengths[q.rid] for q in drafting}
-            if self.policy.verify_budget:
+            if self.policy.verify_budget:  # sampled requests keep their own share, priced as load
+                shared = [q for q in drafting if q.rid not in sampled]
                 survival = []
                 for q, conf in zip(drafting, confidence):
                     k = lengths[q.rid]
-                    survival.append(survival_from_confidence(conf[:k]) if self.policy.survival == "confidence"
-                                    else survival_from_rate(self.control.rate(q.rid).alpha, k))
+                    if q.rid not in sampled:
+                        survival.append(survival_from_confidence(conf[:k]) if self.policy.survival == "confidence"
+                                        else survival_from_rate(self.control.rate(q.rid).alpha, k))
                 others = len(reqs) - len(drafting)  # AR rows of this step: one each, no drafts
+                fixed = sum(1 + share[rid] for rid in share if rid in sampled)
                 cost = self.policy.cost
-                choice = choose_verify_budget(survival + [[]] * others, cost.verify)
-                share = {q.rid: k for q, k in zip(drafting, choice.per_request)}
+                choice = choose_verify_budget(survival + [[]] * others, lambda n: cost.verify(n + fixed))
+                share.update({q.rid: k for q, k in zip(shared, choice.per_request)})
+            limit.update(share)
             if not self.policy.ragged and share:  # pad every drafting request to the longest share
                 longest = max(share.values())
                 self.stats.padded_rows += sum(longest - k for k in share.values())
                 share = {rid: longest for rid in share}
+                limit.update({rid: longest for rid in share if rid not in sampled})
             for q, toks in zip(drafting, tokens):
                 drafts[q.rid] = toks[:share[q.rid]]
         if not any(drafts.values()):
             self.stats.ar_steps += 1
-        self._verify(reqs, drafts, new)
+        self._verify(reqs, drafts, new, limit, q_rows)
 
-    def _draft(self, reqs: list[Request], lengths: dict[str, int]) -> tuple[list[list[int]], list[list[float]]]:
-        """Drafts and the drafter's probability of each, per request (device work, one transfer)."""
+    def _draft(self, reqs: list[Request], lengths: dict[str, int]
+               ) -> tuple[list[list[int]], list[list[float]], dict[str, torch.Tensor]]:
+        """Drafts and the drafter's probability of each, per request (device work, one transfer), and
+        the q [k, V] each sampled request's drafts were drawn from: its drafter's distributions at
+        its temperature and top_p, a draw from each with its own uniforms (decode.ChainStep's)."""
         logits = self._draft_logits(reqs, lengths)
         top, tok = logits.max(-1)
+        q_rows: dict[str, torch.Tensor] = {}
+        sampled = [i for i, q in enumerate(reqs) if q.rng is not None]
+        if sampled:
+            at = torch.tensor(sampled, device=logits.device)
+            group = [reqs[i] for i in sampled]
+            k, vocab = logits.shape[1], logits.shape[2]
+            temp, top_p, key, step = self._sampling_rows(group, logits.device)
+            q = probabilities_at(logits[at], temp[:, None], top_p[:, None])  # [S, k, V]
+            u = uniforms(key, step, STREAM_DRAFT, k)  # [S, k]
+            tok = tok.index_copy(0, at, sample_tokens(q.view(-1, vocab), u.view(-1)).view(len(sampled), k))
+            q_rows = {r.rid: q[j] for j, r in enumerate(group)}
         if not (self.policy.verify_budget and self.policy.survival == "confidence"):
-            return tok.tolist(), [[1.0] * tok.shape[1]] * tok.shape[0]  # no one reads the confidences
+            return tok.tolist(), [[1.0] * tok.shape[1]] * tok.shape[0], q_rows  # no one reads the confidences
         conf = (top.float() - logits.float().logsumexp(-1)).exp()  # the drafter's probability of its token
         both = torch.stack((tok.to(torch.float64), conf.to(torch.float64))).tolist()
-        return [[int(t) for t in row] for row in both[0]], both[1]
+        return [[int(t) for t in row] for row in both[0]], both[1], q_rows
+
+    @staticmethod
+    def _sampling_rows(reqs: list[Request], device: torch.device
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Temperature, top_p (float64), seed key and step (int64) of sampled requests, [S] each."""
+        f64 = dict(dtype=torch.float64, device=device)
+        return (torch.tensor([q.sampling.temperature for q in reqs], **f64),
+                torch.tensor([q.sampling.top_p for q in reqs], **f64),
+                torch.stack([q.rng.key for q in reqs]).to(device), torch.stack([q.rng.step for q in reqs]).to(device))
 
     def _draft_logits(self, reqs: list[Request], lengths: dict[str, int]) -> torch.Tensor:
         """The drafter's logits [B, k, V] at each request's draft positions (one drafter forward)."""
@@ -568,12 +619,16 @@ class BatchEngine:
                    positions=positions)
         ids = torch.tensor([t for ts in tokens for t in ts], dtype=torch.long, device=dev)
         out = ragged_forward(self.target, self.kv, ids, r, self.attention, self.layers)
-        argmax = self.target.head(out.x[:r.rows]).argmax(-1).tolist()
+        logits = self.target.head(out.x[:r.rows])
+        argmax = logits.argmax(-1).tolist()
         self.stats.steps += 1
         self.stats.verify_rows += r.rows
         for i, q in enumerate(reqs):
             start, count = r.starts[i], r.counts[i]
             seg = argmax[start:start + count]
+            if q.rng is not None:  # one draw from p a node, followed as greedy follows the argmax
+                seg = tree_draws(logits[start:start + count], q.sampling, q.rng).tolist()
+                q.rng.advance()
             if q.rid in trees:
                 tree = trees[q.rid]
                 path, bonus = accept_tree(tree, seg, masks[i].to(tree.device))
@@ -602,23 +657,36 @@ class BatchEngine:
         requests, keep a drafting request in all (two_level.share_budget); with verify-budget, as
         many of those as pay under the step-cost table (`choose_verify_budget`, at most that total).
         Each request keeps that many of its first nodes: its best-first tree of that size,
-        ancestor-closed (`others` requests verify their anchor only this step)."""
-        total = self.keep * len(drafting)
+        ancestor-closed (`others` requests verify their anchor only this step). A sampled request
+        keeps its own `keep` first nodes whatever the batch (its tokens must not depend on what
+        shares it), priced as load; the batch's budget goes to the greedy ones."""
+        sampled = [q for q in drafting if q.rng is not None]
+        shared = [q for q in drafting if q.rng is None]
+        own = {q.rid: min(self.keep, trees[q.rid].size - 1) for q in sampled}
+        total = self.keep * len(shared)
         if self.policy.verify_budget:
             if self.policy.cost is None or self.policy.survival != "confidence":
                 raise ValueError("BatchEngine: a batch-wide first level under verify-budget chooses by the drafter's "
                                  "confidences and the step-cost table: expected a cost and survival 'confidence'")
-            survival = [trees[q.rid].score[1:].exp().tolist() for q in drafting]
-            per = choose_verify_budget(survival + [[]] * others, self.policy.cost.verify, max_total=total).per_request
+            survival = [trees[q.rid].score[1:].exp().tolist() for q in shared]
+            fixed = sum(1 + k for k in own.values())
+            cost = self.policy.cost
+            per = choose_verify_budget(survival + [[]] * others, lambda n: cost.verify(n + fixed),
+                                       max_total=total).per_request
         else:
-            per = share_budget([trees[q.rid].score for q in drafting], total)
-        for q, k in zip(drafting, per):
-            t = trees[q.rid]
-            trees[q.rid] = Tree(t.parent[: k + 1], t.depth[: k + 1], t.token[: k + 1], t.score[: k + 1])
+            per = share_budget([trees[q.rid].score for q in shared], total)
+        for rid, k in [*zip((q.rid for q in shared), per), *own.items()]:
+            t = trees[rid]
+            trees[rid] = Tree(t.parent[: k + 1], t.depth[: k + 1], t.token[: k + 1], t.score[: k + 1])
             self.stats.pruned_nodes += t.size - 1 - k
 
-    def _verify(self, reqs: list[Request], drafts: dict[str, list[int]], new: dict[str, list[int]]) -> None:
+    def _verify(self, reqs: list[Request], drafts: dict[str, list[int]], new: dict[str, list[int]],
+                limit: dict[str, int] | None = None, q_rows: dict[str, torch.Tensor] | None = None) -> None:
+        """Verify every request's [last token, drafts...] in one packed forward; greedy requests accept
+        their argmax prefix, sampled ones by rejection sampling of their first limit[rid] drafts
+        (drawn from q_rows[rid])."""
         dev = self.target.device
+        sampled = [i for i, q in enumerate(reqs) if q.rng is not None]
         counts = tuple(1 + len(drafts[q.rid]) for q in reqs)
         rows = sum(counts)
         bucket = self.config.bucket(rows)
@@ -626,19 +694,25 @@ class BatchEngine:
                    pad_to=bucket, pad_slot=self.kv.scratch)
         flat = [t for q in reqs for t in [q.seq[-1]] + drafts[q.rid]]
         ids = torch.tensor(flat + [0] * (r.total - rows), dtype=torch.long, device=dev)
-        if self.graphed is not None and rows <= self.config.buckets[-1]:
+        if self.graphed is not None and rows <= self.config.buckets[-1] and not sampled:
             argmax, hidden = self.graphed(ids, r)
             argmax = argmax[:rows]
         else:
             out = ragged_forward(self.target, self.kv, ids, r, self.attention, self.layers)
-            argmax, hidden = self.target.head(out.x[:rows]).argmax(-1), out.hidden  # [rows]
+            logits = self.target.head(out.x[:rows])
+            argmax, hidden = logits.argmax(-1), out.hidden  # [rows]
         n, bonus = accept_ragged(ids[:rows], argmax, r)
+        if sampled:
+            n, bonus = self._accept_sampled([reqs[i] for i in sampled], sampled, ids, logits, r, drafts, limit or {},
+                                            q_rows or {}, n, bonus)
         result = torch.stack((n, bonus)).tolist()
         self.stats.steps += 1
         self.stats.verify_rows += rows
         self.stats.padded_rows += r.total - rows
         for i, q in enumerate(reqs):
             k, acc, b = len(drafts[q.rid]), result[0][i], result[1][i]
+            if q.rng is not None:  # its own share: padding rows are not its drafts
+                k = min(k, (limit or {}).get(q.rid, 0))
             span = drafts[q.rid][:acc] + [b]
             kept = q.out.extend(span)
             new[q.rid] += span[:kept]
@@ -655,6 +729,30 @@ class BatchEngine:
                 rows_kept = hidden[start:start + 1 + acc].clone()  # the anchor and the accepted drafts
                 q.context = rows_kept if q.context is None else torch.cat((q.context, rows_kept))
             self.stats.committed += kept
+
+
+    def _accept_sampled(self, group: list[Request], at: list[int], ids: torch.Tensor, logits: torch.Tensor, r: Ragged,
+                        drafts: dict[str, list[int]], limit: dict[str, int], q_rows: dict[str, torch.Tensor],
+                        n: torch.Tensor, bonus: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(n, bonus) with the sampled requests' entries (batch indices `at`) from rejection sampling
+        (sampling.accept_chains, all at once); each sampled request's step counter moves on."""
+        dev = logits.device
+        kk = max(r.counts[i] for i in at) - 1
+        vocab = logits.shape[-1]
+        index = torch.tensor([[min(r.starts[i] + j, r.rows - 1) for j in range(kk + 1)] for i in at], device=dev)
+        tok = ids[index[:, 1:]]  # [S, K] the drafts (rows past a request's own: don't-care)
+        q = torch.full((len(at), kk, vocab), 1.0 / vocab, dtype=torch.float64, device=dev)
+        for j, req in enumerate(group):
+            if req.rid in q_rows and drafts[req.rid]:
+                rows = q_rows[req.rid][:len(drafts[req.rid])]
+                q[j, :rows.shape[0]] = rows.to(dev)
+        counts = torch.tensor([limit.get(req.rid, 0) for req in group], device=dev)
+        temp, top_p, key, step = self._sampling_rows(group, dev)
+        n_s, token = accept_chains(tok, counts, q, logits[index], temp, top_p, key, step)
+        for req in group:
+            req.rng.advance()
+        where = torch.tensor(at, device=dev)
+        return n.index_copy(0, where, n_s), bonus.index_copy(0, where, token)
 
 
 class StaticRagged:

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
 
@@ -188,8 +188,10 @@ class SpecControl:
     def forget(self, rid: str) -> None:
         self.rates.pop(rid, None)
 
-    def lengths(self, rids: Sequence[str]) -> dict[str, int]:
-        """Drafts each request may verify this step (0: it runs an AR step)."""
+    def lengths(self, rids: Sequence[str], independent: Collection[str] = ()) -> dict[str, int]:
+        """Drafts each request may verify this step (0: it runs an AR step). Requests in
+        `independent` (sampled ones: their tokens must not depend on what shares their batch) keep
+        their own length when the batch turns to AR; the rows they verify are priced as load."""
         p = self.policy
         if not p.spec_control:
             return {r: p.max_drafts for r in rids}
@@ -203,12 +205,15 @@ class SpecControl:
             else:
                 deep = math.log(p.min_survival) / math.log(rate.alpha) if 0 < rate.alpha < 1 else p.max_drafts
                 out[rid] = max(1, min(p.max_drafts, int(deep)))
-        drafting = [r for r in rids if out[r] > 0]
-        if drafting and p.cost is not None:  # the whole batch: does any budget beat AR at this load?
-            survival = [survival_from_rate(self.rate(r).alpha, out[r]) if r in drafting else [] for r in rids]
-            choice = choose_verify_budget(survival, p.cost.verify, draft_ms=p.cost.draft(len(drafting)))
+        shared = [r for r in rids if r not in independent]
+        drafting = [r for r in shared if out[r] > 0]
+        if drafting and p.cost is not None:  # the batch: does any budget beat AR at this load?
+            fixed = sum(1 + out[r] for r in rids if r in independent)
+            survival = [survival_from_rate(self.rate(r).alpha, out[r]) if r in drafting else [] for r in shared]
+            choice = choose_verify_budget(survival, lambda n: p.cost.verify(n + fixed),
+                                          draft_ms=p.cost.draft(len(drafting)))
             if sum(choice.per_request) == 0:
-                out = {r: 0 for r in rids}
+                out.update({r: 0 for r in shared})
         for rid in rids:
             rate = self.rate(rid)
             rate.idle = 0 if out[rid] > 0 else rate.idle + 1

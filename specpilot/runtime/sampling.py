@@ -30,6 +30,7 @@ probability is compared at 2^-24 resolution. Distributions are float64: the inve
 from __future__ import annotations
 
 import math
+import secrets
 from dataclasses import dataclass
 
 import torch
@@ -65,18 +66,41 @@ class SamplingParams:
 GREEDY = SamplingParams()
 
 
+def request_sampling(temperature: float, top_p: float, seed: int | None) -> SamplingParams:
+    """A request's sampling (engine_api.RequestParams' fields): greedy at temperature 0; else its
+    seed, or a random one without, taken modulo 2^64 so negative seeds are seeds too."""
+    if temperature == 0:
+        return GREEDY
+    seed = secrets.randbits(64) if seed is None else seed % 2**64
+    return SamplingParams(temperature=temperature, top_p=top_p, seed=seed)
+
+
 def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """float64 [..., V]: softmax(logits / T) restricted to its top-p nucleus (the fewest most likely
     tokens whose mass reaches top_p; ties broken by the sort) and renormalised. What AR sampling
     draws from, and what the drafter's q is made of."""
     if params.greedy:
         raise ValueError("probabilities() is for temperature > 0; greedy decoding takes the argmax")
-    probs = torch.softmax(logits.double() / params.temperature, dim=-1)
-    if params.top_p >= 1:
-        return probs
+    return probabilities_at(logits, params.temperature, params.top_p)
+
+
+def probabilities_at(logits: torch.Tensor, temperature: float | torch.Tensor,
+                     top_p: float | torch.Tensor) -> torch.Tensor:
+    """`probabilities` with the temperature and top_p as numbers, or as float64 tensors of logits'
+    leading shape (one per row: the requests of a batch, each its own)."""
+    row = (lambda v: v) if isinstance(temperature, (int, float)) else (lambda v: v.unsqueeze(-1))
+    probs = torch.softmax(logits.double() / row(temperature), dim=-1)
+    if isinstance(top_p, (int, float)):
+        return probs if top_p >= 1 else nucleus(probs, top_p)
+    top = top_p.unsqueeze(-1)
+    return torch.where(top >= 1, probs, nucleus(probs, top))
+
+
+def nucleus(probs: torch.Tensor, top_p: float | torch.Tensor) -> torch.Tensor:
+    """probs [..., V] cut to each row's top-p nucleus and renormalised (top_p a number or [..., 1])."""
     sorted_p, order = probs.sort(dim=-1, descending=True)
     before = sorted_p.cumsum(-1) - sorted_p  # mass of the tokens ranked above each one
-    keep_sorted = before < params.top_p  # the top token is always kept
+    keep_sorted = before < top_p  # the top token is always kept
     keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
     kept = torch.where(keep, probs, torch.zeros_like(probs))
     return kept / kept.sum(-1, keepdim=True)
@@ -105,9 +129,11 @@ def seed_key(seed: int, device: torch.device | str) -> torch.Tensor:
 
 def uniforms(key: torch.Tensor, step: torch.Tensor | int, stream: int, n: int) -> torch.Tensor:
     """float64 [n] in (0, 1), a function of (key, step, stream, index) alone: the same on every
-    device, and with `step` a device tensor, fit for CUDA-graph capture."""
+    device, and with `step` a device tensor, fit for CUDA-graph capture. With keys and steps [B]
+    (requests of a batch, each its own seed and step), [B, n]: row b is uniforms(key[b], step[b])."""
     index = torch.arange(n, device=key.device, dtype=torch.long)
-    h = hash32(key ^ hash32(torch.as_tensor(step, device=key.device) + (stream << 28)))
+    step = torch.as_tensor(step, device=key.device)
+    h = hash32(key[..., None] ^ hash32(step[..., None] + (stream << 28)))
     h = hash32(h ^ hash32(index + 0x9E3779B9))
     return ((h >> 8).double() + 0.5) / float(1 << 24)
 
@@ -182,18 +208,45 @@ def accept_chain(drafts: torch.Tensor, q: torch.Tensor, target_logits: torch.Ten
     """Rejection sampling of a chain, on the device: drafts [k] drawn from q [k, V]; the target's
     logits [k+1, V] at [last token, d1..dk]. Returns (n, span) as graph_decode.accept_on_device
     does: n (0-dim) drafts accepted, span [k+1] = drafts[:n], then the token drawn at position n
-    (from the residual after a rejection, from p_k after k acceptances); entries after n don't-care."""
+    (from the residual after a rejection, from p_k after k acceptances); entries after n don't-care.
+    (`accept_chains` of one request.)"""
     k = drafts.shape[0]
-    p = probabilities(target_logits, params)
-    at = drafts[:, None]
-    accept = acceptance_probability(p[:k].gather(1, at)[:, 0], q.gather(1, at)[:, 0])
-    ok = rng.draw(STREAM_ACCEPT, k) < accept
-    n = torch.cumprod(ok.long(), 0).sum()
-    rows = torch.cat([residual_distribution(p[:k], q), p[k:]])  # row i: where the draw at position i comes from
-    at_n = n.view(1)
-    token = sample_tokens(rows.index_select(0, at_n), rng.draw(STREAM_BONUS, 1))
-    span = torch.cat([drafts, drafts[:1]]).index_copy_(0, at_n, token)
-    return n, span
+    n, token = accept_chains(drafts[None], k, q[None], target_logits[None], params.temperature, params.top_p,
+                             rng.key.view(1), rng.step.view(1))
+    span = torch.cat([drafts, drafts[:1]]).index_copy_(0, n, token)
+    return n[0], span
+
+
+def accept_chains(drafts: torch.Tensor, counts: int | torch.Tensor, q: torch.Tensor, target_logits: torch.Tensor,
+                  temperature: float | torch.Tensor, top_p: float | torch.Tensor, key: torch.Tensor,
+                  step: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rejection sampling of B chains at once, on the device, each with its own temperature, top_p,
+    seed key and step ([B] tensors, or numbers for all): request b verified its first counts[b] of
+    drafts [B, K] (drawn from q [B, K, V]); target_logits [B, K+1, V] at [last token, d1..dK] (rows
+    past counts[b] don't-care). Returns (n [B] drafts accepted, token [B] drawn at position n: from
+    the residual after a rejection, from p at counts[b] after counts[b] acceptances). A request with
+    no drafts takes an AR step: its token drawn as generate_ar draws one (stream FIRST)."""
+    b, kk = drafts.shape
+    temp = temperature if isinstance(temperature, (int, float)) else temperature[:, None]
+    top = top_p if isinstance(top_p, (int, float)) else top_p[:, None]
+    p = probabilities_at(target_logits, temp, top)  # [B, K+1, V]
+    j = torch.arange(kk, device=drafts.device)
+    limit = counts if isinstance(counts, int) else counts[:, None]
+    at = drafts[..., None]
+    accept = acceptance_probability(p[:, :kk].gather(2, at)[..., 0], q.gather(2, at)[..., 0])
+    ok = (uniforms(key, step, STREAM_ACCEPT, kk) < accept) & (j < limit)
+    n = torch.cumprod(ok.long(), 1).sum(1)  # [B]
+    rows = torch.arange(b, device=drafts.device)
+    at_p = p[rows, n]  # [B, V]: p at position n (the bonus row when n == counts)
+    if kk:
+        residual = residual_distribution(p[rows, n.clamp(max=kk - 1)], q[rows, n.clamp(max=kk - 1)])
+        at_p = torch.where((n < counts)[:, None], residual, at_p)
+    u = uniforms(key, step, STREAM_BONUS, 1)[:, 0]
+    if isinstance(counts, int):
+        u = uniforms(key, step, STREAM_FIRST, 1)[:, 0] if counts == 0 else u
+    else:
+        u = torch.where(counts == 0, uniforms(key, step, STREAM_FIRST, 1)[:, 0], u)
+    return n, sample_tokens(at_p, u)
 
 
 def tree_draws(target_logits: torch.Tensor, params: SamplingParams, rng: StepRandom) -> torch.Tensor:

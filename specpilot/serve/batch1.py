@@ -1,5 +1,5 @@
-"""A StepEngine (runtime/engine_api.py) over the batch-1 decode loops: what serves sampled requests, and
-every request of an engine the batched engine does not serve (serve/routed.py).
+"""A StepEngine (runtime/engine_api.py) over the batch-1 decode loops: what serves every request of an
+engine the batched engine does not serve (hybrid targets, replay drafters; serve/routed.py).
 
 Compute is not batched: each `step()` advances every active request by one step of its own, one
 request after another (interleaved), each with its own caches. What the server gains is that many
@@ -19,7 +19,6 @@ A request's session, by what the engine asks:
 
 from __future__ import annotations
 
-import secrets
 from typing import Protocol
 
 import torch
@@ -29,16 +28,12 @@ from ..runtime.decode import ChainStep, OutputTokens, prompt_tensor
 from ..runtime.dflash import DFlashDrafter
 from ..runtime.engine_api import RequestParams
 from ..runtime.model import PardDrafter
-from ..runtime.sampling import SamplingParams
+from ..runtime.sampling import SamplingParams, request_sampling
 
 
 def sampling_params(params: RequestParams) -> SamplingParams:
-    """The runtime's sampling of a request: greedy at temperature 0; else its seed (a random one
-    without, taken modulo 2^64 so negative seeds are seeds too)."""
-    if params.temperature == 0:
-        return SamplingParams()
-    seed = secrets.randbits(64) if params.seed is None else params.seed % 2**64
-    return SamplingParams(temperature=params.temperature, top_p=params.top_p, seed=seed)
+    """The runtime's sampling of a request (sampling.request_sampling)."""
+    return request_sampling(params.temperature, params.top_p, params.seed)
 
 
 class Session(Protocol):

@@ -10,10 +10,9 @@ from pathlib import Path
 
 from ..backends.torch_backend import Engine
 from .app import ServedModel, create_app
-from .batch1 import Batch1StepEngine
 from ..runtime.tokenizer import ChatTemplate
 from .metrics import ServeMetrics
-from .routed import RoutedStepEngine, batched_engine_for
+from .routed import step_engine_for
 from .scheduler import Scheduler, SchedulerConfig
 
 
@@ -25,7 +24,7 @@ class ServeConfig:
     max_queue: int = 64  # requests waiting for a slot; more are refused with 429
     drain_s: float = 30.0  # at shutdown: how long running and waiting requests may take to finish
     log_level: str = "info"
-    batching: bool = True  # greedy requests in the batched engine (else every request one after another)
+    batching: bool = True  # requests in the batched engine (else every request one after another)
 
 
 def served_model(name: str, engine: Engine, tokenizer, chat: ChatTemplate) -> ServedModel:
@@ -35,18 +34,16 @@ def served_model(name: str, engine: Engine, tokenizer, chat: ChatTemplate) -> Se
 
 
 def build_app(name: str, engine: Engine, tokenizer, chat: ChatTemplate, config: ServeConfig, log=None):
-    """The app over `engine`: greedy requests in the batched engine, sampled ones in the batch-1 loops
-    (serve/routed.py), under the scheduler. `log` hears which way greedy requests run and why."""
+    """The app over `engine`: every request in the batched engine where it serves the engine, else in
+    the batch-1 loops (serve/routed.py), under the scheduler. `log` hears which way requests run and why."""
     model = served_model(name, engine, tokenizer, chat)
     q = engine.program.step.one("verify")[1]["q"]
     sched_cfg = SchedulerConfig(max_batch=config.max_batch, max_queue=config.max_queue, context=model.context,
                                 verify_tokens=q)
-    batched, why = batched_engine_for(engine, config.max_batch, model.context) if config.batching else \
-        (None, "batching turned off")
-    (log or (lambda line: print(line, file=sys.stderr, flush=True)))(f"greedy requests: {'batched' if batched is not None else 'one after another'} ({why})")
+    step_engine, how = step_engine_for(engine, config.max_batch, model.context, config.batching)
+    (log or (lambda line: print(line, file=sys.stderr, flush=True)))(f"requests: {how}")
 
     def make_scheduler(metrics: ServeMetrics) -> Scheduler:
-        step_engine = RoutedStepEngine(batched, Batch1StepEngine(engine, config.max_batch), config.max_batch)
         return Scheduler(step_engine, model.decode, engine.eos_token_id, sched_cfg, metrics)
 
     return create_app(model, make_scheduler, config.drain_s)
