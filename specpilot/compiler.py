@@ -17,7 +17,8 @@ import torch
 import yaml
 
 from . import __version__
-from .backends.engine_dir import ENGINE_FORMAT, atomic_dir, check_compatible, copy_checkpoint, write_manifest
+from .backends.engine_dir import (ENGINE_FORMAT, atomic_dir, check_compatible, copy_checkpoint, read_tuning, write_manifest,
+                                   write_tuning)
 from .backends.torch_backend import (U12_FILE, Engine, ReplaySetup, ShapeModels, build_engine, default_dtype,
                                      drafter_root, packed_weights, pick_device, stored_weights)
 from .bench.batch import measure_batches
@@ -478,6 +479,7 @@ def compile_pipeline(spec: PipelineSpec, *, out_dir: Path | None, passes: str | 
                 copy_checkpoint(dirs.target, tmp / "target", stored["target"])
                 copy_checkpoint(dirs.drafter, tmp / "drafter", stored["drafter"])
             save_pass_artifacts(engine, tmp, weights=dirs.shape is None)
+            write_tuning(tmp, engine.tuning)
             if spec.backend == "trtllm":
                 report["trtllm"] = write_trtllm(tmp, dirs, engine, program, prompts, spec)
             write_cost_view(program, spec.gpu, m.tau, report, tmp)
@@ -519,11 +521,12 @@ def load_engine(root: Path, device: str | None = None) -> LoadedEngine:
     program = parse_program((root / "ir.txt").read_text(), source=str(root / "ir.txt"))
     load_engine_plugins(spec, manifest.get("pipeline", ""), program, str(root / "pipeline.txt"))
     program = verify_program(program)
+    tuning = read_tuning(root)  # the kernels run the configs the engine was built with
     if spec.target_shape is not None:  # random weights: rebuilt from the shape and seed, nothing stored but passes'
         shape = shape_models(spec)
-        engine = build_engine(program, None, root / "drafter", pick_device(device), shape=shape)
+        engine = build_engine(program, None, root / "drafter", pick_device(device), shape=shape, tuning=tuning)
         return LoadedEngine(root, manifest, spec, engine, shape.tokenizer())
-    engine = build_engine(program, root / "target", root / "drafter", pick_device(device))
+    engine = build_engine(program, root / "target", root / "drafter", pick_device(device), tuning=tuning)
     return LoadedEngine(root, manifest, spec, engine, load_tokenizer(root / "target"))
 
 

@@ -4,6 +4,7 @@ specpilot version or GPU kind) refused with an error naming the file."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import subprocess
@@ -20,10 +21,14 @@ from click.testing import CliRunner
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from specpilot.backends.engine_dir import copy_checkpoint
+from specpilot.backends import kernel_hooks
+from specpilot.backends.engine_dir import TUNING_FILE, copy_checkpoint, write_manifest
+from specpilot.backends.kernel_hooks import builtin_tuning
 from specpilot.cli import main
 from specpilot.compiler import compile_pipeline, load_engine
 from specpilot.formats.u12 import load_u12
+from specpilot.kernels import fused_linear, u12
+from specpilot.kernels.fused_linear import FusedLinearConfig
 from specpilot.runtime.builtin import resolve_builtin
 from specpilot.runtime.load import load_target
 from specpilot.spec import load_spec
@@ -164,3 +169,50 @@ def test_an_engine_for_another_gpu_or_version_is_refused(engine, tmp_path, field
     manifest[field] = value
     (copied / "engine.json").write_text(json.dumps(manifest))
     refused(copied, "engine.json", *fragments)
+
+
+def retune(copied: Path, edit) -> None:
+    """Rewrite the copy's kernel_tuning.json through `edit` (its JSON in, JSON out), digests renewed."""
+    path = copied / TUNING_FILE
+    path.write_text(json.dumps(edit(json.loads(path.read_text()))))
+    manifest = json.loads((copied / "engine.json").read_text())
+    write_manifest(copied, {k: v for k, v in manifest.items() if k != "files"})
+
+
+def test_an_engine_holds_its_kernels_tuned_tables_and_runs_with_them(engine, tmp_path):
+    """kernel_tuning.json: this install's tables at compile time, covered by the manifest's digests;
+    a copied engine's kernels take their configs from its own file, not from the install's tables."""
+    assert TUNING_FILE in json.loads((engine / "engine.json").read_text())["files"]
+    assert json.loads((engine / TUNING_FILE).read_text()) == builtin_tuning().to_json()
+    key_fl, key_u12, key_fused = (1, 4096, 4096, False), (16, 4096, 4096), (1, 4096, 4096, False)
+    assert fused_linear.default_config(*key_fl, on_gpu=True) != FusedLinearConfig("gemv", 16, 64, num_warps=8)
+    retuned = {"fused_linear": FusedLinearConfig("gemv", 16, 64, num_warps=8),
+               "u12": u12.U12Config(64, 64, split_k=2, num_warps=8, num_stages=3, kernel="mma"),
+               "u12_fused": u12.U12Config(8, 32, num_warps=8, num_stages=1, kernel="gemv2")}
+
+    def edit(tables):
+        tables["fused_linear"].append({"key": list(key_fl), "config": dataclasses.asdict(retuned["fused_linear"])})
+        tables["u12"].append({"key": list(key_u12), "config": dataclasses.asdict(retuned["u12"])})
+        tables["u12_fused"] = [{"key": list(key_fused), "config": dataclasses.asdict(retuned["u12_fused"])}]
+        return tables
+
+    copied = copy_of(engine, tmp_path)
+    retune(copied, edit)
+    tuning = load_engine(copied, device="cpu").engine.tuning
+    assert fused_linear.default_config(*key_fl, on_gpu=True, tuning=tuning) == retuned["fused_linear"]
+    assert u12.default_config(16, 4096, 4096, on_gpu=True, tuning=tuning) == retuned["u12"]
+    assert u12.fused_config(*key_fused, on_gpu=True, tuning=tuning) == retuned["u12_fused"]
+    assert u12.fused_config(1, 6144, 4096, False, on_gpu=True, tuning=tuning) != u12.TUNED_FUSED[1, 6144, 4096, False]
+    ops = kernel_hooks.fused_ops("triton", tuning=tuning)  # what build_engine installs for a fused stack
+    assert all(fn.keywords["tuning"] is tuning for fn in (ops.linear, ops.linear_u12, ops.u12_project))
+
+
+@pytest.mark.parametrize("edit, fragments", [
+    (lambda t: {**t, "fused_linear": [{"key": [1, 2, 3, False], "config": {"kernel": "gemv", "block_n": 3}}]},
+     ("table 'fused_linear', entry 0", "FusedLinearConfig")),
+    (lambda t: {**t, "attention": []}, ("table 'attention'", "expected one of")),
+])
+def test_a_bad_kernel_tuning_file_is_refused_naming_it(engine, tmp_path, edit, fragments):
+    copied = copy_of(engine, tmp_path)
+    retune(copied, edit)
+    refused(copied, TUNING_FILE, *fragments)

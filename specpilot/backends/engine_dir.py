@@ -9,6 +9,9 @@ Layout:
     target/, drafter/ config.json, tokenizer files, and each weight once, in its final format: a weight
                       the passes stored as 12-bit planes (u12.safetensors) is left out of the checkpoint's
                       *.safetensors (rewritten without it), so no bf16 copy sits beside its planes
+    kernel_tuning.json  the tuned config tables the engine's kernels were built with (kernels/tuning.py's
+                      KernelTuning): loading hands them to the kernels, so a copied engine runs the
+                      configs it was built and validated with, whatever the serving install's tables say
     validation.json   the token-forcing report
     report.json, report.md
 A compile writes everything into a temporary sibling folder and renames it into place at the end,
@@ -29,9 +32,13 @@ from typing import Iterator
 
 from ..errors import EngineError
 from ..formats.digest import file_sha256
+from ..kernels.tuning import KernelTuning
+from .kernel_hooks import TUNING_TYPES
 
 MANIFEST = "engine.json"
-ENGINE_FORMAT = 2  # 2: versions and build device in the manifest; weights stored once, in their final format
+ENGINE_FORMAT = 3  # 2: versions and build device in the manifest; weights stored once, in their final format;
+# 3: the kernels' tuned tables in kernel_tuning.json
+TUNING_FILE = "kernel_tuning.json"
 CHECKPOINT_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json")
 
 
@@ -94,6 +101,24 @@ def copy_checkpoint(src: Path, dst: Path, leave_out: frozenset[str] = frozenset(
         data["weight_map"] = {n: f for n, f in data.get("weight_map", {}).items()
                               if n not in leave_out and f in kept_files}
         (dst / index.name).write_text(json.dumps(data, indent=2) + "\n")
+
+
+def write_tuning(root: Path, tuning: KernelTuning) -> None:
+    (Path(root) / TUNING_FILE).write_text(json.dumps(tuning.to_json(), indent=1) + "\n")
+
+
+def read_tuning(root: Path) -> KernelTuning:
+    """The engine's kernel_tuning.json (EngineError naming the file, and the table and entry, when it
+    is missing or not what write_tuning writes)."""
+    path = Path(root) / TUNING_FILE
+    if not path.is_file():
+        raise EngineError(f"{path}: missing (an engine holds its kernels' tuned tables): recompile the engine")
+    try:
+        return KernelTuning.from_json(json.loads(path.read_text()), TUNING_TYPES, str(path))
+    except json.JSONDecodeError as e:
+        raise EngineError(f"{path}: not valid JSON ({e.msg})") from None
+    except ValueError as e:
+        raise EngineError(str(e)) from None
 
 
 def write_manifest(root: Path, info: dict) -> None:

@@ -10,6 +10,7 @@ signatures, so a CPU run exercises the same wiring.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from contextlib import contextmanager
 
@@ -19,6 +20,7 @@ from torch import nn
 from ..kernels import (attention_split_kv, best_first_tree, fused_linear, gdn_tree, rmsnorm, rope_attention, rope_kv,
                        silu_mul, u12)
 from ..kernels.overlap import Launch
+from ..kernels.tuning import KernelTuning
 from ..runtime import batch
 from ..runtime.dflash import DFlashDrafter
 from ..runtime.fused import FusedDecoder, FusedDFlash, FusedOps, install_fused
@@ -35,15 +37,29 @@ def triton_runs(device: torch.device) -> bool:
     return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def fused_ops(kind: str, u12_linear: bool = True, **fields) -> FusedOps:
+# The tuned config tables the kernels consult (kernels/tuning.KernelTuning), by name, and their config class.
+TUNING_TYPES = {"fused_linear": fused_linear.FusedLinearConfig, "u12": u12.U12Config, "u12_tiles": u12.U12Config,
+                "u12_fused": u12.U12Config}
+
+
+def builtin_tuning() -> KernelTuning:
+    """The tuned tables of this install's kernels: what a compile stores in the engine (engine_tuning.json)."""
+    return KernelTuning({"fused_linear": dict(fused_linear.TUNED), "u12": dict(u12.TUNED),
+                         "u12_tiles": dict(u12.TUNED_TILES), "u12_fused": dict(u12.TUNED_FUSED)})
+
+
+def fused_ops(kind: str, u12_linear: bool = True, tuning: KernelTuning | None = None, **fields) -> FusedOps:
     """"triton": the kernels; "torch": their references (same signatures). u12_linear: u12 layers
     take the fused linear too (else their projections run u12_linear with the separate kernels).
-    `fields` override FusedOps' policy defaults."""
+    `tuning`: the tuned tables the kernels take their configs from (an engine's own; default the
+    kernels' module tables). `fields` override FusedOps' policy defaults."""
     if kind == "triton":
+        tuned = functools.partial
         ops = FusedOps(rmsnorm.rmsnorm, rope_kv.rope_qkv, silu_mul.silu_mul, kind,
-                       linear=fused_linear.fused_linear, linear_u12=u12.u12_fused_linear,
+                       linear=tuned(fused_linear.fused_linear, tuning=tuning),
+                       linear_u12=tuned(u12.u12_fused_linear, tuning=tuning),
                        u12_kernel="triton-u12" if u12_linear else "", rope_attention=rope_attention.rope_attention,
-                       split_kv=split_kv_attention, u12_project=u12.u12_linear, launch=Launch(),
+                       split_kv=split_kv_attention, u12_project=tuned(u12.u12_linear, tuning=tuning), launch=Launch(),
                        u12_launch=U12_LAUNCH)
     elif kind == "torch":
         ops = FusedOps(rmsnorm.rmsnorm_reference, rope_kv.rope_qkv_reference, silu_mul.silu_mul_reference, kind,
@@ -62,10 +78,11 @@ def with_launch(ops: FusedOps, launch: Launch) -> FusedOps:
     return dataclasses.replace(ops, launch=launch, u12_launch=launch)
 
 
-def install(model: Transformer | DFlashDrafter, kind: str | None = None) -> FusedDecoder | FusedDFlash:
+def install(model: Transformer | DFlashDrafter, kind: str | None = None,
+            tuning: KernelTuning | None = None) -> FusedDecoder | FusedDFlash:
     """Serve `model` with the fused stack: the kernels where Triton runs, the references elsewhere,
-    unless `kind` says."""
-    return install_fused(model, fused_ops(kind or ("triton" if triton_runs(model.device) else "torch")))
+    unless `kind` says; the kernels' configs from `tuning` (an engine's own tables)."""
+    return install_fused(model, fused_ops(kind or ("triton" if triton_runs(model.device) else "torch"), tuning=tuning))
 
 
 def split_kv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vis: Visibility,
@@ -118,16 +135,17 @@ def _modules(model: nn.Module) -> tuple[int, ...]:
 
 
 @contextmanager
-def fused_path(model: Transformer, *others: nn.Module):
+def fused_path(model: Transformer, *others: nn.Module, tuning: KernelTuning | None = None):
     """For the duration: `model` and the DFlash drafters among `others` served by their fused
     stacks (installed once and kept while their modules stay the same) and split-KV attention, as
     the fused-decoder and attention-split-kv passes would build them; the other `others` (PARD
     drafters' models) get split-KV attention only. Restored after, so benchmarks can compare paths
-    on one set of weights. Graphed runners are keyed by this setup (graph_decode.runner_for)."""
+    on one set of weights. Graphed runners are keyed by this setup (graph_decode.runner_for).
+    `tuning`: the kernels' tuned tables (an engine's own)."""
     fused = [model, *(m for m in others if isinstance(m, DFlashDrafter))]
     for m in fused:
         if getattr(m, "fused_kept", None) is None or getattr(m, "fused_kept_over", None) != _modules(m):
-            m.fused_kept, m.fused_kept_over = install(m), _modules(m)
+            m.fused_kept, m.fused_kept_over = install(m, tuning=tuning), _modules(m)
     attentions = [m for root in (model, *others) for m in root.modules() if isinstance(m, Attention)]
     before = [a.attention for a in attentions]
     for m in fused:

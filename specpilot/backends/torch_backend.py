@@ -24,6 +24,7 @@ from ..errors import EngineError
 from ..ir import MATMUL_OPS, Graph, Node, Program
 from ..ir import node as ir_node
 from ..ir.lower import SHARED
+from ..kernels.tuning import KernelTuning
 from . import kernel_hooks
 from ..runtime import decode, graph_decode
 from ..runtime.dflash import DFlashDrafter
@@ -65,11 +66,12 @@ def _cast(node: Node, weight: torch.Tensor, compute: torch.dtype) -> nn.Module:
 # format -> builder(node, current weight, compute dtype) -> module serving y = x·Wᵀ.
 # Passes choose formats in the IR; this table is where a format becomes code.
 class U12Linear(nn.Module):
-    """y = x·Wᵀ with W in the lossless 12-bit format; `kernel` picks fused Triton or unpack+matmul."""
+    """y = x·Wᵀ with W in the lossless 12-bit format; `kernel` picks fused Triton or unpack+matmul;
+    `tuning` the tuned tables the Triton kernel's configs come from (build_engine sets the engine's)."""
 
-    def __init__(self, packed: U12Tensor, kernel: str):
+    def __init__(self, packed: U12Tensor, kernel: str, tuning: KernelTuning | None = None):
         super().__init__()
-        self.packed, self.kernel = packed, kernel
+        self.packed, self.kernel, self.tuning = packed, kernel, tuning
         if kernel == "triton-u12" and not kernel_hooks.triton_runs(packed.device):
             raise EngineError("kernel 'triton-u12' needs a CUDA GPU (or TRITON_INTERPRET=1); "
                               "use weights-u12{kernel=torch} on CPU")
@@ -77,8 +79,10 @@ class U12Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from ..kernels.u12 import u12_linear, u12_linear_reference
 
-        fn = u12_linear if self.kernel == "triton-u12" else u12_linear_reference
-        return fn(x.reshape(-1, x.shape[-1]), self.packed).reshape(*x.shape[:-1], -1)
+        flat = x.reshape(-1, x.shape[-1])
+        if self.kernel == "triton-u12":
+            return u12_linear(flat, self.packed, tuning=self.tuning).reshape(*x.shape[:-1], -1)
+        return u12_linear_reference(flat, self.packed).reshape(*x.shape[:-1], -1)
 
 
 def _u12(node: Node, weight: torch.Tensor, compute: torch.dtype) -> nn.Module:
@@ -241,6 +245,7 @@ class Engine:
     draft_vocab: DraftVocab | None = None  # the drafter head's token subset (draft-vocab pass)
     replay: Replay | None = None  # a replay drafter's plans and accept-length draws (runtime/replay.py)
     replay_setup: "ReplaySetup | None" = None
+    tuning: KernelTuning | None = None  # the kernels' tuned tables: an engine directory's own (engine_tuning.json)
 
     def with_program(self, program: Program) -> "Engine":
         """This engine's modules run by another step graph (block size, chain or tree, graphs): what
@@ -367,7 +372,7 @@ class Engine:
         if isinstance(self.target, HybridTransformer):  # no fused stack for Gated DeltaNet layers: graphed AR alone
             return graph_decode.generate_ar_graphed(self.target, prompt_ids, max_new_tokens=max_new_tokens,
                                                     eos_token_id=self.eos_token_id)
-        with kernel_hooks.fused_path(self.target):
+        with kernel_hooks.fused_path(self.target, tuning=self.tuning):
             return graph_decode.generate_ar_graphed(self.target, prompt_ids, max_new_tokens=max_new_tokens,
                                                     eos_token_id=self.eos_token_id)
 
@@ -469,9 +474,11 @@ def replay_distribution(program: Program, setup: ReplaySetup) -> AcceptDistribut
 
 
 def build_engine(program: Program, target_dir: Path | None, drafter_dir: Path | None, device: torch.device, *,
-                 shape: ShapeModels | None = None) -> Engine:
+                 shape: ShapeModels | None = None, tuning: KernelTuning | None = None) -> Engine:
     """The engine of `program` over the checkpoints in `target_dir` / `drafter_dir`, or (`shape`) over
-    a target built by shape with random weights and its replay drafter."""
+    a target built by shape with random weights and its replay drafter. Its kernels take their
+    configs from `tuning` (an engine directory's tables; default this install's, builtin_tuning)."""
+    tuning = tuning or kernel_hooks.builtin_tuning()
     dtype = program.attr("dtype")
     compute = TORCH_DTYPES[dtype]
     replay, tokenizer = None, None
@@ -492,9 +499,13 @@ def build_engine(program: Program, target_dir: Path | None, drafter_dir: Path | 
                                       tokenizer)
     if isinstance(target, HybridTransformer) and device.type == "cuda":
         kernel_hooks.install_gdn_tree(target)  # tree verifies of Gated DeltaNet layers on the Triton kernel
+    roots = [m for m in (target, drafter_root(drafter)) if isinstance(m, nn.Module)]
+    for module in (m for root in roots for m in root.modules()):
+        if isinstance(module, U12Linear):
+            module.tuning = tuning
     if fused_stack(program.target):
-        kernel_hooks.install(target)
+        kernel_hooks.install(target, tuning=tuning)
     if fused_stack(program.drafter):
-        kernel_hooks.install(drafter_root(drafter))
+        kernel_hooks.install(drafter_root(drafter), tuning=tuning)
     return Engine(program, target, target_cfg, drafter, device, dtype, target_cfg.eos_token_id, draft_vocab,
-                  replay, shape.replay if shape else None)
+                  replay, shape.replay if shape else None, tuning)

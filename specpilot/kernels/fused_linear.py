@@ -70,7 +70,7 @@ from .rounding import to_dtype
 from .silu_mul import silu_mul_reference
 from .split_k import split_counters
 from .target import native as on_native
-from .tuning import nearest_tuned
+from .tuning import KernelTuning, nearest_tuned
 
 SM_COUNT_H200 = 132
 # Words of x a thread of the dot kernel's norm prologue holds a chunk: 32 (64 registers, before the
@@ -432,14 +432,16 @@ _INTERPRETER_GEMV = FusedLinearConfig("gemv", 8, 32, num_warps=2)
 _INTERPRETER_DOT = FusedLinearConfig("dot", 32, 32, split_k=2)
 
 
-def default_config(m: int, n: int, k: int, gated: bool, on_gpu: bool = True) -> FusedLinearConfig:
-    """TUNED where measured (n: weight rows, 2I when gated), or at the nearest measured shape
-    (kernels/tuning.py); else gemv for M <= 4 (16-64
+def default_config(m: int, n: int, k: int, gated: bool, on_gpu: bool = True,
+                   tuning: KernelTuning | None = None) -> FusedLinearConfig:
+    """TUNED (or `tuning`'s "fused_linear" table: an engine's own) where measured (n: weight rows,
+    2I when gated), or at the nearest measured shape (kernels/tuning.py); else gemv for M <= 4 (16-64
     accumulator registers a thread; M = 1, 2: u12_linear gemv2's most frequent winner), else dot
     with enough programs for two a SM through split-K (the heuristic is unmeasured)."""
     if not on_gpu:
         return _INTERPRETER_GEMV if m <= 4 else _INTERPRETER_DOT
-    tuned = nearest_tuned(TUNED, (m_bucket(m), n, k, bool(gated)))
+    table = TUNED if tuning is None else tuning.table("fused_linear", TUNED)
+    tuned = nearest_tuned(table, (m_bucket(m), n, k, bool(gated)))
     if tuned is not None:
         return tuned
     if m <= 2:
@@ -558,13 +560,14 @@ def _words_apply(x: torch.Tensor, weight: torch.Tensor) -> bool:
 def fused_linear(
     x: torch.Tensor, weight: torch.Tensor, *, norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
     gated: bool = False, residual: torch.Tensor | None = None, config: FusedLinearConfig | None = None,
-    squares: RowSquares | None = None, launch: Launch | None = None,
+    squares: RowSquares | None = None, launch: Launch | None = None, tuning: KernelTuning | None = None,
 ) -> torch.Tensor:
     """x [M, K] · weight [N, K]ᵀ in x's dtype (bf16/fp32), fp32 sums; norm_weight: x replaced by
     rmsnorm(x, norm_weight, eps) first; gated: weight is [gate; up] (N = 2I) and the output [M, I]
     is silu(gate) · up; residual [M, N_out]: the output is added into it in place and it is returned.
     squares: with residual, store the updated rows' Σ y² there; with norm_weight, take the rows' Σ x²
-    from there where a writer left them for x (RowSquares). `launch`: PDL (kernels/overlap.py)."""
+    from there where a writer left them for x (RowSquares). `launch`: PDL (kernels/overlap.py).
+    `tuning`: the tuned tables to take the config from (an engine's own; default the module's)."""
     m, k, n_out = check_linear_args(x, weight, norm_weight, gated, residual, squares)
     if squares is not None and residual is not None:
         squares.parts = 0  # until this call stores them (the dot kernel only)
@@ -572,7 +575,7 @@ def fused_linear(
     if m == 0 or n_out == 0:
         return y
     native = on_native(x)
-    cfg = config or default_config(m, weight.shape[0], k, gated, on_gpu=native)
+    cfg = config or default_config(m, weight.shape[0], k, gated, on_gpu=native, tuning=tuning)
     if x.stride(1) != 1:
         x = x.contiguous()
     if norm_weight is not None and norm_weight.stride(0) != 1:

@@ -16,8 +16,10 @@ configs (docs/experiments/tried/step_times_h200_qwen-e85babb.json); its u12 veri
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from typing import Mapping, TypeVar
+from dataclasses import dataclass
+from typing import Any, Mapping, TypeVar
 
 C = TypeVar("C")
 
@@ -41,3 +43,46 @@ def nearest_tuned(table: Mapping[tuple, C], key: tuple) -> C | None:
         if dn <= limit and dk <= limit and dn + dk < best_d:
             best, best_d = cfg, dn + dk
     return best
+
+
+@dataclass(frozen=True)
+class KernelTuning:
+    """The tuned config tables the kernels consult, by name: "fused_linear" (fused_linear.TUNED),
+    "u12", "u12_tiles" (u12/dispatch.py's TUNED, TUNED_TILES) and "u12_fused" (u12/fused.py's
+    TUNED_FUSED), each key tuple -> config. A kernel called with `tuning` looks up its table there,
+    without it in its module's own table: a compiled engine stores the tables it was built with
+    (engine_tuning.json) and runs with those, whatever this install's tables say."""
+
+    tables: Mapping[str, Mapping[tuple, Any]]
+
+    def table(self, name: str, default: Mapping[tuple, C]) -> Mapping[tuple, C]:
+        """The table `name`, or `default` (the kernel's module table) where this tuning lacks it."""
+        return self.tables.get(name, default)
+
+    def to_json(self) -> dict:
+        """{table: [{"key": [...], "config": {field: value}}]} in the tables' order."""
+        return {name: [{"key": list(key), "config": dataclasses.asdict(cfg)} for key, cfg in table.items()]
+                for name, table in self.tables.items()}
+
+    @classmethod
+    def from_json(cls, data: object, types: Mapping[str, type], source: str) -> "KernelTuning":
+        """The tables `to_json` wrote; `types` names each table's config class. ValueError naming
+        `source` and the table and entry that is not what it should be."""
+        if not isinstance(data, dict):
+            raise ValueError(f"{source}: expected an object of tables ({', '.join(types)}), got {type(data).__name__}")
+        tables: dict[str, dict[tuple, Any]] = {}
+        for name, rows in data.items():
+            if name not in types:
+                raise ValueError(f"{source}: table {name!r}: expected one of {', '.join(types)}")
+            if not isinstance(rows, list):
+                raise ValueError(f"{source}: table {name!r}: expected a list of entries")
+            table: dict[tuple, Any] = {}
+            for i, row in enumerate(rows):
+                try:
+                    key = tuple(row["key"])
+                    table[key] = types[name](**row["config"])
+                except (KeyError, TypeError, ValueError) as e:
+                    raise ValueError(f"{source}: table {name!r}, entry {i}: expected {{'key': [...], 'config': "
+                                     f"{{...}}}} of a {types[name].__name__} ({e})") from None
+            tables[name] = table
+        return cls(tables)

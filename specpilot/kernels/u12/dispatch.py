@@ -18,7 +18,7 @@ from specpilot.formats.u12 import U12Tensor, unpack_u12
 
 from ..overlap import Launch
 from ..target import native as on_native
-from ..tuning import nearest_tuned
+from ..tuning import KernelTuning, nearest_tuned
 from .config import U12Config
 from .epilogue import block_m
 from .gemv2 import gemv2_applies, launch_gemv2
@@ -79,44 +79,53 @@ TENSOR_CORE_ROWS = 3
 TILES_MAX_ROWS = 32
 
 
-def gemv_config(m: int, n: int, k: int) -> U12Config:
+def gemv_config(m: int, n: int, k: int, tuning: KernelTuning | None = None) -> U12Config:
     """gemv2's config at M <= 4 rows: TUNED's at the rows' bucket where measured, or at the nearest
     measured shape (kernels/tuning.py), else the tiles that won most of the H200 sweep (u12_linear
-    falls back to the tile kernel where gemv2 does not apply)."""
-    tuned = nearest_tuned(TUNED, (block_m(m), n, k))
+    falls back to the tile kernel where gemv2 does not apply). `tuning`: an engine's own tables."""
+    tuned = nearest_tuned(tables(tuning)[0], (block_m(m), n, k))
     if tuned is not None and tuned.kernel == "gemv2":
         return tuned
     return U12Config(8, 128, num_warps=2, num_stages=1, kernel="gemv2") if m == 1 else \
         U12Config(4, 256, num_warps=2, num_stages=1, kernel="gemv2")
 
 
-def default_config(m: int, n: int, k: int, on_gpu: bool = True, layout: str = "rows") -> U12Config:
+def tables(tuning: KernelTuning | None) -> tuple[dict, dict]:
+    """(TUNED, TUNED_TILES), or `tuning`'s "u12" and "u12_tiles" tables (an engine's own)."""
+    if tuning is None:
+        return TUNED, TUNED_TILES
+    return tuning.table("u12", TUNED), tuning.table("u12_tiles", TUNED_TILES)
+
+
+def default_config(m: int, n: int, k: int, on_gpu: bool = True, layout: str = "rows",
+                   tuning: KernelTuning | None = None) -> U12Config:
     """On a GPU: below TENSOR_CORE_ROWS rows gemv2 (``gemv_config``); from there to 4 rows TUNED's
     tensor-core config at the rows' bucket or else at 16 rows where the shape has one, else gemv2;
     above, TUNED at the rows' bucket where measured or at the nearest measured shape, else the tile
     kernel's heuristic (tile.py's ``tile_config``). A tiled weight (`layout` "tiles") takes
     TUNED_TILES' entry first from TENSOR_CORE_ROWS rows up to TILES_MAX_ROWS (past 16 rows its
     32-row entry where it has one, else the 16-row one). Under the interpreter the tile kernel's
-    small tiles."""
+    small tiles. `tuning`: an engine's own tables in place of TUNED and TUNED_TILES."""
     if not on_gpu:
         return tile_config(m, n, k, on_gpu)
+    tuned_rows, tuned_tiles = tables(tuning)
     if layout == "tiles" and TENSOR_CORE_ROWS <= m <= TILES_MAX_ROWS:
         for bucket in (32, 16) if m > 16 else (16,):  # past 16 rows a 32-row entry where measured
-            tuned = nearest_tuned(TUNED_TILES, (bucket, n, k))
+            tuned = nearest_tuned(tuned_tiles, (bucket, n, k))
             if tuned is not None:
                 return tuned
     if m <= 4:
         for bucket in (block_m(m), 16) if m >= TENSOR_CORE_ROWS else ():  # a few-row entry first
-            tuned = nearest_tuned(TUNED, (bucket, n, k))
+            tuned = nearest_tuned(tuned_rows, (bucket, n, k))
             if tuned is not None and tuned.kernel in ("mma", "hmma"):
                 return tuned
-        return gemv_config(m, n, k)
-    tuned = nearest_tuned(TUNED, (block_m(m), n, k))
+        return gemv_config(m, n, k, tuning)
+    tuned = nearest_tuned(tuned_rows, (block_m(m), n, k))
     return tuned if tuned is not None else tile_config(m, n, k, on_gpu)
 
 
 def u12_linear(x: torch.Tensor, t: U12Tensor, config: U12Config | None = None, *,
-               launch: Launch | None = None) -> torch.Tensor:
+               launch: Launch | None = None, tuning: KernelTuning | None = None) -> torch.Tensor:
     """x [M, K] (bf16 or fp32) times the u12 weight [N, K] transposed: [M, N] in x.dtype, fp32
     accumulation. `config`: the kernel and its tile (else ``default_config``); `launch`: PDL
     (kernels/overlap.py)."""
@@ -132,9 +141,9 @@ def u12_linear(x: torch.Tensor, t: U12Tensor, config: U12Config | None = None, *
     if m == 0 or n == 0:
         return y
     native = on_native(x)
-    cfg = config or default_config(m, n, k, native, t.layout)
+    cfg = config or default_config(m, n, k, native, t.layout, tuning)
     if config is None and m <= 4 and cfg.kernel in ("mma", "hmma") and x.dtype != torch.bfloat16:
-        cfg = gemv_config(m, n, k)  # the few-row tensor-core configs are bf16 x's (hmma takes no other)
+        cfg = gemv_config(m, n, k, tuning)  # the few-row tensor-core configs are bf16 x's (hmma takes no other)
     if cfg.kernel == "gemv2" and gemv2_applies(m, k, t.base):
         launch_gemv2(x, t, y, cfg, launch)
     elif cfg.kernel == "mma" and mma_applies(m, k, t.base):

@@ -45,7 +45,7 @@ from ..rmsnorm import norm_words, normalize, parts_inv, rmsnorm, row_inv, row_in
 from ..rounding import to_dtype
 from ..silu_mul import silu_mul, silu_mul_reference
 from ..target import native as on_native
-from ..tuning import nearest_tuned
+from ..tuning import KernelTuning, nearest_tuned
 from .config import U12Config
 from .decode import biased_scale, words_and_scales
 from .dispatch import default_config, gemv_config, u12_linear
@@ -238,18 +238,20 @@ TUNED_FUSED: dict[tuple[int, int, int, bool], U12Config] = {
 }
 
 
-def fused_config(m: int, n: int, k: int, gated: bool, on_gpu: bool = True) -> U12Config:
+def fused_config(m: int, n: int, k: int, gated: bool, on_gpu: bool = True,
+                 tuning: KernelTuning | None = None) -> U12Config:
     """For M <= 4: TUNED_FUSED's config where measured, or at the nearest measured shape
     (kernels/tuning.py); else the dispatcher's gemv2 config for the weight's n rows (2I when gated).
     A gated program holds two accumulators, so it takes half that tile: block_n halved from 8 up
     (never below 4), else block_w halved; the accumulator registers a thread holds are then the
-    plain tile's."""
+    plain tile's. `tuning`: an engine's own tables ("u12_fused", and "u12" for the dispatcher's)."""
     if not on_gpu:
         return INTERPRETER_CONFIG
-    tuned = nearest_tuned(TUNED_FUSED, (block_m(m), n, k, bool(gated)))
+    table = TUNED_FUSED if tuning is None else tuning.table("u12_fused", TUNED_FUSED)
+    tuned = nearest_tuned(table, (block_m(m), n, k, bool(gated)))
     if tuned is not None:
         return tuned
-    cfg = gemv_config(m, n, k)
+    cfg = gemv_config(m, n, k, tuning)
     if gated:
         half = dict(block_n=cfg.block_n // 2) if cfg.block_n >= 8 else dict(block_w=max(1, cfg.block_w // 2))
         cfg = dataclasses.replace(cfg, **half)
@@ -270,12 +272,13 @@ def fused_applies(m: int, k: int, base: int) -> bool:
     return words_and_scales(k, base)
 
 
-def tensor_core_config(m: int, n: int, k: int, on_gpu: bool = True, layout: str = "rows") -> U12Config:
+def tensor_core_config(m: int, n: int, k: int, on_gpu: bool = True, layout: str = "rows",
+                       tuning: KernelTuning | None = None) -> U12Config:
     """For M >= 5: the dispatcher's config for the weight's n rows (and layout) where it is a
     tensor-core kernel's (both take the epilogue), else the mma kernel's default tile."""
     if not on_gpu:
         return MMA_INTERPRETER_CONFIG
-    cfg = default_config(m, n, k, layout=layout)
+    cfg = default_config(m, n, k, layout=layout, tuning=tuning)
     return cfg if cfg.kernel in ("mma", "hmma") else MMA_DEFAULT_CONFIG
 
 
@@ -384,6 +387,7 @@ def u12_fused_linear(
     x: torch.Tensor, t: U12Tensor, *, norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
     gated: bool = False, residual: torch.Tensor | None = None, config: U12Config | None = None,
     hand_out: NormHandoff | None = None, hand_in: NormHandoff | None = None, launch: Launch | None = None,
+    tuning: KernelTuning | None = None,
 ) -> torch.Tensor:
     """x [M, K] (bf16 or fp32) · t [N, K]ᵀ (u12) in x's dtype, fp32 sums; norm_weight: x replaced by
     rmsnorm(x, norm_weight, eps) first; gated: t is [gate; up] (N = 2I) and the output [M, I] is
@@ -393,7 +397,7 @@ def u12_fused_linear(
     unfused rmsnorm, u12_linear, silu_mul and torch add. config: a gemv2 U12Config at M <= 4
     (``fused_config``), an mma or hmma one above (``tensor_core_config``). hand_out (with residual) /
     hand_in (x = hand_in.xg): a ``NormHandoff`` from this GEMV to the next, fused kernels only.
-    `launch`: PDL (kernels/overlap.py)."""
+    `launch`: PDL (kernels/overlap.py). `tuning`: the tuned tables configs come from (an engine's own)."""
     m, k, n_out = _u12_check(x, t, norm_weight, gated, residual)
     _check_handoff(x, t, norm_weight, gated, residual, hand_out, hand_in)
     want = ("gemv2",) if m <= 4 else ("mma", "hmma")
@@ -408,7 +412,7 @@ def u12_fused_linear(
     native = on_native(x)
     if m > 4 and fused_applies(m, k, t.base):  # a tensor-core kernel with the epilogue; the norm as an rmsnorm kernel
         h = rmsnorm(x, norm_weight, eps, launch=launch) if norm_weight is not None else x
-        cfg = config or tensor_core_config(m, t.shape[0], k, on_gpu=native, layout=t.layout)
+        cfg = config or tensor_core_config(m, t.shape[0], k, on_gpu=native, layout=t.layout, tuning=tuning)
         if cfg.kernel == "hmma" and hmma_applies(h, k, t.base):
             launch_hmma(h, t, y, cfg, gated=bool(gated), residual=residual is not None, hand_in=hand_in,
                         hand_out=hand_out, launch=launch)
@@ -418,11 +422,11 @@ def u12_fused_linear(
         return y
     if not gemv2_applies(m, k, t.base):
         h = rmsnorm(x, norm_weight, eps, launch=launch) if norm_weight is not None else x
-        out = u12_linear(h, t, launch=launch)
+        out = u12_linear(h, t, launch=launch, tuning=tuning)
         if gated:
             out = silu_mul(out, launch=launch)
         return out if residual is None else residual.add_(out)
-    cfg = config or fused_config(m, t.shape[0], k, gated, on_gpu=native)
+    cfg = config or fused_config(m, t.shape[0], k, gated, on_gpu=native, tuning=tuning)
     launch_fused_gemv(x, t, norm_weight, eps, gated, y, residual is not None, cfg, native, hand_out, hand_in, launch)
     return y
 
