@@ -1,11 +1,12 @@
-"""Deployable engine directories: each weight stored once in its final format, served from a copy in a
-fresh process with no pass run again, and bad engines (a tampered file, a missing shard, another
+"""Deployable engine directories: each weight stored once in its final format with its kernels' tuned
+tables, served from a copy by a fresh install in a fresh process with no pass run again, and bad engines (a tampered file, a missing shard, another
 specpilot version or GPU kind) refused with an error naming the file."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -26,14 +27,16 @@ from specpilot.backends.engine_dir import TUNING_FILE, copy_checkpoint, write_ma
 from specpilot.backends.kernel_hooks import builtin_tuning
 from specpilot.cli import main
 from specpilot.compiler import compile_pipeline, load_engine
+from specpilot.formats.digest import file_sha256
 from specpilot.formats.u12 import load_u12
 from specpilot.kernels import fused_linear, u12
 from specpilot.kernels.fused_linear import FusedLinearConfig
 from specpilot.runtime.builtin import resolve_builtin
 from specpilot.runtime.load import load_target
+from specpilot.runtime.sampling import SamplingParams
 from specpilot.spec import load_spec
 
-from conftest import free_port, server_env
+from conftest import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT = "def add(a, b):"
@@ -101,8 +104,9 @@ def test_u12_engine_stores_each_weight_once_and_loads_bit_exact(tmp_path):
     assert r.exit_code == 0 and "PASS" in r.output, r.output
 
 
-GUARDED_SERVE = """
+GUARD = """
 import sys
+import specpilot
 import specpilot.backends.torch_backend as backend
 import specpilot.compiler as compiler
 
@@ -110,25 +114,77 @@ def recompiled(*args, **kwargs):
     raise SystemExit("recompiled: " + repr(args)[:80])
 
 compiler.run_passes = compiler.compile_pipeline = compiler.lower_spec = backend.pack_u12 = recompiled
-from specpilot.cli import main
-main(sys.argv[1:])
+print("guard: specpilot from", specpilot.__file__, file=sys.stderr, flush=True)
 """
 
 
+def build_wheel(root: Path) -> subprocess.Popen:
+    """Start building specpilot's wheel from a copy of this checkout's sources into root/wheels."""
+    src = root / "src"
+    shutil.copytree(ROOT / "specpilot", src / "specpilot", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ROOT / "pyproject.toml", src)
+    return subprocess.Popen([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
+                             str(root / "wheels"), str(src)], cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+
+
+def fresh_install(root: Path, wheel: subprocess.Popen) -> Path:
+    """The wheel (build_wheel) installed into a new venv that sees none of the checkout: no PYTHONPATH,
+    and the dependencies (torch, ...) through a .pth naming this interpreter's site-packages, whose
+    own .pth files (the editable install of the main checkout among them) are not processed. A
+    second .pth imports GUARD: the compile entry points raise, and the process says where it
+    imported specpilot from. Returns the venv's bin folder."""
+    import sysconfig
+
+    run = lambda *args: subprocess.run(args, check=True, capture_output=True, text=True, cwd=root)  # noqa: E731
+    venv = root / "venv"
+    run(sys.executable, "-m", "venv", "--without-pip", str(venv))
+    python = venv / "bin" / "python"
+    site = Path(run(str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])").stdout.strip())
+    deps = dict.fromkeys(sysconfig.get_paths()[k] for k in ("purelib", "platlib"))
+    (site / "specpilot-test-deps.pth").write_text("".join(f"{d}\n" for d in deps))
+    out, _ = wheel.communicate(timeout=300)
+    assert wheel.returncode == 0, out.decode()
+    shutil.rmtree(root / "src")
+    run(sys.executable, "-m", "pip", "--python", str(python), "install", "-q", "--no-deps", "--no-index",
+        *map(str, (root / "wheels").glob("specpilot-*.whl")))
+    (site / "specpilot_test_guard.py").write_text(textwrap.dedent(GUARD))
+    (site / "specpilot-test-guard.pth").write_text("import specpilot_test_guard\n")
+    return venv / "bin"
+
+
+def snapshot(folder: Path) -> dict[str, tuple[str, float]]:
+    return {str(p.relative_to(folder)): (file_sha256(p), p.stat().st_mtime) for p in sorted(folder.rglob("*"))
+            if p.is_file()}
+
+
 @pytest.mark.slow
-def test_a_copied_engine_is_served_by_a_fresh_process_without_recompiling(engine, tmp_path):
+def test_a_copied_engine_is_served_by_a_fresh_install_without_recompiling(engine, tmp_path):
+    """The engine copied elsewhere, `specpilot serve DIR` from a fresh install (a wheel of these
+    sources in a new venv, run from a folder outside the checkout): it answers greedy and sampled
+    requests as the engine does here, imports specpilot from the install, runs no compile, and leaves
+    the engine's files (and the empty cache) as they were."""
+    (tmp_path / "install").mkdir()
+    wheel = build_wheel(tmp_path / "install")
     copied = copy_of(engine, tmp_path)
+    before = snapshot(copied.parent)
     expected = load_engine(engine, device="cpu")
-    want = expected.tokenizer.decode(expected.engine.generate(expected.tokenizer.encode(PROMPT).ids, 12).tokens)
+    ids = expected.tokenizer.encode(PROMPT).ids
+    want = expected.tokenizer.decode(expected.engine.generate(ids, 12).tokens)
+    want_sampled = expected.tokenizer.decode(expected.engine.generate(ids, 12, SamplingParams(0.9, 0.95, 5)).tokens)
+    bin_dir = fresh_install(tmp_path / "install", wheel)
     port = free_port()
-    env = server_env(SPECPILOT_CACHE=str(tmp_path / "empty-cache"))
+    cache = tmp_path / "empty-cache"
+    cache.mkdir()
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "TRITON_INTERPRET")}
+    env["SPECPILOT_CACHE"] = str(cache)
     log = tmp_path / "server.log"
-    proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(GUARDED_SERVE), "serve", str(copied), "--port",
-                             str(port), "--device", "cpu", "--threads", "1"], cwd=tmp_path, env=env,
-                            stdout=log.open("w"), stderr=subprocess.STDOUT)
+    workdir = tmp_path / "elsewhere"
+    workdir.mkdir()
+    proc = subprocess.Popen([str(bin_dir / "specpilot"), "serve", str(copied), "--port", str(port), "--device", "cpu",
+                             "--threads", "1"], cwd=workdir, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
     try:
         url = f"http://127.0.0.1:{port}"
-        for _ in range(300):
+        for _ in range(600):
             assert proc.poll() is None, log.read_text()
             try:
                 if httpx.get(f"{url}/health", timeout=1).status_code == 200:
@@ -138,9 +194,17 @@ def test_a_copied_engine_is_served_by_a_fresh_process_without_recompiling(engine
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
         r = client.completions.create(model="zoo-pard", prompt=PROMPT, max_tokens=12, temperature=0)
         assert r.choices[0].text == want
+        r = client.completions.create(model="zoo-pard", prompt=PROMPT, max_tokens=12, temperature=0.9, top_p=0.95,
+                                      seed=5)
+        assert r.choices[0].text == want_sampled
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+    text = log.read_text()
+    assert f"guard: specpilot from {tmp_path / 'install' / 'venv'}" in text, text
+    assert "recompiled" not in text and str(ROOT) not in text, text
+    assert snapshot(copied.parent) == before  # nothing rewritten, nothing added beside the engine
+    assert not any(cache.iterdir())
 
 
 def test_a_tampered_file_is_refused_naming_it(engine, tmp_path):
