@@ -630,7 +630,8 @@ def kernel_static_sweep() -> str:
     return "\n".join(lines)
 
 
-SERVE_LOAD_FILES = ("serve_load_cpu.json", "serve_load_cpu_sequential.json", "serve_load_h100.json", "serve_load_h200.json")
+SERVE_LOAD_FILES = ("serve_load_cpu.json", "serve_load_cpu_mixed.json", "serve_load_cpu_sequential.json",
+                    "serve_load_h100.json", "serve_load_h200.json")
 
 
 def serve_load() -> str:
@@ -638,21 +639,25 @@ def serve_load() -> str:
     files = _load_present(SERVE_LOAD_FILES)
     if not files:
         return _missing("python -m bench.e2e.serve_load")
-    lines = ["| card | engine | greedy requests | streams at once / requests / tokens each | max batch | complete, none duplicated "
+    lines = ["| card | engine | requests | streams at once / requests / tokens each | max batch | complete, none duplicated "
              "| output tokens/s | requests/s | latency p50 / p99 s | first token p50 / p99 s | source |",
              "|---|---|---|---|---:|---|---:|---:|---|---|---|"]
     for name, d in files:
         a = d["args"]
         way = "batched" if str(a.get("batching")) == "True" else "one after another"  # args as text; older files: the latter
+        share = float(a.get("sampled", 0))
+        way = f"{way}, {'greedy' if not share else f'{share:.0%} sampled'}"
         ok = f"{d['complete']}/{d['requests_sent']}, {'yes' if d['none_duplicated'] else 'NO'}"
         lines.append(f"| {_where(d)} | {d['engine']} | {way} | {a['concurrency']} / {a['requests']} / {a['max_tokens']} | "
                      f"{a['max_batch']} | {ok} | {d['output_tokens_per_s']:.1f} | {d['requests_per_s']:.2f} | "
                      f"{d['latency_p50_s']:.2f} / {d['latency_p99_s']:.2f} | {d['ttft_p50_s']:.2f} / "
                      f"{d['ttft_p99_s']:.2f} | `{name}` ({_short(d['commit'])}) |")
-    lines += ["", "Greedy streams through the official openai client against a `specpilot serve` process; each "
-              "request's text is checked against the engine's own output, and the server's token counter against "
-              "the clients' usage. Greedy requests batched: the server's batched engine (one ragged verify a step, "
-              "continuous batching); one after another: the batch-1 loops, a request at a time (docs/SERVING.md)."]
+    lines += ["", "Streams through the official openai client against a `specpilot serve` process, greedy or a share "
+              "sampled (temperature 0.9, top_p 0.95, a seed each); each request's text is checked against the engine's "
+              "own output (a sampled one: its seed's), and the server's token counter against the clients' usage. "
+              "Batched: the server's batched engine, greedy and sampled requests in one batch (one ragged verify a "
+              "step, continuous batching); one after another: the batch-1 loops, a request at a time "
+              "(docs/SERVING.md)."]
     return "\n".join(lines)
 
 

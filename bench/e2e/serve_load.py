@@ -1,19 +1,21 @@
 """A bounded load test of `specpilot serve`: many concurrent streaming clients against a real server process.
 
     python -m bench.e2e.serve_load [--engine DIR] [--concurrency 64] [--requests 128] [--max-tokens 32]
-                                   [--max-batch 16] [--budget-s 300] [--device auto] [--out FILE|DIR] [--tag TAG]
+                                   [--max-batch 16] [--sampled 0.5] [--budget-s 300] [--device auto]
+                                   [--out FILE|DIR] [--tag TAG]
 
 Compiles the zoo's PARD pair into an engine (or serves --engine), starts `specpilot serve` in a
 fresh process, and opens `--concurrency` streams at once through the official openai client (asyncio),
-`--requests` in all, greedy, each prompt one of `code-smoke`'s. A request counts as complete when its
-streamed text equals the engine's own greedy output for its prompt (computed in this process: no
-token missing, none duplicated, none from another request) and its usage says `--max-tokens` tokens
-or it stopped at EOS; the server's generation-token counter must equal the sum of the usages (no
+`--requests` in all, each prompt one of `code-smoke`'s: greedy, or a `--sampled` share of them at
+temperature 0.9, top_p 0.95 and seed i (request i). A request counts as complete when its streamed
+text equals the engine's own output for its prompt (greedy, or its seed's speculative sampling;
+computed in this process: no token missing, none duplicated, none from another request) and its
+usage says `--max-tokens` tokens or it stopped at EOS; the server's generation-token counter must equal the sum of the usages (no
 token generated twice). Requests not started before `--budget-s` are left out and counted.
 Writes bench/results/serve_load_<gpu|cpu>[_<tag>].json through the harness: throughput (output
 tokens/s over the run's wall time), requests/s, p50/p99 of latency and time to first token.
-On a CPU the engine steps requests one after another (serve/batch1.py): the figures measure the
-server's overhead and fairness, not batched compute.
+With --batching (the default) every request, greedy or sampled, runs in the server's batched engine
+(runtime/batch.py); --no-batching steps them one after another (serve/batch1.py).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ import torch
 from specpilot.bench import harness
 from specpilot.bench.prompts import load_prompts
 from specpilot.compiler import compile_pipeline, load_engine
+from specpilot.runtime.sampling import SamplingParams
 from specpilot.spec import parse_spec
 
 
@@ -77,11 +80,21 @@ def start_server(engine: Path, port: int, args, log: Path) -> subprocess.Popen:
     raise RuntimeError(f"the server did not start in 120 s:\n{log.read_text()}")
 
 
-async def one_request(client, model: str, prompt: str, max_tokens: int) -> dict:
+SAMPLED = SamplingParams(temperature=0.9, top_p=0.95)  # a sampled request's; its seed is its index
+
+
+def sampled_requests(requests: int, share: float) -> set[int]:
+    """The indices of the requests sent sampled: `share` of them, spread evenly."""
+    return {i for i in range(requests) if int((i + 1) * share) > int(i * share)}
+
+
+async def one_request(client, model: str, prompt: str, max_tokens: int, seed: int | None) -> dict:
     t0 = time.perf_counter()
     ttft, parts, usage, reason = None, [], None, None
-    stream = await client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0,
-                                             stream=True, stream_options={"include_usage": True})
+    sampling = dict(temperature=0) if seed is None else dict(temperature=SAMPLED.temperature, top_p=SAMPLED.top_p,
+                                                            seed=seed)
+    stream = await client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, stream=True,
+                                             stream_options={"include_usage": True}, **sampling)
     async for chunk in stream:
         if chunk.choices:
             if ttft is None and chunk.choices[0].text:
@@ -90,7 +103,7 @@ async def one_request(client, model: str, prompt: str, max_tokens: int) -> dict:
             reason = chunk.choices[0].finish_reason or reason
         if chunk.usage:
             usage = chunk.usage
-    return {"prompt": prompt, "text": "".join(parts), "finish_reason": reason, "ttft_s": ttft,
+    return {"prompt": prompt, "seed": seed, "text": "".join(parts), "finish_reason": reason, "ttft_s": ttft,
             "latency_s": time.perf_counter() - t0, "completion_tokens": usage.completion_tokens if usage else None}
 
 
@@ -101,6 +114,7 @@ async def run_load(url: str, model: str, prompts: list[str], args) -> tuple[list
     gate = asyncio.Semaphore(args.concurrency)
     start = time.perf_counter()
     skipped = 0
+    sampled = sampled_requests(args.requests, args.sampled)
 
     async def worker(i: int):
         nonlocal skipped
@@ -108,7 +122,8 @@ async def run_load(url: str, model: str, prompts: list[str], args) -> tuple[list
             if time.perf_counter() - start > args.budget_s:
                 skipped += 1
                 return None
-            return await one_request(client, model, prompts[i % len(prompts)], args.max_tokens)
+            return await one_request(client, model, prompts[i % len(prompts)], args.max_tokens,
+                                     i if i in sampled else None)
 
     results = await asyncio.gather(*(worker(i) for i in range(args.requests)), return_exceptions=True)
     wall = time.perf_counter() - start
@@ -119,6 +134,13 @@ async def run_load(url: str, model: str, prompts: list[str], args) -> tuple[list
         elif r is not None:
             rows.append(r)
     return rows, skipped, wall
+
+
+def engine_output(loaded, prompt: str, max_tokens: int, seed: int | None) -> str:
+    """The engine's own text for a request: greedy, or sampled as SAMPLED with `seed`."""
+    sampling = SamplingParams() if seed is None else SamplingParams(SAMPLED.temperature, SAMPLED.top_p, seed)
+    ids = loaded.tokenizer.encode(prompt).ids
+    return loaded.tokenizer.decode(loaded.engine.generate(ids, max_tokens, sampling).tokens)
 
 
 def server_generated_tokens(url: str) -> float:
@@ -135,21 +157,25 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--requests", type=int, default=128)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--max-batch", type=int, default=16)
+    ap.add_argument("--sampled", type=float, default=0.0, help="the share of requests sent sampled (0..1)")
     ap.add_argument("--budget-s", type=float, default=300.0, help="no request starts after this many seconds")
     ap.add_argument("--threads", type=int, default=None, help="the server's torch threads (CPU)")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--batching", action=argparse.BooleanOptionalAction, default=True,
-                    help="greedy requests in the server's batched engine (--no-batching: one after another)")
+                    help="requests in the server's batched engine (--no-batching: one after another)")
     harness.add_results_args(ap, smoke=False)
     args = ap.parse_args(argv)
+    if not 0 <= args.sampled <= 1:
+        ap.error(f"--sampled must be in [0, 1], got {args.sampled}")
 
     work = Path(tempfile.mkdtemp(prefix="serve_load."))
     engine_dir = args.engine or build_engine_dir(work / "engine", args.device)
     loaded = load_engine(engine_dir, device=args.device)
     model, device = loaded.manifest["name"], loaded.engine.device
     prompts = load_prompts("code-smoke", 8, source="bench.e2e.serve_load")
-    expected = {p: loaded.tokenizer.decode(loaded.engine.generate(loaded.tokenizer.encode(p).ids, args.max_tokens)
-                                           .tokens) for p in prompts}
+    asked = [(p, None) for p in prompts] + [(prompts[i % len(prompts)], i)
+                                            for i in sampled_requests(args.requests, args.sampled)]
+    expected = {(p, seed): engine_output(loaded, p, args.max_tokens, seed) for p, seed in asked}
     del loaded
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -168,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
 
     done = [r for r in rows if "error" not in r]
     for r in done:
-        r["equal_to_engine"] = r["text"] == expected[r["prompt"]]
+        r["equal_to_engine"] = r["text"] == expected[r["prompt"], r["seed"]]
         r["complete"] = r["equal_to_engine"] and (r["completion_tokens"] == args.max_tokens
                                                   or r["finish_reason"] == "stop")
     tokens = sum(r["completion_tokens"] or 0 for r in done)
@@ -187,7 +213,9 @@ def main(argv: list[str] | None = None) -> int:
         "ttft_p50_s": round(percentile(ttft, 0.5), 4) if ttft else None,
         "ttft_p99_s": round(percentile(ttft, 0.99), 4) if ttft else None,
         "server_exit_status": exit_status,
-        "compute": "batch-1 loops stepped in turn (serve/batch1.py): not batched",
+        "sampled_requests": sum(r.get("seed") is not None for r in done),
+        "compute": "the batched engine (runtime/batch.py)" if args.batching else
+                   "batch-1 loops stepped in turn (serve/batch1.py): not batched",
     }
     path = harness.write_results("serve_load", device, [{k: v for k, v in r.items() if k != "text"} for r in rows],
                                  args={k: str(v) for k, v in vars(args).items()}, out=args.out, tag=args.tag,
