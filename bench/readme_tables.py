@@ -631,7 +631,8 @@ def kernel_static_sweep() -> str:
 
 
 SERVE_LOAD_FILES = ("serve_load_cpu.json", "serve_load_cpu_mixed.json", "serve_load_cpu_sequential.json",
-                    "serve_load_h100.json", "serve_load_h200.json")
+                    "serve_load_h100.json", "serve_load_h100_mixed.json", "serve_load_h200.json",
+                    "serve_load_h200_mixed.json")
 
 
 def serve_load() -> str:

@@ -98,7 +98,7 @@
 #   replayl  the Llama-3.1-8B shape under DFlash's Llama-3.1 profile, bf16 weights (-> ..._dflash-llama-3.1-8b.json)
 #   replaylu the same with weights-u12 (-> replay_<gpu>_dflash-llama-3.1-8b-u12.json)
 #   serve    `specpilot serve` of the zoo's PARD pair under 64 concurrent streams (bench.e2e.serve_load ->
-#            serve_load_<gpu>.json); the server's wheels travel in .whl/ (fastapi, starlette, uvicorn, h11,
+#            serve_load_<gpu>.json), then half the requests sampled (-> serve_load_<gpu>_mixed.json); the server's wheels travel in .whl/ (fastapi, starlette, uvicorn, h11,
 #            prometheus-client, openai, httpx and what they need that the machine lacks)
 #   batched  issue 45: the batched engine against batched AR at concurrency 1..64, Qwen3-8B shape under DFlash's
 #            HumanEval profile (replay drafter) with the mechanisms' ablation, then the zoo pairs; first the
@@ -306,7 +306,11 @@ replay() {  # replay PROFILE VARIANTS TAG: bench.e2e.replay over one profile's r
   TAIL=40 run "replay_$3" 560 python -m bench.e2e.replay --profile "$1" --benchmark humaneval --variants "$2" \
     --out "$OUT" --tag "$3"
 }
-serve() { TAIL=6 run serve_load 300 python -m bench.e2e.serve_load --device cuda --budget-s 200 --out "$OUT"; }
+serve() {
+  TAIL=6 run serve_load 300 python -m bench.e2e.serve_load --device cuda --budget-s 200 --out "$OUT"
+  TAIL=6 run serve_load_mixed 300 python -m bench.e2e.serve_load --device cuda --budget-s 200 --sampled 0.5 \
+    --tag mixed --out "$OUT"
+}
 batched() {
   TAIL=6 run batched_tests 120 python -m pytest -q -x -p no:cacheprovider tests/test_batch.py tests/test_kernels.py \
     -k "batch or ragged"

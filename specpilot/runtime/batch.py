@@ -730,7 +730,6 @@ class BatchEngine:
                 q.context = rows_kept if q.context is None else torch.cat((q.context, rows_kept))
             self.stats.committed += kept
 
-
     def _accept_sampled(self, group: list[Request], at: list[int], ids: torch.Tensor, logits: torch.Tensor, r: Ragged,
                         drafts: dict[str, list[int]], limit: dict[str, int], q_rows: dict[str, torch.Tensor],
                         n: torch.Tensor, bonus: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
