@@ -312,7 +312,8 @@ serve() {
     --tag mixed --out "$OUT"
 }
 batched() {
-  TAIL=6 run batched_tests 120 python -m pytest -q -x -p no:cacheprovider tests/test_batch.py tests/test_kernels.py \
+  TAIL=6 run batched_tests 120 python -m pytest -q -x -p no:cacheprovider tests/test_batch.py tests/test_batch_sampling.py \
+    tests/test_kernels.py \
     -k "batch or ragged"
   TAIL=30 run batched 420 python -m bench.e2e.batched --out "$OUT"
 }

@@ -174,3 +174,25 @@ def test_bad_sampling_parameters_are_refused_at_admission(tiny):
     with pytest.raises(ValueError, match="request 'a': top_p must be in"):
         engine.admit("a", list(PROMPT), RequestParams(4, temperature=0.5, top_p=0.0))
     assert engine.active() == [] and engine.free == list(range(4))
+
+
+@pytest.mark.gpu
+def test_sampled_and_greedy_requests_share_a_graphed_batch_on_cuda():
+    """On a GPU, with the verify forwards as CUDA-graph replays by token bucket: greedy-only steps
+    replay graphs, steps with a sampled request run eagerly; a sampled request still gets its batch-1
+    loop's tokens for its seed (same device), and the greedy ones their batch-1 AR tokens."""
+    cuda = Tiny("cuda")
+    drafter = PardDrafter(model=cuda.pard, mask_token_id=MASK, k=K)
+    n = 8
+    for seed in range(3):
+        engine = BatchEngine(cuda.target, drafter, eos_token_id=None,
+                             config=BatchConfig(max_batch=4, capacity=32, buckets=(4, 8, 16), graphs=True))
+        crowd = {"s": (PROMPT, sampled(PARAMS, seed, n)), "g0": (OTHERS[0], RequestParams(n + 4)),
+                 "g1": (OTHERS[2], RequestParams(n + 4))}
+        got = run(engine, crowd, arrivals={"g0": 0, "g1": 0, "s": 2})
+        assert engine.graphed.steps  # the greedy-only steps were replayed
+        want = batch1(cuda, "pard", False, PROMPT, n, SamplingParams(PARAMS.temperature, PARAMS.top_p, seed))
+        assert got["s"] == want, seed
+        for rid in ("g0", "g1"):
+            assert got[rid] == decode.generate_ar(cuda.target, crowd[rid][0], max_new_tokens=n + 4,
+                                                  eos_token_id=None).tokens
