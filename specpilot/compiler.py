@@ -8,6 +8,7 @@ Each stage is the owner room's code; this module only strings them together and 
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 from dataclasses import dataclass
@@ -683,6 +684,7 @@ def run_trials_interleaved(jobs, rounds: int = 3):
             failed[job.trial] = TrialResult.failed(job, f"{type(e).__name__}: {str(e)[:500]}")
     ms = {t: Measurement(prompts=b[1].prompts) for t, b in built.items()}
     ar = {t: 0.0 for t in built}
+    per_round: dict[int, list[float]] = {t: [] for t in built}  # engine/AR of each round, for a confidence rule
     order = list(built)
     for r in range(rounds):
         for t in order[r % len(order):] + order[:r % len(order)] if order else []:
@@ -698,6 +700,8 @@ def run_trials_interleaved(jobs, rounds: int = 3):
                                                                            one.accepted, one.spec_accepted)
             m.spec_decode_s += one.spec_decode_s / rounds
             ar[t] += one.ar_decode_s / rounds
+            if one.ar_ms_per_token > 0:
+                per_round[t].append(one.spec_ms_per_token / one.ar_ms_per_token)
     out = []
     for job in jobs:
         if job.trial in failed:
@@ -707,7 +711,9 @@ def run_trials_interleaved(jobs, rounds: int = 3):
         m = ms[job.trial]
         m.ar_decode_s = ar[job.trial]
         try:
-            out.append(_trial_result(job, p, engine, m, t0))
+            r = _trial_result(job, p, engine, m, t0)
+            r.extra["rounds_relative"] = per_round[job.trial]
+            out.append(r)
         except Exception as e:
             out.append(TrialResult.failed(job, f"{type(e).__name__}: {str(e)[:500]}"))
     return out
@@ -742,7 +748,8 @@ def tune_pipeline(spec: PipelineSpec, *, out_dir: Path, config=None, workers: st
                   Predictor(spec.gpu, what_ifs))
     store = Memory(memory) if memory is not None else None
     # interleave False: one GPU runs a round's candidates one after another (8B engines do not fit together)
-    pool = make_pool(WorkersSpec.parse(workers), run_trial, run_trials_interleaved if interleave else None, dev.type)
+    interleaved = functools.partial(run_trials_interleaved, rounds=config.repeats) if interleave else None
+    pool = make_pool(WorkersSpec.parse(workers), run_trial, interleaved, dev.type)
     try:
         result = Search(setup, pool, store, config, log).run(progress)
     finally:

@@ -16,6 +16,7 @@ from specpilot.errors import EngineError, PipelineError, SpecError
 from specpilot.ir import lower, parse_program, print_program, verify_program
 from specpilot.passes import lookup, run_passes
 from specpilot.passes.draft_vocab import DraftVocab
+from specpilot.passes.what_if import what_ifs
 from specpilot.runtime import draft_vocab as dv
 from specpilot.runtime.builtin import resolve_builtin
 from specpilot.runtime.tokenizer import load_tokenizer
@@ -150,7 +151,13 @@ def test_pass_marks_only_the_drafter_head(drafter):
     vocab = p.drafter.node(head)["out_features"]
     r, [rec] = run_passes(p, [DraftVocab(size=vocab)])
     assert not rec.changed and r == p and "whole vocabulary" in rec.summary
-    assert DraftVocab.schedule_space(p) == []  # τ's dependence on the subset is measured, not modelled
+    # a search measures the space (τ's dependence on the subset is measured, not modelled: no what-if)
+    space = DraftVocab.schedule_space(p)
+    assert all(vocab / 16 <= x.size < vocab and x.apply(p).changed for x in space)
+    assert "draft-vocab" not in {w.pass_name for w in what_ifs(p)}
+    big = drafter if "pard_k" not in drafter else dict(drafter, vocab_size=8192)
+    assert {x.size for x in DraftVocab.schedule_space(lower(dict(TARGET, vocab_size=8192), big))} == {
+        512, 1024, 2048, 4096}
 
 
 def test_pass_parameters():

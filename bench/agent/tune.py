@@ -8,8 +8,10 @@ store unless --memory), then confirms the result: the starting pipeline and the 
 one process and timed round-robin (compiler.run_trials_interleaved, --confirm-rounds rounds, the AR
 baseline measured beside each), each token-forced. Writes bench/results/agent_<gpu>[_<tag>].json
 (agent_cpu.json on a CPU): every trial (pipeline, proposer, status, reason, predicted and measured
-engine/AR, τ) and the confirmation rows, with `faster` true when the chosen pipeline's engine ms/token
-is below the start's in the confirmation, its token forcing passed, and it is not the start itself.
+engine/AR, τ, engine/AR of each interleaved repeat and, against the round's control, the geometric
+mean and its 90% upper bound) and the confirmation rows. `faster` is true when the chosen pipeline is
+not the start, its token forcing passed, and in the confirmation the one-sided 90% upper bound of its
+engine/AR over the start's, repeat by repeat (search.paired_ratio), is below 1.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from specpilot.agent.search import TuneConfig
+from specpilot.agent.search import TuneConfig, paired_ratio
 from specpilot.agent.trial import TrialJob
 from specpilot.bench.harness import add_results_args, git_commit, write_run
 from specpilot.compiler import run_trial, run_trials_interleaved, tune_pipeline
@@ -37,7 +39,8 @@ def main(argv=None) -> int:
     ap.add_argument("--workers", default="1")
     ap.add_argument("--memory", type=Path, help="memory store (default: a fresh one in a temporary folder)")
     ap.add_argument("--num-prompts", type=int, help="override the spec's benchmark.num_prompts")
-    ap.add_argument("--confirm-rounds", type=int, default=3)
+    ap.add_argument("--confirm-rounds", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=3, help="interleaved repeats of each trial a round")
     ap.add_argument("--min-gain", type=float, default=0.02)
     ap.add_argument("--patience", type=int, default=2, help="rounds in a row without a gain before the search stops")
     ap.add_argument("--sequential", action="store_true",
@@ -55,7 +58,7 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         memory = args.memory or Path(tmp) / "memory.db"
         config = TuneConfig(rounds=args.rounds, candidates=args.candidates, min_gain=args.min_gain, patience=args.patience, commit=git_commit(),
-                            strict_referee=not args.no_strict)
+                            strict_referee=not args.no_strict, repeats=args.repeats)
         result = tune_pipeline(spec, out_dir=Path(tmp) / "tune", config=config, workers=args.workers, memory=memory,
                                device=args.device, interleave=not args.sequential, progress=lambda r: print(f"trial {r.trial}: {r.pipeline or '(empty)'}"
                                f" {r.status} {r.relative or float('nan'):.3f} {r.reason[:100]}", flush=True))
@@ -65,8 +68,9 @@ def main(argv=None) -> int:
                run_trials_interleaved(jobs, rounds=args.confirm_rounds))
     start, best = confirm
     # the same pipeline measured twice is never "faster": the confirmation then only shows the timing noise
+    paired = paired_ratio(best.extra.get("rounds_relative", []), start.extra.get("rounds_relative", []))
     faster = (s.best != s.start and best.status == "validated" and start.status == "validated"
-              and best.engine_ms < start.engine_ms)
+              and paired is not None and paired[1] < 1.0)
     records = [{"kind": "trial", **asdict(r)} for r in s.trials]
     records += [{"kind": "confirm", "which": w, **r.to_dict()} for w, r in (("start", start), ("chosen", best))]
     path = write_run(args, "agent", args.device, records, start=s.start, chosen=s.best, stopped=s.stopped,
@@ -75,9 +79,12 @@ def main(argv=None) -> int:
                      start_ms_per_token=start.engine_ms, chosen_ms_per_token=best.engine_ms,
                      chosen_over_start=(best.engine_ms / start.engine_ms) if best.engine_ms and start.engine_ms else None,
                      kept_start=s.best == s.start,
+                     chosen_over_start_relative=paired[0] if paired else None,
+                     chosen_over_start_bound90=paired[1] if paired else None,
                      chosen_token_forcing=best.forcing, faster=faster,
                      engine_report=result.engine.report if result.engine else None)
-    print(f"start {s.start!r}: {start.engine_ms:.3f} ms/token; chosen {s.best!r}: {best.engine_ms:.3f} ms/token; "
+    print(f"start {s.start!r}: {start.relative:.3f} of AR; chosen {s.best!r}: {best.relative:.3f} of AR; "
+          f"chosen/start {paired}; "
           f"{best.forcing}; faster={faster}; wrote {path}")
     return 0
 

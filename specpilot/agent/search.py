@@ -15,9 +15,13 @@ Round 0 measures the starting pipeline (the spec's own). Each round then:
    the best K are kept, at most half of them introducing the same pass, memory's seeds first;
 5. the K and the incumbent (a control, measured again beside them) go to the workers;
 6. every result is recorded in memory; the fastest validated candidate that beats the incumbent by
-   `min_gain` (its best measurement: this round's control or an earlier one), and beats it again in
-   a confirmation (both measured once more side by side), becomes the incumbent and is marked a
-   mechanism in memory.
+   `min_gain`, and beats it again in a confirmation (both measured once more side by side), becomes
+   the incumbent and is marked a mechanism in memory. "Beats" is a confidence rule where the pool
+   timed the round interleaved (each candidate and the control once per repeat, round-robin: the
+   trial's `rounds_relative`): the one-sided 90% upper bound (Student's t) of the mean of
+   log(candidate / control) over the repeats lies below log(1 - min_gain). Where a pool gives one
+   figure a trial (processes, Ray), the candidate must beat the incumbent's best measurement (this
+   round's control or an earlier one) by `min_gain`.
 
 It stops after `rounds`, when `patience` rounds in a row gain less than `min_gain` (the calibration
 learns from each, so the next round's choice differs), or when the predicted gap to the
@@ -48,6 +52,24 @@ from .proposers import memory_proposals, schedule_space_proposals
 from .trial import FAILED, REJECTED, VALIDATED, TrialJob, TrialResult
 
 
+# one-sided 90% quantiles of Student's t by degrees of freedom 1..9 (beyond: 1.30, near the normal's 1.28)
+T90 = (3.078, 1.886, 1.638, 1.533, 1.476, 1.440, 1.415, 1.397, 1.383)
+
+
+def paired_ratio(candidate: list[float], control: list[float]) -> tuple[float, float] | None:
+    """A candidate against the control timed beside it, repeat by repeat (engine/AR of each repeat):
+    (geometric mean of candidate/control, its one-sided 90% upper confidence bound), or None without
+    two repeats of both."""
+    d = [math.log(c / k) for c, k in zip(candidate, control) if c > 0 and k > 0]
+    n = len(d)
+    if n < 2:
+        return None
+    mean = sum(d) / n
+    sd = math.sqrt(sum((x - mean) ** 2 for x in d) / (n - 1))
+    t = T90[n - 2] if n - 1 <= len(T90) else 1.30
+    return math.exp(mean), math.exp(mean + t * sd / math.sqrt(n))
+
+
 @dataclass(frozen=True)
 class TuneConfig:
     rounds: int = 3
@@ -57,13 +79,14 @@ class TuneConfig:
     confirm: bool = True  # a round's winner must win again, measured beside the incumbent once more
     strict_referee: bool = True  # bf16 candidates also judged against fp32 (validate/referee.py)
     min_gap: float = 0.01  # stop when the predicted gap to the ceiling is below this share of the time
+    repeats: int = 3  # interleaved pools: times each candidate and the control are timed round-robin a round
     llm: LLMConfig | None = None
     seed_from_memory: bool = True
     commit: str = ""
 
     def __post_init__(self):
-        if self.rounds < 0 or self.candidates < 1:
-            raise ValueError("rounds must be >= 0 and candidates >= 1")
+        if self.rounds < 0 or self.candidates < 1 or self.repeats < 1:
+            raise ValueError("rounds must be >= 0, candidates and repeats >= 1")
 
 
 @dataclass(frozen=True)
@@ -100,6 +123,9 @@ class TrialRow:
     control: bool = False
     improved: bool = False
     note: str = ""
+    rounds_relative: list[float] = field(default_factory=list)  # engine/AR per interleaved repeat
+    vs_control: float | None = None  # geometric mean of this trial's repeats over the control's
+    vs_control_bound: float | None = None  # its one-sided 90% upper bound (the confidence rule)
 
 
 @dataclass
@@ -222,7 +248,7 @@ class Search:
             pred_ms, pred_rel, cal_rel = self._predict(cand)
             row = TrialRow(r.trial, round_no, cand.pipeline, cand.proposal.proposer, r.status, r.reason, pred_ms,
                            pred_rel, cal_rel, r.engine_ms, r.ar_ms, r.relative, r.tau, r.forcing, control,
-                           note=cand.proposal.note)
+                           note=cand.proposal.note, rounds_relative=list(r.extra.get("rounds_relative", [])))
             row_id = self._record(row, cand.proposal.rules)
             out.append((row, row_id, cand))
             self.seen.setdefault(cand.ir_hash, row)
@@ -236,6 +262,18 @@ class Search:
             elif row.status == FAILED and row.predicted_rel:  # does not run here: learn it as very slow
                 self.calibration.add(self._names(row.pipeline), row.predicted_rel, row.predicted_rel * 100)
         return out
+
+    def _wins(self, row: TrialRow, control: TrialRow, bar: float | None) -> bool:
+        """Whether a validated candidate beats the control by min_gain: by the confidence rule over
+        the repeats both were timed in side by side, else (one figure a trial) against `bar`, the
+        incumbent's best engine/AR measured."""
+        if row.status != VALIDATED or row.relative is None:
+            return False
+        paired = paired_ratio(row.rounds_relative, control.rounds_relative) if control.status == VALIDATED else None
+        if paired is not None:
+            row.vs_control, row.vs_control_bound = paired
+            return paired[1] < 1 - self.config.min_gain
+        return bar is not None and row.relative <= bar * (1 - self.config.min_gain)
 
     def _select(self, candidates: list[Candidate], k: int) -> list[Candidate]:
         """K candidates: memory's seeds first; then the best-predicted candidate of each direction
@@ -325,26 +363,29 @@ class Search:
                 measured = self._measure(round_no, [(c, False) for c in chosen] + [(incumbent, True)], progress)
                 log.measured = len(measured)
                 control = next(r for r, _, _ in measured if r.control)
-                # the bar: the incumbent's best measurement, this round's or an earlier one, so that a
-                # control that happened to run slow does not let noise pick the winner
-                control_rel = min(x for x in (control.relative if control.status == VALIDATED else None,
-                                              incumbent_rel) if x is not None)
-                best = min(((r, rid, c) for r, rid, c in measured if not r.control and r.status == VALIDATED
-                            and r.relative), key=lambda x: x[0].relative, default=None)
-                if (best is not None and control_rel is not None and cfg.confirm
-                        and best[0].relative <= control_rel * (1 - cfg.min_gain)):
+                # the bar without repeats: the incumbent's best measurement, this round's or an earlier
+                # one, so that a control that happened to run slow does not let noise pick the winner
+                control_rel = min((x for x in (control.relative if control.status == VALIDATED else None,
+                                               incumbent_rel) if x is not None), default=None)
+                winners = [(r, rid, c) for r, rid, c in measured if not r.control and self._wins(r, control, control_rel)]
+                best = min(winners, key=lambda x: x[0].vs_control or x[0].relative, default=None)
+                fastest = min((r for r, _, _ in measured if not r.control and r.status == VALIDATED and r.relative),
+                              key=lambda r: r.vs_control or r.relative, default=None)
+                if best is not None and cfg.confirm:
                     # a duel: the winner and the incumbent measured again side by side; it must win again
                     duel = self._measure(round_no, [(best[2], False), (incumbent, True)], progress)
                     again, inc_again = duel[0][0], duel[1][0]
                     again.note = f"confirmation of trial {best[0].trial}"
                     log.measured += 2
-                    if (again.status != VALIDATED or inc_again.relative is None or again.relative is None
-                            or again.relative > inc_again.relative * (1 - cfg.min_gain)):
+                    if not self._wins(again, inc_again, inc_again.relative):
                         log.notes.append(f"trial {best[0].trial} ({best[0].pipeline}) did not win its confirmation: "
-                                         f"{again.relative} against {inc_again.relative}")
+                                         f"{again.relative} against {inc_again.relative}"
+                                         + (f" (repeats: {again.vs_control:.3f} of the control, 90% bound "
+                                            f"{again.vs_control_bound:.3f})" if again.vs_control else ""))
                         best = None
-                if best is None or control_rel is None or best[0].relative > control_rel * (1 - cfg.min_gain):
-                    log.gain = None if best is None or not control_rel else 1 - best[0].relative / control_rel
+                if best is None:
+                    if fastest is not None:
+                        log.gain = 1 - (fastest.vs_control or (fastest.relative / control_rel if control_rel else 1.0))
                     idle += 1
                     if idle >= cfg.patience:
                         stopped = f"{idle} rounds in a row gained less than {cfg.min_gain:.0%} over their control"
@@ -355,7 +396,7 @@ class Search:
                 row.improved = True
                 if self.memory is not None and rid is not None:
                     self.memory.mark_improved(rid)
-                log.chosen, log.gain = row.pipeline, 1 - row.relative / control_rel
+                log.chosen, log.gain = row.pipeline, 1 - (row.vs_control or row.relative / control_rel)
                 incumbent, incumbent_rel = cand, row.relative
                 incumbent_passes = list(cand.passes)
                 if row.tau:

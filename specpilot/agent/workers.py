@@ -5,9 +5,11 @@
   `devices[i % len(devices)]`, so on a host of several GPUs each worker has one GPU, and on one GPU
   or a CPU they share it. A worker that dies mid-trial (killed, out of memory) fails that trial
   and the others go on.
-- `InterleavedPool`: all candidates of a round in one process on one GPU, timed round-robin
-  (`specpilot.compiler.run_trials_interleaved`, as bench/steps/step_ab does), so that a drift of
-  the card's clocks lands on every candidate alike rather than picking the winner.
+- `InterleavedPool`: all candidates of a round in one process on one GPU (or a CPU with one
+  worker), timed round-robin and repeated (`specpilot.compiler.run_trials_interleaved`, as
+  bench/steps/step_ab does), so that a drift of the card's clocks or of a shared CPU's load lands
+  on every candidate alike rather than picking the winner; each trial carries its per-repeat
+  engine/AR (`extra["rounds_relative"]`) for the search's confidence rule.
 - `RayPool`: `--workers ray://ADDRESS`: each candidate a Ray task on the cluster.
 
 The work itself (`evaluate`: TrialJob -> TrialResult) is handed in by the caller above the agent.
@@ -126,7 +128,7 @@ class ProcessPool:
 
 
 class InterleavedPool:
-    """One process, one GPU: a round's candidates built together and timed round-robin."""
+    """One process, one device: a round's candidates built together and timed round-robin."""
 
     def __init__(self, evaluate_many: EvaluateMany, device: str):
         self.evaluate_many, self.device = evaluate_many, device
@@ -211,4 +213,7 @@ def make_pool(spec: WorkersSpec, evaluate: Evaluate, evaluate_many: EvaluateMany
             return InterleavedPool(evaluate_many, gpus[0]) if evaluate_many is not None else InlinePool(evaluate, gpus[0])
         return ProcessPool(evaluate, n, gpus)
     n = spec.count or 1
-    return InlinePool(evaluate, device) if n == 1 else ProcessPool(evaluate, n, [device])
+    if n > 1:
+        return ProcessPool(evaluate, n, [device])
+    # one worker on a CPU: interleaved too (a shared machine's load drifts as a card's clocks do)
+    return InterleavedPool(evaluate_many, device) if evaluate_many is not None else InlinePool(evaluate, device)

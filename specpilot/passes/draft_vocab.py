@@ -10,7 +10,10 @@ that); the end-of-sequence id is always in.
 Lossless: a drafter only proposes, and greedy verification accepts a token only where it equals
 the target's argmax, so the output stays AR greedy's. What moves is τ: a token outside the
 subset cannot be drafted. How much is measured, not modelled (no acceptance model of a subset
-yet), so the search does not try this pass: a pipeline names it.
+yet), so the pass declares no `closes`: the cost model does not offer it as a what-if, and a search
+measures its schedule space (sizes from V/16 up to below V, stdlib corpus) rather than predicting it.
+On the CPU with the zoo pair, size 1024 of 8192 was the largest single gain measured
+(docs/experiments/agent-cpu.md).
 """
 
 from __future__ import annotations
@@ -22,6 +25,10 @@ from ..errors import PipelineError
 from ..ir import Program
 from ..runtime.draft_vocab import STDLIB
 from .base import Pass, PassResult, register
+
+
+# FR-Spec's sizes and smaller ones for small vocabularies; those in [V/16, V) are offered
+CANDIDATE_SIZES = (512, 1024, 2048, 4096, 8192, 16384, 32768)
 
 
 @register
@@ -63,3 +70,11 @@ class DraftVocab(Pass):
         graph = program.drafter.with_node(name, head.replace(vocab_subset=self.size, vocab_corpus=self.corpus))
         return PassResult(program.with_graph("drafter", graph), True,
                           f"drafter head scores {self.size} of {vocab} tokens (corpus {self.corpus})")
+
+    @classmethod
+    def schedule_space(cls, program: Program) -> list[Pass]:
+        heads = program.drafter.find("lm_head")
+        if len(heads) != 1:
+            return []
+        vocab = program.drafter.node(heads[0])["out_features"]
+        return [p for p in (cls(size=n) for n in CANDIDATE_SIZES if vocab / 16 <= n < vocab) if p.apply(program).changed]

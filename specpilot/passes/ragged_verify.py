@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from ..ir import Program
 from .base import Pass, PassResult, register
-from .verify_budget import set_schedule
+from .verify_budget import batched_space, set_schedule
 
 
 @register
@@ -32,4 +32,4 @@ class RaggedVerify(Pass):
 
     @classmethod
     def schedule_space(cls, program: Program) -> list[Pass]:
-        return [cls()] if cls().apply(program).changed else []
+        return batched_space(cls, program, [cls()])

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from ..ir import Program
 from .base import Pass, PassResult, register
-from .verify_budget import set_schedule
+from .verify_budget import batched_space, set_schedule
 
 OFF_BELOW = (0.05, 0.1, 0.2, 0.3)
 
@@ -41,4 +41,4 @@ class SpecControl(Pass):
 
     @classmethod
     def schedule_space(cls, program: Program) -> list[Pass]:
-        return [p for p in (cls(off_below=v) for v in OFF_BELOW) if p.apply(program).changed]
+        return batched_space(cls, program, [cls(off_below=v) for v in OFF_BELOW])

@@ -39,6 +39,15 @@ def batching_refusal(program: Program, trees: bool = False, two_level: bool = Fa
     return ""
 
 
+def batched_space(cls: type[Pass], program: Program, instances: list[Pass]) -> list[Pass]:
+    """A batching mechanism's schedule space: its instances that change `program`, none for a
+    deployment served at batch 1 (it runs the batch-1 loops, where nothing these passes set is
+    used: a search would measure the same engine again)."""
+    if program.step.one("schedule")[1]["batch"] <= 1:
+        return []
+    return [p for p in instances if p.apply(program).changed]
+
+
 def set_schedule(program: Program, pass_name: str, trees: bool = False, two_level: bool = False,
                  **attrs) -> PassResult:
     """The schedule node with `attrs` and policy "continuous", or unchanged with the reason."""
@@ -66,4 +75,4 @@ class VerifyBudget(Pass):
 
     @classmethod
     def schedule_space(cls, program: Program) -> list[Pass]:
-        return [cls()] if cls().apply(program).changed else []
+        return batched_space(cls, program, [cls()])
