@@ -187,11 +187,15 @@ def _cost_view(cls) -> str:
 @click.option("--proposer", help="Base URL of an OpenAI-compatible endpoint to ask for candidates (e.g. http://127.0.0.1:8000/v1).")
 @click.option("--proposer-model", default="specpilot-proposer", show_default=True, help="Model name sent to --proposer.")
 @click.option("--min-gain", type=float, default=0.02, show_default=True, help="Stop when a round gains less than this share.")
+@click.option("--repeats", type=click.IntRange(1), default=3, show_default=True,
+              help="One worker: times each candidate and the round's control are timed round-robin; a candidate "
+                   "wins when the 90%% upper bound of its paired ratio to the control is below 1 - min-gain.")
 @click.option("--device", default="auto", show_default=True, help="cpu, cuda or auto.")
 @click.option("-o", "--output", type=click.Path(file_okay=False, path_type=Path), required=True,
               help="Directory for the best engine (DIR/engine) and the search report (DIR/report.html).")
 @user_errors
-def tune_cmd(pipeline, gpu, rounds, candidates, workers, memory, proposer, proposer_model, min_gain, device, output):
+def tune_cmd(pipeline, gpu, rounds, candidates, workers, memory, proposer, proposer_model, min_gain, repeats, device,
+             output):
     """Search pass pipelines for PIPELINE: the cost model ranks gaps and prunes, workers measure,
     token forcing gates every candidate; writes the best validated engine and a search report.
     Ctrl-C stops with the best engine so far. Proposals (an LLM's included) are data: parsed by the
@@ -204,7 +208,8 @@ def tune_cmd(pipeline, gpu, rounds, candidates, workers, memory, proposer, propo
 
     spec = load_spec(pipeline).with_gpu(gpu)
     llm = LLMConfig(proposer, proposer_model) if proposer else None
-    config = TuneConfig(rounds=rounds, candidates=candidates, min_gain=min_gain, llm=llm, commit=git_commit())
+    config = TuneConfig(rounds=rounds, candidates=candidates, min_gain=min_gain, llm=llm, repeats=repeats,
+                        commit=git_commit())
     with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=err_console, transient=True) as bar:
         task = bar.add_task("tuning: trials measured", total=1 + rounds * (candidates + 1))

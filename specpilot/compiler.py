@@ -22,7 +22,7 @@ from .backends.engine_dir import (ENGINE_FORMAT, atomic_dir, check_compatible, c
                                    write_tuning)
 from .backends.torch_backend import (U12_FILE, Engine, ReplaySetup, ShapeModels, build_engine, default_dtype,
                                      drafter_root, packed_weights, pick_device, stored_weights)
-from .bench.batch import measure_batches
+from .bench.batch import measure_batches, measure_served
 from .bench.harness import Measurement, device_name, environment, gpu_slug, measure, versions
 from .bench.prompts import load_prompts
 from .dsl import load_rules, parse_pipeline
@@ -650,6 +650,16 @@ def strict_validation(dirs: ModelDirs, engine: Engine, m: Measurement):
     return strict_referee(reference(torch.float32), reference(torch.bfloat16), m.prompts, m.spec_tokens, m.ar_tokens)
 
 
+def measure_trial(job, p: Prepared, engine: Engine, baseline: Engine) -> Measurement:
+    """What a trial times: a deployment served one request at a time, the batch-1 loops beside the
+    stock AR loop (`measure`); one served at batch (serving.batch_sizes above 1), the batched engine
+    against the stock target's batched AR at its largest batch (`measure_served`)."""
+    batch = max(job.spec.serving.batch_sizes)
+    if batch <= 1:
+        return measure(engine, baseline, p.prompts, job.spec.serving.max_new_tokens)
+    return measure_served(engine, baseline, p.prompts, batch, job.spec.serving.max_new_tokens)
+
+
 def run_trial(job):
     """One candidate of a search: built, measured beside the AR baseline on the spec's prompts,
     token-forced. Never raises for the candidate's own faults: they come back as a FAILED trial."""
@@ -658,7 +668,7 @@ def run_trial(job):
     t0 = time.perf_counter()
     try:
         p, engine, baseline = _trial_engines(job)
-        m = measure(engine, baseline, p.prompts, job.spec.serving.max_new_tokens)
+        m = measure_trial(job, p, engine, baseline)
         baseline = None
         return _trial_result(job, p, engine, m, t0)
     except Exception as e:  # a candidate that does not build or run here fails its trial, not the search
@@ -690,14 +700,14 @@ def run_trials_interleaved(jobs, rounds: int = 3):
         for t in order[r % len(order):] + order[:r % len(order)] if order else []:
             job, p, engine, baseline = built[t]
             try:
-                one = measure(engine, baseline, p.prompts, job.spec.serving.max_new_tokens)
+                one = measure_trial(job, p, engine, baseline)
             except Exception as e:
                 failed[t] = TrialResult.failed(job, f"{type(e).__name__}: {str(e)[:500]}")
                 continue
             m = ms[t]
             if r == 0:
-                m.ar_tokens, m.spec_tokens, m.accepted, m.spec_accepted = (one.ar_tokens, one.spec_tokens,
-                                                                           one.accepted, one.spec_accepted)
+                m.prompts, m.ar_tokens, m.spec_tokens, m.accepted, m.spec_accepted, m.served_tau = (
+                    one.prompts, one.ar_tokens, one.spec_tokens, one.accepted, one.spec_accepted, one.served_tau)
             m.spec_decode_s += one.spec_decode_s / rounds
             ar[t] += one.ar_decode_s / rounds
             if one.ar_ms_per_token > 0:

@@ -326,3 +326,87 @@ def test_interleaved_trials_time_candidates_round_robin(tiny):
                                       TrialJob(3, spec, "draft-block-size{size=2}")], rounds=2)
     assert [r.status for r in results] == [VALIDATED, FAILED, VALIDATED]
     assert all(r.engine_ms and r.ar_ms and r.tokens_checked for r in (results[0], results[2]))
+
+
+# ---------------------------------------------------------------------------------------- batch regimes
+
+def regime_scripted(tables: dict[int, dict[str, float]]):
+    """A measurer whose figures depend on the deployment's batch (the job's serving.batch_sizes), as
+    the real ones do: the batch-1 loops or the batched engine at the largest batch."""
+    def evaluate(job: TrialJob) -> TrialResult:
+        return scripted(tables[max(job.spec.serving.batch_sizes)])(job)
+
+    return evaluate
+
+
+def regime_setup(tiny, batch: int) -> Setup:
+    spec, _ = tiny
+    spec = replace(spec, serving=replace(spec.serving, batch_sizes=(batch,)))
+    stock = lower_spec(spec, resolve_models(spec), "float32")
+    return Setup(spec, stock, "", fingerprint(stock, "cpu", spec.serving.batch_sizes), "cpu", "h200",
+                 Predictor("h200", what_ifs))
+
+
+def test_batch_regimes_choose_their_own_pipelines_and_memory_keeps_them_apart(tiny, tmp_path):
+    """At batch 1 CUDA graphs pay and speculation control does nothing; at batch 32 the reverse (the
+    batching passes are offered only there). One shared memory: each regime's trials and best
+    pipeline stay under its own fingerprint, and the other regime's mechanism is only a seed that
+    must win its own measurement."""
+    tables = {1: {"cuda-graphs": 0.6, "spec-control": 1.0}, 32: {"cuda-graphs": 1.3, "spec-control": 0.5,
+                                                                 "verify-budget": 0.8}}
+    memory = Memory(tmp_path / "m.db")
+    one, many = regime_setup(tiny, 1), regime_setup(tiny, 32)
+    assert one.fingerprint.batch == "b1" and many.fingerprint.batch == "b32"
+    config = TuneConfig(rounds=2, candidates=4, patience=1)
+    b1 = Search(one, InlinePool(regime_scripted(tables)), memory, config).run()
+    b32 = Search(many, InlinePool(regime_scripted(tables)), memory, config).run()
+    assert "cuda-graphs" in b1.best and "spec-control" not in b1.best
+    assert "spec-control" in b32.best and "cuda-graphs" not in b32.best
+    assert not any("spec-control" in r.pipeline for r in b1.trials)  # nothing to change at batch 1
+    # the batch-1 mechanism was offered to batch 32 as a seed, and not taken
+    assert any(r.proposer == "memory" and "cuda-graphs" in r.pipeline for r in b32.trials)
+    by_key = {s["fingerprint"]["batch"]: s for s in memory.summary()}
+    assert set(by_key) == {"b1", "b32"}
+    assert by_key["b1"]["best_pipeline"] == b1.best and by_key["b32"]["best_pipeline"] == b32.best
+    own = [m.pipeline for m in memory.mechanisms(many.fingerprint) if m.distance == 0]
+    assert b32.best in own and not any("cuda-graphs" in m for m in own)
+
+
+# ---------------------------------------------------------------------------------------- the confidence rule
+
+def test_paired_ratio_bounds_the_gain():
+    from specpilot.agent.search import paired_ratio
+
+    assert paired_ratio([0.8], [1.0]) is None  # one repeat says nothing about the noise
+    mean, bound = paired_ratio([0.80, 0.82, 0.79], [1.0, 1.02, 0.99])
+    assert mean == pytest.approx(0.803, abs=0.005) and mean < bound < 0.85
+    mean, bound = paired_ratio([0.70, 1.10, 0.85], [1.0, 1.0, 1.0])  # faster on average, but noisy
+    assert mean < 0.9 and bound > 1.0
+
+
+def test_interleaved_repeats_decide_by_the_confidence_rule(tiny):
+    """A pool that times each round's candidates and control round-robin (InterleavedPool): a candidate
+    whose mean beats the control but whose repeats scatter is not taken; a steady one is."""
+    from specpilot.agent.workers import InterleavedPool
+
+    repeats = {"cuda-graphs": [0.55, 1.25, 0.75], "draft-block-size": [0.90, 0.91, 0.90]}  # engine/AR per repeat
+
+    def evaluate_many(jobs):
+        out = []
+        for job in jobs:
+            names = set(pass_names(job.pipeline)) if job.pipeline else set()
+            rounds = [1.0, 1.0, 1.0]
+            for n in names:
+                rounds = [a * b for a, b in zip(rounds, repeats.get(n, [1.0, 1.0, 1.0]))]
+            r = TrialResult(job.trial, job.pipeline, VALIDATED, "", 10.0, 10.0 * sum(rounds) / 3, 2.0, 48, 0, 0,
+                            "token forcing PASS", extra={"rounds_relative": rounds})
+            out.append(r)
+        return out
+
+    result = Search(setup_for(tiny), InterleavedPool(evaluate_many, "cpu"), None,
+                    TuneConfig(rounds=1, candidates=8, patience=1)).run()
+    graphs = [r for r in result.trials if r.pipeline == "cuda-graphs" and not r.control]
+    assert graphs and graphs[0].relative < 0.9 and graphs[0].vs_control_bound > 1.0  # the lowest mean, not sure
+    assert "draft-block-size" in result.best and "cuda-graphs" not in result.best
+    taken = next(r for r in result.trials if r.improved)
+    assert taken.vs_control_bound < 0.98 and len(taken.rounds_relative) == 3

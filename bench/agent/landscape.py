@@ -33,6 +33,9 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--num-prompts", type=int, help="override the spec's benchmark.num_prompts")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--batch", type=int, help="serve at this batch (serving.batch_sizes = [N]): trials time the "
+                    "batched engine against batched AR")
+    ap.add_argument("--max-new-tokens", type=int, help="override the spec's serving.max_new_tokens")
     add_results_args(ap, smoke=False)
     args = ap.parse_args(argv)
     if args.device == "cpu":
@@ -40,6 +43,10 @@ def main(argv=None) -> int:
     spec = load_spec(args.pipeline)
     if args.num_prompts:
         spec = replace(spec, benchmark=replace(spec.benchmark, num_prompts=args.num_prompts))
+    if args.batch:
+        spec = replace(spec, serving=replace(spec.serving, batch_sizes=(args.batch,)))
+    if args.max_new_tokens:
+        spec = replace(spec, serving=replace(spec.serving, max_new_tokens=args.max_new_tokens))
     jobs = [TrialJob(i + 1, spec, p, (), args.device) for i, p in enumerate(args.pipelines)]
     results = run_trials_interleaved(jobs, rounds=args.rounds)
     first = results[0].relative

@@ -50,11 +50,15 @@ def main(argv=None) -> int:
     ap.add_argument("--tolerance", type=float, default=0.03)
     ap.add_argument("--threads", type=int, default=4)
     ap.add_argument("--num-prompts", type=int, help="override each spec's benchmark.num_prompts")
+    ap.add_argument("--max-new-tokens", type=int, help="override each spec's serving.max_new_tokens")
+    ap.add_argument("--repeats", type=int, default=3, help="interleaved repeats of each trial a round")
+    ap.add_argument("--patience", type=int, default=2)
     add_results_args(ap, smoke=False)
     args = ap.parse_args(argv)
     if args.device == "cpu":
         torch.set_num_threads(args.threads)
-    config = TuneConfig(rounds=args.rounds, candidates=args.candidates, commit=git_commit())
+    config = TuneConfig(rounds=args.rounds, candidates=args.candidates, repeats=args.repeats, patience=args.patience,
+                        commit=git_commit())
     runs = {}
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
@@ -63,6 +67,8 @@ def main(argv=None) -> int:
             spec = load_spec(path)
             if args.num_prompts:
                 spec = replace(spec, benchmark=replace(spec.benchmark, num_prompts=args.num_prompts))
+            if args.max_new_tokens:
+                spec = replace(spec, serving=replace(spec.serving, max_new_tokens=args.max_new_tokens))
             r = tune_pipeline(spec, out_dir=tmp / name, config=config, memory=memory, device=args.device,
                               progress=lambda t: print(f"{name} trial {t.trial}: {t.pipeline or '(empty)'} {t.status} "
                                                        f"{t.relative or float('nan'):.3f}", flush=True))

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specpilot.bench.harness import Measurement
 from specpilot.runtime.engine_api import RequestParams
 
 
@@ -180,3 +181,23 @@ def measure_batches(engine, prompts: Sequence[Sequence[int]], guesses: Sequence[
             "note": "tokens/s over each run (prefill included), latency from admission to the last token; AR = the "
                     "same batched runtime with no drafter; outputs of the first requests at each concurrency are "
                     "token-forced with the batch-1 outputs"}
+
+
+def measure_served(engine, baseline, prompts: Sequence[Sequence[int]], concurrency: int, max_new_tokens: int,
+                   requests: int | None = None) -> Measurement:
+    """A search trial at batch: `engine` batched (its schedule's mechanisms) against the stock
+    `baseline`'s batched AR, `concurrency` requests in flight (measure_concurrency), as a Measurement:
+    every request's prompt and output (for token forcing), the runs' seconds (prefill included, as a
+    server pays it), so its ms/token figures are 1000 / tokens per second of each run, and the
+    engine's τ."""
+    capacity = max(map(len, prompts)) + max_new_tokens + engine.block_size + 2
+    got = measure_concurrency(lambda m: engine.batched(max_batch=m, capacity=capacity),
+                              lambda m: baseline.batched_ar(max_batch=m, capacity=capacity), prompts, concurrency,
+                              max_new_tokens=max_new_tokens, requests=requests)
+    order = sorted(got["spec_outputs"])
+    row = got["row"]
+    return Measurement(prompts=[list(prompts[i % len(prompts)]) for i in order],
+                       ar_tokens=[list(got["ar_outputs"].get(i, [])) for i in order],
+                       spec_tokens=[list(got["spec_outputs"][i]) for i in order],
+                       ar_decode_s=row["ar"]["seconds"], spec_decode_s=row["spec"]["seconds"],
+                       served_tau=row["spec"]["tau"])

@@ -48,9 +48,12 @@ class Measurement:
     spec_accepted: list[list[int]] = field(default_factory=list)  # per prompt: each step's accepted drafts
     ar_decode_s: float = 0.0
     spec_decode_s: float = 0.0
+    served_tau: float | None = None  # a batched run's τ (its engine's stats), where steps are not per prompt
 
     @property
     def tau(self) -> float:
+        if self.served_tau is not None:
+            return self.served_tau
         return (sum(self.accepted) + len(self.accepted)) / max(1, len(self.accepted))
 
     @property
