@@ -707,7 +707,120 @@ def _batched_table(name: str, d: dict) -> list[str]:
     return lines
 
 
-RENDERERS = {"serve_load": serve_load, "headline": headline, "batched": batched, "targets": targets, "draft_vocab": draft_vocab, "zoo_tau": zoo_tau,
+def agent() -> str:
+    """Issue 44: the search agent on the CPU (bench/agent/tune.py, batch_regimes.py, transfer.py)."""
+    tune, regimes, transfer = _load("agent_cpu.json"), _load("agent_batch_cpu.json"), _load("agent_transfer_cpu.json")
+    if not (tune or regimes or transfer):
+        return _missing("python -m bench.agent.tune examples/pipeline.yaml --device cpu")
+    lines = ["| measured (CPU, the zoo pair) | figure | source |", "|---|---|---|"]
+    if tune:
+        ratio, bound = tune.get("chosen_over_start_relative"), tune.get("chosen_over_start_bound90")
+        figure = (f"{ratio:.3f}× (90% upper bound {bound:.3f}×)" if ratio and bound else
+                  f"{tune['chosen_over_start']:.3f}× (ms/token)")
+        src = f"`agent_cpu.json` ({_short(tune['commit'])})"
+        lines += [f"| search from `{tune['args']['pipeline']}`: start → chosen | `{tune['start']}` → `{tune['chosen']}` "
+                  f"| {src} |",
+                  f"| chosen ÷ start, engine/AR per token, paired over {tune['args'].get('confirm_rounds')} interleaved "
+                  f"repeats | {figure}; {'faster' if tune['faster'] else 'not measurably faster'}; "
+                  f"{tune['chosen_token_forcing']} | {src} |",
+                  f"| trials measured / rejected; why it stopped | {tune['trials']} / {tune['rejected']}; "
+                  f"{tune['stopped']} | {src} |"]
+    if regimes:
+        chosen = ", ".join(f"{b}: `{p or '(empty)'}`" for b, p in regimes["chosen"].items())
+        lines.append(f"| batch regimes tuned with one memory: chosen per batch | {chosen} "
+                     f"({'different' if regimes['different'] else 'the same'}) | "
+                     f"`agent_batch_cpu.json` ({_short(regimes['commit'])}) |")
+    if transfer:
+        c, w = transfer["cold_trials_to_target"], transfer["warm_trials_to_target"]
+        ratio = transfer.get("warm_over_cold")
+        lines.append(f"| memory transfer, PARD after DFlash: trials to the cold search's final speed, warm / cold | "
+                     f"{w} / {c}" + (f" = {ratio:.2f} (aim ≤ 0.5: {'met' if transfer['aim_met'] else 'not met'})"
+                                     if ratio is not None else " (aim ≤ 0.5: not met)")
+                     + f" | `agent_transfer_cpu.json` ({_short(transfer['commit'])}) |")
+    return "\n".join(lines)
+
+
+def _trial_rows(records: list[dict], extra_key: str | None = None) -> list[str]:
+    lines = [("| " + (f"{extra_key} | " if extra_key else "") + "trial | round | pipeline | proposer | status | engine/AR "
+              "| per repeat | ÷ control (90% bound) | τ |"),
+             "|" + ("---|" if extra_key else "") + "---:|---:|---|---|---|---:|---|---|---:|"]
+    for r in records:
+        if r.get("relative") is None:
+            continue
+        reps = ", ".join(f"{x:.2f}" for x in r.get("rounds_relative") or [])
+        vs = f"{r['vs_control']:.3f} ({r['vs_control_bound']:.3f})" if r.get("vs_control") else "-"
+        status = r["status"] + (" (control)" if r.get("control") else "") + (", taken" if r.get("improved") else "")
+        lines.append("| " + (f"{r[extra_key]} | " if extra_key else "") + f"{r['trial']} | {r['round']} | "
+                     f"`{r['pipeline'] or '(empty)'}` | {r['proposer']} | {status} | {r['relative']:.3f} | {reps} | "
+                     f"{vs} | {r['tau']:.2f} |")
+    return lines
+
+
+def agent_runs() -> str:
+    """Every measured trial of the CPU searches (bench/agent/tune.py, batch_regimes.py, transfer.py)."""
+    tune, regimes, transfer = _load("agent_cpu.json"), _load("agent_batch_cpu.json"), _load("agent_transfer_cpu.json")
+    if not (tune or regimes or transfer):
+        return _missing("python -m bench.agent.tune examples/pipeline.yaml --device cpu")
+    lines = []
+    if tune:
+        lines += [f"Search: `bench/results/agent_cpu.json` (commit {_short(tune['commit'])}); stopped: {tune['stopped']}.",
+                  ""] + _trial_rows([r for r in tune["records"] if r.get("kind") == "trial"])
+        lines += ["", "| confirmation (interleaved) | pipeline | engine/AR | per repeat |", "|---|---|---:|---|"]
+        for r in (r for r in tune["records"] if r.get("kind") == "confirm"):
+            reps = ", ".join(f"{x:.2f}" for x in r["extra"].get("rounds_relative", []))
+            lines.append(f"| {r['which']} | `{r['pipeline']}` | {r['relative']:.3f} | {reps} |")
+        lines.append("")
+    if regimes:
+        lines += [f"Batch regimes: `bench/results/agent_batch_cpu.json` (commit {_short(regimes['commit'])}).", ""]
+        lines += ["| batch | start → chosen | stopped | measured trials |", "|---|---|---|---:|"]
+        for b, s in regimes["searches"].items():
+            lines.append(f"| {b} | `{s['start']}` → `{s['chosen']}` | {s['stopped']} | {s['measured_trials']} |")
+        lines += ["", "| at batch | pipelines (own choice first) | engine/AR | others ÷ own (90% bound) |",
+                  "|---|---|---|---|"]
+        for b, c in regimes["cross"].items():
+            if "relative" not in c:
+                lines.append(f"| {b} | {', '.join(f'`{p}`' for p in c['pipelines'])} | - | {c.get('note', '')} |")
+                continue
+            rel = ", ".join(f"{x:.3f}" if x else "-" for x in c["relative"])
+            oth = ", ".join(f"{o[0]:.3f} ({o[1]:.3f})" if o else "-" for o in c["others_over_own"])
+            lines.append(f"| {b} | {', '.join(f'`{p}`' for p in c['pipelines'])} | {rel} | {oth} |")
+        lines += [""] + _trial_rows(regimes["records"], "batch") + [""]
+    if transfer:
+        lines += [f"Memory transfer: `bench/results/agent_transfer_cpu.json` (commit {_short(transfer['commit'])}); "
+                  f"target engine/AR {transfer['target_relative']:.3f} (the cold search's best, with its tolerance).", "",
+                  "| search | start → best | best engine/AR | stopped | measured trials |", "|---|---|---:|---|---:|"]
+        for name, s in transfer["searches"].items():
+            lines.append(f"| {name} | `{s['start']}` → `{s['best']}` | {s['best_relative']:.3f} | {s['stopped']} | "
+                         f"{s['measured_trials']} |")
+        lines += [""] + _trial_rows(transfer["records"], "search")
+    return "\n".join(lines).rstrip()
+
+
+def agent_landscape() -> str:
+    """Hand-picked pipelines of the CPU agent's deployment, timed interleaved (bench/agent/landscape.py)."""
+    present = _load_present(["agent_landscape_cpu.json", "agent_landscape_cpu_b32.json"])
+    if not present:
+        return _missing("python -m bench.agent.landscape examples/pipeline.yaml --pipelines ...")
+    lines = []
+    for name, d in present:
+        a = d["args"]
+        lines += [f"Source: `bench/results/{name}` (commit {_short(d['commit'])}; batch {a.get('batch') or 1}, "
+                  f"{a.get('num_prompts')} prompts, {a.get('rounds')} interleaved repeats). Engine/AR per token; "
+                  "\"÷ first\": over the first row's.", "",
+                  "| pipeline | engine/AR | per repeat | ÷ first | τ | token forcing |", "|---|---:|---|---:|---:|---|"]
+        for r in d["records"]:
+            reps = ", ".join(f"{x:.2f}" for x in r["extra"].get("rounds_relative", []))
+            rel = f"{r['relative']:.3f}" if r.get("relative") else r["status"]
+            over = f"{r['over_first']:.3f}" if r.get("over_first") else "-"
+            tau = f"{r['tau']:.2f}" if r.get("tau") else "-"
+            forced = (f"PASS ({r['tokens_checked']} tokens)" if r["status"] == "validated" else
+                      f"{r['status']}: {r.get('reason', '')[:60]}")
+            lines.append(f"| `{r['pipeline'] or '(empty)'}` | {rel} | {reps} | {over} | {tau} | {forced} |")
+        lines.append("")
+    return "\n".join(lines).rstrip()
+
+
+RENDERERS = {"agent": agent, "agent_runs": agent_runs, "agent_landscape": agent_landscape, "serve_load": serve_load, "headline": headline, "batched": batched, "targets": targets, "draft_vocab": draft_vocab, "zoo_tau": zoo_tau,
              "zoo_e2e": zoo_e2e, "tree_tau": tree_tau, "cost_vs_measured": cost_vs_measured, "step_times": step_times,
              "hf_peers": hf_peers, "attention_split_kv": attention_split_kv, "u12_stats": u12_stats,
              "u12_linear": u12_linear, "kernel_static": kernel_static, "kernel_static_sweep": kernel_static_sweep,

@@ -109,6 +109,8 @@
 #            the 8B run one candidate at a time and by token forcing alone (no 32 GB fp32 reference beside it)
 #   transfer issue 44: memory transfer, PARD tuned cold and after DFlash with a shared memory, the zoo pair
 #            (-> agent_transfer_<gpu>.json)
+#   regimes  issue 44: the zoo pair tuned for batch 1 and for batch 32 with one memory, then each regime's choice
+#            timed against the other's at both batches (-> agent_batch_<gpu>.json)
 #   ties     issue 44: the bf16 AR loops' divergences (eager, graphed, fused graphed) judged against fp32 and the
 #            measured bf16 noise, humaneval and code-heldout (-> referee_ties_<gpu>.json)
 #
@@ -327,6 +329,10 @@ agent() {
 transfer() {
   TAIL=20 run agent_transfer 560 python -m bench.agent.transfer examples/pipeline.yaml examples/pard.yaml --device cuda \
     --rounds 3 --candidates 3 --out "$OUT"
+}
+regimes() {
+  TAIL=20 run agent_batch 560 python -m bench.agent.batch_regimes examples/pipeline.yaml --device cuda --batches 1 32 \
+    --rounds 2 --candidates 3 --repeats 3 --num-prompts 8 --out "$OUT"
 }
 ties() { TAIL=20 run referee_ties 200 python -m bench.agent.referee_ties --device cuda --out "$OUT"; }
 tau() { run zoo_tau 100 python -m bench.e2e.zoo_tau --num-prompts 8 --device cuda --passes cuda-graphs --out "$OUT"; }
