@@ -410,3 +410,16 @@ def test_interleaved_repeats_decide_by_the_confidence_rule(tiny):
     assert "draft-block-size" in result.best and "cuda-graphs" not in result.best
     taken = next(r for r in result.trials if r.improved)
     assert taken.vs_control_bound < 0.98 and len(taken.rounds_relative) == 3
+
+
+@pytest.mark.slow
+def test_a_batched_deployment_is_measured_as_served(tiny, monkeypatch):
+    """A trial of a deployment served at batch 3 times the batched engine against the stock batched AR
+    (compiler.measure_trial): every request of the run (2 x 3 in flight, prompts cycled) token-forced."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the batched engine's SDPA path: the kernels have their own tests
+    spec, _ = tiny
+    spec = replace(spec, serving=replace(spec.serving, batch_sizes=(3,)))
+    r = run_trial(TrialJob(1, spec, ""))
+    assert r.status == VALIDATED, r.reason
+    assert r.extra["prompts"] == 6 and r.tokens_checked > 6 * 2
+    assert r.engine_ms and r.ar_ms and r.tau >= 1.0
