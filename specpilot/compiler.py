@@ -694,7 +694,9 @@ def run_trials_interleaved(jobs, rounds: int = 3):
             failed[job.trial] = TrialResult.failed(job, f"{type(e).__name__}: {str(e)[:500]}")
     ms = {t: Measurement(prompts=b[1].prompts) for t, b in built.items()}
     ar = {t: 0.0 for t in built}
-    per_round: dict[int, list[float]] = {t: [] for t in built}  # engine/AR of each round, for a confidence rule
+    # engine/AR of each (round, prompt) at batch 1, of each round when served at batch: paired samples
+    # for the search's confidence rule (the same prompts in the same order for every trial of a round)
+    per_round: dict[int, list[float]] = {t: [] for t in built}
     order = list(built)
     for r in range(rounds):
         for t in order[r % len(order):] + order[:r % len(order)] if order else []:
@@ -710,8 +712,10 @@ def run_trials_interleaved(jobs, rounds: int = 3):
                     one.prompts, one.ar_tokens, one.spec_tokens, one.accepted, one.spec_accepted, one.served_tau)
             m.spec_decode_s += one.spec_decode_s / rounds
             ar[t] += one.ar_decode_s / rounds
-            if one.ar_ms_per_token > 0:
-                per_round[t].append(one.spec_ms_per_token / one.ar_ms_per_token)
+            samples = one.prompt_ratios()
+            if not samples and one.ar_ms_per_token > 0:
+                samples = [one.spec_ms_per_token / one.ar_ms_per_token]
+            per_round[t].extend(samples)
     out = []
     for job in jobs:
         if job.trial in failed:

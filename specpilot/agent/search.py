@@ -17,9 +17,10 @@ Round 0 measures the starting pipeline (the spec's own). Each round then:
 6. every result is recorded in memory; the fastest validated candidate that beats the incumbent by
    `min_gain`, and beats it again in a confirmation (both measured once more side by side), becomes
    the incumbent and is marked a mechanism in memory. "Beats" is a confidence rule where the pool
-   timed the round interleaved (each candidate and the control once per repeat, round-robin: the
-   trial's `rounds_relative`): the one-sided 90% upper bound (Student's t) of the mean of
-   log(candidate / control) over the repeats lies below log(1 - min_gain). Where a pool gives one
+   timed the round interleaved (each candidate and the control once per repeat, round-robin; the
+   trial's `rounds_relative`: engine/AR of each prompt of each repeat at batch 1, of each repeat
+   when served at batch): the one-sided 90% upper bound (Student's t) of the mean of
+   log(candidate / control) over those paired samples lies below log(1 - min_gain). Where a pool gives one
    figure a trial (processes, Ray), the candidate must beat the incumbent's best measurement (this
    round's control or an earlier one) by `min_gain`.
 
@@ -52,14 +53,15 @@ from .proposers import memory_proposals, schedule_space_proposals
 from .trial import FAILED, REJECTED, VALIDATED, TrialJob, TrialResult
 
 
-# one-sided 90% quantiles of Student's t by degrees of freedom 1..9 (beyond: 1.30, near the normal's 1.28)
-T90 = (3.078, 1.886, 1.638, 1.533, 1.476, 1.440, 1.415, 1.397, 1.383)
+# one-sided 90% quantiles of Student's t by degrees of freedom 1..20 (beyond: 1.30, near the normal's 1.28)
+T90 = (3.078, 1.886, 1.638, 1.533, 1.476, 1.440, 1.415, 1.397, 1.383, 1.372, 1.363, 1.356, 1.350, 1.345, 1.341,
+       1.337, 1.333, 1.330, 1.328, 1.325)
 
 
 def paired_ratio(candidate: list[float], control: list[float]) -> tuple[float, float] | None:
-    """A candidate against the control timed beside it, repeat by repeat (engine/AR of each repeat):
-    (geometric mean of candidate/control, its one-sided 90% upper confidence bound), or None without
-    two repeats of both."""
+    """A candidate against the control timed beside it, sample by sample (engine/AR of each prompt of
+    each repeat, or of each repeat): (geometric mean of candidate/control, its one-sided 90% upper
+    confidence bound), or None without two samples of both."""
     d = [math.log(c / k) for c, k in zip(candidate, control) if c > 0 and k > 0]
     n = len(d)
     if n < 2:
@@ -123,7 +125,7 @@ class TrialRow:
     control: bool = False
     improved: bool = False
     note: str = ""
-    rounds_relative: list[float] = field(default_factory=list)  # engine/AR per interleaved repeat
+    rounds_relative: list[float] = field(default_factory=list)  # engine/AR per prompt and interleaved repeat
     vs_control: float | None = None  # geometric mean of this trial's repeats over the control's
     vs_control_bound: float | None = None  # its one-sided 90% upper bound (the confidence rule)
 

@@ -49,6 +49,16 @@ class Measurement:
     ar_decode_s: float = 0.0
     spec_decode_s: float = 0.0
     served_tau: float | None = None  # a batched run's τ (its engine's stats), where steps are not per prompt
+    ar_prompt_s: list[float] = field(default_factory=list)  # per prompt (batch 1): the AR loop's decode seconds
+    spec_prompt_s: list[float] = field(default_factory=list)  # and the engine's
+
+    def prompt_ratios(self) -> list[float]:
+        """Per prompt, engine ms/token over the AR ms/token measured beside it (batch 1; empty otherwise)."""
+        out = []
+        for a_s, s_s, a, s in zip(self.ar_prompt_s, self.spec_prompt_s, self.ar_tokens, self.spec_tokens):
+            if a_s > 0 and s_s > 0 and a and s:
+                out.append((s_s / len(s)) / (a_s / len(a)))
+        return out
 
     @property
     def tau(self) -> float:
@@ -99,6 +109,8 @@ def measure(engine, baseline, prompts: list[list[int]], max_new_tokens: int, pro
         m.spec_accepted.append(list(sp.accepted))
         m.ar_decode_s += ar.decode_s
         m.spec_decode_s += sp.decode_s
+        m.ar_prompt_s.append(ar.decode_s)
+        m.spec_prompt_s.append(sp.decode_s)
         if progress:
             progress()
     return m
