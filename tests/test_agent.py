@@ -409,7 +409,7 @@ def test_interleaved_repeats_decide_by_the_confidence_rule(tiny):
     assert graphs and graphs[0].relative < 0.9 and graphs[0].vs_control_bound > 1.0  # the lowest mean, not sure
     assert "draft-block-size" in result.best and "cuda-graphs" not in result.best
     taken = next(r for r in result.trials if r.improved)
-    assert taken.vs_control_bound < 0.98 and len(taken.rounds_relative) == 3
+    assert taken.vs_control <= 0.98 and taken.vs_control_bound < 1.0 and len(taken.rounds_relative) == 3
 
 
 @pytest.mark.slow

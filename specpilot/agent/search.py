@@ -19,8 +19,9 @@ Round 0 measures the starting pipeline (the spec's own). Each round then:
    the incumbent and is marked a mechanism in memory. "Beats" is a confidence rule where the pool
    timed the round interleaved (each candidate and the control once per repeat, round-robin; the
    trial's `rounds_relative`: engine/AR of each prompt of each repeat at batch 1, of each repeat
-   when served at batch): the one-sided 90% upper bound (Student's t) of the mean of
-   log(candidate / control) over those paired samples lies below log(1 - min_gain). Where a pool gives one
+   when served at batch): over those paired samples, the geometric mean of candidate / control is
+   at most 1 - min_gain and its one-sided 90% upper bound (Student's t) is below 1 (faster, and
+   measurably so). Where a pool gives one
    figure a trial (processes, Ray), the candidate must beat the incumbent's best measurement (this
    round's control or an earlier one) by `min_gain`.
 
@@ -274,7 +275,7 @@ class Search:
         paired = paired_ratio(row.rounds_relative, control.rounds_relative) if control.status == VALIDATED else None
         if paired is not None:
             row.vs_control, row.vs_control_bound = paired
-            return paired[1] < 1 - self.config.min_gain
+            return paired[0] <= 1 - self.config.min_gain and paired[1] < 1.0
         return bar is not None and row.relative <= bar * (1 - self.config.min_gain)
 
     def _select(self, candidates: list[Candidate], k: int) -> list[Candidate]:
