@@ -187,17 +187,19 @@ def measure_served(engine, baseline, prompts: Sequence[Sequence[int]], concurren
                    requests: int | None = None) -> Measurement:
     """A search trial at batch: `engine` batched (its schedule's mechanisms) against the stock
     `baseline`'s batched AR, `concurrency` requests in flight (measure_concurrency), as a Measurement:
-    every request's prompt and output (for token forcing), the runs' seconds (prefill included, as a
-    server pays it), so its ms/token figures are 1000 / tokens per second of each run, and the
-    engine's τ."""
+    every request's prompt and output (for token forcing), each run's decode time (its prefill
+    forwards left out, as every speedup of the project is: `decode_tokens_per_s`), so its ms/token
+    figures are 1000 / decode tokens per second of each run, and the engine's τ."""
     capacity = max(map(len, prompts)) + max_new_tokens + engine.block_size + 2
     got = measure_concurrency(lambda m: engine.batched(max_batch=m, capacity=capacity),
                               lambda m: baseline.batched_ar(max_batch=m, capacity=capacity), prompts, concurrency,
                               max_new_tokens=max_new_tokens, requests=requests)
     order = sorted(got["spec_outputs"])
     row = got["row"]
-    return Measurement(prompts=[list(prompts[i % len(prompts)]) for i in order],
-                       ar_tokens=[list(got["ar_outputs"].get(i, [])) for i in order],
-                       spec_tokens=[list(got["spec_outputs"][i]) for i in order],
-                       ar_decode_s=row["ar"]["seconds"], spec_decode_s=row["spec"]["seconds"],
-                       served_tau=row["spec"]["tau"])
+    m = Measurement(prompts=[list(prompts[i % len(prompts)]) for i in order],
+                    ar_tokens=[list(got["ar_outputs"].get(i, [])) for i in order],
+                    spec_tokens=[list(got["spec_outputs"][i]) for i in order], served_tau=row["spec"]["tau"])
+    for side, tokens in (("ar", m.ar_tokens), ("spec", m.spec_tokens)):
+        rate = row[side]["decode_tokens_per_s"]
+        setattr(m, f"{side}_decode_s", sum(map(len, tokens)) / rate if rate else 0.0)
+    return m
