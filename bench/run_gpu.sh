@@ -397,7 +397,7 @@ for group in "${@:?group...}"; do
     ncu) ncu_linear ;;
     tests | attntests | lineartests | ab | knobs | knobstep | layer16 | readbound | attention | attnvar | u12 | hmma | bf16tune | u12tune | verify16 | verifyab | verify32 | rows64 | \
       u12verify | tiles | tilesab | tiles1 | fewrows | fewsweep | u12fusedtune | linear | peers | train | trees | e2e | tau | zoo | calib | \
-      smollm2part | smollm2install | smollm2 | smollm2bench | serve | batched | batchedg | hybridtree | hybridzoo | twolevel | agent | ties | transfer) "$group" ;;
+      smollm2part | smollm2install | smollm2 | smollm2bench | serve | batched | batchedg | hybridtree | hybridzoo | twolevel | agent | ties | transfer | regimes) "$group" ;;
     steps) steps ;;
     qwen) steps qwen3-8b ;;
     kernels) tests; steps llama-3.1-8b qwen3-8b; attention ;;

@@ -189,7 +189,8 @@ def _cost_view(cls) -> str:
 @click.option("--min-gain", type=float, default=0.02, show_default=True, help="Stop when a round gains less than this share.")
 @click.option("--repeats", type=click.IntRange(1), default=3, show_default=True,
               help="One worker: times each candidate and the round's control are timed round-robin; a candidate "
-                   "wins when the 90%% upper bound of its paired ratio to the control is below 1 - min-gain.")
+                   "wins when its paired ratio to the control is at most 1 - min-gain and its 90%% upper bound "
+                   "is below 1.")
 @click.option("--device", default="auto", show_default=True, help="cpu, cuda or auto.")
 @click.option("-o", "--output", type=click.Path(file_okay=False, path_type=Path), required=True,
               help="Directory for the best engine (DIR/engine) and the search report (DIR/report.html).")
