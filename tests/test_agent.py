@@ -424,3 +424,18 @@ def test_a_batched_deployment_is_measured_as_served(tiny, monkeypatch):
     assert r.status == VALIDATED, r.reason
     assert r.extra["prompts"] == 6 and r.tokens_checked > 6 * 2
     assert r.engine_ms and r.ar_ms and r.tau >= 1.0
+
+
+def test_memory_offers_each_pass_of_a_mechanism_alone(tiny, tmp_path):
+    """A mechanism validated on another deployment (block 3 with CUDA graphs) is offered as it was, and
+    each of its passes alone: the other deployment's block size need not carry over."""
+    from specpilot.agent.proposers import memory_proposals
+
+    memory = Memory(tmp_path / "m.db")
+    fp = setup_for(tiny).fingerprint
+    row = memory.record(run="r", round=1, trial=2, fingerprint=replace(fp, drafter_kind="pard"), pipeline=
+                        "draft-block-size{size=3},cuda-graphs", proposer="schedule-space", status=VALIDATED,
+                        relative=0.5, forcing_passed=True)
+    memory.mark_improved(row)
+    got = {p.pipeline for p in memory_proposals(memory, fp, [])}
+    assert got == {"draft-block-size{size=3},cuda-graphs", "draft-block-size{size=3}", "cuda-graphs"}

@@ -5,7 +5,7 @@
   placed in the current pipeline: replacing the instance of the same pass (a parameter change),
   else appended, and also put first; plus the current pipeline with each of its passes dropped.
 - `memory_proposals`: the mechanisms the memory validated on the nearest fingerprints: each such
-  pipeline as it was, and its passes the current pipeline lacks added to it.
+  pipeline as it was, and its passes the current pipeline lacks added to it, together and each alone.
 - the LLM proposer is in llm.py.
 """
 
@@ -80,4 +80,8 @@ def memory_proposals(memory: Memory, fp: Fingerprint, current: list[Pass], limit
         if extra and current:
             out.append(Proposal(",".join([_pipeline(current)] + extra), MEMORY, m.rules, note + "; added to the current",
                                 family=MEMORY))
+        if len(extra) > 1:  # each alone too: a parameter of the other deployment (its block size) may not carry over
+            for e in extra:
+                out.append(Proposal(",".join(([_pipeline(current)] if current else []) + [e]), MEMORY, m.rules,
+                                    note + f"; {e} alone added to the current", family=MEMORY))
     return out
