@@ -55,6 +55,7 @@ from specpilot.runtime.dflash import DFlashDrafter  # noqa: E402
 from specpilot.runtime.load import load_drafter, load_target  # noqa: E402
 from specpilot.runtime.model import PardDrafter, Transformer  # noqa: E402
 from specpilot.runtime.tiny import build_tiny_models  # noqa: E402
+from specpilot.runtime.tree import Tree  # noqa: E402
 
 FAMILIES = ("llama", "qwen3")
 
@@ -73,6 +74,18 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def device() -> torch.device:
     """The run's device (conftest.DEVICE): kernels run natively there, or under the interpreter."""
     return DEVICE
+
+
+def random_tree(seed: int, n: int, vocab: int, pad: int = 0) -> Tree:
+    """n nodes, each parent an earlier node (so parents precede), tokens drawn below `vocab`; `pad`
+    padding nodes after them."""
+    g = torch.Generator().manual_seed(seed)
+    parent, depth = [-1], [0]
+    for i in range(1, n):
+        p = int(torch.randint(0, i, (1,), generator=g))
+        parent.append(p)
+        depth.append(depth[p] + 1)
+    return Tree.from_lists(parent, depth, torch.randint(0, vocab, (n,), generator=g).tolist()).padded(n + pad)
 
 
 def tiny_spec(kind: str, family: str = "qwen3", extra: str = "") -> str:

@@ -12,6 +12,7 @@ from click.testing import CliRunner
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from conftest import random_tree
 from specpilot.cli import main
 from specpilot.hf.config import HybridConfig
 from specpilot.ir import lower
@@ -57,16 +58,7 @@ def models():
 
 
 def _random_tree(seed: int, n: int, pad: int = 0) -> Tree:
-    """n nodes, each parent an earlier node (so parents precede), random tokens; `pad` padding nodes."""
-    g = torch.Generator().manual_seed(seed)
-    parent, depth = [-1], [0]
-    for i in range(1, n):
-        p = int(torch.randint(0, i, (1,), generator=g))
-        parent.append(p)
-        depth.append(depth[p] + 1)
-    token = torch.randint(0, VOCAB, (n,), generator=g).tolist()
-    tree = Tree.from_lists(parent, depth, token)
-    return tree.padded(n + pad)
+    return random_tree(seed, n, VOCAB, pad)
 
 
 def _paths(anc: torch.Tensor) -> list[list[int]]:

@@ -11,7 +11,7 @@ from click.testing import CliRunner
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import tiny_spec
+from conftest import random_tree, tiny_spec
 from specpilot.cli import main
 from specpilot.dsl import parse_pipeline
 from specpilot.errors import PipelineError
@@ -33,13 +33,7 @@ pytestmark = pytest.mark.usefixtures("torch_single_thread")
 
 
 def _random_tree(seed: int, n: int) -> Tree:
-    g = torch.Generator().manual_seed(seed)
-    parent, depth = [-1], [0]
-    for i in range(1, n):
-        p = int(torch.randint(0, i, (1,), generator=g))
-        parent.append(p)
-        depth.append(depth[p] + 1)
-    return Tree.from_lists(parent, depth, torch.randint(0, 50, (n,), generator=g).tolist())
+    return random_tree(seed, n, 50)
 
 
 # --- pruning -----------------------------------------------------------------------------------
