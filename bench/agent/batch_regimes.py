@@ -18,16 +18,16 @@ from __future__ import annotations
 
 import argparse
 import tempfile
-from dataclasses import asdict, replace
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
+from bench.agent import bench_spec
 from specpilot.agent.search import TuneConfig, paired_ratio
 from specpilot.agent.trial import TrialJob
 from specpilot.bench.harness import add_results_args, git_commit, write_run
 from specpilot.compiler import run_trials_interleaved, tune_pipeline
-from specpilot.spec import load_spec
 
 
 def main(argv=None) -> int:
@@ -47,12 +47,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.device == "cpu":
         torch.set_num_threads(args.threads)
-    base = load_spec(args.pipeline)
-    if args.num_prompts:
-        base = replace(base, benchmark=replace(base.benchmark, num_prompts=args.num_prompts))
-    if args.max_new_tokens:
-        base = replace(base, serving=replace(base.serving, max_new_tokens=args.max_new_tokens))
-    specs = {b: replace(base, serving=replace(base.serving, batch_sizes=(b,))) for b in args.batches}
+    specs = {b: bench_spec(args.pipeline, num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens, batch=b)
+             for b in args.batches}
     config = TuneConfig(rounds=args.rounds, candidates=args.candidates, patience=args.patience, repeats=args.repeats,
                         commit=git_commit())
     searches = {}

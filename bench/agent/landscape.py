@@ -14,15 +14,14 @@ pipeline is the reference: each row's `over_first` is its engine/AR over the fir
 from __future__ import annotations
 
 import argparse
-from dataclasses import replace
 from pathlib import Path
 
 import torch
 
+from bench.agent import bench_spec
 from specpilot.agent.trial import TrialJob
 from specpilot.bench.harness import add_results_args, write_run
 from specpilot.compiler import run_trials_interleaved
-from specpilot.spec import load_spec
 
 
 def main(argv=None) -> int:
@@ -40,13 +39,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.device == "cpu":
         torch.set_num_threads(args.threads)
-    spec = load_spec(args.pipeline)
-    if args.num_prompts:
-        spec = replace(spec, benchmark=replace(spec.benchmark, num_prompts=args.num_prompts))
-    if args.batch:
-        spec = replace(spec, serving=replace(spec.serving, batch_sizes=(args.batch,)))
-    if args.max_new_tokens:
-        spec = replace(spec, serving=replace(spec.serving, max_new_tokens=args.max_new_tokens))
+    spec = bench_spec(args.pipeline, num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens, batch=args.batch)
     jobs = [TrialJob(i + 1, spec, p, (), args.device) for i, p in enumerate(args.pipelines)]
     results = run_trials_interleaved(jobs, rounds=args.rounds)
     first = results[0].relative

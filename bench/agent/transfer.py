@@ -18,15 +18,15 @@ from __future__ import annotations
 
 import argparse
 import tempfile
-from dataclasses import asdict, replace
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
+from bench.agent import bench_spec
 from specpilot.agent.search import TuneConfig
 from specpilot.bench.harness import add_results_args, git_commit, write_run
 from specpilot.compiler import tune_pipeline
-from specpilot.spec import load_spec
 
 
 def trials_to(result, target: float) -> int | None:
@@ -64,11 +64,7 @@ def main(argv=None) -> int:
         tmp = Path(tmp)
 
         def tune(name: str, path: Path, memory: Path):
-            spec = load_spec(path)
-            if args.num_prompts:
-                spec = replace(spec, benchmark=replace(spec.benchmark, num_prompts=args.num_prompts))
-            if args.max_new_tokens:
-                spec = replace(spec, serving=replace(spec.serving, max_new_tokens=args.max_new_tokens))
+            spec = bench_spec(path, num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens)
             r = tune_pipeline(spec, out_dir=tmp / name, config=config, memory=memory, device=args.device,
                               progress=lambda t: print(f"{name} trial {t.trial}: {t.pipeline or '(empty)'} {t.status} "
                                                        f"{t.relative or float('nan'):.3f}", flush=True))

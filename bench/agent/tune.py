@@ -18,16 +18,16 @@ from __future__ import annotations
 
 import argparse
 import tempfile
-from dataclasses import asdict, replace
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
+from bench.agent import bench_spec
 from specpilot.agent.search import TuneConfig, paired_ratio
 from specpilot.agent.trial import TrialJob
 from specpilot.bench.harness import add_results_args, git_commit, write_run
 from specpilot.compiler import run_trial, run_trials_interleaved, tune_pipeline
-from specpilot.spec import load_spec
 
 
 def main(argv=None) -> int:
@@ -52,9 +52,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.device == "cpu":
         torch.set_num_threads(args.threads)
-    spec = load_spec(args.pipeline)
-    if args.num_prompts:
-        spec = replace(spec, benchmark=replace(spec.benchmark, num_prompts=args.num_prompts))
+    spec = bench_spec(args.pipeline, num_prompts=args.num_prompts)
     with tempfile.TemporaryDirectory() as tmp:
         memory = args.memory or Path(tmp) / "memory.db"
         config = TuneConfig(rounds=args.rounds, candidates=args.candidates, min_gain=args.min_gain, patience=args.patience, commit=git_commit(),
