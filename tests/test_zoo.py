@@ -189,6 +189,33 @@ def test_the_chat_set_renders_ifeval_instructions_through_the_template(tmp_path:
         load_prompts("ifeval", source="p.yaml")
 
 
+def test_a_prompt_file_may_hold_conversations_beside_raw_prompts(tmp_path: Path) -> None:
+    """A user's .jsonl: raw {"prompt"} lines fed as they are, {"messages"} lines (multi-turn) through the
+    template; conversations without a template, or malformed, are refused naming the file and line."""
+    from specpilot.runtime.tokenizer import load_chat_template
+
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHATML}))
+    turns = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+             {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Sort [3, 1]."}]
+    path = tmp_path / "mine.jsonl"
+    path.write_text(json.dumps({"prompt": "def f(x):\n"}) + "\n\n" + json.dumps({"messages": turns}) + "\n")
+    assert load_prompts(str(path), chat=load_chat_template(tmp_path)) == [
+        "def f(x):\n",
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\nHello.<|im_end|>\n"
+        "<|im_start|>user\nSort [3, 1].<|im_end|>\n<|im_start|>assistant\n"]
+    assert load_prompts(str(path), limit=1) == ["def f(x):\n"]  # raw lines need no template
+    with pytest.raises(SpecError, match="holds conversations"):
+        load_prompts(str(path), source="p.yaml")
+    for bad, why in [({"messages": []}, r"mine\.jsonl:1: field 'messages': expected a non-empty list"),
+                     ({"messages": [{"role": "robot", "content": "x"}]}, r"mine\.jsonl:1: field 'messages\[0\]'"),
+                     ({"messages": [{"role": "user", "content": 3}]}, r"field 'messages\[0\]'"),
+                     ({"messages": turns[:3]}, "the last message must be the user's"),
+                     ({"text": "x"}, "expected an object with a string field 'prompt' or a list 'messages'")]:
+        path.write_text(json.dumps(bad) + "\n")
+        with pytest.raises(SpecError, match=why):
+            load_prompts(str(path), chat=load_chat_template(tmp_path))
+
+
 def test_compile_feeds_a_chat_set_through_the_targets_template(tiny_model_dirs, tmp_path: Path) -> None:
     """The prompts a compile measures are the target's chat template over each instruction, tokenized."""
     import shutil

@@ -6,12 +6,15 @@ of standard-library functions the model zoo never trained on; built by train/hel
 both raw text as their models complete it; and the chat set `ifeval` (the 541 instructions of
 IFEval, data/ifeval.jsonl; source and Apache-2.0 licence in data/ifeval.LICENSE), each a user
 message that `load_prompts` renders through the target's chat template (the plain template of
-runtime/tokenizer.py where the target has none).
+runtime/tokenizer.py where the target has none). A .jsonl file may hold either kind, line by
+line: {"prompt": TEXT}, or {"messages": [{"role": "user", "content": TEXT}, ...]}, a conversation
+rendered like a chat set's.
 """
 
 from __future__ import annotations
 
 import gzip
+import json
 from importlib import resources
 from pathlib import Path
 
@@ -65,14 +68,59 @@ PROMPT_SETS = {"code-smoke": lambda: list(CODE_SMOKE), "humaneval": humaneval, "
 CHAT_SETS = ("ifeval",)
 
 
-def load_jsonl(path: Path) -> list[str]:
+ROLES = ("system", "user", "assistant")
+
+
+def parse_prompt_lines(text: str, path: str) -> list[str | Chat]:
+    """A prompt file's lines: {"prompt": TEXT} (raw text) or {"messages": [{"role", "content"}, ...]}
+    (a conversation, rendered later by the target's chat template); errors name the file and line."""
+    prompts: list[str | Chat] = []
+    for n, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise SpecError(f"{path}:{n}: not valid JSON ({e.msg})") from None
+        except RecursionError:
+            raise SpecError(f"{path}:{n}: JSON nested too deeply") from None
+        if isinstance(record, dict) and isinstance(record.get("prompt"), str):
+            prompts.append(record["prompt"])
+        elif isinstance(record, dict) and "messages" in record:
+            prompts.append(conversation(record["messages"], f"{path}:{n}"))
+        else:
+            raise SpecError(f"{path}:{n}: expected an object with a string field 'prompt' or a list 'messages'")
+    if not prompts:
+        raise SpecError(f"{path}: no prompts")
+    return prompts
+
+
+def conversation(messages: object, where: str) -> Chat:
+    """`messages` checked as a conversation: a non-empty list of {"role": system|user|assistant,
+    "content": TEXT}, ending with a user message (the model answers it)."""
+    if not isinstance(messages, list) or not messages:
+        raise SpecError(f"{where}: field 'messages': expected a non-empty list of {{\"role\", \"content\"}} objects")
+    chat = []
+    for i, m in enumerate(messages):
+        if not (isinstance(m, dict) and m.get("role") in ROLES and isinstance(m.get("content"), str)):
+            raise SpecError(f"{where}: field 'messages[{i}]': expected {{\"role\": {' | '.join(ROLES)}, "
+                            f"\"content\": TEXT}}")
+        chat.append({"role": m["role"], "content": m["content"]})
+    if chat[-1]["role"] != "user":
+        raise SpecError(f"{where}: field 'messages': the last message must be the user's (the model answers it), "
+                        f"got {chat[-1]['role']!r}")
+    return tuple(chat)
+
+
+def load_jsonl(path: Path) -> list[str | Chat]:
     try:
         text = path.read_bytes().decode("utf-8")
     except UnicodeDecodeError as e:
-        raise SpecError(f"{path}: not UTF-8 text (byte {e.start}); expected JSON lines of {{\"prompt\": ...}}") from None
+        raise SpecError(f"{path}: not UTF-8 text (byte {e.start}); expected JSON lines of {{\"prompt\": ...}} "
+                        f"or {{\"messages\": [...]}}") from None
     except OSError as e:
         raise SpecError(f"{path}: cannot read ({e.strerror or e})") from None
-    return parse_jsonl(text, str(path))
+    return parse_prompt_lines(text, str(path))
 
 
 def load_prompts(name_or_path: str, limit: int | None = None, source: str = "pipeline.yaml",
@@ -96,6 +144,9 @@ def load_prompts(name_or_path: str, limit: int | None = None, source: str = "pip
         if not found:
             raise SpecError(f"{source}: field 'benchmark.prompts': no such file {name_or_path[:80]!r}")
         prompts = load_jsonl(path)
+        if chat is None and any(not isinstance(p, str) for p in prompts[:limit or None]):
+            raise SpecError(f"{source}: field 'benchmark.prompts': {name_or_path[:80]!r} holds conversations "
+                            f"('messages'), rendered by the target's chat template, which this command does not read")
     else:
         known = ", ".join(sorted(PROMPT_SETS))
         raise SpecError(f"{source}: field 'benchmark.prompts': expected a prompt-set name ({known}) "
