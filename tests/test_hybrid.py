@@ -185,6 +185,25 @@ def test_rollback_selects_recorded_states_and_refuses_the_rest(pair):
             ours(ids[:, :1], long)
 
 
+def test_reset_empties_a_cache_as_if_new(pair):
+    """A used host-length cache, reset mid-way (after a forward it could no longer roll back past),
+    runs the next prefill exactly as a new cache does."""
+    _, ours = pair
+    ids = _ids(24, seed=7)
+    with torch.inference_mode():
+        used = ours.new_cache(1, 40)
+        ours(ids[:, :10], used)
+        ours(ids[:, 10:16], used)
+        used.reset()
+        assert used.length == 0
+        got = ours(ids[:, :12], used).logits
+        fresh = ours.new_cache(1, 40)
+        want = ours(ids[:, :12], fresh).logits
+        assert torch.equal(got, want)
+        assert all(torch.equal(a, b) for a, b in zip(list(used.state) + list(used.conv), list(fresh.state) + list(fresh.conv)))
+        used.rollback(11)  # the forward after the reset is the last one: its positions roll back
+
+
 # --- decoding ----------------------------------------------------------------------------------
 
 

@@ -62,6 +62,10 @@ class KVCache:
             raise ValueError(f"cannot roll back a KV cache of length {self.length} to {n}")
         self.length = n
 
+    def reset(self) -> None:
+        """Empty: length 0 (the slots keep stale values, never read)."""
+        self.length = 0
+
     def key_slots(self, t: int) -> int:
         """How many key slots attention gets for `t` new tokens: exactly the valid ones."""
         return self.length + t

@@ -349,11 +349,17 @@ class HybridCache:
         return self.kv.key_slots(t)
 
     def reset(self) -> None:
-        """Empty (device-length caches, as DeviceKVCache.reset): length 0, zero states."""
+        """Empty: length 0, zero states, nothing of the last forward kept (a device-length cache's
+        tensors are zeroed in place, so captured graphs still read them)."""
         self.kv.reset()
         for x in (*self.state, *self.conv):
             x.zero_()
-        self._tree = [None] * len(self.state)
+        if isinstance(self._start, torch.Tensor):
+            self._start.zero_()
+        else:
+            self._start = 0
+        n = len(self.state)
+        self._windows, self._states, self._chain, self._tree = [None] * n, [None] * n, [None] * n, [None] * n
 
     def begin(self, t: int) -> None:
         """A forward of t tokens starts: check capacity before any layer's state changes."""
