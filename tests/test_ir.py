@@ -152,9 +152,6 @@ REFUSED = [
      "step/verify: exit_layer=9 out of range"),
     ("batching", lambda p: _with(p, "step", "schedule", batch=4),
      "step/schedule: batch=4 under policy 'static': expected 1 (static) or >= 1 (continuous)"),
-    ("batched two-level", lambda p: _with(_with(_tree(p), "step", "verify", mode="two-level", first="early-exit",
-                                                exit_layer=1), "step", "schedule", policy="continuous", batch=4),
-     "verify mode 'two-level' with first='early-exit' is not batched yet"),
     ("batched two-level under spec control", lambda p: _with(_with(_tree(p), "step", "verify", mode="two-level",
                                                                    first="drafter"), "step", "schedule",
                                                              policy="continuous", batch=4, spec_control=True),
@@ -205,6 +202,15 @@ def test_the_verifier_refuses_what_no_backend_runs(case, change, message):
     assert any(message in s for s in problems), problems
     with pytest.raises(IRError, match=re.escape(message)):
         verify_program(change(p))
+
+
+@pytest.mark.parametrize("first", ["drafter", "early-exit", "early-exit-drafter", "early-exit-split"])
+def test_every_first_level_is_batched(first):
+    p = lower(dict(TARGET, max_position_embeddings=2048), DFLASH)
+    level = {"first": first, **({"exit_layer": 1} if first != "drafter" else {})}
+    batched = _with(_with(_tree(p), "step", "verify", mode="two-level", **level), "step", "schedule",
+                    policy="continuous", batch=4)
+    assert not program_problems(batched)
 
 
 def _graphed(p):

@@ -315,8 +315,9 @@ class Engine:
         in the policy. `cost` (a StepCost) prices them; None: profiled here on the engine's own forwards.
         A replay engine's drafts follow per-request plans only through `draft_hook`. `graphs`: verify
         forwards as CUDA-graph replays bucketed by token count (runtime/batch.GraphedVerify; chains only).
-        A tree-verify program verifies each request's best-first tree; a two-level one (drafter first
-        level, verify-budget) the batch's best nodes of all requests' trees (BatchEngine.keep_batch_wide)."""
+        A tree-verify program verifies each request's best-first tree; a two-level one the batch's best
+        nodes of all requests' trees by its first level (BatchEngine.keep_batch_wide; an early exit's
+        second level continues from its layer), as many as verify-budget pays for when it is set."""
         from ..runtime.batch import BatchConfig, BatchEngine, graph_buckets, profile_step_cost
         from ..runtime.batch_control import BatchPolicy
 
@@ -325,7 +326,7 @@ class Engine:
             raise EngineError("the batched engine serves attention targets; this one is a Gated DeltaNet hybrid")
         propose, verify = self.program.step.one("propose")[1], self.program.step.one("verify")[1]
         tree = (propose["budget"], propose.get("topk", 4)) if propose["shape"] == "tree" else None
-        keep = verify["q"] - 1 if verify["mode"] == "two-level" else None  # the drafter first level, batch-wide
+        keep = verify["q"] - 1 if verify["mode"] == "two-level" else None  # the first level's budget, batch-wide
         drafts = self.block_size - 1 if self.kind == "dflash" else self.block_size
         batch = max_batch or schedule["batch"]
         graphs = graphs and tree is None  # graphed verifies serve chains; trees run eagerly
@@ -334,7 +335,7 @@ class Engine:
         attention = attention or kernel_hooks.ragged_attention(self.device)
         engine = BatchEngine(self.target, self.drafter, eos_token_id=self.eos_token_id, config=config,
                              block_size=self.block_size, attention=attention, draft_hook=draft_hook, tree=tree,
-                             keep=keep)
+                             keep=keep, first=verify.get("first", "drafter"), exit_layer=verify.get("exit_layer", 0))
         wants_cost = bool(schedule.get("verify_budget") or schedule.get("spec_control"))
         if wants_cost and cost is None:
             rows = sorted({config.max_batch * m for m in (1, 2, 4, 8, drafts + 1)})

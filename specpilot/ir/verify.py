@@ -18,8 +18,8 @@ What the backend reads, attribute by attribute (tests/test_passes.py runs each):
                                pruned to q - 1 nodes by the first level (runtime/two_level.py)
   accept.on, schedule.graphs   together: graphed loops accept on the device (the cuda-graphs pass)
   schedule.policy/batch        "static" (batch 1: the batch-1 loops) or "continuous" (runtime/batch.py, up to
-                               `batch` requests): chains or trees (two-level: the drafter first level, a
-                               batch-wide budget), attention targets, no graphs yet
+                               `batch` requests): chains or trees (two-level: any first level, its budget
+                               batch-wide), attention targets, no graphs yet
   schedule.verify_budget/      the batched engine's mechanisms (verify-budget, ragged-verify, spec-control):
   ragged/spec_control          only under policy "continuous"
   linear/lm_head format        the module serving the weight (bf16/fp16/fp32 cast, u12)
@@ -236,11 +236,6 @@ def _run_problems(program: Program) -> list[str]:
             problems.append(f"step/schedule: {', '.join(mechanisms)} run in the batched engine: expected policy "
                             "'continuous' (the passes set it)")
         if batched:
-            batch_wide = verify["mode"] == "two-level" and verify.get("first") == "drafter"
-            if verify["mode"] not in ("chain", "tree") and not batch_wide:
-                problems.append(f"step/schedule: policy 'continuous' verifies chains and trees, and two-level trees with "
-                                f"the drafter first level; verify mode {verify['mode']!r} with first="
-                                f"{verify.get('first')!r} is not batched yet")
             if verify["mode"] == "two-level" and schedule.get("spec_control"):
                 problems.append("step/schedule: spec_control chooses chain lengths; this program verifies two-level "
                                 "trees (leave out spec-control)")

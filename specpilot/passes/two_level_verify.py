@@ -21,8 +21,9 @@ Lossless by construction: the first level only chooses which nodes the target se
 accepted only when its token is the target's argmax given its ancestors, so the output equals AR
 greedy (token forcing checks it). N, M, K, the level and L move τ and the step's cost only.
 Runtime: the torch backend's tree loops with the first level's pruning (eager; not graphed yet); in
-the batched engine (policy continuous) the drafter level only, its budget batch-wide (with verify-budget,
-the cost table's choice). The cost model prices the step (cost/two_level.py).
+the batched engine (policy continuous) every level with a batch-wide budget, split across requests by
+the level's scores (with verify-budget, the cost table's choice of its total; runtime/batch.py). The
+cost model prices the step (cost/two_level.py).
 """
 
 from __future__ import annotations

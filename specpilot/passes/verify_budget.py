@@ -10,8 +10,9 @@ splits it across requests by per-position survival from the drafter's confidence
 Lossless: it chooses only how many of each request's drafts are verified; every committed token is
 still the target's argmax over that request's committed prefix. Chain verification of attention
 targets, ungraphed (what the batched engine runs; the verifier says so otherwise); after
-`two-level-verify{first=drafter}` the same choice is the batch-wide first level over every request's
-drafted tree (runtime/batch.BatchEngine.keep_batch_wide).
+`two-level-verify` the same choice is the batch-wide budget of the first level over every request's
+drafted tree, which the first level splits across requests by its scores
+(runtime/batch.BatchEngine.keep_batch_wide).
 """
 
 from __future__ import annotations
@@ -25,13 +26,13 @@ from .base import Pass, PassResult, register
 def batching_refusal(program: Program, trees: bool = False, two_level: bool = False) -> str:
     """Why the batched engine cannot run this program under a mechanism ("" when it can): the
     mechanisms' shared check. `trees`: the mechanism serves tree verification too; `two_level`: a
-    two-level verify with the drafter first level (its batch-wide budget is verify-budget's choice
-    over the drafted trees' nodes)."""
+    two-level verify (its first level's batch-wide budget is verify-budget's choice over the drafted
+    trees' nodes)."""
     verify = program.step.one("verify")[1]
-    drafter_first = two_level and verify["mode"] == "two-level" and verify.get("first") == "drafter"
-    if verify["mode"] not in (("chain", "tree") if trees else ("chain",)) and not drafter_first:
-        return ("it chooses chain lengths: the batched engine verifies chains here, or two-level trees with the "
-                "drafter first level (leave out tree-verify)")
+    batch_wide = two_level and verify["mode"] == "two-level"
+    if verify["mode"] not in (("chain", "tree") if trees else ("chain",)) and not batch_wide:
+        return ("it chooses chain lengths: the batched engine verifies chains here, or two-level trees "
+                "(leave out tree-verify)")
     if program.target.find("gated_deltanet"):
         return "the batched engine serves attention targets, not Gated DeltaNet hybrids"
     if program.step.one("schedule")[1].get("graphs"):

@@ -67,7 +67,7 @@ from specpilot.runtime.model import PardDrafter, Transformer, attend, build_mask
 from specpilot.runtime.sampling import (GREEDY, STREAM_DRAFT, SamplingParams, StepRandom, accept_chains, first_token,
                                         probabilities_at, request_sampling, sample_tokens, tree_draws, uniforms)
 from specpilot.runtime.tree import Tree, accept_tree, ancestor_mask, best_first_tree, draft_topk
-from specpilot.runtime.two_level import share_budget
+from specpilot.runtime.two_level import EXITS, FIRST_LEVELS, forest, level_scores, share_budget, subtree, survivors
 
 
 @dataclass(frozen=True, eq=False)
@@ -200,6 +200,15 @@ class SlotKV:
             rows[:, :, :, start:start + n] = rows[:, :, :, src]  # the gather copies first
         self.lengths[slot] = start + n
 
+    def gather(self, slot: int, start: int, src: Sequence[int], layers: int) -> None:
+        """Row `slot`'s K/V of layers 0..layers-1 at key slots start + src[j] move to start + j (gathered
+        first, so overlapping moves are safe); the length does not move (two_level.move_kv's, per request)."""
+        n = len(src)
+        if list(src) != list(range(n)):
+            index = start + torch.as_tensor(list(src), dtype=torch.long, device=self.cache.stacked.device)
+            rows = self.cache.stacked[:, :layers, slot]  # [2, layers, Hkv, cap, D]
+            rows[:, :, :, start:start + n] = rows[:, :, :, index]
+
     def write(self, layer: int, r: Ragged, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v [1, Hkv, N, D] of the packed rows into their slots and key slots."""
         self.cache.k[layer][r.token_slot, :, r.token_key] = k[0].transpose(0, 1)
@@ -212,14 +221,15 @@ class RaggedOutput:
     hidden: torch.Tensor | None  # [N, len(layers) * hidden] of the asked layers
 
 
-def ragged_forward(model: Transformer, kv: SlotKV, ids: torch.Tensor, r: Ragged, attention: RaggedAttention,
-                   hidden_layers: tuple[int, ...] = ()) -> RaggedOutput:
-    """The model's layers over packed rows ids [N] (the batch-1 forward's ops, row for row): K/V land
-    at each row's slot and key slot; lengths are the caller's to move."""
-    x = model.embed(ids[None])  # [1, N, hidden]
+def ragged_layers(model: Transformer, kv: SlotKV, x: torch.Tensor, r: Ragged, attention: RaggedAttention,
+                  layers: range, hidden_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+    """The model's `layers` over packed rows x [1, N, hidden] (the batch-1 forward's ops, row for row):
+    K/V land at each row's slot and key slot. Returns the last layer's output and the outputs of
+    the `hidden_layers` among `layers`."""
     cos, sin = model.rope(r.token_position[None], kv.capacity)
     picked = {}
-    for i, layer in enumerate(model.model.layers):
+    for i in layers:
+        layer = model.model.layers[i]
         attn = layer.self_attn
         h = layer.input_layernorm(x)
         k, v = attn.keys_values(h, cos, sin)
@@ -230,6 +240,15 @@ def ragged_forward(model: Transformer, kv: SlotKV, ids: torch.Tensor, r: Ragged,
         x = x + layer.mlp(layer.post_attention_layernorm(x))
         if i in hidden_layers:
             picked[i] = x
+    return x, picked
+
+
+def ragged_forward(model: Transformer, kv: SlotKV, ids: torch.Tensor, r: Ragged, attention: RaggedAttention,
+                   hidden_layers: tuple[int, ...] = ()) -> RaggedOutput:
+    """The model's layers over packed rows ids [N] (the batch-1 forward's ops, row for row): K/V land
+    at each row's slot and key slot; lengths are the caller's to move."""
+    x, picked = ragged_layers(model, kv, model.embed(ids[None]), r, attention, range(len(model.model.layers)),
+                              hidden_layers)
     hidden = torch.cat([picked[i] for i in hidden_layers], dim=-1)[0] if hidden_layers else None
     return RaggedOutput(model.final_norm(x)[0], hidden)
 
@@ -332,14 +351,18 @@ class BatchEngine:
                  config: BatchConfig = BatchConfig(), policy: BatchPolicy | None = None,
                  block_size: int | None = None, attention: RaggedAttention = ragged_attention_reference,
                  draft_hook: Callable[[torch.Tensor, list["Request"], list[int]], torch.Tensor] | None = None,
-                 tree: tuple[int, int] | None = None, keep: int | None = None) -> None:
+                 tree: tuple[int, int] | None = None, keep: int | None = None, first: str = "drafter",
+                 exit_layer: int = 0) -> None:
         """`block_size`: DFlash block incl. the anchor / PARD k (default the drafter's). `draft_hook`
         (logits [B, k, V], the drafting requests, the absolute position of each one's first draft)
         may rewrite the drafts' logits (replay drafters). `tree` (budget, top-k): verify best-first
         trees instead of chains (CUDA graphs serve chains only). `keep`: two-level verification's
         drafter first level with a batch-wide budget: each step verifies at most `keep` drafted nodes
         a drafting request on average, the best of all requests' trees, as many as the verify budget
-        pays for with the policy's verify_budget (`keep_batch_wide`)."""
+        pays for with the policy's verify_budget (`keep_batch_wide`). `first`: the first level that
+        scores the nodes (two_level.FIRST_LEVELS); an early exit reads the target's first `exit_layer`
+        layers over every drafted tree and the second level continues the survivors from there
+        (`first_level`)."""
         if not isinstance(target, Transformer):
             raise TypeError(f"BatchEngine runs llama/qwen3 targets (Transformer), got {type(target).__name__}")
         self.target = target.eval()
@@ -358,8 +381,16 @@ class BatchEngine:
         if keep is not None and (tree is None or keep < 1):
             raise ValueError(f"BatchEngine: keep={keep} is a two-level first level's budget over drafted trees: "
                              "expected keep >= 1 with tree=(budget, topk)")
+        if first not in FIRST_LEVELS:
+            raise ValueError(f"BatchEngine: first must be one of {', '.join(FIRST_LEVELS)}, got {first!r}")
+        layers = len(target.model.layers)
+        if first in EXITS and (keep is None or not 1 <= exit_layer < layers):
+            raise ValueError(f"BatchEngine: the {first} first level needs keep and exit_layer in 1..{layers - 1} "
+                             f"(the target has {layers} layers), got keep={keep}, exit_layer={exit_layer}")
         self.tree = tree
         self.keep = keep
+        self.first = first
+        self.exit_layer = exit_layer if first in EXITS else 0
         self.control = SpecControl(self.policy)
         self.config = config
         self.max_batch = config.max_batch
@@ -392,10 +423,11 @@ class BatchEngine:
             raise ValueError(f"request {rid!r}: max_new_tokens must be >= 0, got {params.max_new_tokens}")
         if not prompt_ids:
             raise ValueError(f"request {rid!r}: the prompt is empty")
-        need = len(prompt_ids) + params.max_new_tokens + self.block_size + 1
+        step_rows = max(self.block_size, self.tree[0] + 1 if self.tree is not None else 0)
+        need = len(prompt_ids) + params.max_new_tokens + step_rows + 1
         if need > self.config.capacity:
             raise ValueError(f"request {rid!r}: prompt {len(prompt_ids)} + max_new_tokens {params.max_new_tokens} + "
-                             f"a block of {self.block_size} need {need} KV slots; the engine holds {self.config.capacity} "
+                             f"a step of {step_rows} rows need {need} KV slots; the engine holds {self.config.capacity} "
                              "a request (BatchConfig.capacity)")
         if not self.free:
             raise RuntimeError(f"request {rid!r}: all {self.max_batch} slots are taken; release one first")
@@ -589,17 +621,21 @@ class BatchEngine:
         """A tree step: each drafting request's best-first tree of `budget` nodes from its drafter's
         top-k (tree.py), all trees verified in one packed forward under their ancestor masks at
         positions past + depth, the longest matching root path accepted per request and its K/V
-        compacted in the request's slot (tree_decode.py's step, per request)."""
+        compacted in the request's slot (tree_decode.py's step, per request). With `keep`, a
+        first level first prunes the trees batch-wide (`keep_batch_wide`, `first_level`)."""
         dev = self.target.device
         budget, topk = self.tree
         trees: dict[str, Tree] = {}
+        early = None
         if drafting:
             logits = self._draft_logits(drafting, lengths)
             self.stats.drafted_requests += len(drafting)
             for q, rows in zip(drafting, logits):
                 logp, ids = draft_topk(rows, topk)
                 trees[q.rid] = best_first_tree(logp.cpu(), ids.cpu(), q.seq[-1], budget=budget)
-            if self.keep is not None:
+            if self.first in EXITS:
+                early = self.first_level(reqs, trees)
+            elif self.keep is not None:
                 self.keep_batch_wide(trees, drafting, len(reqs) - len(drafting))
             if not self.policy.ragged:  # every tree padded to the budget, or the longest kept (nodes never accepted)
                 width = budget + 1 if self.keep is None else max(t.size for t in trees.values())
@@ -618,7 +654,10 @@ class BatchEngine:
         r = Ragged(tuple(q.slot for q in reqs), pasts, tuple(len(t) for t in tokens), tuple(masks), dev,
                    positions=positions)
         ids = torch.tensor([t for ts in tokens for t in ts], dtype=torch.long, device=dev)
-        out = ragged_forward(self.target, self.kv, ids, r, self.attention, self.layers)
+        if early is None:
+            out = ragged_forward(self.target, self.kv, ids, r, self.attention, self.layers)
+        else:
+            out = self.second_level(reqs, trees, r, *early)
         logits = self.target.head(out.x[:r.rows])
         argmax = logits.argmax(-1).tolist()
         self.stats.steps += 1
@@ -650,16 +689,73 @@ class BatchEngine:
                 q.context = rows_kept if q.context is None else torch.cat((q.context, rows_kept))
             self.stats.committed += kept
 
-    def keep_batch_wide(self, trees: dict[str, Tree], drafting: list[Request], others: int) -> None:
-        """Two-level verification's drafter first level over the whole batch: a drafted node's
-        survival is its path's confidence product (exp of its score; a best-first tree lists its
-        nodes in non-increasing score, parents first) and the batch keeps the best survivals of all
-        requests, keep a drafting request in all (two_level.share_budget); with verify-budget, as
-        many of those as pay under the step-cost table (`choose_verify_budget`, at most that total).
-        Each request keeps that many of its first nodes: its best-first tree of that size,
-        ancestor-closed (`others` requests verify their anchor only this step). A sampled request
-        keeps its own `keep` first nodes whatever the batch (its tokens must not depend on what
-        shares it), priced as load; the batch's budget goes to the greedy ones."""
+    def first_level(self, reqs: list[Request], trees: dict[str, Tree]
+                    ) -> tuple[torch.Tensor, dict[int, torch.Tensor], Ragged, dict[str, list[int]]]:
+        """An early-exit first level over the batch: the target's first `exit_layer` layers over every
+        request's rows in one packed forward (a drafting request's whole drafted tree under its
+        ancestor mask, another's anchor), every drafted node scored by `first` on those layers' output
+        (two_level.level_scores over the trees as one forest: one head a step), and the trees pruned
+        in place to the batch's best nodes (`keep_batch_wide`). Returns what `second_level` continues
+        from: the layer outputs, the DFlash hidden layers read below the exit, the forward's Ragged,
+        and each drafting request's survivors (node indices of its drafted tree, ascending)."""
+        dev = self.target.device
+        one = torch.ones(1, 1, dtype=torch.bool, device=dev)
+        drafted = [trees.get(q.rid) for q in reqs]
+        pasts = tuple(self.kv.lengths[q.slot] for q in reqs)
+        r = Ragged(tuple(q.slot for q in reqs), pasts, tuple(t.size if t is not None else 1 for t in drafted),
+                   tuple(ancestor_mask(t).to(dev) if t is not None else one for t in drafted), dev,
+                   positions=torch.cat([p + (t.depth.to(dev) if t is not None else torch.zeros(1, dtype=torch.long,
+                                                                                                device=dev))
+                                        for t, p in zip(drafted, pasts)]))
+        ids = torch.tensor([tok for t, q in zip(drafted, reqs) for tok in (t.token.tolist() if t is not None
+                                                                           else [q.seq[-1]])],
+                           dtype=torch.long, device=dev)
+        below = tuple(i for i in self.layers if i < self.exit_layer)
+        x, picked = ragged_layers(self.target, self.kv, self.target.embed(ids[None]), r, self.attention,
+                                  range(self.exit_layer), below)
+        drafting = [q for q, t in zip(reqs, drafted) if t is not None]
+        both, roots = forest([trees[q.rid] for q in drafting])
+        starts = [s for s, t in zip(r.starts, drafted) if t is not None]
+        index = torch.cat([s + torch.arange(trees[q.rid].size, device=dev) for s, q in zip(starts, drafting)])
+        scores = level_scores(self.first, self.target, both.to(dev), x[:, index], roots.to(dev)).cpu()
+        split = dict(zip((q.rid for q in drafting), scores.split([trees[q.rid].size for q in drafting])))
+        kept = self.keep_batch_wide(trees, drafting, len(reqs) - len(drafting), split)
+        return x, picked, r, kept
+
+    def second_level(self, reqs: list[Request], trees: dict[str, Tree], r: Ragged, x: torch.Tensor,
+                     picked: dict[int, torch.Tensor], first: Ragged, kept: dict[str, list[int]]) -> RaggedOutput:
+        """The target over the survivors `trees` (packed as `r`) continued from the first level's layer
+        L = exit_layer: each request's survivors' layer-L rows and their K/V of layers < L (from the
+        first level's forward `first`) gathered into its rows and key slots, then layers L.. over
+        them alone (two_level.continue_tree's, per request: exact because survivors are
+        ancestor-closed; a padding node computes as the root, so it takes the root's rows)."""
+        src = []
+        for i, q in enumerate(reqs):
+            own = kept.get(q.rid, [0])
+            own = own + [0] * (r.counts[i] - len(own))  # padding nodes: the root's rows
+            self.kv.gather(q.slot, r.pasts[i], own, self.exit_layer)
+            src += [first.starts[i] + j for j in own]
+        index = torch.tensor(src, dtype=torch.long, device=x.device)
+        above = tuple(i for i in self.layers if i >= self.exit_layer)
+        h, more = ragged_layers(self.target, self.kv, x[:, index], r, self.attention,
+                                range(self.exit_layer, len(self.target.model.layers)), above)
+        rows = {**{i: v[:, index] for i, v in picked.items()}, **more}
+        hidden = torch.cat([rows[i] for i in self.layers], dim=-1)[0] if self.layers else None
+        return RaggedOutput(self.target.final_norm(h)[0], hidden)
+
+    def keep_batch_wide(self, trees: dict[str, Tree], drafting: list[Request], others: int,
+                        scores: dict[str, torch.Tensor] | None = None) -> dict[str, list[int]]:
+        """Two-level verification's first level over the whole batch: the batch keeps the best-scoring
+        drafted nodes of all requests, keep a drafting request in all (two_level.share_budget). With
+        verify-budget the total is the step-cost table's choice (`choose_verify_budget`, at most that
+        total) over the drafter's survivals (a node's path confidence product, the exp of its tree
+        score), and the first level splits that total across requests by its scores.
+        `scores` (rid -> [n]): an early-exit level's; None: the drafter's (a best-first tree lists its
+        nodes in non-increasing score, parents first, so each request keeps a prefix). Each request's
+        tree becomes its kept nodes, ancestor-closed (two_level.survivors), re-indexed parents first;
+        returns their indices in the drafted tree. A sampled request keeps its own `keep` best nodes
+        whatever the batch (its tokens must not depend on what shares it), priced as load; the
+        batch's budget goes to the greedy ones. `others` requests verify their anchor only this step."""
         sampled = [q for q in drafting if q.rng is not None]
         shared = [q for q in drafting if q.rng is None]
         own = {q.rid: min(self.keep, trees[q.rid].size - 1) for q in sampled}
@@ -672,13 +768,22 @@ class BatchEngine:
             fixed = sum(1 + k for k in own.values())
             cost = self.policy.cost
             per = choose_verify_budget(survival + [[]] * others, lambda n: cost.verify(n + fixed),
-                                       max_total=total).per_request
-        else:
-            per = share_budget([trees[q.rid].score for q in shared], total)
+                                       max_total=total).per_request  # the draft and a first level: paid already
+            total = sum(per)
+        if scores is not None or not self.policy.verify_budget:
+            rank = scores or {q.rid: trees[q.rid].score for q in shared}
+            per = share_budget([rank[q.rid] for q in shared], total)
+        kept = {}
         for rid, k in [*zip((q.rid for q in shared), per), *own.items()]:
             t = trees[rid]
-            trees[rid] = Tree(t.parent[: k + 1], t.depth[: k + 1], t.token[: k + 1], t.score[: k + 1])
-            self.stats.pruned_nodes += t.size - 1 - k
+            if scores is None:
+                kept[rid] = list(range(k + 1))
+                trees[rid] = Tree(t.parent[: k + 1], t.depth[: k + 1], t.token[: k + 1], t.score[: k + 1])
+            else:
+                kept[rid] = survivors(t, scores[rid], k) if k else [0]
+                trees[rid] = subtree(t, kept[rid], scores[rid])
+            self.stats.pruned_nodes += t.size - len(kept[rid])
+        return kept
 
     def _verify(self, reqs: list[Request], drafts: dict[str, list[int]], new: dict[str, list[int]],
                 limit: dict[str, int] | None = None, q_rows: dict[str, torch.Tensor] | None = None) -> None:

@@ -137,10 +137,33 @@ def exit_forward(target: Transformer | HybridTransformer, cache: KVCache | Hybri
     return ExitForward(cache.length, tuple(outs))
 
 
-def exit_scores(target: Transformer | HybridTransformer, tree: Tree, hidden: torch.Tensor) -> torch.Tensor:
+def forest(trees: Sequence[Tree]) -> tuple[Tree, torch.Tensor]:
+    """Trees side by side as one (each tree's parent indices shifted by where it starts; its root keeps
+    parent -1) and the bool [n] mask of their roots: a batch's first-level scores in one go (a
+    path never leaves its tree, so each node scores as in its own tree)."""
+    offsets, n = [], 0
+    for t in trees:
+        offsets.append(n)
+        n += t.size
+    parent = torch.cat([torch.where(t.parent >= 0, t.parent + o, t.parent) for t, o in zip(trees, offsets)])
+    both = Tree(parent, *(torch.cat([getattr(t, f) for t in trees]) for f in ("depth", "token", "score")))
+    roots = torch.zeros(n, dtype=torch.bool, device=both.device)
+    roots[offsets] = True
+    return both, roots
+
+
+def root_mask(tree: Tree, roots: torch.Tensor | None) -> torch.Tensor:
+    if roots is not None:
+        return roots
+    return torch.arange(tree.size, device=tree.device) == 0
+
+
+def exit_scores(target: Transformer | HybridTransformer, tree: Tree, hidden: torch.Tensor,
+                roots: torch.Tensor | None = None) -> torch.Tensor:
     """Every node's path log-probability under the target's final norm and head applied to `hidden`
     [1, n, H] (an early layer's output): log p(token_i | parent's path) summed along the path. The
-    head runs over the rows of nodes with children only; padding nodes score -inf."""
+    head runs over the rows of nodes with children only; padding nodes score -inf. `roots`: the
+    roots of a `forest` (default: node 0)."""
     n = tree.size
     has_parent = tree.parent >= 0
     parents = torch.unique(tree.parent[has_parent])  # sorted; empty for a lone root
@@ -153,8 +176,7 @@ def exit_scores(target: Transformer | HybridTransformer, tree: Tree, hidden: tor
         local = logits[r, tree.token] - torch.logsumexp(logits, dim=-1)[r]
         local = torch.where(has_parent, local, torch.zeros_like(local))
         score = ancestor_mask(tree).float() @ local  # summed along each path
-    return torch.where(has_parent | (torch.arange(n, device=tree.device) == 0), score,
-                       torch.full_like(score, float("-inf")))
+    return torch.where(has_parent | root_mask(tree, roots), score, torch.full_like(score, float("-inf")))
 
 
 def by_parent_logsumexp(values: torch.Tensor, parent: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
@@ -166,10 +188,12 @@ def by_parent_logsumexp(values: torch.Tensor, parent: torch.Tensor, real: torch.
     return top + total.log()
 
 
-def split_scores(target: Transformer | HybridTransformer, tree: Tree, hidden: torch.Tensor) -> torch.Tensor:
+def split_scores(target: Transformer | HybridTransformer, tree: Tree, hidden: torch.Tensor,
+                 roots: torch.Tensor | None = None) -> torch.Tensor:
     """Every node's path score where each step's probability is the drafter's mass over the parent's
     drafted children times the early exit's softmax over those children's tokens (logits from the
-    head rows of the children's tokens only, on the parent's normalised `hidden` row [1, n, H])."""
+    head rows of the children's tokens only, on the parent's normalised `hidden` row [1, n, H]).
+    `roots`: the roots of a `forest` (default: node 0)."""
     n = tree.size
     real = (tree.parent >= 0) & torch.isfinite(tree.score)
     par = tree.parent.clamp(min=0)
@@ -183,7 +207,20 @@ def split_scores(target: Transformer | HybridTransformer, tree: Tree, hidden: to
     mass = by_parent_logsumexp(local_draft, par, real)  # log of the drafter's mass over each parent's children
     local = torch.where(real, mass[par] + z - by_parent_logsumexp(z, par, real)[par], torch.zeros_like(z))
     score = ancestor_mask(tree).float() @ local
-    return torch.where(real | (torch.arange(n, device=tree.device) == 0), score, torch.full_like(score, float("-inf")))
+    return torch.where(real | root_mask(tree, roots), score, torch.full_like(score, float("-inf")))
+
+
+def level_scores(kind: str, target: Transformer | HybridTransformer | None, tree: Tree,
+                 hidden: torch.Tensor | None = None, roots: torch.Tensor | None = None) -> torch.Tensor:
+    """The first level `kind`'s score of every node of `tree` (or of a `forest`, with its `roots`);
+    `hidden` [1, n, H]: the early exit's layer output over the tree (unused by the drafter level)."""
+    if kind == "drafter":
+        return drafter_scores(tree)
+    if kind == "early-exit-split":
+        return split_scores(target, tree, hidden, roots)
+    scores = exit_scores(target, tree, hidden, roots)
+    return scores + drafter_scores(tree) if kind == "early-exit-drafter" else scores
+
 
 
 def early_exit_scores(target: Transformer | HybridTransformer, cache: KVCache | HybridCache, tree: Tree,
@@ -269,12 +306,7 @@ class FirstLevel:
         if self.kind == "drafter":
             return prune_tree(tree, drafter_scores(tree), self.keep)
         fwd = exit_forward(self.target, cache, tree, self.exit_layer)
-        if self.kind == "early-exit-split":
-            scores = split_scores(self.target, tree, fwd.layers[-1])
-        else:
-            scores = exit_scores(self.target, tree, fwd.layers[-1])
-        if self.kind == "early-exit-drafter":
-            scores = scores + drafter_scores(tree)
+        scores = level_scores(self.kind, self.target, tree, fwd.layers[-1])
         kept = survivors(tree, scores, self.keep)
         if self.reuse:  # padding survivors compute as the root: they take its rows
             src = torch.tensor(kept + [0] * (self.keep + 1 - len(kept)), dtype=torch.long, device=tree.device)
