@@ -128,20 +128,23 @@ def test_batched_trees_are_lossless_under_token_forcing(tiny_model_dirs, torch_s
     assert batched.stats.verify_rows > batched.stats.steps * 3  # trees of several nodes were verified
 
 
-def test_batched_two_level_is_lossless_under_token_forcing(tiny_model_dirs, torch_single_thread, monkeypatch):
-    """two-level-verify{first=drafter} with verify-budget at batch: the batch-wide first level keeps
-    the nodes the cost table pays for out of every request's drafted tree; every output token forced."""
+@pytest.mark.parametrize("first", ["first=drafter", "first=early-exit-split, exit-layer=1"])
+def test_batched_two_level_is_lossless_under_token_forcing(tiny_model_dirs, torch_single_thread, monkeypatch, first):
+    """two-level-verify with verify-budget at batch: the batch-wide first level keeps the nodes the
+    cost table pays for out of every request's drafted tree (an early exit: the ones its scores rank
+    best, the second level continued from its layer); every output token forced."""
     from specpilot.hf.checkpoint import read_config
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     dirs = tiny_model_dirs["qwen3"]
     program = lower(read_config(dirs["target"])[0], read_config(dirs["dflash"])[0], block_size=4, batch=3)
     program, _ = run_passes(program, parse_pipeline(
-        "two-level-verify{budget=3, draft-budget=9, topk=2, first=drafter},verify-budget,ragged-verify", source="test"))
+        f"two-level-verify{{budget=3, draft-budget=9, topk=2, {first}}},verify-budget,ragged-verify", source="test"))
     assert program.step.one("schedule")[1]["verify_budget"]
     engine = build_engine(program, dirs["target"], dirs["dflash"], torch.device("cpu"))
     batched = engine.batched(capacity=64, cost=StepCost.from_table({1: 1.0, 8: 1.1, 64: 2.0}))
     assert batched.tree == (9, 2) and batched.keep == 3 and batched.policy.verify_budget
+    assert (batched.first, batched.exit_layer) == (("drafter", 0) if "drafter" in first else ("early-exit-split", 1))
     prompts = [[5, 6, 7, 8], [100, 200], [42] * 9, [10, 20, 30]]
     outs = generate_batched(batched, prompts, 8, arrivals=[0, 0, 1, 3])
     report = force_tokens(engine.target, engine.target_cfg, prompts, outs, "float32")
