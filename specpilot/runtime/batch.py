@@ -335,6 +335,7 @@ class StepStats:
     spec_request_steps: int = 0  # (request, step) pairs that verified at least one draft
     spec_committed: int = 0  # tokens those committed (bonus included)
     prefill_s: float = 0.0  # wall time of the prefill forwards (synchronized), so benchmarks can exclude it
+    prefill_cpu_s: float = 0.0  # the calling thread's CPU time in them (a loaded CPU's benchmarks)
     prefill_tokens: int = 0  # first tokens the prefills committed
     pruned_nodes: int = 0  # drafted tree nodes a batch-wide first level did not verify (keep)
 
@@ -465,11 +466,12 @@ class BatchEngine:
         new: dict[str, list[int]] = {rid: [] for rid in self.requests}
         fresh = [r for r in self.requests.values() if not r.prefilled and not r.out.done]
         if fresh:
-            started = time.perf_counter()
+            started, cpu = time.perf_counter(), time.thread_time()
             self._prefill(fresh, new)
             if self.target.device.type == "cuda":
                 torch.cuda.synchronize(self.target.device)
             self.stats.prefill_s += time.perf_counter() - started
+            self.stats.prefill_cpu_s += time.thread_time() - cpu
             self.stats.prefill_tokens += len(fresh)
         running = [r for r in self.requests.values() if r.prefilled and not r.out.done and r not in fresh]
         if running:
