@@ -712,6 +712,35 @@ def _batched_table(name: str, d: dict) -> list[str]:
     return lines
 
 
+TWO_LEVEL_BATCHED = ("python -m bench.e2e.two_level --concurrency 1,4,16 --budgets 16 --draft-factors 2 "
+                     "--exit-layers 1 --firsts early-exit-split,early-exit-drafter --with-budget --repeats 2")
+
+
+def two_level_batched() -> str:
+    """Issue 46: two-level's first levels in the batched engine against the one-level tree at the same
+    verify budget a request, per concurrency (bench/e2e/two_level.py --concurrency)."""
+    d = _load("two_level_batched_cpu.json")
+    if d is None:
+        return _missing(f"OMP_NUM_THREADS=1 {TWO_LEVEL_BATCHED}")
+    against = {(s["pair"], s["concurrency"], s["label"]): s for s in d.get("against_best_tree", [])}
+    lines = [f"Source: `bench/results/two_level_batched_cpu.json` ({_where(d)}, commit {_short(d['commit'])}, torch "
+             f"{_version(d, 'torch')}, {d.get('threads')} thread, load average {d.get('load_average')}). Decode tokens "
+             "per ms of the loop thread's CPU time and of the wall clock (median of the repeats), τ, verified rows a "
+             "step, each two-level row against the one-level tree of the same budget at its concurrency; `-vb`: under "
+             "verify-budget.", "",
+             "| pair | c | configuration | tokens/CPU-ms | tokens/wall-ms | τ | rows/step | tokens/CPU-ms vs tree | "
+             "τ vs tree | outputs = batch-1 AR |",
+             "|---|---:|---|---:|---:|---:|---:|---:|---:|---|"]
+    for r in d["records"]:
+        s = against.get((r["pair"], r["concurrency"], r["label"]))
+        gain = f"{s['gain_tokens_per_cpu_ms']:+.1%}" if s else ""
+        tau = f"{s['tau_change']:+.1%}" if s else ""
+        lines.append(f"| {r['pair']} | {r['concurrency']} | {r['label']} | {r['tokens_per_cpu_ms']:.3f} | "
+                     f"{r['tokens_per_ms']:.3f} | {r['tau']:.3f} | {r['verify_rows_per_step']:.1f} | {gain} | {tau} | "
+                     f"{r['outputs_equal_batch1']}/{r['outputs']} |")
+    return "\n".join(lines)
+
+
 def agent() -> str:
     """Issue 44: the search agent on the CPU (bench/agent/tune.py, batch_regimes.py, transfer.py)."""
     tune, regimes, transfer = _load("agent_cpu.json"), _load("agent_batch_cpu.json"), _load("agent_transfer_cpu.json")
@@ -825,7 +854,7 @@ def agent_landscape() -> str:
     return "\n".join(lines).rstrip()
 
 
-RENDERERS = {"agent": agent, "agent_runs": agent_runs, "agent_landscape": agent_landscape, "serve_load": serve_load, "headline": headline, "batched": batched, "targets": targets, "draft_vocab": draft_vocab, "zoo_tau": zoo_tau,
+RENDERERS = {"agent": agent, "agent_runs": agent_runs, "agent_landscape": agent_landscape, "serve_load": serve_load, "headline": headline, "batched": batched, "two_level_batched": two_level_batched, "targets": targets, "draft_vocab": draft_vocab, "zoo_tau": zoo_tau,
              "zoo_e2e": zoo_e2e, "tree_tau": tree_tau, "cost_vs_measured": cost_vs_measured, "step_times": step_times,
              "hf_peers": hf_peers, "attention_split_kv": attention_split_kv, "u12_stats": u12_stats,
              "u12_linear": u12_linear, "kernel_static": kernel_static, "kernel_static_sweep": kernel_static_sweep,

@@ -224,13 +224,14 @@ def bench_batched(args, device: torch.device) -> tuple[list[dict], list[dict]]:
         refs = generate_batched(engine.batched_ar(max_batch=len(prompts), capacity=capacity), prompts, n_new)
         for c in sizes:
             requests = max(2 * c, len(prompts))
-            engines = {}
+            engines, cost = {}, None  # one step-cost table a concurrency: verify-budget rows choose alike
             for label, pipeline in configs:
                 if label == "ar":
                     engines[label] = engine.batched_ar(max_batch=c, capacity=capacity)
                     continue
                 program = run_passes(stock, parse_pipeline(pipeline, source="bench.e2e.two_level"))[0]
-                engines[label] = engine.with_program(program).batched(max_batch=c, capacity=capacity)
+                engines[label] = engine.with_program(program).batched(max_batch=c, capacity=capacity, cost=cost)
+                cost = cost or engines[label].policy.cost
             for eng in engines.values():  # warm: c requests of a few tokens, unmeasured
                 serve_timed(eng, prompts, c, c, min(16, n_new))
             runs: dict[str, list[dict]] = defaultdict(list)

@@ -21,7 +21,8 @@ One `step()`:
   budget    with verify-budget, the batch-wide number of verified drafts and its split by survival
             (batch_control.choose_verify_budget); without ragged packing every request is padded
             to the longest share (it verifies that many of its drafts); with trees and `keep` (two-level
-            verification, drafter first level) the same choice over every request's tree nodes;
+            verification) the total over every request's tree nodes, split by the first level's scores
+            (an early exit first runs the target's first layers over every drafted tree, packed);
   verify    one target forward over [last committed token, drafts...] of every request, packed;
   accept    on the device: per request the longest prefix of drafts equal to the target's argmax,
             and the bonus; one transfer of (accepted count, bonus) a step;

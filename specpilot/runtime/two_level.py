@@ -33,6 +33,10 @@ First levels (`FIRST_LEVELS`), each a node score where higher is worth more:
 Survivors are closed under ancestors (a path product never grows along a path; ties go to the
 shallower node), re-indexed in the tree's order (parents first) and padded to N + 1 nodes.
 
+At batch > 1 (runtime/batch.BatchEngine) the same levels score every request's drafted tree in one
+packed forward (the trees side by side as a `forest`, one head), the batch keeps its best nodes
+(`share_budget`) and the second level continues them from the exit layer as `continue_tree` does.
+
 Layer reuse (`FirstLevel(reuse=True)`, the default): the second level continues the survivors from
 layer L instead of recomputing layers 0..L-1. The first level left, per drafted node, its layer
 outputs and its K/V of layers < L (a hybrid's Gated DeltaNet layers: its key, update row, decay sum
@@ -194,7 +198,6 @@ def split_scores(target: Transformer | HybridTransformer, tree: Tree, hidden: to
     drafted children times the early exit's softmax over those children's tokens (logits from the
     head rows of the children's tokens only, on the parent's normalised `hidden` row [1, n, H]).
     `roots`: the roots of a `forest` (default: node 0)."""
-    n = tree.size
     real = (tree.parent >= 0) & torch.isfinite(tree.score)
     par = tree.parent.clamp(min=0)
     h = target.final_norm(hidden[0])  # [n, H]
