@@ -712,7 +712,7 @@ def _batched_table(name: str, d: dict) -> list[str]:
     return lines
 
 
-TWO_LEVEL_BATCHED = ("python -m bench.e2e.two_level --concurrency 1,4,16 --budgets 16 --draft-factors 2 "
+TWO_LEVEL_BATCHED = ("python -m bench.e2e.two_level --concurrency 1,4,16 --budgets 16 --tree-budgets 4,8 --draft-factors 2 "
                      "--exit-layers 1 --firsts early-exit-split,early-exit-drafter --with-budget --repeats 2")
 
 
