@@ -91,6 +91,9 @@
 #   twolevel issue 46: two-level (layer reuse; drafter, early-exit-drafter and early-exit-split first levels) against
 #            the best one-level tree at 16/32 and the perfect first level's ceiling, with each step term timed, on the
 #            zoo's attention and hybrid pairs (bench.e2e.two_level -> two_level_<gpu>.json)
+#   twolevelb issue 46: the first levels (drafter, early-exit-split, early-exit-drafter) in the batched engine at
+#            c 1/4/16 against one-level trees of 4/8/16 and batched AR, zoo attention pairs, bf16
+#            (bench.e2e.two_level --concurrency -> two_level_batched_<gpu>.json)
 #   replayq  issue 42, Qwen3-8B shape under DFlash's published HumanEval acceptance (replay drafter): chains at
 #            blocks 8 and 16, trees of 16..128 nodes, with and without draft-vocab, the bf16 weights
 #            (bench.e2e.replay -> replay_<gpu>_dflash-qwen3-8b.json); its own command (about 5 minutes)
@@ -392,12 +395,18 @@ twolevel() {  # issue 46: two-level against the best one-level tree at the same 
     --repeats 2 --out "$OUT"
 }
 
+twolevelb() {  # issue 46: two-level's first levels in the batched engine against one-level trees, zoo pairs
+  TAIL=50 run two_level_batched 290 python -m bench.e2e.two_level --device cuda --concurrency 1,4,16 \
+    --budgets 16 --tree-budgets 4,8 --draft-factors 2 --exit-layers 1 --firsts early-exit-split,early-exit-drafter \
+    --with-budget --num-prompts 4 --max-new-tokens 48 --repeats 2 --out "$OUT"
+}
+
 for group in "${@:?group...}"; do
   case "$group" in
     ncu) ncu_linear ;;
     tests | attntests | lineartests | ab | knobs | knobstep | layer16 | readbound | attention | attnvar | u12 | hmma | bf16tune | u12tune | verify16 | verifyab | verify32 | rows64 | \
       u12verify | tiles | tilesab | tiles1 | fewrows | fewsweep | u12fusedtune | linear | peers | train | trees | e2e | tau | zoo | calib | \
-      smollm2part | smollm2install | smollm2 | smollm2bench | serve | batched | batchedg | hybridtree | hybridzoo | twolevel | agent | ties | transfer | regimes) "$group" ;;
+      smollm2part | smollm2install | smollm2 | smollm2bench | serve | batched | batchedg | hybridtree | hybridzoo | twolevel | twolevelb | agent | ties | transfer | regimes) "$group" ;;
     steps) steps ;;
     qwen) steps qwen3-8b ;;
     kernels) tests; steps llama-3.1-8b qwen3-8b; attention ;;

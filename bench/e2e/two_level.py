@@ -200,7 +200,8 @@ def serve_timed(engine, prompts, c: int, requests: int, max_new: int) -> dict:
 def bench_batched(args, device: torch.device) -> tuple[list[dict], list[dict]]:
     """Rows of every (pair, concurrency, configuration), medians over the repeats; and each two-level
     row against the one-level tree of its budget N and the best one-level tree of at most N nodes at
-    its concurrency, by tokens per CPU-ms (the issue's aim: +15% tokens/ms, τ within 3%)."""
+    its concurrency, by tokens per CPU-ms on a CPU, per wall ms on a GPU (the issue's aim: +15%
+    tokens/ms, τ within 3%)."""
     import statistics
 
     from specpilot.dsl import parse_pipeline
@@ -215,7 +216,8 @@ def bench_batched(args, device: torch.device) -> tuple[list[dict], list[dict]]:
     for pair in filter(None, args.zoo.split(",")):
         name = pair.split("/")[0]
         tdir, ddir = resolve_builtin(name), resolve_builtin(pair)
-        stock = lower(read_config(tdir)[0], read_config(ddir)[0], dtype="float32", batch=max(sizes))
+        dtype = "float32" if device.type == "cpu" else "bfloat16"
+        stock = lower(read_config(tdir)[0], read_config(ddir)[0], dtype=dtype, batch=max(sizes))
         engine = build_engine(stock, tdir, ddir, device)
         tokenizer = load_tokenizer(tdir)
         texts = load_prompts(args.prompts, args.num_prompts or 8, source="bench.e2e.two_level")
@@ -260,7 +262,7 @@ def bench_batched(args, device: torch.device) -> tuple[list[dict], list[dict]]:
                 print(f"{pair:>18} c{c:<3} {label:<36} {row['tokens_per_cpu_ms']:8.4f} tok/CPU-ms "
                       f"{row['tokens_per_ms']:8.4f} tok/ms  τ {row['tau']:.3f}  rows/step {row['verify_rows_per_step']:7.1f}"
                       f"  = AR {row['outputs_equal_batch1']}/{requests}", flush=True)
-    summary = []
+    summary, key = [], "tokens_per_cpu_ms" if device.type == "cpu" else "tokens_per_ms"  # a GPU's: the wall clock
     for r in rows:
         if not r["label"].startswith("two-level"):
             continue
@@ -268,16 +270,15 @@ def bench_batched(args, device: torch.device) -> tuple[list[dict], list[dict]]:
                 and t["label"].startswith("tree-")]
         n = r["label"].split("-")[2]
         at_n = next(t for t in same if t["label"] == f"tree-{n}")
-        best = max(same, key=lambda t: t["tokens_per_cpu_ms"])  # the best one-level tree of at most N nodes
+        best = max(same, key=lambda t: t[key])  # the best one-level tree of at most N nodes
         summary.append({"pair": r["pair"], "concurrency": r["concurrency"], "label": r["label"],
                         "against": at_n["label"], "best_tree": best["label"],
                         "gain_tokens_per_cpu_ms": round(r["tokens_per_cpu_ms"] / at_n["tokens_per_cpu_ms"] - 1, 4),
                         "gain_tokens_per_ms": round(r["tokens_per_ms"] / at_n["tokens_per_ms"] - 1, 4),
                         "tau_change": round(r["tau"] / at_n["tau"] - 1, 4),
-                        "gain_over_best_tree": round(r["tokens_per_cpu_ms"] / best["tokens_per_cpu_ms"] - 1, 4),
+                        "by": key, "gain_over_best_tree": round(r[key] / best[key] - 1, 4),
                         "tau_change_best_tree": round(r["tau"] / best["tau"] - 1, 4),
-                        "aim_met": r["tokens_per_cpu_ms"] >= 1.15 * best["tokens_per_cpu_ms"]
-                        and r["tau"] >= 0.97 * best["tau"]})
+                        "aim_met": r[key] >= 1.15 * best[key] and r["tau"] >= 0.97 * best["tau"]})
     return rows, summary
 
 
@@ -314,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
         for s in summary:
             print(f"{s['pair']:>18} c{s['concurrency']:<3} {s['label']:<38} vs {s['against']:<8} "
                   f"tokens/CPU-ms {s['gain_tokens_per_cpu_ms']:+.1%}  tokens/ms {s['gain_tokens_per_ms']:+.1%}  "
-                  f"τ {s['tau_change']:+.1%}; vs the best tree ({s['best_tree']}) {s['gain_over_best_tree']:+.1%}, "
+                  f"τ {s['tau_change']:+.1%}; vs the best tree ({s['best_tree']}) by {s['by']} {s['gain_over_best_tree']:+.1%}, "
                   f"τ {s['tau_change_best_tree']:+.1%}  aim {'met' if s['aim_met'] else 'not met'}")
         out = harness.write_run(
             args, "two_level_batched", device, rows, against_best_tree=summary,
