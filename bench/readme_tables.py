@@ -724,7 +724,8 @@ def two_level_batched() -> str:
         return _missing(f"OMP_NUM_THREADS=1 {TWO_LEVEL_BATCHED}")
     against = {(s["pair"], s["concurrency"], s["label"]): s for s in d.get("against_best_tree", [])}
     lines = [f"Source: `bench/results/two_level_batched_cpu.json` ({_where(d)}, commit {_short(d['commit'])}, torch "
-             f"{_version(d, 'torch')}, {d.get('threads')} thread, load average {d.get('load_average')}). Decode tokens "
+             f"{_version(d, 'torch')}, {d.get('threads')} thread, load average at the end "
+             f"{', '.join(f'{x:.2f}' for x in d.get('load_average') or [])}). Decode tokens "
              "per ms of the loop thread's CPU time and of the wall clock (median of the repeats), τ, verified rows a "
              "step, each two-level row against the one-level tree of the same budget at its concurrency; `-vb`: under "
              "verify-budget.", "",
