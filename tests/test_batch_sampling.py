@@ -181,11 +181,15 @@ def test_sampled_and_greedy_requests_share_a_graphed_batch_on_cuda():
     """On a GPU, with the verify forwards as CUDA-graph replays by token bucket: greedy-only steps
     replay graphs, steps with a sampled request run eagerly; a sampled request still gets its batch-1
     loop's tokens for its seed (same device), and the greedy ones their batch-1 AR tokens."""
+    from specpilot.backends.kernel_hooks import ragged_attention
+
     cuda = Tiny("cuda")
     drafter = PardDrafter(model=cuda.pard, mask_token_id=MASK, k=K)
     n = 8
+    with pytest.raises(ValueError, match="graphed verifies need an attention that reads the Ragged's device tensors"):
+        BatchEngine(cuda.target, drafter, eos_token_id=None, config=BatchConfig(max_batch=4, capacity=32, graphs=True))
     for seed in range(3):
-        engine = BatchEngine(cuda.target, drafter, eos_token_id=None,
+        engine = BatchEngine(cuda.target, drafter, eos_token_id=None, attention=ragged_attention(cuda.target.device),
                              config=BatchConfig(max_batch=4, capacity=32, buckets=(4, 8, 16), graphs=True))
         crowd = {"s": (PROMPT, sampled(PARAMS, seed, n)), "g0": (OTHERS[0], RequestParams(n + 4)),
                  "g1": (OTHERS[2], RequestParams(n + 4))}

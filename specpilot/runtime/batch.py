@@ -380,6 +380,10 @@ class BatchEngine:
                              f"{self.kind} block of {block_size} makes")
         if tree is not None and (drafter is None or config.graphs):
             raise ValueError("BatchEngine: trees need a drafter, and run without graphs")
+        if config.graphs and target.device.type == "cuda" and attention is ragged_attention_reference:
+            raise ValueError("BatchEngine: graphed verifies need an attention that reads the Ragged's device tensors "
+                             "(the split-KV kernel's ragged mode: backends.kernel_hooks.ragged_attention); the torch "
+                             "reference reads its host fields, which a capture would freeze at the capture's layout")
         if keep is not None and (tree is None or keep < 1):
             raise ValueError(f"BatchEngine: keep={keep} is a two-level first level's budget over drafted trees: "
                              "expected keep >= 1 with tree=(budget, topk)")
