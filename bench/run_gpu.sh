@@ -87,7 +87,7 @@
 #            every four layers Gated DeltaNet: AR, chain verify(16), tree verify of 16/32/64 nodes on the kernel and
 #            on its torch reference, the commit (bench.steps.hybrid_tree_steps -> hybrid_tree_steps_<gpu>.json)
 #   hybridzoo  issue 46: chain, tree-verify and two-level-verify at 16/32/64 on the zoo's hybrid and attention
-#            pairs (bench.e2e.hybrid_tree -> hybrid_tree_<gpu>.json)
+#            pairs, a run each (bench.e2e.hybrid_tree -> hybrid_tree_<gpu>_zoo-hybrid.json, ..._zoo-attention.json)
 #   twolevel issue 46: two-level (layer reuse; drafter, early-exit-drafter and early-exit-split first levels) against
 #            the best one-level tree at 16/32 and the perfect first level's ceiling, with each step term timed, on the
 #            zoo's attention and hybrid pairs (bench.e2e.two_level -> two_level_<gpu>.json)
@@ -386,8 +386,11 @@ hybridtree() {  # issue 46: the gdn_tree kernel's GPU tests, then the 8B-class h
   TAIL=14 run hybrid_tree_steps 240 python -m bench.steps.hybrid_tree_steps --out "$OUT"
 }
 hybridzoo() {  # issue 46: chain, trees and two-level trees on the zoo pairs (eager loops), τ and tokens/ms
-  TAIL=50 run hybrid_tree 280 python -m bench.e2e.hybrid_tree examples/hybrid.yaml examples/pipeline.yaml \
-    --device cuda --budgets 16,32,64 --exit-layers 2 --repeats 1 --graphs --out "$OUT"
+  # a pair a run and a results file each (a cut run keeps the other; one run of both printed nothing in 280 s at ce0f784)
+  TAIL=30 run hybrid_tree_hybrid 270 python -m bench.e2e.hybrid_tree examples/hybrid.yaml \
+    --device cuda --budgets 16,32,64 --exit-layers 2 --repeats 1 --graphs --out "$OUT" --tag zoo-hybrid
+  TAIL=30 run hybrid_tree_attention 270 python -m bench.e2e.hybrid_tree examples/pipeline.yaml \
+    --device cuda --budgets 16,32,64 --exit-layers 2 --repeats 1 --graphs --out "$OUT" --tag zoo-attention
 }
 twolevel() {  # issue 46: two-level against the best one-level tree at the same verify budget, zoo pairs (eager loops)
   TAIL=50 run two_level 280 python -m bench.e2e.two_level examples/pipeline.yaml examples/hybrid.yaml \

@@ -98,6 +98,9 @@ def bench_pipeline(path: Path, args, device: torch.device, configure=None) -> li
             t0 = time.thread_time()
             gens = [engines[label].generate(p, n_new) for p in prompts]
             runs[label].append({"gens": gens, "s": sum(g.decode_s for g in gens), "cpu_s": time.thread_time() - t0})
+            steps = sum(len(g.accepted) for g in gens)
+            print(f"  {path.name} repeat {len(runs[label])} {label}: {runs[label][-1]['s']:.2f} s decode, "
+                  f"τ {1 + sum(a for g in gens for a in g.accepted) / max(1, steps):.2f}", flush=True)
     ar_ms = statistics.median(ar_s) * 1e3 / sum(len(t) for t in ar_tokens)
     draft = base.step.one("draft")[1]
     rows = []
