@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import importlib
 import json
 import os
@@ -133,6 +134,13 @@ def git_commit(short: bool = True) -> str:
     if not head:
         return "unknown"
     return head + ("-dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
+
+
+@functools.lru_cache(maxsize=None)
+def run_commit() -> str:
+    """git_commit() as it was at this process's first call: a results file names the code that ran,
+    not a HEAD that moved while it ran (add_results_args calls it at a script's start)."""
+    return git_commit()
 
 
 def versions() -> dict[str, str | None]:
@@ -321,7 +329,7 @@ def write_results(bench: str, device: torch.device | str, records: list[dict], *
     card, on a CPU). Written whole or not at all (a temporary file renamed into place); returns its path."""
     device = torch.device(device)
     gpu = gpu or gpu_slug(device)
-    doc = {"bench": bench, "schema": SCHEMA, "commit": git_commit(),
+    doc = {"bench": bench, "schema": SCHEMA, "commit": run_commit(),
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "device": device_name(device), "gpu": gpu, "versions": versions(),
            "args": args or {}, **summary, "records": records}
@@ -342,6 +350,7 @@ def add_results_args(ap: argparse.ArgumentParser, smoke: bool = True) -> argpars
     ap.add_argument("--out", type=Path, help="results file, or a folder for <bench>_<gpu>[_<tag>].json "
                     "(default: bench/results/)")
     ap.add_argument("--tag", default="", help="the results file name's tag: <bench>_<gpu>_<tag>.json")
+    run_commit()  # the commit the run starts from, for its results file
     if smoke:
         ap.add_argument("--smoke", action="store_true",
                         help="tiny shapes on the CPU (Triton under TRITON_INTERPRET=1): checks the script, measures nothing")
