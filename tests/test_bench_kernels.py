@@ -177,13 +177,13 @@ def test_step_ab_only_the_variants_asked_for(tmp_path: Path, smoke_step) -> None
     (tuned,) = step_ab.tuned_from_sweep(knobs, U12Config, 16, "tiles").values()
     assert tuned == U12Config(**cfg)
     out = tmp_path / "ab.json"
-    assert step_ab.main(["--smoke", "--q", "4", "--only", "u12-tiles,u12-tiles-sweep", "--tiles-tuned", str(knobs),
+    assert step_ab.main(["--smoke", "--q", "4", "--only", "bf16-cublas,u12-tiles-sweep", "--tiles-tuned", str(knobs),
                          "--out", str(out)]) == 0
     rows = {r["variant"]: r for r in _schema(out, "step_ab")["records"]}
-    assert set(rows) == {"bf16", "u12-tiles", "u12-tiles-sweep"}
+    assert set(rows) == {"bf16", "bf16-cublas", "u12-tiles-sweep"}
     assert all(r["finite"] and r["max_abs_diff_vs_bf16"] < 0.05 for r in rows.values()), rows
     typo = tmp_path / "typo.json"
-    assert step_ab.main(["--smoke", "--q", "4", "--only", "u12-tiles,u12-tile-sweep", "--out", str(typo)]) == 2
+    assert step_ab.main(["--smoke", "--q", "4", "--only", "bf16,u12-tile-sweep", "--out", str(typo)]) == 2
     assert not typo.exists()  # a misspelt variant: refused, nothing timed
 
 
