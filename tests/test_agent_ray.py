@@ -2,7 +2,7 @@
 node takes tens of seconds). Skipped only where Ray is not installed.
 
 The head runs with `ray start --head --block` in its own process group, stopped by that group's id
-at the end. Where the machine's Ray uses token authentication (a token in ~/.ray/auth_token), the
+at the end (SIGTERM, then SIGKILL after 5 s). Where the machine's Ray uses token authentication (a token in ~/.ray/auth_token), the
 client is told so through RAY_AUTH_MODE=token, set before ray is first imported."""
 
 from __future__ import annotations
@@ -65,10 +65,10 @@ def test_ray_workers_run_real_trials(tmp_path, monkeypatch):
         assert [r.status for r in results] == [VALIDATED, VALIDATED, FAILED]
         assert results[1].tokens_checked > 0 and results[1].relative
     finally:
-        if head.poll() is None:
+        if head.poll() is None:  # SIGTERM, then SIGKILL: `ray start --block` outlived 30 s of SIGTERM here
             os.killpg(head.pid, signal.SIGTERM)
             try:
-                head.wait(timeout=30)
+                head.wait(timeout=5)
             except subprocess.TimeoutExpired:
                 os.killpg(head.pid, signal.SIGKILL)
                 head.wait(timeout=30)
