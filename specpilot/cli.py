@@ -177,7 +177,8 @@ def _cost_view(cls) -> str:
 
 @main.command("tune")
 @click.argument("pipeline", type=click.Path(dir_okay=False, path_type=Path))
-@click.option("--gpu", help="GPU name or alias the cost model prices for (overrides the spec's `gpu`).")
+@click.option("--gpu", help="GPU name or alias the cost model prices for (overrides the spec's `gpu`); with "
+              "--device cpu it prices this host's CPU instead, measured once and cached per host.")
 @click.option("--rounds", type=click.IntRange(0), default=3, show_default=True, help="Search rounds at most.")
 @click.option("--candidates", type=click.IntRange(1), default=4, show_default=True, help="Candidates measured a round.")
 @click.option("--workers", default="1", show_default=True,

@@ -733,6 +733,17 @@ def run_trials_interleaved(jobs, rounds: int = 3):
     return out
 
 
+def cost_device(spec: PipelineSpec, device: torch.device, stock: Program, *, cache: Path | None = None):
+    """What a search's cost model prices: where trials run on a CPU, this host's CPU (cost/cpu.py:
+    its figures measured here, cached per host under `cache`, by default the specpilot cache);
+    elsewhere the spec's GPU."""
+    if device.type == "cpu":
+        from .cost.cpu import cpu_device
+
+        return cpu_device(stock, root=cache)
+    return spec.gpu
+
+
 @dataclass
 class TuneResult:
     search: object  # agent.search.SearchResult
@@ -758,8 +769,9 @@ def tune_pipeline(spec: PipelineSpec, *, out_dir: Path, config=None, workers: st
     dirs, dev = resolve_models(spec), pick_device(device)
     stock = lower_spec(spec, dirs, default_dtype(dev) if spec.dtype == "auto" else spec.dtype)
     start = pipeline_string(resolve_passes(spec, None))
-    setup = Setup(spec, stock, start, fingerprint(stock, gpu_slug(dev), spec.serving.batch_sizes), dev.type, spec.gpu,
-                  Predictor(spec.gpu, what_ifs))
+    predictor = Predictor(cost_device(spec, dev, stock), what_ifs)
+    setup = Setup(spec, stock, start, fingerprint(stock, gpu_slug(dev), spec.serving.batch_sizes), dev.type,
+                  predictor.model.gpu.name, predictor)
     store = Memory(memory) if memory is not None else None
     # interleave False: one GPU runs a round's candidates one after another (8B engines do not fit together)
     interleaved = functools.partial(run_trials_interleaved, rounds=config.repeats) if interleave else None

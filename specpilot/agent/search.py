@@ -11,7 +11,8 @@ Round 0 measures the starting pipeline (the spec's own). Each round then:
    LLM if one is configured;
 3. each proposal is vetted (proposals.vet: DSL, verifier, contract); refused ones are recorded as
    rejected with their reason; candidates whose program was measured already are skipped;
-4. each candidate is predicted (relative to AR, calibrated by this deployment's earlier trials) and
+4. each candidate is predicted (relative to AR, at the acceptance measured nearest its draft length,
+   calibrated by this deployment's earlier trials; on a CPU priced by this host's measured record) and
    the best K are kept, at most half of them introducing the same pass, memory's seeds first;
 5. the K and the incumbent (a control, measured again beside them) go to the workers;
 6. every result is recorded in memory; the fastest validated candidate that beats the incumbent by
@@ -101,7 +102,7 @@ class Setup:
     start: str  # the starting pipeline string
     fingerprint: Fingerprint
     device: str  # where workers measure ("cpu", "cuda")
-    gpu: str  # the cost model's GPU (the spec's)
+    gpu: str  # the cost model's device: the spec's GPU, or "cpu" (this host's measured record) on a CPU
     predictor: Predictor
 
 
@@ -115,7 +116,7 @@ class TrialRow:
     proposer: str
     status: str
     reason: str = ""
-    predicted_ms: float | None = None  # the cost model's engine ms/token on the spec's GPU
+    predicted_ms: float | None = None  # the cost model's engine ms/token on its device (Setup.gpu)
     predicted_rel: float | None = None  # predicted engine / AR
     calibrated_rel: float | None = None  # predicted_rel x calibration from earlier trials only
     measured_ms: float | None = None
@@ -215,14 +216,14 @@ class Search:
 
     def _estimate(self, c: Candidate) -> Estimate:
         program = c.program
-        key = f"{c.ir_hash}:{self.setup.predictor.alpha}"
+        key = f"{c.ir_hash}:{self.setup.predictor.version}"
         if key not in self.estimates:
             self.estimates[key] = self.setup.predictor.estimate(program)
         return self.estimates[key]
 
     def _predict(self, c: Candidate) -> tuple[float | None, float | None, float | None]:
         program, pipeline = c.program, c.pipeline
-        key = f"{c.ir_hash}:{self.setup.predictor.alpha}"
+        key = f"{c.ir_hash}:{self.setup.predictor.version}"
         if key not in self.predicted:
             self.predicted[key] = self.setup.predictor.relative(program)
         got = self.predicted[key]
@@ -260,6 +261,8 @@ class Search:
                 for name in self._names(row.pipeline) - self._names(self.setup.start):
                     self.outcomes.setdefault(name, []).append(row.status)
         for row, _, cand in out:  # calibrate only after the round's predictions were made
+            if row.status == VALIDATED and row.tau:
+                self.setup.predictor.learn_trial(cand.program, row.tau)
             if row.status == VALIDATED and row.predicted_rel and row.relative:
                 self.calibration.add(self._names(row.pipeline), row.predicted_rel, row.relative)
             elif row.status == FAILED and row.predicted_rel:  # does not run here: learn it as very slow

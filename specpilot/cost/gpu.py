@@ -20,7 +20,7 @@ from typing import Any, Mapping
 
 import yaml
 
-from ..errors import SpecError
+from ..errors import SpecError, UnpricedError
 
 DATABASE = Path(__file__).with_name("gpus.yaml")
 
@@ -60,6 +60,27 @@ class GPU:
     sources: Mapping[str, str] = field(default_factory=dict)  # field -> "measured" | "published" | "default"
     note: str = ""
     calibration: tuple[str, ...] = ()  # results files that calibrate this card, from the repository root
+    # A host CPU (cost/cpu.py): measured matmul rates (FLOP/s) by weight shape (k, n) and rows, which
+    # price a matmul node in place of bf16_rate · mm_efficiency; empty for a GPU.
+    matmul_rates: Mapping[tuple[int, int], Mapping[int, float]] = field(default_factory=dict)
+    runs_triton: bool = True  # False on a CPU: "triton-*" kernels run as their torch references there
+
+    def matmul_rate(self, rows: int, k: int, n: int) -> float | None:
+        """FLOP/s of a [rows, k] x [k, n] matmul from the measured table, or None without a table.
+
+        Read piecewise-linearly in log(rows) and log(n) between measured points (held constant
+        outside them), at the measured k nearest in log(k). UnpricedError where the table has no
+        shape of this k's neighbourhood (a k more than 2x from every measured one)."""
+        if not self.matmul_rates:
+            return None
+        ks = sorted({kk for kk, _ in self.matmul_rates})
+        near = min(ks, key=lambda kk: abs(math.log(kk / k)))
+        if abs(math.log(near / k)) > math.log(2.0):
+            raise UnpricedError(f"{self.name}: no matmul measured near k={k} (measured k: "
+                                f"{', '.join(map(str, ks))}); recalibrate the host with this program's shapes")
+        ns = sorted(nn for kk, nn in self.matmul_rates if kk == near)
+        return _log_interp(n, [(nn, _log_interp(rows, sorted(self.matmul_rates[(near, nn)].items())))
+                               for nn in ns])
 
     def source_of(self, name: str) -> str:
         return self.sources.get(name, "published")
@@ -123,6 +144,17 @@ class GPU:
             note="; ".join(n for n in notes if n),
             calibration=tuple(calibration),
         )
+
+
+def _log_interp(x: float, points: list[tuple[float, float]]) -> float:
+    """The value at x of (x, y) points read piecewise-linearly in log(x), constant outside them."""
+    if x <= points[0][0]:
+        return float(points[0][1])
+    for (x0, y0), (x1, y1) in zip(points, points[1:]):
+        if x <= x1:
+            w = math.log(x / x0) / math.log(x1 / x0)
+            return float(y0 + w * (y1 - y0))
+    return float(points[-1][1])
 
 
 @lru_cache(maxsize=4)

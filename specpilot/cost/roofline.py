@@ -5,8 +5,13 @@ node by node at a `batch`, a query length `q` and a KV-cache length `cache_len`:
 
     t_mem   = bytes / (bandwidth · bw_efficiency · kernel_efficiency · occupancy)
     t_comp  = tensor FLOPs / (bf16_rate · mm_efficiency) + other FLOPs / fp32_rate
+              (a matmul on a CPU: FLOPs / the rate measured at its shape, cost/cpu.py)
     time    = combine(t_mem, t_comp) + kernels · kernel_latency + [kernels · launch, unless CUDA graphs]
     floor   = max(bytes / bandwidth, tensor FLOPs / bf16_rate + other FLOPs / fp32_rate)
+
+On a CPU (cost/cpu.py) a "kernel" is a torch op: its `kernel_latency` is the measured per-op
+overhead, paid with or without the cuda-graphs pass (nothing is captured there), and the fused
+kernels' launch counts do not apply (`GPU.runs_triton`: their torch references run instead).
 
 `combine` is the roofline max, or the p-norm (t_mem^p + t_comp^p)^(1/p) where the GPU's
 `overlap` was fitted to measurements (p = inf is the max). With unit efficiencies and no
@@ -448,11 +453,13 @@ def node_cost(name: str, node: Node, out: tuple[int, int], ins: list[tuple[int, 
     rows, width = out
     read = sum(r * w for r, w in ins) * a
     written = rows * width * a
-    kernels = FUSED_KERNELS[op] if node.get("kernel") == "triton-fused" and op in FUSED_KERNELS else KERNELS.get(op, 1)
-    if op == "attention" and node.get("kernel") == "triton-split-kv":
+    triton = gpu.runs_triton  # elsewhere (a CPU) the "triton-*" kernels run as their torch references
+    kernels = (FUSED_KERNELS[op] if triton and node.get("kernel") == "triton-fused" and op in FUSED_KERNELS
+               else KERNELS.get(op, 1))
+    if triton and op == "attention" and node.get("kernel") == "triton-split-kv":
         kernels = SPLIT_KV_KERNELS
     c = dict(name=name, op=op, rows=rows, kernels=kernels)
-    occupancy, kernel_eff = 1.0, 1.0
+    occupancy, kernel_eff, matmul_rate = 1.0, 1.0, None
 
     if op == "input":
         c["kernels"] = 0
@@ -462,10 +469,12 @@ def node_cost(name: str, node: Node, out: tuple[int, int], ins: list[tuple[int, 
     elif op in MATMUL_OPS:
         c["weight_bytes"], c["escape_bytes"] = matmul_weight_bytes(node, escape_rate)
         c["act_bytes"] = rows * node["in_features"] * a + written
-        c["tensor_flops"] = 2.0 * rows * node["in_features"] * (node.get("vocab_subset") or node["out_features"])
-        if node["format"] == "u12":
+        n = node.get("vocab_subset") or node["out_features"]
+        c["tensor_flops"] = 2.0 * rows * node["in_features"] * n
+        matmul_rate = gpu.matmul_rate(rows, node["in_features"], n)  # a CPU's, measured at this shape
+        if triton and node["format"] == "u12":
             kernel_eff = gpu.efficiency_of_kernel(node["kernel"], rows)
-        elif served_by:
+        elif triton and served_by:
             kernel_eff = gpu.efficiency_of_kernel(served_by, rows)
     elif op == "attention":
         hd, kvh = node["head_dim"], node["kv_heads"]
@@ -515,7 +524,7 @@ def node_cost(name: str, node: Node, out: tuple[int, int], ins: list[tuple[int, 
     t_memory = moved / gpu.bandwidth
     eff = gpu.bw_efficiency * kernel_eff * occupancy
     t_mem = t_memory / eff if moved else 0.0
-    t_comp = tensor / (gpu.bf16_rate * gpu.mm_efficiency) + other / gpu.fp32_rate
+    t_comp = tensor / (matmul_rate or gpu.bf16_rate * gpu.mm_efficiency) + other / gpu.fp32_rate
     latency = c["kernels"] * gpu.kernel_latency_s
     return NodeCost(
         **c, t_memory=t_memory, t_compute=tensor / gpu.bf16_rate + other / gpu.fp32_rate, efficiency=eff,
@@ -545,12 +554,12 @@ def step_time(graph: "Graph | GraphPlan", gpu: GPU, batch: int = 1, q: int = 1, 
         i = index.get(k)
         if i is None:
             i = index[k] = len(costs)
-            served = key.get(FUSED_LINEAR) and linear_serves(shapes[name][0], u12=False)
+            served = gpu.runs_triton and key.get(FUSED_LINEAR) and linear_serves(shapes[name][0], u12=False)
             cost = node_cost(name, node, shapes[name], list(ins), gpu, batch=batch, q=q, cache_len=cache_len,
                              dtype=dtype, cuda_graphs=cuda_graphs, escape_rate=escape_rate,
                              served_by=FUSED_LINEAR_KERNEL if served else "")
             few = key.get(FOLDED_FEW_ROWS)
-            if key.get(FOLDED) or (few and linear_serves(shapes[name][0], u12=few == "u12")):
+            if gpu.runs_triton and (key.get(FOLDED) or (few and linear_serves(shapes[name][0], u12=few == "u12"))):
                 cost = replace(cost, kernels=0, t_kernel=cost.t_kernel - cost.t_latency, t_latency=0.0, t_launch=0.0)
             costs.append(cost)
             counts.append(0)
