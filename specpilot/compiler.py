@@ -744,6 +744,23 @@ def cost_device(spec: PipelineSpec, device: torch.device, stock: Program, *, cac
     return spec.gpu
 
 
+def tune_setup(spec: PipelineSpec, device: str | None = None, *, cache: Path | None = None):
+    """The deployment a search tunes (agent.search.Setup): its stock program on `device`, starting
+    pipeline, fingerprint and predictor, which prices on `cost_device` (on a CPU: this host's record,
+    read from `cache` or measured there)."""
+    from .agent.fingerprint import fingerprint
+    from .agent.predict import Predictor
+    from .agent.search import Setup
+    from .bench.harness import gpu_slug
+
+    dirs, dev = resolve_models(spec), pick_device(device)
+    stock = lower_spec(spec, dirs, default_dtype(dev) if spec.dtype == "auto" else spec.dtype)
+    start = pipeline_string(resolve_passes(spec, None))
+    predictor = Predictor(cost_device(spec, dev, stock, cache=cache), what_ifs)
+    return Setup(spec, stock, start, fingerprint(stock, gpu_slug(dev), spec.serving.batch_sizes), dev.type,
+                 predictor.model.gpu.name, predictor)
+
+
 @dataclass
 class TuneResult:
     search: object  # agent.search.SearchResult
@@ -757,21 +774,15 @@ def tune_pipeline(spec: PipelineSpec, *, out_dir: Path, config=None, workers: st
     """Search pass pipelines for the spec's deployment (specpilot.agent), then compile the best
     validated one into out_dir/engine and write the search report (out_dir/report.html,
     search.json). Ctrl-C stops the search with the best validated pipeline so far."""
-    from .agent.fingerprint import fingerprint
     from .agent.memory import Memory
-    from .agent.predict import Predictor
     from .agent.report import write_report
-    from .agent.search import Search, Setup, TuneConfig
+    from .agent.search import Search, TuneConfig
     from .agent.workers import WorkersSpec, make_pool
-    from .bench.harness import git_commit, gpu_slug
+    from .bench.harness import git_commit
 
     config = config or TuneConfig(commit=git_commit())
-    dirs, dev = resolve_models(spec), pick_device(device)
-    stock = lower_spec(spec, dirs, default_dtype(dev) if spec.dtype == "auto" else spec.dtype)
-    start = pipeline_string(resolve_passes(spec, None))
-    predictor = Predictor(cost_device(spec, dev, stock), what_ifs)
-    setup = Setup(spec, stock, start, fingerprint(stock, gpu_slug(dev), spec.serving.batch_sizes), dev.type,
-                  predictor.model.gpu.name, predictor)
+    setup = tune_setup(spec, device)
+    dev = pick_device(device)
     store = Memory(memory) if memory is not None else None
     # interleave False: one GPU runs a round's candidates one after another (8B engines do not fit together)
     interleaved = functools.partial(run_trials_interleaved, rounds=config.repeats) if interleave else None

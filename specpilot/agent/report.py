@@ -85,7 +85,7 @@ def _plots(result: SearchResult) -> dict[str, str]:
     ax.barh([y - 0.2 for y in ys], [before.get(n, 0) for n in names], height=0.4, label="start")
     ax.barh([y + 0.2 for y in ys], [after.get(n, 0) for n in names], height=0.4, label="chosen")
     ax.set_yticks(list(ys), [n[:40] for n in names], fontsize=7)
-    ax.set_xlabel("predicted gap, ms per output token (spec's GPU)")
+    ax.set_xlabel(f"predicted gap, ms per output token ({result.cost_device or 'the cost model'})")
     ax.legend(fontsize=8)
     out["gaps"] = _svg(fig)
     plt.close(fig)
@@ -99,6 +99,7 @@ def _fmt(x, digits: int = 3) -> str:
 def render_html(result: SearchResult, title: str, engine_report: dict | None = None) -> str:
     e = html.escape
     plots = _plots(result)
+    ranks = result.rank_correlation
     chosen = next((r for r in result.trials if r.improved and r.pipeline == result.best), None)
     why = (f"It measured {_fmt(result.best_relative)} of the AR loop's time per token against "
            f"{_fmt(result.start_relative)} for the starting pipeline ({e(result.start or '(empty)')})")
@@ -126,8 +127,10 @@ def render_html(result: SearchResult, title: str, engine_report: dict | None = N
 <p id="why">{why} Stopped: {e(result.stopped)}.</p>
 <h2>Search progress</h2><figure id="plot-progress">{plots['progress']}</figure>
 <h2>Predicted against measured</h2>
-<p>Every measured trial: the roofline model's engine/AR ratio for the spec's GPU, and that ratio calibrated
-by this deployment's earlier trials only, against the ratio measured here.</p>
+<p>Every measured trial: the roofline model's engine/AR ratio, priced on <span id="cost-device">{e(result.cost_device)}</span>,
+and that ratio calibrated by this deployment's earlier trials only, against the ratio measured here.
+Spearman's rho of predicted against measured over {ranks.get('n', 0)} trials: raw {_fmt(ranks.get('raw'), 2)},
+calibrated {_fmt(ranks.get('calibrated'), 2)}.</p>
 <figure id="plot-predicted-vs-measured">{plots['predicted-vs-measured']}</figure>
 <h2>Roofline gaps before and after</h2><figure id="plot-gaps">{plots['gaps']}</figure>
 <h2>Rounds</h2>
@@ -146,7 +149,8 @@ def write_report(out: Path, result: SearchResult, title: str, engine_report: dic
     out.mkdir(parents=True, exist_ok=True)
     doc = {"run": result.run, "start": result.start, "best": result.best, "best_relative": result.best_relative,
            "start_relative": result.start_relative, "stopped": result.stopped, "interrupted": result.interrupted,
-           "gaps_before": result.gaps_before, "gaps_after": result.gaps_after,
+           "gaps_before": result.gaps_before, "gaps_after": result.gaps_after, "cost_device": result.cost_device,
+           "rank_correlation": result.rank_correlation,
            "rounds": [asdict(r) for r in result.rounds], "trials": [asdict(r) for r in result.trials],
            "engine": engine_report}
     (out / "search.json").write_text(json.dumps(doc, indent=2, default=str) + "\n")

@@ -49,7 +49,7 @@ from ..errors import PipelineError
 from .fingerprint import Fingerprint
 from .llm import LLMConfig, llm_proposals
 from .memory import Memory
-from .predict import Calibration, Predictor
+from .predict import Calibration, Predictor, rank_correlation
 from .proposals import Candidate, Proposal, Rejection, vet
 from .proposers import memory_proposals, schedule_space_proposals
 from .trial import FAILED, REJECTED, VALIDATED, TrialJob, TrialResult
@@ -161,6 +161,17 @@ class SearchResult:
     gaps_before: list[dict]
     gaps_after: list[dict]
     interrupted: bool = False
+    cost_device: str = ""  # what the predictions priced: the spec's GPU, or this host's CPU (measured)
+    rank_correlation: dict = field(default_factory=dict)  # Spearman's rho of predicted vs measured engine/AR
+
+
+def prediction_ranks(rows: list[TrialRow]) -> dict:
+    """How the predictions ordered the measured trials (validated, predicted and measured): Spearman's
+    rho of the raw and of the calibrated engine/AR against the measured one, and how many trials."""
+    rows = [r for r in rows if r.status == VALIDATED and r.relative and r.predicted_rel and r.calibrated_rel]
+    measured = [r.relative for r in rows]
+    return {"raw": rank_correlation([r.predicted_rel for r in rows], measured),
+            "calibrated": rank_correlation([r.calibrated_rel for r in rows], measured), "n": len(rows)}
 
 
 def gap_rows(e: Estimate) -> list[dict]:
@@ -411,4 +422,5 @@ class Search:
             stopped, interrupted = "interrupted (Ctrl-C): the best validated pipeline so far", True
         after = self._estimate(incumbent)
         return SearchResult(self.run_id, s.start, incumbent.pipeline, incumbent_rel, start_rel, self.rows, self.rounds,
-                            stopped, gaps_before, gap_rows(after), interrupted)
+                            stopped, gaps_before, gap_rows(after), interrupted, s.predictor.model.gpu.full_name,
+                            prediction_ranks(self.rows))
