@@ -856,7 +856,43 @@ def agent_landscape() -> str:
     return "\n".join(lines).rstrip()
 
 
-RENDERERS = {"agent": agent, "agent_runs": agent_runs, "agent_landscape": agent_landscape, "serve_load": serve_load, "headline": headline, "batched": batched, "two_level_batched": two_level_batched, "targets": targets, "draft_vocab": draft_vocab, "zoo_tau": zoo_tau,
+def agent_predict() -> str:
+    """The cost model's predictions against measured engine/AR per trial on the CPU (bench/agent/predict.py)."""
+    d = _load("agent_predict_cpu.json")
+    if d is None:
+        return _missing("OMP_NUM_THREADS=1 python -m bench.agent.predict examples/pipeline.yaml --device cpu --threads 1")
+    a, dev = d["args"], d["cpu_device"]
+    f, host = dev["figures"], dev["host"]
+    devices = list(d["spearman"])
+    source = f"measured from `{d['measured_from']}`" if d.get("measured_from") else (
+        f"{a.get('num_prompts')} prompts, {a.get('rounds')} interleaved repeats")
+
+    def num(x, digits=3):
+        return "-" if x is None else f"{x:.{digits}f}"
+
+    lines = [f"Source: `bench/results/agent_predict_cpu.json` (commit {_short(d['commit'])}; {source}; load average "
+             f"{', '.join(map(str, d.get('load_before', [])))} before, {', '.join(map(str, d.get('load_after', [])))} "
+             f"after). CPU device: {host['cpu']}, {host['cores']} cores, {host['threads']} torch thread(s), torch "
+             f"{host['torch']}, measured {dev['date']} (load {', '.join(f'{x:.2f}' for x in dev['load'])}): read "
+             f"{f['bandwidth'] / 1e9:.1f} GB/s, {f['op_overhead_s'] * 1e6:.2f} µs an op, matmul peak "
+             f"{f['matmul_peak'] / 1e9:.0f} GFLOP/s. Engine/AR per token: measured, then each device's "
+             "prediction raw / calibrated from every other trial (leave-one-out).", "",
+             "| pipeline | measured | τ | " + " | ".join(f"{n} raw / loo" for n in devices) + " | τ predicted (cpu, loo) |",
+             "|---|---:|---:|" + "---:|" * len(devices) + "---:|"]
+    for r in d["records"]:
+        m, p = r["measured"], r["predicted"]
+        cells = " | ".join(f"{num(p[n]['relative'])} / {num(p[n]['loo'])}" if p.get(n) else "-" for n in devices)
+        cpu = p.get("cpu") or {}
+        lines.append(f"| `{r['pipeline'] or '(empty)'}` | {num(m.get('relative'))} | {num(m.get('tau'), 2)} | {cells} | "
+                     f"{num(cpu.get('tau_loo'), 2)} |")
+    lines += ["", "| Spearman's rho against measured | " + " | ".join(devices) + " |", "|---|" + "---:|" * len(devices)]
+    for key, what in (("raw", "raw (alpha of the first pipeline's τ)"), ("prior", "calibrated from the trials before it"),
+                      ("loo_alpha", "alpha from every other trial"), ("loo", "alpha and calibration from every other trial")):
+        lines.append(f"| {what} | " + " | ".join(num(d["spearman"][n].get(key), 2) for n in devices) + " |")
+    return "\n".join(lines)
+
+
+RENDERERS = {"agent": agent, "agent_runs": agent_runs, "agent_landscape": agent_landscape, "agent_predict": agent_predict, "serve_load": serve_load, "headline": headline, "batched": batched, "two_level_batched": two_level_batched, "targets": targets, "draft_vocab": draft_vocab, "zoo_tau": zoo_tau,
              "zoo_e2e": zoo_e2e, "tree_tau": tree_tau, "cost_vs_measured": cost_vs_measured, "step_times": step_times,
              "hf_peers": hf_peers, "attention_split_kv": attention_split_kv, "u12_stats": u12_stats,
              "u12_linear": u12_linear, "kernel_static": kernel_static, "kernel_static_sweep": kernel_static_sweep,
