@@ -13,7 +13,9 @@ measured here) and the spec's GPU (what the agent priced CPU trials with before 
 device). Each prediction raw and calibrated by agent.predict.Calibration (per pass name): `prior`
 from the trials listed before it (as a search learns round by round) and `loo` from every other
 trial; never from the trial itself. Spearman's rho of each against the measured engine/AR. The load
-average before and after is recorded: a loaded host moves one trial's engine/AR by 5 to 10%.
+average before and after is recorded: a loaded host moves one trial's engine/AR by 5 to 10%. On a
+CPU the stock AR loop is also profiled (`ar_profile`: aten ops a token, aten::mm's share of the
+time) beside the model's AR step (its ops and time).
 Writes bench/results/agent_predict_<gpu>[_<tag>].json (agent_predict_cpu.json on a CPU).
 """
 
@@ -22,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import time
 from pathlib import Path
 
 import torch
@@ -31,7 +34,9 @@ from specpilot.agent.predict import Calibration, Predictor, rank_correlation
 from specpilot.agent.proposals import Proposal, Rejection, vet
 from specpilot.agent.trial import VALIDATED, TrialJob
 from specpilot.bench.harness import add_results_args, write_run
-from specpilot.compiler import lower_spec, resolve_models, run_trials_interleaved
+from specpilot.backends.torch_backend import build_engine
+from specpilot.compiler import lower_spec, prepare, resolve_models, run_trials_interleaved
+from specpilot.cost import CostModel
 from specpilot.cost.cpu import cpu_record, matmul_shapes
 from specpilot.dsl.pipeline import pass_names
 from specpilot.passes.what_if import what_ifs
@@ -124,6 +129,32 @@ def predictions(stock, rows: list[dict], device) -> list[dict | None]:
     return out
 
 
+def profile_ar(spec, device, tokens: int = 16) -> dict:
+    """What a CPU AR token spends its time on: the stock engine's AR loop over the first prompt under
+    torch.profiler (aten ops a token, those called from Python, aten::mm's share of self time) and timed without it, beside
+    the cost model's AR step on the CPU device (its ops and time)."""
+    p = prepare(spec, None, "cpu")
+    engine = build_engine(p.stock, p.dirs.target, p.dirs.drafter, p.device, shape=p.dirs.shape)
+    prompt = p.prompts[0]
+    engine.generate_ar(prompt, 4)
+    t0 = time.perf_counter()
+    engine.generate_ar(prompt, 4 * tokens)
+    wall = (time.perf_counter() - t0) / (4 * tokens)
+    with torch.profiler.profile() as prof:
+        engine.generate_ar(prompt, tokens)
+    events = [e for e in prof.key_averages() if e.key.startswith("aten::")]
+    total = sum(e.self_cpu_time_total for e in events)
+    mm = sum(e.self_cpu_time_total for e in events if e.key in ("aten::mm", "aten::addmm", "aten::bmm"))
+    top = sum(1 for e in prof.events() if e.name.startswith("aten::") and e.cpu_parent is None)
+    step = CostModel(device).step(p.stock, "ar")
+    return {"tokens": tokens, "ms_per_token": wall * 1e3, "aten_ops_per_token": sum(e.count for e in events) / tokens,
+            "top_level_ops_per_token": top / tokens,
+            "mm_share_of_self_time": mm / total if total else None,
+            "model_ops_per_token": step.kernels, "model_ms_per_token": step.time * 1e3,
+            "model_op_overhead_ms": step.latency * 1e3,
+            "note": "prefill included in the profiled and timed runs (one prompt)"}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("pipeline", type=Path)
@@ -143,6 +174,7 @@ def main(argv=None) -> int:
     record = cpu_record(matmul_shapes(stock), "float32")  # measured before the trials, on a quiet host
     before = load_avg()
     rows = measured_rows(args.source) if args.source else measure(spec, args.pipelines, args.device, args.rounds)
+    ar = profile_ar(spec, record.device("float32")) if args.device == "cpu" else None
     after = load_avg()
     devices = {"cpu": record.device("float32"), spec.gpu: spec.gpu}
     preds = {name: predictions(stock, rows, dev) for name, dev in devices.items()}
@@ -165,9 +197,14 @@ def main(argv=None) -> int:
     for name, s in spearman.items():
         print(f"{name}: Spearman raw {s['raw']}, prior {s['prior']}, leave-one-out alpha {s['loo_alpha']}, "
               f"leave-one-out {s['loo']} (n={s['n']})")
+    if ar:
+        print(f"AR on the CPU: {ar['ms_per_token']:.2f} ms/token, {ar['aten_ops_per_token']:.0f} aten ops a token "
+              f"({ar['top_level_ops_per_token']:.0f} called from Python), "
+              f"aten::mm {ar['mm_share_of_self_time']:.0%} of self time; the model: {ar['model_ms_per_token']:.2f} ms, "
+              f"{ar['model_ops_per_token']} ops ({ar['model_op_overhead_ms']:.2f} ms of op overhead)")
     host = record.host
     path = write_run(args, "agent_predict", args.device, records, spearman=spearman, load_before=before,
-                     load_after=after, measured_from=str(args.source) if args.source else None,
+                     load_after=after, measured_from=str(args.source) if args.source else None, ar_profile=ar,
                      cpu_device={"host": {"cpu": host.cpu, "cores": host.cores, "threads": host.threads,
                                           "torch": host.torch},
                                  "date": record.date, "load": list(record.load), "figures": dict(record.figures),
