@@ -228,3 +228,23 @@ def test_the_agent_on_a_cpu_prices_with_this_hosts_record_not_a_gpu(tiny, cache,
     assert dev.kernel_latency_s == FIGURES["op_overhead_s"] and dev.bandwidth == FIGURES["bandwidth"]
     assert not math.isclose(dev.bandwidth, CostModel("h200").gpu.bandwidth)
     assert cost_device(spec, torch.device("cuda"), stock) == "h200"  # on a GPU: the spec's
+
+
+def test_the_prediction_bench_never_calibrates_a_trial_by_itself(tiny, cache):
+    """bench/agent/predict.py's calibrated predictions of a trial (from the trials before it, from
+    every other) do not move when that trial's own measurement does; another trial's do."""
+    from bench.agent.predict import predictions
+
+    spec, stock = tiny
+    device = cost_device(spec, torch.device("cpu"), stock, cache=cache)
+    pipes = ["", "draft-block-size{size=2}", "draft-vocab{size=256}", "tree-verify{budget=15, topk=2}"]
+    rows = [{"pipeline": p, "status": "validated", "relative": 1.0 + 0.1 * i, "tau": 1.5 + 0.2 * i}
+            for i, p in enumerate(pipes)]
+    base = predictions(stock, rows, device)
+    moved = [dict(r) for r in rows]
+    moved[2].update(relative=9.0, tau=1.05)
+    again = predictions(stock, moved, device)
+    assert again[2]["loo"] == pytest.approx(base[2]["loo"]) and again[2]["prior"] == pytest.approx(base[2]["prior"])
+    assert again[3]["loo"] != pytest.approx(base[3]["loo"]) and again[3]["prior"] != pytest.approx(base[3]["prior"])
+    assert again[1]["prior"] == pytest.approx(base[1]["prior"])  # before it: untouched
+    assert base[0]["prior"] == pytest.approx(base[0]["relative"])  # nothing before the first
