@@ -864,17 +864,28 @@ def agent_predict() -> str:
     a, dev = d["args"], d["cpu_device"]
     f, host = dev["figures"], dev["host"]
     devices = list(d["spearman"])
-    source = f"measured from `{d['measured_from']}`" if d.get("measured_from") else (
-        f"{a.get('num_prompts')} prompts, {a.get('rounds')} interleaved repeats")
+    m = d.get("measured") or {}
+    if m:
+        ma = m.get("args") or {}
+        source = (f"predicted at {_short(d['commit'])} from the trials measured in `{m['from']}` at "
+                  f"{_short(m.get('commit') or '?')}: {ma.get('num_prompts')} prompts, {ma.get('rounds')} interleaved "
+                  f"repeats, load average {', '.join(map(str, m.get('load_before') or []))} before, "
+                  f"{', '.join(map(str, m.get('load_after') or []))} after")
+    else:
+        source = (f"commit {_short(d['commit'])}; {a.get('num_prompts')} prompts, {a.get('rounds')} interleaved repeats; "
+                  f"load average {', '.join(map(str, d.get('load_before', [])))} before, "
+                  f"{', '.join(map(str, d.get('load_after', [])))} after")
 
     def num(x, digits=3):
         return "-" if x is None else f"{x:.{digits}f}"
 
-    lines = [f"Source: `bench/results/agent_predict_cpu.json` (commit {_short(d['commit'])}; {source}; load average "
-             f"{', '.join(map(str, d.get('load_before', [])))} before, {', '.join(map(str, d.get('load_after', [])))} "
-             f"after). CPU device: {host['cpu']}, {host['cores']} cores, {host['threads']} torch thread(s), torch "
+    step_op = (f"{f['step_op_overhead_s'] * 1e6:.2f} µs a counted op of a step (a tiny op "
+               f"{f['op_overhead_s'] * 1e6:.2f} µs)" if "step_op_overhead_s" in f else
+               f"{f['op_overhead_s'] * 1e6:.2f} µs an op (a tiny op's)")
+    lines = [f"Source: `bench/results/agent_predict_cpu.json` ({source}). CPU device: {host['cpu']}, "
+             f"{host['cores']} cores, {host['threads']} torch thread(s), torch "
              f"{host['torch']}, measured {dev['date']} (load {', '.join(f'{x:.2f}' for x in dev['load'])}): read "
-             f"{f['bandwidth'] / 1e9:.1f} GB/s, {f['op_overhead_s'] * 1e6:.2f} µs an op, matmul peak "
+             f"{f['bandwidth'] / 1e9:.1f} GB/s, {step_op}, matmul peak "
              f"{f['matmul_peak'] / 1e9:.0f} GFLOP/s. Engine/AR per token: measured, then each device's "
              "prediction raw / calibrated from every other trial (leave-one-out).", "",
              "| pipeline | measured | τ | " + " | ".join(f"{n} raw / loo" for n in devices) + " | τ predicted (cpu, loo) |",

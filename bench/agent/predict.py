@@ -6,7 +6,8 @@
 
 Measures the pipelines as bench.agent.landscape does (built in one process, timed round-robin with
 the stock AR loop beside each, `--rounds` repeats, token-forced), or takes the measured rows of an
-earlier agent_predict or agent_landscape file (`--from`: nothing is measured), then predicts each
+earlier agent_predict or agent_landscape file (`--from`: nothing is measured; the file records the
+source's commit, arguments and load as `measured`), then predicts each
 as the search does (agent.predict.Predictor, engine/AR per token, at the alpha of the first
 pipeline's measured τ) on two devices: `cpu`, this host's CPU record (cost/cpu.py, its figures
 measured here) and the spec's GPU (what the agent priced CPU trials with before it had a CPU
@@ -203,8 +204,13 @@ def main(argv=None) -> int:
               f"aten::mm {ar['mm_share_of_self_time']:.0%} of self time; the model: {ar['model_ms_per_token']:.2f} ms, "
               f"{ar['model_ops_per_token']} ops ({ar['model_op_overhead_ms']:.2f} ms of op overhead)")
     host = record.host
+    source = json.loads(args.source.read_text()) if args.source else {}
+    measured = {"from": str(args.source), "commit": source.get("commit"), "date": source.get("date"),
+                "args": source.get("args"), "load_before": source.get("load_before"),
+                "load_after": source.get("load_after")} if args.source else None
     path = write_run(args, "agent_predict", args.device, records, spearman=spearman, load_before=before,
-                     load_after=after, measured_from=str(args.source) if args.source else None, ar_profile=ar,
+                     load_after=after, measured_from=str(args.source) if args.source else None, measured=measured,
+                     ar_profile=ar,
                      cpu_device={"host": {"cpu": host.cpu, "cores": host.cores, "threads": host.threads,
                                           "torch": host.torch},
                                  "date": record.date, "load": list(record.load), "figures": dict(record.figures),

@@ -10,8 +10,14 @@ another key is refused, never reused). The figures and how each is measured:
 
     bandwidth      bytes/s read by a streaming reduction (`x.sum()`) over `stream_bytes`, best of repeats
     copy_bandwidth bytes/s read and written by `y.copy_(x)` over the same tensor (recorded, not used)
-    op_overhead_s  wall time of one tiny op (`a + b` on one-element tensors) called from Python: what
-                   every op a step runs pays, whatever its size (the cost model's kernel_latency)
+    op_overhead_s  wall time of one tiny op (`a + b` on one-element tensors) called from Python
+                   (recorded: the floor of an op's cost)
+    step_op_overhead_s  what an op of a real step costs whatever its size: a decode step of the
+                   runtime's decoder (runtime/model.py, `STEP_LAYERS` qwen3 layers) at width 16, where
+                   no matmul weighs, over the ops the cost model counts for that step (roofline.KERNELS).
+                   It holds the Python between the ops and the ops the count leaves out (views, casts,
+                   cache writes: a zoo AR step calls about 600 ops from Python where the model counts
+                   310); the cost model's kernel_latency
     host_sync_s    one `.item()` of a one-element tensor (a host-side accept)
     fp32_rate      elementwise FLOP/s of `torch.mul` over a 64K-element fp32 tensor (in cache), the
                    op overhead taken out
@@ -49,16 +55,22 @@ from typing import Any, Iterable, Mapping
 import torch
 
 from ..errors import SpecError
+from ..hf.config import ModelConfig
 from ..ir import MATMUL_OPS, Program
+from ..ir.lower import Shapes, lower_causal_lm
 from ..runtime.builtin import cache_root
+from ..runtime.decode import generate_ar
+from ..runtime.model import Transformer
 from .gpu import GPU
+from .roofline import KERNELS
 
 RECORD_KIND = "cpu-device"
-RECORD_VERSION = 1
+RECORD_VERSION = 2  # a record of another version is measured again (1 had no step_op_overhead_s)
 FIGURES = {  # field -> what a record must hold there
     "bandwidth": "read bytes/s of a streaming reduction",
     "copy_bandwidth": "bytes/s read and written by a copy",
     "op_overhead_s": "seconds of one tiny op",
+    "step_op_overhead_s": "seconds a counted op of a tiny-width decode step",
     "host_sync_s": "seconds of one .item()",
     "fp32_rate": "elementwise FLOP/s",
     "matmul_peak": "the largest matmul FLOP/s measured",
@@ -138,7 +150,7 @@ class CPURecord:
         return GPU(
             name="cpu", full_name=f"CPU: {self.host.describe()}",
             bandwidth=f["bandwidth"], bf16_rate=f["matmul_peak"], fp32_rate=f["fp32_rate"], sms=self.host.cores,
-            l2_bytes=0.0, memory_bytes=0.0, launch_s=0.0, kernel_latency_s=f["op_overhead_s"],
+            l2_bytes=0.0, memory_bytes=0.0, launch_s=0.0, kernel_latency_s=f["step_op_overhead_s"],
             host_sync_s=f["host_sync_s"], bw_efficiency=1.0, mm_efficiency=1.0, overlap=math.inf,
             attention_program_bw=math.inf,
             sources={k: "measured" for k in ("bandwidth", "bf16_rate", "fp32_rate", "kernel_latency_s", "host_sync_s")},
@@ -246,7 +258,27 @@ def measure_figures(config: CPUCalibration) -> dict[str, float]:
     t = _per_call(lambda: torch.mul(e, f, out=out), config)
     rate = e.numel() / max(t - overhead, 0.1 * t)
     return {"bandwidth": bw, "copy_bandwidth": copy, "op_overhead_s": overhead, "host_sync_s": sync,
-            "fp32_rate": rate}
+            "fp32_rate": rate, "step_op_overhead_s": measure_step_overhead(config)}
+
+
+STEP_LAYERS = 4  # layers of the reference decoder whose tiny-width steps time the runtime's ops
+
+
+def measure_step_overhead(config: CPUCalibration, tokens: int = 32) -> float:
+    """Seconds a counted op of a decode step costs where no op has work to speak of: the runtime's
+    qwen3 decoder (`STEP_LAYERS` layers, width 16, 64 tokens) decoding greedily, its decode time a
+    step (the best of `config.repeats` runs) over the ops the cost model counts for that step."""
+    cfg = ModelConfig("qwen3", 64, 16, 16, STEP_LAYERS, 2, 1, 8, 1e4, 1e-6, True, True, 4096, None, None)
+    model = Transformer(cfg).eval()
+    graph = lower_causal_lm("reference", Shapes.of(cfg), "float32")
+    counted = sum(KERNELS.get(node.op, 1) for _, node in graph.items())
+    prompt = list(range(1, 9))
+    generate_ar(model, prompt, max_new_tokens=4, eos_token_id=None)
+    best = math.inf
+    for _ in range(config.repeats):
+        g = generate_ar(model, prompt, max_new_tokens=tokens, eos_token_id=None)
+        best = min(best, g.decode_s / max(g.steps, 1))
+    return best / counted
 
 
 def measure_matmuls(shapes: Iterable[tuple[int, int]], dtype: str, overhead: float,
@@ -294,6 +326,15 @@ def record_path(key: HostKey, root: Path | None = None) -> Path:
     return Path(root or cache_root()) / "cost" / "cpu" / f"{key.slug()}.json"
 
 
+def _older(path: Path) -> bool:
+    """Whether `path` holds a record of an older version than this module writes."""
+    try:
+        version = json.loads(path.read_text()).get("version")
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError):
+        return False
+    return isinstance(version, int) and version < RECORD_VERSION
+
+
 def load_record(path: Path, key: HostKey) -> CPURecord | None:
     """The record at `path` (None where there is none); SpecError if it is malformed or of another host."""
     if not path.is_file():
@@ -325,6 +366,8 @@ def cpu_record(shapes: Iterable[tuple[int, int]] = (), dtype: str = "float32", *
         raise SpecError(f"the CPU cost model measures {', '.join(DTYPES)} matmuls; got dtype {dtype!r}")
     key = host_key()
     path = record_path(key, root)
+    if measure and _older(path):
+        path.unlink()  # a record of an older version lacks figures this one measures: measured again
     rec = load_record(path, key)
     shapes = set(shapes)
     missing = shapes - (rec.shapes(dtype) if rec else set())
