@@ -27,11 +27,12 @@ another key is refused, never reused). The figures and how each is measured:
                    memory as in a decode step, not from a cache that one weight fits in
     matmul_peak    the largest matmul rate measured (prices attention's and MoE's matmuls, and the floor)
 
-On the zoo's tiny models a step is a few hundred small ops: the per-op term, not the bytes, is most of
-its time, and the matmul rate at few rows is far below the peak. The roofline (roofline.py) prices
-a CPU's ops with these: a matmul at the rate measured at its shape (read between measured rows and
-widths), every op its overhead (paid with the cuda-graphs pass too: nothing is captured on a CPU),
-and no fused-kernel launch counts (`runs_triton` False: their torch references run).
+On the zoo's models (one thread, fp32) a step is matmul-bound, the matmul rate at few rows far below
+the peak, with a large fixed part that does not scale with its rows: the ops and the Python between
+them (docs/experiments/agent-cpu.md). The roofline (roofline.py) prices a CPU's ops with these: a
+matmul at the rate measured at its shape (read between measured rows and widths), every op
+`step_op_overhead_s` (paid with the cuda-graphs pass too: nothing is captured on a CPU), and no
+fused-kernel launch counts (`runs_triton` False: their torch references run).
 
 A record that lacks a figure, or holds one that is not a positive number, is refused naming the file
 and the field (delete the file to measure again); a program with a weight shape the record lacks is

@@ -9,8 +9,8 @@ node by node at a `batch`, a query length `q` and a KV-cache length `cache_len`:
     time    = combine(t_mem, t_comp) + kernels · kernel_latency + [kernels · launch, unless CUDA graphs]
     floor   = max(bytes / bandwidth, tensor FLOPs / bf16_rate + other FLOPs / fp32_rate)
 
-On a CPU (cost/cpu.py) a "kernel" is a torch op: its `kernel_latency` is the measured per-op
-overhead, paid with or without the cuda-graphs pass (nothing is captured there), and the fused
+On a CPU (cost/cpu.py) a "kernel" is a torch op: its `kernel_latency` is the per-op cost measured
+at a step's structure, paid with or without the cuda-graphs pass (nothing is captured there), and the fused
 kernels' launch counts do not apply (`GPU.runs_triton`: their torch references run instead).
 
 `combine` is the roofline max, or the p-norm (t_mem^p + t_comp^p)^(1/p) where the GPU's
