@@ -93,3 +93,172 @@ def test_drafters_over_the_size_budget_are_refused_before_training(tiny_target, 
     monkeypatch.setattr(ts, "DRAFTER_BYTES", sizes["bf16_bytes"] - 1)
     with pytest.raises(SystemExit, match="over DRAFTER_BYTES"):
         ts.drafter_sizes(ts.PRESETS["smoke"][0], cfg, 3)
+
+
+# --- continuing across calls: the graphed distillation, the data file, --init, --phases ---------
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    data = tmp_path_factory.mktemp("corpus")
+    build_corpus(data, max_files=30)
+    return data
+
+
+def test_graphed_greedy_batch_equals_ar_row_by_row_across_reused_batches(tiny_target):
+    target, _ = load_target(tiny_target, dtype=torch.float32, device="cpu")
+    runner = ts.GreedyBatch(target, batch=3, max_prompt=9, gen_len=8, prefill_rows=2)  # prefill in two row chunks
+    gen = torch.Generator().manual_seed(1)
+    for p in (9, 5, 7):  # a shorter batch after a longer one: the stale slots past its length stay hidden
+        prompts = torch.randint(5, 300, (3, p), generator=gen)
+        seqs = runner.run(prompts)
+        assert seqs.shape == (3, p + 8) and torch.equal(seqs[:, :p], prompts)
+        for row in range(3):
+            ar = generate_ar(target, prompts[row].tolist(), max_new_tokens=8, eos_token_id=None)
+            assert seqs[row, p:].tolist() == ar.tokens, (p, row)
+    with pytest.raises(ValueError, match="at most 9 prompt tokens"):
+        runner.run(torch.zeros(3, 10, dtype=torch.long))
+
+
+def tiny_cfg(tiny_target):
+    from specpilot.hf.config import ModelConfig
+
+    return ModelConfig.from_hf(json.loads((tiny_target / "config.json").read_text()), "config.json")
+
+
+def test_distilled_file_round_trips_and_refuses_another_runs_file(tiny_target, tmp_path):
+    from types import SimpleNamespace
+
+    shapes, cfg = ts.PRESETS["smoke"][0], tiny_cfg(tiny_target)
+    gen = torch.Generator().manual_seed(2)
+    data = {24: {"train": torch.randint(0, 320, (4, 44), generator=gen), "val": torch.randint(0, 320, (1, 44), generator=gen),
+                 "hidden_train": torch.zeros(4, 43, 8)},
+            40: {"train": torch.randint(0, 320, (2, 60), generator=gen), "val": torch.randint(0, 320, (1, 60), generator=gen)}}
+    source = SimpleNamespace(batches=5, used={"code": 7, "instruct": 3}, counts={"code": 7, "instruct": 3, "snippet": 1, "own": 0})
+    path = tmp_path / "d" / "distilled.pt"
+    ts.save_distilled(path, data, source, shapes, cfg, seed=0)
+    groups, state = ts.load_distilled(path, shapes, cfg, torch.device("cpu"))
+    assert sorted(groups) == [24, 40] and state["batches"] == 5 and state["used"] == {"code": 7, "instruct": 3}
+    for p in data:
+        assert set(groups[p]) == {"train", "val"}  # hidden states are recomputed, not stored
+        for k in ("train", "val"):
+            assert groups[p][k].dtype == torch.long and torch.equal(groups[p][k], data[p][k])
+    with pytest.raises(SystemExit, match=r"field 'gen_len' is 20, this run needs 64"):
+        ts.load_distilled(path, ts.PRESETS["cpu"][0], cfg, torch.device("cpu"))
+    (tmp_path / "junk.pt").write_bytes(b"not a file torch wrote")
+    with pytest.raises(SystemExit, match="junk.pt: not a train_smollm2 distilled file"):
+        ts.load_distilled(tmp_path / "junk.pt", shapes, cfg, torch.device("cpu"))
+    with pytest.raises(SystemExit, match="missing.pt: no such file"):
+        ts.load_distilled(tmp_path / "missing.pt", shapes, cfg, torch.device("cpu"))
+
+
+def saved_drafters(tiny_target, path, seed):
+    """Both drafters with random weights (as if trained), saved as a train_smollm2 output folder."""
+    shapes, cfg = ts.PRESETS["smoke"][0], tiny_cfg(tiny_target)
+    torch.manual_seed(seed)
+    target, _ = load_target(tiny_target, dtype=torch.float32, device="cpu")
+    dflash = ts.DFlashDrafter(ts.dflash_config(shapes, cfg, 3), embed=target.embed, head=target.head)
+    pard, pcfg, _ = ts.pard_model(shapes, tiny_target, cfg, torch.device("cpu"))
+    for m in (dflash, pard):
+        for q in m.parameters():
+            if q.requires_grad:
+                torch.nn.init.normal_(q, std=0.05)
+    ts.save_dflash(dflash, path / "dflash")
+    ts.save_pard(pard, pcfg, shapes, 3, path / "pard")
+    return dflash, pard, pcfg
+
+
+def test_init_loads_exactly_the_saved_drafters(tiny_target, tmp_path):
+    saved_drafters(tiny_target, tmp_path / "a", seed=4)
+    fresh_d, fresh_p, pcfg = saved_drafters(tiny_target, tmp_path / "b", seed=5)  # other weights
+    assert (tmp_path / "a" / "dflash" / "model.safetensors").read_bytes() != (tmp_path / "b" / "dflash" / "model.safetensors").read_bytes()
+    ts.load_init(fresh_d, tmp_path / "a" / "dflash" / "model.safetensors")
+    ts.load_init(fresh_p, tmp_path / "a" / "pard" / PARD_LAYERS_FILE, skip=(SHARED_EMBEDDING, "lm_head.weight"))
+    ts.save_dflash(fresh_d, tmp_path / "c" / "dflash")
+    ts.save_pard(fresh_p, pcfg, ts.PRESETS["smoke"][0], 3, tmp_path / "c" / "pard")
+    from safetensors.torch import load_file
+
+    for f in ("dflash/model.safetensors", f"pard/{PARD_LAYERS_FILE}"):  # tensors: the header's metadata order varies
+        saved, again = load_file(str(tmp_path / "a" / f)), load_file(str(tmp_path / "c" / f))
+        assert saved.keys() == again.keys() and all(torch.equal(saved[k], again[k]) for k in saved), f
+    # the zoo's stored form is materialized and gives the same files
+    from specpilot.zoo import store_pair
+
+    store_pair(tmp_path / "a", tmp_path / "zoo" / "pair", names=("dflash", "pard"))
+    plain = ts.resolve_init(tmp_path / "zoo" / "pair", ("dflash", "pard"), tmp_path / "cache")
+    assert (plain / "dflash" / "model.safetensors").read_bytes() == (tmp_path / "a" / "dflash" / "model.safetensors").read_bytes()
+
+
+def test_bad_init_paths_name_the_path_and_what_is_missing(tiny_target, tmp_path):
+    with pytest.raises(SystemExit, match=r"--init .*nowhere: no such directory"):
+        ts.resolve_init(tmp_path / "nowhere", ("dflash", "pard"), tmp_path / "cache")
+    saved_drafters(tiny_target, tmp_path / "a", seed=4)
+    (tmp_path / "a" / "pard" / PARD_LAYERS_FILE).unlink()
+    with pytest.raises(SystemExit, match=rf"--init {tmp_path / 'a'}: missing pard/{PARD_LAYERS_FILE} "):
+        ts.resolve_init(tmp_path / "a", ("dflash", "pard"), tmp_path / "cache")
+    assert ts.resolve_init(tmp_path / "a", ("dflash",), tmp_path / "cache") == tmp_path / "a"
+    (tmp_path / "z").mkdir()
+    (tmp_path / "z" / "manifest.json").write_text("{}")
+    with pytest.raises(SystemExit, match=r"--init: .*manifest.json: not a zoo manifest"):
+        ts.resolve_init(tmp_path / "z", ("dflash",), tmp_path / "cache")
+    big = replace_layers(ts.PRESETS["smoke"][0])  # a drafter of another shape than the file's
+    cfg = tiny_cfg(tiny_target)
+    other = ts.DFlashDrafter(ts.dflash_config(big, cfg, 3), embed=None, head=None)
+    with pytest.raises(SystemExit, match=r"dflash/model.safetensors: does not fit this run's drafter \(lacks layers.1"):
+        ts.load_init(other, tmp_path / "a" / "dflash" / "model.safetensors")
+
+
+def replace_layers(shapes):
+    from dataclasses import replace
+
+    return replace(shapes, dflash_layers=2)
+
+
+def run_main(tiny_target, corpus, out, *extra):
+    return ts.main(["--out", str(out), "--preset", "smoke", "--target", str(tiny_target), "--data", str(corpus), *extra])
+
+
+def test_phases_run_only_what_they_say_and_init_continues_from_given_weights(tiny_target, corpus, tmp_path):
+    data = tmp_path / "keep" / "distilled.pt"
+    assert run_main(tiny_target, corpus, tmp_path / "o1", "--phases", "distill", "--distilled", str(data)) == 0
+    log1 = json.loads((tmp_path / "o1" / "train_log.json").read_text())
+    assert set(log1["phases"]) == {"distill"} and data.is_file()
+    assert not (tmp_path / "o1" / "dflash").exists() and not (tmp_path / "o1" / "pard").exists()
+    assert log1["phases"]["distill"]["graphed_decode"] is True
+    groups, state = ts.load_distilled(data, ts.PRESETS["smoke"][0], tiny_cfg(tiny_target), torch.device("cpu"))
+    assert state["batches"] == ts.SMOKE_CAPS["distill_batches"]
+
+    # a second distill call adds to the file and carries on with the prompt source's state
+    assert run_main(tiny_target, corpus, tmp_path / "o2", "--phases", "distill", "--distilled", str(data),
+                    "--distill-batches", "1") == 0
+    groups2, state2 = ts.load_distilled(data, ts.PRESETS["smoke"][0], tiny_cfg(tiny_target), torch.device("cpu"))
+    assert state2["batches"] == state["batches"] + 1
+    assert sum(len(g["train"]) for g in groups2.values()) > sum(len(g["train"]) for g in groups.values())
+    for p, g in groups.items():  # the earlier sequences kept as they were
+        assert torch.equal(groups2[p]["train"][: len(g["train"])], g["train"])
+
+    # dflash and eval from --init: DFlash one step away from the given weights, PARD copied as given
+    saved_drafters(tiny_target, tmp_path / "init", seed=6)
+    out = tmp_path / "o3"
+    assert run_main(tiny_target, corpus, out, "--phases", "dflash,eval", "--distilled", str(data),
+                    "--init", str(tmp_path / "init"), "--dflash-steps", "1") == 0
+    log = json.loads((out / "train_log.json").read_text())
+    assert set(log["phases"]) == {"dflash", "eval"} and log["phases"]["dflash"]["steps"] == 1
+    assert log["phases"]["dflash"]["init"] == str(tmp_path / "init" / "dflash")
+    assert (out / "pard" / PARD_LAYERS_FILE).read_bytes() == (tmp_path / "init" / "pard" / PARD_LAYERS_FILE).read_bytes()
+    from safetensors.torch import load_file
+
+    before, after = load_file(str(tmp_path / "init" / "dflash" / "model.safetensors")), load_file(str(out / "dflash" / "model.safetensors"))
+    moved = max((after[k].float() - before[k].float()).abs().max().item() for k in before)
+    assert 0 < moved < 0.01  # one warm-up step of lr peak/warmup; a fresh start differs by ~0.1
+    assert log["phases"]["eval"]["summary"]["dflash"]["equals_ar"] == log["phases"]["eval"]["summary"]["dflash"]["prompts"]
+    assert "continued from: `" in (out / "dflash" / "MODEL_CARD.md").read_text()
+
+
+def test_training_without_distill_needs_a_data_file_and_phases_are_checked(tiny_target, corpus, tmp_path):
+    with pytest.raises(SystemExit, match="needs --distilled FILE"):
+        run_main(tiny_target, corpus, tmp_path / "o", "--phases", "dflash")
+    with pytest.raises(SystemExit, match="--phases: unknown train"):
+        run_main(tiny_target, corpus, tmp_path / "o", "--phases", "distill,train")
+    with pytest.raises(SystemExit, match=r"--phases eval: .* has no dflash or pard/ drafter"):
+        run_main(tiny_target, corpus, tmp_path / "o", "--phases", "eval")

@@ -89,6 +89,7 @@ import hashlib
 import json
 import os
 import random
+import shutil
 import sys
 import tempfile
 import time
@@ -113,8 +114,8 @@ from specpilot.runtime.tokenizer import chat_prompt, load_tokenizer
 from train.corpus import CORPUS_FILE, build_corpus, read_docs
 from train.drafters import accepted_prefix, dflash_block_labels, dflash_block_logits, dflash_loss_weights, pard_layout
 from train.heldout_prompts import training_prompts
-from train.train_zoo import (Budget, StepLog, count_params, environment, git_commit, lr_at, make_optimizer, set_lr,
-                             spread_layers, sync)
+from train.train_zoo import (Budget, StepLog, count_params, environment, free_memory, git_commit, lr_at, make_optimizer,
+                             set_lr, spread_layers, sync)
 
 TARGET = "smollm2-135m-instruct"
 EOS_ID = 0  # <|endoftext|>: a document boundary, as the corpus filler ends
@@ -164,7 +165,8 @@ PRESETS = {
 }
 SMOKE_CAPS = {"distill_batches": 2, "dflash_steps": 2, "pard_steps": 2}
 DRAFTER_BYTES = 16_000_000  # both drafters' own bf16 weights: ~11 MB stored as xz (the size budget above)
-ZOO_FILES = ("dflash", "pard", "train_log.json")  # OUT's entries the zoo keeps
+ZOO_FILES = ("dflash", "pard", "train_log.json")
+PHASES = ("distill", "dflash", "pard", "eval")  # OUT's entries the zoo keeps
 
 
 # --- prompts --------------------------------------------------------------------------------
@@ -229,6 +231,17 @@ class PromptSource:
         self.own: list[list[int]] = []
         self.counts = {"code": 0, "instruct": 0, "snippet": 0, "own": 0}
         self.used = {"code": 0, "instruct": 0}
+        self.batches = 0  # batches drawn, in all calls (a --distilled file carries on from its count)
+
+    def resume(self, state: dict, seqs: list[torch.Tensor], seed: int) -> None:
+        """Carry on where an earlier call's source stopped (a --distilled file's `source` and
+        sequences): the next prompts of each pool, a random stream of its own, `own` from its outputs."""
+        self.used = dict(state["used"])
+        self.batches = int(state["batches"])
+        self.rng = random.Random(seed * 1_000_003 + self.batches)
+        tails = [s[-20000:, -max(self.shapes.prompt_lens) :] for s in seqs]
+        if tails:
+            self.remember(torch.cat(tails)[-20000:].long())
 
     def fill(self, ids: list[int], p: int) -> list[int]:
         if len(ids) >= p:
@@ -283,15 +296,76 @@ def greedy_with_hidden(target: Transformer, prompts: torch.Tensor, gen_len: int,
     return torch.cat(seqs, 1), (torch.cat(hidden, 1).to(torch.bfloat16) if layers else None)
 
 
-def distill(args, shapes: Shapes, target: Transformer, source: PromptSource, log: dict) -> dict:
-    """{P: {"train": [N, L], "val": [M, L], "hidden_train"/"hidden_val" (store_hidden)}}."""
+class GreedyBatch:
+    """Greedy continuations of `batch` prompts of one length (at most `max_prompt`), `gen_len`
+    tokens each, the decode step one CUDA graph (GraphedStep: captured once, replayed for every
+    token of every batch; on a CPU it simply runs, so the tests run this same code).
+
+    The step is launch-bound when eager (~30 ms a token at batch 1024 on the H100: ~600 kernel
+    launches of a 30-layer model); a replay launches them all at once. State: a DeviceKVCache of
+    capacity max_prompt + gen_len (the length on the device), the last token of each row and the
+    output columns with their write position. The prefill is eager, `prefill_rows` rows at a time
+    into row views of the same cache (the activations of a B x P prefill at once would be the
+    largest buffers of the run); then the cache's length is set to P. Slots a longer earlier
+    batch left behind lie at or beyond the length, which the step's visibility hides."""
+
+    def __init__(self, target: Transformer, batch: int, max_prompt: int, gen_len: int, prefill_rows: int = 512) -> None:
+        from specpilot.runtime.graph_decode import GraphedStep
+
+        dev = target.device
+        self.target, self.batch, self.gen_len, self.prefill_rows = target, batch, gen_len, prefill_rows
+        self.cache = target.new_cache(batch, max_prompt + gen_len, device_length=True)
+        self.token = torch.zeros(batch, 1, dtype=torch.long, device=dev)
+        self.out = torch.zeros(batch, gen_len, dtype=torch.long, device=dev)
+        self.pos = torch.zeros(1, dtype=torch.long, device=dev)  # the column of `out` the next step writes
+        with torch.no_grad():
+            self.step = GraphedStep(self._step, dev)  # its warm-up touches the state: run() resets it
+
+    def _step(self) -> None:
+        logits = self.target(self.token, self.cache).logits[:, -1]
+        self.token.copy_(logits.argmax(-1, keepdim=True))
+        self.out.index_copy_(1, self.pos, self.token)
+        self.pos += 1
+
+    @torch.no_grad()
+    def run(self, prompts: torch.Tensor) -> torch.Tensor:
+        """[B, P] prompts -> [B, P + gen_len] greedy sequences (B = the batch it was built for)."""
+        b, p = prompts.shape
+        if b != self.batch or p + self.gen_len > self.cache.max_len:
+            raise ValueError(f"GreedyBatch built for {self.batch} rows of at most {self.cache.max_len - self.gen_len} "
+                             f"prompt tokens, got {tuple(prompts.shape)}")
+        from specpilot.runtime.cache import KVCache
+
+        for r in range(0, b, self.prefill_rows):
+            rows = slice(r, min(b, r + self.prefill_rows))
+            view = KVCache([k[rows] for k in self.cache.k], [v[rows] for v in self.cache.v], self.cache.max_len)
+            logits = self.target(prompts[rows], view, only_last=True).logits[:, -1]
+            self.token[rows] = logits.argmax(-1, keepdim=True)
+        self.cache.length.fill_(p)
+        self.out[:, :1] = self.token
+        self.pos.fill_(1)
+        for _ in range(self.gen_len - 1):
+            self.step()
+        return torch.cat([prompts, self.out], 1)
+
+
+def distill(args, shapes: Shapes, target: Transformer, source: PromptSource, log: dict,
+            groups: dict[int, dict[str, list]] | None = None) -> dict:
+    """{P: {"train": [N, L], "val": [M, L], "hidden_train"/"hidden_val" (store_hidden)}}; `groups`:
+    sequences of earlier calls (read from --distilled), which the new ones are added to."""
     budget = Budget(args.distill_seconds, args.distill_batches, args.device)
-    layers = dflash_layers(shapes, target.cfg.num_layers) if shapes.store_hidden else ()
-    groups: dict[int, dict[str, list]] = {}
+    # hidden states only where every sequence has them: not beside sequences read from a file
+    layers = dflash_layers(shapes, target.cfg.num_layers) if shapes.store_hidden and not groups else ()
+    groups = {p: {k: [v] for k, v in g.items()} for p, g in (groups or {}).items()}
+    runner = None if layers else GreedyBatch(target, shapes.gen_batch, max(shapes.prompt_lens), shapes.gen_len)
     batches = 0
     while batches == 0 or not budget.done(batches):
-        kind, prompts = source.next_batch(shapes.gen_batch, batches)
-        seqs, hidden = greedy_with_hidden(target, prompts.to(args.device), shapes.gen_len, layers)
+        kind, prompts = source.next_batch(shapes.gen_batch, source.batches)
+        source.batches += 1
+        if runner is None:
+            seqs, hidden = greedy_with_hidden(target, prompts.to(args.device), shapes.gen_len, layers)
+        else:
+            seqs, hidden = runner.run(prompts.to(args.device)), None
         p = prompts.shape[1]
         g = groups.setdefault(p, {"train": [], "val": [], "hidden_train": [], "hidden_val": []})
         v = min(shapes.val_rows, len(seqs) - 1)
@@ -305,10 +379,15 @@ def distill(args, shapes: Shapes, target: Transformer, source: PromptSource, log
         if batches % 10 == 0 or args.device.type == "cpu":
             print(f"  distill batch {batches} ({kind}, P={p}) {budget.elapsed():.0f}s", flush=True)
     sync(args.device)
+    graphed = runner is not None
+    del runner
+    free_memory(args.device)
     data = {p: {k: torch.cat(v) for k, v in g.items() if v} for p, g in groups.items()}
     tokens = sum(len(d["train"]) + len(d["val"]) for d in data.values()) * shapes.gen_len
     log["phases"]["distill"] = {
         "batches": batches, "seconds": round(budget.elapsed(), 1), "generated_tokens": tokens,
+        "new_tokens": batches * shapes.gen_batch * shapes.gen_len, "batches_in_all": source.batches,
+        "graphed_decode": graphed,
         "sequences": {str(p): [len(d["train"]), len(d["val"])] for p, d in data.items()},
         "prompts_by_kind": dict(source.counts), "distinct_prompts_used": dict(source.used),
         "prompts_available": {"code": len(source.code), "instruct": len(source.instruct)},
@@ -317,6 +396,53 @@ def distill(args, shapes: Shapes, target: Transformer, source: PromptSource, log
     }
     print(f"distill: {tokens} greedy tokens in {batches} batches {source.counts}, {budget.elapsed():.0f}s", flush=True)
     return data
+
+
+DATA_FORMAT = "train_smollm2 distilled sequences"
+DATA_VERSION = 1
+
+
+def target_fingerprint(cfg: ModelConfig) -> dict:
+    """What a distilled file's sequences depend on: the target's shape (a different target's greedy
+    text would be wrong data for this one)."""
+    return {"num_layers": cfg.num_layers, "hidden_size": cfg.hidden_size, "vocab_size": cfg.vocab_size,
+            "num_heads": cfg.num_heads, "num_kv_heads": cfg.num_kv_heads}
+
+
+def save_distilled(path: Path, data: dict, source: PromptSource, shapes: Shapes, target_cfg: ModelConfig,
+                   seed: int) -> None:
+    """The sequences (int32, on the CPU; no hidden states: training recomputes them) and where the
+    prompt source stands, written to a temporary sibling and renamed over `path`."""
+    payload = {"format": DATA_FORMAT, "version": DATA_VERSION, "target": target_fingerprint(target_cfg),
+               "gen_len": shapes.gen_len, "prompt_lens": list(shapes.prompt_lens), "seed": seed,
+               "source": {"batches": source.batches, "used": dict(source.used), "counts": dict(source.counts)},
+               "groups": {int(p): {k: d[k].to("cpu", torch.int32) for k in ("train", "val")} for p, d in data.items()}}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(payload, tmp)
+    os.replace(tmp, path)
+
+
+def load_distilled(path: Path, shapes: Shapes, target_cfg: ModelConfig, device: torch.device) -> tuple[dict, dict]:
+    """(groups {P: {"train", "val"} int64 on `device`}, the prompt source's state) of a --distilled
+    file; SystemExit naming the file and the field where it does not fit this run."""
+    try:
+        payload = torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise SystemExit(f"{path}: no such file (--distilled: written by a run with the distill phase)") from None
+    except Exception as e:  # noqa: BLE001 - a truncated or foreign file: say which
+        raise SystemExit(f"{path}: not a train_smollm2 distilled file ({type(e).__name__}: {e})") from None
+    if not isinstance(payload, dict) or payload.get("format") != DATA_FORMAT:
+        raise SystemExit(f"{path}: not a train_smollm2 distilled file (field 'format' is not {DATA_FORMAT!r})")
+    if payload.get("version") != DATA_VERSION:
+        raise SystemExit(f"{path}: version {payload.get('version')!r}, expected {DATA_VERSION}")
+    expect = {"target": target_fingerprint(target_cfg), "gen_len": shapes.gen_len}
+    for field, want in expect.items():
+        if payload.get(field) != want:
+            raise SystemExit(f"{path}: field '{field}' is {payload.get(field)!r}, this run needs {want!r} "
+                             f"(another target or --preset wrote it)")
+    groups = {int(p): {k: t.to(device, torch.long) for k, t in g.items()} for p, g in payload["groups"].items()}
+    return groups, payload["source"]
 
 
 def pick(data: dict, step: int, key: str):
@@ -363,7 +489,8 @@ def autocast(device: torch.device):
 
 
 def train_dflash(args, shapes: Shapes, target: Transformer, target_cfg: ModelConfig, data: dict, mask_id: int,
-                 log: dict) -> DFlashDrafter:
+                 log: dict, init: Path | None = None) -> DFlashDrafter:
+    """The DFlash drafter trained on `data`: from random weights, or from init/dflash/ (--init)."""
     dev = args.device
     dcfg = dflash_config(shapes, target_cfg, mask_id)
     torch.manual_seed(args.seed + 3)
@@ -373,6 +500,8 @@ def train_dflash(args, shapes: Shapes, target: Transformer, target_cfg: ModelCon
     for m in drafter.modules():
         if isinstance(m, torch.nn.Linear):
             torch.nn.init.normal_(m.weight, std=0.02)
+    if init is not None:
+        load_init(drafter, init / INIT_FILES["dflash"][1])
     drafter.to(dev).train()
     opt = make_optimizer(drafter.parameters(), shapes.dflash_lr, dev)
     gen = torch.Generator(dev).manual_seed(args.seed + 4)
@@ -406,6 +535,7 @@ def train_dflash(args, shapes: Shapes, target: Transformer, target_cfg: ModelCon
     correct = torch.cat(correct)
     log["phases"]["dflash"] = {
         "parameters": count_params(drafter), "steps": step, "seconds": round(budget.elapsed(), 1),
+        "init": str(init / "dflash") if init is not None else None,
         "batch": [shapes.dflash_batch, shapes.dflash_anchors, dcfg.block_size], "peak_lr": shapes.dflash_lr,
         "loss_weights": "exp(-(k-1)/7)", "target_layer_ids": list(dcfg.target_layer_ids),
         "final_train_loss": steps_log.final, "loss_curve": steps_log.curve,
@@ -457,10 +587,15 @@ def pard_forward(model, layout, seqs: torch.Tensor, mask_id: int, queries: torch
     return model.lm_head(hidden[:, q]).float(), seqs[:, lab]
 
 
-def train_pard(args, shapes: Shapes, target_dir: Path, target_cfg: ModelConfig, data: dict, mask_id: int, log: dict):
+def train_pard(args, shapes: Shapes, target_dir: Path, target_cfg: ModelConfig, data: dict, mask_id: int, log: dict,
+               init: Path | None = None):
+    """The PARD drafter trained on `data`: from the target's first layers, or from init/pard/ (--init)."""
     dev = args.device
     torch.manual_seed(args.seed + 5)
     model, cfg, copied = pard_model(shapes, target_dir, target_cfg, dev)
+    if init is not None:
+        load_init(model, init / INIT_FILES["pard"][1], skip=(SHARED_EMBEDDING, "lm_head.weight"))
+        copied = []
     model.train()
     layouts = {p: pard_layout(d["train"].shape[1], shapes.pard_k, p, dev) for p, d in data.items()}
     opt = make_optimizer(model.parameters(), shapes.pard_lr, dev)
@@ -501,7 +636,8 @@ def train_pard(args, shapes: Shapes, target_dir: Path, target_cfg: ModelConfig, 
         "parameters_own": sum(q.numel() for n, q in model.named_parameters() if n != SHARED_EMBEDDING),
         "steps": step, "seconds": round(budget.elapsed(), 1), "batch": shapes.pard_batch,
         "queries_per_sequence": shapes.pard_queries or "all", "peak_lr": shapes.pard_lr, "k": shapes.pard_k,
-        "initialized_from_target": copied, "final_train_loss": steps_log.final, "loss_curve": steps_log.curve,
+        "initialized_from_target": copied, "init": str(init / "pard") if init is not None else None,
+        "final_train_loss": steps_log.final, "loss_curve": steps_log.curve,
         "validation": {"steps": len(correct), "accuracy_by_draft": [round(x, 3) for x in correct.float().mean(0).tolist()],
                        "tau_estimate": round(1 + accepted_prefix(correct).float().mean().item(), 3)},
     }
@@ -518,6 +654,54 @@ def save_pard(model, cfg: ModelConfig, shapes: Shapes, mask_id: int, path: Path)
     tensors = {k: v.detach().to(torch.bfloat16).cpu().contiguous() for k, v in model.state_dict().items()
                if k not in (SHARED_EMBEDDING, "lm_head.weight")}
     save_file(tensors, str(path / PARD_LAYERS_FILE), metadata={"format": "pt", "shared": SHARED_EMBEDDING})
+
+
+# --- continuing from trained drafters (--init) ----------------------------------------------
+
+INIT_FILES = {"dflash": ("dflash/config.json", "dflash/model.safetensors"),
+              "pard": ("pard/config.json", f"pard/{PARD_LAYERS_FILE}")}
+
+
+def resolve_init(path: Path, kinds: tuple[str, ...], cache: Path) -> Path:
+    """The plain folder of --init PATH: a train_smollm2 output folder as it is, or the zoo's stored
+    form (manifest.json, weights as .xz) materialized under `cache`; SystemExit naming the path and
+    what it lacks for `kinds`."""
+    from specpilot.errors import CheckpointError
+    from specpilot.zoo import MANIFEST, materialize
+
+    if not path.is_dir():
+        raise SystemExit(f"--init {path}: no such directory (a train_smollm2 output folder or a zoo pair folder)")
+    if (path / MANIFEST).is_file():
+        try:
+            path = materialize(path, cache)
+        except CheckpointError as e:
+            raise SystemExit(f"--init: {e}") from None
+    missing = [f for kind in kinds for f in INIT_FILES[kind] if not (path / f).is_file()]
+    if missing:
+        raise SystemExit(f"--init {path}: missing {', '.join(missing)} (needed to continue "
+                         f"{' and '.join(kinds)}; a train_smollm2 output folder has dflash/ and pard/)")
+    return path
+
+
+def load_init(module: torch.nn.Module, file: Path, skip: tuple[str, ...] = ()) -> None:
+    """module's parameters (all but `skip`) from a saved drafter's safetensors file, in the module's
+    dtype; SystemExit naming the file and the tensors that do not fit (another shape: other Shapes)."""
+    from safetensors.torch import load_file
+
+    saved = load_file(str(file))
+    own = {k: v for k, v in module.state_dict().items() if k not in skip}
+    missing = sorted(set(own) - set(saved))
+    extra = sorted(set(saved) - set(own) - set(skip))
+    shapes = [f"{k} {tuple(saved[k].shape)} (needs {tuple(v.shape)})" for k, v in own.items()
+              if k in saved and saved[k].shape != v.shape]
+    if missing or extra or shapes:
+        parts = [f"lacks {', '.join(missing[:4])}" if missing else "", f"has unknown {', '.join(extra[:4])}" if extra else "",
+                 f"shapes differ: {', '.join(shapes[:4])}" if shapes else ""]
+        raise SystemExit(f"--init {file}: does not fit this run's drafter ({'; '.join(p for p in parts if p)}); "
+                         f"train with the Shapes it was trained with")
+    with torch.no_grad():
+        for k, v in own.items():
+            v.copy_(saved[k].to(v.dtype))
 
 
 # --- evaluation -----------------------------------------------------------------------------
@@ -619,10 +803,25 @@ def write_log(out: Path, log: dict) -> None:
     os.replace(tmp, out / "train_log.json")
 
 
+def run_summary(log: dict) -> dict:
+    """One earlier run of a chain of --init calls, in brief: what it did and how far it got."""
+    ph = log.get("phases", {})
+    return {"commit": log.get("commit"), "argv": log.get("argv"),
+            "distill_new_tokens": ph.get("distill", {}).get("new_tokens", ph.get("distill", {}).get("generated_tokens")),
+            **{f"{k}_steps": ph[k].get("steps") for k in ("dflash", "pard") if k in ph},
+            **{f"{k}_validation_tau": ph[k].get("validation", {}).get("tau_estimate") for k in ("dflash", "pard") if k in ph},
+            "eval_tau": {k: v.get("tau") for k, v in ph.get("eval", {}).get("summary", {}).items()}}
+
+
 def model_card(kind: str, log: dict) -> str:
     ph = log["phases"]
     d, dist, ev = ph.get(kind, {}), ph.get("distill", {}), ph.get("eval", {}).get("summary", {}).get(kind, {})
     sh = log["shapes"]
+    init = log.get("init")
+    cont = (f"`{init['from']}` (--init; earlier runs, oldest first: {init['earlier_runs']})" if init else
+            "nothing (a first run: DFlash from random weights, PARD from the target's first layer)")
+    if "data_in" in log:
+        cont += f"; sequences of earlier calls: {log['data_in']}"
     shape = (f"{sh['dflash_layers']} decoder layer(s) (hidden 576, intermediate {sh['dflash_intermediate']}, qk-norm), "
              f"context projection of target layers {d.get('target_layer_ids')}; embedding and head are the target's"
              if kind == "dflash" else
@@ -641,6 +840,7 @@ A {'DFlash' if kind == 'dflash' else 'PARD'}-style drafter for the built-in targ
   ({dist.get('prompts_by_kind')}); never HumanEval, code-heldout or any measured set
 - training: {d.get('steps')} steps in {d.get('seconds')} s on {log['environment'].get('device_name')},
   final train loss {d.get('final_train_loss')}, validation {d.get('validation')}
+- continued from: {cont}
 - τ with specpilot's loops on HumanEval prompts ({log['phases'].get('eval', {}).get('dtype')}): {ev}
 - retrain: `python -m train.train_smollm2 --out OUT --preset {log['preset']}` (argv: {' '.join(log['argv'])}),
   commit {log['commit']}; the full log is train_log.json beside this card's folder
@@ -658,13 +858,32 @@ def parse_args(argv):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--store", type=Path, default=None,
                     help="at the end, also write the drafters and log as the zoo keeps them (xz, manifest) here")
-    for phase in ("distill", "dflash", "pard", "eval"):
+    ap.add_argument("--phases", default=",".join(PHASES),
+                    help=f"the phases to run, comma-separated, in their order (default all: {','.join(PHASES)})")
+    ap.add_argument("--init", type=Path, default=None,
+                    help="continue both drafters from this folder: a train_smollm2 --out folder or a zoo pair folder "
+                         "(manifest.json, weights as .xz); a drafter this call does not train is copied to --out")
+    ap.add_argument("--init-cache", type=Path, default=Path(".cache"), help="where a zoo-form --init is materialized")
+    ap.add_argument("--distilled", type=Path, default=None,
+                    help="the distilled sequences' file: read first if it exists (earlier calls' data, which the "
+                         "distill phase adds to), rewritten after the distill phase; keep it outside --out")
+    ap.add_argument("--gen-batch", type=int, default=None, help="rows of a distill batch (default: the preset's)")
+    for phase in PHASES:
         ap.add_argument(f"--{phase}-seconds", type=float, default=None)
     for cap in SMOKE_CAPS:
         ap.add_argument(f"--{cap.replace('_', '-')}", type=int, default=None)
     args = ap.parse_args(argv)
     args.argv = list(argv if argv is not None else sys.argv[1:])
     shapes, seconds = PRESETS[args.preset]
+    if args.gen_batch is not None:
+        if args.gen_batch < 2:
+            raise SystemExit(f"--gen-batch {args.gen_batch}: needs at least 2 rows (one is held back for validation)")
+        shapes = replace(shapes, gen_batch=args.gen_batch)
+    args.phases = tuple(p.strip() for p in args.phases.split(",") if p.strip())
+    if unknown := [p for p in args.phases if p not in PHASES]:
+        raise SystemExit(f"--phases: unknown {', '.join(unknown)} (expected some of {','.join(PHASES)})")
+    if not args.phases:
+        raise SystemExit(f"--phases: empty (expected some of {','.join(PHASES)})")
     for phase, s in seconds.items():
         if getattr(args, f"{phase}_seconds") is None:
             setattr(args, f"{phase}_seconds", s)
@@ -744,7 +963,7 @@ def main(argv: list[str] | None = None) -> int:
     source = PromptSource(tok, docs, template, shapes, args.seed)
     log = {"argv": args.argv, "preset": args.preset, "commit": git_commit(), "environment": environment(args.device),
            "threads": torch.get_num_threads(), "shapes": asdict(shapes), "target": args.target, "mask_token": MASK_TOKEN,
-           "phase_seconds": {p: getattr(args, f"{p}_seconds") for p in ("distill", "dflash", "pard", "eval")},
+           "phases_run": list(args.phases), "phase_seconds": {p: getattr(args, f"{p}_seconds") for p in args.phases},
            "drafter_size": sizes, "phases": {}, "setup_seconds": round(time.perf_counter() - t0, 1)}
     print(f"setup {time.perf_counter() - t0:.0f}s: {len(source.code)} code prompts, {len(source.instruct)} instructions, "
           f"device {args.device}, {torch.get_num_threads()} threads", flush=True)
@@ -752,22 +971,54 @@ def main(argv: list[str] | None = None) -> int:
         log["total_seconds"] = round(time.perf_counter() - t0, 1)
         write_log(out, log)
         for kind in ("dflash", "pard"):
-            if (out / kind / "config.json").is_file():
+            if kind in log["phases"] and (out / kind / "config.json").is_file():  # trained in this call
                 (out / kind / "MODEL_CARD.md").write_text(model_card(kind, log))
 
-    data = distill(args, shapes, target, source, log)
-    saved()
-    drafter = train_dflash(args, shapes, target, target_cfg, data, mask_id, log)
-    save_dflash(drafter, out / "dflash")
-    del drafter
+    phases = args.phases
+    init = resolve_init(args.init, ("dflash", "pard"), args.init_cache) if args.init else None
+    if init is not None:
+        earlier = json.loads((init / "train_log.json").read_text()) if (init / "train_log.json").is_file() else None
+        log["init"] = {"from": str(args.init), "earlier_runs": ([*earlier.get("init", {}).get("earlier_runs", []),
+                                                                  run_summary(earlier)] if earlier else [])}
+    training = [p for p in ("dflash", "pard") if p in phases]
+    if training and "distill" not in phases and args.distilled is None:
+        raise SystemExit(f"--phases {','.join(phases)}: training without the distill phase needs --distilled FILE "
+                         f"(the sequences an earlier call distilled)")
+    groups, state = ({}, None)
+    if args.distilled and (args.distilled.is_file() or ("distill" not in phases and training)):
+        groups, state = load_distilled(args.distilled, shapes, target_cfg, args.device)
+        source.resume(state, [g["train"] for g in groups.values()], args.seed)
+        log["data_in"] = {"file": str(args.distilled), "batches": state["batches"],
+                          "tokens": sum(len(g["train"]) + len(g["val"]) for g in groups.values()) * shapes.gen_len}
+    if "distill" in phases:
+        data = distill(args, shapes, target, source, log, groups)
+        if args.distilled:
+            save_distilled(args.distilled, data, source, shapes, target_cfg, args.seed)
+        saved()
+    else:
+        data = groups
+    if "dflash" in phases:
+        drafter = train_dflash(args, shapes, target, target_cfg, data, mask_id, log, init)
+        save_dflash(drafter, out / "dflash")
+        del drafter
+        saved()
     for d in data.values():
         d.pop("hidden_train", None), d.pop("hidden_val", None)
-    saved()
-    model, pcfg = train_pard(args, shapes, target_dir, target_cfg, data, mask_id, log)
-    save_pard(model, pcfg, shapes, mask_id, out / "pard")
-    del model, target, data
-    saved()
-    evaluate(args, shapes, out, log)
+    if "pard" in phases:
+        model, pcfg = train_pard(args, shapes, target_dir, target_cfg, data, mask_id, log, init)
+        save_pard(model, pcfg, shapes, mask_id, out / "pard")
+        del model
+        saved()
+    del target, data, groups
+    for kind in ("dflash", "pard"):  # a drafter --init gave and this call did not train: OUT holds it as it is
+        if init is not None and kind not in phases and (init / kind).resolve() != (out / kind).resolve():
+            shutil.rmtree(out / kind, ignore_errors=True)
+            shutil.copytree(init / kind, out / kind)
+    if "eval" in phases:
+        if missing := [k for k in ("dflash", "pard") if not (out / k / "config.json").is_file()]:
+            raise SystemExit(f"--phases eval: {out} has no {' or '.join(missing)}/ drafter (train it in this call, "
+                             f"give --init, or point --out at an earlier call's folder)")
+        evaluate(args, shapes, out, log)
     saved()
     if args.store:
         store(out, args.store)
