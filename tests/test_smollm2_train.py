@@ -105,17 +105,22 @@ def corpus(tmp_path_factory):
     return data
 
 
-def test_graphed_greedy_batch_equals_ar_row_by_row_across_reused_batches(tiny_target):
+@pytest.mark.parametrize("split_kv", [False, True], ids=["sdpa", "split-kv"])
+def test_graphed_greedy_batch_equals_ar_row_by_row_across_reused_batches(tiny_target, split_kv):
+    """SDPA: three batches through one runner; the split-KV kernel (the GPU's decode attention; here
+    under Triton's interpreter, ~0.3 s a call) a short one after a longer one."""
     target, _ = load_target(tiny_target, dtype=torch.float32, device="cpu")
-    runner = ts.GreedyBatch(target, batch=3, max_prompt=9, gen_len=8, prefill_rows=2)  # prefill in two row chunks
+    gen_len = 3 if split_kv else 8
+    runner = ts.GreedyBatch(target, batch=3, max_prompt=9, gen_len=gen_len, prefill_rows=2, split_kv=split_kv)
     gen = torch.Generator().manual_seed(1)
-    for p in (9, 5, 7):  # a shorter batch after a longer one: the stale slots past its length stay hidden
+    for p in (9, 5) if split_kv else (9, 5, 7):  # a shorter batch after a longer one: stale slots past its length stay hidden
         prompts = torch.randint(5, 300, (3, p), generator=gen)
         seqs = runner.run(prompts)
-        assert seqs.shape == (3, p + 8) and torch.equal(seqs[:, :p], prompts)
+        assert seqs.shape == (3, p + gen_len) and torch.equal(seqs[:, :p], prompts)
         for row in range(3):
-            ar = generate_ar(target, prompts[row].tolist(), max_new_tokens=8, eos_token_id=None)
+            ar = generate_ar(target, prompts[row].tolist(), max_new_tokens=gen_len, eos_token_id=None)
             assert seqs[row, p:].tolist() == ar.tokens, (p, row)
+    runner.close()
     with pytest.raises(ValueError, match="at most 9 prompt tokens"):
         runner.run(torch.zeros(3, 10, dtype=torch.long))
 
@@ -262,3 +267,19 @@ def test_training_without_distill_needs_a_data_file_and_phases_are_checked(tiny_
         run_main(tiny_target, corpus, tmp_path / "o", "--phases", "distill,train")
     with pytest.raises(SystemExit, match=r"--phases eval: .* has no dflash or pard/ drafter"):
         run_main(tiny_target, corpus, tmp_path / "o", "--phases", "eval")
+    assert not (tmp_path / "o").exists()  # refused before any work: nothing written
+
+
+def test_graphed_greedy_batch_serves_its_decode_step_by_the_split_kv_kernel_and_puts_sdpa_back(tiny_target):
+    from specpilot.backends.kernel_hooks import triton_runs
+    from specpilot.runtime.model import attend_visible
+
+    target, _ = load_target(tiny_target, dtype=torch.float32, device="cpu")
+    if not triton_runs(target.device):
+        pytest.skip("needs Triton's interpreter (the suite's conftest sets it)")
+    runner = ts.GreedyBatch(target, batch=2, max_prompt=6, gen_len=4)
+    assert len(runner.installed) == len(target.model.layers)
+    runner.close()
+    assert all(layer.self_attn.attention is attend_visible for layer in target.model.layers)
+    plain = ts.GreedyBatch(target, batch=2, max_prompt=6, gen_len=4, split_kv=False)
+    assert plain.installed == []

@@ -134,6 +134,7 @@ class Shapes:
     filler_docs: int = 2000  # corpus files tokenized for fillers and snippets
     val_rows: int = 8  # rows of every generated batch held back for validation
     store_hidden: bool = False  # keep the target's hidden states from generation (else recompute them)
+    gen_split_kv: bool = True  # the graphed decode step's attention by the split-KV kernel where Triton runs (GreedyBatch)
     dflash_layers: int = 1  # DRAFTER_BYTES: one layer each (the module docstring's size budget)
     dflash_intermediate: int = 1024
     dflash_target_layers: int = 5  # target layers the drafter reads, spread over the depth (30 layers: 1, 8, 14, 21, 28)
@@ -158,7 +159,7 @@ PRESETS = {
                    dflash_batch=4, pard_batch=2, pard_queries=96, warmup=10, eval_prompts=6, eval_new_tokens=64,
                    filler_docs=400),
             {"distill": 420, "dflash": 300, "pard": 150, "eval": 90}),
-    "smoke": (Shapes(prompt_lens=(24, 40), gen_len=20, gen_batch=3, val_rows=1, dflash_anchors=2,
+    "smoke": (Shapes(prompt_lens=(24, 40), gen_len=20, gen_batch=3, val_rows=1, dflash_anchors=2, gen_split_kv=False,
                      dflash_batch=2, pard_batch=1, pard_queries=16, warmup=2, eval_prompts=1, eval_new_tokens=20,
                      filler_docs=20),
               {"distill": 20, "dflash": 10, "pard": 10, "eval": 20}),
@@ -309,17 +310,45 @@ class GreedyBatch:
     largest buffers of the run); then the cache's length is set to P. Slots a longer earlier
     batch left behind lie at or beyond the length, which the step's visibility hides."""
 
-    def __init__(self, target: Transformer, batch: int, max_prompt: int, gen_len: int, prefill_rows: int = 512) -> None:
+    def __init__(self, target: Transformer, batch: int, max_prompt: int, gen_len: int, prefill_rows: int = 512,
+                 split_kv: bool = True) -> None:
         from specpilot.runtime.graph_decode import GraphedStep
 
         dev = target.device
         self.target, self.batch, self.gen_len, self.prefill_rows = target, batch, gen_len, prefill_rows
+        self.installed = self.install_split_kv() if split_kv else []
         self.cache = target.new_cache(batch, max_prompt + gen_len, device_length=True)
         self.token = torch.zeros(batch, 1, dtype=torch.long, device=dev)
         self.out = torch.zeros(batch, gen_len, dtype=torch.long, device=dev)
         self.pos = torch.zeros(1, dtype=torch.long, device=dev)  # the column of `out` the next step writes
         with torch.no_grad():
             self.step = GraphedStep(self._step, dev)  # its warm-up touches the state: run() resets it
+
+    def install_split_kv(self) -> list:
+        """The decode step's attention (one query a row over the whole capacity, the length on the
+        device) by specpilot's split-KV Triton kernel where Triton runs (a GPU, or the interpreter in
+        the tests): SDPA would take the visibility mask and expand the 3 KV heads to 9 first. The
+        prefill (many queries a row) keeps the runtime's SDPA. Returns what `close` puts back."""
+        from specpilot.backends.kernel_hooks import split_kv_attention, triton_runs
+
+        if not triton_runs(self.target.device):
+            return []
+        installed = []
+        for layer in self.target.model.layers:
+            attn, before = layer.self_attn, layer.self_attn.attention
+
+            def decode_split_kv(q, k, v, vis, before=before):
+                return split_kv_attention(q, k, v, vis) if q.shape[2] == 1 else before(q, k, v, vis)
+
+            attn.attention = decode_split_kv
+            installed.append((attn, before))
+        return installed
+
+    def close(self) -> None:
+        """The target's own attention back (the graph and the cache go with this object)."""
+        for attn, before in self.installed:
+            attn.attention = before
+        self.installed = []
 
     def _step(self) -> None:
         logits = self.target(self.token, self.cache).logits[:, -1]
@@ -357,7 +386,8 @@ def distill(args, shapes: Shapes, target: Transformer, source: PromptSource, log
     # hidden states only where every sequence has them: not beside sequences read from a file
     layers = dflash_layers(shapes, target.cfg.num_layers) if shapes.store_hidden and not groups else ()
     groups = {p: {k: [v] for k, v in g.items()} for p, g in (groups or {}).items()}
-    runner = None if layers else GreedyBatch(target, shapes.gen_batch, max(shapes.prompt_lens), shapes.gen_len)
+    runner = None if layers else GreedyBatch(target, shapes.gen_batch, max(shapes.prompt_lens), shapes.gen_len,
+                                             split_kv=shapes.gen_split_kv)
     batches = 0
     while batches == 0 or not budget.done(batches):
         kind, prompts = source.next_batch(shapes.gen_batch, source.batches)
@@ -380,6 +410,8 @@ def distill(args, shapes: Shapes, target: Transformer, source: PromptSource, log
             print(f"  distill batch {batches} ({kind}, P={p}) {budget.elapsed():.0f}s", flush=True)
     sync(args.device)
     graphed = runner is not None
+    if runner is not None:
+        runner.close()
     del runner
     free_memory(args.device)
     data = {p: {k: torch.cat(v) for k, v in g.items() if v} for p, g in groups.items()}
@@ -894,6 +926,22 @@ def parse_args(argv):
     return args, shapes
 
 
+def check_plan(args) -> Path | None:
+    """What the chosen phases need, checked before any work (SystemExit naming what is missing):
+    training without distilling needs --distilled; eval needs both drafters, from this call,
+    --init or an earlier call's --out. Returns --init's plain folder (None without --init)."""
+    phases = args.phases
+    init = resolve_init(args.init, ("dflash", "pard"), args.init_cache) if args.init else None
+    if any(p in phases for p in ("dflash", "pard")) and "distill" not in phases and args.distilled is None:
+        raise SystemExit(f"--phases {','.join(phases)}: training without the distill phase needs --distilled FILE "
+                         f"(the sequences an earlier call distilled)")
+    if "eval" in phases and init is None:
+        if missing := [k for k in ("dflash", "pard") if k not in phases and not (args.out / k / "config.json").is_file()]:
+            raise SystemExit(f"--phases {','.join(phases)}: {args.out} has no {' or '.join(missing)}/ drafter (train it "
+                             f"in this call, give --init, or point --out at an earlier call's folder)")
+    return init
+
+
 def split_wheel(wheel: Path, out: Path, part_mib: float) -> None:
     """WHEEL as out/part-NN files of at most part_mib MiB, and out/wheel.json (name, sha256)."""
     data = wheel.read_bytes()
@@ -940,6 +988,7 @@ def main(argv: list[str] | None = None) -> int:
         store(a.out, a.dest)
         return 0
     args, shapes = parse_args(argv)
+    args.init_dir = check_plan(args)
     if args.threads or args.device.type == "cpu":
         torch.set_num_threads(args.threads or 1)
     if args.device.type == "cuda":
@@ -974,16 +1023,12 @@ def main(argv: list[str] | None = None) -> int:
             if kind in log["phases"] and (out / kind / "config.json").is_file():  # trained in this call
                 (out / kind / "MODEL_CARD.md").write_text(model_card(kind, log))
 
-    phases = args.phases
-    init = resolve_init(args.init, ("dflash", "pard"), args.init_cache) if args.init else None
+    phases, init = args.phases, args.init_dir
     if init is not None:
         earlier = json.loads((init / "train_log.json").read_text()) if (init / "train_log.json").is_file() else None
         log["init"] = {"from": str(args.init), "earlier_runs": ([*earlier.get("init", {}).get("earlier_runs", []),
                                                                   run_summary(earlier)] if earlier else [])}
     training = [p for p in ("dflash", "pard") if p in phases]
-    if training and "distill" not in phases and args.distilled is None:
-        raise SystemExit(f"--phases {','.join(phases)}: training without the distill phase needs --distilled FILE "
-                         f"(the sequences an earlier call distilled)")
     groups, state = ({}, None)
     if args.distilled and (args.distilled.is_file() or ("distill" not in phases and training)):
         groups, state = load_distilled(args.distilled, shapes, target_cfg, args.device)
@@ -1015,9 +1060,6 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(out / kind, ignore_errors=True)
             shutil.copytree(init / kind, out / kind)
     if "eval" in phases:
-        if missing := [k for k in ("dflash", "pard") if not (out / k / "config.json").is_file()]:
-            raise SystemExit(f"--phases eval: {out} has no {' or '.join(missing)}/ drafter (train it in this call, "
-                             f"give --init, or point --out at an earlier call's folder)")
         evaluate(args, shapes, out, log)
     saved()
     if args.store:
