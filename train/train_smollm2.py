@@ -26,8 +26,9 @@ them): ~4.7 MB a batch of 3072 x 384, so keep it outside --out (a call returns a
     python -m train.train_smollm2 --out A --phases distill --distilled /tmp/d.pt   # data only; then
     python -m train.train_smollm2 --out A --phases dflash,pard,eval --distilled /tmp/d.pt
 
-A continued drafter gets a fresh AdamW and the phase's warm-up and cosine schedule again (the
-optimizer state is not kept); its train_log.json lists the earlier runs of the chain (init).
+A continued drafter gets a fresh AdamW and the phase's warm-up and cosine schedule again, at
+Shapes.init_lr_scale of the peak (--init-lr-scale; the optimizer state is not kept); its
+train_log.json lists the earlier runs of the chain (init).
 
 Phases, each bounded by its own seconds (--PHASE-seconds) and optional step caps:
 
@@ -186,6 +187,9 @@ class Shapes:
     pard_queries: int = 0  # train on this many random trained queries of a layout (0: all)
     pard_lr: float = 5e-4
     warmup: int = 50
+    # a drafter continued from --init: its peak lr scaled by this (a fresh AdamW's first steps move every
+    # weight by about the lr; the first run ended its cosine at a tenth of the peak)
+    init_lr_scale: float = 0.5
     eval_prompts: int = 12
     eval_new_tokens: int = 96
 
@@ -573,14 +577,15 @@ def train_dflash(args, shapes: Shapes, target: Transformer, target_cfg: ModelCon
     if init is not None:
         load_init(drafter, init / INIT_FILES["dflash"][1])
     drafter.to(dev).train()
-    opt = make_optimizer(drafter.parameters(), shapes.dflash_lr, dev)
+    peak = shapes.dflash_lr * (shapes.init_lr_scale if init is not None else 1.0)
+    opt = make_optimizer(drafter.parameters(), peak, dev)
     gen = torch.Generator(dev).manual_seed(args.seed + 4)
     weights = dflash_loss_weights(dcfg.block_size, 7.0, dev)
     steps_log = StepLog("dflash", every=50 if dev.type == "cuda" else 5)
     budget = Budget(args.dflash_seconds, args.dflash_steps, dev)
     step = 0
     while not budget.done(step):
-        set_lr(opt, lr_at(step, budget.progress(step), shapes.dflash_lr, shapes.warmup))
+        set_lr(opt, lr_at(step, budget.progress(step), peak, shapes.warmup))
         p, d = pick(data, step, "train")
         rows = torch.randint(0, len(d["train"]), (shapes.dflash_batch,), generator=gen, device=dev)
         logits, labels = dflash_step(target, drafter, d, "train", rows, p, shapes.dflash_anchors, gen)
@@ -606,7 +611,7 @@ def train_dflash(args, shapes: Shapes, target: Transformer, target_cfg: ModelCon
     log["phases"]["dflash"] = {
         "parameters": count_params(drafter), "steps": step, "seconds": round(budget.elapsed(), 1),
         "init": str(init / "dflash") if init is not None else None,
-        "batch": [shapes.dflash_batch, shapes.dflash_anchors, dcfg.block_size], "peak_lr": shapes.dflash_lr,
+        "batch": [shapes.dflash_batch, shapes.dflash_anchors, dcfg.block_size], "peak_lr": peak,
         "loss_weights": "exp(-(k-1)/7)", "target_layer_ids": list(dcfg.target_layer_ids),
         "final_train_loss": steps_log.final, "loss_curve": steps_log.curve,
         "validation": {"blocks": len(correct), "accuracy_by_draft": [round(x, 3) for x in correct.float().mean(0).tolist()],
@@ -668,13 +673,14 @@ def train_pard(args, shapes: Shapes, target_dir: Path, target_cfg: ModelConfig, 
         copied = []
     model.train()
     layouts = {p: pard_layout(d["train"].shape[1], shapes.pard_k, p, dev) for p, d in data.items()}
-    opt = make_optimizer(model.parameters(), shapes.pard_lr, dev)
+    peak = shapes.pard_lr * (shapes.init_lr_scale if init is not None else 1.0)
+    opt = make_optimizer(model.parameters(), peak, dev)
     gen = torch.Generator(dev).manual_seed(args.seed + 6)
     steps_log = StepLog("pard", every=50 if dev.type == "cuda" else 5)
     budget = Budget(args.pard_seconds, args.pard_steps, dev)
     step = 0
     while not budget.done(step):
-        set_lr(opt, lr_at(step, budget.progress(step), shapes.pard_lr, shapes.warmup))
+        set_lr(opt, lr_at(step, budget.progress(step), peak, shapes.warmup))
         p, d = pick(data, step, "train")
         layout = layouts[p]
         seqs = d["train"][torch.randint(0, len(d["train"]), (shapes.pard_batch,), generator=gen, device=dev)]
@@ -705,7 +711,7 @@ def train_pard(args, shapes: Shapes, target_dir: Path, target_cfg: ModelConfig, 
     log["phases"]["pard"] = {
         "parameters_own": sum(q.numel() for n, q in model.named_parameters() if n != SHARED_EMBEDDING),
         "steps": step, "seconds": round(budget.elapsed(), 1), "batch": shapes.pard_batch,
-        "queries_per_sequence": shapes.pard_queries or "all", "peak_lr": shapes.pard_lr, "k": shapes.pard_k,
+        "queries_per_sequence": shapes.pard_queries or "all", "peak_lr": peak, "k": shapes.pard_k,
         "initialized_from_target": copied, "init": str(init / "pard") if init is not None else None,
         "final_train_loss": steps_log.final, "loss_curve": steps_log.curve,
         "validation": {"steps": len(correct), "accuracy_by_draft": [round(x, 3) for x in correct.float().mean(0).tolist()],
@@ -938,6 +944,8 @@ def parse_args(argv):
                     help="the distilled sequences' file: read first if it exists (earlier calls' data, which the "
                          "distill phase adds to), rewritten after the distill phase; keep it outside --out")
     ap.add_argument("--gen-batch", type=int, default=None, help="rows of a distill batch (default: the preset's)")
+    ap.add_argument("--init-lr-scale", type=float, default=None,
+                    help="peak lr of a drafter continued from --init, as a share of a first run's (default: the preset's)")
     for phase in PHASES:
         ap.add_argument(f"--{phase}-seconds", type=float, default=None)
     for cap in SMOKE_CAPS:
@@ -949,6 +957,10 @@ def parse_args(argv):
         if args.gen_batch < 2:
             raise SystemExit(f"--gen-batch {args.gen_batch}: needs at least 2 rows (one is held back for validation)")
         shapes = replace(shapes, gen_batch=args.gen_batch)
+    if args.init_lr_scale is not None:
+        if not 0 < args.init_lr_scale <= 1:
+            raise SystemExit(f"--init-lr-scale {args.init_lr_scale}: expected a share in (0, 1]")
+        shapes = replace(shapes, init_lr_scale=args.init_lr_scale)
     args.phases = tuple(p.strip() for p in args.phases.split(",") if p.strip())
     if unknown := [p for p in args.phases if p not in PHASES]:
         raise SystemExit(f"--phases: unknown {', '.join(unknown)} (expected some of {','.join(PHASES)})")
