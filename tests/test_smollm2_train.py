@@ -308,3 +308,30 @@ def test_run_gpu_smollm2_groups_pass_flags_train_smollm2_takes(tmp_path):
     assert parsed["smollm2_more"].init == Path("/tmp/smollm2-out")
     more = parsed["smollm2_more"]
     assert 400 <= sum(getattr(more, f"{p}_seconds") for p in ts.PHASES) <= 480  # within the 540 s run, setup beside
+
+
+@pytest.mark.gpu
+def test_graphed_greedy_batch_captured_on_the_gpu_equals_ar(tiny_target):
+    """The CUDA path: the step captured as a CUDA graph, the split-KV kernel natively (fp32, so the
+    comparison with AR is not at bf16's mercy); a shorter batch after a longer one."""
+    target, _ = load_target(tiny_target, dtype=torch.float32, device="cuda")
+    runner = ts.GreedyBatch(target, batch=5, max_prompt=40, gen_len=12, prefill_rows=2)
+    assert runner.step.graph is not None and len(runner.installed) == len(target.model.layers)
+    gen = torch.Generator().manual_seed(7)
+    for p in (40, 24):
+        prompts = torch.randint(5, 300, (5, p), generator=gen).cuda()
+        seqs = runner.run(prompts).cpu()
+        for row in range(5):
+            ar = generate_ar(target, prompts[row].tolist(), max_new_tokens=12, eos_token_id=None)
+            assert seqs[row, p:].tolist() == ar.tokens, (p, row)
+    runner.close()
+
+
+def test_a_graph_that_fails_falls_back_to_the_eager_loop_and_says_so(tiny_target, corpus, tmp_path, monkeypatch):
+    def no_graph(*a, **k):
+        raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(ts, "GreedyBatch", no_graph)
+    assert run_main(tiny_target, corpus, tmp_path / "o", "--phases", "distill", "--distill-batches", "1") == 0
+    d = json.loads((tmp_path / "o" / "train_log.json").read_text())["phases"]["distill"]
+    assert d["graphed_decode"] is False and "stream is capturing" in d["graph_error"] and d["new_tokens"] > 0

@@ -361,13 +361,17 @@ class GreedyBatch:
 
         dev = target.device
         self.target, self.batch, self.gen_len, self.prefill_rows = target, batch, gen_len, prefill_rows
-        self.installed = self.install_split_kv() if split_kv else []
         self.cache = target.new_cache(batch, max_prompt + gen_len, device_length=True)
         self.token = torch.zeros(batch, 1, dtype=torch.long, device=dev)
         self.out = torch.zeros(batch, gen_len, dtype=torch.long, device=dev)
         self.pos = torch.zeros(1, dtype=torch.long, device=dev)  # the column of `out` the next step writes
-        with torch.no_grad():
-            self.step = GraphedStep(self._step, dev)  # its warm-up touches the state: run() resets it
+        self.installed = self.install_split_kv() if split_kv else []
+        try:
+            with torch.no_grad():
+                self.step = GraphedStep(self._step, dev)  # its warm-up touches the state: run() resets it
+        except BaseException:
+            self.close()
+            raise
 
     def install_split_kv(self) -> list:
         """The decode step's attention (one query a row over the whole capacity, the length on the
@@ -431,8 +435,15 @@ def distill(args, shapes: Shapes, target: Transformer, source: PromptSource, log
     # hidden states only where every sequence has them: not beside sequences read from a file
     layers = dflash_layers(shapes, target.cfg.num_layers) if shapes.store_hidden and not groups else ()
     groups = {p: {k: [v] for k, v in g.items()} for p, g in (groups or {}).items()}
-    runner = None if layers else GreedyBatch(target, shapes.gen_batch, max(shapes.prompt_lens), shapes.gen_len,
-                                             split_kv=shapes.gen_split_kv)
+    runner, graph_error = None, None
+    if not layers:
+        try:
+            runner = GreedyBatch(target, shapes.gen_batch, max(shapes.prompt_lens), shapes.gen_len,
+                                 split_kv=shapes.gen_split_kv)
+        except (RuntimeError, ValueError) as e:  # a capture that fails on this GPU costs the graph, not the call
+            graph_error = f"{type(e).__name__}: {e}"[:500]
+            print(f"  GreedyBatch failed ({graph_error}); the eager loop instead", flush=True)
+            free_memory(args.device)
     batches = 0
     while batches == 0 or not budget.done(batches):
         kind, prompts = source.next_batch(shapes.gen_batch, source.batches)
@@ -464,7 +475,7 @@ def distill(args, shapes: Shapes, target: Transformer, source: PromptSource, log
     log["phases"]["distill"] = {
         "batches": batches, "seconds": round(budget.elapsed(), 1), "generated_tokens": tokens,
         "new_tokens": batches * shapes.gen_batch * shapes.gen_len, "batches_in_all": source.batches,
-        "graphed_decode": graphed,
+        "graphed_decode": graphed, "graph_error": graph_error,
         "sequences": {str(p): [len(d["train"]), len(d["val"])] for p, d in data.items()},
         "prompts_by_kind": dict(source.counts), "distinct_prompts_used": dict(source.used),
         "prompts_available": {"code": len(source.code), "instruct": len(source.instruct)},
