@@ -383,7 +383,7 @@ smollm2more() {  # continue from what smollm2, smollm2init or smollm2more left o
   fi
   export PYTHONPATH=/tmp/site
   TAIL=30 run smollm2_more 540 python -m train.train_smollm2 --out "$OUT" --preset gpu --data /tmp/zoo-corpus \
-    --init /tmp/smollm2-out --distilled "$SMOLLM2_DATA" --distill-seconds 60 --dflash-seconds 230 --pard-seconds 130 \
+    --init /tmp/smollm2-out --distilled "$SMOLLM2_DATA" --distill-seconds 60 --dflash-seconds 220 --pard-seconds 130 \
     --eval-seconds 30
   smollm2keep
 }

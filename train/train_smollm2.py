@@ -20,7 +20,7 @@ them): ~4.7 MB a batch of 3072 x 384, so keep it outside --out (a call returns a
 
     python -m train.train_smollm2 --out A --distilled /tmp/d.pt                 # call 1 (bench/run_gpu.sh smollm2)
     python -m train.train_smollm2 --out B --distilled /tmp/d.pt --init A \
-        --distill-seconds 60 --dflash-seconds 230 --pard-seconds 130           # calls 2, 3 (smollm2more)
+        --distill-seconds 60 --dflash-seconds 220 --pard-seconds 130           # calls 2, 3 (smollm2more)
     python -m train.train_smollm2 --out A --distilled /tmp/d.pt --init specpilot/zoo/smollm2-135m-instruct
                                                                                # a fresh machine (smollm2init)
     python -m train.train_smollm2 --out A --phases distill --distilled /tmp/d.pt   # data only; then
@@ -208,8 +208,8 @@ PRESETS = {
 }
 SMOKE_CAPS = {"distill_batches": 2, "dflash_steps": 2, "pard_steps": 2}
 DRAFTER_BYTES = 16_000_000  # both drafters' own bf16 weights: ~11 MB stored as xz (the size budget above)
-ZOO_FILES = ("dflash", "pard", "train_log.json")
-PHASES = ("distill", "dflash", "pard", "eval")  # OUT's entries the zoo keeps
+ZOO_FILES = ("dflash", "pard", "train_log.json")  # OUT's entries the zoo keeps
+PHASES = ("distill", "dflash", "pard", "eval")
 
 
 # --- prompts --------------------------------------------------------------------------------
