@@ -337,6 +337,42 @@ def test_graphed_verify_buckets_equal_batch1(models, references, kind):
     assert eng.graphed.steps and all(rows in (4, 8, 16, 32) for rows, _ in eng.graphed.steps)
 
 
+@pytest.mark.parametrize("kind, max_batch", [("dflash", 3), ("pard", 3), ("dflash", 5), ("pard", 5)])
+def test_graphed_drafting_drafts_what_the_eager_engine_drafts(models, references, kind, max_batch):
+    """The drafter's forwards over preallocated inputs a shape (GraphedDraft: DFlash's context update
+    and block pass, PARD's forward and head) with the verify's, requests joining and leaving, spec
+    control varying each request's draft length: step for step the drafter's logits (and so its
+    drafts) are the eager engine's, every output its batch-1 AR output, and every drafter forward
+    went through a graph's shape."""
+    drafts = models.dflash.block_size - 1 if kind == "dflash" else models.pard.k
+    runs = {}
+    for graphs in (False, True):
+        seen = []
+        plant = oracle(references, 3)
+
+        def hook(logits, reqs, first, seen=seen, plant=plant):
+            seen.append(([q.rid for q in reqs], list(first), logits.clone()))
+            return plant(logits, reqs, first)
+        policy = BatchPolicy(max_drafts=drafts, spec_control=True, cost=cost(), warmup_steps=1, probe_every=3)
+        eng = BatchEngine(models.target, models.dflash if kind == "dflash" else models.pard,
+                          eos_token_id=models.cfg.eos_token_id, policy=policy, draft_hook=hook,
+                          config=BatchConfig(max_batch=max_batch, capacity=64, buckets=(4, 8, 16, 32), graphs=graphs))
+        assert generate_batched(eng, PROMPTS, MAX_NEW, arrivals=[0, 1, 1, 2, 4, 6]) == references
+        runs[graphs] = seen, eng
+    (eager, _), (graphed, eng) = runs[False], runs[True]
+    assert len(graphed) == len(eager) > 3
+    for (rids, first, logits), (g_rids, g_first, g_logits) in zip(eager, graphed):
+        assert (g_rids, g_first) == (rids, first) and g_logits.shape == logits.shape
+        assert torch.equal(g_logits.argmax(-1), logits.argmax(-1))
+        torch.testing.assert_close(g_logits, logits, rtol=1e-5, atol=1e-5)
+    assert len({len(rids) for rids, _, _ in graphed}) > 1  # the drafting batch changed size
+    served = eng.graphed_draft.replays
+    assert served["eager"] == 0 and served["block" if kind == "dflash" else "pard"] == len(graphed)
+    assert kind == "pard" or served["context"] > 0
+    padded = {key[-1] for key in eng.graphed_draft.steps if key[0] != "context"}
+    assert padded <= {1, 2, 4, max_batch}
+
+
 @settings(max_examples=6, deadline=None)
 @given(kind=st.sampled_from(["dflash", "pard"]), budget=st.integers(1, 12), topk=st.integers(1, 3),
        ragged=st.booleans(), arrivals=st.lists(st.integers(0, 4), min_size=6, max_size=6))

@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -264,10 +265,12 @@ def dflash_add_context(drafter: DFlashDrafter, kv: SlotKV, hidden: torch.Tensor,
 
 
 def dflash_draft(drafter: DFlashDrafter, kv: SlotKV, blocks: torch.Tensor, r: Ragged,
-                 attention: RaggedAttention) -> torch.Tensor:
+                 attention: RaggedAttention, block_size: int) -> torch.Tensor:
     """Blocks [anchor, mask x (bs-1)] of each request (packed, `r` with mask "full" at the context
-    lengths) -> logits [B, bs-1, V]: DFlashDrafter.forward's ops per request, the block's K/V in
-    scratch slots past the context."""
+    lengths; bs = block_size) -> logits [total / bs, bs-1, V]: DFlashDrafter.forward's ops per request,
+    the block's K/V in scratch slots past the context. Padding rows (r.total past r.rows, whole blocks
+    of padding requests) come out as don't-care blocks; no host field of `r` is read (GraphedDraft
+    captures this)."""
     x = drafter.embed(blocks[None]).to(drafter.dtype)
     cos, sin = drafter.rope(r.token_position[None], kv.capacity)
     for i, layer in enumerate(drafter.layers):
@@ -278,8 +281,7 @@ def dflash_draft(drafter: DFlashDrafter, kv: SlotKV, blocks: torch.Tensor, r: Ra
         q = attn.queries(h, cos, sin)[0].transpose(0, 1)
         x = x + attn.output(attention(q, kv.cache.k[i], kv.cache.v[i], r).transpose(0, 1)[None])
         x = x + layer.mlp(layer.post_attention_layernorm(x))
-    bs = r.counts[0]
-    x = x[0, :r.rows].view(len(r.counts), bs, -1)[:, 1:]
+    x = x[0].view(-1, block_size, x.shape[-1])[:, 1:]
     return drafter.head(drafter.norm(x))
 
 
@@ -306,7 +308,7 @@ class BatchConfig:
     max_batch: int = 8
     capacity: int = 1024
     buckets: tuple[int, ...] = ()  # verify forwards padded up to the next bucket (CUDA-graph shapes)
-    graphs: bool = False  # verify forwards as CUDA-graph replays, one graph a (bucket, rows a request) (GraphedVerify)
+    graphs: bool = False  # verify and drafter forwards as CUDA-graph replays by shape (GraphedVerify, GraphedDraft)
 
     def __post_init__(self):
         if self.max_batch < 1 or self.capacity < 2:
@@ -381,9 +383,9 @@ class BatchEngine:
         if tree is not None and (drafter is None or config.graphs):
             raise ValueError("BatchEngine: trees need a drafter, and run without graphs")
         if config.graphs and target.device.type == "cuda" and attention is ragged_attention_reference:
-            raise ValueError("BatchEngine: graphed verifies need an attention that reads the Ragged's device tensors "
-                             "(the split-KV kernel's ragged mode: backends.kernel_hooks.ragged_attention); the torch "
-                             "reference reads its host fields, which a capture would freeze at the capture's layout")
+            raise ValueError("BatchEngine: graphed verifies and drafts need an attention that reads the Ragged's device "
+                             "tensors (the split-KV kernel's ragged mode: backends.kernel_hooks.ragged_attention); the "
+                             "torch reference reads its host fields, which a capture would freeze at the capture's layout")
         if keep is not None and (tree is None or keep < 1):
             raise ValueError(f"BatchEngine: keep={keep} is a two-level first level's budget over drafted trees: "
                              "expected keep >= 1 with tree=(budget, topk)")
@@ -414,6 +416,7 @@ class BatchEngine:
         self.requests: dict[str, Request] = {}
         self.free = list(range(config.max_batch))
         self.graphed = GraphedVerify(self) if config.graphs else None
+        self.graphed_draft = GraphedDraft(self) if config.graphs and drafter is not None else None
         self.stats = StepStats()
 
     # --- the StepEngine interface ------------------------------------------------------------
@@ -591,7 +594,9 @@ class BatchEngine:
             if ctx:
                 r = Ragged(tuple(q.slot for q in ctx), tuple(self.draft_kv.lengths[q.slot] for q in ctx),
                            tuple(q.context.shape[0] for q in ctx), "full", dev)
-                dflash_add_context(self.drafter, self.draft_kv, torch.cat([q.context for q in ctx]), r)
+                hidden = torch.cat([q.context for q in ctx])
+                if self.graphed_draft is None or not self.graphed_draft.context(hidden, r):
+                    dflash_add_context(self.drafter, self.draft_kv, hidden, r)
                 for q in ctx:
                     self.draft_kv.lengths[q.slot] += q.context.shape[0]
                     q.context = None
@@ -600,7 +605,10 @@ class BatchEngine:
                        "full", dev)
             mask = self.drafter.mask_token_id
             blocks = torch.tensor([t for q in reqs for t in [q.seq[-1]] + [mask] * (bs - 1)], dtype=torch.long, device=dev)
-            logits = dflash_draft(self.drafter, self.draft_kv, blocks, r, self.attention)  # [B, bs-1, V]
+            if self.graphed_draft is not None:
+                logits = self.graphed_draft.block(blocks, r)  # [B, bs-1, V]
+            else:
+                logits = dflash_draft(self.drafter, self.draft_kv, blocks, r, self.attention, bs)
             first = [len(q.seq) for q in reqs]
         else:
             model = self.drafter.model
@@ -611,11 +619,13 @@ class BatchEngine:
                        model.device)
             ids = torch.tensor([t for f, q in zip(fresh, reqs) for t in f + [mask] * (lengths[q.rid] - 1)],
                                dtype=torch.long, device=model.device)
-            out = ragged_forward(model, self.draft_kv, ids, r, self.attention)
-            k = max(lengths.values())
+            k = max(lengths[q.rid] for q in reqs)
             rows = torch.tensor([[s + len(f) - 1 + min(j, lengths[q.rid] - 1) for j in range(k)]
                                  for s, f, q in zip(r.starts, fresh, reqs)], device=model.device)
-            logits = model.head(out.x[rows])  # [B, k, V] (rows past a request's length repeat its last)
+            logits = None if self.graphed_draft is None else self.graphed_draft.pard(ids, r, rows)
+            if logits is None:
+                out = ragged_forward(model, self.draft_kv, ids, r, self.attention)
+                logits = model.head(out.x[rows])  # [B, k, V] (rows past a request's length repeat its last)
             for q in reqs:
                 self.draft_kv.lengths[q.slot] = len(q.seq)
             first = [len(q.seq) for q in reqs]
@@ -869,14 +879,15 @@ class BatchEngine:
 class StaticRagged:
     """A Ragged whose device tensors are preallocated for one (bucket, rows a request) shape and
     refilled each step, so a forward over it can be captured once and replayed. Requests past the
-    step's own hold no rows (their cu entries repeat) in the scratch slot; padding rows write there.
+    step's own hold no rows (their cu entries repeat) in the scratch slot; padding rows write there,
+    at key slots 0.. wrapped below `capacity` (the scratch row's own slots, and the RoPE table's).
     The host fields (slots, pasts, counts, starts) are the step's, for an attention that reads them
-    (the reference, which is never captured)."""
+    (the reference, which is never captured). `mask`: "causal" or "full" (DFlash's block pass)."""
 
-    mask = "causal"
-
-    def __init__(self, batch: int, rows: int, max_t: int, scratch: int, device: torch.device) -> None:
+    def __init__(self, batch: int, rows: int, max_t: int, scratch: int, device: torch.device, *,
+                 capacity: int, mask: str = "causal") -> None:
         self.batch, self.total, self.max_count, self.scratch = batch, rows, max_t, scratch
+        self.capacity, self.mask = capacity, mask
         self.token_slot = torch.full((rows,), scratch, dtype=torch.long, device=device)
         self.token_key = torch.zeros(rows, dtype=torch.long, device=device)
         self.token_position = self.token_key
@@ -886,16 +897,17 @@ class StaticRagged:
         self.slots = self.pasts = self.counts = self.starts = ()
 
     def request_mask(self, i: int) -> str:
-        return "causal"
+        return self.mask
 
     def load(self, r: Ragged) -> None:
-        """This step's requests (r: causal, at most `batch` of them, at most max_t rows each)."""
+        """This step's requests (r: at most `batch` of them, at most max_t rows each, `mask`'s kind)."""
         pad = self.batch - len(r.counts)
         self.slots, self.pasts, self.counts, self.starts = r.slots, r.pasts, r.counts, r.starts
         slot = [s for s, c in zip(r.slots, r.counts) for _ in range(c)]
         key = [p + j for p, c in zip(r.pasts, r.counts) for j in range(c)]
         fill = self.total - len(slot)
-        host = torch.tensor([slot + [self.scratch] * fill, key + list(range(fill))], dtype=torch.long)
+        host = torch.tensor([slot + [self.scratch] * fill, key + [j % self.capacity for j in range(fill)]],
+                            dtype=torch.long)
         self.token_slot.copy_(host[0], non_blocking=True)
         self.token_key.copy_(host[1], non_blocking=True)
         args = torch.tensor([[*r.starts, r.rows] + [r.rows] * pad, list(r.slots) + [self.scratch] * pad + [0],
@@ -903,6 +915,15 @@ class StaticRagged:
         self.device_args["cu"].copy_(args[0], non_blocking=True)
         self.device_args["slots"].copy_(args[1, :-1], non_blocking=True)
         self.device_args["pasts"].copy_(args[2, :-1], non_blocking=True)
+
+    def load_idle(self) -> None:
+        """One row in the scratch slot (what a warm-up and a capture run over)."""
+        self.load(Ragged((self.scratch,), (0,), (1,), "causal", self.token_slot.device))
+
+
+def padded_count(n: int, most: int) -> int:
+    """Requests a graphed drafter forward is shaped for: the power of two >= n, at most `most`."""
+    return min(most, 1 << max(n - 1, 0).bit_length())
 
 
 class GraphedVerify:
@@ -923,7 +944,7 @@ class GraphedVerify:
         t = 1 << max(r.max_count - 1, 0).bit_length()
         key = (r.total, t)
         if key not in self.steps:
-            static = StaticRagged(e.max_batch, r.total, t, e.kv.scratch, e.target.device)
+            static = StaticRagged(e.max_batch, r.total, t, e.kv.scratch, e.target.device, capacity=e.kv.capacity)
             ids_buf = torch.zeros(r.total, dtype=torch.long, device=e.target.device)
             out: dict[str, torch.Tensor | None] = {}
 
@@ -931,14 +952,121 @@ class GraphedVerify:
                 o = ragged_forward(e.target, e.kv, ids_buf, static, e.attention, e.layers)
                 out["argmax"] = e.target.head(o.x).argmax(-1)
                 out["hidden"] = o.hidden
-            static.load(Ragged((e.kv.scratch,), (0,), (1,), "causal", e.target.device, pad_to=r.total,
-                               pad_slot=e.kv.scratch))  # warm-up and capture over one row in the scratch slot
+            static.load_idle()  # warm-up and capture over one row in the scratch slot
             self.steps[key] = (static, ids_buf, out, GraphedStep(forward, e.target.device, self.pool))
         static, ids_buf, out, step = self.steps[key]
         static.load(r)
         ids_buf.copy_(ids)
         step()
         return out["argmax"], out["hidden"]
+
+
+class GraphedDraft:
+    """The batched engine's drafter forwards (chains) as CUDA-graph replays, GraphedVerify's way:
+    static inputs a shape, each shape captured once over StaticRagged inputs and the drafter's
+    SlotKV, nothing inside reading a host value (graph_decode.GraphedStep; elsewhere it runs as is).
+
+      context  DFlash: the requests' new context features (target hidden rows) into their drafter
+               slots, one graph a token bucket (`buckets`);
+      block    DFlash: the block pass of n requests over their context K/V, one graph a padded
+               request count (`padded_count`): logits [n, bs-1, V];
+      pard     PARD: the causal forward over each request's fresh committed tokens and masks, one graph
+               a (token bucket, rows a request rounded up to a power of two, padded request count),
+               the head over each request's k draft rows gathered by a static index: logits [n, k, V].
+
+    A shape past the largest bucket is refused (False, None): the caller runs that forward eagerly.
+    `replays` counts the forwards of each kind served, and "eager" the refused ones."""
+
+    def __init__(self, engine: "BatchEngine") -> None:
+        self.engine = engine
+        self.steps: dict[tuple, tuple] = {}
+        self.replays: Counter[str] = Counter()
+        self.pool = torch.cuda.graph_pool_handle() if engine.target.device.type == "cuda" else None
+        last = engine.config.buckets[-1]
+        self.buckets = (*engine.config.buckets, 2 * last)  # a PARD forward holds up to 2k rows a request
+
+    def bucket(self, rows: int) -> int | None:
+        return next((b for b in self.buckets if b >= rows), None)
+
+    def _capture(self, key: tuple, static: StaticRagged, forward: Callable[[], None], *buffers) -> tuple:
+        from specpilot.runtime.graph_decode import GraphedStep
+
+        if key not in self.steps:
+            static.load_idle()  # warm-up and capture over one row in the scratch slot
+            self.steps[key] = (static, *buffers, GraphedStep(forward, self.engine.target.device, self.pool))
+        return self.steps[key]
+
+    def context(self, hidden: torch.Tensor, r: Ragged) -> bool:
+        """DFlash's context update of `r`'s requests from packed hidden rows [r.rows, width]; False
+        (nothing done) past the largest bucket."""
+        e = self.engine
+        total = self.bucket(r.rows)
+        self.replays["context" if total else "eager"] += 1
+        if total is None:
+            return False
+        key = ("context", total)
+        if key not in self.steps:
+            static = StaticRagged(e.max_batch, total, 1, e.draft_kv.scratch, hidden.device,
+                                  capacity=e.draft_kv.capacity)
+            buf = torch.zeros(total, hidden.shape[-1], dtype=hidden.dtype, device=hidden.device)
+            self._capture(key, static, lambda: dflash_add_context(e.drafter, e.draft_kv, buf, static), buf)
+        static, buf, step = self.steps[key]
+        static.load(r)
+        buf[:r.rows].copy_(hidden)
+        step()
+        return True
+
+    def block(self, blocks: torch.Tensor, r: Ragged) -> torch.Tensor:
+        """DFlash's block pass of `r`'s requests (blocks [B * bs] packed, mask "full") -> logits
+        [B, bs-1, V] (a view of the graph's output)."""
+        e = self.engine
+        bs, n = e.block_size, padded_count(len(r.counts), e.max_batch)
+        key = ("block", n)
+        self.replays["block"] += 1
+        if key not in self.steps:
+            dev = blocks.device
+            static = StaticRagged(e.max_batch, n * bs, bs, e.draft_kv.scratch, dev, capacity=e.draft_kv.capacity,
+                                  mask="full")
+            buf = torch.full((n * bs,), e.drafter.mask_token_id, dtype=torch.long, device=dev)
+            out: dict[str, torch.Tensor] = {}
+
+            def forward() -> None:
+                out["logits"] = dflash_draft(e.drafter, e.draft_kv, buf, static, e.attention, bs)
+            self._capture(key, static, forward, buf, out)
+        static, buf, out, step = self.steps[key]
+        static.load(r)
+        buf[:r.rows].copy_(blocks)
+        step()
+        return out["logits"][:len(r.counts)]
+
+    def pard(self, ids: torch.Tensor, r: Ragged, rows: torch.Tensor) -> torch.Tensor | None:
+        """PARD's forward over `r`'s packed rows ids [r.rows] (causal) and its head over rows [B, k]
+        (indices into the packed rows) -> logits [B, k, V]; None past the largest bucket."""
+        e = self.engine
+        total = self.bucket(r.rows)
+        self.replays["pard" if total else "eager"] += 1
+        if total is None:
+            return None
+        t = 1 << max(r.max_count - 1, 0).bit_length()
+        n, k = padded_count(len(r.counts), e.max_batch), e.block_size
+        key = ("pard", total, t, n)
+        if key not in self.steps:
+            model, dev = e.drafter.model, ids.device
+            static = StaticRagged(e.max_batch, total, t, e.draft_kv.scratch, dev, capacity=e.draft_kv.capacity)
+            buf = torch.zeros(total, dtype=torch.long, device=dev)
+            index = torch.zeros(n, k, dtype=torch.long, device=dev)
+            out: dict[str, torch.Tensor] = {}
+
+            def forward() -> None:
+                x = ragged_forward(model, e.draft_kv, buf, static, e.attention).x
+                out["logits"] = model.head(x[index])
+            self._capture(key, static, forward, buf, index, out)
+        static, buf, index, out, step = self.steps[key]
+        static.load(r)
+        buf[:r.rows].copy_(ids)
+        index[:rows.shape[0], :rows.shape[1]].copy_(rows)
+        step()
+        return out["logits"][:rows.shape[0], :rows.shape[1]]
 
 
 def accept_ragged(ids: torch.Tensor, argmax: torch.Tensor, r: Ragged) -> tuple[torch.Tensor, torch.Tensor]:
@@ -1002,8 +1130,10 @@ def profile_step_cost(engine: BatchEngine, *, tokens: Sequence[int], requests: S
                       clock: Callable[[], float] | None = None) -> StepCost:
     """The step-cost table of `engine` measured on its own forwards: verify forwards of `tokens`
     rows (spread over min(rows, max_batch) requests with `past` cached keys each), and drafter
-    forwards of `requests` requests; median of `repeats` after one warm-up. Run while no request is
-    active (it writes scratch K/V into the slots; lengths are left as they are)."""
+    forwards of `requests` requests; median of `repeats` after one warm-up. A graphed engine's
+    forwards are timed as it runs them: graph replays (GraphedVerify, GraphedDraft) where the shape
+    has a graph. Run while no request is active (it writes scratch K/V into the slots; lengths are
+    left as they are)."""
     import statistics
 
     from specpilot.runtime.decode import DecodeClock
@@ -1028,19 +1158,39 @@ def profile_step_cost(engine: BatchEngine, *, tokens: Sequence[int], requests: S
     for n in tokens:
         b = min(n, engine.max_batch)
         counts = tuple(n // b + (1 if i < n % b else 0) for i in range(b))
+        if engine.graphed is not None and n <= engine.config.buckets[-1]:
+            r = Ragged(tuple(range(b)), (past,) * b, counts, "causal", dev, pad_to=engine.config.bucket(n),
+                       pad_slot=engine.kv.scratch)
+            ids = torch.zeros(r.total, dtype=torch.long, device=dev)
+            verify[n] = timed(lambda: engine.graphed(ids, r))
+            continue
         r = Ragged(tuple(range(b)), (past,) * b, counts, "causal", dev)
         ids = torch.zeros(n, dtype=torch.long, device=dev)
         verify[n] = timed(lambda: engine.target.head(ragged_forward(engine.target, engine.kv, ids, r, engine.attention,
                                                                     engine.layers).x).argmax(-1))
+    graphed = engine.graphed_draft
+
+    def dflash_block(blocks: torch.Tensor, r: Ragged) -> None:
+        if graphed is not None:
+            graphed.block(blocks, r)
+        else:
+            dflash_draft(engine.drafter, engine.draft_kv, blocks, r, engine.attention, engine.block_size)
+
+    def pard_forward(ids: torch.Tensor, r: Ragged, rows: torch.Tensor) -> None:
+        if graphed is None or graphed.pard(ids, r, rows) is None:
+            model = engine.drafter.model
+            model.head(ragged_forward(model, engine.draft_kv, ids, r, engine.attention).x[rows])
+
     draft = {0: 0.0}
     for b in requests if engine.kind == "dflash" else ():
         bs = engine.block_size
         r = Ragged(tuple(range(b)), (past,) * b, (bs,) * b, "full", dev)
         blocks = torch.zeros(b * bs, dtype=torch.long, device=dev)
-        draft[b] = timed(lambda: dflash_draft(engine.drafter, engine.draft_kv, blocks, r, engine.attention))
+        draft[b] = timed(lambda: dflash_block(blocks, r))
     for b in requests if engine.kind == "pard" else ():
         k = engine.block_size
         r = Ragged(tuple(range(b)), (past,) * b, (k + 1,) * b, "causal", dev)
         ids = torch.zeros(b * (k + 1), dtype=torch.long, device=dev)
-        draft[b] = timed(lambda: ragged_forward(engine.drafter.model, engine.draft_kv, ids, r, engine.attention).x)
+        rows = torch.tensor([[s + j for j in range(k)] for s in r.starts], device=dev)
+        draft[b] = timed(lambda: pard_forward(ids, r, rows))
     return StepCost.from_table(verify, draft)
