@@ -110,7 +110,7 @@
 #   batched  issue 45: the batched engine against batched AR at concurrency 1..64, Qwen3-8B shape under DFlash's
 #            HumanEval profile (replay drafter) with the mechanisms' ablation, then the zoo pairs; first the
 #            batched runtime's and the ragged kernel's GPU tests (bench.e2e.batched -> batched_<gpu>.json)
-#   batchedg the same with the verify forwards as CUDA-graph replays by token bucket (-> batched_<gpu>_graphs.json)
+#   batchedg the same with the verify and drafter forwards as CUDA-graph replays by shape (-> batched_<gpu>_graphs.json)
 #   agent    issue 44: specpilot tune on the zoo pair and on the Qwen3-8B replay deployment (budget: 2 rounds x 3
 #            candidates + controls), each confirmed head to head (-> agent_<gpu>_zoo.json, agent_<gpu>_replay-qwen3-8b.json);
 #            the 8B run one candidate at a time and by token forcing alone (no 32 GB fp32 reference beside it)

@@ -20,8 +20,10 @@ Zoo pairs (--zoo): the trained code-qwen3 drafters with their own acceptance, `a
 
 Aims (issue 45, DFlash's HumanEval profile at 8B on the H200): >= 4.0x over batched AR at c8, >= 3.0x
 at c32, never below 1.0x. The summary says met or not. Writes bench/results/batched_<gpu>.json.
---graphs: the verify forwards of both engines as CUDA-graph replays bucketed by token count (drafting and
-prefill stay eager) -> batched_<gpu>_graphs.json.
+--graphs: the verify forwards of both engines and the speculative engine's drafter forwards (DFlash's context
+update and block pass, PARD's forward and head) as CUDA-graph replays by shape (runtime/batch.py: GraphedVerify,
+GraphedDraft); prefill, acceptance, the replay draft hook and the host bookkeeping stay eager; each row counts
+its graphs (`graphs`) -> batched_<gpu>_graphs.json.
 --smoke: the tiny shapes on the CPU (fp32), two concurrencies: checks the script, measures nothing.
 --cpu: a measurement on the CPU (fp32) of the zoo pairs only (8B shapes do not fit a CPU's time), every
 variant -> batched_cpu.json.
@@ -54,6 +56,11 @@ VARIANTS = {"all": "verify-budget,ragged-verify,spec-control", "no-budget": "rag
             "none": ""}
 AIMS = {8: 4.0, 32: 3.0}  # concurrency -> speedup over batched AR, DFlash HumanEval at 8B on the H200
 AIM_PROFILE = ("dflash-qwen3-8b", "humaneval")
+GRAPHED = ("CUDA graphs: the verify forward (target layers, head, argmax) a replay a (token bucket, rows a request), "
+           "both engines; the drafter's forwards a replay a shape (DFlash: context-feature update a token bucket, "
+           "block pass a padded request count; PARD: forward and head a token bucket, rows a request, padded request "
+           "count); eager: prefill, acceptance and commit, the replay draft hook, spec control and verify-budget, "
+           "two host syncs a step (drafts, then accepted counts and bonus)")
 
 
 def run_variants(engine, stock, prompts, guesses, sizes, variants, args, label: dict, dtype: str) -> list[dict]:
@@ -146,8 +153,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--budget-s", type=float, default=270.0, help="start no variant past this many seconds")
-    ap.add_argument("--graphs", action="store_true", help="verify forwards (and batched AR's) as CUDA-graph replays "
-                    "bucketed by token count; write batched_<gpu>_graphs.json unless --tag says otherwise")
+    ap.add_argument("--graphs", action="store_true", help="verify forwards (and batched AR's) and drafter forwards as "
+                    "CUDA-graph replays by shape; write batched_<gpu>_graphs.json unless --tag says otherwise")
     ap.add_argument("--cpu", action="store_true", help="measure the zoo pairs on the CPU (fp32): no 8B profile")
     args = harness.add_results_args(ap).parse_args(argv)
     if args.cpu and not args.smoke:
@@ -173,8 +180,7 @@ def main(argv: list[str] | None = None) -> int:
                                    "prompts cycled; speedup in decode tokens/s (prefill forwards and their first "
                                    "tokens left out), the whole run's tokens/s beside it; AR = the batched runtime "
                                    "with no drafter, same attention; "
-                                   + ("verify forwards as CUDA-graph replays by token bucket" if args.graphs
-                                      else "eager steps (no CUDA graphs)"))
+                                   + (GRAPHED if args.graphs else "eager steps (no CUDA graphs)"))
     print(f"\n{harness.device_name(device)}: {len(rows)} rows -> {out or 'no file (--smoke)'}")
     for name, a in aims(rows).items():
         print(f"  {name}: {a}")

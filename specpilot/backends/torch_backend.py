@@ -313,8 +313,9 @@ class Engine:
         """The batched engine (runtime/batch.py) over this engine's modules, as the schedule node says:
         up to its `batch` requests (or `max_batch`), its mechanisms (verify_budget, ragged, spec_control)
         in the policy. `cost` (a StepCost) prices them; None: profiled here on the engine's own forwards.
-        A replay engine's drafts follow per-request plans only through `draft_hook`. `graphs`: verify
-        forwards as CUDA-graph replays bucketed by token count (runtime/batch.GraphedVerify; chains only).
+        A replay engine's drafts follow per-request plans only through `draft_hook`. `graphs`: verify and
+        drafter forwards as CUDA-graph replays by shape (runtime/batch.GraphedVerify, GraphedDraft; chains
+        only: a tree program's engine runs eagerly); a profiled `cost` is measured on those replays.
         A tree-verify program verifies each request's best-first tree; a two-level one the batch's best
         nodes of all requests' trees by its first level (BatchEngine.keep_batch_wide; an early exit's
         second level continues from its layer), as many as verify-budget pays for when it is set."""
@@ -329,7 +330,7 @@ class Engine:
         keep = verify["q"] - 1 if verify["mode"] == "two-level" else None  # the first level's budget, batch-wide
         drafts = self.block_size - 1 if self.kind == "dflash" else self.block_size
         batch = max_batch or schedule["batch"]
-        graphs = graphs and tree is None  # graphed verifies serve chains; trees run eagerly
+        graphs = graphs and tree is None  # graphed verifies and drafts serve chains; trees run eagerly
         config = BatchConfig(max_batch=batch, capacity=capacity, graphs=graphs,
                              buckets=graph_buckets(batch * (drafts + 1)) if graphs else ())
         attention = attention or kernel_hooks.ragged_attention(self.device)

@@ -134,6 +134,10 @@ def measure_concurrency(engine_for: Callable[[int], object], ar_for: Callable[[i
            if ar.decode_tokens_per_s else None,
            "speedup_served_prefill_included": round(sp.tokens_per_s / ar.tokens_per_s, 4) if ar.tokens_per_s else None,
            "outputs_equal_batched_ar": sum(sp.outputs[i] == ar.outputs.get(i) for i in sp.outputs)}
+    drafting = getattr(spec_engine, "graphed_draft", None)
+    if drafting is not None:  # forwards counted since the engine was made ("eager": past the largest bucket)
+        row["graphs"] = {"verify_shapes": len(spec_engine.graphed.steps), "draft_shapes": len(drafting.steps),
+                         "draft_forwards": dict(drafting.replays)}
     return {"row": row, "spec_outputs": sp.outputs, "ar_outputs": ar.outputs, "ar_run": ar}
 
 
