@@ -817,17 +817,17 @@ class BatchEngine:
         flat = [t for q in reqs for t in [q.seq[-1]] + drafts[q.rid]]
         ids = torch.tensor(flat + [0] * (r.total - rows), dtype=torch.long, device=dev)
         if self.graphed is not None and rows <= self.config.buckets[-1] and not sampled:
-            argmax, hidden = self.graphed(ids, r)
-            argmax = argmax[:rows]
+            accept, hidden = self.graphed(ids, r)  # the forward and the greedy acceptance, one replay
+            result = accept[:, :len(reqs)].tolist()
         else:
             out = ragged_forward(self.target, self.kv, ids, r, self.attention, self.layers)
             logits = self.target.head(out.x[:rows])
-            argmax, hidden = logits.argmax(-1), out.hidden  # [rows]
-        n, bonus = accept_ragged(ids[:rows], argmax, r)
-        if sampled:
-            n, bonus = self._accept_sampled([reqs[i] for i in sampled], sampled, ids, logits, r, drafts, limit or {},
-                                            q_rows or {}, n, bonus)
-        result = torch.stack((n, bonus)).tolist()
+            hidden = out.hidden
+            n, bonus = accept_ragged(ids[:rows], logits.argmax(-1), r)
+            if sampled:
+                n, bonus = self._accept_sampled([reqs[i] for i in sampled], sampled, ids, logits, r, drafts,
+                                                limit or {}, q_rows or {}, n, bonus)
+            result = torch.stack((n, bonus)).tolist()
         self.stats.steps += 1
         self.stats.verify_rows += rows
         self.stats.padded_rows += r.total - rows
@@ -846,11 +846,13 @@ class BatchEngine:
                 self.control.rate(q.rid).observe(k, acc, self.policy.ema)
             q.verified.append(k)
             self.kv.lengths[q.slot] += 1 + acc
-            if self.kind == "dflash":
-                start = r.starts[i]
-                rows_kept = hidden[start:start + 1 + acc].clone()  # the anchor and the accepted drafts
-                q.context = rows_kept if q.context is None else torch.cat((q.context, rows_kept))
             self.stats.committed += kept
+        if self.kind == "dflash":  # each request's anchor and accepted drafts, gathered in one copy
+            sizes = [1 + acc for acc in result[0][:len(reqs)]]
+            index = [r.starts[i] + j for i, size in enumerate(sizes) for j in range(size)]
+            kept_rows = hidden[torch.tensor(index, device=hidden.device)].split(sizes)
+            for q, rows_kept in zip(reqs, kept_rows):
+                q.context = rows_kept if q.context is None else torch.cat((q.context, rows_kept))
 
     def _accept_sampled(self, group: list[Request], at: list[int], ids: torch.Tensor, logits: torch.Tensor, r: Ragged,
                         drafts: dict[str, list[int]], limit: dict[str, int], q_rows: dict[str, torch.Tensor],
@@ -927,10 +929,11 @@ def padded_count(n: int, most: int) -> int:
 
 
 class GraphedVerify:
-    """The batched engine's verify forward as CUDA-graph replays: one graph a (token bucket, rows a
-    request rounded up to a power of two), captured on first use over StaticRagged inputs and the
-    engine's caches (graph_decode.GraphedStep; on other devices it simply runs). Returns the
-    target's argmax [bucket] and the hidden rows the drafter reads (None without)."""
+    """The batched engine's verify forward and greedy acceptance as CUDA-graph replays: one graph a
+    (token bucket, rows a request rounded up to a power of two), captured on first use over
+    StaticRagged inputs and the engine's caches (graph_decode.GraphedStep; on other devices it simply
+    runs). Returns [2, max_batch]: each request's accepted drafts and bonus (accept_rows; entries
+    past the step's requests are don't-care), and the hidden rows the drafter reads (None without)."""
 
     def __init__(self, engine: "BatchEngine") -> None:
         self.engine = engine
@@ -950,7 +953,9 @@ class GraphedVerify:
 
             def forward() -> None:
                 o = ragged_forward(e.target, e.kv, ids_buf, static, e.attention, e.layers)
-                out["argmax"] = e.target.head(o.x).argmax(-1)
+                cu = static.device_args["cu"].long()
+                n, bonus = accept_rows(ids_buf, e.target.head(o.x).argmax(-1), cu[:-1], cu[1:] - cu[:-1], t)
+                out["accept"] = torch.stack((n, bonus))
                 out["hidden"] = o.hidden
             static.load_idle()  # warm-up and capture over one row in the scratch slot
             self.steps[key] = (static, ids_buf, out, GraphedStep(forward, e.target.device, self.pool))
@@ -958,7 +963,7 @@ class GraphedVerify:
         static.load(r)
         ids_buf.copy_(ids)
         step()
-        return out["argmax"], out["hidden"]
+        return out["accept"], out["hidden"]
 
 
 class GraphedDraft:
@@ -1075,9 +1080,16 @@ def accept_ragged(ids: torch.Tensor, argmax: torch.Tensor, r: Ragged) -> tuple[t
     Returns (accepted drafts [B], bonus token [B]): the target's argmax at the row after the last
     kept draft."""
     dev = ids.device
-    b, t = len(r.counts), r.max_count
-    counts = torch.tensor(r.counts, device=dev)
-    starts = torch.tensor(r.starts, device=dev)
+    return accept_rows(ids, argmax, torch.tensor(r.starts, device=dev), torch.tensor(r.counts, device=dev),
+                       r.max_count)
+
+
+def accept_rows(ids: torch.Tensor, argmax: torch.Tensor, starts: torch.Tensor, counts: torch.Tensor,
+                t: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """accept_ragged over device starts and counts [B] (a count of 0: n 0, the bonus don't-care) and
+    a host bound t >= every count: no host read, so a graph captures it (GraphedVerify)."""
+    dev = ids.device
+    b = starts.shape[0]
     j = torch.arange(t, device=dev)
     valid = j[None] < counts[:, None]  # [B, T]
     index = (starts[:, None] + j[None]).clamp(max=ids.shape[0] - 1)
