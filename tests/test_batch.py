@@ -293,6 +293,8 @@ def test_engine_on_the_gpu_kernel_passes_token_forcing(tiny_model_dirs, dtype, m
     report = force_tokens(target, cfg, PROMPTS, outs, "float32" if dtype == torch.float32 else "bfloat16")
     assert report.passed and report.tokens_checked == sum(map(len, outs))
     assert not graphs or all(step[3].graph is not None for step in eng.graphed.steps.values())  # captured
+    assert not graphs or (eng.graphed_draft.steps and eng.graphed_draft.replays["eager"] == 0
+                          and all(step[-1].graph is not None for step in eng.graphed_draft.steps.values()))
     if dtype == torch.float32:
         refs = [generate_ar(target, p, max_new_tokens=24, eos_token_id=cfg.eos_token_id).tokens for p in PROMPTS]
         assert outs == refs

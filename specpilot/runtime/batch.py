@@ -45,7 +45,16 @@ request draws from its own counter-based uniforms (its seed, its own step counte
 of verified drafts is its own (the verify budget, spec control's batch-wide AR switch and two-level's
 batch-wide first level leave it alone; padding rows are verified but not accepted), so its tokens do not depend on what shares
 its batch: they are the batch-1 loop's for its seed (tests/test_batch_sampling.py). Steps with a
-sampled request run the verify eagerly (graphed verifies return only the argmax).
+sampled request run the verify eagerly (graphed verifies return only the greedy acceptance).
+
+CUDA graphs (BatchConfig.graphs, chains only; trees run eagerly): the verify forward with greedy
+acceptance (GraphedVerify) and the drafter's forwards (GraphedDraft: DFlash's context update and
+block pass, PARD's forward and head) are replays of graphs captured once a shape over StaticRagged
+inputs, so nothing inside reads a host value; the attention must read the Ragged's device tensors
+(the split-KV kernel's ragged mode), which BatchEngine checks. Around them a step stays eager: the
+host bookkeeping (spec control, verify budget, the Ragged layouts and their host-to-device copies),
+the draft hook, the drafts' argmax, and two reads a step (the drafts, then the accepted counts and
+bonus tokens). On other devices the same code runs as is (the CPU tests).
 """
 
 from __future__ import annotations
