@@ -60,7 +60,8 @@ GRAPHED = ("CUDA graphs: the verify forward (target layers, head, argmax) a repl
            "both engines; the drafter's forwards a replay a shape (DFlash: context-feature update a token bucket, "
            "block pass a padded request count; PARD: forward and head a token bucket, rows a request, padded request "
            "count); eager: prefill, acceptance and commit, the replay draft hook, spec control and verify-budget, "
-           "two host syncs a step (drafts, then accepted counts and bonus)")
+           "one host read a step (accepted counts, bonus tokens and drafts together; a second, the drafter's "
+           "confidences, only under verify-budget's confidence survival)")
 
 
 def run_variants(engine, stock, prompts, guesses, sizes, variants, args, label: dict, dtype: str) -> list[dict]:

@@ -25,7 +25,9 @@ One `step()`:
             (an early exit first runs the target's first layers over every drafted tree, packed);
   verify    one target forward over [last committed token, drafts...] of every request, packed;
   accept    on the device: per request the longest prefix of drafts equal to the target's argmax,
-            and the bonus; one transfer of (accepted count, bonus) a step;
+            and the bonus; one transfer a step of (accepted count, bonus) and the drafts, which stay
+            on the device from drafting to the verify's ids (verify-budget over the drafter's
+            confidences reads those before the verify);
   commit    each request's target cache length moves to its accepted path (a pointer move).
 
 Lossless: a request's rows see exactly its own cached prefix and its own earlier rows (the
@@ -53,8 +55,8 @@ block pass, PARD's forward and head) are replays of graphs captured once a shape
 inputs, so nothing inside reads a host value; the attention must read the Ragged's device tensors
 (the split-KV kernel's ragged mode), which BatchEngine checks. Around them a step stays eager: the
 host bookkeeping (spec control, verify budget, the Ragged layouts and their host-to-device copies),
-the draft hook, the drafts' argmax, and two reads a step (the drafts, then the accepted counts and
-bonus tokens). On other devices the same code runs as is (the CPU tests).
+the draft hook, the drafts' argmax and their gather into the verify's ids, and one read a step
+(accepted counts, bonus tokens and drafts together). On other devices the same code runs as is (the CPU tests).
 """
 
 from __future__ import annotations
@@ -530,8 +532,8 @@ class BatchEngine:
         drafting = [q for q in reqs if lengths[q.rid] > 0]
         if self.tree is not None:
             return self._decode_tree(reqs, drafting, lengths, new)
-        drafts: dict[str, list[int]] = {q.rid: [] for q in reqs}
-        q_rows: dict[str, torch.Tensor] = {}
+        count = {q.rid: 0 for q in reqs}  # drafts each request verifies this step
+        tokens, q_rows = None, {}
         limit = {q.rid: 0 for q in reqs}  # drafts a request may accept (its own share; padding is not)
         if drafting:
             tokens, confidence, q_rows = self._draft(drafting, lengths)
@@ -556,17 +558,18 @@ class BatchEngine:
                 self.stats.padded_rows += sum(longest - k for k in share.values())
                 share = {rid: longest for rid in share}
                 limit.update({rid: longest for rid in share if rid not in sampled})
-            for q, toks in zip(drafting, tokens):
-                drafts[q.rid] = toks[:share[q.rid]]
-        if not any(drafts.values()):
+            count.update({rid: min(k, tokens.shape[1]) for rid, k in share.items()})
+        if not any(count.values()):
             self.stats.ar_steps += 1
-        self._verify(reqs, drafts, new, limit, q_rows)
+        self._verify(reqs, count, tokens, {q.rid: i for i, q in enumerate(drafting)}, new, limit, q_rows)
 
     def _draft(self, reqs: list[Request], lengths: dict[str, int]
-               ) -> tuple[list[list[int]], list[list[float]], dict[str, torch.Tensor]]:
-        """Drafts and the drafter's probability of each, per request (device work, one transfer), and
-        the q [k, V] each sampled request's drafts were drawn from: its drafter's distributions at
-        its temperature and top_p, a draw from each with its own uniforms (decode.ChainStep's)."""
+               ) -> tuple[torch.Tensor, list[list[float]], dict[str, torch.Tensor]]:
+        """Drafts [B, k] (on the device: they cross with the verify's result), the drafter's
+        probability of each per request (read only for verify-budget's confidence survival: one
+        transfer; 1.0 otherwise), and the q [k, V] each sampled request's drafts were drawn from: its
+        drafter's distributions at its temperature and top_p, a draw from each with its own uniforms
+        (decode.ChainStep's)."""
         logits = self._draft_logits(reqs, lengths)
         top, tok = logits.max(-1)
         q_rows: dict[str, torch.Tensor] = {}
@@ -581,10 +584,9 @@ class BatchEngine:
             tok = tok.index_copy(0, at, sample_tokens(q.view(-1, vocab), u.view(-1)).view(len(sampled), k))
             q_rows = {r.rid: q[j] for j, r in enumerate(group)}
         if not (self.policy.verify_budget and self.policy.survival == "confidence"):
-            return tok.tolist(), [[1.0] * tok.shape[1]] * tok.shape[0], q_rows  # no one reads the confidences
+            return tok, [[1.0] * tok.shape[1]] * tok.shape[0], q_rows  # no one reads the confidences
         conf = (top.float() - logits.float().logsumexp(-1)).exp()  # the drafter's probability of its token
-        both = torch.stack((tok.to(torch.float64), conf.to(torch.float64))).tolist()
-        return [[int(t) for t in row] for row in both[0]], both[1], q_rows
+        return tok, conf.tolist(), q_rows
 
     @staticmethod
     def _sampling_rows(reqs: list[Request], device: torch.device
@@ -811,40 +813,45 @@ class BatchEngine:
             self.stats.pruned_nodes += t.size - len(kept[rid])
         return kept
 
-    def _verify(self, reqs: list[Request], drafts: dict[str, list[int]], new: dict[str, list[int]],
-                limit: dict[str, int] | None = None, q_rows: dict[str, torch.Tensor] | None = None) -> None:
-        """Verify every request's [last token, drafts...] in one packed forward; greedy requests accept
-        their argmax prefix, sampled ones by rejection sampling of their first limit[rid] drafts
-        (drawn from q_rows[rid])."""
+    def _verify(self, reqs: list[Request], count: dict[str, int], tokens: torch.Tensor | None, row: dict[str, int],
+                new: dict[str, list[int]], limit: dict[str, int] | None = None,
+                q_rows: dict[str, torch.Tensor] | None = None) -> None:
+        """Verify every request's [last token, its first count[rid] drafts (tokens[row[rid]])] in one
+        packed forward; greedy requests accept their argmax prefix, sampled ones by rejection sampling
+        of their first limit[rid] drafts (drawn from q_rows[rid]). One transfer: the accepted counts,
+        the bonus tokens and the drafts."""
         dev = self.target.device
         sampled = [i for i, q in enumerate(reqs) if q.rng is not None]
-        counts = tuple(1 + len(drafts[q.rid]) for q in reqs)
+        counts = tuple(1 + count[q.rid] for q in reqs)
         rows = sum(counts)
         bucket = self.config.bucket(rows)
         r = Ragged(tuple(q.slot for q in reqs), tuple(self.kv.lengths[q.slot] for q in reqs), counts, "causal", dev,
                    pad_to=bucket, pad_slot=self.kv.scratch)
-        flat = [t for q in reqs for t in [q.seq[-1]] + drafts[q.rid]]
-        ids = torch.tensor(flat + [0] * (r.total - rows), dtype=torch.long, device=dev)
+        ids = self._verify_ids(reqs, count, tokens, row, r)
         if self.graphed is not None and rows <= self.config.buckets[-1] and not sampled:
             accept, hidden = self.graphed(ids, r)  # the forward and the greedy acceptance, one replay
-            result = accept[:, :len(reqs)].tolist()
+            accept = accept[:, :len(reqs)]
         else:
             out = ragged_forward(self.target, self.kv, ids, r, self.attention, self.layers)
             logits = self.target.head(out.x[:rows])
             hidden = out.hidden
             n, bonus = accept_ragged(ids[:rows], logits.argmax(-1), r)
             if sampled:
-                n, bonus = self._accept_sampled([reqs[i] for i in sampled], sampled, ids, logits, r, drafts,
+                n, bonus = self._accept_sampled([reqs[i] for i in sampled], sampled, ids, logits, r, count,
                                                 limit or {}, q_rows or {}, n, bonus)
-            result = torch.stack((n, bonus)).tolist()
+            accept = torch.stack((n, bonus))
+        b, k = len(reqs), 0 if tokens is None else tokens.shape[1]
+        host = (accept.flatten() if tokens is None else torch.cat((accept.flatten(), tokens.flatten()))).tolist()
+        result, flat = (host[:b], host[b:2 * b]), host[2 * b:]
+        drafts = {rid: flat[i * k:i * k + count[rid]] for rid, i in row.items()}
         self.stats.steps += 1
         self.stats.verify_rows += rows
         self.stats.padded_rows += r.total - rows
         for i, q in enumerate(reqs):
-            k, acc, b = len(drafts[q.rid]), result[0][i], result[1][i]
+            k, acc, bonus = count[q.rid], result[0][i], result[1][i]
             if q.rng is not None:  # its own share: padding rows are not its drafts
                 k = min(k, (limit or {}).get(q.rid, 0))
-            span = drafts[q.rid][:acc] + [b]
+            span = drafts.get(q.rid, [])[:acc] + [bonus]
             kept = q.out.extend(span)
             new[q.rid] += span[:kept]
             q.seq.extend(span)
@@ -863,8 +870,27 @@ class BatchEngine:
             for q, rows_kept in zip(reqs, kept_rows):
                 q.context = rows_kept if q.context is None else torch.cat((q.context, rows_kept))
 
+    def _verify_ids(self, reqs: list[Request], count: dict[str, int], tokens: torch.Tensor | None,
+                    row: dict[str, int], r: Ragged) -> torch.Tensor:
+        """The verify's packed ids [r.total]: each request's last token and its first count[rid] drafts
+        (gathered from tokens [D, k] on the device), padding rows 0."""
+        dev = self.target.device
+        anchors = [q.seq[-1] for q in reqs] + [0]
+        if tokens is None:
+            return torch.tensor(anchors[:-1] + [0] * (r.total - r.rows), dtype=torch.long, device=dev)
+        b, k = len(reqs), tokens.shape[1]
+        index = []
+        for i, q in enumerate(reqs):
+            index.append(i)
+            if count[q.rid]:
+                first = b + 1 + row[q.rid] * k
+                index += range(first, first + count[q.rid])
+        index += [b] * (r.total - r.rows)
+        source = torch.cat((torch.tensor(anchors, dtype=torch.long, device=dev), tokens.flatten().long()))
+        return source[torch.tensor(index, dtype=torch.long, device=dev)]
+
     def _accept_sampled(self, group: list[Request], at: list[int], ids: torch.Tensor, logits: torch.Tensor, r: Ragged,
-                        drafts: dict[str, list[int]], limit: dict[str, int], q_rows: dict[str, torch.Tensor],
+                        count: dict[str, int], limit: dict[str, int], q_rows: dict[str, torch.Tensor],
                         n: torch.Tensor, bonus: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(n, bonus) with the sampled requests' entries (batch indices `at`) from rejection sampling
         (sampling.accept_chains, all at once); each sampled request's step counter moves on."""
@@ -875,8 +901,8 @@ class BatchEngine:
         tok = ids[index[:, 1:]]  # [S, K] the drafts (rows past a request's own: don't-care)
         q = torch.full((len(at), kk, vocab), 1.0 / vocab, dtype=torch.float64, device=dev)
         for j, req in enumerate(group):
-            if req.rid in q_rows and drafts[req.rid]:
-                rows = q_rows[req.rid][:len(drafts[req.rid])]
+            if req.rid in q_rows and count[req.rid]:
+                rows = q_rows[req.rid][:count[req.rid]]
                 q[j, :rows.shape[0]] = rows.to(dev)
         counts = torch.tensor([limit.get(req.rid, 0) for req in group], device=dev)
         temp, top_p, key, step = self._sampling_rows(group, dev)
