@@ -394,9 +394,10 @@ class BatchEngine:
         if tree is not None and (drafter is None or config.graphs):
             raise ValueError("BatchEngine: trees need a drafter, and run without graphs")
         if config.graphs and target.device.type == "cuda" and attention is ragged_attention_reference:
-            raise ValueError("BatchEngine: graphed verifies and drafts need an attention that reads the Ragged's device "
-                             "tensors (the split-KV kernel's ragged mode: backends.kernel_hooks.ragged_attention); the "
-                             "torch reference reads its host fields, which a capture would freeze at the capture's layout")
+            raise ValueError("BatchEngine: graphed verifies and drafts need an attention that reads the Ragged's "
+                             "device tensors (the split-KV kernel's ragged mode: backends.kernel_hooks."
+                             "ragged_attention); the torch reference reads its host fields, which a capture would "
+                             "freeze at the capture's layout")
         if keep is not None and (tree is None or keep < 1):
             raise ValueError(f"BatchEngine: keep={keep} is a two-level first level's budget over drafted trees: "
                              "expected keep >= 1 with tree=(budget, topk)")
@@ -925,12 +926,14 @@ class StaticRagged:
                  capacity: int, mask: str = "causal") -> None:
         self.batch, self.total, self.max_count, self.scratch = batch, rows, max_t, scratch
         self.capacity, self.mask = capacity, mask
-        self.token_slot = torch.full((rows,), scratch, dtype=torch.long, device=device)
-        self.token_key = torch.zeros(rows, dtype=torch.long, device=device)
+        # two buffers, so a step's layout is two copies: [token_slot; token_key], [cu; slots; pasts]
+        self.rows_index = torch.zeros(2, rows, dtype=torch.long, device=device)
+        self.rows_index[0] = scratch
+        self.token_slot, self.token_key = self.rows_index[0], self.rows_index[1]
         self.token_position = self.token_key
-        i32 = dict(dtype=torch.int32, device=device)
-        self.device_args = {"cu": torch.zeros(batch + 1, **i32), "slots": torch.full((batch,), scratch, **i32),
-                            "pasts": torch.zeros(batch, **i32)}
+        self.args = torch.zeros(3, batch + 1, dtype=torch.int32, device=device)
+        self.args[1] = scratch
+        self.device_args = {"cu": self.args[0], "slots": self.args[1, :-1], "pasts": self.args[2, :-1]}
         self.slots = self.pasts = self.counts = self.starts = ()
 
     def request_mask(self, i: int) -> str:
@@ -945,13 +948,9 @@ class StaticRagged:
         fill = self.total - len(slot)
         host = torch.tensor([slot + [self.scratch] * fill, key + [j % self.capacity for j in range(fill)]],
                             dtype=torch.long)
-        self.token_slot.copy_(host[0], non_blocking=True)
-        self.token_key.copy_(host[1], non_blocking=True)
-        args = torch.tensor([[*r.starts, r.rows] + [r.rows] * pad, list(r.slots) + [self.scratch] * pad + [0],
-                             list(r.pasts) + [0] * pad + [0]], dtype=torch.int32)
-        self.device_args["cu"].copy_(args[0], non_blocking=True)
-        self.device_args["slots"].copy_(args[1, :-1], non_blocking=True)
-        self.device_args["pasts"].copy_(args[2, :-1], non_blocking=True)
+        self.rows_index.copy_(host, non_blocking=True)
+        self.args.copy_(torch.tensor([[*r.starts, r.rows] + [r.rows] * pad, list(r.slots) + [self.scratch] * pad + [0],
+                                      list(r.pasts) + [0] * pad + [0]], dtype=torch.int32), non_blocking=True)
 
     def load_idle(self) -> None:
         """One row in the scratch slot (what a warm-up and a capture run over)."""
