@@ -102,7 +102,8 @@ def _print_failures(validation) -> None:
 
 @main.command("explain")
 @click.argument("pipeline", type=click.Path(dir_okay=False, path_type=Path))
-@click.option("--gpu", help="GPU name or alias from the database, e.g. h200, a100 (overrides the spec's `gpu`).")
+@click.option("--gpu", help="GPU name or alias from the database, e.g. h200, a100 (overrides the spec's `gpu`), "
+              "or cpu: this host's CPU, its figures measured here once and cached.")
 @click.option("--passes", "passes", help="Pass pipeline string (overrides the spec's `passes`).")
 @click.option("--tau", type=float, help="Acceptance length (incl. bonus) to assume; default: measured records.")
 @click.option("--results", "results", multiple=True, type=click.Path(path_type=Path),
@@ -111,17 +112,19 @@ def _print_failures(validation) -> None:
 @click.option("--ir", is_flag=True, help="Print the IR the passes produced (what the cost model prices) instead.")
 @user_errors
 def explain_cmd(pipeline, gpu, passes, tau, results, png, ir):
-    """Where PIPELINE's step time goes on a GPU, per the roofline cost model, and the ranked gaps."""
+    """Where PIPELINE's step time goes on a GPU (or this host's CPU), per the roofline cost model, and the
+    ranked gaps."""
     from .compiler import explain_pipeline, explained_program
     from .spec import load_spec
 
-    spec = load_spec(pipeline).with_gpu(gpu)
+    on_cpu = (gpu or "").strip().lower() == "cpu"
+    spec = load_spec(pipeline) if on_cpu else load_spec(pipeline).with_gpu(gpu)
     if ir:
         from .ir import print_program
 
-        click.echo(print_program(explained_program(spec, passes)), nl=False)
+        click.echo(print_program(explained_program(spec, passes, on_cpu=on_cpu)), nl=False)
         return
-    estimate = explain_pipeline(spec, passes=passes, tau=tau, results=results or None)
+    estimate = explain_pipeline(spec, passes=passes, tau=tau, results=results or None, on_cpu=on_cpu)
     from .cost import plot_gaps, render_table
 
     console.print(render_table(estimate))

@@ -569,24 +569,32 @@ def verify_engine(loaded: LoadedEngine, progress=None) -> TokenForcingReport:
     return validate_outputs(ModelDirs(ref_dir, loaded.root / "drafter"), loaded.engine, m)
 
 
-def explained_program(spec: PipelineSpec, passes: str | None = None) -> Program:
-    """The program `explain` prices: the spec's deployment lowered (bf16 unless the spec says) and
-    its passes run, each verified."""
-    program = lower_spec(spec, resolve_models(spec), "bfloat16" if spec.dtype == "auto" else spec.dtype)
+def explained_program(spec: PipelineSpec, passes: str | None = None, *, on_cpu: bool = False) -> Program:
+    """The program `explain` prices: the spec's deployment lowered (unless the spec says: bf16, or
+    fp32 on a CPU, as the runtime runs there) and its passes run, each verified."""
+    auto = "float32" if on_cpu else "bfloat16"
+    program = lower_spec(spec, resolve_models(spec), auto if spec.dtype == "auto" else spec.dtype)
     return run_passes(program, resolve_passes(spec, passes), where=f"{pipeline_source(spec, passes)}: ")[0]
 
 
 def explain_pipeline(spec: PipelineSpec, *, passes: str | None = None, tau: float | None = None,
-                     results=None):
+                     results=None, on_cpu: bool = False):
     """The cost model's estimate for the spec's deployment on its GPU (bf16 unless the spec says),
-    calibrated by `results` (files or folders), by default by the files gpus.yaml lists for the GPU."""
+    calibrated by `results` (files or folders), by default by the files gpus.yaml lists for the GPU;
+    `on_cpu`: on this host's CPU instead (cost/cpu.py's device, its figures measured here once and
+    cached, as `tune --device cpu` prices its trials)."""
     from .cost import Workload, explain
 
-    program = explained_program(spec, passes)
+    program = explained_program(spec, passes, on_cpu=on_cpu)
+    device = spec.gpu
+    if on_cpu:
+        from .cost.cpu import cpu_device
+
+        device = cpu_device(program)
     workload = Workload(tau=tau)
     if tau is None and spec.target_shape is not None:  # a replay drafter: the acceptance its profile publishes
         workload = Workload(acceptance=profile_acceptance(program, shape_models(spec).replay))
-    return explain(program, spec.gpu, workload, results=None if results is None else [str(r) for r in results],
+    return explain(program, device, workload, results=None if results is None else [str(r) for r in results],
                    what_ifs=what_ifs)
 
 

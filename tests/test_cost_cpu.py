@@ -263,3 +263,21 @@ def test_the_prediction_bench_never_calibrates_a_trial_by_itself(tiny, cache):
     assert again[3]["loo"] != pytest.approx(base[3]["loo"]) and again[3]["prior"] != pytest.approx(base[3]["prior"])
     assert again[1]["prior"] == pytest.approx(base[1]["prior"])  # before it: untouched
     assert base[0]["prior"] == pytest.approx(base[0]["relative"])  # nothing before the first
+
+
+def test_explain_on_the_cpu_prices_with_this_hosts_record(tiny, cache, monkeypatch):
+    """`specpilot explain --gpu cpu`: the fp32 program priced on this host's record (no GPU database
+    entry named cpu), the table titled so; a GPU name still prices that GPU."""
+    from click.testing import CliRunner
+
+    from specpilot.cli import main
+
+    spec, _ = tiny
+    monkeypatch.setenv("SPECPILOT_CACHE", str(cache))
+    runner = CliRunner()
+    on_cpu = runner.invoke(main, ["explain", spec.source, "--gpu", "cpu", "--tau", "2"])
+    assert on_cpu.exit_code == 0, on_cpu.output
+    assert " on cpu: where a step's time goes" in on_cpu.output and "AR step" in on_cpu.output
+    on_gpu = runner.invoke(main, ["explain", spec.source, "--gpu", "h200", "--tau", "2"])
+    assert on_gpu.exit_code == 0 and " on h200" in on_gpu.output.lower()
+    assert on_cpu.output.split("AR step")[1].split("\n")[0] != on_gpu.output.split("AR step")[1].split("\n")[0]
