@@ -21,6 +21,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from bench.kernels import kernel_static
+from specpilot.agent.predict import ranks
 from conftest import ON_GPU
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -283,4 +284,4 @@ def test_spearman_matches_the_distinct_values_formula(a, b):
 def test_spearman_with_ties_and_constants():
     assert kernel_static.spearman([1, 2, 2, 3], [1, 3, 2, 4]) == pytest.approx(4.5 / 22.5 ** 0.5)
     assert kernel_static.spearman([1, 1, 1], [1, 2, 3]) is None
-    assert kernel_static._ranks([5, 1, 5, 2]) == [2.5, 0.0, 2.5, 1.0]
+    assert ranks([5, 1, 5, 2]) == [3.5, 1.0, 3.5, 2.0]

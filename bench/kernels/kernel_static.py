@@ -54,6 +54,7 @@ from pathlib import Path
 import torch
 
 from bench import shapes as model_shapes
+from specpilot.agent.predict import rank_correlation
 from specpilot.bench import harness
 
 SHAPES = model_shapes.layer_linears(model_shapes.LLAMA_8B)
@@ -316,29 +317,9 @@ def sweep(shapes, m: int, kernels: tuple[str, ...], timed: Path | None, arch: in
     return rows
 
 
-def _ranks(values: list[float]) -> list[float]:
-    """Ranks from 0, ties sharing their mean rank."""
-    order = sorted(range(len(values)), key=values.__getitem__)
-    ranks = [0.0] * len(values)
-    i = 0
-    while i < len(order):
-        j = i
-        while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
-            j += 1
-        for t in order[i:j + 1]:
-            ranks[t] = (i + j) / 2
-        i = j + 1
-    return ranks
-
-
 def spearman(a: list[float], b: list[float]) -> float | None:
     """Spearman's rank correlation of two equal-length lists (None where either is constant)."""
-    ra, rb = _ranks(a), _ranks(b)
-    ma, mb = sum(ra) / len(ra), sum(rb) / len(rb)
-    va, vb = sum((x - ma) ** 2 for x in ra), sum((y - mb) ** 2 for y in rb)
-    if not va or not vb:
-        return None
-    return sum((x - ma) * (y - mb) for x, y in zip(ra, rb)) / (va * vb) ** 0.5
+    return rank_correlation(a, b, min_pairs=2)
 
 
 def sweep_correlations(rows: list[dict]) -> list[dict]:

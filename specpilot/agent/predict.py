@@ -133,12 +133,12 @@ def ranks(xs: list[float]) -> list[float]:
     return out
 
 
-def rank_correlation(predicted: list[float], measured: list[float]) -> float | None:
+def rank_correlation(predicted: list[float], measured: list[float], min_pairs: int = 3) -> float | None:
     """Spearman's rho between two lists (Pearson's correlation of their ranks, ties at mean rank);
-    None with fewer than three pairs or where either list is constant."""
+    None with fewer than `min_pairs` pairs or where either list is constant."""
     if len(predicted) != len(measured):
         raise ValueError("rank_correlation: lists of different lengths")
-    if len(predicted) < 3:
+    if len(predicted) < min_pairs:
         return None
     a, b = ranks(predicted), ranks(measured)
     ma, mb = sum(a) / len(a), sum(b) / len(b)

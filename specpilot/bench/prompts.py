@@ -14,12 +14,11 @@ rendered like a chat set's.
 from __future__ import annotations
 
 import gzip
-import json
 from importlib import resources
 from pathlib import Path
 
 from ..errors import SpecError
-from ..jsonl import parse_jsonl
+from ..jsonl import json_records, parse_jsonl
 from ..runtime.tokenizer import ChatTemplate
 
 # A few code prompts that need no package and no file: the default for smoke runs.
@@ -75,15 +74,7 @@ def parse_prompt_lines(text: str, path: str) -> list[str | Chat]:
     """A prompt file's lines: {"prompt": TEXT} (raw text) or {"messages": [{"role", "content"}, ...]}
     (a conversation, rendered later by the target's chat template); errors name the file and line."""
     prompts: list[str | Chat] = []
-    for n, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise SpecError(f"{path}:{n}: not valid JSON ({e.msg})") from None
-        except RecursionError:
-            raise SpecError(f"{path}:{n}: JSON nested too deeply") from None
+    for n, record in json_records(text, path):
         if isinstance(record, dict) and isinstance(record.get("prompt"), str):
             prompts.append(record["prompt"])
         elif isinstance(record, dict) and "messages" in record:
