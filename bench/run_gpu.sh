@@ -419,7 +419,7 @@ hybridtree() {  # issue 46: the gdn_tree kernel's GPU tests, then the 8B-class h
   TAIL=14 run hybrid_tree_steps 240 python -m bench.steps.hybrid_tree_steps --out "$OUT"
 }
 hybridzoo() {  # issue 46: chain, trees and two-level trees on the zoo pairs (eager loops), τ and tokens/ms
-  # a pair a run and a results file each (a cut run keeps the other; one run of both printed nothing in 280 s at ce0f784)
+  # a pair a run and a results file each: a run cut by its time limit keeps the other pair's file
   TAIL=30 run hybrid_tree_hybrid 270 python -m bench.e2e.hybrid_tree examples/hybrid.yaml \
     --device cuda --budgets 16,32,64 --exit-layers 2 --repeats 1 --graphs --out "$OUT" --tag zoo-hybrid
   TAIL=30 run hybrid_tree_attention 270 python -m bench.e2e.hybrid_tree examples/pipeline.yaml \

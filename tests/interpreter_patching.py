@@ -3,9 +3,9 @@
 Each kernel launch patches triton.language's builtins to interpreted ones for the launch and
 restores them after (`_patch_lang`, `GridExecutor.__call__`). Every call of a @triton.jit helper
 inside the kernel patches them again (`InterpretedFunction.__call__`), walking every member of
-triton.language each time: with the builtins already patched that walk changes nothing, and it
-was 30% of the interpreter's time in step_ab's verify smoke (cProfile), a third of the tiny
-models' graphed DFlash loops on the Triton stack (test_fused_decoder: 24.1 -> 15.5 CPU-s).
+triton.language each time: with the builtins already patched that walk changes nothing, yet it
+is a large share of the interpreter's time in kernel-heavy tests (cProfile: about 30% of step_ab's
+verify smoke).
 
 `install()` skips a helper's patching where the launch around it has patched every
 triton.language module the helper sees; anything else (a launch, a helper that sees a module the
