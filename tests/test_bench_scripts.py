@@ -228,3 +228,12 @@ def test_time_interleaved_rotates_the_variants_each_round() -> None:
     assert {n: len(v) for n, v in per_round.items()} == {"a": 3, "b": 3, "c": 3}
     timed = order[3:]  # after one warm-up call each
     assert timed == ["a", "a", "b", "b", "c", "c", "b", "b", "c", "c", "a", "a", "c", "c", "a", "a", "b", "b"]
+
+
+def test_batched_host_smoke_times_each_layer_count_and_concurrency(capsys) -> None:
+    from bench.steps import batched_host
+
+    assert batched_host.main(["--smoke"]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if "a batched AR step" in line]
+    assert [line.split()[:3] for line in lines] == [["1", "layers", "c1"], ["1", "layers", "c2"],
+                                                   ["2", "layers", "c1"], ["2", "layers", "c2"]]
