@@ -237,3 +237,11 @@ def test_batched_host_smoke_times_each_layer_count_and_concurrency(capsys) -> No
     lines = [line for line in capsys.readouterr().out.splitlines() if "a batched AR step" in line]
     assert [line.split()[:3] for line in lines] == [["1", "layers", "c1"], ["1", "layers", "c2"],
                                                    ["2", "layers", "c1"], ["2", "layers", "c2"]]
+
+
+def test_offline_tau_smoke_measures_the_loop_and_the_training_forward(capsys) -> None:
+    from bench.e2e import offline_tau
+
+    assert offline_tau.main(["--smoke"]) == 0
+    summary = [line for line in capsys.readouterr().out.splitlines() if line.startswith("loop τ")]
+    assert len(summary) == 1 and "offline estimate" in summary[0]
