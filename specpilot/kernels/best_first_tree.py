@@ -3,17 +3,20 @@
 `best_first_tree(logp, ids, anchor, budget)`: logp, ids [D, K] are the drafter's top-K
 log-probabilities (descending per row) and tokens at D positions; anchor is a 1-element device
 tensor (the last committed token). Returns parent, depth, token [budget + 1] (int64) and score
-[budget + 1] (float32): node 0 is the anchor, nodes 1.. the `budget` highest-scoring paths of the
-top-K lattice in the order a heap pops them, padding (a lattice smaller than the budget) hanging
-from nothing (parent -1, depth 0, the anchor's token, score -inf), as the reference's host
-heap builds it (and the runtime's own, `runtime.tree.best_first_tree`).
+[budget + 1] (float32). A batch of trees: logp, ids [B, D, K] and anchor [B] give [B, budget + 1]
+each, one program a tree (the batched engine's graphed tree step). Per tree: node 0 is the anchor,
+nodes 1.. the `budget` highest-scoring paths of the top-K lattice in the order a heap pops them,
+padding (a lattice smaller than the budget) hanging from nothing (parent -1, depth 0, the anchor's
+token, score -inf), as the reference's host heap builds it (and the runtime's own,
+`runtime.tree.best_first_tree`).
 
 One program holds the frontier in registers: each of the `budget` rounds pops the best entry (the
 first slot among equal scores, i.e. the earliest pushed, as the heap's push counter breaks ties),
 appends it as a node, and pushes its next sibling and its first child into the next two slots
 (an impossible push is a -inf slot, so the order of the others is kept). Scores add in float64,
-as the reference's Python floats do, so both pick the same tree. No host sync and a grid of one:
-the tree step of a graphed decode loop captures it (runtime/graph_decode.py).
+as the reference's Python floats do, so both pick the same tree. No host sync and a grid of one
+program a tree: the tree step of a graphed decode loop captures it (runtime/graph_decode.py, and
+runtime/batch.py's GraphedVerify for a batch).
 """
 
 from __future__ import annotations
@@ -35,6 +38,14 @@ def _best_first_kernel(
     D, K,
     BUDGET: tl.constexpr, FRONT: tl.constexpr, NODES: tl.constexpr,
 ):
+    tree = tl.program_id(0).to(tl.int64)
+    logp_ptr += tree * D * K
+    ids_ptr += tree * D * K
+    anchor_ptr += tree
+    parent_ptr += tree * (BUDGET + 1)
+    depth_ptr += tree * (BUDGET + 1)
+    token_ptr += tree * (BUDGET + 1)
+    score_ptr += tree * (BUDGET + 1)
     slots = tl.arange(0, FRONT)
     nodes = tl.arange(0, NODES)
     neg_inf = float("-inf")
@@ -91,29 +102,39 @@ def _best_first_kernel(
 
 def best_first_tree(logp: torch.Tensor, ids: torch.Tensor, anchor: torch.Tensor, budget: int
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(parent, depth, token, score), each [budget + 1]; see the module docstring."""
-    if logp.dim() != 2 or logp.shape != ids.shape or logp.shape[0] < 1:
-        raise ValueError(f"best_first_tree: logp and ids must be [D, K] with D >= 1, got {list(logp.shape)}, {list(ids.shape)}")
+    """(parent, depth, token, score), each [budget + 1] (a batch: [B, budget + 1]); see the module
+    docstring."""
+    batched = logp.dim() == 3
+    if logp.dim() not in (2, 3) or logp.shape != ids.shape or logp.shape[-2] < 1:
+        raise ValueError(f"best_first_tree: logp and ids must be [D, K] or [B, D, K] with D >= 1, got "
+                         f"{list(logp.shape)}, {list(ids.shape)}")
     if budget < 1:
         raise ValueError(f"best_first_tree: budget must be >= 1, got {budget}")
-    d, k = logp.shape
+    b, d, k = logp.shape if batched else (1, *logp.shape)
+    if batched and anchor.numel() != b:
+        raise ValueError(f"best_first_tree: a batch of {b} trees needs {b} anchors, got {anchor.numel()}")
     logp, ids = logp.float().contiguous(), ids.long().contiguous()
-    anchor = anchor.reshape(-1)[:1].long()
+    anchor = anchor.reshape(-1)[:b].long().contiguous()
     n = budget + 1
-    parent = torch.empty(n, dtype=torch.long, device=logp.device)
+    parent = torch.empty(b, n, dtype=torch.long, device=logp.device)
     depth, token = torch.empty_like(parent), torch.empty_like(parent)
-    score = torch.empty(n, dtype=torch.float32, device=logp.device)
-    _best_first_kernel[(1,)](
+    score = torch.empty(b, n, dtype=torch.float32, device=logp.device)
+    _best_first_kernel[(b,)](
         logp, ids, anchor, parent, depth, token, score, d, k,
         BUDGET=budget, FRONT=triton.next_power_of_2(2 * budget + 1), NODES=triton.next_power_of_2(n),
     )
-    return parent, depth, token, score
+    out = (parent, depth, token, score)
+    return out if batched else tuple(t[0] for t in out)
 
 
 def best_first_tree_reference(logp: torch.Tensor, ids: torch.Tensor, anchor: torch.Tensor, budget: int
                               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The same tree by a heap on the host: pop the best frontier path (ties: the earlier push),
-    then push its next sibling and its first child; padding hangs from nothing (parent -1)."""
+    then push its next sibling and its first child; padding hangs from nothing (parent -1). A batch
+    ([B, D, K], anchor [B]): each tree so, stacked."""
+    if logp.dim() == 3:
+        trees = [best_first_tree_reference(lp, i, a, budget) for lp, i, a in zip(logp, ids, anchor.reshape(-1))]
+        return tuple(torch.stack(parts) for parts in zip(*trees))
     lp, tok = logp.float().cpu().tolist(), ids.long().cpu().tolist()
     d, k = len(lp), len(lp[0]) if lp else 0
     root = int(anchor.reshape(-1)[0])
@@ -149,6 +170,10 @@ def _make_inputs(case, device, seed):
         logits = torch.zeros(d, vocab)
     logp, ids = torch.log_softmax(logits, -1).topk(k, -1)
     anchor = torch.tensor([7])
+    if case.get("B"):  # a batch of trees: each its own logits and anchor
+        logits = torch.randn(case["B"], d, vocab, generator=g) * case["spread"]
+        logp, ids = torch.log_softmax(logits, -1).topk(k, -1)
+        anchor = torch.arange(case["B"]) + 7
     return logp.to(device), ids.to(device), anchor.to(device), case["budget"]
 
 
@@ -163,7 +188,7 @@ def _reference(logp, ids, anchor, budget):
 def _plant(inputs):
     logp, ids, anchor, budget = inputs
     ids = ids.clone()
-    ids[0, 0] += 1  # the best first token changes: the kernel's tree must show it
+    ids[..., 0, 0] += 1  # the best first token changes: the kernel's tree must show it
     return logp, ids, anchor, budget
 
 
@@ -178,6 +203,7 @@ register(KernelSpec(
         dict(D=3, K=2, budget=20, spread=3.0),  # the lattice (14 nodes) is smaller than the budget
         dict(D=7, K=1, budget=5, spread=1.0),  # a chain
         dict(D=4, K=3, budget=11, spread=1.0, ties=True),
+        dict(D=5, K=3, budget=9, spread=2.0, B=3),  # three trees, one program each
     ],
     tolerance={torch.float64: (0.0, 0.0)},
     corrupt=_plant,

@@ -470,9 +470,10 @@ def ancestor_mask_static(parent: torch.Tensor, max_depth: int) -> torch.Tensor:
     """tree.ancestor_mask for trees at most `max_depth` deep, in a fixed number of launches (no host
     read of the depth): the reflexive-transitive closure of "is the parent of" by repeated
     squaring, ceil(log2(max_depth)) products of 0/1 matrices (exact: sums <= nodes, even in TF32).
-    A hop a launch, as before, took ~6 launches a level: 90 at depth 15."""
-    nodes = torch.arange(parent.shape[0], device=parent.device)
-    reach = (nodes[:, None] == nodes[None, :]) | (parent[:, None] == nodes[None, :])  # self or parent
+    A hop a launch, as before, took ~6 launches a level: 90 at depth 15. A batch of trees (parent
+    [B, n]) gives [B, n, n] in the same launches."""
+    nodes = torch.arange(parent.shape[-1], device=parent.device)
+    reach = (nodes[:, None] == nodes[None, :]) | (parent[..., :, None] == nodes)  # self or parent
     hops = 1
     while hops < max_depth:
         r = reach.float()
@@ -485,17 +486,26 @@ def accept_tree_on_device(parent: torch.Tensor, depth: torch.Tensor, token: torc
                           target_argmax: torch.Tensor, levels: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """tree.accept_tree without leaving the device: (n accepted drafts (0-dim), path [levels] (node
     at each depth, don't-care beyond n), span [levels]: the path's drafts then the bonus at n)."""
-    first = torch.arange(parent.shape[0], device=parent.device) == 0
-    ok = first | ((parent >= 0) & (token == target_argmax.index_select(0, parent.clamp(min=0))))
-    accepted = ~(ancestors & ~ok[None, :]).any(dim=1)
-    deepest = torch.where(accepted, depth, -1).argmax().view(1)  # the first deepest, as accept_tree
-    n = depth.index_select(0, deepest)[0]
-    on_path = ancestors.index_select(0, deepest)[0]
-    at_level = on_path[None, :] & (depth[None, :] == torch.arange(levels, device=depth.device)[:, None])
-    path = at_level.int().argmax(dim=1)
-    drafts = token.index_select(0, path)
-    bonus = target_argmax.index_select(0, path.index_select(0, n.view(1)))
-    span = torch.cat([drafts[1:], drafts[:1]]).index_copy_(0, n.view(1), bonus)
+    n, path, span = accept_trees_on_device(parent[None], depth[None], token[None], ancestors[None],
+                                           target_argmax[None], levels)
+    return n[0], path[0], span[0]
+
+
+def accept_trees_on_device(parent: torch.Tensor, depth: torch.Tensor, token: torch.Tensor, ancestors: torch.Tensor,
+                           target_argmax: torch.Tensor, levels: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """accept_tree_on_device over a batch of trees ([B, n] each, ancestors [B, n, n], the target's
+    argmax at every node [B, n]): n [B], path [B, levels], span [B, levels]."""
+    first = torch.arange(parent.shape[-1], device=parent.device) == 0
+    ok = first | ((parent >= 0) & (token == target_argmax.gather(1, parent.clamp(min=0))))
+    accepted = ~(ancestors & ~ok[:, None, :]).any(dim=2)
+    deepest = torch.where(accepted, depth, -1).argmax(dim=1, keepdim=True)  # the first deepest, as accept_tree
+    n = depth.gather(1, deepest)[:, 0]
+    on_path = ancestors.gather(1, deepest[:, :, None].expand(-1, 1, ancestors.shape[2]))[:, 0]
+    at_level = on_path[:, None, :] & (depth[:, None, :] == torch.arange(levels, device=depth.device)[:, None])
+    path = at_level.int().argmax(dim=2)
+    drafts = token.gather(1, path)
+    bonus = target_argmax.gather(1, path.gather(1, n[:, None]))
+    span = torch.cat([drafts[:, 1:], drafts[:, :1]], dim=1).scatter(1, n[:, None], bonus)
     return n, path, span
 
 

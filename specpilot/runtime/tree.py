@@ -228,7 +228,11 @@ def best_first_tree_padded(logp: torch.Tensor, ids: torch.Tensor, anchor: torch.
                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """`best_first_tree` (a heap on the host) as a graphed loop's tree builder takes it: the anchor
     a 1-element tensor, the tree padded to budget + 1 nodes, returned as (parent, depth, token,
-    score) on logp's device. A backend may install a device builder of the same signature."""
+    score) on logp's device; a batch (logp, ids [B, D, K], anchor [B]) gives [B, budget + 1] each.
+    A backend may install a device builder of the same signature."""
+    if logp.dim() == 3:
+        trees = [best_first_tree_padded(lp, i, a, budget) for lp, i, a in zip(logp, ids, anchor.reshape(-1))]
+        return tuple(torch.stack(parts) for parts in zip(*trees))
     tree = best_first_tree(logp.float().cpu(), ids.long().cpu(), int(anchor.reshape(-1)[0]), budget=budget)
     tree = tree.padded(budget + 1).to(logp.device)
     return tree.parent, tree.depth, tree.token, tree.score
