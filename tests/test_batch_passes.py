@@ -114,7 +114,7 @@ def test_every_mechanism_is_lossless_under_token_forcing(tiny_model_dirs, torch_
 def test_batched_graphs_graph_the_drafting_and_the_verify(tiny_model_dirs, torch_single_thread, monkeypatch, kind):
     """`TorchEngine.batched(graphs=True)`: the drafter's forwards and the verify run over their graphs'
     static shapes (replays on a GPU), the step-cost table profiled on them too; every output token
-    forced against the stock target. A tree program's engine runs eagerly (graphs serve chains)."""
+    forced against the stock target (tree programs: tests/test_batch_tree_graphs.py)."""
     from specpilot.hf.checkpoint import read_config
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
@@ -130,10 +130,6 @@ def test_batched_graphs_graph_the_drafting_and_the_verify(tiny_model_dirs, torch
     report = force_tokens(engine.target, engine.target_cfg, prompts, outs, "float32")
     assert report.passed and report.tokens_checked == sum(map(len, outs)) > 0
     assert batched.graphed_draft.replays["eager"] == 0
-    stock = lower(read_config(dirs["target"])[0], read_config(dirs[kind])[0], block_size=4, batch=3)
-    tree = run_passes(stock, parse_pipeline("tree-verify{budget=6, topk=2}", source="test"))[0]
-    eager = engine.with_program(tree).batched(capacity=64, graphs=True)
-    assert eager.tree == (6, 2) and eager.graphed is None and eager.graphed_draft is None
 
 
 def test_batched_trees_are_lossless_under_token_forcing(tiny_model_dirs, torch_single_thread, monkeypatch):

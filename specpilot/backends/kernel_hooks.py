@@ -96,15 +96,16 @@ def split_kv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vis: V
 def ragged_attention(device: torch.device):
     """The batched engine's attention (runtime/batch.py's RaggedAttention): split-KV's ragged mode
     where Triton runs, else the runtime's per-request SDPA."""
-    if not triton_runs(device):
-        return batch.ragged_attention_reference
+    return split_kv_ragged if triton_runs(device) else batch.ragged_attention_reference
 
-    def split_kv_ragged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, r: batch.Ragged) -> torch.Tensor:
-        args = r.device_args
-        mask = r.mask if isinstance(r.mask, str) else r.tree_masks
-        return attention_split_kv.attention_split_kv_ragged(q, k, v, cu_seqlens=args["cu"], slots=args["slots"],
-                                                            past=args["pasts"], max_t=r.max_count, mask=mask)
-    return split_kv_ragged
+
+def split_kv_ragged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, r: batch.Ragged) -> torch.Tensor:
+    """A RaggedAttention by split-KV's ragged mode: the Ragged's device tensors and its tree masks
+    (a StaticRagged's too), no host field read, so a graph captures it."""
+    args = r.device_args
+    mask = r.mask if isinstance(r.mask, str) else r.tree_masks
+    return attention_split_kv.attention_split_kv_ragged(q, k, v, cu_seqlens=args["cu"], slots=args["slots"],
+                                                        past=args["pasts"], max_t=r.max_count, mask=mask)
 
 
 def tree_builder(device: torch.device):

@@ -314,8 +314,9 @@ class Engine:
         up to its `batch` requests (or `max_batch`), its mechanisms (verify_budget, ragged, spec_control)
         in the policy. `cost` (a StepCost) prices them; None: profiled here on the engine's own forwards.
         A replay engine's drafts follow per-request plans only through `draft_hook`. `graphs`: verify and
-        drafter forwards as CUDA-graph replays by shape (runtime/batch.GraphedVerify, GraphedDraft; chains
-        only: a tree program's engine runs eagerly); a profiled `cost` is measured on those replays.
+        drafter forwards as CUDA-graph replays by shape (runtime/batch.GraphedVerify, GraphedDraft; a tree
+        program's greedy step one replay with its trees built on the device, GraphedVerify.tree; a
+        two-level program's engine runs eagerly); a profiled `cost` is measured on those replays.
         A tree-verify program verifies each request's best-first tree; a two-level one the batch's best
         nodes of all requests' trees by its first level (BatchEngine.keep_batch_wide; an early exit's
         second level continues from its layer), as many as verify-budget pays for when it is set."""
@@ -330,13 +331,15 @@ class Engine:
         keep = verify["q"] - 1 if verify["mode"] == "two-level" else None  # the first level's budget, batch-wide
         drafts = self.block_size - 1 if self.kind == "dflash" else self.block_size
         batch = max_batch or schedule["batch"]
-        graphs = graphs and tree is None  # graphed verifies and drafts serve chains; trees run eagerly
+        graphs = graphs and keep is None  # two-level verification runs eagerly
+        rows = batch * (drafts + 1 if tree is None else tree[0] + 1)
         config = BatchConfig(max_batch=batch, capacity=capacity, graphs=graphs,
-                             buckets=graph_buckets(batch * (drafts + 1)) if graphs else ())
+                             buckets=graph_buckets(rows) if graphs else ())
         attention = attention or kernel_hooks.ragged_attention(self.device)
         engine = BatchEngine(self.target, self.drafter, eos_token_id=self.eos_token_id, config=config,
                              block_size=self.block_size, attention=attention, draft_hook=draft_hook, tree=tree,
-                             keep=keep, first=verify.get("first", "drafter"), exit_layer=verify.get("exit_layer", 0))
+                             keep=keep, first=verify.get("first", "drafter"), exit_layer=verify.get("exit_layer", 0),
+                             tree_builder=kernel_hooks.tree_builder(self.device) if tree is not None else None)
         wants_cost = bool(schedule.get("verify_budget") or schedule.get("spec_control"))
         if wants_cost and cost is None:
             rows = sorted({config.max_batch * m for m in (1, 2, 4, 8, drafts + 1)})

@@ -49,14 +49,18 @@ batch-wide first level leave it alone; padding rows are verified but not accepte
 its batch: they are the batch-1 loop's for its seed (tests/test_batch_sampling.py). Steps with a
 sampled request run the verify eagerly (graphed verifies return only the greedy acceptance).
 
-CUDA graphs (BatchConfig.graphs, chains only; trees run eagerly): the verify forward with greedy
-acceptance (GraphedVerify) and the drafter's forwards (GraphedDraft: DFlash's context update and
-block pass, PARD's forward and head) are replays of graphs captured once a shape over StaticRagged
-inputs, so nothing inside reads a host value; the attention must read the Ragged's device tensors
-(the split-KV kernel's ragged mode), which BatchEngine checks. Around them a step stays eager: the
-host bookkeeping (spec control, verify budget, the Ragged layouts and their host-to-device copies),
-the draft hook, the drafts' argmax and their gather into the verify's ids, and one read a step
-(accepted counts, bonus tokens and drafts together). On other devices the same code runs as is (the CPU tests).
+CUDA graphs (BatchConfig.graphs): the verify forward with greedy acceptance (GraphedVerify) and the
+drafter's forwards (GraphedDraft: DFlash's context update and block pass, PARD's forward and head)
+are replays of graphs captured once a shape over StaticRagged inputs, so nothing inside reads a host
+value; the attention must read the Ragged's device tensors (the split-KV kernel's ragged mode),
+which BatchEngine checks. A greedy tree step is one replay too (GraphedVerify.tree): the trees built
+by a device builder (the best-first kernel, a program a tree) from the drafts' top-k, the verify
+under their ancestor masks, tree acceptance and each request's KV compaction. Around them a step
+stays eager: the host bookkeeping (spec control, verify budget, the Ragged layouts and their
+host-to-device copies), the draft hook, the drafts' argmax (chains) or top-k (trees) and their
+gather into the verify's inputs, and one read a step (accepted counts, bonus tokens and drafts or
+tree paths together). Two-level verification and steps with a sampled request run eagerly. On other
+devices the same code runs as is (the CPU tests).
 """
 
 from __future__ import annotations
@@ -79,7 +83,7 @@ from specpilot.runtime.engine_api import RequestParams
 from specpilot.runtime.model import PardDrafter, Transformer, attend, build_mask
 from specpilot.runtime.sampling import (GREEDY, STREAM_DRAFT, SamplingParams, StepRandom, accept_chains, first_token,
                                         probabilities_at, request_sampling, sample_tokens, tree_draws, uniforms)
-from specpilot.runtime.tree import Tree, accept_tree, ancestor_mask, best_first_tree, draft_topk
+from specpilot.runtime.tree import Tree, accept_tree, ancestor_mask, best_first_tree, best_first_tree_padded, draft_topk
 from specpilot.runtime.two_level import EXITS, FIRST_LEVELS, forest, level_scores, share_budget, subtree, survivors
 
 
@@ -169,6 +173,9 @@ class Ragged:
 
 
 RaggedAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Ragged], torch.Tensor]
+# (logp, ids [B, D, K], anchors [B], budget) -> parent, depth, token, score [B, budget + 1]: tree.best_first_tree_padded
+TreeBuilder = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int],
+                       tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]
 
 
 def ragged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, r: Ragged) -> torch.Tensor:
@@ -319,7 +326,7 @@ class BatchConfig:
     max_batch: int = 8
     capacity: int = 1024
     buckets: tuple[int, ...] = ()  # verify forwards padded up to the next bucket (CUDA-graph shapes)
-    graphs: bool = False  # verify and drafter forwards as CUDA-graph replays by shape (GraphedVerify, GraphedDraft)
+    graphs: bool = False  # verify (chain or tree step) and drafter forwards as CUDA-graph replays by shape
 
     def __post_init__(self):
         if self.max_batch < 1 or self.capacity < 2:
@@ -367,11 +374,13 @@ class BatchEngine:
                  block_size: int | None = None, attention: RaggedAttention = ragged_attention_reference,
                  draft_hook: Callable[[torch.Tensor, list["Request"], list[int]], torch.Tensor] | None = None,
                  tree: tuple[int, int] | None = None, keep: int | None = None, first: str = "drafter",
-                 exit_layer: int = 0) -> None:
+                 exit_layer: int = 0, tree_builder: TreeBuilder | None = None) -> None:
         """`block_size`: DFlash block incl. the anchor / PARD k (default the drafter's). `draft_hook`
         (logits [B, k, V], the drafting requests, the absolute position of each one's first draft)
         may rewrite the drafts' logits (replay drafters). `tree` (budget, top-k): verify best-first
-        trees instead of chains (CUDA graphs serve chains only). `keep`: two-level verification's
+        trees instead of chains; with graphs a greedy tree step is one replay (GraphedVerify.tree),
+        its trees built by `tree_builder` (graph_decode.TreeBuilder, batched: a backend installs the
+        Triton kernel; default the host heap, which only runs uncaptured). `keep`: two-level verification's
         drafter first level with a batch-wide budget: each step verifies at most `keep` drafted nodes
         a drafting request on average, the best of all requests' trees, as many as the verify budget
         pays for with the policy's verify_budget (`keep_batch_wide`). `first`: the first level that
@@ -391,8 +400,16 @@ class BatchEngine:
         if self.policy.max_drafts > drafts:
             raise ValueError(f"BatchPolicy.max_drafts={self.policy.max_drafts} exceeds the {drafts} drafts a "
                              f"{self.kind} block of {block_size} makes")
-        if tree is not None and (drafter is None or config.graphs):
-            raise ValueError("BatchEngine: trees need a drafter, and run without graphs")
+        if tree is not None and drafter is None:
+            raise ValueError("BatchEngine: trees need a drafter")
+        if keep is not None and config.graphs:
+            raise ValueError("BatchEngine: two-level verification (keep) runs without graphs")
+        self.tree_builder = tree_builder or best_first_tree_padded
+        if (config.graphs and tree is not None and target.device.type == "cuda"
+                and self.tree_builder is best_first_tree_padded):
+            raise ValueError("BatchEngine: graphed trees need a device tree builder (the best-first kernel: "
+                             "backends.kernel_hooks.tree_builder); the host heap reads the drafts on the host, "
+                             "which a capture cannot")
         if config.graphs and target.device.type == "cuda" and attention is ragged_attention_reference:
             raise ValueError("BatchEngine: graphed verifies and drafts need an attention that reads the Ragged's "
                              "device tensors (the split-KV kernel's ragged mode: backends.kernel_hooks."
@@ -656,8 +673,14 @@ class BatchEngine:
         budget, topk = self.tree
         trees: dict[str, Tree] = {}
         early = None
+        logits = self._draft_logits(drafting, lengths) if drafting else None
+        rows = len(reqs) + budget * len(drafting)
+        if (self.graphed is not None and self.keep is None and rows <= self.config.buckets[-1]
+                and all(q.rng is None for q in reqs)):
+            return self._decode_tree_graphed(reqs, drafting, logits, lengths, new)
+        if self.graphed is not None:
+            self.graphed.replays["eager"] += 1
         if drafting:
-            logits = self._draft_logits(drafting, lengths)
             self.stats.drafted_requests += len(drafting)
             for q, rows in zip(drafting, logits):
                 logp, ids = draft_topk(rows, topk)
@@ -717,6 +740,50 @@ class BatchEngine:
                 rows_kept = out.hidden[[start + j for j in path]]  # the anchor and the accepted path
                 q.context = rows_kept if q.context is None else torch.cat((q.context, rows_kept))
             self.stats.committed += kept
+
+    def _decode_tree_graphed(self, reqs: list[Request], drafting: list[Request], logits: torch.Tensor | None,
+                             lengths: dict[str, int], new: dict[str, list[int]]) -> None:
+        """`_decode_tree`'s greedy step as one replay (GraphedVerify.tree): the same trees (the
+        builder's, from the same top-k), verify, acceptance and compaction, and one host read (each
+        request's accepted count, path tokens and bonus)."""
+        dev = self.target.device
+        budget, topk = self.tree
+        where = {q.rid: i for i, q in enumerate(reqs)}
+        logp = ids = None
+        if drafting:
+            self.stats.drafted_requests += len(drafting)
+            logp, ids = draft_topk(logits, topk)  # [D, V] rows of every drafting request at once
+        else:
+            self.stats.ar_steps += 1
+        counts = tuple(budget + 1 if lengths[q.rid] > 0 else 1 for q in reqs)
+        pasts = tuple(self.kv.lengths[q.slot] for q in reqs)
+        r = Ragged(tuple(q.slot for q in reqs), pasts, counts, "causal", dev, pad_to=self.config.bucket(sum(counts)),
+                   pad_slot=self.kv.scratch)
+        accept, hidden = self.graphed.tree(r, [q.seq[-1] for q in reqs], logp, ids, [where[q.rid] for q in drafting])
+        result = accept[:len(reqs)].tolist()
+        self.stats.steps += 1
+        self.stats.verify_rows += r.rows
+        self.stats.padded_rows += r.total - r.rows
+        for q, (n, *span), count, past in zip(reqs, result, counts, pasts):
+            span = span[:n + 1]
+            kept = q.out.extend(span)
+            new[q.rid] += span[:kept]
+            q.seq.extend(span)
+            if count > 1:
+                self.stats.spec_request_steps += 1
+                self.stats.spec_committed += kept
+                q.accepted.append(kept - 1)
+                self.control.rate(q.rid).observe(lengths[q.rid], n, self.policy.ema)
+            q.verified.append(count - 1)
+            self.kv.lengths[q.slot] = past + n + 1  # the graph compacted the path's K/V
+            self.stats.committed += kept
+        if self.kind == "dflash":  # each request's anchor and accepted path, gathered in one copy
+            levels = hidden.shape[1]
+            sizes = [n + 1 for n, *_ in result]
+            index = torch.tensor([i * levels + j for i, size in enumerate(sizes) for j in range(size)], device=dev)
+            kept_rows = hidden.flatten(0, 1)[index].split(sizes)
+            for q, rows_kept in zip(reqs, kept_rows):
+                q.context = rows_kept if q.context is None else torch.cat((q.context, rows_kept))
 
     def first_level(self, reqs: list[Request], trees: dict[str, Tree]
                     ) -> tuple[torch.Tensor, dict[int, torch.Tensor], Ragged, dict[str, list[int]]]:
@@ -833,6 +900,8 @@ class BatchEngine:
             accept, hidden = self.graphed(ids, r)  # the forward and the greedy acceptance, one replay
             accept = accept[:, :len(reqs)]
         else:
+            if self.graphed is not None:
+                self.graphed.replays["eager"] += 1
             out = ragged_forward(self.target, self.kv, ids, r, self.attention, self.layers)
             logits = self.target.head(out.x[:rows])
             hidden = out.hidden
@@ -926,8 +995,8 @@ class StaticRagged:
                  capacity: int, mask: str = "causal") -> None:
         self.batch, self.total, self.max_count, self.scratch = batch, rows, max_t, scratch
         self.capacity, self.mask = capacity, mask
-        # two buffers, so a step's layout is two copies: [token_slot; token_key], [cu; slots; pasts]
-        self.rows_index = torch.zeros(2, rows, dtype=torch.long, device=device)
+        # two buffers, so a step's layout is two copies: [token_slot; token_key; ...], [cu; slots; pasts]
+        self.rows_index = torch.zeros(self.row_fields, rows, dtype=torch.long, device=device)
         self.rows_index[0] = scratch
         self.token_slot, self.token_key = self.rows_index[0], self.rows_index[1]
         self.token_position = self.token_key
@@ -936,25 +1005,57 @@ class StaticRagged:
         self.device_args = {"cu": self.args[0], "slots": self.args[1, :-1], "pasts": self.args[2, :-1]}
         self.slots = self.pasts = self.counts = self.starts = ()
 
-    def request_mask(self, i: int) -> str:
+    row_fields = 2  # rows of rows_index: token_slot, token_key
+
+    def request_mask(self, i: int) -> str | torch.Tensor:
         return self.mask
+
+    def _rows(self, r: Ragged, fill: int) -> list[list[int]]:
+        """rows_index's rows for `r`, each r.rows entries then `fill` of padding."""
+        slot = [s for s, c in zip(r.slots, r.counts) for _ in range(c)]
+        key = [p + j for p, c in zip(r.pasts, r.counts) for j in range(c)]
+        return [slot + [self.scratch] * fill, key + [j % self.capacity for j in range(fill)]]
 
     def load(self, r: Ragged) -> None:
         """This step's requests (r: at most `batch` of them, at most max_t rows each, `mask`'s kind)."""
         pad = self.batch - len(r.counts)
         self.slots, self.pasts, self.counts, self.starts = r.slots, r.pasts, r.counts, r.starts
-        slot = [s for s, c in zip(r.slots, r.counts) for _ in range(c)]
-        key = [p + j for p, c in zip(r.pasts, r.counts) for j in range(c)]
-        fill = self.total - len(slot)
-        host = torch.tensor([slot + [self.scratch] * fill, key + [j % self.capacity for j in range(fill)]],
-                            dtype=torch.long)
-        self.rows_index.copy_(host, non_blocking=True)
+        self.rows_index.copy_(torch.tensor(self._rows(r, self.total - r.rows), dtype=torch.long), non_blocking=True)
         self.args.copy_(torch.tensor([[*r.starts, r.rows] + [r.rows] * pad, list(r.slots) + [self.scratch] * pad + [0],
                                       list(r.pasts) + [0] * pad + [0]], dtype=torch.int32), non_blocking=True)
 
     def load_idle(self) -> None:
         """One row in the scratch slot (what a warm-up and a capture run over)."""
         self.load(Ragged((self.scratch,), (0,), (1,), "causal", self.token_slot.device))
+
+
+class StaticTreeRagged(StaticRagged):
+    """A StaticRagged for a tree verify built inside the graph: request i (the step's i-th) owns
+    node row i of the step's trees ([batch, width] arrays, a drafting request all `width` nodes, another
+    only node 0, its anchor), its packed rows reading nodes i * width + j (`node`, padding rows node
+    0: a root, depth 0). The graph fills `token_position` (the row's past + its node's depth) and
+    `tree_masks` ([batch, max_t, max_t], each request's ancestor mask in its top-left corner) before
+    the forward; `mask` is that tensor, so attentions take the tree masks."""
+
+    row_fields = 4  # token_slot, token_key, node, the row's past
+
+    def __init__(self, batch: int, rows: int, max_t: int, scratch: int, device: torch.device, *,
+                 capacity: int, width: int) -> None:
+        super().__init__(batch, rows, max_t, scratch, device, capacity=capacity)
+        self.width = width
+        self.node, self.row_past = self.rows_index[2], self.rows_index[3]
+        self.token_position = torch.zeros(rows, dtype=torch.long, device=device)
+        self.tree_masks = torch.zeros(batch, max_t, max_t, dtype=torch.bool, device=device)
+        self.mask = self.tree_masks
+
+    def request_mask(self, i: int) -> torch.Tensor:
+        return self.tree_masks[i, :self.counts[i], :self.counts[i]]
+
+    def _rows(self, r: Ragged, fill: int) -> list[list[int]]:
+        node = [i * self.width + j for i, c in enumerate(r.counts) for j in range(c)]
+        past = [p for p, c in zip(r.pasts, r.counts) for _ in range(c)]
+        rows = super()._rows(r, fill)
+        return rows + [node + [0] * fill, past + rows[1][r.rows:]]
 
 
 def padded_count(n: int, most: int) -> int:
@@ -971,13 +1072,15 @@ class GraphedVerify:
 
     def __init__(self, engine: "BatchEngine") -> None:
         self.engine = engine
-        self.steps: dict[tuple[int, int], tuple] = {}
+        self.steps: dict[tuple, tuple] = {}
+        self.replays: Counter[str] = Counter()  # verifies served: "chain", "tree"; "eager" the engine ran itself
         self.pool = torch.cuda.graph_pool_handle() if engine.target.device.type == "cuda" else None
 
     def __call__(self, ids: torch.Tensor, r: Ragged) -> tuple[torch.Tensor, torch.Tensor | None]:
         from specpilot.runtime.graph_decode import GraphedStep
 
         e = self.engine
+        self.replays["chain"] += 1
         t = 1 << max(r.max_count - 1, 0).bit_length()
         key = (r.total, t)
         if key not in self.steps:
@@ -996,6 +1099,82 @@ class GraphedVerify:
         static, ids_buf, out, step = self.steps[key]
         static.load(r)
         ids_buf.copy_(ids)
+        step()
+        return out["accept"], out["hidden"]
+
+    def tree(self, r: Ragged, anchors: Sequence[int], logp: torch.Tensor | None, ids: torch.Tensor | None,
+             at: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A greedy tree step of `r`'s requests as one replay: the drafting requests' trees (the
+        engine's builder over their top-k logp, ids [len(at), D, K], request at[j] the j-th; None: no
+        request drafts) built on the device, the verify over every request's rows (a drafting
+        request's budget + 1 nodes under its ancestor mask at positions past + depth, another's
+        anchor), greedy tree acceptance (graph_decode.accept_trees_on_device) and each request's
+        accepted path compacted in its KV slot. One graph a (token bucket, nodes a request rounded up
+        to a power of two, draft positions D). Returns [max_batch, 1 + L] (each request's accepted
+        drafts n, then its path's drafts and the bonus at n; L = D + 1 levels) and the hidden rows of
+        each request's path [max_batch, L, width] (None without)."""
+        from specpilot.runtime.graph_decode import GraphedStep
+
+        e = self.engine
+        self.replays["tree"] += 1
+        budget = e.tree[0]
+        d = 0 if logp is None else logp.shape[1]
+        width = budget + 1 if d else 1
+        t = 1 << max(r.max_count - 1, 0).bit_length()
+        total = r.total
+        key = ("tree", total, t, d)
+        if key not in self.steps:
+            dev = e.target.device
+            static = StaticTreeRagged(e.max_batch, total, t, e.kv.scratch, dev, capacity=e.kv.capacity, width=width)
+            k = 0 if logp is None else logp.shape[2]
+            logp_buf = torch.zeros(e.max_batch, d, k, dtype=torch.float32, device=dev)
+            ids_buf = torch.zeros(e.max_batch, d, k, dtype=torch.long, device=dev)
+            anchor_buf = torch.zeros(e.max_batch, dtype=torch.long, device=dev)
+            out: dict[str, torch.Tensor | None] = {}
+
+            def forward() -> None:
+                from specpilot.runtime.graph_decode import accept_trees_on_device, ancestor_mask_static
+
+                cu = static.device_args["cu"].long()
+                nodes = torch.arange(width, device=dev)
+                if d:
+                    parent, depth, token, _ = e.tree_builder(logp_buf, ids_buf, anchor_buf, budget)
+                    live = nodes < (cu[1:] - cu[:-1])[:, None]  # a request's own nodes (others: hang from nothing)
+                    parent, depth = torch.where(live, parent, -1), torch.where(live, depth, 0)
+                else:
+                    parent = torch.full((e.max_batch, 1), -1, dtype=torch.long, device=dev)
+                    depth, token = torch.zeros_like(parent), anchor_buf[:, None]
+                ancestors = ancestor_mask_static(parent, d)
+                static.tree_masks[:, :width, :width] = ancestors
+                static.token_position.copy_(static.row_past + depth.flatten()[static.node])
+                o = ragged_forward(e.target, e.kv, token.flatten()[static.node], static, e.attention, e.layers)
+                rows = (cu[:-1, None] + nodes).clamp(max=total - 1)
+                argmax = e.target.head(o.x).argmax(-1)[rows]  # [max_batch, width]: the target at each node
+                n, path, span = accept_trees_on_device(parent, depth, token, ancestors, argmax, d + 1)
+                if d:  # each request's path to key slots past.. (tree.compact_kv); slots past its end keep theirs
+                    pasts = static.device_args["pasts"].long()[:, None]
+                    slots = static.device_args["slots"].long()[:, None]
+                    levels = torch.arange(d + 1, device=dev)
+                    dst = pasts + levels
+                    src = torch.where(levels <= n[:, None], pasts + path, dst)
+                    kv = e.kv.cache.stacked  # [2, layers, rows, Hkv, cap, D]
+                    kv[:, :, slots, :, dst] = kv[:, :, slots, :, src]
+                out["accept"] = torch.cat((n[:, None], span), dim=1)
+                out["hidden"] = None if o.hidden is None else o.hidden[(cu[:-1, None] + path).clamp(max=total - 1)]
+            static.load_idle()  # warm-up and capture over one row in the scratch slot
+            self.steps[key] = (static, logp_buf, ids_buf, anchor_buf, out,
+                               GraphedStep(forward, dev, self.pool))
+        static, logp_buf, ids_buf, anchor_buf, out, step = self.steps[key]
+        static.load(r)
+        dev = anchor_buf.device
+        host = torch.tensor([list(anchors) + [0] * (e.max_batch - len(anchors)),
+                             list(at) + [e.max_batch] * (e.max_batch - len(at))], dtype=torch.long)
+        index = host.to(dev, non_blocking=True)
+        anchor_buf.copy_(index[0])
+        if logp is not None:  # rows of requests that do not draft keep stale values: their nodes are cut
+            fill = index[1, :len(at)]
+            logp_buf.index_copy_(0, fill, logp.float())
+            ids_buf.index_copy_(0, fill, ids)
         step()
         return out["accept"], out["hidden"]
 
