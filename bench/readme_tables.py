@@ -685,7 +685,10 @@ def _batched_table(name: str, d: dict) -> list[str]:
              "forwards and their first tokens left out) and the speedup in them, the whole run's speedup (prefill "
              "included) beside it; AR = the same batched runtime with no drafter. Variants: `all` = verify-budget, "
              "ragged-verify, spec-control; `no-X` leaves one out; `none` the batched engine alone."
-             + (" Steps: " + ("CUDA-graph verify replays by token bucket" if (d.get("args") or {}).get("graphs")
+             + "".join(sorted({f" `tree` = {r['pipeline']}: each request's best-first tree in place of its chain."
+                               for r in rows if r.get("variant") == "tree"}))
+             + (" Steps: " + ("CUDA-graph verify replays by token bucket (a tree step's trees, verify and "
+                              "acceptance: one replay)" if (d.get("args") or {}).get("graphs")
                               else "eager (no CUDA graphs), AR and speculative alike") + "." if "args" in d else "")
              + (" Skipped over the run's time budget: " + ", ".join(sorted({(r.get("profile") or r.get("pair")) + " "
                 + r["variant"] for r in d["records"] if "skipped" in r})) + "." if any("skipped" in r for r in d["records"])

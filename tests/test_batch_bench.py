@@ -17,8 +17,9 @@ def test_batched_bench_smoke_writes_its_rows(tmp_path, monkeypatch):
     doc = json.loads((tmp_path / "batched_cpu.json").read_text())
     rows = [r for r in doc["records"] if "speedup_over_batched_ar" in r]
     assert {(r.get("profile") or r["pair"], r["variant"], r["concurrency"]) for r in rows} == {
-        (who, v, c) for who in ("dflash-qwen3-8b", "code-qwen3/dflash") for v in ("all", "none") for c in (1, 3)}
-    assert all(r["passed"] for r in rows if r["variant"] == "all")
+        (who, v, c) for who in ("dflash-qwen3-8b", "code-qwen3/dflash") for v in ("all", "none") for c in (1, 3)} | {
+        ("dflash-qwen3-8b", "tree", c) for c in (1, 3)}
+    assert all(r["passed"] for r in rows if r["variant"] in ("all", "tree"))
     assert all(r["spec"]["tokens"] > 0 and r["ar"]["tokens"] == r["spec"]["tokens"] for r in rows)
 
 

@@ -1,7 +1,8 @@
 """Batched speculative decoding against batched AR, concurrency 1..64, with an ablation of each mechanism.
 
     python -m bench.e2e.batched [--profile dflash-qwen3-8b] [--benchmark humaneval]
-                                [--concurrency 1,2,4,8,16,32,64] [--variants all,no-budget,no-ragged,no-control,none]
+                                [--concurrency 1,2,4,8,16,32,64]
+                                [--variants all,tree,no-budget,no-ragged,no-control,none]
                                 [--zoo code-qwen3/dflash,code-qwen3/pard] [--num-prompts 8] [--max-new-tokens 64]
                                 [--budget-s 270] [--graphs] [--out FILE|DIR] [--tag TAG] [--smoke]
     python -m bench.e2e.batched --cpu [--concurrency 1,2,4,8,16] ...   # the zoo pairs measured on the CPU
@@ -11,10 +12,12 @@
 AR output), served by the batched engine (runtime/batch.py: continuous batching, ragged packed
 verification on split-KV's ragged mode). Variants are the schedule's mechanisms (passes): `all` =
 verify-budget, ragged-verify, spec-control; `no-budget`, `no-ragged`, `no-control` each leave one
-out; `none` keeps just the batched engine (every request verifies its whole block). The baseline at
+out; `none` keeps just the batched engine (every request verifies its whole block); `tree` verifies
+each request's best-first tree of 16 nodes (top-4) instead of its chain, packed raggedly (the profile's
+tree accept lengths; verify-budget and spec-control do not apply to one-level trees). The baseline at
 each concurrency is batched AR on the same runtime (no drafter). Per row: tokens/s, mean and p90
 latency, τ (tokens a speculating request commits a step), verify rows a step, AR steps (speculation
-off for the whole batch), the speedup over batched AR, and the outputs of `all` token-forced.
+off for the whole batch), the speedup over batched AR, and the outputs of `all` and `tree` token-forced.
 
 Zoo pairs (--zoo): the trained code-qwen3 drafters with their own acceptance, `all` and `none`.
 
@@ -22,8 +25,9 @@ Aims (issue 45, DFlash's HumanEval profile at 8B on the H200): >= 4.0x over batc
 at c32, never below 1.0x. The summary says met or not. Writes bench/results/batched_<gpu>.json.
 --graphs: the verify forwards of both engines and the speculative engine's drafter forwards (DFlash's context
 update and block pass, PARD's forward and head) as CUDA-graph replays by shape (runtime/batch.py: GraphedVerify,
-GraphedDraft); prefill, acceptance, the replay draft hook and the host bookkeeping stay eager; each row counts
-its graphs (`graphs`) -> batched_<gpu>_graphs.json.
+GraphedDraft), and the `tree` variant's greedy tree step (trees built on the device, verify, acceptance and KV
+compaction) a replay a shape (GraphedVerify.tree); prefill, the chains' acceptance, the replay draft hook and the
+host bookkeeping stay eager; each row counts its graphs and its forwards (`graphs`) -> batched_<gpu>_graphs.json.
 --smoke: the tiny shapes on the CPU (fp32), two concurrencies: checks the script, measures nothing.
 --cpu: a measurement on the CPU (fp32) of the zoo pairs only (8B shapes do not fit a CPU's time), every
 variant -> batched_cpu.json.
@@ -51,16 +55,19 @@ from specpilot.runtime.builtin import resolve_builtin
 from specpilot.runtime.tokenizer import load_tokenizer
 from specpilot.validate.forcing import force_tokens
 
-VARIANTS = {"all": "verify-budget,ragged-verify,spec-control", "no-budget": "ragged-verify,spec-control",
-            "no-ragged": "verify-budget,spec-control", "no-control": "verify-budget,ragged-verify",
-            "none": ""}
+VARIANTS = {"all": "verify-budget,ragged-verify,spec-control", "tree": "tree-verify{budget=16, topk=4},ragged-verify",
+            "no-budget": "ragged-verify,spec-control", "no-ragged": "verify-budget,spec-control",
+            "no-control": "verify-budget,ragged-verify", "none": ""}
 AIMS = {8: 4.0, 32: 3.0}  # concurrency -> speedup over batched AR, DFlash HumanEval at 8B on the H200
 AIM_PROFILE = ("dflash-qwen3-8b", "humaneval")
 GRAPHED = ("CUDA graphs: the verify forward (target layers, head, argmax) a replay a (token bucket, rows a request), "
            "both engines; the drafter's forwards a replay a shape (DFlash: context-feature update a token bucket, "
            "block pass a padded request count; PARD: forward and head a token bucket, rows a request, padded request "
-           "count); eager: prefill, acceptance and commit, the replay draft hook, spec control and verify-budget, "
-           "one host read a step (accepted counts, bonus tokens and drafts together; a second, the drafter's "
+           "count); the tree variant's greedy step (trees built on the device by the best-first kernel over the "
+           "drafter's top-k, the verify under their ancestor masks, tree acceptance and KV compaction) a replay a "
+           "(token bucket, nodes a request rounded up to a power of two, draft positions); eager: prefill, the "
+           "chains' commit, the drafts' top-k, the replay draft hook, spec control and verify-budget, one host read "
+           "a step (accepted counts, bonus tokens and drafts or tree paths together; a second, the drafter's "
            "confidences, only under verify-budget's confidence survival)")
 
 
@@ -75,7 +82,7 @@ def run_variants(engine, stock, prompts, guesses, sizes, variants, args, label: 
         eng = engine.with_program(program)
         got = measure_batches(eng, prompts, guesses, sizes, args.max_new_tokens, graphs=args.graphs, ar_runs=ar_runs)
         check = {}
-        if variant == "all":
+        if variant in ("all", "tree"):
             report = force_tokens(engine.target, engine.target_cfg, got["prompts"], got["outputs"], dtype)
             check = {"token_forcing": report.summary(), "passed": report.passed, "tokens_checked": report.tokens_checked}
         for r in got["rows"]:
@@ -162,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
         args.profile = ""
     if args.smoke:
         torch.set_num_threads(1)
-        args.target, args.concurrency, args.variants, args.prompts = "tiny", "1,3", "all,none", "code-smoke"
+        args.target, args.concurrency, args.variants, args.prompts = "tiny", "1,3", "all,tree,none", "code-smoke"
         args.num_prompts, args.max_new_tokens, args.zoo = 2, 12, "code-qwen3/dflash"
     why = harness.refuse_device("bench.e2e.batched", args.smoke or args.cpu, interpreter=False)
     if why:

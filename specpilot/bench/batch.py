@@ -137,8 +137,14 @@ def measure_concurrency(engine_for: Callable[[int], object], ar_for: Callable[[i
     drafting = getattr(spec_engine, "graphed_draft", None)
     if drafting is not None:  # forwards counted since the engine was made ("eager": past the largest bucket)
         row["graphs"] = {"verify_shapes": len(spec_engine.graphed.steps), "draft_shapes": len(drafting.steps),
-                         "draft_forwards": dict(drafting.replays)}
+                         "draft_forwards": dict(drafting.replays), "verify_forwards": dict(spec_engine.graphed.replays)}
     return {"row": row, "spec_outputs": sp.outputs, "ar_outputs": ar.outputs, "ar_run": ar}
+
+
+def step_rows(engine) -> int:
+    """Rows one step of `engine`'s program verifies a request at most: its block, or its tree's nodes."""
+    propose = engine.program.step.one("propose")[1]
+    return max(engine.block_size, propose["budget"] + 1 if propose["shape"] == "tree" else 0)
 
 
 def measure_batches(engine, prompts: Sequence[Sequence[int]], guesses: Sequence[Sequence[int]],
@@ -151,7 +157,7 @@ def measure_batches(engine, prompts: Sequence[Sequence[int]], guesses: Sequence[
     ar_runs = {} if ar_runs is None else ar_runs
     from specpilot.runtime.batch_replay import BatchReplay
 
-    capacity = max(map(len, prompts)) + max_new_tokens + engine.block_size + 2
+    capacity = max(map(len, prompts)) + max_new_tokens + step_rows(engine) + 2
     rows, forced_prompts, forced_outputs = [], [], []
     for c in sizes:
         hook = None
@@ -194,7 +200,7 @@ def measure_served(engine, baseline, prompts: Sequence[Sequence[int]], concurren
     every request's prompt and output (for token forcing), each run's decode time (its prefill
     forwards left out, as every speedup of the project is: `decode_tokens_per_s`), so its ms/token
     figures are 1000 / decode tokens per second of each run, and the engine's τ."""
-    capacity = max(map(len, prompts)) + max_new_tokens + engine.block_size + 2
+    capacity = max(map(len, prompts)) + max_new_tokens + step_rows(engine) + 2
     got = measure_concurrency(lambda m: engine.batched(max_batch=m, capacity=capacity),
                               lambda m: baseline.batched_ar(max_batch=m, capacity=capacity), prompts, concurrency,
                               max_new_tokens=max_new_tokens, requests=requests)
