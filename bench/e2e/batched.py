@@ -13,8 +13,9 @@ AR output), served by the batched engine (runtime/batch.py: continuous batching,
 verification on split-KV's ragged mode). Variants are the schedule's mechanisms (passes): `all` =
 verify-budget, ragged-verify, spec-control; `no-budget`, `no-ragged`, `no-control` each leave one
 out; `none` keeps just the batched engine (every request verifies its whole block); `tree` verifies
-each request's best-first tree of 16 nodes (top-4) instead of its chain, packed raggedly (the profile's
-tree accept lengths; verify-budget and spec-control do not apply to one-level trees). The baseline at
+each request's best-first tree of 15 nodes (top-4) instead of its chain, packed raggedly: 16 rows a
+request with the anchor, DFlash's block, so the same power-of-two buckets (the profile's tree accept
+lengths; verify-budget and spec-control do not apply to one-level trees). The baseline at
 each concurrency is batched AR on the same runtime (no drafter). Per row: tokens/s, mean and p90
 latency, τ (tokens a speculating request commits a step), verify rows a step, AR steps (speculation
 off for the whole batch), the speedup over batched AR, and the outputs of `all` and `tree` token-forced.
@@ -55,7 +56,7 @@ from specpilot.runtime.builtin import resolve_builtin
 from specpilot.runtime.tokenizer import load_tokenizer
 from specpilot.validate.forcing import force_tokens
 
-VARIANTS = {"all": "verify-budget,ragged-verify,spec-control", "tree": "tree-verify{budget=16, topk=4},ragged-verify",
+VARIANTS = {"all": "verify-budget,ragged-verify,spec-control", "tree": "tree-verify{budget=15, topk=4},ragged-verify",
             "no-budget": "ragged-verify,spec-control", "no-ragged": "verify-budget,spec-control",
             "no-control": "verify-budget,ragged-verify", "none": ""}
 AIMS = {8: 4.0, 32: 3.0}  # concurrency -> speedup over batched AR, DFlash HumanEval at 8B on the H200
