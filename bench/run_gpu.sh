@@ -110,7 +110,8 @@
 #   batched  issue 45: the batched engine against batched AR at concurrency 1..64, Qwen3-8B shape under DFlash's
 #            HumanEval profile (replay drafter) with the mechanisms' ablation, then the zoo pairs; first the
 #            batched runtime's and the ragged kernel's GPU tests (bench.e2e.batched -> batched_<gpu>.json)
-#   batchedg the same with the verify and drafter forwards as CUDA-graph replays by shape (-> batched_<gpu>_graphs.json)
+#   batchedg the same with the verify and drafter forwards as CUDA-graph replays by shape, a tree variant's whole
+#            greedy tree step one replay (-> batched_<gpu>_graphs.json); first the graphed engine's GPU tests
 #   agent    issue 44: specpilot tune on the zoo pair and on the Qwen3-8B replay deployment (budget: 2 rounds x 3
 #            candidates + controls), each confirmed head to head (-> agent_<gpu>_zoo.json, agent_<gpu>_replay-qwen3-8b.json);
 #            the 8B run one candidate at a time and by token forcing alone (no 32 GB fp32 reference beside it)
@@ -326,7 +327,11 @@ batched() {
     -k "batch or ragged"
   TAIL=30 run batched 420 python -m bench.e2e.batched --out "$OUT"
 }
-batchedg() { TAIL=30 run batched_graphs 540 python -m bench.e2e.batched --graphs --out "$OUT"; }
+batchedg() {
+  TAIL=6 run batched_graph_tests 120 python -m pytest -q -x -p no:cacheprovider tests/test_batch_tree_graphs.py \
+    tests/test_batch_sampling.py -m gpu
+  TAIL=30 run batched_graphs 540 python -m bench.e2e.batched --graphs --out "$OUT"
+}
 agent() {
   TAIL=20 run agent_zoo 280 python -m bench.agent.tune examples/pipeline.yaml --device cuda --rounds 3 --candidates 3 \
     --out "$OUT" --tag zoo

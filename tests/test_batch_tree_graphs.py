@@ -254,3 +254,31 @@ def test_batched_graphs_graph_the_tree_step(tiny_model_dirs, torch_single_thread
                                                  source="test"))[0]
     eager = engine.with_program(two_level).batched(capacity=64, graphs=True)
     assert eager.keep == 3 and eager.graphed is None and eager.graphed_draft is None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["dflash", "pard"])
+def test_graphed_tree_steps_capture_on_cuda(kind):
+    """On a GPU the tree step is captured (the best-first kernel, split-KV's ragged mode over the
+    in-graph tree masks, acceptance and compaction, nothing read on the host inside) and replayed for
+    every step; each greedy request gets its batch-1 AR tokens on the same device. The host-heap
+    builder is refused there."""
+    from sampling_fixtures import K, MASK, PROMPT, Tiny
+    from specpilot.backends.kernel_hooks import ragged_attention, tree_builder
+    from specpilot.runtime.model import PardDrafter
+
+    cuda = Tiny("cuda")
+    dev = cuda.target.device
+    drafter = cuda.dflash if kind == "dflash" else PardDrafter(model=cuda.pard, mask_token_id=MASK, k=K)
+    config = BatchConfig(max_batch=4, capacity=48, buckets=(8, 16, 32), graphs=True)
+    with pytest.raises(ValueError, match="device tree builder"):
+        BatchEngine(cuda.target, drafter, eos_token_id=None, config=config, tree=(5, 2), attention=ragged_attention(dev))
+    eng = BatchEngine(cuda.target, drafter, eos_token_id=None, config=config, tree=(5, 2),
+                      attention=ragged_attention(dev), tree_builder=tree_builder(dev))
+    prompts = [list(PROMPT), [4, 0, 2, 2], [3, 3], [1, 4, 1, 4, 0]]
+    outs = generate_batched(eng, prompts, 8, arrivals=[0, 0, 1, 3])
+    for p, out in zip(prompts, outs):
+        assert out == generate_ar(cuda.target, p, max_new_tokens=8, eos_token_id=None).tokens
+    graphs = [entry[-1].graph for key, entry in eng.graphed.steps.items() if key[0] == "tree"]
+    assert graphs and all(g is not None for g in graphs)
+    assert eng.graphed.replays["tree"] == eng.stats.steps and eng.graphed.replays["eager"] == 0

@@ -1180,7 +1180,7 @@ class GraphedVerify:
 
 
 class GraphedDraft:
-    """The batched engine's drafter forwards (chains) as CUDA-graph replays, GraphedVerify's way:
+    """The batched engine's drafter forwards (chains and trees) as CUDA-graph replays, GraphedVerify's way:
     static inputs a shape, each shape captured once over StaticRagged inputs and the drafter's
     SlotKV, nothing inside reading a host value (graph_decode.GraphedStep; elsewhere it runs as is).
 
