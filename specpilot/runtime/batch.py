@@ -1154,9 +1154,9 @@ class GraphedVerify:
                 if d:  # each request's path to key slots past.. (tree.compact_kv); slots past its end keep theirs
                     pasts = static.device_args["pasts"].long()[:, None]
                     slots = static.device_args["slots"].long()[:, None]
-                    levels = torch.arange(d + 1, device=dev)
+                    levels = torch.arange(1, d + 1, device=dev)  # the root stays where it is
                     dst = pasts + levels
-                    src = torch.where(levels <= n[:, None], pasts + path, dst)
+                    src = torch.where(levels <= n[:, None], pasts + path[:, 1:], dst)
                     kv = e.kv.cache.stacked  # [2, layers, rows, Hkv, cap, D]
                     kv[:, :, slots, :, dst] = kv[:, :, slots, :, src]
                 out["accept"] = torch.cat((n[:, None], span), dim=1)
