@@ -14,6 +14,7 @@ from specpilot.kernels.best_first_tree import best_first_tree_reference
 from specpilot.runtime.batch import BatchConfig, BatchEngine, generate_batched, ragged_attention_reference
 from specpilot.runtime.batch_control import BatchPolicy, StepCost
 from specpilot.runtime.decode import generate_ar
+from specpilot.runtime.engine_api import RequestParams
 from specpilot.runtime.graph_decode import accept_tree_on_device, accept_trees_on_device, ancestor_mask_static
 from specpilot.runtime.tree import Tree, accept_tree, ancestor_mask, best_first_tree, best_first_tree_padded
 
@@ -153,7 +154,7 @@ def test_graphed_trees_keep_per_request_histories(models, references):
                           tree_builder=best_first_tree_reference if graphs else None)
         history = {}
         for i, p in enumerate(PROMPTS[:4]):
-            eng.admit(str(i), p, params(MAX_NEW))
+            eng.admit(str(i), p, RequestParams(max_new_tokens=MAX_NEW))
         while eng.active():
             eng.step()
             for rid in eng.active():
@@ -166,17 +167,9 @@ def test_graphed_trees_keep_per_request_histories(models, references):
     assert all(out == references[int(rid)] for rid, (out, _, _) in runs[True].items())
 
 
-def params(max_new):
-    from specpilot.runtime.engine_api import RequestParams
-
-    return RequestParams(max_new_tokens=max_new)
-
-
 def test_a_sampled_request_sends_the_tree_step_eager(models, references):
     """A step with a sampled request runs the eager tree step (graphs return greedy acceptance only);
     the greedy requests beside it still get their batch-1 AR output."""
-    from specpilot.runtime.engine_api import RequestParams
-
     eng = BatchEngine(models.target, models.pard, eos_token_id=models.cfg.eos_token_id,
                       config=BatchConfig(max_batch=3, capacity=64, buckets=BUCKETS, graphs=True),
                       draft_hook=planted(references, 3, []), tree=(5, 2))

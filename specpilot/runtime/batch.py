@@ -71,6 +71,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -85,6 +86,9 @@ from specpilot.runtime.sampling import (GREEDY, STREAM_DRAFT, SamplingParams, St
                                         probabilities_at, request_sampling, sample_tokens, tree_draws, uniforms)
 from specpilot.runtime.tree import Tree, accept_tree, ancestor_mask, best_first_tree, best_first_tree_padded, draft_topk
 from specpilot.runtime.two_level import EXITS, FIRST_LEVELS, forest, level_scores, share_budget, subtree, survivors
+
+if TYPE_CHECKING:
+    from specpilot.runtime.graph_decode import TreeBuilder
 
 
 @dataclass(frozen=True, eq=False)
@@ -173,9 +177,6 @@ class Ragged:
 
 
 RaggedAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Ragged], torch.Tensor]
-# (logp, ids [B, D, K], anchors [B], budget) -> parent, depth, token, score [B, budget + 1]: tree.best_first_tree_padded
-TreeBuilder = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int],
-                       tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]
 
 
 def ragged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, r: Ragged) -> torch.Tensor:
@@ -379,8 +380,8 @@ class BatchEngine:
         (logits [B, k, V], the drafting requests, the absolute position of each one's first draft)
         may rewrite the drafts' logits (replay drafters). `tree` (budget, top-k): verify best-first
         trees instead of chains; with graphs a greedy tree step is one replay (GraphedVerify.tree),
-        its trees built by `tree_builder` (graph_decode.TreeBuilder, batched: a backend installs the
-        Triton kernel; default the host heap, which only runs uncaptured). `keep`: two-level verification's
+        its trees built by `tree_builder` (graph_decode.TreeBuilder over a batch: a backend installs
+        the Triton kernel; default the host heap, which only runs uncaptured). `keep`: two-level verification's
         drafter first level with a batch-wide budget: each step verifies at most `keep` drafted nodes
         a drafting request on average, the best of all requests' trees, as many as the verify budget
         pays for with the policy's verify_budget (`keep_batch_wide`). `first`: the first level that

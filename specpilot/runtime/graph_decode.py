@@ -526,6 +526,8 @@ def compact_on_device(cache: DeviceKVCache | HybridCache, start: torch.Tensor, p
     cache.rollback(start + n + 1)
 
 
+# (logp, ids [D, K], anchor [1], budget) -> parent, depth, token, score [budget + 1] (tree.best_first_tree_padded);
+# a batch of trees: [B, D, K] and anchors [B] -> [B, budget + 1] each (the batched engine's)
 TreeBuilder = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int],
                        tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]
 
