@@ -16,7 +16,8 @@ from specpilot.runtime.batch_control import BatchPolicy, StepCost
 from specpilot.runtime.decode import generate_ar
 from specpilot.runtime.engine_api import RequestParams
 from specpilot.runtime.graph_decode import accept_tree_on_device, accept_trees_on_device, ancestor_mask_static
-from specpilot.runtime.tree import Tree, accept_tree, ancestor_mask, best_first_tree, best_first_tree_padded
+from specpilot.runtime.tree import (Tree, accept_tree, ancestor_mask, best_first_size, best_first_tree,
+                                    best_first_tree_padded)
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [100, 200, 30], [42] * 13, [10, 20, 30, 40], [7], [250, 3, 250, 3, 9]]
 MAX_NEW = 10
@@ -67,9 +68,9 @@ def run(models, references, kind, *, graphs, tree=(6, 2), max_batch=3, policy=No
     return eng, outs, seen
 
 
-def spec_control(models, kind):
+def spec_control(models, kind, ragged=True):
     drafts = models.dflash.block_size - 1 if kind == "dflash" else models.pard.k
-    return BatchPolicy(max_drafts=drafts, spec_control=True, ragged=True, warmup_steps=1, probe_every=3,
+    return BatchPolicy(max_drafts=drafts, spec_control=True, ragged=ragged, warmup_steps=1, probe_every=3,
                        cost=StepCost.from_table({1: 1.0, 64: 1.2}, {1: 0.1, 8: 0.2}))
 
 
@@ -87,6 +88,9 @@ def test_batched_builder_builds_each_tree_as_the_host_heap():
             assert [t[i].tolist() for t in batch[:3]] == [one.parent.tolist(), one.depth.tolist(), one.token.tolist()]
     tokens = best_first_kernel(logp, ids, anchors, 9)[2]
     assert not torch.equal(tokens[0], tokens[1])  # each program read its own row
+    for budget, d, k in ((9, 5, 3), (20, 3, 2), (6, 2, 1), (30, 3, 3)):  # what the graphed step sizes its trees by
+        lp, tok = logp[0, :d, :k], ids[0, :d, :k]
+        assert best_first_size(budget, d, k) == best_first_tree(lp, tok, 1, budget=budget).size - 1
 
 
 def test_batched_tree_acceptance_is_each_trees_own():
@@ -111,17 +115,20 @@ def test_batched_tree_acceptance_is_each_trees_own():
     assert int(n[0]) >= 1 and int(n[2]) == 0
 
 
-@pytest.mark.parametrize("kind, tree, max_batch", [("dflash", (6, 2), 3), ("pard", (6, 2), 3),
-                                                   ("dflash", (9, 3), 5), ("pard", (4, 1), 5)])
-def test_graphed_tree_steps_equal_the_eager_engines(models, references, kind, tree, max_batch):
+@pytest.mark.parametrize("kind, tree, max_batch, ragged", [
+    ("dflash", (6, 2), 3, True), ("pard", (6, 2), 3, True), ("dflash", (9, 3), 5, True), ("pard", (4, 1), 5, True),
+    ("pard", (9, 2), 3, False)])
+def test_graphed_tree_steps_equal_the_eager_engines(models, references, kind, tree, max_batch, ragged):
     """Requests joining and leaving, spec control turning speculation on and off per request (so some
     steps mix drafting and AR requests, some are all AR): the graphed engine drafts the same logits,
-    accepts the same paths and commits the same tokens as the eager tree engine, step for step; every
-    output is its batch-1 AR output; every step went through a tree graph of a (bucket, nodes, D) shape."""
+    accepts the same paths and commits the same tokens as the eager tree engine, step for step, and
+    verifies as many rows (a tree of the lattice's size where that is below the budget; without ragged
+    packing every tree padded to the budget); every output is its batch-1 AR output; every step went
+    through a tree graph of a (bucket, nodes rounded up, D, nodes) shape."""
     eager, eager_outs, eager_seen = run(models, references, kind, graphs=False, tree=tree, max_batch=max_batch,
-                                        policy=spec_control(models, kind))
+                                        policy=spec_control(models, kind, ragged))
     graphed, outs, seen = run(models, references, kind, graphs=True, tree=tree, max_batch=max_batch,
-                              policy=spec_control(models, kind))
+                              policy=spec_control(models, kind, ragged))
     assert outs == eager_outs == references
     assert len(seen) == len(eager_seen) > 3
     for (rids, first, logits), (g_rids, g_first, g_logits) in zip(eager_seen, seen):
@@ -132,12 +139,12 @@ def test_graphed_tree_steps_equal_the_eager_engines(models, references, kind, tr
     assert (graphed.stats.steps, graphed.stats.committed, graphed.stats.spec_committed, graphed.stats.ar_steps) == \
         (eager.stats.steps, eager.stats.committed, eager.stats.spec_committed, eager.stats.ar_steps)
     assert graphed.stats.tau == eager.stats.tau > 1.0
+    assert graphed.stats.verify_rows == eager.stats.verify_rows  # trees of the eager step's sizes
     keys = [k for k in graphed.graphed.steps if k[0] == "tree"]
-    assert keys and all(total in BUCKETS and t & (t - 1) == 0 for _, total, t, _ in keys)
-    budget = tree[0]
-    assert any(t >= budget + 1 for _, _, t, _ in keys)  # steps with drafted trees
-    assert graphed.stats.ar_steps > 0 and any(d == 0 for *_, d in keys)  # and all-AR steps, graphed too
-    assert kind == "dflash" or len({d for *_, d in keys if d}) > 1  # PARD's draft positions follow spec control
+    assert keys and all(total in BUCKETS and t & (t - 1) == 0 and width <= t for _, total, t, _, width in keys)
+    assert any(width == tree[0] + 1 for *_, width in keys)  # steps with drafted trees
+    assert graphed.stats.ar_steps > 0 and any(d == 0 for *_, d, _ in keys)  # and all-AR steps, graphed too
+    assert kind == "dflash" or len({d for *_, d, _ in keys if d}) > 1  # PARD's draft positions follow spec control
     assert not any(k[0] != "tree" for k in graphed.graphed.steps)  # no chain verify ran
 
 

@@ -84,7 +84,8 @@ from specpilot.runtime.engine_api import RequestParams
 from specpilot.runtime.model import PardDrafter, Transformer, attend, build_mask
 from specpilot.runtime.sampling import (GREEDY, STREAM_DRAFT, SamplingParams, StepRandom, accept_chains, first_token,
                                         probabilities_at, request_sampling, sample_tokens, tree_draws, uniforms)
-from specpilot.runtime.tree import Tree, accept_tree, ancestor_mask, best_first_tree, best_first_tree_padded, draft_topk
+from specpilot.runtime.tree import (Tree, accept_tree, ancestor_mask, best_first_size, best_first_tree,
+                                    best_first_tree_padded, draft_topk)
 from specpilot.runtime.two_level import EXITS, FIRST_LEVELS, forest, level_scores, share_budget, subtree, survivors
 
 if TYPE_CHECKING:
@@ -675,10 +676,12 @@ class BatchEngine:
         trees: dict[str, Tree] = {}
         early = None
         logits = self._draft_logits(drafting, lengths) if drafting else None
-        rows = len(reqs) + budget * len(drafting)
+        nodes = 0 if logits is None else budget if not self.policy.ragged else \
+            best_first_size(budget, logits.shape[1], min(topk, logits.shape[2]))
+        rows = len(reqs) + nodes * len(drafting)
         if (self.graphed is not None and self.keep is None and rows <= self.config.buckets[-1]
                 and all(q.rng is None for q in reqs)):
-            return self._decode_tree_graphed(reqs, drafting, logits, lengths, new)
+            return self._decode_tree_graphed(reqs, drafting, logits, lengths, nodes, new)
         if self.graphed is not None:
             self.graphed.replays["eager"] += 1
         if drafting:
@@ -743,12 +746,13 @@ class BatchEngine:
             self.stats.committed += kept
 
     def _decode_tree_graphed(self, reqs: list[Request], drafting: list[Request], logits: torch.Tensor | None,
-                             lengths: dict[str, int], new: dict[str, list[int]]) -> None:
+                             lengths: dict[str, int], nodes: int, new: dict[str, list[int]]) -> None:
         """`_decode_tree`'s greedy step as one replay (GraphedVerify.tree): the same trees (the
-        builder's, from the same top-k), verify, acceptance and compaction, and one host read (each
-        request's accepted count, path tokens and bonus)."""
+        builder's, from the same top-k; `nodes` a drafting request, its tree's size past the root as
+        the eager step's, the budget without ragged packing), verify, acceptance and compaction, and
+        one host read (each request's accepted count, path tokens and bonus)."""
         dev = self.target.device
-        budget, topk = self.tree
+        topk = self.tree[1]
         where = {q.rid: i for i, q in enumerate(reqs)}
         logp = ids = None
         if drafting:
@@ -756,11 +760,12 @@ class BatchEngine:
             logp, ids = draft_topk(logits, topk)  # [D, V] rows of every drafting request at once
         else:
             self.stats.ar_steps += 1
-        counts = tuple(budget + 1 if lengths[q.rid] > 0 else 1 for q in reqs)
+        counts = tuple(nodes + 1 if lengths[q.rid] > 0 else 1 for q in reqs)
         pasts = tuple(self.kv.lengths[q.slot] for q in reqs)
         r = Ragged(tuple(q.slot for q in reqs), pasts, counts, "causal", dev, pad_to=self.config.bucket(sum(counts)),
                    pad_slot=self.kv.scratch)
-        accept, hidden = self.graphed.tree(r, [q.seq[-1] for q in reqs], logp, ids, [where[q.rid] for q in drafting])
+        accept, hidden = self.graphed.tree(r, [q.seq[-1] for q in reqs], logp, ids, [where[q.rid] for q in drafting],
+                                           nodes)
         result = accept[:len(reqs)].tolist()
         self.stats.steps += 1
         self.stats.verify_rows += r.rows
@@ -1104,26 +1109,25 @@ class GraphedVerify:
         return out["accept"], out["hidden"]
 
     def tree(self, r: Ragged, anchors: Sequence[int], logp: torch.Tensor | None, ids: torch.Tensor | None,
-             at: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """A greedy tree step of `r`'s requests as one replay: the drafting requests' trees (the
-        engine's builder over their top-k logp, ids [len(at), D, K], request at[j] the j-th; None: no
-        request drafts) built on the device, the verify over every request's rows (a drafting
-        request's budget + 1 nodes under its ancestor mask at positions past + depth, another's
-        anchor), greedy tree acceptance (graph_decode.accept_trees_on_device) and each request's
-        accepted path compacted in its KV slot. One graph a (token bucket, nodes a request rounded up
-        to a power of two, draft positions D). Returns [max_batch, 1 + L] (each request's accepted
-        drafts n, then its path's drafts and the bonus at n; L = D + 1 levels) and the hidden rows of
-        each request's path [max_batch, L, width] (None without)."""
+             at: Sequence[int], nodes: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A greedy tree step of `r`'s requests as one replay: the drafting requests' trees of `nodes`
+        nodes past the root (the engine's builder over their top-k logp, ids [len(at), D, K], request
+        at[j] the j-th; None: no request drafts) built on the device, the verify over every request's
+        rows (a drafting request's nodes + 1 under its ancestor mask at positions past + depth,
+        another's anchor), greedy tree acceptance (graph_decode.accept_trees_on_device) and each
+        request's accepted path compacted in its KV slot. One graph a (token bucket, nodes a request
+        rounded up to a power of two, draft positions D, nodes). Returns [max_batch, 1 + L] (each
+        request's accepted drafts n, then its path's drafts and the bonus at n; L = D + 1 levels) and
+        the hidden rows of each request's path [max_batch, L, width] (None without)."""
         from specpilot.runtime.graph_decode import GraphedStep
 
         e = self.engine
         self.replays["tree"] += 1
-        budget = e.tree[0]
         d = 0 if logp is None else logp.shape[1]
-        width = budget + 1 if d else 1
+        width = nodes + 1 if d else 1
         t = 1 << max(r.max_count - 1, 0).bit_length()
         total = r.total
-        key = ("tree", total, t, d)
+        key = ("tree", total, t, d, width)
         if key not in self.steps:
             dev = e.target.device
             static = StaticTreeRagged(e.max_batch, total, t, e.kv.scratch, dev, capacity=e.kv.capacity, width=width)
@@ -1137,10 +1141,10 @@ class GraphedVerify:
                 from specpilot.runtime.graph_decode import accept_trees_on_device, ancestor_mask_static
 
                 cu = static.device_args["cu"].long()
-                nodes = torch.arange(width, device=dev)
+                column = torch.arange(width, device=dev)
                 if d:
-                    parent, depth, token, _ = e.tree_builder(logp_buf, ids_buf, anchor_buf, budget)
-                    live = nodes < (cu[1:] - cu[:-1])[:, None]  # a request's own nodes (others: hang from nothing)
+                    parent, depth, token, _ = e.tree_builder(logp_buf, ids_buf, anchor_buf, nodes)
+                    live = column < (cu[1:] - cu[:-1])[:, None]  # a request's own nodes (others: hang from nothing)
                     parent, depth = torch.where(live, parent, -1), torch.where(live, depth, 0)
                 else:
                     parent = torch.full((e.max_batch, 1), -1, dtype=torch.long, device=dev)
@@ -1149,7 +1153,7 @@ class GraphedVerify:
                 static.tree_masks[:, :width, :width] = ancestors
                 static.token_position.copy_(static.row_past + depth.flatten()[static.node])
                 o = ragged_forward(e.target, e.kv, token.flatten()[static.node], static, e.attention, e.layers)
-                rows = (cu[:-1, None] + nodes).clamp(max=total - 1)
+                rows = (cu[:-1, None] + column).clamp(max=total - 1)
                 argmax = e.target.head(o.x).argmax(-1)[rows]  # [max_batch, width]: the target at each node
                 n, path, span = accept_trees_on_device(parent, depth, token, ancestors, argmax, d + 1)
                 if d:  # each request's path to key slots past.. (tree.compact_kv); slots past its end keep theirs

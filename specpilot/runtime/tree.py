@@ -132,6 +132,12 @@ def best_first_tree(logp: torch.Tensor, ids: torch.Tensor, anchor: int, *, budge
     return _tree(anchor, nodes, logp.device)
 
 
+def best_first_size(budget: int, positions: int, topk: int) -> int:
+    """Nodes (the root excluded) `best_first_tree` gives over `positions` rows of top-`topk`: the
+    budget, or the whole lattice (sum of topk^d for d = 1..positions) when that is smaller."""
+    return min(budget, sum(topk ** d for d in range(1, positions + 1)))
+
+
 def chain_tree(logp: torch.Tensor, ids: torch.Tensor, anchor: int, *, budget: int) -> Tree:
     """The top-1 chain, min(budget, D) nodes deep: what chain verification checks."""
     _check_budget(budget)
