@@ -328,9 +328,9 @@ batched() {
   TAIL=30 run batched 420 python -m bench.e2e.batched --out "$OUT"
 }
 batchedg() {
-  TAIL=6 run batched_graph_tests 120 python -m pytest -q -x -p no:cacheprovider tests/test_batch_tree_graphs.py \
+  TAIL=6 run batched_graph_tests 100 python -m pytest -q -x -p no:cacheprovider tests/test_batch_tree_graphs.py \
     tests/test_batch_sampling.py -m gpu
-  TAIL=30 run batched_graphs 540 python -m bench.e2e.batched --graphs --out "$OUT"
+  TAIL=30 run batched_graphs 470 python -m bench.e2e.batched --graphs --out "$OUT"
 }
 agent() {
   TAIL=20 run agent_zoo 280 python -m bench.agent.tune examples/pipeline.yaml --device cuda --rounds 3 --candidates 3 \
