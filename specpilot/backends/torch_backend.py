@@ -319,13 +319,16 @@ class Engine:
         two-level program's engine runs eagerly); a profiled `cost` is measured on those replays.
         A tree-verify program verifies each request's best-first tree; a two-level one the batch's best
         nodes of all requests' trees by its first level (BatchEngine.keep_batch_wide; an early exit's
-        second level continues from its layer), as many as verify-budget pays for when it is set."""
+        second level continues from its layer), as many as verify-budget pays for when it is set.
+        A hybrid target (Gated DeltaNet layers) runs eagerly: `graphs` is refused for it, as is an
+        early-exit first level (runtime/batch_hybrid.py)."""
         from ..runtime.batch import BatchConfig, BatchEngine, graph_buckets, profile_step_cost
         from ..runtime.batch_control import BatchPolicy
 
         schedule = self.program.step.one("schedule")[1]
-        if isinstance(self.target, HybridTransformer):
-            raise EngineError("the batched engine serves attention targets; this one is a Gated DeltaNet hybrid")
+        if graphs and isinstance(self.target, HybridTransformer):
+            raise EngineError("batched(graphs=True): the batched engine's CUDA graphs serve attention targets; this "
+                              "one is a Gated DeltaNet hybrid, which the batched engine runs eagerly (graphs=False)")
         propose, verify = self.program.step.one("propose")[1], self.program.step.one("verify")[1]
         tree = (propose["budget"], propose.get("topk", 4)) if propose["shape"] == "tree" else None
         keep = verify["q"] - 1 if verify["mode"] == "two-level" else None  # the first level's budget, batch-wide

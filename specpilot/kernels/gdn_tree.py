@@ -2,7 +2,8 @@
 
 `gdn_tree(q, k, v, g, beta, state, ancestors)`: q, k [B, H, n, dk] (not yet normalised), v
 [B, H, n, dv], g (log decay) and beta [B, H, n], all float32, state S0 [B, H, dk, dv] float32,
-ancestors [n, n] bool (inclusive; ancestors precede). Returns (o [B, H, n, dv], k normalised
+ancestors [n, n] bool (inclusive; ancestors precede), or [B, n, n]: a tree a batch row (the
+batched engine's requests, each padded to n nodes). Returns (o [B, H, n, dv], k normalised
 [B, H, n, dk], w [B, H, n, dv], G [B, H, n]) as `gdn_tree_reference` (= the runtime's
 `hybrid_tree.delta_rule_tree`) does:
 
@@ -31,7 +32,7 @@ from .registry import KernelSpec, register
 def _gdn_tree_kernel(
     q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, s_ptr, anc_ptr,
     o_ptr, kn_ptr, w_ptr, cg_ptr,
-    n, dk, dv, H, scale,
+    n, dk, dv, H, scale, anc_stride,
     N: tl.constexpr, DK: tl.constexpr, BV: tl.constexpr,
 ):
     bh = tl.program_id(0)
@@ -53,7 +54,7 @@ def _gdn_tree_kernel(
     v = tl.load(v_ptr + v_base + rows[:, None] * dv + cv[None, :], mask=v_ok, other=0.0)
     g = tl.load(g_ptr + bh * n + rows, mask=row_ok, other=0.0)
     beta = tl.load(beta_ptr + bh * n + rows, mask=row_ok, other=0.0)
-    anc = tl.load(anc_ptr + rows[:, None] * n + cols_n[None, :],
+    anc = tl.load(anc_ptr + (bh // H) * anc_stride + rows[:, None] * n + cols_n[None, :],
                   mask=row_ok[:, None] & (cols_n[None, :] < n), other=0) != 0
     g_cols = tl.sum(tl.where(rows[:, None] == cols_n[None, :], g[:, None], 0.0), axis=0)  # g as a row vector
     cum = tl.sum(tl.where(anc, g_cols[None, :], 0.0), axis=1)  # G_i
@@ -90,9 +91,9 @@ def gdn_tree(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
     """(o, k normalised, w, G); see the module docstring."""
     b, h, n, dk = q.shape
     dv = v.shape[-1]
-    if ancestors.shape != (n, n) or state.shape != (b, h, dk, dv):
-        raise ValueError(f"gdn_tree: ancestors must be [{n}, {n}] and state [{b}, {h}, {dk}, {dv}], got "
-                         f"{list(ancestors.shape)} and {list(state.shape)}")
+    if ancestors.shape not in ((n, n), (b, n, n)) or state.shape != (b, h, dk, dv):
+        raise ValueError(f"gdn_tree: ancestors must be [{n}, {n}] or [{b}, {n}, {n}] and state [{b}, {h}, {dk}, {dv}], "
+                         f"got {list(ancestors.shape)} and {list(state.shape)}")
     q, k, v, g, beta, state = (x.float().contiguous() for x in (q, k, v, g, beta, state))
     anc = ancestors.to(torch.int8).contiguous()
     o, w = torch.empty_like(v), torch.empty_like(v)
@@ -100,7 +101,8 @@ def gdn_tree(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
     big = max(16, triton.next_power_of_2(n))
     block_v = min(32, max(16, triton.next_power_of_2(dv)))
     grid = (b * h, triton.cdiv(dv, block_v))
-    _gdn_tree_kernel[grid](q, k, v, g, beta, state, anc, o, kn, w, cum, n, dk, dv, h, dk**0.5,
+    stride = n * n if anc.dim() == 3 else 0  # a tree a batch row, or one shared
+    _gdn_tree_kernel[grid](q, k, v, g, beta, state, anc, o, kn, w, cum, n, dk, dv, h, dk**0.5, stride,
                            N=big, DK=max(16, triton.next_power_of_2(dk)), BV=block_v)
     return o, kn, w, cum
 
@@ -117,12 +119,16 @@ def gdn_tree_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
     k = _l2norm(k.float())
     v, g, beta, state = v.float(), g.float(), beta.float(), state.float()
     anc = ancestors.to(q.device, torch.bool)
-    cum = g @ anc.to(g.dtype).transpose(0, 1)
-    strict = anc & ~torch.eye(anc.shape[0], dtype=torch.bool, device=anc.device)
+    if anc.dim() == 2:
+        cum = g @ anc.to(g.dtype).transpose(0, 1)
+    else:
+        anc = anc[:, None]  # [B, 1, n, n]
+        cum = (g[..., None, :] @ anc.to(g.dtype).transpose(-1, -2))[..., 0, :]
+    strict = anc & ~torch.eye(anc.shape[-1], dtype=torch.bool, device=anc.device)
     diff = cum[..., :, None] - cum[..., None, :]
     system = beta[..., None] * (k @ k.transpose(-1, -2)) * diff.masked_fill(~strict, float("-inf")).exp()
     rhs = beta[..., None] * (v - cum.exp()[..., None] * (k @ state))
-    eye = torch.eye(anc.shape[0], dtype=q.dtype, device=q.device)
+    eye = torch.eye(anc.shape[-1], dtype=q.dtype, device=q.device)
     w = torch.linalg.solve_triangular(system + eye, rhs, upper=False, unitriangular=True)
     attn = (q @ k.transpose(-1, -2)) * diff.masked_fill(~anc, float("-inf")).exp()
     o = cum.exp()[..., None] * (q @ state) + attn @ w
@@ -142,6 +148,9 @@ def _make_inputs(case, device, seed):
     for i in range(1, n):
         if parent[i] >= 0:
             anc[i] |= anc[parent[i]]
+    if case.get("per_row"):  # a tree a batch row: row r keeps the first n - r nodes' links, the rest hang alone
+        anc = torch.stack([anc & (torch.arange(n) < n - r)[:, None] | torch.eye(n, dtype=torch.bool)
+                           for r in range(b)])
     args = (torch.randn(b, h, n, dk, generator=g), torch.randn(b, h, n, dk, generator=g),
             torch.randn(b, h, n, dv, generator=g), -torch.rand(b, h, n, generator=g) * 3,
             torch.rand(b, h, n, generator=g), torch.randn(b, h, dk, dv, generator=g), anc)
@@ -163,8 +172,8 @@ def _reference(*inputs):
 def _plant(inputs):
     *rest, anc = inputs
     anc = anc.clone()
-    last = anc.shape[0] - 1
-    anc[last, 0] = not bool(anc[last, 0])  # one ancestor link of the last node flips
+    last = anc.shape[-1] - 1
+    anc[..., last, 0] = ~anc[..., last, 0]  # one ancestor link of the last node flips
     return (*rest, anc)
 
 
@@ -178,6 +187,7 @@ register(KernelSpec(
         dict(B=2, H=3, n=17, dk=12, dv=20),
         dict(B=1, H=1, n=33, dk=33, dv=40, padding=True),
         dict(B=1, H=2, n=1, dk=8, dv=5),
+        dict(B=3, H=2, n=9, dk=12, dv=20, per_row=True),
     ],
     tolerance={torch.float32: (5e-5, 1e-4)},
     corrupt=_plant,

@@ -77,10 +77,12 @@ import torch
 
 from specpilot.runtime.batch_control import (BatchPolicy, SpecControl, StepCost, choose_verify_budget,
                                              survival_from_confidence, survival_from_rate)
+from specpilot.runtime.batch_hybrid import SlotStates, hybrid_ragged_forward, hybrid_slots
 from specpilot.runtime.cache import KVCache
 from specpilot.runtime.decode import OutputTokens
 from specpilot.runtime.dflash import DFlashDrafter
 from specpilot.runtime.engine_api import RequestParams
+from specpilot.runtime.hybrid import HybridTransformer
 from specpilot.runtime.model import PardDrafter, Transformer, attend, build_mask
 from specpilot.runtime.sampling import (GREEDY, STREAM_DRAFT, SamplingParams, StepRandom, accept_chains, first_token,
                                         probabilities_at, request_sampling, sample_tokens, tree_draws, uniforms)
@@ -371,7 +373,8 @@ class StepStats:
 class BatchEngine:
     """Continuous batching over a target and a parallel drafter (or none: batched AR)."""
 
-    def __init__(self, target: Transformer, drafter: DFlashDrafter | PardDrafter | None, *, eos_token_id: int | None,
+    def __init__(self, target: Transformer | HybridTransformer, drafter: DFlashDrafter | PardDrafter | None, *,
+                 eos_token_id: int | None,
                  config: BatchConfig = BatchConfig(), policy: BatchPolicy | None = None,
                  block_size: int | None = None, attention: RaggedAttention = ragged_attention_reference,
                  draft_hook: Callable[[torch.Tensor, list["Request"], list[int]], torch.Tensor] | None = None,
@@ -388,9 +391,19 @@ class BatchEngine:
         pays for with the policy's verify_budget (`keep_batch_wide`). `first`: the first level that
         scores the nodes (two_level.FIRST_LEVELS); an early exit reads the target's first `exit_layer`
         layers over every drafted tree and the second level continues the survivors from there
-        (`first_level`)."""
-        if not isinstance(target, Transformer):
-            raise TypeError(f"BatchEngine runs llama/qwen3 targets (Transformer), got {type(target).__name__}")
+        (`first_level`). A hybrid target (HybridTransformer) keeps a recurrent-state row a request
+        beside its attention K/V (batch_hybrid.py), eagerly: no graphs, no early-exit first level."""
+        if not isinstance(target, (Transformer, HybridTransformer)):
+            raise TypeError(f"BatchEngine runs llama/qwen3 targets (Transformer) and Qwen3-Next-family hybrids "
+                            f"(HybridTransformer), got {type(target).__name__}")
+        hybrid = isinstance(target, HybridTransformer)
+        if hybrid and config.graphs:
+            raise ValueError("BatchEngine: BatchConfig.graphs is not built for hybrid (Gated DeltaNet) targets: the "
+                             "graphed verify replays attention-only layers; run a hybrid target with graphs=False")
+        if hybrid and first in EXITS:
+            raise ValueError(f"BatchEngine: the {first} first level is not built for hybrid (Gated DeltaNet) targets "
+                             "in the batched engine (its second level moves attention K/V only, not the Gated "
+                             "DeltaNet layers' pending vectors); use first='drafter'")
         self.target = target.eval()
         self.drafter = drafter
         self.kind = "ar" if drafter is None else "pard" if isinstance(drafter, PardDrafter) else "dflash"
@@ -437,7 +450,12 @@ class BatchEngine:
         self.attention = attention
         self.draft_hook = draft_hook
         rows = config.max_batch + 1
-        self.kv = SlotKV(target.new_cache(rows, config.capacity), rows)
+        self.states: SlotStates | None = None  # a hybrid target's recurrent-state rows
+        if hybrid:
+            cache, self.states = hybrid_slots(target, rows, config.capacity)
+            self.kv = SlotKV(cache, rows)
+        else:
+            self.kv = SlotKV(target.new_cache(rows, config.capacity), rows)
         self.draft_kv: SlotKV | None = None
         if self.kind == "dflash":
             self.draft_kv = SlotKV(drafter.new_cache(rows, config.capacity), rows)
@@ -472,6 +490,8 @@ class BatchEngine:
         if not self.free:
             raise RuntimeError(f"request {rid!r}: all {self.max_batch} slots are taken; release one first")
         slot = self.free.pop(0)
+        if self.states is not None:
+            self.states.reset(slot)  # a reused slot's recurrent state is its last request's
         rng = None if sampling.greedy else StepRandom.for_seed(sampling.seed, self.target.device)
         self.requests[rid] = Request(rid, slot, list(prompt_ids), OutputTokens(params.max_new_tokens, self.eos_token_id),
                                      seq=list(prompt_ids), sampling=sampling, rng=rng)
@@ -519,11 +539,27 @@ class BatchEngine:
 
     # --- the step's parts --------------------------------------------------------------------
 
+    def target_forward(self, ids: torch.Tensor, r: Ragged, *, prefill: bool = False) -> RaggedOutput:
+        """The target over packed rows (ragged_forward), the drafter's hidden layers kept. A hybrid
+        target's Gated DeltaNet rows move at once in a `prefill` (a fresh request's prompt), and
+        otherwise wait for `commit_states` (batch_hybrid.py)."""
+        if self.states is None:
+            return ragged_forward(self.target, self.kv, ids, r, self.attention, self.layers)
+        x, hidden = hybrid_ragged_forward(self.target, self.kv, self.states, ids, r, self.attention, self.layers,
+                                          prefill=prefill)
+        return RaggedOutput(x, hidden)
+
+    def commit_states(self, paths: Sequence[Sequence[int]]) -> None:
+        """A hybrid target's Gated DeltaNet rows along each request's accepted path of the last
+        verify (paths in its requests' order); nothing for an attention target."""
+        if self.states is not None:
+            self.states.commit(paths)
+
     def _prefill(self, reqs: list[Request], new: dict[str, list[int]]) -> None:
         dev = self.target.device
         r = Ragged(tuple(q.slot for q in reqs), (0,) * len(reqs), tuple(len(q.prompt) for q in reqs), "causal", dev)
         ids = torch.tensor([t for q in reqs for t in q.prompt], dtype=torch.long, device=dev)
-        out = ragged_forward(self.target, self.kv, ids, r, self.attention, self.layers)
+        out = self.target_forward(ids, r, prefill=True)
         last = torch.tensor([s + c - 1 for s, c in zip(r.starts, r.counts)], device=dev)
         logits = self.target.head(out.x[last])
         first = logits.argmax(-1).tolist()
@@ -711,13 +747,14 @@ class BatchEngine:
                    positions=positions)
         ids = torch.tensor([t for ts in tokens for t in ts], dtype=torch.long, device=dev)
         if early is None:
-            out = ragged_forward(self.target, self.kv, ids, r, self.attention, self.layers)
+            out = self.target_forward(ids, r)
         else:
             out = self.second_level(reqs, trees, r, *early)
         logits = self.target.head(out.x[:r.rows])
         argmax = logits.argmax(-1).tolist()
         self.stats.steps += 1
         self.stats.verify_rows += r.rows
+        paths = []
         for i, q in enumerate(reqs):
             start, count = r.starts[i], r.counts[i]
             seg = argmax[start:start + count]
@@ -739,11 +776,13 @@ class BatchEngine:
                 q.accepted.append(kept - 1)
                 self.control.rate(q.rid).observe(lengths[q.rid], len(path) - 1, self.policy.ema)
             q.verified.append(count - 1)
+            paths.append(path)
             self.kv.compact(q.slot, pasts[i], [pasts[i] + j for j in path])
             if self.kind == "dflash":
                 rows_kept = out.hidden[[start + j for j in path]]  # the anchor and the accepted path
                 q.context = rows_kept if q.context is None else torch.cat((q.context, rows_kept))
             self.stats.committed += kept
+        self.commit_states(paths)
 
     def _decode_tree_graphed(self, reqs: list[Request], drafting: list[Request], logits: torch.Tensor | None,
                              lengths: dict[str, int], nodes: int, new: dict[str, list[int]]) -> None:
@@ -908,7 +947,7 @@ class BatchEngine:
         else:
             if self.graphed is not None:
                 self.graphed.replays["eager"] += 1
-            out = ragged_forward(self.target, self.kv, ids, r, self.attention, self.layers)
+            out = self.target_forward(ids, r)
             logits = self.target.head(out.x[:rows])
             hidden = out.hidden
             n, bonus = accept_ragged(ids[:rows], logits.argmax(-1), r)
@@ -939,6 +978,7 @@ class BatchEngine:
             q.verified.append(k)
             self.kv.lengths[q.slot] += 1 + acc
             self.stats.committed += kept
+        self.commit_states([range(1 + acc) for acc in result[0][:len(reqs)]])
         if self.kind == "dflash":  # each request's anchor and accepted drafts, gathered in one copy
             sizes = [1 + acc for acc in result[0][:len(reqs)]]
             index = [r.starts[i] + j for i, size in enumerate(sizes) for j in range(size)]
@@ -1396,8 +1436,9 @@ def profile_step_cost(engine: BatchEngine, *, tokens: Sequence[int], requests: S
             continue
         r = Ragged(tuple(range(b)), (past,) * b, counts, "causal", dev)
         ids = torch.zeros(n, dtype=torch.long, device=dev)
-        verify[n] = timed(lambda: engine.target.head(ragged_forward(engine.target, engine.kv, ids, r, engine.attention,
-                                                                    engine.layers).x).argmax(-1))
+        verify[n] = timed(lambda: engine.target.head(engine.target_forward(ids, r).x).argmax(-1))
+    if engine.states is not None:
+        engine.states.drop()  # nothing of the profile's verifies is committed
     graphed = engine.graphed_draft
 
     def dflash_block(blocks: torch.Tensor, r: Ragged) -> None:

@@ -49,18 +49,19 @@ def tree_depth(ancestors: torch.Tensor) -> torch.Tensor:
 def conv_sources(ancestors: torch.Tensor, kernel: int) -> torch.Tensor:
     """[n, kernel] column indices into [committed conv inputs (kernel-1 columns) ; the n nodes' inputs]:
     column m of row i is the input m steps before node i along its path (m = 0: i itself), the
-    oldest first, as a causal conv of width `kernel` over i's root path reads it.
+    oldest first, as a causal conv of width `kernel` over i's root path reads it. Ancestors
+    [B, n, n] (a tree a request) give [B, n, kernel].
 
     Node i at depth d: m <= d is its ancestor at depth d - m (node column kernel-1 + that index),
     m > d reaches into the committed inputs (column kernel-1 - (m - d)). Device ops only."""
     depth = tree_depth(ancestors)
     cols = []
     for m in range(kernel - 1, -1, -1):
-        want = depth - m  # [n]
-        hit = ancestors & (depth[None, :] == want[:, None])  # the ancestor at depth d - m, if any
-        node = hit.int().argmax(dim=1)
+        want = depth - m  # [..., n]
+        hit = ancestors & (depth[..., None, :] == want[..., :, None])  # the ancestor at depth d - m, if any
+        node = hit.int().argmax(dim=-1)
         cols.append(torch.where(want >= 0, kernel - 1 + node, (kernel - 1) + want))
-    return torch.stack(cols, dim=1)
+    return torch.stack(cols, dim=-1)
 
 
 def conv_tree(conv_state: torch.Tensor, inputs: torch.Tensor, weight: torch.Tensor, sources: torch.Tensor
@@ -68,9 +69,15 @@ def conv_tree(conv_state: torch.Tensor, inputs: torch.Tensor, weight: torch.Tens
     """The depthwise causal conv (no activation) of every node over its own path.
 
     conv_state [B, C, kernel-1] (committed inputs, oldest first), inputs [B, C, n], weight
-    [C, 1, kernel], sources from `conv_sources` -> [B, C, n] float32 (summed in float32)."""
+    [C, 1, kernel], sources from `conv_sources` ([n, kernel], or [B, n, kernel]: a tree a row)
+    -> [B, C, n] float32 (summed in float32)."""
     window = torch.cat([conv_state, inputs], dim=-1)  # [B, C, kernel-1+n]
-    gathered = window[:, :, sources].float()  # [B, C, n, kernel]
+    if sources.dim() == 2:
+        gathered = window[:, :, sources].float()  # [B, C, n, kernel]
+    else:
+        b, n, width = sources.shape
+        index = sources.reshape(b, 1, n * width).expand(-1, window.shape[1], -1)
+        gathered = window.gather(2, index).view(b, -1, n, width).float()
     return (gathered * weight[:, 0].float()[None, :, None, :]).sum(dim=-1)
 
 
@@ -79,7 +86,7 @@ class TreePending:
     """What a tree forward leaves for the commit, per Gated DeltaNet layer: the nodes' normalised
     keys k [B, H, n, dk] and update rows w [B, H, n, dv], G [B, H, n] (log decay summed along each
     path), the conv window [B, C, kernel-1+n] (committed inputs, then the nodes') and the
-    `conv_sources` table [n, kernel]."""
+    `conv_sources` table [n, kernel] ([B, n, kernel] for a tree a batch row)."""
 
     k: torch.Tensor
     w: torch.Tensor
@@ -97,20 +104,25 @@ def delta_rule_tree(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
     """The gated delta rule over a tree in WY form (module docstring), float32.
 
     q, k [B, H, n, dk] (not yet normalised), v [B, H, n, dv], g (log decay) and beta [B, H, n],
-    state S0 [B, H, dk, dv], ancestors [n, n] bool (inclusive; ancestors precede). Returns
-    (o [B, H, n, dv], k normalised [B, H, n, dk], w [B, H, n, dv], G [B, H, n])."""
+    state S0 [B, H, dk, dv], ancestors [n, n] bool (inclusive; ancestors precede), or [B, n, n]: a
+    tree a batch row (the batched engine's requests). Returns (o [B, H, n, dv], k normalised
+    [B, H, n, dk], w [B, H, n, dv], G [B, H, n])."""
     q = l2norm(q) / (q.shape[-1] ** 0.5)
     k = l2norm(k)
     anc = ancestors.to(q.device)
-    cum_g = g @ anc.to(g.dtype).transpose(0, 1)  # G_i = sum of g over i's ancestors and itself
-    strict = anc & ~torch.eye(anc.shape[0], dtype=torch.bool, device=anc.device)
+    if anc.dim() == 2:
+        cum_g = g @ anc.to(g.dtype).transpose(0, 1)  # G_i = sum of g over i's ancestors and itself
+    else:
+        anc = anc[:, None]  # [B, 1, n, n] against [B, H, ...]
+        cum_g = (g[..., None, :] @ anc.to(g.dtype).transpose(-1, -2))[..., 0, :]
+    strict = anc & ~torch.eye(anc.shape[-1], dtype=torch.bool, device=anc.device)
     diff = cum_g[..., :, None] - cum_g[..., None, :]
     decay_strict = diff.masked_fill(~strict, float("-inf")).exp()
     decay_incl = diff.masked_fill(~anc, float("-inf")).exp()
     kk = k @ k.transpose(-1, -2)
     system = beta[..., None] * kk * decay_strict
     rhs = beta[..., None] * (v - cum_g.exp()[..., None] * (k @ state))
-    eye = torch.eye(anc.shape[0], dtype=q.dtype, device=q.device)
+    eye = torch.eye(anc.shape[-1], dtype=q.dtype, device=q.device)
     w = torch.linalg.solve_triangular(system + eye, rhs, upper=False, unitriangular=True)
     o = cum_g.exp()[..., None] * (q @ state) + ((q @ k.transpose(-1, -2)) * decay_incl) @ w
     return o, k, w, cum_g
@@ -126,6 +138,29 @@ def commit_state(state: torch.Tensor, k: torch.Tensor, w: torch.Tensor, cum_g: t
     g_last = gp.index_select(2, last)  # [B, H, 1]
     scale = (g_last - gp).masked_fill(~valid, float("-inf")).exp()  # [B, H, L]
     return g_last.exp()[..., None] * state + (kp * scale[..., None]).transpose(-1, -2) @ wp
+
+
+def commit_paths(state: torch.Tensor, pending: TreePending, path: torch.Tensor, n: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`commit_state` and `commit_conv` for a batch of trees, one a row (the batched engine's
+    requests, `pending` from a forward over ancestors [B, n, n]): path [B, L] node indices (root
+    first, padded past n), n [B] each row's accepted count. Returns (state [B, H, dk, dv], conv
+    inputs [B, C, kernel-1]) after each row's accepted path."""
+    b, h, _, dk = pending.k.shape
+    dv, length = pending.w.shape[-1], path.shape[1]
+    index = path[:, None, :].expand(b, h, length)
+    kp = pending.k.gather(2, index[..., None].expand(-1, -1, -1, dk))
+    wp = pending.w.gather(2, index[..., None].expand(-1, -1, -1, dv))
+    gp = pending.cum_g.gather(2, index)  # [B, H, L]
+    valid = torch.arange(length, device=path.device)[None] <= n[:, None]  # [B, L]
+    g_last = gp.gather(2, n[:, None, None].expand(-1, h, 1))  # [B, H, 1]
+    scale = (g_last - gp).masked_fill(~valid[:, None], float("-inf")).exp()
+    moved = g_last.exp()[..., None] * state + (kp * scale[..., None]).transpose(-1, -2) @ wp
+    last = path.gather(1, n[:, None])  # [B, 1]
+    sources = pending.sources.gather(1, last[..., None].expand(-1, -1, pending.sources.shape[-1]))
+    cols = sources[:, 0, 1:]  # drop the oldest: kernel-1 columns
+    conv = pending.window.gather(2, cols[:, None, :].expand(-1, pending.window.shape[1], -1))
+    return moved, conv
 
 
 def commit_conv(pending: TreePending, last: torch.Tensor, kernel: int) -> torch.Tensor:
