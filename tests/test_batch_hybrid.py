@@ -259,6 +259,44 @@ def test_batch_policies_stay_lossless(pairs, policy):
     assert generate_batched(eng, PROMPTS, MAX_NEW, arrivals=[0, 0, 1, 2, 2, 5]) == pair.refs
 
 
+@pytest.mark.parametrize("kind, tree", [("dflash", None), ("pard", (5, 2))])
+def test_a_sampled_request_gets_its_batch1_loops_tokens_whatever_shares_its_batch(pairs, kind, tree):
+    """Rejection sampling (chains) or a draw a node (trees) over the hybrid's rows: a sampled request's
+    tokens are its batch-1 loop's for its seed, alone or beside greedy and other sampled requests."""
+    from specpilot.runtime import decode, tree_decode
+    from specpilot.runtime.sampling import SamplingParams
+    from specpilot.runtime.tiny_hybrid import MASK_TOKEN_ID
+
+    pair, n, prompt = pairs["default"], 8, PROMPTS[5]
+    for seed in range(2):
+        common = dict(max_new_tokens=n, eos_token_id=None, sampling=SamplingParams(0.8, 0.9, seed),
+                      mask_token_id=MASK_TOKEN_ID)
+        if tree:
+            want = tree_decode.generate_pard_tree(pair.target, pair.pard, prompt, k=pair.pard.k, budget=tree[0],
+                                                  topk=tree[1], **common).tokens
+        else:
+            want = decode.generate_dflash(pair.target, pair.dflash, prompt, block_size=pair.dflash.block_size,
+                                          **common).tokens
+        params = RequestParams(n, temperature=0.8, top_p=0.9, seed=seed)
+        got = {}
+        for crowd in (False, True):
+            eng = BatchEngine(pair.target, pair.dflash if kind == "dflash" else pair.pard, eos_token_id=None,
+                              tree=tree, config=BatchConfig(max_batch=3, capacity=64))
+            requests = {"s": (prompt, params)}
+            if crowd:
+                requests |= {"g": (PROMPTS[0], RequestParams(n)),
+                             "x": (PROMPTS[2], RequestParams(n, temperature=1.0, seed=seed + 9))}
+            for rid, (p, rp) in requests.items():
+                eng.admit(rid, p, rp)
+            out = {rid: [] for rid in requests}
+            while not all(eng.done(rid) for rid in requests):
+                for rid, tokens in eng.step().items():
+                    out[rid] += tokens
+            got[crowd] = out
+        assert got[False]["s"] == got[True]["s"] == want
+        assert got[True]["g"] == pair.refs[0][:n]
+
+
 def test_what_is_not_built_for_hybrids_is_refused(pairs):
     pair = pairs["default"]
     with pytest.raises(ValueError, match="graphs is not built for hybrid"):
@@ -311,3 +349,52 @@ def test_zoo_hybrid_pair_batched_passes_token_forcing(zoo_hybrid, passes):
     assert batched.stats.tau > 1.0
     with pytest.raises(EngineError, match="Gated DeltaNet hybrid"):
         engine.batched(max_batch=2, capacity=128, graphs=True)
+
+
+def test_batching_passes_serve_the_zoo_hybrid_pair(zoo_hybrid):
+    """verify-budget, ragged-verify and spec-control apply to the hybrid program, the verifier takes
+    it, and the engine it builds passes token forcing; a two-level verify with an early-exit first
+    level is left at batch 1 by the passes, and refused under policy 'continuous' by the verifier."""
+    from specpilot.dsl import parse_pipeline
+    from specpilot.ir.verify import program_problems
+    from specpilot.passes import run_passes
+    from specpilot.validate.forcing import force_tokens
+
+    engine, prompts = zoo_hybrid
+    program, records = run_passes(engine.program, parse_pipeline("verify-budget,ragged-verify,spec-control",
+                                                                 source="test"))
+    assert all(r.changed for r in records) and not program_problems(program)
+    cost = StepCost.from_table({1: 1.0, 8: 1.2, 32: 2.0, 64: 3.5}, {1: 0.3, 2: 0.35})
+    batched = engine.with_program(program).batched(max_batch=2, capacity=128, cost=cost,
+                                                   attention=ragged_attention_reference)
+    assert batched.policy.verify_budget and batched.policy.ragged and batched.policy.spec_control
+    outs = generate_batched(batched, prompts, 12, arrivals=[0, 0, 2])
+    report = force_tokens(engine.target, engine.target_cfg, prompts, outs, "float32")
+    assert report.passed and report.tokens_checked == sum(map(len, outs)) == 36
+    early = "two-level-verify{budget=4, draft-budget=8, topk=2, first=early-exit-split, exit-layer=1}"
+    program, records = run_passes(engine.program, parse_pipeline(f"{early},verify-budget", source="test"))
+    assert records[0].changed and not records[1].changed and "Gated DeltaNet" in records[1].summary
+    name, node = program.step.one("schedule")
+    continuous = program.with_graph("step", program.step.with_node(name, node.replace(policy="continuous", batch=2)))
+    assert any("first=drafter" in p for p in program_problems(continuous))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tree", [None, (8, 2)])
+def test_engine_on_the_gpu_kernels_passes_token_forcing(tmp_path, tree):
+    """On a GPU: the tiny hybrid in the batched engine over split-KV's ragged mode and the gdn_tree
+    kernel (a tree a request), requests joining over steps; every output token forced against the
+    stock target, and in fp32 each output is its batch-1 AR output."""
+    from specpilot.backends.kernel_hooks import install_gdn_tree, ragged_attention
+    from specpilot.validate.forcing import force_tokens
+
+    dirs = build_tiny_hybrid(tmp_path / "h")
+    target, cfg = load_target(dirs["target"], dtype=torch.float32, device="cuda")
+    drafter = load_drafter(dirs["dflash"], target, cfg, dtype=torch.float32, device="cuda")
+    install_gdn_tree(target, "triton")
+    eng = BatchEngine(target, drafter, eos_token_id=None, config=BatchConfig(max_batch=4, capacity=128),
+                      attention=ragged_attention(torch.device("cuda")), tree=tree)
+    outs = generate_batched(eng, PROMPTS, 24, arrivals=[0, 0, 1, 2, 5, 5])
+    report = force_tokens(target, cfg, PROMPTS, outs, "float32")
+    assert report.passed and report.tokens_checked == sum(map(len, outs))
+    assert outs == [generate_ar(target, p, max_new_tokens=24, eos_token_id=None).tokens for p in PROMPTS]

@@ -3,6 +3,8 @@ engine's own output, step by step, greedy or sampled (seeded per request)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from specpilot.backends.torch_backend import build_engine
@@ -115,11 +117,12 @@ def test_seeds_map_into_the_runtimes_range():
     assert a != b  # no seed: a fresh one each request
 
 
-@pytest.mark.parametrize("kind", ["pard", "dflash"])
-def test_greedy_and_sampled_requests_share_the_batched_engine(zoo, kind):
-    """serve/routed.py: every request goes to the batched engine (runtime/batch.py); greedy ones get
-    each its own engine output, a sampled one its seed's tokens of the engine's own sampled loop."""
-    engine, tok = zoo(kind)
+@pytest.mark.parametrize("pair, kind", [("code-qwen3", "pard"), ("code-qwen3", "dflash"), ("code-qwen3-next", "dflash")])
+def test_greedy_and_sampled_requests_share_the_batched_engine(zoo, pair, kind):
+    """serve/routed.py: every request goes to the batched engine (runtime/batch.py; a hybrid target's
+    recurrent state a row a request, runtime/batch_hybrid.py); greedy ones get each its own engine
+    output, a sampled one its seed's tokens of the engine's own sampled loop."""
+    engine, tok = zoo(kind, pair=pair)
     # the runtime's ragged SDPA: the suite's TRITON_INTERPRET would run the split-KV kernel in the interpreter
     step_engine, how = step_engine_for(engine, 3, engine.target_cfg.max_position_embeddings,
                                        attention=ragged_attention_reference)
@@ -141,8 +144,12 @@ def test_greedy_and_sampled_requests_share_the_batched_engine(zoo, kind):
 
 
 def test_engines_the_batched_engine_does_not_serve_run_one_after_another(zoo):
-    engine, _ = zoo("dflash", pair="code-qwen3-next")
-    batched, why = batched_engine_for(engine, 2, 256)
-    assert batched is None and "hybrid" in why
-    step_engine, how = step_engine_for(engine, 2, 256)
-    assert isinstance(step_engine, Batch1StepEngine) and "hybrid" in how
+    """A replay drafter (per-request plans the server does not make), or batching turned off."""
+    engine, _ = zoo("dflash")
+    replay = dataclasses.replace(engine, replay=object())  # only whether it has one is read
+    batched, why = batched_engine_for(replay, 2, 256)
+    assert batched is None and "replay" in why
+    step_engine, how = step_engine_for(replay, 2, 256)
+    assert isinstance(step_engine, Batch1StepEngine) and "replay" in how
+    step_engine, how = step_engine_for(engine, 2, 256, batching=False)
+    assert isinstance(step_engine, Batch1StepEngine) and "turned off" in how

@@ -19,7 +19,7 @@ What the backend reads, attribute by attribute (tests/test_passes.py runs each):
   accept.on, schedule.graphs   together: graphed loops accept on the device (the cuda-graphs pass)
   schedule.policy/batch        "static" (batch 1: the batch-1 loops) or "continuous" (runtime/batch.py, up to
                                `batch` requests): chains or trees (two-level: any first level, its budget
-                               batch-wide), attention targets, no graphs yet
+                               batch-wide; a Gated DeltaNet hybrid's: the drafter level), no graphs yet
   schedule.verify_budget/      the batched engine's mechanisms (verify-budget, ragged-verify, spec-control):
   ragged/spec_control          only under policy "continuous"
   linear/lm_head format        the module serving the weight (bf16/fp16/fp32 cast, u12)
@@ -245,9 +245,10 @@ def _run_problems(program: Program) -> list[str]:
             if graphs:
                 problems.append("step/schedule: policy 'continuous' runs its steps ungraphed (no CUDA-graph buckets "
                                 "yet): expected no graphs (leave out cuda-graphs)")
-            if recurrent:
-                problems.append("step/schedule: policy 'continuous' serves attention targets; this target's Gated "
-                                "DeltaNet layers are not batched yet (expected policy 'static', batch 1)")
+            if recurrent and verify["mode"] == "two-level" and verify.get("first", "drafter") != "drafter":
+                problems.append(f"step/schedule: policy 'continuous' runs a Gated DeltaNet target's two-level verify "
+                                f"with the drafter first level only, got first={verify['first']!r} (expected "
+                                "first=drafter, or policy 'static')")
         if graphs and program.target.find("moe"):
             problems.append("step/schedule: graphs=true needs steps without host reads; this target's sparse MoE "
                             "layers read the experts each step routes to on the host (expected no graphs)")

@@ -8,7 +8,7 @@ so the verify forward computes no padding rows (CUDA-graph buckets by token coun
 `BatchConfig.buckets`).
 
 Lossless: padding or not changes only how many drafts are verified, never what a committed token
-is. Chains and trees of attention targets, ungraphed.
+is. Chains and trees, of attention targets and hybrid (Gated DeltaNet) ones, ungraphed.
 """
 
 from __future__ import annotations

@@ -9,8 +9,8 @@ load (runtime/batch_control.SpecControl). Overlapping the next step's drafting w
 verification is not done.
 
 Lossless: it chooses only whether and how far a request drafts; every committed token is still the
-target's argmax over that request's committed prefix. Chain verification of attention targets,
-ungraphed (as verify-budget).
+target's argmax over that request's committed prefix. Chain verification of attention and hybrid
+targets, ungraphed (as verify-budget).
 """
 
 from __future__ import annotations

@@ -8,8 +8,8 @@ splits it across requests by per-position survival from the drafter's confidence
 (runtime/batch_control.choose_verify_budget, which two-level verification shares).
 
 Lossless: it chooses only how many of each request's drafts are verified; every committed token is
-still the target's argmax over that request's committed prefix. Chain verification of attention
-targets, ungraphed (what the batched engine runs; the verifier says so otherwise); after
+still the target's argmax over that request's committed prefix. Chain verification, ungraphed, of
+attention targets and of hybrid (Gated DeltaNet) ones (what the batched engine runs; the verifier says so otherwise); after
 `two-level-verify` the same choice is the batch-wide budget of the first level over every request's
 drafted tree, which the first level splits across requests by its scores
 (runtime/batch.BatchEngine.keep_batch_wide).
@@ -33,8 +33,9 @@ def batching_refusal(program: Program, trees: bool = False, two_level: bool = Fa
     if verify["mode"] not in (("chain", "tree") if trees else ("chain",)) and not batch_wide:
         return ("it chooses chain lengths: the batched engine verifies chains here, or two-level trees "
                 "(leave out tree-verify)")
-    if program.target.find("gated_deltanet"):
-        return "the batched engine serves attention targets, not Gated DeltaNet hybrids"
+    if program.target.find("gated_deltanet") and batch_wide and verify.get("first", "drafter") != "drafter":
+        return ("the batched engine's early-exit first levels serve attention targets; this target has Gated "
+                "DeltaNet layers (first=drafter, or leave out the batching passes)")
     if program.step.one("schedule")[1].get("graphs"):
         return "the batched engine runs ungraphed steps (leave out cuda-graphs)"
     return ""

@@ -36,6 +36,14 @@ target's greedy choice given that request's prefix, as in its own batch-1 AR run
 request's output equals its batch-1 AR output in fp32, whatever shares its batch and whenever it
 joins or leaves).
 
+Hybrid targets (Qwen3-Next family: Gated DeltaNet layers beside gated attention) run the same step
+eagerly (batch_hybrid.py): the attention layers' K/V in the SlotKV, and a recurrent-state row a
+request (`SlotStates`: each layer's state and conv inputs, zeroed when a request takes the slot). The
+verify runs every request's rows as its own tree over its own row (a chain: every node under the one
+before), the requests batched, and changes no row; after acceptance each request's row moves along
+its accepted path only (`commit_states`), so nothing of a rejected draft stays. No graphs and no
+early-exit first level for them (refused).
+
 Attention is a hook (`attention`): `ragged_attention_reference` (SDPA per request, the default) or
 the split-KV kernel's ragged mode, which a backend installs (backends/kernel_hooks.py).
 

@@ -1,5 +1,5 @@
 """A StepEngine (runtime/engine_api.py) over the batch-1 decode loops: what serves every request of an
-engine the batched engine does not serve (hybrid targets, replay drafters; serve/routed.py).
+engine the batched engine does not serve (replay drafters; serve/routed.py).
 
 Compute is not batched: each `step()` advances every active request by one step of its own, one
 request after another (interleaved), each with its own caches. What the server gains is that many

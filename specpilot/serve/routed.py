@@ -3,9 +3,10 @@
 The batched engine (runtime/batch.py, `Engine.batched`) packs every request's drafts into one ragged
 verify forward a step, with requests joining and leaving at every step; greedy and sampled requests
 share the batch (a sampled one samples losslessly with its own seeded uniforms, so its tokens are
-its batch-1 loop's for its seed whatever shares the batch: runtime/batch.py's docstring).
+its batch-1 loop's for its seed whatever shares the batch: runtime/batch.py's docstring). Hybrid
+(Gated DeltaNet) targets too, their recurrent state a row a request (runtime/batch_hybrid.py).
 
-Engines the batched engine does not serve (hybrid targets, replay drafters) run every request in
+Engines the batched engine does not serve (replay drafters) run every request in
 `Batch1StepEngine`, one after another; `batched_engine_for` says why, and the server logs it.
 """
 
