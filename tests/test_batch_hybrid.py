@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 
 from conftest import random_tree
 from specpilot.errors import EngineError
-from specpilot.runtime.batch import BatchConfig, BatchEngine, Ragged, SlotKV, generate_batched, ragged_attention_reference
+from specpilot.runtime.batch import (BatchConfig, BatchEngine, Ragged, SlotKV, generate_batched,
+                                     ragged_attention_reference)
 from specpilot.runtime.batch_control import BatchPolicy, StepCost
 from specpilot.runtime.batch_hybrid import hybrid_ragged_forward, hybrid_slots
 from specpilot.runtime.decode import generate_ar
@@ -104,13 +105,15 @@ def test_a_tree_a_batch_row_equals_each_row_alone(seed, sizes, kernel):
             torch.testing.assert_close(got[one], want, atol=2e-5, rtol=1e-5)
         own = conv_sources(anc[i, :n, :n], kernel)
         assert torch.equal(sources[i, :n], own)
-        torch.testing.assert_close(mixed[i:i + 1, :, :n], conv_tree(conv0[i:i + 1], inputs[i:i + 1, :, :n], weight, own))
+        torch.testing.assert_close(mixed[i:i + 1, :, :n],
+                                   conv_tree(conv0[i:i + 1], inputs[i:i + 1, :, :n], weight, own))
         node = int(torch.randint(0, n, (1,), generator=g))
         path = torch.nonzero(anc[i, node, :n]).flatten().tolist()
         paths.append(path)
-        pend = TreePending(alone[1], alone[2], alone[3], torch.cat([conv0[i:i + 1], inputs[i:i + 1, :, :n]], -1), own)
-        accepted.append((commit_state(s0[i:i + 1], *alone[1:], torch.tensor(path), torch.ones(len(path), dtype=torch.bool)),
-                         commit_conv(pend, torch.tensor([path[-1]]), kernel)))
+        window = torch.cat([conv0[i:i + 1], inputs[i:i + 1, :, :n]], -1)
+        full = torch.ones(len(path), dtype=torch.bool)
+        accepted.append((commit_state(s0[i:i + 1], *alone[1:], torch.tensor(path), full),
+                         commit_conv(TreePending(*alone[1:], window, own), torch.tensor([path[-1]]), kernel)))
     longest = max(map(len, paths))
     padded = torch.tensor([p + [0] * (longest - len(p)) for p in paths])
     state, conv = commit_paths(s0, TreePending(kn, w, cum_g, torch.cat([conv0, inputs], -1), sources), padded,
@@ -353,7 +356,8 @@ def test_zoo_hybrid_pair_batched_passes_token_forcing(zoo_hybrid, passes):
 
 def test_batching_passes_serve_the_zoo_hybrid_pair(zoo_hybrid):
     """verify-budget, ragged-verify and spec-control apply to the hybrid program, the verifier takes
-    it, and the engine it builds passes token forcing; a two-level verify with an early-exit first
+    it, and the engine it builds (its step-cost table profiled on the hybrid's own forwards) passes
+    token forcing; a two-level verify with an early-exit first
     level is left at batch 1 by the passes, and refused under policy 'continuous' by the verifier."""
     from specpilot.dsl import parse_pipeline
     from specpilot.ir.verify import program_problems
@@ -364,10 +368,9 @@ def test_batching_passes_serve_the_zoo_hybrid_pair(zoo_hybrid):
     program, records = run_passes(engine.program, parse_pipeline("verify-budget,ragged-verify,spec-control",
                                                                  source="test"))
     assert all(r.changed for r in records) and not program_problems(program)
-    cost = StepCost.from_table({1: 1.0, 8: 1.2, 32: 2.0, 64: 3.5}, {1: 0.3, 2: 0.35})
-    batched = engine.with_program(program).batched(max_batch=2, capacity=128, cost=cost,
-                                                   attention=ragged_attention_reference)
+    batched = engine.with_program(program).batched(max_batch=2, capacity=128, attention=ragged_attention_reference)
     assert batched.policy.verify_budget and batched.policy.ragged and batched.policy.spec_control
+    assert batched.policy.cost is not None and batched.states.pending is None  # profiled here, nothing committed
     outs = generate_batched(batched, prompts, 12, arrivals=[0, 0, 2])
     report = force_tokens(engine.target, engine.target_cfg, prompts, outs, "float32")
     assert report.passed and report.tokens_checked == sum(map(len, outs)) == 36

@@ -85,10 +85,6 @@ class SlotStates:
             conv.index_copy_(0, slots, inputs.to(conv.dtype))
         self.drop()
 
-    def nbytes_per_slot(self) -> int:
-        """Bytes a request's row holds, all Gated DeltaNet layers (state and conv inputs)."""
-        return sum(x[0].numel() * x.element_size() for x in (*self.state, *self.conv))
-
 
 def hybrid_slots(model: HybridTransformer, rows: int, capacity: int) -> tuple[KVCache, SlotStates]:
     """The engine's caches for a hybrid target: the attention layers' K/V as one stacked buffer of
