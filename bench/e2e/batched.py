@@ -20,7 +20,9 @@ each concurrency is batched AR on the same runtime (no drafter). Per row: tokens
 latency, τ (tokens a speculating request commits a step), verify rows a step, AR steps (speculation
 off for the whole batch), the speedup over batched AR, and the outputs of `all` and `tree` token-forced.
 
-Zoo pairs (--zoo): the trained code-qwen3 drafters with their own acceptance, `all` and `none`.
+Zoo pairs (--zoo): the trained code-qwen3 drafters with their own acceptance, `all` and `none`; the
+hybrid pair too (`--zoo code-qwen3-next/dflash`: Gated DeltaNet layers, runtime/batch_hybrid.py; eager,
+so not with --graphs).
 
 Aims (issue 45, DFlash's HumanEval profile at 8B on the H200): >= 4.0x over batched AR at c8, >= 3.0x
 at c32, never below 1.0x. The summary says met or not. Writes bench/results/batched_<gpu>.json.
