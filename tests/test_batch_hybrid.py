@@ -262,6 +262,16 @@ def test_batch_policies_stay_lossless(pairs, policy):
     assert generate_batched(eng, PROMPTS, MAX_NEW, arrivals=[0, 0, 1, 2, 2, 5]) == pair.refs
 
 
+def test_a_batch_wide_drafter_first_level_stays_lossless(pairs):
+    """Two-level verification's drafter first level at batch: the batch's best nodes of every
+    request's drafted tree of 12, at most 4 a request on average, verified over the hybrid's rows."""
+    pair = pairs["default"]
+    eng = BatchEngine(pair.target, pair.dflash, eos_token_id=None, tree=(12, 3), keep=4,
+                      config=BatchConfig(max_batch=3, capacity=64), draft_hook=oracle(pair, 4))
+    assert generate_batched(eng, PROMPTS, MAX_NEW, arrivals=[0, 0, 0, 1, 2, 2]) == pair.refs
+    assert eng.stats.pruned_nodes > 0 and eng.stats.tau > 1.0
+
+
 @pytest.mark.parametrize("kind, tree", [("dflash", None), ("pard", (5, 2))])
 def test_a_sampled_request_gets_its_batch1_loops_tokens_whatever_shares_its_batch(pairs, kind, tree):
     """Rejection sampling (chains) or a draw a node (trees) over the hybrid's rows: a sampled request's

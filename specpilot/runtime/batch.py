@@ -499,7 +499,7 @@ class BatchEngine:
             raise RuntimeError(f"request {rid!r}: all {self.max_batch} slots are taken; release one first")
         slot = self.free.pop(0)
         if self.states is not None:
-            self.states.reset(slot)  # a reused slot's recurrent state is its last request's
+            self.states.reset(slot)  # a reused slot still holds its last request's recurrent state
         rng = None if sampling.greedy else StepRandom.for_seed(sampling.seed, self.target.device)
         self.requests[rid] = Request(rid, slot, list(prompt_ids), OutputTokens(params.max_new_tokens, self.eos_token_id),
                                      seq=list(prompt_ids), sampling=sampling, rng=rng)
