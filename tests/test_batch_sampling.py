@@ -187,7 +187,8 @@ def test_sampled_and_greedy_requests_share_a_graphed_batch_on_cuda():
     drafter = PardDrafter(model=cuda.pard, mask_token_id=MASK, k=K)
     n = 8
     with pytest.raises(ValueError, match="need an attention that reads the Ragged's device tensors"):
-        BatchEngine(cuda.target, drafter, eos_token_id=None, config=BatchConfig(max_batch=4, capacity=32, graphs=True))
+        BatchEngine(cuda.target, drafter, eos_token_id=None,
+                    config=BatchConfig(max_batch=4, capacity=32, buckets=(4, 8, 16), graphs=True))
     for seed in range(3):
         engine = BatchEngine(cuda.target, drafter, eos_token_id=None, attention=ragged_attention(cuda.target.device),
                              config=BatchConfig(max_batch=4, capacity=32, buckets=(4, 8, 16), graphs=True))
