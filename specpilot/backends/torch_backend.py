@@ -30,6 +30,7 @@ from ..runtime import decode, graph_decode
 from ..runtime.dflash import DFlashDrafter
 from ..hf.config import DrafterConfig, ModelConfig
 from ..profiles import AcceptDistribution, load_profile
+from ..runtime.cpu_linear import pack_linears
 from ..runtime.draft_vocab import STDLIB, VOCAB_FILE, DraftVocab, SubsetHead, build_vocab, head_weight, load_vocab
 from ..runtime.hybrid import GatedAttention, HybridTransformer
 from ..runtime.load import load_drafter, load_target
@@ -219,10 +220,13 @@ def install_draft_vocab(program: Program, drafter, target: nn.Module, target_dir
     else:
         vocab = build_vocab(tokenizer or load_tokenizer(target_dir), corpus, size, vocab_size, eos_token_id)
     if isinstance(drafter, DFlashDrafter):  # the target's head, borrowed
-        drafter.set_head(SubsetHead(head_weight(target.lm_head), vocab.ids, vocab_size))
+        head = SubsetHead(head_weight(target.lm_head), vocab.ids, vocab_size)
+        drafter.set_head(head)
     else:
         root = drafter_root(drafter)
-        root.lm_head = SubsetHead(head_weight(root.lm_head), vocab.ids, vocab_size)
+        head = root.lm_head = SubsetHead(head_weight(root.lm_head), vocab.ids, vocab_size)
+    if head.weight.device.type == "cpu":
+        pack_linears(head)  # as build_engine packs the models' own linears (a DFlash drafter's head is not a submodule)
     return vocab
 
 
@@ -511,6 +515,9 @@ def build_engine(program: Program, target_dir: Path | None, drafter_dir: Path | 
     for module in (m for root in roots for m in root.modules()):
         if isinstance(module, U12Linear):
             module.tuning = tuning
+    if device.type == "cpu":  # fp32 linears by oneDNN on packed weights; the AR baseline runs these modules too
+        for root in roots:
+            pack_linears(root)
     if fused_stack(program.target):
         kernel_hooks.install(target, tuning=tuning)
     if fused_stack(program.drafter):

@@ -33,7 +33,6 @@ from importlib import resources
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
@@ -164,10 +163,18 @@ class SubsetHead(nn.Module):
         ids = ids.to(device=weight.device, dtype=torch.int64)
         self.vocab_size = vocab_size
         self.register_buffer("ids", ids, persistent=False)
-        self.weight = nn.Parameter(weight.detach()[ids].contiguous(), requires_grad=False)
+        # The subset's rows as a linear of their own: a backend may serve it with another kernel
+        # (runtime/cpu_linear.py's packed linear on the CPU).
+        self.rows = nn.Linear(weight.shape[1], ids.numel(), bias=False, device="meta")
+        self.rows.weight = nn.Parameter(weight.detach()[ids].contiguous(), requires_grad=False)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The subset's rows [|S|, hidden]."""
+        return self.rows.weight
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        sub = F.linear(h, self.weight).float()
+        sub = self.rows(h).float()
         out = torch.full((*h.shape[:-1], self.vocab_size), float("-inf"), dtype=torch.float32, device=h.device)
         return out.index_copy_(-1, self.ids, sub)
 

@@ -1,0 +1,58 @@
+"""fp32 linears on the CPU through oneDNN, each weight packed once into oneDNN's blocked layout.
+
+A speculative step's verify runs the target's linears at a few rows (block 4: 4 rows) where AR runs
+them at one. MKL's fp32 GEMM (what `F.linear` calls on the CPU) is poor at those row counts: over
+SmolLM2-135M's 30 layers, one thread, 4 rows cost about 1.7x one row, and its 49152-row head 2-4x
+(2 and 3 rows worst); oneDNN on the packed weight costs about 1.3x at the layers and 1.3x at the head,
+and at one row no more than MKL (bench.steps.cpu_spec_step; docs/experiments/smollm2.md). The AR
+baseline runs the same modules, so it gets the same kernel.
+
+`PackedLinear` keeps the original weight as its `weight` (the same Parameter: a tied head stays tied,
+state_dict keys are unchanged, readers of `.weight` see the values they did) beside the packed copy,
+so a packed model holds its linear weights twice.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def packed_linear_available() -> bool:
+    """Whether this torch has oneDNN and the packed-linear ops (the ones torch's own CPU compiler uses)."""
+    mkldnn = getattr(torch.ops, "mkldnn", None)
+    return (torch.backends.mkldnn.is_available() and hasattr(mkldnn, "_reorder_linear_weight")
+            and hasattr(mkldnn, "_linear_pointwise"))
+
+
+class PackedLinear(nn.Module):
+    """y = x·Wᵀ (+ b) by oneDNN over W packed once; W, b as the nn.Linear it replaces held them."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        if linear.weight.device.type != "cpu" or linear.weight.dtype != torch.float32:
+            raise ValueError(f"PackedLinear packs fp32 CPU weights, got {linear.weight.dtype} on {linear.weight.device}")
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight = linear.weight
+        self.bias = linear.bias
+        self._packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+def pack_linears(root: nn.Module) -> int:
+    """Replace every fp32 CPU `nn.Linear` under `root` (root itself excepted) by a PackedLinear;
+    returns how many. Nothing changes where oneDNN's packed linear is not available."""
+    if not packed_linear_available():
+        return 0
+    swapped = 0
+    for parent in list(root.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is nn.Linear and child.weight.device.type == "cpu" and child.weight.dtype == torch.float32:
+                setattr(parent, name, PackedLinear(child))
+                swapped += 1
+    return swapped
