@@ -245,3 +245,19 @@ def test_offline_tau_smoke_measures_the_loop_and_the_training_forward(capsys) ->
     assert offline_tau.main(["--smoke"]) == 0
     summary = [line for line in capsys.readouterr().out.splitlines() if line.startswith("loop τ")]
     assert len(summary) == 1 and "offline estimate" in summary[0]
+
+
+@pytest.mark.usefixtures("torch_single_thread")
+def test_cpu_spec_step_smoke_splits_both_steps_into_terms_that_add_up(tmp_path: Path, tmp_path_factory,
+                                                                      monkeypatch) -> None:
+    from bench.steps import cpu_spec_step
+
+    monkeypatch.setenv("SPECPILOT_CACHE", str(tmp_path_factory.getbasetemp() / "specpilot-cache"))
+    out = tmp_path / "steps.json"
+    assert cpu_spec_step.main(["--smoke", "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    by = {(r["loop"], r["term"]): r["mean_ms"] for r in doc["records"]}
+    for loop, terms in (("ar", cpu_spec_step.AR_TERMS), ("chain", cpu_spec_step.CHAIN_TERMS)):
+        assert all(by[loop, t] >= 0 for t in terms) and by[loop, "step"] > 0
+        assert sum(by[loop, t] for t in (*terms, "host")) == pytest.approx(by[loop, "step"], abs=0.01)
+    assert doc["tau"] >= 1 and doc["speedup_over_ar"] > 0 and doc["pipeline"] == "draft-block-size{size=4}"

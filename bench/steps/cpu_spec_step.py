@@ -193,7 +193,8 @@ def main(argv: list[str] | None = None) -> int:
         chain_tokens, acc = chain_steps(engine, prompt, args.max_new_tokens, chain_t)
         ar, sp = engine.generate_ar(prompt, args.max_new_tokens), engine.generate(prompt, args.max_new_tokens)
         if not ar.tokens == ar_tokens == chain_tokens == sp.tokens:
-            raise SystemExit("the step-by-step loops' outputs differ from the engine's: the bench no longer mirrors them")
+            raise SystemExit("the step-by-step loops' outputs differ from the engine's: "
+                             "this bench no longer mirrors them")
         accepted += acc
         loops["ar_loop_s"] += ar.decode_s
         loops["chain_loop_s"] += sp.decode_s

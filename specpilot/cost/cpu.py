@@ -21,9 +21,10 @@ another key is refused, never reused). The figures and how each is measured:
     host_sync_s    one `.item()` of a one-element tensor (a host-side accept)
     fp32_rate      elementwise FLOP/s of `torch.mul` over a 64K-element fp32 tensor (in cache), the
                    op overhead taken out
-    matmul         FLOP/s of `F.linear` at each weight shape (k, n) the program holds and each row
-                   count of `rows`, in the program's dtype, the op overhead taken out; the weight is
-                   cycled through copies filling `pool_bytes`, so that a step's weights come from
+    matmul         FLOP/s of the linear a CPU engine runs (fp32: runtime/cpu_linear.py's PackedLinear
+                   where oneDNN has it, else `F.linear`) at each weight shape (k, n) the program holds
+                   and each row count of `rows`, in the program's dtype, the op overhead taken out; the
+                   weight is cycled through copies filling `pool_bytes`, so that a step's weights come from
                    memory as in a decode step, not from a cache that one weight fits in
     matmul_peak    the largest matmul rate measured (prices attention's and MoE's matmuls, and the floor)
 
@@ -41,6 +42,7 @@ measured at that shape and the record rewritten (atomically).
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -60,13 +62,15 @@ from ..hf.config import ModelConfig
 from ..ir import MATMUL_OPS, Program
 from ..ir.lower import Shapes, lower_causal_lm
 from ..runtime.builtin import cache_root
+from ..runtime.cpu_linear import PackedLinear, packed_linear_available
 from ..runtime.decode import generate_ar
 from ..runtime.model import Transformer
 from .gpu import GPU
 from .roofline import KERNELS
 
 RECORD_KIND = "cpu-device"
-RECORD_VERSION = 2  # a record of another version is measured again (1 had no step_op_overhead_s)
+RECORD_VERSION = 3  # a record of another version is measured again (1 had no step_op_overhead_s; 2 timed
+# fp32 matmuls by F.linear where the engine now runs runtime/cpu_linear.py's packed linear)
 FIGURES = {  # field -> what a record must hold there
     "bandwidth": "read bytes/s of a streaming reduction",
     "copy_bandwidth": "bytes/s read and written by a copy",
@@ -284,29 +288,36 @@ def measure_step_overhead(config: CPUCalibration, tokens: int = 32) -> float:
 
 def measure_matmuls(shapes: Iterable[tuple[int, int]], dtype: str, overhead: float,
                     config: CPUCalibration) -> dict[tuple[int, int], dict[int, float]]:
-    """FLOP/s of F.linear([m, k], weight [n, k]) at each shape and row count of `config.rows`, the
-    weight cycled through copies filling `config.pool_bytes`."""
+    """FLOP/s of the engine's linear ([m, k] by weight [n, k]; module docstring) at each shape and row
+    count of `config.rows`, the weight cycled through copies filling `config.pool_bytes`."""
     dt = DTYPES[dtype]
+    packed = dt == torch.float32 and packed_linear_available()
     out: dict[tuple[int, int], dict[int, float]] = {}
     for k, n in sorted(set(shapes)):
         size = k * n * torch.tensor([], dtype=dt).element_size()
         weights = [torch.randn(n, k, dtype=dt) for _ in range(max(1, min(64, math.ceil(config.pool_bytes / size))))]
+        linears = [PackedLinear(w) if packed else functools.partial(_linear, weight=w) for w in weights]
+        del weights
         for m in config.rows:
             x = torch.randn(m, k, dtype=dt)
             it = iter(())
 
             def call():
                 nonlocal it
-                w = next(it, None)
-                if w is None:
-                    it = iter(weights)
-                    w = next(it)
-                torch.nn.functional.linear(x, w)
+                linear = next(it, None)
+                if linear is None:
+                    it = iter(linears)
+                    linear = next(it)
+                linear(x)
 
             t = _per_call(call, config)
             out.setdefault((k, n), {})[m] = 2.0 * m * k * n / max(t - overhead, 0.1 * t)
-        del weights
+        del linears
     return out
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.linear(x, weight)
 
 
 def matmul_shapes(program: Program) -> set[tuple[int, int]]:

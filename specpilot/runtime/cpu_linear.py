@@ -26,16 +26,22 @@ def packed_linear_available() -> bool:
 
 
 class PackedLinear(nn.Module):
-    """y = x·Wᵀ (+ b) by oneDNN over W packed once; W, b as the nn.Linear it replaces held them."""
+    """y = x·Wᵀ (+ b) by oneDNN over W packed once; `weight` and `bias` are the tensors given (an
+    nn.Linear's own Parameters where `of` builds it)."""
 
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         super().__init__()
-        if linear.weight.device.type != "cpu" or linear.weight.dtype != torch.float32:
-            raise ValueError(f"PackedLinear packs fp32 CPU weights, got {linear.weight.dtype} on {linear.weight.device}")
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.weight = linear.weight
-        self.bias = linear.bias
-        self._packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach())
+        if weight.device.type != "cpu" or weight.dtype != torch.float32 or weight.dim() != 2:
+            raise ValueError(f"PackedLinear packs fp32 CPU weights [out, in], got {weight.dtype} "
+                             f"{tuple(weight.shape)} on {weight.device}")
+        self.out_features, self.in_features = weight.shape
+        self.weight = weight
+        self.bias = bias
+        self._packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+
+    @classmethod
+    def of(cls, linear: nn.Linear) -> "PackedLinear":
+        return cls(linear.weight, linear.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
@@ -53,6 +59,6 @@ def pack_linears(root: nn.Module) -> int:
     for parent in list(root.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is nn.Linear and child.weight.device.type == "cpu" and child.weight.dtype == torch.float32:
-                setattr(parent, name, PackedLinear(child))
+                setattr(parent, name, PackedLinear.of(child))
                 swapped += 1
     return swapped
