@@ -15,6 +15,7 @@ so a packed model holds its linear weights twice.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -44,6 +45,8 @@ class PackedLinear(nn.Module):
         return cls(linear.weight, linear.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.numel() == x.shape[-1]:  # one row: MKL's GEMV, what F.linear runs (AR's step, as before packing)
+            return F.linear(x, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
 
     def extra_repr(self) -> str:
