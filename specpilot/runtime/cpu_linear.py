@@ -1,11 +1,11 @@
 """fp32 linears on the CPU through oneDNN, each weight packed once into oneDNN's blocked layout.
 
 A speculative step's verify runs the target's linears at a few rows (block 4: 4 rows) where AR runs
-them at one. MKL's fp32 GEMM (what `F.linear` calls on the CPU) is poor at those row counts: over
-SmolLM2-135M's 30 layers, one thread, 4 rows cost about 1.7x one row, and its 49152-row head 2-4x
-(2 and 3 rows worst); oneDNN on the packed weight costs about 1.3x at the layers and 1.3x at the head,
-and at one row no more than MKL (bench.steps.cpu_spec_step; docs/experiments/smollm2.md). The AR
-baseline runs the same modules, so it gets the same kernel.
+them at one. MKL's fp32 GEMM, what `F.linear` runs on the CPU, is poor at those row counts: on
+SmolLM2-135M (one thread) 4 rows took 1.57x one row's time over the layers and 2.2x at the 49152-row
+head; over packed weights 1.40x and 1.15x (bench/results/cpu_spec_step_cpu_smollm2-before-rerun.json,
+..._gemv1.json). At one row MKL's GEMV stays: packed, the layers' small matrices lost
+(..._packed.json), so AR runs what it ran before packing.
 
 `PackedLinear` keeps the original weight as its `weight` (the same Parameter: a tied head stays tied,
 state_dict keys are unchanged, readers of `.weight` see the values they did) beside the packed copy,
