@@ -22,7 +22,7 @@ another key is refused, never reused). The figures and how each is measured:
     fp32_rate      elementwise FLOP/s of `torch.mul` over a 64K-element fp32 tensor (in cache), the
                    op overhead taken out
     matmul         FLOP/s of the linear a CPU engine runs (fp32: runtime/cpu_linear.py's PackedLinear
-                   where oneDNN has it, else `F.linear`) at each weight shape (k, n) the program holds
+                   where oneDNN has it, `F.linear` at one row; else `F.linear`) at each weight shape (k, n) the program holds
                    and each row count of `rows`, in the program's dtype, the op overhead taken out; the
                    weight is cycled through copies filling `pool_bytes`, so that a step's weights come from
                    memory as in a decode step, not from a cache that one weight fits in
