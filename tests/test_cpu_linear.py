@@ -19,7 +19,7 @@ pytestmark = pytest.mark.skipif(not packed_linear_available(), reason="this torc
 
 
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("shape", [(1,), (1, 1), (1, 4), (3, 5), (2, 17)])
+@pytest.mark.parametrize("shape", [(0,), (1,), (1, 1), (1, 4), (3, 5), (2, 17)])
 def test_packed_linear_equals_nn_linear(shape, bias):
     g = torch.Generator().manual_seed(sum(shape) + bias)
     linear = nn.Linear(96, 200, bias=bias)

@@ -45,7 +45,7 @@ class PackedLinear(nn.Module):
         return cls(linear.weight, linear.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.numel() == x.shape[-1]:  # one row: MKL's GEMV, what F.linear runs (AR's step, as before packing)
+        if x.numel() <= x.shape[-1]:  # one row (or none): MKL's GEMV by F.linear, as AR ran before packing
             return F.linear(x, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
 
