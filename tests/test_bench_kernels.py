@@ -20,6 +20,7 @@ from bench.kernels import u12_linear as u12_linear_bench
 from bench.steps import layer16, step_ab
 from bench.steps import step_times as st
 from conftest import ON_GPU
+from specpilot.backends.kernel_hooks import fused_ops
 from specpilot.kernels.fused_linear import FusedLinearConfig
 from specpilot.kernels.overlap import Launch
 from specpilot.kernels.u12 import TENSOR_CORE_ROWS, TUNED, TUNED_FUSED, TUNED_TILES, U12Config, default_config
@@ -103,9 +104,14 @@ def smoke_step(monkeypatch):
 @pytest.mark.interpreter
 @pytest.mark.slow
 def test_step_ab_verify_smoke(tmp_path: Path, smoke_step) -> None:
-    """step_ab --smoke at q = 4 (a tiny model): every verify variant captured (run once, under its own
+    """step_ab --smoke at q = 4 (a tiny model): the verify variants captured (run once, under its own
     settings) and timed, the tiled weights and a sweep's configs for each layout (--u12-tuned)
-    included, into one results file; the kernel tables restored after."""
+    included, into one results file; the kernel tables restored after. At 4 rows (GEMV_ROWS) every
+    u12 variant of the row planes takes the unfused u12 path (no variant's ops serve the u12 layers
+    fused there: the same logits each), so one of them, the verify step's own, stands for the rest."""
+    ops = fused_ops("triton")
+    u12_variants = {**step_ab.U12_VARIANTS, **step_ab.U12_VERIFY_VARIANTS}
+    assert all(not dataclasses.replace(ops, **fields).linear_serves(4, u12=True) for fields in u12_variants.values())
     sweep = tmp_path / "sweep.json"
     cfg = {"block_n": 64, "block_w": 32, "split_k": 8, "num_warps": 4, "num_stages": 1, "kernel": "hmma", "maxnreg": 128}
     sweep.write_text(json.dumps({"tuned": [{"key": [16, 4096, 4096], **cfg, "layout": "tiles"},
@@ -114,11 +120,12 @@ def test_step_ab_verify_smoke(tmp_path: Path, smoke_step) -> None:
     assert set(step_ab.tuned_from_sweep(sweep, U12Config, 16, "tiles")) == {(16, 4096, 4096)}
     assert set(step_ab.tuned_from_sweep(sweep, U12Config, 4)) == {(4, 4096, 4096)}
     out = tmp_path / "ab.json"
-    assert step_ab.main(["--smoke", "--q", "4", "--u12-tuned", str(sweep), "--out", str(out)]) == 0
+    only = ("bf16-cublas", "bf16-linear", *step_ab.U12_VERIFY_VARIANTS, "u12-sweep", "u12-tiles", "u12-tiles-sweep")
+    assert step_ab.main(["--smoke", "--q", "4", "--only", ",".join(only), "--u12-tuned", str(sweep),
+                         "--out", str(out)]) == 0
     result = _schema(out, "step_ab")
     rows = {r["variant"]: r for r in result["records"]}
-    assert set(rows) == {"bf16", "bf16-cublas", "bf16-linear", *step_ab.U12_VARIANTS, *step_ab.U12_VERIFY_VARIANTS,
-                         "u12-sweep", "u12-tiles", "u12-tiles-sweep"}
+    assert set(rows) == {"bf16", *only}
     assert result["step"] == "verify-4" and all(r["ms"] > 0 for r in rows.values())
     # each variant's logits checked against bf16's: the same weights, so close and finite
     assert all(r["finite"] and r["max_abs_diff_vs_bf16"] < 0.05 for r in rows.values()), rows
