@@ -7,6 +7,7 @@ On a machine without CUDA the kernel runs in Triton's interpreter (conftest.py),
 """
 
 import contextlib
+import dataclasses
 from unittest import mock
 
 import pytest
@@ -379,17 +380,28 @@ def _check_handoff_pair(m, words, n_words, i, dtype, gated, config, seed):
     torch.testing.assert_close(y, y_ref, atol=atol, rtol=rtol)
 
 
-@pytest.mark.parametrize("gated", [False, True])
-@pytest.mark.parametrize("warps", [1, 4], ids=["sum-before", "sum-after"])
-def test_handed_in_parts_summed_around_the_loop(gated, warps):
-    """A consumer GEMV sums the producer's parts (64 here) before its loop with one warp, and loads
-    them before it and sums them after it with four (``parts_after``), over 8 chunks of 8 words: the
-    output is the reference's either way, and the parts' sum moves it: halving one part is caught."""
+@pytest.fixture(scope="module")
+def handed_over() -> tuple[ufl.NormHandoff, dict]:
+    """A producer's handoff of 64 parts (its 64 programs of 4 rows: m 2, k 48, n 256) and consumer
+    weights of 5 rows, gated ([2·5, 256]) and not. The producer's launch is most of a consumer case's
+    interpreter time and the same in each, so it runs once; each case takes its own copy of the parts."""
     m, k, n, i = 2, 48, 256, 5
-    x, t, t2, stream, gamma = _handoff_pair(m, k, n, i, torch.float32, 7, gated)
+    x, t, gated_weight, stream, gamma = _handoff_pair(m, k, n, i, torch.float32, 7, gated=True)
+    plain_weight = _handoff_pair(m, k, n, i, torch.float32, 8, gated=False)[2]
     h = ufl.NormHandoff(gamma, 1e-5)
     ufl.u12_fused_linear(x, t, residual=stream, hand_out=h)
     assert h.parts.shape == (64, m)  # the producer's 64 programs of 4 rows
+    return h, {True: gated_weight, False: plain_weight}
+
+
+@pytest.mark.parametrize("gated", [False, True])
+@pytest.mark.parametrize("warps", [1, 4], ids=["sum-before", "sum-after"])
+def test_handed_in_parts_summed_around_the_loop(gated, warps, handed_over):
+    """A consumer GEMV sums the producer's parts (64 here) before its loop with one warp, and loads
+    them before it and sums them after it with four (``parts_after``), over 8 chunks of 8 words: the
+    output is the reference's either way, and the parts' sum moves it: halving one part is caught."""
+    produced, weights = handed_over
+    h, t2, m = dataclasses.replace(produced, parts=produced.parts.clone()), weights[gated], produced.parts.shape[1]
     assert ufl.parts_after(64, m, warps) == (warps == 4)
     consumer = U12Config(4, 8, num_warps=warps, num_stages=1, kernel="gemv2")
     y = ufl.u12_fused_linear(h.xg, t2, gated=gated, hand_in=h, config=consumer)
