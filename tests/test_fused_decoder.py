@@ -434,9 +434,9 @@ def test_fused_linear_greedy_tokens_equal_ar(family, tiny_model_dirs):
     ref, fused, cfg = _pair(tiny_model_dirs[family], torch.float32)
     calls = _count_linear(install(fused, "triton"))
     prompt = [5, 9, 2, 6, 5, 3]
-    ar = decode.generate_ar(ref, prompt, max_new_tokens=4, eos_token_id=None).tokens
-    assert decode.generate_ar(fused, prompt, max_new_tokens=4, eos_token_id=None).tokens == ar
-    assert len(calls) >= 3 * cfg.num_layers * 4  # three one-row steps, four linears a layer
+    ar = decode.generate_ar(ref, prompt, max_new_tokens=3, eos_token_id=None).tokens
+    assert decode.generate_ar(fused, prompt, max_new_tokens=3, eos_token_id=None).tokens == ar
+    assert len(calls) >= 2 * cfg.num_layers * 4  # two one-row steps (the second after one), four linears a layer
 
 
 def _count_calls(stack, field: str) -> list[int]:
