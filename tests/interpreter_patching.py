@@ -8,8 +8,11 @@ is a large share of the interpreter's time in kernel-heavy tests (cProfile: abou
 verify smoke).
 
 `install()` skips a helper's patching where the launch around it has patched every
-triton.language module the helper sees; anything else (a launch, a helper that sees a module the
-launch did not patch, a Triton whose interpreter lacks these names) runs Triton's own code.
+triton.language module the helper sees. A helper that sees one more (triton.language.standard's
+sum, max, cdiv: triton.language.core besides triton.language) is patched by Triton's own code
+once a launch, then counted as patched for the rest of it: Triton keeps a helper's patching (it
+drops the helper's restore scope), so the calls after it would change nothing either. A launch,
+or a Triton whose interpreter lacks these names, runs Triton's own code.
 
 It also turns off the interpreter's integer-overflow sanitizing where its device asserts are off
 (`InterpreterOptions.debug`, which the interpreter never sets): each integer add, sub and mul then
@@ -42,9 +45,13 @@ def install() -> bool:
         if state["first"]:  # the launch's own patching, restored when it ends
             state["first"], state["patched"] = False, languages(fn)
             return patch_lang(fn)
-        if state["patched"] is not None and languages(fn) <= state["patched"]:
-            return interpreter._LangPatchScope()  # a helper's: those modules are patched already
-        return patch_lang(fn)
+        if state["patched"] is None:  # outside a launch
+            return patch_lang(fn)
+        seen = languages(fn)
+        if not seen <= state["patched"]:  # a helper's, kept as Triton keeps it: patched for the launch's rest
+            patch_lang(fn)
+            state["patched"] = state["patched"] | seen
+        return interpreter._LangPatchScope()  # nothing for the caller to restore
 
     def launch_patching_once(self, *args, **kwargs):
         saved = dict(state)
