@@ -384,11 +384,14 @@ class HybridCache:
         self.conv[layer].copy_(pending.window[:, :, pending.window.shape[-1] - (self.kernel - 1):])
 
     def _chain_state(self, layer: int, i: int | torch.Tensor) -> torch.Tensor:
-        """The state after the first i tokens of the last (WY) chain forward."""
+        """The state after the first i tokens of the last (WY) chain forward (i a host int, or a
+        0-dim device tensor: no host value is made into a device tensor, so graphs capture it)."""
         s0, p = self._chain[layer]
+        if not isinstance(i, torch.Tensor) and i == 0:
+            return s0
         path = torch.arange(p.k.shape[2], device=s0.device)
         moved = commit_state(s0, p.k, p.w, p.cum_g, path, path < i)
-        return torch.where(torch.as_tensor(i, device=s0.device) > 0, moved, s0)
+        return torch.where(i > 0, moved, s0) if isinstance(i, torch.Tensor) else moved
 
     def _recorded(self) -> bool:
         return all(s is not None or c is not None for s, c in zip(self._states, self._chain))
@@ -444,8 +447,9 @@ class HybridCache:
             raise ValueError(f"commit_path({start}, ...) needs the tree forward that began at {start}; "
                              f"the last forward began at {self._start} and was {'a tree' if self.pending_tree else 'not a tree'}")
         device = self.state[0].device if self.state else torch.device("cpu")
-        path = torch.as_tensor(path, dtype=torch.long, device=device)
-        n = torch.as_tensor(path.shape[0] - 1 if n is None else n, device=device)
+        path = torch.as_tensor(path, dtype=torch.long, device=device)  # a list is host data: graphed steps pass a tensor
+        if not isinstance(n, torch.Tensor):  # filled on the device, not copied from the host
+            n = torch.full((), path.shape[0] - 1 if n is None else n, dtype=torch.long, device=device)
         valid = torch.arange(path.shape[0], device=device) <= n
         last = path.index_select(0, n.view(1))
         for j, pending in enumerate(self._tree):

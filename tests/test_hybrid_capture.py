@@ -1,0 +1,107 @@
+"""Hybrid (Gated DeltaNet) verify steps move no data between host and device, so CUDA graphs
+capture them: the chain verify and its rollback on either cache, the tree verify, and the
+device-length cache's commit, each run under `host_guard.no_host_traffic` (which raises where a
+capture would refuse: a tensor made from host values, a device value read on the host)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from host_guard import HostTraffic, no_host_traffic
+from specpilot.hf.config import HybridConfig
+from specpilot.runtime.hybrid import RECORD_LIMIT, HybridTransformer, unfuse_experts
+from specpilot.runtime.tiny_hybrid import random_hybrid, tiny_hybrid_config
+from specpilot.runtime.tree import Tree, ancestor_mask
+
+pytestmark = pytest.mark.usefixtures("torch_single_thread")
+
+VOCAB = 258
+PREFIX = 7
+
+
+@pytest.fixture(scope="module")
+def model() -> HybridTransformer:
+    config = tiny_hybrid_config(VOCAB, linear_conv_kernel_dim=3, linear_key_head_dim=12, linear_value_head_dim=20)
+    hf = random_hybrid(config, seed=0, norm_std=0.2)
+    ours = HybridTransformer(HybridConfig.from_hf(config.to_dict(), "config.json"))
+    ours.load_state_dict(unfuse_experts(hf.state_dict()), strict=True)
+    return ours.eval()
+
+
+def _prefilled(model: HybridTransformer, device_length: bool):
+    cache = model.new_cache(1, 160, device_length=device_length)
+    g = torch.Generator().manual_seed(1)
+    with torch.inference_mode():
+        model(torch.randint(0, VOCAB, (1, PREFIX), generator=g), cache)
+    return cache
+
+
+def _snapshot(cache) -> list[torch.Tensor]:
+    return [x.clone() for x in (*cache.state, *cache.conv)]
+
+
+def test_the_guard_refuses_host_traffic():
+    x = torch.arange(4)
+    for bad in (lambda: torch.as_tensor(3), lambda: torch.tensor([1, 2]), lambda: x.sum().item(),
+                lambda: x.tolist(), lambda: bool(x[0] > 1), lambda: x[[0, 2]], lambda: torch.nonzero(x)):
+        with pytest.raises(HostTraffic), no_host_traffic():
+            bad()
+    with no_host_traffic():  # device-side work passes
+        y = torch.where(x > 1, x, torch.zeros_like(x)).index_select(0, x[:2]) + torch.full((), 2)
+    assert y.tolist() == [2, 2]
+
+
+@pytest.mark.parametrize("device_length", [False, True])
+@pytest.mark.parametrize("t", [1, 2, 5, RECORD_LIMIT])
+def test_chain_verify_and_its_rollback_stay_on_the_device(model, device_length, t):
+    """A verify of t tokens then the rollback to its start (what a timed or graphed step repeats)
+    touch no host value, and the rollback restores the state exactly."""
+    cache = _prefilled(model, device_length)
+    start = cache.length.clone() if device_length else cache.length
+    before = _snapshot(cache)
+    ids = torch.randint(0, VOCAB, (1, t), generator=torch.Generator().manual_seed(t))
+    with torch.inference_mode(), no_host_traffic():
+        first = model(ids, cache).logits
+        cache.rollback(start)
+        again = model(ids, cache).logits
+        cache.rollback(start)
+    torch.testing.assert_close(again, first, rtol=0, atol=0)
+    for a, b in zip(_snapshot(cache), before):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_chain_rollback_inside_the_forward_on_the_device(model):
+    """A device-length rollback to a position inside the chain equals the host cache's."""
+    host, dev = _prefilled(model, False), _prefilled(model, True)
+    ids = torch.randint(0, VOCAB, (1, 6), generator=torch.Generator().manual_seed(3))
+    with torch.inference_mode():
+        model(ids, host)
+        host.rollback(PREFIX + 4)
+        with no_host_traffic():
+            model(ids, dev)
+            dev.rollback(dev.length - 2)
+    assert int(dev.length) == host.length
+    for a, b in zip(_snapshot(dev), _snapshot(host)):  # the attention masks differ in form: rounding only
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("n", [None, 2])
+def test_tree_verify_and_device_commit_stay_on_the_device(model, n):
+    parent, depth = [-1, 0, 1, 1, 2, 4], [0, 1, 2, 2, 3, 4]
+    tree = Tree.from_lists(parent, depth, [5, 6, 7, 8, 9, 10])
+    anc = ancestor_mask(tree)
+    path = torch.tensor([0, 1, 2, 4, 5]) if n is None else torch.tensor([0, 1, 3, 0, 0])
+    count = None if n is None else torch.tensor(n)
+    cache = _prefilled(model, True)
+    chain = _prefilled(model, False)
+    with torch.inference_mode():
+        with no_host_traffic():
+            start = cache.length.clone()
+            model(tree.token[None], cache, mask=anc, positions=(start + tree.depth)[None])
+            cache.commit_path(start, path, count)
+        kept = path[: (len(path) if n is None else n + 1)]
+        model(tree.token[kept][None], chain)  # the accepted path as a chain
+    assert int(cache.length) == chain.length
+    for a, b in zip(_snapshot(cache), _snapshot(chain)):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
