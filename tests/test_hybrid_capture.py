@@ -11,6 +11,7 @@ import torch
 from host_guard import HostTraffic, no_host_traffic
 from specpilot.hf.config import HybridConfig
 from specpilot.runtime.hybrid import RECORD_LIMIT, HybridTransformer, unfuse_experts
+from specpilot.runtime.hybrid_tree import chain_sources, conv_sources
 from specpilot.runtime.tiny_hybrid import random_hybrid, tiny_hybrid_config
 from specpilot.runtime.tree import Tree, ancestor_mask
 
@@ -105,3 +106,9 @@ def test_tree_verify_and_device_commit_stay_on_the_device(model, n):
     assert int(cache.length) == chain.length
     for a, b in zip(_snapshot(cache), _snapshot(chain)):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("t,kernel", [(1, 4), (2, 2), (5, 3), (17, 4)])
+def test_chain_sources_are_conv_sources_of_a_chain(t, kernel):
+    chain = torch.ones(t, t, dtype=torch.bool).tril()
+    assert torch.equal(chain_sources(t, kernel, "cpu"), conv_sources(chain, kernel))

@@ -40,6 +40,7 @@ from specpilot.runtime.cache import DeviceKVCache, KVCache
 from specpilot.hf.config import HybridConfig
 from specpilot.runtime.hybrid_tree import (
     TreePending,
+    chain_sources,
     commit_conv,
     commit_state,
     conv_sources,
@@ -238,13 +239,16 @@ class GatedDeltaNet(nn.Module):
         return self._output(out, z, x.dtype), window, states
 
     def forward_tree(
-        self, x: torch.Tensor, conv_state: torch.Tensor, state: torch.Tensor, ancestors: torch.Tensor
+        self, x: torch.Tensor, conv_state: torch.Tensor, state: torch.Tensor, ancestors: torch.Tensor,
+        sources: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, TreePending]:
         """x [B, n, hidden], the nodes of a tree (ancestors [n, n], inclusive; parents first) ->
         (output [B, n, hidden], what the commit needs). conv_state and state are read, not changed:
-        every node sees its own root path only (hybrid_tree.py)."""
+        every node sees its own root path only (hybrid_tree.py). `sources`: conv_sources(ancestors,
+        kernel), where the caller built it once for all layers."""
         inputs, z, beta, a = self._mix_inputs(x)
-        sources = conv_sources(ancestors, self.kernel)
+        if sources is None:
+            sources = conv_sources(ancestors, self.kernel)
         window = torch.cat([conv_state, inputs], dim=-1)
         mixed = F.silu(conv_tree(conv_state, inputs, self.conv1d.weight, sources)).to(self.conv1d.weight.dtype)
         mixed = mixed.to(x.dtype).transpose(1, 2)
@@ -714,6 +718,14 @@ class HybridTransformer(nn.Module):
         # a verify-sized chain runs as a tree whose nodes each hang from the one before (one WY solve a
         # layer instead of t recurrent steps; no per-position states kept); one token keeps the recurrence
         chain = torch.ones(t, t, dtype=torch.bool, device=x.device).tril() if 2 <= t <= RECORD_LIMIT and not tree else None
+        # every linear layer's conv reads the same columns: one table a forward, not one a layer (about
+        # 30 small kernels each, which a graph replays one by one); a chain's is node i - m, in closed form
+        kernel = self.cfg.linear_conv_kernel_dim
+        sources = None
+        if tree:
+            sources = conv_sources(vis.new, kernel)
+        elif chain is not None:
+            sources = chain_sources(t, kernel, x.device)
         picked: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.model.layers[:upto]):
             if i < first:
@@ -722,10 +734,10 @@ class HybridTransformer(nn.Module):
             slot = self._slot[i]
             if layer.layer_type == "linear_attention":
                 if tree:
-                    y, pending = layer.linear_attn.forward_tree(h, cache.conv[slot], cache.state[slot], vis.new)
+                    y, pending = layer.linear_attn.forward_tree(h, cache.conv[slot], cache.state[slot], vis.new, sources)
                     cache.update_tree(slot, pending)
                 elif chain is not None:
-                    y, pending = layer.linear_attn.forward_tree(h, cache.conv[slot], cache.state[slot], chain)
+                    y, pending = layer.linear_attn.forward_tree(h, cache.conv[slot], cache.state[slot], chain, sources)
                     cache.update_chain(slot, pending)
                 else:
                     y, window, states = layer.linear_attn(h, cache.conv[slot], cache.state[slot], record=record)

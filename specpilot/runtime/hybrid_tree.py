@@ -64,6 +64,12 @@ def conv_sources(ancestors: torch.Tensor, kernel: int) -> torch.Tensor:
     return torch.stack(cols, dim=-1)
 
 
+def chain_sources(t: int, kernel: int, device: torch.device | str) -> torch.Tensor:
+    """`conv_sources` of a chain of t nodes (each the previous one's child), in closed form: column m
+    of row i is i - m steps along, kernel - 1 + i - m in the window, committed inputs included."""
+    return kernel - 1 + torch.arange(t, device=device)[:, None] - torch.arange(kernel - 1, -1, -1, device=device)
+
+
 def conv_tree(conv_state: torch.Tensor, inputs: torch.Tensor, weight: torch.Tensor, sources: torch.Tensor
               ) -> torch.Tensor:
     """The depthwise causal conv (no activation) of every node over its own path.
