@@ -5,19 +5,24 @@ vocabulary 128256) as a Qwen3-Next-family hybrid whose layers are three of every
 (16 key heads, 32 value heads, dk = dv = 128, conv kernel 4; Qwen3-Next's mixer widths) and every
 fourth gated full attention. Random N(0, 0.02) bf16 weights, a 512-token context prefilled.
 
-Steps, each the runtime's HybridTransformer forward (eager modules, captured in one CUDA graph):
+Steps, each the runtime's HybridTransformer forward and the rollback to its start on a device-length
+cache (as the graphed loops run them: eager modules, captured in one CUDA graph):
   ar               one token;
   chain-q-kernel   a causal verify of q tokens, its Gated DeltaNet layers in WY form on
                    kernels/gdn_tree.py (a chain is a tree of one path); chain-q-torch on the reference;
   tree-n-kernel    a best-first-shaped tree of n nodes plus the anchor under its ancestor mask, the
                    Gated DeltaNet layers on kernels/gdn_tree.py; tree-n-torch the same on the torch
-                   reference (a triangular solve); commit-n the accepted path's commit (eager: the
-                   attention KV moves by host indices).
-Beside each: the weight-read floor (weight bytes / measured read bandwidth) and, for trees, what the
-step keeps until its commit against per-node state snapshots (hybrid_tree.tree_state_bytes) and the
-peak memory the forward allocates. Writes bench/results/hybrid_tree_steps_<gpu>[_<tag>].json.
+                   reference (a triangular solve);
+  commit-n         HybridCache.commit_path alone, the spine accepted: the linear layers' state and conv
+                   inputs and the attention KV of the path, by device indices (graphed too).
+Beside each: the weight-read floor (weight bytes / measured read bandwidth), the torch ops one step
+dispatches (what a graph replays kernel by kernel; views included) and, for trees, what the step
+keeps until its commit against per-node state snapshots (hybrid_tree.tree_state_bytes) and the peak
+memory the forward allocates. A row that does not capture runs eagerly for about --row-seconds.
+Writes bench/results/hybrid_tree_steps_<gpu>[_<tag>].json after every row ("complete" false until
+the last), and prints each row with the seconds since the start.
 
-    python -m bench.steps.hybrid_tree_steps [--budgets 16,32,64] [--chains 16] [--repeats 30] [--out F|DIR]
+    python -m bench.steps.hybrid_tree_steps [--budgets 16,32,64] [--chains 16] [--repeats 30] [--row-seconds 4] [--out F|DIR]
     python -m bench.steps.hybrid_tree_steps --smoke --out DIR     # tiny shape on the CPU (interpreter)
 """
 
@@ -25,8 +30,10 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from bench import shapes
 from specpilot.backends.kernel_hooks import install_gdn_tree
@@ -84,17 +91,33 @@ def best_first_shape(n: int, depth: int, device: torch.device) -> Tree:
     return Tree.from_lists(parent, levels, [1] * (n + 1), device=device)
 
 
-def time_step(fn, repeats: int, graphs: bool, restore=None) -> tuple[harness.Timing, bool]:
-    """fn timed as CUDA-graph replays where it captures, else eagerly (and said so). A failed capture
-    may leave fn's forward half done on the cache: `restore` puts the cache back before the eager run."""
-    if graphs:
-        try:
-            return harness.time_graph(fn, repeats=repeats), True
-        except RuntimeError as e:  # a host read inside: time it eagerly, and say so
-            print(f"  (not capturable: {str(e).splitlines()[0][:100]}; eager)")
-            if restore is not None:
-                restore()
-    return harness.time_events(fn, repeats=repeats), False
+class _OpCount(TorchDispatchMode):
+    """Counts the torch ops a call dispatches: what a CUDA graph of it replays one kernel at a time,
+    views included (they launch nothing), so an upper bound."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
+def count_ops(fn) -> int:
+    with _OpCount() as c:
+        fn()
+    return c.ops
+
+
+def _wall_ms(fn, device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return (time.perf_counter() - t0) * 1e3
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -103,12 +126,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budgets", default="16,32,64", help="tree nodes (besides the anchor)")
     ap.add_argument("--chains", default="16", help="chain verify lengths q")
     ap.add_argument("--depth", type=int, default=15, help="the trees' spine (a DFlash block of 16)")
-    ap.add_argument("--repeats", type=int, default=30)
+    ap.add_argument("--repeats", type=int, default=30, help="timed repeats a row (graph replays; eager rows "
+                    "take fewer where --row-seconds says)")
+    ap.add_argument("--row-seconds", type=float, default=4.0, help="an eager row's timed calls stop at about this")
     args = harness.add_results_args(ap).parse_args(argv)
     why = harness.refuse_device("bench.steps.hybrid_tree_steps", args.smoke)
     if why:
         print(why)
         return 2
+    began = time.perf_counter()
+
+    def say(msg: str) -> None:
+        print(f"[{time.perf_counter() - began:6.1f} s] {msg}", flush=True)
+
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     config = hybrid_shape(args.base, args.smoke)
@@ -121,20 +151,34 @@ def main(argv: list[str] | None = None) -> int:
     budgets = [int(b) for b in args.budgets.split(",")]
     chains = [int(q) for q in args.chains.split(",")]
     context = 16 if args.smoke else CONTEXT
-    rows = []
+    planned = 1 + 2 * len(chains) + 3 * len(budgets)
+    say(f"built {weight_bytes / 1e9:.2f} GB of weights on {device}; {planned} rows to time")
+    rows: list[dict] = []
+    summary = dict(shape=config, weight_bytes=weight_bytes, read_bandwidth_gbs=bandwidth / 1e9 if bandwidth else None,
+                   context=context, rows_planned=planned,
+                   what="hybrid (3 of 4 layers Gated DeltaNet) step times at Llama-3.1-8B widths: AR, chain verify, "
+                        "tree verify on the gdn_tree kernel and on its torch reference, the accepted path's commit",
+                   timing="CUDA graphs of the eager forward on a device-length cache, CUDA events, median of "
+                          "--repeats after warm-up; rows that do not capture run eagerly for about --row-seconds")
 
     def record(what: str, timing: harness.Timing, graphed: bool, **extra) -> None:
         rows.append({"what": what, **timing.row(), "cuda_graphs": graphed, "weight_floor_ms": floor_ms, **extra})
-        print(f"{what:<18} {timing.median_ms:8.3f} ms (p20 {timing.p20_ms:.3f}, p80 {timing.p80_ms:.3f})"
-              + (f"  floor {floor_ms:.3f}" if floor_ms else "") + ("  graph" if graphed else "  eager"), flush=True)
+        say(f"{what:<18} {timing.median_ms:8.3f} ms (p20 {timing.p20_ms:.3f}, p80 {timing.p80_ms:.3f}, "
+            f"{timing.repeats} repeats)" + (f"  floor {floor_ms:.3f}" if floor_ms else "")
+            + ("  graph" if graphed else "  eager") + f"  {extra.get('torch_ops', '?')} torch ops")
+        # after every row, so that a run cut by its time limit keeps what it measured
+        out = harness.write_run(args, "hybrid_tree_steps", device, rows, **summary, complete=len(rows) == planned)
+        if out and len(rows) == 1:
+            say(f"writing {out} after every row")
 
     with torch.inference_mode():
-        cache = model.new_cache(1, context + 2 * max(budgets + chains) + 8)
+        # a device-length cache, as the graphed loops run: lengths, rollbacks and commits take device values
+        cache = model.new_cache(1, context + 2 * max(budgets + chains) + 8, device_length=True)
         prefix = torch.ones(1, context, dtype=torch.long, device=device)
         model(prefix, cache)
-        start = cache.length
+        start = cache.length.clone()
 
-        def restore() -> None:  # the prefix again, from an empty cache
+        def restore() -> None:  # the prefix again, from an emptied cache (a failed capture may leave it ahead)
             cache.reset()
             model(prefix, cache)
 
@@ -144,14 +188,27 @@ def main(argv: list[str] | None = None) -> int:
                 cache.rollback(start)
             return fn
 
+        def timed(fn, what: str) -> tuple[harness.Timing, bool]:
+            """fn as CUDA-graph replays where it captures, else eagerly for about --row-seconds (and said so)."""
+            say(f"{what}: {'capturing' if graphs else 'running'}")
+            if graphs:
+                try:
+                    return harness.time_graph(fn, repeats=args.repeats), True
+                except RuntimeError as e:  # a host read or copy inside: time it eagerly, and say so
+                    say(f"  (not capturable: {str(e).splitlines()[0][:100]}; eager)")
+                    restore()
+            first = _wall_ms(fn, device)
+            repeats = max(3, min(args.repeats, int(args.row_seconds * 1e3 / max(first, 1e-3))))
+            return harness.time_events(fn, repeats=repeats, warmup=1), False
+
         one = torch.ones(1, 1, dtype=torch.long, device=device)
-        record("ar", *time_step(forward(one), args.repeats, graphs, restore), q=1)
+        record("ar", *timed(forward(one), "ar"), q=1, torch_ops=count_ops(forward(one)))
         for q in chains:
             ids = torch.ones(1, q, dtype=torch.long, device=device)
-            for kind in ("triton", "torch"):  # a chain verify runs the same WY rule (a tree of one path)
+            for kind in ("triton", "torch"):  # a chain verify runs the tree form over a chain (a tree of one path)
                 install_gdn_tree(model, kind)
-                record(f"chain-{q}-{'kernel' if kind == 'triton' else 'torch'}",
-                       *time_step(forward(ids), args.repeats, graphs, restore), q=q)
+                what = f"chain-{q}-{'kernel' if kind == 'triton' else 'torch'}"
+                record(what, *timed(forward(ids), what), q=q, torch_ops=count_ops(forward(ids)))
         for n in budgets:
             tree = best_first_shape(n, min(args.depth, n), device)
             anc = ancestor_mask(tree)
@@ -160,6 +217,7 @@ def main(argv: list[str] | None = None) -> int:
                                                k_heads=cfg.linear_num_key_heads, dk=cfg.linear_key_head_dim,
                                                dv=cfg.linear_value_head_dim, kernel=cfg.linear_conv_kernel_dim,
                                                linear_layers=len(cfg.linear_layers), conv_bytes=torch.finfo(dtype).bits // 8)
+            verify = forward(tree.token[None], mask=anc, positions=positions)
             for kind in ("triton", "torch"):
                 install_gdn_tree(model, kind)
                 if device.type == "cuda":
@@ -170,30 +228,25 @@ def main(argv: list[str] | None = None) -> int:
                 peak = torch.cuda.max_memory_allocated() - base_mem if device.type == "cuda" else None
                 pending = cache.pending_bytes()
                 cache.rollback(start)
-                timing, graphed = time_step(forward(tree.token[None], mask=anc, positions=positions), args.repeats,
-                                            graphs, restore)
-                record(f"tree-{n}-{'kernel' if kind == 'triton' else 'torch'}", timing, graphed, q=n + 1,
-                       pending_bytes=pending, pending_bytes_formula=ours, snapshot_bytes=snapshots,
-                       forward_peak_bytes=peak)
-            path = torch.nonzero(anc[min(args.depth, n)]).flatten().tolist()
+                what = f"tree-{n}-{'kernel' if kind == 'triton' else 'torch'}"
+                record(what, *timed(verify, what), q=n + 1, pending_bytes=pending, pending_bytes_formula=ours,
+                       snapshot_bytes=snapshots, forward_peak_bytes=peak, torch_ops=count_ops(verify))
+            # the commit alone: the accepted spine's state and KV, by device indices, from one verify's vectors
+            spine = torch.nonzero(anc[min(args.depth, n)]).flatten()
+            path, accepted = spine.to(device), torch.full((), spine.numel() - 1, dtype=torch.long, device=device)
+            model(tree.token[None], cache, mask=anc, positions=positions)
+            kept = list(cache._tree)  # the verify's per-node vectors, which commit_path consumes
 
-            def commit():
-                model(tree.token[None], cache, mask=anc, positions=positions)
-                cache.commit_path(start, path)
-                cache.kv.rollback(start)  # the next repeat verifies from the same slots
+            def commit():  # repeated on the same vectors: the state moves each time, the work is the same
+                cache._tree = list(kept)
+                cache.commit_path(start, path, accepted)
 
-            verify_only = harness.time_events(forward(tree.token[None], mask=anc, positions=positions),
-                                              repeats=args.repeats)
-            both = harness.time_events(commit, repeats=args.repeats)
-            record(f"commit-{n}", harness.Timing.of([max(0.0, both.median_ms - verify_only.median_ms)], both.how),
-                   False, q=n + 1, path_nodes=len(path), note="eager verify+commit minus eager verify")
-    out = harness.write_run(
-        args, "hybrid_tree_steps", device, rows, shape=config, weight_bytes=weight_bytes,
-        read_bandwidth_gbs=bandwidth / 1e9 if bandwidth else None, context=context,
-        what="hybrid (3 of 4 layers Gated DeltaNet) step times at Llama-3.1-8B widths: AR, chain verify, tree verify "
-             "on the gdn_tree kernel and on its torch reference, the accepted path's commit",
-        timing="CUDA graphs of the eager forward, CUDA events, median of --repeats after warm-up")
-    print(f"wrote {out}" if out else "smoke run: nothing written")
+            ops = count_ops(commit)
+            record(f"commit-{n}", *timed(commit, f"commit-{n}"), q=n + 1, path_nodes=spine.numel(), torch_ops=ops,
+                   note="commit_path alone (state, conv inputs and attention KV of the accepted path)")
+            restore()
+    out = harness.write_run(args, "hybrid_tree_steps", device, rows, **summary, complete=len(rows) == planned)
+    say(f"wrote {out}" if out else "smoke run: nothing written")
     return 0
 
 
