@@ -28,10 +28,14 @@ def _host_index(index) -> bool:
     return any(isinstance(p, (list, range)) for p in parts)
 
 
-class _Guard(TorchFunctionMode):
+_ALLOWED = [0]  # depth of `host_traffic_allowed()` blocks
 
+
+class _Guard(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if _ALLOWED[0]:
+            return func(*args, **kwargs)
         name = getattr(func, "__qualname__", getattr(func, "__name__", str(func)))
         if func in _FROM_HOST:
             data = args[1] if func is torch.Tensor.new_tensor else (args[0] if args else kwargs.get("data"))
@@ -52,3 +56,13 @@ def no_host_traffic():
     """Raise HostTraffic on any host<->device data movement by torch calls inside."""
     with _Guard() as guard:
         yield guard
+
+
+@contextmanager
+def host_traffic_allowed():
+    """Inside `no_host_traffic()`: a part that runs on the host by design (a CPU-only fallback)."""
+    _ALLOWED[0] += 1
+    try:
+        yield
+    finally:
+        _ALLOWED[0] -= 1

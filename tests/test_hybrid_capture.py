@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from host_guard import HostTraffic, no_host_traffic
+from host_guard import HostTraffic, host_traffic_allowed, no_host_traffic
 from specpilot.hf.config import HybridConfig
 from specpilot.runtime.hybrid import RECORD_LIMIT, HybridTransformer, unfuse_experts
 from specpilot.runtime.hybrid_tree import chain_sources, conv_sources
@@ -112,3 +112,80 @@ def test_tree_verify_and_device_commit_stay_on_the_device(model, n):
 def test_chain_sources_are_conv_sources_of_a_chain(t, kernel):
     chain = torch.ones(t, t, dtype=torch.bool).tril()
     assert torch.equal(chain_sources(t, kernel, "cpu"), conv_sources(chain, kernel))
+
+
+def test_graphed_loops_steps_touch_no_host_value(tmp_path, monkeypatch):
+    """Every step graph_decode replays for the hybrid pair (AR, chains, trees; on a CPU the step runs
+    uncaptured) moves no data between host and device, and the loops still give AR's tokens."""
+    from specpilot.runtime import graph_decode
+    from specpilot.runtime.decode import generate_ar
+    from specpilot.runtime.load import load_drafter, load_target
+    from specpilot.runtime.tiny_hybrid import MASK_TOKEN_ID, build_tiny_hybrid
+    from specpilot.runtime.tree import best_first_tree_padded
+
+    def guarded(self) -> None:
+        with no_host_traffic():
+            self.fn()
+
+    monkeypatch.setattr(graph_decode.GraphedStep, "__call__", guarded)
+    dirs = build_tiny_hybrid(tmp_path / "h")
+    target, cfg = load_target(dirs["target"], dtype=torch.float32, device="cpu")
+    dflash = load_drafter(dirs["dflash"], target, cfg, dtype=torch.float32, device="cpu")
+    pard = load_drafter(dirs["pard"], target, cfg, dtype=torch.float32, device="cpu")
+    prompt = list(b"def f(x):")
+    common = dict(max_new_tokens=12, eos_token_id=None)
+    ar = generate_ar(target, prompt, **common).tokens
+    spec = dict(mask_token_id=MASK_TOKEN_ID, **common)
+    def build(*args):  # the CPU's tree builder is a heap on the host by design (a GPU's is a kernel)
+        with host_traffic_allowed():
+            return best_first_tree_padded(*args)
+
+    tree = dict(budget=9, topk=3, build=build, **spec)
+    assert graph_decode.generate_ar_graphed(target, prompt, **common).tokens == ar
+    assert graph_decode.generate_dflash_graphed(target, dflash, prompt, block_size=4, **spec).tokens == ar
+    assert graph_decode.generate_pard_graphed(target, pard, prompt, k=4, **spec).tokens == ar
+    assert graph_decode.generate_dflash_tree_graphed(target, dflash, prompt, block_size=4, **tree).tokens == ar
+    assert graph_decode.generate_pard_tree_graphed(target, pard, prompt, k=4, **tree).tokens == ar
+
+
+SMOKE = ["--smoke", "--budgets", "3,5", "--chains", "3", "--repeats", "2"]
+
+
+def test_hybrid_steps_bench_smoke(tmp_path):
+    """bench.steps.hybrid_tree_steps on the CPU: every row it plans, each timed (the commit alone is
+    more than nothing), the file marked complete."""
+    import json
+
+    from bench.steps import hybrid_tree_steps
+
+    assert hybrid_tree_steps.main([*SMOKE, "--out", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "hybrid_tree_steps_cpu.json").read_text())
+    rows = {r["what"]: r for r in result["records"]}
+    assert list(rows) == ["ar", "chain-3-kernel", "chain-3-torch", "tree-3-kernel", "tree-3-torch", "commit-3",
+                          "tree-5-kernel", "tree-5-torch", "commit-5"]
+    assert result["complete"] and result["rows_planned"] == len(rows)
+    for row in rows.values():
+        assert row["ms"] > 0 and row["p20_ms"] <= row["ms"] <= row["p80_ms"] and row["torch_ops"] > 0, row
+    assert rows["commit-5"]["path_nodes"] == 6 and rows["commit-3"]["path_nodes"] == 4
+
+
+def test_hybrid_steps_bench_keeps_the_rows_of_a_cut_run(tmp_path, monkeypatch):
+    """A run stopped part way (here by an error in its fourth row; on a GPU by its time limit) has
+    written the rows before it, marked incomplete."""
+    import json
+
+    from bench.steps import hybrid_tree_steps
+
+    calls = []
+
+    def install(model, kind):
+        calls.append(kind)
+        if len(calls) == 3:
+            raise KeyboardInterrupt("cut")
+
+    monkeypatch.setattr(hybrid_tree_steps, "install_gdn_tree", install)
+    with pytest.raises(KeyboardInterrupt):
+        hybrid_tree_steps.main([*SMOKE, "--out", str(tmp_path)])
+    result = json.loads((tmp_path / "hybrid_tree_steps_cpu.json").read_text())
+    assert [r["what"] for r in result["records"]] == ["ar", "chain-3-kernel", "chain-3-torch"]
+    assert result["complete"] is False
