@@ -161,7 +161,7 @@ def test_hybrid_steps_bench_smoke(tmp_path):
     assert hybrid_tree_steps.main([*SMOKE, "--out", str(tmp_path)]) == 0
     result = json.loads((tmp_path / "hybrid_tree_steps_cpu.json").read_text())
     rows = {r["what"]: r for r in result["records"]}
-    assert list(rows) == ["ar", "chain-3-kernel", "chain-3-torch", "tree-3-kernel", "tree-3-torch", "commit-3",
+    assert list(rows) == ["ar", "chain-3-kernel", "chain-3-torch", "chain-3-tree", "tree-3-kernel", "tree-3-torch", "commit-3",
                           "tree-5-kernel", "tree-5-torch", "commit-5"]
     assert result["complete"] and result["rows_planned"] == len(rows)
     for row in rows.values():
@@ -170,7 +170,7 @@ def test_hybrid_steps_bench_smoke(tmp_path):
 
 
 def test_hybrid_steps_bench_keeps_the_rows_of_a_cut_run(tmp_path, monkeypatch):
-    """A run stopped part way (here by an error in its fourth row; on a GPU by its time limit) has
+    """A run stopped part way (here by an error in its fifth row; on a GPU by its time limit) has
     written the rows before it, marked incomplete."""
     import json
 
@@ -180,12 +180,12 @@ def test_hybrid_steps_bench_keeps_the_rows_of_a_cut_run(tmp_path, monkeypatch):
 
     def install(model, kind):
         calls.append(kind)
-        if len(calls) == 3:
+        if len(calls) == 4:
             raise KeyboardInterrupt("cut")
 
     monkeypatch.setattr(hybrid_tree_steps, "install_gdn_tree", install)
     with pytest.raises(KeyboardInterrupt):
         hybrid_tree_steps.main([*SMOKE, "--out", str(tmp_path)])
     result = json.loads((tmp_path / "hybrid_tree_steps_cpu.json").read_text())
-    assert [r["what"] for r in result["records"]] == ["ar", "chain-3-kernel", "chain-3-torch"]
+    assert [r["what"] for r in result["records"]] == ["ar", "chain-3-kernel", "chain-3-torch", "chain-3-tree"]
     assert result["complete"] is False

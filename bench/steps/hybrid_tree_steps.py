@@ -10,6 +10,8 @@ cache (as the graphed loops run them: eager modules, captured in one CUDA graph)
   ar               one token;
   chain-q-kernel   a causal verify of q tokens, its Gated DeltaNet layers in WY form on
                    kernels/gdn_tree.py (a chain is a tree of one path); chain-q-torch on the reference;
+  chain-q-tree     the same q tokens as graph_decode verifies a hybrid target's chain: a tree of one
+                   path, then commit_path (the kernel);
   tree-n-kernel    a best-first-shaped tree of n nodes plus the anchor under its ancestor mask, the
                    Gated DeltaNet layers on kernels/gdn_tree.py; tree-n-torch the same on the torch
                    reference (a triangular solve);
@@ -46,10 +48,11 @@ from specpilot.runtime.tree import Tree, ancestor_mask
 CONTEXT = 512
 
 
-def hybrid_shape(base: str, smoke: bool) -> dict:
-    """A Qwen3-Next-family config.json at `base`'s widths, three of every four layers Gated DeltaNet."""
+def hybrid_shape(base: str, smoke: bool, layers: int | None = None) -> dict:
+    """A Qwen3-Next-family config.json at `base`'s widths, three of every four layers Gated DeltaNet
+    (`layers` of them; default `base`'s count, 4 for a smoke run)."""
     c = shapes.config(shapes.TINY if smoke else base)
-    layers = 4 if smoke else c["num_hidden_layers"]
+    layers = layers or (4 if smoke else c["num_hidden_layers"])
     heads = {"linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
              "linear_value_head_dim": 16} if smoke else {"linear_num_key_heads": 16, "linear_num_value_heads": 32,
                                                          "linear_key_head_dim": 128, "linear_value_head_dim": 128}
@@ -128,6 +131,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--depth", type=int, default=15, help="the trees' spine (a DFlash block of 16)")
     ap.add_argument("--repeats", type=int, default=30, help="timed repeats a row (graph replays; eager rows "
                     "take fewer where --row-seconds says)")
+    ap.add_argument("--layers", type=int, help="decoder layers (default: the base model's; 4 with --smoke, where 32 "
+                    "counts the torch ops of an 8B-class step at tiny widths)")
     ap.add_argument("--row-seconds", type=float, default=4.0, help="an eager row's timed calls stop at about this")
     args = harness.add_results_args(ap).parse_args(argv)
     why = harness.refuse_device("bench.steps.hybrid_tree_steps", args.smoke)
@@ -141,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    config = hybrid_shape(args.base, args.smoke)
+    config = hybrid_shape(args.base, args.smoke, args.layers)
     model = build(config, device, dtype)
     cfg = model.cfg
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -151,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     budgets = [int(b) for b in args.budgets.split(",")]
     chains = [int(q) for q in args.chains.split(",")]
     context = 16 if args.smoke else CONTEXT
-    planned = 1 + 2 * len(chains) + 3 * len(budgets)
+    planned = 1 + 3 * len(chains) + 3 * len(budgets)
     say(f"built {weight_bytes / 1e9:.2f} GB of weights on {device}; {planned} rows to time")
     rows: list[dict] = []
     summary = dict(shape=config, weight_bytes=weight_bytes, read_bandwidth_gbs=bandwidth / 1e9 if bandwidth else None,
@@ -209,6 +214,21 @@ def main(argv: list[str] | None = None) -> int:
                 install_gdn_tree(model, kind)
                 what = f"chain-{q}-{'kernel' if kind == 'triton' else 'torch'}"
                 record(what, *timed(forward(ids), what), q=q, torch_ops=count_ops(forward(ids)))
+            # as graph_decode verifies a hybrid target's chain: a tree of one path, then its commit
+            chain_mask = torch.ones(q, q, dtype=torch.bool, device=device).tril()
+            chain_positions = (start + torch.arange(q, device=device))[None]
+            chain_path, chain_last = torch.arange(q, device=device), torch.full((), q - 1, dtype=torch.long, device=device)
+
+            def as_tree():  # the state stays committed past the chain; only the length goes back
+                model(ids, cache, mask=chain_mask, positions=chain_positions)
+                cache.commit_path(start, chain_path, chain_last)
+                cache.rollback(start)
+
+            install_gdn_tree(model, "triton")
+            record(f"chain-{q}-tree", *timed(as_tree, f"chain-{q}-tree"), q=q, torch_ops=count_ops(as_tree),
+                   note="kernel; the chain as a tree of one path and commit_path of all q (graph_decode's hybrid "
+                        "chain step) against chain-q-kernel's causal forward and rollback")
+            restore()
         for n in budgets:
             tree = best_first_shape(n, min(args.depth, n), device)
             anc = ancestor_mask(tree)

@@ -47,7 +47,7 @@ from specpilot.runtime.cache import DeviceKVCache
 from specpilot.runtime.decode import Generation, OutputTokens, check_max_new, DecodeClock, prompt_tensor
 from specpilot.runtime.dflash import DFlashDrafter
 from specpilot.runtime.hybrid import GatedAttention, GatedDeltaNet, HybridCache
-from specpilot.runtime.model import Attention, PardDrafter, Transformer
+from specpilot.runtime.model import Attention, ModelOutput, PardDrafter, Transformer
 from specpilot.runtime.sampling import (GREEDY, SamplingParams, StepRandom, accept_chain, draft_chain, first_token,
                                         sample_first, tree_draws)
 from specpilot.runtime.tree import best_first_tree_padded
@@ -124,6 +124,27 @@ class _Runner:
         self.arange = torch.arange(block, device=dev)
         self.zero = torch.zeros((), dtype=torch.long, device=dev)
         self.step: GraphedStep | None = None
+        # a hybrid target verifies a chain as a tree of one path (`_verify_chain`): its mask, made here
+        self.chain_mask = (torch.ones(block, block, dtype=torch.bool, device=dev).tril()
+                           if isinstance(self.t_cache, HybridCache) else None)
+
+    def _verify_chain(self, ids: torch.Tensor, **kw) -> ModelOutput:
+        """The target over the anchor and a chain of drafts ids [1, t] from the cache's length; `_keep_chain`
+        then keeps the accepted prefix. A hybrid target runs it as a tree of one path: the commit then
+        moves each Gated DeltaNet state once, where a chain forward moves it to the chain's end and a
+        rollback recomputes it (bench/results/hybrid_tree_steps_cpu_ops.json counts both)."""
+        if self.chain_mask is None:
+            return self.target(ids, self.t_cache, **kw)
+        t = ids.shape[1]
+        positions = (self.t_cache.length + self.arange[:t])[None]
+        return self.target(ids, self.t_cache, mask=self.chain_mask[:t, :t], positions=positions, **kw)
+
+    def _keep_chain(self, start: torch.Tensor, n: torch.Tensor, t: int) -> None:
+        """After `_verify_chain` of t tokens from `start`: keep the anchor and the first n drafts."""
+        if self.chain_mask is None:
+            self.t_cache.rollback(start + 1 + n)
+        else:
+            self.t_cache.commit_path(start, self.arange[:t], n)
 
     def _emit(self, n: torch.Tensor, span: torch.Tensor) -> None:
         """Commit span[:n+1] to the output buffer and the status (inside the graph)."""
@@ -293,7 +314,7 @@ class GraphedDFlash(_Runner):
     def _parts(self) -> dict[str, Callable[[], object]]:
         drafts = torch.zeros(self.block - 1, dtype=torch.long, device=self.device)  # a verify's cost holds for any tokens
         return {"draft": lambda: self._draft().argmax(-1),
-                "verify": lambda: self.target(torch.cat([self.last, drafts])[None], self.t_cache, hidden_layers=self.layers)}
+                "verify": lambda: self._verify_chain(torch.cat([self.last, drafts])[None], hidden_layers=self.layers)}
 
     def _reset(self) -> None:
         super()._reset()
@@ -317,9 +338,9 @@ class GraphedDFlash(_Runner):
     def _step(self) -> None:
         drafts, q = self._drafts(self._draft())
         start = self.t_cache.length.clone()
-        out = self.target(torch.cat([self.last, drafts])[None], self.t_cache, hidden_layers=self.layers)
+        out = self._verify_chain(torch.cat([self.last, drafts])[None], hidden_layers=self.layers)
         n, span = self._accept_chain(drafts, q, out.logits[0])
-        self.t_cache.rollback(start + 1 + n)
+        self._keep_chain(start, n, drafts.shape[0] + 1)
         self._commit_draft(n, span, out.hidden)
 
 
@@ -352,7 +373,7 @@ class GraphedPard(_Runner):
     def _parts(self) -> dict[str, Callable[[], object]]:
         drafts = torch.zeros(self.k, dtype=torch.long, device=self.device)
         return {"draft": lambda: self._draft().argmax(-1),
-                "verify": lambda: self.target(torch.cat([self.last, drafts])[None], self.t_cache)}
+                "verify": lambda: self._verify_chain(torch.cat([self.last, drafts])[None])}
 
     def _reset(self) -> None:
         super()._reset()
@@ -382,9 +403,9 @@ class GraphedPard(_Runner):
     def _step(self) -> None:
         drafts, q = self._drafts(self._draft())
         start = self.t_cache.length.clone()
-        verify = self.target(torch.cat([self.last, drafts])[None], self.t_cache)
+        verify = self._verify_chain(torch.cat([self.last, drafts])[None])
         n, span = self._accept_chain(drafts, q, verify.logits[0])
-        self.t_cache.rollback(start + 1 + n)
+        self._keep_chain(start, n, drafts.shape[0] + 1)
         self._commit_draft(n, span, None)
 
 
