@@ -13,8 +13,8 @@ batched engine's requests, each padded to n nodes). Returns (o [B, H, n, dv], k 
 
 One program per (batch, value head, block of dv columns): the [n, n] system is built with one
 `tl.dot`, inverted by recursive block inversion (log2 n levels of two dots: the system is unit
-lower triangular, ancestors precede), w is one dot with that inverse, and the outputs two more. The state is read,
-never written, and no per-node state exists: the accepted path's state is committed afterwards
+lower triangular, ancestors precede), w is one dot with that inverse, and the outputs two more.
+The state is read, never written, and no per-node state exists: the accepted path's state is committed afterwards
 from k, w and G (hybrid_tree.commit_state). Dots run in IEEE fp32 (no TF32): the outputs decide
 which tokens a greedy verify accepts. Rows and columns are padded to powers of two >= 16 (tl.dot).
 """
@@ -203,5 +203,6 @@ register(KernelSpec(
     ],
     tolerance={torch.float32: (5e-5, 1e-4)},
     corrupt=_plant,
-    description="gated delta rule over a tree (WY form, ancestor mask, block-recursive inverse), one program per head and dv block",
+    description="gated delta rule over a tree (WY form, ancestor mask, block-recursive inverse), "
+                "one program per head and dv block",
 ))

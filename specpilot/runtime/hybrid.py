@@ -451,7 +451,7 @@ class HybridCache:
             raise ValueError(f"commit_path({start}, ...) needs the tree forward that began at {start}; "
                              f"the last forward began at {self._start} and was {'a tree' if self.pending_tree else 'not a tree'}")
         device = self.state[0].device if self.state else torch.device("cpu")
-        path = torch.as_tensor(path, dtype=torch.long, device=device)  # a list is host data: graphed steps pass a tensor
+        path = torch.as_tensor(path, dtype=torch.long, device=device)  # graphed steps pass a device tensor
         if not isinstance(n, torch.Tensor):  # filled on the device, not copied from the host
             n = torch.full((), path.shape[0] - 1 if n is None else n, dtype=torch.long, device=device)
         valid = torch.arange(path.shape[0], device=device) <= n
