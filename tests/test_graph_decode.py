@@ -121,9 +121,9 @@ def test_tiny_pairs_graphed_equal_ar(family, tiny_models):
 def test_runner_is_reused_and_capacity_is_checked(tiny_models):
     m = tiny_models["qwen3"]
     gd.generate_ar_graphed(m.target, [1, 2, 3], max_new_tokens=5, eos_token_id=None)
-    runners = dict(gd._RUNNERS[m.target])
+    runners = dict(gd.runners_of(m.target))
     gd.generate_ar_graphed(m.target, [4, 5], max_new_tokens=9, eos_token_id=None)
-    assert dict(gd._RUNNERS[m.target]) == runners  # same capacity bucket: same runner, same graphs
+    assert dict(gd.runners_of(m.target)) == runners  # same capacity bucket: same runner, same graphs
     runner = next(iter(runners.values()))
     with pytest.raises(ValueError, match="capacity"):
         runner.generate(list(range(10)), max_new_tokens=runner.capacity, eos_token_id=None)
@@ -137,19 +137,19 @@ def test_runner_is_not_reused_once_a_weight_moves(tiny_models):
     dflash = dict(block_size=m.dflash.block_size, mask_token_id=m.dflash.mask_token_id)
     gd.generate_ar_graphed(m.target, [1, 2, 3], **kw)
     gd.generate_dflash_graphed(m.target, m.dflash, [1, 2, 3], **dflash, **kw)
-    before = set(gd._RUNNERS[m.target])
+    before = set(gd.runners_of(m.target))
     q = m.target.model.layers[1].self_attn.q_proj
     q.weight.data = q.weight.data.clone()  # same values, new storage
     gd.generate_ar_graphed(m.target, [1, 2, 3], **kw)
-    after_target = set(gd._RUNNERS[m.target])
+    after_target = set(gd.runners_of(m.target))
     assert len(after_target - before) == 1
     gd.generate_dflash_graphed(m.target, m.dflash, [1, 2, 3], **dflash, **kw)
-    assert len(set(gd._RUNNERS[m.target]) - after_target) == 1
+    assert len(set(gd.runners_of(m.target)) - after_target) == 1
     fc = next(p for p in m.dflash.parameters())
     fc.data = fc.data.clone()
-    seen = set(gd._RUNNERS[m.target])
+    seen = set(gd.runners_of(m.target))
     gd.generate_dflash_graphed(m.target, m.dflash, [1, 2, 3], **dflash, **kw)
-    assert len(set(gd._RUNNERS[m.target]) - seen) == 1  # a drafter weight moved: new graphs too
+    assert len(set(gd.runners_of(m.target)) - seen) == 1  # a drafter weight moved: new graphs too
 
 
 # --- graphed trees --------------------------------------------------------------------------------

@@ -37,7 +37,6 @@ generation that puts that state back, so a benchmark can capture and replay each
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable, Sequence
 
 import torch
@@ -409,7 +408,11 @@ class GraphedPard(_Runner):
         self._commit_draft(n, span, None)
 
 
-_RUNNERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+def runners_of(target: nn.Module) -> dict:
+    """The runners kept for `target`, on the module itself, so they go when it goes: a runner holds
+    its target (and a DFlash drafter its target's embed and head), so a table keyed weakly by the
+    target would keep every target that ever ran a graphed loop alive, weights and graphs."""
+    return target.__dict__.setdefault("_graph_runners", {})
 
 
 def _capacity(needed: int) -> int:
@@ -436,7 +439,7 @@ def runner_for(target: Transformer, key: tuple, make: Callable[[int], _Runner], 
     """The runner (caches + captured graphs) for `key` on `target` (and `drafter`) whose capacity
     fits `needed` tokens; built on first use, kept as long as the target lives, and never reused
     once a weight has moved or another kernel is installed."""
-    runners = _RUNNERS.setdefault(target, {})
+    runners = runners_of(target)
     key = (key, _capacity(needed), _graph_inputs(target, drafter))
     if key not in runners:
         runners[key] = make(key[1])
