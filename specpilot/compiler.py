@@ -9,6 +9,7 @@ Each stage is the owner room's code; this module only strings them together and 
 from __future__ import annotations
 
 import functools
+import gc
 import json
 import time
 from dataclasses import dataclass
@@ -27,7 +28,7 @@ from .bench.harness import Measurement, device_name, environment, gpu_slug, meas
 from .bench.prompts import load_prompts
 from .dsl import load_rules, parse_pipeline
 from .dsl.pipeline import pass_names
-from .errors import CheckpointError, EngineError, PipelineError, SpecError, UnpricedError
+from .errors import CheckpointError, EngineError, PipelineError, SpecError, UnpricedError, WeightsWrittenError
 from .hf.checkpoint import CONFIG, check_layer_count, read_config, read_header, weight_files
 from .hf.known import dflash_config, model_config, pard_config
 from .ir import MATMUL_OPS, Program, limits, lower, print_program
@@ -39,6 +40,8 @@ from .passes.plugins import load_distribution, load_module, load_weight_format
 from .runtime.builtin import is_builtin, resolve_builtin
 from .runtime.draft_vocab import VOCAB_FILE, DraftVocab, save_vocab
 from .runtime.load import load_target
+from .runtime.shared_weights import private_weights, sharing_weights
+from .runtime.shared_weights import written as weights_written
 from .runtime.tokenizer import load_chat_template, load_tokenizer
 from .formats.u12 import save_u12
 from .spec import PipelineSpec
@@ -182,12 +185,23 @@ def resolve_passes(spec: PipelineSpec, override: str | None) -> list[Pass]:
     return parse_pipeline(text, source=pipeline_source(spec, override), plugins=True)
 
 
+def refuse_written_weights() -> None:
+    """WeightsWrittenError where an engine built or run in this `sharing_weights` scope wrote into the
+    weights token forcing's reference shares (the scope then forgets them: the next build makes them afresh)."""
+    changed = weights_written()
+    if changed:
+        raise WeightsWrittenError(f"the engine wrote into the target's weights in place ({', '.join(changed[:3])}): "
+                                  "token forcing's reference shares them, so it cannot judge this engine")
+
+
 def validate_outputs(dirs: ModelDirs, engine: Engine, m: Measurement) -> TokenForcingReport:
     """Token forcing against the unmodified target (its checkpoint, or rebuilt from its shape and
-    seed), on every output token."""
+    seed), on every output token. In a `sharing_weights` scope the reference reads the weights the
+    engine left unchanged: refused (refuse_written_weights) where the engine wrote into them."""
     from .backends.torch_backend import TORCH_DTYPES
 
     dtype = TORCH_DTYPES[engine.dtype]
+    refuse_written_weights()
     if dirs.shape is not None:
         reference, ref_cfg = dirs.shape.target(dtype, engine.device)
     else:  # an engine's checkpoint: the weights its u12 planes hold, unpacked bit for bit
@@ -445,6 +459,12 @@ def prepare(spec: PipelineSpec, passes: str | None = None, device: str | None = 
 def compile_pipeline(spec: PipelineSpec, *, out_dir: Path | None, passes: str | None = None,
                      device: str | None = None, progress=None) -> CompileResult:
     """Compile and validate; write the engine directory only if token forcing passes."""
+    with sharing_weights():  # the engine, the AR baseline and the token-forcing reference share the weights
+        return _compile_pipeline(spec, out_dir=out_dir, passes=passes, device=device, progress=progress)
+
+
+def _compile_pipeline(spec: PipelineSpec, *, out_dir: Path | None, passes: str | None, device: str | None,
+                      progress) -> CompileResult:
     p = prepare(spec, passes, device)
     dirs, dev, stock, program, records, pipeline, prompts = (p.dirs, p.device, p.stock, p.program, p.records,
                                                              p.pipeline, p.prompts)
@@ -621,6 +641,7 @@ def _trial_engines(job, baseline: Engine | None = None):
         load_rules(text, source=source)
     p = prepare(job.spec, job.pipeline, job.device)
     engine = build_engine(p.program, p.dirs.target, p.dirs.drafter, p.device, shape=p.dirs.shape)
+    refuse_written_weights()  # blamed on the build that wrote, before another candidate reads them
     if p.program.target == p.stock.target:
         baseline = engine
     elif baseline is None:
@@ -655,7 +676,9 @@ def strict_validation(dirs: ModelDirs, engine: Engine, m: Measurement):
             return dirs.shape.target(dtype, engine.device)[0]
         return load_target(dirs.target, dtype=dtype, device=engine.device)[0]
 
-    return strict_referee(reference(torch.float32), reference(torch.bfloat16), m.prompts, m.spec_tokens, m.ar_tokens)
+    with private_weights():  # the fp32 copy is this check's alone: gone when it returns, never kept for later trials
+        fp32 = reference(torch.float32)
+    return strict_referee(fp32, reference(torch.bfloat16), m.prompts, m.spec_tokens, m.ar_tokens)
 
 
 def measure_trial(job, p: Prepared, engine: Engine, baseline: Engine) -> Measurement:
@@ -668,28 +691,86 @@ def measure_trial(job, p: Prepared, engine: Engine, baseline: Engine) -> Measure
     return measure_served(engine, baseline, p.prompts, batch, job.spec.serving.max_new_tokens)
 
 
+def free_memory(device: torch.device | str) -> None:
+    """Free what finished trials left: their engines sit in reference cycles (a fused stack and the
+    graphed runners point back at their model), which only the collector breaks; then the CUDA
+    allocator's cached blocks go back, so the next trial (or another process) gets them."""
+    gc.collect()
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _peak_memory_start(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def _peak_memory_gib(device: torch.device) -> float | None:
+    """The device memory the allocator held at most since `_peak_memory_start` (GiB); None on a CPU."""
+    return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+
+
 def run_trial(job):
     """One candidate of a search: built, measured beside the AR baseline on the spec's prompts,
-    token-forced. Never raises for the candidate's own faults: they come back as a FAILED trial."""
-    from .agent.trial import TrialResult
+    token-forced. Never raises for the candidate's own faults: they come back as a FAILED trial.
+    Everything it built is freed before it returns (free_memory); the target's own weights stay
+    where a `sharing_weights` scope holds them. The result carries the trial's peak device memory."""
+    device = pick_device(job.device)
+    free_memory(device)
+    _peak_memory_start(device)
+    try:
+        result = _run_trial(job)
+    finally:
+        free_memory(device)
+    result.peak_memory_gib = _peak_memory_gib(device)
+    return result
 
+
+def _run_trial(job):
     t0 = time.perf_counter()
     try:
-        p, engine, baseline = _trial_engines(job)
-        m = measure_trial(job, p, engine, baseline)
-        baseline = None
-        return _trial_result(job, p, engine, m, t0)
+        with sharing_weights():  # the engine, the AR baseline and the token-forcing reference share weights
+            p, engine, baseline = _trial_engines(job)
+            m = measure_trial(job, p, engine, baseline)
+            baseline = None
+            return _trial_result(job, p, engine, m, t0)
     except Exception as e:  # a candidate that does not build or run here fails its trial, not the search
-        return TrialResult.failed(job, f"{type(e).__name__}: {str(e)[:500]}")
+        return _trial_fault(job, e)
+
+
+def _trial_fault(job, e: Exception):
+    """A trial that raised: rejected where its engine wrote into the weights token forcing's reference
+    shares (as an engine that fails token forcing is), else failed (it does not build or run here)."""
+    from .agent.trial import REJECTED, TrialResult
+
+    if isinstance(e, WeightsWrittenError):
+        return TrialResult(job.trial, job.pipeline, REJECTED, reason=str(e), device=job.device)
+    return TrialResult.failed(job, f"{type(e).__name__}: {str(e)[:500]}")
 
 
 def run_trials_interleaved(jobs, rounds: int = 3):
     """A round's candidates on one device in one process: each built, then all timed round-robin
     (every round runs each engine over every prompt, the engines in an order rotated by one each
     round), the AR baseline among them, so a drift of the card's clocks lands on all alike; then
-    each token-forced. A candidate that does not build fails alone."""
-    from .agent.trial import TrialResult
+    each token-forced. A candidate that does not build fails alone. The engines share the target's
+    unchanged weights (`sharing_weights`) and are freed before it returns; each result carries the
+    round's peak device memory (all its engines were alive at once)."""
+    devices = {pick_device(j.device) for j in jobs} or {torch.device("cpu")}
+    for device in devices:
+        free_memory(device)
+        _peak_memory_start(device)
+    try:
+        with sharing_weights():
+            results = _run_trials_interleaved(jobs, rounds)
+    finally:
+        for device in devices:
+            free_memory(device)
+    for r, job in zip(results, jobs):
+        r.peak_memory_gib = _peak_memory_gib(pick_device(job.device))
+    return results
 
+
+def _run_trials_interleaved(jobs, rounds: int):
     t0 = time.perf_counter()
     built, failed, stock = {}, {}, {}
     for job in jobs:
@@ -699,7 +780,7 @@ def run_trials_interleaved(jobs, rounds: int = 3):
             if baseline is not engine:
                 stock[job.spec] = baseline  # the stock target's AR loop, shared by the round's candidates
         except Exception as e:
-            failed[job.trial] = TrialResult.failed(job, f"{type(e).__name__}: {str(e)[:500]}")
+            failed[job.trial] = _trial_fault(job, e)
     ms = {t: Measurement(prompts=b[1].prompts) for t, b in built.items()}
     ar = {t: 0.0 for t in built}
     # engine/AR of each (round, prompt) at batch 1, of each round when served at batch: paired samples
@@ -712,7 +793,7 @@ def run_trials_interleaved(jobs, rounds: int = 3):
             try:
                 one = measure_trial(job, p, engine, baseline)
             except Exception as e:
-                failed[t] = TrialResult.failed(job, f"{type(e).__name__}: {str(e)[:500]}")
+                failed[t] = _trial_fault(job, e)
                 continue
             m = ms[t]
             if r == 0:
@@ -737,7 +818,7 @@ def run_trials_interleaved(jobs, rounds: int = 3):
             r.extra["rounds_relative"] = per_round[job.trial]
             out.append(r)
         except Exception as e:
-            out.append(TrialResult.failed(job, f"{type(e).__name__}: {str(e)[:500]}"))
+            out.append(_trial_fault(job, e))
     return out
 
 
@@ -795,13 +876,16 @@ def tune_pipeline(spec: PipelineSpec, *, out_dir: Path, config=None, workers: st
     # interleave False: one GPU runs a round's candidates one after another (8B engines do not fit together)
     interleaved = functools.partial(run_trials_interleaved, rounds=config.repeats) if interleave else None
     pool = make_pool(WorkersSpec.parse(workers), run_trial, interleaved, dev.type)
-    try:
-        result = Search(setup, pool, store, config, log).run(progress)
-    finally:
-        pool.close()
-        if store is not None:
-            store.close()
-    out_dir = Path(out_dir)
-    engine = compile_pipeline(spec, out_dir=out_dir / "engine", passes=result.best, device=device)
+    # one set of the deployment's weights for every trial in this process, and the final compile
+    with sharing_weights():
+        try:
+            result = Search(setup, pool, store, config, log).run(progress)
+        finally:
+            pool.close()
+            if store is not None:
+                store.close()
+        out_dir = Path(out_dir)
+        engine = compile_pipeline(spec, out_dir=out_dir / "engine", passes=result.best, device=device)
+    free_memory(dev)
     page = write_report(out_dir, result, spec.name, engine.report)
     return TuneResult(result, engine, page, out_dir)

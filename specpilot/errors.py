@@ -27,6 +27,10 @@ class EngineError(SpecpilotError):
     """An engine directory is missing, incomplete or fails its checks."""
 
 
+class WeightsWrittenError(EngineError):
+    """An engine wrote into weights that token forcing's reference shares (runtime/shared_weights.py)."""
+
+
 class PluginError(SpecpilotError):
     """A plugin (an installed package's entry point, or a local module pipeline.yaml names) cannot be
     loaded, or one of its passes raised, returned an invalid IR or took a name already taken. The

@@ -117,7 +117,8 @@ def render_html(result: SearchResult, title: str, engine_report: dict | None = N
         f"<tr class='{e(r.status)}'><td>{r.trial}</td><td>{r.round}</td><td><code>{e(r.pipeline or '(empty)')}</code></td>"
         f"<td>{e(r.proposer)}{' (control)' if r.control else ''}{' (confirmation)' if r.note.startswith('confirmation') else ''}</td><td>{e(r.status)}</td><td>{_fmt(r.predicted_ms, 4)}</td>"
         f"<td>{_fmt(r.predicted_rel)}</td><td>{_fmt(r.calibrated_rel)}</td><td>{_fmt(r.measured_ms)}</td>"
-        f"<td>{_fmt(r.relative)}</td><td>{_fmt(r.tau, 2)}</td><td>{e(r.reason or r.forcing)[:300]}</td></tr>"
+        f"<td>{_fmt(r.relative)}</td><td>{_fmt(r.tau, 2)}</td><td>{_fmt(r.peak_memory_gib, 1)}</td>"
+        f"<td>{e(r.reason or r.forcing)[:300]}</td></tr>"
         for r in result.trials)
     return f"""<!DOCTYPE html>
 <html><head><meta charset="utf-8"><title>specpilot tune: {e(title)}</title><style>{CSS}</style></head><body>
@@ -138,7 +139,8 @@ calibrated {_fmt(ranks.get('calibrated'), 2)}.</p>
 <th>taken</th><th>gain</th><th>notes</th></tr>{rounds}</table>
 <h2>Trials</h2>
 <table id="trials"><tr><th>#</th><th>round</th><th>pipeline</th><th>proposer</th><th>status</th><th>predicted ms</th>
-<th>predicted engine/AR</th><th>calibrated</th><th>measured ms</th><th>measured engine/AR</th><th>τ</th><th>verdict</th></tr>
+<th>predicted engine/AR</th><th>calibrated</th><th>measured ms</th><th>measured engine/AR</th><th>τ</th>
+<th>peak GiB</th><th>verdict</th></tr>
 {trials}</table>
 </body></html>
 """

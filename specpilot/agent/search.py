@@ -130,6 +130,7 @@ class TrialRow:
     rounds_relative: list[float] = field(default_factory=list)  # engine/AR per prompt and interleaved repeat
     vs_control: float | None = None  # geometric mean of this trial's repeats over the control's
     vs_control_bound: float | None = None  # its one-sided 90% upper bound (the confidence rule)
+    peak_memory_gib: float | None = None  # device memory at most while it ran (TrialResult's); None on a CPU
 
 
 @dataclass
@@ -263,7 +264,8 @@ class Search:
             pred_ms, pred_rel, cal_rel = self._predict(cand)
             row = TrialRow(r.trial, round_no, cand.pipeline, cand.proposal.proposer, r.status, r.reason, pred_ms,
                            pred_rel, cal_rel, r.engine_ms, r.ar_ms, r.relative, r.tau, r.forcing, control,
-                           note=cand.proposal.note, rounds_relative=list(r.extra.get("rounds_relative", [])))
+                           note=cand.proposal.note, rounds_relative=list(r.extra.get("rounds_relative", [])),
+                           peak_memory_gib=r.peak_memory_gib)
             row_id = self._record(row, cand.proposal.rules)
             out.append((row, row_id, cand))
             self.seen.setdefault(cand.ir_hash, row)

@@ -45,6 +45,9 @@ class TrialResult:
     ir_hash: str = ""
     device: str = ""
     wall_s: float = 0.0
+    # the device memory allocated at most while it ran (GiB; an interleaved round's: all its engines at
+    # once); None on a CPU
+    peak_memory_gib: float | None = None
     extra: dict = field(default_factory=dict)
 
     @property

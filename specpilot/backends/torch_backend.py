@@ -13,6 +13,7 @@ network shape whose accept lengths follow an acceptance profile (specpilot/profi
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -37,6 +38,7 @@ from ..runtime.load import load_drafter, load_target
 from ..runtime.model import PardDrafter, Transformer
 from ..runtime.replay import Replay, ReplayCausalLM, ReplayDFlash, ReplayPlan
 from ..runtime.sampling import GREEDY, SamplingParams
+from ..runtime.shared_weights import shared_tensors
 from ..runtime.tiny import SPECIAL_TOKENS
 from ..runtime.tokenizer import build_byte_tokenizer, load_tokenizer
 from ..formats.u12 import U12Tensor, load_u12, pack_u12, unpack_u12
@@ -437,7 +439,7 @@ class ShapeModels:
         cfg = ModelConfig.from_hf(self.target_cfg, "target shape")
         with torch.device("meta"):
             model = Transformer(cfg)
-        _random(model, dtype, device, self.seed, self.std)
+        _random(model, dtype, device, self.seed, self.std, self.target_cfg)
         return model.eval().requires_grad_(False), cfg
 
     def build(self, program: Program, dtype: torch.dtype, device: torch.device):
@@ -448,12 +450,12 @@ class ShapeModels:
         if dcfg.kind == "dflash":
             with torch.device("meta"):
                 drafter = ReplayDFlash(dcfg, embed=target.embed, head=target.head, plan=plan)
-            _random(drafter, dtype, device, self.seed + 1, self.std)
+            _random(drafter, dtype, device, self.seed + 1, self.std, self.drafter_cfg)
             drafter = drafter.eval().requires_grad_(False)
         else:
             with torch.device("meta"):
                 model = ReplayCausalLM(dcfg.model, plan)
-            _random(model, dtype, device, self.seed + 1, self.std)
+            _random(model, dtype, device, self.seed + 1, self.std, self.drafter_cfg)
             drafter = PardDrafter(model=model.eval().requires_grad_(False), mask_token_id=dcfg.mask_token_id,
                                   k=dcfg.block_size)
         replay = Replay(plan, replay_distribution(program, self.replay), self.replay.seed,
@@ -461,16 +463,37 @@ class ShapeModels:
         return target, cfg, drafter, replay
 
 
-def _random(module: nn.Module, dtype: torch.dtype, device: torch.device, seed: int, std: float) -> None:
-    """Materialize `module` (built on the meta device) on `device` in `dtype`, every parameter drawn
-    from N(0, std) by a generator seeded with `seed`, in the module's parameter order."""
-    module.to(dtype=dtype).to_empty(device=device)
-    if isinstance(module, Transformer) and module.cfg.tie_word_embeddings:  # to_empty unties shared weights
+def _random(module: nn.Module, dtype: torch.dtype, device: torch.device, seed: int, std: float, shape: dict) -> None:
+    """Materialize `module` (built on the meta device from the config `shape`) on `device` in `dtype`,
+    every parameter drawn from N(0, std) by a generator seeded with `seed`, in the module's parameter
+    order. Inside a `sharing_weights` scope a module of the same class, shape, seed, dtype and device
+    built before gives its tensors instead: nothing is drawn or allocated again."""
+    def draw() -> dict[str, torch.Tensor]:
+        module.to(dtype=dtype).to_empty(device=device)
+        _tie(module)  # to_empty unties shared weights
+        generator = torch.Generator(device=device).manual_seed(seed)
+        with torch.no_grad():
+            for p in module.parameters():
+                p.normal_(0.0, std, generator=generator)
+        return dict(module.named_parameters())
+
+    key = ("random", type(module).__qualname__, json.dumps(shape, sort_keys=True, default=str), seed, std, str(dtype),
+           str(device))
+    tensors = shared_tensors(key, draw)
+    if not any(p.is_meta for p in module.parameters()):
+        return  # drawn into this module just now
+    for name, tensor in tensors.items():
+        owner, _, leaf = name.rpartition(".")
+        module.get_submodule(owner)._parameters[leaf] = nn.Parameter(tensor, requires_grad=False)
+    _tie(module)
+    left = [name for name, p in module.named_parameters() if p.is_meta]
+    if left:
+        raise EngineError(f"shared weights of {type(module).__name__} lack {left[:3]}")
+
+
+def _tie(module: nn.Module) -> None:
+    if isinstance(module, Transformer) and module.cfg.tie_word_embeddings:
         module.lm_head.weight = module.model.embed_tokens.weight
-    generator = torch.Generator(device=device).manual_seed(seed)
-    with torch.no_grad():
-        for p in module.parameters():
-            p.normal_(0.0, std, generator=generator)
 
 
 def replay_distribution(program: Program, setup: ReplaySetup) -> AcceptDistribution:

@@ -46,6 +46,7 @@ from specpilot.runtime.cache import KVCache
 from specpilot.hf.config import ModelConfig
 from specpilot.runtime.dflash import DFlashDrafter
 from specpilot.runtime.model import Attention, DecoderLayer, Transformer, Visibility, slots_below
+from specpilot.runtime.shared_weights import shared_concat
 from specpilot.formats.u12 import U12Tensor, concat_u12
 
 
@@ -124,9 +125,10 @@ def _concat(modules: list[nn.Module]) -> tuple[Project, Callable[[int], Project]
     """One projection serving `modules` side by side, over concatenated weights that each module
     then views (no memory doubled), and a maker of projections over its rows from a given row on;
     None if the modules are neither all plain nn.Linear nor all u12 modules of one kernel (a
-    `packed` U12Tensor, re-packed as one tensor: exact; its window is chosen for the whole)."""
+    `packed` U12Tensor, re-packed as one tensor: exact; its window is chosen for the whole).
+    Plain weights shared by a search's engines (runtime/shared_weights.py) concatenate once for all."""
     if all(type(m) is nn.Linear for m in modules):
-        fused = torch.cat([m.weight.detach() for m in modules])
+        fused = shared_concat([m.weight.detach() for m in modules])
         row = 0
         for m in modules:
             n = m.weight.shape[0]

@@ -20,6 +20,7 @@ from specpilot.hf.config import HYBRID_FAMILIES, DrafterConfig, HybridConfig, Mo
 from specpilot.runtime.dflash import DFlashDrafter
 from specpilot.runtime.hybrid import HybridTransformer
 from specpilot.runtime.model import PardDrafter, Transformer
+from specpilot.runtime.shared_weights import shared_tensors
 
 Drafter = Union[PardDrafter, DFlashDrafter]
 Target = Union[Transformer, HybridTransformer]
@@ -76,15 +77,22 @@ def _load_weights(
     stored: Stored | None = None,
 ) -> None:
     """Fill a module built on the meta device from the directory's safetensors (names and shapes
-    checked), taking a weight the files lack from `stored` where that has it."""
+    checked), taking a weight the files lack from `stored` where that has it. Inside a
+    `sharing_weights` scope a second load of the same directory gets the first one's tensors."""
     expected = {name: p.shape for name, p in module.state_dict().items()}
     stored = {name: get for name, get in (stored or {}).items() if name in expected}
-    tensors = read_tensors(root, expected, optional=optional | set(stored), dtype=dtype, device=device)
-    for name, get in stored.items():
-        if name not in tensors:
-            tensor = get()
-            if tuple(tensor.shape) != tuple(expected[name]):
-                raise CheckpointError(f"{root}: stored weight {name!r} has shape {list(tensor.shape)}; "
-                                      f"expected {list(expected[name])}")
-            tensors[name] = tensor.to(dtype=dtype, device=device)
-    module.load_state_dict(tensors, strict=True, assign=True)
+
+    def read() -> dict[str, torch.Tensor]:
+        tensors = read_tensors(root, expected, optional=optional | set(stored), dtype=dtype, device=device)
+        for name, get in stored.items():
+            if name not in tensors:
+                tensor = get()
+                if tuple(tensor.shape) != tuple(expected[name]):
+                    raise CheckpointError(f"{root}: stored weight {name!r} has shape {list(tensor.shape)}; "
+                                          f"expected {list(expected[name])}")
+                tensors[name] = tensor.to(dtype=dtype, device=device)
+        return tensors
+
+    key = ("checkpoint", str(Path(root).resolve()), type(module).__qualname__, str(dtype), str(torch.device(device)),
+           tuple(sorted(stored)))
+    module.load_state_dict(shared_tensors(key, read), strict=True, assign=True)
