@@ -9,9 +9,11 @@ one process and timed round-robin (compiler.run_trials_interleaved, --confirm-ro
 baseline measured beside each), each token-forced. Writes bench/results/agent_<gpu>[_<tag>].json
 (agent_cpu.json on a CPU): every trial (pipeline, proposer, status, reason, predicted and measured
 engine/AR, τ, engine/AR of each interleaved repeat and, against the round's control, the geometric
-mean and its 90% upper bound) and the confirmation rows. `faster` is true when the chosen pipeline is
-not the start, its token forcing passed, and in the confirmation the one-sided 90% upper bound of its
-engine/AR over the start's, repeat by repeat (search.paired_ratio), is below 1.
+mean and its 90% upper bound, the peak device memory while it ran: torch.cuda.max_memory_allocated,
+None on a CPU) and the confirmation rows; `peak_memory_gib` is the most of them. `faster` is true
+when the chosen pipeline is not the start, its token forcing passed, and in the confirmation the
+one-sided 90% upper bound of its engine/AR over the start's, repeat by repeat (search.paired_ratio),
+is below 1. --no-strict applies to the confirmation too: no fp32 copy of the target beside it.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from specpilot.agent.search import TuneConfig, paired_ratio
 from specpilot.agent.trial import TrialJob
 from specpilot.bench.harness import add_results_args, git_commit, write_run
 from specpilot.compiler import run_trial, run_trials_interleaved, tune_pipeline
+from specpilot.runtime.shared_weights import sharing_weights
 
 
 def main(argv=None) -> int:
@@ -61,9 +64,12 @@ def main(argv=None) -> int:
                                device=args.device, interleave=not args.sequential, progress=lambda r: print(f"trial {r.trial}: {r.pipeline or '(empty)'}"
                                f" {r.status} {r.relative or float('nan'):.3f} {r.reason[:100]}", flush=True))
     s = result.search
-    jobs = [TrialJob(1, spec, s.start, (), args.device), TrialJob(2, spec, s.best, (), args.device)]
-    confirm = ([run_trial(j) for j in jobs] if args.sequential else
-               run_trials_interleaved(jobs, rounds=args.confirm_rounds))
+    # judged as the search judged (--no-strict: token forcing alone, no fp32 copy of the target)
+    jobs = [TrialJob(1, spec, s.start, (), args.device, not args.no_strict),
+            TrialJob(2, spec, s.best, (), args.device, not args.no_strict)]
+    with sharing_weights():  # one copy of the target for both, one candidate at a time with --sequential
+        confirm = ([run_trial(j) for j in jobs] if args.sequential else
+                   run_trials_interleaved(jobs, rounds=args.confirm_rounds))
     start, best = confirm
     # the same pipeline measured twice is never "faster": the confirmation then only shows the timing noise
     paired = paired_ratio(best.extra.get("rounds_relative", []), start.extra.get("rounds_relative", []))
@@ -80,6 +86,8 @@ def main(argv=None) -> int:
                      chosen_over_start_relative=paired[0] if paired else None,
                      chosen_over_start_bound90=paired[1] if paired else None,
                      chosen_token_forcing=best.forcing, faster=faster,
+                     peak_memory_gib=max((r.peak_memory_gib for r in [*s.trials, start, best]
+                                          if r.peak_memory_gib is not None), default=None),
                      engine_report=result.engine.report if result.engine else None)
     print(f"start {s.start!r}: {start.relative:.3f} of AR; chosen {s.best!r}: {best.relative:.3f} of AR; "
           f"chosen/start {paired}; "
