@@ -180,7 +180,7 @@ def test_spec_control_turns_off_a_request_that_never_accepts(models, references)
 def test_spec_control_runs_the_batch_ar_when_drafting_costs_too_much(models, references):
     drafts = models.pard.k
     dear = StepCost.from_table({1: 1.0, 64: 64.0}, {1: 100.0})  # drafting dwarfs a verify
-    policy = BatchPolicy(max_drafts=drafts, spec_control=True, cost=dear, warmup_steps=0)
+    policy = BatchPolicy(max_drafts=drafts, spec_control=True, cost=dear, warmup_steps=0, probe_every=10_000)
     eng = engine(models, "pard", references, policy=policy)
     assert generate_batched(eng, PROMPTS[:3], MAX_NEW) == references[:3]
     assert eng.stats.drafted_requests == 0 and eng.stats.ar_steps == eng.stats.steps

@@ -65,3 +65,53 @@ def test_spec_control_follows_each_requests_rate():
     assert [l["b"] for l in lengths][:3] == [0, 0, 0] and lengths[3]["b"] > 0  # off, then a probe
     with pytest.raises(ValueError, match="cost"):
         BatchPolicy(max_drafts=4, verify_budget=True)
+
+
+# The H100 run at c1 (bench/results/batched_h100_graphs.json): a flat verify table (11.1 ms at one row,
+# 11.6 ms at 16) and DFlash's HumanEval profile, yet 6 verify rows a step and a third of the steps AR.
+FLAT = StepCost.from_table({1: 11.09, 2: 11.2, 4: 11.18, 8: 11.22, 16: 11.64}, {1: 2.0})
+
+
+def profile_draws(n: int) -> list[int]:
+    from specpilot.profiles import load_profile
+
+    return load_profile("dflash-qwen3-8b").distribution("humaneval", drafts=15).draws(n, 0)
+
+
+def test_running_rate_is_the_chains_acceptance_not_the_mean_of_step_ratios():
+    draws = profile_draws(2000)
+    mle = sum(draws) / (sum(draws) + sum(n < 15 for n in draws))
+    control = SpecControl(BatchPolicy(max_drafts=15, spec_control=True, cost=FLAT))
+    seen = []
+    for n in draws:
+        control.rate("a").observe(15, n, control.policy.ema)
+        seen.append(control.rate("a").alpha)
+    assert abs(sum(seen[10:]) / len(seen[10:]) - mle) < 0.03  # per-step ratios average 0.68 against 0.86
+
+
+def test_flat_table_verifies_full_blocks_at_c1_under_high_acceptance():
+    """Each step: spec control's length, then verify-budget's choice over the request's rate
+    survival (a replay engine's), then the profile's accept length observed for the drafts verified."""
+    policy = BatchPolicy(max_drafts=15, verify_budget=True, spec_control=True, cost=FLAT, survival="acceptance")
+    control = SpecControl(policy)
+    chosen = []
+    for n in profile_draws(300):
+        k = control.lengths(["a"])["a"]
+        per = choose_verify_budget([survival_from_rate(control.rate("a").alpha, k)], FLAT.verify).per_request[0] if k else 0
+        chosen.append(per)
+        control.rate("a").observe(per, min(n, per), policy.ema)
+    assert chosen.count(0) == 0  # speculation stays on: its tokens per ms beat AR's throughout
+    assert sum(chosen) / len(chosen) > 13.5 and sorted(chosen)[len(chosen) // 2] == 15
+
+
+def test_batch_turned_ar_probes_again():
+    cost = StepCost.from_table({1: 1.0, 64: 1.1}, {1: 2.0})  # drafting dear: AR pays at a low rate
+    control = SpecControl(BatchPolicy(max_drafts=8, spec_control=True, cost=cost, warmup_steps=0, probe_every=4,
+                                      off_below=0.01))
+    for _ in range(3):
+        control.rate("a").observe(8, 0, 0.5)
+    lengths = [control.lengths(["a"])["a"] for _ in range(5)]
+    assert lengths[:4] == [0, 0, 0, 0] and lengths[4] > 0  # AR, then a probe: the rate can change only by verifying
+    before = control.rate("a").alpha
+    control.rate("a").observe(lengths[4], lengths[4], 0.5)  # the probe accepted everything
+    assert control.rate("a").alpha > before

@@ -12,7 +12,8 @@ only set attributes; `BatchPolicy` is what the backend reads from them):
   spec control    (`spec-control`) each request's draft length follows its running acceptance, a
                   request whose acceptance does not pay stops drafting (probed again every
                   `probe_every` steps), and the whole batch runs AR steps when no budget beats AR
-                  at the current load (`SpecControl`).
+                  at the current load, a request probing again after `probe_every` of them
+                  (`SpecControl`).
 
 None of these changes a committed token: every token is still the target's argmax of a verify
 forward over the committed prefix, so all three are lossless; they move only what is verified.
@@ -144,7 +145,8 @@ class BatchPolicy:
     probe_every: int = 8  # spec control: a stopped request drafts again every this many steps
     warmup_steps: int = 2  # spec control: steps a request drafts fully before its rate counts
     prior_alpha: float = 0.7  # the rate a request starts with
-    ema: float = 0.3  # weight of a step's observed rate in the running one
+    prior_trials: float = 2.0  # how many trials that prior weighs
+    ema: float = 0.3  # a request's acceptance sums decay by (1 - ema) a step it verifies drafts
 
     def __post_init__(self):
         if self.max_drafts < 0:
@@ -157,19 +159,35 @@ class BatchPolicy:
 
 @dataclass
 class RequestRate:
-    """A request's running per-position acceptance (drafts accepted / drafts verified, smoothed)."""
+    """A request's running per-position acceptance: accepted drafts over trials (each accepted
+    draft, plus the first miss when the chain stopped before its last verified draft), both sums
+    decayed by (1 - ema) a step and started from `prior_trials` pseudo-trials at the prior rate.
 
-    alpha: float
+    This is the maximum-likelihood rate of a geometric chain. The mean of per-step ratios
+    (accepted / (accepted + 1)) it replaces is biased low by Jensen's inequality: 0.68 against 0.86
+    on 5000 draws of DFlash's HumanEval profile at 15 drafts, which priced deep drafts at a fraction
+    of their worth (short verifies, batches turned to AR).
+    """
+
+    accepted: float
+    trials: float
     steps: int = 0
     idle: int = 0  # steps since it last drafted (spec control's probe clock)
+
+    @staticmethod
+    def prior(alpha: float, trials: float) -> "RequestRate":
+        return RequestRate(alpha * trials, trials)
+
+    @property
+    def alpha(self) -> float:
+        return self.accepted / self.trials if self.trials > 0 else 1.0
 
     def observe(self, verified: int, accepted: int, ema: float) -> None:
         if verified <= 0:
             return
-        # a chain stops at its first miss: accepted of verified drafts estimates alpha as
-        # accepted / (accepted + 1) when it missed, (accepted + 1) / (accepted + 2) when all held
-        rate = (accepted + 1) / (accepted + 2) if accepted == verified else accepted / (accepted + 1)
-        self.alpha = (1 - ema) * self.alpha + ema * rate
+        keep = 1 - ema
+        self.accepted = keep * self.accepted + accepted
+        self.trials = keep * self.trials + accepted + (1 if accepted < verified else 0)
         self.steps += 1
 
 
@@ -182,7 +200,7 @@ class SpecControl:
 
     def rate(self, rid: str) -> RequestRate:
         if rid not in self.rates:
-            self.rates[rid] = RequestRate(self.policy.prior_alpha)
+            self.rates[rid] = RequestRate.prior(self.policy.prior_alpha, self.policy.prior_trials)
         return self.rates[rid]
 
     def forget(self, rid: str) -> None:
@@ -212,8 +230,10 @@ class SpecControl:
             survival = [survival_from_rate(self.rate(r).alpha, out[r]) if r in drafting else [] for r in shared]
             choice = choose_verify_budget(survival, lambda n: p.cost.verify(n + fixed),
                                           draft_ms=p.cost.draft(len(drafting)))
-            if sum(choice.per_request) == 0:
-                out.update({r: 0 for r in shared})
+            if sum(choice.per_request) == 0:  # AR, but a request idle for probe_every steps drafts
+                # again: its rate changes only by verifying, so without a probe one low estimate
+                # would keep the batch in AR for good
+                out.update({r: 0 for r in shared if self.rate(r).idle < p.probe_every})
         for rid in rids:
             rate = self.rate(rid)
             rate.idle = 0 if out[rid] > 0 else rate.idle + 1
