@@ -53,7 +53,7 @@ def step_ms(engine, concurrency: int, steps: int, repeats: int) -> tuple[float, 
 
 
 SPEC_COST = ({1: 11.0915, 2: 11.1965, 4: 11.1835, 8: 11.2184, 16: 11.6352, 64: 12.8055, 128: 13.7423, 256: 16.2216,
-              512: 21.9541, 1024: 37.0789}, {1: 2.0})  # H100 verify ms by rows (c1 and c64 tables); drafting assumed
+              512: 21.9541, 1024: 37.0789}, {1: 2.0, 64: 3.0})  # H100 verify ms by rows (c1 and c64 tables); drafting assumed
 PARTS = {"spec_control": ("batch_control.py", "lengths"), "verify_budget": ("batch_control.py", "choose_verify_budget"),
          "draft": ("batch.py", "_draft"), "verify": ("batch.py", "_verify"), "target_forward": ("batch.py", "target_forward"),
          "attention_reference": ("batch.py", "ragged_attention_reference")}
