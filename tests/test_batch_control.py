@@ -115,3 +115,15 @@ def test_batch_turned_ar_probes_again():
     before = control.rate("a").alpha
     control.rate("a").observe(lengths[4], lengths[4], 0.5)  # the probe accepted everything
     assert control.rate("a").alpha > before
+
+
+@settings(max_examples=60, deadline=None)
+@given(survival=survivals, fixed=st.integers(0, 40), points=st.lists(st.tuples(st.integers(1, 64), st.floats(0.1, 50.0)),
+                                                                      min_size=1, max_size=5, unique_by=lambda p: p[0]),
+       draft=st.floats(0.0, 2.0))
+def test_priced_span_chooses_as_the_per_total_calls(survival, fixed, points, draft):
+    cost = StepCost.from_table(dict(points))
+    past = cost.verify_past(fixed)
+    assert past.span(1, 70) == [cost.verify(n + fixed) for n in range(1, 71)]
+    assert choose_verify_budget(survival, past, draft_ms=draft) == \
+        choose_verify_budget(survival, lambda n: cost.verify(n + fixed), draft_ms=draft)

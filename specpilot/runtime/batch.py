@@ -614,7 +614,7 @@ class BatchEngine:
                 others = len(reqs) - len(drafting)  # AR rows of this step: one each, no drafts
                 fixed = sum(1 + share[rid] for rid in share if rid in sampled)
                 cost = self.policy.cost
-                choice = choose_verify_budget(survival + [[]] * others, lambda n: cost.verify(n + fixed))
+                choice = choose_verify_budget(survival + [[]] * others, cost.verify_past(fixed))
                 share.update({q.rid: k for q, k in zip(shared, choice.per_request)})
             limit.update(share)
             if not self.policy.ragged and share:  # pad every drafting request to the longest share
@@ -916,7 +916,7 @@ class BatchEngine:
             survival = [trees[q.rid].score[1:].exp().tolist() for q in shared]
             fixed = sum(1 + k for k in own.values())
             cost = self.policy.cost
-            per = choose_verify_budget(survival + [[]] * others, lambda n: cost.verify(n + fixed),
+            per = choose_verify_budget(survival + [[]] * others, cost.verify_past(fixed),
                                        max_total=total).per_request  # the draft and a first level: paid already
             total = sum(per)
         if scores is not None or not self.policy.verify_budget:

@@ -53,6 +53,10 @@ class StepCost:
     def verify(self, tokens: int) -> float:
         return _interpolate(self.verify_ms, tokens)
 
+    def verify_past(self, fixed: int) -> "VerifyPast":
+        """verify(n + fixed) as a function of n: rows another share of the batch verifies anyway."""
+        return VerifyPast(self.verify_ms, fixed)
+
     def draft(self, requests: int) -> float:
         return 0.0 if requests <= 0 else _interpolate(self.draft_ms, requests)
 
@@ -64,6 +68,36 @@ def _interpolate(table: tuple[tuple[int, float], ...], x: int) -> float:
     i = min(max(bisect.bisect_left(xs, x), 1), len(table) - 1)
     (x0, y0), (x1, y1) = table[i - 1], table[i]
     return max(0.0, y0 + (y1 - y0) * (x - x0) / (x1 - x0))
+
+
+@dataclass(frozen=True)
+class VerifyPast:
+    """A verify-cost function n -> ms(n + fixed) that also prices a run of n at once (`span`), so
+    choose_verify_budget prices its every total without a call and a table search each."""
+
+    table: tuple[tuple[int, float], ...]
+    fixed: int = 0
+
+    def __call__(self, tokens: int) -> float:
+        return _interpolate(self.table, tokens + self.fixed)
+
+    def span(self, first: int, n: int) -> list[float]:
+        """[self(first), ..., self(first + n - 1)], each as __call__ computes it."""
+        table, lo = self.table, first + self.fixed
+        if len(table) == 1:
+            (x0, y0), = table
+            return [y0 * (x / x0 if x0 else 1.0) for x in range(lo, lo + n)]
+        xs, last, out = [p[0] for p in table], len(table) - 1, []
+        x, end = lo, lo + n
+        for i in range(1, last + 1):  # segment i prices x with min(max(bisect_left(xs, x), 1), last) == i
+            stop = end if i == last else min(end, xs[i] + 1)
+            if x >= stop:
+                continue
+            (x0, y0), (x1, y1) = table[i - 1], table[i]
+            rise, run = y1 - y0, x1 - x0
+            out.extend(max(0.0, y0 + rise * (v - x0) / run) for v in range(x, stop))
+            x = stop
+        return out
 
 
 @dataclass(frozen=True)
@@ -93,19 +127,24 @@ def choose_verify_budget(survival: Sequence[Sequence[float]], verify_ms: Callabl
     b = len(survival)
     if b == 0:
         return BudgetChoice((), 0.0, 0.0)
-    ranked = sorted(((s, r, j) for r, row in enumerate(survival) for j, s in enumerate(row)),
-                    key=lambda x: (-x[0], x[1], x[2]))
+    flat = [s for row in survival for s in row]
+    owner = [(r, j) for r, row in enumerate(survival) for j in range(len(row))]
+    # by survival, highest first; a stable sort keeps equal ones in (request, position) order
+    ranked = sorted(range(len(flat)), key=flat.__getitem__, reverse=True)
     limit = len(ranked) if max_total is None else min(max_total, len(ranked))
-    best_t, best_rate, expected = 0, b / max(verify_ms(b), 1e-12), float(b)
-    best = (0, expected, verify_ms(b))
+    span = getattr(verify_ms, "span", None)
+    prices = span(b, limit + 1) if span is not None else [verify_ms(b + t) for t in range(limit + 1)]
+    best_t, best_rate, expected = 0, b / max(prices[0], 1e-12), float(b)
+    best = (0, expected, prices[0])
     for t in range(1, limit + 1):
-        expected += ranked[t - 1][0]
-        ms = verify_ms(b + t) + draft_ms
+        expected += flat[ranked[t - 1]]
+        ms = prices[t] + draft_ms
         rate = expected / max(ms, 1e-12)
         if rate > best_rate * (1 + 1e-12):
             best_t, best_rate, best = t, rate, (t, expected, ms)
     per = [0] * b
-    for _, r, j in ranked[:best_t]:
+    for i in ranked[:best_t]:
+        r, j = owner[i]
         per[r] = max(per[r], j + 1)
     return BudgetChoice(tuple(per), best[1], best[2])
 
@@ -228,7 +267,7 @@ class SpecControl:
         if drafting and p.cost is not None:  # the batch: does any budget beat AR at this load?
             fixed = sum(1 + out[r] for r in rids if r in independent)
             survival = [survival_from_rate(self.rate(r).alpha, out[r]) if r in drafting else [] for r in shared]
-            choice = choose_verify_budget(survival, lambda n: p.cost.verify(n + fixed),
+            choice = choose_verify_budget(survival, p.cost.verify_past(fixed),
                                           draft_ms=p.cost.draft(len(drafting)))
             if sum(choice.per_request) == 0:  # AR, but a request idle for probe_every steps drafts
                 # again: its rate changes only by verifying, so without a probe one low estimate
