@@ -662,13 +662,14 @@ def serve_load() -> str:
     return "\n".join(lines)
 
 
-BATCHED_GPUS = ("h200", "h100")  # the first present is rendered
+BATCHED_FILES = tuple(f"batched_{gpu}{tag}.json" for gpu in ("h200", "h100") for tag in ("_graphs", ""))  # the first present
+# is rendered: the H200's before the H100's, a graphed run (both engines' verify replayed) before an eager one
 
 
 def batched() -> str:
     """Issue 45: the batched engine against batched AR per concurrency (bench/e2e/batched.py): the GPU's
     file (8B shapes under a replay profile, and the zoo pairs), then the CPU's (the zoo pairs)."""
-    present = _load_present(f"batched_{gpu}.json" for gpu in BATCHED_GPUS)
+    present = _load_present(BATCHED_FILES)
     cpu = _load_present(["batched_cpu.json"])
     if not present and not cpu:
         return _missing("bench/run_gpu.sh batched", "on the H200")
