@@ -716,6 +716,51 @@ def _batched_table(name: str, d: dict) -> list[str]:
     return lines
 
 
+def batched_graphed_steps() -> str:
+    """Issue 45's graphed H100 run (bench/e2e/batched.py --graphs): each variant's speedup over batched AR
+    by concurrency, then the decode step of `all` and of batched AR taken apart with the file's own
+    numbers: ms a step (decode tokens / decode tokens/s / steps), the verify forward's ms at the step's
+    verify rows (the engine's profiled table, `measured_verify_ms`, interpolated as the engine does) and
+    the rest (drafting and the host's share of the step)."""
+    from specpilot.runtime.batch_control import StepCost
+
+    name = "batched_h100_graphs.json"
+    d = _load(name)
+    if d is None:
+        return _missing("bench/run_gpu.sh batchedg", "on the H100")
+    rows = [r for r in d["records"] if "speedup_over_batched_ar" in r and r.get("profile")]
+    variants = list(dict.fromkeys(r["variant"] for r in rows))
+    sizes = sorted({r["concurrency"] for r in rows})
+    speed = {(r["variant"], r["concurrency"]): r["speedup_over_batched_ar"] for r in rows}
+    lines = [f"Source: `bench/results/{name}` ({_where(d)}, commit {_short(d['commit'])}, torch {_version(d, 'torch')}); "
+             f"{rows[0]['profile']}/{rows[0]['benchmark']} (profile τ {rows[0]['profile_tau']}), speedup over batched AR "
+             "in decode tokens/s.", "",
+             "| variant | " + " | ".join(f"c{c}" for c in sizes) + " |", "|---|" + "---:|" * len(sizes)]
+    for v in variants:
+        lines.append(f"| {v} | " + " | ".join(f"{speed[(v, c)]:.2f}×" if (v, c) in speed else "-" for c in sizes) + " |")
+
+    def step(run: dict) -> float:
+        return (run["seconds"] - run["prefill_s"]) / run["steps"] * 1e3  # decode tokens / decode tokens/s, a step
+
+    lines += ["", "The `all` variant's decode step and batched AR's, taken apart: ms a step = decode tokens / decode "
+              "tokens/s / steps (steps that only admitted a request count too, so it understates a decode step by "
+              "up to the share of such steps); verify = the engine's profiled verify table at the step's verify rows; "
+              "rest = the step less its verify: drafting and everything the host does.", "",
+              "| c | spec ms/step | verify rows/step | verify ms | rest ms (share) | AR ms/step | AR rows/step | "
+              "AR verify ms | AR rest ms (share) | τ | AR steps / steps |",
+              "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in (r for r in rows if r["variant"] == "all"):
+        cost = StepCost.from_table(r["measured_verify_ms"])
+        sp, ar = r["spec"], r["ar"]
+        sp_ms, ar_ms = step(sp), step(ar)
+        sp_v, ar_v = cost.verify(sp["verify_rows_per_step"]), cost.verify(ar["verify_rows_per_step"])
+        lines.append(f"| {r['concurrency']} | {sp_ms:.1f} | {sp['verify_rows_per_step']:.1f} | {sp_v:.1f} | "
+                     f"{sp_ms - sp_v:.1f} ({(sp_ms - sp_v) / sp_ms:.0%}) | {ar_ms:.1f} | {ar['verify_rows_per_step']:.1f} | "
+                     f"{ar_v:.1f} | {ar_ms - ar_v:.1f} ({(ar_ms - ar_v) / ar_ms:.0%}) | {sp['tau']:.2f} | "
+                     f"{sp['ar_steps']} / {sp['steps']} |")
+    return "\n".join(lines)
+
+
 TWO_LEVEL_BATCHED = ("python -m bench.e2e.two_level --concurrency 1,4,16 --budgets 16 --tree-budgets 4,8 --draft-factors 2 "
                      "--exit-layers 1 --firsts early-exit-split,early-exit-drafter --with-budget --repeats 2")
 
@@ -907,7 +952,7 @@ def agent_predict() -> str:
     return "\n".join(lines)
 
 
-RENDERERS = {"agent": agent, "agent_runs": agent_runs, "agent_landscape": agent_landscape, "agent_predict": agent_predict, "serve_load": serve_load, "headline": headline, "batched": batched, "two_level_batched": two_level_batched, "targets": targets, "draft_vocab": draft_vocab, "zoo_tau": zoo_tau,
+RENDERERS = {"agent": agent, "agent_runs": agent_runs, "agent_landscape": agent_landscape, "agent_predict": agent_predict, "serve_load": serve_load, "headline": headline, "batched": batched, "batched_graphed_steps": batched_graphed_steps, "two_level_batched": two_level_batched, "targets": targets, "draft_vocab": draft_vocab, "zoo_tau": zoo_tau,
              "zoo_e2e": zoo_e2e, "tree_tau": tree_tau, "cost_vs_measured": cost_vs_measured, "step_times": step_times,
              "hf_peers": hf_peers, "attention_split_kv": attention_split_kv, "u12_stats": u12_stats,
              "u12_linear": u12_linear, "kernel_static": kernel_static, "kernel_static_sweep": kernel_static_sweep,
