@@ -42,8 +42,11 @@ def copies(weight: torch.Tensor) -> int:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # isinstance on gc's objects touches deprecated torch aliases
         for o in gc.get_objects():
-            if (isinstance(o, torch.Tensor) and o is not weight and o.device.type == "cpu" and o.shape == weight.shape
-                    and o.dtype == weight.dtype and torch.equal(o, weight)):
+            # strided only: a CPU engine's oneDNN-packed weights (runtime/cpu_linear.py) are opaque
+            # tensors torch.equal cannot read, and exist on CPU engines alone, not on a GPU's
+            if (isinstance(o, torch.Tensor) and o is not weight and o.device.type == "cpu"
+                    and o.layout == torch.strided and o.shape == weight.shape and o.dtype == weight.dtype
+                    and torch.equal(o, weight)):
                 storages.add(o.untyped_storage().data_ptr())
     return len(storages)
 

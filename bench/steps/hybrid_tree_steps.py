@@ -167,7 +167,9 @@ def main(argv: list[str] | None = None) -> int:
                           "--repeats after warm-up; rows that do not capture run eagerly for about --row-seconds")
 
     def record(what: str, timing: harness.Timing, graphed: bool, **extra) -> None:
-        rows.append({"what": what, **timing.row(), "cuda_graphs": graphed, "weight_floor_ms": floor_ms, **extra})
+        # path "hybrid": the cost model reads attention targets' step records only (cost.model.parse_records)
+        rows.append({"what": what, "path": "hybrid", **timing.row(), "cuda_graphs": graphed,
+                     "weight_floor_ms": floor_ms, **extra})
         say(f"{what:<18} {timing.median_ms:8.3f} ms (p20 {timing.p20_ms:.3f}, p80 {timing.p80_ms:.3f}, "
             f"{timing.repeats} repeats)" + (f"  floor {floor_ms:.3f}" if floor_ms else "")
             + ("  graph" if graphed else "  eager") + f"  {extra.get('torch_ops', '?')} torch ops")
