@@ -75,8 +75,8 @@ def zoo_spec(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("deployment", ["replay_spec", "zoo_spec"])
-@pytest.mark.parametrize("interleave", [False, True], ids=["sequential", "interleaved"])
+@pytest.mark.parametrize(("deployment", "interleave"), [("replay_spec", False), ("zoo_spec", True)],
+                         ids=["sequential-replay", "interleaved-zoo"])  # each mode and each deployment once
 def test_a_search_holds_the_target_once_plus_the_candidates_change(deployment, interleave, request, tmp_path,
                                                                     monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the kernels' torch references: memory is checked here
