@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from specpilot.runtime.cache import KVCache
-from specpilot.runtime.hybrid import RECORD_LIMIT, GatedAttention, GatedDeltaNet, HybridTransformer, apply_partial_rope
+from specpilot.runtime.hybrid import RECORD_LIMIT, GatedAttention, GatedDeltaNet, HybridTransformer
 from specpilot.runtime.hybrid_tree import TreePending, commit_paths, commit_state, conv_sources, conv_tree
 
 if TYPE_CHECKING:
@@ -112,11 +112,7 @@ def gated_attention_rows(attn: GatedAttention, h: torch.Tensor, cos: torch.Tenso
     """GatedAttention.forward over packed rows h [1, N, hidden]: K/V into attention layer `index` of
     each row's slot and key slot, each request attending as the mask says."""
     b, t, _ = h.shape
-    q, gate = torch.chunk(attn.q_proj(h).view(b, t, attn.num_heads, 2 * attn.head_dim), 2, dim=-1)
-    q = apply_partial_rope(attn.q_norm(q).transpose(1, 2), cos, sin)
-    k = attn.k_norm(attn.k_proj(h).view(b, t, attn.num_kv_heads, attn.head_dim)).transpose(1, 2)
-    k = apply_partial_rope(k, cos, sin)
-    v = attn.v_proj(h).view(b, t, attn.num_kv_heads, attn.head_dim).transpose(1, 2)
+    q, gate, k, v = attn.project(h, cos, sin)
     kv.write(index, r, k, v)
     o = attention(q[0].transpose(0, 1), kv.cache.k[index], kv.cache.v[index], r).reshape(b, t, -1)
     return attn.o_proj(o * torch.sigmoid(gate.reshape(b, t, -1)))

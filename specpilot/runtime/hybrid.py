@@ -280,16 +280,24 @@ class GatedAttention(nn.Module):
         self.q_norm = CenteredRMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.k_norm = CenteredRMSNorm(cfg.head_dim, cfg.rms_norm_eps)
 
-    def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, index: int, vis: Visibility
-    ) -> torch.Tensor:
-        """Writes the new K/V at slots [cache.length, +T) of attention layer `index` (length moves later)."""
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [B, T, hidden] -> q [B, H, T, D] (normed, rotated), the output gate [B, T, H, D], and the
+        new k (normed, rotated) and v [B, KV, T, D]."""
         b, t, _ = x.shape
         q, gate = torch.chunk(self.q_proj(x).view(b, t, self.num_heads, 2 * self.head_dim), 2, dim=-1)
         q = apply_partial_rope(self.q_norm(q).transpose(1, 2), cos, sin)
         k = self.k_norm(self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim)).transpose(1, 2)
         k = apply_partial_rope(k, cos, sin)
         v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        return q, gate, k, v
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, index: int, vis: Visibility
+    ) -> torch.Tensor:
+        """Writes the new K/V at slots [cache.length, +T) of attention layer `index` (length moves later)."""
+        b, t, _ = x.shape
+        q, gate, k, v = self.project(x, cos, sin)
         start = cache.length
         cache.write(index, start, k, v)
         k_all, v_all = cache.view(index, start + t)
