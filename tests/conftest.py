@@ -7,8 +7,10 @@ fresh ones when hunting for bugs.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -134,3 +136,21 @@ def torch_single_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@contextlib.contextmanager
+def registries_restored() -> Iterator[None]:
+    """The pass registry and the weight-format tables as they were on entry, whatever a planted pass
+    or format added inside."""
+    from specpilot.backends import torch_backend
+    from specpilot.ir import node as ir_node
+    from specpilot.passes import REGISTRY
+
+    saved = (dict(REGISTRY), set(ir_node.WEIGHT_FORMATS), dict(ir_node.FORMAT_BITS), dict(torch_backend.WEIGHT_FORMATS))
+    try:
+        yield
+    finally:
+        for live, kept in zip((REGISTRY, ir_node.WEIGHT_FORMATS, ir_node.FORMAT_BITS, torch_backend.WEIGHT_FORMATS),
+                              saved):
+            live.clear()
+            live.update(kept)

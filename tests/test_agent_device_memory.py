@@ -21,13 +21,11 @@ from specpilot.agent.search import TuneConfig
 from specpilot.agent.trial import REJECTED, VALIDATED, TrialJob
 from specpilot.backends import torch_backend
 from specpilot.compiler import resolve_models, run_trial, shape_models, tune_pipeline
-from specpilot.ir import node as ir_node
-from specpilot.passes import REGISTRY
 from specpilot.runtime.load import load_target
 from specpilot.runtime.shared_weights import sharing_weights
 from specpilot.spec import load_spec
 
-from conftest import tiny_spec
+from conftest import registries_restored, tiny_spec
 
 REPLAY = {"name": "t", "target": {"shape": "tiny", "weights": "random", "seed": 1},
           "drafter": {"kind": "replay", "profile": "dflash-qwen3-8b", "benchmark": "humaneval", "block_size": 8},
@@ -107,25 +105,16 @@ def test_a_search_holds_the_target_once_plus_the_candidates_change(deployment, i
 def nudging_format():
     """A weight format whose builder writes into the weight it is handed (x1.01), then serves it: the
     engine and, where they share the weight, token forcing's reference both read the nudged copy."""
-    saved = (dict(REGISTRY), set(ir_node.WEIGHT_FORMATS), dict(ir_node.FORMAT_BITS), dict(torch_backend.WEIGHT_FORMATS))
+    with registries_restored():
+        def nudged(node, weight, compute):
+            weight.mul_(1.01)
+            linear = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+            linear.weight = torch.nn.Parameter(weight, requires_grad=False)
+            return linear
 
-    def nudged(node, weight, compute):
-        weight.mul_(1.01)
-        linear = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
-        linear.weight = torch.nn.Parameter(weight, requires_grad=False)
-        return linear
-
-    torch_backend.register_weight_format("nudged", nudged, bits=32)
-    yield ('pass nudge-down (lossless) "writes into a weight" {\n  rule r:\n'
-           '    match linear where weight == "model.layers.0.mlp.down_proj.weight"\n    set format = "nudged"\n}\n')
-    REGISTRY.clear()
-    REGISTRY.update(saved[0])
-    ir_node.WEIGHT_FORMATS.clear()
-    ir_node.WEIGHT_FORMATS.update(saved[1])
-    ir_node.FORMAT_BITS.clear()
-    ir_node.FORMAT_BITS.update(saved[2])
-    torch_backend.WEIGHT_FORMATS.clear()
-    torch_backend.WEIGHT_FORMATS.update(saved[3])
+        torch_backend.register_weight_format("nudged", nudged, bits=32)
+        yield ('pass nudge-down (lossless) "writes into a weight" {\n  rule r:\n'
+               '    match linear where weight == "model.layers.0.mlp.down_proj.weight"\n    set format = "nudged"\n}\n')
 
 
 def test_an_engine_that_writes_into_shared_weights_is_rejected(replay_spec, nudging_format, monkeypatch):

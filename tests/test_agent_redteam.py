@@ -26,15 +26,12 @@ from specpilot.agent.predict import Predictor
 from specpilot.agent.search import Search, Setup, TuneConfig
 from specpilot.agent.trial import REJECTED, TrialJob
 from specpilot.agent.workers import InlinePool
-from specpilot.backends import torch_backend
 from specpilot.compiler import lower_spec, resolve_models, run_trial
-from specpilot.ir import node as ir_node
-from specpilot.passes import REGISTRY
 from specpilot.passes.plugins import load_module
 from specpilot.passes.what_if import what_ifs
 from specpilot.spec import load_spec
 
-from conftest import tiny_spec
+from conftest import registries_restored, tiny_spec
 
 CACHING_PLUGIN = '''
 """A planted cheat: the lm_head remembers its output per input shape and replays it."""
@@ -91,21 +88,13 @@ PIPELINES = {"weight": "swap-head-weight", "device-accept": "device-accept", "pr
 
 @pytest.fixture
 def planted(tmp_path):
-    saved = (dict(REGISTRY), set(ir_node.WEIGHT_FORMATS), dict(ir_node.FORMAT_BITS), dict(torch_backend.WEIGHT_FORMATS))
-    plugin = tmp_path / "replay_head.py"
-    plugin.write_text(textwrap.dedent(CACHING_PLUGIN))
-    spec_path = tmp_path / "p.yaml"
-    spec_path.write_text(tiny_spec("dflash", extra=f"plugins: [{plugin}]\n"))
-    load_module(plugin, "test: ")
-    yield spec_path
-    REGISTRY.clear()
-    REGISTRY.update(saved[0])
-    ir_node.WEIGHT_FORMATS.clear()
-    ir_node.WEIGHT_FORMATS.update(saved[1])
-    ir_node.FORMAT_BITS.clear()
-    ir_node.FORMAT_BITS.update(saved[2])
-    torch_backend.WEIGHT_FORMATS.clear()
-    torch_backend.WEIGHT_FORMATS.update(saved[3])
+    with registries_restored():
+        plugin = tmp_path / "replay_head.py"
+        plugin.write_text(textwrap.dedent(CACHING_PLUGIN))
+        spec_path = tmp_path / "p.yaml"
+        spec_path.write_text(tiny_spec("dflash", extra=f"plugins: [{plugin}]\n"))
+        load_module(plugin, "test: ")
+        yield spec_path
 
 
 @pytest.mark.slow
