@@ -257,10 +257,10 @@ def main(argv: list[str] | None = None) -> int:
             spine = torch.nonzero(anc[min(args.depth, n)]).flatten()
             path, accepted = spine.to(device), torch.full((), spine.numel() - 1, dtype=torch.long, device=device)
             model(tree.token[None], cache, mask=anc, positions=positions)
-            kept = list(cache._tree)  # the verify's per-node vectors, which commit_path consumes
+            kept = list(cache.tree_pending)  # the verify's per-node vectors, which commit_path consumes
 
             def commit():  # repeated on the same vectors: the state moves each time, the work is the same
-                cache._tree = list(kept)
+                cache.tree_pending = list(kept)
                 cache.commit_path(start, path, accepted)
 
             ops = count_ops(commit)

@@ -148,16 +148,16 @@ def _verify_rows(mixer: GatedDeltaNet, h: torch.Tensor, states: SlotStates, laye
     hidden] (where[1:]: each row's request and node) and the per-node vectors; the rows are not
     touched."""
     gather, row_b, row_j = where
-    inputs, z, beta, a = mixer._mix_inputs(h)  # [1, C, N], [1, N, Hv, dv], [1, N, Hv] x 2
+    inputs, z, beta, a = mixer.mix_inputs(h)  # [1, C, N], [1, N, Hv, dv], [1, N, Hv] x 2
     slots = torch.tensor(r.slots, dtype=torch.long, device=h.device)
     c0, s0 = states.conv[layer].index_select(0, slots), states.state[layer].index_select(0, slots)
     x = inputs[0][:, gather].transpose(0, 1)  # [B, C, T]
     sources = conv_sources(trees, mixer.kernel)  # [B, T, kernel]
     weight = mixer.conv1d.weight
     mixed = F.silu(conv_tree(c0, x, weight, sources)).to(weight.dtype).to(h.dtype).transpose(1, 2)
-    q, k, v, g, b = mixer._rule_inputs(mixed, beta[0][gather], a[0][gather], h.dtype)
+    q, k, v, g, b = mixer.rule_inputs(mixed, beta[0][gather], a[0][gather], h.dtype)
     out, k, w, cum_g = mixer.tree_rule(q, k, v, g, b, s0, trees)
-    y = mixer._output(out, z[0][gather], h.dtype)  # [B, T, hidden]
+    y = mixer.gated_output(out, z[0][gather], h.dtype)  # [B, T, hidden]
     return y[row_b, row_j][None], TreePending(k, w, cum_g, torch.cat([c0, x], dim=-1), sources)
 
 
@@ -186,7 +186,7 @@ def hybrid_ragged_forward(model: HybridTransformer, kv: SlotKV, states: SlotStat
     picked = {}
     for i, layer in enumerate(model.model.layers):
         h = layer.input_layernorm(x)
-        slot = model._slot[i]
+        slot = model.layer_slot[i]
         if layer.layer_type == "linear_attention":
             if prefill:
                 y = _prefill_rows(layer.linear_attn, h[:, :rows], states, slot, r)

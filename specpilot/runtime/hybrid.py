@@ -196,12 +196,12 @@ class GatedDeltaNet(nn.Module):
         return (q.reshape(b, t, -1), k.reshape(b, t, -1), v.reshape(b, t, -1), z.reshape(b, t, self.v_heads, self.dv),
                 beta.reshape(b, t, self.v_heads), a.reshape(b, t, self.v_heads))
 
-    def _mix_inputs(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def mix_inputs(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """x [B, T, hidden] -> (conv inputs [B, conv_dim, T], z, beta, a)."""
         q, k, v, z, beta, a = self._split(self.in_proj_qkvz(x), self.in_proj_ba(x))
         return torch.cat([q, k, v], dim=-1).transpose(1, 2), z, beta, a
 
-    def _rule_inputs(self, mixed: torch.Tensor, beta: torch.Tensor, a: torch.Tensor, dtype: torch.dtype
+    def rule_inputs(self, mixed: torch.Tensor, beta: torch.Tensor, a: torch.Tensor, dtype: torch.dtype
                      ) -> tuple[torch.Tensor, ...]:
         """The conv's output [B, T, conv_dim] (after SiLU) and the gates -> q, k, v, g, beta as the
         delta rule takes them ([B, H, T, ...] float32, q and k repeated to the value heads)."""
@@ -216,7 +216,7 @@ class GatedDeltaNet(nn.Module):
             k = k.repeat_interleave(self.v_heads // self.k_heads, dim=2)
         return tuple(y.transpose(1, 2).float() for y in (q, k, v, g, beta))
 
-    def _output(self, out: torch.Tensor, z: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    def gated_output(self, out: torch.Tensor, z: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         b, _, t, _ = out.shape
         out = out.transpose(1, 2).to(dtype)
         return self.out_proj(self.norm(out.reshape(-1, self.dv), z.reshape(-1, self.dv)).reshape(b, t, -1))
@@ -227,16 +227,16 @@ class GatedDeltaNet(nn.Module):
         """x [B, T, hidden] after the conv inputs `conv_state` [B, conv_dim, kernel-1] and the state
         [B, v_heads, dk, dv] -> (output [B, T, hidden], conv inputs [B, conv_dim, kernel-1+T],
         states [T+1, B, ...] if `record` else the final state [B, ...])."""
-        inputs, z, beta, a = self._mix_inputs(x)
+        inputs, z, beta, a = self.mix_inputs(x)
         window = torch.cat([conv_state, inputs], dim=-1)
         weight = self.conv1d.weight
         mixed = F.silu(F.conv1d(window.to(weight.dtype), weight, groups=self.conv_dim)).to(x.dtype).transpose(1, 2)
-        q, k, v, g, beta = self._rule_inputs(mixed, beta, a, x.dtype)
+        q, k, v, g, beta = self.rule_inputs(mixed, beta, a, x.dtype)
         if record:
             out, states = delta_rule_recurrent(q, k, v, g, beta, state)
         else:
             out, states = delta_rule_chunked(q, k, v, g, beta, state)
-        return self._output(out, z, x.dtype), window, states
+        return self.gated_output(out, z, x.dtype), window, states
 
     def forward_tree(
         self, x: torch.Tensor, conv_state: torch.Tensor, state: torch.Tensor, ancestors: torch.Tensor,
@@ -246,15 +246,15 @@ class GatedDeltaNet(nn.Module):
         (output [B, n, hidden], what the commit needs). conv_state and state are read, not changed:
         every node sees its own root path only (hybrid_tree.py). `sources`: conv_sources(ancestors,
         kernel), where the caller built it once for all layers."""
-        inputs, z, beta, a = self._mix_inputs(x)
+        inputs, z, beta, a = self.mix_inputs(x)
         if sources is None:
             sources = conv_sources(ancestors, self.kernel)
         window = torch.cat([conv_state, inputs], dim=-1)
         mixed = F.silu(conv_tree(conv_state, inputs, self.conv1d.weight, sources)).to(self.conv1d.weight.dtype)
         mixed = mixed.to(x.dtype).transpose(1, 2)
-        q, k, v, g, beta = self._rule_inputs(mixed, beta, a, x.dtype)
+        q, k, v, g, beta = self.rule_inputs(mixed, beta, a, x.dtype)
         out, k, w, cum_g = self.tree_rule(q, k, v, g, beta, state, ancestors)
-        return self._output(out, z, x.dtype), TreePending(k, w, cum_g, window, sources)
+        return self.gated_output(out, z, x.dtype), TreePending(k, w, cum_g, window, sources)
 
 
 def apply_partial_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -330,7 +330,7 @@ class HybridCache:
         self._states: list[torch.Tensor | None] = [None] * len(state)  # [T+1, ...] after each position, or None
         # a chain forward in WY form: the state before it and its per-token vectors (rollback recomputes)
         self._chain: list[tuple[torch.Tensor, TreePending] | None] = [None] * len(state)
-        self._tree: list[TreePending | None] = [None] * len(state)  # a tree forward's, until commit_path
+        self.tree_pending: list[TreePending | None] = [None] * len(state)  # a tree forward's, until commit_path
 
     @classmethod
     def for_model(
@@ -371,7 +371,7 @@ class HybridCache:
         else:
             self._start = 0
         n = len(self.state)
-        self._windows, self._states, self._chain, self._tree = [None] * n, [None] * n, [None] * n, [None] * n
+        self._windows, self._states, self._chain, self.tree_pending = [None] * n, [None] * n, [None] * n, [None] * n
 
     def begin(self, t: int) -> None:
         """A forward of t tokens starts: check capacity before any layer's state changes."""
@@ -381,7 +381,7 @@ class HybridCache:
         self._windows = [None] * len(self.state)
         self._states = [None] * len(self.state)
         self._chain = [None] * len(self.state)
-        self._tree = [None] * len(self.state)
+        self.tree_pending = [None] * len(self.state)
 
     def update_chain(self, layer: int, pending: TreePending) -> None:
         """Linear layer `layer` ran a chain forward in WY form (a chain is a tree whose every node
@@ -418,7 +418,7 @@ class HybridCache:
     def update_tree(self, layer: int, pending: TreePending) -> None:
         """Linear layer `layer` ran a tree forward: its state and conv inputs stay as committed
         until `commit_path` picks the accepted path."""
-        self._tree[layer] = pending
+        self.tree_pending[layer] = pending
 
     def keep_tree_nodes(self, src: torch.Tensor, ancestors: torch.Tensor, kv_layers: Sequence[int]) -> None:
         """After layers of a tree forward ran over a larger tree: keep its nodes `src` only, as a tree
@@ -430,9 +430,9 @@ class HybridCache:
             raise ValueError("keep_tree_nodes needs a pending tree forward")
         c = self.kernel - 1
         cols = torch.cat([torch.arange(c, device=src.device), c + src])
-        for j, p in enumerate(self._tree):
+        for j, p in enumerate(self.tree_pending):
             if p is not None:
-                self._tree[j] = TreePending(p.k.index_select(2, src), p.w.index_select(2, src),
+                self.tree_pending[j] = TreePending(p.k.index_select(2, src), p.w.index_select(2, src),
                                             p.cum_g.index_select(2, src), p.window.index_select(2, cols.to(p.window.device)),
                                             conv_sources(ancestors.to(p.window.device), self.kernel))
         start, end = self._start, self._start + src.shape[0]
@@ -442,11 +442,11 @@ class HybridCache:
 
     @property
     def pending_tree(self) -> bool:
-        return any(p is not None for p in self._tree)
+        return any(p is not None for p in self.tree_pending)
 
     def pending_bytes(self) -> int:
         """Bytes the last tree forward keeps for its commit, all linear layers (per-node vectors)."""
-        return sum(p.nbytes() for p in self._tree if p is not None)
+        return sum(p.nbytes() for p in self.tree_pending if p is not None)
 
     def commit_path(self, start: int | torch.Tensor, path: torch.Tensor | list[int],
                     n: torch.Tensor | int | None = None) -> None:
@@ -464,7 +464,7 @@ class HybridCache:
             n = torch.full((), path.shape[0] - 1 if n is None else n, dtype=torch.long, device=device)
         valid = torch.arange(path.shape[0], device=device) <= n
         last = path.index_select(0, n.view(1))
-        for j, pending in enumerate(self._tree):
+        for j, pending in enumerate(self.tree_pending):
             self.state[j].copy_(commit_state(self.state[j], pending.k, pending.w, pending.cum_g, path, valid))
             self.conv[j].copy_(commit_conv(pending, last, self.kernel))
         if self.on_device:
@@ -477,7 +477,7 @@ class HybridCache:
             from specpilot.runtime.tree import compact_kv
 
             compact_kv(self.kv, start, (start + path[: int(n) + 1]).tolist())
-        self._tree = [None] * len(self.state)
+        self.tree_pending = [None] * len(self.state)
         self._states = [None] * len(self.state)
         self._chain = [None] * len(self.state)
         self._start = self.length.clone() if self.on_device else self.length
@@ -497,7 +497,7 @@ class HybridCache:
             if n != self._start:
                 raise ValueError(f"cannot roll back a hybrid cache to {n} after a tree forward from {self._start}: "
                                  "keep a root path with commit_path, or drop the whole tree (rollback to its start)")
-            self._tree = [None] * len(self.state)  # the committed state was never touched
+            self.tree_pending = [None] * len(self.state)  # the committed state was never touched
             self.kv.rollback(n)
             return
         if n < self._start:
@@ -524,7 +524,7 @@ class HybridCache:
             for j, (window, states) in enumerate(zip(self._windows, self._states)):
                 self.state[j].copy_(states.index_select(0, i)[0] if states is not None else self._chain_state(j, i[0]))
                 self.conv[j].copy_(window.index_select(2, cols))
-        self._tree = [None] * len(self.state)
+        self.tree_pending = [None] * len(self.state)
         self.kv.rollback(n)
 
 
@@ -634,7 +634,7 @@ class HybridTransformer(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
             self.register_load_state_dict_pre_hook(fill_tied_head)
         # layer index -> its index among the attention layers (KV slots) or the linear layers (states)
-        self._slot = {i: cfg.attention_layers.index(i) if t == "full_attention" else cfg.linear_layers.index(i)
+        self.layer_slot = {i: cfg.attention_layers.index(i) if t == "full_attention" else cfg.linear_layers.index(i)
                       for i, t in enumerate(cfg.layer_types)}
         self._inv_freq: dict[torch.device, torch.Tensor] = {}
 
@@ -739,7 +739,7 @@ class HybridTransformer(nn.Module):
             if i < first:
                 continue
             h = layer.input_layernorm(x)
-            slot = self._slot[i]
+            slot = self.layer_slot[i]
             if layer.layer_type == "linear_attention":
                 if tree:
                     y, pending = layer.linear_attn.forward_tree(h, cache.conv[slot], cache.state[slot], vis.new, sources)
